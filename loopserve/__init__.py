@@ -1,0 +1,7 @@
+"""loopserve: a serving engine for looped (recurrent-depth) language models."""
+
+from loopserve.llm import LLM
+from loopserve.outputs import CompletionOutput, Logprob, RequestOutput
+from loopserve.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]

@@ -1,0 +1,702 @@
+"""Back-of-envelope theory for looped LMs: FLOPs per stage, the adaptive-depth speed-up bound,
+KV bytes per token per cache layout, and a simple roofline for one core (loop) step.
+
+Everything here is computed from an HF ``config.json`` dict alone; no weights are loaded. It is the
+library behind ``loopserve bench theory``.
+
+Conventions
+-----------
+* A looped LM runs three stages per token (DESIGN §1): prelude -> r core steps -> coda.
+  ``F0`` = FLOPs of prelude + coda (paid once per token), ``Fr`` = FLOPs of one core step.
+* FLOPs count 2 per multiply-add. Two counting conventions are offered:
+
+  - ``"matmul"``: only weight matrices of linear layers (projections, MLP, adapter, exit gate,
+    LM head). Norm weights and biases are elementwise work and are not counted; the embedding is
+    a table lookup and costs 0.
+  - ``"params"``: 2 x every parameter the stage touches (norm weights and biases included), the
+    convention of the CDB paper's parameter-count bound. The embedding table is still not counted
+    (a lookup touches one row and does no multiply-add); a tied LM head is counted in the coda.
+
+  Both add an attention term when ``context > 0``: per attention layer application, QK^T and AV
+  cost ``2 * 2 * n_heads * head_dim * context`` FLOPs for a query that sees ``context`` keys.
+  ``context = 0`` (the default) is weights only.
+* Stage boundaries. Ouro: prelude = embedding (0 FLOPs); core step = all L layers + ``model.norm``
+  + the exit gate ``Linear(H, 1)`` (both run after every loop step); coda = ``lm_head``.
+  Huginn: prelude = 2 sandwich blocks; core step = adapter ``Linear(2h, h)`` + 4 blocks;
+  coda = ``ln_f`` + 2 blocks + ``lm_head`` (tied to the embedding).
+* Speed-up bound of adaptive depth over full depth at mean exit depth ``d`` (DESIGN §6):
+  ``(F0 + r_max * Fr) / (F0 + d * Fr)``.
+* KV layouts (DESIGN §4): ``depth_indexed`` and ``last_exited`` store ``L_core * r_max`` slots per
+  token, ``shared`` stores ``L_core``; unshared prelude/coda attention layers store one slot each.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = [
+    "LAYOUTS",
+    "DEVICES",
+    "H100_SXM",
+    "H200",
+    "Device",
+    "ModelShape",
+    "ParamCounts",
+    "StageFlops",
+    "StepTimeEstimate",
+    "attention_flops_per_layer",
+    "bytes_per_element",
+    "core_step_time_estimate",
+    "cpu_probe",
+    "flop_bound",
+    "format_report",
+    "get_device",
+    "kv_bytes_per_token",
+    "kv_read_bytes_per_token_step",
+    "model_shape",
+    "param_counts",
+    "realized_fraction",
+    "stage_flops",
+    "theory_report",
+]
+
+LAYOUTS: tuple[str, ...] = ("depth_indexed", "last_exited", "shared")
+
+_OURO_ARCHS = ("OuroForCausalLM",)
+_HUGINN_ARCHS = ("RavenForCausalLM",)
+
+_DTYPE_BYTES: dict[str, int] = {
+    "float64": 8,
+    "fp64": 8,
+    "double": 8,
+    "float32": 4,
+    "fp32": 4,
+    "float": 4,
+    "bfloat16": 2,
+    "bf16": 2,
+    "float16": 2,
+    "fp16": 2,
+    "half": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "fp8": 1,
+    "int8": 1,
+}
+
+
+def bytes_per_element(dtype: Any) -> int:
+    """Bytes per element of ``dtype``: a name ("bfloat16", "bf16", "float32", "torch.float16", ...)
+    or any object with an ``itemsize`` attribute (e.g. a ``torch.dtype``)."""
+    itemsize = getattr(dtype, "itemsize", None)
+    if isinstance(itemsize, int) and not isinstance(dtype, str):
+        return itemsize
+    name = str(dtype).lower().removeprefix("torch.")
+    if name not in _DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(_DTYPE_BYTES)}")
+    return _DTYPE_BYTES[name]
+
+
+# --------------------------------------------------------------------------------------------
+# Model shape
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a looped LM that the theory needs, independent of the config key names."""
+
+    arch: str  # "ouro" or "huginn"
+    architecture: str  # the HF class name
+    hidden: int
+    intermediate: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    vocab: int
+    n_prelude: int  # unshared attention blocks before the loop
+    n_core: int  # shared blocks run once per core step
+    n_coda: int  # unshared attention blocks after the loop
+    r_default: int  # default loop count (Ouro total_ut_steps, Huginn mean_recurrence)
+    tied: bool  # LM head shares the embedding matrix
+    qk_bias: bool  # Huginn: learned additive bias on q and k
+
+
+def _arch_of(config: dict[str, Any]) -> str:
+    archs = config.get("architectures") or []
+    name = archs[0] if archs else ""
+    if name in _OURO_ARCHS or (not name and config.get("model_type") == "ouro"):
+        return "ouro"
+    if name in _HUGINN_ARCHS or (not name and config.get("model_type") == "huginn_raven"):
+        return "huginn"
+    raise ValueError(
+        f"unsupported architecture {name or config.get('model_type')!r}; "
+        f"expected one of {_OURO_ARCHS + _HUGINN_ARCHS}"
+    )
+
+
+def model_shape(config: dict[str, Any] | ModelShape) -> ModelShape:
+    """Normalise an HF ``config.json`` dict of Ouro or Huginn into a :class:`ModelShape`."""
+    if isinstance(config, ModelShape):
+        return config
+    arch = _arch_of(config)
+    if arch == "ouro":
+        hidden = int(config["hidden_size"])
+        heads = int(config["num_attention_heads"])
+        kv_heads = config.get("num_key_value_heads")
+        head_dim = config.get("head_dim")
+        return ModelShape(
+            arch="ouro",
+            architecture=(config.get("architectures") or ["OuroForCausalLM"])[0],
+            hidden=hidden,
+            intermediate=int(config["intermediate_size"]),
+            n_heads=heads,
+            n_kv_heads=int(kv_heads) if kv_heads else heads,
+            head_dim=int(head_dim) if head_dim else hidden // heads,
+            vocab=int(config["vocab_size"]),
+            n_prelude=0,
+            n_core=int(config["num_hidden_layers"]),
+            n_coda=0,
+            r_default=int(config.get("total_ut_steps", 4)),
+            tied=bool(config.get("tie_word_embeddings", False)),
+            qk_bias=False,
+        )
+    hidden = int(config.get("n_embd", config.get("hidden_size", 0)))
+    heads = int(config.get("n_heads", config.get("num_attention_heads", 0)))
+    if hidden <= 0 or heads <= 0:
+        raise ValueError("Huginn config needs n_embd and n_heads")
+    kv_heads = config.get("num_key_value_heads")
+    vocab = config.get("padded_vocab_size") or config["vocab_size"]
+    tied = config.get("tie_embeddings", config.get("tie_word_embeddings", True))
+    return ModelShape(
+        arch="huginn",
+        architecture=(config.get("architectures") or ["RavenForCausalLM"])[0],
+        hidden=hidden,
+        intermediate=int(config["intermediate_size"]),
+        n_heads=heads,
+        n_kv_heads=int(kv_heads) if kv_heads else heads,
+        head_dim=hidden // heads,
+        vocab=int(vocab),
+        n_prelude=int(config["n_layers_in_prelude"]),
+        n_core=int(config["n_layers_in_recurrent_block"]),
+        n_coda=int(config["n_layers_in_coda"]),
+        r_default=int(config.get("mean_recurrence", 32)),
+        tied=bool(tied),
+        # the released checkpoint has qk_bias = true; linear biases (`bias`) are false there and
+        # are not modelled here
+        qk_bias=bool(config.get("qk_bias", True)),
+    )
+
+
+def _r_max(shape: ModelShape, r_max: int | None) -> int:
+    r = shape.r_default if r_max is None else int(r_max)
+    if r < 1:
+        raise ValueError(f"r_max must be >= 1, got {r}")
+    return r
+
+
+# --------------------------------------------------------------------------------------------
+# Parameters and FLOPs
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameter counts. ``prelude``/``core_step``/``coda`` are the params each stage touches per
+    token (embedding lookup excluded, a tied LM head counted in the coda); ``total`` is the number
+    of unique parameters in the checkpoint (a tied head counted once)."""
+
+    block: int  # one transformer block, norms and biases included
+    block_matmul: int  # the linear-layer weights of one block
+    embedding: int
+    lm_head: int  # V x h; shares storage with the embedding when tied
+    prelude: int
+    core_step: int
+    coda: int
+    total: int
+
+
+def _block_matmul(s: ModelShape) -> int:
+    attn = s.hidden * s.head_dim * (2 * s.n_heads + 2 * s.n_kv_heads)  # q, o + k, v
+    mlp = 3 * s.hidden * s.intermediate  # gate, up, down
+    return attn + mlp
+
+
+def _block_params(s: ModelShape) -> int:
+    norms = 4 * s.hidden  # both architectures use 4 RMSNorms per block ("sandwich")
+    bias = (s.n_heads + s.n_kv_heads) * s.head_dim if s.qk_bias else 0
+    return _block_matmul(s) + norms + bias
+
+
+def _core_extra_matmul(s: ModelShape) -> int:
+    if s.arch == "ouro":
+        return s.hidden  # exit gate Linear(H, 1) weight
+    return 2 * s.hidden * s.hidden  # adapter Linear(2h, h), no bias
+
+
+def _core_extra_params(s: ModelShape) -> int:
+    if s.arch == "ouro":
+        return s.hidden + (s.hidden + 1)  # model.norm + exit gate (weight + bias)
+    return 2 * s.hidden * s.hidden
+
+
+def param_counts(config: dict[str, Any] | ModelShape) -> ParamCounts:
+    """Parameter counts per block, per stage and in total (see :class:`ParamCounts`)."""
+    s = model_shape(config)
+    block = _block_params(s)
+    head = s.vocab * s.hidden
+    prelude = s.n_prelude * block
+    core = s.n_core * block + _core_extra_params(s)
+    coda_norm = s.hidden if s.arch == "huginn" else 0  # Huginn ln_f; Ouro's norm is in the core
+    coda = s.n_coda * block + coda_norm + head
+    total = head + prelude + core + coda - (head if s.tied else 0)
+    return ParamCounts(
+        block=block,
+        block_matmul=_block_matmul(s),
+        embedding=head,
+        lm_head=head,
+        prelude=prelude,
+        core_step=core,
+        coda=coda,
+        total=total,
+    )
+
+
+def attention_flops_per_layer(config: dict[str, Any] | ModelShape, context: int) -> int:
+    """QK^T + AV FLOPs of one attention layer for one query over ``context`` keys."""
+    s = model_shape(config)
+    if context < 0:
+        raise ValueError(f"context must be >= 0, got {context}")
+    return 2 * 2 * s.n_heads * s.head_dim * int(context)
+
+
+@dataclass(frozen=True)
+class StageFlops:
+    """Per-token FLOPs of each stage. ``F0`` = prelude + coda, ``Fr`` = one core step."""
+
+    prelude: int
+    core_step: int
+    coda: int
+    context: int = 0
+    count: str = "matmul"  # "matmul" or "params"
+
+    @property
+    def F0(self) -> int:
+        return self.prelude + self.coda
+
+    @property
+    def Fr(self) -> int:
+        return self.core_step
+
+    def full_depth(self, r: int) -> int:
+        """FLOPs of one token at depth ``r``: F0 + r * Fr."""
+        return self.F0 + r * self.Fr
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["F0"] = self.F0
+        d["Fr"] = self.Fr
+        d["F0_over_Fr"] = self.F0 / self.Fr if self.Fr else None
+        return d
+
+
+def stage_flops(config: dict[str, Any] | ModelShape, context: int = 0, count: str = "matmul") -> StageFlops:
+    """Per-token FLOPs of prelude, one core step and coda.
+
+    ``count="matmul"`` counts linear-layer weights only; ``count="params"`` is 2 x params touched
+    (see the module docstring). ``context`` adds the attention term of every attention layer
+    applied in the stage.
+    """
+    s = model_shape(config)
+    attn = attention_flops_per_layer(s, context)
+    if count == "matmul":
+        block = _block_matmul(s)
+        core_extra = _core_extra_matmul(s)
+        coda_extra = s.vocab * s.hidden
+    elif count == "params":
+        p = param_counts(s)
+        block = p.block
+        core_extra = p.core_step - s.n_core * p.block
+        coda_extra = p.coda - s.n_coda * p.block
+    else:
+        raise ValueError(f"count must be 'matmul' or 'params', got {count!r}")
+    return StageFlops(
+        prelude=s.n_prelude * (2 * block + attn),
+        core_step=s.n_core * (2 * block + attn) + 2 * core_extra,
+        coda=s.n_coda * (2 * block + attn) + 2 * coda_extra,
+        context=int(context),
+        count=count,
+    )
+
+
+def flop_bound(f0: float, fr: float, r_max: float, mean_depth: float) -> float:
+    """Theoretical speed-up of adaptive depth over full depth: (F0 + r_max Fr) / (F0 + d Fr)."""
+    if f0 < 0 or fr < 0:
+        raise ValueError("F0 and Fr must be >= 0")
+    if r_max <= 0:
+        raise ValueError(f"r_max must be > 0, got {r_max}")
+    if not 0 <= mean_depth <= r_max:
+        raise ValueError(f"mean_depth must be in [0, r_max={r_max}], got {mean_depth}")
+    denom = f0 + mean_depth * fr
+    if denom <= 0:
+        raise ValueError("F0 + mean_depth * Fr must be > 0")
+    return (f0 + r_max * fr) / denom
+
+
+def realized_fraction(measured_speedup: float, bound: float) -> float:
+    """Fraction of the theoretical speed-up actually achieved: measured / bound."""
+    if bound <= 0:
+        raise ValueError(f"bound must be > 0, got {bound}")
+    if measured_speedup < 0:
+        raise ValueError(f"measured_speedup must be >= 0, got {measured_speedup}")
+    return measured_speedup / bound
+
+
+# --------------------------------------------------------------------------------------------
+# KV cache memory
+# --------------------------------------------------------------------------------------------
+
+
+def _kv_slot_bytes(s: ModelShape, dtype: Any) -> int:
+    return 2 * s.n_kv_heads * s.head_dim * bytes_per_element(dtype)  # K and V of one layer
+
+
+def kv_bytes_per_token(
+    config: dict[str, Any] | ModelShape,
+    layout: str,
+    r_max: int | None = None,
+    dtype: Any = "bfloat16",
+) -> int:
+    """KV bytes stored per token under ``layout`` (``depth_indexed``, ``last_exited``, ``shared``).
+
+    Core layers keep ``r_max`` slots (depth-indexed, last-exited) or 1 (shared); unshared
+    prelude/coda attention layers always keep 1 slot. ``r_max`` defaults to the config's loop count.
+    """
+    s = model_shape(config)
+    r = _r_max(s, r_max)
+    if layout in ("depth_indexed", "last_exited"):
+        core_slots = s.n_core * r
+    elif layout == "shared":
+        core_slots = s.n_core
+    else:
+        raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
+    slots = s.n_prelude + core_slots + s.n_coda
+    return slots * _kv_slot_bytes(s, dtype)
+
+
+def kv_read_bytes_per_token_step(config: dict[str, Any] | ModelShape, dtype: Any = "bfloat16") -> int:
+    """KV bytes one query reads per earlier token in one core step (one slot per core layer),
+    whatever the layout."""
+    s = model_shape(config)
+    return s.n_core * _kv_slot_bytes(s, dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Roofline
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Device:
+    """A device for the roofline: peak FLOP/s and memory bandwidth in bytes/s."""
+
+    name: str
+    peak_flops: float
+    mem_bw: float
+
+    @property
+    def ridge(self) -> float:
+        """FLOPs per byte at which compute time equals memory time."""
+        return self.peak_flops / self.mem_bw
+
+
+H100_SXM = Device("H100 SXM", 989e12, 3.35e12)  # dense BF16 peak, HBM3
+H200 = Device("H200", 989e12, 4.8e12)  # dense BF16 peak, HBM3e
+DEVICES: dict[str, Device] = {"h100": H100_SXM, "h100-sxm": H100_SXM, "h200": H200}
+
+
+def cpu_probe(seconds: float = 1.0, matmul_size: int = 1024, copy_mib: int = 256) -> Device:
+    """Measure this machine: fp32 matmul FLOP/s (``torch.matmul`` on square matrices) for half of
+    ``seconds``, and a stream-like bandwidth (copy of a ``copy_mib`` MiB fp32 tensor, bytes read +
+    written / time) for the other half. Returns ``Device("this CPU", ...)``."""
+    import torch  # imported lazily: the rest of this module needs no torch
+
+    budget = max(float(seconds), 1e-3) / 2
+    n = int(matmul_size)
+    a = torch.randn(n, n, dtype=torch.float32)
+    b = torch.randn(n, n, dtype=torch.float32)
+    out = torch.empty(n, n, dtype=torch.float32)
+    torch.matmul(a, b, out=out)  # warm-up
+    count, t0 = 0, time.perf_counter()
+    while True:
+        torch.matmul(a, b, out=out)
+        count += 1
+        elapsed = time.perf_counter() - t0
+        if elapsed >= budget:
+            break
+    flops = 2.0 * n**3 * count / elapsed
+    del a, b, out
+
+    numel = max(int(copy_mib) * 2**20 // 4, 1)
+    src = torch.ones(numel, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up, also faults the pages in
+    count, t0 = 0, time.perf_counter()
+    while True:
+        dst.copy_(src)
+        count += 1
+        elapsed = time.perf_counter() - t0
+        if elapsed >= budget:
+            break
+    bw = 2.0 * src.numel() * src.element_size() * count / elapsed
+    return Device("this CPU", flops, bw)
+
+
+def get_device(name: str | Device) -> Device:
+    """A :class:`Device` from a preset name (``h100``, ``h200``) or ``cpu`` (runs :func:`cpu_probe`)."""
+    if isinstance(name, Device):
+        return name
+    key = name.lower()
+    if key in ("cpu", "this-cpu"):
+        return cpu_probe()
+    if key not in DEVICES:
+        raise ValueError(f"unknown device {name!r}; known: {sorted(DEVICES)} or 'cpu'")
+    return DEVICES[key]
+
+
+@dataclass(frozen=True)
+class StepTimeEstimate:
+    """Roofline estimate of one core step for ``batch`` rows, each attending to ``context`` keys.
+
+    Two idealisations share the same three ingredients:
+
+    * ``floor_s`` = core weight bytes / bandwidth (weights are read once per step, any batch);
+    * ``row_compute_s`` = (Fr + attention at ``context``) / peak FLOP/s per row;
+    * ``row_kv_s`` = ``context`` x KV bytes per token per step / bandwidth per row.
+
+    Max model: ``time_s = max(batch * row_compute_s, floor_s + batch * row_kv_s)``.
+    ``b_star_weights`` = floor_s / row_compute_s is the batch where compute equals the weight read.
+    Linear model (what a fit of measured step latency gives): t(B) = floor + slope * B with
+    ``slope_s = row_compute_s + row_kv_s``; ``b_star_linear`` = floor / slope (<= b_star_weights).
+    """
+
+    device: str
+    batch: int
+    context: int
+    dtype: str
+    weight_bytes: int
+    kv_bytes_per_row: int
+    compute_s: float
+    memory_s: float
+    time_s: float
+    limited_by: str  # "compute" or "memory"
+    floor_s: float
+    row_compute_s: float
+    row_kv_s: float
+    slope_s: float
+    b_star_weights: float
+    b_star_linear: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def core_step_time_estimate(
+    config: dict[str, Any] | ModelShape,
+    device: Device,
+    batch: int,
+    context: int = 0,
+    dtype: Any = "bfloat16",
+) -> StepTimeEstimate:
+    """Roofline time of one core step (see :class:`StepTimeEstimate`). Compute uses the matmul
+    FLOPs of one core step plus attention at ``context``; memory uses the core-step parameters
+    (norms included) at ``dtype`` and one KV slot per core layer per earlier token."""
+    if batch < 0:
+        raise ValueError(f"batch must be >= 0, got {batch}")
+    s = model_shape(config)
+    bpe = bytes_per_element(dtype)
+    weight_bytes = param_counts(s).core_step * bpe
+    kv_row = int(context) * kv_read_bytes_per_token_step(s, dtype)
+    row_flops = stage_flops(s, context=context, count="matmul").Fr
+    floor = weight_bytes / device.mem_bw
+    row_compute = row_flops / device.peak_flops
+    row_kv = kv_row / device.mem_bw
+    compute = batch * row_compute
+    memory = floor + batch * row_kv
+    slope = row_compute + row_kv
+    return StepTimeEstimate(
+        device=device.name,
+        batch=int(batch),
+        context=int(context),
+        dtype=str(dtype),
+        weight_bytes=weight_bytes,
+        kv_bytes_per_row=kv_row,
+        compute_s=compute,
+        memory_s=memory,
+        time_s=max(compute, memory),
+        limited_by="compute" if compute > memory else "memory",
+        floor_s=floor,
+        row_compute_s=row_compute,
+        row_kv_s=row_kv,
+        slope_s=slope,
+        b_star_weights=floor / row_compute if row_compute > 0 else math.inf,
+        b_star_linear=floor / slope if slope > 0 else math.inf,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------
+
+REPORT_BATCHES: tuple[int, ...] = (1, 8, 32, 64, 128, 256, 512)
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def theory_report(
+    config: dict[str, Any] | ModelShape,
+    mean_depth: float,
+    r_max: int | None = None,
+    context: int = 0,
+    device: Device | str | None = None,
+    dtype: Any = "bfloat16",
+    batches: tuple[int, ...] = REPORT_BATCHES,
+) -> dict[str, Any]:
+    """Everything above for one model, as a JSON-serialisable dict (infinities become ``None``)."""
+    s = model_shape(config)
+    r = _r_max(s, r_max)
+    if not 0 <= mean_depth <= r:
+        raise ValueError(f"mean_depth must be in [0, r_max={r}], got {mean_depth}")
+    flops = {c: stage_flops(s, context=context, count=c) for c in ("matmul", "params")}
+    bounds: dict[str, float | None] = {c: flop_bound(f.F0, f.Fr, r, mean_depth) for c, f in flops.items()}
+    bounds["no_boundary"] = r / mean_depth if mean_depth > 0 else None  # the F0 = 0 limit
+    report: dict[str, Any] = {
+        "model": asdict(s),
+        "r_max": r,
+        "mean_depth": float(mean_depth),
+        "context": int(context),
+        "dtype": str(dtype),
+        "params": asdict(param_counts(s)),
+        "flops": {c: f.as_dict() for c, f in flops.items()},
+        "bound": bounds,
+        "kv_bytes_per_token": {lay: kv_bytes_per_token(s, lay, r, dtype) for lay in LAYOUTS},
+        "kv_read_bytes_per_token_step": kv_read_bytes_per_token_step(s, dtype),
+        "roofline": None,
+    }
+    if device is not None:
+        dev = get_device(device)
+        base = core_step_time_estimate(s, dev, 1, context, dtype)
+        rows = []
+        for b in batches:
+            est = core_step_time_estimate(s, dev, b, context, dtype)
+            rows.append(
+                {
+                    "batch": b,
+                    "time_s": est.time_s,
+                    "compute_s": est.compute_s,
+                    "memory_s": est.memory_s,
+                    "limited_by": est.limited_by,
+                    "core_steps_per_s": b / est.time_s if est.time_s > 0 else None,
+                }
+            )
+        report["roofline"] = {
+            "device": {**asdict(dev), "ridge": dev.ridge},
+            "weight_bytes": base.weight_bytes,
+            "kv_bytes_per_row": base.kv_bytes_per_row,
+            "floor_s": base.floor_s,
+            "row_compute_s": base.row_compute_s,
+            "row_kv_s": base.row_kv_s,
+            "slope_s": base.slope_s,
+            "b_star_weights": _finite(base.b_star_weights),
+            "b_star_linear": _finite(base.b_star_linear),
+            "batches": rows,
+        }
+    return report
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:.4f} ms"
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """Render :func:`theory_report`'s dict as a plain-text table for the CLI."""
+    m = report["model"]
+    p = report["params"]
+    fm, fp = report["flops"]["matmul"], report["flops"]["params"]
+    r, d = report["r_max"], report["mean_depth"]
+    out: list[str] = []
+    add = out.append
+    add(f"{m['architecture']} ({m['arch']})")
+    add(
+        f"  hidden {m['hidden']}, intermediate {m['intermediate']}, heads {m['n_heads']} "
+        f"(kv {m['n_kv_heads']}) x {m['head_dim']}, vocab {m['vocab']}"
+    )
+    add(
+        f"  blocks prelude {m['n_prelude']} | core {m['n_core']} | coda {m['n_coda']}; "
+        f"r_max {r} (config default {m['r_default']}); tied head: {'yes' if m['tied'] else 'no'}"
+    )
+    add("")
+    add("Parameters")
+    for key, label in (
+        ("total", "total (unique)"),
+        ("block", "one block"),
+        ("embedding", "embedding"),
+        ("prelude", "prelude (touched)"),
+        ("core_step", "core step (touched)"),
+        ("coda", "coda incl. head (touched)"),
+    ):
+        add(f"  {label:<28}{p[key]:>18,}")
+    add("")
+    title = f"FLOPs per token (context {report['context']})"
+    add(f"{title:<30}{'matmul':>18}{'2 x params':>18}")
+    for key, label in (
+        ("prelude", "prelude"),
+        ("core_step", "core step = Fr"),
+        ("coda", "coda"),
+        ("F0", "F0 = prelude + coda"),
+    ):
+        add(f"  {label:<28}{fm[key]:>18,}{fp[key]:>18,}")
+    ratio_m = fm["F0_over_Fr"]
+    ratio_p = fp["F0_over_Fr"]
+    add(
+        f"  {'F0 / Fr':<28}{(f'{ratio_m:.4f}' if ratio_m is not None else '-'):>18}"
+        f"{(f'{ratio_p:.4f}' if ratio_p is not None else '-'):>18}"
+    )
+    add("")
+    b = report["bound"]
+    add(f"Speed-up bound at mean depth {d:g} of r_max {r}: (F0 + r_max Fr) / (F0 + d Fr)")
+    add(f"  {'matmul':<28}{b['matmul']:>17.4f}x")
+    add(f"  {'2 x params':<28}{b['params']:>17.4f}x")
+    if b["no_boundary"] is not None:
+        add(f"  {'r_max / d (F0 = 0 limit)':<28}{b['no_boundary']:>17.4f}x")
+    add("")
+    add(f"KV bytes per token ({report['dtype']}, r_max {r})")
+    for lay, nbytes in report["kv_bytes_per_token"].items():
+        add(f"  {lay:<28}{nbytes:>18,}")
+    add(f"  {'read per token per step':<28}{report['kv_read_bytes_per_token_step']:>18,}")
+    roof = report["roofline"]
+    if roof is not None:
+        dev = roof["device"]
+        add("")
+        add(
+            f"Roofline of one core step on {dev['name']} ({dev['peak_flops'] / 1e12:.4g} TFLOP/s, "
+            f"{dev['mem_bw'] / 1e9:.4g} GB/s, ridge {dev['ridge']:.1f} FLOP/B), context {report['context']}"
+        )
+        add(f"  {'floor (weight read)':<28}{_ms(roof['floor_s']):>18}")
+        add(f"  {'per row: compute':<28}{_ms(roof['row_compute_s']):>18}")
+        add(f"  {'per row: KV read':<28}{_ms(roof['row_kv_s']):>18}")
+        bw, bl = roof["b_star_weights"], roof["b_star_linear"]
+        add(f"  {'B* compute = weight read':<28}{(f'{bw:.1f}' if bw is not None else 'inf'):>18}")
+        add(f"  {'B* floor / slope':<28}{(f'{bl:.1f}' if bl is not None else 'inf'):>18}")
+        add(f"  {'batch':>8}{'time/step':>16}{'steps*rows/s':>16}  limited by")
+        for row in roof["batches"]:
+            rate = row["core_steps_per_s"]
+            add(
+                f"  {row['batch']:>8}{_ms(row['time_s']):>16}"
+                f"{(f'{rate:,.0f}' if rate is not None else '-'):>16}  {row['limited_by']}"
+            )
+    return "\n".join(out)

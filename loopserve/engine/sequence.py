@@ -1,0 +1,142 @@
+"""A request in flight: prompt, resolved exit rule, generated tokens, and the stop logic shared by
+the reference decoder and the batching engine (one place decides when a request is finished)."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from loopserve.config import ModelConfig
+from loopserve.engine.sampler import sample_token, token_logprobs
+from loopserve.exits import ExitRule
+from loopserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from loopserve.sampling_params import SamplingParams
+from loopserve.tokenizer import Tokenizer
+
+_MASK63 = (1 << 63) - 1
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+def resolve_exit_rule(params: SamplingParams, config: ModelConfig, has_gate: bool, lookahead: bool) -> ExitRule:
+    """Fill in model defaults and check the request against the model."""
+    max_loops = params.max_loops or config.r_max
+    if max_loops > config.r_max:
+        raise ValueError(f"max_loops: {max_loops} exceeds the model's r_max ({config.r_max}); "
+                         "the KV cache holds r_max depths")
+    min_loops = params.min_loops or 1
+    if min_loops > max_loops:
+        raise ValueError(f"min_loops: {min_loops} exceeds max_loops ({max_loops})")
+    policy = params.exit_policy or ("gate" if has_gate else "latent_diff")
+    threshold = params.exit_threshold
+    if policy == "gate":
+        if not has_gate:
+            raise ValueError(f"exit_policy: {config.arch} has no learned exit gate")
+        threshold = threshold if threshold is not None else (config.exit_threshold or 1.0)
+        if not 0 < threshold <= 1:
+            raise ValueError(f"exit_threshold: a gate threshold is a probability in (0, 1], got {threshold}")
+    return ExitRule(policy, threshold, min_loops, max_loops, tuple(params.exit_trace or ()), lookahead)
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
+                 rule: ExitRule, seed: int, tokenizer: Tokenizer, max_model_len: int,
+                 arrival_time: float | None = None) -> None:
+        if not prompt_ids:
+            raise ValueError("prompt: empty prompt (no tokens)")
+        if len(prompt_ids) >= max_model_len:
+            raise ValueError(f"prompt: {len(prompt_ids)} tokens leave no room to generate "
+                             f"within the model's context of {max_model_len}")
+        vocab = tokenizer.vocab_size
+        if any(not 0 <= t < max(vocab, 1) for t in prompt_ids):
+            raise ValueError(f"prompt_token_ids: ids must be in [0, {vocab})")
+        self.request_id, self.prompt, self.params, self.rule = request_id, prompt, params, rule
+        self.prompt_ids = list(prompt_ids)
+        self.tokenizer = tokenizer
+        self.seed = seed & _MASK63
+        self.generator = torch.Generator().manual_seed(params.seed if params.seed is not None else self.seed)
+        limit = max_model_len - len(prompt_ids)
+        self.max_new = min(params.max_tokens, limit) if params.max_tokens is not None else limit
+        self.eos_ids = set() if params.ignore_eos else set(tokenizer.eos_token_ids)
+        self.stop_ids = set(params.stop_token_ids)
+        self.output_ids: list[int] = []
+        self.logprobs: list | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.exit_depths: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.status = Status.WAITING
+        self.metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
+
+    # -- token bookkeeping --------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def decode_index(self) -> int:
+        """Index of the next decode work item (the item fed generated token k is item k)."""
+        return len(self.output_ids) - 1
+
+    def state_seed(self, position: int) -> int:
+        """Seed of the random initial loop state of the token at `position` (Huginn like-init)."""
+        return (self.seed * 0x9E3779B97F4A7C15 + position * 1_000_003 + 1) & _MASK63
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def sample_and_append(self, logits: torch.Tensor, exit_depth: int) -> int:
+        token = sample_token(logits, self.params, self.generator)
+        if self.logprobs is not None or self.params.logprobs is not None:
+            entry, chosen = token_logprobs(logits, token, self.params.logprobs or 0, self.tokenizer.id_to_token)
+            self.cumulative_logprob += chosen
+            if self.logprobs is not None:
+                self.logprobs.append(entry)
+        self.append(token, exit_depth)
+        return token
+
+    def append(self, token: int, exit_depth: int) -> None:
+        now = time.monotonic()
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = now
+        self.output_ids.append(token)
+        self.exit_depths.append(exit_depth)
+        self.text = self.tokenizer.decode(self.output_ids, self.params.skip_special_tokens)
+        if token in self.eos_ids or token in self.stop_ids:
+            self.finish("stop")
+        elif self.params.stop and self._stop_string():
+            self.finish("stop")
+        elif len(self.output_ids) >= self.max_new:
+            self.finish("length")
+
+    def _stop_string(self) -> bool:
+        hits = [i for i in (self.text.find(s) for s in self.params.stop or ()) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+        return bool(hits)
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        self.finish_reason = reason
+        self.error = error
+        self.status = Status.FINISHED
+        self.metrics.finished_time = time.monotonic()
+
+    def to_output(self) -> RequestOutput:
+        out = CompletionOutput(0, self.text, list(self.output_ids), self.logprobs, list(self.exit_depths),
+                               self.finish_reason,
+                               self.cumulative_logprob if self.params.logprobs is not None else None)
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_ids), [out], self.finished,
+                             self.metrics, self.error)

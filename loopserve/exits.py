@@ -1,0 +1,89 @@
+"""Exit policies: when a decode token stops looping (DESIGN.md §1, §3).
+
+A request resolves its `SamplingParams` into one `ExitRule`; each decode work item gets a fresh
+`ExitTracker` that sees the item's signal after every loop step and answers whether it loops on.
+
+Policies and their per-step signal:
+- `fixed`: none; every token runs `max_loops`.
+- `gate` (Ouro): learned gate logit on the normed state; lambda_r = sigmoid(logit), exit at the first
+  r with CDF(r) = 1 - prod_{j<=r}(1 - lambda_j) >= threshold (the cumulative-hazard rule).
+- `latent_diff` (Huginn): ||s_r - s_{r-1}|| / ||s_r|| < threshold (s_0 = the initial state).
+- `kl`: KL(p_{r-1} || p_r) < threshold between successive next-token distributions (p_0 uniform).
+  Needs the coda and LM head after every step: supported, but expensive.
+- `trace`: replay; the k-th decode work item exits at depth `exit_trace[k]` (full depth past the end).
+
+All policies respect `min_loops` (no exit before) and `max_loops` (always exit there).
+
+Delayed lookahead (`lookahead=True`): the decision made from the signal after step r is applied one
+step late. The item already sits in batch r+1 (built before step r finished), so it runs step r+1,
+but that step's state is discarded: the token exits at depth r (the coda reads the state of step r,
+its KV depth is r+1). Batch r+1 is thus known while step r runs (r_min = 2 loops). An early exit
+costs exactly one extra loop; an item that reaches `max_loops` costs nothing extra.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+POLICIES = ("fixed", "gate", "latent_diff", "kl", "trace")
+SIGNAL_OF = {"gate": "gate", "latent_diff": "latent_diff", "kl": "kl"}
+
+
+@dataclass(frozen=True)
+class ExitRule:
+    policy: str
+    threshold: float | None
+    min_loops: int
+    max_loops: int
+    trace: tuple[int, ...] = ()
+    lookahead: bool = False
+
+    @property
+    def signal(self) -> str | None:
+        """Which per-step signal the runner must compute for this rule, if any."""
+        if self.threshold is None and self.policy != "gate":
+            return None
+        return SIGNAL_OF.get(self.policy)
+
+    def new_item(self, decode_index: int) -> ExitTracker:
+        return ExitTracker(self, decode_index)
+
+
+class ExitTracker:
+    """Per work item: feed `observe(r, signal)` after step r; False means the item stops looping."""
+
+    def __init__(self, rule: ExitRule, decode_index: int) -> None:
+        self.rule = rule
+        self.survival = 1.0
+        self.exit_depth: int | None = None  # set once the decision to exit is made
+        self.frozen = False  # lookahead: the next step runs but its state is discarded
+        self.target = rule.max_loops
+        if rule.policy == "trace" and decode_index < len(rule.trace):
+            self.target = min(max(rule.trace[decode_index], rule.min_loops), rule.max_loops)
+
+    def wants_exit(self, r: int, signal: float | None) -> bool:
+        rule = self.rule
+        if rule.policy == "gate" and signal is not None:
+            lam = 1.0 / (1.0 + math.exp(-signal)) if signal > -700 else 0.0
+            self.survival *= 1.0 - lam
+            return 1.0 - self.survival >= rule.threshold  # type: ignore[operator]
+        if rule.policy in ("latent_diff", "kl") and signal is not None:
+            return signal < rule.threshold  # type: ignore[operator]
+        if rule.policy == "trace":
+            return r >= self.target
+        return False
+
+    def observe(self, r: int, signal: float | None) -> bool:
+        """Called after a step whose state was kept. Returns True if the item runs another step."""
+        if r >= self.rule.max_loops:
+            self.exit_depth = r
+            return False
+        exit_now = self.wants_exit(r, signal) and r >= self.rule.min_loops
+        if not exit_now:
+            return True
+        self.exit_depth = r
+        if self.rule.lookahead:
+            self.frozen = True  # already scheduled for step r + 1
+            return True
+        return False

@@ -1,0 +1,52 @@
+"""The stage API every looped model implements (DESIGN.md §1-2).
+
+A token's life: `prelude` (embedding + unshared blocks) -> `core_step` once per loop (shared
+blocks) -> `coda` (unshared blocks + head). Every call takes a packed batch of rows that may
+belong to different sequences at different depths; KV goes through `ctx` (the layout decides
+slots). States are plain tensors the caller keeps in its state pool.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from loopserve.config import ModelConfig
+from loopserve.models.context import ForwardContext
+
+
+class LoopedLM(nn.Module):
+    config: ModelConfig
+    has_gate: bool = False
+
+    def prelude(self, token_ids: torch.Tensor, ctx: ForwardContext,
+                state_seeds: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns (initial loop state, per-step injection or None)."""
+        raise NotImplementedError
+
+    def core_step(self, state: torch.Tensor, inject: torch.Tensor | None, ctx: ForwardContext) -> torch.Tensor:
+        """One loop step at depths `ctx.depth`; returns the next state."""
+        raise NotImplementedError
+
+    def coda(self, state: torch.Tensor, ctx: ForwardContext,
+             logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Coda over all rows (writing any coda KV); logits [len(logit_rows) or N, V] in fp32+."""
+        raise NotImplementedError
+
+    def gate_logit(self, state: torch.Tensor) -> torch.Tensor:
+        """Learned exit-gate logit per row (fp32 or wider)."""
+        raise ValueError(f"{self.config.arch} has no learned exit gate; use exit_policy='latent_diff'")
+
+    def lookahead_gate_logit(self, state: torch.Tensor) -> torch.Tensor:
+        raise ValueError("this checkpoint has no lookahead gate tensor")
+
+    @property
+    def has_lookahead_gate(self) -> bool:
+        return False
+
+
+def latent_diff(prev: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """||s_r - s_{r-1}|| / ||s_r|| per row, in fp32 or wider."""
+    cdt = torch.promote_types(new.dtype, torch.float32)
+    n, p = new.to(cdt), prev.to(cdt)
+    return (n - p).norm(dim=-1) / n.norm(dim=-1)

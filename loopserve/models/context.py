@@ -1,0 +1,75 @@
+"""Per-call metadata of a stage batch: which rows, where their KV lives, what they may attend to.
+
+A stage batch is a set of query rows. Rows are grouped into *segments*: consecutive positions of one
+sequence (a prefill chunk is one segment; a decode token is a segment of one row). Every row of a
+segment runs at the same loop depth. The runner and the reference decoder build this object; the
+model code only reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from loopserve.cache.layout import KVLayout
+from loopserve.cache.pool import KVStore
+
+
+@dataclass
+class ForwardContext:
+    kv: KVStore
+    layout: KVLayout
+    positions: torch.Tensor  # [N] absolute positions of the rows
+    write_rows: torch.Tensor  # [N] physical KV rows of the rows' own tokens
+    depth: torch.Tensor  # [N] loop depth being computed (1-based); unused outside the core
+    seg_starts: list[int]  # row index where each segment starts (+ N at the end)
+    seg_keys: torch.Tensor  # [S, Lk] physical KV rows of positions 0..Lk-1 of each segment's sequence
+    rope_cache: dict = field(default_factory=dict)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.positions.shape[0])
+
+    @property
+    def one_row_segments(self) -> bool:
+        return len(self.seg_starts) - 1 == self.num_rows
+
+    def with_depth(self, depth: torch.Tensor) -> ForwardContext:
+        return ForwardContext(self.kv, self.layout, self.positions, self.write_rows, depth,
+                              self.seg_starts, self.seg_keys, self.rope_cache)
+
+    def select(self, rows: torch.Tensor) -> ForwardContext:
+        """Sub-batch of whole segments given by row indices (used when some rows stop looping)."""
+        keep = set(rows.tolist())
+        starts, seg_ids = [0], []
+        for s in range(len(self.seg_starts) - 1):
+            a, b = self.seg_starts[s], self.seg_starts[s + 1]
+            if a in keep:
+                seg_ids.append(s)
+                starts.append(starts[-1] + (b - a))
+        return ForwardContext(self.kv, self.layout, self.positions[rows], self.write_rows[rows],
+                              self.depth[rows], starts, self.seg_keys[seg_ids])
+
+
+def build_context(kv: KVStore, layout: KVLayout, segments: list[tuple[torch.Tensor, int, int]],
+                  depth: torch.Tensor | None = None) -> ForwardContext:
+    """Context for segments given as (row_map, start_pos, n_rows).
+
+    `row_map` maps each position 0..start_pos+n_rows-1 of the segment's sequence to its physical
+    KV row (a flattened block table).
+    """
+    positions, writes, starts = [], [], [0]
+    lk = max(s + n for _, s, n in segments)
+    keys = torch.zeros(len(segments), lk, dtype=torch.long)
+    for i, (row_map, start, n) in enumerate(segments):
+        positions.append(torch.arange(start, start + n))
+        writes.append(row_map[start:start + n])
+        keys[i, : start + n] = row_map[: start + n]
+        starts.append(starts[-1] + n)
+    pos = torch.cat(positions)
+    dev = kv.k.device
+    if depth is None:
+        depth = torch.ones_like(pos)
+    return ForwardContext(kv, layout, pos.to(dev), torch.cat(writes).to(dev), depth.to(dev), starts,
+                          keys.to(dev))

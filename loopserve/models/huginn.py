@@ -1,0 +1,123 @@
+"""Huginn-0125 (`RavenForCausalLM`, recurrent-depth LM of Geiping et al. 2025).
+
+prelude = wte * sqrt(h) then prelude sandwich blocks -> e; the state starts as zeros or a
+truncated normal (std sqrt(2/5), cut at 3 std); core step = adapter(cat[state, e]) then the core
+sandwich blocks; coda = ln_f, coda blocks, ln_f, tied head. Attention: fused Wqkv, `qk_bias` added
+before interleaved (adjacent-pair) RoPE. Parameter names match the HF checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loopserve.config import ModelConfig
+from loopserve.models.base import LoopedLM
+from loopserve.models.context import ForwardContext
+from loopserve.models.layers import RMSNorm, compute_dtype, paged_attention, rope_angles, rope_interleaved
+
+STATE_INITS = ("like-init", "zero")
+_TRUNC = 3.0  # truncation of the like-init normal, in standard deviations
+
+
+class HuginnAttention(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.c = c
+        self.Wqkv = nn.Linear(c.hidden_size, 3 * c.hidden_size, bias=False)
+        self.qk_bias = nn.Parameter(torch.zeros(2, 1, c.num_heads, c.head_dim))
+        self.proj = nn.Linear(c.hidden_size, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, stage: str, layer: int) -> torch.Tensor:
+        c, n = self.c, x.shape[0]
+        q, k, v = (t.view(n, c.num_heads, c.head_dim) for t in self.Wqkv(x).split(c.hidden_size, dim=-1))
+        q, k = q + self.qk_bias[0], k + self.qk_bias[1]
+        cos, sin = rope_angles(ctx, c.head_dim, c.rope_theta, x.dtype)
+        q, k = rope_interleaved(q, cos, sin), rope_interleaved(k, cos, sin)
+        return self.proj(paged_attention(q, k, v, ctx, stage, layer))
+
+
+class HuginnMLP(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
+        self.proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.fc(x).chunk(2, dim=-1)
+        return self.proj(F.silu(gate) * up)
+
+
+class SandwichBlock(nn.Module):
+    def __init__(self, c: ModelConfig, stage: str, idx: int) -> None:
+        super().__init__()
+        self.stage, self.idx = stage, idx
+        self.norm_1 = RMSNorm(c.hidden_size, c.norm_eps)
+        self.attn = HuginnAttention(c)
+        self.norm_2 = RMSNorm(c.hidden_size, c.norm_eps)
+        self.norm_3 = RMSNorm(c.hidden_size, c.norm_eps)
+        self.mlp = HuginnMLP(c)
+        self.norm_4 = RMSNorm(c.hidden_size, c.norm_eps)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.norm_2(x + self.attn(self.norm_1(x), ctx, self.stage, self.idx))
+        return self.norm_4(x + self.mlp(self.norm_3(x)))
+
+
+def like_init_state(seeds: list[int], hidden: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Truncated normal (std sqrt(2/5), cut at +-3 std) per row, from a per-row seed.
+
+    Sampled by inverting the normal CDF so a row's state depends only on its own seed.
+    """
+    lo = 0.5 * math.erfc(_TRUNC / math.sqrt(2))
+    rows = []
+    for s in seeds:
+        g = torch.Generator().manual_seed(int(s) & 0x7FFF_FFFF_FFFF_FFFF)
+        u = lo + (1 - 2 * lo) * torch.rand(hidden, generator=g, dtype=torch.float64)
+        rows.append(torch.special.ndtri(u) * math.sqrt(2 / 5))
+    return torch.stack(rows).to(device=device, dtype=dtype)
+
+
+class RavenForCausalLM(LoopedLM):
+    def __init__(self, c: ModelConfig, state_init: str = "like-init") -> None:
+        super().__init__()
+        if state_init not in STATE_INITS:
+            raise ValueError(f"state_init: expected one of {STATE_INITS}, got {state_init!r}")
+        self.config, self.state_init = c, state_init
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(c.vocab_size, c.hidden_size),
+            prelude=nn.ModuleList(SandwichBlock(c, "prelude", i) for i in range(c.n_prelude)),
+            adapter=nn.Linear(2 * c.hidden_size, c.hidden_size, bias=False),
+            core_block=nn.ModuleList(SandwichBlock(c, "core", i) for i in range(c.n_core)),
+            coda=nn.ModuleList(SandwichBlock(c, "coda", i) for i in range(c.n_coda)),
+            ln_f=RMSNorm(c.hidden_size, c.norm_eps),
+        ))
+
+    def prelude(self, token_ids, ctx, state_seeds=None):
+        t = self.transformer
+        e = t.wte(token_ids) * self.config.embed_scale
+        for block in t.prelude:
+            e = block(e, ctx)
+        if self.state_init == "zero":
+            return torch.zeros_like(e), e
+        if state_seeds is None:
+            raise ValueError("like-init state needs per-row seeds")
+        return like_init_state(state_seeds, e.shape[-1], e.dtype, e.device), e
+
+    def core_step(self, state, inject, ctx):
+        t = self.transformer
+        s = t.adapter(torch.cat([state, inject], dim=-1))
+        for block in t.core_block:
+            s = block(s, ctx)
+        return s
+
+    def coda(self, state, ctx, logit_rows=None):
+        t = self.transformer
+        x = t.ln_f(state)
+        for block in t.coda:
+            x = block(x, ctx)
+        x = t.ln_f(x if logit_rows is None else x[logit_rows])
+        return F.linear(x, t.wte.weight).to(compute_dtype(x.dtype))

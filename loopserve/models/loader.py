@@ -1,0 +1,117 @@
+"""Load a looped LM from a local Hugging Face folder (or a hub id, resolved when online).
+
+Reads `config.json` (dispatch on `architectures`), `model.safetensors` or shards listed in
+`model.safetensors.index.json`, and the tokenizer files. Every parameter the model needs must be
+present with the right shape; errors name the file and the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from loopserve.config import HUGINN, OURO, ModelConfig
+from loopserve.models.base import LoopedLM
+from loopserve.models.huginn import RavenForCausalLM
+from loopserve.models.ouro import OuroForCausalLM
+from loopserve.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+# Tensors real checkpoints carry that the model derives itself.
+_DERIVED = {HUGINN: {"lm_head.weight", "freqs_cis"}, OURO: set()}
+LOOKAHEAD_GATE = ("lookahead_gate.weight", "lookahead_gate.bias")
+
+
+@dataclass
+class LoadedModel:
+    model: LoopedLM
+    config: ModelConfig
+    tokenizer: Tokenizer
+    path: Path
+
+
+def resolve_model_path(model: str | Path) -> Path:
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    name = str(model)
+    if path.exists() or name.count("/") != 1 or name.startswith((".", "/")):
+        raise ValueError(f"model: {name!r} is not a model folder")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.jinja"]))
+    except Exception as e:  # offline, unknown repo, no permission: all end here
+        raise ValueError(
+            f"model: {name!r} is not a local folder and could not be fetched from the Hugging Face Hub "
+            f"({type(e).__name__}); download it first (huggingface-cli download {name}) and pass the folder"
+        ) from None
+
+
+def _tensor_files(folder: Path) -> dict[str, Path]:
+    """Map tensor name -> file holding it."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: no 'weight_map'")
+        files = {name: folder / f for name, f in weight_map.items()}
+        for f in set(files.values()):
+            if not f.is_file():
+                raise ValueError(f"{index}: lists shard {f.name}, which is missing")
+        return files
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        raise ValueError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+    with safe_open(str(single), "pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def load_model(model: str | Path, dtype: str = "float32", device: str = "cpu",
+               state_init: str = "like-init") -> LoadedModel:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
+    folder = resolve_model_path(model)
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise ValueError(f"{cfg_path}: missing")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
+    config = ModelConfig.from_hf(raw, str(cfg_path))
+    files = _tensor_files(folder)
+    net: LoopedLM
+    default_dtype = torch.get_default_dtype()
+    try:  # build on the meta device directly in the target dtype: no throwaway random init
+        torch.set_default_dtype(DTYPES[dtype])
+        with torch.device("meta"):
+            if config.arch == OURO:
+                net = OuroForCausalLM(config, lookahead_gate=all(n in files for n in LOOKAHEAD_GATE))
+            else:
+                net = RavenForCausalLM(config, state_init=state_init)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    net = net.to_empty(device=device)
+    params = dict(net.named_parameters())
+    handles = {f: safe_open(str(f), "pt") for f in set(files.values())}
+    with torch.no_grad():
+        for name, p in params.items():
+            if name not in files:
+                raise ValueError(f"{folder}: tensor {name!r} missing from the checkpoint")
+            t = handles[files[name]].get_tensor(name)
+            if tuple(t.shape) != tuple(p.shape):
+                raise ValueError(f"{files[name]}: tensor {name!r} has shape {tuple(t.shape)}, "
+                                 f"expected {tuple(p.shape)}")
+            p.copy_(t)
+    extra = set(files) - set(params) - _DERIVED[config.arch]
+    if extra:
+        log.warning("%s: ignoring %d unexpected tensors, e.g. %s", folder, len(extra), sorted(extra)[0])
+    net = net.eval().requires_grad_(False)
+    return LoadedModel(net, config, Tokenizer(folder), folder)

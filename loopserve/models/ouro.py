@@ -1,0 +1,113 @@
+"""Ouro (`OuroForCausalLM`, ByteDance LoopLM): a fully looped transformer.
+
+prelude = embedding; core step = all L layers (4 RMSNorms each, residual after the post-norm),
+then `model.norm`, whose output is both the readout and the next step's input; coda = lm_head;
+exit gate = Linear(H, 1) with bias on the normed state. Parameter names match the HF checkpoint.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loopserve.config import ModelConfig
+from loopserve.models.base import LoopedLM
+from loopserve.models.context import ForwardContext
+from loopserve.models.layers import RMSNorm, compute_dtype, paged_attention, rope_angles, rope_rotate_half
+
+
+class OuroAttention(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.c = c
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
+        c, n = self.c, x.shape[0]
+        q = self.q_proj(x).view(n, c.num_heads, c.head_dim)
+        k = self.k_proj(x).view(n, c.num_kv_heads, c.head_dim)
+        v = self.v_proj(x).view(n, c.num_kv_heads, c.head_dim)
+        cos, sin = rope_angles(ctx, c.head_dim, c.rope_theta, x.dtype)
+        q, k = rope_rotate_half(q, cos, sin), rope_rotate_half(k, cos, sin)
+        return self.o_proj(paged_attention(q, k, v, ctx, "core", layer))
+
+
+class OuroMLP(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class OuroLayer(nn.Module):
+    def __init__(self, c: ModelConfig, idx: int) -> None:
+        super().__init__()
+        self.idx = idx
+        self.self_attn = OuroAttention(c)
+        self.mlp = OuroMLP(c)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.norm_eps)
+        self.input_layernorm_2 = RMSNorm(c.hidden_size, c.norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.norm_eps)
+        self.post_attention_layernorm_2 = RMSNorm(c.hidden_size, c.norm_eps)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.input_layernorm_2(self.self_attn(self.input_layernorm(x), ctx, self.idx))
+        return x + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(x)))
+
+
+class OuroInner(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(OuroLayer(c, i) for i in range(c.n_core))
+        self.norm = RMSNorm(c.hidden_size, c.norm_eps)
+        self.early_exit_gate = nn.Linear(c.hidden_size, 1, bias=True)
+
+
+class OuroForCausalLM(LoopedLM):
+    has_gate = True
+
+    def __init__(self, c: ModelConfig, lookahead_gate: bool = False) -> None:
+        super().__init__()
+        self.config = c
+        self.model = OuroInner(c)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        # Optional distilled head predicting the gate's decision one step ahead (loopserve extra).
+        self.lookahead_gate = nn.Linear(c.hidden_size, 1, bias=True) if lookahead_gate else None
+
+    def prelude(self, token_ids, ctx, state_seeds=None):
+        return self.model.embed_tokens(token_ids), None
+
+    def core_step(self, state, inject, ctx):
+        h = state
+        for layer in self.model.layers:
+            h = layer(h, ctx)
+        return self.model.norm(h)
+
+    def coda(self, state, ctx, logit_rows=None):
+        h = state if logit_rows is None else state[logit_rows]
+        return self.lm_head(h).to(compute_dtype(h.dtype))
+
+    def _gate(self, head: nn.Linear, state: torch.Tensor) -> torch.Tensor:
+        cdt = compute_dtype(state.dtype)  # gate math in fp32 (or wider), not in bf16
+        return torch.nn.functional.linear(state.to(cdt), head.weight.to(cdt), head.bias.to(cdt))[:, 0]
+
+    def gate_logit(self, state):
+        return self._gate(self.model.early_exit_gate, state)
+
+    @property
+    def has_lookahead_gate(self) -> bool:
+        return self.lookahead_gate is not None
+
+    def lookahead_gate_logit(self, state):
+        if self.lookahead_gate is None:
+            return super().lookahead_gate_logit(state)
+        return self._gate(self.lookahead_gate, state)

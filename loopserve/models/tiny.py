@@ -1,0 +1,153 @@
+"""`loopserve make-tiny`: random tiny checkpoints in the exact HF layouts of Ouro and Huginn.
+
+Config keys, tensor names and shapes, and tokenizer files are those of the released checkpoints,
+only smaller, so tests exercise the same loader path a real folder takes. Weights are scaled so
+that logits and exit signals vary (a near-uniform model would make argmax ties and exits trivial).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from loopserve.config import HUGINN, OURO, ModelConfig
+from loopserve.models.huginn import RavenForCausalLM
+from loopserve.models.ouro import OuroForCausalLM
+from loopserve.tokenization.build import byte_level_tokenizer, write_tokenizer_files
+
+
+@dataclass
+class TinySpec:
+    arch: str = "ouro"  # "ouro" | "huginn"
+    hidden_size: int = 64
+    num_heads: int = 4
+    num_kv_heads: int | None = None  # Ouro only; < num_heads gives GQA
+    intermediate_size: int = 128
+    vocab_size: int = 512
+    layers: str = "2"  # Ouro: number of layers; Huginn: "prelude-core-coda", e.g. "2-4-2"
+    r_max: int = 4
+    max_position: int = 2048
+    lookahead_gate: bool = False
+    seed: int = 0
+
+
+def hf_config(spec: TinySpec) -> dict:
+    head_dim = spec.hidden_size // spec.num_heads
+    if spec.arch == "ouro":
+        n = int(spec.layers)
+        return {
+            "architectures": [OURO],
+            "auto_map": {"AutoConfig": "configuration_ouro.OuroConfig",
+                         "AutoModel": "modeling_ouro.OuroModel",
+                         "AutoModelForCausalLM": "modeling_ouro.OuroForCausalLM"},
+            "model_type": "ouro", "hidden_size": spec.hidden_size,
+            "intermediate_size": spec.intermediate_size, "num_hidden_layers": n,
+            "num_attention_heads": spec.num_heads,
+            "num_key_value_heads": spec.num_kv_heads or spec.num_heads, "head_dim": head_dim,
+            "vocab_size": spec.vocab_size, "hidden_act": "silu", "rope_theta": 10000.0,
+            "rope_scaling": None, "rms_norm_eps": 1e-6, "max_position_embeddings": spec.max_position,
+            "tie_word_embeddings": False, "total_ut_steps": spec.r_max, "early_exit_threshold": 1.0,
+            "use_sliding_window": False, "sliding_window": None, "max_window_layers": n,
+            "layer_types": ["full_attention"] * n, "initializer_range": 0.02, "attention_dropout": 0.0,
+            "use_cache": True, "torch_dtype": "float32", "bos_token_id": 0, "eos_token_id": 0,
+            "pad_token_id": 0,
+        }
+    if spec.arch != "huginn":
+        raise ValueError(f"arch: expected 'ouro' or 'huginn', got {spec.arch!r}")
+    try:
+        p, c, d = (int(x) for x in spec.layers.split("-"))
+    except ValueError:
+        raise ValueError(f"layers: Huginn needs 'prelude-core-coda' like '2-4-2', got {spec.layers!r}") from None
+    h = spec.hidden_size
+    depth = p + c * spec.r_max + d
+    std = math.sqrt(2 / (5 * h))
+    return {
+        "architectures": [HUGINN],
+        "auto_map": {"AutoConfig": "raven_config_minimal.RavenConfig",
+                     "AutoModelForCausalLM": "raven_modeling_minimal.RavenForCausalLM"},
+        "model_type": "huginn_raven", "n_embd": h, "n_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_heads, "n_layers": p + c + d, "n_layers_in_prelude": p,
+        "n_layers_in_recurrent_block": c, "n_layers_in_coda": d, "intermediate_size": spec.intermediate_size,
+        "vocab_size": spec.vocab_size, "padded_vocab_size": spec.vocab_size, "padding_multiple": 4096,
+        "block_size": spec.max_position, "rope_base": 50000, "norm_class_name": "RMSNorm_llama",
+        "norm_eps": 1e-6, "block_class_name": "SandwichBlock", "mlp_class_name": "GatedMLP",
+        "nonlin_name": "SiLU", "bias": False, "qk_bias": True, "tie_embeddings": True,
+        "injection_type": "linear", "state_init": "like-init", "mean_recurrence": spec.r_max,
+        "mean_backprop_depth": max(1, spec.r_max // 4), "sampling_scheme": "poisson-lognormal-filling",
+        "init_strategy": "takase", "init_orthogonal": False, "activation_checkpoint_impl": "per-iteration",
+        "architecture_class_name": "RecurrentGPT", "torch_dtype": "float32",
+        "effective_expected_depth": depth,
+        "init_values": {"std": std, "out_proj": std / math.sqrt(2 * depth), "embedding": std,
+                        "embed_scale": math.sqrt(h)},
+        "bos_token_id": spec.vocab_size - 32, "eos_token_id": spec.vocab_size - 31,
+        "pad_token_id": spec.vocab_size - 27,
+    }
+
+
+def _random_weights(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight") or "norm_" in name or "layernorm" in name:
+            t = 1 + 0.1 * torch.randn(p.shape, generator=g)
+        elif "embed" in name or "wte" in name:
+            t = torch.randn(p.shape, generator=g) * (0.3 if "wte" in name else 1.0)
+        elif "gate" in name and "gate_proj" not in name:  # exit gates: spread-out hazards
+            t = torch.randn(p.shape, generator=g) * (2.0 / math.sqrt(p.shape[-1]) if p.dim() > 1 else 0.5) - (
+                0.5 if p.dim() == 1 else 0.0)
+        elif name.endswith("qk_bias"):
+            t = 0.1 * torch.randn(p.shape, generator=g)
+        else:
+            t = torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1])
+        out[name] = t.float().contiguous()
+    return out
+
+
+def make_tiny(out: str | Path, spec: TinySpec, shards: int = 1) -> Path:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    raw = hf_config(spec)
+    config = ModelConfig.from_hf(raw)
+    with torch.device("meta"):
+        model = (OuroForCausalLM(config, lookahead_gate=spec.lookahead_gate) if config.arch == OURO
+                 else RavenForCausalLM(config, state_init="zero"))
+    tensors = _random_weights(model, spec.seed)
+    if config.arch == HUGINN:  # the released file carries a duplicate head and the RoPE table
+        tensors["lm_head.weight"] = tensors["transformer.wte.weight"].clone()
+        hd = config.head_dim
+        inv = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+        ang = torch.arange(config.max_position, dtype=torch.float64)[:, None] * inv[None]
+        tensors["freqs_cis"] = torch.stack([ang.cos(), ang.sin()], -1)[None, :, None].float().contiguous()
+    _save(tensors, out, shards)
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    gen = {"bos_token_id": raw["bos_token_id"], "eos_token_id": raw["eos_token_id"]}
+    if config.arch == OURO:
+        gen["eos_token_id"] = [0, 2]  # <|endoftext|> and <|im_end|>
+    else:
+        gen["eos_token_id"] = [spec.vocab_size - 31, spec.vocab_size - 28]  # <|end_text|>, <|end_turn|>
+        gen["pad_token_id"] = raw["pad_token_id"]
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    write_tokenizer_files(byte_level_tokenizer(spec.arch, spec.vocab_size), spec.arch, out, spec.max_position)
+    return out
+
+
+def _save(tensors: dict[str, torch.Tensor], out: Path, shards: int) -> None:
+    if shards <= 1:
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    names = sorted(tensors)
+    weight_map, total = {}, 0
+    for i in range(shards):
+        part = names[i::shards]
+        fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({n: tensors[n] for n in part}, str(out / fname), metadata={"format": "pt"})
+        for n in part:
+            weight_map[n] = fname
+            total += tensors[n].numel() * tensors[n].element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

@@ -1,0 +1,48 @@
+"""What `generate` returns (vLLM's shapes, plus per-token exit depths and loop counts)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    loops_run: int = 0  # core loop steps spent on this request's decode tokens
+    prefill_loops: int = 0  # core loop steps per prompt token, summed over the prompt
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None
+    exit_depths: list[int]
+    finish_reason: str | None
+    cumulative_logprob: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    error: str | None = None
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,84 @@
+"""`SamplingParams`: what a request asks for (vLLM names) plus the looped-model extensions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from loopserve.exits import POLICIES
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    # looped-model extensions
+    min_loops: int | None = None
+    max_loops: int | None = None
+    exit_threshold: float | None = None
+    exit_policy: str | None = None  # None: the model's own signal (Ouro gate, Huginn latent_diff)
+    exit_trace: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"{name}: {why}, got {getattr(self, name)!r}")
+
+        def is_int(x) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        if not is_int(self.n) or self.n != 1:
+            raise bad("n", "only n=1 is supported")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            raise bad("max_tokens", "must be an integer >= 1")
+        if not isinstance(self.temperature, int | float) or not 0 <= self.temperature <= 100:
+            raise bad("temperature", "must be in [0, 100]")
+        if not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
+            raise bad("top_p", "must be in (0, 1]")
+        if not is_int(self.top_k) or (self.top_k < 1 and self.top_k not in (0, -1)):
+            raise bad("top_k", "must be -1 or 0 (disabled) or >= 1")
+        if not isinstance(self.min_p, int | float) or not 0 <= self.min_p <= 1:
+            raise bad("min_p", "must be in [0, 1]")
+        if self.seed is not None and not is_int(self.seed):
+            raise bad("seed", "must be an integer")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", "must be a non-empty string or a list of them")
+        if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be non-negative integers")
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("min_loops", "max_loops"):
+            v = getattr(self, name)
+            if v is not None and (not is_int(v) or v < 1):
+                raise bad(name, "must be an integer >= 1")
+        if self.min_loops and self.max_loops and self.min_loops > self.max_loops:
+            raise bad("min_loops", f"must be <= max_loops ({self.max_loops})")
+        if self.exit_threshold is not None and (not isinstance(self.exit_threshold, int | float)
+                                                or self.exit_threshold < 0):
+            raise bad("exit_threshold", "must be a number >= 0")
+        if self.exit_policy is not None and self.exit_policy not in POLICIES:
+            raise bad("exit_policy", f"must be one of {', '.join(POLICIES)}")
+        if self.exit_trace is not None:
+            if not all(is_int(d) and d >= 1 for d in self.exit_trace):
+                raise bad("exit_trace", "must be a list of integers >= 1")
+            if self.exit_policy not in (None, "trace"):
+                raise bad("exit_policy", "must be 'trace' (or unset) when exit_trace is given")
+            self.exit_policy = "trace"
+        if self.exit_policy == "gate" and self.exit_threshold is not None and not 0 < self.exit_threshold <= 1:
+            raise bad("exit_threshold", "a gate threshold is a probability in (0, 1]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

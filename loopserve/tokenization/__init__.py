@@ -1,0 +1,5 @@
+"""Tokenizer construction for loopserve checkpoints.
+
+`loopserve.tokenization.build` makes byte-level BPE tokenizers whose special-token ids, configuration
+files and chat templates follow the Ouro and Huginn checkpoint layouts.
+"""

@@ -1,0 +1,1 @@
+"""Training utilities for the small embedded looped models (corpus preparation, training loops)."""
