@@ -37,7 +37,10 @@ class ModelConfig:
 
     @property
     def embed_scale(self) -> float:
-        return math.sqrt(self.hidden_size) if self.arch == HUGINN else 1.0
+        if self.arch != HUGINN:
+            return 1.0
+        init = self.raw.get("init_values") or {}  # upstream reads the checkpoint's stored value
+        return float(init.get("embed_scale", math.sqrt(self.hidden_size)))
 
     @staticmethod
     def from_hf(cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:

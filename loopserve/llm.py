@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence as Seq
 from pathlib import Path
-from typing import Any
 
 from tqdm import tqdm
 
 from loopserve.cache.layout import KVLayout
+from loopserve.engine.config import EngineConfig
+from loopserve.engine.engine import LLMEngine, PromptType, parse_prompt
 from loopserve.engine.reference import ReferenceDecoder
 from loopserve.engine.sequence import Sequence, resolve_exit_rule
 from loopserve.models.loader import load_model
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import SamplingParams
-
-SCHEDULERS = ("reference",)
-PromptType = str | dict[str, Any] | list[int]
 
 
 def default_model_path() -> Path:
@@ -31,41 +30,32 @@ def default_model_path() -> Path:
 
 
 class LLM:
-    def __init__(self, model: str | Path | None = None, *, scheduler: str = "reference",
-                 kv_layout: str = "depth_indexed", dtype: str = "float32", device: str = "cpu",
-                 state_init: str = "like-init", seed: int = 0, lookahead: bool = False,
-                 prefill_chunk_size: int = 512) -> None:
-        if scheduler not in SCHEDULERS:
-            raise ValueError(f"scheduler: expected one of {', '.join(SCHEDULERS)}, got {scheduler!r}")
-        if prefill_chunk_size < 1:
-            raise ValueError(f"prefill_chunk_size: must be >= 1, got {prefill_chunk_size}")
+    """Offline generation. `scheduler` is one of "cdb" (default), "cdb-norefill", "cb", "reference";
+    any `EngineConfig` field can be passed as a keyword (block_size, max_decode_batch, ...)."""
+
+    def __init__(self, model: str | Path | None = None, *, dtype: str = "float32", device: str = "cpu",
+                 state_init: str = "like-init", seed: int = 0, **engine_kwargs) -> None:
+        names = {f.name for f in dataclasses.fields(EngineConfig)}
+        unknown = set(engine_kwargs) - names
+        if unknown:
+            raise ValueError(f"{sorted(unknown)[0]}: unknown LLM argument")
+        self.engine_config = EngineConfig(**engine_kwargs)
         loaded = load_model(model if model is not None else default_model_path(), dtype, device, state_init)
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
-        c = self.config
-        self.layout = KVLayout(kv_layout, c.n_prelude, c.n_core, c.n_coda, c.r_max)
-        self.scheduler, self.seed, self.lookahead = scheduler, seed, lookahead
-        self.prefill_chunk_size = prefill_chunk_size
+        self.seed = seed
+        cfg, c = self.engine_config, self.config
+        self.layout = KVLayout(cfg.kv_layout, c.n_prelude, c.n_core, c.n_coda, c.r_max)
+        self.engine = None if cfg.scheduler == "reference" else LLMEngine(self.model, self.tokenizer, cfg, seed)
         self._counter = itertools.count()
 
     def _make_sequence(self, prompt: PromptType, params: SamplingParams) -> Sequence:
-        text: str | None
-        if isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        elif isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
-            text, ids = prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
-        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            text, ids = None, list(prompt)
-        else:
-            raise ValueError("prompt: expected a string, a list of token ids, or a dict with "
-                             "'prompt' or 'prompt_token_ids'")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise ValueError("prompt_token_ids: must be a list of integers")
         index = next(self._counter)
-        rule = resolve_exit_rule(params, self.config, self.model.has_gate, self.lookahead)
-        return Sequence(str(index), text, ids, params, rule, seed=self.seed * 1_000_003 + index,
-                        tokenizer=self.tokenizer, max_model_len=self.config.max_position)
+        seed = self.seed * 1_000_003 + index  # per-request seed: same in every scheduler
+        if self.engine is not None:
+            return self.engine.make_sequence(str(index), prompt, params, seed=seed)
+        text, ids = parse_prompt(prompt, self.tokenizer)
+        rule = resolve_exit_rule(params, self.config, self.model.has_gate, self.engine_config.lookahead)
+        return Sequence(str(index), text, ids, params, rule, seed, self.tokenizer, self.config.max_position)
 
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -81,7 +71,16 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
         seqs = [self._make_sequence(p, sp) for p, sp in zip(prompts, params, strict=True)]
-        decoder = ReferenceDecoder(self.model, self.layout, self.prefill_chunk_size)
-        for seq in tqdm(seqs, disable=not use_tqdm, desc="generate"):
-            decoder.run(seq)
+        bar = tqdm(total=len(seqs), disable=not use_tqdm, desc="generate")
+        if self.engine is None:
+            decoder = ReferenceDecoder(self.model, self.layout, self.engine_config.prefill_chunk_size)
+            for seq in seqs:
+                decoder.run(seq)
+                bar.update(1)
+        else:
+            for seq in seqs:
+                self.engine.add_sequence(seq)
+            while self.engine.has_unfinished_requests():
+                bar.update(sum(o.finished for o in self.engine.step()))
+        bar.close()
         return [s.to_output() for s in seqs]

@@ -74,6 +74,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.status = Status.WAITING
+        self.arrival_index = 0  # order of arrival at the engine (preemption picks the latest)
         self.metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
 
     # -- token bookkeeping --------------------------------------------------------------------------

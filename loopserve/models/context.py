@@ -52,6 +52,22 @@ class ForwardContext:
                               self.depth[rows], starts, self.seg_keys[seg_ids])
 
 
+@dataclass
+class DenseContext:
+    """Training / scoring context: `batch` equal-length sequences packed as rows, plain causal
+    attention at every depth (the depth_indexed semantics the checkpoints were trained with), no
+    KV cache. Differentiable."""
+
+    batch: int
+    seq_len: int
+    positions: torch.Tensor  # [batch * seq_len]
+    rope_cache: dict = field(default_factory=dict)
+
+
+def dense_context(batch: int, seq_len: int, device=None) -> DenseContext:
+    return DenseContext(batch, seq_len, torch.arange(seq_len, device=device).repeat(batch))
+
+
 def build_context(kv: KVStore, layout: KVLayout, segments: list[tuple[torch.Tensor, int, int]],
                   depth: torch.Tensor | None = None) -> ForwardContext:
     """Context for segments given as (row_map, start_pos, n_rows).

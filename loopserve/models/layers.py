@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from loopserve.models.context import ForwardContext
+from loopserve.models.context import DenseContext, ForwardContext
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -60,6 +60,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Forw
     Writes this layer application's K/V for the rows first, then reads what the layout allows.
     q: [N, heads, d]; k, v: [N, kv_heads, d]. Returns [N, heads * d].
     """
+    if isinstance(ctx, DenseContext):
+        return _dense_attention(q, k, v, ctx)
     layout, kv = ctx.layout, ctx.kv
     n, nh, d = q.shape
     nkv = k.shape[1]
@@ -85,7 +87,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Forw
         qg = q.view(n, nkv, nh // nkv, d).to(cdt)
         scores = torch.einsum("nhgd,nlhd->nhgl", qg, kk.to(cdt)) * scale
         scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-        out = torch.einsum("nhgl,nlhd->nhgd", scores.softmax(-1), vv.to(cdt))
+        # nan_to_num: a passive CB row may see no key at all; its result is discarded anyway
+        out = torch.einsum("nhgl,nlhd->nhgd", scores.softmax(-1).nan_to_num(0.0), vv.to(cdt))
         return out.reshape(n, nh * d).to(q.dtype)
 
     outs = []
@@ -102,3 +105,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Forw
         o = torch.einsum("hgql,lhd->qhgd", scores.softmax(-1), vv.to(cdt))
         outs.append(o.reshape(b - a, nh * d))
     return torch.cat(outs).to(q.dtype)
+
+
+def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: DenseContext) -> torch.Tensor:
+    b, s = ctx.batch, ctx.seq_len
+    n, nh, d = q.shape
+    nkv = k.shape[1]
+    qq = q.view(b, s, nh, d).transpose(1, 2)
+    kk = k.view(b, s, nkv, d).transpose(1, 2).repeat_interleave(nh // nkv, dim=1)
+    vv = v.view(b, s, nkv, d).transpose(1, 2).repeat_interleave(nh // nkv, dim=1)
+    out = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True)
+    return out.transpose(1, 2).reshape(n, nh * d)

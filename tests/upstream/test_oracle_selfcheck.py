@@ -105,6 +105,125 @@ def huginn_position0(cfg: dict, w: dict, token: int, steps: int) -> tuple[torch.
     return w["transformer.wte.weight"] @ x, states
 
 
+# ---------------- hand-written forward over a few positions
+# Per position, per head, with explicit RoPE loops and a two-pass softmax; again no oracle helpers.
+
+
+def _rope_half_1head(x: torch.Tensor, pos: int, theta: float) -> torch.Tensor:
+    d, out = x.numel(), x.clone()
+    for i in range(d // 2):  # dim i pairs with dim i + d/2
+        c, s = math.cos(pos * theta ** (-2 * i / d)), math.sin(pos * theta ** (-2 * i / d))
+        out[i], out[i + d // 2] = x[i] * c - x[i + d // 2] * s, x[i + d // 2] * c + x[i] * s
+    return out
+
+
+def _rope_pairs_1head(x: torch.Tensor, pos: int, base: float) -> torch.Tensor:
+    d, out = x.numel(), x.clone()
+    for i in range(d // 2):  # dims 2i, 2i+1 form a pair
+        c, s = math.cos(pos * base ** (-2 * i / d)), math.sin(pos * base ** (-2 * i / d))
+        out[2 * i], out[2 * i + 1] = x[2 * i] * c - x[2 * i + 1] * s, x[2 * i + 1] * c + x[2 * i] * s
+    return out
+
+
+def _attend(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    scores = [float(q @ k) / math.sqrt(q.numel()) for k in keys]
+    top = max(scores)
+    expo = [math.exp(x - top) for x in scores]
+    return sum(e / sum(expo) * v for e, v in zip(expo, values, strict=True))
+
+
+def _heads(x: torch.Tensor, hd: int) -> list[torch.Tensor]:
+    return [x[j * hd : (j + 1) * hd] for j in range(x.numel() // hd)]
+
+
+def ouro_by_hand(cfg: dict, w: dict, tokens: list[int], steps: int) -> list[torch.Tensor]:
+    eps, hd, theta = cfg["rms_norm_eps"], cfg["head_dim"], cfg["rope_theta"]
+    group = cfg["num_attention_heads"] // cfg["num_key_value_heads"]
+    hs = [w["model.embed_tokens.weight"][t] for t in tokens]
+    for _ in range(steps):
+        for layer in range(cfg["num_hidden_layers"]):
+            p = f"model.layers.{layer}."
+            xs = [_rms(h, w[p + "input_layernorm.weight"], eps) for h in hs]
+            qs = [
+                [_rope_half_1head(q, i, theta) for q in _heads(w[p + "self_attn.q_proj.weight"] @ x, hd)]
+                for i, x in enumerate(xs)
+            ]
+            ks = [
+                [_rope_half_1head(k, i, theta) for k in _heads(w[p + "self_attn.k_proj.weight"] @ x, hd)]
+                for i, x in enumerate(xs)
+            ]
+            vs = [_heads(w[p + "self_attn.v_proj.weight"] @ x, hd) for x in xs]
+            new = []
+            for i, h in enumerate(hs):
+                heads = [
+                    _attend(
+                        q,
+                        [ks[j][n // group] for j in range(i + 1)],
+                        [vs[j][n // group] for j in range(i + 1)],
+                    )
+                    for n, q in enumerate(qs[i])
+                ]
+                h = h + _rms(
+                    w[p + "self_attn.o_proj.weight"] @ torch.cat(heads),
+                    w[p + "input_layernorm_2.weight"],
+                    eps,
+                )
+                x = _rms(h, w[p + "post_attention_layernorm.weight"], eps)
+                mlp = w[p + "mlp.down_proj.weight"] @ (
+                    _silu(w[p + "mlp.gate_proj.weight"] @ x) * (w[p + "mlp.up_proj.weight"] @ x)
+                )
+                new.append(h + _rms(mlp, w[p + "post_attention_layernorm_2.weight"], eps))
+            hs = new
+        hs = [_rms(h, w["model.norm.weight"], eps) for h in hs]
+    return [w["lm_head.weight"] @ h for h in hs]
+
+
+def huginn_by_hand(cfg: dict, w: dict, tokens: list[int], steps: int) -> list[torch.Tensor]:
+    n, inter, eps, base = cfg["n_embd"], cfg["intermediate_size"], cfg["norm_eps"], cfg["rope_base"]
+    hd = n // cfg["n_heads"]
+
+    def block(p: str, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        wqkv, bias = w[p + "attn.Wqkv.weight"], w[p + "attn.qk_bias"]
+        normed = [_rms(x, w[p + "norm_1.weight"], eps) for x in xs]
+        qs = [
+            [_rope_pairs_1head(q + bias[0, 0, j], i, base) for j, q in enumerate(_heads(wqkv[:n] @ x, hd))]
+            for i, x in enumerate(normed)
+        ]
+        ks = [
+            [
+                _rope_pairs_1head(k + bias[1, 0, j], i, base)
+                for j, k in enumerate(_heads(wqkv[n : 2 * n] @ x, hd))
+            ]
+            for i, x in enumerate(normed)
+        ]
+        vs = [_heads(wqkv[2 * n :] @ x, hd) for x in normed]
+        out = []
+        for i, x in enumerate(xs):
+            heads = [
+                _attend(q, [ks[j][m] for j in range(i + 1)], [vs[j][m] for j in range(i + 1)])
+                for m, q in enumerate(qs[i])
+            ]
+            x = _rms(x + w[p + "attn.proj.weight"] @ torch.cat(heads), w[p + "norm_2.weight"], eps)
+            fc = w[p + "mlp.fc.weight"] @ _rms(x, w[p + "norm_3.weight"], eps)
+            mlp = w[p + "mlp.proj.weight"] @ (_silu(fc[:inter]) * fc[inter:])
+            out.append(_rms(x + mlp, w[p + "norm_4.weight"], eps))
+        return out
+
+    es = [w["transformer.wte.weight"][t] * math.sqrt(n) for t in tokens]
+    for i in range(cfg["n_layers_in_prelude"]):
+        es = block(f"transformer.prelude.{i}.", es)
+    adapter = w["transformer.adapter.weight"]
+    ss = [torch.zeros(n, dtype=torch.float64) for _ in tokens]
+    for _ in range(steps):
+        ss = [adapter[:, :n] @ s + adapter[:, n:] @ e for s, e in zip(ss, es, strict=True)]
+        for i in range(cfg["n_layers_in_recurrent_block"]):
+            ss = block(f"transformer.core_block.{i}.", ss)
+    xs = [_rms(s, w["transformer.ln_f.weight"], eps) for s in ss]
+    for i in range(cfg["n_layers_in_coda"]):
+        xs = block(f"transformer.coda.{i}.", xs)
+    return [w["transformer.wte.weight"] @ _rms(x, w["transformer.ln_f.weight"], eps) for x in xs]
+
+
 # ---------------- Ouro
 
 
@@ -118,6 +237,15 @@ def test_ouro_position0_matches_closed_form(n_kv, steps):
     torch.testing.assert_close(logits[0], expected, rtol=1e-10, atol=1e-10)
     for got, want in zip(oracle.ouro_step_states(cfg, w, IDS, steps), states, strict=True):
         torch.testing.assert_close(got[0], want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("n_kv", [4, 2])
+@pytest.mark.parametrize("steps", [1, 2])
+def test_ouro_first_positions_match_hand_written_forward(n_kv, steps):
+    cfg, w = ouro_setup(n_kv)
+    logits = oracle.ouro_logits(cfg, w, IDS, steps)
+    for i, expected in enumerate(ouro_by_hand(cfg, w, IDS[:3], steps)):
+        torch.testing.assert_close(logits[i], expected, rtol=1e-10, atol=1e-10)
 
 
 def test_ouro_position0_closed_form_is_sensitive():
@@ -218,6 +346,15 @@ def test_huginn_position0_matches_closed_form(split, steps):
     torch.testing.assert_close(logits[0], expected, rtol=1e-10, atol=1e-10)
     for got, want in zip(oracle.huginn_core_states(cfg, w, IDS, steps), states, strict=True):
         torch.testing.assert_close(got[0], want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("split", [(1, 2, 1), (0, 4, 0)])
+@pytest.mark.parametrize("steps", [1, 2])
+def test_huginn_first_positions_match_hand_written_forward(split, steps):
+    cfg, w = huginn_setup(split)
+    logits = oracle.huginn_logits(cfg, w, IDS, steps)
+    for i, expected in enumerate(huginn_by_hand(cfg, w, IDS[:3], steps)):
+        torch.testing.assert_close(logits[i], expected, rtol=1e-10, atol=1e-10)
 
 
 def test_huginn_adapter_order_matters():

@@ -1,0 +1,38 @@
+"""Engine knobs (one dataclass; the CLI and `LLM` pass them through)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEDULERS = ("reference", "cb", "cdb-norefill", "cdb")
+
+
+@dataclass
+class EngineConfig:
+    scheduler: str = "cdb"
+    kv_layout: str = "depth_indexed"
+    block_size: int = 16
+    kv_cache_tokens: int | None = None  # pool size in tokens; None: from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 1.0
+    max_num_seqs: int = 64
+    max_decode_batch: int = 32  # width of a core (and prelude/coda) stage batch
+    max_num_batched_tokens: int = 2048  # prompt tokens per prefill tick
+    prefill_chunk_size: int = 512  # chunk boundary rule, shared with the reference decoder
+    min_coda_batch: int = 1
+    kv_safety_margin: float = 0.1  # fraction of blocks prefill admission keeps free
+    lookahead: bool = False
+
+    def __post_init__(self) -> None:
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"scheduler: expected one of {', '.join(SCHEDULERS)}, got {self.scheduler!r}")
+        for name in ("block_size", "max_num_seqs", "max_decode_batch", "max_num_batched_tokens",
+                     "prefill_chunk_size", "min_coda_batch"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}: must be an integer >= 1, got {v!r}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
+            raise ValueError(f"kv_cache_tokens: must be >= block_size ({self.block_size})")
+        if not 0 <= self.kv_safety_margin < 1:
+            raise ValueError(f"kv_safety_margin: must be in [0, 1), got {self.kv_safety_margin}")
+        if self.max_num_batched_tokens < self.prefill_chunk_size:
+            self.max_num_batched_tokens = self.prefill_chunk_size

@@ -1,0 +1,152 @@
+"""`LLMEngine`: requests in, one stage batch per `step`, outputs out.
+
+A step reads like a sentence: `plan = scheduler.schedule()`, run it on the runner, then
+`scheduler.after_<stage>(plan, result)`. The engine never touches tensors; the runner never decides.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import time
+from typing import Any
+
+import torch
+
+from loopserve.cache.layout import KVLayout
+from loopserve.cache.manager import KVCacheManager
+from loopserve.cache.pool import KVStore
+from loopserve.config import HUGINN, ModelConfig
+from loopserve.engine.config import EngineConfig
+from loopserve.engine.runner import ModelRunner, StatePool
+from loopserve.engine.scheduler import make_scheduler
+from loopserve.engine.sequence import Sequence, resolve_exit_rule
+from loopserve.engine.stats import EngineStats
+from loopserve.models.base import LoopedLM
+from loopserve.outputs import RequestOutput
+from loopserve.sampling_params import SamplingParams
+from loopserve.tokenizer import Tokenizer
+
+PromptType = str | dict[str, Any] | list[int]
+
+
+def parse_prompt(prompt: PromptType, tokenizer: Tokenizer) -> tuple[str | None, list[int]]:
+    if isinstance(prompt, str):
+        return prompt, tokenizer.encode(prompt)
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        ids = prompt["prompt_token_ids"]
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("prompt_token_ids: must be a list of integers")
+        return prompt.get("prompt"), list(ids)
+    if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+        return prompt["prompt"], tokenizer.encode(prompt["prompt"])
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return None, list(prompt)
+    raise ValueError("prompt: expected a string, a list of token ids, or a dict with 'prompt' or 'prompt_token_ids'")
+
+
+class LLMEngine:
+    def __init__(self, model: LoopedLM, tokenizer: Tokenizer, cfg: EngineConfig, seed: int = 0) -> None:
+        if cfg.scheduler == "reference":
+            raise ValueError("scheduler: 'reference' is the sequential oracle, not a batching engine")
+        self.model, self.tokenizer, self.cfg, self.seed = model, tokenizer, cfg, seed
+        c: ModelConfig = model.config
+        self.model_config = c
+        p = next(model.parameters())
+        self.layout = KVLayout(cfg.kv_layout, c.n_prelude, c.n_core, c.n_coda, c.r_max)
+        per_token = self.layout.bytes_per_token(c.num_kv_heads, c.head_dim, p.dtype)
+        tokens = cfg.kv_cache_tokens or int(cfg.kv_cache_memory_gb * 2**30 // per_token)
+        blocks = max(1, tokens // cfg.block_size)
+        store = KVStore((blocks + 1) * cfg.block_size, self.layout.slots_per_token, c.num_kv_heads, c.head_dim,
+                        p.dtype, p.device)
+        self.kv = KVCacheManager(store, cfg.block_size, reserved_blocks=1)  # block 0: scratch rows
+        self.pool = StatePool(cfg.max_num_seqs, c.hidden_size, p.dtype, p.device, with_inject=c.arch == HUGINN)
+        self.stats = EngineStats()
+        self.scheduler = make_scheduler(cfg, self.kv, self.pool, self.stats)
+        scratch = self.kv.reserved[0] * cfg.block_size
+        self.runner = ModelRunner(model, self.layout, self.kv, self.pool, scratch_row=scratch)
+        self._arrivals = itertools.count()
+        self.requests: dict[str, Sequence] = {}
+
+    # -- requests --------------------------------------------------------------------------------------
+    def make_sequence(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                      arrival_time: float | None = None, seed: int | None = None) -> Sequence:
+        text, ids = parse_prompt(prompt, self.tokenizer)
+        rule = resolve_exit_rule(params, self.model_config, self.model.has_gate, self.cfg.lookahead)
+        if seed is None:
+            seed = int.from_bytes(hashlib.sha256(f"{self.seed}:{request_id}".encode()).digest()[:8], "little")
+        return Sequence(request_id, text, ids, params, rule, seed, self.tokenizer, self.model_config.max_position,
+                        arrival_time)
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    arrival_time: float | None = None, seed: int | None = None) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already in flight")
+        self.add_sequence(self.make_sequence(request_id, prompt, params, arrival_time, seed))
+
+    def add_sequence(self, seq: Sequence) -> None:
+        seq.arrival_index = next(self._arrivals)
+        self.requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self.scheduler.abort(request_id)
+        if seq is not None:
+            self.scheduler.finished.append(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work() or bool(self.scheduler.finished)
+
+    # -- one tick ----------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        sched = self.scheduler
+        plan = sched.schedule()
+        before = {s.request_id: len(s.output_ids) for s in self.requests.values()}
+        t1 = time.perf_counter()
+        if plan.stage == "prefill":
+            logits = self.runner.prefill(plan.chunks)
+            t2 = time.perf_counter()
+            sched.after_prefill(plan, logits)
+            self.stats.record("prefill", sum(c.n for c in plan.chunks))
+        elif plan.stage == "prelude":
+            self.runner.prelude(plan.items)
+            t2 = time.perf_counter()
+            sched.after_prelude(plan)
+            self.stats.record("prelude", len(plan.items))
+        elif plan.stage == "core":
+            kinds = {i.seq.rule.signal for i in plan.items if not i.passive} - {None}
+            signals = self.runner.core(plan.items, kinds)  # type: ignore[arg-type]
+            t2 = time.perf_counter()
+            sched.after_core(plan, signals)
+            self.stats.record("core", len(plan.items))
+        elif plan.stage == "coda":
+            logits = self.runner.coda(plan.items)
+            t2 = time.perf_counter()
+            sched.after_coda(plan, logits)
+            self.stats.record("coda", len(plan.items))
+        else:
+            t2 = t1
+        t3 = time.perf_counter()
+        self.stats.model_time += t2 - t1
+        self.stats.schedule_time += (t1 - t0) + (t3 - t2)
+        outs = []
+        for sid, n in before.items():
+            seq = self.requests[sid]
+            if len(seq.output_ids) != n and not seq.finished:
+                outs.append(seq.to_output())
+        for seq in sched.finished:
+            outs.append(seq.to_output())
+            self.requests.pop(seq.request_id, None)
+        sched.finished.clear()
+        if plan.stage == "idle" and not outs and sched.has_work():
+            raise RuntimeError("scheduler made no progress with work pending (a bug: please report)")
+        return outs
+
+    def kv_usage(self) -> float:
+        return self.kv.usage()
+
+    @torch.no_grad()
+    def run_to_completion(self) -> None:
+        while self.has_unfinished_requests():
+            self.step()

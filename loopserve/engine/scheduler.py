@@ -1,0 +1,376 @@
+"""Schedulers: which ONE homogeneous stage batch runs next (DESIGN.md §3).
+
+All three share the queues, KV admission, preemption and the bookkeeping of results (`update`);
+they differ only in `schedule`:
+
+- `CBScheduler`: token-level continuous batching at full depth. A cohort of decode tokens runs
+  prelude, then core steps until the deepest member's `max_loops`, then the coda. Members that exit
+  early stay in the batch as passive rows (computed, results discarded): exit signals save nothing.
+- `NoRefillScheduler`: the same cohorts, but exited tokens leave the core batch (it shrinks); the
+  coda runs when the whole cohort has exited; new work joins only between cohorts.
+- `RefillScheduler` (CDB): four queues. Each tick, by priority: coda (>= min_coda_batch waiting),
+  prefill (if KV admission keeps the safety margin), prelude (while the core batch has free width),
+  core, then an undersized coda flush. Exited tokens leave the core batch at once and fresh tokens
+  take their rows.
+
+KV pressure: a token that needs a new block and finds none swaps out the most recently arrived
+sequence that is between tokens; a request that could never fit fails alone with an error.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from loopserve.cache.layout import IN_FLIGHT
+from loopserve.cache.manager import KVCacheManager
+from loopserve.engine.config import EngineConfig
+from loopserve.engine.runner import PrefillChunk, StatePool, WorkItem
+from loopserve.engine.sequence import Sequence, Status
+from loopserve.engine.stats import EngineStats
+
+
+@dataclass
+class StagePlan:
+    stage: str  # "prefill" | "prelude" | "core" | "coda" | "idle"
+    items: list[WorkItem] = field(default_factory=list)
+    chunks: list[PrefillChunk] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, cfg: EngineConfig, kv: KVCacheManager, pool: StatePool, stats: EngineStats) -> None:
+        self.cfg, self.kv, self.pool, self.stats = cfg, kv, pool, stats
+        self.waiting: deque[Sequence] = deque()  # not yet (fully) prefilled
+        self.prefill_pos: dict[str, int] = {}  # prompt tokens already prefilled
+        self.running: dict[str, Sequence] = {}  # admitted, KV resident
+        self.swapped: deque[WorkItem] = deque()  # preempted, KV on the host, item not started
+        self.prelude_q: list[WorkItem] = []
+        self.core_q: list[WorkItem] = []
+        self.coda_q: list[WorkItem] = []
+        self._orders = itertools.count()
+        self.finished: list[Sequence] = []  # finished since the last drain (the engine reports them)
+
+    # -- requests ------------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        if self.kv.allocator.blocks_for(len(seq.prompt_ids) + 1) > self.kv.num_blocks:
+            seq.finish("error", f"prompt of {len(seq.prompt_ids)} tokens cannot fit in the KV cache "
+                                f"({self.kv.num_blocks * self.kv.block_size} tokens)")
+            self.finished.append(seq)
+            return
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        for seq in list(self.waiting):
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                self._release(seq)
+                seq.finish("abort")
+                return seq
+        for item in list(self.swapped):
+            if item.seq.request_id == request_id:
+                self.swapped.remove(item)
+                self._release(item.seq)
+                item.seq.finish("abort")
+                return item.seq
+        seq = self.running.get(request_id)
+        if seq is not None:
+            for q in (self.prelude_q, self.core_q, self.coda_q):
+                for item in [i for i in q if i.seq is seq]:
+                    q.remove(item)
+                    self._drop_item(item)
+            self._release(seq)
+            seq.finish("abort")
+        return seq
+
+    # -- helpers -------------------------------------------------------------------------------------
+    def _drop_item(self, item: WorkItem) -> None:
+        if item.row >= 0:
+            self.pool.release(item.row)
+            item.row = -1
+
+    def _release(self, seq: Sequence) -> None:
+        self.running.pop(seq.request_id, None)
+        self.prefill_pos.pop(seq.request_id, None)
+        self.kv.free(seq.request_id)
+
+    def _finish(self, seq: Sequence) -> None:
+        self._release(seq)
+        self.finished.append(seq)
+        self.stats.finished_requests[seq.finish_reason] += 1
+
+    def _new_item(self, seq: Sequence) -> None:
+        self.prelude_q.append(WorkItem(seq, next(self._orders)))
+
+    def _try_swap_in(self) -> None:
+        while self.swapped and len(self.running) < self.cfg.max_num_seqs:
+            item = self.swapped[0]
+            sid = item.seq.request_id
+            need = self.kv.allocator.blocks_for(item.seq.num_tokens)
+            if need > self.kv.num_free or not self.kv.swap_in(sid):
+                return
+            self.swapped.popleft()
+            self.running[sid] = item.seq
+            item.seq.status = Status.RUNNING
+            self.prelude_q.append(item)
+            self.stats.swap_ins += 1
+
+    def _preempt_for(self, needy: WorkItem, taken: list[WorkItem]) -> bool:
+        """Free blocks for `needy`: swap out the latest-arrived sequence that is between tokens, or
+        else drop the KV of a partly prefilled prompt (recomputing a prompt reproduces its KV).
+        False if nothing can go."""
+        candidates = [i for i in self.prelude_q if i is not needy and i not in taken and i.row < 0]
+        if candidates:
+            victim = max(candidates, key=lambda i: i.seq.arrival_index)
+            self.prelude_q.remove(victim)
+            sid = victim.seq.request_id
+            self.kv.swap_out(sid)
+            del self.running[sid]
+            victim.seq.status = Status.SWAPPED
+            self.swapped.append(victim)
+            self.swapped = deque(sorted(self.swapped, key=lambda i: i.seq.arrival_index))
+            self.stats.preemptions += 1
+            return True
+        partial = [s for s in self.waiting if s.request_id in self.running]
+        if partial:
+            victim_seq = max(partial, key=lambda s: s.arrival_index)
+            self._release(victim_seq)
+            victim_seq.status = Status.WAITING
+            self.stats.preemptions += 1
+            return True
+        return False
+
+    def _reserve_kv(self, item: WorkItem, taken: list[WorkItem]) -> bool:
+        while not self.kv.ensure(item.seq.request_id, item.seq.num_tokens):
+            if not self._preempt_for(item, taken):
+                return False
+        return True
+
+    def _take_preludes(self, limit: int) -> list[WorkItem]:
+        """Prelude items (FIFO) that get their next KV slot and a state row."""
+        taken: list[WorkItem] = []
+        for item in sorted(self.prelude_q, key=lambda i: i.order):
+            if len(taken) >= min(limit, self.pool.num_free):
+                break
+            if item not in self.prelude_q:  # swapped out for an earlier item
+                continue
+            if self._reserve_kv(item, taken):
+                taken.append(item)
+            elif self.kv.allocator.blocks_for(item.seq.num_tokens) > self.kv.num_blocks:
+                self.prelude_q.remove(item)  # longer than the whole cache: it can never fit
+                item.seq.finish("error", f"sequence of {item.seq.num_tokens} tokens exceeds the KV cache "
+                                         f"({self.kv.num_blocks * self.kv.block_size} tokens)")
+                self._finish(item.seq)
+        for item in taken:
+            self.prelude_q.remove(item)
+            item.row = self.pool.allocate()
+        return taken
+
+    def _take_prefill(self) -> list[PrefillChunk]:
+        if self.swapped:  # resume preempted requests before admitting new ones
+            return []
+        cfg, kv = self.cfg, self.kv
+        budget, chunks = cfg.max_num_batched_tokens, []
+        margin = int(cfg.kv_safety_margin * kv.num_blocks)
+        free = kv.num_free
+        for seq in list(self.waiting):
+            sid = seq.request_id
+            new = sid not in self.running
+            if new and len(self.running) + sum(c.start == 0 for c in chunks) >= cfg.max_num_seqs:
+                break
+            start = self.prefill_pos.get(sid, 0)
+            n = min(cfg.prefill_chunk_size - start % cfg.prefill_chunk_size, len(seq.prompt_ids) - start)
+            if n > budget:
+                break
+            need = kv.blocks_needed(sid, start + n + (1 if start + n == len(seq.prompt_ids) else 0))
+            idle = not chunks and all(sid == r for r in self.running)
+            if need > free or (free - need < margin and not idle):
+                break  # an otherwise idle engine admits whatever fits at all
+            free -= need
+            budget -= n
+            chunks.append(PrefillChunk(seq, start, n))
+        for c in chunks:
+            sid = c.seq.request_id
+            kv.ensure(sid, c.start + c.n)
+            if sid not in self.running:
+                self.running[sid] = c.seq
+                c.seq.status = Status.RUNNING
+        return chunks
+
+    # -- the decision ---------------------------------------------------------------------------------
+    def schedule(self) -> StagePlan:
+        raise NotImplementedError
+
+    # -- results ----------------------------------------------------------------------------------------
+    def after_prefill(self, plan: StagePlan, logits: dict) -> None:
+        for c in plan.chunks:
+            seq = c.seq
+            self.prefill_pos[seq.request_id] = c.start + c.n
+            self.stats.prefill_token_loops += c.n * seq.rule.max_loops
+            seq.metrics.prefill_loops += c.n * seq.rule.max_loops
+            if not c.last:
+                continue
+            self.waiting.remove(seq)
+            self.stats.prompt_tokens += len(seq.prompt_ids)
+            seq.sample_and_append(logits[seq.request_id], seq.rule.max_loops)
+            self.stats.generated_tokens += 1
+            if seq.finished:
+                self._finish(seq)
+            else:
+                self._new_item(seq)
+
+    def after_prelude(self, plan: StagePlan) -> None:
+        for item in plan.items:
+            item.tracker = item.seq.rule.new_item(item.seq.decode_index)
+            if self.core_q:
+                self.stats.refill_events += 1
+            self.core_q.append(item)
+
+    def after_core(self, plan: StagePlan, signals: list[float | None]) -> None:
+        """Advance each item's loop count and apply its exit rule."""
+        for item, sig in zip(plan.items, signals, strict=True):
+            if item.passive:
+                continue
+            item.r += 1
+            self.stats.useful_core_rows += 1
+            tracker = item.tracker
+            assert tracker is not None
+            if tracker.frozen:  # the lookahead step ran; the token exits at its decision depth
+                tracker.frozen = False
+                self._exit(item)
+            elif not tracker.observe(item.r, sig):
+                self._exit(item)
+
+    def _exit(self, item: WorkItem) -> None:
+        """The item stops looping: its KV depth is the loops it ran."""
+        kvrow = self.kv.row_map(item.seq.request_id)[item.position]
+        self.kv.store.depth[kvrow] = item.r
+        self.stats.exit_depths[item.tracker.exit_depth] += 1  # type: ignore[union-attr]
+        self.on_exit(item)
+
+    def on_exit(self, item: WorkItem) -> None:
+        self.core_q.remove(item)
+        self.coda_q.append(item)
+
+    def after_coda(self, plan: StagePlan, logits) -> None:
+        for j, item in enumerate(plan.items):
+            seq = item.seq
+            assert item.tracker is not None and item.tracker.exit_depth is not None
+            seq.metrics.loops_run += item.r
+            seq.sample_and_append(logits[j], item.tracker.exit_depth)
+            self.stats.generated_tokens += 1
+            self._drop_item(item)
+            if seq.finished:
+                self._finish(seq)
+            else:
+                self._new_item(seq)
+
+    def check_invariants(self) -> None:
+        live = set(self.running) | {i.seq.request_id for i in self.swapped} | {
+            s.request_id for s in self.waiting if s.request_id in self.kv.tables}
+        self.kv.check_invariants(live)
+        items = self.prelude_q + self.core_q + self.coda_q
+        rows = [i.row for i in items if i.row >= 0]
+        assert len(rows) == len(set(rows)), "state row shared by two items"
+        assert len(rows) + self.pool.num_free == self.pool.state.shape[0], "state row leaked"
+        seqs = [i.seq.request_id for i in items] + [i.seq.request_id for i in self.swapped]
+        assert len(seqs) == len(set(seqs)), "two in-flight items for one sequence"
+        for i in self.core_q:
+            assert i.row >= 0 and self.kv.store.depth[self.kv.row_map(i.seq.request_id)[i.position]] == IN_FLIGHT
+
+
+class RefillScheduler(Scheduler):
+    def schedule(self) -> StagePlan:
+        self._try_swap_in()
+        width = self.cfg.max_decode_batch
+        if len(self.coda_q) >= self.cfg.min_coda_batch:
+            return self._coda_plan()
+        chunks = self._take_prefill() if self.waiting else []
+        if chunks:
+            return StagePlan("prefill", chunks=chunks)
+        if self.prelude_q and len(self.core_q) < width:
+            items = self._take_preludes(width - len(self.core_q))
+            if items:
+                return StagePlan("prelude", items)
+        if self.core_q:
+            return StagePlan("core", sorted(self.core_q, key=lambda i: i.order)[:width])
+        if self.coda_q:
+            return self._coda_plan()
+        return StagePlan("idle")
+
+    def _coda_plan(self) -> StagePlan:
+        items = sorted(self.coda_q, key=lambda i: i.order)[: self.cfg.max_decode_batch]
+        for i in items:
+            self.coda_q.remove(i)
+        return StagePlan("coda", items)
+
+
+class CohortScheduler(Scheduler):
+    """CB and CDB no-refill: a cohort runs prelude -> core steps -> coda; work joins between cohorts."""
+
+    keep_exited_in_batch = False
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.cohort: list[WorkItem] = []
+        self.phase = "none"
+        self.core_ticks = 0
+
+    def schedule(self) -> StagePlan:
+        if self.phase == "none":
+            self._try_swap_in()
+            chunks = self._take_prefill() if self.waiting else []
+            if chunks:
+                return StagePlan("prefill", chunks=chunks)
+            if not self.prelude_q:
+                return StagePlan("idle")
+            self.cohort = self._take_preludes(self.cfg.max_decode_batch)
+            if not self.cohort:
+                return StagePlan("idle")
+            self.phase, self.core_ticks = "prelude", 0
+            return StagePlan("prelude", list(self.cohort))
+        if self.phase == "core":
+            if not self._cohort_done():
+                self.core_ticks += 1
+                members = self.cohort if self.keep_exited_in_batch else [i for i in self.cohort if not i.exited]
+                return StagePlan("core", list(members))
+            self.phase = "coda"
+        # coda for the whole cohort
+        items, self.cohort, self.phase = self.cohort, [], "none"
+        for i in items:
+            self.coda_q.remove(i)
+        return StagePlan("coda", items)
+
+    def _cohort_done(self) -> bool:
+        return all(i.exited for i in self.cohort)
+
+    def after_prelude(self, plan: StagePlan) -> None:
+        super().after_prelude(plan)
+        self.phase = "core"
+
+    def on_exit(self, item: WorkItem) -> None:
+        super().on_exit(item)
+        if self.keep_exited_in_batch:
+            item.passive = True
+
+    def abort(self, request_id: str):
+        seq = super().abort(request_id)
+        self.cohort = [i for i in self.cohort if i.seq.request_id != request_id]
+        if not self.cohort and self.phase != "none":
+            self.phase = "none"
+        return seq
+
+
+class CBScheduler(CohortScheduler):
+    keep_exited_in_batch = True
+
+    def _cohort_done(self) -> bool:  # full depth, whatever the exits
+        return self.core_ticks >= max(i.seq.rule.max_loops for i in self.cohort)
+
+
+def make_scheduler(cfg: EngineConfig, kv: KVCacheManager, pool: StatePool, stats: EngineStats) -> Scheduler:
+    cls = {"cb": CBScheduler, "cdb-norefill": CohortScheduler, "cdb": RefillScheduler}[cfg.scheduler]
+    return cls(cfg, kv, pool, stats)

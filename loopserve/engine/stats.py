@@ -1,0 +1,40 @@
+"""Engine statistics: what the benchmarks and `/metrics` read."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineStats:
+    ticks: Counter = field(default_factory=Counter)  # stage -> ticks run
+    rows: Counter = field(default_factory=Counter)  # stage -> rows computed (core: row-steps)
+    useful_core_rows: int = 0  # core row-steps whose result was kept (CB computes passive rows too)
+    prefill_token_loops: int = 0
+    batch_hist: dict[str, Counter] = field(default_factory=dict)  # stage -> batch size -> ticks
+    refill_events: int = 0  # a fresh item joined a non-empty core queue
+    preemptions: int = 0
+    swap_ins: int = 0
+    exit_depths: Counter = field(default_factory=Counter)
+    model_time: float = 0.0
+    schedule_time: float = 0.0
+    generated_tokens: int = 0
+    prompt_tokens: int = 0
+    finished_requests: Counter = field(default_factory=Counter)  # finish reason -> count
+
+    def record(self, stage: str, batch: int) -> None:
+        self.ticks[stage] += 1
+        self.rows[stage] += batch
+        self.batch_hist.setdefault(stage, Counter())[batch] += 1
+
+    def as_dict(self) -> dict:
+        return {
+            "ticks": dict(self.ticks), "rows": dict(self.rows), "useful_core_rows": self.useful_core_rows,
+            "prefill_token_loops": self.prefill_token_loops,
+            "batch_hist": {k: dict(sorted(v.items())) for k, v in self.batch_hist.items()},
+            "refill_events": self.refill_events, "preemptions": self.preemptions, "swap_ins": self.swap_ins,
+            "exit_depths": dict(sorted(self.exit_depths.items())), "model_time": self.model_time,
+            "schedule_time": self.schedule_time, "generated_tokens": self.generated_tokens,
+            "prompt_tokens": self.prompt_tokens, "finished_requests": dict(self.finished_requests),
+        }
