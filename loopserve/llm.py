@@ -60,17 +60,16 @@ class LLM:
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts
-                                               and all(isinstance(t, int) for t in prompts)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        single = isinstance(prompts, str | dict) or (
+            isinstance(prompts, list) and bool(prompts) and all(isinstance(t, int) for t in prompts))
+        prompt_list: list[PromptType] = [prompts] if single else list(prompts)  # type: ignore[list-item,arg-type]
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
+        params = ([sampling_params] * len(prompt_list) if isinstance(sampling_params, SamplingParams)
                   else list(sampling_params))
-        if len(params) != len(prompts):
-            raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
-        seqs = [self._make_sequence(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        if len(params) != len(prompt_list):
+            raise ValueError(f"sampling_params: {len(params)} given for {len(prompt_list)} prompts")
+        seqs = [self._make_sequence(p, sp) for p, sp in zip(prompt_list, params, strict=True)]
         bar = tqdm(total=len(seqs), disable=not use_tqdm, desc="generate")
         if self.engine is None:
             decoder = ReferenceDecoder(self.model, self.layout, self.engine_config.prefill_chunk_size)

@@ -57,7 +57,7 @@ class ReferenceDecoder:
         kv.set_depth(ctx.write_rows, IN_FLIGHT)
         state, inject = model.prelude(torch.tensor([seq.output_ids[-1]], device=dev), ctx, [seq.state_seed(pos)])
         tracker = seq.rule.new_item(seq.decode_index)
-        kinds = {seq.rule.signal} - {None}
+        kinds = {seq.rule.signal} if seq.rule.signal else set()
         prev_lp = uniform_logprobs(1, model.config.vocab_size, torch.float64, dev) if "kl" in kinds else None
         r = 0
         while True:

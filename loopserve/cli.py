@@ -1,0 +1,189 @@
+"""Command line: `loopserve generate | demo | make-tiny | serve | bench | train-tiny | eval`.
+
+Each subcommand registers itself from the module that owns it (`register(subparsers)`), so this
+file only lists them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import sys
+from collections import Counter
+from pathlib import Path
+
+from loopserve.engine.config import SCHEDULERS, EngineConfig
+
+# Modules that add subcommands; a missing optional module is skipped.
+_COMMAND_MODULES = ["loopserve.cli", "loopserve.serve.cli", "loopserve.bench.cli", "loopserve.train.cli"]
+BARS = " ▁▂▃▄▅▆▇█"
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Model and engine flags shared by generate, serve and bench."""
+    p.add_argument("--model", default=None, help="HF folder or hub id (default: the embedded model)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--state-init", default="like-init", choices=["like-init", "zero"], help="Huginn only")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scheduler", default="cdb", choices=SCHEDULERS)
+    p.add_argument("--kv-layout", default="depth_indexed", choices=["depth_indexed", "last_exited", "shared"])
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-tokens", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-decode-batch", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--prefill-chunk-size", type=int, default=512)
+    p.add_argument("--min-coda-batch", type=int, default=1)
+    p.add_argument("--lookahead", action="store_true", help="delayed exit consumption (r_min = 2)")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    return {k: v for k, v in vars(args).items() if k in names}
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--exit-threshold", type=float, default=None)
+    p.add_argument("--exit-policy", default=None, choices=["fixed", "gate", "latent_diff", "kl"])
+    p.add_argument("--min-loops", type=int, default=None)
+    p.add_argument("--max-loops", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def depth_histogram(depths: list[int]) -> str:
+    """One line per depth: `d=2  ▇▇▇▇▇▇      31 (44%)`."""
+    if not depths:
+        return "(no tokens)"
+    counts = Counter(depths)
+    top = max(counts.values())
+    lines = []
+    for d in range(1, max(counts) + 1):
+        c = counts.get(d, 0)
+        width = round(24 * c / top)
+        lines.append(f"  d={d:<3d}{'█' * width:<24s} {c:5d} ({100 * c / len(depths):.0f}%)")
+    mean = sum(depths) / len(depths)
+    return "\n".join([f"exit depth: mean {mean:.2f} over {len(depths)} tokens", *lines])
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from loopserve import LLM, SamplingParams
+
+    prompts = list(args.prompts)
+    if args.prompts_file:
+        prompts += [ln.rstrip("\n") for ln in Path(args.prompts_file).read_text().splitlines() if ln.strip()]
+    if not prompts:
+        print("error: give prompts as arguments or with --prompts-file", file=sys.stderr)
+        return 2
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, exit_threshold=args.exit_threshold, exit_policy=args.exit_policy,
+                                min_loops=args.min_loops, max_loops=args.max_loops, ignore_eos=args.ignore_eos,
+                                seed=args.seed)
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, state_init=args.state_init, seed=args.seed,
+                  **engine_kwargs(args))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.scheduler == "reference" or len(prompts) > 1:
+        outs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
+        all_depths = []
+        for o in outs:
+            c = o.outputs[0]
+            all_depths += c.exit_depths
+            print(f"\n>>> {o.prompt}\n{c.text}\n[{c.finish_reason}, {len(c.token_ids)} tokens, "
+                  f"mean depth {sum(c.exit_depths) / max(len(c.exit_depths), 1):.2f}]")
+        print("\n" + depth_histogram(all_depths))
+        return 0
+    # one prompt: stream text as tokens arrive, with each token's depth as a shade underneath
+    engine = llm.engine
+    assert engine is not None
+    seq = llm._make_sequence(prompts[0], params)
+    engine.add_sequence(seq)
+    print(prompts[0], end="", flush=True)
+    shown = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        if len(seq.text) > shown:
+            print(seq.text[shown:], end="", flush=True)
+            shown = len(seq.text)
+    shade = "".join(BARS[min(d, len(BARS) - 1)] for d in seq.exit_depths)
+    tqdm.write(f"\n\n[{seq.finish_reason}] per-token depth: {shade}\n" + depth_histogram(seq.exit_depths))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    args.prompts = args.prompts or ["ROMEO:\nBut soft, what light"]
+    return cmd_generate(args)
+
+
+def cmd_make_tiny(args: argparse.Namespace) -> int:
+    from loopserve.models.tiny import TinySpec, make_tiny
+
+    layers = args.layers or ("2" if args.arch == "ouro" else "2-2-2")
+    spec = TinySpec(arch=args.arch, hidden_size=args.hidden_size, num_heads=args.num_heads,
+                    num_kv_heads=args.num_kv_heads, intermediate_size=args.intermediate_size,
+                    vocab_size=args.vocab_size, layers=layers, r_max=args.r_max or (4 if args.arch == "ouro" else 8),
+                    lookahead_gate=args.lookahead_gate, seed=args.seed)
+    try:
+        out = make_tiny(args.out, spec, shards=args.shards)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.arch} tiny checkpoint to {out}")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    for name, fn, help_ in (("generate", cmd_generate, "generate text, streaming, with exit depths"),
+                            ("demo", cmd_demo, "generate from the embedded default model")):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("prompts", nargs="*")
+        p.add_argument("--prompts-file", default=None, help="one prompt per line")
+        add_engine_args(p)
+        add_sampling_args(p)
+        p.set_defaults(func=fn)
+    p = sub.add_parser("make-tiny", help="write a random tiny Ouro or Huginn checkpoint (HF layout)")
+    p.add_argument("out")
+    p.add_argument("--arch", default="ouro", choices=["ouro", "huginn"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--num-heads", type=int, default=4)
+    p.add_argument("--num-kv-heads", type=int, default=None, help="Ouro: < num-heads for GQA")
+    p.add_argument("--intermediate-size", type=int, default=128)
+    p.add_argument("--vocab-size", type=int, default=512)
+    p.add_argument("--layers", default=None, help="Ouro: N layers; Huginn: prelude-core-coda, e.g. 2-4-2")
+    p.add_argument("--r-max", type=int, default=None, help="Ouro total_ut_steps / Huginn mean_recurrence")
+    p.add_argument("--lookahead-gate", action="store_true")
+    p.add_argument("--shards", type=int, default=1)
+    p.set_defaults(func=cmd_make_tiny)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loopserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in _COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+            continue
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# What CI runs: lint, type-check the core, then the test suite (slow benchmarks excluded).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+set -e
+.venv/bin/ruff check loopserve tests
+.venv/bin/mypy loopserve/engine loopserve/cache loopserve/exits.py loopserve/sampling_params.py loopserve/config.py
+set +e
+.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+rc=$?
+if [ $rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi
+exit $rc
