@@ -1,4 +1,5 @@
-"""Building blocks shared by the looped models: RMSNorm, rotary embeddings, and attention over the paged, layout-aware KV cache."""
+"""Building blocks shared by the looped models: RMSNorm, rotary embeddings, and attention over the
+paged, layout-aware KV cache."""
 
 from __future__ import annotations
 

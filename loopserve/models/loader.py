@@ -58,7 +58,10 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
     """Map tensor name -> file holding it."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map")
+        except (json.JSONDecodeError, AttributeError) as e:
+            raise ValueError(f"{index}: not a valid index ({e})") from None
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index}: no 'weight_map'")
         files = {name: folder / f for name, f in weight_map.items()}
@@ -69,8 +72,14 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
     single = folder / "model.safetensors"
     if not single.is_file():
         raise ValueError(f"{folder}: no model.safetensors or model.safetensors.index.json")
-    with safe_open(str(single), "pt") as f:
-        return {name: single for name in f.keys()}
+    return {name: single for name in _open(single).keys()}
+
+
+def _open(file: Path):
+    try:
+        return safe_open(str(file), "pt")
+    except Exception as e:  # truncated or not a safetensors file
+        raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
 
 
 def load_model(model: str | Path, dtype: str = "float32", device: str = "cpu",
@@ -85,6 +94,8 @@ def load_model(model: str | Path, dtype: str = "float32", device: str = "cpu",
         raw = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{cfg_path}: expected a JSON object, got {type(raw).__name__}")
     config = ModelConfig.from_hf(raw, str(cfg_path))
     files = _tensor_files(folder)
     net: LoopedLM
@@ -100,11 +111,16 @@ def load_model(model: str | Path, dtype: str = "float32", device: str = "cpu",
         torch.set_default_dtype(default_dtype)
     net = net.to_empty(device=device)
     params = dict(net.named_parameters())
-    handles = {f: safe_open(str(f), "pt") for f in set(files.values())}
+    handles = {f: _open(f) for f in set(files.values())}
+    held = {f: set(h.keys()) for f, h in handles.items()}
+    index = folder / "model.safetensors.index.json"
+    source = index if index.is_file() else folder / "model.safetensors"
     with torch.no_grad():
         for name, p in params.items():
             if name not in files:
-                raise ValueError(f"{folder}: tensor {name!r} missing from the checkpoint")
+                raise ValueError(f"{source}: tensor {name!r} missing from the checkpoint")
+            if name not in held[files[name]]:  # an index entry pointing at the wrong shard
+                raise ValueError(f"{files[name]}: tensor {name!r} missing (the index lists it in this file)")
             t = handles[files[name]].get_tensor(name)
             if tuple(t.shape) != tuple(p.shape):
                 raise ValueError(f"{files[name]}: tensor {name!r} has shape {tuple(t.shape)}, "

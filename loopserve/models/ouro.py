@@ -79,7 +79,8 @@ class OuroForCausalLM(LoopedLM):
         super().__init__()
         self.config = c
         self.model = OuroInner(c)
-        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        # tie_word_embeddings (false in the released checkpoints): the head reuses the embedding
+        self.lm_head = None if c.tie_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         # Optional distilled head predicting the gate's decision one step ahead (loopserve extra).
         self.lookahead_gate = nn.Linear(c.hidden_size, 1, bias=True) if lookahead_gate else None
 
@@ -94,7 +95,8 @@ class OuroForCausalLM(LoopedLM):
 
     def coda(self, state, ctx, logit_rows=None):
         h = state if logit_rows is None else state[logit_rows]
-        return self.lm_head(h).to(compute_dtype(h.dtype))
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(h, head.weight).to(compute_dtype(h.dtype))
 
     def _gate(self, head: nn.Linear, state: torch.Tensor) -> torch.Tensor:
         cdt = compute_dtype(state.dtype)  # gate math in fp32 (or wider), not in bf16

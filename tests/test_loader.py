@@ -1,0 +1,432 @@
+"""Loading Hugging Face folders: make-tiny round trips, shards, tokenizer files, generation config,
+independent writers, and clear errors for every malformed input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from loopserve import LLM, SamplingParams
+from loopserve.cli import main as cli_main
+from loopserve.config import ModelConfig
+from loopserve.models.loader import load_model
+from loopserve.models.tiny import TinySpec, make_tiny
+from tests.upstream import oracle
+from tests.upstream.tiny_weights import tiny_huginn_config, tiny_huginn_weights, tiny_ouro_config, tiny_ouro_weights
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+# Keys of the released configs (reference/ouro.md §1.1 and reference/huginn.md §1).
+OURO_KEYS = {
+    "architectures", "model_type", "auto_map", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "hidden_act", "rope_theta",
+    "rope_scaling", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "total_ut_steps",
+    "early_exit_threshold", "use_sliding_window", "sliding_window", "layer_types", "initializer_range",
+    "attention_dropout", "use_cache", "torch_dtype", "bos_token_id", "eos_token_id", "pad_token_id",
+}
+HUGINN_KEYS = {
+    "architectures", "auto_map", "model_type", "n_embd", "n_heads", "num_key_value_heads", "n_layers",
+    "n_layers_in_prelude", "n_layers_in_recurrent_block", "n_layers_in_coda", "intermediate_size", "vocab_size",
+    "padded_vocab_size", "padding_multiple", "block_size", "rope_base", "norm_class_name", "norm_eps",
+    "block_class_name", "mlp_class_name", "nonlin_name", "bias", "qk_bias", "tie_embeddings", "injection_type",
+    "state_init", "mean_recurrence", "mean_backprop_depth", "sampling_scheme", "init_strategy", "init_orthogonal",
+    "activation_checkpoint_impl", "architecture_class_name", "torch_dtype", "effective_expected_depth",
+    "init_values", "bos_token_id", "eos_token_id", "pad_token_id",
+}
+
+
+def _shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    index = folder / "model.safetensors.index.json"
+    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
+             else ["model.safetensors"])
+    out = {}
+    for f in files:
+        with safe_open(str(folder / f), "pt") as h:
+            for name in h.keys():
+                assert name not in out, f"{name} stored twice"
+                out[name] = tuple(h.get_slice(name).get_shape())
+    return out
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+# ---------------- make-tiny round trips
+
+
+@pytest.mark.parametrize("layers,n_kv", [("2", None), ("3", 2)])
+def test_make_tiny_ouro_names_and_shapes_are_upstream(tmp_path, layers, n_kv):
+    folder = make_tiny(tmp_path / "o", TinySpec(arch="ouro", layers=layers, num_kv_heads=n_kv, r_max=3))
+    raw = json.loads((folder / "config.json").read_text())
+    assert OURO_KEYS <= set(raw), f"missing upstream keys {OURO_KEYS - set(raw)}"
+    assert set(tiny_ouro_config()) <= set(raw)
+    assert raw["architectures"] == ["OuroForCausalLM"] and raw["total_ut_steps"] == 3
+    assert raw["num_key_value_heads"] == (n_kv or raw["num_attention_heads"])
+    shapes = _shapes(folder)
+    expected = {n: tuple(t.shape) for n, t in tiny_ouro_weights(raw).items()}  # independent name list
+    assert shapes == expected
+    n_layers = int(layers)
+    assert len(shapes) == 11 * n_layers + 5
+    assert "model.layers.0.self_attn.q_proj.weight" in shapes and "model.early_exit_gate.bias" in shapes
+    lm = load_model(folder)
+    c = lm.config
+    assert (c.arch, c.n_prelude, c.n_core, c.n_coda, c.r_max) == ("OuroForCausalLM", 0, n_layers, 0, 3)
+    # what was written is what was loaded
+    weights = load_file(str(folder / "model.safetensors"))
+    for name, p in lm.model.named_parameters():
+        assert torch.equal(p, weights[name]), name
+
+
+@pytest.mark.parametrize("layers", ["1-2-1", "2-4-2", "0-3-1"])
+def test_make_tiny_huginn_names_and_shapes_are_upstream(tmp_path, layers):
+    folder = make_tiny(tmp_path / "h", TinySpec(arch="huginn", layers=layers, r_max=5, max_position=128))
+    raw = json.loads((folder / "config.json").read_text())
+    assert HUGINN_KEYS <= set(raw), f"missing upstream keys {HUGINN_KEYS - set(raw)}"
+    assert set(tiny_huginn_config()) <= set(raw)
+    p, c, d = (int(x) for x in layers.split("-"))
+    assert (raw["n_layers_in_prelude"], raw["n_layers_in_recurrent_block"], raw["n_layers_in_coda"]) == (p, c, d)
+    assert raw["n_layers"] == p + c + d and raw["mean_recurrence"] == 5
+    assert raw["effective_expected_depth"] == p + c * 5 + d
+    shapes = _shapes(folder)
+    expected = {n: tuple(t.shape) for n, t in tiny_huginn_weights(raw).items()}
+    assert shapes == expected
+    assert shapes["freqs_cis"] == (1, 128, 1, raw["n_embd"] // raw["n_heads"] // 2, 2)
+    assert shapes["lm_head.weight"] == shapes["transformer.wte.weight"]
+    weights = load_file(str(folder / "model.safetensors"))
+    assert torch.equal(weights["lm_head.weight"], weights["transformer.wte.weight"])  # tied copy, as released
+    hd = raw["n_embd"] // raw["n_heads"]
+    ref = tiny_huginn_weights(raw)["freqs_cis"]
+    assert torch.allclose(weights["freqs_cis"], ref, atol=1e-4)
+    lm = load_model(folder)
+    assert (lm.config.n_prelude, lm.config.n_core, lm.config.n_coda, lm.config.head_dim) == (p, c, d, hd)
+    for name, t in lm.model.named_parameters():
+        assert torch.equal(t, weights[name]), name
+
+
+def test_make_tiny_is_deterministic_per_seed(tmp_path):
+    a = load_file(str(make_tiny(tmp_path / "a", TinySpec(seed=3)) / "model.safetensors"))
+    b = load_file(str(make_tiny(tmp_path / "b", TinySpec(seed=3)) / "model.safetensors"))
+    c = load_file(str(make_tiny(tmp_path / "c", TinySpec(seed=4)) / "model.safetensors"))
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert not all(torch.equal(a[n], c[n]) for n in a)
+
+
+def test_make_tiny_rejects_bad_spec(tmp_path):
+    with pytest.raises(ValueError, match="arch"):
+        make_tiny(tmp_path / "x", TinySpec(arch="llama"))
+    with pytest.raises(ValueError, match="layers"):
+        make_tiny(tmp_path / "y", TinySpec(arch="huginn", layers="4"))
+
+
+@pytest.mark.parametrize("arch,layers", [("ouro", "2"), ("huginn", "1-2-1")])
+def test_sharded_checkpoint_loads_identically(tmp_path, arch, layers):
+    spec = TinySpec(arch=arch, layers=layers, r_max=3, seed=5)
+    single = make_tiny(tmp_path / "single", spec)
+    sharded = make_tiny(tmp_path / "sharded", spec, shards=3)
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    shard_files = set(index["weight_map"].values())
+    assert len(shard_files) == 3 and all((sharded / f).is_file() for f in shard_files)
+    assert not (sharded / "model.safetensors").exists()
+    assert _shapes(sharded) == _shapes(single)
+    a, b = load_model(single), load_model(sharded)
+    pa, pb = dict(a.model.named_parameters()), dict(b.model.named_parameters())
+    assert pa.keys() == pb.keys()
+    assert all(torch.equal(pa[n], pb[n]) for n in pa)
+    prompt = [7, 8, 9, 10]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    outs = [LLM(model=f, scheduler="reference", state_init="zero").generate([prompt], params)[0]
+            for f in (single, sharded)]
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+
+
+# ---------------- tokenizer and generation config
+
+
+def test_ouro_tokenizer_files(tiny_ouro):
+    tok = load_model(tiny_ouro).tokenizer
+    # Ouro layout: <|endoftext|> = 0 is bos = eos; <|im_end|> = 2 is an extra eos (generation_config)
+    assert tok.bos_token_id == 0 and tok.eos_token_id == 0
+    assert tok.eos_token_ids == {0, 2}
+    assert tok.id_to_token(1) == "<|im_start|>" and tok.id_to_token(2) == "<|im_end|>"
+    text = tok.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=True)
+    assert "<|im_start|>user\nHello<|im_end|>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+    closed = tok.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=False)
+    assert not closed.endswith("<|im_start|>assistant\n")
+    ids = tok.encode("Hello, world")
+    assert tok.decode(ids) == "Hello, world"
+    assert tok.vocab_size == 512
+
+
+def test_huginn_tokenizer_files(tiny_huginn):
+    lm = load_model(tiny_huginn)
+    tok, vocab = lm.tokenizer, lm.config.vocab_size
+    # Huginn layout: the 32 specials are the last ids; <|begin_text|> is BOS, <|end_text|> EOS
+    assert tok.bos_token_id == vocab - 32 and tok.id_to_token(vocab - 32) == "<|begin_text|>"
+    assert tok.eos_token_id == vocab - 31 and tok.id_to_token(vocab - 31) == "<|end_text|>"
+    assert tok.eos_token_ids == {vocab - 31, vocab - 28}
+    ids = tok.encode("Hi there")
+    assert ids[0] == vocab - 32  # the post-processor prepends BOS
+    assert tok.decode(ids) == "Hi there"
+    text = tok.apply_chat_template([{"role": "user", "content": "  Hi  "}], add_generation_prompt=True)
+    assert text.startswith("<|begin_text|><|begin_header|>user<|end_header|>\n\nHi<|end_turn|>")
+    assert text.endswith("<|begin_header|>Huginn<|end_header|>\n\n")
+
+
+def _greedy(folder, prompt, n, ignore_eos):
+    llm = LLM(model=folder, scheduler="reference", dtype="float64", state_init="zero")
+    return llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=ignore_eos))[0].outputs[0]
+
+
+@pytest.mark.parametrize("fixture", ["tiny_ouro", "tiny_huginn"])
+def test_generation_config_extra_eos_ids_stop_generation(request, tmp_path, fixture):
+    folder = _copy(request.getfixturevalue(fixture), tmp_path / "m")
+    prompt = [20, 21, 22, 23, 24]
+    full = _greedy(folder, prompt, 10, ignore_eos=True)
+    assert len(full.token_ids) == 10 and full.finish_reason == "length"
+    tok = load_model(folder).tokenizer
+    # an extra eos only generation_config.json names: a token the model emits, first seen at k >= 1
+    k = next(i for i in range(1, 10) if full.token_ids[i] not in full.token_ids[:i]
+             and full.token_ids[i] != tok.eos_token_id)
+    stop_tok = full.token_ids[k]
+    gen_path = folder / "generation_config.json"
+    gen = json.loads(gen_path.read_text())
+    gen["eos_token_id"] = [tok.eos_token_id, stop_tok]
+    gen_path.write_text(json.dumps(gen))
+    assert stop_tok in load_model(folder).tokenizer.eos_token_ids
+    stopped = _greedy(folder, prompt, 10, ignore_eos=False)
+    assert stopped.token_ids == full.token_ids[: k + 1]
+    assert stopped.finish_reason == "stop"
+    again = _greedy(folder, prompt, 10, ignore_eos=True)
+    assert again.token_ids == full.token_ids and again.finish_reason == "length"
+
+
+def test_lookahead_gate_tensors_are_picked_up(tmp_path, tiny_ouro):
+    with_gate = make_tiny(tmp_path / "la", TinySpec(arch="ouro", lookahead_gate=True, seed=2))
+    names = _shapes(with_gate)
+    assert names["lookahead_gate.weight"] == (1, 64) and names["lookahead_gate.bias"] == (1,)
+    lm = load_model(with_gate, dtype="float64")
+    assert lm.model.has_lookahead_gate
+    w = load_file(str(with_gate / "model.safetensors"))
+    state = torch.randn(3, 64, dtype=torch.float64)
+    expected = state @ w["lookahead_gate.weight"].double()[0] + w["lookahead_gate.bias"].double()[0]
+    assert torch.allclose(lm.model.lookahead_gate_logit(state), expected)
+    assert not torch.allclose(lm.model.gate_logit(state), expected)  # a separate head from the exit gate
+    plain = load_model(tiny_ouro)
+    assert not plain.model.has_lookahead_gate
+    with pytest.raises(ValueError, match="lookahead gate"):
+        plain.model.lookahead_gate_logit(state.float())
+
+
+# ---------------- a folder written by the independent upstream-layout writer
+
+
+def _independent_folder(dst: Path, tokenizer_src: Path, arch: str) -> Path:
+    dst.mkdir()
+    if arch.startswith("ouro"):
+        cfg = tiny_ouro_config(vocab_size=512, tie_word_embeddings=arch == "ouro-tied")
+        weights = tiny_ouro_weights(cfg, seed=7)
+        if cfg["tie_word_embeddings"]:  # a tied checkpoint stores no separate head
+            del weights["lm_head.weight"]
+    else:
+        cfg = tiny_huginn_config(vocab_size=512, padded_vocab_size=512, n_layers_in_prelude=2,
+                                 n_layers_in_recurrent_block=1, n_layers_in_coda=1)
+        weights = tiny_huginn_weights(cfg, seed=7)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    save_file(weights, str(dst / "model.safetensors"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_src / name, dst / name)
+    return dst
+
+
+@pytest.mark.parametrize("fixture,arch", [("tiny_ouro", "ouro"), ("tiny_ouro", "ouro-tied"),
+                                          ("tiny_huginn", "huginn")])
+def test_loads_folder_from_independent_writer(request, tmp_path, fixture, arch):
+    folder = _independent_folder(tmp_path / "indep", request.getfixturevalue(fixture), arch)
+    lm = load_model(folder, dtype="float64", state_init="zero")
+    assert lm.config.vocab_size == 512
+    prompt = [3, 30, 300, 33]
+    depth = lm.config.r_max
+    llm = LLM(model=folder, scheduler="reference", dtype="float64", state_init="zero")
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=3))[0]
+    tokens, top = oracle.greedy_generate(folder, prompt, depth, 3, k=3)
+    assert out.outputs[0].token_ids == tokens
+    for ours, ref in zip(out.outputs[0].logprobs, top, strict=True):
+        for t, v in ref.items():
+            assert abs(ours[t].logprob - v) < 1e-8
+
+
+# ---------------- malformed inputs
+
+
+@pytest.fixture
+def ouro_copy(tmp_path, tiny_ouro):
+    return _copy(tiny_ouro, tmp_path / "broken")
+
+
+def _rewrite_weights(folder: Path, edit) -> None:
+    w = load_file(str(folder / "model.safetensors"))
+    edit(w)
+    save_file(w, str(folder / "model.safetensors"))
+
+
+def test_missing_tensor_is_named(ouro_copy):
+    _rewrite_weights(ouro_copy, lambda w: w.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(ValueError) as e:
+        load_model(ouro_copy)
+    msg = str(e.value)
+    assert "model.layers.1.mlp.up_proj.weight" in msg and "model.safetensors" in msg and "missing" in msg
+
+
+def test_wrong_shape_is_named(ouro_copy):
+    def edit(w):
+        w["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(8, 64)
+    _rewrite_weights(ouro_copy, edit)
+    with pytest.raises(ValueError) as e:
+        load_model(ouro_copy)
+    msg = str(e.value)
+    assert "model.layers.0.self_attn.k_proj.weight" in msg and "model.safetensors" in msg
+    assert "(8, 64)" in msg and "(64, 64)" in msg
+
+
+def test_unknown_architecture(ouro_copy):
+    cfg = json.loads((ouro_copy / "config.json").read_text())
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    (ouro_copy / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError) as e:
+        load_model(ouro_copy)
+    assert "LlamaForCausalLM" in str(e.value) and "config.json" in str(e.value)
+    with pytest.raises(ValueError, match="unknown architecture"):
+        ModelConfig.from_hf({"hidden_size": 4})
+
+
+def test_missing_config_key(ouro_copy):
+    cfg = json.loads((ouro_copy / "config.json").read_text())
+    del cfg["num_hidden_layers"]
+    (ouro_copy / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="num_hidden_layers") as e:
+        load_model(ouro_copy)
+    assert "config.json" in str(e.value)
+
+
+def test_missing_config_json(ouro_copy):
+    (ouro_copy / "config.json").unlink()
+    with pytest.raises(ValueError, match="config.json") as e:
+        load_model(ouro_copy)
+    assert str(ouro_copy) in str(e.value)
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2, 3]"])
+def test_invalid_config_json(ouro_copy, text):
+    (ouro_copy / "config.json").write_text(text)
+    with pytest.raises(ValueError, match="config.json"):
+        load_model(ouro_copy)
+
+
+def test_missing_weights(ouro_copy):
+    (ouro_copy / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="model.safetensors"):
+        load_model(ouro_copy)
+
+
+def test_corrupt_safetensors(ouro_copy):
+    (ouro_copy / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00not json")
+    with pytest.raises(ValueError, match="model.safetensors"):
+        load_model(ouro_copy)
+
+
+def test_missing_tokenizer(ouro_copy):
+    (ouro_copy / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        load_model(ouro_copy)
+
+
+def test_index_listing_missing_shard(tmp_path):
+    folder = make_tiny(tmp_path / "s", TinySpec(arch="huginn", layers="1-1-1", r_max=2), shards=3)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    victim = sorted(set(index["weight_map"].values()))[1]
+    (folder / victim).unlink()
+    with pytest.raises(ValueError) as e:
+        load_model(folder)
+    assert victim in str(e.value) and "model.safetensors.index.json" in str(e.value)
+
+
+def test_index_pointing_at_wrong_shard(tmp_path):
+    folder = make_tiny(tmp_path / "s", TinySpec(arch="ouro", r_max=2), shards=3)
+    path = folder / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    name = "model.norm.weight"
+    other = next(f for f in sorted(set(index["weight_map"].values())) if f != index["weight_map"][name])
+    index["weight_map"][name] = other
+    path.write_text(json.dumps(index))
+    with pytest.raises(ValueError) as e:
+        load_model(folder)
+    assert name in str(e.value) and other in str(e.value)
+
+
+def test_index_without_weight_map(tmp_path):
+    folder = make_tiny(tmp_path / "s", TinySpec(arch="ouro", r_max=2), shards=2)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(ValueError, match="weight_map"):
+        load_model(folder)
+    for text in ("{broken", "[]"):
+        (folder / "model.safetensors.index.json").write_text(text)
+        with pytest.raises(ValueError, match="model.safetensors.index.json"):
+            load_model(folder)
+
+
+def test_bad_dtype_and_state_init(tiny_ouro, tiny_huginn):
+    with pytest.raises(ValueError, match="dtype"):
+        load_model(tiny_ouro, dtype="float16x")
+    with pytest.raises(ValueError, match="state_init"):
+        load_model(tiny_huginn, state_init="random")
+
+
+def test_not_a_folder(tmp_path):
+    for bad in (tmp_path / "nope", "a/b/c", "./relative"):
+        with pytest.raises(ValueError, match="not a model folder"):
+            load_model(bad)
+
+
+def test_hub_id_offline_fails_fast_naming_the_id(monkeypatch, tmp_path):
+    import huggingface_hub.constants as hf_constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)  # read at import time by huggingface_hub
+    monkeypatch.chdir(tmp_path)  # so "nobody/nothing" is not a relative folder by accident
+    start = time.monotonic()
+    with pytest.raises(ValueError) as e:
+        load_model("nobody/nothing")
+    assert time.monotonic() - start < 10
+    assert "'nobody/nothing'" in str(e.value)
+    assert "Hugging Face Hub" in str(e.value) and "download" in str(e.value)
+
+
+# ---------------- CLI
+
+
+def test_cli_make_tiny(tmp_path, capsys):
+    out = tmp_path / "cli_huginn"
+    rc = cli_main(["make-tiny", str(out), "--arch", "huginn", "--layers", "1-3-1", "--r-max", "5",
+                   "--hidden-size", "32", "--num-heads", "2", "--vocab-size", "320", "--shards", "2", "--seed", "9"])
+    assert rc == 0 and str(out) in capsys.readouterr().out
+    assert (out / "model.safetensors.index.json").is_file()
+    lm = load_model(out)
+    c = lm.config
+    assert (c.n_prelude, c.n_core, c.n_coda, c.r_max, c.hidden_size, c.num_heads, c.vocab_size) == (
+        1, 3, 1, 5, 32, 2, 320)
+    out2 = tmp_path / "cli_ouro"
+    assert cli_main(["make-tiny", str(out2), "--num-kv-heads", "2", "--lookahead-gate"]) == 0
+    lm2 = load_model(out2)
+    assert lm2.config.arch == "OuroForCausalLM" and lm2.config.num_kv_heads == 2 and lm2.model.has_lookahead_gate
+    assert cli_main(["make-tiny", str(tmp_path / "bad"), "--arch", "huginn", "--layers", "x"]) == 2
+    assert "layers" in capsys.readouterr().err

@@ -1,0 +1,230 @@
+"""SamplingParams validation, the sampler's filters on hand-built logits, and stop / length / logprob
+behaviour of whole requests."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from loopserve import LLM, SamplingParams
+from loopserve.engine.sampler import _filtered_probs, sample_token, token_logprobs
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+PROMPTS = [[5, 17, 99, 3, 250, 40, 7], [11, 200, 13, 8, 77], [300, 301, 5, 6, 7, 8, 9, 10, 11]]
+P = torch.tensor([0.5, 0.25, 0.15, 0.1], dtype=torch.float64)
+LOGITS = P.log() + 3.0  # a constant shift changes nothing
+
+
+# ---------------- validation
+
+
+@pytest.mark.parametrize("field,kwargs", [
+    ("n", {"n": 2}),
+    ("max_tokens", {"max_tokens": 0}),
+    ("max_tokens", {"max_tokens": 2.5}),
+    ("temperature", {"temperature": -0.1}),
+    ("temperature", {"temperature": "hot"}),
+    ("top_p", {"top_p": 0.0}),
+    ("top_p", {"top_p": 1.5}),
+    ("top_k", {"top_k": -2}),
+    ("top_k", {"top_k": 1.5}),
+    ("min_p", {"min_p": 1.5}),
+    ("seed", {"seed": "abc"}),
+    ("stop", {"stop": [""]}),
+    ("stop", {"stop": ["ok", 3]}),
+    ("stop_token_ids", {"stop_token_ids": [-1]}),
+    ("logprobs", {"logprobs": 21}),
+    ("logprobs", {"logprobs": -1}),
+    ("min_loops", {"min_loops": 0}),
+    ("max_loops", {"max_loops": 0}),
+    ("min_loops", {"min_loops": 3, "max_loops": 2}),
+    ("exit_threshold", {"exit_threshold": -0.5}),
+    ("exit_threshold", {"exit_policy": "gate", "exit_threshold": 1.5}),
+    ("exit_policy", {"exit_policy": "sometimes"}),
+    ("exit_trace", {"exit_trace": [2, 0]}),
+    ("exit_policy", {"exit_trace": [2], "exit_policy": "gate"}),
+])
+def test_bad_field_is_named(field, kwargs):
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**kwargs)
+    assert str(e.value).startswith(field), str(e.value)
+
+
+def test_valid_params_normalise():
+    p = SamplingParams(stop="END", exit_trace=[1, 2])
+    assert p.stop == ["END"] and p.exit_policy == "trace"
+    assert SamplingParams(temperature=0).greedy and not SamplingParams().greedy
+    SamplingParams(top_k=0, top_p=1.0, min_p=0.0, logprobs=0, max_tokens=None)  # all allowed
+
+
+def test_request_checked_against_the_model(tiny_ouro):
+    llm = LLM(model=tiny_ouro, scheduler="reference")
+    r_max = llm.config.r_max
+    with pytest.raises(ValueError, match="max_loops"):
+        llm.generate([PROMPTS[0]], SamplingParams(max_loops=r_max + 1))
+    with pytest.raises(ValueError, match="min_loops"):
+        llm.generate([PROMPTS[0]], SamplingParams(min_loops=r_max + 1))
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate([[]], SamplingParams())
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate([[1, 2, 10_000]], SamplingParams())
+
+
+# ---------------- the sampler on hand-built logits
+
+
+def probs(**kw) -> list[float]:
+    return _filtered_probs(LOGITS.clone(), SamplingParams(**kw)).tolist()
+
+
+def close(a, b, tol=1e-12) -> bool:
+    return all(abs(x - y) < tol for x, y in zip(a, b, strict=True))
+
+
+def test_no_filter_is_softmax():
+    assert close(probs(), P.tolist())
+
+
+def test_temperature_scales_logits():
+    for t in (0.5, 2.0):
+        w = [p ** (1 / t) for p in P.tolist()]
+        assert close(probs(temperature=t), [x / sum(w) for x in w])
+
+
+def test_top_k():
+    assert close(probs(top_k=1), [1, 0, 0, 0])
+    assert close(probs(top_k=2), [2 / 3, 1 / 3, 0, 0])
+    assert close(probs(top_k=3), [0.5 / 0.9, 0.25 / 0.9, 0.15 / 0.9, 0])
+    assert close(probs(top_k=-1), probs(top_k=0)) and close(probs(top_k=10), P.tolist())
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    assert close(probs(top_p=0.45), [1, 0, 0, 0])
+    assert close(probs(top_p=0.6), [2 / 3, 1 / 3, 0, 0])
+    assert close(probs(top_p=0.8), [0.5 / 0.9, 0.25 / 0.9, 0.15 / 0.9, 0])
+    assert close(probs(top_p=0.95), P.tolist())
+
+
+def test_min_p_is_relative_to_the_top_token():
+    assert close(probs(min_p=0.4), [2 / 3, 1 / 3, 0, 0])  # keeps p >= 0.2
+    assert close(probs(min_p=0.25), [0.5 / 0.9, 0.25 / 0.9, 0.15 / 0.9, 0])  # keeps p >= 0.125
+    assert close(probs(min_p=1.0), [1, 0, 0, 0])
+
+
+def test_filters_compose_after_temperature():
+    # temperature 2 -> weights sqrt(p); top_k 3 then top_p over the renormalised three
+    w = [math.sqrt(p) for p in P.tolist()[:3]]
+    q = [x / sum(w) for x in w]
+    assert q[0] < 0.6 < q[0] + q[1]  # so top_p=0.6 keeps exactly two
+    got = probs(temperature=2.0, top_k=3, top_p=0.6)
+    assert close(got, [q[0] / (q[0] + q[1]), q[1] / (q[0] + q[1]), 0, 0])
+
+
+def test_sample_token_greedy_and_support():
+    assert sample_token(LOGITS, SamplingParams(temperature=0), None) == 0
+    assert sample_token(torch.tensor([0.0, 5.0, 1.0]), SamplingParams(temperature=0), None) == 1
+    g = torch.Generator().manual_seed(0)
+    draws = [sample_token(LOGITS, SamplingParams(top_k=2), g) for _ in range(600)]
+    assert set(draws) == {0, 1}
+    assert abs(draws.count(0) / 600 - 2 / 3) < 0.08
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    a = [sample_token(LOGITS, SamplingParams(), g1) for _ in range(50)]
+    assert a == [sample_token(LOGITS, SamplingParams(), g2) for _ in range(50)]
+
+
+def test_token_logprobs_lists_top_k_and_the_sampled_token():
+    out, chosen = token_logprobs(LOGITS, 3, 2, str)
+    assert list(out) == [0, 1, 3]
+    assert abs(out[0].logprob - math.log(0.5)) < 1e-12 and out[0].rank == 1
+    assert abs(out[1].logprob - math.log(0.25)) < 1e-12 and out[1].rank == 2
+    assert out[3].rank == 4 and abs(out[3].logprob - math.log(0.1)) < 1e-12
+    assert chosen == out[3].logprob and out[3].decoded_token == "3"
+    only, _ = token_logprobs(LOGITS, 2, 0, str)
+    assert list(only) == [2] and only[2].rank == 3
+
+
+# ---------------- whole requests
+
+
+def _gen(llm, prompt, **kw):
+    return llm.generate([prompt], SamplingParams(**kw))[0].outputs[0]
+
+
+def test_seeded_sampling_reproducible_and_seed_dependent(tiny_ouro):
+    llm = LLM(model=tiny_ouro, scheduler="reference", dtype="float64")
+    a = _gen(llm, PROMPTS[0], max_tokens=8, temperature=1.0, seed=123, ignore_eos=True)
+    b = _gen(llm, PROMPTS[0], max_tokens=8, temperature=1.0, seed=123, ignore_eos=True)
+    assert a.token_ids == b.token_ids
+    others = {tuple(_gen(llm, PROMPTS[0], max_tokens=8, temperature=1.0, seed=s, ignore_eos=True).token_ids)
+              for s in (1, 2, 3, 4)}
+    assert len(others | {tuple(a.token_ids)}) >= 3
+    # without a per-request seed, the LLM seed decides; the same LLM seed reproduces
+    runs = [_gen(LLM(model=tiny_ouro, scheduler="reference", seed=s), PROMPTS[1], max_tokens=8, temperature=1.0,
+                 ignore_eos=True).token_ids for s in (7, 7, 8)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+    # top_k = 1 samples the argmax whatever the temperature
+    greedy = _gen(llm, PROMPTS[2], max_tokens=6, temperature=0, ignore_eos=True)
+    assert _gen(llm, PROMPTS[2], max_tokens=6, temperature=1.5, top_k=1, seed=9, ignore_eos=True).token_ids == \
+        greedy.token_ids
+
+
+def test_max_tokens_finishes_with_length(tiny_huginn):
+    llm = LLM(model=tiny_huginn, scheduler="reference", state_init="zero")
+    for n in (1, 3, 7):
+        out = _gen(llm, PROMPTS[0], max_tokens=n, temperature=0, ignore_eos=True)
+        assert len(out.token_ids) == n and out.finish_reason == "length" and len(out.exit_depths) == n
+
+
+def test_stop_token_ids(tiny_ouro):
+    llm = LLM(model=tiny_ouro, scheduler="reference", dtype="float64")
+    full = _gen(llm, PROMPTS[1], max_tokens=10, temperature=0, ignore_eos=True)
+    k = next(i for i in range(2, 10) if full.token_ids[i] not in full.token_ids[:i])
+    out = _gen(llm, PROMPTS[1], max_tokens=10, temperature=0, ignore_eos=True, stop_token_ids=[full.token_ids[k]])
+    assert out.token_ids == full.token_ids[: k + 1] and out.finish_reason == "stop"
+
+
+def test_stop_strings_truncate_text(tiny_ouro):
+    llm = LLM(model=tiny_ouro, scheduler="reference", dtype="float64")
+    tried = 0
+    for prompt in PROMPTS:
+        full = _gen(llm, prompt, max_tokens=16, temperature=0, ignore_eos=True)
+        text = full.text
+        # an ASCII two-letter stop string that first occurs after some text
+        k = next((i for i in range(1, len(text) - 1) if text[i:i + 2].isascii() and text[i:i + 2].isalpha()
+                  and text.find(text[i:i + 2]) == i), None)
+        if k is None:
+            continue
+        stop = text[k:k + 2]
+        out = _gen(llm, prompt, max_tokens=16, temperature=0, ignore_eos=True, stop=[stop, "\u2603never"])
+        assert out.finish_reason == "stop"
+        assert out.text == text[:k]
+        assert stop not in out.text
+        assert out.token_ids == full.token_ids[: len(out.token_ids)] and len(out.token_ids) < 16
+        tried += 1
+    assert tried >= 1
+
+
+def test_logprobs_include_the_sampled_token(tiny_huginn):
+    llm = LLM(model=tiny_huginn, scheduler="reference", dtype="float64", state_init="zero")
+    greedy = _gen(llm, PROMPTS[0], max_tokens=1, temperature=0, logprobs=5)
+    raw_first = {t: lp.logprob for t, lp in greedy.logprobs[0].items()}
+    for n_lp in (0, 2):
+        out = _gen(llm, PROMPTS[0], max_tokens=8, temperature=1.3, seed=4, logprobs=n_lp, ignore_eos=True)
+        assert len(out.logprobs) == len(out.token_ids)
+        total = 0.0
+        for row, tok in zip(out.logprobs, out.token_ids, strict=True):
+            assert tok in row
+            assert n_lp <= len(row) <= n_lp + 1
+            ranks = sorted(lp.rank for t, lp in row.items() if t != tok)
+            assert ranks == list(range(1, len(ranks) + 1))
+            assert all(row[tok].logprob <= lp.logprob for t, lp in row.items() if lp.rank < row[tok].rank)
+            total += row[tok].logprob
+        assert out.cumulative_logprob == pytest.approx(total)
+        # logprobs are of the model's own distribution, not the temperature-scaled one
+        for t, lp in out.logprobs[0].items():
+            if t in raw_first:
+                assert lp.logprob == pytest.approx(raw_first[t], abs=1e-12)
+    assert _gen(llm, PROMPTS[0], max_tokens=3, temperature=0).logprobs is None
