@@ -50,7 +50,9 @@ class LLM:
 
     def _make_sequence(self, prompt: PromptType, params: SamplingParams) -> Sequence:
         index = next(self._counter)
-        seed = self.seed * 1_000_003 + index  # per-request seed: same in every scheduler
+        # Per-request seed (sampling and Huginn's random initial state): the request's own seed when
+        # given, as the server does, else one derived from the LLM seed; the same in every scheduler.
+        seed = params.seed if params.seed is not None else self.seed * 1_000_003 + index
         if self.engine is not None:
             return self.engine.make_sequence(str(index), prompt, params, seed=seed)
         text, ids = parse_prompt(prompt, self.tokenizer)

@@ -1,0 +1,9 @@
+"""OpenAI-compatible HTTP serving: `loopserve serve`.
+
+- `async_engine.py`: `AsyncLLMEngine`, one background thread that drives `LLMEngine.step()` while
+  the event loop adds, streams and aborts requests.
+- `protocol.py`: request bodies (pydantic), OpenAI-style errors, the unknown-field policy.
+- `api.py`: `build_app(engine, settings)`, the FastAPI app and its endpoints.
+- `metrics.py`: Prometheus metrics (`loopserve:` prefix, vLLM names plus loop-specific ones).
+- `cli.py`: the `serve` subcommand.
+"""

@@ -1,0 +1,229 @@
+"""`AsyncLLMEngine`: one background thread drives `LLMEngine.step()`; the event loop never computes.
+
+- The HTTP side (event-loop thread) validates and builds `Sequence`s, then `add`s them: a command
+  goes on a thread-safe queue and the engine thread is woken. `abort` works the same way. Commands
+  are applied between steps, so the engine itself stays single-threaded.
+- The engine thread steps while there is work and sleeps on an event otherwise. After each step it
+  hands the step's outputs to the event loop in one `call_soon_threadsafe`, which routes each
+  output to its `RequestGroup` queue: clients see one output per generated token.
+- Admission is bounded: at most `max_num_seqs + max_queued_requests` engine requests in flight;
+  past that `add` raises `EngineOverloadedError` (the API answers 503) and nothing already
+  admitted is touched.
+- If a step raises, the engine is dead: every in-flight request gets the error, `/health` turns 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from loopserve.engine.engine import LLMEngine
+from loopserve.engine.sequence import Sequence
+from loopserve.outputs import RequestOutput
+
+log = logging.getLogger("loopserve.serve")
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class EngineOverloadedError(RuntimeError):
+    pass
+
+
+class EngineStoppedError(RuntimeError):
+    pass
+
+
+@dataclass
+class EngineSnapshot:
+    """Engine state as of the end of the last step, for `/metrics` (read from any thread)."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    exit_depths: dict[int, int] = field(default_factory=dict)
+    core_batch: dict[int, int] = field(default_factory=dict)
+    ticks: dict[str, int] = field(default_factory=dict)
+    core_rows: int = 0
+    useful_core_rows: int = 0
+    prefill_token_loops: int = 0
+    refill_events: int = 0
+    preemptions: int = 0
+    swap_ins: int = 0
+
+
+class RequestGroup:
+    """The engine requests of one HTTP request. Iterate for `(index, RequestOutput)` pairs (one per
+    new token, and a final one per request); `abort()` cancels what has not finished."""
+
+    def __init__(self, engine: AsyncLLMEngine, request_ids: list[str]) -> None:
+        self._engine = engine
+        self.request_ids = request_ids
+        self.queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException] = asyncio.Queue()
+        self.pending = set(request_ids)
+        self._aborted = False
+
+    def __aiter__(self) -> RequestGroup:
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestOutput]:
+        if not self.pending:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            self.pending.clear()
+            raise item
+        index, out = item
+        if out.finished:
+            self.pending.discard(self.request_ids[index])
+        return index, out
+
+    def abort(self) -> None:
+        """Abort the unfinished requests (idempotent; a no-op once all have finished)."""
+        if self.pending and not self._aborted:
+            self._aborted = True
+            self._engine.abort(sorted(self.pending))
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine, max_queued_requests: int = 256,
+                 on_outputs: Callable[[list[RequestOutput]], None] | None = None,
+                 idle_poll_s: float = 0.5) -> None:
+        self.engine = engine
+        self.capacity = engine.cfg.max_num_seqs + max_queued_requests
+        self.on_outputs = on_outputs
+        self.idle_poll_s = idle_poll_s
+        self.snapshot = EngineSnapshot()
+        self.dead: BaseException | None = None
+        self._cmds: queue.SimpleQueue[tuple[str, list]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._stopping = False
+        self._routes: dict[str, tuple[RequestGroup, int]] = {}  # event-loop thread only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle (event-loop thread) ------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="loopserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self.dead is None and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._routes)
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop admitting, abort whatever is still in flight, and stop the engine thread."""
+        self._stopping = True
+        if self._routes:
+            self.abort(list(self._routes))
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, timeout_s)
+            if self._thread.is_alive():
+                log.warning("engine thread did not stop within %.1f s", timeout_s)
+        self._fail_all(EngineStoppedError("the server is shutting down"))
+
+    # -- requests (event-loop thread) -------------------------------------------------------------------
+    def add(self, seqs: list[Sequence]) -> RequestGroup:
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine has stopped after an error: {self.dead!r}")
+        if self._stopping:
+            raise EngineStoppedError("the server is shutting down")
+        if len(self._routes) + len(seqs) > self.capacity:
+            raise EngineOverloadedError(f"the server is at capacity ({self.capacity} requests in flight or queued)")
+        group = RequestGroup(self, [s.request_id for s in seqs])
+        for i, s in enumerate(seqs):
+            self._routes[s.request_id] = (group, i)
+        self._cmds.put(("add", seqs))
+        self._wake.set()
+        return group
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._cmds.put(("abort", list(request_ids)))
+        self._wake.set()
+
+    def _deliver(self, outs: list[RequestOutput]) -> None:
+        for out in outs:
+            route = self._routes.get(out.request_id)
+            if route is None:
+                continue
+            group, index = route
+            group.queue.put_nowait((index, out))
+            if out.finished:
+                del self._routes[out.request_id]
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for group, _ in list(self._routes.values()):
+            group.queue.put_nowait(exc)
+        self._routes.clear()
+
+    def _post(self, fn: Callable, *args) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop has closed: nobody is listening any more
+            pass
+
+    # -- the engine thread --------------------------------------------------------------------------------
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                kind, payload = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                for seq in payload:
+                    self.engine.add_sequence(seq)
+            else:
+                for rid in payload:
+                    if rid in self.engine.requests:
+                        self.engine.abort_request(rid)
+
+    def _publish(self) -> None:
+        eng = self.engine
+        sched, st = eng.scheduler, eng.stats
+        waiting = sum(1 for s in sched.waiting if s.request_id not in sched.running) + len(sched.swapped)
+        self.snapshot = EngineSnapshot(
+            running=len(sched.running), waiting=waiting, kv_usage=eng.kv_usage(),
+            exit_depths=dict(st.exit_depths), core_batch=dict(st.batch_hist.get("core", {})), ticks=dict(st.ticks),
+            core_rows=st.rows.get("core", 0), useful_core_rows=st.useful_core_rows,
+            prefill_token_loops=st.prefill_token_loops, refill_events=st.refill_events,
+            preemptions=st.preemptions, swap_ins=st.swap_ins)
+
+    def _run(self) -> None:
+        try:
+            with torch.no_grad():
+                while True:
+                    self._wake.clear()
+                    self._apply_commands()
+                    if self.engine.has_unfinished_requests():
+                        outs = self.engine.step()
+                        if self.on_outputs is not None and outs:
+                            self.on_outputs(outs)
+                        self._publish()
+                        if outs:
+                            self._post(self._deliver, outs)
+                        continue
+                    self._publish()
+                    if self._stop.is_set():
+                        return
+                    self._wake.wait(self.idle_poll_s)
+        except BaseException as e:  # a bug in a step: fail loudly but keep the HTTP side answering
+            log.exception("engine step failed; the engine is stopped")
+            self.dead = e
+            self._post(self._fail_all, EngineDeadError(f"engine error: {e!r}"))

@@ -1,0 +1,88 @@
+"""`loopserve serve [MODEL] --model PATH [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+[--served-model-name NAME]` plus the engine flags: an OpenAI-compatible server (FastAPI + uvicorn)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+
+from loopserve.cli import add_engine_args, engine_kwargs
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, SSE, metrics)")
+    p.add_argument("model_tag", nargs="?", default=None, help="model folder (same as --model)")
+    add_engine_args(p)
+    p.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="KV pool size if --kv-cache-tokens unset")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (env LOOPSERVE_API_KEY)")
+    p.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: --model)")
+    g = p.add_argument_group("request defaults (a request's own fields win)")
+    g.add_argument("--exit-threshold", type=float, default=None)
+    g.add_argument("--exit-policy", default=None, choices=["fixed", "gate", "latent_diff", "kl"])
+    g.add_argument("--min-loops", type=int, default=None)
+    g.add_argument("--max-loops", type=int, default=None)
+    s = p.add_argument_group("server limits")
+    s.add_argument("--max-queued-requests", type=int, default=256,
+                   help="requests accepted beyond --max-num-seqs; past it the server answers 503 with Retry-After")
+    s.add_argument("--max-request-body-bytes", type=int, default=4 * 2**20, help="larger bodies get 413")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds in-flight requests get to finish before they are aborted")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--no-access-log", action="store_true")
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from loopserve.serve.api import ServerSettings, build_app, check_sampling_defaults, load_engine
+
+    def fail(msg: str) -> int:
+        print(f"error: {msg}", file=sys.stderr)
+        return 2
+
+    if args.model_tag and args.model and args.model_tag != args.model:
+        return fail(f"model given twice ({args.model_tag!r} and --model {args.model!r})")
+    model = args.model_tag or args.model
+    if args.max_queued_requests < 0:
+        return fail("--max-queued-requests: must be >= 0")
+    if args.max_request_body_bytes < 1024:
+        return fail("--max-request-body-bytes: must be >= 1024")
+    if not 0 <= args.port < 65536:
+        return fail("--port: must be in [0, 65535]")
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    defaults = {"exit_threshold": args.exit_threshold, "exit_policy": args.exit_policy,
+                "min_loops": args.min_loops, "max_loops": args.max_loops}
+    try:
+        engine, path = load_engine(model, dtype=args.dtype, device=args.device, state_init=args.state_init,
+                                   seed=args.seed, **engine_kwargs(args))
+        check_sampling_defaults(engine, defaults)
+    except ValueError as e:
+        return fail(str(e))
+    settings = ServerSettings(
+        model_name=args.served_model_name or str(model if model is not None else path.name), model_path=str(path),
+        api_key=args.api_key or os.environ.get("LOOPSERVE_API_KEY") or None,
+        max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_request_body_bytes,
+        sampling_defaults={k: v for k, v in defaults.items() if v is not None})
+    app = build_app(engine, settings)
+    print(f"loopserve: serving {path} as {settings.model_name!r} on http://{args.host}:{args.port}", flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           access_log=not args.no_access_log,
+                                           timeout_graceful_shutdown=args.shutdown_timeout))
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal: exit quietly then
+    signal.signal(signal.SIGTERM, _exit_with(0))
+    signal.signal(signal.SIGINT, _exit_with(130))
+    server.run()
+    return 0 if server.started else 1
+
+
+def _exit_with(code: int):
+    def handler(signum, frame):
+        raise SystemExit(code)
+
+    return handler

@@ -1,0 +1,160 @@
+"""Prometheus metrics of the server, on a private registry, all under the `loopserve:` prefix and
+with a `model_name` label (vLLM's convention, `vllm:` -> `loopserve:`).
+
+vLLM names: num_requests_running, num_requests_waiting, kv_cache_usage_perc (gauges, read from
+the engine's last snapshot); prompt_tokens_total, generation_tokens_total,
+request_success_total{finished_reason}, time_to_first_token_seconds, inter_token_latency_seconds,
+e2e_request_latency_seconds, request_prompt_tokens, request_generation_tokens (recorded per output
+on the engine thread).
+
+Loop-specific (from `EngineStats`): exit_depth (histogram of decode-token exit depths),
+core_batch_size (histogram of core-step batch widths), core_loops_total (core row-steps computed),
+useful_core_loops_total (row-steps whose result was kept), prefill_token_loops_total,
+refill_events_total, preemptions_total, swap_ins_total, engine_steps_total{stage}; and
+request_rejected_total{reason} (503s at the admission bound).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from loopserve.outputs import RequestOutput
+from loopserve.serve.async_engine import EngineSnapshot
+
+P = "loopserve:"
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                   10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0)
+
+
+def _token_buckets(limit: int) -> tuple[float, ...]:
+    out, b = [], 1
+    while b < limit:
+        out.append(float(b))
+        b = b * 2 if b < 8 else int(b * 2.5)
+    return (*out, float(limit))
+
+
+def _exact_histogram(name: str, doc: str, counts: dict[int, int], bounds: Iterable[int],
+                     label: str) -> HistogramMetricFamily:
+    """A histogram from exact value counts (value -> occurrences)."""
+    h = HistogramMetricFamily(name, doc, labels=["model_name"])
+    buckets, total = [], 0
+    for b in bounds:
+        total_le = sum(c for v, c in counts.items() if v <= b)
+        buckets.append((str(float(b)), float(total_le)))
+    total = sum(counts.values())
+    buckets.append(("+Inf", float(total)))
+    h.add_metric([label], buckets, float(sum(v * c for v, c in counts.items())))
+    return h
+
+
+class _EngineCollector(Collector):
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str, r_max: int, max_batch: int) -> None:
+        self.snapshot, self.model_name, self.r_max, self.max_batch = snapshot, model_name, r_max, max_batch
+
+    def collect(self) -> Iterable[Metric]:
+        s, m = self.snapshot(), [self.model_name]
+        for name, doc, value in (
+                ("num_requests_running", "Requests admitted to the engine (KV resident).", s.running),
+                ("num_requests_waiting", "Requests waiting for admission (queued or swapped out).", s.waiting),
+                ("kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent of blocks in use.", s.kv_usage)):
+            g = GaugeMetricFamily(P + name, doc, labels=["model_name"])
+            g.add_metric(m, float(value))
+            yield g
+        yield _exact_histogram(P + "exit_depth", "Exit depth (loops) of decode tokens.", s.exit_depths,
+                               range(1, self.r_max + 1), self.model_name)
+        bounds = sorted({int(b) for b in _token_buckets(self.max_batch)})
+        yield _exact_histogram(P + "core_batch_size", "Rows per core-step batch.", s.core_batch, bounds,
+                               self.model_name)
+        for name, doc, value in (
+                ("core_loops", "Core row-steps computed (including passive CB rows).", s.core_rows),
+                ("useful_core_loops", "Core row-steps whose result was kept.", s.useful_core_rows),
+                ("prefill_token_loops", "Prompt tokens times loops run over them.", s.prefill_token_loops),
+                ("refill_events", "Fresh tokens that joined a non-empty core batch.", s.refill_events),
+                ("preemptions", "Sequences swapped out or prompts dropped for KV space.", s.preemptions),
+                ("swap_ins", "Swapped-out sequences brought back.", s.swap_ins)):
+            c = CounterMetricFamily(P + name, doc, labels=["model_name"])
+            c.add_metric(m, float(value))
+            yield c
+        steps = CounterMetricFamily(P + "engine_steps", "Engine steps by stage.", labels=["model_name", "stage"])
+        for stage in ("prefill", "prelude", "core", "coda"):
+            steps.add_metric([self.model_name, stage], float(s.ticks.get(stage, 0)))
+        yield steps
+
+
+class _Track:
+    __slots__ = ("tokens", "last")
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.last = 0.0
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot], r_max: int, max_decode_batch: int,
+                 max_model_len: int) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        r, lab = self.registry, ["model_name"]
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens prefilled.", lab, registry=r)
+        self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated.", lab, registry=r)
+        self.request_success = Counter(P + "request_success", "Finished requests by finish reason.",
+                                       [*lab, "finished_reason"], registry=r)
+        self.rejected = Counter(P + "request_rejected", "Requests refused at admission.", [*lab, "reason"],
+                                registry=r)
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token (from HTTP arrival).", lab,
+                              registry=r, buckets=LATENCY_BUCKETS)
+        self.itl = Histogram(P + "inter_token_latency_seconds", "Time between consecutive tokens of a request.",
+                             lab, registry=r, buckets=LATENCY_BUCKETS)
+        self.e2e = Histogram(P + "e2e_request_latency_seconds", "Arrival to finish.", lab, registry=r,
+                             buckets=E2E_BUCKETS)
+        self.req_prompt = Histogram(P + "request_prompt_tokens", "Prompt tokens per finished request.", lab,
+                                    registry=r, buckets=_token_buckets(max_model_len))
+        self.req_gen = Histogram(P + "request_generation_tokens", "Generated tokens per finished request.", lab,
+                                 registry=r, buckets=_token_buckets(max_model_len))
+        r.register(_EngineCollector(snapshot, model_name, r_max, max_decode_batch))
+        self._tracks: dict[str, _Track] = {}
+        self._lock = threading.Lock()
+
+    def observe(self, outs: list[RequestOutput]) -> None:
+        """Record a step's outputs (called on the engine thread)."""
+        now = time.monotonic()
+        m = self.model_name
+        with self._lock:
+            for out in outs:
+                track = self._tracks.setdefault(out.request_id, _Track())
+                n = len(out.outputs[0].token_ids)
+                new = n - track.tokens
+                if new > 0:
+                    if track.tokens == 0:
+                        self.prompt_tokens.labels(m).inc(len(out.prompt_token_ids))
+                        if out.metrics is not None:
+                            self.ttft.labels(m).observe(max(0.0, now - out.metrics.arrival_time))
+                    else:
+                        self.itl.labels(m).observe(now - track.last)
+                        for _ in range(new - 1):
+                            self.itl.labels(m).observe(0.0)
+                    self.generation_tokens.labels(m).inc(new)
+                    track.tokens, track.last = n, now
+                if out.finished:
+                    self._tracks.pop(out.request_id, None)
+                    reason = out.outputs[0].finish_reason or "unknown"
+                    self.request_success.labels(m, reason).inc()
+                    if out.metrics is not None:
+                        self.e2e.labels(m).observe(max(0.0, now - out.metrics.arrival_time))
+                    self.req_prompt.labels(m).observe(len(out.prompt_token_ids))
+                    self.req_gen.labels(m).observe(n)
+
+    def reject(self, reason: str) -> None:
+        self.rejected.labels(self.model_name, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,651 @@
+"""The OpenAI-compatible server, end to end: a real `loopserve serve` process on a loopback port
+with a tiny checkpoint, driven by the official `openai` client (API behaviour, streaming, usage,
+extension fields) and by raw `httpx` (the hard edges: a table of bad inputs, body limit, API key,
+mid-stream disconnects, concurrent clients against the offline API, an overload burst, SIGTERM).
+
+Servers run in float64 where outputs are compared with the offline `LLM`, so batch composition
+cannot move a sampled token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from loopserve import LLM, SamplingParams
+from loopserve.models.tiny import TinySpec, make_tiny
+
+pytestmark = pytest.mark.timeout(180)
+
+MODEL = "tiny"
+API_KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+MAX_NUM_SEQS = 4
+MAX_QUEUED = 8
+KV_TOKENS = 8192
+BODY_LIMIT = 65536
+MAX_LEN = 2048  # TinySpec.max_position
+
+
+# -- a server process -------------------------------------------------------------------------------------------
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    url: str
+    log: Path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(proc: subprocess.Popen, url: str, timeout: float = 90.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    return False
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+@contextmanager
+def run_server(model: Path, log: Path, *extra: str) -> Iterator[Server]:
+    for _ in range(3):
+        port = _free_port()
+        cmd = [sys.executable, "-m", "loopserve.cli", "serve", "--model", str(model), "--host", "127.0.0.1",
+               "--port", str(port), "--served-model-name", MODEL, "--log-level", "warning", "--no-access-log", *extra]
+        with open(log, "w") as f:
+            # one intra-op thread: the tiny model's ops are too small to split, and on a loaded machine
+            # torch's pool spins instead of working
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+        url = f"http://127.0.0.1:{port}"
+        if _wait_ready(proc, url):
+            break
+        _stop(proc)
+        text = log.read_text()
+        if "address already in use" not in text.lower():
+            pytest.fail(f"server did not start:\n{text}")
+    else:
+        pytest.fail("no free port for the server")
+    try:
+        yield Server(proc, url, log)
+    finally:
+        _stop(proc)
+
+
+def metric(server: Server, name: str, missing: float | None = None, **labels: str) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    total, found = 0.0, False
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+                found = True
+    if not found and missing is not None:
+        return missing
+    assert found, f"{name} {labels} not in /metrics"
+    return total
+
+
+def wait_idle(server: Server, timeout: float = 15.0) -> None:
+    """Until no request is running or waiting and the KV cache is empty."""
+    deadline = time.monotonic() + timeout
+    while True:
+        kv = metric(server, "loopserve:kv_cache_usage_perc")
+        busy = metric(server, "loopserve:num_requests_running") + metric(server, "loopserve:num_requests_waiting")
+        if kv == 0 and busy == 0:
+            return
+        assert time.monotonic() < deadline, f"server not idle: kv usage {kv}, {busy} requests"
+        time.sleep(0.05)
+
+
+def sse_events(lines: Iterator[str]) -> Iterator[str]:
+    for line in lines:
+        if line.startswith("data: "):
+            yield line[len("data: "):]
+
+
+# -- fixtures ---------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def ouro_path(tmp_path_factory) -> Path:
+    return make_tiny(tmp_path_factory.mktemp("tiny-ouro"), TinySpec(arch="ouro", seed=0))
+
+
+@pytest.fixture(scope="module")
+def server(ouro_path, tmp_path_factory) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp("logs") / "server.log"
+    with run_server(ouro_path, log, "--dtype", "float64", "--kv-cache-tokens", str(KV_TOKENS),
+                    "--max-num-seqs", str(MAX_NUM_SEQS), "--max-queued-requests", str(MAX_QUEUED),
+                    "--api-key", API_KEY, "--max-request-body-bytes", str(BODY_LIMIT)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def offline(ouro_path) -> LLM:
+    return LLM(ouro_path, dtype="float64", kv_cache_tokens=KV_TOKENS)
+
+
+@pytest.fixture
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def offline_one(llm: LLM, prompt, **params):
+    return llm.generate(prompt, SamplingParams(**params))[0]
+
+
+# -- API behaviour (openai client) -----------------------------------------------------------------------------
+def test_health_models_and_metric_names(server, client):
+    assert httpx.get(server.url + "/health").status_code == 200
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
+                 "generation_tokens_total", "time_to_first_token_seconds", "inter_token_latency_seconds",
+                 "e2e_request_latency_seconds", "exit_depth_bucket", "core_batch_size_bucket", "core_loops_total",
+                 "refill_events_total"):
+        assert f"loopserve:{name}" in text, name
+
+
+def test_completion_equals_offline_with_extensions(client, offline):
+    prompt = "ROMEO: But soft, what light"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0.8, seed=7,
+                                  extra_body={"exit_threshold": 0.2, "return_token_ids": True})
+    want = offline_one(offline, prompt, max_tokens=16, temperature=0.8, seed=7, exit_threshold=0.2)
+    c, w = r.choices[0], want.outputs[0]
+    assert c.text == w.text
+    assert c.finish_reason == w.finish_reason == "length"
+    assert c.model_extra["token_ids"] == w.token_ids
+    assert c.model_extra["exit_depths"] == w.exit_depths
+    assert min(w.exit_depths[1:]) < max(w.exit_depths)  # early exits happened
+    assert r.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert r.usage.completion_tokens == 16
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 16
+    assert r.usage.model_extra["loops"] == want.metrics.loops_run > 0
+
+
+def test_loop_bounds_in_body(client):
+    r = client.completions.create(model=MODEL, prompt="abc", max_tokens=8, temperature=0, extra_body={"max_loops": 2})
+    depths = r.choices[0].model_extra["exit_depths"]
+    assert depths[0] == 2 and max(depths) <= 2
+    r = client.completions.create(model=MODEL, prompt="abc", max_tokens=8, temperature=0,
+                                  extra_body={"min_loops": 3, "exit_threshold": 0.05})
+    assert min(r.choices[0].model_extra["exit_depths"]) >= 3
+
+
+def test_bench_style_stream(server, offline):
+    """What `loopserve bench serve` sends: token ids, ignore_eos, greedy, usage, token ids back, a trace."""
+    ids = offline.tokenizer.encode("bench me")
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 6, "temperature": 0.0, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}, "return_token_ids": True, "exit_trace": [1, 2, 3]}
+    with httpx.stream("POST", server.url + C, json=body, headers=AUTH, timeout=30) as r:
+        assert r.status_code == 200
+        events = list(sse_events(r.iter_lines()))
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+    tokens = [t for ch in chunks[:-1] for t in ch["choices"][0]["token_ids"]]
+    depths = [d for ch in chunks[:-1] for d in ch["choices"][0]["exit_depths"]]
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == ids
+    want = offline_one(offline, ids, max_tokens=6, temperature=0.0, ignore_eos=True, exit_trace=[1, 2, 3])
+    assert tokens == want.outputs[0].token_ids
+    assert depths == want.outputs[0].exit_depths == [4, 1, 2, 3, 4, 4]
+
+
+def test_chat_equals_offline(client, offline):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0.7, seed=3)
+    tok = offline.tokenizer
+    ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+    want = offline_one(offline, {"prompt_token_ids": ids}, max_tokens=10, temperature=0.7, seed=3)
+    c = r.choices[0]
+    assert c.message.role == "assistant"
+    assert c.message.content == want.outputs[0].text
+    assert c.model_extra["exit_depths"] == want.outputs[0].exit_depths
+    assert r.usage.prompt_tokens == len(ids)
+    assert r.usage.completion_tokens == len(want.outputs[0].token_ids)
+
+
+def _ascii_stop(text: str) -> str | None:
+    for i in range(3, len(text) - 2):
+        s = text[i:i + 2]
+        if s.isascii() and s.isalpha() and text.find(s) == i:
+            return s
+    return None
+
+
+def test_completion_stream_equals_non_stream(client):
+    args = dict(model=MODEL, prompt="The quick brown fox", max_tokens=24, temperature=0.9, seed=11)
+    full = client.completions.create(**args, extra_body={"exit_threshold": 0.3})
+    chunks = list(client.completions.create(**args, stream=True, stream_options={"include_usage": True},
+                                            extra_body={"exit_threshold": 0.3}))
+    usage = chunks[-1]
+    assert usage.choices == [] and usage.usage.completion_tokens == 24
+    assert usage.usage.model_extra["loops"] == full.usage.model_extra["loops"]
+    body = chunks[:-1]
+    assert all(ch.usage is None for ch in body)
+    assert "".join(ch.choices[0].text for ch in body) == full.choices[0].text
+    depths = [d for ch in body for d in ch.choices[0].model_extra["exit_depths"]]
+    assert depths == full.choices[0].model_extra["exit_depths"]
+    assert all(len(ch.choices[0].model_extra["exit_depths"]) == 1 for ch in body)  # one chunk per token
+    assert [ch.choices[0].finish_reason for ch in body] == [None] * (len(body) - 1) + ["length"]
+    # a stop string: nothing of it is streamed, and both paths cut at the same place
+    stop = _ascii_stop(full.choices[0].text)
+    assert stop is not None
+    cut = full.choices[0].text[: full.choices[0].text.find(stop)]
+    stopped = client.completions.create(**args, stop=[stop], extra_body={"exit_threshold": 0.3})
+    assert stopped.choices[0].text == cut and stopped.choices[0].finish_reason == "stop"
+    streamed = list(client.completions.create(**args, stop=[stop], stream=True, extra_body={"exit_threshold": 0.3}))
+    assert "".join(ch.choices[0].text for ch in streamed) == cut
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_chat_stream(client):
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, seed=5)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, seed=5, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == full.usage.total_tokens
+    finals = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finals == [full.choices[0].finish_reason]
+
+
+def test_logprobs(client, offline):
+    prompt = "logprobs please"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0.8, seed=2, logprobs=2)
+    want = offline_one(offline, prompt, max_tokens=6, temperature=0.8, seed=2, logprobs=2).outputs[0]
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    for got, tid, entry in zip(lp.token_logprobs, want.token_ids, want.logprobs, strict=True):
+        assert got == pytest.approx(entry[tid].logprob)
+    assert all(len(t) >= 2 for t in lp.top_logprobs)
+    assert lp.text_offset[0] == 0
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                          logprobs=True, top_logprobs=3, seed=1)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 3 and c.logprob <= 0 for c in content)
+
+
+def test_batch_prompts(client, offline):
+    prompts = ["first prompt", "second one"]
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, temperature=0.6, seed=9)
+    want = offline.generate(prompts, SamplingParams(max_tokens=5, temperature=0.6, seed=9))
+    assert [c.index for c in r.choices] == [0, 1]
+    assert [c.text for c in r.choices] == [w.outputs[0].text for w in want]
+    assert r.usage.completion_tokens == 10
+
+
+# -- hard edges (httpx) -----------------------------------------------------------------------------------------
+C, H = "/v1/completions", "/v1/chat/completions"
+GOOD_C = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
+GOOD_H = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def _c(**kw):
+    return {**GOOD_C, **kw}
+
+
+def _h(**kw):
+    return {**GOOD_H, **kw}
+
+
+def _drop(d: dict, key: str) -> dict:
+    return {k: v for k, v in d.items() if k != key}
+
+
+# (case id, method, path, body: dict | bytes | None, headers or None (= the right key), expected status)
+BAD_INPUTS = [
+    ("malformed-json", "POST", C, b'{"model": "tiny", "prompt": "hi",', None, 400),
+    ("json-not-an-object", "POST", C, b"[1, 2]", None, 400),
+    ("empty-body", "POST", C, b"", None, 400),
+    ("not-utf8", "POST", C, b'\xff\xfe{"prompt": 1}', None, 400),
+    ("nan-literal", "POST", C, b'{"model": "tiny", "prompt": "hi", "temperature": NaN}', None, 400),
+    ("missing-prompt", "POST", C, _drop(GOOD_C, "prompt"), None, 400),
+    ("prompt-wrong-type", "POST", C, _c(prompt=5), None, 400),
+    ("prompt-mixed-list", "POST", C, _c(prompt=["a", 1]), None, 400),
+    ("prompt-empty-string", "POST", C, _c(prompt=""), None, 400),
+    ("prompt-empty-list", "POST", C, _c(prompt=[]), None, 400),
+    ("prompt-empty-in-batch", "POST", C, _c(prompt=["a", ""]), None, 400),
+    ("prompt-longer-than-context", "POST", C, _c(prompt=[5] * (MAX_LEN + 10)), None, 400),
+    ("prompt-fills-context", "POST", C, _c(prompt=[5] * MAX_LEN), None, 400),
+    ("prompt-plus-max-tokens-over-context", "POST", C, _c(prompt=[5] * 2000, max_tokens=100), None, 400),
+    ("token-id-out-of-vocab", "POST", C, _c(prompt=[10**6]), None, 400),
+    ("token-id-negative", "POST", C, _c(prompt=[-1]), None, 400),
+    ("max_tokens-string", "POST", C, _c(max_tokens="4"), None, 400),
+    ("max_tokens-float", "POST", C, _c(max_tokens=4.5), None, 400),
+    ("max_tokens-bool", "POST", C, _c(max_tokens=True), None, 400),
+    ("max_tokens-negative", "POST", C, _c(max_tokens=-1), None, 400),
+    ("max_tokens-zero", "POST", C, _c(max_tokens=0), None, 400),
+    ("max_tokens-huge", "POST", C, _c(max_tokens=10**9), None, 400),
+    ("max_tokens-beyond-int64", "POST", C, _c(max_tokens=10**30), None, 400),
+    ("temperature-negative", "POST", C, _c(temperature=-0.5), None, 400),
+    ("temperature-huge", "POST", C, _c(temperature=1000), None, 400),
+    ("temperature-string", "POST", C, _c(temperature="hot"), None, 400),
+    ("top_p-zero", "POST", C, _c(top_p=0), None, 400),
+    ("top_p-above-one", "POST", C, _c(top_p=1.5), None, 400),
+    ("top_k-negative", "POST", C, _c(top_k=-5), None, 400),
+    ("min_p-above-one", "POST", C, _c(min_p=2), None, 400),
+    ("logprobs-too-many", "POST", C, _c(logprobs=50), None, 400),
+    ("logprobs-negative", "POST", C, _c(logprobs=-1), None, 400),
+    ("seed-string", "POST", C, _c(seed="7"), None, 400),
+    ("seed-beyond-int64", "POST", C, _c(seed=2**64), None, 400),
+    ("stop-empty-string", "POST", C, _c(stop=""), None, 400),
+    ("stop-wrong-type", "POST", C, _c(stop=5), None, 400),
+    ("n-2", "POST", C, _c(n=2), None, 400),
+    ("best_of-2", "POST", C, _c(best_of=2), None, 400),
+    ("echo", "POST", C, _c(echo=True), None, 400),
+    ("suffix", "POST", C, _c(suffix="tail"), None, 400),
+    ("frequency_penalty", "POST", C, _c(frequency_penalty=0.5), None, 400),
+    ("logit_bias", "POST", C, _c(logit_bias={"5": 1.0}), None, 400),
+    ("unknown-field", "POST", C, _c(temprature=0.5), None, 400),
+    ("stream-wrong-type", "POST", C, _c(stream="yes"), None, 400),
+    ("stream_options-unknown-field", "POST", C, _c(stream=True, stream_options={"bogus": 1}), None, 400),
+    ("stream_options-without-stream", "POST", C, _c(stream_options={"include_usage": True}), None, 400),
+    ("exit_trace-zero-depth", "POST", C, _c(exit_trace=[0, 1]), None, 400),
+    ("min_loops-above-max_loops", "POST", C, _c(min_loops=3, max_loops=2), None, 400),
+    ("max_loops-above-r_max", "POST", C, _c(max_loops=99), None, 400),
+    ("max_loops-zero", "POST", C, _c(max_loops=0), None, 400),
+    ("exit_threshold-negative", "POST", C, _c(exit_threshold=-1), None, 400),
+    ("exit_threshold-gate-above-one", "POST", C, _c(exit_threshold=1.5), None, 400),
+    ("exit_policy-unknown", "POST", C, _c(exit_policy="magic"), None, 400),
+    ("unknown-model", "POST", C, _c(model="gpt-4"), None, 404),
+    ("chat-missing-messages", "POST", H, _drop(GOOD_H, "messages"), None, 400),
+    ("chat-empty-messages", "POST", H, _h(messages=[]), None, 400),
+    ("chat-bad-role", "POST", H, _h(messages=[{"role": "wizard", "content": "hi"}]), None, 400),
+    ("chat-content-wrong-type", "POST", H, _h(messages=[{"role": "user", "content": 5}]), None, 400),
+    ("chat-image-part", "POST", H,
+     _h(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), None, 400),
+    ("chat-message-unknown-field", "POST", H, _h(messages=[{"role": "user", "content": "hi", "x": 1}]), None, 400),
+    ("chat-top_logprobs-without-logprobs", "POST", H, _h(top_logprobs=2), None, 400),
+    ("chat-top_logprobs-too-many", "POST", H, _h(logprobs=True, top_logprobs=50), None, 400),
+    ("chat-tools", "POST", H, _h(tools=[{"type": "function", "function": {"name": "f"}}]), None, 400),
+    ("chat-response_format-json", "POST", H, _h(response_format={"type": "json_object"}), None, 400),
+    ("chat-max_completion_tokens-negative", "POST", H, _h(max_completion_tokens=-3), None, 400),
+    ("chat-max_tokens-over-context", "POST", H, _h(max_tokens=MAX_LEN), None, 400),
+    ("chat-unknown-model", "POST", H, _h(model="gpt-4"), None, 404),
+    ("no-api-key", "POST", C, GOOD_C, {}, 401),
+    ("wrong-api-key", "POST", C, GOOD_C, {"Authorization": "Bearer nope"}, 401),
+    ("models-without-key", "GET", "/v1/models", None, {}, 401),
+    ("unknown-route", "GET", "/v1/nope", None, None, 404),
+    ("wrong-method", "GET", C, None, None, 405),
+    ("body-over-limit", "POST", C, _c(prompt="x" * (BODY_LIMIT + 1)), None, 413),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body", "headers", "status"), [c[1:] for c in BAD_INPUTS],
+                         ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input(server, method, path, body, headers, status):
+    kwargs: dict = {"headers": AUTH if headers is None else headers, "timeout": 30}
+    if isinstance(body, bytes):
+        kwargs["content"] = body
+        kwargs["headers"] = {**kwargs["headers"], "Content-Type": "application/json"}
+    elif body is not None:
+        kwargs["json"] = body
+    r = httpx.request(method, server.url + path, **kwargs)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert isinstance(err["message"], str) and err["message"]
+    assert err["code"] == status and isinstance(err["type"], str)
+
+
+def test_chunked_body_over_limit(server):
+    def chunks():
+        for _ in range(BODY_LIMIT // 1024 + 2):
+            yield b" " * 1024
+
+    r = httpx.post(server.url + C, content=chunks(), headers=AUTH, timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
+
+
+def test_open_endpoints_need_no_key(server):
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/metrics").status_code == 200
+
+
+def test_still_serving_after_bad_inputs(server, client):
+    assert httpx.get(server.url + "/health").status_code == 200
+    r = client.completions.create(model=MODEL, prompt="still here", max_tokens=3)
+    assert r.usage.completion_tokens == 3
+    wait_idle(server)
+
+
+def _long_body(stream: bool) -> dict:
+    return {"model": MODEL, "prompt": "a long one", "max_tokens": 1800, "ignore_eos": True, "stream": stream}
+
+
+def test_disconnect_mid_stream_frees_kv(server):
+    wait_idle(server)
+    aborted = metric(server, "loopserve:request_success_total", 0.0, finished_reason="abort")
+    with httpx.Client(timeout=30) as c, c.stream("POST", server.url + C, json=_long_body(True), headers=AUTH) as r:
+        assert r.status_code == 200
+        events = sse_events(r.iter_lines())  # kept open: closing the iterator closes the connection
+        for _ in range(5):
+            assert json.loads(next(events))["choices"][0]["finish_reason"] is None
+        assert metric(server, "loopserve:kv_cache_usage_perc") > 0
+        assert metric(server, "loopserve:num_requests_running") == 1
+        events.close()  # the client goes away mid-stream
+    wait_idle(server)  # the request was aborted and its KV blocks freed
+    assert metric(server, "loopserve:request_success_total", finished_reason="abort") == aborted + 1
+
+
+def test_disconnect_while_waiting_non_streaming(server):
+    wait_idle(server)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + C, json=_long_body(False), headers=AUTH, timeout=httpx.Timeout(30, read=0.5))
+    wait_idle(server)
+
+
+def test_concurrent_clients_equal_offline(server, offline):
+    cases = [dict(prompt=f"client {i} says", max_tokens=10 + i, temperature=0.5 + 0.1 * i, seed=100 + i,
+                  exit_threshold=[None, 0.2, 0.5][i % 3]) for i in range(6)]
+
+    async def one(aclient: openai.AsyncOpenAI, case: dict, stream: bool) -> tuple[str, list[int]]:
+        extra = {"exit_threshold": case["exit_threshold"]} if case["exit_threshold"] is not None else {}
+        kw = dict(model=MODEL, prompt=case["prompt"], max_tokens=case["max_tokens"],
+                  temperature=case["temperature"], seed=case["seed"], extra_body=extra)
+        if not stream:
+            r = await aclient.completions.create(**kw)
+            return r.choices[0].text, r.choices[0].model_extra["exit_depths"]
+        text, depths = "", []
+        async for ch in await aclient.completions.create(**kw, stream=True):
+            text += ch.choices[0].text
+            depths += ch.choices[0].model_extra["exit_depths"]
+        return text, depths
+
+    async def run() -> list[tuple[str, list[int]]]:
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0) as ac:
+            return await asyncio.gather(*(one(ac, c, i % 2 == 1) for i, c in enumerate(cases)))
+
+    got = asyncio.run(run())
+    want = offline.generate([c["prompt"] for c in cases],
+                            [SamplingParams(max_tokens=c["max_tokens"], temperature=c["temperature"], seed=c["seed"],
+                                            exit_threshold=c["exit_threshold"]) for c in cases])
+    for (text, depths), w in zip(got, want, strict=True):
+        assert text == w.outputs[0].text
+        assert depths == w.outputs[0].exit_depths
+
+
+def test_overload_burst_loses_no_admitted_request(server, offline):
+    wait_idle(server)
+    n, tokens = 24, 32
+
+    async def one(ac: httpx.AsyncClient, i: int) -> httpx.Response:
+        body = {"model": MODEL, "prompt": f"burst {i}", "max_tokens": tokens, "ignore_eos": True,
+                "temperature": 0.9, "seed": i, "return_token_ids": True}
+        return await ac.post(server.url + C, json=body, headers=AUTH)
+
+    async def run() -> list[httpx.Response]:
+        limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as ac:
+            return await asyncio.gather(*(one(ac, i) for i in range(n)))
+
+    rejected_before = metric(server, "loopserve:request_rejected_total", 0.0)
+    responses = asyncio.run(run())
+    statuses = [r.status_code for r in responses]
+    assert set(statuses) <= {200, 503}, statuses
+    ok = [i for i, s in enumerate(statuses) if s == 200]
+    busy = [r for r in responses if r.status_code == 503]
+    assert busy and len(ok) >= MAX_NUM_SEQS
+    for r in busy:
+        assert r.headers["retry-after"] and r.json()["error"]["code"] == 503
+    want = offline.generate([f"burst {i}" for i in ok],
+                            [SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.9, seed=i) for i in ok])
+    for i, w in zip(ok, want, strict=True):
+        choice = responses[i].json()["choices"][0]
+        assert choice["finish_reason"] == "length"
+        assert choice["token_ids"] == w.outputs[0].token_ids
+    assert metric(server, "loopserve:request_rejected_total", 0.0) - rejected_before == len(busy)
+    wait_idle(server)
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_loop_metrics_move(server, client):
+    before = metric(server, "loopserve:exit_depth_count")
+    loops = metric(server, "loopserve:core_loops_total")
+    client.completions.create(model=MODEL, prompt="metrics", max_tokens=5)
+    assert metric(server, "loopserve:exit_depth_count") > before
+    assert metric(server, "loopserve:core_loops_total") > loops
+    assert metric(server, "loopserve:core_batch_size_count") > 0
+
+
+def test_server_log_has_no_tracebacks(server):
+    text = server.log.read_text()
+    assert "Traceback" not in text, text[-4000:]
+
+
+# -- Huginn: the like-init state is seeded by the request's seed --------------------------------------------------
+@pytest.fixture(scope="module")
+def huginn(tmp_path_factory) -> Iterator[tuple[Server, Path]]:
+    path = make_tiny(tmp_path_factory.mktemp("tiny-huginn"), TinySpec(arch="huginn", layers="1-2-1", r_max=4))
+    log = tmp_path_factory.mktemp("logs") / "huginn.log"
+    with run_server(path, log, "--dtype", "float64", "--kv-cache-tokens", str(KV_TOKENS)) as s:
+        yield s, path
+
+
+def _huginn_request(server: Server) -> dict:
+    body = {"model": MODEL, "prompt": "Huginn and Muninn", "max_tokens": 8, "temperature": 0.8, "seed": 42,
+            "return_token_ids": True}
+    r = httpx.post(server.url + C, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def test_huginn_seeded_request_equals_engine_offline(huginn):
+    server, path = huginn
+    first, second = _huginn_request(server), _huginn_request(server)
+    assert first["token_ids"] == second["token_ids"] and first["exit_depths"] == second["exit_depths"]
+    llm = LLM(path, dtype="float64", kv_cache_tokens=KV_TOKENS)
+    assert llm.engine is not None
+    seq = llm.engine.make_sequence("x", "Huginn and Muninn", SamplingParams(max_tokens=8, temperature=0.8, seed=42),
+                                   seed=42)
+    llm.engine.add_sequence(seq)
+    llm.engine.run_to_completion()
+    assert first["token_ids"] == seq.output_ids and first["exit_depths"] == seq.exit_depths
+
+
+def test_huginn_seeded_request_equals_llm_generate(huginn):
+    server, path = huginn
+    got = _huginn_request(server)
+    want = LLM(path, dtype="float64", kv_cache_tokens=KV_TOKENS).generate(
+        "Huginn and Muninn", SamplingParams(max_tokens=8, temperature=0.8, seed=42))[0].outputs[0]
+    assert got["token_ids"] == want.token_ids
+
+
+# -- SIGTERM --------------------------------------------------------------------------------------------------------
+def test_sigterm_finishes_short_requests_and_aborts_long_ones(ouro_path, tmp_path):
+    log = tmp_path / "sigterm.log"
+    # Size the grace period from this machine's speed: ~10x what the short request needs, ~1/5 of
+    # what the long one needs.
+    llm = LLM(ouro_path)
+    llm.generate("warm up", SamplingParams(max_tokens=4))
+    t = time.perf_counter()
+    llm.generate("time me", SamplingParams(max_tokens=40, ignore_eos=True))
+    per_token = (time.perf_counter() - t) / 40
+    short, grace = 40, max(1.5, 400 * per_token)
+    with run_server(ouro_path, log, "--shutdown-timeout", str(grace), "--kv-cache-tokens", str(KV_TOKENS)) as server:
+        results: dict[str, tuple[int, bool]] = {}
+        started = {k: threading.Event() for k in ("short", "long")}
+
+        def stream(name: str, max_tokens: int) -> None:
+            body = {"model": MODEL, "prompt": name, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+            n, done = 0, False
+            try:
+                with httpx.Client(timeout=60) as c, c.stream("POST", server.url + C, json=body) as r:
+                    for data in sse_events(r.iter_lines()):
+                        if data == "[DONE]":
+                            done = True
+                        else:
+                            n += len(json.loads(data)["choices"][0]["exit_depths"])
+                            started[name].set()
+            except httpx.HTTPError:
+                pass
+            started[name].set()
+            results[name] = (n, done)
+
+        threads = [threading.Thread(target=stream, args=("short", short)),
+                   threading.Thread(target=stream, args=("long", MAX_LEN - 8))]
+        for t in threads:
+            t.start()
+        for e in started.values():
+            assert e.wait(30)
+        t0 = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        with pytest.raises(httpx.HTTPError):  # no longer accepting connections
+            httpx.get(server.url + "/health", timeout=2)
+        for t in threads:
+            t.join(30)
+        rc = server.proc.wait(20)
+        assert time.monotonic() - t0 < grace + 10
+    assert rc == 0, log.read_text()
+    assert results["short"] == (short, True)  # in flight at SIGTERM: finished
+    n_long, done_long = results["long"]
+    assert not done_long and n_long < MAX_LEN - 8  # could not finish in the grace period: aborted, stream cut
