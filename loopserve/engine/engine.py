@@ -90,9 +90,7 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:
-        seq = self.scheduler.abort(request_id)
-        if seq is not None:
-            self.scheduler.finished.append(seq)
+        self.scheduler.abort(request_id)  # reported with the next step's outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or bool(self.scheduler.finished)

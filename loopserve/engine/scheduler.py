@@ -1,20 +1,24 @@
 """Schedulers: which ONE homogeneous stage batch runs next (DESIGN.md §3).
 
-All three share the queues, KV admission, preemption and the bookkeeping of results (`update`);
-they differ only in `schedule`:
+All three share the queues, KV admission, preemption and the bookkeeping of results (`after_*`);
+they differ only in `_plan` (the choice `schedule` returns):
 
 - `CBScheduler`: token-level continuous batching at full depth. A cohort of decode tokens runs
   prelude, then core steps until the deepest member's `max_loops`, then the coda. Members that exit
   early stay in the batch as passive rows (computed, results discarded): exit signals save nothing.
-- `NoRefillScheduler`: the same cohorts, but exited tokens leave the core batch (it shrinks); the
-  coda runs when the whole cohort has exited; new work joins only between cohorts.
+- `CohortScheduler` (CDB no-refill): the same cohorts, but exited tokens leave the core batch (it
+  shrinks); the coda runs when the whole cohort has exited; new work joins only between cohorts.
 - `RefillScheduler` (CDB): four queues. Each tick, by priority: coda (>= min_coda_batch waiting),
   prefill (if KV admission keeps the safety margin), prelude (while the core batch has free width),
   core, then an undersized coda flush. Exited tokens leave the core batch at once and fresh tokens
   take their rows.
 
-KV pressure: a token that needs a new block and finds none swaps out the most recently arrived
-sequence that is between tokens; a request that could never fit fails alone with an error.
+KV admission: a new prompt is admitted only when the pool can hold all of it on top of what the
+admitted, partly prefilled prompts still need (so half-prefilled prompts cannot hold the pool
+between them). KV pressure: a token that needs a new block and finds none swaps out the most
+recently arrived sequence that is between tokens, or else drops a partly prefilled prompt (to be
+recomputed); a request that could never fit fails alone with an error. `check_invariants` and
+`check_drained` state the bookkeeping the tests check after every step.
 """
 
 from __future__ import annotations
@@ -50,13 +54,14 @@ class Scheduler:
         self.coda_q: list[WorkItem] = []
         self._orders = itertools.count()
         self.finished: list[Sequence] = []  # finished since the last drain (the engine reports them)
+        self.retired_loops = 0  # decode loops of finished requests (bookkeeping check)
 
     # -- requests ------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         if self.kv.allocator.blocks_for(len(seq.prompt_ids) + 1) > self.kv.num_blocks:
             seq.finish("error", f"prompt of {len(seq.prompt_ids)} tokens cannot fit in the KV cache "
                                 f"({self.kv.num_blocks * self.kv.block_size} tokens)")
-            self.finished.append(seq)
+            self._finish(seq)
             return
         self.waiting.append(seq)
 
@@ -64,26 +69,26 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped)
 
     def abort(self, request_id: str) -> Sequence | None:
-        for seq in list(self.waiting):
-            if seq.request_id == request_id:
-                self.waiting.remove(seq)
-                self._release(seq)
-                seq.finish("abort")
-                return seq
-        for item in list(self.swapped):
-            if item.seq.request_id == request_id:
-                self.swapped.remove(item)
-                self._release(item.seq)
-                item.seq.finish("abort")
-                return item.seq
-        seq = self.running.get(request_id)
+        """Stop a request wherever it is; it is reported (finish_reason "abort") with the next step's
+        outputs. None if the request is not in flight."""
+        seq = next((s for s in self.waiting if s.request_id == request_id), None)
+        swapped = next((i for i in self.swapped if i.seq.request_id == request_id), None)
         if seq is not None:
+            self.waiting.remove(seq)
+        elif swapped is not None:
+            self.swapped.remove(swapped)
+            seq = swapped.seq
+        else:
+            seq = self.running.get(request_id)
+            if seq is None:
+                return None
             for q in (self.prelude_q, self.core_q, self.coda_q):
                 for item in [i for i in q if i.seq is seq]:
                     q.remove(item)
+                    seq.metrics.loops_run += item.r  # loops already spent on the dropped token
                     self._drop_item(item)
-            self._release(seq)
-            seq.finish("abort")
+        seq.finish("abort")
+        self._finish(seq)
         return seq
 
     # -- helpers -------------------------------------------------------------------------------------
@@ -101,6 +106,7 @@ class Scheduler:
         self._release(seq)
         self.finished.append(seq)
         self.stats.finished_requests[seq.finish_reason] += 1
+        self.retired_loops += seq.metrics.loops_run
 
     def _new_item(self, seq: Sequence) -> None:
         self.prelude_q.append(WorkItem(seq, next(self._orders)))
@@ -134,14 +140,20 @@ class Scheduler:
             self.swapped = deque(sorted(self.swapped, key=lambda i: i.seq.arrival_index))
             self.stats.preemptions += 1
             return True
+        return self._drop_partial_prefill()
+
+    def _drop_partial_prefill(self) -> bool:
+        """Drop the KV of the latest-arrived partly prefilled prompt (recomputed later, which
+        reproduces its KV). False if there is none."""
         partial = [s for s in self.waiting if s.request_id in self.running]
-        if partial:
-            victim_seq = max(partial, key=lambda s: s.arrival_index)
-            self._release(victim_seq)
-            victim_seq.status = Status.WAITING
-            self.stats.preemptions += 1
-            return True
-        return False
+        if not partial:
+            return False
+        victim = max(partial, key=lambda s: s.arrival_index)
+        self._release(victim)
+        victim.status = Status.WAITING
+        victim.metrics.prefill_loops = 0  # the prompt's loops are counted once, when recomputed
+        self.stats.preemptions += 1
+        return True
 
     def _reserve_kv(self, item: WorkItem, taken: list[WorkItem]) -> bool:
         while not self.kv.ensure(item.seq.request_id, item.seq.num_tokens):
@@ -157,38 +169,55 @@ class Scheduler:
                 break
             if item not in self.prelude_q:  # swapped out for an earlier item
                 continue
-            if self._reserve_kv(item, taken):
-                taken.append(item)
-            elif self.kv.allocator.blocks_for(item.seq.num_tokens) > self.kv.num_blocks:
+            if self.kv.allocator.blocks_for(item.seq.num_tokens) > self.kv.num_blocks:
                 self.prelude_q.remove(item)  # longer than the whole cache: it can never fit
                 item.seq.finish("error", f"sequence of {item.seq.num_tokens} tokens exceeds the KV cache "
                                          f"({self.kv.num_blocks * self.kv.block_size} tokens)")
                 self._finish(item.seq)
+            elif self._reserve_kv(item, taken):
+                taken.append(item)
         for item in taken:
             self.prelude_q.remove(item)
             item.row = self.pool.allocate()
         return taken
 
     def _take_prefill(self) -> list[PrefillChunk]:
+        """Prompt chunks for this tick, FIFO within the token budget.
+
+        An admitted, partly prefilled prompt continues whenever its next chunk fits. A new prompt is
+        admitted only if the pool can hold all of it (plus its first generated token) on top of what
+        the admitted prompts still need, keeping the safety margin free unless nothing else runs:
+        admitting chunk by chunk without this lets two half-prefilled prompts hold the pool between
+        them with neither able to finish.
+        """
         if self.swapped:  # resume preempted requests before admitting new ones
             return []
         cfg, kv = self.cfg, self.kv
         budget, chunks = cfg.max_num_batched_tokens, []
         margin = int(cfg.kv_safety_margin * kv.num_blocks)
         free = kv.num_free
+        owed = sum(kv.blocks_needed(s.request_id, len(s.prompt_ids) + 1)  # to finish admitted prompts
+                   for s in self.waiting if s.request_id in self.running)
         for seq in list(self.waiting):
             sid = seq.request_id
-            new = sid not in self.running
-            if new and len(self.running) + sum(c.start == 0 for c in chunks) >= cfg.max_num_seqs:
+            admitted = sid in self.running
+            if not admitted and len(self.running) + sum(c.start == 0 for c in chunks) >= cfg.max_num_seqs:
                 break
             start = self.prefill_pos.get(sid, 0)
             n = min(cfg.prefill_chunk_size - start % cfg.prefill_chunk_size, len(seq.prompt_ids) - start)
             if n > budget:
                 break
             need = kv.blocks_needed(sid, start + n + (1 if start + n == len(seq.prompt_ids) else 0))
-            idle = not chunks and all(sid == r for r in self.running)
-            if need > free or (free - need < margin and not idle):
-                break  # an otherwise idle engine admits whatever fits at all
+            if admitted:
+                if need > free:
+                    break
+                owed -= need
+            else:
+                whole = kv.blocks_needed(sid, len(seq.prompt_ids) + 1)
+                idle = not chunks and not self.running  # an otherwise idle engine admits whatever fits
+                if whole + owed > free - (0 if idle else margin):
+                    break
+                owed += whole - need
             free -= need
             budget -= n
             chunks.append(PrefillChunk(seq, start, n))
@@ -202,6 +231,13 @@ class Scheduler:
 
     # -- the decision ---------------------------------------------------------------------------------
     def schedule(self) -> StagePlan:
+        plan = self._plan()
+        # Backstop for a stall (nothing can run while partly prefilled prompts hold the pool).
+        while plan.stage == "idle" and self._drop_partial_prefill():
+            plan = self._plan()
+        return plan
+
+    def _plan(self) -> StagePlan:
         raise NotImplementedError
 
     # -- results ----------------------------------------------------------------------------------------
@@ -268,22 +304,57 @@ class Scheduler:
             else:
                 self._new_item(seq)
 
+    # -- checks (tests call these between steps) -------------------------------------------------------
     def check_invariants(self) -> None:
-        live = set(self.running) | {i.seq.request_id for i in self.swapped} | {
-            s.request_id for s in self.waiting if s.request_id in self.kv.tables}
-        self.kv.check_invariants(live)
+        """Bookkeeping that holds between any two steps."""
         items = self.prelude_q + self.core_q + self.coda_q
-        rows = [i.row for i in items if i.row >= 0]
+        ids = [i.seq.request_id for i in items]
+        swapped = [i.seq.request_id for i in self.swapped]
+        partial = {s.request_id for s in self.waiting if s.request_id in self.running}
+        assert len(ids) + len(swapped) == len(set(ids) | set(swapped)), "two in-flight items for one sequence"
+        # every admitted sequence is in exactly one place: prefilling its prompt, or one work item
+        assert set(self.running) == partial | set(ids) and not partial & set(ids), "admitted sequence misplaced"
+        assert not set(self.running) & set(swapped), "sequence both resident and swapped"
+        for s in [*self.waiting, *self.running.values(), *(i.seq for i in self.swapped)]:
+            assert not s.finished, f"finished sequence {s.request_id} still queued"
+        for s in self.waiting:
+            if s.request_id not in self.running:
+                assert s.request_id not in self.kv.tables, f"waiting sequence {s.request_id} holds KV"
+        self.kv.check_invariants(set(self.running) | set(swapped))
+        for sid in swapped:
+            assert self.kv.is_swapped(sid), f"swapped sequence {sid} has no host copy"
+        # state rows: prelude items have none yet, core and coda items one each, none shared or leaked
+        assert all(i.row < 0 for i in self.prelude_q + list(self.swapped)), "queued prelude item holds a row"
+        rows = [i.row for i in self.core_q + self.coda_q]
+        assert all(r >= 0 for r in rows), "looping item without a state row"
         assert len(rows) == len(set(rows)), "state row shared by two items"
-        assert len(rows) + self.pool.num_free == self.pool.state.shape[0], "state row leaked"
-        seqs = [i.seq.request_id for i in items] + [i.seq.request_id for i in self.swapped]
-        assert len(seqs) == len(set(seqs)), "two in-flight items for one sequence"
+        assert sorted(rows + self.pool._free) == list(range(self.pool.state.shape[0])), "state row leaked"
         for i in self.core_q:
-            assert i.row >= 0 and self.kv.store.depth[self.kv.row_map(i.seq.request_id)[i.position]] == IN_FLIGHT
+            assert i.tracker is not None and i.r <= i.seq.rule.max_loops
+            assert self.kv.store.depth[self.kv.row_map(i.seq.request_id)[i.position]] == IN_FLIGHT
+        for i in self.coda_q:
+            assert i.tracker is not None and i.tracker.exit_depth is not None and not i.tracker.frozen
+            assert self.kv.store.depth[self.kv.row_map(i.seq.request_id)[i.position]] == i.r
+        for i in self.core_q + self.coda_q:
+            assert self.kv.tables[i.seq.request_id].num_tokens >= i.seq.num_tokens, "token without a KV row"
+        # loops: every kept core row belongs to a finished request, a live one, or an in-flight token
+        live = sum(s.metrics.loops_run for s in self.running.values()) + sum(
+            i.seq.metrics.loops_run for i in self.swapped)
+        assert self.stats.useful_core_rows == self.retired_loops + live + sum(i.r for i in items), \
+            "core loops unaccounted for"
+
+    def check_drained(self) -> None:
+        """After the last request finished: nothing queued, every KV block and state row free."""
+        self.check_invariants()
+        assert not (self.waiting or self.running or self.swapped or self.prelude_q or self.core_q
+                    or self.coda_q), "queues not empty"
+        assert not self.kv.tables and self.kv.num_free == self.kv.num_blocks, "KV blocks still held"
+        assert self.pool.num_free == self.pool.state.shape[0], "state rows still held"
+        assert self.stats.useful_core_rows == self.retired_loops
 
 
 class RefillScheduler(Scheduler):
-    def schedule(self) -> StagePlan:
+    def _plan(self) -> StagePlan:
         self._try_swap_in()
         width = self.cfg.max_decode_batch
         if len(self.coda_q) >= self.cfg.min_coda_batch:
@@ -300,6 +371,10 @@ class RefillScheduler(Scheduler):
         if self.coda_q:
             return self._coda_plan()
         return StagePlan("idle")
+
+    def check_invariants(self) -> None:
+        super().check_invariants()
+        assert len(self.core_q) <= self.cfg.max_decode_batch, "core batch wider than max_decode_batch"
 
     def _coda_plan(self) -> StagePlan:
         items = sorted(self.coda_q, key=lambda i: i.order)[: self.cfg.max_decode_batch]
@@ -319,7 +394,7 @@ class CohortScheduler(Scheduler):
         self.phase = "none"
         self.core_ticks = 0
 
-    def schedule(self) -> StagePlan:
+    def _plan(self) -> StagePlan:
         if self.phase == "none":
             self._try_swap_in()
             chunks = self._take_prefill() if self.waiting else []
@@ -362,6 +437,14 @@ class CohortScheduler(Scheduler):
         if not self.cohort and self.phase != "none":
             self.phase = "none"
         return seq
+
+    def check_invariants(self) -> None:
+        super().check_invariants()
+        assert all(i in self.core_q or i in self.coda_q for i in self.cohort), "cohort member lost"
+        if self.phase == "none":
+            assert not self.cohort and not self.core_q and not self.coda_q, "work outside a cohort"
+        else:
+            assert set(self.core_q) | set(self.coda_q) == set(self.cohort), "item outside the cohort"
 
 
 class CBScheduler(CohortScheduler):

@@ -1,0 +1,212 @@
+"""Random workloads against `LLMEngine` (Hypothesis): requests with random prompts and sampling /
+exit parameters arrive at random steps, some are aborted, and the KV pool is small. After every
+step the scheduler's invariants hold; at the end every request finished, queues are empty and all
+KV blocks and state rows are free; every request that was not aborted equals the sequential
+reference decoder's output (float64), and loops run equal the exit depths.
+
+Also: preemption really happens and changes nothing; a prompt that can never fit, or a generation
+that outgrows the whole pool, fails that request alone with a clear error.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from loopserve import LLM, SamplingParams
+from tests.engine_helpers import Req, assert_matches, drive, expected_loops, make_engine, reference
+
+SCHEDULERS = ("cb", "cdb-norefill", "cdb")
+LAYOUTS = ("depth_indexed", "last_exited", "shared")
+HYP = settings(max_examples=25, deadline=None, database=None,
+               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# -- strategies ------------------------------------------------------------------------------------------
+@st.composite
+def sampling_params(draw, arch: str, r_max: int) -> SamplingParams:
+    kw: dict = dict(max_tokens=draw(st.sampled_from([1, 3, 6, 8, 10, 10])), ignore_eos=draw(st.booleans()))
+    temperature = draw(st.sampled_from([0.0, 0.0, 0.7, 1.0]))
+    kw["temperature"] = temperature
+    if temperature and draw(st.booleans()):
+        kw["seed"] = draw(st.integers(0, 1000))
+    if temperature and draw(st.booleans()):
+        kw["top_k"] = draw(st.sampled_from([5, 50]))
+    if draw(st.integers(0, 3)) == 0:
+        kw["logprobs"] = draw(st.integers(0, 3))
+    max_loops = draw(st.one_of(st.none(), st.integers(2, r_max)))
+    kw["max_loops"] = max_loops
+    if draw(st.integers(0, 3)) == 0:
+        kw["min_loops"] = draw(st.integers(1, max_loops or r_max))
+    policy = draw(st.sampled_from(["default", "fixed", "trace", "signal", "signal", "kl"]))
+    if policy == "fixed":
+        kw["exit_policy"] = "fixed"
+    elif policy == "trace":
+        kw["exit_trace"] = draw(st.lists(st.integers(1, r_max + 1), max_size=10))
+    elif policy == "signal" and arch == "ouro":
+        kw.update(exit_policy="gate", exit_threshold=draw(st.sampled_from([0.3, 0.6, 0.9, 1.0])))
+    elif policy == "signal":
+        kw.update(exit_policy="latent_diff", exit_threshold=draw(st.sampled_from([0.5, 0.8, 0.9])))
+    elif policy == "kl":
+        kw.update(exit_policy="kl", exit_threshold=draw(st.sampled_from([0.003, 0.01, 0.05])))
+    return SamplingParams(**kw)
+
+
+@st.composite
+def workloads(draw, arch: str, r_max: int):
+    block = draw(st.sampled_from([2, 4]))
+    chunk = draw(st.sampled_from([3, 5, 8]))
+    cfg = dict(scheduler=draw(st.sampled_from(SCHEDULERS)), kv_layout=draw(st.sampled_from(LAYOUTS)),
+               block_size=block, kv_cache_tokens=block * draw(st.integers(12 // block, 28 // block)),
+               max_num_seqs=draw(st.integers(2, 5)), max_decode_batch=draw(st.integers(1, 4)),
+               prefill_chunk_size=chunk, max_num_batched_tokens=chunk * draw(st.integers(1, 2)),
+               min_coda_batch=draw(st.integers(1, 3)), lookahead=draw(st.booleans()),
+               kv_safety_margin=draw(st.sampled_from([0.0, 0.1, 0.3])))
+    reqs = []
+    for i in range(draw(st.integers(2, 8))):
+        prompt = draw(st.lists(st.integers(1, 470), min_size=1, max_size=14))
+        arrive = draw(st.integers(0, 12))
+        aborted = draw(st.integers(0, 3)) == 0
+        abort_at = arrive + draw(st.sampled_from([0, 1, 5, 12, 25])) if aborted else None
+        reqs.append(Req(f"w{i}", prompt, draw(sampling_params(arch, r_max)), draw(st.integers(0, 2**40)),
+                        arrive, abort_at))
+    return cfg, reqs
+
+
+def check_workload(path, state_init: str, cfg: dict, reqs: list[Req]) -> None:
+    engine = make_engine(path, state_init, **cfg)
+    outs = drive(engine, reqs)  # invariants after every step, drained at the end
+    blocks_for, num_blocks = engine.kv.allocator.blocks_for, engine.kv.num_blocks
+    for r in reqs:
+        out, ref = outs[r.rid], reference(engine, r)
+        c = out.outputs[0]
+        assert c.finish_reason in ("stop", "length", "abort", "error")
+        if c.finish_reason == "error":  # only a request that cannot fit in the whole pool fails
+            assert out.error and "KV cache" in out.error
+            assert blocks_for(len(r.prompt) + max(len(c.token_ids), 1)) > num_blocks
+            assert c.token_ids == ref.output_ids[: len(c.token_ids)]
+            continue
+        if c.finish_reason != "abort":
+            assert out.metrics.loops_run == expected_loops(ref)
+        assert_matches(out, ref)
+
+
+@HYP
+@given(data=st.data())
+def test_random_workloads_ouro(data, tiny_ouro):
+    cfg, reqs = data.draw(workloads("ouro", 4))
+    check_workload(tiny_ouro, "zero", cfg, reqs)
+
+
+@HYP
+@given(data=st.data(), state_init=st.sampled_from(["zero", "like-init"]))
+def test_random_workloads_huginn(data, state_init, tiny_huginn):
+    cfg, reqs = data.draw(workloads("huginn", 6))
+    check_workload(tiny_huginn, state_init, cfg, reqs)
+
+
+# -- preemption -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_preemption_happens_and_changes_nothing(scheduler, layout, tiny_ouro):
+    engine = make_engine(tiny_ouro, scheduler=scheduler, kv_layout=layout, block_size=2, kv_cache_tokens=24,
+                         max_decode_batch=4, kv_safety_margin=0.0, lookahead=layout == "shared")
+    reqs = [Req(f"p{i}", [(31 * i + 3 * j) % 400 + 1 for j in range(3 + 2 * i)],
+                SamplingParams(temperature=0.8 * (i % 2), max_tokens=9, ignore_eos=True, exit_threshold=0.6),
+                seed=i, arrive=i)
+            for i in range(4)]
+    outs = drive(engine, reqs)
+    assert engine.stats.preemptions > 0 and engine.stats.swap_ins > 0
+    for r in reqs:
+        assert outs[r.rid].outputs[0].finish_reason == "length"
+        assert_matches(outs[r.rid], reference(engine, r))
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_half_prefilled_prompts_cannot_deadlock(scheduler, tiny_huginn):
+    """Two long prompts whose chunks together overfill the pool: admitting chunk by chunk used to
+    leave both half prefilled, holding every block, with neither able to finish."""
+    engine = make_engine(tiny_huginn, scheduler=scheduler, block_size=2, kv_cache_tokens=18,
+                         prefill_chunk_size=6, max_num_batched_tokens=12, kv_safety_margin=0.0)
+    reqs = [Req(f"d{i}", list(range(10 + i, 24 + i)), SamplingParams(temperature=0, max_tokens=3), seed=i)
+            for i in range(2)]
+    outs = drive(engine, reqs)
+    for r in reqs:
+        assert outs[r.rid].outputs[0].finish_reason in ("length", "stop")
+        assert_matches(outs[r.rid], reference(engine, r))
+
+
+# -- requests that cannot fit -------------------------------------------------------------------------------
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_prompt_that_never_fits_fails_alone(scheduler, tiny_ouro):
+    engine = make_engine(tiny_ouro, scheduler=scheduler, block_size=4, kv_cache_tokens=16)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    reqs = [Req("ok0", [5, 6, 7], params, seed=0), Req("huge", list(range(1, 21)), params, seed=1, arrive=1),
+            Req("ok1", [9, 8], params, seed=2, arrive=1)]
+    outs = drive(engine, reqs)
+    huge = outs["huge"]
+    assert huge.outputs[0].finish_reason == "error" and huge.outputs[0].token_ids == []
+    assert "prompt of 20 tokens cannot fit in the KV cache (16 tokens)" in huge.error
+    for rid in ("ok0", "ok1"):
+        assert outs[rid].outputs[0].finish_reason == "length" and outs[rid].error is None
+        assert_matches(outs[rid], reference(engine, next(r for r in reqs if r.rid == rid)))
+    assert engine.stats.finished_requests["error"] == 1
+
+
+def test_prompt_that_never_fits_through_llm(tiny_huginn):
+    llm = LLM(tiny_huginn, dtype="float64", scheduler="cdb", block_size=4, kv_cache_tokens=16)
+    outs = llm.generate([[5, 6], list(range(1, 30)), [7]], SamplingParams(temperature=0, max_tokens=3))
+    assert [o.outputs[0].finish_reason for o in outs] == ["length", "error", "length"]
+    assert "cannot fit in the KV cache" in outs[1].error and outs[0].error is None
+    assert llm.engine.kv_usage() == 0
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_generation_outgrowing_the_pool_fails_and_frees(scheduler, tiny_ouro):
+    """A request whose tokens outgrow the whole pool ends with an error once its next token cannot get
+    a KV slot; its blocks are freed and a request running next to it completes."""
+    engine = make_engine(tiny_ouro, scheduler=scheduler, block_size=4, kv_cache_tokens=16, kv_safety_margin=0.0)
+    grow = Req("grow", list(range(40, 50)), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), seed=0)
+    small = Req("small", [3], SamplingParams(temperature=0.9, max_tokens=3, ignore_eos=True), seed=1, arrive=2)
+    outs = drive(engine, [grow, small])  # drained: every block is free again
+    c, out = outs["grow"].outputs[0], outs["grow"]
+    assert c.finish_reason == "error" and "exceeds the KV cache (16 tokens)" in out.error
+    assert len(c.token_ids) == 7  # prompt 10 + 6 tokens fill 16 slots; the 7th has no slot
+    ref = reference(engine, grow)
+    assert c.token_ids == ref.output_ids[:7] and c.exit_depths == ref.exit_depths[:7]
+    assert outs["small"].outputs[0].finish_reason == "length"
+    assert_matches(outs["small"], reference(engine, small))
+
+
+def test_invariant_checks_catch_leaks(tiny_ouro):
+    """The checks are not vacuous: a leaked block, a leaked state row or lost loops are caught."""
+    engine = make_engine(tiny_ouro, scheduler="cdb", block_size=4, kv_cache_tokens=32)
+    engine.add_request("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=4), seed=0)
+    for _ in range(3):
+        engine.step()
+    sched = engine.scheduler
+    sched.check_invariants()
+    leaked = sched.kv.allocator.allocate("ghost", 1)
+    with pytest.raises(AssertionError, match="allocator owns blocks"):
+        sched.check_invariants()
+    sched.kv.allocator.free("ghost", leaked)
+    row = sched.pool.allocate()
+    with pytest.raises(AssertionError, match="state row leaked"):
+        sched.check_invariants()
+    sched.pool.release(row)
+    engine.stats.useful_core_rows += 1
+    with pytest.raises(AssertionError, match="core loops unaccounted"):
+        sched.check_invariants()
+    engine.stats.useful_core_rows -= 1
+    engine.run_to_completion()
+    sched.check_drained()
