@@ -119,9 +119,9 @@ class LLMEngine:
             sched.after_core(plan, signals)
             self.stats.record("core", len(plan.items))
         elif plan.stage == "coda":
-            logits = self.runner.coda(plan.items)
+            coda_logits = self.runner.coda(plan.items)
             t2 = time.perf_counter()
-            sched.after_coda(plan, logits)
+            sched.after_coda(plan, coda_logits)
             self.stats.record("coda", len(plan.items))
         else:
             t2 = t1

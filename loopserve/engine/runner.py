@@ -158,8 +158,12 @@ class ModelRunner:
         prev_lp = None
         if kl_rows:
             vocab = self.model.config.vocab_size
-            prev_lp = torch.stack([items[i].prev_logprobs if items[i].prev_logprobs is not None else
-                                   uniform_logprobs(1, vocab, torch.float64, self.device)[0] for i in kl_rows])
+            uniform = uniform_logprobs(1, vocab, torch.float64, self.device)[0]
+            prevs: list[torch.Tensor] = []
+            for i in kl_rows:
+                lp_i = items[i].prev_logprobs
+                prevs.append(uniform if lp_i is None else lp_i)
+            prev_lp = torch.stack(prevs)
         sig, lp = step_signals(self.model, kinds, prev, new, ctx, prev_lp,
                                torch.tensor(kl_rows) if kl_rows else None)
         values = {k: v.tolist() for k, v in sig.items()}

@@ -193,7 +193,8 @@ class Scheduler:
         if self.swapped:  # resume preempted requests before admitting new ones
             return []
         cfg, kv = self.cfg, self.kv
-        budget, chunks = cfg.max_num_batched_tokens, []
+        budget = cfg.max_num_batched_tokens
+        chunks: list[PrefillChunk] = []
         margin = int(cfg.kv_safety_margin * kv.num_blocks)
         free = kv.num_free
         owed = sum(kv.blocks_needed(s.request_id, len(s.prompt_ids) + 1)  # to finish admitted prompts
