@@ -11,9 +11,9 @@ from tqdm import tqdm
 
 from loopserve.cache.layout import KVLayout
 from loopserve.engine.config import EngineConfig
-from loopserve.engine.engine import LLMEngine, PromptType, parse_prompt
+from loopserve.engine.engine import LLMEngine
 from loopserve.engine.reference import ReferenceDecoder
-from loopserve.engine.sequence import Sequence, resolve_exit_rule
+from loopserve.engine.sequence import PromptType, Sequence, make_sequence
 from loopserve.models.loader import load_model
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import SamplingParams
@@ -53,11 +53,8 @@ class LLM:
         # Per-request seed (sampling and Huginn's random initial state): the request's own seed when
         # given, as the server does, else one derived from the LLM seed; the same in every scheduler.
         seed = params.seed if params.seed is not None else self.seed * 1_000_003 + index
-        if self.engine is not None:
-            return self.engine.make_sequence(str(index), prompt, params, seed=seed)
-        text, ids = parse_prompt(prompt, self.tokenizer)
-        rule = resolve_exit_rule(params, self.config, self.model.has_gate, self.engine_config.lookahead)
-        return Sequence(str(index), text, ids, params, rule, seed, self.tokenizer, self.config.max_position)
+        return make_sequence(self.model, self.tokenizer, str(index), prompt, params, seed,
+                             self.engine_config.lookahead)
 
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,

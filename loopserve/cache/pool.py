@@ -26,6 +26,14 @@ class KVStore:
         self.k[slot, rows] = k
         self.v[slot, rows] = v
 
+    def gather(self, slot: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at (slot, row) pairs (any matching shapes) -> [*shape, kv_heads, head_dim]."""
+        flat = (slot * self.capacity + rows).reshape(-1)  # one index_select beats 2-D advanced indexing
+        shape = (*rows.shape, *self.k.shape[2:])
+        k = self.k.view(-1, *self.k.shape[2:]).index_select(0, flat).view(shape)
+        v = self.v.view(-1, *self.v.shape[2:]).index_select(0, flat).view(shape)
+        return k, v
+
     def set_depth(self, rows: torch.Tensor, depth: torch.Tensor | int) -> None:
         self.depth[rows] = depth
 

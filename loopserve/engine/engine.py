@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import time
-from typing import Any
 
 import torch
 
@@ -20,29 +19,12 @@ from loopserve.config import HUGINN, ModelConfig
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.runner import ModelRunner, StatePool
 from loopserve.engine.scheduler import make_scheduler
-from loopserve.engine.sequence import Sequence, resolve_exit_rule
+from loopserve.engine.sequence import PromptType, Sequence, make_sequence
 from loopserve.engine.stats import EngineStats
 from loopserve.models.base import LoopedLM
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import SamplingParams
 from loopserve.tokenizer import Tokenizer
-
-PromptType = str | dict[str, Any] | list[int]
-
-
-def parse_prompt(prompt: PromptType, tokenizer: Tokenizer) -> tuple[str | None, list[int]]:
-    if isinstance(prompt, str):
-        return prompt, tokenizer.encode(prompt)
-    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-        ids = prompt["prompt_token_ids"]
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise ValueError("prompt_token_ids: must be a list of integers")
-        return prompt.get("prompt"), list(ids)
-    if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
-        return prompt["prompt"], tokenizer.encode(prompt["prompt"])
-    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return None, list(prompt)
-    raise ValueError("prompt: expected a string, a list of token ids, or a dict with 'prompt' or 'prompt_token_ids'")
 
 
 class LLMEngine:
@@ -71,12 +53,10 @@ class LLMEngine:
     # -- requests --------------------------------------------------------------------------------------
     def make_sequence(self, request_id: str, prompt: PromptType, params: SamplingParams,
                       arrival_time: float | None = None, seed: int | None = None) -> Sequence:
-        text, ids = parse_prompt(prompt, self.tokenizer)
-        rule = resolve_exit_rule(params, self.model_config, self.model.has_gate, self.cfg.lookahead)
-        if seed is None:
+        if seed is None:  # stable across processes (unlike hash())
             seed = int.from_bytes(hashlib.sha256(f"{self.seed}:{request_id}".encode()).digest()[:8], "little")
-        return Sequence(request_id, text, ids, params, rule, seed, self.tokenizer, self.model_config.max_position,
-                        arrival_time)
+        return make_sequence(self.model, self.tokenizer, request_id, prompt, params, seed, self.cfg.lookahead,
+                             arrival_time)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: float | None = None, seed: int | None = None) -> None:

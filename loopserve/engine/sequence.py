@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 
 import torch
 
 from loopserve.config import ModelConfig
 from loopserve.engine.sampler import sample_token, token_logprobs
 from loopserve.exits import ExitRule
+from loopserve.models.base import LoopedLM
 from loopserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from loopserve.sampling_params import SamplingParams
 from loopserve.tokenizer import Tokenizer
@@ -45,18 +47,45 @@ def resolve_exit_rule(params: SamplingParams, config: ModelConfig, has_gate: boo
     return ExitRule(policy, threshold, min_loops, max_loops, tuple(params.exit_trace or ()), lookahead)
 
 
+PromptType = str | dict[str, Any] | list[int]
+
+
+def parse_prompt(prompt: PromptType, tokenizer: Tokenizer) -> tuple[str | None, list[int]]:
+    """(text, token ids) of a prompt given as text, token ids, or {"prompt" | "prompt_token_ids": ...}."""
+    if isinstance(prompt, str):
+        return prompt, tokenizer.encode(prompt)
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        ids = prompt["prompt_token_ids"]
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("prompt_token_ids: must be a list of integers")
+        return prompt.get("prompt"), list(ids)
+    if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+        return prompt["prompt"], tokenizer.encode(prompt["prompt"])
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return None, list(prompt)
+    raise ValueError("prompt: expected a string, a list of token ids, or a dict with 'prompt' or 'prompt_token_ids'")
+
+
+def make_sequence(model: LoopedLM, tokenizer: Tokenizer, request_id: str, prompt: PromptType,
+                  params: SamplingParams, seed: int, lookahead: bool, arrival_time: float | None = None) -> Sequence:
+    """Validate a request against the model and build its Sequence (ValueError names the bad field)."""
+    text, ids = parse_prompt(prompt, tokenizer)
+    c = model.config
+    rule = resolve_exit_rule(params, c, model.has_gate, lookahead)
+    return Sequence(request_id, text, ids, params, rule, seed, tokenizer, c.max_position, c.vocab_size, arrival_time)
+
+
 class Sequence:
     def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
-                 rule: ExitRule, seed: int, tokenizer: Tokenizer, max_model_len: int,
+                 rule: ExitRule, seed: int, tokenizer: Tokenizer, max_model_len: int, vocab_size: int,
                  arrival_time: float | None = None) -> None:
         if not prompt_ids:
             raise ValueError("prompt: empty prompt (no tokens)")
         if len(prompt_ids) >= max_model_len:
             raise ValueError(f"prompt: {len(prompt_ids)} tokens leave no room to generate "
                              f"within the model's context of {max_model_len}")
-        vocab = tokenizer.vocab_size
-        if any(not 0 <= t < max(vocab, 1) for t in prompt_ids):
-            raise ValueError(f"prompt_token_ids: ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab_size for t in prompt_ids):
+            raise ValueError(f"prompt_token_ids: ids must be in [0, {vocab_size}) (the model's vocabulary)")
         self.request_id, self.prompt, self.params, self.rule = request_id, prompt, params, rule
         self.prompt_ids = list(prompt_ids)
         self.tokenizer = tokenizer

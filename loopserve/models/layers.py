@@ -4,6 +4,7 @@ paged, layout-aware KV cache."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from loopserve.models.context import DenseContext, ForwardContext
@@ -65,7 +66,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Forw
         return _dense_attention(q, k, v, ctx)
     layout, kv = ctx.layout, ctx.kv
     n, nh, d = q.shape
-    nkv = k.shape[1]
     if stage == "core":
         kv.write(layout.core_write_slot(layer, ctx.depth), ctx.write_rows, k, v)
     else:
@@ -78,34 +78,42 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Forw
             return torch.full_like(keys, s), torch.ones_like(keys, dtype=torch.bool)
         return layout.core_read(layer, depth, kv.depth[keys])
 
-    cdt = compute_dtype(q.dtype)
-    scale = d ** -0.5
     if ctx.one_row_segments:  # decode: one query per sequence, batched over padded keys
         keys = ctx.seg_keys  # [N, Lk]
         slot, visible = slots(keys, ctx.depth[:, None])
         visible = visible & (torch.arange(keys.shape[1], device=keys.device)[None, :] <= ctx.positions[:, None])
-        kk, vv = kv.k[slot, keys], kv.v[slot, keys]  # [N, Lk, nkv, d]
-        qg = q.view(n, nkv, nh // nkv, d).to(cdt)
-        scores = torch.einsum("nhgd,nlhd->nhgl", qg, kk.to(cdt)) * scale
-        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-        # nan_to_num: a passive CB row may see no key at all; its result is discarded anyway
-        out = torch.einsum("nhgl,nlhd->nhgd", scores.softmax(-1).nan_to_num(0.0), vv.to(cdt))
-        return out.reshape(n, nh * d).to(q.dtype)
+        kk, vv = (t.transpose(1, 2) for t in kv.gather(slot, keys))  # [N, nkv, Lk, d]
+        out = attend(q[:, :, None], kk, vv, visible[:, None, None, :])  # [N, nh, 1, d]
+        return out.reshape(n, nh * d)
 
     outs = []
-    for s in range(len(ctx.seg_starts) - 1):
+    for s in range(len(ctx.seg_starts) - 1):  # prefill: one sequence's chunk per segment
         a, b = ctx.seg_starts[s], ctx.seg_starts[s + 1]
         lk = int(ctx.positions[b - 1]) + 1
         keys = ctx.seg_keys[s, :lk]
         slot, visible = slots(keys, ctx.depth[a])
         mask = visible[None, :] & (torch.arange(lk, device=keys.device)[None, :] <= ctx.positions[a:b, None])
-        kk, vv = kv.k[slot, keys], kv.v[slot, keys]  # [Lk, nkv, d]
-        qg = q[a:b].view(b - a, nkv, nh // nkv, d).to(cdt)
-        scores = torch.einsum("qhgd,lhd->hgql", qg, kk.to(cdt)) * scale
-        scores = scores.masked_fill(~mask[None, None], float("-inf"))
-        o = torch.einsum("hgql,lhd->qhgd", scores.softmax(-1), vv.to(cdt))
-        outs.append(o.reshape(b - a, nh * d))
-    return torch.cat(outs).to(q.dtype)
+        kk, vv = (t.transpose(0, 1)[None] for t in kv.gather(slot, keys))  # [1, nkv, Lk, d]
+        o = attend(q[a:b].transpose(0, 1)[None], kk, vv, mask[None, None])  # [1, nh, nq, d]
+        outs.append(o[0].transpose(0, 1).reshape(b - a, nh * d))
+    return torch.cat(outs)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Masked attention. q [B, nh, Q, d]; k, v [B, nkv, L, d] (GQA: nh a multiple of nkv);
+    mask [B, 1, Q, L] bool. Softmax in fp32 or wider; a row that sees no key (a passive CB row,
+    whose result is discarded) yields zeros instead of NaN."""
+    bsz, nh, nq, d = q.shape
+    nkv = k.shape[1]
+    if q.dtype == torch.bfloat16:
+        # bf16 products, fp32 softmax, as upstream's eager attention; much faster than upcasting K/V here
+        qg = q.reshape(bsz, nkv, (nh // nkv) * nq, d)
+        scores = torch.matmul(qg, k.transpose(-1, -2)).view(bsz, nkv, nh // nkv, nq, -1) * d ** -0.5
+        scores = scores.float().masked_fill(~mask[:, :, None], float("-inf"))
+        probs = scores.softmax(-1).nan_to_num(0.0).to(q.dtype).view(bsz, nkv, (nh // nkv) * nq, -1)
+        return torch.matmul(probs, v).view(bsz, nh, nq, d)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=nkv != nh)
+    return out.nan_to_num(0.0)
 
 
 def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: DenseContext) -> torch.Tensor:
