@@ -20,12 +20,13 @@ from loopserve.sampling_params import SamplingParams
 
 
 def default_model_path() -> Path:
-    """The embedded default model (a seeded tiny Ouro until the trained one ships)."""
-    from loopserve.models.tiny import TinySpec, make_tiny
+    """The embedded default model: a small Ouro-architecture LM trained on Shakespeare, shipped in
+    the package (`loopserve train-tiny` rebuilds it)."""
+    from loopserve.train import embedded_model_path
 
-    path = Path.home() / ".cache" / "loopserve" / "tiny-ouro-seed0"
+    path = embedded_model_path()
     if not (path / "model.safetensors").is_file():
-        make_tiny(path, TinySpec(arch="ouro", seed=0))
+        raise ValueError(f"model: the embedded model is missing from {path}; pass model=PATH")
     return path
 
 

