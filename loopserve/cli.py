@@ -35,7 +35,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-decode-batch", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--prefill-chunk-size", type=int, default=512)
-    p.add_argument("--min-coda-batch", type=int, default=1)
+    p.add_argument("--min-coda-batch", type=int, default=None,
+                   help="default: 1 for fully looped models, max-decode-batch/4 with coda blocks (Huginn)")
     p.add_argument("--lookahead", action="store_true", help="delayed exit consumption (r_min = 2)")
 
 

@@ -18,7 +18,10 @@ class EngineConfig:
     max_decode_batch: int = 32  # width of a core (and prelude/coda) stage batch
     max_num_batched_tokens: int = 2048  # prompt tokens per prefill tick
     prefill_chunk_size: int = 512  # chunk boundary rule, shared with the reference decoder
-    min_coda_batch: int = 1
+    # Coda waits for this many exited tokens (an undersized batch still runs when nothing else can).
+    # None: 1 for fully looped models (Ouro: the coda is just the head), max_decode_batch // 4 when
+    # the model has coda blocks (Huginn: small coda batches re-read big boundary weights per token).
+    min_coda_batch: int | None = None
     kv_safety_margin: float = 0.1  # fraction of blocks prefill admission keeps free
     lookahead: bool = False
 
@@ -28,6 +31,8 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_decode_batch", "max_num_batched_tokens",
                      "prefill_chunk_size", "min_coda_batch"):
             v = getattr(self, name)
+            if v is None and name == "min_coda_batch":
+                continue
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}: must be an integer >= 1, got {v!r}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
@@ -36,3 +41,8 @@ class EngineConfig:
             raise ValueError(f"kv_safety_margin: must be in [0, 1), got {self.kv_safety_margin}")
         if self.max_num_batched_tokens < self.prefill_chunk_size:
             self.max_num_batched_tokens = self.prefill_chunk_size
+
+    def coda_batch_for(self, n_coda_layers: int) -> int:
+        if self.min_coda_batch is not None:
+            return self.min_coda_batch
+        return 1 if n_coda_layers == 0 else max(1, self.max_decode_batch // 4)

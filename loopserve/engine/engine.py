@@ -6,6 +6,7 @@ A step reads like a sentence: `plan = scheduler.schedule()`, run it on the runne
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import time
@@ -18,7 +19,7 @@ from loopserve.cache.pool import KVStore
 from loopserve.config import HUGINN, ModelConfig
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.runner import ModelRunner, StatePool
-from loopserve.engine.scheduler import make_scheduler
+from loopserve.engine.scheduler import StagePlan, make_scheduler
 from loopserve.engine.sequence import PromptType, Sequence, make_sequence
 from loopserve.engine.stats import EngineStats
 from loopserve.models.base import LoopedLM
@@ -31,8 +32,9 @@ class LLMEngine:
     def __init__(self, model: LoopedLM, tokenizer: Tokenizer, cfg: EngineConfig, seed: int = 0) -> None:
         if cfg.scheduler == "reference":
             raise ValueError("scheduler: 'reference' is the sequential oracle, not a batching engine")
-        self.model, self.tokenizer, self.cfg, self.seed = model, tokenizer, cfg, seed
         c: ModelConfig = model.config
+        cfg = dataclasses.replace(cfg, min_coda_batch=cfg.coda_batch_for(c.n_coda))
+        self.model, self.tokenizer, self.cfg, self.seed = model, tokenizer, cfg, seed
         self.model_config = c
         p = next(model.parameters())
         self.layout = KVLayout(cfg.kv_layout, c.n_prelude, c.n_core, c.n_coda, c.r_max)
@@ -81,7 +83,30 @@ class LLMEngine:
         sched = self.scheduler
         plan = sched.schedule()
         before = {s.request_id: len(s.output_ids) for s in self.requests.values()}
-        t1 = time.perf_counter()
+        model_time = self._execute(plan)
+        # Tokens just sampled start their next loop in the same tick (the refill scheduler runs
+        # their prelude right away instead of spending a separate tick on it).
+        follow = sched.follow_up(plan)
+        if follow is not None:
+            model_time += self._execute(follow)
+        self.stats.model_time += model_time
+        self.stats.schedule_time += time.perf_counter() - t0 - model_time
+        outs = []
+        for sid, n in before.items():
+            seq = self.requests[sid]
+            if len(seq.output_ids) != n and not seq.finished:
+                outs.append(seq.to_output())
+        for seq in sched.finished:
+            outs.append(seq.to_output())
+            self.requests.pop(seq.request_id, None)
+        sched.finished.clear()
+        if plan.stage == "idle" and not outs and sched.has_work():
+            raise RuntimeError("scheduler made no progress with work pending (a bug: please report)")
+        return outs
+
+    def _execute(self, plan: StagePlan) -> float:
+        """Run one stage batch and hand its results to the scheduler; returns the model time."""
+        sched, t1 = self.scheduler, time.perf_counter()
         if plan.stage == "prefill":
             logits = self.runner.prefill(plan.chunks)
             t2 = time.perf_counter()
@@ -105,21 +130,7 @@ class LLMEngine:
             self.stats.record("coda", len(plan.items))
         else:
             t2 = t1
-        t3 = time.perf_counter()
-        self.stats.model_time += t2 - t1
-        self.stats.schedule_time += (t1 - t0) + (t3 - t2)
-        outs = []
-        for sid, n in before.items():
-            seq = self.requests[sid]
-            if len(seq.output_ids) != n and not seq.finished:
-                outs.append(seq.to_output())
-        for seq in sched.finished:
-            outs.append(seq.to_output())
-            self.requests.pop(seq.request_id, None)
-        sched.finished.clear()
-        if plan.stage == "idle" and not outs and sched.has_work():
-            raise RuntimeError("scheduler made no progress with work pending (a bug: please report)")
-        return outs
+        return t2 - t1
 
     def kv_usage(self) -> float:
         return self.kv.usage()

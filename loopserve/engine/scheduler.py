@@ -241,6 +241,10 @@ class Scheduler:
     def _plan(self) -> StagePlan:
         raise NotImplementedError
 
+    def follow_up(self, plan: StagePlan) -> StagePlan | None:
+        """A stage batch to run in the same tick right after `plan` (none by default)."""
+        return None
+
     # -- results ----------------------------------------------------------------------------------------
     def after_prefill(self, plan: StagePlan, logits: dict) -> None:
         for c in plan.chunks:
@@ -358,7 +362,7 @@ class RefillScheduler(Scheduler):
     def _plan(self) -> StagePlan:
         self._try_swap_in()
         width = self.cfg.max_decode_batch
-        if len(self.coda_q) >= self.cfg.min_coda_batch:
+        if len(self.coda_q) >= (self.cfg.min_coda_batch or 1):
             return self._coda_plan()
         chunks = self._take_prefill() if self.waiting else []
         if chunks:
@@ -372,6 +376,15 @@ class RefillScheduler(Scheduler):
         if self.coda_q:
             return self._coda_plan()
         return StagePlan("idle")
+
+    def follow_up(self, plan: StagePlan) -> StagePlan | None:
+        """After a coda or prefill, the fresh tokens' preludes run in the same tick (as far as the
+        core batch has free width), so a token re-enters the loop without a tick of its own."""
+        if plan.stage not in ("coda", "prefill") or not self.prelude_q:
+            return None
+        width = self.cfg.max_decode_batch - len(self.core_q)
+        items = self._take_preludes(width) if width > 0 else []
+        return StagePlan("prelude", items) if items else None
 
     def check_invariants(self) -> None:
         super().check_invariants()

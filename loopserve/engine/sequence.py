@@ -100,6 +100,7 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.exit_depths: list[int] = []
         self.text = ""
+        self._detok = (0, 0)  # (prefix, read) offsets into output_ids for incremental decoding
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.status = Status.WAITING
@@ -144,13 +145,25 @@ class Sequence:
             self.metrics.first_token_time = now
         self.output_ids.append(token)
         self.exit_depths.append(exit_depth)
-        self.text = self.tokenizer.decode(self.output_ids, self.params.skip_special_tokens)
+        self._decode_new_text()
         if token in self.eos_ids or token in self.stop_ids:
             self.finish("stop")
         elif self.params.stop and self._stop_string():
-            self.finish("stop")
+            self.finish("stop", keep_text=True)
         elif len(self.output_ids) >= self.max_new:
             self.finish("length")
+
+    def _decode_new_text(self) -> None:
+        """Append the text of new tokens without re-decoding the whole output (quadratic): decode a
+        short window before and after them and keep the difference, holding back text while it
+        ends in an incomplete UTF-8 character."""
+        prefix, read = self._detok
+        ids, skip = self.output_ids, self.params.skip_special_tokens
+        before = self.tokenizer.decode(ids[prefix:read], skip)
+        after = self.tokenizer.decode(ids[prefix:], skip)
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before):]
+            self._detok = (read, len(ids))
 
     def _stop_string(self) -> bool:
         hits = [i for i in (self.text.find(s) for s in self.params.stop or ()) if i >= 0]
@@ -158,7 +171,9 @@ class Sequence:
             self.text = self.text[: min(hits)]
         return bool(hits)
 
-    def finish(self, reason: str, error: str | None = None) -> None:
+    def finish(self, reason: str, error: str | None = None, keep_text: bool = False) -> None:
+        if not keep_text:  # the final text includes whatever incremental decoding held back
+            self.text = self.tokenizer.decode(self.output_ids, self.params.skip_special_tokens)
         self.finish_reason = reason
         self.error = error
         self.status = Status.FINISHED
