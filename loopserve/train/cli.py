@@ -1,0 +1,118 @@
+"""Command line for the embedded model: `loopserve train-tiny` and `loopserve eval ppl|trajectories`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+SAMPLE_PROMPTS = ("ROMEO:\nBut soft, what light", "KING HENRY:\nOnce more unto the", "HAMLET:\n",
+                  "First Citizen:\nWe are accounted poor citizens,")
+
+
+def _add_dataclass_args(p: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default,
+                       help=f"(default: {f.default})")
+
+
+def cmd_train_tiny(args: argparse.Namespace) -> int:
+    from loopserve.train.train_tiny import TrainConfig, train
+
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+    try:
+        train(cfg, progress=not args.no_progress)
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _model(args) -> str:
+    from loopserve.train import embedded_model_path
+
+    return str(args.model or embedded_model_path())
+
+
+def samples(model: str, n_tokens: int = 80, seed: int = 0) -> list[dict]:
+    from loopserve import LLM, SamplingParams
+
+    llm = LLM(model, seed=seed)
+    outs = llm.generate(list(SAMPLE_PROMPTS), SamplingParams(max_tokens=n_tokens, temperature=0.8))
+    return [{"prompt": o.prompt, "text": o.outputs[0].text, "exit_depths": o.outputs[0].exit_depths} for o in outs]
+
+
+def cmd_eval_ppl(args: argparse.Namespace) -> int:
+    import torch
+
+    from loopserve.train.evaluate import markdown_tables, plot_results, run_eval
+
+    torch.set_num_threads(args.threads)
+    model = _model(args)
+    out_json = Path(args.out_json)
+    res = run_eval(model, out_json, args.windows, args.seq_len, args.calibrate, args.max_ppl_increase,
+                   args.max_mean_depth, args.calib_windows, progress=not args.no_progress, jobs=args.jobs)
+    if args.samples:
+        res["samples"] = samples(model)
+        for s in res["samples"]:
+            print(f"\n>>> {s['prompt']}{s['text']}\n    depths: {''.join(str(d) for d in s['exit_depths'])}")
+        out_json.write_text(json.dumps(res, indent=1) + "\n")
+    log = Path(args.training_log) if args.training_log else Path(model) / "training_log.json"
+    for p in plot_results(res, log, Path(args.plots_dir)):
+        print(f"wrote {p}")
+    print(markdown_tables(res))
+    print(f"wrote {out_json}")
+    return 0
+
+
+def cmd_eval_trajectories(args: argparse.Namespace) -> int:
+    import torch
+
+    from loopserve.train.trajectories import record
+
+    torch.set_num_threads(args.threads)
+    record(_model(args), args.out_dir, args.heldout_windows, args.seq_len, args.max_tokens)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from loopserve.train.train_tiny import TrainConfig
+
+    p = sub.add_parser("train-tiny", help="train the embedded looped model on Shakespeare (Ouro Stage I)")
+    p.add_argument("out", nargs="?", default="ouro-shakespeare", help="output folder (HF layout)")
+    _add_dataclass_args(p, TrainConfig, skip=("out",))
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_train_tiny)
+
+    ev = sub.add_parser("eval", help="evaluate a looped Ouro model (perplexity under early exit, trajectories)")
+    evs = ev.add_subparsers(dest="eval_command", required=True)
+    p = evs.add_parser("ppl", help="held-out perplexity at fixed depths and over exit thresholds, per KV layout")
+    p.add_argument("model", nargs="?", default=None, help="model folder (default: the embedded model)")
+    p.add_argument("--windows", type=int, default=48, help="held-out windows to score (default 48)")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--calibrate", action="store_true",
+                   help="pick the default exit threshold on the validation slice and write it to config.json")
+    p.add_argument("--calib-windows", type=int, default=32)
+    p.add_argument("--max-ppl-increase", type=float, default=0.05)
+    p.add_argument("--max-mean-depth", type=float, default=3.0)
+    p.add_argument("--samples", action="store_true", help="also generate a few sample texts")
+    p.add_argument("--out-json", default="docs/embedded-model-results.json")
+    p.add_argument("--plots-dir", default="docs")
+    p.add_argument("--training-log", default=None)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--jobs", type=int, default=1, help="parallel scoring processes (one thread each)")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_eval_ppl)
+    p = evs.add_parser("trajectories", help="record full-depth gate logits per token and step (held-out, MT-Bench)")
+    p.add_argument("model", nargs="?", default=None)
+    p.add_argument("--out-dir", default="docs/trajectories")
+    p.add_argument("--heldout-windows", type=int, default=32)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=1)
+    p.set_defaults(func=cmd_eval_trajectories)

