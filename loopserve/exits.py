@@ -11,6 +11,11 @@ Policies and their per-step signal:
 - `kl`: KL(p_{r-1} || p_r) < threshold between successive next-token distributions (p_0 uniform).
   Needs the coda and LM head after every step: supported, but expensive.
 - `trace`: replay; the k-th decode work item exits at depth `exit_trace[k]` (full depth past the end).
+- `lookahead_gate` (checkpoints with a distilled `lookahead_gate` head): after step r the signal is
+  (main gate logit, lookahead logit predicting the main gate's logit after step r+1); step r+1 is the
+  last if 1 - prod_{j<=r}(1 - lambda_j) * (1 - lambda_hat_{r+1}) >= threshold. The item runs step r+1
+  and exits there with its state: no loop is wasted and batch r+2 is known one step early (the
+  earliest exit is depth 2). Delayed lookahead adds nothing to this policy.
 
 All policies respect `min_loops` (no exit before) and `max_loops` (always exit there).
 
@@ -26,8 +31,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-POLICIES = ("fixed", "gate", "latent_diff", "kl", "trace")
-SIGNAL_OF = {"gate": "gate", "latent_diff": "latent_diff", "kl": "kl"}
+POLICIES = ("fixed", "gate", "latent_diff", "kl", "trace", "lookahead_gate")
+SIGNAL_OF = {"gate": "gate", "latent_diff": "latent_diff", "kl": "kl", "lookahead_gate": "lookahead_gate"}
+Signal = float | list[float] | tuple[float, float] | None  # lookahead_gate: (main logit, lookahead logit)
 
 
 @dataclass(frozen=True)
@@ -42,7 +48,7 @@ class ExitRule:
     @property
     def signal(self) -> str | None:
         """Which per-step signal the runner must compute for this rule, if any."""
-        if self.threshold is None and self.policy != "gate":
+        if self.threshold is None and self.policy not in ("gate", "lookahead_gate"):
             return None
         return SIGNAL_OF.get(self.policy)
 
@@ -59,26 +65,34 @@ class ExitTracker:
         self.exit_depth: int | None = None  # set once the decision to exit is made
         self.frozen = False  # lookahead: the next step runs but its state is discarded
         self.target = rule.max_loops
+        self.stop_at = rule.max_loops  # lookahead_gate: the step decided to be the last
         if rule.policy == "trace" and decode_index < len(rule.trace):
             self.target = min(max(rule.trace[decode_index], rule.min_loops), rule.max_loops)
 
-    def wants_exit(self, r: int, signal: float | None) -> bool:
+    def wants_exit(self, r: int, signal: Signal) -> bool:
         rule = self.rule
-        if rule.policy == "gate" and signal is not None:
-            lam = 1.0 / (1.0 + math.exp(-signal)) if signal > -700 else 0.0
-            self.survival *= 1.0 - lam
+        if rule.policy == "gate" and isinstance(signal, float | int):
+            self.survival *= 1.0 - _sigmoid(signal)
             return 1.0 - self.survival >= rule.threshold  # type: ignore[operator]
-        if rule.policy in ("latent_diff", "kl") and signal is not None:
+        if rule.policy in ("latent_diff", "kl") and isinstance(signal, float | int):
             return signal < rule.threshold  # type: ignore[operator]
         if rule.policy == "trace":
             return r >= self.target
         return False
 
-    def observe(self, r: int, signal: float | None) -> bool:
+    def observe(self, r: int, signal: Signal) -> bool:
         """Called after a step whose state was kept. Returns True if the item runs another step."""
-        if r >= self.rule.max_loops:
+        if r >= self.stop_at:
             self.exit_depth = r
             return False
+        if self.rule.policy == "lookahead_gate":
+            if signal is not None and not isinstance(signal, float | int):
+                main, ahead = signal
+                self.survival *= 1.0 - _sigmoid(main)
+                predicted = 1.0 - self.survival * (1.0 - _sigmoid(ahead))
+                if predicted >= self.rule.threshold and r + 1 >= self.rule.min_loops:  # type: ignore[operator]
+                    self.stop_at = r + 1
+            return True
         exit_now = self.wants_exit(r, signal) and r >= self.rule.min_loops
         if not exit_now:
             return True
@@ -87,3 +101,7 @@ class ExitTracker:
             self.frozen = True  # already scheduled for step r + 1
             return True
         return False
+
+
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x)) if x > -700 else 0.0

@@ -42,7 +42,7 @@ def tiny_huginn_242(tmp_path_factory) -> Path:
     return _make(tmp_path_factory, "tiny_huginn_242", TinySpec(arch="huginn", layers="2-4-2", r_max=4, seed=14))
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def single_thread():
     """Run a test with one intra-op thread: the tiny models' ops are far too small to split, and on
     a loaded 2-core machine torch's thread pool spins instead of working (10x slower)."""

@@ -9,11 +9,12 @@ import torch
 
 from loopserve import LLM, SamplingParams
 from loopserve.config import ModelConfig
+from loopserve.exits import ExitRule
 from loopserve.models.loader import load_model
 from loopserve.models.ouro import OuroForCausalLM
 from loopserve.models.tiny import TinySpec, make_tiny
 from loopserve.train.objective import exit_cdf, exit_distribution, stage1_loss
-from loopserve.train.scorer import LookaheadGateTracker, score_windows
+from loopserve.train.scorer import score_windows
 from loopserve.train.train_tiny import (
     TrainConfig,
     fit_lookahead_gate,
@@ -111,12 +112,12 @@ def test_lookahead_gate_fit_predicts_next_gate_logit():
 
 
 def test_lookahead_tracker_by_hand():
-    t = LookaheadGateTracker(threshold=0.5, min_loops=2, max_loops=4)
+    t = ExitRule("lookahead_gate", 0.5, 2, 4).new_item(0)
     # after step 1: lambda_1 = 0.2; predicted lambda_2 = 0.5 -> CDF_2 = 1 - 0.8 * 0.5 = 0.6 >= 0.5: step 2 is last
     assert t.observe(1, (math.log(0.2 / 0.8), 0.0))
     assert not t.observe(2, (0.0, 0.0))
     assert t.exit_depth == 2
-    t = LookaheadGateTracker(threshold=0.99, min_loops=2, max_loops=4)
+    t = ExitRule("lookahead_gate", 0.99, 2, 4).new_item(0)
     assert t.observe(1, (0.0, 0.0)) and t.observe(2, (0.0, 0.0)) and t.observe(3, (0.0, 0.0))
     assert not t.observe(4, (0.0, 0.0)) and t.exit_depth == 4
 

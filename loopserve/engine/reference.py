@@ -69,7 +69,7 @@ class ReferenceDecoder:
             if lp is not None:
                 prev_lp = lp.to(torch.float64)
             state = new
-            value = float(next(iter(sig.values()))[0]) if sig else None
+            value = sig[seq.rule.signal].tolist()[0] if seq.rule.signal else None
             if not tracker.observe(r, value):
                 break
         kv.set_depth(ctx.write_rows, r)

@@ -15,7 +15,7 @@ from loopserve.cache.layout import IN_FLIGHT, KVLayout
 from loopserve.cache.manager import KVCacheManager
 from loopserve.engine.sequence import Sequence
 from loopserve.engine.signals import step_signals, uniform_logprobs
-from loopserve.exits import ExitTracker
+from loopserve.exits import ExitTracker, Signal
 from loopserve.models.base import LoopedLM
 from loopserve.models.context import ForwardContext, build_context
 
@@ -73,7 +73,7 @@ class StatePool:
 
 @dataclass
 class CoreResult:
-    signals: list[float | None] = field(default_factory=list)
+    signals: list[Signal] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -134,7 +134,7 @@ class ModelRunner:
             self.pool.inject[rows] = inject
 
     @torch.no_grad()
-    def core(self, items: list[WorkItem], kinds: set[str]) -> list[float | None]:
+    def core(self, items: list[WorkItem], kinds: set[str]) -> list[Signal]:
         """One loop step for every item (each at its own depth r+1). Returns each item's signal.
 
         Passive rows (CB) write their KV to a scratch row and keep no state; frozen rows
@@ -151,7 +151,7 @@ class ModelRunner:
         keep = [i for i, it in enumerate(items) if not it.passive and not it.tracker.frozen]  # type: ignore[union-attr]
         if keep:
             self.pool.state[rows[keep]] = new[keep]
-        signals: list[float | None] = [None] * len(items)
+        signals: list[Signal] = [None] * len(items)
         if not kinds or not keep:
             return signals
         kl_rows = [i for i in keep if items[i].seq.rule.signal == "kl"]

@@ -33,6 +33,7 @@ from loopserve.engine.config import EngineConfig
 from loopserve.engine.runner import PrefillChunk, StatePool, WorkItem
 from loopserve.engine.sequence import Sequence, Status
 from loopserve.engine.stats import EngineStats
+from loopserve.exits import Signal
 
 
 @dataclass
@@ -270,7 +271,7 @@ class Scheduler:
                 self.stats.refill_events += 1
             self.core_q.append(item)
 
-    def after_core(self, plan: StagePlan, signals: list[float | None]) -> None:
+    def after_core(self, plan: StagePlan, signals: list[Signal]) -> None:
         """Advance each item's loop count and apply its exit rule."""
         for item, sig in zip(plan.items, signals, strict=True):
             if item.passive:

@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 
-from loopserve.config import ModelConfig
 from loopserve.engine.sampler import sample_token, token_logprobs
 from loopserve.exits import ExitRule
 from loopserve.models.base import LoopedLM
@@ -27,8 +26,9 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-def resolve_exit_rule(params: SamplingParams, config: ModelConfig, has_gate: bool, lookahead: bool) -> ExitRule:
+def resolve_exit_rule(params: SamplingParams, model: LoopedLM, lookahead: bool) -> ExitRule:
     """Fill in model defaults and check the request against the model."""
+    config, has_gate = model.config, model.has_gate
     max_loops = params.max_loops or config.r_max
     if max_loops > config.r_max:
         raise ValueError(f"max_loops: {max_loops} exceeds the model's r_max ({config.r_max}); "
@@ -38,7 +38,9 @@ def resolve_exit_rule(params: SamplingParams, config: ModelConfig, has_gate: boo
         raise ValueError(f"min_loops: {min_loops} exceeds max_loops ({max_loops})")
     policy = params.exit_policy or ("gate" if has_gate else "latent_diff")
     threshold = params.exit_threshold
-    if policy == "gate":
+    if policy == "lookahead_gate" and not model.has_lookahead_gate:
+        raise ValueError("exit_policy: this checkpoint has no lookahead_gate tensors")
+    if policy in ("gate", "lookahead_gate"):
         if not has_gate:
             raise ValueError(f"exit_policy: {config.arch} has no learned exit gate")
         threshold = threshold if threshold is not None else (config.exit_threshold or 1.0)
@@ -71,7 +73,7 @@ def make_sequence(model: LoopedLM, tokenizer: Tokenizer, request_id: str, prompt
     """Validate a request against the model and build its Sequence (ValueError names the bad field)."""
     text, ids = parse_prompt(prompt, tokenizer)
     c = model.config
-    rule = resolve_exit_rule(params, c, model.has_gate, lookahead)
+    rule = resolve_exit_rule(params, model, lookahead)
     return Sequence(request_id, text, ids, params, rule, seed, tokenizer, c.max_position, c.vocab_size, arrival_time)
 
 

@@ -30,8 +30,10 @@ def step_signals(model: LoopedLM, kinds: set[str], prev: torch.Tensor, new: torc
     """
     out: dict[str, torch.Tensor] = {}
     logprobs = None
-    if "gate" in kinds:
+    if "gate" in kinds or "lookahead_gate" in kinds:
         out["gate"] = model.gate_logit(new)
+    if "lookahead_gate" in kinds:  # [N, 2]: (main gate logit, predicted next-step logit)
+        out["lookahead_gate"] = torch.stack([out["gate"], model.lookahead_gate_logit(new)], -1)
     if "latent_diff" in kinds:
         out["latent_diff"] = latent_diff(prev, new)
     if "kl" in kinds and kl_rows is not None and prev_logprobs is not None:

@@ -83,7 +83,7 @@ def load_engine(model: str | Path | None, *, dtype: str = "float32", device: str
 def check_sampling_defaults(engine: LLMEngine, defaults: dict[str, Any]) -> None:
     """Raise ValueError if server-wide exit defaults do not suit the model."""
     params = SamplingParams(**{k: v for k, v in defaults.items() if v is not None})
-    resolve_exit_rule(params, engine.model_config, engine.model.has_gate, engine.cfg.lookahead)
+    resolve_exit_rule(params, engine.model, engine.cfg.lookahead)
 
 
 # -- body size limit ------------------------------------------------------------------------------------------

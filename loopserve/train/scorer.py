@@ -37,32 +37,6 @@ from loopserve.models.ouro import OuroForCausalLM
 MODES = ("fixed", "gate", "lookahead_gate")
 
 
-class LookaheadGateTracker:
-    """Exit tracker for the lookahead gate (see the module docstring). `observe(r, (main, ahead))`."""
-
-    def __init__(self, threshold: float, min_loops: int, max_loops: int) -> None:
-        self.threshold, self.min_loops, self.max_loops = threshold, min_loops, max_loops
-        self.survival = 1.0
-        self.stop_at = max_loops
-        self.exit_depth: int | None = None
-        self.frozen = False  # never: the decided step is kept
-
-    def observe(self, r: int, signal: tuple[float, float]) -> bool:
-        if r >= self.stop_at:
-            self.exit_depth = r
-            return False
-        main, ahead = signal
-        self.survival *= 1.0 - _sigmoid(main)
-        predicted_cdf = 1.0 - self.survival * (1.0 - _sigmoid(ahead))
-        if predicted_cdf >= self.threshold and r + 1 >= self.min_loops:
-            self.stop_at = r + 1
-        return True
-
-
-def _sigmoid(x: float) -> float:
-    return 1.0 / (1.0 + math.exp(-x)) if x > -700 else 0.0
-
-
 @dataclass
 class ScoreResult:
     logprobs: torch.Tensor  # [W, S - prompt_len - 1] float64: log p(true next token) of each decode item
@@ -98,7 +72,7 @@ def _make_tracker(mode: str, threshold: float | None, max_loops: int, min_loops:
     if mode == "gate":
         return ExitTracker(ExitRule("gate", threshold, min_loops, max_loops, (), lookahead), 0)
     if mode == "lookahead_gate":
-        return LookaheadGateTracker(float(threshold), max(min_loops, 2), max_loops)
+        return ExitTracker(ExitRule("lookahead_gate", threshold, max(min_loops, 2), max_loops), 0)
     raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
 
 
