@@ -72,7 +72,7 @@ class TrainConfig:
     max_position: int = 1024
     rope_theta: float = 10000.0
     # optimisation
-    steps: int = 200
+    steps: int = 400  # the shipped model's recipe
     lr: float = 3e-3
     min_lr_frac: float = 0.1
     warmup_steps: int = 20
