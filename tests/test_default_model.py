@@ -22,13 +22,6 @@ pytestmark = pytest.mark.skipif(not (PATH / "model.safetensors").is_file(), reas
 
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small ops on a shared 2-core machine are far faster on one thread (no pool wake-ups)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 @pytest.fixture(scope="module")
 def loaded():

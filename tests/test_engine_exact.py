@@ -10,7 +10,6 @@ exactly the trace's savings fewer core rows than CB.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from loopserve import LLM, SamplingParams
 from loopserve.engine.sequence import Sequence
@@ -25,13 +24,6 @@ HUGINN_LATENT = 0.8
 OURO_GATE = (0.5, 0.7, 0.9)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one intra-op thread is faster, and keeps the tests steady on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # -- the matrix -----------------------------------------------------------------------------------------

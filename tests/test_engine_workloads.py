@@ -11,7 +11,6 @@ that outgrows the whole pool, fails that request alone with a clear error.
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -24,12 +23,6 @@ HYP = settings(max_examples=25, deadline=None, database=None,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # -- strategies ------------------------------------------------------------------------------------------

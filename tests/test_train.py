@@ -27,14 +27,6 @@ from loopserve.train.train_tiny import (
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small ops on a shared 2-core machine are far faster on one thread (no pool wake-ups)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 def test_exit_distribution_by_hand():
     g = torch.tensor([[0.0], [math.log(3.0)], [-math.log(3.0)], [5.0]])  # lambda = 1/2, 3/4, 1/4, (ignored)
     p = exit_distribution(g)[:, 0]
