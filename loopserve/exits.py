@@ -52,6 +52,12 @@ class ExitRule:
             return None
         return SIGNAL_OF.get(self.policy)
 
+    @property
+    def decides_ahead(self) -> bool:
+        """True if the signal after step r first changes what happens after step r+1 (delayed
+        lookahead, lookahead_gate): the engine may read it one tick late, after queueing step r+1."""
+        return self.lookahead or self.policy == "lookahead_gate"
+
     def new_item(self, decode_index: int) -> ExitTracker:
         return ExitTracker(self, decode_index)
 
@@ -80,10 +86,17 @@ class ExitTracker:
             return r >= self.target
         return False
 
-    def observe(self, r: int, signal: Signal) -> bool:
-        """Called after a step whose state was kept. Returns True if the item runs another step."""
+    def reaches_stop(self, r: int) -> bool:
+        """True (and the exit depth set) if step r is the last whatever its signal says: `max_loops`,
+        or the step a lookahead_gate decision made the last one step earlier."""
         if r >= self.stop_at:
             self.exit_depth = r
+            return True
+        return False
+
+    def observe(self, r: int, signal: Signal) -> bool:
+        """Called after a step whose state was kept. Returns True if the item runs another step."""
+        if self.reaches_stop(r):
             return False
         if self.rule.policy == "lookahead_gate":
             if signal is not None and not isinstance(signal, float | int):

@@ -188,18 +188,18 @@ def record_trajectories(engine, workload, policy: str | None = None, progress: b
     rec: list[list[list[float]]] = [[[] for _ in range(max(r.output_len - 1, 0))] for r in workload.requests]
     index: dict[str, int] = {}
     sched = engine.scheduler
-    orig = sched.after_core
+    orig = sched.observe_core
 
-    def after_core(plan, signals):
-        for item, sig in zip(plan.items, signals, strict=True):
-            if item.passive or sig is None:
+    def observe_core(items, signals):
+        for item, sig in zip(items, signals, strict=True):
+            if sig is None:  # a passive row (exited in an earlier step)
                 continue
             i, k = index[item.seq.request_id], item.seq.decode_index
-            if k < len(rec[i]) and len(rec[i][k]) == item.r:
+            if k < len(rec[i]) and len(rec[i][k]) == item.r - 1:  # item.r: steps run, this one included
                 rec[i][k].append(float(sig))
-        return orig(plan, signals)
+        return orig(items, signals)
 
-    sched.after_core = after_core
+    sched.observe_core = observe_core
     try:
         for i, req in enumerate(workload.requests):
             rid = f"traj-{i}"
@@ -213,5 +213,5 @@ def record_trajectories(engine, workload, policy: str | None = None, progress: b
                 bar.update(sum(o.finished for o in engine.step()))
         bar.close()
     finally:
-        sched.after_core = orig
+        sched.observe_core = orig
     return Trajectories(policy, r_max, rec, {"workload": workload.name, "requests": n, "threshold_used": threshold})

@@ -1,6 +1,7 @@
 """Per-sequence block tables over the shared KV pool: grow, free, swap out to host memory, swap in.
 
-A sequence's `row_map` is its flattened block table: position -> physical KV row. Swapping copies a
+A sequence's `row_map` is its flattened block table: position -> physical KV row (a CPU tensor: the
+runner assembles each batch's indices on the host and uploads them once). Swapping copies a
 sequence's rows (every slot, and each token's KV depth) to host memory and back, so a preempted
 sequence resumes with bit-identical KV whatever the layout.
 """
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from loopserve.cache.pool import BlockAllocator, KVStore
+from loopserve.device import upload
 
 
 @dataclass
@@ -59,7 +61,7 @@ class KVCacheManager:
             new = self.allocator.allocate(seq_id, need)
             rows = [torch.arange(b * self.block_size, (b + 1) * self.block_size) for b in new]
             table.blocks += new
-            table.row_map = torch.cat([table.row_map, *rows]).to(self.store.k.device)
+            table.row_map = torch.cat([table.row_map, *rows])  # host metadata, like the block list
         table.num_tokens = max(table.num_tokens, num_tokens)
         return True
 
@@ -73,8 +75,8 @@ class KVCacheManager:
 
     def swap_out(self, seq_id: str) -> None:
         table = self.tables[seq_id]
-        rows = table.row_map[: table.num_tokens]
         s = self.store
+        rows = upload(table.row_map[: table.num_tokens], s.k.device)
         table.swapped = (s.k[:, rows].to("cpu"), s.v[:, rows].to("cpu"), s.depth[rows].to("cpu"))
         self.allocator.free(seq_id, table.blocks)
         table.blocks, table.row_map = [], torch.zeros(0, dtype=torch.long)
@@ -92,8 +94,8 @@ class KVCacheManager:
         k, v, depth = table.swapped
         table.swapped, table.num_tokens = None, 0
         self.ensure(seq_id, n)
-        rows = table.row_map[:n]
         s = self.store
+        rows = upload(table.row_map[:n], s.k.device)
         s.k[:, rows], s.v[:, rows], s.depth[rows] = k.to(s.k.device), v.to(s.v.device), depth.to(s.depth.device)
         return True
 

@@ -2,6 +2,8 @@
 
 A step reads like a sentence: `plan = scheduler.schedule()`, run it on the runner, then
 `scheduler.after_<stage>(plan, result)`. The engine never touches tensors; the runner never decides.
+Core steps are pipelined where lookahead allows (see `_core`): the host builds tick t+1 while the
+device still runs tick t.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from loopserve.cache.manager import KVCacheManager
 from loopserve.cache.pool import KVStore
 from loopserve.config import HUGINN, ModelConfig
 from loopserve.engine.config import EngineConfig
-from loopserve.engine.runner import ModelRunner, StatePool
+from loopserve.engine.runner import ModelRunner, PendingSignals, StatePool, WorkItem
 from loopserve.engine.scheduler import StagePlan, make_scheduler
 from loopserve.engine.sequence import PromptType, Sequence, make_sequence
 from loopserve.engine.stats import EngineStats
@@ -50,6 +52,8 @@ class LLMEngine:
         scratch = self.kv.reserved[0] * cfg.block_size
         self.runner = ModelRunner(model, self.layout, self.kv, self.pool, scratch_row=scratch)
         self._arrivals = itertools.count()
+        # the last core step's signals, read once the next step is queued: (items, signals, their rows)
+        self._deferred: tuple[list[WorkItem], PendingSignals, list[int]] | None = None
         self.requests: dict[str, Sequence] = {}
 
     # -- requests --------------------------------------------------------------------------------------
@@ -118,10 +122,8 @@ class LLMEngine:
             sched.after_prelude(plan)
             self.stats.record("prelude", len(plan.items))
         elif plan.stage == "core":
-            kinds = {i.seq.rule.signal for i in plan.items if not i.passive} - {None}
-            signals = self.runner.core(plan.items, kinds)  # type: ignore[arg-type]
+            self._core(plan)
             t2 = time.perf_counter()
-            sched.after_core(plan, signals)
             self.stats.record("core", len(plan.items))
         elif plan.stage == "coda":
             coda_logits = self.runner.coda(plan.items)
@@ -130,7 +132,42 @@ class LLMEngine:
             self.stats.record("coda", len(plan.items))
         else:
             t2 = t1
+        if sched.kv_depth_writes:
+            rows, depths = zip(*sched.kv_depth_writes, strict=True)
+            self.runner.write_kv_depths(list(rows), list(depths))
+            sched.kv_depth_writes.clear()
         return t2 - t1
+
+    def _core(self, plan: StagePlan) -> None:
+        """One loop step, pipelined where the exit rules allow.
+
+        The step is queued first. Then the previous core step's deferred signals are read (on CUDA
+        the device has finished them and already holds this step's work), then this step is counted.
+        If every rule in the batch decides ahead (delayed lookahead, lookahead_gate) or needs no
+        signal, this step's signals stay on their way back until after the next step is queued, so
+        the host schedules tick t+1 while the device runs tick t. A rule that acts on the step's own
+        signal (gate, latent_diff, kl without lookahead) makes the engine wait for it here.
+        """
+        sched = self.scheduler
+        kinds = {i.seq.rule.signal for i in plan.items if not i.passive} - {None}
+        pending = self.runner.core(plan.items, kinds)  # type: ignore[arg-type]
+        if self._deferred is not None:
+            items, previous, rows = self._deferred
+            self._deferred = None
+            values = previous.get()
+            sched.observe_core(items, [values[k] for k in rows])
+        looping = [k for k, i in enumerate(plan.items) if not i.passive]  # before CB exits turn passive
+        sched.advance_core(plan)
+        rules = {k: plan.items[k].seq.rule for k in looping}
+        if any(rule.signal and not rule.decides_ahead for rule in rules.values()):
+            sched.observe_core(plan.items, pending.get())
+            return
+        now = [plan.items[k] for k, rule in rules.items() if not rule.signal]  # trace, fixed: no device value
+        sched.observe_core(now, [None] * len(now))
+        ahead = [k for k, rule in rules.items() if rule.signal]  # all decide ahead (checked above)
+        if ahead:
+            self._deferred = ([plan.items[k] for k in ahead], pending, ahead)
+            self.stats.deferred_signal_ticks += 1
 
     def kv_usage(self) -> float:
         return self.kv.usage()
@@ -139,3 +176,4 @@ class LLMEngine:
     def run_to_completion(self) -> None:
         while self.has_unfinished_requests():
             self.step()
+

@@ -65,7 +65,7 @@ class ReferenceDecoder:
             new = model.core_step(state, inject, ctx.with_depth(torch.tensor([r], device=dev)))
             if tracker.frozen:  # lookahead: the step ran, its state is discarded
                 break
-            sig, lp = step_signals(model, kinds, state, new, ctx, prev_lp, torch.tensor([0]))
+            sig, lp = step_signals(model, kinds, state, new, ctx, prev_lp, [0])
             if lp is not None:
                 prev_lp = lp.to(torch.float64)
             state = new

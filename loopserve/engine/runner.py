@@ -7,12 +7,13 @@ scheduler decides what they mean.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from loopserve.cache.layout import IN_FLIGHT, KVLayout
 from loopserve.cache.manager import KVCacheManager
+from loopserve.device import Readback, upload
 from loopserve.engine.sequence import Sequence
 from loopserve.engine.signals import step_signals, uniform_logprobs
 from loopserve.exits import ExitTracker, Signal
@@ -31,6 +32,7 @@ class WorkItem:
     tracker: ExitTracker | None = None
     passive: bool = False  # CB: exited, still computed with the cohort, results discarded
     prev_logprobs: torch.Tensor | None = None  # KL policy: last step's next-token log-probs
+    parity: int = 0  # which of its state pool row's two buffers holds the current state
 
     @property
     def position(self) -> int:
@@ -53,10 +55,17 @@ class PrefillChunk:
 
 
 class StatePool:
-    """Preallocated hidden-state rows for in-flight decode tokens (plus Huginn's injection e)."""
+    """Preallocated hidden-state rows for in-flight decode tokens (plus Huginn's injection e).
+
+    Every row has two state buffers: a core step reads the item's current buffer (`WorkItem.parity`)
+    and writes the other one, and the scheduler flips the parity when it keeps the step. Dropping a
+    step (delayed lookahead) is then just not flipping, so a step can be queued on the device before
+    the decision that drops it has been read back.
+    """
 
     def __init__(self, rows: int, hidden: int, dtype: torch.dtype, device, with_inject: bool) -> None:
-        self.state = torch.zeros(rows, hidden, dtype=dtype, device=device)
+        self.rows = rows
+        self.state = torch.zeros(2 * rows, hidden, dtype=dtype, device=device)  # buffer b of row i: b*rows+i
         self.inject = torch.zeros(rows, hidden, dtype=dtype, device=device) if with_inject else None
         self._free = list(range(rows - 1, -1, -1))
 
@@ -70,10 +79,29 @@ class StatePool:
     def release(self, row: int) -> None:
         self._free.append(row)
 
+    def index(self, row: int, parity: int) -> int:
+        return parity * self.rows + row
 
-@dataclass
-class CoreResult:
-    signals: list[Signal] = field(default_factory=list)
+
+class PendingSignals:
+    """The exit signals of one core step, still on their way back from the device."""
+
+    def __init__(self, n: int, kinds: list[tuple[int, str]], readback: Readback | None) -> None:
+        self.n, self._kinds, self._readback = n, kinds, readback  # (row in the batch, signal kind)
+
+    def get(self) -> list[Signal]:
+        """One signal per batch row (None where the row's rule needs none); waits for the copy."""
+        out: list[Signal] = [None] * self.n
+        if self._readback is None:
+            return out
+        values = self._readback.get()
+        kl = 0
+        for i, kind in self._kinds:
+            if kind == "kl":  # computed for the KL rows only, in order
+                out[i], kl = values["kl"][kl], kl + 1
+            else:
+                out[i] = values[kind][i]
+        return out
 
 
 class ModelRunner:
@@ -85,76 +113,83 @@ class ModelRunner:
         self.device, self.dtype = p.device, p.dtype
         self.has_coda_kv = model.config.n_coda > 0
 
-    def _ctx(self, items: list[WorkItem], depth: list[int] | None = None) -> ForwardContext:
+    def _ctx(self, items: list[WorkItem], depth: list[int] | None = None,
+             write_rows: list[int] | None = None) -> ForwardContext:
         segs = [(self.kv.row_map(it.seq.request_id), it.position, 1) for it in items]
-        d = torch.tensor(depth) if depth is not None else None
-        return build_context(self.kv.store, self.layout, segs, d)
+        return build_context(self.kv.store, self.layout, segs, depth, write_rows)
+
+    def _state_index(self, items: list[WorkItem], flip: bool = False) -> torch.Tensor:
+        return upload([self.pool.index(it.row, it.parity ^ flip) for it in items], self.device)
 
     # -- stages --------------------------------------------------------------------------------------
     @torch.no_grad()
     def prefill(self, chunks: list[PrefillChunk]) -> dict[str, torch.Tensor]:
         """Run chunks through prelude, every loop up to their max_loops, and the coda where needed.
 
-        Returns the last-position logits of each sequence whose prompt is now complete.
+        Returns the last-position logits (on the host) of each sequence whose prompt is now complete.
         """
         model, dev = self.model, self.device
         ctx = build_context(self.kv.store, self.layout,
                             [(self.kv.row_map(c.seq.request_id), c.start, c.n) for c in chunks])
-        ids = torch.tensor([t for c in chunks for t in c.seq.prompt_ids[c.start:c.start + c.n]], device=dev)
+        ids = upload([t for c in chunks for t in c.seq.prompt_ids[c.start:c.start + c.n]], dev)
         seeds = [c.seq.state_seed(p) for c in chunks for p in range(c.start, c.start + c.n)]
         self.kv.store.set_depth(ctx.write_rows, IN_FLIGHT)
         state, inject = model.prelude(ids, ctx, seeds)
-        max_loops = torch.tensor([c.seq.rule.max_loops for c in chunks for _ in range(c.n)], device=dev)
-        for r in range(1, int(max_loops.max()) + 1):
-            active = (max_loops >= r).nonzero()[:, 0]
-            if len(active) == len(max_loops):
-                state = model.core_step(state, inject, ctx.with_depth(torch.full_like(max_loops, r)))
-            else:
-                sub = ctx.select(active).with_depth(torch.full_like(active, r))
-                state[active] = model.core_step(state[active], None if inject is None else inject[active], sub)
-        self.kv.store.set_depth(ctx.write_rows, max_loops)
-        ends = torch.tensor(ctx.seg_starts[1:]) - 1
+        loops = [c.seq.rule.max_loops for c in chunks for _ in range(c.n)]
+        for r in range(1, max(loops) + 1):
+            active = [i for i, m in enumerate(loops) if m >= r]
+            if len(active) == len(loops):
+                state = model.core_step(state, inject, ctx.with_depth(torch.full_like(ctx.depth, r)))
+            else:  # whole chunks drop out (a chunk's rows share one request's max_loops)
+                sub = ctx.select(active)
+                sub = sub.with_depth(torch.full_like(sub.depth, r))
+                idx = upload(active, dev)
+                state[idx] = model.core_step(state[idx], None if inject is None else inject[idx], sub)
+        self.kv.store.set_depth(ctx.write_rows, upload(loops, dev))
         last = [i for i, c in enumerate(chunks) if c.last]
-        logit_rows = ends[last]
+        logit_rows = [ctx.seg_starts[i + 1] - 1 for i in last]
         if self.has_coda_kv:
-            logits = model.coda(state, ctx, logit_rows)
+            logits = model.coda(state, ctx, upload(logit_rows, dev))
         elif last:
-            logits = model.coda(state[logit_rows], ctx.select(logit_rows))
-        return {chunks[i].seq.request_id: logits[j] for j, i in enumerate(last)}
+            logits = model.coda(state[upload(logit_rows, dev)], ctx.select(logit_rows))
+        if not last:
+            return {}
+        host = logits.to("cpu")  # one readback for the batch; sampling runs on the host
+        return {chunks[i].seq.request_id: host[j] for j, i in enumerate(last)}
 
     @torch.no_grad()
     def prelude(self, items: list[WorkItem]) -> None:
         ctx = self._ctx(items)
         self.kv.store.set_depth(ctx.write_rows, IN_FLIGHT)
-        ids = torch.tensor([it.seq.output_ids[-1] for it in items], device=self.device)
+        ids = upload([it.seq.output_ids[-1] for it in items], self.device)
         state, inject = self.model.prelude(ids, ctx, [it.seq.state_seed(it.position) for it in items])
-        rows = torch.tensor([it.row for it in items], device=self.device)
-        self.pool.state[rows] = state
+        self.pool.state[self._state_index(items)] = state
         if inject is not None and self.pool.inject is not None:
-            self.pool.inject[rows] = inject
+            self.pool.inject[upload([it.row for it in items], self.device)] = inject
 
     @torch.no_grad()
-    def core(self, items: list[WorkItem], kinds: set[str]) -> list[Signal]:
-        """One loop step for every item (each at its own depth r+1). Returns each item's signal.
+    def core(self, items: list[WorkItem], kinds: set[str]) -> PendingSignals:
+        """Queue one loop step for every item (each at its own depth r+1); its exit signals come back
+        as `PendingSignals`, which the engine reads when it needs them (with lookahead: a tick later).
 
-        Passive rows (CB) write their KV to a scratch row and keep no state; frozen rows
-        (lookahead) write KV but keep their previous state.
+        Each item reads its current state buffer and writes the other one (see `StatePool`).
+        Passive rows (CB) write their KV to a scratch row and report no signal.
         """
-        ctx = self._ctx(items, [it.r + 1 for it in items])
-        passive = [i for i, it in enumerate(items) if it.passive]
-        if passive:
-            ctx.write_rows[passive] = self.scratch_row
-        rows = torch.tensor([it.row for it in items], device=self.device)
-        prev = self.pool.state[rows]
-        inject = self.pool.inject[rows] if self.pool.inject is not None else None
+        writes = None
+        if any(it.passive for it in items):
+            writes = [self.scratch_row if it.passive else int(self.kv.row_map(it.seq.request_id)[it.position])
+                      for it in items]
+        ctx = self._ctx(items, [it.r + 1 for it in items], writes)
+        prev = self.pool.state[self._state_index(items)]
+        inject = None
+        if self.pool.inject is not None:
+            inject = self.pool.inject[upload([it.row for it in items], self.device)]
         new = self.model.core_step(prev, inject, ctx)
-        keep = [i for i, it in enumerate(items) if not it.passive and not it.tracker.frozen]  # type: ignore[union-attr]
-        if keep:
-            self.pool.state[rows[keep]] = new[keep]
-        signals: list[Signal] = [None] * len(items)
-        if not kinds or not keep:
-            return signals
-        kl_rows = [i for i in keep if items[i].seq.rule.signal == "kl"]
+        self.pool.state[self._state_index(items, flip=True)] = new
+        rows = [(i, it.seq.rule.signal) for i, it in enumerate(items) if not it.passive and it.seq.rule.signal]
+        if not kinds or not rows:
+            return PendingSignals(len(items), [], None)
+        kl_rows = [i for i, kind in rows if kind == "kl"]
         prev_lp = None
         if kl_rows:
             vocab = self.model.config.vocab_size
@@ -164,20 +199,18 @@ class ModelRunner:
                 lp_i = items[i].prev_logprobs
                 prevs.append(uniform if lp_i is None else lp_i)
             prev_lp = torch.stack(prevs)
-        sig, lp = step_signals(self.model, kinds, prev, new, ctx, prev_lp,
-                               torch.tensor(kl_rows) if kl_rows else None)
-        values = {k: v.tolist() for k, v in sig.items()}
-        for i in keep:
-            kind = items[i].seq.rule.signal
-            if kind is not None and kind != "kl":
-                signals[i] = values[kind][i]
+        sig, lp = step_signals(self.model, kinds, prev, new, ctx, prev_lp, kl_rows or None)
         for j, i in enumerate(kl_rows):
-            signals[i] = values["kl"][j]
             items[i].prev_logprobs = lp[j] if lp is not None else None
-        return signals
+        return PendingSignals(len(items), rows, Readback(sig))
 
     @torch.no_grad()
     def coda(self, items: list[WorkItem]) -> torch.Tensor:
+        """Logits of the exited items, read back to the host in one copy (sampling runs there)."""
         ctx = self._ctx(items)
-        rows = torch.tensor([it.row for it in items], device=self.device)
-        return self.model.coda(self.pool.state[rows], ctx)
+        return self.model.coda(self.pool.state[self._state_index(items)], ctx).to("cpu")
+
+    @torch.no_grad()
+    def write_kv_depths(self, rows: list[int], depths: list[int]) -> None:
+        """Record the KV depth of tokens that exited (batched: one small upload per tick)."""
+        self.kv.store.set_depth(upload(rows, self.device), upload(depths, self.device))

@@ -56,6 +56,7 @@ class Scheduler:
         self._orders = itertools.count()
         self.finished: list[Sequence] = []  # finished since the last drain (the engine reports them)
         self.retired_loops = 0  # decode loops of finished requests (bookkeeping check)
+        self.kv_depth_writes: list[tuple[int, int]] = []  # (KV row, depth) of tokens that just exited
 
     # -- requests ------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -271,25 +272,40 @@ class Scheduler:
                 self.stats.refill_events += 1
             self.core_q.append(item)
 
-    def after_core(self, plan: StagePlan, signals: list[Signal]) -> None:
-        """Advance each item's loop count and apply its exit rule."""
-        for item, sig in zip(plan.items, signals, strict=True):
+    def advance_core(self, plan: StagePlan) -> None:
+        """A core step ran: count it, and exit the items whose exit was settled before the step
+        (a delayed-lookahead decision, a lookahead_gate stop, `max_loops`). Needs no signal of this
+        step, so the engine calls it before the step's signals are read back."""
+        for item in plan.items:
             if item.passive:
                 continue
             item.r += 1
             self.stats.useful_core_rows += 1
             tracker = item.tracker
             assert tracker is not None
-            if tracker.frozen:  # the lookahead step ran; the token exits at its decision depth
+            if tracker.frozen:  # the lookahead step ran; its state is dropped (parity not flipped)
                 tracker.frozen = False
                 self._exit(item)
-            elif not tracker.observe(item.r, sig):
+                continue
+            item.parity ^= 1  # this step's state is now the item's state
+            if tracker.reaches_stop(item.r):
+                self._exit(item)
+
+    def observe_core(self, items: list[WorkItem], signals: list[Signal]) -> None:
+        """Apply each item's exit rule to the signal of the step it last ran. For rules that decide
+        ahead this may come a tick late (after the next step was queued): it then only settles what
+        happens after that next step. Items that exited or were aborted meanwhile are skipped."""
+        for item, sig in zip(items, signals, strict=True):
+            tracker = item.tracker
+            if item.passive or item.row < 0 or tracker is None or tracker.exit_depth is not None:
+                continue
+            if not tracker.observe(item.r, sig):
                 self._exit(item)
 
     def _exit(self, item: WorkItem) -> None:
-        """The item stops looping: its KV depth is the loops it ran."""
-        kvrow = self.kv.row_map(item.seq.request_id)[item.position]
-        self.kv.store.depth[kvrow] = item.r
+        """The item stops looping: its KV depth is the loops it ran (written by the engine after
+        this tick, batched with the other exits)."""
+        self.kv_depth_writes.append((int(self.kv.row_map(item.seq.request_id)[item.position]), item.r))
         self.stats.exit_depths[item.tracker.exit_depth] += 1  # type: ignore[union-attr]
         self.on_exit(item)
 
@@ -334,7 +350,7 @@ class Scheduler:
         rows = [i.row for i in self.core_q + self.coda_q]
         assert all(r >= 0 for r in rows), "looping item without a state row"
         assert len(rows) == len(set(rows)), "state row shared by two items"
-        assert sorted(rows + self.pool._free) == list(range(self.pool.state.shape[0])), "state row leaked"
+        assert sorted(rows + self.pool._free) == list(range(self.pool.rows)), "state row leaked"
         for i in self.core_q:
             assert i.tracker is not None and i.r <= i.seq.rule.max_loops
             assert self.kv.store.depth[self.kv.row_map(i.seq.request_id)[i.position]] == IN_FLIGHT
@@ -355,7 +371,7 @@ class Scheduler:
         assert not (self.waiting or self.running or self.swapped or self.prelude_q or self.core_q
                     or self.coda_q), "queues not empty"
         assert not self.kv.tables and self.kv.num_free == self.kv.num_blocks, "KV blocks still held"
-        assert self.pool.num_free == self.pool.state.shape[0], "state rows still held"
+        assert self.pool.num_free == self.pool.rows, "state rows still held"
         assert self.stats.useful_core_rows == self.retired_loops
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from loopserve.device import upload
 from loopserve.models.base import LoopedLM, latent_diff
 from loopserve.models.context import ForwardContext
 
@@ -22,7 +23,7 @@ def uniform_logprobs(n: int, vocab: int, dtype: torch.dtype, device) -> torch.Te
 
 
 def step_signals(model: LoopedLM, kinds: set[str], prev: torch.Tensor, new: torch.Tensor,
-                 ctx: ForwardContext, prev_logprobs: torch.Tensor | None, kl_rows: torch.Tensor | None):
+                 ctx: ForwardContext, prev_logprobs: torch.Tensor | None, kl_rows: list[int] | None):
     """Signals of the kinds asked for, each a [N] tensor (KL: only rows in `kl_rows`, [len]).
 
     Returns (signals, new_logprobs of kl_rows or None). Running the coda for KL writes coda KV
@@ -38,6 +39,6 @@ def step_signals(model: LoopedLM, kinds: set[str], prev: torch.Tensor, new: torc
         out["latent_diff"] = latent_diff(prev, new)
     if "kl" in kinds and kl_rows is not None and prev_logprobs is not None:
         sub = ctx.select(kl_rows)
-        logprobs = torch.log_softmax(model.coda(new[kl_rows], sub).double(), -1)
+        logprobs = torch.log_softmax(model.coda(new[upload(kl_rows, new.device)], sub).double(), -1)
         out["kl"] = kl_prev_to_cur(prev_logprobs, logprobs)
     return out, logprobs

@@ -14,6 +14,7 @@ class EngineStats:
     prefill_token_loops: int = 0
     batch_hist: dict[str, Counter] = field(default_factory=dict)  # stage -> batch size -> ticks
     refill_events: int = 0  # a fresh item joined a non-empty core queue
+    deferred_signal_ticks: int = 0  # core steps whose signals were read only after the next was queued
     preemptions: int = 0
     swap_ins: int = 0
     exit_depths: Counter = field(default_factory=Counter)
@@ -33,7 +34,8 @@ class EngineStats:
             "ticks": dict(self.ticks), "rows": dict(self.rows), "useful_core_rows": self.useful_core_rows,
             "prefill_token_loops": self.prefill_token_loops,
             "batch_hist": {k: dict(sorted(v.items())) for k, v in self.batch_hist.items()},
-            "refill_events": self.refill_events, "preemptions": self.preemptions, "swap_ins": self.swap_ins,
+            "refill_events": self.refill_events, "deferred_signal_ticks": self.deferred_signal_ticks,
+            "preemptions": self.preemptions, "swap_ins": self.swap_ins,
             "exit_depths": dict(sorted(self.exit_depths.items())), "model_time": self.model_time,
             "schedule_time": self.schedule_time, "generated_tokens": self.generated_tokens,
             "prompt_tokens": self.prompt_tokens, "finished_requests": dict(self.finished_requests),

@@ -14,6 +14,7 @@ import torch
 
 from loopserve.cache.layout import KVLayout
 from loopserve.cache.pool import KVStore
+from loopserve.device import upload
 
 
 @dataclass
@@ -39,17 +40,18 @@ class ForwardContext:
         return ForwardContext(self.kv, self.layout, self.positions, self.write_rows, depth,
                               self.seg_starts, self.seg_keys, self.rope_cache)
 
-    def select(self, rows: torch.Tensor) -> ForwardContext:
+    def select(self, rows: list[int]) -> ForwardContext:
         """Sub-batch of whole segments given by row indices (used when some rows stop looping)."""
-        keep = set(rows.tolist())
+        keep = set(rows)
         starts, seg_ids = [0], []
         for s in range(len(self.seg_starts) - 1):
             a, b = self.seg_starts[s], self.seg_starts[s + 1]
             if a in keep:
                 seg_ids.append(s)
                 starts.append(starts[-1] + (b - a))
-        return ForwardContext(self.kv, self.layout, self.positions[rows], self.write_rows[rows],
-                              self.depth[rows], starts, self.seg_keys[seg_ids])
+        idx, segs = upload(rows, self.positions.device), upload(seg_ids, self.positions.device)
+        return ForwardContext(self.kv, self.layout, self.positions[idx], self.write_rows[idx],
+                              self.depth[idx], starts, self.seg_keys[segs])
 
 
 @dataclass
@@ -69,11 +71,14 @@ def dense_context(batch: int, seq_len: int, device=None) -> DenseContext:
 
 
 def build_context(kv: KVStore, layout: KVLayout, segments: list[tuple[torch.Tensor, int, int]],
-                  depth: torch.Tensor | None = None) -> ForwardContext:
+                  depth: list[int] | torch.Tensor | None = None,
+                  write_rows: list[int] | torch.Tensor | None = None) -> ForwardContext:
     """Context for segments given as (row_map, start_pos, n_rows).
 
-    `row_map` maps each position 0..start_pos+n_rows-1 of the segment's sequence to its physical
-    KV row (a flattened block table).
+    `row_map` (a CPU tensor) maps each position 0..start_pos+n_rows-1 of the segment's sequence to
+    its physical KV row (a flattened block table). `depth` gives each row's loop depth (default 1);
+    `write_rows` overrides where the rows write their KV. Everything is assembled on the host and
+    uploaded once, so building a context never waits for the device.
     """
     positions, writes, starts = [], [], [0]
     lk = max(s + n for _, s, n in segments)
@@ -85,7 +90,6 @@ def build_context(kv: KVStore, layout: KVLayout, segments: list[tuple[torch.Tens
         starts.append(starts[-1] + n)
     pos = torch.cat(positions)
     dev = kv.k.device
-    if depth is None:
-        depth = torch.ones_like(pos)
-    return ForwardContext(kv, layout, pos.to(dev), torch.cat(writes).to(dev), depth.to(dev), starts,
-                          keys.to(dev))
+    d = torch.ones_like(pos) if depth is None else torch.as_tensor(depth, dtype=torch.long)
+    w = torch.cat(writes) if write_rows is None else torch.as_tensor(write_rows, dtype=torch.long)
+    return ForwardContext(kv, layout, upload(pos, dev), upload(w, dev), upload(d, dev), starts, upload(keys, dev))

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loopserve.config import ModelConfig
+from loopserve.device import upload
 from loopserve.models.base import LoopedLM
 from loopserve.models.context import ForwardContext
 from loopserve.models.layers import RMSNorm, compute_dtype, paged_attention, rope_angles, rope_interleaved
@@ -78,7 +79,7 @@ def like_init_state(seeds: list[int], hidden: int, dtype: torch.dtype, device) -
         g = torch.Generator().manual_seed(int(s) & 0x7FFF_FFFF_FFFF_FFFF)
         u = lo + (1 - 2 * lo) * torch.rand(hidden, generator=g, dtype=torch.float64)
         rows.append(torch.special.ndtri(u) * math.sqrt(2 / 5))
-    return torch.stack(rows).to(device=device, dtype=dtype)
+    return upload(torch.stack(rows).to(dtype), torch.device(device))  # drawn on the host, never waits
 
 
 class RavenForCausalLM(LoopedLM):

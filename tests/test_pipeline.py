@@ -1,0 +1,145 @@
+"""Schedule/compute overlap (the engine's `_core`): when every rule in a core batch decides ahead
+(delayed lookahead, lookahead_gate), a step's exit signals are read only after the next core step
+has been planned and queued; a rule that acts on its own step's signal makes the engine read it at
+once. Either way every request's output equals the sequential reference decoder's."""
+
+from __future__ import annotations
+
+import pytest
+
+from loopserve import LLM, SamplingParams
+from loopserve.engine.config import EngineConfig
+from loopserve.engine.engine import LLMEngine
+from loopserve.models.loader import load_model
+from loopserve.models.tiny import TinySpec, make_tiny
+
+
+@pytest.fixture(scope="module")
+def ouro_la(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("pipe") / "ouro", TinySpec(arch="ouro", seed=9, lookahead_gate=True))
+
+
+def logged_run(path, params: list[SamplingParams], prompts, **cfg) -> tuple[list[tuple[str, object]], LLMEngine, dict]:
+    """Run the engine, logging `plan` (a core batch was planned), `queue` (a core step was queued)
+    and `read` (a core step's signals were read back), each with the step's pending signals."""
+    m = load_model(path, "float64", "cpu")
+    engine = LLMEngine(m.model, m.tokenizer, EngineConfig(kv_cache_tokens=512, **cfg))
+    log: list[tuple[str, object]] = []
+    core, schedule = engine.runner.core, engine.scheduler.schedule
+
+    def logged_core(items, kinds):
+        pending = core(items, kinds)
+        get = pending.get
+
+        def logged_get():
+            log.append(("read", pending))
+            return get()
+
+        pending.get = logged_get  # type: ignore[method-assign]
+        log.append(("queue", pending))
+        return pending
+
+    def logged_schedule():
+        plan = schedule()
+        if plan.stage == "core":
+            log.append(("plan", None))
+        return plan
+
+    engine.runner.core = logged_core  # type: ignore[method-assign]
+    engine.scheduler.schedule = logged_schedule  # type: ignore[method-assign]
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(str(i), p, sp)
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] = o
+        engine.scheduler.check_invariants()
+    engine.scheduler.check_drained()
+    return log, engine, outs
+
+
+def read_lags(log) -> list[tuple[int, int]]:
+    """For every read: (core steps queued, core batches planned) after the step was queued."""
+    lags = []
+    for j, (what, pending) in enumerate(log):
+        if what != "read":
+            continue
+        start = next(i for i, (w, p) in enumerate(log) if w == "queue" and p is pending)
+        between = [w for w, _ in log[start + 1:j]]
+        lags.append((between.count("queue"), between.count("plan")))
+    return lags
+
+
+PROMPTS = [[5, 17, 99, 3], [8, 1, 2], list(range(10, 30)), [44]]
+
+
+def reference(path, params, **cfg):
+    return LLM(path, scheduler="reference", dtype="float64", **cfg).generate(PROMPTS, params, use_tqdm=False)
+
+
+def assert_same(outs: dict, ref) -> None:
+    for i, r in enumerate(ref):
+        got = outs[str(i)].outputs[0]
+        assert got.token_ids == r.outputs[0].token_ids
+        assert got.exit_depths == r.outputs[0].exit_depths
+
+
+@pytest.mark.parametrize("scheduler", ["cb", "cdb-norefill", "cdb"])
+def test_lookahead_signals_are_read_after_the_next_step_is_queued(ouro_la, scheduler):
+    params = [SamplingParams(max_tokens=8, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True,
+                             exit_policy="gate", exit_threshold=q) for i, q in enumerate((0.3, 0.6, 0.8, 0.5))]
+    log, engine, outs = logged_run(ouro_la, params, PROMPTS, scheduler=scheduler, lookahead=True,
+                                   max_decode_batch=3)
+    lags = read_lags(log)
+    assert lags and all(lag == (1, 1) for lag in lags), lags  # tick t+1 planned and queued before t is read
+    assert engine.stats.deferred_signal_ticks in (len(lags), len(lags) + 1)  # the last may go unread
+    assert_same(outs, reference(ouro_la, params, lookahead=True))
+
+
+def test_a_rule_acting_on_its_own_step_is_read_at_once(ouro_la):
+    params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, exit_policy="gate",
+                             exit_threshold=q) for q in (0.3, 0.6, 0.8, 0.5)]
+    log, engine, outs = logged_run(ouro_la, params, PROMPTS, scheduler="cdb", max_decode_batch=3)
+    lags = read_lags(log)
+    assert lags and all(lag == (0, 0) for lag in lags), lags
+    assert engine.stats.deferred_signal_ticks == 0
+    assert_same(outs, reference(ouro_la, params))
+
+
+def test_mixed_batches_wait_only_when_a_rule_needs_it(ouro_la):
+    """lookahead_gate decides ahead, plain gate does not: batches holding a gate request are read at
+    once, batches of lookahead_gate (and signal-free trace) requests one tick late; outputs stay exact."""
+    kinds = (dict(exit_policy="lookahead_gate", exit_threshold=0.5), dict(exit_policy="gate", exit_threshold=0.6),
+             dict(exit_trace=[3, 2, 4, 1, 2]), dict(exit_policy="lookahead_gate", exit_threshold=0.3))
+    params = [SamplingParams(max_tokens=4 if "gate" == k.get("exit_policy") else 12, temperature=0.0,
+                             ignore_eos=True, **k) for k in kinds]
+    log, engine, outs = logged_run(ouro_la, params, PROMPTS, scheduler="cdb", max_decode_batch=4)
+    lags = read_lags(log)
+    assert (0, 0) in lags and (1, 1) in lags, lags  # both regimes happened
+    assert set(lags) <= {(0, 0), (1, 1)}
+    assert_same(outs, reference(ouro_la, params))
+
+
+def test_aborting_a_request_whose_signals_are_in_flight(ouro_la):
+    params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, exit_policy="lookahead_gate",
+                             exit_threshold=0.4) for _ in PROMPTS]
+    m = load_model(ouro_la, "float64", "cpu")
+    engine = LLMEngine(m.model, m.tokenizer, EngineConfig(kv_cache_tokens=512, max_decode_batch=4))
+    for i, (p, sp) in enumerate(zip(PROMPTS, params, strict=True)):
+        engine.add_request(str(i), p, sp)
+    aborted = False
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] = o
+        if not aborted and engine._deferred is not None:
+            victim = engine._deferred[0][0].seq.request_id
+            engine.abort_request(victim)
+            aborted = True
+        engine.scheduler.check_invariants()
+    engine.scheduler.check_drained()
+    assert aborted and outs[victim].outputs[0].finish_reason == "abort"
+    ref = reference(ouro_la, params)
+    for i, r in enumerate(ref):
+        if str(i) != victim:
+            assert outs[str(i)].outputs[0].token_ids == r.outputs[0].token_ids
