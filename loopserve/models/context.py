@@ -26,6 +26,7 @@ class ForwardContext:
     depth: torch.Tensor  # [N] loop depth being computed (1-based); unused outside the core
     seg_starts: list[int]  # row index where each segment starts (+ N at the end)
     seg_keys: torch.Tensor  # [S, Lk] physical KV rows of positions 0..Lk-1 of each segment's sequence
+    seg_key_lens: list[int]  # keys each segment attends to (its last position + 1), known on the host
     rope_cache: dict = field(default_factory=dict)
 
     @property
@@ -38,7 +39,7 @@ class ForwardContext:
 
     def with_depth(self, depth: torch.Tensor) -> ForwardContext:
         return ForwardContext(self.kv, self.layout, self.positions, self.write_rows, depth,
-                              self.seg_starts, self.seg_keys, self.rope_cache)
+                              self.seg_starts, self.seg_keys, self.seg_key_lens, self.rope_cache)
 
     def select(self, rows: list[int]) -> ForwardContext:
         """Sub-batch of whole segments given by row indices (used when some rows stop looping)."""
@@ -51,7 +52,7 @@ class ForwardContext:
                 starts.append(starts[-1] + (b - a))
         idx, segs = upload(rows, self.positions.device), upload(seg_ids, self.positions.device)
         return ForwardContext(self.kv, self.layout, self.positions[idx], self.write_rows[idx],
-                              self.depth[idx], starts, self.seg_keys[segs])
+                              self.depth[idx], starts, self.seg_keys[segs], [self.seg_key_lens[i] for i in seg_ids])
 
 
 @dataclass
@@ -92,4 +93,5 @@ def build_context(kv: KVStore, layout: KVLayout, segments: list[tuple[torch.Tens
     dev = kv.k.device
     d = torch.ones_like(pos) if depth is None else torch.as_tensor(depth, dtype=torch.long)
     w = torch.cat(writes) if write_rows is None else torch.as_tensor(write_rows, dtype=torch.long)
-    return ForwardContext(kv, layout, upload(pos, dev), upload(w, dev), upload(d, dev), starts, upload(keys, dev))
+    return ForwardContext(kv, layout, upload(pos, dev), upload(w, dev), upload(d, dev), starts, upload(keys, dev),
+                          [s + n for _, s, n in segments])

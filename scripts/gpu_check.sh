@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The engine's device check, sized for a lent GPU (about 6 minutes of a 15-minute lease): the CUDA
+# tests (exactness against the reference decoder on the device, and no host-device sync while
+# planning or queueing a pipelined core step), then a short CB vs CDB throughput comparison.
+# Uses the machine's own python3 and torch (no venv needed); results and logs go to $OUT.
+#
+#   OUT=/some/dir scripts/gpu_check.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python3}
+OUT=${OUT:-docs/bench-gpu/check}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  $PY -c "import torch; print('torch', torch.__version__, torch.version.cuda)"
+  git rev-parse --short HEAD 2>/dev/null; } | tee "$OUT/machine.txt"
+$PY -m pytest -q -p no:cacheprovider -o addopts="" tests/test_cuda.py tests/test_pipeline.py 2>&1 | tee "$OUT/tests.log"
+$PY -m loopserve.cli bench throughput --model ouro-bench --device cuda --dtype bfloat16 --workload alpaca \
+    --num-requests 256 --mean-depth 2.5 --sweep width,full-depth --widths 32,128 --width 128 --repeats 2 \
+    --no-progress --out "$OUT" 2>&1 | tee "$OUT/throughput.log"
