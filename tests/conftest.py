@@ -31,6 +31,13 @@ def tiny_ouro_gqa(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_ouro_la(tmp_path_factory) -> Path:
+    """Ouro with a distilled `lookahead_gate` head (the lookahead_gate exit policy); r_max 4."""
+    return _make(tmp_path_factory, "tiny_ouro_la",
+                 TinySpec(arch="ouro", layers="2", r_max=4, seed=15, lookahead_gate=True))
+
+
+@pytest.fixture(scope="session")
 def tiny_huginn(tmp_path_factory) -> Path:
     """Huginn with a non-default split: 1 prelude, 2 core, 1 coda block; r_max 6."""
     return _make(tmp_path_factory, "tiny_huginn", TinySpec(arch="huginn", layers="1-2-1", r_max=6, seed=13))

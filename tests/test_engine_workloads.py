@@ -46,6 +46,9 @@ def sampling_params(draw, arch: str, r_max: int) -> SamplingParams:
         kw["exit_policy"] = "fixed"
     elif policy == "trace":
         kw["exit_trace"] = draw(st.lists(st.integers(1, r_max + 1), max_size=10))
+    elif policy == "signal" and arch == "ouro-la":  # rules that decide ahead next to ones that do not
+        kw.update(exit_policy=draw(st.sampled_from(["lookahead_gate", "gate"])),
+                  exit_threshold=draw(st.sampled_from([0.3, 0.6, 0.9])))
     elif policy == "signal" and arch == "ouro":
         kw.update(exit_policy="gate", exit_threshold=draw(st.sampled_from([0.3, 0.6, 0.9, 1.0])))
     elif policy == "signal":
@@ -99,6 +102,14 @@ def check_workload(path, state_init: str, cfg: dict, reqs: list[Req]) -> None:
 def test_random_workloads_ouro(data, tiny_ouro):
     cfg, reqs = data.draw(workloads("ouro", 4))
     check_workload(tiny_ouro, "zero", cfg, reqs)
+
+
+@HYP
+@given(data=st.data())
+def test_random_workloads_ouro_lookahead_gate(data, tiny_ouro_la):
+    """Mixed batches: lookahead_gate items (signals read a tick late) beside gate, kl, trace items."""
+    cfg, reqs = data.draw(workloads("ouro-la", 4))
+    check_workload(tiny_ouro_la, "zero", cfg, reqs)
 
 
 @HYP

@@ -46,7 +46,9 @@ def resolve_exit_rule(params: SamplingParams, model: LoopedLM, lookahead: bool) 
         threshold = threshold if threshold is not None else (config.exit_threshold or 1.0)
         if not 0 < threshold <= 1:
             raise ValueError(f"exit_threshold: a gate threshold is a probability in (0, 1], got {threshold}")
-    return ExitRule(policy, threshold, min_loops, max_loops, tuple(params.exit_trace or ()), lookahead)
+    # lookahead_gate already decides one step ahead without a wasted loop: delayed lookahead adds nothing
+    delayed = lookahead and policy != "lookahead_gate"
+    return ExitRule(policy, threshold, min_loops, max_loops, tuple(params.exit_trace or ()), delayed)
 
 
 PromptType = str | dict[str, Any] | list[int]
