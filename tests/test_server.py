@@ -187,7 +187,7 @@ def test_health_models_and_metric_names(server, client):
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
                  "generation_tokens_total", "time_to_first_token_seconds", "inter_token_latency_seconds",
                  "e2e_request_latency_seconds", "exit_depth_bucket", "core_batch_size_bucket", "core_loops_total",
-                 "refill_events_total"):
+                 "refill_events_total", "deferred_signal_steps_total"):
         assert f"loopserve:{name}" in text, name
 
 

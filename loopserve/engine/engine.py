@@ -104,6 +104,8 @@ class LLMEngine:
             outs.append(seq.to_output())
             self.requests.pop(seq.request_id, None)
         sched.finished.clear()
+        if not sched.has_work():
+            self._deferred = None  # signals of tokens that have all finished: nothing left to decide
         if plan.stage == "idle" and not outs and sched.has_work():
             raise RuntimeError("scheduler made no progress with work pending (a bug: please report)")
         return outs

@@ -58,6 +58,7 @@ class EngineSnapshot:
     refill_events: int = 0
     preemptions: int = 0
     swap_ins: int = 0
+    deferred_signal_steps: int = 0
 
 
 class RequestGroup:
@@ -203,7 +204,7 @@ class AsyncLLMEngine:
             exit_depths=dict(st.exit_depths), core_batch=dict(st.batch_hist.get("core", {})), ticks=dict(st.ticks),
             core_rows=st.rows.get("core", 0), useful_core_rows=st.useful_core_rows,
             prefill_token_loops=st.prefill_token_loops, refill_events=st.refill_events,
-            preemptions=st.preemptions, swap_ins=st.swap_ins)
+            preemptions=st.preemptions, swap_ins=st.swap_ins, deferred_signal_steps=st.deferred_signal_ticks)
 
     def _run(self) -> None:
         try:

@@ -10,7 +10,8 @@ on the engine thread).
 Loop-specific (from `EngineStats`): exit_depth (histogram of decode-token exit depths),
 core_batch_size (histogram of core-step batch widths), core_loops_total (core row-steps computed),
 useful_core_loops_total (row-steps whose result was kept), prefill_token_loops_total,
-refill_events_total, preemptions_total, swap_ins_total, engine_steps_total{stage}; and
+refill_events_total, preemptions_total, swap_ins_total, deferred_signal_steps_total (core steps
+pipelined under lookahead), engine_steps_total{stage}; and
 request_rejected_total{reason} (503s at the admission bound).
 """
 
@@ -80,7 +81,9 @@ class _EngineCollector(Collector):
                 ("prefill_token_loops", "Prompt tokens times loops run over them.", s.prefill_token_loops),
                 ("refill_events", "Fresh tokens that joined a non-empty core batch.", s.refill_events),
                 ("preemptions", "Sequences swapped out or prompts dropped for KV space.", s.preemptions),
-                ("swap_ins", "Swapped-out sequences brought back.", s.swap_ins)):
+                ("swap_ins", "Swapped-out sequences brought back.", s.swap_ins),
+                ("deferred_signal_steps", "Core steps whose exit signals were read after the next step was "
+                                          "queued (lookahead pipelining).", s.deferred_signal_steps)):
             c = CounterMetricFamily(P + name, doc, labels=["model_name"])
             c.add_metric(m, float(value))
             yield c
