@@ -379,6 +379,21 @@ def test_bench_throughput_end_to_end_on_two_requests(bench_cache, single_thread,
     assert "CDB refill" in capsys.readouterr().out
 
 
+def test_ablate_overlap_compares_one_schedule_read_two_ways(bench_cache, single_thread):
+    from loopserve.cli import main
+
+    out = bench_cache / "ov"
+    rc = main(["bench", "ablate", "overlap", "--model", "micro-ouro", "--dtype", "float32", "--num-requests", "4",
+               "--width", "4", "--threshold", "0.5", "--no-progress", "--out", str(out)])
+    assert rc == 0
+    rows = {r["mode"]: r for r in json.loads((out / "ablate_overlap.json").read_text())["rows"]}
+    sync, at_once, piped = (rows[m] for m in ("synchronous exits", "lookahead, read at once", "lookahead, pipelined"))
+    assert at_once["ticks"] == piped["ticks"] and at_once["loops_per_item"] == piped["loops_per_item"]
+    assert piped["deferred_signal_ticks"] > 0 == at_once["deferred_signal_ticks"] == sync["deferred_signal_ticks"]
+    assert piped["loops_per_item"] > sync["loops_per_item"]  # lookahead's extra loop per early exit
+    assert all(r["rule"] == ["gate", 0.5] for r in rows.values())
+
+
 def test_replayed_threshold_matches_the_online_gate_on_the_first_decode_token(bench_cache, single_thread):
     """The k = 0 decode item is fed the prefill's token, which is the same whatever the depths, so its
     recorded trajectory replayed at a threshold must give the online gate's exit depth."""

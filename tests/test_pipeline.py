@@ -96,6 +96,22 @@ def test_lookahead_signals_are_read_after_the_next_step_is_queued(ouro_la, sched
     assert_same(outs, reference(ouro_la, params, lookahead=True))
 
 
+def test_pipelining_off_reads_at_once_and_changes_nothing_else(ouro_la):
+    params = [SamplingParams(max_tokens=8, temperature=0.7, seed=i, ignore_eos=True, exit_policy=policy,
+                             exit_threshold=0.5) for i, policy in enumerate(["gate", "lookahead_gate"] * 2)]
+    runs = {}
+    for piped in (True, False):
+        log, engine, outs = logged_run(ouro_la, params, PROMPTS, scheduler="cdb", lookahead=True,
+                                       max_decode_batch=3, pipeline_core_steps=piped)
+        runs[piped] = (read_lags(log), engine.stats, outs)
+    assert set(runs[True][0]) == {(1, 1)} and set(runs[False][0]) == {(0, 0)}
+    assert runs[True][1].ticks == runs[False][1].ticks  # the same schedule
+    assert runs[True][1].batch_hist == runs[False][1].batch_hist
+    for rid, out in runs[True][2].items():
+        assert out.outputs[0].token_ids == runs[False][2][rid].outputs[0].token_ids
+        assert out.outputs[0].exit_depths == runs[False][2][rid].outputs[0].exit_depths
+
+
 def test_a_rule_acting_on_its_own_step_is_read_at_once(ouro_la):
     params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, exit_policy="gate",
                              exit_threshold=q) for q in (0.3, 0.6, 0.8, 0.5)]

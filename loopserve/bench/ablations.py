@@ -9,6 +9,11 @@
   (`EngineStats.schedule_time`), other (output assembly). On a CPU everything runs eagerly in one
   thread, so lookahead cannot overlap scheduling with compute here; its cost (one extra loop per
   early exit) is what this measures.
+* `overlap`: CDB refill exiting on the model's live signal (Ouro's gate, Huginn's latent change):
+  synchronous exits, lookahead with each step's signals read at once, and lookahead pipelined (a
+  step's signals read after the next step is queued). The last two run the same schedule, so their
+  ratio is what pipelining buys: on a GPU the host plans tick t+1 while the device runs tick t; on a
+  CPU nothing can overlap and the ratio should be 1.
 * `trace`: the schedule trace (stage and batch size of every tick) of CDB no-refill and CDB refill
   on the same short workload, as JSON and a picture.
 """
@@ -63,7 +68,7 @@ def overhead(bm: BenchModel, workload: Workload, traces: list[list[int]] | None,
             kw = dict(overrides)
             kw["lookahead"] = lookahead
             r = run_offline(bm, workload, traces, sched, width, progress=progress,
-                            desc=f"{sched} {'lookahead' if lookahead else 'sync'}", **kw)
+                            desc=f"{sched} {'lookahead' if lookahead else 'sync'}", sync_steps=True, **kw)
             b = run_bounds(bm.hf_config, bm.r_max, r.mean_exit_depth, r.prompt_tokens, r.decode_items)
             rows.append({"scheduler": sched, "mode": "lookahead" if lookahead else "synchronous", "rep": rep,
                          "wall_s": r.wall_s, "compute_s": r.compute_s, "model_time_s": r.model_time_s,
@@ -73,6 +78,30 @@ def overhead(bm: BenchModel, workload: Workload, traces: list[list[int]] | None,
                          "tokens_per_s": r.tokens_per_s, "mean_exit_depth": r.mean_exit_depth,
                          "loops_per_item": r.rows.get("core", 0) / max(r.decode_items, 1),
                          "decode_bound": b["decode_bound"]})
+    return rows
+
+
+OVERLAP_MODES = {  # mode -> engine knobs
+    "synchronous exits": {"lookahead": False},
+    "lookahead, read at once": {"lookahead": True, "pipeline_core_steps": False},
+    "lookahead, pipelined": {"lookahead": True, "pipeline_core_steps": True},
+}
+
+
+def overlap(bm: BenchModel, workload: Workload, width: int, rule: tuple[str, float], repeats: int = 1,
+            progress: bool = True, **overrides: Any) -> list[dict[str, Any]]:
+    """The last two modes run the identical schedule (same ticks, same outputs); only when the host
+    reads the exit signals differs, so their wall-time ratio is what pipelining buys."""
+    rows = []
+    for rep in range(repeats):
+        for mode, knobs in OVERLAP_MODES.items():
+            r = run_offline(bm, workload, None, "cdb", width, progress=progress, desc=f"overlap: {mode}",
+                            rule=rule, **knobs, **overrides)
+            rows.append({"mode": mode, "rep": rep, "rule": list(rule), "wall_s": r.wall_s, "ticks": r.ticks,
+                         "deferred_signal_ticks": r.deferred_signal_ticks,
+                         "loops_per_item": r.rows.get("core", 0) / max(r.decode_items, 1),
+                         "mean_exit_depth": r.mean_exit_depth, "decode_tokens_per_s": r.decode_tokens_per_s,
+                         "schedule_time_s": r.schedule_time_s})
     return rows
 
 

@@ -67,7 +67,8 @@ def add_depth_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-depth", type=int, default=1)
     g.add_argument("--trajectories", type=Path, default=None,
                    help="threshold-free trajectories (bench record) to replay at --threshold instead")
-    g.add_argument("--threshold", type=float, default=None, help="exit threshold replayed from --trajectories")
+    g.add_argument("--threshold", type=float, default=None,
+                   help="exit threshold replayed from --trajectories (ablate overlap: of the live rule, default 0.5)")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -475,6 +476,16 @@ def cmd_ablate(args: argparse.Namespace) -> int:
                 print(f"{r['scheduler'] + ' ' + r['mode']:<22}{100 * o['compute']:>8.1f}%{100 * o['runner']:>7.1f}%"
                       f"{100 * o['scheduler']:>7.1f}%{100 * o['other']:>7.1f}%{100 * o['outside_compute']:>8.1f}%"
                       f"{r['loops_per_item']:>11.3f}")
+        elif args.which == "overlap":
+            policy = "gate" if bm.model.has_gate else "latent_diff"
+            rule = (policy, args.threshold if args.threshold is not None else 0.5)
+            rows = ablations.overlap(bm, wl, args.width, rule, args.repeats, progress,
+                                     **{k: v for k, v in ov.items() if k != "lookahead"})
+            res["rows"] = rows
+            print(f"{'mode':<26}{'wall s':>8}{'ticks':>7}{'pipelined':>10}{'loops/item':>11}{'dec tok/s':>11}")
+            for r in rows:
+                print(f"{r['mode']:<26}{r['wall_s']:>8.2f}{sum(r['ticks'].values()):>7}{r['deferred_signal_ticks']:>10}"
+                      f"{r['loops_per_item']:>11.3f}{r['decode_tokens_per_s']:>11.1f}")
         elif args.which == "trace":
             tr = ablations.schedule_traces(bm, wl, traces, args.width, progress, **ov)
             res["traces"] = tr
@@ -570,8 +581,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--save-records", action="store_true", help="keep per-request timestamps in the JSON")
     p.set_defaults(func=cmd_serve)
 
-    p = bsub.add_parser("ablate", help="ablations: min-coda, huginn-split, overhead, trace")
-    p.add_argument("which", choices=["min-coda", "huginn-split", "overhead", "trace"])
+    p = bsub.add_parser("ablate", help="ablations: min-coda, huginn-split, overhead, overlap, trace")
+    p.add_argument("which", choices=["min-coda", "huginn-split", "overhead", "overlap", "trace"])
     add_model_args(p)
     add_workload_args(p)
     add_depth_args(p)

@@ -5,7 +5,8 @@ Time accounting of an offline run (all wall clock, `time.perf_counter`):
 
 * `wall_s`: from the first `step()` to the last (requests are added before, at t = 0);
 * `compute_s`: inside the model's stage functions (`prelude`, `core_step`, `coda`, `gate_logit`),
-  measured by wrapping them on the model instance: the model compute;
+  measured by wrapping them on the model instance: the model compute (on CUDA a device time only
+  with `sync_steps`, else the time to queue the work);
 * `model_time_s` (`EngineStats.model_time`): inside the runner (compute + gathering rows and
   building the attention context);
 * `schedule_time_s` (`EngineStats.schedule_time`): `schedule()` and the `after_*` bookkeeping
@@ -221,6 +222,7 @@ class RunResult:
     rows: dict[str, int] = field(default_factory=dict)
     refill_events: int = 0
     preemptions: int = 0
+    deferred_signal_ticks: int = 0
     config: dict[str, Any] = field(default_factory=dict)
     schedule_trace: list[dict[str, Any]] | None = None
     errors: int = 0
@@ -274,13 +276,20 @@ class RunResult:
 
 
 def add_workload(engine: LLMEngine, workload: Workload, traces: list[list[int]] | None,
-                 arrival_time: float | None = None, prefix: str = "r") -> list[str]:
+                 arrival_time: float | None = None, prefix: str = "r",
+                 rule: tuple[str, float] | None = None) -> list[str]:
+    """Add the workload's requests, greedy. Exit depths follow `traces` (None: full depth), or the
+    model's live signals when `rule` = (exit_policy, exit_threshold) is given."""
     ids = []
     for i, req in enumerate(workload.requests):
         rid = f"{prefix}{i}"
-        params = SamplingParams(max_tokens=req.output_len, ignore_eos=True, temperature=0.0,
-                                exit_trace=list(traces[i]) if traces is not None else None,
-                                exit_policy=None if traces is not None else "fixed")
+        if rule is not None:
+            exits: dict[str, Any] = {"exit_policy": rule[0], "exit_threshold": rule[1]}
+        elif traces is not None:
+            exits = {"exit_trace": list(traces[i])}
+        else:
+            exits = {"exit_policy": "fixed"}
+        params = SamplingParams(max_tokens=req.output_len, ignore_eos=True, temperature=0.0, **exits)
         engine.add_request(rid, {"prompt_token_ids": req.prompt_ids}, params, arrival_time=arrival_time)
         ids.append(rid)
     return ids
@@ -288,14 +297,21 @@ def add_workload(engine: LLMEngine, workload: Workload, traces: list[list[int]] 
 
 def run_offline(bm: BenchModel, workload: Workload, traces: list[list[int]] | None, scheduler: str,
                 width: int, progress: bool = True, record_schedule: bool = False, seed: int = 0,
-                desc: str | None = None, **engine_overrides: Any) -> RunResult:
-    """All requests at t = 0, run to completion. `traces=None` runs every token at full depth."""
+                desc: str | None = None, rule: tuple[str, float] | None = None, sync_steps: bool = False,
+                **engine_overrides: Any) -> RunResult:
+    """All requests at t = 0, run to completion. `traces=None` runs every token at full depth;
+    `rule` exits on the model's live signals instead (see `add_workload`).
+
+    On CUDA the device is synchronized once at the end; `sync_steps` also synchronizes after every
+    step and every model stage, which makes `compute_s` and the per-stage wall times device times
+    but stops the host from running ahead of the device (no pipelining)."""
     from tqdm import tqdm
 
     cfg = engine_kwargs_for(workload, width, scheduler=scheduler, **engine_overrides)
     engine = bm.engine(seed=seed, **cfg)
-    add_workload(engine, workload, traces)
-    sync = str(bm.device).startswith("cuda")
+    add_workload(engine, workload, traces, rule=rule)
+    cuda = str(bm.device).startswith("cuda")
+    sync = cuda and sync_steps
     bar = tqdm(total=workload.output_tokens, desc=desc or f"{scheduler} w={width}", disable=not progress,
                unit="tok", leave=False)
     errors = 0
@@ -323,6 +339,8 @@ def run_offline(bm: BenchModel, workload: Workload, traces: list[list[int]] | No
                 seen[out.request_id] = n
                 if out.finished and out.error:
                     errors += 1
+        if cuda:
+            torch.cuda.synchronize()
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     bar.close()
     st = engine.stats
@@ -335,6 +353,7 @@ def run_offline(bm: BenchModel, workload: Workload, traces: list[list[int]] | No
         prefill_cpu_s=prefill.cpu_s,
         schedule_time_s=st.schedule_time, compute_by_stage=dict(timer.by_stage), ticks=dict(st.ticks),
         rows=dict(st.rows), refill_events=st.refill_events, preemptions=st.preemptions,
+        deferred_signal_ticks=st.deferred_signal_ticks,
         config={k: v for k, v in cfg.items()}, errors=errors,
         schedule_trace=stages.to_json() if record_schedule else None)
 

@@ -24,6 +24,10 @@ class EngineConfig:
     min_coda_batch: int | None = None
     kv_safety_margin: float = 0.1  # fraction of blocks prefill admission keeps free
     lookahead: bool = False
+    # Read a core step's exit signals only after the next step is queued when every rule in the batch
+    # decides ahead (lookahead, lookahead_gate). False reads them at once: same schedule and outputs,
+    # the host just waits for the device each step (the `bench ablate overlap` baseline).
+    pipeline_core_steps: bool = True
 
     def __post_init__(self) -> None:
         if self.scheduler not in SCHEDULERS:

@@ -161,7 +161,7 @@ class LLMEngine:
         looping = [k for k, i in enumerate(plan.items) if not i.passive]  # before CB exits turn passive
         sched.advance_core(plan)
         rules = {k: plan.items[k].seq.rule for k in looping}
-        if any(rule.signal and not rule.decides_ahead for rule in rules.values()):
+        if not self.cfg.pipeline_core_steps or any(rule.signal and not rule.decides_ahead for rule in rules.values()):
             sched.observe_core(plan.items, pending.get())
             return
         now = [plan.items[k] for k, rule in rules.items() if not rule.signal]  # trace, fixed: no device value
