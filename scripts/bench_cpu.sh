@@ -39,6 +39,8 @@ ablate() {
       --values 1,2,4,8,16 --threads 1 --out $OUT/ablate-min-coda
   $LS bench ablate trace --model ouro-bench --num-requests 16 --mean-depth 2.5 --width 8 --threads 1 \
       --out $OUT/ablate-trace
+  $LS bench ablate overlap --model ouro-bench --num-requests 64 --width 32 --repeats 4 --threads 1 \
+      --out $OUT/ablate-overlap
   $LS bench ablate huginn-split --model huginn-bench --num-requests 16 --scale 0.5 --mean-depth 10 --width 32 \
       --kv-layout shared --threads 1 --out $OUT/ablate-huginn-split
 }
