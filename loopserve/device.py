@@ -5,7 +5,8 @@ stream: the host stops until every kernel queued so far has finished, so it cann
 stage batch while the current one runs. The engine moves its small metadata (row indices, positions,
 depths) with `upload` (pinned memory, non-blocking copy, ordered on the stream like any kernel) and
 reads per-step results with `Readback` (a non-blocking copy into pinned memory plus an event: the
-host waits for that copy only, not for the work queued after it). On the CPU both are plain tensors.
+host waits for that copy only, not for the work queued after it). Swapping KV to the host and back
+uses the same two. On the CPU both are plain tensors.
 """
 
 from __future__ import annotations
@@ -25,21 +26,27 @@ def upload(data: list | torch.Tensor, device: torch.device, dtype: torch.dtype =
 
 
 class Readback:
-    """Device tensors on their way to the host. `get()` returns them as Python lists, waiting (on
-    CUDA) only for their own copy, which was queued right after the kernels that produced them."""
+    """Device tensors on their way to the host. `host()` returns them as CPU tensors and `get()` as
+    Python lists, waiting (on CUDA) only for their own copy, which was queued right after the work
+    that produced them."""
 
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
         self._event = None
-        if any(t.device.type == "cuda" for t in tensors.values()):
+        cuda = [t.device for t in tensors.values() if t.device.type == "cuda"]
+        if cuda:
             tensors = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
                        for k, t in tensors.items()}
             self._event = torch.cuda.Event()
-            self._event.record()
+            # on the copies' stream: that of the tensors' device, which need not be the current device
+            self._event.record(torch.cuda.current_stream(cuda[0]))
         else:
             tensors = {k: t.to("cpu") for k, t in tensors.items()}
         self._host = tensors
 
-    def get(self) -> dict[str, list]:
+    def host(self) -> dict[str, torch.Tensor]:
         if self._event is not None:
             self._event.synchronize()
-        return {k: t.tolist() for k, t in self._host.items()}
+        return self._host
+
+    def get(self) -> dict[str, list]:
+        return {k: t.tolist() for k, t in self.host().items()}

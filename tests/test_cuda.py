@@ -36,30 +36,64 @@ def test_cuda_engine_matches_the_reference(arch, scheduler, lookahead, tiny_ouro
         assert b.outputs[0].exit_depths == a.outputs[0].exit_depths
 
 
-@pytest.mark.parametrize("arch", ["ouro", "huginn"])
-def test_planning_and_queueing_core_steps_never_wait_for_the_device(arch, tiny_ouro, tiny_huginn):
-    """With lookahead, `schedule()` and queueing a core step run under CUDA's sync-debug mode "error":
-    any host-device synchronization inside them (a blocking copy, `.item()`, `.tolist()`) raises."""
-    path = tiny_ouro if arch == "ouro" else tiny_huginn
-    llm = LLM(path, dtype="float32", device="cuda", kv_cache_tokens=4096, max_decode_batch=4, lookahead=True)
+STRICT = {  # what runs under sync-debug "error": planning, queueing, and the host bookkeeping of a step
+    "scheduler": ("schedule", "follow_up", "advance_core", "observe_core"),
+    "runner": ("core", "prelude", "write_kv_depths"),
+}
+
+
+def workload(case: str) -> tuple[list[SamplingParams], dict]:
+    """(params, engine knobs): live signals with lookahead; lookahead_gate beside gate, kl and trace
+    (batches switch between pipelined and read-at-once); a KV pool small enough to preempt."""
+    greedy = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
+    if case == "huginn":
+        rule = dict(exit_policy="latent_diff", exit_threshold=0.8)
+        return [SamplingParams(**greedy, **rule) for _ in PROMPTS], {"lookahead": True}
+    if case == "lookahead":
+        return [SamplingParams(**greedy, exit_policy="gate", exit_threshold=0.6) for _ in PROMPTS], {"lookahead": True}
+    short = dict(greedy, max_tokens=3)  # once the gate and kl requests finish, batches pipeline
+    rules = [dict(exit_policy="lookahead_gate", exit_threshold=0.5),
+             dict(short, exit_policy="gate", exit_threshold=0.6),
+             dict(short, exit_policy="kl", exit_threshold=0.01), dict(exit_trace=[2, 3, 1, 4]),
+             dict(exit_policy="lookahead_gate", exit_threshold=0.3)]
+    params = [SamplingParams(**{**greedy, **r}) for r in rules]
+    if case == "mixed":
+        return params, {}
+    return params, {"kv_cache_tokens": 56, "block_size": 4, "kv_safety_margin": 0.0}  # "preempt"
+
+
+@pytest.mark.parametrize("case", ["lookahead", "mixed", "preempt", "huginn"])
+def test_planning_and_queueing_never_wait_for_the_device(case, tiny_ouro_la, tiny_huginn):
+    """Planning, queueing and the per-step bookkeeping run under CUDA's sync-debug mode "error": any
+    host-device synchronization inside them (a blocking copy, `.item()`, `.tolist()`) raises. Reading
+    signals (`PendingSignals.get`) and logits is outside: that is where the engine waits on purpose."""
+    params, knobs = workload(case)
+    path = tiny_huginn if case == "huginn" else tiny_ouro_la
+    llm = LLM(path, dtype="float32", device="cuda", max_decode_batch=4,
+              **{"kv_cache_tokens": 4096, **knobs})
     engine = llm.engine
     assert engine is not None
-    core, schedule = engine.runner.core, engine.scheduler.schedule
-    checked = {"core": 0, "schedule": 0}
+    calls = {name: 0 for names in STRICT.values() for name in names}
 
     def strict(fn, name):
         def run(*args):
             torch.cuda.set_sync_debug_mode("error")
             try:
-                out = fn(*args)
+                return fn(*args)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-            checked[name] += 1
-            return out
+                calls[name] += 1
         return run
 
-    engine.runner.core = strict(core, "core")  # type: ignore[method-assign]
-    engine.scheduler.schedule = strict(schedule, "schedule")  # type: ignore[method-assign]
-    outs = llm.generate(PROMPTS, params_for(arch))
-    assert all(o.finished for o in outs)
-    assert checked["core"] > 10 and engine.stats.deferred_signal_ticks > 10
+    for owner, names in STRICT.items():
+        obj = getattr(engine, owner)
+        for name in names:
+            setattr(obj, name, strict(getattr(obj, name), name))
+    outs = llm.generate(PROMPTS, params)
+    ref = LLM(path, scheduler="reference", dtype="float32", device="cuda", **knobs).generate(PROMPTS, params)
+    for a, b in zip(ref, outs, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+    assert all(calls[n] > 0 for n in ("schedule", "core", "prelude", "advance_core", "observe_core")), calls
+    assert engine.stats.deferred_signal_ticks > 0
+    if case == "preempt":
+        assert engine.stats.preemptions > 0 and engine.stats.swap_ins > 0

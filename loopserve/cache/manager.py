@@ -13,14 +13,14 @@ from dataclasses import dataclass, field
 import torch
 
 from loopserve.cache.pool import BlockAllocator, KVStore
-from loopserve.device import upload
+from loopserve.device import Readback, upload
 
 
 @dataclass
 class BlockTable:
     blocks: list[int] = field(default_factory=list)
     row_map: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
-    swapped: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # host copies of k, v, depth
+    swapped: Readback | None = None  # host copies of k, v and the KV depths while swapped out
     num_tokens: int = 0  # tokens whose KV rows are in use
 
 
@@ -77,7 +77,8 @@ class KVCacheManager:
         table = self.tables[seq_id]
         s = self.store
         rows = upload(table.row_map[: table.num_tokens], s.k.device)
-        table.swapped = (s.k[:, rows].to("cpu"), s.v[:, rows].to("cpu"), s.depth[rows].to("cpu"))
+        # queued behind the work that wrote these rows; read back only when swapped in
+        table.swapped = Readback({"k": s.k[:, rows], "v": s.v[:, rows], "depth": s.depth[rows]})
         self.allocator.free(seq_id, table.blocks)
         table.blocks, table.row_map = [], torch.zeros(0, dtype=torch.long)
 
@@ -91,12 +92,14 @@ class KVCacheManager:
         n = table.num_tokens
         if self.allocator.blocks_for(n) > self.num_free:
             return False
-        k, v, depth = table.swapped
+        host = table.swapped.host()
         table.swapped, table.num_tokens = None, 0
         self.ensure(seq_id, n)
         s = self.store
-        rows = upload(table.row_map[:n], s.k.device)
-        s.k[:, rows], s.v[:, rows], s.depth[rows] = k.to(s.k.device), v.to(s.v.device), depth.to(s.depth.device)
+        dev = s.k.device
+        rows = upload(table.row_map[:n], dev)
+        s.k[:, rows], s.v[:, rows] = upload(host["k"], dev), upload(host["v"], dev)
+        s.depth[rows] = upload(host["depth"], dev)
         return True
 
     def check_invariants(self, live: set[str]) -> None:
