@@ -159,3 +159,62 @@ def test_aborting_a_request_whose_signals_are_in_flight(ouro_la):
     for i, r in enumerate(ref):
         if str(i) != victim:
             assert outs[str(i)].outputs[0].token_ids == r.outputs[0].token_ids
+
+
+# -- async codas: a coda's tokens are sampled once the next stage batch is queued ----------------------------
+@pytest.mark.parametrize("scheduler", ["cb", "cdb-norefill", "cdb"])
+@pytest.mark.parametrize("arch", ["ouro", "huginn"])
+def test_async_codas_match_the_reference(arch, scheduler, tiny_ouro, tiny_huginn):
+    """The exactness matrix's workload (late arrivals, aborts, preemption) with async codas on."""
+    from tests.engine_helpers import assert_matches, drive, make_engine, reference
+    from tests.test_engine_exact import MATRIX_CFG, matrix_workload
+
+    path, state_init = (tiny_ouro, "zero") if arch == "ouro" else (tiny_huginn, "like-init")
+    engine = make_engine(path, state_init, scheduler=scheduler, lookahead=True, async_coda=True, **MATRIX_CFG)
+    reqs = matrix_workload(arch, "lookahead", engine.model_config.r_max)
+    outs = drive(engine, reqs)  # invariants after every step, drained at the end
+    for r in reqs:
+        assert_matches(outs[r.rid], reference(engine, r))
+    assert engine.stats.preemptions > 0
+
+
+def coda_read_lags(path, async_coda: bool) -> list[int]:
+    """For every coda: how many other stage batches were queued between it and the read of its logits."""
+    m = load_model(path, "float64", "cpu")
+    engine = LLMEngine(m.model, m.tokenizer, EngineConfig(kv_cache_tokens=512, max_decode_batch=3,
+                                                          async_coda=async_coda))
+    log: list[tuple[str, object]] = []
+    runner = engine.runner
+    for stage in ("prefill", "prelude", "core"):
+        fn = getattr(runner, stage)
+        setattr(runner, stage, (lambda f: lambda *a: (log.append(("queue", None)), f(*a))[1])(fn))
+    coda = runner.coda
+
+    def logged_coda(items):
+        handle = coda(items)
+        host = handle.host
+        handle.host = lambda: (log.append(("read", handle)), host())[1]  # type: ignore[method-assign]
+        log.append(("coda", handle))
+        return handle
+
+    runner.coda = logged_coda  # type: ignore[method-assign]
+    params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, exit_policy="lookahead_gate",
+                             exit_threshold=q) for q in (0.3, 0.5, 0.7, 0.4)]
+    for i, (p, sp) in enumerate(zip(PROMPTS, params, strict=True)):
+        engine.add_request(str(i), p, sp)
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.scheduler.check_invariants()
+    engine.scheduler.check_drained()
+    lags = []
+    for j, (what, handle) in enumerate(log):
+        if what == "read":
+            start = next(i for i, (w, h) in enumerate(log) if w == "coda" and h is handle)
+            lags.append(sum(w in ("queue", "coda") for w, _ in log[start + 1:j]))
+    return lags
+
+
+def test_async_coda_reads_logits_after_the_next_batch_is_queued(ouro_la):
+    sync, lagged = coda_read_lags(ouro_la, False), coda_read_lags(ouro_la, True)
+    assert sync and set(sync) == {0}
+    assert lagged and max(lagged) >= 1 and sum(lag >= 1 for lag in lagged) > len(lagged) // 2, lagged

@@ -10,10 +10,11 @@
   thread, so lookahead cannot overlap scheduling with compute here; its cost (one extra loop per
   early exit) is what this measures.
 * `overlap`: CDB refill exiting on the model's live signal (Ouro's gate, Huginn's latent change):
-  synchronous exits, lookahead with each step's signals read at once, and lookahead pipelined (a
-  step's signals read after the next step is queued). The last two run the same schedule, so their
-  ratio is what pipelining buys: on a GPU the host plans tick t+1 while the device runs tick t; on a
-  CPU nothing can overlap and the ratio should be 1.
+  synchronous exits, lookahead with each step's signals read at once, lookahead pipelined (a step's
+  signals read after the next step is queued), and pipelined with async codas (a coda's tokens
+  sampled after the next batch is queued). Modes 2 and 3 run the same schedule, so their ratio is
+  what pipelining buys: on a GPU the host plans tick t+1 while the device runs tick t; on a CPU
+  nothing can overlap and the ratio should be 1.
 * `trace`: the schedule trace (stage and batch size of every tick) of CDB no-refill and CDB refill
   on the same short workload, as JSON and a picture.
 """
@@ -82,16 +83,18 @@ def overhead(bm: BenchModel, workload: Workload, traces: list[list[int]] | None,
 
 
 OVERLAP_MODES = {  # mode -> engine knobs
-    "synchronous exits": {"lookahead": False},
-    "lookahead, read at once": {"lookahead": True, "pipeline_core_steps": False},
-    "lookahead, pipelined": {"lookahead": True, "pipeline_core_steps": True},
+    "synchronous exits": {"lookahead": False, "async_coda": False},
+    "lookahead, read at once": {"lookahead": True, "pipeline_core_steps": False, "async_coda": False},
+    "lookahead, pipelined": {"lookahead": True, "pipeline_core_steps": True, "async_coda": False},
+    "pipelined + async coda": {"lookahead": True, "pipeline_core_steps": True, "async_coda": True},
 }
 
 
 def overlap(bm: BenchModel, workload: Workload, width: int, rule: tuple[str, float], repeats: int = 1,
             progress: bool = True, **overrides: Any) -> list[dict[str, Any]]:
-    """The last two modes run the identical schedule (same ticks, same outputs); only when the host
-    reads the exit signals differs, so their wall-time ratio is what pipelining buys."""
+    """Modes 2 and 3 run the identical schedule (same ticks, same outputs); only when the host reads
+    the exit signals differs, so their wall-time ratio is what pipelining the core steps buys. Mode 4
+    also samples each coda's tokens after the next batch is queued (they refill a tick later)."""
     rows = []
     for rep in range(repeats):
         modes = list(OVERLAP_MODES.items())

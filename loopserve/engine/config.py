@@ -28,6 +28,10 @@ class EngineConfig:
     # decides ahead (lookahead, lookahead_gate). False reads them at once: same schedule and outputs,
     # the host just waits for the device each step (the `bench ablate overlap` baseline).
     pipeline_core_steps: bool = True
+    # Sample a coda's tokens only after the next stage batch is queued, so the device never idles
+    # while the host samples (their preludes join one tick later; outputs are the same). None: on for
+    # CUDA, off for the CPU, where nothing overlaps and refilling a tick later only costs.
+    async_coda: bool | None = None
 
     def __post_init__(self) -> None:
         if self.scheduler not in SCHEDULERS:

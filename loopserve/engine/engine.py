@@ -19,6 +19,7 @@ from loopserve.cache.layout import KVLayout
 from loopserve.cache.manager import KVCacheManager
 from loopserve.cache.pool import KVStore
 from loopserve.config import HUGINN, ModelConfig
+from loopserve.device import Readback
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.runner import ModelRunner, PendingSignals, StatePool, WorkItem
 from loopserve.engine.scheduler import StagePlan, make_scheduler
@@ -52,6 +53,9 @@ class LLMEngine:
         scratch = self.kv.reserved[0] * cfg.block_size
         self.runner = ModelRunner(model, self.layout, self.kv, self.pool, scratch_row=scratch)
         self._arrivals = itertools.count()
+        # Async codas (CUDA by default): a coda's logits are read once the next stage batch is queued.
+        self.async_coda = cfg.async_coda if cfg.async_coda is not None else p.device.type == "cuda"
+        self._codas: list[tuple[StagePlan, Readback]] = []
         # the last core step's signals, read once the next step is queued: (items, signals, their rows)
         self._deferred: tuple[list[WorkItem], PendingSignals, list[int]] | None = None
         self.requests: dict[str, Sequence] = {}
@@ -85,12 +89,19 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         sched = self.scheduler
-        plan = sched.schedule()
         before = {s.request_id: len(s.output_ids) for s in self.requests.values()}
-        model_time = self._execute(plan)
+        model_time = 0.0
+        if self._codas and not sched.core_q:  # nothing would run beside the coda: take its tokens now
+            model_time += self._finish_codas(self._take_codas())
+        plan = sched.schedule()
+        queued_codas = self._take_codas()
+        model_time += self._execute(plan)
+        # With async codas, the codas queued before `plan` are read back only now, once `plan` is queued
+        # behind them; their tokens' preludes follow.
+        model_time += self._finish_codas(queued_codas)
         # Tokens just sampled start their next loop in the same tick (the refill scheduler runs
         # their prelude right away instead of spending a separate tick on it).
-        follow = sched.follow_up(plan)
+        follow = sched.follow_up(plan) if not (plan.stage == "coda" and self.async_coda) else None
         if follow is not None:
             model_time += self._execute(follow)
         self.stats.model_time += model_time
@@ -128,9 +139,14 @@ class LLMEngine:
             t2 = time.perf_counter()
             self.stats.record("core", len(plan.items))
         elif plan.stage == "coda":
-            coda_logits = self.runner.coda(plan.items)
-            t2 = time.perf_counter()
-            sched.after_coda(plan, coda_logits)
+            pending = self.runner.coda(plan.items)
+            if self.async_coda:
+                self._codas.append((plan, pending))  # sampled after the next stage batch is queued
+                t2 = time.perf_counter()
+            else:
+                coda_logits = pending.host()["logits"]
+                t2 = time.perf_counter()
+                sched.after_coda(plan, coda_logits)
             self.stats.record("coda", len(plan.items))
         else:
             t2 = t1
@@ -139,6 +155,23 @@ class LLMEngine:
             self.runner.write_kv_depths(list(rows), list(depths))
             sched.kv_depth_writes.clear()
         return t2 - t1
+
+    def _take_codas(self) -> list[tuple[StagePlan, Readback]]:
+        codas, self._codas = self._codas, []
+        return codas
+
+    def _finish_codas(self, codas: list[tuple[StagePlan, Readback]]) -> float:
+        """Sample the tokens of queued codas and run their preludes; returns the model time."""
+        model_time = 0.0
+        for plan, logits in codas:
+            t1 = time.perf_counter()
+            host = logits.host()["logits"]
+            model_time += time.perf_counter() - t1
+            self.scheduler.after_coda(plan, host)
+            follow = self.scheduler.follow_up(plan)
+            if follow is not None:
+                model_time += self._execute(follow)
+        return model_time
 
     def _core(self, plan: StagePlan) -> None:
         """One loop step, pipelined where the exit rules allow.

@@ -205,10 +205,10 @@ class ModelRunner:
         return PendingSignals(len(items), rows, Readback(sig))
 
     @torch.no_grad()
-    def coda(self, items: list[WorkItem]) -> torch.Tensor:
-        """Logits of the exited items, read back to the host in one copy (sampling runs there)."""
+    def coda(self, items: list[WorkItem]) -> Readback:
+        """Logits of the exited items, on their way to the host in one copy (sampling runs there)."""
         ctx = self._ctx(items)
-        return self.model.coda(self.pool.state[self._state_index(items)], ctx).to("cpu")
+        return Readback({"logits": self.model.coda(self.pool.state[self._state_index(items)], ctx)})
 
     @torch.no_grad()
     def write_kv_depths(self, rows: list[int], depths: list[int]) -> None:

@@ -53,6 +53,7 @@ class Scheduler:
         self.prelude_q: list[WorkItem] = []
         self.core_q: list[WorkItem] = []
         self.coda_q: list[WorkItem] = []
+        self.coda_running: list[WorkItem] = []  # coda queued on the device, token not sampled yet
         self._orders = itertools.count()
         self.finished: list[Sequence] = []  # finished since the last drain (the engine reports them)
         self.retired_loops = 0  # decode loops of finished requests (bookkeeping check)
@@ -84,7 +85,7 @@ class Scheduler:
             seq = self.running.get(request_id)
             if seq is None:
                 return None
-            for q in (self.prelude_q, self.core_q, self.coda_q):
+            for q in (self.prelude_q, self.core_q, self.coda_q, self.coda_running):
                 for item in [i for i in q if i.seq is seq]:
                     q.remove(item)
                     seq.metrics.loops_run += item.r  # loops already spent on the dropped token
@@ -313,8 +314,20 @@ class Scheduler:
         self.core_q.remove(item)
         self.coda_q.append(item)
 
+    def _start_coda(self, items: list[WorkItem]) -> StagePlan:
+        for i in items:
+            self.coda_q.remove(i)
+        self.coda_running += items
+        return StagePlan("coda", items)
+
     def after_coda(self, plan: StagePlan, logits) -> None:
+        """Sample each item's token from its coda logits (maybe a tick after the coda was queued:
+        an item aborted meanwhile is skipped)."""
+        running = {id(i) for i in self.coda_running}
         for j, item in enumerate(plan.items):
+            if id(item) not in running:
+                continue
+            self.coda_running.remove(item)
             seq = item.seq
             assert item.tracker is not None and item.tracker.exit_depth is not None
             seq.metrics.loops_run += item.r
@@ -329,7 +342,7 @@ class Scheduler:
     # -- checks (tests call these between steps) -------------------------------------------------------
     def check_invariants(self) -> None:
         """Bookkeeping that holds between any two steps."""
-        items = self.prelude_q + self.core_q + self.coda_q
+        items = self.prelude_q + self.core_q + self.coda_q + self.coda_running
         ids = [i.seq.request_id for i in items]
         swapped = [i.seq.request_id for i in self.swapped]
         partial = {s.request_id for s in self.waiting if s.request_id in self.running}
@@ -347,17 +360,17 @@ class Scheduler:
             assert self.kv.is_swapped(sid), f"swapped sequence {sid} has no host copy"
         # state rows: prelude items have none yet, core and coda items one each, none shared or leaked
         assert all(i.row < 0 for i in self.prelude_q + list(self.swapped)), "queued prelude item holds a row"
-        rows = [i.row for i in self.core_q + self.coda_q]
+        rows = [i.row for i in self.core_q + self.coda_q + self.coda_running]
         assert all(r >= 0 for r in rows), "looping item without a state row"
         assert len(rows) == len(set(rows)), "state row shared by two items"
         assert sorted(rows + self.pool._free) == list(range(self.pool.rows)), "state row leaked"
         for i in self.core_q:
             assert i.tracker is not None and i.r <= i.seq.rule.max_loops
             assert self.kv.store.depth[self.kv.row_map(i.seq.request_id)[i.position]] == IN_FLIGHT
-        for i in self.coda_q:
+        for i in self.coda_q + self.coda_running:
             assert i.tracker is not None and i.tracker.exit_depth is not None and not i.tracker.frozen
             assert self.kv.store.depth[self.kv.row_map(i.seq.request_id)[i.position]] == i.r
-        for i in self.core_q + self.coda_q:
+        for i in self.core_q + self.coda_q + self.coda_running:
             assert self.kv.tables[i.seq.request_id].num_tokens >= i.seq.num_tokens, "token without a KV row"
         # loops: every kept core row belongs to a finished request, a live one, or an in-flight token
         live = sum(s.metrics.loops_run for s in self.running.values()) + sum(
@@ -369,7 +382,7 @@ class Scheduler:
         """After the last request finished: nothing queued, every KV block and state row free."""
         self.check_invariants()
         assert not (self.waiting or self.running or self.swapped or self.prelude_q or self.core_q
-                    or self.coda_q), "queues not empty"
+                    or self.coda_q or self.coda_running), "queues not empty"
         assert not self.kv.tables and self.kv.num_free == self.kv.num_blocks, "KV blocks still held"
         assert self.pool.num_free == self.pool.rows, "state rows still held"
         assert self.stats.useful_core_rows == self.retired_loops
@@ -408,10 +421,7 @@ class RefillScheduler(Scheduler):
         assert len(self.core_q) <= self.cfg.max_decode_batch, "core batch wider than max_decode_batch"
 
     def _coda_plan(self) -> StagePlan:
-        items = sorted(self.coda_q, key=lambda i: i.order)[: self.cfg.max_decode_batch]
-        for i in items:
-            self.coda_q.remove(i)
-        return StagePlan("coda", items)
+        return self._start_coda(sorted(self.coda_q, key=lambda i: i.order)[: self.cfg.max_decode_batch])
 
 
 class CohortScheduler(Scheduler):
@@ -446,9 +456,7 @@ class CohortScheduler(Scheduler):
             self.phase = "coda"
         # coda for the whole cohort
         items, self.cohort, self.phase = self.cohort, [], "none"
-        for i in items:
-            self.coda_q.remove(i)
-        return StagePlan("coda", items)
+        return self._start_coda(items)
 
     def _cohort_done(self) -> bool:
         return all(i.exited for i in self.cohort)
