@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The engine's device check, sized for a lent GPU (about 6 minutes of a 15-minute lease): the CUDA
+# The engine's device check, sized for a lent GPU (aimed at 5-7 minutes of a 15-minute lease): the CUDA
 # tests (exactness against the reference decoder on the device, and no host-device sync while
 # planning or queueing a pipelined core step), then a short CB vs CDB throughput comparison and the
 # overlap ablation (one schedule, exit signals read at once vs pipelined).
@@ -17,7 +17,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
   git rev-parse --short HEAD 2>/dev/null; } | tee "$OUT/machine.txt"
 $PY -m pytest -q -p no:cacheprovider -o addopts="" tests/test_cuda.py tests/test_pipeline.py 2>&1 | tee "$OUT/tests.log"
 $PY -m loopserve.cli bench throughput --model ouro-bench --device cuda --dtype bfloat16 --workload alpaca \
-    --num-requests 256 --mean-depth 2.5 --sweep width,full-depth --widths 32,128 --width 128 --repeats 2 \
+    --num-requests 128 --mean-depth 2.5 --sweep width,full-depth --widths 32,128 --width 128 --repeats 1 \
     --no-progress --out "$OUT" 2>&1 | tee "$OUT/throughput.log"
 $PY -m loopserve.cli bench ablate overlap --model ouro-bench --device cuda --dtype bfloat16 --num-requests 128 \
     --width 64 --repeats 2 --no-progress --out "$OUT" 2>&1 | tee "$OUT/overlap.log"
