@@ -38,6 +38,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-coda-batch", type=int, default=None,
                    help="default: 1 for fully looped models, max-decode-batch/4 with coda blocks (Huginn)")
     p.add_argument("--lookahead", action="store_true", help="delayed exit consumption (r_min = 2)")
+    p.add_argument("--async-coda", default=None, action=argparse.BooleanOptionalAction,
+                   help="sample a coda's tokens after the next batch is queued (default: on for CUDA only)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
