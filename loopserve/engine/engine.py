@@ -2,8 +2,9 @@
 
 A step reads like a sentence: `plan = scheduler.schedule()`, run it on the runner, then
 `scheduler.after_<stage>(plan, result)`. The engine never touches tensors; the runner never decides.
-Core steps are pipelined where lookahead allows (see `_core`): the host builds tick t+1 while the
-device still runs tick t.
+Core steps are pipelined where lookahead allows (see `_core`), and with `async_coda` a coda's tokens
+are sampled after the next stage batch is queued: the host builds tick t+1 while the device still
+runs tick t.
 """
 
 from __future__ import annotations
