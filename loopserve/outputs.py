@@ -45,4 +45,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     error: str | None = None
+    # HTTP-style status of an error finish: 400 when the request itself was at fault (it can never fit
+    # the KV cache), 500 when the engine failed on its part of a batch (the other requests go on)
+    error_status: int | None = None
     extra: dict = field(default_factory=dict)

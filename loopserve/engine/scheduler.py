@@ -63,7 +63,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         if self.kv.allocator.blocks_for(len(seq.prompt_ids) + 1) > self.kv.num_blocks:
             seq.finish("error", f"prompt of {len(seq.prompt_ids)} tokens cannot fit in the KV cache "
-                                f"({self.kv.num_blocks * self.kv.block_size} tokens)")
+                                f"({self.kv.num_blocks * self.kv.block_size} tokens)", error_status=400)
             self._finish(seq)
             return
         self.waiting.append(seq)
@@ -175,7 +175,7 @@ class Scheduler:
             if self.kv.allocator.blocks_for(item.seq.num_tokens) > self.kv.num_blocks:
                 self.prelude_q.remove(item)  # longer than the whole cache: it can never fit
                 item.seq.finish("error", f"sequence of {item.seq.num_tokens} tokens exceeds the KV cache "
-                                         f"({self.kv.num_blocks * self.kv.block_size} tokens)")
+                                         f"({self.kv.num_blocks * self.kv.block_size} tokens)", error_status=400)
                 self._finish(item.seq)
             elif self._reserve_kv(item, taken):
                 taken.append(item)

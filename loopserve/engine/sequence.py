@@ -107,6 +107,7 @@ class Sequence:
         self._detok = (0, 0)  # (prefix, read) offsets into output_ids for incremental decoding
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.error_status: int | None = None
         self.status = Status.WAITING
         self.arrival_index = 0  # order of arrival at the engine (preemption picks the latest)
         self.metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
@@ -175,11 +176,13 @@ class Sequence:
             self.text = self.text[: min(hits)]
         return bool(hits)
 
-    def finish(self, reason: str, error: str | None = None, keep_text: bool = False) -> None:
+    def finish(self, reason: str, error: str | None = None, keep_text: bool = False,
+               error_status: int | None = None) -> None:
         if not keep_text:  # the final text includes whatever incremental decoding held back
             self.text = self.tokenizer.decode(self.output_ids, self.params.skip_special_tokens)
         self.finish_reason = reason
         self.error = error
+        self.error_status = error_status or (500 if error is not None else None)
         self.status = Status.FINISHED
         self.metrics.finished_time = time.monotonic()
 
@@ -188,4 +191,4 @@ class Sequence:
                                self.finish_reason,
                                self.cumulative_logprob if self.params.logprobs is not None else None)
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_ids), [out], self.finished,
-                             self.metrics, self.error)
+                             self.metrics, self.error, self.error_status)
