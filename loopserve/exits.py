@@ -31,6 +31,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from loopserve.errors import NonFiniteError
+
 POLICIES = ("fixed", "gate", "latent_diff", "kl", "trace", "lookahead_gate")
 SIGNAL_OF = {"gate": "gate", "latent_diff": "latent_diff", "kl": "kl", "lookahead_gate": "lookahead_gate"}
 Signal = float | list[float] | tuple[float, float] | None  # lookahead_gate: (main logit, lookahead logit)
@@ -95,7 +97,11 @@ class ExitTracker:
         return False
 
     def observe(self, r: int, signal: Signal) -> bool:
-        """Called after a step whose state was kept. Returns True if the item runs another step."""
+        """Called after a step whose state was kept. Returns True if the item runs another step.
+        Raises `NonFiniteError` for a NaN or infinite signal (a broken state, not a decision)."""
+        values = signal if isinstance(signal, list | tuple) else () if signal is None else (signal,)
+        if not all(map(math.isfinite, values)):
+            raise NonFiniteError(f"the model produced a non-finite {self.rule.policy} signal for this request")
         if self.reaches_stop(r):
             return False
         if self.rule.policy == "lookahead_gate":

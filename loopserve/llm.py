@@ -51,11 +51,11 @@ class LLM:
 
     def _make_sequence(self, prompt: PromptType, params: SamplingParams) -> Sequence:
         index = next(self._counter)
-        # Per-request seed (sampling and Huginn's random initial state): the request's own seed when
-        # given, as the server does, else one derived from the LLM seed; the same in every scheduler.
+        # Per-request sampling seed: the request's own when given, as the server does, else one derived
+        # from the LLM seed; the same in every scheduler. Initial states are seeded from the prompt.
         seed = params.seed if params.seed is not None else self.seed * 1_000_003 + index
         return make_sequence(self.model, self.tokenizer, str(index), prompt, params, seed,
-                             self.engine_config.lookahead)
+                             self.engine_config.lookahead, base_seed=self.seed)
 
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,

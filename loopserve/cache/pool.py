@@ -1,9 +1,11 @@
 """KV storage and block allocation.
 
 `KVStore` holds K and V for `capacity` physical token rows, each with the layout's slots, plus the
-KV depth of every physical token (what the layout's read rule needs). `BlockAllocator` hands out
-fixed-size blocks of physical rows to sequences; a sequence's block table maps its positions to
-rows. The reference decoder uses a store with one contiguous "block" per request.
+KV depth of every physical token (what the layout's read rule needs), plus one zero row that is never
+written: attention gathers every key it masks (padding, keys a layout hides) from it, so whatever a
+masked row holds (stale KV of a finished request, even NaN) cannot reach a query through 0 * NaN.
+`BlockAllocator` hands out fixed-size blocks of physical rows to sequences; a sequence's block table
+maps its positions to rows. The reference decoder uses a store with one contiguous "block" per request.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ class KVStore:
     def __init__(self, capacity: int, n_slots: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
         self.capacity = capacity
-        shape = (n_slots, capacity, num_kv_heads, head_dim)
+        self.zero_row = capacity
+        shape = (n_slots, capacity + 1, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.depth = torch.full((capacity,), IN_FLIGHT, dtype=torch.long, device=device)
+        self.depth = torch.full((capacity + 1,), IN_FLIGHT, dtype=torch.long, device=device)
 
     def write(self, slot: torch.Tensor | int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[slot, rows] = k
@@ -28,7 +31,7 @@ class KVStore:
 
     def gather(self, slot: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V at (slot, row) pairs (any matching shapes) -> [*shape, kv_heads, head_dim]."""
-        flat = (slot * self.capacity + rows).reshape(-1)  # one index_select beats 2-D advanced indexing
+        flat = (slot * (self.capacity + 1) + rows).reshape(-1)  # one index_select beats 2-D advanced indexing
         shape = (*rows.shape, *self.k.shape[2:])
         k = self.k.view(-1, *self.k.shape[2:]).index_select(0, flat).view(shape)
         v = self.v.view(-1, *self.v.shape[2:]).index_select(0, flat).view(shape)

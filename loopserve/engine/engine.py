@@ -64,10 +64,10 @@ class LLMEngine:
     # -- requests --------------------------------------------------------------------------------------
     def make_sequence(self, request_id: str, prompt: PromptType, params: SamplingParams,
                       arrival_time: float | None = None, seed: int | None = None) -> Sequence:
-        if seed is None:  # stable across processes (unlike hash())
+        if seed is None:  # unseeded sampling differs per request; stable across processes (unlike hash())
             seed = int.from_bytes(hashlib.sha256(f"{self.seed}:{request_id}".encode()).digest()[:8], "little")
         return make_sequence(self.model, self.tokenizer, request_id, prompt, params, seed, self.cfg.lookahead,
-                             arrival_time)
+                             arrival_time, base_seed=self.seed)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: float | None = None, seed: int | None = None) -> None:

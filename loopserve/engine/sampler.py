@@ -2,18 +2,28 @@
 
 Sampling math runs in float64 from the row's logits so a request draws the same token from the same
 logits whatever batch it was in; a per-request generator makes seeded sampling reproducible.
+Logits that are not all finite raise `NonFiniteError`: the engine then fails that request alone
+(sampling from NaN would either raise deep in torch or silently pick an arbitrary token).
 """
 
 from __future__ import annotations
 
 import torch
 
+from loopserve.errors import NonFiniteError
 from loopserve.outputs import Logprob
 from loopserve.sampling_params import SamplingParams
 
 
+def _host_logits(logits: torch.Tensor) -> torch.Tensor:
+    x = logits.detach().to("cpu", torch.float64)
+    if not bool(torch.isfinite(x).all()):
+        raise NonFiniteError("the model produced non-finite logits for this request")
+    return x
+
+
 def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    x = logits / p.temperature
+    x = logits / p.temperature  # temperature >= GREEDY_TEMPERATURE here, so x stays finite
     if p.top_k > 0 and p.top_k < x.numel():
         kth = torch.topk(x, p.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -29,7 +39,7 @@ def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 def sample_token(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
-    x = logits.detach().to("cpu", torch.float64)
+    x = _host_logits(logits)
     if p.greedy:
         return int(torch.argmax(x))
     return int(torch.multinomial(_filtered_probs(x, p), 1, generator=generator))
@@ -37,7 +47,7 @@ def sample_token(logits: torch.Tensor, p: SamplingParams, generator: torch.Gener
 
 def token_logprobs(logits: torch.Tensor, token: int, k: int, decode) -> tuple[dict[int, Logprob], float]:
     """Top-k of the model's raw distribution plus the sampled token; and the sampled logprob."""
-    lp = torch.log_softmax(logits.detach().to("cpu", torch.float64), -1)
+    lp = torch.log_softmax(_host_logits(logits), -1)
     chosen = float(lp[token])
     out: dict[int, Logprob] = {}
     if k > 0:

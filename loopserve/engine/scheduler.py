@@ -24,6 +24,7 @@ recomputed); a request that could never fit fails alone with an error. `check_in
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -33,7 +34,10 @@ from loopserve.engine.config import EngineConfig
 from loopserve.engine.runner import PrefillChunk, StatePool, WorkItem
 from loopserve.engine.sequence import Sequence, Status
 from loopserve.engine.stats import EngineStats
+from loopserve.errors import NonFiniteError
 from loopserve.exits import Signal
+
+log = logging.getLogger("loopserve.engine")
 
 
 @dataclass
@@ -75,24 +79,38 @@ class Scheduler:
         """Stop a request wherever it is; it is reported (finish_reason "abort") with the next step's
         outputs. None if the request is not in flight."""
         seq = next((s for s in self.waiting if s.request_id == request_id), None)
-        swapped = next((i for i in self.swapped if i.seq.request_id == request_id), None)
+        seq = seq or next((i.seq for i in self.swapped if i.seq.request_id == request_id), None)
+        seq = seq or self.running.get(request_id)
         if seq is not None:
-            self.waiting.remove(seq)
-        elif swapped is not None:
-            self.swapped.remove(swapped)
-            seq = swapped.seq
-        else:
-            seq = self.running.get(request_id)
-            if seq is None:
-                return None
-            for q in (self.prelude_q, self.core_q, self.coda_q, self.coda_running):
-                for item in [i for i in q if i.seq is seq]:
-                    q.remove(item)
-                    seq.metrics.loops_run += item.r  # loops already spent on the dropped token
-                    self._drop_item(item)
-        seq.finish("abort")
-        self._finish(seq)
+            self._stop(seq, "abort")
         return seq
+
+    def fail(self, seq: Sequence, error: Exception) -> None:
+        """Finish one request whose part of a batch raised (sampling, logprobs, detokenization, stop
+        matching, its exit rule) or produced non-finite values: it alone ends with finish_reason
+        "error" and frees its KV and state rows; every other request goes on untouched."""
+        if isinstance(error, NonFiniteError):
+            log.warning("request %s failed: %s", seq.request_id, error)
+            message = str(error)
+        else:  # a bug the request triggered: keep the traceback for the report
+            log.error("request %s failed", seq.request_id, exc_info=error)
+            message = f"internal error while handling this request ({type(error).__name__}: {error})"
+        if not seq.finished:
+            self._stop(seq, "error", message)
+
+    def _stop(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        """Take a request out of every queue, release what it holds, and finish it."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        for item in [i for i in self.swapped if i.seq is seq]:
+            self.swapped.remove(item)
+        for q in (self.prelude_q, self.core_q, self.coda_q, self.coda_running):
+            for item in [i for i in q if i.seq is seq]:
+                q.remove(item)
+                seq.metrics.loops_run += item.r  # loops already spent on the dropped token
+                self._drop_item(item)
+        seq.finish(reason, error, keep_text=error is not None)  # the text as it was: decoding may be what failed
+        self._finish(seq)
 
     # -- helpers -------------------------------------------------------------------------------------
     def _drop_item(self, item: WorkItem) -> None:
@@ -259,7 +277,11 @@ class Scheduler:
                 continue
             self.waiting.remove(seq)
             self.stats.prompt_tokens += len(seq.prompt_ids)
-            seq.sample_and_append(logits[seq.request_id], seq.rule.max_loops)
+            try:
+                seq.sample_and_append(logits[seq.request_id], seq.rule.max_loops)
+            except Exception as e:
+                self.fail(seq, e)
+                continue
             self.stats.generated_tokens += 1
             if seq.finished:
                 self._finish(seq)
@@ -300,7 +322,12 @@ class Scheduler:
             tracker = item.tracker
             if item.passive or item.row < 0 or tracker is None or tracker.exit_depth is not None:
                 continue
-            if not tracker.observe(item.r, sig):
+            try:
+                loops_on = tracker.observe(item.r, sig)
+            except Exception as e:
+                self.fail(item.seq, e)
+                continue
+            if not loops_on:
                 self._exit(item)
 
     def _exit(self, item: WorkItem) -> None:
@@ -328,12 +355,16 @@ class Scheduler:
             if id(item) not in running:
                 continue
             self.coda_running.remove(item)
+            self._drop_item(item)
             seq = item.seq
             assert item.tracker is not None and item.tracker.exit_depth is not None
             seq.metrics.loops_run += item.r
-            seq.sample_and_append(logits[j], item.tracker.exit_depth)
+            try:
+                seq.sample_and_append(logits[j], item.tracker.exit_depth)
+            except Exception as e:
+                self.fail(seq, e)
+                continue
             self.stats.generated_tokens += 1
-            self._drop_item(item)
             if seq.finished:
                 self._finish(seq)
             else:
@@ -470,12 +501,11 @@ class CohortScheduler(Scheduler):
         if self.keep_exited_in_batch:
             item.passive = True
 
-    def abort(self, request_id: str):
-        seq = super().abort(request_id)
-        self.cohort = [i for i in self.cohort if i.seq.request_id != request_id]
+    def _stop(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        super()._stop(seq, reason, error)
+        self.cohort = [i for i in self.cohort if i.seq is not seq]
         if not self.cohort and self.phase != "none":
             self.phase = "none"
-        return seq
 
     def check_invariants(self) -> None:
         super().check_invariants()

@@ -4,6 +4,7 @@ the reference decoder and the batching engine (one place decides when a request 
 from __future__ import annotations
 
 import enum
+import hashlib
 import time
 from typing import Any
 
@@ -70,19 +71,35 @@ def parse_prompt(prompt: PromptType, tokenizer: Tokenizer) -> tuple[str | None, 
     raise ValueError("prompt: expected a string, a list of token ids, or a dict with 'prompt' or 'prompt_token_ids'")
 
 
+def prompt_seed(base_seed: int, prompt_ids: list[int]) -> int:
+    """Seed of a request's random initial loop states when it gives no seed: a hash of the engine's
+    seed and the prompt, so identical requests compute identically (Huginn's like-init draws a random
+    state per token) whatever their request id, index or arrival; stable across processes."""
+    h = hashlib.sha256(f"{base_seed}:".encode())
+    h.update(",".join(map(str, prompt_ids)).encode())
+    return int.from_bytes(h.digest()[:8], "little") & _MASK63
+
+
 def make_sequence(model: LoopedLM, tokenizer: Tokenizer, request_id: str, prompt: PromptType,
-                  params: SamplingParams, seed: int, lookahead: bool, arrival_time: float | None = None) -> Sequence:
-    """Validate a request against the model and build its Sequence (ValueError names the bad field)."""
+                  params: SamplingParams, seed: int, lookahead: bool, arrival_time: float | None = None,
+                  base_seed: int = 0) -> Sequence:
+    """Validate a request against the model and build its Sequence (ValueError names the bad field).
+
+    `seed` seeds sampling when the request gives none; the random initial states are seeded by the
+    request's own seed, else by `prompt_seed(base_seed, prompt)`.
+    """
     text, ids = parse_prompt(prompt, tokenizer)
     c = model.config
     rule = resolve_exit_rule(params, model, lookahead)
-    return Sequence(request_id, text, ids, params, rule, seed, tokenizer, c.max_position, c.vocab_size, arrival_time)
+    state = params.seed if params.seed is not None else prompt_seed(base_seed, ids)
+    return Sequence(request_id, text, ids, params, rule, seed, tokenizer, c.max_position, c.vocab_size, arrival_time,
+                    state_seed=state)
 
 
 class Sequence:
     def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
                  rule: ExitRule, seed: int, tokenizer: Tokenizer, max_model_len: int, vocab_size: int,
-                 arrival_time: float | None = None) -> None:
+                 arrival_time: float | None = None, state_seed: int | None = None) -> None:
         if not prompt_ids:
             raise ValueError("prompt: empty prompt (no tokens)")
         if len(prompt_ids) >= max_model_len:
@@ -93,8 +110,9 @@ class Sequence:
         self.request_id, self.prompt, self.params, self.rule = request_id, prompt, params, rule
         self.prompt_ids = list(prompt_ids)
         self.tokenizer = tokenizer
-        self.seed = seed & _MASK63
-        self.generator = torch.Generator().manual_seed(params.seed if params.seed is not None else self.seed)
+        self.seed = (params.seed if params.seed is not None else seed) & _MASK63  # sampling
+        self.generator = torch.Generator().manual_seed(self.seed)
+        self._state_base = (state_seed if state_seed is not None else self.seed) & _MASK63
         limit = max_model_len - len(prompt_ids)
         self.max_new = min(params.max_tokens, limit) if params.max_tokens is not None else limit
         self.eos_ids = set() if params.ignore_eos else set(tokenizer.eos_token_ids)
@@ -128,7 +146,7 @@ class Sequence:
 
     def state_seed(self, position: int) -> int:
         """Seed of the random initial loop state of the token at `position` (Huginn like-init)."""
-        return (self.seed * 0x9E3779B97F4A7C15 + position * 1_000_003 + 1) & _MASK63
+        return (self._state_base * 0x9E3779B97F4A7C15 + position * 1_000_003 + 1) & _MASK63
 
     @property
     def finished(self) -> bool:

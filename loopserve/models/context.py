@@ -83,7 +83,7 @@ def build_context(kv: KVStore, layout: KVLayout, segments: list[tuple[torch.Tens
     """
     positions, writes, starts = [], [], [0]
     lk = max(s + n for _, s, n in segments)
-    keys = torch.zeros(len(segments), lk, dtype=torch.long)
+    keys = torch.full((len(segments), lk), kv.zero_row, dtype=torch.long)  # padding: the never-written row
     for i, (row_map, start, n) in enumerate(segments):
         positions.append(torch.arange(start, start + n))
         writes.append(row_map[start:start + n])

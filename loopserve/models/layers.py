@@ -82,7 +82,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Forw
         keys = ctx.seg_keys  # [N, Lk]
         slot, visible = slots(keys, ctx.depth[:, None])
         visible = visible & (torch.arange(keys.shape[1], device=keys.device)[None, :] <= ctx.positions[:, None])
-        kk, vv = (t.transpose(1, 2) for t in kv.gather(slot, keys))  # [N, nkv, Lk, d]
+        kk, vv = (t.transpose(1, 2) for t in kv.gather(slot, keys.where(visible, kv.zero_row)))  # [N, nkv, Lk, d]
         out = attend(q[:, :, None], kk, vv, visible[:, None, None, :])  # [N, nh, 1, d]
         return out.reshape(n, nh * d)
 
@@ -93,7 +93,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Forw
         keys = ctx.seg_keys[s, :lk]
         slot, visible = slots(keys, ctx.depth[a])
         mask = visible[None, :] & (torch.arange(lk, device=keys.device)[None, :] <= ctx.positions[a:b, None])
-        kk, vv = (t.transpose(0, 1)[None] for t in kv.gather(slot, keys))  # [1, nkv, Lk, d]
+        kk, vv = (t.transpose(0, 1)[None] for t in kv.gather(slot, keys.where(visible, kv.zero_row)))  # [1,nkv,Lk,d]
         o = attend(q[a:b].transpose(0, 1)[None], kk, vv, mask[None, None])  # [1, nh, nq, d]
         outs.append(o[0].transpose(0, 1).reshape(b - a, nh * d))
     return torch.cat(outs)

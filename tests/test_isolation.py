@@ -1,0 +1,249 @@
+"""Fault isolation in the engine: one request's failure never touches another.
+
+Faults are injected at every point where the engine handles one request's part of a batch
+(sampling, logprobs, detokenization, stop matching, the exit rule) and as non-finite values (NaN
+logits; NaN in the request's hidden state, which then also reaches its exit signal, its coda and
+its KV). Each time the faulty request alone finishes with finish_reason "error" and status 500, its
+KV blocks and state rows are freed (invariants are checked after every step and the engine drains
+to nothing), and every other request, including ones that arrive later and reuse the failed
+request's KV blocks, equals the sequential reference decoder. Also: any value `SamplingParams`
+accepts is safe for the sampler, and Huginn's random initial state does not depend on request ids.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loopserve import LLM, SamplingParams
+from loopserve.engine import sequence as sequence_module
+from loopserve.engine.runner import ModelRunner
+from loopserve.engine.sampler import sample_token, token_logprobs
+from loopserve.engine.sequence import Sequence
+from loopserve.errors import NonFiniteError
+from loopserve.exits import ExitTracker
+from tests.engine_helpers import Req, assert_matches, drive, make_engine, reference
+
+VICTIM = "victim"
+# the victim's gate threshold: the exit-rule fault recognizes the victim's trackers by it
+VICTIM_THRESHOLD = 0.61
+
+
+def _victim(seq: Sequence) -> bool:
+    return seq.request_id == VICTIM
+
+
+class Fault(RuntimeError):
+    pass
+
+
+def _inject(monkeypatch, point: str) -> None:
+    """Make the victim's part of every batch fail at `point` (from its second generated token on)."""
+
+    def later(seq: Sequence) -> bool:
+        return _victim(seq) and len(seq.output_ids) >= 1
+
+    if point in ("sample_first", "sample", "nan_logits"):
+        real = sequence_module.sample_token
+        calls = [0]
+
+        # the sampler sees params only: the victim is the one request with this stop string
+        def sample(logits, params, generator):
+            if params.stop == ["<victim>"]:
+                calls[0] += 1
+                if point == "sample_first" or (point == "sample" and calls[0] >= 2):
+                    raise Fault("sampler failed")
+                if point == "nan_logits" and calls[0] >= 2:
+                    logits = torch.full_like(logits, float("nan"))
+            return real(logits, params, generator)
+
+        monkeypatch.setattr(sequence_module, "sample_token", sample)
+    elif point == "logprobs":
+        real_lp = sequence_module.token_logprobs
+
+        def logprobs(logits, token, k, decode):
+            if k == 4:  # only the victim asks for 4 logprobs
+                raise Fault("logprobs failed")
+            return real_lp(logits, token, k, decode)
+
+        monkeypatch.setattr(sequence_module, "token_logprobs", logprobs)
+    elif point in ("detokenize", "stop"):
+        name = "_decode_new_text" if point == "detokenize" else "_stop_string"
+        real_m = getattr(Sequence, name)
+
+        def method(self):
+            if later(self):
+                raise Fault(f"{name} failed")
+            return real_m(self)
+
+        monkeypatch.setattr(Sequence, name, method)
+    elif point == "exit_rule":
+        real_obs = ExitTracker.observe
+
+        def observe(self, r, signal):
+            if self.rule.threshold == VICTIM_THRESHOLD and r >= 2:
+                raise Fault("exit rule failed")
+            return real_obs(self, r, signal)
+
+        monkeypatch.setattr(ExitTracker, "observe", observe)
+    elif point == "nan_state":
+        real_core = ModelRunner.core
+
+        def core(self, items, kinds):
+            for it in items:
+                if _victim(it.seq) and it.r >= 1 and len(it.seq.output_ids) >= 2:
+                    self.pool.state[self.pool.index(it.row, it.parity)] = float("nan")
+            return real_core(self, items, kinds)
+
+        monkeypatch.setattr(ModelRunner, "core", core)
+    else:
+        raise AssertionError(point)
+
+
+POINTS = ("sample_first", "sample", "nan_logits", "logprobs", "detokenize", "stop", "exit_rule", "nan_state")
+
+
+def _workload(r_max: int) -> list[Req]:
+    """The victim among neighbours; late arrivals that take the KV blocks the victim held."""
+    reqs = [Req(VICTIM, [5, 9, 2, 7, 3, 8, 1], SamplingParams(
+        max_tokens=12, temperature=0.0, ignore_eos=True, stop=["<victim>"], logprobs=4,
+        exit_policy="gate", exit_threshold=VICTIM_THRESHOLD), seed=1, arrive=0)]
+    neighbours = (
+        dict(temperature=0.0, logprobs=2, exit_policy="gate", exit_threshold=0.5),
+        dict(temperature=0.8, seed=7, exit_policy="gate", exit_threshold=0.9),
+        dict(temperature=1.0, top_p=0.9, exit_trace=[1, 3, 2, r_max, 1]),
+        dict(temperature=0.0, exit_policy="fixed"),
+    )
+    for i, kw in enumerate(neighbours):
+        prompt = [(31 * i + 7 * j + 3) % 400 + 1 for j in range(4 + 3 * i)]
+        reqs.append(Req(f"n{i}", prompt, SamplingParams(max_tokens=10, ignore_eos=True, **kw), seed=100 + i,
+                        arrive=0 if i < 2 else 9 + 6 * i))
+    return reqs
+
+
+CFG = dict(block_size=4, kv_cache_tokens=64, max_num_seqs=4, max_decode_batch=3, prefill_chunk_size=8,
+           max_num_batched_tokens=8, min_coda_batch=1)
+
+
+@pytest.mark.parametrize("point", POINTS)
+@pytest.mark.parametrize("scheduler,layout", [("cdb", "depth_indexed"), ("cb", "depth_indexed"),
+                                              ("cdb-norefill", "last_exited"), ("cdb", "shared")])
+def test_a_failing_request_fails_alone(point, scheduler, layout, tiny_ouro, monkeypatch):
+    engine = make_engine(tiny_ouro, scheduler=scheduler, kv_layout=layout, **CFG)
+    reqs = _workload(engine.model_config.r_max)
+    refs = {r.rid: reference(engine, r) for r in reqs if r.rid != VICTIM}  # before the fault is armed
+    _inject(monkeypatch, point)
+    outs = drive(engine, reqs)  # invariants after every step; drained at the end: nothing leaked
+    victim = outs[VICTIM]
+    assert victim.outputs[0].finish_reason == "error" and victim.error_status == 500
+    expected = "non-finite" if point.startswith("nan") else "internal error while handling this request (Fault"
+    assert expected in (victim.error or "")
+    for r in reqs[1:]:
+        assert_matches(outs[r.rid], refs[r.rid])
+
+
+def test_nan_kv_of_a_failed_request_never_reaches_the_next_owner_of_its_blocks(tiny_ouro, monkeypatch):
+    """The victim writes NaN KV at depths 2-4 of one position, then fails. A later request reuses its
+    blocks; its token there exits at depth 1, so those NaN slots stay, hidden from its deeper queries
+    by the depth_indexed rule: masked keys must not be read at all (0 * NaN is NaN)."""
+    engine = make_engine(tiny_ouro, scheduler="cdb", kv_layout="depth_indexed", block_size=4, kv_cache_tokens=16,
+                         max_num_seqs=2, max_decode_batch=2, min_coda_batch=1)
+    late = Req("late", [3, 1, 4, 1, 5], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                                                         exit_trace=[1, 1, 1, 4, 3, 4, 2, 4]), seed=2, arrive=30)
+    victim = Req(VICTIM, [2, 7, 1, 8, 2, 8], SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True,
+                                                             exit_policy="fixed"), seed=1)
+    ref = reference(engine, late)
+    _inject(monkeypatch, "nan_state")
+    outs = drive(engine, [victim, late])  # the victim has failed long before `late` arrives
+    assert outs[VICTIM].outputs[0].finish_reason == "error"
+    assert_matches(outs["late"], ref)
+    assert torch.isnan(engine.kv.store.k).any(), "no NaN left in the KV cache: the test proves nothing"
+
+
+def test_offline_generate_reports_the_error_and_finishes_the_rest(tiny_ouro, monkeypatch):
+    llm = LLM(tiny_ouro, dtype="float64", kv_cache_tokens=256)
+    _inject(monkeypatch, "stop")
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(["a", "b", "c"], params)
+    assert [o.outputs[0].finish_reason for o in outs] == ["length"] * 3  # the fault only hits VICTIM
+    llm.generate(["x"], params)  # the engine still works after a failure elsewhere
+    assert llm.engine is not None and llm.engine.kv_usage() == 0
+
+
+# -- sampling parameters at numeric extremes ---------------------------------------------------------------
+_EXTREME = (0.0, -0.0, 5e-324, 2.2e-308, 1e-310, 1e-5, 9.99e-6, 1e-300, 0.5, 1.0, 1.0 + 1e-16, 100.0, 1e300,
+            -1e-310, -1.0, float("nan"), float("inf"), float("-inf"))
+_numbers = st.one_of(st.sampled_from(_EXTREME), st.floats(allow_nan=True, allow_infinity=True, allow_subnormal=True),
+                     st.integers(-(2**70), 2**70), st.booleans())
+
+
+@settings(max_examples=400, deadline=None)
+@given(temperature=_numbers, top_p=_numbers, min_p=_numbers, exit_threshold=_numbers,
+       top_k=st.one_of(st.integers(-(2**70), 2**70), st.sampled_from([-1, 0, 1, 2, 319, 320, 321])),
+       seed=st.one_of(st.none(), st.integers(-(2**70), 2**70)),
+       scale=st.sampled_from([1e-30, 1.0, 30.0, 1e4, 1e38]), logprobs=st.integers(0, 20))
+def test_any_accepted_sampling_params_sample_safely(temperature, top_p, min_p, exit_threshold, top_k, seed, scale,
+                                                    logprobs):
+    try:
+        p = SamplingParams(temperature=temperature, top_p=top_p, min_p=min_p, top_k=top_k, seed=seed,
+                           exit_threshold=exit_threshold, logprobs=logprobs)
+    except ValueError as e:
+        assert str(e).split(":")[0] in ("temperature", "top_p", "min_p", "top_k", "seed", "exit_threshold")
+        return
+    for v in (p.temperature, p.top_p, p.min_p, p.exit_threshold or 0.0):
+        assert math.isfinite(v) and not isinstance(v, bool)
+    logits = (torch.randn(320, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * scale).float()
+    gen = torch.Generator().manual_seed(p.seed if p.seed is not None else 0)
+    token = sample_token(logits, p, gen)
+    assert 0 <= token < 320
+    entry, chosen = token_logprobs(logits, token, p.logprobs or 0, str)
+    assert token in entry and math.isfinite(chosen) and chosen <= 0
+
+
+def test_tiny_temperatures_are_greedy():
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
+    for t in (5e-324, 1e-310, 1e-8, 9.9e-6):
+        assert sample_token(logits, SamplingParams(temperature=t), torch.Generator()) == int(logits.argmax())
+
+
+def test_non_finite_logits_raise_a_named_error():
+    bad = torch.tensor([0.0, float("nan"), 1.0])
+    for p in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)):
+        with pytest.raises(NonFiniteError):
+            sample_token(bad, p, torch.Generator())
+    with pytest.raises(NonFiniteError):
+        token_logprobs(torch.tensor([0.0, float("inf")]), 0, 1, str)
+
+
+# -- Huginn: reproducible without a seed ---------------------------------------------------------------------
+def test_huginn_greedy_is_reproducible_without_a_seed(tiny_huginn):
+    engine = make_engine(tiny_huginn, "like-init", scheduler="cdb", kv_cache_tokens=256)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, exit_policy="latent_diff",
+                            exit_threshold=0.8)
+    for rid in ("first", "second", "third"):
+        engine.add_request(rid, [4, 8, 15, 16, 23], params)
+    engine.add_request("other", [4, 8, 15, 16, 24], params)
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
+    same = [(outs[r].token_ids, outs[r].exit_depths) for r in ("first", "second", "third")]
+    assert same[0] == same[1] == same[2]
+    # the state really is random per request content: a request's own seed changes the computation
+    seeded = engine.make_sequence("s", [4, 8, 15, 16, 23], SamplingParams(max_tokens=8, temperature=0.0, seed=5))
+    unseeded = engine.make_sequence("u", [4, 8, 15, 16, 23], params)
+    assert seeded.state_seed(3) != unseeded.state_seed(3)
+    assert engine.make_sequence("v", [4, 8, 15, 16, 23], params).state_seed(3) == unseeded.state_seed(3)
+
+
+def test_llm_generate_gives_identical_huginn_prompts_identical_greedy_outputs(tiny_huginn):
+    llm = LLM(tiny_huginn, dtype="float64", kv_cache_tokens=256)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, exit_policy="latent_diff",
+                            exit_threshold=0.8)
+    a, b = llm.generate(["Huginn", "Huginn"], params)
+    c = llm.generate("Huginn", params)[0]
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
+    assert a.outputs[0].exit_depths == b.outputs[0].exit_depths == c.outputs[0].exit_depths
