@@ -218,3 +218,23 @@ def test_async_coda_reads_logits_after_the_next_batch_is_queued(ouro_la):
     sync, lagged = coda_read_lags(ouro_la, False), coda_read_lags(ouro_la, True)
     assert sync and set(sync) == {0}
     assert lagged and max(lagged) >= 1 and sum(lag >= 1 for lag in lagged) > len(lagged) // 2, lagged
+
+
+def test_stage_and_signal_hooks_see_every_batch_and_signal(tiny_ouro):
+    """The records benchmarks and metrics read: one per stage batch (agreeing with EngineStats), and
+    every core step's signals, for every item with a signal rule, once per loop it kept."""
+    m = load_model(tiny_ouro, "float64", "cpu")
+    engine = LLMEngine(m.model, m.tokenizer, EngineConfig(kv_cache_tokens=512, max_decode_batch=3))
+    records, signals = [], []
+    engine.stage_hooks.append(records.append)
+    engine.scheduler.signal_hooks.append(lambda items, sigs: signals.extend(
+        (i.seq.request_id, i.r, s) for i, s in zip(items, sigs, strict=True) if s is not None))
+    for k in range(4):
+        engine.add_request(f"r{k}", [3 + k, 5, 7], SamplingParams(max_tokens=5, ignore_eos=True, temperature=0.0,
+                                                                  exit_policy="gate", exit_threshold=0.6))
+    engine.run_to_completion()
+    st = engine.stats
+    assert {s: sum(r.stage == s for r in records) for s in st.ticks} == dict(st.ticks)
+    assert {s: sum(r.rows for r in records if r.stage == s) for s in st.rows} == dict(st.rows)
+    assert all((r.cpu_s is not None) == (r.stage == "prefill") for r in records)
+    assert len(signals) == st.useful_core_rows  # gate: one signal per loop run

@@ -34,7 +34,7 @@ import torch
 from loopserve.bench.presets import DEFAULT_DTYPE, resolve_model
 from loopserve.bench.workloads import Workload
 from loopserve.engine.config import EngineConfig
-from loopserve.engine.engine import LLMEngine
+from loopserve.engine.engine import LLMEngine, StageRecord
 from loopserve.models.loader import load_model
 from loopserve.sampling_params import SamplingParams
 
@@ -149,56 +149,33 @@ class ComputeTimer:
 
 
 class StageRecorder:
-    """Which stage each tick ran and its batch size (wraps `EngineStats.record` on the instance).
-    `last` is the stage of the latest tick; `ticks` keeps (t, stage, batch) when `keep` is set."""
+    """Which stage each batch ran and its size, from the engine's stage records (`stage_hooks`).
+    `last` is the stage of the latest batch; `ticks` keeps (t, stage, batch) when `keep` is set;
+    `prefill_cpu_s` sums the CPU time of the runner's prefill calls."""
 
-    def __init__(self, stats: Any, keep: bool = False, t0: float | None = None) -> None:
-        self.stats, self.keep = stats, keep
+    def __init__(self, engine: Any, keep: bool = False, t0: float | None = None) -> None:
+        self.engine, self.keep = engine, keep
         self.t0 = t0 if t0 is not None else time.perf_counter()
         self.ticks: list[tuple[float, str, int]] = []
         self.last: str | None = None
+        self.prefill_cpu_s = 0.0
+
+    def _on_stage(self, rec: StageRecord) -> None:
+        self.last = rec.stage
+        if self.keep:
+            self.ticks.append((rec.start - self.t0, rec.stage, rec.rows))
+        if rec.cpu_s is not None:
+            self.prefill_cpu_s += rec.cpu_s
 
     def __enter__(self) -> StageRecorder:
-        orig = self.stats.record
-
-        def record(stage: str, batch: int) -> None:
-            self.last = stage
-            if self.keep:
-                self.ticks.append((time.perf_counter() - self.t0, stage, batch))
-            orig(stage, batch)
-
-        self.stats.record = record
+        self.engine.stage_hooks.append(self._on_stage)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.stats.__dict__.pop("record", None)
+        self.engine.stage_hooks.remove(self._on_stage)
 
     def to_json(self) -> list[dict[str, Any]]:
         return [{"tick": i, "t": t, "stage": s, "batch": b} for i, (t, s, b) in enumerate(self.ticks)]
-
-
-class PrefillClock:
-    """CPU time spent in the runner's `prefill` (wrapped on the instance)."""
-
-    def __init__(self, runner: Any) -> None:
-        self.runner, self.cpu_s = runner, 0.0
-
-    def __enter__(self) -> PrefillClock:
-        orig = self.runner.prefill
-
-        @functools.wraps(orig)
-        def prefill(*args: Any, **kwargs: Any) -> Any:
-            c = time.process_time()
-            try:
-                return orig(*args, **kwargs)
-            finally:
-                self.cpu_s += time.process_time() - c
-
-        self.runner.prefill = prefill
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.runner.__dict__.pop("prefill", None)
 
 
 @dataclass
@@ -316,12 +293,11 @@ def run_offline(bm: BenchModel, workload: Workload, traces: list[list[int]] | No
                unit="tok", leave=False)
     errors = 0
     stage_wall: dict[str, float] = {}
-    prefill = PrefillClock(engine.runner)
     # Per step only perf_counter (vDSO, no system call): a CPU-time clock per step is a system call,
     # a preemption point on a loaded machine. CPU time is read around the whole run and around the
     # runner's prefill calls (few).
     with torch.inference_mode(), ComputeTimer(bm.model, sync) as timer, \
-            StageRecorder(engine.stats, keep=record_schedule) as stages, prefill:
+            StageRecorder(engine, keep=record_schedule) as stages:
         seen: dict[str, int] = {}
         c0, t0 = time.process_time(), time.perf_counter()
         stages.t0 = t0
@@ -350,7 +326,7 @@ def run_offline(bm: BenchModel, workload: Workload, traces: list[list[int]] | No
         scheduler=scheduler, width=width, requests=len(workload), wall_s=wall, cpu_s=cpu,
         generated_tokens=st.generated_tokens, prompt_tokens=st.prompt_tokens, mean_exit_depth=mean_d,
         decode_items=items, compute_s=timer.seconds, model_time_s=st.model_time, stage_wall_s=stage_wall,
-        prefill_cpu_s=prefill.cpu_s,
+        prefill_cpu_s=stages.prefill_cpu_s,
         schedule_time_s=st.schedule_time, compute_by_stage=dict(timer.by_stage), ticks=dict(st.ticks),
         rows=dict(st.rows), refill_events=st.refill_events, preemptions=st.preemptions,
         deferred_signal_ticks=st.deferred_signal_ticks,

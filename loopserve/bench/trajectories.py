@@ -187,19 +187,17 @@ def record_trajectories(engine, workload, policy: str | None = None, progress: b
     n = len(workload)
     rec: list[list[list[float]]] = [[[] for _ in range(max(r.output_len - 1, 0))] for r in workload.requests]
     index: dict[str, int] = {}
-    sched = engine.scheduler
-    orig = sched.observe_core
+    hooks = engine.scheduler.signal_hooks
 
-    def observe_core(items, signals):
+    def observe(items, signals):
         for item, sig in zip(items, signals, strict=True):
             if sig is None:  # a passive row (exited in an earlier step)
                 continue
             i, k = index[item.seq.request_id], item.seq.decode_index
             if k < len(rec[i]) and len(rec[i][k]) == item.r - 1:  # item.r: steps run, this one included
                 rec[i][k].append(float(sig))
-        return orig(items, signals)
 
-    sched.observe_core = observe_core
+    hooks.append(observe)
     try:
         for i, req in enumerate(workload.requests):
             rid = f"traj-{i}"
@@ -213,5 +211,5 @@ def record_trajectories(engine, workload, policy: str | None = None, progress: b
                 bar.update(sum(o.finished for o in engine.step()))
         bar.close()
     finally:
-        sched.observe_core = orig
+        hooks.remove(observe)
     return Trajectories(policy, r_max, rec, {"workload": workload.name, "requests": n, "threshold_used": threshold})

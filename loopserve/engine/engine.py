@@ -13,6 +13,8 @@ import dataclasses
 import hashlib
 import itertools
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +32,19 @@ from loopserve.models.base import LoopedLM
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import SamplingParams
 from loopserve.tokenizer import Tokenizer
+
+
+@dataclass
+class StageRecord:
+    """One stage batch the engine ran, handed to every `LLMEngine.stage_hooks` callback (benchmarks and
+    metrics read these instead of wrapping engine methods)."""
+
+    stage: str  # prefill | prelude | core | coda
+    rows: int  # prompt tokens (prefill) or work items
+    start: float  # perf_counter when the batch went to the runner
+    model_s: float  # time inside the runner call (on CUDA: queueing, unless something waited)
+    cpu_s: float | None = None  # process CPU time of the runner call: prefill only (few calls; a
+    # CPU clock read is a system call, too dear per decode batch)
 
 
 class LLMEngine:
@@ -60,6 +75,7 @@ class LLMEngine:
         # the last core step's signals, read once the next step is queued: (items, signals, their rows)
         self._deferred: tuple[list[WorkItem], PendingSignals, list[int]] | None = None
         self.requests: dict[str, Sequence] = {}
+        self.stage_hooks: list[Callable[[StageRecord], None]] = []
 
     # -- requests --------------------------------------------------------------------------------------
     def make_sequence(self, request_id: str, prompt: PromptType, params: SamplingParams,
@@ -125,20 +141,19 @@ class LLMEngine:
     def _execute(self, plan: StagePlan) -> float:
         """Run one stage batch and hand its results to the scheduler; returns the model time."""
         sched, t1 = self.scheduler, time.perf_counter()
+        cpu = None
         if plan.stage == "prefill":
+            c1 = time.process_time()
             logits = self.runner.prefill(plan.chunks)
-            t2 = time.perf_counter()
+            t2, cpu = time.perf_counter(), time.process_time() - c1
             sched.after_prefill(plan, logits)
-            self.stats.record("prefill", sum(c.n for c in plan.chunks))
         elif plan.stage == "prelude":
             self.runner.prelude(plan.items)
             t2 = time.perf_counter()
             sched.after_prelude(plan)
-            self.stats.record("prelude", len(plan.items))
         elif plan.stage == "core":
             self._core(plan)
             t2 = time.perf_counter()
-            self.stats.record("core", len(plan.items))
         elif plan.stage == "coda":
             pending = self.runner.coda(plan.items)
             if self.async_coda:
@@ -148,13 +163,20 @@ class LLMEngine:
                 coda_logits = pending.host()["logits"]
                 t2 = time.perf_counter()
                 sched.after_coda(plan, coda_logits)
-            self.stats.record("coda", len(plan.items))
         else:
             t2 = t1
         if sched.kv_depth_writes:
             rows, depths = zip(*sched.kv_depth_writes, strict=True)
             self.runner.write_kv_depths(list(rows), list(depths))
             sched.kv_depth_writes.clear()
+        if plan.stage == "idle":
+            return 0.0
+        size = sum(c.n for c in plan.chunks) if plan.stage == "prefill" else len(plan.items)
+        self.stats.record(plan.stage, size)
+        if self.stage_hooks:
+            record = StageRecord(plan.stage, size, t1, t2 - t1, cpu)
+            for hook in self.stage_hooks:
+                hook(record)
         return t2 - t1
 
     def _take_codas(self) -> list[tuple[StagePlan, Readback]]:

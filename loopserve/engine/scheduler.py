@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from loopserve.cache.layout import IN_FLIGHT
@@ -62,6 +63,8 @@ class Scheduler:
         self.finished: list[Sequence] = []  # finished since the last drain (the engine reports them)
         self.retired_loops = 0  # decode loops of finished requests (bookkeeping check)
         self.kv_depth_writes: list[tuple[int, int]] = []  # (KV row, depth) of tokens that just exited
+        # called with (items, signals) before exit rules see a core step's signals (trajectory recording)
+        self.signal_hooks: list[Callable[[list[WorkItem], list[Signal]], None]] = []
 
     # -- requests ------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -318,6 +321,8 @@ class Scheduler:
         """Apply each item's exit rule to the signal of the step it last ran. For rules that decide
         ahead this may come a tick late (after the next step was queued): it then only settles what
         happens after that next step. Items that exited or were aborted meanwhile are skipped."""
+        for hook in self.signal_hooks:
+            hook(items, signals)
         for item, sig in zip(items, signals, strict=True):
             tracker = item.tracker
             if item.passive or item.row < 0 or tracker is None or tracker.exit_depth is not None:
