@@ -1,31 +1,33 @@
 """Per-sequence block tables over the shared KV pool: grow, free, swap out to host memory, swap in.
 
-A sequence's `row_map` is its flattened block table: position -> physical KV row (a CPU tensor: the
-runner assembles each batch's indices on the host and uploads them once). Swapping copies a
-sequence's rows (every slot, and each token's KV depth) to host memory and back, so a preempted
-sequence resumes with bit-identical KV whatever the layout.
+Each sequence with a table holds a slot (a row) of the shared `BlockTables`, which maps its
+positions to physical KV rows on the host and on the device. Swapping copies a sequence's rows
+(every slot, and each token's KV depth) to host memory and back, so a preempted sequence resumes
+with bit-identical KV whatever the layout.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from loopserve.cache.block_table import BlockTables
 from loopserve.cache.pool import BlockAllocator, KVStore
 from loopserve.device import Readback, upload
 
 
 @dataclass
 class BlockTable:
+    slot: int  # the sequence's row of `KVCacheManager.block_tables`
     blocks: list[int] = field(default_factory=list)
-    row_map: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     swapped: Readback | None = None  # host copies of k, v and the KV depths while swapped out
     num_tokens: int = 0  # tokens whose KV rows are in use
 
 
 class KVCacheManager:
-    def __init__(self, store: KVStore, block_size: int, reserved_blocks: int = 0) -> None:
+    def __init__(self, store: KVStore, block_size: int, reserved_blocks: int = 0, num_slots: int = 64) -> None:
         self.store = store
         self.block_size = block_size
         num_blocks = store.capacity // block_size
@@ -33,6 +35,9 @@ class KVCacheManager:
         # Reserved blocks (e.g. the scratch row passive CB rows write to) are owned by the manager.
         self.reserved = self.allocator.allocate(self, reserved_blocks) if reserved_blocks else []
         self.tables: dict[str, BlockTable] = {}
+        self.block_tables = BlockTables(num_slots, 16, block_size, store.k.device)  # grows on demand
+        self._free_slots: list[int] = []
+        self._next_slot = 0
 
     @property
     def num_blocks(self) -> int:
@@ -51,36 +56,52 @@ class KVCacheManager:
 
     def ensure(self, seq_id: str, num_tokens: int) -> bool:
         """Make room for `num_tokens` tokens; False (and no change) if the pool is short."""
-        table = self.tables.setdefault(seq_id, BlockTable())
         need = self.blocks_needed(seq_id, num_tokens)
         if need > self.num_free:
-            if not table.blocks:
-                del self.tables[seq_id]
             return False
+        table = self.tables.get(seq_id)
+        if table is None:
+            table = self.tables[seq_id] = BlockTable(self._take_slot())
         if need:
             new = self.allocator.allocate(seq_id, need)
-            rows = [torch.arange(b * self.block_size, (b + 1) * self.block_size) for b in new]
+            self.block_tables.set_blocks(table.slot, len(table.blocks), new)
             table.blocks += new
-            table.row_map = torch.cat([table.row_map, *rows])  # host metadata, like the block list
         table.num_tokens = max(table.num_tokens, num_tokens)
         return True
 
-    def row_map(self, seq_id: str) -> torch.Tensor:
-        return self.tables[seq_id].row_map
+    def _take_slot(self) -> int:
+        if self._free_slots:
+            return self._free_slots.pop()
+        self._next_slot += 1
+        return self._next_slot - 1
+
+    def slot(self, seq_id: str) -> int:
+        return self.tables[seq_id].slot
+
+    def row(self, seq_id: str, position: int) -> int:
+        """Physical KV row of a position of a resident sequence."""
+        return self.block_tables.row(self.tables[seq_id].slot, position)
+
+    def rows(self, seq_id: str, n: int) -> torch.Tensor:
+        """Physical KV rows of positions 0..n-1 (host)."""
+        table = self.tables[seq_id]
+        return torch.from_numpy(self.block_tables.rows(np.full(n, table.slot), np.arange(n)))
 
     def free(self, seq_id: str) -> None:
         table = self.tables.pop(seq_id, None)
-        if table is not None and table.blocks:
-            self.allocator.free(seq_id, table.blocks)
+        if table is not None:
+            if table.blocks:
+                self.allocator.free(seq_id, table.blocks)
+            self._free_slots.append(table.slot)
 
     def swap_out(self, seq_id: str) -> None:
         table = self.tables[seq_id]
         s = self.store
-        rows = upload(table.row_map[: table.num_tokens], s.k.device)
+        rows = upload(self.rows(seq_id, table.num_tokens), s.k.device)
         # queued behind the work that wrote these rows; read back only when swapped in
         table.swapped = Readback({"k": s.k[:, rows], "v": s.v[:, rows], "depth": s.depth[rows]})
         self.allocator.free(seq_id, table.blocks)
-        table.blocks, table.row_map = [], torch.zeros(0, dtype=torch.long)
+        table.blocks = []
 
     def is_swapped(self, seq_id: str) -> bool:
         table = self.tables.get(seq_id)
@@ -97,7 +118,7 @@ class KVCacheManager:
         self.ensure(seq_id, n)
         s = self.store
         dev = s.k.device
-        rows = upload(table.row_map[:n], dev)
+        rows = upload(self.rows(seq_id, n), dev)
         s.k[:, rows], s.v[:, rows] = upload(host["k"], dev), upload(host["v"], dev)
         s.depth[rows] = upload(host["depth"], dev)
         return True
@@ -106,8 +127,12 @@ class KVCacheManager:
         """Every block is free, reserved, or owned by exactly one live sequence's table."""
         owners = self.allocator.owners()
         seen: dict[int, str] = {}
+        slots = [t.slot for t in self.tables.values()]
+        assert len(slots) == len(set(slots)) and not set(slots) & set(self._free_slots), "block-table slot shared"
         for sid, table in self.tables.items():
             assert sid in live, f"KV table of finished sequence {sid} still held"
+            assert self.block_tables.host[table.slot, : len(table.blocks)].tolist() == table.blocks, \
+                f"block table of {sid} out of date"
             for b in table.blocks:
                 assert b not in seen, f"block {b} in two tables ({seen[b]}, {sid})"
                 assert owners.get(b) == sid, f"block {b} owned by {owners.get(b)!r}, listed by {sid}"

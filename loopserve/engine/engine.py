@@ -62,7 +62,7 @@ class LLMEngine:
         blocks = max(1, tokens // cfg.block_size)
         store = KVStore((blocks + 1) * cfg.block_size, self.layout.slots_per_token, c.num_kv_heads, c.head_dim,
                         p.dtype, p.device)
-        self.kv = KVCacheManager(store, cfg.block_size, reserved_blocks=1)  # block 0: scratch rows
+        self.kv = KVCacheManager(store, cfg.block_size, reserved_blocks=1, num_slots=cfg.max_num_seqs)  # block 0: scratch
         self.pool = StatePool(cfg.max_num_seqs, c.hidden_size, p.dtype, p.device, with_inject=c.arch == HUGINN)
         self.stats = EngineStats()
         self.scheduler = make_scheduler(cfg, self.kv, self.pool, self.stats)

@@ -1,5 +1,5 @@
 """Model runner: executes one homogeneous stage batch. Gathers state-pool rows, builds the
-attention context from block tables, runs the model stage, scatters results back.
+attention context from the block tables, runs the model stage, scatters results back.
 
 The runner makes no scheduling decisions; it returns raw results (signals, logits) and the
 scheduler decides what they mean.
@@ -18,7 +18,7 @@ from loopserve.engine.sequence import Sequence
 from loopserve.engine.signals import step_signals, uniform_logprobs
 from loopserve.exits import ExitTracker, Signal
 from loopserve.models.base import LoopedLM
-from loopserve.models.context import ForwardContext, build_context
+from loopserve.models.context import ForwardContext, paged_context
 
 
 @dataclass(eq=False)
@@ -115,8 +115,8 @@ class ModelRunner:
 
     def _ctx(self, items: list[WorkItem], depth: list[int] | None = None,
              write_rows: list[int] | None = None) -> ForwardContext:
-        segs = [(self.kv.row_map(it.seq.request_id), it.position, 1) for it in items]
-        return build_context(self.kv.store, self.layout, segs, depth, write_rows)
+        segs = [(self.kv.slot(it.seq.request_id), it.position, 1) for it in items]
+        return paged_context(self.kv.store, self.layout, self.kv.block_tables, segs, depth, write_rows)
 
     def _state_index(self, items: list[WorkItem], flip: bool = False) -> torch.Tensor:
         return upload([self.pool.index(it.row, it.parity ^ flip) for it in items], self.device)
@@ -129,8 +129,8 @@ class ModelRunner:
         Returns the last-position logits (on the host) of each sequence whose prompt is now complete.
         """
         model, dev = self.model, self.device
-        ctx = build_context(self.kv.store, self.layout,
-                            [(self.kv.row_map(c.seq.request_id), c.start, c.n) for c in chunks])
+        ctx = paged_context(self.kv.store, self.layout, self.kv.block_tables,
+                            [(self.kv.slot(c.seq.request_id), c.start, c.n) for c in chunks])
         ids = upload([t for c in chunks for t in c.seq.prompt_ids[c.start:c.start + c.n]], dev)
         seeds = [c.seq.state_seed(p) for c in chunks for p in range(c.start, c.start + c.n)]
         self.kv.store.set_depth(ctx.write_rows, IN_FLIGHT)
@@ -177,7 +177,7 @@ class ModelRunner:
         """
         writes = None
         if any(it.passive for it in items):
-            writes = [self.scratch_row if it.passive else int(self.kv.row_map(it.seq.request_id)[it.position])
+            writes = [self.scratch_row if it.passive else self.kv.row(it.seq.request_id, it.position)
                       for it in items]
         ctx = self._ctx(items, [it.r + 1 for it in items], writes)
         prev = self.pool.state[self._state_index(items)]

@@ -338,7 +338,7 @@ class Scheduler:
     def _exit(self, item: WorkItem) -> None:
         """The item stops looping: its KV depth is the loops it ran (written by the engine after
         this tick, batched with the other exits)."""
-        self.kv_depth_writes.append((int(self.kv.row_map(item.seq.request_id)[item.position]), item.r))
+        self.kv_depth_writes.append((self.kv.row(item.seq.request_id, item.position), item.r))
         self.stats.exit_depths[item.tracker.exit_depth] += 1  # type: ignore[union-attr]
         self.on_exit(item)
 
@@ -402,10 +402,10 @@ class Scheduler:
         assert sorted(rows + self.pool._free) == list(range(self.pool.rows)), "state row leaked"
         for i in self.core_q:
             assert i.tracker is not None and i.r <= i.seq.rule.max_loops
-            assert self.kv.store.depth[self.kv.row_map(i.seq.request_id)[i.position]] == IN_FLIGHT
+            assert self.kv.store.depth[self.kv.row(i.seq.request_id, i.position)] == IN_FLIGHT
         for i in self.coda_q + self.coda_running:
             assert i.tracker is not None and i.tracker.exit_depth is not None and not i.tracker.frozen
-            assert self.kv.store.depth[self.kv.row_map(i.seq.request_id)[i.position]] == i.r
+            assert self.kv.store.depth[self.kv.row(i.seq.request_id, i.position)] == i.r
         for i in self.core_q + self.coda_q + self.coda_running:
             assert self.kv.tables[i.seq.request_id].num_tokens >= i.seq.num_tokens, "token without a KV row"
         # loops: every kept core row belongs to a finished request, a live one, or an in-flight token

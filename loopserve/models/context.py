@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from loopserve.cache.block_table import BlockTables
 from loopserve.cache.layout import KVLayout
 from loopserve.cache.pool import KVStore
 from loopserve.device import upload
@@ -25,9 +27,10 @@ class ForwardContext:
     write_rows: torch.Tensor  # [N] physical KV rows of the rows' own tokens
     depth: torch.Tensor  # [N] loop depth being computed (1-based); unused outside the core
     seg_starts: list[int]  # row index where each segment starts (+ N at the end)
-    seg_keys: torch.Tensor  # [S, Lk] physical KV rows of positions 0..Lk-1 of each segment's sequence
+    tables: BlockTables  # block tables the segments' keys are read through
+    seg_slots: torch.Tensor  # [S] each segment's row in `tables` (on the device)
     seg_key_lens: list[int]  # keys each segment attends to (its last position + 1), known on the host
-    rope_cache: dict = field(default_factory=dict)
+    cache: dict = field(default_factory=dict)  # values derived on first use (rotary angles, key rows)
 
     @property
     def num_rows(self) -> int:
@@ -37,9 +40,17 @@ class ForwardContext:
     def one_row_segments(self) -> bool:
         return len(self.seg_starts) - 1 == self.num_rows
 
+    @property
+    def seg_keys(self) -> torch.Tensor:
+        """[S, Lk] physical KV rows of positions 0..Lk-1 of each segment's sequence (Lk: the longest
+        segment's key count). Computed on the device from the block tables when attention first asks."""
+        if "keys" not in self.cache:
+            self.cache["keys"] = self.tables.key_rows(self.seg_slots, max(self.seg_key_lens))
+        return self.cache["keys"]
+
     def with_depth(self, depth: torch.Tensor) -> ForwardContext:
-        return ForwardContext(self.kv, self.layout, self.positions, self.write_rows, depth,
-                              self.seg_starts, self.seg_keys, self.seg_key_lens, self.rope_cache)
+        return ForwardContext(self.kv, self.layout, self.positions, self.write_rows, depth, self.seg_starts,
+                              self.tables, self.seg_slots, self.seg_key_lens, self.cache)
 
     def select(self, rows: list[int]) -> ForwardContext:
         """Sub-batch of whole segments given by row indices (used when some rows stop looping)."""
@@ -51,8 +62,8 @@ class ForwardContext:
                 seg_ids.append(s)
                 starts.append(starts[-1] + (b - a))
         idx, segs = upload(rows, self.positions.device), upload(seg_ids, self.positions.device)
-        return ForwardContext(self.kv, self.layout, self.positions[idx], self.write_rows[idx],
-                              self.depth[idx], starts, self.seg_keys[segs], [self.seg_key_lens[i] for i in seg_ids])
+        return ForwardContext(self.kv, self.layout, self.positions[idx], self.write_rows[idx], self.depth[idx],
+                              starts, self.tables, self.seg_slots[segs], [self.seg_key_lens[i] for i in seg_ids])
 
 
 @dataclass
@@ -64,34 +75,47 @@ class DenseContext:
     batch: int
     seq_len: int
     positions: torch.Tensor  # [batch * seq_len]
-    rope_cache: dict = field(default_factory=dict)
+    cache: dict = field(default_factory=dict)  # rotary angles, derived on first use
 
 
 def dense_context(batch: int, seq_len: int, device=None) -> DenseContext:
     return DenseContext(batch, seq_len, torch.arange(seq_len, device=device).repeat(batch))
 
 
+def paged_context(kv: KVStore, layout: KVLayout, tables: BlockTables, segments: list[tuple[int, int, int]],
+                  depth: list[int] | torch.Tensor | None = None,
+                  write_rows: list[int] | torch.Tensor | None = None) -> ForwardContext:
+    """Context for segments given as (table slot, start_pos, n_rows).
+
+    `depth` gives each row's loop depth (default 1); `write_rows` overrides where the rows write
+    their KV (default: their own positions' rows). Host work is O(rows): positions and write rows
+    come from the host block table, vectorized; the [S, Lk] key rows are derived on the device
+    (`ForwardContext.seg_keys`), so building a context neither waits for the device nor grows with
+    the context length.
+    """
+    tables.sync()
+    slots = np.fromiter((sl for sl, _, _ in segments), dtype=np.int64, count=len(segments))
+    starts = np.fromiter((st for _, st, _ in segments), dtype=np.int64, count=len(segments))
+    counts = np.fromiter((n for _, _, n in segments), dtype=np.int64, count=len(segments))
+    if counts.max() == 1:  # decode: one row per segment
+        pos, row_slots = starts, slots
+    else:
+        pos = np.concatenate([np.arange(st, st + n) for st, n in zip(starts, counts, strict=True)])
+        row_slots = np.repeat(slots, counts)
+    dev = kv.k.device
+    writes = tables.rows(row_slots, pos) if write_rows is None else write_rows
+    w = torch.as_tensor(writes, dtype=torch.long)
+    d = torch.ones(len(pos), dtype=torch.long) if depth is None else torch.as_tensor(depth, dtype=torch.long)
+    seg_starts = [0, *np.cumsum(counts).tolist()]
+    return ForwardContext(kv, layout, upload(torch.from_numpy(pos), dev), upload(w, dev), upload(d, dev), seg_starts,
+                          tables, upload(torch.from_numpy(slots), tables.table.device), (starts + counts).tolist())
+
+
 def build_context(kv: KVStore, layout: KVLayout, segments: list[tuple[torch.Tensor, int, int]],
                   depth: list[int] | torch.Tensor | None = None,
                   write_rows: list[int] | torch.Tensor | None = None) -> ForwardContext:
-    """Context for segments given as (row_map, start_pos, n_rows).
-
-    `row_map` (a CPU tensor) maps each position 0..start_pos+n_rows-1 of the segment's sequence to
-    its physical KV row (a flattened block table). `depth` gives each row's loop depth (default 1);
-    `write_rows` overrides where the rows write their KV. Everything is assembled on the host and
-    uploaded once, so building a context never waits for the device.
-    """
-    positions, writes, starts = [], [], [0]
-    lk = max(s + n for _, s, n in segments)
-    keys = torch.full((len(segments), lk), kv.zero_row, dtype=torch.long)  # padding: the never-written row
-    for i, (row_map, start, n) in enumerate(segments):
-        positions.append(torch.arange(start, start + n))
-        writes.append(row_map[start:start + n])
-        keys[i, : start + n] = row_map[: start + n]
-        starts.append(starts[-1] + n)
-    pos = torch.cat(positions)
-    dev = kv.k.device
-    d = torch.ones_like(pos) if depth is None else torch.as_tensor(depth, dtype=torch.long)
-    w = torch.cat(writes) if write_rows is None else torch.as_tensor(write_rows, dtype=torch.long)
-    return ForwardContext(kv, layout, upload(pos, dev), upload(w, dev), upload(d, dev), starts, upload(keys, dev),
-                          [s + n for _, s, n in segments])
+    """Context for segments given as (row_map, start_pos, n_rows), where `row_map` (a CPU tensor) maps
+    positions 0..start_pos+n_rows-1 of the segment's sequence to physical KV rows (the reference
+    decoder and tests: a row map is a block table of block size 1)."""
+    tables = BlockTables.from_row_maps([m for m, _, _ in segments], kv.k.device)
+    return paged_context(kv, layout, tables, [(i, st, n) for i, (_, st, n) in enumerate(segments)], depth, write_rows)

@@ -30,13 +30,13 @@ class RMSNorm(nn.Module):
 def rope_angles(ctx: ForwardContext, head_dim: int, theta: float, dtype: torch.dtype):
     """cos/sin of shape [N, head_dim // 2] for the rows' positions, cached per forward call."""
     key = (head_dim, theta)
-    if key not in ctx.rope_cache:
+    if key not in ctx.cache:
         cdt = compute_dtype(dtype)
         inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=ctx.positions.device)
                                / head_dim))
         ang = ctx.positions.to(torch.float64)[:, None] * inv[None, :]
-        ctx.rope_cache[key] = (ang.cos().to(cdt), ang.sin().to(cdt))
-    return ctx.rope_cache[key]
+        ctx.cache[key] = (ang.cos().to(cdt), ang.sin().to(cdt))
+    return ctx.cache[key]
 
 
 def rope_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
