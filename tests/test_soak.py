@@ -1,0 +1,55 @@
+"""The soak test of the real server, shortened for CI: `python -m loopserve.bench.soak` for 20 s.
+
+The driver starts its own server (a make_tiny checkpoint, small KV pool and admission bound) and
+throws the whole traffic mix at it; this checks its report: nothing lost, no 5xx, no valid request
+refused with a 4xx, no bad input accepted, the KV cache empty once idle, a clean log, exit code 0
+after SIGTERM, and that every kind of fault was really exercised. The 30-minute run is
+`scripts/soak.sh` (docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(150)
+
+DURATION_S = 20
+
+
+def test_short_soak(tmp_path):
+    out = tmp_path / "report.json"
+    cmd = [sys.executable, "-m", "loopserve.bench.soak", "--duration-s", str(DURATION_S), "--concurrency", "6",
+           "--drain-s", "10", "--request-timeout-s", "60", "--idle-timeout-s", "15", "--out", str(out),
+           "--server-log", str(tmp_path / "server.log")]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=140)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-6000:]
+    report = json.loads(out.read_text())
+    outcomes, kinds, server = report["outcomes"], report["by_kind"], report["server"]
+
+    for name in ("5xx", "lost", "unexpected_4xx", "bad_accepted"):
+        assert outcomes[name] == 0, (name, report["failures"])
+    assert outcomes["served"] > 0
+    assert report["idle"]["reached"] and report["idle"]["kv_cache_usage_perc"] == 0
+    assert report["final_request"] == "served"
+    assert report["log"]["tracebacks"] == report["log"]["http_500_lines"] == report["log"]["error_lines"] == 0
+    assert report["shutdown"]["exit_code"] == 0
+    assert report["ok"]
+
+    # every fault happened: each kind below is drawn dozens of times in 20 s, and its outcome does not
+    # depend on timing (a cut is a cut, a bad input is refused)
+    for kind in ("disconnect_stream", "disconnect_upload", "disconnect_before_body", "client_timeout"):
+        assert kinds.get(kind, {}).get("aborted", 0) > 0, (kind, kinds.get(kind))
+    assert kinds["bad_input"].get("client_error", 0) > 0
+    assert server["finished"].get("abort", 0) > 0  # the server aborted what the clients cut
+    for kind in ("completion", "completion_stream", "chat", "chat_stream", "long"):
+        assert kinds.get(kind, {}).get("served", 0) > 0, (kind, kinds.get(kind))
+    # Overload is reliable by construction: two bursts of more requests than the server admits, each
+    # holding its slot for 32+ tokens, arrive in 20 s. KV pressure is not asserted: a preemption needs
+    # long requests to overlap, which depends on timing (3 to 6 per 20 s run on a loaded 2-core machine,
+    # never 0 so far, but nothing guarantees it); the 30-minute soak reports their count.
+    assert outcomes["rejected"] > 0 and kinds["burst"].get("rejected", 0) > 0
+    assert server["rejected_overload"] >= outcomes["rejected"]
