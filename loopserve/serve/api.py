@@ -7,6 +7,10 @@ Every error is an OpenAI-style body {"error": {"message", "type", "param", "code
 a 400 (401 bad API key, 404 unknown model or route, 413 body too large), overload a 503 with
 Retry-After. Requests are validated on the event loop (tokenizing, checking lengths and sampling
 values) before they reach the engine, so nothing invalid is ever admitted.
+
+A client that goes away (before, during or after sending its request) costs at most one info
+line, and none here when `connection.py` has already answered and logged the request (a stalled
+upload).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from loopserve.engine.config import EngineConfig
@@ -42,6 +47,7 @@ from loopserve.serve.async_engine import (
     EngineStoppedError,
     RequestGroup,
 )
+from loopserve.serve.connection import CLOSED_BY_SERVER
 from loopserve.serve.metrics import ServerMetrics
 from loopserve.serve.protocol import (
     ApiError,
@@ -288,6 +294,14 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
             message = f"{request.method} {request.url.path}: method not allowed"
         return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request: Request, exc: ClientDisconnect) -> Response:
+        if not request.scope.get(CLOSED_BY_SERVER):  # else the server has answered and logged it
+            client = f"{request.client.host}:{request.client.port}" if request.client else "client"
+            log.info("%s: disconnected before sending the whole request body of %s %s", client, request.method,
+                     request.url.path)
+        return Response(status_code=499)  # nobody reads it
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import sys
@@ -32,6 +33,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--max-request-body-bytes", type=int, default=4 * 2**20, help="larger bodies get 413")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests get to finish before they are aborted")
+    s.add_argument("--request-read-timeout", type=float, default=30.0,
+                   help="seconds a client may take to send a request head, or stall while sending a body "
+                        "(then 408); a connection that does not keep up is closed")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument("--no-access-log", action="store_true")
     p.set_defaults(func=cmd_serve)
@@ -41,6 +45,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from loopserve.serve.api import ServerSettings, build_app, check_sampling_defaults, load_engine
+    from loopserve.serve.connection import read_timeout_protocol
 
     def fail(msg: str) -> int:
         print(f"error: {msg}", file=sys.stderr)
@@ -55,6 +60,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return fail("--max-request-body-bytes: must be >= 1024")
     if not 0 <= args.port < 65536:
         return fail("--port: must be in [0, 65535]")
+    if not (math.isfinite(args.request_read_timeout) and args.request_read_timeout > 0):
+        return fail("--request-read-timeout: must be a number of seconds > 0")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     defaults = {"exit_threshold": args.exit_threshold, "exit_policy": args.exit_policy,
                 "min_loops": args.min_loops, "max_loops": args.max_loops}
@@ -71,9 +78,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sampling_defaults={k: v for k, v in defaults.items() if v is not None})
     app = build_app(engine, settings)
     print(f"loopserve: serving {path} as {settings.model_name!r} on http://{args.host}:{args.port}", flush=True)
+    # ws="none": there are no WebSocket endpoints, so an upgrade request is read as plain HTTP
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            access_log=not args.no_access_log,
-                                           timeout_graceful_shutdown=args.shutdown_timeout))
+                                           timeout_graceful_shutdown=args.shutdown_timeout,
+                                           http=read_timeout_protocol(args.request_read_timeout), ws="none"))
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal: exit quietly then
     signal.signal(signal.SIGTERM, _exit_with(0))
     signal.signal(signal.SIGINT, _exit_with(130))

@@ -1,0 +1,133 @@
+"""HTTP connections: uvicorn's h11 protocol with a request read timeout.
+
+uvicorn closes idle keep-alive connections, but a client that is slow to *send* a request is
+never timed out: one that opens a connection and sends half a request head, or declares a body
+and stops sending it, holds its connection (and its request task) forever, and a graceful
+shutdown waits for it until its grace period runs out. `read_timeout_protocol(seconds)` gives the
+protocol class `cli.py` passes to `uvicorn.Config(http=...)`:
+
+- a request head (request line and headers) must be complete within the timeout of the
+  connection opening or of the head's first byte; otherwise the connection is closed;
+- while a request body is being received, a gap of more than the timeout between its bytes is a
+  stall: the client gets a 408 (OpenAI-style body) and the connection is closed;
+- on graceful shutdown, a request whose body is still arriving gets a 503 and its connection is
+  closed at once: it was never admitted, so there is nothing to let finish.
+
+The app sees such a request as a client disconnect; `CLOSED_BY_SERVER` in its scope tells it that
+the server has already answered and logged it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+import h11
+from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
+
+from loopserve.serve.protocol import error_body
+
+log = logging.getLogger("loopserve.serve")
+CLOSED_BY_SERVER = "loopserve.closed_by_server"  # scope key: the server answered and closed the request
+
+
+def read_timeout_protocol(timeout_s: float) -> type[H11Protocol]:
+    """The protocol class for `uvicorn.Config(http=...)` with this read timeout."""
+    return type("ReadTimeoutProtocol", (ReadTimeoutProtocol,), {"read_timeout_s": timeout_s})
+
+
+class ReadTimeoutProtocol(H11Protocol):
+    read_timeout_s = 30.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._timer: asyncio.TimerHandle | None = None
+        self._awaiting: str | None = None  # "head" or "body": what the client is expected to send
+        self._since = 0.0  # head: when it was first awaited; body: when its last bytes arrived
+
+    # -- asyncio / uvicorn hooks ----------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._watch(fresh=True)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._watch()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._watch()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel()
+        super().connection_lost(exc)
+
+    def shutdown(self) -> None:
+        if self._awaiting == "body" and not self.cycle.response_started:
+            log.info("%s: request body still arriving at shutdown; answered 503 and closed", self._peer())
+            self._answer(503, "the server is shutting down")
+            self.transport.close()
+            return
+        super().shutdown()
+
+    # -- the timer ------------------------------------------------------------------------------------
+    def _watch(self, fresh: bool = False) -> None:
+        """Track what the client owes after an event, and keep the timer armed while it owes something."""
+        awaiting: str | None = None
+        if not self.transport.is_closing():
+            state = self.conn.their_state
+            if state is h11.SEND_BODY:
+                awaiting = "body"
+            elif state is h11.IDLE and (fresh or self.conn.trailing_data[0]):
+                awaiting = "head"  # a new connection, or part of the next request head has arrived
+        now = self.loop.time()
+        if awaiting != self._awaiting or awaiting == "body":  # body bytes restart the stall clock
+            self._since = now
+        self._awaiting = awaiting
+        if awaiting is None:
+            self._cancel()
+        elif self._timer is None:
+            self._timer = self.loop.call_at(self._since + self.read_timeout_s, self._check)
+
+    def _cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _check(self) -> None:
+        self._timer = None
+        if self._awaiting is None or self.transport.is_closing():
+            return
+        now = self.loop.time()
+        if self.flow.read_paused:  # the app has not read what came: not the client's stall
+            self._since = now
+        due = self._since + self.read_timeout_s
+        if now < due:
+            self._timer = self.loop.call_at(due, self._check)
+        elif self._awaiting == "head":
+            # a connection that never sent a byte is not worth a line (browsers open spare ones)
+            level = logging.INFO if self.conn.trailing_data[0] else logging.DEBUG
+            log.log(level, "%s: request head not complete within %g s; connection closed", self._peer(),
+                    self.read_timeout_s)
+            self.transport.close()
+        elif not self.cycle.response_started:
+            log.info("%s: request body stalled for %g s; answered 408 and closed", self._peer(), self.read_timeout_s)
+            self._answer(408, f"request body: nothing received for {self.read_timeout_s:g} s")
+            self.transport.close()
+        elif self.cycle.response_complete:  # answered without reading the whole body: nothing to wait for
+            self.transport.close()
+
+    def _answer(self, status: int, message: str) -> None:
+        """Write a complete error response while the request is still being received."""
+        body = json.dumps(error_body(status, message)).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        for event in (h11.Response(status_code=status, headers=headers, reason=STATUS_PHRASES[status]),
+                      h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.scope[CLOSED_BY_SERVER] = True  # type: ignore[literal-required]
+
+    def _peer(self) -> str:
+        return f"{self.client[0]}:{self.client[1]}" if self.client else "client"

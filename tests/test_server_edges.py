@@ -1,0 +1,197 @@
+"""The server's edges, against real `loopserve serve` processes: clients that disconnect at any
+moment or stall while sending, and SIGTERM with a stalled upload.
+
+The tests share one server on a model with a 128-token context, so that generations are short.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import re
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from loopserve.models.tiny import TinySpec, make_tiny
+from tests.server_helpers import MODEL, Server, run_server, wait_idle
+
+pytestmark = pytest.mark.timeout(120)
+
+C, H = "/v1/completions", "/v1/chat/completions"
+CONTEXT = 128  # the shared server's model: max_position
+READ_TIMEOUT = 1.5  # the shared server's --request-read-timeout
+
+
+# -- fixtures and raw-socket helpers ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def short_path(tmp_path_factory) -> Path:
+    return make_tiny(tmp_path_factory.mktemp("tiny-short"), TinySpec(arch="ouro", max_position=CONTEXT, seed=3))
+
+
+@pytest.fixture(scope="module")
+def server(short_path, tmp_path_factory) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp("logs") / "edges.log"
+    with run_server(short_path, log, "--request-read-timeout", str(READ_TIMEOUT), "--kv-cache-tokens", "2048",
+                    log_level="info", access_log=True) as s:
+        yield s
+
+
+def _addr(server: Server) -> tuple[str, int]:
+    host, port = server.url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
+def _request(path: str, body: bytes, content_type: str = "application/json") -> tuple[bytes, bytes]:
+    """(head, body) of a raw HTTP/1.1 POST."""
+    head = (f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: {content_type}\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    return head, body
+
+
+def _read_all(s: socket.socket) -> bytes:
+    """What the server sends until it closes the connection (a reset counts as a close)."""
+    data = b""
+    try:
+        while chunk := s.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return data
+
+
+def _status_and_json(raw: bytes) -> tuple[int, Any]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), json.loads(body)
+
+
+def _new_log(server: Server, offset: int) -> list[str]:
+    """Log lines written since `offset`, without the access lines of /metrics polls."""
+    text = server.log.read_text()[offset:]
+    return [line for line in text.splitlines() if "GET /metrics" not in line]
+
+
+def _assert_quiet(lines: list[str]) -> None:
+    text = "\n".join(lines)
+    assert "Traceback" not in text and "ERROR" not in text and "Exception" not in text, text
+    assert not re.search(r'" 5\d\d', text), text  # no 5xx in the access log
+
+
+# -- A: clients that go away -------------------------------------------------------------------------------------
+def _disconnect(server: Server, kind: str) -> int:
+    """Send part of a request (or all of it, and read part of the answer), then go away; returns the local port."""
+    body = json.dumps({"model": MODEL, "prompt": "going away", "max_tokens": CONTEXT - 8, "ignore_eos": True,
+                       "stream": kind == "mid-stream"}).encode()
+    head, body = _request(C, body)
+    with socket.create_connection(_addr(server)) as s:
+        if kind == "mid-head":
+            s.sendall(head[: len(head) // 2])
+        elif kind == "before-body":
+            s.sendall(head)
+        elif kind == "mid-body":
+            s.sendall(head + body[: len(body) // 2])
+        elif kind == "mid-body-chunked":
+            chunked = head.replace(f"Content-Length: {len(body)}".encode(), b"Transfer-Encoding: chunked")
+            s.sendall(chunked + f"{len(body):x}\r\n".encode() + body[:10])
+        elif kind == "after-body":
+            s.sendall(head + body)
+        elif kind == "mid-stream":
+            s.sendall(head + body)
+            seen = b""
+            while b"data: " not in seen:
+                chunk = s.recv(4096)
+                assert chunk, seen
+                seen += chunk
+        else:
+            raise AssertionError(kind)
+        time.sleep(0.1)  # the server is now waiting for the rest, or generating
+        return s.getsockname()[1]
+
+
+DISCONNECTS = ["mid-head", "before-body", "mid-body", "mid-body-chunked", "after-body", "mid-stream"]
+
+
+def test_disconnects_at_any_moment_are_quiet(server):
+    wait_idle(server)
+    offset = len(server.log.read_text())
+    ports = {kind: [_disconnect(server, kind) for _ in range(3)] for kind in DISCONNECTS}
+    wait_idle(server)  # every aborted request has left the engine
+    time.sleep(0.2)
+    lines = _new_log(server, offset)
+    _assert_quiet(lines)
+    by_port = collections.Counter(int(m[1]) for line in lines if (m := re.search(r"127\.0\.0\.1:(\d+)", line)))
+    assert sum(by_port.values()) == len(lines), "\n".join(lines)  # every line is about one of the clients
+    for kind, kind_ports in ports.items():
+        assert all(by_port[port] <= 1 for port in kind_ports), (kind, "\n".join(lines))
+    r = httpx.post(server.url + C, json={"model": MODEL, "prompt": "still here", "max_tokens": 4}, timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+# -- B: clients that stall ---------------------------------------------------------------------------------------
+def test_stalled_connections_are_closed_after_the_read_timeout(server):
+    offset = len(server.log.read_text())
+    head, body = _request(C, json.dumps({"model": MODEL, "prompt": "stall", "max_tokens": 2}).encode())
+    sockets: dict[str, list[socket.socket]] = {"idle": [], "head": [], "body": []}
+    t0 = time.monotonic()
+    for _ in range(4):  # several at once: none may outlive the timeout
+        for kind, data in (("idle", b""), ("head", head[:30]), ("body", head + body[:5])):
+            s = socket.create_connection(_addr(server))
+            s.settimeout(READ_TIMEOUT + 10)
+            s.sendall(data)
+            sockets[kind].append(s)
+    for kind, group in sockets.items():
+        for s in group:
+            raw = _read_all(s)
+            elapsed = time.monotonic() - t0
+            s.close()
+            assert READ_TIMEOUT - 0.2 < elapsed < READ_TIMEOUT + 5, (kind, elapsed)
+            if kind == "body":  # a request had begun: it gets an answer
+                status, err = _status_and_json(raw)
+                assert status == 408 and err["error"]["code"] == 408, raw
+                assert err["error"]["type"] == "RequestTimeoutError"
+            else:
+                assert raw == b"", raw
+    lines = _new_log(server, offset)
+    _assert_quiet(lines)
+    assert len(lines) <= 8, "\n".join(lines)  # one line per stalled request at most; idle ones say nothing
+    # a slow but steady upload is not a stall
+    with socket.create_connection(_addr(server)) as s:
+        s.sendall(head)
+        for i in range(0, len(body), len(body) // 3 + 1):
+            time.sleep(READ_TIMEOUT * 0.6)
+            s.sendall(body[i:i + len(body) // 3 + 1])
+        status, out = _status_and_json(s.recv(65536))
+        assert status == 200 and out["usage"]["completion_tokens"] == 2
+
+
+def test_sigterm_does_not_wait_for_stalled_uploads(short_path, tmp_path):
+    log = tmp_path / "sigterm.log"
+    with run_server(short_path, log, "--shutdown-timeout", "60", "--request-read-timeout", "60",
+                    log_level="info") as server:
+        head, body = _request(C, json.dumps({"model": MODEL, "prompt": "stall", "max_tokens": 2}).encode())
+        uploads = [socket.create_connection(_addr(server)) for _ in range(2)]
+        for s in uploads:
+            s.settimeout(20)
+            s.sendall(head + body[:5])
+        half_head = socket.create_connection(_addr(server))
+        half_head.settimeout(20)
+        half_head.sendall(head[:30])
+        time.sleep(0.5)  # the app is now waiting for the bodies
+        t0 = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        rc = server.proc.wait(20)
+        elapsed = time.monotonic() - t0
+        answers = [_read_all(s) for s in uploads]
+        assert _read_all(half_head) == b""
+    assert rc == 0, log.read_text()
+    assert elapsed < 10, elapsed  # not the 60 s grace period, nor the 60 s read timeout
+    for raw in answers:
+        status, err = _status_and_json(raw)
+        assert status == 503 and err["error"]["code"] == 503, raw
+    _assert_quiet(log.read_text().splitlines())
