@@ -1,7 +1,8 @@
 """The server's edges, against real `loopserve serve` processes: clients that disconnect at any
-moment or stall while sending, and SIGTERM with a stalled upload.
+moment or stall while sending, SIGTERM with a stalled upload, and the full path of every
+validation error.
 
-The tests share one server on a model with a 128-token context, so that generations are short.
+Most tests share one server on a model with a 128-token context, so that generations are short.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import httpx
 import pytest
 
 from loopserve.models.tiny import TinySpec, make_tiny
+from loopserve.serve.protocol import ChatCompletionRequest, CompletionRequest
 from tests.server_helpers import MODEL, Server, run_server, wait_idle
 
 pytestmark = pytest.mark.timeout(120)
@@ -195,3 +197,65 @@ def test_sigterm_does_not_wait_for_stalled_uploads(short_path, tmp_path):
         status, err = _status_and_json(raw)
         assert status == 503 and err["error"]["code"] == 503, raw
     _assert_quiet(log.read_text().splitlines())
+
+
+# -- C: validation errors name the field's full path -------------------------------------------------------------
+# a value of the wrong type for every field (tool_choice takes any JSON value, so it has none)
+WRONG_SAMPLING = {
+    "model": 5, "max_tokens": "4", "n": "1", "temperature": "hot", "top_p": [1], "top_k": 1.5, "min_p": "0",
+    "seed": "7", "stop": 5, "stop_token_ids": "1", "ignore_eos": "yes", "skip_special_tokens": 1, "stream": "yes",
+    "stream_options": 5, "return_token_ids": "no", "min_loops": 1.5, "max_loops": "2", "exit_threshold": "0.5",
+    "exit_policy": 5, "exit_trace": 5, "user": 5, "metadata": [1], "store": "yes", "service_tier": 5,
+    "frequency_penalty": "0", "presence_penalty": "0", "repetition_penalty": "1", "logit_bias": [1],
+}
+WRONG_COMPLETION = {**WRONG_SAMPLING, "prompt": 5, "logprobs": "2", "echo": "no", "suffix": 5, "best_of": "1"}
+WRONG_CHAT = {**WRONG_SAMPLING, "messages": 5, "max_completion_tokens": "4", "logprobs": 1, "top_logprobs": "2",
+              "add_generation_prompt": "yes", "response_format": [1], "tools": "x", "parallel_tool_calls": "yes"}
+ANY_VALUE = {"tool_choice"}
+GOOD_C = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+GOOD_H = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def _user(content: Any, **extra: Any) -> dict:
+    return {"messages": [{"role": "user", "content": content, **extra}]}
+
+
+# (endpoint, fields replacing a valid body's, the expected param)
+NESTED = [
+    (C, {"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+    (C, {"stream": True, "stream_options": {"continuous_usage_stats": 1}}, "stream_options.continuous_usage_stats"),
+    (C, {"stream": True, "stream_options": {"bogus": True}}, "stream_options.bogus"),
+    (C, {"prompt": ["a", 1]}, "prompt.1"),
+    (C, {"prompt": [[1, "a"]]}, "prompt.0.1"),
+    (C, {"stop": ["a", 5]}, "stop.1"),
+    (C, {"stop_token_ids": [1, "2"]}, "stop_token_ids.1"),
+    (C, {"exit_trace": [2, 2.5]}, "exit_trace.1"),
+    (C, {"logit_bias": {"17": "x"}}, "logit_bias.17"),
+    (H, _user(5), "messages.0.content"),
+    (H, {"messages": [{"role": 5, "content": "hi"}]}, "messages.0.role"),
+    (H, {"messages": [{"content": "hi"}]}, "messages.0.role"),
+    (H, {"messages": [{"role": "user", "content": "hi"}, {"role": "wizard", "content": "x"}]}, "messages.1.role"),
+    (H, _user("hi", name=5), "messages.0.name"),
+    (H, _user("hi", extra=1), "messages.0.extra"),
+    (H, _user([{"type": "text", "text": 5}]), "messages.0.content.0.text"),
+    (H, _user([{"type": "image_url", "image_url": {"url": "x"}}]), "messages.0.content.0.type"),
+    (H, {"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+]
+CASES = ([(C, {f: v}, f) for f, v in WRONG_COMPLETION.items()] + [(H, {f: v}, f) for f, v in WRONG_CHAT.items()]
+         + NESTED)
+
+
+def test_wrong_type_table_covers_every_field():
+    assert set(WRONG_COMPLETION) == set(CompletionRequest.model_fields) - ANY_VALUE
+    assert set(WRONG_CHAT) == set(ChatCompletionRequest.model_fields) - ANY_VALUE
+
+
+@pytest.mark.parametrize(("path", "fields", "param"), CASES,
+                         ids=[f"{'chat' if p == H else 'cmpl'}-{param}" for p, _, param in CASES])
+def test_validation_error_names_the_full_path(server, path, fields, param):
+    body = {**(GOOD_C if path == C else GOOD_H), **fields}
+    r = httpx.post(server.url + path, json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param, err
+    assert err["message"].startswith(f"{param}: "), err

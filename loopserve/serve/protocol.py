@@ -17,13 +17,12 @@ Types are strict (no "5" for 5, no true for 1, no NaN or infinity); ranges are c
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from loopserve.sampling_params import SamplingParams
-
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class ApiError(Exception):
@@ -101,8 +100,6 @@ class _SamplingFields(_Strict):
             raise ApiError(400, "n: only n=1 is supported", "n")
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options: only allowed with stream=true", "stream_options")
-        if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX:
-            raise ApiError(400, "seed: must fit in a signed 64-bit integer", "seed")
 
     @property
     def streaming(self) -> bool:
@@ -184,28 +181,65 @@ def parse_body(cls: type[_SamplingFields], body: bytes) -> Any:
     try:
         req = cls.model_validate_json(body)
     except ValidationError as e:
-        raise ApiError(400, *_describe(e)) from None
+        raise ApiError(400, *_describe(cls, e)) from None
     req.check_unsupported()
     return req
 
 
-def _describe(e: ValidationError) -> tuple[str, str | None]:
-    err = e.errors(include_url=False)[0]
-    kind = err["type"]
-    loc = [str(x) for x in err["loc"]]
+def _describe(cls: type[BaseModel], e: ValidationError) -> tuple[str, str | None]:
+    errors = e.errors(include_url=False)
+    first = errors[0]
+    kind = first["type"]
     if kind == "json_invalid":
-        return f"request body: malformed JSON ({err['msg']})", None
-    if kind in ("model_type", "model_attributes_type") and not loc:
+        return f"request body: malformed JSON ({first['msg']})", None
+    if kind in ("model_type", "model_attributes_type") and not first["loc"]:
         return "request body: expected a JSON object", None
-    # union errors repeat the field per member type: keep the field path, drop the member tags
-    path = [p for p in loc if not (p.startswith(("str", "list[", "int", "float", "bool", "dict", "TextPart"))
-                                   or p.endswith("]"))]
-    param = ".".join(path) or None
-    if kind == "extra_forbidden":
+    # A union reports one error per member; of those under the first failing field, the deepest says
+    # most (`prompt.1: Input should be a valid string` rather than `prompt: ...`).
+    paths = [_request_path(cls, err["loc"]) for err in errors]
+    head = paths[0]
+    best = max((k for k, p in enumerate(paths) if p[:len(head)] == head), key=lambda k: len(paths[k]))
+    err, param = errors[best], ".".join(paths[best]) or None
+    if err["type"] == "extra_forbidden":
         return f"{param}: unknown field (not supported by this server)", param
-    if kind == "missing":
+    if err["type"] == "missing":
         return f"{param}: field required", param
     return f"{param}: {err['msg']}", param
+
+
+def _request_path(cls: type[BaseModel], loc: tuple[int | str, ...]) -> list[str]:
+    """The path in the request body of an error location: field names, list indices and object keys.
+
+    Where a field's type is a union, pydantic inserts the name of the member it tried (`str`,
+    `list[int]`, ...) after the field. Those tags are told from field names by walking the models'
+    types along the location, never by how a segment looks (a field may well be called `stream`)."""
+    kinds: list[Any] = [cls]  # the types the next segment indexes into
+    path: list[str] = []
+    for seg in loc:
+        unions = [_members(t) for t in kinds if len(_members(t)) > 1]
+        if unions:  # this segment names a union member
+            kinds = [m for members in unions for m in members]
+            continue
+        inner: list[Any] = []
+        for t in (m for k in kinds for m in _members(k)):
+            args = get_args(t)
+            if isinstance(t, type) and issubclass(t, BaseModel) and seg in t.model_fields:
+                inner.append(t.model_fields[str(seg)].annotation)
+            elif get_origin(t) is list and isinstance(seg, int) and args:
+                inner.append(args[0])
+            elif get_origin(t) is dict and len(args) == 2:
+                inner.append(args[1])
+        if seg != "[key]":  # pydantic's marker for an invalid object key, after the key itself
+            path.append(str(seg))
+        kinds = inner
+    return path
+
+
+def _members(t: Any) -> list[Any]:
+    """The member types of a union (None left out: optional fields are not tagged); else [t]."""
+    if get_origin(t) in (Union, UnionType):
+        return [m for m in get_args(t) if m is not type(None)]
+    return [t]
 
 
 def sampling_params(req: _SamplingFields, *, max_tokens: int | None, logprobs: int | None,
