@@ -76,10 +76,12 @@ def offline_one(llm: LLM, prompt, **params):
 
 
 # -- API behaviour (openai client) -----------------------------------------------------------------------------
-def test_health_models_and_metric_names(server, client):
+def test_health_models_and_metric_names(server, client, ouro_path):
     assert httpx.get(server.url + "/health").status_code == 200
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].model_extra["root"] == MODEL  # the model's path only with --expose-model-path
+    assert str(ouro_path) not in httpx.get(server.url + "/v1/models", headers=AUTH).text
     text = httpx.get(server.url + "/metrics").text
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
                  "generation_tokens_total", "time_to_first_token_seconds", "inter_token_latency_seconds",
@@ -338,7 +340,7 @@ def test_chunked_body_over_limit(server):
         for _ in range(BODY_LIMIT // 1024 + 2):
             yield b" " * 1024
 
-    r = httpx.post(server.url + C, content=chunks(), headers=AUTH, timeout=30)
+    r = httpx.post(server.url + C, content=chunks(), headers={**AUTH, "Content-Type": "application/json"}, timeout=30)
     assert r.status_code == 413 and r.json()["error"]["code"] == 413
 
 

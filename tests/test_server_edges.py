@@ -1,6 +1,6 @@
 """The server's edges, against real `loopserve serve` processes: clients that disconnect at any
-moment or stall while sending, SIGTERM with a stalled upload, and the full path of every
-validation error.
+moment or stall while sending, SIGTERM with a stalled upload, the full path of every validation
+error, JSON-only bodies and the model path kept private.
 
 Most tests share one server on a model with a 128-token context, so that generations are short.
 """
@@ -41,7 +41,7 @@ def short_path(tmp_path_factory) -> Path:
 def server(short_path, tmp_path_factory) -> Iterator[Server]:
     log = tmp_path_factory.mktemp("logs") / "edges.log"
     with run_server(short_path, log, "--request-read-timeout", str(READ_TIMEOUT), "--kv-cache-tokens", "2048",
-                    log_level="info", access_log=True) as s:
+                    "--expose-model-path", log_level="info", access_log=True) as s:
         yield s
 
 
@@ -259,3 +259,30 @@ def test_validation_error_names_the_full_path(server, path, fields, param):
     err = r.json()["error"]
     assert err["param"] == param, err
     assert err["message"].startswith(f"{param}: "), err
+
+
+# -- D: cross-site safety --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("content_type", [
+    "text/plain", "text/plain; charset=utf-8", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
+    "application/jsonx", "text/json", None])
+@pytest.mark.parametrize("path", [C, H])
+def test_post_bodies_must_be_json(server, path, content_type):
+    body = json.dumps(GOOD_C if path == C else GOOD_H).encode()
+    headers = {} if content_type is None else {"Content-Type": content_type}
+    r = httpx.post(server.url + path, content=body, headers=headers, timeout=30)
+    assert "content-type" in r.request.headers or content_type is None
+    assert r.status_code == 415, r.text
+    err = r.json()["error"]
+    assert err["code"] == 415 and err["type"] == "UnsupportedMediaTypeError" and "application/json" in err["message"]
+
+
+@pytest.mark.parametrize("content_type", ["application/json", "application/json; charset=utf-8", "Application/JSON"])
+def test_json_content_types_are_accepted(server, content_type):
+    r = httpx.post(server.url + C, content=json.dumps(GOOD_C).encode(), headers={"Content-Type": content_type},
+                   timeout=30)
+    assert r.status_code == 200, r.text
+
+
+def test_models_shows_the_path_only_when_asked(server, short_path):
+    # this server runs with --expose-model-path; test_server.py checks the default
+    assert httpx.get(server.url + "/v1/models").json()["data"][0]["root"] == str(short_path)

@@ -4,9 +4,14 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions (both stream as SSE `
 chunks ending with `data: [DONE]`), GET /v1/models, GET /health, GET /metrics.
 
 Every error is an OpenAI-style body {"error": {"message", "type", "param", "code"}}: bad input is
-a 400 (401 bad API key, 404 unknown model or route, 413 body too large), overload a 503 with
-Retry-After. Requests are validated on the event loop (tokenizing, checking lengths and sampling
-values) before they reach the engine, so nothing invalid is ever admitted.
+a 400 (401 bad API key, 404 unknown model or route, 413 body too large, 415 a body that is not
+JSON), overload a 503 with Retry-After. Requests are validated on the event loop (tokenizing,
+checking lengths and sampling values) before they reach the engine, so nothing invalid is ever
+admitted.
+
+Only `application/json` bodies are read: a web page can make a browser send a cross-origin POST
+without asking first only as text/plain, form or multipart, so none of those can run a generation
+on a server that trusts its network. `/v1/models` shows the model's path only when asked.
 
 A client that goes away (before, during or after sending its request) costs at most one info
 line, and none here when `connection.py` has already answered and logged the request (a stalled
@@ -67,6 +72,7 @@ MIN_LOGPROB = -9999.0  # JSON has no -inf
 class ServerSettings:
     model_name: str
     model_path: str = ""
+    expose_model_path: bool = False  # /v1/models shows `model_path` as the model's root (else its name)
     api_key: str | None = None
     max_queued_requests: int = 256  # engine requests waiting beyond max_num_seqs; past it: 503
     max_body_bytes: int = 4 * 2**20
@@ -255,6 +261,10 @@ async def _wait_disconnect(receive: Callable) -> None:
 
 
 # -- the app -----------------------------------------------------------------------------------------------------
+def _is_json(content_type: str) -> bool:
+    return content_type.split(";", 1)[0].strip().lower() == "application/json"
+
+
 def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     mc = engine.model_config
     max_model_len = mc.max_position
@@ -322,6 +332,9 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
 
     async def read(request: Request, cls: type) -> Any:
         check_auth(request)
+        content_type = request.headers.get("content-type")
+        if content_type is None or not _is_json(content_type):
+            raise ApiError(415, f"Content-Type: expected application/json, got {content_type or 'none'}")
         req = parse_body(cls, await request.body())
         check_model(req.model)
         return req
@@ -415,9 +428,10 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         check_auth(request)
+        root = settings.model_path if settings.expose_model_path else settings.model_name
         return JSONResponse({"object": "list", "data": [{
             "id": settings.model_name, "object": "model", "created": created, "owned_by": "loopserve",
-            "root": settings.model_path, "parent": None, "max_model_len": max_model_len, "r_max": mc.r_max}]})
+            "root": root, "parent": None, "max_model_len": max_model_len, "r_max": mc.r_max}]})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -22,6 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (env LOOPSERVE_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: --model)")
+    p.add_argument("--expose-model-path", action="store_true",
+                   help="/v1/models shows the model's path as its `root` (default: its served name)")
     g = p.add_argument_group("request defaults (a request's own fields win)")
     g.add_argument("--exit-threshold", type=float, default=None)
     g.add_argument("--exit-policy", default=None, choices=["fixed", "gate", "latent_diff", "kl"])
@@ -73,7 +75,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return fail(str(e))
     settings = ServerSettings(
         model_name=args.served_model_name or str(model if model is not None else path.name), model_path=str(path),
-        api_key=args.api_key or os.environ.get("LOOPSERVE_API_KEY") or None,
+        expose_model_path=args.expose_model_path, api_key=args.api_key or os.environ.get("LOOPSERVE_API_KEY") or None,
         max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_request_body_bytes,
         sampling_defaults={k: v for k, v in defaults.items() if v is not None})
     app = build_app(engine, settings)

@@ -29,8 +29,8 @@ class ApiError(Exception):
     """An error the client gets as an OpenAI-style body: {"error": {message, type, param, code}}."""
 
     TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
-             408: "RequestTimeoutError", 413: "RequestTooLargeError", 500: "InternalServerError",
-             503: "ServiceUnavailableError"}
+             408: "RequestTimeoutError", 413: "RequestTooLargeError", 415: "UnsupportedMediaTypeError",
+             500: "InternalServerError", 503: "ServiceUnavailableError"}
 
     def __init__(self, status: int, message: str, param: str | None = None,
                  headers: dict[str, str] | None = None) -> None:
