@@ -1,8 +1,9 @@
 """The server's edges, against real `loopserve serve` processes: clients that disconnect at any
 moment or stall while sending, SIGTERM with a stalled upload, the full path of every validation
-error, JSON-only bodies and the model path kept private.
+error, JSON-only bodies, the model path kept private, and the OpenAPI schema fuzzed by schemathesis.
 
-Most tests share one server on a model with a 128-token context, so that generations are short.
+Most tests share one server on a model with a 128-token context, so that any generation a fuzzer
+asks for is short.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ from typing import Any
 
 import httpx
 import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
 
 from loopserve.models.tiny import TinySpec, make_tiny
 from loopserve.serve.protocol import ChatCompletionRequest, CompletionRequest
@@ -286,3 +291,38 @@ def test_json_content_types_are_accepted(server, content_type):
 def test_models_shows_the_path_only_when_asked(server, short_path):
     # this server runs with --expose-model-path; test_server.py checks the default
     assert httpx.get(server.url + "/v1/models").json()["data"][0]["root"] == str(short_path)
+
+
+# -- E: the OpenAPI schema, fuzzed ---------------------------------------------------------------------------------
+def test_openapi_describes_the_request_bodies(server):
+    schema = httpx.get(server.url + "/openapi.json").json()
+    components = schema["components"]["schemas"]
+    for path, model in ((C, CompletionRequest), (H, ChatCompletionRequest)):
+        ref = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        assert ref == f"#/components/schemas/{model.__name__}"
+        assert set(components[model.__name__]["properties"]) == set(model.model_fields)
+    assert {"StreamOptions", "ChatMessage", "TextPart"} <= set(components)
+
+
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=lambda m: m.value)
+def test_fuzzed_requests_get_no_server_error(server, mode):
+    """Every operation, with inputs the schema allows and inputs it does not: never a 5xx (generations
+    stay short: the model's context is 128 tokens)."""
+    schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert {op.path for op in operations} >= {C, H, "/v1/models", "/health", "/metrics"}
+    statuses: dict[str, list[int]] = {}
+    for operation in operations:
+        if mode is GenerationMode.NEGATIVE and not operation.body:
+            continue  # no inputs to get wrong
+
+        @settings(max_examples=40 if mode is GenerationMode.POSITIVE else 100, deadline=None, database=None,
+                  derandomize=True, suppress_health_check=list(HealthCheck))
+        @given(case=operation.as_strategy(generation_mode=mode))
+        def fuzz(case: schemathesis.Case) -> None:
+            r = case.call_and_validate(checks=[not_a_server_error], timeout=60)
+            statuses.setdefault(case.operation.label, []).append(r.status_code)
+
+        fuzz()
+    if mode is GenerationMode.POSITIVE:  # some inputs were generated through, not only rejected
+        assert 200 in statuses[f"POST {C}"] + statuses[f"POST {H}"], statuses

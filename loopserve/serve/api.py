@@ -1,7 +1,8 @@
 """The FastAPI app: `build_app(engine, settings)`.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both stream as SSE `data: {...}`
-chunks ending with `data: [DONE]`), GET /v1/models, GET /health, GET /metrics.
+chunks ending with `data: [DONE]`), GET /v1/models, GET /health, GET /metrics, GET /openapi.json
+(the request bodies' JSON schemas included, though the endpoints parse the raw body themselves).
 
 Every error is an OpenAI-style body {"error": {"message", "type", "param", "code"}}: bad input is
 a 400 (401 bad API key, 404 unknown model or route, 413 body too large, 415 a body that is not
@@ -34,6 +35,7 @@ from typing import Any
 
 import jinja2
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -261,6 +263,12 @@ async def _wait_disconnect(receive: Callable) -> None:
 
 
 # -- the app -----------------------------------------------------------------------------------------------------
+def _json_body(model: type) -> dict[str, Any]:
+    """OpenAPI `requestBody` of an endpoint that reads the raw body: `model`'s schema, by reference."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
 def _is_json(content_type: str) -> bool:
     return content_type.split(";", 1)[0].strip().lower() == "application/json"
 
@@ -285,7 +293,20 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
         finally:
             await aengine.shutdown()
 
-    app = FastAPI(title="loopserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="loopserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in (CompletionRequest, ChatCompletionRequest):
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     app.state.engine = aengine
     app.state.metrics = metrics
     app.state.settings = settings
@@ -433,7 +454,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
             "id": settings.model_name, "object": "model", "created": created, "owned_by": "loopserve",
             "root": root, "parent": None, "max_model_len": max_model_len, "r_max": mc.r_max}]})
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         arrival = time.monotonic()
         req: CompletionRequest = await read(request, CompletionRequest)
@@ -507,7 +528,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
             yield _sse({**base("text_completion", cid), "choices": [], "usage": _usage(list(latest.values()))})
         yield "data: [DONE]\n\n"
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         arrival = time.monotonic()
         req: ChatCompletionRequest = await read(request, ChatCompletionRequest)
