@@ -485,3 +485,28 @@ def test_ablation_trace_exports_the_schedule(bench_cache, single_thread):
         coda_rows = data["traces"][sched]["summary"]["rows"]["coda"]
         assert sum(t["batch"] for t in ticks if t["stage"] == "coda") == coda_rows
     assert (out / "schedule_trace.png").is_file()
+
+
+def test_bench_host_times_decode_ticks_of_a_null_model(bench_cache, single_thread):
+    """`bench host`: every decode stage is timed (prefill ticks left out), exits are mixed, CB runs full
+    cohorts while CDB re-forms its batch, and the projection pairs each CDB point with both models and
+    devices."""
+    from loopserve.cli import main
+
+    out = bench_cache / "host"
+    assert main(["bench", "host", "--widths", "4,8", "--contexts", "24", "--no-progress", "--out", str(out)]) == 0
+    data = json.loads((out / "host.json").read_text())
+    points = {(p["scheduler"], p["width"]): p for p in data["points"]}
+    assert set(points) == {("cb", 4), ("cb", 8), ("cdb", 4), ("cdb", 8)}
+    for (sched, width), p in points.items():
+        assert 1.5 < p["mean_exit_depth"] < 3.5  # the null gate exits tokens at mixed depths
+        stages = p["stages"]
+        assert {"core", "coda"} <= set(stages) and "prefill" not in stages
+        assert all(s["host_cpu_us"] > 0 and s["tick_us"] > 0 for s in stages.values())
+        if sched == "cb":  # one cohort of `width` rows every tick, full depth: 4 core ticks per token
+            assert stages["core"]["mean_rows"] == width and stages["core"]["ticks"] == 4 * stages["coda"]["ticks"]
+        else:
+            assert stages["core"]["mean_rows"] < width  # tokens left the batch at their exits
+    assert len(data["projection"]) == 2 * 2 * 2  # CDB points x models x devices
+    assert all(0 <= r["idle_overlapped"] <= r["idle_serial"] < 1 for r in data["projection"])
+    assert (out / "host.png").is_file()

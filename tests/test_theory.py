@@ -34,41 +34,8 @@ from loopserve.bench.theory import (
     stage_flops,
     theory_report,
 )
-
-OURO_14B = {
-    "architectures": ["OuroForCausalLM"],
-    "model_type": "ouro",
-    "hidden_size": 2048,
-    "intermediate_size": 5632,
-    "num_hidden_layers": 24,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 16,
-    "head_dim": 128,
-    "vocab_size": 49152,
-    "total_ut_steps": 4,
-    "tie_word_embeddings": False,
-    "hidden_act": "silu",
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 1000000.0,
-}
-
-HUGINN_35B = {
-    "architectures": ["RavenForCausalLM"],
-    "model_type": "huginn_raven",
-    "n_embd": 5280,
-    "n_heads": 55,
-    "n_layers": 8,
-    "n_layers_in_prelude": 2,
-    "n_layers_in_recurrent_block": 4,
-    "n_layers_in_coda": 2,
-    "intermediate_size": 17920,
-    "vocab_size": 65536,
-    "padded_vocab_size": 65536,
-    "mean_recurrence": 32,
-    "qk_bias": True,
-    "bias": False,
-    "tie_embeddings": True,
-}
+from loopserve.bench.theory import HUGINN_0125 as HUGINN_35B
+from loopserve.bench.theory import OURO_1_4B as OURO_14B
 
 # ---- Ouro-1.4B by hand: H=2048, I=5632, L=24, 16 heads (16 kv) x 128, V=49152, T=4, untied ----
 O_H, O_I, O_L, O_V = 2048, 5632, 24, 49152

@@ -348,6 +348,28 @@ def cmd_step_latency(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_host(args: argparse.Namespace) -> int:
+    from loopserve.bench import host
+    from loopserve.bench.harness import machine_info, set_threads, write_json
+    from loopserve.bench.plots import plot_host
+
+    set_threads(1)  # the host path is single-threaded; one intra-op thread keeps torch's pool from spinning
+    points = host.run(args.widths, args.contexts, args.schedulers.split(","), progress=not args.no_progress)
+    proj = host.projection(points)
+    print(host.format_table(points))
+    print()
+    print(host.format_projection(proj))
+    out = args.out or DEFAULT_OUT / "host"
+    data = {"command": "loopserve " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine_info(),
+            "model": "NullLM (no attention, O(rows) stages)", "output_tokens": host.OUTPUT_TOKENS,
+            "points": [p.as_dict() for p in points], "projection": proj}
+    write_json(out / "host.json", data)
+    plot_host(data["points"], out / "host.png", "engine host time per tick, model compute taken out (CPU clock)")
+    print(f"wrote {out / 'host.json'}", file=sys.stderr)
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from loopserve.bench.harness import CDB_SCHEDULERS, engine_kwargs_for, run_offline, write_json
     from loopserve.bench.plots import plot_serve
@@ -559,6 +581,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-layout", default="shared", choices=["depth_indexed", "last_exited", "shared"],
                    help="reads are one slot per layer in every layout; shared needs the least memory")
     p.set_defaults(func=cmd_step_latency)
+
+    p = bsub.add_parser("host", help="engine host time per tick with model compute taken out (a null model)")
+    p.add_argument("--widths", type=_ints, default=[32, 128, 256, 512])
+    p.add_argument("--contexts", type=_ints, default=[128, 1024, 4096])
+    p.add_argument("--schedulers", default="cb,cdb")
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_host)
 
     p = bsub.add_parser("serve", help="open-loop Poisson serving, in-process and over HTTP")
     add_model_args(p)

@@ -167,3 +167,31 @@ def plot_schedule_trace(traces: dict[str, list[dict[str, Any]]], path: Path, tit
     axes[-1, 0].set_xlabel("tick")
     fig.suptitle(title)
     return _save(fig, path)
+
+
+def plot_host(points: list[dict[str, Any]], path: Path, title: str) -> Path:
+    """Host CPU time per tick (model compute taken out) against width, one panel per stage, a line per
+    (scheduler, context)."""
+    stages = [s for s in ("prelude", "core", "coda") if any(s in p["stages"] for p in points)]
+    fig, axes = plt.subplots(1, len(stages), figsize=(4.2 * len(stages), 4.0), squeeze=False)
+    contexts = sorted({p["context"] for p in points})
+    styles = ["-", "--", ":", "-."]
+    for ax, stage in zip(axes[0], stages, strict=True):
+        for sched in ("cb", "cdb"):
+            for ls, ctx in zip(styles, contexts, strict=False):
+                pts = sorted((p["width"], p["stages"][stage]["host_cpu_us"]) for p in points
+                             if p["scheduler"] == sched and p["context"] == ctx and stage in p["stages"])
+                if pts:
+                    ax.plot([x for x, _ in pts], [y for _, y in pts], ls, marker=MARKERS[sched], color=COLORS[sched],
+                            label=f"{LABELS[sched]}, context {ctx}")
+        ax.axhline(150, color="k", lw=1, alpha=0.5)
+        ax.text(ax.get_xlim()[0], 150, " target 150 us", va="bottom", fontsize=7)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("width (max_decode_batch)")
+        ax.set_ylabel("host CPU us per tick")
+        ax.set_title(f"{stage} ticks")
+        ax.grid(alpha=0.3, which="both")
+    axes[0][stages.index("core") if "core" in stages else 0].legend(fontsize=6)
+    fig.suptitle(title, fontsize=9)
+    return _save(fig, path)

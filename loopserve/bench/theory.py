@@ -42,6 +42,8 @@ __all__ = [
     "DEVICES",
     "H100_SXM",
     "H200",
+    "HUGINN_0125",
+    "OURO_1_4B",
     "Device",
     "ModelShape",
     "ParamCounts",
@@ -84,6 +86,44 @@ _DTYPE_BYTES: dict[str, int] = {
     "float8_e5m2": 1,
     "fp8": 1,
     "int8": 1,
+}
+
+
+# Published configs (config.json of ByteDance/Ouro-1.4B and tomg-group-umd/huginn-0125), for the
+# theory of the real models and the device-idle projection of `bench host`.
+OURO_1_4B: dict[str, Any] = {
+    "architectures": ["OuroForCausalLM"],
+    "model_type": "ouro",
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "head_dim": 128,
+    "vocab_size": 49152,
+    "total_ut_steps": 4,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+}
+
+HUGINN_0125: dict[str, Any] = {
+    "architectures": ["RavenForCausalLM"],
+    "model_type": "huginn_raven",
+    "n_embd": 5280,
+    "n_heads": 55,
+    "n_layers": 8,
+    "n_layers_in_prelude": 2,
+    "n_layers_in_recurrent_block": 4,
+    "n_layers_in_coda": 2,
+    "intermediate_size": 17920,
+    "vocab_size": 65536,
+    "padded_vocab_size": 65536,
+    "mean_recurrence": 32,
+    "qk_bias": True,
+    "bias": False,
+    "tie_embeddings": True,
 }
 
 

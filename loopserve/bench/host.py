@@ -1,0 +1,220 @@
+"""`loopserve bench host`: the engine's own cost per tick, with model compute taken out.
+
+A null model (`NullLM`) implements the stage API with a few O(rows) tensor ops and no attention:
+its stages return tensors of the right shapes and never read the KV cache; its exit gate is a cheap
+hash of the state, so tokens exit at mixed depths (mean about 2.5 of 4) and the exit bookkeeping,
+signal readback and refill paths all run. What remains of a tick is the host path that a real
+model pays on top of its compute: scheduling, building the attention context (row maps, key
+tables), gathering state rows, sampling, exit bookkeeping, detokenization and output assembly.
+The null model's own time is measured and reported apart (`null_us`), so `host = tick - null`.
+
+Each point runs `width` requests with prompts of `context` tokens (CB: one cohort of `width`; CDB
+refill: the same requests, re-forming the batch every loop), skips the prefill ticks and times
+every decode tick (`engine.step()`), wall and process CPU clock, grouped by the stage the tick was
+planned for (a coda tick includes the preludes of the tokens it sampled, which CDB refill runs in
+the same tick).
+
+The projection of device idle (clearly a projection, nothing ran on a GPU): a core tick's host
+time on this CPU against the roofline time of one core step of Ouro-1.4B / Huginn-0125 on an H100
+or H200 at the same width and context (`theory.core_step_time_estimate`). Two bounds: `serial` (the
+host builds tick t+1 only after tick t finished: idle = host / (host + device)) and `overlapped`
+(perfect pipelining: the device idles only when the host is slower, idle = max(0, host - device) /
+max(host, device)).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from loopserve.bench.theory import DEVICES, HUGINN_0125, OURO_1_4B, core_step_time_estimate
+from loopserve.config import ModelConfig
+from loopserve.engine.config import EngineConfig
+from loopserve.engine.engine import LLMEngine, StageRecord
+from loopserve.models.base import LoopedLM
+from loopserve.models.loader import LoadedModel, load_model
+from loopserve.models.tiny import TinySpec, make_tiny
+from loopserve.sampling_params import SamplingParams
+
+NULL_SPEC = TinySpec(arch="ouro", hidden_size=8, num_heads=1, intermediate_size=16, vocab_size=512, layers="1",
+                     r_max=4, max_position=8192, seed=0)
+OUTPUT_TOKENS = 16
+PROJECTED = {"ouro-1.4b": OURO_1_4B, "huginn-0125": HUGINN_0125}
+
+
+class NullLM(LoopedLM):
+    """The stage API at (almost) no cost: state[:, 0] is a hash of (token, position), state[:, 1]
+    counts loops. `seconds` accumulates the CPU time spent inside the stages (the clock the host
+    time is read on, so `host = tick - null` never mixes clocks)."""
+
+    has_gate = True
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.anchor = nn.Parameter(torch.zeros(1))  # the engine reads dtype and device from parameters
+        self.seconds = 0.0
+
+    def _timed(self, t0: float) -> None:
+        self.seconds += time.process_time() - t0
+
+    def prelude(self, token_ids, ctx, state_seeds=None):
+        t0 = time.process_time()
+        state = torch.zeros(token_ids.shape[0], self.config.hidden_size)
+        state[:, 0] = (token_ids * 0.6180339 + ctx.positions * 0.1234567) % 1.0
+        self._timed(t0)
+        return state, None
+
+    def core_step(self, state, inject, ctx):
+        t0 = time.process_time()
+        out = state.clone()
+        out[:, 1] += 1
+        self._timed(t0)
+        return out
+
+    def gate_logit(self, state):
+        t0 = time.process_time()
+        u = (state[:, 0] * 7.31 + state[:, 1] * 0.377) % 1.0
+        logit = (u - 0.77) * 6.0
+        self._timed(t0)
+        return logit
+
+    def coda(self, state, ctx, logit_rows=None):
+        t0 = time.process_time()
+        rows = state if logit_rows is None else state[logit_rows]
+        logits = torch.zeros(rows.shape[0], self.config.vocab_size)
+        logits[torch.arange(rows.shape[0]), (rows[:, 0] * 997 + rows[:, 1]).long() % self.config.vocab_size] = 1.0
+        self._timed(t0)
+        return logits
+
+
+@dataclass
+class StageCost:
+    ticks: int = 0
+    rows: int = 0
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    null_s: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        n = max(self.ticks, 1)
+        return {"ticks": self.ticks, "mean_rows": self.rows / n, "tick_us": 1e6 * self.wall_s / n,
+                "tick_cpu_us": 1e6 * self.cpu_s / n, "null_us": 1e6 * self.null_s / n,
+                "host_cpu_us": 1e6 * (self.cpu_s - self.null_s) / n,
+                "host_cpu_us_per_row": 1e6 * (self.cpu_s - self.null_s) / max(self.rows, 1)}
+
+
+@dataclass
+class HostPoint:
+    scheduler: str
+    width: int
+    context: int
+    stages: dict[str, StageCost] = field(default_factory=dict)
+    mean_exit_depth: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"scheduler": self.scheduler, "width": self.width, "context": self.context,
+                "mean_exit_depth": self.mean_exit_depth,
+                "stages": {s: c.as_dict() for s, c in sorted(self.stages.items())}}
+
+
+def null_engine(scheduler: str, width: int, context: int, loaded: LoadedModel) -> LLMEngine:
+    block = 16
+    tokens = width * (-(-(context + OUTPUT_TOKENS + 1) // block) + 1) * block
+    cfg = EngineConfig(scheduler=scheduler, max_decode_batch=width, max_num_seqs=width, block_size=block,
+                       kv_cache_tokens=tokens, prefill_chunk_size=2048, max_num_batched_tokens=8192,
+                       kv_safety_margin=0.0)
+    return LLMEngine(NullLM(loaded.config), loaded.tokenizer, cfg)
+
+
+def measure(scheduler: str, width: int, context: int, loaded: LoadedModel, seed: int = 0) -> HostPoint:
+    engine = null_engine(scheduler, width, context, loaded)
+    model = engine.model
+    assert isinstance(model, NullLM)
+    gen = torch.Generator().manual_seed(seed)
+    params = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0.0, ignore_eos=True, exit_policy="gate",
+                            exit_threshold=0.5)
+    for i in range(width):
+        ids = torch.randint(1, NULL_SPEC.vocab_size, (context,), generator=gen).tolist()
+        engine.add_request(f"h{i}", ids, params)
+    records: list[StageRecord] = []
+    engine.stage_hooks.append(records.append)
+    point = HostPoint(scheduler, width, context)
+    with torch.inference_mode():
+        while engine.has_unfinished_requests():
+            records.clear()
+            null0, c0, t0 = model.seconds, time.process_time(), time.perf_counter()
+            engine.step()
+            wall, cpu, null = time.perf_counter() - t0, time.process_time() - c0, model.seconds - null0
+            if not records or any(r.stage == "prefill" for r in records):
+                continue
+            cost = point.stages.setdefault(records[0].stage, StageCost())
+            cost.ticks += 1
+            cost.rows += records[0].rows
+            cost.wall_s += wall
+            cost.cpu_s += cpu
+            cost.null_s += null
+    depths = engine.stats.exit_depths
+    point.mean_exit_depth = sum(d * c for d, c in depths.items()) / max(sum(depths.values()), 1)
+    return point
+
+
+def run(widths: list[int], contexts: list[int], schedulers: list[str], progress: bool = True) -> list[HostPoint]:
+    points = []
+    with tempfile.TemporaryDirectory() as tmp:
+        loaded = load_model(make_tiny(Path(tmp) / "null", NULL_SPEC), "float32", "cpu", "zero")  # its tokenizer
+        for context in contexts:
+            for width in widths:
+                for sched in schedulers:  # side by side at each point
+                    p = measure(sched, width, context, loaded)
+                    if progress:
+                        core = p.stages.get("core", StageCost()).as_dict()
+                        print(f"{sched:>4} width {width:4d} context {context:5d}: core tick host "
+                              f"{core['host_cpu_us']:8.0f} us CPU ({core['host_cpu_us_per_row']:.2f} us/row)",
+                              flush=True)
+                    points.append(p)
+    return points
+
+
+def projection(points: list[HostPoint], scheduler: str = "cdb") -> list[dict[str, Any]]:
+    """Projected device idle per (model, device, width, context) from the measured core-tick host time."""
+    out = []
+    for p in points:
+        core = p.stages.get("core")
+        if p.scheduler != scheduler or core is None or not core.ticks:
+            continue
+        host = core.as_dict()["host_cpu_us"] * 1e-6
+        for model, cfg in PROJECTED.items():
+            for dev in ("h100", "h200"):
+                t = core_step_time_estimate(cfg, DEVICES[dev], p.width, p.context).time_s
+                out.append({"model": model, "device": dev, "width": p.width, "context": p.context,
+                            "host_us": host * 1e6, "device_us": t * 1e6,
+                            "idle_serial": host / (host + t), "idle_overlapped": max(0.0, host - t) / max(host, t)})
+    return out
+
+
+def format_table(points: list[HostPoint]) -> str:
+    lines = ["| scheduler | width | context | stage | ticks | mean rows | host us/tick (CPU) | host us/row | "
+             "null model us | wall us/tick |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for p in points:
+        for stage, c in sorted(p.stages.items()):
+            d = c.as_dict()
+            lines.append(f"| {p.scheduler} | {p.width} | {p.context} | {stage} | {d['ticks']} | {d['mean_rows']:.0f} | "
+                         f"{d['host_cpu_us']:.0f} | {d['host_cpu_us_per_row']:.2f} | {d['null_us']:.0f} | "
+                         f"{d['tick_us']:.0f} |")
+    return "\n".join(lines)
+
+
+def format_projection(rows: list[dict[str, Any]]) -> str:
+    lines = ["| model | device | width | context | host us (CPU, measured) | core step us (roofline) | "
+             "idle, serial | idle, overlapped |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['device']} | {r['width']} | {r['context']} | {r['host_us']:.0f} | "
+                     f"{r['device_us']:.0f} | {100 * r['idle_serial']:.0f}% | {100 * r['idle_overlapped']:.0f}% |")
+    return "\n".join(lines)
