@@ -20,9 +20,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loopserve import LLM, SamplingParams
-from loopserve.engine import sequence as sequence_module
+from loopserve.engine import sampler as sampler_module
 from loopserve.engine.runner import ModelRunner
-from loopserve.engine.sampler import sample_token, token_logprobs
+from loopserve.engine.sampler import sample_batch, sample_one, unpack
 from loopserve.engine.sequence import Sequence
 from loopserve.errors import NonFiniteError
 from loopserve.exits import ExitTracker
@@ -48,29 +48,29 @@ def _inject(monkeypatch, point: str) -> None:
         return _victim(seq) and len(seq.output_ids) >= 1
 
     if point in ("sample_first", "sample", "nan_logits"):
-        real = sequence_module.sample_token
-        calls = [0]
+        real = sampler_module.sample_batch
 
         # the sampler sees params only: the victim is the one request with this stop string
-        def sample(logits, params, generator):
-            if params.stop == ["<victim>"]:
-                calls[0] += 1
-                if point == "sample_first" or (point == "sample" and calls[0] >= 2):
-                    raise Fault("sampler failed")
-                if point == "nan_logits" and calls[0] >= 2:
-                    logits = torch.full_like(logits, float("nan"))
-            return real(logits, params, generator)
+        def sample_batch(logits, params, seeds, counters):
+            rows = [i for i, p in enumerate(params) if p.stop == ["<victim>"]]
+            hit = [i for i in rows if (counters[i] == 0) == (point == "sample_first")]
+            if hit and point != "nan_logits":
+                raise Fault("sampler failed")
+            if hit:
+                logits = logits.clone()
+                logits[hit] = float("nan")
+            return real(logits, params, seeds, counters)
 
-        monkeypatch.setattr(sequence_module, "sample_token", sample)
+        monkeypatch.setattr(sampler_module, "sample_batch", sample_batch)
     elif point == "logprobs":
-        real_lp = sequence_module.token_logprobs
+        real_lp = sampler_module.top_logprobs
 
-        def logprobs(logits, token, k, decode):
+        def top_logprobs(logits, tokens, k):
             if k == 4:  # only the victim asks for 4 logprobs
                 raise Fault("logprobs failed")
-            return real_lp(logits, token, k, decode)
+            return real_lp(logits, tokens, k)
 
-        monkeypatch.setattr(sequence_module, "token_logprobs", logprobs)
+        monkeypatch.setattr(sampler_module, "top_logprobs", top_logprobs)
     elif point in ("detokenize", "stop"):
         name = "_decode_new_text" if point == "detokenize" else "_stop_string"
         real_m = getattr(Sequence, name)
@@ -140,7 +140,9 @@ def test_a_failing_request_fails_alone(point, scheduler, layout, tiny_ouro, monk
     outs = drive(engine, reqs)  # invariants after every step; drained at the end: nothing leaked
     victim = outs[VICTIM]
     assert victim.outputs[0].finish_reason == "error" and victim.error_status == 500
-    expected = "non-finite" if point.startswith("nan") else "internal error while handling this request (Fault"
+    expected = "non-finite" if point.startswith("nan") else "internal error while handling this request ("
+    if not point.startswith("nan"):
+        assert "failed" in (victim.error or "")
     assert expected in (victim.error or "")
     for r in reqs[1:]:
         assert_matches(outs[r.rid], refs[r.rid])
@@ -197,26 +199,26 @@ def test_any_accepted_sampling_params_sample_safely(temperature, top_p, min_p, e
     for v in (p.temperature, p.top_p, p.min_p, p.exit_threshold or 0.0):
         assert math.isfinite(v) and not isinstance(v, bool)
     logits = (torch.randn(320, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * scale).float()
-    gen = torch.Generator().manual_seed(p.seed if p.seed is not None else 0)
-    token = sample_token(logits, p, gen)
-    assert 0 <= token < 320
-    entry, chosen = token_logprobs(logits, token, p.logprobs or 0, str)
-    assert token in entry and math.isfinite(chosen) and chosen <= 0
+    s = sample_one(logits, p, p.seed if p.seed is not None else 0, 0).checked()
+    assert 0 <= s.token < 320
+    assert math.isfinite(s.logprob) and s.logprob <= 0 and s.rank >= 1 and len(s.top) == (p.logprobs or 0)
 
 
 def test_tiny_temperatures_are_greedy():
     logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
     for t in (5e-324, 1e-310, 1e-8, 9.9e-6):
-        assert sample_token(logits, SamplingParams(temperature=t), torch.Generator()) == int(logits.argmax())
+        for counter in range(5):
+            assert sample_one(logits, SamplingParams(temperature=t), 3, counter).token == int(logits.argmax())
 
 
 def test_non_finite_logits_raise_a_named_error():
-    bad = torch.tensor([0.0, float("nan"), 1.0])
-    for p in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)):
+    bad = torch.tensor([[0.0, float("nan"), 1.0], [0.0, float("inf"), 1.0], [0.0, 1.0, 2.0]])
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, logprobs=1), SamplingParams()]
+    rows = unpack(sample_batch(bad, params, [1, 2, 3], [0, 0, 0]), params)
+    for r in rows[:2]:
         with pytest.raises(NonFiniteError):
-            sample_token(bad, p, torch.Generator())
-    with pytest.raises(NonFiniteError):
-        token_logprobs(torch.tensor([0.0, float("inf")]), 0, 1, str)
+            r.checked()
+    assert rows[2].checked().token in (0, 1, 2)
 
 
 # -- Huginn: reproducible without a seed ---------------------------------------------------------------------

@@ -179,7 +179,7 @@ def test_async_codas_match_the_reference(arch, scheduler, tiny_ouro, tiny_huginn
 
 
 def coda_read_lags(path, async_coda: bool) -> list[int]:
-    """For every coda: how many other stage batches were queued between it and the read of its logits."""
+    """For every coda: how many other stage batches were queued between it and the read of its tokens."""
     m = load_model(path, "float64", "cpu")
     engine = LLMEngine(m.model, m.tokenizer, EngineConfig(kv_cache_tokens=512, max_decode_batch=3,
                                                           async_coda=async_coda))
@@ -192,8 +192,8 @@ def coda_read_lags(path, async_coda: bool) -> list[int]:
 
     def logged_coda(items):
         handle = coda(items)
-        host = handle.host
-        handle.host = lambda: (log.append(("read", handle)), host())[1]  # type: ignore[method-assign]
+        get = handle.get
+        handle.get = lambda: (log.append(("read", handle)), get())[1]  # type: ignore[method-assign]
         log.append(("coda", handle))
         return handle
 
@@ -214,7 +214,7 @@ def coda_read_lags(path, async_coda: bool) -> list[int]:
     return lags
 
 
-def test_async_coda_reads_logits_after_the_next_batch_is_queued(ouro_la):
+def test_async_coda_reads_tokens_after_the_next_batch_is_queued(ouro_la):
     sync, lagged = coda_read_lags(ouro_la, False), coda_read_lags(ouro_la, True)
     assert sync and set(sync) == {0}
     assert lagged and max(lagged) >= 1 and sum(lag >= 1 for lag in lagged) > len(lagged) // 2, lagged

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from loopserve import LLM, SamplingParams
-from loopserve.engine.sampler import _filtered_probs, sample_token, token_logprobs
+from loopserve.engine.sampler import filtered_probs, sample_batch, sample_one, uniforms, unpack
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -77,7 +77,12 @@ def test_request_checked_against_the_model(tiny_ouro):
 
 
 def probs(**kw) -> list[float]:
-    return _filtered_probs(LOGITS.clone(), SamplingParams(**kw)).tolist()
+    p = SamplingParams(**kw)
+    vocab = LOGITS.numel()
+    return filtered_probs(LOGITS[None], torch.tensor([p.temperature], dtype=torch.float64),
+                          torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab]),
+                          torch.tensor([p.top_p], dtype=torch.float64),
+                          torch.tensor([p.min_p], dtype=torch.float64))[0].tolist()
 
 
 def close(a, b, tol=1e-12) -> bool:
@@ -123,27 +128,59 @@ def test_filters_compose_after_temperature():
     assert close(got, [q[0] / (q[0] + q[1]), q[1] / (q[0] + q[1]), 0, 0])
 
 
-def test_sample_token_greedy_and_support():
-    assert sample_token(LOGITS, SamplingParams(temperature=0), None) == 0
-    assert sample_token(torch.tensor([0.0, 5.0, 1.0]), SamplingParams(temperature=0), None) == 1
-    g = torch.Generator().manual_seed(0)
-    draws = [sample_token(LOGITS, SamplingParams(top_k=2), g) for _ in range(600)]
+def test_sample_greedy_and_support():
+    assert sample_one(LOGITS, SamplingParams(temperature=0), 1, 0).token == 0
+    assert sample_one(torch.tensor([0.0, 5.0, 1.0]), SamplingParams(temperature=0), 1, 0).token == 1
+    draws = [sample_one(LOGITS, SamplingParams(top_k=2), 7, i).token for i in range(600)]
     assert set(draws) == {0, 1}
     assert abs(draws.count(0) / 600 - 2 / 3) < 0.08
-    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
-    a = [sample_token(LOGITS, SamplingParams(), g1) for _ in range(50)]
-    assert a == [sample_token(LOGITS, SamplingParams(), g2) for _ in range(50)]
+    a = [sample_one(LOGITS, SamplingParams(), 5, i).token for i in range(50)]
+    assert a == [sample_one(LOGITS, SamplingParams(), 5, i).token for i in range(50)]
+    assert a != [sample_one(LOGITS, SamplingParams(), 6, i).token for i in range(50)]
 
 
-def test_token_logprobs_lists_top_k_and_the_sampled_token():
-    out, chosen = token_logprobs(LOGITS, 3, 2, str)
-    assert list(out) == [0, 1, 3]
-    assert abs(out[0].logprob - math.log(0.5)) < 1e-12 and out[0].rank == 1
-    assert abs(out[1].logprob - math.log(0.25)) < 1e-12 and out[1].rank == 2
-    assert out[3].rank == 4 and abs(out[3].logprob - math.log(0.1)) < 1e-12
-    assert chosen == out[3].logprob and out[3].decoded_token == "3"
-    only, _ = token_logprobs(LOGITS, 2, 0, str)
-    assert list(only) == [2] and only[2].rank == 3
+def test_counter_uniforms_are_uniform_and_independent_per_stream():
+    u = uniforms(torch.full((20000,), 12345), torch.arange(20000))
+    assert 0 <= float(u.min()) and float(u.max()) < 1
+    assert abs(float(u.mean()) - 0.5) < 0.01 and abs(float(u.var()) - 1 / 12) < 0.003
+    for b in range(10):  # the fraction in each tenth
+        assert abs(float(((u >= b / 10) & (u < (b + 1) / 10)).double().mean()) - 0.1) < 0.01
+    v = uniforms(torch.arange(20000), torch.zeros(20000, dtype=torch.long))  # across seeds, same counter
+    assert abs(float(v.mean()) - 0.5) < 0.01 and abs(float(torch.corrcoef(torch.stack([u, v]))[0, 1])) < 0.03
+
+
+def test_batch_sampling_is_batch_invariant():
+    """A row draws the same token alone or among any neighbours, at any position in the batch."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(12, 50, generator=g, dtype=torch.float64) * 3
+    params = [SamplingParams(temperature=t, top_k=k, top_p=tp, min_p=mp, logprobs=lp)
+              for t, k, tp, mp, lp in [(0.0, -1, 1.0, 0.0, None), (1.0, -1, 1.0, 0.0, 2), (0.7, 5, 1.0, 0.0, None),
+                                       (1.3, -1, 0.8, 0.0, 0), (1.0, 10, 0.9, 0.05, 3), (0.5, -1, 1.0, 0.2, None)] * 2]
+    seeds, counters = list(range(100, 112)), [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]
+    whole = unpack(sample_batch(logits, params, seeds, counters), params)
+    for i in range(12):
+        assert sample_one(logits[i], params[i], seeds[i], counters[i]) == whole[i]
+    perm = list(reversed(range(12)))
+    shuffled = unpack(sample_batch(logits[perm], [params[i] for i in perm], [seeds[i] for i in perm],
+                                   [counters[i] for i in perm]), [params[i] for i in perm])
+    assert [shuffled[perm.index(i)] for i in range(12)] == whole
+
+
+def test_logprobs_list_top_k_and_the_sampled_token():
+    s = sample_one(LOGITS, SamplingParams(temperature=0, logprobs=2), 1, 0)
+    assert s.token == 0 and s.rank == 1 and abs(s.logprob - math.log(0.5)) < 1e-12
+    assert [t for t, _ in s.top] == [0, 1]
+    assert abs(s.top[1][1] - math.log(0.25)) < 1e-12
+    flat = torch.tensor([0.0, 3.0, 3.0 + math.log(0.5), 3.0 + math.log(0.25)], dtype=torch.float64)
+    s = sample_one(flat, SamplingParams(temperature=0, logprobs=0), 1, 0)
+    assert s.token == 1 and s.top == [] and s.rank == 1
+
+
+def test_non_finite_rows_are_flagged_not_sampled():
+    logits = torch.tensor([[0.0, 1.0, 2.0], [0.0, float("nan"), 1.0], [float("inf"), 0.0, 0.0]])
+    params = [SamplingParams(temperature=1.0)] * 3
+    rows = unpack(sample_batch(logits, params, [1, 2, 3], [0, 0, 0]), params)
+    assert [r.finite for r in rows] == [True, False, False]
 
 
 # ---------------- whole requests

@@ -22,9 +22,8 @@ from loopserve.cache.layout import KVLayout
 from loopserve.cache.manager import KVCacheManager
 from loopserve.cache.pool import KVStore
 from loopserve.config import HUGINN, ModelConfig
-from loopserve.device import Readback
 from loopserve.engine.config import EngineConfig
-from loopserve.engine.runner import ModelRunner, PendingSignals, StatePool, WorkItem
+from loopserve.engine.runner import ModelRunner, PendingSamples, PendingSignals, StatePool, WorkItem
 from loopserve.engine.scheduler import StagePlan, make_scheduler
 from loopserve.engine.sequence import PromptType, Sequence, make_sequence
 from loopserve.engine.stats import EngineStats
@@ -62,7 +61,8 @@ class LLMEngine:
         blocks = max(1, tokens // cfg.block_size)
         store = KVStore((blocks + 1) * cfg.block_size, self.layout.slots_per_token, c.num_kv_heads, c.head_dim,
                         p.dtype, p.device)
-        self.kv = KVCacheManager(store, cfg.block_size, reserved_blocks=1, num_slots=cfg.max_num_seqs)  # block 0: scratch
+        # block 0: scratch rows
+        self.kv = KVCacheManager(store, cfg.block_size, reserved_blocks=1, num_slots=cfg.max_num_seqs)
         self.pool = StatePool(cfg.max_num_seqs, c.hidden_size, p.dtype, p.device, with_inject=c.arch == HUGINN)
         self.stats = EngineStats()
         self.scheduler = make_scheduler(cfg, self.kv, self.pool, self.stats)
@@ -71,7 +71,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         # Async codas (CUDA by default): a coda's logits are read once the next stage batch is queued.
         self.async_coda = cfg.async_coda if cfg.async_coda is not None else p.device.type == "cuda"
-        self._codas: list[tuple[StagePlan, Readback]] = []
+        self._codas: list[tuple[StagePlan, PendingSamples]] = []
         # the last core step's signals, read once the next step is queued: (items, signals, their rows)
         self._deferred: tuple[list[WorkItem], PendingSignals, list[int]] | None = None
         self.requests: dict[str, Sequence] = {}
@@ -113,8 +113,8 @@ class LLMEngine:
         plan = sched.schedule()
         queued_codas = self._take_codas()
         model_time += self._execute(plan)
-        # With async codas, the codas queued before `plan` are read back only now, once `plan` is queued
-        # behind them; their tokens' preludes follow.
+        # With async codas, the tokens of codas queued before `plan` are read back only now, once `plan` is
+        # queued behind them; their preludes follow.
         model_time += self._finish_codas(queued_codas)
         # Tokens just sampled start their next loop in the same tick (the refill scheduler runs
         # their prelude right away instead of spending a separate tick on it).
@@ -160,9 +160,9 @@ class LLMEngine:
                 self._codas.append((plan, pending))  # sampled after the next stage batch is queued
                 t2 = time.perf_counter()
             else:
-                coda_logits = pending.host()["logits"]
+                samples = pending.get()
                 t2 = time.perf_counter()
-                sched.after_coda(plan, coda_logits)
+                sched.after_coda(plan, samples)
         else:
             t2 = t1
         if sched.kv_depth_writes:
@@ -179,18 +179,18 @@ class LLMEngine:
                 hook(record)
         return t2 - t1
 
-    def _take_codas(self) -> list[tuple[StagePlan, Readback]]:
+    def _take_codas(self) -> list[tuple[StagePlan, PendingSamples]]:
         codas, self._codas = self._codas, []
         return codas
 
-    def _finish_codas(self, codas: list[tuple[StagePlan, Readback]]) -> float:
-        """Sample the tokens of queued codas and run their preludes; returns the model time."""
+    def _finish_codas(self, codas: list[tuple[StagePlan, PendingSamples]]) -> float:
+        """Take the tokens of queued codas and run their preludes; returns the model time."""
         model_time = 0.0
-        for plan, logits in codas:
+        for plan, pending in codas:
             t1 = time.perf_counter()
-            host = logits.host()["logits"]
+            samples = pending.get()
             model_time += time.perf_counter() - t1
-            self.scheduler.after_coda(plan, host)
+            self.scheduler.after_coda(plan, samples)
             follow = self.scheduler.follow_up(plan)
             if follow is not None:
                 model_time += self._execute(follow)

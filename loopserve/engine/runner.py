@@ -1,8 +1,8 @@
 """Model runner: executes one homogeneous stage batch. Gathers state-pool rows, builds the
 attention context from the block tables, runs the model stage, scatters results back.
 
-The runner makes no scheduling decisions; it returns raw results (signals, logits) and the
-scheduler decides what they mean.
+The runner makes no scheduling decisions; it returns raw results (exit signals, sampled tokens) and
+the scheduler decides what they mean.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 from loopserve.cache.layout import IN_FLIGHT, KVLayout
 from loopserve.cache.manager import KVCacheManager
 from loopserve.device import Readback, upload
+from loopserve.engine.sampler import Sample, sample_rows, unpack
 from loopserve.engine.sequence import Sequence
 from loopserve.engine.signals import step_signals, uniform_logprobs
 from loopserve.exits import ExitTracker, Signal
@@ -104,6 +105,23 @@ class PendingSignals:
         return out
 
 
+class PendingSamples:
+    """The tokens a stage batch sampled on the device, on their way to the host (already there when
+    the batched sampler fell back to sampling row by row)."""
+
+    def __init__(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        self._params = [s.params for s in seqs]
+        result = sample_rows(logits, self._params, [s.seed for s in seqs], [len(s.output_ids) for s in seqs])
+        self._readback = Readback(result) if isinstance(result, dict) else None
+        self._rows = None if isinstance(result, dict) else result
+
+    def get(self) -> list[Sample]:
+        if self._rows is None:
+            assert self._readback is not None
+            self._rows = unpack(self._readback.host(), self._params)
+        return self._rows
+
+
 class ModelRunner:
     def __init__(self, model: LoopedLM, layout: KVLayout, kv: KVCacheManager, pool: StatePool,
                  scratch_row: int) -> None:
@@ -123,10 +141,10 @@ class ModelRunner:
 
     # -- stages --------------------------------------------------------------------------------------
     @torch.no_grad()
-    def prefill(self, chunks: list[PrefillChunk]) -> dict[str, torch.Tensor]:
+    def prefill(self, chunks: list[PrefillChunk]) -> dict[str, Sample]:
         """Run chunks through prelude, every loop up to their max_loops, and the coda where needed.
 
-        Returns the last-position logits (on the host) of each sequence whose prompt is now complete.
+        Returns the first generated token (`Sample`) of each sequence whose prompt is now complete.
         """
         model, dev = self.model, self.device
         ctx = paged_context(self.kv.store, self.layout, self.kv.block_tables,
@@ -154,8 +172,8 @@ class ModelRunner:
             logits = model.coda(state[upload(logit_rows, dev)], ctx.select(logit_rows))
         if not last:
             return {}
-        host = logits.to("cpu")  # one readback for the batch; sampling runs on the host
-        return {chunks[i].seq.request_id: host[j] for j, i in enumerate(last)}
+        samples = PendingSamples([chunks[i].seq for i in last], logits).get()  # one readback for the batch
+        return {chunks[i].seq.request_id: samples[j] for j, i in enumerate(last)}
 
     @torch.no_grad()
     def prelude(self, items: list[WorkItem]) -> None:
@@ -205,10 +223,11 @@ class ModelRunner:
         return PendingSignals(len(items), rows, Readback(sig))
 
     @torch.no_grad()
-    def coda(self, items: list[WorkItem]) -> Readback:
-        """Logits of the exited items, on their way to the host in one copy (sampling runs there)."""
+    def coda(self, items: list[WorkItem]) -> PendingSamples:
+        """The exited items' next tokens, sampled on the device, on their way to the host in one copy."""
         ctx = self._ctx(items)
-        return Readback({"logits": self.model.coda(self.pool.state[self._state_index(items)], ctx)})
+        logits = self.model.coda(self.pool.state[self._state_index(items)], ctx)
+        return PendingSamples([it.seq for it in items], logits)
 
     @torch.no_grad()
     def write_kv_depths(self, rows: list[int], depths: list[int]) -> None:

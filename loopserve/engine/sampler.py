@@ -1,59 +1,164 @@
-"""Next-token sampling and logprobs for one row.
+"""Batched next-token sampling and logprobs, run where the logits are (the device).
 
-Sampling math runs in float64 from the row's logits so a request draws the same token from the same
-logits whatever batch it was in; a per-request generator makes seeded sampling reproducible.
-Logits that are not all finite raise `NonFiniteError`: the engine then fails that request alone
-(sampling from NaN would either raise deep in torch or silently pick an arbitrary token).
+`sample_batch` takes a stage batch's logits [B, V] and each row's `SamplingParams`, seed and token
+index, and samples every row in one call: greedy, temperature, top-k, top-p and min-p with per-row
+values, plus top-k logprobs for the rows that ask for them. Only token ids, a finiteness flag per
+row and the requested logprobs cross to the host (`unpack` turns them into `Sample`s there).
+
+Batch invariance: every operation is row-wise (softmax, sort, cumsum over one row's vocabulary),
+in float64, and a random row draws its uniform from a counter-based stream, a hash of (request
+seed, token index), instead of a generator shared with other rows, so a row's token never depends
+on its neighbours or the batch size. The reference decoder samples through the same function with
+a batch of one, which is what makes seeded sampling exact against it.
+
+A row whose logits are not all finite is flagged instead of sampled from (`NonFiniteError` when
+its request takes the sample). If the batched call itself raises, `sample_rows` samples row by
+row, so one request's parameters can only ever fail that request.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from loopserve.device import upload
 from loopserve.errors import NonFiniteError
-from loopserve.outputs import Logprob
 from loopserve.sampling_params import SamplingParams
 
-
-def _host_logits(logits: torch.Tensor) -> torch.Tensor:
-    x = logits.detach().to("cpu", torch.float64)
-    if not bool(torch.isfinite(x).all()):
-        raise NonFiniteError("the model produced non-finite logits for this request")
-    return x
+_GOLDEN, _MIX1, _MIX2 = (c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
 
 
-def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    x = logits / p.temperature  # temperature >= GREEDY_TEMPERATURE here, so x stays finite
-    if p.top_k > 0 and p.top_k < x.numel():
-        kth = torch.topk(x, p.top_k).values[-1]
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def uniforms(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """One uniform in [0, 1) per row from (seed, counter): the splitmix64 finalizer of
+    seed + (counter + 1) * golden, with int64 arithmetic wrapping as unsigned would."""
+    x = seeds + (counters + 1) * _GOLDEN
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    x = x ^ _shr(x, 31)
+    return _shr(x, 11).to(torch.float64) * 2.0**-53
+
+
+def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   min_p: torch.Tensor) -> torch.Tensor:
+    """[B, V] sampling distributions (float64) after temperature, top-k, top-p and min-p, each a [B]
+    tensor of per-row values (top_k = V, top_p = 1, min_p = 0: no filter)."""
+    x = logits / temperature[:, None]  # temperature >= GREEDY_TEMPERATURE here, so x stays finite
+    vocab = x.shape[-1]
+    if bool((top_k < vocab).any()):
+        kth = x.sort(-1, descending=True).values.gather(1, (top_k - 1)[:, None])
         x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, -1)
-    if p.top_p < 1:
-        sorted_p, order = probs.sort(descending=True)
-        before = sorted_p.cumsum(0) - sorted_p  # mass strictly above each token
-        drop = before >= p.top_p
-        probs = probs.scatter(0, order, sorted_p.masked_fill(drop, 0.0))
-    if p.min_p > 0:
-        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-    return probs / probs.sum()
+    if bool((top_p < 1).any()):
+        sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
+        before = sorted_p.cumsum(-1) - sorted_p  # mass strictly above each token
+        cut = torch.where(top_p < 1, top_p, torch.full_like(top_p, float("inf")))
+        probs = torch.zeros_like(probs).scatter(1, order, sorted_p.masked_fill(before >= cut[:, None], 0.0))
+    if bool((min_p > 0).any()):
+        probs = probs.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, 0.0)
+    return probs / probs.sum(-1, keepdim=True)
 
 
-def sample_token(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
-    x = _host_logits(logits)
-    if p.greedy:
-        return int(torch.argmax(x))
-    return int(torch.multinomial(_filtered_probs(x, p), 1, generator=generator))
-
-
-def token_logprobs(logits: torch.Tensor, token: int, k: int, decode) -> tuple[dict[int, Logprob], float]:
-    """Top-k of the model's raw distribution plus the sampled token; and the sampled logprob."""
-    lp = torch.log_softmax(_host_logits(logits), -1)
-    chosen = float(lp[token])
-    out: dict[int, Logprob] = {}
+def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
+    """For rows asking for logprobs: the sampled token's logprob and rank in the raw distribution,
+    and the top-k (ids, logprobs) in rank order."""
+    lp = torch.log_softmax(logits, -1)
+    chosen = lp.gather(1, tokens[:, None])[:, 0]
+    out = {"lp_chosen": chosen, "lp_rank": (lp > chosen[:, None]).sum(-1) + 1}
     if k > 0:
-        vals, ids = torch.topk(lp, min(k, lp.numel()))
-        for rank, (v, i) in enumerate(zip(vals.tolist(), ids.tolist(), strict=True), start=1):
-            out[i] = Logprob(v, rank, decode(i))
-    if token not in out:
-        out[token] = Logprob(chosen, int((lp > lp[token]).sum()) + 1, decode(token))
-    return out, chosen
+        top = lp.topk(min(k, lp.shape[-1]), -1)
+        out["lp_top_ids"], out["lp_top_vals"] = top.indices, top.values
+    return out
+
+
+def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
+                 counters: list[int]) -> dict[str, torch.Tensor]:
+    """Sample every row of `logits` [B, V] (any float dtype, on any device); the result stays on that
+    device for one readback: "tokens" [B], "finite" [B] and, for the rows with `logprobs` set (in
+    order), "lp_chosen", "lp_rank" and "lp_top_ids" / "lp_top_vals" [R, max k]."""
+    dev = logits.device
+    x = logits.detach().to(torch.float64)
+    finite = torch.isfinite(x).all(-1)
+    x = x.masked_fill(~finite[:, None], 0.0)  # a non-finite row is flagged, and sampled from zeros
+    tokens = x.argmax(-1)
+    rand = [i for i, p in enumerate(params) if not p.greedy]
+    if rand:
+        ps = [params[i] for i in rand]
+        vocab = x.shape[-1]
+        idx = upload(rand, dev)
+        probs = filtered_probs(
+            x[idx], upload([p.temperature for p in ps], dev, torch.float64),
+            upload([p.top_k if 0 < p.top_k < vocab else vocab for p in ps], dev),
+            upload([p.top_p for p in ps], dev, torch.float64), upload([p.min_p for p in ps], dev, torch.float64))
+        cdf = probs.cumsum(-1)
+        u = uniforms(upload([seeds[i] for i in rand], dev), upload([counters[i] for i in rand], dev))
+        draw = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=vocab - 1)
+        tokens = tokens.index_put((idx,), draw)
+    out = {"tokens": tokens, "finite": finite}
+    asked = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if asked:
+        idx = upload(asked, dev)
+        out.update(top_logprobs(x[idx], tokens[idx], max(params[i].logprobs or 0 for i in asked)))
+    return out
+
+
+@dataclass
+class Sample:
+    """One row's sampling result on the host."""
+
+    token: int
+    finite: bool
+    logprob: float | None = None  # the sampled token's, when logprobs were asked for
+    rank: int | None = None
+    top: list[tuple[int, float]] | None = None  # (token id, logprob) in rank order, k of them
+    error: str | None = None  # sampling this row raised (see `sample_rows`)
+
+    def checked(self) -> Sample:
+        if self.error is not None:
+            raise RuntimeError(self.error)
+        if not self.finite:
+            raise NonFiniteError("the model produced non-finite logits for this request")
+        return self
+
+
+def unpack(host: dict[str, torch.Tensor], params: list[SamplingParams]) -> list[Sample]:
+    """The host copy of `sample_batch`'s result as one `Sample` per row."""
+    out = [Sample(t, f) for t, f in zip(host["tokens"].tolist(), host["finite"].tolist(), strict=True)]
+    asked = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if asked:
+        chosen, ranks = host["lp_chosen"].tolist(), host["lp_rank"].tolist()
+        ids = host["lp_top_ids"].tolist() if "lp_top_ids" in host else None
+        vals = host["lp_top_vals"].tolist() if "lp_top_vals" in host else None
+        for j, i in enumerate(asked):
+            k = params[i].logprobs or 0
+            s = out[i]
+            s.logprob, s.rank = chosen[j], ranks[j]
+            s.top = list(zip(ids[j][:k], vals[j][:k], strict=True)) if ids is not None and vals is not None else []
+    return out
+
+
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
+                counters: list[int]) -> dict[str, torch.Tensor] | list[Sample]:
+    """`sample_batch`, or if it raises, row by row on the host: a row that raises alone gets a
+    `Sample` with its error, the others exactly what the batched call would have given them."""
+    try:
+        return sample_batch(logits, params, seeds, counters)
+    except Exception:
+        rows: list[Sample] = []
+        for i in range(logits.shape[0]):
+            try:
+                rows += unpack({k: v.cpu() for k, v in sample_batch(logits[i:i + 1], params[i:i + 1], seeds[i:i + 1],
+                                                                      counters[i:i + 1]).items()}, params[i:i + 1])
+            except Exception as e:
+                rows.append(Sample(0, True, error=f"{type(e).__name__}: {e}"))
+        return rows
+
+
+def sample_one(logits: torch.Tensor, p: SamplingParams, seed: int, counter: int) -> Sample:
+    """One row (the reference decoder): the same computation as a batch of one."""
+    return unpack({k: v.cpu() for k, v in sample_batch(logits[None], [p], [seed], [counter]).items()}, [p])[0]

@@ -33,6 +33,7 @@ from loopserve.cache.layout import IN_FLIGHT
 from loopserve.cache.manager import KVCacheManager
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.runner import PrefillChunk, StatePool, WorkItem
+from loopserve.engine.sampler import Sample
 from loopserve.engine.sequence import Sequence, Status
 from loopserve.engine.stats import EngineStats
 from loopserve.errors import NonFiniteError
@@ -270,7 +271,7 @@ class Scheduler:
         return None
 
     # -- results ----------------------------------------------------------------------------------------
-    def after_prefill(self, plan: StagePlan, logits: dict) -> None:
+    def after_prefill(self, plan: StagePlan, samples: dict[str, Sample]) -> None:
         for c in plan.chunks:
             seq = c.seq
             self.prefill_pos[seq.request_id] = c.start + c.n
@@ -281,7 +282,7 @@ class Scheduler:
             self.waiting.remove(seq)
             self.stats.prompt_tokens += len(seq.prompt_ids)
             try:
-                seq.sample_and_append(logits[seq.request_id], seq.rule.max_loops)
+                seq.take(samples[seq.request_id], seq.rule.max_loops)
             except Exception as e:
                 self.fail(seq, e)
                 continue
@@ -352,9 +353,9 @@ class Scheduler:
         self.coda_running += items
         return StagePlan("coda", items)
 
-    def after_coda(self, plan: StagePlan, logits) -> None:
-        """Sample each item's token from its coda logits (maybe a tick after the coda was queued:
-        an item aborted meanwhile is skipped)."""
+    def after_coda(self, plan: StagePlan, samples: list[Sample]) -> None:
+        """Append each item's sampled token (maybe a tick after the coda was queued: an item aborted
+        meanwhile is skipped)."""
         running = {id(i) for i in self.coda_running}
         for j, item in enumerate(plan.items):
             if id(item) not in running:
@@ -365,7 +366,7 @@ class Scheduler:
             assert item.tracker is not None and item.tracker.exit_depth is not None
             seq.metrics.loops_run += item.r
             try:
-                seq.sample_and_append(logits[j], item.tracker.exit_depth)
+                seq.take(samples[j], item.tracker.exit_depth)
             except Exception as e:
                 self.fail(seq, e)
                 continue

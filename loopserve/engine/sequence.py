@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from loopserve.engine.sampler import sample_token, token_logprobs
+from loopserve.engine.sampler import Sample, sample_one
 from loopserve.exits import ExitRule
 from loopserve.models.base import LoopedLM
-from loopserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from loopserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from loopserve.sampling_params import SamplingParams
 from loopserve.tokenizer import Tokenizer
 
@@ -111,7 +111,6 @@ class Sequence:
         self.prompt_ids = list(prompt_ids)
         self.tokenizer = tokenizer
         self.seed = (params.seed if params.seed is not None else seed) & _MASK63  # sampling
-        self.generator = torch.Generator().manual_seed(self.seed)
         self._state_base = (state_seed if state_seed is not None else self.seed) & _MASK63
         limit = max_model_len - len(prompt_ids)
         self.max_new = min(params.max_tokens, limit) if params.max_tokens is not None else limit
@@ -153,11 +152,20 @@ class Sequence:
         return self.finish_reason is not None
 
     def sample_and_append(self, logits: torch.Tensor, exit_depth: int) -> int:
-        token = sample_token(logits, self.params, self.generator)
-        if self.logprobs is not None or self.params.logprobs is not None:
-            entry, chosen = token_logprobs(logits, token, self.params.logprobs or 0, self.tokenizer.id_to_token)
-            self.cumulative_logprob += chosen
+        """Sample the next token from one row of logits (the reference decoder; the engine samples a
+        whole batch on the device and hands each request its `Sample`)."""
+        return self.take(sample_one(logits, self.params, self.seed, len(self.output_ids)), exit_depth)
+
+    def take(self, sample: Sample, exit_depth: int) -> int:
+        """Append a sampled token (raises for a row that failed or held non-finite logits)."""
+        token = sample.checked().token
+        if sample.logprob is not None:
+            self.cumulative_logprob += sample.logprob
             if self.logprobs is not None:
+                decode = self.tokenizer.id_to_token
+                entry = {i: Logprob(v, rank, decode(i)) for rank, (i, v) in enumerate(sample.top or (), start=1)}
+                if token not in entry:
+                    entry[token] = Logprob(sample.logprob, sample.rank, decode(token))
                 self.logprobs.append(entry)
         self.append(token, exit_depth)
         return token
