@@ -19,6 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 MODEL = "tiny"  # the served model name
+REPO = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -72,7 +73,9 @@ def run_server(model: Path, log: Path, *extra: str, log_level: str = "warning", 
         with open(log, "w") as f:
             # one intra-op thread: the tiny model's ops are too small to split, and on a loaded machine
             # torch's pool spins instead of working
-            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            env = {**os.environ, "OMP_NUM_THREADS": "1",
+                   # the code of this checkout, also for a launcher script (its own folder comes first)
+                   "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
         url = f"http://127.0.0.1:{port}"
         if _wait_ready(proc, url):

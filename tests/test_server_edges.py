@@ -1,6 +1,9 @@
 """The server's edges, against real `loopserve serve` processes: clients that disconnect at any
 moment or stall while sending, SIGTERM with a stalled upload, the full path of every validation
-error, JSON-only bodies, the model path kept private, and the OpenAPI schema fuzzed by schemathesis.
+error, JSON-only bodies, the model path kept private, the OpenAPI schema fuzzed by schemathesis,
+and faults: a request the engine fails alone (its status), and an engine that dies (the process
+exits non-zero). Faults are injected by a launcher script that patches the engine, then runs the
+ordinary command line.
 
 Most tests share one server on a model with a 128-token context, so that any generation a fuzzer
 asks for is short.
@@ -13,12 +16,15 @@ import json
 import re
 import signal
 import socket
+import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
@@ -27,7 +33,7 @@ from schemathesis.checks import not_a_server_error
 
 from loopserve.models.tiny import TinySpec, make_tiny
 from loopserve.serve.protocol import ChatCompletionRequest, CompletionRequest
-from tests.server_helpers import MODEL, Server, run_server, wait_idle
+from tests.server_helpers import MODEL, Server, run_server, sse_events, wait_idle
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -326,3 +332,127 @@ def test_fuzzed_requests_get_no_server_error(server, mode):
         fuzz()
     if mode is GenerationMode.POSITIVE:  # some inputs were generated through, not only rejected
         assert 200 in statuses[f"POST {C}"] + statuses[f"POST {H}"], statuses
+
+
+# -- F and G: faults in the engine ----------------------------------------------------------------------------------
+LAUNCHER = '''"""`loopserve` with faults injected for prompts that carry a marker (tests/test_server_edges.py)."""
+import sys
+
+from loopserve.cli import main
+from loopserve.engine.engine import LLMEngine
+from loopserve.engine.scheduler import Scheduler
+from loopserve.engine.sequence import Sequence
+
+step, append, add = LLMEngine.step, Sequence.append, Scheduler.add
+
+
+def marked(seq, marker):
+    return marker in (seq.prompt or "")
+
+
+def crashing_step(self):
+    if any(marked(s, "CRASH-ENGINE") for s in self.requests.values()):
+        raise RuntimeError("injected engine failure")
+    return step(self)
+
+
+def failing_append(self, *args, **kwargs):  # a request's own part of a tick: it fails alone
+    if marked(self, "FAIL-REQUEST"):
+        raise RuntimeError("injected failure in this request's token bookkeeping")
+    return append(self, *args, **kwargs)
+
+
+def rejecting_add(self, seq):
+    if marked(seq, "REJECT-REQUEST"):  # finished as the scheduler finishes a prompt that can never fit
+        seq.finish("error", "prompt: rejected by the engine", error_status=400)
+        self._finish(seq)
+        return
+    add(self, seq)
+
+
+LLMEngine.step, Sequence.append, Scheduler.add = crashing_step, failing_append, rejecting_add
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+@pytest.fixture(scope="module")
+def launcher(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("launcher") / "faulty_loopserve.py"
+    path.write_text(LAUNCHER)
+    return path
+
+
+@pytest.fixture(scope="module")
+def long_path(tmp_path_factory) -> Path:
+    """A 2048-token context, so a stream can outlast the fault injected beside it."""
+    return make_tiny(tmp_path_factory.mktemp("tiny-long"), TinySpec(arch="ouro", seed=4))
+
+
+def _stream_in_background(server: Server, max_tokens: int) -> tuple[threading.Thread, threading.Event, dict]:
+    """A long stream on a thread; `started` is set at its first token; `result` gets tokens, [DONE], error."""
+    started, result = threading.Event(), {"tokens": 0, "done": False, "error": None}
+    body = {"model": MODEL, "prompt": "a long one", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+
+    def run() -> None:
+        try:
+            with httpx.stream("POST", server.url + C, json=body, timeout=60) as r:
+                for data in sse_events(r.iter_lines()):
+                    if data == "[DONE]":
+                        result["done"] = True
+                    else:
+                        result["tokens"] += len(json.loads(data)["choices"][0]["exit_depths"])
+                        started.set()
+        except httpx.HTTPError as e:
+            result["error"] = e
+        result["ended"] = time.monotonic()
+        started.set()
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, started, result
+
+
+def test_request_failures_carry_the_engine_status(long_path, launcher, tmp_path):
+    with run_server(long_path, tmp_path / "faults.log", launcher=launcher) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        t, started, result = _stream_in_background(server, 150)
+        assert started.wait(30)
+        r = httpx.post(server.url + C, json={"model": MODEL, "prompt": "FAIL-REQUEST now", "max_tokens": 4},
+                       timeout=30)
+        assert r.status_code == 500, r.text
+        err = r.json()["error"]
+        assert err["code"] == 500 and err["type"] == "InternalServerError"
+        assert "injected failure" in err["message"]
+        with pytest.raises(openai.BadRequestError) as bad:  # the engine says the input was at fault
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "REJECT-REQUEST"}])
+        assert bad.value.status_code == 400 and "rejected by the engine" in bad.value.message
+        # a stream cannot change its status once started: it is cut
+        with pytest.raises(httpx.HTTPError), httpx.stream("POST", server.url + C, timeout=30, json={
+                "model": MODEL, "prompt": "FAIL-REQUEST streamed", "max_tokens": 4, "stream": True}) as s:
+            events = list(sse_events(s.iter_lines()))
+            raise AssertionError(f"stream not cut: {events}")
+        t.join(60)
+        assert result["done"] and result["tokens"] == 150 and result["error"] is None  # the neighbour is unharmed
+        assert httpx.get(server.url + "/health").status_code == 200
+        assert client.completions.create(model=MODEL, prompt="after", max_tokens=3).usage.completion_tokens == 3
+        assert server.proc.poll() is None
+
+
+def test_engine_death_fails_in_flight_requests_and_exits_nonzero(long_path, launcher, tmp_path):
+    log = tmp_path / "crash.log"
+    with run_server(long_path, log, launcher=launcher) as server:
+        t, started, result = _stream_in_background(server, 1800)
+        assert started.wait(30)
+        t0 = time.monotonic()
+        r = httpx.post(server.url + C, json={"model": MODEL, "prompt": "CRASH-ENGINE", "max_tokens": 4}, timeout=30)
+        assert r.status_code == 503 and "injected engine failure" in r.json()["error"]["message"]
+        t.join(30)
+        assert not result["done"] and result["tokens"] < 1800  # the stream was cut...
+        assert result["ended"] - t0 < 5  # ...at once
+        try:
+            rc = server.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the server kept running after its engine died")
+        assert time.monotonic() - t0 < 10
+    assert rc == 1, log.read_text()
+    assert "error: the engine failed" in log.read_text()

@@ -1,4 +1,4 @@
-"""The FastAPI app: `build_app(engine, settings)`.
+"""The FastAPI app: `build_app(engine, settings, on_engine_dead)`.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both stream as SSE `data: {...}`
 chunks ending with `data: [DONE]`), GET /v1/models, GET /health, GET /metrics, GET /openapi.json
@@ -8,7 +8,8 @@ Every error is an OpenAI-style body {"error": {"message", "type", "param", "code
 a 400 (401 bad API key, 404 unknown model or route, 413 body too large, 415 a body that is not
 JSON), overload a 503 with Retry-After. Requests are validated on the event loop (tokenizing,
 checking lengths and sampling values) before they reach the engine, so nothing invalid is ever
-admitted.
+admitted. A request that fails in the engine gets the engine's status (400 if its input was at
+fault, else 500); a stream cannot change its status any more, so it is cut instead.
 
 Only `application/json` bodies are read: a web page can make a browser send a cross-origin POST
 without asking first only as text/plain, form or multipart, so none of those can run a generation
@@ -17,6 +18,9 @@ on a server that trusts its network. `/v1/models` shows the model's path only wh
 A client that goes away (before, during or after sending its request) costs at most one info
 line, and none here when `connection.py` has already answered and logged the request (a stalled
 upload).
+
+If the engine thread dies, in-flight requests fail at once and `on_engine_dead` is called on the
+event loop: `cli.py` then stops the server and exits non-zero, so a supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -251,6 +255,10 @@ class _GroupStreamingResponse(StreamingResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except _StreamFailed as e:
+            # Returning without the final chunk makes the server close the connection mid-stream,
+            # without the traceback an exception would log for what is an engine-side failure.
+            log.error("%s: stream cut: %s", scope.get("path"), e)
         finally:
             self.group.abort()
 
@@ -273,14 +281,15 @@ def _is_json(content_type: str) -> bool:
     return content_type.split(";", 1)[0].strip().lower() == "application/json"
 
 
-def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
+def build_app(engine: LLMEngine, settings: ServerSettings,
+              on_engine_dead: Callable[[], None] | None = None) -> FastAPI:
     mc = engine.model_config
     max_model_len = mc.max_position
     kv_tokens = engine.kv.num_blocks * engine.kv.block_size
     fmt = _Formatter(engine)
     tokenizer = engine.tokenizer
     created = int(time.time())
-    aengine = AsyncLLMEngine(engine, settings.max_queued_requests)
+    aengine = AsyncLLMEngine(engine, settings.max_queued_requests, on_dead=on_engine_dead)
     metrics = ServerMetrics(settings.model_name, lambda: aengine.snapshot, mc.r_max, engine.cfg.max_decode_batch,
                             max_model_len)
     aengine.on_outputs = metrics.observe
@@ -427,9 +436,10 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
         done = [o for o in finals if o is not None]
         for o in done:
             c = o.outputs[0]
+            if c.finish_reason == "error":
+                raise ApiError(o.error_status or 500, o.error or "the engine failed on this request")
             if c.finish_reason not in ("stop", "length"):
-                raise ApiError(500 if c.finish_reason == "error" else 503,
-                               o.error or f"request ended: {c.finish_reason}")
+                raise ApiError(503, o.error or f"request ended: {c.finish_reason}")
         return done
 
     def base(kind: str, cid: str) -> dict[str, Any]:

@@ -9,7 +9,9 @@
 - Admission is bounded: at most `max_num_seqs + max_queued_requests` engine requests in flight;
   past that `add` raises `EngineOverloadedError` (the API answers 503) and nothing already
   admitted is touched.
-- If a step raises, the engine is dead: every in-flight request gets the error, `/health` turns 503.
+- If a step raises, the engine is dead: every in-flight request gets the error, `/health` turns 503,
+  new requests get 503, and `on_dead` is called on the event loop (the server then stops: a
+  process whose engine is gone should be restarted, not kept answering 503).
 """
 
 from __future__ import annotations
@@ -97,10 +99,11 @@ class RequestGroup:
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, max_queued_requests: int = 256,
                  on_outputs: Callable[[list[RequestOutput]], None] | None = None,
-                 idle_poll_s: float = 0.5) -> None:
+                 idle_poll_s: float = 0.5, on_dead: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.capacity = engine.cfg.max_num_seqs + max_queued_requests
         self.on_outputs = on_outputs
+        self.on_dead = on_dead
         self.idle_poll_s = idle_poll_s
         self.snapshot = EngineSnapshot()
         self.dead: BaseException | None = None
@@ -224,7 +227,9 @@ class AsyncLLMEngine:
                     if self._stop.is_set():
                         return
                     self._wake.wait(self.idle_poll_s)
-        except BaseException as e:  # a bug in a step: fail loudly but keep the HTTP side answering
+        except BaseException as e:  # a bug in a step: fail loudly, answer what is in flight, then report
             log.exception("engine step failed; the engine is stopped")
             self.dead = e
             self._post(self._fail_all, EngineDeadError(f"engine error: {e!r}"))
+            if self.on_dead is not None:
+                self._post(self.on_dead)

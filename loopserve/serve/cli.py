@@ -1,5 +1,10 @@
 """`loopserve serve [MODEL] --model PATH [--host 127.0.0.1] [--port 8000] [--api-key KEY]
-[--served-model-name NAME]` plus the engine flags: an OpenAI-compatible server (FastAPI + uvicorn)."""
+[--served-model-name NAME]` plus the engine flags: an OpenAI-compatible server (FastAPI + uvicorn).
+
+Exit status: 0 after SIGTERM (130 after SIGINT), 2 for bad flags or a bad model, 1 if the server
+could not start or the engine failed while serving (then the server stops itself after failing
+what was in flight, so that systemd, Kubernetes or Ray Serve restart it).
+"""
 
 from __future__ import annotations
 
@@ -78,7 +83,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         expose_model_path=args.expose_model_path, api_key=args.api_key or os.environ.get("LOOPSERVE_API_KEY") or None,
         max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_request_body_bytes,
         sampling_defaults={k: v for k, v in defaults.items() if v is not None})
-    app = build_app(engine, settings)
+    engine_failed = False
+
+    def stop_serving() -> None:  # on the event loop, once the engine thread has died
+        nonlocal engine_failed
+        engine_failed = True
+        server.should_exit = True  # uvicorn's graceful stop, as on SIGTERM
+
+    app = build_app(engine, settings, on_engine_dead=stop_serving)
     print(f"loopserve: serving {path} as {settings.model_name!r} on http://{args.host}:{args.port}", flush=True)
     # ws="none": there are no WebSocket endpoints, so an upgrade request is read as plain HTTP
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
@@ -89,6 +101,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _exit_with(0))
     signal.signal(signal.SIGINT, _exit_with(130))
     server.run()
+    if engine_failed:
+        print("error: the engine failed (see the log above); the server has stopped", file=sys.stderr, flush=True)
+        return 1
     return 0 if server.started else 1
 
 
