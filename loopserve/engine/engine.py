@@ -106,7 +106,6 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         sched = self.scheduler
-        before = {s.request_id: len(s.output_ids) for s in self.requests.values()}
         model_time = 0.0
         if self._codas and not sched.core_q:  # nothing would run beside the coda: take its tokens now
             model_time += self._finish_codas(self._take_codas())
@@ -123,11 +122,8 @@ class LLMEngine:
             model_time += self._execute(follow)
         self.stats.model_time += model_time
         self.stats.schedule_time += time.perf_counter() - t0 - model_time
-        outs = []
-        for sid, n in before.items():
-            seq = self.requests[sid]
-            if len(seq.output_ids) != n and not seq.finished:
-                outs.append(seq.to_output())
+        outs = [seq.to_output() for seq in dict.fromkeys(sched.appended) if not seq.finished]
+        sched.appended.clear()
         for seq in sched.finished:
             outs.append(seq.to_output())
             self.requests.pop(seq.request_id, None)

@@ -23,6 +23,7 @@ recomputed); a request that could never fit fails alone with an error. `check_in
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 from collections import deque
@@ -56,12 +57,13 @@ class Scheduler:
         self.prefill_pos: dict[str, int] = {}  # prompt tokens already prefilled
         self.running: dict[str, Sequence] = {}  # admitted, KV resident
         self.swapped: deque[WorkItem] = deque()  # preempted, KV on the host, item not started
-        self.prelude_q: list[WorkItem] = []
+        self.prelude_q: list[WorkItem] = []  # prelude and core queues are kept in creation order (FIFO)
         self.core_q: list[WorkItem] = []
         self.coda_q: list[WorkItem] = []
         self.coda_running: list[WorkItem] = []  # coda queued on the device, token not sampled yet
         self._orders = itertools.count()
         self.finished: list[Sequence] = []  # finished since the last drain (the engine reports them)
+        self.appended: list[Sequence] = []  # got a token since the last drain (the engine streams them)
         self.retired_loops = 0  # decode loops of finished requests (bookkeeping check)
         self.kv_depth_writes: list[tuple[int, int]] = []  # (KV row, depth) of tokens that just exited
         # called with (items, signals) before exit rules see a core step's signals (trajectory recording)
@@ -146,7 +148,7 @@ class Scheduler:
             self.swapped.popleft()
             self.running[sid] = item.seq
             item.seq.status = Status.RUNNING
-            self.prelude_q.append(item)
+            bisect.insort(self.prelude_q, item, key=_order)
             self.stats.swap_ins += 1
 
     def _preempt_for(self, needy: WorkItem, taken: list[WorkItem]) -> bool:
@@ -189,7 +191,7 @@ class Scheduler:
     def _take_preludes(self, limit: int) -> list[WorkItem]:
         """Prelude items (FIFO) that get their next KV slot and a state row."""
         taken: list[WorkItem] = []
-        for item in sorted(self.prelude_q, key=lambda i: i.order):
+        for item in list(self.prelude_q):
             if len(taken) >= min(limit, self.pool.num_free):
                 break
             if item not in self.prelude_q:  # swapped out for an earlier item
@@ -286,6 +288,7 @@ class Scheduler:
             except Exception as e:
                 self.fail(seq, e)
                 continue
+            self.appended.append(seq)
             self.stats.generated_tokens += 1
             if seq.finished:
                 self._finish(seq)
@@ -297,7 +300,7 @@ class Scheduler:
             item.tracker = item.seq.rule.new_item(item.seq.decode_index)
             if self.core_q:
                 self.stats.refill_events += 1
-            self.core_q.append(item)
+            bisect.insort(self.core_q, item, key=_order)
 
     def advance_core(self, plan: StagePlan) -> None:
         """A core step ran: count it, and exit the items whose exit was settled before the step
@@ -370,6 +373,7 @@ class Scheduler:
             except Exception as e:
                 self.fail(seq, e)
                 continue
+            self.appended.append(seq)
             self.stats.generated_tokens += 1
             if seq.finished:
                 self._finish(seq)
@@ -384,6 +388,8 @@ class Scheduler:
         swapped = [i.seq.request_id for i in self.swapped]
         partial = {s.request_id for s in self.waiting if s.request_id in self.running}
         assert len(ids) + len(swapped) == len(set(ids) | set(swapped)), "two in-flight items for one sequence"
+        for q in (self.prelude_q, self.core_q):
+            assert [i.order for i in q] == sorted(i.order for i in q), "queue out of creation order"
         # every admitted sequence is in exactly one place: prefilling its prompt, or one work item
         assert set(self.running) == partial | set(ids) and not partial & set(ids), "admitted sequence misplaced"
         assert not set(self.running) & set(swapped), "sequence both resident and swapped"
@@ -425,6 +431,10 @@ class Scheduler:
         assert self.stats.useful_core_rows == self.retired_loops
 
 
+def _order(item: WorkItem) -> int:
+    return item.order
+
+
 class RefillScheduler(Scheduler):
     def _plan(self) -> StagePlan:
         self._try_swap_in()
@@ -439,7 +449,7 @@ class RefillScheduler(Scheduler):
             if items:
                 return StagePlan("prelude", items)
         if self.core_q:
-            return StagePlan("core", sorted(self.core_q, key=lambda i: i.order)[:width])
+            return StagePlan("core", self.core_q[:width])
         if self.coda_q:
             return self._coda_plan()
         return StagePlan("idle")
