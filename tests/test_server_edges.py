@@ -186,7 +186,7 @@ def test_stalled_connections_are_closed_after_the_read_timeout(server):
 def test_sigterm_does_not_wait_for_stalled_uploads(short_path, tmp_path):
     log = tmp_path / "sigterm.log"
     with run_server(short_path, log, "--shutdown-timeout", "60", "--request-read-timeout", "60",
-                    log_level="info") as server:
+                    "--kv-cache-tokens", "2048", log_level="info") as server:
         head, body = _request(C, json.dumps({"model": MODEL, "prompt": "stall", "max_tokens": 2}).encode())
         uploads = [socket.create_connection(_addr(server)) for _ in range(2)]
         for s in uploads:
@@ -413,7 +413,7 @@ def _stream_in_background(server: Server, max_tokens: int) -> tuple[threading.Th
 
 
 def test_request_failures_carry_the_engine_status(long_path, launcher, tmp_path):
-    with run_server(long_path, tmp_path / "faults.log", launcher=launcher) as server:
+    with run_server(long_path, tmp_path / "faults.log", "--kv-cache-tokens", "4096", launcher=launcher) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
         t, started, result = _stream_in_background(server, 150)
         assert started.wait(30)
@@ -440,7 +440,7 @@ def test_request_failures_carry_the_engine_status(long_path, launcher, tmp_path)
 
 def test_engine_death_fails_in_flight_requests_and_exits_nonzero(long_path, launcher, tmp_path):
     log = tmp_path / "crash.log"
-    with run_server(long_path, log, launcher=launcher) as server:
+    with run_server(long_path, log, "--kv-cache-tokens", "4096", launcher=launcher) as server:
         t, started, result = _stream_in_background(server, 1800)
         assert started.wait(30)
         t0 = time.monotonic()
