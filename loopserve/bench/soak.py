@@ -10,15 +10,18 @@ Traffic (weighted random, seeded per worker; every request goes to the server th
 completions and chat completions, plain and streamed (SSE read to `data: [DONE]`), with varied
 prompts, max_tokens, sampling fields, logprobs, stop strings and loop extensions; streams the client
 cuts after a few chunks; uploads cut halfway or before the body (raw sockets, some with a TCP reset);
-requests the client gives up on after a short read timeout; bad inputs; long prompts with large
-max_tokens (KV pressure); plain valid requests over raw sockets, some with the body trickled in
-pieces. Besides, a burst of more requests than the server admits arrives every 5-10 s (overload).
+uploads that stall past the server's read timeout (408); requests the client gives up on after a
+short read timeout; bad inputs (malformed JSON, wrong types, out-of-range and huge values, NaN in
+every spelling, unknown fields, bodies over the limit, non-JSON content types); long prompts with
+large max_tokens (KV pressure); valid requests over raw sockets, some with the body trickled in
+pieces. Besides, a burst of more requests than the server admits arrives every 0.5-1 times
+`--burst-every-s` (overload). A worker that is answered 503 waits about the Retry-After second.
 
 Every attempt gets one outcome:
 
 - served: 2xx with a complete, well-formed body or stream, every choice finished by stop or length;
 - rejected: 503 with Retry-After (overload: an accepted answer);
-- client_error: the expected 4xx for a bad input;
+- client_error: a 4xx for a bad input or a stalled upload (the report lists any other than expected);
 - aborted: cut by the client on purpose (or by the driver when the run's drain time is up);
 - 5xx: any other 5xx (a 503 without Retry-After included);
 - lost: a request that should have been served or rejected but got no answer within the request
@@ -67,14 +70,14 @@ OUTCOMES = (SERVED, REJECTED, CLIENT_ERROR, ABORTED, SERVER_ERROR, LOST, UNEXPEC
 MUST_BE_ZERO = (SERVER_ERROR, LOST, UNEXPECTED_4XX, BAD_ACCEPTED)
 MODEL_NAME = "soak"
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
-JSON_HEADERS = {"Content-Type": "application/json"}
+JSON_TYPES = ["application/json", "application/json; charset=utf-8", "Application/JSON"]  # all accepted
 
 # weights of the traffic mix: served traffic dominates, every fault is frequent enough to recur
 # many times a minute
 KIND_WEIGHTS = {
     "completion": 12, "completion_stream": 12, "chat": 8, "chat_stream": 8, "raw_completion": 3,
     "trickled_upload": 3, "disconnect_stream": 8, "disconnect_upload": 4, "disconnect_before_body": 3,
-    "client_timeout": 6, "bad_input": 12, "long": 8,
+    "client_timeout": 6, "stalled_upload": 2, "bad_input": 12, "long": 8,
 }
 WORDS = ("loop depth token exit gate batch river stone lantern harbor quiet amber signal window orchard copper "
          "meadow thread winter garden ember falcon marble echo compass velvet summit cobalt ripple tundra").split()
@@ -94,6 +97,7 @@ class SoakConfig:
     request_timeout_s: float = 300.0  # past this, a request that should have been answered is lost
     drain_s: float = 60.0  # after the traffic time, in-flight requests get this long, then are cut
     burst_every_s: float = 10.0  # a burst above the admission bound every 0.5-1 times this
+    read_timeout_s: float = 3.0  # the server's --request-read-timeout: stalled uploads get 408 after it
     idle_timeout_s: float = 30.0
     max_rss_growth_mib: float = 200.0
     server_args: list[str] = field(default_factory=list)
@@ -109,6 +113,7 @@ class Limits:
     r_max: int
     capacity: int  # engine requests in flight or queued before 503
     body_limit: int
+    read_timeout_s: float
 
 
 @dataclass
@@ -242,8 +247,9 @@ def chat_request(rng: random.Random, lim: Limits, stream: bool,
                         bool(body.get("return_token_ids")), usage, lim.r_max)
 
 
-def bad_inputs(lim: Limits) -> list[tuple[str, str, str, Any, int]]:
-    """(name, method, path, body: a JSON-able value or raw bytes or None, expected status)."""
+def bad_inputs(lim: Limits) -> list[tuple[str, str, str, Any, int, str | None]]:
+    """(name, method, path, body: a JSON-able value or raw bytes or None, expected status, Content-Type
+    of a raw body)."""
     m = MODEL_NAME
     c = {"model": m, "prompt": "hi", "max_tokens": 4}
     h = {"model": m, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -308,7 +314,14 @@ def bad_inputs(lim: Limits) -> list[tuple[str, str, str, Any, int]]:
         ("body-over-limit", "POST", COMPLETIONS, {**c, "prompt": "x" * (lim.body_limit + 1)}, 413),
         ("chunked-body-over-limit", "POST", COMPLETIONS, "chunked", 413),
     ]
-    return cases
+    raw = json.dumps(c).encode()
+    return [(*case, "application/json") for case in cases] + [
+        ("content-type-missing", "POST", COMPLETIONS, raw, 415, None),
+        ("content-type-text", "POST", COMPLETIONS, raw, 415, "text/plain"),
+        ("content-type-form", "POST", CHAT, json.dumps(h).encode(), 415, "application/x-www-form-urlencoded"),
+        ("content-type-multipart", "POST", COMPLETIONS, raw, 415, "multipart/form-data; boundary=x"),
+        ("content-type-json-lookalike", "POST", COMPLETIONS, raw, 415, "application/jsonp"),
+    ]
 
 
 # -- answer checks -------------------------------------------------------------------------------------------
@@ -406,9 +419,10 @@ def _sse_data(line: str) -> str | None:
 
 
 # -- raw HTTP ------------------------------------------------------------------------------------------------
-def _raw_request(method: str, path: str, body: bytes, declared: int | None = None) -> bytes:
+def _raw_request(method: str, path: str, body: bytes, declared: int | None = None,
+                 content_type: str = "application/json") -> bytes:
     length = len(body) if declared is None else declared
-    return (f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    return (f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {content_type}\r\n"
             f"Content-Length: {length}\r\nConnection: close\r\n\r\n").encode()
 
 
@@ -440,17 +454,19 @@ def _reset_on_close(writer: asyncio.StreamWriter) -> None:
 
 # -- the traffic ---------------------------------------------------------------------------------------------
 class Traffic:
+    """The client side: the workers and the burster, one method per kind of attempt, and the record of
+    every attempt's outcome."""
+
     def __init__(self, cfg: SoakConfig, lim: Limits, base_url: str, port: int) -> None:
-        self.cfg, self.lim, self.base_url, self.port = cfg, lim, base_url, port
+        self.cfg, self.lim, self.port = cfg, lim, port
         self.attempts: list[Attempt] = []
         self.bad_statuses: dict[str, Counter] = {}
         # keep-alive connections are dropped well before the server's 5 s keep-alive timeout, so a
         # request never goes out on a connection the server is closing at that moment
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=cfg.concurrency, keepalive_expiry=1.0)
-        self.client = httpx.AsyncClient(base_url=base_url, limits=limits, headers=JSON_HEADERS,
-                                        timeout=httpx.Timeout(cfg.request_timeout_s))
+        self.client = httpx.AsyncClient(base_url=base_url, limits=limits, timeout=httpx.Timeout(cfg.request_timeout_s))
         self.bad_cases = bad_inputs(lim)
-        self.kinds: dict[str, Callable[[random.Random], Awaitable[None]]] = {
+        self.kinds: dict[str, Callable[[random.Random], Awaitable[str]]] = {
             "completion": lambda r: self._valid(r, chat=False, stream=False),
             "completion_stream": lambda r: self._valid(r, chat=False, stream=True),
             "chat": lambda r: self._valid(r, chat=True, stream=False),
@@ -461,6 +477,7 @@ class Traffic:
             "disconnect_upload": lambda r: self._disconnect_upload(r, before_body=False),
             "disconnect_before_body": lambda r: self._disconnect_upload(r, before_body=True),
             "client_timeout": self._client_timeout,
+            "stalled_upload": self._stalled_upload,
             "bad_input": self._bad_input,
             "long": self._long,
         }
@@ -479,10 +496,15 @@ class Traffic:
 
     async def _worker(self, index: int, deadline: float) -> None:
         rng = random.Random(self.cfg.seed * 1_000_003 + index)
-        names, weights = list(self.kinds), list(KIND_WEIGHTS.values())
+        names, weights = list(KIND_WEIGHTS), list(KIND_WEIGHTS.values())
+        # the workers share one round of every kind before drawing at random, so that a run of any length
+        # sees each kind at least once
+        tour = names[index::self.cfg.concurrency]
         loop = asyncio.get_running_loop()
         while loop.time() < deadline:
-            await self.kinds[rng.choices(names, weights)[0]](rng)
+            kind = tour.pop(0) if tour else rng.choices(names, weights)[0]
+            if await self.kinds[kind](rng) == REJECTED:
+                await asyncio.sleep(rng.uniform(0.5, 1.5))  # as Retry-After (1 s) asks, give or take
 
     async def _burster(self, deadline: float) -> None:
         """Overload on a clock rather than by weight, so that even a short run sees it."""
@@ -566,7 +588,7 @@ class Traffic:
 
         return await self._attempt(kind, streamed if stream else plain, exp.n)
 
-    async def _long(self, rng: random.Random) -> None:
+    async def _long(self, rng: random.Random) -> str:
         """A token-id prompt and max_tokens that together take up to the whole KV pool (or context)."""
         room = self.lim.room
         prompt_len = rng.randint(max(1, room // 8), room // 2)
@@ -575,7 +597,8 @@ class Traffic:
         else:
             mt = rng.randint(max(1, (room - prompt_len) // 3), room - prompt_len)
         ids = [rng.randint(1, 255) for _ in range(prompt_len)]
-        await self._valid(rng, chat=False, stream=rng.random() < 0.5, kind="long", max_tokens=mt, prompt_ids=ids)
+        return await self._valid(rng, chat=False, stream=rng.random() < 0.5, kind="long", max_tokens=mt,
+                                 prompt_ids=ids)
 
     async def _burst(self, rng: random.Random) -> None:
         """More short requests at once than the server admits: some must be rejected."""
@@ -584,7 +607,7 @@ class Traffic:
         await asyncio.gather(*(self._valid(random.Random(s), chat=s % 4 == 0, stream=s % 3 == 0, kind="burst",
                                            max_tokens=32 + s % 32) for s in seeds))
 
-    async def _raw_valid(self, rng: random.Random, trickle: bool) -> None:
+    async def _raw_valid(self, rng: random.Random, trickle: bool) -> str:
         """A valid completion over a raw socket; `trickle` sends the body in pieces with pauses."""
         body, exp = completion_request(rng, self.lim, stream=False)
         data = json.dumps(body).encode()
@@ -592,7 +615,7 @@ class Traffic:
         async def go() -> tuple[str, int | None, str]:
             reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
             try:
-                writer.write(_raw_request("POST", COMPLETIONS, data))
+                writer.write(_raw_request("POST", COMPLETIONS, data, content_type=rng.choice(JSON_TYPES)))
                 if trickle:
                     cuts = sorted(rng.sample(range(1, len(data)), min(3, len(data) - 1)))
                     for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True):
@@ -614,10 +637,10 @@ class Traffic:
                 return LOST, status, f"malformed body: {e}"
             return SERVED, status, ""
 
-        await self._attempt("trickled_upload" if trickle else "raw_completion", go, exp.n)
+        return await self._attempt("trickled_upload" if trickle else "raw_completion", go, exp.n)
 
     # -- the client goes away ---------------------------------------------------------------------------
-    async def _disconnect_stream(self, rng: random.Random) -> None:
+    async def _disconnect_stream(self, rng: random.Random) -> str:
         """Read a few chunks of a long stream, then close the connection."""
         chat = rng.random() < 0.4
         half = self.lim.room // 2
@@ -645,9 +668,9 @@ class Traffic:
                 return LOST, 200, f"bad stream: {e}"
             return SERVED, 200, "finished before the client closed"
 
-        await self._attempt("disconnect_stream", go, exp.n)
+        return await self._attempt("disconnect_stream", go, exp.n)
 
-    async def _disconnect_upload(self, rng: random.Random, before_body: bool) -> None:
+    async def _disconnect_upload(self, rng: random.Random, before_body: bool) -> str:
         """Declare a body with Content-Length, send none or half of it, and close (FIN or reset)."""
         body, _ = completion_request(rng, self.lim, stream=rng.random() < 0.5)
         data = json.dumps(body).encode()
@@ -664,9 +687,9 @@ class Traffic:
             writer.close()
             return ABORTED, None, f"sent {len(sent)} of {len(data)} body bytes, then {'reset' if reset else 'closed'}"
 
-        await self._attempt("disconnect_before_body" if before_body else "disconnect_upload", go)
+        return await self._attempt("disconnect_before_body" if before_body else "disconnect_upload", go)
 
-    async def _client_timeout(self, rng: random.Random) -> None:
+    async def _client_timeout(self, rng: random.Random) -> str:
         """A long non-streamed request the client stops waiting for after a short read timeout."""
         half = self.lim.room // 2
         mt = rng.randint(min(200, half), half)
@@ -692,11 +715,37 @@ class Traffic:
                 return LOST, r.status_code, f"malformed body: {e}"
             return SERVED, r.status_code, "answered before the client timeout"
 
-        await self._attempt("client_timeout", go, exp.n)
+        return await self._attempt("client_timeout", go, exp.n)
+
+    async def _stalled_upload(self, rng: random.Random) -> str:
+        """Declare a body, send half of it and stall: the server must answer 408 after its read timeout."""
+        body, _ = completion_request(rng, self.lim, stream=False)
+        data = json.dumps(body).encode()
+
+        async def go() -> tuple[str, int | None, str]:
+            reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+            try:
+                writer.write(_raw_request("POST", COMPLETIONS, b"", declared=len(data)) + data[: len(data) // 2])
+                await writer.drain()
+                t0 = time.monotonic()
+                status, _, raw = await _read_response(reader)
+                waited = time.monotonic() - t0
+            finally:
+                writer.close()
+            if status == 408:
+                early = waited < self.lim.read_timeout_s * 0.9
+                return CLIENT_ERROR, status, f"stalled upload: 408 after only {waited:.2f} s" if early else ""
+            if 400 <= status < 500:
+                return CLIENT_ERROR, status, f"stalled upload: {status}, expected 408"
+            if status >= 500:
+                return SERVER_ERROR, status, raw.decode(errors="replace")[:200]
+            return BAD_ACCEPTED, status, "an incomplete body was answered"
+
+        return await self._attempt("stalled_upload", go)
 
     # -- bad inputs -------------------------------------------------------------------------------------
-    async def _bad_input(self, rng: random.Random) -> None:
-        name, method, path, body, want = rng.choice(self.bad_cases)
+    async def _bad_input(self, rng: random.Random) -> str:
+        name, method, path, body, want, content_type = rng.choice(self.bad_cases)
 
         async def chunks():
             for _ in range(self.lim.body_limit // 4096 + 2):
@@ -704,10 +753,9 @@ class Traffic:
 
         async def go() -> tuple[str, int | None, str]:
             kw: dict[str, Any] = {}
-            if body == "chunked":
-                kw["content"] = chunks()
-            elif isinstance(body, bytes):
-                kw["content"] = body
+            if body == "chunked" or isinstance(body, bytes):
+                kw["content"] = chunks() if body == "chunked" else body
+                kw["headers"] = {"Content-Type": content_type} if content_type else {}
             elif body is not None:
                 kw["json"] = body
             r = await self.client.request(method, path, **kw)
@@ -723,7 +771,7 @@ class Traffic:
                 return BAD_ACCEPTED, s, name
             return LOST, s, f"{name}: status {s}"
 
-        await self._attempt("bad_input", go)
+        return await self._attempt("bad_input", go)
 
 
 # -- the server ----------------------------------------------------------------------------------------------
@@ -733,11 +781,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def rss_mib(pid: int) -> float | None:
-    """Resident set size of a process (Linux /proc), MiB."""
+def rss_mib(pid: int, field: str = "VmRSS") -> float | None:
+    """Resident set size of a process (Linux /proc; VmHWM: its peak), MiB."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     except OSError:
         return None
@@ -768,7 +816,8 @@ def start_server(cfg: SoakConfig, model: Path, log: Path) -> tuple[subprocess.Po
                "--port", str(port), "--served-model-name", MODEL_NAME, "--dtype", "float32",
                "--seed", str(cfg.seed), "--kv-cache-tokens", str(cfg.kv_cache_tokens),
                "--max-num-seqs", str(cfg.max_num_seqs), "--max-queued-requests", str(cfg.max_queued_requests),
-               "--max-request-body-bytes", str(cfg.max_body_bytes), "--log-level", "info", *cfg.server_args]
+               "--max-request-body-bytes", str(cfg.max_body_bytes), "--request-read-timeout", str(cfg.read_timeout_s),
+               "--log-level", "info", *cfg.server_args]
         # one intra-op thread: a small model's ops are too small to split, and on a shared machine
         # torch's thread pool spins instead of working
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -800,6 +849,19 @@ def stop_server(proc: subprocess.Popen, timeout_s: float = 90.0) -> tuple[int | 
         proc.wait()
         code = None
     return code, time.monotonic() - t0
+
+
+def git_state() -> dict[str, Any] | None:
+    """The commit of the code under test and its uncommitted changes (the server runs the working tree)."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+        status = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "loopserve"],
+                                capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"head": head, "uncommitted": [line[3:] for line in status.splitlines()]}
 
 
 def scan_log(text: str) -> dict[str, Any]:
@@ -902,14 +964,15 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
             info = httpx.get(base_url + "/v1/models", timeout=10).json()["data"][0]
             max_len, r_max = int(info["max_model_len"]), int(info["r_max"])
             lim = Limits(room=min(max_len, cfg.kv_cache_tokens), max_model_len=max_len, r_max=r_max,
-                         capacity=cfg.max_num_seqs + cfg.max_queued_requests, body_limit=cfg.max_body_bytes)
+                         capacity=cfg.max_num_seqs + cfg.max_queued_requests, body_limit=cfg.max_body_bytes,
+                         read_timeout_s=cfg.read_timeout_s)
             before = scrape(base_url)
             rss: dict[str, Any] = {"after_warmup": None, "warmup_at_s": None, "samples": []}
             traffic, traffic_s = asyncio.run(_drive(cfg, lim, base_url, port, proc.pid, rss))
             idle, idle_s, after = wait_idle(base_url, cfg.idle_timeout_s)
             kv_after_idle = _metric(after, "loopserve:kv_cache_usage_perc")
             probe = final_probe(base_url, lim)
-            rss_end = rss_mib(proc.pid)
+            rss_end, rss_peak = rss_mib(proc.pid), rss_mib(proc.pid, "VmHWM")
         finally:
             exit_code, shutdown_s = stop_server(proc)
         log_scan = scan_log(log.read_text(errors="replace"))
@@ -941,6 +1004,7 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
     return {
         "started_utc": started.isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "source": git_state(),
         "config": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
                    "model": str(cfg.model) if cfg.model else "make_tiny (ouro, random weights)",
                    "max_model_len": lim.max_model_len, "r_max": lim.r_max, "capacity": lim.capacity},
@@ -954,11 +1018,12 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
         "server": figures,
         "bad_input_statuses": {k: {str(s): n for s, n in sorted(v.items())}
                                for k, v in sorted(traffic.bad_statuses.items())},
-        "bad_input_status_mismatches": mismatches,
+        "client_error_mismatches": mismatches,
         "idle": {"reached": idle, "wait_s": round(idle_s, 2), "kv_cache_usage_perc": kv_after_idle},
         "final_request": probe or "served",
         "rss_mib": {"after_warmup": rss["after_warmup"], "warmup_at_s": rss["warmup_at_s"],
                     "end": None if rss_end is None else round(rss_end, 1), "growth": growth,
+                    "peak": None if rss_peak is None else round(rss_peak, 1),
                     "max_growth_allowed": cfg.max_rss_growth_mib, "samples": rss["samples"]},
         "log": log_scan,
         "shutdown": {"exit_code": exit_code, "seconds": round(shutdown_s, 2)},
@@ -991,14 +1056,14 @@ def summary(report: dict[str, Any]) -> str:
         f"idle: {'reached' if idle['reached'] else 'NOT reached'} after {idle['wait_s']:.1f} s, "
         f"kv_cache_usage_perc {idle['kv_cache_usage_perc']:g}; final request: {report['final_request']}",
         f"RSS: {rss['after_warmup']} MiB after warm-up ({rss['warmup_at_s']} s), {rss['end']} MiB at the end: "
-        f"growth {rss['growth']} MiB (limit {rss['max_growth_allowed']:g})",
+        f"growth {rss['growth']} MiB (limit {rss['max_growth_allowed']:g}); peak {rss['peak']} MiB",
         f"log: {log['lines']} lines, {log['tracebacks']} tracebacks, {log['http_500_lines']} HTTP 500 lines, "
         f"{log['error_lines']} ERROR lines",
         f"shutdown: exit code {sd['exit_code']} after {sd['seconds']:.2f} s",
     ]
-    if report["bad_input_status_mismatches"]:
-        lines.append("bad inputs answered with another 4xx than expected: "
-                     + "; ".join(report["bad_input_status_mismatches"][:10]))
+    if report["client_error_mismatches"]:
+        lines.append("4xx other than expected (reported, not a failure): "
+                     + "; ".join(report["client_error_mismatches"][:10]))
     for f in report["failures"][:10]:
         lines.append(f"  FAILED {f['kind']}: {f['outcome']} (status {f['status']}) {f['detail']}")
     failed = [k for k, ok in report["checks"].items() if not ok]
@@ -1023,6 +1088,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="after the traffic time, in-flight requests get this long before they are cut")
     p.add_argument("--burst-every-s", type=float, default=10.0,
                    help="a burst of more requests than the server admits every 0.5-1 times this")
+    p.add_argument("--read-timeout-s", type=float, default=3.0,
+                   help="the server's --request-read-timeout (stalled uploads wait this long for their 408)")
     p.add_argument("--idle-timeout-s", type=float, default=30.0)
     p.add_argument("--max-rss-growth-mib", type=float, default=200.0)
     p.add_argument("--server-log", type=Path, default=None, help="keep the server's log here")
@@ -1035,6 +1102,7 @@ def main(argv: list[str] | None = None) -> int:
                      kv_cache_tokens=a.kv_cache_tokens, max_num_seqs=a.max_num_seqs,
                      max_queued_requests=a.max_queued_requests, max_body_bytes=a.max_request_body_bytes,
                      request_timeout_s=a.request_timeout_s, drain_s=a.drain_s, burst_every_s=a.burst_every_s,
+                     read_timeout_s=a.read_timeout_s,
                      idle_timeout_s=a.idle_timeout_s,
                      max_rss_growth_mib=a.max_rss_growth_mib, server_args=a.server_arg, server_log=a.server_log)
     report = {"command": " ".join(["python -m loopserve.bench.soak", *(argv if argv is not None else sys.argv[1:])]),
