@@ -183,6 +183,14 @@ def test_stalled_connections_are_closed_after_the_read_timeout(server):
         assert status == 200 and out["usage"]["completion_tokens"] == 2
 
 
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_request_read_timeout_must_be_positive(value, capsys):
+    from loopserve.cli import main
+
+    assert main(["serve", "--model", "unused", "--request-read-timeout", value]) == 2  # before loading anything
+    assert "--request-read-timeout: must be a number of seconds > 0" in capsys.readouterr().err
+
+
 def test_sigterm_does_not_wait_for_stalled_uploads(short_path, tmp_path):
     log = tmp_path / "sigterm.log"
     with run_server(short_path, log, "--shutdown-timeout", "60", "--request-read-timeout", "60",
