@@ -306,6 +306,7 @@ class Scheduler:
         """A core step ran: count it, and exit the items whose exit was settled before the step
         (a delayed-lookahead decision, a lookahead_gate stop, `max_loops`). Needs no signal of this
         step, so the engine calls it before the step's signals are read back."""
+        exited = []
         for item in plan.items:
             if item.passive:
                 continue
@@ -315,11 +316,12 @@ class Scheduler:
             assert tracker is not None
             if tracker.frozen:  # the lookahead step ran; its state is dropped (parity not flipped)
                 tracker.frozen = False
-                self._exit(item)
+                exited.append(item)
                 continue
             item.parity ^= 1  # this step's state is now the item's state
             if tracker.reaches_stop(item.r):
-                self._exit(item)
+                exited.append(item)
+        self._exit(exited)
 
     def observe_core(self, items: list[WorkItem], signals: list[Signal]) -> None:
         """Apply each item's exit rule to the signal of the step it last ran. For rules that decide
@@ -327,6 +329,7 @@ class Scheduler:
         happens after that next step. Items that exited or were aborted meanwhile are skipped."""
         for hook in self.signal_hooks:
             hook(items, signals)
+        exited = []
         for item, sig in zip(items, signals, strict=True):
             tracker = item.tracker
             if item.passive or item.row < 0 or tracker is None or tracker.exit_depth is not None:
@@ -337,22 +340,28 @@ class Scheduler:
                 self.fail(item.seq, e)
                 continue
             if not loops_on:
-                self._exit(item)
+                exited.append(item)
+        self._exit(exited)
 
-    def _exit(self, item: WorkItem) -> None:
-        """The item stops looping: its KV depth is the loops it ran (written by the engine after
-        this tick, batched with the other exits)."""
-        self.kv_depth_writes.append((self.kv.row(item.seq.request_id, item.position), item.r))
-        self.stats.exit_depths[item.tracker.exit_depth] += 1  # type: ignore[union-attr]
-        self.on_exit(item)
+    def _exit(self, items: list[WorkItem]) -> None:
+        """These items stop looping: their KV depth is the loops they ran (written by the engine after
+        this tick, batched), and they leave the core queue in one pass (not a list.remove each)."""
+        if not items:
+            return
+        for item in items:
+            self.kv_depth_writes.append((self.kv.row(item.seq.request_id, item.position), item.r))
+            self.stats.exit_depths[item.tracker.exit_depth] += 1  # type: ignore[union-attr]
+        gone = {id(i) for i in items}
+        self.core_q = [i for i in self.core_q if id(i) not in gone]
+        for item in items:
+            self.on_exit(item)
 
     def on_exit(self, item: WorkItem) -> None:
-        self.core_q.remove(item)
         self.coda_q.append(item)
 
     def _start_coda(self, items: list[WorkItem]) -> StagePlan:
-        for i in items:
-            self.coda_q.remove(i)
+        started = {id(i) for i in items}
+        self.coda_q = [i for i in self.coda_q if id(i) not in started]
         self.coda_running += items
         return StagePlan("coda", items)
 
@@ -360,10 +369,11 @@ class Scheduler:
         """Append each item's sampled token (maybe a tick after the coda was queued: an item aborted
         meanwhile is skipped)."""
         running = {id(i) for i in self.coda_running}
+        taken = {id(i) for i in plan.items} & running
+        self.coda_running = [i for i in self.coda_running if id(i) not in taken]
         for j, item in enumerate(plan.items):
-            if id(item) not in running:
+            if id(item) not in taken:
                 continue
-            self.coda_running.remove(item)
             self._drop_item(item)
             seq = item.seq
             assert item.tracker is not None and item.tracker.exit_depth is not None

@@ -109,6 +109,7 @@ class Sequence:
             raise ValueError(f"prompt_token_ids: ids must be in [0, {vocab_size}) (the model's vocabulary)")
         self.request_id, self.prompt, self.params, self.rule = request_id, prompt, params, rule
         self.prompt_ids = list(prompt_ids)
+        self._prompt_ids_out = list(prompt_ids)  # one copy shared by this request's outputs, not one each
         self.tokenizer = tokenizer
         self.seed = (params.seed if params.seed is not None else seed) & _MASK63  # sampling
         self._state_base = (state_seed if state_seed is not None else self.seed) & _MASK63
@@ -216,5 +217,5 @@ class Sequence:
         out = CompletionOutput(0, self.text, list(self.output_ids), self.logprobs, list(self.exit_depths),
                                self.finish_reason,
                                self.cumulative_logprob if self.params.logprobs is not None else None)
-        return RequestOutput(self.request_id, self.prompt, list(self.prompt_ids), [out], self.finished,
+        return RequestOutput(self.request_id, self.prompt, self._prompt_ids_out, [out], self.finished,
                              self.metrics, self.error, self.error_status)
