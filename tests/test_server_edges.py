@@ -5,7 +5,7 @@ and faults: a request the engine fails alone (its status), and an engine that di
 exits non-zero). Faults are injected by a launcher script that patches the engine, then runs the
 ordinary command line.
 
-Most tests share one server on a model with a 128-token context, so that any generation a fuzzer
+Most tests share one server on a model with a 64-token context, so that any generation a fuzzer
 asks for is short.
 """
 
@@ -38,7 +38,7 @@ from tests.server_helpers import MODEL, Server, run_server, sse_events, wait_idl
 pytestmark = pytest.mark.timeout(120)
 
 C, H = "/v1/completions", "/v1/chat/completions"
-CONTEXT = 128  # the shared server's model: max_position
+CONTEXT = 64  # the shared server's model: max_position
 READ_TIMEOUT = 1.5  # the shared server's --request-read-timeout
 
 
@@ -321,7 +321,7 @@ def test_openapi_describes_the_request_bodies(server):
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=lambda m: m.value)
 def test_fuzzed_requests_get_no_server_error(server, mode):
     """Every operation, with inputs the schema allows and inputs it does not: never a 5xx (generations
-    stay short: the model's context is 128 tokens)."""
+    stay short: the model's context is 64 tokens)."""
     schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {op.path for op in operations} >= {C, H, "/v1/models", "/health", "/metrics"}
@@ -330,7 +330,7 @@ def test_fuzzed_requests_get_no_server_error(server, mode):
         if mode is GenerationMode.NEGATIVE and not operation.body:
             continue  # no inputs to get wrong
 
-        @settings(max_examples=40 if mode is GenerationMode.POSITIVE else 100, deadline=None, database=None,
+        @settings(max_examples=30 if mode is GenerationMode.POSITIVE else 100, deadline=None, database=None,
                   derandomize=True, suppress_health_check=list(HealthCheck))
         @given(case=operation.as_strategy(generation_mode=mode))
         def fuzz(case: schemathesis.Case) -> None:
