@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 
 def _token_str(v: Any) -> str | None:
@@ -44,6 +46,12 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self, skip_special_tokens: bool = True) -> Callable[[int], str | None]:
+        """Incremental decoding: feed generated ids one at a time, get the new text (None while a
+        multi-byte character is incomplete); about 2 us a token instead of re-decoding windows."""
+        stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        return lambda token: stream.step(self.tok, token)
 
     def id_to_token(self, i: int) -> str | None:
         return self.tok.id_to_token(i)

@@ -169,6 +169,8 @@ def run(widths: list[int], contexts: list[int], schedulers: list[str], progress:
     points = []
     with tempfile.TemporaryDirectory() as tmp:
         loaded = load_model(make_tiny(Path(tmp) / "null", NULL_SPEC), "float32", "cpu", "zero")  # its tokenizer
+        for sched in schedulers:  # warm-up, discarded: first calls pay one-time costs (dispatch, caches)
+            measure(sched, 8, 16, loaded)
         for context in contexts:
             for width in widths:
                 for sched in schedulers:  # side by side at each point

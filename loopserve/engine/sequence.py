@@ -122,7 +122,7 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.exit_depths: list[int] = []
         self.text = ""
-        self._detok = (0, 0)  # (prefix, read) offsets into output_ids for incremental decoding
+        self._detok = tokenizer.decode_stream(params.skip_special_tokens)  # incremental decoding of output_ids
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.error_status: int | None = None
@@ -186,16 +186,11 @@ class Sequence:
             self.finish("length")
 
     def _decode_new_text(self) -> None:
-        """Append the text of new tokens without re-decoding the whole output (quadratic): decode a
-        short window before and after them and keep the difference, holding back text while it
-        ends in an incomplete UTF-8 character."""
-        prefix, read = self._detok
-        ids, skip = self.output_ids, self.params.skip_special_tokens
-        before = self.tokenizer.decode(ids[prefix:read], skip)
-        after = self.tokenizer.decode(ids[prefix:], skip)
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self.text += after[len(before):]
-            self._detok = (read, len(ids))
+        """Append the text of the newest token without re-decoding the output (the stream holds
+        back an incomplete UTF-8 character until the token that completes it)."""
+        chunk = self._detok(self.output_ids[-1])
+        if chunk:
+            self.text += chunk
 
     def _stop_string(self) -> bool:
         hits = [i for i in (self.text.find(s) for s in self.params.stop or ()) if i >= 0]
