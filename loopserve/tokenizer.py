@@ -4,8 +4,8 @@ Jinja chat template) + `generation_config.json` (extra eos ids)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
