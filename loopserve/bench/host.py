@@ -24,6 +24,7 @@ max(host, device)).
 
 from __future__ import annotations
 
+import gc
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -145,6 +146,7 @@ def measure(scheduler: str, width: int, context: int, loaded: LoadedModel, seed:
         engine.add_request(f"h{i}", ids, params)
     records: list[StageRecord] = []
     engine.stage_hooks.append(records.append)
+    gc.collect()  # earlier points' garbage is not this point's host time
     point = HostPoint(scheduler, width, context)
     with torch.inference_mode():
         while engine.has_unfinished_requests():

@@ -10,6 +10,8 @@ maps its positions to rows. The reference decoder uses a store with one contiguo
 
 from __future__ import annotations
 
+import heapq
+
 import torch
 
 from loopserve.cache.layout import IN_FLIGHT
@@ -48,14 +50,15 @@ class KVStore:
 
 
 class BlockAllocator:
-    """Free list of KV blocks. Allocation order is deterministic (lowest id first)."""
+    """Free KV blocks in a min-heap: allocation order is deterministic (lowest id first), and freeing
+    a sequence's blocks costs O(blocks log n), not a sort of the whole free list."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free = list(range(num_blocks - 1, -1, -1))
+        self._free = list(range(num_blocks))  # a heap (sorted is a valid heap)
         self._owner: dict[int, object] = {}
 
     @property
@@ -68,7 +71,7 @@ class BlockAllocator:
     def allocate(self, owner: object, n: int) -> list[int]:
         if n > len(self._free):
             raise MemoryError(f"need {n} KV blocks, {len(self._free)} free")
-        blocks = [self._free.pop() for _ in range(n)]
+        blocks = [heapq.heappop(self._free) for _ in range(n)]
         for b in blocks:
             self._owner[b] = owner
         return blocks
@@ -78,8 +81,7 @@ class BlockAllocator:
             if self._owner.get(b) is not owner:
                 raise RuntimeError(f"block {b} freed by a sequence that does not own it")
             del self._owner[b]
-            self._free.append(b)
-        self._free.sort(reverse=True)
+            heapq.heappush(self._free, b)
 
     def owners(self) -> dict[int, object]:
         return dict(self._owner)
