@@ -38,7 +38,7 @@ def test_cuda_engine_matches_the_reference(arch, scheduler, lookahead, tiny_ouro
 
 STRICT = {  # what runs under sync-debug "error": planning, queueing, and the host bookkeeping of a step
     "scheduler": ("schedule", "follow_up", "advance_core", "observe_core"),
-    "runner": ("core", "prelude", "write_kv_depths"),
+    "runner": ("core", "prelude", "coda", "write_kv_depths"),  # coda: logits and device sampling queued
 }
 
 
@@ -66,7 +66,8 @@ def workload(case: str) -> tuple[list[SamplingParams], dict]:
 def test_planning_and_queueing_never_wait_for_the_device(case, tiny_ouro_la, tiny_huginn):
     """Planning, queueing and the per-step bookkeeping run under CUDA's sync-debug mode "error": any
     host-device synchronization inside them (a blocking copy, `.item()`, `.tolist()`) raises. Reading
-    signals (`PendingSignals.get`) and logits is outside: that is where the engine waits on purpose."""
+    signals (`PendingSignals.get`) and sampled tokens (`PendingSamples.get`) is outside: that is where
+    the engine waits on purpose."""
     params, knobs = workload(case)
     path = tiny_huginn if case == "huginn" else tiny_ouro_la
     llm = LLM(path, dtype="float32", device="cuda", max_decode_batch=4,

@@ -45,21 +45,22 @@ def uniforms(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
 
 
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                   min_p: torch.Tensor) -> torch.Tensor:
+                   min_p: torch.Tensor, filters: tuple[bool, bool, bool] = (True, True, True)) -> torch.Tensor:
     """[B, V] sampling distributions (float64) after temperature, top-k, top-p and min-p, each a [B]
-    tensor of per-row values (top_k = V, top_p = 1, min_p = 0: no filter)."""
+    tensor of per-row values (top_k = V, top_p = 1, min_p = 0: no filter). `filters` says, from the
+    host, whether any row uses top-k / top-p / min-p (asking the device would make the host wait)."""
     x = logits / temperature[:, None]  # temperature >= GREEDY_TEMPERATURE here, so x stays finite
-    vocab = x.shape[-1]
-    if bool((top_k < vocab).any()):
+    use_k, use_p, use_min_p = filters
+    if use_k:
         kth = x.sort(-1, descending=True).values.gather(1, (top_k - 1)[:, None])
         x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, -1)
-    if bool((top_p < 1).any()):
+    if use_p:
         sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
         before = sorted_p.cumsum(-1) - sorted_p  # mass strictly above each token
         cut = torch.where(top_p < 1, top_p, torch.full_like(top_p, float("inf")))
         probs = torch.zeros_like(probs).scatter(1, order, sorted_p.masked_fill(before >= cut[:, None], 0.0))
-    if bool((min_p > 0).any()):
+    if use_min_p:
         probs = probs.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, 0.0)
     return probs / probs.sum(-1, keepdim=True)
 
@@ -91,10 +92,12 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seeds: list
         ps = [params[i] for i in rand]
         vocab = x.shape[-1]
         idx = upload(rand, dev)
+        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in ps]
+        filters = (min(top_k) < vocab, any(p.top_p < 1 for p in ps), any(p.min_p > 0 for p in ps))
         probs = filtered_probs(
-            x[idx], upload([p.temperature for p in ps], dev, torch.float64),
-            upload([p.top_k if 0 < p.top_k < vocab else vocab for p in ps], dev),
-            upload([p.top_p for p in ps], dev, torch.float64), upload([p.min_p for p in ps], dev, torch.float64))
+            x[idx], upload([p.temperature for p in ps], dev, torch.float64), upload(top_k, dev),
+            upload([p.top_p for p in ps], dev, torch.float64), upload([p.min_p for p in ps], dev, torch.float64),
+            filters)
         cdf = probs.cumsum(-1)
         u = uniforms(upload([seeds[i] for i in rand], dev), upload([counters[i] for i in rand], dev))
         draw = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=vocab - 1)
