@@ -7,13 +7,15 @@ file only lists them.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import sys
 from collections import Counter
 from pathlib import Path
 
-from loopserve.engine.config import SCHEDULERS, EngineConfig
+from loopserve.config_args import add_config_args, config_kwargs
+from loopserve.engine.config import EngineConfig
+from loopserve.exits import POLICIES
+from loopserve.models.loader import DTYPES
 
 # Modules that add subcommands; a missing optional module is skipped.
 _COMMAND_MODULES = ["loopserve.cli", "loopserve.serve.cli", "loopserve.bench.cli", "loopserve.train.cli"]
@@ -21,30 +23,17 @@ BARS = " ▁▂▃▄▅▆▇█"
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Model and engine flags shared by generate, serve and bench."""
+    """Model flags, and every `EngineConfig` knob (generated), shared by generate, demo and serve."""
     p.add_argument("--model", default=None, help="HF folder or hub id (default: the embedded model)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
     p.add_argument("--device", default="cpu")
     p.add_argument("--state-init", default="like-init", choices=["like-init", "zero"], help="Huginn only")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--scheduler", default="cdb", choices=SCHEDULERS)
-    p.add_argument("--kv-layout", default="depth_indexed", choices=["depth_indexed", "last_exited", "shared"])
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-tokens", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-decode-batch", type=int, default=32)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--prefill-chunk-size", type=int, default=512)
-    p.add_argument("--min-coda-batch", type=int, default=None,
-                   help="default: 1 for fully looped models, max-decode-batch/4 with coda blocks (Huginn)")
-    p.add_argument("--lookahead", action="store_true", help="delayed exit consumption (r_min = 2)")
-    p.add_argument("--async-coda", default=None, action=argparse.BooleanOptionalAction,
-                   help="sample a coda's tokens after the next batch is queued (default: on for CUDA only)")
+    add_config_args(p.add_argument_group("engine"), EngineConfig)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    names = {f.name for f in dataclasses.fields(EngineConfig)}
-    return {k: v for k, v in vars(args).items() if k in names}
+    return config_kwargs(args, EngineConfig)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -53,7 +42,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--exit-threshold", type=float, default=None)
-    p.add_argument("--exit-policy", default=None, choices=["fixed", "gate", "latent_diff", "kl"])
+    p.add_argument("--exit-policy", default=None, choices=POLICIES)
     p.add_argument("--min-loops", type=int, default=None)
     p.add_argument("--max-loops", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")

@@ -14,7 +14,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from loopserve.config_args import add_config_args, config_kwargs
+from loopserve.engine.config import EngineConfig
+
 DEFAULT_OUT = Path("bench-results")
+BENCH_DRIVEN = ("scheduler", "max_decode_batch")  # engine knobs each benchmark sets per run
 
 
 def _floats(s: str) -> list[float]:
@@ -72,17 +76,15 @@ def add_depth_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--kv-layout", default="depth_indexed", choices=["depth_indexed", "last_exited", "shared"])
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-num-seqs", type=int, default=None, help="default: 4 x width (at most the requests)")
-    g.add_argument("--min-coda-batch", type=int, default=None)
-    g.add_argument("--lookahead", action="store_true", help="delayed exits (the signal of step r decides r+2)")
+    """Every `EngineConfig` knob but the two a benchmark drives itself (the scheduler, and the width
+    given by --width / --widths); unset knobs are chosen per run (`harness.engine_kwargs_for`: e.g.
+    max-num-seqs 4 x width, a KV pool that fits the workload)."""
+    add_config_args(p.add_argument_group("engine"), EngineConfig, skip=BENCH_DRIVEN, all_default=None,
+                    default_note="default: chosen for the run")
 
 
 def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    return {"kv_layout": args.kv_layout, "block_size": args.block_size, "max_num_seqs": args.max_num_seqs,
-            "min_coda_batch": args.min_coda_batch, "lookahead": args.lookahead or None}
+    return config_kwargs(args, EngineConfig, drop_none=True)
 
 
 def _start(args: argparse.Namespace, name: str):

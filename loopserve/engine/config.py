@@ -1,37 +1,50 @@
-"""Engine knobs (one dataclass; the CLI and `LLM` pass them through)."""
+"""Engine knobs: one dataclass, the one declaration of each knob (`LLM` takes them as keywords; the
+command-line flags are generated from it by `config_args`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+from loopserve.cache.layout import LAYOUTS
 
 SCHEDULERS = ("reference", "cb", "cdb-norefill", "cdb")
 
 
+def _knob(default: Any, help: str, **meta: Any) -> Any:
+    """A field with its command-line help (and choices): `config_args` makes the flags from these."""
+    return field(default=default, metadata={"help": help, **meta})
+
+
 @dataclass
 class EngineConfig:
-    scheduler: str = "cdb"
-    kv_layout: str = "depth_indexed"
-    block_size: int = 16
-    kv_cache_tokens: int | None = None  # pool size in tokens; None: from kv_cache_memory_gb
-    kv_cache_memory_gb: float = 1.0
-    max_num_seqs: int = 64
-    max_decode_batch: int = 32  # width of a core (and prelude/coda) stage batch
-    max_num_batched_tokens: int = 2048  # prompt tokens per prefill tick
-    prefill_chunk_size: int = 512  # chunk boundary rule, shared with the reference decoder
+    scheduler: str = _knob("cdb", "cdb: continuous depth batching with refill; cdb-norefill; cb: full-depth "
+                           "continuous batching; reference: the sequential oracle", choices=SCHEDULERS)
+    kv_layout: str = _knob("depth_indexed", "KV cache layout (what a query at loop depth r reads)", choices=LAYOUTS)
+    block_size: int = _knob(16, "tokens per KV block")
+    kv_cache_tokens: int | None = _knob(None, "KV pool size in tokens; unset: from --kv-cache-memory-gb")
+    kv_cache_memory_gb: float = _knob(1.0, "KV pool size in GiB when --kv-cache-tokens is unset")
+    max_num_seqs: int = _knob(64, "sequences admitted at once")
+    max_decode_batch: int = _knob(32, "width of a core (and prelude/coda) stage batch")
+    max_num_batched_tokens: int = _knob(2048, "prompt tokens per prefill tick")
+    prefill_chunk_size: int = _knob(512, "prompt chunk boundary (part of the semantics, shared with the reference)")
     # Coda waits for this many exited tokens (an undersized batch still runs when nothing else can).
     # None: 1 for fully looped models (Ouro: the coda is just the head), max_decode_batch // 4 when
     # the model has coda blocks (Huginn: small coda batches re-read big boundary weights per token).
-    min_coda_batch: int | None = None
-    kv_safety_margin: float = 0.1  # fraction of blocks prefill admission keeps free
-    lookahead: bool = False
+    min_coda_batch: int | None = _knob(None, "exited tokens a coda batch waits for; unset: 1 for fully looped "
+                                       "models, max-decode-batch/4 with coda blocks (Huginn)")
+    kv_safety_margin: float = _knob(0.1, "fraction of KV blocks prefill admission keeps free")
+    lookahead: bool = _knob(False, "delayed exits: the signal after loop r decides loop r+2 (r_min = 2)")
     # Read a core step's exit signals only after the next step is queued when every rule in the batch
     # decides ahead (lookahead, lookahead_gate). False reads them at once: same schedule and outputs,
     # the host just waits for the device each step (the `bench ablate overlap` baseline).
-    pipeline_core_steps: bool = True
+    pipeline_core_steps: bool = _knob(True, "read a core step's exit signals after queueing the next step "
+                                      "when every rule decides ahead")
     # Sample a coda's tokens only after the next stage batch is queued, so the device never idles
     # while the host samples (their preludes join one tick later; outputs are the same). None: on for
     # CUDA, off for the CPU, where nothing overlaps and refilling a tick later only costs.
-    async_coda: bool | None = None
+    async_coda: bool | None = _knob(None, "take a coda's tokens after the next batch is queued; unset: on for "
+                                    "CUDA only")
 
     def __post_init__(self) -> None:
         if self.scheduler not in SCHEDULERS:

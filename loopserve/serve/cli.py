@@ -16,13 +16,13 @@ import signal
 import sys
 
 from loopserve.cli import add_engine_args, engine_kwargs
+from loopserve.exits import POLICIES
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, SSE, metrics)")
     p.add_argument("model_tag", nargs="?", default=None, help="model folder (same as --model)")
     add_engine_args(p)
-    p.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="KV pool size if --kv-cache-tokens unset")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (env LOOPSERVE_API_KEY)")
@@ -31,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="/v1/models shows the model's path as its `root` (default: its served name)")
     g = p.add_argument_group("request defaults (a request's own fields win)")
     g.add_argument("--exit-threshold", type=float, default=None)
-    g.add_argument("--exit-policy", default=None, choices=["fixed", "gate", "latent_diff", "kl"])
+    g.add_argument("--exit-policy", default=None, choices=POLICIES)
     g.add_argument("--min-loops", type=int, default=None)
     g.add_argument("--max-loops", type=int, default=None)
     s = p.add_argument_group("server limits")

@@ -1,0 +1,53 @@
+"""Command-line flags generated from config dataclasses, so each knob is declared once.
+
+A field becomes `--name-with-dashes`; its type and default come from the dataclass, its help and
+choices from `field(metadata={"help": ..., "choices": ...})`, and a bool becomes `--x/--no-x`.
+`generate`, `serve` and `bench` all add `EngineConfig` this way; `config_kwargs` reads the
+fields back from the parsed arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from typing import Any
+
+
+def _value_type(hint: Any) -> type:
+    """int, float, str or bool of an annotation like `int | None`."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        (hint,) = args
+    if hint not in (int, float, str, bool):
+        raise TypeError(f"no command-line flag for a field of type {hint!r}")
+    return hint
+
+
+def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, *,
+                    skip: tuple[str, ...] = (), all_default: Any = dataclasses.MISSING,
+                    default_note: str | None = None) -> None:
+    """One flag per field of dataclass `cls` (except `skip`). `all_default` replaces every default
+    (e.g. None: "the command decides"), described in the help by `default_note`."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        kind = _value_type(hints[f.name])
+        default = f.default if all_default is dataclasses.MISSING else all_default
+        note = default_note if all_default is not dataclasses.MISSING else f"default: {f.default}"
+        kw: dict[str, Any] = {"default": default, "help": f"{f.metadata.get('help', '')} ({note})".strip()}
+        if "choices" in f.metadata:
+            kw["choices"] = f.metadata["choices"]
+        flag = "--" + f.name.replace("_", "-")
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+        else:
+            parser.add_argument(flag, type=kind, **kw)
+
+
+def config_kwargs(args: argparse.Namespace, cls: type, drop_none: bool = False) -> dict[str, Any]:
+    """The fields of `cls` found in `args` (without those left at None when `drop_none`)."""
+    out = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    return {k: v for k, v in out.items() if v is not None} if drop_none else out

@@ -1,0 +1,60 @@
+"""Command-line flags come from the config dataclasses: every `EngineConfig` knob is reachable from
+`generate`, `demo`, `serve` and every `bench` command that runs the engine, with the dataclass's
+defaults and the choice lists the code itself accepts."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from loopserve.bench.cli import BENCH_DRIVEN, engine_overrides
+from loopserve.cache.layout import LAYOUTS
+from loopserve.cli import build_parser, engine_kwargs
+from loopserve.engine.config import SCHEDULERS, EngineConfig
+from loopserve.exits import POLICIES
+
+FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
+BENCH_COMMANDS = ("record", "throughput", "serve", "ablate min-coda")
+
+
+def _actions(argv: list[str]) -> dict[str, argparse.Action]:
+    """dest -> argparse action of the (sub)command that `argv` names."""
+    parser = build_parser()
+    for word in argv:
+        (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        parser = sub.choices[word]
+    return {a.dest: a for a in parser._actions}
+
+
+@pytest.mark.parametrize("command", ["generate", "demo", "serve"])
+def test_every_engine_knob_is_a_flag_with_the_config_default(command):
+    args = build_parser().parse_args([command])
+    assert engine_kwargs(args) == dataclasses.asdict(EngineConfig())
+    actions = _actions([command])
+    assert FIELDS <= set(actions)
+    assert list(actions["scheduler"].choices or ()) == list(SCHEDULERS)
+    assert list(actions["kv_layout"].choices or ()) == list(LAYOUTS)
+    assert list(actions["exit_policy"].choices or ()) == list(POLICIES)
+
+
+def test_flags_reach_the_config():
+    args = build_parser().parse_args(["generate", "--kv-layout", "shared", "--no-pipeline-core-steps", "--async-coda",
+                                      "--min-coda-batch", "3", "--lookahead", "--kv-cache-memory-gb", "0.25"])
+    cfg = EngineConfig(**engine_kwargs(args))
+    assert (cfg.kv_layout, cfg.pipeline_core_steps, cfg.async_coda, cfg.min_coda_batch, cfg.lookahead,
+            cfg.kv_cache_memory_gb) == ("shared", False, True, 3, True, 0.25)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--kv-layout", "paged"])
+
+
+@pytest.mark.parametrize("command", BENCH_COMMANDS)
+def test_bench_commands_reach_every_knob_but_the_ones_they_drive(command):
+    argv = ["bench", *command.split()]
+    actions = _actions(argv[:2])
+    assert FIELDS - set(BENCH_DRIVEN) <= set(actions)
+    assert not set(BENCH_DRIVEN) & set(actions)
+    assert engine_overrides(build_parser().parse_args(argv)) == {}  # unset: the benchmark chooses
+    args = build_parser().parse_args([*argv, "--kv-layout", "last_exited", "--no-lookahead", "--max-num-seqs", "9"])
+    assert engine_overrides(args) == {"kv_layout": "last_exited", "lookahead": False, "max_num_seqs": 9}
