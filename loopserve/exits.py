@@ -28,6 +28,7 @@ costs exactly one extra loop; an item that reaches `max_loops` costs nothing ext
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -47,14 +48,14 @@ class ExitRule:
     trace: tuple[int, ...] = ()
     lookahead: bool = False
 
-    @property
+    @functools.cached_property  # read per item per step: computed once per rule
     def signal(self) -> str | None:
         """Which per-step signal the runner must compute for this rule, if any."""
         if self.threshold is None and self.policy not in ("gate", "lookahead_gate"):
             return None
         return SIGNAL_OF.get(self.policy)
 
-    @property
+    @functools.cached_property
     def decides_ahead(self) -> bool:
         """True if the signal after step r first changes what happens after step r+1 (delayed
         lookahead, lookahead_gate): the engine may read it one tick late, after queueing step r+1."""
@@ -99,8 +100,8 @@ class ExitTracker:
     def observe(self, r: int, signal: Signal) -> bool:
         """Called after a step whose state was kept. Returns True if the item runs another step.
         Raises `NonFiniteError` for a NaN or infinite signal (a broken state, not a decision)."""
-        values = signal if isinstance(signal, list | tuple) else () if signal is None else (signal,)
-        if not all(map(math.isfinite, values)):
+        if isinstance(signal, float) and not -math.inf < signal < math.inf or (
+                isinstance(signal, list | tuple) and not all(map(math.isfinite, signal))):
             raise NonFiniteError(f"the model produced a non-finite {self.rule.policy} signal for this request")
         if self.reaches_stop(r):
             return False

@@ -34,10 +34,10 @@ class WorkItem:
     passive: bool = False  # CB: exited, still computed with the cohort, results discarded
     prev_logprobs: torch.Tensor | None = None  # KL policy: last step's next-token log-probs
     parity: int = 0  # which of its state pool row's two buffers holds the current state
+    position: int = -1  # of the token it computes: fixed for its life (the next token comes after it)
 
-    @property
-    def position(self) -> int:
-        return self.seq.num_tokens - 1
+    def __post_init__(self) -> None:
+        self.position = self.seq.num_tokens - 1
 
     @property
     def exited(self) -> bool:
