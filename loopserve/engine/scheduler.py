@@ -194,7 +194,7 @@ class Scheduler:
         for item in list(self.prelude_q):
             if len(taken) >= min(limit, self.pool.num_free):
                 break
-            if item not in self.prelude_q:  # swapped out for an earlier item
+            if item.seq.status is Status.SWAPPED:  # swapped out for an earlier item
                 continue
             if self.kv.allocator.blocks_for(item.seq.num_tokens) > self.kv.num_blocks:
                 self.prelude_q.remove(item)  # longer than the whole cache: it can never fit
@@ -203,8 +203,9 @@ class Scheduler:
                 self._finish(item.seq)
             elif self._reserve_kv(item, taken):
                 taken.append(item)
+        gone = {id(i) for i in taken}
+        self.prelude_q = [i for i in self.prelude_q if id(i) not in gone]
         for item in taken:
-            self.prelude_q.remove(item)
             item.row = self.pool.allocate()
         return taken
 
