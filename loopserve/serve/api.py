@@ -105,6 +105,9 @@ def check_sampling_defaults(engine: LLMEngine, defaults: dict[str, Any]) -> None
 
 
 # -- body size limit ------------------------------------------------------------------------------------------
+DRAIN_FACTOR, DRAIN_S = 8, 2.0  # how much of an over-limit body is read and dropped before the 413
+
+
 class _BodyTooLarge(Exception):
     pass
 
@@ -150,7 +153,23 @@ class BodyLimitMiddleware:
             await self.app(scope, limited_receive, tracking_send)
         except _BodyTooLarge:
             if not started:
+                await self._drain(receive)
                 await self._reject(send)
+
+    async def _drain(self, receive: Receive) -> None:
+        """Read and drop the rest of an over-limit body before answering (a lingering close, RFC 9112
+        §9.6): closing while the client still sends makes the kernel reset the connection, and the
+        client loses the 413 it has not read yet. Bounded: DRAIN_FACTOR x the limit, DRAIN_S seconds."""
+        budget = DRAIN_FACTOR * self.max_bytes
+        try:
+            async with asyncio.timeout(DRAIN_S):
+                while budget > 0:
+                    msg = await receive()
+                    if msg["type"] != "http.request" or not msg.get("more_body", False):
+                        return
+                    budget -= len(msg.get("body", b""))
+        except TimeoutError:
+            return
 
     async def _reject(self, send: Send) -> None:
         body = json.dumps(error_body(413, f"request body: larger than the limit of {self.max_bytes} bytes")).encode()
