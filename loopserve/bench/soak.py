@@ -204,15 +204,9 @@ def completion_request(rng: random.Random, lim: Limits, stream: bool, max_tokens
         body["logprobs"] = rng.randint(0, 5)
     if rng.random() < 0.3:
         body["return_token_ids"] = True
-    usage = False
-    if stream:
-        body["stream"] = True
-        if rng.random() < 0.5:
-            usage = True
-            body["stream_options"] = {"include_usage": True, "continuous_usage_stats": rng.random() < 0.3}
-    stop = body.get("stop") or []
-    return body, Expect(False, n, mt, [stop] if isinstance(stop, str) else stop, "logprobs" in body,
-                        bool(body.get("return_token_ids")), usage, lim.r_max)
+    usage = _make_stream(rng, body, stream, continuous_usage=True)
+    return body, Expect(False, n, mt, _stops(body), "logprobs" in body, bool(body.get("return_token_ids")), usage,
+                        lim.r_max)
 
 
 def chat_request(rng: random.Random, lim: Limits, stream: bool,
@@ -237,15 +231,27 @@ def chat_request(rng: random.Random, lim: Limits, stream: bool,
             body["top_logprobs"] = rng.randint(0, 5)
     if rng.random() < 0.2:
         body["return_token_ids"] = True
-    usage = False
-    if stream:
-        body["stream"] = True
-        if rng.random() < 0.5:
-            usage = True
-            body["stream_options"] = {"include_usage": True}
+    usage = _make_stream(rng, body, stream, continuous_usage=False)
+    return body, Expect(True, 1, mt, _stops(body), bool(body.get("logprobs")), bool(body.get("return_token_ids")),
+                        usage, lim.r_max)
+
+
+def _make_stream(rng: random.Random, body: dict[str, Any], stream: bool, continuous_usage: bool) -> bool:
+    """Make `body` a stream when asked, half of those asking for usage; returns whether usage was asked."""
+    if not stream:
+        return False
+    body["stream"] = True
+    if rng.random() >= 0.5:
+        return False
+    body["stream_options"] = {"include_usage": True}
+    if continuous_usage:
+        body["stream_options"]["continuous_usage_stats"] = rng.random() < 0.3
+    return True
+
+
+def _stops(body: dict[str, Any]) -> list[str]:
     stop = body.get("stop") or []
-    return body, Expect(True, 1, mt, [stop] if isinstance(stop, str) else stop, bool(body.get("logprobs")),
-                        bool(body.get("return_token_ids")), usage, lim.r_max)
+    return [stop] if isinstance(stop, str) else stop
 
 
 def bad_inputs(lim: Limits) -> list[tuple[str, str, str, Any, int, str | None]]:
@@ -537,6 +543,17 @@ class Traffic:
         self.attempts.append(Attempt(kind, outcome, time.monotonic() - t0, status, detail[:300], prompts))
         return outcome
 
+    def _judge(self, r: httpx.Response, exp: Expect, note: str = "") -> tuple[str, int | None, str]:
+        """Outcome of a non-streamed answer: its status first, then its body against what was asked."""
+        bad = self._status_outcome(r.status_code, r.headers, r.text)
+        if bad is not None:
+            return bad[0], r.status_code, bad[1]
+        try:
+            check_body(r.json(), exp)
+        except (Malformed, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            return LOST, r.status_code, f"malformed body: {e}"
+        return SERVED, r.status_code, note
+
     @staticmethod
     def _status_outcome(status: int, headers: Any, text: str) -> tuple[str, str] | None:
         """The outcome of a valid request's non-2xx answer; None for 2xx."""
@@ -566,15 +583,7 @@ class Traffic:
         kind = kind or ("chat" if chat else "completion") + ("_stream" if stream else "")
 
         async def plain() -> tuple[str, int | None, str]:
-            r = await self.client.post(path, json=body)
-            bad = self._status_outcome(r.status_code, r.headers, r.text)
-            if bad is not None:
-                return bad[0], r.status_code, bad[1]
-            try:
-                check_body(r.json(), exp)
-            except (Malformed, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-                return LOST, r.status_code, f"malformed body: {e}"
-            return SERVED, r.status_code, ""
+            return self._judge(await self.client.post(path, json=body), exp)
 
         async def streamed() -> tuple[str, int | None, str]:
             async with self.client.stream("POST", path, json=body) as r:
@@ -707,14 +716,7 @@ class Traffic:
                                                                                   read=read))
             except httpx.ReadTimeout:
                 return ABORTED, None, f"client read timeout {read:.2f} s"
-            bad = self._status_outcome(r.status_code, r.headers, r.text)
-            if bad is not None:
-                return bad[0], r.status_code, bad[1]
-            try:
-                check_body(r.json(), exp)
-            except (Malformed, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-                return LOST, r.status_code, f"malformed body: {e}"
-            return SERVED, r.status_code, "answered before the client timeout"
+            return self._judge(r, exp, "answered before the client timeout")
 
         return await self._attempt("client_timeout", go, exp.n)
 
