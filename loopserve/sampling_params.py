@@ -11,7 +11,7 @@ MAX_LOGPROBS = 20
 # Temperatures below this sample greedily (as vLLM does): dividing logits by a subnormal temperature
 # overflows to inf, and below it a logit gap of 1e-3 is already a probability ratio of e^100.
 GREEDY_TEMPERATURE = 1e-5
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what a torch generator accepts (negative seeds wrap)
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # any 64-bit seed, signed or not (the engine keeps 63 bits)
 
 
 @dataclass

@@ -33,7 +33,7 @@ class KVStore:
 
     def gather(self, slot: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V at (slot, row) pairs (any matching shapes) -> [*shape, kv_heads, head_dim]."""
-        flat = (slot * (self.capacity + 1) + rows).reshape(-1)  # one index_select beats 2-D advanced indexing
+        flat = (slot * self.k.shape[1] + rows).reshape(-1)  # one index_select beats 2-D advanced indexing
         shape = (*rows.shape, *self.k.shape[2:])
         k = self.k.view(-1, *self.k.shape[2:]).index_select(0, flat).view(shape)
         v = self.v.view(-1, *self.v.shape[2:]).index_select(0, flat).view(shape)

@@ -69,7 +69,7 @@ class LLMEngine:
         scratch = self.kv.reserved[0] * cfg.block_size
         self.runner = ModelRunner(model, self.layout, self.kv, self.pool, scratch_row=scratch)
         self._arrivals = itertools.count()
-        # Async codas (CUDA by default): a coda's logits are read once the next stage batch is queued.
+        # Async codas (CUDA by default): a coda's tokens are read once the next stage batch is queued.
         self.async_coda = cfg.async_coda if cfg.async_coda is not None else p.device.type == "cuda"
         self._codas: list[tuple[StagePlan, PendingSamples]] = []
         # the last core step's signals, read once the next step is queued: (items, signals, their rows)

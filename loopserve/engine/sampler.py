@@ -155,8 +155,7 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], seeds: list[
         rows: list[Sample] = []
         for i in range(logits.shape[0]):
             try:
-                rows += unpack({k: v.cpu() for k, v in sample_batch(logits[i:i + 1], params[i:i + 1], seeds[i:i + 1],
-                                                                      counters[i:i + 1]).items()}, params[i:i + 1])
+                rows.append(sample_one(logits[i], params[i], seeds[i], counters[i]))
             except Exception as e:
                 rows.append(Sample(0, True, error=f"{type(e).__name__}: {e}"))
         return rows

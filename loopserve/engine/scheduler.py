@@ -203,8 +203,7 @@ class Scheduler:
                 self._finish(item.seq)
             elif self._reserve_kv(item, taken):
                 taken.append(item)
-        gone = {id(i) for i in taken}
-        self.prelude_q = [i for i in self.prelude_q if id(i) not in gone]
+        self.prelude_q = _without(self.prelude_q, taken)
         for item in taken:
             item.row = self.pool.allocate()
         return taken
@@ -284,17 +283,7 @@ class Scheduler:
                 continue
             self.waiting.remove(seq)
             self.stats.prompt_tokens += len(seq.prompt_ids)
-            try:
-                seq.take(samples[seq.request_id], seq.rule.max_loops)
-            except Exception as e:
-                self.fail(seq, e)
-                continue
-            self.appended.append(seq)
-            self.stats.generated_tokens += 1
-            if seq.finished:
-                self._finish(seq)
-            else:
-                self._new_item(seq)
+            self._append_token(seq, samples[seq.request_id], seq.rule.max_loops)
 
     def after_prelude(self, plan: StagePlan) -> None:
         for item in plan.items:
@@ -352,8 +341,7 @@ class Scheduler:
         for item in items:
             self.kv_depth_writes.append((self.kv.row(item.seq.request_id, item.position), item.r))
             self.stats.exit_depths[item.tracker.exit_depth] += 1  # type: ignore[union-attr]
-        gone = {id(i) for i in items}
-        self.core_q = [i for i in self.core_q if id(i) not in gone]
+        self.core_q = _without(self.core_q, items)
         for item in items:
             self.on_exit(item)
 
@@ -361,8 +349,7 @@ class Scheduler:
         self.coda_q.append(item)
 
     def _start_coda(self, items: list[WorkItem]) -> StagePlan:
-        started = {id(i) for i in items}
-        self.coda_q = [i for i in self.coda_q if id(i) not in started]
+        self.coda_q = _without(self.coda_q, items)
         self.coda_running += items
         return StagePlan("coda", items)
 
@@ -370,26 +357,31 @@ class Scheduler:
         """Append each item's sampled token (maybe a tick after the coda was queued: an item aborted
         meanwhile is skipped)."""
         running = {id(i) for i in self.coda_running}
-        taken = {id(i) for i in plan.items} & running
-        self.coda_running = [i for i in self.coda_running if id(i) not in taken]
+        taken = [i for i in plan.items if id(i) in running]
+        self.coda_running = _without(self.coda_running, taken)
         for j, item in enumerate(plan.items):
-            if id(item) not in taken:
+            if id(item) not in running:
                 continue
             self._drop_item(item)
             seq = item.seq
             assert item.tracker is not None and item.tracker.exit_depth is not None
             seq.metrics.loops_run += item.r
-            try:
-                seq.take(samples[j], item.tracker.exit_depth)
-            except Exception as e:
-                self.fail(seq, e)
-                continue
-            self.appended.append(seq)
-            self.stats.generated_tokens += 1
-            if seq.finished:
-                self._finish(seq)
-            else:
-                self._new_item(seq)
+            self._append_token(seq, samples[j], item.tracker.exit_depth)
+
+    def _append_token(self, seq: Sequence, sample: Sample, exit_depth: int) -> None:
+        """Give a sequence its sampled token (a failure finishes it alone), then finish it or queue the
+        work item of its next token."""
+        try:
+            seq.take(sample, exit_depth)
+        except Exception as e:
+            self.fail(seq, e)
+            return
+        self.appended.append(seq)
+        self.stats.generated_tokens += 1
+        if seq.finished:
+            self._finish(seq)
+        else:
+            self._new_item(seq)
 
     # -- checks (tests call these between steps) -------------------------------------------------------
     def check_invariants(self) -> None:
@@ -444,6 +436,12 @@ class Scheduler:
 
 def _order(item: WorkItem) -> int:
     return item.order
+
+
+def _without(queue: list[WorkItem], items: list[WorkItem]) -> list[WorkItem]:
+    """`queue` without `items`, in one pass (a `list.remove` each is quadratic for a wide batch)."""
+    gone = {id(i) for i in items}
+    return [i for i in queue if id(i) not in gone]
 
 
 class RefillScheduler(Scheduler):
