@@ -36,11 +36,24 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return config_kwargs(args, EngineConfig)
 
 
+def add_chat_args(p: argparse.ArgumentParser) -> None:
+    """The model's chat template and sampling defaults, overridable (generate, demo, serve; vLLM's flags)."""
+    p.add_argument("--chat-template", default=None,
+                   help="Jinja chat template used instead of the model's: a file, or the template text")
+    p.add_argument("--generation-config", default="auto",
+                   help="sampling defaults: 'auto' reads the model's generation_config.json, 'vllm' ignores it, "
+                        "or a folder holding one (explicit sampling flags and request fields win)")
+
+
+# What `generate` samples with when neither a flag nor the model's generation_config.json says otherwise.
+GENERATE_DEFAULTS = {"max_tokens": 64, "temperature": 0.8, "top_p": 1.0, "top_k": -1}
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
+    for name, value in GENERATE_DEFAULTS.items():
+        p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=None,
+                       help=f"default: the model's generation config, else {value}")
+    p.add_argument("--chat", action="store_true", help="each prompt is a user message, rendered by the chat template")
     p.add_argument("--exit-threshold", type=float, default=None)
     p.add_argument("--exit-policy", default=None, choices=POLICIES)
     p.add_argument("--min-loops", type=int, default=None)
@@ -75,12 +88,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print("error: give prompts as arguments or with --prompts-file", file=sys.stderr)
         return 2
     try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, exit_threshold=args.exit_threshold, exit_policy=args.exit_policy,
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, state_init=args.state_init, seed=args.seed,
+                  chat_template=args.chat_template, generation_config=args.generation_config, **engine_kwargs(args))
+        given = {k: getattr(args, k) for k in GENERATE_DEFAULTS if getattr(args, k) is not None}
+        params = SamplingParams(**{**GENERATE_DEFAULTS, **llm.generation_defaults, **given},
+                                exit_threshold=args.exit_threshold, exit_policy=args.exit_policy,
                                 min_loops=args.min_loops, max_loops=args.max_loops, ignore_eos=args.ignore_eos,
                                 seed=args.seed)
-        llm = LLM(args.model, dtype=args.dtype, device=args.device, state_init=args.state_init, seed=args.seed,
-                  **engine_kwargs(args))
+        if args.chat or args.chat_template is not None:
+            prompts = [llm._chat_prompt([{"role": "user", "content": p}]) for p in prompts]
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -99,7 +115,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     assert engine is not None
     seq = llm._make_sequence(prompts[0], params)
     engine.add_sequence(seq)
-    print(prompts[0], end="", flush=True)
+    print(seq.prompt or "", end="", flush=True)
     shown = 0
     while engine.has_unfinished_requests():
         engine.step()
@@ -140,6 +156,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         p.add_argument("prompts", nargs="*")
         p.add_argument("--prompts-file", default=None, help="one prompt per line")
         add_engine_args(p)
+        add_chat_args(p)
         add_sampling_args(p)
         p.set_defaults(func=fn)
     p = sub.add_parser("make-tiny", help="write a random tiny Ouro or Huginn checkpoint (HF layout)")

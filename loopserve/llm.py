@@ -1,11 +1,14 @@
-"""`LLM`: the offline entry point (vLLM's shape): load a model, `generate` a list of prompts."""
+"""`LLM`: the offline entry point (vLLM's shape): load a model, `generate` from prompts or `chat` from
+conversations, with the checkpoint's `generation_config.json` sampling defaults and a progress bar."""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -17,6 +20,9 @@ from loopserve.engine.sequence import PromptType, Sequence, make_sequence
 from loopserve.models.loader import load_model
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import SamplingParams
+from loopserve.tokenizer import Tokenizer
+
+Conversation = Seq[Mapping[str, Any]]  # [{"role": "user", "content": "..."}, ...]
 
 
 def default_model_path() -> Path:
@@ -32,22 +38,37 @@ def default_model_path() -> Path:
 
 class LLM:
     """Offline generation. `scheduler` is one of "cdb" (default), "cdb-norefill", "cb", "reference";
-    any `EngineConfig` field can be passed as a keyword (block_size, max_decode_batch, ...)."""
+    any `EngineConfig` field can be passed as a keyword (block_size, max_decode_batch, ...).
+
+    `chat_template`: a Jinja template (text or a file) used instead of the model's. `generation_config`:
+    "auto" (default) takes the sampling defaults of the model's `generation_config.json`, "vllm" ignores
+    them, any other value is a folder holding one; `get_default_sampling_params` shows the result."""
 
     def __init__(self, model: str | Path | None = None, *, dtype: str = "float32", device: str = "cpu",
-                 state_init: str = "like-init", seed: int = 0, **engine_kwargs) -> None:
+                 state_init: str = "like-init", seed: int = 0, chat_template: str | None = None,
+                 generation_config: str = "auto", **engine_kwargs) -> None:
         names = {f.name for f in dataclasses.fields(EngineConfig)}
         unknown = set(engine_kwargs) - names
         if unknown:
             raise ValueError(f"{sorted(unknown)[0]}: unknown LLM argument")
         self.engine_config = EngineConfig(**engine_kwargs)
-        loaded = load_model(model if model is not None else default_model_path(), dtype, device, state_init)
+        loaded = load_model(model if model is not None else default_model_path(), dtype, device, state_init,
+                            chat_template=chat_template, generation_config=generation_config)
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
+        self.generation_defaults = loaded.generation_defaults
         self.seed = seed
         cfg, c = self.engine_config, self.config
         self.layout = KVLayout(cfg.kv_layout, c.n_prelude, c.n_core, c.n_coda, c.r_max)
         self.engine = None if cfg.scheduler == "reference" else LLMEngine(self.model, self.tokenizer, cfg, seed)
         self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use when given no sampling params: SamplingParams' defaults, overridden
+        by the model's generation_config.json (as vLLM does; params passed explicitly are used as they are)."""
+        return SamplingParams(**self.generation_defaults)
 
     def _make_sequence(self, prompt: PromptType, params: SamplingParams) -> Sequence:
         index = next(self._counter)
@@ -59,27 +80,84 @@ class LLM:
 
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Outputs in the order of `prompts` (one prompt or a list: text, token ids or a prompt dict)."""
         single = isinstance(prompts, str | dict) or (
             isinstance(prompts, list) and bool(prompts) and all(isinstance(t, int) for t in prompts))
         prompt_list: list[PromptType] = [prompts] if single else list(prompts)  # type: ignore[list-item,arg-type]
+        return self._run(prompt_list, sampling_params, use_tqdm)
+
+    def chat(self, messages: Conversation | Seq[Conversation],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict[str, Any] | None = None,
+             tools: Seq[Mapping[str, Any]] | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, each rendered with the chat template.
+
+        `chat_template` names one of the model's templates or is a template itself; `chat_template_kwargs`
+        become template variables; `tools` (JSON-schema dicts) reach the template as `tools`."""
+        if isinstance(messages, Seq) and not isinstance(messages, str) and messages and all(
+                isinstance(m, Mapping) for m in messages):
+            conversations: list[Conversation] = [messages]  # type: ignore[list-item]
+        elif isinstance(messages, Seq) and not isinstance(messages, str) and messages:
+            conversations = list(messages)  # type: ignore[arg-type]
+        else:
+            raise ValueError("messages: expected a conversation (a list of messages) or a list of conversations")
+        prompts = [self._chat_prompt(conv, chat_template, add_generation_prompt, chat_template_kwargs, tools)
+                   for conv in conversations]
+        return self._run(prompts, sampling_params, use_tqdm)
+
+    def _chat_prompt(self, conversation: Conversation, chat_template: str | None = None,
+                     add_generation_prompt: bool = True, chat_template_kwargs: dict[str, Any] | None = None,
+                     tools: Seq[Mapping[str, Any]] | None = None) -> dict[str, Any]:
+        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt, chat_template=chat_template,
+                                                  tools=tools, **(chat_template_kwargs or {}))
+        # the template writes any BOS itself: tokenize without adding special tokens (as vLLM and the server do)
+        return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
+
+    def _run(self, prompt_list: list[PromptType], sampling_params: SamplingParams | Seq[SamplingParams] | None,
+             use_tqdm: bool) -> list[RequestOutput]:
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = ([sampling_params] * len(prompt_list) if isinstance(sampling_params, SamplingParams)
                   else list(sampling_params))
         if len(params) != len(prompt_list):
             raise ValueError(f"sampling_params: {len(params)} given for {len(prompt_list)} prompts")
         seqs = [self._make_sequence(p, sp) for p, sp in zip(prompt_list, params, strict=True)]
-        bar = tqdm(total=len(seqs), disable=not use_tqdm, desc="generate")
+        bar = _ProgressBar(len(seqs), use_tqdm)
         if self.engine is None:
             decoder = ReferenceDecoder(self.model, self.layout, self.engine_config.prefill_chunk_size)
             for seq in seqs:
                 decoder.run(seq)
-                bar.update(1)
+                bar.finished(seq.to_output())
         else:
             for seq in seqs:
                 self.engine.add_sequence(seq)
             while self.engine.has_unfinished_requests():
-                bar.update(sum(o.finished for o in self.engine.step()))
+                for out in self.engine.step():
+                    if out.finished:
+                        bar.finished(out)
         bar.close()
         return [s.to_output() for s in seqs]
+
+
+class _ProgressBar:
+    """vLLM's offline progress bar: requests done, and the prompt and output tokens/s of those done."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.bar = tqdm(total=total, disable=not enabled, desc="Processed prompts", dynamic_ncols=True,
+                        postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
+        self.prompt_tokens = self.output_tokens = 0
+
+    def finished(self, out: RequestOutput) -> None:
+        if self.bar.disable:
+            return
+        self.prompt_tokens += len(out.prompt_token_ids)
+        self.output_tokens += sum(len(c.token_ids) for c in out.outputs)
+        elapsed = self.bar.format_dict["elapsed"] or 1e-9
+        self.bar.set_postfix_str(f"est. speed input: {self.prompt_tokens / elapsed:.2f} toks/s, "
+                                 f"output: {self.output_tokens / elapsed:.2f} toks/s", refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()

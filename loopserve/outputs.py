@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 class Logprob:
     logprob: float
     rank: int | None = None
-    decoded_token: str | None = None
+    decoded_token: str | None = None  # the token's text as decoded alone (' the', not the BPE symbol 'Ġthe')
 
 
 @dataclass

@@ -1,24 +1,124 @@
-"""Tokenizer of a checkpoint folder: `tokenizer.json` + `tokenizer_config.json` (special tokens,
-Jinja chat template) + `generation_config.json` (extra eos ids)."""
+"""Tokenizer of a checkpoint folder, read as transformers reads it: `tokenizer.json` + `tokenizer_config.json`
+(special tokens), the chat templates, and `generation_config.json` (extra eos ids).
+
+Chat templates follow transformers' rules. Where they come from: `chat_template.jinja` in the folder replaces
+whatever `tokenizer_config.json` says; `tokenizer_config.json`'s `chat_template` is one template or a list of
+`{"name", "template"}`; `additional_chat_templates/NAME.jinja` adds named ones. Which one renders: the one
+named by the `chat_template` argument (any other value is the template text itself), else `tool_use` when
+tools are given and the folder has it, else `default`. How: a sandboxed Jinja environment with
+`trim_blocks`, `lstrip_blocks`, the `loopcontrols` extension, the `{% generation %}` block, a `tojson` that
+keeps non-ASCII text, and the globals `raise_exception` and `strftime_now`.
+"""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import jinja2
+import jinja2.ext
+from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
+
+DEFAULT_TEMPLATE = "default"
+TOOL_USE_TEMPLATE = "tool_use"  # picked when tools are given, as transformers does
+_JINJA_MARKS = "{}\n"  # a --chat-template value holding one of these is template text, not a path
 
 
 def _token_str(v: Any) -> str | None:
     return v.get("content") if isinstance(v, dict) else v
 
 
+class _TemplateRaised(jinja2.TemplateError):
+    """What `raise_exception(...)` in a template raises: the template rejected its input."""
+
+
+def _raise_exception(message: str) -> None:
+    raise _TemplateRaised(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # Jinja's own tojson escapes <, >, & and ' for HTML; chat templates want the JSON text as is
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text for transformers' training masks; when
+    rendering a prompt it is a plain block, but templates that use it must still parse."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> list[nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+_ENV = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                     extensions=[jinja2.ext.loopcontrols, _GenerationBlock])
+_ENV.filters["tojson"] = _tojson
+_ENV.globals["raise_exception"] = _raise_exception
+_ENV.globals["strftime_now"] = _strftime_now
+
+
+@lru_cache(maxsize=32)
+def _compile(template: str) -> jinja2.Template:
+    try:
+        return _ENV.from_string(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"chat_template: not a valid Jinja template (line {e.lineno}: {e.message})") from None
+
+
+def read_chat_templates(folder: Path, config: Mapping[str, Any]) -> dict[str, str]:
+    """The folder's chat templates by name (`default` for the unnamed one), as transformers loads them."""
+    where = folder / "tokenizer_config.json"
+    raw = config.get("chat_template")
+    templates: dict[str, str] = {}
+    if isinstance(raw, str):
+        templates[DEFAULT_TEMPLATE] = raw
+    elif isinstance(raw, list):
+        for entry in raw:
+            if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
+                    and isinstance(entry.get("template"), str)):
+                raise ValueError(f"{where}: chat_template: each list entry must be "
+                                 f'{{"name": ..., "template": ...}}, got {entry!r}')
+            templates[entry["name"]] = entry["template"]
+    elif raw is not None:
+        raise ValueError(f"{where}: chat_template: expected a string or a list of named templates")
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():  # the file replaces the config's template(s) entirely, as in transformers
+        templates = {DEFAULT_TEMPLATE: jinja_file.read_text(encoding="utf-8")}
+    extra = folder / "additional_chat_templates"
+    if extra.is_dir():
+        for f in sorted(extra.glob("*.jinja")):
+            templates[f.stem] = f.read_text(encoding="utf-8")
+    return templates
+
+
+def load_chat_template(value: str) -> str:
+    """A `--chat-template` value (vLLM's rule): template text if it has Jinja marks, else a file to read."""
+    if any(c in value for c in _JINJA_MARKS):
+        return value
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise ValueError(f"chat_template: {value!r} is neither a file nor a Jinja template")
+    return path.read_text(encoding="utf-8")
+
+
 class Tokenizer:
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, chat_template: str | None = None) -> None:
+        """`chat_template`: a template (or a file holding one, see `load_chat_template`) that replaces the
+        folder's templates."""
         path = folder / "tokenizer.json"
         if not path.is_file():
             raise ValueError(f"{path}: missing tokenizer file")
@@ -29,17 +129,31 @@ class Tokenizer:
         self.eos_token = _token_str(self.config.get("eos_token"))
         self.bos_token_id = self.tok.token_to_id(self.bos_token) if self.bos_token else None
         self.eos_token_id = self.tok.token_to_id(self.eos_token) if self.eos_token else None
-        self.chat_template: str | None = self.config.get("chat_template")
+        self.chat_templates = read_chat_templates(folder, self.config)
+        if chat_template is not None:
+            self.set_chat_template(chat_template)
         self.eos_token_ids: set[int] = {self.eos_token_id} if self.eos_token_id is not None else set()
         gen_path = folder / "generation_config.json"
         if gen_path.is_file():
             eos = json.loads(gen_path.read_text()).get("eos_token_id")
             self.eos_token_ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.special_ids = {i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
+        self._token_text: dict[int, str] = {}
 
     @property
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size()
+
+    @property
+    def chat_template(self) -> str | None:
+        """The default chat template (None when the folder has none, or only named ones)."""
+        return self.chat_templates.get(DEFAULT_TEMPLATE)
+
+    def set_chat_template(self, value: str) -> None:
+        """Use this template (text or a file, as `--chat-template` takes it) instead of the folder's."""
+        template = load_chat_template(value)
+        _compile(template)  # a broken template fails here, at startup, not on the first request
+        self.chat_templates = {DEFAULT_TEMPLATE: template}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -54,12 +168,55 @@ class Tokenizer:
         return lambda token: stream.step(self.tok, token)
 
     def id_to_token(self, i: int) -> str | None:
+        """The vocabulary symbol (a byte-level BPE token reads 'Ġthe'); `decode_token` gives its text."""
         return self.tok.id_to_token(i)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        if not self.chat_template:
-            raise ValueError("this tokenizer has no chat_template in tokenizer_config.json")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+    def decode_token(self, i: int) -> str:
+        """One token's text as decoding it alone gives it (' the'; special tokens kept), cached: logprobs
+        ask for the same top tokens at every step."""
+        text = self._token_text.get(i)
+        if text is None:
+            text = self._token_text[i] = self.tok.decode([i], skip_special_tokens=False)
+        return text
+
+    def get_chat_template(self, chat_template: str | None = None, tools: Sequence[Any] | None = None) -> str:
+        """The template text to render: `chat_template` names one of the folder's or is itself a template."""
+        if chat_template is not None:
+            return self.chat_templates.get(chat_template, chat_template)
+        if tools is not None and TOOL_USE_TEMPLATE in self.chat_templates:
+            return self.chat_templates[TOOL_USE_TEMPLATE]
+        if DEFAULT_TEMPLATE in self.chat_templates:
+            return self.chat_templates[DEFAULT_TEMPLATE]
+        if self.chat_templates:
+            raise ValueError(f"chat_template: the model has several templates and none is 'default'; name one of "
+                             f"{', '.join(sorted(self.chat_templates))}")
+        raise ValueError("chat_template: the model has none (no chat_template.jinja, none in "
+                         "tokenizer_config.json); pass one")
+
+    def _special_tokens(self) -> dict[str, Any]:
+        names = ("bos_token", "eos_token", "unk_token", "pad_token")
+        out: dict[str, Any] = {n: _token_str(self.config.get(n)) or "" for n in names}
+        out["additional_special_tokens"] = [_token_str(t) for t in self.config.get("additional_special_tokens") or []]
+        return out
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, *,
+                            chat_template: str | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
+                            **kwargs: Any) -> str:
+        """Render a conversation to prompt text. `tools` are JSON-schema dicts; other keyword arguments
+        (`documents`, `enable_thinking`, ... a vLLM request's `chat_template_kwargs`) reach the template as
+        variables, after the special tokens (`bos_token`, `eos_token`, ...), which they may override."""
+        if not isinstance(messages, Sequence) or isinstance(messages, str) or not all(
+                isinstance(m, Mapping) for m in messages):
+            raise ValueError("messages: expected a list of {'role': ..., 'content': ...} objects")
+        if tools is not None and (isinstance(tools, str | Mapping) or not isinstance(tools, Sequence)
+                                  or not all(isinstance(t, Mapping) for t in tools)):
+            raise ValueError("tools: expected a list of JSON-schema objects")
+        template = _compile(self.get_chat_template(chat_template, tools))
+        variables = {**self._special_tokens(), "documents": None, **kwargs, "messages": list(messages),
+                     "tools": None if tools is None else list(tools), "add_generation_prompt": add_generation_prompt}
+        try:
+            return template.render(variables)
+        except _TemplateRaised as e:
+            raise ValueError(f"messages: {e.message}") from None
+        except Exception as e:  # an undefined field, a wrong type in a message, a sandbox violation
+            raise ValueError(f"messages: the chat template could not render them ({type(e).__name__}: {e})") from None

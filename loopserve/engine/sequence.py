@@ -163,7 +163,7 @@ class Sequence:
         if sample.logprob is not None:
             self.cumulative_logprob += sample.logprob
             if self.logprobs is not None:
-                decode = self.tokenizer.id_to_token
+                decode = self.tokenizer.decode_token  # the token's text, as vLLM's decoded_token
                 entry = {i: Logprob(v, rank, decode(i)) for rank, (i, v) in enumerate(sample.top or (), start=1)}
                 if token not in entry:
                     entry[token] = Logprob(sample.logprob, sample.rank, decode(token))

@@ -1,16 +1,18 @@
 """Load a looped LM from a local Hugging Face folder (or a hub id, resolved when online).
 
 Reads `config.json` (dispatch on `architectures`), `model.safetensors` or shards listed in
-`model.safetensors.index.json`, and the tokenizer files. Every parameter the model needs must be
-present with the right shape; errors name the file and the tensor.
+`model.safetensors.index.json`, the tokenizer files, and the sampling defaults of `generation_config.json`.
+Every parameter the model needs must be present with the right shape; errors name the file and the tensor.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -19,6 +21,7 @@ from loopserve.config import HUGINN, OURO, ModelConfig
 from loopserve.models.base import LoopedLM
 from loopserve.models.huginn import RavenForCausalLM
 from loopserve.models.ouro import OuroForCausalLM
+from loopserve.sampling_params import SamplingParams
 from loopserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -26,6 +29,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch
 # Tensors real checkpoints carry that the model derives itself.
 _DERIVED = {HUGINN: {"lm_head.weight", "freqs_cis"}, OURO: set()}
 LOOKAHEAD_GATE = ("lookahead_gate.weight", "lookahead_gate.bias")
+# `generation_config` modes (vLLM's `--generation-config`): "auto" reads the model folder's file, "vllm"
+# ignores it (SamplingParams' own defaults); any other value is a folder holding a generation_config.json.
+GENERATION_CONFIG_MODES = ("auto", "vllm")
+# generation_config.json keys that are sampling defaults -> SamplingParams fields (the keys vLLM reads)
+_GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
 @dataclass
@@ -34,6 +43,47 @@ class LoadedModel:
     config: ModelConfig
     tokenizer: Tokenizer
     path: Path
+    # SamplingParams fields the checkpoint's generation_config.json sets: what a request that does not
+    # set them gets (vLLM's `--generation-config auto`)
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+
+
+def generation_defaults(folder: Path, mode: str = "auto") -> dict[str, Any]:
+    """The sampling defaults `generation_config.json` sets, as SamplingParams keyword arguments.
+
+    `mode` is "auto" (the file in `folder`), "vllm" (none) or another folder. `do_sample` is ignored, as
+    vLLM does. A key SamplingParams has no field for is skipped; values are checked as SamplingParams
+    checks them (ValueError naming the file and the field)."""
+    if mode == "vllm":
+        return {}
+    source = folder if mode == "auto" else Path(mode).expanduser()
+    path = source / "generation_config.json"
+    if not path.is_file():
+        if mode != "auto":
+            raise ValueError(f"generation_config: {path} is missing")
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    out: dict[str, Any] = {}
+    for key, name in _GENERATION_KEYS.items():
+        if raw.get(key) is None:
+            continue
+        if name not in fields:
+            log.debug("%s: %s=%r ignored (SamplingParams has no %s)", path, key, raw[key], name)
+            continue
+        out[name] = raw[key]
+    try:
+        SamplingParams(**out)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    if out:
+        log.info("%s: default sampling parameters %s (a request's own values win)", path, out)
+    return out
 
 
 def resolve_model_path(model: str | Path) -> Path:
@@ -82,8 +132,10 @@ def _open(file: Path):
         raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
 
 
-def load_model(model: str | Path, dtype: str = "float32", device: str = "cpu",
-               state_init: str = "like-init") -> LoadedModel:
+def load_model(model: str | Path, dtype: str = "float32", device: str = "cpu", state_init: str = "like-init", *,
+               chat_template: str | None = None, generation_config: str = "auto") -> LoadedModel:
+    """`chat_template`: a template (text or a file) used instead of the folder's; `generation_config`: see
+    `generation_defaults`."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
     folder = resolve_model_path(model)
@@ -97,6 +149,9 @@ def load_model(model: str | Path, dtype: str = "float32", device: str = "cpu",
     if not isinstance(raw, dict):
         raise ValueError(f"{cfg_path}: expected a JSON object, got {type(raw).__name__}")
     config = ModelConfig.from_hf(raw, str(cfg_path))
+    # the small files first: a bad template or generation config fails before the weights are read
+    tokenizer = Tokenizer(folder, chat_template=chat_template)
+    defaults = generation_defaults(folder, generation_config)
     files = _tensor_files(folder)
     net: LoopedLM
     default_dtype = torch.get_default_dtype()
@@ -130,4 +185,4 @@ def load_model(model: str | Path, dtype: str = "float32", device: str = "cpu",
     if extra:
         log.warning("%s: ignoring %d unexpected tensors, e.g. %s", folder, len(extra), sorted(extra)[0])
     net = net.eval().requires_grad_(False)
-    return LoadedModel(net, config, Tokenizer(folder), folder)
+    return LoadedModel(net, config, tokenizer, folder, defaults)

@@ -3,12 +3,15 @@
 Config keys, tensor names and shapes, and tokenizer files are those of the released checkpoints,
 only smaller, so tests exercise the same loader path a real folder takes. Weights are scaled so
 that logits and exit signals vary (a near-uniform model would make argmax ties and exits trivial).
+The config's `auto_map` names only a configuration class, whose file (`hf_code/`) is written beside
+it, so that `transformers.AutoConfig` reads the folder (with `trust_remote_code=True`).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +22,12 @@ from loopserve.config import HUGINN, OURO, ModelConfig
 from loopserve.models.huginn import RavenForCausalLM
 from loopserve.models.ouro import OuroForCausalLM
 from loopserve.tokenization.build import byte_level_tokenizer, write_tokenizer_files
+
+# The configuration class transformers loads for each architecture, as the released checkpoints name it
+# (module, class); the module's file is in hf_code/. No model class: loopserve runs the model itself, and
+# an auto_map entry for modeling code that is not shipped would make transformers fail on a missing file.
+HF_CONFIG_CLASS = {OURO: ("configuration_ouro", "OuroConfig"), HUGINN: ("raven_config_minimal", "RavenConfig")}
+HF_CODE_DIR = Path(__file__).parent / "hf_code"
 
 
 @dataclass
@@ -42,9 +51,7 @@ def hf_config(spec: TinySpec) -> dict:
         n = int(spec.layers)
         return {
             "architectures": [OURO],
-            "auto_map": {"AutoConfig": "configuration_ouro.OuroConfig",
-                         "AutoModel": "modeling_ouro.OuroModel",
-                         "AutoModelForCausalLM": "modeling_ouro.OuroForCausalLM"},
+            "auto_map": _auto_map(OURO),
             "model_type": "ouro", "hidden_size": spec.hidden_size,
             "intermediate_size": spec.intermediate_size, "num_hidden_layers": n,
             "num_attention_heads": spec.num_heads,
@@ -68,8 +75,7 @@ def hf_config(spec: TinySpec) -> dict:
     std = math.sqrt(2 / (5 * h))
     return {
         "architectures": [HUGINN],
-        "auto_map": {"AutoConfig": "raven_config_minimal.RavenConfig",
-                     "AutoModelForCausalLM": "raven_modeling_minimal.RavenForCausalLM"},
+        "auto_map": _auto_map(HUGINN),
         "model_type": "huginn_raven", "n_embd": h, "n_heads": spec.num_heads,
         "num_key_value_heads": spec.num_heads, "n_layers": p + c + d, "n_layers_in_prelude": p,
         "n_layers_in_recurrent_block": c, "n_layers_in_coda": d, "intermediate_size": spec.intermediate_size,
@@ -87,6 +93,19 @@ def hf_config(spec: TinySpec) -> dict:
         "bos_token_id": spec.vocab_size - 32, "eos_token_id": spec.vocab_size - 31,
         "pad_token_id": spec.vocab_size - 27,
     }
+
+
+def _auto_map(arch: str) -> dict[str, str]:
+    module, cls = HF_CONFIG_CLASS[arch]
+    return {"AutoConfig": f"{module}.{cls}"}
+
+
+def write_hf_config(out: Path, raw: dict) -> None:
+    """config.json, and the code file of each class its `auto_map` names (so that none dangles)."""
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    for ref in (raw.get("auto_map") or {}).values():
+        module = ref.rsplit(".", 1)[0]
+        shutil.copyfile(HF_CODE_DIR / f"{module}.py", out / f"{module}.py")
 
 
 def _random_weights(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
@@ -124,7 +143,7 @@ def make_tiny(out: str | Path, spec: TinySpec, shards: int = 1) -> Path:
         ang = torch.arange(config.max_position, dtype=torch.float64)[:, None] * inv[None]
         tensors["freqs_cis"] = torch.stack([ang.cos(), ang.sin()], -1)[None, :, None].float().contiguous()
     _save(tensors, out, shards)
-    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    write_hf_config(out, raw)
     gen = {"bos_token_id": raw["bos_token_id"], "eos_token_id": raw["eos_token_id"]}
     if config.arch == OURO:
         gen["eos_token_id"] = [0, 2]  # <|endoftext|> and <|im_end|>

@@ -43,7 +43,7 @@ from tqdm import tqdm
 from loopserve.config import ModelConfig
 from loopserve.models.context import dense_context
 from loopserve.models.ouro import OuroForCausalLM
-from loopserve.models.tiny import TinySpec, hf_config
+from loopserve.models.tiny import TinySpec, hf_config, write_hf_config
 from loopserve.tokenization.build import train_bpe, write_tokenizer_files
 from loopserve.train.corpus import DEFAULT_CACHE_DIR, DEFAULT_HELDOUT_TITLE, fetch_shakespeare, load_works
 from loopserve.train.objective import exit_distribution, stage1_loss
@@ -256,7 +256,7 @@ def save_folder(model: OuroForCausalLM, raw: dict, tok, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tensors = {n: p.detach().to(torch.bfloat16).contiguous() for n, p in model.named_parameters()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    write_hf_config(out, raw)
     gen = {"bos_token_id": raw["bos_token_id"], "eos_token_id": [0, 2]}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     write_tokenizer_files(tok, "ouro", out, raw["max_position_embeddings"])
