@@ -110,8 +110,12 @@ class LLM:
     def _chat_prompt(self, conversation: Conversation, chat_template: str | None = None,
                      add_generation_prompt: bool = True, chat_template_kwargs: dict[str, Any] | None = None,
                      tools: Seq[Mapping[str, Any]] | None = None) -> dict[str, Any]:
+        extra = dict(chat_template_kwargs or {})
+        for name in ("messages", "add_generation_prompt", "chat_template", "tools"):
+            if name in extra:
+                raise ValueError(f"chat_template_kwargs.{name}: set by the chat() argument of that name")
         text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt, chat_template=chat_template,
-                                                  tools=tools, **(chat_template_kwargs or {}))
+                                                  tools=tools, **extra)
         # the template writes any BOS itself: tokenize without adding special tokens (as vLLM and the server do)
         return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
 

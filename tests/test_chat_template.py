@@ -1,0 +1,189 @@
+"""Chat templates as transformers reads and renders them: where they come from (chat_template.jinja, named
+lists, additional_chat_templates/), which one renders (a name, tool_use, default), and the Jinja environment
+(loopcontrols, raise_exception, strftime_now, tojson, {% generation %}, tools, documents, extra variables)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from loopserve.tokenizer import Tokenizer
+
+HELLO = [{"role": "user", "content": "Hello"}]
+
+
+@pytest.fixture
+def folder(tiny_ouro, tmp_path) -> Path:
+    """The tiny Ouro tokenizer files, in a folder a test may change."""
+    out = tmp_path / "tok"
+    out.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(tiny_ouro / name, out / name)
+    return out
+
+
+def _set_config_template(folder: Path, template) -> None:
+    path = folder / "tokenizer_config.json"
+    cfg = json.loads(path.read_text())
+    cfg["chat_template"] = template
+    path.write_text(json.dumps(cfg))
+
+
+def test_folder_template_renders_chatml(folder):
+    tok = Tokenizer(folder)
+    assert tok.apply_chat_template(HELLO) == "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.apply_chat_template(HELLO, False) == "<|im_start|>user\nHello<|im_end|>\n"
+
+
+def test_chat_template_jinja_file_wins_over_the_config(folder):
+    _set_config_template(folder, [{"name": "default", "template": "config"}, {"name": "rag", "template": "rag"}])
+    (folder / "chat_template.jinja").write_text("file: {{ messages[0]['content'] }}")
+    tok = Tokenizer(folder)
+    assert tok.apply_chat_template(HELLO) == "file: Hello"
+    assert tok.chat_templates == {"default": "file: {{ messages[0]['content'] }}"}  # the file replaces the list
+
+
+def test_additional_chat_templates_are_named(folder):
+    (folder / "additional_chat_templates").mkdir()
+    (folder / "additional_chat_templates" / "terse.jinja").write_text("T{{ messages | length }}")
+    tok = Tokenizer(folder)
+    assert tok.apply_chat_template(HELLO, chat_template="terse") == "T1"
+    assert tok.apply_chat_template(HELLO).startswith("<|im_start|>user")  # the default is still the config's
+
+
+def test_named_template_list(folder):
+    _set_config_template(folder, [{"name": "default", "template": "D{{ messages[0].content }}"},
+                                  {"name": "rag", "template": "R{{ documents | length }}"},
+                                  {"name": "tool_use", "template": "U{{ tools[0].function.name }}"}])
+    tok = Tokenizer(folder)
+    assert tok.chat_template == "D{{ messages[0].content }}"
+    assert tok.apply_chat_template(HELLO) == "DHello"
+    assert tok.apply_chat_template(HELLO, chat_template="rag", documents=[{"text": "a"}, {"text": "b"}]) == "R2"
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    assert tok.apply_chat_template(HELLO, tools=tools) == "Uget_weather"  # tools pick tool_use, as transformers
+    assert tok.apply_chat_template(HELLO, tools=tools, chat_template="default") == "DHello"
+    # a chat_template that names no template is the template itself
+    assert tok.apply_chat_template(HELLO, chat_template="{{ messages[0].role }}!") == "user!"
+
+
+def test_named_list_without_default_needs_a_name(folder):
+    _set_config_template(folder, [{"name": "a", "template": "A"}, {"name": "b", "template": "B"}])
+    tok = Tokenizer(folder)
+    assert tok.chat_template is None
+    with pytest.raises(ValueError, match="chat_template: .*none is 'default'.*a, b"):
+        tok.apply_chat_template(HELLO)
+    assert tok.apply_chat_template(HELLO, chat_template="b") == "B"
+
+
+@pytest.mark.parametrize("bad", [[{"name": "x"}], [["x", "y"]], 7])
+def test_malformed_config_template_names_the_file(folder, bad):
+    _set_config_template(folder, bad)
+    with pytest.raises(ValueError, match="tokenizer_config.json: chat_template"):
+        Tokenizer(folder)
+
+
+def test_no_template_is_a_clear_error(folder):
+    _set_config_template(folder, None)
+    with pytest.raises(ValueError, match="chat_template: the model has none"):
+        Tokenizer(folder).apply_chat_template(HELLO)
+
+
+def test_loopcontrols_extension(folder):
+    tok = Tokenizer(folder)
+    template = ("{% for m in messages %}{% if m.role == 'stop' %}{% break %}{% endif %}"
+                "{% if m.role == 'skip' %}{% continue %}{% endif %}{{ m.content }}{% endfor %}")
+    msgs = [{"role": "user", "content": "a"}, {"role": "skip", "content": "b"}, {"role": "user", "content": "c"},
+            {"role": "stop", "content": "d"}, {"role": "user", "content": "e"}]
+    assert tok.apply_chat_template(msgs, chat_template=template) == "ac"
+
+
+def test_raise_exception_is_a_value_error_naming_messages(folder):
+    tok = Tokenizer(folder)
+    template = ("{% if messages[0].role != 'system' %}{{ raise_exception('a system message must come first') }}"
+                "{% endif %}")
+    with pytest.raises(ValueError, match=r"^messages: a system message must come first$"):
+        tok.apply_chat_template(HELLO, chat_template=template)
+    assert tok.apply_chat_template([{"role": "system", "content": "x"}], chat_template=template) == ""
+
+
+def test_render_errors_name_messages_and_syntax_errors_the_template(folder):
+    tok = Tokenizer(folder)
+    with pytest.raises(ValueError, match="^messages: the chat template could not render them"):
+        tok.apply_chat_template([{"role": "user"}])  # no content: 'str' + undefined
+    with pytest.raises(ValueError, match="^chat_template: not a valid Jinja template"):
+        tok.apply_chat_template(HELLO, chat_template="{% for m in messages %}")
+    with pytest.raises(ValueError, match="^messages: expected a list"):
+        tok.apply_chat_template("Hello")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="^tools: expected a list"):
+        tok.apply_chat_template(HELLO, tools={"name": "f"})  # type: ignore[arg-type]
+
+
+def test_strftime_now(folder):
+    tok = Tokenizer(folder)
+    before = datetime.now().strftime("%Y-%m-%d")
+    out = tok.apply_chat_template(HELLO, chat_template="{{ strftime_now('%Y-%m-%d') }}")
+    assert out in {before, datetime.now().strftime("%Y-%m-%d")}
+
+
+def test_tools_documents_and_tojson(folder):
+    tok = Tokenizer(folder)
+    template = ("{% if tools %}{% for t in tools %}{{ t | tojson }}\n{% endfor %}{% endif %}"
+                "{% if documents is not none %}{{ documents | length }} docs\n{% endif %}"
+                "{{ messages[-1].content }}")
+    tools = [{"name": "f", "description": "a <b> & 'c' — é"}]
+    out = tok.apply_chat_template(HELLO, chat_template=template, tools=tools)
+    # transformers' tojson: plain JSON, non-ASCII kept, no HTML escaping
+    assert out == json.dumps(tools[0], ensure_ascii=False) + "\nHello"
+    out = tok.apply_chat_template(HELLO, chat_template=template, documents=[{"title": "x", "text": "y"}])
+    assert out == "1 docs\nHello"
+    assert tok.apply_chat_template(HELLO, chat_template="{{ x | tojson(indent=2) }}", x={"a": 1}) == '{\n  "a": 1\n}'
+
+
+def test_chat_template_kwargs_reach_the_template(folder):
+    tok = Tokenizer(folder)
+    template = "{{ bos_token }}{% if enable_thinking %}<think>{% endif %}{{ messages[0].content }}{{ eos_token }}"
+    assert tok.apply_chat_template(HELLO, chat_template=template) == "<|endoftext|>Hello<|endoftext|>"
+    out = tok.apply_chat_template(HELLO, chat_template=template, enable_thinking=True, bos_token="[B]")
+    assert out == "[B]<think>Hello<|endoftext|>"  # extra variables, and the special tokens can be overridden
+
+
+def test_generation_block_parses(folder):
+    tok = Tokenizer(folder)
+    template = ("{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}[{{ m.content }}]"
+                "{% endgeneration %}{% else %}{{ m.content }}{% endif %}{% endfor %}")
+    msgs = [*HELLO, {"role": "assistant", "content": "Hi"}]
+    assert tok.apply_chat_template(msgs, chat_template=template) == "Hello[Hi]"
+
+
+def test_set_chat_template_from_text_or_file(folder, tmp_path):
+    path = tmp_path / "t.jinja"
+    path.write_text("F{{ messages[0].content }}")
+    tok = Tokenizer(folder, chat_template=str(path))
+    assert tok.apply_chat_template(HELLO) == "FHello"
+    tok.set_chat_template("{{ 'T' + messages[0].content }}")
+    assert tok.apply_chat_template(HELLO) == "THello"
+    with pytest.raises(ValueError, match="chat_template: .*neither a file nor a Jinja template"):
+        tok.set_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="chat_template: not a valid Jinja template"):
+        tok.set_chat_template("{% if %}")
+    assert tok.apply_chat_template(HELLO) == "THello"  # a rejected template leaves the last one
+
+
+def test_sandbox_blocks_attribute_escapes(folder):
+    tok = Tokenizer(folder)
+    with pytest.raises(ValueError, match="^messages: "):
+        tok.apply_chat_template(HELLO, chat_template="{{ messages.__class__.__mro__ }}")
+
+
+def test_decode_token_is_the_tokens_text(folder):
+    tok = Tokenizer(folder)
+    space_the = tok.encode(" the", add_special_tokens=False)
+    assert tok.id_to_token(space_the[0]).startswith("Ġ")  # the byte-level symbol of a leading space
+    assert tok.decode_token(space_the[0]).startswith(" ")
+    for i in range(tok.vocab_size):
+        assert tok.decode_token(i) == tok.decode([i], skip_special_tokens=False)
+    assert tok.decode_token(2) == "<|im_end|>"  # special tokens keep their text
