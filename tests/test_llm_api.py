@@ -1,0 +1,219 @@
+"""The offline API as a vLLM user meets it: generation_config.json sampling defaults, `LLM.chat`, the
+progress bar, decoded logprob tokens, the generate CLI's chat flags, and checkpoint folders that
+transformers' `AutoConfig` / `AutoTokenizer` read."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import inspect
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from loopserve import LLM, SamplingParams
+from loopserve.cli import main as cli_main
+from loopserve.models.loader import generation_defaults
+from loopserve.models.tiny import HF_CODE_DIR, TinySpec, make_tiny
+from loopserve.train import embedded_model_path
+
+HELLO = [{"role": "user", "content": "Hello"}]
+PROMPTS = ["The cat", "A loop"]
+SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def _with_generation_config(src: Path, dst: Path, **keys) -> Path:
+    shutil.copytree(src, dst)
+    path = dst / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **keys}))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_ouro) -> LLM:
+    return LLM(tiny_ouro, scheduler="cdb")
+
+
+# ---------------- generation_config.json defaults
+
+
+def test_generation_config_defaults_are_the_default_params(tiny_ouro, tmp_path):
+    folder = _with_generation_config(tiny_ouro, tmp_path / "m", temperature=0.5, top_p=0.9, top_k=7, min_p=0.05,
+                                     max_new_tokens=5, repetition_penalty=1.1, do_sample=True)
+    defaults = generation_defaults(folder)
+    expected = {"temperature": 0.5, "top_p": 0.9, "top_k": 7, "min_p": 0.05, "max_tokens": 5}
+    if "repetition_penalty" in SAMPLING_FIELDS:  # skipped (with a debug log) while SamplingParams lacks it
+        expected["repetition_penalty"] = 1.1
+    assert defaults == expected
+    llm = LLM(folder, scheduler="reference")
+    params = llm.get_default_sampling_params()
+    assert (params.temperature, params.top_p, params.top_k, params.min_p, params.max_tokens) == (0.5, 0.9, 7, 0.05, 5)
+    # generate without params uses them; the same values given explicitly give the same tokens
+    implicit = LLM(folder, scheduler="reference").generate(PROMPTS, use_tqdm=False)
+    explicit = LLM(folder, scheduler="reference").generate(PROMPTS, SamplingParams(**expected), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in implicit] == [o.outputs[0].token_ids for o in explicit]
+    assert all(len(o.outputs[0].token_ids) <= 5 for o in implicit)
+    assert any(len(o.outputs[0].token_ids) == 5 for o in implicit)
+    # explicit params are used as given (vLLM's offline rule): max_tokens 3 and SamplingParams' own defaults
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 3]
+
+
+def test_generation_config_modes(tiny_ouro, tmp_path):
+    folder = _with_generation_config(tiny_ouro, tmp_path / "m", temperature=0.25)
+    other = _with_generation_config(tiny_ouro, tmp_path / "other", top_k=3)
+    assert generation_defaults(folder, "auto") == {"temperature": 0.25}
+    assert generation_defaults(folder, "vllm") == {}
+    assert generation_defaults(folder, str(other)) == {"top_k": 3}
+    assert generation_defaults(tiny_ouro) == {}  # eos ids only: nothing to default
+    llm = LLM(folder, scheduler="reference", generation_config="vllm")
+    assert llm.get_default_sampling_params() == SamplingParams()
+    with pytest.raises(ValueError, match="generation_config: .*missing"):
+        generation_defaults(folder, str(tmp_path / "nowhere"))
+
+
+@pytest.mark.parametrize("key,value,field", [("top_p", 0, "top_p"), ("temperature", -1, "temperature"),
+                                             ("max_new_tokens", 0, "max_tokens")])
+def test_bad_generation_config_names_the_file_and_field(tiny_ouro, tmp_path, key, value, field):
+    folder = _with_generation_config(tiny_ouro, tmp_path / "m", **{key: value})
+    with pytest.raises(ValueError, match=rf"generation_config.json: {field}: "):
+        LLM(folder, scheduler="reference")
+
+
+# ---------------- LLM.chat
+
+
+def test_chat_single_conversation(llm):
+    tok = llm.get_tokenizer()
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    [out] = llm.chat(HELLO, params, use_tqdm=False)
+    text = tok.apply_chat_template(HELLO, add_generation_prompt=True)
+    assert out.prompt == text
+    assert out.prompt_token_ids == tok.encode(text, add_special_tokens=False)
+    [same] = llm.generate({"prompt_token_ids": out.prompt_token_ids}, params, use_tqdm=False)
+    assert same.outputs[0].token_ids == out.outputs[0].token_ids and len(out.outputs[0].token_ids) == 4
+
+
+def test_chat_batch_keeps_order(llm):
+    convs = [HELLO, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]]
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    outs = llm.chat(convs, params, use_tqdm=False)
+    assert len(outs) == 2
+    assert outs[0].prompt.endswith("Hello<|im_end|>\n<|im_start|>assistant\n")
+    assert outs[1].prompt.startswith("<|im_start|>system\nBe brief.")
+    singles = [llm.chat(c, params, use_tqdm=False)[0] for c in convs]
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in singles]
+
+
+def test_chat_template_arguments(llm):
+    template = ("{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}{{ style }}:"
+                "{{ messages[-1].content }}{% if add_generation_prompt %}>{% endif %}")
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
+    params = SamplingParams(max_tokens=1)
+    [out] = llm.chat(HELLO, params, use_tqdm=False, chat_template=template, chat_template_kwargs={"style": "terse"},
+                     tools=tools)
+    assert out.prompt == "[lookup]terse:Hello>"
+    [out] = llm.chat(HELLO, params, use_tqdm=False, chat_template=template, add_generation_prompt=False)
+    assert out.prompt == ":Hello"
+    with pytest.raises(ValueError, match="chat_template_kwargs.tools"):
+        llm.chat(HELLO, params, chat_template_kwargs={"tools": []})
+    with pytest.raises(ValueError, match="^messages: "):
+        llm.chat([], params)
+
+
+def test_chat_uses_generation_config_defaults(tiny_ouro, tmp_path):
+    folder = _with_generation_config(tiny_ouro, tmp_path / "m", max_new_tokens=2, temperature=0)
+    outs = LLM(folder, scheduler="reference").chat([HELLO, HELLO], use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) <= 2 for o in outs)
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids  # greedy, from the file
+
+
+# ---------------- progress bar and logprobs
+
+
+def test_use_tqdm_is_on_by_default_with_tokens_per_second(llm, capsys):
+    for method in (LLM.generate, LLM.chat):
+        assert inspect.signature(method).parameters["use_tqdm"].default is True
+    llm.generate(PROMPTS, SamplingParams(max_tokens=2))
+    err = capsys.readouterr().err
+    assert "Processed prompts" in err and "2/2" in err
+    assert "est. speed input:" in err and "toks/s, output:" in err
+    llm.chat(HELLO, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("scheduler", ["reference", "cdb"])
+def test_logprob_decoded_token_is_text(tiny_ouro, scheduler):
+    llm = LLM(tiny_ouro, scheduler=scheduler)
+    tok = llm.get_tokenizer()
+    [out] = llm.generate("The cat sat on the", SamplingParams(max_tokens=6, logprobs=20, ignore_eos=True),
+                         use_tqdm=False)
+    entries = out.outputs[0].logprobs
+    assert entries is not None and len(entries) == 6
+    for entry in entries:
+        for tid, lp in entry.items():
+            assert lp.decoded_token == tok.decode([tid], skip_special_tokens=False)
+    # the byte-level symbol of a space never shows
+    assert not any("Ġ" in (lp.decoded_token or "") for entry in entries for lp in entry.values())
+
+
+# ---------------- command line
+
+
+def test_generate_cli_chat_and_generation_config(tiny_ouro, tmp_path, capsys):
+    folder = _with_generation_config(tiny_ouro, tmp_path / "m", max_new_tokens=3)
+    args = ["generate", "--model", str(folder), "--scheduler", "reference", "--ignore-eos"]
+    assert cli_main([*args, "--chat", "Hello"]) == 0
+    out = capsys.readouterr().out
+    assert "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n" in out and "3 tokens" in out
+    template = tmp_path / "t.jinja"
+    template.write_text("Q: {{ messages[0].content }}\nA:")
+    assert cli_main([*args, "--chat-template", str(template), "--max-tokens", "2", "Why"]) == 0
+    out = capsys.readouterr().out
+    assert "Q: Why\nA:" in out and "2 tokens" in out
+    assert cli_main([*args, "--generation-config", "vllm", "--max-tokens", "1", "Hi"]) == 0
+    assert cli_main([*args, "--chat-template", str(tmp_path / "missing"), "Hi"]) == 2
+    assert "neither a file nor a Jinja template" in capsys.readouterr().err
+
+
+# ---------------- folders transformers reads
+
+
+def _hf_folders(tmp_path_factory) -> list[Path]:
+    out = [make_tiny(tmp_path_factory.mktemp("hf_ouro"), TinySpec(arch="ouro")),
+           make_tiny(tmp_path_factory.mktemp("hf_huginn"), TinySpec(arch="huginn", layers="1-1-1"))]
+    if (embedded_model_path() / "config.json").is_file():
+        out.append(embedded_model_path())
+    return out
+
+
+def test_auto_map_names_only_shipped_code(tmp_path_factory):
+    """transformers imports each module `auto_map` names from the folder: every one must be there."""
+    for folder in _hf_folders(tmp_path_factory):
+        auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
+        assert set(auto_map) == {"AutoConfig"}  # no model class: loopserve ships no modeling code
+        module = auto_map["AutoConfig"].rsplit(".", 1)[0]
+        assert (folder / f"{module}.py").read_text() == (HF_CODE_DIR / f"{module}.py").read_text()
+        names = {p.name for p in folder.iterdir()}
+        assert {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"} <= names
+        assert json.loads((folder / "tokenizer_config.json").read_text())["tokenizer_class"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
+def test_transformers_reads_the_folders(tmp_path_factory):
+    from transformers import AutoConfig, AutoTokenizer
+
+    from loopserve.tokenizer import Tokenizer
+
+    for folder in _hf_folders(tmp_path_factory):
+        raw = json.loads((folder / "config.json").read_text())
+        cfg = AutoConfig.from_pretrained(folder, trust_remote_code=True)
+        assert cfg.model_type == raw["model_type"] and cfg.vocab_size == raw["vocab_size"]
+        hf_tok = AutoTokenizer.from_pretrained(folder)  # the tokenizer needs no remote code
+        ours = Tokenizer(folder)
+        text = "Loops think twice. é"
+        assert hf_tok(text)["input_ids"] == ours.encode(text)
+        assert hf_tok.apply_chat_template(HELLO, tokenize=False, add_generation_prompt=True) == (
+            ours.apply_chat_template(HELLO))
