@@ -1,14 +1,17 @@
 """Tests for loopserve.bench.theory against hand-computed numbers for the real configs.
 
 Expected values are written as arithmetic on the config numbers, never by calling the code under
-test.
+test. One test (`test_reports_equal_pinned_outputs`) is a regression pin instead: `bench theory`
+reports recorded before the theory was moved onto `ModelConfig` and `KVLayout` must not change.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -28,7 +31,7 @@ from loopserve.bench.theory import (
     format_report,
     kv_bytes_per_token,
     kv_read_bytes_per_token_step,
-    model_shape,
+    model_config,
     param_counts,
     realized_fraction,
     stage_flops,
@@ -59,8 +62,8 @@ H_F0 = H_PRELUDE + H_CODA
 H_TOTAL = 65536 * 5280 + 8 * H_BLOCK + H_ADAPTER + 5280  # wte (tied head) + blocks + adapter + ln_f
 
 
-def test_hand_constants_match_reference_notes():
-    # cross-check the hand arithmetic against the literal numbers in the reference notes
+def test_hand_constants_match_literal_numbers():
+    # pin the hand arithmetic to literal numbers, so that a slip in the expressions above shows
     assert O_BLOCK == 51_388_416
     assert O_TOTAL == 1_434_652_673
     assert H_BLOCK == 395_398_080
@@ -71,25 +74,25 @@ def test_hand_constants_match_reference_notes():
 
 
 def test_ouro_shape():
-    s = model_shape(OURO_14B)
-    assert (s.arch, s.hidden, s.n_core, s.n_prelude, s.n_coda) == ("ouro", 2048, 24, 0, 0)
-    assert (s.n_heads, s.n_kv_heads, s.head_dim, s.r_default, s.tied) == (16, 16, 128, 4, False)
+    c = model_config(OURO_14B)
+    assert (c.arch, c.hidden_size, c.n_core, c.n_prelude, c.n_coda) == ("OuroForCausalLM", 2048, 24, 0, 0)
+    assert (c.num_heads, c.num_kv_heads, c.head_dim, c.r_max, c.tie_embeddings) == (16, 16, 128, 4, False)
 
 
 def test_ouro_head_dim_defaults_to_hidden_over_heads():
-    cfg = {k: v for k, v in OURO_14B.items() if k != "head_dim"}
-    assert model_shape(cfg).head_dim == 2048 // 16
+    cfg = {k: v for k, v in OURO_14B.raw.items() if k != "head_dim"}
+    assert model_config(cfg).head_dim == 2048 // 16
 
 
 def test_huginn_shape():
-    s = model_shape(HUGINN_35B)
-    assert (s.arch, s.hidden, s.n_heads, s.n_kv_heads, s.head_dim) == ("huginn", 5280, 55, 55, 96)
-    assert (s.n_prelude, s.n_core, s.n_coda, s.r_default, s.tied) == (2, 4, 2, 32, True)
+    c = model_config(HUGINN_35B)
+    assert (c.arch, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim) == ("RavenForCausalLM", 5280, 55, 55, 96)
+    assert (c.n_prelude, c.n_core, c.n_coda, c.r_max, c.tie_embeddings) == (2, 4, 2, 32, True)
 
 
 def test_unknown_architecture_rejected():
     with pytest.raises(ValueError):
-        model_shape({"architectures": ["LlamaForCausalLM"], "hidden_size": 8})
+        model_config({"architectures": ["LlamaForCausalLM"], "hidden_size": 8})
 
 
 def test_ouro_param_counts():
@@ -105,7 +108,7 @@ def test_ouro_param_counts():
 
 def test_ouro_26b_param_count():
     # Ouro-2.6B differs only in 48 layers; reference: 2,667,974,657 params
-    cfg = {**OURO_14B, "num_hidden_layers": 48}
+    cfg = {**OURO_14B.raw, "num_hidden_layers": 48}
     assert param_counts(cfg).total == 2 * 49152 * 2048 + 48 * O_BLOCK + 2048 + 2049 == 2_667_974_657
 
 
@@ -120,15 +123,15 @@ def test_huginn_param_counts():
 
 
 def test_huginn_untied_adds_a_head():
-    cfg = {**HUGINN_35B, "tie_embeddings": False}
+    cfg = dataclasses.replace(HUGINN_35B, tie_embeddings=False)  # the engine's Huginn always ties
     assert param_counts(cfg).total == 3_564_976_800 + 65536 * 5280
 
 
 def test_huginn_prefers_padded_vocab():
-    cfg = {**HUGINN_35B, "vocab_size": 65000, "padded_vocab_size": 65536}
-    assert model_shape(cfg).vocab == 65536
-    cfg = {k: v for k, v in HUGINN_35B.items() if k != "padded_vocab_size"}
-    assert model_shape(cfg).vocab == 65536
+    cfg = {**HUGINN_35B.raw, "vocab_size": 65000, "padded_vocab_size": 65536}
+    assert model_config(cfg).vocab_size == 65536
+    cfg = {k: v for k, v in HUGINN_35B.raw.items() if k != "padded_vocab_size"}
+    assert model_config(cfg).vocab_size == 65536
 
 
 # ------------------------------------------------------------------------------------ FLOPs
@@ -242,7 +245,7 @@ def test_ouro_kv_bytes():
     assert kv_bytes_per_token(OURO_14B, "shared", dtype="float32") == 2 * 196_608
     assert kv_read_bytes_per_token_step(OURO_14B) == 196_608
     # Ouro-2.6B: 1.5 MiB and 384 KiB
-    cfg = {**OURO_14B, "num_hidden_layers": 48}
+    cfg = {**OURO_14B.raw, "num_hidden_layers": 48}
     assert kv_bytes_per_token(cfg, "depth_indexed") == 3 * 2**19
     assert kv_bytes_per_token(cfg, "shared") == 384 * 1024
 
@@ -263,7 +266,7 @@ def test_shared_is_one_over_r_max_of_core():
 
 
 def test_gqa_reduces_kv_bytes_and_params():
-    gqa = {**OURO_14B, "num_key_value_heads": 4}
+    gqa = {**OURO_14B.raw, "num_key_value_heads": 4}
     assert kv_bytes_per_token(gqa, "shared") == 2 * 24 * 4 * 128 * 2 == 49_152
     assert kv_bytes_per_token(gqa, "depth_indexed") == 4 * 49_152
     for layout in LAYOUTS:
@@ -324,7 +327,7 @@ def test_core_step_estimate_ouro_h100():
     assert e.memory_s == pytest.approx(floor + 32 * row_kv)
     assert e.time_s == pytest.approx(max(32 * row_flops / 989e12, floor + 32 * row_kv))
     assert e.b_star_linear == pytest.approx(floor / slope)
-    assert 10 < e.b_star_linear < 14  # prior-art back-of-envelope: B* ~ 12 at 1k context
+    assert 10 < e.b_star_linear < 14  # docs/design.md §7.3: B* ~ 12 at 1k context
 
 
 def test_core_step_estimate_huginn_h100():
@@ -333,7 +336,7 @@ def test_core_step_estimate_huginn_h100():
     slope = (H_FR + 4 * 2 * 2 * 55 * 96 * c) / 989e12 + c * 4 * 2 * 5280 * 2 / 3.35e12
     e = core_step_time_estimate(HUGINN_35B, H100_SXM, batch=1, context=c)
     assert e.b_star_linear == pytest.approx(weight_bytes / 3.35e12 / slope)
-    assert 30 < e.b_star_linear < 37  # prior-art back-of-envelope: B* ~ 34
+    assert 30 < e.b_star_linear < 37  # docs/design.md §7.3: B* ~ 34
 
 
 def test_cpu_probe():
@@ -385,3 +388,48 @@ def test_theory_report_huginn_no_device():
 def test_theory_report_rejects_depth_beyond_r_max():
     with pytest.raises(ValueError):
         theory_report(OURO_14B, mean_depth=5)
+
+
+# ------------------------------------------------------------------------------------ pinned outputs
+
+PINNED = Path(__file__).parent / "data" / "theory_pinned.json"
+
+
+def _pinned_cases() -> list[dict]:
+    """`bench theory` reports (JSON and text) for the real configs, a GQA variant, the embedded model
+    and three bench presets, at the CLI's defaults and at a roofline point. `PINNED` holds these as
+    computed at commit 4d758a5, before the theory read `ModelConfig` and `KVLayout`; re-record it
+    (`python -m tests.test_theory`) only for a deliberate change of the figures."""
+    from loopserve.bench.presets import preset_config
+    from loopserve.train import embedded_model_path
+
+    models = {
+        "Ouro-1.4B": OURO_14B,
+        "Huginn-0125": HUGINN_35B,
+        "Ouro-1.4B-gqa4": {**OURO_14B.raw, "num_key_value_heads": 4},
+        "embedded": json.loads((embedded_model_path() / "config.json").read_text()),
+        **{name: preset_config(name) for name in ("ouro-bench", "huginn-bench", "huginn-bench-0-4-0")},
+    }
+    cases = []
+    for name, cfg in models.items():
+        r = model_config(cfg).r_max
+        for mean, r_max, ctx, dev, dt in [(0.625 * r, None, 0, None, "bfloat16"), (2.5, 4, 1024, "h100", "float32")]:
+            rep = theory_report(cfg, mean, r_max, ctx, dev, dt)
+            cases.append({"model": name, "args": [mean, r_max, ctx, dev, dt], "report": rep,
+                          "text": format_report(rep)})
+    return cases
+
+
+def test_reports_equal_pinned_outputs():
+    pinned = json.loads(PINNED.read_text())["cases"]
+    now = _pinned_cases()
+    assert [(c["model"], c["args"]) for c in now] == [(c["model"], c["args"]) for c in pinned]
+    for case, old in zip(now, pinned, strict=True):
+        assert json.loads(json.dumps(case["report"])) == old["report"], case["model"]
+        assert case["text"] == old["text"], case["model"]
+
+
+if __name__ == "__main__":
+    import sys
+
+    json.dump({"cases": _pinned_cases()}, sys.stdout, separators=(",", ":"), sort_keys=True)

@@ -1,12 +1,15 @@
 """Back-of-envelope theory for looped LMs: FLOPs per stage, the adaptive-depth speed-up bound,
 KV bytes per token per cache layout, and a simple roofline for one core (loop) step.
 
-Everything here is computed from an HF ``config.json`` dict alone; no weights are loaded. It is the
-library behind ``loopserve bench theory``.
+This module owns the cost model (parameter and FLOP counting conventions, the bound, the roofline)
+and nothing about the model itself: the model's shape is the engine's `ModelConfig`
+(`loopserve/config.py`, read from an HF ``config.json`` dict, no weights loaded), KV slots and
+bytes per token are the engine's `KVLayout` (`loopserve/cache/layout.py`), and dtype sizes are
+torch's. It is the library behind ``loopserve bench theory``.
 
 Conventions
 -----------
-* A looped LM runs three stages per token (DESIGN §1): prelude -> r core steps -> coda.
+* A looped LM runs three stages per token (docs/design.md §2.1): prelude -> r core steps -> coda.
   ``F0`` = FLOPs of prelude + coda (paid once per token), ``Fr`` = FLOPs of one core step.
 * FLOPs count 2 per multiply-add. Two counting conventions are offered:
 
@@ -24,10 +27,10 @@ Conventions
   + the exit gate ``Linear(H, 1)`` (both run after every loop step); coda = ``lm_head``.
   Huginn: prelude = 2 sandwich blocks; core step = adapter ``Linear(2h, h)`` + 4 blocks;
   coda = ``ln_f`` + 2 blocks + ``lm_head`` (tied to the embedding).
-* Speed-up bound of adaptive depth over full depth at mean exit depth ``d`` (DESIGN §6):
+* Speed-up bound of adaptive depth over full depth at mean exit depth ``d`` (docs/design.md §7.1):
   ``(F0 + r_max * Fr) / (F0 + d * Fr)``.
-* KV layouts (DESIGN §4): ``depth_indexed`` and ``last_exited`` store ``L_core * r_max`` slots per
-  token, ``shared`` stores ``L_core``; unshared prelude/coda attention layers store one slot each.
+* KV layouts (docs/design.md §4.1): `KVLayout.slots_per_token` and `KVLayout.bytes_per_token`, at
+  the ``r_max`` asked for.
 """
 
 from __future__ import annotations
@@ -37,6 +40,11 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
+
+from loopserve.cache.layout import LAYOUTS, KVLayout
+from loopserve.config import HUGINN, OURO, ModelConfig
+
 __all__ = [
     "LAYOUTS",
     "DEVICES",
@@ -45,7 +53,6 @@ __all__ = [
     "HUGINN_0125",
     "OURO_1_4B",
     "Device",
-    "ModelShape",
     "ParamCounts",
     "StageFlops",
     "StepTimeEstimate",
@@ -58,41 +65,17 @@ __all__ = [
     "get_device",
     "kv_bytes_per_token",
     "kv_read_bytes_per_token_step",
-    "model_shape",
+    "model_config",
     "param_counts",
     "realized_fraction",
     "stage_flops",
     "theory_report",
 ]
 
-LAYOUTS: tuple[str, ...] = ("depth_indexed", "last_exited", "shared")
-
-_OURO_ARCHS = ("OuroForCausalLM",)
-_HUGINN_ARCHS = ("RavenForCausalLM",)
-
-_DTYPE_BYTES: dict[str, int] = {
-    "float64": 8,
-    "fp64": 8,
-    "double": 8,
-    "float32": 4,
-    "fp32": 4,
-    "float": 4,
-    "bfloat16": 2,
-    "bf16": 2,
-    "float16": 2,
-    "fp16": 2,
-    "half": 2,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "fp8": 1,
-    "int8": 1,
-}
-
-
 # Published configs (config.json of ByteDance/Ouro-1.4B and tomg-group-umd/huginn-0125), for the
 # theory of the real models and the device-idle projection of `bench host`.
-OURO_1_4B: dict[str, Any] = {
-    "architectures": ["OuroForCausalLM"],
+OURO_1_4B = ModelConfig.from_hf({
+    "architectures": [OURO],
     "model_type": "ouro",
     "hidden_size": 2048,
     "intermediate_size": 5632,
@@ -106,10 +89,10 @@ OURO_1_4B: dict[str, Any] = {
     "hidden_act": "silu",
     "rms_norm_eps": 1e-6,
     "rope_theta": 1000000.0,
-}
+}, "Ouro-1.4B")
 
-HUGINN_0125: dict[str, Any] = {
-    "architectures": ["RavenForCausalLM"],
+HUGINN_0125 = ModelConfig.from_hf({
+    "architectures": [HUGINN],
     "model_type": "huginn_raven",
     "n_embd": 5280,
     "n_heads": 55,
@@ -124,117 +107,68 @@ HUGINN_0125: dict[str, Any] = {
     "qk_bias": True,
     "bias": False,
     "tie_embeddings": True,
-}
+}, "huginn-0125")
+
+# Short names the CLI accepts besides torch's own dtype names (float32, bfloat16, half, int8, ...)
+_DTYPE_ALIASES = {"fp64": "float64", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "float8_e4m3fn"}
 
 
-def bytes_per_element(dtype: Any) -> int:
-    """Bytes per element of ``dtype``: a name ("bfloat16", "bf16", "float32", "torch.float16", ...)
-    or any object with an ``itemsize`` attribute (e.g. a ``torch.dtype``)."""
-    itemsize = getattr(dtype, "itemsize", None)
-    if isinstance(itemsize, int) and not isinstance(dtype, str):
-        return itemsize
+def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """A torch dtype from itself or a name: torch's ("bfloat16", "torch.float16", "half") or a short
+    one ("bf16", "fp32", "fp8")."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
     name = str(dtype).lower().removeprefix("torch.")
-    if name not in _DTYPE_BYTES:
-        raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(_DTYPE_BYTES)}")
-    return _DTYPE_BYTES[name]
+    found = getattr(torch, _DTYPE_ALIASES.get(name, name), None)
+    if not isinstance(found, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}; use a torch dtype name or one of {sorted(_DTYPE_ALIASES)}")
+    return found
+
+
+def bytes_per_element(dtype: str | torch.dtype) -> int:
+    """Bytes per element of ``dtype`` (see :func:`torch_dtype`)."""
+    return torch_dtype(dtype).itemsize
 
 
 # --------------------------------------------------------------------------------------------
-# Model shape
+# Model
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """The numbers of a looped LM that the theory needs, independent of the config key names."""
-
-    arch: str  # "ouro" or "huginn"
-    architecture: str  # the HF class name
-    hidden: int
-    intermediate: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    vocab: int
-    n_prelude: int  # unshared attention blocks before the loop
-    n_core: int  # shared blocks run once per core step
-    n_coda: int  # unshared attention blocks after the loop
-    r_default: int  # default loop count (Ouro total_ut_steps, Huginn mean_recurrence)
-    tied: bool  # LM head shares the embedding matrix
-    qk_bias: bool  # Huginn: learned additive bias on q and k
+def model_config(config: dict[str, Any] | ModelConfig) -> ModelConfig:
+    """The engine's view of a model: an HF ``config.json`` dict of Ouro or Huginn, or a `ModelConfig`."""
+    return config if isinstance(config, ModelConfig) else ModelConfig.from_hf(config)
 
 
-def _arch_of(config: dict[str, Any]) -> str:
-    archs = config.get("architectures") or []
-    name = archs[0] if archs else ""
-    if name in _OURO_ARCHS or (not name and config.get("model_type") == "ouro"):
-        return "ouro"
-    if name in _HUGINN_ARCHS or (not name and config.get("model_type") == "huginn_raven"):
-        return "huginn"
-    raise ValueError(
-        f"unsupported architecture {name or config.get('model_type')!r}; "
-        f"expected one of {_OURO_ARCHS + _HUGINN_ARCHS}"
-    )
+def _has_qk_bias(c: ModelConfig) -> bool:
+    return c.arch == HUGINN  # Huginn's attention adds a learned bias to q and k (models/huginn.py)
 
 
-def model_shape(config: dict[str, Any] | ModelShape) -> ModelShape:
-    """Normalise an HF ``config.json`` dict of Ouro or Huginn into a :class:`ModelShape`."""
-    if isinstance(config, ModelShape):
-        return config
-    arch = _arch_of(config)
-    if arch == "ouro":
-        hidden = int(config["hidden_size"])
-        heads = int(config["num_attention_heads"])
-        kv_heads = config.get("num_key_value_heads")
-        head_dim = config.get("head_dim")
-        return ModelShape(
-            arch="ouro",
-            architecture=(config.get("architectures") or ["OuroForCausalLM"])[0],
-            hidden=hidden,
-            intermediate=int(config["intermediate_size"]),
-            n_heads=heads,
-            n_kv_heads=int(kv_heads) if kv_heads else heads,
-            head_dim=int(head_dim) if head_dim else hidden // heads,
-            vocab=int(config["vocab_size"]),
-            n_prelude=0,
-            n_core=int(config["num_hidden_layers"]),
-            n_coda=0,
-            r_default=int(config.get("total_ut_steps", 4)),
-            tied=bool(config.get("tie_word_embeddings", False)),
-            qk_bias=False,
-        )
-    hidden = int(config.get("n_embd", config.get("hidden_size", 0)))
-    heads = int(config.get("n_heads", config.get("num_attention_heads", 0)))
-    if hidden <= 0 or heads <= 0:
-        raise ValueError("Huginn config needs n_embd and n_heads")
-    kv_heads = config.get("num_key_value_heads")
-    vocab = config.get("padded_vocab_size") or config["vocab_size"]
-    tied = config.get("tie_embeddings", config.get("tie_word_embeddings", True))
-    return ModelShape(
-        arch="huginn",
-        architecture=(config.get("architectures") or ["RavenForCausalLM"])[0],
-        hidden=hidden,
-        intermediate=int(config["intermediate_size"]),
-        n_heads=heads,
-        n_kv_heads=int(kv_heads) if kv_heads else heads,
-        head_dim=hidden // heads,
-        vocab=int(vocab),
-        n_prelude=int(config["n_layers_in_prelude"]),
-        n_core=int(config["n_layers_in_recurrent_block"]),
-        n_coda=int(config["n_layers_in_coda"]),
-        r_default=int(config.get("mean_recurrence", 32)),
-        tied=bool(tied),
-        # the released checkpoint has qk_bias = true; linear biases (`bias`) are false there and
-        # are not modelled here
-        qk_bias=bool(config.get("qk_bias", True)),
-    )
-
-
-def _r_max(shape: ModelShape, r_max: int | None) -> int:
-    r = shape.r_default if r_max is None else int(r_max)
+def _r_max(c: ModelConfig, r_max: int | None) -> int:
+    r = c.r_max if r_max is None else int(r_max)
     if r < 1:
         raise ValueError(f"r_max must be >= 1, got {r}")
     return r
+
+
+def _model_summary(c: ModelConfig) -> dict[str, Any]:
+    """The report's ``model`` block (its key names are those of earlier ``theory.json`` files)."""
+    return {
+        "arch": "ouro" if c.arch == OURO else "huginn",
+        "architecture": c.arch,
+        "hidden": c.hidden_size,
+        "intermediate": c.intermediate_size,
+        "n_heads": c.num_heads,
+        "n_kv_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "vocab": c.vocab_size,
+        "n_prelude": c.n_prelude,
+        "n_core": c.n_core,
+        "n_coda": c.n_coda,
+        "r_default": c.r_max,
+        "tied": c.tie_embeddings,
+        "qk_bias": _has_qk_bias(c),
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -258,43 +192,43 @@ class ParamCounts:
     total: int
 
 
-def _block_matmul(s: ModelShape) -> int:
-    attn = s.hidden * s.head_dim * (2 * s.n_heads + 2 * s.n_kv_heads)  # q, o + k, v
-    mlp = 3 * s.hidden * s.intermediate  # gate, up, down
+def _block_matmul(c: ModelConfig) -> int:
+    attn = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)  # q, o + k, v
+    mlp = 3 * c.hidden_size * c.intermediate_size  # gate, up, down
     return attn + mlp
 
 
-def _block_params(s: ModelShape) -> int:
-    norms = 4 * s.hidden  # both architectures use 4 RMSNorms per block ("sandwich")
-    bias = (s.n_heads + s.n_kv_heads) * s.head_dim if s.qk_bias else 0
-    return _block_matmul(s) + norms + bias
+def _block_params(c: ModelConfig) -> int:
+    norms = 4 * c.hidden_size  # both architectures use 4 RMSNorms per block ("sandwich")
+    bias = (c.num_heads + c.num_kv_heads) * c.head_dim if _has_qk_bias(c) else 0
+    return _block_matmul(c) + norms + bias
 
 
-def _core_extra_matmul(s: ModelShape) -> int:
-    if s.arch == "ouro":
-        return s.hidden  # exit gate Linear(H, 1) weight
-    return 2 * s.hidden * s.hidden  # adapter Linear(2h, h), no bias
+def _core_extra_matmul(c: ModelConfig) -> int:
+    if c.arch == OURO:
+        return c.hidden_size  # exit gate Linear(H, 1) weight
+    return 2 * c.hidden_size * c.hidden_size  # adapter Linear(2h, h), no bias
 
 
-def _core_extra_params(s: ModelShape) -> int:
-    if s.arch == "ouro":
-        return s.hidden + (s.hidden + 1)  # model.norm + exit gate (weight + bias)
-    return 2 * s.hidden * s.hidden
+def _core_extra_params(c: ModelConfig) -> int:
+    if c.arch == OURO:
+        return c.hidden_size + (c.hidden_size + 1)  # model.norm + exit gate (weight + bias)
+    return 2 * c.hidden_size * c.hidden_size
 
 
-def param_counts(config: dict[str, Any] | ModelShape) -> ParamCounts:
+def param_counts(config: dict[str, Any] | ModelConfig) -> ParamCounts:
     """Parameter counts per block, per stage and in total (see :class:`ParamCounts`)."""
-    s = model_shape(config)
-    block = _block_params(s)
-    head = s.vocab * s.hidden
-    prelude = s.n_prelude * block
-    core = s.n_core * block + _core_extra_params(s)
-    coda_norm = s.hidden if s.arch == "huginn" else 0  # Huginn ln_f; Ouro's norm is in the core
-    coda = s.n_coda * block + coda_norm + head
-    total = head + prelude + core + coda - (head if s.tied else 0)
+    c = model_config(config)
+    block = _block_params(c)
+    head = c.vocab_size * c.hidden_size
+    prelude = c.n_prelude * block
+    core = c.n_core * block + _core_extra_params(c)
+    coda_norm = c.hidden_size if c.arch == HUGINN else 0  # Huginn ln_f; Ouro's norm is in the core
+    coda = c.n_coda * block + coda_norm + head
+    total = head + prelude + core + coda - (head if c.tie_embeddings else 0)
     return ParamCounts(
         block=block,
-        block_matmul=_block_matmul(s),
+        block_matmul=_block_matmul(c),
         embedding=head,
         lm_head=head,
         prelude=prelude,
@@ -304,12 +238,12 @@ def param_counts(config: dict[str, Any] | ModelShape) -> ParamCounts:
     )
 
 
-def attention_flops_per_layer(config: dict[str, Any] | ModelShape, context: int) -> int:
+def attention_flops_per_layer(config: dict[str, Any] | ModelConfig, context: int) -> int:
     """QK^T + AV FLOPs of one attention layer for one query over ``context`` keys."""
-    s = model_shape(config)
+    c = model_config(config)
     if context < 0:
         raise ValueError(f"context must be >= 0, got {context}")
-    return 2 * 2 * s.n_heads * s.head_dim * int(context)
+    return 2 * 2 * c.num_heads * c.head_dim * int(context)
 
 
 @dataclass(frozen=True)
@@ -342,30 +276,30 @@ class StageFlops:
         return d
 
 
-def stage_flops(config: dict[str, Any] | ModelShape, context: int = 0, count: str = "matmul") -> StageFlops:
+def stage_flops(config: dict[str, Any] | ModelConfig, context: int = 0, count: str = "matmul") -> StageFlops:
     """Per-token FLOPs of prelude, one core step and coda.
 
     ``count="matmul"`` counts linear-layer weights only; ``count="params"`` is 2 x params touched
     (see the module docstring). ``context`` adds the attention term of every attention layer
     applied in the stage.
     """
-    s = model_shape(config)
-    attn = attention_flops_per_layer(s, context)
+    c = model_config(config)
+    attn = attention_flops_per_layer(c, context)
     if count == "matmul":
-        block = _block_matmul(s)
-        core_extra = _core_extra_matmul(s)
-        coda_extra = s.vocab * s.hidden
+        block = _block_matmul(c)
+        core_extra = _core_extra_matmul(c)
+        coda_extra = c.vocab_size * c.hidden_size
     elif count == "params":
-        p = param_counts(s)
+        p = param_counts(c)
         block = p.block
-        core_extra = p.core_step - s.n_core * p.block
-        coda_extra = p.coda - s.n_coda * p.block
+        core_extra = p.core_step - c.n_core * p.block
+        coda_extra = p.coda - c.n_coda * p.block
     else:
         raise ValueError(f"count must be 'matmul' or 'params', got {count!r}")
     return StageFlops(
-        prelude=s.n_prelude * (2 * block + attn),
-        core_step=s.n_core * (2 * block + attn) + 2 * core_extra,
-        coda=s.n_coda * (2 * block + attn) + 2 * coda_extra,
+        prelude=c.n_prelude * (2 * block + attn),
+        core_step=c.n_core * (2 * block + attn) + 2 * core_extra,
+        coda=c.n_coda * (2 * block + attn) + 2 * coda_extra,
         context=int(context),
         count=count,
     )
@@ -399,38 +333,28 @@ def realized_fraction(measured_speedup: float, bound: float) -> float:
 # --------------------------------------------------------------------------------------------
 
 
-def _kv_slot_bytes(s: ModelShape, dtype: Any) -> int:
-    return 2 * s.n_kv_heads * s.head_dim * bytes_per_element(dtype)  # K and V of one layer
+def _kv_layout(c: ModelConfig, layout: str, r_max: int) -> KVLayout:
+    return KVLayout(layout, c.n_prelude, c.n_core, c.n_coda, r_max)
 
 
 def kv_bytes_per_token(
-    config: dict[str, Any] | ModelShape,
+    config: dict[str, Any] | ModelConfig,
     layout: str,
     r_max: int | None = None,
-    dtype: Any = "bfloat16",
+    dtype: str | torch.dtype = "bfloat16",
 ) -> int:
-    """KV bytes stored per token under ``layout`` (``depth_indexed``, ``last_exited``, ``shared``).
-
-    Core layers keep ``r_max`` slots (depth-indexed, last-exited) or 1 (shared); unshared
-    prelude/coda attention layers always keep 1 slot. ``r_max`` defaults to the config's loop count.
-    """
-    s = model_shape(config)
-    r = _r_max(s, r_max)
-    if layout in ("depth_indexed", "last_exited"):
-        core_slots = s.n_core * r
-    elif layout == "shared":
-        core_slots = s.n_core
-    else:
-        raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
-    slots = s.n_prelude + core_slots + s.n_coda
-    return slots * _kv_slot_bytes(s, dtype)
+    """KV bytes stored per token under ``layout`` (``depth_indexed``, ``last_exited``, ``shared``):
+    the engine's `KVLayout.bytes_per_token` at ``r_max`` (default: the config's loop count)."""
+    c = model_config(config)
+    return _kv_layout(c, layout, _r_max(c, r_max)).bytes_per_token(c.num_kv_heads, c.head_dim, torch_dtype(dtype))
 
 
-def kv_read_bytes_per_token_step(config: dict[str, Any] | ModelShape, dtype: Any = "bfloat16") -> int:
-    """KV bytes one query reads per earlier token in one core step (one slot per core layer),
-    whatever the layout."""
-    s = model_shape(config)
-    return s.n_core * _kv_slot_bytes(s, dtype)
+def kv_read_bytes_per_token_step(config: dict[str, Any] | ModelConfig, dtype: str | torch.dtype = "bfloat16") -> int:
+    """KV bytes one query reads per earlier token in one core step, whatever the layout: the read
+    rule (`KVLayout.core_read`) picks one slot per core layer, the size of a `shared` core."""
+    c = model_config(config)
+    core_only = KVLayout("shared", 0, c.n_core, 0, 1)
+    return core_only.bytes_per_token(c.num_kv_heads, c.head_dim, torch_dtype(dtype))
 
 
 # --------------------------------------------------------------------------------------------
@@ -461,8 +385,6 @@ def cpu_probe(seconds: float = 1.0, matmul_size: int = 1024, copy_mib: int = 256
     """Measure this machine: fp32 matmul FLOP/s (``torch.matmul`` on square matrices) for half of
     ``seconds``, and a stream-like bandwidth (copy of a ``copy_mib`` MiB fp32 tensor, bytes read +
     written / time) for the other half. Returns ``Device("this CPU", ...)``."""
-    import torch  # imported lazily: the rest of this module needs no torch
-
     budget = max(float(seconds), 1e-3) / 2
     n = int(matmul_size)
     a = torch.randn(n, n, dtype=torch.float32)
@@ -544,22 +466,22 @@ class StepTimeEstimate:
 
 
 def core_step_time_estimate(
-    config: dict[str, Any] | ModelShape,
+    config: dict[str, Any] | ModelConfig,
     device: Device,
     batch: int,
     context: int = 0,
-    dtype: Any = "bfloat16",
+    dtype: str | torch.dtype = "bfloat16",
 ) -> StepTimeEstimate:
     """Roofline time of one core step (see :class:`StepTimeEstimate`). Compute uses the matmul
     FLOPs of one core step plus attention at ``context``; memory uses the core-step parameters
     (norms included) at ``dtype`` and one KV slot per core layer per earlier token."""
     if batch < 0:
         raise ValueError(f"batch must be >= 0, got {batch}")
-    s = model_shape(config)
+    c = model_config(config)
     bpe = bytes_per_element(dtype)
-    weight_bytes = param_counts(s).core_step * bpe
-    kv_row = int(context) * kv_read_bytes_per_token_step(s, dtype)
-    row_flops = stage_flops(s, context=context, count="matmul").Fr
+    weight_bytes = param_counts(c).core_step * bpe
+    kv_row = int(context) * kv_read_bytes_per_token_step(c, dtype)
+    row_flops = stage_flops(c, context=context, count="matmul").Fr
     floor = weight_bytes / device.mem_bw
     row_compute = row_flops / device.peak_flops
     row_kv = kv_row / device.mem_bw
@@ -598,41 +520,41 @@ def _finite(x: float) -> float | None:
 
 
 def theory_report(
-    config: dict[str, Any] | ModelShape,
+    config: dict[str, Any] | ModelConfig,
     mean_depth: float,
     r_max: int | None = None,
     context: int = 0,
     device: Device | str | None = None,
-    dtype: Any = "bfloat16",
+    dtype: str | torch.dtype = "bfloat16",
     batches: tuple[int, ...] = REPORT_BATCHES,
 ) -> dict[str, Any]:
     """Everything above for one model, as a JSON-serialisable dict (infinities become ``None``)."""
-    s = model_shape(config)
-    r = _r_max(s, r_max)
+    c = model_config(config)
+    r = _r_max(c, r_max)
     if not 0 <= mean_depth <= r:
         raise ValueError(f"mean_depth must be in [0, r_max={r}], got {mean_depth}")
-    flops = {c: stage_flops(s, context=context, count=c) for c in ("matmul", "params")}
-    bounds: dict[str, float | None] = {c: flop_bound(f.F0, f.Fr, r, mean_depth) for c, f in flops.items()}
+    flops = {k: stage_flops(c, context=context, count=k) for k in ("matmul", "params")}
+    bounds: dict[str, float | None] = {k: flop_bound(f.F0, f.Fr, r, mean_depth) for k, f in flops.items()}
     bounds["no_boundary"] = r / mean_depth if mean_depth > 0 else None  # the F0 = 0 limit
     report: dict[str, Any] = {
-        "model": asdict(s),
+        "model": _model_summary(c),
         "r_max": r,
         "mean_depth": float(mean_depth),
         "context": int(context),
         "dtype": str(dtype),
-        "params": asdict(param_counts(s)),
+        "params": asdict(param_counts(c)),
         "flops": {c: f.as_dict() for c, f in flops.items()},
         "bound": bounds,
-        "kv_bytes_per_token": {lay: kv_bytes_per_token(s, lay, r, dtype) for lay in LAYOUTS},
-        "kv_read_bytes_per_token_step": kv_read_bytes_per_token_step(s, dtype),
+        "kv_bytes_per_token": {lay: kv_bytes_per_token(c, lay, r, dtype) for lay in LAYOUTS},
+        "kv_read_bytes_per_token_step": kv_read_bytes_per_token_step(c, dtype),
         "roofline": None,
     }
     if device is not None:
         dev = get_device(device)
-        base = core_step_time_estimate(s, dev, 1, context, dtype)
+        base = core_step_time_estimate(c, dev, 1, context, dtype)
         rows = []
         for b in batches:
-            est = core_step_time_estimate(s, dev, b, context, dtype)
+            est = core_step_time_estimate(c, dev, b, context, dtype)
             rows.append(
                 {
                     "batch": b,
