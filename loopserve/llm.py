@@ -103,8 +103,9 @@ class LLM:
             conversations = list(messages)  # type: ignore[arg-type]
         else:
             raise ValueError("messages: expected a conversation (a list of messages) or a list of conversations")
-        prompts = [self._chat_prompt(conv, chat_template, add_generation_prompt, chat_template_kwargs, tools)
-                   for conv in conversations]
+        prompts: list[PromptType] = [
+            self._chat_prompt(conv, chat_template, add_generation_prompt, chat_template_kwargs, tools)
+            for conv in conversations]
         return self._run(prompts, sampling_params, use_tqdm)
 
     def _chat_prompt(self, conversation: Conversation, chat_template: str | None = None,

@@ -202,9 +202,13 @@ class Tokenizer:
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, *,
                             chat_template: str | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
                             **kwargs: Any) -> str:
-        """Render a conversation to prompt text. `tools` are JSON-schema dicts; other keyword arguments
-        (`documents`, `enable_thinking`, ... a vLLM request's `chat_template_kwargs`) reach the template as
-        variables, after the special tokens (`bos_token`, `eos_token`, ...), which they may override."""
+        """Render a conversation to prompt text (transformers' `apply_chat_template(..., tokenize=False)`).
+
+        `chat_template`: see `get_chat_template`. `tools`: JSON-schema dicts. Other keyword arguments
+        (`documents`, `enable_thinking`, ... a vLLM request's `chat_template_kwargs`) become template variables
+        and may override the special tokens (`bos_token`, `eos_token`, ...). ValueError naming `messages` when
+        the template rejects the conversation (`raise_exception`) or fails on it, `chat_template` when there is
+        no template or it does not parse."""
         if not isinstance(messages, Sequence) or isinstance(messages, str) or not all(
                 isinstance(m, Mapping) for m in messages):
             raise ValueError("messages: expected a list of {'role': ..., 'content': ...} objects")
