@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What CI runs: lint, type-check the core, then the test suite (slow benchmarks excluded).
+# What CI runs: lint, type-check the core, then the test suite (benchmarks run from `loopserve bench`, not here).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 set -e
