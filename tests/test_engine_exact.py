@@ -1,5 +1,5 @@
 """Exactness of the batching engine: every scheduler x KV layout x exit policy, in float64, gives
-each request exactly the tokens and exit depths of the sequential reference decoder (DESIGN.md §5).
+each request exactly the tokens and exit depths of the sequential reference decoder (docs/design.md §5.1).
 
 Workloads mix prompt lengths (chunked prefill), greedy and seeded sampling, requests that arrive
 while others run, aborts, and a KV pool small enough to force preemption. Bookkeeping invariants

@@ -1,4 +1,4 @@
-"""KV layouts (DESIGN.md §4): memory per token, the read rule, and what each layout does to outputs."""
+"""KV layouts (docs/design.md §4.1): memory per token, the read rule, and what each layout does to outputs."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from tests.upstream.tiny_weights import tiny_huginn_config, tiny_huginn_weights,
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-# Keys of the released configs (reference/ouro.md §1.1 and reference/huginn.md §1).
+# Keys of the released configs (config.json of ByteDance/Ouro-1.4B and tomg-group-umd/huginn-0125).
 OURO_KEYS = {
     "architectures", "model_type", "auto_map", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "hidden_act", "rope_theta",

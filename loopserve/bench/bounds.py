@@ -2,7 +2,7 @@
 
 Two bounds are reported for every run:
 
-* **decode bound** (eq. 1 of the CDB paper, DESIGN §6): `(F0 + r_max Fr) / (F0 + d Fr)` with `d`
+* **decode bound** (eq. 1 of the CDB paper, docs/design.md §7.1): `(F0 + r_max Fr) / (F0 + d Fr)` with `d`
   the mean exit depth of the decode work items;
 * **workload bound**: the same formula with `d` averaged over every token the run computes,
   prompt tokens included at `r_max` (no scheduler can shorten a prefill). This is the bound for

@@ -4,7 +4,7 @@ Each point runs `model.core_step` on B rows whose sequences hold `context` cache
 K/V in a paged store, every key visible), so it measures the model's step alone: the weights read
 once per step, plus per-row compute and KV reading. Per context, a least-squares line
 t(B) = floor + slope x B is fitted; B* = floor / slope is the batch where adding rows stops being
-nearly free (DESIGN §6; prior art §5). The fit uses the minimum over repeats by default, which
+nearly free (docs/design.md §7.3). The fit uses the minimum over repeats by default, which
 filters out preemption on a shared machine; the median is kept too.
 """
 

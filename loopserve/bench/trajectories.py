@@ -2,7 +2,7 @@
 
 Two sources:
 
-* **Threshold-free trajectories** (DESIGN §6): run the workload once at full depth and record, for
+* **Threshold-free trajectories** (docs/design.md §7.2): run the workload once at full depth and record, for
   every decode work item, the exit signal after every loop step (Ouro: the gate logit; Huginn: the
   relative latent change). `traces_for_threshold` then turns them into depths for any threshold by
   the exact rule the engine applies online (`loopserve.exits.ExitTracker`: the cumulative-hazard

@@ -1,4 +1,4 @@
-"""The stage API every looped model implements (DESIGN.md §1-2).
+"""The stage API every looped model implements (docs/design.md §2.1).
 
 A token's life: `prelude` (embedding + unshared blocks) -> `core_step` once per loop (shared
 blocks) -> `coda` (unshared blocks + head). Every call takes a packed batch of rows that may

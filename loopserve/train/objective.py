@@ -1,4 +1,4 @@
-"""Ouro's Stage-I training objective (reference/ouro.md §6.1) and the exit distribution it uses.
+"""Ouro's Stage-I training objective (docs/design.md §3.4) and the exit distribution it uses.
 
 For each position, with per-step losses L_t (cross-entropy of the readout after loop step t) and
 gate logits g_t (t = 1..T):

@@ -10,7 +10,7 @@ This module owns only that teacher-forcing loop. Everything it computes with is 
 model's own `prelude` / `core_step` / `coda` (`models/*`), paged attention over a `KVStore` whose
 slots and read rule come from `KVLayout` (`cache/layout.py`, the single home of the read rule), the
 exit signals of `engine/signals.py` and the `ExitTracker` of `exits.py`. It is the reference
-decoder's loop (`engine/reference.py`, docs/design.md §4.1), batched over windows: each window is
+decoder's loop (`engine/reference.py`, docs/design.md §5.1-5.2), batched over windows: each window is
 one block table of block size 1 over its own KV rows, so the batching does not change what any
 window computes. `tests/test_train.py` pins it to the reference decoder (logprobs and exit depths,
 every layout, with and without lookahead).
