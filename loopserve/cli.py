@@ -13,6 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 from loopserve.config_args import add_config_args, config_kwargs
+from loopserve.device import AUTO
 from loopserve.engine.config import EngineConfig
 from loopserve.exits import POLICIES
 from loopserve.models.loader import DTYPES
@@ -24,11 +25,13 @@ BARS = " ▁▂▃▄▅▆▇█"
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Model flags, and every `EngineConfig` knob (generated), shared by generate, demo and serve."""
-    p.add_argument("--model", default=None, help="HF folder or hub id (default: the embedded model)")
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--state-init", default="like-init", choices=["like-init", "zero"], help="Huginn only")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default=None, help="HF folder or hub id (unset: the embedded model)")
+    p.add_argument("--dtype", default="float32", choices=[*DTYPES, AUTO],
+                   help="weights, activations and KV cache; auto: the checkpoint's torch_dtype (float16 -> bfloat16)")
+    p.add_argument("--device", default=AUTO, help="cpu, cuda, cuda:N; auto: cuda when available, else cpu")
+    p.add_argument("--state-init", default="like-init", choices=["like-init", "zero"],
+                   help="Huginn's initial recurrent state")
+    p.add_argument("--seed", type=int, default=0, help="engine seed (unseeded requests' sampling, Huginn states)")
     add_config_args(p.add_argument_group("engine"), EngineConfig)
 
 

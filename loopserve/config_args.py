@@ -36,8 +36,10 @@ def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, c
             continue
         kind = _value_type(hints[f.name])
         default = f.default if all_default is dataclasses.MISSING else all_default
-        note = default_note if all_default is not dataclasses.MISSING else f"default: {f.default}"
-        kw: dict[str, Any] = {"default": default, "help": f"{f.metadata.get('help', '')} ({note})".strip()}
+        # "%(default)s": argparse fills it in, and ArgumentDefaultsHelpFormatter then adds no second one
+        note = default_note if all_default is not dataclasses.MISSING else "default: %(default)s"
+        text = f.metadata.get("help", "").replace("%", "%%")
+        kw: dict[str, Any] = {"default": default, "help": f"{text} ({note})".strip()}
         if "choices" in f.metadata:
             kw["choices"] = f.metadata["choices"]
         flag = "--" + f.name.replace("_", "-")

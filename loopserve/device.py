@@ -7,11 +7,20 @@ depths) with `upload` (pinned memory, non-blocking copy, ordered on the stream l
 reads per-step results with `Readback` (a non-blocking copy into pinned memory plus an event: the
 host waits for that copy only, not for the work queued after it). Swapping KV to the host and back
 uses the same two. On the CPU both are plain tensors.
+
+Also the choice of device and dtype: `auto` for either (`resolve_device`, `resolve_dtype`), and the KV
+pool size for a fraction of a GPU's memory (`kv_memory_gb`).
 """
 
 from __future__ import annotations
 
+import json
+import logging
+from pathlib import Path
+
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def upload(data: list | torch.Tensor, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -50,3 +59,63 @@ class Readback:
 
     def get(self) -> dict[str, list]:
         return {k: t.tolist() for k, t in self.host().items()}
+
+
+# -- choosing the device and dtype ("auto", vLLM's default for both) ------------------------------------------
+AUTO = "auto"
+# `torch_dtype` names of config.json -> loopserve dtypes; float16 is not one (see `resolve_dtype`)
+_CHECKPOINT_DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float64": "float64",
+                      "double": "float64", "float16": "bfloat16", "half": "bfloat16"}
+KV_ACTIVATION_RESERVE_GB = 1.0  # --gpu-memory-utilization: device memory left out of the KV pool for activations
+
+
+def resolve_device(device: str) -> str:
+    """`auto`: CUDA when a GPU is visible, else the CPU; any other name is kept."""
+    if device != AUTO:
+        return device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def checkpoint_dtype(folder: Path) -> str | None:
+    """The dtype a HF folder's config.json declares (`torch_dtype`, or `dtype` in newer transformers);
+    None when it declares none or cannot be read (the loader reports a bad config.json)."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    name = config.get("torch_dtype") or config.get("dtype") if isinstance(config, dict) else None
+    return str(name).removeprefix("torch.") if name else None
+
+
+def resolve_dtype(dtype: str, folder: Path, device: str) -> str:
+    """`auto`: the checkpoint's dtype (float32 when it declares none). A float16 checkpoint loads as
+    bfloat16: same size, float32's range (float16 overflows in long recurrences, and on the CPU it is
+    emulated and slow, while bfloat16 has fast kernels), so loopserve never computes in float16."""
+    if dtype != AUTO:
+        return dtype
+    declared = checkpoint_dtype(folder)
+    chosen = _CHECKPOINT_DTYPES.get(declared or "float32", "float32")
+    if declared in ("float16", "half"):
+        log.info("dtype auto: the checkpoint is float16; loading it as bfloat16 on %s (loopserve does not compute "
+                 "in float16)", device)
+    elif declared is not None and declared not in _CHECKPOINT_DTYPES:
+        log.info("dtype auto: the checkpoint's dtype %r is not supported; loading it as float32", declared)
+    return chosen
+
+
+def kv_memory_gb(fraction: float, device: str | torch.device) -> float:
+    """The KV pool size (GiB) that keeps this process within `fraction` of a CUDA device's memory
+    (vLLM's --gpu-memory-utilization): fraction x total, minus what is in use now (the weights, once
+    loaded, and anything else on the device), minus KV_ACTIVATION_RESERVE_GB for activations.
+    ValueError on the CPU, or when nothing is left."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        raise ValueError(f"gpu_memory_utilization: only for CUDA devices (the model is on {dev.type}); size the "
+                         "KV pool with --kv-cache-memory-gb or --kv-cache-tokens")
+    free, total = torch.cuda.mem_get_info(dev)
+    budget = (fraction * total - (total - free)) / 2**30 - KV_ACTIVATION_RESERVE_GB
+    if budget <= 0:
+        raise ValueError(f"gpu_memory_utilization: {fraction} of {total / 2**30:.1f} GiB leaves no room for the KV "
+                         f"cache ({(total - free) / 2**30:.1f} GiB in use, {KV_ACTIVATION_RESERVE_GB} GiB kept "
+                         "for activations)")
+    return budget

@@ -69,6 +69,7 @@ def run_server(model: Path, log: Path, *extra: str, log_level: str = "warning", 
         port = free_port()
         cmd = [sys.executable, *entry, "serve", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
                "--served-model-name", MODEL, "--log-level", log_level, *([] if access_log else ["--no-access-log"]),
+               "--device", "cpu",  # not `auto`: outputs are compared with the offline LLM on the CPU
                *extra]
         with open(log, "w") as f:
             # one intra-op thread: the tiny model's ops are too small to split, and on a loaded machine

@@ -58,3 +58,37 @@ def test_bench_commands_reach_every_knob_but_the_ones_they_drive(command):
     assert engine_overrides(build_parser().parse_args(argv)) == {}  # unset: the benchmark chooses
     args = build_parser().parse_args([*argv, "--kv-layout", "last_exited", "--no-lookahead", "--max-num-seqs", "9"])
     assert engine_overrides(args) == {"kv_layout": "last_exited", "lookahead": False, "max_num_seqs": 9}
+
+
+def _subparser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = build_parser()
+    for word in argv:
+        (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        parser = sub.choices[word]
+    return parser
+
+
+def test_every_serve_flag_has_help_that_shows_its_default():
+    parser = _subparser(["serve"])
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        assert action.help and action.help.strip(), f"{action.option_strings[0]}: no help"
+        shown = formatter._expand_help(action)
+        assert f"default: {action.default}" in shown, (action.option_strings[0], shown)
+        assert shown.count("default:") == 1, shown
+
+
+def test_serve_takes_vllm_flag_names():
+    args = build_parser().parse_args(["serve", "--max-model-len", "512", "--gpu-memory-utilization", "0.8",
+                                      "--api-key", "a", "--api-key", "b", "--allowed-origins", '["https://x.example"]',
+                                      "--allowed-methods", "GET,POST", "--allow-credentials", "--root-path", "/p",
+                                      "--enable-log-requests", "--disable-log-stats", "--dtype", "auto",
+                                      "--device", "auto"])
+    assert (args.max_model_len, args.gpu_memory_utilization, args.api_key) == (512, 0.8, ["a", "b"])
+    assert (args.allowed_origins, args.allowed_methods) == (["https://x.example"], ["GET", "POST"])
+    assert args.allow_credentials and args.enable_log_requests and args.disable_log_stats
+    assert (args.root_path, args.dtype, args.device) == ("/p", "auto", "auto")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--allowed-origins", '["unclosed"'])

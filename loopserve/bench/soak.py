@@ -12,7 +12,7 @@ prompts, max_tokens, sampling fields, logprobs, stop strings and loop extensions
 cuts after a few chunks; uploads cut halfway or before the body (raw sockets, some with a TCP reset);
 uploads that stall past the server's read timeout (408); requests the client gives up on after a
 short read timeout; bad inputs (malformed JSON, wrong types, out-of-range and huge values, NaN in
-every spelling, unknown fields, bodies over the limit, non-JSON content types); long prompts with
+every spelling, wrong types beside unknown fields, bodies over the limit, non-JSON content types); long prompts with
 large max_tokens (KV pressure); valid requests over raw sockets, some with the body trickled in
 pieces. Besides, a burst of more requests than the server admits arrives every 0.5-1 times
 `--burst-every-s` (overload). A worker that is answered 503 waits about the Retry-After second.
@@ -294,7 +294,7 @@ def bad_inputs(lim: Limits) -> list[tuple[str, str, str, Any, int, str | None]]:
         ("prompt-over-context", "POST", COMPLETIONS, {**c, "prompt": [7] * (lim.max_model_len + 1)}, 400),
         ("stop-empty", "POST", COMPLETIONS, {**c, "stop": ""}, 400),
         ("stop-wrong-type", "POST", COMPLETIONS, {**c, "stop": ["ok", 3]}, 400),
-        ("unknown-field", "POST", COMPLETIONS, {**c, "temprature": 0.5}, 400),
+        ("known-field-wrong-type", "POST", COMPLETIONS, {**c, "temprature": 0.5, "ignore_eos": "yes"}, 400),
         ("n-2", "POST", COMPLETIONS, {**c, "n": 2}, 400),
         ("echo", "POST", COMPLETIONS, {**c, "echo": True}, 400),
         ("frequency_penalty", "POST", COMPLETIONS, {**c, "frequency_penalty": 1.0}, 400),
@@ -911,7 +911,7 @@ def server_figures(before: dict, after: dict) -> dict[str, Any]:
                       if n == "loopserve:request_success_total"} - {None})
     return {"finished": {r: delta("loopserve:request_success_total", finished_reason=r) for r in reasons},
             "rejected_overload": delta("loopserve:request_rejected_total", reason="overload"),
-            "preemptions": delta("loopserve:preemptions_total"), "swap_ins": delta("loopserve:swap_ins_total"),
+            "preemptions": delta("loopserve:num_preemptions_total"), "swap_ins": delta("loopserve:swap_ins_total"),
             "prompt_tokens": delta("loopserve:prompt_tokens_total"),
             "generation_tokens": delta("loopserve:generation_tokens_total")}
 

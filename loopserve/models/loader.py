@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from loopserve.config import HUGINN, OURO, ModelConfig
+from loopserve.device import AUTO, resolve_device, resolve_dtype
 from loopserve.models.base import LoopedLM
 from loopserve.models.huginn import RavenForCausalLM
 from loopserve.models.ouro import OuroForCausalLM
@@ -135,10 +136,12 @@ def _open(file: Path):
 def load_model(model: str | Path, dtype: str = "float32", device: str = "cpu", state_init: str = "like-init", *,
                chat_template: str | None = None, generation_config: str = "auto") -> LoadedModel:
     """`chat_template`: a template (text or a file) used instead of the folder's; `generation_config`: see
-    `generation_defaults`."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
+    `generation_defaults`. `dtype` and `device` may be "auto" (`loopserve.device`)."""
+    if dtype not in (*DTYPES, AUTO):
+        raise ValueError(f"dtype: expected one of {', '.join(DTYPES)} or {AUTO}, got {dtype!r}")
     folder = resolve_model_path(model)
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, folder, device)
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
         raise ValueError(f"{cfg_path}: missing")

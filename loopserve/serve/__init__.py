@@ -3,7 +3,9 @@
 - `async_engine.py`: `AsyncLLMEngine`, one background thread that drives `LLMEngine.step()` while
   the event loop adds, streams and aborts requests.
 - `protocol.py`: request bodies (pydantic), OpenAI-style errors, the unknown-field policy.
-- `api.py`: `build_app(engine, settings, on_engine_dead)`, the FastAPI app and its endpoints.
+- `api.py`: `build_app(engine, settings, on_engine_dead)`, the FastAPI app around `OpenAIServing`
+  (the endpoints).
+- `middleware.py`: the request body size limit and request ids (`X-Request-Id`).
 - `connection.py`: uvicorn's HTTP protocol with a request read timeout (stalled clients get 408).
 - `metrics.py`: Prometheus metrics (`loopserve:` prefix, vLLM names plus loop-specific ones).
 - `cli.py`: the `serve` subcommand.

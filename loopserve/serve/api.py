@@ -1,19 +1,29 @@
-"""The FastAPI app: `build_app(engine, settings, on_engine_dead)`.
+"""The FastAPI app: `build_app(engine, settings, on_engine_dead)`, around `OpenAIServing`, which holds
+the engine and the settings and has one method per endpoint.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both stream as SSE `data: {...}`
-chunks ending with `data: [DONE]`), GET /v1/models, GET /health, GET /metrics, GET /openapi.json
-(the request bodies' JSON schemas included, though the endpoints parse the raw body themselves).
+chunks ending with `data: [DONE]`), GET /v1/models, vLLM's POST /tokenize and POST /detokenize,
+GET /version, GET /health, GET /metrics, GET /openapi.json (the request bodies' JSON schemas
+included, though the endpoints parse the raw body themselves). Completions and chat share one path
+from admission to response: one choice builder and one stream writer, told apart by a `_Kind`.
 
 Every error is an OpenAI-style body {"error": {"message", "type", "param", "code"}}: bad input is
 a 400 (401 bad API key, 404 unknown model or route, 413 body too large, 415 a body that is not
 JSON), overload a 503 with Retry-After. Requests are validated on the event loop (tokenizing,
 checking lengths and sampling values) before they reach the engine, so nothing invalid is ever
-admitted. A request that fails in the engine gets the engine's status (400 if its input was at
-fault, else 500); a stream cannot change its status any more, so it is cut instead.
+admitted; unknown fields are ignored with a warning in the log (vLLM's behaviour). A request that
+fails in the engine gets the engine's status (400 if its input was at fault, else 500); a stream
+cannot change its status any more, so it is cut instead.
 
 Only `application/json` bodies are read: a web page can make a browser send a cross-origin POST
 without asking first only as text/plain, form or multipart, so none of those can run a generation
-on a server that trusts its network. `/v1/models` shows the model's path only when asked.
+on a server that trusts its network. For the same reason no origin may read answers cross-site
+unless `--allowed-origins` names it (vLLM allows every origin by default; this server none).
+`/v1/models` shows the model's path only when asked. With API keys, /v1/*, /tokenize and
+/detokenize need one; /health, /metrics, /version and /openapi.json stay open (probes, scrapers).
+
+Every response carries `X-Request-Id` (the client's, when it sends one): it is also the response's
+`id` (`cmpl-<id>`, `chatcmpl-<id>`) and names the request in the log.
 
 A client that goes away (before, during or after sending its request) costs at most one info
 line, and none here when `connection.py` has already answered and logged the request (a stalled
@@ -26,14 +36,17 @@ event loop: `cli.py` then stops the server and exits non-zero, so a supervisor r
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
+import itertools
 import json
 import logging
 import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +56,11 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
+from loopserve.device import kv_memory_gb
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine import LLMEngine
 from loopserve.engine.sequence import Sequence, resolve_exit_rule
@@ -59,19 +74,34 @@ from loopserve.serve.async_engine import (
     RequestGroup,
 )
 from loopserve.serve.connection import CLOSED_BY_SERVER
-from loopserve.serve.metrics import ServerMetrics
+from loopserve.serve.metrics import ServerMetrics, StatsLogger
+from loopserve.serve.middleware import BodyLimitMiddleware, RequestIdMiddleware, request_id
 from loopserve.serve.protocol import (
     ApiError,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
     error_body,
     parse_body,
+    parse_tokenize,
     sampling_params,
+    unknown_fields,
 )
 
 log = logging.getLogger("loopserve.serve")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 MIN_LOGPROB = -9999.0  # JSON has no -inf
+MAX_LISTED_UNKNOWN = 20  # unknown fields named in one warning
+
+
+def loopserve_version() -> str:
+    try:
+        return version("loopserve")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
 
 
 @dataclass
@@ -79,22 +109,43 @@ class ServerSettings:
     model_name: str
     model_path: str = ""
     expose_model_path: bool = False  # /v1/models shows `model_path` as the model's root (else its name)
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # any one of them is accepted; none: no authentication
     max_queued_requests: int = 256  # engine requests waiting beyond max_num_seqs; past it: 503
     max_body_bytes: int = 4 * 2**20
+    max_model_len: int | None = None  # cap on prompt + completion tokens; None: the model's context
     sampling_defaults: dict[str, Any] = field(default_factory=dict)  # min_loops, max_loops, exit_*
+    # CORS: the origins whose pages may call the API; none: no cross-origin access at all
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    root_path: str = ""  # the path prefix of a proxy in front of the server
+    log_requests: bool = False  # a line per request received and finished
+    max_log_len: int | None = None  # prompt characters and token ids shown in such a line; None: all
+    stats_interval_s: float | None = 10.0  # the periodic stats line; None: off
 
 
 def load_engine(model: str | Path | None, *, dtype: str = "float32", device: str = "cpu",
-                state_init: str = "like-init", seed: int = 0, **engine_kwargs: Any) -> tuple[LLMEngine, Path]:
-    """Load a checkpoint and build a batching engine (ValueError on a bad model or bad flags)."""
+                state_init: str = "like-init", seed: int = 0, gpu_memory_utilization: float | None = None,
+                **engine_kwargs: Any) -> tuple[LLMEngine, Path]:
+    """Load a checkpoint and build a batching engine (ValueError on a bad model or bad flags). `dtype`
+    and `device` may be "auto"; `gpu_memory_utilization` sizes the KV pool from a CUDA device's memory
+    (instead of kv_cache_memory_gb)."""
     from loopserve.llm import default_model_path
     from loopserve.models.loader import load_model
 
     cfg = EngineConfig(**engine_kwargs)
     if cfg.scheduler == "reference":
         raise ValueError("scheduler: 'reference' is the sequential oracle; serve needs cb, cdb-norefill or cdb")
+    if gpu_memory_utilization is not None:
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {gpu_memory_utilization}")
+        if cfg.kv_cache_tokens is not None:
+            raise ValueError("gpu_memory_utilization: give it or kv_cache_tokens, not both")
     loaded = load_model(model if model is not None else default_model_path(), dtype, device, state_init)
+    if gpu_memory_utilization is not None:
+        where = next(loaded.model.parameters()).device  # with the weights on it
+        cfg = dataclasses.replace(cfg, kv_cache_memory_gb=kv_memory_gb(gpu_memory_utilization, where))
     return LLMEngine(loaded.model, loaded.tokenizer, cfg, seed), loaded.path
 
 
@@ -104,82 +155,18 @@ def check_sampling_defaults(engine: LLMEngine, defaults: dict[str, Any]) -> None
     resolve_exit_rule(params, engine.model, engine.cfg.lookahead)
 
 
-# -- body size limit ------------------------------------------------------------------------------------------
-DRAIN_FACTOR, DRAIN_S = 8, 2.0  # how much of an over-limit body is read and dropped before the 413
+def context_length(engine: LLMEngine, cap: int | None) -> int:
+    """The server's maximum prompt + completion length: `cap` (--max-model-len) or the model's own
+    context; ValueError if the cap exceeds the model's context or leaves no room to generate."""
+    limit = engine.model_config.max_position
+    if cap is None:
+        return limit
+    if not 2 <= cap <= limit:
+        raise ValueError(f"max_model_len: must be in [2, {limit}] (the model's context), got {cap}")
+    return cap
 
 
-class _BodyTooLarge(Exception):
-    pass
-
-
-class BodyLimitMiddleware:
-    """413 for a request body over `max_bytes` (declared by Content-Length or streamed)."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        for k, v in scope.get("headers", []):
-            if k == b"content-length":
-                try:
-                    declared = int(v)
-                except ValueError:
-                    declared = 0
-                if declared > self.max_bytes:
-                    await self._reject(send)
-                    return
-        seen = 0
-        started = False
-
-        async def limited_receive() -> Message:
-            nonlocal seen
-            msg = await receive()
-            if msg["type"] == "http.request":
-                seen += len(msg.get("body", b""))
-                if seen > self.max_bytes:
-                    raise _BodyTooLarge
-            return msg
-
-        async def tracking_send(msg: Message) -> None:
-            nonlocal started
-            if msg["type"] == "http.response.start":
-                started = True
-            await send(msg)
-
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except _BodyTooLarge:
-            if not started:
-                await self._drain(receive)
-                await self._reject(send)
-
-    async def _drain(self, receive: Receive) -> None:
-        """Read and drop the rest of an over-limit body before answering (a lingering close, RFC 9112
-        §9.6): closing while the client still sends makes the kernel reset the connection, and the
-        client loses the 413 it has not read yet. Bounded: DRAIN_FACTOR x the limit, DRAIN_S seconds."""
-        budget = DRAIN_FACTOR * self.max_bytes
-        try:
-            async with asyncio.timeout(DRAIN_S):
-                while budget > 0:
-                    msg = await receive()
-                    if msg["type"] != "http.request" or not msg.get("more_body", False):
-                        return
-                    budget -= len(msg.get("body", b""))
-        except TimeoutError:
-            return
-
-    async def _reject(self, send: Send) -> None:
-        body = json.dumps(error_body(413, f"request body: larger than the limit of {self.max_bytes} bytes")).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})
-
-
-# -- response pieces --------------------------------------------------------------------------------------------
+# -- response pieces ---------------------------------------------------------------------------------------------
 def _lp(x: float) -> float:
     return max(x, MIN_LOGPROB) if x == x else MIN_LOGPROB
 
@@ -289,11 +276,385 @@ async def _wait_disconnect(receive: Callable) -> None:
             return
 
 
+# -- the serving class ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Kind:
+    """What tells a completions response from a chat one."""
+
+    chat: bool
+    object: str  # of a whole response
+    chunk_object: str  # of a stream chunk
+    id_prefix: str
+
+
+COMPLETION = _Kind(False, "text_completion", "text_completion", "cmpl")
+CHAT = _Kind(True, "chat.completion", "chat.completion.chunk", "chatcmpl")
+
+
+@dataclass
+class _Generation:
+    """One generation request on the shared path: its kind, its body, its id, its sequences."""
+
+    kind: _Kind
+    req: CompletionRequest | ChatCompletionRequest
+    cid: str
+    seqs: list[Sequence]
+    top_logprobs: int = 0  # chat: alternatives per token
+
+    @property
+    def stop(self) -> list[str] | None:
+        stop = self.seqs[0].params.stop
+        return stop if isinstance(stop, list) else None
+
+
+class OpenAIServing:
+    """The engine behind the HTTP API, with one method per endpoint (`build_app` routes to them)."""
+
+    def __init__(self, engine: LLMEngine, settings: ServerSettings,
+                 on_engine_dead: Callable[[], None] | None = None) -> None:
+        self.engine, self.settings = engine, settings
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = context_length(engine, settings.max_model_len)
+        self.kv_tokens = engine.kv.num_blocks * engine.kv.block_size
+        self.fmt = _Formatter(engine)
+        self.created = int(time.time())
+        self.aengine = AsyncLLMEngine(engine, settings.max_queued_requests, on_dead=on_engine_dead)
+        self.metrics = ServerMetrics(settings.model_name, lambda: self.aengine.snapshot, engine.model_config.r_max,
+                                     engine.cfg.max_decode_batch, self.max_model_len)
+        self.aengine.on_outputs = self.metrics.observe
+        self.aengine.on_scheduled = self.metrics.scheduled
+        self._http_requests = itertools.count()  # engine ids stay unique whatever ids clients send
+
+    @asynccontextmanager
+    async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        self.aengine.start()
+        interval = self.settings.stats_interval_s
+        stats = asyncio.ensure_future(StatsLogger(self.metrics, interval).run()) if interval else None
+        try:
+            yield
+        finally:
+            if stats is not None:
+                stats.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await stats
+            await self.aengine.shutdown()
+
+    def summary(self) -> str:
+        """The start-up line: what is served, and how."""
+        e, c = self.engine, self.engine.model_config
+        p = next(e.model.parameters())
+        gib = e.layout.bytes_per_token(c.num_kv_heads, c.head_dim, p.dtype) * self.kv_tokens / 2**30
+        dtype = str(p.dtype).removeprefix("torch.")
+        return (f"model {self.settings.model_path or self.settings.model_name} served as "
+                f"{self.settings.model_name!r}: {c.arch}, dtype {dtype}, device {p.device}, r_max {c.r_max}, "
+                f"max_model_len {self.max_model_len}, KV cache {self.kv_tokens} tokens ({gib:.3g} GiB, blocks of "
+                f"{e.kv.block_size}), kv_layout {e.cfg.kv_layout}, scheduler {e.cfg.scheduler}, max_num_seqs "
+                f"{e.cfg.max_num_seqs}")
+
+    # -- request plumbing -------------------------------------------------------------------------------------
+    def check_auth(self, request: Request) -> None:
+        keys = self.settings.api_keys
+        if not keys:
+            return
+        header = request.headers.get("authorization", "").encode()
+        # every key is compared, so the time taken does not tell which one (if any) came close
+        if not sum(secrets.compare_digest(header, f"Bearer {k}".encode()) for k in keys):
+            raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')")
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.settings.model_name:
+            raise ApiError(404, f"The model `{name}` does not exist.", "model")
+
+    async def read(self, request: Request, parse: Callable[[bytes], Any]) -> Any:
+        """The request's body, authenticated, JSON, parsed by `parse`, for this server's model."""
+        self.check_auth(request)
+        content_type = request.headers.get("content-type")
+        if content_type is None or not _is_json(content_type):
+            raise ApiError(415, f"Content-Type: expected application/json, got {content_type or 'none'}")
+        req = parse(await request.body())
+        self.check_model(req.model)
+        unknown = unknown_fields(req)
+        if unknown:
+            more = len(unknown) - MAX_LISTED_UNKNOWN
+            log.warning("%s %s: ignored unknown fields: %s%s", request_id(request.scope), request.url.path,
+                        ", ".join(unknown[:MAX_LISTED_UNKNOWN]), f" and {more} more" if more > 0 else "")
+        return req
+
+    def resolve_max_tokens(self, requested: int | None, default: int | None, prompt_len: int, what: str) -> int | None:
+        max_model_len, kv_tokens = self.max_model_len, self.kv_tokens
+        if prompt_len >= max_model_len:
+            raise ApiError(400, f"{what}: {prompt_len} tokens; this model's maximum context length is "
+                                f"{max_model_len} tokens, which leaves no room to generate", what)
+        room = min(max_model_len, kv_tokens) - prompt_len
+        if room < 1:
+            raise ApiError(400, f"{what}: {prompt_len} tokens do not fit in the KV cache ({kv_tokens} tokens)", what)
+        if requested is None:
+            return room if default is None else min(default, room)
+        if requested < 1:
+            return requested  # SamplingParams names the error
+        if prompt_len + requested > max_model_len:
+            raise ApiError(400, f"max_tokens: this model's maximum context length is {max_model_len} tokens, "
+                                f"but {prompt_len + requested} were requested ({prompt_len} in the {what}, "
+                                f"{requested} in the completion)", "max_tokens")
+        if prompt_len + requested > kv_tokens:
+            raise ApiError(400, f"max_tokens: {prompt_len} prompt + {requested} completion tokens exceed the KV "
+                                f"cache ({kv_tokens} tokens)", "max_tokens")
+        return requested
+
+    def make_seq(self, rid: str, text: str | None, ids: list[int], params: SamplingParams, arrival: float,
+                 seed: int | None, what: str) -> Sequence:
+        prompt: Any = {"prompt": text, "prompt_token_ids": ids} if text is not None else ids
+        try:
+            return self.engine.make_sequence(rid, prompt, params, arrival, seed=seed)
+        except ValueError as e:
+            msg = str(e)
+            head = msg.split(":", 1)[0]
+            raise ApiError(400, msg, what if head in ("prompt", "prompt_token_ids") else head) from None
+
+    def admit(self, seqs: list[Sequence]) -> RequestGroup:
+        try:
+            return self.aengine.add(seqs)
+        except EngineOverloadedError as e:
+            self.metrics.reject("overload")
+            raise ApiError(503, f"{e}; retry later", headers={"Retry-After": "1"}) from None
+        except EngineStoppedError as e:
+            self.metrics.reject("shutdown")
+            raise ApiError(503, str(e), headers={"Retry-After": "5"}) from None
+        except EngineDeadError as e:
+            raise ApiError(503, str(e)) from None
+
+    async def collect(self, group: RequestGroup, request: Request) -> list[RequestOutput] | None:
+        """Final outputs, or None if the client went away first (then the requests are aborted)."""
+        finals: list[RequestOutput | None] = [None] * len(group.request_ids)
+
+        async def consume() -> None:
+            async for i, out in group:
+                if out.finished:
+                    finals[i] = out
+
+        task = asyncio.ensure_future(consume())
+        gone = asyncio.ensure_future(_wait_disconnect(request.receive))
+        try:
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                return None
+            task.result()
+        except (EngineDeadError, EngineStoppedError) as e:
+            raise ApiError(503, str(e)) from None
+        finally:
+            gone.cancel()
+            task.cancel()
+            group.abort()
+        done = [o for o in finals if o is not None]
+        self.log_finished(done)
+        for o in done:
+            c = o.outputs[0]
+            if c.finish_reason == "error":
+                raise ApiError(o.error_status or 500, o.error or "the engine failed on this request")
+            if c.finish_reason not in ("stop", "length"):
+                raise ApiError(503, o.error or f"request ended: {c.finish_reason}")
+        return done
+
+    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool | None,
+                    template_kwargs: dict[str, Any] | None) -> str:
+        """The chat template applied to `messages` (with the request's extra template variables)."""
+        plain = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
+        try:
+            return self.tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt is not False,
+                                                      **(template_kwargs or {}))
+        except ValueError as e:
+            raise ApiError(400, f"messages: {e}", "messages") from None
+        except jinja2.TemplateError as e:
+            raise ApiError(400, f"messages: the chat template rejected them ({e})", "messages") from None
+        except TypeError as e:
+            if not template_kwargs:
+                raise
+            # a variable the template (or the tokenizer) cannot take
+            raise ApiError(400, f"chat_template_kwargs: not accepted ({e})", "chat_template_kwargs") from None
+
+    def log_received(self, gen: _Generation) -> None:
+        if not self.settings.log_requests:
+            return
+        n = self.settings.max_log_len
+        for s in gen.seqs:
+            log.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s", s.request_id,
+                     (s.prompt or "")[:n] if s.prompt is not None else None, s.params, s.prompt_ids[:n])
+
+    def log_finished(self, outs: list[RequestOutput]) -> None:
+        if not self.settings.log_requests:
+            return
+        for o in outs:
+            c = o.outputs[0]
+            loops = o.metrics.loops_run if o.metrics is not None else 0
+            log.info("Finished request %s: %s, %d prompt + %d completion tokens, %d loops", o.request_id,
+                     c.finish_reason, len(o.prompt_token_ids), len(c.token_ids), loops)
+
+    def base(self, obj: str, cid: str) -> dict[str, Any]:
+        return {"id": cid, "object": obj, "created": int(time.time()), "model": self.settings.model_name}
+
+    # -- the shared generation path ---------------------------------------------------------------------------
+    async def generate(self, request: Request, gen: _Generation) -> Response:
+        group = self.admit(gen.seqs)
+        self.log_received(gen)
+        if gen.req.streaming:
+            return _GroupStreamingResponse(self.stream(gen, group), group)
+        outs = await self.collect(group, request)
+        if outs is None:
+            return Response(status_code=499)
+        choices = [self.choice(gen, i, o, 0, o.outputs[0].text, _Delta(None)) for i, o in enumerate(outs)]
+        return JSONResponse({**self.base(gen.kind.object, gen.cid), "choices": choices, "usage": _usage(outs)})
+
+    def choice(self, gen: _Generation, index: int, out: RequestOutput, start: int, text: str,
+               delta: _Delta, stream: bool = False) -> dict[str, Any]:
+        """A choice of a response (`stream` false: all of it) or of a stream chunk (the tokens from `start`)."""
+        c = out.outputs[0]
+        end = len(c.token_ids)
+        if not gen.kind.chat:
+            body: dict[str, Any] = {"text": text}
+            logprobs = self.fmt.completion_logprobs(c, start, end, delta)
+        else:
+            if not stream:
+                body = {"message": {"role": "assistant", "content": text}}
+            else:
+                body = {"delta": {"content": text} if text or not out.finished else {}}
+            logprobs = self.fmt.chat_logprobs(c, start, end, gen.top_logprobs)
+        choice = {"index": index, **body, "logprobs": logprobs,
+                  "finish_reason": c.finish_reason if out.finished else None, "stop_reason": None,
+                  "exit_depths": list(c.exit_depths[start:end])}
+        if gen.req.return_token_ids:
+            choice["token_ids"] = list(c.token_ids[start:end])
+            if start == 0:
+                choice["prompt_token_ids"] = list(out.prompt_token_ids)
+        return choice
+
+    async def stream(self, gen: _Generation, group: RequestGroup) -> AsyncIterator[str]:
+        """SSE chunks: (chat: the assistant role first), one chunk per output, usage if asked, [DONE]."""
+        req, obj = gen.req, gen.kind.chunk_object
+        deltas = [_Delta(gen.stop) for _ in gen.seqs]
+        latest: dict[int, RequestOutput] = {}
+        usage_field: dict[str, Any] = {"usage": None} if req.include_usage else {}
+        if gen.kind.chat:
+            yield _sse({**self.base(obj, gen.cid), "choices": [{
+                "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
+                **usage_field})
+        try:
+            async for i, out in group:
+                latest[i] = out
+                c = out.outputs[0]
+                if out.finished and c.finish_reason not in ("stop", "length"):
+                    raise _StreamFailed(out.error or f"request ended: {c.finish_reason}")
+                text, start, _ = deltas[i].advance(c, out.finished)
+                chunk = {**self.base(obj, gen.cid), "choices": [self.choice(gen, i, out, start, text, deltas[i], True)],
+                         **usage_field}
+                if req.include_usage and req.continuous_usage:
+                    chunk["usage"] = _usage(list(latest.values()))
+                yield _sse(chunk)
+        except (EngineDeadError, EngineStoppedError) as e:
+            raise _StreamFailed(str(e)) from None
+        self.log_finished(list(latest.values()))
+        if req.include_usage:
+            yield _sse({**self.base(obj, gen.cid), "choices": [], "usage": _usage(list(latest.values()))})
+        yield "data: [DONE]\n\n"
+
+    def new_ids(self, request: Request, kind: _Kind, n: int) -> tuple[str, list[str]]:
+        """The response id (from the request id) and the engine ids of its `n` sequences."""
+        cid = f"{kind.id_prefix}-{request_id(request.scope)}"
+        tag = next(self._http_requests)
+        return cid, [f"{cid}-{tag}-{i}" for i in range(n)]
+
+    # -- endpoints ----------------------------------------------------------------------------------------------
+    async def health(self) -> Response:
+        if not self.aengine.alive:
+            return JSONResponse(error_body(503, "the engine is not running"), status_code=503)
+        return Response(status_code=200)
+
+    async def prometheus(self) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def version(self) -> JSONResponse:
+        return JSONResponse({"version": loopserve_version()})
+
+    async def models(self, request: Request) -> JSONResponse:
+        self.check_auth(request)
+        s = self.settings
+        root = s.model_path if s.expose_model_path else s.model_name
+        return JSONResponse({"object": "list", "data": [{
+            "id": s.model_name, "object": "model", "created": self.created, "owned_by": "loopserve",
+            "root": root, "parent": None, "max_model_len": self.max_model_len,
+            "r_max": self.engine.model_config.r_max}]})
+
+    async def tokenize(self, request: Request) -> JSONResponse:
+        req: TokenizeCompletionRequest | TokenizeChatRequest = await self.read(request, parse_tokenize)
+        if isinstance(req, TokenizeChatRequest):
+            text = self.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+        else:
+            text = req.prompt
+        ids = self.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
+        strs = [self.tokenizer.id_to_token(t) or "" for t in ids] if req.return_token_strs else None
+        return JSONResponse({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
+                             "token_strs": strs})
+
+    async def detokenize(self, request: Request) -> JSONResponse:
+        req: DetokenizeRequest = await self.read(request, lambda body: parse_body(DetokenizeRequest, body))
+        vocab = self.tokenizer.vocab_size
+        for i, t in enumerate(req.tokens):
+            if not 0 <= t < vocab:
+                raise ApiError(400, f"tokens.{i}: token id {t} is outside the vocabulary [0, {vocab})", f"tokens.{i}")
+        return JSONResponse({"prompt": self.tokenizer.decode(req.tokens, skip_special_tokens=False)})
+
+    async def completions(self, request: Request) -> Response:
+        arrival = time.monotonic()
+        req: CompletionRequest = await self.read(request, lambda body: parse_body(CompletionRequest, body))
+        prompts = self.completion_prompts(req.prompt)
+        if len(prompts) > self.aengine.capacity:
+            raise ApiError(400, f"prompt: at most {self.aengine.capacity} prompts per request", "prompt")
+        cid, rids = self.new_ids(request, COMPLETION, len(prompts))
+        seqs = []
+        for rid, (text, ids) in zip(rids, prompts, strict=True):
+            mt = self.resolve_max_tokens(req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, len(ids), "prompt")
+            params = sampling_params(req, max_tokens=mt, logprobs=req.logprobs,
+                                     defaults=self.settings.sampling_defaults)
+            seqs.append(self.make_seq(rid, text, ids, params, arrival, req.seed, "prompt"))
+        return await self.generate(request, _Generation(COMPLETION, req, cid, seqs))
+
+    def completion_prompts(self, prompt: Any) -> list[tuple[str | None, list[int]]]:
+        items: list[Any] = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
+        if not items:
+            raise ApiError(400, "prompt: must not be empty", "prompt")
+        out: list[tuple[str | None, list[int]]] = []
+        for p in items:
+            if not p:
+                raise ApiError(400, "prompt: must not be empty", "prompt")
+            out.append((p, self.tokenizer.encode(p)) if isinstance(p, str) else (None, list(p)))
+        return out
+
+    async def chat_completions(self, request: Request) -> Response:
+        arrival = time.monotonic()
+        req: ChatCompletionRequest = await self.read(request, lambda body: parse_body(ChatCompletionRequest, body))
+        text = self.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if not ids:
+            raise ApiError(400, "messages: the chat template produced an empty prompt", "messages")
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        mt = self.resolve_max_tokens(requested, None, len(ids), "messages")
+        top = req.top_logprobs or 0
+        params = sampling_params(req, max_tokens=mt, logprobs=top if req.logprobs else None,
+                                 defaults=self.settings.sampling_defaults)
+        cid, (rid,) = self.new_ids(request, CHAT, 1)
+        seq = self.make_seq(rid, text, ids, params, arrival, req.seed, "messages")
+        return await self.generate(request, _Generation(CHAT, req, cid, [seq], top))
+
+
 # -- the app -----------------------------------------------------------------------------------------------------
-def _json_body(model: type) -> dict[str, Any]:
-    """OpenAPI `requestBody` of an endpoint that reads the raw body: `model`'s schema, by reference."""
+def _json_body(*models: type) -> dict[str, Any]:
+    """OpenAPI `requestBody` of an endpoint that reads the raw body: one of `models`' schemas, by reference."""
+    refs = [{"$ref": f"#/components/schemas/{m.__name__}"} for m in models]
     return {"requestBody": {"required": True, "content": {"application/json": {
-        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+        "schema": refs[0] if len(refs) == 1 else {"anyOf": refs}}}}}
+
+
+BODIES = (CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest, TokenizeChatRequest,
+          DetokenizeRequest)
 
 
 def _is_json(content_type: str) -> bool:
@@ -302,32 +663,20 @@ def _is_json(content_type: str) -> bool:
 
 def build_app(engine: LLMEngine, settings: ServerSettings,
               on_engine_dead: Callable[[], None] | None = None) -> FastAPI:
-    mc = engine.model_config
-    max_model_len = mc.max_position
-    kv_tokens = engine.kv.num_blocks * engine.kv.block_size
-    fmt = _Formatter(engine)
-    tokenizer = engine.tokenizer
-    created = int(time.time())
-    aengine = AsyncLLMEngine(engine, settings.max_queued_requests, on_dead=on_engine_dead)
-    metrics = ServerMetrics(settings.model_name, lambda: aengine.snapshot, mc.r_max, engine.cfg.max_decode_batch,
-                            max_model_len)
-    aengine.on_outputs = metrics.observe
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        aengine.start()
-        try:
-            yield
-        finally:
-            await aengine.shutdown()
-
-    app = FastAPI(title="loopserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    serving = OpenAIServing(engine, settings, on_engine_dead)
+    app = FastAPI(title="loopserve", version=loopserve_version(), lifespan=serving.lifespan, docs_url=None,
+                  redoc_url=None, openapi_url="/openapi.json")
+    # vLLM's --root-path: FastAPI puts it in every request's scope, so routes match with the prefix
+    # (a proxy that keeps it) or without (one that strips it), and /openapi.json names it as the server.
+    # Set on the app rather than passed to FastAPI(), which deprecates that in favour of uvicorn's
+    # root_path, which would match only paths without the prefix.
+    app.root_path = settings.root_path
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes, servers=app.servers)
             components = schema.setdefault("components", {}).setdefault("schemas", {})
-            for model in (CompletionRequest, ChatCompletionRequest):
+            for model in BODIES:
                 body = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 components.update(body.pop("$defs", {}))
                 components[model.__name__] = body
@@ -335,10 +684,30 @@ def build_app(engine: LLMEngine, settings: ServerSettings,
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
-    app.state.engine = aengine
-    app.state.metrics = metrics
+    app.state.serving = serving
+    app.state.engine = serving.aengine
+    app.state.metrics = serving.metrics
     app.state.settings = settings
+    # the last added runs first: CORS answers preflights before anything else looks at a request
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestIdMiddleware)
+    if settings.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
+                           allow_methods=list(settings.allowed_methods), allow_headers=list(settings.allowed_headers),
+                           allow_credentials=settings.allow_credentials, expose_headers=["X-Request-Id"])
+
+    routes: list[tuple[str, str, Callable, dict[str, Any] | None]] = [
+        ("GET", "/health", serving.health, None),
+        ("GET", "/metrics", serving.prometheus, None),
+        ("GET", "/version", serving.version, None),
+        ("GET", "/v1/models", serving.models, None),
+        ("POST", "/tokenize", serving.tokenize, _json_body(TokenizeCompletionRequest, TokenizeChatRequest)),
+        ("POST", "/detokenize", serving.detokenize, _json_body(DetokenizeRequest)),
+        ("POST", "/v1/completions", serving.completions, _json_body(CompletionRequest)),
+        ("POST", "/v1/chat/completions", serving.chat_completions, _json_body(ChatCompletionRequest)),
+    ]
+    for method, path, endpoint, extra in routes:
+        app.add_api_route(path, endpoint, methods=[method], openapi_extra=extra)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -366,267 +735,5 @@ def build_app(engine: LLMEngine, settings: ServerSettings,
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s", request.url.path)
         return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"), status_code=500)
-
-    # -- helpers ----------------------------------------------------------------------------------------------
-    def check_auth(request: Request) -> None:
-        if settings.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        if not secrets.compare_digest(header.encode(), f"Bearer {settings.api_key}".encode()):
-            raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')")
-
-    def check_model(name: str | None) -> None:
-        if name is not None and name != settings.model_name:
-            raise ApiError(404, f"The model `{name}` does not exist.", "model")
-
-    async def read(request: Request, cls: type) -> Any:
-        check_auth(request)
-        content_type = request.headers.get("content-type")
-        if content_type is None or not _is_json(content_type):
-            raise ApiError(415, f"Content-Type: expected application/json, got {content_type or 'none'}")
-        req = parse_body(cls, await request.body())
-        check_model(req.model)
-        return req
-
-    def resolve_max_tokens(requested: int | None, default: int | None, prompt_len: int, what: str) -> int | None:
-        if prompt_len >= max_model_len:
-            raise ApiError(400, f"{what}: {prompt_len} tokens; this model's maximum context length is "
-                                f"{max_model_len} tokens, which leaves no room to generate", what)
-        room = min(max_model_len, kv_tokens) - prompt_len
-        if room < 1:
-            raise ApiError(400, f"{what}: {prompt_len} tokens do not fit in the KV cache ({kv_tokens} tokens)", what)
-        if requested is None:
-            return room if default is None else min(default, room)
-        if requested < 1:
-            return requested  # SamplingParams names the error
-        if prompt_len + requested > max_model_len:
-            raise ApiError(400, f"max_tokens: this model's maximum context length is {max_model_len} tokens, "
-                                f"but {prompt_len + requested} were requested ({prompt_len} in the {what}, "
-                                f"{requested} in the completion)", "max_tokens")
-        if prompt_len + requested > kv_tokens:
-            raise ApiError(400, f"max_tokens: {prompt_len} prompt + {requested} completion tokens exceed the KV "
-                                f"cache ({kv_tokens} tokens)", "max_tokens")
-        return requested
-
-    def make_seq(rid: str, text: str | None, ids: list[int], params: SamplingParams, arrival: float,
-                 seed: int | None, what: str) -> Sequence:
-        prompt: Any = {"prompt": text, "prompt_token_ids": ids} if text is not None else ids
-        try:
-            return engine.make_sequence(rid, prompt, params, arrival, seed=seed)
-        except ValueError as e:
-            msg = str(e)
-            head = msg.split(":", 1)[0]
-            raise ApiError(400, msg, what if head in ("prompt", "prompt_token_ids") else head) from None
-
-    def admit(seqs: list[Sequence]) -> RequestGroup:
-        try:
-            return aengine.add(seqs)
-        except EngineOverloadedError as e:
-            metrics.reject("overload")
-            raise ApiError(503, f"{e}; retry later", headers={"Retry-After": "1"}) from None
-        except EngineStoppedError as e:
-            metrics.reject("shutdown")
-            raise ApiError(503, str(e), headers={"Retry-After": "5"}) from None
-        except EngineDeadError as e:
-            raise ApiError(503, str(e)) from None
-
-    async def collect(group: RequestGroup, request: Request) -> list[RequestOutput] | None:
-        """Final outputs, or None if the client went away first (then the requests are aborted)."""
-        finals: list[RequestOutput | None] = [None] * len(group.request_ids)
-
-        async def consume() -> None:
-            async for i, out in group:
-                if out.finished:
-                    finals[i] = out
-
-        task = asyncio.ensure_future(consume())
-        gone = asyncio.ensure_future(_wait_disconnect(request.receive))
-        try:
-            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not task.done():
-                return None
-            task.result()
-        except (EngineDeadError, EngineStoppedError) as e:
-            raise ApiError(503, str(e)) from None
-        finally:
-            gone.cancel()
-            task.cancel()
-            group.abort()
-        done = [o for o in finals if o is not None]
-        for o in done:
-            c = o.outputs[0]
-            if c.finish_reason == "error":
-                raise ApiError(o.error_status or 500, o.error or "the engine failed on this request")
-            if c.finish_reason not in ("stop", "length"):
-                raise ApiError(503, o.error or f"request ended: {c.finish_reason}")
-        return done
-
-    def base(kind: str, cid: str) -> dict[str, Any]:
-        return {"id": cid, "object": kind, "created": int(time.time()), "model": settings.model_name}
-
-    # -- endpoints ---------------------------------------------------------------------------------------------
-    @app.get("/health")
-    async def health() -> Response:
-        if not aengine.alive:
-            return JSONResponse(error_body(503, "the engine is not running"), status_code=503)
-        return Response(status_code=200)
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> JSONResponse:
-        check_auth(request)
-        root = settings.model_path if settings.expose_model_path else settings.model_name
-        return JSONResponse({"object": "list", "data": [{
-            "id": settings.model_name, "object": "model", "created": created, "owned_by": "loopserve",
-            "root": root, "parent": None, "max_model_len": max_model_len, "r_max": mc.r_max}]})
-
-    @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
-    async def completions(request: Request) -> Response:
-        arrival = time.monotonic()
-        req: CompletionRequest = await read(request, CompletionRequest)
-        prompts = completion_prompts(req.prompt)
-        if len(prompts) > aengine.capacity:
-            raise ApiError(400, f"prompt: at most {aengine.capacity} prompts per request", "prompt")
-        cid = f"cmpl-{uuid.uuid4().hex}"
-        seqs = []
-        for i, (text, ids) in enumerate(prompts):
-            mt = resolve_max_tokens(req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, len(ids), "prompt")
-            params = sampling_params(req, max_tokens=mt, logprobs=req.logprobs, defaults=settings.sampling_defaults)
-            seqs.append(make_seq(f"{cid}-{i}", text, ids, params, arrival, req.seed, "prompt"))
-        group = admit(seqs)
-        stop = seqs[0].params.stop if isinstance(seqs[0].params.stop, list) else None
-        if req.streaming:
-            return _GroupStreamingResponse(stream_completion(req, group, cid, len(seqs), stop), group)
-        outs = await collect(group, request)
-        if outs is None:
-            return Response(status_code=499)
-        choices = []
-        for i, o in enumerate(outs):
-            c = o.outputs[0]
-            d = _Delta(None)
-            choice: dict[str, Any] = {"index": i, "text": c.text,
-                                      "logprobs": fmt.completion_logprobs(c, 0, len(c.token_ids), d),
-                                      "finish_reason": c.finish_reason, "stop_reason": None,
-                                      "exit_depths": list(c.exit_depths)}
-            if req.return_token_ids:
-                choice["token_ids"] = list(c.token_ids)
-                choice["prompt_token_ids"] = list(o.prompt_token_ids)
-            choices.append(choice)
-        return JSONResponse({**base("text_completion", cid), "choices": choices, "usage": _usage(outs)})
-
-    def completion_prompts(prompt: Any) -> list[tuple[str | None, list[int]]]:
-        items: list[Any] = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
-        if not items:
-            raise ApiError(400, "prompt: must not be empty", "prompt")
-        out: list[tuple[str | None, list[int]]] = []
-        for p in items:
-            if not p:
-                raise ApiError(400, "prompt: must not be empty", "prompt")
-            out.append((p, tokenizer.encode(p)) if isinstance(p, str) else (None, list(p)))
-        return out
-
-    async def stream_completion(req: CompletionRequest, group: RequestGroup, cid: str, n: int,
-                                stop: list[str] | None) -> AsyncIterator[str]:
-        deltas = [_Delta(stop) for _ in range(n)]
-        latest: dict[int, RequestOutput] = {}
-        try:
-            async for i, out in group:
-                latest[i] = out
-                c = out.outputs[0]
-                if out.finished and c.finish_reason not in ("stop", "length"):
-                    raise _StreamFailed(out.error or f"request ended: {c.finish_reason}")
-                d = deltas[i]
-                text, a, b = d.advance(c, out.finished)
-                choice: dict[str, Any] = {"index": i, "text": text, "logprobs": fmt.completion_logprobs(c, a, b, d),
-                                          "finish_reason": c.finish_reason if out.finished else None,
-                                          "stop_reason": None, "exit_depths": list(c.exit_depths[a:b])}
-                if req.return_token_ids:
-                    choice["token_ids"] = list(c.token_ids[a:b])
-                    if a == 0:
-                        choice["prompt_token_ids"] = list(out.prompt_token_ids)
-                chunk: dict[str, Any] = {**base("text_completion", cid), "choices": [choice]}
-                if req.include_usage:
-                    chunk["usage"] = _usage(list(latest.values())) if req.continuous_usage else None
-                yield _sse(chunk)
-        except (EngineDeadError, EngineStoppedError) as e:
-            raise _StreamFailed(str(e)) from None
-        if req.include_usage:
-            yield _sse({**base("text_completion", cid), "choices": [], "usage": _usage(list(latest.values()))})
-        yield "data: [DONE]\n\n"
-
-    @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
-    async def chat_completions(request: Request) -> Response:
-        arrival = time.monotonic()
-        req: ChatCompletionRequest = await read(request, ChatCompletionRequest)
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in req.messages]
-        try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt is not False)
-        except ValueError as e:
-            raise ApiError(400, f"messages: {e}", "messages") from None
-        except jinja2.TemplateError as e:
-            raise ApiError(400, f"messages: the chat template rejected them ({e})", "messages") from None
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        if not ids:
-            raise ApiError(400, "messages: the chat template produced an empty prompt", "messages")
-        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        mt = resolve_max_tokens(requested, None, len(ids), "messages")
-        top = req.top_logprobs or 0
-        params = sampling_params(req, max_tokens=mt, logprobs=top if req.logprobs else None,
-                                 defaults=settings.sampling_defaults)
-        cid = f"chatcmpl-{uuid.uuid4().hex}"
-        seq = make_seq(cid, text, ids, params, arrival, req.seed, "messages")
-        group = admit([seq])
-        stop = params.stop if isinstance(params.stop, list) else None
-        if req.streaming:
-            return _GroupStreamingResponse(stream_chat(req, group, cid, stop, top), group)
-        outs = await collect(group, request)
-        if outs is None:
-            return Response(status_code=499)
-        o = outs[0]
-        c = o.outputs[0]
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": c.text},
-                                  "logprobs": fmt.chat_logprobs(c, 0, len(c.token_ids), top),
-                                  "finish_reason": c.finish_reason, "stop_reason": None,
-                                  "exit_depths": list(c.exit_depths)}
-        if req.return_token_ids:
-            choice["token_ids"] = list(c.token_ids)
-            choice["prompt_token_ids"] = list(o.prompt_token_ids)
-        return JSONResponse({**base("chat.completion", cid), "choices": [choice], "usage": _usage(outs)})
-
-    async def stream_chat(req: ChatCompletionRequest, group: RequestGroup, cid: str, stop: list[str] | None,
-                          top: int) -> AsyncIterator[str]:
-        d = _Delta(stop)
-        latest: list[RequestOutput] = []
-        first: dict[str, Any] = {**base("chat.completion.chunk", cid), "choices": [{
-            "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
-        if req.include_usage:
-            first["usage"] = None
-        yield _sse(first)
-        try:
-            async for _, out in group:
-                latest = [out]
-                c = out.outputs[0]
-                if out.finished and c.finish_reason not in ("stop", "length"):
-                    raise _StreamFailed(out.error or f"request ended: {c.finish_reason}")
-                text, a, b = d.advance(c, out.finished)
-                choice: dict[str, Any] = {"index": 0, "delta": {"content": text} if text or not out.finished else {},
-                                          "logprobs": fmt.chat_logprobs(c, a, b, top),
-                                          "finish_reason": c.finish_reason if out.finished else None,
-                                          "stop_reason": None, "exit_depths": list(c.exit_depths[a:b])}
-                if req.return_token_ids:
-                    choice["token_ids"] = list(c.token_ids[a:b])
-                chunk: dict[str, Any] = {**base("chat.completion.chunk", cid), "choices": [choice]}
-                if req.include_usage:
-                    chunk["usage"] = _usage(latest) if req.continuous_usage else None
-                yield _sse(chunk)
-        except (EngineDeadError, EngineStoppedError) as e:
-            raise _StreamFailed(str(e)) from None
-        if req.include_usage:
-            yield _sse({**base("chat.completion.chunk", cid), "choices": [], "usage": _usage(latest)})
-        yield "data: [DONE]\n\n"
 
     return app

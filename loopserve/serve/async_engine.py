@@ -9,6 +9,8 @@
 - Admission is bounded: at most `max_num_seqs + max_queued_requests` engine requests in flight;
   past that `add` raises `EngineOverloadedError` (the API answers 503) and nothing already
   admitted is touched.
+- Requests that wait for admission are watched after each step: `on_scheduled(request_id, t)`
+  reports the start of the step that admitted one (the metrics' queue and prefill times).
 - If a step raises, the engine is dead: every in-flight request gets the error, `/health` turns 503,
   new requests get 503, and `on_dead` is called on the event loop (the server then stops: a
   process whose engine is gone should be restarted, not kept answering 503).
@@ -20,13 +22,14 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from loopserve.engine.engine import LLMEngine
-from loopserve.engine.sequence import Sequence
+from loopserve.engine.sequence import Sequence, Status
 from loopserve.outputs import RequestOutput
 
 log = logging.getLogger("loopserve.serve")
@@ -99,10 +102,13 @@ class RequestGroup:
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, max_queued_requests: int = 256,
                  on_outputs: Callable[[list[RequestOutput]], None] | None = None,
-                 idle_poll_s: float = 0.5, on_dead: Callable[[], None] | None = None) -> None:
+                 idle_poll_s: float = 0.5, on_dead: Callable[[], None] | None = None,
+                 on_scheduled: Callable[[str, float], None] | None = None) -> None:
         self.engine = engine
         self.capacity = engine.cfg.max_num_seqs + max_queued_requests
         self.on_outputs = on_outputs
+        self.on_scheduled = on_scheduled
+        self._unscheduled: dict[str, Sequence] = {}  # engine thread only: added, not admitted yet
         self.on_dead = on_dead
         self.idle_poll_s = idle_poll_s
         self.snapshot = EngineSnapshot()
@@ -193,10 +199,23 @@ class AsyncLLMEngine:
             if kind == "add":
                 for seq in payload:
                     self.engine.add_sequence(seq)
+                    if self.on_scheduled is not None:
+                        self._unscheduled[seq.request_id] = seq
             else:
                 for rid in payload:
                     if rid in self.engine.requests:
                         self.engine.abort_request(rid)
+
+    def _note_admissions(self, step_start: float) -> None:
+        running = self.engine.scheduler.running
+        for rid, seq in list(self._unscheduled.items()):
+            # admitted: resident now, or already finished with tokens (admitted and done in one step)
+            if rid in running or (seq.status is Status.FINISHED and seq.output_ids):
+                del self._unscheduled[rid]
+                assert self.on_scheduled is not None
+                self.on_scheduled(rid, step_start)
+            elif seq.status is Status.FINISHED:  # aborted or rejected while waiting
+                del self._unscheduled[rid]
 
     def _publish(self) -> None:
         eng = self.engine
@@ -216,7 +235,10 @@ class AsyncLLMEngine:
                     self._wake.clear()
                     self._apply_commands()
                     if self.engine.has_unfinished_requests():
+                        step_start = time.monotonic()
                         outs = self.engine.step()
+                        if self._unscheduled:
+                            self._note_admissions(step_start)
                         if self.on_outputs is not None and outs:
                             self.on_outputs(outs)
                         self._publish()

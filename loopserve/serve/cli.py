@@ -1,5 +1,6 @@
-"""`loopserve serve [MODEL] --model PATH [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+"""`loopserve serve [MODEL] --model PATH [--host 127.0.0.1] [--port 8000] [--api-key KEY ...]
 [--served-model-name NAME]` plus the engine flags: an OpenAI-compatible server (FastAPI + uvicorn).
+Flags take vLLM's names where the concept is the same; `--help` shows every default.
 
 Exit status: 0 after SIGTERM (130 after SIGINT), 2 for bad flags or a bad model, 1 if the server
 could not start or the engine failed while serving (then the server stops itself after failing
@@ -9,33 +10,64 @@ what was in flight, so that systemd, Kubernetes or Ray Serve restart it).
 from __future__ import annotations
 
 import argparse
+import copy
+import json
 import logging
 import math
 import os
 import signal
 import sys
+from typing import Any
 
 from loopserve.cli import add_chat_args, add_engine_args, engine_kwargs
 from loopserve.exits import POLICIES
 
+API_KEY_ENV = "LOOPSERVE_API_KEY"  # vLLM's VLLM_API_KEY: the key when no --api-key is given
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+log = logging.getLogger("loopserve.serve")
+
+
+def _str_list(value: str) -> list[str]:
+    """A JSON list (vLLM's form: '["https://a.example"]') or comma-separated values."""
+    if value.lstrip().startswith("["):
+        try:
+            items = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON list ({e})") from None
+        if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+            raise argparse.ArgumentTypeError("expected a JSON list of strings")
+        return items
+    return [x.strip() for x in value.split(",") if x.strip()]
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, SSE, metrics)")
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, SSE, metrics)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("model_tag", nargs="?", default=None, help="model folder (same as --model)")
     add_engine_args(p)
     add_chat_args(p)
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (env LOOPSERVE_API_KEY)")
-    p.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: --model)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (loopback only by default)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port")
+    # one key per flag (repeat it for more): a list-valued flag would swallow a model path that follows it
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help=f"require 'Authorization: Bearer KEY' on /v1, /tokenize and /detokenize; repeat the flag "
+                        f"for several keys (any one is accepted); unset: ${API_KEY_ENV}, else no key")
+    p.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (unset: --model)")
     p.add_argument("--expose-model-path", action="store_true",
-                   help="/v1/models shows the model's path as its `root` (default: its served name)")
+                   help="/v1/models shows the model's path as its `root` (else its served name)")
+    p.add_argument("--root-path", default="", help="path prefix under which a proxy serves this API")
     g = p.add_argument_group("request defaults (a request's own fields win)")
-    g.add_argument("--exit-threshold", type=float, default=None)
-    g.add_argument("--exit-policy", default=None, choices=POLICIES)
-    g.add_argument("--min-loops", type=int, default=None)
-    g.add_argument("--max-loops", type=int, default=None)
+    g.add_argument("--exit-threshold", type=float, default=None, help="exit policy threshold (unset: the model's)")
+    g.add_argument("--exit-policy", default=None, choices=POLICIES, help="exit policy (unset: the model's)")
+    g.add_argument("--min-loops", type=int, default=None, help="no exit before this many loops (unset: 1)")
+    g.add_argument("--max-loops", type=int, default=None, help="always exit at this many loops (unset: r_max)")
     s = p.add_argument_group("server limits")
+    s.add_argument("--max-model-len", type=int, default=None,
+                   help="maximum prompt + completion tokens of a request (unset: the model's context length)")
+    s.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="fraction of the CUDA device's memory this server may use: the KV pool gets what is left "
+                        "of it after the weights and 1 GiB for activations (replaces --kv-cache-memory-gb; "
+                        "refused on the CPU, where --kv-cache-memory-gb or --kv-cache-tokens size the pool)")
     s.add_argument("--max-queued-requests", type=int, default=256,
                    help="requests accepted beyond --max-num-seqs; past it the server answers 503 with Retry-After")
     s.add_argument("--max-request-body-bytes", type=int, default=4 * 2**20, help="larger bodies get 413")
@@ -44,51 +76,108 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--request-read-timeout", type=float, default=30.0,
                    help="seconds a client may take to send a request head, or stall while sending a body "
                         "(then 408); a connection that does not keep up is closed")
-    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    s.add_argument("--no-access-log", action="store_true")
+    c = p.add_argument_group("CORS (browsers calling the API from other origins; off unless origins are given)")
+    c.add_argument("--allowed-origins", type=_str_list, default=[],
+                   help="origins allowed to call the API: a JSON list or comma-separated; '*' for any")
+    c.add_argument("--allowed-methods", type=_str_list, default=["*"], help="allowed methods (JSON list or a,b)")
+    c.add_argument("--allowed-headers", type=_str_list, default=["*"],
+                   help="allowed request headers (JSON list or a,b)")
+    c.add_argument("--allow-credentials", action="store_true", help="allow cookies and Authorization cross-origin")
+    lg = p.add_argument_group("logging")
+    lg.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                    help="log level of the server and of uvicorn")
+    lg.add_argument("--no-access-log", action="store_true", help="no line per HTTP request from uvicorn")
+    lg.add_argument("--enable-log-requests", action="store_true",
+                    help="log each request received (prompt, token ids, sampling parameters) and finished")
+    lg.add_argument("--max-log-len", type=int, default=None,
+                    help="prompt characters and token ids shown per logged request (unset: all)")
+    lg.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")
+    lg.add_argument("--log-stats-interval", type=float, default=10.0,
+                    help="seconds between stats lines (throughput, running and waiting requests, KV cache usage, "
+                         "mean exit depth), logged while the server is busy")
     p.set_defaults(func=cmd_serve)
+
+
+def uvicorn_log_config(level: str) -> dict[str, Any]:
+    """uvicorn's logging config with a timestamp on every line (its default has none)."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    cfg = copy.deepcopy(LOGGING_CONFIG)
+    for formatter in cfg["formatters"].values():
+        formatter["fmt"] = "%(asctime)s " + formatter["fmt"]
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        cfg["loggers"].setdefault(name, {})["level"] = level.upper()
+    return cfg
+
+
+def _check(args: argparse.Namespace) -> str | None:
+    """The first thing wrong with the server flags, if any."""
+    if args.model_tag and args.model and args.model_tag != args.model:
+        return f"model given twice ({args.model_tag!r} and --model {args.model!r})"
+    if args.max_queued_requests < 0:
+        return "--max-queued-requests: must be >= 0"
+    if args.max_request_body_bytes < 1024:
+        return "--max-request-body-bytes: must be >= 1024"
+    if not 0 <= args.port < 65536:
+        return "--port: must be in [0, 65535]"
+    if not (math.isfinite(args.request_read_timeout) and args.request_read_timeout > 0):
+        return "--request-read-timeout: must be a number of seconds > 0"
+    if not (math.isfinite(args.log_stats_interval) and args.log_stats_interval > 0):
+        return "--log-stats-interval: must be a number of seconds > 0"
+    if args.max_log_len is not None and args.max_log_len < 0:
+        return "--max-log-len: must be >= 0"
+    if args.root_path and not args.root_path.startswith("/"):
+        return "--root-path: must start with '/'"
+    if args.allow_credentials and "*" in args.allowed_origins:
+        return "--allow-credentials: browsers refuse credentials for the origin '*'; list the origins"
+    return None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from loopserve.models.loader import generation_defaults
-    from loopserve.serve.api import ServerSettings, build_app, check_sampling_defaults, load_engine
+    from loopserve.serve.api import (
+        ServerSettings,
+        build_app,
+        check_sampling_defaults,
+        context_length,
+        load_engine,
+    )
     from loopserve.serve.connection import read_timeout_protocol
 
     def fail(msg: str) -> int:
         print(f"error: {msg}", file=sys.stderr)
         return 2
 
-    if args.model_tag and args.model and args.model_tag != args.model:
-        return fail(f"model given twice ({args.model_tag!r} and --model {args.model!r})")
+    problem = _check(args)
+    if problem is not None:
+        return fail(problem)
     model = args.model_tag or args.model
-    if args.max_queued_requests < 0:
-        return fail("--max-queued-requests: must be >= 0")
-    if args.max_request_body_bytes < 1024:
-        return fail("--max-request-body-bytes: must be >= 1024")
-    if not 0 <= args.port < 65536:
-        return fail("--port: must be in [0, 65535]")
-    if not (math.isfinite(args.request_read_timeout) and args.request_read_timeout > 0):
-        return fail("--request-read-timeout: must be a number of seconds > 0")
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     defaults = {"exit_threshold": args.exit_threshold, "exit_policy": args.exit_policy,
                 "min_loops": args.min_loops, "max_loops": args.max_loops}
     try:
         engine, path = load_engine(model, dtype=args.dtype, device=args.device, state_init=args.state_init,
-                                   seed=args.seed, **engine_kwargs(args))
+                                   seed=args.seed, gpu_memory_utilization=args.gpu_memory_utilization,
+                                   **engine_kwargs(args))
         if args.chat_template is not None:
             engine.tokenizer.set_chat_template(args.chat_template)
         # the model's generation_config.json sampling defaults, under the flags' own
         defaults = {**generation_defaults(path, args.generation_config), **defaults}
         check_sampling_defaults(engine, defaults)
+        context_length(engine, args.max_model_len)
     except ValueError as e:
         return fail(str(e))
     settings = ServerSettings(
         model_name=args.served_model_name or str(model if model is not None else path.name), model_path=str(path),
-        expose_model_path=args.expose_model_path, api_key=args.api_key or os.environ.get("LOOPSERVE_API_KEY") or None,
+        expose_model_path=args.expose_model_path, api_keys=tuple(_api_keys(args.api_key)),
         max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_request_body_bytes,
-        sampling_defaults={k: v for k, v in defaults.items() if v is not None})
+        max_model_len=args.max_model_len, sampling_defaults={k: v for k, v in defaults.items() if v is not None},
+        allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
+        allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials,
+        root_path=args.root_path, log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
+        stats_interval_s=None if args.disable_log_stats else args.log_stats_interval)
     engine_failed = False
 
     def stop_serving() -> None:  # on the event loop, once the engine thread has died
@@ -97,9 +186,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server.should_exit = True  # uvicorn's graceful stop, as on SIGTERM
 
     app = build_app(engine, settings, on_engine_dead=stop_serving)
-    print(f"loopserve: serving {path} as {settings.model_name!r} on http://{args.host}:{args.port}", flush=True)
+    log.info("%s", app.state.serving.summary())
+    log.info("serving on http://%s:%d%s (API keys: %d, CORS origins: %s)", args.host, args.port, args.root_path,
+             len(settings.api_keys), ", ".join(settings.allowed_origins) or "none")
     # ws="none": there are no WebSocket endpoints, so an upgrade request is read as plain HTTP
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           log_config=uvicorn_log_config(args.log_level),
                                            access_log=not args.no_access_log,
                                            timeout_graceful_shutdown=args.shutdown_timeout,
                                            http=read_timeout_protocol(args.request_read_timeout), ws="none"))
@@ -111,6 +203,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print("error: the engine failed (see the log above); the server has stopped", file=sys.stderr, flush=True)
         return 1
     return 0 if server.started else 1
+
+
+def _api_keys(flags: list[str] | None) -> list[str]:
+    """The accepted keys: the --api-key values, else $LOOPSERVE_API_KEY (flags win, as in vLLM)."""
+    if flags:
+        return [k for k in flags if k]
+    env = os.environ.get(API_KEY_ENV)
+    return [env] if env else []
 
 
 def _exit_with(code: int):

@@ -1,34 +1,51 @@
 """Prometheus metrics of the server, on a private registry, all under the `loopserve:` prefix and
-with a `model_name` label (vLLM's convention, `vllm:` -> `loopserve:`).
+with `model_name` and `engine` labels (vLLM's convention, `vllm:` -> `loopserve:`; one engine, "0"),
+plus the process metrics of prometheus_client's default collectors (`process_*`, `python_*`); and
+the periodic stats line of the log (`StatsLogger`).
 
-vLLM names: num_requests_running, num_requests_waiting, kv_cache_usage_perc (gauges, read from
-the engine's last snapshot); prompt_tokens_total, generation_tokens_total,
+vLLM names: num_requests_running, num_requests_waiting, kv_cache_usage_perc, num_preemptions_total
+(read from the engine's last snapshot); prompt_tokens_total, generation_tokens_total,
 request_success_total{finished_reason}, time_to_first_token_seconds, inter_token_latency_seconds,
-e2e_request_latency_seconds, request_prompt_tokens, request_generation_tokens (recorded per output
-on the engine thread).
+e2e_request_latency_seconds, request_queue_time_seconds (arrival to the first step that admits the
+request), request_prefill_time_seconds (admission to the first token), request_decode_time_seconds
+(first token to finish), request_inference_time_seconds (admission to finish), request_prompt_tokens,
+request_generation_tokens (recorded per output on the engine thread).
 
 Loop-specific (from `EngineStats`): exit_depth (histogram of decode-token exit depths),
 core_batch_size (histogram of core-step batch widths), core_loops_total (core row-steps computed),
 useful_core_loops_total (row-steps whose result was kept), prefill_token_loops_total,
-refill_events_total, preemptions_total, swap_ins_total, deferred_signal_steps_total (core steps
-pipelined under lookahead), engine_steps_total{stage}; and
-request_rejected_total{reason} (503s at the admission bound).
+refill_events_total, swap_ins_total, deferred_signal_steps_total (core steps pipelined under
+lookahead), engine_steps_total{stage}; and request_rejected_total{reason} (503s at the admission
+bound).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from loopserve.outputs import RequestOutput
 from loopserve.serve.async_engine import EngineSnapshot
 
+log = logging.getLogger("loopserve.serve")
 P = "loopserve:"
+LABELS = ["model_name", "engine"]
+ENGINE = "0"  # the `engine` label: this process runs one engine
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                    10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
@@ -44,16 +61,16 @@ def _token_buckets(limit: int) -> tuple[float, ...]:
 
 
 def _exact_histogram(name: str, doc: str, counts: dict[int, int], bounds: Iterable[int],
-                     label: str) -> HistogramMetricFamily:
+                     label: list[str]) -> HistogramMetricFamily:
     """A histogram from exact value counts (value -> occurrences)."""
-    h = HistogramMetricFamily(name, doc, labels=["model_name"])
+    h = HistogramMetricFamily(name, doc, labels=LABELS)
     buckets, total = [], 0
     for b in bounds:
         total_le = sum(c for v, c in counts.items() if v <= b)
         buckets.append((str(float(b)), float(total_le)))
     total = sum(counts.values())
     buckets.append(("+Inf", float(total)))
-    h.add_metric([label], buckets, float(sum(v * c for v, c in counts.items())))
+    h.add_metric(label, buckets, float(sum(v * c for v, c in counts.items())))
     return h
 
 
@@ -62,75 +79,104 @@ class _EngineCollector(Collector):
         self.snapshot, self.model_name, self.r_max, self.max_batch = snapshot, model_name, r_max, max_batch
 
     def collect(self) -> Iterable[Metric]:
-        s, m = self.snapshot(), [self.model_name]
+        s, m = self.snapshot(), [self.model_name, ENGINE]
         for name, doc, value in (
                 ("num_requests_running", "Requests admitted to the engine (KV resident).", s.running),
                 ("num_requests_waiting", "Requests waiting for admission (queued or swapped out).", s.waiting),
                 ("kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent of blocks in use.", s.kv_usage)):
-            g = GaugeMetricFamily(P + name, doc, labels=["model_name"])
+            g = GaugeMetricFamily(P + name, doc, labels=LABELS)
             g.add_metric(m, float(value))
             yield g
         yield _exact_histogram(P + "exit_depth", "Exit depth (loops) of decode tokens.", s.exit_depths,
-                               range(1, self.r_max + 1), self.model_name)
+                               range(1, self.r_max + 1), m)
         bounds = sorted({int(b) for b in _token_buckets(self.max_batch)})
-        yield _exact_histogram(P + "core_batch_size", "Rows per core-step batch.", s.core_batch, bounds,
-                               self.model_name)
+        yield _exact_histogram(P + "core_batch_size", "Rows per core-step batch.", s.core_batch, bounds, m)
         for name, doc, value in (
                 ("core_loops", "Core row-steps computed (including passive CB rows).", s.core_rows),
                 ("useful_core_loops", "Core row-steps whose result was kept.", s.useful_core_rows),
                 ("prefill_token_loops", "Prompt tokens times loops run over them.", s.prefill_token_loops),
                 ("refill_events", "Fresh tokens that joined a non-empty core batch.", s.refill_events),
-                ("preemptions", "Sequences swapped out or prompts dropped for KV space.", s.preemptions),
+                ("num_preemptions", "Sequences swapped out or prompts dropped for KV space.", s.preemptions),
                 ("swap_ins", "Swapped-out sequences brought back.", s.swap_ins),
                 ("deferred_signal_steps", "Core steps whose exit signals were read after the next step was "
                                           "queued (lookahead pipelining).", s.deferred_signal_steps)):
-            c = CounterMetricFamily(P + name, doc, labels=["model_name"])
+            c = CounterMetricFamily(P + name, doc, labels=LABELS)
             c.add_metric(m, float(value))
             yield c
-        steps = CounterMetricFamily(P + "engine_steps", "Engine steps by stage.", labels=["model_name", "stage"])
+        steps = CounterMetricFamily(P + "engine_steps", "Engine steps by stage.", labels=[*LABELS, "stage"])
         for stage in ("prefill", "prelude", "core", "coda"):
-            steps.add_metric([self.model_name, stage], float(s.ticks.get(stage, 0)))
+            steps.add_metric([*m, stage], float(s.ticks.get(stage, 0)))
         yield steps
 
 
 class _Track:
-    __slots__ = ("tokens", "last")
+    """What the metrics know of one request in flight."""
+
+    __slots__ = ("tokens", "last", "scheduled")
 
     def __init__(self) -> None:
         self.tokens = 0
         self.last = 0.0
+        self.scheduled: float | None = None  # start of the first step that admitted it
 
 
 class ServerMetrics:
     def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot], r_max: int, max_decode_batch: int,
                  max_model_len: int) -> None:
         self.model_name = model_name
+        self.snapshot = snapshot
         self.registry = CollectorRegistry(auto_describe=True)
-        r, lab = self.registry, ["model_name"]
+        r, lab = self.registry, LABELS
+        for collector in (ProcessCollector, PlatformCollector, GCCollector):
+            collector(registry=r)
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens prefilled.", lab, registry=r)
         self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated.", lab, registry=r)
         self.request_success = Counter(P + "request_success", "Finished requests by finish reason.",
                                        [*lab, "finished_reason"], registry=r)
         self.rejected = Counter(P + "request_rejected", "Requests refused at admission.", [*lab, "reason"],
                                 registry=r)
-        self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token (from HTTP arrival).", lab,
-                              registry=r, buckets=LATENCY_BUCKETS)
-        self.itl = Histogram(P + "inter_token_latency_seconds", "Time between consecutive tokens of a request.",
-                             lab, registry=r, buckets=LATENCY_BUCKETS)
-        self.e2e = Histogram(P + "e2e_request_latency_seconds", "Arrival to finish.", lab, registry=r,
-                             buckets=E2E_BUCKETS)
+
+        def latency(name: str, doc: str, buckets: tuple[float, ...] = E2E_BUCKETS) -> Histogram:
+            return Histogram(P + name, doc, lab, registry=r, buckets=buckets)
+
+        self.ttft = latency("time_to_first_token_seconds", "Time to first token (from HTTP arrival).",
+                            LATENCY_BUCKETS)
+        self.itl = latency("inter_token_latency_seconds", "Time between consecutive tokens of a request.",
+                           LATENCY_BUCKETS)
+        self.e2e = latency("e2e_request_latency_seconds", "Arrival to finish.")
+        self.queue_time = latency("request_queue_time_seconds", "Arrival to the first step that admits the request.")
+        self.prefill_time = latency("request_prefill_time_seconds", "Admission to the first token.")
+        self.decode_time = latency("request_decode_time_seconds", "First token to finish.")
+        self.inference_time = latency("request_inference_time_seconds", "Admission to finish.")
         self.req_prompt = Histogram(P + "request_prompt_tokens", "Prompt tokens per finished request.", lab,
                                     registry=r, buckets=_token_buckets(max_model_len))
         self.req_gen = Histogram(P + "request_generation_tokens", "Generated tokens per finished request.", lab,
                                  registry=r, buckets=_token_buckets(max_model_len))
         r.register(_EngineCollector(snapshot, model_name, r_max, max_decode_batch))
+        self.labels = (model_name, ENGINE)
+        # every series exists from the start (a labelled metric shows nothing until its first use)
+        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue_time,
+                       self.prefill_time, self.decode_time, self.inference_time, self.req_prompt, self.req_gen):
+            metric.labels(*self.labels)
+        for reason in ("stop", "length", "abort", "error"):
+            self.request_success.labels(*self.labels, reason)
+        for reason in ("overload", "shutdown"):
+            self.rejected.labels(*self.labels, reason)
+        # plain totals for the stats line (the counters' values are private to prometheus_client)
+        self.prompt_total = 0
+        self.generation_total = 0
         self._tracks: dict[str, _Track] = {}
         self._lock = threading.Lock()
+
+    def scheduled(self, request_id: str, when: float) -> None:
+        """The request was admitted by the step that started at `when` (engine thread)."""
+        with self._lock:
+            self._tracks.setdefault(request_id, _Track()).scheduled = when
 
     def observe(self, outs: list[RequestOutput]) -> None:
         """Record a step's outputs (called on the engine thread)."""
         now = time.monotonic()
-        m = self.model_name
+        m = self.labels
         with self._lock:
             for out in outs:
                 track = self._tracks.setdefault(out.request_id, _Track())
@@ -138,26 +184,78 @@ class ServerMetrics:
                 new = n - track.tokens
                 if new > 0:
                     if track.tokens == 0:
-                        self.prompt_tokens.labels(m).inc(len(out.prompt_token_ids))
+                        self.prompt_tokens.labels(*m).inc(len(out.prompt_token_ids))
+                        self.prompt_total += len(out.prompt_token_ids)
                         if out.metrics is not None:
-                            self.ttft.labels(m).observe(max(0.0, now - out.metrics.arrival_time))
+                            self.ttft.labels(*m).observe(max(0.0, now - out.metrics.arrival_time))
                     else:
-                        self.itl.labels(m).observe(now - track.last)
+                        self.itl.labels(*m).observe(now - track.last)
                         for _ in range(new - 1):
-                            self.itl.labels(m).observe(0.0)
-                    self.generation_tokens.labels(m).inc(new)
+                            self.itl.labels(*m).observe(0.0)
+                    self.generation_tokens.labels(*m).inc(new)
+                    self.generation_total += new
                     track.tokens, track.last = n, now
                 if out.finished:
                     self._tracks.pop(out.request_id, None)
-                    reason = out.outputs[0].finish_reason or "unknown"
-                    self.request_success.labels(m, reason).inc()
-                    if out.metrics is not None:
-                        self.e2e.labels(m).observe(max(0.0, now - out.metrics.arrival_time))
-                    self.req_prompt.labels(m).observe(len(out.prompt_token_ids))
-                    self.req_gen.labels(m).observe(n)
+                    self._finished(out, track, n, now)
+
+    def _finished(self, out: RequestOutput, track: _Track, n: int, now: float) -> None:
+        m = self.labels
+        self.request_success.labels(*m, out.outputs[0].finish_reason or "unknown").inc()
+        self.req_prompt.labels(*m).observe(len(out.prompt_token_ids))
+        self.req_gen.labels(*m).observe(n)
+        rm = out.metrics
+        if rm is None:
+            return
+        self.e2e.labels(*m).observe(max(0.0, now - rm.arrival_time))
+        if track.scheduled is None or rm.first_token_time is None:
+            return  # never admitted, or no token: no phases to time
+        end = rm.finished_time or now
+        for hist, start, stop in ((self.queue_time, rm.arrival_time, track.scheduled),
+                                  (self.prefill_time, track.scheduled, rm.first_token_time),
+                                  (self.decode_time, rm.first_token_time, end),
+                                  (self.inference_time, track.scheduled, end)):
+            hist.labels(*m).observe(max(0.0, stop - start))
 
     def reject(self, reason: str) -> None:
-        self.rejected.labels(self.model_name, reason).inc()
+        self.rejected.labels(*self.labels, reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class StatsLogger:
+    """Logs a line every `interval_s` while the server is busy (an interval with tokens, or requests
+    running or waiting at its end), like vLLM's: prompt and generation throughput over the interval,
+    running and waiting requests, KV-cache usage; and for the loops, the mean exit depth of the
+    interval's decode tokens."""
+
+    def __init__(self, metrics: ServerMetrics, interval_s: float) -> None:
+        self.metrics, self.interval_s = metrics, interval_s
+        self._last = self._sample()
+
+    def _sample(self) -> tuple[float, int, int, int, int]:
+        depths = self.metrics.snapshot().exit_depths
+        return (time.monotonic(), self.metrics.prompt_total, self.metrics.generation_total,
+                sum(depths.values()), sum(d * c for d, c in depths.items()))
+
+    def line(self) -> str | None:
+        """The stats since the last call, or None when nothing happened then and nothing runs now."""
+        prev, cur = self._last, self._sample()
+        self._last = cur
+        s = self.metrics.snapshot()
+        dt = max(cur[0] - prev[0], 1e-9)
+        prompt, gen, tokens, loops = (cur[k] - prev[k] for k in range(1, 5))
+        if not (prompt or gen or s.running or s.waiting):
+            return None
+        depth = f"{loops / tokens:.2f}" if tokens else "-"
+        return (f"Avg prompt throughput: {prompt / dt:.1f} tokens/s, Avg generation throughput: {gen / dt:.1f} "
+                f"tokens/s, Running: {s.running} reqs, Waiting: {s.waiting} reqs, KV cache usage: "
+                f"{100 * s.kv_usage:.1f}%, Mean exit depth: {depth}")
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            text = self.line()
+            if text is not None:
+                log.info("%s", text)

@@ -1,22 +1,24 @@
-"""Request bodies of the OpenAI-compatible API, and OpenAI-style errors.
+"""Request bodies of the OpenAI-compatible API (and of vLLM's /tokenize and /detokenize), and
+OpenAI-style errors.
 
-Unknown-field policy (vLLM accepts and ignores unknown fields with a warning; we are stricter, so a
-typo never silently changes what a client gets):
+Unknown-field policy (vLLM's): a field this server does not know, at any depth of the body, is
+accepted and ignored; `unknown_fields` lists them so that the server can log a warning naming each.
+Known fields are strict:
 
-- a top-level field this server does not know is a 400 that names it (`param`);
+- types are strict (no "5" for 5, no true for 1, no NaN or infinity), and a wrong one is a 400 that
+  names the field's full path (`param`); ranges are checked by `SamplingParams` (one place for both
+  the offline and the HTTP API);
 - known OpenAI fields that do not change the output (`user`, `metadata`, `store`, `service_tier`,
   `parallel_tool_calls`) are accepted and ignored;
 - known fields whose feature is not implemented (`frequency_penalty`, `presence_penalty`,
   `repetition_penalty`, `logit_bias`, `best_of`, `echo`, `suffix`, `tools`, `tool_choice`,
   `response_format`, `n`) are accepted only at their neutral value (0, 0, 1, empty, 1, false,
   empty, empty, "none", text, 1); anything else is a 400 saying it is not supported.
-
-Types are strict (no "5" for 5, no true for 1, no NaN or infinity); ranges are checked by
-`SamplingParams` (one place for both the offline and the HTTP API).
 """
 
 from __future__ import annotations
 
+import json
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
 
@@ -47,7 +49,20 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    # extra="allow": unknown fields are kept aside (`model_extra`) for `unknown_fields` to report
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+
+def unknown_fields(obj: Any, prefix: str = "") -> list[str]:
+    """Full paths (`temprature`, `messages.0.tool_calls`) of the unknown fields a parsed body carried."""
+    if isinstance(obj, BaseModel):
+        out = [prefix + k for k in obj.model_extra or {}]
+        for name in type(obj).model_fields:
+            out += unknown_fields(getattr(obj, name), f"{prefix}{name}.")
+        return out
+    if isinstance(obj, list):
+        return [p for i, v in enumerate(obj) for p in unknown_fields(v, f"{prefix}{i}.")]
+    return []
 
 
 class StreamOptions(_Strict):
@@ -159,9 +174,11 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension: extra variables for the chat template
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
+        check_template_kwargs(self.chat_template_kwargs)
         if self.tools:
             raise ApiError(400, "tools: tool calling is not supported by this server", "tools")
         if self.tool_choice not in (None, "none"):
@@ -174,7 +191,50 @@ class ChatCompletionRequest(_SamplingFields):
             raise ApiError(400, "messages: must not be empty", "messages")
 
 
-def parse_body(cls: type[_SamplingFields], body: bytes) -> Any:
+# Names the chat template is always given by the server; a request sets them as fields of its own.
+TEMPLATE_RESERVED = ("messages", "add_generation_prompt")
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    for name in TEMPLATE_RESERVED:
+        if kwargs and name in kwargs:
+            raise ApiError(400, f"chat_template_kwargs.{name}: set by the server; use the request field",
+                           f"chat_template_kwargs.{name}")
+
+
+class TokenizeCompletionRequest(_Strict):
+    """vLLM's /tokenize body for text."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool | None = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(_Strict):
+    """vLLM's /tokenize body for chat messages (rendered with the chat template first)."""
+
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool | None = True
+    add_special_tokens: bool | None = False
+    return_token_strs: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check_unsupported(self) -> None:
+        check_template_kwargs(self.chat_template_kwargs)
+        if not self.messages:
+            raise ApiError(400, "messages: must not be empty", "messages")
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's /detokenize body."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse_body(cls: type[BaseModel], body: bytes) -> Any:
     """Validate a JSON body; every failure is a 400 naming the field."""
     if not body.strip():
         raise ApiError(400, "request body: expected a JSON object, got an empty body")
@@ -182,8 +242,19 @@ def parse_body(cls: type[_SamplingFields], body: bytes) -> Any:
         req = cls.model_validate_json(body)
     except ValidationError as e:
         raise ApiError(400, *_describe(cls, e)) from None
-    req.check_unsupported()
+    if hasattr(req, "check_unsupported"):
+        req.check_unsupported()
     return req
+
+
+def parse_tokenize(body: bytes) -> TokenizeCompletionRequest | TokenizeChatRequest:
+    """A /tokenize body: the chat form when it has `messages`, else the text form (vLLM's rule)."""
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError):
+        obj = None  # parse_body reports what is wrong with it
+    return parse_body(TokenizeChatRequest if isinstance(obj, dict) and "messages" in obj else
+                      TokenizeCompletionRequest, body)
 
 
 def _describe(cls: type[BaseModel], e: ValidationError) -> tuple[str, str | None]:
@@ -200,8 +271,6 @@ def _describe(cls: type[BaseModel], e: ValidationError) -> tuple[str, str | None
     head = paths[0]
     best = max((k for k, p in enumerate(paths) if p[:len(head)] == head), key=lambda k: len(paths[k]))
     err, param = errors[best], ".".join(paths[best]) or None
-    if err["type"] == "extra_forbidden":
-        return f"{param}: unknown field (not supported by this server)", param
     if err["type"] == "missing":
         return f"{param}: field required", param
     return f"{param}: {err['msg']}", param

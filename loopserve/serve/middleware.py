@@ -1,0 +1,127 @@
+"""ASGI middleware of the server: the request body size limit and request ids (CORS is Starlette's).
+
+- `BodyLimitMiddleware`: 413 for a body over the limit, declared by Content-Length or streamed.
+- `RequestIdMiddleware`: every request gets an id, the client's `X-Request-Id` when it sends a usable
+  one (else a fresh one); it is echoed in the response's `X-Request-Id` header, and the app reads it
+  from the scope (`request_id(scope)`) for the response's `id` and the log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from loopserve.serve.protocol import error_body
+
+DRAIN_FACTOR, DRAIN_S = 8, 2.0  # how much of an over-limit body is read and dropped before the 413
+REQUEST_ID_KEY = "loopserve.request_id"  # scope key
+MAX_REQUEST_ID = 128  # longer client ids are replaced (they end up in logs and response ids)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class BodyLimitMiddleware:
+    """413 for a request body over `max_bytes` (declared by Content-Length or streamed)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for k, v in scope.get("headers", []):
+            if k == b"content-length":
+                try:
+                    declared = int(v)
+                except ValueError:
+                    declared = 0
+                if declared > self.max_bytes:
+                    await self._reject(send)
+                    return
+        seen = 0
+        started = False
+
+        async def limited_receive() -> Message:
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _BodyTooLarge
+            return msg
+
+        async def tracking_send(msg: Message) -> None:
+            nonlocal started
+            if msg["type"] == "http.response.start":
+                started = True
+            await send(msg)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except _BodyTooLarge:
+            if not started:
+                await self._drain(receive)
+                await self._reject(send)
+
+    async def _drain(self, receive: Receive) -> None:
+        """Read and drop the rest of an over-limit body before answering (a lingering close, RFC 9112
+        §9.6): closing while the client still sends makes the kernel reset the connection, and the
+        client loses the 413 it has not read yet. Bounded: DRAIN_FACTOR x the limit, DRAIN_S seconds."""
+        budget = DRAIN_FACTOR * self.max_bytes
+        try:
+            async with asyncio.timeout(DRAIN_S):
+                while budget > 0:
+                    msg = await receive()
+                    if msg["type"] != "http.request" or not msg.get("more_body", False):
+                        return
+                    budget -= len(msg.get("body", b""))
+        except TimeoutError:
+            return
+
+    async def _reject(self, send: Send) -> None:
+        body = json.dumps(error_body(413, f"request body: larger than the limit of {self.max_bytes} bytes")).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def _client_request_id(scope: Scope) -> str | None:
+    for k, v in scope.get("headers", []):
+        if k == b"x-request-id":
+            # visible ASCII only: the id is logged and sent back in a header
+            if 0 < len(v) <= MAX_REQUEST_ID and all(0x21 <= b <= 0x7E for b in v):
+                return v.decode()
+            return None
+    return None
+
+
+def request_id(scope: Scope) -> str:
+    """The id `RequestIdMiddleware` gave this request (a fresh one if it did not run)."""
+    return scope.get(REQUEST_ID_KEY) or uuid.uuid4().hex
+
+
+class RequestIdMiddleware:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = _client_request_id(scope) or uuid.uuid4().hex
+        scope[REQUEST_ID_KEY] = rid
+        header = (b"x-request-id", rid.encode())
+
+        async def send_with_id(msg: Message) -> None:
+            if msg["type"] == "http.response.start":
+                msg = {**msg, "headers": [*msg.get("headers", []), header]}
+            await send(msg)
+
+        await self.app(scope, receive, send_with_id)

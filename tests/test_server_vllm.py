@@ -1,0 +1,326 @@
+"""What a vLLM user expects of the server, against a real `loopserve serve` process started with
+vLLM's flags: unknown request fields ignored with a warning, /tokenize, /detokenize and /version in
+vLLM's shapes, `chat_template_kwargs`, CORS (with preflight), `--root-path`, `X-Request-Id`, several
+API keys (and the environment variable), request logging, the start-up summary and periodic stats
+lines with timestamps, `--max-model-len`, vLLM's metric names; and, without a server, the start-up
+refusals (`--max-model-len` past the context, `--gpu-memory-utilization` on the CPU) and `auto` for
+the device and dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from loopserve.models.tiny import TinySpec, make_tiny
+from tests.server_helpers import MODEL, REPO, Server, metric, run_server
+
+pytestmark = pytest.mark.timeout(120)
+
+KEYS = ("key-one", "key-two")
+ORIGIN = "https://app.example"
+ROOT = "/api"
+MAX_LEN = 48  # --max-model-len (the model's context is 2048)
+LOG_LEN = 8  # --max-log-len
+STATS_S = 0.3  # --log-stats-interval
+# a chat template with a variable only `chat_template_kwargs` sets
+TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{% if shout %}SHOUTING {% endif %}"
+            "{% if add_generation_prompt %}assistant:{% endif %}")
+TIMESTAMP = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory) -> Path:
+    return make_tiny(tmp_path_factory.mktemp("tiny-vllm"), TinySpec(arch="ouro", seed=1))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_path, tmp_path_factory) -> Iterator[Server]:
+    folder = tmp_path_factory.mktemp("vllm")
+    (folder / "template.jinja").write_text(TEMPLATE)
+    with run_server(tiny_path, folder / "server.log", "--api-key", KEYS[0], "--api-key", KEYS[1],
+                    "--allowed-origins", f'["{ORIGIN}"]', "--root-path", ROOT, "--enable-log-requests",
+                    "--max-log-len", str(LOG_LEN),
+                    "--log-stats-interval", str(STATS_S), "--max-model-len", str(MAX_LEN),
+                    "--kv-cache-tokens", "1024", "--chat-template", str(folder / "template.jinja"),
+                    log_level="info", access_log=True) as s:
+        yield s
+
+
+def _auth(key: str = KEYS[0]) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def _post(server: Server, path: str, body: dict, **headers: str) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, headers={**_auth(), **headers}, timeout=30)
+
+
+def _log_after(server: Server, marker: str, timeout: float = 10.0) -> str:
+    """The server log once it contains `marker` (it is written by another process)."""
+    deadline = time.monotonic() + timeout
+    while marker not in (text := server.log.read_text()):
+        assert time.monotonic() < deadline, f"{marker!r} not in the log:\n{text[-3000:]}"
+        time.sleep(0.05)
+    return text
+
+
+# -- request bodies --------------------------------------------------------------------------------------------
+def test_unknown_fields_are_ignored_with_a_warning(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEYS[0], max_retries=0, timeout=30)
+    r = client.completions.create(model=MODEL, prompt="hi", max_tokens=2,
+                                  extra_body={"temprature": 0.5, "guided_json": {"x": 1}},
+                                  extra_headers={"X-Request-Id": "unknown-1"})
+    assert r.usage.completion_tokens == 2
+    chat = _post(server, "/v1/chat/completions", {
+        "model": MODEL, "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True, "bogus": 1},
+        "messages": [{"role": "user", "content": "hi", "reasoning_content": "x"}]}, **{"X-Request-Id": "unknown-2"})
+    assert chat.status_code == 200 and chat.text.rstrip().endswith("data: [DONE]")
+    text = _log_after(server, "unknown-2 /v1/chat/completions")
+    assert "unknown-1 /v1/completions: ignored unknown fields: temprature, guided_json" in text
+    assert "ignored unknown fields: stream_options.bogus, messages.0.reasoning_content" in text
+    # a known field keeps its type, and the error names it
+    bad = _post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "temprature": 1, "temperature": "hot"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature"
+
+
+# -- /tokenize, /detokenize, /version --------------------------------------------------------------------------
+def test_tokenize_detokenize_round_trip(server):
+    r = _post(server, "/tokenize", {"model": MODEL, "prompt": "To be, or not", "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["count"] == len(body["tokens"]) > 0 and body["max_model_len"] == MAX_LEN
+    assert len(body["token_strs"]) == body["count"]
+    assert _post(server, "/tokenize", {"prompt": "To be, or not"}).json()["token_strs"] is None
+    back = _post(server, "/detokenize", {"model": MODEL, "tokens": body["tokens"]})
+    assert back.status_code == 200 and back.json() == {"prompt": "To be, or not"}
+    # the chat form renders the chat template first, with the request's template variables
+    messages = [{"role": "user", "content": "hello"}]
+    chat = _post(server, "/tokenize", {"messages": messages}).json()
+    shout = _post(server, "/tokenize", {"messages": messages, "chat_template_kwargs": {"shout": True}}).json()
+    said = _post(server, "/detokenize", {"tokens": shout["tokens"]}).json()["prompt"]
+    assert said == "user: hello\nSHOUTING assistant:"
+    assert shout["count"] > chat["count"]
+    for body, status, param in (({"tokens": [10**6]}, 400, "tokens.0"), ({"tokens": [1, -1]}, 400, "tokens.1"),
+                                ({"tokens": ["a"]}, 400, "tokens.0")):
+        r = _post(server, "/detokenize", body)
+        assert (r.status_code, r.json()["error"]["param"]) == (status, param)
+    assert _post(server, "/tokenize", {"prompt": "x"}, Authorization="Bearer nope").status_code == 401
+    assert _post(server, "/tokenize", {"model": "other", "prompt": "x"}).status_code == 404
+
+
+def test_chat_template_kwargs_reach_the_template(server):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 1,
+            "return_token_ids": True}
+    plain = _post(server, "/v1/chat/completions", body).json()["choices"][0]["prompt_token_ids"]
+    shout = _post(server, "/v1/chat/completions", {**body, "chat_template_kwargs": {"shout": True}}).json()
+    ids = shout["choices"][0]["prompt_token_ids"]
+    assert "SHOUTING" in _post(server, "/detokenize", {"tokens": ids}).json()["prompt"]
+    assert len(ids) > len(plain)
+    reserved = _post(server, "/v1/chat/completions", {**body, "chat_template_kwargs": {"add_generation_prompt": 0}})
+    assert reserved.status_code == 400
+    assert reserved.json()["error"]["param"] == "chat_template_kwargs.add_generation_prompt"
+
+
+def test_version(server):
+    from loopserve.serve.api import loopserve_version
+
+    r = httpx.get(server.url + "/version")  # open, like /health
+    assert r.status_code == 200 and r.json() == {"version": loopserve_version()}
+
+
+# -- HTTP: CORS, root path, request ids, keys ------------------------------------------------------------------
+def test_cors_preflight_and_responses(server):
+    pre = httpx.options(server.url + "/v1/chat/completions", headers={
+        "Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+    assert pre.status_code == 200, pre.text  # answered before authentication
+    assert pre.headers["access-control-allow-origin"] == ORIGIN
+    assert "POST" in pre.headers["access-control-allow-methods"]
+    assert "authorization" in pre.headers["access-control-allow-headers"].lower()
+    r = httpx.get(server.url + "/v1/models", headers={**_auth(), "Origin": ORIGIN})
+    assert r.headers["access-control-allow-origin"] == ORIGIN
+    assert "x-request-id" in r.headers["access-control-expose-headers"].lower()
+    other = httpx.options(server.url + "/v1/models", headers={"Origin": "https://evil.example",
+                                                               "Access-Control-Request-Method": "GET"})
+    assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+    assert "access-control-allow-origin" not in httpx.get(server.url + "/v1/models", headers={
+        **_auth(), "Origin": "https://evil.example"}).headers
+
+
+def test_root_path(server):
+    for path in (f"{ROOT}/v1/models", "/v1/models"):  # behind a proxy that strips the prefix, or one that does not
+        r = httpx.get(server.url + path, headers=_auth())
+        assert r.status_code == 200 and r.json()["data"][0]["max_model_len"] == MAX_LEN
+    assert httpx.get(server.url + "/openapi.json").json()["servers"] == [{"url": ROOT}]
+
+
+def test_request_id_is_echoed_and_names_the_response(server):
+    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "id", "max_tokens": 1}, **{"X-Request-Id": "abc-1"})
+    assert r.headers["x-request-id"] == "abc-1" and r.json()["id"] == "cmpl-abc-1"
+    # the same id twice at once is still two requests to the engine
+    same = _post(server, "/v1/completions", {"model": MODEL, "prompt": ["a", "b"], "max_tokens": 1},
+                 **{"X-Request-Id": "abc-1"})
+    assert same.status_code == 200 and len(same.json()["choices"]) == 2
+    fresh = _post(server, "/v1/chat/completions", {"model": MODEL, "max_tokens": 1,
+                                                   "messages": [{"role": "user", "content": "x"}]})
+    rid = fresh.headers["x-request-id"]
+    assert re.fullmatch(r"[0-9a-f]{32}", rid) and fresh.json()["id"] == f"chatcmpl-{rid}"
+    for headers in ({"X-Request-Id": "x" * 500}, {}):  # an unusable id is replaced; errors carry one too
+        err = httpx.get(server.url + "/v1/nope", headers=headers)
+        assert err.status_code == 404 and re.fullmatch(r"[0-9a-f]{32}", err.headers["x-request-id"])
+
+
+def test_any_of_several_api_keys(server):
+    body = {"model": MODEL, "prompt": "k", "max_tokens": 1}
+    for key in KEYS:
+        assert _post(server, "/v1/completions", body, Authorization=f"Bearer {key}").status_code == 200
+    for header in ("Bearer key-three", "Bearer key-one key-two", f"Bearer {KEYS[0]}{KEYS[1]}", ""):
+        assert _post(server, "/v1/completions", body, Authorization=header).status_code == 401
+
+
+def test_api_key_flags_win_over_the_environment(monkeypatch):
+    from loopserve.serve.cli import API_KEY_ENV, _api_keys
+
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    assert _api_keys(None) == ["from-env"]
+    assert _api_keys(["a", "b"]) == ["a", "b"]
+    monkeypatch.delenv(API_KEY_ENV)
+    assert _api_keys(None) == []
+
+
+# -- limits ----------------------------------------------------------------------------------------------------
+def test_max_model_len_caps_prompt_plus_completion(server):
+    ok = _post(server, "/v1/completions", {"model": MODEL, "prompt": [5] * 40, "max_tokens": MAX_LEN - 40})
+    assert ok.status_code == 200, ok.text
+    over = _post(server, "/v1/completions", {"model": MODEL, "prompt": [5] * 40, "max_tokens": MAX_LEN - 39})
+    assert over.status_code == 400 and over.json()["error"]["param"] == "max_tokens"
+    assert f"{MAX_LEN} tokens" in over.json()["error"]["message"]
+    # unset max_tokens: the room left under the cap
+    chat = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                  "ignore_eos": True})
+    usage = chat.json()["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == MAX_LEN
+    long = _post(server, "/v1/completions", {"model": MODEL, "prompt": [5] * MAX_LEN})
+    assert long.status_code == 400 and long.json()["error"]["param"] == "prompt"
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--max-model-len", "4096"], "max_model_len: must be in [2, 2048]"),
+    (["--gpu-memory-utilization", "0.9", "--device", "cpu"], "gpu_memory_utilization: only for CUDA devices"),
+], ids=["max-model-len-past-context", "gpu-memory-on-cpu"])
+def test_bad_server_flags_stop_the_start(tiny_path, flags, message):
+    cmd = [sys.executable, "-m", "loopserve.cli", "serve", "--model", str(tiny_path), "--port", "0", *flags]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=90, cwd=REPO)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert message in run.stderr
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--allowed-origins", "*", "--allow-credentials"], "--allow-credentials"),
+    (["--root-path", "api"], "--root-path: must start with '/'"),
+    (["--log-stats-interval", "0"], "--log-stats-interval"),
+    (["--max-log-len", "-1"], "--max-log-len"),
+])
+def test_bad_server_flags_are_named(flags, message):
+    from loopserve.cli import build_parser
+    from loopserve.serve.cli import _check
+
+    problem = _check(build_parser().parse_args(["serve", *flags]))
+    assert problem is not None and problem.startswith(message)
+
+
+def test_gpu_memory_utilization_is_a_fraction(tiny_path):
+    from loopserve.serve.api import load_engine
+
+    for value in (0.0, 1.5):
+        with pytest.raises(ValueError, match=r"gpu_memory_utilization: must be in \(0, 1\]"):
+            load_engine(tiny_path, gpu_memory_utilization=value)
+    with pytest.raises(ValueError, match="not both"):
+        load_engine(tiny_path, gpu_memory_utilization=0.5, kv_cache_tokens=256)
+
+
+# -- the log ---------------------------------------------------------------------------------------------------
+def test_startup_summary_request_log_and_stats_lines(server):
+    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "a prompt longer than eight characters",
+                                          "max_tokens": 3}, **{"X-Request-Id": "logged-1"})
+    assert r.status_code == 200
+    text = _log_after(server, "Finished request cmpl-logged-1")
+    assert re.search(r"model \S+ served as 'tiny': OuroForCausalLM, dtype float32, device cpu, r_max \d+, "
+                     rf"max_model_len {MAX_LEN}, KV cache 1024 tokens \([\d.e-]+ GiB, blocks of 16\), "
+                     r"kv_layout depth_indexed, scheduler cdb", text), text[:3000]
+    received = [ln for ln in text.splitlines() if "Received request cmpl-logged-1" in ln]
+    assert len(received) == 1 and "prompt: 'a prompt'," in received[0]  # cut at --max-log-len characters
+    assert "Finished request cmpl-logged-1" in text and "length, " in text
+    text = _log_after(server, "Avg prompt throughput")
+    stats = [ln for ln in text.splitlines() if "Avg prompt throughput" in ln]
+    assert re.search(r"Avg generation throughput: [\d.]+ tokens/s, Running: \d+ reqs, Waiting: \d+ reqs, "
+                     r"KV cache usage: [\d.]+%, Mean exit depth: ", stats[0])
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    assert all(TIMESTAMP.match(ln) for ln in lines), [ln for ln in lines if not TIMESTAMP.match(ln)][:5]
+    # the server is idle now: no stats lines while nothing happens
+    time.sleep(4 * STATS_S)
+    before = server.log.read_text().count("Avg prompt throughput")
+    time.sleep(4 * STATS_S)
+    assert server.log.read_text().count("Avg prompt throughput") == before
+
+
+# -- metrics ---------------------------------------------------------------------------------------------------
+def test_phase_histograms_count_finished_requests(server):
+    names = [f"loopserve:request_{p}_time_seconds_count" for p in ("queue", "prefill", "decode", "inference")]
+    before = [metric(server, n, engine="0") for n in names]
+    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "time me", "max_tokens": 4, "ignore_eos": True})
+    assert r.status_code == 200
+    deadline = time.monotonic() + 5
+    while [metric(server, n) for n in names] != [b + 1 for b in before]:
+        assert time.monotonic() < deadline, [metric(server, n) for n in names]
+        time.sleep(0.05)
+    e2e = metric(server, "loopserve:e2e_request_latency_seconds_sum")
+    assert metric(server, "loopserve:request_inference_time_seconds_sum") <= e2e
+    assert metric(server, "process_resident_memory_bytes") > 0
+
+
+# -- device and dtype: auto --------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("declared", "device", "chosen"), [
+    ("bfloat16", "cpu", "bfloat16"), ("float32", "cpu", "float32"), ("float16", "cpu", "bfloat16"),
+    ("float16", "cuda", "bfloat16"), (None, "cpu", "float32"), ("int8", "cpu", "float32")])
+def test_dtype_auto_follows_the_checkpoint(tmp_path, declared, device, chosen, caplog):
+    from loopserve.device import resolve_dtype
+
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": declared} if declared else {}))
+    with caplog.at_level("INFO", logger="loopserve.device"):
+        assert resolve_dtype("auto", tmp_path, device) == chosen
+    assert ("float16" in caplog.text) == (declared == "float16")
+    assert resolve_dtype("float64", tmp_path, device) == "float64"
+
+
+def test_loading_with_dtype_and_device_auto(tmp_path):
+    import torch
+
+    from loopserve.models.loader import load_model
+
+    path = make_tiny(tmp_path / "half", TinySpec(arch="ouro", seed=2))
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "torch_dtype": "float16"}))
+    p = next(load_model(path, "auto", "auto").model.parameters())
+    assert (p.dtype, p.device.type) == (torch.bfloat16, "cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_device_auto(monkeypatch):
+    import torch
+
+    from loopserve.device import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto") == "cuda"
+    assert resolve_device("cpu") == "cpu"
