@@ -1,7 +1,9 @@
-"""Exit policies: when a decode token stops looping (DESIGN.md §1, §3).
+"""Exit policies: when a decode token stops looping (docs/design.md §3).
 
-A request resolves its `SamplingParams` into one `ExitRule`; each decode work item gets a fresh
-`ExitTracker` that sees the item's signal after every loop step and answers whether it loops on.
+A request resolves its `SamplingParams` into one `ExitRule`. The engine keeps the exit state of all
+in-flight decode tokens in one `ExitBook` (arrays, one entry per state-pool row) and decides a whole
+core batch with a few array operations; `ExitTracker` is the same book for one item (the reference
+decoder, the scorer, trajectory replay), so both decide with one piece of code.
 
 Policies and their per-step signal:
 - `fixed`: none; every token runs `max_loops`.
@@ -31,6 +33,8 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+
+import numpy as np
 
 from loopserve.errors import NonFiniteError
 
@@ -65,63 +69,127 @@ class ExitRule:
         return ExitTracker(self, decode_index)
 
 
+class ExitBook:
+    """The exit state of many work items as arrays, one entry per row (the engine: one per state-pool
+    row), updated for a whole core batch at once. `ExitTracker` is a one-row view of it, so the
+    reference decoder, the scorer and the engine decide with the same code on the same float64
+    numbers: every operation is element-wise, so a row's decision never depends on its batch.
+
+    Per row: the rule (`policy` code, `threshold`, `min_loops`, `lookahead`), `survival` (gate:
+    prod_j (1 - lambda_j)), `exit_depth` (0 until decided), `frozen` (delayed lookahead: the next
+    step runs but its state is dropped), `target` (trace) and `stop_at` (`max_loops`, or the step a
+    lookahead_gate decision made the last).
+    """
+
+    def __init__(self, rows: int) -> None:
+        self.policy = np.zeros(rows, np.int8)
+        self.threshold = np.zeros(rows)
+        self.min_loops = np.zeros(rows, np.int64)
+        self.lookahead = np.zeros(rows, bool)
+        self.survival = np.ones(rows)
+        self.exit_depth = np.zeros(rows, np.int64)
+        self.frozen = np.zeros(rows, bool)
+        self.target = np.zeros(rows, np.int64)
+        self.stop_at = np.zeros(rows, np.int64)
+
+    def start(self, row: int, rule: ExitRule, decode_index: int) -> None:
+        """Row `row` now tracks a fresh work item under `rule` (the item fed generated token
+        `decode_index`: a trace rule replays its entry)."""
+        self.policy[row] = POLICIES.index(rule.policy)
+        self.threshold[row] = math.nan if rule.threshold is None else rule.threshold
+        self.min_loops[row] = rule.min_loops
+        self.lookahead[row] = rule.lookahead
+        self.survival[row] = 1.0
+        self.exit_depth[row] = 0
+        self.frozen[row] = False
+        self.stop_at[row] = rule.max_loops
+        target = rule.max_loops
+        if rule.policy == "trace" and decode_index < len(rule.trace):
+            target = min(max(rule.trace[decode_index], rule.min_loops), rule.max_loops)
+        self.target[row] = target
+
+    def reaches_stop(self, rows: np.ndarray, r: np.ndarray) -> np.ndarray:
+        """Mask of `rows` for which step r is the last whatever its signal says (`max_loops`, or a
+        lookahead_gate decision made a step earlier); their exit depth is set to r."""
+        stop = r >= self.stop_at[rows]
+        self.exit_depth[rows[stop]] = r[stop]
+        return stop
+
+    def observe(self, rows: np.ndarray, r: np.ndarray, main: np.ndarray, ahead: np.ndarray,
+                has: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """After step r (kept) of each row: `main` is its signal (gate logit, latent difference, KL),
+        `ahead` the lookahead_gate's predicted logit, `has` whether the row got a signal at all.
+        Returns (loops_on, bad): masks of rows that run another step and of rows whose signal is
+        NaN or infinite (a broken state, not a decision: those rows are left unchanged)."""
+        policy, thr = self.policy[rows], self.threshold[rows]
+        lag = policy == _LOOKAHEAD_GATE
+        with np.errstate(invalid="ignore"):
+            bad = has & (~np.isfinite(main) | (lag & ~np.isfinite(ahead)))
+        ok = ~bad
+        stop = ok & (r >= self.stop_at[rows])
+        self.exit_depth[rows[stop]] = r[stop]
+        live = ok & ~stop
+        want = np.zeros(len(rows), bool)
+        gate = live & has & ((policy == _GATE) | lag)
+        if gate.any():
+            g = rows[gate]
+            self.survival[g] *= 1.0 - _sigmoid(main[gate])
+            cdf = 1.0 - self.survival[g]
+            want[gate] = cdf >= thr[gate]
+        lg = gate & lag
+        if lg.any():  # lookahead_gate: decide whether step r+1 is the last
+            g = rows[lg]
+            predicted = 1.0 - self.survival[g] * (1.0 - _sigmoid(ahead[lg]))
+            last = (predicted >= thr[lg]) & (r[lg] + 1 >= self.min_loops[g])
+            self.stop_at[g[last]] = r[lg][last] + 1
+        below = live & has & ((policy == _LATENT_DIFF) | (policy == _KL))
+        want[below] = main[below] < thr[below]
+        trace = live & (policy == _TRACE)
+        want[trace] = r[trace] >= self.target[rows[trace]]
+        exit_now = live & want & ~lag & (r >= self.min_loops[rows])
+        self.exit_depth[rows[exit_now]] = r[exit_now]
+        freeze = exit_now & self.lookahead[rows]
+        self.frozen[rows[freeze]] = True  # already scheduled for step r + 1
+        return live & ~(exit_now & ~freeze), bad
+
+
 class ExitTracker:
-    """Per work item: feed `observe(r, signal)` after step r; False means the item stops looping."""
+    """One work item's exit rule: feed `observe(r, signal)` after step r; False means it stops
+    looping. A one-row `ExitBook` (the same code the engine runs on whole batches)."""
 
     def __init__(self, rule: ExitRule, decode_index: int) -> None:
         self.rule = rule
-        self.survival = 1.0
-        self.exit_depth: int | None = None  # set once the decision to exit is made
-        self.frozen = False  # lookahead: the next step runs but its state is discarded
-        self.target = rule.max_loops
-        self.stop_at = rule.max_loops  # lookahead_gate: the step decided to be the last
-        if rule.policy == "trace" and decode_index < len(rule.trace):
-            self.target = min(max(rule.trace[decode_index], rule.min_loops), rule.max_loops)
+        self._book = ExitBook(1)
+        self._book.start(0, rule, decode_index)
 
-    def wants_exit(self, r: int, signal: Signal) -> bool:
-        rule = self.rule
-        if rule.policy == "gate" and isinstance(signal, float | int):
-            self.survival *= 1.0 - _sigmoid(signal)
-            return 1.0 - self.survival >= rule.threshold  # type: ignore[operator]
-        if rule.policy in ("latent_diff", "kl") and isinstance(signal, float | int):
-            return signal < rule.threshold  # type: ignore[operator]
-        if rule.policy == "trace":
-            return r >= self.target
-        return False
+    @property
+    def exit_depth(self) -> int | None:
+        """The depth the item exits at, once decided."""
+        return int(self._book.exit_depth[0]) or None
 
-    def reaches_stop(self, r: int) -> bool:
-        """True (and the exit depth set) if step r is the last whatever its signal says: `max_loops`,
-        or the step a lookahead_gate decision made the last one step earlier."""
-        if r >= self.stop_at:
-            self.exit_depth = r
-            return True
-        return False
+    @property
+    def frozen(self) -> bool:
+        """Delayed lookahead: the next step runs, but its state is discarded."""
+        return bool(self._book.frozen[0])
 
     def observe(self, r: int, signal: Signal) -> bool:
         """Called after a step whose state was kept. Returns True if the item runs another step.
         Raises `NonFiniteError` for a NaN or infinite signal (a broken state, not a decision)."""
-        if isinstance(signal, float) and not -math.inf < signal < math.inf or (
-                isinstance(signal, list | tuple) and not all(map(math.isfinite, signal))):
+        main, ahead = (signal if isinstance(signal, list | tuple) else (signal, 0.0))
+        has = np.array([signal is not None])
+        loops_on, bad = self._book.observe(_ROW, np.array([r]), np.array([main if main is not None else 0.0], float),
+                                           np.array([ahead], float), has)
+        if bad[0]:
             raise NonFiniteError(f"the model produced a non-finite {self.rule.policy} signal for this request")
-        if self.reaches_stop(r):
-            return False
-        if self.rule.policy == "lookahead_gate":
-            if signal is not None and not isinstance(signal, float | int):
-                main, ahead = signal
-                self.survival *= 1.0 - _sigmoid(main)
-                predicted = 1.0 - self.survival * (1.0 - _sigmoid(ahead))
-                if predicted >= self.rule.threshold and r + 1 >= self.rule.min_loops:  # type: ignore[operator]
-                    self.stop_at = r + 1
-            return True
-        exit_now = self.wants_exit(r, signal) and r >= self.rule.min_loops
-        if not exit_now:
-            return True
-        self.exit_depth = r
-        if self.rule.lookahead:
-            self.frozen = True  # already scheduled for step r + 1
-            return True
-        return False
+        return bool(loops_on[0])
 
 
-def _sigmoid(x: float) -> float:
-    return 1.0 / (1.0 + math.exp(-x)) if x > -700 else 0.0
+_ROW = np.zeros(1, np.int64)
+_GATE, _LATENT_DIFF, _KL, _TRACE, _LOOKAHEAD_GATE = (POLICIES.index(p) for p in
+                                                     ("gate", "latent_diff", "kl", "trace", "lookahead_gate"))
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    """Element-wise, in float64 (0 below -700, where exp(-x) overflows)."""
+    with np.errstate(over="ignore"):
+        return np.where(x > -700, 1.0 / (1.0 + np.exp(-x)), 0.0)

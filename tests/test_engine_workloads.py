@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from loopserve import LLM, SamplingParams
+from loopserve.engine.runner import WorkItem
 from tests.engine_helpers import Req, assert_matches, drive, expected_loops, make_engine, reference
 
 SCHEDULERS = ("cb", "cdb-norefill", "cdb")
@@ -205,10 +206,11 @@ def test_invariant_checks_catch_leaks(tiny_ouro):
     with pytest.raises(AssertionError, match="allocator owns blocks"):
         sched.check_invariants()
     sched.kv.allocator.free("ghost", leaked)
-    row = sched.pool.allocate()
+    ghost = WorkItem(sched.running["a"], -1, sched.pool)
+    sched.pool.allocate(ghost, 0, 0)
     with pytest.raises(AssertionError, match="state row leaked"):
         sched.check_invariants()
-    sched.pool.release(row)
+    sched.pool.release(ghost)
     engine.stats.useful_core_rows += 1
     with pytest.raises(AssertionError, match="core loops unaccounted"):
         sched.check_invariants()

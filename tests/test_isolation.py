@@ -25,7 +25,7 @@ from loopserve.engine.runner import ModelRunner
 from loopserve.engine.sampler import sample_batch, sample_one, unpack
 from loopserve.engine.sequence import Sequence
 from loopserve.errors import NonFiniteError
-from loopserve.exits import ExitTracker
+from loopserve.exits import ExitBook
 from tests.engine_helpers import Req, assert_matches, drive, make_engine, reference
 
 VICTIM = "victim"
@@ -82,22 +82,23 @@ def _inject(monkeypatch, point: str) -> None:
 
         monkeypatch.setattr(Sequence, name, method)
     elif point == "exit_rule":
-        real_obs = ExitTracker.observe
+        real_obs = ExitBook.observe
 
-        def observe(self, r, signal):
-            if self.rule.threshold == VICTIM_THRESHOLD and r >= 2:
+        def observe(self, rows, r, main, ahead, has):  # the victim's rows raise from step 2 on
+            if ((self.threshold[rows] == VICTIM_THRESHOLD) & (r >= 2)).any():
                 raise Fault("exit rule failed")
-            return real_obs(self, r, signal)
+            return real_obs(self, rows, r, main, ahead, has)
 
-        monkeypatch.setattr(ExitTracker, "observe", observe)
+        monkeypatch.setattr(ExitBook, "observe", observe)
     elif point == "nan_state":
         real_core = ModelRunner.core
 
-        def core(self, items, kinds):
-            for it in items:
+        def core(self, rows):
+            for row in rows.tolist():
+                it = self.pool.items[row]
                 if _victim(it.seq) and it.r >= 1 and len(it.seq.output_ids) >= 2:
-                    self.pool.state[self.pool.index(it.row, it.parity)] = float("nan")
-            return real_core(self, items, kinds)
+                    self.pool.state[self.pool.index(row, int(self.pool.parity[row]))] = float("nan")
+            return real_core(self, rows)
 
         monkeypatch.setattr(ModelRunner, "core", core)
     else:

@@ -27,8 +27,8 @@ def logged_run(path, params: list[SamplingParams], prompts, **cfg) -> tuple[list
     log: list[tuple[str, object]] = []
     core, schedule = engine.runner.core, engine.scheduler.schedule
 
-    def logged_core(items, kinds):
-        pending = core(items, kinds)
+    def logged_core(rows):
+        pending = core(rows)
         get = pending.get
 
         def logged_get():
@@ -149,7 +149,7 @@ def test_aborting_a_request_whose_signals_are_in_flight(ouro_la):
         for o in engine.step():
             outs[o.request_id] = o
         if not aborted and engine._deferred is not None:
-            victim = engine._deferred[0][0].seq.request_id
+            victim = engine.pool.items[engine._deferred[0][0]].seq.request_id
             engine.abort_request(victim)
             aborted = True
         engine.scheduler.check_invariants()

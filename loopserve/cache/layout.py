@@ -1,4 +1,4 @@
-"""KV layouts: which slot a layer application writes, and which slot a query reads (DESIGN.md §4).
+"""KV layouts: which slot a layer application writes, and which slot a query reads (docs/design.md §4.1).
 
 This file is the single home of the read rule; the batched runner and the reference decoder both
 call it. Slots of one token are laid out as

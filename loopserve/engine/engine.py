@@ -1,7 +1,7 @@
-"""`LLMEngine`: requests in, one stage batch per `step`, outputs out.
+"""`LLMEngine`: requests in, a planned stage batch (and what it frees up) per `step`, outputs out.
 
-A step reads like a sentence: `plan = scheduler.schedule()`, run it on the runner, then
-`scheduler.after_<stage>(plan, result)`. The engine never touches tensors; the runner never decides.
+A step plans a stage batch (`scheduler.schedule()`), runs it on the runner, hands the result to
+`scheduler.after_<stage>` and settles codas and follow-up preludes around it (docs/design.md §6.1).
 Core steps are pipelined where lookahead allows (see `_core`), and with `async_coda` a coda's tokens
 are sampled after the next stage batch is queued: the host builds tick t+1 while the device still
 runs tick t.
@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from loopserve.cache.layout import KVLayout
@@ -23,7 +24,7 @@ from loopserve.cache.manager import KVCacheManager
 from loopserve.cache.pool import KVStore
 from loopserve.config import HUGINN, ModelConfig
 from loopserve.engine.config import EngineConfig
-from loopserve.engine.runner import ModelRunner, PendingSamples, PendingSignals, StatePool, WorkItem
+from loopserve.engine.runner import ModelRunner, PendingSamples, PendingSignals, Signals, StatePool, rows_of
 from loopserve.engine.scheduler import StagePlan, make_scheduler
 from loopserve.engine.sequence import PromptType, Sequence, make_sequence
 from loopserve.engine.stats import EngineStats
@@ -72,8 +73,9 @@ class LLMEngine:
         # Async codas (CUDA by default): a coda's tokens are read once the next stage batch is queued.
         self.async_coda = cfg.async_coda if cfg.async_coda is not None else p.device.type == "cuda"
         self._codas: list[tuple[StagePlan, PendingSamples]] = []
-        # the last core step's signals, read once the next step is queued: (items, signals, their rows)
-        self._deferred: tuple[list[WorkItem], PendingSignals, list[int]] | None = None
+        # the last core step's signals, read once the next step is queued:
+        # (state-pool rows, their generations, the pending signals, which batch rows they are)
+        self._deferred: tuple[np.ndarray, np.ndarray, PendingSignals, np.ndarray] | None = None
         self.requests: dict[str, Sequence] = {}
         self.stage_hooks: list[Callable[[StageRecord], None]] = []
 
@@ -162,8 +164,8 @@ class LLMEngine:
         else:
             t2 = t1
         if sched.kv_depth_writes:
-            rows, depths = zip(*sched.kv_depth_writes, strict=True)
-            self.runner.write_kv_depths(list(rows), list(depths))
+            rows, depths = (np.concatenate(x) for x in zip(*sched.kv_depth_writes, strict=True))
+            self.runner.write_kv_depths(rows, depths)
             sched.kv_depth_writes.clear()
         if plan.stage == "idle":
             return 0.0
@@ -201,26 +203,25 @@ class LLMEngine:
         signal, this step's signals stay on their way back until after the next step is queued, so
         the host schedules tick t+1 while the device runs tick t. A rule that acts on the step's own
         signal (gate, latent_diff, kl without lookahead) makes the engine wait for it here.
+        Everything here is array work over the batch's state-pool rows (see `StatePool`).
         """
-        sched = self.scheduler
-        kinds = {i.seq.rule.signal for i in plan.items if not i.passive} - {None}
-        pending = self.runner.core(plan.items, kinds)  # type: ignore[arg-type]
+        sched, pool = self.scheduler, self.pool
+        rows = rows_of(plan.items)
+        generations = pool.generation[rows].copy()
+        pending = self.runner.core(rows)
         if self._deferred is not None:
-            items, previous, rows = self._deferred
+            previous_rows, previous_generations, previous, keep = self._deferred
             self._deferred = None
-            values = previous.get()
-            sched.observe_core(items, [values[k] for k in rows])
-        looping = [k for k, i in enumerate(plan.items) if not i.passive]  # before CB exits turn passive
-        sched.advance_core(plan)
-        rules = {k: plan.items[k].seq.rule for k in looping}
-        if not self.cfg.pipeline_core_steps or any(rule.signal and not rule.decides_ahead for rule in rules.values()):
-            sched.observe_core(plan.items, pending.get())
+            sched.observe_core(previous_rows, previous_generations, previous.get().take(keep))
+        sched.advance_core(rows)
+        signal = pending.kinds != 0  # passive rows (CB) have none
+        if not self.cfg.pipeline_core_steps or (signal & ~pool.decides_ahead[rows]).any():
+            sched.observe_core(rows, generations, pending.get())
             return
-        now = [plan.items[k] for k, rule in rules.items() if not rule.signal]  # trace, fixed: no device value
-        sched.observe_core(now, [None] * len(now))
-        ahead = [k for k, rule in rules.items() if rule.signal]  # all decide ahead (checked above)
-        if ahead:
-            self._deferred = ([plan.items[k] for k in ahead], pending, ahead)
+        now = ~signal  # trace, fixed: no device value to wait for
+        sched.observe_core(rows[now], generations[now], Signals.none(pending.kinds[now]))
+        if signal.any():  # all decide ahead (checked above)
+            self._deferred = (rows[signal], generations[signal], pending, signal)
             self.stats.deferred_signal_ticks += 1
 
     def kv_usage(self) -> float:

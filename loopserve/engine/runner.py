@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from loopserve.cache.layout import IN_FLIGHT, KVLayout
@@ -17,31 +18,44 @@ from loopserve.device import Readback, upload
 from loopserve.engine.sampler import Sample, sample_rows, unpack
 from loopserve.engine.sequence import Sequence
 from loopserve.engine.signals import step_signals, uniform_logprobs
-from loopserve.exits import ExitTracker, Signal
+from loopserve.exits import ExitBook, Signal
 from loopserve.models.base import LoopedLM
-from loopserve.models.context import ForwardContext, paged_context
+from loopserve.models.context import ForwardContext, decode_context, paged_context
 
 
 @dataclass(eq=False)
 class WorkItem:
-    """One decode token travelling PRELUDE -> CORE (x loops) -> CODA."""
+    """One decode token travelling PRELUDE -> CORE (x loops) -> CODA. While it holds a state-pool row
+    its loop state (steps run, parity, exit state) lives in the pool's arrays at that row, so a core
+    batch is advanced and decided with array operations (see `StatePool`)."""
 
     seq: Sequence
     order: int  # creation counter: FIFO among items
+    pool: StatePool
     row: int = -1  # state pool row, -1 until the prelude ran
-    r: int = 0  # loop steps run
-    tracker: ExitTracker | None = None
-    passive: bool = False  # CB: exited, still computed with the cohort, results discarded
     prev_logprobs: torch.Tensor | None = None  # KL policy: last step's next-token log-probs
-    parity: int = 0  # which of its state pool row's two buffers holds the current state
     position: int = -1  # of the token it computes: fixed for its life (the next token comes after it)
 
     def __post_init__(self) -> None:
         self.position = self.seq.num_tokens - 1
 
     @property
+    def r(self) -> int:
+        """Loop steps run (0 before the prelude)."""
+        return int(self.pool.r[self.row]) if self.row >= 0 else 0
+
+    @property
+    def exit_depth(self) -> int | None:
+        return int(self.pool.exits.exit_depth[self.row]) or None if self.row >= 0 else None
+
+    @property
     def exited(self) -> bool:
-        return self.tracker is not None and self.tracker.exit_depth is not None and not self.tracker.frozen
+        """Decided to exit and done looping (a frozen item still runs its lookahead step)."""
+        return self.row >= 0 and bool(self.pool.exits.exit_depth[self.row]) and not self.pool.exits.frozen[self.row]
+
+    @property
+    def passive(self) -> bool:
+        return self.row >= 0 and bool(self.pool.passive[self.row])
 
 
 @dataclass
@@ -55,13 +69,28 @@ class PrefillChunk:
         return self.start + self.n == len(self.seq.prompt_ids)
 
 
-class StatePool:
-    """Preallocated hidden-state rows for in-flight decode tokens (plus Huginn's injection e).
+SIGNALS = (None, "gate", "latent_diff", "kl", "lookahead_gate")  # per-step signal kinds, by code
 
-    Every row has two state buffers: a core step reads the item's current buffer (`WorkItem.parity`)
-    and writes the other one, and the scheduler flips the parity when it keeps the step. Dropping a
-    step (delayed lookahead) is then just not flipping, so a step can be queued on the device before
-    the decision that drops it has been read back.
+
+_LOOKAHEAD_GATE, _KL = SIGNALS.index("lookahead_gate"), SIGNALS.index("kl")
+
+
+def rows_of(items: list[WorkItem]) -> np.ndarray:
+    """The state-pool rows of `items`, in batch order."""
+    return np.fromiter((it.row for it in items), np.int64, len(items))
+
+
+class StatePool:
+    """The in-flight decode tokens, one row each: preallocated hidden-state rows on the device (plus
+    Huginn's injection e) and, on the host, each row's loop state as arrays indexed by row (where its
+    KV lives, steps run, parity, its rule's signal, its `ExitBook` entry), so a core step's batch is
+    built, advanced and decided with array operations instead of a Python loop over its items.
+
+    Every row has two state buffers: a core step reads the item's current buffer (`parity`) and
+    writes the other one, and the scheduler flips the parity when it keeps the step. Dropping a step
+    (delayed lookahead) is then just not flipping, so a step can be queued on the device before the
+    decision that drops it has been read back. `generation` counts a row's allocations, so results
+    read a tick late are matched to the item that was in the row when they were computed.
     """
 
     def __init__(self, rows: int, hidden: int, dtype: torch.dtype, device, with_inject: bool) -> None:
@@ -69,40 +98,106 @@ class StatePool:
         self.state = torch.zeros(2 * rows, hidden, dtype=dtype, device=device)  # buffer b of row i: b*rows+i
         self.inject = torch.zeros(rows, hidden, dtype=dtype, device=device) if with_inject else None
         self._free = list(range(rows - 1, -1, -1))
+        self.items: list[WorkItem | None] = [None] * rows
+        self.generation = np.zeros(rows, np.int64)
+        self.kv_slot = np.zeros(rows, np.int64)  # the token's sequence's block-table slot
+        self.position = np.zeros(rows, np.int64)
+        self.kv_row = np.zeros(rows, np.int64)  # physical KV row of the token
+        self.r = np.zeros(rows, np.int64)  # loop steps run
+        self.parity = np.zeros(rows, np.int64)
+        self.passive = np.zeros(rows, bool)  # CB: exited, still computed with its cohort, results discarded
+        self.signal = np.zeros(rows, np.int8)  # code in SIGNALS of the signal its rule needs
+        self.decides_ahead = np.zeros(rows, bool)  # its rule acts on a step's signal one step later
+        self.exits = ExitBook(rows)
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
-    def allocate(self) -> int:
-        return self._free.pop()
+    def allocate(self, item: WorkItem, kv_slot: int, kv_row: int) -> None:
+        row = item.row = self._free.pop()
+        self.items[row] = item
+        self.generation[row] += 1
+        self.kv_slot[row], self.position[row], self.kv_row[row] = kv_slot, item.position, kv_row
+        self.r[row] = self.parity[row] = 0
+        self.passive[row] = False
+        self.signal[row] = 0
 
-    def release(self, row: int) -> None:
-        self._free.append(row)
+    def start_loop(self, item: WorkItem) -> None:
+        """The item's prelude ran: track its exit rule from step 1."""
+        rule = item.seq.rule
+        self.exits.start(item.row, rule, item.seq.decode_index)
+        self.signal[item.row] = SIGNALS.index(rule.signal)
+        self.decides_ahead[item.row] = rule.decides_ahead
+
+    def release(self, item: WorkItem) -> None:
+        self.items[item.row] = None
+        self.generation[item.row] += 1  # results still on their way for this row are no longer its item's
+        self._free.append(item.row)
+        item.row = -1
+
+    def state_rows(self, rows: np.ndarray, flip: bool = False) -> np.ndarray:
+        """Indices into `state` of the rows' current buffers (or of the other ones)."""
+        return (self.parity[rows] ^ flip) * self.rows + rows
 
     def index(self, row: int, parity: int) -> int:
         return parity * self.rows + row
 
 
+@dataclass
+class Signals:
+    """One core step's exit signals on the host, per batch row (float64): `main` (gate logit, latent
+    difference or KL), `ahead` (lookahead_gate's predicted logit), `has` (the row got a signal)."""
+
+    kinds: np.ndarray  # each row's signal code in SIGNALS (0: none)
+    main: np.ndarray
+    ahead: np.ndarray
+    has: np.ndarray
+
+    @staticmethod
+    def none(kinds: np.ndarray) -> Signals:
+        n = len(kinds)
+        return Signals(kinds, np.zeros(n), np.zeros(n), np.zeros(n, bool))
+
+    def take(self, keep: np.ndarray) -> Signals:
+        return Signals(self.kinds[keep], self.main[keep], self.ahead[keep], self.has[keep])
+
+    def row(self, k: int) -> Signal:
+        """Row k's signal as a Python value (None, a float, or (main, ahead) for lookahead_gate)."""
+        if not self.has[k]:
+            return None
+        if self.kinds[k] == _LOOKAHEAD_GATE:
+            return (float(self.main[k]), float(self.ahead[k]))
+        return float(self.main[k])
+
+
 class PendingSignals:
     """The exit signals of one core step, still on their way back from the device."""
 
-    def __init__(self, n: int, kinds: list[tuple[int, str]], readback: Readback | None) -> None:
-        self.n, self._kinds, self._readback = n, kinds, readback  # (row in the batch, signal kind)
+    def __init__(self, kinds: np.ndarray, readback: Readback | None) -> None:
+        self.kinds, self._readback = kinds, readback  # kinds: each row's signal code (0: none)
+        self._got: Signals | None = None
 
-    def get(self) -> list[Signal]:
-        """One signal per batch row (None where the row's rule needs none); waits for the copy."""
-        out: list[Signal] = [None] * self.n
-        if self._readback is None:
-            return out
-        values = self._readback.get()
-        kl = 0
-        for i, kind in self._kinds:
-            if kind == "kl":  # computed for the KL rows only, in order
-                out[i], kl = values["kl"][kl], kl + 1
-            else:
-                out[i] = values[kind][i]
-        return out
+    def get(self) -> Signals:
+        """Waits for the copy (once)."""
+        if self._got is not None:
+            return self._got
+        got = Signals.none(self.kinds)
+        if self._readback is not None:
+            values = self._readback.host()
+            for name, t in values.items():
+                code = SIGNALS.index(name)
+                rows = np.flatnonzero(self.kinds == code)
+                v = t.to(torch.float64).numpy()
+                if name == "lookahead_gate":
+                    got.main[rows], got.ahead[rows] = v[rows, 0], v[rows, 1]
+                elif name == "kl":  # computed for the KL rows only, in order
+                    got.main[rows] = v
+                else:
+                    got.main[rows] = v[rows]
+                got.has[rows] = True
+        self._got = got
+        return got
 
 
 class PendingSamples:
@@ -131,13 +226,15 @@ class ModelRunner:
         self.device, self.dtype = p.device, p.dtype
         self.has_coda_kv = model.config.n_coda > 0
 
-    def _ctx(self, items: list[WorkItem], depth: list[int] | None = None,
-             write_rows: list[int] | None = None) -> ForwardContext:
-        segs = [(self.kv.slot(it.seq.request_id), it.position, 1) for it in items]
-        return paged_context(self.kv.store, self.layout, self.kv.block_tables, segs, depth, write_rows)
+    def _ctx(self, rows: np.ndarray, depth: np.ndarray | None = None,
+             write_rows: np.ndarray | None = None) -> ForwardContext:
+        """The attention context of the decode tokens in state-pool rows `rows` (arrays throughout)."""
+        pool = self.pool
+        return decode_context(self.kv.store, self.layout, self.kv.block_tables, pool.kv_slot[rows],
+                              pool.position[rows], depth, pool.kv_row[rows] if write_rows is None else write_rows)
 
-    def _state_index(self, items: list[WorkItem], flip: bool = False) -> torch.Tensor:
-        return upload([self.pool.index(it.row, it.parity ^ flip) for it in items], self.device)
+    def _state_index(self, rows: np.ndarray, flip: bool = False) -> torch.Tensor:
+        return upload(torch.from_numpy(self.pool.state_rows(rows, flip)), self.device)
 
     # -- stages --------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -177,59 +274,62 @@ class ModelRunner:
 
     @torch.no_grad()
     def prelude(self, items: list[WorkItem]) -> None:
-        ctx = self._ctx(items)
+        rows = rows_of(items)
+        ctx = self._ctx(rows)
         self.kv.store.set_depth(ctx.write_rows, IN_FLIGHT)
         ids = upload([it.seq.output_ids[-1] for it in items], self.device)
         state, inject = self.model.prelude(ids, ctx, [it.seq.state_seed(it.position) for it in items])
-        self.pool.state[self._state_index(items)] = state
+        self.pool.state[self._state_index(rows)] = state
         if inject is not None and self.pool.inject is not None:
-            self.pool.inject[upload([it.row for it in items], self.device)] = inject
+            self.pool.inject[upload(torch.from_numpy(rows), self.device)] = inject
 
     @torch.no_grad()
-    def core(self, items: list[WorkItem], kinds: set[str]) -> PendingSignals:
-        """Queue one loop step for every item (each at its own depth r+1); its exit signals come back
-        as `PendingSignals`, which the engine reads when it needs them (with lookahead: a tick later).
+    def core(self, rows: np.ndarray) -> PendingSignals:
+        """Queue one loop step for the items in state-pool rows `rows` (each at its own depth r+1); its
+        exit signals come back as `PendingSignals`, which the engine reads when it needs them (with
+        lookahead: a tick later). Host work is a few array operations, whatever the batch width.
 
         Each item reads its current state buffer and writes the other one (see `StatePool`).
         Passive rows (CB) write their KV to a scratch row and report no signal.
         """
-        writes = None
-        if any(it.passive for it in items):
-            writes = [self.scratch_row if it.passive else self.kv.row(it.seq.request_id, it.position)
-                      for it in items]
-        ctx = self._ctx(items, [it.r + 1 for it in items], writes)
-        prev = self.pool.state[self._state_index(items)]
+        pool = self.pool
+        passive = pool.passive[rows]
+        writes = np.where(passive, self.scratch_row, pool.kv_row[rows]) if passive.any() else None
+        ctx = self._ctx(rows, pool.r[rows] + 1, writes)
+        prev = pool.state[self._state_index(rows)]
         inject = None
-        if self.pool.inject is not None:
-            inject = self.pool.inject[upload([it.row for it in items], self.device)]
+        if pool.inject is not None:
+            inject = pool.inject[upload(torch.from_numpy(rows), self.device)]
         new = self.model.core_step(prev, inject, ctx)
-        self.pool.state[self._state_index(items, flip=True)] = new
-        rows = [(i, it.seq.rule.signal) for i, it in enumerate(items) if not it.passive and it.seq.rule.signal]
-        if not kinds or not rows:
-            return PendingSignals(len(items), [], None)
-        kl_rows = [i for i, kind in rows if kind == "kl"]
+        pool.state[self._state_index(rows, flip=True)] = new
+        kinds = np.where(passive, 0, pool.signal[rows])
+        present = {SIGNALS[k] for k in np.flatnonzero(np.bincount(kinds, minlength=len(SIGNALS))[1:]) + 1}
+        if not present:
+            return PendingSignals(kinds, None)
+        kl_rows = np.flatnonzero(kinds == _KL).tolist()
         prev_lp = None
         if kl_rows:
             vocab = self.model.config.vocab_size
             uniform = uniform_logprobs(1, vocab, torch.float64, self.device)[0]
-            prevs: list[torch.Tensor] = []
-            for i in kl_rows:
-                lp_i = items[i].prev_logprobs
-                prevs.append(uniform if lp_i is None else lp_i)
-            prev_lp = torch.stack(prevs)
-        sig, lp = step_signals(self.model, kinds, prev, new, ctx, prev_lp, kl_rows or None)
-        for j, i in enumerate(kl_rows):
-            items[i].prev_logprobs = lp[j] if lp is not None else None
-        return PendingSignals(len(items), rows, Readback(sig))
+            kl_items = [pool.items[int(rows[i])] for i in kl_rows]
+            prev_lp = torch.stack([uniform if it is None or it.prev_logprobs is None else it.prev_logprobs
+                                   for it in kl_items])
+        sig, lp = step_signals(self.model, present, prev, new, ctx, prev_lp, kl_rows or None)  # type: ignore[arg-type]
+        if kl_rows:
+            for j, it in enumerate(kl_items):
+                if it is not None:
+                    it.prev_logprobs = lp[j] if lp is not None else None
+        return PendingSignals(kinds, Readback(sig))
 
     @torch.no_grad()
     def coda(self, items: list[WorkItem]) -> PendingSamples:
         """The exited items' next tokens, sampled on the device, on their way to the host in one copy."""
-        ctx = self._ctx(items)
-        logits = self.model.coda(self.pool.state[self._state_index(items)], ctx)
+        rows = rows_of(items)
+        logits = self.model.coda(self.pool.state[self._state_index(rows)], self._ctx(rows))
         return PendingSamples([it.seq for it in items], logits)
 
     @torch.no_grad()
-    def write_kv_depths(self, rows: list[int], depths: list[int]) -> None:
+    def write_kv_depths(self, rows: np.ndarray, depths: np.ndarray) -> None:
         """Record the KV depth of tokens that exited (batched: one small upload per tick)."""
-        self.kv.store.set_depth(upload(rows, self.device), upload(depths, self.device))
+        dev = self.device
+        self.kv.store.set_depth(upload(torch.from_numpy(rows), dev), upload(torch.from_numpy(depths), dev))

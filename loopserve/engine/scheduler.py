@@ -1,4 +1,4 @@
-"""Schedulers: which ONE homogeneous stage batch runs next (DESIGN.md §3).
+"""Schedulers: which homogeneous stage batch runs next (docs/design.md §6.1-6.2).
 
 All three share the queues, KV admission, preemption and the bookkeeping of results (`after_*`);
 they differ only in `_plan` (the choice `schedule` returns):
@@ -30,10 +30,12 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from loopserve.cache.layout import IN_FLIGHT
 from loopserve.cache.manager import KVCacheManager
 from loopserve.engine.config import EngineConfig
-from loopserve.engine.runner import PrefillChunk, StatePool, WorkItem
+from loopserve.engine.runner import PrefillChunk, Signals, StatePool, WorkItem
 from loopserve.engine.sampler import Sample
 from loopserve.engine.sequence import Sequence, Status
 from loopserve.engine.stats import EngineStats
@@ -65,7 +67,7 @@ class Scheduler:
         self.finished: list[Sequence] = []  # finished since the last drain (the engine reports them)
         self.appended: list[Sequence] = []  # got a token since the last drain (the engine streams them)
         self.retired_loops = 0  # decode loops of finished requests (bookkeeping check)
-        self.kv_depth_writes: list[tuple[int, int]] = []  # (KV row, depth) of tokens that just exited
+        self.kv_depth_writes: list[tuple[np.ndarray, np.ndarray]] = []  # (KV rows, depths) of tokens that exited
         # called with (items, signals) before exit rules see a core step's signals (trajectory recording)
         self.signal_hooks: list[Callable[[list[WorkItem], list[Signal]], None]] = []
 
@@ -121,8 +123,7 @@ class Scheduler:
     # -- helpers -------------------------------------------------------------------------------------
     def _drop_item(self, item: WorkItem) -> None:
         if item.row >= 0:
-            self.pool.release(item.row)
-            item.row = -1
+            self.pool.release(item)
 
     def _release(self, seq: Sequence) -> None:
         self.running.pop(seq.request_id, None)
@@ -136,7 +137,7 @@ class Scheduler:
         self.retired_loops += seq.metrics.loops_run
 
     def _new_item(self, seq: Sequence) -> None:
-        self.prelude_q.append(WorkItem(seq, next(self._orders)))
+        self.prelude_q.append(WorkItem(seq, next(self._orders), self.pool))
 
     def _try_swap_in(self) -> None:
         while self.swapped and len(self.running) < self.cfg.max_num_seqs:
@@ -205,7 +206,8 @@ class Scheduler:
                 taken.append(item)
         self.prelude_q = _without(self.prelude_q, taken)
         for item in taken:
-            item.row = self.pool.allocate()
+            sid = item.seq.request_id
+            self.pool.allocate(item, self.kv.slot(sid), self.kv.row(sid, item.position))
         return taken
 
     def _take_prefill(self) -> list[PrefillChunk]:
@@ -287,63 +289,79 @@ class Scheduler:
 
     def after_prelude(self, plan: StagePlan) -> None:
         for item in plan.items:
-            item.tracker = item.seq.rule.new_item(item.seq.decode_index)
+            self.pool.start_loop(item)
             if self.core_q:
                 self.stats.refill_events += 1
             bisect.insort(self.core_q, item, key=_order)
 
-    def advance_core(self, plan: StagePlan) -> None:
-        """A core step ran: count it, and exit the items whose exit was settled before the step
-        (a delayed-lookahead decision, a lookahead_gate stop, `max_loops`). Needs no signal of this
-        step, so the engine calls it before the step's signals are read back."""
-        exited = []
-        for item in plan.items:
-            if item.passive:
-                continue
-            item.r += 1
-            self.stats.useful_core_rows += 1
-            tracker = item.tracker
-            assert tracker is not None
-            if tracker.frozen:  # the lookahead step ran; its state is dropped (parity not flipped)
-                tracker.frozen = False
-                exited.append(item)
-                continue
-            item.parity ^= 1  # this step's state is now the item's state
-            if tracker.reaches_stop(item.r):
-                exited.append(item)
-        self._exit(exited)
+    def advance_core(self, rows: np.ndarray) -> None:
+        """A core step ran on the items in state-pool rows `rows`: count it, and exit the items whose
+        exit was settled before the step (a delayed-lookahead decision, a lookahead_gate stop,
+        `max_loops`). Needs no signal of this step, so the engine calls it before the step's signals
+        are read back. Array operations over the batch; Python runs only for the exiting items."""
+        pool, book = self.pool, self.pool.exits
+        act = rows[~pool.passive[rows]]
+        pool.r[act] += 1
+        self.stats.useful_core_rows += len(act)
+        frozen = book.frozen[act]
+        book.frozen[act[frozen]] = False  # the lookahead step ran; its state is dropped (parity not flipped)
+        kept = act[~frozen]
+        pool.parity[kept] ^= 1  # this step's state is now the item's state
+        done = frozen.copy()
+        done[~frozen] = book.reaches_stop(kept, pool.r[kept])
+        self._exit(act[done])
 
-    def observe_core(self, items: list[WorkItem], signals: list[Signal]) -> None:
-        """Apply each item's exit rule to the signal of the step it last ran. For rules that decide
-        ahead this may come a tick late (after the next step was queued): it then only settles what
-        happens after that next step. Items that exited or were aborted meanwhile are skipped."""
-        for hook in self.signal_hooks:
-            hook(items, signals)
-        exited = []
-        for item, sig in zip(items, signals, strict=True):
-            tracker = item.tracker
-            if item.passive or item.row < 0 or tracker is None or tracker.exit_depth is not None:
-                continue
-            try:
-                loops_on = tracker.observe(item.r, sig)
-            except Exception as e:
-                self.fail(item.seq, e)
-                continue
-            if not loops_on:
-                exited.append(item)
-        self._exit(exited)
+    def observe_core(self, rows: np.ndarray, generations: np.ndarray, signals: Signals) -> None:
+        """Apply each item's exit rule to the signal of the step it last ran (rows: state-pool rows,
+        `generations` their allocation counts when the step was queued). For rules that decide ahead
+        this may come a tick late (after the next step was queued): it then only settles what happens
+        after that next step. Rows whose item exited, finished or changed meanwhile are skipped.
 
-    def _exit(self, items: list[WorkItem]) -> None:
-        """These items stop looping: their KV depth is the loops they ran (written by the engine after
-        this tick, batched), and they leave the core queue in one pass (not a list.remove each)."""
-        if not items:
+        The whole batch is decided at once (`ExitBook.observe`); if that raises, rows are decided one
+        by one, so a failure ends only the request it belongs to."""
+        pool, book = self.pool, self.pool.exits
+        if self.signal_hooks:
+            items = [pool.items[r] for r in rows.tolist()]
+            values = [signals.row(k) for k in range(len(rows))]
+            for hook in self.signal_hooks:
+                hook(items, values)  # type: ignore[arg-type]
+        keep = (pool.generation[rows] == generations) & ~pool.passive[rows] & (book.exit_depth[rows] == 0)
+        rows, sig = rows[keep], signals.take(keep)
+        if not len(rows):
             return
+        try:
+            loops_on, bad = book.observe(rows, pool.r[rows], sig.main, sig.ahead, sig.has)
+        except Exception:  # decide row by row: only the rows that raise fail
+            loops_on, bad = np.ones(len(rows), bool), np.zeros(len(rows), bool)
+            for k in range(len(rows)):
+                one = slice(k, k + 1)
+                try:
+                    loops_on[one], bad[one] = book.observe(rows[one], pool.r[rows[one]], sig.main[one],
+                                                           sig.ahead[one], sig.has[one])
+                except Exception as e:
+                    self.fail(pool.items[int(rows[k])].seq, e)  # type: ignore[union-attr]
+        for row in rows[bad].tolist():
+            item = pool.items[row]
+            assert item is not None
+            self.fail(item.seq, NonFiniteError(
+                f"the model produced a non-finite {item.seq.rule.policy} signal for this request"))
+        self._exit(rows[~loops_on & ~bad & (pool.generation[rows] == generations[keep])])
+
+    def _exit(self, rows: np.ndarray) -> None:
+        """The items in these state-pool rows stop looping: their KV depth is the loops they ran
+        (written by the engine after this tick, batched), and they leave the core queue in one pass
+        (not a list.remove each)."""
+        if not len(rows):
+            return
+        pool = self.pool
+        self.kv_depth_writes.append((pool.kv_row[rows], pool.r[rows]))
+        counts = np.bincount(pool.exits.exit_depth[rows])
+        for depth in np.flatnonzero(counts).tolist():
+            self.stats.exit_depths[depth] += int(counts[depth])
+        items = [pool.items[r] for r in rows.tolist()]
+        self.core_q = _without(self.core_q, items)  # type: ignore[arg-type]
         for item in items:
-            self.kv_depth_writes.append((self.kv.row(item.seq.request_id, item.position), item.r))
-            self.stats.exit_depths[item.tracker.exit_depth] += 1  # type: ignore[union-attr]
-        self.core_q = _without(self.core_q, items)
-        for item in items:
-            self.on_exit(item)
+            self.on_exit(item)  # type: ignore[arg-type]
 
     def on_exit(self, item: WorkItem) -> None:
         self.coda_q.append(item)
@@ -362,11 +380,11 @@ class Scheduler:
         for j, item in enumerate(plan.items):
             if id(item) not in running:
                 continue
+            seq, loops, depth = item.seq, item.r, item.exit_depth
+            assert depth is not None
             self._drop_item(item)
-            seq = item.seq
-            assert item.tracker is not None and item.tracker.exit_depth is not None
-            seq.metrics.loops_run += item.r
-            self._append_token(seq, samples[j], item.tracker.exit_depth)
+            seq.metrics.loops_run += loops
+            self._append_token(seq, samples[j], depth)
 
     def _append_token(self, seq: Sequence, sample: Sample, exit_depth: int) -> None:
         """Give a sequence its sampled token (a failure finishes it alone), then finish it or queue the
@@ -410,11 +428,15 @@ class Scheduler:
         assert all(r >= 0 for r in rows), "looping item without a state row"
         assert len(rows) == len(set(rows)), "state row shared by two items"
         assert sorted(rows + self.pool._free) == list(range(self.pool.rows)), "state row leaked"
+        for i in items:
+            if i.row >= 0:
+                assert self.pool.items[i.row] is i, "state row maps to another item"
+                assert self.pool.kv_row[i.row] == self.kv.row(i.seq.request_id, i.position), "stale KV row"
         for i in self.core_q:
-            assert i.tracker is not None and i.r <= i.seq.rule.max_loops
+            assert i.r <= i.seq.rule.max_loops
             assert self.kv.store.depth[self.kv.row(i.seq.request_id, i.position)] == IN_FLIGHT
         for i in self.coda_q + self.coda_running:
-            assert i.tracker is not None and i.tracker.exit_depth is not None and not i.tracker.frozen
+            assert i.exited, "item in the coda queue that has not exited"
             assert self.kv.store.depth[self.kv.row(i.seq.request_id, i.position)] == i.r
         for i in self.core_q + self.coda_q + self.coda_running:
             assert self.kv.tables[i.seq.request_id].num_tokens >= i.seq.num_tokens, "token without a KV row"
@@ -524,7 +546,7 @@ class CohortScheduler(Scheduler):
     def on_exit(self, item: WorkItem) -> None:
         super().on_exit(item)
         if self.keep_exited_in_batch:
-            item.passive = True
+            self.pool.passive[item.row] = True
 
     def _stop(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         super()._stop(seq, reason, error)

@@ -93,22 +93,36 @@ def paged_context(kv: KVStore, layout: KVLayout, tables: BlockTables, segments: 
     (`ForwardContext.seg_keys`), so building a context neither waits for the device nor grows with
     the context length.
     """
-    tables.sync()
     slots = np.fromiter((sl for sl, _, _ in segments), dtype=np.int64, count=len(segments))
     starts = np.fromiter((st for _, st, _ in segments), dtype=np.int64, count=len(segments))
     counts = np.fromiter((n for _, _, n in segments), dtype=np.int64, count=len(segments))
     if counts.max() == 1:  # decode: one row per segment
-        pos, row_slots = starts, slots
-    else:
-        pos = np.concatenate([np.arange(st, st + n) for st, n in zip(starts, counts, strict=True)])
-        row_slots = np.repeat(slots, counts)
+        return decode_context(kv, layout, tables, slots, starts, depth, write_rows)
+    tables.sync()
+    pos = np.concatenate([np.arange(st, st + n) for st, n in zip(starts, counts, strict=True)])
+    writes = tables.rows(np.repeat(slots, counts), pos) if write_rows is None else write_rows
+    return _context(kv, layout, tables, slots, pos, writes, depth, [0, *np.cumsum(counts).tolist()],
+                    (starts + counts).tolist())
+
+
+def decode_context(kv: KVStore, layout: KVLayout, tables: BlockTables, slots: np.ndarray, positions: np.ndarray,
+                   depth: np.ndarray | list[int] | torch.Tensor | None = None,
+                   write_rows: np.ndarray | list[int] | torch.Tensor | None = None) -> ForwardContext:
+    """Context for decode rows, one per segment: row i is position `positions[i]` of the sequence in
+    table slot `slots[i]` (arrays; nothing here loops over rows in Python)."""
+    tables.sync()
+    writes = tables.rows(slots, positions) if write_rows is None else write_rows
+    n = len(positions)
+    return _context(kv, layout, tables, slots, positions, writes, depth, list(range(n + 1)), (positions + 1).tolist())
+
+
+def _context(kv: KVStore, layout: KVLayout, tables: BlockTables, slots: np.ndarray, pos: np.ndarray, writes,
+             depth, seg_starts: list[int], key_lens: list[int]) -> ForwardContext:
     dev = kv.k.device
-    writes = tables.rows(row_slots, pos) if write_rows is None else write_rows
     w = torch.as_tensor(writes, dtype=torch.long)
     d = torch.ones(len(pos), dtype=torch.long) if depth is None else torch.as_tensor(depth, dtype=torch.long)
-    seg_starts = [0, *np.cumsum(counts).tolist()]
     return ForwardContext(kv, layout, upload(torch.from_numpy(pos), dev), upload(w, dev), upload(d, dev), seg_starts,
-                          tables, upload(torch.from_numpy(slots), tables.table.device), (starts + counts).tolist())
+                          tables, upload(torch.from_numpy(slots), tables.table.device), key_lens)
 
 
 def build_context(kv: KVStore, layout: KVLayout, segments: list[tuple[torch.Tensor, int, int]],
