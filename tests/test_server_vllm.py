@@ -125,9 +125,10 @@ def test_chat_template_kwargs_reach_the_template(server):
     ids = shout["choices"][0]["prompt_token_ids"]
     assert "SHOUTING" in _post(server, "/detokenize", {"tokens": ids}).json()["prompt"]
     assert len(ids) > len(plain)
-    reserved = _post(server, "/v1/chat/completions", {**body, "chat_template_kwargs": {"add_generation_prompt": 0}})
-    assert reserved.status_code == 400
-    assert reserved.json()["error"]["param"] == "chat_template_kwargs.add_generation_prompt"
+    for name, value in (("add_generation_prompt", 0), ("chat_template", "{% for i in range(99) %}x{% endfor %}"),
+                        ("tools", "not a list")):
+        refused = _post(server, "/v1/chat/completions", {**body, "chat_template_kwargs": {name: value}})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == f"chat_template_kwargs.{name}"
 
 
 def test_version(server):

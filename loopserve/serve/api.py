@@ -463,6 +463,9 @@ class OpenAIServing:
             return self.tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt is not False,
                                                       **(template_kwargs or {}))
         except ValueError as e:
+            head = str(e).split(":", 1)[0]
+            if template_kwargs and head in template_kwargs:  # the tokenizer refused one of the request's variables
+                raise ApiError(400, f"chat_template_kwargs.{e}", f"chat_template_kwargs.{head}") from None
             raise ApiError(400, f"messages: {e}", "messages") from None
         except jinja2.TemplateError as e:
             raise ApiError(400, f"messages: the chat template rejected them ({e})", "messages") from None

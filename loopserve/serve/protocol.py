@@ -191,15 +191,18 @@ class ChatCompletionRequest(_SamplingFields):
             raise ApiError(400, "messages: must not be empty", "messages")
 
 
-# Names the chat template is always given by the server; a request sets them as fields of its own.
-TEMPLATE_RESERVED = ("messages", "add_generation_prompt")
+# `chat_template_kwargs` keys a request may not use: the arguments the server sets from the request's
+# own fields, and `chat_template`, which would run a template of the client's on the event loop (a
+# sandboxed one, but nested loops can still spin for minutes; vLLM too runs one only when trusted).
+TEMPLATE_RESERVED = {"messages": "set from the request's field",
+                     "add_generation_prompt": "set from the request's field",
+                     "chat_template": "a request cannot replace the server's chat template"}
 
 
 def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
-    for name in TEMPLATE_RESERVED:
+    for name, why in TEMPLATE_RESERVED.items():
         if kwargs and name in kwargs:
-            raise ApiError(400, f"chat_template_kwargs.{name}: set by the server; use the request field",
-                           f"chat_template_kwargs.{name}")
+            raise ApiError(400, f"chat_template_kwargs.{name}: {why}", f"chat_template_kwargs.{name}")
 
 
 class TokenizeCompletionRequest(_Strict):
