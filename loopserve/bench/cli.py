@@ -175,9 +175,9 @@ def cmd_theory(args: argparse.Namespace) -> int:
             return 2
         config = json.loads(path.read_text())
     try:
-        from loopserve.bench.theory import model_shape
+        from loopserve.bench.theory import model_config
 
-        r = args.r_max or model_shape(config).r_default
+        r = args.r_max or model_config(config).r_max
         mean = args.mean_depth if args.mean_depth is not None else 0.625 * r
         rep = theory_report(config, mean, args.r_max, args.context, args.roofline, args.dtype)
     except ValueError as e:
@@ -623,3 +623,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--values", type=_ints, default=None, help="min-coda: the minimum coda batches")
     p.add_argument("--repeats", type=int, default=1)
     p.set_defaults(func=cmd_ablate)
+
+    p = bsub.add_parser("peer", help="upstream HF remote code (generate, static batches) vs loopserve CB and CDB")
+    add_model_args(p)
+    add_depth_args(p)
+    add_engine_args(p)
+    _add_peer_args(p)
+    p.set_defaults(func=_cmd_peer, threads=1)
+
+
+def _add_peer_args(p: argparse.ArgumentParser) -> None:
+    from loopserve.bench.peer import add_peer_args
+
+    add_peer_args(p)
+
+
+def _cmd_peer(args: argparse.Namespace) -> int:
+    from loopserve.bench.peer import cmd_peer
+
+    return cmd_peer(args)
