@@ -20,8 +20,8 @@ def ouro_la(tmp_path_factory):
 
 
 def logged_run(path, params: list[SamplingParams], prompts, **cfg) -> tuple[list[tuple[str, object]], LLMEngine, dict]:
-    """Run the engine, logging `plan` (a core batch was planned), `queue` (a core step was queued)
-    and `read` (a core step's signals were read back), each with the step's pending signals."""
+    """Run the engine, logging `plan` (a stage batch was planned), `queue` (a stage batch was queued:
+    for a core step, with its pending signals) and `read` (a core step's signals were read back)."""
     m = load_model(path, "float64", "cpu")
     engine = LLMEngine(m.model, m.tokenizer, EngineConfig(kv_cache_tokens=512, **cfg))
     log: list[tuple[str, object]] = []
@@ -41,12 +41,19 @@ def logged_run(path, params: list[SamplingParams], prompts, **cfg) -> tuple[list
 
     def logged_schedule():
         plan = schedule()
-        if plan.stage == "core":
+        if plan.stage != "idle":
             log.append(("plan", None))
         return plan
 
+    def logged_stage(record):
+        if record.stage != "core":
+            log.append(("queue", None))
+            if record.stage == "prelude" and log[-2][0] != "plan":  # a same-tick follow-up: planned too
+                log.insert(-1, ("plan", None))
+
     engine.runner.core = logged_core  # type: ignore[method-assign]
     engine.scheduler.schedule = logged_schedule  # type: ignore[method-assign]
+    engine.stage_hooks.append(logged_stage)
     for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(str(i), p, sp)
     outs = {}
@@ -59,7 +66,7 @@ def logged_run(path, params: list[SamplingParams], prompts, **cfg) -> tuple[list
 
 
 def read_lags(log) -> list[tuple[int, int]]:
-    """For every read: (core steps queued, core batches planned) after the step was queued."""
+    """For every read: (stage batches queued, stage batches planned) after the core step was queued."""
     lags = []
     for j, (what, pending) in enumerate(log):
         if what != "read":
@@ -148,8 +155,9 @@ def test_aborting_a_request_whose_signals_are_in_flight(ouro_la):
     while engine.has_unfinished_requests():
         for o in engine.step():
             outs[o.request_id] = o
-        if not aborted and engine._deferred is not None:
-            victim = engine.pool.items[engine._deferred[0][0]].seq.request_id
+        deferred = [e for e in engine._in_flight if e.deferred]
+        if not aborted and deferred and engine.pool.items[deferred[0].rows[deferred[0].keep][0]] is not None:
+            victim = engine.pool.items[deferred[0].rows[deferred[0].keep][0]].seq.request_id
             engine.abort_request(victim)
             aborted = True
         engine.scheduler.check_invariants()

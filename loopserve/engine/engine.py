@@ -1,10 +1,12 @@
-"""`LLMEngine`: requests in, a planned stage batch (and what it frees up) per `step`, outputs out.
+"""`LLMEngine`: requests in, one planned stage batch per `step`, outputs out.
 
-A step plans a stage batch (`scheduler.schedule()`), runs it on the runner, hands the result to
-`scheduler.after_<stage>` and settles codas and follow-up preludes around it (docs/design.md §6.1).
-Core steps are pipelined where lookahead allows (see `_core`), and with `async_coda` a coda's tokens
-are sampled after the next stage batch is queued: the host builds tick t+1 while the device still
-runs tick t.
+A step reads: schedule (`scheduler.schedule()`), run (queue the batch on the runner), update (hand
+results to `scheduler.after_<stage>` / `observe_core`) (docs/design.md §6.1). Every queued batch
+whose result the host has not read is one `InFlight` entry in one queue: results are read in queue
+order, right after the next batch was queued, so on CUDA the host plans tick t+1 while the device
+runs tick t. Entries that may wait for the next batch: async codas (CUDA by default), and core steps
+whose rules all decide a step ahead (delayed lookahead, lookahead_gate). The tokens a coda or
+prefill sampled start their next loop in the same tick (the scheduler's `follow_up` preludes).
 """
 
 from __future__ import annotations
@@ -47,6 +49,18 @@ class StageRecord:
     # CPU clock read is a system call, too dear per decode batch)
 
 
+@dataclass
+class InFlight:
+    """A stage batch queued on the device whose result the host has not read yet."""
+
+    plan: StagePlan
+    result: PendingSamples | PendingSignals | None  # None: a prefill that completed no prompt
+    rows: np.ndarray | None = None  # core: the state-pool rows of the batch, and their generations
+    generations: np.ndarray | None = None
+    keep: np.ndarray | None = None  # core: the batch rows whose signals are still to be read
+    deferred: bool = False  # a core step whose signals may wait for the next batch
+
+
 class LLMEngine:
     def __init__(self, model: LoopedLM, tokenizer: Tokenizer, cfg: EngineConfig, seed: int = 0) -> None:
         if cfg.scheduler == "reference":
@@ -72,10 +86,8 @@ class LLMEngine:
         self._arrivals = itertools.count()
         # Async codas (CUDA by default): a coda's tokens are read once the next stage batch is queued.
         self.async_coda = cfg.async_coda if cfg.async_coda is not None else p.device.type == "cuda"
-        self._codas: list[tuple[StagePlan, PendingSamples]] = []
-        # the last core step's signals, read once the next step is queued:
-        # (state-pool rows, their generations, the pending signals, which batch rows they are)
-        self._deferred: tuple[np.ndarray, np.ndarray, PendingSignals, np.ndarray] | None = None
+        self._in_flight: list[InFlight] = []  # queued batches whose results are read after the next one
+        self._model_time = 0.0
         self.requests: dict[str, Sequence] = {}
         self.stage_hooks: list[Callable[[StageRecord], None]] = []
 
@@ -106,123 +118,126 @@ class LLMEngine:
 
     # -- one tick ----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule one stage batch, run it, update the requests with what came back."""
         t0 = time.perf_counter()
+        self._model_time = 0.0
         sched = self.scheduler
-        model_time = 0.0
-        if self._codas and not sched.core_q:  # nothing would run beside the coda: take its tokens now
-            model_time += self._finish_codas(self._take_codas())
+        if not sched.core_q and any(e.plan.stage == "coda" for e in self._in_flight):
+            self._land(self._take_in_flight())  # nothing would run beside the coda: take its tokens now
         plan = sched.schedule()
-        queued_codas = self._take_codas()
-        model_time += self._execute(plan)
-        # With async codas, the tokens of codas queued before `plan` are read back only now, once `plan` is
-        # queued behind them; their preludes follow.
-        model_time += self._finish_codas(queued_codas)
-        # Tokens just sampled start their next loop in the same tick (the refill scheduler runs
-        # their prelude right away instead of spending a separate tick on it).
-        follow = sched.follow_up(plan) if not (plan.stage == "coda" and self.async_coda) else None
-        if follow is not None:
-            model_time += self._execute(follow)
-        self.stats.model_time += model_time
-        self.stats.schedule_time += time.perf_counter() - t0 - model_time
+        self._run(plan)
+        self.stats.model_time += self._model_time
+        self.stats.schedule_time += time.perf_counter() - t0 - self._model_time
         outs = [seq.to_output() for seq in dict.fromkeys(sched.appended) if not seq.finished]
         sched.appended.clear()
         for seq in sched.finished:
             outs.append(seq.to_output())
             self.requests.pop(seq.request_id, None)
         sched.finished.clear()
-        if not sched.has_work():
-            self._deferred = None  # signals of tokens that have all finished: nothing left to decide
         if plan.stage == "idle" and not outs and sched.has_work():
             raise RuntimeError("scheduler made no progress with work pending (a bug: please report)")
         return outs
 
-    def _execute(self, plan: StagePlan) -> float:
-        """Run one stage batch and hand its results to the scheduler; returns the model time."""
-        sched, t1 = self.scheduler, time.perf_counter()
-        cpu = None
-        if plan.stage == "prefill":
-            c1 = time.process_time()
-            logits = self.runner.prefill(plan.chunks)
-            t2, cpu = time.perf_counter(), time.process_time() - c1
-            sched.after_prefill(plan, logits)
-        elif plan.stage == "prelude":
-            self.runner.prelude(plan.items)
-            t2 = time.perf_counter()
-            sched.after_prelude(plan)
-        elif plan.stage == "core":
-            self._core(plan)
-            t2 = time.perf_counter()
-        elif plan.stage == "coda":
-            pending = self.runner.coda(plan.items)
-            if self.async_coda:
-                self._codas.append((plan, pending))  # sampled after the next stage batch is queued
-                t2 = time.perf_counter()
-            else:
-                samples = pending.get()
-                t2 = time.perf_counter()
-                sched.after_coda(plan, samples)
-        else:
-            t2 = t1
+    def _run(self, plan: StagePlan) -> None:
+        """Queue one stage batch on the device, then read the results of the batches queued before it
+        (on CUDA the device is busy with `plan` meanwhile), then this batch's own result, unless it may
+        wait for the next batch: async codas, and core steps whose rules all decide a step ahead."""
+        earlier = self._take_in_flight()
+        entry = self._launch(plan)
+        self._land(earlier)
+        if entry is not None:
+            if plan.stage == "core":  # counted before its signals are read: exits settled a step ago
+                entry = self._advance_core(entry)
+            if entry is not None and self._may_wait(entry):
+                self._in_flight.append(entry)
+            elif entry is not None:
+                self._land([entry])
+        sched = self.scheduler
         if sched.kv_depth_writes:
             rows, depths = (np.concatenate(x) for x in zip(*sched.kv_depth_writes, strict=True))
             self.runner.write_kv_depths(rows, depths)
             sched.kv_depth_writes.clear()
+
+    def _launch(self, plan: StagePlan) -> InFlight | None:
+        """Queue the batch on the runner; the result (tokens, exit signals) is still on its way."""
         if plan.stage == "idle":
-            return 0.0
-        size = sum(c.n for c in plan.chunks) if plan.stage == "prefill" else len(plan.items)
+            return None
+        t1, c1 = time.perf_counter(), time.process_time()
+        pending: PendingSamples | PendingSignals | None = None
+        rows = generations = None
+        if plan.stage == "prefill":
+            pending = self.runner.prefill(plan.chunks)
+            size = sum(c.n for c in plan.chunks)
+        else:
+            size = len(plan.items)
+            if plan.stage == "prelude":
+                self.runner.prelude(plan.items)
+            elif plan.stage == "core":
+                rows = rows_of(plan.items)
+                generations = self.pool.generation[rows].copy()
+                pending = self.runner.core(rows)
+            else:
+                pending = self.runner.coda(plan.items)
+        t2 = time.perf_counter()
+        self._model_time += t2 - t1
         self.stats.record(plan.stage, size)
-        if self.stage_hooks:
-            record = StageRecord(plan.stage, size, t1, t2 - t1, cpu)
+        if self.stage_hooks:  # process CPU time for prefill only: a clock read per decode batch is too dear
+            record = StageRecord(plan.stage, size, t1, t2 - t1, time.process_time() - c1 if plan.stage == "prefill"
+                                 else None)
             for hook in self.stage_hooks:
                 hook(record)
-        return t2 - t1
+        if plan.stage == "prelude":
+            self.scheduler.after_prelude(plan)
+            return None
+        return InFlight(plan, pending, rows, generations)
 
-    def _take_codas(self) -> list[tuple[StagePlan, PendingSamples]]:
-        codas, self._codas = self._codas, []
-        return codas
+    def _advance_core(self, entry: InFlight) -> InFlight | None:
+        """A core step was queued: advance its items (no signal needed), then keep for later only the
+        rows whose rule needs this step's signal; rows that need none (trace, fixed) are decided now."""
+        assert entry.rows is not None and entry.generations is not None and isinstance(entry.result, PendingSignals)
+        self.scheduler.advance_core(entry.rows)
+        signal = entry.result.kinds != 0  # passive rows (CB) have none
+        if not self.cfg.pipeline_core_steps or (signal & ~self.pool.decides_ahead[entry.rows]).any():
+            return entry  # read at once
+        now = ~signal
+        self.scheduler.observe_core(entry.rows[now], entry.generations[now], Signals.none(entry.result.kinds[now]))
+        if not signal.any():
+            return None
+        self.stats.deferred_signal_ticks += 1
+        return dataclasses.replace(entry, keep=signal, deferred=True)
 
-    def _finish_codas(self, codas: list[tuple[StagePlan, PendingSamples]]) -> float:
-        """Take the tokens of queued codas and run their preludes; returns the model time."""
-        model_time = 0.0
-        for plan, pending in codas:
+    def _may_wait(self, entry: InFlight) -> bool:
+        return entry.deferred or (entry.plan.stage == "coda" and self.async_coda)
+
+    def _take_in_flight(self) -> list[InFlight]:
+        entries, self._in_flight = self._in_flight, []
+        return entries
+
+    def _land(self, entries: list[InFlight]) -> None:
+        """Read the results of queued batches (in queue order) and hand them to the scheduler; the
+        tokens of a coda or prefill start their next loop in the same tick (`follow_up` preludes)."""
+        sched = self.scheduler
+        for entry in entries:
+            plan = entry.plan
             t1 = time.perf_counter()
-            samples = pending.get()
-            model_time += time.perf_counter() - t1
-            self.scheduler.after_coda(plan, samples)
-            follow = self.scheduler.follow_up(plan)
+            if isinstance(entry.result, PendingSignals):
+                signals = entry.result.get()
+                self._model_time += time.perf_counter() - t1
+                assert entry.rows is not None and entry.generations is not None
+                keep = entry.keep if entry.keep is not None else slice(None)
+                sched.observe_core(entry.rows[keep], entry.generations[keep],
+                                   signals if entry.keep is None else signals.take(entry.keep))
+                continue
+            samples = entry.result.get() if entry.result is not None else []
+            self._model_time += time.perf_counter() - t1
+            if plan.stage == "prefill":
+                seqs = entry.result.seqs if entry.result is not None else []
+                sched.after_prefill(plan, {s.request_id: x for s, x in zip(seqs, samples, strict=True)})
+            else:
+                sched.after_coda(plan, samples)
+            follow = sched.follow_up(plan)
             if follow is not None:
-                model_time += self._execute(follow)
-        return model_time
-
-    def _core(self, plan: StagePlan) -> None:
-        """One loop step, pipelined where the exit rules allow.
-
-        The step is queued first. Then the previous core step's deferred signals are read (on CUDA
-        the device has finished them and already holds this step's work), then this step is counted.
-        If every rule in the batch decides ahead (delayed lookahead, lookahead_gate) or needs no
-        signal, this step's signals stay on their way back until after the next step is queued, so
-        the host schedules tick t+1 while the device runs tick t. A rule that acts on the step's own
-        signal (gate, latent_diff, kl without lookahead) makes the engine wait for it here.
-        Everything here is array work over the batch's state-pool rows (see `StatePool`).
-        """
-        sched, pool = self.scheduler, self.pool
-        rows = rows_of(plan.items)
-        generations = pool.generation[rows].copy()
-        pending = self.runner.core(rows)
-        if self._deferred is not None:
-            previous_rows, previous_generations, previous, keep = self._deferred
-            self._deferred = None
-            sched.observe_core(previous_rows, previous_generations, previous.get().take(keep))
-        sched.advance_core(rows)
-        signal = pending.kinds != 0  # passive rows (CB) have none
-        if not self.cfg.pipeline_core_steps or (signal & ~pool.decides_ahead[rows]).any():
-            sched.observe_core(rows, generations, pending.get())
-            return
-        now = ~signal  # trace, fixed: no device value to wait for
-        sched.observe_core(rows[now], generations[now], Signals.none(pending.kinds[now]))
-        if signal.any():  # all decide ahead (checked above)
-            self._deferred = (rows[signal], generations[signal], pending, signal)
-            self.stats.deferred_signal_ticks += 1
+                self._run(follow)
 
     def kv_usage(self) -> float:
         return self.kv.usage()

@@ -205,6 +205,7 @@ class PendingSamples:
     the batched sampler fell back to sampling row by row)."""
 
     def __init__(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        self.seqs = seqs
         self._params = [s.params for s in seqs]
         result = sample_rows(logits, self._params, [s.seed for s in seqs], [len(s.output_ids) for s in seqs])
         self._readback = Readback(result) if isinstance(result, dict) else None
@@ -238,10 +239,11 @@ class ModelRunner:
 
     # -- stages --------------------------------------------------------------------------------------
     @torch.no_grad()
-    def prefill(self, chunks: list[PrefillChunk]) -> dict[str, Sample]:
+    def prefill(self, chunks: list[PrefillChunk]) -> PendingSamples | None:
         """Run chunks through prelude, every loop up to their max_loops, and the coda where needed.
 
-        Returns the first generated token (`Sample`) of each sequence whose prompt is now complete.
+        Returns the first generated token of each sequence whose prompt is now complete (None if none
+        is), sampled on the device and on its way to the host.
         """
         model, dev = self.model, self.device
         ctx = paged_context(self.kv.store, self.layout, self.kv.block_tables,
@@ -268,9 +270,8 @@ class ModelRunner:
         elif last:
             logits = model.coda(state[upload(logit_rows, dev)], ctx.select(logit_rows))
         if not last:
-            return {}
-        samples = PendingSamples([chunks[i].seq for i in last], logits).get()  # one readback for the batch
-        return {chunks[i].seq.request_id: samples[j] for j, i in enumerate(last)}
+            return None
+        return PendingSamples([chunks[i].seq for i in last], logits)
 
     @torch.no_grad()
     def prelude(self, items: list[WorkItem]) -> None:
