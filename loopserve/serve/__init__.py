@@ -5,6 +5,7 @@
 - `protocol.py`: request bodies (pydantic), OpenAI-style errors, the unknown-field policy.
 - `api.py`: `build_app(engine, settings, on_engine_dead)`, the FastAPI app around `OpenAIServing`
   (the endpoints).
+- `responses.py`: the response pieces completions and chat share (text deltas, logprobs, usage, SSE).
 - `middleware.py`: the request body size limit and request ids (`X-Request-Id`).
 - `connection.py`: uvicorn's HTTP protocol with a request read timeout (stalled clients get 408).
 - `metrics.py`: Prometheus metrics (`loopserve:` prefix, vLLM names plus loop-specific ones).

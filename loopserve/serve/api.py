@@ -39,7 +39,6 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
-import json
 import logging
 import secrets
 import time
@@ -53,18 +52,17 @@ from typing import Any
 import jinja2
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
-from starlette.types import Receive, Scope, Send
 
 from loopserve.device import kv_memory_gb
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine import LLMEngine
 from loopserve.engine.sequence import Sequence, resolve_exit_rule
-from loopserve.outputs import CompletionOutput, RequestOutput
+from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import SamplingParams
 from loopserve.serve.async_engine import (
     AsyncLLMEngine,
@@ -90,10 +88,17 @@ from loopserve.serve.protocol import (
     sampling_params,
     unknown_fields,
 )
+from loopserve.serve.responses import (
+    GroupStreamingResponse,
+    LogprobFormatter,
+    StreamFailed,
+    TextDelta,
+    sse,
+    usage_body,
+)
 
 log = logging.getLogger("loopserve.serve")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
-MIN_LOGPROB = -9999.0  # JSON has no -inf
 MAX_LISTED_UNKNOWN = 20  # unknown fields named in one warning
 
 
@@ -166,109 +171,6 @@ def context_length(engine: LLMEngine, cap: int | None) -> int:
     return cap
 
 
-# -- response pieces ---------------------------------------------------------------------------------------------
-def _lp(x: float) -> float:
-    return max(x, MIN_LOGPROB) if x == x else MIN_LOGPROB
-
-
-class _Delta:
-    """What a stream has sent of one choice; hands out the next text delta and token range.
-
-    Text that may still change is held back: trailing U+FFFD (an incomplete UTF-8 sequence) and,
-    with stop strings, the last len(longest stop) - 1 characters (a stop string being completed
-    is cut from the final text, so none of it may have been sent)."""
-
-    def __init__(self, stop: list[str] | None) -> None:
-        self.hold = max(len(s) for s in stop) - 1 if stop else 0
-        self.text = ""
-        self.tokens = 0
-        self.offset = 0  # text_offset of the next token (completions logprobs)
-
-    def advance(self, c: CompletionOutput, finished: bool) -> tuple[str, int, int]:
-        start, self.tokens = self.tokens, len(c.token_ids)
-        ready = c.text
-        if not finished:
-            ready = ready[: max(0, len(ready) - self.hold)].rstrip("\ufffd")
-        delta = ""
-        if len(ready) > len(self.text) and ready.startswith(self.text):
-            delta, self.text = ready[len(self.text):], ready
-        return delta, start, self.tokens
-
-
-class _Formatter:
-    def __init__(self, engine: LLMEngine) -> None:
-        self.tok = engine.tokenizer
-
-    def token_str(self, tid: int) -> str:
-        return self.tok.decode([tid], skip_special_tokens=False)
-
-    def completion_logprobs(self, c: CompletionOutput, start: int, end: int, d: _Delta) -> dict | None:
-        if c.logprobs is None:
-            return None
-        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for k in range(start, end):
-            tid, entry = c.token_ids[k], c.logprobs[k]
-            s = self.token_str(tid)
-            out["tokens"].append(s)
-            out["token_logprobs"].append(_lp(entry[tid].logprob))
-            ranked = sorted(entry.items(), key=lambda kv: kv[1].rank or 0)
-            out["top_logprobs"].append({self.token_str(t): _lp(v.logprob) for t, v in ranked})
-            out["text_offset"].append(d.offset)
-            d.offset += len(s)
-        return out
-
-    def chat_logprobs(self, c: CompletionOutput, start: int, end: int, top: int) -> dict | None:
-        if c.logprobs is None:
-            return None
-        content = []
-        for k in range(start, end):
-            tid, entry = c.token_ids[k], c.logprobs[k]
-            s = self.token_str(tid)
-            ranked = sorted(((t, v) for t, v in entry.items() if v.rank is not None and v.rank <= top),
-                            key=lambda kv: kv[1].rank or 0)
-            content.append({"token": s, "logprob": _lp(entry[tid].logprob), "bytes": list(s.encode()),
-                            "top_logprobs": [{"token": self.token_str(t), "logprob": _lp(v.logprob),
-                                              "bytes": list(self.token_str(t).encode())} for t, v in ranked]})
-        return {"content": content}
-
-
-def _usage(outs: list[RequestOutput]) -> dict[str, int]:
-    prompt = sum(len(o.prompt_token_ids) for o in outs)
-    completion = sum(len(o.outputs[0].token_ids) for o in outs)
-    loops = sum(o.metrics.loops_run for o in outs if o.metrics is not None)
-    prefill_loops = sum(o.metrics.prefill_loops for o in outs if o.metrics is not None)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "loops": loops, "prefill_loops": prefill_loops}
-
-
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, allow_nan=False)}\n\n"
-
-
-class _StreamFailed(RuntimeError):
-    """Raised inside a stream to cut the transport: an in-band error or a clean EOF would read as
-    success to some clients (vLLM's bench client), a broken chunked stream does not."""
-
-
-class _GroupStreamingResponse(StreamingResponse):
-    """A streaming response that aborts its engine requests however the stream ends."""
-
-    def __init__(self, content: AsyncIterator[str], group: RequestGroup) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.group = group
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        except _StreamFailed as e:
-            # Returning without the final chunk makes the server close the connection mid-stream,
-            # without the traceback an exception would log for what is an engine-side failure.
-            log.error("%s: stream cut: %s", scope.get("path"), e)
-        finally:
-            self.group.abort()
-
-
 async def _wait_disconnect(receive: Callable) -> None:
     while True:
         msg = await receive()
@@ -316,7 +218,7 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.max_model_len = context_length(engine, settings.max_model_len)
         self.kv_tokens = engine.kv.num_blocks * engine.kv.block_size
-        self.fmt = _Formatter(engine)
+        self.fmt = LogprobFormatter(engine)
         self.created = int(time.time())
         self.aengine = AsyncLLMEngine(engine, settings.max_queued_requests, on_dead=on_engine_dead)
         self.metrics = ServerMetrics(settings.model_name, lambda: self.aengine.snapshot, engine.model_config.r_max,
@@ -500,15 +402,15 @@ class OpenAIServing:
         group = self.admit(gen.seqs)
         self.log_received(gen)
         if gen.req.streaming:
-            return _GroupStreamingResponse(self.stream(gen, group), group)
+            return GroupStreamingResponse(self.stream(gen, group), group)
         outs = await self.collect(group, request)
         if outs is None:
             return Response(status_code=499)
-        choices = [self.choice(gen, i, o, 0, o.outputs[0].text, _Delta(None)) for i, o in enumerate(outs)]
-        return JSONResponse({**self.base(gen.kind.object, gen.cid), "choices": choices, "usage": _usage(outs)})
+        choices = [self.choice(gen, i, o, 0, o.outputs[0].text, TextDelta(None)) for i, o in enumerate(outs)]
+        return JSONResponse({**self.base(gen.kind.object, gen.cid), "choices": choices, "usage": usage_body(outs)})
 
     def choice(self, gen: _Generation, index: int, out: RequestOutput, start: int, text: str,
-               delta: _Delta, stream: bool = False) -> dict[str, Any]:
+               delta: TextDelta, stream: bool = False) -> dict[str, Any]:
         """A choice of a response (`stream` false: all of it) or of a stream chunk (the tokens from `start`)."""
         c = out.outputs[0]
         end = len(c.token_ids)
@@ -533,11 +435,11 @@ class OpenAIServing:
     async def stream(self, gen: _Generation, group: RequestGroup) -> AsyncIterator[str]:
         """SSE chunks: (chat: the assistant role first), one chunk per output, usage if asked, [DONE]."""
         req, obj = gen.req, gen.kind.chunk_object
-        deltas = [_Delta(gen.stop) for _ in gen.seqs]
+        deltas = [TextDelta(gen.stop) for _ in gen.seqs]
         latest: dict[int, RequestOutput] = {}
         usage_field: dict[str, Any] = {"usage": None} if req.include_usage else {}
         if gen.kind.chat:
-            yield _sse({**self.base(obj, gen.cid), "choices": [{
+            yield sse({**self.base(obj, gen.cid), "choices": [{
                 "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
                 **usage_field})
         try:
@@ -545,18 +447,18 @@ class OpenAIServing:
                 latest[i] = out
                 c = out.outputs[0]
                 if out.finished and c.finish_reason not in ("stop", "length"):
-                    raise _StreamFailed(out.error or f"request ended: {c.finish_reason}")
+                    raise StreamFailed(out.error or f"request ended: {c.finish_reason}")
                 text, start, _ = deltas[i].advance(c, out.finished)
                 chunk = {**self.base(obj, gen.cid), "choices": [self.choice(gen, i, out, start, text, deltas[i], True)],
                          **usage_field}
                 if req.include_usage and req.continuous_usage:
-                    chunk["usage"] = _usage(list(latest.values()))
-                yield _sse(chunk)
+                    chunk["usage"] = usage_body(list(latest.values()))
+                yield sse(chunk)
         except (EngineDeadError, EngineStoppedError) as e:
-            raise _StreamFailed(str(e)) from None
+            raise StreamFailed(str(e)) from None
         self.log_finished(list(latest.values()))
         if req.include_usage:
-            yield _sse({**self.base(obj, gen.cid), "choices": [], "usage": _usage(list(latest.values()))})
+            yield sse({**self.base(obj, gen.cid), "choices": [], "usage": usage_body(list(latest.values()))})
         yield "data: [DONE]\n\n"
 
     def new_ids(self, request: Request, kind: _Kind, n: int) -> tuple[str, list[str]]:

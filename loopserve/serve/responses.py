@@ -1,0 +1,123 @@
+"""The pieces of a response that completions and chat share: the text delta a stream sends next
+(`TextDelta`), logprobs in OpenAI's two shapes (`LogprobFormatter`), `usage` (with the loop counts),
+SSE framing (`sse`), and the streaming response that aborts its engine requests however it ends.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from loopserve.engine.engine import LLMEngine
+from loopserve.outputs import CompletionOutput, RequestOutput
+from loopserve.serve.async_engine import RequestGroup
+
+log = logging.getLogger("loopserve.serve")
+MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+def _lp(x: float) -> float:
+    return max(x, MIN_LOGPROB) if x == x else MIN_LOGPROB
+
+
+class TextDelta:
+    """What a stream has sent of one choice; hands out the next text delta and token range.
+
+    Text that may still change is held back: trailing U+FFFD (an incomplete UTF-8 sequence) and,
+    with stop strings, the last len(longest stop) - 1 characters (a stop string being completed
+    is cut from the final text, so none of it may have been sent)."""
+
+    def __init__(self, stop: list[str] | None) -> None:
+        self.hold = max(len(s) for s in stop) - 1 if stop else 0
+        self.text = ""
+        self.tokens = 0
+        self.offset = 0  # text_offset of the next token (completions logprobs)
+
+    def advance(self, c: CompletionOutput, finished: bool) -> tuple[str, int, int]:
+        start, self.tokens = self.tokens, len(c.token_ids)
+        ready = c.text
+        if not finished:
+            ready = ready[: max(0, len(ready) - self.hold)].rstrip("\ufffd")
+        delta = ""
+        if len(ready) > len(self.text) and ready.startswith(self.text):
+            delta, self.text = ready[len(self.text):], ready
+        return delta, start, self.tokens
+
+
+class LogprobFormatter:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.tok = engine.tokenizer
+
+    def token_str(self, tid: int) -> str:
+        return self.tok.decode([tid], skip_special_tokens=False)
+
+    def completion_logprobs(self, c: CompletionOutput, start: int, end: int, d: TextDelta) -> dict | None:
+        if c.logprobs is None:
+            return None
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for k in range(start, end):
+            tid, entry = c.token_ids[k], c.logprobs[k]
+            s = self.token_str(tid)
+            out["tokens"].append(s)
+            out["token_logprobs"].append(_lp(entry[tid].logprob))
+            ranked = sorted(entry.items(), key=lambda kv: kv[1].rank or 0)
+            out["top_logprobs"].append({self.token_str(t): _lp(v.logprob) for t, v in ranked})
+            out["text_offset"].append(d.offset)
+            d.offset += len(s)
+        return out
+
+    def chat_logprobs(self, c: CompletionOutput, start: int, end: int, top: int) -> dict | None:
+        if c.logprobs is None:
+            return None
+        content = []
+        for k in range(start, end):
+            tid, entry = c.token_ids[k], c.logprobs[k]
+            s = self.token_str(tid)
+            ranked = sorted(((t, v) for t, v in entry.items() if v.rank is not None and v.rank <= top),
+                            key=lambda kv: kv[1].rank or 0)
+            content.append({"token": s, "logprob": _lp(entry[tid].logprob), "bytes": list(s.encode()),
+                            "top_logprobs": [{"token": self.token_str(t), "logprob": _lp(v.logprob),
+                                              "bytes": list(self.token_str(t).encode())} for t, v in ranked]})
+        return {"content": content}
+
+
+def usage_body(outs: list[RequestOutput]) -> dict[str, int]:
+    prompt = sum(len(o.prompt_token_ids) for o in outs)
+    completion = sum(len(o.outputs[0].token_ids) for o in outs)
+    loops = sum(o.metrics.loops_run for o in outs if o.metrics is not None)
+    prefill_loops = sum(o.metrics.prefill_loops for o in outs if o.metrics is not None)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "loops": loops, "prefill_loops": prefill_loops}
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, allow_nan=False)}\n\n"
+
+
+class StreamFailed(RuntimeError):
+    """Raised inside a stream to cut the transport: an in-band error or a clean EOF would read as
+    success to some clients (vLLM's bench client), a broken chunked stream does not."""
+
+
+class GroupStreamingResponse(StreamingResponse):
+    """A streaming response that aborts its engine requests however the stream ends."""
+
+    def __init__(self, content: AsyncIterator[str], group: RequestGroup) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.group = group
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except StreamFailed as e:
+            # Returning without the final chunk makes the server close the connection mid-stream,
+            # without the traceback an exception would log for what is an engine-side failure.
+            log.error("%s: stream cut: %s", scope.get("path"), e)
+        finally:
+            self.group.abort()
