@@ -34,6 +34,7 @@ class CompletionOutput:
     exit_depths: list[int]
     finish_reason: str | None
     cumulative_logprob: float | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that finished it; None for eos/length
 
 
 @dataclass

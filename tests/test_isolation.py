@@ -72,13 +72,13 @@ def _inject(monkeypatch, point: str) -> None:
 
         monkeypatch.setattr(sampler_module, "top_logprobs", top_logprobs)
     elif point in ("detokenize", "stop"):
-        name = "_decode_new_text" if point == "detokenize" else "_stop_string"
+        name = "_decode_new_text" if point == "detokenize" else "_stopped"
         real_m = getattr(Sequence, name)
 
-        def method(self):
+        def method(self, *args):
             if later(self):
                 raise Fault(f"{name} failed")
-            return real_m(self)
+            return real_m(self, *args)
 
         monkeypatch.setattr(Sequence, name, method)
     elif point == "exit_rule":
