@@ -2,6 +2,6 @@
 
 from loopserve.llm import LLM
 from loopserve.outputs import CompletionOutput, Logprob, RequestOutput
-from loopserve.sampling_params import SamplingParams
+from loopserve.sampling_params import GuidedDecodingParams, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "GuidedDecodingParams", "RequestOutput", "CompletionOutput", "Logprob"]

@@ -2,20 +2,79 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from loopserve.exits import POLICIES
 
 if TYPE_CHECKING:
-    from loopserve.engine.sampler import TokenHistory
+    from loopserve.engine.grammar import Guide
 
 MAX_LOGPROBS = 20
 # Temperatures below this sample greedily (as vLLM does): dividing logits by a subnormal temperature
 # overflows to inf, and below it a logit gap of 1e-3 is already a probability ratio of e^100.
 GREEDY_TEMPERATURE = 1e-5
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # any 64-bit seed, signed or not (the engine keeps 63 bits)
+
+
+@dataclass
+class GuidedDecodingParams:
+    """Structured output (vLLM's `GuidedDecodingParams`): exactly one of `json` (a JSON schema: a dict, its
+    JSON text, or a pydantic model class), `regex`, `choice` (the output is one of these strings),
+    `grammar` (Lark, or GBNF as llama.cpp writes it) or `json_object=True` (any JSON object). Between
+    JSON tokens any whitespace is allowed, unless `disable_any_whitespace` (none) or `whitespace_pattern`
+    (a regex) says otherwise. The grammar is validated here: a ValueError names the field."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, type) and hasattr(self.json, "model_json_schema"):  # a pydantic model class
+            self.json = self.json.model_json_schema()
+        if isinstance(self.choice, tuple):
+            self.choice = list(self.choice)
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise ValueError(f"json_object: must be true or false, got {self.json_object!r}")
+        given = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError("guided_decoding: exactly one of json, regex, choice, grammar or json_object is "
+                             f"needed, got {', '.join(given) or 'none'}")
+        if self.json is not None and not isinstance(self.json, str | dict):
+            raise ValueError(f"json: must be a JSON schema (a dict or its JSON text), got {type(self.json).__name__}")
+        for name in ("regex", "grammar", "whitespace_pattern"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or (not v and name != "whitespace_pattern")):
+                raise ValueError(f"{name}: must be a non-empty string, got {v!r}")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError(f"choice: must be a non-empty list of non-empty strings, got {self.choice!r}")
+        from loopserve.engine.grammar import grammar_text
+
+        grammar_text(*self.key)  # compiles (cached) and validates
+
+    @property
+    def key(self) -> tuple[str, str, str | None]:
+        """(kind, text, JSON whitespace pattern): what the grammar is compiled from, and its cache key."""
+        whitespace = "" if self.disable_any_whitespace else self.whitespace_pattern
+        if self.json is not None:
+            text = self.json if isinstance(self.json, str) else json.dumps(self.json, ensure_ascii=False)
+            return "json", text, whitespace
+        if self.json_object:
+            return "json", '{"type": "object"}', whitespace
+        if self.regex is not None:
+            return "regex", self.regex, None
+        if self.choice is not None:
+            return "choice", json.dumps(self.choice, ensure_ascii=False), None
+        assert self.grammar is not None
+        return "grammar", self.grammar, None
 
 
 @dataclass
@@ -32,23 +91,18 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
-    # penalties and logit adjustments (applied to the raw logits, before temperature and the filters)
-    presence_penalty: float = 0.0  # logits -= presence_penalty for every token generated so far
-    frequency_penalty: float = 0.0  # logits -= frequency_penalty * (times the token was generated)
-    repetition_penalty: float = 1.0  # tokens of the prompt or the output: logit / p if > 0 else logit * p
-    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
-    min_tokens: int = 0  # eos and stop_token_ids cannot end the request (nor stop strings) before this many
-    include_stop_str_in_output: bool = False
-    truncate_prompt_tokens: int | None = None  # keep only the last k prompt tokens
-    # set by the engine on a request's own copy (engine/sampler.py `bind`), never by users: the request's
-    # tokens, which penalties and min_tokens read
-    history: TokenHistory | None = field(default=None, repr=False, compare=False)
     # looped-model extensions
     min_loops: int | None = None
     max_loops: int | None = None
     exit_threshold: float | None = None
     exit_policy: str | None = None  # None: the model's own signal (Ouro gate, Huginn latent_diff)
     exit_trace: list[int] | None = None
+    # structured output (vLLM's name until 0.10; the server's guided_* and response_format map to it)
+    guided_decoding: GuidedDecodingParams | None = None
+    # set by the engine on a request's own copy (engine/grammar.py `with_guide`), never by users: the
+    # request's live grammar matcher, which the batched sampler reads to mask the row's logits (an init
+    # field so that copies made through the constructor keep it)
+    guide: Guide | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -85,33 +139,6 @@ class SamplingParams:
             raise bad("stop", "must be a non-empty string or a list of them")
         if not isinstance(self.stop_token_ids, list) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
-        # penalties and logit adjustments
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not is_real(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
-                raise bad(name, "must be in [-2, 2]")
-        if not is_real(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "must be a finite number > 0")
-        if self.logit_bias is not None:
-            if not isinstance(self.logit_bias, dict):
-                raise bad("logit_bias", "must map token ids to biases")
-            bias = {}
-            for k, v in self.logit_bias.items():  # JSON object keys are strings: "50256" is token 50256
-                tid = int(k) if isinstance(k, str) and k.isascii() and k.isdigit() else k
-                if not is_int(tid) or tid < 0:
-                    raise ValueError(f"logit_bias: keys must be token ids (integers >= 0), got {k!r}")
-                if not is_real(v) or not -100 <= v <= 100:
-                    raise ValueError(f"logit_bias: the bias of token {tid} must be in [-100, 100], got {v!r}")
-                bias[tid] = float(v)
-            self.logit_bias = bias
-        if not is_int(self.min_tokens) or self.min_tokens < 0:
-            raise bad("min_tokens", "must be an integer >= 0")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
-        if not isinstance(self.include_stop_str_in_output, bool):
-            raise bad("include_stop_str_in_output", "must be true or false")
-        if self.truncate_prompt_tokens is not None and (not is_int(self.truncate_prompt_tokens)
-                                                        or self.truncate_prompt_tokens < 1):
-            raise bad("truncate_prompt_tokens", "must be an integer >= 1")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
         for name in ("min_loops", "max_loops"):
@@ -132,11 +159,8 @@ class SamplingParams:
             self.exit_policy = "trace"
         if self.exit_policy == "gate" and self.exit_threshold is not None and not 0 < self.exit_threshold <= 1:
             raise bad("exit_threshold", "a gate threshold is a probability in (0, 1]")
-
-    @property
-    def penalized(self) -> bool:
-        """Whether sampling depends on the tokens so far (presence, frequency or repetition penalty)."""
-        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+        if self.guided_decoding is not None and not isinstance(self.guided_decoding, GuidedDecodingParams):
+            raise bad("guided_decoding", "must be a GuidedDecodingParams")
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,192 @@
+"""Structured output: the grammar of a `GuidedDecodingParams`, one matcher per request, and the token
+masks the batched sampler applies (docs/design.md §9).
+
+The grammar engine is llguidance (the optional extra `loopserve[structured]`): it compiles JSON schemas,
+regular expressions, choices and Lark/GBNF grammars against the checkpoint's own `tokenizer.json`, and
+computes a request's allowed-token bitmask in microseconds, so masks are computed when a batch is
+sampled rather than ahead of time.
+
+Where the work happens:
+- `grammar_text` turns a spec into llguidance's grammar text and validates it, with no tokenizer; it is
+  what makes a bad schema a `ValueError` when the params are built. Cached by the spec's key.
+- `new_guide` gives a request its `Guide` when its `Sequence` is built (on the caller's thread in the
+  server, not the engine's): the grammar is compiled once per tokenizer and key, and each request gets
+  a copy of the compiled matcher.
+- `apply_guides` is the sampler's one call: for the rows whose params carry a guide it fills their
+  bitmasks on the host (one parallel call), uploads them once and sets the disallowed logits to -inf on
+  the device. Rows without a guide are not touched, and a batch with none costs one scan of its params.
+  Each row's mask depends only on its own request, so batches stay invariant (§9).
+- `Guide.advance` moves the matcher past each token its request takes (`Sequence.append`); the request
+  finishes with "stop" once the grammar admits nothing but the end.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+import weakref
+from collections import OrderedDict
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from loopserve.device import upload
+
+if TYPE_CHECKING:
+    from loopserve.sampling_params import GuidedDecodingParams, SamplingParams
+    from loopserve.tokenizer import Tokenizer
+
+INSTALL_HINT = "structured output needs llguidance: pip install 'loopserve[structured]'"
+MATCHER_CACHE = 128  # compiled grammars kept per tokenizer (a request copies one instead of compiling)
+
+
+def _llguidance() -> Any:
+    try:
+        import llguidance
+    except ImportError:
+        raise ValueError(f"guided_decoding: {INSTALL_HINT}") from None
+    return llguidance
+
+
+@lru_cache(maxsize=256)
+def grammar_text(kind: str, text: str, whitespace: str | None = None) -> str:
+    """llguidance's grammar for one spec: `kind` is json, regex, choice or grammar (`text`: the schema as
+    JSON, the regex, the choices as a JSON list, the Lark or GBNF grammar); `whitespace` is the pattern
+    allowed between JSON tokens (None: any whitespace). Raises ValueError naming the field."""
+    llg = _llguidance()
+    matcher = llg.LLMatcher
+    if kind == "json":
+        overrides = None if whitespace is None else {"whitespace_pattern": whitespace} if whitespace \
+            else {"whitespace_flexible": False}
+        try:
+            grammar = matcher.grammar_from_json_schema(text, overrides=overrides)
+        except ValueError as e:
+            raise ValueError(f"json: not a JSON schema ({e})") from None
+    elif kind == "regex":
+        grammar = matcher.grammar_from_regex(text)
+    elif kind == "choice":
+        grammar = matcher.grammar_from_lark("start: " + " | ".join(json.dumps(c, ensure_ascii=False)
+                                                                  for c in json.loads(text)))
+    elif kind == "grammar":
+        try:
+            grammar = llg.grammar_from("grammar", text)  # Lark, or GBNF converted to Lark
+        except ValueError as e:
+            raise ValueError(f"grammar: {e}") from None
+    else:
+        raise ValueError(f"guided_decoding: unknown grammar kind {kind!r}")
+    error = matcher.validate_grammar(grammar)
+    if error:
+        raise ValueError(f"{kind}: {error.strip()}")
+    return grammar
+
+
+class Guide:
+    """One request's grammar state: its matcher, advanced past every token the request takes."""
+
+    def __init__(self, matcher: Any, words: int) -> None:
+        self.matcher, self.words = matcher, words  # words: int32 words of one bitmask
+
+    def advance(self, token: int) -> None:
+        """Consume a taken token (raises if the grammar rejects it: the mask was bypassed or the
+        matcher failed, and the request cannot go on)."""
+        if not self.matcher.consume_token(token):
+            raise ValueError(f"guided_decoding: token {token} rejected by the grammar "
+                             f"({self.matcher.get_error() or 'not allowed here'})")
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete and admits nothing more (the request finishes with "stop")."""
+        return bool(self.matcher.is_stopped())
+
+    def check(self) -> None:
+        if self.matcher.is_error():
+            raise ValueError(f"guided_decoding: {self.matcher.get_error()}")
+
+
+class _Compiler:
+    """Grammars compiled against one tokenizer and model vocabulary, as pristine matchers to copy."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+        llg = _llguidance()
+        # the model's vocabulary may be padded past the tokenizer's: the extra ids have no text and
+        # llguidance never allows them; a tokenizer larger than the model is cut in `apply_guides`
+        n_vocab = max(vocab_size, tokenizer.vocab_size)
+        eos = sorted(tokenizer.eos_token_ids) or None
+        self.tokenizer = llg.LLTokenizer(tokenizer.tok.to_str(), n_vocab=n_vocab, eos_token=eos)
+        self.words = (n_vocab + 31) // 32
+        self._matchers: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Lock()  # server requests build sequences on several threads
+
+    def matcher(self, grammar: str) -> Any:
+        with self._lock:
+            pristine = self._matchers.get(grammar)
+            if pristine is not None:
+                self._matchers.move_to_end(grammar)
+        if pristine is None:
+            pristine = _llguidance().LLMatcher(self.tokenizer, grammar, log_level=0)
+            if pristine.is_error():
+                raise ValueError(f"guided_decoding: {pristine.get_error()}")
+            with self._lock:
+                self._matchers[grammar] = pristine
+                while len(self._matchers) > MATCHER_CACHE:
+                    self._matchers.popitem(last=False)
+        return pristine.deep_copy()
+
+
+_compilers: weakref.WeakKeyDictionary[Tokenizer, dict[int, _Compiler]] = weakref.WeakKeyDictionary()
+_compilers_lock = threading.Lock()
+
+
+def new_guide(spec: GuidedDecodingParams, tokenizer: Tokenizer, vocab_size: int) -> Guide:
+    """A fresh `Guide` for one request (raises ValueError naming the field for a bad grammar)."""
+    with _compilers_lock:
+        by_vocab = _compilers.setdefault(tokenizer, {})
+        compiler = by_vocab.get(vocab_size)
+        if compiler is None:
+            compiler = by_vocab[vocab_size] = _Compiler(tokenizer, vocab_size)
+    return Guide(compiler.matcher(grammar_text(*spec.key)), compiler.words)
+
+
+def with_guide(params: SamplingParams, guide: Guide) -> SamplingParams:
+    """A request's own copy of its params, carrying its guide to the sampler (params may be shared by
+    many requests; the guide is one request's)."""
+    bound = copy.copy(params)
+    bound.guide = guide
+    return bound
+
+
+_executor: Any = None
+
+
+def _fill_masks(guides: list[Guide]) -> torch.Tensor:
+    """[G, words] int32 bitmasks on the host (bit t of word t // 32: token t allowed), in one call."""
+    global _executor
+    for g in guides:
+        g.check()  # a matcher in error has no mask to give: this row fails alone (sample_rows)
+    masks = torch.zeros((len(guides), guides[0].words), dtype=torch.int32)
+    if _executor is None:
+        _executor = _llguidance().LLExecutor()
+    _executor.unsafe_compute_mask_ptr([(g.matcher, i) for i, g in enumerate(guides)], masks.data_ptr(),
+                                      masks.shape[1] * 4, len(guides))
+    return masks
+
+
+def apply_guides(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """`x` [B, V] with each guided row's disallowed tokens at -inf (the same tensor when no row has a
+    guide; otherwise a new one, so the raw logits stay for logprobs)."""
+    rows = [i for i, p in enumerate(params) if p.guide is not None]
+    if not rows:
+        return x
+    guides = [params[i].guide for i in rows]
+    words = {g.words for g in guides if g is not None}
+    if len(words) != 1:
+        raise ValueError("guided_decoding: guides of different vocabularies in one batch")
+    masks = _fill_masks([g for g in guides if g is not None])
+    dev, vocab = x.device, x.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32, device=dev)
+    bits = (upload(masks, dev)[:, :, None] >> shifts) & 1  # [G, words, 32]: little-endian bits of each word
+    allowed = bits.reshape(len(rows), -1)[:, :vocab].bool()
+    idx = upload(rows, dev)
+    return x.index_put((idx,), x[idx].masked_fill(~allowed, float("-inf")))

@@ -1,0 +1,182 @@
+"""Structured output (engine/grammar.py): every output obeys its grammar even when sampled at temperature 1
+from a random tiny model, guided requests equal the reference decoder and leave their batch neighbours
+unchanged, masks are row-wise in the batched sampler, and bad grammars are ValueErrors naming the field."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from loopserve import LLM, GuidedDecodingParams, SamplingParams
+from loopserve.engine.grammar import apply_guides, new_guide, with_guide
+from loopserve.engine.sampler import sample_batch, sample_one, unpack
+from tests.engine_helpers import Req, assert_matches, drive, loaded, make_engine, reference
+
+pytest.importorskip("llguidance")
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "pet"],
+          "properties": {"name": {"type": "string", "maxLength": 6},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "pet": {"enum": ["cat", "dog"]}}}
+REGEX = r"[a-c]{2,4}-[0-9]{3}"
+CHOICES = ["red", "green", "blue"]
+GRAMMAR = 'start: "(" num (" + " num)* ")"\nnum: /[1-9]/'  # Lark: a parenthesized sum of digits
+GUIDES = {
+    "json": GuidedDecodingParams(json=SCHEMA, disable_any_whitespace=True),
+    "json_ws": GuidedDecodingParams(json=SCHEMA, whitespace_pattern=r"[ \n]{0,2}"),  # some whitespace
+    "json_object": GuidedDecodingParams(json_object=True, whitespace_pattern=r"[ ]?"),
+    "regex": GuidedDecodingParams(regex=REGEX),
+    "choice": GuidedDecodingParams(choice=CHOICES),
+    "grammar": GuidedDecodingParams(grammar=GRAMMAR),
+}
+
+
+def obeys(kind: str, text: str) -> bool:
+    if kind in ("json", "json_ws"):
+        try:
+            v = json.loads(text)
+        except ValueError:
+            return False
+        return (isinstance(v, dict) and list(v) == ["name", "age", "pet"] and isinstance(v["name"], str)
+                and len(v["name"]) <= 6 and type(v["age"]) is int and 0 <= v["age"] <= 120
+                and v["pet"] in ("cat", "dog"))
+    if kind == "json_object":
+        try:
+            return isinstance(json.loads(text), dict)
+        except ValueError:
+            return False
+    if kind == "regex":
+        return re.fullmatch(REGEX, text) is not None
+    if kind == "choice":
+        return text in CHOICES
+    return re.fullmatch(r"\([1-9]( \+ [1-9])*\)", text) is not None
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_ouro):
+    return LLM(tiny_ouro, dtype="float64", state_init="zero", seed=3, max_decode_batch=8, kv_cache_tokens=2048)
+
+
+@pytest.mark.parametrize("kind", list(GUIDES))
+def test_every_output_obeys_its_grammar(kind, llm):
+    """Temperature 1 on a random model: the mask alone makes outputs valid (without it they are not), and a
+    complete grammar finishes the request with "stop" instead of running to max_tokens."""
+    prompts = [[5 + i, 40 + 3 * i, 7] for i in range(8)]
+    guided = SamplingParams(temperature=1.0, max_tokens=120, guided_decoding=GUIDES[kind])
+    outs = [o.outputs[0] for o in llm.generate(prompts, guided, use_tqdm=False)]
+    for c in outs:
+        if kind == "json_object" and c.finish_reason == "length":  # any object: a random model may not close it
+            assert c.text.startswith("{") and len(c.token_ids) == 120
+            continue
+        assert c.finish_reason == "stop" and obeys(kind, c.text), (c.text, c.finish_reason)
+    assert any(c.finish_reason == "stop" for c in outs)
+    assert len({c.text for c in outs}) > 1 or kind == "choice"  # really sampled
+    free = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=20), use_tqdm=False)
+    assert not any(obeys(kind, o.outputs[0].text) for o in free)
+
+
+def test_grammar_cut_by_max_tokens_is_length(llm):
+    out = llm.generate([[9, 9]], SamplingParams(temperature=1.0, max_tokens=3, guided_decoding=GUIDES["json"]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 3 and '{"name":'.startswith(out.text)
+
+
+@pytest.mark.parametrize("scheduler", ["cb", "cdb"])
+def test_guided_requests_equal_the_reference(scheduler, tiny_ouro):
+    """Guided and unguided requests batched together (with preemption) equal the reference decoder, which
+    samples each alone: masks are row-wise and neighbours are untouched (batch invariance)."""
+    engine = make_engine(tiny_ouro, scheduler=scheduler, block_size=4, kv_cache_tokens=64, max_decode_batch=4,
+                         max_num_seqs=6, prefill_chunk_size=8)
+    kinds = ["json", None, "regex", "choice", None, "json_ws", "grammar"]
+    reqs = []
+    for i, kind in enumerate(kinds):
+        params = SamplingParams(temperature=1.0 if i % 3 else 0.0, max_tokens=40, exit_threshold=0.6,
+                                logprobs=2 if i % 2 else None,
+                                guided_decoding=GUIDES[kind] if kind else None)
+        reqs.append(Req(f"g{i}", [(29 * i + 7 * j) % 400 + 3 for j in range(3 + 2 * i)], params, seed=50 + i,
+                        arrive=i))
+    outs = drive(engine, reqs)
+    for r, kind in zip(reqs, kinds, strict=True):
+        ref = reference(engine, r)
+        assert_matches(outs[r.rid], ref)
+        if kind:
+            assert obeys(kind, ref.text) or ref.finish_reason == "length", (kind, ref.text)
+
+
+def test_masks_are_row_wise_in_the_batched_sampler(tiny_ouro):
+    """One batch of guided and free rows samples each row as a batch of one would, in any order; the
+    guided rows' draws are allowed tokens and their logprobs are those of the raw logits."""
+    m = loaded(tiny_ouro)
+    tok, vocab = m.tokenizer, m.model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, vocab, generator=gen, dtype=torch.float64) * 3
+    base = [SamplingParams(temperature=1.0, logprobs=1), SamplingParams(temperature=0.0),
+            SamplingParams(temperature=0.7, top_k=20), SamplingParams(temperature=1.0),
+            SamplingParams(temperature=0.0, logprobs=0), SamplingParams(temperature=1.0, top_p=0.9)]
+    params = [with_guide(p, new_guide(GUIDES["regex"] if i == 2 else GUIDES["choice"], tok, vocab))
+              if i in (0, 2, 4) else p for i, p in enumerate(base)]
+    seeds, counters = [11, 12, 13, 14, 15, 16], [0, 3, 1, 4, 0, 2]
+    whole = unpack(sample_batch(logits, params, seeds, counters), params)
+    for i in range(6):
+        assert sample_one(logits[i], params[i], seeds[i], counters[i]) == whole[i]
+    perm = [5, 2, 0, 4, 1, 3]
+    shuffled = unpack(sample_batch(logits[perm], [params[i] for i in perm], [seeds[i] for i in perm],
+                                   [counters[i] for i in perm]), [params[i] for i in perm])
+    assert [shuffled[perm.index(i)] for i in range(6)] == whole
+    texts = [tok.decode([s.token]) for s in whole]
+    assert all(any(c.startswith(texts[i]) for c in CHOICES) for i in (0, 4)) and re.fullmatch("[a-c]{1,4}", texts[2])
+    raw = torch.log_softmax(logits[0], -1)[whole[0].token].item()
+    assert whole[0].logprob == pytest.approx(raw, rel=1e-12)
+    for i in (1, 3, 5):  # free rows: what they sample with no guided row in the batch
+        assert whole[i] == unpack(sample_batch(logits[i:i + 1], [base[i]], [seeds[i]], [counters[i]]), [base[i]])[0]
+
+
+def test_padded_model_vocabulary_is_masked(tiny_ouro):
+    """A model vocabulary padded past the tokenizer's: the ids without text are never allowed."""
+    m = loaded(tiny_ouro)
+    n = m.tokenizer.vocab_size
+    params = [with_guide(SamplingParams(), new_guide(GUIDES["json_object"], m.tokenizer, n + 64))]
+    logits = torch.zeros(1, n + 64, dtype=torch.float64)
+    logits[0, n:] = 100.0
+    masked = apply_guides(logits, params)
+    assert torch.isinf(masked[0, n:]).all() and torch.isfinite(masked[0, :n]).any()
+    assert apply_guides(logits, [SamplingParams()]) is logits  # no guided row: untouched, no copy
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(json={"type": "nope"}), "json"),
+    (dict(json="{not json"), "json"),
+    (dict(json=5), "json"),
+    (dict(regex="a(b"), "regex"),
+    (dict(regex=""), "regex"),
+    (dict(choice=[]), "choice"),
+    (dict(choice=["a", 3]), "choice"),
+    (dict(grammar="start: undefined_rule"), "grammar"),
+    (dict(json_object="yes"), "json_object"),
+    (dict(), "guided_decoding"),
+    (dict(regex="a", choice=["a"]), "guided_decoding"),
+])
+def test_bad_specs_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=rf"^{field}: "):
+        GuidedDecodingParams(**kwargs)
+
+
+def test_sampling_params_takes_only_guided_decoding_params():
+    with pytest.raises(ValueError, match=r"^guided_decoding: "):
+        SamplingParams(guided_decoding={"json": SCHEMA})  # type: ignore[arg-type]
+
+
+def test_pydantic_model_as_schema(llm):
+    pydantic = pytest.importorskip("pydantic")
+
+    class Pet(pydantic.BaseModel):
+        kind: bool
+        legs: int = pydantic.Field(ge=0, le=8)
+
+    params = SamplingParams(temperature=1.0, max_tokens=60,
+                            guided_decoding=GuidedDecodingParams(json=Pet, disable_any_whitespace=True))
+    for o in llm.generate([[3, 4], [8, 1, 2]], params, use_tqdm=False):
+        Pet.model_validate_json(o.outputs[0].text)
