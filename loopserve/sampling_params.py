@@ -11,6 +11,7 @@ from loopserve.exits import POLICIES
 
 if TYPE_CHECKING:
     from loopserve.engine.grammar import Guide
+    from loopserve.engine.sampler import TokenHistory
 
 MAX_LOGPROBS = 20
 # Temperatures below this sample greedily (as vLLM does): dividing logits by a subnormal temperature
@@ -91,6 +92,17 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # penalties and logit adjustments (applied to the raw logits, before temperature and the filters)
+    presence_penalty: float = 0.0  # logits -= presence_penalty for every token generated so far
+    frequency_penalty: float = 0.0  # logits -= frequency_penalty * (times the token was generated)
+    repetition_penalty: float = 1.0  # tokens of the prompt or the output: logit / p if > 0 else logit * p
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    min_tokens: int = 0  # eos and stop_token_ids cannot end the request (nor stop strings) before this many
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None  # keep only the last k prompt tokens
+    # set by the engine on a request's own copy (engine/sampler.py `bind`), never by users: the request's
+    # tokens, which penalties and min_tokens read
+    history: TokenHistory | None = field(default=None, repr=False, compare=False)
     # looped-model extensions
     min_loops: int | None = None
     max_loops: int | None = None
@@ -139,6 +151,33 @@ class SamplingParams:
             raise bad("stop", "must be a non-empty string or a list of them")
         if not isinstance(self.stop_token_ids, list) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        # penalties and logit adjustments
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not is_real(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+                raise bad(name, "must be in [-2, 2]")
+        if not is_real(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "must be a finite number > 0")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias", "must map token ids to biases")
+            bias = {}
+            for k, v in self.logit_bias.items():  # JSON object keys are strings: "50256" is token 50256
+                tid = int(k) if isinstance(k, str) and k.isascii() and k.isdigit() else k
+                if not is_int(tid) or tid < 0:
+                    raise ValueError(f"logit_bias: keys must be token ids (integers >= 0), got {k!r}")
+                if not is_real(v) or not -100 <= v <= 100:
+                    raise ValueError(f"logit_bias: the bias of token {tid} must be in [-100, 100], got {v!r}")
+                bias[tid] = float(v)
+            self.logit_bias = bias
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            raise bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise bad("include_stop_str_in_output", "must be true or false")
+        if self.truncate_prompt_tokens is not None and (not is_int(self.truncate_prompt_tokens)
+                                                        or self.truncate_prompt_tokens < 1):
+            raise bad("truncate_prompt_tokens", "must be an integer >= 1")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
         for name in ("min_loops", "max_loops"):
@@ -161,6 +200,11 @@ class SamplingParams:
             raise bad("exit_threshold", "a gate threshold is a probability in (0, 1]")
         if self.guided_decoding is not None and not isinstance(self.guided_decoding, GuidedDecodingParams):
             raise bad("guided_decoding", "must be a GuidedDecodingParams")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether sampling depends on the tokens so far (presence, frequency or repetition penalty)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def greedy(self) -> bool:

@@ -11,6 +11,13 @@ seed, token index), instead of a generator shared with other rows, so a row's to
 on its neighbours or the batch size. The reference decoder samples through the same function with
 a batch of one, which is what makes seeded sampling exact against it.
 
+Before temperature and the filters, `adjust_logits` applies what vLLM applies first, for the rows
+that ask for it: `logit_bias`, the `min_tokens` mask of the stop token ids, then the repetition,
+frequency and presence penalties over the request's tokens (`penalize`, row-wise too). A request's
+tokens reach the sampler through its params (`bind`): every caller already passes a row's params, and
+a batch with no such row pays for none of it. Logprobs are of the raw distribution (the model's own,
+before any of these and before temperature): vLLM's default `raw_logprobs`.
+
 A row whose logits are not all finite is flagged instead of sampled from (`NonFiniteError` when
 its request takes the sample). If the batched call itself raises, `sample_rows` samples row by
 row, so one request's parameters can only ever fail that request.
@@ -18,7 +25,10 @@ row, so one request's parameters can only ever fail that request.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
+from itertools import chain
+from typing import Protocol
 
 import torch
 
@@ -66,6 +76,85 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     return probs / probs.sum(-1, keepdim=True)
 
 
+class TokenHistory(Protocol):
+    """What penalties and `min_tokens` read of a request besides its params (its `Sequence`)."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    eos_ids: set[int]  # empty under ignore_eos
+
+
+def bind(params: SamplingParams, history: TokenHistory) -> SamplingParams:
+    """The params a request samples with: as given, or its own copy carrying its tokens when its sampling
+    reads them (penalties, min_tokens); params may be shared by many requests, the history is one's."""
+    if not (params.penalized or params.min_tokens):
+        return params
+    bound = copy.copy(params)
+    bound.history = history
+    return bound
+
+
+def _history(p: SamplingParams) -> TokenHistory:
+    history = p.history
+    if history is None:
+        raise ValueError("penalties and min_tokens need the request's tokens: sample with bind(params, sequence)")
+    return history
+
+
+def token_counts(rows: list[list[int]], vocab: int, dev: torch.device) -> torch.Tensor:
+    """[len(rows), vocab] float64: how many times each token occurs in each row's list (one bincount)."""
+    flat = upload(list(chain.from_iterable(rows)), dev)
+    which = upload(torch.repeat_interleave(torch.arange(len(rows)), torch.tensor([len(r) for r in rows])), dev)
+    counts = torch.bincount(which * vocab + flat, minlength=len(rows) * vocab)
+    return counts.view(len(rows), vocab).to(torch.float64)
+
+
+def penalize(logits: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor | None, presence: torch.Tensor,
+             frequency: torch.Tensor, repetition: torch.Tensor | None) -> torch.Tensor:
+    """Penalties on [B, V] float64 logits, per-row values [B]: the repetition penalty divides the positive
+    logit (multiplies the negative one) of each token that occurs in the prompt (`in_prompt` [B, V]) or
+    the output, then logits -= frequency * count + presence * (count > 0), `counts` [B, V] being the
+    output's (OpenAI's definition). `in_prompt` and `repetition` are None when no row uses it."""
+    generated = counts > 0
+    x = logits
+    if repetition is not None and in_prompt is not None:
+        rep = repetition[:, None]
+        x = torch.where(generated | in_prompt, torch.where(x > 0, x / rep, x * rep), x)
+    return x - frequency[:, None] * counts - presence[:, None] * generated
+
+
+def adjust_logits(x: torch.Tensor, params: list[SamplingParams], counters: list[int]) -> torch.Tensor:
+    """`logit_bias`, the `min_tokens` mask and the penalties, in vLLM's order, on the rows that ask for them
+    (`counters`: tokens generated so far); the other rows come back as they are, without a copy when none asks."""
+    dev, vocab = x.device, x.shape[-1]
+    biased = [(i, t, b) for i, p in enumerate(params) if p.logit_bias for t, b in p.logit_bias.items()]
+    if biased:
+        rows, toks, vals = zip(*biased, strict=True)
+        if max(toks) >= vocab:  # checked here, not left to the device (a CUDA index error is fatal)
+            raise ValueError(f"logit_bias: token ids must be in [0, {vocab}) (the model's vocabulary)")
+        x = x.index_put((upload(list(rows), dev), upload(list(toks), dev)), upload(list(vals), dev, torch.float64),
+                        accumulate=True)
+    held = [(i, t) for i, p in enumerate(params) if counters[i] < p.min_tokens
+            for t in sorted(_history(p).eos_ids.union(p.stop_token_ids)) if t < vocab]
+    if held:  # before min_tokens tokens, nothing that stops the request can be sampled
+        rows, toks = zip(*held, strict=True)
+        x = x.index_put((upload(list(rows), dev), upload(list(toks), dev)),
+                        torch.tensor(float("-inf"), dtype=torch.float64, device=dev))
+    pen = [i for i, p in enumerate(params) if p.penalized]
+    if pen:
+        ps, hist = [params[i] for i in pen], [_history(params[i]) for i in pen]
+        counts = token_counts([h.output_ids[:counters[i]] for i, h in zip(pen, hist, strict=True)], vocab, dev)
+        rep = in_prompt = None
+        if any(p.repetition_penalty != 1 for p in ps):
+            rep = upload([p.repetition_penalty for p in ps], dev, torch.float64)
+            in_prompt = token_counts([h.prompt_ids for h in hist], vocab, dev) > 0
+        presence = upload([p.presence_penalty for p in ps], dev, torch.float64)
+        frequency = upload([p.frequency_penalty for p in ps], dev, torch.float64)
+        idx = upload(pen, dev)
+        x = x.index_put((idx,), penalize(x[idx], counts, in_prompt, presence, frequency, rep))
+    return x
+
+
 def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
     """For rows asking for logprobs: the sampled token's logprob and rank in the raw distribution,
     and the top-k (ids, logprobs) in rank order."""
@@ -87,7 +176,8 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seeds: list
     x = logits.detach().to(torch.float64)
     finite = torch.isfinite(x).all(-1)
     raw = x.masked_fill(~finite[:, None], 0.0)  # a non-finite row is flagged, and sampled from zeros
-    x = apply_guides(raw, params)  # structured output: each guided row's grammar mask (engine/grammar.py)
+    x = adjust_logits(raw, params, counters)
+    x = apply_guides(x, params)  # structured output: each guided row's grammar mask (engine/grammar.py)
     tokens = x.argmax(-1)
     rand = [i for i, p in enumerate(params) if not p.greedy]
     if rand:

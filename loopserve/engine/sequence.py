@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from loopserve.engine.grammar import new_guide, with_guide
-from loopserve.engine.sampler import Sample, sample_one
+from loopserve.engine.sampler import Sample, bind, sample_one
 from loopserve.exits import ExitRule
 from loopserve.models.base import LoopedLM
 from loopserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -72,6 +72,11 @@ def parse_prompt(prompt: PromptType, tokenizer: Tokenizer) -> tuple[str | None, 
     raise ValueError("prompt: expected a string, a list of token ids, or a dict with 'prompt' or 'prompt_token_ids'")
 
 
+def truncate_prompt(ids: list[int], keep: int | None) -> list[int]:
+    """The prompt a request runs on: its last `keep` tokens (`truncate_prompt_tokens`), else all of them."""
+    return ids[-keep:] if keep is not None else ids
+
+
 def prompt_seed(base_seed: int, prompt_ids: list[int]) -> int:
     """Seed of a request's random initial loop states when it gives no seed: a hash of the engine's
     seed and the prompt, so identical requests compute identically (Huginn's like-init draws a random
@@ -90,6 +95,7 @@ def make_sequence(model: LoopedLM, tokenizer: Tokenizer, request_id: str, prompt
     request's own seed, else by `prompt_seed(base_seed, prompt)`.
     """
     text, ids = parse_prompt(prompt, tokenizer)
+    ids = truncate_prompt(ids, params.truncate_prompt_tokens)  # the text stays as given (vLLM)
     c = model.config
     rule = resolve_exit_rule(params, model, lookahead)
     state = params.seed if params.seed is not None else prompt_seed(base_seed, ids)
@@ -108,7 +114,10 @@ class Sequence:
                              f"within the model's context of {max_model_len}")
         if any(not 0 <= t < vocab_size for t in prompt_ids):
             raise ValueError(f"prompt_token_ids: ids must be in [0, {vocab_size}) (the model's vocabulary)")
-        self.request_id, self.prompt, self.params, self.rule = request_id, prompt, params, rule
+        if params.logit_bias and max(params.logit_bias) >= vocab_size:
+            raise ValueError(f"logit_bias: token ids must be in [0, {vocab_size}) (the model's vocabulary)")
+        # bound to this sequence's tokens if its sampling reads them (penalties, min_tokens)
+        self.request_id, self.prompt, self.params, self.rule = request_id, prompt, bind(params, self), rule
         if params.guided_decoding is not None:  # structured output: this request's own grammar matcher
             self.params = with_guide(self.params, new_guide(params.guided_decoding, tokenizer, vocab_size))
         self.prompt_ids = list(prompt_ids)
@@ -127,6 +136,8 @@ class Sequence:
         self.text = ""
         self._detok = tokenizer.decode_stream(params.skip_special_tokens)  # incremental decoding of output_ids
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that finished it (not eos)
+        self._stop_from = 0  # stop strings match from here on: the text of the first min_tokens tokens is kept
         self.error: str | None = None
         self.error_status: int | None = None
         self.status = Status.WAITING
@@ -183,12 +194,9 @@ class Sequence:
             guide.advance(token)  # raises if the grammar rejects it: the request fails alone
         self.output_ids.append(token)
         self.exit_depths.append(exit_depth)
+        searched = len(self.text)  # the text before this token had no stop string
         self._decode_new_text()
-        if token in self.eos_ids or token in self.stop_ids:
-            self.finish("stop")
-        elif self.params.stop and self._stop_string():
-            self.finish("stop", keep_text=True)
-        elif len(self.output_ids) >= self.max_new:
+        if not self._stopped(token, searched) and len(self.output_ids) >= self.max_new:
             self.finish("length")
         if not self.finished and guide is not None and guide.done:
             self.finish("stop")  # the grammar is complete: only its end could follow
@@ -200,11 +208,30 @@ class Sequence:
         if chunk:
             self.text += chunk
 
-    def _stop_string(self) -> bool:
-        hits = [i for i in (self.text.find(s) for s in self.params.stop or ()) if i >= 0]
-        if hits:
-            self.text = self.text[: min(hits)]
-        return bool(hits)
+    def _stopped(self, token: int, searched: int) -> bool:
+        """Finish the request if the token just appended, or the text it completed, stops it (vLLM's rules:
+        nothing stops it before min_tokens tokens; the stop token's text, or the stop string, is left out
+        of the text unless include_stop_str_in_output; stop_reason is the stop token id or string, None for eos)."""
+        p = self.params
+        if len(self.output_ids) <= p.min_tokens:
+            self._stop_from = len(self.text)
+            return False
+        if token in self.eos_ids or token in self.stop_ids:
+            self.text = self.tokenizer.decode(self.output_ids if p.include_stop_str_in_output else self.output_ids[:-1],
+                                              p.skip_special_tokens)
+            self.finish("stop", keep_text=True)
+            self.stop_reason = None if token in self.eos_ids else token
+            return True
+        # Only a match ending in the new text can be new; of those, the earliest wins (then the first listed).
+        starts = [(self.text.find(s, max(self._stop_from, searched - len(s) + 1)), s) for s in p.stop or ()]
+        hits = [(i, s) for i, s in starts if i >= 0]
+        if not hits:
+            return False
+        i, s = min(hits, key=lambda h: h[0])
+        self.text = self.text[: i + len(s) if p.include_stop_str_in_output else i]
+        self.finish("stop", keep_text=True)
+        self.stop_reason = s
+        return True
 
     def finish(self, reason: str, error: str | None = None, keep_text: bool = False,
                error_status: int | None = None) -> None:
@@ -219,6 +246,7 @@ class Sequence:
     def to_output(self) -> RequestOutput:
         out = CompletionOutput(0, self.text, list(self.output_ids), self.logprobs, list(self.exit_depths),
                                self.finish_reason,
-                               self.cumulative_logprob if self.params.logprobs is not None else None)
+                               self.cumulative_logprob if self.params.logprobs is not None else None,
+                               stop_reason=self.stop_reason)
         return RequestOutput(self.request_id, self.prompt, self._prompt_ids_out, [out], self.finished,
                              self.metrics, self.error, self.error_status)
