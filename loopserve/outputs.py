@@ -50,3 +50,6 @@ class RequestOutput:
     # the KV cache), 500 when the engine failed on its part of a batch (the other requests go on)
     error_status: int | None = None
     extra: dict = field(default_factory=dict)
+    # with SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing
+    # precedes it), else the token's own logprob and the top ones, computed at full depth
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -91,6 +91,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # top logprobs per prompt token (and the token's own), full depth
     skip_special_tokens: bool = True
     # penalties and logit adjustments (applied to the raw logits, before temperature and the filters)
     presence_penalty: float = 0.0  # logits -= presence_penalty for every token generated so far
@@ -180,6 +181,9 @@ class SamplingParams:
             raise bad("truncate_prompt_tokens", "must be an integer >= 1")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
         for name in ("min_loops", "max_loops"):
             v = getattr(self, name)
             if v is not None and (not is_int(v) or v < 1):

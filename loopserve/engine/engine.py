@@ -26,7 +26,15 @@ from loopserve.cache.manager import KVCacheManager
 from loopserve.cache.pool import KVStore
 from loopserve.config import HUGINN, ModelConfig
 from loopserve.engine.config import EngineConfig
-from loopserve.engine.runner import ModelRunner, PendingSamples, PendingSignals, Signals, StatePool, rows_of
+from loopserve.engine.runner import (
+    ModelRunner,
+    PendingPrefill,
+    PendingSamples,
+    PendingSignals,
+    Signals,
+    StatePool,
+    rows_of,
+)
 from loopserve.engine.scheduler import StagePlan, make_scheduler
 from loopserve.engine.sequence import PromptType, Sequence, make_sequence
 from loopserve.engine.stats import EngineStats
@@ -54,7 +62,7 @@ class InFlight:
     """A stage batch queued on the device whose result the host has not read yet."""
 
     plan: StagePlan
-    result: PendingSamples | PendingSignals | None  # None: a prefill that completed no prompt
+    result: PendingPrefill | PendingSamples | PendingSignals | None
     rows: np.ndarray | None = None  # core: the state-pool rows of the batch, and their generations
     generations: np.ndarray | None = None
     keep: np.ndarray | None = None  # core: the batch rows whose signals are still to be read
@@ -163,7 +171,7 @@ class LLMEngine:
         if plan.stage == "idle":
             return None
         t1, c1 = time.perf_counter(), time.process_time()
-        pending: PendingSamples | PendingSignals | None = None
+        pending: PendingPrefill | PendingSamples | PendingSignals | None = None
         rows = generations = None
         if plan.stage == "prefill":
             pending = self.runner.prefill(plan.chunks)
@@ -228,11 +236,12 @@ class LLMEngine:
                 sched.observe_core(entry.rows[keep], entry.generations[keep],
                                    signals if entry.keep is None else signals.take(entry.keep))
                 continue
-            samples = entry.result.get() if entry.result is not None else []
+            assert entry.result is not None
+            samples = entry.result.get()
             self._model_time += time.perf_counter() - t1
-            if plan.stage == "prefill":
-                seqs = entry.result.seqs if entry.result is not None else []
-                sched.after_prefill(plan, {s.request_id: x for s, x in zip(seqs, samples, strict=True)})
+            if isinstance(entry.result, PendingPrefill):
+                sched.after_prefill(plan, {s.request_id: x for s, x in zip(entry.result.seqs, samples, strict=True)},
+                                    entry.result.prompt_logprobs())
             else:
                 sched.after_coda(plan, samples)
             follow = sched.follow_up(plan)

@@ -12,6 +12,7 @@ import torch
 
 from loopserve.cache.layout import IN_FLIGHT, KVLayout
 from loopserve.cache.pool import KVStore
+from loopserve.engine.sampler import prompt_logprobs, unpack_prompt
 from loopserve.engine.sequence import Sequence
 from loopserve.engine.signals import step_signals, uniform_logprobs
 from loopserve.models.base import LoopedLM
@@ -43,9 +44,20 @@ class ReferenceDecoder:
                 state = model.core_step(state, inject, ctx.with_depth(torch.full((n,), r, device=dev)))
             kv.set_depth(ctx.write_rows, depth)
             seq.metrics.prefill_loops += depth * n
-            if self.has_coda_kv or last:
-                logits = model.coda(state, ctx, torch.tensor([n - 1] if last else [], dtype=torch.long))
-        seq.sample_and_append(logits[0], depth)
+            coda_rows = [n - 1] if last else []
+            k = seq.params.prompt_logprobs
+            scored = min(n, len(prompt) - 1 - start) if k is not None else 0  # prompt tokens this chunk scores
+            coda_rows += range(scored)
+            if self.has_coda_kv or coda_rows:
+                logits = model.coda(state, ctx, torch.tensor(coda_rows, dtype=torch.long, device=dev))
+            if scored > 0:
+                targets = torch.tensor(prompt[start + 1:start + 1 + scored], device=dev)
+                lp = prompt_logprobs(logits[len(coda_rows) - scored:], targets, k or 0)
+                seq.set_prompt_logprobs(start, unpack_prompt({name: t.cpu() for name, t in lp.items()},
+                                                             [k or 0] * scored))
+            if last:
+                first = logits[0]
+        seq.sample_and_append(first, depth)
         while not seq.finished:
             self._decode_token(seq, kv, rows)
         return seq

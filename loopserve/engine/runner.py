@@ -15,7 +15,7 @@ import torch
 from loopserve.cache.layout import IN_FLIGHT, KVLayout
 from loopserve.cache.manager import KVCacheManager
 from loopserve.device import Readback, upload
-from loopserve.engine.sampler import Sample, sample_rows, unpack
+from loopserve.engine.sampler import Sample, prompt_logprobs, sample_rows, unpack, unpack_prompt
 from loopserve.engine.sequence import Sequence
 from loopserve.engine.signals import step_signals, uniform_logprobs
 from loopserve.exits import ExitBook, Signal
@@ -218,6 +218,33 @@ class PendingSamples:
         return self._rows
 
 
+class PendingPrefill:
+    """A prefill batch's results on their way to the host: the first generated token of each prompt it
+    completed, and the prompt-token logprobs of the requests that asked for them."""
+
+    def __init__(self, samples: PendingSamples | None, spans: list[tuple[Sequence, int, int]],
+                 prompt: dict[str, torch.Tensor] | None) -> None:
+        self.samples, self._spans = samples, spans
+        self.seqs = samples.seqs if samples is not None else []
+        self._readback = Readback(prompt) if prompt is not None else None
+
+    def get(self) -> list[Sample]:
+        """One `Sample` per sequence in `seqs` (waits for the copy)."""
+        return self.samples.get() if self.samples is not None else []
+
+    def prompt_logprobs(self) -> list[tuple[Sequence, int, list[Sample]]]:
+        """(sequence, position p, samples): sample j scores its prompt token p+1+j."""
+        if self._readback is None:
+            return []
+        ks = [seq.params.prompt_logprobs or 0 for seq, _, n in self._spans for _ in range(n)]
+        rows = unpack_prompt(self._readback.host(), ks)
+        out, a = [], 0
+        for seq, position, n in self._spans:
+            out.append((seq, position, rows[a:a + n]))
+            a += n
+        return out
+
+
 class ModelRunner:
     def __init__(self, model: LoopedLM, layout: KVLayout, kv: KVCacheManager, pool: StatePool,
                  scratch_row: int) -> None:
@@ -239,11 +266,12 @@ class ModelRunner:
 
     # -- stages --------------------------------------------------------------------------------------
     @torch.no_grad()
-    def prefill(self, chunks: list[PrefillChunk]) -> PendingSamples | None:
+    def prefill(self, chunks: list[PrefillChunk]) -> PendingPrefill:
         """Run chunks through prelude, every loop up to their max_loops, and the coda where needed.
 
-        Returns the first generated token of each sequence whose prompt is now complete (None if none
-        is), sampled on the device and on its way to the host.
+        Returns, on their way to the host, the first generated token of each sequence whose prompt is
+        now complete (sampled on the device) and, for requests with `prompt_logprobs`, the logprobs of
+        their prompt tokens: the coda's at every position of the chunk (the prompt runs at full depth).
         """
         model, dev = self.model, self.device
         ctx = paged_context(self.kv.store, self.layout, self.kv.block_tables,
@@ -264,14 +292,25 @@ class ModelRunner:
                 state[idx] = model.core_step(state[idx], None if inject is None else inject[idx], sub)
         self.kv.store.set_depth(ctx.write_rows, upload(loops, dev))
         last = [i for i, c in enumerate(chunks) if c.last]
-        logit_rows = [ctx.seg_starts[i + 1] - 1 for i in last]
-        if self.has_coda_kv:
-            logits = model.coda(state, ctx, upload(logit_rows, dev))
-        elif last:
-            logits = model.coda(state[upload(logit_rows, dev)], ctx.select(logit_rows))
-        if not last:
-            return None
-        return PendingSamples([chunks[i].seq for i in last], logits)
+        rows = [ctx.seg_starts[i + 1] - 1 for i in last]
+        spans: list[tuple[Sequence, int, int]] = []  # (sequence, first position, rows) scoring prompt tokens
+        targets: list[int] = []
+        for i, c in enumerate(chunks):
+            n = min(c.n, len(c.seq.prompt_ids) - 1 - c.start)  # the last prompt token scores a generated one
+            if c.seq.params.prompt_logprobs is not None and n > 0:
+                spans.append((c.seq, c.start, n))
+                rows += range(ctx.seg_starts[i], ctx.seg_starts[i] + n)
+                targets += c.seq.prompt_ids[c.start + 1:c.start + 1 + n]
+        logits = None
+        if self.has_coda_kv or rows:  # a coda with layers writes its KV at every row
+            logits = model.coda(state, ctx, upload(rows, dev))
+        samples = PendingSamples([chunks[i].seq for i in last], logits[:len(last)]) if last and logits is not None \
+            else None
+        prompt = None
+        if spans and logits is not None:
+            k = max(seq.params.prompt_logprobs or 0 for seq, _, _ in spans)
+            prompt = prompt_logprobs(logits[len(last):], upload(targets, dev), k)
+        return PendingPrefill(samples, spans, prompt)
 
     @torch.no_grad()
     def prelude(self, items: list[WorkItem]) -> None:

@@ -226,14 +226,34 @@ def unpack(host: dict[str, torch.Tensor], params: list[SamplingParams]) -> list[
     out = [Sample(t, f) for t, f in zip(host["tokens"].tolist(), host["finite"].tolist(), strict=True)]
     asked = [i for i, p in enumerate(params) if p.logprobs is not None]
     if asked:
-        chosen, ranks = host["lp_chosen"].tolist(), host["lp_rank"].tolist()
-        ids = host["lp_top_ids"].tolist() if "lp_top_ids" in host else None
-        vals = host["lp_top_vals"].tolist() if "lp_top_vals" in host else None
-        for j, i in enumerate(asked):
-            k = params[i].logprobs or 0
-            s = out[i]
-            s.logprob, s.rank = chosen[j], ranks[j]
-            s.top = list(zip(ids[j][:k], vals[j][:k], strict=True)) if ids is not None and vals is not None else []
+        _fill_logprobs([out[i] for i in asked], host, [params[i].logprobs or 0 for i in asked])
+    return out
+
+
+def _fill_logprobs(samples: list[Sample], host: dict[str, torch.Tensor], ks: list[int]) -> None:
+    """Give each sample its row of `top_logprobs`' host result, keeping the top ks[j] of row j."""
+    chosen, ranks = host["lp_chosen"].tolist(), host["lp_rank"].tolist()
+    ids = host["lp_top_ids"].tolist() if "lp_top_ids" in host else None
+    vals = host["lp_top_vals"].tolist() if "lp_top_vals" in host else None
+    for j, (s, k) in enumerate(zip(samples, ks, strict=True)):
+        s.logprob, s.rank = chosen[j], ranks[j]
+        s.top = list(zip(ids[j][:k], vals[j][:k], strict=True)) if ids is not None and vals is not None else []
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
+    """Logprobs of prompt tokens: row i of `logits` [R, V] scores `targets[i]` (the prompt token after
+    the row's position). The raw distribution, in float64, row-wise like the sampler; stays on the
+    device for one readback ("tokens", "finite" and `top_logprobs`' fields, top `k`)."""
+    x = logits.detach().to(torch.float64)
+    finite = torch.isfinite(x).all(-1)
+    return {"tokens": targets, "finite": finite, **top_logprobs(x.masked_fill(~finite[:, None], 0.0), targets, k)}
+
+
+def unpack_prompt(host: dict[str, torch.Tensor], ks: list[int]) -> list[Sample]:
+    """`prompt_logprobs`' host result as one `Sample` per prompt row (its token and logprobs), keeping the
+    top ks[j] of row j."""
+    out = [Sample(t, f) for t, f in zip(host["tokens"].tolist(), host["finite"].tolist(), strict=True)]
+    _fill_logprobs(out, host, ks)
     return out
 
 

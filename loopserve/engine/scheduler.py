@@ -275,8 +275,16 @@ class Scheduler:
         return None
 
     # -- results ----------------------------------------------------------------------------------------
-    def after_prefill(self, plan: StagePlan, samples: dict[str, Sample]) -> None:
+    def after_prefill(self, plan: StagePlan, samples: dict[str, Sample],
+                      prompt_logprobs: list[tuple[Sequence, int, list[Sample]]] | None = None) -> None:
+        for seq, position, rows in prompt_logprobs or ():
+            try:
+                seq.set_prompt_logprobs(position, rows)
+            except Exception as e:
+                self.fail(seq, e)
         for c in plan.chunks:
+            if c.seq.finished:  # failed above
+                continue
             seq = c.seq
             self.prefill_pos[seq.request_id] = c.start + c.n
             self.stats.prefill_token_loops += c.n * seq.rule.max_loops

@@ -73,8 +73,9 @@ def parse_prompt(prompt: PromptType, tokenizer: Tokenizer) -> tuple[str | None, 
 
 
 def truncate_prompt(ids: list[int], keep: int | None) -> list[int]:
-    """The prompt a request runs on: its last `keep` tokens (`truncate_prompt_tokens`), else all of them."""
-    return ids[-keep:] if keep is not None else ids
+    """The prompt a request runs on: its last `keep` tokens (`truncate_prompt_tokens`), else all of them
+    (also for a `keep` < 1, which SamplingParams refuses)."""
+    return ids[-keep:] if keep is not None and keep >= 1 else ids
 
 
 def prompt_seed(base_seed: int, prompt_ids: list[int]) -> int:
@@ -131,6 +132,8 @@ class Sequence:
         self.stop_ids = set(params.stop_token_ids)
         self.output_ids: list[int] = []
         self.logprobs: list | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+            [None] * len(self.prompt_ids) if params.prompt_logprobs is not None else None)
         self.cumulative_logprob = 0.0
         self.exit_depths: list[int] = []
         self.text = ""
@@ -177,13 +180,25 @@ class Sequence:
         if sample.logprob is not None:
             self.cumulative_logprob += sample.logprob
             if self.logprobs is not None:
-                decode = self.tokenizer.decode_token  # the token's text, as vLLM's decoded_token
-                entry = {i: Logprob(v, rank, decode(i)) for rank, (i, v) in enumerate(sample.top or (), start=1)}
-                if token not in entry:
-                    entry[token] = Logprob(sample.logprob, sample.rank, decode(token))
-                self.logprobs.append(entry)
+                self.logprobs.append(self._logprob_entry(sample))
         self.append(token, exit_depth)
         return token
+
+    def _logprob_entry(self, sample: Sample) -> dict[int, Logprob]:
+        """A token's logprob entry (vLLM's shape): the top ones by rank, and the token's own."""
+        decode = self.tokenizer.decode_token  # the token's text, as vLLM's decoded_token
+        entry = {i: Logprob(v, rank, decode(i)) for rank, (i, v) in enumerate(sample.top or (), start=1)}
+        if sample.token not in entry:
+            entry[sample.token] = Logprob(sample.logprob, sample.rank, decode(sample.token))  # type: ignore[arg-type]
+        return entry
+
+    def set_prompt_logprobs(self, position: int, samples: list[Sample]) -> None:
+        """The logprobs of prompt tokens position+1, position+2, ... (sample j scores token position+1+j,
+        from the state of the token before it). Writing a position twice (a prompt prefilled again after
+        preemption) overwrites it with the same values."""
+        assert self.prompt_logprobs is not None
+        for j, sample in enumerate(samples):
+            self.prompt_logprobs[position + 1 + j] = self._logprob_entry(sample.checked())
 
     def append(self, token: int, exit_depth: int) -> None:
         now = time.monotonic()
@@ -249,4 +264,4 @@ class Sequence:
                                self.cumulative_logprob if self.params.logprobs is not None else None,
                                stop_reason=self.stop_reason)
         return RequestOutput(self.request_id, self.prompt, self._prompt_ids_out, [out], self.finished,
-                             self.metrics, self.error, self.error_status)
+                             self.metrics, self.error, self.error_status, prompt_logprobs=self.prompt_logprobs)

@@ -1,0 +1,77 @@
+"""Prompt logprobs (`SamplingParams.prompt_logprobs`): the coda's distribution at every prompt position,
+at full depth, during prefill. Checked against the upstream math recomputed from scratch (float64, no
+cache), and the batching engine against the sequential reference decoder whatever the schedule, chunking
+and batch neighbours."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loopserve import SamplingParams
+from tests.engine_helpers import Req, drive, make_engine, reference
+from tests.upstream import oracle
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+PROMPT = [5, 17, 99, 3, 250, 40, 7, 11, 12, 300, 8]
+
+
+def test_prompt_logprobs_match_the_upstream_math(tiny_ouro):
+    """Every prompt position against the oracle's full-depth forward pass: the scored token's logprob
+    and rank, and the top-k ids and values (the prompt spans three prefill chunks, beside a neighbour)."""
+    k = 4
+    engine = make_engine(tiny_ouro, scheduler="cdb", prefill_chunk_size=4)
+    reqs = [Req("p", PROMPT, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=k), seed=0),
+            Req("n", [9, 9, 9, 9, 9], SamplingParams(max_tokens=3, temperature=0), seed=1)]
+    got = drive(engine, reqs)["p"].prompt_logprobs
+    config, weights = oracle.load_folder(tiny_ouro)
+    want = torch.log_softmax(oracle.ouro_logits(config, weights, PROMPT, config["total_ut_steps"]), -1)
+    assert got is not None and len(got) == len(PROMPT) and got[0] is None
+    for p in range(1, len(PROMPT)):
+        row, entry = want[p - 1], got[p]
+        assert entry is not None
+        token = PROMPT[p]
+        assert abs(entry[token].logprob - float(row[token])) < 1e-9
+        assert entry[token].rank == int((row > row[token]).sum()) + 1
+        top = torch.topk(row, k)
+        ranked = sorted((lp.rank, t) for t, lp in entry.items() if lp.rank is not None and lp.rank <= k)
+        assert [t for _, t in ranked] == top.indices.tolist()
+        pairs = zip(top.indices.tolist(), top.values.tolist(), strict=True)
+        assert max(abs(entry[t].logprob - v) for t, v in pairs) < 1e-9
+        assert len(entry) == k + (token not in top.indices.tolist())
+
+
+@pytest.mark.parametrize("scheduler", ["cb", "cdb-norefill", "cdb"])
+@pytest.mark.parametrize("arch", ["ouro", "huginn"])
+def test_engine_equals_the_reference(arch, scheduler, tiny_ouro, tiny_huginn):
+    """Requests with and without prompt logprobs, different k, prompts of one token and of several chunks,
+    arriving while others decode: the same values as the reference decoder, request by request."""
+    path = tiny_ouro if arch == "ouro" else tiny_huginn
+    engine = make_engine(path, scheduler=scheduler, prefill_chunk_size=4, max_num_batched_tokens=8)
+    reqs = [Req("a", PROMPT, SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=3), seed=0),
+            Req("b", [44], SamplingParams(max_tokens=2, temperature=0.8, prompt_logprobs=0), seed=1),
+            Req("c", [7, 8, 9, 10, 11, 12], SamplingParams(max_tokens=4, temperature=0), seed=2, arrive=2),
+            Req("d", PROMPT[::-1], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1, logprobs=2),
+                seed=3, arrive=3)]
+    outs = drive(engine, reqs)
+    for r in reqs:
+        ref = reference(engine, r)
+        out = outs[r.rid]
+        assert out.outputs[0].token_ids == ref.output_ids
+        if r.params.prompt_logprobs is None:
+            assert out.prompt_logprobs is None
+            continue
+        assert out.prompt_logprobs is not None and ref.prompt_logprobs is not None
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(r.prompt)
+        for ours, theirs in zip(out.prompt_logprobs[1:], ref.prompt_logprobs[1:], strict=True):
+            assert ours is not None and theirs is not None and ours.keys() == theirs.keys()
+            for t in ours:
+                assert ours[t].rank == theirs[t].rank
+                assert abs(ours[t].logprob - theirs[t].logprob) < 1e-9
+
+
+@pytest.mark.parametrize("bad", [-1, 21, 1.5, True, "3"])
+def test_bad_values_name_the_field(bad):
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=bad)
