@@ -225,6 +225,56 @@ def test_batch_prompts(client, offline):
     assert r.usage.completion_tokens == 10
 
 
+def test_penalties_and_stop_fields_equal_offline(client, offline):
+    """OpenAI's penalties and logit_bias as client arguments, vLLM's fields in extra_body: the offline result."""
+    prompt = "ROMEO: But soft, what light"
+    vllm = dict(repetition_penalty=1.3, min_tokens=3, include_stop_str_in_output=True, truncate_prompt_tokens=4)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0.8, seed=3,
+                                  presence_penalty=0.5, frequency_penalty=-0.4, logit_bias={"17": 2.5},
+                                  extra_body={**vllm, "return_token_ids": True})
+    want = offline_one(offline, prompt, max_tokens=12, temperature=0.8, seed=3, presence_penalty=0.5,
+                       frequency_penalty=-0.4, logit_bias={17: 2.5}, **vllm)
+    c, w = r.choices[0], want.outputs[0]
+    assert (c.text, c.model_extra["token_ids"], c.finish_reason) == (w.text, w.token_ids, w.finish_reason)
+    assert r.usage.prompt_tokens == len(want.prompt_token_ids) == 4
+    assert c.model_extra["prompt_token_ids"] == want.prompt_token_ids
+    # stop_reason: the stop string, kept in the text when asked; null at length
+    assert c.model_extra["stop_reason"] is None and c.finish_reason == "length"
+    protected = len(offline.tokenizer.decode(w.token_ids[:3]))  # min_tokens: no stop string in there
+    stop = _ascii_stop(w.text[protected:])
+    assert stop is not None
+    kw = dict(max_tokens=12, temperature=0.8, seed=3, presence_penalty=0.5, frequency_penalty=-0.4, stop=[stop])
+    kept = client.completions.create(model=MODEL, prompt=prompt, **kw, logit_bias={"17": 2.5}, extra_body=vllm)
+    want_kept = offline_one(offline, prompt, **kw, logit_bias={17: 2.5}, **vllm).outputs[0]
+    kept = kept.choices[0]
+    assert kept.text == want_kept.text == w.text[: w.text.find(stop, protected) + len(stop)]
+    assert (kept.finish_reason, kept.model_extra["stop_reason"]) == ("stop", want_kept.stop_reason) == ("stop", stop)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=6,
+                                          temperature=0, presence_penalty=1.0, extra_body={"min_tokens": 6})
+    assert chat.usage.completion_tokens == 6 and chat.choices[0].model_extra["stop_reason"] is None
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, presence_penalty=3)
+
+
+@pytest.mark.parametrize(("path", "fields", "param"), [
+    ("/v1/completions", {"presence_penalty": -2.5}, "presence_penalty"),
+    ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/completions", {"logit_bias": {"5": -101}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"five": 1}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"100000": 1}}, "logit_bias"),  # outside the vocabulary
+    ("/v1/completions", {"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+    ("/v1/completions", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ("/v1/chat/completions", {"frequency_penalty": 9}, "frequency_penalty"),
+    ("/v1/chat/completions", {"min_tokens": -1}, "min_tokens"),
+])
+def test_bad_adjustment_names_the_field(server, path, fields, param):
+    body = {**({"prompt": "hi"} if "chat" not in path else {"messages": [{"role": "user", "content": "hi"}]}),
+            "model": MODEL, "max_tokens": 4, **fields}
+    r = httpx.post(server.url + path, json=body, headers=AUTH, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and r.json()["error"]["message"].startswith(param), r.text
+
+
 # -- hard edges (httpx) -----------------------------------------------------------------------------------------
 C, H = "/v1/completions", "/v1/chat/completions"
 GOOD_C = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
@@ -285,8 +335,8 @@ BAD_INPUTS = [
     ("best_of-2", "POST", C, _c(best_of=2), None, 400),
     ("echo", "POST", C, _c(echo=True), None, 400),
     ("suffix", "POST", C, _c(suffix="tail"), None, 400),
-    ("frequency_penalty", "POST", C, _c(frequency_penalty=0.5), None, 400),
-    ("logit_bias", "POST", C, _c(logit_bias={"5": 1.0}), None, 400),
+    ("frequency_penalty-above-two", "POST", C, _c(frequency_penalty=2.5), None, 400),
+    ("logit_bias-above-100", "POST", C, _c(logit_bias={"5": 101}), None, 400),
     ("stream-wrong-type", "POST", C, _c(stream="yes"), None, 400),
     ("stream_options-without-stream", "POST", C, _c(stream_options={"include_usage": True}), None, 400),
     ("exit_trace-zero-depth", "POST", C, _c(exit_trace=[0, 1]), None, 400),

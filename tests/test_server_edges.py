@@ -269,6 +269,7 @@ WRONG_SAMPLING = {
     "stream_options": 5, "return_token_ids": "no", "min_loops": 1.5, "max_loops": "2", "exit_threshold": "0.5",
     "exit_policy": 5, "exit_trace": 5, "user": 5, "metadata": [1], "store": "yes", "service_tier": 5,
     "frequency_penalty": "0", "presence_penalty": "0", "repetition_penalty": "1", "logit_bias": [1],
+    "min_tokens": "1", "include_stop_str_in_output": "yes", "truncate_prompt_tokens": 1.5,
 }
 WRONG_COMPLETION = {**WRONG_SAMPLING, "prompt": 5, "logprobs": "2", "echo": "no", "suffix": 5, "best_of": "1"}
 WRONG_CHAT = {**WRONG_SAMPLING, "messages": 5, "max_completion_tokens": "4", "logprobs": 1, "top_logprobs": "2",

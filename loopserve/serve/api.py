@@ -61,7 +61,7 @@ from starlette.requests import ClientDisconnect
 from loopserve.device import kv_memory_gb
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine import LLMEngine
-from loopserve.engine.sequence import Sequence, resolve_exit_rule
+from loopserve.engine.sequence import Sequence, resolve_exit_rule, truncate_prompt
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import SamplingParams
 from loopserve.serve.async_engine import (
@@ -424,7 +424,8 @@ class OpenAIServing:
                 body = {"delta": {"content": text} if text or not out.finished else {}}
             logprobs = self.fmt.chat_logprobs(c, start, end, gen.top_logprobs)
         choice = {"index": index, **body, "logprobs": logprobs,
-                  "finish_reason": c.finish_reason if out.finished else None, "stop_reason": None,
+                  "finish_reason": c.finish_reason if out.finished else None,
+                  "stop_reason": c.stop_reason if out.finished else None,
                   "exit_depths": list(c.exit_depths[start:end])}
         if gen.req.return_token_ids:
             choice["token_ids"] = list(c.token_ids[start:end])
@@ -515,7 +516,8 @@ class OpenAIServing:
             raise ApiError(400, f"prompt: at most {self.aengine.capacity} prompts per request", "prompt")
         cid, rids = self.new_ids(request, COMPLETION, len(prompts))
         seqs = []
-        for rid, (text, ids) in zip(rids, prompts, strict=True):
+        for rid, (text, whole) in zip(rids, prompts, strict=True):
+            ids = truncate_prompt(whole, req.truncate_prompt_tokens)  # before the context check, as the engine will
             mt = self.resolve_max_tokens(req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, len(ids), "prompt")
             params = sampling_params(req, max_tokens=mt, logprobs=req.logprobs,
                                      defaults=self.settings.sampling_defaults)
@@ -540,6 +542,7 @@ class OpenAIServing:
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         if not ids:
             raise ApiError(400, "messages: the chat template produced an empty prompt", "messages")
+        ids = truncate_prompt(ids, req.truncate_prompt_tokens)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         mt = self.resolve_max_tokens(requested, None, len(ids), "messages")
         top = req.top_logprobs or 0

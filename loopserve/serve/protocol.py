@@ -10,10 +10,9 @@ Known fields are strict:
   the offline and the HTTP API);
 - known OpenAI fields that do not change the output (`user`, `metadata`, `store`, `service_tier`,
   `parallel_tool_calls`) are accepted and ignored;
-- known fields whose feature is not implemented (`frequency_penalty`, `presence_penalty`,
-  `repetition_penalty`, `logit_bias`, `best_of`, `echo`, `suffix`, `tools`, `tool_choice`,
-  `response_format`, `n`) are accepted only at their neutral value (0, 0, 1, empty, 1, false,
-  empty, empty, "none", text, 1); anything else is a 400 saying it is not supported.
+- known fields whose feature is not implemented (`best_of`, `echo`, `suffix`, `tools`, `tool_choice`,
+  `response_format`, `n`) are accepted only at their neutral value (1, false, empty, empty, "none",
+  text, 1); anything else is a 400 saying it is not supported.
 """
 
 from __future__ import annotations
@@ -97,20 +96,16 @@ class _SamplingFields(_Strict):
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    # known, not implemented: neutral values only
-    frequency_penalty: float | None = 0.0
-    presence_penalty: float | None = 0.0
-    repetition_penalty: float | None = 1.0
-    logit_bias: dict[str, float] | None = None
+    # penalties and logit adjustments (OpenAI's, and vLLM's extensions); unset: SamplingParams' defaults
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None  # unset: the model's generation_config.json, else 1
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key) -> bias
+    min_tokens: int | None = None
+    include_stop_str_in_output: bool | None = None
+    truncate_prompt_tokens: int | None = None
 
     def check_unsupported(self) -> None:
-        neutral = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
-        for name, value in neutral.items():
-            v = getattr(self, name)
-            if v is not None and v != value:
-                raise ApiError(400, f"{name}: not supported by this server (only {value} is accepted)", name)
-        if self.logit_bias:
-            raise ApiError(400, "logit_bias: not supported by this server", "logit_bias")
         if self.n is not None and self.n != 1:
             raise ApiError(400, "n: only n=1 is supported", "n")
         if self.stream_options is not None and not self.stream:
@@ -314,18 +309,25 @@ def _members(t: Any) -> list[Any]:
     return [t]
 
 
+# request fields passed to SamplingParams as they are (validated there)
+ADJUSTMENTS = ("frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "min_tokens",
+               "include_stop_str_in_output", "truncate_prompt_tokens")
+
+
 def sampling_params(req: _SamplingFields, *, max_tokens: int | None, logprobs: int | None,
                     defaults: dict[str, Any]) -> SamplingParams:
     """SamplingParams of a request; its range checks become 400s naming the field."""
     ext = {k: getattr(req, k) if getattr(req, k) is not None else defaults.get(k)
            for k in ("min_loops", "max_loops", "exit_threshold", "exit_policy")}
+    adjust = {k: defaults[k] for k in ADJUSTMENTS if defaults.get(k) is not None}  # else SamplingParams' own
+    adjust.update({k: getattr(req, k) for k in ADJUSTMENTS if getattr(req, k) is not None})
     kwargs: dict[str, Any] = dict(
         max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p, top_k=-1 if req.top_k is None else req.top_k,
         min_p=0.0 if req.min_p is None else req.min_p, seed=req.seed, stop=req.stop,
         stop_token_ids=list(req.stop_token_ids or []), ignore_eos=bool(req.ignore_eos),
         skip_special_tokens=req.skip_special_tokens is not False, logprobs=logprobs, exit_trace=req.exit_trace,
-        **ext)
+        **ext, **adjust)
     try:
         return SamplingParams(**kwargs)
     except ValueError as e:
