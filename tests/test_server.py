@@ -356,7 +356,7 @@ BAD_INPUTS = [
     ("chat-top_logprobs-without-logprobs", "POST", H, _h(top_logprobs=2), None, 400),
     ("chat-top_logprobs-too-many", "POST", H, _h(logprobs=True, top_logprobs=50), None, 400),
     ("chat-tools", "POST", H, _h(tools=[{"type": "function", "function": {"name": "f"}}]), None, 400),
-    ("chat-response_format-json", "POST", H, _h(response_format={"type": "json_object"}), None, 400),
+    ("chat-response_format-unknown-type", "POST", H, _h(response_format={"type": "yaml"}), None, 400),
     ("chat-max_completion_tokens-negative", "POST", H, _h(max_completion_tokens=-3), None, 400),
     ("chat-max_tokens-over-context", "POST", H, _h(max_tokens=MAX_LEN), None, 400),
     ("chat-unknown-model", "POST", H, _h(model="gpt-4"), None, 404),

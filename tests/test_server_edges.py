@@ -262,7 +262,7 @@ def test_sigterm_does_not_wait_for_stalled_uploads(short_path, tmp_path):
 
 
 # -- C: validation errors name the field's full path -------------------------------------------------------------
-# a value of the wrong type for every field (tool_choice takes any JSON value, so it has none)
+# a value of the wrong type for every field
 WRONG_SAMPLING = {
     "model": 5, "max_tokens": "4", "n": "1", "temperature": "hot", "top_p": [1], "top_k": 1.5, "min_p": "0",
     "seed": "7", "stop": 5, "stop_token_ids": "1", "ignore_eos": "yes", "skip_special_tokens": 1, "stream": "yes",
@@ -270,12 +270,14 @@ WRONG_SAMPLING = {
     "exit_policy": 5, "exit_trace": 5, "user": 5, "metadata": [1], "store": "yes", "service_tier": 5,
     "frequency_penalty": "0", "presence_penalty": "0", "repetition_penalty": "1", "logit_bias": [1],
     "min_tokens": "1", "include_stop_str_in_output": "yes", "truncate_prompt_tokens": 1.5,
+    "response_format": [1], "guided_json": 5, "guided_regex": 5, "guided_choice": "x", "guided_grammar": 5,
+    "guided_whitespace_pattern": 5, "structured_outputs": [1],
 }
 WRONG_COMPLETION = {**WRONG_SAMPLING, "prompt": 5, "logprobs": "2", "echo": "no", "suffix": 5, "best_of": "1"}
 WRONG_CHAT = {**WRONG_SAMPLING, "messages": 5, "max_completion_tokens": "4", "logprobs": 1, "top_logprobs": "2",
-              "add_generation_prompt": "yes", "response_format": [1], "tools": "x", "parallel_tool_calls": "yes",
+              "add_generation_prompt": "yes", "tools": "x", "tool_choice": 5, "parallel_tool_calls": "yes",
               "chat_template_kwargs": [1]}
-ANY_VALUE = {"tool_choice"}
+ANY_VALUE: set[str] = set()  # fields any JSON value is valid for
 GOOD_C = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
 GOOD_H = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
@@ -302,6 +304,9 @@ NESTED = [
     (H, _user([{"type": "text", "text": 5}]), "messages.0.content.0.text"),
     (H, _user([{"type": "image_url", "image_url": {"url": "x"}}]), "messages.0.content.0.type"),
     (H, {"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+    (H, {"tools": [{"type": "function", "function": {"name": 5}}]}, "tools.0.function.name"),
+    (H, {"tool_choice": {"type": "function", "function": {"name": 5}}}, "tool_choice.function.name"),
+    (C, {"response_format": {"type": "json_schema", "json_schema": {"name": 5}}}, "response_format.json_schema.name"),
 ]
 CASES = ([(C, {f: v}, f) for f, v in WRONG_COMPLETION.items()] + [(H, {f: v}, f) for f, v in WRONG_CHAT.items()]
          + NESTED)

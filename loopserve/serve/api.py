@@ -78,6 +78,7 @@ from loopserve.serve.protocol import (
     ApiError,
     ChatCompletionRequest,
     ChatMessage,
+    ChatTool,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeChatRequest,
@@ -96,6 +97,7 @@ from loopserve.serve.responses import (
     sse,
     usage_body,
 )
+from loopserve.serve.structured import ToolPlan, chat_guide, request_guide
 
 log = logging.getLogger("loopserve.serve")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
@@ -202,6 +204,7 @@ class _Generation:
     cid: str
     seqs: list[Sequence]
     top_logprobs: int = 0  # chat: alternatives per token
+    tools: ToolPlan | None = None  # chat: the tool calls the output becomes (serve/structured.py)
 
     @property
     def stop(self) -> list[str] | None:
@@ -358,12 +361,13 @@ class OpenAIServing:
         return done
 
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool | None,
-                    template_kwargs: dict[str, Any] | None) -> str:
-        """The chat template applied to `messages` (with the request's extra template variables)."""
+                    template_kwargs: dict[str, Any] | None, tools: list[ChatTool] | None = None) -> str:
+        """The chat template applied to `messages` (with the request's tools and extra template variables)."""
         plain = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
+        tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
         try:
             return self.tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt is not False,
-                                                      **(template_kwargs or {}))
+                                                      tools=tool_dicts, **(template_kwargs or {}))
         except ValueError as e:
             head = str(e).split(":", 1)[0]
             if template_kwargs and head in template_kwargs:  # the tokenizer refused one of the request's variables
@@ -422,9 +426,13 @@ class OpenAIServing:
                 body = {"message": {"role": "assistant", "content": text}}
             else:
                 body = {"delta": {"content": text} if text or not out.finished else {}}
+            if gen.tools is not None:  # a forced tool call: the output is its arguments
+                body = ({"delta": gen.tools.delta(c, text, out.finished)} if stream else
+                        {"message": gen.tools.message(c)})
             logprobs = self.fmt.chat_logprobs(c, start, end, gen.top_logprobs)
         choice = {"index": index, **body, "logprobs": logprobs,
-                  "finish_reason": c.finish_reason if out.finished else None,
+                  "finish_reason": (gen.tools.finish_reason(c) if gen.tools is not None else c.finish_reason)
+                  if out.finished else None,
                   "stop_reason": c.stop_reason if out.finished else None,
                   "exit_depths": list(c.exit_depths[start:end])}
         if gen.req.return_token_ids:
@@ -515,12 +523,14 @@ class OpenAIServing:
         if len(prompts) > self.aengine.capacity:
             raise ApiError(400, f"prompt: at most {self.aengine.capacity} prompts per request", "prompt")
         cid, rids = self.new_ids(request, COMPLETION, len(prompts))
+        guide = request_guide(req)
         seqs = []
         for rid, (text, whole) in zip(rids, prompts, strict=True):
             ids = truncate_prompt(whole, req.truncate_prompt_tokens)  # before the context check, as the engine will
             mt = self.resolve_max_tokens(req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, len(ids), "prompt")
             params = sampling_params(req, max_tokens=mt, logprobs=req.logprobs,
                                      defaults=self.settings.sampling_defaults)
+            params.guided_decoding = guide
             seqs.append(self.make_seq(rid, text, ids, params, arrival, req.seed, "prompt"))
         return await self.generate(request, _Generation(COMPLETION, req, cid, seqs))
 
@@ -538,7 +548,8 @@ class OpenAIServing:
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.monotonic()
         req: ChatCompletionRequest = await self.read(request, lambda body: parse_body(ChatCompletionRequest, body))
-        text = self.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+        guide, tools = chat_guide(req)
+        text = self.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs, req.tools)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         if not ids:
             raise ApiError(400, "messages: the chat template produced an empty prompt", "messages")
@@ -549,8 +560,9 @@ class OpenAIServing:
         params = sampling_params(req, max_tokens=mt, logprobs=top if req.logprobs else None,
                                  defaults=self.settings.sampling_defaults)
         cid, (rid,) = self.new_ids(request, CHAT, 1)
+        params.guided_decoding = guide
         seq = self.make_seq(rid, text, ids, params, arrival, req.seed, "messages")
-        return await self.generate(request, _Generation(CHAT, req, cid, [seq], top))
+        return await self.generate(request, _Generation(CHAT, req, cid, [seq], top, tools))
 
 
 # -- the app -----------------------------------------------------------------------------------------------------

@@ -10,9 +10,11 @@ Known fields are strict:
   the offline and the HTTP API);
 - known OpenAI fields that do not change the output (`user`, `metadata`, `store`, `service_tier`,
   `parallel_tool_calls`) are accepted and ignored;
-- known fields whose feature is not implemented (`best_of`, `echo`, `suffix`, `tools`, `tool_choice`,
-  `response_format`, `n`) are accepted only at their neutral value (1, false, empty, empty, "none",
-  text, 1); anything else is a 400 saying it is not supported.
+- known fields whose feature is not implemented (`best_of`, `echo`, `suffix`, `n`) are accepted only
+  at their neutral value (1, false, empty, 1); anything else is a 400 saying it is not supported.
+
+Structured output (`response_format`, vLLM's `guided_*` and `structured_outputs`) and tool calls
+(`tools`, `tool_choice`) are read by `serve/structured.py`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import json
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from loopserve.sampling_params import SamplingParams
 
@@ -69,6 +71,18 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool | None = False
 
 
+class JsonSchemaFormat(_Strict):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingFields(_Strict):
     model: str | None = None
     max_tokens: int | None = None
@@ -91,6 +105,14 @@ class _SamplingFields(_Strict):
     exit_threshold: float | None = None
     exit_policy: str | None = None
     exit_trace: list[int] | None = None  # per-token exit depths to replay (benchmarks)
+    # structured output (serve/structured.py): at most one of these
+    response_format: ResponseFormat | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structured_outputs: dict[str, Any] | None = None
     # known, output-neutral: ignored
     user: str | None = None
     metadata: dict[str, Any] | None = None
@@ -159,27 +181,41 @@ class ChatMessage(_Strict):
         return "".join(p.text for p in self.content)
 
 
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
     add_generation_prompt: bool | None = True
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension: extra variables for the chat template
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
         check_template_kwargs(self.chat_template_kwargs)
-        if self.tools:
-            raise ApiError(400, "tools: tool calling is not supported by this server", "tools")
-        if self.tool_choice not in (None, "none"):
-            raise ApiError(400, "tool_choice: tool calling is not supported by this server", "tool_choice")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise ApiError(400, "response_format: only {'type': 'text'} is supported", "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs: needs logprobs=true", "top_logprobs")
         if not self.messages:

@@ -1,0 +1,181 @@
+"""Structured output and tool calls over HTTP: which grammar a request's fields ask for, and how a
+forced tool call's output becomes `message.tool_calls`.
+
+Grammar fields (at most one may be given; each error is a 400 naming it): `response_format`
+({"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}; "text"
+is no grammar), vLLM's `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (with
+`guided_whitespace_pattern`, which applies to response_format and tool calls too) and its newer `structured_outputs`
+object (`json`, `regex`, `choice`, `grammar`, `json_object`, `disable_any_whitespace`,
+`whitespace_pattern`). Between JSON tokens any whitespace is allowed unless a pattern says otherwise.
+
+Tool calling (chat), as vLLM does it without a tool-call parser: `tools` go to the chat template;
+`tool_choice` "none" generates text; a named function ({"type": "function", "function": {"name"}})
+forces its arguments through the function's parameters schema, and the output becomes one tool call
+(finish_reason "stop", as OpenAI and vLLM answer a forced function); "required" forces a JSON list
+of {"name", "parameters"} over the given tools (at least one; one if `parallel_tool_calls` is false),
+returned as tool calls with finish_reason "tool_calls". "auto" (the default when tools are given)
+would need a parser for the model's own tool-call format: it is refused with a 400, as vLLM refuses
+it when started without `--enable-auto-tool-choice`.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from loopserve.outputs import CompletionOutput
+from loopserve.sampling_params import GuidedDecodingParams
+from loopserve.serve.protocol import ApiError
+
+# vLLM's request fields -> GuidedDecodingParams fields
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+
+
+def _guided(param: str, field_of: dict[str, str], **kwargs: Any) -> GuidedDecodingParams:
+    """GuidedDecodingParams(**kwargs); its ValueError becomes a 400 naming the request field (`field_of`:
+    GuidedDecodingParams' field names -> the request's)."""
+    try:
+        return GuidedDecodingParams(**kwargs)
+    except TypeError as e:  # a key GuidedDecodingParams does not have (structured_outputs)
+        raise ApiError(400, f"{param}: {e}", param) from None
+    except ValueError as e:
+        head, _, rest = str(e).partition(": ")
+        where = field_of.get(head, param)
+        raise ApiError(400, f"{where}: {rest or e}", where) from None
+
+
+def response_format_guide(fmt: Any, whitespace: str | None = None,
+                          param: str = "response_format") -> GuidedDecodingParams | None:
+    """The grammar of an OpenAI `response_format` (None for text); `whitespace`: the pattern allowed
+    between JSON tokens (None: any whitespace)."""
+    kind = fmt.type
+    ws = {"whitespace_pattern": whitespace} if whitespace is not None else {}
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _guided(param, {}, json_object=True, **ws)
+    if kind == "json_schema":
+        spec = fmt.json_schema
+        if spec is None:
+            raise ApiError(400, f"{param}.json_schema: field required for type json_schema", f"{param}.json_schema")
+        schema = spec.schema_ if spec.schema_ is not None else {"type": "object"}  # OpenAI: schema is optional
+        return _guided(f"{param}.json_schema.schema", {}, json=schema, **ws)
+    raise ApiError(400, f"{param}.type: {kind!r} is not supported (text, json_object or json_schema)", f"{param}.type")
+
+
+def request_guide(req: Any) -> GuidedDecodingParams | None:
+    """The grammar a completions or chat request asks for through its grammar fields (None: none)."""
+    given = [name for name in (*GUIDED_FIELDS, "structured_outputs") if getattr(req, name, None) is not None]
+    fmt = getattr(req, "response_format", None)
+    if fmt is not None and fmt.type != "text":
+        given.append("response_format")
+    if len(given) > 1:
+        raise ApiError(400, f"{given[1]}: only one of {', '.join(given)} may be given", given[1])
+    if not given:
+        return None
+    name = given[0]
+    if name == "response_format":
+        return response_format_guide(fmt, req.guided_whitespace_pattern)
+    if name == "structured_outputs":
+        so = req.structured_outputs
+        return _guided(name, {k: f"{name}.{k}" for k in so}, **so)
+    kwargs = {GUIDED_FIELDS[name]: getattr(req, name)}
+    if req.guided_whitespace_pattern is not None:
+        kwargs["whitespace_pattern"] = req.guided_whitespace_pattern
+    return _guided(name, {GUIDED_FIELDS[name]: name, "whitespace_pattern": "guided_whitespace_pattern"}, **kwargs)
+
+
+@dataclass
+class ToolPlan:
+    """How a chat request's output becomes tool calls: one named function, or "required" (a list)."""
+
+    names: list[str]  # the function forced, or every tool's
+    required: bool  # "required": the output is [{"name", "parameters"}, ...]
+    guide: GuidedDecodingParams
+    call_id: str = field(default_factory=lambda: new_call_id())  # a named call's
+    streamed: bool = False  # a stream has sent the named call's id and name
+
+    def calls(self, c: CompletionOutput) -> list[dict[str, Any]]:
+        """The tool calls of a finished output ([] if it is not complete JSON: cut by max_tokens or a stop)."""
+        try:
+            value = json.loads(c.text)
+        except ValueError:
+            return []
+        if not self.required:
+            return [tool_call(self.names[0], c.text, self.call_id)]
+        return [tool_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in value]
+
+    def message(self, c: CompletionOutput) -> dict[str, Any]:
+        """The assistant message of a finished output: its tool calls, or its text if they are incomplete."""
+        calls = self.calls(c)
+        return {"role": "assistant", "content": None if calls else c.text, "tool_calls": calls}
+
+    def delta(self, c: CompletionOutput, text: str, finished: bool) -> dict[str, Any]:
+        """A stream chunk's delta: a named call's arguments as they come (its id and name first); the calls
+        of "required" once the list is complete."""
+        if self.required:
+            calls = self.calls(c) if finished else []
+            return {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]} if calls else {}
+        if not text:
+            return {}
+        fn: dict[str, Any] = {"arguments": text}
+        if self.streamed:
+            return {"tool_calls": [{"index": 0, "function": fn}]}
+        self.streamed = True
+        return {"tool_calls": [{"index": 0, "id": self.call_id, "type": "function",
+                                "function": {"name": self.names[0], **fn}}]}
+
+    def finish_reason(self, c: CompletionOutput) -> str | None:
+        return "tool_calls" if self.required and c.finish_reason == "stop" else c.finish_reason
+
+
+def new_call_id() -> str:
+    return f"chatcmpl-tool-{secrets.token_hex(16)}"  # vLLM's form
+
+
+def tool_call(name: str, arguments: str, call_id: str | None = None) -> dict[str, Any]:
+    """One entry of `message.tool_calls` (OpenAI's shape; `arguments` is JSON text)."""
+    return {"id": call_id or new_call_id(), "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def chat_guide(req: Any) -> tuple[GuidedDecodingParams | None, ToolPlan | None]:
+    """The grammar of a chat request and, when it forces tool calls, how they are returned."""
+    plan, guide = tool_plan(req), request_guide(req)
+    if plan is not None and guide is not None:
+        raise ApiError(400, "tool_choice: a forced tool call cannot be combined with another grammar field",
+                       "tool_choice")
+    return (plan.guide if plan is not None else guide), plan
+
+
+def tool_plan(req: Any) -> ToolPlan | None:
+    """The tool calls a chat request forces (None: it generates text). Raises ApiError for what is not
+    supported ("auto") or inconsistent (a named function that is not among the tools)."""
+    choice, tools = req.tool_choice, req.tools or []
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if choice == "none":
+        return None
+    if not tools:
+        raise ApiError(400, "tool_choice: needs tools", "tool_choice")
+    if choice == "auto":
+        raise ApiError(400, "tool_choice: 'auto' (the default when tools are given) needs a parser of the model's own "
+                            "tool-call format, which this server does not have; use 'required', a named function "
+                            "or 'none'", "tool_choice")
+    schemas = {t.function.name: t.function.parameters or {"type": "object", "properties": {}} for t in tools}
+    ws = {"whitespace_pattern": req.guided_whitespace_pattern} if req.guided_whitespace_pattern is not None else {}
+    if choice == "required":
+        items = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
+                  "properties": {"name": {"const": name}, "parameters": schema}} for name, schema in schemas.items()]
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+        if req.parallel_tool_calls is False:
+            schema["maxItems"] = 1
+        return ToolPlan(list(schemas), True, _guided("tools", {}, json=schema, **ws))
+    name = choice.function.name
+    if name not in schemas:
+        raise ApiError(400, f"tool_choice.function.name: {name!r} is not among the tools", "tool_choice.function.name")
+    index = list(schemas).index(name)
+    return ToolPlan([name], False, _guided(f"tools.{index}.function.parameters", {}, json=schemas[name], **ws))

@@ -1,0 +1,164 @@
+"""Structured output and tool calls against a real `loopserve serve` (serve/structured.py): the official
+client's `.parse()` gets a parsed object, a forced tool call's arguments parse to the function's schema
+(streamed too), vLLM's guided_* fields work on both endpoints, and bad grammars are 400s naming the field."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Literal
+
+import httpx
+import openai
+import pydantic
+import pytest
+
+from loopserve.models.tiny import TinySpec, make_tiny
+from loopserve.tokenizer import Tokenizer
+from tests.server_helpers import MODEL, Server, run_server
+
+pytest.importorskip("llguidance")
+pytestmark = pytest.mark.timeout(180)
+
+# a chat template that shows the tools it is given
+TEMPLATE = ("{% if tools %}tools:{% for t in tools %} {{ t.function.name }}{% endfor %}\n{% endif %}"
+            "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant:{% endif %}")
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The forecast",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+                   "properties": {"city": {"enum": ["Paris", "Oslo"]},
+                                  "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "additionalProperties": False, "required": ["utc"],
+                                       "properties": {"utc": {"type": "boolean"}}}}}
+MESSAGES = [{"role": "user", "content": "What is the weather?"}]
+COMPACT = {"guided_whitespace_pattern": ""}  # no whitespace in JSON: a random model would pad it at length
+
+
+class Pet(pydantic.BaseModel):
+    kind: Literal["cat", "dog"]
+    legs: int = pydantic.Field(ge=0, le=8)
+    indoor: bool
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory) -> Path:
+    return make_tiny(tmp_path_factory.mktemp("tiny-structured"), TinySpec(arch="ouro", seed=1))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_path, tmp_path_factory) -> Iterator[Server]:
+    folder = tmp_path_factory.mktemp("structured")
+    (folder / "template.jinja").write_text(TEMPLATE)
+    with run_server(tiny_path, folder / "server.log", "--kv-cache-tokens", "2048",
+                    "--chat-template", str(folder / "template.jinja")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def _post(server: Server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(server.url + path, json={"model": MODEL, **body}, timeout=60)
+
+
+def _valid_weather(arguments: str) -> bool:
+    args = json.loads(arguments)
+    return set(args) == {"city", "days"} and args["city"] in ("Paris", "Oslo") and type(args["days"]) is int \
+        and 1 <= args["days"] <= 7
+
+
+def test_parse_returns_a_parsed_object(client):
+    """The official client's `.parse()` with a pydantic model: a json_schema response_format, sampled at
+    temperature 1 from a random model, comes back as a Pet."""
+    for seed in (1, 2, 3):
+        done = client.chat.completions.parse(model=MODEL, messages=MESSAGES, response_format=Pet, temperature=1.0,
+                                             max_tokens=400, seed=seed)
+        choice = done.choices[0]
+        assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Pet), choice.message.content
+
+
+def test_json_object_and_guided_fields_on_both_endpoints(server):
+    out = _post(server, "/v1/completions", {"prompt": "a", "max_tokens": 30, "seed": 4,
+                                            "guided_choice": ["north", "south"]}).json()
+    assert out["choices"][0]["text"] in ("north", "south") and out["choices"][0]["finish_reason"] == "stop"
+    out = _post(server, "/v1/completions", {"prompt": "a", "max_tokens": 30, "seed": 4,
+                                            "guided_regex": "[xyz]{3}-[0-9]{2}"}).json()
+    assert re.fullmatch("[xyz]{3}-[0-9]{2}", out["choices"][0]["text"])
+    out = _post(server, "/v1/completions", {"prompt": "a", "max_tokens": 60, "seed": 5,
+                                            "response_format": {"type": "json_schema", "json_schema": {
+                                                "name": "w", "schema": WEATHER["function"]["parameters"]}},
+                                            "guided_whitespace_pattern": ""}).json()
+    assert _valid_weather(out["choices"][0]["text"])
+    out = _post(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 60, "seed": 6,
+                                                 "structured_outputs": {"json": WEATHER["function"]["parameters"],
+                                                                        "disable_any_whitespace": True}}).json()
+    assert _valid_weather(out["choices"][0]["message"]["content"])
+    out = _post(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 40, "seed": 7,
+                                                 "guided_grammar": 'start: "(" /[1-9]/ ")"'}).json()
+    assert re.fullmatch(r"\([1-9]\)", out["choices"][0]["message"]["content"])
+
+
+def test_named_tool_choice_returns_a_tool_call(client, server, tiny_path):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    done = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[TIME, WEATHER], tool_choice=named,
+                                          temperature=1.0, max_tokens=200, seed=8, extra_body=COMPACT)
+    choice = done.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content is None  # OpenAI's and vLLM's answer
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("chatcmpl-tool-")
+    assert _valid_weather(call.function.arguments)
+    # streamed: the id and name first, then the same arguments in pieces
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[TIME, WEATHER], tool_choice=named,
+                                            temperature=1.0, max_tokens=200, seed=8, stream=True,
+                                            extra_body=COMPACT)
+    parts = [tc for chunk in stream for ch in chunk.choices for tc in ch.delta.tool_calls or ()]
+    assert parts[0].function.name == "get_weather" and parts[0].id
+    assert "".join(p.function.arguments or "" for p in parts) == call.function.arguments
+    # the tools reached the chat template
+    raw = _post(server, "/v1/chat/completions", {"messages": MESSAGES, "tools": [TIME, WEATHER], "max_tokens": 1,
+                                                 "tool_choice": "none", "return_token_ids": True}).json()
+    prompt = Tokenizer(tiny_path).decode(raw["choices"][0]["prompt_token_ids"])
+    assert prompt.startswith("tools: get_time get_weather")
+
+
+def test_required_tool_choice(client):
+    done = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[TIME, WEATHER],
+                                          tool_choice="required", parallel_tool_calls=False, temperature=1.0,
+                                          max_tokens=300, seed=9, extra_body=COMPACT)
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name in ("get_time", "get_weather")
+    args = json.loads(call.function.arguments)
+    assert _valid_weather(call.function.arguments) if call.function.name == "get_weather" else \
+        set(args) == {"utc"} and isinstance(args["utc"], bool)
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nope"}}}}, "response_format.json_schema.schema"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ("/v1/chat/completions", {"response_format": {"type": "yaml"}}, "response_format.type"),
+    ("/v1/completions", {"guided_regex": "a(b"}, "guided_regex"),
+    ("/v1/completions", {"guided_choice": []}, "guided_choice"),
+    ("/v1/completions", {"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex"),
+    ("/v1/completions", {"structured_outputs": {"colour": "red"}}, "structured_outputs"),
+    ("/v1/chat/completions", {"tools": [WEATHER]}, "tool_choice"),  # "auto": no tool-call parser
+    ("/v1/chat/completions", {"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     "tool_choice.function.name"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {
+        "name": "bad", "parameters": {"type": "nope"}}}], "tool_choice": "required"}, "tools"),
+])
+def test_bad_grammars_are_400_naming_the_field(server, path, body, param):
+    base = {"messages": MESSAGES} if "chat" in path else {"prompt": "a"}
+    r = _post(server, path, {**base, "max_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
