@@ -17,6 +17,8 @@ frequency and presence penalties over the request's tokens (`penalize`, row-wise
 tokens reach the sampler through its params (`bind`): every caller already passes a row's params, and
 a batch with no such row pays for none of it. Logprobs are of the raw distribution (the model's own,
 before any of these and before temperature): vLLM's default `raw_logprobs`.
+Then `apply_guides` (engine/grammar.py) sets the tokens a guided row's grammar forbids to -inf, from
+the matcher its params carry (structured output); rows without a grammar are not touched.
 
 A row whose logits are not all finite is flagged instead of sampled from (`NonFiniteError` when
 its request takes the sample). If the batched call itself raises, `sample_rows` samples row by
