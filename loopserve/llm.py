@@ -133,7 +133,8 @@ class LLM:
         if self.engine is None:
             decoder = ReferenceDecoder(self.model, self.layout, self.engine_config.prefill_chunk_size)
             for seq in seqs:
-                decoder.run(seq)
+                for sample in seq.family:  # n > 1: each sample decoded on its own, from its own prefill
+                    decoder.run(sample)
                 bar.finished(seq.to_output())
         else:
             for seq in seqs:

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from loopserve.engine.sampler import TokenHistory
 
 MAX_LOGPROBS = 20
+MAX_N = 128  # samples per prompt
 # Temperatures below this sample greedily (as vLLM does): dividing logits by a subnormal temperature
 # overflows to inf, and below it a logit gap of 1e-3 is already a probability ratio of e^100.
 GREEDY_TEMPERATURE = 1e-5
@@ -127,8 +128,8 @@ class SamplingParams:
         def is_real(x) -> bool:  # finite int or float (no bool, NaN or infinity)
             return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
-        if not is_int(self.n) or self.n != 1:
-            raise bad("n", "only n=1 is supported")
+        if not is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"must be an integer in [1, {MAX_N}]")
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "must be an integer >= 1")
         if not is_real(self.temperature) or not 0 <= self.temperature <= 100:

@@ -22,7 +22,7 @@ LOGITS = P.log() + 3.0  # a constant shift changes nothing
 
 
 @pytest.mark.parametrize("field,kwargs", [
-    ("n", {"n": 2}),
+    ("n", {"n": 0}),
     ("max_tokens", {"max_tokens": 0}),
     ("max_tokens", {"max_tokens": 2.5}),
     ("temperature", {"temperature": -0.1}),

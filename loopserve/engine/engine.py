@@ -109,17 +109,23 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: float | None = None, seed: int | None = None) -> None:
-        if request_id in self.requests:
-            raise ValueError(f"request_id: {request_id!r} is already in flight")
         self.add_sequence(self.make_sequence(request_id, prompt, params, arrival_time, seed))
 
     def add_sequence(self, seq: Sequence) -> None:
-        seq.arrival_index = next(self._arrivals)
-        self.requests[seq.request_id] = seq
+        """Admit a request built by `make_sequence` (with n > 1: all its samples)."""
+        taken = [s.request_id for s in seq.family if s.request_id in self.requests]
+        if taken:
+            raise ValueError(f"request_id: {taken[0]!r} is already in flight")
+        for s in seq.family:
+            s.arrival_index = next(self._arrivals)
+            self.requests[s.request_id] = s
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:
-        self.scheduler.abort(request_id)  # reported with the next step's outputs
+        """Stop a request (every sample of it); reported with the next step's outputs."""
+        seq = self.requests.get(request_id)
+        for s in seq.family if seq is not None else ():
+            self.scheduler.abort(s.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or bool(self.scheduler.finished)
@@ -136,11 +142,13 @@ class LLMEngine:
         self._run(plan)
         self.stats.model_time += self._model_time
         self.stats.schedule_time += time.perf_counter() - t0 - self._model_time
-        outs = [seq.to_output() for seq in dict.fromkeys(sched.appended) if not seq.finished]
-        sched.appended.clear()
         for seq in sched.finished:
-            outs.append(seq.to_output())
-            self.requests.pop(seq.request_id, None)
+            if all(s.finished for s in seq.family):  # a request's samples leave together
+                for s in seq.family:
+                    self.requests.pop(s.request_id, None)
+        # one output per request that got a token or finished (a request's samples share one output)
+        outs = [seq.to_output() for seq in dict.fromkeys(s.family[0] for s in sched.appended + sched.finished)]
+        sched.appended.clear()
         sched.finished.clear()
         if plan.stage == "idle" and not outs and sched.has_work():
             raise RuntimeError("scheduler made no progress with work pending (a bug: please report)")

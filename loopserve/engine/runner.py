@@ -292,7 +292,9 @@ class ModelRunner:
                 state[idx] = model.core_step(state[idx], None if inject is None else inject[idx], sub)
         self.kv.store.set_depth(ctx.write_rows, upload(loops, dev))
         last = [i for i, c in enumerate(chunks) if c.last]
-        rows = [ctx.seg_starts[i + 1] - 1 for i in last]
+        sampled = [s for i in last for s in (chunks[i].seq, *chunks[i].seq.pending_forks)]  # n > 1: from one row
+        rows = [ctx.seg_starts[i + 1] - 1 for i in last for _ in range(1 + len(chunks[i].seq.pending_forks))]
+        n_sampled = len(rows)
         spans: list[tuple[Sequence, int, int]] = []  # (sequence, first position, rows) scoring prompt tokens
         targets: list[int] = []
         for i, c in enumerate(chunks):
@@ -304,12 +306,17 @@ class ModelRunner:
         logits = None
         if self.has_coda_kv or rows:  # a coda with layers writes its KV at every row
             logits = model.coda(state, ctx, upload(rows, dev))
-        samples = PendingSamples([chunks[i].seq for i in last], logits[:len(last)]) if last and logits is not None \
-            else None
+        samples = PendingSamples(sampled, logits[:n_sampled]) if sampled and logits is not None else None
         prompt = None
         if spans and logits is not None:
             k = max(seq.params.prompt_logprobs or 0 for seq, _, _ in spans)
-            prompt = prompt_logprobs(logits[len(last):], upload(targets, dev), k)
+            prompt = prompt_logprobs(logits[n_sampled:], upload(targets, dev), k)
+        for i in last:  # the other samples of a request (n > 1) get a copy of the prompt's KV
+            head = chunks[i].seq
+            if head.pending_forks:
+                src = upload(self.kv.rows(head.request_id, len(head.prompt_ids)), dev)
+                for fork in head.pending_forks:
+                    self.kv.store.copy_rows(upload(self.kv.rows(fork.request_id, len(fork.prompt_ids)), dev), src)
         return PendingPrefill(samples, spans, prompt)
 
     @torch.no_grad()

@@ -73,10 +73,14 @@ class Scheduler:
 
     # -- requests ------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        if self.kv.allocator.blocks_for(len(seq.prompt_ids) + 1) > self.kv.num_blocks:
-            seq.finish("error", f"prompt of {len(seq.prompt_ids)} tokens cannot fit in the KV cache "
-                                f"({self.kv.num_blocks * self.kv.block_size} tokens)", error_status=400)
-            self._finish(seq)
+        """Queue a request (with n > 1, its head: the other samples fork from its prefill)."""
+        if len(seq.family) * self.kv.allocator.blocks_for(len(seq.prompt_ids) + 1) > self.kv.num_blocks:
+            copies = f"{len(seq.family)} samples of a " if len(seq.family) > 1 else ""
+            for s in seq.family:
+                s.finish("error", f"{copies}prompt of {len(seq.prompt_ids)} tokens cannot fit in the KV cache "
+                                  f"({self.kv.num_blocks * self.kv.block_size} tokens)", error_status=400)
+                self._finish(s)
+            seq.pending_forks = []
             return
         self.waiting.append(seq)
 
@@ -87,6 +91,7 @@ class Scheduler:
         """Stop a request wherever it is; it is reported (finish_reason "abort") with the next step's
         outputs. None if the request is not in flight."""
         seq = next((s for s in self.waiting if s.request_id == request_id), None)
+        seq = seq or next((f for s in self.waiting for f in s.pending_forks if f.request_id == request_id), None)
         seq = seq or next((i.seq for i in self.swapped if i.seq.request_id == request_id), None)
         seq = seq or self.running.get(request_id)
         if seq is not None:
@@ -110,6 +115,13 @@ class Scheduler:
         """Take a request out of every queue, release what it holds, and finish it."""
         if seq in self.waiting:
             self.waiting.remove(seq)
+        head = seq.family[0]
+        if seq in head.pending_forks:  # a sample still waiting for the prompt's prefill
+            head.pending_forks = [f for f in head.pending_forks if f is not seq]
+        for fork in seq.pending_forks if seq is head else ():  # the prefill they wait for will not come
+            fork.finish(reason, error, keep_text=error is not None)
+            self._finish(fork)
+        seq.pending_forks = []
         for item in [i for i in self.swapped if i.seq is seq]:
             self.swapped.remove(item)
         for q in (self.prelude_q, self.core_q, self.coda_q, self.coda_running):
@@ -226,24 +238,26 @@ class Scheduler:
         chunks: list[PrefillChunk] = []
         margin = int(cfg.kv_safety_margin * kv.num_blocks)
         free = kv.num_free
-        owed = sum(kv.blocks_needed(s.request_id, len(s.prompt_ids) + 1)  # to finish admitted prompts
-                   for s in self.waiting if s.request_id in self.running)
+        owed = sum(kv.blocks_needed(s.request_id, len(s.prompt_ids) + 1) + self._fork_blocks(s)  # to finish
+                   for s in self.waiting if s.request_id in self.running)  # admitted prompts
         for seq in list(self.waiting):
             sid = seq.request_id
             admitted = sid in self.running
-            if not admitted and len(self.running) + sum(c.start == 0 for c in chunks) >= cfg.max_num_seqs:
+            if not admitted and len(self.running) + sum(len(c.seq.family) for c in chunks if c.start == 0) \
+                    + len(seq.family) > cfg.max_num_seqs:
                 break
             start = self.prefill_pos.get(sid, 0)
             n = min(cfg.prefill_chunk_size - start % cfg.prefill_chunk_size, len(seq.prompt_ids) - start)
             if n > budget:
                 break
-            need = kv.blocks_needed(sid, start + n + (1 if start + n == len(seq.prompt_ids) else 0))
+            last = start + n == len(seq.prompt_ids)
+            need = kv.blocks_needed(sid, start + n + (1 if last else 0)) + (self._fork_blocks(seq) if last else 0)
             if admitted:
                 if need > free:
                     break
                 owed -= need
             else:
-                whole = kv.blocks_needed(sid, len(seq.prompt_ids) + 1)
+                whole = kv.blocks_needed(sid, len(seq.prompt_ids) + 1) + self._fork_blocks(seq)
                 idle = not chunks and not self.running  # an otherwise idle engine admits whatever fits
                 if whole + owed > free - (0 if idle else margin):
                     break
@@ -257,7 +271,15 @@ class Scheduler:
             if sid not in self.running:
                 self.running[sid] = c.seq
                 c.seq.status = Status.RUNNING
+            for fork in c.seq.pending_forks if c.last else ():  # they get the prompt's KV with this chunk
+                kv.ensure(fork.request_id, len(fork.prompt_ids) + 1)
+                self.running[fork.request_id] = fork
+                fork.status = Status.RUNNING
         return chunks
+
+    def _fork_blocks(self, seq: Sequence) -> int:
+        """KV blocks the samples forking from `seq`'s prefill take (their copies of the prompt)."""
+        return len(seq.pending_forks) * self.kv.allocator.blocks_for(len(seq.prompt_ids) + 1)
 
     # -- the decision ---------------------------------------------------------------------------------
     def schedule(self) -> StagePlan:
@@ -293,7 +315,12 @@ class Scheduler:
                 continue
             self.waiting.remove(seq)
             self.stats.prompt_tokens += len(seq.prompt_ids)
+            forks, seq.pending_forks = seq.pending_forks, []
             self._append_token(seq, samples[seq.request_id], seq.rule.max_loops)
+            for fork in forks:  # the runner copied the prompt's KV to them: they go on from here
+                self.prefill_pos[fork.request_id] = len(fork.prompt_ids)
+                fork.prompt_logprobs = seq.prompt_logprobs
+                self._append_token(fork, samples[fork.request_id], fork.rule.max_loops)
 
     def after_prelude(self, plan: StagePlan) -> None:
         for item in plan.items:

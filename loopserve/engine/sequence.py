@@ -100,14 +100,34 @@ def make_sequence(model: LoopedLM, tokenizer: Tokenizer, request_id: str, prompt
     c = model.config
     rule = resolve_exit_rule(params, model, lookahead)
     state = params.seed if params.seed is not None else prompt_seed(base_seed, ids)
-    return Sequence(request_id, text, ids, params, rule, seed, tokenizer, c.max_position, c.vocab_size, arrival_time,
-                    state_seed=state)
+    family = [Sequence(sample_id(request_id, j), text, ids, params, rule, _sample_seed(seed, params.seed, j), tokenizer,
+                       c.max_position, c.vocab_size, arrival_time, state_seed=state, index=j)
+              for j in range(params.n)]
+    head = family[0]
+    for seq in family:
+        seq.family = family
+    head.pending_forks = family[1:]
+    return head
+
+
+def sample_id(request_id: str, index: int) -> str:
+    """The engine's id of sample `index` of a request (n > 1): the request's own id for the first,
+    "{index}_{request_id}" for the others (vLLM's child ids)."""
+    return request_id if index == 0 else f"{index}_{request_id}"
+
+
+def _sample_seed(seed: int, given: int | None, index: int) -> int:
+    """Sampling seed of sample `index`: seed + index when the request gave one (vLLM), else a distinct
+    stream derived from the engine's seed for the request."""
+    if given is not None:
+        return given + index
+    return (seed + index * 0x9E3779B97F4A7C15) & _MASK63
 
 
 class Sequence:
     def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
                  rule: ExitRule, seed: int, tokenizer: Tokenizer, max_model_len: int, vocab_size: int,
-                 arrival_time: float | None = None, state_seed: int | None = None) -> None:
+                 arrival_time: float | None = None, state_seed: int | None = None, index: int = 0) -> None:
         if not prompt_ids:
             raise ValueError("prompt: empty prompt (no tokens)")
         if len(prompt_ids) >= max_model_len:
@@ -124,7 +144,7 @@ class Sequence:
         self.prompt_ids = list(prompt_ids)
         self._prompt_ids_out = list(prompt_ids)  # one copy shared by this request's outputs, not one each
         self.tokenizer = tokenizer
-        self.seed = (params.seed if params.seed is not None else seed) & _MASK63  # sampling
+        self.seed = seed & _MASK63  # sampling (make_sequence: the request's seed, + index for sample `index`)
         self._state_base = (state_seed if state_seed is not None else self.seed) & _MASK63
         limit = max_model_len - len(prompt_ids)
         self.max_new = min(params.max_tokens, limit) if params.max_tokens is not None else limit
@@ -144,6 +164,12 @@ class Sequence:
         self.error: str | None = None
         self.error_status: int | None = None
         self.status = Status.WAITING
+        # n > 1: the request's samples share the prompt's prefill. `family` lists them all (this one
+        # included, the first is the head, whose id is the request's); the head prefills the prompt and
+        # its `pending_forks` receive a copy of the prompt's KV when that completes.
+        self.index = index
+        self.family: list[Sequence] = [self]
+        self.pending_forks: list[Sequence] = []
         self.arrival_index = 0  # order of arrival at the engine (preemption picks the latest)
         self.metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
 
@@ -258,10 +284,27 @@ class Sequence:
         self.status = Status.FINISHED
         self.metrics.finished_time = time.monotonic()
 
+    def completion(self) -> CompletionOutput:
+        return CompletionOutput(self.index, self.text, list(self.output_ids), self.logprobs, list(self.exit_depths),
+                                self.finish_reason,
+                                self.cumulative_logprob if self.params.logprobs is not None else None,
+                                stop_reason=self.stop_reason)
+
     def to_output(self) -> RequestOutput:
-        out = CompletionOutput(0, self.text, list(self.output_ids), self.logprobs, list(self.exit_depths),
-                               self.finish_reason,
-                               self.cumulative_logprob if self.params.logprobs is not None else None,
-                               stop_reason=self.stop_reason)
-        return RequestOutput(self.request_id, self.prompt, self._prompt_ids_out, [out], self.finished,
-                             self.metrics, self.error, self.error_status, prompt_logprobs=self.prompt_logprobs)
+        """The request's output so far (one completion per sample; finished once every sample is)."""
+        head = self.family[0]
+        if len(self.family) == 1:
+            return RequestOutput(self.request_id, self.prompt, self._prompt_ids_out, [self.completion()],
+                                 self.finished, self.metrics, self.error, self.error_status,
+                                 prompt_logprobs=self.prompt_logprobs)
+        failed = next((s for s in self.family if s.error is not None), None)
+        finished = all(s.finished for s in self.family)
+        firsts = [s.metrics.first_token_time for s in self.family if s.metrics.first_token_time is not None]
+        metrics = RequestMetrics(head.metrics.arrival_time, min(firsts, default=None),
+                                 max(s.metrics.finished_time or 0.0 for s in self.family) if finished else None,
+                                 sum(s.metrics.loops_run for s in self.family),
+                                 head.metrics.prefill_loops)  # the samples share the prompt's prefill
+        return RequestOutput(head.request_id, head.prompt, head._prompt_ids_out, [s.completion() for s in self.family],
+                             finished, metrics,
+                             failed.error if failed else None, failed.error_status if failed else None,
+                             prompt_logprobs=head.prompt_logprobs)

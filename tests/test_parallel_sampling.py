@@ -1,0 +1,104 @@
+"""n > 1: a request's samples share its prompt's prefill (the other samples get a copy of the prompt's
+KV), each with its own random stream; each sample equals the reference decoder run on it alone, whatever
+the schedule, preemption or aborts."""
+
+from __future__ import annotations
+
+import pytest
+
+from loopserve import LLM, SamplingParams
+from tests.engine_helpers import Req, drive, make_engine, reference
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+PROMPT = [5, 17, 99, 3, 250, 40, 7, 11, 12, 300, 8]
+
+
+def _check(engine, reqs, outs) -> None:
+    for r in reqs:
+        out = outs[r.rid]
+        head = engine.make_sequence(r.rid, r.prompt, r.params, seed=r.seed)
+        assert [c.index for c in out.outputs] == list(range(r.params.n))
+        for c, sample in zip(out.outputs, head.family, strict=True):
+            ref = reference_run(engine, sample)
+            if c.finish_reason == "abort":
+                assert c.token_ids == ref.output_ids[:len(c.token_ids)]
+                continue
+            assert (c.token_ids, c.exit_depths, c.finish_reason) == (ref.output_ids, ref.exit_depths,
+                                                                     ref.finish_reason)
+
+
+def reference_run(engine, sample):
+    from loopserve.engine.reference import ReferenceDecoder
+
+    return ReferenceDecoder(engine.model, engine.layout, engine.cfg.prefill_chunk_size).run(sample)
+
+
+@pytest.mark.parametrize("scheduler", ["cb", "cdb-norefill", "cdb"])
+@pytest.mark.parametrize("arch", ["ouro", "huginn"])
+def test_samples_equal_the_reference(arch, scheduler, tiny_ouro, tiny_huginn):
+    path = tiny_ouro if arch == "ouro" else tiny_huginn
+    engine = make_engine(path, scheduler=scheduler, prefill_chunk_size=4, max_decode_batch=6)
+    reqs = [Req("a", PROMPT, SamplingParams(max_tokens=5, temperature=1.0, n=3, seed=5, ignore_eos=True), seed=0),
+            Req("b", [44, 45], SamplingParams(max_tokens=4, temperature=0.7, n=2, ignore_eos=True), seed=1, arrive=1),
+            Req("c", [7, 8, 9], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), seed=2, arrive=2)]
+    outs = drive(engine, reqs)
+    _check(engine, reqs, outs)
+    a = outs["a"].outputs
+    assert len({tuple(c.token_ids) for c in a}) > 1, "samples drew the same stream"
+    # the prompt was prefilled once per request, not once per sample
+    assert engine.stats.prompt_tokens == len(PROMPT) + 2 + 3
+    assert outs["a"].metrics.prefill_loops == len(PROMPT) * engine.model_config.r_max
+
+
+def test_seeded_samples_are_seed_plus_index(tiny_ouro):
+    """vLLM's rule: sample j of a request seeded s draws like a request seeded s + j."""
+    llm = LLM(tiny_ouro, dtype="float64", kv_cache_tokens=512)
+    many = llm.generate([PROMPT], SamplingParams(max_tokens=6, temperature=1.0, n=3, seed=11, ignore_eos=True),
+                        use_tqdm=False)[0]
+    for j, c in enumerate(many.outputs):
+        one = llm.generate([PROMPT], SamplingParams(max_tokens=6, temperature=1.0, seed=11 + j, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+        assert c.token_ids == one.token_ids
+
+
+def test_aborts(tiny_ouro):
+    """A request aborted before its prefill completes takes its waiting samples with it; one aborted
+    mid-decode stops every sample; nothing leaks (drive checks after every step)."""
+    engine = make_engine(tiny_ouro, scheduler="cdb", prefill_chunk_size=4, max_num_batched_tokens=4)
+    reqs = [Req("early", PROMPT, SamplingParams(max_tokens=6, temperature=1.0, n=3, ignore_eos=True), seed=0,
+                abort_at=1),
+            Req("late", PROMPT[:6], SamplingParams(max_tokens=8, temperature=1.0, n=2, ignore_eos=True), seed=1,
+                abort_at=12),
+            Req("full", PROMPT[:5], SamplingParams(max_tokens=10, temperature=0.5, n=4, ignore_eos=True), seed=2)]
+    outs = drive(engine, reqs)
+    assert all(c.finish_reason == "abort" and not c.token_ids for c in outs["early"].outputs)
+    assert all(c.finish_reason == "abort" and c.token_ids for c in outs["late"].outputs)
+    assert all(c.finish_reason == "length" for c in outs["full"].outputs)
+    _check(engine, reqs, outs)
+
+
+def test_preemption(tiny_ouro):
+    """Samples that outgrow a small KV pool are swapped out and back; every sample stays exact."""
+    engine = make_engine(tiny_ouro, scheduler="cdb", block_size=4, kv_cache_tokens=80, kv_safety_margin=0.0)
+    reqs = [Req(f"r{i}", PROMPT[i:i + 4], SamplingParams(max_tokens=14, temperature=1.0, n=3, ignore_eos=True),
+                seed=i) for i in range(3)]
+    outs = drive(engine, reqs)
+    assert engine.stats.preemptions > 0
+    _check(engine, reqs, outs)
+
+
+def test_too_many_copies_for_the_cache_fail_alone(tiny_ouro):
+    engine = make_engine(tiny_ouro, block_size=4, kv_cache_tokens=48)
+    reqs = [Req("big", PROMPT, SamplingParams(max_tokens=2, n=8), seed=0),
+            Req("ok", PROMPT, SamplingParams(max_tokens=2, temperature=0), seed=1)]
+    outs = drive(engine, reqs)
+    assert outs["big"].error_status == 400 and "8 samples" in (outs["big"].error or "")
+    assert outs["ok"].outputs[0].finish_reason == "length"
+    assert outs["ok"].outputs[0].token_ids == reference(engine, reqs[1]).output_ids
+
+
+@pytest.mark.parametrize("bad", [0, 129, 1.5, True, "2"])
+def test_bad_n_names_the_field(bad):
+    with pytest.raises(ValueError, match="^n: "):
+        SamplingParams(n=bad)
