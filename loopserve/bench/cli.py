@@ -1,4 +1,4 @@
-"""`loopserve bench ...`: theory, setup, record, throughput, step-latency, serve, ablate.
+"""`loopserve bench ...`: theory, setup, record, throughput, step-latency, serve, ablate, peer.
 
 Every command takes `--device` (cpu, cuda, cuda:N), writes JSON (and PNG plots) to `--out`, prints
 a table, and shows progress bars on long runs. Models are bench presets (`ouro-bench`,

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import shutil
 import statistics
@@ -255,6 +256,10 @@ def run_hf(hf: HFPeer, workload: Any, batch: int, progress: bool = False) -> tup
     cpu, wall = time.process_time() - c0, time.perf_counter() - t0
     run = SystemRun("hf", workload.output_tokens, cpu, wall, computed, {"batches": len(batches), "batch": batch})
     return run, outputs
+
+
+def _hf_run(hf: HFPeer, workload: Any, batch: int, progress: bool) -> SystemRun:
+    return run_hf(hf, workload, batch, progress)[0]
 
 
 def run_loopserve(bm: Any, workload: Any, traces: list[list[int]] | None, system: str, width: int,
@@ -481,9 +486,9 @@ def _peer(args: argparse.Namespace) -> int:
         body: dict[str, Any] = {"summary": s, "depths": depth_desc, "runs": []}
         report["workloads"][kind] = body
         systems: dict[str, Callable[[], SystemRun]] = {
-            "hf": lambda wl=wl: run_hf(hf, wl, cfg.hf_batch, progress)[0],
-            "cb": lambda wl=wl: run_loopserve(bm, wl, None, "cb", cfg.width, progress, **ov),
-            "cdb": lambda wl=wl, tr=traces: run_loopserve(bm, wl, tr, "cdb", cfg.width, progress, **ov),
+            "hf": functools.partial(_hf_run, hf, wl, cfg.hf_batch, progress),
+            "cb": functools.partial(run_loopserve, bm, wl, None, "cb", cfg.width, progress, **ov),
+            "cdb": functools.partial(run_loopserve, bm, wl, traces, "cdb", cfg.width, progress, **ov),
         }
 
         def on_run(rep: int, run: SystemRun, body: dict[str, Any] = body, kind: str = kind) -> None:
