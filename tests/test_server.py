@@ -331,9 +331,10 @@ BAD_INPUTS = [
     ("seed-beyond-64-bits", "POST", C, _c(seed=2**64), None, 400),
     ("stop-empty-string", "POST", C, _c(stop=""), None, 400),
     ("stop-wrong-type", "POST", C, _c(stop=5), None, 400),
-    ("n-2", "POST", C, _c(n=2), None, 400),
+    ("n-zero", "POST", C, _c(n=0), None, 400),
+    ("n-too-many", "POST", C, _c(n=1000), None, 400),
     ("best_of-2", "POST", C, _c(best_of=2), None, 400),
-    ("echo", "POST", C, _c(echo=True), None, 400),
+    ("prompt_logprobs-too-many", "POST", C, _c(prompt_logprobs=50), None, 400),
     ("suffix", "POST", C, _c(suffix="tail"), None, 400),
     ("frequency_penalty-above-two", "POST", C, _c(frequency_penalty=2.5), None, 400),
     ("logit_bias-above-100", "POST", C, _c(logit_bias={"5": 101}), None, 400),
@@ -607,3 +608,80 @@ def test_sigterm_finishes_short_requests_and_aborts_long_ones(ouro_path, tmp_pat
     assert results["short"] == (short, True)  # in flight at SIGTERM: finished
     n_long, done_long = results["long"]
     assert not done_long and n_long < MAX_LEN - 8  # could not finish in the grace period: aborted, stream cut
+
+
+# -- prompt logprobs (echo) and n > 1 -------------------------------------------------------------------------
+def test_lm_eval_loglikelihood_requests(server, offline):
+    """Requests shaped like lm-eval's `local-completions` loglikelihood ones (token-id prompts, echo,
+    logprobs 1, max_tokens 1 or 0, temperature 0): the prompt's logprobs equal the offline engine's
+    prompt_logprobs, token by token, and the shape is what lm-eval parses (first token None)."""
+    prompts = [[5, 17, 99, 3, 250, 40], [300, 12, 12, 401]]
+    for max_tokens in (1, 0):
+        r = httpx.post(server.url + "/v1/completions", headers=AUTH, timeout=60, json={
+            "model": MODEL, "prompt": prompts, "temperature": 0, "max_tokens": max_tokens, "logprobs": 1,
+            "seed": 1234, "echo": True})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        want = offline.generate([{"prompt_token_ids": p} for p in prompts],
+                                SamplingParams(max_tokens=1, temperature=0, logprobs=1, prompt_logprobs=1),
+                                use_tqdm=False)
+        for choice, w, p in zip(sorted(body["choices"], key=lambda c: c["index"]), want, prompts, strict=True):
+            lp = choice["logprobs"]
+            extra = 1 if max_tokens else 0
+            assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(p) + extra
+            assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+            for k in range(1, len(p)):
+                assert abs(lp["token_logprobs"][k] - w.prompt_logprobs[k][p[k]].logprob) < 1e-9
+                assert len(lp["top_logprobs"][k]) in (1, 2)  # the top one, and the prompt token if it is not it
+            if max_tokens:
+                first = w.outputs[0]
+                assert abs(lp["token_logprobs"][-1] - first.logprobs[0][first.token_ids[0]].logprob) < 1e-9
+            prompt_text = offline.tokenizer.decode(p)
+            assert choice["text"].startswith(prompt_text) and (max_tokens or choice["text"] == prompt_text)
+        assert body["usage"]["completion_tokens"] == (len(prompts) if max_tokens else 0)
+
+
+def test_prompt_logprobs_field(server, offline):
+    p = [5, 17, 99, 3]
+    want = offline.generate([{"prompt_token_ids": p}], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2),
+                            use_tqdm=False)[0].prompt_logprobs
+    got = _ok(server, "/v1/completions", {"model": MODEL, "prompt": p, "max_tokens": 2, "temperature": 0,
+                                          "prompt_logprobs": 2})["choices"][0]["prompt_logprobs"]
+    chat = _ok(server, "/v1/chat/completions", {"model": MODEL, "max_tokens": 1, "prompt_logprobs": 0,
+                                                "messages": [{"role": "user", "content": "hi"}]})
+    assert chat["prompt_logprobs"][0] is None and all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
+    assert got[0] is None and len(got) == len(p)
+    for entry, w in zip(got[1:], want[1:], strict=True):
+        assert set(entry) == {str(t) for t in w}
+        assert all(abs(entry[str(t)]["logprob"] - v.logprob) < 1e-9 and entry[str(t)]["rank"] == v.rank
+                   for t, v in w.items())
+
+
+def test_n_samples(server, client, offline):
+    """n samples per prompt, numbered prompt by prompt; sample j of a seeded request is the offline sample
+    seeded seed + j; streaming gives the same texts."""
+    prompts = ["Once upon", "The king"]
+    r = client.completions.create(model=MODEL, prompt=prompts, n=3, max_tokens=5, temperature=1.0, seed=9)
+    assert sorted(c.index for c in r.choices) == list(range(6))
+    assert r.usage.completion_tokens == sum(len(c.model_extra["exit_depths"]) for c in r.choices)
+    for c in r.choices:
+        i, j = divmod(c.index, 3)
+        want = offline_one(offline, prompts[i], max_tokens=5, temperature=1.0, seed=9 + j)
+        assert c.text == want.outputs[0].text
+    texts = {c.index: c.text for c in r.choices}
+    assert len({texts[0], texts[1], texts[2]}) > 1
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(model=MODEL, prompt=prompts, n=3, max_tokens=5, temperature=1.0,
+                                           seed=9, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == texts
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2,
+                                          max_tokens=4, temperature=1.0, seed=3)
+    assert sorted(c.index for c in chat.choices) == [0, 1]
+
+
+def _ok(server, path: str, body: dict) -> dict:
+    r = httpx.post(server.url + path, headers=AUTH, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()

@@ -271,7 +271,7 @@ WRONG_SAMPLING = {
     "frequency_penalty": "0", "presence_penalty": "0", "repetition_penalty": "1", "logit_bias": [1],
     "min_tokens": "1", "include_stop_str_in_output": "yes", "truncate_prompt_tokens": 1.5,
     "response_format": [1], "guided_json": 5, "guided_regex": 5, "guided_choice": "x", "guided_grammar": 5,
-    "guided_whitespace_pattern": 5, "structured_outputs": [1],
+    "guided_whitespace_pattern": 5, "structured_outputs": [1], "prompt_logprobs": "2",
 }
 WRONG_COMPLETION = {**WRONG_SAMPLING, "prompt": 5, "logprobs": "2", "echo": "no", "suffix": 5, "best_of": "1"}
 WRONG_CHAT = {**WRONG_SAMPLING, "messages": 5, "max_completion_tokens": "4", "logprobs": 1, "top_logprobs": "2",

@@ -77,7 +77,7 @@ def _log_after(server: Server, marker: str, timeout: float = 10.0) -> str:
 def test_unknown_fields_are_ignored_with_a_warning(server):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEYS[0], max_retries=0, timeout=30)
     r = client.completions.create(model=MODEL, prompt="hi", max_tokens=2,
-                                  extra_body={"temprature": 0.5, "guided_json": {"x": 1}},
+                                  extra_body={"temprature": 0.5, "guided_jsn": {"x": 1}},
                                   extra_headers={"X-Request-Id": "unknown-1"})
     assert r.usage.completion_tokens == 2
     chat = _post(server, "/v1/chat/completions", {
@@ -85,7 +85,7 @@ def test_unknown_fields_are_ignored_with_a_warning(server):
         "messages": [{"role": "user", "content": "hi", "reasoning_content": "x"}]}, **{"X-Request-Id": "unknown-2"})
     assert chat.status_code == 200 and chat.text.rstrip().endswith("data: [DONE]")
     text = _log_after(server, "unknown-2 /v1/chat/completions")
-    assert "unknown-1 /v1/completions: ignored unknown fields: temprature, guided_json" in text
+    assert "unknown-1 /v1/completions: ignored unknown fields: temprature, guided_jsn" in text
     assert "ignored unknown fields: stream_options.bogus, messages.0.reasoning_content" in text
     # a known field keeps its type, and the error names it
     bad = _post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "temprature": 1, "temperature": "hot"})

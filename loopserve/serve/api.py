@@ -62,7 +62,7 @@ from loopserve.device import kv_memory_gb
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine import LLMEngine
 from loopserve.engine.sequence import Sequence, resolve_exit_rule, truncate_prompt
-from loopserve.outputs import RequestOutput
+from loopserve.outputs import CompletionOutput, RequestOutput
 from loopserve.sampling_params import SamplingParams
 from loopserve.serve.async_engine import (
     AsyncLLMEngine,
@@ -205,6 +205,12 @@ class _Generation:
     seqs: list[Sequence]
     top_logprobs: int = 0  # chat: alternatives per token
     tools: ToolPlan | None = None  # chat: the tool calls the output becomes (serve/structured.py)
+    echo: bool = False  # completions: the prompt comes first in the text (and the logprobs)
+    generated: bool = True  # false: echo with max_tokens 0 (the prompt alone; the one token run is dropped)
+
+    @property
+    def n(self) -> int:
+        return self.seqs[0].params.n
 
     @property
     def stop(self) -> list[str] | None:
@@ -353,11 +359,11 @@ class OpenAIServing:
         done = [o for o in finals if o is not None]
         self.log_finished(done)
         for o in done:
-            c = o.outputs[0]
-            if c.finish_reason == "error":
-                raise ApiError(o.error_status or 500, o.error or "the engine failed on this request")
-            if c.finish_reason not in ("stop", "length"):
-                raise ApiError(503, o.error or f"request ended: {c.finish_reason}")
+            for c in o.outputs:
+                if c.finish_reason == "error":
+                    raise ApiError(o.error_status or 500, o.error or "the engine failed on this request")
+                if c.finish_reason not in ("stop", "length"):
+                    raise ApiError(503, o.error or f"request ended: {c.finish_reason}")
         return done
 
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool | None,
@@ -410,31 +416,43 @@ class OpenAIServing:
         outs = await self.collect(group, request)
         if outs is None:
             return Response(status_code=499)
-        choices = [self.choice(gen, i, o, 0, o.outputs[0].text, TextDelta(None)) for i, o in enumerate(outs)]
-        return JSONResponse({**self.base(gen.kind.object, gen.cid), "choices": choices, "usage": usage_body(outs)})
+        choices = [self.choice(gen, i, o, c, 0, c.text, TextDelta(None)) for i, o in enumerate(outs) for c in o.outputs]
+        body = {**self.base(gen.kind.object, gen.cid), "choices": choices, "usage": usage_body(outs, gen.generated)}
+        if gen.kind.chat and gen.req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self.fmt.prompt_logprobs(outs[0])
+        return JSONResponse(body)
 
-    def choice(self, gen: _Generation, index: int, out: RequestOutput, start: int, text: str,
+    def choice(self, gen: _Generation, index: int, out: RequestOutput, c: CompletionOutput, start: int, text: str,
                delta: TextDelta, stream: bool = False) -> dict[str, Any]:
-        """A choice of a response (`stream` false: all of it) or of a stream chunk (the tokens from `start`)."""
-        c = out.outputs[0]
-        end = len(c.token_ids)
+        """Choice `c` of request `index` of a response (`stream` false: all of it) or of a stream chunk (the
+        tokens from `start`). Choices are numbered request by request, n per request (OpenAI's order)."""
+        finished = c.finish_reason is not None
+        end = len(c.token_ids) if gen.generated else 0
+        if not gen.generated:
+            text = ""
+        echo = out if gen.echo and not delta.echoed else None
+        delta.echoed = delta.echoed or gen.echo
         if not gen.kind.chat:
+            if echo is not None:  # the prompt first, as given (token ids: their text)
+                text = (out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids)) + text
             body: dict[str, Any] = {"text": text}
-            logprobs = self.fmt.completion_logprobs(c, start, end, delta)
+            logprobs = self.fmt.completion_logprobs(c, start, end, delta, echo)
         else:
             if not stream:
                 body = {"message": {"role": "assistant", "content": text}}
             else:
-                body = {"delta": {"content": text} if text or not out.finished else {}}
+                body = {"delta": {"content": text} if text or not finished else {}}
             if gen.tools is not None:  # a forced tool call: the output is its arguments
-                body = ({"delta": gen.tools.delta(c, text, out.finished)} if stream else
+                body = ({"delta": gen.tools.delta(c, text, finished)} if stream else
                         {"message": gen.tools.message(c)})
             logprobs = self.fmt.chat_logprobs(c, start, end, gen.top_logprobs)
-        choice = {"index": index, **body, "logprobs": logprobs,
+        choice = {"index": index * gen.n + c.index, **body, "logprobs": logprobs,
                   "finish_reason": (gen.tools.finish_reason(c) if gen.tools is not None else c.finish_reason)
-                  if out.finished else None,
-                  "stop_reason": c.stop_reason if out.finished else None,
+                  if finished else None,
+                  "stop_reason": c.stop_reason if finished else None,
                   "exit_depths": list(c.exit_depths[start:end])}
+        if not gen.kind.chat and gen.req.prompt_logprobs is not None and start == 0:
+            choice["prompt_logprobs"] = self.fmt.prompt_logprobs(out)
         if gen.req.return_token_ids:
             choice["token_ids"] = list(c.token_ids[start:end])
             if start == 0:
@@ -442,32 +460,42 @@ class OpenAIServing:
         return choice
 
     async def stream(self, gen: _Generation, group: RequestGroup) -> AsyncIterator[str]:
-        """SSE chunks: (chat: the assistant role first), one chunk per output, usage if asked, [DONE]."""
+        """SSE chunks: (chat: the assistant role first), then for every output the choices it moved on,
+        usage if asked, [DONE]."""
         req, obj = gen.req, gen.kind.chunk_object
-        deltas = [TextDelta(gen.stop) for _ in gen.seqs]
+        deltas = {(i, j): TextDelta(gen.stop) for i in range(len(gen.seqs)) for j in range(gen.n)}
         latest: dict[int, RequestOutput] = {}
         usage_field: dict[str, Any] = {"usage": None} if req.include_usage else {}
         if gen.kind.chat:
-            yield sse({**self.base(obj, gen.cid), "choices": [{
-                "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
-                **usage_field})
+            yield sse({**self.base(obj, gen.cid), "choices": [
+                {"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for j in range(len(gen.seqs) * gen.n)], **usage_field})
         try:
             async for i, out in group:
                 latest[i] = out
-                c = out.outputs[0]
-                if out.finished and c.finish_reason not in ("stop", "length"):
-                    raise StreamFailed(out.error or f"request ended: {c.finish_reason}")
-                text, start, _ = deltas[i].advance(c, out.finished)
-                chunk = {**self.base(obj, gen.cid), "choices": [self.choice(gen, i, out, start, text, deltas[i], True)],
-                         **usage_field}
+                choices = []
+                for c in out.outputs:
+                    d = deltas[i, c.index]
+                    if c.finish_reason not in (None, "stop", "length"):
+                        raise StreamFailed(out.error or f"request ended: {c.finish_reason}")
+                    finished = c.finish_reason is not None
+                    if d.finished or (len(c.token_ids) == d.tokens and not finished and d.echoed == gen.echo):
+                        continue  # nothing new for this choice
+                    text, start, _ = d.advance(c, finished)
+                    choices.append(self.choice(gen, i, out, c, start, text, d, True))
+                    d.finished = finished
+                if not choices:
+                    continue
+                chunk = {**self.base(obj, gen.cid), "choices": choices, **usage_field}
                 if req.include_usage and req.continuous_usage:
-                    chunk["usage"] = usage_body(list(latest.values()))
+                    chunk["usage"] = usage_body(list(latest.values()), gen.generated)
                 yield sse(chunk)
         except (EngineDeadError, EngineStoppedError) as e:
             raise StreamFailed(str(e)) from None
         self.log_finished(list(latest.values()))
         if req.include_usage:
-            yield sse({**self.base(obj, gen.cid), "choices": [], "usage": usage_body(list(latest.values()))})
+            yield sse({**self.base(obj, gen.cid), "choices": [], "usage": usage_body(list(latest.values()),
+                                                                                     gen.generated)})
         yield "data: [DONE]\n\n"
 
     def new_ids(self, request: Request, kind: _Kind, n: int) -> tuple[str, list[str]]:
@@ -524,15 +552,20 @@ class OpenAIServing:
             raise ApiError(400, f"prompt: at most {self.aengine.capacity} prompts per request", "prompt")
         cid, rids = self.new_ids(request, COMPLETION, len(prompts))
         guide = request_guide(req)
+        echo = bool(req.echo)
+        # echo with max_tokens 0 (lm-eval's loglikelihood): score the prompt, send no completion (one token runs)
+        generated = not (echo and req.max_tokens == 0)
         seqs = []
         for rid, (text, whole) in zip(rids, prompts, strict=True):
             ids = truncate_prompt(whole, req.truncate_prompt_tokens)  # before the context check, as the engine will
-            mt = self.resolve_max_tokens(req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, len(ids), "prompt")
+            mt = self.resolve_max_tokens(req.max_tokens if generated else 1, COMPLETIONS_DEFAULT_MAX_TOKENS, len(ids),
+                                         "prompt")
             params = sampling_params(req, max_tokens=mt, logprobs=req.logprobs,
-                                     defaults=self.settings.sampling_defaults)
+                                     defaults=self.settings.sampling_defaults,
+                                     prompt_logprobs=req.logprobs if echo and req.logprobs is not None else None)
             params.guided_decoding = guide
             seqs.append(self.make_seq(rid, text, ids, params, arrival, req.seed, "prompt"))
-        return await self.generate(request, _Generation(COMPLETION, req, cid, seqs))
+        return await self.generate(request, _Generation(COMPLETION, req, cid, seqs, echo=echo, generated=generated))
 
     def completion_prompts(self, prompt: Any) -> list[tuple[str | None, list[int]]]:
         items: list[Any] = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt

@@ -10,8 +10,8 @@ Known fields are strict:
   the offline and the HTTP API);
 - known OpenAI fields that do not change the output (`user`, `metadata`, `store`, `service_tier`,
   `parallel_tool_calls`) are accepted and ignored;
-- known fields whose feature is not implemented (`best_of`, `echo`, `suffix`, `n`) are accepted only
-  at their neutral value (1, false, empty, 1); anything else is a 400 saying it is not supported.
+- known fields whose feature is not implemented (`best_of`, `suffix`) are accepted only at their
+  neutral value (1, empty); anything else is a 400 saying it is not supported.
 
 Structured output (`response_format`, vLLM's `guided_*` and `structured_outputs`) and tool calls
 (`tools`, `tool_choice`) are read by `serve/structured.py`.
@@ -126,10 +126,9 @@ class _SamplingFields(_Strict):
     min_tokens: int | None = None
     include_stop_str_in_output: bool | None = None
     truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None  # vLLM extension: logprobs of the prompt tokens (full depth)
 
     def check_unsupported(self) -> None:
-        if self.n is not None and self.n != 1:
-            raise ApiError(400, "n: only n=1 is supported", "n")
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options: only allowed with stream=true", "stream_options")
 
@@ -155,8 +154,6 @@ class CompletionRequest(_SamplingFields):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.echo:
-            raise ApiError(400, "echo: not supported by this server", "echo")
         if self.suffix:
             raise ApiError(400, "suffix: not supported by this server", "suffix")
         if self.best_of is not None and self.best_of != 1:
@@ -227,7 +224,8 @@ class ChatCompletionRequest(_SamplingFields):
 # sandboxed one, but nested loops can still spin for minutes; vLLM too runs one only when trusted).
 TEMPLATE_RESERVED = {"messages": "set from the request's field",
                      "add_generation_prompt": "set from the request's field",
-                     "chat_template": "a request cannot replace the server's chat template"}
+                     "chat_template": "a request cannot replace the server's chat template",
+                     "tools": "set from the request's `tools` field"}
 
 
 def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
@@ -351,7 +349,7 @@ ADJUSTMENTS = ("frequency_penalty", "presence_penalty", "repetition_penalty", "l
 
 
 def sampling_params(req: _SamplingFields, *, max_tokens: int | None, logprobs: int | None,
-                    defaults: dict[str, Any]) -> SamplingParams:
+                    defaults: dict[str, Any], prompt_logprobs: int | None = None) -> SamplingParams:
     """SamplingParams of a request; its range checks become 400s naming the field."""
     ext = {k: getattr(req, k) if getattr(req, k) is not None else defaults.get(k)
            for k in ("min_loops", "max_loops", "exit_threshold", "exit_policy")}
@@ -363,7 +361,8 @@ def sampling_params(req: _SamplingFields, *, max_tokens: int | None, logprobs: i
         min_p=0.0 if req.min_p is None else req.min_p, seed=req.seed, stop=req.stop,
         stop_token_ids=list(req.stop_token_ids or []), ignore_eos=bool(req.ignore_eos),
         skip_special_tokens=req.skip_special_tokens is not False, logprobs=logprobs, exit_trace=req.exit_trace,
-        **ext, **adjust)
+        n=1 if req.n is None else req.n,
+        prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs, **ext, **adjust)
     try:
         return SamplingParams(**kwargs)
     except ValueError as e:

@@ -14,7 +14,7 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from loopserve.engine.engine import LLMEngine
-from loopserve.outputs import CompletionOutput, RequestOutput
+from loopserve.outputs import CompletionOutput, Logprob, RequestOutput
 from loopserve.serve.async_engine import RequestGroup
 
 log = logging.getLogger("loopserve.serve")
@@ -37,6 +37,8 @@ class TextDelta:
         self.text = ""
         self.tokens = 0
         self.offset = 0  # text_offset of the next token (completions logprobs)
+        self.echoed = False  # completions with echo: the prompt has been sent
+        self.finished = False  # the choice's finish_reason has been sent
 
     def advance(self, c: CompletionOutput, finished: bool) -> tuple[str, int, int]:
         start, self.tokens = self.tokens, len(c.token_ids)
@@ -56,20 +58,37 @@ class LogprobFormatter:
     def token_str(self, tid: int) -> str:
         return self.tok.decode([tid], skip_special_tokens=False)
 
-    def completion_logprobs(self, c: CompletionOutput, start: int, end: int, d: TextDelta) -> dict | None:
+    def completion_logprobs(self, c: CompletionOutput, start: int, end: int, d: TextDelta,
+                            echo: RequestOutput | None = None) -> dict | None:
+        """Legacy completions logprobs of tokens start..end; with `echo`, the prompt's tokens first (the
+        first has none: nothing precedes it)."""
         if c.logprobs is None:
             return None
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for k in range(start, end):
-            tid, entry = c.token_ids[k], c.logprobs[k]
+        pairs: list[tuple[int, dict[int, Logprob] | None]] = []
+        if echo is not None:
+            scored = echo.prompt_logprobs or [None] * len(echo.prompt_token_ids)
+            pairs += zip(echo.prompt_token_ids, scored, strict=True)
+        pairs += ((c.token_ids[k], c.logprobs[k]) for k in range(start, end))
+        for tid, entry in pairs:
             s = self.token_str(tid)
             out["tokens"].append(s)
-            out["token_logprobs"].append(_lp(entry[tid].logprob))
-            ranked = sorted(entry.items(), key=lambda kv: kv[1].rank or 0)
-            out["top_logprobs"].append({self.token_str(t): _lp(v.logprob) for t, v in ranked})
+            out["token_logprobs"].append(None if entry is None else _lp(entry[tid].logprob))
+            ranked = sorted(entry.items(), key=lambda kv: kv[1].rank or 0) if entry is not None else []
+            top = {self.token_str(t): _lp(v.logprob) for t, v in ranked}
+            out["top_logprobs"].append(None if entry is None else top)
             out["text_offset"].append(d.offset)
             d.offset += len(s)
         return out
+
+    def prompt_logprobs(self, out: RequestOutput) -> list[dict[str, dict[str, Any]] | None] | None:
+        """vLLM's `prompt_logprobs` field: per prompt token, None for the first, else {token id: logprob,
+        rank, decoded token} for the token and the top ones."""
+        if out.prompt_logprobs is None:
+            return None
+        return [None if entry is None else {str(t): {"logprob": _lp(v.logprob), "rank": v.rank,
+                                                     "decoded_token": v.decoded_token} for t, v in entry.items()}
+                for entry in out.prompt_logprobs]
 
     def chat_logprobs(self, c: CompletionOutput, start: int, end: int, top: int) -> dict | None:
         if c.logprobs is None:
@@ -86,9 +105,10 @@ class LogprobFormatter:
         return {"content": content}
 
 
-def usage_body(outs: list[RequestOutput]) -> dict[str, int]:
+def usage_body(outs: list[RequestOutput], generated: bool = True) -> dict[str, int]:
+    """`generated` false: echo with max_tokens 0 (the one token the engine ran is not sent)."""
     prompt = sum(len(o.prompt_token_ids) for o in outs)
-    completion = sum(len(o.outputs[0].token_ids) for o in outs)
+    completion = sum(len(c.token_ids) for o in outs for c in o.outputs) if generated else 0
     loops = sum(o.metrics.loops_run for o in outs if o.metrics is not None)
     prefill_loops = sum(o.metrics.prefill_loops for o in outs if o.metrics is not None)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
