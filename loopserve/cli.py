@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
+import re
 import sys
 from collections import Counter
 from pathlib import Path
@@ -18,8 +20,10 @@ from loopserve.engine.config import EngineConfig
 from loopserve.exits import POLICIES
 from loopserve.models.loader import DTYPES
 
-# Modules that add subcommands; a missing optional module is skipped.
-_COMMAND_MODULES = ["loopserve.cli", "loopserve.serve.cli", "loopserve.bench.cli", "loopserve.train.cli"]
+# Modules that add subcommands (the runtime's, then the lab's); a missing one is skipped.
+_COMMAND_MODULES = ["loopserve.cli", "loopserve.serve.cli", "loopserve_lab.bench.cli", "loopserve_lab.train.cli"]
+# The extra a command's own third-party modules come with, when more than one extra provides a module.
+_COMMAND_EXTRA = {"serve": "serve", "bench": "bench", "train-tiny": "train", "eval": "train"}
 BARS = " ▁▂▃▄▅▆▇█"
 
 
@@ -136,7 +140,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
-    from loopserve.models.tiny import TinySpec, make_tiny
+    from loopserve_lab.tiny import TinySpec, make_tiny
 
     layers = args.layers or ("2" if args.arch == "ouro" else "2-2-2")
     spec = TinySpec(arch=args.arch, hidden_size=args.hidden_size, num_heads=args.num_heads,
@@ -192,9 +196,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def extras_providing(module: str) -> list[str]:
+    """The optional extras (pyproject.toml, read back from the installed metadata) that install `module`."""
+    try:
+        requirements = importlib.metadata.requires("loopserve") or []
+    except importlib.metadata.PackageNotFoundError:
+        return []
+    wanted = module.split(".")[0].lower().replace("-", "_")
+    extras = []
+    for req in requirements:
+        m = re.match(r"([A-Za-z0-9_.-]+).*;.*extra\s*==\s*['\"]([^'\"]+)['\"]", req)
+        if m and m[1].lower().replace("-", "_") == wanted and m[2] != "dev" and m[2] not in extras:
+            extras.append(m[2])
+    return extras
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except ModuleNotFoundError as e:
+        extras = extras_providing(e.name or "")
+        if not extras:
+            raise
+        own = _COMMAND_EXTRA.get(args.command)
+        extra = own if own in extras else extras[0]
+        print(f"error: `loopserve {args.command}` needs {e.name}, from the [{extra}] extra: "
+              f"pip install 'loopserve[{extra}]'", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

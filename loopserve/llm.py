@@ -17,7 +17,7 @@ from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine import LLMEngine
 from loopserve.engine.reference import ReferenceDecoder
 from loopserve.engine.sequence import PromptType, Sequence, make_sequence
-from loopserve.models.loader import load_model
+from loopserve.models.loader import embedded_model_path, load_model
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import SamplingParams
 from loopserve.tokenizer import Tokenizer
@@ -28,8 +28,6 @@ Conversation = Seq[Mapping[str, Any]]  # [{"role": "user", "content": "..."}, ..
 def default_model_path() -> Path:
     """The embedded default model: a small Ouro-architecture LM trained on Shakespeare, shipped in
     the package (`loopserve train-tiny` rebuilds it)."""
-    from loopserve.train import embedded_model_path
-
     path = embedded_model_path()
     if not (path / "model.safetensors").is_file():
         raise ValueError(f"model: the embedded model is missing from {path}; pass model=PATH")

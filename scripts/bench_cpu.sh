@@ -70,7 +70,7 @@ serve() {
   $LS bench serve --model ouro-bench --workload alpaca --num-requests 64 --mean-depth 2.5 --width 32 \
       --rate-fractions 0.25,0.5,0.75,1.0,1.25 --threads 1 --out $OUT/serve-inprocess
   # HTTP: `loopserve serve` per scheduler, live gate exits; 0.33 is the gate threshold whose replay of the
-  # recorded trajectories gives mean depth 2.5 (loopserve.bench.trajectories.threshold_for_depth)
+  # recorded trajectories gives mean depth 2.5 (loopserve_lab.bench.trajectories.threshold_for_depth)
   $LS bench serve --model ouro-bench --workload alpaca --num-requests 32 --mode http --depth-law full \
       --exit-policy gate --exit-threshold "${HTTP_THRESHOLD:-0.33}" --width 32 --rate-fractions 0.5,1.0 \
       --threads 1 --out $OUT/serve-http

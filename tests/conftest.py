@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from loopserve.models.tiny import TinySpec, make_tiny
+from loopserve_lab.tiny import TinySpec, make_tiny
 
 
 def _make(tmp_path_factory: pytest.TempPathFactory, name: str, spec: TinySpec) -> Path:

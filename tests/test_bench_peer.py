@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from loopserve.bench.peer import (
+from loopserve.config import HUGINN, OURO
+from loopserve_lab.bench.peer import (
     PeerCode,
     PeerConfig,
     PeerError,
@@ -27,8 +28,7 @@ from loopserve.bench.peer import (
     static_batches,
     summarize,
 )
-from loopserve.bench.workloads import Request, Workload
-from loopserve.config import HUGINN, OURO
+from loopserve_lab.bench.workloads import Request, Workload
 
 
 @pytest.fixture
@@ -165,10 +165,10 @@ def test_config_validation():
 
 
 def test_loopserve_half_runs_cb_at_full_depth_and_cdb_at_the_traces(bench_cache):
-    from loopserve.bench.harness import BenchModel
-    from loopserve.bench.peer import loopserve_outputs, run_loopserve
-    from loopserve.bench.trajectories import synthetic_traces
-    from loopserve.bench.workloads import make_workload
+    from loopserve_lab.bench.harness import BenchModel
+    from loopserve_lab.bench.peer import loopserve_outputs, run_loopserve
+    from loopserve_lab.bench.trajectories import synthetic_traces
+    from loopserve_lab.bench.workloads import make_workload
 
     bm = BenchModel.load("micro-ouro", "float32")
     wl = make_workload("alpaca", 6, bm.tokenizer, seed=1, scale=0.2)

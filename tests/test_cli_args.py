@@ -9,11 +9,11 @@ import dataclasses
 
 import pytest
 
-from loopserve.bench.cli import BENCH_DRIVEN, engine_overrides
 from loopserve.cache.layout import LAYOUTS
 from loopserve.cli import build_parser, engine_kwargs
 from loopserve.engine.config import SCHEDULERS, EngineConfig
 from loopserve.exits import POLICIES
+from loopserve_lab.bench.cli import BENCH_DRIVEN, engine_overrides
 
 FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 BENCH_COMMANDS = ("record", "throughput", "serve", "ablate min-coda")

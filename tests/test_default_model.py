@@ -9,11 +9,10 @@ import torch
 
 from loopserve import LLM, SamplingParams
 from loopserve.exits import ExitRule
-from loopserve.models.loader import load_model
-from loopserve.train import embedded_model_path
-from loopserve.train.objective import exit_cdf
-from loopserve.train.scorer import score_windows
-from loopserve.train.train_tiny import gate_logits, step_states
+from loopserve.models.loader import embedded_model_path, load_model
+from loopserve_lab.train.objective import exit_cdf
+from loopserve_lab.train.scorer import score_windows
+from loopserve_lab.train.train_tiny import gate_logits, step_states
 
 PATH = embedded_model_path()
 TEXT = "BRUTUS:\nWhat means this shouting? I do fear, the people\nChoose Caesar for their king.\n"

@@ -15,9 +15,8 @@ import pytest
 
 from loopserve import LLM, SamplingParams
 from loopserve.cli import main as cli_main
-from loopserve.models.loader import generation_defaults
-from loopserve.models.tiny import HF_CODE_DIR, TinySpec, make_tiny
-from loopserve.train import embedded_model_path
+from loopserve.models.loader import embedded_model_path, generation_defaults
+from loopserve_lab.tiny import HF_CODE_DIR, TinySpec, make_tiny
 
 HELLO = [{"role": "user", "content": "Hello"}]
 PROMPTS = ["The cat", "A loop"]

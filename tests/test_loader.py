@@ -17,7 +17,7 @@ from loopserve import LLM, SamplingParams
 from loopserve.cli import main as cli_main
 from loopserve.config import ModelConfig
 from loopserve.models.loader import load_model
-from loopserve.models.tiny import TinySpec, make_tiny
+from loopserve_lab.tiny import TinySpec, make_tiny
 from tests.upstream import oracle
 from tests.upstream.tiny_weights import tiny_huginn_config, tiny_huginn_weights, tiny_ouro_config, tiny_ouro_weights
 

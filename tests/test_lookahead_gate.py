@@ -9,7 +9,7 @@ import pytest
 
 from loopserve import LLM, SamplingParams
 from loopserve.exits import ExitRule
-from loopserve.models.tiny import TinySpec, make_tiny
+from loopserve_lab.tiny import TinySpec, make_tiny
 
 
 def _logit(p: float) -> float:

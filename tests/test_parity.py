@@ -15,7 +15,7 @@ from loopserve import LLM, SamplingParams
 from loopserve.models.base import latent_diff
 from loopserve.models.context import dense_context
 from loopserve.models.loader import load_model
-from loopserve.models.tiny import TinySpec, make_tiny
+from loopserve_lab.tiny import TinySpec, make_tiny
 from tests.upstream import oracle
 
 PROMPTS = [[5, 17, 99, 3, 250, 40, 7], [300, 12, 12, 401, 8]]

@@ -11,7 +11,7 @@ from loopserve import LLM, SamplingParams
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine import LLMEngine
 from loopserve.models.loader import load_model
-from loopserve.models.tiny import TinySpec, make_tiny
+from loopserve_lab.tiny import TinySpec, make_tiny
 
 
 @pytest.fixture(scope="module")

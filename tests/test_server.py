@@ -22,7 +22,7 @@ import openai
 import pytest
 
 from loopserve import LLM, SamplingParams
-from loopserve.models.tiny import TinySpec, make_tiny
+from loopserve_lab.tiny import TinySpec, make_tiny
 from tests.server_helpers import MODEL, Server, metric, run_server, sse_events, wait_idle
 
 pytestmark = pytest.mark.timeout(180)

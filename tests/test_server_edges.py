@@ -32,8 +32,8 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
-from loopserve.models.tiny import TinySpec, make_tiny
 from loopserve.serve.protocol import ChatCompletionRequest, CompletionRequest
+from loopserve_lab.tiny import TinySpec, make_tiny
 from tests.server_helpers import MODEL, Server, run_server, sse_events, wait_idle
 
 pytestmark = pytest.mark.timeout(120)

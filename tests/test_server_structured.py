@@ -15,8 +15,8 @@ import openai
 import pydantic
 import pytest
 
-from loopserve.models.tiny import TinySpec, make_tiny
 from loopserve.tokenizer import Tokenizer
+from loopserve_lab.tiny import TinySpec, make_tiny
 from tests.server_helpers import MODEL, Server, run_server
 
 pytest.importorskip("llguidance")

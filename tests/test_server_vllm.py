@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from loopserve.models.tiny import TinySpec, make_tiny
+from loopserve_lab.tiny import TinySpec, make_tiny
 from tests.server_helpers import MODEL, REPO, Server, metric, run_server
 
 pytestmark = pytest.mark.timeout(120)

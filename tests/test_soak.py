@@ -1,4 +1,4 @@
-"""The soak test of the real server, shortened for CI: `python -m loopserve.bench.soak` for 20 s.
+"""The soak test of the real server, shortened for CI: `python -m loopserve_lab.bench.soak` for 20 s.
 
 The driver starts its own server (a make_tiny checkpoint, small KV pool and admission bound) and
 throws the whole traffic mix at it; this checks its report: nothing lost, no 5xx, no valid request
@@ -22,7 +22,7 @@ DURATION_S = 20
 
 def test_short_soak(tmp_path):
     out = tmp_path / "report.json"
-    cmd = [sys.executable, "-m", "loopserve.bench.soak", "--duration-s", str(DURATION_S), "--concurrency", "6",
+    cmd = [sys.executable, "-m", "loopserve_lab.bench.soak", "--duration-s", str(DURATION_S), "--concurrency", "6",
            "--drain-s", "5", "--request-timeout-s", "60", "--idle-timeout-s", "15", "--out", str(out),
            "--server-log", str(tmp_path / "server.log")]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=140)

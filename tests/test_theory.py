@@ -1,4 +1,4 @@
-"""Tests for loopserve.bench.theory against hand-computed numbers for the real configs.
+"""Tests for loopserve_lab.bench.theory against hand-computed numbers for the real configs.
 
 Expected values are written as arithmetic on the config numbers, never by calling the code under
 test. One test (`test_reports_equal_pinned_outputs`) is a regression pin instead: `bench theory`
@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from loopserve.bench.theory import (
+from loopserve_lab.bench.theory import (
     DEVICES,
     H100_SXM,
     H200,
@@ -37,8 +37,8 @@ from loopserve.bench.theory import (
     stage_flops,
     theory_report,
 )
-from loopserve.bench.theory import HUGINN_0125 as HUGINN_35B
-from loopserve.bench.theory import OURO_1_4B as OURO_14B
+from loopserve_lab.bench.theory import HUGINN_0125 as HUGINN_35B
+from loopserve_lab.bench.theory import OURO_1_4B as OURO_14B
 
 # ---- Ouro-1.4B by hand: H=2048, I=5632, L=24, 16 heads (16 kv) x 128, V=49152, T=4, untied ----
 O_H, O_I, O_L, O_V = 2048, 5632, 24, 49152
@@ -400,8 +400,8 @@ def _pinned_cases() -> list[dict]:
     and three bench presets, at the CLI's defaults and at a roofline point. `PINNED` holds these as
     computed at commit 4d758a5, before the theory read `ModelConfig` and `KVLayout`; re-record it
     (`python -m tests.test_theory`) only for a deliberate change of the figures."""
-    from loopserve.bench.presets import preset_config
-    from loopserve.train import embedded_model_path
+    from loopserve.models.loader import embedded_model_path
+    from loopserve_lab.bench.presets import preset_config
 
     models = {
         "Ouro-1.4B": OURO_14B,

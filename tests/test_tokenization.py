@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer, pre_tokenizers
 
-from loopserve.tokenization.build import (
+from loopserve_lab.tokenization.build import (
     HUGINN_CHAT_TEMPLATE,
     HUGINN_SPECIAL_TOKENS,
     OURO_CHAT_TEMPLATE,
@@ -23,7 +23,7 @@ from loopserve.tokenization.build import (
     train_bpe,
     write_tokenizer_files,
 )
-from loopserve.train import corpus
+from loopserve_lab.train import corpus
 
 TRAIN_TEXT = [
     "To be, or not to be, that is the question.",

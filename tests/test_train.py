@@ -12,10 +12,10 @@ from loopserve.config import ModelConfig
 from loopserve.exits import ExitRule
 from loopserve.models.loader import load_model
 from loopserve.models.ouro import OuroForCausalLM
-from loopserve.models.tiny import TinySpec, make_tiny
-from loopserve.train.objective import exit_cdf, exit_distribution, stage1_loss
-from loopserve.train.scorer import score_windows
-from loopserve.train.train_tiny import (
+from loopserve_lab.tiny import TinySpec, make_tiny
+from loopserve_lab.train.objective import exit_cdf, exit_distribution, stage1_loss
+from loopserve_lab.train.scorer import score_windows
+from loopserve_lab.train.train_tiny import (
     TrainConfig,
     fit_lookahead_gate,
     gate_logits,

@@ -1,4 +1,4 @@
-"""Load a looped LM from a local Hugging Face folder (or a hub id, resolved when online).
+"""Load a looped LM from a local Hugging Face folder (or a hub id, resolved when online: the [hub] extra).
 
 Reads `config.json` (dispatch on `architectures`), `model.safetensors` or shards listed in
 `model.safetensors.index.json`, the tokenizer files, and the sampling defaults of `generation_config.json`.
@@ -87,6 +87,12 @@ def generation_defaults(folder: Path, mode: str = "auto") -> dict[str, Any]:
     return out
 
 
+def embedded_model_path() -> Path:
+    """The embedded default model: a Shakespeare-trained Ouro-architecture LM in the HF layout, shipped
+    in the package (`loopserve/assets/`; `loopserve train-tiny` rebuilds it)."""
+    return Path(__file__).resolve().parents[1] / "assets" / "ouro-shakespeare"
+
+
 def resolve_model_path(model: str | Path) -> Path:
     path = Path(model).expanduser()
     if path.is_dir():
@@ -96,7 +102,12 @@ def resolve_model_path(model: str | Path) -> Path:
         raise ValueError(f"model: {name!r} is not a model folder")
     try:
         from huggingface_hub import snapshot_download
-
+    except ImportError:
+        raise ValueError(
+            f"model: {name!r} is not a local folder, and fetching it from the Hugging Face Hub needs the [hub] extra "
+            f"(pip install 'loopserve[hub]'); or download it first and pass the folder"
+        ) from None
+    try:
         return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.jinja"]))
     except Exception as e:  # offline, unknown repo, no permission: all end here
         raise ValueError(

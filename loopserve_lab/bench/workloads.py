@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from loopserve.bench.presets import cache_root
+from loopserve_lab.bench.presets import cache_root
 
 # --------------------------------------------------------------------------------------------------
 # Length laws

@@ -31,12 +31,12 @@ from typing import Any
 
 import torch
 
-from loopserve.bench.presets import DEFAULT_DTYPE, resolve_model
-from loopserve.bench.workloads import Workload
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine import LLMEngine, StageRecord
 from loopserve.models.loader import load_model
 from loopserve.sampling_params import SamplingParams
+from loopserve_lab.bench.presets import DEFAULT_DTYPE, resolve_model
+from loopserve_lab.bench.workloads import Workload
 
 CDB_SCHEDULERS = ("cb", "cdb-norefill", "cdb")
 LABELS = {"cb": "CB", "cdb-norefill": "CDB no-refill", "cdb": "CDB refill"}

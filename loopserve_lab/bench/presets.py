@@ -20,7 +20,7 @@ import json
 import os
 from pathlib import Path
 
-from loopserve.models.tiny import TinySpec, hf_config, make_tiny
+from loopserve_lab.tiny import TinySpec, hf_config, make_tiny
 
 PRESETS: dict[str, TinySpec] = {
     "ouro-bench": TinySpec(arch="ouro", hidden_size=768, num_heads=12, intermediate_size=2048,

@@ -25,9 +25,9 @@ from tqdm import tqdm
 
 from loopserve.cache.layout import LAYOUTS
 from loopserve.models.loader import load_model
-from loopserve.train.corpus import DEFAULT_CACHE_DIR, DEFAULT_HELDOUT_TITLE, fetch_shakespeare, load_works
-from loopserve.train.scorer import score_windows
-from loopserve.train.train_tiny import set_exit_threshold, token_streams, windows
+from loopserve_lab.train.corpus import DEFAULT_CACHE_DIR, DEFAULT_HELDOUT_TITLE, fetch_shakespeare, load_works
+from loopserve_lab.train.scorer import score_windows
+from loopserve_lab.train.train_tiny import set_exit_threshold, token_streams, windows
 
 THRESHOLDS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 

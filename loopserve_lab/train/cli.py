@@ -21,7 +21,7 @@ def _add_dataclass_args(p: argparse.ArgumentParser, cls, skip: tuple[str, ...] =
 
 
 def cmd_train_tiny(args: argparse.Namespace) -> int:
-    from loopserve.train.train_tiny import TrainConfig, train
+    from loopserve_lab.train.train_tiny import TrainConfig, train
 
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
@@ -34,7 +34,7 @@ def cmd_train_tiny(args: argparse.Namespace) -> int:
 
 
 def _model(args) -> str:
-    from loopserve.train import embedded_model_path
+    from loopserve.models.loader import embedded_model_path
 
     return str(args.model or embedded_model_path())
 
@@ -50,7 +50,7 @@ def samples(model: str, n_tokens: int = 80, seed: int = 0) -> list[dict]:
 def cmd_eval_ppl(args: argparse.Namespace) -> int:
     import torch
 
-    from loopserve.train.evaluate import markdown_tables, plot_results, run_eval
+    from loopserve_lab.train.evaluate import markdown_tables, plot_results, run_eval
 
     torch.set_num_threads(args.threads)
     model = _model(args)
@@ -73,7 +73,7 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
 def cmd_eval_trajectories(args: argparse.Namespace) -> int:
     import torch
 
-    from loopserve.train.trajectories import record
+    from loopserve_lab.train.trajectories import record
 
     torch.set_num_threads(args.threads)
     record(_model(args), args.out_dir, args.heldout_windows, args.seq_len, args.max_tokens)
@@ -81,7 +81,7 @@ def cmd_eval_trajectories(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from loopserve.train.train_tiny import TrainConfig
+    from loopserve_lab.train.train_tiny import TrainConfig
 
     p = sub.add_parser("train-tiny", help="train the embedded looped model on Shakespeare (Ouro Stage I)")
     p.add_argument("out", nargs="?", default="ouro-shakespeare", help="output folder (HF layout)")

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from loopserve.config import HUGINN, OURO, ModelConfig
 from loopserve.models.huginn import RavenForCausalLM
 from loopserve.models.ouro import OuroForCausalLM
-from loopserve.tokenization.build import byte_level_tokenizer, write_tokenizer_files
+from loopserve_lab.tokenization.build import byte_level_tokenizer, write_tokenizer_files
 
 # The configuration class transformers loads for each architecture, as the released checkpoints name it
 # (module, class); the module's file is in hf_code/. No model class: loopserve runs the model itself, and

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from loopserve.bench.theory import flop_bound, realized_fraction, stage_flops
+from loopserve_lab.bench.theory import flop_bound, realized_fraction, stage_flops
 
 
 def workload_mean_depth(prompt_tokens: int, decode_items: int, decode_mean: float, r_max: int) -> float:

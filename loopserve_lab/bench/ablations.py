@@ -23,10 +23,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from loopserve.bench.bounds import run_bounds
-from loopserve.bench.harness import BenchModel, run_offline
-from loopserve.bench.throughput import compare_point
-from loopserve.bench.workloads import Workload
+from loopserve_lab.bench.bounds import run_bounds
+from loopserve_lab.bench.harness import BenchModel, run_offline
+from loopserve_lab.bench.throughput import compare_point
+from loopserve_lab.bench.workloads import Workload
 
 
 def min_coda(bm: BenchModel, workload: Workload, traces: list[list[int]] | None, width: int,

@@ -34,14 +34,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from loopserve.bench.theory import DEVICES, HUGINN_0125, OURO_1_4B, core_step_time_estimate
 from loopserve.config import ModelConfig
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine import LLMEngine, StageRecord
 from loopserve.models.base import LoopedLM
 from loopserve.models.loader import LoadedModel, load_model
-from loopserve.models.tiny import TinySpec, make_tiny
 from loopserve.sampling_params import SamplingParams
+from loopserve_lab.bench.theory import DEVICES, HUGINN_0125, OURO_1_4B, core_step_time_estimate
+from loopserve_lab.tiny import TinySpec, make_tiny
 
 NULL_SPEC = TinySpec(arch="ouro", hidden_size=8, num_heads=1, intermediate_size=16, vocab_size=512, layers="1",
                      r_max=4, max_position=8192, seed=0)

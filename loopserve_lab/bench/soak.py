@@ -1,4 +1,4 @@
-"""`python -m loopserve.bench.soak --duration-s N`: a soak test of the real server.
+"""`python -m loopserve_lab.bench.soak --duration-s N`: a soak test of the real server.
 
 Owns the whole run: it starts its own `loopserve serve` subprocess on 127.0.0.1 (a free port; by
 default a tiny checkpoint built with `make_tiny` in a temporary folder, or any checkpoint folder
@@ -969,7 +969,7 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="loopserve-soak-") as tmp:
         model = cfg.model
         if model is None:
-            from loopserve.models.tiny import TinySpec, make_tiny
+            from loopserve_lab.tiny import TinySpec, make_tiny
 
             model = make_tiny(Path(tmp) / "tiny", TinySpec(arch="ouro", seed=cfg.seed))
         log = cfg.server_log or Path(tmp) / "server.log"
@@ -1085,7 +1085,7 @@ def summary(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loopserve.bench.soak", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m loopserve_lab.bench.soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--duration-s", type=float, required=True, help="wall time of the traffic")
     p.add_argument("--model", type=Path, default=None, help="checkpoint folder (default: a make_tiny checkpoint)")
     p.add_argument("--concurrency", type=int, default=8, help="concurrent client workers")
@@ -1118,8 +1118,8 @@ def main(argv: list[str] | None = None) -> int:
                      read_timeout_s=a.read_timeout_s,
                      idle_timeout_s=a.idle_timeout_s,
                      max_rss_growth_mib=a.max_rss_growth_mib, server_args=a.server_arg, server_log=a.server_log)
-    report = {"command": " ".join(["python -m loopserve.bench.soak", *(argv if argv is not None else sys.argv[1:])]),
-              **run_soak(cfg)}
+    command = ["python -m loopserve_lab.bench.soak", *(argv if argv is not None else sys.argv[1:])]
+    report = {"command": " ".join(command), **run_soak(cfg)}
     print(summary(report), flush=True)
     if a.out is not None:
         a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,7 @@ workload and the same exit traces, all requests at t = 0.
 Schedulers run interleaved (cb, no-refill, refill, cb, ...) for `repeats` rounds and each point keeps
 the median, so a slow spell of a shared machine hits all three alike. Every row carries tokens/s
 (wall and CPU clock), throughput normalized to CB, the mean exit depth, both FLOP bounds
-(`loopserve.bench.bounds`) and the share of the bound realized.
+(`loopserve_lab.bench.bounds`) and the share of the bound realized.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from loopserve.bench.bounds import realized, run_bounds
-from loopserve.bench.harness import CDB_SCHEDULERS, LABELS, BenchModel, RunResult, run_offline
-from loopserve.bench.workloads import Workload
+from loopserve_lab.bench.bounds import realized, run_bounds
+from loopserve_lab.bench.harness import CDB_SCHEDULERS, LABELS, BenchModel, RunResult, run_offline
+from loopserve_lab.bench.workloads import Workload
 
 METRICS = {  # row key -> RunResult attribute
     "e2e": "tokens_per_s", "e2e_cpu": "cpu_tokens_per_s",

