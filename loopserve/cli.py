@@ -1,7 +1,9 @@
 """Command line: `loopserve generate | demo | make-tiny | serve | bench | train-tiny | eval`.
 
 Each subcommand registers itself from the module that owns it (`register(subparsers)`), so this
-file only lists them.
+file only lists them: the runtime's (`generate`, `demo`, `make-tiny`, `serve`) and the lab's
+(`bench`, `train-tiny`, `eval`, from `loopserve_lab`, imported only when the parser is built).
+A command that needs an optional extra which is not installed exits 2 naming the extra.
 """
 
 from __future__ import annotations
