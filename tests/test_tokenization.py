@@ -12,13 +12,13 @@ from hypothesis import strategies as st
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer, pre_tokenizers
 
+from loopserve.tokenizer import Tokenizer as LoopTokenizer
 from loopserve_lab.tokenization.build import (
     HUGINN_CHAT_TEMPLATE,
     HUGINN_SPECIAL_TOKENS,
     OURO_CHAT_TEMPLATE,
     byte_level_tokenizer,
     bytes_to_unicode,
-    render_chat,
     special_token_ids,
     train_bpe,
     write_tokenizer_files,
@@ -207,9 +207,6 @@ def test_ouro_chat_template() -> None:
     )
     assert hf_render(OURO_CHAT_TEMPLATE, CONVERSATION, False) == expected
     assert hf_render(OURO_CHAT_TEMPLATE, CONVERSATION, True) == expected + "<|im_start|>assistant\n"
-    assert render_chat(OURO_CHAT_TEMPLATE, CONVERSATION, add_generation_prompt=True) == (
-        expected + "<|im_start|>assistant\n"
-    )
     two_turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
     assert hf_render(OURO_CHAT_TEMPLATE, two_turns, False) == (
         "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n"
@@ -223,7 +220,6 @@ def test_huginn_chat_template() -> None:
         "<|begin_header|>Huginn<|end_header|>\n\n"
     )
     assert hf_render(HUGINN_CHAT_TEMPLATE, CONVERSATION, True) == prompt
-    assert render_chat(HUGINN_CHAT_TEMPLATE, CONVERSATION, add_generation_prompt=True) == prompt
     two_turns = [
         {"role": "user", "content": "  Hi there \n"},
         {"role": "assistant", "content": "\nHello!  "},
@@ -291,13 +287,13 @@ def test_write_tokenizer_files(tmp_path: Path, arch: str, bos: str, eos: str, pa
     text = "Loopy models think twice. 🙂"
     assert loaded.encode(text).ids == tok.encode(text).ids
     assert loaded.decode(loaded.encode(text, add_special_tokens=False).ids) == text
-    # the template stored in the config renders like the module constant
-    rendered = hf_render(cfg["chat_template"], CONVERSATION, True)
-    assert rendered == render_chat(
-        OURO_CHAT_TEMPLATE if arch == "ouro" else HUGINN_CHAT_TEMPLATE,
-        CONVERSATION,
-        add_generation_prompt=True,
-    )
+    # the template stored in the config is the module constant, and the runtime renders it as HF does
+    template = OURO_CHAT_TEMPLATE if arch == "ouro" else HUGINN_CHAT_TEMPLATE
+    assert cfg["chat_template"] == template
+    ours = LoopTokenizer(tmp_path / "tok")
+    for add_generation_prompt in (True, False):
+        assert ours.apply_chat_template(CONVERSATION, add_generation_prompt) == hf_render(
+            template, CONVERSATION, add_generation_prompt)
 
 
 def test_write_rejects_wrong_layout(tmp_path: Path) -> None:

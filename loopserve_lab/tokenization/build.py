@@ -1,6 +1,9 @@
-"""Build byte-level BPE tokenizers laid out like the Ouro and Huginn checkpoints.
+"""Byte-level BPE tokenizers laid out like the Ouro and Huginn checkpoints.
 
-Layouts (see docs in ``/work/shared/reference``: ouro.md section 5, huginn.md section 6):
+The merges come from ``tokenizers``' ``BpeTrainer``; this module adds what the trainer does not do:
+the special-token layouts, the byte-ordered base alphabet of the untrained tokenizer, and the HF
+tokenizer folder (``tokenizer_config.json`` with the chat template, ``special_tokens_map.json``, the
+slow GPT-2 files). Layouts, as the released checkpoints' tokenizer files have them:
 
 * ``arch="ouro"``: ``<|endoftext|>`` = 0, ``<|im_start|>`` = 1, ``<|im_end|>`` = 2, then regular
   tokens. bos = eos = pad = ``<|endoftext|>``; ChatML chat template; ``GPT2Tokenizer`` class.
@@ -16,14 +19,11 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 __all__ = [
@@ -37,8 +37,6 @@ __all__ = [
     "OURO_SPECIAL_TOKENS",
     "byte_level_tokenizer",
     "bytes_to_unicode",
-    "chat_template",
-    "render_chat",
     "special_token_ids",
     "train_bpe",
     "write_tokenizer_files",
@@ -87,7 +85,7 @@ assert len(HUGINN_SPECIAL_TOKENS) == 32 and len(set(HUGINN_SPECIAL_TOKENS)) == 3
 _RESERVED_FMT = "<|reserved_{}|>"
 
 # --------------------------------------------------------------------------------------------------
-# Chat templates (rendered by HF with an ImmutableSandboxedEnvironment, trim_blocks, lstrip_blocks)
+# Chat templates (written into tokenizer_config.json; loopserve.tokenizer renders them as HF does)
 # --------------------------------------------------------------------------------------------------
 
 # ChatML: <|im_start|>{role}\n{content}<|im_end|>\n per message; generation prompt
@@ -112,38 +110,6 @@ HUGINN_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|begin_header|>Huginn<|end_header|>\\n\\n' }}"
     "{% else %}{{ '<|end_text|>' }}{% endif %}"
 )
-
-
-def chat_template(arch: str) -> str:
-    """The Jinja chat template written into ``tokenizer_config.json`` for ``arch``."""
-    _check_arch(arch)
-    return OURO_CHAT_TEMPLATE if arch == "ouro" else HUGINN_CHAT_TEMPLATE
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-@lru_cache(maxsize=16)
-def _compile_template(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    env.globals["raise_exception"] = _raise_exception
-    return env.from_string(template)
-
-
-def render_chat(
-    template: str,
-    messages: Sequence[Mapping[str, Any]],
-    *,
-    add_generation_prompt: bool = False,
-    **context: Any,
-) -> str:
-    """Render a chat template the way HF ``apply_chat_template`` does (sandboxed Jinja)."""
-    return _compile_template(template).render(
-        messages=list(messages), add_generation_prompt=add_generation_prompt, **context
-    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -234,56 +200,6 @@ _BUILTIN_SENTENCES: tuple[str, ...] = (
 )
 
 
-def _word_counts(texts: Iterable[str]) -> Counter[str]:
-    """Pre-tokenize with the ByteLevel pre-tokenizer and count the resulting words."""
-    pre = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    counts: Counter[str] = Counter()
-    for text in texts:
-        counts.update(piece for piece, _ in pre.pre_tokenize_str(text))
-    return counts
-
-
-@lru_cache(maxsize=4)
-def _builtin_merges(max_new_tokens: int) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
-    """Greedy BPE on the built-in sentences: returns (merges, new tokens in creation order).
-
-    Stops when ``max_new_tokens`` tokens have been created or no pair occurs at least twice. Ties are
-    broken by the lexicographic order of the pair, so the result is fully deterministic.
-    """
-    counted = sorted(_word_counts(_BUILTIN_SENTENCES).items())
-    seqs: list[list[str]] = [list(w) for w, _ in counted]
-    freqs: list[int] = [c for _, c in counted]
-    known = set(_byte_symbols())
-    merges: list[tuple[str, str]] = []
-    new_tokens: list[str] = []
-    while len(new_tokens) < max_new_tokens:
-        pair_counts: Counter[tuple[str, str]] = Counter()
-        for symbols, count in zip(seqs, freqs, strict=True):
-            for pair in zip(symbols, symbols[1:], strict=False):
-                pair_counts[pair] += count
-        candidates = [(-c, p) for p, c in pair_counts.items() if c >= 2]
-        if not candidates:
-            break
-        _, (left, right) = min(candidates)
-        merged = left + right
-        merges.append((left, right))
-        if merged not in known:
-            known.add(merged)
-            new_tokens.append(merged)
-        for k, symbols in enumerate(seqs):
-            out: list[str] = []
-            i = 0
-            while i < len(symbols):
-                if i + 1 < len(symbols) and symbols[i] == left and symbols[i + 1] == right:
-                    out.append(merged)
-                    i += 2
-                else:
-                    out.append(symbols[i])
-                    i += 1
-            seqs[k] = out
-    return tuple(merges), tuple(new_tokens)
-
-
 # --------------------------------------------------------------------------------------------------
 # Assembly
 # --------------------------------------------------------------------------------------------------
@@ -358,53 +274,51 @@ def _assemble(
     return tok
 
 
-def byte_level_tokenizer(arch: str, vocab_size: int) -> Tokenizer:
-    """A small deterministic byte-level BPE tokenizer with the special-token layout of ``arch``.
-
-    The vocabulary holds the special tokens, the 256 byte symbols (in byte order) and merges of
-    frequent byte pairs learned from a built-in list of English sentences, until ``vocab_size`` ids
-    are used or no pair occurs twice. Ouro leaves any remaining ids unassigned (the tokenizer's
-    vocab is then smaller than ``vocab_size``); Huginn fills them with unreachable
-    ``<|reserved_N|>`` tokens so its 32 specials stay in the last 32 ids.
-    """
-    n_regular = _num_regular(arch, vocab_size)
-    merges, new_tokens = _builtin_merges(n_regular - 256)
-    return _assemble(arch, [*_byte_symbols(), *new_tokens], merges, vocab_size)
-
-
-def _model_vocab_and_merges(tok: Tokenizer) -> tuple[list[str], list[tuple[str, str]]]:
-    data = json.loads(tok.to_str())["model"]
-    vocab: dict[str, int] = data["vocab"]
-    regular = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    merges: list[tuple[str, str]] = []
-    for m in data["merges"]:
-        if isinstance(m, str):  # older serialisation: "left right"
-            left, right = m.split(" ", 1)
-        else:
-            left, right = m
-        merges.append((left, right))
-    return regular, merges
-
-
-def train_bpe(texts: Iterable[str], vocab_size: int, arch: str = "ouro") -> Tokenizer:
-    """Train a byte-level BPE on ``texts`` with the special-token layout of ``arch``.
-
-    Uses ``tokenizers``' ``BpeTrainer`` with the full ByteLevel alphabet as initial alphabet, so all
-    256 byte symbols are always present. The trainer fills the regular ids (``vocab_size`` minus the
-    specials) unless the text runs out of pairs; see ``byte_level_tokenizer`` for what happens then.
-    """
-    n_regular = _num_regular(arch, vocab_size)
+def _bpe_trainer_merges(
+    texts: Iterable[str], n_regular: int, min_frequency: int
+) -> tuple[list[str], list[tuple[str, str]]]:
+    """``tokenizers``' ``BpeTrainer`` on ``texts`` (ByteLevel words, all 256 byte symbols in the alphabet):
+    the regular tokens in the trainer's id order (the 256 byte symbols, then each merge's token) and the merges."""
     trainee = Tokenizer(models.BPE())
     trainee.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     trainer = trainers.BpeTrainer(
         vocab_size=n_regular,
-        min_frequency=0,
+        min_frequency=min_frequency,
         special_tokens=[],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     trainee.train_from_iterator(iter(texts), trainer=trainer)
-    regular, merges = _model_vocab_and_merges(trainee)
+    data = json.loads(trainee.to_str())["model"]
+    regular = [t for t, _ in sorted(data["vocab"].items(), key=lambda kv: kv[1])]
+    merges: list[tuple[str, str]] = []
+    for m in data["merges"]:
+        left, right = m.split(" ", 1) if isinstance(m, str) else m  # older serialisation: "left right"
+        merges.append((left, right))
+    return regular, merges
+
+
+def byte_level_tokenizer(arch: str, vocab_size: int) -> Tokenizer:
+    """A small deterministic byte-level BPE tokenizer with the special-token layout of ``arch``.
+
+    The vocabulary holds the special tokens, the 256 byte symbols (in byte order) and the tokens of
+    the merges the ``BpeTrainer`` learns from a built-in list of English sentences, until
+    ``vocab_size`` ids are used or no pair occurs twice. Ouro leaves any remaining ids unassigned (the
+    tokenizer's vocab is then smaller than ``vocab_size``); Huginn fills them with unreachable
+    ``<|reserved_N|>`` tokens so its 32 specials stay in the last 32 ids.
+    """
+    n_regular = _num_regular(arch, vocab_size)
+    regular, merges = _bpe_trainer_merges(_BUILTIN_SENTENCES, n_regular, min_frequency=2)
+    return _assemble(arch, [*_byte_symbols(), *regular[256:]], merges, vocab_size)
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, arch: str = "ouro") -> Tokenizer:
+    """Train a byte-level BPE on ``texts`` with the special-token layout of ``arch``.
+
+    The trainer fills the regular ids (``vocab_size`` minus the specials) unless the text runs out of
+    pairs; see ``byte_level_tokenizer`` for what happens then. The regular ids follow the trainer's order.
+    """
+    regular, merges = _bpe_trainer_merges(texts, _num_regular(arch, vocab_size), min_frequency=0)
     return _assemble(arch, regular, merges, vocab_size)
 
 
