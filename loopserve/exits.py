@@ -40,6 +40,7 @@ from loopserve.errors import NonFiniteError
 
 POLICIES = ("fixed", "gate", "latent_diff", "kl", "trace", "lookahead_gate")
 SIGNAL_OF = {"gate": "gate", "latent_diff": "latent_diff", "kl": "kl", "lookahead_gate": "lookahead_gate"}
+SIGNALS = (None, "gate", "latent_diff", "kl", "lookahead_gate")  # per-step signal kinds, by code (0: none)
 Signal = float | list[float] | tuple[float, float] | None  # lookahead_gate: (main logit, lookahead logit)
 
 
@@ -60,10 +61,27 @@ class ExitRule:
         return SIGNAL_OF.get(self.policy)
 
     @functools.cached_property
+    def signal_code(self) -> int:
+        """`signal` as its index in SIGNALS (0: none), as the engine's state pool stores it."""
+        return SIGNALS.index(self.signal)
+
+    @functools.cached_property
     def decides_ahead(self) -> bool:
         """True if the signal after step r first changes what happens after step r+1 (delayed
         lookahead, lookahead_gate): the engine may read it one tick late, after queueing step r+1."""
         return self.lookahead or self.policy == "lookahead_gate"
+
+    @functools.cached_property
+    def code(self) -> int:
+        """The policy's index in POLICIES (how `ExitBook` stores it)."""
+        return POLICIES.index(self.policy)
+
+    def target(self, decode_index: int) -> int:
+        """The depth a trace rule replays for decode item `decode_index` (max_loops past the trace's end,
+        and for other policies)."""
+        if self.policy == "trace" and decode_index < len(self.trace):
+            return min(max(self.trace[decode_index], self.min_loops), self.max_loops)
+        return self.max_loops
 
     def new_item(self, decode_index: int) -> ExitTracker:
         return ExitTracker(self, decode_index)
@@ -92,21 +110,18 @@ class ExitBook:
         self.target = np.zeros(rows, np.int64)
         self.stop_at = np.zeros(rows, np.int64)
 
-    def start(self, row: int, rule: ExitRule, decode_index: int) -> None:
-        """Row `row` now tracks a fresh work item under `rule` (the item fed generated token
-        `decode_index`: a trace rule replays its entry)."""
-        self.policy[row] = POLICIES.index(rule.policy)
-        self.threshold[row] = math.nan if rule.threshold is None else rule.threshold
-        self.min_loops[row] = rule.min_loops
-        self.lookahead[row] = rule.lookahead
-        self.survival[row] = 1.0
-        self.exit_depth[row] = 0
-        self.frozen[row] = False
-        self.stop_at[row] = rule.max_loops
-        target = rule.max_loops
-        if rule.policy == "trace" and decode_index < len(rule.trace):
-            target = min(max(rule.trace[decode_index], rule.min_loops), rule.max_loops)
-        self.target[row] = target
+    def start(self, rows: np.ndarray, rules: list[ExitRule], decode_indices: list[int]) -> None:
+        """Rows `rows` now track fresh work items under `rules` (item k fed generated token
+        `decode_indices[k]`: a trace rule replays its entry)."""
+        self.policy[rows] = [rule.code for rule in rules]
+        self.threshold[rows] = [math.nan if rule.threshold is None else rule.threshold for rule in rules]
+        self.min_loops[rows] = [rule.min_loops for rule in rules]
+        self.lookahead[rows] = [rule.lookahead for rule in rules]
+        self.survival[rows] = 1.0
+        self.exit_depth[rows] = 0
+        self.frozen[rows] = False
+        self.stop_at[rows] = [rule.max_loops for rule in rules]
+        self.target[rows] = [rule.target(k) for rule, k in zip(rules, decode_indices, strict=True)]
 
     def reaches_stop(self, rows: np.ndarray, r: np.ndarray) -> np.ndarray:
         """Mask of `rows` for which step r is the last whatever its signal says (`max_loops`, or a
@@ -160,7 +175,7 @@ class ExitTracker:
     def __init__(self, rule: ExitRule, decode_index: int) -> None:
         self.rule = rule
         self._book = ExitBook(1)
-        self._book.start(0, rule, decode_index)
+        self._book.start(_ROW, [rule], [decode_index])
 
     @property
     def exit_depth(self) -> int | None:

@@ -10,6 +10,7 @@ that outgrows the whole pool, fails that request alone with a clear error.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -207,7 +208,7 @@ def test_invariant_checks_catch_leaks(tiny_ouro):
         sched.check_invariants()
     sched.kv.allocator.free("ghost", leaked)
     ghost = WorkItem(sched.running["a"], -1, sched.pool)
-    sched.pool.allocate(ghost, 0, 0)
+    sched.pool.allocate([ghost], np.zeros(1, np.int64), np.zeros(1, np.int64))
     with pytest.raises(AssertionError, match="state row leaked"):
         sched.check_invariants()
     sched.pool.release(ghost)

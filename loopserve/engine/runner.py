@@ -18,7 +18,7 @@ from loopserve.device import Readback, upload
 from loopserve.engine.sampler import Sample, prompt_logprobs, sample_rows, unpack, unpack_prompt
 from loopserve.engine.sequence import Sequence
 from loopserve.engine.signals import step_signals, uniform_logprobs
-from loopserve.exits import ExitBook, Signal
+from loopserve.exits import SIGNALS, ExitBook, Signal
 from loopserve.models.base import LoopedLM
 from loopserve.models.context import ForwardContext, decode_context, paged_context
 
@@ -69,9 +69,6 @@ class PrefillChunk:
         return self.start + self.n == len(self.seq.prompt_ids)
 
 
-SIGNALS = (None, "gate", "latent_diff", "kl", "lookahead_gate")  # per-step signal kinds, by code
-
-
 _LOOKAHEAD_GATE, _KL = SIGNALS.index("lookahead_gate"), SIGNALS.index("kl")
 
 
@@ -114,21 +111,24 @@ class StatePool:
     def num_free(self) -> int:
         return len(self._free)
 
-    def allocate(self, item: WorkItem, kv_slot: int, kv_row: int) -> None:
-        row = item.row = self._free.pop()
-        self.items[row] = item
-        self.generation[row] += 1
-        self.kv_slot[row], self.position[row], self.kv_row[row] = kv_slot, item.position, kv_row
-        self.r[row] = self.parity[row] = 0
-        self.passive[row] = False
-        self.signal[row] = 0
+    def allocate(self, items: list[WorkItem], kv_slots: np.ndarray, kv_rows: np.ndarray) -> None:
+        """Give each item a row (its token's KV at `kv_rows`, its sequence's block-table slot `kv_slots`)."""
+        for item in items:
+            item.row = self._free.pop()
+            self.items[item.row] = item
+        rows = rows_of(items)
+        self.generation[rows] += 1
+        self.kv_slot[rows], self.kv_row[rows] = kv_slots, kv_rows
+        self.position[rows] = [item.position for item in items]
+        self.r[rows] = self.parity[rows] = self.signal[rows] = 0
+        self.passive[rows] = False
 
-    def start_loop(self, item: WorkItem) -> None:
-        """The item's prelude ran: track its exit rule from step 1."""
-        rule = item.seq.rule
-        self.exits.start(item.row, rule, item.seq.decode_index)
-        self.signal[item.row] = SIGNALS.index(rule.signal)
-        self.decides_ahead[item.row] = rule.decides_ahead
+    def start_loops(self, items: list[WorkItem]) -> None:
+        """The items' preludes ran: track their exit rules from step 1."""
+        rows, rules = rows_of(items), [item.seq.rule for item in items]
+        self.exits.start(rows, rules, [item.seq.decode_index for item in items])
+        self.signal[rows] = [rule.signal_code for rule in rules]
+        self.decides_ahead[rows] = [rule.decides_ahead for rule in rules]
 
     def release(self, item: WorkItem) -> None:
         self.items[item.row] = None

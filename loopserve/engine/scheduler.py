@@ -217,9 +217,10 @@ class Scheduler:
             elif self._reserve_kv(item, taken):
                 taken.append(item)
         self.prelude_q = _without(self.prelude_q, taken)
-        for item in taken:
-            sid = item.seq.request_id
-            self.pool.allocate(item, self.kv.slot(sid), self.kv.row(sid, item.position))
+        if taken:
+            slots = np.fromiter((self.kv.slot(i.seq.request_id) for i in taken), np.int64, len(taken))
+            positions = np.fromiter((i.position for i in taken), np.int64, len(taken))
+            self.pool.allocate(taken, slots, self.kv.block_tables.rows(slots, positions))
         return taken
 
     def _take_prefill(self) -> list[PrefillChunk]:
@@ -323,11 +324,11 @@ class Scheduler:
                 self._append_token(fork, samples[fork.request_id], fork.rule.max_loops)
 
     def after_prelude(self, plan: StagePlan) -> None:
-        for item in plan.items:
-            self.pool.start_loop(item)
-            if self.core_q:
-                self.stats.refill_events += 1
-            bisect.insort(self.core_q, item, key=_order)
+        self.pool.start_loops(plan.items)
+        if plan.items:  # each fresh item that joins a non-empty core queue (the first may find it empty)
+            self.stats.refill_events += len(plan.items) - (0 if self.core_q else 1)
+        # both runs are in creation order: one merge (Timsort finds the runs), not an insort each
+        self.core_q = sorted(self.core_q + plan.items, key=_order)
 
     def advance_core(self, rows: np.ndarray) -> None:
         """A core step ran on the items in state-pool rows `rows`: count it, and exit the items whose
