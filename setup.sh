@@ -6,4 +6,4 @@ cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[serve,hub,structured,bench,train,dev]'
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[serve,hub,structured,ray,bench,train,dev]'

@@ -17,10 +17,14 @@ import math
 import os
 import signal
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loopserve.cli import add_chat_args, add_engine_args, engine_kwargs
 from loopserve.exits import POLICIES
+
+if TYPE_CHECKING:
+    from loopserve.engine.engine import LLMEngine
+    from loopserve.serve.api import ServerSettings
 
 API_KEY_ENV = "LOOPSERVE_API_KEY"  # vLLM's VLLM_API_KEY: the key when no --api-key is given
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -95,6 +99,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     lg.add_argument("--log-stats-interval", type=float, default=10.0,
                     help="seconds between stats lines (throughput, running and waiting requests, KV cache usage, "
                          "mean exit depth), logged while the server is busy")
+    r = p.add_argument_group("scale-out on Ray Serve (the [ray] extra; docs/scale-out.md)")
+    r.add_argument("--replicas", type=int, default=None,
+                   help="run this many engine replicas as Ray Serve deployments behind one endpoint (with "
+                        "--min/--max-replicas: the initial count); unset: one engine in this process, no Ray")
+    r.add_argument("--min-replicas", type=int, default=None,
+                   help="autoscale: fewest replicas (Ray Serve's autoscaling_config.min_replicas)")
+    r.add_argument("--max-replicas", type=int, default=None,
+                   help="autoscale: most replicas (Ray Serve's autoscaling_config.max_replicas)")
+    r.add_argument("--ray-address", default=None,
+                   help="Ray cluster to join (e.g. HEAD:6379, as `ray start --head` prints); unset: a local Ray "
+                        "instance, stopped with the server")
+    r.add_argument("--ray-dashboard", action="store_true",
+                   help="start Ray's dashboard (http://127.0.0.1:8265; `serve status` needs it) with the local "
+                        "Ray instance; off by default: it is a dozen processes")
+    r.add_argument("--replica-cpus", type=float, default=1.0,
+                   help="CPUs reserved per replica (and its torch threads) when it gets no GPU; a replica gets one "
+                        "GPU wherever the cluster has GPUs and --device is not cpu")
     p.set_defaults(func=cmd_serve)
 
 
@@ -130,45 +151,47 @@ def _check(args: argparse.Namespace) -> str | None:
         return "--root-path: must start with '/'"
     if args.allow_credentials and "*" in args.allowed_origins:
         return "--allow-credentials: browsers refuse credentials for the origin '*'; list the origins"
+    if args.replicas is not None and args.replicas < 1:
+        return "--replicas: must be >= 1"
+    if args.min_replicas is not None and args.min_replicas < 0:
+        return "--min-replicas: must be >= 0"
+    if args.max_replicas is not None and args.max_replicas < 1:
+        return "--max-replicas: must be >= 1"
+    low = args.min_replicas if args.min_replicas is not None else 1
+    high = args.max_replicas if args.max_replicas is not None else max(low, args.replicas or 1)
+    if low > high:
+        return f"--min-replicas ({low}) is above --max-replicas ({high})"
+    if args.replicas is not None and (args.min_replicas is not None or args.max_replicas is not None) \
+            and not low <= args.replicas <= high:
+        return f"--replicas ({args.replicas}): must lie in [--min-replicas, --max-replicas] = [{low}, {high}]"
+    if not (math.isfinite(args.replica_cpus) and args.replica_cpus > 0):
+        return "--replica-cpus: must be > 0"
     return None
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
+def uses_ray(args: argparse.Namespace) -> bool:
+    """Whether these flags ask for replicas on Ray Serve (else one engine in this process)."""
+    return any(v is not None for v in (args.replicas, args.min_replicas, args.max_replicas, args.ray_address))
 
+
+def load_server(args: argparse.Namespace) -> tuple[LLMEngine, ServerSettings]:
+    """The engine and the `ServerSettings` these flags describe (ValueError on a bad model or bad flags):
+    what this process serves, and what each Ray Serve replica loads (`serve/ray.py`)."""
     from loopserve.models.loader import generation_defaults
-    from loopserve.serve.api import (
-        ServerSettings,
-        build_app,
-        check_sampling_defaults,
-        context_length,
-        load_engine,
-    )
-    from loopserve.serve.connection import read_timeout_protocol
+    from loopserve.serve.api import ServerSettings, check_sampling_defaults, context_length, load_engine
 
-    def fail(msg: str) -> int:
-        print(f"error: {msg}", file=sys.stderr)
-        return 2
-
-    problem = _check(args)
-    if problem is not None:
-        return fail(problem)
     model = args.model_tag or args.model
-    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     defaults = {"exit_threshold": args.exit_threshold, "exit_policy": args.exit_policy,
                 "min_loops": args.min_loops, "max_loops": args.max_loops}
-    try:
-        engine, path = load_engine(model, dtype=args.dtype, device=args.device, state_init=args.state_init,
-                                   seed=args.seed, gpu_memory_utilization=args.gpu_memory_utilization,
-                                   **engine_kwargs(args))
-        if args.chat_template is not None:
-            engine.tokenizer.set_chat_template(args.chat_template)
-        # the model's generation_config.json sampling defaults, under the flags' own
-        defaults = {**generation_defaults(path, args.generation_config), **defaults}
-        check_sampling_defaults(engine, defaults)
-        context_length(engine, args.max_model_len)
-    except ValueError as e:
-        return fail(str(e))
+    engine, path = load_engine(model, dtype=args.dtype, device=args.device, state_init=args.state_init,
+                               seed=args.seed, gpu_memory_utilization=args.gpu_memory_utilization,
+                               **engine_kwargs(args))
+    if args.chat_template is not None:
+        engine.tokenizer.set_chat_template(args.chat_template)
+    # the model's generation_config.json sampling defaults, under the flags' own
+    defaults = {**generation_defaults(path, args.generation_config), **defaults}
+    check_sampling_defaults(engine, defaults)
+    context_length(engine, args.max_model_len)
     settings = ServerSettings(
         model_name=args.served_model_name or str(model if model is not None else path.name), model_path=str(path),
         expose_model_path=args.expose_model_path, api_keys=tuple(_api_keys(args.api_key)),
@@ -178,6 +201,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials,
         root_path=args.root_path, log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
         stats_interval_s=None if args.disable_log_stats else args.log_stats_interval)
+    return engine, settings
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    problem = _check(args)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    if uses_ray(args):  # imported only here: the single-process server never loads Ray
+        from loopserve.serve.ray import run_replicas
+
+        return run_replicas(args)
+    import uvicorn
+
+    from loopserve.serve.api import build_app
+    from loopserve.serve.connection import read_timeout_protocol
+
+    try:
+        engine, settings = load_server(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     engine_failed = False
 
     def stop_serving() -> None:  # on the event loop, once the engine thread has died

@@ -1,0 +1,347 @@
+"""Scale-out on Ray Serve: N engine replicas behind one OpenAI-compatible endpoint.
+
+This module owns the Ray side of `loopserve serve --replicas N` (the `[ray]` extra); nothing else in
+loopserve imports Ray, and `serve/cli.py` imports this module only when a Ray flag is given.
+
+- `LoopServeReplica`: the deployment. Each replica loads its own engine with the loader the
+  single-process server uses (`cli.load_server`) and serves the very app `api.build_app` returns,
+  as an ASGI ingress: same endpoints, errors, streaming and metrics. Ray Serve's proxy routes each
+  HTTP request to a replica (its request router prefers the replica with the shortest queue), and a
+  client that disconnects cancels its request on that replica, which aborts it and frees its KV.
+- `deployment_options(args, gpus)`: the serve flags mapped onto Ray Serve's deployment options:
+  replicas or autoscaling bounds, one GPU per replica where the cluster has GPUs (else
+  `--replica-cpus` CPUs), `max_ongoing_requests` = what the replica's app admits
+  (`--max-num-seqs` + `--max-queued-requests`, past which it answers 503 as the single-process
+  server does) + a few slots so that probes never wait behind generations, `--max-queued-requests`
+  also as the proxy's queue bound, `--shutdown-timeout` as the graceful shutdown time; autoscaling
+  aims at `--max-num-seqs` requests per replica.
+- Health: `check_health` fails once the replica's engine thread has died, so Ray Serve's
+  controller replaces the replica (as a supervisor restarts the single-process server, which exits
+  1 then); a replica process that dies is restarted by Ray Serve the same way. GET /health is
+  answered by whichever replica the router picks, and is 503 on one whose engine is gone.
+- Metrics: GET /metrics on any replica asks every replica for its Prometheus text
+  (`handle.broadcast`) and answers them merged, each sample with a `replica` label (Ray Serve's
+  replica id). Every response carries `X-Loopserve-Replica: <replica id>`.
+- `app(config)`: the application builder for `serve run loopserve.serve.ray:app model=PATH ...` and
+  Ray Serve config files (`import_path: loopserve.serve.ray:app`, `args:` the serve flags by name).
+- `run_replicas(args)`: the `loopserve serve` path: start (or join, `--ray-address`) Ray, run the
+  application on `--host`/`--port`, wait for SIGTERM/SIGINT, then take it down.
+
+Failure semantics (docs/scale-out.md): requests that reach the proxy while a replica is dead, or wait
+in the proxy, go to another replica; those the dead replica had taken (running, or waiting in its
+engine's queue) fail (the proxy answers 500, or a stream is cut: its 200 is already sent), none hang.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray import serve
+from ray.serve import Application
+
+log = logging.getLogger("loopserve.serve")
+APP_NAME = "loopserve"  # the Ray Serve application
+DEPLOYMENT = "loopserve"  # its one deployment
+REPLICA_HEADER = b"x-loopserve-replica"  # names the replica that answered
+HEALTH_CHECK_PERIOD_S = 2.0  # Ray's default is 10 s: a dead engine should leave the rotation sooner
+CONSTRUCTOR_RETRIES = 3  # Ray's default, 20, would retry a bad model for minutes
+METRICS_TIMEOUT_S = 5.0  # a replica that does not answer in time is left out of /metrics
+PROBE_SLOTS = 8  # requests a replica takes beyond what its engine admits: /health, /metrics, 503s
+
+
+# -- flags -> deployment options ------------------------------------------------------------------------------
+def deployment_options(args: argparse.Namespace, gpus: bool) -> dict[str, Any]:
+    """Ray Serve deployment options for these serve flags; `gpus`: the cluster has GPUs."""
+    from loopserve.cli import engine_kwargs
+    from loopserve.engine.config import EngineConfig
+
+    cfg = EngineConfig(**engine_kwargs(args))
+    actor: dict[str, Any] = {"num_cpus": args.replica_cpus}
+    if gpus and args.device != "cpu":
+        actor["num_gpus"] = 1
+    opts: dict[str, Any] = {
+        "ray_actor_options": actor,
+        # what the app itself admits (it answers 503 beyond that, as the single-process server), and
+        # room for probes: a replica at its limit would make /health and /metrics wait in the proxy
+        "max_ongoing_requests": cfg.max_num_seqs + args.max_queued_requests + PROBE_SLOTS,
+        "max_queued_requests": args.max_queued_requests if args.max_queued_requests > 0 else -1,
+        "health_check_period_s": HEALTH_CHECK_PERIOD_S,
+        "graceful_shutdown_timeout_s": args.shutdown_timeout,
+        "max_constructor_retry_count": CONSTRUCTOR_RETRIES,
+    }
+    if args.min_replicas is None and args.max_replicas is None:
+        opts["num_replicas"] = args.replicas or 1
+        return opts
+    low = args.min_replicas if args.min_replicas is not None else 1
+    high = args.max_replicas if args.max_replicas is not None else max(low, args.replicas or 1)
+    opts["num_replicas"] = "auto"
+    opts["autoscaling_config"] = {
+        "min_replicas": low, "max_replicas": high,
+        "initial_replicas": args.replicas if args.replicas is not None else max(low, 1),
+        # scale out when replicas have more requests than their engines run at once
+        "target_ongoing_requests": cfg.max_num_seqs,
+    }
+    return opts
+
+
+def _cluster_has_gpus() -> bool:
+    if ray.is_initialized():
+        return ray.cluster_resources().get("GPU", 0) > 0
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def build_application(args: argparse.Namespace) -> Application:
+    """The Ray Serve application for parsed serve flags (ValueError on bad flags)."""
+    from loopserve.cli import engine_kwargs
+    from loopserve.engine.config import EngineConfig
+    from loopserve.serve.cli import _api_keys, _check
+
+    problem = _check(args)
+    if problem is not None:
+        raise ValueError(problem)
+    EngineConfig(**engine_kwargs(args))  # bad engine flags fail here, not in every replica
+    model = args.model_tag or args.model
+    if model is not None and not Path(model).exists() and Path(model).is_absolute():
+        raise ValueError(f"model: {model} does not exist")
+    args = argparse.Namespace(**vars(args))
+    args.api_key = _api_keys(args.api_key)  # $LOOPSERVE_API_KEY is read here: replicas may not see it
+    args.func = None  # the subcommand's function is not needed (nor always picklable) on replicas
+    return LoopServeReplica.options(**deployment_options(args, _cluster_has_gpus())).bind(args)
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    from loopserve.serve.cli import register
+
+    root = argparse.ArgumentParser(prog="loopserve")
+    register(root.add_subparsers())
+    return root._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+
+
+def flags_from_config(config: dict[str, Any]) -> argparse.Namespace:
+    """The serve flags from a config's `args` ({"model": PATH, "max_model_len": 512, "api_key": [...]}):
+    names with `_` or `-`, flags as true/false, lists for repeatable or list flags. ValueError names
+    an unknown or bad entry."""
+    parser = _serve_parser()
+    actions = {a.dest: a for a in parser._actions if a.option_strings}
+    argv: list[str] = []
+    for key, value in config.items():
+        action = actions.get(key.replace("-", "_"))
+        if action is None:
+            raise ValueError(f"args.{key}: not a `loopserve serve` flag")
+        flag = action.option_strings[-1]
+        if isinstance(action, argparse._StoreTrueAction):
+            if value not in (True, False, "true", "false"):
+                raise ValueError(f"args.{key}: expected true or false")
+            argv += [flag] if value in (True, "true") else []
+        elif isinstance(action, argparse._AppendAction):
+            for item in value if isinstance(value, list) else [value]:
+                argv += [flag, str(item)]
+        elif isinstance(value, list):
+            argv += [flag, json.dumps(value)]
+        elif value is not None:
+            argv += [flag, str(value)]
+    try:
+        return parser.parse_args(argv)
+    except SystemExit:
+        raise ValueError(f"args: not valid serve flags: {' '.join(argv)}") from None
+
+
+def app(config: dict[str, Any]) -> Application:
+    """Application builder for `serve run loopserve.serve.ray:app model=PATH ...` and config files."""
+    args = flags_from_config(config)
+    if args.replicas is None and args.min_replicas is None and args.max_replicas is None:
+        args.replicas = 1  # a config file's `deployments:` section may say more
+    return build_application(args)
+
+
+# -- metrics -----------------------------------------------------------------------------------------------------
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def merge_metrics(texts: list[tuple[str, str]]) -> str:
+    """One Prometheus text exposition from each replica's (replica id, text): every sample gains a
+    `replica` label, each metric family keeps one HELP/TYPE header, its samples from all replicas together."""
+    families: dict[str, tuple[list[str], list[str]]] = {}  # header name -> (HELP/TYPE lines, samples)
+    for replica, text in texts:
+        current: tuple[list[str], list[str]] | None = None
+        label = f'replica="{_label(replica)}"'
+        for line in text.splitlines():
+            if not line.strip():
+                continue
+            if line.startswith("#"):
+                parts = line.split(None, 3)
+                if len(parts) >= 3 and parts[1] in ("HELP", "TYPE"):
+                    current = families.setdefault(parts[2], ([], []))
+                    if line not in current[0]:
+                        current[0].append(line)
+                continue
+            if current is None:  # a sample before any header: its own family
+                current = families.setdefault("", ([], []))
+            cut = min(i for i in (line.find("{"), line.find(" "), len(line)) if i >= 0)
+            if line[cut:cut + 1] == "{":
+                rest = line[cut + 1:]
+                line = f"{line[:cut]}{{{label}{',' if not rest.startswith('}') else ''}{rest}"
+            else:
+                line = f"{line[:cut]}{{{label}}}{line[cut:]}"
+            current[1].append(line)
+    out: list[str] = []
+    for header, samples in families.values():
+        out += header + samples
+    return "\n".join(out) + "\n"
+
+
+# -- the replica ------------------------------------------------------------------------------------------------
+class _ReplicaASGI:
+    """The app of one replica as Ray Serve calls it: `build_app`'s app, with the replica's id on every
+    response and GET /metrics merged over all replicas."""
+
+    def __init__(self, replica: LoopServeReplica) -> None:
+        self.replica = replica
+        self.inner = replica.fastapi
+        root = replica.fastapi.state.settings.root_path
+        self.metrics_paths = {"/metrics", f"{root}/metrics"}
+        self.header = (REPLICA_HEADER, replica.replica_id.encode())
+
+    async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]],
+                       send: Callable[[dict], Awaitable[None]]) -> None:
+        if scope["type"] != "http":  # lifespan: the app's own (it starts and stops the engine thread)
+            await self.inner(scope, receive, send)
+            return
+
+        # Ray Serve's proxy gives a request without X-Request-Id one (the app then takes it as the
+        # client's) and adds it to the response: the app's own copy would repeat it
+        sent_id = next((v for k, v in scope.get("headers", []) if k == b"x-request-id"), None)
+
+        async def send_with_replica(msg: dict) -> None:
+            if msg["type"] == "http.response.start":
+                headers = [h for h in msg.get("headers", []) if not (h[0] == b"x-request-id" and h[1] == sent_id)]
+                msg = {**msg, "headers": [*headers, self.header]}
+            await send(msg)
+
+        if scope["method"] == "GET" and scope["path"] in self.metrics_paths:
+            body = (await self.replica.merged_metrics()).encode()
+            from prometheus_client import CONTENT_TYPE_LATEST
+
+            await send_with_replica({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", CONTENT_TYPE_LATEST.encode()), (b"content-length", str(len(body)).encode())]})
+            await send_with_replica({"type": "http.response.body", "body": body})
+            return
+        await self.inner(scope, receive, send_with_replica)
+
+
+@serve.deployment(name=DEPLOYMENT)
+@serve.ingress()
+class LoopServeReplica:
+    """One engine replica: the single-process server's app, with its own engine."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import torch
+
+        from loopserve.serve.api import build_app
+        from loopserve.serve.cli import LOG_FORMAT, load_server
+
+        logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+        if not torch.cuda.is_available():
+            # intra-op threads within the CPUs Ray reserved for this replica: replicas on one node
+            # would otherwise each start a pool as wide as the machine and fight over the cores
+            torch.set_num_threads(max(1, int(args.replica_cpus)))
+        context = serve.get_replica_context()
+        self.replica_id: str = context.replica_id.unique_id
+        self._where = (context.deployment, context.app_name)
+        self._handle: Any = None
+        engine, settings = load_server(args)
+        # a dead engine fails what is in flight (api.py); check_health then reports it to Ray Serve,
+        # whose controller replaces this replica
+        self.fastapi = build_app(engine, settings, on_engine_dead=lambda: log.error(
+            "replica %s: the engine failed; Ray Serve will replace this replica", self.replica_id))
+        log.info("replica %s: %s", self.replica_id, self.fastapi.state.serving.summary())
+
+    def __serve_build_asgi_app__(self) -> _ReplicaASGI:
+        return _ReplicaASGI(self)
+
+    def check_health(self) -> None:
+        if not self.fastapi.state.engine.alive:
+            raise RuntimeError(f"replica {self.replica_id}: the engine is not running")
+
+    async def metrics_text(self) -> tuple[str, str]:
+        """This replica's id and Prometheus text (called by `merged_metrics` on every replica)."""
+        return self.replica_id, self.fastapi.state.metrics.render().decode()
+
+    async def merged_metrics(self) -> str:
+        if self._handle is None:
+            self._handle = serve.get_deployment_handle(*self._where)
+        try:
+            answers = await self._handle.broadcast("metrics_text").results_async(
+                timeout_s=METRICS_TIMEOUT_S, return_exceptions=True)
+        except Exception as e:  # the router itself failed: this replica's own metrics still count
+            log.warning("replica %s: /metrics: could not reach the other replicas (%s)", self.replica_id, e)
+            answers = []
+        texts = [a for a in answers if isinstance(a, tuple)]
+        if not any(r == self.replica_id for r, _ in texts):
+            texts.append(await self.metrics_text())
+        return merge_metrics(sorted(texts))
+
+
+# -- `loopserve serve --replicas N` ----------------------------------------------------------------------------
+def run_replicas(args: argparse.Namespace) -> int:
+    """Serve the flags' model on Ray Serve until SIGTERM (exit 0) or SIGINT (130); 2 for bad flags,
+    1 if the application could not be deployed."""
+    local = args.ray_address is None
+    try:
+        deployment_options(args, gpus=False)  # bad engine flags: before Ray starts
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    code = {"value": 0}
+
+    def on_signal(signum: int, frame: Any) -> None:
+        code["value"] = 130 if signum == signal.SIGINT else 0
+        stop.set()
+
+    context = ray.init(address=args.ray_address, logging_level=args.log_level.upper(),
+                       include_dashboard=args.ray_dashboard if local else None)
+    # after ray.init, which installs its own SIGTERM handler (a stack dump, then abort)
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    log.info("Ray: %s (%s)", "local instance" if local else "cluster", context.address_info.get("gcs_address"))
+    try:
+        try:
+            application = build_application(args)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        serve.start(http_options={"host": args.host, "port": args.port})
+        try:
+            serve.run(application, name=APP_NAME, route_prefix="/", blocking=False)
+        except RuntimeError as e:
+            print(f"error: the replicas could not start: {e}", file=sys.stderr)
+            return 1
+        log.info("serving on http://%s:%d%s with Ray Serve (%s)", args.host, args.port, args.root_path,
+                 _describe(args))
+        stop.wait()
+        return code["value"]
+    finally:
+        if local:
+            serve.shutdown()
+        else:  # the cluster and its other applications stay up
+            serve.delete(APP_NAME)
+        ray.shutdown()
+
+
+def _describe(args: argparse.Namespace) -> str:
+    if args.min_replicas is None and args.max_replicas is None:
+        return f"{args.replicas or 1} replicas"
+    return f"autoscaling {args.min_replicas if args.min_replicas is not None else 1}..{args.max_replicas} replicas"
