@@ -63,12 +63,7 @@ def generation_defaults(folder: Path, mode: str = "auto") -> dict[str, Any]:
         if mode != "auto":
             raise ValueError(f"generation_config: {path} is missing")
         return {}
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    raw = _json_object(path)
     fields = {f.name for f in dataclasses.fields(SamplingParams)}
     out: dict[str, Any] = {}
     for key, name in _GENERATION_KEYS.items():
@@ -85,6 +80,17 @@ def generation_defaults(folder: Path, mode: str = "auto") -> dict[str, Any]:
     if out:
         log.info("%s: default sampling parameters %s (a request's own values win)", path, out)
     return out
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    """A JSON file holding an object (ValueError naming the file otherwise)."""
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    return raw
 
 
 def embedded_model_path() -> Path:
@@ -156,12 +162,7 @@ def load_model(model: str | Path, dtype: str = "float32", device: str = "cpu", s
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
         raise ValueError(f"{cfg_path}: missing")
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{cfg_path}: expected a JSON object, got {type(raw).__name__}")
+    raw = _json_object(cfg_path)
     config = ModelConfig.from_hf(raw, str(cfg_path))
     # the small files first: a bad template or generation config fails before the weights are read
     tokenizer = Tokenizer(folder, chat_template=chat_template)
