@@ -112,7 +112,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "instance, stopped with the server")
     r.add_argument("--ray-dashboard", action="store_true",
                    help="start Ray's dashboard (http://127.0.0.1:8265; `serve status` needs it) with the local "
-                        "Ray instance; off by default: it is a dozen processes")
+                        "Ray instance (a dozen more processes)")
     r.add_argument("--replica-cpus", type=float, default=1.0,
                    help="CPUs reserved per replica (and its torch threads) when it gets no GPU; a replica gets one "
                         "GPU wherever the cluster has GPUs and --device is not cpu")
