@@ -9,5 +9,8 @@
 - `middleware.py`: the request body size limit and request ids (`X-Request-Id`).
 - `connection.py`: uvicorn's HTTP protocol with a request read timeout (stalled clients get 408).
 - `metrics.py`: Prometheus metrics (`loopserve:` prefix, vLLM names plus loop-specific ones).
+- `structured.py`: structured output and tool calls of a request (`response_format`, `guided_*`, `tools`).
 - `cli.py`: the `serve` subcommand.
+- `ray.py`: several engine replicas behind one endpoint on Ray Serve (`serve --replicas N`; imported
+  only then; docs/scale-out.md).
 """
