@@ -18,7 +18,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     loops_run: int = 0  # core loop steps spent on this request's decode tokens
-    prefill_loops: int = 0  # core loop steps per prompt token, summed over the prompt
+    prefill_loops: int = 0  # core loop steps per prompt token, summed over the prompt tokens computed
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -53,3 +53,5 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing
     # precedes it), else the token's own logprob and the top ones, computed at full depth
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # prompt tokens whose KV came from the prefix cache (vLLM's field; the API's cached_tokens)
+    num_cached_tokens: int = 0

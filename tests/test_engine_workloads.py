@@ -203,10 +203,10 @@ def test_invariant_checks_catch_leaks(tiny_ouro):
         engine.step()
     sched = engine.scheduler
     sched.check_invariants()
-    leaked = sched.kv.allocator.allocate("ghost", 1)
+    leaked = sched.kv.allocator.allocate(1)
     with pytest.raises(AssertionError, match="allocator owns blocks"):
         sched.check_invariants()
-    sched.kv.allocator.free("ghost", leaked)
+    sched.kv.allocator.free(leaked)
     ghost = WorkItem(sched.running["a"], -1, sched.pool)
     sched.pool.allocate([ghost], np.zeros(1, np.int64), np.zeros(1, np.int64))
     with pytest.raises(AssertionError, match="state row leaked"):

@@ -87,10 +87,29 @@ def test_health_models_and_metric_names(server, client, ouro_path):
                  "generation_tokens_total", "time_to_first_token_seconds", "inter_token_latency_seconds",
                  "e2e_request_latency_seconds", "exit_depth_bucket", "core_batch_size_bucket", "core_loops_total",
                  "refill_events_total", "deferred_signal_steps_total", "num_preemptions_total",
+                 "prefix_cache_queries_total", "prefix_cache_hits_total",
                  "request_queue_time_seconds_bucket", "request_prefill_time_seconds_bucket",
                  "request_decode_time_seconds_bucket", "request_inference_time_seconds_bucket"):
         assert f"loopserve:{name}" in text, name
     assert 'engine="0"' in text and "process_cpu_seconds_total" in text and "python_gc_objects_collected" in text
+
+
+def test_prefix_cache_usage_and_metrics(server, client):
+    """A prompt behind a prefix an earlier one computed reports OpenAI's cached_tokens, and the two
+    vLLM counters move by the same tokens."""
+    def counter(name: str) -> float:
+        line = next(x for x in httpx.get(server.url + "/metrics").text.splitlines()
+                    if x.startswith(f"loopserve:{name}_total{{"))
+        return float(line.rsplit(" ", 1)[1])
+
+    system = [(7 * j) % 300 + 3 for j in range(70)]  # 4 full blocks of 16, then 6 tokens
+    first = client.completions.create(model=MODEL, prompt=system + [1, 2], max_tokens=2)
+    hits = counter("prefix_cache_hits")
+    queries = counter("prefix_cache_queries")
+    second = client.completions.create(model=MODEL, prompt=system + [3, 4, 5], max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == 64
+    assert counter("prefix_cache_hits") - hits == 64 and counter("prefix_cache_queries") - queries == 73
 
 
 def test_completion_equals_offline_with_extensions(client, offline):

@@ -1,7 +1,10 @@
-"""Per-sequence block tables over the shared KV pool: grow, free, swap out to host memory, swap in.
+"""Per-sequence block tables over the shared KV pool: grow, free, swap out to host memory, swap in,
+and take or publish full prompt blocks through the prefix cache (docs/design.md §4.3).
 
 Each sequence with a table holds a slot (a row) of the shared `BlockTables`, which maps its
-positions to physical KV rows on the host and on the device. Swapping copies a sequence's rows
+positions to physical KV rows on the host and on the device. A table may start with cached blocks
+other tables hold too (read-only: only full prompt blocks are shared, and nothing writes a prompt
+row after its prefill); every block after them is the sequence's own. Swapping copies a sequence's rows
 (every slot, and each token's KV depth) to host memory and back, so a preempted sequence resumes
 with bit-identical KV whatever the layout.
 """
@@ -33,7 +36,7 @@ class KVCacheManager:
         num_blocks = store.capacity // block_size
         self.allocator = BlockAllocator(num_blocks, block_size)
         # Reserved blocks (e.g. the scratch row passive CB rows write to) are owned by the manager.
-        self.reserved = self.allocator.allocate(self, reserved_blocks) if reserved_blocks else []
+        self.reserved = self.allocator.allocate(reserved_blocks) if reserved_blocks else []
         self.tables: dict[str, BlockTable] = {}
         self.block_tables = BlockTables(num_slots, 16, block_size, store.k.device)  # grows on demand
         self._free_slots: list[int] = []
@@ -63,11 +66,36 @@ class KVCacheManager:
         if table is None:
             table = self.tables[seq_id] = BlockTable(self._take_slot())
         if need:
-            new = self.allocator.allocate(seq_id, need)
+            new = self.allocator.allocate(need)
             self.block_tables.set_blocks(table.slot, len(table.blocks), new)
             table.blocks += new
         table.num_tokens = max(table.num_tokens, num_tokens)
         return True
+
+    # -- the prefix cache --------------------------------------------------------------------------------
+    def cached_blocks(self, keys: list[bytes]) -> list[int]:
+        """Cached blocks holding the longest run of these prompt-block keys from the first."""
+        return self.allocator.lookup(keys)
+
+    def share_cost(self, blocks: list[int]) -> int:
+        """Free blocks `adopt(blocks)` would take (cached blocks no table holds leave the free count)."""
+        return self.allocator.cost_to_share(blocks)
+
+    def adopt(self, seq_id: str, blocks: list[int]) -> None:
+        """Start a new sequence's table with cached prompt blocks (shared, refcount + 1 each)."""
+        assert seq_id not in self.tables, f"{seq_id} already has KV"
+        table = self.tables[seq_id] = BlockTable(self._take_slot())
+        if blocks:
+            self.allocator.share(blocks)
+            self.block_tables.set_blocks(table.slot, 0, blocks)
+            table.blocks = list(blocks)
+            table.num_tokens = len(blocks) * self.block_size
+
+    def publish(self, seq_id: str, first: int, keys: list[bytes]) -> None:
+        """Index the sequence's blocks first, first+1, ... (complete prompt blocks) under `keys`."""
+        blocks = self.tables[seq_id].blocks
+        for i, key in enumerate(keys, start=first):
+            self.allocator.register(blocks[i], key)
 
     def _take_slot(self) -> int:
         if self._free_slots:
@@ -90,8 +118,7 @@ class KVCacheManager:
     def free(self, seq_id: str) -> None:
         table = self.tables.pop(seq_id, None)
         if table is not None:
-            if table.blocks:
-                self.allocator.free(seq_id, table.blocks)
+            self.allocator.free(table.blocks)
             self._free_slots.append(table.slot)
 
     def swap_out(self, seq_id: str) -> None:
@@ -100,7 +127,7 @@ class KVCacheManager:
         rows = upload(self.rows(seq_id, table.num_tokens), s.k.device)
         # queued behind the work that wrote these rows; read back only when swapped in
         table.swapped = Readback({"k": s.k[:, rows], "v": s.v[:, rows], "depth": s.depth[rows]})
-        self.allocator.free(seq_id, table.blocks)
+        self.allocator.free(table.blocks)
         table.blocks = []
 
     def is_swapped(self, seq_id: str) -> bool:
@@ -124,19 +151,22 @@ class KVCacheManager:
         return True
 
     def check_invariants(self, live: set[str]) -> None:
-        """Every block is free, reserved, or owned by exactly one live sequence's table."""
-        owners = self.allocator.owners()
-        seen: dict[int, str] = {}
+        """Every block is free (empty or cached), reserved, or held by live sequences' tables, exactly as
+        many as its reference count says (a table lists a block once); no held block is free."""
+        self.allocator.check()
+        refs = self.allocator.refcounts()
         slots = [t.slot for t in self.tables.values()]
         assert len(slots) == len(set(slots)) and not set(slots) & set(self._free_slots), "block-table slot shared"
+        listed: dict[int, int] = dict.fromkeys(self.reserved, 1)
         for sid, table in self.tables.items():
             assert sid in live, f"KV table of finished sequence {sid} still held"
             assert self.block_tables.host[table.slot, : len(table.blocks)].tolist() == table.blocks, \
                 f"block table of {sid} out of date"
+            assert len(set(table.blocks)) == len(table.blocks), f"block listed twice by {sid}"
             for b in table.blocks:
-                assert b not in seen, f"block {b} in two tables ({seen[b]}, {sid})"
-                assert owners.get(b) == sid, f"block {b} owned by {owners.get(b)!r}, listed by {sid}"
-                seen[b] = sid
-        reserved = set(self.reserved)
-        assert len(seen) + len(reserved) == len(owners), "allocator owns blocks no table lists"
-        assert self.allocator.num_free + len(owners) == self.allocator.num_blocks
+                assert b in refs, f"block {b} of {sid} is free while listed (its KV may be overwritten)"
+                listed[b] = listed.get(b, 0) + 1
+        assert set(refs) <= set(listed), "allocator owns blocks no table lists"
+        for b, n in listed.items():
+            assert refs.get(b) == n, f"block {b}: refcount {refs.get(b)}, listed {n} times"
+        assert self.allocator.num_free + len(refs) == self.allocator.num_blocks

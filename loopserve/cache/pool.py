@@ -4,13 +4,16 @@
 KV depth of every physical token (what the layout's read rule needs), plus one zero row that is never
 written: attention gathers every key it masks (padding, keys a layout hides) from it, so whatever a
 masked row holds (stale KV of a finished request, even NaN) cannot reach a query through 0 * NaN.
-`BlockAllocator` hands out fixed-size blocks of physical rows to sequences; a sequence's block table
-maps its positions to rows. The reference decoder uses a store with one contiguous "block" per request.
+`BlockAllocator` hands out fixed-size blocks of physical rows to sequences, counts who holds each
+one (a full prompt block may be shared read-only through the prefix cache), and keeps cached blocks
+until the pool needs them; a sequence's block table maps its positions to rows. The reference
+decoder uses a store with one contiguous "block" per request.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 
 import torch
 
@@ -50,38 +53,122 @@ class KVStore:
 
 
 class BlockAllocator:
-    """Free KV blocks in a min-heap: allocation order is deterministic (lowest id first), and freeing
-    a sequence's blocks costs O(blocks log n), not a sort of the whole free list."""
+    """KV blocks with reference counts, and the prefix cache's index of blocks by content.
+
+    A block is *held* (refcount >= 1: listed by that many block tables, or reserved), *cached* (held
+    by no one but still indexed by the key of the prompt block whose KV it holds: it can be taken
+    back by a later prompt with that key), or *empty*. Allocation takes empty blocks first, lowest
+    id first (a heap: deterministic, O(log n) per block), then evicts cached blocks, least recently
+    freed first; so cached KV survives until the pool needs its blocks (docs/design.md §4.3). A held
+    block is never handed out again, so KV is never overwritten while some sequence reads it.
+    """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free = list(range(num_blocks))  # a heap (sorted is a valid heap)
-        self._owner: dict[int, object] = {}
+        self._empty = list(range(num_blocks))  # a heap (sorted is a valid heap)
+        self._refs: dict[int, int] = {}  # held blocks -> holders
+        self._by_key: dict[bytes, int] = {}  # prefix cache: a prompt block's key -> the block holding its KV
+        self._key_of: dict[int, bytes] = {}
+        self._lru: OrderedDict[int, None] = OrderedDict()  # cached blocks held by no one, oldest first
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks an allocation may take: empty ones and cached ones no one holds."""
+        return len(self._empty) + len(self._lru)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._key_of)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def allocate(self, owner: object, n: int) -> list[int]:
-        if n > len(self._free):
-            raise MemoryError(f"need {n} KV blocks, {len(self._free)} free")
-        blocks = [heapq.heappop(self._free) for _ in range(n)]
-        for b in blocks:
-            self._owner[b] = owner
+    def allocate(self, n: int) -> list[int]:
+        """`n` fresh blocks (refcount 1); evicts cached blocks once no empty block is left."""
+        if n > self.num_free:
+            raise MemoryError(f"need {n} KV blocks, {self.num_free} free")
+        blocks = []
+        for _ in range(n):
+            if self._empty:
+                b = heapq.heappop(self._empty)
+            else:
+                b, _ = self._lru.popitem(last=False)
+                del self._by_key[self._key_of.pop(b)]
+            self._refs[b] = 1
+            blocks.append(b)
         return blocks
 
-    def free(self, owner: object, blocks: list[int]) -> None:
-        for b in blocks:
-            if self._owner.get(b) is not owner:
-                raise RuntimeError(f"block {b} freed by a sequence that does not own it")
-            del self._owner[b]
-            heapq.heappush(self._free, b)
+    def free(self, blocks: list[int]) -> None:
+        """Drop one hold on each block. A block no one holds becomes empty, or stays cached if indexed:
+        blocks are given in position order and the last ones are evicted first (a prompt's tail is the
+        part least likely to be shared)."""
+        for b in reversed(blocks):
+            refs = self._refs.get(b, 0)
+            if refs < 1:
+                raise RuntimeError(f"block {b} freed more often than it was held")
+            if refs > 1:
+                self._refs[b] = refs - 1
+                continue
+            del self._refs[b]
+            if b in self._key_of:
+                self._lru[b] = None
+            else:
+                heapq.heappush(self._empty, b)
 
-    def owners(self) -> dict[int, object]:
-        return dict(self._owner)
+    # -- the prefix cache ------------------------------------------------------------------------------
+    def lookup(self, keys: list[bytes]) -> list[int]:
+        """The blocks holding the longest run of `keys` from the first (a chain: key i covers block i
+        and everything before it)."""
+        found = []
+        for key in keys:
+            b = self._by_key.get(key)
+            if b is None:
+                break
+            found.append(b)
+        return found
+
+    def cost_to_share(self, blocks: list[int]) -> int:
+        """Free blocks that sharing `blocks` takes out of the pool (those no one holds now)."""
+        return sum(1 for b in blocks if b in self._lru)
+
+    def share(self, blocks: list[int]) -> None:
+        """Hold cached blocks once more (taking them out of the eviction order if no one held them)."""
+        for b in blocks:
+            assert b in self._key_of, f"block {b} is not in the prefix cache"
+            if b in self._lru:
+                del self._lru[b]
+            self._refs[b] = self._refs.get(b, 0) + 1
+
+    def register(self, block: int, key: bytes) -> None:
+        """Index a held block whose KV is now complete under `key`. A key already indexed keeps its
+        block (two requests prefilled the same prefix at once: the second copy stays private)."""
+        assert self._refs.get(block, 0) >= 1, f"registering block {block}, which no one holds"
+        if key in self._by_key or block in self._key_of:
+            return
+        self._by_key[key] = block
+        self._key_of[block] = key
+
+    def reset_cache(self) -> None:
+        """Forget every cached block (held ones stay held, unindexed)."""
+        for b in self._lru:
+            heapq.heappush(self._empty, b)
+        self._lru.clear()
+        self._by_key.clear()
+        self._key_of.clear()
+
+    def refcounts(self) -> dict[int, int]:
+        return dict(self._refs)
+
+    def check(self) -> None:
+        """The allocator's own bookkeeping: every block is exactly one of held, cached-unheld, empty."""
+        empty, lru, held = set(self._empty), set(self._lru), set(self._refs)
+        assert len(empty) == len(self._empty), "block twice in the empty heap"
+        assert not (empty & lru or empty & held or lru & held), "block both free and held"
+        assert len(empty) + len(lru) + len(held) == self.num_blocks, "block lost by the allocator"
+        assert all(r >= 1 for r in self._refs.values()), "held block with refcount < 1"
+        assert lru <= set(self._key_of) and not empty & set(self._key_of), "free block cached without a key"
+        assert all(self._by_key[k] == b for b, k in self._key_of.items()) and len(self._by_key) == len(self._key_of), \
+            "prefix-cache index out of step"

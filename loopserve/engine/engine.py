@@ -24,6 +24,7 @@ import torch
 from loopserve.cache.layout import KVLayout
 from loopserve.cache.manager import KVCacheManager
 from loopserve.cache.pool import KVStore
+from loopserve.cache.prefix import cache_scope
 from loopserve.config import HUGINN, ModelConfig
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.runner import (
@@ -88,7 +89,9 @@ class LLMEngine:
         self.kv = KVCacheManager(store, cfg.block_size, reserved_blocks=1, num_slots=cfg.max_num_seqs)
         self.pool = StatePool(cfg.max_num_seqs, c.hidden_size, p.dtype, p.device, with_inject=c.arch == HUGINN)
         self.stats = EngineStats()
-        self.scheduler = make_scheduler(cfg, self.kv, self.pool, self.stats)
+        scope = cache_scope(c.arch, str(p.dtype), cfg.kv_layout, cfg.prefill_chunk_size)
+        self.scheduler = make_scheduler(cfg, self.kv, self.pool, self.stats,
+                                        scope if cfg.enable_prefix_caching else None, model.draws_random_state)
         scratch = self.kv.reserved[0] * cfg.block_size
         self.runner = ModelRunner(model, self.layout, self.kv, self.pool, scratch_row=scratch)
         self._arrivals = itertools.count()

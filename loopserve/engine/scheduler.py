@@ -15,7 +15,9 @@ they differ only in `_plan` (the choice `schedule` returns):
 
 KV admission: a new prompt is admitted only when the pool can hold all of it on top of what the
 admitted, partly prefilled prompts still need (so half-prefilled prompts cannot hold the pool
-between them). KV pressure: a token that needs a new block and finds none swaps out the most
+between them). With prefix caching, an admitted prompt first takes the cached blocks of its longest
+cached prefix and starts its prefill after them; the blocks a chunk completes are published for
+later prompts (docs/design.md §4.3). KV pressure: a token that needs a new block and finds none swaps out the most
 recently arrived sequence that is between tokens, or else drops a partly prefilled prompt (to be
 recomputed); a request that could never fit fails alone with an error. `check_invariants` and
 `check_drained` state the bookkeeping the tests check after every step.
@@ -34,6 +36,7 @@ import numpy as np
 
 from loopserve.cache.layout import IN_FLIGHT
 from loopserve.cache.manager import KVCacheManager
+from loopserve.cache.prefix import block_keys, reusable_tokens
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.runner import PrefillChunk, Signals, StatePool, WorkItem
 from loopserve.engine.sampler import Sample
@@ -53,8 +56,14 @@ class StagePlan:
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, kv: KVCacheManager, pool: StatePool, stats: EngineStats) -> None:
+    def __init__(self, cfg: EngineConfig, kv: KVCacheManager, pool: StatePool, stats: EngineStats,
+                 prefix_scope: bytes | None = None, random_state: bool = False) -> None:
         self.cfg, self.kv, self.pool, self.stats = cfg, kv, pool, stats
+        # prefix caching (off when None): the engine-wide part of block keys (`cache.prefix`), and
+        # whether the model's random initial states make the state seed base part of a prompt's KV
+        self.prefix_scope, self.random_state = prefix_scope, random_state
+        # a restart inside a prefill chunk changes `shared` KV (§4.2): cached prefixes end on a chunk there
+        self._prefix_align = cfg.prefill_chunk_size if cfg.kv_layout == "shared" else 1
         self.waiting: deque[Sequence] = deque()  # not yet (fully) prefilled
         self.prefill_pos: dict[str, int] = {}  # prompt tokens already prefilled
         self.running: dict[str, Sequence] = {}  # admitted, KV resident
@@ -247,22 +256,27 @@ class Scheduler:
             if not admitted and len(self.running) + sum(len(c.seq.family) for c in chunks if c.start == 0) \
                     + len(seq.family) > cfg.max_num_seqs:
                 break
-            start = self.prefill_pos.get(sid, 0)
+            hit = [] if admitted else self._cached_prefix(seq)  # a new prompt's cached blocks
+            start = self.prefill_pos[sid] if admitted else len(hit) * kv.block_size
             n = min(cfg.prefill_chunk_size - start % cfg.prefill_chunk_size, len(seq.prompt_ids) - start)
             if n > budget:
                 break
             last = start + n == len(seq.prompt_ids)
+            # a new prompt allocates all but its cached blocks, and the cached ones no one holds leave the free count
+            hit_cost = kv.share_cost(hit) - len(hit)
             need = kv.blocks_needed(sid, start + n + (1 if last else 0)) + (self._fork_blocks(seq) if last else 0)
             if admitted:
                 if need > free:
                     break
                 owed -= need
             else:
-                whole = kv.blocks_needed(sid, len(seq.prompt_ids) + 1) + self._fork_blocks(seq)
+                need += hit_cost
+                whole = kv.blocks_needed(sid, len(seq.prompt_ids) + 1) + self._fork_blocks(seq) + hit_cost
                 idle = not chunks and not self.running  # an otherwise idle engine admits whatever fits
                 if whole + owed > free - (0 if idle else margin):
                     break
                 owed += whole - need
+                self._admit(seq, hit)  # its cached blocks are held from now: later allocations cannot evict them
             free -= need
             budget -= n
             chunks.append(PrefillChunk(seq, start, n))
@@ -277,6 +291,34 @@ class Scheduler:
                 self.running[fork.request_id] = fork
                 fork.status = Status.RUNNING
         return chunks
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks a new prompt may start from (none for requests that want every prompt
+        position's logprobs: the skipped positions would have none)."""
+        if self.prefix_scope is None or seq.params.prompt_logprobs is not None:
+            return []
+        bs = self.kv.block_size
+        blocks = self.kv.cached_blocks(self._prompt_keys(seq)[: (len(seq.prompt_ids) - 1) // bs])
+        return blocks[: reusable_tokens(len(blocks), len(seq.prompt_ids), bs, self._prefix_align) // bs]
+
+    def _prompt_keys(self, seq: Sequence) -> list[bytes]:
+        """The prefix-cache keys of the prompt's full blocks (computed once per request)."""
+        if seq.block_hashes is None:
+            assert self.prefix_scope is not None
+            seq.block_hashes = block_keys(self.prefix_scope, seq.rule.max_loops,
+                                          seq.state_base if self.random_state else None, seq.prompt_ids,
+                                          self.kv.block_size)
+        return seq.block_hashes
+
+    def _admit(self, seq: Sequence, hit: list[int]) -> None:
+        """A new prompt takes its cached blocks (a table even without any) and prefills after them."""
+        sid = seq.request_id
+        self.kv.adopt(sid, hit)
+        cached = len(hit) * self.kv.block_size
+        self.prefill_pos[sid] = seq.num_cached_tokens = cached
+        if self.prefix_scope is not None and seq.params.prompt_logprobs is None:
+            self.stats.prefix_cache_queries += len(seq.prompt_ids)
+            self.stats.prefix_cache_hits += cached
 
     def _fork_blocks(self, seq: Sequence) -> int:
         """KV blocks the samples forking from `seq`'s prefill take (their copies of the prompt)."""
@@ -310,6 +352,11 @@ class Scheduler:
                 continue
             seq = c.seq
             self.prefill_pos[seq.request_id] = c.start + c.n
+            if self.prefix_scope is not None:  # publish the prompt blocks this chunk completed
+                bs = self.kv.block_size
+                first, end = c.start // bs, (c.start + c.n) // bs
+                if end > first:
+                    self.kv.publish(seq.request_id, first, self._prompt_keys(seq)[first:end])
             self.stats.prefill_token_loops += c.n * seq.rule.max_loops
             seq.metrics.prefill_loops += c.n * seq.rule.max_loops
             if not c.last:
@@ -606,6 +653,7 @@ class CBScheduler(CohortScheduler):
         return self.core_ticks >= max(i.seq.rule.max_loops for i in self.cohort)
 
 
-def make_scheduler(cfg: EngineConfig, kv: KVCacheManager, pool: StatePool, stats: EngineStats) -> Scheduler:
+def make_scheduler(cfg: EngineConfig, kv: KVCacheManager, pool: StatePool, stats: EngineStats,
+                   prefix_scope: bytes | None = None, random_state: bool = False) -> Scheduler:
     cls = {"cb": CBScheduler, "cdb-norefill": CohortScheduler, "cdb": RefillScheduler}[cfg.scheduler]
-    return cls(cfg, kv, pool, stats)
+    return cls(cfg, kv, pool, stats, prefix_scope, random_state)

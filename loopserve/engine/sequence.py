@@ -4,7 +4,6 @@ the reference decoder and the batching engine (one place decides when a request 
 from __future__ import annotations
 
 import enum
-import hashlib
 import time
 from typing import Any
 
@@ -78,13 +77,17 @@ def truncate_prompt(ids: list[int], keep: int | None) -> list[int]:
     return ids[-keep:] if keep is not None and keep >= 1 else ids
 
 
-def prompt_seed(base_seed: int, prompt_ids: list[int]) -> int:
-    """Seed of a request's random initial loop states when it gives no seed: a hash of the engine's
-    seed and the prompt, so identical requests compute identically (Huginn's like-init draws a random
-    state per token) whatever their request id, index or arrival; stable across processes."""
-    h = hashlib.sha256(f"{base_seed}:".encode())
-    h.update(",".join(map(str, prompt_ids)).encode())
-    return int.from_bytes(h.digest()[:8], "little") & _MASK63
+_MASK64 = (1 << 64) - 1
+
+
+def chain_seed(seed: int, token: int) -> int:
+    """One link of a token chain: the splitmix64 finalizer of (seed, token). Position p's initial-state
+    seed is the chain over tokens 0..p from the request's state base, so it is a function of the prefix
+    (what lets prefix caching share a Huginn prompt's KV: docs/design.md §4.3, §8)."""
+    z = (seed + (token + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & _MASK63
 
 
 def make_sequence(model: LoopedLM, tokenizer: Tokenizer, request_id: str, prompt: PromptType,
@@ -93,13 +96,13 @@ def make_sequence(model: LoopedLM, tokenizer: Tokenizer, request_id: str, prompt
     """Validate a request against the model and build its Sequence (ValueError names the bad field).
 
     `seed` seeds sampling when the request gives none; the random initial states are seeded by the
-    request's own seed, else by `prompt_seed(base_seed, prompt)`.
+    request's own seed, else by `base_seed` (the engine's), chained over the tokens (`Sequence.state_seed`).
     """
     text, ids = parse_prompt(prompt, tokenizer)
     ids = truncate_prompt(ids, params.truncate_prompt_tokens)  # the text stays as given (vLLM)
     c = model.config
     rule = resolve_exit_rule(params, model, lookahead)
-    state = params.seed if params.seed is not None else prompt_seed(base_seed, ids)
+    state = params.seed if params.seed is not None else base_seed
     family = [Sequence(sample_id(request_id, j), text, ids, params, rule, _sample_seed(seed, params.seed, j), tokenizer,
                        c.max_position, c.vocab_size, arrival_time, state_seed=state, index=j)
               for j in range(params.n)]
@@ -145,7 +148,10 @@ class Sequence:
         self._prompt_ids_out = list(prompt_ids)  # one copy shared by this request's outputs, not one each
         self.tokenizer = tokenizer
         self.seed = seed & _MASK63  # sampling (make_sequence: the request's seed, + index for sample `index`)
-        self._state_base = (state_seed if state_seed is not None else self.seed) & _MASK63
+        self.state_base = (state_seed if state_seed is not None else self.seed) & _MASK63
+        self._state_chain: list[int] = []  # state seeds of positions 0.. computed so far
+        self.num_cached_tokens = 0  # prompt tokens the latest admission took from the prefix cache
+        self.block_hashes: list[bytes] | None = None  # the prompt's full KV blocks' keys (prefix cache)
         limit = max_model_len - len(prompt_ids)
         self.max_new = min(params.max_tokens, limit) if params.max_tokens is not None else limit
         self.eos_ids = set() if params.ignore_eos else set(tokenizer.eos_token_ids)
@@ -188,8 +194,14 @@ class Sequence:
         return len(self.output_ids) - 1
 
     def state_seed(self, position: int) -> int:
-        """Seed of the random initial loop state of the token at `position` (Huginn like-init)."""
-        return (self._state_base * 0x9E3779B97F4A7C15 + position * 1_000_003 + 1) & _MASK63
+        """Seed of the random initial loop state of the token at `position` (Huginn like-init): the chain
+        of `chain_seed` over tokens 0..position from `state_base`, a function of the prefix alone."""
+        chain, n = self._state_chain, len(self.prompt_ids)
+        while len(chain) <= position:
+            p = len(chain)
+            chain.append(chain_seed(chain[-1] if chain else self.state_base,
+                                    self.prompt_ids[p] if p < n else self.output_ids[p - n]))
+        return chain[position]
 
     @property
     def finished(self) -> bool:
@@ -296,7 +308,7 @@ class Sequence:
         if len(self.family) == 1:
             return RequestOutput(self.request_id, self.prompt, self._prompt_ids_out, [self.completion()],
                                  self.finished, self.metrics, self.error, self.error_status,
-                                 prompt_logprobs=self.prompt_logprobs)
+                                 prompt_logprobs=self.prompt_logprobs, num_cached_tokens=self.num_cached_tokens)
         failed = next((s for s in self.family if s.error is not None), None)
         finished = all(s.finished for s in self.family)
         firsts = [s.metrics.first_token_time for s in self.family if s.metrics.first_token_time is not None]
@@ -307,4 +319,4 @@ class Sequence:
         return RequestOutput(head.request_id, head.prompt, head._prompt_ids_out, [s.completion() for s in self.family],
                              finished, metrics,
                              failed.error if failed else None, failed.error_status if failed else None,
-                             prompt_logprobs=head.prompt_logprobs)
+                             prompt_logprobs=head.prompt_logprobs, num_cached_tokens=head.num_cached_tokens)

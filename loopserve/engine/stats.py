@@ -22,6 +22,8 @@ class EngineStats:
     schedule_time: float = 0.0
     generated_tokens: int = 0
     prompt_tokens: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens of admissions that looked up the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens whose KV the cache supplied (their prefill skipped)
     finished_requests: Counter = field(default_factory=Counter)  # finish reason -> count
 
     def record(self, stage: str, batch: int) -> None:
@@ -39,4 +41,5 @@ class EngineStats:
             "exit_depths": dict(sorted(self.exit_depths.items())), "model_time": self.model_time,
             "schedule_time": self.schedule_time, "generated_tokens": self.generated_tokens,
             "prompt_tokens": self.prompt_tokens, "finished_requests": dict(self.finished_requests),
+            "prefix_cache_queries": self.prefix_cache_queries, "prefix_cache_hits": self.prefix_cache_hits,
         }

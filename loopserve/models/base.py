@@ -44,6 +44,12 @@ class LoopedLM(nn.Module):
     def has_lookahead_gate(self) -> bool:
         return False
 
+    @property
+    def draws_random_state(self) -> bool:
+        """Whether `prelude` draws each token's initial loop state from its seed (then a prompt's KV
+        depends on the seeds too: docs/design.md §4.3)."""
+        return False
+
 
 def latent_diff(prev: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """||s_r - s_{r-1}|| / ||s_r|| per row, in fp32 or wider."""

@@ -97,6 +97,10 @@ class RavenForCausalLM(LoopedLM):
             ln_f=RMSNorm(c.hidden_size, c.norm_eps),
         ))
 
+    @property
+    def draws_random_state(self) -> bool:
+        return self.state_init == "like-init"
+
     def prelude(self, token_ids, ctx, state_seeds=None):
         t = self.transformer
         e = t.wte(token_ids) * self.config.embed_scale

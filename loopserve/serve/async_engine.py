@@ -64,6 +64,8 @@ class EngineSnapshot:
     preemptions: int = 0
     swap_ins: int = 0
     deferred_signal_steps: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class RequestGroup:
@@ -226,7 +228,8 @@ class AsyncLLMEngine:
             exit_depths=dict(st.exit_depths), core_batch=dict(st.batch_hist.get("core", {})), ticks=dict(st.ticks),
             core_rows=st.rows.get("core", 0), useful_core_rows=st.useful_core_rows,
             prefill_token_loops=st.prefill_token_loops, refill_events=st.refill_events,
-            preemptions=st.preemptions, swap_ins=st.swap_ins, deferred_signal_steps=st.deferred_signal_ticks)
+            preemptions=st.preemptions, swap_ins=st.swap_ins, deferred_signal_steps=st.deferred_signal_ticks,
+            prefix_cache_queries=st.prefix_cache_queries, prefix_cache_hits=st.prefix_cache_hits)
 
     def _run(self) -> None:
         try:

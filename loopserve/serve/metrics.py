@@ -4,7 +4,8 @@ plus the process metrics of prometheus_client's default collectors (`process_*`,
 the periodic stats line of the log (`StatsLogger`).
 
 vLLM names: num_requests_running, num_requests_waiting, kv_cache_usage_perc, num_preemptions_total
-(read from the engine's last snapshot); prompt_tokens_total, generation_tokens_total,
+prefix_cache_queries_total and prefix_cache_hits_total (prompt tokens looked up in the prefix
+cache, and those it supplied) (read from the engine's last snapshot); prompt_tokens_total, generation_tokens_total,
 request_success_total{finished_reason}, time_to_first_token_seconds, inter_token_latency_seconds,
 e2e_request_latency_seconds, request_queue_time_seconds (arrival to the first step that admits the
 request), request_prefill_time_seconds (admission to the first token), request_decode_time_seconds
@@ -99,7 +100,9 @@ class _EngineCollector(Collector):
                 ("num_preemptions", "Sequences swapped out or prompts dropped for KV space.", s.preemptions),
                 ("swap_ins", "Swapped-out sequences brought back.", s.swap_ins),
                 ("deferred_signal_steps", "Core steps whose exit signals were read after the next step was "
-                                          "queued (lookahead pipelining).", s.deferred_signal_steps)):
+                                          "queued (lookahead pipelining).", s.deferred_signal_steps),
+                ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
+                ("prefix_cache_hits", "Prompt tokens whose KV the prefix cache supplied.", s.prefix_cache_hits)):
             c = CounterMetricFamily(P + name, doc, labels=LABELS)
             c.add_metric(m, float(value))
             yield c

@@ -105,13 +105,15 @@ class LogprobFormatter:
         return {"content": content}
 
 
-def usage_body(outs: list[RequestOutput], generated: bool = True) -> dict[str, int]:
-    """`generated` false: echo with max_tokens 0 (the one token the engine ran is not sent)."""
+def usage_body(outs: list[RequestOutput], generated: bool = True) -> dict[str, Any]:
+    """`generated` false: echo with max_tokens 0 (the one token the engine ran is not sent).
+    `prompt_tokens_details.cached_tokens`: prompt tokens served from the prefix cache (OpenAI's field)."""
     prompt = sum(len(o.prompt_token_ids) for o in outs)
     completion = sum(len(c.token_ids) for o in outs for c in o.outputs) if generated else 0
     loops = sum(o.metrics.loops_run for o in outs if o.metrics is not None)
     prefill_loops = sum(o.metrics.prefill_loops for o in outs if o.metrics is not None)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)},
             "loops": loops, "prefill_loops": prefill_loops}
 
 
