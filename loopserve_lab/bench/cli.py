@@ -372,6 +372,31 @@ def cmd_host(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prefix(args: argparse.Namespace) -> int:
+    from loopserve_lab.bench import prefix
+    from loopserve_lab.bench.harness import write_json
+    from loopserve_lab.bench.plots import plot_prefix
+
+    bm, out = _start(args, "prefix")
+    system, pairs, source = prefix.build_prompts(bm.tokenizer, args.num_requests, args.prefix_len,
+                                                 args.workload_seed, args.mtbench_file)
+    longest = len(system) + 2 * 256 + 2 * args.output_len + 8
+    cfg = {"scheduler": "cdb", "max_decode_batch": args.width, "max_num_seqs": max(args.num_requests, 8),
+           "kv_cache_tokens": (max(args.num_requests, 8) + 4) * longest, **engine_overrides(args)}
+    engines = {m: bm.engine(args.seed, **{**cfg, "enable_prefix_caching": m == "on"}) for m in prefix.MODES}
+    print(f"{len(pairs)} questions: {source}; system prompt {len(system)} tokens", file=sys.stderr)
+    res = prefix.run(engines, system, pairs, args.ttft_requests, args.output_len, args.rounds,
+                     progress=not args.no_progress)
+    print(prefix.format_summary(res["summary"]))
+    data = {**_header(args, bm), "questions": source, "prefix_len": len(system), "engine": cfg, **res}
+    path = write_json(out / "prefix.json", data)
+    plot_prefix(res["summary"], out / "prefix.png",
+                f"prefix cache on {bm.name}: {len(system)}-token system prompt + MT-Bench questions "
+                f"(wall, median)")
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from loopserve_lab.bench.harness import CDB_SCHEDULERS, engine_kwargs_for, run_offline, write_json
     from loopserve_lab.bench.plots import plot_serve
@@ -591,6 +616,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_host)
+
+    p = bsub.add_parser("prefix", help="prefix caching on vs off: TTFT and throughput behind a shared system prompt")
+    add_model_args(p)
+    add_engine_args(p)
+    p.add_argument("--prefix-len", type=int, default=1024, help="tokens of the shared system prompt")
+    p.add_argument("--num-requests", type=int, default=16, help="questions per throughput batch")
+    p.add_argument("--ttft-requests", type=int, default=8, help="requests timed alone (and conversations)")
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=2, help="throughput rounds per mode (interleaved)")
+    p.add_argument("--width", type=int, default=16)
+    p.add_argument("--mtbench-file", type=Path, default=None, help="question.jsonl (default: from bench setup)")
+    p.add_argument("--workload-seed", type=int, default=0)
+    p.set_defaults(func=cmd_prefix)
 
     p = bsub.add_parser("serve", help="open-loop Poisson serving, in-process and over HTTP")
     add_model_args(p)

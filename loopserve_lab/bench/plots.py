@@ -195,3 +195,19 @@ def plot_host(points: list[dict[str, Any]], path: Path, title: str) -> Path:
     axes[0][stages.index("core") if "core" in stages else 0].legend(fontsize=6)
     fig.suptitle(title, fontsize=9)
     return _save(fig, path)
+
+
+def plot_prefix(summary: dict[str, Any], path: Path, title: str) -> Path:
+    """Prefix cache on vs off: median TTFT alone and at turn 2 of a conversation, and a batch's wall time."""
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.8))
+    panels = (("ttft", "wall_median", "TTFT, one request (s)"), ("turn2", "wall_median", "TTFT, turn 2 (s)"),
+              ("throughput", "wall", "batch: time to finish all (s)"))
+    for ax, (key, field, label) in zip(axes, panels, strict=True):
+        vals = [summary[key]["on"][field], summary[key]["off"][field]]
+        ax.bar(["cache on", "cache off"], vals, color=["#1f77b4", "#7f7f7f"])
+        for i, v in enumerate(vals):
+            ax.text(i, v, f"{v:.3g}", ha="center", va="bottom", fontsize=8)
+        ax.set_title(f"{label}\noff/on {summary[key]['speedup_wall']:.1f}x", fontsize=9)
+        ax.grid(alpha=0.3, axis="y")
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, path)
