@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from loopserve.config import HUGINN, OURO, ModelConfig
+from loopserve.model_config import HUGINN, OURO, ModelConfig
 from loopserve.models.huginn import RavenForCausalLM
 from loopserve.models.ouro import OuroForCausalLM
 from loopserve_lab.tokenization.build import byte_level_tokenizer, write_tokenizer_files

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from loopserve.config import HUGINN, OURO
+from loopserve.model_config import HUGINN, OURO
 from loopserve_lab.bench.peer import (
     PeerCode,
     PeerConfig,

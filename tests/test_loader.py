@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from loopserve import LLM, SamplingParams
 from loopserve.cli import main as cli_main
-from loopserve.config import ModelConfig
+from loopserve.model_config import ModelConfig
 from loopserve.models.loader import load_model
 from loopserve_lab.tiny import TinySpec, make_tiny
 from tests.upstream import oracle

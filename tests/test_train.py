@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from loopserve import LLM, SamplingParams
-from loopserve.config import ModelConfig
 from loopserve.exits import ExitRule
+from loopserve.model_config import ModelConfig
 from loopserve.models.loader import load_model
 from loopserve.models.ouro import OuroForCausalLM
 from loopserve_lab.tiny import TinySpec, make_tiny

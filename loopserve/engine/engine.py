@@ -25,7 +25,6 @@ from loopserve.cache.layout import KVLayout
 from loopserve.cache.manager import KVCacheManager
 from loopserve.cache.pool import KVStore
 from loopserve.cache.prefix import cache_scope
-from loopserve.config import HUGINN, ModelConfig
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.runner import (
     ModelRunner,
@@ -36,9 +35,10 @@ from loopserve.engine.runner import (
     StatePool,
     rows_of,
 )
-from loopserve.engine.scheduler import StagePlan, make_scheduler
+from loopserve.engine.scheduler import Stage, StagePlan, make_scheduler
 from loopserve.engine.sequence import PromptType, Sequence, make_sequence
 from loopserve.engine.stats import EngineStats
+from loopserve.model_config import HUGINN, ModelConfig
 from loopserve.models.base import LoopedLM
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import SamplingParams
@@ -50,7 +50,7 @@ class StageRecord:
     """One stage batch the engine ran, handed to every `LLMEngine.stage_hooks` callback (benchmarks and
     metrics read these instead of wrapping engine methods)."""
 
-    stage: str  # prefill | prelude | core | coda
+    stage: Stage
     rows: int  # prompt tokens (prefill) or work items
     start: float  # perf_counter when the batch went to the runner
     model_s: float  # time inside the runner call (on CUDA: queueing, unless something waited)
@@ -139,7 +139,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         self._model_time = 0.0
         sched = self.scheduler
-        if not sched.core_q and any(e.plan.stage == "coda" for e in self._in_flight):
+        if not sched.core_q and any(e.plan.stage is Stage.CODA for e in self._in_flight):
             self._land(self._take_in_flight())  # nothing would run beside the coda: take its tokens now
         plan = sched.schedule()
         self._run(plan)
@@ -153,7 +153,7 @@ class LLMEngine:
         outs = [seq.to_output() for seq in dict.fromkeys(s.family[0] for s in sched.appended + sched.finished)]
         sched.appended.clear()
         sched.finished.clear()
-        if plan.stage == "idle" and not outs and sched.has_work():
+        if plan.stage is Stage.IDLE and not outs and sched.has_work():
             raise RuntimeError("scheduler made no progress with work pending (a bug: please report)")
         return outs
 
@@ -165,7 +165,7 @@ class LLMEngine:
         entry = self._launch(plan)
         self._land(earlier)
         if entry is not None:
-            if plan.stage == "core":  # counted before its signals are read: exits settled a step ago
+            if plan.stage is Stage.CORE:  # counted before its signals are read: exits settled a step ago
                 entry = self._advance_core(entry)
             if entry is not None and self._may_wait(entry):
                 self._in_flight.append(entry)
@@ -179,19 +179,19 @@ class LLMEngine:
 
     def _launch(self, plan: StagePlan) -> InFlight | None:
         """Queue the batch on the runner; the result (tokens, exit signals) is still on its way."""
-        if plan.stage == "idle":
+        if plan.stage is Stage.IDLE:
             return None
         t1, c1 = time.perf_counter(), time.process_time()
         pending: PendingPrefill | PendingSamples | PendingSignals | None = None
         rows = generations = None
-        if plan.stage == "prefill":
+        if plan.stage is Stage.PREFILL:
             pending = self.runner.prefill(plan.chunks)
             size = sum(c.n for c in plan.chunks)
         else:
             size = len(plan.items)
-            if plan.stage == "prelude":
+            if plan.stage is Stage.PRELUDE:
                 self.runner.prelude(plan.items)
-            elif plan.stage == "core":
+            elif plan.stage is Stage.CORE:
                 rows = rows_of(plan.items)
                 generations = self.pool.generation[rows].copy()
                 pending = self.runner.core(rows)
@@ -201,11 +201,11 @@ class LLMEngine:
         self._model_time += t2 - t1
         self.stats.record(plan.stage, size)
         if self.stage_hooks:  # process CPU time for prefill only: a clock read per decode batch is too dear
-            record = StageRecord(plan.stage, size, t1, t2 - t1, time.process_time() - c1 if plan.stage == "prefill"
+            record = StageRecord(plan.stage, size, t1, t2 - t1, time.process_time() - c1 if plan.stage is Stage.PREFILL
                                  else None)
             for hook in self.stage_hooks:
                 hook(record)
-        if plan.stage == "prelude":
+        if plan.stage is Stage.PRELUDE:
             self.scheduler.after_prelude(plan)
             return None
         return InFlight(plan, pending, rows, generations)
@@ -226,7 +226,7 @@ class LLMEngine:
         return dataclasses.replace(entry, keep=signal, deferred=True)
 
     def _may_wait(self, entry: InFlight) -> bool:
-        return entry.deferred or (entry.plan.stage == "coda" and self.async_coda)
+        return entry.deferred or (entry.plan.stage is Stage.CODA and self.async_coda)
 
     def _take_in_flight(self) -> list[InFlight]:
         entries, self._in_flight = self._in_flight, []

@@ -3,15 +3,16 @@
 All three share the queues, KV admission, preemption and the bookkeeping of results (`after_*`);
 they differ only in `_plan` (the choice `schedule` returns):
 
-- `CBScheduler`: token-level continuous batching at full depth. A cohort of decode tokens runs
-  prelude, then core steps until the deepest member's `max_loops`, then the coda. Members that exit
-  early stay in the batch as passive rows (computed, results discarded): exit signals save nothing.
-- `CohortScheduler` (CDB no-refill): the same cohorts, but exited tokens leave the core batch (it
-  shrinks); the coda runs when the whole cohort has exited; new work joins only between cohorts.
-- `RefillScheduler` (CDB): four queues. Each tick, by priority: coda (>= min_coda_batch waiting),
-  prefill (if KV admission keeps the safety margin), prelude (while the core batch has free width),
-  core, then an undersized coda flush. Exited tokens leave the core batch at once and fresh tokens
-  take their rows.
+- `CBScheduler` (`cb`): token-level continuous batching at full depth. A cohort of decode tokens
+  runs prelude, then core steps until the deepest member's `max_loops`, then the coda. Members that
+  exit early stay in the batch as passive rows (computed, results discarded): exit signals save nothing.
+- `CDBNoRefillScheduler` (`cdb-norefill`): the same cohorts (both are `CohortScheduler`s), but exited
+  tokens leave the core batch (it shrinks); the coda runs when the whole cohort has exited; new work
+  joins only between cohorts.
+- `CDBScheduler` (`cdb`, continuous depth batching with refill): four queues. Each tick, by
+  priority: coda (>= min_coda_batch waiting), prefill (if KV admission keeps the safety margin),
+  prelude (while the core batch has free width), core, then an undersized coda flush. Exited tokens
+  leave the core batch at once and fresh tokens take their rows.
 
 KV admission: a new prompt is admitted only when the pool can hold all of it on top of what the
 admitted, partly prefilled prompts still need (so half-prefilled prompts cannot hold the pool
@@ -31,6 +32,7 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import numpy as np
 
@@ -48,9 +50,19 @@ from loopserve.exits import Signal
 log = logging.getLogger("loopserve.engine")
 
 
+class Stage(StrEnum):
+    """What a stage batch runs (a str, so records and metrics compare it with plain names)."""
+
+    PREFILL = "prefill"  # prompt chunks: prelude, every loop to max_loops, coda where needed
+    PRELUDE = "prelude"  # decode tokens enter the loop
+    CORE = "core"  # one loop step, each row at its own depth
+    CODA = "coda"  # exited tokens' next tokens are sampled
+    IDLE = "idle"  # nothing to run
+
+
 @dataclass
 class StagePlan:
-    stage: str  # "prefill" | "prelude" | "core" | "coda" | "idle"
+    stage: Stage
     items: list[WorkItem] = field(default_factory=list)
     chunks: list[PrefillChunk] = field(default_factory=list)
 
@@ -328,7 +340,7 @@ class Scheduler:
     def schedule(self) -> StagePlan:
         plan = self._plan()
         # Backstop for a stall (nothing can run while partly prefilled prompts hold the pool).
-        while plan.stage == "idle" and self._drop_partial_prefill():
+        while plan.stage is Stage.IDLE and self._drop_partial_prefill():
             plan = self._plan()
         return plan
 
@@ -452,7 +464,7 @@ class Scheduler:
     def _start_coda(self, items: list[WorkItem]) -> StagePlan:
         self.coda_q = _without(self.coda_q, items)
         self.coda_running += items
-        return StagePlan("coda", items)
+        return StagePlan(Stage.CODA, items)
 
     def after_coda(self, plan: StagePlan, samples: list[Sample]) -> None:
         """Append each item's sampled token (maybe a tick after the coda was queued: an item aborted
@@ -549,7 +561,7 @@ def _without(queue: list[WorkItem], items: list[WorkItem]) -> list[WorkItem]:
     return [i for i in queue if id(i) not in gone]
 
 
-class RefillScheduler(Scheduler):
+class CDBScheduler(Scheduler):
     def _plan(self) -> StagePlan:
         self._try_swap_in()
         width = self.cfg.max_decode_batch
@@ -557,25 +569,25 @@ class RefillScheduler(Scheduler):
             return self._coda_plan()
         chunks = self._take_prefill() if self.waiting else []
         if chunks:
-            return StagePlan("prefill", chunks=chunks)
+            return StagePlan(Stage.PREFILL, chunks=chunks)
         if self.prelude_q and len(self.core_q) < width:
             items = self._take_preludes(width - len(self.core_q))
             if items:
-                return StagePlan("prelude", items)
+                return StagePlan(Stage.PRELUDE, items)
         if self.core_q:
-            return StagePlan("core", self.core_q[:width])
+            return StagePlan(Stage.CORE, self.core_q[:width])
         if self.coda_q:
             return self._coda_plan()
-        return StagePlan("idle")
+        return StagePlan(Stage.IDLE)
 
     def follow_up(self, plan: StagePlan) -> StagePlan | None:
         """After a coda or prefill, the fresh tokens' preludes run in the same tick (as far as the
         core batch has free width), so a token re-enters the loop without a tick of its own."""
-        if plan.stage not in ("coda", "prefill") or not self.prelude_q:
+        if plan.stage not in (Stage.CODA, Stage.PREFILL) or not self.prelude_q:
             return None
         width = self.cfg.max_decode_batch - len(self.core_q)
         items = self._take_preludes(width) if width > 0 else []
-        return StagePlan("prelude", items) if items else None
+        return StagePlan(Stage.PRELUDE, items) if items else None
 
     def check_invariants(self) -> None:
         super().check_invariants()
@@ -601,19 +613,19 @@ class CohortScheduler(Scheduler):
             self._try_swap_in()
             chunks = self._take_prefill() if self.waiting else []
             if chunks:
-                return StagePlan("prefill", chunks=chunks)
+                return StagePlan(Stage.PREFILL, chunks=chunks)
             if not self.prelude_q:
-                return StagePlan("idle")
+                return StagePlan(Stage.IDLE)
             self.cohort = self._take_preludes(self.cfg.max_decode_batch)
             if not self.cohort:
-                return StagePlan("idle")
+                return StagePlan(Stage.IDLE)
             self.phase, self.core_ticks = "prelude", 0
-            return StagePlan("prelude", list(self.cohort))
+            return StagePlan(Stage.PRELUDE, list(self.cohort))
         if self.phase == "core":
             if not self._cohort_done():
                 self.core_ticks += 1
                 members = self.cohort if self.keep_exited_in_batch else [i for i in self.cohort if not i.exited]
-                return StagePlan("core", list(members))
+                return StagePlan(Stage.CORE, list(members))
             self.phase = "coda"
         # coda for the whole cohort
         items, self.cohort, self.phase = self.cohort, [], "none"
@@ -646,6 +658,10 @@ class CohortScheduler(Scheduler):
             assert set(self.core_q) | set(self.coda_q) == set(self.cohort), "item outside the cohort"
 
 
+class CDBNoRefillScheduler(CohortScheduler):
+    """Exited members leave the core batch; the coda waits for the whole cohort."""
+
+
 class CBScheduler(CohortScheduler):
     keep_exited_in_batch = True
 
@@ -655,5 +671,5 @@ class CBScheduler(CohortScheduler):
 
 def make_scheduler(cfg: EngineConfig, kv: KVCacheManager, pool: StatePool, stats: EngineStats,
                    prefix_scope: bytes | None = None, random_state: bool = False) -> Scheduler:
-    cls = {"cb": CBScheduler, "cdb-norefill": CohortScheduler, "cdb": RefillScheduler}[cfg.scheduler]
+    cls = {"cb": CBScheduler, "cdb-norefill": CDBNoRefillScheduler, "cdb": CDBScheduler}[cfg.scheduler]
     return cls(cfg, kv, pool, stats, prefix_scope, random_state)

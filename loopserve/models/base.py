@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from loopserve.config import ModelConfig
+from loopserve.model_config import ModelConfig
 from loopserve.models.context import ForwardContext
 
 

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from loopserve.config import HUGINN, OURO, ModelConfig
 from loopserve.device import AUTO, resolve_device, resolve_dtype
+from loopserve.model_config import HUGINN, OURO, ModelConfig
 from loopserve.models.base import LoopedLM
 from loopserve.models.huginn import RavenForCausalLM
 from loopserve.models.ouro import OuroForCausalLM

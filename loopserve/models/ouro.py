@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loopserve.config import ModelConfig
+from loopserve.model_config import ModelConfig
 from loopserve.models.base import LoopedLM
 from loopserve.models.context import ForwardContext
 from loopserve.models.layers import RMSNorm, compute_dtype, paged_attention, rope_angles, rope_rotate_half

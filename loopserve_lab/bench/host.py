@@ -34,9 +34,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from loopserve.config import ModelConfig
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine import LLMEngine, StageRecord
+from loopserve.model_config import ModelConfig
 from loopserve.models.base import LoopedLM
 from loopserve.models.loader import LoadedModel, load_model
 from loopserve.sampling_params import SamplingParams

@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from loopserve.config import HUGINN, OURO
+from loopserve.model_config import HUGINN, OURO
 
 TESTED_TRANSFORMERS = "4.57.6"
 
@@ -445,7 +445,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
 
 
 def _peer(args: argparse.Namespace) -> int:
-    from loopserve.config import ModelConfig
+    from loopserve.model_config import ModelConfig
     from loopserve_lab.bench.cli import _header, build_traces, engine_overrides
     from loopserve_lab.bench.harness import BenchModel, set_threads, write_json
     from loopserve_lab.bench.presets import resolve_model

@@ -19,7 +19,7 @@ import torch
 
 from loopserve.cache.layout import KVLayout
 from loopserve.cache.pool import KVStore
-from loopserve.config import HUGINN
+from loopserve.model_config import HUGINN
 from loopserve.models.context import build_context
 
 

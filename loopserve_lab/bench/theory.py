@@ -3,7 +3,7 @@ KV bytes per token per cache layout, and a simple roofline for one core (loop) s
 
 This module owns the cost model (parameter and FLOP counting conventions, the bound, the roofline)
 and nothing about the model itself: the model's shape is the engine's `ModelConfig`
-(`loopserve/config.py`, read from an HF ``config.json`` dict, no weights loaded), KV slots and
+(`loopserve/model_config.py`, read from an HF ``config.json`` dict, no weights loaded), KV slots and
 bytes per token are the engine's `KVLayout` (`loopserve/cache/layout.py`), and dtype sizes are
 torch's. It is the library behind ``loopserve bench theory``.
 
@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from loopserve.cache.layout import LAYOUTS, KVLayout
-from loopserve.config import HUGINN, OURO, ModelConfig
+from loopserve.model_config import HUGINN, OURO, ModelConfig
 
 __all__ = [
     "LAYOUTS",

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from loopserve.config import ModelConfig
+from loopserve.model_config import ModelConfig
 from loopserve.models.context import dense_context
 from loopserve.models.ouro import OuroForCausalLM
 from loopserve_lab.tiny import TinySpec, hf_config, write_hf_config
