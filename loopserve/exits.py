@@ -137,35 +137,43 @@ class ExitBook:
         Returns (loops_on, bad): masks of rows that run another step and of rows whose signal is
         NaN or infinite (a broken state, not a decision: those rows are left unchanged)."""
         policy, thr = self.policy[rows], self.threshold[rows]
-        lag = policy == _LOOKAHEAD_GATE
-        with np.errstate(invalid="ignore"):
-            bad = has & (~np.isfinite(main) | (lag & ~np.isfinite(ahead)))
-        ok = ~bad
-        stop = ok & (r >= self.stop_at[rows])
-        self.exit_depth[rows[stop]] = r[stop]
-        live = ok & ~stop
+        present = np.bincount(policy, minlength=len(POLICIES))  # policies absent from the batch cost nothing
+        lag = policy == _LOOKAHEAD_GATE if present[_LOOKAHEAD_GATE] else None
+        bad = has & ~np.isfinite(main)
+        if lag is not None:
+            bad |= lag & ~np.isfinite(ahead)
+        live = ~bad
+        stop = live & (r >= self.stop_at[rows])
+        if stop.any():
+            self.exit_depth[rows[stop]] = r[stop]
+            live &= ~stop
         want = np.zeros(len(rows), bool)
-        gate = live & has & ((policy == _GATE) | lag)
-        if gate.any():
+        if present[_GATE] or lag is not None:
+            gate = live & has & ((policy == _GATE) if lag is None else ((policy == _GATE) | lag))
             g = rows[gate]
             self.survival[g] *= 1.0 - _sigmoid(main[gate])
-            cdf = 1.0 - self.survival[g]
-            want[gate] = cdf >= thr[gate]
-        lg = gate & lag
-        if lg.any():  # lookahead_gate: decide whether step r+1 is the last
-            g = rows[lg]
-            predicted = 1.0 - self.survival[g] * (1.0 - _sigmoid(ahead[lg]))
-            last = (predicted >= thr[lg]) & (r[lg] + 1 >= self.min_loops[g])
-            self.stop_at[g[last]] = r[lg][last] + 1
-        below = live & has & ((policy == _LATENT_DIFF) | (policy == _KL))
-        want[below] = main[below] < thr[below]
-        trace = live & (policy == _TRACE)
-        want[trace] = r[trace] >= self.target[rows[trace]]
-        exit_now = live & want & ~lag & (r >= self.min_loops[rows])
-        self.exit_depth[rows[exit_now]] = r[exit_now]
-        freeze = exit_now & self.lookahead[rows]
-        self.frozen[rows[freeze]] = True  # already scheduled for step r + 1
-        return live & ~(exit_now & ~freeze), bad
+            want[gate] = 1.0 - self.survival[g] >= thr[gate]
+            if lag is not None:  # lookahead_gate: decide whether step r+1 is the last
+                lg = gate & lag
+                g = rows[lg]
+                predicted = 1.0 - self.survival[g] * (1.0 - _sigmoid(ahead[lg]))
+                last = (predicted >= thr[lg]) & (r[lg] + 1 >= self.min_loops[g])
+                self.stop_at[g[last]] = r[lg][last] + 1
+                want &= ~lag  # lookahead_gate never exits on this step's own signal
+        if present[_LATENT_DIFF] or present[_KL]:
+            below = live & has & ((policy == _LATENT_DIFF) | (policy == _KL))
+            want[below] = main[below] < thr[below]
+        if present[_TRACE]:
+            trace = live & (policy == _TRACE)
+            want[trace] = r[trace] >= self.target[rows[trace]]
+        exit_now = live & want & (r >= self.min_loops[rows])
+        loops_on = live
+        if exit_now.any():
+            self.exit_depth[rows[exit_now]] = r[exit_now]
+            freeze = exit_now & self.lookahead[rows]
+            self.frozen[rows[freeze]] = True  # already scheduled for step r + 1
+            loops_on = live & ~(exit_now & ~freeze)
+        return loops_on, bad
 
 
 class ExitTracker:
@@ -205,6 +213,6 @@ _GATE, _LATENT_DIFF, _KL, _TRACE, _LOOKAHEAD_GATE = (POLICIES.index(p) for p in
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
-    """Element-wise, in float64 (0 below -700, where exp(-x) overflows)."""
-    with np.errstate(over="ignore"):
-        return np.where(x > -700, 1.0 / (1.0 + np.exp(-x)), 0.0)
+    """Element-wise, in float64: 0 at or below -700 (where exp(-x) would overflow; the argument is
+    clamped there, which changes no value above it)."""
+    return np.where(x > -700, 1.0 / (1.0 + np.exp(-np.maximum(x, -700.0))), 0.0)
