@@ -253,6 +253,7 @@ class ModelRunner:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.has_coda_kv = model.config.n_coda > 0
+        self.draws_random_state = model.draws_random_state  # else the per-token state seeds go unused
 
     def _ctx(self, rows: np.ndarray, depth: np.ndarray | None = None,
              write_rows: np.ndarray | None = None) -> ForwardContext:
@@ -277,7 +278,8 @@ class ModelRunner:
         ctx = paged_context(self.kv.store, self.layout, self.kv.block_tables,
                             [(self.kv.slot(c.seq.request_id), c.start, c.n) for c in chunks])
         ids = upload([t for c in chunks for t in c.seq.prompt_ids[c.start:c.start + c.n]], dev)
-        seeds = [c.seq.state_seed(p) for c in chunks for p in range(c.start, c.start + c.n)]
+        seeds = ([c.seq.state_seed(p) for c in chunks for p in range(c.start, c.start + c.n)]
+                 if self.draws_random_state else None)
         self.kv.store.set_depth(ctx.write_rows, IN_FLIGHT)
         state, inject = model.prelude(ids, ctx, seeds)
         loops = [c.seq.rule.max_loops for c in chunks for _ in range(c.n)]
@@ -325,7 +327,8 @@ class ModelRunner:
         ctx = self._ctx(rows)
         self.kv.store.set_depth(ctx.write_rows, IN_FLIGHT)
         ids = upload([it.seq.output_ids[-1] for it in items], self.device)
-        state, inject = self.model.prelude(ids, ctx, [it.seq.state_seed(it.position) for it in items])
+        seeds = [it.seq.state_seed(it.position) for it in items] if self.draws_random_state else None
+        state, inject = self.model.prelude(ids, ctx, seeds)
         self.pool.state[self._state_index(rows)] = state
         if inject is not None and self.pool.inject is not None:
             self.pool.inject[upload(torch.from_numpy(rows), self.device)] = inject
