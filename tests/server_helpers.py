@@ -49,14 +49,15 @@ def _wait_ready(proc: subprocess.Popen, url: str, timeout: float = 90.0) -> bool
     return False
 
 
-def stop(proc: subprocess.Popen) -> None:
+def stop(proc: subprocess.Popen, timeout: float = 15) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `timeout` seconds."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(15)
+            proc.wait(timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait(5)
+            proc.wait(10)
 
 
 @contextmanager

@@ -31,7 +31,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server_helpers import MODEL, REPO, free_port, sse_events
+from tests.server_helpers import MODEL, REPO, free_port, sse_events, stop
 
 ray = pytest.importorskip("ray", reason="Ray Serve is the [ray] extra (pip install -e '.[ray]'; setup.sh installs it)")
 pytest.importorskip("ray.serve", reason="Ray Serve is the [ray] extra (pip install -e '.[ray]')")
@@ -188,13 +188,7 @@ def server(tiny_model, tmp_path_factory) -> Iterator[RayServer]:
         yield RayServer(proc, url, log, gcs)
     finally:
         started = _descendants(proc.pid)
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        stop(proc, timeout=60)
         deadline = time.monotonic() + 20
         while any(_alive(p) for p in started) and time.monotonic() < deadline:
             time.sleep(0.25)
