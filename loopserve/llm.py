@@ -58,6 +58,8 @@ class LLM:
         cfg, c = self.engine_config, self.config
         self.layout = KVLayout(cfg.kv_layout, c.n_prelude, c.n_core, c.n_coda, c.r_max)
         self.engine = None if cfg.scheduler == "reference" else LLMEngine(self.model, self.tokenizer, cfg, seed)
+        if self.engine is not None:
+            self.engine.final_outputs_only = True  # generate() returns finished requests only
         self._counter = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:
