@@ -102,3 +102,21 @@ def test_too_many_copies_for_the_cache_fail_alone(tiny_ouro):
 def test_bad_n_names_the_field(bad):
     with pytest.raises(ValueError, match="^n: "):
         SamplingParams(n=bad)
+
+
+def test_max_num_seqs_counts_waiting_samples_and_cache_hits(tiny_ouro):
+    """Samples still waiting for their prompt's prefill, and prompts admitted from a prefix-cache hit,
+    count against max_num_seqs (check_invariants asserts the bound after every step)."""
+    prefix = [(13 * j + 7) % 400 + 3 for j in range(16)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=2)
+    engine = make_engine(tiny_ouro, block_size=4, kv_cache_tokens=400, max_num_seqs=2, max_decode_batch=2,
+                         prefill_chunk_size=8, max_num_batched_tokens=64)
+    reqs = [Req("warm", prefix + [1, 2], greedy, seed=0)]
+    reqs += [Req(f"hit{i}", prefix + [3 + i, 4], greedy, seed=i + 1, arrive=4) for i in range(4)]
+    _check(engine, reqs, drive(engine, reqs))
+    assert engine.stats.prefix_cache_hits > 0
+    engine = make_engine(tiny_ouro, max_num_seqs=2, max_decode_batch=2, prefill_chunk_size=8,
+                         max_num_batched_tokens=8)
+    reqs = [Req("head", list(range(3, 20)), SamplingParams(temperature=0.0, max_tokens=2, n=2), seed=0),
+            Req("small", [5, 6], greedy, seed=1, arrive=1)]
+    _check(engine, reqs, drive(engine, reqs))

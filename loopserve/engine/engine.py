@@ -6,7 +6,8 @@ whose result the host has not read is one `InFlight` entry in one queue: results
 order, right after the next batch was queued, so on CUDA the host plans tick t+1 while the device
 runs tick t. Entries that may wait for the next batch: async codas (CUDA by default), and core steps
 whose rules all decide a step ahead (delayed lookahead, lookahead_gate). The tokens a coda or
-prefill sampled start their next loop in the same tick (the scheduler's `follow_up` preludes).
+prefill sampled start their next loop as soon as they are read (the scheduler's `follow_up`
+preludes): in the same tick, or one tick later for an async coda.
 """
 
 from __future__ import annotations

@@ -88,6 +88,7 @@ class Scheduler:
         self.finished: list[Sequence] = []  # finished since the last drain (the engine reports them)
         self.appended: list[Sequence] = []  # got a token since the last drain (the engine streams them)
         self.retired_loops = 0  # decode loops of finished requests (bookkeeping check)
+        self.prefilling: set[str] = set()  # prompts with a chunk queued whose result is not read yet
         self.kv_depth_writes: list[tuple[np.ndarray, np.ndarray]] = []  # (KV rows, depths) of tokens that exited
         # called with (items, signals) before exit rules see a core step's signals (trajectory recording)
         self.signal_hooks: list[Callable[[list[WorkItem], list[Signal]], None]] = []
@@ -172,8 +173,13 @@ class Scheduler:
     def _new_item(self, seq: Sequence) -> None:
         self.prelude_q.append(WorkItem(seq, next(self._orders), self.pool))
 
+    def _resident(self) -> int:
+        """Sequences holding (or about to hold) a state of their own: the running ones, and the samples
+        that will fork from admitted, partly prefilled prompts (n > 1). At most `max_num_seqs`."""
+        return len(self.running) + sum(len(s.pending_forks) for s in self.waiting if s.request_id in self.running)
+
     def _try_swap_in(self) -> None:
-        while self.swapped and len(self.running) < self.cfg.max_num_seqs:
+        while self.swapped and self._resident() < self.cfg.max_num_seqs:
             item = self.swapped[0]
             sid = item.seq.request_id
             need = self.kv.allocator.blocks_for(item.seq.num_tokens)
@@ -206,7 +212,9 @@ class Scheduler:
     def _drop_partial_prefill(self) -> bool:
         """Drop the KV of the latest-arrived partly prefilled prompt (recomputed later, which
         reproduces its KV). False if there is none."""
-        partial = [s for s in self.waiting if s.request_id in self.running]
+        # not one whose chunk is queued and unread (a follow-up prelude landing an async coda first
+        # may need blocks): its prefill result must still find its KV
+        partial = [s for s in self.waiting if s.request_id in self.running and s.request_id not in self.prefilling]
         if not partial:
             return False
         victim = max(partial, key=lambda s: s.arrival_index)
@@ -262,11 +270,11 @@ class Scheduler:
         free = kv.num_free
         owed = sum(kv.blocks_needed(s.request_id, len(s.prompt_ids) + 1) + self._fork_blocks(s)  # to finish
                    for s in self.waiting if s.request_id in self.running)  # admitted prompts
+        resident = self._resident()
         for seq in list(self.waiting):
             sid = seq.request_id
             admitted = sid in self.running
-            if not admitted and len(self.running) + sum(len(c.seq.family) for c in chunks if c.start == 0) \
-                    + len(seq.family) > cfg.max_num_seqs:
+            if not admitted and resident + len(seq.family) > cfg.max_num_seqs:
                 break
             hit = [] if admitted else self._cached_prefix(seq)  # a new prompt's cached blocks
             start = self.prefill_pos[sid] if admitted else len(hit) * kv.block_size
@@ -289,11 +297,13 @@ class Scheduler:
                     break
                 owed += whole - need
                 self._admit(seq, hit)  # its cached blocks are held from now: later allocations cannot evict them
+                resident += len(seq.family)
             free -= need
             budget -= n
             chunks.append(PrefillChunk(seq, start, n))
         for c in chunks:
             sid = c.seq.request_id
+            self.prefilling.add(sid)  # until after_prefill reads this chunk's result
             kv.ensure(sid, c.start + c.n)
             if sid not in self.running:
                 self.running[sid] = c.seq
@@ -359,6 +369,7 @@ class Scheduler:
                 seq.set_prompt_logprobs(position, rows)
             except Exception as e:
                 self.fail(seq, e)
+        self.prefilling.difference_update(c.seq.request_id for c in plan.chunks)
         for c in plan.chunks:
             if c.seq.finished:  # failed above
                 continue
@@ -415,12 +426,13 @@ class Scheduler:
         The whole batch is decided at once (`ExitBook.observe`); if that raises, rows are decided one
         by one, so a failure ends only the request it belongs to."""
         pool, book = self.pool, self.pool.exits
+        same = pool.generation[rows] == generations  # the row still holds the item that ran the step
         if self.signal_hooks:
-            items = [pool.items[r] for r in rows.tolist()]
-            values = [signals.row(k) for k in range(len(rows))]
+            items = [pool.items[r] for r in rows[same].tolist()]
+            values = [signals.row(k) for k in np.flatnonzero(same).tolist()]
             for hook in self.signal_hooks:
                 hook(items, values)  # type: ignore[arg-type]
-        keep = (pool.generation[rows] == generations) & ~pool.passive[rows] & (book.exit_depth[rows] == 0)
+        keep = same & ~pool.passive[rows] & (book.exit_depth[rows] == 0)
         rows, sig = rows[keep], signals.take(keep)
         if not len(rows):
             return
@@ -509,6 +521,8 @@ class Scheduler:
         # every admitted sequence is in exactly one place: prefilling its prompt, or one work item
         assert set(self.running) == partial | set(ids) and not partial & set(ids), "admitted sequence misplaced"
         assert not set(self.running) & set(swapped), "sequence both resident and swapped"
+        assert self._resident() <= self.cfg.max_num_seqs, "more resident sequences than max_num_seqs"
+        assert not self.prefilling, "a prefill chunk's result was never read"
         for s in [*self.waiting, *self.running.values(), *(i.seq for i in self.swapped)]:
             assert not s.finished, f"finished sequence {s.request_id} still queued"
         for s in self.waiting:

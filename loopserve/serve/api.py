@@ -433,8 +433,9 @@ class OpenAIServing:
         echo = out if gen.echo and not delta.echoed else None
         delta.echoed = delta.echoed or gen.echo
         if not gen.kind.chat:
-            if echo is not None:  # the prompt first, as given (token ids: their text)
-                text = (out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids)) + text
+            if echo is not None:  # the prompt first: as given, or the text of its (token ids or truncated) tokens
+                given = out.prompt if out.prompt is not None and gen.req.truncate_prompt_tokens is None else None
+                text = (given if given is not None else self.tokenizer.decode(out.prompt_token_ids)) + text
             body: dict[str, Any] = {"text": text}
             logprobs = self.fmt.completion_logprobs(c, start, end, delta, echo)
         else:
@@ -562,7 +563,7 @@ class OpenAIServing:
                                          "prompt")
             params = sampling_params(req, max_tokens=mt, logprobs=req.logprobs,
                                      defaults=self.settings.sampling_defaults,
-                                     prompt_logprobs=req.logprobs if echo and req.logprobs is not None else None)
+                                     prompt_logprobs=req.logprobs if echo and req.prompt_logprobs is None else None)
             params.guided_decoding = guide
             seqs.append(self.make_seq(rid, text, ids, params, arrival, req.seed, "prompt"))
         return await self.generate(request, _Generation(COMPLETION, req, cid, seqs, echo=echo, generated=generated))
