@@ -120,3 +120,19 @@ def test_max_num_seqs_counts_waiting_samples_and_cache_hits(tiny_ouro):
     reqs = [Req("head", list(range(3, 20)), SamplingParams(temperature=0.0, max_tokens=2, n=2), seed=0),
             Req("small", [5, 6], greedy, seed=1, arrive=1)]
     _check(engine, reqs, drive(engine, reqs))
+
+
+def test_samples_share_the_prompts_full_blocks(tiny_ouro):
+    """After the fork each sample lists the prompt's full KV blocks (shared, refcounted) and owns only
+    the rest; the outputs still equal the reference (checked in the tests above)."""
+    engine = make_engine(tiny_ouro, block_size=4, prefill_chunk_size=16)
+    engine.add_request("r", PROMPT[:10], SamplingParams(max_tokens=4, temperature=1.0, n=3, seed=2), seed=0)
+    while not engine.scheduler.prelude_q and not engine.scheduler.core_q:
+        engine.step()
+    tables = engine.kv.tables
+    head, forks = tables["r"].blocks, [tables[f"{j}_r"].blocks for j in (1, 2)]
+    assert all(f[:2] == head[:2] for f in forks)  # 10 tokens: 2 full blocks of 4
+    assert len({f[2] for f in forks} | {head[2]}) == 3  # the partial third block is each sample's own
+    engine.scheduler.check_invariants()
+    engine.run_to_completion()
+    engine.scheduler.check_drained()

@@ -82,7 +82,8 @@ class KVCacheManager:
         return self.allocator.cost_to_share(blocks)
 
     def adopt(self, seq_id: str, blocks: list[int]) -> None:
-        """Start a new sequence's table with cached prompt blocks (shared, refcount + 1 each)."""
+        """Start a new sequence's table with shared prompt blocks (cached ones, or the full prompt blocks
+        of the request it is a sample of; refcount + 1 each)."""
         assert seq_id not in self.tables, f"{seq_id} already has KV"
         table = self.tables[seq_id] = BlockTable(self._take_slot())
         if blocks:

@@ -135,9 +135,10 @@ class BlockAllocator:
         return sum(1 for b in blocks if b in self._lru)
 
     def share(self, blocks: list[int]) -> None:
-        """Hold cached blocks once more (taking them out of the eviction order if no one held them)."""
+        """Hold blocks once more: cached ones (taken out of the eviction order if no one held them), or
+        held ones (the full prompt blocks of a request's samples, n > 1)."""
         for b in blocks:
-            assert b in self._key_of, f"block {b} is not in the prefix cache"
+            assert b in self._key_of or b in self._refs, f"block {b} is neither cached nor held"
             if b in self._lru:
                 del self._lru[b]
             self._refs[b] = self._refs.get(b, 0) + 1

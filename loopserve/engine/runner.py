@@ -313,12 +313,14 @@ class ModelRunner:
         if spans and logits is not None:
             k = max(seq.params.prompt_logprobs or 0 for seq, _, _ in spans)
             prompt = prompt_logprobs(logits[n_sampled:], upload(targets, dev), k)
-        for i in last:  # the other samples of a request (n > 1) get a copy of the prompt's KV
-            head = chunks[i].seq
-            if head.pending_forks:
-                src = upload(self.kv.rows(head.request_id, len(head.prompt_ids)), dev)
+        for i in last:  # the other samples of a request (n > 1) share its full prompt blocks (the
+            head = chunks[i].seq  # scheduler), and get a copy of the rows of its partial last block
+            n = len(head.prompt_ids)
+            tail = n // self.kv.block_size * self.kv.block_size
+            if head.pending_forks and tail < n:
+                src = upload(self.kv.rows(head.request_id, n)[tail:], dev)
                 for fork in head.pending_forks:
-                    self.kv.store.copy_rows(upload(self.kv.rows(fork.request_id, len(fork.prompt_ids)), dev), src)
+                    self.kv.store.copy_rows(upload(self.kv.rows(fork.request_id, n)[tail:], dev), src)
         return PendingPrefill(samples, spans, prompt)
 
     @torch.no_grad()

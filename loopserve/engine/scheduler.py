@@ -308,8 +308,10 @@ class Scheduler:
             if sid not in self.running:
                 self.running[sid] = c.seq
                 c.seq.status = Status.RUNNING
-            for fork in c.seq.pending_forks if c.last else ():  # they get the prompt's KV with this chunk
-                kv.ensure(fork.request_id, len(fork.prompt_ids) + 1)
+            full = kv.tables[sid].blocks[: len(c.seq.prompt_ids) // kv.block_size]
+            for fork in c.seq.pending_forks if c.last else ():  # they get the prompt's KV with this chunk:
+                kv.adopt(fork.request_id, full)  # its full blocks shared (read-only from now on),
+                kv.ensure(fork.request_id, len(fork.prompt_ids) + 1)  # the rest copied (runner.prefill)
                 self.running[fork.request_id] = fork
                 fork.status = Status.RUNNING
         return chunks
@@ -343,8 +345,10 @@ class Scheduler:
             self.stats.prefix_cache_hits += cached
 
     def _fork_blocks(self, seq: Sequence) -> int:
-        """KV blocks the samples forking from `seq`'s prefill take (their copies of the prompt)."""
-        return len(seq.pending_forks) * self.kv.allocator.blocks_for(len(seq.prompt_ids) + 1)
+        """KV blocks the samples forking from `seq`'s prefill take: each shares the prompt's full blocks
+        and owns the rest (the partial last block, room for its first generated token)."""
+        n = len(seq.prompt_ids)
+        return len(seq.pending_forks) * (self.kv.allocator.blocks_for(n + 1) - n // self.kv.block_size)
 
     # -- the decision ---------------------------------------------------------------------------------
     def schedule(self) -> StagePlan:
