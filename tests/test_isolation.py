@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -97,7 +98,7 @@ def _inject(monkeypatch, point: str) -> None:
             for row in rows.tolist():
                 it = self.pool.items[row]
                 if _victim(it.seq) and it.r >= 1 and len(it.seq.output_ids) >= 2:
-                    self.pool.state[self.pool.index(row, int(self.pool.parity[row]))] = float("nan")
+                    self.pool.state[int(self.pool.state_rows(np.array([row]))[0])] = float("nan")
             return real_core(self, rows)
 
         monkeypatch.setattr(ModelRunner, "core", core)

@@ -170,13 +170,12 @@ class LLMEngine:
         earlier = self._take_in_flight()
         entry = self._launch(plan)
         self._land(earlier)
-        if entry is not None:
-            if plan.stage is Stage.CORE:  # counted before its signals are read: exits settled a step ago
-                entry = self._advance_core(entry)
-            if entry is not None and self._may_wait(entry):
-                self._in_flight.append(entry)
-            elif entry is not None:
-                self._land([entry])
+        if entry is not None and plan.stage is Stage.CORE:  # counted before its signals are read
+            entry = self._advance_core(entry)
+        if entry is not None and self._may_wait(entry):
+            self._in_flight.append(entry)
+        elif entry is not None:
+            self._land([entry])
         sched = self.scheduler
         if sched.kv_depth_writes:
             rows, depths = (np.concatenate(x) for x in zip(*sched.kv_depth_writes, strict=True))
@@ -248,10 +247,11 @@ class LLMEngine:
             if isinstance(entry.result, PendingSignals):
                 signals = entry.result.get()
                 self._model_time += time.perf_counter() - t1
-                assert entry.rows is not None and entry.generations is not None
-                keep = entry.keep if entry.keep is not None else slice(None)
-                sched.observe_core(entry.rows[keep], entry.generations[keep],
-                                   signals if entry.keep is None else signals.take(entry.keep))
+                rows, generations = entry.rows, entry.generations
+                assert rows is not None and generations is not None
+                if entry.keep is not None:  # deferred: the rows decided at once are not read again
+                    rows, generations, signals = rows[entry.keep], generations[entry.keep], signals.take(entry.keep)
+                sched.observe_core(rows, generations, signals)
                 continue
             assert entry.result is not None
             samples = entry.result.get()

@@ -140,9 +140,6 @@ class StatePool:
         """Indices into `state` of the rows' current buffers (or of the other ones)."""
         return (self.parity[rows] ^ flip) * self.rows + rows
 
-    def index(self, row: int, parity: int) -> int:
-        return parity * self.rows + row
-
 
 @dataclass
 class Signals:
