@@ -87,7 +87,7 @@ def _hand_store(layout: KVLayout, key_depths: list[int]):
     kv = KVStore(n, layout.slots_per_token, 1, 2, torch.float64)
     for s in range(layout.slots_per_token):
         for t in range(n):
-            kv.v[s, t, 0] = torch.tensor([10.0 * t + s, 1.0], dtype=torch.float64)
+            kv.v[0, s, t] = torch.tensor([10.0 * t + s, 1.0], dtype=torch.float64)
     kv.set_depth(torch.arange(len(key_depths)), torch.tensor(key_depths))
     return kv
 
@@ -114,7 +114,7 @@ def test_paged_attention_reads_what_the_layout_allows(name):
     assert out[0, 0].item() == pytest.approx(sum(seen) / len(seen))
     assert out[0, 1].item() == pytest.approx(1.0)
     # the row wrote its own V into the slot of the depth it computed
-    assert kv.v[layout.core_write_slot(0, torch.tensor(r)), 3, 0, 0].item() == -7.0
+    assert kv.v[0, layout.core_write_slot(0, torch.tensor(r)), 3, 0].item() == -7.0
 
 
 def test_paged_attention_chunk_reads_own_chunk_at_current_depth():

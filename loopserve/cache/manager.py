@@ -127,7 +127,7 @@ class KVCacheManager:
         s = self.store
         rows = upload(self.rows(seq_id, table.num_tokens), s.k.device)
         # queued behind the work that wrote these rows; read back only when swapped in
-        table.swapped = Readback({"k": s.k[:, rows], "v": s.v[:, rows], "depth": s.depth[rows]})
+        table.swapped = Readback(s.read_rows(rows))
         self.allocator.free(table.blocks)
         table.blocks = []
 
@@ -147,8 +147,7 @@ class KVCacheManager:
         s = self.store
         dev = s.k.device
         rows = upload(self.rows(seq_id, n), dev)
-        s.k[:, rows], s.v[:, rows] = upload(host["k"], dev), upload(host["v"], dev)
-        s.depth[rows] = upload(host["depth"], dev)
+        s.write_rows(rows, {name: upload(t, dev) for name, t in host.items()})
         return True
 
     def check_invariants(self, live: set[str]) -> None:

@@ -21,25 +21,32 @@ from loopserve.cache.layout import IN_FLIGHT
 
 
 class KVStore:
+    """K and V as [kv_heads, slots, rows, head_dim] (head-major): a gather of key rows comes out as
+    [kv_heads, *rows, head_dim], the layout batched attention multiplies without another copy."""
+
     def __init__(self, capacity: int, n_slots: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
         self.capacity = capacity
         self.zero_row = capacity
-        shape = (n_slots, capacity + 1, num_kv_heads, head_dim)
+        shape = (num_kv_heads, n_slots, capacity + 1, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.depth = torch.full((capacity + 1,), IN_FLIGHT, dtype=torch.long, device=device)
+        # flat index of (head h, slot 0, row 0): gathers index the [-1, head_dim] view
+        self._head_base = (torch.arange(num_kv_heads, device=device) * (n_slots * (capacity + 1)))
 
     def write(self, slot: torch.Tensor | int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[slot, rows] = k
-        self.v[slot, rows] = v
+        """Write K/V of `rows` ([N] physical rows; k, v: [N, kv_heads, head_dim]) into `slot` (per row or one)."""
+        self.k[:, slot, rows] = k.transpose(0, 1)
+        self.v[:, slot, rows] = v.transpose(0, 1)
 
     def gather(self, slot: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V at (slot, row) pairs (any matching shapes) -> [*shape, kv_heads, head_dim]."""
-        flat = (slot * self.k.shape[1] + rows).reshape(-1)  # one index_select beats 2-D advanced indexing
-        shape = (*rows.shape, *self.k.shape[2:])
-        k = self.k.view(-1, *self.k.shape[2:]).index_select(0, flat).view(shape)
-        v = self.v.view(-1, *self.v.shape[2:]).index_select(0, flat).view(shape)
+        """K and V at (slot, row) pairs (any matching shapes) -> [kv_heads, *shape, head_dim], contiguous."""
+        flat = (slot * self.k.shape[2] + rows).reshape(1, -1) + self._head_base[:, None]
+        shape = (self.k.shape[0], *rows.shape, self.k.shape[3])
+        # one index_select over the flat view beats multi-dimensional advanced indexing
+        k = self.k.view(-1, self.k.shape[3]).index_select(0, flat.view(-1)).view(shape)
+        v = self.v.view(-1, self.v.shape[3]).index_select(0, flat.view(-1)).view(shape)
         return k, v
 
     def set_depth(self, rows: torch.Tensor, depth: torch.Tensor | int) -> None:
@@ -47,9 +54,17 @@ class KVStore:
 
     def copy_rows(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy whole token rows (all slots, and their KV depth)."""
-        self.k[:, dst] = self.k[:, src]
-        self.v[:, dst] = self.v[:, src]
+        self.k[:, :, dst] = self.k[:, :, src]
+        self.v[:, :, dst] = self.v[:, :, src]
         self.depth[dst] = self.depth[src]
+
+    def read_rows(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Everything the store holds for token rows `rows`: K, V (all slots) and KV depth."""
+        return {"k": self.k[:, :, rows], "v": self.v[:, :, rows], "depth": self.depth[rows]}
+
+    def write_rows(self, rows: torch.Tensor, data: dict[str, torch.Tensor]) -> None:
+        """Put back what `read_rows` returned, at rows `rows` (same count)."""
+        self.k[:, :, rows], self.v[:, :, rows], self.depth[rows] = data["k"], data["v"], data["depth"]
 
 
 class BlockAllocator:

@@ -82,8 +82,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Forw
         keys = ctx.seg_keys  # [N, Lk]
         slot, visible = slots(keys, ctx.depth[:, None])
         visible = visible & (torch.arange(keys.shape[1], device=keys.device)[None, :] <= ctx.positions[:, None])
-        kk, vv = (t.transpose(1, 2) for t in kv.gather(slot, keys.where(visible, kv.zero_row)))  # [N, nkv, Lk, d]
-        out = attend(q[:, :, None], kk, vv, visible[:, None, None, :])  # [N, nh, 1, d]
+        kk, vv = kv.gather(slot, keys.where(visible, kv.zero_row))  # [nkv, N, Lk, d]
+        out = attend(q[:, :, None], kk, vv, visible[:, None, :])  # [N, nh, 1, d]
         return out.reshape(n, nh * d)
 
     outs = []
@@ -93,27 +93,33 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Forw
         keys = ctx.seg_keys[s, :lk]
         slot, visible = slots(keys, ctx.depth[a])
         mask = visible[None, :] & (torch.arange(lk, device=keys.device)[None, :] <= ctx.positions[a:b, None])
-        kk, vv = (t.transpose(0, 1)[None] for t in kv.gather(slot, keys.where(visible, kv.zero_row)))  # [1,nkv,Lk,d]
-        o = attend(q[a:b].transpose(0, 1)[None], kk, vv, mask[None, None])  # [1, nh, nq, d]
+        kk, vv = kv.gather(slot[None], keys.where(visible, kv.zero_row)[None])  # [nkv, 1, Lk, d]
+        o = attend(q[a:b].transpose(0, 1)[None], kk, vv, mask[None])  # [1, nh, nq, d]
         outs.append(o[0].transpose(0, 1).reshape(b - a, nh * d))
     return torch.cat(outs)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Masked attention. q [B, nh, Q, d]; k, v [B, nkv, L, d] (GQA: nh a multiple of nkv);
-    mask [B, 1, Q, L] bool. Softmax in fp32 or wider; a row that sees no key (a passive CB row,
-    whose result is discarded) yields zeros instead of NaN."""
+    """Masked attention. q [B, nh, Q, d]; k, v [nkv, B, L, d] (head-major, as `KVStore.gather` returns
+    them; GQA: nh a multiple of nkv, query head h reads kv head h // (nh // nkv)); mask [B, Q, L] bool.
+    Returns [B, nh, Q, d]. The query heads of one kv head are stacked as extra query rows, so both
+    products are one batched matmul over contiguous [nkv * B] matrices. Softmax in fp32 or wider; a
+    row that sees no key (a passive CB row, whose result is discarded) yields zeros instead of NaN."""
     bsz, nh, nq, d = q.shape
-    nkv = k.shape[1]
+    nkv = k.shape[0]
+    g = nh // nkv
+    qg = q.reshape(bsz, nkv, g * nq, d).transpose(0, 1)  # [nkv, B, g*Q, d]; rows (head in group, query)
+    keep = mask[None, :, None]  # [1, B, 1, Q, L]
     if q.dtype == torch.bfloat16:
         # bf16 products, fp32 softmax, as upstream's eager attention; much faster than upcasting K/V here
-        qg = q.reshape(bsz, nkv, (nh // nkv) * nq, d)
-        scores = torch.matmul(qg, k.transpose(-1, -2)).view(bsz, nkv, nh // nkv, nq, -1) * d ** -0.5
-        scores = scores.float().masked_fill(~mask[:, :, None], float("-inf"))
-        probs = scores.softmax(-1).nan_to_num(0.0).to(q.dtype).view(bsz, nkv, (nh // nkv) * nq, -1)
-        return torch.matmul(probs, v).view(bsz, nh, nq, d)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=nkv != nh)
-    return out.nan_to_num(0.0)
+        scores = torch.matmul(qg, k.transpose(-1, -2)).view(nkv, bsz, g, nq, -1) * d ** -0.5
+        scores = scores.float().masked_fill(~keep, float("-inf"))
+        probs = scores.softmax(-1).nan_to_num(0.0).to(q.dtype).view(nkv, bsz, g * nq, -1)
+        out = torch.matmul(probs, v)
+    else:
+        full = keep.expand(1, bsz, g, nq, mask.shape[-1]).reshape(1, bsz, g * nq, -1)
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=full).nan_to_num(0.0)
+    return out.transpose(0, 1).reshape(bsz, nh, nq, d)
 
 
 def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: DenseContext) -> torch.Tensor:
