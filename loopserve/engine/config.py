@@ -47,6 +47,15 @@ class EngineConfig:
     # CUDA, off for the CPU, where nothing overlaps and refilling a tick later only costs.
     async_coda: bool | None = _knob(None, "take a coda's tokens after the next batch is queued; unset: on for "
                                     "CUDA only")
+    # Self-speculative decoding (docs/design.md §12): the model drafts with a few loops, the request's
+    # own depth verifies; outputs and exit depths stay those of plain decoding.
+    num_speculative_tokens: int = _knob(0, "tokens drafted per verify pass (0: off); needs a per-depth KV layout "
+                                        "(depth_indexed or last_exited)")
+    speculative_draft_loops: int = _knob(1, "loop steps a drafted token runs before its greedy coda")
+    speculative_max_batch: int = _knob(8, "no drafting while this many sequences are resident (the engine is "
+                                       "compute-bound there: B*)")
+    speculative_min_acceptance: float = _knob(0.3, "a request stops drafting when under this share of its drafts "
+                                              "was accepted over its last rounds")
 
     def __post_init__(self) -> None:
         if self.scheduler not in SCHEDULERS:
@@ -62,6 +71,17 @@ class EngineConfig:
             raise ValueError(f"kv_cache_tokens: must be >= block_size ({self.block_size})")
         if not 0 <= self.kv_safety_margin < 1:
             raise ValueError(f"kv_safety_margin: must be in [0, 1), got {self.kv_safety_margin}")
+        for name in ("num_speculative_tokens", "speculative_draft_loops", "speculative_max_batch"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < (0 if name == "num_speculative_tokens" else 1):
+                raise ValueError(f"{name}: must be an integer >= {0 if name == 'num_speculative_tokens' else 1}, "
+                                 f"got {v!r}")
+        if not 0 <= self.speculative_min_acceptance <= 1:
+            raise ValueError(f"speculative_min_acceptance: must be in [0, 1], got {self.speculative_min_acceptance}")
+        if self.num_speculative_tokens and self.kv_layout == "shared":
+            # under shared a verify row reads the other rows' latest loop, not their final depth (§12)
+            raise ValueError("num_speculative_tokens: speculative decoding is exact only with a per-depth KV "
+                             "layout (depth_indexed or last_exited), not kv_layout='shared'")
         if self.max_num_batched_tokens < self.prefill_chunk_size:
             self.max_num_batched_tokens = self.prefill_chunk_size
 

@@ -29,6 +29,7 @@ from loopserve.cache.prefix import cache_scope
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.runner import (
     ModelRunner,
+    PendingDrafts,
     PendingPrefill,
     PendingSamples,
     PendingSignals,
@@ -38,6 +39,7 @@ from loopserve.engine.runner import (
 )
 from loopserve.engine.scheduler import Stage, StagePlan, make_scheduler
 from loopserve.engine.sequence import PromptType, Sequence, make_sequence
+from loopserve.engine.speculative import Speculator
 from loopserve.engine.stats import EngineStats
 from loopserve.model_config import HUGINN, ModelConfig
 from loopserve.models.base import LoopedLM
@@ -64,7 +66,7 @@ class InFlight:
     """A stage batch queued on the device whose result the host has not read yet."""
 
     plan: StagePlan
-    result: PendingPrefill | PendingSamples | PendingSignals | None
+    result: PendingPrefill | PendingSamples | PendingSignals | PendingDrafts | None
     rows: np.ndarray | None = None  # core: the state-pool rows of the batch, and their generations
     generations: np.ndarray | None = None
     keep: np.ndarray | None = None  # core: the batch rows whose signals are still to be read
@@ -91,8 +93,10 @@ class LLMEngine:
         self.pool = StatePool(cfg.max_num_seqs, c.hidden_size, p.dtype, p.device, with_inject=c.arch == HUGINN)
         self.stats = EngineStats()
         scope = cache_scope(c.arch, str(p.dtype), cfg.kv_layout, cfg.prefill_chunk_size)
+        speculator = Speculator(cfg, coda_kv=c.n_coda > 0) if cfg.num_speculative_tokens else None
         self.scheduler = make_scheduler(cfg, self.kv, self.pool, self.stats,
-                                        scope if cfg.enable_prefix_caching else None, model.draws_random_state)
+                                        scope if cfg.enable_prefix_caching else None, model.draws_random_state,
+                                        speculator)
         scratch = self.kv.reserved[0] * cfg.block_size
         self.runner = ModelRunner(model, self.layout, self.kv, self.pool, scratch_row=scratch)
         self._arrivals = itertools.count()
@@ -187,7 +191,7 @@ class LLMEngine:
         if plan.stage is Stage.IDLE:
             return None
         t1, c1 = time.perf_counter(), time.process_time()
-        pending: PendingPrefill | PendingSamples | PendingSignals | None = None
+        pending: PendingPrefill | PendingSamples | PendingSignals | PendingDrafts | None = None
         rows = generations = None
         if plan.stage is Stage.PREFILL:
             pending = self.runner.prefill(plan.chunks)
@@ -200,6 +204,8 @@ class LLMEngine:
                 rows = rows_of(plan.items)
                 generations = self.pool.generation[rows].copy()
                 pending = self.runner.core(rows)
+            elif plan.stage is Stage.DRAFT:
+                pending = self.runner.draft(plan.items, plan.draft_lens, self.cfg.speculative_draft_loops)
             else:
                 pending = self.runner.coda(plan.items)
         t2 = time.perf_counter()
@@ -254,6 +260,14 @@ class LLMEngine:
                 sched.observe_core(rows, generations, signals)
                 continue
             assert entry.result is not None
+            if isinstance(entry.result, PendingDrafts):
+                drafts = entry.result.get()
+                self._model_time += time.perf_counter() - t1
+                sched.after_draft(plan, drafts)
+                follow = sched.follow_up(plan)
+                if follow is not None:
+                    self._run(follow)
+                continue
             samples = entry.result.get()
             self._model_time += time.perf_counter() - t1
             if isinstance(entry.result, PendingPrefill):

@@ -8,6 +8,7 @@ the scheduler decides what they mean.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -16,11 +17,14 @@ from loopserve.cache.layout import IN_FLIGHT, KVLayout
 from loopserve.cache.manager import KVCacheManager
 from loopserve.device import Readback, upload
 from loopserve.engine.sampler import Sample, prompt_logprobs, sample_rows, unpack, unpack_prompt
-from loopserve.engine.sequence import Sequence
+from loopserve.engine.sequence import Sequence, chain_seed
 from loopserve.engine.signals import step_signals, uniform_logprobs
 from loopserve.exits import SIGNALS, ExitBook, Signal
 from loopserve.models.base import LoopedLM
 from loopserve.models.context import ForwardContext, decode_context, paged_context
+
+if TYPE_CHECKING:
+    from loopserve.engine.speculative import VerifyGroup
 
 
 @dataclass(eq=False)
@@ -35,9 +39,24 @@ class WorkItem:
     row: int = -1  # state pool row, -1 until the prelude ran
     prev_logprobs: torch.Tensor | None = None  # KL policy: last step's next-token log-probs
     position: int = -1  # of the token it computes: fixed for its life (the next token comes after it)
+    group: VerifyGroup | None = None  # speculative decoding: the verify round this row belongs to
 
     def __post_init__(self) -> None:
-        self.position = self.seq.num_tokens - 1
+        if self.position < 0:  # a plain item is fed the sequence's last token
+            self.position = self.seq.num_tokens - 1
+
+    @property
+    def input_token(self) -> int:
+        """The token this item is fed: the sequence's last one, or its verify group's (a draft)."""
+        return self.seq.output_ids[-1] if self.group is None else self.group.token_at(self.position)
+
+    @property
+    def decode_index(self) -> int:
+        """Index of the generated token this item is fed (the item fed token k is item k)."""
+        return self.position - len(self.seq.prompt_ids)
+
+    def state_seed(self) -> int:
+        return self.seq.state_seed(self.position) if self.group is None else self.group.state_seed(self.position)
 
     @property
     def r(self) -> int:
@@ -126,7 +145,7 @@ class StatePool:
     def start_loops(self, items: list[WorkItem]) -> None:
         """The items' preludes ran: track their exit rules from step 1."""
         rows, rules = rows_of(items), [item.seq.rule for item in items]
-        self.exits.start(rows, rules, [item.seq.decode_index for item in items])
+        self.exits.start(rows, rules, [item.decode_index for item in items])
         self.signal[rows] = [rule.signal_code for rule in rules]
         self.decides_ahead[rows] = [rule.decides_ahead for rule in rules]
 
@@ -201,10 +220,12 @@ class PendingSamples:
     """The tokens a stage batch sampled on the device, on their way to the host (already there when
     the batched sampler fell back to sampling row by row)."""
 
-    def __init__(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+    def __init__(self, seqs: list[Sequence], logits: torch.Tensor, counters: list[int] | None = None) -> None:
         self.seqs = seqs
         self._params = [s.params for s in seqs]
-        result = sample_rows(logits, self._params, [s.seed for s in seqs], [len(s.output_ids) for s in seqs])
+        # counters: the index of the token each row samples (its draw's counter, §8); default the next one
+        counters = [len(s.output_ids) for s in seqs] if counters is None else counters
+        result = sample_rows(logits, self._params, [s.seed for s in seqs], counters)
         self._readback = Readback(result) if isinstance(result, dict) else None
         self._rows = None if isinstance(result, dict) else result
 
@@ -213,6 +234,18 @@ class PendingSamples:
             assert self._readback is not None
             self._rows = unpack(self._readback.host(), self._params)
         return self._rows
+
+
+class PendingDrafts:
+    """A DRAFT batch's drafted tokens on their way to the host (`ModelRunner.draft`)."""
+
+    def __init__(self, readback: Readback, lens: list[int]) -> None:
+        self._readback, self._lens = readback, lens
+
+    def get(self) -> list[list[int]]:
+        """Row i's `lens[i]` drafts (waits for the copy)."""
+        rows = self._readback.host()["tokens"].tolist()
+        return [row[:k] for row, k in zip(rows, self._lens, strict=True)]
 
 
 class PendingPrefill:
@@ -325,8 +358,8 @@ class ModelRunner:
         rows = rows_of(items)
         ctx = self._ctx(rows)
         self.kv.store.set_depth(ctx.write_rows, IN_FLIGHT)
-        ids = upload([it.seq.output_ids[-1] for it in items], self.device)
-        seeds = [it.seq.state_seed(it.position) for it in items] if self.draws_random_state else None
+        ids = upload([it.input_token for it in items], self.device)
+        seeds = [it.state_seed() for it in items] if self.draws_random_state else None
         state, inject = self.model.prelude(ids, ctx, seeds)
         self.pool.state[self._state_index(rows)] = state
         if inject is not None and self.pool.inject is not None:
@@ -375,7 +408,44 @@ class ModelRunner:
         """The exited items' next tokens, sampled on the device, on their way to the host in one copy."""
         rows = rows_of(items)
         logits = self.model.coda(self.pool.state[self._state_index(rows)], self._ctx(rows))
-        return PendingSamples([it.seq for it in items], logits)
+        return PendingSamples([it.seq for it in items], logits, [it.decode_index + 1 for it in items])
+
+    @torch.no_grad()
+    def draft(self, items: list[WorkItem], lens: list[int], loops: int) -> PendingDrafts:
+        """Self-speculative drafts (docs/design.md §12): `lens[i]` tokens after item i's token, each the
+        greedy coda of the token before it after `loops` loop steps (at most its rule's max_loops).
+        Round j feeds every row still drafting its position + j; the KV goes to the sequence's own
+        rows, which the verify pass rewrites before anything reads them. The drafts stay on the device
+        until one readback (but for models with random initial states, whose next round's seeds are
+        chained over the drafted tokens)."""
+        kv, model, dev = self.kv, self.model, self.device
+        n, want = len(items), np.asarray(lens)
+        slots = np.fromiter((kv.slot(it.seq.request_id) for it in items), np.int64, n)
+        start = np.fromiter((it.position for it in items), np.int64, n)
+        depth = np.array([min(loops, it.seq.rule.max_loops) for it in items], np.int64)
+        ids = upload([it.input_token for it in items], dev)
+        seeds = [it.state_seed() for it in items] if self.draws_random_state else None
+        tokens = torch.zeros(n, int(want.max()), dtype=torch.long, device=dev)
+        for j in range(tokens.shape[1]):
+            act = np.flatnonzero(want > j)
+            rows = upload(torch.from_numpy(act), dev)
+            ctx = decode_context(kv.store, self.layout, kv.block_tables, slots[act], start[act] + j)
+            kv.store.set_depth(ctx.write_rows, IN_FLIGHT)
+            state, inject = model.prelude(ids[rows], ctx, None if seeds is None else [seeds[i] for i in act])
+            for r in range(1, int(depth[act].max()) + 1):
+                deep = np.flatnonzero(depth[act] >= r)
+                if len(deep) == len(act):
+                    state = model.core_step(state, inject, ctx.with_depth(torch.full_like(ctx.depth, r)))
+                else:  # rows whose rule stops sooner keep their state
+                    sub, keep = ctx.select(deep.tolist()), upload(torch.from_numpy(deep), dev)
+                    state[keep] = model.core_step(state[keep], None if inject is None else inject[keep],
+                                                  sub.with_depth(torch.full_like(sub.depth, r)))
+            nxt = model.coda(state, ctx).argmax(-1)
+            tokens[rows, j] = ids[rows] = nxt
+            if seeds is not None:
+                for i, token in zip(act.tolist(), nxt.tolist(), strict=True):
+                    seeds[i] = chain_seed(seeds[i], token)
+        return PendingDrafts(Readback({"tokens": tokens}), lens)
 
     @torch.no_grad()
     def write_kv_depths(self, rows: np.ndarray, depths: np.ndarray) -> None:

@@ -40,9 +40,10 @@ from loopserve.cache.layout import IN_FLIGHT
 from loopserve.cache.manager import KVCacheManager
 from loopserve.cache.prefix import block_keys, reusable_tokens
 from loopserve.engine.config import EngineConfig
-from loopserve.engine.runner import PrefillChunk, Signals, StatePool, WorkItem
+from loopserve.engine.runner import PrefillChunk, Signals, StatePool, WorkItem, rows_of
 from loopserve.engine.sampler import Sample
 from loopserve.engine.sequence import Sequence, Status
+from loopserve.engine.speculative import Speculator, VerifyGroup
 from loopserve.engine.stats import EngineStats
 from loopserve.errors import NonFiniteError
 from loopserve.exits import Signal
@@ -54,6 +55,7 @@ class Stage(StrEnum):
     """What a stage batch runs (a str, so records and metrics compare it with plain names)."""
 
     PREFILL = "prefill"  # prompt chunks: prelude, every loop to max_loops, coda where needed
+    DRAFT = "draft"  # speculative decoding: each row drafts its next tokens at a shallow depth
     PRELUDE = "prelude"  # decode tokens enter the loop
     CORE = "core"  # one loop step, each row at its own depth
     CODA = "coda"  # exited tokens' next tokens are sampled
@@ -65,12 +67,15 @@ class StagePlan:
     stage: Stage
     items: list[WorkItem] = field(default_factory=list)
     chunks: list[PrefillChunk] = field(default_factory=list)
+    draft_lens: list[int] = field(default_factory=list)  # DRAFT: tokens each item drafts
 
 
 class Scheduler:
     def __init__(self, cfg: EngineConfig, kv: KVCacheManager, pool: StatePool, stats: EngineStats,
-                 prefix_scope: bytes | None = None, random_state: bool = False) -> None:
+                 prefix_scope: bytes | None = None, random_state: bool = False,
+                 speculator: Speculator | None = None) -> None:
         self.cfg, self.kv, self.pool, self.stats = cfg, kv, pool, stats
+        self.speculator = speculator  # speculative decoding (off when None)
         # prefix caching (off when None): the engine-wide part of block keys (`cache.prefix`), and
         # whether the model's random initial states make the state seed base part of a prompt's KV
         self.prefix_scope, self.random_state = prefix_scope, random_state
@@ -166,6 +171,8 @@ class Scheduler:
 
     def _finish(self, seq: Sequence) -> None:
         self._release(seq)
+        if self.speculator is not None:
+            self.speculator.forget(seq.request_id)
         self.finished.append(seq)
         self.stats.finished_requests[seq.finish_reason] += 1
         self.retired_loops += seq.metrics.loops_run
@@ -195,10 +202,14 @@ class Scheduler:
         """Free blocks for `needy`: swap out the latest-arrived sequence that is between tokens, or
         else drop the KV of a partly prefilled prompt (recomputing a prompt reproduces its KV).
         False if nothing can go."""
-        candidates = [i for i in self.prelude_q if i is not needy and i not in taken and i.row < 0]
+        candidates = [i for i in self.prelude_q if i.seq is not needy.seq and i not in taken and i.row < 0]
         if candidates:
             victim = max(candidates, key=lambda i: i.seq.arrival_index)
-            self.prelude_q.remove(victim)
+            if victim.group is not None:  # its drafts are dropped: it resumes from its last accepted token
+                self.prelude_q = _without(self.prelude_q, victim.group.items)
+                victim = WorkItem(victim.seq, victim.order, self.pool)
+            else:
+                self.prelude_q.remove(victim)
             sid = victim.seq.request_id
             self.kv.swap_out(sid)
             del self.running[sid]
@@ -225,32 +236,72 @@ class Scheduler:
         return True
 
     def _reserve_kv(self, item: WorkItem, taken: list[WorkItem]) -> bool:
-        while not self.kv.ensure(item.seq.request_id, item.seq.num_tokens):
+        while not self.kv.ensure(item.seq.request_id, item.position + 1):
             if not self._preempt_for(item, taken):
                 return False
         return True
 
     def _take_preludes(self, limit: int) -> list[WorkItem]:
-        """Prelude items (FIFO) that get their next KV slot and a state row."""
+        """Prelude items (FIFO) that get their next KV slot and a state row (a verify group's items
+        all or none)."""
         taken: list[WorkItem] = []
         for item in list(self.prelude_q):
-            if len(taken) >= min(limit, self.pool.num_free):
+            if item.group is not None and item is not item.group.items[0]:
+                continue  # taken (or not) with the group's first item
+            unit = [item] if item.group is None else item.group.items
+            if len(taken) + len(unit) > min(limit, self.pool.num_free):
                 break
             if item.seq.status is Status.SWAPPED:  # swapped out for an earlier item
                 continue
-            if self.kv.allocator.blocks_for(item.seq.num_tokens) > self.kv.num_blocks:
-                self.prelude_q.remove(item)  # longer than the whole cache: it can never fit
+            item = unit[-1]  # the group's last KV row
+            if self.kv.allocator.blocks_for(item.position + 1) > self.kv.num_blocks:
+                self.prelude_q = _without(self.prelude_q, unit)  # longer than the whole cache: it can never fit
                 item.seq.finish("error", f"sequence of {item.seq.num_tokens} tokens exceeds the KV cache "
                                          f"({self.kv.num_blocks * self.kv.block_size} tokens)", error_status=400)
                 self._finish(item.seq)
             elif self._reserve_kv(item, taken):
-                taken.append(item)
+                taken += unit
         self.prelude_q = _without(self.prelude_q, taken)
         if taken:
             slots = np.fromiter((self.kv.slot(i.seq.request_id) for i in taken), np.int64, len(taken))
             positions = np.fromiter((i.position for i in taken), np.int64, len(taken))
             self.pool.allocate(taken, slots, self.kv.block_tables.rows(slots, positions))
         return taken
+
+    def _draft_plan(self, limit: int) -> StagePlan | None:
+        """Speculative decoding (docs/design.md §12): the next `limit` plain items of requests that
+        draft this round, each with the KV rows its verify group will write (taken only if free: a
+        request that would need preemption decodes plainly instead). None when nothing drafts."""
+        spec = self.speculator
+        if spec is None:
+            return None
+        resident, width = len(self.running), min(self.cfg.max_decode_batch, self.pool.rows)
+        items: list[WorkItem] = []
+        lens: list[int] = []
+        for item in self.prelude_q:
+            if len(items) >= limit:
+                break
+            if item.group is not None:
+                continue
+            k = spec.tokens_for(item.seq, resident, width)
+            if k and self.kv.ensure(item.seq.request_id, item.position + 1 + k):
+                items.append(item)
+                lens.append(k)
+        return StagePlan(Stage.DRAFT, items, draft_lens=lens) if items else None
+
+    def after_draft(self, plan: StagePlan, drafts: list[list[int]]) -> None:
+        """Each drafting item still queued becomes its verify group: k + 1 items fed x_t and the drafts,
+        queued (in creation order) to enter the loop together."""
+        queued = {id(i) for i in self.prelude_q}
+        drafted = [i for i in plan.items if id(i) in queued]
+        self.prelude_q = _without(self.prelude_q, drafted)
+        for item, tokens in zip(plan.items, drafts, strict=True):
+            if id(item) not in queued:
+                continue
+            group = VerifyGroup(item.seq, item.position, [item.input_token, *tokens])
+            group.items = [WorkItem(item.seq, next(self._orders), self.pool, position=item.position + i, group=group)
+                           for i in range(len(group.tokens))]
+            self.prelude_q += group.items
 
     def _take_prefill(self) -> list[PrefillChunk]:
         """Prompt chunks for this tick, FIFO within the token budget.
@@ -466,10 +517,11 @@ class Scheduler:
             return
         pool = self.pool
         self.kv_depth_writes.append((pool.kv_row[rows], pool.r[rows]))
-        counts = np.bincount(pool.exits.exit_depth[rows])
+        items = [pool.items[r] for r in rows.tolist()]
+        plain = np.fromiter((item.group is None for item in items), bool, len(items))  # type: ignore[union-attr]
+        counts = np.bincount(pool.exits.exit_depth[rows[plain]])  # a verify row's depth counts once accepted
         for depth in np.flatnonzero(counts).tolist():
             self.stats.exit_depths[depth] += int(counts[depth])
-        items = [pool.items[r] for r in rows.tolist()]
         self.core_q = _without(self.core_q, items)  # type: ignore[arg-type]
         for item in items:
             self.on_exit(item)  # type: ignore[arg-type]
@@ -488,8 +540,13 @@ class Scheduler:
         running = {id(i) for i in self.coda_running}
         taken = [i for i in plan.items if id(i) in running]
         self.coda_running = _without(self.coda_running, taken)
+        index = {id(item): j for j, item in enumerate(plan.items)}
         for j, item in enumerate(plan.items):
             if id(item) not in running:
+                continue
+            if item.group is not None:  # a verify group runs one coda, whole (CDB holds it until then)
+                if item is item.group.items[0]:
+                    self._accept(item.group, [samples[index[id(i)]] for i in item.group.items])
                 continue
             seq, loops, depth = item.seq, item.r, item.exit_depth
             assert depth is not None
@@ -497,26 +554,64 @@ class Scheduler:
             seq.metrics.loops_run += loops
             self._append_token(seq, samples[j], depth)
 
-    def _append_token(self, seq: Sequence, sample: Sample, exit_depth: int) -> None:
-        """Give a sequence its sampled token (a failure finishes it alone), then finish it or queue the
-        work item of its next token."""
+    def _accept(self, group: VerifyGroup, samples: list[Sample]) -> None:
+        """A verify round's coda ran (docs/design.md §12). Row i was fed x_t or draft i and sampled
+        the token after it with plain decoding's draw; while the drafts equal those samples, each row
+        was fed the true token, so its computation, exit depth and sample are plain decoding's. Emit
+        the samples of those rows and of the first row after them; the later rows are discarded:
+        their exit depths are not published and their KV depth is reset (nothing reads those
+        positions before a later token rewrites them)."""
+        seq, items, drafts = group.seq, group.items, group.drafts
+        depths = [int(d) for d in self.pool.exits.exit_depth[rows_of(items)]]
+        kv_rows = self.pool.kv_row[rows_of(items)]
+        for item in items:
+            seq.metrics.loops_run += item.r  # rejected rows' loops were spent too
+            self._drop_item(item)
+        matched = 0
+        while matched < len(drafts) and samples[matched].token == drafts[matched]:
+            matched += 1
+        assert self.speculator is not None
+        self.speculator.record(seq, len(drafts), matched)
+        self.stats.spec_rounds += 1
+        self.stats.spec_draft_tokens += len(drafts)
+        self.stats.spec_accepted_tokens += matched
+        before = len(seq.output_ids)
+        for i in range(matched + 1):
+            if not self._append_token(seq, samples[i], depths[i], next_item=False):
+                break  # finished (a stop, max_tokens) or failed
+        emitted = len(seq.output_ids) - before
+        for depth in depths[:emitted]:
+            self.stats.exit_depths[depth] += 1
+        self.stats.spec_tokens += emitted
+        if not seq.finished:
+            self.kv_depth_writes.append((kv_rows[emitted:], np.full(len(items) - emitted, IN_FLIGHT)))
+            self._new_item(seq)
+
+    def _append_token(self, seq: Sequence, sample: Sample, exit_depth: int, next_item: bool = True) -> bool:
+        """Give a sequence its sampled token (a failure finishes it alone), then finish it or (with
+        `next_item`) queue the work item of its next token. True if the sequence goes on."""
         try:
             seq.take(sample, exit_depth)
         except Exception as e:
             self.fail(seq, e)
-            return
+            return False
         self.appended.append(seq)
         self.stats.generated_tokens += 1
         if seq.finished:
             self._finish(seq)
-        else:
+            return False
+        if next_item:
             self._new_item(seq)
+        return True
 
     # -- checks (tests call these between steps) -------------------------------------------------------
     def check_invariants(self) -> None:
         """Bookkeeping that holds between any two steps."""
         items = self.prelude_q + self.core_q + self.coda_q + self.coda_running
-        ids = [i.seq.request_id for i in items]
+        ids = [i.seq.request_id for i in items if i.group is None or i is i.group.items[0]]  # a group is one
+        present = {id(i) for i in items}
+        for i in items:
+            assert i.group is None or all(id(j) in present for j in i.group.items), "verify group split up"
         swapped = [i.seq.request_id for i in self.swapped]
         partial = {s.request_id for s in self.waiting if s.request_id in self.running}
         assert len(ids) + len(swapped) == len(set(ids) | set(swapped)), "two in-flight items for one sequence"
@@ -552,7 +647,7 @@ class Scheduler:
             assert i.exited, "item in the coda queue that has not exited"
             assert self.kv.store.depth[self.kv.row(i.seq.request_id, i.position)] == i.r
         for i in self.core_q + self.coda_q + self.coda_running:
-            assert self.kv.tables[i.seq.request_id].num_tokens >= i.seq.num_tokens, "token without a KV row"
+            assert self.kv.tables[i.seq.request_id].num_tokens > i.position, "token without a KV row"
         # loops: every kept core row belongs to a finished request, a live one, or an in-flight token
         live = sum(s.metrics.loops_run for s in self.running.values()) + sum(
             i.seq.metrics.loops_run for i in self.swapped)
@@ -583,36 +678,57 @@ class CDBScheduler(Scheduler):
     def _plan(self) -> StagePlan:
         self._try_swap_in()
         width = self.cfg.max_decode_batch
-        if len(self.coda_q) >= (self.cfg.min_coda_batch or 1):
-            return self._coda_plan()
+        ready = self._ready_for_coda()
+        if len(ready) >= (self.cfg.min_coda_batch or 1):
+            return self._coda_plan(ready)
         chunks = self._take_prefill() if self.waiting else []
         if chunks:
             return StagePlan(Stage.PREFILL, chunks=chunks)
         if self.prelude_q and len(self.core_q) < width:
+            plan = self._draft_plan(width - len(self.core_q))
+            if plan is not None:
+                return plan
             items = self._take_preludes(width - len(self.core_q))
             if items:
                 return StagePlan(Stage.PRELUDE, items)
         if self.core_q:
             return StagePlan(Stage.CORE, self.core_q[:width])
-        if self.coda_q:
-            return self._coda_plan()
+        if ready:
+            return self._coda_plan(ready)
         return StagePlan(Stage.IDLE)
 
     def follow_up(self, plan: StagePlan) -> StagePlan | None:
-        """After a coda or prefill, the fresh tokens' preludes run in the same tick (as far as the
-        core batch has free width), so a token re-enters the loop without a tick of its own."""
-        if plan.stage not in (Stage.CODA, Stage.PREFILL) or not self.prelude_q:
+        """After a coda or prefill, the fresh tokens' drafts (speculative decoding), then their preludes
+        run in the same tick (as far as the core batch has free width), so a token re-enters the loop
+        without a tick of its own."""
+        if plan.stage not in (Stage.CODA, Stage.PREFILL, Stage.DRAFT) or not self.prelude_q:
             return None
         width = self.cfg.max_decode_batch - len(self.core_q)
-        items = self._take_preludes(width) if width > 0 else []
+        if width <= 0:
+            return None
+        draft = self._draft_plan(width) if plan.stage is not Stage.DRAFT else None
+        if draft is not None:
+            return draft
+        items = self._take_preludes(width)
         return StagePlan(Stage.PRELUDE, items) if items else None
 
     def check_invariants(self) -> None:
         super().check_invariants()
         assert len(self.core_q) <= self.cfg.max_decode_batch, "core batch wider than max_decode_batch"
 
-    def _coda_plan(self) -> StagePlan:
-        return self._start_coda(sorted(self.coda_q, key=lambda i: i.order)[: self.cfg.max_decode_batch])
+    def _ready_for_coda(self) -> list[WorkItem]:
+        """The coda queue's items but those of verify groups some of whose rows still loop (a group
+        runs one coda: its rows' coda KV and the acceptance are decided together)."""
+        if self.speculator is None:
+            return self.coda_q
+        return [i for i in self.coda_q if i.group is None or i.group.exited]
+
+    def _coda_plan(self, ready: list[WorkItem]) -> StagePlan:
+        items = sorted(ready, key=_order)[: self.cfg.max_decode_batch]
+        cut = items[-1].group
+        if cut is not None and items[-1] is not cut.items[-1]:  # never part of a group (it fits a batch whole)
+            items = [i for i in items if i.group is not cut]
+        return self._start_coda(items)
 
 
 class CohortScheduler(Scheduler):
@@ -634,6 +750,9 @@ class CohortScheduler(Scheduler):
                 return StagePlan(Stage.PREFILL, chunks=chunks)
             if not self.prelude_q:
                 return StagePlan(Stage.IDLE)
+            draft = self._draft_plan(self.cfg.max_decode_batch)
+            if draft is not None:  # the cohort forms next tick, with the drafting requests' verify groups
+                return draft
             self.cohort = self._take_preludes(self.cfg.max_decode_batch)
             if not self.cohort:
                 return StagePlan(Stage.IDLE)
@@ -688,6 +807,7 @@ class CBScheduler(CohortScheduler):
 
 
 def make_scheduler(cfg: EngineConfig, kv: KVCacheManager, pool: StatePool, stats: EngineStats,
-                   prefix_scope: bytes | None = None, random_state: bool = False) -> Scheduler:
+                   prefix_scope: bytes | None = None, random_state: bool = False,
+                   speculator: Speculator | None = None) -> Scheduler:
     cls = {"cb": CBScheduler, "cdb-norefill": CDBNoRefillScheduler, "cdb": CDBScheduler}[cfg.scheduler]
-    return cls(cfg, kv, pool, stats, prefix_scope, random_state)
+    return cls(cfg, kv, pool, stats, prefix_scope, random_state, speculator)

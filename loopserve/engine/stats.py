@@ -25,6 +25,10 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens of admissions that looked up the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens whose KV the cache supplied (their prefill skipped)
     finished_requests: Counter = field(default_factory=Counter)  # finish reason -> count
+    spec_rounds: int = 0  # speculative decoding: verify groups whose coda ran
+    spec_draft_tokens: int = 0  # tokens those rounds drafted
+    spec_accepted_tokens: int = 0  # drafts equal to the verifier's own token
+    spec_tokens: int = 0  # tokens those rounds emitted (accepted drafts + the verifier's next token)
 
     def record(self, stage: str, batch: int) -> None:
         self.ticks[stage] += 1
@@ -42,4 +46,6 @@ class EngineStats:
             "schedule_time": self.schedule_time, "generated_tokens": self.generated_tokens,
             "prompt_tokens": self.prompt_tokens, "finished_requests": dict(self.finished_requests),
             "prefix_cache_queries": self.prefix_cache_queries, "prefix_cache_hits": self.prefix_cache_hits,
+            "spec_rounds": self.spec_rounds, "spec_draft_tokens": self.spec_draft_tokens,
+            "spec_accepted_tokens": self.spec_accepted_tokens, "spec_tokens": self.spec_tokens,
         }

@@ -1,0 +1,265 @@
+"""Self-speculative decoding (docs/design.md §12): with drafting on, every scheduler x per-depth KV
+layout x exit policy gives each request exactly the tokens, exit depths, text and logprobs of the
+sequential reference decoder (plain decoding), for greedy and seeded sampling, under KV pressure,
+with aborts mid-verification, and in random workloads. Every test checks that drafts were made
+(and, where the model agrees with itself, accepted), so none passes with speculation silently off.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from loopserve import LLM, SamplingParams
+from loopserve.engine.config import EngineConfig
+from loopserve.engine.reference import ReferenceDecoder
+from loopserve.engine.scheduler import Stage
+from loopserve.engine.sequence import Sequence
+from loopserve.engine.speculative import WINDOW
+from loopserve.outputs import RequestOutput
+from tests.engine_helpers import Req, assert_logprobs_close, drive, make_engine, reference
+from tests.test_engine_exact import MATRIX_CFG, matrix_workload
+from tests.test_engine_workloads import HYP, sampling_params
+
+SCHEDULERS = ("cb", "cdb-norefill", "cdb")
+LAYOUTS = ("depth_indexed", "last_exited")
+POLICIES = ("fixed", "signal", "trace", "lookahead")
+# keep drafting whatever the acceptance: random tiny models agree with their 1-loop selves less often
+SPEC = dict(num_speculative_tokens=3, speculative_min_acceptance=0.0)
+
+
+def assert_same(out: RequestOutput, ref: Sequence) -> None:
+    """Tokens, exit depths, text and logprobs of plain decoding (an aborted request: a prefix of them).
+    Loops run may differ: they include the loops of rejected verify rows."""
+    c = out.outputs[0]
+    if c.finish_reason == "abort":
+        k = len(c.token_ids)
+        assert c.token_ids == ref.output_ids[:k] and c.exit_depths == ref.exit_depths[:k]
+        return
+    assert (c.token_ids, c.exit_depths, c.finish_reason, c.text) == (
+        ref.output_ids, ref.exit_depths, ref.finish_reason, ref.text)
+    assert_logprobs_close(c.logprobs, ref.logprobs)
+
+
+def drafted(engine) -> bool:
+    st_ = engine.stats
+    return st_.spec_rounds > 0 and st_.spec_draft_tokens >= st_.spec_rounds and st_.ticks[Stage.DRAFT] > 0
+
+
+# -- the matrix: every scheduler x layout x policy, Ouro and Huginn, a small pool, aborts -----------------------
+_REFS: dict[tuple, Sequence] = {}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+@pytest.mark.parametrize("arch", ["ouro", "huginn"])
+def test_matrix_matches_reference(arch, scheduler, layout, policy, tiny_ouro, tiny_huginn):
+    path, state_init = (tiny_ouro, "zero") if arch == "ouro" else (tiny_huginn, "like-init")
+    engine = make_engine(path, state_init, scheduler=scheduler, kv_layout=layout, lookahead=policy == "lookahead",
+                         **MATRIX_CFG, **SPEC)
+    reqs = matrix_workload(arch, policy, engine.model_config.r_max)
+    outs = drive(engine, reqs)
+    for r in reqs:
+        key = (arch, layout, policy, r.rid)
+        if key not in _REFS:
+            _REFS[key] = reference(engine, r)
+        assert_same(outs[r.rid], _REFS[key])
+    assert drafted(engine)
+
+
+# -- the embedded model: drafts really get accepted ------------------------------------------------------------
+PROMPTS = ["ROMEO:", "JULIET: O Romeo,", "First Citizen:\nBefore we proceed"]
+
+
+@pytest.fixture(scope="module")
+def plain_outputs():
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=20, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=16, exit_policy="lookahead_gate", stop=["\n\n"])]
+    ref = LLM(dtype="float64", scheduler="reference", seed=3)
+    return params, ref.generate(PROMPTS, params)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_embedded_model_accepts_drafts(scheduler, layout, plain_outputs):
+    params, want = plain_outputs
+    llm = LLM(dtype="float64", scheduler=scheduler, kv_layout=layout, seed=3, kv_cache_tokens=1024, **SPEC)
+    got = llm.generate(PROMPTS, params)
+    for g, w in zip(got, want, strict=True):
+        gc, wc = g.outputs[0], w.outputs[0]
+        assert (gc.token_ids, gc.exit_depths, gc.text, gc.finish_reason) == (
+            wc.token_ids, wc.exit_depths, wc.text, wc.finish_reason)
+        assert_logprobs_close(gc.logprobs, wc.logprobs)
+    st_ = llm.engine.stats
+    assert drafted(llm.engine) and st_.spec_accepted_tokens > st_.spec_draft_tokens // 4
+    assert st_.spec_tokens <= st_.spec_rounds + st_.spec_accepted_tokens  # fewer where a request stopped
+    # a verify row's exit depth is published only for emitted tokens: the stats equal the outputs'
+    decode = [d for o in got for d in o.outputs[0].exit_depths[1:]]
+    assert sum(st_.exit_depths.values()) == len(decode)
+    assert llm.engine.kv_usage() == 0
+
+
+# -- random workloads -------------------------------------------------------------------------------------------
+@st.composite
+def spec_workloads(draw, arch: str, r_max: int):
+    block = draw(st.sampled_from([2, 4]))
+    chunk = draw(st.sampled_from([3, 5, 8]))
+    cfg = dict(scheduler=draw(st.sampled_from(SCHEDULERS)), kv_layout=draw(st.sampled_from(LAYOUTS)),
+               block_size=block, kv_cache_tokens=block * draw(st.integers(16 // block, 36 // block)),
+               max_num_seqs=draw(st.integers(2, 6)), max_decode_batch=draw(st.integers(2, 6)),
+               prefill_chunk_size=chunk, max_num_batched_tokens=chunk * draw(st.integers(1, 2)),
+               min_coda_batch=draw(st.integers(1, 3)), lookahead=draw(st.booleans()),
+               async_coda=draw(st.booleans()), kv_safety_margin=draw(st.sampled_from([0.0, 0.1, 0.3])),
+               num_speculative_tokens=draw(st.integers(1, 4)), speculative_draft_loops=draw(st.integers(1, 2)),
+               speculative_max_batch=draw(st.sampled_from([2, 8, 64])),
+               speculative_min_acceptance=draw(st.sampled_from([0.0, 0.0, 0.5])))
+    reqs = []
+    for i in range(draw(st.integers(1, 6))):
+        prompt = draw(st.lists(st.integers(1, 470), min_size=1, max_size=12))
+        arrive = draw(st.integers(0, 10))
+        abort_at = arrive + draw(st.sampled_from([1, 4, 9, 15])) if draw(st.integers(0, 3)) == 0 else None
+        reqs.append(Req(f"w{i}", prompt, draw(sampling_params(arch, r_max)), draw(st.integers(0, 2**40)),
+                        arrive, abort_at))
+    return cfg, reqs
+
+
+def check_workload(path, state_init: str, cfg: dict, reqs: list[Req]) -> None:
+    engine = make_engine(path, state_init, **cfg)
+    outs = drive(engine, reqs)  # invariants after every step, drained at the end
+    for r in reqs:
+        out, ref = outs[r.rid], reference(engine, r)
+        if out.outputs[0].finish_reason == "error":  # only a request that cannot fit in the whole pool fails
+            assert out.error and "KV cache" in out.error
+            assert out.outputs[0].token_ids == ref.output_ids[: len(out.outputs[0].token_ids)]
+            continue
+        assert_same(out, ref)
+
+
+@HYP
+@given(data=st.data())
+def test_random_workloads_ouro(data, tiny_ouro):
+    cfg, reqs = data.draw(spec_workloads("ouro", 4))
+    check_workload(tiny_ouro, "zero", cfg, reqs)
+
+
+@HYP
+@given(data=st.data())
+def test_random_workloads_ouro_lookahead_gate(data, tiny_ouro_la):
+    cfg, reqs = data.draw(spec_workloads("ouro-la", 4))
+    check_workload(tiny_ouro_la, "zero", cfg, reqs)
+
+
+@HYP
+@given(data=st.data(), state_init=st.sampled_from(["zero", "like-init"]))
+def test_random_workloads_huginn(data, state_init, tiny_huginn):
+    cfg, reqs = data.draw(spec_workloads("huginn", 6))
+    check_workload(tiny_huginn, state_init, cfg, reqs)
+
+
+# -- preemption, aborts mid-verification ------------------------------------------------------------------------
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_preemption_under_kv_pressure(scheduler, tiny_ouro):
+    engine = make_engine(tiny_ouro, scheduler=scheduler, block_size=2, kv_cache_tokens=28, max_decode_batch=4,
+                         kv_safety_margin=0.0, **SPEC)
+    reqs = [Req(f"p{i}", [(31 * i + 3 * j) % 400 + 1 for j in range(3 + 2 * i)],
+                SamplingParams(temperature=0.8 * (i % 2), max_tokens=9, ignore_eos=True, exit_threshold=0.6),
+                seed=i, arrive=i)
+            for i in range(4)]
+    outs = drive(engine, reqs)
+    assert engine.stats.preemptions > 0 and engine.stats.swap_ins > 0 and drafted(engine)
+    for r in reqs:
+        assert outs[r.rid].outputs[0].finish_reason == "length"
+        assert_same(outs[r.rid], reference(engine, r))
+
+
+@pytest.mark.parametrize("stage", ["prelude", "core", "coda"])
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_abort_mid_verification(scheduler, stage, tiny_ouro):
+    """Abort a request while its verify group waits for its prelude, loops, or waits for its coda: its KV
+    blocks and state rows are freed, its neighbour is untouched."""
+    engine = make_engine(tiny_ouro, scheduler=scheduler, max_decode_batch=4, min_coda_batch=1, **SPEC)
+    victim = Req("v", [7, 8, 9], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                                exit_trace=[1, 4, 2, 3] * 8), seed=0)
+    other = Req("o", [5, 6], SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True), seed=1)
+    engine.add_request(victim.rid, victim.prompt, victim.params, seed=victim.seed)
+    engine.add_request(other.rid, other.prompt, other.params, seed=other.seed)
+    sched = engine.scheduler
+    queue = {"prelude": lambda: sched.prelude_q, "core": lambda: sched.core_q, "coda": lambda: sched.coda_q}[stage]
+    for _ in range(400):
+        engine.step()
+        sched.check_invariants()
+        if any(i.group is not None and i.seq.request_id == "v" for i in queue()):
+            break
+    else:
+        pytest.fail(f"no verify group of the victim reached the {stage} queue")
+    engine.abort_request("v")
+    outs = {o.request_id: o for o in engine.step() if o.finished}
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+        sched.check_invariants()
+    sched.check_drained()
+    assert outs["v"].outputs[0].finish_reason == "abort"
+    assert_same(outs["v"], reference(engine, victim))
+    assert_same(outs["o"], reference(engine, other))
+
+
+# -- when speculation stays off ----------------------------------------------------------------------------------
+def test_shared_layout_is_refused():
+    with pytest.raises(ValueError, match="num_speculative_tokens: .*shared"):
+        EngineConfig(kv_layout="shared", num_speculative_tokens=2)
+    for name in ("num_speculative_tokens", "speculative_draft_loops", "speculative_max_batch"):
+        with pytest.raises(ValueError, match=name):
+            EngineConfig(**{name: -1})
+    with pytest.raises(ValueError, match="speculative_min_acceptance"):
+        EngineConfig(speculative_min_acceptance=1.5)
+
+
+def test_requests_that_cannot_draft_run_plainly(tiny_ouro, tiny_huginn):
+    """Penalties and min_tokens read the tokens before each position; KL exits on a model with coda
+    layers read intermediate coda KV. Such requests decode plainly, with the same outputs."""
+    cases = [(tiny_ouro, SamplingParams(temperature=0, max_tokens=8, presence_penalty=0.5)),
+             (tiny_ouro, SamplingParams(temperature=0.5, max_tokens=8, min_tokens=3, seed=2)),
+             (tiny_huginn, SamplingParams(temperature=0, max_tokens=6, exit_policy="kl", exit_threshold=0.01))]
+    for path, params in cases:
+        engine = make_engine(path, scheduler="cdb", **SPEC)
+        req = Req("x", [4, 5, 6], params, seed=3)
+        outs = drive(engine, [req])
+        assert engine.stats.spec_rounds == 0 and engine.stats.ticks[Stage.DRAFT] == 0
+        assert_same(outs["x"], reference(engine, req))
+
+
+def test_low_acceptance_and_full_batches_turn_drafting_off(tiny_ouro):
+    """A request that accepts under the minimum over its last rounds stops drafting; no request drafts
+    while `speculative_max_batch` sequences are resident."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    engine = make_engine(tiny_ouro, scheduler="cdb", num_speculative_tokens=3, speculative_min_acceptance=1.0)
+    outs = drive(engine, [Req("a", [9, 10, 11], params, seed=0)])
+    st_ = engine.stats
+    assert st_.spec_accepted_tokens < st_.spec_draft_tokens  # the tiny random model disagrees with itself
+    assert 0 < st_.spec_rounds <= 2 * WINDOW  # stopped once a window fell short (one miss is enough)
+    assert len(outs["a"].outputs[0].token_ids) == 40
+    engine = make_engine(tiny_ouro, scheduler="cdb", speculative_max_batch=2, **SPEC)
+    reqs = [Req(f"b{i}", [9 + i, 10], params, seed=i) for i in range(3)]
+    outs = drive(engine, reqs)
+    for r in reqs:
+        assert_same(outs[r.rid], reference(engine, r))
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_parallel_samples_draft(scheduler, tiny_ouro):
+    """n > 1: each sample drafts and verifies on its own (sharing the prompt's blocks)."""
+    engine = make_engine(tiny_ouro, scheduler=scheduler, max_decode_batch=6, **SPEC)
+    reqs = [Req("n", [3, 4, 5, 6, 7], SamplingParams(temperature=0.9, seed=4, n=3, max_tokens=10, ignore_eos=True),
+                seed=0),
+            Req("g", [8, 9], SamplingParams(temperature=0, n=2, max_tokens=8, ignore_eos=True), seed=1, arrive=2)]
+    outs = drive(engine, reqs)
+    assert drafted(engine)
+    for r in reqs:
+        head = engine.make_sequence(r.rid, r.prompt, r.params, seed=r.seed)
+        for c, sample in zip(outs[r.rid].outputs, head.family, strict=True):
+            ref = ReferenceDecoder(engine.model, engine.layout, engine.cfg.prefill_chunk_size).run(sample)
+            assert (c.token_ids, c.exit_depths, c.finish_reason) == (ref.output_ids, ref.exit_depths,
+                                                                     ref.finish_reason)
