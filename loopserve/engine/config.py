@@ -54,8 +54,8 @@ class EngineConfig:
     speculative_draft_loops: int = _knob(1, "loop steps a drafted token runs before its greedy coda")
     speculative_max_batch: int = _knob(8, "no drafting while this many sequences are resident (the engine is "
                                        "compute-bound there: B*)")
-    speculative_min_acceptance: float = _knob(0.3, "a request stops drafting when under this share of its drafts "
-                                              "was accepted over its last rounds")
+    speculative_min_acceptance: float = _knob(0.3, "a request pauses drafting (16 tokens) when under this share "
+                                              "of its drafts was accepted over its last 4 rounds")
 
     def __post_init__(self) -> None:
         if self.scheduler not in SCHEDULERS:

@@ -20,7 +20,10 @@ between them). With prefix caching, an admitted prompt first takes the cached bl
 cached prefix and starts its prefill after them; the blocks a chunk completes are published for
 later prompts (docs/design.md §4.3). KV pressure: a token that needs a new block and finds none swaps out the most
 recently arrived sequence that is between tokens, or else drops a partly prefilled prompt (to be
-recomputed); a request that could never fit fails alone with an error. `check_invariants` and
+recomputed); a request that could never fit fails alone with an error. Speculative decoding
+(docs/design.md §12): a DRAFT batch comes before a drafting request's prelude, its verify group's
+rows then travel as ordinary items (all or none into the prelude, one coda together), and
+`after_coda` accepts the drafts. `check_invariants` and
 `check_drained` state the bookkeeping the tests check after every step.
 """
 

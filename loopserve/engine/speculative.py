@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 
 # rounds over which a request's acceptance is judged (and the fewest before it is judged at all)
 WINDOW = 4
+# tokens a request then decodes plainly before it drafts again (text changes: a passage that drafts
+# badly may be followed by one that drafts well)
+PAUSE = 16
 
 
 @dataclass(eq=False)
@@ -69,7 +72,7 @@ class Speculator:
         self.max_batch, self.min_acceptance = cfg.speculative_max_batch, cfg.speculative_min_acceptance
         self.coda_kv = coda_kv
         self._rounds: dict[str, deque[tuple[int, int]]] = {}  # request -> (drafted, accepted) of its last rounds
-        self._off: set[str] = set()  # requests whose acceptance fell below the minimum
+        self._paused: dict[str, int] = {}  # request -> its output length when it drafts again
 
     def eligible(self, seq: Sequence) -> bool:
         p = seq.params
@@ -81,19 +84,23 @@ class Speculator:
         """Drafts for `seq`'s next round: none while `resident` sequences make the engine compute-bound,
         for a request that cannot or no longer should draft, or with fewer than two tokens to go;
         else k, capped so the group fits a `width`-row batch and drafts nothing past `max_tokens`."""
-        if resident >= self.max_batch or seq.request_id in self._off or not self.eligible(seq):
+        if resident >= self.max_batch or not self.eligible(seq):
+            return 0
+        if len(seq.output_ids) < self._paused.get(seq.request_id, 0):
             return 0
         left = seq.max_new - len(seq.output_ids)  # the round emits up to k + 1 of these
         return max(0, min(self.k, width - 1, left - 1))
 
     def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
-        """One round's outcome; a request accepting under `min_acceptance` of its drafts over the last
-        `WINDOW` rounds stops drafting (it would spend more on drafts than it saves)."""
+        """One round's outcome (before its tokens are appended); a request accepting under
+        `min_acceptance` of its drafts over the last `WINDOW` rounds decodes the next `PAUSE` tokens
+        plainly (drafting would cost more than it saves), then drafts again with a fresh window."""
         rounds = self._rounds.setdefault(seq.request_id, deque(maxlen=WINDOW))
         rounds.append((drafted, accepted))
         if len(rounds) == WINDOW and sum(a for _, a in rounds) < self.min_acceptance * sum(d for d, _ in rounds):
-            self._off.add(seq.request_id)
+            self._paused[seq.request_id] = len(seq.output_ids) + accepted + 1 + PAUSE
+            rounds.clear()
 
     def forget(self, request_id: str) -> None:
         self._rounds.pop(request_id, None)
-        self._off.discard(request_id)
+        self._paused.pop(request_id, None)

@@ -1,4 +1,4 @@
-"""`loopserve bench ...`: theory, setup, record, throughput, step-latency, serve, ablate, peer.
+"""`loopserve bench ...`: theory, setup, record, throughput, step-latency, serve, ablate, peer, prefix, spec.
 
 Every command takes `--device` (cpu, cuda, cuda:N), writes JSON (and PNG plots) to `--out`, prints
 a table, and shows progress bars on long runs. Models are bench presets (`ouro-bench`,
@@ -397,6 +397,29 @@ def cmd_prefix(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_spec(args: argparse.Namespace) -> int:
+    from loopserve_lab.bench import spec
+    from loopserve_lab.bench.harness import write_json
+    from loopserve_lab.bench.plots import plot_spec
+    from loopserve_lab.bench.presets import PRESETS
+
+    args.threads = args.threads or 1
+    bm, out = _start(args, "spec")
+    n = max([*args.concurrency, args.throughput_batch])
+    prompts = spec.build_prompts(bm.tokenizer, n, args.seed, text=args.model not in PRESETS)
+    cfg = {"scheduler": "cdb", "max_decode_batch": max(32, args.throughput_batch), "max_num_seqs": n,
+           "kv_cache_tokens": n * (max(len(p) for p in prompts) + args.output_len + 64), **engine_overrides(args)}
+    res = spec.run(lambda **kw: bm.engine(args.seed, **{**cfg, **kw}), prompts, args.k, args.draft_loops,
+                   args.concurrency, args.throughput_batch, args.output_len, args.rounds)
+    print(spec.format_summary(res))
+    data = {**_header(args, bm), "engine": cfg, **res}
+    path = write_json(out / "spec.json", data)
+    plot_spec(res, out / "spec.png", f"self-speculative decoding on {bm.name} ({bm.dtype}, k={args.k}, "
+                                     f"greedy, CPU clock, 1 thread)")
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from loopserve_lab.bench.harness import CDB_SCHEDULERS, engine_kwargs_for, run_offline, write_json
     from loopserve_lab.bench.plots import plot_serve
@@ -629,6 +652,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mtbench-file", type=Path, default=None, help="question.jsonl (default: from bench setup)")
     p.add_argument("--workload-seed", type=int, default=0)
     p.set_defaults(func=cmd_prefix)
+
+    p = bsub.add_parser("spec", help="self-speculative decoding vs plain: acceptance, latency per token, throughput")
+    add_model_args(p)
+    add_engine_args(p)
+    p.set_defaults(model=str(Path(__file__).resolve().parents[2] / "loopserve" / "assets" / "ouro-shakespeare"))
+    p.add_argument("-k", type=int, default=4, help="tokens drafted per verify pass")
+    p.add_argument("--draft-loops", type=_ints, default=[1, 2], help="draft depths (the best one alone for the rest)")
+    p.add_argument("--concurrency", type=_ints, default=[1, 2, 4, 8])
+    p.add_argument("--throughput-batch", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=4, help="interleaved rounds per point; medians are reported")
+    p.set_defaults(func=cmd_spec)
 
     p = bsub.add_parser("serve", help="open-loop Poisson serving, in-process and over HTTP")
     add_model_args(p)

@@ -211,3 +211,33 @@ def plot_prefix(summary: dict[str, Any], path: Path, title: str) -> Path:
         ax.grid(alpha=0.3, axis="y")
     fig.suptitle(title, fontsize=10)
     return _save(fig, path)
+
+
+def plot_spec(res: dict[str, Any], path: Path, title: str) -> Path:
+    """Speculative vs plain: CPU ms per token by concurrency, and acceptance / tokens per pass by draft depth."""
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    conc = [r["concurrency"] for r in res["concurrency"]]
+    for mode, color in (("spec", "#1f77b4"), ("plain", "#7f7f7f")):
+        a.plot(conc, [r[mode]["ms_per_token"] for r in res["concurrency"]], "o-", color=color,
+               label="speculative" if mode == "spec" else "plain")
+    for r in res["concurrency"]:
+        a.annotate(f"{r['speedup']:.2f}x", (r["concurrency"], r["spec"]["ms_per_token"]), fontsize=8,
+                   textcoords="offset points", xytext=(0, -12), ha="center")
+    a.set_xscale("log", base=2)
+    a.set_xticks(conc, [str(c) for c in conc])
+    a.set_xlabel("concurrent requests")
+    a.set_ylabel("CPU ms per token (per request)")
+    a.legend(fontsize=8)
+    a.grid(alpha=0.3)
+    depths = [str(r["draft_loops"]) for r in res["depths"]]
+    acc = [r["spec"]["acceptance"] or 0.0 for r in res["depths"]]
+    b.bar(depths, acc, color="#1f77b4")
+    for i, r in enumerate(res["depths"]):
+        b.text(i, acc[i], f"{acc[i]:.2f}, {r['spec']['tokens_per_verify'] or 0:.2f} tok/pass\n{r['speedup']:.2f}x",
+               ha="center", va="bottom", fontsize=8)
+    b.set_ylim(0, 1.15)
+    b.set_xlabel("draft loops")
+    b.set_ylabel("acceptance (concurrency 1)")
+    b.grid(alpha=0.3, axis="y")
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, path)
