@@ -510,3 +510,26 @@ def test_bench_host_times_decode_ticks_of_a_null_model(bench_cache, single_threa
     assert len(data["projection"]) == 2 * 2 * 2  # CDB points x models x devices
     assert all(0 <= r["idle_overlapped"] <= r["idle_serial"] < 1 for r in data["projection"])
     assert (out / "host.png").is_file()
+
+
+def test_bench_compile_times_variants_and_counts_graphs(bench_cache, single_thread):
+    """`bench compile` with Dynamo's eager backend (tracing, guards and recompiles as with inductor, no
+    code generation, so it stays fast): every variant is timed at every point, a trace of the same ops
+    is bitwise equal to eager, and the tick run counts one graph at least."""
+    from loopserve.cli import main
+
+    out = bench_cache / "compile"
+    assert main(["bench", "compile", "--model", "micro-ouro", "--dtype", "float32", "--stages", "core,coda",
+                 "--variants", "eager,dynamic,mlp", "--widths", "1,2", "--contexts", "8", "--reps", "1",
+                 "--ticks", "3", "--backend", "eager", "--no-progress", "--out", str(out)]) == 0
+    data = json.loads((out / "compile.json").read_text())
+    for stage in ("core", "coda"):
+        r = data["stages"][stage]
+        assert [(p["context"], p["width"]) for p in r["points"]] == [(8, 1), (8, 2)]
+        for p in r["points"]:
+            assert set(p["variants"]) == {"eager", "dynamic", "mlp"}
+            assert all(v["median_us"] > 0 and v["bitwise_equal"] for v in p["variants"].values())
+        assert [t["variant"] for t in r["ticks"]] == ["dynamic", "mlp"]
+        assert all(len(t["graphs_per_tick"]) == 3 for t in r["ticks"])
+    assert data["stages"]["core"]["ticks"][0]["graphs"] >= 1 and data["stages"]["core"]["explain"]["graphs"] >= 1
+    assert "| context | width |" in (out / "compile.md").read_text()

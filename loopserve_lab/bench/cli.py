@@ -1,4 +1,4 @@
-"""`loopserve bench ...`: theory, setup, record, throughput, step-latency, serve, ablate, peer, prefix, spec.
+"""`loopserve bench ...`: theory, setup, record, throughput, step-latency, serve, ablate, peer, prefix, spec, compile.
 
 Every command takes `--device` (cpu, cuda, cuda:N), writes JSON (and PNG plots) to `--out`, prints
 a table, and shows progress bars on long runs. Models are bench presets (`ouro-bench`,
@@ -350,6 +350,22 @@ def cmd_step_latency(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compile(args: argparse.Namespace) -> int:
+    from loopserve_lab.bench import compile as comp
+    from loopserve_lab.bench.harness import write_json
+
+    args.threads = args.threads or 1
+    bm, out = _start(args, "compile")
+    res = comp.run(bm.model, args.stages.split(","), args.variants.split(","), args.widths, args.contexts,
+                   args.reps, args.ticks, args.seed, args.backend, progress=not args.no_progress)
+    md = comp.format_markdown(res)
+    print(md)
+    path = write_json(out / "compile.json", {**_header(args, bm), **res})
+    (out / "compile.md").write_text(f"{bm.name} ({bm.dtype}), CPU clock, {args.threads} thread(s)\n\n{md}")
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
 def cmd_host(args: argparse.Namespace) -> int:
     from loopserve_lab.bench import host
     from loopserve_lab.bench.harness import machine_info, set_threads, write_json
@@ -631,6 +647,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-layout", default="shared", choices=["depth_indexed", "last_exited", "shared"],
                    help="reads are one slot per layer in every layout; shared needs the least memory")
     p.set_defaults(func=cmd_step_latency)
+
+    p = bsub.add_parser("compile", help="torch.compile of the stage functions vs eager: compile cost, "
+                                        "recompiles, CPU time per call, exactness")
+    add_model_args(p)
+    p.add_argument("--stages", default="core,coda", help="core, coda or both")
+    p.add_argument("--variants", default="eager,default,dynamic,mlp",
+                   help="eager, default, dynamic, max-autotune, mlp (compiled MLP modules only)")
+    p.add_argument("--widths", type=_ints, default=[1, 8, 32])
+    p.add_argument("--contexts", type=_ints, default=[64, 512])
+    p.add_argument("--reps", type=int, default=10, help="interleaved calls per point and variant")
+    p.add_argument("--ticks", type=int, default=24, help="ticks of changing width and context for the recompile count")
+    p.add_argument("--backend", default="inductor", help="torch.compile backend (eager, aot_eager: plumbing only)")
+    p.set_defaults(func=cmd_compile)
 
     p = bsub.add_parser("host", help="engine host time per tick with model compute taken out (a null model)")
     p.add_argument("--widths", type=_ints, default=[32, 128, 256, 512])

@@ -43,23 +43,44 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-@torch.inference_mode()
-def measure_point(model: Any, batch: int, context: int, reps: int = 5, warmup: int = 2,
-                  layout: str = "shared", depth: int = 2, seed: int = 0) -> dict[str, Any]:
-    """Latencies (s) of `reps` core steps for `batch` rows at `context` cached tokens each."""
+def core_inputs(model: Any, batch: int, context: int, layout: str = "shared", depth: int = 2,
+                seed: int = 0, kv: KVStore | None = None) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+    """(state, inject, ctx) for one decode core step of `batch` rows whose sequences hold `context`
+    cached tokens each: random K/V in a paged store, every key visible, all rows at `depth`. The store
+    is `kv` when given (one made by `random_store` with room for batch x (context + 1) rows, so that
+    several points share one store, as an engine's steps do), else a store of its own."""
     c = model.config
     p = next(model.parameters())
     lay = KVLayout(layout, c.n_prelude, c.n_core, c.n_coda, c.r_max)
     per = context + 1
-    kv = KVStore(batch * per, lay.slots_per_token, c.num_kv_heads, c.head_dim, p.dtype, p.device)
     g = torch.Generator(device="cpu").manual_seed(seed)
-    kv.k.copy_(torch.randn(kv.k.shape, generator=g).to(kv.k))
-    kv.v.copy_(torch.randn(kv.v.shape, generator=g).to(kv.v))
-    kv.depth.fill_(c.r_max)
+    kv = random_store(model, batch * per, layout, seed) if kv is None else kv
     segs = [(torch.arange(i * per, (i + 1) * per), context, 1) for i in range(batch)]
     ctx = build_context(kv, lay, segs, torch.full((batch,), depth))
     state = torch.randn(batch, c.hidden_size, generator=g).to(p)
     inject = torch.randn(batch, c.hidden_size, generator=g).to(p) if c.arch == HUGINN else None
+    return state, inject, ctx
+
+
+def random_store(model: Any, rows: int, layout: str = "shared", seed: int = 0) -> KVStore:
+    """A paged KV store of `rows` rows filled with random K/V, every row at KV depth r_max."""
+    c = model.config
+    p = next(model.parameters())
+    lay = KVLayout(layout, c.n_prelude, c.n_core, c.n_coda, c.r_max)
+    kv = KVStore(rows, lay.slots_per_token, c.num_kv_heads, c.head_dim, p.dtype, p.device)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    kv.k.copy_(torch.randn(kv.k.shape, generator=g).to(kv.k))
+    kv.v.copy_(torch.randn(kv.v.shape, generator=g).to(kv.v))
+    kv.depth.fill_(c.r_max)
+    return kv
+
+
+@torch.inference_mode()
+def measure_point(model: Any, batch: int, context: int, reps: int = 5, warmup: int = 2,
+                  layout: str = "shared", depth: int = 2, seed: int = 0) -> dict[str, Any]:
+    """Latencies (s) of `reps` core steps for `batch` rows at `context` cached tokens each."""
+    p = next(model.parameters())
+    state, inject, ctx = core_inputs(model, batch, context, layout, depth, seed)
     times = []
     for i in range(warmup + reps):
         _sync(p.device)
