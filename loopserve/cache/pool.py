@@ -22,7 +22,8 @@ from loopserve.cache.layout import IN_FLIGHT
 
 class KVStore:
     """K and V as [kv_heads, slots, rows, head_dim] (head-major): a gather of key rows comes out as
-    [kv_heads, *rows, head_dim], the layout batched attention multiplies without another copy."""
+    [kv_heads, *rows, head_dim], the layout batched attention multiplies without another copy.
+    Reads are by flat (head, slot, row) index (`index`)."""
 
     def __init__(self, capacity: int, n_slots: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
@@ -40,14 +41,28 @@ class KVStore:
         self.k[:, slot, rows] = k.transpose(0, 1)
         self.v[:, slot, rows] = v.transpose(0, 1)
 
-    def gather(self, slot: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V at (slot, row) pairs (any matching shapes) -> [kv_heads, *shape, head_dim], contiguous."""
-        flat = (slot * self.k.shape[2] + rows).reshape(1, -1) + self._head_base[:, None]
-        shape = (self.k.shape[0], *rows.shape, self.k.shape[3])
-        # one index_select over the flat view beats multi-dimensional advanced indexing
-        k = self.k.view(-1, self.k.shape[3]).index_select(0, flat.view(-1)).view(shape)
-        v = self.v.view(-1, self.v.shape[3]).index_select(0, flat.view(-1)).view(shape)
-        return k, v
+    def index(self, slot: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Flat indices of (head, slot, row) for every head and (slot, row) pair (any matching shapes)
+        -> [kv_heads, *shape], for `keys`, `values` and `weighted_values`."""
+        return (slot * self.k.shape[2] + rows)[None] + self._head_base.view(-1, *[1] * rows.dim())
+
+    def keys(self, index: torch.Tensor) -> torch.Tensor:
+        """K at `index` -> [*index.shape, head_dim], contiguous."""
+        return _take_rows(self.k, index)
+
+    def values(self, index: torch.Tensor) -> torch.Tensor:
+        return _take_rows(self.v, index)
+
+    def weighted_values(self, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """sum_l weights[..., l] * V[index[..., l]] -> [*weights.shape[:-1], head_dim], without
+        gathering the rows first (one fused embedding_bag: several times cheaper than a gather plus a
+        batched matmul when each weight row is a single query's). `index` [..., L] broadcasts against
+        `weights` [..., L] (the query heads sharing a KV head share its indices)."""
+        d = self.v.shape[-1]
+        idx = index.expand_as(weights).reshape(-1, weights.shape[-1])
+        out = torch.nn.functional.embedding_bag(idx, self.v.view(-1, d), mode="sum",
+                                                per_sample_weights=weights.reshape(idx.shape))
+        return out.view(*weights.shape[:-1], d)
 
     def set_depth(self, rows: torch.Tensor, depth: torch.Tensor | int) -> None:
         self.depth[rows] = depth
@@ -65,6 +80,19 @@ class KVStore:
     def write_rows(self, rows: torch.Tensor, data: dict[str, torch.Tensor]) -> None:
         """Put back what `read_rows` returned, at rows `rows` (same count)."""
         self.k[:, :, rows], self.v[:, :, rows], self.depth[rows] = data["k"], data["v"], data["depth"]
+
+
+def _take_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows of `t` ([..., head_dim]) at flat row indices `index`, as one index_select. The rows are
+    moved as the widest integer words that tile them (a bf16 row of 64 is 16 int64): the same bytes,
+    but index_select's copy loop is about twice as fast on them as on 2-byte elements."""
+    d = t.shape[-1]
+    flat = t.view(-1, d)
+    nbytes = d * t.element_size()
+    for word in (torch.int64, torch.int32):
+        if nbytes % word.itemsize == 0 and t.element_size() < word.itemsize:
+            return flat.view(word).index_select(0, index.reshape(-1)).view(t.dtype).view(*index.shape, d)
+    return flat.index_select(0, index.reshape(-1)).view(*index.shape, d)
 
 
 class BlockAllocator:

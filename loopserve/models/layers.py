@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loopserve.cache.pool import KVStore
 from loopserve.models.context import DenseContext, ForwardContext
 
 
@@ -82,9 +83,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Forw
         keys = ctx.seg_keys  # [N, Lk]
         slot, visible = slots(keys, ctx.depth[:, None])
         visible = visible & (torch.arange(keys.shape[1], device=keys.device)[None, :] <= ctx.positions[:, None])
-        kk, vv = kv.gather(slot, keys.where(visible, kv.zero_row))  # [nkv, N, Lk, d]
-        out = attend(q[:, :, None], kk, vv, visible[:, None, :])  # [N, nh, 1, d]
-        return out.reshape(n, nh * d)
+        return attend_decode(q, kv, kv.index(slot, keys.where(visible, kv.zero_row)), visible)
 
     outs = []
     for s in range(len(ctx.seg_starts) - 1):  # prefill: one sequence's chunk per segment
@@ -93,33 +92,51 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Forw
         keys = ctx.seg_keys[s, :lk]
         slot, visible = slots(keys, ctx.depth[a])
         mask = visible[None, :] & (torch.arange(lk, device=keys.device)[None, :] <= ctx.positions[a:b, None])
-        kk, vv = kv.gather(slot[None], keys.where(visible, kv.zero_row)[None])  # [nkv, 1, Lk, d]
+        index = kv.index(slot[None], keys.where(visible, kv.zero_row)[None])  # [nkv, 1, Lk]
+        kk, vv = kv.keys(index), kv.values(index)  # [nkv, 1, Lk, d]
         o = attend(q[a:b].transpose(0, 1)[None], kk, vv, mask[None])  # [1, nh, nq, d]
         outs.append(o[0].transpose(0, 1).reshape(b - a, nh * d))
     return torch.cat(outs)
 
 
+def attend_decode(q: torch.Tensor, kv: KVStore, index: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """One query per sequence. q [N, nh, d]; index [nkv, N, L] flat KV indices of each sequence's keys
+    (`KVStore.index`); visible [N, L]. Returns [N, nh * d]. Only K is gathered: the weighted sum of
+    V reads the rows in place (`KVStore.weighted_values`)."""
+    n, nh, d = q.shape
+    nkv = index.shape[0]
+    qg = q.reshape(n, nkv, nh // nkv, d).transpose(0, 1)  # [nkv, N, g, d]: the query heads of a kv head
+    scores = torch.matmul(qg, kv.keys(index).transpose(-1, -2)) * d ** -0.5  # [nkv, N, g, L]
+    probs = _masked_softmax(scores, visible[None, :, None], q.dtype)
+    return kv.weighted_values(index[:, :, None], probs).transpose(0, 1).reshape(n, nh * d)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Masked attention. q [B, nh, Q, d]; k, v [nkv, B, L, d] (head-major, as `KVStore.gather` returns
+    """Masked attention. q [B, nh, Q, d]; k, v [nkv, B, L, d] (head-major, as `KVStore.keys` returns
     them; GQA: nh a multiple of nkv, query head h reads kv head h // (nh // nkv)); mask [B, Q, L] bool.
     Returns [B, nh, Q, d]. The query heads of one kv head are stacked as extra query rows, so both
-    products are one batched matmul over contiguous [nkv * B] matrices. Softmax in fp32 or wider; a
-    row that sees no key (a passive CB row, whose result is discarded) yields zeros instead of NaN."""
+    products are one batched matmul over contiguous [nkv * B] matrices."""
     bsz, nh, nq, d = q.shape
     nkv = k.shape[0]
     g = nh // nkv
     qg = q.reshape(bsz, nkv, g * nq, d).transpose(0, 1)  # [nkv, B, g*Q, d]; rows (head in group, query)
     keep = mask[None, :, None]  # [1, B, 1, Q, L]
     if q.dtype == torch.bfloat16:
-        # bf16 products, fp32 softmax, as upstream's eager attention; much faster than upcasting K/V here
         scores = torch.matmul(qg, k.transpose(-1, -2)).view(nkv, bsz, g, nq, -1) * d ** -0.5
-        scores = scores.float().masked_fill(~keep, float("-inf"))
-        probs = scores.softmax(-1).nan_to_num(0.0).to(q.dtype).view(nkv, bsz, g * nq, -1)
+        probs = _masked_softmax(scores, keep, q.dtype).view(nkv, bsz, g * nq, -1)
         out = torch.matmul(probs, v)
     else:
         full = keep.expand(1, bsz, g, nq, mask.shape[-1]).reshape(1, bsz, g * nq, -1)
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=full).nan_to_num(0.0)
     return out.transpose(0, 1).reshape(bsz, nh, nq, d)
+
+
+def _masked_softmax(scores: torch.Tensor, keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Softmax over the last dim of the kept scores, in fp32 or wider (products stay in the model's
+    dtype: bf16 as upstream's eager attention, much faster than upcasting K/V), cast back to `dtype`.
+    A row that keeps no score (a passive CB row, whose result is discarded) gets weights 0, not NaN."""
+    scores = scores.to(compute_dtype(scores.dtype)).masked_fill(~keep, float("-inf"))
+    return scores.softmax(-1).nan_to_num(0.0).to(dtype)
 
 
 def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: DenseContext) -> torch.Tensor:
