@@ -321,8 +321,6 @@ def test_shared_prefixes_under_kv_pressure(scheduler, tiny_ouro):
     assert st_.prefix_cache_hits > 0 and st_.preemptions > 0 and drafted(engine) and st_.spec_accepted_tokens > 0
 
 
-@pytest.mark.xfail(strict=True, reason="observe_core fails a request once per non-finite row: a verify group's "
-                                       "second bad row finds its state row already freed (review of issue 16)")
 def test_nan_in_a_verify_group_fails_that_request_alone(tiny_ouro, monkeypatch):
     """docs/design.md §10 with speculation: NaN in one request's state reaches every later row of its
     verify group (they attend to its KV); the request fails alone, the engine and its neighbour go on."""

@@ -504,10 +504,13 @@ class Scheduler:
                     loops_on[one], bad[one] = book.observe(rows[one], pool.r[rows[one]], sig.main[one],
                                                            sig.ahead[one], sig.has[one])
                 except Exception as e:
-                    self.fail(pool.items[int(rows[k])].seq, e)  # type: ignore[union-attr]
+                    item = pool.items[int(rows[k])]
+                    if item is not None:  # else freed with an earlier row of its verify group
+                        self.fail(item.seq, e)
         for row in rows[bad].tolist():
             item = pool.items[row]
-            assert item is not None
+            if item is None:  # freed when an earlier row of its verify group failed the request
+                continue
             self.fail(item.seq, NonFiniteError(
                 f"the model produced a non-finite {item.seq.rule.policy} signal for this request"))
         self._exit(rows[~loops_on & ~bad & (pool.generation[rows] == generations[keep])])
