@@ -170,6 +170,22 @@ def test_nan_kv_of_a_failed_request_never_reaches_the_next_owner_of_its_blocks(t
     assert torch.isnan(engine.kv.store.k).any(), "no NaN left in the KV cache: the test proves nothing"
 
 
+@pytest.mark.parametrize("scheduler,layout", [("cdb", "depth_indexed"), ("cb", "depth_indexed"),
+                                              ("cdb-norefill", "last_exited"), ("cdb", "shared")])
+def test_unwritten_kv_rows_are_never_read(scheduler, layout, tiny_ouro):
+    """The KV pool is not zeroed when allocated: a row must be written before any query sees it, and
+    masked keys are read from the zero row. Fill every other row with NaN first: outputs (with
+    preemption under this small pool, and late requests reusing blocks) still equal the reference."""
+    engine = make_engine(tiny_ouro, scheduler=scheduler, kv_layout=layout, **CFG)
+    store = engine.kv.store
+    for t in (store.k, store.v):
+        t[:, :, : store.zero_row] = float("nan")
+    reqs = _workload(engine.model_config.r_max)
+    outs = drive(engine, reqs)
+    for r in reqs:
+        assert_matches(outs[r.rid], reference(engine, r))
+
+
 def test_offline_generate_reports_the_error_and_finishes_the_rest(tiny_ouro, monkeypatch):
     llm = LLM(tiny_ouro, dtype="float64", kv_cache_tokens=256)
     _inject(monkeypatch, "stop")

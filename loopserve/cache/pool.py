@@ -30,8 +30,12 @@ class KVStore:
         self.capacity = capacity
         self.zero_row = capacity
         shape = (num_kv_heads, n_slots, capacity + 1, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # not zeroed (a fill of the whole pool): a row is written before any query may see it, and
+        # every key a query must not see is read from the zero row
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.k[:, :, capacity] = 0
+        self.v[:, :, capacity] = 0
         self.depth = torch.full((capacity + 1,), IN_FLIGHT, dtype=torch.long, device=device)
         # flat index of (head h, slot 0, row 0): gathers index the [-1, head_dim] view
         self._head_base = (torch.arange(num_kv_heads, device=device) * (n_slots * (capacity + 1)))
