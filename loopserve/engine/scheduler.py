@@ -271,6 +271,11 @@ class Scheduler:
             self.pool.allocate(taken, slots, self.kv.block_tables.rows(slots, positions))
         return taken
 
+    def _owed_blocks(self) -> int:
+        """Blocks the admitted, partly prefilled prompts still need to finish (with their samples' copies)."""
+        return sum(self.kv.blocks_needed(s.request_id, len(s.prompt_ids) + 1) + self._fork_blocks(s)
+                   for s in self.waiting if s.request_id in self.running)
+
     def _draft_plan(self, limit: int) -> StagePlan | None:
         """Speculative decoding (docs/design.md §12): the next `limit` plain items of requests that
         draft this round, each with the KV rows its verify group will write (taken only if free: a
@@ -279,6 +284,8 @@ class Scheduler:
         if spec is None:
             return None
         resident, width = len(self.running), min(self.cfg.max_decode_batch, self.pool.rows)
+        # drafts take only blocks no one else is owed: never the safety margin or what admitted prompts need
+        spare = self.kv.num_free - self._owed_blocks() - int(self.cfg.kv_safety_margin * self.kv.num_blocks)
         items: list[WorkItem] = []
         lens: list[int] = []
         for item in self.prelude_q:
@@ -287,7 +294,9 @@ class Scheduler:
             if item.group is not None:
                 continue
             k = spec.tokens_for(item.seq, resident, width)
-            if k and self.kv.ensure(item.seq.request_id, item.position + 1 + k):
+            need = self.kv.blocks_needed(item.seq.request_id, item.position + 1 + k) if k else 0
+            if k and need <= spare and self.kv.ensure(item.seq.request_id, item.position + 1 + k):
+                spare -= need
                 items.append(item)
                 lens.append(k)
         return StagePlan(Stage.DRAFT, items, draft_lens=lens) if items else None
@@ -322,8 +331,7 @@ class Scheduler:
         chunks: list[PrefillChunk] = []
         margin = int(cfg.kv_safety_margin * kv.num_blocks)
         free = kv.num_free
-        owed = sum(kv.blocks_needed(s.request_id, len(s.prompt_ids) + 1) + self._fork_blocks(s)  # to finish
-                   for s in self.waiting if s.request_id in self.running)  # admitted prompts
+        owed = self._owed_blocks()
         resident = self._resident()
         for seq in list(self.waiting):
             sid = seq.request_id
