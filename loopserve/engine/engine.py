@@ -264,17 +264,14 @@ class LLMEngine:
                 drafts = entry.result.get()
                 self._model_time += time.perf_counter() - t1
                 sched.after_draft(plan, drafts)
-                follow = sched.follow_up(plan)
-                if follow is not None:
-                    self._run(follow)
-                continue
-            samples = entry.result.get()
-            self._model_time += time.perf_counter() - t1
-            if isinstance(entry.result, PendingPrefill):
-                sched.after_prefill(plan, {s.request_id: x for s, x in zip(entry.result.seqs, samples, strict=True)},
-                                    entry.result.prompt_logprobs())
             else:
-                sched.after_coda(plan, samples)
+                samples = entry.result.get()
+                self._model_time += time.perf_counter() - t1
+                if isinstance(entry.result, PendingPrefill):
+                    firsts = {s.request_id: x for s, x in zip(entry.result.seqs, samples, strict=True)}
+                    sched.after_prefill(plan, firsts, entry.result.prompt_logprobs())
+                else:
+                    sched.after_coda(plan, samples)
             follow = sched.follow_up(plan)
             if follow is not None:
                 self._run(follow)
