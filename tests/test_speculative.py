@@ -340,3 +340,32 @@ def test_nan_in_a_verify_group_fails_that_request_alone(tiny_ouro, monkeypatch):
     outs = drive(engine, reqs)
     assert outs["v"].outputs[0].finish_reason == "error" and "non-finite" in outs["v"].error
     assert_same(outs["o"], reference(engine, reqs[1]))
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_a_failing_rejected_draft_does_not_fail_the_request(scheduler, tiny_ouro, monkeypatch, caplog):
+    """Drafts are guesses, so exactness must hold whatever they are. Token X is poison (its state
+    is NaN, as an overflow on a rare token would be) and the request bans it with logit_bias, so
+    plain decoding never feeds it; every draft proposes X anyway. Each verify row fed X fails: the
+    round is cut there and goes on, and the request ends as plain decoding does, not with an error."""
+    from loopserve.engine import runner as runner_module
+
+    x = 77
+    engine = make_engine(tiny_ouro, scheduler=scheduler, **SPEC)
+    real_prelude, real_get = engine.model.prelude, runner_module.PendingDrafts.get
+
+    def prelude(ids, ctx, seeds=None):
+        state, inject = real_prelude(ids, ctx, seeds)
+        return state.masked_fill((ids == x)[:, None], float("nan")), inject
+
+    monkeypatch.setattr(engine.model, "prelude", prelude)
+    monkeypatch.setattr(runner_module.PendingDrafts, "get", lambda self: [[x] * len(d) for d in real_get(self)])
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, exit_policy="gate", exit_threshold=0.6,
+                            logit_bias={x: -100.0})
+    reqs = [Req("a", [5, 6, 7], params, seed=1), Req("b", [9, 4], params, seed=2)]
+    outs = drive(engine, reqs)
+    monkeypatch.undo()  # the reference runs the real model
+    for r in reqs:
+        assert outs[r.rid].outputs[0].finish_reason == "length", outs[r.rid].error
+        assert_same(outs[r.rid], reference(engine, r))
+    assert any("its round is cut there" in rec.getMessage() for rec in caplog.records), "no verify row failed"

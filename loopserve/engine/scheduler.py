@@ -512,16 +512,51 @@ class Scheduler:
                     loops_on[one], bad[one] = book.observe(rows[one], pool.r[rows[one]], sig.main[one],
                                                            sig.ahead[one], sig.has[one])
                 except Exception as e:
-                    item = pool.items[int(rows[k])]
-                    if item is not None:  # else freed with an earlier row of its verify group
-                        self.fail(item.seq, e)
+                    self._row_failed(int(rows[k]), e)
         for row in rows[bad].tolist():
             item = pool.items[row]
-            if item is None:  # freed when an earlier row of its verify group failed the request
-                continue
-            self.fail(item.seq, NonFiniteError(
-                f"the model produced a non-finite {item.seq.rule.policy} signal for this request"))
+            if item is not None:
+                self._row_failed(row, NonFiniteError(
+                    f"the model produced a non-finite {item.seq.rule.policy} signal for this request"))
         self._exit(rows[~loops_on & ~bad & (pool.generation[rows] == generations[keep])])
+
+    def _row_failed(self, row: int, error: Exception) -> None:
+        """The item in state-pool row `row` failed (its exit rule raised, or its signal is not finite):
+        its request fails, unless the row verifies a draft (a verify group's row after the first).
+        Plain decoding computes that position only if the drafts before it are accepted, so the
+        group is cut before the row and the round goes on; if plain decoding does reach the position,
+        the next round's first row, fed the true token, fails the same way (docs/design.md §12)."""
+        item = self.pool.items[row]
+        if item is None:  # freed with an earlier row of its verify group
+            return
+        group = item.group
+        if group is None or item is group.items[0]:
+            self.fail(item.seq, error)
+            return
+        log.warning("request %s: a row verifying a draft failed (%s); its round is cut there", item.seq.request_id,
+                    error)
+        self._cut_group(group, group.items.index(item))
+
+    def _cut_group(self, group: VerifyGroup, i: int) -> None:
+        """Rows i.. of a verify group leave its round (their KV depth reset, their loops counted as
+        spent); the round emits at most the sample of row i - 1 after the accepted drafts. The request
+        pauses drafting (a draft it keeps proposing would fail again)."""
+        cut = group.items[i:]
+        self._remove_items(cut)
+        self.kv_depth_writes.append((self.pool.kv_row[rows_of(cut)], np.full(len(cut), IN_FLIGHT)))
+        for item in cut:
+            group.seq.metrics.loops_run += item.r
+            self._drop_item(item)
+        group.items, group.tokens = group.items[:i], group.tokens[:i]
+        assert self.speculator is not None
+        self.speculator.pause(group.seq)
+
+    def _remove_items(self, items: list[WorkItem]) -> None:
+        """Take work items out of the decode queues (they still hold their state rows)."""
+        self.prelude_q = _without(self.prelude_q, items)
+        self.core_q = _without(self.core_q, items)
+        self.coda_q = _without(self.coda_q, items)
+        self.coda_running = _without(self.coda_running, items)
 
     def _exit(self, rows: np.ndarray) -> None:
         """The items in these state-pool rows stop looping: their KV depth is the loops they ran
@@ -793,6 +828,10 @@ class CohortScheduler(Scheduler):
         super().on_exit(item)
         if self.keep_exited_in_batch:
             self.pool.passive[item.row] = True
+
+    def _remove_items(self, items: list[WorkItem]) -> None:
+        super()._remove_items(items)
+        self.cohort = _without(self.cohort, items)
 
     def _stop(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         super()._stop(seq, reason, error)

@@ -101,6 +101,11 @@ class Speculator:
             self._paused[seq.request_id] = len(seq.output_ids) + accepted + 1 + PAUSE
             rounds.clear()
 
+    def pause(self, seq: Sequence) -> None:
+        """`seq` decodes the next `PAUSE` tokens plainly (a row verifying its draft failed)."""
+        self._paused[seq.request_id] = len(seq.output_ids) + PAUSE
+        self._rounds.pop(seq.request_id, None)
+
     def forget(self, request_id: str) -> None:
         self._rounds.pop(request_id, None)
         self._paused.pop(request_id, None)
