@@ -85,6 +85,7 @@ def _hand_store(layout: KVLayout, key_depths: list[int]):
     """One core layer, 1 KV head of 2 dims. V of token t in slot s is (10 t + s, 1); K is zero."""
     n = len(key_depths) + 2
     kv = KVStore(n, layout.slots_per_token, 1, 2, torch.float64)
+    kv.k.zero_()  # a store is not zeroed when allocated
     for s in range(layout.slots_per_token):
         for t in range(n):
             kv.v[0, s, t] = torch.tensor([10.0 * t + s, 1.0], dtype=torch.float64)
