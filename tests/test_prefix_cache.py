@@ -98,6 +98,13 @@ def test_shared_prefixes_under_kv_pressure(arch, scheduler, layout, tiny_ouro, t
     assert engine.stats.preemptions > 0, "the pool never ran short: the test proves nothing"
 
 
+def test_swap_in_shares_cached_prompt_blocks_again(tiny_ouro):
+    """A swapped-out sequence whose full prompt blocks are still cached takes them back shared
+    (refcount + 1), not as fresh copies; outputs still equal the reference (the run asserts it)."""
+    engine, _ = _run(tiny_ouro, "zero", "ouro", "cdb", "depth_indexed", "signal", TIGHT, longer=6)
+    assert engine.stats.swap_ins > 0 and engine.stats.swap_in_shared_blocks > 0
+
+
 def test_caching_off_computes_every_prompt_token(tiny_ouro):
     engine = make_engine(tiny_ouro, enable_prefix_caching=False, **ROOMY)
     outs = drive(engine, shared_workload("ouro", "fixed", engine.model_config.r_max))

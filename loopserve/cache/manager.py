@@ -85,7 +85,11 @@ class KVCacheManager:
         """Start a new sequence's table with shared prompt blocks (cached ones, or the full prompt blocks
         of the request it is a sample of; refcount + 1 each)."""
         assert seq_id not in self.tables, f"{seq_id} already has KV"
-        table = self.tables[seq_id] = BlockTable(self._take_slot())
+        self._share_into(self.tables.setdefault(seq_id, BlockTable(self._take_slot())), blocks)
+
+    def _share_into(self, table: BlockTable, blocks: list[int]) -> None:
+        """An empty table starts with `blocks`, shared (refcount + 1 each)."""
+        assert not table.blocks
         if blocks:
             self.allocator.share(blocks)
             self.block_tables.set_blocks(table.slot, 0, blocks)
@@ -135,19 +139,28 @@ class KVCacheManager:
         table = self.tables.get(seq_id)
         return table is not None and table.swapped is not None
 
-    def swap_in(self, seq_id: str) -> bool:
+    def swap_in_cost(self, seq_id: str, shared: list[int]) -> int:
+        """Free blocks `swap_in(seq_id, shared)` takes."""
+        return self.allocator.blocks_for(self.tables[seq_id].num_tokens) - len(shared) + self.share_cost(shared)
+
+    def swap_in(self, seq_id: str, shared: list[int] | None = None) -> bool:
+        """Bring a swapped-out sequence back. `shared`: cached blocks holding its first prompt blocks'
+        KV (found by their prefix-cache keys); they are shared again instead of copied back."""
         table = self.tables[seq_id]
         assert table.swapped is not None
+        shared = shared or []
         n = table.num_tokens
-        if self.allocator.blocks_for(n) > self.num_free:
+        if self.swap_in_cost(seq_id, shared) > self.num_free:
             return False
         host = table.swapped.host()
         table.swapped, table.num_tokens = None, 0
+        self._share_into(table, shared)
         self.ensure(seq_id, n)
         s = self.store
         dev = s.k.device
-        rows = upload(self.rows(seq_id, n), dev)
-        s.write_rows(rows, {name: upload(t, dev) for name, t in host.items()})
+        skip = len(shared) * self.block_size
+        rows = upload(self.rows(seq_id, n)[skip:], dev)
+        s.write_rows(rows, {name: upload(t, dev) for name, t in KVStore.rows_from(host, skip).items()})
         return True
 
     def check_invariants(self, live: set[str]) -> None:

@@ -81,6 +81,11 @@ class KVStore:
         """Everything the store holds for token rows `rows`: K, V (all slots) and KV depth."""
         return {"k": self.k[:, :, rows], "v": self.v[:, :, rows], "depth": self.depth[rows]}
 
+    @staticmethod
+    def rows_from(data: dict[str, torch.Tensor], start: int) -> dict[str, torch.Tensor]:
+        """What `read_rows` returned, from its `start`-th row on."""
+        return {"k": data["k"][:, :, start:], "v": data["v"][:, :, start:], "depth": data["depth"][start:]}
+
     def write_rows(self, rows: torch.Tensor, data: dict[str, torch.Tensor]) -> None:
         """Put back what `read_rows` returned, at rows `rows` (same count)."""
         self.k[:, :, rows], self.v[:, :, rows], self.depth[rows] = data["k"], data["v"], data["depth"]

@@ -192,14 +192,15 @@ class Scheduler:
         while self.swapped and self._resident() < self.cfg.max_num_seqs:
             item = self.swapped[0]
             sid = item.seq.request_id
-            need = self.kv.allocator.blocks_for(item.seq.num_tokens)
-            if need > self.kv.num_free or not self.kv.swap_in(sid):
+            shared = self._cached_prompt_blocks(item.seq)
+            if self.kv.swap_in_cost(sid, shared) > self.kv.num_free or not self.kv.swap_in(sid, shared):
                 return
             self.swapped.popleft()
             self.running[sid] = item.seq
             item.seq.status = Status.RUNNING
             bisect.insort(self.prelude_q, item, key=_order)
             self.stats.swap_ins += 1
+            self.stats.swap_in_shared_blocks += len(shared)
 
     def _preempt_for(self, needy: WorkItem, taken: list[WorkItem]) -> bool:
         """Free blocks for `needy`: swap out the latest-arrived sequence that is between tokens, or
@@ -387,6 +388,13 @@ class Scheduler:
         blocks = self.kv.cached_blocks(self._prompt_keys(seq)[: (len(seq.prompt_ids) - 1) // bs])
         return blocks[: reusable_tokens(len(blocks), len(seq.prompt_ids), bs, self._prefix_align) // bs]
 
+    def _cached_prompt_blocks(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding the KV of the prompt's first full blocks (a swapped-in sequence
+        shares them again instead of copying them back: same key, bit-identical KV, §4.3)."""
+        if self.prefix_scope is None:
+            return []
+        return self.kv.cached_blocks(self._prompt_keys(seq)[: len(seq.prompt_ids) // self.kv.block_size])
+
     def _prompt_keys(self, seq: Sequence) -> list[bytes]:
         """The prefix-cache keys of the prompt's full blocks (computed once per request)."""
         if seq.block_hashes is None:
@@ -567,8 +575,9 @@ class Scheduler:
         pool = self.pool
         self.kv_depth_writes.append((pool.kv_row[rows], pool.r[rows]))
         items = [pool.items[r] for r in rows.tolist()]
-        plain = np.fromiter((item.group is None for item in items), bool, len(items))  # type: ignore[union-attr]
-        counts = np.bincount(pool.exits.exit_depth[rows[plain]])  # a verify row's depth counts once accepted
+        if self.speculator is not None:  # a verify row's depth counts once accepted
+            rows = rows[np.fromiter((item.group is None for item in items), bool, len(items))]  # type: ignore[union-attr]
+        counts = np.bincount(pool.exits.exit_depth[rows])
         for depth in np.flatnonzero(counts).tolist():
             self.stats.exit_depths[depth] += int(counts[depth])
         self.core_q = _without(self.core_q, items)  # type: ignore[arg-type]
@@ -589,7 +598,7 @@ class Scheduler:
         running = {id(i) for i in self.coda_running}
         taken = [i for i in plan.items if id(i) in running]
         self.coda_running = _without(self.coda_running, taken)
-        index = {id(item): j for j, item in enumerate(plan.items)}
+        index = {id(item): j for j, item in enumerate(plan.items)} if self.speculator is not None else {}
         for j, item in enumerate(plan.items):
             if id(item) not in running:
                 continue

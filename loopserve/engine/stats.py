@@ -17,6 +17,7 @@ class EngineStats:
     deferred_signal_ticks: int = 0  # core steps whose signals were read only after the next was queued
     preemptions: int = 0
     swap_ins: int = 0
+    swap_in_shared_blocks: int = 0  # prompt blocks a swapped-in sequence found cached and shared again
     exit_depths: Counter = field(default_factory=Counter)
     model_time: float = 0.0
     schedule_time: float = 0.0
@@ -42,6 +43,7 @@ class EngineStats:
             "batch_hist": {k: dict(sorted(v.items())) for k, v in self.batch_hist.items()},
             "refill_events": self.refill_events, "deferred_signal_ticks": self.deferred_signal_ticks,
             "preemptions": self.preemptions, "swap_ins": self.swap_ins,
+            "swap_in_shared_blocks": self.swap_in_shared_blocks,
             "exit_depths": dict(sorted(self.exit_depths.items())), "model_time": self.model_time,
             "schedule_time": self.schedule_time, "generated_tokens": self.generated_tokens,
             "prompt_tokens": self.prompt_tokens, "finished_requests": dict(self.finished_requests),
