@@ -87,8 +87,10 @@ def test_health_models_and_metric_names(server, client, ouro_path):
                  "generation_tokens_total", "time_to_first_token_seconds", "inter_token_latency_seconds",
                  "e2e_request_latency_seconds", "exit_depth_bucket", "core_batch_size_bucket", "core_loops_total",
                  "refill_events_total", "deferred_signal_steps_total", "num_preemptions_total",
-                 "prefix_cache_queries_total", "prefix_cache_hits_total",
-                 "request_queue_time_seconds_bucket", "request_prefill_time_seconds_bucket",
+                 "prefix_cache_queries_total", "prefix_cache_hits_total", "swap_in_shared_blocks_total",
+                 "spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+                 "spec_decode_num_accepted_tokens_total", "request_queue_time_seconds_bucket",
+                 "request_prefill_time_seconds_bucket",
                  "request_decode_time_seconds_bucket", "request_inference_time_seconds_bucket"):
         assert f"loopserve:{name}" in text, name
     assert 'engine="0"' in text and "process_cpu_seconds_total" in text and "python_gc_objects_collected" in text

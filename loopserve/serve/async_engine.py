@@ -66,6 +66,10 @@ class EngineSnapshot:
     deferred_signal_steps: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    swap_in_shared_blocks: int = 0
+    spec_rounds: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class RequestGroup:
@@ -229,7 +233,9 @@ class AsyncLLMEngine:
             core_rows=st.rows.get("core", 0), useful_core_rows=st.useful_core_rows,
             prefill_token_loops=st.prefill_token_loops, refill_events=st.refill_events,
             preemptions=st.preemptions, swap_ins=st.swap_ins, deferred_signal_steps=st.deferred_signal_ticks,
-            prefix_cache_queries=st.prefix_cache_queries, prefix_cache_hits=st.prefix_cache_hits)
+            prefix_cache_queries=st.prefix_cache_queries, prefix_cache_hits=st.prefix_cache_hits,
+            swap_in_shared_blocks=st.swap_in_shared_blocks, spec_rounds=st.spec_rounds,
+            spec_draft_tokens=st.spec_draft_tokens, spec_accepted_tokens=st.spec_accepted_tokens)
 
     def _run(self) -> None:
         try:

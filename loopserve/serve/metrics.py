@@ -15,8 +15,10 @@ request_generation_tokens (recorded per output on the engine thread).
 Loop-specific (from `EngineStats`): exit_depth (histogram of decode-token exit depths),
 core_batch_size (histogram of core-step batch widths), core_loops_total (core row-steps computed),
 useful_core_loops_total (row-steps whose result was kept), prefill_token_loops_total,
-refill_events_total, swap_ins_total, deferred_signal_steps_total (core steps pipelined under
-lookahead), engine_steps_total{stage}; and request_rejected_total{reason} (503s at the admission
+refill_events_total, swap_ins_total, swap_in_shared_blocks_total, deferred_signal_steps_total (core
+steps pipelined under lookahead), engine_steps_total{stage}; speculative decoding under vLLM's names:
+spec_decode_num_drafts_total, spec_decode_num_draft_tokens_total,
+spec_decode_num_accepted_tokens_total; and request_rejected_total{reason} (503s at the admission
 bound).
 """
 
@@ -102,12 +104,19 @@ class _EngineCollector(Collector):
                 ("deferred_signal_steps", "Core steps whose exit signals were read after the next step was "
                                           "queued (lookahead pipelining).", s.deferred_signal_steps),
                 ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
-                ("prefix_cache_hits", "Prompt tokens whose KV the prefix cache supplied.", s.prefix_cache_hits)):
+                ("prefix_cache_hits", "Prompt tokens whose KV the prefix cache supplied.", s.prefix_cache_hits),
+                ("swap_in_shared_blocks", "Prompt blocks swapped-in sequences found cached and shared again.",
+                 s.swap_in_shared_blocks),
+                ("spec_decode_num_drafts", "Speculative rounds verified (verify groups whose coda ran).",
+                 s.spec_rounds),
+                ("spec_decode_num_draft_tokens", "Tokens drafted by those rounds.", s.spec_draft_tokens),
+                ("spec_decode_num_accepted_tokens", "Drafted tokens equal to the verifier's own token.",
+                 s.spec_accepted_tokens)):
             c = CounterMetricFamily(P + name, doc, labels=LABELS)
             c.add_metric(m, float(value))
             yield c
         steps = CounterMetricFamily(P + "engine_steps", "Engine steps by stage.", labels=[*LABELS, "stage"])
-        for stage in ("prefill", "prelude", "core", "coda"):
+        for stage in ("prefill", "draft", "prelude", "core", "coda"):
             steps.add_metric([*m, stage], float(s.ticks.get(stage, 0)))
         yield steps
 
