@@ -369,3 +369,16 @@ def test_a_failing_rejected_draft_does_not_fail_the_request(scheduler, tiny_ouro
         assert outs[r.rid].outputs[0].finish_reason == "length", outs[r.rid].error
         assert_same(outs[r.rid], reference(engine, r))
     assert any("its round is cut there" in rec.getMessage() for rec in caplog.records), "no verify row failed"
+
+
+def test_drafts_follow_logit_bias(tiny_ouro):
+    """A request whose logit_bias forces one token: plain decoding emits only that token, and so do the
+    drafts (they apply the bias too), so every draft is accepted."""
+    engine = make_engine(tiny_ouro, scheduler="cdb", **SPEC)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, exit_policy="fixed", logit_bias={42: 100.0})
+    req = Req("a", [5, 6, 7], params, seed=1)
+    out = drive(engine, [req])["a"]
+    assert_same(out, reference(engine, req))
+    assert out.outputs[0].token_ids == [42] * 12
+    st_ = engine.stats
+    assert drafted(engine) and st_.spec_accepted_tokens == st_.spec_draft_tokens

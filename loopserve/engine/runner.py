@@ -16,7 +16,7 @@ import torch
 from loopserve.cache.layout import IN_FLIGHT, KVLayout
 from loopserve.cache.manager import KVCacheManager
 from loopserve.device import Readback, upload
-from loopserve.engine.sampler import Sample, prompt_logprobs, sample_rows, unpack, unpack_prompt
+from loopserve.engine.sampler import Sample, adjust_logits, prompt_logprobs, sample_rows, unpack, unpack_prompt
 from loopserve.engine.sequence import Sequence, chain_seed
 from loopserve.engine.signals import step_signals, uniform_logprobs
 from loopserve.exits import SIGNALS, ExitBook, Signal
@@ -413,7 +413,8 @@ class ModelRunner:
     @torch.no_grad()
     def draft(self, items: list[WorkItem], lens: list[int], loops: int) -> PendingDrafts:
         """Self-speculative drafts (docs/design.md §12): `lens[i]` tokens after item i's token, each the
-        greedy coda of the token before it after `loops` loop steps (at most its rule's max_loops).
+        greedy coda (with the request's `logit_bias`) of the token before it after `loops` loop steps (at
+        most its rule's max_loops).
         Round j feeds every row still drafting its position + j; the KV goes to the sequence's own
         rows, which the verify pass rewrites before anything reads them. The drafts stay on the device
         until one readback (but for models with random initial states, whose next round's seeds are
@@ -440,7 +441,8 @@ class ModelRunner:
                     sub, keep = ctx.select(deep.tolist()), upload(torch.from_numpy(deep), dev)
                     state[keep] = model.core_step(state[keep], None if inject is None else inject[keep],
                                                   sub.with_depth(torch.full_like(sub.depth, r)))
-            nxt = model.coda(state, ctx).argmax(-1)
+            params = [items[i].seq.params for i in act]  # logit_bias too: a draft it bans is never accepted
+            nxt = adjust_logits(model.coda(state, ctx).double(), params, [0] * len(act)).argmax(-1)
             tokens[rows, j] = ids[rows] = nxt
             if seeds is not None:
                 for i, token in zip(act.tolist(), nxt.tolist(), strict=True):
