@@ -85,7 +85,8 @@ class KVCacheManager:
         """Start a new sequence's table with shared prompt blocks (cached ones, or the full prompt blocks
         of the request it is a sample of; refcount + 1 each)."""
         assert seq_id not in self.tables, f"{seq_id} already has KV"
-        self._share_into(self.tables.setdefault(seq_id, BlockTable(self._take_slot())), blocks)
+        table = self.tables[seq_id] = BlockTable(self._take_slot())
+        self._share_into(table, blocks)
 
     def _share_into(self, table: BlockTable, blocks: list[int]) -> None:
         """An empty table starts with `blocks`, shared (refcount + 1 each)."""
@@ -139,18 +140,14 @@ class KVCacheManager:
         table = self.tables.get(seq_id)
         return table is not None and table.swapped is not None
 
-    def swap_in_cost(self, seq_id: str, shared: list[int]) -> int:
-        """Free blocks `swap_in(seq_id, shared)` takes."""
-        return self.allocator.blocks_for(self.tables[seq_id].num_tokens) - len(shared) + self.share_cost(shared)
-
-    def swap_in(self, seq_id: str, shared: list[int] | None = None) -> bool:
-        """Bring a swapped-out sequence back. `shared`: cached blocks holding its first prompt blocks'
-        KV (found by their prefix-cache keys); they are shared again instead of copied back."""
+    def swap_in(self, seq_id: str, shared: list[int]) -> bool:
+        """Bring a swapped-out sequence back; False (and no change) if the pool is short. `shared`:
+        cached blocks holding its first prompt blocks' KV (found by their prefix-cache keys); they are
+        shared again instead of copied back."""
         table = self.tables[seq_id]
         assert table.swapped is not None
-        shared = shared or []
         n = table.num_tokens
-        if self.swap_in_cost(seq_id, shared) > self.num_free:
+        if self.allocator.blocks_for(n) - len(shared) + self.share_cost(shared) > self.num_free:
             return False
         host = table.swapped.host()
         table.swapped, table.num_tokens = None, 0

@@ -295,6 +295,21 @@ class ModelRunner:
     def _state_index(self, rows: np.ndarray, flip: bool = False) -> torch.Tensor:
         return upload(torch.from_numpy(self.pool.state_rows(rows, flip)), self.device)
 
+    def _loop(self, state: torch.Tensor, inject: torch.Tensor | None, ctx: ForwardContext,
+              loops: np.ndarray) -> torch.Tensor:
+        """Loop steps 1..loops[i] for row i of `ctx`, all rows depth by depth; rows whose loops end
+        sooner drop out (whole segments) and keep their state."""
+        for r in range(1, int(loops.max()) + 1):
+            active = np.flatnonzero(loops >= r)
+            if len(active) == len(loops):
+                state = self.model.core_step(state, inject, ctx.with_depth(torch.full_like(ctx.depth, r)))
+            else:
+                sub = ctx.select(active.tolist())
+                idx = upload(torch.from_numpy(active), self.device)
+                state[idx] = self.model.core_step(state[idx], None if inject is None else inject[idx],
+                                                  sub.with_depth(torch.full_like(sub.depth, r)))
+        return state
+
     # -- stages --------------------------------------------------------------------------------------
     @torch.no_grad()
     def prefill(self, chunks: list[PrefillChunk]) -> PendingPrefill:
@@ -313,15 +328,7 @@ class ModelRunner:
         self.kv.store.set_depth(ctx.write_rows, IN_FLIGHT)
         state, inject = model.prelude(ids, ctx, seeds)
         loops = [c.seq.rule.max_loops for c in chunks for _ in range(c.n)]
-        for r in range(1, max(loops) + 1):
-            active = [i for i, m in enumerate(loops) if m >= r]
-            if len(active) == len(loops):
-                state = model.core_step(state, inject, ctx.with_depth(torch.full_like(ctx.depth, r)))
-            else:  # whole chunks drop out (a chunk's rows share one request's max_loops)
-                sub = ctx.select(active)
-                sub = sub.with_depth(torch.full_like(sub.depth, r))
-                idx = upload(active, dev)
-                state[idx] = model.core_step(state[idx], None if inject is None else inject[idx], sub)
+        state = self._loop(state, inject, ctx, np.asarray(loops))  # a chunk's rows share one max_loops
         self.kv.store.set_depth(ctx.write_rows, upload(loops, dev))
         last = [i for i, c in enumerate(chunks) if c.last]
         sampled = [s for i in last for s in (chunks[i].seq, *chunks[i].seq.pending_forks)]  # n > 1: from one row
@@ -433,14 +440,7 @@ class ModelRunner:
             ctx = decode_context(kv.store, self.layout, kv.block_tables, slots[act], start[act] + j)
             kv.store.set_depth(ctx.write_rows, IN_FLIGHT)
             state, inject = model.prelude(ids[rows], ctx, None if seeds is None else [seeds[i] for i in act])
-            for r in range(1, int(depth[act].max()) + 1):
-                deep = np.flatnonzero(depth[act] >= r)
-                if len(deep) == len(act):
-                    state = model.core_step(state, inject, ctx.with_depth(torch.full_like(ctx.depth, r)))
-                else:  # rows whose rule stops sooner keep their state
-                    sub, keep = ctx.select(deep.tolist()), upload(torch.from_numpy(deep), dev)
-                    state[keep] = model.core_step(state[keep], None if inject is None else inject[keep],
-                                                  sub.with_depth(torch.full_like(sub.depth, r)))
+            state = self._loop(state, inject, ctx, depth[act])
             params = [items[i].seq.params for i in act]  # logit_bias too: a draft it bans is never accepted
             nxt = adjust_logits(model.coda(state, ctx).double(), params, [0] * len(act)).argmax(-1)
             tokens[rows, j] = ids[rows] = nxt

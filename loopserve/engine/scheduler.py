@@ -154,11 +154,9 @@ class Scheduler:
         seq.pending_forks = []
         for item in [i for i in self.swapped if i.seq is seq]:
             self.swapped.remove(item)
-        for q in (self.prelude_q, self.core_q, self.coda_q, self.coda_running):
-            for item in [i for i in q if i.seq is seq]:
-                q.remove(item)
-                seq.metrics.loops_run += item.r  # loops already spent on the dropped token
-                self._drop_item(item)
+        items = [i for q in (self.prelude_q, self.core_q, self.coda_q, self.coda_running) for i in q if i.seq is seq]
+        self._remove_items(items)
+        self._discard_items(items)
         seq.finish(reason, error, keep_text=error is not None)  # the text as it was: decoding may be what failed
         self._finish(seq)
 
@@ -166,6 +164,12 @@ class Scheduler:
     def _drop_item(self, item: WorkItem) -> None:
         if item.row >= 0:
             self.pool.release(item)
+
+    def _discard_items(self, items: list[WorkItem]) -> None:
+        """Items that will not produce their token: their loops count as spent, their rows are freed."""
+        for item in items:
+            item.seq.metrics.loops_run += item.r
+            self._drop_item(item)
 
     def _release(self, seq: Sequence) -> None:
         self.running.pop(seq.request_id, None)
@@ -193,7 +197,7 @@ class Scheduler:
             item = self.swapped[0]
             sid = item.seq.request_id
             shared = self._cached_prompt_blocks(item.seq)
-            if self.kv.swap_in_cost(sid, shared) > self.kv.num_free or not self.kv.swap_in(sid, shared):
+            if not self.kv.swap_in(sid, shared):
                 return
             self.swapped.popleft()
             self.running[sid] = item.seq
@@ -552,9 +556,7 @@ class Scheduler:
         cut = group.items[i:]
         self._remove_items(cut)
         self.kv_depth_writes.append((self.pool.kv_row[rows_of(cut)], np.full(len(cut), IN_FLIGHT)))
-        for item in cut:
-            group.seq.metrics.loops_run += item.r
-            self._drop_item(item)
+        self._discard_items(cut)
         group.items, group.tokens = group.items[:i], group.tokens[:i]
         assert self.speculator is not None
         self.speculator.pause(group.seq)
@@ -622,9 +624,7 @@ class Scheduler:
         seq, items, drafts = group.seq, group.items, group.drafts
         depths = [int(d) for d in self.pool.exits.exit_depth[rows_of(items)]]
         kv_rows = self.pool.kv_row[rows_of(items)]
-        for item in items:
-            seq.metrics.loops_run += item.r  # rejected rows' loops were spent too
-            self._drop_item(item)
+        self._discard_items(items)  # rejected rows' loops were spent too
         matched = 0
         while matched < len(drafts) and samples[matched].token == drafts[matched]:
             matched += 1
