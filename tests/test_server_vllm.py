@@ -77,7 +77,7 @@ def _log_after(server: Server, marker: str, timeout: float = 10.0) -> str:
 def test_unknown_fields_are_ignored_with_a_warning(server):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEYS[0], max_retries=0, timeout=30)
     r = client.completions.create(model=MODEL, prompt="hi", max_tokens=2,
-                                  extra_body={"temprature": 0.5, "guided_jsn": {"x": 1}},
+                                  extra_body={"temprature": 0.5, "guided_jsn": {"x": 1}, "ignore_eos": True},
                                   extra_headers={"X-Request-Id": "unknown-1"})
     assert r.usage.completion_tokens == 2
     chat = _post(server, "/v1/chat/completions", {
