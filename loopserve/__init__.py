@@ -2,6 +2,7 @@
 
 from loopserve.llm import LLM
 from loopserve.outputs import CompletionOutput, Logprob, RequestOutput
-from loopserve.sampling_params import GuidedDecodingParams, SamplingParams
+from loopserve.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "GuidedDecodingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "RequestOutputKind", "GuidedDecodingParams", "RequestOutput", "CompletionOutput",
+           "Logprob"]

@@ -19,7 +19,7 @@ from loopserve.engine.reference import ReferenceDecoder
 from loopserve.engine.sequence import PromptType, Sequence, make_sequence
 from loopserve.models.loader import embedded_model_path, load_model
 from loopserve.outputs import RequestOutput
-from loopserve.sampling_params import SamplingParams
+from loopserve.sampling_params import RequestOutputKind, SamplingParams
 from loopserve.tokenizer import Tokenizer
 
 Conversation = Seq[Mapping[str, Any]]  # [{"role": "user", "content": "..."}, ...]
@@ -58,8 +58,6 @@ class LLM:
         cfg, c = self.engine_config, self.config
         self.layout = KVLayout(cfg.kv_layout, c.n_prelude, c.n_core, c.n_coda, c.r_max)
         self.engine = None if cfg.scheduler == "reference" else LLMEngine(self.model, self.tokenizer, cfg, seed)
-        if self.engine is not None:
-            self.engine.final_outputs_only = True  # generate() returns finished requests only
         self._counter = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:
@@ -75,6 +73,8 @@ class LLM:
         # Per-request sampling seed: the request's own when given, as the server does, else one derived
         # from the LLM seed; the same in every scheduler. Initial states are seeded from the prompt.
         seed = params.seed if params.seed is not None else self.seed * 1_000_003 + index
+        # generate() returns finished requests only: no per-token outputs (vLLM's LLM does the same)
+        params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
         return make_sequence(self.model, self.tokenizer, str(index), prompt, params, seed,
                              self.engine_config.lookahead, base_seed=self.seed)
 

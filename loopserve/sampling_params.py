@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 from dataclasses import dataclass, field
@@ -79,6 +80,14 @@ class GuidedDecodingParams:
         return "grammar", self.grammar, None
 
 
+class RequestOutputKind(enum.IntEnum):
+    """When a request's outputs are reported (vLLM's enum and values)."""
+
+    CUMULATIVE = 0  # after every new token, with everything so far
+    DELTA = 1  # vLLM: only what is new since the last output (not supported here)
+    FINAL_ONLY = 2  # once, when the request finishes: no per-token output objects or text decoding
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -102,6 +111,7 @@ class SamplingParams:
     min_tokens: int = 0  # eos and stop_token_ids cannot end the request (nor stop strings) before this many
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None  # keep only the last k prompt tokens
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # set by the engine on a request's own copy (engine/sampler.py `bind`), never by users: the request's
     # tokens, which penalties and min_tokens read
     history: TokenHistory | None = field(default=None, repr=False, compare=False)
@@ -180,6 +190,10 @@ class SamplingParams:
         if self.truncate_prompt_tokens is not None and (not is_int(self.truncate_prompt_tokens)
                                                         or self.truncate_prompt_tokens < 1):
             raise bad("truncate_prompt_tokens", "must be an integer >= 1")
+        if not is_int(self.output_kind) or self.output_kind not in (RequestOutputKind.CUMULATIVE,
+                                                                      RequestOutputKind.FINAL_ONLY):
+            raise bad("output_kind", "must be RequestOutputKind.CUMULATIVE or FINAL_ONLY (DELTA is not supported)")
+        self.output_kind = RequestOutputKind(self.output_kind)
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
         if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs)

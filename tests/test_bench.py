@@ -494,9 +494,15 @@ def test_bench_host_times_decode_ticks_of_a_null_model(bench_cache, single_threa
     from loopserve.cli import main
 
     out = bench_cache / "host"
-    assert main(["bench", "host", "--widths", "4,8", "--contexts", "24", "--no-progress", "--out", str(out)]) == 0
+    assert main(["bench", "host", "--widths", "4,8", "--contexts", "24", "--no-progress", "--out", str(out),
+                 "--output-kinds", "cumulative,final_only"]) == 0
     data = json.loads((out / "host.json").read_text())
-    points = {(p["scheduler"], p["width"]): p for p in data["points"]}
+    both = {(p["scheduler"], p["width"], p["output_kind"]): p for p in data["points"]}
+    assert {k for _, _, k in both} == {"cumulative", "final_only"}
+    for (sched, width, _), p in both.items():  # the same work whatever the outputs: the same ticks
+        other = both[(sched, width, "cumulative")]["stages"]
+        assert {s: c["ticks"] for s, c in p["stages"].items()} == {s: c["ticks"] for s, c in other.items()}
+    points = {(p["scheduler"], p["width"]): p for p in data["points"] if p["output_kind"] == "cumulative"}
     assert set(points) == {("cb", 4), ("cb", 8), ("cdb", 4), ("cdb", 8)}
     for (sched, width), p in points.items():
         assert 1.5 < p["mean_exit_depth"] < 3.5  # the null gate exits tokens at mixed depths
@@ -510,6 +516,13 @@ def test_bench_host_times_decode_ticks_of_a_null_model(bench_cache, single_threa
     assert len(data["projection"]) == 2 * 2 * 2  # CDB points x models x devices
     assert all(0 <= r["idle_overlapped"] <= r["idle_serial"] < 1 for r in data["projection"])
     assert (out / "host.png").is_file()
+
+
+def test_bench_host_refuses_an_unknown_output_kind(capsys):
+    from loopserve.cli import main
+
+    with pytest.raises(SystemExit, match="--output-kinds"):
+        main(["bench", "host", "--output-kinds", "delta", "--no-progress"])
 
 
 def test_bench_compile_times_variants_and_counts_graphs(bench_cache, single_thread):

@@ -73,7 +73,7 @@ def _inject(monkeypatch, point: str) -> None:
 
         monkeypatch.setattr(sampler_module, "top_logprobs", top_logprobs)
     elif point in ("detokenize", "stop"):
-        name = "_decode_new_text" if point == "detokenize" else "_stopped"
+        name = "_decode_pending" if point == "detokenize" else "_stopped"
         real_m = getattr(Sequence, name)
 
         def method(self, *args):

@@ -537,6 +537,24 @@ def test_loop_metrics_move(server, client):
     assert metric(server, "loopserve:core_batch_size_count") > 0
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_latency_metrics_count_every_token(server, client, stream):
+    """A response that is not streamed gets one (final) output from the engine: its time to first token and
+    inter-token gaps still reach the histograms, one TTFT and max_tokens - 1 gaps, as a stream's do."""
+    wait_idle(server)
+    names = ("loopserve:time_to_first_token_seconds_count", "loopserve:inter_token_latency_seconds_count",
+             "loopserve:e2e_request_latency_seconds_sum", "loopserve:time_to_first_token_seconds_sum")
+    before = [metric(server, n) for n in names]
+    r = client.completions.create(model=MODEL, prompt="count my gaps", max_tokens=7, stream=stream,
+                                  extra_body={"ignore_eos": True})
+    if stream:
+        list(r)
+    wait_idle(server)
+    ttft, itl, e2e, ttft_sum = (metric(server, n) - b for n, b in zip(names, before, strict=True))
+    assert (ttft, itl) == (1, 6)
+    assert 0 < ttft_sum < e2e  # the first token came before the end, not when the response did
+
+
 def test_server_log_has_no_tracebacks(server):
     text = server.log.read_text()
     assert "Traceback" not in text, text[-4000:]

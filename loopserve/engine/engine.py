@@ -44,8 +44,10 @@ from loopserve.engine.stats import EngineStats
 from loopserve.model_config import HUGINN, ModelConfig
 from loopserve.models.base import LoopedLM
 from loopserve.outputs import RequestOutput
-from loopserve.sampling_params import SamplingParams
+from loopserve.sampling_params import RequestOutputKind, SamplingParams
 from loopserve.tokenizer import Tokenizer
+
+CUMULATIVE = RequestOutputKind.CUMULATIVE
 
 
 @dataclass
@@ -106,9 +108,6 @@ class LLMEngine:
         self._model_time = 0.0
         self.requests: dict[str, Sequence] = {}
         self.stage_hooks: list[Callable[[StageRecord], None]] = []
-        # report finished requests only (offline `LLM.generate`, like vLLM's FINAL_ONLY): no per-token
-        # output objects, whose copies of the tokens so far cost O(length) per token
-        self.final_outputs_only = False
 
     # -- requests --------------------------------------------------------------------------------------
     def make_sequence(self, request_id: str, prompt: PromptType, params: SamplingParams,
@@ -157,10 +156,11 @@ class LLMEngine:
             if all(s.finished for s in seq.family):  # a request's samples leave together
                 for s in seq.family:
                     self.requests.pop(s.request_id, None)
-        # one output per request that got a token or finished (a request's samples share one output);
-        # with `final_outputs_only`, per finished request only (each output copies the tokens so far)
+        # one output per request that got a token or finished (a request's samples share one output); a
+        # FINAL_ONLY request's only when it finished (an output copies the tokens so far and decodes text)
         heads = dict.fromkeys(s.family[0] for s in sched.appended + sched.finished)
-        outs = [h.to_output() for h in heads if not self.final_outputs_only or all(s.finished for s in h.family)]
+        outs = [h.to_output() for h in heads
+                if h.params.output_kind is CUMULATIVE or all(s.finished for s in h.family)]
         sched.appended.clear()
         sched.finished.clear()
         if plan.stage is Stage.IDLE and not heads and sched.has_work():

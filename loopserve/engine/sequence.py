@@ -14,7 +14,7 @@ from loopserve.engine.sampler import Sample, bind, sample_one
 from loopserve.exits import ExitRule
 from loopserve.models.base import LoopedLM
 from loopserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from loopserve.sampling_params import SamplingParams
+from loopserve.sampling_params import RequestOutputKind, SamplingParams
 from loopserve.tokenizer import Tokenizer
 
 _MASK63 = (1 << 63) - 1
@@ -162,7 +162,8 @@ class Sequence:
             [None] * len(self.prompt_ids) if params.prompt_logprobs is not None else None)
         self.cumulative_logprob = 0.0
         self.exit_depths: list[int] = []
-        self.text = ""
+        self._text = ""  # the text of output_ids[:_decoded] (`text` decodes the rest when read)
+        self._decoded = 0
         self._detok = tokenizer.decode_stream(params.skip_special_tokens)  # incremental decoding of output_ids
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None  # the stop token id or stop string that finished it (not eos)
@@ -204,6 +205,29 @@ class Sequence:
         return chain[position]
 
     @property
+    def text(self) -> str:
+        """The output's text so far."""
+        if self._decoded < len(self.output_ids):
+            self._decode_pending()
+        return self._text
+
+    @text.setter
+    def text(self, value: str) -> None:  # the final text (finish): nothing left to decode
+        self._text, self._decoded = value, len(self.output_ids)
+
+    def _decode_pending(self) -> None:
+        """Append the text of the tokens not decoded yet (the stream holds back an incomplete UTF-8
+        character until the token that completes it). `append` calls it per token only for requests
+        that need the text then (stop strings, per-token outputs): a FINAL_ONLY request without stop
+        strings decodes its text once, when it finishes."""
+        ids = self.output_ids
+        while self._decoded < len(ids):
+            chunk = self._detok(ids[self._decoded])
+            self._decoded += 1
+            if chunk:
+                self._text += chunk
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
@@ -242,24 +266,20 @@ class Sequence:
         now = time.monotonic()
         if self.metrics.first_token_time is None:
             self.metrics.first_token_time = now
+        self.metrics.last_token_time = now
         guide = self.params.guide
         if guide is not None:
             guide.advance(token)  # raises if the grammar rejects it: the request fails alone
+        p = self.params
+        searched = len(self.text) if p.stop else 0  # the text before this token had no stop string
         self.output_ids.append(token)
         self.exit_depths.append(exit_depth)
-        searched = len(self.text)  # the text before this token had no stop string
-        self._decode_new_text()
+        if p.stop or p.output_kind is RequestOutputKind.CUMULATIVE:
+            self._decode_pending()  # here, where a failure fails this request alone (not the step's outputs)
         if not self._stopped(token, searched) and len(self.output_ids) >= self.max_new:
             self.finish("length")
         if not self.finished and guide is not None and guide.done:
             self.finish("stop")  # the grammar is complete: only its end could follow
-
-    def _decode_new_text(self) -> None:
-        """Append the text of the newest token without re-decoding the output (the stream holds
-        back an incomplete UTF-8 character until the token that completes it)."""
-        chunk = self._detok(self.output_ids[-1])
-        if chunk:
-            self.text += chunk
 
     def _stopped(self, token: int, searched: int) -> bool:
         """Finish the request if the token just appended, or the text it completed, stops it (vLLM's rules:
@@ -267,7 +287,8 @@ class Sequence:
         of the text unless include_stop_str_in_output; stop_reason is the stop token id or string, None for eos)."""
         p = self.params
         if len(self.output_ids) <= p.min_tokens:
-            self._stop_from = len(self.text)
+            if p.stop:
+                self._stop_from = len(self.text)
             return False
         if token in self.eos_ids or token in self.stop_ids:
             self.text = self.tokenizer.decode(self.output_ids if p.include_stop_str_in_output else self.output_ids[:-1],
@@ -275,6 +296,8 @@ class Sequence:
             self.finish("stop", keep_text=True)
             self.stop_reason = None if token in self.eos_ids else token
             return True
+        if not p.stop:
+            return False
         # Only a match ending in the new text can be new; of those, the earliest wins (then the first listed).
         starts = [(self.text.find(s, max(self._stop_from, searched - len(s) + 1)), s) for s in p.stop or ()]
         hits = [(i, s) for i, s in starts if i >= 0]
@@ -290,6 +313,8 @@ class Sequence:
                error_status: int | None = None) -> None:
         if not keep_text:  # the final text includes whatever incremental decoding held back
             self.text = self.tokenizer.decode(self.output_ids, self.params.skip_special_tokens)
+        else:  # the text as it is (a stop cut it, or decoding may be what failed): nothing more is decoded
+            self._decoded = len(self.output_ids)
         self.finish_reason = reason
         self.error = error
         self.error_status = error_status or (500 if error is not None else None)
@@ -312,7 +337,8 @@ class Sequence:
         failed = next((s for s in self.family if s.error is not None), None)
         finished = all(s.finished for s in self.family)
         firsts = [s.metrics.first_token_time for s in self.family if s.metrics.first_token_time is not None]
-        metrics = RequestMetrics(head.metrics.arrival_time, min(firsts, default=None),
+        lasts = [s.metrics.last_token_time for s in self.family if s.metrics.last_token_time is not None]
+        metrics = RequestMetrics(head.metrics.arrival_time, min(firsts, default=None), max(lasts, default=None),
                                  max(s.metrics.finished_time or 0.0 for s in self.family) if finished else None,
                                  sum(s.metrics.loops_run for s in self.family),
                                  head.metrics.prefill_loops)  # the samples share the prompt's prefill

@@ -10,7 +10,10 @@ request_success_total{finished_reason}, time_to_first_token_seconds, inter_token
 e2e_request_latency_seconds, request_queue_time_seconds (arrival to the first step that admits the
 request), request_prefill_time_seconds (admission to the first token), request_decode_time_seconds
 (first token to finish), request_inference_time_seconds (admission to finish), request_prompt_tokens,
-request_generation_tokens (recorded per output on the engine thread).
+request_generation_tokens (recorded per output on the engine thread). A request that is not
+streamed has one output, when it finishes (`FINAL_ONLY`): its time to first token is the engine's
+first-token time, and its inter-token latency is observed as its mean gap, once per gap (the
+histogram's sum and count are exact, its buckets approximate for such requests).
 
 Loop-specific (from `EngineStats`): exit_depth (histogram of decode-token exit depths),
 core_batch_size (histogram of core-step batch widths), core_loops_total (core row-steps computed),
@@ -195,11 +198,17 @@ class ServerMetrics:
                 n = len(out.outputs[0].token_ids)
                 new = n - track.tokens
                 if new > 0:
+                    rm = out.metrics
                     if track.tokens == 0:
                         self.prompt_tokens.labels(*m).inc(len(out.prompt_token_ids))
                         self.prompt_total += len(out.prompt_token_ids)
-                        if out.metrics is not None:
-                            self.ttft.labels(*m).observe(max(0.0, now - out.metrics.arrival_time))
+                        if rm is not None:
+                            first = rm.first_token_time if rm.first_token_time is not None else now
+                            self.ttft.labels(*m).observe(max(0.0, first - rm.arrival_time))
+                        if new > 1 and rm is not None and rm.first_token_time is not None:  # a final-only output
+                            gap = ((rm.last_token_time or now) - rm.first_token_time) / (new - 1)
+                            for _ in range(new - 1):
+                                self.itl.labels(*m).observe(gap)
                     else:
                         self.itl.labels(*m).observe(now - track.last)
                         for _ in range(new - 1):

@@ -25,7 +25,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from loopserve.sampling_params import SamplingParams
+from loopserve.sampling_params import RequestOutputKind, SamplingParams
 
 
 class ApiError(Exception):
@@ -362,6 +362,8 @@ def sampling_params(req: _SamplingFields, *, max_tokens: int | None, logprobs: i
         stop_token_ids=list(req.stop_token_ids or []), ignore_eos=bool(req.ignore_eos),
         skip_special_tokens=req.skip_special_tokens is not False, logprobs=logprobs, exit_trace=req.exit_trace,
         n=1 if req.n is None else req.n,
+        # a response that is not streamed needs the final output only: no per-token outputs to build and route
+        output_kind=RequestOutputKind.CUMULATIVE if req.streaming else RequestOutputKind.FINAL_ONLY,
         prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs, **ext, **adjust)
     try:
         return SamplingParams(**kwargs)

@@ -372,7 +372,12 @@ def cmd_host(args: argparse.Namespace) -> int:
     from loopserve_lab.bench.plots import plot_host
 
     set_threads(1)  # the host path is single-threaded; one intra-op thread keeps torch's pool from spinning
-    points = host.run(args.widths, args.contexts, args.schedulers.split(","), progress=not args.no_progress)
+    kinds = tuple(args.output_kinds.split(","))
+    bad = [k for k in kinds if k not in ("cumulative", "final_only")]
+    if bad:
+        raise SystemExit(f"--output-kinds: expected cumulative and/or final_only, got {bad[0]!r}")
+    points = host.run(args.widths, args.contexts, args.schedulers.split(","), progress=not args.no_progress,
+                      output_kinds=kinds)
     proj = host.projection(points)
     print(host.format_table(points))
     print()
@@ -383,7 +388,8 @@ def cmd_host(args: argparse.Namespace) -> int:
             "model": "NullLM (no attention, O(rows) stages)", "output_tokens": host.OUTPUT_TOKENS,
             "points": [p.as_dict() for p in points], "projection": proj}
     write_json(out / "host.json", data)
-    plot_host(data["points"], out / "host.png", "engine host time per tick, model compute taken out (CPU clock)")
+    plot_host([p for p in data["points"] if p["output_kind"] == kinds[0]], out / "host.png",
+              f"engine host time per tick, model compute taken out (CPU clock; {kinds[0]} outputs)")
     print(f"wrote {out / 'host.json'}", file=sys.stderr)
     return 0
 
@@ -665,6 +671,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--widths", type=_ints, default=[32, 128, 256, 512])
     p.add_argument("--contexts", type=_ints, default=[128, 1024, 4096])
     p.add_argument("--schedulers", default="cb,cdb")
+    p.add_argument("--output-kinds", default="cumulative",
+                   help="cumulative (an output per token: streamed responses) and/or final_only (LLM.generate, "
+                        "responses not streamed), measured side by side; the plot shows the first")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_host)

@@ -39,7 +39,7 @@ from loopserve.engine.engine import LLMEngine, StageRecord
 from loopserve.model_config import ModelConfig
 from loopserve.models.base import LoopedLM
 from loopserve.models.loader import LoadedModel, load_model
-from loopserve.sampling_params import SamplingParams
+from loopserve.sampling_params import RequestOutputKind, SamplingParams
 from loopserve_lab.bench.theory import DEVICES, HUGINN_0125, OURO_1_4B, core_step_time_estimate
 from loopserve_lab.tiny import TinySpec, make_tiny
 
@@ -116,11 +116,13 @@ class HostPoint:
     scheduler: str
     width: int
     context: int
+    output_kind: str = "cumulative"
     stages: dict[str, StageCost] = field(default_factory=dict)
     mean_exit_depth: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return {"scheduler": self.scheduler, "width": self.width, "context": self.context,
+                "output_kind": self.output_kind,
                 "mean_exit_depth": self.mean_exit_depth,
                 "stages": {s: c.as_dict() for s, c in sorted(self.stages.items())}}
 
@@ -134,20 +136,23 @@ def null_engine(scheduler: str, width: int, context: int, loaded: LoadedModel) -
     return LLMEngine(NullLM(loaded.config), loaded.tokenizer, cfg)
 
 
-def measure(scheduler: str, width: int, context: int, loaded: LoadedModel, seed: int = 0) -> HostPoint:
+def measure(scheduler: str, width: int, context: int, loaded: LoadedModel, seed: int = 0,
+            output_kind: str = "cumulative") -> HostPoint:
+    """`output_kind`: "cumulative" (an output per token, as a streamed response) or "final_only" (one per
+    request, as `LLM.generate` and non-streamed responses)."""
     engine = null_engine(scheduler, width, context, loaded)
     model = engine.model
     assert isinstance(model, NullLM)
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0.0, ignore_eos=True, exit_policy="gate",
-                            exit_threshold=0.5)
+                            exit_threshold=0.5, output_kind=RequestOutputKind[output_kind.upper()])
     for i in range(width):
         ids = torch.randint(1, NULL_SPEC.vocab_size, (context,), generator=gen).tolist()
         engine.add_request(f"h{i}", ids, params)
     records: list[StageRecord] = []
     engine.stage_hooks.append(records.append)
     gc.collect()  # earlier points' garbage is not this point's host time
-    point = HostPoint(scheduler, width, context)
+    point = HostPoint(scheduler, width, context, output_kind)
     with torch.inference_mode():
         while engine.has_unfinished_requests():
             records.clear()
@@ -167,7 +172,8 @@ def measure(scheduler: str, width: int, context: int, loaded: LoadedModel, seed:
     return point
 
 
-def run(widths: list[int], contexts: list[int], schedulers: list[str], progress: bool = True) -> list[HostPoint]:
+def run(widths: list[int], contexts: list[int], schedulers: list[str], progress: bool = True,
+        output_kinds: tuple[str, ...] = ("cumulative",)) -> list[HostPoint]:
     points = []
     with tempfile.TemporaryDirectory() as tmp:
         loaded = load_model(make_tiny(Path(tmp) / "null", NULL_SPEC), "float32", "cpu", "zero")  # its tokenizer
@@ -176,13 +182,15 @@ def run(widths: list[int], contexts: list[int], schedulers: list[str], progress:
         for context in contexts:
             for width in widths:
                 for sched in schedulers:  # side by side at each point
-                    p = measure(sched, width, context, loaded)
-                    if progress:
-                        core = p.stages.get("core", StageCost()).as_dict()
-                        print(f"{sched:>4} width {width:4d} context {context:5d}: core tick host "
-                              f"{core['host_cpu_us']:8.0f} us CPU ({core['host_cpu_us_per_row']:.2f} us/row)",
-                              flush=True)
-                    points.append(p)
+                    for kind in output_kinds:
+                        p = measure(sched, width, context, loaded, output_kind=kind)
+                        if progress:
+                            core = p.stages.get("core", StageCost()).as_dict()
+                            coda = p.stages.get("coda", StageCost()).as_dict()
+                            print(f"{sched:>4} {kind:>10} width {width:4d} context {context:5d}: host us CPU per "
+                                  f"tick: core {core['host_cpu_us']:6.0f}, coda {coda['host_cpu_us']:6.0f} "
+                                  f"({coda['host_cpu_us_per_row']:.1f} us/row)", flush=True)
+                        points.append(p)
     return points
 
 
@@ -191,8 +199,8 @@ def projection(points: list[HostPoint], scheduler: str = "cdb") -> list[dict[str
     out = []
     for p in points:
         core = p.stages.get("core")
-        if p.scheduler != scheduler or core is None or not core.ticks:
-            continue
+        if p.scheduler != scheduler or p.output_kind != points[0].output_kind or core is None or not core.ticks:
+            continue  # (a core tick does not depend on the output kind: the first one measured stands)
         host = core.as_dict()["host_cpu_us"] * 1e-6
         for model, cfg in PROJECTED.items():
             for dev in ("h100", "h200"):
@@ -204,12 +212,13 @@ def projection(points: list[HostPoint], scheduler: str = "cdb") -> list[dict[str
 
 
 def format_table(points: list[HostPoint]) -> str:
-    lines = ["| scheduler | width | context | stage | ticks | mean rows | host us/tick (CPU) | host us/row | "
-             "null model us | wall us/tick |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| scheduler | outputs | width | context | stage | ticks | mean rows | host us/tick (CPU) | host us/row | "
+             "null model us | wall us/tick |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in points:
         for stage, c in sorted(p.stages.items()):
             d = c.as_dict()
-            lines.append(f"| {p.scheduler} | {p.width} | {p.context} | {stage} | {d['ticks']} | {d['mean_rows']:.0f} | "
+            lines.append(f"| {p.scheduler} | {p.output_kind} | {p.width} | {p.context} | {stage} | {d['ticks']} | "
+                         f"{d['mean_rows']:.0f} | "
                          f"{d['host_cpu_us']:.0f} | {d['host_cpu_us_per_row']:.2f} | {d['null_us']:.0f} | "
                          f"{d['tick_us']:.0f} |")
     return "\n".join(lines)
