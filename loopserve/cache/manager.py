@@ -59,10 +59,13 @@ class KVCacheManager:
 
     def ensure(self, seq_id: str, num_tokens: int) -> bool:
         """Make room for `num_tokens` tokens; False (and no change) if the pool is short."""
+        table = self.tables.get(seq_id)
+        if table is not None and num_tokens <= len(table.blocks) * self.block_size:  # most decode tokens
+            table.num_tokens = max(table.num_tokens, num_tokens)
+            return True
         need = self.blocks_needed(seq_id, num_tokens)
         if need > self.num_free:
             return False
-        table = self.tables.get(seq_id)
         if table is None:
             table = self.tables[seq_id] = BlockTable(self._take_slot())
         if need:

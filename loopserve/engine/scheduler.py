@@ -185,7 +185,7 @@ class Scheduler:
         self.retired_loops += seq.metrics.loops_run
 
     def _new_item(self, seq: Sequence) -> None:
-        self.prelude_q.append(WorkItem(seq, next(self._orders), self.pool))
+        self.prelude_q.append(WorkItem(seq, next(self._orders), self.pool, position=seq.num_tokens - 1))
 
     def _resident(self) -> int:
         """Sequences holding (or about to hold) a state of their own: the running ones, and the samples
@@ -262,7 +262,9 @@ class Scheduler:
             if item.seq.status is Status.SWAPPED:  # swapped out for an earlier item
                 continue
             item = unit[-1]  # the group's last KV row
-            if self.kv.allocator.blocks_for(item.position + 1) > self.kv.num_blocks:
+            if self.kv.ensure(item.seq.request_id, item.position + 1):  # most items: room in their last block
+                taken += unit
+            elif self.kv.allocator.blocks_for(item.position + 1) > self.kv.num_blocks:
                 self.prelude_q = _without(self.prelude_q, unit)  # longer than the whole cache: it can never fit
                 item.seq.finish("error", f"sequence of {item.seq.num_tokens} tokens exceeds the KV cache "
                                          f"({self.kv.num_blocks * self.kv.block_size} tokens)", error_status=400)
@@ -601,18 +603,21 @@ class Scheduler:
         taken = [i for i in plan.items if id(i) in running]
         self.coda_running = _without(self.coda_running, taken)
         index = {id(item): j for j, item in enumerate(plan.items)} if self.speculator is not None else {}
+        rows = rows_of(taken)  # loops run and exit depths of the batch, read at once
+        loops, depths = self.pool.r[rows].tolist(), self.pool.exits.exit_depth[rows].tolist()
+        k = 0
         for j, item in enumerate(plan.items):
             if id(item) not in running:
                 continue
+            k += 1
             if item.group is not None:  # a verify group runs one coda, whole (CDB holds it until then)
                 if item is item.group.items[0]:
                     self._accept(item.group, [samples[index[id(i)]] for i in item.group.items])
                 continue
-            seq, loops, depth = item.seq, item.r, item.exit_depth
-            assert depth is not None
+            seq = item.seq
             self._drop_item(item)
-            seq.metrics.loops_run += loops
-            self._append_token(seq, samples[j], depth)
+            seq.metrics.loops_run += loops[k - 1]
+            self._append_token(seq, samples[j], depths[k - 1])
 
     def _accept(self, group: VerifyGroup, samples: list[Sample]) -> None:
         """A verify round's coda ran (docs/design.md §12). Row i was fed x_t or draft i and sampled
