@@ -802,6 +802,7 @@ class CohortScheduler(Scheduler):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.cohort: list[WorkItem] = []
+        self.cohort_depth: int | None = None  # CB: the loops the cohort runs (its deepest member's max_loops)
         self.phase = "none"
         self.core_ticks = 0
 
@@ -819,20 +820,27 @@ class CohortScheduler(Scheduler):
             self.cohort = self._take_preludes(self.cfg.max_decode_batch)
             if not self.cohort:
                 return StagePlan(Stage.IDLE)
-            self.phase, self.core_ticks = "prelude", 0
+            self.phase, self.core_ticks, self.cohort_depth = "prelude", 0, None
             return StagePlan(Stage.PRELUDE, list(self.cohort))
         if self.phase == "core":
-            if not self._cohort_done():
+            exited = self._exited()
+            if not self._cohort_done(exited):
                 self.core_ticks += 1
-                members = self.cohort if self.keep_exited_in_batch else [i for i in self.cohort if not i.exited]
+                members = self.cohort if self.keep_exited_in_batch else [
+                    i for i, gone in zip(self.cohort, exited.tolist(), strict=True) if not gone]
                 return StagePlan(Stage.CORE, list(members))
             self.phase = "coda"
         # coda for the whole cohort
         items, self.cohort, self.phase = self.cohort, [], "none"
         return self._start_coda(items)
 
-    def _cohort_done(self) -> bool:
-        return all(i.exited for i in self.cohort)
+    def _exited(self) -> np.ndarray:
+        """Per cohort member (all hold state rows while the cohort loops): done looping (`WorkItem.exited`)."""
+        rows, exits = rows_of(self.cohort), self.pool.exits
+        return (exits.exit_depth[rows] != 0) & ~exits.frozen[rows]
+
+    def _cohort_done(self, exited: np.ndarray) -> bool:
+        return bool(exited.all())
 
     def after_prelude(self, plan: StagePlan) -> None:
         super().after_prelude(plan)
@@ -845,11 +853,11 @@ class CohortScheduler(Scheduler):
 
     def _remove_items(self, items: list[WorkItem]) -> None:
         super()._remove_items(items)
-        self.cohort = _without(self.cohort, items)
+        self.cohort, self.cohort_depth = _without(self.cohort, items), None
 
     def _stop(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         super()._stop(seq, reason, error)
-        self.cohort = [i for i in self.cohort if i.seq is not seq]
+        self.cohort, self.cohort_depth = [i for i in self.cohort if i.seq is not seq], None
         if not self.cohort and self.phase != "none":
             self.phase = "none"
 
@@ -869,8 +877,10 @@ class CDBNoRefillScheduler(CohortScheduler):
 class CBScheduler(CohortScheduler):
     keep_exited_in_batch = True
 
-    def _cohort_done(self) -> bool:  # full depth, whatever the exits
-        return self.core_ticks >= max(i.seq.rule.max_loops for i in self.cohort)
+    def _cohort_done(self, exited: np.ndarray) -> bool:  # full depth, whatever the exits
+        if self.cohort_depth is None:  # once per cohort (and again if it lost members), not per tick
+            self.cohort_depth = max(i.seq.rule.max_loops for i in self.cohort)
+        return self.core_ticks >= self.cohort_depth
 
 
 def make_scheduler(cfg: EngineConfig, kv: KVCacheManager, pool: StatePool, stats: EngineStats,
