@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from loopserve import LLM, SamplingParams
-from loopserve.engine.sampler import filtered_probs, sample_batch, sample_one, uniforms, unpack
+from loopserve.engine.sampler import filtered_probs, finite_rows, sample_batch, sample_one, uniforms, unpack
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -181,6 +181,37 @@ def test_non_finite_rows_are_flagged_not_sampled():
     params = [SamplingParams(temperature=1.0)] * 3
     rows = unpack(sample_batch(logits, params, [1, 2, 3], [0, 0, 0]), params)
     assert [r.finite for r in rows] == [True, False, False]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_finite_rows_equals_isfinite_all(dtype):
+    """The one-sum finiteness check flags exactly the rows `isfinite(...).all` flags, extremes included."""
+    g = torch.Generator().manual_seed(0)
+    big = torch.finfo(dtype).max
+    x = torch.randn(64, 300, generator=g, dtype=torch.float64).to(dtype)
+    x[1:8] = big  # the largest finite values (a float32/bf16 sum of them overflows; float64's does not)
+    x[8:12] = -big
+    for i, v in enumerate((float("nan"), float("inf"), float("-inf")), start=12):
+        x[i, (i * 37) % 300] = v
+    x[15, 3], x[15, 4] = float("inf"), float("-inf")
+    assert torch.equal(finite_rows(x), torch.isfinite(x).all(-1))
+    assert finite_rows(x)[:12].all() and not finite_rows(x)[12:16].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_plain_greedy_batch_takes_the_float64_argmax(dtype):
+    """A batch of plain greedy rows is sampled without the float64 copy, to the same tokens, ties
+    included (the first maximum), and a non-finite row is still flagged."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randint(-3, 4, (40, 50), generator=g).to(dtype)  # many ties
+    logits[5, 7] = float("nan")
+    plain = [SamplingParams(temperature=0.0)] * 40
+    got = sample_batch(logits, plain, [0] * 40, [0] * 40)
+    ties = sample_batch(logits, [SamplingParams(temperature=0.0, logprobs=0)] * 40, [0] * 40, [0] * 40)  # float64 path
+    keep = torch.arange(40) != 5
+    assert torch.equal(got["tokens"][keep], logits.double().argmax(-1)[keep])
+    assert torch.equal(got["tokens"][keep], ties["tokens"][keep])
+    assert got["finite"].tolist() == [i != 5 for i in range(40)]
 
 
 # ---------------- whole requests
