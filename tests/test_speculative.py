@@ -183,9 +183,17 @@ def test_preemption_under_kv_pressure(scheduler, tiny_ouro):
 
 @pytest.mark.parametrize("stage", ["prelude", "core", "coda"])
 @pytest.mark.parametrize("scheduler", SCHEDULERS)
-def test_abort_mid_verification(scheduler, stage, tiny_ouro):
+def test_abort_mid_verification(scheduler, stage, tiny_ouro, monkeypatch):
     """Abort a request while its verify group waits for its prelude, loops, or waits for its coda: its KV
     blocks and state rows are freed, its neighbour is untouched."""
+    if scheduler == "cdb" and stage == "prelude":
+        # CDB takes a group's preludes in the tick that drafted it (its drafts fit the rows left), so a
+        # group waits in the queue between steps only when that fails (KV pressure): make it wait here
+        from loopserve.engine.scheduler import CDBScheduler
+
+        real = CDBScheduler.follow_up
+        monkeypatch.setattr(CDBScheduler, "follow_up",
+                            lambda self, plan: None if plan.stage is Stage.DRAFT else real(self, plan))
     engine = make_engine(tiny_ouro, scheduler=scheduler, max_decode_batch=4, min_coda_batch=1, **SPEC)
     victim = Req("v", [7, 8, 9], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
                                                 exit_trace=[1, 4, 2, 3] * 8), seed=0)
@@ -289,7 +297,8 @@ def test_stops_inside_accepted_rounds(arch, scheduler, tiny_ouro, tiny_huginn):
     """A stop token, a stop string or max_tokens reached in the middle of an accepted round ends the
     request there, exactly as plain decoding does (text, exit depths, logprobs included)."""
     path, state_init = (tiny_ouro, "zero") if arch == "ouro" else (tiny_huginn, "like-init")
-    engine = make_engine(path, state_init, scheduler=scheduler, max_decode_batch=6, **DEEP)
+    # room for all three requests' groups of k + 1 = 5 rows in one batch (drafts only take rows left)
+    engine = make_engine(path, state_init, scheduler=scheduler, max_decode_batch=15, max_num_seqs=15, **DEEP)
     base = dict(temperature=0, exit_policy="fixed", ignore_eos=True, logprobs=1)
     free = reference(engine, Req("s", [5, 6, 7], SamplingParams(max_tokens=20, **base), seed=1)).output_ids
     stop_tok = free[6]  # inside the second round (tokens 1..5 come from the first verify pass)
@@ -382,3 +391,57 @@ def test_drafts_follow_logit_bias(tiny_ouro):
     assert out.outputs[0].token_ids == [42] * 12
     st_ = engine.stats
     assert drafted(engine) and st_.spec_accepted_tokens == st_.spec_draft_tokens
+
+
+# -- verify groups and batch width -------------------------------------------------------------------------------
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_drafts_fit_the_rows_left(scheduler, tiny_ouro, monkeypatch):
+    """A DRAFT batch drafts only as many tokens as its verify groups can take rows in the batch they join
+    (FIFO, a group a row per position): in a cohort of 4 rows, one request drafts 3 tokens, not three."""
+    real = ModelRunner.draft
+    rows: list[int] = []
+
+    def draft(self, items, lens, loops):
+        rows.append(len(items) + sum(lens))
+        return real(self, items, lens, loops)
+
+    monkeypatch.setattr(ModelRunner, "draft", draft)
+    engine = make_engine(tiny_ouro, scheduler=scheduler, max_decode_batch=4, max_num_seqs=4, **SPEC)
+    reqs = [Req(f"w{i}", [7 + i, 8, 9], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), seed=i)
+            for i in range(3)]
+    outs = drive(engine, reqs)
+    assert rows and max(rows) <= 4
+    for r in reqs:
+        assert_same(outs[r.rid], reference(engine, r))
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_a_group_wider_than_the_rows_left_is_trimmed_not_waited_for(scheduler, tiny_ouro, monkeypatch):
+    """When a queued verify group is wider than the rows a prelude batch has left (rows taken between its
+    draft and its prelude), its first rows go in and its last drafts are dropped, instead of the whole
+    queue waiting behind it. Outputs stay plain decoding's."""
+    from loopserve.engine.scheduler import Scheduler
+
+    real = Scheduler._take_preludes
+    trims: list[tuple[int, int]] = []  # (group rows before, rows taken of it)
+
+    def take(self, limit):
+        head = self.prelude_q[0] if self.prelude_q else None
+        group = head.group if head is not None else None
+        if group is not None and len(group.items) > 1 and len(self.prelude_q) > len(group.items):
+            before = len(group.items)
+            limit = min(limit, before - 1)  # one row short for the group at the head
+            taken = real(self, limit)
+            trims.append((before, len(group.items)))
+            assert taken[: len(group.items)] == group.items and len(group.items) == before - 1
+            return taken
+        return real(self, limit)
+
+    monkeypatch.setattr(Scheduler, "_take_preludes", take)
+    engine = make_engine(tiny_ouro, scheduler=scheduler, max_decode_batch=6, max_num_seqs=6, **SPEC)
+    reqs = [Req(f"t{i}", [5 + i, 6, 7], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), seed=i)
+            for i in range(3)]
+    outs = drive(engine, reqs)
+    assert trims and engine.stats.spec_draft_tokens > engine.stats.spec_accepted_tokens >= 0
+    for r in reqs:
+        assert_same(outs[r.rid], reference(engine, r))

@@ -251,16 +251,20 @@ class Scheduler:
 
     def _take_preludes(self, limit: int) -> list[WorkItem]:
         """Prelude items (FIFO) that get their next KV slot and a state row (a verify group's items
-        all or none)."""
+        all or none; a group wider than the rows left is trimmed to them, so it never holds up the
+        queue: fewer drafts are verified, the tokens are the same)."""
         taken: list[WorkItem] = []
         for item in list(self.prelude_q):
             if item.group is not None and item is not item.group.items[0]:
                 continue  # taken (or not) with the group's first item
-            unit = [item] if item.group is None else item.group.items
-            if len(taken) + len(unit) > min(limit, self.pool.num_free):
-                break
             if item.seq.status is Status.SWAPPED:  # swapped out for an earlier item
                 continue
+            room = min(limit, self.pool.num_free) - len(taken)
+            if item.group is not None and len(item.group.items) > room > 0:
+                self._trim_queued_group(item.group, room)
+            unit = [item] if item.group is None else item.group.items
+            if len(unit) > room:
+                break
             item = unit[-1]  # the group's last KV row
             if self.kv.ensure(item.seq.request_id, item.position + 1):  # most items: room in their last block
                 taken += unit
@@ -278,15 +282,25 @@ class Scheduler:
             self.pool.allocate(taken, slots, self.kv.block_tables.rows(slots, positions))
         return taken
 
+    def _trim_queued_group(self, group: VerifyGroup, n: int) -> None:
+        """Keep the first `n` rows of a verify group still in the prelude queue (no rows, no KV written
+        by it yet): its last drafts are not verified this round. Its first row alone is a plain item
+        (fed the last accepted token at its position): no round at all."""
+        self.prelude_q = _without(self.prelude_q, group.items[n:])
+        group.items, group.tokens = group.items[:n], group.tokens[:n]
+        if n == 1:
+            group.items[0].group = None
+
     def _owed_blocks(self) -> int:
         """Blocks the admitted, partly prefilled prompts still need to finish (with their samples' copies)."""
         return sum(self.kv.blocks_needed(s.request_id, len(s.prompt_ids) + 1) + self._fork_blocks(s)
                    for s in self.waiting if s.request_id in self.running)
 
     def _draft_plan(self, limit: int) -> StagePlan | None:
-        """Speculative decoding (docs/design.md §12): the next `limit` plain items of requests that
-        draft this round, each with the KV rows its verify group will write (taken only if free: a
-        request that would need preemption decodes plainly instead). None when nothing drafts."""
+        """Speculative decoding (docs/design.md §12): the plain items of requests that draft this round
+        among the queue's first `limit` rows (FIFO, a verify group counting a row per position, a new
+        one capped to the rows left), each with the KV rows its verify group will write (taken only if
+        free: a request that would need preemption decodes plainly instead). None when nothing drafts."""
         spec = self.speculator
         if spec is None:
             return None
@@ -295,15 +309,18 @@ class Scheduler:
         spare = self.kv.num_free - self._owed_blocks() - int(self.cfg.kv_safety_margin * self.kv.num_blocks)
         items: list[WorkItem] = []
         lens: list[int] = []
+        rows, limit = 0, min(limit, self.pool.num_free)  # rows the queue takes in order (a group: one a position)
         for item in self.prelude_q:
-            if len(items) >= limit:
+            if rows >= limit:
                 break
+            rows += 1
             if item.group is not None:
                 continue
-            k = spec.tokens_for(item.seq, resident, width)
-            need = self.kv.blocks_needed(item.seq.request_id, item.position + 1 + k) if k else 0
-            if k and need <= spare and self.kv.ensure(item.seq.request_id, item.position + 1 + k):
+            k = min(spec.tokens_for(item.seq, resident, width), limit - rows)  # its group fits the rows left
+            need = self.kv.blocks_needed(item.seq.request_id, item.position + 1 + k) if k > 0 else 0
+            if k > 0 and need <= spare and self.kv.ensure(item.seq.request_id, item.position + 1 + k):
                 spare -= need
+                rows += k
                 items.append(item)
                 lens.append(k)
         return StagePlan(Stage.DRAFT, items, draft_lens=lens) if items else None
