@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from loopserve.engine.speculative import VerifyGroup
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class WorkItem:
     """One decode token travelling PRELUDE -> CORE (x loops) -> CODA. While it holds a state-pool row
     its loop state (steps run, parity, exit state) lives in the pool's arrays at that row, so a core
@@ -150,10 +150,16 @@ class StatePool:
         self.decides_ahead[rows] = [rule.decides_ahead for rule in rules]
 
     def release(self, item: WorkItem) -> None:
-        self.items[item.row] = None
-        self.generation[item.row] += 1  # results still on their way for this row are no longer its item's
-        self._free.append(item.row)
-        item.row = -1
+        self.release_all([item])
+
+    def release_all(self, items: list[WorkItem]) -> None:
+        """Free the items' rows (all hold one)."""
+        rows = rows_of(items)
+        self.generation[rows] += 1  # results still on their way for these rows are no longer their items'
+        for item in items:
+            self.items[item.row] = None
+            self._free.append(item.row)
+            item.row = -1
 
     def state_rows(self, rows: np.ndarray, flip: bool = False) -> np.ndarray:
         """Indices into `state` of the rows' current buffers (or of the other ones)."""

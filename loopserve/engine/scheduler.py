@@ -622,6 +622,7 @@ class Scheduler:
         index = {id(item): j for j, item in enumerate(plan.items)} if self.speculator is not None else {}
         rows = rows_of(taken)  # loops run and exit depths of the batch, read at once
         loops, depths = self.pool.r[rows].tolist(), self.pool.exits.exit_depth[rows].tolist()
+        self.pool.release_all([i for i in taken if i.group is None])  # (a verify group's rows: in _accept)
         k = 0
         for j, item in enumerate(plan.items):
             if id(item) not in running:
@@ -631,10 +632,8 @@ class Scheduler:
                 if item is item.group.items[0]:
                     self._accept(item.group, [samples[index[id(i)]] for i in item.group.items])
                 continue
-            seq = item.seq
-            self._drop_item(item)
-            seq.metrics.loops_run += loops[k - 1]
-            self._append_token(seq, samples[j], depths[k - 1])
+            item.seq.metrics.loops_run += loops[k - 1]
+            self._append_token(item.seq, samples[j], depths[k - 1])
 
     def _accept(self, group: VerifyGroup, samples: list[Sample]) -> None:
         """A verify round's coda ran (docs/design.md §12). Row i was fed x_t or draft i and sampled
