@@ -16,10 +16,10 @@ class Logprob:
 class RequestMetrics:
     arrival_time: float
     first_token_time: float | None = None
-    last_token_time: float | None = None
     finished_time: float | None = None
     loops_run: int = 0  # core loop steps spent on this request's decode tokens
     prefill_loops: int = 0  # core loop steps per prompt token, summed over the prompt tokens computed
+    last_token_time: float | None = None
 
     @property
     def time_to_first_token(self) -> float | None:

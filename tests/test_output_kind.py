@@ -77,3 +77,39 @@ def test_output_kind_checked(bad):
 
 def test_output_kind_accepts_vllm_values():
     assert SamplingParams(output_kind=2).output_kind is FINAL and SamplingParams().output_kind is CUMULATIVE
+
+
+def test_a_failed_request_keeps_its_text_whatever_the_output_kind(tiny_ouro, monkeypatch):
+    """A request that fails mid-generation (here a NaN state) reports the text of its tokens so far, for
+    FINAL_ONLY requests too (which decode no text per token)."""
+    import numpy as np
+
+    from loopserve.engine.runner import ModelRunner
+    from tests.engine_helpers import Req, drive
+
+    real = ModelRunner.core
+
+    def core(self, rows):
+        for row in rows.tolist():
+            it = self.pool.items[row]
+            if it.r >= 1 and len(it.seq.output_ids) >= 5:
+                self.pool.state[int(self.pool.state_rows(np.array([row]))[0])] = float("nan")
+        return real(self, rows)
+
+    monkeypatch.setattr(ModelRunner, "core", core)
+    got = {}
+    for kind in (CUMULATIVE, FINAL):
+        engine = make_engine(tiny_ouro, scheduler="cdb")
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, exit_policy="fixed", output_kind=kind)
+        c = drive(engine, [Req("v", [5, 9, 2, 7], params, seed=1)])["v"].outputs[0]
+        assert c.finish_reason == "error" and len(c.token_ids) == 5
+        got[kind] = c.text
+    assert got[FINAL] == got[CUMULATIVE] and got[FINAL]
+
+
+def test_output_kind_set_after_construction_compares_by_value(tiny_ouro):
+    """vLLM code may assign the plain value (0) after construction: still an output per token."""
+    p = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, output_kind=FINAL)
+    p.output_kind = 0  # type: ignore[assignment]
+    seen = _run(make_engine(tiny_ouro, scheduler="cdb"), {"a": p}, [3, 4, 5])
+    assert len(seen["a"]) == 4

@@ -445,3 +445,33 @@ def test_a_group_wider_than_the_rows_left_is_trimmed_not_waited_for(scheduler, t
     assert trims and engine.stats.spec_draft_tokens > engine.stats.spec_accepted_tokens >= 0
     for r in reqs:
         assert_same(outs[r.rid], reference(engine, r))
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_a_verify_group_takes_its_drafting_items_place(scheduler, tiny_ouro, monkeypatch):
+    """A verify group enters the prelude queue where the item that drafted it was (the rows its drafts
+    were sized for), so groups are not trimmed for want of rows that items behind them took."""
+    from loopserve.engine.scheduler import Scheduler
+
+    real_after, real_trim = Scheduler.after_draft, Scheduler._trim_queued_group
+    trims: list[int] = []
+
+    def after_draft(self, plan, drafts):
+        before = [i.seq.request_id for i in self.prelude_q if i.group is None or i is i.group.items[0]]
+        real_after(self, plan, drafts)
+        after = [i.seq.request_id for i in self.prelude_q if i.group is None or i is i.group.items[0]]
+        assert after == before  # every group's first row where its item was, nothing reordered
+
+    def trim(self, group, n):
+        trims.append(len(group.items) - n)
+        return real_trim(self, group, n)
+
+    monkeypatch.setattr(Scheduler, "after_draft", after_draft)
+    monkeypatch.setattr(Scheduler, "_trim_queued_group", trim)
+    engine = make_engine(tiny_ouro, scheduler=scheduler, max_decode_batch=8, max_num_seqs=8, min_coda_batch=1, **SPEC)
+    reqs = [Req(f"w{i}", [7 + i, 8, 9], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), seed=i)
+            for i in range(3)]
+    outs = drive(engine, reqs)
+    assert drafted(engine) and not trims
+    for r in reqs:
+        assert_same(outs[r.rid], reference(engine, r))

@@ -160,7 +160,7 @@ class LLMEngine:
         # FINAL_ONLY request's only when it finished (an output copies the tokens so far and decodes text)
         heads = dict.fromkeys(s.family[0] for s in sched.appended + sched.finished)
         outs = [h.to_output() for h in heads
-                if h.params.output_kind is CUMULATIVE or h.finished and all(s.finished for s in h.family)]
+                if h.params.output_kind == CUMULATIVE or h.finished and all(s.finished for s in h.family)]
         sched.appended.clear()
         sched.finished.clear()
         if plan.stage is Stage.IDLE and not heads and sched.has_work():

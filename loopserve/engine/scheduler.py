@@ -92,7 +92,9 @@ class Scheduler:
         self.core_q: list[WorkItem] = []
         self.coda_q: list[WorkItem] = []
         self.coda_running: list[WorkItem] = []  # coda queued on the device, token not sampled yet
-        self._orders = itertools.count()
+        # creation order of work items; a stride leaves room for a verify group's k + 1 rows to take the
+        # place of the item that drafted (orders item.order + i)
+        self._orders = itertools.count(0, 1 + cfg.num_speculative_tokens)
         self.finished: list[Sequence] = []  # finished since the last drain (the engine reports them)
         self.appended: list[Sequence] = []  # got a token since the last drain (the engine streams them)
         self.retired_loops = 0  # decode loops of finished requests (bookkeeping check)
@@ -327,17 +329,18 @@ class Scheduler:
 
     def after_draft(self, plan: StagePlan, drafts: list[list[int]]) -> None:
         """Each drafting item still queued becomes its verify group: k + 1 items fed x_t and the drafts,
-        queued (in creation order) to enter the loop together."""
+        in the item's place in the queue (orders item.order + i: `_draft_plan` sized the drafts for
+        that place), to enter the loop together."""
         queued = {id(i) for i in self.prelude_q}
-        drafted = [i for i in plan.items if id(i) in queued]
-        self.prelude_q = _without(self.prelude_q, drafted)
+        groups: dict[int, list[WorkItem]] = {}
         for item, tokens in zip(plan.items, drafts, strict=True):
             if id(item) not in queued:
                 continue
             group = VerifyGroup(item.seq, item.position, [item.input_token, *tokens])
-            group.items = [WorkItem(item.seq, next(self._orders), self.pool, position=item.position + i, group=group)
+            group.items = [WorkItem(item.seq, item.order + i, self.pool, position=item.position + i, group=group)
                            for i in range(len(group.tokens))]
-            self.prelude_q += group.items
+            groups[id(item)] = group.items
+        self.prelude_q = [g for i in self.prelude_q for g in groups.get(id(i), (i,))]
 
     def _take_prefill(self) -> list[PrefillChunk]:
         """Prompt chunks for this tick, FIFO within the token budget.

@@ -3,6 +3,7 @@ the reference decoder and the batching engine (one place decides when a request 
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import time
 from typing import Any
@@ -274,7 +275,7 @@ class Sequence:
         searched = len(self.text) if p.stop else 0  # the text before this token had no stop string
         self.output_ids.append(token)
         self.exit_depths.append(exit_depth)
-        if p.stop or p.output_kind is RequestOutputKind.CUMULATIVE:
+        if p.stop or p.output_kind == RequestOutputKind.CUMULATIVE:
             self._decode_pending()  # here, where a failure fails this request alone (not the step's outputs)
         if not self._stopped(token, searched) and len(self.output_ids) >= self.max_new:
             self.finish("length")
@@ -313,7 +314,9 @@ class Sequence:
                error_status: int | None = None) -> None:
         if not keep_text:  # the final text includes whatever incremental decoding held back
             self.text = self.tokenizer.decode(self.output_ids, self.params.skip_special_tokens)
-        else:  # the text as it is (a stop cut it, or decoding may be what failed): nothing more is decoded
+        else:  # the text as it is (a stop cut it) or, for an error, as far as it decodes (decoding may be
+            with contextlib.suppress(Exception):  # what failed); nothing more is decoded after this
+                self._decode_pending()
             self._decoded = len(self.output_ids)
         self.finish_reason = reason
         self.error = error
@@ -338,10 +341,11 @@ class Sequence:
         finished = all(s.finished for s in self.family)
         firsts = [s.metrics.first_token_time for s in self.family if s.metrics.first_token_time is not None]
         lasts = [s.metrics.last_token_time for s in self.family if s.metrics.last_token_time is not None]
-        metrics = RequestMetrics(head.metrics.arrival_time, min(firsts, default=None), max(lasts, default=None),
+        metrics = RequestMetrics(head.metrics.arrival_time, min(firsts, default=None),
                                  max(s.metrics.finished_time or 0.0 for s in self.family) if finished else None,
                                  sum(s.metrics.loops_run for s in self.family),
-                                 head.metrics.prefill_loops)  # the samples share the prompt's prefill
+                                 head.metrics.prefill_loops,  # the samples share the prompt's prefill
+                                 last_token_time=max(lasts, default=None))
         return RequestOutput(head.request_id, head.prompt, head._prompt_ids_out, [s.completion() for s in self.family],
                              finished, metrics,
                              failed.error if failed else None, failed.error_status if failed else None,
