@@ -407,6 +407,11 @@ def test_bad_input(server, method, path, body, headers, status):
     assert err["code"] == status and isinstance(err["type"], str)
 
 
+def test_too_many_top_logprobs_names_the_field(server):
+    r = httpx.post(server.url + H, json=_h(logprobs=True, top_logprobs=50), headers=AUTH, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs", r.text
+
+
 def test_chunked_body_over_limit(server):
     def chunks():
         for _ in range(BODY_LIMIT // 1024 + 2):
@@ -553,6 +558,27 @@ def test_latency_metrics_count_every_token(server, client, stream):
     ttft, itl, e2e, ttft_sum = (metric(server, n) - b for n, b in zip(names, before, strict=True))
     assert (ttft, itl) == (1, 6)
     assert 0 < ttft_sum < e2e  # the first token came before the end, not when the response did
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_token_and_request_metrics_count_every_sample(server, client, stream):
+    """n > 1: generation tokens count every sample's tokens (as usage does), and each sample is a finished
+    request (vLLM counts child requests)."""
+    wait_idle(server)
+    names = ("loopserve:generation_tokens_total", "loopserve:request_generation_tokens_count")
+    before = [metric(server, n) for n in names]
+    done = metric(server, "loopserve:request_success_total", finished_reason="length")
+    kw = dict(model=MODEL, prompt="two samples", max_tokens=5, n=2, temperature=0.8, seed=5,
+              extra_body={"ignore_eos": True})
+    if stream:
+        chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+        usage = chunks[-1].usage
+    else:
+        usage = client.completions.create(**kw).usage
+    wait_idle(server)
+    tokens, samples = (metric(server, n) - b for n, b in zip(names, before, strict=True))
+    assert usage.completion_tokens == tokens == 10 and samples == 2
+    assert metric(server, "loopserve:request_success_total", finished_reason="length") - done == 2
 
 
 def test_server_log_has_no_tracebacks(server):

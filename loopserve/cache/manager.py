@@ -130,8 +130,11 @@ class KVCacheManager:
             self.allocator.free(table.blocks)
             self._free_slots.append(table.slot)
 
-    def swap_out(self, seq_id: str) -> None:
+    def swap_out(self, seq_id: str, num_tokens: int) -> None:
+        """Copy the KV of the sequence's first `num_tokens` tokens to the host and free its blocks (rows
+        it holds past them, a speculative round's draft rows, are dropped, not copied)."""
         table = self.tables[seq_id]
+        table.num_tokens = min(table.num_tokens, num_tokens)
         s = self.store
         rows = upload(self.rows(seq_id, table.num_tokens), s.k.device)
         # queued behind the work that wrote these rows; read back only when swapped in

@@ -221,7 +221,7 @@ class Scheduler:
             else:
                 self.prelude_q.remove(victim)
             sid = victim.seq.request_id
-            self.kv.swap_out(sid)
+            self.kv.swap_out(sid, victim.position + 1)  # not the rows of its dropped drafts
             del self.running[sid]
             victim.seq.status = Status.SWAPPED
             self.swapped.append(victim)
@@ -710,8 +710,10 @@ class Scheduler:
             if s.request_id not in self.running:
                 assert s.request_id not in self.kv.tables, f"waiting sequence {s.request_id} holds KV"
         self.kv.check_invariants(set(self.running) | set(swapped))
-        for sid in swapped:
+        for item in self.swapped:  # its host copy: the KV of its tokens, no row past them (drafts)
+            sid = item.seq.request_id
             assert self.kv.is_swapped(sid), f"swapped sequence {sid} has no host copy"
+            assert self.kv.tables[sid].num_tokens <= item.position + 1, f"swapped sequence {sid} keeps draft rows"
         # state rows: prelude items have none yet, core and coda items one each, none shared or leaked
         assert all(i.row < 0 for i in self.prelude_q + list(self.swapped)), "queued prelude item holds a row"
         rows = [i.row for i in self.core_q + self.coda_q + self.coda_running]

@@ -195,7 +195,7 @@ class ServerMetrics:
         with self._lock:
             for out in outs:
                 track = self._tracks.setdefault(out.request_id, _Track())
-                n = len(out.outputs[0].token_ids)
+                n = sum(len(c.token_ids) for c in out.outputs)  # every sample's (n > 1), as usage counts them
                 new = n - track.tokens
                 if new > 0:
                     rm = out.metrics
@@ -218,13 +218,14 @@ class ServerMetrics:
                     track.tokens, track.last = n, now
                 if out.finished:
                     self._tracks.pop(out.request_id, None)
-                    self._finished(out, track, n, now)
+                    self._finished(out, track, now)
 
-    def _finished(self, out: RequestOutput, track: _Track, n: int, now: float) -> None:
+    def _finished(self, out: RequestOutput, track: _Track, now: float) -> None:
         m = self.labels
-        self.request_success.labels(*m, out.outputs[0].finish_reason or "unknown").inc()
+        for c in out.outputs:  # a sample is a request here (vLLM counts each child request of n > 1)
+            self.request_success.labels(*m, c.finish_reason or "unknown").inc()
+            self.req_gen.labels(*m).observe(len(c.token_ids))
         self.req_prompt.labels(*m).observe(len(out.prompt_token_ids))
-        self.req_gen.labels(*m).observe(n)
         rm = out.metrics
         if rm is None:
             return

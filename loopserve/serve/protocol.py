@@ -25,7 +25,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from loopserve.sampling_params import RequestOutputKind, SamplingParams
+from loopserve.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
 
 class ApiError(Exception):
@@ -215,6 +215,9 @@ class ChatCompletionRequest(_SamplingFields):
         check_template_kwargs(self.chat_template_kwargs)
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs: needs logprobs=true", "top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:  # (SamplingParams' logprobs)
+            raise ApiError(400, f"top_logprobs: must be an integer in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
+                           "top_logprobs")
         if not self.messages:
             raise ApiError(400, "messages: must not be empty", "messages")
 
