@@ -257,7 +257,8 @@ def test_startup_summary_request_log_and_stats_lines(server):
     text = _log_after(server, "Finished request cmpl-logged-1")
     assert re.search(r"model \S+ served as 'tiny': OuroForCausalLM, dtype float32, device cpu, r_max \d+, "
                      rf"max_model_len {MAX_LEN}, KV cache 1024 tokens \([\d.e-]+ GiB, blocks of 16\), "
-                     r"kv_layout depth_indexed, scheduler cdb", text), text[:3000]
+                     r"kv_layout depth_indexed, scheduler cdb, max_num_seqs \d+, speculative decoding off", text), \
+        text[:3000]
     received = [ln for ln in text.splitlines() if "Received request cmpl-logged-1" in ln]
     assert len(received) == 1 and "prompt: 'a prompt'," in received[0]  # cut at --max-log-len characters
     assert "Finished request cmpl-logged-1" in text and "length, " in text

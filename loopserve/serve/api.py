@@ -256,11 +256,13 @@ class OpenAIServing:
         p = next(e.model.parameters())
         gib = e.layout.bytes_per_token(c.num_kv_heads, c.head_dim, p.dtype) * self.kv_tokens / 2**30
         dtype = str(p.dtype).removeprefix("torch.")
+        k = e.cfg.num_speculative_tokens
+        spec = f"{k} tokens drafted at {e.cfg.speculative_draft_loops} loops" if k else "off"
         return (f"model {self.settings.model_path or self.settings.model_name} served as "
                 f"{self.settings.model_name!r}: {c.arch}, dtype {dtype}, device {p.device}, r_max {c.r_max}, "
                 f"max_model_len {self.max_model_len}, KV cache {self.kv_tokens} tokens ({gib:.3g} GiB, blocks of "
                 f"{e.kv.block_size}), kv_layout {e.cfg.kv_layout}, scheduler {e.cfg.scheduler}, max_num_seqs "
-                f"{e.cfg.max_num_seqs}")
+                f"{e.cfg.max_num_seqs}, speculative decoding {spec}")
 
     # -- request plumbing -------------------------------------------------------------------------------------
     def check_auth(self, request: Request) -> None:
