@@ -581,6 +581,21 @@ def test_token_and_request_metrics_count_every_sample(server, client, stream):
     assert metric(server, "loopserve:request_success_total", finished_reason="length") - done == 2
 
 
+def test_prompt_only_echo_counts_no_generated_token(server):
+    """echo with max_tokens 0 returns the prompt alone: the token the engine runs for it is not counted as
+    generated (usage says 0), nor its time to first token; the request and its prompt tokens are."""
+    wait_idle(server)
+    names = ("loopserve:generation_tokens_total", "loopserve:time_to_first_token_seconds_count",
+             "loopserve:prompt_tokens_total", "loopserve:e2e_request_latency_seconds_count")
+    before = [metric(server, n) for n in names]
+    r = httpx.post(server.url + C, json={"model": MODEL, "prompt": "echo me", "max_tokens": 0, "echo": True},
+                   headers=AUTH, timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 0
+    wait_idle(server)
+    generated, ttft, prompt, requests = (metric(server, n) - b for n, b in zip(names, before, strict=True))
+    assert (generated, ttft, requests) == (0, 0, 1) and prompt == r.json()["usage"]["prompt_tokens"]
+
+
 def test_server_log_has_no_tracebacks(server):
     text = server.log.read_text()
     assert "Traceback" not in text, text[-4000:]

@@ -411,7 +411,13 @@ class OpenAIServing:
 
     # -- the shared generation path ---------------------------------------------------------------------------
     async def generate(self, request: Request, gen: _Generation) -> Response:
-        group = self.admit(gen.seqs)
+        if not gen.generated:  # before admission: the engine thread may report them at once
+            self.metrics.prompt_only([s.request_id for s in gen.seqs])
+        try:
+            group = self.admit(gen.seqs)
+        except ApiError:
+            self.metrics.forget([s.request_id for s in gen.seqs])
+            raise
         self.log_received(gen)
         if gen.req.streaming:
             return GroupStreamingResponse(self.stream(gen, group), group)

@@ -127,12 +127,13 @@ class _EngineCollector(Collector):
 class _Track:
     """What the metrics know of one request in flight."""
 
-    __slots__ = ("tokens", "last", "scheduled")
+    __slots__ = ("tokens", "last", "scheduled", "prompt_only")
 
     def __init__(self) -> None:
         self.tokens = 0
         self.last = 0.0
         self.scheduled: float | None = None  # start of the first step that admitted it
+        self.prompt_only = False  # echo with max_tokens 0: the token the engine runs is not part of the response
 
 
 class ServerMetrics:
@@ -188,6 +189,20 @@ class ServerMetrics:
         with self._lock:
             self._tracks.setdefault(request_id, _Track()).scheduled = when
 
+    def prompt_only(self, request_ids: list[str]) -> None:
+        """These requests return their prompt alone (echo with max_tokens 0): the one token the engine runs
+        for each is not generated output (no tokens, TTFT or gaps counted, as `usage` says). Called before
+        they are admitted."""
+        with self._lock:
+            for rid in request_ids:
+                self._tracks.setdefault(rid, _Track()).prompt_only = True
+
+    def forget(self, request_ids: list[str]) -> None:
+        """Requests that were not admitted after all."""
+        with self._lock:
+            for rid in request_ids:
+                self._tracks.pop(rid, None)
+
     def observe(self, outs: list[RequestOutput]) -> None:
         """Record a step's outputs (called on the engine thread)."""
         now = time.monotonic()
@@ -195,7 +210,8 @@ class ServerMetrics:
         with self._lock:
             for out in outs:
                 track = self._tracks.setdefault(out.request_id, _Track())
-                n = sum(len(c.token_ids) for c in out.outputs)  # every sample's (n > 1), as usage counts them
+                # every sample's tokens (n > 1), as usage counts them
+                n = 0 if track.prompt_only else sum(len(c.token_ids) for c in out.outputs)
                 new = n - track.tokens
                 if new > 0:
                     rm = out.metrics
@@ -224,13 +240,16 @@ class ServerMetrics:
         m = self.labels
         for c in out.outputs:  # a sample is a request here (vLLM counts each child request of n > 1)
             self.request_success.labels(*m, c.finish_reason or "unknown").inc()
-            self.req_gen.labels(*m).observe(len(c.token_ids))
+            self.req_gen.labels(*m).observe(0 if track.prompt_only else len(c.token_ids))
         self.req_prompt.labels(*m).observe(len(out.prompt_token_ids))
+        if track.prompt_only:
+            self.prompt_tokens.labels(*m).inc(len(out.prompt_token_ids))
+            self.prompt_total += len(out.prompt_token_ids)
         rm = out.metrics
         if rm is None:
             return
         self.e2e.labels(*m).observe(max(0.0, now - rm.arrival_time))
-        if track.scheduled is None or rm.first_token_time is None:
+        if track.scheduled is None or rm.first_token_time is None or track.prompt_only:
             return  # never admitted, or no token: no phases to time
         end = rm.finished_time or now
         for hist, start, stop in ((self.queue_time, rm.arrival_time, track.scheduled),
