@@ -123,6 +123,11 @@ class ExitBook:
         self.stop_at[rows] = [rule.max_loops for rule in rules]
         self.target[rows] = [rule.target(k) for rule, k in zip(rules, decode_indices, strict=True)]
 
+    def done(self, rows: np.ndarray) -> np.ndarray:
+        """Mask of `rows` that decided to exit and are done looping (a frozen row still runs its
+        lookahead step)."""
+        return (self.exit_depth[rows] != 0) & ~self.frozen[rows]
+
     def reaches_stop(self, rows: np.ndarray, r: np.ndarray) -> np.ndarray:
         """Mask of `rows` for which step r is the last whatever its signal says (`max_loops`, or a
         lookahead_gate decision made a step earlier); their exit depth is set to r."""

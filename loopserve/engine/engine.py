@@ -47,8 +47,6 @@ from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import RequestOutputKind, SamplingParams
 from loopserve.tokenizer import Tokenizer
 
-CUMULATIVE = RequestOutputKind.CUMULATIVE
-
 
 @dataclass
 class StageRecord:
@@ -159,8 +157,8 @@ class LLMEngine:
         # one output per request that got a token or finished (a request's samples share one output); a
         # FINAL_ONLY request's only when it finished (an output copies the tokens so far and decodes text)
         heads = dict.fromkeys(s.family[0] for s in sched.appended + sched.finished)
-        outs = [h.to_output() for h in heads
-                if h.params.output_kind == CUMULATIVE or h.finished and all(s.finished for s in h.family)]
+        outs = [h.to_output() for h in heads if h.params.output_kind == RequestOutputKind.CUMULATIVE
+                or h.finished and all(s.finished for s in h.family)]
         sched.appended.clear()
         sched.finished.clear()
         if plan.stage is Stage.IDLE and not heads and sched.has_work():

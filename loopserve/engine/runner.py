@@ -70,7 +70,7 @@ class WorkItem:
     @property
     def exited(self) -> bool:
         """Decided to exit and done looping (a frozen item still runs its lookahead step)."""
-        return self.row >= 0 and bool(self.pool.exits.exit_depth[self.row]) and not self.pool.exits.frozen[self.row]
+        return self.row >= 0 and bool(self.pool.exits.done(np.array([self.row]))[0])
 
     @property
     def passive(self) -> bool:

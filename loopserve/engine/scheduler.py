@@ -268,9 +268,7 @@ class Scheduler:
             if len(unit) > room:
                 break
             item = unit[-1]  # the group's last KV row
-            if self.kv.ensure(item.seq.request_id, item.position + 1):  # most items: room in their last block
-                taken += unit
-            elif self.kv.allocator.blocks_for(item.position + 1) > self.kv.num_blocks:
+            if self.kv.allocator.blocks_for(item.position + 1) > self.kv.num_blocks:
                 self.prelude_q = _without(self.prelude_q, unit)  # longer than the whole cache: it can never fit
                 item.seq.finish("error", f"sequence of {item.seq.num_tokens} tokens exceeds the KV cache "
                                          f"({self.kv.num_blocks * self.kv.block_size} tokens)", error_status=400)
@@ -844,24 +842,20 @@ class CohortScheduler(Scheduler):
             self.phase, self.core_ticks, self.cohort_depth = "prelude", 0, None
             return StagePlan(Stage.PRELUDE, list(self.cohort))
         if self.phase == "core":
-            exited = self._exited()
-            if not self._cohort_done(exited):
+            members = self._core_members()
+            if members:
                 self.core_ticks += 1
-                members = self.cohort if self.keep_exited_in_batch else [
-                    i for i, gone in zip(self.cohort, exited.tolist(), strict=True) if not gone]
-                return StagePlan(Stage.CORE, list(members))
+                return StagePlan(Stage.CORE, members)
             self.phase = "coda"
         # coda for the whole cohort
         items, self.cohort, self.phase = self.cohort, [], "none"
         return self._start_coda(items)
 
-    def _exited(self) -> np.ndarray:
-        """Per cohort member (all hold state rows while the cohort loops): done looping (`WorkItem.exited`)."""
-        rows, exits = rows_of(self.cohort), self.pool.exits
-        return (exits.exit_depth[rows] != 0) & ~exits.frozen[rows]
-
-    def _cohort_done(self, exited: np.ndarray) -> bool:
-        return bool(exited.all())
+    def _core_members(self) -> list[WorkItem]:
+        """The members that run this core tick, none once the cohort is done looping: those not done yet
+        (one array read for the cohort, whose members all hold state rows)."""
+        done = self.pool.exits.done(rows_of(self.cohort)).tolist()
+        return [i for i, gone in zip(self.cohort, done, strict=True) if not gone]
 
     def after_prelude(self, plan: StagePlan) -> None:
         super().after_prelude(plan)
@@ -898,10 +892,10 @@ class CDBNoRefillScheduler(CohortScheduler):
 class CBScheduler(CohortScheduler):
     keep_exited_in_batch = True
 
-    def _cohort_done(self, exited: np.ndarray) -> bool:  # full depth, whatever the exits
+    def _core_members(self) -> list[WorkItem]:  # the whole cohort, to full depth whatever the exits
         if self.cohort_depth is None:  # once per cohort (and again if it lost members), not per tick
             self.cohort_depth = max(i.seq.rule.max_loops for i in self.cohort)
-        return self.core_ticks >= self.cohort_depth
+        return list(self.cohort) if self.core_ticks < self.cohort_depth else []
 
 
 def make_scheduler(cfg: EngineConfig, kv: KVCacheManager, pool: StatePool, stats: EngineStats,
