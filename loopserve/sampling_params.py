@@ -88,6 +88,8 @@ class RequestOutputKind(enum.IntEnum):
     FINAL_ONLY = 2  # once, when the request finishes: no per-token output objects or text decoding
 
 
+OUTPUT_KINDS = (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY)  # the ones supported
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -190,9 +192,9 @@ class SamplingParams:
         if self.truncate_prompt_tokens is not None and (not is_int(self.truncate_prompt_tokens)
                                                         or self.truncate_prompt_tokens < 1):
             raise bad("truncate_prompt_tokens", "must be an integer >= 1")
-        if not is_int(self.output_kind) or self.output_kind not in (RequestOutputKind.CUMULATIVE,
-                                                                      RequestOutputKind.FINAL_ONLY):
-            raise bad("output_kind", "must be RequestOutputKind.CUMULATIVE or FINAL_ONLY (DELTA is not supported)")
+        if not is_int(self.output_kind) or self.output_kind not in OUTPUT_KINDS:
+            raise bad("output_kind", f"must be one of {', '.join(f'RequestOutputKind.{k.name}' for k in OUTPUT_KINDS)} "
+                                     "(DELTA is not supported)")
         self.output_kind = RequestOutputKind(self.output_kind)
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")

@@ -367,15 +367,17 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 
 def cmd_host(args: argparse.Namespace) -> int:
+    from loopserve.sampling_params import OUTPUT_KINDS
     from loopserve_lab.bench import host
     from loopserve_lab.bench.harness import machine_info, set_threads, write_json
     from loopserve_lab.bench.plots import plot_host
 
     set_threads(1)  # the host path is single-threaded; one intra-op thread keeps torch's pool from spinning
     kinds = tuple(args.output_kinds.split(","))
-    bad = [k for k in kinds if k not in ("cumulative", "final_only")]
+    names = [k.name.lower() for k in OUTPUT_KINDS]
+    bad = [k for k in kinds if k not in names]
     if bad:
-        raise SystemExit(f"--output-kinds: expected cumulative and/or final_only, got {bad[0]!r}")
+        raise SystemExit(f"--output-kinds: expected some of {', '.join(names)}, got {bad[0]!r}")
     points = host.run(args.widths, args.contexts, args.schedulers.split(","), progress=not args.no_progress,
                       output_kinds=kinds)
     proj = host.projection(points)
