@@ -76,7 +76,8 @@ class LLM:
         # generate() returns finished requests only: no per-token outputs (vLLM's LLM does the same)
         params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
         return make_sequence(self.model, self.tokenizer, str(index), prompt, params, seed,
-                             self.engine_config.lookahead, base_seed=self.seed)
+                             self.engine_config.lookahead, self.engine_config.num_speculative_tokens,
+                             base_seed=self.seed)
 
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,

@@ -123,6 +123,9 @@ class SamplingParams:
     exit_threshold: float | None = None
     exit_policy: str | None = None  # None: the model's own signal (Ouro gate, Huginn latent_diff)
     exit_trace: list[int] | None = None
+    # self-speculative decoding (docs/design.md §12): the most tokens this request drafts per round. None:
+    # the engine's num_speculative_tokens; 0: it never drafts. Outputs are plain decoding's either way.
+    num_speculative_tokens: int | None = None
     # structured output (vLLM's name until 0.10; the server's guided_* and response_format map to it)
     guided_decoding: GuidedDecodingParams | None = None
     # set by the engine on a request's own copy (engine/grammar.py `with_guide`), never by users: the
@@ -219,6 +222,9 @@ class SamplingParams:
             self.exit_policy = "trace"
         if self.exit_policy == "gate" and self.exit_threshold is not None and not 0 < self.exit_threshold <= 1:
             raise bad("exit_threshold", "a gate threshold is a probability in (0, 1]")
+        if self.num_speculative_tokens is not None and (not is_int(self.num_speculative_tokens)
+                                                        or self.num_speculative_tokens < 0):
+            raise bad("num_speculative_tokens", "must be an integer >= 0")
         if self.guided_decoding is not None and not isinstance(self.guided_decoding, GuidedDecodingParams):
             raise bad("guided_decoding", "must be a GuidedDecodingParams")
 

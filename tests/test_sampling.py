@@ -46,6 +46,10 @@ LOGITS = P.log() + 3.0  # a constant shift changes nothing
     ("exit_policy", {"exit_policy": "sometimes"}),
     ("exit_trace", {"exit_trace": [2, 0]}),
     ("exit_policy", {"exit_trace": [2], "exit_policy": "gate"}),
+    ("num_speculative_tokens", {"num_speculative_tokens": -1}),
+    ("num_speculative_tokens", {"num_speculative_tokens": 1.5}),
+    ("num_speculative_tokens", {"num_speculative_tokens": "2"}),
+    ("num_speculative_tokens", {"num_speculative_tokens": True}),
 ])
 def test_bad_field_is_named(field, kwargs):
     with pytest.raises(ValueError) as e:
@@ -57,7 +61,7 @@ def test_valid_params_normalise():
     p = SamplingParams(stop="END", exit_trace=[1, 2])
     assert p.stop == ["END"] and p.exit_policy == "trace"
     assert SamplingParams(temperature=0).greedy and not SamplingParams().greedy
-    SamplingParams(top_k=0, top_p=1.0, min_p=0.0, logprobs=0, max_tokens=None)  # all allowed
+    SamplingParams(top_k=0, top_p=1.0, min_p=0.0, logprobs=0, max_tokens=None, num_speculative_tokens=0)  # all allowed
 
 
 def test_request_checked_against_the_model(tiny_ouro):

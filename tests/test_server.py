@@ -639,6 +639,48 @@ def test_huginn_seeded_request_equals_llm_generate(huginn):
     assert got["token_ids"] == want.token_ids
 
 
+# -- per-request speculative decoding -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def spec_server(ouro_path, tmp_path_factory) -> Iterator[Server]:
+    """Drafts 2 tokens per round, whatever the acceptance (the tiny random model disagrees with itself)."""
+    log = tmp_path_factory.mktemp("logs") / "spec.log"
+    with run_server(ouro_path, log, "--dtype", "float64", "--kv-cache-tokens", str(KV_TOKENS), "--api-key", API_KEY,
+                    "--num-speculative-tokens", "2", "--speculative-min-acceptance", "0") as s:
+        yield s
+
+
+def test_num_speculative_tokens_field(server, spec_server, offline):
+    """vLLM-style extra field: on a server drafting 2, a request asking for 1 or 0 gets plain decoding's
+    output, and one asking for 0 drafts nothing; a negative value, more than the server drafts, or any
+    on a server that does not speculate is a 400 naming the field."""
+    prompt = "ROMEO: But soft, what light"
+    kw = dict(max_tokens=8, temperature=0.8, seed=3, ignore_eos=True)
+
+    def post(s: Server, path: str, asked) -> httpx.Response:
+        body = {"prompt": prompt} if path == C else {"messages": [{"role": "user", "content": prompt}]}
+        return httpx.post(s.url + path, json={**body, "model": MODEL, **kw, "num_speculative_tokens": asked},
+                          headers=AUTH, timeout=60)
+
+    want = offline_one(offline, prompt, **kw).outputs[0].text
+    drafts = "loopserve:spec_decode_num_draft_tokens_total"
+    for asked in (0, 1):
+        wait_idle(spec_server)
+        before = metric(spec_server, drafts, missing=0.0)
+        r = post(spec_server, C, asked)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
+        wait_idle(spec_server)
+        assert (metric(spec_server, drafts, missing=0.0) > before) == (asked > 0)
+    assert post(spec_server, H, 2).status_code == 200
+    for s, path, asked in [(spec_server, C, 3), (spec_server, H, 3), (server, C, 1), (server, H, 1),
+                           (spec_server, C, -1), (server, H, -1)]:
+        r = post(s, path, asked)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "num_speculative_tokens", r.text
+        assert err["message"].startswith("num_speculative_tokens: "), err
+        if asked > 0:
+            assert "--num-speculative-tokens" in err["message"], err
+
+
 # -- SIGTERM --------------------------------------------------------------------------------------------------------
 def test_sigterm_finishes_short_requests_and_aborts_long_ones(ouro_path, tmp_path):
     log = tmp_path / "sigterm.log"

@@ -233,16 +233,78 @@ def test_shared_layout_is_refused():
 
 def test_requests_that_cannot_draft_run_plainly(tiny_ouro, tiny_huginn):
     """Penalties and min_tokens read the tokens before each position; KL exits on a model with coda
-    layers read intermediate coda KV. Such requests decode plainly, with the same outputs."""
+    layers read intermediate coda KV; num_speculative_tokens=0 asks for no drafts. Such requests decode
+    plainly, with the same outputs."""
     cases = [(tiny_ouro, SamplingParams(temperature=0, max_tokens=8, presence_penalty=0.5)),
              (tiny_ouro, SamplingParams(temperature=0.5, max_tokens=8, min_tokens=3, seed=2)),
-             (tiny_huginn, SamplingParams(temperature=0, max_tokens=6, exit_policy="kl", exit_threshold=0.01))]
+             (tiny_huginn, SamplingParams(temperature=0, max_tokens=6, exit_policy="kl", exit_threshold=0.01)),
+             (tiny_ouro, SamplingParams(temperature=0, max_tokens=8, num_speculative_tokens=0))]
     for path, params in cases:
         engine = make_engine(path, scheduler="cdb", **SPEC)
         req = Req("x", [4, 5, 6], params, seed=3)
         outs = drive(engine, [req])
         assert engine.stats.spec_rounds == 0 and engine.stats.ticks[Stage.DRAFT] == 0
         assert_same(outs["x"], reference(engine, req))
+
+
+# -- per request: SamplingParams.num_speculative_tokens ---------------------------------------------------------
+def draft_widths(engine) -> dict[str, int]:
+    """request -> the most drafts one of its verify groups held, read from the scheduler's queues at every
+    stage batch (a group runs at least one core step, so every group is seen)."""
+    widths: dict[str, int] = {}
+
+    def hook(_record) -> None:
+        s = engine.scheduler
+        for item in (*s.prelude_q, *s.core_q, *s.coda_q, *s.coda_running):
+            if item.group is not None:
+                rid = item.seq.request_id
+                widths[rid] = max(widths.get(rid, 0), len(item.group.drafts))
+
+    engine.stage_hooks.append(hook)
+    return widths
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_per_request_draft_counts(scheduler, tiny_ouro):
+    """One batch, the engine drafting 3: a request without a setting drafts 3, one asking for 2 or 1 drafts
+    at most that, one asking for 0 never drafts; every output is plain decoding's."""
+    engine = make_engine(tiny_ouro, scheduler=scheduler, max_decode_batch=16, max_num_seqs=16, **SPEC)
+    widths = draft_widths(engine)
+    asked = {"unset": None, "zero": 0, "one": 1, "two": 2, "three": 3}
+    reqs = [Req(rid, [7 + i, 8, 9], SamplingParams(temperature=0.8 * (i % 2), seed=i, max_tokens=14, ignore_eos=True,
+                                                   num_speculative_tokens=k), seed=i)
+            for i, (rid, k) in enumerate(asked.items())]
+    outs = drive(engine, reqs)
+    for r in reqs:
+        assert_same(outs[r.rid], reference(engine, r))
+    assert widths == {"unset": 3, "one": 1, "two": 2, "three": 3}
+
+
+def test_a_request_drafts_at_most_what_it_asks_for(tiny_ouro):
+    """On an engine drafting 3, a request asking for 1 drafts exactly one token every round."""
+    engine = make_engine(tiny_ouro, scheduler="cdb", **SPEC)
+    req = Req("a", [9, 10, 11], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                               num_speculative_tokens=1), seed=0)
+    out = drive(engine, [req])["a"]
+    assert_same(out, reference(engine, req))
+    st_ = engine.stats
+    assert drafted(engine) and st_.spec_draft_tokens == st_.spec_rounds
+
+
+def test_asking_for_more_drafts_than_the_engine_is_refused(tiny_ouro):
+    """A request may ask for at most the engine's num_speculative_tokens (none when it is off); the refusal
+    names the field and the knob that turns speculation on, and nothing is admitted."""
+    for engine_k, asked in [(2, 3), (0, 1)]:
+        engine = make_engine(tiny_ouro, scheduler="cdb", num_speculative_tokens=engine_k)
+        with pytest.raises(ValueError, match=rf"^num_speculative_tokens: {asked} .*--num-speculative-tokens"):
+            engine.add_request("x", [4, 5], SamplingParams(max_tokens=4, num_speculative_tokens=asked))
+        assert not engine.requests and not engine.has_unfinished_requests()
+        engine.add_request("y", [4, 5], SamplingParams(max_tokens=4, num_speculative_tokens=engine_k))  # at most k
+        engine.add_request("z", [4, 5], SamplingParams(max_tokens=4, num_speculative_tokens=0))
+        engine.run_to_completion()
+    # the offline LLM checks the same, whatever its scheduler
+    with pytest.raises(ValueError, match="^num_speculative_tokens: 1 .*off"):
+        LLM(tiny_ouro, scheduler="reference").generate([[4, 5]], SamplingParams(max_tokens=2, num_speculative_tokens=1))
 
 
 def test_low_acceptance_and_full_batches_turn_drafting_off(tiny_ouro):

@@ -92,13 +92,23 @@ def chain_seed(seed: int, token: int) -> int:
 
 
 def make_sequence(model: LoopedLM, tokenizer: Tokenizer, request_id: str, prompt: PromptType,
-                  params: SamplingParams, seed: int, lookahead: bool, arrival_time: float | None = None,
-                  base_seed: int = 0) -> Sequence:
-    """Validate a request against the model and build its Sequence (ValueError names the bad field).
+                  params: SamplingParams, seed: int, lookahead: bool, num_speculative_tokens: int,
+                  arrival_time: float | None = None, base_seed: int = 0) -> Sequence:
+    """Validate a request against the model and the engine (`lookahead`, `num_speculative_tokens`: its
+    knobs) and build its Sequence (ValueError names the bad field).
 
     `seed` seeds sampling when the request gives none; the random initial states are seeded by the
     request's own seed, else by `base_seed` (the engine's), chained over the tokens (`Sequence.state_seed`).
     """
+    asked = params.num_speculative_tokens
+    if asked is not None and asked > num_speculative_tokens:
+        # the engine's k sizes every verify group (work items are numbered with a stride of k + 1, §12);
+        # refused rather than cut, so that the client learns what the engine does
+        why = (f"this engine drafts at most {num_speculative_tokens} tokens per round (its --num-speculative-tokens, "
+               "EngineConfig.num_speculative_tokens)" if num_speculative_tokens else
+               "speculative decoding is off in this engine: --num-speculative-tokens K "
+               "(EngineConfig.num_speculative_tokens=K) turns it on, and a request may then ask for up to K")
+        raise ValueError(f"num_speculative_tokens: {asked} asked for, but {why}")
     text, ids = parse_prompt(prompt, tokenizer)
     ids = truncate_prompt(ids, params.truncate_prompt_tokens)  # the text stays as given (vLLM)
     c = model.config

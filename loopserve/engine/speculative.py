@@ -62,10 +62,11 @@ class VerifyGroup:
 
 class Speculator:
     """Decides how many tokens a request drafts this round (0: it decodes plainly) and keeps its
-    acceptance. Requests whose sampling reads the tokens before it (penalties, `min_tokens`, a
-    grammar) never draft: verifying several positions at once would need each row's own history.
-    Nor do KL-exit requests on models with coda layers: the KL signal runs the coda every loop, so a
-    verify row would read the intermediate coda KV of the rows before it, not their final one."""
+    acceptance. Requests that ask for no drafts (`num_speculative_tokens=0`) never draft, nor do
+    those whose sampling reads the tokens before it (penalties, `min_tokens`, a grammar): verifying
+    several positions at once would need each row's own history. Nor do KL-exit requests on models
+    with coda layers: the KL signal runs the coda every loop, so a verify row would read the
+    intermediate coda KV of the rows before it, not their final one."""
 
     def __init__(self, cfg: EngineConfig, coda_kv: bool) -> None:
         self.k, self.loops = cfg.num_speculative_tokens, cfg.speculative_draft_loops
@@ -76,20 +77,22 @@ class Speculator:
 
     def eligible(self, seq: Sequence) -> bool:
         p = seq.params
-        if p.penalized or p.min_tokens or p.guided_decoding is not None:
+        if p.num_speculative_tokens == 0 or p.penalized or p.min_tokens or p.guided_decoding is not None:
             return False
         return not (self.coda_kv and seq.rule.signal == "kl")
 
     def tokens_for(self, seq: Sequence, resident: int, width: int) -> int:
         """Drafts for `seq`'s next round: none while `resident` sequences make the engine compute-bound,
         for a request that cannot or no longer should draft, or with fewer than two tokens to go;
-        else k, capped so the group fits a `width`-row batch and drafts nothing past `max_tokens`."""
+        else k (or the request's own `num_speculative_tokens`, at most k: `make_sequence` refuses more),
+        capped so the group fits a `width`-row batch and drafts nothing past `max_tokens`."""
         if resident >= self.max_batch or not self.eligible(seq):
             return 0
         if len(seq.output_ids) < self._paused.get(seq.request_id, 0):
             return 0
         left = seq.max_new - len(seq.output_ids)  # the round emits up to k + 1 of these
-        return max(0, min(self.k, width - 1, left - 1))
+        asked = seq.params.num_speculative_tokens or self.k  # unset: k (0 is not eligible)
+        return max(0, min(asked, width - 1, left - 1))
 
     def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """One round's outcome (before its tokens are appended); a request accepting under

@@ -105,6 +105,7 @@ class _SamplingFields(_Strict):
     exit_threshold: float | None = None
     exit_policy: str | None = None
     exit_trace: list[int] | None = None  # per-token exit depths to replay (benchmarks)
+    num_speculative_tokens: int | None = None  # drafts per round at most (0: none); unset: the server's
     # structured output (serve/structured.py): at most one of these
     response_format: ResponseFormat | None = None
     guided_json: str | dict[str, Any] | None = None
@@ -364,6 +365,7 @@ def sampling_params(req: _SamplingFields, *, max_tokens: int | None, logprobs: i
         min_p=0.0 if req.min_p is None else req.min_p, seed=req.seed, stop=req.stop,
         stop_token_ids=list(req.stop_token_ids or []), ignore_eos=bool(req.ignore_eos),
         skip_special_tokens=req.skip_special_tokens is not False, logprobs=logprobs, exit_trace=req.exit_trace,
+        num_speculative_tokens=req.num_speculative_tokens,
         n=1 if req.n is None else req.n,
         # a response that is not streamed needs the final output only: no per-token outputs to build and route
         output_kind=RequestOutputKind.CUMULATIVE if req.streaming else RequestOutputKind.FINAL_ONLY,
