@@ -84,11 +84,11 @@ class RequestOutputKind(enum.IntEnum):
     """When a request's outputs are reported (vLLM's enum and values)."""
 
     CUMULATIVE = 0  # after every new token, with everything so far
-    DELTA = 1  # vLLM: only what is new since the last output (not supported here)
+    DELTA = 1  # after every new token, only what is new (O(new) per output: what a stream needs)
     FINAL_ONLY = 2  # once, when the request finishes: no per-token output objects or text decoding
 
 
-OUTPUT_KINDS = (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY)  # the ones supported
+OUTPUT_KINDS = tuple(RequestOutputKind)
 
 @dataclass
 class SamplingParams:
@@ -196,8 +196,7 @@ class SamplingParams:
                                                         or self.truncate_prompt_tokens < 1):
             raise bad("truncate_prompt_tokens", "must be an integer >= 1")
         if not is_int(self.output_kind) or self.output_kind not in OUTPUT_KINDS:
-            raise bad("output_kind", f"must be one of {', '.join(f'RequestOutputKind.{k.name}' for k in OUTPUT_KINDS)} "
-                                     "(DELTA is not supported)")
+            raise bad("output_kind", f"must be one of {', '.join(f'RequestOutputKind.{k.name}' for k in OUTPUT_KINDS)}")
         self.output_kind = RequestOutputKind(self.output_kind)
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")

@@ -522,7 +522,9 @@ def test_bench_host_refuses_an_unknown_output_kind(capsys):
     from loopserve.cli import main
 
     with pytest.raises(SystemExit, match="--output-kinds"):
-        main(["bench", "host", "--output-kinds", "delta", "--no-progress"])
+        main(["bench", "host", "--output-kinds", "deltas", "--no-progress"])
+    with pytest.raises(SystemExit, match="--output-len"):
+        main(["bench", "host", "--output-len", "0", "--no-progress"])
 
 
 def test_bench_compile_times_variants_and_counts_graphs(bench_cache, single_thread):

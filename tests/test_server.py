@@ -565,7 +565,8 @@ def test_token_and_request_metrics_count_every_sample(server, client, stream):
     """n > 1: generation tokens count every sample's tokens (as usage does), and each sample is a finished
     request (vLLM counts child requests)."""
     wait_idle(server)
-    names = ("loopserve:generation_tokens_total", "loopserve:request_generation_tokens_count")
+    names = ("loopserve:generation_tokens_total", "loopserve:request_generation_tokens_count",
+             "loopserve:request_generation_tokens_sum")
     before = [metric(server, n) for n in names]
     done = metric(server, "loopserve:request_success_total", finished_reason="length")
     kw = dict(model=MODEL, prompt="two samples", max_tokens=5, n=2, temperature=0.8, seed=5,
@@ -576,8 +577,8 @@ def test_token_and_request_metrics_count_every_sample(server, client, stream):
     else:
         usage = client.completions.create(**kw).usage
     wait_idle(server)
-    tokens, samples = (metric(server, n) - b for n, b in zip(names, before, strict=True))
-    assert usage.completion_tokens == tokens == 10 and samples == 2
+    tokens, samples, per_sample = (metric(server, n) - b for n, b in zip(names, before, strict=True))
+    assert usage.completion_tokens == tokens == per_sample == 10 and samples == 2  # (streams: DELTA outputs)
     assert metric(server, "loopserve:request_success_total", finished_reason="length") - done == 2
 
 

@@ -155,9 +155,9 @@ class LLMEngine:
                 for s in seq.family:
                     self.requests.pop(s.request_id, None)
         # one output per request that got a token or finished (a request's samples share one output); a
-        # FINAL_ONLY request's only when it finished (an output copies the tokens so far and decodes text)
+        # FINAL_ONLY request's only when it finished (a CUMULATIVE output copies the tokens so far)
         heads = dict.fromkeys(s.family[0] for s in sched.appended + sched.finished)
-        outs = [h.to_output() for h in heads if h.params.output_kind == RequestOutputKind.CUMULATIVE
+        outs = [h.to_output() for h in heads if h.params.output_kind != RequestOutputKind.FINAL_ONLY
                 or h.finished and all(s.finished for s in h.family)]
         sched.appended.clear()
         sched.finished.clear()

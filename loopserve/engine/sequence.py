@@ -176,6 +176,11 @@ class Sequence:
         self._text = ""  # the text of output_ids[:_decoded] (`text` decodes the rest when read)
         self._decoded = 0
         self._detok = tokenizer.decode_stream(params.skip_special_tokens)  # incremental decoding of output_ids
+        # DELTA outputs: what earlier outputs reported (tokens, characters of text, the finish), and the
+        # characters held back while a stop string may still cut them (the longest one, less one)
+        self._sent_tokens = self._sent_chars = 0
+        self._sent_finish = self._sent_prompt_logprobs = False
+        self._hold = max(len(s) for s in params.stop) - 1 if isinstance(params.stop, list) else 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None  # the stop token id or stop string that finished it (not eos)
         self._stop_from = 0  # stop strings match from here on: the text of the first min_tokens tokens is kept
@@ -224,6 +229,8 @@ class Sequence:
 
     @text.setter
     def text(self, value: str) -> None:  # the final text (finish): nothing left to decode
+        if self._sent_chars and value[:self._sent_chars] != self._text[:self._sent_chars]:
+            self._sent_chars = len(value)  # decoding it whole changed text a DELTA output sent: send no more
         self._text, self._decoded = value, len(self.output_ids)
 
     def _decode_pending(self) -> None:
@@ -285,7 +292,7 @@ class Sequence:
         searched = len(self.text) if p.stop else 0  # the text before this token had no stop string
         self.output_ids.append(token)
         self.exit_depths.append(exit_depth)
-        if p.stop or p.output_kind == RequestOutputKind.CUMULATIVE:
+        if p.stop or p.output_kind != RequestOutputKind.FINAL_ONLY:
             self._decode_pending()  # here, where a failure fails this request alone (not the step's outputs)
         if not self._stopped(token, searched) and len(self.output_ids) >= self.max_new:
             self.finish("length")
@@ -335,28 +342,55 @@ class Sequence:
         self.metrics.finished_time = time.monotonic()
 
     def completion(self) -> CompletionOutput:
+        """Everything so far (CUMULATIVE and FINAL_ONLY outputs)."""
         return CompletionOutput(self.index, self.text, list(self.output_ids), self.logprobs, list(self.exit_depths),
                                 self.finish_reason,
                                 self.cumulative_logprob if self.params.logprobs is not None else None,
                                 stop_reason=self.stop_reason)
 
+    def delta(self) -> CompletionOutput | None:
+        """What is new since this sample's last DELTA output (None: nothing): the new tokens, their exit
+        depths and logprobs, and the new text, less the last characters a stop string may still cut
+        (sent once the request finishes). Costs O(new), not O(length)."""
+        if self._sent_finish:
+            return None
+        a, b = self._sent_tokens, len(self.output_ids)
+        text = self.text
+        ready = len(text) if self.finished else max(self._sent_chars, len(text) - self._hold)
+        if a == b and ready == self._sent_chars and not self.finished:
+            return None
+        piece = text[self._sent_chars:ready]
+        self._sent_tokens, self._sent_chars, self._sent_finish = b, max(self._sent_chars, ready), self.finished
+        return CompletionOutput(self.index, piece, self.output_ids[a:b],
+                                self.logprobs[a:b] if self.logprobs is not None else None, self.exit_depths[a:b],
+                                self.finish_reason,
+                                self.cumulative_logprob if self.params.logprobs is not None else None,
+                                stop_reason=self.stop_reason)
+
     def to_output(self) -> RequestOutput:
-        """The request's output so far (one completion per sample; finished once every sample is)."""
+        """The request's output (called on its head): everything so far, or with `output_kind` DELTA what
+        is new, one completion per sample that has something new, and the prompt logprobs in the first
+        output only (vLLM's rule). Finished once every sample is."""
         head = self.family[0]
-        if len(self.family) == 1:
-            return RequestOutput(self.request_id, self.prompt, self._prompt_ids_out, [self.completion()],
-                                 self.finished, self.metrics, self.error, self.error_status,
-                                 prompt_logprobs=self.prompt_logprobs, num_cached_tokens=self.num_cached_tokens)
-        failed = next((s for s in self.family if s.error is not None), None)
-        finished = all(s.finished for s in self.family)
-        firsts = [s.metrics.first_token_time for s in self.family if s.metrics.first_token_time is not None]
-        lasts = [s.metrics.last_token_time for s in self.family if s.metrics.last_token_time is not None]
+        if head.params.output_kind == RequestOutputKind.DELTA:
+            completions = [c for c in (s.delta() for s in head.family) if c is not None]
+            prompt_logprobs = None if head._sent_prompt_logprobs else head.prompt_logprobs
+            head._sent_prompt_logprobs = True
+        else:
+            completions, prompt_logprobs = [s.completion() for s in head.family], head.prompt_logprobs
+        if len(head.family) == 1:
+            return RequestOutput(head.request_id, head.prompt, head._prompt_ids_out, completions, head.finished,
+                                 head.metrics, head.error, head.error_status, prompt_logprobs=prompt_logprobs,
+                                 num_cached_tokens=head.num_cached_tokens)
+        failed = next((s for s in head.family if s.error is not None), None)
+        finished = all(s.finished for s in head.family)
+        firsts = [s.metrics.first_token_time for s in head.family if s.metrics.first_token_time is not None]
+        lasts = [s.metrics.last_token_time for s in head.family if s.metrics.last_token_time is not None]
         metrics = RequestMetrics(head.metrics.arrival_time, min(firsts, default=None),
-                                 max(s.metrics.finished_time or 0.0 for s in self.family) if finished else None,
-                                 sum(s.metrics.loops_run for s in self.family),
+                                 max(s.metrics.finished_time or 0.0 for s in head.family) if finished else None,
+                                 sum(s.metrics.loops_run for s in head.family),
                                  head.metrics.prefill_loops,  # the samples share the prompt's prefill
                                  last_token_time=max(lasts, default=None))
-        return RequestOutput(head.request_id, head.prompt, head._prompt_ids_out, [s.completion() for s in self.family],
-                             finished, metrics,
+        return RequestOutput(head.request_id, head.prompt, head._prompt_ids_out, completions, finished, metrics,
                              failed.error if failed else None, failed.error_status if failed else None,
-                             prompt_logprobs=head.prompt_logprobs, num_cached_tokens=head.num_cached_tokens)
+                             prompt_logprobs=prompt_logprobs, num_cached_tokens=head.num_cached_tokens)

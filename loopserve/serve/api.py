@@ -90,10 +90,10 @@ from loopserve.serve.protocol import (
     unknown_fields,
 )
 from loopserve.serve.responses import (
+    ChoiceStream,
     GroupStreamingResponse,
     LogprobFormatter,
     StreamFailed,
-    TextDelta,
     sse,
     usage_body,
 )
@@ -359,7 +359,7 @@ class OpenAIServing:
             task.cancel()
             group.abort()
         done = [o for o in finals if o is not None]
-        self.log_finished(done)
+        self.log_finished([(o, o.outputs[0].finish_reason, len(o.outputs[0].token_ids)) for o in done])
         for o in done:
             for c in o.outputs:
                 if c.finish_reason == "error":
@@ -397,14 +397,14 @@ class OpenAIServing:
             log.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s", s.request_id,
                      (s.prompt or "")[:n] if s.prompt is not None else None, s.params, s.prompt_ids[:n])
 
-    def log_finished(self, outs: list[RequestOutput]) -> None:
+    def log_finished(self, done: list[tuple[RequestOutput, str | None, int]]) -> None:
+        """(a request's last output, its first sample's finish reason and token count)."""
         if not self.settings.log_requests:
             return
-        for o in outs:
-            c = o.outputs[0]
+        for o, reason, tokens in done:
             loops = o.metrics.loops_run if o.metrics is not None else 0
             log.info("Finished request %s: %s, %d prompt + %d completion tokens, %d loops", o.request_id,
-                     c.finish_reason, len(o.prompt_token_ids), len(c.token_ids), loops)
+                     reason, len(o.prompt_token_ids), tokens, loops)
 
     def base(self, obj: str, cid: str) -> dict[str, Any]:
         return {"id": cid, "object": obj, "created": int(time.time()), "model": self.settings.model_name}
@@ -424,87 +424,99 @@ class OpenAIServing:
         outs = await self.collect(group, request)
         if outs is None:
             return Response(status_code=499)
-        choices = [self.choice(gen, i, o, c, 0, c.text, TextDelta(None)) for i, o in enumerate(outs) for c in o.outputs]
-        body = {**self.base(gen.kind.object, gen.cid), "choices": choices, "usage": usage_body(outs, gen.generated)}
+        choices = [self.choice(gen, i, o, c, ChoiceStream()) for i, o in enumerate(outs) for c in o.outputs]
+        sent = sum(len(c.token_ids) for o in outs for c in o.outputs) if gen.generated else 0
+        body = {**self.base(gen.kind.object, gen.cid), "choices": choices, "usage": usage_body(outs, sent)}
         if gen.kind.chat and gen.req.prompt_logprobs is not None:
             body["prompt_logprobs"] = self.fmt.prompt_logprobs(outs[0])
         return JSONResponse(body)
 
-    def choice(self, gen: _Generation, index: int, out: RequestOutput, c: CompletionOutput, start: int, text: str,
-               delta: TextDelta, stream: bool = False) -> dict[str, Any]:
-        """Choice `c` of request `index` of a response (`stream` false: all of it) or of a stream chunk (the
-        tokens from `start`). Choices are numbered request by request, n per request (OpenAI's order)."""
+    def choice(self, gen: _Generation, index: int, out: RequestOutput, c: CompletionOutput, d: ChoiceStream,
+               stream: bool = False) -> dict[str, Any]:
+        """Choice `c` of request `index`, whole (`stream` false) or, in a stream, what is new since its last
+        chunk (`c` is then a DELTA output's completion; `d` is what was sent of the choice before). Choices
+        are numbered request by request, n per request (OpenAI's order)."""
         finished = c.finish_reason is not None
-        end = len(c.token_ids) if gen.generated else 0
-        if not gen.generated:
-            text = ""
-        echo = out if gen.echo and not delta.echoed else None
-        delta.echoed = delta.echoed or gen.echo
+        first = not d.chunks
+        count = len(c.token_ids) if gen.generated else 0
+        text = c.text if gen.generated else ""
+        echo = out if gen.echo and not d.echoed else None
+        d.echoed = d.echoed or gen.echo
         if not gen.kind.chat:
             if echo is not None:  # the prompt first: as given, or the text of its (token ids or truncated) tokens
                 given = out.prompt if out.prompt is not None and gen.req.truncate_prompt_tokens is None else None
                 text = (given if given is not None else self.tokenizer.decode(out.prompt_token_ids)) + text
             body: dict[str, Any] = {"text": text}
-            logprobs = self.fmt.completion_logprobs(c, start, end, delta, echo)
+            logprobs = self.fmt.completion_logprobs(c, count, d, echo)
         else:
             if not stream:
                 body = {"message": {"role": "assistant", "content": text}}
             else:
                 body = {"delta": {"content": text} if text or not finished else {}}
             if gen.tools is not None:  # a forced tool call: the output is its arguments
-                body = ({"delta": gen.tools.delta(c, text, finished)} if stream else
+                body = ({"delta": gen.tools.delta(text, d.text() + text if finished else None)} if stream else
                         {"message": gen.tools.message(c)})
-            logprobs = self.fmt.chat_logprobs(c, start, end, gen.top_logprobs)
+            logprobs = self.fmt.chat_logprobs(c, count, gen.top_logprobs)
         choice = {"index": index * gen.n + c.index, **body, "logprobs": logprobs,
                   "finish_reason": (gen.tools.finish_reason(c) if gen.tools is not None else c.finish_reason)
                   if finished else None,
                   "stop_reason": c.stop_reason if finished else None,
-                  "exit_depths": list(c.exit_depths[start:end])}
-        if not gen.kind.chat and gen.req.prompt_logprobs is not None and start == 0:
+                  "exit_depths": list(c.exit_depths[:count])}
+        if not gen.kind.chat and gen.req.prompt_logprobs is not None and first:
             choice["prompt_logprobs"] = self.fmt.prompt_logprobs(out)
         if gen.req.return_token_ids:
-            choice["token_ids"] = list(c.token_ids[start:end])
-            if start == 0:
+            choice["token_ids"] = list(c.token_ids[:count])
+            if first:
                 choice["prompt_token_ids"] = list(out.prompt_token_ids)
+        d.tokens += count
+        d.chunks += 1
+        if stream and text and gen.tools is not None:
+            d.parts.append(text)  # the whole text is read once, when a tool call finishes
+        d.finish_reason = c.finish_reason
         return choice
 
     async def stream(self, gen: _Generation, group: RequestGroup) -> AsyncIterator[str]:
         """SSE chunks: (chat: the assistant role first), then for every output the choices it moved on,
-        usage if asked, [DONE]."""
+        usage if asked, [DONE]. The outputs are DELTA ones: a chunk costs what is new."""
         req, obj = gen.req, gen.kind.chunk_object
-        deltas = {(i, j): TextDelta(gen.stop) for i in range(len(gen.seqs)) for j in range(gen.n)}
+        sent = {(i, j): ChoiceStream() for i in range(len(gen.seqs)) for j in range(gen.n)}
         latest: dict[int, RequestOutput] = {}
+        prompt_logprobs: dict[int, Any] = {}  # a DELTA output carries them in a request's first output only
         usage_field: dict[str, Any] = {"usage": None} if req.include_usage else {}
         if gen.kind.chat:
             yield sse({**self.base(obj, gen.cid), "choices": [
                 {"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                 for j in range(len(gen.seqs) * gen.n)], **usage_field})
+
+        def usage() -> dict[str, Any]:
+            return usage_body(list(latest.values()), sum(d.tokens for d in sent.values()))
+
         try:
             async for i, out in group:
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[i] = out.prompt_logprobs
+                elif i in prompt_logprobs:
+                    out = dataclasses.replace(out, prompt_logprobs=prompt_logprobs[i])
                 latest[i] = out
                 choices = []
                 for c in out.outputs:
-                    d = deltas[i, c.index]
+                    d = sent[i, c.index]
                     if c.finish_reason not in (None, "stop", "length"):
                         raise StreamFailed(out.error or f"request ended: {c.finish_reason}")
-                    finished = c.finish_reason is not None
-                    if d.finished or (len(c.token_ids) == d.tokens and not finished and d.echoed == gen.echo):
+                    if d.finished or (not gen.generated and d.echoed and c.finish_reason is None):
                         continue  # nothing new for this choice
-                    text, start, _ = d.advance(c, finished)
-                    choices.append(self.choice(gen, i, out, c, start, text, d, True))
-                    d.finished = finished
+                    choices.append(self.choice(gen, i, out, c, d, True))
                 if not choices:
                     continue
                 chunk = {**self.base(obj, gen.cid), "choices": choices, **usage_field}
                 if req.include_usage and req.continuous_usage:
-                    chunk["usage"] = usage_body(list(latest.values()), gen.generated)
+                    chunk["usage"] = usage()
                 yield sse(chunk)
         except (EngineDeadError, EngineStoppedError) as e:
             raise StreamFailed(str(e)) from None
-        self.log_finished(list(latest.values()))
+        self.log_finished([(o, sent[i, 0].finish_reason, sent[i, 0].tokens) for i, o in latest.items()])
         if req.include_usage:
-            yield sse({**self.base(obj, gen.cid), "choices": [], "usage": usage_body(list(latest.values()),
-                                                                                     gen.generated)})
+            yield sse({**self.base(obj, gen.cid), "choices": [], "usage": usage()})
         yield "data: [DONE]\n\n"
 
     def new_ids(self, request: Request, kind: _Kind, n: int) -> tuple[str, list[str]]:

@@ -127,10 +127,11 @@ class _EngineCollector(Collector):
 class _Track:
     """What the metrics know of one request in flight."""
 
-    __slots__ = ("tokens", "last", "scheduled", "prompt_only")
+    __slots__ = ("tokens", "sample_tokens", "last", "scheduled", "prompt_only")
 
     def __init__(self) -> None:
-        self.tokens = 0
+        self.tokens = 0  # generated tokens counted, all samples
+        self.sample_tokens: dict[int, int] = {}  # per sample (its index): its tokens so far
         self.last = 0.0
         self.scheduled: float | None = None  # start of the first step that admitted it
         self.prompt_only = False  # echo with max_tokens 0: the token the engine runs is not part of the response
@@ -204,15 +205,16 @@ class ServerMetrics:
                 self._tracks.pop(rid, None)
 
     def observe(self, outs: list[RequestOutput]) -> None:
-        """Record a step's outputs (called on the engine thread)."""
+        """Record a step's outputs (called on the engine thread). The server's outputs are DELTA ones (a
+        stream) or one FINAL_ONLY output: either way a completion holds tokens not counted before, and a
+        sample is finished in the output whose completion first has its finish reason."""
         now = time.monotonic()
         m = self.labels
         with self._lock:
             for out in outs:
                 track = self._tracks.setdefault(out.request_id, _Track())
                 # every sample's tokens (n > 1), as usage counts them
-                n = 0 if track.prompt_only else sum(len(c.token_ids) for c in out.outputs)
-                new = n - track.tokens
+                new = 0 if track.prompt_only else sum(len(c.token_ids) for c in out.outputs)
                 if new > 0:
                     rm = out.metrics
                     if track.tokens == 0:
@@ -231,16 +233,18 @@ class ServerMetrics:
                             self.itl.labels(*m).observe(0.0)
                     self.generation_tokens.labels(*m).inc(new)
                     self.generation_total += new
-                    track.tokens, track.last = n, now
+                    track.tokens, track.last = track.tokens + new, now
+                for c in out.outputs:
+                    track.sample_tokens[c.index] = track.sample_tokens.get(c.index, 0) + len(c.token_ids)
+                    if c.finish_reason is not None:  # a sample is a request here (vLLM counts each child of n > 1)
+                        self.request_success.labels(*m, c.finish_reason).inc()
+                        self.req_gen.labels(*m).observe(0 if track.prompt_only else track.sample_tokens[c.index])
                 if out.finished:
                     self._tracks.pop(out.request_id, None)
                     self._finished(out, track, now)
 
     def _finished(self, out: RequestOutput, track: _Track, now: float) -> None:
         m = self.labels
-        for c in out.outputs:  # a sample is a request here (vLLM counts each child request of n > 1)
-            self.request_success.labels(*m, c.finish_reason or "unknown").inc()
-            self.req_gen.labels(*m).observe(0 if track.prompt_only else len(c.token_ids))
         self.req_prompt.labels(*m).observe(len(out.prompt_token_ids))
         if track.prompt_only:
             self.prompt_tokens.labels(*m).inc(len(out.prompt_token_ids))

@@ -367,8 +367,8 @@ def sampling_params(req: _SamplingFields, *, max_tokens: int | None, logprobs: i
         skip_special_tokens=req.skip_special_tokens is not False, logprobs=logprobs, exit_trace=req.exit_trace,
         num_speculative_tokens=req.num_speculative_tokens,
         n=1 if req.n is None else req.n,
-        # a response that is not streamed needs the final output only: no per-token outputs to build and route
-        output_kind=RequestOutputKind.CUMULATIVE if req.streaming else RequestOutputKind.FINAL_ONLY,
+        # a stream needs what is new per step, a response that is not streamed the final output only
+        output_kind=RequestOutputKind.DELTA if req.streaming else RequestOutputKind.FINAL_ONLY,
         prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs, **ext, **adjust)
     try:
         return SamplingParams(**kwargs)

@@ -1,5 +1,5 @@
-"""The pieces of a response that completions and chat share: the text delta a stream sends next
-(`TextDelta`), logprobs in OpenAI's two shapes (`LogprobFormatter`), `usage` (with the loop counts),
+"""The pieces of a response that completions and chat share: what a stream has sent of a choice
+(`ChoiceStream`), logprobs in OpenAI's two shapes (`LogprobFormatter`), `usage` (with the loop counts),
 SSE framing (`sse`), and the streaming response that aborts its engine requests however it ends.
 """
 
@@ -25,30 +25,25 @@ def _lp(x: float) -> float:
     return max(x, MIN_LOGPROB) if x == x else MIN_LOGPROB
 
 
-class TextDelta:
-    """What a stream has sent of one choice; hands out the next text delta and token range.
+class ChoiceStream:
+    """What has been sent of one choice: tokens, text (kept for tool calls, read once it finishes), the
+    text offset, the echoed prompt, the finish. A stream's outputs are DELTA ones (the engine holds back
+    text a stop string may still cut), so each chunk costs what is new, not the choice's length."""
 
-    Text that may still change is held back: trailing U+FFFD (an incomplete UTF-8 sequence) and,
-    with stop strings, the last len(longest stop) - 1 characters (a stop string being completed
-    is cut from the final text, so none of it may have been sent)."""
-
-    def __init__(self, stop: list[str] | None) -> None:
-        self.hold = max(len(s) for s in stop) - 1 if stop else 0
-        self.text = ""
+    def __init__(self) -> None:
+        self.chunks = 0
         self.tokens = 0
+        self.parts: list[str] = []
         self.offset = 0  # text_offset of the next token (completions logprobs)
         self.echoed = False  # completions with echo: the prompt has been sent
-        self.finished = False  # the choice's finish_reason has been sent
+        self.finish_reason: str | None = None  # sent with the choice's last chunk
 
-    def advance(self, c: CompletionOutput, finished: bool) -> tuple[str, int, int]:
-        start, self.tokens = self.tokens, len(c.token_ids)
-        ready = c.text
-        if not finished:
-            ready = ready[: max(0, len(ready) - self.hold)].rstrip("\ufffd")
-        delta = ""
-        if len(ready) > len(self.text) and ready.startswith(self.text):
-            delta, self.text = ready[len(self.text):], ready
-        return delta, start, self.tokens
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def text(self) -> str:
+        return "".join(self.parts)
 
 
 class LogprobFormatter:
@@ -58,10 +53,10 @@ class LogprobFormatter:
     def token_str(self, tid: int) -> str:
         return self.tok.decode([tid], skip_special_tokens=False)
 
-    def completion_logprobs(self, c: CompletionOutput, start: int, end: int, d: TextDelta,
+    def completion_logprobs(self, c: CompletionOutput, count: int, d: ChoiceStream,
                             echo: RequestOutput | None = None) -> dict | None:
-        """Legacy completions logprobs of tokens start..end; with `echo`, the prompt's tokens first (the
-        first has none: nothing precedes it)."""
+        """Legacy completions logprobs of c's first `count` tokens; with `echo`, the prompt's tokens first
+        (the first has none: nothing precedes it)."""
         if c.logprobs is None:
             return None
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -69,7 +64,7 @@ class LogprobFormatter:
         if echo is not None:
             scored = echo.prompt_logprobs or [None] * len(echo.prompt_token_ids)
             pairs += zip(echo.prompt_token_ids, scored, strict=True)
-        pairs += ((c.token_ids[k], c.logprobs[k]) for k in range(start, end))
+        pairs += ((c.token_ids[k], c.logprobs[k]) for k in range(count))
         for tid, entry in pairs:
             s = self.token_str(tid)
             out["tokens"].append(s)
@@ -90,11 +85,11 @@ class LogprobFormatter:
                                                      "decoded_token": v.decoded_token} for t, v in entry.items()}
                 for entry in out.prompt_logprobs]
 
-    def chat_logprobs(self, c: CompletionOutput, start: int, end: int, top: int) -> dict | None:
+    def chat_logprobs(self, c: CompletionOutput, count: int, top: int) -> dict | None:
         if c.logprobs is None:
             return None
         content = []
-        for k in range(start, end):
+        for k in range(count):
             tid, entry = c.token_ids[k], c.logprobs[k]
             s = self.token_str(tid)
             ranked = sorted(((t, v) for t, v in entry.items() if v.rank is not None and v.rank <= top),
@@ -105,14 +100,15 @@ class LogprobFormatter:
         return {"content": content}
 
 
-def usage_body(outs: list[RequestOutput], generated: bool = True) -> dict[str, Any]:
-    """`generated` false: echo with max_tokens 0 (the one token the engine ran is not sent).
-    `prompt_tokens_details.cached_tokens`: prompt tokens served from the prefix cache (OpenAI's field)."""
+def usage_body(outs: list[RequestOutput], completion_tokens: int) -> dict[str, Any]:
+    """`completion_tokens`: what the response sent (0 for echo with max_tokens 0: the one token the engine
+    ran is not sent). `prompt_tokens_details.cached_tokens`: prompt tokens served from the prefix cache
+    (OpenAI's field)."""
     prompt = sum(len(o.prompt_token_ids) for o in outs)
-    completion = sum(len(c.token_ids) for o in outs for c in o.outputs) if generated else 0
     loops = sum(o.metrics.loops_run for o in outs if o.metrics is not None)
     prefill_loops = sum(o.metrics.prefill_loops for o in outs if o.metrics is not None)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
+            "total_tokens": prompt + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)},
             "loops": loops, "prefill_loops": prefill_loops}
 

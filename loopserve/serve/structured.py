@@ -98,30 +98,32 @@ class ToolPlan:
     call_id: str = field(default_factory=lambda: new_call_id())  # a named call's
     streamed: bool = False  # a stream has sent the named call's id and name
 
-    def calls(self, c: CompletionOutput) -> list[dict[str, Any]]:
-        """The tool calls of a finished output ([] if it is not complete JSON: cut by max_tokens or a stop)."""
+    def calls(self, text: str) -> list[dict[str, Any]]:
+        """The tool calls of a finished output's text ([] if it is not complete JSON: cut by max_tokens or a
+        stop)."""
         try:
-            value = json.loads(c.text)
+            value = json.loads(text)
         except ValueError:
             return []
         if not self.required:
-            return [tool_call(self.names[0], c.text, self.call_id)]
+            return [tool_call(self.names[0], text, self.call_id)]
         return [tool_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in value]
 
     def message(self, c: CompletionOutput) -> dict[str, Any]:
         """The assistant message of a finished output: its tool calls, or its text if they are incomplete."""
-        calls = self.calls(c)
+        calls = self.calls(c.text)
         return {"role": "assistant", "content": None if calls else c.text, "tool_calls": calls}
 
-    def delta(self, c: CompletionOutput, text: str, finished: bool) -> dict[str, Any]:
-        """A stream chunk's delta: a named call's arguments as they come (its id and name first); the calls
-        of "required" once the list is complete."""
+    def delta(self, piece: str, whole: str | None) -> dict[str, Any]:
+        """A stream chunk's delta for new text `piece` (`whole`: the output's text, once it finished): a named
+        call's arguments as they come (its id and name first); the calls of "required" once the list is
+        complete."""
         if self.required:
-            calls = self.calls(c) if finished else []
+            calls = self.calls(whole) if whole is not None else []
             return {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]} if calls else {}
-        if not text:
+        if not piece:
             return {}
-        fn: dict[str, Any] = {"arguments": text}
+        fn: dict[str, Any] = {"arguments": piece}
         if self.streamed:
             return {"tool_calls": [{"index": 0, "function": fn}]}
         self.streamed = True

@@ -378,8 +378,11 @@ def cmd_host(args: argparse.Namespace) -> int:
     bad = [k for k in kinds if k not in names]
     if bad:
         raise SystemExit(f"--output-kinds: expected some of {', '.join(names)}, got {bad[0]!r}")
+    output_len = host.OUTPUT_TOKENS if args.output_len is None else args.output_len
+    if output_len < 1:
+        raise SystemExit(f"--output-len: must be >= 1, got {output_len}")
     points = host.run(args.widths, args.contexts, args.schedulers.split(","), progress=not args.no_progress,
-                      output_kinds=kinds)
+                      output_kinds=kinds, output_len=output_len)
     proj = host.projection(points)
     print(host.format_table(points))
     print()
@@ -387,7 +390,7 @@ def cmd_host(args: argparse.Namespace) -> int:
     out = args.out or DEFAULT_OUT / "host"
     data = {"command": "loopserve " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine_info(),
-            "model": "NullLM (no attention, O(rows) stages)", "output_tokens": host.OUTPUT_TOKENS,
+            "model": "NullLM (no attention, O(rows) stages)", "output_tokens": output_len,
             "points": [p.as_dict() for p in points], "projection": proj}
     write_json(out / "host.json", data)
     plot_host([p for p in data["points"] if p["output_kind"] == kinds[0]], out / "host.png",
@@ -674,8 +677,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--contexts", type=_ints, default=[128, 1024, 4096])
     p.add_argument("--schedulers", default="cb,cdb")
     p.add_argument("--output-kinds", default="cumulative",
-                   help="cumulative (an output per token: streamed responses) and/or final_only (LLM.generate, "
-                        "responses not streamed), measured side by side; the plot shows the first")
+                   help="cumulative (an output per token, everything so far), delta (an output per token, what is "
+                        "new: streamed responses) and/or final_only (LLM.generate, responses not streamed), measured "
+                        "side by side; the plot shows the first")
+    p.add_argument("--output-len", type=int, default=None,
+                   help="tokens each request generates (default: bench/host.py's OUTPUT_TOKENS, the published grid's)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_host)

@@ -127,9 +127,10 @@ class HostPoint:
                 "stages": {s: c.as_dict() for s, c in sorted(self.stages.items())}}
 
 
-def null_engine(scheduler: str, width: int, context: int, loaded: LoadedModel) -> LLMEngine:
+def null_engine(scheduler: str, width: int, context: int, loaded: LoadedModel,
+                output_len: int = OUTPUT_TOKENS) -> LLMEngine:
     block = 16
-    tokens = width * (-(-(context + OUTPUT_TOKENS + 1) // block) + 1) * block
+    tokens = width * (-(-(context + output_len + 1) // block) + 1) * block
     cfg = EngineConfig(scheduler=scheduler, max_decode_batch=width, max_num_seqs=width, block_size=block,
                        kv_cache_tokens=tokens, prefill_chunk_size=2048, max_num_batched_tokens=8192,
                        kv_safety_margin=0.0)
@@ -137,14 +138,15 @@ def null_engine(scheduler: str, width: int, context: int, loaded: LoadedModel) -
 
 
 def measure(scheduler: str, width: int, context: int, loaded: LoadedModel, seed: int = 0,
-            output_kind: str = "cumulative") -> HostPoint:
-    """`output_kind`: "cumulative" (an output per token, as a streamed response) or "final_only" (one per
-    request, as `LLM.generate` and non-streamed responses)."""
-    engine = null_engine(scheduler, width, context, loaded)
+            output_kind: str = "cumulative", output_len: int = OUTPUT_TOKENS) -> HostPoint:
+    """`output_kind`: "cumulative" (an output per token with everything so far), "delta" (an output per token
+    with what is new, as a streamed response) or "final_only" (one per request, as `LLM.generate` and
+    non-streamed responses)."""
+    engine = null_engine(scheduler, width, context, loaded, output_len)
     model = engine.model
     assert isinstance(model, NullLM)
     gen = torch.Generator().manual_seed(seed)
-    params = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0.0, ignore_eos=True, exit_policy="gate",
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True, exit_policy="gate",
                             exit_threshold=0.5, output_kind=RequestOutputKind[output_kind.upper()])
     for i in range(width):
         ids = torch.randint(1, NULL_SPEC.vocab_size, (context,), generator=gen).tolist()
@@ -173,7 +175,7 @@ def measure(scheduler: str, width: int, context: int, loaded: LoadedModel, seed:
 
 
 def run(widths: list[int], contexts: list[int], schedulers: list[str], progress: bool = True,
-        output_kinds: tuple[str, ...] = ("cumulative",)) -> list[HostPoint]:
+        output_kinds: tuple[str, ...] = ("cumulative",), output_len: int = OUTPUT_TOKENS) -> list[HostPoint]:
     points = []
     with tempfile.TemporaryDirectory() as tmp:
         loaded = load_model(make_tiny(Path(tmp) / "null", NULL_SPEC), "float32", "cpu", "zero")  # its tokenizer
@@ -183,7 +185,7 @@ def run(widths: list[int], contexts: list[int], schedulers: list[str], progress:
             for width in widths:
                 for sched in schedulers:  # side by side at each point
                     for kind in output_kinds:
-                        p = measure(sched, width, context, loaded, output_kind=kind)
+                        p = measure(sched, width, context, loaded, output_kind=kind, output_len=output_len)
                         if progress:
                             core = p.stages.get("core", StageCost()).as_dict()
                             coda = p.stages.get("coda", StageCost()).as_dict()
