@@ -90,7 +90,7 @@ def _samples(outs: list, index: int) -> list:
 
 
 @pytest.mark.parametrize("scheduler", ["cb", "cdb"])
-@pytest.mark.parametrize("stop", [None, ["e", "t "]])
+@pytest.mark.parametrize("stop", [None, [], ["e", "t "]])
 @pytest.mark.parametrize("spec", [0, 2])
 def test_delta_outputs_add_up_to_the_cumulative_output(tiny_ouro, scheduler, stop, spec):
     """Per sample (n = 2), the DELTA completions concatenate to the CUMULATIVE request's last output: text,
@@ -141,7 +141,7 @@ def test_delta_text_never_sends_what_a_stop_string_cuts(tiny_ouro, text, stops, 
     include_stop_str_in_output); multi-byte characters split across tokens come out whole."""
     tok = Tokenizer(tiny_ouro)
     ids = tok.encode(text) or [7]
-    params = SamplingParams(max_tokens=len(ids), ignore_eos=True, stop=stops or None,
+    params = SamplingParams(max_tokens=len(ids), ignore_eos=True, stop=stops,  # [] too (vLLM's default)
                             include_stop_str_in_output=include, output_kind=DELTA)
     seq = Sequence("r", None, [5], params, ExitRule("fixed", None, 1, 1), 0, tok, 4096, tok.vocab_size)
     sent = ""

@@ -122,6 +122,18 @@ def test_named_tool_choice_returns_a_tool_call(client, server, tiny_path):
     parts = [tc for chunk in stream for ch in chunk.choices for tc in ch.delta.tool_calls or ()]
     assert parts[0].function.name == "get_weather" and parts[0].id
     assert "".join(p.function.arguments or "" for p in parts) == call.function.arguments
+    # n = 2 streamed: each choice's call starts with its own id and the name
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[TIME, WEATHER], tool_choice=named,
+                                            temperature=1.0, max_tokens=200, seed=8, n=2, stream=True,
+                                            extra_body=COMPACT)
+    by_choice: dict[int, list] = {0: [], 1: []}
+    for chunk in stream:
+        for ch in chunk.choices:
+            by_choice[ch.index] += ch.delta.tool_calls or ()
+    heads = [calls[0] for calls in by_choice.values()]
+    assert [h.function.name for h in heads] == ["get_weather"] * 2 and heads[0].id != heads[1].id
+    assert all(h.id.startswith("chatcmpl-tool-") for h in heads)
+    assert all(p.id is None and p.function.name is None for calls in by_choice.values() for p in calls[1:])
     # the tools reached the chat template
     raw = _post(server, "/v1/chat/completions", {"messages": MESSAGES, "tools": [TIME, WEATHER], "max_tokens": 1,
                                                  "tool_choice": "none", "return_token_ids": True}).json()

@@ -180,7 +180,7 @@ class Sequence:
         # characters held back while a stop string may still cut them (the longest one, less one)
         self._sent_tokens = self._sent_chars = 0
         self._sent_finish = self._sent_prompt_logprobs = False
-        self._hold = max(len(s) for s in params.stop) - 1 if isinstance(params.stop, list) else 0
+        self._hold = max(len(s) for s in params.stop) - 1 if params.stop else 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None  # the stop token id or stop string that finished it (not eos)
         self._stop_from = 0  # stop strings match from here on: the text of the first min_tokens tokens is kept

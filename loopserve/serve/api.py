@@ -454,7 +454,7 @@ class OpenAIServing:
             else:
                 body = {"delta": {"content": text} if text or not finished else {}}
             if gen.tools is not None:  # a forced tool call: the output is its arguments
-                body = ({"delta": gen.tools.delta(text, d.text() + text if finished else None)} if stream else
+                body = ({"delta": gen.tools.delta(text, d.text() + text if finished else None, d)} if stream else
                         {"message": gen.tools.message(c)})
             logprobs = self.fmt.chat_logprobs(c, count, gen.top_logprobs)
         choice = {"index": index * gen.n + c.index, **body, "logprobs": logprobs,

@@ -37,6 +37,7 @@ class ChoiceStream:
         self.offset = 0  # text_offset of the next token (completions logprobs)
         self.echoed = False  # completions with echo: the prompt has been sent
         self.finish_reason: str | None = None  # sent with the choice's last chunk
+        self.call_id: str | None = None  # a named tool call's, once its first chunk is sent
 
     @property
     def finished(self) -> bool:

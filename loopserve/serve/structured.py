@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import json
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from loopserve.outputs import CompletionOutput
 from loopserve.sampling_params import GuidedDecodingParams
 from loopserve.serve.protocol import ApiError
+from loopserve.serve.responses import ChoiceStream
 
 # vLLM's request fields -> GuidedDecodingParams fields
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -95,8 +96,6 @@ class ToolPlan:
     names: list[str]  # the function forced, or every tool's
     required: bool  # "required": the output is [{"name", "parameters"}, ...]
     guide: GuidedDecodingParams
-    call_id: str = field(default_factory=lambda: new_call_id())  # a named call's
-    streamed: bool = False  # a stream has sent the named call's id and name
 
     def calls(self, text: str) -> list[dict[str, Any]]:
         """The tool calls of a finished output's text ([] if it is not complete JSON: cut by max_tokens or a
@@ -106,7 +105,7 @@ class ToolPlan:
         except ValueError:
             return []
         if not self.required:
-            return [tool_call(self.names[0], text, self.call_id)]
+            return [tool_call(self.names[0], text)]
         return [tool_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in value]
 
     def message(self, c: CompletionOutput) -> dict[str, Any]:
@@ -114,20 +113,20 @@ class ToolPlan:
         calls = self.calls(c.text)
         return {"role": "assistant", "content": None if calls else c.text, "tool_calls": calls}
 
-    def delta(self, piece: str, whole: str | None) -> dict[str, Any]:
-        """A stream chunk's delta for new text `piece` (`whole`: the output's text, once it finished): a named
-        call's arguments as they come (its id and name first); the calls of "required" once the list is
-        complete."""
+    def delta(self, piece: str, whole: str | None, sent: ChoiceStream) -> dict[str, Any]:
+        """A stream chunk's delta for one choice's new text `piece` (`whole`: its text, once it finished;
+        `sent`: what the stream sent of the choice): a named call's arguments as they come (its id and name
+        first); the calls of "required" once the list is complete."""
         if self.required:
             calls = self.calls(whole) if whole is not None else []
             return {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]} if calls else {}
         if not piece:
             return {}
         fn: dict[str, Any] = {"arguments": piece}
-        if self.streamed:
+        if sent.call_id is not None:
             return {"tool_calls": [{"index": 0, "function": fn}]}
-        self.streamed = True
-        return {"tool_calls": [{"index": 0, "id": self.call_id, "type": "function",
+        sent.call_id = new_call_id()
+        return {"tool_calls": [{"index": 0, "id": sent.call_id, "type": "function",
                                 "function": {"name": self.names[0], **fn}}]}
 
     def finish_reason(self, c: CompletionOutput) -> str | None:
