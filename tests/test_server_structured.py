@@ -141,6 +141,46 @@ def test_named_tool_choice_returns_a_tool_call(client, server, tiny_path):
     assert prompt.startswith("tools: get_time get_weather")
 
 
+@pytest.mark.parametrize("named", [True, False])
+def test_tool_call_cut_by_max_tokens_streams_as_it_answers(client, named):
+    """A forced tool call cut by max_tokens: a named call is still the call, its arguments the text so far
+    (vLLM's answer), and "required" without a complete list answers with the text as content; streamed
+    the same as not (found by a new-user trial: the stream sent nothing for "required" and a call for a
+    named function whose answer was content)."""
+    choice = {"type": "function", "function": {"name": "get_weather"}} if named else "required"
+    kw = dict(model=MODEL, messages=MESSAGES, tools=[TIME, WEATHER], tool_choice=choice, temperature=0,
+              max_tokens=4, extra_body=COMPACT)
+    done = client.chat.completions.create(**kw).choices[0]
+    assert done.finish_reason == "length"
+    chunks = [ch for chunk in client.chat.completions.create(**kw, stream=True) for ch in chunk.choices]
+    content = "".join(ch.delta.content or "" for ch in chunks)
+    calls = [tc for ch in chunks for tc in ch.delta.tool_calls or ()]
+    assert chunks[-1].finish_reason == "length"
+    if named:
+        (call,) = done.message.tool_calls
+        assert done.message.content is None and call.function.name == "get_weather" and call.function.arguments
+        assert content == "" and "".join(tc.function.arguments or "" for tc in calls) == call.function.arguments
+        assert calls[0].function.name == "get_weather"
+    else:
+        assert not done.message.tool_calls and done.message.content
+        assert calls == [] and content == done.message.content
+
+
+def test_chat_stream_sends_prompt_logprobs_once(client):
+    """prompt_logprobs on a streamed chat: the top-level field of the first chunk with tokens, as the response
+    has it (found by a new-user trial: the stream dropped it)."""
+    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=3, temperature=0,
+              extra_body={"prompt_logprobs": 1, "ignore_eos": True})
+    whole = client.chat.completions.create(**kw).model_extra["prompt_logprobs"]
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    sent = [c.model_extra["prompt_logprobs"] for c in chunks if (c.model_extra or {}).get("prompt_logprobs")]
+    assert len(sent) == 1 and whole and len(sent[0]) == len(whole)
+    for a, b in zip(sent[0], whole, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.keys() == b.keys()
+
+
 def test_required_tool_choice(client):
     done = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[TIME, WEATHER],
                                           tool_choice="required", parallel_tool_calls=False, temperature=1.0,

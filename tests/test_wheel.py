@@ -103,7 +103,7 @@ def test_wheel_installs_into_a_fresh_venv_and_demo_runs(tmp_path):
 
 
 def test_import_loads_no_extra_and_not_the_lab():
-    code = ("import json, sys; import loopserve; from loopserve import LLM, SamplingParams; "
+    code = ("import json, sys; import loopserve; from loopserve import LLM, LLMEngine, EngineConfig, SamplingParams; "
             f"print(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}} & set({list(NOT_AT_IMPORT)!r}))))")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=_env(), capture_output=True, text=True,
                        timeout=120)

@@ -482,6 +482,7 @@ class OpenAIServing:
         sent = {(i, j): ChoiceStream() for i in range(len(gen.seqs)) for j in range(gen.n)}
         latest: dict[int, RequestOutput] = {}
         prompt_logprobs: dict[int, Any] = {}  # a DELTA output carries them in a request's first output only
+        chat_prompt_sent = False
         usage_field: dict[str, Any] = {"usage": None} if req.include_usage else {}
         if gen.kind.chat:
             yield sse({**self.base(obj, gen.cid), "choices": [
@@ -509,6 +510,9 @@ class OpenAIServing:
                 if not choices:
                     continue
                 chunk = {**self.base(obj, gen.cid), "choices": choices, **usage_field}
+                if gen.kind.chat and req.prompt_logprobs is not None and not chat_prompt_sent:
+                    chunk["prompt_logprobs"] = self.fmt.prompt_logprobs(out)  # top level, as in the response
+                    chat_prompt_sent = True
                 if req.include_usage and req.continuous_usage:
                     chunk["usage"] = usage()
                 yield sse(chunk)

@@ -98,14 +98,15 @@ class ToolPlan:
     guide: GuidedDecodingParams
 
     def calls(self, text: str) -> list[dict[str, Any]]:
-        """The tool calls of a finished output's text ([] if it is not complete JSON: cut by max_tokens or a
-        stop)."""
+        """The tool calls of a finished output's text. A named call's arguments are the text as it is (vLLM's
+        answer; cut by max_tokens it is incomplete JSON, which the finish reason "length" says); "required"'s
+        list only if it is complete JSON ([] if it was cut: the text is then the message's content)."""
+        if not self.required:
+            return [tool_call(self.names[0], text)]
         try:
             value = json.loads(text)
         except ValueError:
             return []
-        if not self.required:
-            return [tool_call(self.names[0], text)]
         return [tool_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in value]
 
     def message(self, c: CompletionOutput) -> dict[str, Any]:
@@ -117,9 +118,13 @@ class ToolPlan:
         """A stream chunk's delta for one choice's new text `piece` (`whole`: its text, once it finished;
         `sent`: what the stream sent of the choice): a named call's arguments as they come (its id and name
         first); the calls of "required" once the list is complete."""
-        if self.required:
-            calls = self.calls(whole) if whole is not None else []
-            return {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]} if calls else {}
+        if self.required:  # the list once complete; cut (no complete list), the text as content, as `message`
+            if whole is None:
+                return {}
+            calls = self.calls(whole)
+            if calls:
+                return {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
+            return {"content": whole} if whole else {}
         if not piece:
             return {}
         fn: dict[str, Any] = {"arguments": piece}
