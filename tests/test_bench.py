@@ -375,8 +375,31 @@ def test_bench_throughput_end_to_end_on_two_requests(bench_cache, single_thread,
     assert refill["realized"]["decode"] == pytest.approx(refill["norm_decode"] / refill["decode_bound"])
     full = data["sweeps"]["full-depth"]["rows"]
     assert all(r["mean_exit_depth"] == 4 for r in full)
+    assert all(0 < r["overhead"]["compute"] < 1 for r in rows + full)  # model time from `TimedModel`
     assert (out / "throughput_vs_width.png").stat().st_size > 1000
     assert "CDB refill" in capsys.readouterr().out
+
+
+def test_timed_model_times_the_stages_without_touching_the_model(bench_cache, single_thread):
+    """The benchmarks' model timer wraps the model (the engine is built around the wrapper): the same tokens
+    as the bare model, time in every stage the engine called, and the model itself left as it was."""
+    from loopserve.sampling_params import SamplingParams
+    from loopserve_lab.bench.harness import BenchModel, TimedModel
+
+    bm = BenchModel.load("micro-ouro", "float32")
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, exit_policy="gate", exit_threshold=0.5)
+    timed = TimedModel(bm.model)
+    outs = {}
+    for name, engine in (("bare", bm.engine(kv_cache_tokens=256)), ("timed", bm.engine(timed=timed,
+                                                                                       kv_cache_tokens=256))):
+        engine.add_request("r", [3, 4, 5, 6], params)
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                outs[name] = (o.outputs[0].token_ids, o.outputs[0].exit_depths)
+    assert outs["bare"] == outs["timed"]
+    assert all(timed.by_stage[s] > 0 for s in ("prelude", "core_step", "coda", "gate_logit"))
+    assert timed.seconds == pytest.approx(sum(timed.by_stage.values()))
+    assert not {"prelude", "core_step", "coda", "gate_logit"} & set(vars(bm.model))  # no method replaced
 
 
 def test_ablate_overlap_compares_one_schedule_read_two_ways(bench_cache, single_thread):

@@ -20,7 +20,6 @@ time when other processes steal the cores (use `--threads 1` there).
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import platform
@@ -33,6 +32,7 @@ import torch
 
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine import LLMEngine, StageRecord
+from loopserve.models.base import LoopedLM
 from loopserve.models.loader import load_model
 from loopserve.sampling_params import SamplingParams
 from loopserve_lab.bench.presets import DEFAULT_DTYPE, resolve_model
@@ -89,8 +89,9 @@ class BenchModel:
     def name(self) -> str:
         return self.path.name
 
-    def engine(self, seed: int = 0, **cfg: Any) -> LLMEngine:
-        return LLMEngine(self.model, self.tokenizer, EngineConfig(**cfg), seed)
+    def engine(self, seed: int = 0, timed: TimedModel | None = None, **cfg: Any) -> LLMEngine:
+        """An engine on this model (`timed`: on that wrapper of it, which times the model's stages)."""
+        return LLMEngine(self.model if timed is None else timed, self.tokenizer, EngineConfig(**cfg), seed)
 
 
 def engine_kwargs_for(workload: Workload, width: int, max_num_seqs: int | None = None,
@@ -108,44 +109,54 @@ def engine_kwargs_for(workload: Workload, width: int, max_num_seqs: int | None =
     return cfg
 
 
-class ComputeTimer:
-    """Wraps the model's stage functions on the instance; `seconds` = time spent inside them."""
+class TimedModel(LoopedLM):
+    """`inner`'s stage API, timed: `seconds` (and `by_stage`) is the time spent inside its stages. A
+    benchmark builds its engine around this model (`BenchModel.engine(timed=...)`): nothing of the
+    model or the engine is replaced at run time. A stage that calls another inside `inner` (the KL
+    signal's coda) is counted once, as part of the stage the engine called."""
 
-    STAGES = ("prelude", "core_step", "coda", "gate_logit")
+    STAGES = ("prelude", "core_step", "coda", "gate_logit", "lookahead_gate_logit")
 
-    def __init__(self, model: Any, sync_cuda: bool = False) -> None:
-        self.model, self.sync = model, sync_cuda
+    def __init__(self, inner: LoopedLM, sync_cuda: bool = False) -> None:
+        super().__init__()
+        self.inner, self.sync = inner, sync_cuda
+        self.config, self.has_gate = inner.config, inner.has_gate
         self.seconds = 0.0
         self.by_stage: dict[str, float] = {s: 0.0 for s in self.STAGES}
-        self._depth = 0
 
-    def _wrap(self, name: str, fn):
-        @functools.wraps(fn)
-        def timed(*args, **kwargs):
-            self._depth += 1
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                if self.sync:
-                    torch.cuda.synchronize()
-                dt = time.perf_counter() - t0
-                self._depth -= 1
-                if self._depth == 0:  # a stage calling another is counted once
-                    self.seconds += dt
-                    self.by_stage[name] += dt
+    def _timed(self, name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if self.sync:
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            self.seconds += dt
+            self.by_stage[name] += dt
 
-        return timed
+    def prelude(self, token_ids, ctx, state_seeds=None):
+        return self._timed("prelude", self.inner.prelude, token_ids, ctx, state_seeds)
 
-    def __enter__(self) -> ComputeTimer:
-        for s in self.STAGES:
-            if hasattr(self.model, s):
-                setattr(self.model, s, self._wrap(s, getattr(self.model, s)))
-        return self
+    def core_step(self, state, inject, ctx):
+        return self._timed("core_step", self.inner.core_step, state, inject, ctx)
 
-    def __exit__(self, *exc: Any) -> None:
-        for s in self.STAGES:
-            self.model.__dict__.pop(s, None)
+    def coda(self, state, ctx, logit_rows=None):
+        return self._timed("coda", self.inner.coda, state, ctx, logit_rows)
+
+    def gate_logit(self, state):
+        return self._timed("gate_logit", self.inner.gate_logit, state)
+
+    def lookahead_gate_logit(self, state):
+        return self._timed("lookahead_gate_logit", self.inner.lookahead_gate_logit, state)
+
+    @property
+    def has_lookahead_gate(self) -> bool:
+        return self.inner.has_lookahead_gate
+
+    @property
+    def draws_random_state(self) -> bool:
+        return self.inner.draws_random_state
 
 
 class StageRecorder:
@@ -285,10 +296,11 @@ def run_offline(bm: BenchModel, workload: Workload, traces: list[list[int]] | No
     from tqdm import tqdm
 
     cfg = engine_kwargs_for(workload, width, scheduler=scheduler, **engine_overrides)
-    engine = bm.engine(seed=seed, **cfg)
-    add_workload(engine, workload, traces, rule=rule)
     cuda = str(bm.device).startswith("cuda")
     sync = cuda and sync_steps
+    timer = TimedModel(bm.model, sync)
+    engine = bm.engine(seed=seed, timed=timer, **cfg)
+    add_workload(engine, workload, traces, rule=rule)
     bar = tqdm(total=workload.output_tokens, desc=desc or f"{scheduler} w={width}", disable=not progress,
                unit="tok", leave=False)
     errors = 0
@@ -296,8 +308,7 @@ def run_offline(bm: BenchModel, workload: Workload, traces: list[list[int]] | No
     # Per step only perf_counter (vDSO, no system call): a CPU-time clock per step is a system call,
     # a preemption point on a loaded machine. CPU time is read around the whole run and around the
     # runner's prefill calls (few).
-    with torch.inference_mode(), ComputeTimer(bm.model, sync) as timer, \
-            StageRecorder(engine, keep=record_schedule) as stages:
+    with torch.inference_mode(), StageRecorder(engine, keep=record_schedule) as stages:
         seen: dict[str, int] = {}
         c0, t0 = time.process_time(), time.perf_counter()
         stages.t0 = t0
