@@ -2,7 +2,10 @@
 # The engine's device check, sized for a lent GPU (aimed at 5-7 minutes of a 15-minute lease): the CUDA
 # tests (exactness against the reference decoder on the device, and no host-device sync while
 # planning or queueing a pipelined core step), then a short CB vs CDB throughput comparison and the
-# overlap ablation (one schedule, exit signals read at once vs pipelined).
+# overlap ablation (one schedule, exit signals read at once vs pipelined), then the core step's device
+# time at Ouro-1.4B's real shapes (random weights, `ouro-1.4b-shape`: about a minute to write its 5.4 GB
+# checkpoint; each point fills a random KV store of batch x context rows on the host, so the grid stays
+# small), to set against the roofline that `bench host`'s device-idle projection assumes.
 # Uses the machine's own python3 and torch (no venv needed); results and logs go to $OUT.
 #
 #   OUT=/some/dir scripts/gpu_check.sh
@@ -21,3 +24,6 @@ $PY -m loopserve.cli bench throughput --model ouro-bench --device cuda --dtype b
     --no-progress --out "$OUT" 2>&1 | tee "$OUT/throughput.log"
 $PY -m loopserve.cli bench ablate overlap --model ouro-bench --device cuda --dtype bfloat16 --num-requests 128 \
     --width 64 --repeats 2 --no-progress --out "$OUT" 2>&1 | tee "$OUT/overlap.log"
+$PY -m loopserve.cli bench step-latency --model ouro-1.4b-shape --device cuda --dtype bfloat16 --kv-layout shared \
+    --contexts 256,1024 --batches 1,8,32,64 --reps 5 --no-progress --out "$OUT/step-latency-ouro-1.4b-shape" \
+    2>&1 | tee "$OUT/step-latency-ouro-1.4b-shape.log"

@@ -454,6 +454,19 @@ def test_step_latency_points_and_fit(bench_cache, single_thread):
     assert res["fits"][0]["context"] == 8 and all(p["latency_s"] > 0 for p in res["points"])
 
 
+def test_ouro_1_4b_shape_preset_has_the_released_shapes():
+    """The GPU check's real-size model (random weights): every shape of `theory.OURO_1_4B`, from which it is
+    derived (no weights are written here: 5.4 GB)."""
+    from loopserve.model_config import ModelConfig
+    from loopserve_lab.bench.presets import preset_config
+    from loopserve_lab.bench.theory import OURO_1_4B
+
+    c = ModelConfig.from_hf(preset_config("ouro-1.4b-shape"))
+    fields = ("arch", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "vocab_size",
+              "n_prelude", "n_core", "n_coda", "r_max", "tie_embeddings")
+    assert {f: getattr(c, f) for f in fields} == {f: getattr(OURO_1_4B, f) for f in fields}
+
+
 def test_bench_theory_cli(capsys):
     from loopserve.cli import main
 

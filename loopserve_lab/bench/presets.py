@@ -6,6 +6,7 @@ not Python, dominates an engine tick on a small CPU.
 | `ouro-bench` | Ouro, fully looped | 2 | 768 / 2048 | 2048 | 4 | 0.11 (real Ouro-1.4B: 0.08) |
 | `huginn-bench` | Huginn sandwich | 2-4-2 | 512 / 1536 | 6656 | 16 | 1.2 (as Huginn-3.5B) |
 | `micro-ouro`, `micro-huginn` | tests | 2 / 1-1-1 | 64 / 128 | 512 | 4 | - |
+| `ouro-1.4b-shape` | Ouro-1.4B's shapes (`theory.OURO_1_4B`), for a lent GPU | 24 | 2048 / 5632 | 49152 | 4 | 0.08 |
 
 `huginn-bench-0-4-0` and `huginn-bench-1-4-1` are the layer-split ablation (same core, smaller
 boundary stages). Weights are random: these models measure speed, not quality. The bench default
@@ -20,7 +21,20 @@ import json
 import os
 from pathlib import Path
 
+from loopserve.model_config import OURO, ModelConfig
+from loopserve_lab.bench.theory import OURO_1_4B
 from loopserve_lab.tiny import TinySpec, hf_config, make_tiny
+
+
+def _shapes_of(c: ModelConfig) -> TinySpec:
+    """Random weights in a released model's shapes: device step times at its real size (a 2.8 GB bf16
+    checkpoint: meant for a lent GPU, where `scripts/gpu_check.sh` uses it), never quality."""
+    ouro = c.arch == OURO
+    return TinySpec(arch="ouro" if ouro else "huginn", hidden_size=c.hidden_size, num_heads=c.num_heads,
+                    num_kv_heads=c.num_kv_heads if ouro else None, intermediate_size=c.intermediate_size,
+                    vocab_size=c.vocab_size, layers=str(c.n_core) if ouro else f"{c.n_prelude}-{c.n_core}-{c.n_coda}",
+                    r_max=c.r_max, max_position=8192, seed=0)
+
 
 PRESETS: dict[str, TinySpec] = {
     "ouro-bench": TinySpec(arch="ouro", hidden_size=768, num_heads=12, intermediate_size=2048,
@@ -35,6 +49,7 @@ PRESETS: dict[str, TinySpec] = {
                            layers="2", r_max=4, seed=0),
     "micro-huginn": TinySpec(arch="huginn", hidden_size=64, num_heads=4, intermediate_size=128, vocab_size=512,
                              layers="1-1-1", r_max=4, seed=0),
+    "ouro-1.4b-shape": _shapes_of(OURO_1_4B),
 }
 
 DEFAULT_DTYPE = "bfloat16"
