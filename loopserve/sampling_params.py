@@ -90,6 +90,7 @@ class RequestOutputKind(enum.IntEnum):
 
 OUTPUT_KINDS = tuple(RequestOutputKind)
 
+
 @dataclass
 class SamplingParams:
     n: int = 1

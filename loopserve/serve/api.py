@@ -454,8 +454,8 @@ class OpenAIServing:
             else:
                 body = {"delta": {"content": text} if text or not finished else {}}
             if gen.tools is not None:  # a forced tool call: the output is its arguments
-                body = ({"delta": gen.tools.delta(text, d.text() + text if finished else None, d)} if stream else
-                        {"message": gen.tools.message(c)})
+                whole = d.text() + text if finished and gen.tools.required else None
+                body = {"delta": gen.tools.delta(text, whole, d)} if stream else {"message": gen.tools.message(c)}
             logprobs = self.fmt.chat_logprobs(c, count, gen.top_logprobs)
         choice = {"index": index * gen.n + c.index, **body, "logprobs": logprobs,
                   "finish_reason": (gen.tools.finish_reason(c) if gen.tools is not None else c.finish_reason)
@@ -470,8 +470,8 @@ class OpenAIServing:
                 choice["prompt_token_ids"] = list(out.prompt_token_ids)
         d.tokens += count
         d.chunks += 1
-        if stream and text and gen.tools is not None:
-            d.parts.append(text)  # the whole text is read once, when a tool call finishes
+        if stream and text and gen.tools is not None and gen.tools.required:
+            d.parts.append(text)  # "required" parses the whole text once, when it finishes
         d.finish_reason = c.finish_reason
         return choice
 

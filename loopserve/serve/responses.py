@@ -26,9 +26,10 @@ def _lp(x: float) -> float:
 
 
 class ChoiceStream:
-    """What has been sent of one choice: tokens, text (kept for tool calls, read once it finishes), the
-    text offset, the echoed prompt, the finish. A stream's outputs are DELTA ones (the engine holds back
-    text a stop string may still cut), so each chunk costs what is new, not the choice's length."""
+    """What has been sent of one choice: tokens, text (kept for a "required" tool call, parsed once it
+    finishes), the text offset, the echoed prompt, the finish. A stream's outputs are DELTA ones (the
+    engine holds back text a stop string may still cut), so each chunk costs what is new, not the
+    choice's length."""
 
     def __init__(self) -> None:
         self.chunks = 0

@@ -115,9 +115,9 @@ class ToolPlan:
         return {"role": "assistant", "content": None if calls else c.text, "tool_calls": calls}
 
     def delta(self, piece: str, whole: str | None, sent: ChoiceStream) -> dict[str, Any]:
-        """A stream chunk's delta for one choice's new text `piece` (`whole`: its text, once it finished;
-        `sent`: what the stream sent of the choice): a named call's arguments as they come (its id and name
-        first); the calls of "required" once the list is complete."""
+        """A stream chunk's delta for one choice's new text `piece` (`whole`: "required"'s whole text, once it
+        finished; `sent`: what the stream sent of the choice): a named call's arguments as they come (its id
+        and name first); the calls of "required" once the list is complete."""
         if self.required:  # the list once complete; cut (no complete list), the text as content, as `message`
             if whole is None:
                 return {}
