@@ -31,6 +31,7 @@ costs exactly one extra loop; an item that reaches `max_loops` costs nothing ext
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -76,6 +77,14 @@ class ExitRule:
         """The policy's index in POLICIES (how `ExitBook` stores it)."""
         return POLICIES.index(self.policy)
 
+    @functools.cached_property
+    def row(self) -> tuple[float, ...]:
+        """The rule's constants as one table row (columns `ROW_*`): a batch of items is started with one
+        array built from these rows, not an attribute read per item and field."""
+        threshold = math.nan if self.threshold is None else self.threshold
+        return tuple(float(x) for x in (self.code, threshold, self.min_loops, self.lookahead, self.max_loops,
+                                        self.signal_code, self.decides_ahead))
+
     def target(self, decode_index: int) -> int:
         """The depth a trace rule replays for decode item `decode_index` (max_loops past the trace's end,
         and for other policies)."""
@@ -110,18 +119,23 @@ class ExitBook:
         self.target = np.zeros(rows, np.int64)
         self.stop_at = np.zeros(rows, np.int64)
 
-    def start(self, rows: np.ndarray, rules: list[ExitRule], decode_indices: list[int]) -> None:
+    def start(self, rows: np.ndarray, rules: list[ExitRule], decode_indices: np.ndarray | list[int],
+              table: np.ndarray | None = None) -> None:
         """Rows `rows` now track fresh work items under `rules` (item k fed generated token
-        `decode_indices[k]`: a trace rule replays its entry)."""
-        self.policy[rows] = [rule.code for rule in rules]
-        self.threshold[rows] = [math.nan if rule.threshold is None else rule.threshold for rule in rules]
-        self.min_loops[rows] = [rule.min_loops for rule in rules]
-        self.lookahead[rows] = [rule.lookahead for rule in rules]
+        `decode_indices[k]`: a trace rule replays its entry); `table`: the rules' `row`s, if the
+        caller has them already."""
+        table = rule_table(rules) if table is None else table
+        policy = table[:, ROW_POLICY].astype(np.int8)
+        self.policy[rows] = policy
+        self.threshold[rows] = table[:, ROW_THRESHOLD]
+        self.min_loops[rows] = table[:, ROW_MIN_LOOPS]
+        self.lookahead[rows] = table[:, ROW_LOOKAHEAD]
         self.survival[rows] = 1.0
         self.exit_depth[rows] = 0
         self.frozen[rows] = False
-        self.stop_at[rows] = [rule.max_loops for rule in rules]
-        self.target[rows] = [rule.target(k) for rule, k in zip(rules, decode_indices, strict=True)]
+        self.stop_at[rows] = self.target[rows] = table[:, ROW_MAX_LOOPS]
+        if (policy == _TRACE).any():  # replayed depths: per item
+            self.target[rows] = [rule.target(int(k)) for rule, k in zip(rules, decode_indices, strict=True)]
 
     def done(self, rows: np.ndarray) -> np.ndarray:
         """Mask of `rows` that decided to exit and are done looping (a frozen row still runs its
@@ -213,6 +227,17 @@ class ExitTracker:
 
 
 _ROW = np.zeros(1, np.int64)
+# columns of `ExitRule.row`
+ROW_POLICY, ROW_THRESHOLD, ROW_MIN_LOOPS, ROW_LOOKAHEAD, ROW_MAX_LOOPS, ROW_SIGNAL, ROW_DECIDES_AHEAD = range(7)
+_ROW_WIDTH = 7
+
+
+def rule_table(rules: list[ExitRule]) -> np.ndarray:
+    """[len(rules), 7] float64: the rules' `row`s, in one pass (no array per rule)."""
+    return np.fromiter(itertools.chain.from_iterable(rule.row for rule in rules), np.float64,
+                       len(rules) * _ROW_WIDTH).reshape(len(rules), _ROW_WIDTH)
+
+
 _GATE, _LATENT_DIFF, _KL, _TRACE, _LOOKAHEAD_GATE = (POLICIES.index(p) for p in
                                                      ("gate", "latent_diff", "kl", "trace", "lookahead_gate"))
 

@@ -35,7 +35,6 @@ from loopserve.engine.runner import (
     PendingSignals,
     Signals,
     StatePool,
-    rows_of,
 )
 from loopserve.engine.scheduler import Stage, StagePlan, make_scheduler
 from loopserve.engine.sequence import PromptType, Sequence, make_sequence
@@ -144,7 +143,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         self._model_time = 0.0
         sched = self.scheduler
-        if not sched.core_q and any(e.plan.stage is Stage.CODA for e in self._in_flight):
+        if not len(sched.core_rows) and any(e.plan.stage is Stage.CODA for e in self._in_flight):
             self._land(self._take_in_flight())  # nothing would run beside the coda: take its tokens now
         plan = sched.schedule()
         self._run(plan)
@@ -191,16 +190,16 @@ class LLMEngine:
         t1, c1 = time.perf_counter(), time.process_time()
         pending: PendingPrefill | PendingSamples | PendingSignals | PendingDrafts | None = None
         rows = generations = None
+        size = plan.size
         if plan.stage is Stage.PREFILL:
             pending = self.runner.prefill(plan.chunks)
-            size = sum(c.n for c in plan.chunks)
         else:
-            size = len(plan.items)
             if plan.stage is Stage.PRELUDE:
                 self.runner.prelude(plan.items)
             elif plan.stage is Stage.CORE:
-                rows = rows_of(plan.items)
-                generations = self.pool.generation[rows].copy()
+                assert plan.rows is not None
+                rows = plan.rows
+                generations = self.pool.generation[rows]  # (a copy: fancy indexing)
                 pending = self.runner.core(rows)
             elif plan.stage is Stage.DRAFT:
                 pending = self.runner.draft(plan.items, plan.draft_lens, self.cfg.speculative_draft_loops)

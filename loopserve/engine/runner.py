@@ -19,7 +19,7 @@ from loopserve.device import Readback, upload
 from loopserve.engine.sampler import Sample, adjust_logits, prompt_logprobs, sample_rows, unpack, unpack_prompt
 from loopserve.engine.sequence import Sequence, chain_seed
 from loopserve.engine.signals import step_signals, uniform_logprobs
-from loopserve.exits import SIGNALS, ExitBook, Signal
+from loopserve.exits import ROW_DECIDES_AHEAD, ROW_SIGNAL, SIGNALS, ExitBook, Signal, rule_table
 from loopserve.models.base import LoopedLM
 from loopserve.models.context import ForwardContext, decode_context, paged_context
 
@@ -116,6 +116,7 @@ class StatePool:
         self._free = list(range(rows - 1, -1, -1))
         self.items: list[WorkItem | None] = [None] * rows
         self.generation = np.zeros(rows, np.int64)
+        self.order = np.zeros(rows, np.int64)  # the item's creation counter (queues keep creation order)
         self.kv_slot = np.zeros(rows, np.int64)  # the token's sequence's block-table slot
         self.position = np.zeros(rows, np.int64)
         self.kv_row = np.zeros(rows, np.int64)  # physical KV row of the token
@@ -130,24 +131,30 @@ class StatePool:
     def num_free(self) -> int:
         return len(self._free)
 
-    def allocate(self, items: list[WorkItem], kv_slots: np.ndarray, kv_rows: np.ndarray) -> None:
-        """Give each item a row (its token's KV at `kv_rows`, its sequence's block-table slot `kv_slots`)."""
+    def allocate(self, items: list[WorkItem], kv_slots: np.ndarray, positions: np.ndarray,
+                 kv_rows: np.ndarray) -> None:
+        """Give each item a row (its token at `positions`, whose KV is at `kv_rows`, of the sequence in
+        block-table slot `kv_slots`)."""
+        free, slots = self._free, self.items
         for item in items:
-            item.row = self._free.pop()
-            self.items[item.row] = item
+            item.row = row = free.pop()
+            slots[row] = item
         rows = rows_of(items)
         self.generation[rows] += 1
-        self.kv_slot[rows], self.kv_row[rows] = kv_slots, kv_rows
-        self.position[rows] = [item.position for item in items]
+        self.order[rows] = [item.order for item in items]
+        self.kv_slot[rows], self.position[rows], self.kv_row[rows] = kv_slots, positions, kv_rows
         self.r[rows] = self.parity[rows] = self.signal[rows] = 0
         self.passive[rows] = False
 
-    def start_loops(self, items: list[WorkItem]) -> None:
-        """The items' preludes ran: track their exit rules from step 1."""
-        rows, rules = rows_of(items), [item.seq.rule for item in items]
-        self.exits.start(rows, rules, [item.decode_index for item in items])
-        self.signal[rows] = [rule.signal_code for rule in rules]
-        self.decides_ahead[rows] = [rule.decides_ahead for rule in rules]
+    def start_loops(self, items: list[WorkItem], rows: np.ndarray) -> None:
+        """The items' preludes ran (in state-pool rows `rows`): track their exit rules from step 1."""
+        rules = [item.seq.rule for item in items]
+        # the decode index of the token an item is fed is its position less the prompt's length
+        decode_indices = self.position[rows] - [len(item.seq.prompt_ids) for item in items]
+        table = rule_table(rules)  # one row of the rules' constants per item
+        self.exits.start(rows, rules, decode_indices, table)
+        self.signal[rows] = table[:, ROW_SIGNAL]
+        self.decides_ahead[rows] = table[:, ROW_DECIDES_AHEAD]
 
     def release(self, item: WorkItem) -> None:
         self.release_all([item])
@@ -397,8 +404,9 @@ class ModelRunner:
             inject = pool.inject[upload(torch.from_numpy(rows), self.device)]
         new = self.model.core_step(prev, inject, ctx)
         pool.state[self._state_index(rows, flip=True)] = new
-        kinds = np.where(passive, 0, pool.signal[rows])
-        present = {SIGNALS[k] for k in np.flatnonzero(np.bincount(kinds, minlength=len(SIGNALS))[1:]) + 1}
+        kinds = np.where(passive, 0, pool.signal[rows]) if writes is not None else pool.signal[rows]
+        counts = np.bincount(kinds, minlength=len(SIGNALS)).tolist()
+        present = {SIGNALS[k] for k in range(1, len(SIGNALS)) if counts[k]}
         if not present:
             return PendingSignals(kinds, None)
         kl_rows = np.flatnonzero(kinds == _KL).tolist()

@@ -68,9 +68,17 @@ class Stage(StrEnum):
 @dataclass
 class StagePlan:
     stage: Stage
-    items: list[WorkItem] = field(default_factory=list)
-    chunks: list[PrefillChunk] = field(default_factory=list)
+    items: list[WorkItem] = field(default_factory=list)  # PRELUDE, DRAFT, CODA
+    chunks: list[PrefillChunk] = field(default_factory=list)  # PREFILL
     draft_lens: list[int] = field(default_factory=list)  # DRAFT: tokens each item drafts
+    rows: np.ndarray | None = None  # CORE: the batch, as state-pool rows (no work-item objects touched)
+
+    @property
+    def size(self) -> int:
+        """Prompt tokens (prefill) or decode rows."""
+        if self.stage is Stage.PREFILL:
+            return sum(c.n for c in self.chunks)
+        return len(self.rows) if self.rows is not None else len(self.items)
 
 
 class Scheduler:
@@ -88,9 +96,12 @@ class Scheduler:
         self.prefill_pos: dict[str, int] = {}  # prompt tokens already prefilled
         self.running: dict[str, Sequence] = {}  # admitted, KV resident
         self.swapped: deque[WorkItem] = deque()  # preempted, KV on the host, item not started
-        self.prelude_q: list[WorkItem] = []  # prelude and core queues are kept in creation order (FIFO)
-        self.core_q: list[WorkItem] = []
-        self.coda_q: list[WorkItem] = []
+        self.prelude_q: list[WorkItem] = []  # kept in creation order (FIFO)
+        # The looping and the exited items, as state-pool rows (`core_q`, `coda_q`: their items): a core
+        # tick is planned, advanced and decided on these arrays, with no Python per item. core_rows is
+        # kept in creation order (the batch is its head), coda_rows in exit order.
+        self.core_rows = _NO_ROWS
+        self.coda_rows = _NO_ROWS
         self.coda_running: list[WorkItem] = []  # coda queued on the device, token not sampled yet
         # creation order of work items; a stride leaves room for a verify group's k + 1 rows to take the
         # place of the item that drafted (orders item.order + i)
@@ -156,13 +167,36 @@ class Scheduler:
         seq.pending_forks = []
         for item in [i for i in self.swapped if i.seq is seq]:
             self.swapped.remove(item)
-        items = [i for q in (self.prelude_q, self.core_q, self.coda_q, self.coda_running) for i in q if i.seq is seq]
+        queues = (self.prelude_q, self.core_q, self.coda_q, self.coda_running)
+        items = [i for q in queues for i in q if i.seq is seq]
         self._remove_items(items)
         self._discard_items(items)
         seq.finish(reason, error, keep_text=error is not None)  # the text as it was: decoding may be what failed
         self._finish(seq)
 
     # -- helpers -------------------------------------------------------------------------------------
+    @property
+    def core_q(self) -> list[WorkItem]:
+        """The looping items, in creation order."""
+        return self._items_at(self.core_rows)
+
+    @property
+    def coda_q(self) -> list[WorkItem]:
+        """The exited items waiting for their coda, in exit order."""
+        return self._items_at(self.coda_rows)
+
+    def _items_at(self, rows: np.ndarray) -> list[WorkItem]:
+        items = self.pool.items
+        return [items[r] for r in rows.tolist()]  # type: ignore[misc]  # a queued row holds its item
+
+    def _without_rows(self, queue: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """`queue` (state-pool rows) without `rows`, order kept."""
+        if not len(rows) or not len(queue):
+            return queue
+        gone = np.zeros(self.pool.rows, bool)
+        gone[rows] = True
+        return queue[~gone[queue]]
+
     def _drop_item(self, item: WorkItem) -> None:
         if item.row >= 0:
             self.pool.release(item)
@@ -256,19 +290,22 @@ class Scheduler:
         all or none; a group wider than the rows left is trimmed to them, so it never holds up the
         queue: fewer drafts are verified, the tokens are the same)."""
         taken: list[WorkItem] = []
+        rows = min(limit, self.pool.num_free)  # (no row is freed or taken in this loop)
+        capacity = self.kv.num_blocks * self.kv.block_size
         for item in list(self.prelude_q):
-            if item.group is not None and item is not item.group.items[0]:
+            group = item.group
+            if group is not None and item is not group.items[0]:
                 continue  # taken (or not) with the group's first item
             if item.seq.status is Status.SWAPPED:  # swapped out for an earlier item
                 continue
-            room = min(limit, self.pool.num_free) - len(taken)
-            if item.group is not None and len(item.group.items) > room > 0:
-                self._trim_queued_group(item.group, room)
+            room = rows - len(taken)
+            if group is not None and len(group.items) > room > 0:
+                self._trim_queued_group(group, room)
             unit = [item] if item.group is None else item.group.items
             if len(unit) > room:
                 break
             item = unit[-1]  # the group's last KV row
-            if self.kv.allocator.blocks_for(item.position + 1) > self.kv.num_blocks:
+            if item.position + 1 > capacity:
                 self.prelude_q = _without(self.prelude_q, unit)  # longer than the whole cache: it can never fit
                 item.seq.finish("error", f"sequence of {item.seq.num_tokens} tokens exceeds the KV cache "
                                          f"({self.kv.num_blocks * self.kv.block_size} tokens)", error_status=400)
@@ -279,7 +316,7 @@ class Scheduler:
         if taken:
             slots = np.fromiter((self.kv.slot(i.seq.request_id) for i in taken), np.int64, len(taken))
             positions = np.fromiter((i.position for i in taken), np.int64, len(taken))
-            self.pool.allocate(taken, slots, self.kv.block_tables.rows(slots, positions))
+            self.pool.allocate(taken, slots, positions, self.kv.block_tables.rows(slots, positions))
         return taken
 
     def _trim_queued_group(self, group: VerifyGroup, n: int) -> None:
@@ -492,11 +529,15 @@ class Scheduler:
                 self._append_token(fork, samples[fork.request_id], fork.rule.max_loops)
 
     def after_prelude(self, plan: StagePlan) -> None:
-        self.pool.start_loops(plan.items)
-        if plan.items:  # each fresh item that joins a non-empty core queue (the first may find it empty)
-            self.stats.refill_events += len(plan.items) - (0 if self.core_q else 1)
-        # both runs are in creation order: one merge (Timsort finds the runs), not an insort each
-        self.core_q = sorted(self.core_q + plan.items, key=_order)
+        rows = rows_of(plan.items)
+        self.pool.start_loops(plan.items, rows)
+        if len(rows):  # each fresh item that joins a non-empty core queue (the first may find it empty)
+            self.stats.refill_events += len(rows) - (0 if len(self.core_rows) else 1)
+        # both are in creation order; the fresh items usually all come after the looping ones
+        core, order = np.concatenate([self.core_rows, rows]), self.pool.order
+        if len(rows) and len(self.core_rows) and order[rows[0]] < order[self.core_rows[-1]]:
+            core = core[np.argsort(order[core], kind="stable")]
+        self.core_rows = core
 
     def advance_core(self, rows: np.ndarray) -> None:
         """A core step ran on the items in state-pool rows `rows`: count it, and exit the items whose
@@ -584,8 +625,9 @@ class Scheduler:
     def _remove_items(self, items: list[WorkItem]) -> None:
         """Take work items out of the decode queues (they still hold their state rows)."""
         self.prelude_q = _without(self.prelude_q, items)
-        self.core_q = _without(self.core_q, items)
-        self.coda_q = _without(self.coda_q, items)
+        rows = rows_of([i for i in items if i.row >= 0])
+        self.core_rows = self._without_rows(self.core_rows, rows)
+        self.coda_rows = self._without_rows(self.coda_rows, rows)
         self.coda_running = _without(self.coda_running, items)
 
     def _exit(self, rows: np.ndarray) -> None:
@@ -596,37 +638,40 @@ class Scheduler:
             return
         pool = self.pool
         self.kv_depth_writes.append((pool.kv_row[rows], pool.r[rows]))
-        items = [pool.items[r] for r in rows.tolist()]
+        counted = rows
         if self.speculator is not None:  # a verify row's depth counts once accepted
-            rows = rows[np.fromiter((item.group is None for item in items), bool, len(items))]  # type: ignore[union-attr]
-        counts = np.bincount(pool.exits.exit_depth[rows])
+            counted = rows[np.fromiter((item.group is None for item in self._items_at(rows)), bool, len(rows))]
+        counts = np.bincount(pool.exits.exit_depth[counted])
         for depth in np.flatnonzero(counts).tolist():
             self.stats.exit_depths[depth] += int(counts[depth])
-        self.core_q = _without(self.core_q, items)  # type: ignore[arg-type]
-        for item in items:
-            self.on_exit(item)  # type: ignore[arg-type]
+        self.core_rows = self._without_rows(self.core_rows, rows)
+        self.on_exit(rows)
 
-    def on_exit(self, item: WorkItem) -> None:
-        self.coda_q.append(item)
+    def on_exit(self, rows: np.ndarray) -> None:
+        """The items in these state-pool rows left the core queue: they wait for their coda."""
+        self.coda_rows = np.concatenate([self.coda_rows, rows])
 
     def _start_coda(self, items: list[WorkItem]) -> StagePlan:
-        self.coda_q = _without(self.coda_q, items)
+        self.coda_rows = self._without_rows(self.coda_rows, rows_of(items))
         self.coda_running += items
         return StagePlan(Stage.CODA, items)
 
     def after_coda(self, plan: StagePlan, samples: list[Sample]) -> None:
         """Append each item's sampled token (maybe a tick after the coda was queued: an item aborted
         meanwhile is skipped)."""
-        running = {id(i) for i in self.coda_running}
-        taken = [i for i in plan.items if id(i) in running]
-        self.coda_running = _without(self.coda_running, taken)
+        if self.coda_running == plan.items:  # (identity: items compare by it) the one coda in flight, whole
+            running, taken, self.coda_running = None, plan.items, []
+        else:
+            running = {id(i) for i in self.coda_running}
+            taken = [i for i in plan.items if id(i) in running]
+            self.coda_running = _without(self.coda_running, taken)
         index = {id(item): j for j, item in enumerate(plan.items)} if self.speculator is not None else {}
         rows = rows_of(taken)  # loops run and exit depths of the batch, read at once
         loops, depths = self.pool.r[rows].tolist(), self.pool.exits.exit_depth[rows].tolist()
         self.pool.release_all([i for i in taken if i.group is None])  # (a verify group's rows: in _accept)
         k = 0
         for j, item in enumerate(plan.items):
-            if id(item) not in running:
+            if running is not None and id(item) not in running:
                 continue
             k += 1
             if item.group is not None:  # a verify group runs one coda, whole (CDB holds it until then)
@@ -739,8 +784,8 @@ class Scheduler:
     def check_drained(self) -> None:
         """After the last request finished: nothing queued, every KV block and state row free."""
         self.check_invariants()
-        assert not (self.waiting or self.running or self.swapped or self.prelude_q or self.core_q
-                    or self.coda_q or self.coda_running), "queues not empty"
+        assert not (self.waiting or self.running or self.swapped or self.prelude_q or len(self.core_rows)
+                    or len(self.coda_rows) or self.coda_running), "queues not empty"
         assert not self.kv.tables and self.kv.num_free == self.kv.num_blocks, "KV blocks still held"
         assert self.pool.num_free == self.pool.rows, "state rows still held"
         assert self.stats.useful_core_rows == self.retired_loops
@@ -748,6 +793,9 @@ class Scheduler:
 
 def _order(item: WorkItem) -> int:
     return item.order
+
+
+_NO_ROWS = np.zeros(0, np.int64)
 
 
 def _without(queue: list[WorkItem], items: list[WorkItem]) -> list[WorkItem]:
@@ -766,16 +814,16 @@ class CDBScheduler(Scheduler):
         chunks = self._take_prefill() if self.waiting else []
         if chunks:
             return StagePlan(Stage.PREFILL, chunks=chunks)
-        if self.prelude_q and len(self.core_q) < width:
-            plan = self._draft_plan(width - len(self.core_q))
+        if self.prelude_q and len(self.core_rows) < width:
+            plan = self._draft_plan(width - len(self.core_rows))
             if plan is not None:
                 return plan
-            items = self._take_preludes(width - len(self.core_q))
+            items = self._take_preludes(width - len(self.core_rows))
             if items:
                 return StagePlan(Stage.PRELUDE, items)
-        if self.core_q:
-            return StagePlan(Stage.CORE, self.core_q[:width])
-        if ready:
+        if len(self.core_rows):
+            return StagePlan(Stage.CORE, rows=self.core_rows[:width])
+        if len(ready):
             return self._coda_plan(ready)
         return StagePlan(Stage.IDLE)
 
@@ -785,7 +833,7 @@ class CDBScheduler(Scheduler):
         without a tick of its own."""
         if plan.stage not in (Stage.CODA, Stage.PREFILL, Stage.DRAFT) or not self.prelude_q:
             return None
-        width = self.cfg.max_decode_batch - len(self.core_q)
+        width = self.cfg.max_decode_batch - len(self.core_rows)
         if width <= 0:
             return None
         draft = self._draft_plan(width) if plan.stage is not Stage.DRAFT else None
@@ -796,17 +844,20 @@ class CDBScheduler(Scheduler):
 
     def check_invariants(self) -> None:
         super().check_invariants()
-        assert len(self.core_q) <= self.cfg.max_decode_batch, "core batch wider than max_decode_batch"
+        assert len(self.core_rows) <= self.cfg.max_decode_batch, "core batch wider than max_decode_batch"
 
-    def _ready_for_coda(self) -> list[WorkItem]:
-        """The coda queue's items but those of verify groups some of whose rows still loop (a group
+    def _ready_for_coda(self) -> np.ndarray:
+        """The coda queue's rows but those of verify groups some of whose rows still loop (a group
         runs one coda: its rows' coda KV and the acceptance are decided together)."""
         if self.speculator is None:
-            return self.coda_q
-        return [i for i in self.coda_q if i.group is None or i.group.exited]
+            return self.coda_rows
+        ready = [i.group is None or i.group.exited for i in self.coda_q]
+        return self.coda_rows[np.array(ready, bool)]
 
-    def _coda_plan(self, ready: list[WorkItem]) -> StagePlan:
-        items = sorted(ready, key=_order)[: self.cfg.max_decode_batch]
+    def _coda_plan(self, ready: np.ndarray) -> StagePlan:
+        """The first `max_decode_batch` of the ready rows in creation order."""
+        rows = ready[np.argsort(self.pool.order[ready], kind="stable")][: self.cfg.max_decode_batch]
+        items = self._items_at(rows)
         cut = items[-1].group
         if cut is not None and items[-1] is not cut.items[-1]:  # never part of a group (it fits a batch whole)
             items = [i for i in items if i.group is not cut]
@@ -822,6 +873,7 @@ class CohortScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         self.cohort: list[WorkItem] = []
         self.cohort_depth: int | None = None  # CB: the loops the cohort runs (its deepest member's max_loops)
+        self.cohort_rows: np.ndarray | None = None  # the members' state rows (computed once per cohort)
         self.phase = "none"
         self.core_ticks = 0
 
@@ -839,40 +891,45 @@ class CohortScheduler(Scheduler):
             self.cohort = self._take_preludes(self.cfg.max_decode_batch)
             if not self.cohort:
                 return StagePlan(Stage.IDLE)
-            self.phase, self.core_ticks, self.cohort_depth = "prelude", 0, None
+            self.phase, self.core_ticks, self.cohort_depth, self.cohort_rows = "prelude", 0, None, None
             return StagePlan(Stage.PRELUDE, list(self.cohort))
         if self.phase == "core":
             members = self._core_members()
-            if members:
+            if len(members):
                 self.core_ticks += 1
-                return StagePlan(Stage.CORE, members)
+                return StagePlan(Stage.CORE, rows=members)
             self.phase = "coda"
         # coda for the whole cohort
-        items, self.cohort, self.phase = self.cohort, [], "none"
+        items, self.cohort, self.cohort_rows, self.phase = self.cohort, [], None, "none"
         return self._start_coda(items)
 
-    def _core_members(self) -> list[WorkItem]:
-        """The members that run this core tick, none once the cohort is done looping: those not done yet
-        (one array read for the cohort, whose members all hold state rows)."""
-        done = self.pool.exits.done(rows_of(self.cohort)).tolist()
-        return [i for i, gone in zip(self.cohort, done, strict=True) if not gone]
+    def _members(self) -> np.ndarray:
+        """The cohort's state rows (its members hold rows from their prelude to their coda)."""
+        if self.cohort_rows is None:
+            self.cohort_rows = rows_of(self.cohort)
+        return self.cohort_rows
+
+    def _core_members(self) -> np.ndarray:
+        """The rows that run this core tick, none once the cohort is done looping: those not done yet."""
+        rows = self._members()
+        return rows[~self.pool.exits.done(rows)]
 
     def after_prelude(self, plan: StagePlan) -> None:
         super().after_prelude(plan)
         self.phase = "core"
 
-    def on_exit(self, item: WorkItem) -> None:
-        super().on_exit(item)
+    def on_exit(self, rows: np.ndarray) -> None:
+        super().on_exit(rows)
         if self.keep_exited_in_batch:
-            self.pool.passive[item.row] = True
+            self.pool.passive[rows] = True
 
     def _remove_items(self, items: list[WorkItem]) -> None:
         super()._remove_items(items)
-        self.cohort, self.cohort_depth = _without(self.cohort, items), None
+        self.cohort, self.cohort_depth, self.cohort_rows = _without(self.cohort, items), None, None
 
     def _stop(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         super()._stop(seq, reason, error)
-        self.cohort, self.cohort_depth = [i for i in self.cohort if i.seq is not seq], None
+        self.cohort, self.cohort_depth, self.cohort_rows = [i for i in self.cohort if i.seq is not seq], None, None
         if not self.cohort and self.phase != "none":
             self.phase = "none"
 
@@ -892,10 +949,10 @@ class CDBNoRefillScheduler(CohortScheduler):
 class CBScheduler(CohortScheduler):
     keep_exited_in_batch = True
 
-    def _core_members(self) -> list[WorkItem]:  # the whole cohort, to full depth whatever the exits
+    def _core_members(self) -> np.ndarray:  # the whole cohort, to full depth whatever the exits
         if self.cohort_depth is None:  # once per cohort (and again if it lost members), not per tick
             self.cohort_depth = max(i.seq.rule.max_loops for i in self.cohort)
-        return list(self.cohort) if self.core_ticks < self.cohort_depth else []
+        return self._members() if self.core_ticks < self.cohort_depth else _NO_ROWS
 
 
 def make_scheduler(cfg: EngineConfig, kv: KVCacheManager, pool: StatePool, stats: EngineStats,
