@@ -26,10 +26,10 @@ class ForwardContext:
     positions: torch.Tensor  # [N] absolute positions of the rows
     write_rows: torch.Tensor  # [N] physical KV rows of the rows' own tokens
     depth: torch.Tensor  # [N] loop depth being computed (1-based); unused outside the core
-    seg_starts: list[int]  # row index where each segment starts (+ N at the end)
+    segments: list[int] | None  # row index where each segment starts (+ N at the end); None: a row each
     tables: BlockTables  # block tables the segments' keys are read through
     seg_slots: torch.Tensor  # [S] each segment's row in `tables` (on the device)
-    seg_key_lens: list[int]  # keys each segment attends to (its last position + 1), known on the host
+    seg_key_lens: np.ndarray  # [S] keys each segment attends to (its last position + 1), on the host
     cache: dict = field(default_factory=dict)  # values derived on first use (rotary angles, key rows)
 
     @property
@@ -37,33 +37,42 @@ class ForwardContext:
         return int(self.positions.shape[0])
 
     @property
+    def seg_starts(self) -> list[int]:
+        """Row index where each segment starts (+ N at the end). A decode context (a row per segment)
+        holds no such list: nothing on its path reads one."""
+        return list(range(self.num_rows + 1)) if self.segments is None else self.segments
+
+    @property
     def one_row_segments(self) -> bool:
-        return len(self.seg_starts) - 1 == self.num_rows
+        return self.segments is None or len(self.segments) - 1 == self.num_rows
 
     @property
     def seg_keys(self) -> torch.Tensor:
         """[S, Lk] physical KV rows of positions 0..Lk-1 of each segment's sequence (Lk: the longest
         segment's key count). Computed on the device from the block tables when attention first asks."""
         if "keys" not in self.cache:
-            self.cache["keys"] = self.tables.key_rows(self.seg_slots, max(self.seg_key_lens))
+            self.cache["keys"] = self.tables.key_rows(self.seg_slots, int(self.seg_key_lens.max()))
         return self.cache["keys"]
 
     def with_depth(self, depth: torch.Tensor) -> ForwardContext:
-        return ForwardContext(self.kv, self.layout, self.positions, self.write_rows, depth, self.seg_starts,
+        return ForwardContext(self.kv, self.layout, self.positions, self.write_rows, depth, self.segments,
                               self.tables, self.seg_slots, self.seg_key_lens, self.cache)
 
     def select(self, rows: list[int]) -> ForwardContext:
         """Sub-batch of whole segments given by row indices (used when some rows stop looping)."""
-        keep = set(rows)
-        starts, seg_ids = [0], []
-        for s in range(len(self.seg_starts) - 1):
-            a, b = self.seg_starts[s], self.seg_starts[s + 1]
-            if a in keep:
-                seg_ids.append(s)
-                starts.append(starts[-1] + (b - a))
+        if self.segments is None:  # a row per segment
+            starts, seg_ids = None, rows
+        else:
+            keep = set(rows)
+            starts, seg_ids = [0], []
+            for s in range(len(self.segments) - 1):
+                a, b = self.segments[s], self.segments[s + 1]
+                if a in keep:
+                    seg_ids.append(s)
+                    starts.append(starts[-1] + (b - a))
         idx, segs = upload(rows, self.positions.device), upload(seg_ids, self.positions.device)
         return ForwardContext(self.kv, self.layout, self.positions[idx], self.write_rows[idx], self.depth[idx],
-                              starts, self.tables, self.seg_slots[segs], [self.seg_key_lens[i] for i in seg_ids])
+                              starts, self.tables, self.seg_slots[segs], self.seg_key_lens[seg_ids])
 
 
 @dataclass
@@ -101,8 +110,7 @@ def paged_context(kv: KVStore, layout: KVLayout, tables: BlockTables, segments: 
     tables.sync()
     pos = np.concatenate([np.arange(st, st + n) for st, n in zip(starts, counts, strict=True)])
     writes = tables.rows(np.repeat(slots, counts), pos) if write_rows is None else write_rows
-    return _context(kv, layout, tables, slots, pos, writes, depth, [0, *np.cumsum(counts).tolist()],
-                    (starts + counts).tolist())
+    return _context(kv, layout, tables, slots, pos, writes, depth, [0, *np.cumsum(counts).tolist()], starts + counts)
 
 
 def decode_context(kv: KVStore, layout: KVLayout, tables: BlockTables, slots: np.ndarray, positions: np.ndarray,
@@ -112,12 +120,11 @@ def decode_context(kv: KVStore, layout: KVLayout, tables: BlockTables, slots: np
     table slot `slots[i]` (arrays; nothing here loops over rows in Python)."""
     tables.sync()
     writes = tables.rows(slots, positions) if write_rows is None else write_rows
-    n = len(positions)
-    return _context(kv, layout, tables, slots, positions, writes, depth, list(range(n + 1)), (positions + 1).tolist())
+    return _context(kv, layout, tables, slots, positions, writes, depth, None, positions + 1)
 
 
 def _context(kv: KVStore, layout: KVLayout, tables: BlockTables, slots: np.ndarray, pos: np.ndarray, writes,
-             depth, seg_starts: list[int], key_lens: list[int]) -> ForwardContext:
+             depth, seg_starts: list[int] | None, key_lens: np.ndarray) -> ForwardContext:
     dev = kv.k.device
     w = torch.as_tensor(writes, dtype=torch.long)
     d = torch.ones(len(pos), dtype=torch.long) if depth is None else torch.as_tensor(depth, dtype=torch.long)

@@ -88,7 +88,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Forw
     outs = []
     for s in range(len(ctx.seg_starts) - 1):  # prefill: one sequence's chunk per segment
         a, b = ctx.seg_starts[s], ctx.seg_starts[s + 1]
-        lk = ctx.seg_key_lens[s]
+        lk = int(ctx.seg_key_lens[s])
         keys = ctx.seg_keys[s, :lk]
         slot, visible = slots(keys, ctx.depth[a])
         mask = visible[None, :] & (torch.arange(lk, device=keys.device)[None, :] <= ctx.positions[a:b, None])
