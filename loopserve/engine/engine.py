@@ -143,6 +143,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         self._model_time = 0.0
         sched = self.scheduler
+        tokens = self.stats.generated_tokens
         if not len(sched.core_rows) and any(e.plan.stage is Stage.CODA for e in self._in_flight):
             self._land(self._take_in_flight())  # nothing would run beside the coda: take its tokens now
         plan = sched.schedule()
@@ -154,13 +155,13 @@ class LLMEngine:
                 for s in seq.family:
                     self.requests.pop(s.request_id, None)
         # one output per request that got a token or finished (a request's samples share one output); a
-        # FINAL_ONLY request's only when it finished (a CUMULATIVE output copies the tokens so far)
+        # FINAL_ONLY request's only when it finished (`appended` lists none of those)
         heads = dict.fromkeys(s.family[0] for s in sched.appended + sched.finished)
         outs = [h.to_output() for h in heads if h.params.output_kind != RequestOutputKind.FINAL_ONLY
                 or h.finished and all(s.finished for s in h.family)]
         sched.appended.clear()
         sched.finished.clear()
-        if plan.stage is Stage.IDLE and not heads and sched.has_work():
+        if plan.stage is Stage.IDLE and not heads and self.stats.generated_tokens == tokens and sched.has_work():
             raise RuntimeError("scheduler made no progress with work pending (a bug: please report)")
         return outs
 

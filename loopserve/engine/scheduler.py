@@ -50,6 +50,7 @@ from loopserve.engine.speculative import Speculator, VerifyGroup
 from loopserve.engine.stats import EngineStats
 from loopserve.errors import NonFiniteError
 from loopserve.exits import Signal
+from loopserve.sampling_params import RequestOutputKind
 
 log = logging.getLogger("loopserve.engine")
 
@@ -107,7 +108,7 @@ class Scheduler:
         # place of the item that drafted (orders item.order + i)
         self._orders = itertools.count(0, 1 + cfg.num_speculative_tokens)
         self.finished: list[Sequence] = []  # finished since the last drain (the engine reports them)
-        self.appended: list[Sequence] = []  # got a token since the last drain (the engine streams them)
+        self.appended: list[Sequence] = []  # got a token since the last drain and streams (not FINAL_ONLY)
         self.retired_loops = 0  # decode loops of finished requests (bookkeeping check)
         self.prefilling: set[str] = set()  # prompts with a chunk queued whose result is not read yet
         self.kv_depth_writes: list[tuple[np.ndarray, np.ndarray]] = []  # (KV rows, depths) of tokens that exited
@@ -720,7 +721,8 @@ class Scheduler:
         except Exception as e:
             self.fail(seq, e)
             return False
-        self.appended.append(seq)
+        if seq.params.output_kind != RequestOutputKind.FINAL_ONLY:  # (the others report when they finish)
+            self.appended.append(seq)
         self.stats.generated_tokens += 1
         if seq.finished:
             self._finish(seq)
