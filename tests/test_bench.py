@@ -549,9 +549,27 @@ def test_bench_host_times_decode_ticks_of_a_null_model(bench_cache, single_threa
             assert stages["core"]["mean_rows"] == width and stages["core"]["ticks"] == 4 * stages["coda"]["ticks"]
         else:
             assert stages["core"]["mean_rows"] < width  # tokens left the batch at their exits
-    assert len(data["projection"]) == 2 * 2 * 2  # CDB points x models x devices
-    assert all(0 <= r["idle_overlapped"] <= r["idle_serial"] < 1 for r in data["projection"])
+    assert len(data["projection"]) == 4 * 2 * 2  # points (one output kind) x models x devices
+    assert all(0 <= r["idle_pipelined"] <= r["idle_serial"] < 1 for r in data["projection"])
     assert (out / "host.png").is_file()
+
+
+def test_bench_host_projection_replays_the_ticks():
+    """The device-idle projection by hand for two ticks: a core tick, then a coda tick with its preludes;
+    serial idle is host / (host + device), pipelined counts only the host time the device waits for."""
+    from loopserve_lab.bench import host
+    from loopserve_lab.bench.theory import DEVICES, OURO_1_4B, step_time_estimate
+
+    def t(stage, rows):
+        return step_time_estimate(OURO_1_4B, DEVICES["h200"], rows, 512, stage=stage).time_s
+
+    d_core, d_coda = t("core", 64), t("coda", 20) + t("prelude", 20)
+    h_core, h_coda = 0.5 * d_core, d_core + 0.001  # the coda tick's host work outlasts the core step
+    point = host.HostPoint("cdb", 64, 512, ticks=[(h_core, [("core", 64)]), (h_coda, [("coda", 20), ("prelude", 20)])])
+    (row,) = [r for r in host.projection([point]) if r["model"] == "ouro-1.4b" and r["device"] == "h200"]
+    assert row["device_us_per_tick"] == pytest.approx(1e6 * (d_core + d_coda) / 2)
+    assert row["idle_serial"] == pytest.approx((h_core + h_coda) / (h_core + h_coda + d_core + d_coda))
+    assert row["idle_pipelined"] == pytest.approx(0.001 / (d_core + d_coda + 0.001))
 
 
 def test_bench_host_refuses_an_unknown_output_kind(capsys):

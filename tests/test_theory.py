@@ -25,7 +25,6 @@ from loopserve_lab.bench.theory import (
     Device,
     StageFlops,
     bytes_per_element,
-    core_step_time_estimate,
     cpu_probe,
     flop_bound,
     format_report,
@@ -35,6 +34,7 @@ from loopserve_lab.bench.theory import (
     param_counts,
     realized_fraction,
     stage_flops,
+    step_time_estimate,
     theory_report,
 )
 from loopserve_lab.bench.theory import HUGINN_0125 as HUGINN_35B
@@ -307,21 +307,21 @@ def test_core_step_estimate_ouro_h100():
     weight_bytes = 2 * (24 * O_BLOCK + 2048 + 2049)  # bf16 core-step params
     floor = weight_bytes / 3.35e12
     row_compute = O_FR / 989e12
-    e0 = core_step_time_estimate(OURO_14B, H100_SXM, batch=1, context=0)
+    e0 = step_time_estimate(OURO_14B, H100_SXM, batch=1, context=0)
     assert e0.weight_bytes == weight_bytes
     assert e0.floor_s == pytest.approx(floor)
     assert e0.limited_by == "memory" and e0.time_s == pytest.approx(floor)
     assert e0.b_star_weights == pytest.approx(floor / row_compute)
     assert e0.b_star_linear == pytest.approx(e0.b_star_weights)  # no KV term at context 0
     assert 250 < e0.b_star_weights < 300  # ~ the ridge point: params ~ FLOPs / 2, bytes = 2 x params
-    big = core_step_time_estimate(OURO_14B, H100_SXM, batch=10_000, context=0)
+    big = step_time_estimate(OURO_14B, H100_SXM, batch=10_000, context=0)
     assert big.limited_by == "compute"
     assert big.time_s == pytest.approx(10_000 * row_compute)
 
     c = 1024
     row_flops = O_FR + 24 * 2 * 2 * 16 * 128 * c
     row_kv = c * 196_608 / 3.35e12
-    e = core_step_time_estimate(OURO_14B, H100_SXM, batch=32, context=c)
+    e = step_time_estimate(OURO_14B, H100_SXM, batch=32, context=c)
     slope = row_flops / 989e12 + row_kv
     assert e.slope_s == pytest.approx(slope)
     assert e.memory_s == pytest.approx(floor + 32 * row_kv)
@@ -334,10 +334,26 @@ def test_core_step_estimate_huginn_h100():
     weight_bytes = 2 * (H_ADAPTER + 4 * H_BLOCK)
     c = 1024
     slope = (H_FR + 4 * 2 * 2 * 55 * 96 * c) / 989e12 + c * 4 * 2 * 5280 * 2 / 3.35e12
-    e = core_step_time_estimate(HUGINN_35B, H100_SXM, batch=1, context=c)
+    e = step_time_estimate(HUGINN_35B, H100_SXM, batch=1, context=c)
     assert e.b_star_linear == pytest.approx(weight_bytes / 3.35e12 / slope)
     assert 30 < e.b_star_linear < 37  # docs/design.md §7.3: B* ~ 34
 
+
+def test_prelude_and_coda_step_estimates():
+    """The other stages' rooflines: Ouro's prelude (an embedding lookup) costs nothing and its coda is
+    the LM head alone; Huginn's coda reads two blocks, ln_f and the tied head, and its layers' KV."""
+    assert step_time_estimate(OURO_14B, H100_SXM, batch=64, context=512, stage="prelude").time_s == 0
+    head = 49152 * 2048
+    e = step_time_estimate(OURO_14B, H100_SXM, batch=8, context=512, stage="coda")
+    assert e.weight_bytes == 2 * head and e.kv_bytes_per_row == 0  # no coda layers: no KV read
+    assert e.time_s == pytest.approx(max(8 * 2 * head / 989e12, 2 * head / 3.35e12))
+    c = 1024
+    e = step_time_estimate(HUGINN_35B, H100_SXM, batch=4, context=c, stage="coda")
+    assert e.weight_bytes == 2 * (2 * H_BLOCK + 5280 + 65536 * 5280)
+    assert e.kv_bytes_per_row == c * 2 * 2 * 55 * 96 * 2  # 2 layers, K and V, 55 heads x 96, bf16
+    assert e.stage == "coda"
+    with pytest.raises(ValueError, match="stage"):
+        step_time_estimate(HUGINN_35B, H100_SXM, batch=4, context=c, stage="loop")
 
 def test_cpu_probe():
     dev = cpu_probe(seconds=0.2, matmul_size=256, copy_mib=16)

@@ -14,12 +14,14 @@ every decode tick (`engine.step()`), wall and process CPU clock, grouped by the 
 planned for (a coda tick includes the preludes of the tokens it sampled, which CDB refill runs in
 the same tick).
 
-The projection of device idle (clearly a projection, nothing ran on a GPU): a core tick's host
-time on this CPU against the roofline time of one core step of Ouro-1.4B / Huginn-0125 on an H100
-or H200 at the same width and context (`theory.core_step_time_estimate`). Two bounds: `serial` (the
-host builds tick t+1 only after tick t finished: idle = host / (host + device)) and `overlapped`
-(perfect pipelining: the device idles only when the host is slower, idle = max(0, host - device) /
-max(host, device)).
+The projection of device idle (clearly a projection, nothing ran on a GPU) replays the measured run
+tick by tick: each tick's host time on this CPU against the roofline time its stage batches would take
+on an H100 or H200 for Ouro-1.4B / Huginn-0125 at the same rows and context
+(`theory.step_time_estimate`: a core step, and a coda tick's coda plus the preludes that run in it).
+Two schedules: `serial` (the host works only while the device waits: idle = host / (host + device),
+what a step whose results are read at once costs) and `pipelined` (one tick deep, as the engine runs
+pipelined core steps and async codas: while the device runs tick t the host does tick t+1's work, so
+the device idles max(0, host[t+1] - device[t]) after tick t).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from loopserve.model_config import ModelConfig
 from loopserve.models.base import LoopedLM
 from loopserve.models.loader import LoadedModel, load_model
 from loopserve.sampling_params import RequestOutputKind, SamplingParams
-from loopserve_lab.bench.theory import DEVICES, HUGINN_0125, OURO_1_4B, core_step_time_estimate
+from loopserve_lab.bench.theory import DEVICES, HUGINN_0125, OURO_1_4B, step_time_estimate
 from loopserve_lab.tiny import TinySpec, make_tiny
 
 NULL_SPEC = TinySpec(arch="ouro", hidden_size=8, num_heads=1, intermediate_size=16, vocab_size=512, layers="1",
@@ -119,6 +121,8 @@ class HostPoint:
     output_kind: str = "cumulative"
     stages: dict[str, StageCost] = field(default_factory=dict)
     mean_exit_depth: float = 0.0
+    # every decode tick in order: (host seconds, [(stage, rows) of each batch it ran]); for the projection
+    ticks: list[tuple[float, list[tuple[str, int]]]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return {"scheduler": self.scheduler, "width": self.width, "context": self.context,
@@ -169,6 +173,7 @@ def measure(scheduler: str, width: int, context: int, loaded: LoadedModel, seed:
             cost.wall_s += wall
             cost.cpu_s += cpu
             cost.null_s += null
+            point.ticks.append((cpu - null, [(str(r.stage), r.rows) for r in records]))
     depths = engine.stats.exit_depths
     point.mean_exit_depth = sum(d * c for d, c in depths.items()) / max(sum(depths.values()), 1)
     return point
@@ -196,20 +201,27 @@ def run(widths: list[int], contexts: list[int], schedulers: list[str], progress:
     return points
 
 
-def projection(points: list[HostPoint], scheduler: str = "cdb") -> list[dict[str, Any]]:
-    """Projected device idle per (model, device, width, context) from the measured core-tick host time."""
+def projection(points: list[HostPoint]) -> list[dict[str, Any]]:
+    """Projected device idle per (scheduler, model, device, width, context): the measured run's ticks
+    replayed against roofline step times (module docstring), for the first output kind measured."""
     out = []
     for p in points:
-        core = p.stages.get("core")
-        if p.scheduler != scheduler or p.output_kind != points[0].output_kind or core is None or not core.ticks:
-            continue  # (a core tick does not depend on the output kind: the first one measured stands)
-        host = core.as_dict()["host_cpu_us"] * 1e-6
+        if p.output_kind != points[0].output_kind or not p.ticks:
+            continue
+        host = [h for h, _ in p.ticks]
         for model, cfg in PROJECTED.items():
             for dev in ("h100", "h200"):
-                t = core_step_time_estimate(cfg, DEVICES[dev], p.width, p.context).time_s
-                out.append({"model": model, "device": dev, "width": p.width, "context": p.context,
-                            "host_us": host * 1e6, "device_us": t * 1e6,
-                            "idle_serial": host / (host + t), "idle_overlapped": max(0.0, host - t) / max(host, t)})
+                batches = {b for _, tick in p.ticks for b in tick}  # (stage, rows): roofline seconds
+                step = {(stage, rows): step_time_estimate(cfg, DEVICES[dev], rows, p.context, stage=stage).time_s
+                        for stage, rows in batches}
+                device = [sum(step[b] for b in tick) for _, tick in p.ticks]
+                h, d = sum(host), sum(device)
+                # pipelined: the host's work for tick t+1 runs while the device runs tick t
+                waits = [max(0.0, nxt - dt) for nxt, dt in zip([*host[1:], 0.0], device, strict=True)]
+                out.append({"scheduler": p.scheduler, "model": model, "device": dev, "width": p.width,
+                            "context": p.context, "ticks": len(host), "host_us_per_tick": 1e6 * h / len(host),
+                            "device_us_per_tick": 1e6 * d / len(host), "idle_serial": h / (h + d),
+                            "idle_pipelined": sum(waits) / (d + sum(waits))})
     return out
 
 
@@ -227,9 +239,10 @@ def format_table(points: list[HostPoint]) -> str:
 
 
 def format_projection(rows: list[dict[str, Any]]) -> str:
-    lines = ["| model | device | width | context | host us (CPU, measured) | core step us (roofline) | "
-             "idle, serial | idle, overlapped |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| scheduler | model | device | width | context | host us per tick (CPU, measured) | "
+             "device us per tick (roofline) | idle, serial | idle, pipelined |", "|---" * 9 + "|"]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['device']} | {r['width']} | {r['context']} | {r['host_us']:.0f} | "
-                     f"{r['device_us']:.0f} | {100 * r['idle_serial']:.0f}% | {100 * r['idle_overlapped']:.0f}% |")
+        lines.append(f"| {r['scheduler']} | {r['model']} | {r['device']} | {r['width']} | {r['context']} | "
+                     f"{r['host_us_per_tick']:.0f} | {r['device_us_per_tick']:.0f} | {100 * r['idle_serial']:.0f}% | "
+                     f"{100 * r['idle_pipelined']:.0f}% |")
     return "\n".join(lines)

@@ -1,5 +1,5 @@
 """Back-of-envelope theory for looped LMs: FLOPs per stage, the adaptive-depth speed-up bound,
-KV bytes per token per cache layout, and a simple roofline for one core (loop) step.
+KV bytes per token per cache layout, and a simple roofline for one step of a stage (a core step, prelude, coda).
 
 This module owns the cost model (parameter and FLOP counting conventions, the bound, the roofline)
 and nothing about the model itself: the model's shape is the engine's `ModelConfig`
@@ -55,10 +55,11 @@ __all__ = [
     "Device",
     "ParamCounts",
     "StageFlops",
+    "STAGES",
     "StepTimeEstimate",
     "attention_flops_per_layer",
     "bytes_per_element",
-    "core_step_time_estimate",
+    "step_time_estimate",
     "cpu_probe",
     "flop_bound",
     "format_report",
@@ -349,12 +350,19 @@ def kv_bytes_per_token(
     return _kv_layout(c, layout, _r_max(c, r_max)).bytes_per_token(c.num_kv_heads, c.head_dim, torch_dtype(dtype))
 
 
-def kv_read_bytes_per_token_step(config: dict[str, Any] | ModelConfig, dtype: str | torch.dtype = "bfloat16") -> int:
-    """KV bytes one query reads per earlier token in one core step, whatever the layout: the read
-    rule (`KVLayout.core_read`) picks one slot per core layer, the size of a `shared` core."""
+STAGES = ("prelude", "core", "coda")
+
+
+def kv_read_bytes_per_token_step(config: dict[str, Any] | ModelConfig, dtype: str | torch.dtype = "bfloat16",
+                                 stage: str = "core") -> int:
+    """KV bytes one query reads per earlier token in one application of `stage` (a core step, the
+    prelude or the coda), whatever the layout: one slot per layer of the stage (in the core, the read
+    rule `KVLayout.core_read` picks one per layer), the size of that stage in a `shared` layout."""
     c = model_config(config)
-    core_only = KVLayout("shared", 0, c.n_core, 0, 1)
-    return core_only.bytes_per_token(c.num_kv_heads, c.head_dim, torch_dtype(dtype))
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+    layers = {"prelude": (c.n_prelude, 0, 0), "core": (0, c.n_core, 0), "coda": (0, 0, c.n_coda)}[stage]
+    return KVLayout("shared", *layers, 1).bytes_per_token(c.num_kv_heads, c.head_dim, torch_dtype(dtype))
 
 
 # --------------------------------------------------------------------------------------------
@@ -430,12 +438,13 @@ def get_device(name: str | Device) -> Device:
 
 @dataclass(frozen=True)
 class StepTimeEstimate:
-    """Roofline estimate of one core step for ``batch`` rows, each attending to ``context`` keys.
+    """Roofline estimate of one step of a stage (by default a core step) for ``batch`` rows, each
+    attending to ``context`` keys.
 
     Two idealisations share the same three ingredients:
 
-    * ``floor_s`` = core weight bytes / bandwidth (weights are read once per step, any batch);
-    * ``row_compute_s`` = (Fr + attention at ``context``) / peak FLOP/s per row;
+    * ``floor_s`` = the stage's weight bytes / bandwidth (weights are read once per step, any batch);
+    * ``row_compute_s`` = (the stage's FLOPs, e.g. Fr, + attention at ``context``) / peak FLOP/s per row;
     * ``row_kv_s`` = ``context`` x KV bytes per token per step / bandwidth per row.
 
     Max model: ``time_s = max(batch * row_compute_s, floor_s + batch * row_kv_s)``.
@@ -460,28 +469,32 @@ class StepTimeEstimate:
     slope_s: float
     b_star_weights: float
     b_star_linear: float
+    stage: str = "core"
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def core_step_time_estimate(
+def step_time_estimate(
     config: dict[str, Any] | ModelConfig,
     device: Device,
     batch: int,
     context: int = 0,
     dtype: str | torch.dtype = "bfloat16",
+    stage: str = "core",
 ) -> StepTimeEstimate:
-    """Roofline time of one core step (see :class:`StepTimeEstimate`). Compute uses the matmul
-    FLOPs of one core step plus attention at ``context``; memory uses the core-step parameters
-    (norms included) at ``dtype`` and one KV slot per core layer per earlier token."""
+    """Roofline time of one step of `stage` (see :class:`StepTimeEstimate`). Compute uses the matmul
+    FLOPs of the stage plus attention at ``context`` in each of its layers; memory uses the parameters
+    the stage touches (norms included; Ouro's prelude, an embedding lookup, reads none) at ``dtype``
+    and one KV slot per layer of the stage per earlier token."""
     if batch < 0:
         raise ValueError(f"batch must be >= 0, got {batch}")
     c = model_config(config)
     bpe = bytes_per_element(dtype)
-    weight_bytes = param_counts(c).core_step * bpe
-    kv_row = int(context) * kv_read_bytes_per_token_step(c, dtype)
-    row_flops = stage_flops(c, context=context, count="matmul").Fr
+    kv_row = int(context) * kv_read_bytes_per_token_step(c, dtype, stage)
+    params, flops = param_counts(c), stage_flops(c, context=context, count="matmul")
+    weight_bytes = {"prelude": params.prelude, "core": params.core_step, "coda": params.coda}[stage] * bpe
+    row_flops = {"prelude": flops.prelude, "core": flops.core_step, "coda": flops.coda}[stage]
     floor = weight_bytes / device.mem_bw
     row_compute = row_flops / device.peak_flops
     row_kv = kv_row / device.mem_bw
@@ -505,6 +518,7 @@ def core_step_time_estimate(
         slope_s=slope,
         b_star_weights=floor / row_compute if row_compute > 0 else math.inf,
         b_star_linear=floor / slope if slope > 0 else math.inf,
+        stage=stage,
     )
 
 
@@ -551,10 +565,10 @@ def theory_report(
     }
     if device is not None:
         dev = get_device(device)
-        base = core_step_time_estimate(c, dev, 1, context, dtype)
+        base = step_time_estimate(c, dev, 1, context, dtype)
         rows = []
         for b in batches:
-            est = core_step_time_estimate(c, dev, b, context, dtype)
+            est = step_time_estimate(c, dev, b, context, dtype)
             rows.append(
                 {
                     "batch": b,
