@@ -5,7 +5,9 @@
 # overlap ablation (one schedule, exit signals read at once vs pipelined), then the core step's device
 # time at Ouro-1.4B's real shapes (random weights, `ouro-1.4b-shape`: about a minute to write its 5.4 GB
 # checkpoint; each point fills a random KV store of batch x context rows on the host, so the grid stays
-# small), to set against the roofline that `bench host`'s device-idle projection assumes.
+# small), to set against the roofline that `bench host`'s device-idle projection assumes; last, the
+# device's busy share of the wall time in a CB vs CDB run at those shapes (`--device-busy`: profiler
+# kernel records), the measured counterpart of that projection.
 # Uses the machine's own python3 and torch (no venv needed); results and logs go to $OUT.
 #
 #   OUT=/some/dir scripts/gpu_check.sh
@@ -27,3 +29,6 @@ $PY -m loopserve.cli bench ablate overlap --model ouro-bench --device cuda --dty
 $PY -m loopserve.cli bench step-latency --model ouro-1.4b-shape --device cuda --dtype bfloat16 --kv-layout shared \
     --contexts 256,1024 --batches 1,8,32,64 --reps 5 --no-progress --out "$OUT/step-latency-ouro-1.4b-shape" \
     2>&1 | tee "$OUT/step-latency-ouro-1.4b-shape.log"
+$PY -m loopserve.cli bench throughput --model ouro-1.4b-shape --device cuda --dtype bfloat16 --workload alpaca \
+    --num-requests 128 --mean-depth 2.5 --sweep width --widths 64,128 --repeats 1 --device-busy \
+    --no-progress --out "$OUT/busy-ouro-1.4b-shape" 2>&1 | tee "$OUT/busy-ouro-1.4b-shape.log"

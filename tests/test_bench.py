@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from loopserve_lab.bench.bounds import realized, run_bounds, workload_mean_depth
 from loopserve_lab.bench.metrics import RequestRecord, normalized_latency, poisson_arrivals, serving_metrics, summarize
@@ -553,6 +555,23 @@ def test_bench_host_times_decode_ticks_of_a_null_model(bench_cache, single_threa
     assert all(0 <= r["idle_pipelined"] <= r["idle_serial"] < 1 for r in data["projection"])
     assert (out / "host.png").is_file()
 
+
+
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), max_size=12))
+def test_interval_union_counts_overlaps_once(pairs):
+    """`interval_union` (the device-busy measure) against counting covered unit cells one by one."""
+    from loopserve_lab.bench.harness import interval_union
+
+    intervals = [(float(min(a, b)), float(max(a, b))) for a, b in pairs]
+    covered = {t for a, b in intervals for t in range(int(a), int(b))}
+    assert interval_union(intervals) == len(covered)
+
+
+def test_bench_throughput_device_busy_needs_cuda():
+    from loopserve.cli import main
+
+    with pytest.raises(SystemExit, match="--device-busy"):
+        main(["bench", "throughput", "--model", "ouro-bench", "--device-busy", "--no-progress"])
 
 def test_bench_host_projection_replays_the_ticks():
     """The device-idle projection by hand for two ticks: a core tick, then a coda tick with its preludes;

@@ -98,3 +98,21 @@ def test_planning_and_queueing_never_wait_for_the_device(case, tiny_ouro_la, tin
     assert engine.stats.deferred_signal_ticks > 0
     if case == "preempt":
         assert engine.stats.preemptions > 0 and engine.stats.swap_ins > 0
+
+
+def test_device_busy_counts_kernel_time_within_the_wall():
+    """`DeviceBusy` (bench throughput --device-busy): a block of matmuls keeps the device busy for a
+    positive time no longer than the block's wall time; a host sleep inside the block is not busy."""
+    import time
+
+    from loopserve_lab.bench.harness import DeviceBusy
+
+    x = torch.randn(2048, 2048, device="cuda")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with DeviceBusy() as busy:
+        for _ in range(20):
+            x = (x @ x).tanh()
+        time.sleep(0.2)
+    wall = time.perf_counter() - t0
+    assert busy.busy_s is not None and 0 < busy.busy_s < wall - 0.15

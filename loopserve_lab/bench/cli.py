@@ -231,12 +231,14 @@ def cmd_throughput(args: argparse.Namespace) -> int:
 
     if args.from_json is not None:  # reprint and replot earlier results
         return _replot_throughput(args.from_json, args.out)
+    if args.device_busy and not str(args.device).startswith("cuda"):
+        raise SystemExit("error: --device-busy measures a CUDA device's kernel time: it needs --device cuda")
     bm, out = _start(args, "throughput")
     wl = build_workload(args, bm)
     result: dict[str, Any] = {**_header(args, bm), "workload": wl.summary(), "sweeps": {}}
     path = out / "throughput.json"
     progress = not args.no_progress
-    ov = engine_overrides(args)
+    ov: dict[str, Any] = {**engine_overrides(args), **({"device_busy": True} if args.device_busy else {})}
     sweeps = [s.strip() for s in args.sweep.split(",") if s.strip()]
 
     def save(_rows: Any = None) -> None:
@@ -645,6 +647,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--thresholds", type=_floats, default=None, help="default: 4 spanning the depth range")
     p.add_argument("--repeats", type=int, default=1, help="interleaved rounds; medians are reported")
     p.add_argument("--from-json", type=Path, default=None, help="reprint and replot a throughput.json")
+    p.add_argument("--device-busy", action="store_true",
+                   help="CUDA: measure the device's busy time per run (profiler kernel records; %%busy = busy / wall)")
     p.set_defaults(func=cmd_throughput)
 
     p = bsub.add_parser("step-latency", help="core step latency vs batch and context; fit t(B) = floor + slope B")

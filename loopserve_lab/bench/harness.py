@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import platform
 import time
@@ -159,6 +160,41 @@ class TimedModel(LoopedLM):
         return self.inner.draws_random_state
 
 
+def interval_union(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by [start, end) intervals (overlaps counted once)."""
+    total, reach = 0.0, -math.inf
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+class DeviceBusy:
+    """Time the CUDA device spent running kernels and copies while the block ran: the union of the
+    intervals of the profiler's device records (kernels on several streams that overlap count once).
+    Only device activity is recorded, so the host path pays the profiler's per-launch callback and
+    no per-op recording. `busy_s` is set when the block exits."""
+
+    def __init__(self) -> None:
+        self.busy_s: float | None = None
+        self._prof: Any = None
+
+    def __enter__(self) -> DeviceBusy:
+        from torch.profiler import ProfilerActivity, profile
+
+        self._prof = profile(activities=[ProfilerActivity.CUDA])
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.cuda.synchronize()
+        self._prof.__exit__(*exc)
+        device = [(e.time_range.start, e.time_range.end) for e in self._prof.events()
+                  if e.device_type == torch.autograd.DeviceType.CUDA]
+        self.busy_s = interval_union(device) * 1e-6  # the profiler's times are in µs
+
+
 class StageRecorder:
     """Which stage each batch ran and its size, from the engine's stage records (`stage_hooks`).
     `last` is the stage of the latest batch; `ticks` keeps (t, stage, batch) when `keep` is set;
@@ -214,6 +250,7 @@ class RunResult:
     config: dict[str, Any] = field(default_factory=dict)
     schedule_trace: list[dict[str, Any]] | None = None
     errors: int = 0
+    device_busy_s: float | None = None  # CUDA: kernel and copy time on the device (`DeviceBusy`), if asked
 
     @property
     def tokens_per_s(self) -> float:
@@ -286,13 +323,14 @@ def add_workload(engine: LLMEngine, workload: Workload, traces: list[list[int]] 
 def run_offline(bm: BenchModel, workload: Workload, traces: list[list[int]] | None, scheduler: str,
                 width: int, progress: bool = True, record_schedule: bool = False, seed: int = 0,
                 desc: str | None = None, rule: tuple[str, float] | None = None, sync_steps: bool = False,
-                **engine_overrides: Any) -> RunResult:
+                device_busy: bool = False, **engine_overrides: Any) -> RunResult:
     """All requests at t = 0, run to completion. `traces=None` runs every token at full depth;
     `rule` exits on the model's live signals instead (see `add_workload`).
 
     On CUDA the device is synchronized once at the end; `sync_steps` also synchronizes after every
     step and every model stage, which makes `compute_s` and the per-stage wall times device times
-    but stops the host from running ahead of the device (no pipelining)."""
+    but stops the host from running ahead of the device (no pipelining). `device_busy` (CUDA) measures
+    the device's busy time over the run (`DeviceBusy`): busy / wall is how well the host kept it fed."""
     from tqdm import tqdm
 
     cfg = engine_kwargs_for(workload, width, scheduler=scheduler, **engine_overrides)
@@ -308,7 +346,9 @@ def run_offline(bm: BenchModel, workload: Workload, traces: list[list[int]] | No
     # Per step only perf_counter (vDSO, no system call): a CPU-time clock per step is a system call,
     # a preemption point on a loaded machine. CPU time is read around the whole run and around the
     # runner's prefill calls (few).
-    with torch.inference_mode(), StageRecorder(engine, keep=record_schedule) as stages:
+    busy = DeviceBusy() if device_busy else None
+    with torch.inference_mode(), StageRecorder(engine, keep=record_schedule) as stages, \
+            busy if busy is not None else contextlib.nullcontext():
         seen: dict[str, int] = {}
         c0, t0 = time.process_time(), time.perf_counter()
         stages.t0 = t0
@@ -342,7 +382,8 @@ def run_offline(bm: BenchModel, workload: Workload, traces: list[list[int]] | No
         rows=dict(st.rows), refill_events=st.refill_events, preemptions=st.preemptions,
         deferred_signal_ticks=st.deferred_signal_ticks,
         config={k: v for k, v in cfg.items()}, errors=errors,
-        schedule_trace=stages.to_json() if record_schedule else None)
+        schedule_trace=stages.to_json() if record_schedule else None,
+        device_busy_s=busy.busy_s if busy is not None else None)
 
 
 def write_json(path: Path, data: Any) -> Path:

@@ -61,6 +61,8 @@ def compare_point(bm: BenchModel, workload: Workload, traces: list[list[int]] | 
             "decode_items": med.decode_items, **b, "overhead": med.overhead(), "ticks": med.ticks, "rows": med.rows,
             "refill_events": med.refill_events, "errors": med.errors, "wall_s": med.wall_s, "cpu_s": med.cpu_s,
             "stage_wall_s": med.stage_wall_s, "config": med.config,
+            # CUDA, --device-busy: the share of the run's wall time the device ran kernels and copies
+            "device_busy": med.device_busy_s / med.wall_s if med.device_busy_s is not None else None,
         })
         if base and s != "cb":
             row["realized"] = {
@@ -95,7 +97,7 @@ def sweep(points: list[tuple[Any, list[list[int]] | None, int]], key: str, bm: B
 def format_rows(rows: list[dict[str, Any]], key: str) -> str:
     """decode = without prefill ticks (vs the decode bound); e2e = whole run (vs the workload bound)."""
     head = (f"{key:>9} {'scheduler':<14}{'tok/s':>8}{'dec tok/s':>10}{'depth':>6}{'dec /CB':>8}{'cpu':>7}"
-            f"{'bound':>7}{'%bnd':>7}{'%cpu':>7}{'e2e /CB':>8}{'wl bnd':>7}{'%bnd':>7}")
+            f"{'bound':>7}{'%bnd':>7}{'%cpu':>7}{'e2e /CB':>8}{'wl bnd':>7}{'%bnd':>7}{'%busy':>7}")
     lines = [head, "-" * len(head)]
 
     def f(v: Any, fmt: str) -> str:
@@ -113,5 +115,6 @@ def format_rows(rows: list[dict[str, Any]], key: str) -> str:
             f"{f(r['decode_tokens_per_s'], '10.1f')}{f(r['mean_exit_depth'], '6.2f')}"
             f"{f(r.get('norm_decode'), '8.3f')}{f(r.get('norm_decode_cpu'), '7.3f')}{f(r['decode_bound'], '7.3f')}"
             f"{f(pct.get('decode'), '7.1f')}{f(pct.get('decode_cpu'), '7.1f')}{f(r.get('norm_e2e'), '8.3f')}"
-            f"{f(r['workload_bound'], '7.3f')}{f(pct.get('e2e'), '7.1f')}")
+            f"{f(r['workload_bound'], '7.3f')}{f(pct.get('e2e'), '7.1f')}"
+            f"{f(100 * r['device_busy'] if r.get('device_busy') is not None else None, '7.1f')}")
     return "\n".join(lines)
