@@ -534,10 +534,11 @@ class Scheduler:
         self.pool.start_loops(plan.items, rows)
         if len(rows):  # each fresh item that joins a non-empty core queue (the first may find it empty)
             self.stats.refill_events += len(rows) - (0 if len(self.core_rows) else 1)
-        # both are in creation order; the fresh items usually all come after the looping ones
-        core, order = np.concatenate([self.core_rows, rows]), self.pool.order
-        if len(rows) and len(self.core_rows) and order[rows[0]] < order[self.core_rows[-1]]:
-            core = core[np.argsort(order[core], kind="stable")]
+        # both are in creation order, and the fresh items usually all come after the looping ones
+        core = np.concatenate([self.core_rows, rows])
+        order = self.pool.order[core]
+        if (order[1:] < order[:-1]).any():  # a swapped-in or verify item older than the batch's tail
+            core = core[np.argsort(order, kind="stable")]
         self.core_rows = core
 
     def advance_core(self, rows: np.ndarray) -> None:
