@@ -381,9 +381,9 @@ class ModelRunner:
         ids = upload([it.input_token for it in items], self.device)
         seeds = [it.state_seed() for it in items] if self.draws_random_state else None
         state, inject = self.model.prelude(ids, ctx, seeds)
-        self.pool.state[self._state_index(rows)] = state
-        if inject is not None and self.pool.inject is not None:
-            self.pool.inject[upload(torch.from_numpy(rows), self.device)] = inject
+        self.pool.state.index_copy_(0, self._state_index(rows), state)  # (index_copy_, index_select: the
+        if inject is not None and self.pool.inject is not None:  # same copies as [] at less dispatch cost)
+            self.pool.inject.index_copy_(0, upload(torch.from_numpy(rows), self.device), inject)
 
     @torch.no_grad()
     def core(self, rows: np.ndarray) -> PendingSignals:
@@ -398,12 +398,12 @@ class ModelRunner:
         passive = pool.passive[rows]
         writes = np.where(passive, self.scratch_row, pool.kv_row[rows]) if passive.any() else None
         ctx = self._ctx(rows, pool.r[rows] + 1, writes)
-        prev = pool.state[self._state_index(rows)]
+        prev = pool.state.index_select(0, self._state_index(rows))
         inject = None
         if pool.inject is not None:
-            inject = pool.inject[upload(torch.from_numpy(rows), self.device)]
+            inject = pool.inject.index_select(0, upload(torch.from_numpy(rows), self.device))
         new = self.model.core_step(prev, inject, ctx)
-        pool.state[self._state_index(rows, flip=True)] = new
+        pool.state.index_copy_(0, self._state_index(rows, flip=True), new)
         kinds = np.where(passive, 0, pool.signal[rows]) if writes is not None else pool.signal[rows]
         counts = np.bincount(kinds, minlength=len(SIGNALS)).tolist()
         present = {SIGNALS[k] for k in range(1, len(SIGNALS)) if counts[k]}
@@ -428,7 +428,7 @@ class ModelRunner:
     def coda(self, items: list[WorkItem]) -> PendingSamples:
         """The exited items' next tokens, sampled on the device, on their way to the host in one copy."""
         rows = rows_of(items)
-        logits = self.model.coda(self.pool.state[self._state_index(rows)], self._ctx(rows))
+        logits = self.model.coda(self.pool.state.index_select(0, self._state_index(rows)), self._ctx(rows))
         return PendingSamples([it.seq for it in items], logits, [it.decode_index + 1 for it in items])
 
     @torch.no_grad()

@@ -126,10 +126,16 @@ def decode_context(kv: KVStore, layout: KVLayout, tables: BlockTables, slots: np
 def _context(kv: KVStore, layout: KVLayout, tables: BlockTables, slots: np.ndarray, pos: np.ndarray, writes,
              depth, seg_starts: list[int] | None, key_lens: np.ndarray) -> ForwardContext:
     dev = kv.k.device
-    w = torch.as_tensor(writes, dtype=torch.long)
-    d = torch.ones(len(pos), dtype=torch.long) if depth is None else torch.as_tensor(depth, dtype=torch.long)
+    w, d = _long(writes), torch.ones(len(pos), dtype=torch.long) if depth is None else _long(depth)
     return ForwardContext(kv, layout, upload(torch.from_numpy(pos), dev), upload(w, dev), upload(d, dev), seg_starts,
                           tables, upload(torch.from_numpy(slots), tables.table.device), key_lens)
+
+
+def _long(x: np.ndarray | list[int] | torch.Tensor) -> torch.Tensor:
+    """An int64 tensor of `x` (an int64 array is wrapped, not copied)."""
+    if isinstance(x, np.ndarray) and x.dtype == np.int64:
+        return torch.from_numpy(x)
+    return torch.as_tensor(x, dtype=torch.long)
 
 
 def build_context(kv: KVStore, layout: KVLayout, segments: list[tuple[torch.Tensor, int, int]],
