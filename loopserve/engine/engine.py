@@ -188,7 +188,9 @@ class LLMEngine:
         """Queue the batch on the runner; the result (tokens, exit signals) is still on its way."""
         if plan.stage is Stage.IDLE:
             return None
-        t1, c1 = time.perf_counter(), time.process_time()
+        # process CPU time for prefill only: a clock read per decode batch is too dear (a system call)
+        c1 = time.process_time() if plan.stage is Stage.PREFILL and self.stage_hooks else 0.0
+        t1 = time.perf_counter()
         pending: PendingPrefill | PendingSamples | PendingSignals | PendingDrafts | None = None
         rows = generations = None
         size = plan.size
@@ -209,7 +211,7 @@ class LLMEngine:
         t2 = time.perf_counter()
         self._model_time += t2 - t1
         self.stats.record(plan.stage, size)
-        if self.stage_hooks:  # process CPU time for prefill only: a clock read per decode batch is too dear
+        if self.stage_hooks:
             record = StageRecord(plan.stage, size, t1, t2 - t1, time.process_time() - c1 if plan.stage is Stage.PREFILL
                                  else None)
             for hook in self.stage_hooks:
