@@ -12,6 +12,7 @@ accepts is safe for the sampler, and Huginn's random initial state does not depe
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -149,6 +150,25 @@ def test_a_failing_request_fails_alone(point, scheduler, layout, tiny_ouro, monk
     for r in reqs[1:]:
         assert_matches(outs[r.rid], refs[r.rid])
 
+
+
+@pytest.mark.parametrize("point", ["exit_rule", "nan_state"])
+@pytest.mark.parametrize("scheduler", ["cdb", "cb", "cdb-norefill"])
+def test_a_request_failing_on_a_signal_read_a_tick_late_fails_alone(point, scheduler, tiny_ouro, monkeypatch):
+    """With delayed lookahead the engine queues core step t+1 before it reads step t's signals. A row
+    that reading fails (and frees) is already in the queued batch: it must not be advanced with it. (A
+    freed row reaching max_loops there went into the coda queue and stopped the engine; short of that,
+    its loops were counted twice.)"""
+    engine = make_engine(tiny_ouro, scheduler=scheduler, lookahead=True, **CFG)
+    reqs = _workload(engine.model_config.r_max)
+    victim = reqs[0]
+    reqs[0] = Req(victim.rid, victim.prompt, dataclasses.replace(victim.params, max_loops=3), victim.seed)
+    refs = {r.rid: reference(engine, r) for r in reqs[1:]}
+    _inject(monkeypatch, point)
+    outs = drive(engine, reqs)  # invariants (loops accounted for, no stale row queued) after every step
+    assert outs[VICTIM].outputs[0].finish_reason == "error"
+    for r in reqs[1:]:
+        assert_matches(outs[r.rid], refs[r.rid])
 
 def test_nan_kv_of_a_failed_request_never_reaches_the_next_owner_of_its_blocks(tiny_ouro, monkeypatch):
     """The victim writes NaN KV at depths 2-4 of one position, then fails. A later request reuses its

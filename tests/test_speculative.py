@@ -413,16 +413,19 @@ def test_nan_in_a_verify_group_fails_that_request_alone(tiny_ouro, monkeypatch):
     assert_same(outs["o"], reference(engine, reqs[1]))
 
 
+@pytest.mark.parametrize("lookahead", [False, True])
 @pytest.mark.parametrize("scheduler", SCHEDULERS)
-def test_a_failing_rejected_draft_does_not_fail_the_request(scheduler, tiny_ouro, monkeypatch, caplog):
+def test_a_failing_rejected_draft_does_not_fail_the_request(scheduler, lookahead, tiny_ouro, monkeypatch, caplog):
     """Drafts are guesses, so exactness must hold whatever they are. Token X is poison (its state
     is NaN, as an overflow on a rare token would be) and the request bans it with logit_bias, so
     plain decoding never feeds it; every draft proposes X anyway. Each verify row fed X fails: the
-    round is cut there and goes on, and the request ends as plain decoding does, not with an error."""
+    round is cut there and goes on, and the request ends as plain decoding does, not with an error.
+    With lookahead the failing signal is read a tick late, after the next step was queued with the
+    cut rows in it."""
     from loopserve.engine import runner as runner_module
 
     x = 77
-    engine = make_engine(tiny_ouro, scheduler=scheduler, **SPEC)
+    engine = make_engine(tiny_ouro, scheduler=scheduler, lookahead=lookahead, **SPEC)
     real_prelude, real_get = engine.model.prelude, runner_module.PendingDrafts.get
 
     def prelude(ids, ctx, seeds=None):

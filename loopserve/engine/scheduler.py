@@ -735,6 +735,8 @@ class Scheduler:
     # -- checks (tests call these between steps) -------------------------------------------------------
     def check_invariants(self) -> None:
         """Bookkeeping that holds between any two steps."""
+        queued = np.concatenate([self.core_rows, self.coda_rows]).tolist()
+        assert all(self.pool.items[r] is not None for r in queued), "a freed state row is still queued"
         items = self.prelude_q + self.core_q + self.coda_q + self.coda_running
         ids = [i.seq.request_id for i in items if i.group is None or i is i.group.items[0]]  # a group is one
         present = {id(i) for i in items}
