@@ -29,7 +29,10 @@ class ForwardContext:
     segments: list[int] | None  # row index where each segment starts (+ N at the end); None: a row each
     tables: BlockTables  # block tables the segments' keys are read through
     seg_slots: torch.Tensor  # [S] each segment's row in `tables` (on the device)
-    seg_key_lens: np.ndarray  # [S] keys each segment attends to (its last position + 1), on the host
+    # keys each segment attends to (its last position + 1), on the host: an array for a row per segment
+    # (decode), a list of ints for prefill chunks (attention reads them one by one)
+    seg_key_lens: np.ndarray | list[int]
+    max_keys: int  # the longest segment's key count: a host int (the width of `seg_keys`, a shape)
     cache: dict = field(default_factory=dict)  # values derived on first use (rotary angles, key rows)
 
     @property
@@ -51,17 +54,19 @@ class ForwardContext:
         """[S, Lk] physical KV rows of positions 0..Lk-1 of each segment's sequence (Lk: the longest
         segment's key count). Computed on the device from the block tables when attention first asks."""
         if "keys" not in self.cache:
-            self.cache["keys"] = self.tables.key_rows(self.seg_slots, int(self.seg_key_lens.max()))
+            self.cache["keys"] = self.tables.key_rows(self.seg_slots, self.max_keys)
         return self.cache["keys"]
 
     def with_depth(self, depth: torch.Tensor) -> ForwardContext:
         return ForwardContext(self.kv, self.layout, self.positions, self.write_rows, depth, self.segments,
-                              self.tables, self.seg_slots, self.seg_key_lens, self.cache)
+                              self.tables, self.seg_slots, self.seg_key_lens, self.max_keys, self.cache)
 
     def select(self, rows: list[int]) -> ForwardContext:
         """Sub-batch of whole segments given by row indices (used when some rows stop looping)."""
+        lens: np.ndarray | list[int]
         if self.segments is None:  # a row per segment
             starts, seg_ids = None, rows
+            lens = np.asarray(self.seg_key_lens)[seg_ids]
         else:
             keep = set(rows)
             starts, seg_ids = [0], []
@@ -70,9 +75,10 @@ class ForwardContext:
                 if a in keep:
                     seg_ids.append(s)
                     starts.append(starts[-1] + (b - a))
+            lens = [self.seg_key_lens[i] for i in seg_ids]
         idx, segs = upload(rows, self.positions.device), upload(seg_ids, self.positions.device)
         return ForwardContext(self.kv, self.layout, self.positions[idx], self.write_rows[idx], self.depth[idx],
-                              starts, self.tables, self.seg_slots[segs], self.seg_key_lens[seg_ids])
+                              starts, self.tables, self.seg_slots[segs], lens, int(np.max(lens)))
 
 
 @dataclass
@@ -127,8 +133,9 @@ def _context(kv: KVStore, layout: KVLayout, tables: BlockTables, slots: np.ndarr
              depth, seg_starts: list[int] | None, key_lens: np.ndarray) -> ForwardContext:
     dev = kv.k.device
     w, d = _long(writes), torch.ones(len(pos), dtype=torch.long) if depth is None else _long(depth)
+    lens = key_lens if seg_starts is None else key_lens.tolist()
     return ForwardContext(kv, layout, upload(torch.from_numpy(pos), dev), upload(w, dev), upload(d, dev), seg_starts,
-                          tables, upload(torch.from_numpy(slots), tables.table.device), key_lens)
+                          tables, upload(torch.from_numpy(slots), tables.table.device), lens, int(key_lens.max()))
 
 
 def _long(x: np.ndarray | list[int] | torch.Tensor) -> torch.Tensor:
