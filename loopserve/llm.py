@@ -77,7 +77,8 @@ class LLM:
         params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
         return make_sequence(self.model, self.tokenizer, str(index), prompt, params, seed,
                              self.engine_config.lookahead, self.engine_config.num_speculative_tokens,
-                             base_seed=self.seed)
+                             base_seed=self.seed,
+                             max_num_seqs=self.engine_config.max_num_seqs if self.engine is not None else None)
 
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,

@@ -104,6 +104,20 @@ def test_bad_n_names_the_field(bad):
         SamplingParams(n=bad)
 
 
+
+def test_more_samples_than_max_num_seqs_is_refused_naming_n(tiny_ouro):
+    """A request's samples are resident together, so n > max_num_seqs could never be admitted: the engine
+    stalled ("no progress") and stopped. Refused when the request is made, in the engine and in `LLM`."""
+    engine = make_engine(tiny_ouro, max_num_seqs=2)
+    with pytest.raises(ValueError, match="^n: 3 samples.*--max-num-seqs"):
+        engine.add_request("r", PROMPT, SamplingParams(n=3, max_tokens=2))
+    assert not engine.has_unfinished_requests()
+    llm = LLM(tiny_ouro, dtype="float64", kv_cache_tokens=256, max_num_seqs=2)
+    with pytest.raises(ValueError, match="^n: "):
+        llm.generate([PROMPT], SamplingParams(n=3, max_tokens=2), use_tqdm=False)
+    out = llm.generate([PROMPT], SamplingParams(n=2, max_tokens=2), use_tqdm=False)[0]
+    assert [c.finish_reason for c in out.outputs] == ["length", "length"]
+
 def test_max_num_seqs_counts_waiting_samples_and_cache_hits(tiny_ouro):
     """Samples still waiting for their prompt's prefill, and prompts admitted from a prefix-cache hit,
     count against max_num_seqs (check_invariants asserts the bound after every step)."""

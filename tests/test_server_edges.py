@@ -330,6 +330,17 @@ def test_validation_error_names_the_full_path(server, path, fields, param):
     assert err["message"].startswith(f"{param}: "), err
 
 
+
+def test_more_samples_than_resident_sequences_is_a_400_naming_n(server):
+    """n above max_num_seqs (64 here) could never be admitted (a request's samples are resident together):
+    refused up front, where it once stalled the engine and failed every request; the server goes on."""
+    r = httpx.post(server.url + C, json={**GOOD_C, "n": 65, "max_tokens": 2}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "n" and "max-num-seqs" in err["message"], err
+    ok = httpx.post(server.url + C, json={**GOOD_C, "n": 64, "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 64, ok.text
+
 # -- D: cross-site safety --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("content_type", [
     "text/plain", "text/plain; charset=utf-8", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",

@@ -112,7 +112,8 @@ class LLMEngine:
         if seed is None:  # unseeded sampling differs per request; stable across processes (unlike hash())
             seed = int.from_bytes(hashlib.sha256(f"{self.seed}:{request_id}".encode()).digest()[:8], "little")
         return make_sequence(self.model, self.tokenizer, request_id, prompt, params, seed, self.cfg.lookahead,
-                             self.cfg.num_speculative_tokens, arrival_time, base_seed=self.seed)
+                             self.cfg.num_speculative_tokens, arrival_time, base_seed=self.seed,
+                             max_num_seqs=self.cfg.max_num_seqs)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: float | None = None, seed: int | None = None) -> None:

@@ -93,9 +93,9 @@ def chain_seed(seed: int, token: int) -> int:
 
 def make_sequence(model: LoopedLM, tokenizer: Tokenizer, request_id: str, prompt: PromptType,
                   params: SamplingParams, seed: int, lookahead: bool, num_speculative_tokens: int,
-                  arrival_time: float | None = None, base_seed: int = 0) -> Sequence:
-    """Validate a request against the model and the engine (`lookahead`, `num_speculative_tokens`: its
-    knobs) and build its Sequence (ValueError names the bad field).
+                  arrival_time: float | None = None, base_seed: int = 0, max_num_seqs: int | None = None) -> Sequence:
+    """Validate a request against the model and the engine (`lookahead`, `num_speculative_tokens`,
+    `max_num_seqs`: its knobs; None: no limit) and build its Sequence (ValueError names the bad field).
 
     `seed` seeds sampling when the request gives none; the random initial states are seeded by the
     request's own seed, else by `base_seed` (the engine's), chained over the tokens (`Sequence.state_seed`).
@@ -109,6 +109,9 @@ def make_sequence(model: LoopedLM, tokenizer: Tokenizer, request_id: str, prompt
                "speculative decoding is off in this engine: --num-speculative-tokens K "
                "(EngineConfig.num_speculative_tokens=K) turns it on, and a request may then ask for up to K")
         raise ValueError(f"num_speculative_tokens: {asked} asked for, but {why}")
+    if max_num_seqs is not None and params.n > max_num_seqs:  # its samples are resident together: never admitted
+        raise ValueError(f"n: {params.n} samples, but this engine holds at most {max_num_seqs} sequences at once "
+                         "(its --max-num-seqs, EngineConfig.max_num_seqs)")
     text, ids = parse_prompt(prompt, tokenizer)
     ids = truncate_prompt(ids, params.truncate_prompt_tokens)  # the text stays as given (vLLM)
     c = model.config
