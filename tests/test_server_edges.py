@@ -341,6 +341,17 @@ def test_more_samples_than_resident_sequences_is_a_400_naming_n(server):
     ok = httpx.post(server.url + C, json={**GOOD_C, "n": 64, "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 64, ok.text
 
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_samples_that_cannot_fit_the_kv_cache_are_a_400_naming_n(server, stream):
+    """n copies of a prompt that the KV cache (2048 tokens here) can never hold together: a 400 naming n
+    before any response starts; a stream used to start and then be cut."""
+    body = {**GOOD_C, "prompt": "hi " * 20, "n": 50, "max_tokens": 2, "stream": stream}
+    r = httpx.post(server.url + C, json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "n" and "cannot fit in the KV cache" in err["message"], err
+
 # -- D: cross-site safety --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("content_type", [
     "text/plain", "text/plain; charset=utf-8", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",

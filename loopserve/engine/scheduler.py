@@ -116,13 +116,21 @@ class Scheduler:
         self.signal_hooks: list[Callable[[list[WorkItem], list[Signal]], None]] = []
 
     # -- requests ------------------------------------------------------------------------------------
+    def never_fits(self, seq: Sequence) -> str | None:
+        """Why a request (its head) could never fit the KV cache whatever else runs, or None: its samples'
+        prompts, each with room for one generated token. (The server asks before a response starts.)"""
+        if len(seq.family) * self.kv.allocator.blocks_for(len(seq.prompt_ids) + 1) <= self.kv.num_blocks:
+            return None
+        what = f"n: {len(seq.family)} samples of a " if len(seq.family) > 1 else "prompt: a "
+        return (f"{what}prompt of {len(seq.prompt_ids)} tokens cannot fit in the KV cache "
+                f"({self.kv.num_blocks * self.kv.block_size} tokens)")
+
     def add(self, seq: Sequence) -> None:
         """Queue a request (with n > 1, its head: the other samples fork from its prefill)."""
-        if len(seq.family) * self.kv.allocator.blocks_for(len(seq.prompt_ids) + 1) > self.kv.num_blocks:
-            copies = f"{len(seq.family)} samples of a " if len(seq.family) > 1 else ""
+        why = self.never_fits(seq)
+        if why is not None:
             for s in seq.family:
-                s.finish("error", f"{copies}prompt of {len(seq.prompt_ids)} tokens cannot fit in the KV cache "
-                                  f"({self.kv.num_blocks * self.kv.block_size} tokens)", error_status=400)
+                s.finish("error", why, error_status=400)
                 self._finish(s)
             seq.pending_forks = []
             return

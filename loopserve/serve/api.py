@@ -318,7 +318,11 @@ class OpenAIServing:
                  seed: int | None, what: str) -> Sequence:
         prompt: Any = {"prompt": text, "prompt_token_ids": ids} if text is not None else ids
         try:
-            return self.engine.make_sequence(rid, prompt, params, arrival, seed=seed)
+            seq = self.engine.make_sequence(rid, prompt, params, arrival, seed=seed)
+            why = self.engine.scheduler.never_fits(seq)  # refused before a (streamed) response starts
+            if why is not None:
+                raise ValueError(why)
+            return seq
         except ValueError as e:
             msg = str(e)
             head = msg.split(":", 1)[0]
