@@ -317,7 +317,7 @@ class Scheduler:
             if item.position + 1 > capacity:
                 self.prelude_q = _without(self.prelude_q, unit)  # longer than the whole cache: it can never fit
                 item.seq.finish("error", f"sequence of {item.seq.num_tokens} tokens exceeds the KV cache "
-                                         f"({self.kv.num_blocks * self.kv.block_size} tokens)", error_status=400)
+                                         f"({capacity} tokens)", error_status=400)
                 self._finish(item.seq)
             elif self._reserve_kv(item, taken):
                 taken += unit
@@ -901,10 +901,10 @@ class CohortScheduler(Scheduler):
             draft = self._draft_plan(self.cfg.max_decode_batch)
             if draft is not None:  # the cohort forms next tick, with the drafting requests' verify groups
                 return draft
-            self.cohort = self._take_preludes(self.cfg.max_decode_batch)
+            self._set_cohort(self._take_preludes(self.cfg.max_decode_batch))
             if not self.cohort:
                 return StagePlan(Stage.IDLE)
-            self.phase, self.core_ticks, self.cohort_depth, self.cohort_rows = "prelude", 0, None, None
+            self.phase, self.core_ticks = "prelude", 0
             return StagePlan(Stage.PRELUDE, list(self.cohort))
         if self.phase == "core":
             members = self._core_members()
@@ -913,8 +913,13 @@ class CohortScheduler(Scheduler):
                 return StagePlan(Stage.CORE, rows=members)
             self.phase = "coda"
         # coda for the whole cohort
-        items, self.cohort, self.cohort_rows, self.phase = self.cohort, [], None, "none"
+        items, self.phase = self.cohort, "none"
+        self._set_cohort([])
         return self._start_coda(items)
+
+    def _set_cohort(self, items: list[WorkItem]) -> None:
+        """The cohort is now `items`: what was derived from the old one is recomputed when next asked."""
+        self.cohort, self.cohort_depth, self.cohort_rows = items, None, None
 
     def _members(self) -> np.ndarray:
         """The cohort's state rows (its members hold rows from their prelude to their coda)."""
@@ -938,11 +943,11 @@ class CohortScheduler(Scheduler):
 
     def _remove_items(self, items: list[WorkItem]) -> None:
         super()._remove_items(items)
-        self.cohort, self.cohort_depth, self.cohort_rows = _without(self.cohort, items), None, None
+        self._set_cohort(_without(self.cohort, items))
 
     def _stop(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         super()._stop(seq, reason, error)
-        self.cohort, self.cohort_depth, self.cohort_rows = [i for i in self.cohort if i.seq is not seq], None, None
+        self._set_cohort([i for i in self.cohort if i.seq is not seq])
         if not self.cohort and self.phase != "none":
             self.phase = "none"
 

@@ -319,14 +319,14 @@ class OpenAIServing:
         prompt: Any = {"prompt": text, "prompt_token_ids": ids} if text is not None else ids
         try:
             seq = self.engine.make_sequence(rid, prompt, params, arrival, seed=seed)
-            why = self.engine.scheduler.never_fits(seq)  # refused before a (streamed) response starts
-            if why is not None:
-                raise ValueError(why)
-            return seq
         except ValueError as e:
-            msg = str(e)
-            head = msg.split(":", 1)[0]
-            raise ApiError(400, msg, what if head in ("prompt", "prompt_token_ids") else head) from None
+            msg: str | None = str(e)
+        else:
+            msg = self.engine.scheduler.never_fits(seq)  # refused before a (streamed) response starts
+            if msg is None:
+                return seq
+        head = msg.split(":", 1)[0]
+        raise ApiError(400, msg, what if head in ("prompt", "prompt_token_ids") else head)
 
     def admit(self, seqs: list[Sequence]) -> RequestGroup:
         try:
