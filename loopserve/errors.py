@@ -7,3 +7,9 @@ class NonFiniteError(ValueError):
     The engine fails that request alone; its KV is never read by another request (masked keys are
     gathered from a zero row, see `KVStore`), so the value cannot spread.
     """
+
+
+class GrammarLimitError(ValueError):
+    """A request's grammar went past the parser's limits while it generated (llguidance bounds the work
+    of one token's mask). Its own input is at fault: it fails alone, with status 400. (A token that the
+    grammar rejects after its mask allowed it is an engine bug, and a plain ValueError.)"""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import json
 import math
+import reprlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -16,10 +17,21 @@ if TYPE_CHECKING:
 
 MAX_LOGPROBS = 20
 MAX_N = 128  # samples per prompt
+# Sizes that bound one request's cost to the engine (a 400 beyond them). Stop strings are searched for
+# after every token, each on its own (150,000 of them held the engine ~60 ms a token, for everyone).
+# Grammars are compiled in time that grows faster than their size (a choice among 20,000 options: 0.6 s;
+# 200,000: over a minute, then llguidance fails), and llguidance's parser cannot pass the first token of
+# a choice among more than ~2,000 options that share it.
+MAX_STOP = 256
+MAX_CHOICES = 2000
+MAX_GRAMMAR_CHARS = 100_000  # a regex, a Lark/GBNF grammar, a whitespace pattern
 # Temperatures below this sample greedily (as vLLM does): dividing logits by a subnormal temperature
 # overflows to inf, and below it a logit gap of 1e-3 is already a probability ratio of e^100.
 GREEDY_TEMPERATURE = 1e-5
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # any 64-bit seed, signed or not (the engine keeps 63 bits)
+_repr = reprlib.Repr()  # a bad value in an error message, shortened
+_repr.maxlist, _repr.maxdict, _repr.maxstring, _repr.maxother = 8, 8, 80, 80
+_short = _repr.repr
 
 
 @dataclass
@@ -43,8 +55,10 @@ class GuidedDecodingParams:
             self.json = self.json.model_json_schema()
         if isinstance(self.choice, tuple):
             self.choice = list(self.choice)
-        if self.json_object is not None and not isinstance(self.json_object, bool):
-            raise ValueError(f"json_object: must be true or false, got {self.json_object!r}")
+        for name in ("json_object", "disable_any_whitespace"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, bool):
+                raise ValueError(f"{name}: must be true or false, got {_short(v)}")
         given = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
@@ -55,10 +69,14 @@ class GuidedDecodingParams:
         for name in ("regex", "grammar", "whitespace_pattern"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or (not v and name != "whitespace_pattern")):
-                raise ValueError(f"{name}: must be a non-empty string, got {v!r}")
+                raise ValueError(f"{name}: must be a non-empty string, got {_short(v)}")
+            if v is not None and len(v) > MAX_GRAMMAR_CHARS:
+                raise ValueError(f"{name}: at most {MAX_GRAMMAR_CHARS} characters, got {len(v)}")
         if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
                                         or not all(isinstance(c, str) and c for c in self.choice)):
-            raise ValueError(f"choice: must be a non-empty list of non-empty strings, got {self.choice!r}")
+            raise ValueError(f"choice: must be a non-empty list of non-empty strings, got {_short(self.choice)}")
+        if self.choice is not None and len(self.choice) > MAX_CHOICES:
+            raise ValueError(f"choice: at most {MAX_CHOICES} options, got {len(self.choice)}")
         from loopserve.engine.grammar import grammar_text
 
         grammar_text(*self.key)  # compiles (cached) and validates
@@ -136,7 +154,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"{name}: {why}, got {getattr(self, name)!r}")
+            return ValueError(f"{name}: {why}, got {_short(getattr(self, name))}")
 
         def is_int(x) -> bool:
             return isinstance(x, int) and not isinstance(x, bool)
@@ -167,6 +185,8 @@ class SamplingParams:
         if self.stop is not None and (not isinstance(self.stop, list)
                                       or not all(isinstance(s, str) and s for s in self.stop)):
             raise bad("stop", "must be a non-empty string or a list of them")
+        if self.stop is not None and len(self.stop) > MAX_STOP:
+            raise ValueError(f"stop: at most {MAX_STOP} stop strings, got {len(self.stop)}")
         if not isinstance(self.stop_token_ids, list) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
         # penalties and logit adjustments
@@ -182,9 +202,9 @@ class SamplingParams:
             for k, v in self.logit_bias.items():  # JSON object keys are strings: "50256" is token 50256
                 tid = int(k) if isinstance(k, str) and k.isascii() and k.isdigit() else k
                 if not is_int(tid) or tid < 0:
-                    raise ValueError(f"logit_bias: keys must be token ids (integers >= 0), got {k!r}")
+                    raise ValueError(f"logit_bias: keys must be token ids (integers >= 0), got {_short(k)}")
                 if not is_real(v) or not -100 <= v <= 100:
-                    raise ValueError(f"logit_bias: the bias of token {tid} must be in [-100, 100], got {v!r}")
+                    raise ValueError(f"logit_bias: the bias of token {tid} must be in [-100, 100], got {_short(v)}")
                 bias[tid] = float(v)
             self.logit_bias = bias
         if not is_int(self.min_tokens) or self.min_tokens < 0:

@@ -89,11 +89,16 @@ def test_preemption(tiny_ouro):
 
 
 def test_too_many_copies_for_the_cache_fail_alone(tiny_ouro):
+    """12 blocks of 4 tokens; the 11-token prompt takes 3 with room for its first token, and each other
+    sample 1 more (they share the prompt's 2 full blocks): 8 samples fit (once refused, as if each held a
+    copy), 11 never do."""
     engine = make_engine(tiny_ouro, block_size=4, kv_cache_tokens=48)
-    reqs = [Req("big", PROMPT, SamplingParams(max_tokens=2, n=8), seed=0),
-            Req("ok", PROMPT, SamplingParams(max_tokens=2, temperature=0), seed=1)]
+    reqs = [Req("big", PROMPT, SamplingParams(max_tokens=2, n=11), seed=0),
+            Req("ok", PROMPT, SamplingParams(max_tokens=2, temperature=0), seed=1),
+            Req("shared", PROMPT, SamplingParams(max_tokens=2, n=8), seed=2)]
     outs = drive(engine, reqs)
-    assert outs["big"].error_status == 400 and "8 samples" in (outs["big"].error or "")
+    assert outs["big"].error_status == 400 and "11 samples" in (outs["big"].error or "")
+    assert [c.finish_reason for c in outs["shared"].outputs] == ["length"] * 8, outs["shared"].error
     assert outs["ok"].outputs[0].finish_reason == "length"
     assert outs["ok"].outputs[0].token_ids == reference(engine, reqs[1]).output_ids
 

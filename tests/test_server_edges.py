@@ -32,6 +32,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
+from loopserve.sampling_params import MAX_STOP
 from loopserve.serve.protocol import ChatCompletionRequest, CompletionRequest
 from loopserve_lab.tiny import TinySpec, make_tiny
 from tests.server_helpers import MODEL, Server, run_server, sse_events, wait_idle
@@ -310,8 +311,16 @@ NESTED = [
     (H, {"tool_choice": {"type": "function", "function": {"name": 5}}}, "tool_choice.function.name"),
     (C, {"response_format": {"type": "json_schema", "json_schema": {"name": 5}}}, "response_format.json_schema.name"),
 ]
+# values of the right type that the engine cannot take
+VALUES = [
+    (C, {"stop": [f"s{i}" for i in range(MAX_STOP + 1)]}, "stop"),  # each is searched after every token
+    (H, {"stop": [f"s{i}" for i in range(MAX_STOP + 1)]}, "stop"),
+    (C, {"stop_token_ids": [3, 10**6]}, "stop_token_ids"),  # outside the vocabulary
+    (H, {"max_completion_tokens": 0}, "max_completion_tokens"),  # named as given (it used to say max_tokens)
+    (H, {"max_tokens": 0}, "max_tokens"),
+]
 CASES = ([(C, {f: v}, f) for f, v in WRONG_COMPLETION.items()] + [(H, {f: v}, f) for f, v in WRONG_CHAT.items()]
-         + NESTED)
+         + NESTED + VALUES)
 
 
 def test_wrong_type_table_covers_every_field():
@@ -342,15 +351,30 @@ def test_more_samples_than_resident_sequences_is_a_400_naming_n(server):
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 64, ok.text
 
 
+@pytest.fixture(scope="module")
+def small_kv_server(short_path, tmp_path_factory) -> Iterator[Server]:
+    """16 KV blocks of 16 tokens."""
+    with run_server(short_path, tmp_path_factory.mktemp("logs") / "small-kv.log", "--kv-cache-tokens", "256") as s:
+        yield s
+
+
 @pytest.mark.parametrize("stream", [False, True])
-def test_samples_that_cannot_fit_the_kv_cache_are_a_400_naming_n(server, stream):
-    """n copies of a prompt that the KV cache (2048 tokens here) can never hold together: a 400 naming n
-    before any response starts; a stream used to start and then be cut."""
-    body = {**GOOD_C, "prompt": "hi " * 20, "n": 50, "max_tokens": 2, "stream": stream}
-    r = httpx.post(server.url + C, json=body, timeout=30)
+def test_samples_that_cannot_fit_the_kv_cache_are_a_400_naming_n(small_kv_server, stream):
+    """n samples of a prompt that the KV cache can never hold together: a 400 naming n before any response
+    starts (a stream used to start and then be cut). They share the prompt's full blocks: a 60-token prompt
+    takes 4 blocks and each other sample 1 more, so 13 samples fit in 16 blocks (once refused, as if each
+    held a copy) and 14 do not."""
+    body = {**GOOD_C, "prompt": [7] * 60, "max_tokens": 2, "stream": stream}
+    r = httpx.post(small_kv_server.url + C, json={**body, "n": 14}, timeout=30)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "n" and "cannot fit in the KV cache" in err["message"], err
+    ok = httpx.post(small_kv_server.url + C, json={**body, "n": 13}, timeout=60)
+    assert ok.status_code == 200, ok.text
+    if stream:
+        assert ok.text.rstrip().endswith("data: [DONE]") and '"finish_reason":"length"' in ok.text.replace(" ", "")
+    else:
+        assert [c["finish_reason"] for c in ok.json()["choices"]] == ["length"] * 13
 
 # -- D: cross-site safety --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("content_type", [

@@ -15,6 +15,7 @@ import openai
 import pydantic
 import pytest
 
+from loopserve.sampling_params import MAX_CHOICES
 from loopserve.tokenizer import Tokenizer
 from loopserve_lab.tiny import TinySpec, make_tiny
 from tests.server_helpers import MODEL, Server, run_server
@@ -202,7 +203,19 @@ def test_required_tool_choice(client):
     ("/v1/completions", {"guided_regex": "a(b"}, "guided_regex"),
     ("/v1/completions", {"guided_choice": []}, "guided_choice"),
     ("/v1/completions", {"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex"),
-    ("/v1/completions", {"structured_outputs": {"colour": "red"}}, "structured_outputs"),
+    ("/v1/completions", {"structured_outputs": {"colour": "red"}}, "structured_outputs.colour"),
+    ("/v1/completions", {"structured_outputs": {"json_object": True, "disable_any_whitespace": "x"}},
+     "structured_outputs.disable_any_whitespace"),
+    ("/v1/completions", {"guided_regex": "ab\\"}, "guided_regex"),  # a lone backslash: once a 200 with no text
+    ("/v1/completions", {"guided_choice": [f"c{i}" for i in range(MAX_CHOICES + 1)]}, "guided_choice"),
+    # past llguidance's parser limit at the first token: once a 500 there (or a cut stream)
+    ("/v1/completions", {"guided_choice": [f"option{i}" for i in range(MAX_CHOICES)]}, "guided_choice"),
+    ("/v1/completions", {"guided_choice": [f"option{i}" for i in range(MAX_CHOICES)], "stream": True},
+     "guided_choice"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(500)}}}}}, "response_format"),
+    ("/v1/chat/completions", {"structured_outputs": {"grammar": "start: " + " | ".join(
+        f'"w{i}"' for i in range(2500))}, "stream": True}, "structured_outputs"),
     ("/v1/chat/completions", {"tools": [WEATHER]}, "tool_choice"),  # "auto": no tool-call parser
     ("/v1/chat/completions", {"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),

@@ -13,6 +13,7 @@ import torch
 from loopserve import LLM, GuidedDecodingParams, SamplingParams
 from loopserve.engine.grammar import apply_guides, new_guide, with_guide
 from loopserve.engine.sampler import sample_batch, sample_one, unpack
+from loopserve.sampling_params import MAX_CHOICES, MAX_GRAMMAR_CHARS
 from tests.engine_helpers import Req, assert_matches, drive, loaded, make_engine, reference
 
 pytest.importorskip("llguidance")
@@ -156,12 +157,62 @@ def test_padded_model_vocabulary_is_masked(tiny_ouro):
     (dict(choice=["a", 3]), "choice"),
     (dict(grammar="start: undefined_rule"), "grammar"),
     (dict(json_object="yes"), "json_object"),
+    (dict(json_object=True, disable_any_whitespace="x"), "disable_any_whitespace"),
+    (dict(regex="ab\\"), "regex"),  # a lone trailing backslash (llguidance would match the empty string)
+    (dict(regex="a" * (MAX_GRAMMAR_CHARS + 1)), "regex"),
+    (dict(grammar="start: " + " | ".join(f'"w{i}"' for i in range(MAX_GRAMMAR_CHARS // 6)) + ""), "grammar"),
+    (dict(choice=[f"c{i}" for i in range(MAX_CHOICES + 1)]), "choice"),
     (dict(), "guided_decoding"),
     (dict(regex="a", choice=["a"]), "guided_decoding"),
 ])
 def test_bad_specs_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"^{field}: "):
         GuidedDecodingParams(**kwargs)
+
+
+def test_bad_spec_messages_stay_short():
+    """A huge bad value is not echoed whole into the error (an HTTP body would carry it back)."""
+    with pytest.raises(ValueError) as e:
+        GuidedDecodingParams(choice=["x" * 1000] * 10_000 + [""])
+    assert len(str(e.value)) < 1000
+
+
+# Grammars llguidance compiles but cannot parse past their first token: its parser holds at most 2000
+# Earley items in a row. They are refused when their request is built, naming the field, instead of
+# failing at the first token with a 500 (or a cut stream).
+PARSER_LIMIT = {
+    "choice": GuidedDecodingParams(choice=[f"option{i}" for i in range(MAX_CHOICES)]),
+    "json": GuidedDecodingParams(json={"type": "object", "properties": {f"p{i}": {"type": "integer"}
+                                                                        for i in range(500)}}),
+    "grammar": GuidedDecodingParams(grammar="start: " + " | ".join(f'"w{i}"' for i in range(2500))),
+}
+
+
+@pytest.mark.parametrize("kind", list(PARSER_LIMIT))
+def test_grammar_past_the_parser_limit_is_refused_up_front(kind, llm):
+    params = SamplingParams(max_tokens=4, guided_decoding=PARSER_LIMIT[kind])
+    with pytest.raises(ValueError, match=r"^guided_decoding: the grammar cannot be parsed past its first token"):
+        llm.engine.make_sequence("limit", [5, 6], params)
+
+
+def test_grammar_past_the_parser_limit_later_fails_its_request_alone_with_400(tiny_ouro):
+    """A grammar that passes its first token but reaches the limit later (here past its first five letters): its request
+    fails alone, as the request's own fault (status 400, a warning without traceback), and its neighbours
+    equal the reference decoder."""
+    later = "start: /[a-z]{5}/ word\nword: " + " | ".join(f'"w{i}"' for i in range(2500))
+    engine = make_engine(tiny_ouro, scheduler="cdb", max_decode_batch=4)
+    late = SamplingParams(temperature=0.0, max_tokens=30, guided_decoding=GuidedDecodingParams(grammar=later))
+    free = SamplingParams(temperature=1.0, max_tokens=12, exit_threshold=0.6)
+    reqs = [Req("late", [4, 5, 6], late, seed=1), Req("n0", [7, 8], free, seed=2), Req("n1", [9, 3, 2], free, seed=3)]
+    outs = drive(engine, reqs)
+    bad = outs["late"]
+    assert bad.outputs[0].finish_reason == "error" and bad.error_status == 400, bad.error
+    assert bad.error.startswith("guided_decoding: the grammar cannot be parsed past this point"), bad.error
+    assert 0 < len(bad.outputs[0].token_ids) < 30 and re.fullmatch("[a-z]{1,5}", bad.outputs[0].text)
+    assert len(bad.error) < 500  # llguidance's parser state and grammar are not in it
+    for r in reqs[1:]:
+        assert_matches(outs[r.rid], reference(engine, r))
+    assert not engine.requests and engine.kv.allocator.num_free == engine.kv.num_blocks
 
 
 def test_sampling_params_takes_only_guided_decoding_params():

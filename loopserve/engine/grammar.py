@@ -30,9 +30,11 @@ from collections import OrderedDict
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from loopserve.device import upload
+from loopserve.errors import GrammarLimitError
 
 if TYPE_CHECKING:
     from loopserve.sampling_params import GuidedDecodingParams, SamplingParams
@@ -40,6 +42,12 @@ if TYPE_CHECKING:
 
 INSTALL_HINT = "structured output needs llguidance: pip install 'loopserve[structured]'"
 MATCHER_CACHE = 128  # compiled grammars kept per tokenizer (a request copies one instead of compiling)
+# llguidance's parser holds at most 2000 Earley items in a row (its default limit, which bounds the
+# work of one mask): a choice among more options that share a first token, a JSON object of ~500
+# optional properties or a Lark rule of 2000 alternatives cannot pass their first token. A new grammar
+# is therefore tried on this many of its allowed first tokens when it is compiled, so that such a
+# grammar is refused before its request starts rather than failing at its first token.
+PROBED_FIRST_TOKENS = 64
 
 
 def _llguidance() -> Any:
@@ -65,6 +73,8 @@ def grammar_text(kind: str, text: str, whitespace: str | None = None) -> str:
         except ValueError as e:
             raise ValueError(f"json: not a JSON schema ({e})") from None
     elif kind == "regex":
+        if (len(text) - len(text.rstrip("\\"))) % 2:  # llguidance would drop it and match the empty string
+            raise ValueError("regex: ends with an unfinished escape (a lone backslash)")
         grammar = matcher.grammar_from_regex(text)
     elif kind == "choice":
         grammar = matcher.grammar_from_lark("start: " + " | ".join(json.dumps(c, ensure_ascii=False)
@@ -78,8 +88,16 @@ def grammar_text(kind: str, text: str, whitespace: str | None = None) -> str:
         raise ValueError(f"guided_decoding: unknown grammar kind {kind!r}")
     error = matcher.validate_grammar(grammar)
     if error:
-        raise ValueError(f"{kind}: {error.strip()}")
+        raise ValueError(f"{kind}: {_readable(error)}")
     return grammar
+
+
+def _readable(error: str) -> str:
+    """llguidance's error message without what it appends (a Rust panic's backtrace, the parser's state)."""
+    error = error.strip().split("\n<", 1)[0]
+    return error.split("\n", 1)[0] if error.startswith("panic") else error
+
+
 
 
 class Guide:
@@ -92,8 +110,11 @@ class Guide:
         """Consume a taken token (raises if the grammar rejects it: the mask was bypassed or the
         matcher failed, and the request cannot go on)."""
         if not self.matcher.consume_token(token):
-            raise ValueError(f"guided_decoding: token {token} rejected by the grammar "
-                             f"({self.matcher.get_error() or 'not allowed here'})")
+            error = self.matcher.get_error() or "not allowed here"
+            if "doesn't satisfy the grammar" in error:
+                raise ValueError(f"guided_decoding: token {token} rejected by the grammar ({_readable(error)})")
+            raise GrammarLimitError(f"guided_decoding: the grammar cannot be parsed past this point "
+                                    f"({_readable(error)})")
 
     @property
     def done(self) -> bool:
@@ -102,7 +123,7 @@ class Guide:
 
     def check(self) -> None:
         if self.matcher.is_error():
-            raise ValueError(f"guided_decoding: {self.matcher.get_error()}")
+            raise GrammarLimitError(f"guided_decoding: {_readable(self.matcher.get_error())}")
 
 
 class _Compiler:
@@ -125,14 +146,32 @@ class _Compiler:
             if pristine is not None:
                 self._matchers.move_to_end(grammar)
         if pristine is None:
-            pristine = _llguidance().LLMatcher(self.tokenizer, grammar, log_level=0)
-            if pristine.is_error():
-                raise ValueError(f"guided_decoding: {pristine.get_error()}")
+            llg = _llguidance()
+            # errors without the parser's state and the whole grammar: they go back to the client
+            quiet = llg.LLParserLimits(verbose_errors=False)
+            pristine = llg.LLMatcher(self.tokenizer, grammar, log_level=0, limits=quiet)
+            _probe(pristine, self.words)
             with self._lock:
                 self._matchers[grammar] = pristine
                 while len(self._matchers) > MATCHER_CACHE:
                     self._matchers.popitem(last=False)
         return pristine.deep_copy()
+
+
+def _probe(matcher: Any, words: int) -> None:
+    """Raise ValueError if a fresh matcher is in error, or fails on one of its first allowed tokens (see
+    PROBED_FIRST_TOKENS)."""
+    if not matcher.is_error():
+        mask = np.zeros(words, dtype=np.int32)
+        matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
+        for token in allowed[:PROBED_FIRST_TOKENS].tolist():
+            trial = matcher.deep_copy()
+            if not trial.consume_token(token) and "doesn't satisfy the grammar" not in trial.get_error():
+                raise ValueError(f"guided_decoding: the grammar cannot be parsed past its first token "
+                                 f"({_readable(trial.get_error())})")
+    if matcher.is_error():
+        raise ValueError(f"guided_decoding: {_readable(matcher.get_error())}")
 
 
 _compilers: weakref.WeakKeyDictionary[Tokenizer, dict[int, _Compiler]] = weakref.WeakKeyDictionary()

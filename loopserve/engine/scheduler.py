@@ -48,7 +48,7 @@ from loopserve.engine.sampler import Sample
 from loopserve.engine.sequence import Sequence, Status
 from loopserve.engine.speculative import Speculator, VerifyGroup
 from loopserve.engine.stats import EngineStats
-from loopserve.errors import NonFiniteError
+from loopserve.errors import GrammarLimitError, NonFiniteError
 from loopserve.exits import Signal
 from loopserve.sampling_params import RequestOutputKind
 
@@ -118,8 +118,10 @@ class Scheduler:
     # -- requests ------------------------------------------------------------------------------------
     def never_fits(self, seq: Sequence) -> str | None:
         """Why a request (its head) could never fit the KV cache whatever else runs, or None: its samples'
-        prompts, each with room for one generated token. (The server asks before a response starts.)"""
-        if len(seq.family) * self.kv.allocator.blocks_for(len(seq.prompt_ids) + 1) <= self.kv.num_blocks:
+        prompt with room for one generated token, and each other sample's own blocks beside the prompt's
+        full ones, which they share. (The server asks before a response starts.)"""
+        n = len(seq.prompt_ids)
+        if self.kv.allocator.blocks_for(n + 1) + (len(seq.family) - 1) * self._own_blocks(n) <= self.kv.num_blocks:
             return None
         what = f"n: {len(seq.family)} samples of a " if len(seq.family) > 1 else "prompt: a "
         return (f"{what}prompt of {len(seq.prompt_ids)} tokens cannot fit in the KV cache "
@@ -154,24 +156,25 @@ class Scheduler:
         """Finish one request whose part of a batch raised (sampling, logprobs, detokenization, stop
         matching, its exit rule) or produced non-finite values: it alone ends with finish_reason
         "error" and frees its KV and state rows; every other request goes on untouched."""
-        if isinstance(error, NonFiniteError):
+        status = 400 if isinstance(error, GrammarLimitError) else 500  # 400: the request's own input failed it
+        if isinstance(error, NonFiniteError | GrammarLimitError):
             log.warning("request %s failed: %s", seq.request_id, error)
             message = str(error)
         else:  # a bug the request triggered: keep the traceback for the report
             log.error("request %s failed", seq.request_id, exc_info=error)
             message = f"internal error while handling this request ({type(error).__name__}: {error})"
         if not seq.finished:
-            self._stop(seq, "error", message)
+            self._stop(seq, "error", message, status)
 
-    def _stop(self, seq: Sequence, reason: str, error: str | None = None) -> None:
-        """Take a request out of every queue, release what it holds, and finish it."""
+    def _stop(self, seq: Sequence, reason: str, error: str | None = None, status: int | None = None) -> None:
+        """Take a request out of every queue, release what it holds, and finish it (`status`: an error's)."""
         if seq in self.waiting:
             self.waiting.remove(seq)
         head = seq.family[0]
         if seq in head.pending_forks:  # a sample still waiting for the prompt's prefill
             head.pending_forks = [f for f in head.pending_forks if f is not seq]
         for fork in seq.pending_forks if seq is head else ():  # the prefill they wait for will not come
-            fork.finish(reason, error, keep_text=error is not None)
+            fork.finish(reason, error, keep_text=error is not None, error_status=status)
             self._finish(fork)
         seq.pending_forks = []
         for item in [i for i in self.swapped if i.seq is seq]:
@@ -180,7 +183,7 @@ class Scheduler:
         items = [i for q in queues for i in q if i.seq is seq]
         self._remove_items(items)
         self._discard_items(items)
-        seq.finish(reason, error, keep_text=error is not None)  # the text as it was: decoding may be what failed
+        seq.finish(reason, error, keep_text=error is not None, error_status=status)  # the text as it was
         self._finish(seq)
 
     # -- helpers -------------------------------------------------------------------------------------
@@ -487,8 +490,11 @@ class Scheduler:
     def _fork_blocks(self, seq: Sequence) -> int:
         """KV blocks the samples forking from `seq`'s prefill take: each shares the prompt's full blocks
         and owns the rest (the partial last block, room for its first generated token)."""
-        n = len(seq.prompt_ids)
-        return len(seq.pending_forks) * (self.kv.allocator.blocks_for(n + 1) - n // self.kv.block_size)
+        return len(seq.pending_forks) * self._own_blocks(len(seq.prompt_ids))
+
+    def _own_blocks(self, prompt_len: int) -> int:
+        """The blocks a sample forked from a prompt of `prompt_len` tokens owns at its first token."""
+        return self.kv.allocator.blocks_for(prompt_len + 1) - prompt_len // self.kv.block_size
 
     # -- the decision ---------------------------------------------------------------------------------
     def schedule(self) -> StagePlan:
@@ -945,8 +951,8 @@ class CohortScheduler(Scheduler):
         super()._remove_items(items)
         self._set_cohort(_without(self.cohort, items))
 
-    def _stop(self, seq: Sequence, reason: str, error: str | None = None) -> None:
-        super()._stop(seq, reason, error)
+    def _stop(self, seq: Sequence, reason: str, error: str | None = None, status: int | None = None) -> None:
+        super()._stop(seq, reason, error, status)
         self._set_cohort([i for i in self.cohort if i.seq is not seq])
         if not self.cohort and self.phase != "none":
             self.phase = "none"

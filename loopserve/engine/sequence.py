@@ -152,8 +152,9 @@ class Sequence:
                              f"within the model's context of {max_model_len}")
         if any(not 0 <= t < vocab_size for t in prompt_ids):
             raise ValueError(f"prompt_token_ids: ids must be in [0, {vocab_size}) (the model's vocabulary)")
-        if params.logit_bias and max(params.logit_bias) >= vocab_size:
-            raise ValueError(f"logit_bias: token ids must be in [0, {vocab_size}) (the model's vocabulary)")
+        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+            if ids and max(ids) >= vocab_size:
+                raise ValueError(f"{name}: token ids must be in [0, {vocab_size}) (the model's vocabulary)")
         # bound to this sequence's tokens if its sampling reads them (penalties, min_tokens)
         self.request_id, self.prompt, self.params, self.rule = request_id, prompt, bind(params, self), rule
         if params.guided_decoding is not None:  # structured output: this request's own grammar matcher

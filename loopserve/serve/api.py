@@ -97,7 +97,7 @@ from loopserve.serve.responses import (
     sse,
     usage_body,
 )
-from loopserve.serve.structured import ToolPlan, chat_guide, request_guide
+from loopserve.serve.structured import ToolPlan, chat_guide, guide_field, request_guide
 
 log = logging.getLogger("loopserve.serve")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
@@ -315,7 +315,9 @@ class OpenAIServing:
         return requested
 
     def make_seq(self, rid: str, text: str | None, ids: list[int], params: SamplingParams, arrival: float,
-                 seed: int | None, what: str) -> Sequence:
+                 seed: int | None, what: str, grammar_field: str | None = None) -> Sequence:
+        """The request's Sequence, or an ApiError naming the field at fault (`what`: the prompt's field;
+        `grammar_field`: the one that gave its grammar, which is compiled here)."""
         prompt: Any = {"prompt": text, "prompt_token_ids": ids} if text is not None else ids
         try:
             seq = self.engine.make_sequence(rid, prompt, params, arrival, seed=seed)
@@ -326,7 +328,8 @@ class OpenAIServing:
             if msg is None:
                 return seq
         head = msg.split(":", 1)[0]
-        raise ApiError(400, msg, what if head in ("prompt", "prompt_token_ids") else head)
+        fields = {"prompt": what, "prompt_token_ids": what, "guided_decoding": grammar_field or head}
+        raise ApiError(400, msg, fields.get(head, head))
 
     def admit(self, seqs: list[Sequence]) -> RequestGroup:
         try:
@@ -580,7 +583,7 @@ class OpenAIServing:
         if len(prompts) > self.aengine.capacity:
             raise ApiError(400, f"prompt: at most {self.aengine.capacity} prompts per request", "prompt")
         cid, rids = self.new_ids(request, COMPLETION, len(prompts))
-        guide = request_guide(req)
+        guide, grammar_field = request_guide(req), guide_field(req)
         echo = bool(req.echo)
         # echo with max_tokens 0 (lm-eval's loglikelihood): score the prompt, send no completion (one token runs)
         generated = not (echo and req.max_tokens == 0)
@@ -593,7 +596,7 @@ class OpenAIServing:
                                      defaults=self.settings.sampling_defaults,
                                      prompt_logprobs=req.logprobs if echo and req.prompt_logprobs is None else None)
             params.guided_decoding = guide
-            seqs.append(self.make_seq(rid, text, ids, params, arrival, req.seed, "prompt"))
+            seqs.append(self.make_seq(rid, text, ids, params, arrival, req.seed, "prompt", grammar_field))
         return await self.generate(request, _Generation(COMPLETION, req, cid, seqs, echo=echo, generated=generated))
 
     def completion_prompts(self, prompt: Any) -> list[tuple[str | None, list[int]]]:
@@ -617,13 +620,17 @@ class OpenAIServing:
             raise ApiError(400, "messages: the chat template produced an empty prompt", "messages")
         ids = truncate_prompt(ids, req.truncate_prompt_tokens)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if requested is not None and requested < 1:  # named as the request named it (SamplingParams says max_tokens)
+            name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+            raise ApiError(400, f"{name}: must be an integer >= 1, got {requested}", name)
         mt = self.resolve_max_tokens(requested, None, len(ids), "messages")
         top = req.top_logprobs or 0
         params = sampling_params(req, max_tokens=mt, logprobs=top if req.logprobs else None,
                                  defaults=self.settings.sampling_defaults)
         cid, (rid,) = self.new_ids(request, CHAT, 1)
         params.guided_decoding = guide
-        seq = self.make_seq(rid, text, ids, params, arrival, req.seed, "messages")
+        seq = self.make_seq(rid, text, ids, params, arrival, req.seed, "messages",
+                            "tools" if tools is not None else guide_field(req))
         return await self.generate(request, _Generation(CHAT, req, cid, [seq], top, tools))
 
 

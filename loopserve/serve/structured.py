@@ -20,6 +20,7 @@ it when started without `--enable-auto-tool-choice`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from loopserve.serve.responses import ChoiceStream
 # vLLM's request fields -> GuidedDecodingParams fields
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
+GUIDED_PARAMS = tuple(f.name for f in dataclasses.fields(GuidedDecodingParams))  # structured_outputs' fields
 
 
 def _guided(param: str, field_of: dict[str, str], **kwargs: Any) -> GuidedDecodingParams:
@@ -67,21 +69,31 @@ def response_format_guide(fmt: Any, whitespace: str | None = None,
     raise ApiError(400, f"{param}.type: {kind!r} is not supported (text, json_object or json_schema)", f"{param}.type")
 
 
-def request_guide(req: Any) -> GuidedDecodingParams | None:
-    """The grammar a completions or chat request asks for through its grammar fields (None: none)."""
+def guide_field(req: Any) -> str | None:
+    """The grammar field a request gives (None: none; a forced tool call is not one). Raises ApiError if
+    it gives several."""
     given = [name for name in (*GUIDED_FIELDS, "structured_outputs") if getattr(req, name, None) is not None]
     fmt = getattr(req, "response_format", None)
     if fmt is not None and fmt.type != "text":
         given.append("response_format")
     if len(given) > 1:
         raise ApiError(400, f"{given[1]}: only one of {', '.join(given)} may be given", given[1])
-    if not given:
+    return given[0] if given else None
+
+
+def request_guide(req: Any) -> GuidedDecodingParams | None:
+    """The grammar a completions or chat request asks for through its grammar fields (None: none)."""
+    name = guide_field(req)
+    if name is None:
         return None
-    name = given[0]
     if name == "response_format":
-        return response_format_guide(fmt, req.guided_whitespace_pattern)
+        return response_format_guide(req.response_format, req.guided_whitespace_pattern)
     if name == "structured_outputs":
         so = req.structured_outputs
+        unknown = [k for k in so if k not in GUIDED_PARAMS]
+        if unknown:
+            raise ApiError(400, f"{name}.{unknown[0]}: unknown field (the fields are {', '.join(GUIDED_PARAMS)})",
+                           f"{name}.{unknown[0]}")
         return _guided(name, {k: f"{name}.{k}" for k in so}, **so)
     kwargs = {GUIDED_FIELDS[name]: getattr(req, name)}
     if req.guided_whitespace_pattern is not None:
