@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +157,22 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    @cached_property
+    def _bytes_per_token(self) -> int | None:
+        """The most bytes of text one token can stand for, where the tokenizer bounds it: a BPE model with no
+        normalizer (the text is not rewritten before it is split) reads each token from at most its
+        vocabulary entry's UTF-8 length, or one character (4 bytes) for an unknown one. None otherwise."""
+        if self.tok.normalizer is not None or type(self.tok.model).__name__ != "BPE":
+            return None
+        return max(4, *(len(t.encode()) for t in self.tok.get_vocab(with_added_tokens=True)))
+
+    def fewest_tokens(self, text: str) -> int:
+        """A lower bound on the tokens `text` encodes to, without encoding it (0 if the tokenizer gives none):
+        the server refuses a prompt that cannot fit before it pays for tokenizing it, which holds the GIL
+        (about 0.7 us a byte here) and so stalls every other request."""
+        most = self._bytes_per_token
+        return -(-len(text.encode()) // most) if most else 0
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)

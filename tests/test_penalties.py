@@ -11,7 +11,16 @@ import pytest
 import torch
 
 from loopserve import LLM, SamplingParams
-from loopserve.engine.sampler import adjust_logits, bind, penalize, sample_batch, sample_one, sample_rows, unpack
+from loopserve.engine.sampler import (
+    LogitBias,
+    adjust_logits,
+    bind,
+    penalize,
+    sample_batch,
+    sample_one,
+    sample_rows,
+    unpack,
+)
 from tests.engine_helpers import Req, assert_matches, drive, make_engine, reference
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -106,6 +115,24 @@ def test_logit_bias_adds_to_the_logits():
     assert adjusted([0.0, 1.0, 2.0], SamplingParams(logit_bias={0: 5.0, 2: -1.5})) == [5.0, 1.0, 0.5]
     p = SamplingParams(temperature=0, logit_bias={1: 100})
     assert sample_one(torch.tensor([9.0, 0.0, 3.0]), p, 0, 0).token == 1
+
+
+def test_a_request_takes_its_logit_bias_once(tiny_ouro):
+    """The sampler reads a request's own snapshot of its logit_bias, as tensors built when the request is
+    made (rebuilt from the dict at every step, a bias over a real vocabulary added ~100 ms to every step
+    of its batch): changing the dict afterwards changes nothing, in flight or not."""
+    engine = make_engine(tiny_ouro, scheduler="cdb")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={7: 100.0})
+    engine.add_request("b", PROMPT, params)
+    engine.step()
+    params.logit_bias[7], params.logit_bias[9] = -100.0, 100.0  # the caller reuses its params
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step()})
+    assert outs["b"].outputs[0].token_ids == [7] * 6
+    bound = engine.make_sequence("c", PROMPT, params).params
+    assert isinstance(bound.logit_bias, LogitBias) and bound.logit_bias == {7: -100.0, 9: 100.0}
+    assert bound.logit_bias.ids.tolist() == [7, 9] and bound.logit_bias.biases.tolist() == [-100.0, 100.0]
 
 
 def test_min_tokens_masks_eos_and_stop_ids_until_reached():

@@ -319,6 +319,22 @@ VALUES = [
     (H, {"max_completion_tokens": 0}, "max_completion_tokens"),  # named as given (it used to say max_tokens)
     (H, {"max_tokens": 0}, "max_tokens"),
 ]
+
+
+@pytest.mark.parametrize("path", [C, H])
+def test_a_prompt_surely_past_the_context_is_refused_before_it_is_tokenized(server, path):
+    """Tokenizing holds the GIL (a 4 MB prompt stalled every stream ~3 s): a text prompt longer than the
+    context could hold even at the tokenizer's longest tokens is refused from its length ("at least"); with
+    truncate_prompt_tokens it is tokenized and cut as asked."""
+    text = "to be or not " * 2000
+    fields = {"prompt": text} if path == C else _user(text)
+    base = GOOD_C if path == C else GOOD_H
+    r = httpx.post(server.url + path, json={**base, **fields}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == ("prompt" if path == C else "messages") and " at least " in err["message"], err
+    cut = httpx.post(server.url + path, json={**base, **fields, "truncate_prompt_tokens": 8}, timeout=30)
+    assert cut.status_code == 200 and cut.json()["usage"]["prompt_tokens"] == 8, cut.text
 CASES = ([(C, {f: v}, f) for f, v in WRONG_COMPLETION.items()] + [(H, {f: v}, f) for f, v in WRONG_CHAT.items()]
          + NESTED + VALUES)
 
@@ -364,7 +380,7 @@ def test_samples_that_cannot_fit_the_kv_cache_are_a_400_naming_n(small_kv_server
     starts (a stream used to start and then be cut). They share the prompt's full blocks: a 60-token prompt
     takes 4 blocks and each other sample 1 more, so 13 samples fit in 16 blocks (once refused, as if each
     held a copy) and 14 do not."""
-    body = {**GOOD_C, "prompt": [7] * 60, "max_tokens": 2, "stream": stream}
+    body = {**GOOD_C, "prompt": [7] * 60, "max_tokens": 2, "ignore_eos": True, "stream": stream}
     r = httpx.post(small_kv_server.url + C, json={**body, "n": 14}, timeout=30)
     assert r.status_code == 400, r.text
     err = r.json()["error"]

@@ -388,3 +388,15 @@ def test_fetch_reports_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     with pytest.raises(RuntimeError, match="offline"):
         corpus.fetch_shakespeare(tmp_path / "empty")
     assert not (tmp_path / "empty" / ".complete").exists()
+
+
+@pytest.mark.parametrize("fixture", ["tiny_ouro", "tiny_huginn"])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text(min_size=0, max_size=300) | st.sampled_from([" " * 200, "=" * 300, "the " * 80, "東京" * 60]))
+def test_fewest_tokens_is_a_lower_bound(fixture, text, request):
+    """The server refuses a prompt surely longer than the context without tokenizing it (tokenizing holds
+    the GIL): the bound it reads must never exceed the real count, or a prompt that fits would be refused."""
+    tok = LoopTokenizer(request.getfixturevalue(fixture))
+    fewest = tok.fewest_tokens(text)
+    assert fewest <= len(tok.encode(text, add_special_tokens=False))
+    assert fewest > 0 or not text  # the tiny tokenizers (byte-level BPE, no normalizer) give a bound

@@ -11,9 +11,11 @@ Every error is an OpenAI-style body {"error": {"message", "type", "param", "code
 a 400 (401 bad API key, 404 unknown model or route, 413 body too large, 415 a body that is not
 JSON), overload a 503 with Retry-After. Requests are validated on the event loop (tokenizing,
 checking lengths and sampling values) before they reach the engine, so nothing invalid is ever
-admitted; unknown fields are ignored with a warning in the log (vLLM's behaviour). A request that
-fails in the engine gets the engine's status (400 if its input was at fault, else 500); a stream
-cannot change its status any more, so it is cut instead.
+admitted (a text prompt surely longer than the context is refused before it is tokenized:
+tokenizing holds the GIL, and a long prompt would stall every request); unknown fields are ignored
+with a warning in the log (vLLM's behaviour). A request that fails in the engine gets the engine's
+status (400 if its input was at fault, else 500); a stream cannot change its status any more, so it
+is cut instead.
 
 Only `application/json` bodies are read: a web page can make a browser send a cross-origin POST
 without asking first only as text/plain, form or multipart, so none of those can run a generation
@@ -579,7 +581,7 @@ class OpenAIServing:
     async def completions(self, request: Request) -> Response:
         arrival = time.monotonic()
         req: CompletionRequest = await self.read(request, lambda body: parse_body(CompletionRequest, body))
-        prompts = self.completion_prompts(req.prompt)
+        prompts = self.completion_prompts(req.prompt, req.truncate_prompt_tokens is not None)
         if len(prompts) > self.aengine.capacity:
             raise ApiError(400, f"prompt: at most {self.aengine.capacity} prompts per request", "prompt")
         cid, rids = self.new_ids(request, COMPLETION, len(prompts))
@@ -599,7 +601,7 @@ class OpenAIServing:
             seqs.append(self.make_seq(rid, text, ids, params, arrival, req.seed, "prompt", grammar_field))
         return await self.generate(request, _Generation(COMPLETION, req, cid, seqs, echo=echo, generated=generated))
 
-    def completion_prompts(self, prompt: Any) -> list[tuple[str | None, list[int]]]:
+    def completion_prompts(self, prompt: Any, truncated: bool) -> list[tuple[str | None, list[int]]]:
         items: list[Any] = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
         if not items:
             raise ApiError(400, "prompt: must not be empty", "prompt")
@@ -607,15 +609,24 @@ class OpenAIServing:
         for p in items:
             if not p:
                 raise ApiError(400, "prompt: must not be empty", "prompt")
-            out.append((p, self.tokenizer.encode(p)) if isinstance(p, str) else (None, list(p)))
+            out.append((p, self.encode(p, "prompt", truncated)) if isinstance(p, str) else (None, list(p)))
         return out
+
+    def encode(self, text: str, what: str, truncated: bool, add_special_tokens: bool = True) -> list[int]:
+        """A prompt's token ids; a text that is surely longer than the context (unless it is to be truncated)
+        is refused before it is tokenized (see `Tokenizer.fewest_tokens`)."""
+        fewest = 0 if truncated else self.tokenizer.fewest_tokens(text)
+        if fewest >= self.max_model_len:
+            raise ApiError(400, f"{what}: at least {fewest} tokens ({len(text)} characters); this model's maximum "
+                                f"context length is {self.max_model_len} tokens", what)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.monotonic()
         req: ChatCompletionRequest = await self.read(request, lambda body: parse_body(ChatCompletionRequest, body))
         guide, tools = chat_guide(req)
         text = self.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs, req.tools)
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = self.encode(text, "messages", req.truncate_prompt_tokens is not None, add_special_tokens=False)
         if not ids:
             raise ApiError(400, "messages: the chat template produced an empty prompt", "messages")
         ids = truncate_prompt(ids, req.truncate_prompt_tokens)
