@@ -148,12 +148,12 @@ def adjust_logits(x: torch.Tensor, params: list[SamplingParams], counters: list[
     """`logit_bias`, the `min_tokens` mask and the penalties, in vLLM's order, on the rows that ask for them
     (`counters`: tokens generated so far); the other rows come back as they are, without a copy when none asks."""
     dev, vocab = x.device, x.shape[-1]
-    rows = [i for i, p in enumerate(params) if p.logit_bias]
-    if rows:
-        biases = [b if isinstance(b, LogitBias) else LogitBias(b) for b in (params[i].logit_bias for i in rows)]
+    given = [(i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias]
+    if given:
+        biases = [b if isinstance(b, LogitBias) else LogitBias(b) for _, b in given]
         if max(b.top for b in biases) >= vocab:  # checked here, not left to the device (a CUDA index error is fatal)
             raise ValueError(f"logit_bias: token ids must be in [0, {vocab}) (the model's vocabulary)")
-        which = torch.repeat_interleave(torch.tensor(rows), torch.tensor([len(b) for b in biases]))
+        which = torch.repeat_interleave(torch.tensor([i for i, _ in given]), torch.tensor([len(b) for b in biases]))
         x = x.index_put((upload(which, dev), upload(torch.cat([b.ids for b in biases]), dev)),
                         upload(torch.cat([b.biases for b in biases]), dev), accumulate=True)
     held = [(i, t) for i, p in enumerate(params) if counters[i] < p.min_tokens
