@@ -198,8 +198,8 @@ def coda_read_lags(path, async_coda: bool) -> list[int]:
         setattr(runner, stage, (lambda f: lambda *a: (log.append(("queue", None)), f(*a))[1])(fn))
     coda = runner.coda
 
-    def logged_coda(items):
-        handle = coda(items)
+    def logged_coda(items, rows):
+        handle = coda(items, rows)
         get = handle.get
         handle.get = lambda: (log.append(("read", handle)), get())[1]  # type: ignore[method-assign]
         log.append(("coda", handle))

@@ -487,7 +487,7 @@ def test_a_group_wider_than_the_rows_left_is_trimmed_not_waited_for(scheduler, t
     queue waiting behind it. Outputs stay plain decoding's."""
     from loopserve.engine.scheduler import Scheduler
 
-    real = Scheduler._take_preludes
+    real = Scheduler._prelude_plan
     trims: list[tuple[int, int]] = []  # (group rows before, rows taken of it)
 
     def take(self, limit):
@@ -496,13 +496,13 @@ def test_a_group_wider_than_the_rows_left_is_trimmed_not_waited_for(scheduler, t
         if group is not None and len(group.items) > 1 and len(self.prelude_q) > len(group.items):
             before = len(group.items)
             limit = min(limit, before - 1)  # one row short for the group at the head
-            taken = real(self, limit)
+            plan = real(self, limit)
             trims.append((before, len(group.items)))
-            assert taken[: len(group.items)] == group.items and len(group.items) == before - 1
-            return taken
+            assert plan.items[: len(group.items)] == group.items and len(group.items) == before - 1
+            return plan
         return real(self, limit)
 
-    monkeypatch.setattr(Scheduler, "_take_preludes", take)
+    monkeypatch.setattr(Scheduler, "_prelude_plan", take)
     engine = make_engine(tiny_ouro, scheduler=scheduler, max_decode_batch=6, max_num_seqs=6, **SPEC)
     reqs = [Req(f"t{i}", [5 + i, 6, 7], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), seed=i)
             for i in range(3)]

@@ -199,7 +199,8 @@ class LLMEngine:
             pending = self.runner.prefill(plan.chunks)
         else:
             if plan.stage is Stage.PRELUDE:
-                self.runner.prelude(plan.items)
+                assert plan.rows is not None
+                self.runner.prelude(plan.items, plan.rows)
             elif plan.stage is Stage.CORE:
                 assert plan.rows is not None
                 rows = plan.rows
@@ -208,7 +209,8 @@ class LLMEngine:
             elif plan.stage is Stage.DRAFT:
                 pending = self.runner.draft(plan.items, plan.draft_lens, self.cfg.speculative_draft_loops)
             else:
-                pending = self.runner.coda(plan.items)
+                assert plan.rows is not None
+                pending = self.runner.coda(plan.items, plan.rows)
         t2 = time.perf_counter()
         self._model_time += t2 - t1
         self.stats.record(plan.stage, size)

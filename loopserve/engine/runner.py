@@ -50,11 +50,6 @@ class WorkItem:
         """The token this item is fed: the sequence's last one, or its verify group's (a draft)."""
         return self.seq.output_ids[-1] if self.group is None else self.group.token_at(self.position)
 
-    @property
-    def decode_index(self) -> int:
-        """Index of the generated token this item is fed (the item fed token k is item k)."""
-        return self.position - len(self.seq.prompt_ids)
-
     def state_seed(self) -> int:
         return self.seq.state_seed(self.position) if self.group is None else self.group.state_seed(self.position)
 
@@ -119,6 +114,7 @@ class StatePool:
         self.order = np.zeros(rows, np.int64)  # the item's creation counter (queues keep creation order)
         self.kv_slot = np.zeros(rows, np.int64)  # the token's sequence's block-table slot
         self.position = np.zeros(rows, np.int64)
+        self.decode_index = np.zeros(rows, np.int64)  # of the generated token the item is fed (from its prelude)
         self.kv_row = np.zeros(rows, np.int64)  # physical KV row of the token
         self.r = np.zeros(rows, np.int64)  # loop steps run
         self.parity = np.zeros(rows, np.int64)
@@ -132,9 +128,9 @@ class StatePool:
         return len(self._free)
 
     def allocate(self, items: list[WorkItem], kv_slots: np.ndarray, positions: np.ndarray,
-                 kv_rows: np.ndarray) -> None:
+                 kv_rows: np.ndarray) -> np.ndarray:
         """Give each item a row (its token at `positions`, whose KV is at `kv_rows`, of the sequence in
-        block-table slot `kv_slots`)."""
+        block-table slot `kv_slots`); returns the rows."""
         free, slots = self._free, self.items
         for item in items:
             item.row = row = free.pop()
@@ -145,12 +141,13 @@ class StatePool:
         self.kv_slot[rows], self.position[rows], self.kv_row[rows] = kv_slots, positions, kv_rows
         self.r[rows] = self.parity[rows] = self.signal[rows] = 0
         self.passive[rows] = False
+        return rows
 
     def start_loops(self, items: list[WorkItem], rows: np.ndarray) -> None:
         """The items' preludes ran (in state-pool rows `rows`): track their exit rules from step 1."""
         rules = [item.seq.rule for item in items]
         # the decode index of the token an item is fed is its position less the prompt's length
-        decode_indices = self.position[rows] - [len(item.seq.prompt_ids) for item in items]
+        self.decode_index[rows] = decode_indices = self.position[rows] - [len(item.seq.prompt_ids) for item in items]
         table = rule_table(rules)  # one row of the rules' constants per item
         self.exits.start(rows, rules, decode_indices, table)
         self.signal[rows] = table[:, ROW_SIGNAL]
@@ -159,9 +156,9 @@ class StatePool:
     def release(self, item: WorkItem) -> None:
         self.release_all([item])
 
-    def release_all(self, items: list[WorkItem]) -> None:
-        """Free the items' rows (all hold one)."""
-        rows = rows_of(items)
+    def release_all(self, items: list[WorkItem], rows: np.ndarray | None = None) -> None:
+        """Free the items' rows (all hold one; `rows`: them, if known)."""
+        rows = rows_of(items) if rows is None else rows
         self.generation[rows] += 1  # results still on their way for these rows are no longer their items'
         for item in items:
             self.items[item.row] = None
@@ -374,8 +371,8 @@ class ModelRunner:
         return PendingPrefill(samples, spans, prompt)
 
     @torch.no_grad()
-    def prelude(self, items: list[WorkItem]) -> None:
-        rows = rows_of(items)
+    def prelude(self, items: list[WorkItem], rows: np.ndarray) -> None:
+        """Run the preludes of `items` (in state-pool rows `rows`) into their state rows."""
         ctx = self._ctx(rows)
         self.kv.store.set_depth(ctx.write_rows, IN_FLIGHT)
         ids = upload([it.input_token for it in items], self.device)
@@ -425,11 +422,11 @@ class ModelRunner:
         return PendingSignals(kinds, Readback(sig))
 
     @torch.no_grad()
-    def coda(self, items: list[WorkItem]) -> PendingSamples:
-        """The exited items' next tokens, sampled on the device, on their way to the host in one copy."""
-        rows = rows_of(items)
+    def coda(self, items: list[WorkItem], rows: np.ndarray) -> PendingSamples:
+        """The exited items' (in state-pool rows `rows`) next tokens, sampled on the device, on their way
+        to the host in one copy."""
         logits = self.model.coda(self.pool.state.index_select(0, self._state_index(rows)), self._ctx(rows))
-        return PendingSamples([it.seq for it in items], logits, [it.decode_index + 1 for it in items])
+        return PendingSamples([it.seq for it in items], logits, (self.pool.decode_index[rows] + 1).tolist())
 
     @torch.no_grad()
     def draft(self, items: list[WorkItem], lens: list[int], loops: int) -> PendingDrafts:

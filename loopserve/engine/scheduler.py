@@ -72,7 +72,7 @@ class StagePlan:
     items: list[WorkItem] = field(default_factory=list)  # PRELUDE, DRAFT, CODA
     chunks: list[PrefillChunk] = field(default_factory=list)  # PREFILL
     draft_lens: list[int] = field(default_factory=list)  # DRAFT: tokens each item drafts
-    rows: np.ndarray | None = None  # CORE: the batch, as state-pool rows (no work-item objects touched)
+    rows: np.ndarray | None = None  # the batch as state-pool rows (CORE: only these, no work items touched)
 
     @property
     def size(self) -> int:
@@ -297,12 +297,12 @@ class Scheduler:
                 return False
         return True
 
-    def _take_preludes(self, limit: int) -> list[WorkItem]:
-        """Prelude items (FIFO) that get their next KV slot and a state row (a verify group's items
-        all or none; a group wider than the rows left is trimmed to them, so it never holds up the
-        queue: fewer drafts are verified, the tokens are the same)."""
+    def _prelude_plan(self, limit: int) -> StagePlan | None:
+        """A PRELUDE batch of at most `limit` queued items (FIFO), each given its next KV slot and a state
+        row (a verify group's items all or none; a group wider than the rows left is trimmed to them, so it
+        never holds up the queue: fewer drafts are verified, the tokens are the same). None: no item."""
         taken: list[WorkItem] = []
-        rows = min(limit, self.pool.num_free)  # (no row is freed or taken in this loop)
+        free = min(limit, self.pool.num_free)  # (no row is freed or taken in this loop)
         capacity = self.kv.num_blocks * self.kv.block_size
         for item in list(self.prelude_q):
             group = item.group
@@ -310,7 +310,7 @@ class Scheduler:
                 continue  # taken (or not) with the group's first item
             if item.seq.status is Status.SWAPPED:  # swapped out for an earlier item
                 continue
-            room = rows - len(taken)
+            room = free - len(taken)
             if group is not None and len(group.items) > room > 0:
                 self._trim_queued_group(group, room)
             unit = [item] if item.group is None else item.group.items
@@ -325,11 +325,12 @@ class Scheduler:
             elif self._reserve_kv(item, taken):
                 taken += unit
         self.prelude_q = _without(self.prelude_q, taken)
-        if taken:
-            slots = np.fromiter((self.kv.slot(i.seq.request_id) for i in taken), np.int64, len(taken))
-            positions = np.fromiter((i.position for i in taken), np.int64, len(taken))
-            self.pool.allocate(taken, slots, positions, self.kv.block_tables.rows(slots, positions))
-        return taken
+        if not taken:
+            return None
+        slots = np.fromiter((self.kv.slot(i.seq.request_id) for i in taken), np.int64, len(taken))
+        positions = np.fromiter((i.position for i in taken), np.int64, len(taken))
+        rows = self.pool.allocate(taken, slots, positions, self.kv.block_tables.rows(slots, positions))
+        return StagePlan(Stage.PRELUDE, taken, rows=rows)
 
     def _trim_queued_group(self, group: VerifyGroup, n: int) -> None:
         """Keep the first `n` rows of a verify group still in the prelude queue (no rows, no KV written
@@ -544,7 +545,8 @@ class Scheduler:
                 self._append_token(fork, samples[fork.request_id], fork.rule.max_loops)
 
     def after_prelude(self, plan: StagePlan) -> None:
-        rows = rows_of(plan.items)
+        rows = plan.rows
+        assert rows is not None
         self.pool.start_loops(plan.items, rows)
         if len(rows):  # each fresh item that joins a non-empty core queue (the first may find it empty)
             self.stats.refill_events += len(rows) - (0 if len(self.core_rows) else 1)
@@ -667,24 +669,30 @@ class Scheduler:
         """The items in these state-pool rows left the core queue: they wait for their coda."""
         self.coda_rows = np.concatenate([self.coda_rows, rows])
 
-    def _start_coda(self, items: list[WorkItem]) -> StagePlan:
-        self.coda_rows = self._without_rows(self.coda_rows, rows_of(items))
+    def _start_coda(self, items: list[WorkItem], rows: np.ndarray | None = None) -> StagePlan:
+        """A coda batch of `items` (in state-pool rows `rows`, if known)."""
+        rows = rows_of(items) if rows is None else rows
+        self.coda_rows = self._without_rows(self.coda_rows, rows)
         self.coda_running += items
-        return StagePlan(Stage.CODA, items)
+        return StagePlan(Stage.CODA, items, rows=rows)
 
     def after_coda(self, plan: StagePlan, samples: list[Sample]) -> None:
         """Append each item's sampled token (maybe a tick after the coda was queued: an item aborted
         meanwhile is skipped)."""
         if self.coda_running == plan.items:  # (identity: items compare by it) the one coda in flight, whole
-            running, taken, self.coda_running = None, plan.items, []
+            running, taken, self.coda_running, rows = None, plan.items, [], plan.rows
         else:
             running = {id(i) for i in self.coda_running}
             taken = [i for i in plan.items if id(i) in running]
             self.coda_running = _without(self.coda_running, taken)
+            rows = None
         index = {id(item): j for j, item in enumerate(plan.items)} if self.speculator is not None else {}
-        rows = rows_of(taken)  # loops run and exit depths of the batch, read at once
+        rows = rows_of(taken) if rows is None else rows  # loops run and exit depths of the batch, read at once
         loops, depths = self.pool.r[rows].tolist(), self.pool.exits.exit_depth[rows].tolist()
-        self.pool.release_all([i for i in taken if i.group is None])  # (a verify group's rows: in _accept)
+        if self.speculator is None:
+            self.pool.release_all(taken, rows)
+        else:  # (a verify group's rows: in _accept)
+            self.pool.release_all([i for i in taken if i.group is None])
         k = 0
         for j, item in enumerate(plan.items):
             if running is not None and id(item) not in running:
@@ -837,9 +845,9 @@ class CDBScheduler(Scheduler):
             plan = self._draft_plan(width - len(self.core_rows))
             if plan is not None:
                 return plan
-            items = self._take_preludes(width - len(self.core_rows))
-            if items:
-                return StagePlan(Stage.PRELUDE, items)
+            prelude = self._prelude_plan(width - len(self.core_rows))
+            if prelude is not None:
+                return prelude
         if len(self.core_rows):
             return StagePlan(Stage.CORE, rows=self.core_rows[:width])
         if len(ready):
@@ -858,8 +866,7 @@ class CDBScheduler(Scheduler):
         draft = self._draft_plan(width) if plan.stage is not Stage.DRAFT else None
         if draft is not None:
             return draft
-        items = self._take_preludes(width)
-        return StagePlan(Stage.PRELUDE, items) if items else None
+        return self._prelude_plan(width)
 
     def check_invariants(self) -> None:
         super().check_invariants()
@@ -879,8 +886,8 @@ class CDBScheduler(Scheduler):
         items = self._items_at(rows)
         cut = items[-1].group
         if cut is not None and items[-1] is not cut.items[-1]:  # never part of a group (it fits a batch whole)
-            items = [i for i in items if i.group is not cut]
-        return self._start_coda(items)
+            return self._start_coda([i for i in items if i.group is not cut])
+        return self._start_coda(items, rows)
 
 
 class CohortScheduler(Scheduler):
@@ -907,11 +914,13 @@ class CohortScheduler(Scheduler):
             draft = self._draft_plan(self.cfg.max_decode_batch)
             if draft is not None:  # the cohort forms next tick, with the drafting requests' verify groups
                 return draft
-            self._set_cohort(self._take_preludes(self.cfg.max_decode_batch))
-            if not self.cohort:
+            prelude = self._prelude_plan(self.cfg.max_decode_batch)
+            if prelude is None:
                 return StagePlan(Stage.IDLE)
+            self._set_cohort(list(prelude.items))
+            self.cohort_rows = prelude.rows
             self.phase, self.core_ticks = "prelude", 0
-            return StagePlan(Stage.PRELUDE, list(self.cohort))
+            return prelude
         if self.phase == "core":
             members = self._core_members()
             if len(members):
@@ -919,9 +928,9 @@ class CohortScheduler(Scheduler):
                 return StagePlan(Stage.CORE, rows=members)
             self.phase = "coda"
         # coda for the whole cohort
-        items, self.phase = self.cohort, "none"
+        items, rows, self.phase = self.cohort, self._members(), "none"
         self._set_cohort([])
-        return self._start_coda(items)
+        return self._start_coda(items, rows)
 
     def _set_cohort(self, items: list[WorkItem]) -> None:
         """The cohort is now `items`: what was derived from the old one is recomputed when next asked."""
