@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -213,6 +215,25 @@ def test_grammar_past_the_parser_limit_later_fails_its_request_alone_with_400(ti
     for r in reqs[1:]:
         assert_matches(outs[r.rid], reference(engine, r))
     assert not engine.requests and engine.kv.allocator.num_free == engine.kv.num_blocks
+
+
+DEEP_CHAIN = """
+from loopserve.engine.grammar import new_guide
+from loopserve.llm import default_model_path
+from loopserve.sampling_params import GuidedDecodingParams
+from loopserve.tokenizer import Tokenizer
+chain = "start: a0\\n" + "\\n".join(f'a{i}: "x" a{i + 1} | "y"' for i in range(3000)) + '\\na3000: "z"'
+new_guide(GuidedDecodingParams(grammar=chain), Tokenizer(default_model_path()), 4096)
+print("compiled")
+"""
+
+
+def test_a_deep_grammar_compiles_without_taking_the_process_down():
+    """llguidance analyses grammars recursively: a chain of 3,000 rules (72 kB, within the size cap)
+    overflowed the 8 MB stack of the thread that compiled it, a segfault that killed the server. Grammars
+    are compiled on a thread with a big stack (run in a subprocess here, so a crash fails only the test)."""
+    done = subprocess.run([sys.executable, "-c", DEEP_CHAIN], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "compiled", (done.returncode, done.stderr[-2000:])
 
 
 def test_sampling_params_takes_only_guided_decoding_params():

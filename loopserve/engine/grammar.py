@@ -27,8 +27,9 @@ import json
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from loopserve.sampling_params import GuidedDecodingParams, SamplingParams
     from loopserve.tokenizer import Tokenizer
 
+T = TypeVar("T")
 INSTALL_HINT = "structured output needs llguidance: pip install 'loopserve[structured]'"
 MATCHER_CACHE = 128  # compiled grammars kept per tokenizer (a request copies one instead of compiling)
 # llguidance's parser holds at most 2000 Earley items in a row (its default limit, which bounds the
@@ -48,6 +50,11 @@ MATCHER_CACHE = 128  # compiled grammars kept per tokenizer (a request copies on
 # is therefore tried on this many of its allowed first tokens when it is compiled, so that such a
 # grammar is refused before its request starts rather than failing at its first token.
 PROBED_FIRST_TOKENS = 64
+# llguidance analyses a grammar recursively: a chain of ~2,800 rules, each naming the next, overflowed an
+# 8 MB thread stack (a segfault that took the whole process down). Grammars are therefore compiled on a
+# thread of their own with this much stack (reserved, not used, until needed): within MAX_GRAMMAR_CHARS
+# a chain is at most ~10,000 rules deep, and 12,000 compile in 256 MB.
+COMPILE_STACK_BYTES = 256 * 2**20
 
 
 def _llguidance() -> Any:
@@ -58,11 +65,42 @@ def _llguidance() -> Any:
     return llguidance
 
 
+def _on_compile_stack(fn: Callable[[], T]) -> T:
+    """`fn()` on a new thread with COMPILE_STACK_BYTES of stack, its exception raised here."""
+    box: list[Any] = []
+
+    def run() -> None:
+        try:
+            box.append((True, fn()))
+        except BaseException as e:  # noqa: BLE001 (re-raised on the caller's thread)
+            box.append((False, e))
+
+    with _stack_lock:  # the size applies to threads started while it is set
+        old = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            worker = threading.Thread(target=run, name="loopserve-grammar")
+            worker.start()
+        finally:
+            threading.stack_size(old)
+    worker.join()
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
+
+
+_stack_lock = threading.Lock()
+
+
 @lru_cache(maxsize=256)
 def grammar_text(kind: str, text: str, whitespace: str | None = None) -> str:
     """llguidance's grammar for one spec: `kind` is json, regex, choice or grammar (`text`: the schema as
     JSON, the regex, the choices as a JSON list, the Lark or GBNF grammar); `whitespace` is the pattern
     allowed between JSON tokens (None: any whitespace). Raises ValueError naming the field."""
+    return _on_compile_stack(lambda: _grammar_text(kind, text, whitespace))
+
+
+def _grammar_text(kind: str, text: str, whitespace: str | None) -> str:
     llg = _llguidance()
     matcher = llg.LLMatcher
     if kind == "json":
@@ -146,16 +184,20 @@ class _Compiler:
             if pristine is not None:
                 self._matchers.move_to_end(grammar)
         if pristine is None:
-            llg = _llguidance()
-            # errors without the parser's state and the whole grammar: they go back to the client
-            quiet = llg.LLParserLimits(verbose_errors=False)
-            pristine = llg.LLMatcher(self.tokenizer, grammar, log_level=0, limits=quiet)
-            _probe(pristine, self.words)
+            pristine = _on_compile_stack(lambda: self._compile(grammar))
             with self._lock:
                 self._matchers[grammar] = pristine
                 while len(self._matchers) > MATCHER_CACHE:
                     self._matchers.popitem(last=False)
         return pristine.deep_copy()
+
+    def _compile(self, grammar: str) -> Any:
+        llg = _llguidance()
+        # errors without the parser's state and the whole grammar: they go back to the client
+        quiet = llg.LLParserLimits(verbose_errors=False)
+        pristine = llg.LLMatcher(self.tokenizer, grammar, log_level=0, limits=quiet)
+        _probe(pristine, self.words)
+        return pristine
 
 
 def _probe(matcher: Any, words: int) -> None:
