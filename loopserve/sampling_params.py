@@ -25,6 +25,7 @@ MAX_N = 128  # samples per prompt
 MAX_STOP = 256
 MAX_CHOICES = 2000
 MAX_GRAMMAR_CHARS = 100_000  # a regex, a Lark/GBNF grammar, a whitespace pattern
+MAX_SCHEMA_CHARS = 500_000  # a JSON schema, as JSON (an enum of 40,000 words: 0.3 s to compile)
 # Temperatures below this sample greedily (as vLLM does): dividing logits by a subnormal temperature
 # overflows to inf, and below it a logit gap of 1e-3 is already a probability ratio of e^100.
 GREEDY_TEMPERATURE = 1e-5
@@ -75,6 +76,8 @@ class GuidedDecodingParams:
         if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
                                         or not all(isinstance(c, str) and c for c in self.choice)):
             raise ValueError(f"choice: must be a non-empty list of non-empty strings, got {_short(self.choice)}")
+        if self.json is not None and len(self.key[1]) > MAX_SCHEMA_CHARS:
+            raise ValueError(f"json: at most {MAX_SCHEMA_CHARS} characters as JSON, got {len(self.key[1])}")
         if self.choice is not None and len(self.choice) > MAX_CHOICES:
             raise ValueError(f"choice: at most {MAX_CHOICES} options, got {len(self.choice)}")
         from loopserve.engine.grammar import grammar_text

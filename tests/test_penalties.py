@@ -13,6 +13,7 @@ import torch
 from loopserve import LLM, SamplingParams
 from loopserve.engine.sampler import (
     LogitBias,
+    StopTokenIds,
     adjust_logits,
     bind,
     penalize,
@@ -133,6 +134,22 @@ def test_a_request_takes_its_logit_bias_once(tiny_ouro):
     bound = engine.make_sequence("c", PROMPT, params).params
     assert isinstance(bound.logit_bias, LogitBias) and bound.logit_bias == {7: -100.0, 9: 100.0}
     assert bound.logit_bias.ids.tolist() == [7, 9] and bound.logit_bias.biases.tolist() == [-100.0, 100.0]
+
+
+def test_min_tokens_holds_back_a_set_built_once(tiny_ouro):
+    """What min_tokens holds back (the stop ids and the eos tokens, unique) is a tensor built when the request
+    is made (rebuilt at every step, a vocabulary-wide list stalled every other stream); a list that leaves
+    no token to sample is refused, naming stop_token_ids."""
+    engine = make_engine(tiny_ouro)
+    eos = sorted(engine.tokenizer.eos_token_ids)
+    params = SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[9, 3, 9, 3, 40])
+    held = engine.make_sequence("h", PROMPT, params).params.stop_token_ids
+    assert isinstance(held, StopTokenIds) and held == [9, 3, 9, 3, 40]
+    assert held.held.tolist() == sorted({3, 9, 40, *eos})
+    every = list(range(engine.model_config.vocab_size))
+    with pytest.raises(ValueError, match="^stop_token_ids: with min_tokens"):
+        engine.make_sequence("all", PROMPT, SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=every))
+    engine.make_sequence("ok", PROMPT, SamplingParams(max_tokens=4, stop_token_ids=every))  # no min_tokens: fine
 
 
 def test_min_tokens_masks_eos_and_stop_ids_until_reached():

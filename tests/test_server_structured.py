@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
@@ -229,3 +231,25 @@ def test_bad_grammars_are_400_naming_the_field(server, path, body, param):
     r = _post(server, path, {**base, "max_tokens": 4, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_a_slow_grammar_compiles_off_the_event_loop(server):
+    """A grammar can take a second or more to compile (this regex's counted repetitions: over 1 s here,
+    then llguidance gives up: a 400). Requests are built on a worker thread and llguidance releases the
+    GIL while it works, so the server answers others meanwhile: /health, sent while the slow request
+    compiles, is answered first. On the event loop, it was answered only after the 400."""
+    done: dict[str, float] = {}
+
+    def slow() -> None:
+        body = {"prompt": "a", "max_tokens": 2, "guided_regex": "((a{1000}){1000}){1000}"}
+        r = _post(server, "/v1/completions", body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex", r.text
+        done["slow"] = time.monotonic()
+
+    worker = threading.Thread(target=slow)
+    worker.start()
+    time.sleep(0.3)  # the slow request is compiling
+    assert httpx.get(server.url + "/health", timeout=60).status_code == 200
+    done["health"] = time.monotonic()
+    worker.join()
+    assert done["health"] < done["slow"], done

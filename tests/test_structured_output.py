@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from loopserve import LLM, GuidedDecodingParams, SamplingParams
-from loopserve.engine.grammar import apply_guides, new_guide, with_guide
+from loopserve.engine.grammar import _readable, apply_guides, new_guide, with_guide
 from loopserve.engine.sampler import sample_batch, sample_one, unpack
-from loopserve.sampling_params import MAX_CHOICES, MAX_GRAMMAR_CHARS
+from loopserve.sampling_params import MAX_CHOICES, MAX_GRAMMAR_CHARS, MAX_SCHEMA_CHARS
 from tests.engine_helpers import Req, assert_matches, drive, loaded, make_engine, reference
 
 pytest.importorskip("llguidance")
@@ -164,6 +164,7 @@ def test_padded_model_vocabulary_is_masked(tiny_ouro):
     (dict(regex="a" * (MAX_GRAMMAR_CHARS + 1)), "regex"),
     (dict(grammar="start: " + " | ".join(f'"w{i}"' for i in range(MAX_GRAMMAR_CHARS // 6)) + ""), "grammar"),
     (dict(choice=[f"c{i}" for i in range(MAX_CHOICES + 1)]), "choice"),
+    (dict(json={"enum": ["x" * 100] * (MAX_SCHEMA_CHARS // 100)}), "json"),
     (dict(), "guided_decoding"),
     (dict(regex="a", choice=["a"]), "guided_decoding"),
 ])
@@ -234,6 +235,16 @@ def test_a_deep_grammar_compiles_without_taking_the_process_down():
     are compiled on a thread with a big stack (run in a subprocess here, so a crash fails only the test)."""
     done = subprocess.run([sys.executable, "-c", DEEP_CHAIN], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "compiled", (done.returncode, done.stderr[-2000:])
+
+
+def test_llguidance_errors_read_as_sentences(tiny_ouro):
+    """A client gets llguidance's message without its internals: no Rust assertion or backtrace, no parser
+    state, and a bare error name is put in words."""
+    with pytest.raises(ValueError, match=r"^guided_decoding: llguidance cannot compile it \(NoExtensionBias\)$"):
+        new_guide(GuidedDecodingParams(json={"$ref": "#"}), loaded(tiny_ouro).tokenizer, 512)
+    panic = "panic: assertion failed: grammar.symbols.len() < u16::MAX as usize - 10\n<backtrace>\n   0: <unknown>"
+    assert _readable(panic) == "the grammar is beyond what llguidance can compile (it failed an internal check)"
+    assert _readable("Parser Error: row too big\n<state>\nTokens: x</state>") == "Parser Error: row too big"
 
 
 def test_sampling_params_takes_only_guided_decoding_params():

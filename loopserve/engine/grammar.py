@@ -131,9 +131,12 @@ def _grammar_text(kind: str, text: str, whitespace: str | None) -> str:
 
 
 def _readable(error: str) -> str:
-    """llguidance's error message without what it appends (a Rust panic's backtrace, the parser's state)."""
+    """llguidance's error message for a client: without what it appends (the parser's state), and in words
+    where it is an internal assertion or a bare error name."""
     error = error.strip().split("\n<", 1)[0]
-    return error.split("\n", 1)[0] if error.startswith("panic") else error
+    if error.startswith("panic"):
+        return "the grammar is beyond what llguidance can compile (it failed an internal check)"
+    return error if " " in error else f"llguidance cannot compile it ({error})"
 
 
 

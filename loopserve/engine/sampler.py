@@ -102,17 +102,35 @@ class LogitBias(dict[int, float]):
         self.top = max(self.keys(), default=-1)
 
 
+class StopTokenIds(list[int]):
+    """A request's `stop_token_ids`, with what `min_tokens` holds back until it is reached (these and the
+    end-of-sequence tokens, unique, sorted) as a tensor, built once: rebuilt at every step, 49,152 stop
+    ids held every other request's stream up 0.6 s at a time."""
+
+    def __init__(self, ids: list[int], eos_ids: set[int]) -> None:
+        super().__init__(ids)
+        self.held = torch.tensor(sorted(eos_ids.union(ids)), dtype=torch.long)
+
+
 def bind(params: SamplingParams, history: TokenHistory) -> SamplingParams:
     """The params a request samples with: as given, or its own copy when its sampling reads more than they
     say: its tokens (penalties, min_tokens; params may be shared by many requests, the history is one's),
-    or its `logit_bias` as tensors."""
+    its `logit_bias` or what `min_tokens` holds back, as tensors."""
     if not (params.penalized or params.min_tokens or params.logit_bias):
         return params
     bound = copy.copy(params)
     bound.history = history
     if params.logit_bias:
         bound.logit_bias = LogitBias(params.logit_bias)
+    if params.min_tokens:
+        bound.stop_token_ids = StopTokenIds(params.stop_token_ids, history.eos_ids)
     return bound
+
+
+def _held(p: SamplingParams) -> torch.Tensor:
+    """The tokens `min_tokens` holds back for a request: its stop ids and eos tokens (see `StopTokenIds`)."""
+    ids = p.stop_token_ids
+    return ids.held if isinstance(ids, StopTokenIds) else StopTokenIds(ids, _history(p).eos_ids).held
 
 
 def _history(p: SamplingParams) -> TokenHistory:
@@ -156,12 +174,13 @@ def adjust_logits(x: torch.Tensor, params: list[SamplingParams], counters: list[
         which = torch.repeat_interleave(torch.tensor([i for i, _ in given]), torch.tensor([len(b) for b in biases]))
         x = x.index_put((upload(which, dev), upload(torch.cat([b.ids for b in biases]), dev)),
                         upload(torch.cat([b.biases for b in biases]), dev), accumulate=True)
-    held = [(i, t) for i, p in enumerate(params) if counters[i] < p.min_tokens
-            for t in sorted(_history(p).eos_ids.union(p.stop_token_ids)) if t < vocab]
-    if held:  # before min_tokens tokens, nothing that stops the request can be sampled
-        rows, toks = zip(*held, strict=True)
-        x = x.index_put((upload(list(rows), dev), upload(list(toks), dev)),
-                        torch.tensor(float("-inf"), dtype=torch.float64, device=dev))
+    early = [i for i, p in enumerate(params) if counters[i] < p.min_tokens]
+    if early:  # before min_tokens tokens, nothing that stops the request can be sampled
+        held = [h[: int(torch.searchsorted(h, vocab))] for h in (_held(params[i]) for i in early)]  # (sorted)
+        which = torch.repeat_interleave(torch.tensor(early), torch.tensor([len(h) for h in held]))
+        if len(which):
+            x = x.index_put((upload(which, dev), upload(torch.cat(held), dev)),
+                            torch.tensor(float("-inf"), dtype=torch.float64, device=dev))
     pen = [i for i, p in enumerate(params) if p.penalized]
     if pen:
         ps, hist = [params[i] for i in pen], [_history(params[i]) for i in pen]

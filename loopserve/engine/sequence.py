@@ -155,6 +155,11 @@ class Sequence:
         for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
             if ids and max(ids) >= vocab_size:
                 raise ValueError(f"{name}: token ids must be in [0, {vocab_size}) (the model's vocabulary)")
+        self.eos_ids = set() if params.ignore_eos else set(tokenizer.eos_token_ids)
+        self.stop_ids = set(params.stop_token_ids)
+        if params.min_tokens and len(self.eos_ids | self.stop_ids) >= vocab_size:
+            raise ValueError("stop_token_ids: with min_tokens, these and the end-of-sequence tokens leave no "
+                             "token to sample")
         # bound to this sequence's tokens if its sampling reads them (penalties, min_tokens)
         self.request_id, self.prompt, self.params, self.rule = request_id, prompt, bind(params, self), rule
         if params.guided_decoding is not None:  # structured output: this request's own grammar matcher
@@ -169,8 +174,6 @@ class Sequence:
         self.block_hashes: list[bytes] | None = None  # the prompt's full KV blocks' keys (prefix cache)
         limit = max_model_len - len(prompt_ids)
         self.max_new = min(params.max_tokens, limit) if params.max_tokens is not None else limit
-        self.eos_ids = set() if params.ignore_eos else set(tokenizer.eos_token_ids)
-        self.stop_ids = set(params.stop_token_ids)
         self.output_ids: list[int] = []
         self.logprobs: list | None = [] if params.logprobs is not None else None
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (

@@ -9,13 +9,14 @@ from admission to response: one choice builder and one stream writer, told apart
 
 Every error is an OpenAI-style body {"error": {"message", "type", "param", "code"}}: bad input is
 a 400 (401 bad API key, 404 unknown model or route, 413 body too large, 415 a body that is not
-JSON), overload a 503 with Retry-After. Requests are validated on the event loop (tokenizing,
-checking lengths and sampling values) before they reach the engine, so nothing invalid is ever
-admitted (a text prompt surely longer than the context is refused before it is tokenized:
-tokenizing holds the GIL, and a long prompt would stall every request); unknown fields are ignored
-with a warning in the log (vLLM's behaviour). A request that fails in the engine gets the engine's
-status (400 if its input was at fault, else 500); a stream cannot change its status any more, so it
-is cut instead.
+JSON), overload a 503 with Retry-After. Requests are validated (tokenizing, checking lengths and
+sampling values, compiling grammars) before they reach the engine, so nothing invalid is ever
+admitted; unknown fields are ignored with a warning in the log (vLLM's behaviour). A generation
+request's sequences are built on a worker thread, not on the event loop: compiling a grammar can take
+a second, and llguidance releases the GIL meanwhile, so the other requests are served. Tokenizing
+holds the GIL, so a text prompt surely longer than the context is refused before it is tokenized. A
+request that fails in the engine gets the engine's status (400 if its input was at fault, else 500);
+a stream cannot change its status any more, so it is cut instead.
 
 Only `application/json` bodies are read: a web page can make a browser send a cross-origin POST
 without asking first only as text/plain, form or multipart, so none of those can run a generation
@@ -56,6 +57,7 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
@@ -295,7 +297,10 @@ class OpenAIServing:
                         ", ".join(unknown[:MAX_LISTED_UNKNOWN]), f" and {more} more" if more > 0 else "")
         return req
 
-    def resolve_max_tokens(self, requested: int | None, default: int | None, prompt_len: int, what: str) -> int | None:
+    def resolve_max_tokens(self, requested: int | None, default: int | None, prompt_len: int, what: str,
+                           field: str = "max_tokens") -> int | None:
+        """The completion's token budget: `requested` (in the request's `field`) checked against the context
+        and the KV cache, or the room left (capped by `default`); `what` names the prompt's field."""
         max_model_len, kv_tokens = self.max_model_len, self.kv_tokens
         if prompt_len >= max_model_len:
             raise ApiError(400, f"{what}: {prompt_len} tokens; this model's maximum context length is "
@@ -308,12 +313,12 @@ class OpenAIServing:
         if requested < 1:
             return requested  # SamplingParams names the error
         if prompt_len + requested > max_model_len:
-            raise ApiError(400, f"max_tokens: this model's maximum context length is {max_model_len} tokens, "
+            raise ApiError(400, f"{field}: this model's maximum context length is {max_model_len} tokens, "
                                 f"but {prompt_len + requested} were requested ({prompt_len} in the {what}, "
-                                f"{requested} in the completion)", "max_tokens")
+                                f"{requested} in the completion)", field)
         if prompt_len + requested > kv_tokens:
-            raise ApiError(400, f"max_tokens: {prompt_len} prompt + {requested} completion tokens exceed the KV "
-                                f"cache ({kv_tokens} tokens)", "max_tokens")
+            raise ApiError(400, f"{field}: {prompt_len} prompt + {requested} completion tokens exceed the KV "
+                                f"cache ({kv_tokens} tokens)", field)
         return requested
 
     def make_seq(self, rid: str, text: str | None, ids: list[int], params: SamplingParams, arrival: float,
@@ -581,6 +586,10 @@ class OpenAIServing:
     async def completions(self, request: Request) -> Response:
         arrival = time.monotonic()
         req: CompletionRequest = await self.read(request, lambda body: parse_body(CompletionRequest, body))
+        return await self.generate(request, await run_in_threadpool(self.completion, request, req, arrival))
+
+    def completion(self, request: Request, req: CompletionRequest, arrival: float) -> _Generation:
+        """A completions request's sequences (built on a worker thread: see the module's docstring)."""
         prompts = self.completion_prompts(req.prompt, req.truncate_prompt_tokens is not None)
         if len(prompts) > self.aengine.capacity:
             raise ApiError(400, f"prompt: at most {self.aengine.capacity} prompts per request", "prompt")
@@ -599,7 +608,7 @@ class OpenAIServing:
                                      prompt_logprobs=req.logprobs if echo and req.prompt_logprobs is None else None)
             params.guided_decoding = guide
             seqs.append(self.make_seq(rid, text, ids, params, arrival, req.seed, "prompt", grammar_field))
-        return await self.generate(request, _Generation(COMPLETION, req, cid, seqs, echo=echo, generated=generated))
+        return _Generation(COMPLETION, req, cid, seqs, echo=echo, generated=generated)
 
     def completion_prompts(self, prompt: Any, truncated: bool) -> list[tuple[str | None, list[int]]]:
         items: list[Any] = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
@@ -624,6 +633,10 @@ class OpenAIServing:
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.monotonic()
         req: ChatCompletionRequest = await self.read(request, lambda body: parse_body(ChatCompletionRequest, body))
+        return await self.generate(request, await run_in_threadpool(self.chat, request, req, arrival))
+
+    def chat(self, request: Request, req: ChatCompletionRequest, arrival: float) -> _Generation:
+        """A chat request's sequence (built on a worker thread: see the module's docstring)."""
         guide, tools = chat_guide(req)
         text = self.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs, req.tools)
         ids = self.encode(text, "messages", req.truncate_prompt_tokens is not None, add_special_tokens=False)
@@ -631,10 +644,10 @@ class OpenAIServing:
             raise ApiError(400, "messages: the chat template produced an empty prompt", "messages")
         ids = truncate_prompt(ids, req.truncate_prompt_tokens)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         if requested is not None and requested < 1:  # named as the request named it (SamplingParams says max_tokens)
-            name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
             raise ApiError(400, f"{name}: must be an integer >= 1, got {requested}", name)
-        mt = self.resolve_max_tokens(requested, None, len(ids), "messages")
+        mt = self.resolve_max_tokens(requested, None, len(ids), "messages", name)
         top = req.top_logprobs or 0
         params = sampling_params(req, max_tokens=mt, logprobs=top if req.logprobs else None,
                                  defaults=self.settings.sampling_defaults)
@@ -642,7 +655,7 @@ class OpenAIServing:
         params.guided_decoding = guide
         seq = self.make_seq(rid, text, ids, params, arrival, req.seed, "messages",
                             "tools" if tools is not None else guide_field(req))
-        return await self.generate(request, _Generation(CHAT, req, cid, [seq], top, tools))
+        return _Generation(CHAT, req, cid, [seq], top, tools)
 
 
 # -- the app -----------------------------------------------------------------------------------------------------
