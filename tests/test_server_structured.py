@@ -221,6 +221,7 @@ def test_required_tool_choice(client):
     ("/v1/chat/completions", {"tools": [WEATHER]}, "tool_choice"),  # "auto": no tool-call parser
     ("/v1/chat/completions", {"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"tools": [WEATHER, WEATHER], "tool_choice": "none"}, "tools.1.function.name"),
     ("/v1/chat/completions", {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "f"}}},
      "tool_choice.function.name"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {
