@@ -319,6 +319,9 @@ VALUES = [
     (H, {"max_completion_tokens": 0}, "max_completion_tokens"),  # named as given (it used to say max_tokens)
     (H, {"max_completion_tokens": CONTEXT}, "max_completion_tokens"),  # past the context: named as given too
     (H, {"max_tokens": 0}, "max_tokens"),
+    (C, {"prompt": [[1], []]}, "prompt.1"),  # one of a batch: named by its index
+    (C, {"prompt": [[1], [3, 10**6]]}, "prompt.1"),  # a token outside the vocabulary
+    (C, {"prompt": [3, 10**6]}, "prompt"),
 ]
 
 

@@ -334,9 +334,9 @@ class OpenAIServing:
             msg = self.engine.scheduler.never_fits(seq)  # refused before a (streamed) response starts
             if msg is None:
                 return seq
-        head = msg.split(":", 1)[0]
-        fields = {"prompt": what, "prompt_token_ids": what, "guided_decoding": grammar_field or head}
-        raise ApiError(400, msg, fields.get(head, head))
+        head, _, rest = msg.partition(":")
+        param = {"prompt": what, "prompt_token_ids": what, "guided_decoding": grammar_field or head}.get(head, head)
+        raise ApiError(400, f"{param}:{rest}" if head in ("prompt", "prompt_token_ids") else msg, param)
 
     def admit(self, seqs: list[Sequence]) -> RequestGroup:
         try:
@@ -599,26 +599,29 @@ class OpenAIServing:
         # echo with max_tokens 0 (lm-eval's loglikelihood): score the prompt, send no completion (one token runs)
         generated = not (echo and req.max_tokens == 0)
         seqs = []
-        for rid, (text, whole) in zip(rids, prompts, strict=True):
+        for rid, (where, text, whole) in zip(rids, prompts, strict=True):
             ids = truncate_prompt(whole, req.truncate_prompt_tokens)  # before the context check, as the engine will
             mt = self.resolve_max_tokens(req.max_tokens if generated else 1, COMPLETIONS_DEFAULT_MAX_TOKENS, len(ids),
-                                         "prompt")
+                                         where)
             params = sampling_params(req, max_tokens=mt, logprobs=req.logprobs,
                                      defaults=self.settings.sampling_defaults,
                                      prompt_logprobs=req.logprobs if echo and req.prompt_logprobs is None else None)
             params.guided_decoding = guide
-            seqs.append(self.make_seq(rid, text, ids, params, arrival, req.seed, "prompt", grammar_field))
+            seqs.append(self.make_seq(rid, text, ids, params, arrival, req.seed, where, grammar_field))
         return _Generation(COMPLETION, req, cid, seqs, echo=echo, generated=generated)
 
-    def completion_prompts(self, prompt: Any, truncated: bool) -> list[tuple[str | None, list[int]]]:
+    def completion_prompts(self, prompt: Any, truncated: bool) -> list[tuple[str, str | None, list[int]]]:
+        """Each prompt of a completions request as (its field: "prompt", or "prompt.i" in a batch; its text,
+        if it was given as text; its token ids)."""
         items: list[Any] = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
         if not items:
             raise ApiError(400, "prompt: must not be empty", "prompt")
-        out: list[tuple[str | None, list[int]]] = []
-        for p in items:
+        out: list[tuple[str, str | None, list[int]]] = []
+        for i, p in enumerate(items):
+            where = "prompt" if items is not prompt else f"prompt.{i}"  # one prompt, or one of a batch
             if not p:
-                raise ApiError(400, "prompt: must not be empty", "prompt")
-            out.append((p, self.encode(p, "prompt", truncated)) if isinstance(p, str) else (None, list(p)))
+                raise ApiError(400, f"{where}: must not be empty", where)
+            out.append((where, p, self.encode(p, where, truncated)) if isinstance(p, str) else (where, None, list(p)))
         return out
 
     def encode(self, text: str, what: str, truncated: bool, add_special_tokens: bool = True) -> list[int]:
