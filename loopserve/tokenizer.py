@@ -24,6 +24,7 @@ import jinja2.ext
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import pre_tokenizers
 from tokenizers.decoders import DecodeStream
 
 DEFAULT_TEMPLATE = "default"
@@ -160,12 +161,23 @@ class Tokenizer:
 
     @cached_property
     def _bytes_per_token(self) -> int | None:
-        """The most bytes of text one token can stand for, where the tokenizer bounds it: a BPE model with no
-        normalizer (the text is not rewritten before it is split) reads each token from at most its
-        vocabulary entry's UTF-8 length, or one character (4 bytes) for an unknown one. None otherwise."""
-        if self.tok.normalizer is not None or type(self.tok.model).__name__ != "BPE":
+        """The most bytes of text one token can stand for, where the tokenizer bounds it, else None. It does
+        when every byte of the text ends up in some token, each read from at most its vocabulary entry's
+        UTF-8 length: a byte-level BPE (ByteLevel pre-tokenizer, alone or after Digits and isolating
+        Splits, which keep all the text; every byte symbol in the vocabulary, so nothing is unknown) with no
+        normalizer and no added token that strips the whitespace beside it."""
+        spec = json.loads(self.tok.to_str())
+        pre = spec.get("pre_tokenizer") or {}
+        steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+        keeps_text = all(s.get("type") in ("ByteLevel", "Digits")
+                         or (s.get("type") == "Split" and str(s.get("behavior")).lower() == "isolated") for s in steps)
+        stripping = any(t.lstrip or t.rstrip for t in self.tok.get_added_tokens_decoder().values())
+        vocab = self.tok.get_vocab(with_added_tokens=True)
+        if (spec.get("normalizer") is not None or (spec.get("model") or {}).get("type") != "BPE" or stripping
+                or not keeps_text or not any(s.get("type") == "ByteLevel" for s in steps)
+                or not set(pre_tokenizers.ByteLevel.alphabet()) <= vocab.keys()):
             return None
-        return max(4, *(len(t.encode()) for t in self.tok.get_vocab(with_added_tokens=True)))
+        return max(len(t.encode()) for t in vocab)
 
     def fewest_tokens(self, text: str) -> int:
         """A lower bound on the tokens `text` encodes to, without encoding it (0 if the tokenizer gives none):

@@ -222,6 +222,8 @@ def test_required_tool_choice(client):
     ("/v1/chat/completions", {"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
     ("/v1/chat/completions", {"tools": [WEATHER, WEATHER], "tool_choice": "none"}, "tools.1.function.name"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}, "guided_whitespace_pattern": "x" * 100_001},
+     "guided_whitespace_pattern"),
     ("/v1/chat/completions", {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "f"}}},
      "tool_choice.function.name"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {

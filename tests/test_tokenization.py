@@ -400,3 +400,27 @@ def test_fewest_tokens_is_a_lower_bound(fixture, text, request):
     fewest = tok.fewest_tokens(text)
     assert fewest <= len(tok.encode(text, add_special_tokens=False))
     assert fewest > 0 or not text  # the tiny tokenizers (byte-level BPE, no normalizer) give a bound
+
+
+def test_fewest_tokens_gives_no_bound_where_text_can_vanish(tiny_ouro, tmp_path):
+    """Where a tokenizer may drop or fold text (a Whitespace pre-tokenizer drops spaces; an added token
+    with lstrip swallows the spaces before it), the bytes say nothing about the count: no bound (0), so
+    no prompt that fits is refused (a reviewer's case: 202 "at least" for 2 real tokens)."""
+    from tokenizers import AddedToken, models, trainers
+    from tokenizers import pre_tokenizers as pre
+
+    words = Tokenizer(models.BPE(unk_token="[UNK]"))
+    words.pre_tokenizer = pre.Whitespace()
+    words.train_from_iterator(["hello world"] * 10, trainers.BpeTrainer(special_tokens=["[UNK]"], show_progress=False))
+    (tmp_path / "words").mkdir()
+    words.save(str(tmp_path / "words" / "tokenizer.json"))
+    spaced = "hello" + " " * 1000 + "world"
+    assert LoopTokenizer(tmp_path / "words").fewest_tokens(spaced) == 0
+    assert len(LoopTokenizer(tmp_path / "words").encode(spaced, add_special_tokens=False)) == 2
+
+    stripping = Tokenizer.from_file(str(tiny_ouro / "tokenizer.json"))
+    stripping.add_special_tokens([AddedToken("<mask>", lstrip=True)])
+    (tmp_path / "strip").mkdir()
+    stripping.save(str(tmp_path / "strip" / "tokenizer.json"))
+    assert LoopTokenizer(tmp_path / "strip").fewest_tokens(" " * 1000 + "<mask>") == 0
+    assert LoopTokenizer(tiny_ouro).fewest_tokens(" " * 1000 + "<mask>") > 0  # the plain byte-level one: bounded

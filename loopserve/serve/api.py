@@ -177,6 +177,12 @@ def context_length(engine: LLMEngine, cap: int | None) -> int:
     return cap
 
 
+def _truncates(truncate_prompt_tokens: Any) -> bool:
+    """The request asks for its prompt to be cut to its last tokens (a value it can take: an int >= 1;
+    any other is refused later, so it must not skip the length check that avoids tokenizing)."""
+    return isinstance(truncate_prompt_tokens, int) and truncate_prompt_tokens >= 1
+
+
 async def _wait_disconnect(receive: Callable) -> None:
     while True:
         msg = await receive()
@@ -590,7 +596,7 @@ class OpenAIServing:
 
     def completion(self, request: Request, req: CompletionRequest, arrival: float) -> _Generation:
         """A completions request's sequences (built on a worker thread: see the module's docstring)."""
-        prompts = self.completion_prompts(req.prompt, req.truncate_prompt_tokens is not None)
+        prompts = self.completion_prompts(req.prompt, _truncates(req.truncate_prompt_tokens))
         if len(prompts) > self.aengine.capacity:
             raise ApiError(400, f"prompt: at most {self.aengine.capacity} prompts per request", "prompt")
         cid, rids = self.new_ids(request, COMPLETION, len(prompts))
@@ -642,7 +648,7 @@ class OpenAIServing:
         """A chat request's sequence (built on a worker thread: see the module's docstring)."""
         guide, tools = chat_guide(req)
         text = self.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs, req.tools)
-        ids = self.encode(text, "messages", req.truncate_prompt_tokens is not None, add_special_tokens=False)
+        ids = self.encode(text, "messages", _truncates(req.truncate_prompt_tokens), add_special_tokens=False)
         if not ids:
             raise ApiError(400, "messages: the chat template produced an empty prompt", "messages")
         ids = truncate_prompt(ids, req.truncate_prompt_tokens)

@@ -35,6 +35,7 @@ from loopserve.serve.responses import ChoiceStream
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
 GUIDED_PARAMS = tuple(f.name for f in dataclasses.fields(GuidedDecodingParams))  # structured_outputs' fields
+WHITESPACE = {"whitespace_pattern": "guided_whitespace_pattern"}  # the request field that gives it
 
 
 def _guided(param: str, field_of: dict[str, str], **kwargs: Any) -> GuidedDecodingParams:
@@ -59,13 +60,13 @@ def response_format_guide(fmt: Any, whitespace: str | None = None,
     if kind == "text":
         return None
     if kind == "json_object":
-        return _guided(param, {}, json_object=True, **ws)
+        return _guided(param, WHITESPACE, json_object=True, **ws)
     if kind == "json_schema":
         spec = fmt.json_schema
         if spec is None:
             raise ApiError(400, f"{param}.json_schema: field required for type json_schema", f"{param}.json_schema")
         schema = spec.schema_ if spec.schema_ is not None else {"type": "object"}  # OpenAI: schema is optional
-        return _guided(f"{param}.json_schema.schema", {}, json=schema, **ws)
+        return _guided(f"{param}.json_schema.schema", WHITESPACE, json=schema, **ws)
     raise ApiError(400, f"{param}.type: {kind!r} is not supported (text, json_object or json_schema)", f"{param}.type")
 
 
@@ -98,7 +99,7 @@ def request_guide(req: Any) -> GuidedDecodingParams | None:
     kwargs = {GUIDED_FIELDS[name]: getattr(req, name)}
     if req.guided_whitespace_pattern is not None:
         kwargs["whitespace_pattern"] = req.guided_whitespace_pattern
-    return _guided(name, {GUIDED_FIELDS[name]: name, "whitespace_pattern": "guided_whitespace_pattern"}, **kwargs)
+    return _guided(name, {GUIDED_FIELDS[name]: name, **WHITESPACE}, **kwargs)
 
 
 @dataclass
@@ -196,9 +197,9 @@ def tool_plan(req: Any) -> ToolPlan | None:
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
         if req.parallel_tool_calls is False:
             schema["maxItems"] = 1
-        return ToolPlan(list(schemas), True, _guided("tools", {}, json=schema, **ws))
+        return ToolPlan(list(schemas), True, _guided("tools", WHITESPACE, json=schema, **ws))
     name = choice.function.name
     if name not in schemas:
         raise ApiError(400, f"tool_choice.function.name: {name!r} is not among the tools", "tool_choice.function.name")
     index = list(schemas).index(name)
-    return ToolPlan([name], False, _guided(f"tools.{index}.function.parameters", {}, json=schemas[name], **ws))
+    return ToolPlan([name], False, _guided(f"tools.{index}.function.parameters", WHITESPACE, json=schemas[name], **ws))
