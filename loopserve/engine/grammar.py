@@ -9,9 +9,11 @@ sampled rather than ahead of time.
 Where the work happens:
 - `grammar_text` turns a spec into llguidance's grammar text and validates it, with no tokenizer; it is
   what makes a bad schema a `ValueError` when the params are built. Cached by the spec's key.
-- `new_guide` gives a request its `Guide` when its `Sequence` is built (on the caller's thread in the
-  server, not the engine's): the grammar is compiled once per tokenizer and key, and each request gets
-  a copy of the compiled matcher.
+- `new_guide` gives a request its `Guide` when its `Sequence` is built (on the caller's thread, a worker
+  thread in the server, not the engine's): the grammar is compiled once per tokenizer and key, tried on
+  its first allowed tokens (`_probe`: a grammar past the parser's limits is refused there), and each
+  request gets a copy of the compiled matcher. Compiling runs on a thread with a big stack
+  (`_on_compile_stack`).
 - `apply_guides` is the sampler's one call: for the rows whose params carry a guide it fills their
   bitmasks on the host (one parallel call), uploads them once and sets the disallowed logits to -inf on
   the device. Rows without a guide are not touched, and a batch with none costs one scan of its params.
@@ -137,8 +139,6 @@ def _readable(error: str) -> str:
     if error.startswith("panic"):
         return "the grammar is beyond what llguidance can compile (it failed an internal check)"
     return error if " " in error else f"llguidance cannot compile it ({error})"
-
-
 
 
 class Guide:
