@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from loopserve import LLM, GuidedDecodingParams, SamplingParams
+from loopserve.engine import grammar
 from loopserve.engine.grammar import _readable, apply_guides, new_guide, with_guide
 from loopserve.engine.sampler import sample_batch, sample_one, unpack
 from loopserve.sampling_params import MAX_CHOICES, MAX_GRAMMAR_CHARS, MAX_SCHEMA_CHARS
@@ -245,6 +246,24 @@ def test_llguidance_errors_read_as_sentences(tiny_ouro):
     panic = "panic: assertion failed: grammar.symbols.len() < u16::MAX as usize - 10\n<backtrace>\n   0: <unknown>"
     assert _readable(panic) == "the grammar is beyond what llguidance can compile (it failed an internal check)"
     assert _readable("Parser Error: row too big\n<state>\nTokens: x</state>") == "Parser Error: row too big"
+
+
+def test_a_grammar_is_compiled_once_even_when_it_fails(tiny_ouro, monkeypatch):
+    """Compiling can take seconds before it fails: a failure is cached like a success, so the same bad
+    grammar sent again (ten at once, in a trial: ten compiles in a row, 16 s) costs nothing more."""
+    texts, matchers = [], []
+    real_text, real_compile = grammar._grammar_text, grammar._Compiler._compile
+    monkeypatch.setattr(grammar, "_grammar_text", lambda *a: (texts.append(a), real_text(*a))[1])
+    monkeypatch.setattr(grammar._Compiler, "_compile", lambda self, g: (matchers.append(g), real_compile(self, g))[1])
+    for _ in range(3):
+        with pytest.raises(ValueError, match="^regex: "):
+            GuidedDecodingParams(regex="once(")
+    tok = loaded(tiny_ouro).tokenizer
+    past_limit = GuidedDecodingParams(choice=[f"compiled-once-{i}" for i in range(MAX_CHOICES)])
+    for _ in range(3):
+        with pytest.raises(ValueError, match="cannot be parsed past its first token"):
+            new_guide(past_limit, tok, 512)
+    assert [t[1] for t in texts].count("once(") == 1 and len(matchers) == 1
 
 
 def test_sampling_params_takes_only_guided_decoding_params():

@@ -94,12 +94,24 @@ def _on_compile_stack(fn: Callable[[], T]) -> T:
 _stack_lock = threading.Lock()
 
 
-@lru_cache(maxsize=256)
 def grammar_text(kind: str, text: str, whitespace: str | None = None) -> str:
     """llguidance's grammar for one spec: `kind` is json, regex, choice or grammar (`text`: the schema as
     JSON, the regex, the choices as a JSON list, the Lark or GBNF grammar); `whitespace` is the pattern
     allowed between JSON tokens (None: any whitespace). Raises ValueError naming the field."""
-    return _on_compile_stack(lambda: _grammar_text(kind, text, whitespace))
+    ok, result = _compiled_text(kind, text, whitespace)
+    if not ok:
+        raise ValueError(result)
+    return result
+
+
+@lru_cache(maxsize=256)
+def _compiled_text(kind: str, text: str, whitespace: str | None) -> tuple[bool, str]:
+    """(True, the grammar) or (False, why not): a failure is cached too, so a bad grammar sent again is
+    not compiled again (some take seconds to fail)."""
+    try:
+        return True, _on_compile_stack(lambda: _grammar_text(kind, text, whitespace))
+    except ValueError as e:
+        return False, str(e)
 
 
 def _grammar_text(kind: str, text: str, whitespace: str | None) -> str:
@@ -178,6 +190,7 @@ class _Compiler:
         eos = sorted(tokenizer.eos_token_ids) or None
         self.tokenizer = llg.LLTokenizer(tokenizer.tok.to_str(), n_vocab=n_vocab, eos_token=eos)
         self.words = (n_vocab + 31) // 32
+        # grammar -> its pristine matcher, or why it failed (a failure is not compiled again)
         self._matchers: OrderedDict[str, Any] = OrderedDict()
         self._lock = threading.Lock()  # server requests build sequences on several threads
 
@@ -187,11 +200,16 @@ class _Compiler:
             if pristine is not None:
                 self._matchers.move_to_end(grammar)
         if pristine is None:
-            pristine = _on_compile_stack(lambda: self._compile(grammar))
+            try:
+                pristine = _on_compile_stack(lambda: self._compile(grammar))
+            except ValueError as e:
+                pristine = str(e)
             with self._lock:
                 self._matchers[grammar] = pristine
                 while len(self._matchers) > MATCHER_CACHE:
                     self._matchers.popitem(last=False)
+        if isinstance(pristine, str):
+            raise ValueError(pristine)
         return pristine.deep_copy()
 
     def _compile(self, grammar: str) -> Any:

@@ -52,12 +52,13 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+import anyio
+import anyio.to_thread
 import jinja2
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
@@ -105,6 +106,7 @@ from loopserve.serve.structured import ToolPlan, chat_guide, guide_field, reques
 
 log = logging.getLogger("loopserve.serve")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+GRAMMAR_BUILDS = 1  # requests that may compile a grammar are built one at a time (`OpenAIServing.build`)
 MAX_LISTED_UNKNOWN = 20  # unknown fields named in one warning
 
 
@@ -245,6 +247,7 @@ class OpenAIServing:
         self.aengine.on_outputs = self.metrics.observe
         self.aengine.on_scheduled = self.metrics.scheduled
         self._http_requests = itertools.count()  # engine ids stay unique whatever ids clients send
+        self._grammar_lane: anyio.CapacityLimiter | None = None  # see `build`
 
     @asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
@@ -592,7 +595,20 @@ class OpenAIServing:
     async def completions(self, request: Request) -> Response:
         arrival = time.monotonic()
         req: CompletionRequest = await self.read(request, lambda body: parse_body(CompletionRequest, body))
-        return await self.generate(request, await run_in_threadpool(self.completion, request, req, arrival))
+        return await self.generate(request, await self.build(self.completion, request, req, arrival))
+
+    async def build(self, make: Callable[[Request, Any, float], _Generation], request: Request, req: Any,
+                    arrival: float) -> _Generation:
+        """`make(request, req, arrival)` on a worker thread (see the module's docstring). One that may compile a
+        grammar (a grammar field, or tools) waits for the grammar lane, GRAMMAR_BUILDS at a time: fifty slow
+        grammars at once (1-3 s each, on two cores) held every thread of the shared pool and the CPU, and a
+        plain one-token request took 68 s; in the lane they wait for each other, and a grammar that is
+        already compiled, or has already failed, is not compiled again (engine/grammar.py caches both)."""
+        compiles = guide_field(req) is not None or bool(getattr(req, "tools", None))
+        if compiles and self._grammar_lane is None:
+            self._grammar_lane = anyio.CapacityLimiter(GRAMMAR_BUILDS)  # (made on the event loop)
+        return await anyio.to_thread.run_sync(make, request, req, arrival,
+                                              limiter=self._grammar_lane if compiles else None)
 
     def completion(self, request: Request, req: CompletionRequest, arrival: float) -> _Generation:
         """A completions request's sequences (built on a worker thread: see the module's docstring)."""
@@ -642,7 +658,7 @@ class OpenAIServing:
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.monotonic()
         req: ChatCompletionRequest = await self.read(request, lambda body: parse_body(ChatCompletionRequest, body))
-        return await self.generate(request, await run_in_threadpool(self.chat, request, req, arrival))
+        return await self.generate(request, await self.build(self.chat, request, req, arrival))
 
     def chat(self, request: Request, req: ChatCompletionRequest, arrival: float) -> _Generation:
         """A chat request's sequence (built on a worker thread: see the module's docstring)."""
