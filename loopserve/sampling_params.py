@@ -76,13 +76,14 @@ class GuidedDecodingParams:
         if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
                                         or not all(isinstance(c, str) and c for c in self.choice)):
             raise ValueError(f"choice: must be a non-empty list of non-empty strings, got {_short(self.choice)}")
-        if self.json is not None and len(self.key[1]) > MAX_SCHEMA_CHARS:
-            raise ValueError(f"json: at most {MAX_SCHEMA_CHARS} characters as JSON, got {len(self.key[1])}")
+        key = self.key  # (a schema's JSON text, made once)
+        if self.json is not None and len(key[1]) > MAX_SCHEMA_CHARS:
+            raise ValueError(f"json: at most {MAX_SCHEMA_CHARS} characters as JSON, got {len(key[1])}")
         if self.choice is not None and len(self.choice) > MAX_CHOICES:
             raise ValueError(f"choice: at most {MAX_CHOICES} options, got {len(self.choice)}")
         from loopserve.engine.grammar import grammar_text
 
-        grammar_text(*self.key)  # compiles (cached) and validates
+        grammar_text(*key)  # compiles (cached) and validates
 
     @property
     def key(self) -> tuple[str, str, str | None]:

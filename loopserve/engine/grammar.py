@@ -57,6 +57,9 @@ PROBED_FIRST_TOKENS = 64
 # thread of their own with this much stack (reserved, not used, until needed): within MAX_GRAMMAR_CHARS
 # a chain is at most ~10,000 rules deep, and 12,000 compile in 256 MB.
 COMPILE_STACK_BYTES = 256 * 2**20
+# llguidance's words for a token its grammar does not allow (after a masked sample: an engine bug, a 500);
+# any other matcher error is the grammar past the parser's limits (the request's own input, a 400)
+REJECTED = "doesn't satisfy the grammar"
 
 
 def _llguidance() -> Any:
@@ -164,7 +167,7 @@ class Guide:
         matcher failed, and the request cannot go on)."""
         if not self.matcher.consume_token(token):
             error = self.matcher.get_error() or "not allowed here"
-            if "doesn't satisfy the grammar" in error:
+            if REJECTED in error:
                 raise ValueError(f"guided_decoding: token {token} rejected by the grammar ({_readable(error)})")
             raise GrammarLimitError(f"guided_decoding: the grammar cannot be parsed past this point "
                                     f"({_readable(error)})")
@@ -230,7 +233,7 @@ def _probe(matcher: Any, words: int) -> None:
         allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
         for token in allowed[:PROBED_FIRST_TOKENS].tolist():
             trial = matcher.deep_copy()
-            if not trial.consume_token(token) and "doesn't satisfy the grammar" not in trial.get_error():
+            if not trial.consume_token(token) and REJECTED not in trial.get_error():
                 raise ValueError(f"guided_decoding: the grammar cannot be parsed past its first token "
                                  f"({_readable(trial.get_error())})")
     if matcher.is_error():

@@ -685,9 +685,10 @@ class Scheduler:
             running = {id(i) for i in self.coda_running}
             taken = [i for i in plan.items if id(i) in running]
             self.coda_running = _without(self.coda_running, taken)
-            rows = None
+            rows = rows_of(taken)
+        assert rows is not None
         index = {id(item): j for j, item in enumerate(plan.items)} if self.speculator is not None else {}
-        rows = rows_of(taken) if rows is None else rows  # loops run and exit depths of the batch, read at once
+        # loops run and exit depths of the batch, read at once
         loops, depths = self.pool.r[rows].tolist(), self.pool.exits.exit_depth[rows].tolist()
         if self.speculator is None:
             self.pool.release_all(taken, rows)

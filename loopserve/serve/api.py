@@ -600,10 +600,11 @@ class OpenAIServing:
     async def build(self, make: Callable[[Request, Any, float], _Generation], request: Request, req: Any,
                     arrival: float) -> _Generation:
         """`make(request, req, arrival)` on a worker thread (see the module's docstring). One that may compile a
-        grammar (a grammar field, or tools) waits for the grammar lane, GRAMMAR_BUILDS at a time: fifty slow
-        grammars at once (1-3 s each, on two cores) held every thread of the shared pool and the CPU, and a
-        plain one-token request took 68 s; in the lane they wait for each other, and a grammar that is
-        already compiled, or has already failed, is not compiled again (engine/grammar.py caches both)."""
+        grammar (a grammar field, or tools) waits for the grammar lane, GRAMMAR_BUILDS at a time, so a burst of
+        slow grammars (1-3 s each) holds neither the shared pool's threads nor more than one core (a trial on a
+        shared machine saw fifty of them delay a plain one-token request 68 s; not reproduced here). In the
+        lane a grammar already compiled, or already failed, is not compiled again (engine/grammar.py caches
+        both)."""
         compiles = guide_field(req) is not None or bool(getattr(req, "tools", None))
         if compiles and self._grammar_lane is None:
             self._grammar_lane = anyio.CapacityLimiter(GRAMMAR_BUILDS)  # (made on the event loop)
