@@ -24,7 +24,7 @@ def test_streamed_text_is_a_prefix_and_final_text_is_exact(tiny_ouro, text):
     ids = tok.encode(text) or [7]
     seq = _sequence(tok, len(ids))
     for i, t in enumerate(ids):
-        seq.append(t, 1)
+        seq.append(t, 1, 0.0)
         full = tok.decode(ids[: i + 1])
         assert full.startswith(seq.text)
     assert seq.finished and seq.text == tok.decode(ids)
@@ -36,7 +36,7 @@ def test_stop_string_truncates_the_incremental_text(tiny_ouro):
     ids = tok.encode("to be or not to be")
     seq = _sequence(tok, 100, stop=["not"])
     for t in ids:
-        seq.append(t, 1)
+        seq.append(t, 1, 0.0)
         if seq.finished:
             break
     assert seq.finish_reason == "stop" and seq.text == "to be or "

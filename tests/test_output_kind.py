@@ -146,7 +146,7 @@ def test_delta_text_never_sends_what_a_stop_string_cuts(tiny_ouro, text, stops, 
     seq = Sequence("r", None, [5], params, ExitRule("fixed", None, 1, 1), 0, tok, 4096, tok.vocab_size)
     sent = ""
     for t in ids:
-        seq.append(t, 1)
+        seq.append(t, 1, 0.0)
         piece = seq.delta()
         if piece is not None:
             sent += piece.text

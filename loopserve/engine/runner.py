@@ -235,7 +235,8 @@ class PendingSamples:
         self._params = [s.params for s in seqs]
         # counters: the index of the token each row samples (its draw's counter, §8); default the next one
         counters = [len(s.output_ids) for s in seqs] if counters is None else counters
-        result = sample_rows(logits, self._params, [s.seed for s in seqs], counters)
+        plain = all(s.plain_greedy for s in seqs)
+        result = sample_rows(logits, self._params, [s.seed for s in seqs], counters, plain)
         self._readback = Readback(result) if isinstance(result, dict) else None
         self._rows = None if isinstance(result, dict) else result
 

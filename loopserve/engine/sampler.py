@@ -226,20 +226,23 @@ def _raw64(logits: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
     return x.masked_fill_(~finite[:, None], 0.0)
 
 
-def _plain_greedy(p: SamplingParams) -> bool:
+def plain_greedy(p: SamplingParams) -> bool:
     """Sampled by the argmax of the raw logits: nothing adjusts, masks or reports them."""
     return (p.greedy and p.logprobs is None and not p.logit_bias and not p.min_tokens and not p.penalized
             and p.guide is None)
 
 
 def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
-                 counters: list[int]) -> dict[str, torch.Tensor]:
+                 counters: list[int], plain: bool | None = None) -> dict[str, torch.Tensor]:
     """Sample every row of `logits` [B, V] (any float dtype, on any device); the result stays on that
     device for one readback: "tokens" [B], "finite" [B] and, for the rows with `logprobs` set (in
-    order), "lp_chosen", "lp_rank" and "lp_top_ids" / "lp_top_vals" [R, max k]."""
+    order), "lp_chosen", "lp_rank" and "lp_top_ids" / "lp_top_vals" [R, max k]. `plain`: whether every
+    row is `plain_greedy`, if the caller knows (None: read off `params`)."""
     dev = logits.device
     finite = finite_rows(logits.detach())
-    if all(_plain_greedy(p) for p in params):  # the common case: one argmax, no float64 copy of the logits
+    if plain is None:
+        plain = all(plain_greedy(p) for p in params)
+    if plain:  # the common case: one argmax, no float64 copy of the logits
         return {"tokens": logits.detach().argmax(-1), "finite": finite}  # (the order of values is the same)
     raw = _raw64(logits, finite)
     x = adjust_logits(raw, params, counters)
@@ -268,9 +271,9 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seeds: list
     return out
 
 
-@dataclass
+@dataclass(slots=True)
 class Sample:
-    """One row's sampling result on the host."""
+    """One row's sampling result on the host (slots: one is made per sampled token)."""
 
     token: int
     finite: bool
@@ -287,9 +290,14 @@ class Sample:
         return self
 
 
+def _samples(host: dict[str, torch.Tensor]) -> list[Sample]:
+    """A `Sample` of each row's token and finiteness (map: no Python frame per row)."""
+    return list(map(Sample, host["tokens"].tolist(), host["finite"].tolist()))
+
+
 def unpack(host: dict[str, torch.Tensor], params: list[SamplingParams]) -> list[Sample]:
     """The host copy of `sample_batch`'s result as one `Sample` per row."""
-    out = [Sample(t, f) for t, f in zip(host["tokens"].tolist(), host["finite"].tolist(), strict=True)]
+    out = _samples(host)
     asked = [i for i, p in enumerate(params) if p.logprobs is not None]
     if asked:
         _fill_logprobs([out[i] for i in asked], host, [params[i].logprobs or 0 for i in asked])
@@ -317,17 +325,17 @@ def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> dict
 def unpack_prompt(host: dict[str, torch.Tensor], ks: list[int]) -> list[Sample]:
     """`prompt_logprobs`' host result as one `Sample` per prompt row (its token and logprobs), keeping the
     top ks[j] of row j."""
-    out = [Sample(t, f) for t, f in zip(host["tokens"].tolist(), host["finite"].tolist(), strict=True)]
+    out = _samples(host)
     _fill_logprobs(out, host, ks)
     return out
 
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
-                counters: list[int]) -> dict[str, torch.Tensor] | list[Sample]:
+                counters: list[int], plain: bool | None = None) -> dict[str, torch.Tensor] | list[Sample]:
     """`sample_batch`, or if it raises, row by row on the host: a row that raises alone gets a
     `Sample` with its error, the others exactly what the batched call would have given them."""
     try:
-        return sample_batch(logits, params, seeds, counters)
+        return sample_batch(logits, params, seeds, counters, plain)
     except Exception:
         rows: list[Sample] = []
         for i in range(logits.shape[0]):

@@ -32,6 +32,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,7 +51,6 @@ from loopserve.engine.speculative import Speculator, VerifyGroup
 from loopserve.engine.stats import EngineStats
 from loopserve.errors import GrammarLimitError, NonFiniteError
 from loopserve.exits import Signal
-from loopserve.sampling_params import RequestOutputKind
 
 log = logging.getLogger("loopserve.engine")
 
@@ -233,7 +233,9 @@ class Scheduler:
         self.retired_loops += seq.metrics.loops_run
 
     def _new_item(self, seq: Sequence) -> None:
-        self.prelude_q.append(WorkItem(seq, next(self._orders), self.pool, position=seq.num_tokens - 1))
+        """Queue the work item fed the sequence's last token."""
+        position = len(seq.prompt_ids) + len(seq.output_ids) - 1
+        self.prelude_q.append(WorkItem(seq, next(self._orders), self.pool, position=position))
 
     def _resident(self) -> int:
         """Sequences holding (or about to hold) a state of their own: the running ones, and the samples
@@ -305,29 +307,32 @@ class Scheduler:
         free = min(limit, self.pool.num_free)  # (no row is freed or taken in this loop)
         capacity = self.kv.num_blocks * self.kv.block_size
         for item in list(self.prelude_q):
-            group = item.group
-            if group is not None and item is not group.items[0]:
-                continue  # taken (or not) with the group's first item
+            room = free - len(taken)
+            if room <= 0:
+                break
             if item.seq.status is Status.SWAPPED:  # swapped out for an earlier item
                 continue
-            room = free - len(taken)
-            if group is not None and len(group.items) > room > 0:
-                self._trim_queued_group(group, room)
-            unit = [item] if item.group is None else item.group.items
-            if len(unit) > room:
-                break
-            item = unit[-1]  # the group's last KV row
-            if item.position + 1 > capacity:
+            unit = [item]
+            group = item.group
+            if group is not None:
+                if item is not group.items[0]:
+                    continue  # taken (or not) with the group's first item
+                if len(group.items) > room:
+                    self._trim_queued_group(group, room)
+                unit = group.items
+            last = unit[-1]  # the unit's last KV row
+            if last.position + 1 > capacity:
                 self.prelude_q = _without(self.prelude_q, unit)  # longer than the whole cache: it can never fit
-                item.seq.finish("error", f"sequence of {item.seq.num_tokens} tokens exceeds the KV cache "
+                last.seq.finish("error", f"sequence of {last.seq.num_tokens} tokens exceeds the KV cache "
                                          f"({capacity} tokens)", error_status=400)
-                self._finish(item.seq)
-            elif self._reserve_kv(item, taken):
+                self._finish(last.seq)
+            elif self._reserve_kv(last, taken):
                 taken += unit
         self.prelude_q = _without(self.prelude_q, taken)
         if not taken:
             return None
-        slots = np.fromiter((self.kv.slot(i.seq.request_id) for i in taken), np.int64, len(taken))
+        tables = self.kv.tables
+        slots = np.fromiter((tables[i.seq.request_id].slot for i in taken), np.int64, len(taken))
         positions = np.fromiter((i.position for i in taken), np.int64, len(taken))
         rows = self.pool.allocate(taken, slots, positions, self.kv.block_tables.rows(slots, positions))
         return StagePlan(Stage.PRELUDE, taken, rows=rows)
@@ -538,11 +543,12 @@ class Scheduler:
             self.waiting.remove(seq)
             self.stats.prompt_tokens += len(seq.prompt_ids)
             forks, seq.pending_forks = seq.pending_forks, []
-            self._append_token(seq, samples[seq.request_id], seq.rule.max_loops)
+            now = time.monotonic()
+            self._append_token(seq, samples[seq.request_id], seq.rule.max_loops, now)
             for fork in forks:  # the runner copied the prompt's KV to them: they go on from here
                 self.prefill_pos[fork.request_id] = len(fork.prompt_ids)
                 fork.prompt_logprobs = seq.prompt_logprobs
-                self._append_token(fork, samples[fork.request_id], fork.rule.max_loops)
+                self._append_token(fork, samples[fork.request_id], fork.rule.max_loops, now)
 
     def after_prelude(self, plan: StagePlan) -> None:
         rows = plan.rows
@@ -694,19 +700,19 @@ class Scheduler:
             self.pool.release_all(taken, rows)
         else:  # (a verify group's rows: in _accept)
             self.pool.release_all([i for i in taken if i.group is None])
-        k = 0
+        k, now = 0, time.monotonic()  # (the batch's tokens arrived together)
         for j, item in enumerate(plan.items):
             if running is not None and id(item) not in running:
                 continue
             k += 1
             if item.group is not None:  # a verify group runs one coda, whole (CDB holds it until then)
                 if item is item.group.items[0]:
-                    self._accept(item.group, [samples[index[id(i)]] for i in item.group.items])
+                    self._accept(item.group, [samples[index[id(i)]] for i in item.group.items], now)
                 continue
             item.seq.metrics.loops_run += loops[k - 1]
-            self._append_token(item.seq, samples[j], depths[k - 1])
+            self._append_token(item.seq, samples[j], depths[k - 1], now)
 
-    def _accept(self, group: VerifyGroup, samples: list[Sample]) -> None:
+    def _accept(self, group: VerifyGroup, samples: list[Sample], now: float) -> None:
         """A verify round's coda ran (docs/design.md §12). Row i was fed x_t or draft i and sampled
         the token after it with plain decoding's draw; while the drafts equal those samples, each row
         was fed the true token, so its computation, exit depth and sample are plain decoding's. Emit
@@ -727,7 +733,7 @@ class Scheduler:
         self.stats.spec_accepted_tokens += matched
         before = len(seq.output_ids)
         for i in range(matched + 1):
-            if not self._append_token(seq, samples[i], depths[i], next_item=False):
+            if not self._append_token(seq, samples[i], depths[i], now, next_item=False):
                 break  # finished (a stop, max_tokens) or failed
         emitted = len(seq.output_ids) - before
         for depth in depths[:emitted]:
@@ -737,15 +743,16 @@ class Scheduler:
             self.kv_depth_writes.append((kv_rows[emitted:], np.full(len(items) - emitted, IN_FLIGHT)))
             self._new_item(seq)
 
-    def _append_token(self, seq: Sequence, sample: Sample, exit_depth: int, next_item: bool = True) -> bool:
-        """Give a sequence its sampled token (a failure finishes it alone), then finish it or (with
-        `next_item`) queue the work item of its next token. True if the sequence goes on."""
+    def _append_token(self, seq: Sequence, sample: Sample, exit_depth: int, now: float,
+                      next_item: bool = True) -> bool:
+        """Give a sequence its sampled token (arrived at `now`; a failure finishes it alone), then finish it
+        or (with `next_item`) queue the work item of its next token. True if the sequence goes on."""
         try:
-            seq.take(sample, exit_depth)
+            seq.take(sample, exit_depth, now)
         except Exception as e:
             self.fail(seq, e)
             return False
-        if seq.params.output_kind != RequestOutputKind.FINAL_ONLY:  # (the others report when they finish)
+        if seq.streams:  # (the others report when they finish)
             self.appended.append(seq)
         self.stats.generated_tokens += 1
         if seq.finished:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from loopserve.engine.grammar import new_guide, with_guide
-from loopserve.engine.sampler import Sample, bind, sample_one
+from loopserve.engine.sampler import Sample, bind, plain_greedy, sample_one
 from loopserve.exits import ExitRule
 from loopserve.models.base import LoopedLM
 from loopserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -157,13 +157,19 @@ class Sequence:
                 raise ValueError(f"{name}: token ids must be in [0, {vocab_size}) (the model's vocabulary)")
         self.eos_ids = set() if params.ignore_eos else set(tokenizer.eos_token_ids)
         self.stop_ids = set(params.stop_token_ids)
-        if params.min_tokens and len(self.eos_ids | self.stop_ids) >= vocab_size:
+        self._stop_tokens = frozenset(self.eos_ids | self.stop_ids)  # the tokens that may stop it
+        if params.min_tokens and len(self._stop_tokens) >= vocab_size:
             raise ValueError("stop_token_ids: with min_tokens, these and the end-of-sequence tokens leave no "
                              "token to sample")
         # bound to this sequence's tokens if its sampling reads them (penalties, min_tokens)
         self.request_id, self.prompt, self.params, self.rule = request_id, prompt, bind(params, self), rule
         if params.guided_decoding is not None:  # structured output: this request's own grammar matcher
             self.params = with_guide(self.params, new_guide(params.guided_decoding, tokenizer, vocab_size))
+        # Read per token, so settled once here (params never change after this): whether it reports after
+        # every token, whether it needs its text then (stop strings too), whether it samples by a plain argmax
+        self.streams = params.output_kind != RequestOutputKind.FINAL_ONLY
+        self._text_per_token = bool(params.stop) or self.streams
+        self.plain_greedy = plain_greedy(self.params)
         self.prompt_ids = list(prompt_ids)
         self._prompt_ids_out = list(prompt_ids)  # one copy shared by this request's outputs, not one each
         self.tokenizer = tokenizer
@@ -261,14 +267,15 @@ class Sequence:
         whole batch on the device and hands each request its `Sample`)."""
         return self.take(sample_one(logits, self.params, self.seed, len(self.output_ids)), exit_depth)
 
-    def take(self, sample: Sample, exit_depth: int) -> int:
-        """Append a sampled token (raises for a row that failed or held non-finite logits)."""
+    def take(self, sample: Sample, exit_depth: int, now: float | None = None) -> int:
+        """Append a sampled token (raises for a row that failed or held non-finite logits); `now`: the
+        time it arrived (read here if not given; the engine reads the clock once per batch)."""
         token = sample.checked().token
         if sample.logprob is not None:
             self.cumulative_logprob += sample.logprob
             if self.logprobs is not None:
                 self.logprobs.append(self._logprob_entry(sample))
-        self.append(token, exit_depth)
+        self.append(token, exit_depth, time.monotonic() if now is None else now)
         return token
 
     def _logprob_entry(self, sample: Sample) -> dict[int, Logprob]:
@@ -287,21 +294,24 @@ class Sequence:
         for j, sample in enumerate(samples):
             self.prompt_logprobs[position + 1 + j] = self._logprob_entry(sample.checked())
 
-    def append(self, token: int, exit_depth: int) -> None:
-        now = time.monotonic()
-        if self.metrics.first_token_time is None:
-            self.metrics.first_token_time = now
-        self.metrics.last_token_time = now
+    def append(self, token: int, exit_depth: int, now: float) -> None:
+        metrics = self.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
         guide = self.params.guide
         if guide is not None:
             guide.advance(token)  # raises if the grammar rejects it: the request fails alone
-        p = self.params
-        searched = len(self.text) if p.stop else 0  # the text before this token had no stop string
-        self.output_ids.append(token)
+        stop = self.params.stop
+        searched = len(self.text) if stop else 0  # the text before this token had no stop string
+        ids = self.output_ids
+        ids.append(token)
         self.exit_depths.append(exit_depth)
-        if p.stop or p.output_kind != RequestOutputKind.FINAL_ONLY:
+        if self._text_per_token:
             self._decode_pending()  # here, where a failure fails this request alone (not the step's outputs)
-        if not self._stopped(token, searched) and len(self.output_ids) >= self.max_new:
+        if not (stop or guide is not None or token in self._stop_tokens or len(ids) >= self.max_new):
+            return  # (most tokens: nothing below could finish it, and the checks run per token)
+        if not self._stopped(token, searched) and len(ids) >= self.max_new:
             self.finish("length")
         if not self.finished and guide is not None and guide.done:
             self.finish("stop")  # the grammar is complete: only its end could follow
