@@ -232,8 +232,21 @@ ROW_POLICY, ROW_THRESHOLD, ROW_MIN_LOOPS, ROW_LOOKAHEAD, ROW_MAX_LOOPS, ROW_SIGN
 _ROW_WIDTH = 7
 
 
+def interned(rule: ExitRule) -> ExitRule:
+    """One object per distinct rule (requests with the same exit settings share it): what lets
+    `rule_table` see a batch of one rule by identity. The last 1,024 distinct rules are kept; a rule with
+    a trace is its request's own and is not kept (a trace may be as long as the output)."""
+    return rule if rule.trace else _last_rules(rule)
+
+
+_last_rules = functools.lru_cache(maxsize=1024)(lambda rule: rule)
+
+
 def rule_table(rules: list[ExitRule]) -> np.ndarray:
-    """[len(rules), 7] float64: the rules' `row`s, in one pass (no array per rule)."""
+    """[len(rules), 7] float64: the rules' `row`s, in one pass (no array per rule), or for a batch of one
+    (interned) rule, its row repeated (`list.count` compares by identity first, in C)."""
+    if rules and rules.count(rules[0]) == len(rules):
+        return np.tile(np.array(rules[0].row), (len(rules), 1))
     return np.fromiter(itertools.chain.from_iterable(rule.row for rule in rules), np.float64,
                        len(rules) * _ROW_WIDTH).reshape(len(rules), _ROW_WIDTH)
 

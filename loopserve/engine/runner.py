@@ -426,7 +426,8 @@ class ModelRunner:
     def coda(self, items: list[WorkItem], rows: np.ndarray) -> PendingSamples:
         """The exited items' (in state-pool rows `rows`) next tokens, sampled on the device, on their way
         to the host in one copy."""
-        logits = self.model.coda(self.pool.state.index_select(0, self._state_index(rows)), self._ctx(rows))
+        ctx = self._ctx(rows) if self.has_coda_kv else None  # (a coda without layers attends to nothing)
+        logits = self.model.coda(self.pool.state.index_select(0, self._state_index(rows)), ctx)
         return PendingSamples([it.seq for it in items], logits, (self.pool.decode_index[rows] + 1).tolist())
 
     @torch.no_grad()

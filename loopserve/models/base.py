@@ -28,9 +28,10 @@ class LoopedLM(nn.Module):
         """One loop step at depths `ctx.depth`; returns the next state."""
         raise NotImplementedError
 
-    def coda(self, state: torch.Tensor, ctx: ForwardContext,
+    def coda(self, state: torch.Tensor, ctx: ForwardContext | None,
              logit_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Coda over all rows (writing any coda KV); logits [len(logit_rows) or N, V] in fp32+."""
+        """Coda over all rows (writing any coda KV); logits [len(logit_rows) or N, V] in fp32+. `ctx` may be
+        None for a model without coda layers (`config.n_coda == 0`: nothing in its coda attends)."""
         raise NotImplementedError
 
     def gate_logit(self, state: torch.Tensor) -> torch.Tensor:
