@@ -293,6 +293,7 @@ class ModelRunner:
         self.scratch_row = scratch_row
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        self.has_prelude_kv = model.config.n_prelude > 0
         self.has_coda_kv = model.config.n_coda > 0
         self.draws_random_state = model.draws_random_state  # else the per-token state seeds go unused
 
@@ -374,8 +375,9 @@ class ModelRunner:
     @torch.no_grad()
     def prelude(self, items: list[WorkItem], rows: np.ndarray) -> None:
         """Run the preludes of `items` (in state-pool rows `rows`) into their state rows."""
-        ctx = self._ctx(rows)
-        self.kv.store.set_depth(ctx.write_rows, IN_FLIGHT)
+        ctx = self._ctx(rows) if self.has_prelude_kv else None  # (Ouro's prelude, an embedding, attends to nothing)
+        writes = ctx.write_rows if ctx is not None else upload(torch.from_numpy(self.pool.kv_row[rows]), self.device)
+        self.kv.store.set_depth(writes, IN_FLIGHT)  # its KV rows: being computed
         ids = upload([it.input_token for it in items], self.device)
         seeds = [it.state_seed() for it in items] if self.draws_random_state else None
         state, inject = self.model.prelude(ids, ctx, seeds)

@@ -19,9 +19,10 @@ class LoopedLM(nn.Module):
     config: ModelConfig
     has_gate: bool = False
 
-    def prelude(self, token_ids: torch.Tensor, ctx: ForwardContext,
+    def prelude(self, token_ids: torch.Tensor, ctx: ForwardContext | None,
                 state_seeds: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Returns (initial loop state, per-step injection or None)."""
+        """Returns (initial loop state, per-step injection or None). `ctx` may be None for a model without
+        prelude layers (`config.n_prelude == 0`)."""
         raise NotImplementedError
 
     def core_step(self, state: torch.Tensor, inject: torch.Tensor | None, ctx: ForwardContext) -> torch.Tensor:

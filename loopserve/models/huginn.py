@@ -121,7 +121,6 @@ class RavenForCausalLM(LoopedLM):
 
     def coda(self, state, ctx, logit_rows=None):
         t = self.transformer
-        assert ctx is not None, "Huginn's coda blocks attend: they need the batch's context"
         x = t.ln_f(state)
         for block in t.coda:
             x = block(x, ctx)
