@@ -244,8 +244,8 @@ _last_rules = functools.lru_cache(maxsize=1024)(lambda rule: rule)
 
 def rule_table(rules: list[ExitRule]) -> np.ndarray:
     """[len(rules), 7] float64: the rules' `row`s, in one pass (no array per rule), or for a batch of one
-    (interned) rule, its row repeated (`list.count` compares by identity first, in C)."""
-    if rules and rules.count(rules[0]) == len(rules):
+    (interned) rule object, its row repeated."""
+    if rules and len(set(map(id, rules))) == 1:  # (by identity, in C: equality would compare traces)
         return np.tile(np.array(rules[0].row), (len(rules), 1))
     return np.fromiter(itertools.chain.from_iterable(rule.row for rule in rules), np.float64,
                        len(rules) * _ROW_WIDTH).reshape(len(rules), _ROW_WIDTH)

@@ -43,8 +43,10 @@ class Fault(RuntimeError):
     pass
 
 
-def _inject(monkeypatch, point: str) -> None:
-    """Make the victim's part of every batch fail at `point` (from its second generated token on)."""
+def _inject(monkeypatch, point: str) -> list[int]:
+    """Make the victim's part of every batch fail at `point` (from its second generated token on).
+    Returns, for the sampler's points, the sizes of the batches the sampler was called with."""
+    calls: list[int] = []
 
     def later(seq: Sequence) -> bool:
         return _victim(seq) and len(seq.output_ids) >= 1
@@ -53,7 +55,8 @@ def _inject(monkeypatch, point: str) -> None:
         real = sampler_module.sample_batch
 
         # the sampler sees params only: the victim is the one request with this stop string
-        def sample_batch(logits, params, seeds, counters):
+        def sample_batch(logits, params, seeds, counters, plain=None):
+            calls.append(len(params))
             rows = [i for i, p in enumerate(params) if p.stop == ["<victim>"]]
             hit = [i for i in rows if (counters[i] == 0) == (point == "sample_first")]
             if hit and point != "nan_logits":
@@ -61,7 +64,7 @@ def _inject(monkeypatch, point: str) -> None:
             if hit:
                 logits = logits.clone()
                 logits[hit] = float("nan")
-            return real(logits, params, seeds, counters)
+            return real(logits, params, seeds, counters, plain)
 
         monkeypatch.setattr(sampler_module, "sample_batch", sample_batch)
     elif point == "logprobs":
@@ -105,6 +108,7 @@ def _inject(monkeypatch, point: str) -> None:
         monkeypatch.setattr(ModelRunner, "core", core)
     else:
         raise AssertionError(point)
+    return calls
 
 
 POINTS = ("sample_first", "sample", "nan_logits", "logprobs", "detokenize", "stop", "exit_rule", "nan_state")
@@ -139,8 +143,10 @@ def test_a_failing_request_fails_alone(point, scheduler, layout, tiny_ouro, monk
     engine = make_engine(tiny_ouro, scheduler=scheduler, kv_layout=layout, **CFG)
     reqs = _workload(engine.model_config.r_max)
     refs = {r.rid: reference(engine, r) for r in reqs if r.rid != VICTIM}  # before the fault is armed
-    _inject(monkeypatch, point)
+    sampled = _inject(monkeypatch, point)
     outs = drive(engine, reqs)  # invariants after every step; drained at the end: nothing leaked
+    if point in ("sample", "nan_logits"):  # neighbours were sampled in batches with it (not row by row only)
+        assert max(sampled) > 1
     victim = outs[VICTIM]
     assert victim.outputs[0].finish_reason == "error" and victim.error_status == 500
     expected = "non-finite" if point.startswith("nan") else "internal error while handling this request ("

@@ -70,14 +70,14 @@ class NullLM(LoopedLM):
     def prelude(self, token_ids, ctx, state_seeds=None):
         t0 = time.process_time()
         state = torch.zeros(token_ids.shape[0], self.config.hidden_size)
-        state[:, 0] = (token_ids * 0.6180339) % 1.0  # (Ouro-shaped: no prelude layers, so no context here)
+        state[:, 0] = token_ids * 0.6180339  # (Ouro-shaped: no prelude layers, so no context here)
         self._timed(t0)
         return state, None
 
     def core_step(self, state, inject, ctx):
         t0 = time.process_time()
         out = state.clone()
-        first = state[:, 1] == 0  # the first step mixes in the position
+        first = state[:, 1] == 0  # the first step mixes in the position (the hash the prelude used to take)
         out[:, 0] = torch.where(first, (state[:, 0] + ctx.positions * 0.1234567) % 1.0, state[:, 0])
         out[:, 1] += 1
         self._timed(t0)
