@@ -598,6 +598,26 @@ def test_bench_host_refuses_an_unknown_output_kind(capsys):
         main(["bench", "host", "--output-kinds", "deltas", "--no-progress"])
     with pytest.raises(SystemExit, match="--output-len"):
         main(["bench", "host", "--output-len", "0", "--no-progress"])
+    with pytest.raises(SystemExit, match="--repeats"):
+        main(["bench", "host", "--repeats", "0", "--no-progress"])
+
+
+def test_bench_host_repeats_report_each_points_fastest_run(bench_cache, single_thread):
+    """`--repeats 3`: every run of a point is kept per stage, and the point's figures are those of the run
+    with the least host time in all (the runs do the same ticks, so totals are per-tick figures x ticks)."""
+    from loopserve.cli import main
+
+    out = bench_cache / "host-repeats"
+    assert main(["bench", "host", "--widths", "4", "--contexts", "24", "--no-progress", "--out", str(out),
+                 "--repeats", "3", "--output-len", "4"]) == 0
+    points = json.loads((out / "host.json").read_text())["points"]
+    assert {p["scheduler"] for p in points} == {"cb", "cdb"}
+    for p in points:
+        runs, stages = p["host_cpu_us_runs"], p["stages"]
+        assert set(runs) == set(stages) and all(len(v) == 3 for v in runs.values())
+        totals = [sum(runs[s][i] * stages[s]["ticks"] for s in stages) for i in range(3)]
+        chosen = [i for i in range(3) if all(runs[s][i] == round(stages[s]["host_cpu_us"]) for s in stages)]
+        assert chosen and min(totals[i] for i in chosen) <= min(totals) + sum(st["ticks"] for st in stages.values())
 
 
 def test_bench_compile_times_variants_and_counts_graphs(bench_cache, single_thread):

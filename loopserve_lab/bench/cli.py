@@ -383,8 +383,10 @@ def cmd_host(args: argparse.Namespace) -> int:
     output_len = host.OUTPUT_TOKENS if args.output_len is None else args.output_len
     if output_len < 1:
         raise SystemExit(f"--output-len: must be >= 1, got {output_len}")
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats: must be >= 1, got {args.repeats}")
     points = host.run(args.widths, args.contexts, args.schedulers.split(","), progress=not args.no_progress,
-                      output_kinds=kinds, output_len=output_len)
+                      output_kinds=kinds, output_len=output_len, repeats=args.repeats)
     proj = host.projection(points)
     print(host.format_table(points))
     print()
@@ -686,6 +688,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "side by side; the plot shows the first")
     p.add_argument("--output-len", type=int, default=None,
                    help="tokens each request generates (default: bench/host.py's OUTPUT_TOKENS, the published grid's)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds of the whole grid; each point is reported from its fastest run (noise on a shared "
+                        "machine only adds), every run's figures kept in the JSON")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_host)

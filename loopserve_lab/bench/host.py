@@ -125,12 +125,19 @@ class HostPoint:
     mean_exit_depth: float = 0.0
     # every decode tick in order: (host seconds, [(stage, rows) of each batch it ran]); for the projection
     ticks: list[tuple[float, list[tuple[str, int]]]] = field(default_factory=list)
+    # with repeats: each stage's host us per tick in every run of the point (this point is the fastest run)
+    runs: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def host_s(self) -> float:
+        return sum(h for h, _ in self.ticks)
 
     def as_dict(self) -> dict[str, Any]:
         return {"scheduler": self.scheduler, "width": self.width, "context": self.context,
                 "output_kind": self.output_kind,
                 "mean_exit_depth": self.mean_exit_depth,
-                "stages": {s: c.as_dict() for s, c in sorted(self.stages.items())}}
+                "stages": {s: c.as_dict() for s, c in sorted(self.stages.items())},
+                **({"host_cpu_us_runs": self.runs} if self.runs else {})}
 
 
 def null_engine(scheduler: str, width: int, context: int, loaded: LoadedModel,
@@ -182,24 +189,35 @@ def measure(scheduler: str, width: int, context: int, loaded: LoadedModel, seed:
 
 
 def run(widths: list[int], contexts: list[int], schedulers: list[str], progress: bool = True,
-        output_kinds: tuple[str, ...] = ("cumulative",), output_len: int = OUTPUT_TOKENS) -> list[HostPoint]:
-    points = []
+        output_kinds: tuple[str, ...] = ("cumulative",), output_len: int = OUTPUT_TOKENS,
+        repeats: int = 1) -> list[HostPoint]:
+    """Every point, side by side; with `repeats` > 1 the whole grid runs that many rounds and each point is
+    its fastest run (least host time in all: on a shared machine noise only adds), its runs' per-stage
+    figures kept in `HostPoint.runs`."""
+    grid = [(sched, width, context, kind) for context in contexts for width in widths for sched in schedulers
+            for kind in output_kinds]
+    runs: dict[tuple[str, int, int, str], list[HostPoint]] = {key: [] for key in grid}
     with tempfile.TemporaryDirectory() as tmp:
         loaded = load_model(make_tiny(Path(tmp) / "null", NULL_SPEC), "float32", "cpu", "zero")  # its tokenizer
         for sched in schedulers:  # warm-up, discarded: first calls pay one-time costs (dispatch, caches)
             measure(sched, 8, 16, loaded)
-        for context in contexts:
-            for width in widths:
-                for sched in schedulers:  # side by side at each point
-                    for kind in output_kinds:
-                        p = measure(sched, width, context, loaded, output_kind=kind, output_len=output_len)
-                        if progress:
-                            core = p.stages.get("core", StageCost()).as_dict()
-                            coda = p.stages.get("coda", StageCost()).as_dict()
-                            print(f"{sched:>4} {kind:>10} width {width:4d} context {context:5d}: host us CPU per "
-                                  f"tick: core {core['host_cpu_us']:6.0f}, coda {coda['host_cpu_us']:6.0f} "
-                                  f"({coda['host_cpu_us_per_row']:.1f} us/row)", flush=True)
-                        points.append(p)
+        for _ in range(repeats):
+            for sched, width, context, kind in grid:
+                p = measure(sched, width, context, loaded, output_kind=kind, output_len=output_len)
+                if progress:
+                    core = p.stages.get("core", StageCost()).as_dict()
+                    coda = p.stages.get("coda", StageCost()).as_dict()
+                    print(f"{sched:>4} {kind:>10} width {width:4d} context {context:5d}: host us CPU per "
+                          f"tick: core {core['host_cpu_us']:6.0f}, coda {coda['host_cpu_us']:6.0f} "
+                          f"({coda['host_cpu_us_per_row']:.1f} us/row)", flush=True)
+                runs[(sched, width, context, kind)].append(p)
+    points = []
+    for key in grid:
+        best = min(runs[key], key=lambda p: p.host_s)
+        if repeats > 1:
+            best.runs = {stage: [round(r.stages[stage].as_dict()["host_cpu_us"])
+                                 for r in runs[key] if stage in r.stages] for stage in sorted(best.stages)}
+        points.append(best)
     return points
 
 
