@@ -43,7 +43,7 @@ from loopserve.engine.stats import EngineStats
 from loopserve.model_config import HUGINN, ModelConfig
 from loopserve.models.base import LoopedLM
 from loopserve.outputs import RequestOutput
-from loopserve.sampling_params import RequestOutputKind, SamplingParams
+from loopserve.sampling_params import SamplingParams
 from loopserve.tokenizer import Tokenizer
 
 
@@ -158,7 +158,7 @@ class LLMEngine:
         # one output per request that got a token or finished (a request's samples share one output); a
         # FINAL_ONLY request's only when it finished (`appended` lists none of those)
         heads = dict.fromkeys(s.family[0] for s in sched.appended + sched.finished)
-        outs = [h.to_output() for h in heads if h.params.output_kind != RequestOutputKind.FINAL_ONLY
+        outs = [h.to_output() for h in heads if h.streams
                 or h.finished and all(s.finished for s in h.family)]
         sched.appended.clear()
         sched.finished.clear()
