@@ -234,8 +234,7 @@ class Scheduler:
 
     def _new_item(self, seq: Sequence) -> None:
         """Queue the work item fed the sequence's last token."""
-        position = len(seq.prompt_ids) + len(seq.output_ids) - 1
-        self.prelude_q.append(WorkItem(seq, next(self._orders), self.pool, position=position))
+        self.prelude_q.append(WorkItem(seq, next(self._orders), self.pool, position=seq.num_tokens - 1))
 
     def _resident(self) -> int:
         """Sequences holding (or about to hold) a state of their own: the running ones, and the samples

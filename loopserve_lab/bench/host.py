@@ -126,7 +126,7 @@ class HostPoint:
     # every decode tick in order: (host seconds, [(stage, rows) of each batch it ran]); for the projection
     ticks: list[tuple[float, list[tuple[str, int]]]] = field(default_factory=list)
     # with repeats: each stage's host us per tick in every run of the point (this point is the fastest run)
-    runs: dict[str, list[float]] = field(default_factory=dict)
+    runs: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def host_s(self) -> float:
