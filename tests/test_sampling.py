@@ -189,11 +189,11 @@ def test_non_finite_rows_are_flagged_not_sampled():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_finite_rows_equals_isfinite_all(dtype):
-    """The one-sum finiteness check flags exactly the rows `isfinite(...).all` flags, extremes included."""
+    """The amax/amin finiteness check flags exactly the rows `isfinite(...).all` flags, extremes included."""
     g = torch.Generator().manual_seed(0)
     big = torch.finfo(dtype).max
     x = torch.randn(64, 300, generator=g, dtype=torch.float64).to(dtype)
-    x[1:8] = big  # the largest finite values (a float32/bf16 sum of them overflows; float64's does not)
+    x[1:8] = big  # the largest finite values (a float32 or bf16 sum of them would overflow)
     x[8:12] = -big
     for i, v in enumerate((float("nan"), float("inf"), float("-inf")), start=12):
         x[i, (i * 37) % 300] = v

@@ -45,6 +45,13 @@ class WorkItem:
         if self.position < 0:  # a plain item is fed the sequence's last token
             self.position = self.seq.num_tokens - 1
 
+    def reuse(self, order: int, position: int) -> WorkItem:
+        """This plain item as the item of its sequence's next token (once its coda was read and its row
+        freed, nothing of the last token is left in it; a new object per token was a cost per row)."""
+        assert self.row < 0 and self.group is None
+        self.order, self.position, self.prev_logprobs = order, position, None
+        return self
+
     @property
     def input_token(self) -> int:
         """The token this item is fed: the sequence's last one, or its verify group's (a draft)."""
@@ -131,13 +138,14 @@ class StatePool:
                  kv_rows: np.ndarray) -> np.ndarray:
         """Give each item a row (its token at `positions`, whose KV is at `kv_rows`, of the sequence in
         block-table slot `kv_slots`); returns the rows."""
-        free, slots = self._free, self.items
+        free, slots, orders = self._free, self.items, []
         for item in items:
             item.row = row = free.pop()
             slots[row] = item
+            orders.append(item.order)
         rows = rows_of(items)
         self.generation[rows] += 1
-        self.order[rows] = [item.order for item in items]
+        self.order[rows] = orders
         self.kv_slot[rows], self.position[rows], self.kv_row[rows] = kv_slots, positions, kv_rows
         self.r[rows] = self.parity[rows] = self.signal[rows] = 0
         self.passive[rows] = False

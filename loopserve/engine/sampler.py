@@ -209,12 +209,11 @@ def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> dict[str
 
 
 def finite_rows(x: torch.Tensor) -> torch.Tensor:
-    """[B] bool: row i of `x` [B, V] holds no NaN or infinity. For 32-bit and narrower floats, one float64
-    sum per row says it exactly (a NaN or an infinity makes the sum non-finite, and finite values cannot
-    overflow it: 3.4e38 * V << 1.8e308), without the [B, V] mask `isfinite` writes: several times faster."""
-    if x.dtype == torch.float64:
-        return torch.isfinite(x).all(-1)
-    return torch.isfinite(x.sum(-1, dtype=torch.float64))
+    """[B] bool: row i of `x` [B, V] holds no NaN or infinity: its largest and its smallest value are
+    finite (`amax` and `amin` propagate NaN). Two vectorized reductions, without the [B, V] mask `isfinite`
+    writes or a float64 copy: on this CPU, float32 [256, 49152] takes 3.4 ms, against 63 ms for a float64
+    sum per row (docs/benchmarks.md section 8.11)."""
+    return torch.isfinite(x.amax(-1)) & torch.isfinite(x.amin(-1))
 
 
 def _raw64(logits: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:

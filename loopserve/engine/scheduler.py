@@ -232,9 +232,14 @@ class Scheduler:
         self.stats.finished_requests[seq.finish_reason] += 1
         self.retired_loops += seq.metrics.loops_run
 
-    def _new_item(self, seq: Sequence) -> None:
-        """Queue the work item fed the sequence's last token."""
-        self.prelude_q.append(WorkItem(seq, next(self._orders), self.pool, position=seq.num_tokens - 1))
+    def _new_item(self, seq: Sequence, spent: WorkItem | None = None) -> None:
+        """Queue the work item fed the sequence's last token: `spent`, the plain item of its previous token
+        (its coda read, its row freed: it holds nothing), if given, else a new one."""
+        order, position = next(self._orders), seq.num_tokens - 1
+        if spent is None:
+            self.prelude_q.append(WorkItem(seq, order, self.pool, position=position))
+        else:
+            self.prelude_q.append(spent.reuse(order, position))
 
     def _resident(self) -> int:
         """Sequences holding (or about to hold) a state of their own: the running ones, and the samples
@@ -303,13 +308,16 @@ class Scheduler:
         row (a verify group's items all or none; a group wider than the rows left is trimmed to them, so it
         never holds up the queue: fewer drafts are verified, the tokens are the same). None: no item."""
         taken: list[WorkItem] = []
+        slots: list[int] = []  # each taken item's block-table slot (its sequence keeps it from here on)
         free = min(limit, self.pool.num_free)  # (no row is freed or taken in this loop)
-        capacity = self.kv.num_blocks * self.kv.block_size
+        kv = self.kv
+        capacity, tables, ensure = kv.num_blocks * kv.block_size, kv.tables, kv.ensure
         for item in list(self.prelude_q):
             room = free - len(taken)
             if room <= 0:
                 break
-            if item.seq.status is Status.SWAPPED:  # swapped out for an earlier item
+            seq = item.seq
+            if seq.status is Status.SWAPPED:  # swapped out for an earlier item
                 continue
             unit = [item]
             group = item.group
@@ -322,18 +330,19 @@ class Scheduler:
             last = unit[-1]  # the unit's last KV row
             if last.position + 1 > capacity:
                 self.prelude_q = _without(self.prelude_q, unit)  # longer than the whole cache: it can never fit
-                last.seq.finish("error", f"sequence of {last.seq.num_tokens} tokens exceeds the KV cache "
-                                         f"({capacity} tokens)", error_status=400)
-                self._finish(last.seq)
-            elif self._reserve_kv(last, taken):
+                seq.finish("error", f"sequence of {seq.num_tokens} tokens exceeds the KV cache "
+                                    f"({capacity} tokens)", error_status=400)
+                self._finish(seq)
+            elif ensure(seq.request_id, last.position + 1) or self._reserve_kv(last, taken):  # (most: room already)
                 taken += unit
-        self.prelude_q = _without(self.prelude_q, taken)
+                slots += [tables[seq.request_id].slot] * len(unit)
+        queue, n = self.prelude_q, len(taken)
+        self.prelude_q = queue[n:] if queue[:n] == taken else _without(queue, taken)  # (usually its head)
         if not taken:
             return None
-        tables = self.kv.tables
-        slots = np.fromiter((tables[i.seq.request_id].slot for i in taken), np.int64, len(taken))
-        positions = np.fromiter((i.position for i in taken), np.int64, len(taken))
-        rows = self.pool.allocate(taken, slots, positions, self.kv.block_tables.rows(slots, positions))
+        slot_array = np.array(slots, np.int64)
+        positions = np.fromiter((i.position for i in taken), np.int64, n)
+        rows = self.pool.allocate(taken, slot_array, positions, kv.block_tables.rows(slot_array, positions))
         return StagePlan(Stage.PRELUDE, taken, rows=rows)
 
     def _trim_queued_group(self, group: VerifyGroup, n: int) -> None:
@@ -709,7 +718,7 @@ class Scheduler:
                     self._accept(item.group, [samples[index[id(i)]] for i in item.group.items], now)
                 continue
             item.seq.metrics.loops_run += loops[k - 1]
-            self._append_token(item.seq, samples[j], depths[k - 1], now)
+            self._append_token(item.seq, samples[j], depths[k - 1], now, spent=item)
 
     def _accept(self, group: VerifyGroup, samples: list[Sample], now: float) -> None:
         """A verify round's coda ran (docs/design.md §12). Row i was fed x_t or draft i and sampled
@@ -743,9 +752,10 @@ class Scheduler:
             self._new_item(seq)
 
     def _append_token(self, seq: Sequence, sample: Sample, exit_depth: int, now: float,
-                      next_item: bool = True) -> bool:
+                      next_item: bool = True, spent: WorkItem | None = None) -> bool:
         """Give a sequence its sampled token (arrived at `now`; a failure finishes it alone), then finish it
-        or (with `next_item`) queue the work item of its next token. True if the sequence goes on."""
+        or (with `next_item`) queue the work item of its next token (`spent`: the plain item that computed
+        this one, reused). True if the sequence goes on."""
         try:
             seq.take(sample, exit_depth, now)
         except Exception as e:
@@ -758,7 +768,7 @@ class Scheduler:
             self._finish(seq)
             return False
         if next_item:
-            self._new_item(seq)
+            self._new_item(seq, spent)
         return True
 
     # -- checks (tests call these between steps) -------------------------------------------------------
