@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from loopserve import LLM, SamplingParams
+from loopserve.engine.sampler import finite_rows
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -34,6 +35,17 @@ def test_cuda_engine_matches_the_reference(arch, scheduler, lookahead, tiny_ouro
     for a, b in zip(ref, out, strict=True):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
         assert b.outputs[0].exit_depths == a.outputs[0].exit_depths
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_cuda_finite_rows_flags_what_isfinite_flags(dtype):
+    """amax and amin propagate NaN on the device too: the sampler's finiteness check is exact there."""
+    x = torch.randn(8, 300, dtype=dtype, device="cuda")
+    x[1:3] = torch.finfo(dtype).max
+    for i, v in enumerate((float("nan"), float("inf"), float("-inf")), start=4):
+        x[i, (i * 37) % 300] = v
+    assert torch.equal(finite_rows(x), torch.isfinite(x).all(-1))
+    assert finite_rows(x)[:4].all() and not finite_rows(x)[4:7].any()
 
 
 STRICT = {  # what runs under sync-debug "error": planning, queueing, and the host bookkeeping of a step
