@@ -31,6 +31,8 @@ row, so one request's parameters can only ever fail that request.
 from __future__ import annotations
 
 import copy
+import functools
+import math
 from dataclasses import dataclass
 from itertools import chain
 from typing import Protocol
@@ -209,11 +211,20 @@ def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> dict[str
 
 
 def finite_rows(x: torch.Tensor) -> torch.Tensor:
-    """[B] bool: row i of `x` [B, V] holds no NaN or infinity: its largest and its smallest value are
-    finite (`amax` and `amin` propagate NaN). Two vectorized reductions, without the [B, V] mask `isfinite`
-    writes or a float64 copy: on this CPU, float32 [256, 49152] takes 3.4 ms, against 63 ms for a float64
-    sum per row (docs/benchmarks.md section 8.11)."""
-    return torch.isfinite(x.amax(-1)) & torch.isfinite(x.amin(-1))
+    """[B] bool: row i of `x` [B, V] holds no NaN or infinity, read off one matrix-vector product: the sum
+    of the row's values each scaled by 2^-k, where 2^k >= 2V. A power of two keeps NaN and infinities
+    as they are and brings the sum of V finite values under half the dtype's largest value, so in any
+    order of summation it cannot overflow: the sum is finite exactly when the row is. One vectorized
+    pass, no [B, V] temporary: on this CPU, float32 [256, 49152] takes 2.0 ms, where a float64 sum per
+    row took 51 ms and an `amax` with an `amin` 3.6 ms; at [8, 512] all are 8-17 us (docs/benchmarks.md
+    section 8.11)."""
+    return torch.isfinite(x @ _finite_probe(x.shape[-1], x.dtype, x.device))
+
+
+@functools.lru_cache(maxsize=16)
+def _finite_probe(vocab: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`finite_rows`' vector: 2^-k in every entry, 2^k >= 2 * vocab."""
+    return torch.full((vocab,), 2.0 ** -(math.ceil(math.log2(vocab)) + 1), dtype=dtype, device=device)
 
 
 def _raw64(logits: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
