@@ -1,5 +1,6 @@
 """Helpers for the engine tests: cached float64 models, a workload driver that checks the
-scheduler's invariants after every step, and comparison against the sequential reference decoder."""
+scheduler's invariants after every step, comparison against the sequential reference decoder, and the
+sampler's finiteness check on extreme logits (run on the CPU and on a device)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,13 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from loopserve import SamplingParams
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine import LLMEngine
 from loopserve.engine.reference import ReferenceDecoder
+from loopserve.engine.sampler import finite_rows
 from loopserve.engine.sequence import Sequence
 from loopserve.models.loader import LoadedModel, load_model
 from loopserve.outputs import RequestOutput
@@ -113,3 +117,24 @@ def assert_matches(out: RequestOutput, ref: Sequence) -> None:
     assert_logprobs_close(c.logprobs, ref.logprobs)
     if c.cumulative_logprob is not None:
         assert math.isclose(c.cumulative_logprob, ref.cumulative_logprob, rel_tol=1e-9, abs_tol=1e-9)
+
+
+def check_finite_rows(dtype: torch.dtype, device: str = "cpu") -> None:
+    """`finite_rows` flags exactly the rows `isfinite(...).all` flags, extremes included: the largest
+    finite values (a float32 or bf16 sum of them would overflow), both extremes in one row, a row of
+    49,152 (Ouro's vocabulary) of the largest value."""
+    g = torch.Generator().manual_seed(0)
+    big = torch.finfo(dtype).max
+    x = torch.randn(64, 300, generator=g, dtype=torch.float64).to(dtype)
+    x[1:8] = big
+    x[8:12] = -big
+    for i, v in enumerate((float("nan"), float("inf"), float("-inf")), start=12):
+        x[i, (i * 37) % 300] = v
+    x[15, 3], x[15, 4] = float("inf"), float("-inf")
+    x[16, :150], x[16, 150:] = big, -big  # both extremes in one finite row
+    x = x.to(device)
+    assert torch.equal(finite_rows(x), torch.isfinite(x).all(-1))
+    assert finite_rows(x)[:12].all() and not finite_rows(x)[12:16].any()
+    wide = torch.full((2, 49152), big, dtype=dtype, device=device)
+    wide[1, 7] = float("nan")
+    assert finite_rows(wide).tolist() == [True, False]

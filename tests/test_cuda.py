@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from loopserve import LLM, SamplingParams
-from loopserve.engine.sampler import finite_rows
+from tests.engine_helpers import check_finite_rows
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -40,12 +40,7 @@ def test_cuda_engine_matches_the_reference(arch, scheduler, lookahead, tiny_ouro
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_cuda_finite_rows_flags_what_isfinite_flags(dtype):
     """The sampler's finiteness check (a scaled sum, one matrix-vector product) is exact on the device too."""
-    x = torch.randn(8, 300, dtype=dtype, device="cuda")
-    x[1:3] = torch.finfo(dtype).max
-    for i, v in enumerate((float("nan"), float("inf"), float("-inf")), start=4):
-        x[i, (i * 37) % 300] = v
-    assert torch.equal(finite_rows(x), torch.isfinite(x).all(-1))
-    assert finite_rows(x)[:4].all() and not finite_rows(x)[4:7].any()
+    check_finite_rows(dtype, "cuda")
 
 
 STRICT = {  # what runs under sync-debug "error": planning, queueing, and the host bookkeeping of a step

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from loopserve import LLM, SamplingParams
-from loopserve.engine.sampler import filtered_probs, finite_rows, sample_batch, sample_one, uniforms, unpack
+from loopserve.engine.sampler import filtered_probs, sample_batch, sample_one, uniforms, unpack
+from tests.engine_helpers import check_finite_rows
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -190,20 +191,7 @@ def test_non_finite_rows_are_flagged_not_sampled():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_finite_rows_equals_isfinite_all(dtype):
     """The scaled-sum finiteness check flags exactly the rows `isfinite(...).all` flags, extremes included."""
-    g = torch.Generator().manual_seed(0)
-    big = torch.finfo(dtype).max
-    x = torch.randn(64, 300, generator=g, dtype=torch.float64).to(dtype)
-    x[1:8] = big  # the largest finite values (a float32 or bf16 sum of them would overflow)
-    x[8:12] = -big
-    for i, v in enumerate((float("nan"), float("inf"), float("-inf")), start=12):
-        x[i, (i * 37) % 300] = v
-    x[15, 3], x[15, 4] = float("inf"), float("-inf")
-    x[16, :150], x[16, 150:] = big, -big  # both extremes in one finite row
-    assert torch.equal(finite_rows(x), torch.isfinite(x).all(-1))
-    assert finite_rows(x)[:12].all() and not finite_rows(x)[12:16].any()
-    wide = torch.full((2, 49152), big, dtype=dtype)  # Ouro's vocabulary, every value the largest
-    wide[1, 7] = float("nan")
-    assert finite_rows(wide).tolist() == [True, False]
+    check_finite_rows(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -138,14 +138,13 @@ class StatePool:
                  kv_rows: np.ndarray) -> np.ndarray:
         """Give each item a row (its token at `positions`, whose KV is at `kv_rows`, of the sequence in
         block-table slot `kv_slots`); returns the rows."""
-        free, slots, orders = self._free, self.items, []
+        free, slots = self._free, self.items
         for item in items:
             item.row = row = free.pop()
             slots[row] = item
-            orders.append(item.order)
         rows = rows_of(items)
         self.generation[rows] += 1
-        self.order[rows] = orders
+        self.order[rows] = [item.order for item in items]
         self.kv_slot[rows], self.position[rows], self.kv_row[rows] = kv_slots, positions, kv_rows
         self.r[rows] = self.parity[rows] = self.signal[rows] = 0
         self.passive[rows] = False

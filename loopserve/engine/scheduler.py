@@ -308,10 +308,9 @@ class Scheduler:
         row (a verify group's items all or none; a group wider than the rows left is trimmed to them, so it
         never holds up the queue: fewer drafts are verified, the tokens are the same). None: no item."""
         taken: list[WorkItem] = []
-        slots: list[int] = []  # each taken item's block-table slot (its sequence keeps it from here on)
         free = min(limit, self.pool.num_free)  # (no row is freed or taken in this loop)
         kv = self.kv
-        capacity, tables, ensure = kv.num_blocks * kv.block_size, kv.tables, kv.ensure
+        capacity = kv.num_blocks * kv.block_size
         for item in list(self.prelude_q):
             room = free - len(taken)
             if room <= 0:
@@ -333,16 +332,14 @@ class Scheduler:
                 seq.finish("error", f"sequence of {seq.num_tokens} tokens exceeds the KV cache "
                                     f"({capacity} tokens)", error_status=400)
                 self._finish(seq)
-            elif ensure(seq.request_id, last.position + 1) or self._reserve_kv(last, taken):  # (most: room already)
+            elif self._reserve_kv(last, taken):
                 taken += unit
-                slots += [tables[seq.request_id].slot] * len(unit)
-        queue, n = self.prelude_q, len(taken)
-        self.prelude_q = queue[n:] if queue[:n] == taken else _without(queue, taken)  # (usually its head)
+        self.prelude_q = _without(self.prelude_q, taken)
         if not taken:
             return None
-        slot_array = np.array(slots, np.int64)
-        positions = np.fromiter((i.position for i in taken), np.int64, n)
-        rows = self.pool.allocate(taken, slot_array, positions, kv.block_tables.rows(slot_array, positions))
+        slots = np.fromiter((kv.slot(i.seq.request_id) for i in taken), np.int64, len(taken))
+        positions = np.fromiter((i.position for i in taken), np.int64, len(taken))
+        rows = self.pool.allocate(taken, slots, positions, kv.block_tables.rows(slots, positions))
         return StagePlan(Stage.PRELUDE, taken, rows=rows)
 
     def _trim_queued_group(self, group: VerifyGroup, n: int) -> None:
@@ -843,7 +840,11 @@ _NO_ROWS = np.zeros(0, np.int64)
 
 
 def _without(queue: list[WorkItem], items: list[WorkItem]) -> list[WorkItem]:
-    """`queue` without `items`, in one pass (a `list.remove` each is quadratic for a wide batch)."""
+    """`queue` without `items`, in one pass (a `list.remove` each is quadratic for a wide batch); when they
+    are its head, in order (a prelude batch, usually), by one slice."""
+    n = len(items)
+    if queue[:n] == items:  # (identity: items compare by it)
+        return queue[n:]
     gone = {id(i) for i in items}
     return [i for i in queue if id(i) not in gone]
 
