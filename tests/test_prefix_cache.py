@@ -5,6 +5,8 @@ after every step (`drive`), and a hit really skips the cached tokens' prefill.""
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -185,6 +187,92 @@ def test_allocator_refcounts_and_lru_eviction():
     a.check()
     with pytest.raises(RuntimeError):
         a.free([x])
+
+
+class _ModelAllocator:
+    """The allocator's contract, written plainly (dicts and an ordered dict, a Python step per block):
+    the array allocator must agree with it on every count, every eviction and every cached key."""
+
+    def __init__(self, n: int) -> None:
+        self.empty, self.refs, self.key_of = set(range(n)), {}, {}
+        self.lru: OrderedDict[int, None] = OrderedDict()
+
+    def allocate(self, got: list[int]) -> None:
+        k = min(len(got), len(self.empty))
+        assert set(got[:k]) <= self.empty, "allocation took a block that was not empty while empty ones were left"
+        assert got[k:] == list(self.lru)[: len(got) - k], "eviction not least recently freed first"
+        for b in got[k:]:
+            del self.lru[b], self.key_of[b]
+        self.empty -= set(got[:k])
+        self.refs.update(dict.fromkeys(got, 1))
+
+    def free(self, blocks: list[int]) -> None:
+        for b in reversed(blocks):
+            self.refs[b] -= 1
+            if not self.refs[b]:
+                del self.refs[b]
+                if b in self.key_of:
+                    self.lru[b] = None
+                else:
+                    self.empty.add(b)
+
+    def share(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.lru.pop(b, None)
+            self.refs[b] = self.refs.get(b, 0) + 1
+
+    def reset(self) -> None:
+        self.empty |= set(self.lru)
+        self.lru.clear()
+        self.key_of.clear()
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 8), st.lists(st.tuples(st.sampled_from(["allocate", "share", "free", "free", "reset"]),
+                                            st.integers(0, 63), st.integers(0, 63)), min_size=60, max_size=200))
+def test_allocator_matches_a_plain_model(n, ops):
+    """Random allocate (indexing some new blocks) / share / free / reset sequences on a small pool, so
+    eviction, its skipping of blocks shared since they were freed, and the compaction of the eviction
+    queue all happen often."""
+    a, m = BlockAllocator(n, 4), _ModelAllocator(n)
+    tables: list[list[int]] = []
+    keys = iter(range(10**6))
+    for op, x, y in ops:
+        if op == "allocate":
+            k = x % (n + 2)
+            if k > a.num_free:
+                with pytest.raises(MemoryError):
+                    a.allocate(k)
+                continue
+            got = a.allocate(k)
+            m.allocate(got)
+            tables.append(got)
+            for i, b in enumerate(got):
+                if y >> i & 1:  # its KV complete: indexed
+                    key = f"k{next(keys)}".encode()
+                    a.register(b, key)
+                    m.key_of[b] = key
+        elif op == "share" and (m.key_of or tables):
+            pool = sorted(set(m.key_of) | {b for t in tables for b in t})
+            blocks = [b for i, b in enumerate(pool) if (x | y << 6) >> i & 1]
+            assert a.cost_to_share(blocks) == sum(b in m.lru for b in blocks)
+            a.share(blocks)
+            m.share(blocks)
+            tables.append(blocks)
+        elif op == "free" and tables:
+            blocks = tables.pop(x % len(tables))
+            a.free(blocks)
+            m.free(blocks)
+        elif op == "reset" and x < 4:
+            a.reset_cache()
+            m.reset()
+        a.check()
+        assert a.refcounts() == m.refs and a.num_free == len(m.empty) + len(m.lru)
+        assert a.num_cached == len(m.key_of) and all(a.lookup([k]) == [b] for b, k in m.key_of.items())
+    for blocks in tables:
+        a.free(blocks)
+    a.check()
+    assert a.num_free == n
 
 
 # -- random shared-prefix workloads: caching on equals caching off equals the reference -------------------------

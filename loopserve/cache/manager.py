@@ -127,7 +127,7 @@ class KVCacheManager:
     def free(self, seq_id: str) -> None:
         table = self.tables.pop(seq_id, None)
         if table is not None:
-            self.allocator.free(table.blocks)
+            self.allocator.free(self.block_tables.host[table.slot, : len(table.blocks)])  # (no list conversion)
             self._free_slots.append(table.slot)
 
     def swap_out(self, seq_id: str, num_tokens: int) -> None:

@@ -12,9 +12,7 @@ decoder uses a store with one contiguous "block" per request.
 
 from __future__ import annotations
 
-import heapq
-from collections import OrderedDict
-
+import numpy as np
 import torch
 
 from loopserve.cache.layout import IN_FLIGHT
@@ -109,10 +107,15 @@ class BlockAllocator:
 
     A block is *held* (refcount >= 1: listed by that many block tables, or reserved), *cached* (held
     by no one but still indexed by the key of the prompt block whose KV it holds: it can be taken
-    back by a later prompt with that key), or *empty*. Allocation takes empty blocks first, lowest
-    id first (a heap: deterministic, O(log n) per block), then evicts cached blocks, least recently
-    freed first; so cached KV survives until the pool needs its blocks (docs/design.md §4.3). A held
-    block is never handed out again, so KV is never overwritten while some sequence reads it.
+    back by a later prompt with that key), or *empty*. Allocation takes empty blocks first, from a
+    stack (a new allocator hands out the lowest ids first; later, the blocks freed last, whose memory
+    is the likeliest to be warm), then evicts cached blocks, least recently freed first; so cached KV
+    survives until the pool needs its blocks (docs/design.md §4.3). A held block is never handed out
+    again, so KV is never overwritten while some sequence reads it.
+
+    Every per-block fact is an array (holders, indexed or not, place in the eviction queue) and both
+    free lists are arrays, so freeing a sequence's blocks (a 4k-token context holds 257 of 16 tokens)
+    is a few array operations, not a Python step per block; only the prefix-cache index (keys) is a dict.
     """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
@@ -120,16 +123,25 @@ class BlockAllocator:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._empty = list(range(num_blocks))  # a heap (sorted is a valid heap)
-        self._refs: dict[int, int] = {}  # held blocks -> holders
+        self._refs = np.zeros(num_blocks, np.int32)  # holders of each block
+        self._empty = np.arange(num_blocks - 1, -1, -1)  # a stack: _empty[:_num_empty], its end taken first
+        self._num_empty = num_blocks
         self._by_key: dict[bytes, int] = {}  # prefix cache: a prompt block's key -> the block holding its KV
         self._key_of: dict[int, bytes] = {}
-        self._lru: OrderedDict[int, None] = OrderedDict()  # cached blocks held by no one, oldest first
+        self._indexed = np.zeros(num_blocks, bool)  # the blocks `_key_of` lists, for whole-table partitions
+        # Cached blocks held by no one, in the order they were freed: _queue[_head:_tail]. A block's entry is
+        # live while `_queued_at[block]` is its position; sharing a queued block sets that to -1 and leaves
+        # the entry to be skipped (the queue is compacted when full: 2 x num_blocks entries hold every
+        # live one plus any batch freed at once).
+        self._queue = np.zeros(2 * num_blocks, np.int64)
+        self._head = self._tail = 0
+        self._queued_at = np.full(num_blocks, -1, np.int64)
+        self._num_queued = 0
 
     @property
     def num_free(self) -> int:
         """Blocks an allocation may take: empty ones and cached ones no one holds."""
-        return len(self._empty) + len(self._lru)
+        return self._num_empty + self._num_queued
 
     @property
     def num_cached(self) -> int:
@@ -142,33 +154,68 @@ class BlockAllocator:
         """`n` fresh blocks (refcount 1); evicts cached blocks once no empty block is left."""
         if n > self.num_free:
             raise MemoryError(f"need {n} KV blocks, {self.num_free} free")
-        blocks = []
-        for _ in range(n):
-            if self._empty:
-                b = heapq.heappop(self._empty)
-            else:
-                b, _ = self._lru.popitem(last=False)
+        k = min(n, self._num_empty)
+        fresh = self._empty[self._num_empty - k: self._num_empty][::-1]
+        self._num_empty -= k
+        self._refs[fresh] = 1
+        blocks = fresh.tolist()
+        if k < n:
+            evicted = self._evict(n - k)
+            for b in evicted.tolist():
                 del self._by_key[self._key_of.pop(b)]
-            self._refs[b] = 1
-            blocks.append(b)
+            self._indexed[evicted] = False
+            self._refs[evicted] = 1
+            blocks += evicted.tolist()
         return blocks
 
-    def free(self, blocks: list[int]) -> None:
-        """Drop one hold on each block. A block no one holds becomes empty, or stays cached if indexed:
-        blocks are given in position order and the last ones are evicted first (a prompt's tail is the
-        part least likely to be shared)."""
-        for b in reversed(blocks):
-            refs = self._refs.get(b, 0)
-            if refs < 1:
-                raise RuntimeError(f"block {b} freed more often than it was held")
-            if refs > 1:
-                self._refs[b] = refs - 1
-                continue
-            del self._refs[b]
-            if b in self._key_of:
-                self._lru[b] = None
-            else:
-                heapq.heappush(self._empty, b)
+    def free(self, blocks: list[int] | np.ndarray) -> None:
+        """Drop one hold on each block (distinct blocks, in position order, as a block table lists them).
+        A block no one holds becomes empty, or stays cached if indexed; the last ones are evicted first
+        (a prompt's tail is the part least likely to be shared)."""
+        tail_first = np.asarray(blocks, np.int64)[::-1]
+        held = self._refs[tail_first]
+        if (held < 1).any():
+            raise RuntimeError(f"block {int(tail_first[held < 1][0])} freed more often than it was held")
+        self._refs[tail_first] = held - 1
+        gone = tail_first[held == 1]
+        indexed = self._indexed[gone]
+        empty = gone[~indexed]
+        self._empty[self._num_empty: self._num_empty + len(empty)] = empty
+        self._num_empty += len(empty)
+        self._enqueue(gone[indexed])
+
+    def _enqueue(self, blocks: np.ndarray) -> None:
+        """Append cached blocks no one holds now to the eviction queue."""
+        n = len(blocks)
+        if self._tail + n > len(self._queue):
+            live = self._live(self._head, self._tail)
+            self._queue[: len(live)] = live
+            self._queued_at[live] = np.arange(len(live))
+            self._head, self._tail = 0, len(live)
+        self._queue[self._tail: self._tail + n] = blocks
+        self._queued_at[blocks] = np.arange(self._tail, self._tail + n)
+        self._tail += n
+        self._num_queued += n
+
+    def _live(self, start: int, end: int) -> np.ndarray:
+        """The live entries of _queue[start:end], in order."""
+        entries = self._queue[start:end]
+        return entries[self._queued_at[entries] == np.arange(start, end)]
+
+    def _evict(self, n: int) -> np.ndarray:
+        """Take the `n` least recently freed cached blocks out of the queue."""
+        taken: list[np.ndarray] = []
+        while n:
+            assert self._head < self._tail, "eviction queue holds fewer blocks than it counts"
+            end = min(self._tail, self._head + max(2 * n, 64))
+            live = self._live(self._head, end)[:n]
+            self._head = int(self._queued_at[live[-1]]) + 1 if len(live) == n else end
+            self._queued_at[live] = -1
+            taken.append(live)
+            n -= len(live)
+        evicted = np.concatenate(taken)
+        self._num_queued -= len(evicted)
+        return evicted
 
     # -- the prefix cache ------------------------------------------------------------------------------
     def lookup(self, keys: list[bytes]) -> list[int]:
@@ -184,44 +231,56 @@ class BlockAllocator:
 
     def cost_to_share(self, blocks: list[int]) -> int:
         """Free blocks that sharing `blocks` takes out of the pool (those no one holds now)."""
-        return sum(1 for b in blocks if b in self._lru)
+        return int((self._queued_at[blocks] >= 0).sum())
 
     def share(self, blocks: list[int]) -> None:
-        """Hold blocks once more: cached ones (taken out of the eviction order if no one held them), or
-        held ones (the full prompt blocks of a request's samples, n > 1)."""
-        for b in blocks:
-            assert b in self._key_of or b in self._refs, f"block {b} is neither cached nor held"
-            if b in self._lru:
-                del self._lru[b]
-            self._refs[b] = self._refs.get(b, 0) + 1
+        """Hold blocks once more (distinct): cached ones (taken out of the eviction queue if no one held
+        them), or held ones (the full prompt blocks of a request's samples, n > 1)."""
+        held = self._refs[blocks]
+        assert ((held >= 1) | self._indexed[blocks]).all(), "sharing a block that is neither cached nor held"
+        queued = self._queued_at[blocks] >= 0
+        self._num_queued -= int(queued.sum())
+        self._queued_at[blocks] = -1
+        self._refs[blocks] = held + 1
 
     def register(self, block: int, key: bytes) -> None:
         """Index a held block whose KV is now complete under `key`. A key already indexed keeps its
         block (two requests prefilled the same prefix at once: the second copy stays private)."""
-        assert self._refs.get(block, 0) >= 1, f"registering block {block}, which no one holds"
+        assert self._refs[block] >= 1, f"registering block {block}, which no one holds"
         if key in self._by_key or block in self._key_of:
             return
         self._by_key[key] = block
         self._key_of[block] = key
+        self._indexed[block] = True
 
     def reset_cache(self) -> None:
         """Forget every cached block (held ones stay held, unindexed)."""
-        for b in self._lru:
-            heapq.heappush(self._empty, b)
-        self._lru.clear()
+        cached = self._live(self._head, self._tail)
+        self._queued_at[cached] = -1
+        self._head = self._tail = self._num_queued = 0
+        self._empty[self._num_empty: self._num_empty + len(cached)] = cached
+        self._num_empty += len(cached)
         self._by_key.clear()
         self._key_of.clear()
+        self._indexed[:] = False
 
     def refcounts(self) -> dict[int, int]:
-        return dict(self._refs)
+        held = np.flatnonzero(self._refs)
+        return dict(zip(held.tolist(), self._refs[held].tolist(), strict=True))
 
     def check(self) -> None:
         """The allocator's own bookkeeping: every block is exactly one of held, cached-unheld, empty."""
-        empty, lru, held = set(self._empty), set(self._lru), set(self._refs)
-        assert len(empty) == len(self._empty), "block twice in the empty heap"
+        empty_stack = self._empty[: self._num_empty].tolist()
+        empty, held = set(empty_stack), set(np.flatnonzero(self._refs).tolist())
+        queued = self._live(self._head, self._tail).tolist()
+        lru = set(queued)
+        assert len(empty) == len(empty_stack), "block twice in the empty stack"
+        assert len(lru) == len(queued) == self._num_queued == int((self._queued_at >= 0).sum()), \
+            "eviction queue out of step"
         assert not (empty & lru or empty & held or lru & held), "block both free and held"
         assert len(empty) + len(lru) + len(held) == self.num_blocks, "block lost by the allocator"
-        assert all(r >= 1 for r in self._refs.values()), "held block with refcount < 1"
+        assert (self._refs >= 0).all(), "block with a negative refcount"
         assert lru <= set(self._key_of) and not empty & set(self._key_of), "free block cached without a key"
+        assert set(np.flatnonzero(self._indexed).tolist()) == set(self._key_of), "index bitmap out of step"
         assert all(self._by_key[k] == b for b, k in self._key_of.items()) and len(self._by_key) == len(self._key_of), \
             "prefix-cache index out of step"
