@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -189,6 +190,23 @@ def test_allocator_refcounts_and_lru_eviction():
         a.free([x])
 
 
+def test_eviction_skips_blocks_shared_since_they_were_freed():
+    """Cached blocks taken back by a prompt (shared again) stay in the eviction queue as stale entries;
+    eviction skips a long run of them (several scan windows) and takes the oldest block still cached."""
+    a = BlockAllocator(40, 4)
+    blocks = a.allocate(40)
+    for b in blocks:
+        a.register(b, f"k{b}".encode())
+    for b in blocks:
+        a.free([b])  # freed one by one: the queue holds them oldest first
+    a.share(blocks[:30])  # prompts took the 30 oldest back
+    assert a.num_free == 10 and a.allocate(1) == [blocks[30]]
+    assert a.lookup([f"k{blocks[30]}".encode()]) == [] and a.lookup([f"k{blocks[31]}".encode()]) == [blocks[31]]
+    a.free(blocks[:30])  # freed again: now the newest in the queue, after blocks 31..39
+    assert a.allocate(10) == blocks[31:40] + [blocks[29]]  # (a table is freed tail first)
+    a.check()
+
+
 class _ModelAllocator:
     """The allocator's contract, written plainly (dicts and an ordered dict, a Python step per block):
     the array allocator must agree with it on every count, every eviction and every cached key."""
@@ -228,12 +246,13 @@ class _ModelAllocator:
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.integers(1, 8), st.lists(st.tuples(st.sampled_from(["allocate", "share", "free", "free", "reset"]),
+@given(st.integers(1, 8), st.lists(st.tuples(st.sampled_from(["allocate", "share", "free", "free", "reset", "twice"]),
                                             st.integers(0, 63), st.integers(0, 63)), min_size=60, max_size=200))
 def test_allocator_matches_a_plain_model(n, ops):
     """Random allocate (indexing some new blocks) / share / free / reset sequences on a small pool, so
-    eviction, its skipping of blocks shared since they were freed, and the compaction of the eviction
-    queue all happen often."""
+    eviction, its skipping of blocks shared since they were freed (over several scan windows), and the
+    compaction of the eviction queue all happen often; a block freed or shared twice in one call, or
+    not held, raises and changes nothing."""
     a, m = BlockAllocator(n, 4), _ModelAllocator(n)
     tables: list[list[int]] = []
     keys = iter(range(10**6))
@@ -248,9 +267,10 @@ def test_allocator_matches_a_plain_model(n, ops):
             m.allocate(got)
             tables.append(got)
             for i, b in enumerate(got):
-                if y >> i & 1:  # its KV complete: indexed
+                if y >> i & 1:  # its KV complete: indexed (a second key for it, or its key again, is ignored)
                     key = f"k{next(keys)}".encode()
                     a.register(b, key)
+                    a.register(b, f"k{next(keys)}".encode())
                     m.key_of[b] = key
         elif op == "share" and (m.key_of or tables):
             pool = sorted(set(m.key_of) | {b for t in tables for b in t})
@@ -261,8 +281,16 @@ def test_allocator_matches_a_plain_model(n, ops):
             tables.append(blocks)
         elif op == "free" and tables:
             blocks = tables.pop(x % len(tables))
-            a.free(blocks)
+            a.free(np.array(blocks, np.int64) if y & 1 else blocks)  # (the manager frees a block-table row)
             m.free(blocks)
+        elif op == "twice":  # caller bugs: a block listed twice, a block no one holds, a negative id
+            b = x % n
+            for bad in ([b, b], [b] if b not in m.refs else [-1]):
+                with pytest.raises(RuntimeError):
+                    a.free(bad)
+            if b in m.refs or b in m.key_of:
+                with pytest.raises(RuntimeError):
+                    a.share([b, b])
         elif op == "reset" and x < 4:
             a.reset_cache()
             m.reset()

@@ -123,7 +123,7 @@ class BlockAllocator:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._refs = np.zeros(num_blocks, np.int32)  # holders of each block
+        self._refs = np.zeros(num_blocks, np.int64)  # holders of each block (int64: `np.add.at` is fast on it)
         self._empty = np.arange(num_blocks - 1, -1, -1)  # a stack: _empty[:_num_empty], its end taken first
         self._num_empty = num_blocks
         self._by_key: dict[bytes, int] = {}  # prefix cache: a prompt block's key -> the block holding its KV
@@ -131,8 +131,8 @@ class BlockAllocator:
         self._indexed = np.zeros(num_blocks, bool)  # the blocks `_key_of` lists, for whole-table partitions
         # Cached blocks held by no one, in the order they were freed: _queue[_head:_tail]. A block's entry is
         # live while `_queued_at[block]` is its position; sharing a queued block sets that to -1 and leaves
-        # the entry to be skipped (the queue is compacted when full: 2 x num_blocks entries hold every
-        # live one plus any batch freed at once).
+        # the entry to be skipped. The queue is compacted when full; with 2 x num_blocks entries at least
+        # num_blocks are free after a compaction, so compacting costs O(1) a block freed.
         self._queue = np.zeros(2 * num_blocks, np.int64)
         self._head = self._tail = 0
         self._queued_at = np.full(num_blocks, -1, np.int64)
@@ -152,6 +152,9 @@ class BlockAllocator:
 
     def allocate(self, n: int) -> list[int]:
         """`n` fresh blocks (refcount 1); evicts cached blocks once no empty block is left."""
+        n = int(n)
+        if n < 0:
+            raise ValueError(f"n: cannot allocate {n} blocks")
         if n > self.num_free:
             raise MemoryError(f"need {n} KV blocks, {self.num_free} free")
         k = min(n, self._num_empty)
@@ -169,15 +172,18 @@ class BlockAllocator:
         return blocks
 
     def free(self, blocks: list[int] | np.ndarray) -> None:
-        """Drop one hold on each block (distinct blocks, in position order, as a block table lists them).
-        A block no one holds becomes empty, or stays cached if indexed; the last ones are evicted first
-        (a prompt's tail is the part least likely to be shared)."""
+        """Drop one hold on each block (in position order, as a block table lists them). A block no one holds
+        becomes empty, or stays cached if indexed; the last ones are evicted first (a prompt's tail is the
+        part least likely to be shared). A block not held, or listed twice, raises and changes nothing."""
         tail_first = np.asarray(blocks, np.int64)[::-1]
         held = self._refs[tail_first]
-        if (held < 1).any():
-            raise RuntimeError(f"block {int(tail_first[held < 1][0])} freed more often than it was held")
-        self._refs[tail_first] = held - 1
-        gone = tail_first[held == 1]
+        np.subtract.at(self._refs, tail_first, 1)  # (a block listed twice loses two holds: caught below)
+        left = self._refs[tail_first]
+        bad = (held < 1) | (left != held - 1) | (tail_first < 0)
+        if bad.any():
+            np.add.at(self._refs, tail_first, 1)
+            raise RuntimeError(f"block {int(tail_first[bad][0])} freed more often than it was held, or listed twice")
+        gone = tail_first[left == 0]
         indexed = self._indexed[gone]
         empty = gone[~indexed]
         self._empty[self._num_empty: self._num_empty + len(empty)] = empty
@@ -205,9 +211,11 @@ class BlockAllocator:
     def _evict(self, n: int) -> np.ndarray:
         """Take the `n` least recently freed cached blocks out of the queue."""
         taken: list[np.ndarray] = []
+        window = 2 * n + 8  # entries scanned at once, 4x more each pass: a run of stale ones costs O(its length)
         while n:
             assert self._head < self._tail, "eviction queue holds fewer blocks than it counts"
-            end = min(self._tail, self._head + max(2 * n, 64))
+            end = min(self._tail, self._head + window)
+            window *= 4
             live = self._live(self._head, end)[:n]
             self._head = int(self._queued_at[live[-1]]) + 1 if len(live) == n else end
             self._queued_at[live] = -1
@@ -234,14 +242,19 @@ class BlockAllocator:
         return int((self._queued_at[blocks] >= 0).sum())
 
     def share(self, blocks: list[int]) -> None:
-        """Hold blocks once more (distinct): cached ones (taken out of the eviction queue if no one held
-        them), or held ones (the full prompt blocks of a request's samples, n > 1)."""
-        held = self._refs[blocks]
-        assert ((held >= 1) | self._indexed[blocks]).all(), "sharing a block that is neither cached nor held"
-        queued = self._queued_at[blocks] >= 0
+        """Hold blocks once more: cached ones (taken out of the eviction queue if no one held them), or held
+        ones (the full prompt blocks of a request's samples, n > 1). A block neither cached nor held, or
+        listed twice, raises and changes nothing."""
+        index = np.asarray(blocks, np.int64)
+        held = self._refs[index]
+        np.add.at(self._refs, index, 1)
+        bad = (self._refs[index] != held + 1) | ((held < 1) & ~self._indexed[index]) | (index < 0)
+        if bad.any():
+            np.subtract.at(self._refs, index, 1)
+            raise RuntimeError(f"block {int(index[bad][0])} is neither cached nor held, or listed twice")
+        queued = self._queued_at[index] >= 0
         self._num_queued -= int(queued.sum())
-        self._queued_at[blocks] = -1
-        self._refs[blocks] = held + 1
+        self._queued_at[index] = -1
 
     def register(self, block: int, key: bytes) -> None:
         """Index a held block whose KV is now complete under `key`. A key already indexed keeps its
