@@ -35,7 +35,8 @@ class EngineConfig:
                                        "models, max-decode-batch/4 with coda blocks (Huginn)")
     kv_safety_margin: float = _knob(0.1, "fraction of KV blocks prefill admission keeps free")
     enable_prefix_caching: bool = _knob(True, "reuse the KV of full prompt blocks an earlier prompt with the same "
-                                        "prefix computed (exact: outputs do not change)")
+                                        "prefix computed (token ids as without it in float64; in float32 logits "
+                                        "differ by rounding, about 1e-6, so a sampled token can rarely differ)")
     lookahead: bool = _knob(False, "delayed exits: the signal after loop r decides loop r+2 (r_min = 2)")
     # Read a core step's exit signals only after the next step is queued when every rule in the batch
     # decides ahead (lookahead, lookahead_gate). False reads them at once: same schedule and outputs,
