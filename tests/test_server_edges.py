@@ -194,7 +194,9 @@ def test_concurrent_bodies_over_the_limit_all_get_their_413(server):
 
 def test_stalled_connections_are_closed_after_the_read_timeout(server):
     offset = len(server.log.read_text())
-    head, body = _request(C, json.dumps({"model": MODEL, "prompt": "stall", "max_tokens": 2}).encode())
+    # ignore_eos: the slow upload below must get both tokens (unseeded sampling may draw eos first)
+    head, body = _request(C, json.dumps({"model": MODEL, "prompt": "stall", "max_tokens": 2,
+                                         "ignore_eos": True}).encode())
     sockets: dict[str, list[socket.socket]] = {"idle": [], "head": [], "body": []}
     t0 = time.monotonic()
     for _ in range(4):  # several at once: none may outlive the timeout
