@@ -185,10 +185,13 @@ class BlockAllocator:
             raise RuntimeError(f"block {int(tail_first[bad][0])} freed more often than it was held, or listed twice")
         gone = tail_first[left == 0]
         indexed = self._indexed[gone]
-        empty = gone[~indexed]
-        self._empty[self._num_empty: self._num_empty + len(empty)] = empty
-        self._num_empty += len(empty)
+        self._push_empty(gone[~indexed])
         self._enqueue(gone[indexed])
+
+    def _push_empty(self, blocks: np.ndarray) -> None:
+        """Put blocks no one holds or indexes on the empty stack."""
+        self._empty[self._num_empty: self._num_empty + len(blocks)] = blocks
+        self._num_empty += len(blocks)
 
     def _enqueue(self, blocks: np.ndarray) -> None:
         """Append cached blocks no one holds now to the eviction queue."""
@@ -271,8 +274,7 @@ class BlockAllocator:
         cached = self._live(self._head, self._tail)
         self._queued_at[cached] = -1
         self._head = self._tail = self._num_queued = 0
-        self._empty[self._num_empty: self._num_empty + len(cached)] = cached
-        self._num_empty += len(cached)
+        self._push_empty(cached)
         self._by_key.clear()
         self._key_of.clear()
         self._indexed[:] = False

@@ -38,7 +38,7 @@ class WorkItem:
     pool: StatePool
     row: int = -1  # state pool row, -1 until the prelude ran
     prev_logprobs: torch.Tensor | None = None  # KL policy: last step's next-token log-probs
-    position: int = -1  # of the token it computes: fixed for its life (the next token comes after it)
+    position: int = -1  # of the token it computes: fixed until its coda is read (`reuse` moves it on)
     group: VerifyGroup | None = None  # speculative decoding: the verify round this row belongs to
 
     def __post_init__(self) -> None:
