@@ -59,21 +59,38 @@ class KVCacheManager:
 
     def ensure(self, seq_id: str, num_tokens: int) -> bool:
         """Make room for `num_tokens` tokens; False (and no change) if the pool is short."""
-        table = self.tables.get(seq_id)
-        if table is not None and num_tokens <= len(table.blocks) * self.block_size:  # most decode tokens
-            table.num_tokens = max(table.num_tokens, num_tokens)
-            return True
+        return bool(self.ensure_each([seq_id], [num_tokens]))
+
+    def ensure_each(self, seq_ids: list[str], num_tokens: list[int]) -> list[int]:
+        """`ensure` for each sequence in turn, stopping at the first the pool is short for: the slots of
+        the sequences that got room (the first len(result) of `seq_ids`). One call for a batch's tokens,
+        most of which find room in the blocks they hold."""
+        tables, bs, slots = self.tables, self.block_size, []
+        for seq_id, n in zip(seq_ids, num_tokens, strict=True):
+            table = tables.get(seq_id)
+            if table is None or n > len(table.blocks) * bs:
+                table = self._grow(seq_id, n)
+                if table is None:
+                    break
+            if n > table.num_tokens:
+                table.num_tokens = n
+            slots.append(table.slot)
+        return slots
+
+    def _grow(self, seq_id: str, num_tokens: int) -> BlockTable | None:
+        """The sequence's table (made if it has none) with blocks for `num_tokens` tokens; None, and no
+        change, if the pool is short."""
         need = self.blocks_needed(seq_id, num_tokens)
         if need > self.num_free:
-            return False
+            return None
+        table = self.tables.get(seq_id)
         if table is None:
             table = self.tables[seq_id] = BlockTable(self._take_slot())
         if need:
             new = self.allocator.allocate(need)
             self.block_tables.set_blocks(table.slot, len(table.blocks), new)
             table.blocks += new
-        table.num_tokens = max(table.num_tokens, num_tokens)
-        return True
+        return table
 
     # -- the prefix cache --------------------------------------------------------------------------------
     def cached_blocks(self, keys: list[bytes]) -> list[int]:

@@ -138,11 +138,13 @@ class StatePool:
                  kv_rows: np.ndarray) -> np.ndarray:
         """Give each item a row (its token at `positions`, whose KV is at `kv_rows`, of the sequence in
         block-table slot `kv_slots`); returns the rows."""
-        free, slots = self._free, self.items
-        for item in items:
-            item.row = row = free.pop()
+        n, free, slots = len(items), self._free, self.items
+        taken = free[len(free) - n:][::-1]  # (the rows `pop` would give, in that order)
+        del free[len(free) - n:]
+        for item, row in zip(items, taken, strict=True):
+            item.row = row
             slots[row] = item
-        rows = rows_of(items)
+        rows = np.array(taken, np.int64)
         self.generation[rows] += 1
         self.order[rows] = [item.order for item in items]
         self.kv_slot[rows], self.position[rows], self.kv_row[rows] = kv_slots, positions, kv_rows

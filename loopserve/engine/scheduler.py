@@ -307,11 +307,19 @@ class Scheduler:
         """A PRELUDE batch of at most `limit` queued items (FIFO), each given its next KV slot and a state
         row (a verify group's items all or none; a group wider than the rows left is trimmed to them, so it
         never holds up the queue: fewer drafts are verified, the tokens are the same). None: no item."""
-        taken: list[WorkItem] = []
         free = min(limit, self.pool.num_free)  # (no row is freed or taken in this loop)
         kv = self.kv
         capacity = kv.num_blocks * kv.block_size
-        for item in list(self.prelude_q):
+        # Most ticks, the queue's head is plain items whose KV fits the cache: room for their tokens is
+        # made in one call (at most a block each). The rest go one by one, below: a verify group, a
+        # token the pool is short for (which may preempt), a sequence longer than the whole cache.
+        head = self.prelude_q[:free]
+        run = next((k for k, i in enumerate(head)
+                    if i.group is not None or i.position >= capacity or i.seq.status is Status.SWAPPED), len(head))
+        positions = [i.position for i in head[:run]]
+        slots = kv.ensure_each([i.seq.request_id for i in head[:run]], [p + 1 for p in positions])
+        taken = head[:len(slots)]
+        for item in self.prelude_q[len(taken):]:
             room = free - len(taken)
             if room <= 0:
                 break
@@ -337,9 +345,10 @@ class Scheduler:
         self.prelude_q = _without(self.prelude_q, taken)
         if not taken:
             return None
-        slots = np.fromiter((kv.slot(i.seq.request_id) for i in taken), np.int64, len(taken))
-        positions = np.fromiter((i.position for i in taken), np.int64, len(taken))
-        rows = self.pool.allocate(taken, slots, positions, kv.block_tables.rows(slots, positions))
+        rest = taken[len(slots):]
+        kv_slots = np.array(slots + [kv.slot(i.seq.request_id) for i in rest], np.int64)
+        kv_positions = np.array(positions[:len(slots)] + [i.position for i in rest], np.int64)
+        rows = self.pool.allocate(taken, kv_slots, kv_positions, kv.block_tables.rows(kv_slots, kv_positions))
         return StagePlan(Stage.PRELUDE, taken, rows=rows)
 
     def _trim_queued_group(self, group: VerifyGroup, n: int) -> None:
@@ -706,6 +715,7 @@ class Scheduler:
         else:  # (a verify group's rows: in _accept)
             self.pool.release_all([i for i in taken if i.group is None])
         k, now = 0, time.monotonic()  # (the batch's tokens arrived together)
+        orders, requeue, quiet = self._orders, self.prelude_q.append, 0
         for j, item in enumerate(plan.items):
             if running is not None and id(item) not in running:
                 continue
@@ -714,8 +724,16 @@ class Scheduler:
                 if item is item.group.items[0]:
                     self._accept(item.group, [samples[index[id(i)]] for i in item.group.items], now)
                 continue
-            item.seq.metrics.loops_run += loops[k - 1]
-            self._append_token(item.seq, samples[j], depths[k - 1], now, spent=item)
+            seq, sample = item.seq, samples[j]
+            seq.metrics.loops_run += loops[k - 1]
+            # most tokens: appended, the item queued for the next one (what `_append_token` does for them)
+            if seq.quiet and sample.error is None and sample.finite and seq.append_quiet(sample.token, depths[k - 1],
+                                                                                           now):
+                requeue(item.reuse(next(orders), item.position + 1))
+                quiet += 1
+            else:
+                self._append_token(seq, sample, depths[k - 1], now, spent=item)
+        self.stats.generated_tokens += quiet
 
     def _accept(self, group: VerifyGroup, samples: list[Sample], now: float) -> None:
         """A verify round's coda ran (docs/design.md §12). Row i was fed x_t or draft i and sampled

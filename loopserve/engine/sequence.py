@@ -170,6 +170,9 @@ class Sequence:
         self.streams = params.output_kind != RequestOutputKind.FINAL_ONLY
         self._text_per_token = bool(params.stop) or self.streams
         self.plain_greedy = plain_greedy(self.params)
+        # and whether a token that cannot finish it needs nothing but appending (`append_quiet`): no
+        # logprobs, text, grammar or output per token
+        self.quiet = params.logprobs is None and not self._text_per_token and params.guided_decoding is None
         self.prompt_ids = list(prompt_ids)
         self._prompt_ids_out = list(prompt_ids)  # one copy shared by this request's outputs, not one each
         self.tokenizer = tokenizer
@@ -315,6 +318,21 @@ class Sequence:
             self.finish("length")
         if not self.finished and guide is not None and guide.done:
             self.finish("stop")  # the grammar is complete: only its end could follow
+
+    def append_quiet(self, token: int, exit_depth: int, now: float) -> bool:
+        """`append` for a `quiet` request, as a batch's rows call it: True if the token was appended;
+        False, with nothing done, if it may finish the request (a stop token, the length limit), which
+        `append` then handles."""
+        ids = self.output_ids
+        if token in self._stop_tokens or len(ids) + 1 >= self.max_new:
+            return False
+        ids.append(token)
+        self.exit_depths.append(exit_depth)
+        metrics = self.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
+        return True
 
     def _stopped(self, token: int, searched: int) -> bool:
         """Finish the request if the token just appended, or the text it completed, stops it (vLLM's rules:

@@ -1,0 +1,92 @@
+"""A request's token bookkeeping on the batch path: `Sequence.append_quiet` (what a coda batch calls for
+most rows) takes exactly the tokens `Sequence.append` would take without finishing the request, and
+`KVCacheManager.ensure_each` (what a prelude batch calls) makes room token by token as `ensure` does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loopserve.cache.manager import KVCacheManager
+from loopserve.cache.pool import KVStore
+from loopserve.engine.sequence import Sequence
+from loopserve.exits import ExitRule
+from loopserve.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams
+from loopserve.tokenizer import Tokenizer
+
+
+def _sequence(tok: Tokenizer, params: SamplingParams) -> Sequence:
+    return Sequence("r", None, [5], params, ExitRule("fixed", None, 1, 1), 0, tok, 4096, tok.vocab_size)
+
+
+@settings(max_examples=80, deadline=None)
+@given(tokens=st.lists(st.integers(0, 12), min_size=1, max_size=20),
+       max_tokens=st.integers(1, 12), min_tokens=st.integers(0, 4),
+       stop_ids=st.lists(st.integers(0, 12), max_size=3), ignore_eos=st.booleans())
+def test_quiet_appends_are_the_appends_that_finish_nothing(tiny_ouro, tokens, max_tokens, min_tokens, stop_ids,
+                                                          ignore_eos):
+    """Feeding tokens through `append_quiet` first (as `Scheduler.after_coda` does), falling back to `append`
+    when it declines, leaves the request as `append` alone does: tokens, depths, finish, stop reason,
+    text, times. `append_quiet` declines every token that may finish the request."""
+    tok = Tokenizer(tiny_ouro)
+    eos = min(tok.eos_token_ids)
+    stream = [eos if t == 0 else t for t in tokens]  # eos at times, stop ids at times
+    params = SamplingParams(max_tokens=max_tokens, min_tokens=min(min_tokens, max_tokens), stop_token_ids=stop_ids,
+                            ignore_eos=ignore_eos, output_kind=RequestOutputKind.FINAL_ONLY)
+    batch, plain = _sequence(tok, params), _sequence(tok, params)
+    stoppers = set(stop_ids) | (set() if ignore_eos else set(tok.eos_token_ids))
+    assert batch.quiet
+    for k, t in enumerate(stream):
+        now = float(k)
+        quiet = batch.append_quiet(t, k % 4 + 1, now)
+        if not quiet:
+            batch.append(t, k % 4 + 1, now)
+        plain.append(t, k % 4 + 1, now)
+        # it declines a stop token (even one min_tokens keeps from stopping) and the last token allowed
+        assert quiet == (t not in stoppers and len(plain.output_ids) < max_tokens)
+        if plain.finished:
+            break
+    for name in ("output_ids", "exit_depths", "finish_reason", "stop_reason", "text"):
+        assert getattr(batch, name) == getattr(plain, name), name
+    assert (batch.metrics.first_token_time, batch.metrics.last_token_time) == (
+        plain.metrics.first_token_time, plain.metrics.last_token_time)
+
+
+@pytest.mark.parametrize("loud", [dict(logprobs=2), dict(stop=["ab"]), dict(output_kind=RequestOutputKind.DELTA),
+                                  dict(output_kind=RequestOutputKind.CUMULATIVE),
+                                  dict(guided_decoding=GuidedDecodingParams(regex="a+"))])
+def test_requests_that_read_each_token_are_not_quiet(tiny_ouro, loud):
+    """Logprobs, stop strings, per-token outputs and grammars need `append`'s work at every token."""
+    tok = Tokenizer(tiny_ouro)
+    assert _sequence(tok, SamplingParams(max_tokens=4, output_kind=RequestOutputKind.FINAL_ONLY)).quiet
+    assert not _sequence(tok, SamplingParams(max_tokens=4, **{"output_kind": RequestOutputKind.FINAL_ONLY,
+                                                               **loud})).quiet
+
+
+@settings(max_examples=80, deadline=None)
+@given(blocks=st.integers(1, 12), calls=st.lists(
+    st.lists(st.tuples(st.integers(0, 5), st.integers(1, 40)), min_size=1, max_size=6), max_size=8))
+def test_ensure_each_makes_room_in_order_and_stops_at_the_first_short(blocks, calls):
+    """Each call gives room to a prefix of its sequences, in order: every one of them holds blocks for its
+    tokens afterwards, and the first left out needs more blocks than are free, its table untouched."""
+    bs = 4
+    kv = KVCacheManager(KVStore(blocks * bs, 1, 1, 2, torch.float32), bs)
+    for call in calls:
+        ids = [f"s{i}" for i, _ in call]
+        ns = [n for _, n in call]
+        before = {sid: (list(t.blocks), t.num_tokens) for sid, t in kv.tables.items()}
+        slots = kv.ensure_each(ids, ns)
+        for sid, n, slot in zip(ids, ns, slots, strict=False):
+            table = kv.tables[sid]
+            assert table.slot == slot and len(table.blocks) * bs >= n and table.num_tokens >= n
+        if len(slots) < len(ids):
+            short = ids[len(slots)]
+            assert kv.blocks_needed(short, ns[len(slots)]) > kv.num_free
+            table = kv.tables.get(short)
+            was = before.get(short)
+            if short not in ids[:len(slots)]:  # (not grown earlier in this call)
+                assert (None if table is None else (table.blocks, table.num_tokens)) == was
+        held = sum(len(t.blocks) for t in kv.tables.values())
+        assert held + kv.num_free == kv.num_blocks
