@@ -7,9 +7,20 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from loopserve import LLM, SamplingParams
-from loopserve.engine.sampler import filtered_probs, sample_batch, sample_one, uniforms, unpack
+from loopserve.engine.sampler import (
+    _sorted_nucleus,
+    argmax_rows,
+    filtered_probs,
+    nucleus,
+    sample_batch,
+    sample_one,
+    uniforms,
+    unpack,
+)
 from tests.engine_helpers import check_finite_rows
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -208,6 +219,50 @@ def test_plain_greedy_batch_takes_the_float64_argmax(dtype):
     assert torch.equal(got["tokens"][keep], logits.double().argmax(-1)[keep])
     assert torch.equal(got["tokens"][keep], ties["tokens"][keep])
     assert got["finite"].tolist() == [i != 5 for i in range(40)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_argmax_rows_is_torchs_argmax(dtype):
+    """numpy's argmax on the CPU picks what torch's does: the first maximum of each row, on strided rows too."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randint(-4, 5, (64, 90), generator=g).to(dtype)  # many ties
+    x[3] = 1.0  # a row of one value throughout
+    for view in (x, x[:, ::2], x.t().contiguous().t()):
+        assert torch.equal(argmax_rows(view), view.argmax(-1))
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 6), vocab=st.sampled_from([3, 50, 130, 700, 5000]),
+       scale=st.sampled_from([0.0, 0.3, 3.0, 30.0]), levels=st.sampled_from([0, 4]),
+       top_ps=st.lists(st.sampled_from([0.05, 0.5, 0.9, 0.999, 1.0]), min_size=6, max_size=6), zeros=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_nucleus_equals_a_full_sort(rows, vocab, scale, levels, top_ps, zeros, seed):
+    """The CPU's nucleus from each row's largest values gives what a stable sort of the whole row gives,
+    bit for bit: flat and peaked rows, ties (`levels`: few distinct values), rows mostly 0 (as after top-k)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, vocab, generator=g, dtype=torch.float64) * scale
+    if levels:
+        x = x.round()
+    if zeros:
+        x[:, vocab // 3:] = float("-inf")
+    probs = torch.softmax(x, -1)
+    top_p = torch.tensor(top_ps[:rows], dtype=torch.float64)
+    cut = torch.where(top_p < 1, top_p, torch.full_like(top_p, float("inf")))
+    assert torch.equal(nucleus(probs.clone(), top_p), _sorted_nucleus(probs, cut))
+
+
+@pytest.mark.parametrize("vocab", [40, 3000])
+def test_top_k_filter_equals_the_kth_of_a_full_sort(vocab):
+    """Each row's k-th largest value from the largest k_max alone, as a full sort gives it, ties included;
+    a row at top_k = V keeps everything."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(-5, 6, (6, vocab), generator=g).to(torch.float64)
+    top_k = torch.tensor([1, 2, 7, 30, vocab, vocab])
+    ones = torch.ones(6, dtype=torch.float64)
+    got = filtered_probs(x, ones, top_k, ones, torch.zeros(6, dtype=torch.float64))
+    kth = x.sort(-1, descending=True).values.gather(1, (top_k - 1)[:, None])
+    want = torch.softmax(x.masked_fill(x < kth, float("-inf")), -1)
+    assert torch.equal(got, want / want.sum(-1, keepdim=True))
 
 
 # ---------------- whole requests

@@ -16,7 +16,15 @@ import torch
 from loopserve.cache.layout import IN_FLIGHT, KVLayout
 from loopserve.cache.manager import KVCacheManager
 from loopserve.device import Readback, upload
-from loopserve.engine.sampler import Sample, adjust_logits, prompt_logprobs, sample_rows, unpack, unpack_prompt
+from loopserve.engine.sampler import (
+    Sample,
+    adjust_logits,
+    argmax_rows,
+    prompt_logprobs,
+    sample_rows,
+    unpack,
+    unpack_prompt,
+)
 from loopserve.engine.sequence import Sequence, chain_seed
 from loopserve.engine.signals import step_signals, uniform_logprobs
 from loopserve.exits import ROW_DECIDES_AHEAD, ROW_SIGNAL, SIGNALS, ExitBook, Signal, rule_table
@@ -466,7 +474,7 @@ class ModelRunner:
             state, inject = model.prelude(ids[rows], ctx, None if seeds is None else [seeds[i] for i in act])
             state = self._loop(state, inject, ctx, depth[act])
             params = [items[i].seq.params for i in act]  # logit_bias too: a draft it bans is never accepted
-            nxt = adjust_logits(model.coda(state, ctx).double(), params, [0] * len(act)).argmax(-1)
+            nxt = argmax_rows(adjust_logits(model.coda(state, ctx).double(), params, [0] * len(act)))
             tokens[rows, j] = ids[rows] = nxt
             if seeds is not None:
                 for i, token in zip(act.tolist(), nxt.tolist(), strict=True):

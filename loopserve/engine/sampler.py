@@ -21,7 +21,8 @@ Then `apply_guides` (engine/grammar.py) sets the tokens a guided row's grammar f
 the matcher its params carry (structured output); rows without a grammar are not touched.
 
 A batch whose rows are all plain greedy (no adjustment, grammar or logprobs) is one argmax over the
-logits as they are (float64 would order them the same), with no float64 copy.
+logits as they are (float64 would order them the same), with no float64 copy. On the CPU every
+argmax is numpy's (`argmax_rows`): the same index, several times faster than torch's there.
 
 A row whose logits are not all finite is flagged instead of sampled from (`NonFiniteError` when
 its request takes the sample). If the batched call itself raises, `sample_rows` samples row by
@@ -63,24 +64,83 @@ def uniforms(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
 
 
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                   min_p: torch.Tensor, filters: tuple[bool, bool, bool] = (True, True, True)) -> torch.Tensor:
+                   min_p: torch.Tensor, filters: tuple[int, bool, bool] | None = None) -> torch.Tensor:
     """[B, V] sampling distributions (float64) after temperature, top-k, top-p and min-p, each a [B]
     tensor of per-row values (top_k = V, top_p = 1, min_p = 0: no filter). `filters` says, from the
-    host, whether any row uses top-k / top-p / min-p (asking the device would make the host wait)."""
+    host (asking the device would make the host wait): the largest top_k of the rows that filter by
+    it (0: none does), whether any row uses top-p, whether any uses min-p; None: read off the tensors."""
+    vocab = logits.shape[-1]
+    if filters is None:
+        ks = [k for k in top_k.tolist() if k < vocab]
+        filters = (max(ks, default=0), bool((top_p < 1).any()), bool((min_p > 0).any()))
     x = logits / temperature[:, None]  # temperature >= GREEDY_TEMPERATURE here, so x stays finite
-    use_k, use_p, use_min_p = filters
-    if use_k:
-        kth = x.sort(-1, descending=True).values.gather(1, (top_k - 1)[:, None])
-        x = x.masked_fill(x < kth, float("-inf"))
+    k_max, use_p, use_min_p = filters
+    if k_max:  # each row's k-th largest value (whatever the order of ties), from the largest k_max alone
+        kth = x.topk(k_max).values.gather(1, (top_k.clamp(max=k_max) - 1)[:, None])
+        x = x.masked_fill((x < kth) & (top_k < vocab)[:, None], float("-inf"))
     probs = torch.softmax(x, -1)
     if use_p:
-        sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
-        before = sorted_p.cumsum(-1) - sorted_p  # mass strictly above each token
-        cut = torch.where(top_p < 1, top_p, torch.full_like(top_p, float("inf")))
-        probs = torch.zeros_like(probs).scatter(1, order, sorted_p.masked_fill(before >= cut[:, None], 0.0))
+        probs = nucleus(probs, top_p)
     if use_min_p:
         probs = probs.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, 0.0)
     return probs / probs.sum(-1, keepdim=True)
+
+
+def nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """`probs` [B, V] with each row's tokens outside its top-p nucleus set to 0 (not renormalized; in
+    place on the CPU): in a stable descending sort of the row, a token is kept while the mass strictly
+    before it is under top_p (every token at top_p = 1). On the CPU, where sorting a row of 49,152
+    float64 values takes about 4 ms, a row is first settled from its largest values alone
+    (`_nucleus_from_largest`: the same sums in the same order, so the same tokens and values), and
+    sorted whole only if they do not hold its nucleus."""
+    cut = torch.where(top_p < 1, top_p, torch.full_like(top_p, float("inf")))
+    if probs.device.type != "cpu":  # (a GPU sorts fast; the narrowing below reads sizes on the host)
+        return _sorted_nucleus(probs, cut)
+    k = _NUCLEUS_FIRST_K
+    rows = torch.nonzero(top_p < 1).flatten()  # (a row at top_p = 1 keeps every token)
+    while len(rows):
+        if 2 * k > probs.shape[1]:
+            probs[rows] = _sorted_nucleus(probs[rows], cut[rows])
+            break
+        part = probs if len(rows) == len(probs) else probs[rows]
+        unsettled = _nucleus_from_largest(part, cut[rows], k)
+        if part is not probs:
+            probs[rows] = part
+        rows, k = rows[unsettled], 8 * k
+    return probs
+
+
+_NUCLEUS_FIRST_K = 64  # the largest probabilities a row's nucleus is first looked for in (then 8x as many)
+
+
+def _sorted_nucleus(probs: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:
+    """`nucleus` by a sort of every row (`cut`: top_p, or infinity for rows that keep everything)."""
+    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
+    before = sorted_p.cumsum(-1) - sorted_p  # mass strictly above each token
+    return torch.zeros_like(probs).scatter(1, order, sorted_p.masked_fill(before >= cut[:, None], 0.0))
+
+
+def _nucleus_from_largest(probs: torch.Tensor, cut: torch.Tensor, k: int) -> torch.Tensor:
+    """`_sorted_nucleus`, in place, of each row whose nucleus lies among its values >= its k-th largest
+    (k or more: ties are all in); returns the mask of the other rows, left as they were. A stable
+    descending sort puts those values first, in the order it puts them (by value, then index), so their
+    running sums are the sort's; a row is settled when their mass reaches `cut` with a margin far above
+    rounding, so that every later token has more than `cut` before it."""
+    inside = (probs >= probs.topk(k, sorted=False).values.amin(-1, keepdim=True)) & (probs > 0)  # (> 0: after
+    m = int(inside.sum(-1).max())  # a top-k filter most of a row is 0, which adds nothing and stays 0)
+    # the `inside` indices by index (a row with fewer than m gets other, outside indices after them)
+    idx = inside.to(torch.uint8).topk(m, sorted=False).indices.sort(-1).values
+    vals = probs.gather(1, idx).masked_fill(~inside.gather(1, idx), 0.0)
+    sorted_p, o = vals.sort(dim=-1, descending=True, stable=True)
+    total = sorted_p.cumsum(-1)
+    settled = total[:, -1] >= cut + 1e-9
+    drop = (total - sorted_p >= cut[:, None]) & settled[:, None]
+    # zero what lies below a row's smallest kept value, then what the sort drops among the values above it
+    smallest = sorted_p.masked_fill(drop, float("inf")).amin(-1).masked_fill(~settled, 0.0)
+    probs.masked_fill_(probs < smallest[:, None], 0.0)
+    order = idx.gather(1, o)
+    probs.scatter_(1, order, probs.gather(1, order).masked_fill_(drop, 0.0))
+    return ~settled
 
 
 class TokenHistory(Protocol):
@@ -236,6 +296,16 @@ def _raw64(logits: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
     return x.masked_fill_(~finite[:, None], 0.0)
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """[B] int64: the index of each row's largest value in `x` [B, V], the first one on ties (the rule of
+    torch and of numpy alike). On the CPU, in float32 or float64, by numpy: one thread of torch's argmax
+    is 5-17x slower there (float32 [82, 512]: 34 us against 6 us; [256, 49152]: 8.6 ms against 1.7 ms;
+    docs/benchmarks.md section 8.13)."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
+        return torch.from_numpy(x.numpy().argmax(-1))
+    return x.argmax(-1)
+
+
 def plain_greedy(p: SamplingParams) -> bool:
     """Sampled by the argmax of the raw logits: nothing adjusts, masks or reports them."""
     return (p.greedy and p.logprobs is None and not p.logit_bias and not p.min_tokens and not p.penalized
@@ -253,22 +323,23 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seeds: list
     if plain is None:
         plain = all(plain_greedy(p) for p in params)
     if plain:  # the common case: one argmax, no float64 copy of the logits
-        return {"tokens": logits.detach().argmax(-1), "finite": finite}  # (the order of values is the same)
+        return {"tokens": argmax_rows(logits.detach()), "finite": finite}  # (the order of values is the same)
     raw = _raw64(logits, finite)
     x = adjust_logits(raw, params, counters)
     x = apply_guides(x, params)  # structured output: each guided row's grammar mask (engine/grammar.py)
-    tokens = x.argmax(-1)
+    tokens = argmax_rows(x)
     rand = [i for i, p in enumerate(params) if not p.greedy]
     if rand:
         ps = [params[i] for i in rand]
         vocab = x.shape[-1]
         idx = upload(rand, dev)
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in ps]
-        filters = (min(top_k) < vocab, any(p.top_p < 1 for p in ps), any(p.min_p > 0 for p in ps))
+        filters = (max((k for k in top_k if k < vocab), default=0), any(p.top_p < 1 for p in ps),
+                   any(p.min_p > 0 for p in ps))
         probs = filtered_probs(
-            x[idx], upload([p.temperature for p in ps], dev, torch.float64), upload(top_k, dev),
-            upload([p.top_p for p in ps], dev, torch.float64), upload([p.min_p for p in ps], dev, torch.float64),
-            filters)
+            x if len(rand) == len(params) else x[idx], upload([p.temperature for p in ps], dev, torch.float64),
+            upload(top_k, dev), upload([p.top_p for p in ps], dev, torch.float64),
+            upload([p.min_p for p in ps], dev, torch.float64), filters)
         cdf = probs.cumsum(-1)
         u = uniforms(upload([seeds[i] for i in rand], dev), upload([counters[i] for i in rand], dev))
         draw = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=vocab - 1)
