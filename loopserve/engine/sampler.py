@@ -327,8 +327,9 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seeds: list
     raw = _raw64(logits, finite)
     x = adjust_logits(raw, params, counters)
     x = apply_guides(x, params)  # structured output: each guided row's grammar mask (engine/grammar.py)
-    tokens = argmax_rows(x)
     rand = [i for i, p in enumerate(params) if not p.greedy]
+    every = bool(rand) and len(rand) == len(params)  # (then no row takes the argmax, none is copied out)
+    tokens = None if every else argmax_rows(x)
     if rand:
         ps = [params[i] for i in rand]
         vocab = x.shape[-1]
@@ -337,13 +338,14 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seeds: list
         filters = (max((k for k in top_k if k < vocab), default=0), any(p.top_p < 1 for p in ps),
                    any(p.min_p > 0 for p in ps))
         probs = filtered_probs(
-            x if len(rand) == len(params) else x[idx], upload([p.temperature for p in ps], dev, torch.float64),
+            x if every else x[idx], upload([p.temperature for p in ps], dev, torch.float64),
             upload(top_k, dev), upload([p.top_p for p in ps], dev, torch.float64),
             upload([p.min_p for p in ps], dev, torch.float64), filters)
         cdf = probs.cumsum(-1)
         u = uniforms(upload([seeds[i] for i in rand], dev), upload([counters[i] for i in rand], dev))
         draw = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=vocab - 1)
-        tokens = tokens.index_put((idx,), draw)
+        tokens = draw if tokens is None else tokens.index_put((idx,), draw)
+    assert tokens is not None
     out = {"tokens": tokens, "finite": finite}
     asked = [i for i, p in enumerate(params) if p.logprobs is not None]
     if asked:
