@@ -699,40 +699,37 @@ class Scheduler:
     def after_coda(self, plan: StagePlan, samples: list[Sample]) -> None:
         """Append each item's sampled token (maybe a tick after the coda was queued: an item aborted
         meanwhile is skipped)."""
+        index = {id(item): j for j, item in enumerate(plan.items)} if self.speculator is not None else {}
         if self.coda_running == plan.items:  # (identity: items compare by it) the one coda in flight, whole
-            running, taken, self.coda_running, rows = None, plan.items, [], plan.rows
+            taken, got, self.coda_running, rows = plan.items, samples, [], plan.rows
         else:
             running = {id(i) for i in self.coda_running}
             taken = [i for i in plan.items if id(i) in running]
+            got = [s for i, s in zip(plan.items, samples, strict=True) if id(i) in running]
             self.coda_running = _without(self.coda_running, taken)
             rows = rows_of(taken)
         assert rows is not None
-        index = {id(item): j for j, item in enumerate(plan.items)} if self.speculator is not None else {}
         # loops run and exit depths of the batch, read at once
         loops, depths = self.pool.r[rows].tolist(), self.pool.exits.exit_depth[rows].tolist()
         if self.speculator is None:
             self.pool.release_all(taken, rows)
         else:  # (a verify group's rows: in _accept)
             self.pool.release_all([i for i in taken if i.group is None])
-        k, now = 0, time.monotonic()  # (the batch's tokens arrived together)
+        now = time.monotonic()  # (the batch's tokens arrived together)
         orders, requeue, quiet = self._orders, self.prelude_q.append, 0
-        for j, item in enumerate(plan.items):
-            if running is not None and id(item) not in running:
-                continue
-            k += 1
+        for item, sample, spent, depth in zip(taken, got, loops, depths, strict=True):
             if item.group is not None:  # a verify group runs one coda, whole (CDB holds it until then)
                 if item is item.group.items[0]:
                     self._accept(item.group, [samples[index[id(i)]] for i in item.group.items], now)
                 continue
-            seq, sample = item.seq, samples[j]
-            seq.metrics.loops_run += loops[k - 1]
+            seq = item.seq
+            seq.metrics.loops_run += spent
             # most tokens: appended, the item queued for the next one (what `_append_token` does for them)
-            if seq.quiet and sample.error is None and sample.finite and seq.append_quiet(sample.token, depths[k - 1],
-                                                                                           now):
+            if seq.quiet and sample.error is None and sample.finite and seq.append_quiet(sample.token, depth, now):
                 requeue(item.reuse(next(orders), item.position + 1))
                 quiet += 1
             else:
-                self._append_token(seq, sample, depths[k - 1], now, spent=item)
+                self._append_token(seq, sample, depth, now, spent=item)
         self.stats.generated_tokens += quiet
 
     def _accept(self, group: VerifyGroup, samples: list[Sample], now: float) -> None:
