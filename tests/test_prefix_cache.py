@@ -246,13 +246,15 @@ class _ModelAllocator:
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.integers(1, 8), st.lists(st.tuples(st.sampled_from(["allocate", "share", "free", "free", "reset", "twice"]),
+@given(st.integers(1, 8), st.lists(st.tuples(st.sampled_from(["allocate", "share", "free", "free", "several", "reset",
+                                                              "twice"]),
                                             st.integers(0, 63), st.integers(0, 63)), min_size=60, max_size=200))
 def test_allocator_matches_a_plain_model(n, ops):
     """Random allocate (indexing some new blocks) / share / free / reset sequences on a small pool, so
     eviction, its skipping of blocks shared since they were freed (over several scan windows), and the
-    compaction of the eviction queue all happen often; a block freed or shared twice in one call, or
-    not held, raises and changes nothing."""
+    compaction of the eviction queue all happen often; several tables freed in one call (`free_tables`, a
+    coda batch's finished requests, which may share blocks) as if freed one by one; a block freed or
+    shared twice in one call, or not held, raises and changes nothing."""
     a, m = BlockAllocator(n, 4), _ModelAllocator(n)
     tables: list[list[int]] = []
     keys = iter(range(10**6))
@@ -283,11 +285,18 @@ def test_allocator_matches_a_plain_model(n, ops):
             blocks = tables.pop(x % len(tables))
             a.free(np.array(blocks, np.int64) if y & 1 else blocks)  # (the manager frees a block-table row)
             m.free(blocks)
+        elif op == "several" and tables:
+            picked = [tables.pop(i % len(tables)) for i in (x, y, x + y)[: 1 + x % 3] if tables]
+            a.free_tables([np.array(t, np.int64) for t in picked])
+            for blocks in picked:
+                m.free(blocks)
         elif op == "twice":  # caller bugs: a block listed twice, a block no one holds, a negative id
             b = x % n
             for bad in ([b, b], [b] if b not in m.refs else [-1]):
                 with pytest.raises(RuntimeError):
                     a.free(bad)
+            with pytest.raises(RuntimeError):  # one more hold than it has (or a negative id)
+                a.free_tables([np.array([b]) for _ in range(m.refs.get(b, 0) + 1)] if y & 1 else [np.array([-1])])
             if b in m.refs or b in m.key_of:
                 with pytest.raises(RuntimeError):
                     a.share([b, b])

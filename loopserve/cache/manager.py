@@ -142,10 +142,17 @@ class KVCacheManager:
         return torch.from_numpy(self.block_tables.rows(np.full(n, table.slot), np.arange(n)))
 
     def free(self, seq_id: str) -> None:
-        table = self.tables.pop(seq_id, None)
-        if table is not None:
-            self.allocator.free(self.block_tables.host[table.slot, : len(table.blocks)])  # (no list conversion)
-            self._free_slots.append(table.slot)
+        self.free_all([seq_id])
+
+    def free_all(self, seq_ids: list[str]) -> None:
+        """Free the sequences' blocks and slots (those that hold any), in order: one allocator call."""
+        tables = [self.tables.pop(s) for s in seq_ids if s in self.tables]
+        rows = [self.block_tables.host[t.slot, : len(t.blocks)] for t in tables]  # (no list conversion)
+        if len(rows) == 1:
+            self.allocator.free(rows[0])  # (which also tells a block listed twice)
+        elif rows:
+            self.allocator.free_tables(rows)
+        self._free_slots += [t.slot for t in tables]
 
     def swap_out(self, seq_id: str, num_tokens: int) -> None:
         """Copy the KV of the sequence's first `num_tokens` tokens to the host and free its blocks (rows

@@ -112,6 +112,7 @@ class Scheduler:
         self.retired_loops = 0  # decode loops of finished requests (bookkeeping check)
         self.prefilling: set[str] = set()  # prompts with a chunk queued whose result is not read yet
         self.kv_depth_writes: list[tuple[np.ndarray, np.ndarray]] = []  # (KV rows, depths) of tokens that exited
+        self._kv_to_free: list[str] | None = None  # while a coda's results are taken: whose KV to free after
         # called with (items, signals) before exit rules see a core step's signals (trajectory recording)
         self.signal_hooks: list[Callable[[list[WorkItem], list[Signal]], None]] = []
 
@@ -222,7 +223,10 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         self.running.pop(seq.request_id, None)
         self.prefill_pos.pop(seq.request_id, None)
-        self.kv.free(seq.request_id)
+        if self._kv_to_free is not None:  # (a coda batch's finished requests: freed together at its end)
+            self._kv_to_free.append(seq.request_id)
+        else:
+            self.kv.free(seq.request_id)
 
     def _finish(self, seq: Sequence) -> None:
         self._release(seq)
@@ -717,19 +721,25 @@ class Scheduler:
             self.pool.release_all([i for i in taken if i.group is None])
         now = time.monotonic()  # (the batch's tokens arrived together)
         orders, requeue, quiet = self._orders, self.prelude_q.append, 0
-        for item, sample, spent, depth in zip(taken, got, loops, depths, strict=True):
-            if item.group is not None:  # a verify group runs one coda, whole (CDB holds it until then)
-                if item is item.group.items[0]:
-                    self._accept(item.group, [samples[index[id(i)]] for i in item.group.items], now)
-                continue
-            seq = item.seq
-            seq.metrics.loops_run += spent
-            # most tokens: appended, the item queued for the next one (what `_append_token` does for them)
-            if seq.quiet and sample.error is None and sample.finite and seq.append_quiet(sample.token, depth, now):
-                requeue(item.reuse(next(orders), item.position + 1))
-                quiet += 1
-            else:
-                self._append_token(seq, sample, depth, now, spent=item)
+        self._kv_to_free = []  # (nothing is allocated before the loop ends)
+        try:
+            for item, sample, spent, depth in zip(taken, got, loops, depths, strict=True):
+                if item.group is not None:  # a verify group runs one coda, whole (CDB holds it until then)
+                    if item is item.group.items[0]:
+                        self._accept(item.group, [samples[index[id(i)]] for i in item.group.items], now)
+                    continue
+                seq = item.seq
+                seq.metrics.loops_run += spent
+                # most tokens: appended, the item queued for the next one (what `_append_token` does for them)
+                if seq.quiet and sample.error is None and sample.finite and seq.append_quiet(sample.token, depth,
+                                                                                               now):
+                    requeue(item.reuse(next(orders), item.position + 1))
+                    quiet += 1
+                else:
+                    self._append_token(seq, sample, depth, now, spent=item)
+        finally:
+            finished, self._kv_to_free = self._kv_to_free, None
+            self.kv.free_all(finished)
         self.stats.generated_tokens += quiet
 
     def _accept(self, group: VerifyGroup, samples: list[Sample], now: float) -> None:
