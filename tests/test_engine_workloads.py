@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from loopserve import LLM, SamplingParams
 from loopserve.engine.runner import WorkItem
+from loopserve.sampling_params import RequestOutputKind
 from tests.engine_helpers import Req, assert_matches, drive, expected_loops, make_engine, reference
 
 SCHEDULERS = ("cb", "cdb-norefill", "cdb")
@@ -37,6 +38,10 @@ def sampling_params(draw, arch: str, r_max: int) -> SamplingParams:
         kw["seed"] = draw(st.integers(0, 1000))
     if temperature and draw(st.booleans()):
         kw["top_k"] = draw(st.sampled_from([5, 50]))
+    if temperature and draw(st.booleans()):
+        kw["top_p"] = draw(st.sampled_from([0.3, 0.9, 1 - 1e-12]))
+    if draw(st.booleans()):  # one output at the end: plain tokens take the coda's short path
+        kw["output_kind"] = RequestOutputKind.FINAL_ONLY
     if draw(st.integers(0, 3)) == 0:
         kw["logprobs"] = draw(st.integers(0, 3))
     max_loops = draw(st.one_of(st.none(), st.integers(2, r_max)))

@@ -75,6 +75,8 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
         filters = (max(ks, default=0), bool((top_p < 1).any()), bool((min_p > 0).any()))
     x = logits / temperature[:, None]  # temperature >= GREEDY_TEMPERATURE here, so x stays finite
     k_max, use_p, use_min_p = filters
+    if isinstance(k_max, bool):  # (an old-style (bool, bool, bool) would read True as top-1)
+        raise TypeError("filters: (largest top_k of the filtering rows or 0, any top_p, any min_p)")
     if k_max:  # each row's k-th largest value (whatever the order of ties), from the largest k_max alone
         kth = x.topk(k_max).values.gather(1, (top_k.clamp(max=k_max) - 1)[:, None])
         x = x.masked_fill((x < kth) & (top_k < vocab)[:, None], float("-inf"))
@@ -96,18 +98,27 @@ def nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     cut = torch.where(top_p < 1, top_p, torch.full_like(top_p, float("inf")))
     if probs.device.type != "cpu":  # (a GPU sorts fast; the narrowing below reads sizes on the host)
         return _sorted_nucleus(probs, cut)
-    k = _NUCLEUS_FIRST_K
+    margin = _nucleus_margin(probs.dtype)
     rows = torch.nonzero(top_p < 1).flatten()  # (a row at top_p = 1 keeps every token)
-    while len(rows):
-        if 2 * k > probs.shape[1]:
-            probs[rows] = _sorted_nucleus(probs[rows], cut[rows])
-            break
+    near_one = cut[rows] + margin >= 1  # never settled from its largest values: sorted at once
+    rows, sort_rows, k = rows[~near_one], rows[near_one], _NUCLEUS_FIRST_K
+    while len(rows) and 4 * k <= probs.shape[1]:  # (a pass wider than a quarter costs about a sort)
         part = probs if len(rows) == len(probs) else probs[rows]
-        unsettled = _nucleus_from_largest(part, cut[rows], k)
+        unsettled, widest = _nucleus_from_largest(part, cut[rows], k, margin)
         if part is not probs:
             probs[rows] = part
-        rows, k = rows[unsettled], 8 * k
+        # the next pass 8x as wide, or as wide as the rows left need at least (flat rows: the sort)
+        rows, k = rows[unsettled], max(8 * k, math.ceil(min(widest, probs.shape[1])))
+    rest = torch.cat([rows, sort_rows])
+    if len(rest):
+        probs[rest] = _sorted_nucleus(probs[rest], cut[rest])
     return probs
+
+
+def _nucleus_margin(dtype: torch.dtype) -> float:
+    """How far a row's mass must pass top_p for the later tokens' running sums to stay above it whatever
+    their rounding (a few ulps of 1 in the dtype; float64 sums, as the sampler's, get 1e-9)."""
+    return max(1e-9, 16 * torch.finfo(dtype).eps)
 
 
 _NUCLEUS_FIRST_K = 64  # the largest probabilities a row's nucleus is first looked for in (then 8x as many)
@@ -120,27 +131,37 @@ def _sorted_nucleus(probs: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(probs).scatter(1, order, sorted_p.masked_fill(before >= cut[:, None], 0.0))
 
 
-def _nucleus_from_largest(probs: torch.Tensor, cut: torch.Tensor, k: int) -> torch.Tensor:
+def _nucleus_from_largest(probs: torch.Tensor, cut: torch.Tensor, k: int,
+                          margin: float) -> tuple[torch.Tensor, float]:
     """`_sorted_nucleus`, in place, of each row whose nucleus lies among its values >= its k-th largest
-    (k or more: ties are all in); returns the mask of the other rows, left as they were. A stable
-    descending sort puts those values first, in the order it puts them (by value, then index), so their
-    running sums are the sort's; a row is settled when their mass reaches `cut` with a margin far above
-    rounding, so that every later token has more than `cut` before it."""
-    inside = (probs >= probs.topk(k, sorted=False).values.amin(-1, keepdim=True)) & (probs > 0)  # (> 0: after
-    m = int(inside.sum(-1).max())  # a top-k filter most of a row is 0, which adds nothing and stays 0)
+    (k or more: ties are all in). Returns the mask of the other rows, left as they were, and how many
+    largest values the widest of them needs at least (each value left is at most the k-th largest;
+    inf: no pass will do, sort them). A stable descending sort puts those values first, in the order it
+    puts them (by value, then index), so their running sums are the sort's; a row is settled when their
+    mass reaches `cut` + `margin` (far above rounding), so that every later token has more than `cut`
+    before it. A row with no positive value (its logits all masked, or NaN) is never settled here."""
+    kth = probs.topk(k, sorted=False).values.amin(-1)
+    inside = (probs >= kth[:, None]) & (probs > 0)  # (> 0: after a top-k filter most of a row is 0, which
+    count = inside.sum(-1)  # adds nothing and stays 0)
+    m = int(count.max())
+    if m == 0 or 4 * m > probs.shape[1]:  # (no positive value; or so many ties at the k-th that a sort is as cheap)
+        return torch.ones(len(probs), dtype=torch.bool, device=probs.device), float("inf")
     # the `inside` indices by index (a row with fewer than m gets other, outside indices after them)
     idx = inside.to(torch.uint8).topk(m, sorted=False).indices.sort(-1).values
     vals = probs.gather(1, idx).masked_fill(~inside.gather(1, idx), 0.0)
     sorted_p, o = vals.sort(dim=-1, descending=True, stable=True)
     total = sorted_p.cumsum(-1)
-    settled = total[:, -1] >= cut + 1e-9
+    settled = total[:, -1] >= cut + margin
     drop = (total - sorted_p >= cut[:, None]) & settled[:, None]
     # zero what lies below a row's smallest kept value, then what the sort drops among the values above it
     smallest = sorted_p.masked_fill(drop, float("inf")).amin(-1).masked_fill(~settled, 0.0)
     probs.masked_fill_(probs < smallest[:, None], 0.0)
     order = idx.gather(1, o)
     probs.scatter_(1, order, probs.gather(1, order).masked_fill_(drop, 0.0))
-    return ~settled
+    reach = count + (cut + margin - total[:, -1]) / kth  # (nan, inf where kth is 0 or NaN: sort)
+    left = reach[~settled]
+    widest = float(left.nan_to_num(float("inf")).max()) if len(left) else 0.0
+    return ~settled, widest
 
 
 class TokenHistory(Protocol):

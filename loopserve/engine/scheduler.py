@@ -740,7 +740,7 @@ class Scheduler:
         finally:
             finished, self._kv_to_free = self._kv_to_free, None
             self.kv.free_all(finished)
-        self.stats.generated_tokens += quiet
+            self.stats.generated_tokens += quiet
 
     def _accept(self, group: VerifyGroup, samples: list[Sample], now: float) -> None:
         """A verify round's coda ran (docs/design.md §12). Row i was fed x_t or draft i and sampled
