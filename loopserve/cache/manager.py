@@ -147,11 +147,8 @@ class KVCacheManager:
     def free_all(self, seq_ids: list[str]) -> None:
         """Free the sequences' blocks and slots (those that hold any), in order: one allocator call."""
         tables = [self.tables.pop(s) for s in seq_ids if s in self.tables]
-        rows = [self.block_tables.host[t.slot, : len(t.blocks)] for t in tables]  # (no list conversion)
-        if len(rows) == 1:
-            self.allocator.free(rows[0])  # (which also tells a block listed twice)
-        elif rows:
-            self.allocator.free_tables(rows)
+        if tables:  # (block-table rows: no list conversion)
+            self.allocator.free_tables([self.block_tables.host[t.slot, : len(t.blocks)] for t in tables])
         self._free_slots += [t.slot for t in tables]
 
     def swap_out(self, seq_id: str, num_tokens: int) -> None:

@@ -175,29 +175,24 @@ class BlockAllocator:
         """Drop one hold on each block (in position order, as a block table lists them). A block no one holds
         becomes empty, or stays cached if indexed; the last ones are evicted first (a prompt's tail is the
         part least likely to be shared). A block not held, or listed twice, raises and changes nothing."""
-        tail_first = np.asarray(blocks, np.int64)[::-1]
-        held = self._refs[tail_first]
-        np.subtract.at(self._refs, tail_first, 1)  # (a block listed twice loses two holds: caught below)
-        left = self._refs[tail_first]
-        bad = (held < 1) | (left != held - 1) | (tail_first < 0)
-        if bad.any():
-            np.add.at(self._refs, tail_first, 1)
-            raise RuntimeError(f"block {int(tail_first[bad][0])} freed more often than it was held, or listed twice")
-        self._drop_unheld(tail_first[left == 0])
+        self.free_tables([blocks])
 
-    def free_tables(self, tables: list[np.ndarray]) -> None:
+    def free_tables(self, tables: list[list[int] | np.ndarray]) -> None:
         """`free` of each table in turn, in one pass (the requests a coda batch finished). A block in several
-        of them (a shared prompt block) loses a hold for each and becomes free at its last listing; one
-        freed more often than it is held, or a negative id, raises and changes nothing. (Unlike `free`,
-        a block listed twice in one table is not told apart from a block two tables share.)"""
+        of them (a shared prompt block) loses a hold for each and becomes free at its last listing. A block
+        freed more often than it is held, a negative id, or (one table given) a block listed twice raises
+        and changes nothing; with several tables, a block listed twice in one is not told apart from a
+        block two of them share."""
         entries = np.concatenate([np.asarray(t, np.int64)[::-1] for t in tables]) if tables else np.zeros(0, np.int64)
-        if len(entries) and entries.min() < 0:
-            raise RuntimeError(f"block {int(entries.min())} is not a block id")
-        np.subtract.at(self._refs, entries, 1)
+        held = self._refs[entries]
+        np.subtract.at(self._refs, entries, 1)  # (a block listed twice loses two holds: caught below)
         left = self._refs[entries]
-        if (left < 0).any():
+        bad = (left < 0) | (entries < 0)
+        if len(tables) == 1:  # one table lists a block once
+            bad |= left != held - 1
+        if bad.any():
             np.add.at(self._refs, entries, 1)
-            raise RuntimeError(f"block {int(entries[left < 0][0])} freed more often than it was held")
+            raise RuntimeError(f"block {int(entries[bad][0])} freed more often than it was held, or listed twice")
         gone = entries[left == 0]
         if len(tables) > 1 and len(gone):  # each block once, where it was listed last
             backwards = gone[::-1]
