@@ -102,7 +102,7 @@ def nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     rows = torch.nonzero(top_p < 1).flatten()  # (a row at top_p = 1 keeps every token)
     near_one = cut[rows] + margin >= 1  # never settled from its largest values: sorted at once
     rows, sort_rows, k = rows[~near_one], rows[near_one], _NUCLEUS_FIRST_K
-    while len(rows) and 4 * k <= probs.shape[1]:  # (a pass wider than a quarter costs about a sort)
+    while len(rows) and k * _NUCLEUS_WIDEST <= probs.shape[1]:
         part = probs if len(rows) == len(probs) else probs[rows]
         unsettled, widest = _nucleus_from_largest(part, cut[rows], k, margin)
         if part is not probs:
@@ -122,6 +122,7 @@ def _nucleus_margin(dtype: torch.dtype) -> float:
 
 
 _NUCLEUS_FIRST_K = 64  # the largest probabilities a row's nucleus is first looked for in (then 8x as many)
+_NUCLEUS_WIDEST = 4  # a pass over more than 1/4 of a row's values costs about a sort of the row: sort it
 
 
 def _sorted_nucleus(probs: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:
@@ -144,7 +145,7 @@ def _nucleus_from_largest(probs: torch.Tensor, cut: torch.Tensor, k: int,
     inside = (probs >= kth[:, None]) & (probs > 0)  # (> 0: after a top-k filter most of a row is 0, which
     count = inside.sum(-1)  # adds nothing and stays 0)
     m = int(count.max())
-    if m == 0 or 4 * m > probs.shape[1]:  # (no positive value; or so many ties at the k-th that a sort is as cheap)
+    if m == 0 or m * _NUCLEUS_WIDEST > probs.shape[1]:  # (no positive value, or so many ties at the k-th)
         return torch.ones(len(probs), dtype=torch.bool, device=probs.device), float("inf")
     # the `inside` indices by index (a row with fewer than m gets other, outside indices after them)
     idx = inside.to(torch.uint8).topk(m, sorted=False).indices.sort(-1).values
