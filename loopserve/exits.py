@@ -35,6 +35,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 
 from loopserve.errors import NonFiniteError
@@ -142,56 +143,19 @@ class ExitBook:
         lookahead step)."""
         return (self.exit_depth[rows] != 0) & ~self.frozen[rows]
 
-    def reaches_stop(self, rows: np.ndarray, r: np.ndarray) -> np.ndarray:
-        """Mask of `rows` for which step r is the last whatever its signal says (`max_loops`, or a
-        lookahead_gate decision made a step earlier); their exit depth is set to r."""
-        stop = r >= self.stop_at[rows]
-        self.exit_depth[rows[stop]] = r[stop]
-        return stop
-
     def observe(self, rows: np.ndarray, r: np.ndarray, main: np.ndarray, ahead: np.ndarray,
                 has: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """After step r (kept) of each row: `main` is its signal (gate logit, latent difference, KL),
         `ahead` the lookahead_gate's predicted logit, `has` whether the row got a signal at all.
         Returns (loops_on, bad): masks of rows that run another step and of rows whose signal is
-        NaN or infinite (a broken state, not a decision: those rows are left unchanged)."""
-        policy, thr = self.policy[rows], self.threshold[rows]
-        present = np.bincount(policy, minlength=len(POLICIES))  # policies absent from the batch cost nothing
-        lag = policy == _LOOKAHEAD_GATE if present[_LOOKAHEAD_GATE] else None
-        bad = has & ~np.isfinite(main)
-        if lag is not None:
-            bad |= lag & ~np.isfinite(ahead)
-        live = ~bad
-        stop = live & (r >= self.stop_at[rows])
-        if stop.any():
-            self.exit_depth[rows[stop]] = r[stop]
-            live &= ~stop
-        want = np.zeros(len(rows), bool)
-        if present[_GATE] or lag is not None:
-            gate = live & has & ((policy == _GATE) if lag is None else ((policy == _GATE) | lag))
-            g = rows[gate]
-            self.survival[g] *= 1.0 - _sigmoid(main[gate])
-            want[gate] = 1.0 - self.survival[g] >= thr[gate]
-            if lag is not None:  # lookahead_gate: decide whether step r+1 is the last
-                lg = gate & lag
-                g = rows[lg]
-                predicted = 1.0 - self.survival[g] * (1.0 - _sigmoid(ahead[lg]))
-                last = (predicted >= thr[lg]) & (r[lg] + 1 >= self.min_loops[g])
-                self.stop_at[g[last]] = r[lg][last] + 1
-                want &= ~lag  # lookahead_gate never exits on this step's own signal
-        if present[_LATENT_DIFF] or present[_KL]:
-            below = live & has & ((policy == _LATENT_DIFF) | (policy == _KL))
-            want[below] = main[below] < thr[below]
-        if present[_TRACE]:
-            trace = live & (policy == _TRACE)
-            want[trace] = r[trace] >= self.target[rows[trace]]
-        exit_now = live & want & (r >= self.min_loops[rows])
-        loops_on = live
-        if exit_now.any():
-            self.exit_depth[rows[exit_now]] = r[exit_now]
-            freeze = exit_now & self.lookahead[rows]
-            self.frozen[rows[freeze]] = True  # already scheduled for step r + 1
-            loops_on = live & ~(exit_now & ~freeze)
+        NaN or infinite (a broken state, not a decision: those rows are left unchanged).
+
+        One compiled pass over the rows (`_observe_rows`): the same decisions as element-wise array
+        operations, without the few dozen numpy calls per batch they cost."""
+        n = len(rows)
+        loops_on, bad = np.empty(n, bool), np.empty(n, bool)
+        _observe_rows(rows, r, main, ahead, has, self.policy, self.threshold, self.min_loops, self.lookahead,
+                      self.survival, self.exit_depth, self.frozen, self.target, self.stop_at, loops_on, bad)
         return loops_on, bad
 
 
@@ -255,7 +219,46 @@ _GATE, _LATENT_DIFF, _KL, _TRACE, _LOOKAHEAD_GATE = (POLICIES.index(p) for p in
                                                      ("gate", "latent_diff", "kl", "trace", "lookahead_gate"))
 
 
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    """Element-wise, in float64: 0 at or below -700 (where exp(-x) would overflow; the argument is
-    clamped there, which changes no value above it)."""
-    return np.where(x > -700, 1.0 / (1.0 + np.exp(-np.maximum(x, -700.0))), 0.0)
+@numba.njit(cache=True)
+def _sigmoid(x):
+    """In float64 with the C library's exp (a result that does not depend on the CPU's vector unit, as
+    numpy's exp does): 0 at or below -700, where exp(-x) would overflow."""
+    return 1.0 / (1.0 + math.exp(-x)) if x > -700.0 else 0.0
+
+
+@numba.njit(cache=True)
+def _observe_rows(rows, r, main, ahead, has, policy, threshold, min_loops, lookahead, survival, exit_depth, frozen,
+                  target, stop_at, loops_on, bad):
+    """`ExitBook.observe` for row k = 0.. of a batch (book entry rows[k]), writing loops_on[k] and bad[k].
+    Each row reads and writes only its own entry: a row's decision never depends on its batch."""
+    for k in range(rows.shape[0]):
+        i, rk = rows[k], r[k]
+        p = policy[i]
+        lag = p == _LOOKAHEAD_GATE
+        bad[k] = (has[k] and not np.isfinite(main[k])) or (lag and not np.isfinite(ahead[k]))
+        loops_on[k] = False
+        if bad[k]:
+            continue
+        if rk >= stop_at[i]:
+            exit_depth[i] = rk
+            continue
+        want = False
+        if has[k] and (p == _GATE or lag):
+            survival[i] *= 1.0 - _sigmoid(main[k])
+            want = 1.0 - survival[i] >= threshold[i]
+            if lag:  # lookahead_gate: decide whether step r+1 is the last; it never exits on this step's signal
+                predicted = 1.0 - survival[i] * (1.0 - _sigmoid(ahead[k]))
+                if predicted >= threshold[i] and rk + 1 >= min_loops[i]:
+                    stop_at[i] = rk + 1
+                want = False
+        elif has[k] and (p == _LATENT_DIFF or p == _KL):
+            want = main[k] < threshold[i]
+        elif p == _TRACE:
+            want = rk >= target[i]
+        loops_on[k] = True
+        if want and rk >= min_loops[i]:
+            exit_depth[i] = rk
+            if lookahead[i]:
+                frozen[i] = True  # already scheduled for step r + 1
+            else:
+                loops_on[k] = False

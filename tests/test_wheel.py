@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 # Third-party modules that only the optional extras install, and the lab: `import loopserve` loads none.
 NOT_AT_IMPORT = ("matplotlib", "fastapi", "starlette", "uvicorn", "prometheus_client", "huggingface_hub",
                  "httpx", "llguidance", "ray", "loopserve_lab")
-RUNTIME_REQUIREMENTS = {"torch", "safetensors", "tokenizers", "jinja2", "numpy", "tqdm"}
+RUNTIME_REQUIREMENTS = {"torch", "safetensors", "tokenizers", "jinja2", "numpy", "numba", "tqdm"}
 
 # Run by the fresh venv's python: where loopserve came from, what importing it loaded, what it requires.
 PROBE = """

@@ -230,7 +230,7 @@ class LLMEngine:
         assert entry.rows is not None and entry.generations is not None and isinstance(entry.result, PendingSignals)
         # not the rows freed since the step was queued: reading an earlier step's signals (this tick) may
         # have failed their requests (a later item in such a row is not this step's either)
-        self.scheduler.advance_core(entry.rows[self.pool.generation[entry.rows] == entry.generations])
+        self.scheduler.advance_core(entry.rows, entry.generations)
         signal = entry.result.kinds != 0  # passive rows (CB) have none
         if not self.cfg.pipeline_core_steps or (signal & ~self.pool.decides_ahead[entry.rows]).any():
             return entry  # read at once

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numba
 import numpy as np
 import torch
 
@@ -29,7 +30,7 @@ from loopserve.engine.sequence import Sequence, chain_seed
 from loopserve.engine.signals import step_signals, uniform_logprobs
 from loopserve.exits import ROW_DECIDES_AHEAD, ROW_SIGNAL, SIGNALS, ExitBook, Signal, rule_table
 from loopserve.models.base import LoopedLM
-from loopserve.models.context import ForwardContext, decode_context, paged_context
+from loopserve.models.context import ForwardContext, decode_context, packed_decode_context, paged_context
 
 if TYPE_CHECKING:
     from loopserve.engine.speculative import VerifyGroup
@@ -99,6 +100,7 @@ class PrefillChunk:
 
 
 _LOOKAHEAD_GATE, _KL = SIGNALS.index("lookahead_gate"), SIGNALS.index("kl")
+_ROW_SIGNALS = ("gate", "latent_diff")  # signals computed as one value per batch row
 
 
 def rows_of(items: list[WorkItem]) -> np.ndarray:
@@ -182,9 +184,29 @@ class StatePool:
             self._free.append(item.row)
             item.row = -1
 
-    def state_rows(self, rows: np.ndarray, flip: bool = False) -> np.ndarray:
-        """Indices into `state` of the rows' current buffers (or of the other ones)."""
-        return (self.parity[rows] ^ flip) * self.rows + rows
+    def advance(self, rows: np.ndarray, generations: np.ndarray) -> tuple[int, np.ndarray]:
+        """A core step ran on `rows` (queued when they were at `generations`; rows released since are
+        skipped): each active (not passive) row counts it and keeps its state (flips its parity), but a
+        frozen row, whose step was delayed lookahead's extra one, unfreezes and drops it. Returns the
+        number of active rows and, in batch order, those done looping: the frozen ones and those that
+        reached their last step (`max_loops`, or the one a lookahead_gate decision chose), whose exit
+        depth is set to it. One compiled pass over the rows."""
+        done = np.empty(len(rows), np.int64)
+        book = self.exits
+        active, n = _advance_rows(rows, generations, self.generation, self.passive, self.r, self.parity,
+                                  book.frozen, book.stop_at, book.exit_depth, done)
+        return active, done[:n]
+
+    def undecided(self, rows: np.ndarray, generations: np.ndarray) -> np.ndarray:
+        """Mask of `rows` whose exit rule still has to read their last step's signal: the row holds the
+        item it held when the step was queued (`generations`), is not passive and has not decided."""
+        keep = np.empty(len(rows), bool)
+        _undecided_rows(rows, generations, self.generation, self.passive, self.exits.exit_depth, keep)
+        return keep
+
+    def state_rows(self, rows: np.ndarray) -> np.ndarray:
+        """Indices into `state` of the rows' current buffers."""
+        return self.parity[rows] * self.rows + rows
 
 
 @dataclass
@@ -228,6 +250,10 @@ class PendingSignals:
         got = Signals.none(self.kinds)
         if self._readback is not None:
             values = self._readback.host()
+            (name, t), *more = values.items()
+            if not more and name in _ROW_SIGNALS and (self.kinds == SIGNALS.index(name)).all():
+                got.main, got.has[:] = t.to(torch.float64).numpy(), True  # (most batches: one rule, one kind)
+                values = {}
             for name, t in values.items():
                 code = SIGNALS.index(name)
                 rows = np.flatnonzero(self.kinds == code)
@@ -314,15 +340,14 @@ class ModelRunner:
         self.has_coda_kv = model.config.n_coda > 0
         self.draws_random_state = model.draws_random_state  # else the per-token state seeds go unused
 
-    def _ctx(self, rows: np.ndarray, depth: np.ndarray | None = None,
-             write_rows: np.ndarray | None = None) -> ForwardContext:
+    def _ctx(self, rows: np.ndarray) -> ForwardContext:
         """The attention context of the decode tokens in state-pool rows `rows` (arrays throughout)."""
         pool = self.pool
         return decode_context(self.kv.store, self.layout, self.kv.block_tables, pool.kv_slot[rows],
-                              pool.position[rows], depth, pool.kv_row[rows] if write_rows is None else write_rows)
+                              pool.position[rows], None, pool.kv_row[rows])
 
-    def _state_index(self, rows: np.ndarray, flip: bool = False) -> torch.Tensor:
-        return upload(torch.from_numpy(self.pool.state_rows(rows, flip)), self.device)
+    def _state_index(self, rows: np.ndarray) -> torch.Tensor:
+        return upload(torch.from_numpy(self.pool.state_rows(rows)), self.device)
 
     def _loop(self, state: torch.Tensor, inject: torch.Tensor | None, ctx: ForwardContext,
               loops: np.ndarray) -> torch.Tensor:
@@ -412,21 +437,24 @@ class ModelRunner:
         Passive rows (CB) write their KV to a scratch row and report no signal.
         """
         pool = self.pool
-        passive = pool.passive[rows]
-        writes = np.where(passive, self.scratch_row, pool.kv_row[rows]) if passive.any() else None
-        ctx = self._ctx(rows, pool.r[rows] + 1, writes)
-        prev = pool.state.index_select(0, self._state_index(rows))
+        # per row, in one pass and one upload: the context's positions, write rows, depths and table slots,
+        # then the state buffer it reads and the one it writes
+        host, kinds = np.empty((6, len(rows)), np.int64), np.empty(len(rows), np.int8)
+        top = _pack_core_rows(rows, pool.passive, pool.position, pool.kv_row, pool.r, pool.kv_slot, pool.parity,
+                              pool.signal, self.scratch_row, pool.rows, host, kinds)
+        device = upload(torch.from_numpy(host), self.device)
+        ctx = packed_decode_context(self.kv.store, self.layout, self.kv.block_tables, host, device, top + 1)
+        prev = pool.state.index_select(0, device[4])
         inject = None
         if pool.inject is not None:
             inject = pool.inject.index_select(0, upload(torch.from_numpy(rows), self.device))
         new = self.model.core_step(prev, inject, ctx)
-        pool.state.index_copy_(0, self._state_index(rows, flip=True), new)
-        kinds = np.where(passive, 0, pool.signal[rows]) if writes is not None else pool.signal[rows]
+        pool.state.index_copy_(0, device[5], new)
         counts = np.bincount(kinds, minlength=len(SIGNALS)).tolist()
         present = {SIGNALS[k] for k in range(1, len(SIGNALS)) if counts[k]}
         if not present:
             return PendingSignals(kinds, None)
-        kl_rows = np.flatnonzero(kinds == _KL).tolist()
+        kl_rows = np.flatnonzero(kinds == _KL).tolist() if counts[_KL] else []
         prev_lp = None
         if kl_rows:
             vocab = self.model.config.vocab_size
@@ -486,3 +514,52 @@ class ModelRunner:
         """Record the KV depth of tokens that exited (batched: one small upload per tick)."""
         dev = self.device
         self.kv.store.set_depth(upload(torch.from_numpy(rows), dev), upload(torch.from_numpy(depths), dev))
+
+
+@numba.njit(cache=True)
+def _advance_rows(rows, generations, generation, passive, r, parity, frozen, stop_at, exit_depth, done):
+    """`StatePool.advance`: writes the done rows to done[:m]; returns (active rows, m)."""
+    active = m = 0
+    for k in range(rows.shape[0]):
+        i = rows[k]
+        if generation[i] != generations[k] or passive[i]:
+            continue
+        active += 1
+        r[i] += 1
+        if frozen[i]:
+            frozen[i] = False
+        else:
+            parity[i] ^= 1
+            if r[i] < stop_at[i]:
+                continue
+            exit_depth[i] = r[i]
+        done[m] = i
+        m += 1
+    return active, m
+
+
+@numba.njit(cache=True)
+def _undecided_rows(rows, generations, generation, passive, exit_depth, keep):
+    """`StatePool.undecided`, into keep."""
+    for k in range(rows.shape[0]):
+        i = rows[k]
+        keep[k] = generation[i] == generations[k] and not passive[i] and exit_depth[i] == 0
+
+
+@numba.njit(cache=True)
+def _pack_core_rows(rows, passive, position, kv_row, r, kv_slot, parity, signal, scratch_row, n_rows, host, kinds):
+    """`ModelRunner.core`'s per-row inputs: host[:, k] = (position, KV write row, depth, block-table slot, state
+    index read, state index written) and kinds[k] = the signal code of batch row k (a passive row writes
+    its KV to the scratch row and has no signal); returns the largest position."""
+    top = 0
+    for k in range(rows.shape[0]):
+        i = rows[k]
+        host[0, k] = position[i]
+        host[1, k] = scratch_row if passive[i] else kv_row[i]
+        host[2, k] = r[i] + 1
+        host[3, k] = kv_slot[i]
+        host[4, k] = parity[i] * n_rows + i
+        host[5, k] = (parity[i] ^ 1) * n_rows + i
+        kinds[k] = 0 if passive[i] else signal[i]
+        top = max(top, position[i])
+    return top

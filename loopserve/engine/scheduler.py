@@ -581,22 +581,15 @@ class Scheduler:
             core = core[np.argsort(order, kind="stable")]
         self.core_rows = core
 
-    def advance_core(self, rows: np.ndarray) -> None:
-        """A core step ran on the items in state-pool rows `rows`: count it, and exit the items whose
-        exit was settled before the step (a delayed-lookahead decision, a lookahead_gate stop,
-        `max_loops`). Needs no signal of this step, so the engine calls it before the step's signals
-        are read back. Array operations over the batch; Python runs only for the exiting items."""
-        pool, book = self.pool, self.pool.exits
-        act = rows[~pool.passive[rows]]
-        pool.r[act] += 1
-        self.stats.useful_core_rows += len(act)
-        frozen = book.frozen[act]
-        book.frozen[act[frozen]] = False  # the lookahead step ran; its state is dropped (parity not flipped)
-        kept = act[~frozen]
-        pool.parity[kept] ^= 1  # this step's state is now the item's state
-        done = frozen.copy()
-        done[~frozen] = book.reaches_stop(kept, pool.r[kept])
-        self._exit(act[done])
+    def advance_core(self, rows: np.ndarray, generations: np.ndarray) -> None:
+        """A core step ran on the items in state-pool rows `rows` (those whose row still holds the item it
+        held when the step was queued, `generations`): count it, and exit the items whose exit was
+        settled before the step (a delayed-lookahead decision, a lookahead_gate stop, `max_loops`).
+        Needs no signal of this step, so the engine calls it before the step's signals are read back.
+        One pass over the batch's arrays; Python runs only for the exiting items."""
+        active, done = self.pool.advance(rows, generations)
+        self.stats.useful_core_rows += active
+        self._exit(done)
 
     def observe_core(self, rows: np.ndarray, generations: np.ndarray, signals: Signals) -> None:
         """Apply each item's exit rule to the signal of the step it last ran (rows: state-pool rows,
@@ -607,33 +600,38 @@ class Scheduler:
         The whole batch is decided at once (`ExitBook.observe`); if that raises, rows are decided one
         by one, so a failure ends only the request it belongs to."""
         pool, book = self.pool, self.pool.exits
-        same = pool.generation[rows] == generations  # the row still holds the item that ran the step
         if self.signal_hooks:
+            same = pool.generation[rows] == generations  # the row still holds the item that ran the step
             items = [pool.items[r] for r in rows[same].tolist()]
             values = [signals.row(k) for k in np.flatnonzero(same).tolist()]
             for hook in self.signal_hooks:
                 hook(items, values)  # type: ignore[arg-type]
-        keep = same & ~pool.passive[rows] & (book.exit_depth[rows] == 0)
-        rows, sig = rows[keep], signals.take(keep)
+        keep = pool.undecided(rows, generations)
+        if not keep.all():
+            rows, generations, signals = rows[keep], generations[keep], signals.take(keep)
         if not len(rows):
             return
+        failed = False
         try:
-            loops_on, bad = book.observe(rows, pool.r[rows], sig.main, sig.ahead, sig.has)
+            loops_on, bad = book.observe(rows, pool.r[rows], signals.main, signals.ahead, signals.has)
         except Exception:  # decide row by row: only the rows that raise fail
-            loops_on, bad = np.ones(len(rows), bool), np.zeros(len(rows), bool)
+            failed, loops_on, bad = True, np.ones(len(rows), bool), np.zeros(len(rows), bool)
             for k in range(len(rows)):
                 one = slice(k, k + 1)
                 try:
-                    loops_on[one], bad[one] = book.observe(rows[one], pool.r[rows[one]], sig.main[one],
-                                                           sig.ahead[one], sig.has[one])
+                    loops_on[one], bad[one] = book.observe(rows[one], pool.r[rows[one]], signals.main[one],
+                                                           signals.ahead[one], signals.has[one])
                 except Exception as e:
                     self._row_failed(int(rows[k]), e)
-        for row in rows[bad].tolist():
-            item = pool.items[row]
-            if item is not None:
-                self._row_failed(row, NonFiniteError(
-                    f"the model produced a non-finite {item.seq.rule.policy} signal for this request"))
-        self._exit(rows[~loops_on & ~bad & (pool.generation[rows] == generations[keep])])
+        stay = loops_on | bad
+        if failed or bad.any():
+            for row in rows[bad].tolist():
+                item = pool.items[row]
+                if item is not None:
+                    self._row_failed(row, NonFiniteError(
+                        f"the model produced a non-finite {item.seq.rule.policy} signal for this request"))
+            stay |= pool.generation[rows] != generations  # a failed request freed its rows (n > 1: maybe more)
+        self._exit(rows[~stay])
 
     def _row_failed(self, row: int, error: Exception) -> None:
         """The item in state-pool row `row` failed (its exit rule raised, or its signal is not finite):
@@ -683,9 +681,7 @@ class Scheduler:
         counted = rows
         if self.speculator is not None:  # a verify row's depth counts once accepted
             counted = rows[np.fromiter((item.group is None for item in self._items_at(rows)), bool, len(rows))]
-        counts = np.bincount(pool.exits.exit_depth[counted])
-        for depth in np.flatnonzero(counts).tolist():
-            self.stats.exit_depths[depth] += int(counts[depth])
+        self.stats.exit_depths.update(pool.exits.exit_depth[counted].tolist())
         self.core_rows = self._without_rows(self.core_rows, rows)
         self.on_exit(rows)
 

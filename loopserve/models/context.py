@@ -129,6 +129,16 @@ def decode_context(kv: KVStore, layout: KVLayout, tables: BlockTables, slots: np
     return _context(kv, layout, tables, slots, positions, writes, depth, None, positions + 1)
 
 
+def packed_decode_context(kv: KVStore, layout: KVLayout, tables: BlockTables, host: np.ndarray,
+                          device: torch.Tensor, max_keys: int) -> ForwardContext:
+    """`decode_context` from the rows' metadata packed in one int64 array whose first rows are positions,
+    write rows, depths and table slots (`host`; `device`: the same array uploaded in one copy; a caller
+    may pack more rows after these); `max_keys`: the largest position + 1."""
+    tables.sync()
+    positions, writes, depths, slots = device[:4].unbind(0)
+    return ForwardContext(kv, layout, positions, writes, depths, None, tables, slots, host[0] + 1, max_keys)
+
+
 def _context(kv: KVStore, layout: KVLayout, tables: BlockTables, slots: np.ndarray, pos: np.ndarray, writes,
              depth, seg_starts: list[int] | None, key_lens: np.ndarray) -> ForwardContext:
     dev = kv.k.device
