@@ -126,16 +126,8 @@ class ExitBook:
         `decode_indices[k]`: a trace rule replays its entry); `table`: the rules' `row`s, if the
         caller has them already."""
         table = rule_table(rules) if table is None else table
-        policy = table[:, ROW_POLICY].astype(np.int8)
-        self.policy[rows] = policy
-        self.threshold[rows] = table[:, ROW_THRESHOLD]
-        self.min_loops[rows] = table[:, ROW_MIN_LOOPS]
-        self.lookahead[rows] = table[:, ROW_LOOKAHEAD]
-        self.survival[rows] = 1.0
-        self.exit_depth[rows] = 0
-        self.frozen[rows] = False
-        self.stop_at[rows] = self.target[rows] = table[:, ROW_MAX_LOOPS]
-        if (policy == _TRACE).any():  # replayed depths: per item
+        if _start_rows(rows, table, self.policy, self.threshold, self.min_loops, self.lookahead, self.survival,
+                       self.exit_depth, self.frozen, self.target, self.stop_at):  # replayed depths: per item
             self.target[rows] = [rule.target(int(k)) for rule, k in zip(rules, decode_indices, strict=True)]
 
     def done(self, rows: np.ndarray) -> np.ndarray:
@@ -207,10 +199,10 @@ _last_rules = functools.lru_cache(maxsize=1024)(lambda rule: rule)
 
 
 def rule_table(rules: list[ExitRule]) -> np.ndarray:
-    """[len(rules), 7] float64: the rules' `row`s, in one pass (no array per rule), or for a batch of one
-    (interned) rule object, its row repeated."""
+    """The rules' `row`s as a float64 array [len(rules), 7], in one pass (no array per rule); for a batch of
+    one (interned) rule object, [1, 7]: its row, which stands for every item."""
     if rules and len(set(map(id, rules))) == 1:  # (by identity, in C: equality would compare traces)
-        return np.tile(np.array(rules[0].row), (len(rules), 1))
+        return np.array(rules[0].row).reshape(1, _ROW_WIDTH)
     return np.fromiter(itertools.chain.from_iterable(rule.row for rule in rules), np.float64,
                        len(rules) * _ROW_WIDTH).reshape(len(rules), _ROW_WIDTH)
 
@@ -262,3 +254,22 @@ def _observe_rows(rows, r, main, ahead, has, policy, threshold, min_loops, looka
                 frozen[i] = True  # already scheduled for step r + 1
             else:
                 loops_on[k] = False
+
+
+@numba.njit(cache=True)
+def _start_rows(rows, table, policy, threshold, min_loops, lookahead, survival, exit_depth, frozen, target, stop_at):
+    """`ExitBook.start` for row k of a batch (book entry rows[k]) under table row k (row 0 for all, if the
+    table has one); returns whether any row replays a trace."""
+    trace = False
+    for k in range(rows.shape[0]):
+        i, rule = rows[k], table[k if table.shape[0] > 1 else 0]
+        policy[i] = np.int8(rule[ROW_POLICY])
+        threshold[i] = rule[ROW_THRESHOLD]
+        min_loops[i] = np.int64(rule[ROW_MIN_LOOPS])
+        lookahead[i] = rule[ROW_LOOKAHEAD] != 0
+        survival[i] = 1.0
+        exit_depth[i] = 0
+        frozen[i] = False
+        stop_at[i] = target[i] = np.int64(rule[ROW_MAX_LOOPS])
+        trace = trace or policy[i] == _TRACE
+    return trace
