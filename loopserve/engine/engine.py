@@ -181,7 +181,8 @@ class LLMEngine:
             self._land([entry])
         sched = self.scheduler
         if sched.kv_depth_writes:
-            rows, depths = (np.concatenate(x) for x in zip(*sched.kv_depth_writes, strict=True))
+            writes = sched.kv_depth_writes
+            rows, depths = writes[0] if len(writes) == 1 else (np.concatenate(x) for x in zip(*writes, strict=True))
             self.runner.write_kv_depths(rows, depths)
             sched.kv_depth_writes.clear()
 

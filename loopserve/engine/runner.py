@@ -99,8 +99,8 @@ class PrefillChunk:
         return self.start + self.n == len(self.seq.prompt_ids)
 
 
-_LOOKAHEAD_GATE, _KL = SIGNALS.index("lookahead_gate"), SIGNALS.index("kl")
-_ROW_SIGNALS = ("gate", "latent_diff")  # signals computed as one value per batch row
+_GATE, _LATENT_DIFF, _LOOKAHEAD_GATE, _KL = (SIGNALS.index(kind) for kind in ("gate", "latent_diff", "lookahead_gate",
+                                                                              "kl"))
 
 
 def rows_of(items: list[WorkItem]) -> np.ndarray:
@@ -239,22 +239,24 @@ class Signals:
 class PendingSignals:
     """The exit signals of one core step, still on their way back from the device."""
 
-    def __init__(self, kinds: np.ndarray, readback: Readback | None) -> None:
+    def __init__(self, kinds: np.ndarray, readback: Readback | None, whole: bool = False) -> None:
         self.kinds, self._readback = kinds, readback  # kinds: each row's signal code (0: none)
+        self._whole = whole  # every row has one signal kind, computed per row (most batches: one rule)
         self._got: Signals | None = None
 
     def get(self) -> Signals:
         """Waits for the copy (once)."""
         if self._got is not None:
             return self._got
+        if self._whole:
+            assert self._readback is not None
+            (t,) = self._readback.host().values()
+            n = len(self.kinds)
+            self._got = Signals(self.kinds, t.to(torch.float64).numpy(), np.zeros(n), np.ones(n, bool))
+            return self._got
         got = Signals.none(self.kinds)
         if self._readback is not None:
-            values = self._readback.host()
-            (name, t), *more = values.items()
-            if not more and name in _ROW_SIGNALS and (self.kinds == SIGNALS.index(name)).all():
-                got.main, got.has[:] = t.to(torch.float64).numpy(), True  # (most batches: one rule, one kind)
-                values = {}
-            for name, t in values.items():
+            for name, t in self._readback.host().items():
                 code = SIGNALS.index(name)
                 rows = np.flatnonzero(self.kinds == code)
                 v = t.to(torch.float64).numpy()
@@ -467,7 +469,8 @@ class ModelRunner:
             for j, it in enumerate(kl_items):
                 if it is not None:
                     it.prev_logprobs = lp[j] if lp is not None else None
-        return PendingSignals(kinds, Readback(sig))
+        n = len(rows)
+        return PendingSignals(kinds, Readback(sig), whole=counts[_GATE] == n or counts[_LATENT_DIFF] == n)
 
     @torch.no_grad()
     def coda(self, items: list[WorkItem], rows: np.ndarray) -> PendingSamples:
@@ -563,3 +566,4 @@ def _pack_core_rows(rows, passive, position, kv_row, r, kv_slot, parity, signal,
         kinds[k] = 0 if passive[i] else signal[i]
         top = max(top, position[i])
     return top
+
