@@ -48,9 +48,9 @@ class Readback:
             self._event = torch.cuda.Event()
             # on the copies' stream: that of the tensors' device, which need not be the current device
             self._event.record(torch.cuda.current_stream(cuda[0]))
-        else:
+        elif any(t.device.type != "cpu" for t in tensors.values()):
             tensors = {k: t.to("cpu") for k, t in tensors.items()}
-        self._host = tensors
+        self._host = tensors  # (on the CPU: the tensors themselves, as `to("cpu")` would give)
 
     def host(self) -> dict[str, torch.Tensor]:
         if self._event is not None:
