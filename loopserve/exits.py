@@ -2,8 +2,8 @@
 
 A request resolves its `SamplingParams` into one `ExitRule`. The engine keeps the exit state of all
 in-flight decode tokens in one `ExitBook` (arrays, one entry per state-pool row) and decides a whole
-core batch with a few array operations; `ExitTracker` is the same book for one item (the reference
-decoder, the scorer, trajectory replay), so both decide with one piece of code.
+core batch in one compiled pass over its rows (numba); `ExitTracker` is the same book for one item
+(the reference decoder, the scorer, trajectory replay), so both decide with one piece of code.
 
 Policies and their per-step signal:
 - `fixed`: none; every token runs `max_loops`.

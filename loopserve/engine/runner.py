@@ -433,7 +433,7 @@ class ModelRunner:
     def core(self, rows: np.ndarray) -> PendingSignals:
         """Queue one loop step for the items in state-pool rows `rows` (each at its own depth r+1); its
         exit signals come back as `PendingSignals`, which the engine reads when it needs them (with
-        lookahead: a tick later). Host work is a few array operations, whatever the batch width.
+        lookahead: a tick later). Host work is one compiled pass and a few calls, whatever the batch width.
 
         Each item reads its current state buffer and writes the other one (see `StatePool`).
         Passive rows (CB) write their KV to a scratch row and report no signal.
