@@ -204,6 +204,18 @@ class StatePool:
         _undecided_rows(rows, generations, self.generation, self.passive, self.exits.exit_depth, keep)
         return keep
 
+    def compile_passes(self) -> None:
+        """Compile the passes over rows (or load them from numba's cache) for the argument types
+        the engine gives them, so that no request waits for it: a few seconds the first time on a machine,
+        a fraction of one after."""
+        none = np.zeros(0, np.int64)
+        self.advance(none, none)
+        self.undecided(none, none)
+        self.exits.start(none, [], none)
+        self.exits.observe(none, none, np.zeros(0), np.zeros(0), np.zeros(0, bool))
+        _pack_core_rows(none, self.passive, self.position, self.kv_row, self.r, self.kv_slot, self.parity,
+                        self.signal, 0, self.rows, np.zeros((6, 0), np.int64), np.zeros(0, np.int8))
+
     def state_rows(self, rows: np.ndarray) -> np.ndarray:
         """Indices into `state` of the rows' current buffers."""
         return self.parity[rows] * self.rows + rows
@@ -341,6 +353,7 @@ class ModelRunner:
         self.has_prelude_kv = model.config.n_prelude > 0
         self.has_coda_kv = model.config.n_coda > 0
         self.draws_random_state = model.draws_random_state  # else the per-token state seeds go unused
+        pool.compile_passes()
 
     def _ctx(self, rows: np.ndarray) -> ForwardContext:
         """The attention context of the decode tokens in state-pool rows `rows` (arrays throughout)."""
