@@ -287,20 +287,23 @@ class PendingSamples:
     """The tokens a stage batch sampled on the device, on their way to the host (already there when
     the batched sampler fell back to sampling row by row)."""
 
-    def __init__(self, seqs: list[Sequence], logits: torch.Tensor, counters: list[int] | None = None) -> None:
+    def __init__(self, seqs: list[Sequence], logits: torch.Tensor, counters: np.ndarray | None = None) -> None:
         self.seqs = seqs
         self._params = [s.params for s in seqs]
-        # counters: the index of the token each row samples (its draw's counter, §8); default the next one
-        counters = [len(s.output_ids) for s in seqs] if counters is None else counters
-        plain = all(s.plain_greedy for s in seqs)
-        result = sample_rows(logits, self._params, [s.seed for s in seqs], counters, plain)
+        self._plain = all(s.plain_greedy for s in seqs)
+        if self._plain:  # an argmax reads no seed nor counter, and no row asks for logprobs
+            seeds = ctrs = [0] * len(seqs)
+        else:  # counters: the index of the token each row samples (its draw's counter, §8); default the next one
+            ctrs = [len(s.output_ids) for s in seqs] if counters is None else counters.tolist()
+            seeds = [s.seed for s in seqs]
+        result = sample_rows(logits, self._params, seeds, ctrs, self._plain)
         self._readback = Readback(result) if isinstance(result, dict) else None
         self._rows = None if isinstance(result, dict) else result
 
     def get(self) -> list[Sample]:
         if self._rows is None:
             assert self._readback is not None
-            self._rows = unpack(self._readback.host(), self._params)
+            self._rows = unpack(self._readback.host(), [] if self._plain else self._params)
         return self._rows
 
 
@@ -491,7 +494,7 @@ class ModelRunner:
         to the host in one copy."""
         ctx = self._ctx(rows) if self.has_coda_kv else None  # (a coda without layers attends to nothing)
         logits = self.model.coda(self.pool.state.index_select(0, self._state_index(rows)), ctx)
-        return PendingSamples([it.seq for it in items], logits, (self.pool.decode_index[rows] + 1).tolist())
+        return PendingSamples([it.seq for it in items], logits, self.pool.decode_index[rows] + 1)
 
     @torch.no_grad()
     def draft(self, items: list[WorkItem], lens: list[int], loops: int) -> PendingDrafts:

@@ -412,7 +412,8 @@ def _samples(host: dict[str, torch.Tensor]) -> list[Sample]:
 
 
 def unpack(host: dict[str, torch.Tensor], params: list[SamplingParams]) -> list[Sample]:
-    """The host copy of `sample_batch`'s result as one `Sample` per row."""
+    """The host copy of `sample_batch`'s result as one `Sample` per row (`params`: the rows', or none if
+    no row asked for logprobs)."""
     out = _samples(host)
     asked = [i for i, p in enumerate(params) if p.logprobs is not None]
     if asked:
