@@ -582,4 +582,3 @@ def _pack_core_rows(rows, passive, position, kv_row, r, kv_slot, parity, signal,
         kinds[k] = 0 if passive[i] else signal[i]
         top = max(top, position[i])
     return top
-
