@@ -142,8 +142,8 @@ class ExitBook:
         Returns (loops_on, bad): masks of rows that run another step and of rows whose signal is
         NaN or infinite (a broken state, not a decision: those rows are left unchanged).
 
-        One compiled pass over the rows (`_observe_rows`): the same decisions as element-wise array
-        operations, without the few dozen numpy calls per batch they cost."""
+        One compiled pass over the rows (`_observe_rows`): as element-wise numpy operations the decision
+        took a few dozen calls per batch, most of a core tick's host time."""
         n = len(rows)
         loops_on, bad = np.empty(n, bool), np.empty(n, bool)
         _observe_rows(rows, r, main, ahead, has, self.policy, self.threshold, self.min_loops, self.lookahead,
