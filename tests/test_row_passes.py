@@ -1,0 +1,144 @@
+"""The compiled passes over a core batch's rows (`ExitBook.observe` / `start`, `StatePool.advance`,
+`undecided`, the packed core inputs) against what they stand for: each row decided alone, and the
+array expressions they replaced. numba does not check bounds or aliasing, so these compare whole
+arrays, rows outside the batch included."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loopserve.engine.runner import StatePool, _pack_core_rows
+from loopserve.exits import POLICIES, ExitBook, ExitRule, rule_table
+
+BOOK_FIELDS = ("policy", "threshold", "min_loops", "lookahead", "survival", "exit_depth", "frozen", "target",
+               "stop_at")
+signal_values = st.one_of(st.floats(-30, 30), st.sampled_from([math.nan, math.inf, -math.inf, 0.0, 1e300]))
+
+
+@st.composite
+def exit_rules(draw) -> ExitRule:
+    policy = draw(st.sampled_from(POLICIES))
+    max_loops = draw(st.integers(1, 6))
+    min_loops = draw(st.integers(1, max_loops))
+    threshold = None if policy in ("fixed", "trace") else draw(st.one_of(st.none(), st.floats(0.01, 1.5)))
+    trace = tuple(draw(st.lists(st.integers(1, 8), max_size=4))) if policy == "trace" else ()
+    return ExitRule(policy, threshold, min_loops, max_loops, trace, lookahead=draw(st.booleans()))
+
+
+def _entry(book: ExitBook, row: int) -> tuple:
+    values = (getattr(book, f)[row].item() for f in BOOK_FIELDS)
+    return tuple("nan" if isinstance(v, float) and math.isnan(v) else v for v in values)  # (NaN: no threshold)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(exit_rules(), min_size=1, max_size=8), st.randoms(use_true_random=False),
+       st.lists(st.tuples(signal_values, signal_values, st.booleans()), min_size=64, max_size=64))
+def test_a_batch_decides_each_row_as_alone(rules, rnd, signals):
+    """Rows of mixed rules, at scattered book rows in a shuffled order, decide step after step exactly as
+    each row in its own one-row book (the reference decoder's form), NaN and infinite signals included;
+    entries outside the batch are never written."""
+    n, size = len(rules), 16
+    rows = np.array(rnd.sample(range(size), n), np.int64)
+    batch = ExitBook(size)
+    untouched = {f: getattr(batch, f).copy() for f in BOOK_FIELDS}
+    decode = np.array([rnd.randrange(6) for _ in rules], np.int64)
+    batch.start(rows, rules, decode)
+    alone = [ExitBook(1) for _ in rules]
+    for k, (book, rule) in enumerate(zip(alone, rules, strict=True)):
+        book.start(np.zeros(1, np.int64), [rule], decode[k:k + 1])
+    live = np.ones(n, bool)
+    it = iter(signals)
+    for r in range(1, 8):
+        ks = np.flatnonzero(live)
+        if not len(ks):
+            break
+        main, ahead, has = (np.array(x) for x in zip(*[next(it) for _ in ks], strict=True))
+        order = list(range(len(ks)))
+        rnd.shuffle(order)
+        ks, main, ahead, has = ks[order], main[order], ahead[order], has[order]
+        loops_on, bad = batch.observe(rows[ks], np.full(len(ks), r), main, ahead, has.astype(bool))
+        for j, k in enumerate(ks.tolist()):
+            one_on, one_bad = alone[k].observe(np.zeros(1, np.int64), np.array([r]), main[j:j + 1], ahead[j:j + 1],
+                                               has[j:j + 1].astype(bool))
+            assert (loops_on[j], bad[j]) == (one_on[0], one_bad[0])
+            assert _entry(batch, int(rows[k])) == _entry(alone[k], 0)
+            live[k] = loops_on[j] and not bad[j]
+    outside = np.setdiff1d(np.arange(size), rows)
+    for f in BOOK_FIELDS:
+        assert np.array_equal(getattr(batch, f)[outside], untouched[f][outside]), f
+
+
+def test_start_of_one_rule_fills_every_row():
+    """A batch of one interned rule passes a [1, 7] table; every row gets it, a trace replays per item."""
+    rule = ExitRule("trace", None, 2, 5, trace=(1, 4, 9))
+    assert rule_table([rule] * 3).shape == (1, 7)
+    book = ExitBook(8)
+    rows = np.array([6, 1, 3], np.int64)
+    book.start(rows, [rule] * 3, np.array([0, 1, 2]))
+    assert book.target[rows].tolist() == [2, 4, 5] and book.stop_at[rows].tolist() == [5, 5, 5]
+    assert book.min_loops[rows].tolist() == [2, 2, 2] and book.policy[[0, 2, 4, 5, 7]].tolist() == [0] * 5
+
+
+@st.composite
+def pools(draw):
+    size = draw(st.integers(1, 24))
+    pool = StatePool(size, 4, torch.float32, torch.device("cpu"), with_inject=False)
+    ints = st.lists(st.integers(0, 6), min_size=size, max_size=size)
+    bools = st.lists(st.booleans(), min_size=size, max_size=size)
+    pool.r[:], pool.parity[:] = draw(ints), draw(st.lists(st.integers(0, 1), min_size=size, max_size=size))
+    pool.passive[:], pool.exits.frozen[:] = draw(bools), draw(bools)
+    pool.exits.stop_at[:], pool.exits.exit_depth[:] = draw(ints), draw(ints)
+    pool.generation[:], pool.signal[:] = draw(ints), draw(st.lists(st.integers(0, 4), min_size=size, max_size=size))
+    pool.position[:], pool.kv_row[:], pool.kv_slot[:] = draw(ints), draw(ints), draw(ints)
+    rows = np.array(draw(st.permutations(range(size))), np.int64)[: draw(st.integers(0, size))]
+    generations = pool.generation[rows] + np.array(draw(st.lists(st.integers(0, 1), min_size=len(rows),
+                                                                 max_size=len(rows))), np.int64)
+    return pool, rows, generations
+
+
+@settings(max_examples=200, deadline=None)
+@given(pools())
+def test_advance_is_the_array_form(case):
+    """`StatePool.advance` against the numpy expressions it replaced (rows released since the step was
+    queued, i.e. of another generation, skipped)."""
+    pool, rows, generations = case
+    r, parity = pool.r.copy(), pool.parity.copy()
+    frozen, exit_depth = pool.exits.frozen.copy(), pool.exits.exit_depth.copy()
+    act = rows[(pool.generation[rows] == generations) & ~pool.passive[rows]]
+    r[act] += 1
+    was_frozen = frozen[act]
+    frozen[act[was_frozen]] = False
+    kept = act[~was_frozen]
+    parity[kept] ^= 1
+    stop = r[kept] >= pool.exits.stop_at[kept]
+    exit_depth[kept[stop]] = r[kept[stop]]
+    done = was_frozen.copy()
+    done[~was_frozen] = stop
+    active, got = pool.advance(rows, generations)
+    assert active == len(act) and got.tolist() == act[done].tolist()
+    assert np.array_equal(pool.r, r) and np.array_equal(pool.parity, parity)
+    assert np.array_equal(pool.exits.frozen, frozen) and np.array_equal(pool.exits.exit_depth, exit_depth)
+
+
+@settings(max_examples=200, deadline=None)
+@given(pools(), st.integers(0, 100))
+def test_undecided_and_packed_core_inputs_are_the_array_form(case, scratch):
+    pool, rows, generations = case
+    keep = (pool.generation[rows] == generations) & ~pool.passive[rows] & (pool.exits.exit_depth[rows] == 0)
+    assert pool.undecided(rows, generations).tolist() == keep.tolist()
+    host, kinds = np.full((6, len(rows)), -7, np.int64), np.full(len(rows), -7, np.int8)
+    top = _pack_core_rows(rows, pool.passive, pool.position, pool.kv_row, pool.r, pool.kv_slot, pool.parity,
+                          pool.signal, scratch, pool.rows, host, kinds)
+    passive = pool.passive[rows]
+    expect = np.stack([pool.position[rows], np.where(passive, scratch, pool.kv_row[rows]), pool.r[rows] + 1,
+                       pool.kv_slot[rows], pool.parity[rows] * pool.rows + rows,
+                       (1 - pool.parity[rows]) * pool.rows + rows])
+    assert np.array_equal(host, expect)
+    assert kinds.tolist() == np.where(passive, 0, pool.signal[rows]).tolist()
+    assert top == (int(pool.position[rows].max()) if len(rows) else 0)
+    assert pool.state_rows(rows).tolist() == expect[4].tolist()
