@@ -35,10 +35,10 @@ import itertools
 import math
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 
 from loopserve.errors import NonFiniteError
+from loopserve.jit import compiled
 
 POLICIES = ("fixed", "gate", "latent_diff", "kl", "trace", "lookahead_gate")
 SIGNAL_OF = {"gate": "gate", "latent_diff": "latent_diff", "kl": "kl", "lookahead_gate": "lookahead_gate"}
@@ -211,18 +211,20 @@ _GATE, _LATENT_DIFF, _KL, _TRACE, _LOOKAHEAD_GATE = (POLICIES.index(p) for p in
                                                      ("gate", "latent_diff", "kl", "trace", "lookahead_gate"))
 
 
-@numba.njit(cache=True)
+@compiled
 def _sigmoid(x):
-    """In float64 with the C library's exp (a result that does not depend on the CPU's vector unit, as
-    numpy's exp does): 0 at or below -700, where exp(-x) would overflow."""
+    """In float64 with the C library's exp (numpy's vectorized exp differs from it in the last bit for a
+    few % of arguments, which ones by the CPU's vector unit): 0 at or below -700, where exp(-x) would
+    overflow."""
     return 1.0 / (1.0 + math.exp(-x)) if x > -700.0 else 0.0
 
 
-@numba.njit(cache=True)
+@compiled
 def _observe_rows(rows, r, main, ahead, has, policy, threshold, min_loops, lookahead, survival, exit_depth, frozen,
                   target, stop_at, loops_on, bad):
-    """`ExitBook.observe` for row k = 0.. of a batch (book entry rows[k]), writing loops_on[k] and bad[k].
-    Each row reads and writes only its own entry: a row's decision never depends on its batch."""
+    """`ExitBook.observe` for row k = 0.. of a batch (book entry rows[k], distinct: a batch never holds a row
+    twice), writing loops_on[k] and bad[k]. Each row reads and writes only its own entry: a row's decision
+    never depends on its batch."""
     for k in range(rows.shape[0]):
         i, rk = rows[k], r[k]
         p = policy[i]
@@ -256,7 +258,7 @@ def _observe_rows(rows, r, main, ahead, has, policy, threshold, min_loops, looka
                 loops_on[k] = False
 
 
-@numba.njit(cache=True)
+@compiled
 def _start_rows(rows, table, policy, threshold, min_loops, lookahead, survival, exit_depth, frozen, target, stop_at):
     """`ExitBook.start` for row k of a batch (book entry rows[k]) under table row k (row 0 for all, if the
     table has one); returns whether any row replays a trace."""

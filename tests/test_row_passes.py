@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import math
 
+import numba
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loopserve.engine.runner import StatePool, _pack_core_rows
 from loopserve.exits import POLICIES, ExitBook, ExitRule, rule_table
+from loopserve.jit import compiled
 
 BOOK_FIELDS = ("policy", "threshold", "min_loops", "lookahead", "survival", "exit_depth", "frozen", "target",
                "stop_at")
@@ -142,3 +145,33 @@ def test_undecided_and_packed_core_inputs_are_the_array_form(case, scratch):
     assert kinds.tolist() == np.where(passive, 0, pool.signal[rows]).tolist()
     assert top == (int(pool.position[rows].max()) if len(rows) else 0)
     assert pool.state_rows(rows).tolist() == expect[4].tolist()
+
+
+def test_a_row_outside_the_arrays_raises():
+    """Bounds are checked: a bad row index raises (as numpy's indexing did), it does not write past an array."""
+    book = ExitBook(2)
+    with pytest.raises(IndexError):
+        book.observe(np.array([5]), np.array([1]), np.zeros(1), np.zeros(1), np.ones(1, bool))
+    two_rules = [ExitRule("gate", 0.5, 1, 4), ExitRule("gate", 0.7, 1, 4)]
+    with pytest.raises(IndexError):  # a table of two rows for four items
+        ExitBook(4).start(np.arange(4), two_rules * 2, np.zeros(4, np.int64), rule_table(two_rules))
+
+
+def test_compiled_without_a_cache_location(monkeypatch):
+    """Where numba finds no directory to cache in, the pass is compiled per process instead of failing."""
+    real = numba.njit
+
+    def njit(**options):
+        if options.get("cache"):
+            raise RuntimeError("cannot cache function 'f': no locator available for file 'f.py'")
+        return real(**options)
+
+    monkeypatch.setattr(numba, "njit", njit)
+
+    def f(x):
+        return x[3]
+
+    g = compiled(f)
+    assert g(np.arange(5)) == 3
+    with pytest.raises(IndexError):
+        g(np.arange(2))

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numba
 import numpy as np
 import torch
 
@@ -29,6 +28,7 @@ from loopserve.engine.sampler import (
 from loopserve.engine.sequence import Sequence, chain_seed
 from loopserve.engine.signals import step_signals, uniform_logprobs
 from loopserve.exits import ROW_DECIDES_AHEAD, ROW_SIGNAL, SIGNALS, ExitBook, Signal, rule_table
+from loopserve.jit import compiled
 from loopserve.models.base import LoopedLM
 from loopserve.models.context import ForwardContext, decode_context, packed_decode_context, paged_context
 
@@ -167,7 +167,7 @@ class StatePool:
         rules = [item.seq.rule for item in items]
         # the decode index of the token an item is fed is its position less the prompt's length
         self.decode_index[rows] = decode_indices = self.position[rows] - [len(item.seq.prompt_ids) for item in items]
-        table = rule_table(rules)  # one row of the rules' constants per item
+        table = rule_table(rules)  # the rules' constants: a row per item, or one for all (one rule)
         self.exits.start(rows, rules, decode_indices, table)
         self.signal[rows] = table[:, ROW_SIGNAL]
         self.decides_ahead[rows] = table[:, ROW_DECIDES_AHEAD]
@@ -535,7 +535,7 @@ class ModelRunner:
         self.kv.store.set_depth(upload(torch.from_numpy(rows), dev), upload(torch.from_numpy(depths), dev))
 
 
-@numba.njit(cache=True)
+@compiled
 def _advance_rows(rows, generations, generation, passive, r, parity, frozen, stop_at, exit_depth, done):
     """`StatePool.advance`: writes the done rows to done[:m]; returns (active rows, m)."""
     active = m = 0
@@ -557,7 +557,7 @@ def _advance_rows(rows, generations, generation, passive, r, parity, frozen, sto
     return active, m
 
 
-@numba.njit(cache=True)
+@compiled
 def _undecided_rows(rows, generations, generation, passive, exit_depth, keep):
     """`StatePool.undecided`, into keep."""
     for k in range(rows.shape[0]):
@@ -565,7 +565,7 @@ def _undecided_rows(rows, generations, generation, passive, exit_depth, keep):
         keep[k] = generation[i] == generations[k] and not passive[i] and exit_depth[i] == 0
 
 
-@numba.njit(cache=True)
+@compiled
 def _pack_core_rows(rows, passive, position, kv_row, r, kv_slot, parity, signal, scratch_row, n_rows, host, kinds):
     """`ModelRunner.core`'s per-row inputs: host[:, k] = (position, KV write row, depth, block-table slot, state
     index read, state index written) and kinds[k] = the signal code of batch row k (a passive row writes
