@@ -264,7 +264,8 @@ class PendingSignals:
             assert self._readback is not None
             (t,) = self._readback.host().values()
             n = len(self.kinds)
-            self._got = Signals(self.kinds, t.to(torch.float64).numpy(), np.zeros(n), np.ones(n, bool))
+            main = np.ascontiguousarray(t.to(torch.float64).numpy())  # (the layout the compiled passes were built for)
+            self._got = Signals(self.kinds, main, np.zeros(n), np.ones(n, bool))
             return self._got
         got = Signals.none(self.kinds)
         if self._readback is not None:
