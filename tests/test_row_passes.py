@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loopserve.engine.runner import StatePool, _pack_core_rows
+from loopserve.engine.runner import StatePool, _pack_rows
 from loopserve.exits import POLICIES, ExitBook, ExitRule, rule_table
 from loopserve.jit import compiled
 
@@ -129,20 +129,20 @@ def test_advance_is_the_array_form(case):
 
 
 @settings(max_examples=200, deadline=None)
-@given(pools(), st.integers(0, 100))
-def test_undecided_and_packed_core_inputs_are_the_array_form(case, scratch):
+@given(pools(), st.integers(0, 100), st.booleans())
+def test_undecided_and_packed_inputs_are_the_array_form(case, scratch, core):
     pool, rows, generations = case
     keep = (pool.generation[rows] == generations) & ~pool.passive[rows] & (pool.exits.exit_depth[rows] == 0)
     assert pool.undecided(rows, generations).tolist() == keep.tolist()
     host, kinds = np.full((6, len(rows)), -7, np.int64), np.full(len(rows), -7, np.int8)
-    top = _pack_core_rows(rows, pool.passive, pool.position, pool.kv_row, pool.r, pool.kv_slot, pool.parity,
-                          pool.signal, scratch, pool.rows, host, kinds)
-    passive = pool.passive[rows]
-    expect = np.stack([pool.position[rows], np.where(passive, scratch, pool.kv_row[rows]), pool.r[rows] + 1,
+    top = _pack_rows(rows, core, pool.passive, pool.position, pool.kv_row, pool.r, pool.kv_slot, pool.parity,
+                     pool.signal, scratch, pool.rows, host, kinds)
+    hidden = pool.passive[rows] & core  # a core batch's passive rows: KV to the scratch row, no signal
+    expect = np.stack([pool.position[rows], np.where(hidden, scratch, pool.kv_row[rows]), pool.r[rows] + 1,
                        pool.kv_slot[rows], pool.parity[rows] * pool.rows + rows,
                        (1 - pool.parity[rows]) * pool.rows + rows])
     assert np.array_equal(host, expect)
-    assert kinds.tolist() == np.where(passive, 0, pool.signal[rows]).tolist()
+    assert kinds.tolist() == np.where(hidden, 0, pool.signal[rows]).tolist()
     assert top == (int(pool.position[rows].max()) if len(rows) else 0)
     assert pool.state_rows(rows).tolist() == expect[4].tolist()
 

@@ -213,8 +213,8 @@ class StatePool:
         self.undecided(none, none)
         self.exits.start(none, [], none)
         self.exits.observe(none, none, np.zeros(0), np.zeros(0), np.zeros(0, bool))
-        _pack_core_rows(none, self.passive, self.position, self.kv_row, self.r, self.kv_slot, self.parity,
-                        self.signal, 0, self.rows, np.zeros((6, 0), np.int64), np.zeros(0, np.int8))
+        _pack_rows(none, True, self.passive, self.position, self.kv_row, self.r, self.kv_slot, self.parity,
+                   self.signal, 0, self.rows, np.zeros((6, 0), np.int64), np.zeros(0, np.int8))
 
     def state_rows(self, rows: np.ndarray) -> np.ndarray:
         """Indices into `state` of the rows' current buffers."""
@@ -359,14 +359,20 @@ class ModelRunner:
         self.draws_random_state = model.draws_random_state  # else the per-token state seeds go unused
         pool.compile_passes()
 
-    def _ctx(self, rows: np.ndarray) -> ForwardContext:
-        """The attention context of the decode tokens in state-pool rows `rows` (arrays throughout)."""
+    def _pack(self, rows: np.ndarray, core: bool = False) -> tuple[np.ndarray, torch.Tensor, int, np.ndarray]:
+        """Per row of a decode batch (state-pool rows `rows`), in one pass and one upload: its context's
+        positions, KV write rows, depths and table slots, then the state buffer it reads and the one it
+        writes (`_pack_rows`). Returns them on the host and on the device, the largest position, and each
+        row's signal code (`core`: a passive row writes its KV to the scratch row and has no signal)."""
         pool = self.pool
-        return decode_context(self.kv.store, self.layout, self.kv.block_tables, pool.kv_slot[rows],
-                              pool.position[rows], None, pool.kv_row[rows])
+        host, kinds = np.empty((6, len(rows)), np.int64), np.empty(len(rows), np.int8)
+        top = _pack_rows(rows, core, pool.passive, pool.position, pool.kv_row, pool.r, pool.kv_slot, pool.parity,
+                         pool.signal, self.scratch_row, pool.rows, host, kinds)
+        return host, upload(torch.from_numpy(host), self.device), top, kinds
 
-    def _state_index(self, rows: np.ndarray) -> torch.Tensor:
-        return upload(torch.from_numpy(self.pool.state_rows(rows)), self.device)
+    def _ctx(self, host: np.ndarray, device: torch.Tensor, top: int) -> ForwardContext:
+        """The attention context of a packed decode batch (`_pack`)."""
+        return packed_decode_context(self.kv.store, self.layout, self.kv.block_tables, host, device, top + 1)
 
     def _loop(self, state: torch.Tensor, inject: torch.Tensor | None, ctx: ForwardContext,
               loops: np.ndarray) -> torch.Tensor:
@@ -436,13 +442,13 @@ class ModelRunner:
     @torch.no_grad()
     def prelude(self, items: list[WorkItem], rows: np.ndarray) -> None:
         """Run the preludes of `items` (in state-pool rows `rows`) into their state rows."""
-        ctx = self._ctx(rows) if self.has_prelude_kv else None  # (Ouro's prelude, an embedding, attends to nothing)
-        writes = ctx.write_rows if ctx is not None else upload(torch.from_numpy(self.pool.kv_row[rows]), self.device)
-        self.kv.store.set_depth(writes, IN_FLIGHT)  # its KV rows: being computed
+        host, device, top, _ = self._pack(rows)
+        ctx = self._ctx(host, device, top) if self.has_prelude_kv else None  # (Ouro's prelude attends to nothing)
+        self.kv.store.set_depth(device[1], IN_FLIGHT)  # its KV rows: being computed
         ids = upload([it.input_token for it in items], self.device)
         seeds = [it.state_seed() for it in items] if self.draws_random_state else None
         state, inject = self.model.prelude(ids, ctx, seeds)
-        self.pool.state.index_copy_(0, self._state_index(rows), state)  # (index_copy_, index_select: the
+        self.pool.state.index_copy_(0, device[4], state)  # (index_copy_, index_select: the
         if inject is not None and self.pool.inject is not None:  # same copies as [] at less dispatch cost)
             self.pool.inject.index_copy_(0, upload(torch.from_numpy(rows), self.device), inject)
 
@@ -456,13 +462,8 @@ class ModelRunner:
         Passive rows (CB) write their KV to a scratch row and report no signal.
         """
         pool = self.pool
-        # per row, in one pass and one upload: the context's positions, write rows, depths and table slots,
-        # then the state buffer it reads and the one it writes
-        host, kinds = np.empty((6, len(rows)), np.int64), np.empty(len(rows), np.int8)
-        top = _pack_core_rows(rows, pool.passive, pool.position, pool.kv_row, pool.r, pool.kv_slot, pool.parity,
-                              pool.signal, self.scratch_row, pool.rows, host, kinds)
-        device = upload(torch.from_numpy(host), self.device)
-        ctx = packed_decode_context(self.kv.store, self.layout, self.kv.block_tables, host, device, top + 1)
+        host, device, top, kinds = self._pack(rows, core=True)
+        ctx = self._ctx(host, device, top)
         prev = pool.state.index_select(0, device[4])
         inject = None
         if pool.inject is not None:
@@ -493,8 +494,9 @@ class ModelRunner:
     def coda(self, items: list[WorkItem], rows: np.ndarray) -> PendingSamples:
         """The exited items' (in state-pool rows `rows`) next tokens, sampled on the device, on their way
         to the host in one copy."""
-        ctx = self._ctx(rows) if self.has_coda_kv else None  # (a coda without layers attends to nothing)
-        logits = self.model.coda(self.pool.state.index_select(0, self._state_index(rows)), ctx)
+        host, device, top, _ = self._pack(rows)
+        ctx = self._ctx(host, device, top) if self.has_coda_kv else None  # (a coda without layers attends to nothing)
+        logits = self.model.coda(self.pool.state.index_select(0, device[4]), ctx)
         return PendingSamples([it.seq for it in items], logits, self.pool.decode_index[rows] + 1)
 
     @torch.no_grad()
@@ -567,19 +569,20 @@ def _undecided_rows(rows, generations, generation, passive, exit_depth, keep):
 
 
 @compiled
-def _pack_core_rows(rows, passive, position, kv_row, r, kv_slot, parity, signal, scratch_row, n_rows, host, kinds):
-    """`ModelRunner.core`'s per-row inputs: host[:, k] = (position, KV write row, depth, block-table slot, state
-    index read, state index written) and kinds[k] = the signal code of batch row k (a passive row writes
-    its KV to the scratch row and has no signal); returns the largest position."""
+def _pack_rows(rows, core, passive, position, kv_row, r, kv_slot, parity, signal, scratch_row, n_rows, host, kinds):
+    """`ModelRunner._pack`: host[:, k] = (position, KV write row, depth, block-table slot, state index read, state
+    index written) and kinds[k] = the signal code of batch row k (in a `core` batch a passive row writes its
+    KV to the scratch row and has no signal); returns the largest position."""
     top = 0
     for k in range(rows.shape[0]):
         i = rows[k]
+        hidden = core and passive[i]
         host[0, k] = position[i]
-        host[1, k] = scratch_row if passive[i] else kv_row[i]
+        host[1, k] = scratch_row if hidden else kv_row[i]
         host[2, k] = r[i] + 1
         host[3, k] = kv_slot[i]
         host[4, k] = parity[i] * n_rows + i
         host[5, k] = (parity[i] ^ 1) * n_rows + i
-        kinds[k] = 0 if passive[i] else signal[i]
+        kinds[k] = 0 if hidden else signal[i]
         top = max(top, position[i])
     return top
