@@ -124,7 +124,7 @@ class ExitBook:
               table: np.ndarray | None = None) -> None:
         """Rows `rows` now track fresh work items under `rules` (item k fed generated token
         `decode_indices[k]`: a trace rule replays its entry); `table`: the rules' `row`s, if the
-        caller has them already."""
+        caller has them already (then `rules` is read only if a row replays a trace)."""
         table = rule_table(rules) if table is None else table
         if _start_rows(rows, table, self.policy, self.threshold, self.min_loops, self.lookahead, self.survival,
                        self.exit_depth, self.frozen, self.target, self.stop_at):  # replayed depths: per item
@@ -185,26 +185,13 @@ class ExitTracker:
 _ROW = np.zeros(1, np.int64)
 # columns of `ExitRule.row`
 ROW_POLICY, ROW_THRESHOLD, ROW_MIN_LOOPS, ROW_LOOKAHEAD, ROW_MAX_LOOPS, ROW_SIGNAL, ROW_DECIDES_AHEAD = range(7)
-_ROW_WIDTH = 7
-
-
-def interned(rule: ExitRule) -> ExitRule:
-    """One object per distinct rule (requests with the same exit settings share it): what lets
-    `rule_table` see a batch of one rule by identity. The last 1,024 distinct rules are kept; a rule with
-    a trace is its request's own and is not kept (a trace may be as long as the output)."""
-    return rule if rule.trace else _last_rules(rule)
-
-
-_last_rules = functools.lru_cache(maxsize=1024)(lambda rule: rule)
+RULE_WIDTH = 7
 
 
 def rule_table(rules: list[ExitRule]) -> np.ndarray:
-    """The rules' `row`s as a float64 array [len(rules), 7], in one pass (no array per rule); for a batch of
-    one (interned) rule object, [1, 7]: its row, which stands for every item."""
-    if rules and len(set(map(id, rules))) == 1:  # (by identity, in C: equality would compare traces)
-        return np.array(rules[0].row).reshape(1, _ROW_WIDTH)
+    """The rules' `row`s as a float64 array [len(rules), RULE_WIDTH], in one pass (no array per rule)."""
     return np.fromiter(itertools.chain.from_iterable(rule.row for rule in rules), np.float64,
-                       len(rules) * _ROW_WIDTH).reshape(len(rules), _ROW_WIDTH)
+                       len(rules) * RULE_WIDTH).reshape(len(rules), RULE_WIDTH)
 
 
 _GATE, _LATENT_DIFF, _KL, _TRACE, _LOOKAHEAD_GATE = (POLICIES.index(p) for p in
@@ -260,11 +247,11 @@ def _observe_rows(rows, r, main, ahead, has, policy, threshold, min_loops, looka
 
 @compiled
 def _start_rows(rows, table, policy, threshold, min_loops, lookahead, survival, exit_depth, frozen, target, stop_at):
-    """`ExitBook.start` for row k of a batch (book entry rows[k]) under table row k (row 0 for all, if the
-    table has one); returns whether any row replays a trace."""
+    """`ExitBook.start` for row k of a batch (book entry rows[k]) under table row k; returns whether any row
+    replays a trace."""
     trace = False
     for k in range(rows.shape[0]):
-        i, rule = rows[k], table[k if table.shape[0] > 1 else 0]
+        i, rule = rows[k], table[k]
         policy[i] = np.int8(rule[ROW_POLICY])
         threshold[i] = rule[ROW_THRESHOLD]
         min_loops[i] = np.int64(rule[ROW_MIN_LOOPS])

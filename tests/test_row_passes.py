@@ -6,6 +6,7 @@ arrays, rows outside the batch included."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numba
 import numpy as np
@@ -76,15 +77,48 @@ def test_a_batch_decides_each_row_as_alone(rules, rnd, signals):
         assert np.array_equal(getattr(batch, f)[outside], untouched[f][outside]), f
 
 
-def test_start_of_one_rule_fills_every_row():
-    """A batch of one interned rule passes a [1, 7] table; every row gets it, a trace replays per item."""
-    rule = ExitRule("trace", None, 2, 5, trace=(1, 4, 9))
-    assert rule_table([rule] * 3).shape == (1, 7)
+def test_start_reads_rules_only_to_replay_a_trace():
+    """Started from a table of the rules' rows, a batch without a trace reads no rule object; a trace
+    replays per item, each at its own decode index."""
     book = ExitBook(8)
+    gate = ExitRule("gate", 0.5, 1, 4)
+    rows = np.array([6, 1], np.int64)
+    book.start(rows, [], np.array([0, 1]), rule_table([gate, gate]))
+    assert book.stop_at[rows].tolist() == [4, 4] and book.threshold[rows].tolist() == [0.5, 0.5]
+    trace = ExitRule("trace", None, 2, 5, trace=(1, 4, 9))
     rows = np.array([6, 1, 3], np.int64)
-    book.start(rows, [rule] * 3, np.array([0, 1, 2]))
+    book.start(rows, [trace] * 3, np.array([0, 1, 2]), rule_table([trace] * 3))
     assert book.target[rows].tolist() == [2, 4, 5] and book.stop_at[rows].tolist() == [5, 5, 5]
     assert book.min_loops[rows].tolist() == [2, 2, 2] and book.policy[[0, 2, 4, 5, 7]].tolist() == [0] * 5
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(exit_rules(), st.integers(1, 50), st.integers(0, 40)), min_size=1, max_size=10,
+                unique_by=lambda t: t[2]), st.randoms(use_true_random=False))
+def test_start_loops_reads_each_rows_sequence_by_its_slot(seqs, rnd):
+    """`StatePool.start_loops` reads the rows' sequences' facts by block-table slot (`SlotFacts`, grown past
+    its first size on demand): each row gets its own sequence's rule and decode index, exactly as
+    `ExitBook.start` from the items' own rules does."""
+    size = 12
+    pool = StatePool(size, 4, torch.float32, torch.device("cpu"), with_inject=False)
+    items = []
+    for rule, prompt_len, slot in seqs:
+        seq = SimpleNamespace(prompt_ids=[0] * prompt_len, seed=rnd.randrange(2**63), plain_greedy=rnd.random() < 0.5,
+                              rule=rule)
+        pool.sequences.admit(slot, seq)  # type: ignore[arg-type]
+        items.append(SimpleNamespace(seq=seq, slot=slot, position=prompt_len + rnd.randrange(20)))
+    assert all(pool.sequences.matches(i.slot, i.seq) for i in items)  # (growing kept the earlier ones)
+    rows = np.array(rnd.sample(range(size), len(items)), np.int64)
+    pool.kv_slot[rows] = [i.slot for i in items]
+    pool.position[rows] = [i.position for i in items]
+    pool.start_loops(items, rows)  # type: ignore[arg-type]
+    decode = np.array([i.position - len(i.seq.prompt_ids) for i in items])
+    assert pool.decode_index[rows].tolist() == decode.tolist()
+    alone = ExitBook(size)
+    rules = [i.seq.rule for i in items]
+    alone.start(rows, rules, decode, rule_table(rules))
+    for row in rows.tolist():
+        assert _entry(pool.exits, row) == _entry(alone, row)
 
 
 @st.composite

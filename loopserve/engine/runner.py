@@ -17,6 +17,7 @@ from loopserve.cache.layout import IN_FLIGHT, KVLayout
 from loopserve.cache.manager import KVCacheManager
 from loopserve.device import Readback, upload
 from loopserve.engine.sampler import (
+    GREEDY,
     Sample,
     adjust_logits,
     argmax_rows,
@@ -27,13 +28,24 @@ from loopserve.engine.sampler import (
 )
 from loopserve.engine.sequence import Sequence, chain_seed
 from loopserve.engine.signals import step_signals, uniform_logprobs
-from loopserve.exits import ROW_DECIDES_AHEAD, ROW_SIGNAL, SIGNALS, ExitBook, Signal, rule_table
+from loopserve.engine.slot_facts import SlotFacts
+from loopserve.exits import (
+    POLICIES,
+    ROW_DECIDES_AHEAD,
+    ROW_POLICY,
+    ROW_SIGNAL,
+    RULE_WIDTH,
+    SIGNALS,
+    ExitBook,
+    Signal,
+)
 from loopserve.jit import compiled
 from loopserve.models.base import LoopedLM
 from loopserve.models.context import ForwardContext, decode_context, packed_decode_context, paged_context
 
 if TYPE_CHECKING:
     from loopserve.engine.speculative import VerifyGroup
+    from loopserve.sampling_params import SamplingParams
 
 
 @dataclass(eq=False, slots=True)
@@ -139,6 +151,7 @@ class StatePool:
         self.signal = np.zeros(rows, np.int8)  # code in SIGNALS of the signal its rule needs
         self.decides_ahead = np.zeros(rows, bool)  # its rule acts on a step's signal one step later
         self.exits = ExitBook(rows)
+        self.sequences = SlotFacts(rows)  # by block-table slot: what the rows' sequences never change
 
     @property
     def num_free(self) -> int:
@@ -163,12 +176,14 @@ class StatePool:
         return rows
 
     def start_loops(self, items: list[WorkItem], rows: np.ndarray) -> None:
-        """The items' preludes ran (in state-pool rows `rows`): track their exit rules from step 1."""
-        rules = [item.seq.rule for item in items]
+        """The items' preludes ran (in state-pool rows `rows`): track their exit rules from step 1. Their
+        sequences' facts are read by slot (`SlotFacts`), the items themselves only for a replayed trace."""
+        slots = self.kv_slot[rows]
         # the decode index of the token an item is fed is its position less the prompt's length
-        self.decode_index[rows] = decode_indices = self.position[rows] - [len(item.seq.prompt_ids) for item in items]
-        table = rule_table(rules)  # the rules' constants: a row per item, or one for all (one rule)
-        self.exits.start(rows, rules, decode_indices, table)
+        self.decode_index[rows] = decode_indices = self.position[rows] - self.sequences.prompt_len[slots]
+        table = self.sequences.rule[slots]  # the rules' constants, a row per item
+        traced = (table[:, ROW_POLICY] == POLICIES.index("trace")).any()
+        self.exits.start(rows, [item.seq.rule for item in items] if traced else [], decode_indices, table)
         self.signal[rows] = table[:, ROW_SIGNAL]
         self.decides_ahead[rows] = table[:, ROW_DECIDES_AHEAD]
 
@@ -211,7 +226,7 @@ class StatePool:
         none = np.zeros(0, np.int64)
         self.advance(none, none)
         self.undecided(none, none)
-        self.exits.start(none, [], none)
+        self.exits.start(none, [], none, np.zeros((0, RULE_WIDTH)))
         self.exits.observe(none, none, np.zeros(0), np.zeros(0), np.zeros(0, bool))
         _pack_rows(none, True, self.passive, self.position, self.kv_row, self.r, self.kv_slot, self.parity,
                    self.signal, 0, self.rows, np.zeros((6, 0), np.int64), np.zeros(0, np.int8))
@@ -288,13 +303,16 @@ class PendingSamples:
     """The tokens a stage batch sampled on the device, on their way to the host (already there when
     the batched sampler fell back to sampling row by row)."""
 
-    def __init__(self, seqs: list[Sequence], logits: torch.Tensor, counters: np.ndarray | None = None) -> None:
-        self.seqs = seqs
-        self._params = [s.params for s in seqs]
-        self._plain = all(s.plain_greedy for s in seqs)
-        if self._plain:  # an argmax reads no seed nor counter, and no row asks for logprobs
-            seeds = ctrs = [0] * len(seqs)
+    def __init__(self, logits: torch.Tensor, seqs: list[Sequence] | None, counters: np.ndarray | None = None) -> None:
+        """Row i samples for `seqs[i]`; `seqs` None: every row samples by a plain argmax (the caller knows,
+        and nothing is read per row)."""
+        self._plain = seqs is None or all(s.plain_greedy for s in seqs)
+        if seqs is None or self._plain:  # an argmax reads no params, seed nor counter; no row asks for logprobs
+            n = logits.shape[0]
+            self._params: list[SamplingParams] = [GREEDY] * n
+            seeds = ctrs = [0] * n
         else:  # counters: the index of the token each row samples (its draw's counter, §8); default the next one
+            self._params = [s.params for s in seqs]
             ctrs = [len(s.output_ids) for s in seqs] if counters is None else counters.tolist()
             seeds = [s.seed for s in seqs]
         result = sample_rows(logits, self._params, seeds, ctrs, self._plain)
@@ -324,10 +342,10 @@ class PendingPrefill:
     """A prefill batch's results on their way to the host: the first generated token of each prompt it
     completed, and the prompt-token logprobs of the requests that asked for them."""
 
-    def __init__(self, samples: PendingSamples | None, spans: list[tuple[Sequence, int, int]],
+    def __init__(self, seqs: list[Sequence], samples: PendingSamples | None, spans: list[tuple[Sequence, int, int]],
                  prompt: dict[str, torch.Tensor] | None) -> None:
         self.samples, self._spans = samples, spans
-        self.seqs = samples.seqs if samples is not None else []
+        self.seqs = seqs
         self._readback = Readback(prompt) if prompt is not None else None
 
     def get(self) -> list[Sample]:
@@ -424,7 +442,7 @@ class ModelRunner:
         logits = None
         if self.has_coda_kv or rows:  # a coda with layers writes its KV at every row
             logits = model.coda(state, ctx, upload(rows, dev))
-        samples = PendingSamples(sampled, logits[:n_sampled]) if sampled and logits is not None else None
+        samples = PendingSamples(logits[:n_sampled], sampled) if sampled and logits is not None else None
         prompt = None
         if spans and logits is not None:
             k = max(seq.params.prompt_logprobs or 0 for seq, _, _ in spans)
@@ -437,7 +455,7 @@ class ModelRunner:
                 src = upload(self.kv.rows(head.request_id, n)[tail:], dev)
                 for fork in head.pending_forks:
                     self.kv.store.copy_rows(upload(self.kv.rows(fork.request_id, n)[tail:], dev), src)
-        return PendingPrefill(samples, spans, prompt)
+        return PendingPrefill(sampled if samples is not None else [], samples, spans, prompt)
 
     @torch.no_grad()
     def prelude(self, items: list[WorkItem], rows: np.ndarray) -> None:
@@ -496,8 +514,10 @@ class ModelRunner:
         to the host in one copy."""
         host, device, top, _ = self._pack(rows)
         ctx = self._ctx(host, device, top) if self.has_coda_kv else None  # (a coda without layers attends to nothing)
-        logits = self.model.coda(self.pool.state.index_select(0, device[4]), ctx)
-        return PendingSamples([it.seq for it in items], logits, self.pool.decode_index[rows] + 1)
+        pool = self.pool
+        logits = self.model.coda(pool.state.index_select(0, device[4]), ctx)
+        plain = pool.sequences.plain[host[3]].all()  # (host[3]: the rows' block-table slots)
+        return PendingSamples(logits, None if plain else [it.seq for it in items], pool.decode_index[rows] + 1)
 
     @torch.no_grad()
     def draft(self, items: list[WorkItem], lens: list[int], loops: int) -> PendingDrafts:

@@ -339,6 +339,9 @@ def _numpy_can(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
 
 
+GREEDY = SamplingParams(temperature=0.0)  # a plain greedy row's params, for a batch known to be all such rows
+
+
 def plain_greedy(p: SamplingParams) -> bool:
     """Sampled by the argmax of the raw logits: nothing adjusts, masks or reports them."""
     return (p.greedy and p.logprobs is None and not p.logit_bias and not p.min_tokens and not p.penalized

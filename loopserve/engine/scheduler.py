@@ -471,6 +471,7 @@ class Scheduler:
             full = kv.tables[sid].blocks[: len(c.seq.prompt_ids) // kv.block_size]
             for fork in c.seq.pending_forks if c.last else ():  # they get the prompt's KV with this chunk:
                 kv.adopt(fork.request_id, full)  # its full blocks shared (read-only from now on),
+                self.pool.sequences.admit(kv.slot(fork.request_id), fork)
                 kv.ensure(fork.request_id, len(fork.prompt_ids) + 1)  # the rest copied (runner.prefill)
                 self.running[fork.request_id] = fork
                 fork.status = Status.RUNNING
@@ -505,6 +506,7 @@ class Scheduler:
         """A new prompt takes its cached blocks (a table even without any) and prefills after them."""
         sid = seq.request_id
         self.kv.adopt(sid, hit)
+        self.pool.sequences.admit(self.kv.slot(sid), seq)
         cached = len(hit) * self.kv.block_size
         self.prefill_pos[sid] = seq.num_cached_tokens = cached
         if self.prefix_scope is not None and seq.params.prompt_logprobs is None:
@@ -815,6 +817,9 @@ class Scheduler:
             if s.request_id not in self.running:
                 assert s.request_id not in self.kv.tables, f"waiting sequence {s.request_id} holds KV"
         self.kv.check_invariants(set(self.running) | set(swapped))
+        for s in [*self.running.values(), *(i.seq for i in self.swapped)]:
+            slot = self.kv.slot(s.request_id)
+            assert self.pool.sequences.matches(slot, s), f"slot facts of {s.request_id} are not its own"
         for item in self.swapped:  # its host copy: the KV of its tokens, no row past them (drafts)
             sid = item.seq.request_id
             assert self.kv.is_swapped(sid), f"swapped sequence {sid} has no host copy"

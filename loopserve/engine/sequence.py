@@ -12,7 +12,7 @@ import torch
 
 from loopserve.engine.grammar import new_guide, with_guide
 from loopserve.engine.sampler import Sample, bind, plain_greedy, sample_one
-from loopserve.exits import ExitRule, interned
+from loopserve.exits import ExitRule
 from loopserve.models.base import LoopedLM
 from loopserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from loopserve.sampling_params import RequestOutputKind, SamplingParams
@@ -50,7 +50,7 @@ def resolve_exit_rule(params: SamplingParams, model: LoopedLM, lookahead: bool) 
             raise ValueError(f"exit_threshold: a gate threshold is a probability in (0, 1], got {threshold}")
     # lookahead_gate already decides one step ahead without a wasted loop: delayed lookahead adds nothing
     delayed = lookahead and policy != "lookahead_gate"
-    return interned(ExitRule(policy, threshold, min_loops, max_loops, tuple(params.exit_trace or ()), delayed))
+    return ExitRule(policy, threshold, min_loops, max_loops, tuple(params.exit_trace or ()), delayed)
 
 
 PromptType = str | dict[str, Any] | list[int]
