@@ -1,9 +1,10 @@
 """A request's token bookkeeping on the batch path: `Sequence.append_quiet` (what a coda batch calls for
 most rows) takes exactly the tokens `Sequence.append` would take without finishing the request, and
-`KVCacheManager.ensure_each` (what a prelude batch calls) makes room token by token as `ensure` does."""
+`KVCacheManager.ensure_slots` (what a prelude batch calls) makes room token by token as `ensure` does."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -68,25 +69,36 @@ def test_requests_that_read_each_token_are_not_quiet(tiny_ouro, loud):
 @settings(max_examples=80, deadline=None)
 @given(blocks=st.integers(1, 12), calls=st.lists(
     st.lists(st.tuples(st.integers(0, 5), st.integers(1, 40)), min_size=1, max_size=6), max_size=8))
-def test_ensure_each_makes_room_in_order_and_stops_at_the_first_short(blocks, calls):
-    """Each call gives room to a prefix of its sequences, in order: every one of them holds blocks for its
-    tokens afterwards, and the first left out needs more blocks than are free, its table untouched."""
+def test_ensure_slots_makes_room_in_order_and_stops_at_the_first_short(blocks, calls):
+    """Each call gives room to a prefix of its sequences (by slot, a slot maybe listed twice), in order, as
+    `ensure` one by one does: every one of them holds blocks for its tokens afterwards, its tokens in use at
+    least those; the first left out needs more blocks than are free, its table untouched. The slot arrays
+    stay those of the tables (`check_invariants`)."""
     bs = 4
-    kv = KVCacheManager(KVStore(blocks * bs, 1, 1, 2, torch.float32), bs)
+    kv = KVCacheManager(KVStore(blocks * bs, 1, 1, 2, torch.float32), bs, num_slots=2)  # (slot arrays grow)
+    for i in range(6):
+        kv.adopt(f"s{i}", [])
+    one_by_one = KVCacheManager(KVStore(blocks * bs, 1, 1, 2, torch.float32), bs, num_slots=2)
+    for i in range(6):
+        one_by_one.adopt(f"s{i}", [])
     for call in calls:
         ids = [f"s{i}" for i, _ in call]
         ns = [n for _, n in call]
-        before = {sid: (list(t.blocks), t.num_tokens) for sid, t in kv.tables.items()}
-        slots = kv.ensure_each(ids, ns)
-        for sid, n, slot in zip(ids, ns, slots, strict=False):
-            table = kv.tables[sid]
-            assert table.slot == slot and len(table.blocks) * bs >= n and table.num_tokens >= n
-        if len(slots) < len(ids):
-            short = ids[len(slots)]
-            assert kv.blocks_needed(short, ns[len(slots)]) > kv.num_free
-            table = kv.tables.get(short)
-            was = before.get(short)
-            if short not in ids[:len(slots)]:  # (not grown earlier in this call)
-                assert (None if table is None else (table.blocks, table.num_tokens)) == was
+        before = {sid: (list(t.blocks), kv.num_tokens(sid)) for sid, t in kv.tables.items()}
+        got = kv.ensure_slots(np.array([kv.slot(sid) for sid in ids], np.int64), np.array(ns, np.int64))
+        expect = next((j for j, (sid, n) in enumerate(zip(ids, ns, strict=True)) if not one_by_one.ensure(sid, n)),
+                      len(ids))
+        assert got == expect
+        for sid, n in zip(ids[:got], ns[:got], strict=True):
+            assert len(kv.tables[sid].blocks) * bs >= n and kv.num_tokens(sid) >= n
+        for sid in kv.tables:
+            assert (kv.tables[sid].blocks, kv.num_tokens(sid)) == (one_by_one.tables[sid].blocks,
+                                                                    one_by_one.num_tokens(sid))
+        if got < len(ids):
+            short = ids[got]
+            assert kv.blocks_needed(short, ns[got]) > kv.num_free
+            if short not in ids[:got]:  # (not grown earlier in this call)
+                assert (kv.tables[short].blocks, kv.num_tokens(short)) == before[short]
+        kv.check_invariants(set(kv.tables))
         held = sum(len(t.blocks) for t in kv.tables.values())
         assert held + kv.num_free == kv.num_blocks

@@ -26,7 +26,6 @@ class BlockTable:
     slot: int  # the sequence's row of `KVCacheManager.block_tables`
     blocks: list[int] = field(default_factory=list)
     swapped: Readback | None = None  # host copies of k, v and the KV depths while swapped out
-    num_tokens: int = 0  # tokens whose KV rows are in use
 
 
 class KVCacheManager:
@@ -41,6 +40,11 @@ class KVCacheManager:
         self.block_tables = BlockTables(num_slots, 16, block_size, store.k.device)  # grows on demand
         self._free_slots: list[int] = []
         self._next_slot = 0
+        # by slot: the tokens its blocks have room for, the tokens whose KV rows are in use, its sequence
+        # (arrays, so that a prelude batch's room is checked and taken in a few numpy calls)
+        self.room = np.zeros(max(num_slots, 1), np.int64)
+        self.used = np.zeros(max(num_slots, 1), np.int64)
+        self.owner: list[str | None] = [None] * max(num_slots, 1)
 
     @property
     def num_blocks(self) -> int:
@@ -59,23 +63,33 @@ class KVCacheManager:
 
     def ensure(self, seq_id: str, num_tokens: int) -> bool:
         """Make room for `num_tokens` tokens; False (and no change) if the pool is short."""
-        return bool(self.ensure_each([seq_id], [num_tokens]))
+        table = self.tables.get(seq_id)
+        if table is None or num_tokens > self.room[table.slot]:
+            table = self._grow(seq_id, num_tokens)
+            if table is None:
+                return False
+        if num_tokens > self.used[table.slot]:
+            self.used[table.slot] = num_tokens
+        return True
 
-    def ensure_each(self, seq_ids: list[str], num_tokens: list[int]) -> list[int]:
-        """`ensure` for each sequence in turn, stopping at the first the pool is short for: the slots of
-        the sequences that got room (the first len(result) of `seq_ids`). One call for a batch's tokens,
-        most of which find room in the blocks they hold."""
-        tables, bs, slots = self.tables, self.block_size, []
-        for seq_id, n in zip(seq_ids, num_tokens, strict=True):
-            table = tables.get(seq_id)
-            if table is None or n > len(table.blocks) * bs:
-                table = self._grow(seq_id, n)
-                if table is None:
-                    break
-            if n > table.num_tokens:
-                table.num_tokens = n
-            slots.append(table.slot)
-        return slots
+    def ensure_slots(self, slots: np.ndarray, num_tokens: np.ndarray) -> int:
+        """`ensure` for the sequences holding `slots` in turn, stopping at the first the pool is short for:
+        how many got room (a prefix). A prelude batch's tokens mostly fit the blocks their sequences hold:
+        those are checked and taken with array operations, and only a token that needs a new block (and
+        those after it) goes through `ensure`."""
+        fits = num_tokens <= self.room[slots]
+        k = len(slots) if fits.all() else int(fits.argmin())
+        np.maximum.at(self.used, slots[:k], num_tokens[:k])  # (.at: a slot listed twice keeps its max)
+        for j in range(k, len(slots)):
+            owner = self.owner[int(slots[j])]
+            assert owner is not None, f"slot {slots[j]} holds no sequence"
+            if not self.ensure(owner, int(num_tokens[j])):
+                return j
+        return len(slots)
+
+    def num_tokens(self, seq_id: str) -> int:
+        """Tokens of the sequence whose KV rows are in use (room was ensured for them)."""
+        return int(self.used[self.tables[seq_id].slot])
 
     def _grow(self, seq_id: str, num_tokens: int) -> BlockTable | None:
         """The sequence's table (made if it has none) with blocks for `num_tokens` tokens; None, and no
@@ -85,11 +99,12 @@ class KVCacheManager:
             return None
         table = self.tables.get(seq_id)
         if table is None:
-            table = self.tables[seq_id] = BlockTable(self._take_slot())
+            table = self.tables[seq_id] = BlockTable(self._take_slot(seq_id))
         if need:
             new = self.allocator.allocate(need)
             self.block_tables.set_blocks(table.slot, len(table.blocks), new)
             table.blocks += new
+            self.room[table.slot] = len(table.blocks) * self.block_size
         return table
 
     # -- the prefix cache --------------------------------------------------------------------------------
@@ -105,7 +120,7 @@ class KVCacheManager:
         """Start a new sequence's table with shared prompt blocks (cached ones, or the full prompt blocks
         of the request it is a sample of; refcount + 1 each)."""
         assert seq_id not in self.tables, f"{seq_id} already has KV"
-        table = self.tables[seq_id] = BlockTable(self._take_slot())
+        table = self.tables[seq_id] = BlockTable(self._take_slot(seq_id))
         self._share_into(table, blocks)
 
     def _share_into(self, table: BlockTable, blocks: list[int]) -> None:
@@ -115,7 +130,7 @@ class KVCacheManager:
             self.allocator.share(blocks)
             self.block_tables.set_blocks(table.slot, 0, blocks)
             table.blocks = list(blocks)
-            table.num_tokens = len(blocks) * self.block_size
+            self.room[table.slot] = self.used[table.slot] = len(blocks) * self.block_size
 
     def publish(self, seq_id: str, first: int, keys: list[bytes]) -> None:
         """Index the sequence's blocks first, first+1, ... (complete prompt blocks) under `keys`."""
@@ -123,11 +138,19 @@ class KVCacheManager:
         for i, key in enumerate(keys, start=first):
             self.allocator.register(blocks[i], key)
 
-    def _take_slot(self) -> int:
+    def _take_slot(self, seq_id: str) -> int:
         if self._free_slots:
-            return self._free_slots.pop()
-        self._next_slot += 1
-        return self._next_slot - 1
+            slot = self._free_slots.pop()
+        else:
+            slot, self._next_slot = self._next_slot, self._next_slot + 1
+            if slot >= len(self.owner):  # more sequences hold tables than slots were made for: double
+                grown = 2 * len(self.owner)
+                self.room, self.used = (np.concatenate([a, np.zeros(grown - len(a), np.int64)])
+                                        for a in (self.room, self.used))
+                self.owner += [None] * (grown - len(self.owner))
+        self.room[slot] = self.used[slot] = 0
+        self.owner[slot] = seq_id
+        return slot
 
     def slot(self, seq_id: str) -> int:
         return self.tables[seq_id].slot
@@ -149,19 +172,23 @@ class KVCacheManager:
         tables = [self.tables.pop(s) for s in seq_ids if s in self.tables]
         if tables:  # (block-table rows: no list conversion)
             self.allocator.free_tables([self.block_tables.host[t.slot, : len(t.blocks)] for t in tables])
-        self._free_slots += [t.slot for t in tables]
+        slots = [t.slot for t in tables]
+        for slot in slots:
+            self.owner[slot] = None
+        self._free_slots += slots
 
     def swap_out(self, seq_id: str, num_tokens: int) -> None:
         """Copy the KV of the sequence's first `num_tokens` tokens to the host and free its blocks (rows
         it holds past them, a speculative round's draft rows, are dropped, not copied)."""
         table = self.tables[seq_id]
-        table.num_tokens = min(table.num_tokens, num_tokens)
+        kept = self.used[table.slot] = min(int(self.used[table.slot]), num_tokens)
         s = self.store
-        rows = upload(self.rows(seq_id, table.num_tokens), s.k.device)
+        rows = upload(self.rows(seq_id, kept), s.k.device)
         # queued behind the work that wrote these rows; read back only when swapped in
         table.swapped = Readback(s.read_rows(rows))
         self.allocator.free(table.blocks)
         table.blocks = []
+        self.room[table.slot] = 0
 
     def is_swapped(self, seq_id: str) -> bool:
         table = self.tables.get(seq_id)
@@ -173,11 +200,11 @@ class KVCacheManager:
         shared again instead of copied back."""
         table = self.tables[seq_id]
         assert table.swapped is not None
-        n = table.num_tokens
+        n = int(self.used[table.slot])
         if self.allocator.blocks_for(n) - len(shared) + self.share_cost(shared) > self.num_free:
             return False
         host = table.swapped.host()
-        table.swapped, table.num_tokens = None, 0
+        table.swapped, self.used[table.slot] = None, 0
         self._share_into(table, shared)
         self.ensure(seq_id, n)
         s = self.store
@@ -194,12 +221,17 @@ class KVCacheManager:
         refs = self.allocator.refcounts()
         slots = [t.slot for t in self.tables.values()]
         assert len(slots) == len(set(slots)) and not set(slots) & set(self._free_slots), "block-table slot shared"
+        assert all(self.owner[slot] is None for slot in self._free_slots), "a free slot has an owner"
         listed: dict[int, int] = dict.fromkeys(self.reserved, 1)
         for sid, table in self.tables.items():
             assert sid in live, f"KV table of finished sequence {sid} still held"
-            assert self.block_tables.host[table.slot, : len(table.blocks)].tolist() == table.blocks, \
-                f"block table of {sid} out of date"
+            listed_here = self.block_tables.host[table.slot, : len(table.blocks)].tolist() if table.blocks else []
+            assert listed_here == table.blocks, f"block table of {sid} out of date"
             assert len(set(table.blocks)) == len(table.blocks), f"block listed twice by {sid}"
+            slot = table.slot
+            assert self.owner[slot] == sid and self.room[slot] == len(table.blocks) * self.block_size, \
+                f"slot arrays of {sid} out of date"
+            assert self.used[slot] <= self.room[slot] or table.swapped is not None, f"{sid} uses rows without room"
             for b in table.blocks:
                 assert b in refs, f"block {b} of {sid} is free while listed (its KV may be overwritten)"
                 listed[b] = listed.get(b, 0) + 1

@@ -61,6 +61,7 @@ class WorkItem:
     prev_logprobs: torch.Tensor | None = None  # KL policy: last step's next-token log-probs
     position: int = -1  # of the token it computes: fixed until its coda is read (`reuse` moves it on)
     group: VerifyGroup | None = None  # speculative decoding: the verify round this row belongs to
+    slot: int = -1  # its sequence's block-table slot (fixed while the sequence is resident, swapped out too)
 
     def __post_init__(self) -> None:
         if self.position < 0:  # a plain item is fed the sequence's last token

@@ -241,7 +241,8 @@ class Scheduler:
         (its coda read, its row freed: it holds nothing), if given, else a new one."""
         order, position = next(self._orders), seq.num_tokens - 1
         if spent is None:
-            self.prelude_q.append(WorkItem(seq, order, self.pool, position=position))
+            self.prelude_q.append(WorkItem(seq, order, self.pool, position=position,
+                                           slot=self.kv.slot(seq.request_id)))
         else:
             self.prelude_q.append(spent.reuse(order, position))
 
@@ -273,7 +274,7 @@ class Scheduler:
             victim = max(candidates, key=lambda i: i.seq.arrival_index)
             if victim.group is not None:  # its drafts are dropped: it resumes from its last accepted token
                 self.prelude_q = _without(self.prelude_q, victim.group.items)
-                victim = WorkItem(victim.seq, victim.order, self.pool)
+                victim = WorkItem(victim.seq, victim.order, self.pool, slot=victim.slot)
             else:
                 self.prelude_q.remove(victim)
             sid = victim.seq.request_id
@@ -315,14 +316,20 @@ class Scheduler:
         kv = self.kv
         capacity = kv.num_blocks * kv.block_size
         # Most ticks, the queue's head is plain items whose KV fits the cache: room for their tokens is
-        # made in one call (at most a block each). The rest go one by one, below: a verify group, a
-        # token the pool is short for (which may preempt), a sequence longer than the whole cache.
+        # made in one call (at most a block each), from the items' slots and positions alone. The rest go
+        # one by one, below: a verify group, a token the pool is short for (which may preempt), a sequence
+        # longer than the whole cache. (No queued item's sequence is swapped out when a plan starts: a
+        # preempted item leaves the queue.)
         head = self.prelude_q[:free]
-        run = next((k for k, i in enumerate(head)
-                    if i.group is not None or i.position >= capacity or i.seq.status is Status.SWAPPED), len(head))
-        positions = [i.position for i in head[:run]]
-        slots = kv.ensure_each([i.seq.request_id for i in head[:run]], [p + 1 for p in positions])
-        taken = head[:len(slots)]
+        positions = np.fromiter((i.position for i in head), np.int64, len(head))
+        run = len(head)
+        if self.speculator is not None:
+            run = next((k for k, i in enumerate(head) if i.group is not None), run)
+        too_long = np.flatnonzero(positions[:run] >= capacity)
+        run = int(too_long[0]) if len(too_long) else run
+        slots = np.fromiter((i.slot for i in head[:run]), np.int64, run)
+        got = kv.ensure_slots(slots, positions[:run] + 1)
+        taken = head[:got]
         for item in self.prelude_q[len(taken):]:
             room = free - len(taken)
             if room <= 0:
@@ -349,9 +356,9 @@ class Scheduler:
         self.prelude_q = _without(self.prelude_q, taken)
         if not taken:
             return None
-        rest = taken[len(slots):]
-        kv_slots = np.array(slots + [kv.slot(i.seq.request_id) for i in rest], np.int64)
-        kv_positions = np.array(positions[:len(slots)] + [i.position for i in rest], np.int64)
+        rest = taken[got:]
+        kv_slots = np.concatenate([slots[:got], np.array([i.slot for i in rest], np.int64)])
+        kv_positions = np.concatenate([positions[:got], np.array([i.position for i in rest], np.int64)])
         rows = self.pool.allocate(taken, kv_slots, kv_positions, kv.block_tables.rows(kv_slots, kv_positions))
         return StagePlan(Stage.PRELUDE, taken, rows=rows)
 
@@ -408,8 +415,8 @@ class Scheduler:
             if id(item) not in queued:
                 continue
             group = VerifyGroup(item.seq, item.position, [item.input_token, *tokens])
-            group.items = [WorkItem(item.seq, item.order + i, self.pool, position=item.position + i, group=group)
-                           for i in range(len(group.tokens))]
+            group.items = [WorkItem(item.seq, item.order + i, self.pool, position=item.position + i, group=group,
+                                    slot=item.slot) for i in range(len(group.tokens))]
             groups[id(item)] = group.items
         self.prelude_q = [g for i in self.prelude_q for g in groups.get(id(i), (i,))]
 
@@ -823,7 +830,7 @@ class Scheduler:
         for item in self.swapped:  # its host copy: the KV of its tokens, no row past them (drafts)
             sid = item.seq.request_id
             assert self.kv.is_swapped(sid), f"swapped sequence {sid} has no host copy"
-            assert self.kv.tables[sid].num_tokens <= item.position + 1, f"swapped sequence {sid} keeps draft rows"
+            assert self.kv.num_tokens(sid) <= item.position + 1, f"swapped sequence {sid} keeps draft rows"
         # state rows: prelude items have none yet, core and coda items one each, none shared or leaked
         assert all(i.row < 0 for i in self.prelude_q + list(self.swapped)), "queued prelude item holds a row"
         rows = [i.row for i in self.core_q + self.coda_q + self.coda_running]
@@ -841,7 +848,9 @@ class Scheduler:
             assert i.exited, "item in the coda queue that has not exited"
             assert self.kv.store.depth[self.kv.row(i.seq.request_id, i.position)] == i.r
         for i in self.core_q + self.coda_q + self.coda_running:
-            assert self.kv.tables[i.seq.request_id].num_tokens > i.position, "token without a KV row"
+            assert self.kv.num_tokens(i.seq.request_id) > i.position, "token without a KV row"
+        for i in items + list(self.swapped):
+            assert i.slot == self.kv.slot(i.seq.request_id), "work item of another block-table slot"
         # loops: every kept core row belongs to a finished request, a live one, or an in-flight token
         live = sum(s.metrics.loops_run for s in self.running.values()) + sum(
             i.seq.metrics.loops_run for i in self.swapped)
