@@ -194,7 +194,9 @@ class BlockAllocator:
             np.add.at(self._refs, entries, 1)
             raise RuntimeError(f"block {int(entries[bad][0])} freed more often than it was held, or listed twice")
         gone = entries[left == 0]
-        if len(tables) > 1 and len(gone):  # each block once, where it was listed last
+        # each block once, where it was listed last: only a block held more than once (shared) can be listed
+        # twice here without raising above, so with nothing shared there is nothing to deduplicate
+        if len(tables) > 1 and len(gone) and held.max() > 1:
             backwards = gone[::-1]
             gone = backwards[np.sort(np.unique(backwards, return_index=True)[1])][::-1]
         self._drop_unheld(gone)
