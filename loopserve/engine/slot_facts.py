@@ -2,7 +2,7 @@
 
 A sequence holds its slot of the KV block tables from admission to its end (through preemption too),
 and the facts a decode batch reads about each row's sequence never change while it runs: its
-prompt's length, its sampling seed, whether it samples by a plain argmax, its exit rule's constants.
+prompt's length, whether it samples by a plain argmax, its exit rule's constants.
 Set once per sequence when it is admitted, they are read for a whole batch with one gather by the
 rows' slots (`StatePool.kv_slot`) instead of a Python attribute read per row, which costs most when
 the batch's sequence objects are cold in the cache (the first step of a persistent batch,
@@ -24,7 +24,6 @@ class SlotFacts:
     def _alloc(self, slots: int) -> None:
         old = self.__dict__.copy()
         self.prompt_len = np.zeros(slots, np.int64)
-        self.seed = np.zeros(slots, np.int64)
         self.plain = np.zeros(slots, bool)  # samples by the argmax of the raw logits (`plain_greedy`)
         self.rule = np.zeros((slots, RULE_WIDTH), np.float64)  # its exit rule's `row`
         for name, kept in old.items():
@@ -35,12 +34,11 @@ class SlotFacts:
         if slot >= len(self.plain):
             self._alloc(max(slot + 1, 2 * len(self.plain)))
         self.prompt_len[slot] = len(seq.prompt_ids)
-        self.seed[slot] = seq.seed
         self.plain[slot] = seq.plain_greedy
         self.rule[slot] = seq.rule.row
 
     def matches(self, slot: int, seq: Sequence) -> bool:
         """Whether the facts of `slot` are `seq`'s (the scheduler's invariant checks)."""
-        return (slot < len(self.plain) and self.prompt_len[slot] == len(seq.prompt_ids) and self.seed[slot] == seq.seed
+        return (slot < len(self.plain) and self.prompt_len[slot] == len(seq.prompt_ids)
                 and self.plain[slot] == seq.plain_greedy
                 and np.array_equal(self.rule[slot], seq.rule.row, equal_nan=True))  # (no threshold: NaN)
