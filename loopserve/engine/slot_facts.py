@@ -4,9 +4,10 @@ A sequence holds its slot of the KV block tables from admission to its end (thro
 and the facts a decode batch reads about each row's sequence never change while it runs: its
 prompt's length, whether it samples by a plain argmax, its exit rule's constants.
 Set once per sequence when it is admitted, they are read for a whole batch with one gather by the
-rows' slots (`StatePool.kv_slot`) instead of a Python attribute read per row, which costs most when
-the batch's sequence objects are cold in the cache (the first step of a persistent batch,
-docs/design.md §9).
+rows' slots (`StatePool.kv_slot`) instead of a Python attribute read per row. By itself that gains
+nothing measurable (docs/benchmarks.md §8.15: the same instruction and cache-miss counts); it is the
+first step of the persistent batch (docs/design.md §9), whose next step keeps tokens and stop checks by
+slot as well.
 """
 
 from __future__ import annotations
