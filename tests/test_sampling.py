@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 
 from loopserve import LLM, SamplingParams
 from loopserve.engine.sampler import (
+    Sample,
+    SampledBatch,
     _sorted_nucleus,
     argmax_rows,
     filtered_probs,
@@ -180,6 +182,27 @@ def test_batch_sampling_is_batch_invariant():
     shuffled = unpack(sample_batch(logits[perm], [params[i] for i in perm], [seeds[i] for i in perm],
                                    [counters[i] for i in perm]), [params[i] for i in perm])
     assert [shuffled[perm.index(i)] for i in range(12)] == whole
+
+
+def test_sampled_batch_gives_each_row_the_sample_it_draws_alone():
+    """`SampledBatch` (what a coda batch reads): its arrays hold every row's token and whether it may be
+    taken, and row j's `Sample` is the one row j samples alone (logprobs in place, rows asking for none or
+    for different k among them), from the device result or from `sample_rows`' row-by-row fallback."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(7, 30, generator=g, dtype=torch.float64)
+    logits[2, 3] = float("nan")  # (a row asking for no logprobs: a non-finite row's are not defined)
+    params = [SamplingParams(temperature=t, logprobs=lp) for t, lp in
+              [(0.0, None), (1.0, 3), (0.8, None), (0.0, 0), (1.0, 2), (0.0, 5), (1.2, None)]]
+    seeds, counters = list(range(7)), [0, 1, 2, 3, 4, 5, 6]
+    host = sample_batch(logits, params, seeds, counters)
+    rows = [sample_one(logits[j], params[j], seeds[j], counters[j]) for j in range(7)]
+    for batch in (SampledBatch(host, params), SampledBatch(None, [], rows=rows)):
+        assert len(batch) == 7 and list(batch) == rows
+        assert [batch[j] for j in (6, 1, 4, 1)] == [rows[j] for j in (6, 1, 4, 1)]  # any order, twice
+        assert batch.tokens.tolist() == [r.token for r in rows]
+        assert batch.ok.tolist() == [j != 2 for j in range(7)]
+    failed = [*rows[:2], Sample(0, True, error="ValueError: bad")]
+    assert SampledBatch(None, [], rows=failed).ok.tolist() == [True, True, False]
 
 
 def test_logprobs_list_top_k_and_the_sampled_token():

@@ -1,5 +1,6 @@
-"""A request's token bookkeeping on the batch path: `Sequence.append_quiet` (what a coda batch calls for
-most rows) takes exactly the tokens `Sequence.append` would take without finishing the request, and
+"""A request's token bookkeeping on the batch path: the tokens `SlotFacts.takes_quietly` lets a coda batch
+append by `Sequence.append_quiet` alone are exactly those `Sequence.append` would take without finishing
+the request, and
 `KVCacheManager.ensure_slots` (what a prelude batch calls) makes room token by token as `ensure` does."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 from loopserve.cache.manager import KVCacheManager
 from loopserve.cache.pool import KVStore
 from loopserve.engine.sequence import Sequence
+from loopserve.engine.slot_facts import SlotFacts
 from loopserve.exits import ExitRule
 from loopserve.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams
 from loopserve.tokenizer import Tokenizer
@@ -25,28 +27,38 @@ def _sequence(tok: Tokenizer, params: SamplingParams) -> Sequence:
 @settings(max_examples=80, deadline=None)
 @given(tokens=st.lists(st.integers(0, 12), min_size=1, max_size=20),
        max_tokens=st.integers(1, 12), min_tokens=st.integers(0, 4),
-       stop_ids=st.lists(st.integers(0, 12), max_size=3), ignore_eos=st.booleans())
+       stop_ids=st.lists(st.integers(0, 12), max_size=3), ignore_eos=st.booleans(),
+       other_stops=st.lists(st.integers(0, 12), max_size=2))
 def test_quiet_appends_are_the_appends_that_finish_nothing(tiny_ouro, tokens, max_tokens, min_tokens, stop_ids,
-                                                          ignore_eos):
-    """Feeding tokens through `append_quiet` first (as `Scheduler.after_coda` does), falling back to `append`
-    when it declines, leaves the request as `append` alone does: tokens, depths, finish, stop reason,
-    text, times. `append_quiet` declines every token that may finish the request."""
+                                                          ignore_eos, other_stops):
+    """Feeding tokens through `append_quiet` where `SlotFacts.takes_quietly` allows it (as
+    `Scheduler.after_coda` does), else through `append`, leaves the request as `append` alone does:
+    tokens, depths, finish, stop reason, text, times. It declines every token that may finish the request,
+    and the stop tokens of the sequence in another slot, and nothing else."""
     tok = Tokenizer(tiny_ouro)
     eos = min(tok.eos_token_ids)
     stream = [eos if t == 0 else t for t in tokens]  # eos at times, stop ids at times
     params = SamplingParams(max_tokens=max_tokens, min_tokens=min(min_tokens, max_tokens), stop_token_ids=stop_ids,
                             ignore_eos=ignore_eos, output_kind=RequestOutputKind.FINAL_ONLY)
     batch, plain = _sequence(tok, params), _sequence(tok, params)
+    other = _sequence(tok, SamplingParams(stop_token_ids=other_stops, ignore_eos=True))
+    facts = SlotFacts(1)  # (grows)
+    facts.admit(3, other)
+    facts.admit(2, batch)
+    facts.admit(1, other)
+    facts.admit(1, plain)  # in the place of `other`: its stop tokens no longer count there
     stoppers = set(stop_ids) | (set() if ignore_eos else set(tok.eos_token_ids))
-    assert batch.quiet
+    assert batch.quiet and facts.stops_counted()
     for k, t in enumerate(stream):
         now = float(k)
-        quiet = batch.append_quiet(t, k % 4 + 1, now)
-        if not quiet:
+        quiet = bool(facts.takes_quietly(np.array([2]), np.array([t]), np.array([len(batch.output_ids)]))[0])
+        if quiet:
+            batch.append_quiet(t, k % 4 + 1, now)
+        else:
             batch.append(t, k % 4 + 1, now)
         plain.append(t, k % 4 + 1, now)
         # it declines a stop token (even one min_tokens keeps from stopping) and the last token allowed
-        assert quiet == (t not in stoppers and len(plain.output_ids) < max_tokens)
+        assert quiet == (t not in stoppers | set(other_stops) and len(plain.output_ids) < max_tokens)
         if plain.finished:
             break
     for name in ("output_ids", "exit_depths", "finish_reason", "stop_reason", "text"):

@@ -19,11 +19,11 @@ from loopserve.device import Readback, upload
 from loopserve.engine.sampler import (
     GREEDY,
     Sample,
+    SampledBatch,
     adjust_logits,
     argmax_rows,
     prompt_logprobs,
     sample_rows,
-    unpack,
     unpack_prompt,
 )
 from loopserve.engine.sequence import Sequence, chain_seed
@@ -318,13 +318,13 @@ class PendingSamples:
             seeds = [s.seed for s in seqs]
         result = sample_rows(logits, self._params, seeds, ctrs, self._plain)
         self._readback = Readback(result) if isinstance(result, dict) else None
-        self._rows = None if isinstance(result, dict) else result
+        self._batch = None if isinstance(result, dict) else SampledBatch(None, [], rows=result)
 
-    def get(self) -> list[Sample]:
-        if self._rows is None:
+    def get(self) -> SampledBatch:
+        if self._batch is None:
             assert self._readback is not None
-            self._rows = unpack(self._readback.host(), [] if self._plain else self._params)
-        return self._rows
+            self._batch = SampledBatch(self._readback.host(), [] if self._plain else self._params)
+        return self._batch
 
 
 class PendingDrafts:
@@ -349,9 +349,9 @@ class PendingPrefill:
         self.seqs = seqs
         self._readback = Readback(prompt) if prompt is not None else None
 
-    def get(self) -> list[Sample]:
-        """One `Sample` per sequence in `seqs` (waits for the copy)."""
-        return self.samples.get() if self.samples is not None else []
+    def get(self) -> SampledBatch:
+        """A `Sample` per sequence in `seqs` (waits for the copy)."""
+        return self.samples.get() if self.samples is not None else SampledBatch(None, [], rows=[])
 
     def prompt_logprobs(self) -> list[tuple[Sequence, int, list[Sample]]]:
         """(sequence, position p, samples): sample j scores its prompt token p+1+j."""

@@ -3,7 +3,7 @@
 `sample_batch` takes a stage batch's logits [B, V] and each row's `SamplingParams`, seed and token
 index, and samples every row in one call: greedy, temperature, top-k, top-p and min-p with per-row
 values, plus top-k logprobs for the rows that ask for them. Only token ids, a finiteness flag per
-row and the requested logprobs cross to the host (`unpack` turns them into `Sample`s there).
+row and the requested logprobs cross to the host (`SampledBatch` holds them there).
 
 Batch invariance: every operation is row-wise (softmax, sort, cumsum over one row's vocabulary),
 in float64, and a random row draws its uniform from a counter-based stream, a hash of (request
@@ -34,6 +34,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import chain
 from typing import Protocol
@@ -414,24 +415,72 @@ def _samples(host: dict[str, torch.Tensor]) -> list[Sample]:
     return list(map(Sample, host["tokens"].tolist(), host["finite"].tolist()))
 
 
+class SampledBatch:
+    """A batch's samples on the host. Every row's token and whether it may be taken (its logits were
+    finite and it was sampled without error) are arrays, read for the whole batch at once; a row's
+    `Sample` (with its logprobs, or its error) is made only for a row that asks for it, so a batch whose
+    rows need nothing but their token makes no Python object per row."""
+
+    def __init__(self, host: dict[str, torch.Tensor] | None, params: list[SamplingParams],
+                 rows: list[Sample] | None = None) -> None:
+        """`sample_batch`'s host result (`params`: the rows', or none if no row asked for logprobs), or
+        the `Sample`s of `sample_rows`' row-by-row fallback (`rows`)."""
+        self._rows = rows
+        if rows is not None:
+            self.tokens = np.array([s.token for s in rows], np.int64)
+            self.ok = np.array([s.finite and s.error is None for s in rows], bool)
+            return
+        assert host is not None
+        self.tokens, self.ok = host["tokens"].numpy(), host["finite"].numpy()
+        self._host, self._params = host, params
+        self._asked = {i: a for a, i in enumerate(i for i, p in enumerate(params) if p.logprobs is not None)}
+        self._lists: tuple[list, list, list | None, list | None] | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, j: int) -> Sample:
+        if self._rows is not None:
+            return self._rows[j]
+        sample = Sample(int(self.tokens[j]), bool(self.ok[j]))
+        a = self._asked.get(j)
+        if a is not None:
+            if self._lists is None:
+                self._lists = _logprob_lists(self._host)
+            _fill_logprob(sample, self._lists, a, self._params[j].logprobs or 0)
+        return sample
+
+    def __iter__(self) -> Iterator[Sample]:
+        return map(self.__getitem__, range(len(self)))
+
+
 def unpack(host: dict[str, torch.Tensor], params: list[SamplingParams]) -> list[Sample]:
     """The host copy of `sample_batch`'s result as one `Sample` per row (`params`: the rows', or none if
     no row asked for logprobs)."""
-    out = _samples(host)
-    asked = [i for i, p in enumerate(params) if p.logprobs is not None]
-    if asked:
-        _fill_logprobs([out[i] for i in asked], host, [params[i].logprobs or 0 for i in asked])
-    return out
+    if not any(p.logprobs is not None for p in params):
+        return _samples(host)
+    return list(SampledBatch(host, params))
+
+
+def _logprob_lists(host: dict[str, torch.Tensor]) -> tuple[list, list, list | None, list | None]:
+    """`top_logprobs`' host result as lists: chosen, ranks, top ids and top values (None: k = 0)."""
+    ids = host["lp_top_ids"].tolist() if "lp_top_ids" in host else None
+    vals = host["lp_top_vals"].tolist() if "lp_top_vals" in host else None
+    return host["lp_chosen"].tolist(), host["lp_rank"].tolist(), ids, vals
+
+
+def _fill_logprob(s: Sample, lists: tuple[list, list, list | None, list | None], j: int, k: int) -> None:
+    """Give `s` row j of `top_logprobs`' result (`_logprob_lists`), keeping its top k."""
+    chosen, ranks, ids, vals = lists
+    s.logprob, s.rank = chosen[j], ranks[j]
+    s.top = list(zip(ids[j][:k], vals[j][:k], strict=True)) if ids is not None and vals is not None else []
 
 
 def _fill_logprobs(samples: list[Sample], host: dict[str, torch.Tensor], ks: list[int]) -> None:
     """Give each sample its row of `top_logprobs`' host result, keeping the top ks[j] of row j."""
-    chosen, ranks = host["lp_chosen"].tolist(), host["lp_rank"].tolist()
-    ids = host["lp_top_ids"].tolist() if "lp_top_ids" in host else None
-    vals = host["lp_top_vals"].tolist() if "lp_top_vals" in host else None
+    lists = _logprob_lists(host)
     for j, (s, k) in enumerate(zip(samples, ks, strict=True)):
-        s.logprob, s.rank = chosen[j], ranks[j]
-        s.top = list(zip(ids[j][:k], vals[j][:k], strict=True)) if ids is not None and vals is not None else []
+        _fill_logprob(s, lists, j, k)
 
 
 def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> dict[str, torch.Tensor]:

@@ -45,7 +45,7 @@ from loopserve.cache.manager import KVCacheManager
 from loopserve.cache.prefix import block_keys, reusable_tokens
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.runner import PrefillChunk, Signals, StatePool, WorkItem, rows_of
-from loopserve.engine.sampler import Sample
+from loopserve.engine.sampler import Sample, SampledBatch
 from loopserve.engine.sequence import Sequence, Status
 from loopserve.engine.speculative import Speculator, VerifyGroup
 from loopserve.engine.stats import EngineStats
@@ -705,47 +705,56 @@ class Scheduler:
         self.coda_running += items
         return StagePlan(Stage.CODA, items, rows=rows)
 
-    def after_coda(self, plan: StagePlan, samples: list[Sample]) -> None:
+    def after_coda(self, plan: StagePlan, samples: SampledBatch) -> None:
         """Append each item's sampled token (maybe a tick after the coda was queued: an item aborted
         meanwhile is skipped)."""
         index = {id(item): j for j, item in enumerate(plan.items)} if self.speculator is not None else {}
+        pool = self.pool
         if self.coda_running == plan.items:  # (identity: items compare by it) the one coda in flight, whole
-            taken, got, self.coda_running, rows = plan.items, samples, [], plan.rows
+            taken, kept, self.coda_running, rows = plan.items, None, [], plan.rows
+            tokens, ok = samples.tokens, samples.ok
         else:
             running = {id(i) for i in self.coda_running}
-            taken = [i for i in plan.items if id(i) in running]
-            got = [s for i, s in zip(plan.items, samples, strict=True) if id(i) in running]
+            kept = [j for j, i in enumerate(plan.items) if id(i) in running]  # (plan rows)
+            taken = [plan.items[j] for j in kept]
+            tokens, ok = samples.tokens[kept], samples.ok[kept]
             self.coda_running = _without(self.coda_running, taken)
             rows = rows_of(taken)
         assert rows is not None
-        # loops run and exit depths of the batch, read at once
-        loops, depths = self.pool.r[rows].tolist(), self.pool.exits.exit_depth[rows].tolist()
+        # loops run and exit depths of the batch, read at once; and the rows whose token needs nothing but
+        # appending (most: no `Sample` is made for them, nothing checked per row). A plain item was fed its
+        # sequence's last token: its decode index + 1 tokens were generated before this one.
+        loops, depths = pool.r[rows].tolist(), pool.exits.exit_depth[rows].tolist()
+        quiet = ok & pool.sequences.takes_quietly(pool.kv_slot[rows], tokens, pool.decode_index[rows] + 1)
         if self.speculator is None:
-            self.pool.release_all(taken, rows)
+            pool.release_all(taken, rows)
         else:  # (a verify group's rows: in _accept)
-            self.pool.release_all([i for i in taken if i.group is None])
+            quiet &= np.fromiter((i.group is None for i in taken), bool, len(taken))
+            pool.release_all([i for i in taken if i.group is None])
         now = time.monotonic()  # (the batch's tokens arrived together)
-        orders, requeue, quiet = self._orders, self.prelude_q.append, 0
+        orders, requeue, appended = self._orders, self.prelude_q.append, 0
         self._kv_to_free = []  # (nothing is allocated before the loop ends)
         try:
-            for item, sample, spent, depth in zip(taken, got, loops, depths, strict=True):
+            for j, (item, easy, token, spent, depth) in enumerate(zip(taken, quiet.tolist(), tokens.tolist(), loops,
+                                                                      depths, strict=True)):
+                if easy:  # what `_append_token` does for such a token
+                    seq = item.seq
+                    seq.metrics.loops_run += spent
+                    seq.append_quiet(token, depth, now)
+                    requeue(item.reuse(next(orders), item.position + 1))
+                    appended += 1
+                    continue
+                sample = samples[j if kept is None else kept[j]]
                 if item.group is not None:  # a verify group runs one coda, whole (CDB holds it until then)
                     if item is item.group.items[0]:
                         self._accept(item.group, [samples[index[id(i)]] for i in item.group.items], now)
                     continue
-                seq = item.seq
-                seq.metrics.loops_run += spent
-                # most tokens: appended, the item queued for the next one (what `_append_token` does for them)
-                if seq.quiet and sample.error is None and sample.finite and seq.append_quiet(sample.token, depth,
-                                                                                               now):
-                    requeue(item.reuse(next(orders), item.position + 1))
-                    quiet += 1
-                else:
-                    self._append_token(seq, sample, depth, now, spent=item)
+                item.seq.metrics.loops_run += spent
+                self._append_token(item.seq, sample, depth, now, spent=item)
         finally:
             finished, self._kv_to_free = self._kv_to_free, None
             self.kv.free_all(finished)
-            self.stats.generated_tokens += quiet
+            self.stats.generated_tokens += appended
 
     def _accept(self, group: VerifyGroup, samples: list[Sample], now: float) -> None:
         """A verify round's coda ran (docs/design.md §12). Row i was fed x_t or draft i and sampled
@@ -827,6 +836,7 @@ class Scheduler:
         for s in [*self.running.values(), *(i.seq for i in self.swapped)]:
             slot = self.kv.slot(s.request_id)
             assert self.pool.sequences.matches(slot, s), f"slot facts of {s.request_id} are not its own"
+        assert self.pool.sequences.stops_counted(), "stop-token counts are not the slots' stop tokens"
         for item in self.swapped:  # its host copy: the KV of its tokens, no row past them (drafts)
             sid = item.seq.request_id
             assert self.kv.is_swapped(sid), f"swapped sequence {sid} has no host copy"

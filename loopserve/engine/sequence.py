@@ -157,8 +157,8 @@ class Sequence:
                 raise ValueError(f"{name}: token ids must be in [0, {vocab_size}) (the model's vocabulary)")
         self.eos_ids = set() if params.ignore_eos else set(tokenizer.eos_token_ids)
         self.stop_ids = set(params.stop_token_ids)
-        self._stop_tokens = frozenset(self.eos_ids | self.stop_ids)  # the tokens that may stop it
-        if params.min_tokens and len(self._stop_tokens) >= vocab_size:
+        self.stop_tokens = frozenset(self.eos_ids | self.stop_ids)  # the tokens that may stop it
+        if params.min_tokens and len(self.stop_tokens) >= vocab_size:
             raise ValueError("stop_token_ids: with min_tokens, these and the end-of-sequence tokens leave no "
                              "token to sample")
         # bound to this sequence's tokens if its sampling reads them (penalties, min_tokens)
@@ -312,27 +312,23 @@ class Sequence:
         self.exit_depths.append(exit_depth)
         if self._text_per_token:
             self._decode_pending()  # here, where a failure fails this request alone (not the step's outputs)
-        if not (stop or guide is not None or token in self._stop_tokens or len(ids) >= self.max_new):
+        if not (stop or guide is not None or token in self.stop_tokens or len(ids) >= self.max_new):
             return  # (most tokens: nothing below could finish it, and the checks run per token)
         if not self._stopped(token, searched) and len(ids) >= self.max_new:
             self.finish("length")
         if not self.finished and guide is not None and guide.done:
             self.finish("stop")  # the grammar is complete: only its end could follow
 
-    def append_quiet(self, token: int, exit_depth: int, now: float) -> bool:
-        """`append` for a `quiet` request, as a batch's rows call it: True if the token was appended;
-        False, with nothing done, if it may finish the request (a stop token, the length limit), which
-        `append` then handles."""
-        ids = self.output_ids
-        if token in self._stop_tokens or len(ids) + 1 >= self.max_new:
-            return False
-        ids.append(token)
+    def append_quiet(self, token: int, exit_depth: int, now: float) -> None:
+        """`append` for a `quiet` request and a token that cannot finish it (not one of its `stop_tokens`,
+        not its last allowed: `SlotFacts.takes_quietly` tells a batch's rows), as a batch's rows call it:
+        the token, its exit depth and its time, nothing else."""
+        self.output_ids.append(token)
         self.exit_depths.append(exit_depth)
         metrics = self.metrics
         if metrics.first_token_time is None:
             metrics.first_token_time = now
         metrics.last_token_time = now
-        return True
 
     def _stopped(self, token: int, searched: int) -> bool:
         """Finish the request if the token just appended, or the text it completed, stops it (vLLM's rules:

@@ -2,12 +2,14 @@
 
 A sequence holds its slot of the KV block tables from admission to its end (through preemption too),
 and the facts a decode batch reads about each row's sequence never change while it runs: its
-prompt's length, whether it samples by a plain argmax, its exit rule's constants.
-Set once per sequence when it is admitted, they are read for a whole batch with one gather by the
-rows' slots (`StatePool.kv_slot`) instead of a Python attribute read per row. By itself that gains
-nothing measurable (docs/benchmarks.md §8.15: the same instruction and cache-miss counts); it is the
-first step of the persistent batch (docs/design.md §9), whose next step keeps tokens and stop checks by
-slot as well.
+prompt's length, whether it samples by a plain argmax, its exit rule's constants, whether a token
+that cannot finish it needs nothing but appending (`Sequence.quiet`), how many tokens it may
+generate, and which tokens may stop it. Set once per sequence when it is admitted, they are read for
+a whole batch with one gather by the rows' slots (`StatePool.kv_slot`) instead of a Python attribute
+read per row. The reads alone gain nothing measurable (docs/benchmarks.md §8.15: the same instruction
+and cache-miss counts); what gains is the Python they let a batch skip: `takes_quietly` decides for a
+whole coda batch which rows' tokens need nothing but appending, so those rows make no `Sample` and
+run no per-row checks (docs/design.md §9).
 """
 
 from __future__ import annotations
@@ -17,29 +19,64 @@ import numpy as np
 from loopserve.engine.sequence import Sequence
 from loopserve.exits import RULE_WIDTH
 
+_BY_SLOT = ("prompt_len", "plain", "quiet", "max_new", "rule")  # the arrays with a row per slot
+
 
 class SlotFacts:
     def __init__(self, slots: int) -> None:
+        # how many slots' sequences each token may stop (the last entry, always 0, stands for every larger token)
+        self.stop_refs = np.zeros(1, np.int64)
+        self._stops: list[frozenset[int]] = []  # each slot's `stop_tokens`, counted in stop_refs
         self._alloc(max(slots, 1))
 
     def _alloc(self, slots: int) -> None:
-        old = self.__dict__.copy()
+        old = {name: getattr(self, name) for name in _BY_SLOT if hasattr(self, name)}
         self.prompt_len = np.zeros(slots, np.int64)
         self.plain = np.zeros(slots, bool)  # samples by the argmax of the raw logits (`plain_greedy`)
+        self.quiet = np.zeros(slots, bool)  # `Sequence.quiet`
+        self.max_new = np.zeros(slots, np.int64)  # tokens it may generate (`Sequence.max_new`)
         self.rule = np.zeros((slots, RULE_WIDTH), np.float64)  # its exit rule's `row`
         for name, kept in old.items():
             getattr(self, name)[: len(kept)] = kept
+        self._stops += [frozenset()] * (slots - len(self._stops))
 
     def admit(self, slot: int, seq: Sequence) -> None:
-        """`seq` now holds block-table slot `slot`."""
+        """`seq` now holds block-table slot `slot` (in place of whichever sequence held it before)."""
         if slot >= len(self.plain):
             self._alloc(max(slot + 1, 2 * len(self.plain)))
         self.prompt_len[slot] = len(seq.prompt_ids)
         self.plain[slot] = seq.plain_greedy
+        self.quiet[slot] = seq.quiet
+        self.max_new[slot] = seq.max_new
         self.rule[slot] = seq.rule.row
+        before, stops = self._stops[slot], seq.stop_tokens
+        if before:
+            self.stop_refs[list(before)] -= 1
+        if stops and max(stops) + 1 >= len(self.stop_refs):
+            self.stop_refs = np.concatenate([self.stop_refs, np.zeros(max(stops) + 2 - len(self.stop_refs), np.int64)])
+        if stops:
+            self.stop_refs[list(stops)] += 1
+        self._stops[slot] = stops
+
+    def takes_quietly(self, slots: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Mask of the rows whose sequence (by `slots`; `counts`: the tokens it has generated) takes its
+        sampled token (`tokens`) by `Sequence.append_quiet` alone: it is `quiet`, the token is not its last
+        allowed, and no resident sequence may stop on it (a token that stops another goes the long way
+        too, which decides it exactly)."""
+        refs = self.stop_refs
+        stops = refs[np.minimum(tokens, len(refs) - 1)]
+        return self.quiet[slots] & (counts + 1 < self.max_new[slots]) & (stops == 0)
 
     def matches(self, slot: int, seq: Sequence) -> bool:
         """Whether the facts of `slot` are `seq`'s (the scheduler's invariant checks)."""
         return (slot < len(self.plain) and self.prompt_len[slot] == len(seq.prompt_ids)
-                and self.plain[slot] == seq.plain_greedy
+                and self.plain[slot] == seq.plain_greedy and self.quiet[slot] == seq.quiet
+                and self.max_new[slot] == seq.max_new and self._stops[slot] == seq.stop_tokens
                 and np.array_equal(self.rule[slot], seq.rule.row, equal_nan=True))  # (no threshold: NaN)
+
+    def stops_counted(self) -> bool:
+        """Whether `stop_refs` counts exactly the slots' stop tokens (the scheduler's invariant checks)."""
+        counted = np.zeros(len(self.stop_refs), np.int64)
+        for stops in self._stops:
+            counted[list(stops)] += 1
+        return bool(np.array_equal(counted, self.stop_refs))
