@@ -62,22 +62,23 @@ class WorkItem:
     position: int = -1  # of the token it computes: fixed until its coda is read (`reuse` moves it on)
     group: VerifyGroup | None = None  # speculative decoding: the verify round this row belongs to
     slot: int = -1  # its sequence's block-table slot (fixed while the sequence is resident, swapped out too)
+    # the token it is fed (at `position`): its sequence's last one, or its verify group's (a draft); kept
+    # here because a prelude batch reads it for every row, and an attribute is read faster than a chain
+    token: int = -1
 
     def __post_init__(self) -> None:
         if self.position < 0:  # a plain item is fed the sequence's last token
             self.position = self.seq.num_tokens - 1
+        if self.token < 0:
+            self.token = self.seq.output_ids[-1] if self.group is None else self.group.token_at(self.position)
 
-    def reuse(self, order: int, position: int) -> WorkItem:
-        """This plain item as the item of its sequence's next token (once its coda was read and its row
-        freed, nothing of the last token is left in it; a new object per token was a cost per row)."""
+    def reuse(self, order: int, position: int, token: int) -> WorkItem:
+        """This plain item as the item of its sequence's next token, `token` at `position` (once its coda
+        was read and its row freed, nothing of the last token is left in it; a new object per token was a
+        cost per row)."""
         assert self.row < 0 and self.group is None
-        self.order, self.position, self.prev_logprobs = order, position, None
+        self.order, self.position, self.token, self.prev_logprobs = order, position, token, None
         return self
-
-    @property
-    def input_token(self) -> int:
-        """The token this item is fed: the sequence's last one, or its verify group's (a draft)."""
-        return self.seq.output_ids[-1] if self.group is None else self.group.token_at(self.position)
 
     def state_seed(self) -> int:
         return self.seq.state_seed(self.position) if self.group is None else self.group.state_seed(self.position)
@@ -464,7 +465,7 @@ class ModelRunner:
         host, device, top, _ = self._pack(rows)
         ctx = self._ctx(host, device, top) if self.has_prelude_kv else None  # (Ouro's prelude attends to nothing)
         self.kv.store.set_depth(device[1], IN_FLIGHT)  # its KV rows: being computed
-        ids = upload([it.input_token for it in items], self.device)
+        ids = upload([it.token for it in items], self.device)
         seeds = [it.state_seed() for it in items] if self.draws_random_state else None
         state, inject = self.model.prelude(ids, ctx, seeds)
         self.pool.state.index_copy_(0, device[4], state)  # (index_copy_, index_select: the
@@ -534,7 +535,7 @@ class ModelRunner:
         slots = np.fromiter((kv.slot(it.seq.request_id) for it in items), np.int64, n)
         start = np.fromiter((it.position for it in items), np.int64, n)
         depth = np.array([min(loops, it.seq.rule.max_loops) for it in items], np.int64)
-        ids = upload([it.input_token for it in items], dev)
+        ids = upload([it.token for it in items], dev)
         seeds = [it.state_seed() for it in items] if self.draws_random_state else None
         tokens = torch.zeros(n, int(want.max()), dtype=torch.long, device=dev)
         for j in range(tokens.shape[1]):

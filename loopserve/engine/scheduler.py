@@ -244,7 +244,7 @@ class Scheduler:
             self.prelude_q.append(WorkItem(seq, order, self.pool, position=position,
                                            slot=self.kv.slot(seq.request_id)))
         else:
-            self.prelude_q.append(spent.reuse(order, position))
+            self.prelude_q.append(spent.reuse(order, position, seq.output_ids[-1]))
 
     def _resident(self) -> int:
         """Sequences holding (or about to hold) a state of their own: the running ones, and the samples
@@ -414,7 +414,7 @@ class Scheduler:
         for item, tokens in zip(plan.items, drafts, strict=True):
             if id(item) not in queued:
                 continue
-            group = VerifyGroup(item.seq, item.position, [item.input_token, *tokens])
+            group = VerifyGroup(item.seq, item.position, [item.token, *tokens])
             group.items = [WorkItem(item.seq, item.order + i, self.pool, position=item.position + i, group=group,
                                     slot=item.slot) for i in range(len(group.tokens))]
             groups[id(item)] = group.items
@@ -741,7 +741,7 @@ class Scheduler:
                     seq = item.seq
                     seq.metrics.loops_run += spent
                     seq.append_quiet(token, depth, now)
-                    requeue(item.reuse(next(orders), item.position + 1))
+                    requeue(item.reuse(next(orders), item.position + 1, token))
                     appended += 1
                     continue
                 sample = samples[j if kept is None else kept[j]]
