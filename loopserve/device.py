@@ -14,6 +14,7 @@ pool size for a fraction of a GPU's memory (`kv_memory_gb`).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from pathlib import Path
@@ -24,15 +25,17 @@ import torch
 log = logging.getLogger(__name__)
 
 
-_NUMPY_DTYPES = {torch.long: np.int64, torch.float64: np.float64, torch.float32: np.float32, torch.int32: np.int32,
-                 torch.bool: np.bool_}
+@functools.cache
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    """numpy's dtype for `dtype` (raises for one numpy lacks, such as bfloat16)."""
+    return torch.empty((), dtype=dtype).numpy().dtype
 
 
 def upload(data: list | torch.Tensor, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
     """Host data (a list or a CPU tensor) as a tensor on `device`, without a host-side wait. A list is
     read by numpy: `torch.tensor` of a list of Python numbers is 3-4x slower on this CPU (256 ints: 28
     against 8 us; 8192: 820 against 220 us; docs/benchmarks.md §8.16)."""
-    t = data if isinstance(data, torch.Tensor) else torch.from_numpy(np.array(data, _NUMPY_DTYPES[dtype]))
+    t = data if isinstance(data, torch.Tensor) else torch.from_numpy(np.array(data, _numpy_dtype(dtype)))
     if device.type == "cpu":
         return t
     if device.type == "cuda":

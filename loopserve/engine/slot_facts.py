@@ -24,7 +24,8 @@ _BY_SLOT = ("prompt_len", "plain", "quiet", "max_new", "rule")  # the arrays wit
 
 class SlotFacts:
     def __init__(self, slots: int) -> None:
-        # how many slots' sequences each token may stop (the last entry, always 0, stands for every larger token)
+        # how many slots' latest sequences each token may stop (a slot's count leaves when another sequence
+        # takes the slot; the last entry, always 0, stands for every larger token)
         self.stop_refs = np.zeros(1, np.int64)
         self._stops: list[frozenset[int]] = []  # each slot's `stop_tokens`, counted in stop_refs
         self._alloc(max(slots, 1))
@@ -61,8 +62,9 @@ class SlotFacts:
     def takes_quietly(self, slots: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """Mask of the rows whose sequence (by `slots`; `counts`: the tokens it has generated) takes its
         sampled token (`tokens`) by `Sequence.append_quiet` alone: it is `quiet`, the token is not its last
-        allowed, and no resident sequence may stop on it (a token that stops another goes the long way
-        too, which decides it exactly)."""
+        allowed, and no sequence counted in `stop_refs` may stop on it: the resident ones, and a finished
+        one until another takes its slot (a token that stops another goes the long way too, which decides
+        it exactly: a cost, never a wrong token)."""
         refs = self.stop_refs
         stops = refs[np.minimum(tokens, len(refs) - 1)]
         return self.quiet[slots] & (counts + 1 < self.max_new[slots]) & (stops == 0)
