@@ -457,8 +457,6 @@ class SampledBatch:
 def unpack(host: dict[str, torch.Tensor], params: list[SamplingParams]) -> list[Sample]:
     """The host copy of `sample_batch`'s result as one `Sample` per row (`params`: the rows', or none if
     no row asked for logprobs)."""
-    if not any(p.logprobs is not None for p in params):
-        return _samples(host)
     return list(SampledBatch(host, params))
 
 

@@ -53,9 +53,10 @@ class SlotFacts:
         before, stops = self._stops[slot], seq.stop_tokens
         if before:
             self.stop_refs[list(before)] -= 1
-        if stops and max(stops) + 1 >= len(self.stop_refs):
-            self.stop_refs = np.concatenate([self.stop_refs, np.zeros(max(stops) + 2 - len(self.stop_refs), np.int64)])
         if stops:
+            size = max(stops) + 2  # (the sentinel after the largest)
+            if size > len(self.stop_refs):
+                self.stop_refs = np.concatenate([self.stop_refs, np.zeros(size - len(self.stop_refs), np.int64)])
             self.stop_refs[list(stops)] += 1
         self._stops[slot] = stops
 
