@@ -1,6 +1,6 @@
 """A request's token bookkeeping on the batch path: the tokens `SlotFacts.takes_quietly` lets a coda batch
-append by `Sequence.append_quiet` alone are exactly those `Sequence.append` would take without finishing
-the request, and
+record by `HeldTokens.add` alone are exactly those `Sequence.append` would take without finishing
+the request, and the sequence reads them back in order; and
 `KVCacheManager.ensure_slots` (what a prelude batch calls) makes room token by token as `ensure` does."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from loopserve.cache.manager import KVCacheManager
 from loopserve.cache.pool import KVStore
+from loopserve.engine.held_tokens import HOLD, HeldTokens
 from loopserve.engine.sequence import Sequence
 from loopserve.engine.slot_facts import SlotFacts
 from loopserve.exits import ExitRule
@@ -25,16 +26,18 @@ def _sequence(tok: Tokenizer, params: SamplingParams) -> Sequence:
 
 
 @settings(max_examples=80, deadline=None)
-@given(tokens=st.lists(st.integers(0, 12), min_size=1, max_size=20),
-       max_tokens=st.integers(1, 12), min_tokens=st.integers(0, 4),
+@given(tokens=st.lists(st.integers(0, 40), min_size=1, max_size=3 * HOLD),
+       max_tokens=st.integers(1, 3 * HOLD), min_tokens=st.integers(0, 4),
        stop_ids=st.lists(st.integers(0, 12), max_size=3), ignore_eos=st.booleans(),
-       other_stops=st.lists(st.integers(0, 12), max_size=2))
-def test_quiet_appends_are_the_appends_that_finish_nothing(tiny_ouro, tokens, max_tokens, min_tokens, stop_ids,
-                                                          ignore_eos, other_stops):
-    """Feeding tokens through `append_quiet` where `SlotFacts.takes_quietly` allows it (as
+       other_stops=st.lists(st.integers(0, 12), max_size=2), reads=st.sets(st.integers(0, 3 * HOLD)))
+def test_quiet_tokens_held_are_the_appends_that_finish_nothing(tiny_ouro, tokens, max_tokens, min_tokens, stop_ids,
+                                                              ignore_eos, other_stops, reads):
+    """Feeding tokens through `HeldTokens.add` where `SlotFacts.takes_quietly` allows it (as
     `Scheduler.after_coda` does), else through `append`, leaves the request as `append` alone does:
-    tokens, depths, finish, stop reason, text, times. It declines every token that may finish the request,
-    and the stop tokens of the sequence in another slot, and nothing else."""
+    tokens, depths, loops, finish, stop reason, text, times, whether it reads its lists between tokens
+    (`reads`) or not (the slot then settles its sequence every `HOLD` tokens), and when another sequence
+    takes the slot (the holder settles first). It declines every token that may finish the request, and
+    the stop tokens of the sequence in another slot, and nothing else."""
     tok = Tokenizer(tiny_ouro)
     eos = min(tok.eos_token_ids)
     stream = [eos if t == 0 else t for t in tokens]  # eos at times, stop ids at times
@@ -42,29 +45,35 @@ def test_quiet_appends_are_the_appends_that_finish_nothing(tiny_ouro, tokens, ma
                             ignore_eos=ignore_eos, output_kind=RequestOutputKind.FINAL_ONLY)
     batch, plain = _sequence(tok, params), _sequence(tok, params)
     other = _sequence(tok, SamplingParams(stop_token_ids=other_stops, ignore_eos=True))
-    facts = SlotFacts(1)  # (grows)
-    facts.admit(3, other)
-    facts.admit(2, batch)
-    facts.admit(1, other)
-    facts.admit(1, plain)  # in the place of `other`: its stop tokens no longer count there
+    facts, held = SlotFacts(1), HeldTokens(1)  # (both grow)
+    for slot, seq in ((3, other), (2, batch), (1, other), (1, plain)):  # `plain` in the place of `other`: its
+        facts.admit(slot, seq)  # stop tokens no longer count there
+        held.admit(slot, seq)
     stoppers = set(stop_ids) | (set() if ignore_eos else set(tok.eos_token_ids))
     assert batch.quiet and facts.stops_counted()
     for k, t in enumerate(stream):
-        now = float(k)
-        quiet = bool(facts.takes_quietly(np.array([2]), np.array([t]), np.array([len(batch.output_ids)]))[0])
+        now, depth, loops = float(k), k % 4 + 1, 2 * k + 1
+        quiet = bool(facts.takes_quietly(np.array([2]), np.array([t]), np.array([k]))[0])
         if quiet:
-            batch.append_quiet(t, k % 4 + 1, now)
+            held.add(np.array([2]), np.array([t]), np.array([depth]), np.array([loops]), now)
         else:
-            batch.append(t, k % 4 + 1, now)
-        plain.append(t, k % 4 + 1, now)
+            batch.metrics.loops_run += loops
+            batch.append(t, depth, now)
+        plain.metrics.loops_run += loops
+        plain.append(t, depth, now)
         # it declines a stop token (even one min_tokens keeps from stopping) and the last token allowed
         assert quiet == (t not in stoppers | set(other_stops) and len(plain.output_ids) < max_tokens)
+        assert held.count[2] <= HOLD
+        if k in reads:
+            assert batch.output_ids == plain.output_ids and held.count[2] == 0
         if plain.finished:
             break
+    held.admit(2, other)  # the slot's next sequence: `batch` takes its tokens in and lets go
+    assert batch.held is None and held.count[2] == 0
     for name in ("output_ids", "exit_depths", "finish_reason", "stop_reason", "text"):
         assert getattr(batch, name) == getattr(plain, name), name
-    assert (batch.metrics.first_token_time, batch.metrics.last_token_time) == (
-        plain.metrics.first_token_time, plain.metrics.last_token_time)
+    assert (batch.metrics.first_token_time, batch.metrics.last_token_time, batch.metrics.loops_run) == (
+        plain.metrics.first_token_time, plain.metrics.last_token_time, plain.metrics.loops_run)
 
 
 @pytest.mark.parametrize("loud", [dict(logprobs=2), dict(stop=["ab"]), dict(output_kind=RequestOutputKind.DELTA),

@@ -16,6 +16,7 @@ import torch
 from loopserve.cache.layout import IN_FLIGHT, KVLayout
 from loopserve.cache.manager import KVCacheManager
 from loopserve.device import Readback, upload
+from loopserve.engine.held_tokens import HeldTokens
 from loopserve.engine.sampler import (
     GREEDY,
     Sample,
@@ -154,6 +155,7 @@ class StatePool:
         self.decides_ahead = np.zeros(rows, bool)  # its rule acts on a step's signal one step later
         self.exits = ExitBook(rows)
         self.sequences = SlotFacts(rows)  # by block-table slot: what the rows' sequences never change
+        self.held = HeldTokens(rows)  # by block-table slot: quiet tokens not yet in their sequences' lists
 
     @property
     def num_free(self) -> int:

@@ -171,8 +171,10 @@ class TokenHistory(Protocol):
     """What penalties and `min_tokens` read of a request besides its params (its `Sequence`)."""
 
     prompt_ids: list[int]
-    output_ids: list[int]
     eos_ids: set[int]  # empty under ignore_eos
+
+    @property
+    def output_ids(self) -> list[int]: ...
 
 
 class LogitBias(dict[int, float]):

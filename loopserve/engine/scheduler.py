@@ -478,7 +478,7 @@ class Scheduler:
             full = kv.tables[sid].blocks[: len(c.seq.prompt_ids) // kv.block_size]
             for fork in c.seq.pending_forks if c.last else ():  # they get the prompt's KV with this chunk:
                 kv.adopt(fork.request_id, full)  # its full blocks shared (read-only from now on),
-                self.pool.sequences.admit(kv.slot(fork.request_id), fork)
+                self._seat(fork)
                 kv.ensure(fork.request_id, len(fork.prompt_ids) + 1)  # the rest copied (runner.prefill)
                 self.running[fork.request_id] = fork
                 fork.status = Status.RUNNING
@@ -513,12 +513,18 @@ class Scheduler:
         """A new prompt takes its cached blocks (a table even without any) and prefills after them."""
         sid = seq.request_id
         self.kv.adopt(sid, hit)
-        self.pool.sequences.admit(self.kv.slot(sid), seq)
+        self._seat(seq)
         cached = len(hit) * self.kv.block_size
         self.prefill_pos[sid] = seq.num_cached_tokens = cached
         if self.prefix_scope is not None and seq.params.prompt_logprobs is None:
             self.stats.prefix_cache_queries += len(seq.prompt_ids)
             self.stats.prefix_cache_hits += cached
+
+    def _seat(self, seq: Sequence) -> None:
+        """`seq` was given a block-table slot: its facts and its held tokens go by that slot now."""
+        slot = self.kv.slot(seq.request_id)
+        self.pool.sequences.admit(slot, seq)
+        self.pool.held.admit(slot, seq)
 
     def _fork_blocks(self, seq: Sequence) -> int:
         """KV blocks the samples forking from `seq`'s prefill take: each shares the prompt's full blocks
@@ -721,40 +727,37 @@ class Scheduler:
             self.coda_running = _without(self.coda_running, taken)
             rows = rows_of(taken)
         assert rows is not None
-        # loops run and exit depths of the batch, read at once; and the rows whose token needs nothing but
-        # appending (most: no `Sample` is made for them, nothing checked per row). A plain item was fed its
-        # sequence's last token: its decode index + 1 tokens were generated before this one.
-        loops, depths = pool.r[rows].tolist(), pool.exits.exit_depth[rows].tolist()
-        quiet = ok & pool.sequences.takes_quietly(pool.kv_slot[rows], tokens, pool.decode_index[rows] + 1)
+        # the rows whose token needs nothing but recording (most): their ids, exit depths and loops run go to
+        # `HeldTokens` in one call (no `Sample` is made for them, nothing checked per row); the rest take theirs
+        # one by one. A plain item was fed its sequence's last token: its decode index + 1 tokens were
+        # generated before this one.
+        loops, depths, slots = pool.r[rows], pool.exits.exit_depth[rows], pool.kv_slot[rows]
+        quiet = ok & pool.sequences.takes_quietly(slots, tokens, pool.decode_index[rows] + 1)
         if self.speculator is None:
             pool.release_all(taken, rows)
         else:  # (a verify group's rows: in _accept)
             quiet &= np.fromiter((i.group is None for i in taken), bool, len(taken))
             pool.release_all([i for i in taken if i.group is None])
         now = time.monotonic()  # (the batch's tokens arrived together)
-        orders, requeue, appended = self._orders, self.prelude_q.append, 0
+        pool.held.add(slots[quiet], tokens[quiet], depths[quiet], loops[quiet], now)
+        self.stats.generated_tokens += int(np.count_nonzero(quiet))
+        orders, requeue = self._orders, self.prelude_q.append
         self._kv_to_free = []  # (nothing is allocated before the loop ends)
         try:
-            for j, (item, easy, token, spent, depth) in enumerate(zip(taken, quiet.tolist(), tokens.tolist(), loops,
-                                                                      depths, strict=True)):
-                if easy:  # what `_append_token` does for such a token
-                    seq = item.seq
-                    seq.metrics.loops_run += spent
-                    seq.append_quiet(token, depth, now)
+            for j, (item, easy, token) in enumerate(zip(taken, quiet.tolist(), tokens.tolist(), strict=True)):
+                if easy:  # its next token's item, queued in batch order (as `_new_item` would)
                     requeue(item.reuse(next(orders), item.position + 1, token))
-                    appended += 1
                     continue
                 sample = samples[j if kept is None else kept[j]]
                 if item.group is not None:  # a verify group runs one coda, whole (CDB holds it until then)
                     if item is item.group.items[0]:
                         self._accept(item.group, [samples[index[id(i)]] for i in item.group.items], now)
                     continue
-                item.seq.metrics.loops_run += spent
-                self._append_token(item.seq, sample, depth, now, spent=item)
+                item.seq.metrics.loops_run += int(loops[j])
+                self._append_token(item.seq, sample, int(depths[j]), now, spent=item)
         finally:
             finished, self._kv_to_free = self._kv_to_free, None
             self.kv.free_all(finished)
-            self.stats.generated_tokens += appended
 
     def _accept(self, group: VerifyGroup, samples: list[Sample], now: float) -> None:
         """A verify round's coda ran (docs/design.md §12). Row i was fed x_t or draft i and sampled
@@ -837,6 +840,12 @@ class Scheduler:
             slot = self.kv.slot(s.request_id)
             assert self.pool.sequences.matches(slot, s), f"slot facts of {s.request_id} are not its own"
         assert self.pool.sequences.stops_counted(), "stop-token counts are not the slots' stop tokens"
+        held = self.pool.held
+        for slot in np.flatnonzero(held.count).tolist():  # (read before anything below settles them)
+            owner = held.owners[slot]
+            assert owner is not None and owner.held is held and owner.slot == slot, "held tokens without a holder"
+            assert owner.request_id in self.running or owner in (i.seq for i in self.swapped) or owner.finished, \
+                "tokens held for a sequence no longer admitted"
         for item in self.swapped:  # its host copy: the KV of its tokens, no row past them (drafts)
             sid = item.seq.request_id
             assert self.kv.is_swapped(sid), f"swapped sequence {sid} has no host copy"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,6 +17,9 @@ from loopserve.models.base import LoopedLM
 from loopserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from loopserve.sampling_params import RequestOutputKind, SamplingParams
 from loopserve.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from loopserve.engine.held_tokens import HeldTokens
 
 _MASK63 = (1 << 63) - 1
 
@@ -170,7 +173,7 @@ class Sequence:
         self.streams = params.output_kind != RequestOutputKind.FINAL_ONLY
         self._text_per_token = bool(params.stop) or self.streams
         self.plain_greedy = plain_greedy(self.params)
-        # and whether a token that cannot finish it needs nothing but appending (`append_quiet`): no
+        # and whether a token that cannot finish it needs nothing but recording (`HeldTokens`): no
         # logprobs, text, grammar or output per token
         self.quiet = params.logprobs is None and not self._text_per_token and params.guided_decoding is None
         self.prompt_ids = list(prompt_ids)
@@ -183,12 +186,12 @@ class Sequence:
         self.block_hashes: list[bytes] | None = None  # the prompt's full KV blocks' keys (prefix cache)
         limit = max_model_len - len(prompt_ids)
         self.max_new = min(params.max_tokens, limit) if params.max_tokens is not None else limit
-        self.output_ids: list[int] = []
+        self._output_ids: list[int] = []
         self.logprobs: list | None = [] if params.logprobs is not None else None
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
             [None] * len(self.prompt_ids) if params.prompt_logprobs is not None else None)
         self.cumulative_logprob = 0.0
-        self.exit_depths: list[int] = []
+        self._exit_depths: list[int] = []
         self._text = ""  # the text of output_ids[:_decoded] (`text` decodes the rest when read)
         self._decoded = 0
         self._detok = tokenizer.decode_stream(params.skip_special_tokens)  # incremental decoding of output_ids
@@ -210,9 +213,47 @@ class Sequence:
         self.family: list[Sequence] = [self]
         self.pending_forks: list[Sequence] = []
         self.arrival_index = 0  # order of arrival at the engine (preemption picks the latest)
-        self.metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
+        self._metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
+        # while resident in the engine: where whole batches leave its quiet tokens (`HeldTokens`), by slot
+        self.held: HeldTokens | None = None
+        self.slot = -1
 
     # -- token bookkeeping --------------------------------------------------------------------------
+    # The generated tokens, their exit depths and the metrics are read through these: each first takes in
+    # what coda batches left for it in `held` (a check of one array entry when nothing is there).
+    @property
+    def output_ids(self) -> list[int]:
+        if self.held is not None and self.held.count[self.slot]:
+            self.settle()
+        return self._output_ids
+
+    @property
+    def exit_depths(self) -> list[int]:
+        if self.held is not None and self.held.count[self.slot]:
+            self.settle()
+        return self._exit_depths
+
+    @property
+    def metrics(self) -> RequestMetrics:
+        if self.held is not None and self.held.count[self.slot]:
+            self.settle()
+        return self._metrics
+
+    def settle(self) -> None:
+        """Take in the tokens held for this sequence (`HeldTokens`): ids and exit depths onto the lists, their
+        loops and times into the metrics. They were quiet: none of them could finish it or needs checking."""
+        if self.held is None:
+            return
+        tokens, depths, loops, first, last = self.held.take(self.slot)
+        if tokens:
+            self._output_ids += tokens
+            self._exit_depths += depths
+            metrics = self._metrics
+            metrics.loops_run += loops
+            if metrics.first_token_time is None:
+                metrics.first_token_time = first
+            metrics.last_token_time = last
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
@@ -318,17 +359,6 @@ class Sequence:
             self.finish("length")
         if not self.finished and guide is not None and guide.done:
             self.finish("stop")  # the grammar is complete: only its end could follow
-
-    def append_quiet(self, token: int, exit_depth: int, now: float) -> None:
-        """`append` for a `quiet` request and a token that cannot finish it (not one of its `stop_tokens`,
-        not its last allowed: `SlotFacts.takes_quietly` tells a batch's rows), as a batch's rows call it:
-        the token, its exit depth and its time, nothing else."""
-        self.output_ids.append(token)
-        self.exit_depths.append(exit_depth)
-        metrics = self.metrics
-        if metrics.first_token_time is None:
-            metrics.first_token_time = now
-        metrics.last_token_time = now
 
     def _stopped(self, token: int, searched: int) -> bool:
         """Finish the request if the token just appended, or the text it completed, stops it (vLLM's rules:

@@ -62,7 +62,7 @@ class SlotFacts:
 
     def takes_quietly(self, slots: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """Mask of the rows whose sequence (by `slots`; `counts`: the tokens it has generated) takes its
-        sampled token (`tokens`) by `Sequence.append_quiet` alone: it is `quiet`, the token is not its last
+        sampled token (`tokens`) by `HeldTokens.add` alone: it is `quiet`, the token is not its last
         allowed, and no sequence counted in `stop_refs` may stop on it: the resident ones, and a finished
         one until another takes its slot (a token that stops another goes the long way too, which decides
         it exactly: a cost, never a wrong token)."""

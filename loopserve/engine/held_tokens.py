@@ -1,0 +1,82 @@
+"""`HeldTokens`: the tokens whole coda batches gave resident quiet sequences, held by block-table slot
+until something reads the sequence's lists.
+
+A token that cannot finish its quiet sequence (`SlotFacts.takes_quietly`) needs nothing but recording:
+its id and exit depth, the loops it ran, the time it arrived. A batch writes those of all such rows
+into arrays indexed by the rows' slots with a few array operations, instead of a Python call per
+row. The sequence moves them into its lists the first time anything reads `Sequence.output_ids`,
+`exit_depths` or `metrics` (each settles first): its next token that goes the long way, its finish,
+an output, a preemption, a draft. So no reader ever sees a sequence short of a token
+(docs/design.md §9, step 2 of the persistent batch).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from loopserve.engine.sequence import Sequence
+
+# tokens a slot holds before a batch that would add one more settles its sequence first (one Python call
+# per this many tokens of a row, against one per token)
+HOLD = 32
+_BY_SLOT = ("count", "tokens", "depths", "loops", "first_time", "last_time")  # the arrays with a row per slot
+
+
+class HeldTokens:
+    def __init__(self, slots: int) -> None:
+        self.owners: list[Sequence | None] = []  # the sequence each slot holds tokens for
+        self._alloc(max(slots, 1))
+
+    def _alloc(self, slots: int) -> None:
+        old = {name: getattr(self, name) for name in _BY_SLOT if hasattr(self, name)}
+        self.count = np.zeros(slots, np.int64)  # tokens held
+        self.tokens = np.zeros((slots, HOLD), np.int64)  # their ids
+        self.depths = np.zeros((slots, HOLD), np.int64)  # their exit depths
+        self.loops = np.zeros(slots, np.int64)  # the loops they ran, together
+        self.first_time = np.zeros(slots)  # when the first of them arrived
+        self.last_time = np.zeros(slots)  # and the latest
+        for name, kept in old.items():
+            getattr(self, name)[: len(kept)] = kept
+        self.owners += [None] * (slots - len(self.owners))
+
+    def admit(self, slot: int, seq: Sequence) -> None:
+        """`seq` now holds block-table slot `slot`: whichever sequence held it before takes its tokens
+        out and lets go of the slot."""
+        if slot >= len(self.owners):
+            self._alloc(max(slot + 1, 2 * len(self.owners)))
+        before = self.owners[slot]
+        if before is not None:
+            before.settle()
+            before.held = None
+        self.owners[slot] = seq
+        seq.held, seq.slot = self, slot
+
+    def add(self, slots: np.ndarray, tokens: np.ndarray, depths: np.ndarray, loops: np.ndarray,
+            now: float) -> None:
+        """One token for each sequence in `slots` (no slot twice: one plain item per sequence), its exit
+        depth and the loops it ran, all arrived at `now`."""
+        count = self.count[slots]
+        full = count == HOLD
+        if full.any():
+            for slot in slots[full].tolist():
+                owner = self.owners[slot]
+                assert owner is not None
+                owner.settle()
+            count[full] = 0
+        self.tokens[slots, count] = tokens
+        self.depths[slots, count] = depths
+        self.loops[slots] += loops
+        self.first_time[slots[count == 0]] = now
+        self.last_time[slots] = now
+        self.count[slots] = count + 1
+
+    def take(self, slot: int) -> tuple[list[int], list[int], int, float, float]:
+        """The tokens held for `slot` (ids, exit depths, loops run, first and latest arrival), no longer held."""
+        n = int(self.count[slot])
+        out = (self.tokens[slot, :n].tolist(), self.depths[slot, :n].tolist(), int(self.loops[slot]),
+               float(self.first_time[slot]), float(self.last_time[slot]))
+        self.count[slot] = self.loops[slot] = 0
+        return out
