@@ -58,6 +58,17 @@ class BlockTables:
         if self.device.type != "cpu" and blocks:
             self._dirty.append((slot, first, end))
 
+    def set_entries(self, slots: np.ndarray, columns: np.ndarray, blocks: np.ndarray) -> None:
+        """Write blocks[i] into column columns[i] of slot slots[i] (growing the table when needed)."""
+        if not len(slots):
+            return
+        top_slot, top_column = int(slots.max()), int(columns.max())
+        if top_slot >= self.num_slots or top_column >= self.host.shape[1]:
+            self._grow(max(top_slot + 1, self.num_slots), max(top_column + 1, self.host.shape[1]))
+        self.host[slots, columns] = blocks
+        if self.device.type != "cpu":
+            self._dirty += [(s, c, c + 1) for s, c in zip(slots.tolist(), columns.tolist(), strict=True)]
+
     def _grow(self, slots: int, blocks: int) -> None:
         self.sync()
         self._alloc(max(slots, 2 * self.num_slots) if slots > self.num_slots else slots,

@@ -75,10 +75,14 @@ class KVCacheManager:
     def ensure_slots(self, slots: np.ndarray, num_tokens: np.ndarray) -> int:
         """`ensure` for the sequences holding `slots` in turn, stopping at the first the pool is short for:
         how many got room (a prefix). A prelude batch's tokens mostly fit the blocks their sequences hold:
-        those are checked and taken with array operations, and only a token that needs a new block (and
-        those after it) goes through `ensure`."""
+        those are checked and taken with array operations; so are tokens that need one new block each (every
+        block_size tokens, a batch of sequences that started together all cross into a new block at once):
+        their blocks come from one allocation. Only a token that needs more (and those after it) goes
+        through `ensure`."""
         fits = num_tokens <= self.room[slots]
         k = len(slots) if fits.all() else int(fits.argmin())
+        if k < len(slots):
+            k += self._add_blocks(slots[k:], num_tokens[k:])
         np.maximum.at(self.used, slots[:k], num_tokens[:k])  # (.at: a slot listed twice keeps its max)
         for j in range(k, len(slots)):
             owner = self.owner[int(slots[j])]
@@ -86,6 +90,35 @@ class KVCacheManager:
             if not self.ensure(owner, int(num_tokens[j])):
                 return j
         return len(slots)
+
+    def _add_blocks(self, slots: np.ndarray, num_tokens: np.ndarray) -> int:
+        """Room for the first entries that fit their blocks or need one more block each (distinct sequences:
+        a slot's second entry reads its room before the first's block), as many as the pool has blocks
+        for, all taken in one allocation; returns how many got room."""
+        bs = self.block_size
+        room = self.room[slots]
+        ok = num_tokens <= room + bs
+        n = len(slots) if ok.all() else int(ok.argmin())
+        grow = np.flatnonzero(num_tokens[:n] > room[:n])
+        _, first = np.unique(slots[grow], return_index=True)
+        if len(first) < len(grow):  # stop at the first repeat of a slot that grows
+            again = np.ones(len(grow), bool)
+            again[first] = False
+            cut = int(np.flatnonzero(again)[0])
+            n, grow = int(grow[cut]), grow[:cut]
+        if len(grow) > self.num_free:
+            n, grow = int(grow[self.num_free]), grow[: self.num_free]
+        if len(grow):
+            blocks = self.allocator.allocate(len(grow))
+            grown = slots[grow]
+            self.block_tables.set_entries(grown, self.room[grown] // bs, np.array(blocks, np.int64))
+            self.room[grown] += bs
+            owner, tables = self.owner, self.tables
+            for slot, block in zip(grown.tolist(), blocks, strict=True):
+                seq_id = owner[slot]
+                assert seq_id is not None, f"slot {slot} holds no sequence"
+                tables[seq_id].blocks.append(block)
+        return n
 
     def num_tokens(self, seq_id: str) -> int:
         """Tokens of the sequence whose KV rows are in use (room was ensured for them)."""
