@@ -12,7 +12,9 @@ from __future__ import annotations
 import pytest
 
 from loopserve import LLM, SamplingParams
+from loopserve.engine.held_tokens import HOLD
 from loopserve.engine.sequence import Sequence
+from loopserve.sampling_params import RequestOutputKind
 from tests.engine_helpers import Req, assert_logprobs_close, assert_matches, drive, make_engine, reference
 
 SCHEDULERS = ("cb", "cdb-norefill", "cdb")
@@ -254,3 +256,30 @@ def test_trace_savings_exact(arch, lookahead, tiny_ouro, tiny_huginn):
     assert stats["cdb"].rows["core"] == stats["cdb-norefill"].rows["core"] == useful
     assert stats["cb"].rows["core"] == len(depths) * r_max  # every item computed to full depth
     assert stats["cb"].rows["core"] - stats["cdb"].rows["core"] == savings
+
+
+# -- quiet tokens held by slot (`HeldTokens`) over many steps ---------------------------------------------
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_long_quiet_outputs_match_reference(scheduler, tiny_ouro):
+    """Requests whose tokens are mostly held by slot between steps (final-only, no logprobs or stop strings)
+    for more than `HOLD` tokens at a time, beside ones that read their tokens at every step (penalties,
+    a stop token, logprobs), one aborted while it holds tokens and a later one taking its slot (few slots:
+    `max_num_seqs`): each equals the reference decoder, its loops and exit depths too."""
+    engine = make_engine(tiny_ouro, scheduler=scheduler, max_decode_batch=3, max_num_seqs=3, kv_cache_tokens=1024)
+    n = 2 * HOLD + 7
+    quiet = dict(ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+    params = [SamplingParams(temperature=0, max_tokens=HOLD + 3, **quiet),  # aborted below
+              SamplingParams(temperature=0, max_tokens=n, **quiet),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=n, exit_threshold=0.6, **quiet),
+              SamplingParams(temperature=0.8, seed=6, max_tokens=n, presence_penalty=0.5, **quiet),
+              SamplingParams(temperature=0.7, seed=8, max_tokens=n, logprobs=1, **quiet),
+              SamplingParams(temperature=0.9, seed=9, max_tokens=n, stop_token_ids=[7, 11],
+                             output_kind=RequestOutputKind.FINAL_ONLY),
+              SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)]  # streamed: reads every token
+    reqs = [Req(f"h{i}", [5 + 3 * i, 40 + i, 9][: 1 + i % 3], p, seed=i, arrive=i,
+                abort_at=3 * HOLD // 2 if i == 0 else None) for i, p in enumerate(params)]
+    outs = drive(engine, reqs)
+    for r in reqs:
+        assert_matches(outs[r.rid], reference(engine, r))
+    assert outs["h0"].outputs[0].finish_reason == "abort" and len(outs["h0"].outputs[0].token_ids) > 1
+    assert len(outs["h1"].outputs[0].token_ids) == n

@@ -841,7 +841,7 @@ class Scheduler:
             assert self.pool.sequences.matches(slot, s), f"slot facts of {s.request_id} are not its own"
         assert self.pool.sequences.stops_counted(), "stop-token counts are not the slots' stop tokens"
         held = self.pool.held
-        for slot in np.flatnonzero(held.count).tolist():  # (read before anything below settles them)
+        for slot in np.flatnonzero(held.count).tolist():  # (nothing here settles them: `Sequence.loops_run`)
             owner = held.owners[slot]
             assert owner is not None and owner.held is held and owner.slot == slot, "held tokens without a holder"
             assert owner.request_id in self.running or owner in (i.seq for i in self.swapped) or owner.finished, \
@@ -871,8 +871,7 @@ class Scheduler:
         for i in items + list(self.swapped):
             assert i.slot == self.kv.slot(i.seq.request_id), "work item of another block-table slot"
         # loops: every kept core row belongs to a finished request, a live one, or an in-flight token
-        live = sum(s.metrics.loops_run for s in self.running.values()) + sum(
-            i.seq.metrics.loops_run for i in self.swapped)
+        live = sum(s.loops_run for s in self.running.values()) + sum(i.seq.loops_run for i in self.swapped)
         assert self.stats.useful_core_rows == self.retired_loops + live + sum(i.r for i in items), \
             "core loops unaccounted for"
 

@@ -239,6 +239,12 @@ class Sequence:
             self.settle()
         return self._metrics
 
+    @property
+    def loops_run(self) -> int:
+        """Core loops its decode tokens ran so far, held ones included, read without settling them (the
+        scheduler's invariant checks: settling there would leave nothing held between two steps)."""
+        return self._metrics.loops_run + (int(self.held.loops[self.slot]) if self.held is not None else 0)
+
     def settle(self) -> None:
         """Take in the tokens held for this sequence (`HeldTokens`): ids and exit depths onto the lists, their
         loops and times into the metrics. They were quiet: none of them could finish it or needs checking."""
