@@ -283,3 +283,34 @@ def test_long_quiet_outputs_match_reference(scheduler, tiny_ouro):
         assert_matches(outs[r.rid], reference(engine, r))
     assert outs["h0"].outputs[0].finish_reason == "abort" and len(outs["h0"].outputs[0].token_ids) > 1
     assert len(outs["h1"].outputs[0].token_ids) == n
+
+
+def test_prompt_admitted_again_into_another_slot_keeps_its_tokens(tiny_ouro):
+    """A partly prefilled prompt whose KV is dropped (`_drop_partial_prefill`) and that is admitted again
+    into another block-table slot holds its quiet tokens there, and a new request taking its old slot
+    takes nothing of them: it equals the reference decoder."""
+    final = dict(ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+    engine = make_engine(tiny_ouro, prefill_chunk_size=16, max_num_batched_tokens=16, kv_cache_tokens=1024)
+    sched = engine.scheduler
+    a = Req("A", [(3 * i + 1) % 50 + 2 for i in range(48)], SamplingParams(temperature=0, max_tokens=2 * HOLD,
+                                                                          **final), seed=2)
+    engine.add_request("X", [5, 6, 7, 8, 9], SamplingParams(max_tokens=50, **final), seed=1)
+    engine.add_request(a.rid, a.prompt, a.params, seed=a.seed)
+    outs: dict = {}
+    for _ in range(50):  # until A's prompt is partly prefilled
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+        if "A" in sched.running and "A" not in sched.prefilling and any(s.request_id == "A" for s in sched.waiting):
+            break
+    first = engine.kv.slot("A")
+    assert sched._drop_partial_prefill()
+    engine.abort_request("X")  # X's slot is freed after A's: A's next admission takes it
+    outs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert engine.kv.slot("A") != first
+    engine.add_request("D", [11, 12, 13], SamplingParams(max_tokens=5, **final), seed=3)  # into A's old slot
+    for _ in range(400):
+        if not engine.has_unfinished_requests():
+            break
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+        sched.check_invariants()
+    assert_matches(outs["A"], reference(engine, a))
+    assert len(outs["D"].outputs[0].token_ids) == 5

@@ -44,15 +44,23 @@ class HeldTokens:
 
     def admit(self, slot: int, seq: Sequence) -> None:
         """`seq` now holds block-table slot `slot`: whichever sequence held it before takes its tokens
-        out and lets go of the slot."""
+        out and lets go of it, and so does `seq` of the slot it held before, if any (a prompt whose
+        partial prefill was dropped is admitted again, maybe into another slot)."""
         if slot >= len(self.owners):
             self._alloc(max(slot + 1, 2 * len(self.owners)))
         before = self.owners[slot]
-        if before is not None:
-            before.settle()
-            before.held = None
+        if before is not None and before.held is self and before.slot == slot:
+            self._let_go(before)
+        if seq.held is self and self.owners[seq.slot] is seq:
+            self._let_go(seq)
         self.owners[slot] = seq
         seq.held, seq.slot = self, slot
+
+    def _let_go(self, seq: Sequence) -> None:
+        """`seq` leaves its slot: it takes its tokens in first."""
+        seq.settle()
+        self.owners[seq.slot] = None
+        seq.held = None
 
     def add(self, slots: np.ndarray, tokens: np.ndarray, depths: np.ndarray, loops: np.ndarray,
             now: float) -> None:
@@ -63,7 +71,7 @@ class HeldTokens:
         if full.any():
             for slot in slots[full].tolist():
                 owner = self.owners[slot]
-                assert owner is not None
+                assert owner is not None and owner.held is self and owner.slot == slot, f"slot {slot} holds no sequence"
                 owner.settle()
             count[full] = 0
         self.tokens[slots, count] = tokens

@@ -1,9 +1,10 @@
 """`SlotFacts`: the resident sequences' constant facts as arrays indexed by block-table slot.
 
-A sequence holds its slot of the KV block tables from admission to its end (through preemption too),
+A sequence holds its slot of the KV block tables from admission to its end (swapped out too; one whose
+KV is dropped for recomputation is admitted again, maybe into another slot, and its facts written there),
 and the facts a decode batch reads about each row's sequence never change while it runs: its
 prompt's length, whether it samples by a plain argmax, its exit rule's constants, whether a token
-that cannot finish it needs nothing but appending (`Sequence.quiet`), how many tokens it may
+that cannot finish it needs nothing but recording (`Sequence.quiet`), how many tokens it may
 generate, and which tokens may stop it. Set once per sequence when it is admitted, they are read for
 a whole batch with one gather by the rows' slots (`StatePool.kv_slot`) instead of a Python attribute
 read per row. The reads alone gain nothing measurable (docs/benchmarks.md §8.15: the same instruction
