@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from loopserve.jit import compiled
+
 if TYPE_CHECKING:
     from loopserve.engine.sequence import Sequence
 
@@ -65,21 +67,19 @@ class HeldTokens:
     def add(self, slots: np.ndarray, tokens: np.ndarray, depths: np.ndarray, loops: np.ndarray,
             now: float) -> None:
         """One token for each sequence in `slots` (no slot twice: one plain item per sequence), its exit
-        depth and the loops it ran, all arrived at `now`."""
-        count = self.count[slots]
-        full = count == HOLD
-        if full.any():
+        depth and the loops it ran, all arrived at `now`. One compiled pass; a full slot's sequence takes
+        its tokens in first, then its row is written."""
+        skipped = np.empty(len(slots), np.int64)
+        n = _hold_rows(slots, tokens, depths, loops, now, self.count, self.tokens, self.depths, self.loops,
+                       self.first_time, self.last_time, skipped)
+        if n:
+            full = skipped[:n]
             for slot in slots[full].tolist():
                 owner = self.owners[slot]
                 assert owner is not None and owner.held is self and owner.slot == slot, f"slot {slot} holds no sequence"
                 owner.settle()
-            count[full] = 0
-        self.tokens[slots, count] = tokens
-        self.depths[slots, count] = depths
-        self.loops[slots] += loops
-        self.first_time[slots[count == 0]] = now
-        self.last_time[slots] = now
-        self.count[slots] = count + 1
+            _hold_rows(slots[full], tokens[full], depths[full], loops[full], now, self.count, self.tokens,
+                       self.depths, self.loops, self.first_time, self.last_time, skipped)
 
     def take(self, slot: int) -> tuple[list[int], list[int], int, float, float]:
         """The tokens held for `slot` (ids, exit depths, loops run, first and latest arrival), no longer held."""
@@ -88,3 +88,27 @@ class HeldTokens:
                float(self.first_time[slot]), float(self.last_time[slot]))
         self.count[slot] = self.loops[slot] = 0
         return out
+
+
+@compiled
+def _hold_rows(slots, tokens, depths, loops, now, count, held_tokens, held_depths, held_loops, first_time, last_time,
+               skipped):
+    """`HeldTokens.add`: row k's token into the next free column of slot slots[k], unless the slot is full:
+    those rows' indices go to `skipped` (how many is returned)."""
+    n = 0
+    width = held_tokens.shape[1]
+    for k in range(slots.shape[0]):
+        s = slots[k]
+        c = count[s]
+        if c == width:
+            skipped[n] = k
+            n += 1
+            continue
+        held_tokens[s, c] = tokens[k]
+        held_depths[s, c] = depths[k]
+        held_loops[s] += loops[k]
+        if c == 0:
+            first_time[s] = now
+        last_time[s] = now
+        count[s] = c + 1
+    return n

@@ -232,6 +232,7 @@ class StatePool:
         self.undecided(none, none)
         self.exits.start(none, [], none, np.zeros((0, RULE_WIDTH)))
         self.exits.observe(none, none, np.zeros(0), np.zeros(0), np.zeros(0, bool))
+        self.held.add(none, none, none, none, 0.0)
         _pack_rows(none, True, self.passive, self.position, self.kv_row, self.r, self.kv_slot, self.parity,
                    self.signal, 0, self.rows, np.zeros((6, 0), np.int64), np.zeros(0, np.int8))
 
