@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -120,15 +121,21 @@ class ExitBook:
         self.target = np.zeros(rows, np.int64)
         self.stop_at = np.zeros(rows, np.int64)
 
-    def start(self, rows: np.ndarray, rules: list[ExitRule], decode_indices: np.ndarray | list[int],
-              table: np.ndarray | None = None) -> None:
+    def start(self, rows: np.ndarray, rules: list[ExitRule] | Callable[[], list[ExitRule]],
+              decode_indices: np.ndarray | list[int], table: np.ndarray | None = None,
+              table_rows: np.ndarray | None = None) -> None:
         """Rows `rows` now track fresh work items under `rules` (item k fed generated token
         `decode_indices[k]`: a trace rule replays its entry); `table`: the rules' `row`s, if the
-        caller has them already (then `rules` is read only if a row replays a trace)."""
-        table = rule_table(rules) if table is None else table
-        if _start_rows(rows, table, self.policy, self.threshold, self.min_loops, self.lookahead, self.survival,
+        caller has them already, row k's at `table_rows[k]` (default: k); then `rules` is read, or
+        called, only if a row replays a trace."""
+        if table is None:
+            assert not callable(rules)
+            table = rule_table(rules)
+        index = np.arange(len(rows)) if table_rows is None else table_rows
+        if _start_rows(rows, table, index, self.policy, self.threshold, self.min_loops, self.lookahead, self.survival,
                        self.exit_depth, self.frozen, self.target, self.stop_at):  # replayed depths: per item
-            self.target[rows] = [rule.target(int(k)) for rule, k in zip(rules, decode_indices, strict=True)]
+            listed = rules() if callable(rules) else rules
+            self.target[rows] = [rule.target(int(k)) for rule, k in zip(listed, decode_indices, strict=True)]
 
     def done(self, rows: np.ndarray) -> np.ndarray:
         """Mask of `rows` that decided to exit and are done looping (a frozen row still runs its
@@ -246,12 +253,13 @@ def _observe_rows(rows, r, main, ahead, has, policy, threshold, min_loops, looka
 
 
 @compiled
-def _start_rows(rows, table, policy, threshold, min_loops, lookahead, survival, exit_depth, frozen, target, stop_at):
-    """`ExitBook.start` for row k of a batch (book entry rows[k]) under table row k; returns whether any row
-    replays a trace."""
+def _start_rows(rows, table, index, policy, threshold, min_loops, lookahead, survival, exit_depth, frozen, target,
+                stop_at):
+    """`ExitBook.start` for row k of a batch (book entry rows[k]) under table row index[k]; returns whether any
+    row replays a trace."""
     trace = False
     for k in range(rows.shape[0]):
-        i, rule = rows[k], table[k]
+        i, rule = rows[k], table[index[k]]
         policy[i] = np.int8(rule[ROW_POLICY])
         threshold[i] = rule[ROW_THRESHOLD]
         min_loops[i] = np.int64(rule[ROW_MIN_LOOPS])

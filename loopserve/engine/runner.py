@@ -31,9 +31,7 @@ from loopserve.engine.sequence import Sequence, chain_seed
 from loopserve.engine.signals import step_signals, uniform_logprobs
 from loopserve.engine.slot_facts import SlotFacts
 from loopserve.exits import (
-    POLICIES,
     ROW_DECIDES_AHEAD,
-    ROW_POLICY,
     ROW_SIGNAL,
     RULE_WIDTH,
     SIGNALS,
@@ -172,24 +170,18 @@ class StatePool:
             item.row = row
             slots[row] = item
         rows = np.array(taken, np.int64)
-        self.generation[rows] += 1
-        self.order[rows] = [item.order for item in items]
-        self.kv_slot[rows], self.position[rows], self.kv_row[rows] = kv_slots, positions, kv_rows
-        self.r[rows] = self.parity[rows] = self.signal[rows] = 0
-        self.passive[rows] = False
+        _claim_rows(rows, np.fromiter((item.order for item in items), np.int64, n), kv_slots, positions, kv_rows,
+                    self.generation, self.order, self.kv_slot, self.position, self.kv_row, self.r, self.parity,
+                    self.signal, self.passive)
         return rows
 
     def start_loops(self, items: list[WorkItem], rows: np.ndarray) -> None:
         """The items' preludes ran (in state-pool rows `rows`): track their exit rules from step 1. Their
         sequences' facts are read by slot (`SlotFacts`), the items themselves only for a replayed trace."""
-        slots = self.kv_slot[rows]
-        # the decode index of the token an item is fed is its position less the prompt's length
-        self.decode_index[rows] = decode_indices = self.position[rows] - self.sequences.prompt_len[slots]
-        table = self.sequences.rule[slots]  # the rules' constants, a row per item
-        traced = (table[:, ROW_POLICY] == POLICIES.index("trace")).any()
-        self.exits.start(rows, [item.seq.rule for item in items] if traced else [], decode_indices, table)
-        self.signal[rows] = table[:, ROW_SIGNAL]
-        self.decides_ahead[rows] = table[:, ROW_DECIDES_AHEAD]
+        slots, facts = self.kv_slot[rows], self.sequences
+        _start_pool_rows(rows, slots, self.position, facts.prompt_len, facts.rule, self.decode_index, self.signal,
+                         self.decides_ahead)
+        self.exits.start(rows, lambda: [item.seq.rule for item in items], self.decode_index[rows], facts.rule, slots)
 
     def release(self, item: WorkItem) -> None:
         self.release_all([item])
@@ -231,6 +223,10 @@ class StatePool:
         self.advance(none, none)
         self.undecided(none, none)
         self.exits.start(none, [], none, np.zeros((0, RULE_WIDTH)))
+        _claim_rows(none, none, none, none, none, self.generation, self.order, self.kv_slot, self.position, self.kv_row,
+                    self.r, self.parity, self.signal, self.passive)
+        _start_pool_rows(none, none, self.position, self.sequences.prompt_len, self.sequences.rule, self.decode_index,
+                         self.signal, self.decides_ahead)
         self.exits.observe(none, none, np.zeros(0), np.zeros(0), np.zeros(0, bool))
         self.held.add(none, none, none, none, 0.0)
         _pack_rows(none, True, self.passive, self.position, self.kv_row, self.r, self.kv_slot, self.parity,
@@ -591,6 +587,32 @@ def _undecided_rows(rows, generations, generation, passive, exit_depth, keep):
     for k in range(rows.shape[0]):
         i = rows[k]
         keep[k] = generation[i] == generations[k] and not passive[i] and exit_depth[i] == 0
+
+
+@compiled
+def _claim_rows(rows, orders, kv_slots, positions, kv_rows, generation, order, kv_slot, position, kv_row, r, parity,
+                signal, passive):
+    """`StatePool.allocate`: row rows[k] now holds batch item k (a new generation of the row, the item's
+    creation order, its token's KV slot, position and KV row; no step run, nothing to signal, active)."""
+    for k in range(rows.shape[0]):
+        i = rows[k]
+        generation[i] += 1
+        order[i], kv_slot[i], position[i], kv_row[i] = orders[k], kv_slots[k], positions[k], kv_rows[k]
+        r[i] = parity[i] = 0
+        signal[i] = 0
+        passive[i] = False
+
+
+@compiled
+def _start_pool_rows(rows, slots, position, prompt_len, rule, decode_index, signal, decides_ahead):
+    """`StatePool.start_loops` for row rows[k], whose sequence holds block-table slot slots[k]: the decode
+    index of the token it is fed (its position less the prompt's length) and, from its rule's table row,
+    the signal it needs and whether its rule decides a step ahead."""
+    for k in range(rows.shape[0]):
+        i, s = rows[k], slots[k]
+        decode_index[i] = position[i] - prompt_len[s]
+        signal[i] = np.int8(rule[s, ROW_SIGNAL])
+        decides_ahead[i] = rule[s, ROW_DECIDES_AHEAD] != 0
 
 
 @compiled
