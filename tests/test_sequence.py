@@ -68,6 +68,7 @@ def test_quiet_tokens_held_are_the_appends_that_finish_nothing(tiny_ouro, tokens
             assert batch.output_ids == plain.output_ids and held.count[2] == 0
         if plain.finished:
             break
+    held.admit(4 * HOLD, _sequence(tok, params))  # the arrays grow: the tokens held in slot 2 stay
     held.admit(2, other)  # the slot's next sequence: `batch` takes its tokens in and lets go
     assert batch.held is None and held.count[2] == 0
     for name in ("output_ids", "exit_depths", "finish_reason", "stop_reason", "text"):

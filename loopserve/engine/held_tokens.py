@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 # tokens a slot holds before a batch that would add one more settles its sequence first (one Python call
 # per this many tokens of a row, against one per token)
 HOLD = 32
-_BY_SLOT = ("count", "tokens", "depths", "loops", "first_time", "last_time")  # the arrays with a row per slot
+_BY_SLOT = ("count", "tokens", "depths", "loops", "first_time", "last_time")  # the arrays by slot (last axis)
 
 
 class HeldTokens:
@@ -35,13 +35,15 @@ class HeldTokens:
     def _alloc(self, slots: int) -> None:
         old = {name: getattr(self, name) for name in _BY_SLOT if hasattr(self, name)}
         self.count = np.zeros(slots, np.int64)  # tokens held
-        self.tokens = np.zeros((slots, HOLD), np.int64)  # their ids
-        self.depths = np.zeros((slots, HOLD), np.int64)  # their exit depths
+        # their ids and exit depths, column j of slot s at [j, s]: a batch of slots that started together
+        # writes one contiguous stretch of a row (the cache lines of one column, not one per slot)
+        self.tokens = np.zeros((HOLD, slots), np.int32)
+        self.depths = np.zeros((HOLD, slots), np.int16)
         self.loops = np.zeros(slots, np.int64)  # the loops they ran, together
         self.first_time = np.zeros(slots)  # when the first of them arrived
         self.last_time = np.zeros(slots)  # and the latest
         for name, kept in old.items():
-            getattr(self, name)[: len(kept)] = kept
+            getattr(self, name)[..., : kept.shape[-1]] = kept  # (by slot: the last axis)
         self.owners += [None] * (slots - len(self.owners))
 
     def admit(self, slot: int, seq: Sequence) -> None:
@@ -84,7 +86,7 @@ class HeldTokens:
     def take(self, slot: int) -> tuple[list[int], list[int], int, float, float]:
         """The tokens held for `slot` (ids, exit depths, loops run, first and latest arrival), no longer held."""
         n = int(self.count[slot])
-        out = (self.tokens[slot, :n].tolist(), self.depths[slot, :n].tolist(), int(self.loops[slot]),
+        out = (self.tokens[:n, slot].tolist(), self.depths[:n, slot].tolist(), int(self.loops[slot]),
                float(self.first_time[slot]), float(self.last_time[slot]))
         self.count[slot] = self.loops[slot] = 0
         return out
@@ -96,7 +98,7 @@ def _hold_rows(slots, tokens, depths, loops, now, count, held_tokens, held_depth
     """`HeldTokens.add`: row k's token into the next free column of slot slots[k], unless the slot is full:
     those rows' indices go to `skipped` (how many is returned)."""
     n = 0
-    width = held_tokens.shape[1]
+    width = held_tokens.shape[0]
     for k in range(slots.shape[0]):
         s = slots[k]
         c = count[s]
@@ -104,8 +106,8 @@ def _hold_rows(slots, tokens, depths, loops, now, count, held_tokens, held_depth
             skipped[n] = k
             n += 1
             continue
-        held_tokens[s, c] = tokens[k]
-        held_depths[s, c] = depths[k]
+        held_tokens[c, s] = tokens[k]
+        held_depths[c, s] = depths[k]
         held_loops[s] += loops[k]
         if c == 0:
             first_time[s] = now
