@@ -213,7 +213,7 @@ def test_invariant_checks_catch_leaks(tiny_ouro):
         sched.check_invariants()
     sched.kv.allocator.free(leaked)
     ghost = WorkItem(sched.running["a"], -1, sched.pool)
-    sched.pool.allocate([ghost], np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64))
+    sched.pool.allocate([ghost], np.full(1, -1), np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64))
     with pytest.raises(AssertionError, match="state row leaked"):
         sched.check_invariants()
     sched.pool.release(ghost)

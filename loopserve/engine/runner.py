@@ -47,36 +47,46 @@ if TYPE_CHECKING:
     from loopserve.sampling_params import SamplingParams
 
 
-@dataclass(eq=False, slots=True)
 class WorkItem:
     """One decode token travelling PRELUDE -> CORE (x loops) -> CODA. While it holds a state-pool row
-    its loop state (steps run, parity, exit state) lives in the pool's arrays at that row, so a core
-    batch is advanced and decided with array operations (see `StatePool`)."""
+    its state lives in the pool's arrays at that row: its loop state (steps run, parity, exit state), so a
+    core batch is advanced and decided with array operations (see `StatePool`), and the token it is fed,
+    its position and its creation order. A plain item keeps its row from one token to the next while its
+    tokens need nothing but recording (`StatePool.requeue`); the attributes hold those three while it has
+    no row."""
 
-    seq: Sequence
-    order: int  # creation counter: FIFO among items
-    pool: StatePool
-    row: int = -1  # state pool row, -1 until the prelude ran
-    prev_logprobs: torch.Tensor | None = None  # KL policy: last step's next-token log-probs
-    position: int = -1  # of the token it computes: fixed until its coda is read (`reuse` moves it on)
-    group: VerifyGroup | None = None  # speculative decoding: the verify round this row belongs to
-    slot: int = -1  # its sequence's block-table slot (fixed while the sequence is resident, swapped out too)
-    # the token it is fed (at `position`): its sequence's last one, or its verify group's (a draft); kept
-    # here because a prelude batch reads it for every row, and an attribute is read faster than a chain
-    token: int = -1
+    __slots__ = ("seq", "pool", "row", "prev_logprobs", "group", "slot", "_order", "_position", "_token")
 
-    def __post_init__(self) -> None:
-        if self.position < 0:  # a plain item is fed the sequence's last token
-            self.position = self.seq.num_tokens - 1
-        if self.token < 0:
-            self.token = self.seq.output_ids[-1] if self.group is None else self.group.token_at(self.position)
+    def __init__(self, seq: Sequence, order: int, pool: StatePool, position: int = -1,
+                 group: VerifyGroup | None = None, slot: int = -1, token: int = -1) -> None:
+        self.seq, self.pool, self.group = seq, pool, group
+        self.row = -1  # state pool row, -1 until its first prelude is planned
+        self.prev_logprobs: torch.Tensor | None = None  # KL policy: last step's next-token log-probs
+        self.slot = slot  # its sequence's block-table slot (fixed while the sequence is resident, swapped out too)
+        self._order = order  # creation counter: FIFO among items
+        # the token it computes (fixed until its coda is read) is at `position`; it is fed the one there: its
+        # sequence's last one, or its verify group's (a draft)
+        self._position = seq.num_tokens - 1 if position < 0 else position
+        self._token = token if token >= 0 else (
+            seq.output_ids[-1] if group is None else group.token_at(self._position))
+
+    @property
+    def order(self) -> int:
+        return int(self.pool.order[self.row]) if self.row >= 0 else self._order
+
+    @property
+    def position(self) -> int:
+        return int(self.pool.position[self.row]) if self.row >= 0 else self._position
+
+    @property
+    def token(self) -> int:
+        return int(self.pool.token[self.row]) if self.row >= 0 else self._token
 
     def reuse(self, order: int, position: int, token: int) -> WorkItem:
-        """This plain item as the item of its sequence's next token, `token` at `position` (once its coda
-        was read and its row freed, nothing of the last token is left in it; a new object per token was a
-        cost per row)."""
+        """This plain item, without a row, as the item of its sequence's next token, `token` at `position`
+        (nothing of the last token is left in it; a new object per token was a cost per row)."""
         assert self.row < 0 and self.group is None
-        self.order, self.position, self.token, self.prev_logprobs = order, position, token, None
+        self._order, self._position, self._token, self.prev_logprobs = order, position, token, None
         return self
 
     def state_seed(self) -> int:
@@ -144,6 +154,7 @@ class StatePool:
         self.order = np.zeros(rows, np.int64)  # the item's creation counter (queues keep creation order)
         self.kv_slot = np.zeros(rows, np.int64)  # the token's sequence's block-table slot
         self.position = np.zeros(rows, np.int64)
+        self.token = np.zeros(rows, np.int64)  # the token the item is fed (at `position`)
         self.decode_index = np.zeros(rows, np.int64)  # of the generated token the item is fed (from its prelude)
         self.kv_row = np.zeros(rows, np.int64)  # physical KV row of the token
         self.r = np.zeros(rows, np.int64)  # loop steps run
@@ -159,21 +170,35 @@ class StatePool:
     def num_free(self) -> int:
         return len(self._free)
 
-    def allocate(self, items: list[WorkItem], kv_slots: np.ndarray, positions: np.ndarray,
+    def allocate(self, items: list[WorkItem], rows: np.ndarray, kv_slots: np.ndarray, positions: np.ndarray,
                  kv_rows: np.ndarray) -> np.ndarray:
-        """Give each item a row (its token at `positions`, whose KV is at `kv_rows`, of the sequence in
-        block-table slot `kv_slots`); returns the rows."""
-        n, free, slots = len(items), self._free, self.items
-        taken = free[len(free) - n:][::-1]  # (the rows `pop` would give, in that order)
-        del free[len(free) - n:]
-        for item, row in zip(items, taken, strict=True):
-            item.row = row
-            slots[row] = item
-        rows = np.array(taken, np.int64)
-        _claim_rows(rows, np.fromiter((item.order for item in items), np.int64, n), kv_slots, positions, kv_rows,
-                    self.generation, self.order, self.kv_slot, self.position, self.kv_row, self.r, self.parity,
-                    self.signal, self.passive)
+        """Start a prelude batch's rows: `rows` are the items' rows (`rows_of`), -1 for an item without one,
+        which is given one here. Each item's token is at `positions`, its KV at `kv_rows`, its sequence in
+        block-table slot `kv_slots`. Returns the rows."""
+        new = np.flatnonzero(rows < 0)
+        if len(new):
+            n, free, slots = len(new), self._free, self.items
+            taken = free[len(free) - n:][::-1]  # (the rows `pop` would give, in that order)
+            del free[len(free) - n:]
+            fresh = [items[k] for k in new.tolist()]
+            for item, row in zip(fresh, taken, strict=True):
+                item.row = row
+                slots[row] = item
+            rows = rows.copy()
+            rows[new] = taken
+            self.order[rows[new]] = np.fromiter((item._order for item in fresh), np.int64, n)
+            self.token[rows[new]] = np.fromiter((item._token for item in fresh), np.int64, n)
+        _claim_rows(rows, kv_slots, positions, kv_rows, self.generation, self.kv_slot, self.position, self.kv_row,
+                    self.r, self.parity, self.signal, self.passive)
         return rows
+
+    def requeue(self, items: list[WorkItem], rows: np.ndarray, tokens: np.ndarray, orders: np.ndarray) -> None:
+        """The plain items in `rows` (their coda read) keep their rows as the items of their sequences' next
+        tokens, fed `tokens`, created in `orders`: one compiled pass (their KV row is set by `allocate`)."""
+        _requeue_rows(rows, tokens, orders, self.generation, self.position, self.token, self.order, self.r,
+                      self.parity, self.passive, self.exits.exit_depth, self.exits.frozen)
+        for item in items:  # (KL rows only: a new token starts from no previous step)
+            item.prev_logprobs = None
 
     def start_loops(self, items: list[WorkItem], rows: np.ndarray) -> None:
         """The items' preludes ran (in state-pool rows `rows`): track their exit rules from step 1. Their
@@ -190,10 +215,12 @@ class StatePool:
         """Free the items' rows (all hold one; `rows`: them, if known)."""
         rows = rows_of(items) if rows is None else rows
         self.generation[rows] += 1  # results still on their way for these rows are no longer their items'
-        for item in items:
+        for item, order, position, token in zip(items, self.order[rows].tolist(), self.position[rows].tolist(),
+                                                self.token[rows].tolist(), strict=True):
             self.items[item.row] = None
             self._free.append(item.row)
             item.row = -1
+            item._order, item._position, item._token = order, position, token
 
     def advance(self, rows: np.ndarray, generations: np.ndarray) -> tuple[int, np.ndarray]:
         """A core step ran on `rows` (queued when they were at `generations`; rows released since are
@@ -223,8 +250,9 @@ class StatePool:
         self.advance(none, none)
         self.undecided(none, none)
         self.exits.start(none, [], none, np.zeros((0, RULE_WIDTH)))
-        _claim_rows(none, none, none, none, none, self.generation, self.order, self.kv_slot, self.position, self.kv_row,
-                    self.r, self.parity, self.signal, self.passive)
+        _claim_rows(none, none, none, none, self.generation, self.kv_slot, self.position, self.kv_row, self.r,
+                    self.parity, self.signal, self.passive)
+        self.requeue([], none, none, none)
         _start_pool_rows(none, none, self.position, self.sequences.prompt_len, self.sequences.rule, self.decode_index,
                          self.signal, self.decides_ahead)
         self.exits.observe(none, none, np.zeros(0), np.zeros(0), np.zeros(0, bool))
@@ -464,7 +492,7 @@ class ModelRunner:
         host, device, top, _ = self._pack(rows)
         ctx = self._ctx(host, device, top) if self.has_prelude_kv else None  # (Ouro's prelude attends to nothing)
         self.kv.store.set_depth(device[1], IN_FLIGHT)  # its KV rows: being computed
-        ids = upload([it.token for it in items], self.device)
+        ids = upload(torch.from_numpy(self.pool.token[rows]), self.device)
         seeds = [it.state_seed() for it in items] if self.draws_random_state else None
         state, inject = self.model.prelude(ids, ctx, seeds)
         self.pool.state.index_copy_(0, device[4], state)  # (index_copy_, index_select: the
@@ -590,17 +618,31 @@ def _undecided_rows(rows, generations, generation, passive, exit_depth, keep):
 
 
 @compiled
-def _claim_rows(rows, orders, kv_slots, positions, kv_rows, generation, order, kv_slot, position, kv_row, r, parity,
-                signal, passive):
-    """`StatePool.allocate`: row rows[k] now holds batch item k (a new generation of the row, the item's
-    creation order, its token's KV slot, position and KV row; no step run, nothing to signal, active)."""
+def _claim_rows(rows, kv_slots, positions, kv_rows, generation, kv_slot, position, kv_row, r, parity, signal, passive):
+    """`StatePool.allocate`: row rows[k] now holds batch item k (a new generation of the row, its token's KV
+    slot, position and KV row; no step run, nothing to signal, active)."""
     for k in range(rows.shape[0]):
         i = rows[k]
         generation[i] += 1
-        order[i], kv_slot[i], position[i], kv_row[i] = orders[k], kv_slots[k], positions[k], kv_rows[k]
+        kv_slot[i], position[i], kv_row[i] = kv_slots[k], positions[k], kv_rows[k]
         r[i] = parity[i] = 0
         signal[i] = 0
         passive[i] = False
+
+
+@compiled
+def _requeue_rows(rows, tokens, orders, generation, position, token, order, r, parity, passive, exit_depth, frozen):
+    """`StatePool.requeue`: row rows[k] now holds its item's next token (fed tokens[k], one position on,
+    created in orders[k]): a new generation (results still on their way are not its), no step run, no exit."""
+    for k in range(rows.shape[0]):
+        i = rows[k]
+        generation[i] += 1
+        position[i] += 1
+        token[i], order[i] = tokens[k], orders[k]
+        r[i] = parity[i] = 0
+        passive[i] = False
+        exit_depth[i] = 0
+        frozen[i] = False
 
 
 @compiled

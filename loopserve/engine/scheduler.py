@@ -50,7 +50,7 @@ from loopserve.engine.sequence import Sequence, Status
 from loopserve.engine.speculative import Speculator, VerifyGroup
 from loopserve.engine.stats import EngineStats
 from loopserve.errors import GrammarLimitError, NonFiniteError
-from loopserve.exits import Signal
+from loopserve.exits import SIGNALS, Signal
 
 log = logging.getLogger("loopserve.engine")
 
@@ -269,7 +269,7 @@ class Scheduler:
         """Free blocks for `needy`: swap out the latest-arrived sequence that is between tokens, or
         else drop the KV of a partly prefilled prompt (recomputing a prompt reproduces its KV).
         False if nothing can go."""
-        candidates = [i for i in self.prelude_q if i.seq is not needy.seq and i not in taken and i.row < 0]
+        candidates = [i for i in self.prelude_q if i.seq is not needy.seq and i not in taken]
         if candidates:
             victim = max(candidates, key=lambda i: i.seq.arrival_index)
             if victim.group is not None:  # its drafts are dropped: it resumes from its last accepted token
@@ -277,6 +277,7 @@ class Scheduler:
                 victim = WorkItem(victim.seq, victim.order, self.pool, slot=victim.slot)
             else:
                 self.prelude_q.remove(victim)
+                self._drop_item(victim)  # (a plain item may have kept its row from its last token)
             sid = victim.seq.request_id
             self.kv.swap_out(sid, victim.position + 1)  # not the rows of its dropped drafts
             del self.running[sid]
@@ -310,30 +311,42 @@ class Scheduler:
 
     def _prelude_plan(self, limit: int) -> StagePlan | None:
         """A PRELUDE batch of at most `limit` queued items (FIFO), each given its next KV slot and a state
-        row (a verify group's items all or none; a group wider than the rows left is trimmed to them, so it
-        never holds up the queue: fewer drafts are verified, the tokens are the same). None: no item."""
-        free = min(limit, self.pool.num_free)  # (no row is freed or taken in this loop)
-        kv = self.kv
+        row if it holds none (a verify group's items all or none; a group wider than the rows left is trimmed
+        to them, so it never holds up the queue: fewer drafts are verified, the tokens are the same). None:
+        no item."""
+        pool, kv = self.pool, self.kv
         capacity = kv.num_blocks * kv.block_size
-        # Most ticks, the queue's head is plain items whose KV fits the cache: room for their tokens is
-        # made in one call (at most a block each), from the items' slots and positions alone. The rest go
-        # one by one, below: a verify group, a token the pool is short for (which may preempt), a sequence
-        # longer than the whole cache. (No queued item's sequence is swapped out when a plan starts: a
-        # preempted item leaves the queue.)
-        head = self.prelude_q[:free]
-        positions = np.fromiter((i.position for i in head), np.int64, len(head))
+        # Most ticks, the queue's head is plain items that kept their rows from their last token (their
+        # positions and slots are read from the pool) and whose KV fits the cache: room for their tokens is
+        # made in one call (at most a block each). The rest go one by one, below: a verify group, a token
+        # the pool is short for (which may preempt), a sequence longer than the whole cache. (No queued
+        # item's sequence is swapped out when a plan starts: a preempted item leaves the queue.)
+        head = self.prelude_q[:limit]
+        rows = rows_of(head)
+        rowless = rows < 0
+        if rowless.any():  # items that hold no row yet: as many as there are free rows
+            need = np.cumsum(rowless)
+            cut = int(np.searchsorted(need, pool.num_free, side="right"))  # (the first that finds none)
+            head, rows, rowless = head[:cut], rows[:cut], rowless[:cut]
+        positions, slots = pool.position[rows], pool.kv_slot[rows]
+        if rowless.any():
+            fresh = np.flatnonzero(rowless)
+            positions[fresh] = np.fromiter((head[k]._position for k in fresh.tolist()), np.int64, len(fresh))
+            slots[fresh] = np.fromiter((head[k].slot for k in fresh.tolist()), np.int64, len(fresh))
         run = len(head)
         if self.speculator is not None:
             run = next((k for k, i in enumerate(head) if i.group is not None), run)
         too_long = np.flatnonzero(positions[:run] >= capacity)
         run = int(too_long[0]) if len(too_long) else run
-        slots = np.fromiter((i.slot for i in head[:run]), np.int64, run)
-        got = kv.ensure_slots(slots, positions[:run] + 1)
+        got = kv.ensure_slots(slots[:run], positions[:run] + 1)
         taken = head[:got]
+        free = pool.num_free - int(np.count_nonzero(rowless[:got]))  # rows left for the items below
         for item in self.prelude_q[len(taken):]:
-            room = free - len(taken)
+            room = min(limit - len(taken), free if item.row < 0 else 1)
             if room <= 0:
-                break
+                if len(taken) >= limit:
+                    break
+                continue  # (no row for it; one that holds a row may still go)
             seq = item.seq
             if seq.status is Status.SWAPPED:  # swapped out for an earlier item
                 continue
@@ -348,18 +361,21 @@ class Scheduler:
             last = unit[-1]  # the unit's last KV row
             if last.position + 1 > capacity:
                 self.prelude_q = _without(self.prelude_q, unit)  # longer than the whole cache: it can never fit
+                self._drop_item(item)
                 seq.finish("error", f"sequence of {seq.num_tokens} tokens exceeds the KV cache "
                                     f"({capacity} tokens)", error_status=400)
                 self._finish(seq)
             elif self._reserve_kv(last, taken):
                 taken += unit
+                free -= sum(1 for i in unit if i.row < 0)
         self.prelude_q = _without(self.prelude_q, taken)
         if not taken:
             return None
         rest = taken[got:]
+        rows = np.concatenate([rows[:got], rows_of(rest)])
         kv_slots = np.concatenate([slots[:got], np.array([i.slot for i in rest], np.int64)])
         kv_positions = np.concatenate([positions[:got], np.array([i.position for i in rest], np.int64)])
-        rows = self.pool.allocate(taken, kv_slots, kv_positions, kv.block_tables.rows(kv_slots, kv_positions))
+        rows = pool.allocate(taken, rows, kv_slots, kv_positions, kv.block_tables.rows(kv_slots, kv_positions))
         return StagePlan(Stage.PRELUDE, taken, rows=rows)
 
     def _trim_queued_group(self, group: VerifyGroup, n: int) -> None:
@@ -418,6 +434,7 @@ class Scheduler:
             group.items = [WorkItem(item.seq, item.order + i, self.pool, position=item.position + i, group=group,
                                     slot=item.slot) for i in range(len(group.tokens))]
             groups[id(item)] = group.items
+            self._drop_item(item)  # (its row, if it kept one: the group's items take theirs in their prelude)
         self.prelude_q = [g for i in self.prelude_q for g in groups.get(id(i), (i,))]
 
     def _take_prefill(self) -> list[PrefillChunk]:
@@ -728,26 +745,28 @@ class Scheduler:
             rows = rows_of(taken)
         assert rows is not None
         # the rows whose token needs nothing but recording (most): their ids, exit depths and loops run go to
-        # `HeldTokens` in one call (no `Sample` is made for them, nothing checked per row); the rest take theirs
-        # one by one. A plain item was fed its sequence's last token: its decode index + 1 tokens were
-        # generated before this one.
+        # `HeldTokens` in one call (no `Sample` is made for them, nothing checked per row), and their items
+        # keep their rows as the items of the next tokens, queued in batch order, with array writes; the rest
+        # take theirs one by one. A plain item was fed its sequence's last token: its decode index + 1
+        # tokens were generated before this one.
         loops, depths, slots = pool.r[rows], pool.exits.exit_depth[rows], pool.kv_slot[rows]
         quiet = ok & pool.sequences.takes_quietly(slots, tokens, pool.decode_index[rows] + 1)
-        if self.speculator is None:
-            pool.release_all(taken, rows)
-        else:  # (a verify group's rows: in _accept)
+        if self.speculator is not None:  # (a verify group's rows are released in _accept)
             quiet &= np.fromiter((i.group is None for i in taken), bool, len(taken))
-            pool.release_all([i for i in taken if i.group is None])
+        loud = np.flatnonzero(~quiet).tolist()
+        pool.release_all([item for item in (taken[j] for j in loud) if item.group is None])
         now = time.monotonic()  # (the batch's tokens arrived together)
         pool.held.add(slots[quiet], tokens[quiet], depths[quiet], loops[quiet], now)
-        self.stats.generated_tokens += int(np.count_nonzero(quiet))
-        orders, requeue = self._orders, self.prelude_q.append
+        easy, n = quiet.tolist(), len(taken) - len(loud)
+        self.stats.generated_tokens += n
+        kl = quiet & (pool.signal[rows] == SIGNALS.index("kl"))
+        pool.requeue(list(itertools.compress(taken, kl.tolist())) if kl.any() else [], rows[quiet], tokens[quiet],
+                     np.fromiter(itertools.islice(self._orders, n), np.int64, n))
+        self.prelude_q += itertools.compress(taken, easy)
         self._kv_to_free = []  # (nothing is allocated before the loop ends)
         try:
-            for j, (item, easy, token) in enumerate(zip(taken, quiet.tolist(), tokens.tolist(), strict=True)):
-                if easy:  # its next token's item, queued in batch order (as `_new_item` would)
-                    requeue(item.reuse(next(orders), item.position + 1, token))
-                    continue
+            for j in loud:
+                item = taken[j]
                 sample = samples[j if kept is None else kept[j]]
                 if item.group is not None:  # a verify group runs one coda, whole (CDB holds it until then)
                     if item is item.group.items[0]:
@@ -850,16 +869,22 @@ class Scheduler:
             sid = item.seq.request_id
             assert self.kv.is_swapped(sid), f"swapped sequence {sid} has no host copy"
             assert self.kv.num_tokens(sid) <= item.position + 1, f"swapped sequence {sid} keeps draft rows"
-        # state rows: prelude items have none yet, core and coda items one each, none shared or leaked
-        assert all(i.row < 0 for i in self.prelude_q + list(self.swapped)), "queued prelude item holds a row"
-        rows = [i.row for i in self.core_q + self.coda_q + self.coda_running]
-        assert all(r >= 0 for r in rows), "looping item without a state row"
+        # state rows: core and coda items one each, a plain prelude item the one it kept from its last token
+        # (a verify group's items none before their prelude), swapped items none; none shared or leaked
+        assert all(i.row < 0 for i in self.swapped), "swapped item holds a row"
+        assert all(i.row < 0 for i in self.prelude_q if i.group is not None), "queued verify item holds a row"
+        looping = [i.row for i in self.core_q + self.coda_q + self.coda_running]
+        assert all(r >= 0 for r in looping), "looping item without a state row"
+        rows = looping + [i.row for i in self.prelude_q if i.row >= 0]
         assert len(rows) == len(set(rows)), "state row shared by two items"
         assert sorted(rows + self.pool._free) == list(range(self.pool.rows)), "state row leaked"
         for i in items:
             if i.row >= 0:
                 assert self.pool.items[i.row] is i, "state row maps to another item"
-                assert self.pool.kv_row[i.row] == self.kv.row(i.seq.request_id, i.position), "stale KV row"
+        for i in self.core_q + self.coda_q + self.coda_running:  # (a queued prelude item's is set by its plan)
+            assert self.pool.kv_row[i.row] == self.kv.row(i.seq.request_id, i.position), "stale KV row"
+        for i in self.prelude_q:
+            assert i.r == 0 and not i.exited, "queued prelude item with loop state"
         for i in self.core_q:
             assert i.r <= i.seq.rule.max_loops
             assert self.kv.store.depth[self.kv.row(i.seq.request_id, i.position)] == IN_FLIGHT
