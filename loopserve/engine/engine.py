@@ -89,7 +89,11 @@ class LLMEngine:
                         p.dtype, p.device)
         # block 0: scratch rows
         self.kv = KVCacheManager(store, cfg.block_size, reserved_blocks=1, num_slots=cfg.max_num_seqs)
-        self.pool = StatePool(cfg.max_num_seqs, c.hidden_size, p.dtype, p.device, with_inject=c.arch == HUGINN)
+        # a state row per admitted sequence (a plain item keeps its row between tokens), and room for the drafts
+        # of every sequence that may draft at once, so that verify groups are not trimmed for want of rows
+        drafts = cfg.num_speculative_tokens * min(cfg.speculative_max_batch, cfg.max_num_seqs)
+        self.pool = StatePool(cfg.max_num_seqs + drafts, c.hidden_size, p.dtype, p.device,
+                              with_inject=c.arch == HUGINN)
         self.stats = EngineStats()
         scope = cache_scope(c.arch, str(p.dtype), cfg.kv_layout, cfg.prefill_chunk_size)
         speculator = Speculator(cfg, coda_kv=c.n_coda > 0) if cfg.num_speculative_tokens else None
