@@ -184,21 +184,22 @@ class StatePool:
             for item, row in zip(fresh, taken, strict=True):
                 item.row = row
                 slots[row] = item
+            given = np.array(taken, np.int64)
             rows = rows.copy()
-            rows[new] = taken
-            self.order[rows[new]] = np.fromiter((item._order for item in fresh), np.int64, n)
-            self.token[rows[new]] = np.fromiter((item._token for item in fresh), np.int64, n)
+            rows[new] = given
+            self.order[given] = np.fromiter((item._order for item in fresh), np.int64, n)
+            self.token[given] = np.fromiter((item._token for item in fresh), np.int64, n)
         _claim_rows(rows, kv_slots, positions, kv_rows, self.generation, self.kv_slot, self.position, self.kv_row,
                     self.r, self.parity, self.signal, self.passive)
         return rows
 
     def requeue(self, items: list[WorkItem], rows: np.ndarray, tokens: np.ndarray, orders: np.ndarray) -> None:
-        """The plain items in `rows` (their coda read) keep their rows as the items of their sequences' next
-        tokens, fed `tokens`, created in `orders`: one compiled pass (their KV row is set by `allocate`)."""
+        """The plain items `items` (in `rows`, their coda read) keep their rows as the items of their sequences'
+        next tokens, fed `tokens`, created in `orders`: one compiled pass (their KV row is set by `allocate`)."""
         _requeue_rows(rows, tokens, orders, self.generation, self.position, self.token, self.order, self.r,
                       self.parity, self.passive, self.exits.exit_depth, self.exits.frozen)
-        for item in items:  # (KL rows only: a new token starts from no previous step)
-            item.prev_logprobs = None
+        for k in np.flatnonzero(self.signal[rows] == _KL).tolist():  # a new token starts from no previous step
+            items[k].prev_logprobs = None
 
     def start_loops(self, items: list[WorkItem], rows: np.ndarray) -> None:
         """The items' preludes ran (in state-pool rows `rows`): track their exit rules from step 1. Their
@@ -212,7 +213,8 @@ class StatePool:
         self.release_all([item])
 
     def release_all(self, items: list[WorkItem], rows: np.ndarray | None = None) -> None:
-        """Free the items' rows (all hold one; `rows`: them, if known)."""
+        """Free the items' rows (all hold one; `rows`: them, if known); each item keeps its position, input token
+        and creation order, which lived in the pool while it held its row."""
         rows = rows_of(items) if rows is None else rows
         self.generation[rows] += 1  # results still on their way for these rows are no longer their items'
         for item, order, position, token in zip(items, self.order[rows].tolist(), self.position[rows].tolist(),

@@ -50,7 +50,7 @@ from loopserve.engine.sequence import Sequence, Status
 from loopserve.engine.speculative import Speculator, VerifyGroup
 from loopserve.engine.stats import EngineStats
 from loopserve.errors import GrammarLimitError, NonFiniteError
-from loopserve.exits import SIGNALS, Signal
+from loopserve.exits import Signal
 
 log = logging.getLogger("loopserve.engine")
 
@@ -757,12 +757,11 @@ class Scheduler:
         pool.release_all([item for item in (taken[j] for j in loud) if item.group is None])
         now = time.monotonic()  # (the batch's tokens arrived together)
         pool.held.add(slots[quiet], tokens[quiet], depths[quiet], loops[quiet], now)
-        easy, n = quiet.tolist(), len(taken) - len(loud)
+        requeued = list(itertools.compress(taken, quiet.tolist()))
+        n = len(requeued)
         self.stats.generated_tokens += n
-        kl = quiet & (pool.signal[rows] == SIGNALS.index("kl"))
-        pool.requeue(list(itertools.compress(taken, kl.tolist())) if kl.any() else [], rows[quiet], tokens[quiet],
-                     np.fromiter(itertools.islice(self._orders, n), np.int64, n))
-        self.prelude_q += itertools.compress(taken, easy)
+        pool.requeue(requeued, rows[quiet], tokens[quiet], np.fromiter(itertools.islice(self._orders, n), np.int64, n))
+        self.prelude_q += requeued
         self._kv_to_free = []  # (nothing is allocated before the loop ends)
         try:
             for j in loud:
