@@ -16,6 +16,7 @@ import torch
 from loopserve.cache.layout import IN_FLIGHT, KVLayout
 from loopserve.cache.manager import KVCacheManager
 from loopserve.device import Readback, upload
+from loopserve.engine.graphs import CoreGraphs
 from loopserve.engine.held_tokens import HeldTokens
 from loopserve.engine.sampler import (
     GREEDY,
@@ -398,9 +399,10 @@ class PendingPrefill:
 
 class ModelRunner:
     def __init__(self, model: LoopedLM, layout: KVLayout, kv: KVCacheManager, pool: StatePool,
-                 scratch_row: int) -> None:
+                 scratch_row: int, graphs: CoreGraphs | None = None) -> None:
         self.model, self.layout, self.kv, self.pool = model, layout, kv, pool
         self.scratch_row = scratch_row
+        self.graphs = graphs  # decode core steps on static buffers (CUDA graphs), else eager
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.has_prelude_kv = model.config.n_prelude > 0
@@ -517,7 +519,10 @@ class ModelRunner:
         inject = None
         if pool.inject is not None:
             inject = pool.inject.index_select(0, upload(torch.from_numpy(rows), self.device))
-        new = self.model.core_step(prev, inject, ctx)
+        if self.graphs is None:
+            new = self.model.core_step(prev, inject, ctx)
+        else:
+            new = self.graphs.step(prev, inject, device[:4], top + 1)
         pool.state.index_copy_(0, device[5], new)
         counts = np.bincount(kinds, minlength=len(SIGNALS)).tolist()
         present = {SIGNALS[k] for k in range(1, len(SIGNALS)) if counts[k]}

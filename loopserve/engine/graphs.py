@@ -1,0 +1,119 @@
+"""`CoreGraphs`: the decode core step on static buffers at bucketed shapes, replayed as CUDA graphs.
+
+Why: a core step launches every layer's kernels from Python (Ouro-1.4B: 24 layers, a few hundred
+kernels per step). At decode widths a GPU runs them faster than the host launches them, so the launch
+time, not the kernels, would set the step time. A CUDA graph records a step's launches once and
+replays them with one call. A graph has fixed shapes and addresses, so the step runs on static
+buffers, one graph per bucket:
+- the batch is padded to the next width of `LADDER` (at most a third more rows): padding rows are
+  position 0 of table slot 0 at depth 1, write their KV to the scratch row (as passive CB rows do), and
+  their outputs are dropped; every operation of a step is row-wise, so they change no other row;
+- the key count to the next rung of the same ladder in blocks (at most the block table's width): keys past a row's position are masked already (they read the zero row), so more of
+  them change no weight.
+The KV store and the block table are read and written in place; the caller copies the states in
+and out. A bucket's graph is captured the first time a batch needs it, all into one memory pool (they
+never run at once, and nothing allocated while capturing outlives it), and every graph is dropped when
+the block table is reallocated (it grows on demand; a graph holds its address).
+
+On the CPU nothing is captured: the same padded step runs eagerly on the static buffers. That is how
+the tests check this path against the reference decoder; it is slower than the plain step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from loopserve.cache.block_table import BlockTables
+from loopserve.cache.layout import KVLayout
+from loopserve.cache.pool import KVStore
+from loopserve.models.base import LoopedLM
+from loopserve.models.context import ForwardContext
+
+LADDER_BASE = (1, 2, 3, 4, 6)  # then doubling: 8, 12, 16, 24, 32, 48, ...
+
+
+def bucket(n: int) -> int:
+    """The smallest of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (powers of two and 1.5x them) at or above n >= 1."""
+    if n < 1:
+        raise ValueError(f"bucket: sizes start at 1, got {n}")
+    rung = next((r for r in LADDER_BASE if r >= n), None)
+    if rung is None:
+        power = 1 << (n - 1).bit_length()  # the power of two at or above n; its 3/4 may do
+        rung = power * 3 // 4 if power * 3 // 4 >= n else power
+    return rung
+
+
+class CoreGraphs:
+    def __init__(self, model: LoopedLM, layout: KVLayout, kv: KVStore, tables: BlockTables, max_rows: int,
+                 scratch_row: int, with_inject: bool, capture: bool) -> None:
+        p = next(model.parameters())
+        self.model, self.layout, self.kv, self.tables = model, layout, kv, tables
+        self.capture = capture
+        width = bucket(max_rows)
+        hidden = model.config.hidden_size
+        self.state = torch.zeros(width, hidden, dtype=p.dtype, device=p.device)
+        self.inject = torch.zeros(width, hidden, dtype=p.dtype, device=p.device) if with_inject else None
+        self.out = torch.zeros(width, hidden, dtype=p.dtype, device=p.device)
+        # rows: positions, KV write rows, depths, table slots (as `ModelRunner._pack` packs them)
+        self.meta = torch.zeros(4, width, dtype=torch.long, device=p.device)
+        pad = np.zeros((4, width), np.int64)
+        pad[1], pad[2] = scratch_row, 1
+        self._pad = torch.from_numpy(pad).to(p.device)
+        self._steps: dict[tuple[int, int], Callable[[], None]] = {}
+        self._table_address = tables.table.data_ptr()
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+
+    @property
+    def buckets(self) -> list[tuple[int, int]]:
+        """The (width, key count) buckets prepared (captured, on CUDA) since the block table last moved."""
+        return list(self._steps)
+
+    def step(self, state: torch.Tensor, inject: torch.Tensor | None, meta: torch.Tensor,
+             max_keys: int) -> torch.Tensor:
+        """The core step of `state` ([n, hidden]) with the rows' metadata `meta` ([4, n]: positions, write
+        rows, depths, table slots) whose longest key count is `max_keys`. Returns [n, hidden], a view of the
+        static output (valid until the next step is queued: copy it out first)."""
+        n = state.shape[0]
+        if self.tables.table.data_ptr() != self._table_address:  # the table grew: graphs read the old one
+            self._steps.clear()
+            self._table_address = self.tables.table.data_ptr()
+        bs = self.tables.block_size
+        width = bucket(n)
+        keys = min(bucket(-(-max_keys // bs)), self.tables.table.shape[1]) * bs
+        self.state[:n].copy_(state)
+        if self.inject is not None and inject is not None:
+            self.inject[:n].copy_(inject)
+        self.meta[:, :n].copy_(meta)
+        self.meta[:, n:width].copy_(self._pad[:, n:width])
+        run = self._steps.get((width, keys))
+        if run is None:
+            run = self._steps[(width, keys)] = self._prepare(width, keys)
+        run()
+        return self.out[:n]
+
+    def _prepare(self, width: int, keys: int) -> Callable[[], None]:
+        if not self.capture:
+            return lambda: self._run(width, keys)
+        # once eagerly on a side stream first (lazy initialization: cuBLAS workspaces), then recorded; both
+        # runs compute the batch in the buffers now, and the replay that follows writes the same KV again
+        device = self.state.device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            self._run(width, keys)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            self._run(width, keys)
+        return graph.replay
+
+    def _run(self, width: int, keys: int) -> None:
+        meta = self.meta[:, :width]
+        # (no per-row key counts on the host: a decode step reads only `keys`, the padded width)
+        ctx = ForwardContext(self.kv, self.layout, meta[0], meta[1], meta[2], None, self.tables, meta[3],
+                             np.zeros(0, np.int64), keys)
+        inject = None if self.inject is None else self.inject[:width]
+        self.out[:width].copy_(self.model.core_step(self.state[:width], inject, ctx))

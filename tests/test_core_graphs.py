@@ -1,0 +1,76 @@
+"""The core step on static, bucketed buffers (`engine/graphs.py`, what CUDA graphs replay): padding the
+batch and its key count changes no request's tokens or exit depths, and the buckets are what they claim.
+On the CPU the padded step runs eagerly, the same code a graph records; tests/test_cuda.py replays the
+graphs on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from loopserve import SamplingParams
+from loopserve.engine.graphs import bucket
+from tests.engine_helpers import assert_matches, drive, make_engine, reference
+from tests.test_engine_exact import matrix_workload
+
+BASE = dict(block_size=4, max_decode_batch=5, prefill_chunk_size=8, max_num_batched_tokens=8, min_coda_batch=2,
+            kv_safety_margin=0.1, cuda_graphs=True)
+# wide: five sequences resident (a batch of 5 runs padded to 6); small: a pool of 9 blocks preempts. Keys are
+# bucketed by block (1, 2, 3, 4, 6, 8, ... blocks of 4), and the block table grows with the sequences (every
+# prepared bucket is then dropped)
+POOLS = {"wide": dict(kv_cache_tokens=400, max_num_seqs=6), "small": dict(kv_cache_tokens=36, max_num_seqs=5)}
+
+
+@pytest.mark.parametrize("layout", ["depth_indexed", "last_exited", "shared"])
+@pytest.mark.parametrize("scheduler", ["cb", "cdb-norefill", "cdb"])
+@pytest.mark.parametrize("arch,policy,pool", [("ouro", "signal", "wide"), ("ouro", "lookahead", "wide"),
+                                              ("huginn", "signal", "wide"), ("ouro", "signal", "small")])
+def test_padded_core_steps_match_reference(arch, policy, pool, scheduler, layout, tiny_ouro, tiny_huginn):
+    path, state_init = (tiny_ouro, "zero") if arch == "ouro" else (tiny_huginn, "like-init")
+    engine = make_engine(path, state_init, scheduler=scheduler, kv_layout=layout, lookahead=policy == "lookahead",
+                         **BASE, **POOLS[pool])
+    reqs = matrix_workload(arch, policy, engine.model_config.r_max)
+    outs = drive(engine, reqs)
+    for r in reqs:
+        assert_matches(outs[r.rid], reference(engine, r))
+    graphs = engine.runner.graphs
+    assert graphs is not None
+    widths = {w for w, _ in graphs.buckets}
+    assert widths <= {1, 2, 3, 4, 6}
+    if pool == "wide":
+        assert 6 in widths  # five rows ran padded to six
+    else:
+        assert engine.stats.preemptions > 0
+
+
+def test_graphs_are_dropped_when_the_block_table_grows(tiny_ouro):
+    """A graph reads the block table at the address it was captured with: when the table is reallocated
+    (it starts 16 blocks wide and doubles), every prepared bucket is dropped."""
+    engine = make_engine(tiny_ouro, scheduler="cb", block_size=4, kv_cache_tokens=1024, max_num_seqs=5,
+                         max_decode_batch=5, cuda_graphs=True)
+    graphs, tables = engine.runner.graphs, engine.kv.block_tables
+    assert graphs is not None and tables.table.shape[1] == 16
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, exit_policy="fixed")
+    for i in range(5):  # 60-token prompts: keys 61-64 fill the 16 blocks (one bucket), then the table grows
+        engine.add_request(f"r{i}", [(7 * i + j) % 300 + 1 for j in range(60)], params)
+    while tables.table.shape[1] == 16:
+        engine.step()
+    before = graphs.buckets
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert before == [(6, 64)]  # five rows padded to six, 61-64 keys in 16 blocks
+    assert graphs.buckets == [(6, 96)]  # 65-90 keys: 17-23 blocks -> 24 of the 32-block table; (6, 64) gone
+
+
+@given(st.integers(-3, 5000))
+def test_bucket_is_the_smallest_rung_at_or_above(n):
+    if n < 1:
+        with pytest.raises(ValueError, match="bucket"):
+            bucket(n)
+        return
+    b = bucket(n)
+    ladder = [1, 2, 3, 4, 6] + [r for k in range(3, 14) for r in (1 << k, 3 << (k - 1))]
+    assert b in ladder and n <= b
+    assert all(not (n <= r < b) for r in ladder)  # nothing smaller would do
+    assert b <= max(4, n * 3 // 2 + 1)  # so a batch is padded by about a third at most
