@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The engine's device check, sized for a lent GPU (aimed at 5-7 minutes of a 15-minute lease): the CUDA
-# tests (exactness against the reference decoder on the device, and no host-device sync while
-# planning or queueing a pipelined core step), then a short CB vs CDB throughput comparison and the
+# tests (exactness against the reference decoder on the device, core steps replayed from CUDA graphs
+# included, and no host-device sync while planning or queueing a pipelined core step), then a short CB vs
+# CDB throughput comparison, the same widths with `--cuda-graphs` (against the eager run before it), and the
 # overlap ablation (one schedule, exit signals read at once vs pipelined), then the core step's device
 # time at Ouro-1.4B's real shapes (random weights, `ouro-1.4b-shape`: about a minute to write its 5.4 GB
 # checkpoint; each point fills a random KV store of batch x context rows on the host, so the grid stays
@@ -24,6 +25,9 @@ $PY -m pytest -q -p no:cacheprovider -o addopts="" tests/test_cuda.py tests/test
 $PY -m loopserve.cli bench throughput --model ouro-bench --device cuda --dtype bfloat16 --workload alpaca \
     --num-requests 128 --mean-depth 2.5 --sweep width,full-depth --widths 32,128 --width 128 --repeats 1 \
     --no-progress --out "$OUT" 2>&1 | tee "$OUT/throughput.log"
+$PY -m loopserve.cli bench throughput --model ouro-bench --device cuda --dtype bfloat16 --workload alpaca \
+    --num-requests 128 --mean-depth 2.5 --sweep width --widths 32,128 --repeats 1 --cuda-graphs \
+    --no-progress --out "$OUT/cuda-graphs" 2>&1 | tee "$OUT/cuda-graphs.log"
 $PY -m loopserve.cli bench ablate overlap --model ouro-bench --device cuda --dtype bfloat16 --num-requests 128 \
     --width 64 --repeats 2 --no-progress --out "$OUT" 2>&1 | tee "$OUT/overlap.log"
 $PY -m loopserve.cli bench step-latency --model ouro-1.4b-shape --device cuda --dtype bfloat16 --kv-layout shared \

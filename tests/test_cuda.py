@@ -31,10 +31,45 @@ def test_cuda_engine_matches_the_reference(arch, scheduler, lookahead, tiny_ouro
               prefill_chunk_size=8, max_num_batched_tokens=16)
     params = params_for(arch)
     ref = LLM(path, scheduler="reference", **kw).generate(PROMPTS, params)
-    out = LLM(path, scheduler=scheduler, **kw).generate(PROMPTS, params)
+    assert_equal_outputs(ref, LLM(path, scheduler=scheduler, **kw).generate(PROMPTS, params))
+
+
+def assert_equal_outputs(ref, out) -> None:
     for a, b in zip(ref, out, strict=True):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
         assert b.outputs[0].exit_depths == a.outputs[0].exit_depths
+
+
+@pytest.mark.parametrize("scheduler", ["cb", "cdb"])
+@pytest.mark.parametrize("arch", ["ouro", "huginn"])
+def test_cuda_graphs_match_the_reference_and_replay_without_waiting(arch, scheduler, tiny_ouro, tiny_huginn):
+    """Core steps replayed from CUDA graphs (`cuda_graphs`, engine/graphs.py; five rows run padded to six)
+    give the reference decoder's outputs; once a bucket is captured, its replays never make the host wait
+    (a second run of the same workload, whose buckets were all captured by the first, runs its core steps
+    under sync-debug "error")."""
+    path = tiny_ouro if arch == "ouro" else tiny_huginn
+    kw = dict(dtype="float64", device="cuda", kv_cache_tokens=1024, max_decode_batch=5, prefill_chunk_size=8,
+              max_num_batched_tokens=16, enable_prefix_caching=False)
+    params = params_for(arch)
+    ref = LLM(path, scheduler="reference", **kw).generate(PROMPTS, params)
+    llm = LLM(path, scheduler=scheduler, cuda_graphs=True, **kw)
+    engine = llm.engine
+    assert engine is not None and engine.runner.graphs is not None
+    assert_equal_outputs(ref, llm.generate(PROMPTS, params))
+    captured = set(engine.runner.graphs.buckets)
+    core = engine.runner.core
+
+    def strict(*args):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return core(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    engine.runner.core = strict
+    assert_equal_outputs(ref, llm.generate(PROMPTS, params))
+    assert set(engine.runner.graphs.buckets) == captured
+    assert any(width == 6 for width, _ in captured)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])

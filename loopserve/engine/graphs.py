@@ -5,11 +5,13 @@ kernels per step). At decode widths a GPU runs them faster than the host launche
 time, not the kernels, would set the step time. A CUDA graph records a step's launches once and
 replays them with one call. A graph has fixed shapes and addresses, so the step runs on static
 buffers, one graph per bucket:
-- the batch is padded to the next width of `LADDER` (at most a third more rows): padding rows are
-  position 0 of table slot 0 at depth 1, write their KV to the scratch row (as passive CB rows do), and
-  their outputs are dropped; every operation of a step is row-wise, so they change no other row;
-- the key count to the next rung of the same ladder in blocks (at most the block table's width): keys past a row's position are masked already (they read the zero row), so more of
-  them change no weight.
+- the batch is padded to the next rung of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (`bucket`: at most about
+  a third more rows): padding rows are position 0 of table slot 0 at depth 1, write their KV to the
+  scratch row (as passive CB rows do), and their outputs are dropped; every operation of a step is
+  row-wise, so they change no other row;
+- the key count to the next rung of the same ladder in blocks (at most the block table's width):
+  keys past a row's position are masked already (they read the zero row), so more of them change no
+  weight.
 The KV store and the block table are read and written in place; the caller copies the states in
 and out. A bucket's graph is captured the first time a batch needs it, all into one memory pool (they
 never run at once, and nothing allocated while capturing outlives it), and every graph is dropped when
