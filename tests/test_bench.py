@@ -489,6 +489,15 @@ def test_device_cuda_is_plumbed_and_refused_without_a_gpu(bench_cache):
               "--out", str(bench_cache / "o")])
 
 
+def test_overhead_ablation_refuses_cuda_graphs(bench_cache):
+    """Its per-stage device times need eager core steps (a replayed graph runs no model code to time)."""
+    from loopserve.cli import main
+
+    with pytest.raises(SystemExit, match="--cuda-graphs"):
+        main(["bench", "ablate", "overhead", "--model", "micro-ouro", "--num-requests", "1", "--cuda-graphs",
+              "--out", str(bench_cache / "o")])
+
+
 def test_bench_serve_inprocess_and_replot(bench_cache, single_thread):
     from loopserve.cli import main
 

@@ -5,17 +5,22 @@ kernels per step). At decode widths a GPU runs them faster than the host launche
 time, not the kernels, would set the step time. A CUDA graph records a step's launches once and
 replays them with one call. A graph has fixed shapes and addresses, so the step runs on static
 buffers, one graph per bucket:
-- the batch is padded to the next rung of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (`bucket`: at most about
-  a third more rows): padding rows are position 0 of table slot 0 at depth 1, write their KV to the
-  scratch row (as passive CB rows do), and their outputs are dropped; every operation of a step is
-  row-wise, so they change no other row;
+- the batch is padded to the next rung of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (`bucket`: under 1.5x the
+  rows): padding rows are position 0 of table slot 0 at depth 1. They write their KV only to the
+  scratch row, which no real row reads unmasked, and what they read changes nothing but their own
+  outputs, which are dropped;
 - the key count to the next rung of the same ladder in blocks (at most the block table's width):
-  keys past a row's position are masked already (they read the zero row), so more of them change no
-  weight.
+  keys past a row's position are masked already (they read the zero row), so more of them add
+  nothing to any weight.
+Padding changes the shapes of the matmuls and softmaxes, so real rows' results can differ in the last
+bits, as they do between any two batch mixes; in float64 the tokens and exit depths stay the
+reference's (the tests).
 The KV store and the block table are read and written in place; the caller copies the states in
-and out. A bucket's graph is captured the first time a batch needs it, all into one memory pool (they
-never run at once, and nothing allocated while capturing outlives it), and every graph is dropped when
-the block table is reallocated (it grows on demand; a graph holds its address).
+and out. A bucket's graph is captured the first time a batch needs it (a device synchronization
+each), all into one memory pool (they never run at once, and nothing allocated while capturing
+outlives it). When the block table is reallocated (it grows on demand; a graph holds its address and
+shape) every graph is retired and the next ones go to a fresh pool; the retired ones are kept until
+the next capture has synchronized the device, since a replay of theirs may still be running.
 
 On the CPU nothing is captured: the same padded step runs eagerly on the static buffers. That is how
 the tests check this path against the reference decoder; it is slower than the plain step.
@@ -65,7 +70,8 @@ class CoreGraphs:
         pad[1], pad[2] = scratch_row, 1
         self._pad = torch.from_numpy(pad).to(p.device)
         self._steps: dict[tuple[int, int], Callable[[], None]] = {}
-        self._table_address = tables.table.data_ptr()
+        self._table = tables.table  # (held: its memory cannot be reused by a new table while graphs read it)
+        self._retired: list[Callable[[], None]] = []
         self._pool = torch.cuda.graph_pool_handle() if capture else None
 
     @property
@@ -79,42 +85,58 @@ class CoreGraphs:
         rows, depths, table slots) whose longest key count is `max_keys`. Returns [n, hidden], a view of the
         static output (valid until the next step is queued: copy it out first)."""
         n = state.shape[0]
-        if self.tables.table.data_ptr() != self._table_address:  # the table grew: graphs read the old one
-            self._steps.clear()
-            self._table_address = self.tables.table.data_ptr()
+        if self.tables.table is not self._table:  # the table was reallocated: the graphs read the old one
+            self._retire()
         bs = self.tables.block_size
         width = bucket(n)
         keys = min(bucket(-(-max_keys // bs)), self.tables.table.shape[1]) * bs
+        assert (inject is None) == (self.inject is None), "inject: given for a model without one, or missing"
         self.state[:n].copy_(state)
         if self.inject is not None and inject is not None:
             self.inject[:n].copy_(inject)
         self.meta[:, :n].copy_(meta)
-        self.meta[:, n:width].copy_(self._pad[:, n:width])
+        if n < width:
+            self.meta[:, n:width].copy_(self._pad[:, n:width])
         run = self._steps.get((width, keys))
         if run is None:
             run = self._steps[(width, keys)] = self._prepare(width, keys)
         run()
         return self.out[:n]
 
+    def _retire(self) -> None:
+        if self.capture:
+            self._retired += self._steps.values()
+        self._steps.clear()
+        self._table = self.tables.table
+        if self.capture:
+            self._pool = torch.cuda.graph_pool_handle()
+
     def _prepare(self, width: int, keys: int) -> Callable[[], None]:
         if not self.capture:
             return lambda: self._run(width, keys)
-        # once eagerly on a side stream first (lazy initialization: cuBLAS workspaces), then recorded; both
-        # runs compute the batch in the buffers now, and the replay that follows writes the same KV again
         device = self.state.device
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            self._run(width, keys)
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            self._run(width, keys)
-        return graph.replay
+        with torch.cuda.device(device):  # (capture and replay use the current device: make it the model's)
+            # once eagerly on a side stream first (lazy initialization: cuBLAS workspaces), then recorded; both
+            # runs compute the batch in the buffers now, and the replay that follows writes the same KV again
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                self._run(width, keys)
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                self._run(width, keys)  # (entering synchronized the device: no retired graph still runs)
+        self._retired.clear()
+
+        def replay() -> None:
+            with torch.cuda.device(device):
+                graph.replay()
+        return replay
 
     def _run(self, width: int, keys: int) -> None:
         meta = self.meta[:, :width]
-        # (no per-row key counts on the host: a decode step reads only `keys`, the padded width)
+        # (no per-row key counts on the host: a decode step reads only `keys`, the padded width; nothing
+        # calls `select` on this context, which would need them)
         ctx = ForwardContext(self.kv, self.layout, meta[0], meta[1], meta[2], None, self.tables, meta[3],
                              np.zeros(0, np.int64), keys)
         inject = None if self.inject is None else self.inject[:width]

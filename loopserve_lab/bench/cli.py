@@ -533,6 +533,9 @@ def cmd_ablate(args: argparse.Namespace) -> int:
 
     if args.which == "huginn-split" and not str(args.model).startswith("huginn-bench"):
         args.model = "huginn-bench"  # the split ablation is about Huginn-like models
+    if args.which == "overhead" and args.cuda_graphs:  # (harness.run_offline's sync_steps)
+        raise SystemExit("error: --cuda-graphs: the overhead ablation times every stage on the device, which a "
+                         "replayed core step does not allow; run it without")
     bm, out = _start(args, f"ablate-{args.which}")
     progress = not args.no_progress
     ov = engine_overrides(args)

@@ -130,7 +130,7 @@ class TimedModel(LoopedLM):
         try:
             return fn(*args, **kwargs)
         finally:
-            if self.sync:
+            if self.sync and not torch.cuda.is_current_stream_capturing():  # (no sync inside a CUDA graph)
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
             self.seconds += dt
@@ -330,10 +330,14 @@ def run_offline(bm: BenchModel, workload: Workload, traces: list[list[int]] | No
     On CUDA the device is synchronized once at the end; `sync_steps` also synchronizes after every
     step and every model stage, which makes `compute_s` and the per-stage wall times device times
     but stops the host from running ahead of the device (no pipelining). `device_busy` (CUDA) measures
-    the device's busy time over the run (`DeviceBusy`): busy / wall is how well the host kept it fed."""
+    the device's busy time over the run (`DeviceBusy`): busy / wall is how well the host kept it fed.
+    With `cuda_graphs` a core step's replay runs no model code, so `compute_s` leaves the core steps out
+    (they count as runner time); per-stage device times (`sync_steps`) are then not measured."""
     from tqdm import tqdm
 
     cfg = engine_kwargs_for(workload, width, scheduler=scheduler, **engine_overrides)
+    if sync_steps and cfg.get("cuda_graphs"):
+        raise ValueError("sync_steps: per-stage device times need eager core steps; drop cuda_graphs")
     cuda = str(bm.device).startswith("cuda")
     sync = cuda and sync_steps
     timer = TimedModel(bm.model, sync)
