@@ -44,23 +44,32 @@ def test_padded_core_steps_match_reference(arch, policy, pool, scheduler, layout
         assert engine.stats.preemptions > 0
 
 
-def test_graphs_are_dropped_when_the_block_table_grows(tiny_ouro):
-    """A graph reads the block table at the address it was captured with: when the table is reallocated
-    (it starts 16 blocks wide and doubles), every prepared bucket is dropped."""
+def test_block_table_never_moves_and_graphs_are_retired_if_it_does(tiny_ouro):
+    """A graph reads the block table at the address it was captured with. With cuda_graphs the table is
+    as wide as the longest sequence from the start, so it never grows; reallocated anyway, every prepared
+    bucket is retired and prepared again when next needed."""
     engine = make_engine(tiny_ouro, scheduler="cb", block_size=4, kv_cache_tokens=1024, max_num_seqs=5,
                          max_decode_batch=5, cuda_graphs=True)
     graphs, tables = engine.runner.graphs, engine.kv.block_tables
-    assert graphs is not None and tables.table.shape[1] == 16
+    assert graphs is not None
+    table = tables.table
+    capacity = engine.kv.num_blocks * 4  # tokens (the pool less its scratch block)
+    assert table.shape[1] == -(-min(engine.model_config.max_position, capacity) // 4)
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, exit_policy="fixed")
-    for i in range(5):  # 60-token prompts: keys 61-64 fill the 16 blocks (one bucket), then the table grows
+    for i in range(5):
         engine.add_request(f"r{i}", [(7 * i + j) % 300 + 1 for j in range(60)], params)
-    while tables.table.shape[1] == 16:
+    while not graphs.buckets:
         engine.step()
-    before = graphs.buckets
+    (first,) = graphs.buckets
+    assert first == (6, 64) and graphs.prepared == 1  # five rows padded to six; keys 61-64: 16 blocks
+    tables.set_blocks(0, table.shape[1], [0])  # one column more: the table is reallocated
+    core = engine.stats.ticks["core"]
+    while engine.stats.ticks["core"] == core:
+        engine.step()
+    assert graphs.buckets == [first] and graphs.prepared == 2  # the same bucket, prepared again
     while engine.has_unfinished_requests():
         engine.step()
-    assert before == [(6, 64)]  # five rows padded to six, 61-64 keys in 16 blocks
-    assert graphs.buckets == [(6, 96)]  # 65-90 keys: 17-23 blocks -> 24 of the 32-block table; (6, 64) gone
+    assert tables.table is not table and graphs.prepared == 3  # then only keys 65-90 (96): one bucket more
 
 
 @given(st.integers(-3, 5000))

@@ -29,7 +29,8 @@ class BlockTable:
 
 
 class KVCacheManager:
-    def __init__(self, store: KVStore, block_size: int, reserved_blocks: int = 0, num_slots: int = 64) -> None:
+    def __init__(self, store: KVStore, block_size: int, reserved_blocks: int = 0, num_slots: int = 64,
+                 table_width: int = 16) -> None:
         self.store = store
         self.block_size = block_size
         num_blocks = store.capacity // block_size
@@ -37,7 +38,7 @@ class KVCacheManager:
         # Reserved blocks (e.g. the scratch row passive CB rows write to) are owned by the manager.
         self.reserved = self.allocator.allocate(reserved_blocks) if reserved_blocks else []
         self.tables: dict[str, BlockTable] = {}
-        self.block_tables = BlockTables(num_slots, 16, block_size, store.k.device)  # grows on demand
+        self.block_tables = BlockTables(num_slots, table_width, block_size, store.k.device)  # grows on demand
         self._free_slots: list[int] = []
         self._next_slot = 0
         # by slot: the tokens its blocks have room for, the tokens whose KV rows are in use, its sequence

@@ -89,7 +89,11 @@ class LLMEngine:
         store = KVStore((blocks + 1) * cfg.block_size, self.layout.slots_per_token, c.num_kv_heads, c.head_dim,
                         p.dtype, p.device)
         # block 0: scratch rows
-        self.kv = KVCacheManager(store, cfg.block_size, reserved_blocks=1, num_slots=cfg.max_num_seqs)
+        # CUDA graphs read the block table where it was when they were captured: give it, from the start, the
+        # columns of the longest sequence the pool or the model's positions allow, so it never moves
+        width = -(-min(c.max_position, blocks * cfg.block_size) // cfg.block_size) if cfg.cuda_graphs else 16
+        self.kv = KVCacheManager(store, cfg.block_size, reserved_blocks=1, num_slots=cfg.max_num_seqs,
+                                 table_width=width)
         # a state row per admitted sequence (a plain item keeps its row between tokens), and room for the drafts
         # of every sequence that may draft at once, so that verify groups are not trimmed for want of rows
         drafts = cfg.num_speculative_tokens * min(cfg.speculative_max_batch, cfg.max_num_seqs)

@@ -15,8 +15,9 @@ buffers, one graph per bucket:
 Padding changes the shapes of the matmuls and softmaxes, so real rows' results can differ in the last
 bits, as they do between any two batch mixes; in float64 the tokens and exit depths stay the
 reference's (the tests).
-The KV store and the block table are read and written in place; the caller copies the states in
-and out. A bucket's graph is captured the first time a batch needs it (a device synchronization
+The KV store and the block table are read and written in place (the engine gives the table, from
+the start, the width of the longest sequence, so it never moves); the caller copies the states in and
+out. A bucket's graph is captured the first time a batch needs it (a device synchronization
 each), all into one memory pool (they never run at once, and nothing allocated while capturing
 outlives it). When the block table is reallocated (it grows on demand; a graph holds its address and
 shape) every graph is retired and the next ones go to a fresh pool; the retired ones are kept until
@@ -72,6 +73,7 @@ class CoreGraphs:
         self._steps: dict[tuple[int, int], Callable[[], None]] = {}
         self._table = tables.table  # (held: its memory cannot be reused by a new table while graphs read it)
         self._retired: list[Callable[[], None]] = []
+        self.prepared = 0  # buckets prepared (captured, on CUDA) so far, retired ones included
         self._pool = torch.cuda.graph_pool_handle() if capture else None
 
     @property
@@ -112,6 +114,7 @@ class CoreGraphs:
             self._pool = torch.cuda.graph_pool_handle()
 
     def _prepare(self, width: int, keys: int) -> Callable[[], None]:
+        self.prepared += 1
         if not self.capture:
             return lambda: self._run(width, keys)
         device = self.state.device
