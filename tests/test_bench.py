@@ -556,6 +556,7 @@ def test_bench_host_times_decode_ticks_of_a_null_model(bench_cache, single_threa
         stages = p["stages"]
         assert {"core", "coda"} <= set(stages) and "prefill" not in stages
         assert all(s["host_cpu_us"] > 0 and s["tick_us"] > 0 for s in stages.values())
+        assert all(0 < s["host_cpu_us_median"] < s["ticks"] * s["host_cpu_us"] for s in stages.values())
         if sched == "cb":  # one cohort of `width` rows every tick, full depth: 4 core ticks per token
             assert stages["core"]["mean_rows"] == width and stages["core"]["ticks"] == 4 * stages["coda"]["ticks"]
         else:
