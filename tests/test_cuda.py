@@ -43,11 +43,12 @@ def assert_equal_outputs(ref, out) -> None:
 @pytest.mark.parametrize("scheduler", ["cb", "cdb"])
 @pytest.mark.parametrize("arch", ["ouro", "huginn"])
 def test_cuda_graphs_match_the_reference_and_replay_without_waiting(arch, scheduler, tiny_ouro, tiny_huginn):
-    """Core steps replayed from CUDA graphs (`cuda_graphs`, engine/graphs.py; five rows run padded to six)
-    give the reference decoder's outputs, also after the block table was reallocated between runs (it
-    never is by the engine with cuda_graphs; here by hand, so every graph is retired and captured again
-    into a fresh pool); once the buckets a workload needs are captured, replaying them never makes the
-    host wait (a third run of the workload runs its core steps under sync-debug "error")."""
+    """Core steps (and Huginn's coda) replayed from CUDA graphs (`cuda_graphs`, engine/graphs.py; five rows
+    run padded to six) give the reference decoder's outputs, also after the block table was reallocated
+    between runs (it never is by the engine with cuda_graphs; here by hand, so every graph is retired and
+    captured again into a fresh pool); once the buckets a workload needs are captured, replaying them
+    never makes the host wait (a third run of the workload runs its core and coda calls under sync-debug
+    "error")."""
     path = tiny_ouro if arch == "ouro" else tiny_huginn
     kw = dict(dtype="float64", device="cuda", kv_cache_tokens=1024, max_decode_batch=5, prefill_chunk_size=8,
               max_num_batched_tokens=16, enable_prefix_caching=False)
@@ -63,19 +64,21 @@ def test_cuda_graphs_match_the_reference_and_replay_without_waiting(arch, schedu
     assert_equal_outputs(ref, llm.generate(PROMPTS, params))
     assert engine.runner.graphs.prepared > prepared  # captured again
     captured = set(engine.runner.graphs.buckets)
-    core = engine.runner.core
 
-    def strict(*args):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return core(*args)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    def strict(fn):
+        def run(*args):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return fn(*args)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return run
 
-    engine.runner.core = strict
+    engine.runner.core, engine.runner.coda = strict(engine.runner.core), strict(engine.runner.coda)
     assert_equal_outputs(ref, llm.generate(PROMPTS, params))
     assert set(engine.runner.graphs.buckets) == captured
-    assert any(width == 6 for width, _ in captured)
+    assert any(width == 6 for _, width, _ in captured)
+    assert {stage for stage, _, _ in captured} == ({"core", "coda"} if arch == "huginn" else {"core"})
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])

@@ -48,11 +48,12 @@ class EngineConfig:
     # CUDA, off for the CPU, where nothing overlaps and refilling a tick later only costs.
     async_coda: bool | None = _knob(None, "take a coda's tokens after the next batch is queued; unset: on for "
                                     "CUDA only")
-    # Each decode core step replayed from a CUDA graph, one per bucket of batch width and key count (the
-    # batch padded to it): one launch instead of a few per layer (docs/design.md §9). On the CPU the same
-    # padded step runs eagerly, which only the tests want (it is slower).
-    cuda_graphs: bool = _knob(False, "replay decode core steps as CUDA graphs at bucketed widths and key counts; "
-                              "on the CPU the same padded step runs eagerly (for tests: slower)")
+    # Each decode core step (and coda with layers) replayed from a CUDA graph, one per bucket of batch width
+    # and key count (the batch padded to it): one launch instead of a few per layer (docs/design.md §9). On
+    # the CPU the same padded stages run eagerly, which only the tests want (it is slower).
+    cuda_graphs: bool = _knob(False, "replay decode core steps (and codas with layers) as CUDA graphs at bucketed "
+                              "widths and key counts; on the CPU the same padded stages run eagerly (for tests: "
+                              "slower)")
     # Self-speculative decoding (docs/design.md §12): the model drafts with a few loops, the request's
     # own depth verifies; outputs and exit depths stay those of plain decoding.
     num_speculative_tokens: int = _knob(0, "tokens drafted per verify pass (0: off); needs a per-depth KV layout "

@@ -27,7 +27,7 @@ from loopserve.cache.manager import KVCacheManager
 from loopserve.cache.pool import KVStore
 from loopserve.cache.prefix import cache_scope
 from loopserve.engine.config import EngineConfig
-from loopserve.engine.graphs import CoreGraphs
+from loopserve.engine.graphs import StageGraphs
 from loopserve.engine.runner import (
     ModelRunner,
     PendingDrafts,
@@ -106,7 +106,7 @@ class LLMEngine:
                                         scope if cfg.enable_prefix_caching else None, model.draws_random_state,
                                         speculator)
         scratch = self.kv.reserved[0] * cfg.block_size
-        graphs = CoreGraphs(model, self.layout, store, self.kv.block_tables, self.pool.rows, scratch,
+        graphs = StageGraphs(model, self.layout, store, self.kv.block_tables, self.pool.rows, scratch,
                             with_inject=self.pool.inject is not None, capture=p.device.type == "cuda") \
             if cfg.cuda_graphs else None
         self.runner = ModelRunner(model, self.layout, self.kv, self.pool, scratch_row=scratch, graphs=graphs)

@@ -1,10 +1,12 @@
-"""`CoreGraphs`: the decode core step on static buffers at bucketed shapes, replayed as CUDA graphs.
+"""`StageGraphs`: decode core steps (and codas with layers) on static buffers at bucketed shapes,
+replayed as CUDA graphs.
 
 Why: a core step launches every layer's kernels from Python (Ouro-1.4B: 24 layers, a few hundred
 kernels per step). At decode widths a GPU runs them faster than the host launches them, so the launch
 time, not the kernels, would set the step time. A CUDA graph records a step's launches once and
-replays them with one call. A graph has fixed shapes and addresses, so the step runs on static
-buffers, one graph per bucket:
+replays them with one call. The same holds for a coda with layers (Huginn's); Ouro's coda is one
+matmul, and the sampler after a coda stays eager. A graph has fixed shapes and addresses, so the stage
+runs on static buffers, one graph per stage and bucket:
 - the batch is padded to the next rung of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (`bucket`: under 1.5x the
   rows): padding rows are position 0 of table slot 0 at depth 1. They write their KV only to the
   scratch row, which no real row reads unmasked, and what they read changes nothing but their own
@@ -54,7 +56,7 @@ def bucket(n: int) -> int:
     return rung
 
 
-class CoreGraphs:
+class StageGraphs:
     def __init__(self, model: LoopedLM, layout: KVLayout, kv: KVStore, tables: BlockTables, max_rows: int,
                  scratch_row: int, with_inject: bool, capture: bool) -> None:
         p = next(model.parameters())
@@ -65,45 +67,57 @@ class CoreGraphs:
         self.state = torch.zeros(width, hidden, dtype=p.dtype, device=p.device)
         self.inject = torch.zeros(width, hidden, dtype=p.dtype, device=p.device) if with_inject else None
         self.out = torch.zeros(width, hidden, dtype=p.dtype, device=p.device)
+        self.logits: torch.Tensor | None = None  # [width, vocab] of the coda, made by its first (eager) run
         # rows: positions, KV write rows, depths, table slots (as `ModelRunner._pack` packs them)
         self.meta = torch.zeros(4, width, dtype=torch.long, device=p.device)
         pad = np.zeros((4, width), np.int64)
         pad[1], pad[2] = scratch_row, 1
         self._pad = torch.from_numpy(pad).to(p.device)
-        self._steps: dict[tuple[int, int], Callable[[], None]] = {}
+        self._steps: dict[tuple[str, int, int], Callable[[], None]] = {}
         self._table = tables.table  # (held: its memory cannot be reused by a new table while graphs read it)
         self._retired: list[Callable[[], None]] = []
         self.prepared = 0  # buckets prepared (captured, on CUDA) so far, retired ones included
         self._pool = torch.cuda.graph_pool_handle() if capture else None
 
     @property
-    def buckets(self) -> list[tuple[int, int]]:
-        """The (width, key count) buckets prepared (captured, on CUDA) since the block table last moved."""
+    def buckets(self) -> list[tuple[str, int, int]]:
+        """The (stage, width, key count) buckets prepared (captured, on CUDA) since the block table last moved."""
         return list(self._steps)
 
-    def step(self, state: torch.Tensor, inject: torch.Tensor | None, meta: torch.Tensor,
+    def core(self, state: torch.Tensor, inject: torch.Tensor | None, meta: torch.Tensor,
              max_keys: int) -> torch.Tensor:
         """The core step of `state` ([n, hidden]) with the rows' metadata `meta` ([4, n]: positions, write
         rows, depths, table slots) whose longest key count is `max_keys`. Returns [n, hidden], a view of the
         static output (valid until the next step is queued: copy it out first)."""
+        assert (inject is None) == (self.inject is None), "inject: given for a model without one, or missing"
+        if self.inject is not None and inject is not None:
+            self.inject[: state.shape[0]].copy_(inject)
+        self._replay("core", state, meta, max_keys)
+        return self.out[: state.shape[0]]
+
+    def coda(self, state: torch.Tensor, meta: torch.Tensor, max_keys: int) -> torch.Tensor:
+        """The coda's logits of `state` (as `core`). Returns [n, vocab], a view of the static logits (valid
+        until the next coda is queued: sample them first)."""
+        self._replay("coda", state, meta, max_keys)
+        assert self.logits is not None
+        return self.logits[: state.shape[0]]
+
+    def _replay(self, stage: str, state: torch.Tensor, meta: torch.Tensor, max_keys: int) -> None:
         n = state.shape[0]
         if self.tables.table is not self._table:  # the table was reallocated: the graphs read the old one
             self._retire()
         bs = self.tables.block_size
         width = bucket(n)
         keys = min(bucket(-(-max_keys // bs)), self.tables.table.shape[1]) * bs
-        assert (inject is None) == (self.inject is None), "inject: given for a model without one, or missing"
         self.state[:n].copy_(state)
-        if self.inject is not None and inject is not None:
-            self.inject[:n].copy_(inject)
         self.meta[:, :n].copy_(meta)
         if n < width:
             self.meta[:, n:width].copy_(self._pad[:, n:width])
-        run = self._steps.get((width, keys))
+        key = (stage, width, keys)
+        run = self._steps.get(key)
         if run is None:
-            run = self._steps[(width, keys)] = self._prepare(width, keys)
+            run = self._steps[key] = self._prepare(stage, width, keys)
         run()
-        return self.out[:n]
 
     def _retire(self) -> None:
         if self.capture:
@@ -113,22 +127,23 @@ class CoreGraphs:
         if self.capture:
             self._pool = torch.cuda.graph_pool_handle()
 
-    def _prepare(self, width: int, keys: int) -> Callable[[], None]:
+    def _prepare(self, stage: str, width: int, keys: int) -> Callable[[], None]:
         self.prepared += 1
         if not self.capture:
-            return lambda: self._run(width, keys)
+            return lambda: self._run(stage, width, keys)
         device = self.state.device
         with torch.cuda.device(device):  # (capture and replay use the current device: make it the model's)
-            # once eagerly on a side stream first (lazy initialization: cuBLAS workspaces), then recorded; both
-            # runs compute the batch in the buffers now, and the replay that follows writes the same KV again
+            # once eagerly on a side stream first (lazy initialization: cuBLAS workspaces, the logits buffer),
+            # then recorded; both runs compute the batch in the buffers now, and the replay that follows
+            # writes the same KV again
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
-                self._run(width, keys)
+                self._run(stage, width, keys)
             torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                self._run(width, keys)  # (entering synchronized the device: no retired graph still runs)
+                self._run(stage, width, keys)  # (entering synchronized the device: no retired graph still runs)
         self._retired.clear()
 
         def replay() -> None:
@@ -136,11 +151,17 @@ class CoreGraphs:
                 graph.replay()
         return replay
 
-    def _run(self, width: int, keys: int) -> None:
+    def _run(self, stage: str, width: int, keys: int) -> None:
         meta = self.meta[:, :width]
         # (no per-row key counts on the host: a decode step reads only `keys`, the padded width; nothing
         # calls `select` on this context, which would need them)
         ctx = ForwardContext(self.kv, self.layout, meta[0], meta[1], meta[2], None, self.tables, meta[3],
                              np.zeros(0, np.int64), keys)
-        inject = None if self.inject is None else self.inject[:width]
-        self.out[:width].copy_(self.model.core_step(self.state[:width], inject, ctx))
+        if stage == "core":
+            inject = None if self.inject is None else self.inject[:width]
+            self.out[:width].copy_(self.model.core_step(self.state[:width], inject, ctx))
+            return
+        logits = self.model.coda(self.state[:width], ctx)
+        if self.logits is None:  # (the first run of a coda is eager, never one being captured)
+            self.logits = logits.new_empty((self.state.shape[0], logits.shape[1]))
+        self.logits[:width].copy_(logits)

@@ -16,7 +16,7 @@ import torch
 from loopserve.cache.layout import IN_FLIGHT, KVLayout
 from loopserve.cache.manager import KVCacheManager
 from loopserve.device import Readback, upload
-from loopserve.engine.graphs import CoreGraphs
+from loopserve.engine.graphs import StageGraphs
 from loopserve.engine.held_tokens import HeldTokens
 from loopserve.engine.sampler import (
     GREEDY,
@@ -399,10 +399,10 @@ class PendingPrefill:
 
 class ModelRunner:
     def __init__(self, model: LoopedLM, layout: KVLayout, kv: KVCacheManager, pool: StatePool,
-                 scratch_row: int, graphs: CoreGraphs | None = None) -> None:
+                 scratch_row: int, graphs: StageGraphs | None = None) -> None:
         self.model, self.layout, self.kv, self.pool = model, layout, kv, pool
         self.scratch_row = scratch_row
-        self.graphs = graphs  # decode core steps on static buffers (CUDA graphs), else eager
+        self.graphs = graphs  # decode core steps and codas with layers on static buffers (CUDA graphs), else eager
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.has_prelude_kv = model.config.n_prelude > 0
@@ -522,7 +522,7 @@ class ModelRunner:
         if self.graphs is None:
             new = self.model.core_step(prev, inject, ctx)
         else:
-            new = self.graphs.step(prev, inject, device[:4], top + 1)
+            new = self.graphs.core(prev, inject, device[:4], top + 1)
         pool.state.index_copy_(0, device[5], new)
         counts = np.bincount(kinds, minlength=len(SIGNALS)).tolist()
         present = {SIGNALS[k] for k in range(1, len(SIGNALS)) if counts[k]}
@@ -549,9 +549,14 @@ class ModelRunner:
         """The exited items' (in state-pool rows `rows`) next tokens, sampled on the device, on their way
         to the host in one copy."""
         host, device, top, _ = self._pack(rows)
-        ctx = self._ctx(host, device, top) if self.has_coda_kv else None  # (a coda without layers attends to nothing)
         pool = self.pool
-        logits = self.model.coda(pool.state.index_select(0, device[4]), ctx)
+        state = pool.state.index_select(0, device[4])
+        if not self.has_coda_kv:  # (a coda without layers attends to nothing: no context, no graph)
+            logits = self.model.coda(state, None)
+        elif self.graphs is not None:
+            logits = self.graphs.coda(state, device[:4], top + 1)
+        else:
+            logits = self.model.coda(state, self._ctx(host, device, top))
         plain = pool.sequences.plain[host[3]].all()  # (host[3]: the rows' block-table slots)
         return PendingSamples(logits, None if plain else [it.seq for it in items], pool.decode_index[rows] + 1)
 

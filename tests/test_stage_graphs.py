@@ -1,5 +1,6 @@
-"""The core step on static, bucketed buffers (`engine/graphs.py`, what CUDA graphs replay): padding the
-batch and its key count changes no request's tokens or exit depths, and the buckets are what they claim.
+"""Core steps and codas with layers on static, bucketed buffers (`engine/graphs.py`, what CUDA graphs
+replay): padding the batch and its key count changes no request's tokens or exit depths, and the buckets
+are what they claim.
 On the CPU the padded step runs eagerly, the same code a graph records; tests/test_cuda.py replays the
 graphs on a GPU."""
 
@@ -36,8 +37,10 @@ def test_padded_core_steps_match_reference(arch, policy, pool, scheduler, layout
         assert_matches(outs[r.rid], reference(engine, r))
     graphs = engine.runner.graphs
     assert graphs is not None
-    widths = {w for w, _ in graphs.buckets}
+    widths = {w for _, w, _ in graphs.buckets}
     assert widths <= {1, 2, 3, 4, 6}
+    stages = {stage for stage, _, _ in graphs.buckets}
+    assert stages == ({"core", "coda"} if arch == "huginn" else {"core"})  # (Ouro's coda has no layers)
     if pool == "wide":
         assert 6 in widths  # five rows ran padded to six
     else:
@@ -61,7 +64,7 @@ def test_block_table_never_moves_and_graphs_are_retired_if_it_does(tiny_ouro):
     while not graphs.buckets:
         engine.step()
     (first,) = graphs.buckets
-    assert first == (6, 64) and graphs.prepared == 1  # five rows padded to six; keys 61-64: 16 blocks
+    assert first == ("core", 6, 64) and graphs.prepared == 1  # five rows padded to six; keys 61-64: 16 blocks
     tables.set_blocks(0, table.shape[1], [0])  # one column more: the table is reallocated
     core = engine.stats.ticks["core"]
     while engine.stats.ticks["core"] == core:
