@@ -21,12 +21,12 @@ The KV store and the block table are read and written in place (the engine gives
 the start, the width of the longest sequence, so it never moves); the caller copies the states in and
 out. A bucket's graph is captured the first time a batch needs it (a device synchronization
 each), all into one memory pool (they never run at once, and nothing allocated while capturing
-outlives it). When the block table is reallocated (it grows on demand; a graph holds its address and
-shape) every graph is retired and the next ones go to a fresh pool; the retired ones are kept until
-the next capture has synchronized the device, since a replay of theirs may still be running.
+outlives it). If the block table is reallocated anyway (a graph holds its address and shape), every
+graph is retired and the next ones go to a fresh pool; the retired ones are kept until the next
+capture has synchronized the device, since a replay of theirs may still be running.
 
-On the CPU nothing is captured: the same padded step runs eagerly on the static buffers. That is how
-the tests check this path against the reference decoder; it is slower than the plain step.
+On the CPU nothing is captured: the same padded stages run eagerly on the static buffers. That is how
+the tests check this path against the reference decoder; it is slower than the plain one.
 """
 
 from __future__ import annotations
