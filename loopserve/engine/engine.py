@@ -151,6 +151,7 @@ class LLMEngine:
         return self.scheduler.has_work() or bool(self.scheduler.finished)
 
     # -- one tick ----------------------------------------------------------------------------------------
+    @torch.no_grad()
     def step(self) -> list[RequestOutput]:
         """Schedule one stage batch, run it, update the requests with what came back."""
         t0 = time.perf_counter()
@@ -297,7 +298,6 @@ class LLMEngine:
     def kv_usage(self) -> float:
         return self.kv.usage()
 
-    @torch.no_grad()
     def run_to_completion(self) -> None:
         while self.has_unfinished_requests():
             self.step()

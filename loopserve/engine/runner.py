@@ -2,7 +2,8 @@
 attention context from the block tables, runs the model stage, scatters results back.
 
 The runner makes no scheduling decisions; it returns raw results (exit signals, sampled tokens) and
-the scheduler decides what they mean.
+the scheduler decides what they mean. It is called inside `LLMEngine.step`, which runs without autograd
+(one `no_grad` per tick, not one per stage call: each costs a few µs on the CPU).
 """
 
 from __future__ import annotations
@@ -443,7 +444,6 @@ class ModelRunner:
         return state
 
     # -- stages --------------------------------------------------------------------------------------
-    @torch.no_grad()
     def prefill(self, chunks: list[PrefillChunk]) -> PendingPrefill:
         """Run chunks through prelude, every loop up to their max_loops, and the coda where needed.
 
@@ -492,7 +492,6 @@ class ModelRunner:
                     self.kv.store.copy_rows(upload(self.kv.rows(fork.request_id, n)[tail:], dev), src)
         return PendingPrefill(sampled if samples is not None else [], samples, spans, prompt)
 
-    @torch.no_grad()
     def prelude(self, items: list[WorkItem], rows: np.ndarray) -> None:
         """Run the preludes of `items` (in state-pool rows `rows`) into their state rows."""
         host, device, top, _ = self._pack(rows)
@@ -505,7 +504,6 @@ class ModelRunner:
         if inject is not None and self.pool.inject is not None:  # same copies as [] at less dispatch cost)
             self.pool.inject.index_copy_(0, upload(torch.from_numpy(rows), self.device), inject)
 
-    @torch.no_grad()
     def core(self, rows: np.ndarray) -> PendingSignals:
         """Queue one loop step for the items in state-pool rows `rows` (each at its own depth r+1); its
         exit signals come back as `PendingSignals`, which the engine reads when it needs them (with
@@ -546,7 +544,6 @@ class ModelRunner:
         n = len(rows)
         return PendingSignals(kinds, Readback(sig), whole=counts[_GATE] == n or counts[_LATENT_DIFF] == n)
 
-    @torch.no_grad()
     def coda(self, items: list[WorkItem], rows: np.ndarray) -> PendingSamples:
         """The exited items' (in state-pool rows `rows`) next tokens, sampled on the device, on their way
         to the host in one copy."""
@@ -562,7 +559,6 @@ class ModelRunner:
         plain = pool.sequences.plain[host[3]].all()  # (host[3]: the rows' block-table slots)
         return PendingSamples(logits, None if plain else [it.seq for it in items], pool.decode_index[rows] + 1)
 
-    @torch.no_grad()
     def draft(self, items: list[WorkItem], lens: list[int], loops: int) -> PendingDrafts:
         """Self-speculative drafts (docs/design.md §12): `lens[i]` tokens after item i's token, each the
         greedy coda (with the request's `logit_bias`) of the token before it after `loops` loop steps (at
@@ -594,7 +590,6 @@ class ModelRunner:
                     seeds[i] = chain_seed(seeds[i], token)
         return PendingDrafts(Readback({"tokens": tokens}), lens)
 
-    @torch.no_grad()
     def write_kv_depths(self, rows: np.ndarray, depths: np.ndarray) -> None:
         """Record the KV depth of tokens that exited (batched: one small upload per tick)."""
         dev = self.device
