@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,6 +47,8 @@ from loopserve.models.base import LoopedLM
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import SamplingParams
 from loopserve.tokenizer import Tokenizer
+
+log = logging.getLogger("loopserve.engine")
 
 
 @dataclass
@@ -109,6 +112,9 @@ class LLMEngine:
         graphs = StageGraphs(model, self.layout, store, self.kv.block_tables, self.pool.rows, scratch,
                             with_inject=self.pool.inject is not None, capture=p.device.type == "cuda") \
             if cfg.cuda_graphs else None
+        if graphs is not None and not graphs.capture:
+            log.warning("cuda_graphs on %s: nothing to capture, the padded stages run eagerly (slower; for tests)",
+                        p.device)
         self.runner = ModelRunner(model, self.layout, self.kv, self.pool, scratch_row=scratch, graphs=graphs)
         self._arrivals = itertools.count()
         # Async codas (CUDA by default): a coda's tokens are read once the next stage batch is queued.
