@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -77,6 +78,21 @@ def test_block_table_never_moves_and_graphs_are_retired_if_it_does(tiny_ouro, ca
     while engine.has_unfinished_requests():
         engine.step()
     assert tables.table is not table and graphs.prepared == 3  # then only keys 65-90 (96): one bucket more
+
+
+def test_graph_buffers_made_in_inference_mode_serve_steps_outside_it(tiny_huginn):
+    """The coda's logits buffer is made by its first run: under `torch.inference_mode` (as the benchmarks
+    step) it must still be a normal tensor, or a later step outside inference mode cannot write it."""
+    engine = make_engine(tiny_huginn, "like-init", cuda_graphs=True, block_size=4)
+    params = SamplingParams(temperature=0.0, max_tokens=4, exit_policy="fixed")
+    with torch.inference_mode():
+        engine.add_request("a", [1, 2, 3, 4, 5], params)
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert engine.runner.graphs is not None and engine.runner.graphs.logits is not None
+    engine.add_request("b", [1, 2, 3, 4, 5], params)
+    while engine.has_unfinished_requests():
+        assert engine.step() is not None
 
 
 @given(st.integers(-3, 5000))

@@ -163,5 +163,6 @@ class StageGraphs:
             return
         logits = self.model.coda(self.state[:width], ctx)
         if self.logits is None:  # (the first run of a coda is eager, never one being captured)
-            self.logits = logits.new_empty((self.state.shape[0], logits.shape[1]))
+            with torch.inference_mode(False):  # a normal tensor: later steps may run outside inference mode
+                self.logits = logits.new_empty((self.state.shape[0], logits.shape[1]))
         self.logits[:width].copy_(logits)
