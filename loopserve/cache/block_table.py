@@ -91,7 +91,13 @@ class BlockTables:
 
     def key_rows(self, slots: torch.Tensor, length: int) -> torch.Tensor:
         """[len(slots), length] physical rows of positions 0..length-1 of each slot's sequence, computed
-        where the table lives (device work, no host loop)."""
+        where the table lives (device work, no host loop). Positions 0..length-1 are the table's first
+        blocks in order, so this is their block ids (a row gather of the first columns only: a table may be
+        much wider than the batch's longest context) spread over their rows in one broadcast; gathering a
+        block per position was 4-7x slower on the CPU (256 rows, 4k keys: 11-14 ms against 2 ms)."""
         bs = self.block_size
-        pos = torch.arange(length, device=self.table.device)
-        return self.table[slots][:, pos // bs] * bs + pos % bs
+        blocks = -(-length // bs)
+        if blocks > self.table.shape[1]:
+            raise IndexError(f"key_rows: {length} positions need {blocks} blocks, the table has {self.table.shape[1]}")
+        offsets = torch.arange(bs, device=self.table.device)
+        return (self.table[:, :blocks].index_select(0, slots).unsqueeze(-1) * bs + offsets).flatten(1)[:, :length]

@@ -331,8 +331,8 @@ def run_offline(bm: BenchModel, workload: Workload, traces: list[list[int]] | No
     step and every model stage, which makes `compute_s` and the per-stage wall times device times
     but stops the host from running ahead of the device (no pipelining). `device_busy` (CUDA) measures
     the device's busy time over the run (`DeviceBusy`): busy / wall is how well the host kept it fed.
-    With `cuda_graphs` a core step's replay runs no model code, so `compute_s` leaves the core steps out
-    (they count as runner time); per-stage device times (`sync_steps`) are then not measured."""
+    With `cuda_graphs` a replayed stage (core steps, codas with layers) runs no model code, so `compute_s`
+    leaves them out (they count as runner time); per-stage device times (`sync_steps`) are then not measured."""
     from tqdm import tqdm
 
     cfg = engine_kwargs_for(workload, width, scheduler=scheduler, **engine_overrides)
