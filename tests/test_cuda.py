@@ -4,6 +4,8 @@ GPU): the same code gives the reference decoder's outputs, and queueing a pipeli
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -32,6 +34,20 @@ def test_cuda_engine_matches_the_reference(arch, scheduler, lookahead, tiny_ouro
     params = params_for(arch)
     ref = LLM(path, scheduler="reference", **kw).generate(PROMPTS, params)
     assert_equal_outputs(ref, LLM(path, scheduler=scheduler, **kw).generate(PROMPTS, params))
+
+
+def sync_free(fn, calls: Counter[str] | None = None, name: str = ""):
+    """`fn` run under CUDA's sync-debug mode "error": any host-device synchronization inside it raises
+    (`calls[name]` counts the calls)."""
+    def run(*args):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return fn(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            if calls is not None:
+                calls[name] += 1
+    return run
 
 
 def assert_equal_outputs(ref, out) -> None:
@@ -64,17 +80,7 @@ def test_cuda_graphs_match_the_reference_and_replay_without_waiting(arch, schedu
     assert_equal_outputs(ref, llm.generate(PROMPTS, params))
     assert engine.runner.graphs.prepared > prepared  # captured again
     captured = set(engine.runner.graphs.buckets)
-
-    def strict(fn):
-        def run(*args):
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                return fn(*args)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        return run
-
-    engine.runner.core, engine.runner.coda = strict(engine.runner.core), strict(engine.runner.coda)
+    engine.runner.core, engine.runner.coda = sync_free(engine.runner.core), sync_free(engine.runner.coda)
     assert_equal_outputs(ref, llm.generate(PROMPTS, params))
     assert set(engine.runner.graphs.buckets) == captured
     assert any(width == 6 for _, width, _ in captured)
@@ -125,22 +131,11 @@ def test_planning_and_queueing_never_wait_for_the_device(case, tiny_ouro_la, tin
               **{"kv_cache_tokens": 4096, **knobs})
     engine = llm.engine
     assert engine is not None
-    calls = {name: 0 for names in STRICT.values() for name in names}
-
-    def strict(fn, name):
-        def run(*args):
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                return fn(*args)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-                calls[name] += 1
-        return run
-
+    calls: Counter[str] = Counter()
     for owner, names in STRICT.items():
         obj = getattr(engine, owner)
         for name in names:
-            setattr(obj, name, strict(getattr(obj, name), name))
+            setattr(obj, name, sync_free(getattr(obj, name), calls, name))
     outs = llm.generate(PROMPTS, params)
     ref = LLM(path, scheduler="reference", dtype="float32", device="cuda", **knobs).generate(PROMPTS, params)
     for a, b in zip(ref, outs, strict=True):
