@@ -1,7 +1,7 @@
 """Core steps and codas with layers on static, bucketed buffers (`engine/graphs.py`, what CUDA graphs
 replay): padding the batch and its key count changes no request's tokens or exit depths, and the buckets
 are what they claim.
-On the CPU the padded step runs eagerly, the same code a graph records; tests/test_cuda.py replays the
+On the CPU the padded stages run eagerly, the same code a graph records; tests/test_cuda.py replays the
 graphs on a GPU."""
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ from tests.test_engine_exact import matrix_workload
 BASE = dict(block_size=4, max_decode_batch=5, prefill_chunk_size=8, max_num_batched_tokens=8, min_coda_batch=2,
             kv_safety_margin=0.1, cuda_graphs=True)
 # wide: five sequences resident (a batch of 5 runs padded to 6); small: a pool of 9 blocks preempts. Keys are
-# bucketed by block (1, 2, 3, 4, 6, 8, ... blocks of 4), and the block table grows with the sequences (every
-# prepared bucket is then dropped)
+# bucketed by block (1, 2, 3, 4, 6, 8, ... blocks of 4, at most the table's width)
 POOLS = {"wide": dict(kv_cache_tokens=400, max_num_seqs=6), "small": dict(kv_cache_tokens=36, max_num_seqs=5)}
 
 
@@ -30,7 +29,7 @@ POOLS = {"wide": dict(kv_cache_tokens=400, max_num_seqs=6), "small": dict(kv_cac
 @pytest.mark.parametrize("scheduler", ["cb", "cdb-norefill", "cdb"])
 @pytest.mark.parametrize("arch,policy,pool", [("ouro", "signal", "wide"), ("ouro", "lookahead", "wide"),
                                               ("huginn", "signal", "wide"), ("ouro", "signal", "small")])
-def test_padded_core_steps_match_reference(arch, policy, pool, scheduler, layout, tiny_ouro, tiny_huginn):
+def test_padded_stages_match_reference(arch, policy, pool, scheduler, layout, tiny_ouro, tiny_huginn):
     path, state_init = (tiny_ouro, "zero") if arch == "ouro" else (tiny_huginn, "like-init")
     engine = make_engine(path, state_init, scheduler=scheduler, kv_layout=layout, lookahead=policy == "lookahead",
                          **BASE, **POOLS[pool])

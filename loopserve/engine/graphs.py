@@ -57,6 +57,8 @@ def bucket(n: int) -> int:
 
 
 class StageGraphs:
+    """The static buffers and the prepared (captured) buckets of one engine's decode core steps and codas."""
+
     def __init__(self, model: LoopedLM, layout: KVLayout, kv: KVStore, tables: BlockTables, max_rows: int,
                  scratch_row: int, with_inject: bool, capture: bool) -> None:
         p = next(model.parameters())
