@@ -127,15 +127,18 @@ def test_generate_matches_reference_llm(arch, scheduler, layout, tiny_ouro, tiny
     assert llm.engine.kv_usage() == 0
 
 
+@pytest.mark.parametrize("cuda_graphs", [False, True])
 @pytest.mark.parametrize("scheduler", SCHEDULERS)
-def test_huginn_kl_policy(scheduler, tiny_huginn):
-    """The KL policy runs the coda after every step (writing coda KV) and still matches."""
+def test_huginn_kl_policy(scheduler, cuda_graphs, tiny_huginn):
+    """The KL policy runs the coda after every step (writing coda KV) and still matches, also when the steps
+    and codas run padded (engine/graphs.py: the KL coda then needs the step's own context, built for it)."""
     common = dict(dtype="float64", state_init="like-init", kv_layout="last_exited", prefill_chunk_size=8,
                   kv_cache_tokens=256)
     params = [SamplingParams(temperature=t, max_tokens=6, exit_policy="kl", exit_threshold=0.01, min_loops=m)
               for t, m in ((0, None), (0.8, 2), (0, None))]
     want = LLM(tiny_huginn, scheduler="reference", **common).generate(PROMPTS[:3], params)
-    got = LLM(tiny_huginn, scheduler=scheduler, max_decode_batch=2, **common).generate(PROMPTS[:3], params)
+    got = LLM(tiny_huginn, scheduler=scheduler, max_decode_batch=2, cuda_graphs=cuda_graphs,
+              **common).generate(PROMPTS[:3], params)
     assert [o.outputs[0].exit_depths for o in got] == [o.outputs[0].exit_depths for o in want]
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert any(d < 6 for o in want for d in o.outputs[0].exit_depths)

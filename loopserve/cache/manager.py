@@ -29,8 +29,10 @@ class BlockTable:
 
 
 class KVCacheManager:
+    TABLE_WIDTH = 16  # blocks a block table starts with per sequence (it grows on demand)
+
     def __init__(self, store: KVStore, block_size: int, reserved_blocks: int = 0, num_slots: int = 64,
-                 table_width: int = 16) -> None:
+                 table_width: int = TABLE_WIDTH) -> None:
         self.store = store
         self.block_size = block_size
         num_blocks = store.capacity // block_size

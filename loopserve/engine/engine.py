@@ -94,7 +94,8 @@ class LLMEngine:
         # block 0: scratch rows
         # CUDA graphs read the block table where it was when they were captured: give it, from the start, the
         # columns of the longest sequence the pool or the model's positions allow, so it never moves
-        width = -(-min(c.max_position, blocks * cfg.block_size) // cfg.block_size) if cfg.cuda_graphs else 16
+        width = (-(-min(c.max_position, blocks * cfg.block_size) // cfg.block_size) if cfg.cuda_graphs
+                 else KVCacheManager.TABLE_WIDTH)
         self.kv = KVCacheManager(store, cfg.block_size, reserved_blocks=1, num_slots=cfg.max_num_seqs,
                                  table_width=width)
         # a state row per admitted sequence (a plain item keeps its row between tokens), and room for the drafts

@@ -124,10 +124,9 @@ class StageGraphs:
     def _retire(self) -> None:
         if self.capture:
             self._retired += self._steps.values()
+            self._pool = torch.cuda.graph_pool_handle()
         self._steps.clear()
         self._table = self.tables.table
-        if self.capture:
-            self._pool = torch.cuda.graph_pool_handle()
 
     def _prepare(self, stage: str, width: int, keys: int) -> Callable[[], None]:
         self.prepared += 1

@@ -514,17 +514,19 @@ class ModelRunner:
         """
         pool = self.pool
         host, device, top, kinds = self._pack(rows, core=True)
-        ctx = self._ctx(host, device, top)
+        counts = np.bincount(kinds, minlength=len(SIGNALS)).tolist()
+        # the attention context: for an eager step and for the KL signal's coda (a replayed step has its own)
+        ctx = self._ctx(host, device, top) if self.graphs is None or counts[_KL] else None
         prev = pool.state.index_select(0, device[4])
         inject = None
         if pool.inject is not None:
             inject = pool.inject.index_select(0, upload(torch.from_numpy(rows), self.device))
         if self.graphs is None:
+            assert ctx is not None
             new = self.model.core_step(prev, inject, ctx)
         else:
             new = self.graphs.core(prev, inject, device[:4], top + 1)
         pool.state.index_copy_(0, device[5], new)
-        counts = np.bincount(kinds, minlength=len(SIGNALS)).tolist()
         present = {SIGNALS[k] for k in range(1, len(SIGNALS)) if counts[k]}
         if not present:
             return PendingSignals(kinds, None)

@@ -23,8 +23,9 @@ def uniform_logprobs(n: int, vocab: int, dtype: torch.dtype, device) -> torch.Te
 
 
 def step_signals(model: LoopedLM, kinds: set[str], prev: torch.Tensor, new: torch.Tensor,
-                 ctx: ForwardContext, prev_logprobs: torch.Tensor | None, kl_rows: list[int] | None):
-    """Signals of the kinds asked for, each a [N] tensor (KL: only rows in `kl_rows`, [len]).
+                 ctx: ForwardContext | None, prev_logprobs: torch.Tensor | None, kl_rows: list[int] | None):
+    """Signals of the kinds asked for, each a [N] tensor (KL: only rows in `kl_rows`, [len]; `ctx`, the step's
+    attention context, is read only for those).
 
     Returns (signals, new_logprobs of kl_rows or None). Running the coda for KL writes coda KV
     for those rows, as the reference decoder does.
@@ -38,6 +39,7 @@ def step_signals(model: LoopedLM, kinds: set[str], prev: torch.Tensor, new: torc
     if "latent_diff" in kinds:
         out["latent_diff"] = latent_diff(prev, new)
     if "kl" in kinds and kl_rows is not None and prev_logprobs is not None:
+        assert ctx is not None, "ctx: the KL signal runs the coda, which needs the step's context"
         sub = ctx.select(kl_rows)
         logprobs = torch.log_softmax(model.coda(new[upload(kl_rows, new.device)], sub).double(), -1)
         out["kl"] = kl_prev_to_cur(prev_logprobs, logprobs)
