@@ -57,6 +57,14 @@ class ForwardContext:
             self.cache["keys"] = self.tables.key_rows(self.seg_slots, self.max_keys)
         return self.cache["keys"]
 
+    @property
+    def prefill_groups(self) -> PrefillGroups:
+        """The segments of a prefill context grouped for batched attention (`group_segments`), with the
+        row gathers that pad each group and put its outputs back in row order; made on first use."""
+        if "groups" not in self.cache:
+            self.cache["groups"] = PrefillGroups.build(self.seg_starts, self.seg_key_lens, self.positions.device)
+        return self.cache["groups"]
+
     def with_depth(self, depth: torch.Tensor) -> ForwardContext:
         return ForwardContext(self.kv, self.layout, self.positions, self.write_rows, depth, self.segments,
                               self.tables, self.seg_slots, self.seg_key_lens, self.max_keys, self.cache)
@@ -79,6 +87,62 @@ class ForwardContext:
         idx, segs = upload(rows, self.positions.device), upload(seg_ids, self.positions.device)
         return ForwardContext(self.kv, self.layout, self.positions[idx], self.write_rows[idx], self.depth[idx],
                               starts, self.tables, self.seg_slots[segs], lens, int(np.max(lens)))
+
+
+# What one more batched attention call costs, in query-key pairs of work: padding may add a quarter of a
+# group's real pairs plus this (on the CPU a call's ~20 ops cost about as much as 16k pairs of bf16 work).
+GROUP_CALL_PAIRS = 16_384
+
+
+def group_segments(queries: list[int], keys: list[int]) -> list[list[int]]:
+    """Segments (query rows, keys) -> groups of segment indices to attend to in one batched call each,
+    padded to the group's most queries and keys. Segments are taken by key count, longest first; a group
+    grows while its padded pairs (size x max queries x max keys) stay within 1.25x its real pairs plus
+    `GROUP_CALL_PAIRS`. Equal chunks (a batch of prompts of one length) make one group; a 4k-token chunk
+    never pads a batch of short prompts."""
+    order = sorted(range(len(keys)), key=lambda s: -keys[s])
+    groups: list[list[int]] = []
+    for s in order:
+        g = groups[-1] if groups else None
+        if g is not None:
+            q, k = max(queries[s], max(queries[i] for i in g)), keys[g[0]]
+            real = queries[s] * keys[s] + sum(queries[i] * keys[i] for i in g)
+            if 4 * (len(g) + 1) * q * k <= 5 * real + 4 * GROUP_CALL_PAIRS:
+                g.append(s)
+                continue
+        groups.append([s])
+    return groups
+
+
+@dataclass
+class PrefillGroup:
+    segments: torch.Tensor  # [G] segment indices
+    query_rows: torch.Tensor  # [G, Q] each segment's rows, its last row repeated as padding
+    num_queries: int  # Q
+    num_keys: int  # the group's key count (its first segment's, the longest)
+
+
+@dataclass
+class PrefillGroups:
+    groups: list[PrefillGroup]
+    # row r's output is row take[r] of the groups' padded outputs, concatenated in group order
+    take: torch.Tensor
+
+    @staticmethod
+    def build(starts: list[int], key_lens: list[int] | np.ndarray, device: torch.device) -> PrefillGroups:
+        queries = [b - a for a, b in zip(starts[:-1], starts[1:], strict=True)]
+        keys = [int(k) for k in key_lens]
+        groups, take = [], np.empty(starts[-1], dtype=np.int64)
+        base = 0
+        for seg in group_segments(queries, keys):
+            q = max(queries[s] for s in seg)
+            j = np.arange(q)
+            rows = np.stack([starts[s] + np.minimum(j, queries[s] - 1) for s in seg])
+            for g, s in enumerate(seg):
+                take[starts[s]:starts[s + 1]] = base + g * q + np.arange(queries[s])
+            base += len(seg) * q
+            groups.append(PrefillGroup(upload(seg, device), upload(torch.from_numpy(rows), device), q, keys[seg[0]]))
+        return PrefillGroups(groups, upload(torch.from_numpy(take), device))
 
 
 @dataclass

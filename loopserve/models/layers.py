@@ -85,18 +85,19 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Forw
         visible = visible & (torch.arange(keys.shape[1], device=keys.device)[None, :] <= ctx.positions[:, None])
         return attend_decode(q, kv, kv.index(slot, keys.where(visible, kv.zero_row)), visible)
 
-    outs = []
-    for s in range(len(ctx.seg_starts) - 1):  # prefill: one sequence's chunk per segment
-        a, b = ctx.seg_starts[s], ctx.seg_starts[s + 1]
-        lk = int(ctx.seg_key_lens[s])
-        keys = ctx.seg_keys[s, :lk]
-        slot, visible = slots(keys, ctx.depth[a])
-        mask = visible[None, :] & (torch.arange(lk, device=keys.device)[None, :] <= ctx.positions[a:b, None])
-        index = kv.index(slot[None], keys.where(visible, kv.zero_row)[None])  # [nkv, 1, Lk]
-        kk, vv = kv.keys(index), kv.values(index)  # [nkv, 1, Lk, d]
-        o = attend(q[a:b].transpose(0, 1)[None], kk, vv, mask[None])  # [1, nh, nq, d]
-        outs.append(o[0].transpose(0, 1).reshape(b - a, nh * d))
-    return torch.cat(outs)
+    # prefill: a sequence's chunk per segment, segments of like size attended to in one padded call
+    plan, outs = ctx.prefill_groups, []
+    for g in plan.groups:
+        keys = ctx.seg_keys[g.segments, :g.num_keys]  # [G, Lk]
+        rows, pos = g.query_rows, ctx.positions[g.query_rows]  # [G, Q]: a segment's last row is its last position
+        slot, visible = slots(keys, ctx.depth[rows[:, :1]])
+        at = torch.arange(g.num_keys, device=keys.device)
+        visible = visible & (at[None, :] <= pos[:, -1:])  # keys past a shorter segment's end: the zero row
+        index = kv.index(slot, keys.where(visible, kv.zero_row))  # [nkv, G, Lk]
+        mask = visible[:, None, :] & (at[None, None, :] <= pos[:, :, None])
+        o = attend(q[rows].transpose(1, 2), kv.keys(index), kv.values(index), mask)
+        outs.append(o.transpose(1, 2).reshape(-1, nh * d))  # [G * Q, nh * d]
+    return (outs[0] if len(outs) == 1 else torch.cat(outs))[plan.take]
 
 
 def attend_decode(q: torch.Tensor, kv: KVStore, index: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
