@@ -92,14 +92,17 @@ class ForwardContext:
 # What one more batched attention call costs, in query-key pairs of work: padding may add a quarter of a
 # group's real pairs plus this (on the CPU a call's ~20 ops cost about as much as 16k pairs of bf16 work).
 GROUP_CALL_PAIRS = 16_384
+# The most padded query-key pairs a group of several segments may hold: its scores are [heads, pairs], so
+# this bounds the memory a call needs (2M pairs x 16 heads in fp32: 128 MiB) near one long chunk's own.
+GROUP_MAX_PAIRS = 1 << 21
 
 
 def group_segments(queries: list[int], keys: list[int]) -> list[list[int]]:
     """Segments (query rows, keys) -> groups of segment indices to attend to in one batched call each,
     padded to the group's most queries and keys. Segments are taken by key count, longest first; a group
     grows while its padded pairs (size x max queries x max keys) stay within 1.25x its real pairs plus
-    `GROUP_CALL_PAIRS`. Equal chunks (a batch of prompts of one length) make one group; a 4k-token chunk
-    never pads a batch of short prompts."""
+    `GROUP_CALL_PAIRS`, and within `GROUP_MAX_PAIRS`. Equal chunks (a batch of prompts of one length)
+    make one group; a 4k-token chunk never pads a batch of short prompts."""
     order = sorted(range(len(keys)), key=lambda s: -keys[s])
     groups: list[list[int]] = []
     for s in order:
@@ -107,7 +110,8 @@ def group_segments(queries: list[int], keys: list[int]) -> list[list[int]]:
         if g is not None:
             q, k = max(queries[s], max(queries[i] for i in g)), keys[g[0]]
             real = queries[s] * keys[s] + sum(queries[i] * keys[i] for i in g)
-            if 4 * (len(g) + 1) * q * k <= 5 * real + 4 * GROUP_CALL_PAIRS:
+            padded = (len(g) + 1) * q * k
+            if padded <= GROUP_MAX_PAIRS and 4 * padded <= 5 * real + 4 * GROUP_CALL_PAIRS:
                 g.append(s)
                 continue
         groups.append([s])
