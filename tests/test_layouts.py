@@ -55,6 +55,22 @@ def test_slot_map_is_a_partition():
         assert sorted(slots) == list(range(lay.slots_per_token)), name
 
 
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_a_layers_slots_are_the_first_layers_plus_its_stride(name):
+    """Attention derives a batch's reads for a stage's first layer and shifts them by `layer_stride`."""
+    lay = KVLayout(name, 2, 3, 2, 4)
+    depth = torch.arange(1, 5)[:, None]
+    key_depth = torch.tensor([[4, 1, 2, 3, IN_FLIGHT]]).expand(4, 5)
+    first_slot, first_visible = lay.core_read(0, depth, key_depth)
+    for j in range(3):
+        slot, visible = lay.core_read(j, depth, key_depth)
+        assert torch.equal(slot, first_slot + j * lay.layer_stride("core")) and torch.equal(visible, first_visible)
+        assert torch.equal(lay.core_write_slot(j, depth), lay.core_write_slot(0, depth) + j * lay.layer_stride("core"))
+    for j in range(2):
+        assert lay.prelude_slot(j) == lay.prelude_slot(0) + j * lay.layer_stride("prelude")
+        assert lay.coda_slot(j) == lay.coda_slot(0) + j * lay.layer_stride("coda")
+
+
 def test_unknown_layout_rejected(tiny_ouro):
     with pytest.raises(ValueError, match="kv_layout"):
         KVLayout("paged", 0, 1, 0, 4)

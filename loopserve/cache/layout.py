@@ -59,6 +59,11 @@ class KVLayout:
     def coda_slot(self, layer: int) -> int:
         return self.n_prelude + self.n_core * self.depth_slots + layer
 
+    def layer_stride(self, stage: str) -> int:
+        """Slots from one layer of a stage to the next: layer j's slots are layer 0's plus j times this
+        (write and read alike), so a batch's reads derived for one layer serve every layer."""
+        return self.depth_slots if stage == "core" else 1
+
     def core_write_slot(self, layer: int, depth: torch.Tensor) -> torch.Tensor:
         """Slot written by core layer `layer` at loop depth `depth` (1-based, any shape)."""
         base = self.n_prelude + layer * self.depth_slots

@@ -43,10 +43,15 @@ class KVStore:
         self.k[:, slot, rows] = k.transpose(0, 1)
         self.v[:, slot, rows] = v.transpose(0, 1)
 
-    def index(self, slot: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    @property
+    def slot_stride(self) -> int:
+        """Flat-index distance from a (head, slot, row) to the same head and row one slot further."""
+        return self.k.shape[2]
+
+    def index(self, slot: torch.Tensor | int, rows: torch.Tensor) -> torch.Tensor:
         """Flat indices of (head, slot, row) for every head and (slot, row) pair (any matching shapes)
         -> [kv_heads, *shape], for `keys`, `values` and `weighted_values`."""
-        return (slot * self.k.shape[2] + rows)[None] + self._head_base.view(-1, *[1] * rows.dim())
+        return (slot * self.slot_stride + rows)[None] + self._head_base.view(-1, *[1] * rows.dim())
 
     def keys(self, index: torch.Tensor) -> torch.Tensor:
         """K at `index` -> [*index.shape, head_dim], contiguous."""

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loopserve.cache.pool import KVStore
-from loopserve.models.context import DenseContext, ForwardContext
+from loopserve.models.context import DenseContext, ForwardContext, PrefillGroup
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -70,34 +70,60 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Forw
     if stage == "core":
         kv.write(layout.core_write_slot(layer, ctx.depth), ctx.write_rows, k, v)
     else:
-        slot = layout.prelude_slot(layer) if stage == "prelude" else layout.coda_slot(layer)
-        kv.write(slot, ctx.write_rows, k, v)
-
-    def slots(keys: torch.Tensor, depth: torch.Tensor):
-        if stage != "core":
-            s = layout.prelude_slot(layer) if stage == "prelude" else layout.coda_slot(layer)
-            return torch.full_like(keys, s), torch.ones_like(keys, dtype=torch.bool)
-        return layout.core_read(layer, depth, kv.depth[keys])
-
+        kv.write(layout.prelude_slot(layer) if stage == "prelude" else layout.coda_slot(layer), ctx.write_rows, k, v)
+    # Which rows each query reads, and which it sees, is the same for every layer of a stage call: derived
+    # once per call (and loop depth) for the stage's first layer; a later layer's slots are those plus
+    # `layer_stride` slots per layer, one addition to the flat index.
+    shift = layer * layout.layer_stride(stage) * kv.slot_stride
     if ctx.one_row_segments:  # decode: one query per sequence, batched over padded keys
-        keys = ctx.seg_keys  # [N, Lk]
-        slot, visible = slots(keys, ctx.depth[:, None])
-        visible = visible & (torch.arange(keys.shape[1], device=keys.device)[None, :] <= ctx.positions[:, None])
-        return attend_decode(q, kv, kv.index(slot, keys.where(visible, kv.zero_row)), visible)
+        index, visible = _per_call(ctx, ("decode", stage), lambda: _first_layer_reads(
+            ctx, stage, ctx.seg_keys, ctx.depth[:, None], ctx.positions[:, None]))
+        return attend_decode(q, kv, index + shift if shift else index, visible)
 
     # prefill: a sequence's chunk per segment, segments of like size attended to in one padded call
     plan, outs = ctx.prefill_groups, []
-    for g in plan.groups:
-        keys = ctx.seg_keys[g.segments, :g.num_keys]  # [G, Lk]
-        rows, pos = g.query_rows, ctx.positions[g.query_rows]  # [G, Q]: a segment's last row is its last position
-        slot, visible = slots(keys, ctx.depth[rows[:, :1]])
-        at = torch.arange(g.num_keys, device=keys.device)
-        visible = visible & (at[None, :] <= pos[:, -1:])  # keys past a shorter segment's end: the zero row
-        index = kv.index(slot, keys.where(visible, kv.zero_row))  # [nkv, G, Lk]
-        mask = visible[:, None, :] & (at[None, None, :] <= pos[:, :, None])
-        o = attend(q[rows].transpose(1, 2), kv.keys(index), kv.values(index), mask)
+    for i, g in enumerate(plan.groups):
+        index, mask = _per_call(ctx, ("prefill", stage, i), lambda g=g: _group_reads(ctx, stage, g))
+        if shift:
+            index = index + shift
+        o = attend(q[g.query_rows].transpose(1, 2), kv.keys(index), kv.values(index), mask)
         outs.append(o.transpose(1, 2).reshape(-1, nh * d))  # [G * Q, nh * d]
     return (outs[0] if len(outs) == 1 else torch.cat(outs))[plan.take]
+
+
+def _per_call(ctx: ForwardContext, key: tuple, make):
+    """`make()`, made once per stage call and loop depth: `ctx.cache` outlives `with_depth`, so an entry
+    holds the depth tensor it was made for."""
+    hit = ctx.cache.get(key)
+    if hit is None or hit[0] is not ctx.depth:
+        hit = ctx.cache[key] = (ctx.depth, make())
+    return hit[1]
+
+
+def _first_layer_reads(ctx: ForwardContext, stage: str, keys: torch.Tensor, depth: torch.Tensor,
+                       last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat KV index [nkv, B, L], visible [B, L]) of key rows `keys` [B, L] for queries at loop `depth` and
+    last position `last` ([B, 1] each), in the slots of the stage's first layer. Keys the layout hides
+    and keys past `last` (padding; a block table's unused entries point at other sequences' rows) are
+    read from the zero row."""
+    layout, kv = ctx.layout, ctx.kv
+    visible = torch.arange(keys.shape[1], device=keys.device)[None, :] <= last
+    if stage == "core":
+        slot, shown = layout.core_read(0, depth, kv.depth[keys])
+        visible = visible & shown
+    else:
+        slot = layout.prelude_slot(0) if stage == "prelude" else layout.coda_slot(0)
+    return kv.index(slot, keys.where(visible, kv.zero_row)), visible
+
+
+def _group_reads(ctx: ForwardContext, stage: str, g: PrefillGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat KV index [nkv, G, Lk], mask [G, Q, Lk]) of a prefill group: its segments' keys, and which
+    key each (padded) query row attends to."""
+    rows, pos = g.query_rows, ctx.positions[g.query_rows]  # [G, Q]: a segment's last row is its last position
+    index, visible = _first_layer_reads(ctx, stage, ctx.seg_keys[g.segments, :g.num_keys], ctx.depth[rows[:, :1]],
+                                        pos[:, -1:])
+    at = torch.arange(g.num_keys, device=pos.device)
+    return index, visible[:, None, :] & (at[None, None, :] <= pos[:, :, None])
 
 
 def attend_decode(q: torch.Tensor, kv: KVStore, index: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
