@@ -12,7 +12,14 @@ from hypothesis import strategies as st
 
 from loopserve.cache.layout import LAYOUTS, KVLayout
 from loopserve.cache.pool import KVStore
-from loopserve.models.context import GROUP_CALL_PAIRS, GROUP_MAX_PAIRS, PrefillGroups, build_context, group_segments
+from loopserve.models.context import (
+    GROUP_CALL_PAIRS,
+    GROUP_MAX_KEYS,
+    GROUP_MAX_PAIRS,
+    PrefillGroups,
+    build_context,
+    group_segments,
+)
 from loopserve.models.layers import paged_attention
 
 segments = st.lists(st.tuples(st.integers(1, 512), st.integers(0, 4096)), min_size=1, max_size=40)
@@ -28,13 +35,15 @@ def test_groups_partition_the_segments_within_the_padding_bound(segs):
     for g in groups:
         padded = len(g) * max(queries[s] for s in g) * max(keys[s] for s in g)
         real = sum(queries[s] * keys[s] for s in g)
-        assert len(g) == 1 or (4 * padded <= 5 * real + 4 * GROUP_CALL_PAIRS and padded <= GROUP_MAX_PAIRS)
+        assert len(g) == 1 or (4 * padded <= 5 * real + 4 * GROUP_CALL_PAIRS and padded <= GROUP_MAX_PAIRS
+                               and len(g) * max(keys[s] for s in g) <= GROUP_MAX_KEYS)
         assert keys[g[0]] == max(keys[s] for s in g)  # the group's key count is its first segment's
 
 
 def test_like_chunks_make_one_group_and_a_long_chunk_pads_nothing():
     assert group_segments([32] * 64, [32] * 64) == [list(range(64))]
-    assert group_segments([512] * 4, [4096] * 4) == [[0], [1], [2], [3]]  # each alone past GROUP_MAX_PAIRS
+    assert group_segments([4] * 8, [4096] * 8) == [[i] for i in range(8)]  # long chunks attend one by one
+    assert group_segments([1] * 64 + [8], [4096] * 64 + [4100])[0] == [64]  # no 64-row group of 4k keys
     groups = group_segments([512] + [20] * 30, [4096] + [20] * 30)
     assert groups[0] == [0] and sorted(s for g in groups[1:] for s in g) == list(range(1, 31))
 

@@ -89,32 +89,36 @@ class ForwardContext:
                               starts, self.tables, self.seg_slots[segs], lens, int(np.max(lens)))
 
 
-# What one more batched attention call costs, in query-key pairs of work: padding may add a quarter of a
-# group's real pairs plus this (on the CPU a call's ~20 ops cost about as much as 16k pairs of bf16 work).
+# Grouping pays for small chunks only (a call's fixed ops are most of their cost); past a few thousand
+# key rows a group's gathered K/V and scores outgrow the caches and one call per chunk is faster (8 chunks
+# of 4 rows at 4k keys: 146 ms a layer pass alone, 216-235 ms as one group, on this CPU). So a group of
+# several chunks holds at most GROUP_MAX_KEYS padded key rows (size x max keys: its K/V gather) and
+# GROUP_MAX_PAIRS padded query-key pairs (its scores), and padding may add a quarter of its real pairs plus
+# GROUP_CALL_PAIRS, what one more call costs (~20 ops on the CPU, about 16k pairs of bf16 work).
+GROUP_MAX_KEYS = 4096
+GROUP_MAX_PAIRS = 1 << 18
 GROUP_CALL_PAIRS = 16_384
-# The most padded query-key pairs a group of several segments may hold: its scores are [heads, pairs], so
-# this bounds the memory a call needs (2M pairs x 16 heads in fp32: 128 MiB) near one long chunk's own.
-GROUP_MAX_PAIRS = 1 << 21
 
 
 def group_segments(queries: list[int], keys: list[int]) -> list[list[int]]:
     """Segments (query rows, keys) -> groups of segment indices to attend to in one batched call each,
-    padded to the group's most queries and keys. Segments are taken by key count, longest first; a group
-    grows while its padded pairs (size x max queries x max keys) stay within 1.25x its real pairs plus
-    `GROUP_CALL_PAIRS`, and within `GROUP_MAX_PAIRS`. Equal chunks (a batch of prompts of one length)
-    make one group; a 4k-token chunk never pads a batch of short prompts."""
+    padded to the group's most queries and keys. Segments are taken by key count, longest first, and a
+    group grows while it stays within the bounds above. A batch of short prompts of one length makes one
+    group; a long chunk is never padded into a group of short ones, and long chunks attend one by one."""
     order = sorted(range(len(keys)), key=lambda s: -keys[s])
     groups: list[list[int]] = []
+    q = k = real = 0  # the last group's most queries, key count (its first segment's) and real pairs
     for s in order:
-        g = groups[-1] if groups else None
-        if g is not None:
-            q, k = max(queries[s], max(queries[i] for i in g)), keys[g[0]]
-            real = queries[s] * keys[s] + sum(queries[i] * keys[i] for i in g)
-            padded = (len(g) + 1) * q * k
-            if padded <= GROUP_MAX_PAIRS and 4 * padded <= 5 * real + 4 * GROUP_CALL_PAIRS:
-                g.append(s)
+        if groups:
+            size, wide = len(groups[-1]) + 1, max(q, queries[s])
+            padded, more = size * wide * k, real + queries[s] * keys[s]
+            if (size * k <= GROUP_MAX_KEYS and padded <= GROUP_MAX_PAIRS
+                    and 4 * padded <= 5 * more + 4 * GROUP_CALL_PAIRS):
+                groups[-1].append(s)
+                q, real = wide, more
                 continue
         groups.append([s])
+        q, k, real = queries[s], keys[s], queries[s] * keys[s]
     return groups
 
 
@@ -134,18 +138,19 @@ class PrefillGroups:
 
     @staticmethod
     def build(starts: list[int], key_lens: list[int] | np.ndarray, device: torch.device) -> PrefillGroups:
-        queries = [b - a for a, b in zip(starts[:-1], starts[1:], strict=True)]
+        first = np.asarray(starts[:-1], dtype=np.int64)
+        queries = np.diff(np.asarray(starts, dtype=np.int64))
         keys = [int(k) for k in key_lens]
-        groups, take = [], np.empty(starts[-1], dtype=np.int64)
-        base = 0
-        for seg in group_segments(queries, keys):
-            q = max(queries[s] for s in seg)
-            j = np.arange(q)
-            rows = np.stack([starts[s] + np.minimum(j, queries[s] - 1) for s in seg])
-            for g, s in enumerate(seg):
-                take[starts[s]:starts[s + 1]] = base + g * q + np.arange(queries[s])
-            base += len(seg) * q
-            groups.append(PrefillGroup(upload(seg, device), upload(torch.from_numpy(rows), device), q, keys[seg[0]]))
+        groups, seg_base, base = [], np.empty(len(first), dtype=np.int64), 0
+        for seg in group_segments(queries.tolist(), keys):
+            ids = np.asarray(seg, dtype=np.int64)
+            q = int(queries[ids].max())
+            rows = first[ids, None] + np.minimum(np.arange(q)[None, :], queries[ids, None] - 1)
+            seg_base[ids] = base + q * np.arange(len(ids))  # where each segment's padded rows start
+            base += len(ids) * q
+            groups.append(PrefillGroup(upload(torch.from_numpy(ids), device), upload(torch.from_numpy(rows), device),
+                                       q, keys[seg[0]]))
+        take = np.repeat(seg_base - first, queries) + np.arange(starts[-1])
         return PrefillGroups(groups, upload(torch.from_numpy(take), device))
 
 
