@@ -8,6 +8,7 @@ naming a folder with the upstream `modeling_ouro.py`, one more test runs the HF 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -118,7 +119,9 @@ def test_remote_code_folder_links_the_checkpoint_and_points_auto_map_at_the_copi
     (ckpt / "tokenizer.json").write_text("{}")
     code = _ouro_code(tmp_path / "code")
     (code / "helpers.py").write_text("# a sibling the modeling file may import\n")
-    with remote_code_folder(ckpt, check_peer_code(code, OURO)) as root:
+    peer_code = check_peer_code(code, OURO)
+    assert peer_code.digests["modeling_ouro.py"] == hashlib.sha256((code / "modeling_ouro.py").read_bytes()).hexdigest()
+    with remote_code_folder(ckpt, peer_code) as root:
         assert (root / "model.safetensors").is_symlink() and (root / "model.safetensors").read_bytes() == b"weights"
         assert {p.name for p in root.glob("*.py")} == {"modeling_ouro.py", "configuration_ouro.py", "helpers.py"}
         config = json.loads((root / "config.json").read_text())

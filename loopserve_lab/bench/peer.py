@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import hashlib
 import json
 import shutil
 import statistics
@@ -112,6 +113,11 @@ class PeerCode:
     folder: Path
     arch: str
     files: list[Path]  # every .py of the folder (the modeling file may import siblings)
+
+    @property
+    def digests(self) -> dict[str, str]:
+        """sha256 of each file: which version of the upstream code a report measured (copies differ)."""
+        return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in self.files}
 
 
 def check_peer_code(folder: Path | str | None, arch: str) -> PeerCode:
@@ -360,7 +366,9 @@ def write_markdown(path: Path, report: dict[str, Any]) -> Path:
              f"{report['date']}; model `{report['model']['name']}` ({report['model']['dtype']}), "
              f"transformers {report['transformers']}, torch {report['machine']['torch']}, "
              f"{report['machine']['torch_threads']} torch thread(s), CPU clock, {report['config']['repeats']} "
-             f"interleaved rounds (medians; ratios are medians of within-round ratios).", "",
+             f"interleaved rounds (medians; ratios are medians of within-round ratios). Upstream code: "
+             + ", ".join(f"`{name}` sha256 {digest[:12]}" for name, digest in report.get("hf_code_sha256", {}).items())
+             + ".", "",
              "| workload | system | tok/s (CPU) | / HF (CPU) | tok/s (wall) | / HF (wall) | mean exit depth |",
              "|---|---|---|---|---|---|---|"]
     for name, body in report["workloads"].items():
@@ -471,6 +479,7 @@ def _peer(args: argparse.Namespace) -> int:
     bm = BenchModel.load(str(path), args.dtype, "cpu", state_init)
     hf = HFPeer.load(path, code, args.dtype)
     report: dict[str, Any] = {**_header(args, bm), "transformers": tf_version, "hf_code": str(code.folder),
+                              "hf_code_sha256": code.digests,
                               "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
                               "clock": "process CPU time (time.process_time), one torch thread unless --threads",
                               "workloads": {}}
