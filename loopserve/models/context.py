@@ -139,7 +139,7 @@ class PrefillGroups:
     @staticmethod
     def build(starts: list[int], key_lens: list[int] | np.ndarray, device: torch.device) -> PrefillGroups:
         first = np.asarray(starts[:-1], dtype=np.int64)
-        queries = np.diff(np.asarray(starts, dtype=np.int64))
+        queries = np.asarray(starts[1:], dtype=np.int64) - first
         keys = [int(k) for k in key_lens]
         groups, seg_base, base = [], np.empty(len(first), dtype=np.int64), 0
         for seg in group_segments(queries.tolist(), keys):

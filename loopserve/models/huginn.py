@@ -34,10 +34,12 @@ class HuginnAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, stage: str, layer: int) -> torch.Tensor:
         c, n = self.c, x.shape[0]
-        q, k, v = (t.view(n, c.num_heads, c.head_dim) for t in self.Wqkv(x).split(c.hidden_size, dim=-1))
-        q, k = q + self.qk_bias[0], k + self.qk_bias[1]
+        qkv = self.Wqkv(x).view(n, 3, c.num_heads, c.head_dim)
+        # the query and key heads biased and rotated together: per element the same math, fewer ops
+        qk = (qkv[:, :2] + self.qk_bias.transpose(0, 1)).view(n, 2 * c.num_heads, c.head_dim)
         cos, sin = rope_angles(ctx, c.head_dim, c.rope_theta, x.dtype)
-        q, k = rope_interleaved(q, cos, sin), rope_interleaved(k, cos, sin)
+        q, k = rope_interleaved(qk, cos, sin).split(c.num_heads, dim=1)
+        v = qkv[:, 2]
         return self.proj(paged_attention(q, k, v, ctx, stage, layer))
 
 

@@ -3,6 +3,8 @@ paged, layout-aware KV cache."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -11,8 +13,10 @@ from loopserve.cache.pool import KVStore
 from loopserve.models.context import DenseContext, ForwardContext, PrefillGroup
 
 
+@functools.cache
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Precision for norms, softmax and rotary math: at least fp32, float64 stays float64."""
+    """Precision for norms, softmax and rotary math: at least fp32, float64 stays float64. (Cached:
+    `torch.promote_types` is a dispatched op, called a few times per layer.)"""
     return torch.promote_types(dtype, torch.float32)
 
 

@@ -28,11 +28,12 @@ class OuroAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
         c, n = self.c, x.shape[0]
-        q = self.q_proj(x).view(n, c.num_heads, c.head_dim)
-        k = self.k_proj(x).view(n, c.num_kv_heads, c.head_dim)
+        qk = torch.cat([self.q_proj(x).view(n, c.num_heads, c.head_dim),
+                        self.k_proj(x).view(n, c.num_kv_heads, c.head_dim)], dim=1)
         v = self.v_proj(x).view(n, c.num_kv_heads, c.head_dim)
         cos, sin = rope_angles(ctx, c.head_dim, c.rope_theta, x.dtype)
-        q, k = rope_rotate_half(q, cos, sin), rope_rotate_half(k, cos, sin)
+        # one rotation for the query and key heads together: per element the same math, half the ops
+        q, k = rope_rotate_half(qk, cos, sin).split([c.num_heads, c.num_kv_heads], dim=1)
         return self.o_proj(paged_attention(q, k, v, ctx, "core", layer))
 
 
