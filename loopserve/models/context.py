@@ -91,7 +91,7 @@ class ForwardContext:
 
 # Grouping pays for small chunks only (a call's fixed ops are most of their cost); past a few thousand
 # key rows a group's gathered K/V and scores outgrow the caches and one call per chunk is faster (8 chunks
-# of 4 rows at 4k keys: 146 ms a layer pass alone, 216-235 ms as one group, on this CPU). So a group of
+# of 4 rows at 4k keys, 4 layers: 146 ms one call each, 216-235 ms as one group, on this CPU). So a group of
 # several chunks holds at most GROUP_MAX_KEYS padded key rows (size x max keys: its K/V gather) and
 # GROUP_MAX_PAIRS padded query-key pairs (its scores), and padding may add a quarter of its real pairs plus
 # GROUP_CALL_PAIRS, what one more call costs (~20 ops on the CPU, about 16k pairs of bf16 work).
