@@ -67,8 +67,8 @@ def test_a_layers_slots_are_the_first_layers_plus_its_stride(name):
         assert torch.equal(slot, first_slot + j * lay.layer_stride("core")) and torch.equal(visible, first_visible)
         assert torch.equal(lay.core_write_slot(j, depth), lay.core_write_slot(0, depth) + j * lay.layer_stride("core"))
     for j in range(2):
-        assert lay.prelude_slot(j) == lay.prelude_slot(0) + j * lay.layer_stride("prelude")
-        assert lay.coda_slot(j) == lay.coda_slot(0) + j * lay.layer_stride("coda")
+        for stage, slot in (("prelude", lay.prelude_slot), ("coda", lay.coda_slot)):
+            assert lay.boundary_slot(stage, j) == slot(j) == slot(0) + j * lay.layer_stride(stage)
 
 
 def test_unknown_layout_rejected(tiny_ouro):

@@ -59,6 +59,10 @@ class KVLayout:
     def coda_slot(self, layer: int) -> int:
         return self.n_prelude + self.n_core * self.depth_slots + layer
 
+    def boundary_slot(self, stage: str, layer: int) -> int:
+        """The one slot a "prelude" or "coda" layer writes and reads."""
+        return self.prelude_slot(layer) if stage == "prelude" else self.coda_slot(layer)
+
     def layer_stride(self, stage: str) -> int:
         """Slots from one layer of a stage to the next: layer j's slots are layer 0's plus j times this
         (write and read alike), so a batch's reads derived for one layer serve every layer."""

@@ -126,7 +126,6 @@ def group_segments(queries: list[int], keys: list[int]) -> list[list[int]]:
 class PrefillGroup:
     segments: torch.Tensor  # [G] segment indices
     query_rows: torch.Tensor  # [G, Q] each segment's rows, its last row repeated as padding
-    num_queries: int  # Q
     num_keys: int  # the group's key count (its first segment's, the longest)
 
 
@@ -149,7 +148,7 @@ class PrefillGroups:
             seg_base[ids] = base + q * np.arange(len(ids))  # where each segment's padded rows start
             base += len(ids) * q
             groups.append(PrefillGroup(upload(torch.from_numpy(ids), device), upload(torch.from_numpy(rows), device),
-                                       q, keys[seg[0]]))
+                                       keys[seg[0]]))
         take = np.repeat(seg_base - first, queries) + np.arange(starts[-1])
         return PrefillGroups(groups, upload(torch.from_numpy(take), device))
 

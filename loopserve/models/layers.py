@@ -74,7 +74,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Forw
     if stage == "core":
         kv.write(layout.core_write_slot(layer, ctx.depth), ctx.write_rows, k, v)
     else:
-        kv.write(layout.prelude_slot(layer) if stage == "prelude" else layout.coda_slot(layer), ctx.write_rows, k, v)
+        kv.write(layout.boundary_slot(stage, layer), ctx.write_rows, k, v)
     # Which rows each query reads, and which it sees, is the same for every layer of a stage call: derived
     # once per call (and loop depth) for the stage's first layer; a later layer's slots are those plus
     # `layer_stride` slots per layer, one addition to the flat index.
@@ -116,7 +116,7 @@ def _first_layer_reads(ctx: ForwardContext, stage: str, keys: torch.Tensor, dept
         slot, shown = layout.core_read(0, depth, kv.depth[keys])
         visible = visible & shown
     else:
-        slot = layout.prelude_slot(0) if stage == "prelude" else layout.coda_slot(0)
+        slot = layout.boundary_slot(stage, 0)
     return kv.index(slot, keys.where(visible, kv.zero_row)), visible
 
 

@@ -367,7 +367,7 @@ def write_markdown(path: Path, report: dict[str, Any]) -> Path:
              f"transformers {report['transformers']}, torch {report['machine']['torch']}, "
              f"{report['machine']['torch_threads']} torch thread(s), CPU clock, {report['config']['repeats']} "
              f"interleaved rounds (medians; ratios are medians of within-round ratios). Upstream code: "
-             + ", ".join(f"`{name}` sha256 {digest[:12]}" for name, digest in report.get("hf_code_sha256", {}).items())
+             + ", ".join(f"`{name}` sha256 {digest[:12]}" for name, digest in report["hf_code_sha256"].items())
              + ".", "",
              "| workload | system | tok/s (CPU) | / HF (CPU) | tok/s (wall) | / HF (wall) | mean exit depth |",
              "|---|---|---|---|---|---|---|"]
