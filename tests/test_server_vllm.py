@@ -294,14 +294,30 @@ def test_phase_histograms_count_finished_requests(server):
 @pytest.mark.parametrize(("declared", "device", "chosen"), [
     ("bfloat16", "cpu", "bfloat16"), ("float32", "cpu", "float32"), ("float16", "cpu", "bfloat16"),
     ("float16", "cuda", "bfloat16"), (None, "cpu", "float32"), ("int8", "cpu", "float32")])
-def test_dtype_auto_follows_the_checkpoint(tmp_path, declared, device, chosen, caplog):
+def test_dtype_auto_follows_the_checkpoint(tmp_path, declared, device, chosen, caplog, monkeypatch):
+    from loopserve import device as dev
     from loopserve.device import resolve_dtype
 
+    monkeypatch.setattr(dev, "cpu_has_bf16_kernels", lambda: True)  # this CPU's kernels: the next test
     (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": declared} if declared else {}))
     with caplog.at_level("INFO", logger="loopserve.device"):
         assert resolve_dtype("auto", tmp_path, device) == chosen
     assert ("float16" in caplog.text) == (declared == "float16")
     assert resolve_dtype("float64", tmp_path, device) == "float64"
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+@pytest.mark.parametrize("declared", ["bfloat16", "float16"])
+def test_dtype_auto_on_a_cpu_without_bf16_kernels_is_float32(tmp_path, monkeypatch, caplog, kernels, declared):
+    from loopserve import device as dev
+
+    monkeypatch.setattr(dev, "cpu_has_bf16_kernels", lambda: kernels)
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": declared}))
+    with caplog.at_level("INFO", logger="loopserve.device"):
+        assert dev.resolve_dtype("auto", tmp_path, "cpu") == ("bfloat16" if kernels else "float32")
+    assert ("no bfloat16 matrix kernels" in caplog.text) == (not kernels)
+    assert dev.resolve_dtype("auto", tmp_path, "cuda:0") == "bfloat16"  # the rule is the CPU's only
+    assert dev.resolve_dtype("bfloat16", tmp_path, "cpu") == "bfloat16"  # an explicit dtype is kept
 
 
 def test_loading_with_dtype_and_device_auto(tmp_path):
@@ -312,8 +328,12 @@ def test_loading_with_dtype_and_device_auto(tmp_path):
     path = make_tiny(tmp_path / "half", TinySpec(arch="ouro", seed=2))
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "torch_dtype": "float16"}))
+    from loopserve.device import cpu_has_bf16_kernels
+
     p = next(load_model(path, "auto", "auto").model.parameters())
-    assert (p.dtype, p.device.type) == (torch.bfloat16, "cuda" if torch.cuda.is_available() else "cpu")
+    gpu = torch.cuda.is_available()
+    assert p.dtype == (torch.bfloat16 if gpu or cpu_has_bf16_kernels() else torch.float32)
+    assert p.device.type == ("cuda" if gpu else "cpu")
 
 
 def test_device_auto(monkeypatch):
