@@ -382,6 +382,19 @@ def test_bench_throughput_end_to_end_on_two_requests(bench_cache, single_thread,
     assert "CDB refill" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("kernels", [True, False])
+def test_bench_model_warns_of_emulated_bfloat16(bench_cache, monkeypatch, caplog, kernels):
+    """bfloat16 on a CPU without its kernels is about 5x slower: a benchmark says so instead of measuring it
+    silently; float32 never warns."""
+    from loopserve_lab.bench import harness
+
+    monkeypatch.setattr(harness, "cpu_has_bf16_kernels", lambda: kernels)
+    with caplog.at_level("WARNING", logger=harness.__name__):
+        assert harness.BenchModel.load("micro-ouro", "bfloat16").dtype == "bfloat16"
+        harness.BenchModel.load("micro-ouro", "float32")
+    assert ("--dtype float32" in caplog.text) == (not kernels)
+
+
 def test_timed_model_times_the_stages_without_touching_the_model(bench_cache, single_thread):
     """The benchmarks' model timer wraps the model (the engine is built around the wrapper): the same tokens
     as the bare model, time in every stage the engine called, and the model itself left as it was."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import platform
@@ -31,6 +32,7 @@ from typing import Any
 
 import torch
 
+from loopserve.device import cpu_has_bf16_kernels
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine import LLMEngine, StageRecord
 from loopserve.models.base import LoopedLM
@@ -38,6 +40,8 @@ from loopserve.models.loader import load_model
 from loopserve.sampling_params import SamplingParams
 from loopserve_lab.bench.presets import DEFAULT_DTYPE, resolve_model
 from loopserve_lab.bench.workloads import Workload
+
+log = logging.getLogger(__name__)
 
 CDB_SCHEDULERS = ("cb", "cdb-norefill", "cdb")
 LABELS = {"cb": "CB", "cdb-norefill": "CDB no-refill", "cdb": "CDB refill"}
@@ -78,6 +82,9 @@ class BenchModel:
     def load(model: str | None, dtype: str = DEFAULT_DTYPE, device: str = "cpu",
              state_init: str = "like-init") -> BenchModel:
         path = resolve_model(model)
+        if dtype == "bfloat16" and torch.device(device).type == "cpu" and not cpu_has_bf16_kernels():
+            log.warning("--dtype bfloat16 on a CPU without bfloat16 kernels: every product is emulated (about 5x "
+                        "slower than float32 on an AVX2-only x86); pass --dtype float32 to measure the engine")
         loaded = load_model(path, dtype, device, state_init)
         hf = json.loads((path / "config.json").read_text())
         return BenchModel(path, loaded.model, loaded.tokenizer, loaded.config, hf, dtype, device)

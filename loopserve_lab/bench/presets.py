@@ -10,8 +10,9 @@ not Python, dominates an engine tick on a small CPU.
 
 `huginn-bench-0-4-0` and `huginn-bench-1-4-1` are the layer-split ablation (same core, smaller
 boundary stages). Weights are random: these models measure speed, not quality. The bench default
-dtype is bfloat16: on this CPU (AVX512-BF16) a bf16 core step at batch 32 is about 1.4x faster than
-fp32 (see docs/benchmarks.md); never fp16 on CPU.
+dtype is bfloat16: on a CPU with AVX512-BF16 (the machine of most recorded runs) a bf16 core step at
+batch 32 is about 1.4x faster than fp32 (see docs/benchmarks.md); on an AVX2-only CPU bf16 is emulated
+and about 5x slower, so pass --dtype float32 there (the harness warns); never fp16 on CPU.
 """
 
 from __future__ import annotations
