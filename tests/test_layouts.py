@@ -81,6 +81,26 @@ def test_unknown_layout_rejected(tiny_ouro):
 # ---------------- the read rule on hand-built key depths
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_gathers_equal_plain_indexing_and_reuse_their_buffer(dtype):
+    """K and V gathers equal indexing the pool; on the CPU each lands in a buffer of its own that is reused
+    while big enough (a grown index gets a new one), and a V gather leaves the K result in place."""
+    g = torch.Generator().manual_seed(0)
+    kv = KVStore(40, 3, 2, 8, dtype)
+    kv.k.copy_(torch.randn(kv.k.shape, generator=g).to(dtype))
+    kv.v.copy_(torch.randn(kv.v.shape, generator=g).to(dtype))
+    plain_k, plain_v = kv.k.reshape(-1, 8), kv.v.reshape(-1, 8)
+    pointers = []
+    for shape in [(2, 5, 7), (2, 3, 4), (2, 6, 9), (2, 6, 9)]:
+        index = torch.randint(0, plain_k.shape[0], shape, generator=g)
+        k = kv.keys(index)
+        v = kv.values(index[:, :, :3])
+        assert torch.equal(k, plain_k[index]) and torch.equal(v, plain_v[index[:, :, :3]])
+        assert k.shape == (*shape, 8) and k.is_contiguous()
+        pointers.append(k.data_ptr())
+    assert pointers[1] == pointers[0] != pointers[2] == pointers[3]
+
+
 def test_core_read_rules():
     """Core layer 1 of 2 behind 2 prelude slots, r_max 4; keys exited at 4, 1, 2, 3, or still looping."""
     key_depth = torch.tensor([[4, 1, 2, 3, IN_FLIGHT]])

@@ -37,6 +37,10 @@ class KVStore:
         self.depth = torch.full((capacity + 1,), IN_FLIGHT, dtype=torch.long, device=device)
         # flat index of (head h, slot 0, row 0): gathers index the [-1, head_dim] view
         self._head_base = (torch.arange(num_kv_heads, device=device) * (n_slots * (capacity + 1)))
+        # On the CPU a gather writes into a buffer kept from the last one (`_take_rows`): a fresh output of
+        # some MB is a fresh mapping from the C allocator, whose first touch faults page by page, which took
+        # longer than the copy itself (docs/benchmarks.md §8.20). CUDA's caching allocator already reuses.
+        self._gather_buffers: dict[str, torch.Tensor] | None = {} if torch.device(device).type == "cpu" else None
 
     def write(self, slot: torch.Tensor | int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write K/V of `rows` ([N] physical rows; k, v: [N, kv_heads, head_dim]) into `slot` (per row or one)."""
@@ -54,11 +58,36 @@ class KVStore:
         return (slot * self.slot_stride + rows)[None] + self._head_base.view(-1, *[1] * rows.dim())
 
     def keys(self, index: torch.Tensor) -> torch.Tensor:
-        """K at `index` -> [*index.shape, head_dim], contiguous."""
-        return _take_rows(self.k, index)
+        """K at `index` -> [*index.shape, head_dim], contiguous. On the CPU the result lives in a reused
+        buffer: it holds until the next `keys` call on this store (attention consumes it at once)."""
+        return self._take_rows("k", index)
 
     def values(self, index: torch.Tensor) -> torch.Tensor:
-        return _take_rows(self.v, index)
+        """V at `index`, as `keys` (its own buffer: a prefill group reads both at once)."""
+        return self._take_rows("v", index)
+
+    def _take_rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
+        """Rows of K or V at flat row indices `index`, as one index_select. The rows are moved as the widest
+        integer words that tile them (a bf16 row of 64 is 16 int64): the same bytes, but index_select's copy
+        loop is about twice as fast on them as on 2-byte elements."""
+        t = self.k if name == "k" else self.v
+        d = t.shape[-1]
+        flat = t.view(-1, d)
+        nbytes = d * t.element_size()
+        for word in (torch.int64, torch.int32):
+            if nbytes % word.itemsize == 0 and t.element_size() < word.itemsize:
+                flat = flat.view(word)
+                break
+        rows = index.reshape(-1)
+        if self._gather_buffers is None:
+            out = flat.index_select(0, rows)
+        else:
+            need = rows.numel() * flat.shape[1]
+            buf = self._gather_buffers.get(name)
+            if buf is None or buf.numel() < need:  # 25 % headroom: a context grows a token a step
+                buf = self._gather_buffers[name] = torch.empty(need + need // 4, dtype=flat.dtype)
+            out = torch.index_select(flat, 0, rows, out=buf[:need].view(-1, flat.shape[1]))
+        return out.view(t.dtype).view(*index.shape, d)
 
     def weighted_values(self, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """sum_l weights[..., l] * V[index[..., l]] -> [*weights.shape[:-1], head_dim], without
@@ -92,19 +121,6 @@ class KVStore:
     def write_rows(self, rows: torch.Tensor, data: dict[str, torch.Tensor]) -> None:
         """Put back what `read_rows` returned, at rows `rows` (same count)."""
         self.k[:, :, rows], self.v[:, :, rows], self.depth[rows] = data["k"], data["v"], data["depth"]
-
-
-def _take_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Rows of `t` ([..., head_dim]) at flat row indices `index`, as one index_select. The rows are
-    moved as the widest integer words that tile them (a bf16 row of 64 is 16 int64): the same bytes,
-    but index_select's copy loop is about twice as fast on them as on 2-byte elements."""
-    d = t.shape[-1]
-    flat = t.view(-1, d)
-    nbytes = d * t.element_size()
-    for word in (torch.int64, torch.int32):
-        if nbytes % word.itemsize == 0 and t.element_size() < word.itemsize:
-            return flat.view(word).index_select(0, index.reshape(-1)).view(t.dtype).view(*index.shape, d)
-    return flat.index_select(0, index.reshape(-1)).view(*index.shape, d)
 
 
 class BlockAllocator:
