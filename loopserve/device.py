@@ -111,11 +111,16 @@ def resolve_dtype(dtype: str, folder: Path, device: str) -> str:
                  "in float16)", device)
     elif declared is not None and declared not in _CHECKPOINT_DTYPES:
         log.info("dtype auto: the checkpoint's dtype %r is not supported; loading it as float32", declared)
-    if chosen == "bfloat16" and torch.device(device).type == "cpu" and not cpu_has_bf16_kernels():
+    if chosen == "bfloat16" and bf16_is_emulated(device):
         log.info("dtype auto: this CPU has no bfloat16 matrix kernels (oneDNN); loading the %s checkpoint as "
                  "float32, about 5x faster here (--dtype bfloat16 keeps it)", declared)
         return "float32"
     return chosen
+
+
+def bf16_is_emulated(device: str | torch.device) -> bool:
+    """Whether bfloat16 products on `device` are emulated: a CPU without bfloat16 kernels."""
+    return torch.device(device).type == "cpu" and not cpu_has_bf16_kernels()
 
 
 @functools.cache

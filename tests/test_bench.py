@@ -386,9 +386,10 @@ def test_bench_throughput_end_to_end_on_two_requests(bench_cache, single_thread,
 def test_bench_model_warns_of_emulated_bfloat16(bench_cache, monkeypatch, caplog, kernels):
     """bfloat16 on a CPU without its kernels is about 5x slower: a benchmark says so instead of measuring it
     silently; float32 never warns."""
+    from loopserve import device
     from loopserve_lab.bench import harness
 
-    monkeypatch.setattr(harness, "cpu_has_bf16_kernels", lambda: kernels)
+    monkeypatch.setattr(device, "cpu_has_bf16_kernels", lambda: kernels)
     with caplog.at_level("WARNING", logger=harness.__name__):
         assert harness.BenchModel.load("micro-ouro", "bfloat16").dtype == "bfloat16"
         harness.BenchModel.load("micro-ouro", "float32")

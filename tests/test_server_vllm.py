@@ -323,13 +323,12 @@ def test_dtype_auto_on_a_cpu_without_bf16_kernels_is_float32(tmp_path, monkeypat
 def test_loading_with_dtype_and_device_auto(tmp_path):
     import torch
 
+    from loopserve.device import cpu_has_bf16_kernels
     from loopserve.models.loader import load_model
 
     path = make_tiny(tmp_path / "half", TinySpec(arch="ouro", seed=2))
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "torch_dtype": "float16"}))
-    from loopserve.device import cpu_has_bf16_kernels
-
     p = next(load_model(path, "auto", "auto").model.parameters())
     gpu = torch.cuda.is_available()
     assert p.dtype == (torch.bfloat16 if gpu or cpu_has_bf16_kernels() else torch.float32)

@@ -41,6 +41,7 @@ class KVStore:
         # some MB is a fresh mapping from the C allocator, whose first touch faults page by page, which took
         # longer than the copy itself (docs/benchmarks.md §8.20). CUDA's caching allocator already reuses.
         self._gather_buffers: dict[str, torch.Tensor] | None = {} if torch.device(device).type == "cpu" else None
+        self._gather_rows = {"k": _as_words(self.k), "v": _as_words(self.v)}  # what `_take_rows` reads
 
     def write(self, slot: torch.Tensor | int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write K/V of `rows` ([N] physical rows; k, v: [N, kv_heads, head_dim]) into `slot` (per row or one)."""
@@ -67,17 +68,8 @@ class KVStore:
         return self._take_rows("v", index)
 
     def _take_rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
-        """Rows of K or V at flat row indices `index`, as one index_select. The rows are moved as the widest
-        integer words that tile them (a bf16 row of 64 is 16 int64): the same bytes, but index_select's copy
-        loop is about twice as fast on them as on 2-byte elements."""
-        t = self.k if name == "k" else self.v
-        d = t.shape[-1]
-        flat = t.view(-1, d)
-        nbytes = d * t.element_size()
-        for word in (torch.int64, torch.int32):
-            if nbytes % word.itemsize == 0 and t.element_size() < word.itemsize:
-                flat = flat.view(word)
-                break
+        """Rows of K or V ("k" / "v") at flat row indices `index`, as one index_select."""
+        flat = self._gather_rows[name]
         rows = index.reshape(-1)
         if self._gather_buffers is None:
             out = flat.index_select(0, rows)
@@ -87,7 +79,7 @@ class KVStore:
             if buf is None or buf.numel() < need:  # 25 % headroom: a context grows a token a step
                 buf = self._gather_buffers[name] = torch.empty(need + need // 4, dtype=flat.dtype)
             out = torch.index_select(flat, 0, rows, out=buf[:need].view(-1, flat.shape[1]))
-        return out.view(t.dtype).view(*index.shape, d)
+        return out.view(self.k.dtype).view(*index.shape, self.k.shape[-1])
 
     def weighted_values(self, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """sum_l weights[..., l] * V[index[..., l]] -> [*weights.shape[:-1], head_dim], without
@@ -121,6 +113,19 @@ class KVStore:
     def write_rows(self, rows: torch.Tensor, data: dict[str, torch.Tensor]) -> None:
         """Put back what `read_rows` returned, at rows `rows` (same count)."""
         self.k[:, :, rows], self.v[:, :, rows], self.depth[rows] = data["k"], data["v"], data["depth"]
+
+
+def _as_words(t: torch.Tensor) -> torch.Tensor:
+    """`t` ([..., head_dim]) as [rows, words]: each row in the widest integer words that tile it (a bf16 row of
+    64 is 16 int64). Gathers move the same bytes, but index_select's copy loop is about twice as fast on them
+    as on 2-byte elements."""
+    d = t.shape[-1]
+    flat = t.view(-1, d)
+    nbytes = d * t.element_size()
+    for word in (torch.int64, torch.int32):
+        if nbytes % word.itemsize == 0 and t.element_size() < word.itemsize:
+            return flat.view(word)
+    return flat
 
 
 class BlockAllocator:

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from loopserve.device import cpu_has_bf16_kernels
+from loopserve.device import bf16_is_emulated
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine import LLMEngine, StageRecord
 from loopserve.models.base import LoopedLM
@@ -82,7 +82,7 @@ class BenchModel:
     def load(model: str | None, dtype: str = DEFAULT_DTYPE, device: str = "cpu",
              state_init: str = "like-init") -> BenchModel:
         path = resolve_model(model)
-        if dtype == "bfloat16" and torch.device(device).type == "cpu" and not cpu_has_bf16_kernels():
+        if dtype == "bfloat16" and bf16_is_emulated(device):
             log.warning("--dtype bfloat16 on a CPU without bfloat16 kernels: every product is emulated (about 5x "
                         "slower than float32 on an AVX2-only x86); pass --dtype float32 to measure the engine")
         loaded = load_model(path, dtype, device, state_init)
