@@ -77,7 +77,8 @@ class KVStore:
             need = rows.numel() * flat.shape[1]
             buf = self._gather_buffers.get(name)
             if buf is None or buf.numel() < need:  # 25 % headroom: a context grows a token a step
-                buf = self._gather_buffers[name] = torch.empty(need + need // 4, dtype=flat.dtype)
+                with torch.inference_mode(False):  # a normal tensor: later gathers may run outside inference mode
+                    buf = self._gather_buffers[name] = torch.empty(need + need // 4, dtype=flat.dtype)
             out = torch.index_select(flat, 0, rows, out=buf[:need].view(-1, flat.shape[1]))
         return out.view(self.k.dtype).view(*index.shape, self.k.shape[-1])
 
