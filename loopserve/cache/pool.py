@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from loopserve.cache import scores
 from loopserve.cache.layout import IN_FLIGHT
 
 
@@ -42,6 +43,9 @@ class KVStore:
         # longer than the copy itself (docs/benchmarks.md §8.20). CUDA's caching allocator already reuses.
         self._gather_buffers: dict[str, torch.Tensor] | None = {} if torch.device(device).type == "cpu" else None
         self._gather_rows = {"k": _as_words(self.k), "v": _as_words(self.v)}  # what `_take_rows` reads
+        # decode scores read K in place on the CPU where numpy holds the dtype (not bfloat16): `scores`
+        self._k_rows = (self.k.view(-1, head_dim).numpy()
+                        if torch.device(device).type == "cpu" and dtype in scores.DTYPES else None)
 
     def write(self, slot: torch.Tensor | int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write K/V of `rows` ([N] physical rows; k, v: [N, kv_heads, head_dim]) into `slot` (per row or one)."""
@@ -66,6 +70,18 @@ class KVStore:
     def values(self, index: torch.Tensor) -> torch.Tensor:
         """V at `index`, as `keys` (its own buffer: a prefill group reads both at once)."""
         return self._take_rows("v", index)
+
+    def scores(self, q: torch.Tensor, index: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
+        """scale * q . K for one query per sequence: q [N, heads, d], index [kv_heads, N, L] (`index`),
+        visible [N, L] -> [kv_heads, N, heads // kv_heads, L], -inf where not visible. On the CPU in
+        float32/64 the keys are read in place (`cache/scores.py`); elsewhere gathered, then multiplied."""
+        if self._k_rows is not None:
+            return scores.decode_scores(q, self._k_rows, index, visible, scale)
+        n, nh, d = q.shape
+        nkv = index.shape[0]
+        qg = q.reshape(n, nkv, nh // nkv, d).transpose(0, 1)  # [nkv, N, g, d]: the query heads of a kv head
+        out = torch.matmul(qg, self.keys(index).transpose(-1, -2)) * scale
+        return out.masked_fill(~visible[None, :, None], float("-inf"))
 
     def _take_rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
         """Rows of K or V ("k" / "v") at flat row indices `index`, as one index_select."""

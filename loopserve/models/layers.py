@@ -132,13 +132,12 @@ def _group_reads(ctx: ForwardContext, stage: str, g: PrefillGroup) -> tuple[torc
 
 def attend_decode(q: torch.Tensor, kv: KVStore, index: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     """One query per sequence. q [N, nh, d]; index [nkv, N, L] flat KV indices of each sequence's keys
-    (`KVStore.index`); visible [N, L]. Returns [N, nh * d]. Only K is gathered: the weighted sum of
-    V reads the rows in place (`KVStore.weighted_values`)."""
+    (`KVStore.index`); visible [N, L]. Returns [N, nh * d]. Neither K nor V is copied on the CPU in float32:
+    the scores read K in place (`KVStore.scores`), the weighted sum of V reads its rows in place
+    (`KVStore.weighted_values`). A row that sees no key (a passive CB row, discarded) gets zeros."""
     n, nh, d = q.shape
-    nkv = index.shape[0]
-    qg = q.reshape(n, nkv, nh // nkv, d).transpose(0, 1)  # [nkv, N, g, d]: the query heads of a kv head
-    scores = torch.matmul(qg, kv.keys(index).transpose(-1, -2)) * d ** -0.5  # [nkv, N, g, L]
-    probs = _masked_softmax(scores, visible[None, :, None], q.dtype)
+    scores = kv.scores(q, index, visible, d ** -0.5)  # [nkv, N, g, L]; -inf where not visible
+    probs = scores.to(compute_dtype(scores.dtype)).softmax(-1).nan_to_num(0.0).to(q.dtype)
     return kv.weighted_values(index[:, :, None], probs).transpose(0, 1).reshape(n, nh * d)
 
 

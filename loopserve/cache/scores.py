@@ -1,0 +1,90 @@
+"""Attention scores of decode queries, read where the keys lie in the paged KV store (CPU, float32/64).
+
+A decode query's keys are rows scattered over its sequence's blocks. Gathering them into one contiguous
+tensor and multiplying that (`KVStore.keys`, then a batched matmul) writes every key once more and reads
+it twice; at long contexts that copy was the largest part of a decode step on the CPU (docs/benchmarks.md
+§8.21). `decode_scores` reads each key row once, where it is, and writes only the scores.
+
+Each (kv head, query row) pair is computed whole by one thread, in one order whatever else is in the
+batch and however many threads share the call: a row's scores never depend on its neighbours.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from loopserve.jit import inlined_kernel, kernel
+
+# Keys one thread takes at least before a call is split over threads: a slice of fewer finishes before
+# a thread is woken (a key's dot product is some ns; a hand-off some tens of µs).
+KEYS_PER_THREAD = 1 << 16
+DTYPES = (torch.float32, torch.float64)
+
+
+def decode_scores(q: torch.Tensor, k_rows: np.ndarray, index: torch.Tensor, visible: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """scale * q . K[index] for one query per sequence, -inf where a key is not visible.
+
+    q [N, heads, d] (`DTYPES`); k_rows: the store's K as [rows, d] (numpy view); index [kv_heads, N, L] flat
+    row indices (`KVStore.index`); visible [N, L] bool. Returns [kv_heads, N, heads // kv_heads, L]
+    (query head h reads kv head h // (heads // kv_heads)), in q's dtype."""
+    nkv, n, length = index.shape
+    out = torch.empty(nkv, n, q.shape[1] // nkv, length, dtype=q.dtype)
+    qn = q.detach().contiguous().numpy()
+    args = (qn, k_rows, index.numpy(), visible.numpy(), qn.dtype.type(scale), out.numpy())
+    pairs = nkv * n
+    threads = min(torch.get_num_threads(), pairs, max(1, index.numel() // KEYS_PER_THREAD))
+    if threads == 1:
+        _scores(*args, 0, pairs)
+        return out
+    bounds = np.linspace(0, pairs, threads + 1).astype(int).tolist()
+    slices = list(zip(bounds[:-1], bounds[1:], strict=True))
+    waits = [_pool(threads - 1).submit(_scores, *args, a, b) for a, b in slices[1:]]
+    _scores(*args, *slices[0])  # this thread takes the first slice
+    for w in waits:
+        w.result()
+    return out
+
+
+_workers: tuple[int, ThreadPoolExecutor] | None = None  # (threads, pool)
+
+
+def _pool(size: int) -> ThreadPoolExecutor:
+    """Worker threads for split calls, made on first use and again when torch's thread count grows."""
+    global _workers
+    if _workers is None or _workers[0] < size:
+        if _workers is not None:
+            _workers[1].shutdown(wait=False)
+        _workers = (size, ThreadPoolExecutor(max_workers=size, thread_name_prefix="loopserve-scores"))
+    return _workers[1]
+
+
+@inlined_kernel
+def _dot(a, b):
+    s = a.dtype.type(0.0)
+    for j in range(a.shape[0]):
+        s += a[j] * b[j]
+    return s
+
+
+@kernel
+def _scores(q, k_rows, index, visible, scale, out, first, last):  # pragma: no cover (compiled)
+    """Scores of the (kv head, query row) pairs first..last-1 of `decode_scores`, pair p = head * N + row."""
+    n, length = visible.shape
+    group = out.shape[2]
+    for p in range(first, last):
+        h, i = p // n, p % n
+        for pos in range(length):
+            if not visible[i, pos]:
+                for a in range(group):
+                    out[h, i, a, pos] = -np.inf
+                continue
+            r = index[h, i, pos]
+            if r < 0 or r >= k_rows.shape[0]:
+                raise IndexError("decode_scores: a KV index is outside the store")
+            key = k_rows[r]
+            for a in range(group):
+                out[h, i, a, pos] = _dot(q[i, h * group + a], key) * scale

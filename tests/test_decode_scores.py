@@ -1,0 +1,122 @@
+"""Decode attention scores read in place from the KV store (`loopserve/cache/scores.py`): equal to the
+gather-then-multiply path, the same bits whatever the batch and thread split, and safe against bad indices
+and other rows' non-finite keys."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loopserve.cache import scores
+from loopserve.cache.pool import KVStore
+
+
+def _store(dtype: torch.dtype, kv_heads: int = 2, head_dim: int = 16, capacity: int = 300, seed: int = 0) -> KVStore:
+    g = torch.Generator().manual_seed(seed)
+    kv = KVStore(capacity, 3, kv_heads, head_dim, dtype)
+    kv.k[:, :, :capacity] = torch.randn(kv_heads, 3, capacity, head_dim, generator=g).to(dtype)
+    kv.v[:, :, :capacity] = torch.randn(kv_heads, 3, capacity, head_dim, generator=g).to(dtype)
+    return kv
+
+
+def _reads(kv: KVStore, rows: int, length: int, seed: int = 0):
+    """A random batch of decode reads: (index [kv_heads, N, L], visible [N, L]); hidden keys read the zero
+    row, as the engine's are."""
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randint(0, kv.capacity, (rows, length), generator=g)
+    slot = torch.randint(0, 3, (rows, length), generator=g)
+    visible = torch.rand(rows, length, generator=g) < 0.8
+    return kv.index(slot, keys.where(visible, kv.zero_row)), visible
+
+
+def _gathered(kv: KVStore, q: torch.Tensor, index: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """The path the kernel replaces: gather the keys, multiply, hide."""
+    n, nh, d = q.shape
+    nkv = index.shape[0]
+    qg = q.reshape(n, nkv, nh // nkv, d).transpose(0, 1)
+    out = torch.matmul(qg, kv.keys(index).transpose(-1, -2)) * d ** -0.5
+    return out.masked_fill(~visible[None, :, None], float("-inf"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("heads", [2, 6])  # 1 and 3 query heads per kv head
+def test_scores_equal_the_gathered_product(dtype, heads):
+    kv = _store(dtype)
+    index, visible = _reads(kv, 5, 40)
+    q = torch.randn(5, heads, 16, dtype=dtype)
+    got = kv.scores(q, index, visible, 16 ** -0.5)
+    want = _gathered(kv, q, index, visible)
+    assert kv._k_rows is not None  # the in-place path ran
+    assert got.shape == (2, 5, heads // 2, 40) and got.dtype == dtype
+    assert torch.equal(got.isneginf(), ~visible[None, :, None].expand_as(got))
+    torch.testing.assert_close(got, want)
+
+
+def test_bfloat16_and_attention_outputs_use_the_gather():
+    """bfloat16 has no numpy dtype: the store gathers; attention gives the same result either way."""
+    from loopserve.models.layers import attend_decode
+
+    kv = _store(torch.bfloat16)
+    assert kv._k_rows is None
+    index, visible = _reads(kv, 3, 20)
+    q = torch.randn(3, 4, 16, dtype=torch.bfloat16)
+    assert torch.equal(kv.scores(q, index, visible, 16 ** -0.5), _gathered(kv, q, index, visible))
+    kv32 = _store(torch.float32)
+    q32 = torch.randn(3, 4, 16)
+    in_place = attend_decode(q32, kv32, index, visible)
+    kv32._k_rows = None  # force the gather
+    torch.testing.assert_close(in_place, attend_decode(q32, kv32, index, visible))
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 6), length=st.integers(1, 50), pad=st.integers(0, 30), seed=st.integers(0, 1000))
+def test_a_rows_scores_do_not_depend_on_its_batch(rows, length, pad, seed):
+    """Row 0 alone and row 0 in a batch, its keys padded to a longer length: the same bits."""
+    kv = _store(torch.float32, seed=seed % 7)
+    index, visible = _reads(kv, rows, length + pad, seed)
+    visible[0, length:] = False
+    index[:, 0, length:] = kv.index(0, torch.tensor(kv.zero_row))[:, None]
+    q = torch.randn(rows, 4, 16, generator=torch.Generator().manual_seed(seed))
+    batched = kv.scores(q, index, visible, 0.25)
+    alone = kv.scores(q[:1], index[:, :1, :length].contiguous(), visible[:1, :length].contiguous(), 0.25)
+    assert torch.equal(batched[:, :1, :, :length], alone)
+
+
+def test_a_call_split_over_threads_gives_the_same_bits(monkeypatch):
+    kv = _store(torch.float32)
+    index, visible = _reads(kv, 7, 64)
+    q = torch.randn(7, 4, 16)
+    one = kv.scores(q, index, visible, 0.25)
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(scores, "KEYS_PER_THREAD", 16)
+    try:
+        torch.set_num_threads(3)
+        split = kv.scores(q, index, visible, 0.25)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, split)
+
+
+def test_an_index_outside_the_store_raises_instead_of_reading_past_it():
+    kv = _store(torch.float32)
+    index, visible = _reads(kv, 2, 8)
+    index[1, 1, 3] = kv.k.numel() // kv.k.shape[-1]  # one past the last row
+    visible[1, 3] = True
+    with pytest.raises(IndexError, match="outside the store"):
+        kv.scores(torch.randn(2, 2, 16), index, visible, 0.25)
+
+
+def test_non_finite_keys_of_one_sequence_stay_in_its_row():
+    """Row 1's keys (rows 150-299 of the store) turn NaN: row 0 (rows 0-149) keeps its scores bit for bit."""
+    kv = _store(torch.float32)
+    g = torch.Generator().manual_seed(1)
+    keys = torch.stack([torch.randint(0, 150, (30,), generator=g), torch.randint(150, 300, (30,), generator=g)])
+    visible = torch.ones(2, 30, dtype=torch.bool)
+    index = kv.index(0, keys)
+    q = torch.randn(2, 2, 16, generator=g)
+    clean = kv.scores(q, index, visible, 0.25)
+    kv.k[:, 0, 150:300] = float("nan")
+    dirty = kv.scores(q, index, visible, 0.25)
+    assert torch.equal(dirty[:, 0], clean[:, 0]) and dirty[:, 1].isnan().all()
