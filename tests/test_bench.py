@@ -647,7 +647,8 @@ def test_bench_host_repeats_report_each_points_fastest_run(bench_cache, single_t
 def test_bench_compile_times_variants_and_counts_graphs(bench_cache, single_thread):
     """`bench compile` with Dynamo's eager backend (tracing, guards and recompiles as with inductor, no
     code generation, so it stays fast): every variant is timed at every point, a trace of the same ops
-    is bitwise equal to eager, the tick run counts one graph at least, and the core step traces whole."""
+    is bitwise equal to eager, the tick run counts one graph at least, and the core step breaks only at the
+    decode-scores kernel."""
     from loopserve.cli import main
 
     out = bench_cache / "compile"
@@ -664,6 +665,8 @@ def test_bench_compile_times_variants_and_counts_graphs(bench_cache, single_thre
         assert [t["variant"] for t in r["ticks"]] == ["dynamic", "mlp"]
         assert all(len(t["graphs_per_tick"]) == 3 for t in r["ticks"])
     assert data["stages"]["core"]["ticks"][0]["graphs"] >= 1
-    # the whole core step is one graph: nothing in the context (shapes, key counts) is read through a tensor
-    assert data["stages"]["core"]["explain"]["graphs"] == 1 and data["stages"]["core"]["explain"]["graph_breaks"] == 0
+    # nothing in the context (shapes, key counts) is read through a tensor: the core step breaks only where it
+    # calls the CPU decode-scores kernel (numba, run eagerly; cache/scores.py), nowhere else
+    ex = data["stages"]["core"]["explain"]
+    assert ex["graph_breaks"] >= 1 and all("_scores_in_place" in r for r in ex["break_reasons"])
     assert "| context | width |" in (out / "compile.md").read_text()

@@ -48,7 +48,7 @@ def test_scores_equal_the_gathered_product(dtype, heads):
     q = torch.randn(5, heads, 16, dtype=dtype)
     got = kv.scores(q, index, visible, 16 ** -0.5)
     want = _gathered(kv, q, index, visible)
-    assert kv._k_rows is not None  # the in-place path ran
+    assert kv._reads_keys_in_place  # the in-place path ran
     assert got.shape == (2, 5, heads // 2, 40) and got.dtype == dtype
     assert torch.equal(got.isneginf(), ~visible[None, :, None].expand_as(got))
     torch.testing.assert_close(got, want)
@@ -59,14 +59,14 @@ def test_bfloat16_and_attention_outputs_use_the_gather():
     from loopserve.models.layers import attend_decode
 
     kv = _store(torch.bfloat16)
-    assert kv._k_rows is None
+    assert not kv._reads_keys_in_place
     index, visible = _reads(kv, 3, 20)
     q = torch.randn(3, 4, 16, dtype=torch.bfloat16)
     assert torch.equal(kv.scores(q, index, visible, 16 ** -0.5), _gathered(kv, q, index, visible))
     kv32 = _store(torch.float32)
     q32 = torch.randn(3, 4, 16)
     in_place = attend_decode(q32, kv32, index, visible)
-    kv32._k_rows = None  # force the gather
+    kv32._reads_keys_in_place = False  # force the gather
     torch.testing.assert_close(in_place, attend_decode(q32, kv32, index, visible))
 
 

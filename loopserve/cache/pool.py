@@ -46,6 +46,7 @@ class KVStore:
         # decode scores read K in place on the CPU where numpy holds the dtype (not bfloat16): `scores`
         self._k_rows = (self.k.view(-1, head_dim).numpy()
                         if torch.device(device).type == "cpu" and dtype in scores.DTYPES else None)
+        self._reads_keys_in_place = self._k_rows is not None
 
     def write(self, slot: torch.Tensor | int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write K/V of `rows` ([N] physical rows; k, v: [N, kv_heads, head_dim]) into `slot` (per row or one)."""
@@ -75,13 +76,19 @@ class KVStore:
         """scale * q . K for one query per sequence: q [N, heads, d], index [kv_heads, N, L] (`index`),
         visible [N, L] -> [kv_heads, N, heads // kv_heads, L], -inf where not visible. On the CPU in
         float32/64 the keys are read in place (`cache/scores.py`); elsewhere gathered, then multiplied."""
-        if self._k_rows is not None:
-            return scores.decode_scores(q, self._k_rows, index, visible, scale)
+        if self._reads_keys_in_place:
+            return self._scores_in_place(q, index, visible, scale)
         n, nh, d = q.shape
         nkv = index.shape[0]
         qg = q.reshape(n, nkv, nh // nkv, d).transpose(0, 1)  # [nkv, N, g, d]: the query heads of a kv head
         out = torch.matmul(qg, self.keys(index).transpose(-1, -2)) * scale
         return out.masked_fill(~visible[None, :, None], float("-inf"))
+
+    @torch.compiler.disable  # numba, not traceable: a torch.compile'd stage runs it eagerly (a graph break)
+    def _scores_in_place(self, q: torch.Tensor, index: torch.Tensor, visible: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+        assert self._k_rows is not None
+        return scores.decode_scores(q, self._k_rows, index, visible, scale)
 
     def _take_rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
         """Rows of K or V ("k" / "v") at flat row indices `index`, as one index_select."""
