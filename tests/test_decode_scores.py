@@ -4,6 +4,10 @@ and other rows' non-finite keys."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -120,3 +124,34 @@ def test_non_finite_keys_of_one_sequence_stay_in_its_row():
     kv.k[:, 0, 150:300] = float("nan")
     dirty = kv.scores(q, index, visible, 0.25)
     assert torch.equal(dirty[:, 0], clean[:, 0]) and dirty[:, 1].isnan().all()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_splits_calls_on_threads_of_its_own(monkeypatch):
+    """A child forked after a split call inherits the parent's pool but not its threads: it must make its own
+    (else its split calls would wait forever)."""
+    kv = _store(torch.float32)
+    index, visible = _reads(kv, 7, 64)
+    q = torch.randn(7, 4, 16)
+    monkeypatch.setattr(scores, "KEYS_PER_THREAD", 16)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        want = kv.scores(q, index, visible, 0.25)  # the parent's pool now exists
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 only if its split call finishes with the same bits
+            ok = False
+            try:
+                ok = torch.equal(kv.scores(q, index, visible, 0.25), want)
+            finally:
+                os._exit(0 if ok else 1)
+        deadline = time.monotonic() + 60
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if done[0] == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child's split call hung")
+        assert os.waitstatus_to_exitcode(done[1]) == 0
+    finally:
+        torch.set_num_threads(threads)

@@ -11,6 +11,7 @@ batch and however many threads share the call: a row's scores never depend on it
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -49,17 +50,18 @@ def decode_scores(q: torch.Tensor, k_rows: np.ndarray, index: torch.Tensor, visi
     return out
 
 
-_workers: tuple[int, ThreadPoolExecutor] | None = None  # (threads, pool)
+_workers: tuple[int, int, ThreadPoolExecutor] | None = None  # (process id, threads, pool)
 
 
 def _pool(size: int) -> ThreadPoolExecutor:
-    """Worker threads for split calls, made on first use and again when torch's thread count grows."""
+    """Worker threads for split calls, made on first use, again when torch's thread count grows, and again
+    in a forked child (which inherits the pool but not its threads: work sent there would never run)."""
     global _workers
-    if _workers is None or _workers[0] < size:
-        if _workers is not None:
-            _workers[1].shutdown(wait=False)
-        _workers = (size, ThreadPoolExecutor(max_workers=size, thread_name_prefix="loopserve-scores"))
-    return _workers[1]
+    if _workers is None or _workers[0] != os.getpid() or _workers[1] < size:
+        if _workers is not None and _workers[0] == os.getpid():
+            _workers[2].shutdown(wait=False)
+        _workers = (os.getpid(), size, ThreadPoolExecutor(max_workers=size, thread_name_prefix="loopserve-scores"))
+    return _workers[2]
 
 
 @inlined_kernel
