@@ -155,3 +155,12 @@ def test_a_forked_child_splits_calls_on_threads_of_its_own(monkeypatch):
         assert os.waitstatus_to_exitcode(done[1]) == 0
     finally:
         torch.set_num_threads(threads)
+
+
+def test_mismatched_shapes_are_refused_before_the_compiled_pass():
+    kv = _store(torch.float32)
+    index, visible = _reads(kv, 3, 10)
+    with pytest.raises(ValueError, match="do not match"):
+        kv.scores(torch.randn(3, 2, 16), index, visible[:, :9], 0.25)
+    with pytest.raises(ValueError, match="do not match"):
+        kv.scores(torch.randn(3, 3, 16), index, visible, 0.25)  # 3 query heads over 2 kv heads

@@ -33,6 +33,10 @@ def decode_scores(q: torch.Tensor, k_rows: np.ndarray, index: torch.Tensor, visi
     row indices (`KVStore.index`); visible [N, L] bool. Returns [kv_heads, N, heads // kv_heads, L]
     (query head h reads kv head h // (heads // kv_heads)), in q's dtype."""
     nkv, n, length = index.shape
+    if visible.shape != (n, length) or q.shape[0] != n or q.shape[1] % nkv or q.shape[2] != k_rows.shape[1]:
+        # (the compiled pass trusts these shapes: it checks only the indices it reads the store at)
+        raise ValueError(f"decode_scores: q {tuple(q.shape)}, K rows {k_rows.shape}, index {tuple(index.shape)} "
+                         f"and visible {tuple(visible.shape)} do not match")
     out = torch.empty(nkv, n, q.shape[1] // nkv, length, dtype=q.dtype)
     qn = q.detach().contiguous().numpy()
     args = (qn, k_rows, index.numpy(), visible.numpy(), qn.dtype.type(scale), out.numpy())
