@@ -12,6 +12,11 @@ decoder uses a store with one contiguous "block" per request.
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import sys
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -33,6 +38,8 @@ class KVStore:
         # every key a query must not see is read from the zero row
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
+        _ask_for_huge_pages(self.k)
+        _ask_for_huge_pages(self.v)
         self.k[:, :, capacity] = 0
         self.v[:, :, capacity] = 0
         self.depth = torch.full((capacity + 1,), IN_FLIGHT, dtype=torch.long, device=device)
@@ -137,6 +144,37 @@ class KVStore:
     def write_rows(self, rows: torch.Tensor, data: dict[str, torch.Tensor]) -> None:
         """Put back what `read_rows` returned, at rows `rows` (same count)."""
         self.k[:, :, rows], self.v[:, :, rows], self.depth[rows] = data["k"], data["v"], data["depth"]
+
+
+_HUGE_PAGE = 1 << 21
+_MADV_HUGEPAGE = 14
+
+
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    """libc's madvise (Linux), or None where there is none."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+def _ask_for_huge_pages(t: torch.Tensor) -> None:
+    """Ask Linux to back a CPU tensor's whole 2 MiB pages with huge pages (before anything touches them).
+    A decode query reads its keys block by block from all over the store: with 4 KiB pages nearly every
+    block is another TLB miss, and attention at context 1k ran ~1.2x faster on huge pages
+    (docs/benchmarks.md §8.22). Where the kernel declines (THP off), the pages stay as they were."""
+    madvise = _madvise()
+    if t.device.type != "cpu" or madvise is None:
+        return
+    start = -(-t.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
+    end = (t.data_ptr() + t.numel() * t.element_size()) // _HUGE_PAGE * _HUGE_PAGE
+    if end > start:
+        madvise(start, end - start, _MADV_HUGEPAGE)  # advice only: a refusal changes nothing
 
 
 def _as_words(t: torch.Tensor) -> torch.Tensor:
