@@ -38,8 +38,9 @@ class KVStore:
         # every key a query must not see is read from the zero row
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
-        _ask_for_huge_pages(self.k)
-        _ask_for_huge_pages(self.v)
+        for store in (self.k, self.v):  # huge pages for the token rows, not for the zero rows: written now, their
+            for run in store[:, :, :capacity].flatten(0, 1):  # pages (2 MiB per head and slot) would fault in at once
+                _ask_for_huge_pages(run)
         self.k[:, :, capacity] = 0
         self.v[:, :, capacity] = 0
         self.depth = torch.full((capacity + 1,), IN_FLIGHT, dtype=torch.long, device=device)
@@ -164,7 +165,9 @@ def _madvise() -> Callable[[int, int, int], int] | None:
 
 
 def _ask_for_huge_pages(t: torch.Tensor) -> None:
-    """Ask Linux to back a CPU tensor's whole 2 MiB pages with huge pages (before anything touches them).
+    """Ask Linux to back the 2 MiB pages that lie wholly inside a CPU tensor with huge pages (before anything
+    touches them). Memory then becomes resident 2 MiB at a time as blocks are first written, still within
+    the pool's size.
     A decode query reads its keys block by block from all over the store: with 4 KiB pages nearly every
     block is another TLB miss, and attention at context 1k ran ~1.2x faster on huge pages
     (docs/benchmarks.md §8.22). Where the kernel declines (THP off), the pages stay as they were."""
