@@ -164,3 +164,12 @@ def test_mismatched_shapes_are_refused_before_the_compiled_pass():
         kv.scores(torch.randn(3, 2, 16), index, visible[:, :9], 0.25)
     with pytest.raises(ValueError, match="do not match"):
         kv.scores(torch.randn(3, 3, 16), index, visible, 0.25)  # 3 query heads over 2 kv heads
+
+
+def test_no_rows_and_no_keys_give_empty_scores():
+    kv = _store(torch.float32)
+    empty_rows = kv.scores(torch.randn(0, 2, 16), torch.zeros(2, 0, 5, dtype=torch.long),
+                           torch.zeros(0, 5, dtype=torch.bool), 0.25)
+    no_keys = kv.scores(torch.randn(3, 2, 16), torch.zeros(2, 3, 0, dtype=torch.long),
+                        torch.zeros(3, 0, dtype=torch.bool), 0.25)
+    assert empty_rows.shape == (2, 0, 1, 5) and no_keys.shape == (2, 3, 1, 0)

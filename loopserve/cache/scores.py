@@ -42,7 +42,7 @@ def decode_scores(q: torch.Tensor, k_rows: np.ndarray, index: torch.Tensor, visi
     args = (qn, k_rows, index.numpy(), visible.numpy(), qn.dtype.type(scale), out.numpy())
     pairs = nkv * n
     threads = min(torch.get_num_threads(), pairs, max(1, index.numel() // KEYS_PER_THREAD))
-    if threads == 1:
+    if threads <= 1:  # (0: no rows)
         _scores(*args, 0, pairs)
         return out
     bounds = np.linspace(0, pairs, threads + 1).astype(int).tolist()
