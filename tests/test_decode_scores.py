@@ -66,7 +66,12 @@ def test_bfloat16_and_attention_outputs_use_the_gather():
     assert not kv._reads_keys_in_place
     index, visible = _reads(kv, 3, 20)
     q = torch.randn(3, 4, 16, dtype=torch.bfloat16)
-    assert torch.equal(kv.scores(q, index, visible, 16 ** -0.5), _gathered(kv, q, index, visible))
+    got = kv.scores(q, index, visible, 16 ** -0.5)
+    keys = kv.k.reshape(-1, 16)[index].float()  # [2, 3, 20, 16]: each query's keys, by plain indexing
+    want = torch.einsum("hngd,hnld->hngl", q.float().view(3, 2, 2, 16).transpose(0, 1), keys) * 16 ** -0.5
+    want = want.masked_fill(~visible[None, :, None], float("-inf"))
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=0.05, rtol=0.02)
     kv32 = _store(torch.float32)
     q32 = torch.randn(3, 4, 16)
     in_place = attend_decode(q32, kv32, index, visible)
@@ -95,11 +100,14 @@ def test_a_call_split_over_threads_gives_the_same_bits(monkeypatch):
     one = kv.scores(q, index, visible, 0.25)
     threads = torch.get_num_threads()
     monkeypatch.setattr(scores, "KEYS_PER_THREAD", 16)
+    pools = []
+    monkeypatch.setattr(scores, "_pool", lambda size, make=scores._pool: pools.append(size) or make(size))
     try:
         torch.set_num_threads(3)
         split = kv.scores(q, index, visible, 0.25)
     finally:
         torch.set_num_threads(threads)
+    assert pools == [2]  # the call went to two workers besides the caller
     assert torch.equal(one, split)
 
 
@@ -164,6 +172,17 @@ def test_mismatched_shapes_are_refused_before_the_compiled_pass():
         kv.scores(torch.randn(3, 2, 16), index, visible[:, :9], 0.25)
     with pytest.raises(ValueError, match="do not match"):
         kv.scores(torch.randn(3, 3, 16), index, visible, 0.25)  # 3 query heads over 2 kv heads
+
+
+def test_queries_the_pass_cannot_serve_take_the_gather():
+    """A query that needs gradients, or is not in the store's dtype, is served as the gather path serves it
+    (a graph to differentiate; a dtype error), not silently detached or mixed."""
+    kv = _store(torch.float32)
+    index, visible = _reads(kv, 3, 10)
+    q = torch.randn(3, 2, 16, requires_grad=True)
+    assert kv.scores(q, index, visible, 0.25).grad_fn is not None
+    with pytest.raises(RuntimeError):
+        kv.scores(torch.randn(3, 2, 16, dtype=torch.float64), index, visible, 0.25)
 
 
 def test_no_rows_and_no_keys_give_empty_scores():

@@ -105,44 +105,6 @@ def test_gathers_equal_plain_indexing_and_reuse_their_buffer(dtype):
     assert torch.equal(kv.keys(index), plain_k[index])
 
 
-def _huge_kib(address: int) -> int | None:
-    """AnonHugePages (KiB) of the mapping holding `address`, from /proc/self/smaps (None if not found)."""
-    found = False
-    for line in open("/proc/self/smaps"):
-        head = line.split()[0]
-        if "-" in head and all(c in "0123456789abcdef-" for c in head):
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            found = lo <= address < hi
-        elif found and head == "AnonHugePages:":
-            return int(line.split()[1])
-    return None
-
-
-def _rss_kib() -> int:
-    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS:"))
-
-
-def _thp_mode() -> str:
-    try:
-        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
-    except OSError:
-        return "absent"
-    return text.split("[")[1].split("]")[0]
-
-
-@pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason="transparent huge pages off or absent")
-def test_the_store_asks_for_huge_pages():
-    """K and V of a CPU store are backed by 2 MiB pages once touched (the store advised it: in `madvise`
-    mode nothing else would), so scattered block reads miss the TLB far less; making the store (it writes
-    the zero rows) does not fault in a huge page per head and slot."""
-    before = _rss_kib()
-    kv = KVStore(20_000, 4, 4, 64, torch.float32)  # 80 MB each for K and V, 16 runs of 5 MB
-    assert _rss_kib() - before < 16 * 1024  # not 2 MiB per head and slot for K and V (64 MiB here)
-    kv.k.fill_(1.0)
-    huge = _huge_kib(kv.k[1, 2, 10_000].data_ptr())  # (a row mid-run: its run's whole 2 MiB pages only)
-    assert huge is not None and huge >= 2048
-
-
 def test_core_read_rules():
     """Core layer 1 of 2 behind 2 prelude slots, r_max 4; keys exited at 4, 1, 2, 3, or still looping."""
     key_depth = torch.tensor([[4, 1, 2, 3, IN_FLIGHT]])

@@ -12,11 +12,6 @@ decoder uses a store with one contiguous "block" per request.
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import sys
-from collections.abc import Callable
-
 import numpy as np
 import torch
 
@@ -38,9 +33,6 @@ class KVStore:
         # every key a query must not see is read from the zero row
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
-        for store in (self.k, self.v):  # huge pages for the token rows, not for the zero rows: written now, their
-            for run in store[:, :, :capacity].flatten(0, 1):  # pages (2 MiB per head and slot) would fault in at once
-                _ask_for_huge_pages(run)
         self.k[:, :, capacity] = 0
         self.v[:, :, capacity] = 0
         self.depth = torch.full((capacity + 1,), IN_FLIGHT, dtype=torch.long, device=device)
@@ -83,8 +75,9 @@ class KVStore:
     def scores(self, q: torch.Tensor, index: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
         """scale * q . K for one query per sequence: q [N, heads, d], index [kv_heads, N, L] (`index`),
         visible [N, L] -> [kv_heads, N, heads // kv_heads, L], -inf where not visible. On the CPU in
-        float32/64 the keys are read in place (`cache/scores.py`); elsewhere gathered, then multiplied."""
-        if self._reads_keys_in_place:
+        float32/64 the keys are read in place (`cache/scores.py`); elsewhere gathered, then multiplied (also
+        for a query that needs gradients or is not in the store's dtype: the pass does neither)."""
+        if self._reads_keys_in_place and q.dtype == self.k.dtype and not q.requires_grad:
             return self._scores_in_place(q, index, visible, scale)
         n, nh, d = q.shape
         nkv = index.shape[0]
@@ -145,39 +138,6 @@ class KVStore:
     def write_rows(self, rows: torch.Tensor, data: dict[str, torch.Tensor]) -> None:
         """Put back what `read_rows` returned, at rows `rows` (same count)."""
         self.k[:, :, rows], self.v[:, :, rows], self.depth[rows] = data["k"], data["v"], data["depth"]
-
-
-_HUGE_PAGE = 1 << 21
-_MADV_HUGEPAGE = 14
-
-
-@functools.cache
-def _madvise() -> Callable[[int, int, int], int] | None:
-    """libc's madvise (Linux), or None where there is none."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return fn
-
-
-def _ask_for_huge_pages(t: torch.Tensor) -> None:
-    """Ask Linux to back the 2 MiB pages that lie wholly inside a CPU tensor with huge pages (before anything
-    touches them). Memory then becomes resident 2 MiB at a time as blocks are first written, still within
-    the pool's size.
-    A decode query reads its keys block by block from all over the store: with 4 KiB pages nearly every
-    block is another TLB miss, and attention at context 1k ran ~1.2x faster on huge pages
-    (docs/benchmarks.md §8.22). Where the kernel declines (THP off), the pages stay as they were."""
-    madvise = _madvise()
-    if t.device.type != "cpu" or madvise is None:
-        return
-    start = -(-t.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
-    end = (t.data_ptr() + t.numel() * t.element_size()) // _HUGE_PAGE * _HUGE_PAGE
-    if end > start:
-        madvise(start, end - start, _MADV_HUGEPAGE)  # advice only: a refusal changes nothing
 
 
 def _as_words(t: torch.Tensor) -> torch.Tensor:

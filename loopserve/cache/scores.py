@@ -38,7 +38,7 @@ def decode_scores(q: torch.Tensor, k_rows: np.ndarray, index: torch.Tensor, visi
         raise ValueError(f"decode_scores: q {tuple(q.shape)}, K rows {k_rows.shape}, index {tuple(index.shape)} "
                          f"and visible {tuple(visible.shape)} do not match")
     out = torch.empty(nkv, n, q.shape[1] // nkv, length, dtype=q.dtype)
-    qn = q.detach().contiguous().numpy()
+    qn = q.contiguous().numpy()
     args = (qn, k_rows, index.numpy(), visible.numpy(), qn.dtype.type(scale), out.numpy())
     pairs = nkv * n
     threads = min(torch.get_num_threads(), pairs, max(1, index.numel() // KEYS_PER_THREAD))
@@ -47,7 +47,8 @@ def decode_scores(q: torch.Tensor, k_rows: np.ndarray, index: torch.Tensor, visi
         return out
     bounds = np.linspace(0, pairs, threads + 1).astype(int).tolist()
     slices = list(zip(bounds[:-1], bounds[1:], strict=True))
-    waits = [_pool(threads - 1).submit(_scores, *args, a, b) for a, b in slices[1:]]
+    workers = _pool(threads - 1)
+    waits = [workers.submit(_scores, *args, a, b) for a, b in slices[1:]]
     _scores(*args, *slices[0])  # this thread takes the first slice
     for w in waits:
         w.result()

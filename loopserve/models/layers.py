@@ -132,7 +132,7 @@ def _group_reads(ctx: ForwardContext, stage: str, g: PrefillGroup) -> tuple[torc
 
 def attend_decode(q: torch.Tensor, kv: KVStore, index: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     """One query per sequence. q [N, nh, d]; index [nkv, N, L] flat KV indices of each sequence's keys
-    (`KVStore.index`); visible [N, L]. Returns [N, nh * d]. Neither K nor V is copied on the CPU in float32:
+    (`KVStore.index`); visible [N, L]. Returns [N, nh * d]. Neither K nor V is copied on the CPU in float32/64:
     the scores read K in place (`KVStore.scores`), the weighted sum of V reads its rows in place
     (`KVStore.weighted_values`). A row that sees no key (a passive CB row, discarded) gets zeros."""
     n, nh, d = q.shape
