@@ -4,6 +4,8 @@
 KV depth of every physical token (what the layout's read rule needs), plus one zero row that is never
 written: attention gathers every key it masks (padding, keys a layout hides) from it, so whatever a
 masked row holds (stale KV of a finished request, even NaN) cannot reach a query through 0 * NaN.
+Reads: gathers of K or V rows by flat index, a decode query's scores (on the CPU read in place,
+`cache/scores.py`) and its weighted sum of V (read in place).
 `BlockAllocator` hands out fixed-size blocks of physical rows to sequences, counts who holds each
 one (a full prompt block may be shared read-only through the prefix cache), and keeps cached blocks
 until the pool needs them; a sequence's block table maps its positions to rows. The reference
