@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -192,3 +194,23 @@ def test_no_rows_and_no_keys_give_empty_scores():
     no_keys = kv.scores(torch.randn(3, 2, 16), torch.zeros(2, 3, 0, dtype=torch.long),
                         torch.zeros(3, 0, dtype=torch.bool), 0.25)
     assert empty_rows.shape == (2, 0, 1, 5) and no_keys.shape == (2, 3, 1, 0)
+
+
+def test_the_warm_up_compiles_what_a_call_needs(tmp_path):
+    """`compile_scores` (run when an engine starts) compiles the pass for the types a decode call gives it: the
+    first real call compiles nothing more. In a fresh process with an empty numba cache."""
+    code = """
+import torch
+from loopserve.cache import scores
+from loopserve.cache.pool import KVStore
+kv = KVStore(64, 3, 2, 16, torch.float32)
+assert not scores._scores.signatures
+kv.compile_scores()
+assert len(scores._scores.signatures) == 1
+index = kv.index(torch.zeros(3, 5, dtype=torch.long), torch.arange(15).view(3, 5))
+kv.scores(torch.randn(3, 4, 16), index, torch.ones(3, 5, dtype=torch.bool), 0.25)
+assert len(scores._scores.signatures) == 1, scores._scores.signatures
+"""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
