@@ -43,11 +43,12 @@ class KVStore:
         # On the CPU a gather writes into a buffer kept from the last one (`_take_rows`): a fresh output of
         # some MB is a fresh mapping from the C allocator, whose first touch faults page by page, which took
         # longer than the copy itself (docs/benchmarks.md §8.20). CUDA's caching allocator already reuses.
-        self._gather_buffers: dict[str, torch.Tensor] | None = {} if torch.device(device).type == "cpu" else None
+        on_cpu = torch.device(device).type == "cpu"
+        self._gather_buffers: dict[str, torch.Tensor] | None = {} if on_cpu else None
         self._gather_rows = {"k": _as_words(self.k), "v": _as_words(self.v)}  # what `_take_rows` reads
-        # decode scores read K in place on the CPU where numpy holds the dtype (not bfloat16): `scores`
-        self._k_rows = (self.k.view(-1, head_dim).numpy()
-                        if torch.device(device).type == "cpu" and dtype in scores.DTYPES else None)
+        # decode scores read K in place on the CPU where numpy holds the dtype (not bfloat16): `scores`. The flag
+        # is what `scores` tests: a torch.compile'd stage may read a bool, not the numpy view (Dynamo guards fail)
+        self._k_rows = self.k.view(-1, head_dim).numpy() if on_cpu and dtype in scores.DTYPES else None
         self._reads_keys_in_place = self._k_rows is not None
 
     def write(self, slot: torch.Tensor | int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -137,7 +137,7 @@ def attend_decode(q: torch.Tensor, kv: KVStore, index: torch.Tensor, visible: to
     (`KVStore.weighted_values`). A row that sees no key (a passive CB row, discarded) gets zeros."""
     n, nh, d = q.shape
     scores = kv.scores(q, index, visible, d ** -0.5)  # [nkv, N, g, L]; -inf where not visible
-    probs = scores.to(compute_dtype(scores.dtype)).softmax(-1).nan_to_num(0.0).to(q.dtype)
+    probs = _softmax_weights(scores, q.dtype)
     return kv.weighted_values(index[:, :, None], probs).transpose(0, 1).reshape(n, nh * d)
 
 
@@ -165,8 +165,12 @@ def _masked_softmax(scores: torch.Tensor, keep: torch.Tensor, dtype: torch.dtype
     """Softmax over the last dim of the kept scores, in fp32 or wider (products stay in the model's
     dtype: bf16 as upstream's eager attention, much faster than upcasting K/V), cast back to `dtype`.
     A row that keeps no score (a passive CB row, whose result is discarded) gets weights 0, not NaN."""
-    scores = scores.to(compute_dtype(scores.dtype)).masked_fill(~keep, float("-inf"))
-    return scores.softmax(-1).nan_to_num(0.0).to(dtype)
+    return _softmax_weights(scores.to(compute_dtype(scores.dtype)).masked_fill(~keep, float("-inf")), dtype)
+
+
+def _softmax_weights(scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Softmax over the last dim in fp32 or wider, cast to `dtype`; a row of only -inf gets weights 0."""
+    return scores.to(compute_dtype(scores.dtype)).softmax(-1).nan_to_num(0.0).to(dtype)
 
 
 def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: DenseContext) -> torch.Tensor:
