@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -131,6 +132,22 @@ def _hand_store(layout: KVLayout, key_depths: list[int]):
             kv.v[0, s, t] = torch.tensor([10.0 * t + s, 1.0], dtype=torch.float64)
     kv.set_depth(torch.arange(len(key_depths)), torch.tensor(key_depths))
     return kv
+
+
+@pytest.mark.parametrize("host_path", [True, False], ids=["numpy-in-place", "uploaded"])
+def test_kv_depths_given_as_host_arrays_land_where_tensors_do(host_path):
+    """The engine writes a tick's exit depths from host arrays (in place on the CPU, uploaded on a device);
+    the store ends up as a tensor write leaves it, a single depth broadcast too."""
+    ours, want = KVStore(10, 2, 1, 2, torch.float32), KVStore(10, 2, 1, 2, torch.float32)
+    if not host_path:
+        ours._depth_host = None  # what a store on a device has: no numpy view of its depths
+    rows, depths = np.array([7, 2, 9, 0]), np.array([3, 1, 4, 2])
+    ours.set_depth(rows, depths)
+    want.set_depth(torch.from_numpy(rows), torch.from_numpy(depths))
+    ours.set_depth(np.array([5, 2]), IN_FLIGHT)
+    want.set_depth(torch.tensor([5, 2]), IN_FLIGHT)
+    assert torch.equal(ours.depth, want.depth)
+    assert ours.depth[[7, 2, 9, 0, 5]].tolist() == [3, IN_FLIGHT, 4, 2, IN_FLIGHT]
 
 
 @pytest.mark.parametrize("name", LAYOUTS)

@@ -497,7 +497,7 @@ class ModelRunner:
         """Run the preludes of `items` (in state-pool rows `rows`) into their state rows."""
         host, device, top, _ = self._pack(rows)
         ctx = self._ctx(host, device, top) if self.has_prelude_kv else None  # (Ouro's prelude attends to nothing)
-        self.kv.store.set_depth(device[1], IN_FLIGHT)  # its KV rows: being computed
+        self.kv.store.set_depth(host[1], IN_FLIGHT)  # its KV rows: being computed
         ids = upload(torch.from_numpy(self.pool.token[rows]), self.device)
         seeds = [it.state_seed() for it in items] if self.draws_random_state else None
         state, inject = self.model.prelude(ids, ctx, seeds)
@@ -594,9 +594,8 @@ class ModelRunner:
         return PendingDrafts(Readback({"tokens": tokens}), lens)
 
     def write_kv_depths(self, rows: np.ndarray, depths: np.ndarray) -> None:
-        """Record the KV depth of tokens that exited (batched: one small upload per tick)."""
-        dev = self.device
-        self.kv.store.set_depth(upload(torch.from_numpy(rows), dev), upload(torch.from_numpy(depths), dev))
+        """Record the KV depth of tokens that exited (batched: one small write or upload per tick)."""
+        self.kv.store.set_depth(rows, depths)
 
 
 @compiled
