@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 
 from loopserve import LLM, SamplingParams
+from loopserve.cache.pool import KVStore
 from tests.engine_helpers import check_finite_rows
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -34,6 +36,14 @@ def test_cuda_engine_matches_the_reference(arch, scheduler, lookahead, tiny_ouro
     params = params_for(arch)
     ref = LLM(path, scheduler="reference", **kw).generate(PROMPTS, params)
     assert_equal_outputs(ref, LLM(path, scheduler=scheduler, **kw).generate(PROMPTS, params))
+
+
+def test_cuda_kv_depths_from_host_arrays_are_uploaded():
+    """On a device, `KVStore.set_depth` uploads host arrays (any int dtype) and writes what a tensor write does."""
+    ours = KVStore(10, 2, 1, 2, torch.float32, "cuda")
+    ours.set_depth(np.array([7, 2, 9], np.int32), np.array([3, 1, 4], np.int32))
+    ours.set_depth(np.array([5, 2]), 6)
+    assert ours.depth[[7, 2, 9, 5]].tolist() == [3, 6, 4, 6]
 
 
 def sync_free(fn, calls: Counter[str] | None = None, name: str = ""):

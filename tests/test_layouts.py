@@ -141,9 +141,9 @@ def test_kv_depths_given_as_host_arrays_land_where_tensors_do(host_path):
     ours, want = KVStore(10, 2, 1, 2, torch.float32), KVStore(10, 2, 1, 2, torch.float32)
     if not host_path:
         ours._depth_host = None  # what a store on a device has: no numpy view of its depths
-    rows, depths = np.array([7, 2, 9, 0]), np.array([3, 1, 4, 2])
+    rows, depths = np.array([7, 2, 9, 0]), np.array([3, 1, 4, 2], np.int32)  # (another int dtype: converted)
     ours.set_depth(rows, depths)
-    want.set_depth(torch.from_numpy(rows), torch.from_numpy(depths))
+    want.set_depth(torch.from_numpy(rows), torch.from_numpy(depths).long())
     ours.set_depth(np.array([5, 2]), IN_FLIGHT)
     want.set_depth(torch.tensor([5, 2]), IN_FLIGHT)
     assert torch.equal(ours.depth, want.depth)

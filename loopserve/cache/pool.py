@@ -139,9 +139,10 @@ class KVStore:
             if self._depth_host is not None:
                 self._depth_host[rows] = depth
                 return
-            rows = upload(torch.from_numpy(rows), self.depth.device)
-        dev = self.depth.device
-        self.depth[rows] = upload(torch.from_numpy(depth), dev) if isinstance(depth, np.ndarray) else depth
+            rows = upload(torch.from_numpy(rows.astype(np.int64, copy=False)), self.depth.device)
+        if isinstance(depth, np.ndarray):  # (int64, as the tensor: index_put refuses another dtype)
+            depth = upload(torch.from_numpy(depth.astype(np.int64, copy=False)), self.depth.device)
+        self.depth[rows] = depth
 
     def copy_rows(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy whole token rows (all slots, and their KV depth)."""
