@@ -135,18 +135,22 @@ def _hand_store(layout: KVLayout, key_depths: list[int]):
 
 
 @pytest.mark.parametrize("host_path", [True, False], ids=["numpy-in-place", "uploaded"])
-def test_kv_depths_given_as_host_arrays_land_where_tensors_do(host_path):
-    """The engine writes a tick's exit depths from host arrays (in place on the CPU, uploaded on a device);
-    the store ends up as a tensor write leaves it, a single depth broadcast too."""
-    ours, want = KVStore(10, 2, 1, 2, torch.float32), KVStore(10, 2, 1, 2, torch.float32)
+@pytest.mark.parametrize("as_tensors", [False, True], ids=["arrays", "tensors"])
+def test_kv_depths_land_where_a_tensor_write_puts_them(host_path, as_tensors):
+    """The engine writes a tick's exit depths from host arrays, a prelude's from its uploaded rows (on the CPU
+    both in place through numpy, on a device arrays are uploaded); the store ends up as torch's own indexed
+    write leaves it, a single depth broadcast too."""
+    ours = KVStore(10, 2, 1, 2, torch.float32)
     if not host_path:
         ours._depth_host = None  # what a store on a device has: no numpy view of its depths
+    want = ours.depth.clone()
     rows, depths = np.array([7, 2, 9, 0]), np.array([3, 1, 4, 2], np.int32)  # (another int dtype: converted)
-    ours.set_depth(rows, depths)
-    want.set_depth(torch.from_numpy(rows), torch.from_numpy(depths).long())
-    ours.set_depth(np.array([5, 2]), IN_FLIGHT)
-    want.set_depth(torch.tensor([5, 2]), IN_FLIGHT)
-    assert torch.equal(ours.depth, want.depth)
+    first = (torch.from_numpy(rows), torch.from_numpy(depths).long()) if as_tensors else (rows, depths)
+    ours.set_depth(*first)
+    want[torch.from_numpy(rows)] = torch.from_numpy(depths).long()
+    ours.set_depth(torch.tensor([5, 2]) if as_tensors else np.array([5, 2]), IN_FLIGHT)
+    want[torch.tensor([5, 2])] = IN_FLIGHT
+    assert torch.equal(ours.depth, want)
     assert ours.depth[[7, 2, 9, 0, 5]].tolist() == [3, IN_FLIGHT, 4, 2, IN_FLIGHT]
 
 

@@ -497,8 +497,7 @@ class ModelRunner:
         """Run the preludes of `items` (in state-pool rows `rows`) into their state rows."""
         host, device, top, _ = self._pack(rows)
         ctx = self._ctx(host, device, top) if self.has_prelude_kv else None  # (Ouro's prelude attends to nothing)
-        # its KV rows: being computed (on the CPU through numpy from the host copy; on a device by the uploaded one)
-        self.kv.store.set_depth(host[1] if self.device.type == "cpu" else device[1], IN_FLIGHT)
+        self.kv.store.set_depth(device[1], IN_FLIGHT)  # its KV rows: being computed
         ids = upload(torch.from_numpy(self.pool.token[rows]), self.device)
         seeds = [it.state_seed() for it in items] if self.draws_random_state else None
         state, inject = self.model.prelude(ids, ctx, seeds)
