@@ -375,6 +375,8 @@ def test_bench_throughput_end_to_end_on_two_requests(bench_cache, single_thread,
     assert cb["norm_decode"] == pytest.approx(1.0) and "realized" not in cb
     refill = next(r for r in rows if r["scheduler"] == "cdb")
     assert refill["realized"]["decode"] == pytest.approx(refill["norm_decode"] / refill["decode_bound"])
+    # CDB runs its prompts' first preludes in the prefill's step: that step's prefill is still prefill time
+    assert refill["stage_wall_s"].get("prefill", 0.0) > 0.0
     full = data["sweeps"]["full-depth"]["rows"]
     assert all(r["mean_exit_depth"] == 4 for r in full)
     assert all(0 < r["overhead"]["compute"] < 1 for r in rows + full)  # model time from `TimedModel`
@@ -670,3 +672,26 @@ def test_bench_compile_times_variants_and_counts_graphs(bench_cache, single_thre
     ex = data["stages"]["core"]["explain"]
     assert ex["graph_breaks"] >= 1 and all("_scores_in_place" in r for r in ex["break_reasons"])
     assert "| context | width |" in (out / "compile.md").read_text()
+
+
+def test_stage_recorder_charges_each_batch_of_a_step_to_its_own_stage():
+    from loopserve.engine.engine import StageRecord
+    from loopserve.engine.scheduler import Stage
+    from loopserve_lab.bench.harness import StageRecorder
+
+    class Hooks:
+        stage_hooks: list = []
+
+    wall: dict = {}
+    with StageRecorder(Hooks()) as rec:
+        for stage, start in [(Stage.PREFILL, 10.5), (Stage.PRELUDE, 13.0)]:  # a prefill and its tokens' preludes
+            for hook in Hooks.stage_hooks:
+                hook(StageRecord(stage, 4, start, 0.1))
+        rec.end_step(10.0, 14.0, wall)
+        for hook in Hooks.stage_hooks:  # a step of one batch
+            hook(StageRecord(Stage.CORE, 4, 20.2, 0.1))
+        rec.end_step(20.0, 21.0, wall)
+        rec.end_step(30.0, 31.0, wall)  # an idle step ran no batch: charged to none
+    assert wall == {Stage.PREFILL: pytest.approx(3.0), Stage.PRELUDE: pytest.approx(1.0),
+                    Stage.CORE: pytest.approx(1.0)}
+    assert not Hooks.stage_hooks  # the recorder unhooks itself

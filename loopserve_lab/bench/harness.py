@@ -204,18 +204,29 @@ class DeviceBusy:
 
 class StageRecorder:
     """Which stage each batch ran and its size, from the engine's stage records (`stage_hooks`).
-    `last` is the stage of the latest batch; `ticks` keeps (t, stage, batch) when `keep` is set;
-    `prefill_cpu_s` sums the CPU time of the runner's prefill calls."""
+    `ticks` keeps (t, stage, batch) when `keep` is set; `prefill_cpu_s` sums the CPU time of the
+    runner's prefill calls; `end_step` charges a step's wall time to the stages it ran."""
 
     def __init__(self, engine: Any, keep: bool = False, t0: float | None = None) -> None:
         self.engine, self.keep = engine, keep
         self.t0 = t0 if t0 is not None else time.perf_counter()
         self.ticks: list[tuple[float, str, int]] = []
-        self.last: str | None = None
+        self._step: list[tuple[str, float]] = []  # (stage, start) of the batches of the step under way
         self.prefill_cpu_s = 0.0
 
+    def end_step(self, start: float, end: float, wall: dict[str, float]) -> None:
+        """Add the step that ran from `start` to `end` to `wall` (stage -> seconds). A step may run
+        several batches (a coda or prefill and the preludes of its tokens): each batch is charged from
+        its own start to the next batch's, the first from the step's start, so a prefill's time never
+        counts as the prelude's that followed it."""
+        for i, (stage, _) in enumerate(self._step):
+            t1 = start if i == 0 else self._step[i][1]
+            t2 = self._step[i + 1][1] if i + 1 < len(self._step) else end
+            wall[stage] = wall.get(stage, 0.0) + t2 - t1
+        self._step.clear()
+
     def _on_stage(self, rec: StageRecord) -> None:
-        self.last = rec.stage
+        self._step.append((rec.stage, rec.start))
         if self.keep:
             self.ticks.append((rec.start - self.t0, rec.stage, rec.rows))
         if rec.cpu_s is not None:
@@ -368,9 +379,7 @@ def run_offline(bm: BenchModel, workload: Workload, traces: list[list[int]] | No
             outs = engine.step()
             if sync:
                 torch.cuda.synchronize()
-            if stages.last is not None:
-                stage_wall[stages.last] = stage_wall.get(stages.last, 0.0) + time.perf_counter() - t1
-                stages.last = None
+            stages.end_step(t1, time.perf_counter(), stage_wall)
             for out in outs:
                 n = len(out.outputs[0].token_ids)
                 bar.update(n - seen.get(out.request_id, 0))
