@@ -258,7 +258,7 @@ class RunResult:
     model_time_s: float
     schedule_time_s: float
     compute_by_stage: dict[str, float] = field(default_factory=dict)
-    stage_wall_s: dict[str, float] = field(default_factory=dict)  # wall time of the steps that ran each stage
+    stage_wall_s: dict[str, float] = field(default_factory=dict)  # wall time of each stage's batches (`end_step`)
     prefill_cpu_s: float = 0.0  # CPU time inside the runner's prefill calls
     ticks: dict[str, int] = field(default_factory=dict)
     rows: dict[str, int] = field(default_factory=dict)
