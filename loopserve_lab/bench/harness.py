@@ -219,8 +219,8 @@ class StageRecorder:
         several batches (a coda or prefill and the preludes of its tokens): each batch is charged from
         its own start to the next batch's, the first from the step's start, so a prefill's time never
         counts as the prelude's that followed it."""
-        for i, (stage, _) in enumerate(self._step):
-            t1 = start if i == 0 else self._step[i][1]
+        for i, (stage, begun) in enumerate(self._step):
+            t1 = start if i == 0 else begun
             t2 = self._step[i + 1][1] if i + 1 < len(self._step) else end
             wall[stage] = wall.get(stage, 0.0) + t2 - t1
         self._step.clear()
