@@ -140,9 +140,12 @@ class KVStore:
             return
         if isinstance(rows, np.ndarray):
             rows = upload(torch.from_numpy(rows.astype(np.int64, copy=False)), self.depth.device)
-        if isinstance(depth, np.ndarray):  # (int64, as the tensor: index_put refuses another dtype)
+        if isinstance(depth, int | np.integer):  # (index_fill_ takes the value as a kernel argument: `depth[rows] =
+            self.depth.index_fill_(0, rows, int(depth))  # int` copies it up from pageable memory, which waits)
+            return
+        if isinstance(depth, np.ndarray):  # (int64, as the tensor: index_copy_ refuses another dtype)
             depth = upload(torch.from_numpy(depth.astype(np.int64, copy=False)), self.depth.device)
-        self.depth[rows] = depth
+        self.depth.index_copy_(0, rows, depth.expand(rows.shape))
 
     def copy_rows(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy whole token rows (all slots, and their KV depth)."""

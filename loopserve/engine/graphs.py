@@ -106,6 +106,9 @@ class StageGraphs:
 
     def _replay(self, stage: str, state: torch.Tensor, meta: torch.Tensor, max_keys: int) -> None:
         n = state.shape[0]
+        # the graphs read the device table, and no context is built on this path to bring it up to date (an
+        # eager step's does): upload the blocks allocated on the host since the last step
+        self.tables.sync()
         if self.tables.table is not self._table:  # the table was reallocated: the graphs read the old one
             self._retire()
         bs = self.tables.block_size

@@ -268,7 +268,7 @@ def adjust_logits(x: torch.Tensor, params: list[SamplingParams], counters: list[
         which = torch.repeat_interleave(torch.tensor(early), torch.tensor([len(h) for h in held]))
         if len(which):
             x = x.index_put((upload(which, dev), upload(torch.cat(held), dev)),
-                            torch.tensor(float("-inf"), dtype=torch.float64, device=dev))
+                            torch.full((), float("-inf"), dtype=torch.float64, device=dev))  # (a fill, no copy)
     pen = [i for i, p in enumerate(params) if p.penalized]
     if pen:
         ps, hist = [params[i] for i in pen], [_history(params[i]) for i in pen]
