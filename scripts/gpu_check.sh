@@ -10,29 +10,44 @@
 # device's busy share of the wall time in a CB vs CDB run at those shapes (`--device-busy`: profiler
 # kernel records), the measured counterpart of that projection.
 # Uses the machine's own python3 and torch (no venv needed); results and logs go to $OUT.
+# Each step runs under its own time limit and is skipped once the whole script has used BUDGET seconds (default
+# 540), so one slow step cannot take a lease's later steps with it. On the first lent GPU (an H200, 2026-12-04;
+# docs/benchmarks.md §6.1) the steps before --device-busy took about 5 minutes, and that last step did not end
+# in the 4 minutes left (the profiler slowed the run many times over): it now runs a smaller workload. With
+# PACK=file.tgz everything under $OUT is also packed into that one file (for a copy that takes few files).
 #
 #   OUT=/some/dir scripts/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 OUT=${OUT:-docs/bench-gpu/check}
+BUDGET=${BUDGET:-540}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+step() {  # step NAME LIMIT_S COMMAND...: output to $OUT/NAME.log; skipped once the budget is spent
+    local name=$1 limit=$2; shift 2
+    local left=$((BUDGET - SECONDS))
+    if ((left < 30)); then echo "skipped $name: ${SECONDS}s of ${BUDGET}s used" | tee "$OUT/$name.log"; return; fi
+    ((limit > left)) && limit=$left
+    timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+    echo "$name: rc ${PIPESTATUS[0]} after ${SECONDS}s (limit ${limit}s)" | tee -a "$OUT/steps.txt"
+}
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   $PY -c "import torch; print('torch', torch.__version__, torch.version.cuda)"
   git rev-parse --short HEAD 2>/dev/null; } | tee "$OUT/machine.txt"
-$PY -m pytest -q -p no:cacheprovider -o addopts="" tests/test_cuda.py tests/test_pipeline.py 2>&1 | tee "$OUT/tests.log"
-$PY -m loopserve.cli bench throughput --model ouro-bench --device cuda --dtype bfloat16 --workload alpaca \
-    --num-requests 128 --mean-depth 2.5 --sweep width,full-depth --widths 32,128 --width 128 --repeats 1 \
-    --no-progress --out "$OUT" 2>&1 | tee "$OUT/throughput.log"
-$PY -m loopserve.cli bench throughput --model ouro-bench --device cuda --dtype bfloat16 --workload alpaca \
-    --num-requests 128 --mean-depth 2.5 --sweep width --widths 32,128 --repeats 1 --cuda-graphs \
-    --no-progress --out "$OUT/cuda-graphs" 2>&1 | tee "$OUT/cuda-graphs.log"
-$PY -m loopserve.cli bench ablate overlap --model ouro-bench --device cuda --dtype bfloat16 --num-requests 128 \
-    --width 64 --repeats 2 --no-progress --out "$OUT" 2>&1 | tee "$OUT/overlap.log"
-$PY -m loopserve.cli bench step-latency --model ouro-1.4b-shape --device cuda --dtype bfloat16 --kv-layout shared \
-    --contexts 256,1024 --batches 1,8,32,64 --reps 5 --no-progress --out "$OUT/step-latency-ouro-1.4b-shape" \
-    2>&1 | tee "$OUT/step-latency-ouro-1.4b-shape.log"
-$PY -m loopserve.cli bench throughput --model ouro-1.4b-shape --device cuda --dtype bfloat16 --workload alpaca \
-    --num-requests 128 --mean-depth 2.5 --sweep width --widths 64,128 --repeats 1 --device-busy \
-    --no-progress --out "$OUT/busy-ouro-1.4b-shape" 2>&1 | tee "$OUT/busy-ouro-1.4b-shape.log"
+step tests 120 $PY -m pytest -q -p no:cacheprovider -o addopts="" tests/test_cuda.py tests/test_pipeline.py
+step throughput 120 $PY -m loopserve.cli bench throughput --model ouro-bench --device cuda --dtype bfloat16 \
+    --workload alpaca --num-requests 128 --mean-depth 2.5 --sweep width,full-depth --widths 32,128 --width 128 \
+    --repeats 1 --no-progress --out "$OUT"
+step cuda-graphs 90 $PY -m loopserve.cli bench throughput --model ouro-bench --device cuda --dtype bfloat16 \
+    --workload alpaca --num-requests 128 --mean-depth 2.5 --sweep width --widths 32,128 --repeats 1 --cuda-graphs \
+    --no-progress --out "$OUT/cuda-graphs"
+step overlap 120 $PY -m loopserve.cli bench ablate overlap --model ouro-bench --device cuda --dtype bfloat16 \
+    --num-requests 128 --width 64 --repeats 2 --no-progress --out "$OUT"
+step step-latency-ouro-1.4b-shape 150 $PY -m loopserve.cli bench step-latency --model ouro-1.4b-shape --device cuda \
+    --dtype bfloat16 --kv-layout shared --contexts 256,1024 --batches 1,8,32,64 --reps 5 --no-progress \
+    --out "$OUT/step-latency-ouro-1.4b-shape"
+step busy-ouro-1.4b-shape 150 $PY -m loopserve.cli bench throughput --model ouro-1.4b-shape --device cuda \
+    --dtype bfloat16 --workload alpaca --num-requests 32 --mean-depth 2.5 --sweep width --widths 32 --repeats 1 \
+    --device-busy --no-progress --out "$OUT/busy-ouro-1.4b-shape"
+if [[ -n "${PACK:-}" ]]; then tar czf "$PACK" -C "$OUT" .; fi
