@@ -15,7 +15,8 @@
 # docs/benchmarks.md §6.1) the steps before --device-busy took about 5 minutes, and that last step did not end
 # in the 4 minutes left (the profiler slowed the run many times over): it now runs a smaller workload.
 # With graphs, a tick's cost was nearly fixed and CDB's extra coda and prelude ticks ate its gain (§6.1), so the
-# graphs run again with codas batched (--min-coda-batch 8: fewer, fuller coda ticks). With
+# graphs run again with codas batched (--min-coda-batch 8: fewer, fuller coda ticks), and without async codas
+# (on by default on CUDA; eager, they added ticks and cost 8-17 % in the overlap ablation). With
 # PACK=file.tgz everything under $OUT is also packed into that one file (for a copy that takes few files).
 #
 #   OUT=/some/dir scripts/gpu_check.sh
@@ -47,6 +48,9 @@ step cuda-graphs 90 $PY -m loopserve.cli bench throughput --model ouro-bench --d
 step cuda-graphs-mincoda8 90 $PY -m loopserve.cli bench throughput --model ouro-bench --device cuda --dtype bfloat16 \
     --workload alpaca --num-requests 128 --mean-depth 2.5 --sweep width --widths 32,128 --repeats 1 --cuda-graphs \
     --min-coda-batch 8 --no-progress --out "$OUT/cuda-graphs-mincoda8"
+step cuda-graphs-sync-coda 60 $PY -m loopserve.cli bench throughput --model ouro-bench --device cuda --dtype bfloat16 \
+    --workload alpaca --num-requests 128 --mean-depth 2.5 --sweep width --widths 32,128 --repeats 1 --cuda-graphs \
+    --no-async-coda --no-progress --out "$OUT/cuda-graphs-sync-coda"
 step overlap 120 $PY -m loopserve.cli bench ablate overlap --model ouro-bench --device cuda --dtype bfloat16 \
     --num-requests 128 --width 64 --repeats 2 --no-progress --out "$OUT"
 step step-latency-ouro-1.4b-shape 150 $PY -m loopserve.cli bench step-latency --model ouro-1.4b-shape --device cuda \
