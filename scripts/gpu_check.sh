@@ -16,7 +16,9 @@
 # in the 4 minutes left (the profiler slowed the run many times over): it now runs a smaller workload.
 # With graphs, a tick's cost was nearly fixed and CDB's extra coda and prelude ticks ate its gain (§6.1), so the
 # graphs run again with codas batched (--min-coda-batch 8: fewer, fuller coda ticks), and without async codas
-# (on by default on CUDA; eager, they added ticks and cost 8-17 % in the overlap ablation). With
+# (on by default on CUDA; eager, they added ticks and cost 8-17 % in the overlap ablation). Eager, Ouro-1.4B's
+# core step took 17-38x its roofline (launches from Python): the step-latency grid runs again as graph replays,
+# the device's own step time. With
 # PACK=file.tgz everything under $OUT is also packed into that one file (for a copy that takes few files).
 #
 #   OUT=/some/dir scripts/gpu_check.sh
@@ -56,6 +58,9 @@ step overlap 120 $PY -m loopserve.cli bench ablate overlap --model ouro-bench --
 step step-latency-ouro-1.4b-shape 150 $PY -m loopserve.cli bench step-latency --model ouro-1.4b-shape --device cuda \
     --dtype bfloat16 --kv-layout shared --contexts 256,1024 --batches 1,8,32,64 --reps 5 --no-progress \
     --out "$OUT/step-latency-ouro-1.4b-shape"
+step step-latency-ouro-1.4b-shape-graphs 90 $PY -m loopserve.cli bench step-latency --model ouro-1.4b-shape \
+    --device cuda --dtype bfloat16 --kv-layout shared --contexts 256,1024 --batches 1,8,32,64 --reps 5 --cuda-graphs \
+    --no-progress --out "$OUT/step-latency-ouro-1.4b-shape-graphs"
 step busy-ouro-1.4b-shape 150 $PY -m loopserve.cli bench throughput --model ouro-1.4b-shape --device cuda \
     --dtype bfloat16 --workload alpaca --num-requests 32 --mean-depth 2.5 --sweep width --widths 32 --repeats 1 \
     --device-busy --no-progress --out "$OUT/busy-ouro-1.4b-shape"

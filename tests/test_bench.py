@@ -470,6 +470,9 @@ def test_step_latency_points_and_fit(bench_cache, single_thread):
     res = step_latency(bm.model, [1, 4], [8], reps=2, progress=False)
     assert [p["batch"] for p in res["points"]] == [1, 4]
     assert res["fits"][0]["context"] == 8 and all(p["latency_s"] > 0 for p in res["points"])
+    assert res["cuda_graphs"] is False
+    with pytest.raises(ValueError, match="cuda_graphs"):  # replays need the model on a CUDA device
+        step_latency(bm.model, [1, 4], [8], reps=1, progress=False, cuda_graphs=True)
 
 
 def test_ouro_1_4b_shape_preset_has_the_released_shapes():

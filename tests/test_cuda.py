@@ -97,6 +97,27 @@ def test_cuda_graphs_match_the_reference_and_replay_without_waiting(arch, schedu
     assert {stage for stage, _, _ in captured} == ({"core", "coda"} if arch == "huginn" else {"core"})
 
 
+def test_cuda_step_latency_replays_a_captured_step(tiny_huginn):
+    """`bench step-latency --cuda-graphs`: each timed rep is a replay of the captured core step, and a replay
+    computes what the eager step computes."""
+    from loopserve.engine.graphs import capture
+    from loopserve.models.loader import load_model
+    from loopserve_lab.bench.step_latency import core_inputs, step_latency
+
+    model = load_model(tiny_huginn, dtype="float64", device="cuda").model
+    with torch.inference_mode():
+        state, inject, ctx = core_inputs(model, 3, 20)
+        eager = model.core_step(state, inject, ctx)
+        out = torch.zeros_like(eager)
+        graph = capture(lambda: out.copy_(model.core_step(state, inject, ctx)), state.device)
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    res = step_latency(model, [1, 4], [16], reps=2, progress=False, cuda_graphs=True)
+    assert res["cuda_graphs"] and all(p["latency_s"] > 0 for p in res["points"])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_cuda_finite_rows_flags_what_isfinite_flags(dtype):
     """The sampler's finiteness check (a scaled sum, one matrix-vector product) is exact on the device too."""

@@ -32,6 +32,7 @@ the tests check this path against the reference decoder; it is slower than the p
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -54,6 +55,22 @@ def bucket(n: int) -> int:
         power = 1 << (n - 1).bit_length()  # the power of two at or above n; its 3/4 may do
         rung = power * 3 // 4 if power * 3 // 4 >= n else power
     return rung
+
+
+def capture(run: Callable[[], None], device: torch.device, pool: Any = None) -> torch.cuda.CUDAGraph:
+    """`run` recorded as a CUDA graph on `device` (into memory pool `pool`, a fresh one if None): run once
+    eagerly on a side stream first (lazy initialization: cuBLAS workspaces, buffers made on first use), then
+    captured. Capture and replay use the current device: replay inside `torch.cuda.device(device)` too."""
+    with torch.cuda.device(device):
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            run()
+    return graph
 
 
 class StageGraphs:
@@ -136,18 +153,9 @@ class StageGraphs:
         if not self.capture:
             return lambda: self._run(stage, width, keys)
         device = self.state.device
-        with torch.cuda.device(device):  # (capture and replay use the current device: make it the model's)
-            # once eagerly on a side stream first (lazy initialization: cuBLAS workspaces, the logits buffer),
-            # then recorded; both runs compute the batch in the buffers now, and the replay that follows
-            # writes the same KV again
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                self._run(stage, width, keys)
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                self._run(stage, width, keys)  # (entering synchronized the device: no retired graph still runs)
+        # (both runs of `capture` compute the batch in the buffers now, and the replay that follows writes the
+        # same KV again; entering the capture synchronized the device: no retired graph still runs)
+        graph = capture(lambda: self._run(stage, width, keys), device, self._pool)
         self._retired.clear()
 
         def replay() -> None:

@@ -337,9 +337,12 @@ def cmd_step_latency(args: argparse.Namespace) -> int:
         name = data.get("model", {}).get("name", "model")
         dtype = data.get("model", {}).get("dtype", "")
     else:
+        if args.cuda_graphs and not str(args.device).startswith("cuda"):
+            raise SystemExit("error: --cuda-graphs replays CUDA graphs: it needs --device cuda")
         bm, out = _start(args, "step-latency")
         res = step_latency(bm.model, args.batches, args.contexts, args.reps, args.stat, args.kv_layout,
-                           progress=not args.no_progress, fit_max_batch=args.fit_max_batch)
+                           progress=not args.no_progress, fit_max_batch=args.fit_max_batch,
+                           cuda_graphs=args.cuda_graphs)
         data = {**_header(args, bm), **res}
         name, dtype = bm.name, bm.dtype
     print(format_step_latency(data))
@@ -666,6 +669,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--from-json", type=Path, default=None, help="refit and replot a step_latency.json")
     p.add_argument("--kv-layout", default="shared", choices=["depth_indexed", "last_exited", "shared"],
                    help="reads are one slot per layer in every layout; shared needs the least memory")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="CUDA: time replays of the step captured as a CUDA graph (no launches from Python)")
     p.set_defaults(func=cmd_step_latency)
 
     p = bsub.add_parser("compile", help="torch.compile of the stage functions vs eager: compile cost, "

@@ -19,6 +19,7 @@ import torch
 
 from loopserve.cache.layout import KVLayout
 from loopserve.cache.pool import KVStore
+from loopserve.engine.graphs import capture
 from loopserve.model_config import HUGINN
 from loopserve.models.context import build_context
 
@@ -77,15 +78,23 @@ def random_store(model: Any, rows: int, layout: str = "shared", seed: int = 0) -
 
 @torch.inference_mode()
 def measure_point(model: Any, batch: int, context: int, reps: int = 5, warmup: int = 2,
-                  layout: str = "shared", depth: int = 2, seed: int = 0) -> dict[str, Any]:
-    """Latencies (s) of `reps` core steps for `batch` rows at `context` cached tokens each."""
+                  layout: str = "shared", depth: int = 2, seed: int = 0, cuda_graph: bool = False) -> dict[str, Any]:
+    """Latencies (s) of `reps` core steps for `batch` rows at `context` cached tokens each. `cuda_graph`: the
+    step captured once as a CUDA graph and each rep a replay, so no launch from Python is timed (the rotary
+    angles and key rows, which the engine derives once per stage call, are made before the capture)."""
     p = next(model.parameters())
     state, inject, ctx = core_inputs(model, batch, context, layout, depth, seed)
+    def step() -> None:
+        model.core_step(state, inject, ctx)
+
+    if cuda_graph:
+        step()  # (the context's per-call values, made outside the graph)
+        step = capture(step, p.device).replay
     times = []
     for i in range(warmup + reps):
         _sync(p.device)
         t0 = time.perf_counter()
-        model.core_step(state, inject, ctx)
+        step()
         _sync(p.device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
@@ -94,17 +103,22 @@ def measure_point(model: Any, batch: int, context: int, reps: int = 5, warmup: i
 
 
 def step_latency(model: Any, batches: list[int], contexts: list[int], reps: int = 5, stat: str = "min",
-                 layout: str = "shared", progress: bool = True, fit_max_batch: int | None = None) -> dict[str, Any]:
-    """Measure the grid; fit per context on the points with batch <= `fit_max_batch` (all if None)."""
+                 layout: str = "shared", progress: bool = True, fit_max_batch: int | None = None,
+                 cuda_graphs: bool = False) -> dict[str, Any]:
+    """Measure the grid (`cuda_graphs`: replayed steps, see `measure_point`); fit per context on the points
+    with batch <= `fit_max_batch` (all if None)."""
+    if cuda_graphs and next(model.parameters()).device.type != "cuda":
+        raise ValueError("cuda_graphs: replays CUDA graphs, so the model must be on a CUDA device")
     from tqdm import tqdm
 
     points = []
     grid = [(c, b) for c in contexts for b in batches]
     for c, b in tqdm(grid, desc="step latency", disable=not progress):
-        pt = measure_point(model, b, c, reps, layout=layout)
+        pt = measure_point(model, b, c, reps, layout=layout, cuda_graph=cuda_graphs)
         pt["latency_s"] = pt["min_s" if stat == "min" else "median_s"]
         points.append(pt)
-    return {"stat": stat, "layout": layout, "points": points, "fits": fit_all(points, fit_max_batch)}
+    return {"stat": stat, "layout": layout, "cuda_graphs": cuda_graphs, "points": points,
+            "fits": fit_all(points, fit_max_batch)}
 
 
 def fit_all(points: list[dict[str, Any]], fit_max_batch: int | None = None) -> list[dict[str, Any]]:
