@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The engine's device check, sized for a lent GPU (aimed at 5-7 minutes of a 15-minute lease): the CUDA
+# The engine's device check, sized for a lent GPU (at most BUDGET seconds, 9 minutes by default, of a 15-minute lease): the CUDA
 # tests (exactness against the reference decoder on the device, core steps replayed from CUDA graphs
 # included, and no host-device sync while planning or queueing a pipelined core step), then a short CB vs
 # CDB throughput comparison, the same widths with `--cuda-graphs` (against the eager run before it), and the
@@ -18,7 +18,8 @@
 # graphs run again with codas batched (--min-coda-batch 8: fewer, fuller coda ticks), and without async codas
 # (on by default on CUDA; eager, they added ticks and cost 8-17 % in the overlap ablation). Eager, Ouro-1.4B's
 # core step took 17-38x its roofline (launches from Python): the step-latency grid runs again as graph replays,
-# the device's own step time. With
+# the device's own step time. Huginn-like with graphs at --min-prelude-batch 1 and 8: fuller prelude batches
+# were no win on the CPU (§8.25), but its eager prelude calls are launch-bound on a GPU. With
 # PACK=file.tgz everything under $OUT is also packed into that one file (for a copy that takes few files).
 #
 #   OUT=/some/dir scripts/gpu_check.sh
@@ -61,6 +62,12 @@ step step-latency-ouro-1.4b-shape 150 $PY -m loopserve.cli bench step-latency --
 step step-latency-ouro-1.4b-shape-graphs 90 $PY -m loopserve.cli bench step-latency --model ouro-1.4b-shape \
     --device cuda --dtype bfloat16 --kv-layout shared --contexts 256,1024 --batches 1,8,32,64 --reps 5 --cuda-graphs \
     --no-progress --out "$OUT/step-latency-ouro-1.4b-shape-graphs"
+for floor in 1 8; do
+    step huginn-graphs-minprelude$floor 60 $PY -m loopserve.cli bench throughput --model huginn-bench --device cuda \
+        --dtype bfloat16 --workload alpaca --scale 0.5 --num-requests 64 --mean-depth 10 --kv-layout shared \
+        --sweep width --widths 32 --repeats 1 --cuda-graphs --min-prelude-batch $floor --no-progress \
+        --out "$OUT/huginn-graphs-minprelude$floor"
+done
 step busy-ouro-1.4b-shape 150 $PY -m loopserve.cli bench throughput --model ouro-1.4b-shape --device cuda \
     --dtype bfloat16 --workload alpaca --num-requests 32 --mean-depth 2.5 --sweep width --widths 32 --repeats 1 \
     --device-busy --no-progress --out "$OUT/busy-ouro-1.4b-shape"

@@ -41,10 +41,11 @@ def test_every_engine_knob_is_a_flag_with_the_config_default(command):
 
 def test_flags_reach_the_config():
     args = build_parser().parse_args(["generate", "--kv-layout", "shared", "--no-pipeline-core-steps", "--async-coda",
-                                      "--min-coda-batch", "3", "--lookahead", "--kv-cache-memory-gb", "0.25"])
+                                      "--min-coda-batch", "3", "--min-prelude-batch", "2", "--lookahead",
+                                      "--kv-cache-memory-gb", "0.25"])
     cfg = EngineConfig(**engine_kwargs(args))
-    assert (cfg.kv_layout, cfg.pipeline_core_steps, cfg.async_coda, cfg.min_coda_batch, cfg.lookahead,
-            cfg.kv_cache_memory_gb) == ("shared", False, True, 3, True, 0.25)
+    assert (cfg.kv_layout, cfg.pipeline_core_steps, cfg.async_coda, cfg.min_coda_batch, cfg.min_prelude_batch,
+            cfg.lookahead, cfg.kv_cache_memory_gb) == ("shared", False, True, 3, 2, True, 0.25)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--kv-layout", "paged"])
 
@@ -92,3 +93,10 @@ def test_serve_takes_vllm_flag_names():
     assert (args.root_path, args.dtype, args.device) == ("/p", "auto", "auto")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--allowed-origins", '["unclosed"'])
+
+
+@pytest.mark.parametrize("name", ["max_decode_batch", "min_coda_batch", "min_prelude_batch"])
+def test_batch_knobs_below_one_are_refused(name):
+    with pytest.raises(ValueError, match=f"^{name}: must be an integer >= 1"):
+        EngineConfig(**{name: 0})
+

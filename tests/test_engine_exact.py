@@ -197,6 +197,39 @@ def test_cdb_chunked_prefill_and_min_coda_batch(min_coda_batch, lookahead, tiny_
     assert max(engine.stats.batch_hist["coda"]) > 1
 
 
+def test_cdb_min_prelude_batch(tiny_huginn):
+    """A prelude batch of its own (fresh tokens the core batch had no room for when their coda ran; room
+    appears as tokens exit, before their coda runs) waits for `min_prelude_batch` tokens while the core batch
+    has work: with 1 such batches run a token or two at a time, with 3 never under 3 (fewer prelude batches
+    in all); outputs stay the reference's either way."""
+    reqs = [Req(f"p{i}", [(11 * i + 5 * j) % 300 + 3 for j in range(2 + i % 3)],
+                SamplingParams(temperature=0.6 * (i % 2), max_tokens=5 + i % 4, ignore_eos=True,
+                               exit_policy="latent_diff", exit_threshold=0.8), seed=i)
+            for i in range(10)]
+    own, preludes = {}, {}
+    for floor in (1, 3):
+        engine = make_engine(tiny_huginn, scheduler="cdb", max_decode_batch=6, min_coda_batch=3,
+                             min_prelude_batch=floor)
+        for r in reqs:
+            engine.add_request(r.rid, r.prompt, r.params, seed=r.seed)
+        batches: list = []
+        engine.stage_hooks.append(batches.append)
+        own[floor], outs = [], {}  # own: rows of each prelude batch that opened a step beside a working core batch
+        while engine.has_unfinished_requests():
+            core, batches[:] = len(engine.scheduler.core_rows), []
+            for o in engine.step():
+                if o.finished:
+                    outs[o.request_id] = o
+            if core and batches and batches[0].stage.value == "prelude":
+                own[floor].append(batches[0].rows)
+        preludes[floor] = engine.stats.ticks["prelude"]
+        for r in reqs:
+            assert_matches(outs[r.rid], reference(engine, r))
+    assert own[1] and min(own[1]) < 3  # the workload makes small preludes of their own
+    assert all(rows >= 3 for rows in own[3]), own[3]
+    assert preludes[3] < preludes[1]
+
+
 # -- CB vs CDB ------------------------------------------------------------------------------------------------
 FULL_DEPTH = [pytest.param({"exit_policy": "fixed"}, id="fixed"),
               pytest.param({"exit_policy": "gate", "exit_threshold": 1.0}, id="gate-1.0")]

@@ -33,6 +33,12 @@ class EngineConfig:
     # the model has coda blocks (Huginn: small coda batches re-read big boundary weights per token).
     min_coda_batch: int | None = _knob(None, "exited tokens a coda batch waits for; unset: 1 for fully looped "
                                        "models, max-decode-batch/4 with coda blocks (Huginn)")
+    # A prelude batch of its own (fresh tokens the core batch had no room for when their coda or prefill ran)
+    # waits for this many tokens while the core batch still has work. Fewer, fuller prelude batches re-read
+    # boundary weights less often (Huginn's prelude blocks) but refill the core batch later; on this project's
+    # CPU neither side won (docs/benchmarks.md §8.25), so the default keeps every prelude as soon as it fits.
+    min_prelude_batch: int = _knob(1, "fresh tokens a prelude batch of its own waits for while the core batch "
+                                   "has work")
     kv_safety_margin: float = _knob(0.1, "fraction of KV blocks prefill admission keeps free")
     enable_prefix_caching: bool = _knob(True, "reuse the KV of full prompt blocks an earlier prompt with the same "
                                         "prefix computed (token ids as without it in float64; in float32 logits "
@@ -68,7 +74,7 @@ class EngineConfig:
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler: expected one of {', '.join(SCHEDULERS)}, got {self.scheduler!r}")
         for name in ("block_size", "max_num_seqs", "max_decode_batch", "max_num_batched_tokens",
-                     "prefill_chunk_size", "min_coda_batch"):
+                     "prefill_chunk_size", "min_coda_batch", "min_prelude_batch"):
             v = getattr(self, name)
             if v is None and name == "min_coda_batch":
                 continue

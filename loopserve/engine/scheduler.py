@@ -11,8 +11,10 @@ they differ only in `_plan` (the choice `schedule` returns):
   joins only between cohorts.
 - `CDBScheduler` (`cdb`, continuous depth batching with refill): four queues. Each tick, by
   priority: coda (>= min_coda_batch waiting), prefill (if KV admission keeps the safety margin),
-  prelude (while the core batch has free width), core, then an undersized coda flush. Exited tokens
-  leave the core batch at once and fresh tokens take their rows.
+  prelude (while the core batch has free width; a prelude batch of its own waits for min_prelude_batch
+  tokens unless the core batch is empty), core, then an undersized coda flush. Exited tokens leave the
+  core batch at once and fresh tokens take their rows (their preludes run in the tick of their coda or
+  prefill, as far as the core batch has room).
 
 KV admission: a new prompt is admitted only when the pool can hold all of it on top of what the
 admitted, partly prefilled prompts still need (so half-prefilled prompts cannot hold the pool
@@ -936,11 +938,13 @@ class CDBScheduler(Scheduler):
         chunks = self._take_prefill() if self.waiting else []
         if chunks:
             return StagePlan(Stage.PREFILL, chunks=chunks)
-        if self.prelude_q and len(self.core_rows) < width:
-            plan = self._draft_plan(width - len(self.core_rows))
+        room = width - len(self.core_rows)
+        if self.prelude_q and room > 0 and (not len(self.core_rows)
+                                            or min(len(self.prelude_q), room) >= self.cfg.min_prelude_batch):
+            plan = self._draft_plan(room)
             if plan is not None:
                 return plan
-            prelude = self._prelude_plan(width - len(self.core_rows))
+            prelude = self._prelude_plan(room)
             if prelude is not None:
                 return prelude
         if len(self.core_rows):

@@ -217,7 +217,8 @@ def launch_server(model_path: Path, scheduler: str, engine_cfg: dict[str, Any], 
     flag = {"max_decode_batch": "--max-decode-batch", "max_num_seqs": "--max-num-seqs",
             "block_size": "--block-size", "kv_cache_tokens": "--kv-cache-tokens",
             "max_num_batched_tokens": "--max-num-batched-tokens", "prefill_chunk_size": "--prefill-chunk-size",
-            "min_coda_batch": "--min-coda-batch", "kv_layout": "--kv-layout"}
+            "min_coda_batch": "--min-coda-batch", "min_prelude_batch": "--min-prelude-batch",
+            "kv_layout": "--kv-layout"}
     for k, v in engine_cfg.items():
         if k in flag and v is not None:
             cmd += [flag[k], str(v)]
