@@ -1,26 +1,27 @@
 #!/usr/bin/env bash
-# The engine's device check, sized for a lent GPU (at most BUDGET seconds, 9 minutes by default, of a 15-minute lease): the CUDA
-# tests (exactness against the reference decoder on the device, core steps replayed from CUDA graphs
-# included, and no host-device sync while planning or queueing a pipelined core step), then a short CB vs
-# CDB throughput comparison, the same widths with `--cuda-graphs` (against the eager run before it), and the
-# overlap ablation (one schedule, exit signals read at once vs pipelined), then the core step's device
-# time at Ouro-1.4B's real shapes (random weights, `ouro-1.4b-shape`: about a minute to write its 5.4 GB
-# checkpoint; each point fills a random KV store of batch x context rows on the host, so the grid stays
-# small), to set against the roofline that `bench host`'s device-idle projection assumes; last, the
-# device's busy share of the wall time in a CB vs CDB run at those shapes (`--device-busy`: profiler
-# kernel records), the measured counterpart of that projection.
-# Uses the machine's own python3 and torch (no venv needed); results and logs go to $OUT.
-# Each step runs under its own time limit and is skipped once the whole script has used BUDGET seconds (default
-# 540), so one slow step cannot take a lease's later steps with it. On the first lent GPU (an H200, 2026-12-04;
-# docs/benchmarks.md §6.1) the steps before --device-busy took about 5 minutes, and that last step did not end
-# in the 4 minutes left (the profiler slowed the run many times over): it now runs a smaller workload.
-# With graphs, a tick's cost was nearly fixed and CDB's extra coda and prelude ticks ate its gain (§6.1), so the
-# graphs run again with codas batched (--min-coda-batch 8: fewer, fuller coda ticks), and without async codas
-# (on by default on CUDA; eager, they added ticks and cost 8-17 % in the overlap ablation). Eager, Ouro-1.4B's
-# core step took 17-38x its roofline (launches from Python): the step-latency grid runs again as graph replays,
-# the device's own step time. Huginn-like with graphs at --min-prelude-batch 1 and 8: fuller prelude batches
-# were no win on the CPU (§8.25), but its eager prelude calls are launch-bound on a GPU. With
-# PACK=file.tgz everything under $OUT is also packed into that one file (for a copy that takes few files).
+# The engine's device check, sized for a lent GPU: at most BUDGET seconds (540 by default) of a 15-minute lease.
+# Steps, most telling first:
+# - the CUDA tests: exactness against the reference decoder on the device (core steps replayed from CUDA graphs
+#   included) and no host-device sync while planning or queueing;
+# - CB vs CDB throughput on ouro-bench, eager, then with `--cuda-graphs`. With graphs a tick's cost was nearly
+#   fixed, and CDB's extra coda and prelude ticks ate its gain (docs/benchmarks.md §6.1). So the graphs also run
+#   with codas batched (`--min-coda-batch 8`) and without async codas (on by default on CUDA; eager, they added
+#   ticks and cost 8-17 %);
+# - the core step's time at Ouro-1.4B's real shapes (random weights, `ouro-1.4b-shape`: about a minute to write
+#   its 5.4 GB checkpoint; each point fills a random KV store of batch x context rows on the host, so the grid
+#   stays small), eager and as graph replays. Eager, it took 17-38x the roofline that `bench host`'s device-idle
+#   projection assumes;
+# - Huginn-like with graphs at `--min-prelude-batch` 1 and 8: fuller prelude batches were no win on the CPU
+#   (§8.25), but its eager prelude calls are launch-bound on a GPU;
+# - the overlap ablation (one schedule, exit signals read at once vs pipelined);
+# - last, the device's busy share of the wall time in CB and CDB runs at Ouro-1.4B's shapes (`--device-busy`:
+#   profiler kernel records), the measured counterpart of that projection.
+# Each step runs under its own time limit and is skipped once the script has used BUDGET seconds, so one slow
+# step cannot take the later ones with it. On the first lent GPU (an H200, 2026-12-04) the busy step did not end
+# in the 4 minutes left (the profiler slowed the run many times over); it now runs a smaller workload.
+# Uses the machine's own python3 and torch (no venv needed); results and logs go to $OUT (relative paths are
+# the repository root's). With PACK=file.tgz (outside $OUT) everything under $OUT is also packed into that one
+# file, for a copy that takes few files.
 #
 #   OUT=/some/dir scripts/gpu_check.sh
 set -uo pipefail
@@ -29,13 +30,16 @@ PY=${PY:-python3}
 OUT=${OUT:-docs/bench-gpu/check}
 BUDGET=${BUDGET:-540}
 mkdir -p "$OUT"
+: > "$OUT/steps.txt"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 step() {  # step NAME LIMIT_S COMMAND...: output to $OUT/NAME.log; skipped once the budget is spent
     local name=$1 limit=$2; shift 2
     local left=$((BUDGET - SECONDS))
-    if ((left < 30)); then echo "skipped $name: ${SECONDS}s of ${BUDGET}s used" | tee "$OUT/$name.log"; return; fi
+    if ((left < 30)); then
+        echo "skipped $name: ${SECONDS}s of ${BUDGET}s used" | tee "$OUT/$name.log" >> "$OUT/steps.txt"; return
+    fi
     ((limit > left)) && limit=$left
-    timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+    timeout -k 10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
     echo "$name: rc ${PIPESTATUS[0]} after ${SECONDS}s (limit ${limit}s)" | tee -a "$OUT/steps.txt"
 }
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -54,8 +58,6 @@ step cuda-graphs-mincoda8 90 $PY -m loopserve.cli bench throughput --model ouro-
 step cuda-graphs-sync-coda 60 $PY -m loopserve.cli bench throughput --model ouro-bench --device cuda --dtype bfloat16 \
     --workload alpaca --num-requests 128 --mean-depth 2.5 --sweep width --widths 32,128 --repeats 1 --cuda-graphs \
     --no-async-coda --no-progress --out "$OUT/cuda-graphs-sync-coda"
-step overlap 120 $PY -m loopserve.cli bench ablate overlap --model ouro-bench --device cuda --dtype bfloat16 \
-    --num-requests 128 --width 64 --repeats 2 --no-progress --out "$OUT"
 step step-latency-ouro-1.4b-shape 150 $PY -m loopserve.cli bench step-latency --model ouro-1.4b-shape --device cuda \
     --dtype bfloat16 --kv-layout shared --contexts 256,1024 --batches 1,8,32,64 --reps 5 --no-progress \
     --out "$OUT/step-latency-ouro-1.4b-shape"
@@ -68,6 +70,8 @@ for floor in 1 8; do
         --sweep width --widths 32 --repeats 1 --cuda-graphs --min-prelude-batch $floor --no-progress \
         --out "$OUT/huginn-graphs-minprelude$floor"
 done
+step overlap 120 $PY -m loopserve.cli bench ablate overlap --model ouro-bench --device cuda --dtype bfloat16 \
+    --num-requests 128 --width 64 --repeats 2 --no-progress --out "$OUT"
 step busy-ouro-1.4b-shape 150 $PY -m loopserve.cli bench throughput --model ouro-1.4b-shape --device cuda \
     --dtype bfloat16 --workload alpaca --num-requests 32 --mean-depth 2.5 --sweep width --widths 32 --repeats 1 \
     --device-busy --no-progress --out "$OUT/busy-ouro-1.4b-shape"

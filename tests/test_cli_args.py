@@ -100,3 +100,9 @@ def test_batch_knobs_below_one_are_refused(name):
     with pytest.raises(ValueError, match=f"^{name}: must be an integer >= 1"):
         EngineConfig(**{name: 0})
 
+
+
+def test_min_prelude_batch_above_the_decode_width_is_refused():
+    """A core batch with work never has that much room: such a floor would silently turn refill off."""
+    with pytest.raises(ValueError, match=r"^min_prelude_batch: must be <= max_decode_batch \(4\)"):
+        EngineConfig(max_decode_batch=4, min_prelude_batch=5)

@@ -150,6 +150,8 @@ def test_kv_depths_land_where_a_tensor_write_puts_them(host_path, as_tensors):
     want[torch.from_numpy(rows)] = torch.from_numpy(depths).long()
     ours.set_depth(torch.tensor([5, 2]) if as_tensors else np.array([5, 2]), IN_FLIGHT)
     want[torch.tensor([5, 2])] = IN_FLIGHT
+    ours.set_depth(torch.tensor([1, 3], dtype=torch.int32), np.int64(6))  # int32 rows, a numpy int
+    want[torch.tensor([1, 3])] = 6
     assert torch.equal(ours.depth, want)
     assert ours.depth[[7, 2, 9, 0, 5]].tolist() == [3, IN_FLIGHT, 4, 2, IN_FLIGHT]
 

@@ -133,19 +133,22 @@ class KVStore:
         return out.view(*weights.shape[:-1], d)
 
     def set_depth(self, rows: torch.Tensor | np.ndarray, depth: torch.Tensor | np.ndarray | int) -> None:
-        """The KV depth of token rows `rows`: tensors on the store's device or host arrays (any int dtype).
+        """The KV depth of token rows `rows`: tensors or host arrays (any int dtype), `depth` an int or one per row.
         On the CPU both are written in place through numpy; elsewhere host arrays are uploaded."""
         if self._depth_host is not None:
             self._depth_host[_as_host(rows)] = _as_host(depth)
             return
+        # elsewhere by index_fill_ (an int: the value goes as a kernel argument, where `depth[rows] = int` copies it
+        # up from pageable memory, which waits) or index_copy_; both take int64 indices on the store's device
         if isinstance(rows, np.ndarray):
             rows = upload(torch.from_numpy(rows.astype(np.int64, copy=False)), self.depth.device)
-        if isinstance(depth, int | np.integer):  # (index_fill_ takes the value as a kernel argument: `depth[rows] =
-            self.depth.index_fill_(0, rows, int(depth))  # int` copies it up from pageable memory, which waits)
+        rows = rows.to(self.depth.device, torch.long)  # (a no-op for the engine's rows)
+        if isinstance(depth, int | np.integer):
+            self.depth.index_fill_(0, rows, int(depth))
             return
-        if isinstance(depth, np.ndarray):  # (int64, as the tensor: index_copy_ refuses another dtype)
+        if isinstance(depth, np.ndarray):
             depth = upload(torch.from_numpy(depth.astype(np.int64, copy=False)), self.depth.device)
-        self.depth.index_copy_(0, rows, depth.expand(rows.shape))
+        self.depth.index_copy_(0, rows, depth.to(self.depth.device, torch.long).expand(rows.shape))
 
     def copy_rows(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy whole token rows (all slots, and their KV depth)."""

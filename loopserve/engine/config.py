@@ -37,8 +37,8 @@ class EngineConfig:
     # waits for this many tokens while the core batch still has work. Fewer, fuller prelude batches re-read
     # boundary weights less often (Huginn's prelude blocks) but refill the core batch later; on this project's
     # CPU neither side won (docs/benchmarks.md §8.25), so the default keeps every prelude as soon as it fits.
-    min_prelude_batch: int = _knob(1, "fresh tokens a prelude batch of its own waits for while the core batch "
-                                   "has work")
+    min_prelude_batch: int = _knob(1, "cdb: fresh tokens a prelude batch of its own waits for while the core "
+                                   "batch has work (at most max-decode-batch)")
     kv_safety_margin: float = _knob(0.1, "fraction of KV blocks prefill admission keeps free")
     enable_prefix_caching: bool = _knob(True, "reuse the KV of full prompt blocks an earlier prompt with the same "
                                         "prefix computed (token ids as without it in float64; in float32 logits "
@@ -80,6 +80,9 @@ class EngineConfig:
                 continue
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}: must be an integer >= 1, got {v!r}")
+        if self.min_prelude_batch > self.max_decode_batch:  # (a core batch with work never leaves that much room)
+            raise ValueError(f"min_prelude_batch: must be <= max_decode_batch ({self.max_decode_batch}), "
+                             f"got {self.min_prelude_batch}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
             raise ValueError(f"kv_cache_tokens: must be >= block_size ({self.block_size})")
         if not 0 <= self.kv_safety_margin < 1:

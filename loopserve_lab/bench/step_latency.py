@@ -41,7 +41,7 @@ def fit_linear(batches: list[float], latencies: list[float]) -> dict[str, float]
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
 
 
 def core_inputs(model: Any, batch: int, context: int, layout: str = "shared", depth: int = 2,
@@ -89,7 +89,11 @@ def measure_point(model: Any, batch: int, context: int, reps: int = 5, warmup: i
 
     if cuda_graph:
         step()  # (the context's per-call values, made outside the graph)
-        step = capture(step, p.device).replay
+        graph = capture(step, p.device)
+
+        def step() -> None:
+            with torch.cuda.device(p.device):
+                graph.replay()
     times = []
     for i in range(warmup + reps):
         _sync(p.device)
