@@ -14,8 +14,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from loopserve import SamplingParams
+from loopserve.cache.block_table import BlockTables
 from loopserve.engine.graphs import bucket
-from tests.engine_helpers import assert_matches, drive, make_engine, reference
+from tests.engine_helpers import Req, assert_matches, drive, make_engine, reference
 from tests.test_engine_exact import matrix_workload
 
 BASE = dict(block_size=4, max_decode_batch=5, prefill_chunk_size=8, max_num_batched_tokens=8, min_coda_batch=2,
@@ -77,6 +78,34 @@ def test_block_table_never_moves_and_graphs_are_retired_if_it_does(tiny_ouro, ca
     while engine.has_unfinished_requests():
         engine.step()
     assert tables.table is not table and graphs.prepared == 3  # then only keys 65-90 (96): one bucket more
+
+
+class DetachedTables(BlockTables):
+    """A CPU block table kept apart from its host array, as a device's is: host changes reach it by `sync`."""
+
+    def _alloc(self, num_slots, max_blocks, keep=None):
+        super()._alloc(num_slots, max_blocks, keep)
+        self.shares_host, self.table = False, self.table.clone()
+
+
+@pytest.mark.parametrize("scheduler", ["cb", "cdb"])
+def test_replayed_steps_read_the_blocks_allocated_since_the_last_step(scheduler, tiny_ouro):
+    """A replayed decode step builds no attention context, which is what brings an eager step's device table up
+    to date, and an Ouro decode tick builds none elsewhere either (its prelude and coda attend to nothing): the
+    graphs sync the table themselves. (The first GPU run caught them reading stale entries once a sequence
+    crossed into a new block; here the CPU table is detached from its host array, as a device's is.)"""
+    engine = make_engine(tiny_ouro, scheduler=scheduler, block_size=4, kv_cache_tokens=400, max_num_seqs=5,
+                         max_decode_batch=5, cuda_graphs=True, enable_prefix_caching=False)
+    tables = engine.kv.block_tables
+    tables.__class__ = DetachedTables  # (before any request: the engine's one table, made a device-like copy)
+    tables._alloc(*tables.host.shape, keep=tables.host)
+    reqs = [Req(f"t{i}", [(9 * i + j) % 300 + 3 for j in range(3 + 2 * i)],
+                SamplingParams(temperature=0.7 * (i % 2), max_tokens=9, ignore_eos=True, exit_threshold=0.6), seed=i)
+            for i in range(5)]
+    outs = drive(engine, reqs)
+    for r in reqs:
+        assert_matches(outs[r.rid], reference(engine, r))
+    assert engine.runner.graphs is not None and engine.runner.graphs.buckets
 
 
 def test_graph_buffers_made_in_inference_mode_serve_steps_outside_it(tiny_huginn):

@@ -29,10 +29,8 @@ class BlockTables:
         if keep is not None:
             host[: keep.shape[0], : keep.shape[1]] = keep
         self.host = host
-        if self.device.type == "cpu":
-            self.table = torch.from_numpy(host)  # shared memory: nothing to sync
-        else:
-            self.table = upload(torch.from_numpy(host), self.device)
+        self.shares_host = self.device.type == "cpu"  # the table is the host array itself: nothing to sync
+        self.table = torch.from_numpy(host) if self.shares_host else upload(torch.from_numpy(host), self.device)
         self._dirty: list[tuple[int, int, int]] = []  # (slot, first column, end column) changed on the host
 
     @staticmethod
@@ -55,7 +53,7 @@ class BlockTables:
         if slot >= self.num_slots or end > self.host.shape[1]:
             self._grow(max(slot + 1, self.num_slots), max(end, self.host.shape[1]))
         self.host[slot, first:end] = blocks
-        if self.device.type != "cpu" and blocks:
+        if not self.shares_host and blocks:
             self._dirty.append((slot, first, end))
 
     def set_entries(self, slots: np.ndarray, columns: np.ndarray, blocks: np.ndarray) -> None:
@@ -66,7 +64,7 @@ class BlockTables:
         if top_slot >= self.num_slots or top_column >= self.host.shape[1]:
             self._grow(max(top_slot + 1, self.num_slots), max(top_column + 1, self.host.shape[1]))
         self.host[slots, columns] = blocks
-        if self.device.type != "cpu":
+        if not self.shares_host:
             self._dirty += [(s, c, c + 1) for s, c in zip(slots.tolist(), columns.tolist(), strict=True)]
 
     def _grow(self, slots: int, blocks: int) -> None:
