@@ -71,9 +71,9 @@ def workloads(draw, arch: str, r_max: int):
     chunk = draw(st.sampled_from([3, 5, 8]))
     cfg = dict(scheduler=draw(st.sampled_from(SCHEDULERS)), kv_layout=draw(st.sampled_from(LAYOUTS)),
                block_size=block, kv_cache_tokens=block * draw(st.integers(12 // block, 28 // block)),
-               max_num_seqs=draw(st.integers(2, 5)), max_decode_batch=draw(st.integers(1, 4)),
+               max_num_seqs=draw(st.integers(2, 5)), max_decode_batch=(width := draw(st.integers(1, 4))),
                prefill_chunk_size=chunk, max_num_batched_tokens=chunk * draw(st.integers(1, 2)),
-               min_coda_batch=draw(st.integers(1, 3)), min_prelude_batch=draw(st.integers(1, 3)),
+               min_coda_batch=draw(st.integers(1, 3)), min_prelude_batch=draw(st.integers(1, min(3, width))),
                lookahead=draw(st.booleans()), async_coda=draw(st.booleans()),
                kv_safety_margin=draw(st.sampled_from([0.0, 0.1, 0.3])))
     reqs = []
