@@ -42,11 +42,16 @@ def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, c
         kw: dict[str, Any] = {"default": default, "help": f"{text} ({note})".strip()}
         if "choices" in f.metadata:
             kw["choices"] = f.metadata["choices"]
-        flag = "--" + f.name.replace("_", "-")
+        flag = flag_of(f.name)
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
         else:
             parser.add_argument(flag, type=kind, **kw)
+
+
+def flag_of(name: str) -> str:
+    """The command-line flag of config field `name`."""
+    return "--" + name.replace("_", "-")
 
 
 def config_kwargs(args: argparse.Namespace, cls: type, drop_none: bool = False) -> dict[str, Any]:

@@ -106,3 +106,14 @@ def test_min_prelude_batch_above_the_decode_width_is_refused():
     """A core batch with work never has that much room: such a floor would silently turn refill off."""
     with pytest.raises(ValueError, match=r"^min_prelude_batch: must be <= max_decode_batch \(4\)"):
         EngineConfig(max_decode_batch=4, min_prelude_batch=5)
+
+
+def test_bench_server_knobs_are_serve_flags():
+    """The knobs the serving benchmark passes to its server reach `serve`'s config under their own flags."""
+    from loopserve.config_args import flag_of
+    from loopserve_lab.bench.serve import SERVER_KNOBS
+
+    given = {k: "shared" if k == "kv_layout" else "3" for k in SERVER_KNOBS}
+    args = build_parser().parse_args(["serve", "--model", "m", *[x for k, v in given.items() for x in (flag_of(k), v)]])
+    cfg = engine_kwargs(args)
+    assert {k: str(cfg[k]) for k in SERVER_KNOBS} == given

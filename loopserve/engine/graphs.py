@@ -57,10 +57,11 @@ def bucket(n: int) -> int:
     return rung
 
 
-def capture(run: Callable[[], None], device: torch.device, pool: Any = None) -> torch.cuda.CUDAGraph:
+def capture(run: Callable[[], None], device: torch.device, pool: Any = None) -> Callable[[], None]:
     """`run` recorded as a CUDA graph on `device` (into memory pool `pool`, a fresh one if None): run once
     eagerly on a side stream first (lazy initialization: cuBLAS workspaces, buffers made on first use), then
-    captured. Capture and replay use the current device: replay inside `torch.cuda.device(device)` too."""
+    captured. Returns the graph's replay (which holds the graph). Capture and replay use the current device:
+    both make it `device`."""
     with torch.cuda.device(device):
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
@@ -70,7 +71,11 @@ def capture(run: Callable[[], None], device: torch.device, pool: Any = None) -> 
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             run()
-    return graph
+
+    def replay() -> None:
+        with torch.cuda.device(device):
+            graph.replay()
+    return replay
 
 
 class StageGraphs:
@@ -152,15 +157,10 @@ class StageGraphs:
         self.prepared += 1
         if not self.capture:
             return lambda: self._run(stage, width, keys)
-        device = self.state.device
         # (both runs of `capture` compute the batch in the buffers now, and the replay that follows writes the
         # same KV again; entering the capture synchronized the device: no retired graph still runs)
-        graph = capture(lambda: self._run(stage, width, keys), device, self._pool)
+        replay = capture(lambda: self._run(stage, width, keys), self.state.device, self._pool)
         self._retired.clear()
-
-        def replay() -> None:
-            with torch.cuda.device(device):
-                graph.replay()
         return replay
 
     def _run(self, stage: str, width: int, keys: int) -> None:

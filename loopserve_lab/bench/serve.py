@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from loopserve.config_args import flag_of
 from loopserve_lab.bench.harness import BenchModel, engine_kwargs_for
 from loopserve_lab.bench.metrics import RequestRecord, poisson_arrivals, serving_metrics
 from loopserve_lab.bench.workloads import Workload
@@ -204,6 +205,11 @@ def wait_healthy(base_url: str, timeout: float = 180.0, proc: subprocess.Popen |
     raise TimeoutError(f"{base_url} not healthy after {timeout:.0f}s")
 
 
+# The engine knobs `launch_server` passes on to the server (as their flags; `lookahead` as a switch)
+SERVER_KNOBS = ("max_decode_batch", "max_num_seqs", "block_size", "kv_cache_tokens", "max_num_batched_tokens",
+                "prefill_chunk_size", "min_coda_batch", "min_prelude_batch", "kv_layout")
+
+
 @contextlib.contextmanager
 def launch_server(model_path: Path, scheduler: str, engine_cfg: dict[str, Any], dtype: str, device: str,
                   threads: int | None = None, port: int | None = None, log: Path | None = None,
@@ -214,14 +220,9 @@ def launch_server(model_path: Path, scheduler: str, engine_cfg: dict[str, Any], 
            "--port", str(port), "--dtype", dtype, "--device", device, "--scheduler", scheduler,
            "--seed", str(seed), "--no-access-log", "--log-level", "warning",
            "--max-queued-requests", "100000"]
-    flag = {"max_decode_batch": "--max-decode-batch", "max_num_seqs": "--max-num-seqs",
-            "block_size": "--block-size", "kv_cache_tokens": "--kv-cache-tokens",
-            "max_num_batched_tokens": "--max-num-batched-tokens", "prefill_chunk_size": "--prefill-chunk-size",
-            "min_coda_batch": "--min-coda-batch", "min_prelude_batch": "--min-prelude-batch",
-            "kv_layout": "--kv-layout"}
     for k, v in engine_cfg.items():
-        if k in flag and v is not None:
-            cmd += [flag[k], str(v)]
+        if k in SERVER_KNOBS and v is not None:
+            cmd += [flag_of(k), str(v)]
     if engine_cfg.get("lookahead"):
         cmd.append("--lookahead")
     env = dict(os.environ)

@@ -84,16 +84,14 @@ def measure_point(model: Any, batch: int, context: int, reps: int = 5, warmup: i
     angles and key rows, which the engine derives once per stage call, are made before the capture)."""
     p = next(model.parameters())
     state, inject, ctx = core_inputs(model, batch, context, layout, depth, seed)
-    def step() -> None:
+
+    def eager() -> None:
         model.core_step(state, inject, ctx)
 
+    step = eager
     if cuda_graph:
-        step()  # (the context's per-call values, made outside the graph)
-        graph = capture(step, p.device)
-
-        def step() -> None:
-            with torch.cuda.device(p.device):
-                graph.replay()
+        eager()  # (the context's per-call values, made outside the graph)
+        step = capture(eager, p.device)
     times = []
     for i in range(warmup + reps):
         _sync(p.device)
