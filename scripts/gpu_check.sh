@@ -3,13 +3,14 @@
 # Steps, most telling first:
 # - the CUDA tests: exactness against the reference decoder on the device (core steps replayed from CUDA graphs
 #   included) and no host-device sync while planning or queueing;
-# - CB vs CDB throughput on ouro-bench, eager, then with `--cuda-graphs`. With graphs a tick's cost was nearly
-#   fixed, and CDB's extra coda and prelude ticks ate its gain (docs/benchmarks.md §6.1). So the graphs also run
-#   with codas batched (`--min-coda-batch 8`) and without async codas (on by default on CUDA; eager, they added
-#   ticks and cost 8-17 %);
-# - the core step's time at Ouro-1.4B's real shapes (random weights, `ouro-1.4b-shape`: about a minute to write
-#   its 5.4 GB checkpoint; each point fills a random KV store of batch x context rows on the host, so the grid
-#   stays small), eager and as graph replays. Eager, it took 17-38x the roofline that `bench host`'s device-idle
+# - CB vs CDB throughput on ouro-bench, eager (`--no-cuda-graphs`), then with graphs (the default on CUDA). With
+#   graphs a tick's cost was nearly fixed, and CDB's extra coda and prelude ticks ate its gain (docs/benchmarks.md
+#   §6.1). Does the gain come back at a real model's size, where a core step has work to do? CB vs CDB with graphs
+#   at Ouro-1.4B's shapes (random weights, `ouro-1.4b-shape`: about a minute to write its 5.4 GB checkpoint, which
+#   the later 1.4B steps reuse). Then ouro-bench's graphs with codas batched (`--min-coda-batch 8`) and without
+#   async codas (on by default on CUDA; eager, they added ticks and cost 8-17 %);
+# - the core step's time at Ouro-1.4B's real shapes (each point fills a random KV store of batch x context rows on
+#   the host, so the grid stays small), eager and as graph replays. Eager, it took 17-38x the roofline that `bench host`'s device-idle
 #   projection assumes;
 # - Huginn-like with graphs at `--min-prelude-batch` 1 and 8: fuller prelude batches were no win on the CPU
 #   (§8.25), but its eager prelude calls are launch-bound on a GPU;
@@ -48,10 +49,13 @@ step() {  # step NAME LIMIT_S COMMAND...: output to $OUT/NAME.log; skipped once 
 step tests 120 $PY -m pytest -q -p no:cacheprovider -o addopts="" tests/test_cuda.py tests/test_pipeline.py
 step throughput 120 $PY -m loopserve.cli bench throughput --model ouro-bench --device cuda --dtype bfloat16 \
     --workload alpaca --num-requests 128 --mean-depth 2.5 --sweep width,full-depth --widths 32,128 --width 128 \
-    --repeats 1 --no-progress --out "$OUT"
+    --repeats 1 --no-cuda-graphs --no-progress --out "$OUT"
 step cuda-graphs 90 $PY -m loopserve.cli bench throughput --model ouro-bench --device cuda --dtype bfloat16 \
     --workload alpaca --num-requests 128 --mean-depth 2.5 --sweep width --widths 32,128 --repeats 1 --cuda-graphs \
     --no-progress --out "$OUT/cuda-graphs"
+step graphs-ouro-1.4b-shape 150 $PY -m loopserve.cli bench throughput --model ouro-1.4b-shape --device cuda \
+    --dtype bfloat16 --workload alpaca --num-requests 64 --mean-depth 2.5 --sweep width --widths 32 --repeats 1 \
+    --cuda-graphs --no-progress --out "$OUT/graphs-ouro-1.4b-shape"
 step cuda-graphs-mincoda8 90 $PY -m loopserve.cli bench throughput --model ouro-bench --device cuda --dtype bfloat16 \
     --workload alpaca --num-requests 128 --mean-depth 2.5 --sweep width --widths 32,128 --repeats 1 --cuda-graphs \
     --min-coda-batch 8 --no-progress --out "$OUT/cuda-graphs-mincoda8"

@@ -26,16 +26,20 @@ def params_for(arch: str) -> list[SamplingParams]:
             for i in range(len(PROMPTS))]
 
 
+@pytest.mark.parametrize("graphs", [False, None])
 @pytest.mark.parametrize("lookahead", [False, True])
 @pytest.mark.parametrize("scheduler", ["cb", "cdb-norefill", "cdb"])
 @pytest.mark.parametrize("arch", ["ouro", "huginn"])
-def test_cuda_engine_matches_the_reference(arch, scheduler, lookahead, tiny_ouro, tiny_huginn):
+def test_cuda_engine_matches_the_reference(arch, scheduler, lookahead, graphs, tiny_ouro, tiny_huginn):
+    """Eager, and with the default `cuda_graphs` (unset: on for CUDA)."""
     path = tiny_ouro if arch == "ouro" else tiny_huginn
     kw = dict(dtype="float64", device="cuda", kv_cache_tokens=1024, max_decode_batch=3, lookahead=lookahead,
               prefill_chunk_size=8, max_num_batched_tokens=16)
     params = params_for(arch)
     ref = LLM(path, scheduler="reference", **kw).generate(PROMPTS, params)
-    assert_equal_outputs(ref, LLM(path, scheduler=scheduler, **kw).generate(PROMPTS, params))
+    llm = LLM(path, scheduler=scheduler, **kw, **({} if graphs is None else {"cuda_graphs": graphs}))
+    assert llm.engine is not None and (llm.engine.runner.graphs is not None) == (graphs is None)
+    assert_equal_outputs(ref, llm.generate(PROMPTS, params))
 
 
 def test_cuda_kv_depths_from_host_arrays_are_uploaded():
@@ -158,7 +162,7 @@ def test_planning_and_queueing_never_wait_for_the_device(case, tiny_ouro_la, tin
     the engine waits on purpose."""
     params, knobs = workload(case)
     path = tiny_huginn if case == "huginn" else tiny_ouro_la
-    llm = LLM(path, dtype="float32", device="cuda", max_decode_batch=4,
+    llm = LLM(path, dtype="float32", device="cuda", max_decode_batch=4, cuda_graphs=False,  # (a capture waits)
               **{"kv_cache_tokens": 4096, **knobs})
     engine = llm.engine
     assert engine is not None

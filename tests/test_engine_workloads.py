@@ -74,7 +74,7 @@ def workloads(draw, arch: str, r_max: int):
                max_num_seqs=draw(st.integers(2, 5)), max_decode_batch=(width := draw(st.integers(1, 4))),
                prefill_chunk_size=chunk, max_num_batched_tokens=chunk * draw(st.integers(1, 2)),
                min_coda_batch=draw(st.integers(1, 3)), min_prelude_batch=draw(st.integers(1, min(3, width))),
-               lookahead=draw(st.booleans()), async_coda=draw(st.booleans()),
+               lookahead=draw(st.booleans()), async_coda=draw(st.booleans()), cuda_graphs=draw(st.booleans()),
                kv_safety_margin=draw(st.sampled_from([0.0, 0.1, 0.3])))
     reqs = []
     for i in range(draw(st.integers(2, 8))):

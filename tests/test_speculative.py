@@ -116,7 +116,8 @@ def spec_workloads(draw, arch: str, r_max: int):
                prefill_chunk_size=chunk, max_num_batched_tokens=chunk * draw(st.integers(1, 2)),
                min_coda_batch=draw(st.integers(1, 3)), lookahead=draw(st.booleans()),
                async_coda=draw(st.booleans()), kv_safety_margin=draw(st.sampled_from([0.0, 0.1, 0.3])),
-               pipeline_core_steps=draw(st.booleans()), enable_prefix_caching=draw(st.booleans()),
+               cuda_graphs=draw(st.booleans()), pipeline_core_steps=draw(st.booleans()),
+               enable_prefix_caching=draw(st.booleans()),
                num_speculative_tokens=draw(st.integers(1, 4)),
                # a draft as deep as the request's own depth is accepted (fixed depth, greedy): long rounds
                speculative_draft_loops=draw(st.sampled_from([1, 2, r_max])),

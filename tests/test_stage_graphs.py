@@ -50,6 +50,13 @@ def test_padded_stages_match_reference(arch, policy, pool, scheduler, layout, ti
         assert engine.stats.preemptions > 0
 
 
+def test_cuda_graphs_are_on_by_default_only_on_cuda(tiny_ouro):
+    """Unset, `cuda_graphs` is on for CUDA (tests/test_cuda.py) and off here: eager steps on the CPU."""
+    engine = make_engine(tiny_ouro, scheduler="cdb", kv_cache_tokens=256)
+    assert engine.cfg.cuda_graphs is False and engine.runner.graphs is None
+    assert make_engine(tiny_ouro, scheduler="cdb", kv_cache_tokens=256, cuda_graphs=True).runner.graphs is not None
+
+
 def test_block_table_never_moves_and_graphs_are_retired_if_it_does(tiny_ouro, caplog):
     """A graph reads the block table at the address it was captured with. With cuda_graphs the table is
     as wide as the longest sequence from the start, so it never grows; reallocated anyway, every prepared

@@ -55,11 +55,13 @@ class EngineConfig:
     async_coda: bool | None = _knob(None, "take a coda's tokens after the next batch is queued; unset: on for "
                                     "CUDA only")
     # Each decode core step (and coda with layers) replayed from a CUDA graph, one per bucket of batch width
-    # and key count (the batch padded to it): one launch instead of a few per layer (docs/design.md §9). On
-    # the CPU the same padded stages run eagerly, which only the tests want (it is slower).
-    cuda_graphs: bool = _knob(False, "replay decode core steps (and codas with layers) as CUDA graphs at bucketed "
-                              "widths and key counts; on the CPU the same padded stages run eagerly (for tests: "
-                              "slower)")
+    # and key count (the batch padded to it): one launch instead of a few per layer (docs/design.md §9). None:
+    # on for CUDA, where eager steps are launch-bound (on an H200 graphs decoded 3.5-3.8x faster,
+    # docs/benchmarks.md §6.1), off for the CPU, where the same padded stages run eagerly, which only the tests
+    # want (it is slower).
+    cuda_graphs: bool | None = _knob(None, "replay decode core steps (and codas with layers) as CUDA graphs at "
+                                     "bucketed widths and key counts; unset: on for CUDA only (on the CPU the "
+                                     "padded stages run eagerly: for tests, slower)")
     # Self-speculative decoding (docs/design.md §12): the model drafts with a few loops, the request's
     # own depth verifies; outputs and exit depths stay those of plain decoding.
     num_speculative_tokens: int = _knob(0, "tokens drafted per verify pass (0: off); needs a per-depth KV layout "

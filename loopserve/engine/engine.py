@@ -81,10 +81,11 @@ class LLMEngine:
         if cfg.scheduler == "reference":
             raise ValueError("scheduler: 'reference' is the sequential oracle, not a batching engine")
         c: ModelConfig = model.config
-        cfg = dataclasses.replace(cfg, min_coda_batch=cfg.coda_batch_for(c.n_coda))
+        p = next(model.parameters())
+        graphs_on = cfg.cuda_graphs if cfg.cuda_graphs is not None else p.device.type == "cuda"
+        cfg = dataclasses.replace(cfg, min_coda_batch=cfg.coda_batch_for(c.n_coda), cuda_graphs=graphs_on)
         self.model, self.tokenizer, self.cfg, self.seed = model, tokenizer, cfg, seed
         self.model_config = c
-        p = next(model.parameters())
         self.layout = KVLayout(cfg.kv_layout, c.n_prelude, c.n_core, c.n_coda, c.r_max)
         per_token = self.layout.bytes_per_token(c.num_kv_heads, c.head_dim, p.dtype)
         tokens = cfg.kv_cache_tokens or int(cfg.kv_cache_memory_gb * 2**30 // per_token)

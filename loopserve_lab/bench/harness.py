@@ -354,8 +354,10 @@ def run_offline(bm: BenchModel, workload: Workload, traces: list[list[int]] | No
     from tqdm import tqdm
 
     cfg = engine_kwargs_for(workload, width, scheduler=scheduler, **engine_overrides)
-    if sync_steps and cfg.get("cuda_graphs"):
-        raise ValueError("sync_steps: per-stage device times need eager core steps; drop cuda_graphs")
+    if sync_steps:
+        if cfg.get("cuda_graphs"):
+            raise ValueError("sync_steps: per-stage device times need eager core steps; drop cuda_graphs")
+        cfg["cuda_graphs"] = False  # (unset would mean on, on CUDA)
     cuda = str(bm.device).startswith("cuda")
     sync = cuda and sync_steps
     timer = TimedModel(bm.model, sync)
