@@ -3,7 +3,7 @@
 A field becomes `--name-with-dashes`; its type and default come from the dataclass, its help and
 choices from `field(metadata={"help": ..., "choices": ...})`, and a bool becomes `--x/--no-x`.
 `generate`, `serve` and `bench` all add `EngineConfig` this way; `config_kwargs` reads the
-fields back from the parsed arguments.
+fields back from the parsed arguments, and `as_flags` writes values as arguments (a benchmark's server).
 """
 
 from __future__ import annotations
@@ -52,6 +52,18 @@ def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, c
 def flag_of(name: str) -> str:
     """The command-line flag of config field `name`."""
     return "--" + name.replace("_", "-")
+
+
+def as_flags(values: dict[str, Any]) -> list[str]:
+    """The arguments that set config fields `values` (by name) on a command made by `add_config_args`: the
+    inverse of `config_kwargs` (a bool as `--x` or `--no-x`; None is left out: the command's default)."""
+    out: list[str] = []
+    for name, v in values.items():
+        if isinstance(v, bool):
+            out.append(flag_of(name) if v else "--no-" + flag_of(name)[2:])
+        elif v is not None:
+            out += [flag_of(name), str(v)]
+    return out
 
 
 def config_kwargs(args: argparse.Namespace, cls: type, drop_none: bool = False) -> dict[str, Any]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -108,12 +109,20 @@ def test_min_prelude_batch_above_the_decode_width_is_refused():
         EngineConfig(max_decode_batch=4, min_prelude_batch=5)
 
 
-def test_bench_server_knobs_are_serve_flags():
-    """The knobs the serving benchmark passes to its server reach `serve`'s config under their own flags."""
-    from loopserve.config_args import flag_of
-    from loopserve_lab.bench.serve import SERVER_KNOBS
+def test_the_serving_benchmark_passes_every_knob_to_its_server():
+    """`bench serve` in HTTP mode starts `loopserve serve` with every engine knob it runs in-process (each
+    set here to a value other than its default, bools both ways), under the flags `serve` reads back."""
+    from loopserve_lab.bench.serve import server_command
 
-    given = {k: "shared" if k == "kv_layout" else "3" for k in SERVER_KNOBS}
-    args = build_parser().parse_args(["serve", "--model", "m", *[x for k, v in given.items() for x in (flag_of(k), v)]])
-    cfg = engine_kwargs(args)
-    assert {k: str(cfg[k]) for k in SERVER_KNOBS} == given
+    given = dict(kv_layout="shared", block_size=4, kv_cache_tokens=96, kv_cache_memory_gb=0.5, max_num_seqs=7,
+                 max_decode_batch=6, max_num_batched_tokens=40, prefill_chunk_size=8, min_coda_batch=3,
+                 min_prelude_batch=2, kv_safety_margin=0.2, enable_prefix_caching=False, lookahead=True,
+                 pipeline_core_steps=False, async_coda=True, cuda_graphs=False, num_speculative_tokens=2,
+                 speculative_draft_loops=2, speculative_max_batch=4, speculative_min_acceptance=0.5)
+    assert set(given) == FIELDS - {"scheduler"}  # (a new knob must be added here)
+    cmd = server_command(Path("m"), "cb", given, "float32", "cpu", port=1)
+    cfg = engine_kwargs(build_parser().parse_args(cmd[cmd.index("serve"):]))
+    assert cfg == {**given, "scheduler": "cb"}
+    cmd = server_command(Path("m"), "cdb", {**given, "async_coda": False, "lookahead": None}, "float32", "cpu", port=1)
+    cfg = engine_kwargs(build_parser().parse_args(cmd[cmd.index("serve"):]))
+    assert (cfg["async_coda"], cfg["lookahead"]) == (False, EngineConfig.lookahead)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import socket
@@ -31,7 +32,8 @@ from typing import Any
 
 import torch
 
-from loopserve.config_args import flag_of
+from loopserve.config_args import as_flags
+from loopserve.engine.config import EngineConfig
 from loopserve_lab.bench.harness import BenchModel, engine_kwargs_for
 from loopserve_lab.bench.metrics import RequestRecord, poisson_arrivals, serving_metrics
 from loopserve_lab.bench.workloads import Workload
@@ -205,26 +207,24 @@ def wait_healthy(base_url: str, timeout: float = 180.0, proc: subprocess.Popen |
     raise TimeoutError(f"{base_url} not healthy after {timeout:.0f}s")
 
 
-# The engine knobs `launch_server` passes on to the server (as their flags; `lookahead` as a switch)
-SERVER_KNOBS = ("max_decode_batch", "max_num_seqs", "block_size", "kv_cache_tokens", "max_num_batched_tokens",
-                "prefill_chunk_size", "min_coda_batch", "min_prelude_batch", "kv_layout")
+def server_command(model_path: Path, scheduler: str, engine_cfg: dict[str, Any], dtype: str, device: str,
+                   port: int, seed: int = 0) -> list[str]:
+    """`loopserve serve` on 127.0.0.1:`port` for one scheduler, with every knob of `engine_cfg` (the
+    `EngineConfig` fields the benchmark runs in-process too) as its flag."""
+    knobs = {f.name for f in dataclasses.fields(EngineConfig)} - {"scheduler"}
+    return [sys.executable, "-m", "loopserve.cli", "serve", "--model", str(model_path), "--host", "127.0.0.1",
+            "--port", str(port), "--dtype", dtype, "--device", device, "--scheduler", scheduler,
+            "--seed", str(seed), "--no-access-log", "--log-level", "warning", "--max-queued-requests", "100000",
+            *as_flags({k: v for k, v in engine_cfg.items() if k in knobs})]
 
 
 @contextlib.contextmanager
 def launch_server(model_path: Path, scheduler: str, engine_cfg: dict[str, Any], dtype: str, device: str,
                   threads: int | None = None, port: int | None = None, log: Path | None = None,
                   seed: int = 0):
-    """Start `loopserve serve` on 127.0.0.1 for one scheduler; yields (base_url, served model name)."""
+    """Start `loopserve serve` (`server_command`) for one scheduler; yields (base_url, served model name)."""
     port = port or free_port()
-    cmd = [sys.executable, "-m", "loopserve.cli", "serve", "--model", str(model_path), "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", dtype, "--device", device, "--scheduler", scheduler,
-           "--seed", str(seed), "--no-access-log", "--log-level", "warning",
-           "--max-queued-requests", "100000"]
-    for k, v in engine_cfg.items():
-        if k in SERVER_KNOBS and v is not None:
-            cmd += [flag_of(k), str(v)]
-    if engine_cfg.get("lookahead"):
-        cmd.append("--lookahead")
+    cmd = server_command(model_path, scheduler, engine_cfg, dtype, device, port, seed)
     env = dict(os.environ)
     if threads:
         env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)})
