@@ -536,6 +536,21 @@ def test_bench_serve_inprocess_and_replot(bench_cache, single_thread):
     assert (tp / "throughput_vs_width.png").is_file()
 
 
+def test_bench_throughput_reports_graph_buckets_and_their_capture_time(bench_cache, single_thread):
+    """With cuda_graphs each row counts the buckets its run prepared and the time their captures took (none
+    on the CPU, which captures nothing: the decode rate without them is the decode rate); eager, none."""
+    from loopserve.cli import main
+
+    out = bench_cache / "graphs"
+    for flag in ("--cuda-graphs", "--no-cuda-graphs"):
+        assert main(["bench", "throughput", "--model", "micro-ouro", "--dtype", "float32", "--num-requests", "2",
+                     "--widths", "2", flag, "--no-progress", "--out", str(out / flag)]) == 0
+        rows = json.loads((out / flag / "throughput.json").read_text())["sweeps"]["width"]["rows"]
+        for r in rows:
+            assert (r["graph_buckets"] > 0) == (flag == "--cuda-graphs") and r["graph_capture_s"] == 0.0
+            assert r["warm_decode_tokens_per_s"] == r["decode_tokens_per_s"]
+
+
 def test_ablation_trace_exports_the_schedule(bench_cache, single_thread):
     from loopserve.cli import main
 

@@ -216,3 +216,14 @@ def test_transformers_reads_the_folders(tmp_path_factory):
         assert hf_tok(text)["input_ids"] == ours.encode(text)
         assert hf_tok.apply_chat_template(HELLO, tokenize=False, add_generation_prompt=True) == (
             ours.apply_chat_template(HELLO))
+
+
+@pytest.mark.parametrize("prompt,field", [([1, True, 3], "prompt"), ([1, 2.0], "prompt"),
+                                          ({"prompt_token_ids": [4, False]}, "prompt_token_ids"),
+                                          ([3, -1], "prompt_token_ids"), ([3, 10**9], "prompt_token_ids"),
+                                          ({"prompt_token_ids": [0, 10**9]}, "prompt_token_ids")])
+def test_token_id_prompts_are_ints_in_the_vocabulary(llm, prompt, field):
+    """Bools and floats are not token ids; ids outside the vocabulary are refused, naming the field."""
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1), use_tqdm=False)[0].outputs[0].token_ids

@@ -31,6 +31,7 @@ the tests check this path against the reference decoder; it is slower than the p
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -101,6 +102,8 @@ class StageGraphs:
         self._table = tables.table  # (held: its memory cannot be reused by a new table while graphs read it)
         self._retired: list[Callable[[], None]] = []
         self.prepared = 0  # buckets prepared (captured, on CUDA) so far, retired ones included
+        self.prepare_s = 0.0  # wall time spent preparing them (on CUDA: a warm-up run and a capture each, which
+        # synchronize the device): a run's cost that a longer run amortizes (benchmarks report it apart)
         self._pool = torch.cuda.graph_pool_handle() if capture else None
 
     @property
@@ -157,10 +160,12 @@ class StageGraphs:
         self.prepared += 1
         if not self.capture:
             return lambda: self._run(stage, width, keys)
+        t0 = time.perf_counter()
         # (both runs of `capture` compute the batch in the buffers now, and the replay that follows writes the
         # same KV again; entering the capture synchronized the device: no retired graph still runs)
         replay = capture(lambda: self._run(stage, width, keys), self.state.device, self._pool)
         self._retired.clear()
+        self.prepare_s += time.perf_counter() - t0
         return replay
 
     def _run(self, stage: str, width: int, keys: int) -> None:

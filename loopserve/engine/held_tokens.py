@@ -58,7 +58,9 @@ class HeldTokens:
         if seq.held is self and self.owners[seq.slot] is seq:
             self._let_go(seq)
         self.owners[slot] = seq
-        seq.held, seq.slot = self, slot
+        # a sequence that is not quiet never has a token held: it keeps held None, so its every read of
+        # `output_ids`, `exit_depths` and `metrics` (a streamed request: several per token) skips the count
+        seq.held, seq.slot = (self if seq.quiet else None), slot
 
     def _let_go(self, seq: Sequence) -> None:
         """`seq` leaves its slot: it takes its tokens in first."""

@@ -59,18 +59,24 @@ def resolve_exit_rule(params: SamplingParams, model: LoopedLM, lookahead: bool) 
 PromptType = str | dict[str, Any] | list[int]
 
 
+def _all_ints(ids: list) -> bool:
+    """Whether every element is an int (not a bool). By the set of their types first: C speed, a few ns a
+    token where a Python test per token took about 0.5 us (a 4k-token prompt: 2 ms of the engine's thread)."""
+    return set(map(type, ids)) <= {int} or all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+
+
 def parse_prompt(prompt: PromptType, tokenizer: Tokenizer) -> tuple[str | None, list[int]]:
     """(text, token ids) of a prompt given as text, token ids, or {"prompt" | "prompt_token_ids": ...}."""
     if isinstance(prompt, str):
         return prompt, tokenizer.encode(prompt)
     if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
         ids = prompt["prompt_token_ids"]
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        if not isinstance(ids, list) or not _all_ints(ids):
             raise ValueError("prompt_token_ids: must be a list of integers")
         return prompt.get("prompt"), list(ids)
     if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
         return prompt["prompt"], tokenizer.encode(prompt["prompt"])
-    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if isinstance(prompt, list) and _all_ints(prompt):
         return None, list(prompt)
     raise ValueError("prompt: expected a string, a list of token ids, or a dict with 'prompt' or 'prompt_token_ids'")
 
@@ -153,7 +159,7 @@ class Sequence:
         if len(prompt_ids) >= max_model_len:
             raise ValueError(f"prompt: {len(prompt_ids)} tokens leave no room to generate "
                              f"within the model's context of {max_model_len}")
-        if any(not 0 <= t < vocab_size for t in prompt_ids):
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
             raise ValueError(f"prompt_token_ids: ids must be in [0, {vocab_size}) (the model's vocabulary)")
         for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
             if ids and max(ids) >= vocab_size:

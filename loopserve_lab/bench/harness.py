@@ -269,6 +269,8 @@ class RunResult:
     schedule_trace: list[dict[str, Any]] | None = None
     errors: int = 0
     device_busy_s: float | None = None  # CUDA: kernel and copy time on the device (`DeviceBusy`), if asked
+    graph_buckets: int = 0  # cuda_graphs: the buckets prepared (on CUDA: captured) during the run
+    graph_capture_s: float = 0.0  # CUDA: the wall time those captures took (inside the decode time)
 
     @property
     def tokens_per_s(self) -> float:
@@ -296,6 +298,13 @@ class RunResult:
         return self.decode_tokens / self.decode_wall_s if self.decode_wall_s > 0 else float("nan")
 
     @property
+    def warm_decode_tokens_per_s(self) -> float:
+        """Decode tokens per second less the graph captures' time: the rate once every bucket the workload
+        needs is captured (a server's steady state; a short run pays each capture once)."""
+        wall = self.decode_wall_s - self.graph_capture_s
+        return self.decode_tokens / wall if wall > 0 else float("nan")
+
+    @property
     def decode_cpu_tokens_per_s(self) -> float:
         return self.decode_tokens / self.decode_cpu_s if self.decode_cpu_s > 0 else float("nan")
 
@@ -314,6 +323,7 @@ class RunResult:
         d["cpu_tokens_per_s"] = self.cpu_tokens_per_s
         d["decode_tokens_per_s"] = self.decode_tokens_per_s
         d["decode_cpu_tokens_per_s"] = self.decode_cpu_tokens_per_s
+        d["warm_decode_tokens_per_s"] = self.warm_decode_tokens_per_s
         d["overhead"] = self.overhead()
         return d
 
@@ -392,7 +402,7 @@ def run_offline(bm: BenchModel, workload: Workload, traces: list[list[int]] | No
             torch.cuda.synchronize()
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     bar.close()
-    st = engine.stats
+    st, graphs = engine.stats, engine.runner.graphs
     items = sum(st.exit_depths.values())
     mean_d = sum(d * c for d, c in st.exit_depths.items()) / items if items else None
     return RunResult(
@@ -405,7 +415,9 @@ def run_offline(bm: BenchModel, workload: Workload, traces: list[list[int]] | No
         deferred_signal_ticks=st.deferred_signal_ticks,
         config={k: v for k, v in cfg.items()}, errors=errors,
         schedule_trace=stages.to_json() if record_schedule else None,
-        device_busy_s=busy.busy_s if busy is not None else None)
+        device_busy_s=busy.busy_s if busy is not None else None,
+        graph_buckets=graphs.prepared if graphs is not None else 0,
+        graph_capture_s=graphs.prepare_s if graphs is not None else 0.0)
 
 
 def write_json(path: Path, data: Any) -> Path:
