@@ -167,6 +167,25 @@ def test_counter_uniforms_are_uniform_and_independent_per_stream():
     assert abs(float(v.mean()) - 0.5) < 0.01 and abs(float(torch.corrcoef(torch.stack([u, v]))[0, 1])) < 0.03
 
 
+def test_like_init_states_are_a_truncated_normal_drawn_per_seed():
+    """Huginn's random initial state (`like-init`): a token's row is a function of its seed alone (drawn alone
+    or in any batch, in any order), element j from the counter stream (seed, j); over many rows, a normal of std
+    sqrt(2/5) cut at 3 std (the truncation lowers the std by 1.3 %)."""
+    from loopserve.models.huginn import like_init_state
+
+    seeds = [(i * 0x9E3779B97F4A7C15) & ((1 << 63) - 1) for i in range(1, 1201)]
+    rows = like_init_state(seeds, 64, torch.float64, "cpu")
+    assert rows.shape == (1200, 64)
+    alone = torch.cat([like_init_state([s], 64, torch.float64, "cpu") for s in seeds[:5]])
+    assert torch.equal(alone, rows[:5])
+    assert torch.equal(like_init_state(seeds[4::-1], 64, torch.float64, "cpu"), rows[:5].flip(0))
+    assert not torch.equal(rows[0], rows[1])
+    cut = 3 * math.sqrt(2 / 5)
+    assert float(rows.abs().max()) <= cut and float(rows.abs().max()) > 0.9 * cut
+    assert abs(float(rows.mean())) < 0.01 and abs(float(rows.std()) - math.sqrt(2 / 5) * 0.9866) < 0.01
+    assert like_init_state(seeds[:2], 8, torch.float32, "cpu").dtype == torch.float32
+
+
 def test_batch_sampling_is_batch_invariant():
     """A row draws the same token alone or among any neighbours, at any position in the batch."""
     g = torch.Generator().manual_seed(0)

@@ -45,24 +45,8 @@ import torch
 from loopserve.device import upload
 from loopserve.engine.grammar import apply_guides
 from loopserve.errors import NonFiniteError
+from loopserve.random_streams import uniforms
 from loopserve.sampling_params import SamplingParams
-
-_GOLDEN, _MIX1, _MIX2 = (c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
-
-
-def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic)."""
-    return (x >> k) & ((1 << (64 - k)) - 1)
-
-
-def uniforms(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
-    """One uniform in [0, 1) per row from (seed, counter): the splitmix64 finalizer of
-    seed + (counter + 1) * golden, with int64 arithmetic wrapping as unsigned would."""
-    x = seeds + (counters + 1) * _GOLDEN
-    x = (x ^ _shr(x, 30)) * _MIX1
-    x = (x ^ _shr(x, 27)) * _MIX2
-    x = x ^ _shr(x, 31)
-    return _shr(x, 11).to(torch.float64) * 2.0**-53
 
 
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

@@ -19,6 +19,7 @@ from loopserve.model_config import ModelConfig
 from loopserve.models.base import LoopedLM
 from loopserve.models.context import ForwardContext
 from loopserve.models.layers import RMSNorm, compute_dtype, paged_attention, rope_angles, rope_interleaved
+from loopserve.random_streams import uniforms
 
 STATE_INITS = ("like-init", "zero")
 _TRUNC = 3.0  # truncation of the like-init normal, in standard deviations
@@ -71,17 +72,14 @@ class SandwichBlock(nn.Module):
 
 
 def like_init_state(seeds: list[int], hidden: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """Truncated normal (std sqrt(2/5), cut at +-3 std) per row, from a per-row seed.
-
-    Sampled by inverting the normal CDF so a row's state depends only on its own seed.
-    """
+    """Truncated normal (std sqrt(2/5), cut at +-3 std) per row, from a per-row seed: element j of row i
+    inverts the normal CDF at the counter-based uniform (seeds[i], j) (`random_streams.uniforms`), so a row's
+    state depends only on its own seed, and every row is drawn at once where the model runs (a generator
+    per row on the host took 42-123 us a row: docs/benchmarks.md §8.26)."""
     lo = 0.5 * math.erfc(_TRUNC / math.sqrt(2))
-    rows = []
-    for s in seeds:
-        g = torch.Generator().manual_seed(int(s) & 0x7FFF_FFFF_FFFF_FFFF)
-        u = lo + (1 - 2 * lo) * torch.rand(hidden, generator=g, dtype=torch.float64)
-        rows.append(torch.special.ndtri(u) * math.sqrt(2 / 5))
-    return upload(torch.stack(rows).to(dtype), torch.device(device))  # drawn on the host, never waits
+    dev = torch.device(device)
+    u = lo + (1 - 2 * lo) * uniforms(upload(seeds, dev)[:, None], torch.arange(hidden, device=dev)[None, :])
+    return (torch.special.ndtri(u) * math.sqrt(2 / 5)).to(dtype)
 
 
 class RavenForCausalLM(LoopedLM):
