@@ -182,3 +182,18 @@ def test_bfloat16_loads_generates_and_stays_close(request, fixture):
     assert (p32 * diff).sum(-1).max() < 0.3, "bf16 log-probabilities drift too far from fp32"
     agree = (logprobs["bfloat16"].argmax(-1) == logprobs["float32"].argmax(-1)).double().mean()
     assert agree >= 0.75
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_rms_norm_is_upstreams_formula_bit_for_bit_on_the_cpu(dtype):
+    """`RMSNorm` calls torch's rms_norm (one fused kernel on CUDA); on the CPU it must stay exactly upstream's
+    written-out x * rsqrt(mean(x^2) + eps) in fp32 or wider, cast back before the weight."""
+    from loopserve.models.layers import RMSNorm
+
+    g = torch.Generator().manual_seed(3)
+    norm = RMSNorm(48, 1e-6).to(dtype)
+    norm.weight.data = torch.randn(48, generator=g).to(dtype)
+    x = (torch.randn(4, 9, 48, generator=g) * 3).to(dtype)
+    xf = x.to(torch.promote_types(dtype, torch.float32))
+    want = norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    assert torch.equal(norm(x), want)
