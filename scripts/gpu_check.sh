@@ -14,9 +14,12 @@
 #   projection assumes;
 # - Huginn-like with graphs at `--min-prelude-batch` 1 and 8: fuller prelude batches were no win on the CPU
 #   (§8.25), but its eager prelude calls are launch-bound on a GPU;
-# - the overlap ablation (one schedule, exit signals read at once vs pipelined);
-# - last, the device's busy share of the wall time in CB and CDB runs at Ouro-1.4B's shapes (`--device-busy`:
-#   profiler kernel records), the measured counterpart of that projection.
+# - the overlap ablation (one schedule, exit signals read at once vs pipelined), now with graphs: eager on the
+#   first lease, where a launch-bound host had nothing to overlap;
+# - last, the device's busy share of the wall time in CB and CDB runs at Ouro-1.4B's shapes with graphs
+#   (`--device-busy`: profiler kernel records), the measured counterpart of that projection.
+# Every throughput and ablation step names --cuda-graphs or --no-cuda-graphs: unset, graphs are on for CUDA since
+# 2026-12-04 (step-latency times eager steps unless given its own --cuda-graphs).
 # Each step runs under its own time limit and is skipped once the script has used BUDGET seconds, so one slow
 # step cannot take the later ones with it. On the first lent GPU (an H200, 2026-12-04) the busy step did not end
 # in the 4 minutes left (the profiler slowed the run many times over); it now runs a smaller workload.
@@ -75,8 +78,8 @@ for floor in 1 8; do
         --out "$OUT/huginn-graphs-minprelude$floor"
 done
 step overlap 120 $PY -m loopserve.cli bench ablate overlap --model ouro-bench --device cuda --dtype bfloat16 \
-    --num-requests 128 --width 64 --repeats 2 --no-progress --out "$OUT"
+    --num-requests 128 --width 64 --repeats 2 --cuda-graphs --no-progress --out "$OUT"
 step busy-ouro-1.4b-shape 150 $PY -m loopserve.cli bench throughput --model ouro-1.4b-shape --device cuda \
     --dtype bfloat16 --workload alpaca --num-requests 32 --mean-depth 2.5 --sweep width --widths 32 --repeats 1 \
-    --device-busy --no-progress --out "$OUT/busy-ouro-1.4b-shape"
+    --cuda-graphs --device-busy --no-progress --out "$OUT/busy-ouro-1.4b-shape"
 if [[ -n "${PACK:-}" ]]; then tar czf "$PACK" -C "$OUT" .; fi

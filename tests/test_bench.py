@@ -548,6 +548,7 @@ def test_bench_throughput_reports_graph_buckets_and_their_capture_time(bench_cac
         rows = json.loads((out / flag / "throughput.json").read_text())["sweeps"]["width"]["rows"]
         for r in rows:
             assert (r["graph_buckets"] > 0) == (flag == "--cuda-graphs") and r["graph_capture_s"] == 0.0
+            assert (r["config"]["cuda_graphs"], r["config"]["async_coda"]) == (flag == "--cuda-graphs", False)
             assert r["warm_decode_tokens_per_s"] == r["decode_tokens_per_s"]
 
 

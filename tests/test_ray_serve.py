@@ -101,6 +101,14 @@ def test_config_file_builder(tmp_path):
     assert isinstance(application, ray.serve.Application)
     with pytest.raises(ValueError, match="args.nonsense: not a `loopserve serve` flag"):
         lray.flags_from_config({"nonsense": 1})
+    # engine switches are --x / --no-x: true and false each set them (unset: the engine's default)
+    args = lray.flags_from_config({"model": str(tmp_path), "cuda_graphs": True, "lookahead": "true",
+                                   "enable-prefix-caching": False, "async_coda": "false"})
+    assert (args.model, args.cuda_graphs, args.lookahead, args.enable_prefix_caching, args.async_coda) == (
+        str(tmp_path), True, True, False, False)
+    assert lray.flags_from_config({"model": str(tmp_path)}).cuda_graphs is None
+    with pytest.raises(ValueError, match="args.cuda_graphs: expected true or false"):
+        lray.flags_from_config({"cuda_graphs": "yes"})
     with pytest.raises(ValueError, match="--replicas: must be >= 1"):
         lray.app({"model": str(tmp_path), "replicas": 0})
 

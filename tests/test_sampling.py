@@ -167,7 +167,7 @@ def test_counter_uniforms_are_uniform_and_independent_per_stream():
     assert abs(float(v.mean()) - 0.5) < 0.01 and abs(float(torch.corrcoef(torch.stack([u, v]))[0, 1])) < 0.03
 
 
-def test_like_init_states_are_a_truncated_normal_drawn_per_seed():
+def test_like_init_states_are_a_truncated_normal_drawn_per_seed(monkeypatch):
     """Huginn's random initial state (`like-init`): a token's row is a function of its seed alone (drawn alone
     or in any batch, in any order), element j from the counter stream (seed, j); over many rows, a normal of std
     sqrt(2/5) cut at 3 std (the truncation lowers the std by 1.3 %)."""
@@ -184,6 +184,8 @@ def test_like_init_states_are_a_truncated_normal_drawn_per_seed():
     assert float(rows.abs().max()) <= cut and float(rows.abs().max()) > 0.9 * cut
     assert abs(float(rows.mean())) < 0.01 and abs(float(rows.std()) - math.sqrt(2 / 5) * 0.9866) < 0.01
     assert like_init_state(seeds[:2], 8, torch.float32, "cpu").dtype == torch.float32
+    monkeypatch.setattr("loopserve.models.huginn._DRAW_ELEMENTS", 3 * 64)  # drawn three rows at a time
+    assert torch.equal(like_init_state(seeds[:10], 64, torch.float64, "cpu"), rows[:10])
 
 
 def test_batch_sampling_is_batch_invariant():

@@ -160,6 +160,7 @@ class StageGraphs:
         self.prepared += 1
         if not self.capture:
             return lambda: self._run(stage, width, keys)
+        torch.cuda.synchronize(self.state.device)  # (the capture waits for the queued steps anyway: not their time)
         t0 = time.perf_counter()
         # (both runs of `capture` compute the batch in the buffers now, and the replay that follows writes the
         # same KV again; entering the capture synchronized the device: no retired graph still runs)

@@ -23,6 +23,7 @@ from loopserve.random_streams import uniforms
 
 STATE_INITS = ("like-init", "zero")
 _TRUNC = 3.0  # truncation of the like-init normal, in standard deviations
+_DRAW_ELEMENTS = 1 << 21  # like-init numbers drawn at once (int64 temporaries of 16 MiB)
 
 
 class HuginnAttention(nn.Module):
@@ -72,14 +73,18 @@ class SandwichBlock(nn.Module):
 
 
 def like_init_state(seeds: list[int], hidden: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """Truncated normal (std sqrt(2/5), cut at +-3 std) per row, from a per-row seed: element j of row i
-    inverts the normal CDF at the counter-based uniform (seeds[i], j) (`random_streams.uniforms`), so a row's
-    state depends only on its own seed, and every row is drawn at once where the model runs (a generator
-    per row on the host took 42-123 us a row: docs/benchmarks.md §8.26)."""
+    """Truncated normal (std sqrt(2/5), cut at +-3 std) per row, from a per-row seed (63 bits): element j of
+    row i inverts the normal CDF at the counter-based uniform (seeds[i], j) (`random_streams.uniforms`), so a
+    row's state depends only on its own seed, and the rows are drawn together where the model runs (a
+    generator per row on the host took 28-140 us a row: docs/benchmarks.md §8.26), in slices of at most
+    `_DRAW_ELEMENTS` numbers, so a long prefill's int64 and float64 temporaries stay small."""
     lo = 0.5 * math.erfc(_TRUNC / math.sqrt(2))
     dev = torch.device(device)
-    u = lo + (1 - 2 * lo) * uniforms(upload(seeds, dev)[:, None], torch.arange(hidden, device=dev)[None, :])
-    return (torch.special.ndtri(u) * math.sqrt(2 / 5)).to(dtype)
+    s, j = upload(seeds, dev)[:, None], torch.arange(hidden, device=dev)[None, :]
+    step = max(1, _DRAW_ELEMENTS // hidden)
+    parts = [(torch.special.ndtri(lo + (1 - 2 * lo) * uniforms(s[a:a + step], j)) * math.sqrt(2 / 5)).to(dtype)
+             for a in range(0, len(seeds), step)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class RavenForCausalLM(LoopedLM):

@@ -140,10 +140,13 @@ def flags_from_config(config: dict[str, Any]) -> argparse.Namespace:
         if action is None:
             raise ValueError(f"args.{key}: not a `loopserve serve` flag")
         flag = action.option_strings[-1]
-        if isinstance(action, argparse._StoreTrueAction):
+        if isinstance(action, argparse._StoreTrueAction | argparse.BooleanOptionalAction):
             if value not in (True, False, "true", "false"):
                 raise ValueError(f"args.{key}: expected true or false")
-            argv += [flag] if value in (True, "true") else []
+            if isinstance(action, argparse.BooleanOptionalAction):  # --x / --no-x: false is said too
+                argv.append(action.option_strings[0 if value in (True, "true") else 1])
+            elif value in (True, "true"):
+                argv.append(flag)
         elif isinstance(action, argparse._AppendAction):
             for item in value if isinstance(value, list) else [value]:
                 argv += [flag, str(item)]

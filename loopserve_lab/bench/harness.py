@@ -413,7 +413,8 @@ def run_offline(bm: BenchModel, workload: Workload, traces: list[list[int]] | No
         schedule_time_s=st.schedule_time, compute_by_stage=dict(timer.by_stage), ticks=dict(st.ticks),
         rows=dict(st.rows), refill_events=st.refill_events, preemptions=st.preemptions,
         deferred_signal_ticks=st.deferred_signal_ticks,
-        config={k: v for k, v in cfg.items()}, errors=errors,
+        # (the knobs as run: cuda_graphs and async_coda resolved for the device when left unset)
+        config={**cfg, "cuda_graphs": engine.cfg.cuda_graphs, "async_coda": engine.async_coda}, errors=errors,
         schedule_trace=stages.to_json() if record_schedule else None,
         device_busy_s=busy.busy_s if busy is not None else None,
         graph_buckets=graphs.prepared if graphs is not None else 0,
