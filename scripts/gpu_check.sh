@@ -22,7 +22,8 @@
 # 2026-12-04 (step-latency times eager steps unless given its own --cuda-graphs).
 # Each step runs under its own time limit and is skipped once the script has used BUDGET seconds, so one slow
 # step cannot take the later ones with it. On the first lent GPU (an H200, 2026-12-04) the busy step did not end
-# in the 4 minutes left (the profiler slowed the run many times over); it now runs a smaller workload.
+# in the 4 minutes left. It now runs a smaller workload, and `DeviceBusy` reads the profiler's raw records: its
+# event list builds a Python object per record, about 30 us each on this project's CPU (a likely culprit).
 # Uses the machine's own python3 and torch (no venv needed); results and logs go to $OUT (relative paths are
 # the repository root's). With PACK=file.tgz (outside $OUT) everything under $OUT is also packed into that one
 # file, for a copy that takes few files.

@@ -552,6 +552,26 @@ def test_bench_throughput_reports_graph_buckets_and_their_capture_time(bench_cac
             assert r["warm_decode_tokens_per_s"] == r["decode_tokens_per_s"]
 
 
+def test_device_busy_reads_the_raw_records_on_the_cpu_too():
+    """`DeviceBusy` unions the profiler's raw records (what `--device-busy` reads for CUDA kernels; the CUDA
+    test is in test_cuda.py): with the CPU's operators, a block of matmuls is busy for a positive time no
+    longer than its wall time, and a sleep inside it is not busy."""
+    import time
+
+    import torch
+
+    from loopserve_lab.bench.harness import DeviceBusy
+
+    x = torch.randn(256, 256)
+    t0 = time.perf_counter()
+    with DeviceBusy(cuda=False) as busy:
+        for _ in range(20):
+            x = (x @ x).tanh()
+        time.sleep(0.2)
+    wall = time.perf_counter() - t0
+    assert busy.busy_s is not None and 0 < busy.busy_s < wall - 0.15
+
+
 def test_ablation_trace_exports_the_schedule(bench_cache, single_thread):
     from loopserve.cli import main
 

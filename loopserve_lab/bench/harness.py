@@ -181,25 +181,31 @@ class DeviceBusy:
     """Time the CUDA device spent running kernels and copies while the block ran: the union of the
     intervals of the profiler's device records (kernels on several streams that overlap count once).
     Only device activity is recorded, so the host path pays the profiler's per-launch callback and
-    no per-op recording. `busy_s` is set when the block exits."""
+    no per-op recording. The records are read raw (kineto's): the profiler's own event list builds a
+    Python object per record, about 30 µs each, so a run's million kernel records took many minutes
+    (the first lent GPU's busy step never finished). `busy_s` is set when the block exits.
+    `cuda=False` records the CPU's operators instead (what the tests can run without a GPU)."""
 
-    def __init__(self) -> None:
+    def __init__(self, cuda: bool = True) -> None:
+        self.cuda = cuda
         self.busy_s: float | None = None
         self._prof: Any = None
 
     def __enter__(self) -> DeviceBusy:
         from torch.profiler import ProfilerActivity, profile
 
-        self._prof = profile(activities=[ProfilerActivity.CUDA])
+        self._prof = profile(activities=[ProfilerActivity.CUDA if self.cuda else ProfilerActivity.CPU])
         self._prof.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        torch.cuda.synchronize()
+        if self.cuda:
+            torch.cuda.synchronize()
         self._prof.__exit__(*exc)
-        device = [(e.time_range.start, e.time_range.end) for e in self._prof.events()
-                  if e.device_type == torch.autograd.DeviceType.CUDA]
-        self.busy_s = interval_union(device) * 1e-6  # the profiler's times are in µs
+        kind = torch.autograd.DeviceType.CUDA if self.cuda else torch.autograd.DeviceType.CPU
+        spans = [(e.start_ns(), e.end_ns()) for e in self._prof.profiler.kineto_results.events()
+                 if e.device_type() == kind]
+        self.busy_s = interval_union(spans) * 1e-9
 
 
 class StageRecorder:
