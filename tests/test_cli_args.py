@@ -126,3 +126,23 @@ def test_the_serving_benchmark_passes_every_knob_to_its_server():
     cmd = server_command(Path("m"), "cdb", {**given, "async_coda": False, "lookahead": None}, "float32", "cpu", port=1)
     cfg = engine_kwargs(build_parser().parse_args(cmd[cmd.index("serve"):]))
     assert (cfg["async_coda"], cfg["lookahead"]) == (False, EngineConfig.lookahead)
+
+
+def test_the_gpu_check_commands_parse_and_name_their_graphs():
+    """A lent GPU gives a session 15 minutes: a flag mistyped in `scripts/gpu_check.sh` would cost a step there.
+    Every `loopserve` command in it parses here, and each throughput and ablation run says --cuda-graphs or
+    --no-cuda-graphs (unset, graphs are on for CUDA: a step's meaning must not hang on the default)."""
+    import re
+    import shlex
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.sh"
+    text = re.sub(r"\\\n\s*", " ", script.read_text())  # (continued lines joined)
+    commands = [m.group(1) for m in re.finditer(r"\$PY -m loopserve\.cli (.*)", text)]
+    assert len(commands) >= 10
+    for line in commands:
+        argv = shlex.split(line.replace("$OUT", "/tmp/out").replace("$floor", "8"))
+        args = build_parser().parse_args(argv)  # (exits on an unknown flag or a bad value)
+        if argv[1] in ("throughput", "ablate"):
+            assert engine_overrides(args).get("cuda_graphs") is not None, line
+    for test_file in re.search(r"pytest .*?((?:tests/\S+ ?)+)", text).group(1).split():  # type: ignore[union-attr]
+        assert (script.parents[1] / test_file).is_file(), test_file
