@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
 # The engine's device check, sized for a lent GPU: at most BUDGET seconds (540 by default) of a 15-minute lease.
 # Steps, most telling first:
-# - the CUDA tests: exactness against the reference decoder on the device (core steps replayed from CUDA graphs
-#   included) and no host-device sync while planning or queueing;
-# - CB vs CDB throughput on ouro-bench, eager (`--no-cuda-graphs`), then with graphs (the default on CUDA). With
-#   graphs a tick's cost was nearly fixed, and CDB's extra coda and prelude ticks ate its gain (docs/benchmarks.md
-#   §6.1). Does the gain come back at a real model's size, where a core step has work to do? CB vs CDB with graphs
-#   at Ouro-1.4B's shapes (random weights, `ouro-1.4b-shape`: about a minute to write its 5.4 GB checkpoint, which
-#   the later 1.4B steps reuse). Then ouro-bench's graphs with codas batched (`--min-coda-batch 8`) and without
-#   async codas (on by default on CUDA; eager, they added ticks and cost 8-17 %);
-# - the core step's time at Ouro-1.4B's real shapes (each point fills a random KV store of batch x context rows on
-#   the host, so the grid stays small), eager and as graph replays. Eager, it took 17-38x the roofline that `bench host`'s device-idle
-#   projection assumes;
+# - the CUDA tests: exactness against the reference decoder on the device (eager, and with the default graphs) and
+#   no host-device sync while planning or queueing;
+# - CB vs CDB throughput on ouro-bench with graphs (the default on CUDA). With graphs a tick's cost was nearly
+#   fixed, and CDB's extra coda and prelude ticks ate its gain (docs/benchmarks.md §6.1); each run now reports its
+#   graph captures' time apart;
+# - does the gain come back at a real model's size, where a core step has work to do? CB vs CDB with graphs at
+#   Ouro-1.4B's shapes (random weights, `ouro-1.4b-shape`: about a minute to write its 5.4 GB checkpoint, which
+#   the later 1.4B steps reuse), then that core step's own time as graph replays, against the roofline (eager,
+#   on the first lease, it took 17-38x the roofline that `bench host`'s device-idle projection assumes);
+# - ouro-bench's graphs with codas batched (`--min-coda-batch 8`) and without async codas (on by default on CUDA;
+#   eager, they added ticks and cost 8-17 %);
 # - Huginn-like with graphs at `--min-prelude-batch` 1 and 8: fuller prelude batches were no win on the CPU
 #   (§8.25), but its eager prelude calls are launch-bound on a GPU;
+# - eager again (`--no-cuda-graphs`: §6.1's throughput run, now with fused norms; the 1.4B core step eager; each
+#   point of it fills a random KV store of batch x context rows on the host, so the grid stays small);
 # - the overlap ablation (one schedule, exit signals read at once vs pipelined), now with graphs: eager on the
 #   first lease, where a launch-bound host had nothing to overlap;
 # - last, the device's busy share of the wall time in CB and CDB runs at Ouro-1.4B's shapes with graphs
@@ -51,33 +53,33 @@ step() {  # step NAME LIMIT_S COMMAND...: output to $OUT/NAME.log; skipped once 
   $PY -c "import torch; print('torch', torch.__version__, torch.version.cuda)"
   git rev-parse --short HEAD 2>/dev/null; } | tee "$OUT/machine.txt"
 step tests 120 $PY -m pytest -q -p no:cacheprovider -o addopts="" tests/test_cuda.py tests/test_pipeline.py
-step throughput 120 $PY -m loopserve.cli bench throughput --model ouro-bench --device cuda --dtype bfloat16 \
-    --workload alpaca --num-requests 128 --mean-depth 2.5 --sweep width,full-depth --widths 32,128 --width 128 \
-    --repeats 1 --no-cuda-graphs --no-progress --out "$OUT"
 step cuda-graphs 90 $PY -m loopserve.cli bench throughput --model ouro-bench --device cuda --dtype bfloat16 \
     --workload alpaca --num-requests 128 --mean-depth 2.5 --sweep width --widths 32,128 --repeats 1 --cuda-graphs \
     --no-progress --out "$OUT/cuda-graphs"
 step graphs-ouro-1.4b-shape 150 $PY -m loopserve.cli bench throughput --model ouro-1.4b-shape --device cuda \
     --dtype bfloat16 --workload alpaca --num-requests 64 --mean-depth 2.5 --sweep width --widths 32 --repeats 1 \
     --cuda-graphs --no-progress --out "$OUT/graphs-ouro-1.4b-shape"
+step step-latency-ouro-1.4b-shape-graphs 90 $PY -m loopserve.cli bench step-latency --model ouro-1.4b-shape \
+    --device cuda --dtype bfloat16 --kv-layout shared --contexts 256,1024 --batches 1,8,32,64 --reps 5 --cuda-graphs \
+    --no-progress --out "$OUT/step-latency-ouro-1.4b-shape-graphs"
 step cuda-graphs-mincoda8 90 $PY -m loopserve.cli bench throughput --model ouro-bench --device cuda --dtype bfloat16 \
     --workload alpaca --num-requests 128 --mean-depth 2.5 --sweep width --widths 32,128 --repeats 1 --cuda-graphs \
     --min-coda-batch 8 --no-progress --out "$OUT/cuda-graphs-mincoda8"
 step cuda-graphs-sync-coda 60 $PY -m loopserve.cli bench throughput --model ouro-bench --device cuda --dtype bfloat16 \
     --workload alpaca --num-requests 128 --mean-depth 2.5 --sweep width --widths 32,128 --repeats 1 --cuda-graphs \
     --no-async-coda --no-progress --out "$OUT/cuda-graphs-sync-coda"
-step step-latency-ouro-1.4b-shape 150 $PY -m loopserve.cli bench step-latency --model ouro-1.4b-shape --device cuda \
-    --dtype bfloat16 --kv-layout shared --contexts 256,1024 --batches 1,8,32,64 --reps 5 --no-progress \
-    --out "$OUT/step-latency-ouro-1.4b-shape"
-step step-latency-ouro-1.4b-shape-graphs 90 $PY -m loopserve.cli bench step-latency --model ouro-1.4b-shape \
-    --device cuda --dtype bfloat16 --kv-layout shared --contexts 256,1024 --batches 1,8,32,64 --reps 5 --cuda-graphs \
-    --no-progress --out "$OUT/step-latency-ouro-1.4b-shape-graphs"
 for floor in 1 8; do
     step huginn-graphs-minprelude$floor 60 $PY -m loopserve.cli bench throughput --model huginn-bench --device cuda \
         --dtype bfloat16 --workload alpaca --scale 0.5 --num-requests 64 --mean-depth 10 --kv-layout shared \
         --sweep width --widths 32 --repeats 1 --cuda-graphs --min-prelude-batch $floor --no-progress \
         --out "$OUT/huginn-graphs-minprelude$floor"
 done
+step throughput 120 $PY -m loopserve.cli bench throughput --model ouro-bench --device cuda --dtype bfloat16 \
+    --workload alpaca --num-requests 128 --mean-depth 2.5 --sweep width,full-depth --widths 32,128 --width 128 \
+    --repeats 1 --no-cuda-graphs --no-progress --out "$OUT"
+step step-latency-ouro-1.4b-shape 150 $PY -m loopserve.cli bench step-latency --model ouro-1.4b-shape --device cuda \
+    --dtype bfloat16 --kv-layout shared --contexts 256,1024 --batches 1,8,32,64 --reps 5 --no-progress \
+    --out "$OUT/step-latency-ouro-1.4b-shape"
 step overlap 120 $PY -m loopserve.cli bench ablate overlap --model ouro-bench --device cuda --dtype bfloat16 \
     --num-requests 128 --width 64 --repeats 2 --cuda-graphs --no-progress --out "$OUT"
 step busy-ouro-1.4b-shape 150 $PY -m loopserve.cli bench throughput --model ouro-1.4b-shape --device cuda \
