@@ -638,6 +638,23 @@ def test_bench_throughput_device_busy_needs_cuda():
     with pytest.raises(SystemExit, match="--device-busy"):
         main(["bench", "throughput", "--model", "ouro-bench", "--device-busy", "--no-progress"])
 
+def test_bench_host_runs_a_huginn_shaped_null_model(bench_cache, single_thread):
+    """`--arch huginn`: prelude and coda blocks (contexts built for them, an injection row per token, codas
+    batched), still no model compute; every decode stage is timed and the points say their shape."""
+    from loopserve.cli import main
+
+    out = bench_cache / "host-huginn"
+    assert main(["bench", "host", "--arch", "huginn", "--widths", "8", "--contexts", "24", "--output-len", "6",
+                 "--no-progress", "--out", str(out)]) == 0
+    data = json.loads((out / "host.json").read_text())
+    assert "huginn" in data["model"] and {p["arch"] for p in data["points"]} == {"huginn"}
+    for p in data["points"]:
+        assert {"core", "coda"} <= set(p["stages"]) and all(s["host_cpu_us"] > 0 for s in p["stages"].values())
+        assert 1.5 < p["mean_exit_depth"] < 3.5
+    with pytest.raises(SystemExit):
+        main(["bench", "host", "--arch", "gpt", "--no-progress"])
+
+
 def test_bench_host_projection_replays_the_ticks():
     """The device-idle projection by hand for two ticks: a core tick, then a coda tick with its preludes;
     serial idle is host / (host + device), pipelined counts only the host time the device waits for."""

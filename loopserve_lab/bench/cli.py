@@ -389,7 +389,7 @@ def cmd_host(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise SystemExit(f"--repeats: must be >= 1, got {args.repeats}")
     points = host.run(args.widths, args.contexts, args.schedulers.split(","), progress=not args.no_progress,
-                      output_kinds=kinds, output_len=output_len, repeats=args.repeats)
+                      output_kinds=kinds, output_len=output_len, repeats=args.repeats, arch=args.arch)
     proj = host.projection(points)
     print(host.format_table(points))
     print()
@@ -397,7 +397,7 @@ def cmd_host(args: argparse.Namespace) -> int:
     out = args.out or DEFAULT_OUT / "host"
     data = {"command": "loopserve " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine_info(),
-            "model": "NullLM (no attention, O(rows) stages)", "output_tokens": output_len,
+            "model": f"NullLM, {args.arch}-shaped (no attention, O(rows) stages)", "output_tokens": output_len,
             "points": [p.as_dict() for p in points], "projection": proj}
     write_json(out / "host.json", data)
     plot_host([p for p in data["points"] if p["output_kind"] == kinds[0]], out / "host.png",
@@ -690,6 +690,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--widths", type=_ints, default=[32, 128, 256, 512])
     p.add_argument("--contexts", type=_ints, default=[128, 1024, 4096])
     p.add_argument("--schedulers", default="cb,cdb")
+    p.add_argument("--arch", default="ouro", choices=("ouro", "huginn"),
+                   help="the null model's shape: ouro (prelude and coda without layers) or huginn (prelude and coda "
+                        "blocks: contexts built for them, an injection row per token, codas batched by width/4)")
     p.add_argument("--output-kinds", default="cumulative",
                    help="cumulative (an output per token, everything so far), delta (an output per token, what is "
                         "new: streamed responses) and/or final_only (LLM.generate, responses not streamed), measured "

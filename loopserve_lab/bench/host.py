@@ -1,6 +1,7 @@
 """`loopserve bench host`: the engine's own cost per tick, with model compute taken out.
 
-A null model (`NullLM`) implements the stage API with a few O(rows) tensor ops and no attention:
+A null model (`NullLM`, Ouro- or Huginn-shaped: `--arch`) implements the stage API with a few O(rows)
+tensor ops and no attention:
 its stages return tensors of the right shapes and never read the KV cache; its exit gate is a cheap
 hash of the state, so tokens exit at mixed depths (mean about 2.5 of 4) and the exit bookkeeping,
 signal readback and refill paths all run. What remains of a tick is the host path that a real
@@ -39,15 +40,22 @@ from torch import nn
 
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine import LLMEngine, StageRecord
-from loopserve.model_config import ModelConfig
+from loopserve.model_config import HUGINN, ModelConfig
 from loopserve.models.base import LoopedLM
 from loopserve.models.loader import LoadedModel, load_model
 from loopserve.sampling_params import RequestOutputKind, SamplingParams
 from loopserve_lab.bench.theory import DEVICES, HUGINN_0125, OURO_1_4B, step_time_estimate
 from loopserve_lab.tiny import TinySpec, make_tiny
 
-NULL_SPEC = TinySpec(arch="ouro", hidden_size=8, num_heads=1, intermediate_size=16, vocab_size=512, layers="1",
-                     r_max=4, max_position=8192, seed=0)
+# the null models' checkpoints (their config and tokenizer; the weights go unused): Ouro-shaped (a prelude and a
+# coda without layers) and Huginn-shaped (prelude and coda blocks, whose KV the engine plans: contexts are built
+# for those stages too, an injection row is kept per token, and the coda waits for max_decode_batch / 4 tokens)
+NULL_SPECS = {
+    "ouro": TinySpec(arch="ouro", hidden_size=8, num_heads=1, intermediate_size=16, vocab_size=512, layers="1",
+                     r_max=4, max_position=8192, seed=0),
+    "huginn": TinySpec(arch="huginn", hidden_size=8, num_heads=1, intermediate_size=16, vocab_size=512,
+                       layers="1-1-1", r_max=4, max_position=8192, seed=0),
+}
 OUTPUT_TOKENS = 16
 PROJECTED = {"ouro-1.4b": OURO_1_4B, "huginn-0125": HUGINN_0125}
 
@@ -72,9 +80,10 @@ class NullLM(LoopedLM):
     def prelude(self, token_ids, ctx, state_seeds=None):
         t0 = time.process_time()
         state = torch.zeros(token_ids.shape[0], self.config.hidden_size)
-        state[:, 0] = token_ids * 0.6180339  # (Ouro-shaped: no prelude layers, so no context here)
+        state[:, 0] = token_ids * 0.6180339  # (the context, built for Huginn's prelude blocks, goes unread)
+        inject = state.clone() if self.config.arch == HUGINN else None  # (Huginn: an injection row per token)
         self._timed(t0)
-        return state, None
+        return state, inject
 
     def core_step(self, state, inject, ctx):
         t0 = time.process_time()
@@ -127,6 +136,7 @@ class HostPoint:
     width: int
     context: int
     output_kind: str = "cumulative"
+    arch: str = "ouro"  # the null model's shape (`NULL_SPECS`)
     stages: dict[str, StageCost] = field(default_factory=dict)
     mean_exit_depth: float = 0.0
     # every decode tick in order: (host seconds, [(stage, rows) of each batch it ran]); for the projection
@@ -140,7 +150,7 @@ class HostPoint:
 
     def as_dict(self) -> dict[str, Any]:
         return {"scheduler": self.scheduler, "width": self.width, "context": self.context,
-                "output_kind": self.output_kind,
+                "output_kind": self.output_kind, "arch": self.arch,
                 "mean_exit_depth": self.mean_exit_depth,
                 "stages": {s: c.as_dict() for s, c in sorted(self.stages.items())},
                 **({"host_cpu_us_runs": self.runs} if self.runs else {})}
@@ -164,16 +174,17 @@ def measure(scheduler: str, width: int, context: int, loaded: LoadedModel, seed:
     engine = null_engine(scheduler, width, context, loaded, output_len)
     model = engine.model
     assert isinstance(model, NullLM)
+    arch = "huginn" if loaded.config.arch == HUGINN else "ouro"  # (the `NULL_SPECS` name)
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True, exit_policy="gate",
                             exit_threshold=0.5, output_kind=RequestOutputKind[output_kind.upper()])
     for i in range(width):
-        ids = torch.randint(1, NULL_SPEC.vocab_size, (context,), generator=gen).tolist()
+        ids = torch.randint(1, loaded.config.vocab_size, (context,), generator=gen).tolist()
         engine.add_request(f"h{i}", ids, params)
     records: list[StageRecord] = []
     engine.stage_hooks.append(records.append)
     gc.collect()  # earlier points' garbage is not this point's host time
-    point = HostPoint(scheduler, width, context, output_kind)
+    point = HostPoint(scheduler, width, context, output_kind, arch)
     with torch.inference_mode():
         while engine.has_unfinished_requests():
             records.clear()
@@ -197,7 +208,7 @@ def measure(scheduler: str, width: int, context: int, loaded: LoadedModel, seed:
 
 def run(widths: list[int], contexts: list[int], schedulers: list[str], progress: bool = True,
         output_kinds: tuple[str, ...] = ("cumulative",), output_len: int = OUTPUT_TOKENS,
-        repeats: int = 1) -> list[HostPoint]:
+        repeats: int = 1, arch: str = "ouro") -> list[HostPoint]:
     """Every point, side by side; with `repeats` > 1 the whole grid runs that many rounds and each point is
     its fastest run (least host time in all: on a shared machine noise only adds), its runs' per-stage
     figures kept in `HostPoint.runs`."""
@@ -205,7 +216,7 @@ def run(widths: list[int], contexts: list[int], schedulers: list[str], progress:
             for kind in output_kinds]
     runs: dict[tuple[str, int, int, str], list[HostPoint]] = {key: [] for key in grid}
     with tempfile.TemporaryDirectory() as tmp:
-        loaded = load_model(make_tiny(Path(tmp) / "null", NULL_SPEC), "float32", "cpu", "zero")  # its tokenizer
+        loaded = load_model(make_tiny(Path(tmp) / "null", NULL_SPECS[arch]), "float32", "cpu", "zero")  # (tokenizer)
         for sched in schedulers:  # warm-up, discarded: first calls pay one-time costs (dispatch, caches)
             measure(sched, 8, 16, loaded)
         for _ in range(repeats):
