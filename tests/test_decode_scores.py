@@ -81,6 +81,29 @@ def test_bfloat16_and_attention_outputs_use_the_gather():
     torch.testing.assert_close(in_place, attend_decode(q32, kv32, index, visible))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_gathered_scores_in_slices_of_keys_are_the_same(dtype, monkeypatch):
+    """Where the keys are gathered (bfloat16 here; on CUDA always), a batch whose keys exceed GATHER_ELEMENTS
+    gathers and multiplies them a slice at a time, with the scores of one gather (to rounding: the product's
+    kernel for other shapes may sum a dot product in another order)."""
+    from loopserve.cache import pool
+
+    kv = _store(dtype)
+    kv._reads_keys_in_place = False  # (float64: force the gather)
+    index, visible = _reads(kv, 5, 40)
+    q = torch.randn(5, 4, 16).to(dtype)
+    whole = kv.scores(q, index, visible, 16 ** -0.5)
+    monkeypatch.setattr(pool, "GATHER_ELEMENTS", 2 * 5 * 16 * 7)  # 7 keys a slice: 6 slices, the last of 5
+    gathered: list[int] = []
+    keys = kv.keys
+    monkeypatch.setattr(kv, "keys", lambda index: gathered.append(index.shape[-1]) or keys(index))
+    sliced = kv.scores(q, index, visible, 16 ** -0.5)
+    assert gathered == [7] * 5 + [5]
+    assert sliced.shape == whole.shape == (2, 5, 2, 40)
+    assert torch.equal(sliced.isneginf(), whole.isneginf())
+    torch.testing.assert_close(sliced, whole)
+
+
 @settings(max_examples=25, deadline=None)
 @given(rows=st.integers(1, 6), length=st.integers(1, 50), pad=st.integers(0, 30), seed=st.integers(0, 1000))
 def test_a_rows_scores_do_not_depend_on_its_batch(rows, length, pad, seed):

@@ -21,6 +21,8 @@ from loopserve.cache import scores
 from loopserve.cache.layout import IN_FLIGHT
 from loopserve.device import upload
 
+GATHER_ELEMENTS = 1 << 26  # key elements a decode score call gathers at once (128 MiB of bfloat16)
+
 
 class KVStore:
     """K and V as [kv_heads, slots, rows, head_dim] (head-major): a gather of key rows comes out as
@@ -87,10 +89,18 @@ class KVStore:
         if self._reads_keys_in_place and q.dtype == self.k.dtype and not q.requires_grad:
             return self._scores_in_place(q, index, visible, scale)
         n, nh, d = q.shape
-        nkv = index.shape[0]
+        nkv, length = index.shape[0], index.shape[-1]
         qg = q.reshape(n, nkv, nh // nkv, d).transpose(0, 1)  # [nkv, N, g, d]: the query heads of a kv head
-        out = torch.matmul(qg, self.keys(index).transpose(-1, -2)) * scale
-        return out.masked_fill(~visible[None, :, None], float("-inf"))
+        # gathered a slice of keys at a time, at most GATHER_ELEMENTS numbers: whole, Ouro-1.4B's K at width 256
+        # and 4k keys would be 4.3 GB per layer call, more than a device keeps beside its KV pool (each score is
+        # its own dot product; a product of other shapes may sum it in another order: rounding, as any batch mix)
+        step = max(1, GATHER_ELEMENTS // max(nkv * n * d, 1))
+        if step >= length:
+            out = torch.matmul(qg, self.keys(index).transpose(-1, -2))
+        else:
+            out = torch.cat([torch.matmul(qg, self.keys(index[..., a:a + step]).transpose(-1, -2))
+                             for a in range(0, length, step)], dim=-1)
+        return (out * scale).masked_fill(~visible[None, :, None], float("-inf"))
 
     def compile_scores(self) -> None:
         """Compile the in-place scores pass for this store's dtype (or load it from numba's cache), so that no
