@@ -20,9 +20,9 @@ from loopserve.engine.sampler import (
     nucleus,
     sample_batch,
     sample_one,
-    uniforms,
     unpack,
 )
+from loopserve.random_streams import uniforms
 from tests.engine_helpers import check_finite_rows
 
 pytestmark = pytest.mark.usefixtures("single_thread")

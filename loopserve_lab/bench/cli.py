@@ -686,11 +686,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", default="inductor", help="torch.compile backend (eager, aot_eager: plumbing only)")
     p.set_defaults(func=cmd_compile)
 
+    from loopserve_lab.bench.host import NULL_SPECS
+
     p = bsub.add_parser("host", help="engine host time per tick with model compute taken out (a null model)")
     p.add_argument("--widths", type=_ints, default=[32, 128, 256, 512])
     p.add_argument("--contexts", type=_ints, default=[128, 1024, 4096])
     p.add_argument("--schedulers", default="cb,cdb")
-    p.add_argument("--arch", default="ouro", choices=("ouro", "huginn"),
+    p.add_argument("--arch", default="ouro", choices=tuple(NULL_SPECS),
                    help="the null model's shape: ouro (prelude and coda without layers) or huginn (prelude and coda "
                         "blocks: contexts built for them, an injection row per token, codas batched by width/4)")
     p.add_argument("--output-kinds", default="cumulative",
