@@ -1,25 +1,20 @@
 #!/usr/bin/env bash
 # The engine's device check, sized for a lent GPU: at most BUDGET seconds (540 by default) of a 15-minute lease.
-# Steps, most telling first:
+# Steps, most telling first (docs/benchmarks.md §6.2 holds the last lease's figures to compare with):
 # - the CUDA tests: exactness against the reference decoder on the device (eager, and with the default graphs) and
 #   no host-device sync while planning or queueing;
-# - CB vs CDB throughput on ouro-bench with graphs (the default on CUDA). With graphs a tick's cost was nearly
-#   fixed, and CDB's extra coda and prelude ticks ate its gain (docs/benchmarks.md §6.1); each run now reports its
-#   graph captures' time apart;
-# - does the gain come back at a real model's size, where a core step has work to do? CB vs CDB with graphs at
-#   Ouro-1.4B's shapes (random weights, `ouro-1.4b-shape`: about a minute to write its 5.4 GB checkpoint, which
-#   the later 1.4B steps reuse), then that core step's own time as graph replays, against the roofline (eager,
-#   on the first lease, it took 17-38x the roofline that `bench host`'s device-idle projection assumes);
-# - ouro-bench's graphs with codas batched (`--min-coda-batch 8`) and without async codas (on by default on CUDA;
-#   eager, they added ticks and cost 8-17 %);
-# - Huginn-like with graphs at `--min-prelude-batch` 1 and 8: fuller prelude batches were no win on the CPU
-#   (§8.25), but its eager prelude calls are launch-bound on a GPU;
-# - eager again (`--no-cuda-graphs`: §6.1's throughput run, now with fused norms; the 1.4B core step eager; each
-#   point of it fills a random KV store of batch x context rows on the host, so the grid stays small);
-# - the overlap ablation (one schedule, exit signals read at once vs pipelined), now with graphs: eager on the
-#   first lease, where a launch-bound host had nothing to overlap;
-# - last, the device's busy share of the wall time in CB and CDB runs at Ouro-1.4B's shapes with graphs
-#   (`--device-busy`: profiler kernel records), the measured counterpart of that projection.
+# - CB vs CDB with graphs at Ouro-1.4B's shapes (random weights, `ouro-1.4b-shape`: about a minute to write its
+#   5.4 GB checkpoint, which the later 1.4B steps reuse). On the last lease CDB refill gained 1.19x (1.36x without
+#   the graph captures); since then a norm launches no casts (two kernels fewer per norm, eight per layer);
+# - the overlap ablation at that size, interleaved: on `ouro-bench` async codas cost 16-24 % under graphs, while the
+#   separate throughput runs disagreed; this A/B decides the default;
+# - that core step's own time as graph replays against the roofline (a small grid: the last lease's larger one did
+#   not finish in 90 s, since each point fills a random KV store of batch x context rows on the host);
+# - the device's busy share of the wall time in CB and CDB runs at that size (`--device-busy`: 52 % on the last
+#   lease, with a core step of some thousand small kernels);
+# - `ouro-bench` with graphs, where a tick is all host path (comparable across leases);
+# - Huginn-like with graphs at `--min-prelude-batch 8` (better than 1 on the last lease);
+# - last, eager `ouro-bench` (`--no-cuda-graphs`, §6.1/§6.2's eager runs).
 # Every throughput and ablation step names --cuda-graphs or --no-cuda-graphs: unset, graphs are on for CUDA since
 # 2026-12-04 (step-latency times eager steps unless given its own --cuda-graphs).
 # Each step runs under its own time limit and is skipped once the script has used BUDGET seconds, so one slow
@@ -53,36 +48,26 @@ step() {  # step NAME LIMIT_S COMMAND...: output to $OUT/NAME.log; skipped once 
   $PY -c "import torch; print('torch', torch.__version__, torch.version.cuda)"
   git rev-parse --short HEAD 2>/dev/null; } | tee "$OUT/machine.txt"
 step tests 120 $PY -m pytest -q -p no:cacheprovider -o addopts="" tests/test_cuda.py tests/test_pipeline.py
-step cuda-graphs 90 $PY -m loopserve.cli bench throughput --model ouro-bench --device cuda --dtype bfloat16 \
-    --workload alpaca --num-requests 128 --mean-depth 2.5 --sweep width --widths 32,128 --repeats 1 --cuda-graphs \
-    --no-progress --out "$OUT/cuda-graphs"
 step graphs-ouro-1.4b-shape 150 $PY -m loopserve.cli bench throughput --model ouro-1.4b-shape --device cuda \
     --dtype bfloat16 --workload alpaca --num-requests 64 --mean-depth 2.5 --sweep width --widths 32 --repeats 1 \
     --cuda-graphs --no-progress --out "$OUT/graphs-ouro-1.4b-shape"
-step step-latency-ouro-1.4b-shape-graphs 90 $PY -m loopserve.cli bench step-latency --model ouro-1.4b-shape \
-    --device cuda --dtype bfloat16 --kv-layout shared --contexts 256,1024 --batches 1,8,32,64 --reps 5 --cuda-graphs \
+step overlap-ouro-1.4b-shape 120 $PY -m loopserve.cli bench ablate overlap --model ouro-1.4b-shape --device cuda \
+    --dtype bfloat16 --num-requests 64 --width 32 --repeats 2 --cuda-graphs --no-progress \
+    --out "$OUT/overlap-ouro-1.4b-shape"
+step step-latency-ouro-1.4b-shape-graphs 150 $PY -m loopserve.cli bench step-latency --model ouro-1.4b-shape \
+    --device cuda --dtype bfloat16 --kv-layout shared --contexts 256,1024 --batches 1,32 --reps 5 --cuda-graphs \
     --no-progress --out "$OUT/step-latency-ouro-1.4b-shape-graphs"
-step cuda-graphs-mincoda8 90 $PY -m loopserve.cli bench throughput --model ouro-bench --device cuda --dtype bfloat16 \
-    --workload alpaca --num-requests 128 --mean-depth 2.5 --sweep width --widths 32,128 --repeats 1 --cuda-graphs \
-    --min-coda-batch 8 --no-progress --out "$OUT/cuda-graphs-mincoda8"
-step cuda-graphs-sync-coda 60 $PY -m loopserve.cli bench throughput --model ouro-bench --device cuda --dtype bfloat16 \
-    --workload alpaca --num-requests 128 --mean-depth 2.5 --sweep width --widths 32,128 --repeats 1 --cuda-graphs \
-    --no-async-coda --no-progress --out "$OUT/cuda-graphs-sync-coda"
-for floor in 1 8; do
-    step huginn-graphs-minprelude$floor 60 $PY -m loopserve.cli bench throughput --model huginn-bench --device cuda \
-        --dtype bfloat16 --workload alpaca --scale 0.5 --num-requests 64 --mean-depth 10 --kv-layout shared \
-        --sweep width --widths 32 --repeats 1 --cuda-graphs --min-prelude-batch $floor --no-progress \
-        --out "$OUT/huginn-graphs-minprelude$floor"
-done
-step throughput 120 $PY -m loopserve.cli bench throughput --model ouro-bench --device cuda --dtype bfloat16 \
-    --workload alpaca --num-requests 128 --mean-depth 2.5 --sweep width,full-depth --widths 32,128 --width 128 \
-    --repeats 1 --no-cuda-graphs --no-progress --out "$OUT"
-step step-latency-ouro-1.4b-shape 150 $PY -m loopserve.cli bench step-latency --model ouro-1.4b-shape --device cuda \
-    --dtype bfloat16 --kv-layout shared --contexts 256,1024 --batches 1,8,32,64 --reps 5 --no-progress \
-    --out "$OUT/step-latency-ouro-1.4b-shape"
-step overlap 120 $PY -m loopserve.cli bench ablate overlap --model ouro-bench --device cuda --dtype bfloat16 \
-    --num-requests 128 --width 64 --repeats 2 --cuda-graphs --no-progress --out "$OUT"
 step busy-ouro-1.4b-shape 150 $PY -m loopserve.cli bench throughput --model ouro-1.4b-shape --device cuda \
     --dtype bfloat16 --workload alpaca --num-requests 32 --mean-depth 2.5 --sweep width --widths 32 --repeats 1 \
     --cuda-graphs --device-busy --no-progress --out "$OUT/busy-ouro-1.4b-shape"
+step cuda-graphs 90 $PY -m loopserve.cli bench throughput --model ouro-bench --device cuda --dtype bfloat16 \
+    --workload alpaca --num-requests 128 --mean-depth 2.5 --sweep width --widths 32,128 --repeats 1 --cuda-graphs \
+    --no-progress --out "$OUT/cuda-graphs"
+step huginn-graphs-minprelude8 60 $PY -m loopserve.cli bench throughput --model huginn-bench --device cuda \
+    --dtype bfloat16 --workload alpaca --scale 0.5 --num-requests 64 --mean-depth 10 --kv-layout shared \
+    --sweep width --widths 32 --repeats 1 --cuda-graphs --min-prelude-batch 8 --no-progress \
+    --out "$OUT/huginn-graphs-minprelude8"
+step throughput 120 $PY -m loopserve.cli bench throughput --model ouro-bench --device cuda --dtype bfloat16 \
+    --workload alpaca --num-requests 128 --mean-depth 2.5 --sweep width,full-depth --widths 32,128 --width 128 \
+    --repeats 1 --no-cuda-graphs --no-progress --out "$OUT"
 if [[ -n "${PACK:-}" ]]; then tar czf "$PACK" -C "$OUT" .; fi
