@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from loopserve.model_config import HUGINN, OURO, ModelConfig
+from loopserve.models.base import LoopedLM
 from loopserve.models.huginn import RavenForCausalLM
 from loopserve.models.ouro import OuroForCausalLM
 from loopserve_lab.tokenization.build import byte_level_tokenizer, write_tokenizer_files
@@ -108,10 +109,10 @@ def write_hf_config(out: Path, raw: dict) -> None:
         shutil.copyfile(HF_CODE_DIR / f"{module}.py", out / f"{module}.py")
 
 
-def _random_weights(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
+def _random_weights(model: LoopedLM, seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     out = {}
-    for name, p in model.named_parameters():
+    for name, p in model.checkpoint_tensors().items():  # (the checkpoint's names: q, k, v apart)
         if name.endswith("norm.weight") or "norm_" in name or "layernorm" in name:
             t = 1 + 0.1 * torch.randn(p.shape, generator=g)
         elif "embed" in name or "wte" in name:

@@ -82,7 +82,7 @@ def test_make_tiny_ouro_names_and_shapes_are_upstream(tmp_path, layers, n_kv):
     assert (c.arch, c.n_prelude, c.n_core, c.n_coda, c.r_max) == ("OuroForCausalLM", 0, n_layers, 0, 3)
     # what was written is what was loaded
     weights = load_file(str(folder / "model.safetensors"))
-    for name, p in lm.model.named_parameters():
+    for name, p in lm.model.checkpoint_tensors().items():
         assert torch.equal(p, weights[name]), name
 
 
@@ -108,7 +108,7 @@ def test_make_tiny_huginn_names_and_shapes_are_upstream(tmp_path, layers):
     assert torch.allclose(weights["freqs_cis"], ref, atol=1e-4)
     lm = load_model(folder)
     assert (lm.config.n_prelude, lm.config.n_core, lm.config.n_coda, lm.config.head_dim) == (p, c, d, hd)
-    for name, t in lm.model.named_parameters():
+    for name, t in lm.model.checkpoint_tensors().items():
         assert torch.equal(t, weights[name]), name
 
 

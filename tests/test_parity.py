@@ -116,6 +116,32 @@ def _step_states(model, ids: list[int], steps: int):
 
 
 @pytest.mark.parametrize("fixture", ["tiny_ouro", "tiny_ouro_gqa"])
+def test_ouro_stacked_projections_in_one_matmul_match_upstream(request, fixture, monkeypatch):
+    """An accelerator multiplies q, k and v (and gate and up) as one matmul on the stacked weight; the CPU part
+    by part. That path, forced here on the CPU, still matches upstream in float64 to rounding."""
+    from loopserve.models import layers
+
+    monkeypatch.setattr(layers, "PER_PART_DEVICES", ())
+    _compare(request.getfixturevalue(fixture), "float64", 3)
+
+
+def test_stacked_linear_gives_each_part_in_one_matmul_or_part_by_part(monkeypatch):
+    from loopserve.models import layers
+
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(6, 16, generator=g, dtype=torch.float64), torch.randn(40, 16, generator=g, dtype=torch.float64)
+    want = [x @ w[:24].T, x @ w[24:32].T, x @ w[32:].T]
+    per_part = layers.stacked_linear(x, w, [24, 8, 8])
+    assert per_part[0]._base is None  # a product of its own
+    monkeypatch.setattr(layers, "PER_PART_DEVICES", ())
+    one = layers.stacked_linear(x, w, [24, 8, 8])
+    assert one[0]._base is not None and one[0]._base.shape == (6, 40)  # views of one product
+    for parts in (per_part, one):
+        assert [tuple(p.shape) for p in parts] == [(6, 24), (6, 8), (6, 8)]
+        assert all(torch.allclose(p, q, rtol=0, atol=1e-12) for p, q in zip(parts, want, strict=True))
+
+
+@pytest.mark.parametrize("fixture", ["tiny_ouro", "tiny_ouro_gqa"])
 @pytest.mark.parametrize("dtype,tol", [("float64", 1e-10), ("float32", 1e-4)])
 def test_ouro_gate_cdf_matches_upstream(request, fixture, dtype, tol):
     path = request.getfixturevalue(fixture)

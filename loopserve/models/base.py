@@ -19,6 +19,25 @@ class LoopedLM(nn.Module):
     config: ModelConfig
     has_gate: bool = False
 
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the model's checkpoint by its name there, in parameter order: a parameter, or the
+        rows of one that stacks tensors a checkpoint stores apart (a submodule's `stacked`: {its parameter:
+        ((checkpoint tensor, rows), ...)}, e.g. q, k and v in one projection, one matmul a call). Views:
+        copying into one loads that part of the parameter."""
+        parts: dict[str, tuple[tuple[str, int], ...]] = {}
+        for prefix, module in self.named_modules():
+            at = f"{prefix}." if prefix else ""
+            for own, pieces in getattr(module, "stacked", {}).items():
+                parts[at + own] = tuple((at + name, rows) for name, rows in pieces)
+        out = {}
+        for name, p in self.named_parameters():
+            start = 0
+            for piece, rows in parts.get(name, ((name, p.shape[0]),)):
+                out[piece] = p if piece == name else p[start:start + rows]
+                start += rows
+            assert start == p.shape[0], f"{name}: its stacked parts have {start} rows, it has {p.shape[0]}"
+        return out
+
     def prelude(self, token_ids: torch.Tensor, ctx: ForwardContext | None,
                 state_seeds: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns (initial loop state, per-step injection or None). `ctx` may be None for a model without

@@ -27,11 +27,23 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x * rsqrt(mean(x^2) + eps) in fp32 or wider: torch's rms_norm is one fused kernel on CUDA from torch
-        # 2.8 (five launches fewer per norm; Ouro runs four norms a layer) and on the CPU the same ops, bit for
-        # bit, as writing them out
-        xf = F.rms_norm(x.to(compute_dtype(x.dtype)), (x.shape[-1],), eps=self.eps)
-        return self.weight * xf.to(x.dtype)  # cast back before the weight, as upstream does
+        # x * rsqrt(mean(x^2) + eps) in fp32 or wider, cast back to x's dtype: torch's rms_norm computes a bf16
+        # input in fp32 itself, as one fused kernel on CUDA from torch 2.8 (so no launches for the casts either:
+        # Ouro runs four norms a layer) and on the CPU as the same ops, bit for bit, as writing them out
+        return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)  # the weight after the cast, as upstream
+
+
+PER_PART_DEVICES = ("cpu",)  # device types where `stacked_linear` multiplies part by part
+
+
+def stacked_linear(x: torch.Tensor, weight: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """x @ weight.T in parts of `sizes` output features: the parts of a stacked projection (q, k and v; gate and
+    up). On an accelerator one matmul (one kernel instead of one a part: a decode core step is launch-bound
+    there, docs/benchmarks.md §6.2); on the CPU one a part, on that part's rows of the weight (contiguous: no
+    copy), where oneDNN ran the stacked shapes at widths 8-32 in float32 2-10 % slower (§8.27)."""
+    if x.device.type in PER_PART_DEVICES:
+        return [F.linear(x, w) for w in weight.split(sizes)]
+    return list(F.linear(x, weight).split(sizes, dim=-1))
 
 
 def rope_angles(ctx: ForwardContext, head_dim: int, theta: float, dtype: torch.dtype):

@@ -180,7 +180,7 @@ def load_model(model: str | Path, dtype: str = "float32", device: str = "cpu", s
     finally:
         torch.set_default_dtype(default_dtype)
     net = net.to_empty(device=device)
-    params = dict(net.named_parameters())
+    params = net.checkpoint_tensors()  # (views: a stacked parameter loads part by part)
     handles = {f: _open(f) for f in set(files.values())}
     held = {f: set(h.keys()) for f, h in handles.items()}
     index = folder / "model.safetensors.index.json"

@@ -2,7 +2,8 @@
 
 prelude = embedding; core step = all L layers (4 RMSNorms each, residual after the post-norm),
 then `model.norm`, whose output is both the readout and the next step's input; coda = lm_head;
-exit gate = Linear(H, 1) with bias on the normed state. Parameter names match the HF checkpoint.
+exit gate = Linear(H, 1) with bias on the normed state. Parameter names match the HF checkpoint but for the
+stacked projections (q/k/v and gate/up, one matmul each: `LoopedLM.checkpoint_tensors` maps them).
 """
 
 from __future__ import annotations
@@ -14,23 +15,32 @@ from torch import nn
 from loopserve.model_config import ModelConfig
 from loopserve.models.base import LoopedLM
 from loopserve.models.context import ForwardContext
-from loopserve.models.layers import RMSNorm, compute_dtype, paged_attention, rope_angles, rope_rotate_half
+from loopserve.models.layers import (
+    RMSNorm,
+    compute_dtype,
+    paged_attention,
+    rope_angles,
+    rope_rotate_half,
+    stacked_linear,
+)
 
 
 class OuroAttention(nn.Module):
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()
         self.c = c
-        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        # the checkpoint's q, k and v projections stacked (`stacked_linear`)
+        self.qkv_proj = nn.Linear(c.hidden_size, q + 2 * kv, bias=False)
+        self.stacked = {"qkv_proj.weight": (("q_proj.weight", q), ("k_proj.weight", kv), ("v_proj.weight", kv))}
+        self.qkv_sizes = [q, kv, kv]
+        self.o_proj = nn.Linear(q, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
         c, n = self.c, x.shape[0]
-        qk = torch.cat([self.q_proj(x).view(n, c.num_heads, c.head_dim),
-                        self.k_proj(x).view(n, c.num_kv_heads, c.head_dim)], dim=1)
-        v = self.v_proj(x).view(n, c.num_kv_heads, c.head_dim)
+        q, k, v = stacked_linear(x, self.qkv_proj.weight, self.qkv_sizes)
+        qk = torch.cat([q.view(n, c.num_heads, c.head_dim), k.view(n, c.num_kv_heads, c.head_dim)], dim=1)
+        v = v.view(n, c.num_kv_heads, c.head_dim)
         cos, sin = rope_angles(ctx, c.head_dim, c.rope_theta, x.dtype)
         # one rotation for the query and key heads together: per element the same math, half the ops
         q, k = rope_rotate_half(qk, cos, sin).split([c.num_heads, c.num_kv_heads], dim=1)
@@ -40,12 +50,15 @@ class OuroAttention(nn.Module):
 class OuroMLP(nn.Module):
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        i = c.intermediate_size
+        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * i, bias=False)  # the checkpoint's gate and up, stacked
+        self.stacked = {"gate_up_proj.weight": (("gate_proj.weight", i), ("up_proj.weight", i))}
+        self.gate_up_sizes = [i, i]
+        self.down_proj = nn.Linear(i, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = stacked_linear(x, self.gate_up_proj.weight, self.gate_up_sizes)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class OuroLayer(nn.Module):

@@ -139,7 +139,7 @@ def model_hf_config(cfg: TrainConfig) -> dict:
 def init_weights(model: OuroForCausalLM, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in model.checkpoint_tensors().items():  # (the checkpoint's names: q, k, v apart)
             if p.dim() == 1 and "norm" in name:
                 p.fill_(1.0)
             elif "gate" in name and "gate_proj" not in name:  # exit gates start neutral: lambda = 1/2
@@ -254,7 +254,7 @@ def bf16_round(model: torch.nn.Module) -> None:
 
 def save_folder(model: OuroForCausalLM, raw: dict, tok, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {n: p.detach().to(torch.bfloat16).contiguous() for n, p in model.named_parameters()}
+    tensors = {n: p.detach().to(torch.bfloat16).contiguous() for n, p in model.checkpoint_tensors().items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     write_hf_config(out, raw)
     gen = {"bos_token_id": raw["bos_token_id"], "eos_token_id": [0, 2]}
