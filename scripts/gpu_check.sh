@@ -8,8 +8,8 @@
 #   the graph captures); since then a norm launches no casts (two kernels fewer per norm, eight per layer);
 # - the overlap ablation at that size, interleaved: on `ouro-bench` async codas cost 16-24 % under graphs, while the
 #   separate throughput runs disagreed; this A/B decides the default;
-# - that core step's own time as graph replays against the roofline (a small grid: the last lease's larger one did
-#   not finish in 90 s, since each point fills a random KV store of batch x context rows on the host);
+# - that core step's own time as graph replays against the roofline (the last lease's grid did not finish in 90 s:
+#   each point drew its random KV, up to 6.4G numbers, on the host; now drawn on the device);
 # - the device's busy share of the wall time in CB and CDB runs at that size (`--device-busy`: 52 % on the last
 #   lease, with a core step of some thousand small kernels);
 # - `ouro-bench` with graphs, where a tick is all host path (comparable across leases);
@@ -55,7 +55,7 @@ step overlap-ouro-1.4b-shape 120 $PY -m loopserve.cli bench ablate overlap --mod
     --dtype bfloat16 --num-requests 64 --width 32 --repeats 2 --cuda-graphs --no-progress \
     --out "$OUT/overlap-ouro-1.4b-shape"
 step step-latency-ouro-1.4b-shape-graphs 150 $PY -m loopserve.cli bench step-latency --model ouro-1.4b-shape \
-    --device cuda --dtype bfloat16 --kv-layout shared --contexts 256,1024 --batches 1,32 --reps 5 --cuda-graphs \
+    --device cuda --dtype bfloat16 --kv-layout shared --contexts 256,1024 --batches 1,8,32,64 --reps 5 --cuda-graphs \
     --no-progress --out "$OUT/step-latency-ouro-1.4b-shape-graphs"
 step busy-ouro-1.4b-shape 150 $PY -m loopserve.cli bench throughput --model ouro-1.4b-shape --device cuda \
     --dtype bfloat16 --workload alpaca --num-requests 32 --mean-depth 2.5 --sweep width --widths 32 --repeats 1 \

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -473,6 +474,22 @@ def test_step_latency_points_and_fit(bench_cache, single_thread):
     assert res["cuda_graphs"] is False
     with pytest.raises(ValueError, match="cuda_graphs"):  # replays need the model on a CUDA device
         step_latency(bm.model, [1, 4], [8], reps=1, progress=False, cuda_graphs=True)
+
+
+def test_step_latency_store_is_random_but_its_zero_row(bench_cache, single_thread):
+    """The probe's KV is drawn where the store lives (a lent GPU's minutes went to drawing GBs on the host);
+    the row that masked keys read stays zero, and every token is at full depth."""
+    from loopserve_lab.bench.harness import BenchModel
+    from loopserve_lab.bench.step_latency import random_store
+
+    bm = BenchModel.load("micro-ouro", "bfloat16")
+    kv = random_store(bm.model, 40, seed=3)
+    for t in (kv.k, kv.v):
+        assert t.dtype == torch.bfloat16 and not t[:, :, kv.zero_row].any()
+        rows = t[:, :, :kv.zero_row].float()
+        assert rows.isfinite().all() and 0.8 < float(rows.std()) < 1.2 and abs(float(rows.mean())) < 0.1
+    assert not torch.equal(kv.k, kv.v) and torch.equal(kv.k, random_store(bm.model, 40, seed=3).k)
+    assert bool((kv.depth == bm.model.config.r_max).all())
 
 
 def test_ouro_1_4b_shape_preset_has_the_released_shapes():

@@ -69,9 +69,13 @@ def random_store(model: Any, rows: int, layout: str = "shared", seed: int = 0) -
     p = next(model.parameters())
     lay = KVLayout(layout, c.n_prelude, c.n_core, c.n_coda, c.r_max)
     kv = KVStore(rows, lay.slots_per_token, c.num_kv_heads, c.head_dim, p.dtype, p.device)
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    kv.k.copy_(torch.randn(kv.k.shape, generator=g).to(kv.k))
-    kv.v.copy_(torch.randn(kv.v.shape, generator=g).to(kv.v))
+    # drawn where the store lives, in its dtype: at Ouro-1.4B's shapes, batch 64 and context 1k, K and V are 6.4G
+    # numbers, which drawn on the host in fp32 and copied up took most of a GPU lease's minute per point
+    g = torch.Generator(device=kv.k.device).manual_seed(seed)
+    kv.k.normal_(generator=g)
+    kv.v.normal_(generator=g)
+    kv.k[:, :, kv.zero_row] = 0  # (the row masked keys read stays zero, as in an engine's store)
+    kv.v[:, :, kv.zero_row] = 0
     kv.depth.fill_(c.r_max)
     return kv
 
