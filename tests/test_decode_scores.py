@@ -237,3 +237,34 @@ assert len(scores._scores.signatures) == 1, scores._scores.signatures
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads", [2, 6])
+def test_fused_decode_attention_equals_the_separate_ops(dtype, tol, heads, monkeypatch):
+    """CUDA's decode attention (K and V gathered, one fused attention call per slice of rows), forced here on the
+    CPU: the same outputs as scores, softmax and the weighted sum of V apart; a row that sees no key gets zeros;
+    rows sliced to bound the gather give the whole call's result."""
+    from loopserve.cache import pool
+    from loopserve.models import layers
+
+    kv = _store(dtype)
+    index, visible = _reads(kv, 7, 40, seed=2)
+    visible[3] = False  # a passive row: reads only the zero row
+    index[:, 3] = kv.index(0, torch.tensor(kv.zero_row))[:, None]
+    q = torch.randn(7, heads, 16, generator=torch.Generator().manual_seed(4)).to(dtype)
+    apart = layers.attend_decode(q, kv, index, visible)
+    monkeypatch.setattr(layers, "SDPA_DECODE_DEVICES", ("cpu",))
+    gathered: list[int] = []
+    keys = kv.keys
+    monkeypatch.setattr(kv, "keys", lambda index: gathered.append(index.shape[1]) or keys(index))
+    fused = layers.attend_decode(q, kv, index, visible)
+    assert gathered == [7]  # one slice: the fused path ran
+    assert fused.shape == apart.shape == (7, heads * 16) and fused.dtype == dtype
+    assert not fused[3].any() and not apart[3].any()
+    torch.testing.assert_close(fused, apart, atol=tol, rtol=tol)
+    monkeypatch.setattr(pool, "GATHER_ELEMENTS", 2 * 40 * 16 * 3)  # 3 rows a slice: 3, 3, 1
+    gathered.clear()
+    sliced = layers.attend_decode(q, kv, index, visible)
+    assert gathered == [3, 3, 1]
+    torch.testing.assert_close(sliced, fused, atol=tol, rtol=tol)

@@ -89,6 +89,32 @@ def test_matrix_matches_reference(arch, scheduler, layout, policy, tiny_ouro, ti
     assert engine.stats.preemptions > 0 and engine.stats.swap_ins > 0
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("scheduler", ["cb", "cdb"])
+@pytest.mark.parametrize("arch", ["ouro", "huginn"])
+def test_accelerator_paths_on_the_cpu_match_the_reference(arch, scheduler, layout, tiny_ouro, tiny_huginn,
+                                                          monkeypatch):
+    """What runs on CUDA, forced on the CPU: stacked projections as one matmul, decode attention as one fused
+    call over gathered K and V (every layout's read rule feeds its mask and rows), steps and codas padded to
+    graph buckets. Each request still gets the reference decoder's tokens and exit depths (the reference of
+    the CPU's own paths: the accelerator's math is the same attention, to float64 rounding)."""
+    from loopserve.models import layers
+
+    path, state_init = (tiny_ouro, "zero") if arch == "ouro" else (tiny_huginn, "like-init")
+    engine = make_engine(path, state_init, scheduler=scheduler, kv_layout=layout, cuda_graphs=True, **MATRIX_CFG)
+    reqs = matrix_workload(arch, "signal", engine.model_config.r_max)
+    refs = {r.rid: reference(engine, r) for r in reqs}
+    monkeypatch.setattr(layers, "SDPA_DECODE_DEVICES", ("cpu",))
+    monkeypatch.setattr(layers, "PER_PART_DEVICES", ())
+    fused: list[int] = []
+    sdpa = layers._sdpa_decode
+    monkeypatch.setattr(layers, "_sdpa_decode", lambda q, *a: fused.append(len(q)) or sdpa(q, *a))
+    outs = drive(engine, reqs)
+    assert fused  # (the fused attention ran)
+    for r in reqs:
+        assert_matches(outs[r.rid], refs[r.rid])
+
+
 # -- through the public API: LLM(scheduler=s) against LLM(scheduler="reference") ------------------------
 def mixed_params(arch: str, r_max: int) -> list[SamplingParams]:
     signal = ({"exit_threshold": 0.6} if arch.startswith("ouro") else

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loopserve.cache import pool
 from loopserve.cache.pool import KVStore
 from loopserve.models.context import DenseContext, ForwardContext, PrefillGroup
 
@@ -144,15 +145,44 @@ def _group_reads(ctx: ForwardContext, stage: str, g: PrefillGroup) -> tuple[torc
     return index, visible[:, None, :] & (at[None, None, :] <= pos[:, :, None])
 
 
+SDPA_DECODE_DEVICES = ("cuda",)  # device types where decode attention is one fused kernel per slice of rows
+
+
 def attend_decode(q: torch.Tensor, kv: KVStore, index: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     """One query per sequence. q [N, nh, d]; index [nkv, N, L] flat KV indices of each sequence's keys
-    (`KVStore.index`); visible [N, L]. Returns [N, nh * d]. Neither K nor V is copied on the CPU in float32/64:
-    the scores read K in place (`KVStore.scores`), the weighted sum of V reads its rows in place
-    (`KVStore.weighted_values`). A row that sees no key (a passive CB row, discarded) gets zeros."""
+    (`KVStore.index`); visible [N, L]. Returns [N, nh * d]. A row that sees no key (a passive CB row,
+    discarded) gets zeros.
+    On CUDA: K and V gathered, then torch's fused attention (`_sdpa_decode`). Elsewhere neither is copied on
+    the CPU in float32/64: the scores read K in place (`KVStore.scores`), the weighted sum of V reads its rows
+    in place (`KVStore.weighted_values`)."""
+    if q.device.type in SDPA_DECODE_DEVICES:
+        return _sdpa_decode(q, kv, index, visible)
     n, nh, d = q.shape
     scores = kv.scores(q, index, visible, d ** -0.5)  # [nkv, N, g, L]; -inf where not visible
     probs = _softmax_weights(scores, q.dtype)
     return kv.weighted_values(index[:, :, None], probs).transpose(0, 1).reshape(n, nh * d)
+
+
+def _sdpa_decode(q: torch.Tensor, kv: KVStore, index: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """`attend_decode` as one `scaled_dot_product_attention` per slice of rows over their gathered K and V.
+
+    Why: on a GPU a decode core step is kernel-bound (docs/benchmarks.md §6.2), and scores, mask, softmax and
+    the weighted sum of V are about a dozen kernels a layer apart, one fused. The query heads of a KV head
+    attend as that head's queries (no GQA expansion). Rows are independent, so a batch whose K would exceed
+    `pool.GATHER_ELEMENTS` numbers runs a slice of rows at a time; V is gathered too (the in-place weighted
+    sum reads it once; this reads it twice, the price of the fused kernel)."""
+    n, nh, d = q.shape
+    nkv, length = index.shape[0], index.shape[-1]
+    qg = q.view(n, nkv, nh // nkv, d)  # [N, nkv, g, d]
+    mask = visible[:, None, None, :]  # [N, 1, 1, L]: every head and query of a row sees its keys
+    step = max(1, pool.GATHER_ELEMENTS // max(nkv * length * d, 1))
+    outs = []
+    for a in range(0, n, step):
+        rows = index if step >= n else index[:, a:a + step]
+        k, v = kv.keys(rows).transpose(0, 1), kv.values(rows).transpose(0, 1)  # [rows, nkv, L, d]
+        outs.append(F.scaled_dot_product_attention(qg[a:a + step], k, v, attn_mask=mask[a:a + step]))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out.nan_to_num(0.0).reshape(n, nh * d)  # (a row that sees no key: NaN from the kernel, zeros here)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
