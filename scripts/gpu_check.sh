@@ -5,8 +5,8 @@
 #   no host-device sync while planning or queueing;
 # - CB vs CDB with graphs at Ouro-1.4B's shapes (random weights, `ouro-1.4b-shape`: about a minute to write its
 #   5.4 GB checkpoint, which the later 1.4B steps reuse). On the last lease CDB refill gained 1.19x (1.36x without
-#   the graph captures); since then a layer launches about 38 kernels instead of 55 (norms without casts, stacked
-#   projections, decode attention as one fused call: docs/benchmarks.md §8.27), so compare the decode rates;
+#   the graph captures); since then a layer launches about 35 kernels instead of 55 (norms without casts, stacked
+#   projections, decode attention as one fused call, a shorter rotary embedding: docs/benchmarks.md §8.27), so compare the decode rates;
 # - the overlap ablation at that size, interleaved: on `ouro-bench` async codas cost 16-24 % under graphs, while the
 #   separate throughput runs disagreed; this A/B decides the default;
 # - that core step's own time as graph replays against the roofline (the last lease's grid did not finish in 90 s:

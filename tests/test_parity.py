@@ -223,3 +223,31 @@ def test_rms_norm_is_upstreams_formula_bit_for_bit_on_the_cpu(dtype):
     xf = x.to(torch.promote_types(dtype, torch.float32))
     want = norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
     assert torch.equal(norm(x), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("style", ["half", "interleaved"])
+def test_rope_is_the_pair_rotation_written_out_bit_for_bit(dtype, style):
+    """`rope` (x * cos + partner(x) * sin on whole-width tables) gives exactly the pair rotation written out:
+    pairs (i, i + d/2) for Ouro, (2i, 2i + 1) for Huginn, in fp32 or wider."""
+    from types import SimpleNamespace
+
+    from loopserve.models.layers import compute_dtype, rope, rope_angles
+
+    g = torch.Generator().manual_seed(7)
+    positions = torch.randint(0, 4000, (9,), generator=g)
+    x = (torch.randn(9, 5, 32, generator=g) * 3).to(dtype)
+    cos, sin = rope_angles(SimpleNamespace(cache={}, positions=positions), 32, 10000.0, dtype, style)
+    got = rope(x, cos, sin, style)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, 32, 2, dtype=torch.float64) / 32))
+    ang = positions.to(torch.float64)[:, None] * inv[None, :]
+    cdt = compute_dtype(dtype)
+    c, s = ang.cos().to(cdt)[:, None], ang.sin().to(cdt)[:, None]
+    xf = x.to(cdt)
+    if style == "half":
+        x1, x2 = xf.chunk(2, dim=-1)
+        want = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+    else:
+        x0, x1 = xf.unflatten(-1, (-1, 2)).unbind(-1)
+        want = torch.stack([x0 * c - x1 * s, x1 * c + x0 * s], dim=-1).flatten(-2)
+    assert got.dtype == dtype and torch.equal(got, want.to(dtype))

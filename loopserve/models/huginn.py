@@ -18,7 +18,7 @@ from loopserve.device import upload
 from loopserve.model_config import ModelConfig
 from loopserve.models.base import LoopedLM
 from loopserve.models.context import ForwardContext
-from loopserve.models.layers import RMSNorm, compute_dtype, paged_attention, rope_angles, rope_interleaved
+from loopserve.models.layers import RMSNorm, compute_dtype, paged_attention, rope, rope_angles
 from loopserve.random_streams import uniforms
 
 STATE_INITS = ("like-init", "zero")
@@ -39,8 +39,8 @@ class HuginnAttention(nn.Module):
         qkv = self.Wqkv(x).view(n, 3, c.num_heads, c.head_dim)
         # the query and key heads biased and rotated together: per element the same math, fewer ops
         qk = (qkv[:, :2] + self.qk_bias.transpose(0, 1)).view(n, 2 * c.num_heads, c.head_dim)
-        cos, sin = rope_angles(ctx, c.head_dim, c.rope_theta, x.dtype)
-        q, k = rope_interleaved(qk, cos, sin).split(c.num_heads, dim=1)
+        cos, sin = rope_angles(ctx, c.head_dim, c.rope_theta, x.dtype, "interleaved")
+        q, k = rope(qk, cos, sin, "interleaved").split(c.num_heads, dim=1)
         v = qkv[:, 2]
         return self.proj(paged_attention(q, k, v, ctx, stage, layer))
 

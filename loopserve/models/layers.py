@@ -47,32 +47,32 @@ def stacked_linear(x: torch.Tensor, weight: torch.Tensor, sizes: list[int]) -> l
     return list(F.linear(x, weight).split(sizes, dim=-1))
 
 
-def rope_angles(ctx: ForwardContext, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos/sin of shape [N, head_dim // 2] for the rows' positions, cached per forward call."""
-    key = (head_dim, theta)
+def rope_angles(ctx: ForwardContext, head_dim: int, theta: float, dtype: torch.dtype, style: str):
+    """The rotation tables [N, head_dim] of the rows' positions for `rope` in `style` ("half": NeoX / HF-Llama,
+    Ouro's; "interleaved": GPT-J / complex, Huginn's), cached per forward call: each pair's cos at both its dims,
+    and its sin, negated at the pair's first dim."""
+    key = (head_dim, theta, style)
     if key not in ctx.cache:
         cdt = compute_dtype(dtype)
         inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=ctx.positions.device)
                                / head_dim))
         ang = ctx.positions.to(torch.float64)[:, None] * inv[None, :]
-        ctx.cache[key] = (ang.cos().to(cdt), ang.sin().to(cdt))
+        cos, sin = ang.cos().to(cdt), ang.sin().to(cdt)
+        if style == "half":  # dims i and i + d/2 form a pair
+            ctx.cache[key] = (torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1))
+        else:  # dims 2i and 2i + 1 form a pair
+            ctx.cache[key] = (torch.stack([cos, cos], -1).flatten(-2), torch.stack([-sin, sin], -1).flatten(-2))
     return ctx.cache[key]
 
 
-def rope_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """NeoX / HF-Llama convention: dims i and i + d/2 form a pair. x: [N, heads, d]."""
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
+    """Rotary embedding of x [N, heads, d] in fp32 or wider, tables from `rope_angles` in the same `style`:
+    x * cos + partner(x) * sin, where a dim's partner is the other dim of its pair. Per element exactly the
+    pair rotation written out (x1 c - x2 s is x1 c + x2 (-s) in IEEE arithmetic), in four ops and two casts,
+    where that took seven and two (the tables are made once per stage call, not per layer)."""
     xf = x.to(cos.dtype)
-    x1, x2 = xf.chunk(2, dim=-1)
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
-
-
-def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """GPT-J / complex convention: adjacent dims (2i, 2i+1) form a pair. x: [N, heads, d]."""
-    xf = x.to(cos.dtype).unflatten(-1, (-1, 2))
-    x0, x1 = xf[..., 0], xf[..., 1]
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.stack([x0 * c - x1 * s, x1 * c + x0 * s], dim=-1).flatten(-2).to(x.dtype)
+    partner = xf.roll(x.shape[-1] // 2, -1) if style == "half" else xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return (xf * cos[:, None] + partner * sin[:, None]).to(x.dtype)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext,

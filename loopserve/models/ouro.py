@@ -19,8 +19,8 @@ from loopserve.models.layers import (
     RMSNorm,
     compute_dtype,
     paged_attention,
+    rope,
     rope_angles,
-    rope_rotate_half,
     stacked_linear,
 )
 
@@ -41,9 +41,9 @@ class OuroAttention(nn.Module):
         q, k, v = stacked_linear(x, self.qkv_proj.weight, self.qkv_sizes)
         qk = torch.cat([q.view(n, c.num_heads, c.head_dim), k.view(n, c.num_kv_heads, c.head_dim)], dim=1)
         v = v.view(n, c.num_kv_heads, c.head_dim)
-        cos, sin = rope_angles(ctx, c.head_dim, c.rope_theta, x.dtype)
+        cos, sin = rope_angles(ctx, c.head_dim, c.rope_theta, x.dtype, "half")
         # one rotation for the query and key heads together: per element the same math, half the ops
-        q, k = rope_rotate_half(qk, cos, sin).split([c.num_heads, c.num_kv_heads], dim=1)
+        q, k = rope(qk, cos, sin, "half").split([c.num_heads, c.num_kv_heads], dim=1)
         return self.o_proj(paged_attention(q, k, v, ctx, "core", layer))
 
 
