@@ -251,3 +251,22 @@ def test_rope_is_the_pair_rotation_written_out_bit_for_bit(dtype, style):
         x0, x1 = xf.unflatten(-1, (-1, 2)).unbind(-1)
         want = torch.stack([x0 * c - x1 * s, x1 * c + x0 * s], dim=-1).flatten(-2)
     assert got.dtype == dtype and torch.equal(got, want.to(dtype))
+
+
+def test_ouro_gate_of_a_bf16_model_upcasts_its_head_once_and_again_after_a_write(tiny_ouro):
+    """A bfloat16 Ouro computes its exit gate in fp32 from an fp32 copy of the head made once (not two casts
+    every core tick), the same logits as casting each time, and a copy made again once the head is written."""
+    model = load_model(tiny_ouro, "bfloat16").model
+    head = model.model.early_exit_gate
+    state = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(1)).bfloat16()
+
+    def written_out():
+        return torch.nn.functional.linear(state.float(), head.weight.float(), head.bias.float())[:, 0]
+
+    first = model.gate_logit(state)
+    assert torch.equal(first, written_out())
+    copy = model._upcast_heads[id(head)][1][0]
+    assert torch.equal(model.gate_logit(state), first) and model._upcast_heads[id(head)][1][0] is copy
+    with torch.no_grad():
+        head.bias.add_(1.0)
+    assert torch.equal(model.gate_logit(state), written_out()) and not torch.equal(model.gate_logit(state), first)

@@ -97,6 +97,7 @@ class OuroForCausalLM(LoopedLM):
         self.lm_head = None if c.tie_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         # Optional distilled head predicting the gate's decision one step ahead (loopserve extra).
         self.lookahead_gate = nn.Linear(c.hidden_size, 1, bias=True) if lookahead_gate else None
+        self._upcast_heads: dict[int, tuple[tuple, tuple[torch.Tensor, torch.Tensor]]] = {}  # `_gate`'s fp32 copies
 
     def prelude(self, token_ids, ctx, state_seeds=None):
         return self.model.embed_tokens(token_ids), None
@@ -114,7 +115,15 @@ class OuroForCausalLM(LoopedLM):
 
     def _gate(self, head: nn.Linear, state: torch.Tensor) -> torch.Tensor:
         cdt = compute_dtype(state.dtype)  # gate math in fp32 (or wider), not in bf16
-        return torch.nn.functional.linear(state.to(cdt), head.weight.to(cdt), head.bias.to(cdt))[:, 0]
+        weight, bias = head.weight, head.bias
+        if weight.dtype != cdt:  # a bf16 model: the head's fp32 copy, made once (not two casts every core tick),
+            # again if the weights are written (a load, a change in place: their version counters move)
+            key = (weight.data_ptr(), weight._version, bias.data_ptr(), bias._version, cdt)
+            hit = self._upcast_heads.get(id(head))
+            if hit is None or hit[0] != key:
+                hit = self._upcast_heads[id(head)] = (key, (weight.to(cdt), bias.to(cdt)))
+            weight, bias = hit[1]
+        return torch.nn.functional.linear(state.to(cdt), weight, bias)[:, 0]
 
     def gate_logit(self, state):
         return self._gate(self.model.early_exit_gate, state)
