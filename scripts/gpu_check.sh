@@ -7,6 +7,7 @@
 #   5.4 GB checkpoint, which the later 1.4B steps reuse). On the last lease CDB refill gained 1.19x (1.36x without
 #   the graph captures); since then a layer launches about 35 kernels instead of 55 (norms without casts, stacked
 #   projections, decode attention as one fused call, a shorter rotary embedding: docs/benchmarks.md §8.27), so compare the decode rates;
+# - the same run at the last lease's revision (BEFORE), for an A/B of the kernel changes on this machine;
 # - the overlap ablation at that size, interleaved: on `ouro-bench` async codas cost 16-24 % under graphs, while the
 #   separate throughput runs disagreed; this A/B decides the default;
 # - that core step's own time as graph replays against the roofline (the last lease's grid did not finish in 90 s:
@@ -33,6 +34,7 @@ PY=${PY:-python3}
 OUT=${OUT:-docs/bench-gpu/check}
 BUDGET=${BUDGET:-540}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)  # (absolute: a step may run in another tree)
 : > "$OUT/steps.txt"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 step() {  # step NAME LIMIT_S COMMAND...: output to $OUT/NAME.log; skipped once the budget is spent
@@ -52,6 +54,14 @@ step tests 120 $PY -m pytest -q -p no:cacheprovider -o addopts="" tests/test_cud
 step graphs-ouro-1.4b-shape 150 $PY -m loopserve.cli bench throughput --model ouro-1.4b-shape --device cuda \
     --dtype bfloat16 --workload alpaca --num-requests 64 --mean-depth 2.5 --sweep width --widths 32 --repeats 1 \
     --cuda-graphs --no-progress --out "$OUT/graphs-ouro-1.4b-shape"
+# the same run at BEFORE (the last lease's revision, before the kernel changes): the A/B of those changes
+BEFORE=${BEFORE:-80be24e}
+if git worktree add -f /tmp/before "$BEFORE" > /dev/null 2>&1; then
+    (cd /tmp/before && PYTHONPATH=/tmp/before step graphs-ouro-1.4b-shape-before 150 $PY -m loopserve.cli bench \
+        throughput --model ouro-1.4b-shape --device cuda --dtype bfloat16 --workload alpaca --num-requests 64 \
+        --mean-depth 2.5 --sweep width --widths 32 --repeats 1 --cuda-graphs --no-progress \
+        --out "$OUT/graphs-ouro-1.4b-shape-before")
+fi
 step overlap-ouro-1.4b-shape 120 $PY -m loopserve.cli bench ablate overlap --model ouro-1.4b-shape --device cuda \
     --dtype bfloat16 --num-requests 64 --width 32 --repeats 2 --cuda-graphs --no-progress \
     --out "$OUT/overlap-ouro-1.4b-shape"
