@@ -31,8 +31,9 @@ def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
     return torch.empty((), dtype=dtype).numpy().dtype
 
 
-def upload(data: list | torch.Tensor, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """Host data (a list or a CPU tensor) as a tensor on `device`, without a host-side wait. A list is
+def upload(data: list | np.ndarray | torch.Tensor, device: torch.device,
+           dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Host data (a list, a numpy array or a CPU tensor) as a tensor on `device`, without a host-side wait. A list is
     read by numpy: `torch.tensor` of a list of Python numbers is 3-4x slower on this CPU (256 ints: 28
     against 8 us; 8192: 820 against 220 us; docs/benchmarks.md §8.16)."""
     t = data if isinstance(data, torch.Tensor) else torch.from_numpy(np.array(data, _numpy_dtype(dtype)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -155,6 +156,18 @@ def test_sample_greedy_and_support():
     a = [sample_one(LOGITS, SamplingParams(), 5, i).token for i in range(50)]
     assert a == [sample_one(LOGITS, SamplingParams(), 5, i).token for i in range(50)]
     assert a != [sample_one(LOGITS, SamplingParams(), 6, i).token for i in range(50)]
+
+
+def test_counter_uniforms_on_the_host_are_the_devices_bit_for_bit():
+    """The sampler draws on the host with numpy what Huginn's states draw with torch: the same stream."""
+    rng = np.random.default_rng(0)
+    info = np.iinfo(np.int64)
+    seeds = rng.integers(info.min, info.max, 5000, dtype=np.int64, endpoint=True)
+    seeds[:4] = [info.min, info.max, 0, -1]
+    counters = rng.integers(0, 1 << 40, 5000, dtype=np.int64)
+    host = uniforms(seeds, counters)
+    assert host.dtype == np.float64 and ((host >= 0) & (host < 1)).all()
+    assert np.array_equal(host, uniforms(torch.from_numpy(seeds), torch.from_numpy(counters)).numpy())
 
 
 def test_counter_uniforms_are_uniform_and_independent_per_stream():

@@ -356,16 +356,18 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seeds: list
     if rand:
         ps = [params[i] for i in rand]
         vocab = x.shape[-1]
-        idx = upload(rand, dev)
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in ps]
         filters = (max((k for k in top_k if k < vocab), default=0), any(p.top_p < 1 for p in ps),
                    any(p.min_p > 0 for p in ps))
-        probs = filtered_probs(
-            x if every else x[idx], upload([p.temperature for p in ps], dev, torch.float64),
-            upload(top_k, dev), upload([p.top_p for p in ps], dev, torch.float64),
-            upload([p.min_p for p in ps], dev, torch.float64), filters)
+        # the rows' values in two uploads, their uniforms drawn on the host (on a GPU each upload and each op of
+        # the draw is a launch from the host: seven uploads and a dozen ops became two uploads)
+        drawn = uniforms(np.array([seeds[i] for i in rand], np.int64), np.array([counters[i] for i in rand], np.int64))
+        idx, k = upload([rand, top_k], dev).unbind(0)
+        temperature, top_p, min_p, u = upload(
+            np.stack([[p.temperature for p in ps], [p.top_p for p in ps], [p.min_p for p in ps], drawn]), dev,
+            torch.float64).unbind(0)
+        probs = filtered_probs(x if every else x[idx], temperature, k, top_p, min_p, filters)
         cdf = probs.cumsum(-1)
-        u = uniforms(upload([seeds[i] for i in rand], dev), upload([counters[i] for i in rand], dev))
         draw = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=vocab - 1)
         tokens = draw if tokens is None else tokens.index_put((idx,), draw)
     assert tokens is not None

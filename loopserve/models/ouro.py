@@ -115,7 +115,8 @@ class OuroForCausalLM(LoopedLM):
 
     def _gate(self, head: nn.Linear, state: torch.Tensor) -> torch.Tensor:
         cdt = compute_dtype(state.dtype)  # gate math in fp32 (or wider), not in bf16
-        weight, bias = head.weight, head.bias
+        weight: torch.Tensor = head.weight
+        bias: torch.Tensor = head.bias
         if weight.dtype != cdt:  # a bf16 model: the head's fp32 copy, made once (not two casts every core tick),
             # again if the weights are written (a load, a change in place: their version counters move)
             key = (weight.data_ptr(), weight._version, bias.data_ptr(), bias._version, cdt)
