@@ -17,9 +17,11 @@ runs on static buffers, one graph per stage and bucket:
 Padding changes the shapes of the matmuls and softmaxes, so real rows' results can differ in the last
 bits, as they do between any two batch mixes; in float64 the tokens and exit depths stay the
 reference's (the tests).
-The KV store and the block table are read and written in place (the engine gives the table, from
-the start, the width of the longest sequence, so it never moves); the caller copies the states in and
-out. A bucket's graph is captured the first time a batch needs it (a device synchronization
+The KV store, the block table and the state pool are read and written in place (the engine gives the
+table, from the start, the width of the longest sequence, so it never moves): a step gathers its rows'
+states from the pool and writes the new ones back inside the graph (padding rows read row 0 and write the
+pool's scratch row), so a tick launches from the host only the rows' metadata copy and the replay.
+A bucket's graph is captured the first time a batch needs it (a device synchronization
 each), all into one memory pool (they never run at once, and nothing allocated while capturing
 outlives it). If the block table is reallocated anyway (a graph holds its address and shape), every
 graph is retired and the next ones go to a fresh pool; the retired ones are kept until the next
@@ -82,21 +84,26 @@ def capture(run: Callable[[], None], device: torch.device, pool: Any = None) -> 
 class StageGraphs:
     """The static buffers and the prepared (captured) buckets of one engine's decode core steps and codas."""
 
-    def __init__(self, model: LoopedLM, layout: KVLayout, kv: KVStore, tables: BlockTables, max_rows: int,
-                 scratch_row: int, with_inject: bool, capture: bool) -> None:
+    def __init__(self, model: LoopedLM, layout: KVLayout, kv: KVStore, tables: BlockTables, states: torch.Tensor,
+                 injects: torch.Tensor | None, scratch_row: int, scratch_state: int, capture: bool) -> None:
+        """`states`, `injects`: the state pool's buffers (two state rows per pool row, then a scratch row at
+        `scratch_state`; an injection row per pool row); `scratch_row`: the KV row padding rows write."""
         p = next(model.parameters())
         self.model, self.layout, self.kv, self.tables = model, layout, kv, tables
+        self.states, self.injects = states, injects
         self.capture = capture
-        width = bucket(max_rows)
+        self._pool_rows = injects.shape[0] if injects is not None else 0
+        width = bucket((states.shape[0] - 1) // 2)
         hidden = model.config.hidden_size
         self.state = torch.zeros(width, hidden, dtype=p.dtype, device=p.device)
-        self.inject = torch.zeros(width, hidden, dtype=p.dtype, device=p.device) if with_inject else None
+        self.inject = torch.zeros(width, hidden, dtype=p.dtype, device=p.device) if injects is not None else None
         self.out = torch.zeros(width, hidden, dtype=p.dtype, device=p.device)
         self.logits: torch.Tensor | None = None  # [width, vocab] of the coda, made by its first (eager) run
-        # rows: positions, KV write rows, depths, table slots (as `ModelRunner._pack` packs them)
-        self.meta = torch.zeros(4, width, dtype=torch.long, device=p.device)
-        pad = np.zeros((4, width), np.int64)
-        pad[1], pad[2] = scratch_row, 1
+        # rows: positions, KV write rows, depths, table slots, state rows read and written (as `ModelRunner._pack`
+        # packs them)
+        self.meta = torch.zeros(6, width, dtype=torch.long, device=p.device)
+        pad = np.zeros((6, width), np.int64)
+        pad[1], pad[2], pad[5] = scratch_row, 1, scratch_state
         self._pad = torch.from_numpy(pad).to(p.device)
         self._steps: dict[tuple[str, int, int], Callable[[], None]] = {}
         self._table = tables.table  # (held: its memory cannot be reused by a new table while graphs read it)
@@ -111,26 +118,24 @@ class StageGraphs:
         """The (stage, width, key count) buckets prepared (captured, on CUDA) since the block table last moved."""
         return list(self._steps)
 
-    def core(self, state: torch.Tensor, inject: torch.Tensor | None, meta: torch.Tensor,
-             max_keys: int) -> torch.Tensor:
-        """The core step of `state` ([n, hidden]) with the rows' metadata `meta` ([4, n]: positions, write
-        rows, depths, table slots) whose longest key count is `max_keys`. Returns [n, hidden], a view of the
-        static output (valid until the next step is queued: copy it out first)."""
-        assert (inject is None) == (self.inject is None), "inject: given for a model without one, or missing"
-        if self.inject is not None and inject is not None:
-            self.inject[: state.shape[0]].copy_(inject)
-        self._replay("core", state, meta, max_keys)
-        return self.out[: state.shape[0]]
+    def core(self, meta: torch.Tensor, max_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The core step of the rows whose metadata is `meta` ([6, n]: positions, KV write rows, depths, table
+        slots, state rows read and written) and whose longest key count is `max_keys`: each row's state read
+        from the pool and the next one written back. Returns (states read, states written), [n, hidden] views
+        of the static buffers, valid until the next step is queued (what the exit signals read)."""
+        n = meta.shape[1]
+        self._replay("core", meta, max_keys)
+        return self.state[:n], self.out[:n]
 
-    def coda(self, state: torch.Tensor, meta: torch.Tensor, max_keys: int) -> torch.Tensor:
-        """The coda's logits of `state` (as `core`). Returns [n, vocab], a view of the static logits (valid
-        until the next coda is queued: sample them first)."""
-        self._replay("coda", state, meta, max_keys)
+    def coda(self, meta: torch.Tensor, max_keys: int) -> torch.Tensor:
+        """The coda's logits of the rows whose metadata is `meta` (as `core`; a coda writes no state). Returns
+        [n, vocab], a view of the static logits (valid until the next coda is queued: sample them first)."""
+        self._replay("coda", meta, max_keys)
         assert self.logits is not None
-        return self.logits[: state.shape[0]]
+        return self.logits[: meta.shape[1]]
 
-    def _replay(self, stage: str, state: torch.Tensor, meta: torch.Tensor, max_keys: int) -> None:
-        n = state.shape[0]
+    def _replay(self, stage: str, meta: torch.Tensor, max_keys: int) -> None:
+        n = meta.shape[1]
         # the graphs read the device table, and no context is built on this path to bring it up to date (an
         # eager step's does): upload the blocks allocated on the host since the last step
         self.tables.sync()
@@ -139,7 +144,6 @@ class StageGraphs:
         bs = self.tables.block_size
         width = bucket(n)
         keys = min(bucket(-(-max_keys // bs)), self.tables.table.shape[1]) * bs
-        self.state[:n].copy_(state)
         self.meta[:, :n].copy_(meta)
         if n < width:
             self.meta[:, n:width].copy_(self._pad[:, n:width])
@@ -175,11 +179,15 @@ class StageGraphs:
         # calls `select` on this context, which would need them)
         ctx = ForwardContext(self.kv, self.layout, meta[0], meta[1], meta[2], None, self.tables, meta[3],
                              np.zeros(0, np.int64), keys)
+        state = torch.index_select(self.states, 0, meta[4], out=self.state[:width])
         if stage == "core":
-            inject = None if self.inject is None else self.inject[:width]
-            self.out[:width].copy_(self.model.core_step(self.state[:width], inject, ctx))
+            inject = None
+            if self.inject is not None and self.injects is not None:  # pool row i's buffers are rows i, rows + i
+                inject = torch.index_select(self.injects, 0, meta[4] % self._pool_rows, out=self.inject[:width])
+            self.out[:width].copy_(self.model.core_step(state, inject, ctx))
+            self.states.index_copy_(0, meta[5], self.out[:width])  # (padding rows: into the scratch row)
             return
-        logits = self.model.coda(self.state[:width], ctx)
+        logits = self.model.coda(state, ctx)
         if self.logits is None:  # (the first run of a coda is eager, never one being captured)
             with torch.inference_mode(False):  # a normal tensor: later steps may run outside inference mode
                 self.logits = logits.new_empty((self.state.shape[0], logits.shape[1]))

@@ -148,7 +148,9 @@ class StatePool:
 
     def __init__(self, rows: int, hidden: int, dtype: torch.dtype, device, with_inject: bool) -> None:
         self.rows = rows
-        self.state = torch.zeros(2 * rows, hidden, dtype=dtype, device=device)  # buffer b of row i: b*rows+i
+        # buffer b of row i: b*rows+i; then a scratch row, which a padded (graphed) step's padding rows write
+        self.state = torch.zeros(2 * rows + 1, hidden, dtype=dtype, device=device)
+        self.scratch_state = 2 * rows
         self.inject = torch.zeros(rows, hidden, dtype=dtype, device=device) if with_inject else None
         self._free = list(range(rows - 1, -1, -1))
         self.items: list[WorkItem | None] = [None] * rows
@@ -518,16 +520,16 @@ class ModelRunner:
         counts = np.bincount(kinds, minlength=len(SIGNALS)).tolist()
         # the attention context: for an eager step and for the KL signal's coda (a replayed step has its own)
         ctx = self._ctx(host, device, top) if self.graphs is None or counts[_KL] else None
-        prev = pool.state.index_select(0, device[4])
-        inject = None
-        if pool.inject is not None:
-            inject = pool.inject.index_select(0, upload(torch.from_numpy(rows), self.device))
         if self.graphs is None:
             assert ctx is not None
+            prev = pool.state.index_select(0, device[4])
+            inject = None
+            if pool.inject is not None:
+                inject = pool.inject.index_select(0, upload(torch.from_numpy(rows), self.device))
             new = self.model.core_step(prev, inject, ctx)
-        else:
-            new = self.graphs.core(prev, inject, device[:4], top + 1)
-        pool.state.index_copy_(0, device[5], new)
+            pool.state.index_copy_(0, device[5], new)
+        else:  # (the graph gathers and writes back the states itself)
+            prev, new = self.graphs.core(device[:6], top + 1)
         present = {SIGNALS[k] for k in range(1, len(SIGNALS)) if counts[k]}
         if not present:
             return PendingSignals(kinds, None)
@@ -552,13 +554,12 @@ class ModelRunner:
         to the host in one copy."""
         host, device, top, _ = self._pack(rows)
         pool = self.pool
-        state = pool.state.index_select(0, device[4])
-        if not self.has_coda_kv:  # (a coda without layers attends to nothing: no context, no graph)
-            logits = self.model.coda(state, None)
-        elif self.graphs is not None:
-            logits = self.graphs.coda(state, device[:4], top + 1)
+        if self.has_coda_kv and self.graphs is not None:  # (the graph gathers the states itself)
+            logits = self.graphs.coda(device[:6], top + 1)
         else:
-            logits = self.model.coda(state, self._ctx(host, device, top))
+            state = pool.state.index_select(0, device[4])
+            # (a coda without layers attends to nothing: no context, no graph)
+            logits = self.model.coda(state, self._ctx(host, device, top) if self.has_coda_kv else None)
         plain = pool.sequences.plain[host[3]].all()  # (host[3]: the rows' block-table slots)
         return PendingSamples(logits, None if plain else [it.seq for it in items], pool.decode_index[rows] + 1)
 
