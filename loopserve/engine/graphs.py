@@ -1,11 +1,11 @@
-"""`StageGraphs`: decode core steps (and codas with layers) on static buffers at bucketed shapes,
-replayed as CUDA graphs.
+"""`StageGraphs`: decode core steps (and preludes and codas with layers) on static buffers at bucketed
+shapes, replayed as CUDA graphs.
 
 Why: a core step launches every layer's kernels from Python (Ouro-1.4B: 24 layers, a few hundred
 kernels per step). At decode widths a GPU runs them faster than the host launches them, so the launch
 time, not the kernels, would set the step time. A CUDA graph records a step's launches once and
-replays them with one call. The same holds for a coda with layers (Huginn's); Ouro's coda is one
-matmul, and the sampler after a coda stays eager. A graph has fixed shapes and addresses, so the stage
+replays them with one call. The same holds for a prelude or coda with layers (Huginn's); Ouro's prelude
+is an embedding lookup and its coda one matmul (both eager), and the sampler after a coda stays eager. A graph has fixed shapes and addresses, so the stage
 runs on static buffers, one graph per stage and bucket:
 - the batch is padded to the next rung of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (`bucket`: under 1.5x the
   rows): padding rows are position 0 of table slot 0 at depth 1. They write their KV only to the
@@ -47,6 +47,11 @@ from loopserve.models.base import LoopedLM
 from loopserve.models.context import ForwardContext
 
 LADDER_BASE = (1, 2, 3, 4, 6)  # then doubling: 8, 12, 16, 24, 32, 48, ...
+# The rows of a decode batch's metadata, packed on the host and uploaded in one copy a tick (`ModelRunner._pack`):
+# each row's position, KV write row, loop depth, block-table slot, state rows read and written, pool row (its
+# injection row); a prelude adds its token and random-state seed.
+POSITION, KV_WRITE, DEPTH, SLOT, STATE_READ, STATE_WRITE, POOL_ROW, TOKEN, SEED = range(9)
+PACKED = POOL_ROW + 1  # the rows every stage packs
 
 
 def bucket(n: int) -> int:
@@ -87,23 +92,22 @@ class StageGraphs:
     def __init__(self, model: LoopedLM, layout: KVLayout, kv: KVStore, tables: BlockTables, states: torch.Tensor,
                  injects: torch.Tensor | None, scratch_row: int, scratch_state: int, capture: bool) -> None:
         """`states`, `injects`: the state pool's buffers (two state rows per pool row, then a scratch row at
-        `scratch_state`; an injection row per pool row); `scratch_row`: the KV row padding rows write."""
+        `scratch_state`; an injection row per pool row, then a scratch row); `scratch_row`: the KV row padding
+        rows write."""
         p = next(model.parameters())
         self.model, self.layout, self.kv, self.tables = model, layout, kv, tables
         self.states, self.injects = states, injects
         self.capture = capture
-        self._pool_rows = injects.shape[0] if injects is not None else 0
-        width = bucket((states.shape[0] - 1) // 2)
+        pool_rows = (states.shape[0] - 1) // 2
+        width = bucket(pool_rows)
         hidden = model.config.hidden_size
         self.state = torch.zeros(width, hidden, dtype=p.dtype, device=p.device)
         self.inject = torch.zeros(width, hidden, dtype=p.dtype, device=p.device) if injects is not None else None
         self.out = torch.zeros(width, hidden, dtype=p.dtype, device=p.device)
         self.logits: torch.Tensor | None = None  # [width, vocab] of the coda, made by its first (eager) run
-        # rows: positions, KV write rows, depths, table slots, state rows read and written (as `ModelRunner._pack`
-        # packs them)
-        self.meta = torch.zeros(6, width, dtype=torch.long, device=p.device)
-        pad = np.zeros((6, width), np.int64)
-        pad[1], pad[2], pad[5] = scratch_row, 1, scratch_state
+        self.meta = torch.zeros(SEED + 1, width, dtype=torch.long, device=p.device)  # rows: POSITION ... SEED
+        pad = np.zeros((SEED + 1, width), np.int64)  # (token 0, seed 0, state row 0 read: any valid value)
+        pad[KV_WRITE], pad[DEPTH], pad[STATE_WRITE], pad[POOL_ROW] = scratch_row, 1, scratch_state, pool_rows
         self._pad = torch.from_numpy(pad).to(p.device)
         self._steps: dict[tuple[str, int, int], Callable[[], None]] = {}
         self._table = tables.table  # (held: its memory cannot be reused by a new table while graphs read it)
@@ -118,11 +122,17 @@ class StageGraphs:
         """The (stage, width, key count) buckets prepared (captured, on CUDA) since the block table last moved."""
         return list(self._steps)
 
+    def prelude(self, meta: torch.Tensor, max_keys: int) -> None:
+        """The prelude (with layers: Huginn's) of the rows whose metadata is `meta` ([SEED + 1, n]) and whose
+        longest key count is `max_keys`: each row's initial state written to its STATE_WRITE row, its injection
+        to its POOL_ROW."""
+        self._replay("prelude", meta, max_keys)
+
     def core(self, meta: torch.Tensor, max_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The core step of the rows whose metadata is `meta` ([6, n]: positions, KV write rows, depths, table
-        slots, state rows read and written) and whose longest key count is `max_keys`: each row's state read
-        from the pool and the next one written back. Returns (states read, states written), [n, hidden] views
-        of the static buffers, valid until the next step is queued (what the exit signals read)."""
+        """The core step of the rows whose metadata is `meta` ([PACKED, n], `POSITION` ... `POOL_ROW`) and whose
+        longest key count is `max_keys`: each row's state read from the pool and the next one written back.
+        Returns (states read, states written), [n, hidden] views of the static buffers, valid until the next
+        step is queued (what the exit signals read)."""
         n = meta.shape[1]
         self._replay("core", meta, max_keys)
         return self.state[:n], self.out[:n]
@@ -144,7 +154,7 @@ class StageGraphs:
         bs = self.tables.block_size
         width = bucket(n)
         keys = min(bucket(-(-max_keys // bs)), self.tables.table.shape[1]) * bs
-        self.meta[:, :n].copy_(meta)
+        self.meta[:len(meta), :n].copy_(meta)
         if n < width:
             self.meta[:, n:width].copy_(self._pad[:, n:width])
         key = (stage, width, keys)
@@ -177,15 +187,22 @@ class StageGraphs:
         meta = self.meta[:, :width]
         # (no per-row key counts on the host: a decode step reads only `keys`, the padded width; nothing
         # calls `select` on this context, which would need them)
-        ctx = ForwardContext(self.kv, self.layout, meta[0], meta[1], meta[2], None, self.tables, meta[3],
-                             np.zeros(0, np.int64), keys)
-        state = torch.index_select(self.states, 0, meta[4], out=self.state[:width])
+        ctx = ForwardContext(self.kv, self.layout, meta[POSITION], meta[KV_WRITE], meta[DEPTH], None, self.tables,
+                             meta[SLOT], np.zeros(0, np.int64), keys)
+        if stage == "prelude":
+            seeds = meta[SEED] if self.model.draws_random_state else None
+            state, inject = self.model.prelude(meta[TOKEN], ctx, seeds)
+            self.states.index_copy_(0, meta[STATE_WRITE], state)  # (padding rows: into the scratch rows)
+            if inject is not None and self.injects is not None:
+                self.injects.index_copy_(0, meta[POOL_ROW], inject)
+            return
+        state = torch.index_select(self.states, 0, meta[STATE_READ], out=self.state[:width])
         if stage == "core":
             inject = None
-            if self.inject is not None and self.injects is not None:  # pool row i's buffers are rows i, rows + i
-                inject = torch.index_select(self.injects, 0, meta[4] % self._pool_rows, out=self.inject[:width])
+            if self.inject is not None and self.injects is not None:
+                inject = torch.index_select(self.injects, 0, meta[POOL_ROW], out=self.inject[:width])
             self.out[:width].copy_(self.model.core_step(state, inject, ctx))
-            self.states.index_copy_(0, meta[5], self.out[:width])  # (padding rows: into the scratch row)
+            self.states.index_copy_(0, meta[STATE_WRITE], self.out[:width])  # (padding rows: into the scratch row)
             return
         logits = self.model.coda(state, ctx)
         if self.logits is None:  # (the first run of a coda is eager, never one being captured)

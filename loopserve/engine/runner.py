@@ -17,7 +17,7 @@ import torch
 from loopserve.cache.layout import IN_FLIGHT, KVLayout
 from loopserve.cache.manager import KVCacheManager
 from loopserve.device import Readback, upload
-from loopserve.engine.graphs import StageGraphs
+from loopserve.engine.graphs import PACKED, SEED, STATE_READ, STATE_WRITE, TOKEN, StageGraphs
 from loopserve.engine.held_tokens import HeldTokens
 from loopserve.engine.sampler import (
     GREEDY,
@@ -151,7 +151,8 @@ class StatePool:
         # buffer b of row i: b*rows+i; then a scratch row, which a padded (graphed) step's padding rows write
         self.state = torch.zeros(2 * rows + 1, hidden, dtype=dtype, device=device)
         self.scratch_state = 2 * rows
-        self.inject = torch.zeros(rows, hidden, dtype=dtype, device=device) if with_inject else None
+        # Huginn's injection e, a row per pool row, then a scratch row (as the states')
+        self.inject = torch.zeros(rows + 1, hidden, dtype=dtype, device=device) if with_inject else None
         self._free = list(range(rows - 1, -1, -1))
         self.items: list[WorkItem | None] = [None] * rows
         self.generation = np.zeros(rows, np.int64)
@@ -416,16 +417,17 @@ class ModelRunner:
         pool.compile_passes()
         kv.store.compile_scores()
 
-    def _pack(self, rows: np.ndarray, core: bool = False) -> tuple[np.ndarray, torch.Tensor, int, np.ndarray]:
-        """Per row of a decode batch (state-pool rows `rows`), in one pass and one upload: its context's
-        positions, KV write rows, depths and table slots, then the state buffer it reads and the one it
-        writes (`_pack_rows`). Returns them on the host and on the device, the largest position, and each
-        row's signal code (`core`: a passive row writes its KV to the scratch row and has no signal)."""
+    def _pack(self, rows: np.ndarray, core: bool = False, extra: int = 0) -> tuple[np.ndarray, int, np.ndarray]:
+        """Per row of a decode batch (state-pool rows `rows`), in one pass: its context's positions, KV write rows,
+        depths and table slots, the state buffer it reads and the one it writes, its pool row (`_pack_rows`),
+        then `extra` rows for the caller to fill; the caller uploads them in one copy. Returns them, the largest
+        position and each row's signal code (`core`: a passive row writes its KV to the scratch row and has no
+        signal)."""
         pool = self.pool
-        host, kinds = np.empty((6, len(rows)), np.int64), np.empty(len(rows), np.int8)
+        host, kinds = np.empty((PACKED + extra, len(rows)), np.int64), np.empty(len(rows), np.int8)
         top = _pack_rows(rows, core, pool.passive, pool.position, pool.kv_row, pool.r, pool.kv_slot, pool.parity,
                          pool.signal, self.scratch_row, pool.rows, host, kinds)
-        return host, upload(torch.from_numpy(host), self.device), top, kinds
+        return host, top, kinds
 
     def _ctx(self, host: np.ndarray, device: torch.Tensor, top: int) -> ForwardContext:
         """The attention context of a packed decode batch (`_pack`)."""
@@ -496,16 +498,22 @@ class ModelRunner:
         return PendingPrefill(sampled if samples is not None else [], samples, spans, prompt)
 
     def prelude(self, items: list[WorkItem], rows: np.ndarray) -> None:
-        """Run the preludes of `items` (in state-pool rows `rows`) into their state rows."""
-        host, device, top, _ = self._pack(rows)
-        ctx = self._ctx(host, device, top) if self.has_prelude_kv else None  # (Ouro's prelude attends to nothing)
+        """Run the preludes of `items` (in state-pool rows `rows`) into their state rows (their current buffers)
+        and, for Huginn, their injection rows. The tokens (and random-state seeds) go up with the rows' metadata."""
+        host, top, _ = self._pack(rows, extra=SEED + 1 - PACKED)
+        host[STATE_WRITE] = host[STATE_READ]  # a prelude writes the rows' current buffers, which their next step reads
+        host[TOKEN] = self.pool.token[rows]
+        host[SEED] = [it.state_seed() for it in items] if self.draws_random_state else 0
+        device = upload(torch.from_numpy(host), self.device)
         self.kv.store.set_depth(device[1], IN_FLIGHT)  # its KV rows: being computed
-        ids = upload(torch.from_numpy(self.pool.token[rows]), self.device)
-        seeds = [it.state_seed() for it in items] if self.draws_random_state else None
-        state, inject = self.model.prelude(ids, ctx, seeds)
+        if self.graphs is not None and self.has_prelude_kv:  # (Huginn's: a prelude with layers, graphed)
+            self.graphs.prelude(device, top + 1)
+            return
+        ctx = self._ctx(host, device, top) if self.has_prelude_kv else None  # (Ouro's prelude attends to nothing)
+        state, inject = self.model.prelude(device[TOKEN], ctx, device[SEED] if self.draws_random_state else None)
         self.pool.state.index_copy_(0, device[4], state)  # (index_copy_, index_select: the
         if inject is not None and self.pool.inject is not None:  # same copies as [] at less dispatch cost)
-            self.pool.inject.index_copy_(0, upload(torch.from_numpy(rows), self.device), inject)
+            self.pool.inject.index_copy_(0, device[6], inject)
 
     def core(self, rows: np.ndarray) -> PendingSignals:
         """Queue one loop step for the items in state-pool rows `rows` (each at its own depth r+1); its
@@ -516,20 +524,19 @@ class ModelRunner:
         Passive rows (CB) write their KV to a scratch row and report no signal.
         """
         pool = self.pool
-        host, device, top, kinds = self._pack(rows, core=True)
+        host, top, kinds = self._pack(rows, core=True)
+        device = upload(torch.from_numpy(host), self.device)
         counts = np.bincount(kinds, minlength=len(SIGNALS)).tolist()
         # the attention context: for an eager step and for the KL signal's coda (a replayed step has its own)
         ctx = self._ctx(host, device, top) if self.graphs is None or counts[_KL] else None
         if self.graphs is None:
             assert ctx is not None
             prev = pool.state.index_select(0, device[4])
-            inject = None
-            if pool.inject is not None:
-                inject = pool.inject.index_select(0, upload(torch.from_numpy(rows), self.device))
+            inject = None if pool.inject is None else pool.inject.index_select(0, device[6])
             new = self.model.core_step(prev, inject, ctx)
             pool.state.index_copy_(0, device[5], new)
         else:  # (the graph gathers and writes back the states itself)
-            prev, new = self.graphs.core(device[:6], top + 1)
+            prev, new = self.graphs.core(device, top + 1)
         present = {SIGNALS[k] for k in range(1, len(SIGNALS)) if counts[k]}
         if not present:
             return PendingSignals(kinds, None)
@@ -552,10 +559,11 @@ class ModelRunner:
     def coda(self, items: list[WorkItem], rows: np.ndarray) -> PendingSamples:
         """The exited items' (in state-pool rows `rows`) next tokens, sampled on the device, on their way
         to the host in one copy."""
-        host, device, top, _ = self._pack(rows)
+        host, top, _ = self._pack(rows)
+        device = upload(torch.from_numpy(host), self.device)
         pool = self.pool
         if self.has_coda_kv and self.graphs is not None:  # (the graph gathers the states itself)
-            logits = self.graphs.coda(device[:6], top + 1)
+            logits = self.graphs.coda(device, top + 1)
         else:
             state = pool.state.index_select(0, device[4])
             # (a coda without layers attends to nothing: no context, no graph)
@@ -671,9 +679,9 @@ def _start_pool_rows(rows, slots, position, prompt_len, rule, decode_index, sign
 
 @compiled
 def _pack_rows(rows, core, passive, position, kv_row, r, kv_slot, parity, signal, scratch_row, n_rows, host, kinds):
-    """`ModelRunner._pack`: host[:, k] = (position, KV write row, depth, block-table slot, state index read, state
-    index written) and kinds[k] = the signal code of batch row k (in a `core` batch a passive row writes its
-    KV to the scratch row and has no signal); returns the largest position."""
+    """`ModelRunner._pack`: host[:PACKED, k] = (position, KV write row, depth, block-table slot, state index read,
+    state index written, pool row) and kinds[k] = the signal code of batch row k (in a `core` batch a passive row
+    writes its KV to the scratch row and has no signal); returns the largest position."""
     top = 0
     for k in range(rows.shape[0]):
         i = rows[k]
@@ -684,6 +692,7 @@ def _pack_rows(rows, core, passive, position, kv_row, r, kv_slot, parity, signal
         host[3, k] = kv_slot[i]
         host[4, k] = parity[i] * n_rows + i
         host[5, k] = (parity[i] ^ 1) * n_rows + i
+        host[6, k] = i
         kinds[k] = 0 if hidden else signal[i]
         top = max(top, position[i])
     return top

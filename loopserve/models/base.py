@@ -39,9 +39,10 @@ class LoopedLM(nn.Module):
         return out
 
     def prelude(self, token_ids: torch.Tensor, ctx: ForwardContext | None,
-                state_seeds: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                state_seeds: list[int] | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns (initial loop state, per-step injection or None). `ctx` may be None for a model without
-        prelude layers (`config.n_prelude == 0`)."""
+        prelude layers (`config.n_prelude == 0`). `state_seeds`: a seed per row (a list, or int64 on the device)
+        for a model that draws its initial state (`draws_random_state`)."""
         raise NotImplementedError
 
     def core_step(self, state: torch.Tensor, inject: torch.Tensor | None, ctx: ForwardContext) -> torch.Tensor:

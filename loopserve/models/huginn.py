@@ -72,7 +72,7 @@ class SandwichBlock(nn.Module):
         return self.norm_4(x + self.mlp(self.norm_3(x)))
 
 
-def like_init_state(seeds: list[int], hidden: int, dtype: torch.dtype, device) -> torch.Tensor:
+def like_init_state(seeds: list[int] | torch.Tensor, hidden: int, dtype: torch.dtype, device) -> torch.Tensor:
     """Truncated normal (std sqrt(2/5), cut at +-3 std) per row, from a per-row seed (63 bits): element j of
     row i inverts the normal CDF at the counter-based uniform (seeds[i], j) (`random_streams.uniforms`), so a
     row's state depends only on its own seed, and the rows are drawn together where the model runs (a
@@ -80,7 +80,8 @@ def like_init_state(seeds: list[int], hidden: int, dtype: torch.dtype, device) -
     `_DRAW_ELEMENTS` numbers, so a long prefill's int64 and float64 temporaries stay small."""
     lo = 0.5 * math.erfc(_TRUNC / math.sqrt(2))
     dev = torch.device(device)
-    s, j = upload(seeds, dev)[:, None], torch.arange(hidden, device=dev)[None, :]
+    s = (seeds if isinstance(seeds, torch.Tensor) else upload(seeds, dev))[:, None]  # (a graphed prelude: static)
+    j = torch.arange(hidden, device=dev)[None, :]
     step = max(1, _DRAW_ELEMENTS // hidden)
     parts = [(torch.special.ndtri(lo + (1 - 2 * lo) * uniforms(s[a:a + step], j)) * math.sqrt(2 / 5)).to(dtype)
              for a in range(0, len(seeds), step)]
