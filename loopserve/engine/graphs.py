@@ -5,7 +5,8 @@ Why: a core step launches every layer's kernels from Python (Ouro-1.4B: 24 layer
 kernels per step). At decode widths a GPU runs them faster than the host launches them, so the launch
 time, not the kernels, would set the step time. A CUDA graph records a step's launches once and
 replays them with one call. The same holds for a prelude or coda with layers (Huginn's); Ouro's prelude
-is an embedding lookup and its coda one matmul (both eager), and the sampler after a coda stays eager. A graph has fixed shapes and addresses, so the stage
+is an embedding lookup and its coda one matmul (both eager), and the sampler after a coda stays eager.
+A graph has fixed shapes and addresses, so the stage
 runs on static buffers, one graph per stage and bucket:
 - the batch is padded to the next rung of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (`bucket`: under 1.5x the
   rows): padding rows are position 0 of table slot 0 at depth 1. They write their KV only to the
