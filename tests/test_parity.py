@@ -263,10 +263,18 @@ def test_ouro_gate_of_a_bf16_model_upcasts_its_head_once_and_again_after_a_write
     def written_out():
         return torch.nn.functional.linear(state.float(), head.weight.float(), head.bias.float())[:, 0]
 
-    first = model.gate_logit(state)
+    with torch.inference_mode():  # (as the engine runs it)
+        first = model.gate_logit(state)
     assert torch.equal(first, written_out())
-    copy = model._upcast_heads[id(head)][1][0]
-    assert torch.equal(model.gate_logit(state), first) and model._upcast_heads[id(head)][1][0] is copy
+    copy = model._upcast_heads[id(head)][3][0]
+    assert not copy.is_inference()  # (usable outside inference mode too)
+    assert torch.equal(model.gate_logit(state), first) and model._upcast_heads[id(head)][3][0] is copy
     with torch.no_grad():
         head.bias.add_(1.0)
     assert torch.equal(model.gate_logit(state), written_out()) and not torch.equal(model.gate_logit(state), first)
+    head.weight = torch.nn.Parameter(torch.zeros_like(head.weight), requires_grad=False)  # a new tensor, same id
+    assert torch.equal(model.gate_logit(state), written_out())
+    with torch.inference_mode():  # a model built in inference mode: inference tensors, no version counters
+        built = load_model(tiny_ouro, "bfloat16").model
+    assert torch.equal(built.gate_logit(state), torch.nn.functional.linear(
+        state.float(), built.model.early_exit_gate.weight.float(), built.model.early_exit_gate.bias.float())[:, 0])

@@ -20,8 +20,10 @@ bits, as they do between any two batch mixes; in float64 the tokens and exit dep
 reference's (the tests).
 The KV store, the block table and the state pool are read and written in place (the engine gives the
 table, from the start, the width of the longest sequence, so it never moves): a step gathers its rows'
-states from the pool and writes the new ones back inside the graph (padding rows read row 0 and write the
-pool's scratch row), so a tick launches from the host only the rows' metadata copy and the replay.
+states (and injections) from the pool and writes the new ones back inside the graph (padding rows read row 0
+and the injection scratch row, and write the
+pool's scratch rows, as they write the KV store's), so besides the one upload of the rows' metadata a tick
+launches from the host only its copy into the graph's buffer (and the padding's), and the replay.
 A bucket's graph is captured the first time a batch needs it (a device synchronization
 each), all into one memory pool (they never run at once, and nothing allocated while capturing
 outlives it). If the block table is reallocated anyway (a graph holds its address and shape), every
@@ -88,7 +90,8 @@ def capture(run: Callable[[], None], device: torch.device, pool: Any = None) -> 
 
 
 class StageGraphs:
-    """The static buffers and the prepared (captured) buckets of one engine's decode core steps and codas."""
+    """The static buffers and the prepared (captured) buckets of one engine's decode stages: core steps, and
+    preludes and codas with layers."""
 
     def __init__(self, model: LoopedLM, layout: KVLayout, kv: KVStore, tables: BlockTables, states: torch.Tensor,
                  injects: torch.Tensor | None, scratch_row: int, scratch_state: int, capture: bool) -> None:

@@ -17,7 +17,17 @@ import torch
 from loopserve.cache.layout import IN_FLIGHT, KVLayout
 from loopserve.cache.manager import KVCacheManager
 from loopserve.device import Readback, upload
-from loopserve.engine.graphs import PACKED, SEED, STATE_READ, STATE_WRITE, TOKEN, StageGraphs
+from loopserve.engine.graphs import (
+    KV_WRITE,
+    PACKED,
+    POOL_ROW,
+    SEED,
+    SLOT,
+    STATE_READ,
+    STATE_WRITE,
+    TOKEN,
+    StageGraphs,
+)
 from loopserve.engine.held_tokens import HeldTokens
 from loopserve.engine.sampler import (
     GREEDY,
@@ -265,7 +275,7 @@ class StatePool:
         self.exits.observe(none, none, np.zeros(0), np.zeros(0), np.zeros(0, bool))
         self.held.add(none, none, none, none, 0.0)
         _pack_rows(none, True, self.passive, self.position, self.kv_row, self.r, self.kv_slot, self.parity,
-                   self.signal, 0, self.rows, np.zeros((6, 0), np.int64), np.zeros(0, np.int8))
+                   self.signal, 0, self.rows, np.zeros((PACKED, 0), np.int64), np.zeros(0, np.int8))
 
     def state_rows(self, rows: np.ndarray) -> np.ndarray:
         """Indices into `state` of the rows' current buffers."""
@@ -408,7 +418,7 @@ class ModelRunner:
                  scratch_row: int, graphs: StageGraphs | None = None) -> None:
         self.model, self.layout, self.kv, self.pool = model, layout, kv, pool
         self.scratch_row = scratch_row
-        self.graphs = graphs  # decode core steps and codas with layers on static buffers (CUDA graphs), else eager
+        self.graphs = graphs  # decode stages on static buffers (CUDA graphs: `StageGraphs`), else eager
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.has_prelude_kv = model.config.n_prelude > 0
@@ -505,15 +515,15 @@ class ModelRunner:
         host[TOKEN] = self.pool.token[rows]
         host[SEED] = [it.state_seed() for it in items] if self.draws_random_state else 0
         device = upload(torch.from_numpy(host), self.device)
-        self.kv.store.set_depth(device[1], IN_FLIGHT)  # its KV rows: being computed
+        self.kv.store.set_depth(device[KV_WRITE], IN_FLIGHT)  # its KV rows: being computed
         if self.graphs is not None and self.has_prelude_kv:  # (Huginn's: a prelude with layers, graphed)
             self.graphs.prelude(device, top + 1)
             return
         ctx = self._ctx(host, device, top) if self.has_prelude_kv else None  # (Ouro's prelude attends to nothing)
         state, inject = self.model.prelude(device[TOKEN], ctx, device[SEED] if self.draws_random_state else None)
-        self.pool.state.index_copy_(0, device[4], state)  # (index_copy_, index_select: the
+        self.pool.state.index_copy_(0, device[STATE_WRITE], state)  # (index_copy_, index_select: the
         if inject is not None and self.pool.inject is not None:  # same copies as [] at less dispatch cost)
-            self.pool.inject.index_copy_(0, device[6], inject)
+            self.pool.inject.index_copy_(0, device[POOL_ROW], inject)
 
     def core(self, rows: np.ndarray) -> PendingSignals:
         """Queue one loop step for the items in state-pool rows `rows` (each at its own depth r+1); its
@@ -531,10 +541,10 @@ class ModelRunner:
         ctx = self._ctx(host, device, top) if self.graphs is None or counts[_KL] else None
         if self.graphs is None:
             assert ctx is not None
-            prev = pool.state.index_select(0, device[4])
-            inject = None if pool.inject is None else pool.inject.index_select(0, device[6])
+            prev = pool.state.index_select(0, device[STATE_READ])
+            inject = None if pool.inject is None else pool.inject.index_select(0, device[POOL_ROW])
             new = self.model.core_step(prev, inject, ctx)
-            pool.state.index_copy_(0, device[5], new)
+            pool.state.index_copy_(0, device[STATE_WRITE], new)
         else:  # (the graph gathers and writes back the states itself)
             prev, new = self.graphs.core(device, top + 1)
         present = {SIGNALS[k] for k in range(1, len(SIGNALS)) if counts[k]}
@@ -565,10 +575,10 @@ class ModelRunner:
         if self.has_coda_kv and self.graphs is not None:  # (the graph gathers the states itself)
             logits = self.graphs.coda(device, top + 1)
         else:
-            state = pool.state.index_select(0, device[4])
+            state = pool.state.index_select(0, device[STATE_READ])
             # (a coda without layers attends to nothing: no context, no graph)
             logits = self.model.coda(state, self._ctx(host, device, top) if self.has_coda_kv else None)
-        plain = pool.sequences.plain[host[3]].all()  # (host[3]: the rows' block-table slots)
+        plain = pool.sequences.plain[host[SLOT]].all()  # (the rows' block-table slots)
         return PendingSamples(logits, None if plain else [it.seq for it in items], pool.decode_index[rows] + 1)
 
     def draft(self, items: list[WorkItem], lens: list[int], loops: int) -> PendingDrafts:

@@ -152,9 +152,9 @@ def attend_decode(q: torch.Tensor, kv: KVStore, index: torch.Tensor, visible: to
     """One query per sequence. q [N, nh, d]; index [nkv, N, L] flat KV indices of each sequence's keys
     (`KVStore.index`); visible [N, L]. Returns [N, nh * d]. A row that sees no key (a passive CB row,
     discarded) gets zeros.
-    On CUDA: K and V gathered, then torch's fused attention (`_sdpa_decode`). Elsewhere neither is copied on
-    the CPU in float32/64: the scores read K in place (`KVStore.scores`), the weighted sum of V reads its rows
-    in place (`KVStore.weighted_values`)."""
+    On CUDA: K and V gathered, then torch's fused attention (`_sdpa_decode`). Elsewhere the scores, then the
+    softmax, then the weighted sum of V, which reads V's rows in place (`KVStore.weighted_values`); the scores
+    read K in place on the CPU in float32/64 and gather it otherwise (`KVStore.scores`)."""
     if q.device.type in SDPA_DECODE_DEVICES:
         return _sdpa_decode(q, kv, index, visible)
     n, nh, d = q.shape
