@@ -50,7 +50,9 @@ class Readback:
     Python lists, waiting (on CUDA) only for their own copy, which was queued right after the work
     that produced them."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+    def __init__(self, tensors: dict[str, torch.Tensor], reused: bool = False) -> None:
+        """`reused`: some tensors are buffers a later step overwrites (a graph's outputs), so they are copied on
+        the CPU too, where the others are kept as they are."""
         self._event = None
         cuda = [t.device for t in tensors.values() if t.device.type == "cuda"]
         if cuda:
@@ -59,8 +61,8 @@ class Readback:
             self._event = torch.cuda.Event()
             # on the copies' stream: that of the tensors' device, which need not be the current device
             self._event.record(torch.cuda.current_stream(cuda[0]))
-        elif any(t.device.type != "cpu" for t in tensors.values()):
-            tensors = {k: t.to("cpu") for k, t in tensors.items()}
+        elif reused or any(t.device.type != "cpu" for t in tensors.values()):
+            tensors = {k: t.to("cpu", copy=True) for k, t in tensors.items()}
         self._host = tensors  # (on the CPU: the tensors themselves, as `to("cpu")` would give)
 
     def host(self) -> dict[str, torch.Tensor]:

@@ -46,6 +46,7 @@ import torch
 from loopserve.cache.block_table import BlockTables
 from loopserve.cache.layout import KVLayout
 from loopserve.cache.pool import KVStore
+from loopserve.engine.signals import step_signals
 from loopserve.models.base import LoopedLM
 from loopserve.models.context import ForwardContext
 
@@ -109,6 +110,11 @@ class StageGraphs:
         self.inject = torch.zeros(width, hidden, dtype=p.dtype, device=p.device) if injects is not None else None
         self.out = torch.zeros(width, hidden, dtype=p.dtype, device=p.device)
         self.logits: torch.Tensor | None = None  # [width, vocab] of the coda, made by its first (eager) run
+        # a row's own exit signals, computed in every core step's graph (a few small kernels there, not launches
+        # from the host each tick), whichever its batch's rules read; made by the first (eager) run
+        self.signal_kinds = {"latent_diff"} | ({"gate"} if model.has_gate else set()) | (
+            {"lookahead_gate"} if model.has_lookahead_gate else set())
+        self.signals: dict[str, torch.Tensor] | None = None
         self.meta = torch.zeros(SEED + 1, width, dtype=torch.long, device=p.device)  # rows: POSITION ... SEED
         pad = np.zeros((SEED + 1, width), np.int64)  # (token 0, seed 0, state row 0 read: any valid value)
         pad[KV_WRITE], pad[DEPTH], pad[STATE_WRITE], pad[POOL_ROW] = scratch_row, 1, scratch_state, pool_rows
@@ -132,14 +138,15 @@ class StageGraphs:
         to its POOL_ROW."""
         self._replay("prelude", meta, max_keys)
 
-    def core(self, meta: torch.Tensor, max_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def core(self, meta: torch.Tensor, max_keys: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """The core step of the rows whose metadata is `meta` ([PACKED, n], `POSITION` ... `POOL_ROW`) and whose
         longest key count is `max_keys`: each row's state read from the pool and the next one written back.
-        Returns (states read, states written), [n, hidden] views of the static buffers, valid until the next
-        step is queued (what the exit signals read)."""
+        Returns the states read and written ([n, hidden]) and the rows' own signals (`signal_kinds`, by kind),
+        views of the static buffers, valid until the next stage is queued."""
         n = meta.shape[1]
         self._replay("core", meta, max_keys)
-        return self.state[:n], self.out[:n]
+        assert self.signals is not None
+        return self.state[:n], self.out[:n], {kind: signal[:n] for kind, signal in self.signals.items()}
 
     def coda(self, meta: torch.Tensor, max_keys: int) -> torch.Tensor:
         """The coda's logits of the rows whose metadata is `meta` (as `core`; a coda writes no state). Returns
@@ -205,8 +212,15 @@ class StageGraphs:
             inject = None
             if self.inject is not None and self.injects is not None:
                 inject = torch.index_select(self.injects, 0, meta[POOL_ROW], out=self.inject[:width])
-            self.out[:width].copy_(self.model.core_step(state, inject, ctx))
-            self.states.index_copy_(0, meta[STATE_WRITE], self.out[:width])  # (padding rows: into the scratch row)
+            out = self.out[:width]
+            out.copy_(self.model.core_step(state, inject, ctx))
+            self.states.index_copy_(0, meta[STATE_WRITE], out)  # (padding rows: into the scratch row)
+            signals, _ = step_signals(self.model, self.signal_kinds, state, out, None, None, None)
+            if self.signals is None:  # (the first run of a core step is eager, never one being captured)
+                with torch.inference_mode(False):
+                    self.signals = {k: v.new_empty((self.state.shape[0], *v.shape[1:])) for k, v in signals.items()}
+            for kind, signal in signals.items():
+                self.signals[kind][:width].copy_(signal)
             return
         logits = self.model.coda(state, ctx)
         if self.logits is None:  # (the first run of a coda is eager, never one being captured)

@@ -539,14 +539,15 @@ class ModelRunner:
         counts = np.bincount(kinds, minlength=len(SIGNALS)).tolist()
         # the attention context: for an eager step and for the KL signal's coda (a replayed step has its own)
         ctx = self._ctx(host, device, top) if self.graphs is None or counts[_KL] else None
+        ready: dict[str, torch.Tensor] = {}  # signals the step computed itself
         if self.graphs is None:
             assert ctx is not None
             prev = pool.state.index_select(0, device[STATE_READ])
             inject = None if pool.inject is None else pool.inject.index_select(0, device[POOL_ROW])
             new = self.model.core_step(prev, inject, ctx)
             pool.state.index_copy_(0, device[STATE_WRITE], new)
-        else:  # (the graph gathers and writes back the states itself)
-            prev, new = self.graphs.core(device, top + 1)
+        else:  # (the graph gathers and writes back the states, and computes the rows' own signals)
+            prev, new, ready = self.graphs.core(device, top + 1)
         present = {SIGNALS[k] for k in range(1, len(SIGNALS)) if counts[k]}
         if not present:
             return PendingSignals(kinds, None)
@@ -558,13 +559,16 @@ class ModelRunner:
             kl_items = [pool.items[int(rows[i])] for i in kl_rows]
             prev_lp = torch.stack([uniform if it is None or it.prev_logprobs is None else it.prev_logprobs
                                    for it in kl_items])
-        sig, lp = step_signals(self.model, present, prev, new, ctx, prev_lp, kl_rows or None)  # type: ignore[arg-type]
+        sig, lp = step_signals(self.model, present - ready.keys(), prev, new, ctx, prev_lp,  # type: ignore[arg-type]
+                               kl_rows or None)
+        sig.update((kind, signal) for kind, signal in ready.items() if kind in present)
         if kl_rows:
             for j, it in enumerate(kl_items):
                 if it is not None:
                     it.prev_logprobs = lp[j] if lp is not None else None
         n = len(rows)
-        return PendingSignals(kinds, Readback(sig), whole=counts[_GATE] == n or counts[_LATENT_DIFF] == n)
+        return PendingSignals(kinds, Readback(sig, reused=bool(ready)),
+                              whole=counts[_GATE] == n or counts[_LATENT_DIFF] == n)
 
     def coda(self, items: list[WorkItem], rows: np.ndarray) -> PendingSamples:
         """The exited items' (in state-pool rows `rows`) next tokens, sampled on the device, on their way
