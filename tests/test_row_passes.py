@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from loopserve.engine.graphs import PACKED
 from loopserve.engine.runner import StatePool, _pack_rows
 from loopserve.exits import POLICIES, ExitBook, ExitRule, rule_table
 from loopserve.jit import compiled
@@ -168,13 +169,13 @@ def test_undecided_and_packed_inputs_are_the_array_form(case, scratch, core):
     pool, rows, generations = case
     keep = (pool.generation[rows] == generations) & ~pool.passive[rows] & (pool.exits.exit_depth[rows] == 0)
     assert pool.undecided(rows, generations).tolist() == keep.tolist()
-    host, kinds = np.full((6, len(rows)), -7, np.int64), np.full(len(rows), -7, np.int8)
+    host, kinds = np.full((PACKED, len(rows)), -7, np.int64), np.full(len(rows), -7, np.int8)
     top = _pack_rows(rows, core, pool.passive, pool.position, pool.kv_row, pool.r, pool.kv_slot, pool.parity,
                      pool.signal, scratch, pool.rows, host, kinds)
     hidden = pool.passive[rows] & core  # a core batch's passive rows: KV to the scratch row, no signal
     expect = np.stack([pool.position[rows], np.where(hidden, scratch, pool.kv_row[rows]), pool.r[rows] + 1,
                        pool.kv_slot[rows], pool.parity[rows] * pool.rows + rows,
-                       (1 - pool.parity[rows]) * pool.rows + rows])
+                       (1 - pool.parity[rows]) * pool.rows + rows, rows])
     assert np.array_equal(host, expect)
     assert kinds.tolist() == np.where(hidden, 0, pool.signal[rows]).tolist()
     assert top == (int(pool.position[rows].max()) if len(rows) else 0)
