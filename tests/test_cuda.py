@@ -73,12 +73,12 @@ def assert_equal_outputs(ref, out) -> None:
 @pytest.mark.parametrize("scheduler", ["cb", "cdb"])
 @pytest.mark.parametrize("arch", ["ouro", "huginn"])
 def test_cuda_graphs_match_the_reference_and_replay_without_waiting(arch, scheduler, tiny_ouro, tiny_huginn):
-    """Core steps (and Huginn's coda) replayed from CUDA graphs (`cuda_graphs`, engine/graphs.py; five rows
+    """Core steps (and Huginn's prelude and coda) replayed from CUDA graphs (`cuda_graphs`, engine/graphs.py; five rows
     run padded to six) give the reference decoder's outputs, also after the block table was reallocated
     between runs (it never is by the engine with cuda_graphs; here by hand, so every graph is retired and
     captured again into a fresh pool); once the buckets a workload needs are captured, replaying them
-    never makes the host wait (a third run of the workload runs its core and coda calls under sync-debug
-    "error")."""
+    never makes the host wait (a third run of the workload runs its prelude, core and coda calls under
+    sync-debug "error")."""
     path = tiny_ouro if arch == "ouro" else tiny_huginn
     kw = dict(dtype="float64", device="cuda", kv_cache_tokens=1024, max_decode_batch=5, prefill_chunk_size=8,
               max_num_batched_tokens=16, enable_prefix_caching=False)
@@ -95,11 +95,36 @@ def test_cuda_graphs_match_the_reference_and_replay_without_waiting(arch, schedu
     assert_equal_outputs(ref, llm.generate(PROMPTS, params))
     assert engine.runner.graphs.prepared > prepared  # captured again
     captured = set(engine.runner.graphs.buckets)
-    engine.runner.core, engine.runner.coda = sync_free(engine.runner.core), sync_free(engine.runner.coda)
+    runner = engine.runner
+    runner.prelude, runner.core, runner.coda = (sync_free(runner.prelude), sync_free(runner.core),
+                                                sync_free(runner.coda))
     assert_equal_outputs(ref, llm.generate(PROMPTS, params))
     assert set(engine.runner.graphs.buckets) == captured
     assert any(width == 6 for _, width, _ in captured)
-    assert {stage for stage, _, _ in captured} == ({"core", "coda"} if arch == "huginn" else {"core"})
+    assert {stage for stage, _, _ in captured} == ({"prelude", "core", "coda"} if arch == "huginn" else {"core"})
+
+
+@pytest.mark.parametrize("arch", ["ouro", "huginn"])
+def test_cuda_bfloat16_graphs_run_what_a_gpu_runs(arch, tiny_ouro, tiny_huginn):
+    """bf16, graphs on: the paths a served model takes on a GPU and the float64 tests do not (the fused decode
+    attention's bf16 kernels, the stacked projections' strided views, the exit gate's fp32 head copy, Huginn's
+    graphed prelude with like-init seeds) run every request to its length with valid tokens and depths, and
+    agree with the eager engine on the first token (the prefill's, not graphed; in bf16 a padded batch may
+    round differently, so later tokens may differ)."""
+    path = tiny_ouro if arch == "ouro" else tiny_huginn
+    kw = dict(dtype="bfloat16", device="cuda", kv_cache_tokens=1024, max_decode_batch=5, prefill_chunk_size=8,
+              max_num_batched_tokens=16, scheduler="cdb")
+    params = params_for(arch)
+    eager = LLM(path, cuda_graphs=False, **kw).generate(PROMPTS, params)
+    llm = LLM(path, **kw)
+    assert llm.engine is not None and llm.engine.runner.graphs is not None
+    graphed = llm.generate(PROMPTS, params)
+    r_max, vocab = llm.config.r_max, llm.config.vocab_size
+    for a, b in zip(eager, graphed, strict=True):
+        got = b.outputs[0]
+        assert a.outputs[0].finish_reason == got.finish_reason == "length" and len(got.token_ids) == 8
+        assert got.token_ids[0] == a.outputs[0].token_ids[0]
+        assert all(0 <= t < vocab for t in got.token_ids) and all(1 <= d <= r_max for d in got.exit_depths)
 
 
 def test_cuda_step_latency_replays_a_captured_step(tiny_huginn):
