@@ -111,8 +111,8 @@ class LLMEngine:
                                         scope if cfg.enable_prefix_caching else None, model.draws_random_state,
                                         speculator)
         scratch = self.kv.reserved[0] * cfg.block_size
-        graphs = StageGraphs(model, self.layout, store, self.kv.block_tables, self.pool.state, self.pool.inject,
-                             scratch, self.pool.scratch_state, capture=p.device.type == "cuda") \
+        graphs = StageGraphs(model, self.layout, store, self.kv.block_tables, self.pool, scratch,
+                             capture=p.device.type == "cuda") \
             if cfg.cuda_graphs else None
         if graphs is not None and not graphs.capture:
             log.warning("cuda_graphs on %s: nothing to capture, the padded stages run eagerly (slower; for tests)",

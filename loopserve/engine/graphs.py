@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -49,6 +49,9 @@ from loopserve.cache.pool import KVStore
 from loopserve.engine.signals import step_signals
 from loopserve.models.base import LoopedLM
 from loopserve.models.context import ForwardContext
+
+if TYPE_CHECKING:
+    from loopserve.engine.runner import StatePool
 
 LADDER_BASE = (1, 2, 3, 4, 6)  # then doubling: 8, 12, 16, 24, 32, 48, ...
 # The rows of a decode batch's metadata, packed on the host and uploaded in one copy a tick (`ModelRunner._pack`):
@@ -94,20 +97,18 @@ class StageGraphs:
     """The static buffers and the prepared (captured) buckets of one engine's decode stages: core steps, and
     preludes and codas with layers."""
 
-    def __init__(self, model: LoopedLM, layout: KVLayout, kv: KVStore, tables: BlockTables, states: torch.Tensor,
-                 injects: torch.Tensor | None, scratch_row: int, scratch_state: int, capture: bool) -> None:
-        """`states`, `injects`: the state pool's buffers (two state rows per pool row, then a scratch row at
-        `scratch_state`; an injection row per pool row, then a scratch row); `scratch_row`: the KV row padding
-        rows write."""
+    def __init__(self, model: LoopedLM, layout: KVLayout, kv: KVStore, tables: BlockTables, pool: StatePool,
+                 scratch_row: int, capture: bool) -> None:
+        """`pool`: the state pool whose buffers the steps read and write (its scratch rows take the padding
+        rows' writes); `scratch_row`: the KV row padding rows write."""
         p = next(model.parameters())
         self.model, self.layout, self.kv, self.tables = model, layout, kv, tables
-        self.states, self.injects = states, injects
+        self.states, self.injects = pool.state, pool.inject
         self.capture = capture
-        pool_rows = (states.shape[0] - 1) // 2
-        width = bucket(pool_rows)
+        width = bucket(pool.rows)
         hidden = model.config.hidden_size
         self.state = torch.zeros(width, hidden, dtype=p.dtype, device=p.device)
-        self.inject = torch.zeros(width, hidden, dtype=p.dtype, device=p.device) if injects is not None else None
+        self.inject = torch.zeros(width, hidden, dtype=p.dtype, device=p.device) if pool.inject is not None else None
         self.out = torch.zeros(width, hidden, dtype=p.dtype, device=p.device)
         self.logits: torch.Tensor | None = None  # [width, vocab] of the coda, made by its first (eager) run
         # a row's own exit signals, computed in every core step's graph (a few small kernels there, not launches
@@ -117,7 +118,8 @@ class StageGraphs:
         self.signals: dict[str, torch.Tensor] | None = None
         self.meta = torch.zeros(SEED + 1, width, dtype=torch.long, device=p.device)  # rows: POSITION ... SEED
         pad = np.zeros((SEED + 1, width), np.int64)  # (token 0, seed 0, state row 0 read: any valid value)
-        pad[KV_WRITE], pad[DEPTH], pad[STATE_WRITE], pad[POOL_ROW] = scratch_row, 1, scratch_state, pool_rows
+        pad[KV_WRITE], pad[DEPTH] = scratch_row, 1
+        pad[STATE_WRITE], pad[POOL_ROW] = pool.scratch_state, pool.scratch_inject
         self._pad = torch.from_numpy(pad).to(p.device)
         self._steps: dict[tuple[str, int, int], Callable[[], None]] = {}
         self._table = tables.table  # (held: its memory cannot be reused by a new table while graphs read it)

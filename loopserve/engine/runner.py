@@ -18,9 +18,11 @@ from loopserve.cache.layout import IN_FLIGHT, KVLayout
 from loopserve.cache.manager import KVCacheManager
 from loopserve.device import Readback, upload
 from loopserve.engine.graphs import (
+    DEPTH,
     KV_WRITE,
     PACKED,
     POOL_ROW,
+    POSITION,
     SEED,
     SLOT,
     STATE_READ,
@@ -163,6 +165,7 @@ class StatePool:
         self.scratch_state = 2 * rows
         # Huginn's injection e, a row per pool row, then a scratch row (as the states')
         self.inject = torch.zeros(rows + 1, hidden, dtype=dtype, device=device) if with_inject else None
+        self.scratch_inject = rows
         self._free = list(range(rows - 1, -1, -1))
         self.items: list[WorkItem | None] = [None] * rows
         self.generation = np.zeros(rows, np.int64)
@@ -700,13 +703,13 @@ def _pack_rows(rows, core, passive, position, kv_row, r, kv_slot, parity, signal
     for k in range(rows.shape[0]):
         i = rows[k]
         hidden = core and passive[i]
-        host[0, k] = position[i]
-        host[1, k] = scratch_row if hidden else kv_row[i]
-        host[2, k] = r[i] + 1
-        host[3, k] = kv_slot[i]
-        host[4, k] = parity[i] * n_rows + i
-        host[5, k] = (parity[i] ^ 1) * n_rows + i
-        host[6, k] = i
+        host[POSITION, k] = position[i]
+        host[KV_WRITE, k] = scratch_row if hidden else kv_row[i]
+        host[DEPTH, k] = r[i] + 1
+        host[SLOT, k] = kv_slot[i]
+        host[STATE_READ, k] = parity[i] * n_rows + i
+        host[STATE_WRITE, k] = (parity[i] ^ 1) * n_rows + i
+        host[POOL_ROW, k] = i
         kinds[k] = 0 if hidden else signal[i]
         top = max(top, position[i])
     return top

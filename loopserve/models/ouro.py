@@ -33,7 +33,7 @@ class OuroAttention(nn.Module):
         # the checkpoint's q, k and v projections stacked (`stacked_linear`)
         self.qkv_proj = nn.Linear(c.hidden_size, q + 2 * kv, bias=False)
         self.stacked = {"qkv_proj.weight": (("q_proj.weight", q), ("k_proj.weight", kv), ("v_proj.weight", kv))}
-        self.qkv_sizes = [q, kv, kv]
+        self.qkv_sizes = [rows for _, rows in self.stacked["qkv_proj.weight"]]
         self.o_proj = nn.Linear(q, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
@@ -53,7 +53,7 @@ class OuroMLP(nn.Module):
         i = c.intermediate_size
         self.gate_up_proj = nn.Linear(c.hidden_size, 2 * i, bias=False)  # the checkpoint's gate and up, stacked
         self.stacked = {"gate_up_proj.weight": (("gate_proj.weight", i), ("up_proj.weight", i))}
-        self.gate_up_sizes = [i, i]
+        self.gate_up_sizes = [rows for _, rows in self.stacked["gate_up_proj.weight"]]
         self.down_proj = nn.Linear(i, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
