@@ -77,15 +77,16 @@ def test_block_table_never_moves_and_graphs_are_retired_if_it_does(tiny_ouro, ca
     while not graphs.buckets:
         engine.step()
     (first,) = graphs.buckets
-    assert first == ("core", 6, 64) and graphs.prepared == 1  # five rows padded to six; keys 61-64: 16 blocks
+    assert first == ("core", 6, 64)  # five rows padded to six; keys 61-64: 16 blocks
+    assert engine.stats.graph_buckets == 1
     tables.set_blocks(0, table.shape[1], [0])  # one column more: the table is reallocated
     core = engine.stats.ticks["core"]
     while engine.stats.ticks["core"] == core:
         engine.step()
-    assert graphs.buckets == [first] and graphs.prepared == 2  # the same bucket, prepared again
+    assert graphs.buckets == [first] and engine.stats.graph_buckets == 2  # the same bucket, prepared again
     while engine.has_unfinished_requests():
         engine.step()
-    assert tables.table is not table and graphs.prepared == 3  # then only keys 65-90 (96): one bucket more
+    assert tables.table is not table and engine.stats.graph_buckets == 3  # then only keys 65-90 (96): one bucket more
 
 
 class DetachedTables(BlockTables):

@@ -112,7 +112,7 @@ class LLMEngine:
                                         speculator)
         scratch = self.kv.reserved[0] * cfg.block_size
         graphs = StageGraphs(model, self.layout, store, self.kv.block_tables, self.pool, scratch,
-                             capture=p.device.type == "cuda") \
+                             capture=p.device.type == "cuda", stats=self.stats) \
             if cfg.cuda_graphs else None
         if graphs is not None and not graphs.capture:
             log.warning("cuda_graphs on %s: nothing to capture, the padded stages run eagerly (slower; for tests)",

@@ -52,6 +52,7 @@ from loopserve.models.context import ForwardContext
 
 if TYPE_CHECKING:
     from loopserve.engine.runner import StatePool
+    from loopserve.engine.stats import EngineStats
 
 LADDER_BASE = (1, 2, 3, 4, 6)  # then doubling: 8, 12, 16, 24, 32, 48, ...
 # The rows of a decode batch's metadata, packed on the host and uploaded in one copy a tick (`ModelRunner._pack`):
@@ -98,9 +99,10 @@ class StageGraphs:
     preludes and codas with layers."""
 
     def __init__(self, model: LoopedLM, layout: KVLayout, kv: KVStore, tables: BlockTables, pool: StatePool,
-                 scratch_row: int, capture: bool) -> None:
+                 scratch_row: int, capture: bool, stats: EngineStats) -> None:
         """`pool`: the state pool whose buffers the steps read and write (its scratch rows take the padding
-        rows' writes); `scratch_row`: the KV row padding rows write."""
+        rows' writes); `scratch_row`: the KV row padding rows write; `stats`: where the buckets prepared and
+        the captures' time are counted."""
         p = next(model.parameters())
         self.model, self.layout, self.kv, self.tables = model, layout, kv, tables
         self.states, self.injects = pool.state, pool.inject
@@ -124,9 +126,7 @@ class StageGraphs:
         self._steps: dict[tuple[str, int, int], Callable[[], None]] = {}
         self._table = tables.table  # (held: its memory cannot be reused by a new table while graphs read it)
         self._retired: list[Callable[[], None]] = []
-        self.prepared = 0  # buckets prepared (captured, on CUDA) so far, retired ones included
-        self.prepare_s = 0.0  # wall time spent preparing them (on CUDA: a warm-up run and a capture each, which
-        # synchronize the device): a run's cost that a longer run amortizes (benchmarks report it apart)
+        self.stats = stats
         self._pool = torch.cuda.graph_pool_handle() if capture else None
 
     @property
@@ -184,7 +184,7 @@ class StageGraphs:
         self._table = self.tables.table
 
     def _prepare(self, stage: str, width: int, keys: int) -> Callable[[], None]:
-        self.prepared += 1
+        self.stats.graph_buckets += 1
         if not self.capture:
             return lambda: self._run(stage, width, keys)
         torch.cuda.synchronize(self.state.device)  # (the capture waits for the queued steps anyway: not their time)
@@ -193,7 +193,7 @@ class StageGraphs:
         # same KV again; entering the capture synchronized the device: no retired graph still runs)
         replay = capture(lambda: self._run(stage, width, keys), self.state.device, self._pool)
         self._retired.clear()
-        self.prepare_s += time.perf_counter() - t0
+        self.stats.graph_capture_s += time.perf_counter() - t0
         return replay
 
     def _run(self, stage: str, width: int, keys: int) -> None:

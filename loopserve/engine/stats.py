@@ -30,6 +30,9 @@ class EngineStats:
     spec_draft_tokens: int = 0  # tokens those rounds drafted
     spec_accepted_tokens: int = 0  # drafts equal to the verifier's own token
     spec_tokens: int = 0  # tokens those rounds emitted (accepted drafts + the verifier's next token)
+    graph_buckets: int = 0  # cuda_graphs: stage buckets prepared (on CUDA: captured), retired ones included
+    graph_capture_s: float = 0.0  # CUDA: the wall time those captures took (a warm-up run and a capture each, which
+    # synchronize the device): a run's cost that a longer run amortizes (benchmarks report it apart)
 
     def record(self, stage: str, batch: int) -> None:
         self.ticks[stage] += 1
@@ -50,4 +53,5 @@ class EngineStats:
             "prefix_cache_queries": self.prefix_cache_queries, "prefix_cache_hits": self.prefix_cache_hits,
             "spec_rounds": self.spec_rounds, "spec_draft_tokens": self.spec_draft_tokens,
             "spec_accepted_tokens": self.spec_accepted_tokens, "spec_tokens": self.spec_tokens,
+            "graph_buckets": self.graph_buckets, "graph_capture_s": self.graph_capture_s,
         }

@@ -408,7 +408,7 @@ def run_offline(bm: BenchModel, workload: Workload, traces: list[list[int]] | No
             torch.cuda.synchronize()
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     bar.close()
-    st, graphs = engine.stats, engine.runner.graphs
+    st = engine.stats
     items = sum(st.exit_depths.values())
     mean_d = sum(d * c for d, c in st.exit_depths.items()) / items if items else None
     return RunResult(
@@ -423,8 +423,7 @@ def run_offline(bm: BenchModel, workload: Workload, traces: list[list[int]] | No
         config={**cfg, "cuda_graphs": engine.cfg.cuda_graphs, "async_coda": engine.async_coda}, errors=errors,
         schedule_trace=stages.to_json() if record_schedule else None,
         device_busy_s=busy.busy_s if busy is not None else None,
-        graph_buckets=graphs.prepared if graphs is not None else 0,
-        graph_capture_s=graphs.prepare_s if graphs is not None else 0.0)
+        graph_buckets=st.graph_buckets, graph_capture_s=st.graph_capture_s)
 
 
 def write_json(path: Path, data: Any) -> Path:
