@@ -6,6 +6,7 @@ arrays, rows outside the batch included."""
 from __future__ import annotations
 
 import math
+from collections import Counter
 from types import SimpleNamespace
 
 import numba
@@ -17,7 +18,8 @@ from hypothesis import strategies as st
 
 from loopserve.engine.graphs import PACKED
 from loopserve.engine.runner import StatePool, _pack_rows
-from loopserve.exits import POLICIES, ExitBook, ExitRule, rule_table
+from loopserve.engine.stats import EngineStats
+from loopserve.exits import POLICIES, SIGNALS, ExitBook, ExitRule, rule_table
 from loopserve.jit import compiled
 
 BOOK_FIELDS = ("policy", "threshold", "min_loops", "lookahead", "survival", "exit_depth", "frozen", "target",
@@ -129,7 +131,7 @@ def pools(draw):
     ints = st.lists(st.integers(0, 6), min_size=size, max_size=size)
     bools = st.lists(st.booleans(), min_size=size, max_size=size)
     pool.r[:], pool.parity[:] = draw(ints), draw(st.lists(st.integers(0, 1), min_size=size, max_size=size))
-    pool.passive[:], pool.exits.frozen[:] = draw(bools), draw(bools)
+    pool.passive[:], pool.exits.frozen[:], pool.decides_ahead[:] = draw(bools), draw(bools), draw(bools)
     pool.exits.stop_at[:], pool.exits.exit_depth[:] = draw(ints), draw(ints)
     pool.generation[:], pool.signal[:] = draw(ints), draw(st.lists(st.integers(0, 4), min_size=size, max_size=size))
     pool.position[:], pool.kv_row[:], pool.kv_slot[:] = draw(ints), draw(ints), draw(ints)
@@ -170,8 +172,9 @@ def test_undecided_and_packed_inputs_are_the_array_form(case, scratch, core):
     keep = (pool.generation[rows] == generations) & ~pool.passive[rows] & (pool.exits.exit_depth[rows] == 0)
     assert pool.undecided(rows, generations).tolist() == keep.tolist()
     host, kinds = np.full((PACKED, len(rows)), -7, np.int64), np.full(len(rows), -7, np.int8)
-    top = _pack_rows(rows, core, pool.passive, pool.position, pool.kv_row, pool.r, pool.kv_slot, pool.parity,
-                     pool.signal, scratch, pool.rows, host, kinds)
+    counts = np.zeros(len(SIGNALS), np.int64)
+    top, now = _pack_rows(rows, core, pool.passive, pool.position, pool.kv_row, pool.r, pool.kv_slot, pool.parity,
+                          pool.signal, pool.decides_ahead, scratch, pool.rows, host, kinds, counts)
     hidden = pool.passive[rows] & core  # a core batch's passive rows: KV to the scratch row, no signal
     expect = np.stack([pool.position[rows], np.where(hidden, scratch, pool.kv_row[rows]), pool.r[rows] + 1,
                        pool.kv_slot[rows], pool.parity[rows] * pool.rows + rows,
@@ -179,6 +182,8 @@ def test_undecided_and_packed_inputs_are_the_array_form(case, scratch, core):
     assert np.array_equal(host, expect)
     assert kinds.tolist() == np.where(hidden, 0, pool.signal[rows]).tolist()
     assert top == (int(pool.position[rows].max()) if len(rows) else 0)
+    assert now == int(((kinds != 0) & ~pool.decides_ahead[rows]).sum())
+    assert counts.tolist() == np.bincount(kinds, minlength=len(SIGNALS)).tolist()
     assert pool.state_rows(rows).tolist() == expect[4].tolist()
 
 
@@ -210,3 +215,26 @@ def test_compiled_without_a_cache_location(monkeypatch):
     assert g(np.arange(5)) == 3
     with pytest.raises(IndexError):
         g(np.arange(2))
+
+
+@settings(max_examples=200, deadline=None)
+@given(pools(), st.data())
+def test_without_keeps_the_queue_order_and_its_scratch_clear(case, data):
+    """`StatePool.without` against the list form; its marks are all clear again after every call, a bad row's too."""
+    pool, queue, _ = case
+    gone = np.array(data.draw(st.lists(st.integers(0, pool.rows - 1), max_size=pool.rows)), np.int64)
+    assert pool.without(queue, gone).tolist() == [q for q in queue.tolist() if q not in set(gone.tolist())]
+    assert not pool._marks.any()
+    if len(queue):
+        with pytest.raises(IndexError):
+            pool.without(queue, np.array([0, pool.rows], np.int64))
+        assert not pool._marks.any()
+
+
+def test_exit_counts_add_up_and_grow():
+    stats = EngineStats()
+    stats.count_exits(np.array([1, 3, 3], np.int64))
+    stats.count_exits(np.array([], np.int64))
+    stats.count_exits(np.array([7, 1], np.int64))
+    assert stats.exit_depths == Counter({1: 2, 3: 2, 7: 1})
+    assert stats.as_dict()["exit_depths"] == {1: 2, 3: 2, 7: 1}

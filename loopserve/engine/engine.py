@@ -253,9 +253,9 @@ class LLMEngine:
         # not the rows freed since the step was queued: reading an earlier step's signals (this tick) may
         # have failed their requests (a later item in such a row is not this step's either)
         self.scheduler.advance_core(entry.rows, entry.generations)
-        signal = entry.result.kinds != 0  # passive rows (CB) have none
-        if not self.cfg.pipeline_core_steps or (signal & ~self.pool.decides_ahead[entry.rows]).any():
+        if not self.cfg.pipeline_core_steps or entry.result.read_now:
             return entry  # read at once
+        signal = entry.result.kinds != 0  # passive rows (CB) have none
         now = ~signal
         self.scheduler.observe_core(entry.rows[now], entry.generations[now], Signals.none(entry.result.kinds[now]))
         if not signal.any():

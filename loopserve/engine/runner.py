@@ -9,7 +9,7 @@ the scheduler decides what they mean. It is called inside `LLMEngine.step`, whic
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -167,6 +167,7 @@ class StatePool:
         self.inject = torch.zeros(rows + 1, hidden, dtype=dtype, device=device) if with_inject else None
         self.scratch_inject = rows
         self._free = list(range(rows - 1, -1, -1))
+        self._marks = np.zeros(rows, bool)  # `without`'s scratch (all False between calls)
         self.items: list[WorkItem | None] = [None] * rows
         self.generation = np.zeros(rows, np.int64)
         self.order = np.zeros(rows, np.int64)  # the item's creation counter (queues keep creation order)
@@ -255,6 +256,16 @@ class StatePool:
                                   book.frozen, book.stop_at, book.exit_depth, done)
         return active, done[:n]
 
+    def without(self, queue: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """`queue` (pool rows) without `rows`, order kept: one compiled pass."""
+        if not len(rows) or not len(queue):
+            return queue
+        try:
+            return _drop_rows(queue, rows, self._marks)
+        except IndexError:
+            self._marks[:] = False  # (a bad row: the pass stopped with marks set)
+            raise
+
     def undecided(self, rows: np.ndarray, generations: np.ndarray) -> np.ndarray:
         """Mask of `rows` whose exit rule still has to read their last step's signal: the row holds the
         item it held when the step was queued (`generations`), is not passive and has not decided."""
@@ -269,6 +280,7 @@ class StatePool:
         none = np.zeros(0, np.int64)
         self.advance(none, none)
         self.undecided(none, none)
+        _drop_rows(none, none, self._marks)
         self.exits.start(none, [], none, np.zeros((0, RULE_WIDTH)))
         _claim_rows(none, none, none, none, self.generation, self.kv_slot, self.position, self.kv_row, self.r,
                     self.parity, self.signal, self.passive)
@@ -278,7 +290,8 @@ class StatePool:
         self.exits.observe(none, none, np.zeros(0), np.zeros(0), np.zeros(0, bool))
         self.held.add(none, none, none, none, 0.0)
         _pack_rows(none, True, self.passive, self.position, self.kv_row, self.r, self.kv_slot, self.parity,
-                   self.signal, 0, self.rows, np.zeros((PACKED, 0), np.int64), np.zeros(0, np.int8))
+                   self.signal, self.decides_ahead, 0, self.rows, np.zeros((PACKED, 0), np.int64), np.zeros(0, np.int8),
+                   np.zeros(len(SIGNALS), np.int64))
 
     def state_rows(self, rows: np.ndarray) -> np.ndarray:
         """Indices into `state` of the rows' current buffers."""
@@ -315,9 +328,11 @@ class Signals:
 class PendingSignals:
     """The exit signals of one core step, still on their way back from the device."""
 
-    def __init__(self, kinds: np.ndarray, readback: Readback | None, whole: bool = False) -> None:
+    def __init__(self, kinds: np.ndarray, readback: Readback | None, whole: bool = False,
+                 read_now: bool = False) -> None:
         self.kinds, self._readback = kinds, readback  # kinds: each row's signal code (0: none)
         self._whole = whole  # every row has one signal kind, computed per row (most batches: one rule)
+        self.read_now = read_now  # some row's rule reads this step's signal before the next step (most rules)
         self._got: Signals | None = None
 
     def get(self) -> Signals:
@@ -416,6 +431,16 @@ class PendingPrefill:
         return out
 
 
+class Packed(NamedTuple):
+    """A decode batch's metadata packed for one upload (`ModelRunner._pack`)."""
+
+    host: np.ndarray  # [PACKED + extra, rows] int64: the rows named in graphs.py, then the caller's
+    top: int  # the largest position
+    kinds: np.ndarray  # each row's signal code in SIGNALS (0: none)
+    counts: list[int]  # rows per signal code
+    now: int  # rows whose signal their rule reads at once (not a step late)
+
+
 class ModelRunner:
     def __init__(self, model: LoopedLM, layout: KVLayout, kv: KVCacheManager, pool: StatePool,
                  scratch_row: int, graphs: StageGraphs | None = None) -> None:
@@ -430,17 +455,17 @@ class ModelRunner:
         pool.compile_passes()
         kv.store.compile_scores()
 
-    def _pack(self, rows: np.ndarray, core: bool = False, extra: int = 0) -> tuple[np.ndarray, int, np.ndarray]:
+    def _pack(self, rows: np.ndarray, core: bool = False, extra: int = 0) -> Packed:
         """Per row of a decode batch (state-pool rows `rows`), in one pass: its context's positions, KV write rows,
         depths and table slots, the state buffer it reads and the one it writes, its pool row (`_pack_rows`),
-        then `extra` rows for the caller to fill; the caller uploads them in one copy. Returns them, the largest
-        position and each row's signal code (`core`: a passive row writes its KV to the scratch row and has no
-        signal)."""
+        then `extra` rows for the caller to fill; the caller uploads them in one copy (`core`: a passive row
+        writes its KV to the scratch row and has no signal)."""
         pool = self.pool
         host, kinds = np.empty((PACKED + extra, len(rows)), np.int64), np.empty(len(rows), np.int8)
-        top = _pack_rows(rows, core, pool.passive, pool.position, pool.kv_row, pool.r, pool.kv_slot, pool.parity,
-                         pool.signal, self.scratch_row, pool.rows, host, kinds)
-        return host, top, kinds
+        counts = np.zeros(len(SIGNALS), np.int64)
+        top, now = _pack_rows(rows, core, pool.passive, pool.position, pool.kv_row, pool.r, pool.kv_slot, pool.parity,
+                              pool.signal, pool.decides_ahead, self.scratch_row, pool.rows, host, kinds, counts)
+        return Packed(host, top, kinds, counts.tolist(), now)
 
     def _ctx(self, host: np.ndarray, device: torch.Tensor, top: int) -> ForwardContext:
         """The attention context of a packed decode batch (`_pack`)."""
@@ -513,7 +538,7 @@ class ModelRunner:
     def prelude(self, items: list[WorkItem], rows: np.ndarray) -> None:
         """Run the preludes of `items` (in state-pool rows `rows`) into their state rows (their current buffers)
         and, for Huginn, their injection rows. The tokens (and random-state seeds) go up with the rows' metadata."""
-        host, top, _ = self._pack(rows, extra=SEED + 1 - PACKED)
+        host, top = self._pack(rows, extra=SEED + 1 - PACKED)[:2]
         host[STATE_WRITE] = host[STATE_READ]  # a prelude writes the rows' current buffers, which their next step reads
         host[TOKEN] = self.pool.token[rows]
         host[SEED] = [it.state_seed() for it in items] if self.draws_random_state else 0
@@ -537,9 +562,8 @@ class ModelRunner:
         Passive rows (CB) write their KV to a scratch row and report no signal.
         """
         pool = self.pool
-        host, top, kinds = self._pack(rows, core=True)
+        host, top, kinds, counts, now = self._pack(rows, core=True)
         device = upload(torch.from_numpy(host), self.device)
-        counts = np.bincount(kinds, minlength=len(SIGNALS)).tolist()
         # the attention context: for an eager step and for the KL signal's coda (a replayed step has its own)
         ctx = self._ctx(host, device, top) if self.graphs is None or counts[_KL] else None
         ready: dict[str, torch.Tensor] = {}  # signals the step computed itself
@@ -571,12 +595,12 @@ class ModelRunner:
                     it.prev_logprobs = lp[j] if lp is not None else None
         n = len(rows)
         return PendingSignals(kinds, Readback(sig, reused=bool(ready)),
-                              whole=counts[_GATE] == n or counts[_LATENT_DIFF] == n)
+                              whole=counts[_GATE] == n or counts[_LATENT_DIFF] == n, read_now=now > 0)
 
     def coda(self, items: list[WorkItem], rows: np.ndarray) -> PendingSamples:
         """The exited items' (in state-pool rows `rows`) next tokens, sampled on the device, on their way
         to the host in one copy."""
-        host, top, _ = self._pack(rows)
+        host, top = self._pack(rows)[:2]
         device = upload(torch.from_numpy(host), self.device)
         pool = self.pool
         if self.has_coda_kv and self.graphs is not None:  # (the graph gathers the states itself)
@@ -647,6 +671,22 @@ def _advance_rows(rows, generations, generation, passive, r, parity, frozen, sto
 
 
 @compiled
+def _drop_rows(queue, rows, marks):
+    """`StatePool.without`: the rows of `queue` not in `rows`, in order (`marks`: all False, left so)."""
+    for i in rows:
+        marks[i] = True
+    out = np.empty(queue.shape[0], np.int64)
+    m = 0
+    for q in queue:
+        if not marks[q]:
+            out[m] = q
+            m += 1
+    for i in rows:
+        marks[i] = False
+    return out[:m]
+
+
+@compiled
 def _undecided_rows(rows, generations, generation, passive, exit_depth, keep):
     """`StatePool.undecided`, into keep."""
     for k in range(rows.shape[0]):
@@ -695,11 +735,14 @@ def _start_pool_rows(rows, slots, position, prompt_len, rule, decode_index, sign
 
 
 @compiled
-def _pack_rows(rows, core, passive, position, kv_row, r, kv_slot, parity, signal, scratch_row, n_rows, host, kinds):
+def _pack_rows(rows, core, passive, position, kv_row, r, kv_slot, parity, signal, decides_ahead, scratch_row, n_rows,
+               host, kinds, counts):
     """`ModelRunner._pack`: host[:PACKED, k] = (position, KV write row, depth, block-table slot, state index read,
     state index written, pool row) and kinds[k] = the signal code of batch row k (in a `core` batch a passive row
-    writes its KV to the scratch row and has no signal); returns the largest position."""
-    top = 0
+    writes its KV to the scratch row and has no signal), counted in counts[code]; returns the largest position and
+    the number of rows with a signal whose rule does not decide a step ahead (a core step whose signals are all
+    read a step late has none)."""
+    top = now = 0
     for k in range(rows.shape[0]):
         i = rows[k]
         hidden = core and passive[i]
@@ -711,5 +754,8 @@ def _pack_rows(rows, core, passive, position, kv_row, r, kv_slot, parity, signal
         host[STATE_WRITE, k] = (parity[i] ^ 1) * n_rows + i
         host[POOL_ROW, k] = i
         kinds[k] = 0 if hidden else signal[i]
+        counts[kinds[k]] += 1
+        if kinds[k] != 0 and not decides_ahead[i]:
+            now += 1
         top = max(top, position[i])
-    return top
+    return top, now

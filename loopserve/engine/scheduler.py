@@ -204,14 +204,6 @@ class Scheduler:
         items = self.pool.items
         return [items[r] for r in rows.tolist()]  # type: ignore[misc]  # a queued row holds its item
 
-    def _without_rows(self, queue: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        """`queue` (state-pool rows) without `rows`, order kept."""
-        if not len(rows) or not len(queue):
-            return queue
-        gone = np.zeros(self.pool.rows, bool)
-        gone[rows] = True
-        return queue[~gone[queue]]
-
     def _drop_item(self, item: WorkItem) -> None:
         if item.row >= 0:
             self.pool.release(item)
@@ -700,8 +692,8 @@ class Scheduler:
         """Take work items out of the decode queues (they still hold their state rows)."""
         self.prelude_q = _without(self.prelude_q, items)
         rows = rows_of([i for i in items if i.row >= 0])
-        self.core_rows = self._without_rows(self.core_rows, rows)
-        self.coda_rows = self._without_rows(self.coda_rows, rows)
+        self.core_rows = self.pool.without(self.core_rows, rows)
+        self.coda_rows = self.pool.without(self.coda_rows, rows)
         self.coda_running = _without(self.coda_running, items)
 
     def _exit(self, rows: np.ndarray) -> None:
@@ -715,8 +707,8 @@ class Scheduler:
         counted = rows
         if self.speculator is not None:  # a verify row's depth counts once accepted
             counted = rows[np.fromiter((item.group is None for item in self._items_at(rows)), bool, len(rows))]
-        self.stats.exit_depths.update(pool.exits.exit_depth[counted].tolist())
-        self.core_rows = self._without_rows(self.core_rows, rows)
+        self.stats.count_exits(pool.exits.exit_depth[counted])
+        self.core_rows = self.pool.without(self.core_rows, rows)
         self.on_exit(rows)
 
     def on_exit(self, rows: np.ndarray) -> None:
@@ -726,7 +718,7 @@ class Scheduler:
     def _start_coda(self, items: list[WorkItem], rows: np.ndarray | None = None) -> StagePlan:
         """A coda batch of `items` (in state-pool rows `rows`, if known)."""
         rows = rows_of(items) if rows is None else rows
-        self.coda_rows = self._without_rows(self.coda_rows, rows)
+        self.coda_rows = self.pool.without(self.coda_rows, rows)
         self.coda_running += items
         return StagePlan(Stage.CODA, items, rows=rows)
 
@@ -803,8 +795,7 @@ class Scheduler:
             if not self._append_token(seq, samples[i], depths[i], now, next_item=False):
                 break  # finished (a stop, max_tokens) or failed
         emitted = len(seq.output_ids) - before
-        for depth in depths[:emitted]:
-            self.stats.exit_depths[depth] += 1
+        self.stats.count_exits(np.array(depths[:emitted], np.int64))
         self.stats.spec_tokens += emitted
         if not seq.finished:
             self.kv_depth_writes.append((kv_rows[emitted:], np.full(len(items) - emitted, IN_FLIGHT)))

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 @dataclass
 class EngineStats:
@@ -18,7 +20,8 @@ class EngineStats:
     preemptions: int = 0
     swap_ins: int = 0
     swap_in_shared_blocks: int = 0  # prompt blocks a swapped-in sequence found cached and shared again
-    exit_depths: Counter = field(default_factory=Counter)
+    # decode tokens by exit depth (loops run): an array, added to a batch at a time (`count_exits`)
+    exit_depth_counts: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))
     model_time: float = 0.0
     schedule_time: float = 0.0
     generated_tokens: int = 0
@@ -34,10 +37,25 @@ class EngineStats:
     graph_capture_s: float = 0.0  # CUDA: the wall time those captures took (a warm-up run and a capture each, which
     # synchronize the device): a run's cost that a longer run amortizes (benchmarks report it apart)
 
+    @property
+    def exit_depths(self) -> Counter:
+        """Decode tokens by exit depth."""
+        return Counter({d: c for d, c in enumerate(self.exit_depth_counts.tolist()) if c})
+
+    def count_exits(self, depths: np.ndarray) -> None:
+        """Count decode tokens that exited at `depths` (an int array)."""
+        counts = np.bincount(depths)
+        if len(counts) > len(self.exit_depth_counts):
+            self.exit_depth_counts = np.pad(self.exit_depth_counts, (0, len(counts) - len(self.exit_depth_counts)))
+        self.exit_depth_counts[:len(counts)] += counts
+
     def record(self, stage: str, batch: int) -> None:
         self.ticks[stage] += 1
         self.rows[stage] += batch
-        self.batch_hist.setdefault(stage, Counter())[batch] += 1
+        hist = self.batch_hist.get(stage)
+        if hist is None:  # (not setdefault: it would build a Counter every call)
+            hist = self.batch_hist[stage] = Counter()
+        hist[batch] += 1
 
     def as_dict(self) -> dict:
         return {

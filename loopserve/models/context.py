@@ -207,7 +207,7 @@ def packed_decode_context(kv: KVStore, layout: KVLayout, tables: BlockTables, ho
     write rows, depths and table slots (`host`; `device`: the same array uploaded in one copy; a caller
     may pack more rows after these); `max_keys`: the largest position + 1."""
     tables.sync()
-    positions, writes, depths, slots = device[:4].unbind(0)
+    positions, writes, depths, slots = device[0], device[1], device[2], device[3]  # (unbind costs more)
     return ForwardContext(kv, layout, positions, writes, depths, None, tables, slots, host[0] + 1, max_keys)
 
 
