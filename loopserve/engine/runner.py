@@ -260,8 +260,9 @@ class StatePool:
         """`queue` (pool rows) without `rows`, order kept: one compiled pass."""
         if not len(rows) or not len(queue):
             return queue
+        out = np.empty(len(queue), np.int64)  # (made here: an array made in a compiled pass costs more to return)
         try:
-            return _drop_rows(queue, rows, self._marks)
+            return out[:_drop_rows(queue, rows, self._marks, out)]
         except IndexError:
             self._marks[:] = False  # (a bad row: the pass stopped with marks set)
             raise
@@ -280,7 +281,7 @@ class StatePool:
         none = np.zeros(0, np.int64)
         self.advance(none, none)
         self.undecided(none, none)
-        _drop_rows(none, none, self._marks)
+        _drop_rows(none, none, self._marks, none)
         self.exits.start(none, [], none, np.zeros((0, RULE_WIDTH)))
         _claim_rows(none, none, none, none, self.generation, self.kv_slot, self.position, self.kv_row, self.r,
                     self.parity, self.signal, self.passive)
@@ -671,11 +672,11 @@ def _advance_rows(rows, generations, generation, passive, r, parity, frozen, sto
 
 
 @compiled
-def _drop_rows(queue, rows, marks):
-    """`StatePool.without`: the rows of `queue` not in `rows`, in order (`marks`: all False, left so)."""
+def _drop_rows(queue, rows, marks, out):
+    """`StatePool.without`: the rows of `queue` not in `rows`, in order, into out[:m]; returns m (`marks`: all
+    False, left so)."""
     for i in rows:
         marks[i] = True
-    out = np.empty(queue.shape[0], np.int64)
     m = 0
     for q in queue:
         if not marks[q]:
@@ -683,7 +684,7 @@ def _drop_rows(queue, rows, marks):
             m += 1
     for i in rows:
         marks[i] = False
-    return out[:m]
+    return m
 
 
 @compiled
