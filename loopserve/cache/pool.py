@@ -52,9 +52,9 @@ class KVStore:
         on_cpu = torch.device(device).type == "cpu"
         self._gather_buffers: dict[str, torch.Tensor] | None = {} if on_cpu else None
         self._gather_rows = {"k": _as_words(self.k), "v": _as_words(self.v)}  # what `_take_rows` reads
-        # decode scores read K in place on the CPU where numpy holds the dtype (not bfloat16): `scores`. The flag
-        # is what `scores` tests: a torch.compile'd stage may read a bool, not the numpy view (Dynamo guards fail)
-        self._k_rows = self.k.view(-1, head_dim).numpy() if on_cpu and dtype in scores.DTYPES else None
+        # decode scores read K in place on the CPU (`scores`). The flag is what `scores` tests: a torch.compile'd
+        # stage may read a bool, not the numpy view (Dynamo guards fail)
+        self._k_rows = scores.key_rows(self.k) if on_cpu and dtype in scores.DTYPES else None
         self._reads_keys_in_place = self._k_rows is not None
 
     def write(self, slot: torch.Tensor | int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -84,7 +84,7 @@ class KVStore:
     def scores(self, q: torch.Tensor, index: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
         """scale * q . K for one query per sequence: q [N, heads, d], index [kv_heads, N, L] (`index`),
         visible [N, L] -> [kv_heads, N, heads // kv_heads, L], -inf where not visible. On the CPU in
-        float32/64 the keys are read in place (`cache/scores.py`); elsewhere gathered, then multiplied (also
+        float32/64 and bfloat16 the keys are read in place (`cache/scores.py`); elsewhere gathered, then multiplied (also
         for a query that needs gradients or is not in the store's dtype: the pass does neither)."""
         if self._reads_keys_in_place and q.dtype == self.k.dtype and not q.requires_grad:
             return self._scores_in_place(q, index, visible, scale)

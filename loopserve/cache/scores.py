@@ -1,4 +1,4 @@
-"""Attention scores of decode queries, read where the keys lie in the paged KV store (CPU, float32/64).
+"""Attention scores of decode queries, read where the keys lie in the paged KV store (CPU: float32/64, bfloat16).
 
 A decode query's keys are rows scattered over its sequence's blocks. Gathering them into one contiguous
 tensor and multiplying that (`KVStore.keys`, then a batched matmul) writes every key once more and reads
@@ -7,6 +7,11 @@ it twice; at long contexts that copy was the largest part of a decode step on th
 
 Each (kv head, query row) pair is computed whole by one thread, in one order whatever else is in the
 batch and however many threads share the call: a row's scores never depend on its neighbours.
+
+numpy has no bfloat16, so a bfloat16 store is read as its 16-bit patterns: a key widens to float32 exactly
+(its bits shifted up), the dot product is summed in float32, and the score is rounded to bfloat16, scaled and
+rounded again, as the gathered path's bfloat16 matmul and scaling do (the sum's order may differ from that
+matmul's: rounding, as between any two products).
 """
 
 from __future__ import annotations
@@ -22,14 +27,21 @@ from loopserve.jit import inlined_kernel, kernel
 # Keys one thread takes at least before a call is split over threads: a slice of fewer finishes before
 # a thread is woken (a key's dot product is some ns; a hand-off some tens of µs).
 KEYS_PER_THREAD = 1 << 16
-DTYPES = (torch.float32, torch.float64)
+DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
+
+def key_rows(k: torch.Tensor) -> np.ndarray:
+    """A CPU store's K ([..., head_dim], `DTYPES`) as the numpy view `decode_scores` reads: [rows, head_dim],
+    bfloat16 as its int16 bit patterns."""
+    flat = k.view(-1, k.shape[-1])
+    return (flat.view(torch.int16) if k.dtype == torch.bfloat16 else flat).numpy()
 
 
 def decode_scores(q: torch.Tensor, k_rows: np.ndarray, index: torch.Tensor, visible: torch.Tensor,
                   scale: float) -> torch.Tensor:
     """scale * q . K[index] for one query per sequence, -inf where a key is not visible.
 
-    q [N, heads, d] (`DTYPES`); k_rows: the store's K as [rows, d] (numpy view); index [kv_heads, N, L] flat
+    q [N, heads, d] (`DTYPES`); k_rows: the store's K as [rows, d] (`key_rows`); index [kv_heads, N, L] flat
     row indices (`KVStore.index`); visible [N, L] bool. Returns [kv_heads, N, heads // kv_heads, L]
     (query head h reads kv head h // (heads // kv_heads)), in q's dtype."""
     nkv, n, length = index.shape
@@ -38,18 +50,21 @@ def decode_scores(q: torch.Tensor, k_rows: np.ndarray, index: torch.Tensor, visi
         raise ValueError(f"decode_scores: q {tuple(q.shape)}, K rows {k_rows.shape}, index {tuple(index.shape)} "
                          f"and visible {tuple(visible.shape)} do not match")
     out = torch.empty(nkv, n, q.shape[1] // nkv, length, dtype=q.dtype)
-    qn = q.contiguous().numpy()
-    args = (qn, k_rows, index.numpy(), visible.numpy(), qn.dtype.type(scale), out.numpy())
+    if q.dtype == torch.bfloat16:  # (float32 queries, exact; bfloat16 scores written as their bits)
+        run, qn, written = _scores_bf16, q.float().contiguous().numpy(), out.view(torch.int16).numpy()
+    else:
+        run, qn, written = _scores, q.contiguous().numpy(), out.numpy()
+    args = (qn, k_rows, index.numpy(), visible.numpy(), qn.dtype.type(scale), written)
     pairs = nkv * n
     threads = min(torch.get_num_threads(), pairs, max(1, index.numel() // KEYS_PER_THREAD))
     if threads <= 1:  # (0: no rows)
-        _scores(*args, 0, pairs)
+        run(*args, 0, pairs)
         return out
     bounds = np.linspace(0, pairs, threads + 1).astype(int).tolist()
     slices = list(zip(bounds[:-1], bounds[1:], strict=True))
     workers = _pool(threads - 1)
-    waits = [workers.submit(_scores, *args, a, b) for a, b in slices[1:]]
-    _scores(*args, *slices[0])  # this thread takes the first slice
+    waits = [workers.submit(run, *args, a, b) for a, b in slices[1:]]
+    run(*args, *slices[0])  # this thread takes the first slice
     for w in waits:
         w.result()
     return out
@@ -95,3 +110,47 @@ def _scores(q, k_rows, index, visible, scale, out, first, last):  # pragma: no c
             key = k_rows[r]
             for a in range(group):
                 out[h, i, a, pos] = _dot(q[i, h * group + a], key) * scale
+
+
+_BF16_NEG_INF = np.uint16(0xFF80)
+
+
+@inlined_kernel
+def _bf16(x, word, bits):
+    """float32 x rounded to bfloat16 (to nearest, ties to even; a NaN stays a NaN): its 16 bits. `word` a
+    float32[1] scratch, `bits` its uint32 view."""
+    word[0] = x
+    u = np.int64(bits[0])
+    if u & 0x7FFFFFFF > 0x7F800000:
+        return np.uint16((u >> 16) | 0x40)
+    return np.uint16((u + 0x7FFF + ((u >> 16) & 1)) >> 16)
+
+
+@kernel
+def _scores_bf16(q, k_rows, index, visible, scale, out, first, last):  # pragma: no cover (compiled)
+    """`_scores` for a bfloat16 store: q float32; k_rows and out the bit patterns of bfloat16 (int16 views)."""
+    n, length = visible.shape
+    group, d = out.shape[2], k_rows.shape[1]
+    wide = np.empty(d, np.uint32)  # the key, widened
+    key = wide.view(np.float32)
+    word = np.empty(1, np.float32)
+    bits = word.view(np.uint32)
+    for p in range(first, last):
+        h, i = p // n, p % n
+        for pos in range(length):
+            if not visible[i, pos]:
+                for a in range(group):
+                    out[h, i, a, pos] = np.int16(_BF16_NEG_INF)
+                continue
+            r = index[h, i, pos]
+            if r < 0 or r >= k_rows.shape[0]:
+                raise IndexError("decode_scores: a KV index is outside the store")
+            row = k_rows[r]
+            for j in range(d):  # a bfloat16 is the top half of the float32 it widens to
+                wide[j] = np.uint32(np.uint16(row[j])) << 16
+            for a in range(group):
+                # the product rounded to bfloat16, then scaled in float32 and rounded again (the gathered path's
+                # bfloat16 matmul, then its scaling)
+                product = _bf16(_dot(q[i, h * group + a], key), word, bits)
+                bits[0] = np.uint32(product) << 16
+                out[h, i, a, pos] = np.int16(_bf16(word[0] * scale, word, bits))

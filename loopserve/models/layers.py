@@ -154,7 +154,7 @@ def attend_decode(q: torch.Tensor, kv: KVStore, index: torch.Tensor, visible: to
     discarded) gets zeros.
     On CUDA: K and V gathered, then torch's fused attention (`_sdpa_decode`). Elsewhere the scores, then the
     softmax, then the weighted sum of V, which reads V's rows in place (`KVStore.weighted_values`); the scores
-    read K in place on the CPU in float32/64 and gather it otherwise (`KVStore.scores`)."""
+    read K in place on the CPU (float32/64, bfloat16) and gather it otherwise (`KVStore.scores`)."""
     if q.device.type in SDPA_DECODE_DEVICES:
         return _sdpa_decode(q, kv, index, visible)
     n, nh, d = q.shape
