@@ -84,8 +84,9 @@ class KVStore:
     def scores(self, q: torch.Tensor, index: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
         """scale * q . K for one query per sequence: q [N, heads, d], index [kv_heads, N, L] (`index`),
         visible [N, L] -> [kv_heads, N, heads // kv_heads, L], -inf where not visible. On the CPU in
-        float32/64 and bfloat16 the keys are read in place (`cache/scores.py`); elsewhere gathered, then multiplied (also
-        for a query that needs gradients or is not in the store's dtype: the pass does neither)."""
+        float32/64 and bfloat16 the keys are read in place (`cache/scores.py`); elsewhere gathered, then
+        multiplied (also for a query that needs gradients or is not in the store's dtype: the pass does
+        neither)."""
         if self._reads_keys_in_place and q.dtype == self.k.dtype and not q.requires_grad:
             return self._scores_in_place(q, index, visible, scale)
         n, nh, d = q.shape
