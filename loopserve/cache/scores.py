@@ -121,7 +121,7 @@ def _bf16(x, word, bits):
     float32[1] scratch, `bits` its uint32 view."""
     word[0] = x
     u = np.int64(bits[0])
-    if u & 0x7FFFFFFF > 0x7F800000:
+    if (u & 0x7FFFFFFF) > 0x7F800000:  # a NaN (quieted; the sign kept)
         return np.uint16((u >> 16) | 0x40)
     return np.uint16((u + 0x7FFF + ((u >> 16) & 1)) >> 16)
 
