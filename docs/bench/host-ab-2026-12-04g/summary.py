@@ -1,5 +1,5 @@
 """The §8.28 host A/B: `scripts/ab.sh /tmp/base . OUT 5 host --widths 256 --contexts 1024,4096 --output-kinds
-final_only` (/tmp/base a worktree of 9bb3808, "new" 1ccc92e), then `python summary.py OUT 5`: each point's mean
+final_only` (/tmp/base a worktree of 9bb3808, "new" ecb5530), then `python summary.py OUT 5`: each point's mean
 and median-tick host µs, median and fastest of the rounds."""
 import json
 import statistics

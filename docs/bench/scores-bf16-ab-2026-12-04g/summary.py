@@ -1,6 +1,6 @@
 """The §8.28 bfloat16 scores A/B: `scripts/ab.sh /tmp/base . OUT 3 step-latency --model ouro-bench --dtype bfloat16
 --threads 1 --contexts 128,1024,4096 --batches 1,8,32 --reps 15` (/tmp/base a worktree of 9bb3808, "new" the code
-of b955cbd), then `python summary.py OUT 3`: ms per step, median of the rounds' medians, and every round."""
+of c76c7bd), then `python summary.py OUT 3`: ms per step, median of the rounds' medians, and every round."""
 import json
 import statistics
 import sys

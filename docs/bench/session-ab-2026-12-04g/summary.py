@@ -1,6 +1,6 @@
 """The §8.28 session A/B: `scripts/ab.sh /tmp/base . OUT 2 throughput --model ouro-bench --dtype bfloat16 --threads 1
 --workload alpaca --num-requests 64 --sweep width --widths 32`, run twice (rounds 3-4 are the second run's 1-2;
-/tmp/base a worktree of 9bb3808, "new" b8b3057), then `python summary.py OUT 4`: decode tokens per CPU second,
+/tmp/base a worktree of 9bb3808, "new" 2efb088), then `python summary.py OUT 4`: decode tokens per CPU second,
 median of the rounds, and every round."""
 import json
 import statistics
