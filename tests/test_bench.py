@@ -492,6 +492,28 @@ def test_step_latency_store_is_random_but_its_zero_row(bench_cache, single_threa
     assert bool((kv.depth == bm.model.config.r_max).all())
 
 
+@pytest.mark.parametrize("blocks", ["contiguous", "scattered"])
+def test_step_latency_sequences_own_their_rows_in_blocks(blocks):
+    """`--kv-blocks`: every sequence gets `per` rows of its own inside the store, in one run (contiguous) or in
+    16-row blocks in a random order (scattered: not one run, but each block whole)."""
+    from loopserve_lab.bench.step_latency import SCATTER_BLOCK, sequence_rows, store_rows
+
+    batch, per = 5, 37
+    seqs = sequence_rows(batch, per, blocks, seed=1)
+    rows = torch.cat(seqs)
+    assert [len(r) for r in seqs] == [per] * batch and len(rows.unique()) == batch * per
+    assert 0 <= int(rows.min()) and int(rows.max()) < store_rows(batch, per, blocks)
+    runs = [int((r[1:] != r[:-1] + 1).sum()) + 1 for r in seqs]  # contiguous runs per sequence
+    if blocks == "contiguous":
+        assert runs == [1] * batch
+    else:
+        assert max(runs) > 1 and all(r <= -(-per // SCATTER_BLOCK) for r in runs)
+        assert all(int(r[0]) % SCATTER_BLOCK == 0 for r in seqs)
+        assert not torch.equal(rows, torch.cat(sequence_rows(batch, per, blocks, seed=2)))
+    with pytest.raises(ValueError, match="blocks"):
+        sequence_rows(batch, per, "shuffled")
+
+
 def test_ouro_1_4b_shape_preset_has_the_released_shapes():
     """The GPU check's real-size model (random weights): every shape of `theory.OURO_1_4B`, from which it is
     derived (no weights are written here: 5.4 GB)."""

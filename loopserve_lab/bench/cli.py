@@ -16,6 +16,7 @@ from typing import Any
 
 from loopserve.config_args import add_config_args, config_kwargs
 from loopserve.engine.config import EngineConfig
+from loopserve_lab.bench.step_latency import KV_BLOCKS
 
 DEFAULT_OUT = Path("bench-results")
 BENCH_DRIVEN = ("scheduler", "max_decode_batch")  # engine knobs each benchmark sets per run
@@ -342,7 +343,7 @@ def cmd_step_latency(args: argparse.Namespace) -> int:
         bm, out = _start(args, "step-latency")
         res = step_latency(bm.model, args.batches, args.contexts, args.reps, args.stat, args.kv_layout,
                            progress=not args.no_progress, fit_max_batch=args.fit_max_batch,
-                           cuda_graphs=args.cuda_graphs)
+                           cuda_graphs=args.cuda_graphs, blocks=args.kv_blocks)
         data = {**_header(args, bm), **res}
         name, dtype = bm.name, bm.dtype
     print(format_step_latency(data))
@@ -669,6 +670,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--from-json", type=Path, default=None, help="refit and replot a step_latency.json")
     p.add_argument("--kv-layout", default="shared", choices=["depth_indexed", "last_exited", "shared"],
                    help="reads are one slot per layer in every layout; shared needs the least memory")
+    p.add_argument("--kv-blocks", default="contiguous", choices=KV_BLOCKS,
+                   help="each sequence's KV rows: one contiguous run, or 16-row blocks at random over the store (the "
+                        "blocks of sequences that decode side by side, in a serving engine's pool)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="CUDA: time replays of the step captured as a CUDA graph (no launches from Python)")
     p.set_defaults(func=cmd_step_latency)

@@ -2,7 +2,10 @@
 
 Each point runs `model.core_step` on B rows whose sequences hold `context` cached tokens (random
 K/V in a paged store, every key visible), so it measures the model's step alone: the weights read
-once per step, plus per-row compute and KV reading. Per context, a least-squares line
+once per step, plus per-row compute and KV reading. A sequence's rows are one contiguous run by
+default (`--kv-blocks contiguous`, a prompt's blocks in a fresh pool), or (`scattered`) 16-row blocks
+placed at random over the store, as the blocks of sequences that decode side by side lie in a
+serving engine's pool: each takes its next block wherever the free list has one. Per context, a least-squares line
 t(B) = floor + slope x B is fitted; B* = floor / slope is the batch where adding rows stops being
 nearly free (docs/design.md §7.3). The fit uses the minimum over repeats by default, which
 filters out preemption on a shared machine; the median is kept too.
@@ -44,19 +47,44 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+KV_BLOCKS = ("contiguous", "scattered")
+SCATTER_BLOCK = 16  # rows of a block when `scattered` (the engine's default block size)
+
+
+def sequence_rows(batch: int, per: int, blocks: str = "contiguous", seed: int = 0) -> list[torch.Tensor]:
+    """The physical rows of `batch` sequences of `per` tokens each, in a store of `store_rows(batch, per)`
+    rows: one contiguous run per sequence, or (`scattered`) blocks of `SCATTER_BLOCK` rows in a random
+    order over the whole store."""
+    if blocks == "contiguous":
+        return [torch.arange(i * per, (i + 1) * per) for i in range(batch)]
+    if blocks != "scattered":
+        raise ValueError(f"blocks: one of {KV_BLOCKS}, got {blocks!r}")
+    n = -(-per // SCATTER_BLOCK)  # blocks per sequence
+    order = torch.randperm(batch * n, generator=torch.Generator().manual_seed(seed))
+    rows = (order.view(batch, n, 1) * SCATTER_BLOCK + torch.arange(SCATTER_BLOCK)).view(batch, -1)
+    return list(rows[:, :per])
+
+
+def store_rows(batch: int, per: int, blocks: str = "contiguous") -> int:
+    """Rows a store needs for `sequence_rows(batch, per, blocks)`."""
+    return batch * (per if blocks == "contiguous" else -(-per // SCATTER_BLOCK) * SCATTER_BLOCK)
+
+
 def core_inputs(model: Any, batch: int, context: int, layout: str = "shared", depth: int = 2,
-                seed: int = 0, kv: KVStore | None = None) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+                seed: int = 0, kv: KVStore | None = None,
+                blocks: str = "contiguous") -> tuple[torch.Tensor, torch.Tensor | None, Any]:
     """(state, inject, ctx) for one decode core step of `batch` rows whose sequences hold `context`
-    cached tokens each: random K/V in a paged store, every key visible, all rows at `depth`. The store
-    is `kv` when given (one made by `random_store` with room for batch x (context + 1) rows, so that
-    several points share one store, as an engine's steps do), else a store of its own."""
+    cached tokens each: random K/V in a paged store, every key visible, all rows at `depth`, each
+    sequence's rows laid out as `blocks` says (`sequence_rows`). The store is `kv` when given (one made
+    by `random_store` with room for `store_rows(batch, context + 1, blocks)` rows, so that several points
+    share one store, as an engine's steps do), else a store of its own."""
     c = model.config
     p = next(model.parameters())
     lay = KVLayout(layout, c.n_prelude, c.n_core, c.n_coda, c.r_max)
     per = context + 1
     g = torch.Generator(device="cpu").manual_seed(seed)
-    kv = random_store(model, batch * per, layout, seed) if kv is None else kv
-    segs = [(torch.arange(i * per, (i + 1) * per), context, 1) for i in range(batch)]
+    kv = random_store(model, store_rows(batch, per, blocks), layout, seed) if kv is None else kv
+    segs = [(rows, context, 1) for rows in sequence_rows(batch, per, blocks, seed)]
     ctx = build_context(kv, lay, segs, torch.full((batch,), depth))
     state = torch.randn(batch, c.hidden_size, generator=g).to(p)
     inject = torch.randn(batch, c.hidden_size, generator=g).to(p) if c.arch == HUGINN else None
@@ -82,12 +110,13 @@ def random_store(model: Any, rows: int, layout: str = "shared", seed: int = 0) -
 
 @torch.inference_mode()
 def measure_point(model: Any, batch: int, context: int, reps: int = 5, warmup: int = 2,
-                  layout: str = "shared", depth: int = 2, seed: int = 0, cuda_graph: bool = False) -> dict[str, Any]:
+                  layout: str = "shared", depth: int = 2, seed: int = 0, cuda_graph: bool = False,
+                  blocks: str = "contiguous") -> dict[str, Any]:
     """Latencies (s) of `reps` core steps for `batch` rows at `context` cached tokens each. `cuda_graph`: the
     step captured once as a CUDA graph and each rep a replay, so no launch from Python is timed (the rotary
     angles and key rows, which the engine derives once per stage call, are made before the capture)."""
     p = next(model.parameters())
-    state, inject, ctx = core_inputs(model, batch, context, layout, depth, seed)
+    state, inject, ctx = core_inputs(model, batch, context, layout, depth, seed, blocks=blocks)
 
     def eager() -> None:
         model.core_step(state, inject, ctx)
@@ -110,9 +139,9 @@ def measure_point(model: Any, batch: int, context: int, reps: int = 5, warmup: i
 
 def step_latency(model: Any, batches: list[int], contexts: list[int], reps: int = 5, stat: str = "min",
                  layout: str = "shared", progress: bool = True, fit_max_batch: int | None = None,
-                 cuda_graphs: bool = False) -> dict[str, Any]:
-    """Measure the grid (`cuda_graphs`: replayed steps, see `measure_point`); fit per context on the points
-    with batch <= `fit_max_batch` (all if None)."""
+                 cuda_graphs: bool = False, blocks: str = "contiguous") -> dict[str, Any]:
+    """Measure the grid (`cuda_graphs`: replayed steps, see `measure_point`; `blocks`: `sequence_rows`); fit
+    per context on the points with batch <= `fit_max_batch` (all if None)."""
     if cuda_graphs and next(model.parameters()).device.type != "cuda":
         raise ValueError("cuda_graphs: replays CUDA graphs, so the model must be on a CUDA device")
     from tqdm import tqdm
@@ -120,10 +149,10 @@ def step_latency(model: Any, batches: list[int], contexts: list[int], reps: int 
     points = []
     grid = [(c, b) for c in contexts for b in batches]
     for c, b in tqdm(grid, desc="step latency", disable=not progress):
-        pt = measure_point(model, b, c, reps, layout=layout, cuda_graph=cuda_graphs)
+        pt = measure_point(model, b, c, reps, layout=layout, cuda_graph=cuda_graphs, blocks=blocks)
         pt["latency_s"] = pt["min_s" if stat == "min" else "median_s"]
         points.append(pt)
-    return {"stat": stat, "layout": layout, "cuda_graphs": cuda_graphs, "points": points,
+    return {"stat": stat, "layout": layout, "kv_blocks": blocks, "cuda_graphs": cuda_graphs, "points": points,
             "fits": fit_all(points, fit_max_batch)}
 
 
