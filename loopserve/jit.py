@@ -9,7 +9,8 @@ can be written, each process compiles its passes again (a few seconds) instead o
 A `kernel` is an inner loop over vectors (a dot product per key): bounds checks there would keep LLVM from
 vectorizing it, so a kernel checks the indices it reads through itself. It may reassociate float sums (one
 fixed order per compiled loop, so its results do not depend on the call) and releases the GIL, so
-threads can run slices of one call.
+threads can run slices of one call. A kernel that reads rows scattered over a large array may
+`prefetch_row` the rows it will read next: the CPU's own prefetcher follows only sequential reads.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from collections.abc import Callable
 from typing import TypeVar, cast
 
 import numba
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
 
 F = TypeVar("F", bound=Callable)
 # a kernel's float sums may be reordered (vectorized) and its products fused; NaN and inf keep their meaning
@@ -42,3 +46,35 @@ def _njit(fn: F, **options) -> F:
         return cast(F, numba.njit(cache=True, **options)(fn))
     except RuntimeError:  # numba: "cannot cache function ...: no locator available" (nowhere to write)
         return cast(F, numba.njit(**options)(fn))
+
+
+# the most of a row `prefetch_row` prefetches (a longer row's rest is left to the CPU's own prefetcher)
+PREFETCH_BYTES = 512
+
+
+@intrinsic
+def prefetch_row(typingctx, rows, row):
+    """Start loading `rows[row]` (a 2-d array), its first `PREFETCH_BYTES`, into the caches for a read soon:
+    LLVM's `llvm.prefetch` for each of its 64-byte cache lines. A hint: it never faults, whatever the row,
+    and returns nothing. (Written as IR, not as a loop in the kernel: a loop over the row's lines, its
+    length known only at run time, made a kernel slower than no prefetch at all.)"""
+    if not (isinstance(rows, types.Array) and rows.ndim == 2 and isinstance(row, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        array = context.make_array(sig.args[0])(context, builder, args[0])
+        i64, i32 = ir.IntType(64), ir.IntType(32)
+        stride = builder.extract_value(array.strides, 0)
+        r = context.cast(builder, args[1], sig.args[1], types.int64)
+        start = builder.add(builder.ptrtoint(array.data, i64), builder.mul(r, stride))
+        hint = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), i32, i32, i32]),
+            "llvm.prefetch.p0i8")
+        for offset in range(0, PREFETCH_BYTES, 64):  # line k if the row is longer than k lines: one branch a line
+            within = builder.icmp_signed(">", stride, i64(offset)) if offset else cgutils.true_bit
+            with builder.if_then(within, likely=True):
+                address = builder.inttoptr(builder.add(start, i64(offset)), ir.IntType(8).as_pointer())
+                builder.call(hint, [address, i32(0), i32(3), i32(1)])  # a read, kept in every cache level, data
+        return context.get_dummy_value()
+
+    return types.void(rows, row), codegen

@@ -162,6 +162,35 @@ def test_a_call_split_over_threads_gives_the_same_bits(dtype, monkeypatch):
     assert torch.equal(one, split)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_scores_over_block_runs_equal_the_gathered_product(dtype):
+    """Keys in runs of contiguous rows that jump between blocks, as an engine's block tables give them, over more
+    than `AHEAD` keys: the rows the pass prefetches ahead (at every key, or where the keys jump) change nothing."""
+    kv = _store(dtype, capacity=640)
+    g = torch.Generator().manual_seed(4)
+    length = 3 * scores.AHEAD + 5
+    blocks = torch.stack([torch.randperm(40, generator=g)[:(length + 15) // 16] for _ in range(4)])  # 16-row blocks
+    keys = (blocks[:, :, None] * 16 + torch.arange(16)).reshape(4, -1)[:, :length]
+    visible = torch.ones(4, length, dtype=torch.bool)
+    visible[2, -7:] = False  # a sequence shorter than the batch's longest: its tail reads the zero row
+    index = kv.index(torch.randint(0, 3, (4, length), generator=g), keys.where(visible, kv.zero_row))
+    q = torch.randn(4, 2, 16, generator=g).to(dtype)
+    torch.testing.assert_close(kv.scores(q, index, visible, 16 ** -0.5), _gathered(kv, q, index, visible))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("wild", [-(1 << 40), 1 << 40])
+def test_a_wild_index_ahead_is_prefetched_harmlessly_then_refused(dtype, wild):
+    """The pass prefetches the row of a key `AHEAD` positions before it reads it: an index far outside the
+    store is prefetched first (a hint, which never faults), then refused when its key is reached."""
+    kv = _store(dtype)
+    index, visible = _reads(kv, 2, scores.AHEAD + 10)
+    index[0, 1, scores.AHEAD + 5] = wild
+    visible[1, scores.AHEAD + 5] = True
+    with pytest.raises(IndexError, match="outside the store"):
+        kv.scores(torch.randn(2, 2, 16).to(dtype), index, visible, 0.25)
+
+
 def test_an_index_outside_the_store_raises_instead_of_reading_past_it():
     kv = _store(torch.float32)
     index, visible = _reads(kv, 2, 8)

@@ -5,6 +5,11 @@ tensor and multiplying that (`KVStore.keys`, then a batched matmul) writes every
 it twice; at long contexts that copy was the largest part of a decode step on the CPU (docs/benchmarks.md
 §8.21). `decode_scores` reads each key row once, where it is, and writes only the scores.
 
+A query's keys lie block by block all over the store (wherever its blocks were allocated: a decoding sequence
+takes its next block between other sequences' blocks), and the CPU's own prefetcher follows sequential reads
+only. So the passes prefetch the key `AHEAD` positions on: the bfloat16 pass at every key (1.5-1.9x faster over
+scattered blocks), the float pass where the keys jump to another block (docs/benchmarks.md §8.29).
+
 Each (kv head, query row) pair is computed whole by one thread, in one order whatever else is in the
 batch and however many threads share the call: a row's scores never depend on its neighbours.
 
@@ -22,12 +27,15 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from loopserve.jit import inlined_kernel, kernel
+from loopserve.jit import inlined_kernel, kernel, prefetch_row
 
 # Keys one thread takes at least before a call is split over threads: a slice of fewer finishes before
 # a thread is woken (a key's dot product is some ns; a hand-off some tens of µs).
 KEYS_PER_THREAD = 1 << 16
 DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+# How many keys ahead of the one being scored its row is prefetched: some 100-200 ns of work at a few ns a key,
+# about a read from memory (16 to 48 measured the same over scattered blocks; 8 too few)
+AHEAD = 24
 
 
 def key_rows(k: torch.Tensor) -> np.ndarray:
@@ -100,6 +108,10 @@ def _scores(q, k_rows, index, visible, scale, out, first, last):  # pragma: no c
     for p in range(first, last):
         h, i = p // n, p % n
         for pos in range(length):
+            # only where the keys jump to another block (here a prefetch at every key cost more than it saved on
+            # contiguous blocks: the float pass's keys are shorter work, so the CPU itself reads further ahead)
+            if pos + AHEAD < length and index[h, i, pos + AHEAD] != index[h, i, pos + AHEAD - 1] + 1:
+                prefetch_row(k_rows, index[h, i, pos + AHEAD])
             if not visible[i, pos]:
                 for a in range(group):
                     out[h, i, a, pos] = -np.inf
@@ -138,6 +150,8 @@ def _scores_bf16(q, k_rows, index, visible, scale, out, first, last):  # pragma:
     for p in range(first, last):
         h, i = p // n, p % n
         for pos in range(length):
+            if pos + AHEAD < length:  # (the key read AHEAD keys on)
+                prefetch_row(k_rows, index[h, i, pos + AHEAD])
             if not visible[i, pos]:
                 for a in range(group):
                     out[h, i, a, pos] = np.int16(_BF16_NEG_INF)
