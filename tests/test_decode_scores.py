@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -189,6 +190,27 @@ def test_a_wild_index_ahead_is_prefetched_harmlessly_then_refused(dtype, wild):
     visible[1, scores.AHEAD + 5] = True
     with pytest.raises(IndexError, match="outside the store"):
         kv.scores(torch.randn(2, 2, 16).to(dtype), index, visible, 0.25)
+
+
+def test_prefetch_row_is_a_hint_that_never_faults():
+    """`jit.prefetch_row` on a row in range, past the end, far outside (either sign), for rows of one line and of
+    several: it returns, and what it was pointed at is unchanged. An argument it cannot serve fails typing."""
+    import numba
+
+    from loopserve.jit import prefetch_row
+
+    @numba.njit
+    def touch(rows, picks):
+        for r in picks:
+            prefetch_row(rows, r)
+        return rows.sum()
+
+    picks = np.array([0, 3, 4, -1, 1 << 20, -(1 << 40), 1 << 40], np.int64)
+    for rows in (np.arange(8.0).reshape(4, 2), np.ones((4, 300), np.int16)):
+        before = rows.copy()
+        assert touch(rows, picks) == before.sum() and np.array_equal(rows, before)
+    with pytest.raises(numba.TypingError):
+        touch(np.ones(4), picks)  # one dimension: not a table of rows
 
 
 def test_an_index_outside_the_store_raises_instead_of_reading_past_it():
