@@ -7,7 +7,7 @@ it twice; at long contexts that copy was the largest part of a decode step on th
 
 A query's keys lie block by block all over the store (wherever its blocks were allocated: a decoding sequence
 takes its next block between other sequences' blocks), and the CPU's own prefetcher follows sequential reads
-only. So the passes prefetch the key `AHEAD` positions on: the bfloat16 pass at every key (1.5-1.9x faster over
+only. So the passes prefetch the key `AHEAD` positions on: the bfloat16 pass at every key (1.4-1.9x faster over
 scattered blocks), the float pass where the keys jump to another block (docs/benchmarks.md §8.29).
 
 Each (kv head, query row) pair is computed whole by one thread, in one order whatever else is in the
