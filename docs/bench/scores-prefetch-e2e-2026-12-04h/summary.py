@@ -1,0 +1,18 @@
+"""Prints the end-to-end A/B of docs/benchmarks.md §8.29 from the throughput.json files beside this script:
+decode tokens/s on the CPU clock of each scheduler in every round, base and new, and the ratio of the medians."""
+
+import json
+import statistics
+from pathlib import Path
+
+here = Path(__file__).parent
+runs: dict[str, dict[str, list[float]]] = {"base": {}, "new": {}}
+for f in sorted(here.glob("*/throughput.json")):
+    tree = f.parent.name.split("-")[0]
+    for row in json.loads(f.read_text())["sweeps"]["width"]["rows"]:
+        runs[tree].setdefault(row["scheduler"], []).append(row["decode_cpu_tokens_per_s"])
+print("scheduler | base decode tok/s (CPU) per round | new per round | new / base (medians)")
+for sched in runs["base"]:
+    b, n = runs["base"][sched], runs["new"][sched]
+    print(f"{sched:>12} | {' '.join(f'{x:6.1f}' for x in b)} | {' '.join(f'{x:6.1f}' for x in n)} | "
+          f"{statistics.median(n) / statistics.median(b):.3f}")
