@@ -3,12 +3,12 @@
 Each point runs `model.core_step` on B rows whose sequences hold `context` cached tokens (random
 K/V in a paged store, every key visible), so it measures the model's step alone: the weights read
 once per step, plus per-row compute and KV reading. A sequence's rows are one contiguous run by
-default (`--kv-blocks contiguous`, a prompt's blocks in a fresh pool), or (`scattered`) 16-row blocks
-placed at random over the store, as the blocks of sequences that decode side by side lie in a
-serving engine's pool: each takes its next block wherever the free list has one. Per context, a least-squares line
-t(B) = floor + slope x B is fitted; B* = floor / slope is the batch where adding rows stops being
-nearly free (docs/design.md §7.3). The fit uses the minimum over repeats by default, which
-filters out preemption on a shared machine; the median is kept too.
+default (`--kv-blocks contiguous`, a prompt's blocks in a fresh pool), or (`scattered`) blocks of the
+engine's default size placed at random over the store, as the blocks of sequences that decode side by
+side lie in a serving engine's pool: each takes its next block wherever the free list has one. Per
+context, a least-squares line t(B) = floor + slope x B is fitted; B* = floor / slope is the batch
+where adding rows stops being nearly free (docs/design.md §7.3). The fit uses the minimum over
+repeats by default, which filters out preemption on a shared machine; the median is kept too.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 
 from loopserve.cache.layout import KVLayout
 from loopserve.cache.pool import KVStore
+from loopserve.engine.config import EngineConfig
 from loopserve.engine.graphs import capture
 from loopserve.model_config import HUGINN
 from loopserve.models.context import build_context
@@ -48,7 +49,7 @@ def _sync(device: torch.device) -> None:
 
 
 KV_BLOCKS = ("contiguous", "scattered")
-SCATTER_BLOCK = 16  # rows of a block when `scattered` (the engine's default block size)
+SCATTER_BLOCK = EngineConfig.block_size  # rows of a block when `scattered`: the engine's default
 
 
 def sequence_rows(batch: int, per: int, blocks: str = "contiguous", seed: int = 0) -> list[torch.Tensor]:
