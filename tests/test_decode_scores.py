@@ -213,6 +213,29 @@ def test_prefetch_row_is_a_hint_that_never_faults():
         touch(np.ones(4), picks)  # one dimension: not a table of rows
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("grad", [False, True])  # True: the gather path (a query that needs gradients)
+def test_a_later_layers_shift_reads_what_the_shifted_index_reads(dtype, grad):
+    """`attend_decode(..., shift)` (a later layer: the first layer's index, `shift` rows on; on the CPU read as
+    offset views of the store) gives what the shifted index gives, bit for bit; the zero row it lands on for
+    hidden keys is the shifted slot's, zero too. A shift past the store is refused, not read."""
+    from loopserve.models.layers import attend_decode
+
+    kv = _store(dtype)
+    g = torch.Generator().manual_seed(5)
+    keys = torch.randint(0, kv.capacity, (4, 40), generator=g)
+    visible = torch.rand(4, 40, generator=g) < 0.8
+    index = kv.index(torch.randint(0, 2, (4, 40), generator=g), keys.where(visible, kv.zero_row))  # slots 0, 1
+    q = torch.randn(4, 4, 16, generator=g).to(dtype).requires_grad_(grad)
+    shift = kv.slot_stride  # one slot on
+    got = attend_decode(q, kv, index, visible, shift)
+    assert torch.equal(got, attend_decode(q, kv, index + shift, visible))
+    assert not torch.equal(got, attend_decode(q, kv, index, visible))  # (the shift reads other rows)
+    if not grad:
+        with pytest.raises(IndexError, match="outside the store"):
+            attend_decode(q, kv, index, visible, kv.k.numel() // kv.k.shape[-1])
+
+
 def test_an_index_outside_the_store_raises_instead_of_reading_past_it():
     kv = _store(torch.float32)
     index, visible = _reads(kv, 2, 8)

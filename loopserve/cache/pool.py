@@ -81,14 +81,17 @@ class KVStore:
         """V at `index`, as `keys` (its own buffer: a prefill group reads both at once)."""
         return self._take_rows("v", index)
 
-    def scores(self, q: torch.Tensor, index: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
-        """scale * q . K for one query per sequence: q [N, heads, d], index [kv_heads, N, L] (`index`),
-        visible [N, L] -> [kv_heads, N, heads // kv_heads, L], -inf where not visible. On the CPU in
-        float32/64 and bfloat16 the keys are read in place (`cache/scores.py`); elsewhere gathered, then
-        multiplied (also for a query that needs gradients or is not in the store's dtype: the pass does
-        neither)."""
+    def scores(self, q: torch.Tensor, index: torch.Tensor, visible: torch.Tensor, scale: float,
+               shift: int = 0) -> torch.Tensor:
+        """scale * q . K for one query per sequence: q [N, heads, d], index [kv_heads, N, L] (`index`) plus
+        `shift` (a later layer's reads: the first layer's index, `shift` rows on; read as an offset view of
+        the store, not added to the index), visible [N, L] -> [kv_heads, N, heads // kv_heads, L], -inf where
+        not visible. On the CPU in float32/64 and bfloat16 the keys are read in place (`cache/scores.py`);
+        elsewhere gathered, then multiplied (also for a query that needs gradients or is not in the store's
+        dtype: the pass does neither)."""
         if self._reads_keys_in_place and q.dtype == self.k.dtype and not q.requires_grad:
-            return self._scores_in_place(q, index, visible, scale)
+            return self._scores_in_place(q, index, visible, scale, shift)
+        index = index + shift if shift else index
         n, nh, d = q.shape
         nkv, length = index.shape[0], index.shape[-1]
         qg = q.reshape(n, nkv, nh // nkv, d).transpose(0, 1)  # [nkv, N, g, d]: the query heads of a kv head
@@ -113,9 +116,9 @@ class KVStore:
 
     @torch.compiler.disable  # numba, not traceable: a torch.compile'd stage runs it eagerly (a graph break)
     def _scores_in_place(self, q: torch.Tensor, index: torch.Tensor, visible: torch.Tensor,
-                         scale: float) -> torch.Tensor:
+                         scale: float, shift: int = 0) -> torch.Tensor:
         assert self._k_rows is not None
-        return scores.decode_scores(q, self._k_rows, index, visible, scale)
+        return scores.decode_scores(q, self._k_rows[shift:], index, visible, scale)
 
     def _take_rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
         """Rows of K or V ("k" / "v") at flat row indices `index`, as one index_select."""
@@ -132,14 +135,15 @@ class KVStore:
             out = torch.index_select(flat, 0, rows, out=buf[:need].view(-1, flat.shape[1]))
         return out.view(self.k.dtype).view(*index.shape, self.k.shape[-1])
 
-    def weighted_values(self, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """sum_l weights[..., l] * V[index[..., l]] -> [*weights.shape[:-1], head_dim], without
+    def weighted_values(self, index: torch.Tensor, weights: torch.Tensor, shift: int = 0) -> torch.Tensor:
+        """sum_l weights[..., l] * V[index[..., l] + shift] -> [*weights.shape[:-1], head_dim], without
         gathering the rows first (one fused embedding_bag: several times cheaper than a gather plus a
         batched matmul when each weight row is a single query's). `index` [..., L] broadcasts against
-        `weights` [..., L] (the query heads sharing a KV head share its indices)."""
+        `weights` [..., L] (the query heads sharing a KV head share its indices); `shift` as in `scores`
+        (an offset view of V's rows)."""
         d = self.v.shape[-1]
         idx = index.expand_as(weights).reshape(-1, weights.shape[-1])
-        out = torch.nn.functional.embedding_bag(idx, self.v.view(-1, d), mode="sum",
+        out = torch.nn.functional.embedding_bag(idx, self.v.view(-1, d)[shift:], mode="sum",
                                                 per_sample_weights=weights.reshape(idx.shape))
         return out.view(*weights.shape[:-1], d)
 
