@@ -1,12 +1,14 @@
-"""Prints the A/B table of docs/benchmarks.md §8.29 from the step_latency.json files beside this script:
-per (kv blocks, context, batch), every round's core-step ms (the min of 7 reps) for base and new, then the
-ratio of the medians over rounds."""
+"""Prints an A/B table of docs/benchmarks.md §8.29 from step_latency.json files: those beside this script, or
+under the folder given as the first argument (another A/B laid out the same way, such as
+docs/bench/shift-view-ab-2026-12-04h). Per (kv blocks, context, batch), every round's core-step ms (the min of
+7 reps) for base and new, then the ratio of the medians over rounds."""
 
 import json
 import statistics
+import sys
 from pathlib import Path
 
-here = Path(__file__).parent
+here = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent
 for blocks in ("scattered", "contiguous"):
     runs: dict[str, dict[tuple[int, int], list[float]]] = {"base": {}, "new": {}}
     for f in sorted(here.glob(f"{blocks}/*/step_latency.json")):
