@@ -1,11 +1,13 @@
-"""Prints the end-to-end A/B of docs/benchmarks.md §8.29 from the throughput.json files beside this script:
-decode tokens/s on the CPU clock of each scheduler in every round, base and new, and the ratio of the medians."""
+"""Prints an end-to-end A/B of docs/benchmarks.md §8.29 from throughput.json files: those beside this script, or
+under the folder given as the first argument (docs/bench/scores-prefetch-e2e-fp32-2026-12-04h: the float32 run).
+Decode tokens/s on the CPU clock of each scheduler in every round, base and new, and the ratio of the medians."""
 
 import json
 import statistics
+import sys
 from pathlib import Path
 
-here = Path(__file__).parent
+here = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent
 runs: dict[str, dict[str, list[float]]] = {"base": {}, "new": {}}
 for f in sorted(here.glob("*/throughput.json")):
     tree = f.parent.name.split("-")[0]
