@@ -5,10 +5,10 @@ tensor and multiplying that (`KVStore.keys`, then a batched matmul) writes every
 it twice; at long contexts that copy was the largest part of a decode step on the CPU (docs/benchmarks.md
 §8.21). `decode_scores` reads each key row once, where it is, and writes only the scores.
 
-A query's keys lie block by block all over the store (wherever its blocks were allocated: a decoding sequence
-takes its next block between other sequences' blocks), and the CPU's own prefetcher follows sequential reads
-only. So the passes prefetch the key `AHEAD` positions on: the bfloat16 pass at every key (1.4-1.9x faster over
-scattered blocks), the float pass where the keys jump to another block (docs/benchmarks.md §8.29).
+A sequence's blocks lie all over the store (a decoding sequence takes its next block between other sequences'
+blocks), and the CPU's own prefetcher follows sequential reads only. So the passes prefetch the key `AHEAD`
+positions on: the bfloat16 pass at every key (1.4-1.9x faster over scattered blocks), the float pass where the
+keys jump to another block (docs/benchmarks.md §8.29).
 
 Each (kv head, query row) pair is computed whole by one thread, in one order whatever else is in the
 batch and however many threads share the call: a row's scores never depend on its neighbours.

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from loopserve.cache.layout import LAYOUTS
 from loopserve.config_args import add_config_args, config_kwargs
 from loopserve.engine.config import EngineConfig
 from loopserve_lab.bench.step_latency import KV_BLOCKS
@@ -668,7 +669,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stat", default="min", choices=["min", "median"])
     p.add_argument("--fit-max-batch", type=int, default=None, help="fit t(B) on batches <= this (default: all)")
     p.add_argument("--from-json", type=Path, default=None, help="refit and replot a step_latency.json")
-    p.add_argument("--kv-layout", default="shared", choices=["depth_indexed", "last_exited", "shared"],
+    p.add_argument("--kv-layout", default="shared", choices=LAYOUTS,
                    help="reads are one slot per layer in every layout; shared needs the least memory")
     p.add_argument("--kv-blocks", default="contiguous", choices=KV_BLOCKS,
                    help="each sequence's KV rows: one contiguous run, or 16-row blocks at random over the store (the "
