@@ -148,8 +148,7 @@ def test_samples_share_the_prompts_full_blocks(tiny_ouro):
     engine.add_request("r", PROMPT[:10], SamplingParams(max_tokens=4, temperature=1.0, n=3, seed=2), seed=0)
     while not engine.scheduler.prelude_q and not engine.scheduler.core_q:
         engine.step()
-    tables = engine.kv.tables
-    head, forks = tables["r"].blocks, [tables[f"{j}_r"].blocks for j in (1, 2)]
+    head, forks = engine.kv.blocks("r"), [engine.kv.blocks(f"{j}_r") for j in (1, 2)]
     assert all(f[:2] == head[:2] for f in forks)  # 10 tokens: 2 full blocks of 4
     assert len({f[2] for f in forks} | {head[2]}) == 3  # the partial third block is each sample's own
     engine.scheduler.check_invariants()

@@ -106,21 +106,20 @@ def test_ensure_slots_makes_room_in_order_and_stops_at_the_first_short(blocks, c
     for call in calls:
         ids = [f"s{i}" for i, _ in call]
         ns = [n for _, n in call]
-        before = {sid: (list(t.blocks), kv.num_tokens(sid)) for sid, t in kv.tables.items()}
+        before = {sid: (kv.blocks(sid), kv.num_tokens(sid)) for sid in kv.tables}
         got = kv.ensure_slots(np.array([kv.slot(sid) for sid in ids], np.int64), np.array(ns, np.int64))
         expect = next((j for j, (sid, n) in enumerate(zip(ids, ns, strict=True)) if not one_by_one.ensure(sid, n)),
                       len(ids))
         assert got == expect
         for sid, n in zip(ids[:got], ns[:got], strict=True):
-            assert len(kv.tables[sid].blocks) * bs >= n and kv.num_tokens(sid) >= n
+            assert len(kv.blocks(sid)) * bs >= n and kv.num_tokens(sid) >= n
         for sid in kv.tables:
-            assert (kv.tables[sid].blocks, kv.num_tokens(sid)) == (one_by_one.tables[sid].blocks,
-                                                                    one_by_one.num_tokens(sid))
+            assert (kv.blocks(sid), kv.num_tokens(sid)) == (one_by_one.blocks(sid), one_by_one.num_tokens(sid))
         if got < len(ids):
             short = ids[got]
             assert kv.blocks_needed(short, ns[got]) > kv.num_free
             if short not in ids[:got]:  # (not grown earlier in this call)
-                assert (kv.tables[short].blocks, kv.num_tokens(short)) == before[short]
+                assert (kv.blocks(short), kv.num_tokens(short)) == before[short]
         kv.check_invariants(set(kv.tables))
-        held = sum(len(t.blocks) for t in kv.tables.values())
+        held = sum(len(kv.blocks(sid)) for sid in kv.tables)
         assert held + kv.num_free == kv.num_blocks

@@ -11,7 +11,7 @@ with bit-identical KV whatever the layout.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -19,12 +19,12 @@ import torch
 from loopserve.cache.block_table import BlockTables
 from loopserve.cache.pool import BlockAllocator, KVStore
 from loopserve.device import Readback, upload
+from loopserve.jit import compiled
 
 
 @dataclass
 class BlockTable:
-    slot: int  # the sequence's row of `KVCacheManager.block_tables`
-    blocks: list[int] = field(default_factory=list)
+    slot: int  # the sequence's row of `KVCacheManager.block_tables`, which lists its blocks (`room` says how many)
     swapped: Readback | None = None  # host copies of k, v and the KV depths while swapped out
 
 
@@ -60,8 +60,19 @@ class KVCacheManager:
     def usage(self) -> float:
         return 1.0 - self.num_free / max(self.num_blocks, 1)
 
+    def blocks(self, seq_id: str) -> list[int]:
+        """The sequence's KV blocks in position order."""
+        return self._held(self.tables[seq_id].slot).tolist()
+
+    def _held(self, slot: int) -> np.ndarray:
+        """The blocks slot `slot` holds: the first room / block_size entries of its block-table row (the one
+        list of them: growing a sequence writes its new blocks there and nowhere else; a slot that holds none
+        may lie past the table, which grows on a slot's first write)."""
+        n = self.room[slot] // self.block_size
+        return self.block_tables.host[slot, :n] if n else np.zeros(0, np.int64)
+
     def blocks_needed(self, seq_id: str, num_tokens: int) -> int:
-        have = len(self.tables[seq_id].blocks) if seq_id in self.tables else 0
+        have = int(self.room[self.tables[seq_id].slot]) // self.block_size if seq_id in self.tables else 0
         return max(0, self.allocator.blocks_for(num_tokens) - have)
 
     def ensure(self, seq_id: str, num_tokens: int) -> bool:
@@ -77,16 +88,14 @@ class KVCacheManager:
 
     def ensure_slots(self, slots: np.ndarray, num_tokens: np.ndarray) -> int:
         """`ensure` for the sequences holding `slots` in turn, stopping at the first the pool is short for:
-        how many got room (a prefix). A prelude batch's tokens mostly fit the blocks their sequences hold:
-        those are checked and taken with array operations; so are tokens that need one new block each (every
-        block_size tokens, a batch of sequences that started together all cross into a new block at once):
-        their blocks come from one allocation. Only a token that needs more (and those after it) goes
-        through `ensure`."""
-        fits = num_tokens <= self.room[slots]
-        k = len(slots) if fits.all() else int(fits.argmin())
-        if k < len(slots):
-            k += self._add_blocks(slots[k:], num_tokens[k:])
-        np.maximum.at(self.used, slots[:k], num_tokens[:k])  # (.at: a slot listed twice keeps its max)
+        how many got room (a prefix). A prelude batch's tokens mostly fit the blocks their sequences hold or
+        need one new block each (every block_size tokens a sequence crosses into a new one; in CDB a few of a
+        batch's sequences do, most ticks): one compiled pass checks and takes that room, and their new blocks
+        come from one allocation. Only a token that needs more (and those after it) goes through `ensure`."""
+        grown, columns = np.empty(len(slots), np.int64), np.empty(len(slots), np.int64)
+        k, g = _make_room(slots, num_tokens, self.room, self.used, self.block_size, self.num_free, grown, columns)
+        if g:
+            self.block_tables.set_entries(grown[:g], columns[:g], self.allocator.allocate_array(g))
         for j in range(k, len(slots)):
             owner = self.owner[int(slots[j])]
             assert owner is not None, f"slot {slots[j]} holds no sequence"
@@ -94,34 +103,10 @@ class KVCacheManager:
                 return j
         return len(slots)
 
-    def _add_blocks(self, slots: np.ndarray, num_tokens: np.ndarray) -> int:
-        """Room for the first entries that fit their blocks or need one more block each (distinct sequences:
-        a slot's second entry reads its room before the first's block), as many as the pool has blocks
-        for, all taken in one allocation; returns how many got room."""
-        bs = self.block_size
-        room = self.room[slots]
-        ok = num_tokens <= room + bs
-        n = len(slots) if ok.all() else int(ok.argmin())
-        grow = np.flatnonzero(num_tokens[:n] > room[:n])
-        _, first = np.unique(slots[grow], return_index=True)
-        if len(first) < len(grow):  # stop at the first repeat of a slot that grows
-            again = np.ones(len(grow), bool)
-            again[first] = False
-            cut = int(np.flatnonzero(again)[0])
-            n, grow = int(grow[cut]), grow[:cut]
-        if len(grow) > self.num_free:
-            n, grow = int(grow[self.num_free]), grow[: self.num_free]
-        if len(grow):
-            blocks = self.allocator.allocate(len(grow))
-            grown = slots[grow]
-            self.block_tables.set_entries(grown, self.room[grown] // bs, np.array(blocks, np.int64))
-            self.room[grown] += bs
-            owner, tables = self.owner, self.tables
-            for slot, block in zip(grown.tolist(), blocks, strict=True):
-                seq_id = owner[slot]
-                assert seq_id is not None, f"slot {slot} holds no sequence"
-                tables[seq_id].blocks.append(block)
-        return n
+    def compile_passes(self) -> None:
+        """Compile `ensure_slots`' pass (or load it from numba's cache) before any request waits for it."""
+        none = np.zeros(0, np.int64)
+        _make_room(none, none, self.room, self.used, self.block_size, 0, none, none)
 
     def num_tokens(self, seq_id: str) -> int:
         """Tokens of the sequence whose KV rows are in use (room was ensured for them)."""
@@ -137,10 +122,9 @@ class KVCacheManager:
         if table is None:
             table = self.tables[seq_id] = BlockTable(self._take_slot(seq_id))
         if need:
-            new = self.allocator.allocate(need)
-            self.block_tables.set_blocks(table.slot, len(table.blocks), new)
-            table.blocks += new
-            self.room[table.slot] = len(table.blocks) * self.block_size
+            have = int(self.room[table.slot]) // self.block_size
+            self.block_tables.set_blocks(table.slot, have, self.allocator.allocate(need))
+            self.room[table.slot] = (have + need) * self.block_size
         return table
 
     # -- the prefix cache --------------------------------------------------------------------------------
@@ -161,18 +145,17 @@ class KVCacheManager:
 
     def _share_into(self, table: BlockTable, blocks: list[int]) -> None:
         """An empty table starts with `blocks`, shared (refcount + 1 each)."""
-        assert not table.blocks
+        assert not self.room[table.slot]
         if blocks:
             self.allocator.share(blocks)
             self.block_tables.set_blocks(table.slot, 0, blocks)
-            table.blocks = list(blocks)
             self.room[table.slot] = self.used[table.slot] = len(blocks) * self.block_size
 
     def publish(self, seq_id: str, first: int, keys: list[bytes]) -> None:
         """Index the sequence's blocks first, first+1, ... (complete prompt blocks) under `keys`."""
-        blocks = self.tables[seq_id].blocks
+        blocks = self._held(self.tables[seq_id].slot)
         for i, key in enumerate(keys, start=first):
-            self.allocator.register(blocks[i], key)
+            self.allocator.register(int(blocks[i]), key)
 
     def _take_slot(self, seq_id: str) -> int:
         if self._free_slots:
@@ -206,8 +189,8 @@ class KVCacheManager:
     def free_all(self, seq_ids: list[str]) -> None:
         """Free the sequences' blocks and slots (those that hold any), in order: one allocator call."""
         tables = [self.tables.pop(s) for s in seq_ids if s in self.tables]
-        if tables:  # (block-table rows: no list conversion)
-            self.allocator.free_tables([self.block_tables.host[t.slot, : len(t.blocks)] for t in tables])
+        if tables:
+            self.allocator.free_tables([self._held(t.slot) for t in tables])
         slots = [t.slot for t in tables]
         for slot in slots:
             self.owner[slot] = None
@@ -222,8 +205,7 @@ class KVCacheManager:
         rows = upload(self.rows(seq_id, kept), s.k.device)
         # queued behind the work that wrote these rows; read back only when swapped in
         table.swapped = Readback(s.read_rows(rows))
-        self.allocator.free(table.blocks)
-        table.blocks = []
+        self.allocator.free(self._held(table.slot))
         self.room[table.slot] = 0
 
     def is_swapped(self, seq_id: str) -> bool:
@@ -261,17 +243,38 @@ class KVCacheManager:
         listed: dict[int, int] = dict.fromkeys(self.reserved, 1)
         for sid, table in self.tables.items():
             assert sid in live, f"KV table of finished sequence {sid} still held"
-            listed_here = self.block_tables.host[table.slot, : len(table.blocks)].tolist() if table.blocks else []
-            assert listed_here == table.blocks, f"block table of {sid} out of date"
-            assert len(set(table.blocks)) == len(table.blocks), f"block listed twice by {sid}"
             slot = table.slot
-            assert self.owner[slot] == sid and self.room[slot] == len(table.blocks) * self.block_size, \
+            blocks = self._held(slot).tolist()
+            assert len(set(blocks)) == len(blocks), f"block listed twice by {sid}"
+            assert self.owner[slot] == sid and self.room[slot] % self.block_size == 0, \
                 f"slot arrays of {sid} out of date"
             assert self.used[slot] <= self.room[slot] or table.swapped is not None, f"{sid} uses rows without room"
-            for b in table.blocks:
+            for b in blocks:
                 assert b in refs, f"block {b} of {sid} is free while listed (its KV may be overwritten)"
                 listed[b] = listed.get(b, 0) + 1
         assert set(refs) <= set(listed), "allocator owns blocks no table lists"
         for b, n in listed.items():
             assert refs.get(b) == n, f"block {b}: refcount {refs.get(b)}, listed {n} times"
         assert self.allocator.num_free + len(refs) == self.allocator.num_blocks
+
+
+@compiled
+def _make_room(slots, num_tokens, room, used, block_size, num_free, grown, columns):
+    """`ensure_slots`' pass: entry k's sequence (block-table slot slots[k]) uses num_tokens[k] tokens' rows,
+    taking a new block if its blocks are one short (its room grows here; the slot and the table column the
+    block goes in are listed in grown[:g] and columns[:g] for the caller to allocate and write). Stops at
+    the first entry that needs more than one block, or a block beyond `num_free`. Returns (entries done, g)."""
+    g = 0
+    for k in range(slots.shape[0]):
+        s = slots[k]
+        t = num_tokens[k]
+        if t > room[s]:
+            if t > room[s] + block_size or g == num_free:
+                return k, g
+            grown[g] = s
+            columns[g] = room[s] // block_size
+            g += 1
+            room[s] += block_size
+        if t > used[s]:
+            used[s] = t
+    return slots.shape[0], g

@@ -253,6 +253,10 @@ class BlockAllocator:
 
     def allocate(self, n: int) -> list[int]:
         """`n` fresh blocks (refcount 1); evicts cached blocks once no empty block is left."""
+        return self.allocate_array(n).tolist()
+
+    def allocate_array(self, n: int) -> np.ndarray:
+        """`allocate` as an array."""
         n = int(n)
         if n < 0:
             raise ValueError(f"n: cannot allocate {n} blocks")
@@ -262,15 +266,14 @@ class BlockAllocator:
         fresh = self._empty[self._num_empty - k: self._num_empty][::-1]
         self._num_empty -= k
         self._refs[fresh] = 1
-        blocks = fresh.tolist()
-        if k < n:
-            evicted = self._evict(n - k)
-            for b in evicted.tolist():
-                del self._by_key[self._key_of.pop(b)]
-            self._indexed[evicted] = False
-            self._refs[evicted] = 1
-            blocks += evicted.tolist()
-        return blocks
+        if k == n:
+            return fresh.copy()  # (a view of the empty stack, which later frees overwrite)
+        evicted = self._evict(n - k)
+        for b in evicted.tolist():
+            del self._by_key[self._key_of.pop(b)]
+        self._indexed[evicted] = False
+        self._refs[evicted] = 1
+        return np.concatenate([fresh, evicted])
 
     def free(self, blocks: list[int] | np.ndarray) -> None:
         """Drop one hold on each block (in position order, as a block table lists them). A block no one holds

@@ -454,6 +454,7 @@ class ModelRunner:
         self.has_coda_kv = model.config.n_coda > 0
         self.draws_random_state = model.draws_random_state  # else the per-token state seeds go unused
         pool.compile_passes()
+        kv.compile_passes()
         kv.store.compile_scores()
 
     def _pack(self, rows: np.ndarray, core: bool = False, extra: int = 0) -> Packed:

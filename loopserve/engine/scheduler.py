@@ -108,7 +108,7 @@ class Scheduler:
         self.coda_running: list[WorkItem] = []  # coda queued on the device, token not sampled yet
         # creation order of work items; a stride leaves room for a verify group's k + 1 rows to take the
         # place of the item that drafted (orders item.order + i)
-        self._orders = itertools.count(0, 1 + cfg.num_speculative_tokens)
+        self._order_step, self._next_order = 1 + cfg.num_speculative_tokens, 0
         self.finished: list[Sequence] = []  # finished since the last drain (the engine reports them)
         self.appended: list[Sequence] = []  # got a token since the last drain and streams (not FINAL_ONLY)
         self.retired_loops = 0  # decode loops of finished requests (bookkeeping check)
@@ -233,12 +233,19 @@ class Scheduler:
     def _new_item(self, seq: Sequence, spent: WorkItem | None = None) -> None:
         """Queue the work item fed the sequence's last token: `spent`, the plain item of its previous token
         (its coda read, its row freed: it holds nothing), if given, else a new one."""
-        order, position = next(self._orders), seq.num_tokens - 1
+        order, position = self._new_orders(1), seq.num_tokens - 1
         if spent is None:
             self.prelude_q.append(WorkItem(seq, order, self.pool, position=position,
                                            slot=self.kv.slot(seq.request_id)))
         else:
             self.prelude_q.append(spent.reuse(order, position, seq.output_ids[-1]))
+
+    def _new_orders(self, n: int) -> int:
+        """Reserve the creation orders of `n` new work items; returns the first (the others follow it
+        `_order_step` apart)."""
+        first = self._next_order
+        self._next_order += n * self._order_step
+        return first
 
     def _resident(self) -> int:
         """Sequences holding (or about to hold) a state of their own: the running ones, and the samples
@@ -486,7 +493,7 @@ class Scheduler:
             if sid not in self.running:
                 self.running[sid] = c.seq
                 c.seq.status = Status.RUNNING
-            full = kv.tables[sid].blocks[: len(c.seq.prompt_ids) // kv.block_size]
+            full = kv.blocks(sid)[: len(c.seq.prompt_ids) // kv.block_size]
             for fork in c.seq.pending_forks if c.last else ():  # they get the prompt's KV with this chunk:
                 kv.adopt(fork.request_id, full)  # its full blocks shared (read-only from now on),
                 self._seat(fork)
@@ -747,14 +754,18 @@ class Scheduler:
         quiet = ok & pool.sequences.takes_quietly(slots, tokens, pool.decode_index[rows] + 1)
         if self.speculator is not None:  # (a verify group's rows are released in _accept)
             quiet &= np.fromiter((i.group is None for i in taken), bool, len(taken))
-        loud = np.flatnonzero(~quiet).tolist()
-        pool.release_all([item for item in (taken[j] for j in loud) if item.group is None])
+        if quiet.all():  # most ticks: every row (nothing selected, no Python per row)
+            loud, pick, requeued = [], slice(None), taken
+        else:
+            loud = np.flatnonzero(~quiet).tolist()
+            pool.release_all([item for item in (taken[j] for j in loud) if item.group is None])
+            pick, requeued = quiet, list(itertools.compress(taken, quiet.tolist()))
         now = time.monotonic()  # (the batch's tokens arrived together)
-        pool.held.add(slots[quiet], tokens[quiet], depths[quiet], loops[quiet], now)
-        requeued = list(itertools.compress(taken, quiet.tolist()))
+        pool.held.add(slots[pick], tokens[pick], depths[pick], loops[pick], now)
         n = len(requeued)
         self.stats.generated_tokens += n
-        pool.requeue(requeued, rows[quiet], tokens[quiet], np.fromiter(itertools.islice(self._orders, n), np.int64, n))
+        first = self._new_orders(n)
+        pool.requeue(requeued, rows[pick], tokens[pick], np.arange(first, self._next_order, self._order_step))
         self.prelude_q += requeued
         self._kv_to_free = []  # (nothing is allocated before the loop ends)
         try:
