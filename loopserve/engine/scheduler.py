@@ -52,7 +52,7 @@ from loopserve.engine.sequence import Sequence, Status
 from loopserve.engine.speculative import Speculator, VerifyGroup
 from loopserve.engine.stats import EngineStats
 from loopserve.errors import GrammarLimitError, NonFiniteError
-from loopserve.exits import Signal
+from loopserve.exits import ROW_MAX_LOOPS, Signal
 
 log = logging.getLogger("loopserve.engine")
 
@@ -1084,9 +1084,11 @@ class CBScheduler(CohortScheduler):
     keep_exited_in_batch = True
 
     def _core_members(self) -> np.ndarray:  # the whole cohort, to full depth whatever the exits
+        rows = self._members()
         if self.cohort_depth is None:  # once per cohort (and again if it lost members), not per tick
-            self.cohort_depth = max(i.seq.rule.max_loops for i in self.cohort)
-        return self._members() if self.core_ticks < self.cohort_depth else _NO_ROWS
+            pool = self.pool  # (the rules' max_loops by the members' block-table slots: no Python per member)
+            self.cohort_depth = int(pool.sequences.rule[pool.kv_slot[rows], ROW_MAX_LOOPS].max())
+        return rows if self.core_ticks < self.cohort_depth else _NO_ROWS
 
 
 def make_scheduler(cfg: EngineConfig, kv: KVCacheManager, pool: StatePool, stats: EngineStats,
