@@ -28,6 +28,7 @@ from loopserve.engine.sampler import sample_batch, sample_one, unpack
 from loopserve.engine.sequence import Sequence
 from loopserve.errors import NonFiniteError
 from loopserve.exits import ExitBook
+from loopserve.sampling_params import RequestOutputKind
 from tests.engine_helpers import Req, assert_matches, drive, make_engine, reference
 
 VICTIM = "victim"
@@ -77,7 +78,7 @@ def _inject(monkeypatch, point: str) -> list[int]:
 
         monkeypatch.setattr(sampler_module, "top_logprobs", top_logprobs)
     elif point in ("detokenize", "stop"):
-        name = "_decode_pending" if point == "detokenize" else "_stopped"
+        name = "decode_pending" if point == "detokenize" else "_stopped"
         real_m = getattr(Sequence, name)
 
         def method(self, *args):
@@ -156,6 +157,43 @@ def test_a_failing_request_fails_alone(point, scheduler, layout, tiny_ouro, monk
     for r in reqs[1:]:
         assert_matches(outs[r.rid], refs[r.rid])
 
+
+
+@pytest.mark.parametrize("scheduler", ["cdb", "cb"])
+def test_a_streamed_request_failing_to_detokenize_on_the_batch_path_fails_alone(scheduler, tiny_ouro, monkeypatch):
+    """A streamed request without logprobs, stop strings or grammar takes its tokens with the coda batch's quiet
+    rows, whose text the scheduler decodes request by request: a fault there fails that request alone."""
+    engine = make_engine(tiny_ouro, scheduler=scheduler, **CFG)
+    reqs = [Req(VICTIM, [5, 9, 2, 7, 3, 8, 1], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                seed=1), *_workload(engine.model_config.r_max)[1:]]
+    assert reqs[0].params.output_kind != RequestOutputKind.FINAL_ONLY
+    refs = {r.rid: reference(engine, r) for r in reqs[1:]}
+    real_decode, real_append = Sequence.decode_pending, Sequence.append
+    inside_append: list[bool] = []
+    faults: list[bool] = []  # per fault: raised from inside `append` (the one-by-one path) or not
+
+    def append(self, *args):
+        inside_append.append(True)
+        try:
+            return real_append(self, *args)
+        finally:
+            inside_append.pop()
+
+    def decode_pending(self):
+        if _victim(self) and len(self.output_ids) >= 3:
+            faults.append(bool(inside_append))
+            raise Fault("decode_pending failed")
+        return real_decode(self)
+
+    monkeypatch.setattr(Sequence, "append", append)
+    monkeypatch.setattr(Sequence, "decode_pending", decode_pending)
+    outs = drive(engine, reqs)
+    assert faults and not faults[0]  # it failed first on the batch path (then its finish decodes what it can)
+    victim = outs[VICTIM]
+    assert victim.outputs[0].finish_reason == "error" and victim.error_status == 500
+    assert "decode_pending failed" in (victim.error or "")
+    for r in reqs[1:]:
+        assert_matches(outs[r.rid], refs[r.rid])
 
 
 @pytest.mark.parametrize("point", ["exit_rule", "nan_state"])

@@ -50,13 +50,13 @@ def test_final_only_decodes_text_once(tiny_ouro, monkeypatch):
     """No per-token detokenization for a FINAL_ONLY request without stop strings; a CUMULATIVE one decodes
     each token as it comes (its outputs carry the text)."""
     calls: dict[str, int] = {}
-    real = Sequence._decode_pending
+    real = Sequence.decode_pending
 
     def counted(self):
         calls[self.request_id] = calls.get(self.request_id, 0) + 1
         return real(self)
 
-    monkeypatch.setattr(Sequence, "_decode_pending", counted)
+    monkeypatch.setattr(Sequence, "decode_pending", counted)
     engine = make_engine(tiny_ouro, scheduler="cdb")
     kw = dict(max_tokens=10, ignore_eos=True, temperature=0.0)
     seen = _run(engine, {"c": SamplingParams(**kw), "f": SamplingParams(**kw, output_kind=FINAL)}, [9, 10, 11])

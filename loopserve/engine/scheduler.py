@@ -767,6 +767,14 @@ class Scheduler:
         first = self._new_orders(n)
         pool.requeue(requeued, rows[pick], tokens[pick], np.arange(first, self._next_order, self._order_step))
         self.prelude_q += requeued
+        for k in np.flatnonzero(pool.sequences.streams[slots[pick]]).tolist():  # streamed: text, then an output
+            seq = requeued[k].seq
+            try:
+                seq.decode_pending()  # (here, where a failure fails this request alone)
+            except Exception as e:
+                self.fail(seq, e)
+                continue
+            self.appended.append(seq)
         self._kv_to_free = []  # (nothing is allocated before the loop ends)
         try:
             for j in loud:

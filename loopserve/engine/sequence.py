@@ -179,9 +179,9 @@ class Sequence:
         self.streams = params.output_kind != RequestOutputKind.FINAL_ONLY
         self._text_per_token = bool(params.stop) or self.streams
         self.plain_greedy = plain_greedy(self.params)
-        # and whether a token that cannot finish it needs nothing but recording (`HeldTokens`): no
-        # logprobs, text, grammar or output per token
-        self.quiet = params.logprobs is None and not self._text_per_token and params.guided_decoding is None
+        # and whether a token that cannot finish it needs nothing but recording (`HeldTokens`) and, if it
+        # streams, its text and an output: no logprobs, stop strings or grammar read per token
+        self.quiet = params.logprobs is None and not params.stop and params.guided_decoding is None
         self.prompt_ids = list(prompt_ids)
         self._prompt_ids_out = list(prompt_ids)  # one copy shared by this request's outputs, not one each
         self.tokenizer = tokenizer
@@ -293,7 +293,7 @@ class Sequence:
     def text(self) -> str:
         """The output's text so far."""
         if self._decoded < len(self.output_ids):
-            self._decode_pending()
+            self.decode_pending()
         return self._text
 
     @text.setter
@@ -302,11 +302,12 @@ class Sequence:
             self._sent_chars = len(value)  # decoding it whole changed text a DELTA output sent: send no more
         self._text, self._decoded = value, len(self.output_ids)
 
-    def _decode_pending(self) -> None:
+    def decode_pending(self) -> None:
         """Append the text of the tokens not decoded yet (the stream holds back an incomplete UTF-8
-        character until the token that completes it). `append` calls it per token only for requests
-        that need the text then (stop strings, per-token outputs): a FINAL_ONLY request without stop
-        strings decodes its text once, when it finishes."""
+        character until the token that completes it). Called per token only for requests that need the
+        text then (by `append` for stop strings and per-token outputs, by the scheduler for a coda batch's
+        quiet tokens of streamed requests): a FINAL_ONLY request without stop strings decodes its text
+        once, when it finishes."""
         ids = self.output_ids
         while self._decoded < len(ids):
             chunk = self._detok(ids[self._decoded])
@@ -364,7 +365,7 @@ class Sequence:
         ids.append(token)
         self.exit_depths.append(exit_depth)
         if self._text_per_token:
-            self._decode_pending()  # here, where a failure fails this request alone (not the step's outputs)
+            self.decode_pending()  # here, where a failure fails this request alone (not the step's outputs)
         if not (stop or guide is not None or token in self.stop_tokens or len(ids) >= self.max_new):
             return  # (most tokens: nothing below could finish it, and the checks run per token)
         if not self._stopped(token, searched) and len(ids) >= self.max_new:
@@ -406,7 +407,7 @@ class Sequence:
             self.text = self.tokenizer.decode(self.output_ids, self.params.skip_special_tokens)
         else:  # the text as it is (a stop cut it) or, for an error, as far as it decodes (decoding may be
             with contextlib.suppress(Exception):  # what failed); nothing more is decoded after this
-                self._decode_pending()
+                self.decode_pending()
             self._decoded = len(self.output_ids)
         self.finish_reason = reason
         self.error = error
@@ -427,16 +428,18 @@ class Sequence:
         (sent once the request finishes). Costs O(new), not O(length)."""
         if self._sent_finish:
             return None
-        a, b = self._sent_tokens, len(self.output_ids)
-        text = self.text
-        ready = len(text) if self.finished else max(self._sent_chars, len(text) - self._hold)
-        if a == b and ready == self._sent_chars and not self.finished:
+        ids = self.output_ids  # (read once: a streamed request's every output comes here, a token at a time)
+        a, b = self._sent_tokens, len(ids)
+        if self._decoded < b:
+            self.decode_pending()
+        text, finished = self._text, self.finish_reason is not None
+        ready = len(text) if finished else max(self._sent_chars, len(text) - self._hold)
+        if a == b and ready == self._sent_chars and not finished:
             return None
         piece = text[self._sent_chars:ready]
-        self._sent_tokens, self._sent_chars, self._sent_finish = b, max(self._sent_chars, ready), self.finished
-        return CompletionOutput(self.index, piece, self.output_ids[a:b],
-                                self.logprobs[a:b] if self.logprobs is not None else None, self.exit_depths[a:b],
-                                self.finish_reason,
+        self._sent_tokens, self._sent_chars, self._sent_finish = b, max(self._sent_chars, ready), finished
+        return CompletionOutput(self.index, piece, ids[a:b], self.logprobs[a:b] if self.logprobs is not None else None,
+                                self._exit_depths[a:b], self.finish_reason,
                                 self.cumulative_logprob if self.params.logprobs is not None else None,
                                 stop_reason=self.stop_reason)
 
@@ -446,7 +449,7 @@ class Sequence:
         output only (vLLM's rule). Finished once every sample is."""
         head = self.family[0]
         if head.params.output_kind == RequestOutputKind.DELTA:
-            completions = [c for c in (s.delta() for s in head.family) if c is not None]
+            completions = [c for s in head.family if (c := s.delta()) is not None]
             prompt_logprobs = None if head._sent_prompt_logprobs else head.prompt_logprobs
             head._sent_prompt_logprobs = True
         else:

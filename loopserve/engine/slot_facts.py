@@ -20,7 +20,7 @@ import numpy as np
 from loopserve.engine.sequence import Sequence
 from loopserve.exits import RULE_WIDTH
 
-_BY_SLOT = ("prompt_len", "plain", "quiet", "max_new", "rule")  # the arrays with a row per slot
+_BY_SLOT = ("prompt_len", "plain", "quiet", "streams", "max_new", "rule")  # the arrays with a row per slot
 
 
 class SlotFacts:
@@ -36,6 +36,7 @@ class SlotFacts:
         self.prompt_len = np.zeros(slots, np.int64)
         self.plain = np.zeros(slots, bool)  # samples by the argmax of the raw logits (`plain_greedy`)
         self.quiet = np.zeros(slots, bool)  # `Sequence.quiet`
+        self.streams = np.zeros(slots, bool)  # `Sequence.streams`: an output after every token
         self.max_new = np.zeros(slots, np.int64)  # tokens it may generate (`Sequence.max_new`)
         self.rule = np.zeros((slots, RULE_WIDTH), np.float64)  # its exit rule's `row`
         for name, kept in old.items():
@@ -49,6 +50,7 @@ class SlotFacts:
         self.prompt_len[slot] = len(seq.prompt_ids)
         self.plain[slot] = seq.plain_greedy
         self.quiet[slot] = seq.quiet
+        self.streams[slot] = seq.streams
         self.max_new[slot] = seq.max_new
         self.rule[slot] = seq.rule.row
         before, stops = self._stops[slot], seq.stop_tokens
@@ -75,6 +77,7 @@ class SlotFacts:
         """Whether the facts of `slot` are `seq`'s (the scheduler's invariant checks)."""
         return (slot < len(self.plain) and self.prompt_len[slot] == len(seq.prompt_ids)
                 and self.plain[slot] == seq.plain_greedy and self.quiet[slot] == seq.quiet
+                and self.streams[slot] == seq.streams
                 and self.max_new[slot] == seq.max_new and self._stops[slot] == seq.stop_tokens
                 and np.array_equal(self.rule[slot], seq.rule.row, equal_nan=True))  # (no threshold: NaN)
 
