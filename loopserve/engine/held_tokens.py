@@ -6,7 +6,8 @@ its id and exit depth, the loops it ran, the time it arrived. A batch writes tho
 into arrays indexed by the rows' slots with a few array operations, instead of a Python call per
 row. The sequence moves them into its lists the first time anything reads `Sequence.output_ids`,
 `exit_depths` or `metrics` (each settles first): its next token that goes the long way, its finish,
-an output, a preemption, a draft. So no reader ever sees a sequence short of a token
+an output (a streamed request's, right after its batch: the scheduler decodes its text then), a
+preemption, a draft. So no reader ever sees a sequence short of a token
 (docs/design.md §9, step 2 of the persistent batch).
 """
 
@@ -59,7 +60,8 @@ class HeldTokens:
             self._let_go(seq)
         self.owners[slot] = seq
         # a sequence that is not quiet never has a token held: it keeps held None, so its every read of
-        # `output_ids`, `exit_depths` and `metrics` (a streamed request: several per token) skips the count
+        # `output_ids`, `exit_depths` and `metrics` (a request with logprobs or stop strings: several per
+        # token) skips the count
         seq.held, seq.slot = (self if seq.quiet else None), slot
 
     def _let_go(self, seq: Sequence) -> None:
