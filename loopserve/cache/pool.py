@@ -20,6 +20,7 @@ import torch
 from loopserve.cache import scores
 from loopserve.cache.layout import IN_FLIGHT
 from loopserve.device import upload
+from loopserve.jit import compiled
 
 GATHER_ELEMENTS = 1 << 26  # key elements a decode score call gathers at once (128 MiB of bfloat16)
 
@@ -230,6 +231,7 @@ class BlockAllocator:
         self._by_key: dict[bytes, int] = {}  # prefix cache: a prompt block's key -> the block holding its KV
         self._key_of: dict[int, bytes] = {}
         self._indexed = np.zeros(num_blocks, bool)  # the blocks `_key_of` lists, for whole-table partitions
+        self._listed = np.zeros(num_blocks, bool)  # `_release_blocks`' scratch (all False between calls)
         # Cached blocks held by no one, in the order they were freed: _queue[_head:_tail]. A block's entry is
         # live while `_queued_at[block]` is its position; sharing a queued block sets that to -1 and leaves
         # the entry to be skipped. The queue is compacted when full; with 2 x num_blocks entries at least
@@ -288,22 +290,11 @@ class BlockAllocator:
         and changes nothing; with several tables, a block listed twice in one is not told apart from a
         block two of them share."""
         entries = np.concatenate([np.asarray(t, np.int64)[::-1] for t in tables]) if tables else np.zeros(0, np.int64)
-        held = self._refs[entries]
-        np.subtract.at(self._refs, entries, 1)  # (a block listed twice loses two holds: caught below)
-        left = self._refs[entries]
-        bad = (left < 0) | (entries < 0)
-        if len(tables) == 1:  # one table lists a block once
-            bad |= left != held - 1
-        if bad.any():
-            np.add.at(self._refs, entries, 1)
-            raise RuntimeError(f"block {int(entries[bad][0])} freed more often than it was held, or listed twice")
-        gone = entries[left == 0]
-        # each block once, where it was listed last: only a block held more than once (shared) can be listed
-        # twice here without raising above, so with nothing shared there is nothing to deduplicate
-        if len(tables) > 1 and len(gone) and held.max() > 1:
-            backwards = gone[::-1]
-            gone = backwards[np.sort(np.unique(backwards, return_index=True)[1])][::-1]
-        self._drop_unheld(gone)
+        gone = np.empty(len(entries), np.int64)
+        m, bad = _release_blocks(entries, self._refs, len(tables) == 1, self._listed, gone)
+        if bad >= 0:
+            raise RuntimeError(f"block {int(entries[bad])} freed more often than it was held, or listed twice")
+        self._drop_unheld(gone[:m])
 
     def _drop_unheld(self, blocks: np.ndarray) -> None:
         """Blocks no one holds now, in the order they were freed: cached if indexed, else empty."""
@@ -422,3 +413,34 @@ class BlockAllocator:
         assert set(np.flatnonzero(self._indexed).tolist()) == set(self._key_of), "index bitmap out of step"
         assert all(self._by_key[k] == b for b, k in self._key_of.items()) and len(self._by_key) == len(self._key_of), \
             "prefix-cache index out of step"
+
+
+@compiled
+def _release_blocks(entries, refs, one_table, listed, gone):
+    """`BlockAllocator.free_tables`' pass: each listed block (entries: the tables', tail first, in turn) loses a
+    hold. At the first entry that is no block, is held by no one (any more), or (`one_table`) was listed
+    before, the holds taken so far are put back and (0, its index) returned. Otherwise the blocks now held by
+    no one, each once, in the order of their last listing, go to gone[:m]; returns (m, -1). `listed`: all
+    False, left so. One pass each way over the entries, where numpy took two gathers and a scatter-add
+    over them and a deduplication whenever a block was shared."""
+    n = refs.shape[0]
+    for k in range(entries.shape[0]):
+        e = entries[k]
+        if e < 0 or e >= n or refs[e] <= 0 or (one_table and listed[e]):
+            for j in range(k):
+                refs[entries[j]] += 1
+                listed[entries[j]] = False
+            return 0, k
+        refs[e] -= 1
+        listed[e] = True
+    m = 0
+    for k in range(entries.shape[0] - 1, -1, -1):  # backwards: a block is met first at its last listing
+        e = entries[k]
+        if listed[e]:
+            listed[e] = False
+            if refs[e] == 0:
+                gone[m] = e
+                m += 1
+    for i in range(m // 2):
+        gone[i], gone[m - 1 - i] = gone[m - 1 - i], gone[i]
+    return m, -1
