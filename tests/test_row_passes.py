@@ -107,7 +107,8 @@ def test_start_loops_reads_each_rows_sequence_by_its_slot(seqs, rnd):
     items = []
     for rule, prompt_len, slot in seqs:
         seq = SimpleNamespace(prompt_ids=[0] * prompt_len, seed=rnd.randrange(2**63), plain_greedy=rnd.random() < 0.5,
-                              rule=rule, quiet=True, max_new=16, stop_tokens=frozenset({0}))
+                              rule=rule, quiet=True, streams=rnd.random() < 0.5, max_new=16,
+                              stop_tokens=frozenset({0}))
         pool.sequences.admit(slot, seq)  # type: ignore[arg-type]
         items.append(SimpleNamespace(seq=seq, slot=slot, position=prompt_len + rnd.randrange(20)))
     assert all(pool.sequences.matches(i.slot, i.seq) for i in items)  # (growing kept the earlier ones)

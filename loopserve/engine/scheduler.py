@@ -325,12 +325,13 @@ class Scheduler:
         head = self.prelude_q[:limit]
         rows = rows_of(head)
         rowless = rows < 0
-        if rowless.any():  # items that hold no row yet: as many as there are free rows
+        fresh_items = rowless.any()
+        if fresh_items:  # items that hold no row yet: as many as there are free rows
             need = np.cumsum(rowless)
             cut = int(np.searchsorted(need, pool.num_free, side="right"))  # (the first that finds none)
             head, rows, rowless = head[:cut], rows[:cut], rowless[:cut]
         positions, slots = pool.position[rows], pool.kv_slot[rows]
-        if rowless.any():
+        if fresh_items:
             fresh = np.flatnonzero(rowless)
             positions[fresh] = np.fromiter((head[k]._position for k in fresh.tolist()), np.int64, len(fresh))
             slots[fresh] = np.fromiter((head[k].slot for k in fresh.tolist()), np.int64, len(fresh))
@@ -372,10 +373,12 @@ class Scheduler:
         self.prelude_q = _without(self.prelude_q, taken)
         if not taken:
             return None
+        rows, kv_slots, kv_positions = rows[:got], slots[:got], positions[:got]
         rest = taken[got:]
-        rows = np.concatenate([rows[:got], rows_of(rest)])
-        kv_slots = np.concatenate([slots[:got], np.array([i.slot for i in rest], np.int64)])
-        kv_positions = np.concatenate([positions[:got], np.array([i.position for i in rest], np.int64)])
+        if rest:  # (most ticks none: the head took them all)
+            rows = np.concatenate([rows, rows_of(rest)])
+            kv_slots = np.concatenate([kv_slots, np.array([i.slot for i in rest], np.int64)])
+            kv_positions = np.concatenate([kv_positions, np.array([i.position for i in rest], np.int64)])
         rows = pool.allocate(taken, rows, kv_slots, kv_positions, kv.block_tables.rows(kv_slots, kv_positions))
         return StagePlan(Stage.PRELUDE, taken, rows=rows)
 

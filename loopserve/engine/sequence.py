@@ -416,9 +416,12 @@ class Sequence:
         self.metrics.finished_time = time.monotonic()
 
     def completion(self) -> CompletionOutput:
-        """Everything so far (CUMULATIVE and FINAL_ONLY outputs)."""
-        return CompletionOutput(self.index, self.text, list(self.output_ids), self.logprobs, list(self.exit_depths),
-                                self.finish_reason,
+        """Everything so far (CUMULATIVE and FINAL_ONLY outputs): the lists as they are once it finished (they
+        never change after), else copies."""
+        done = self.finish_reason is not None
+        ids, depths = self.output_ids, self._exit_depths
+        return CompletionOutput(self.index, self.text, ids if done else list(ids), self.logprobs,
+                                depths if done else list(depths), self.finish_reason,
                                 self.cumulative_logprob if self.params.logprobs is not None else None,
                                 stop_reason=self.stop_reason)
 
