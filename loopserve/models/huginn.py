@@ -18,7 +18,7 @@ from loopserve.device import upload
 from loopserve.model_config import ModelConfig
 from loopserve.models.base import LoopedLM
 from loopserve.models.context import ForwardContext
-from loopserve.models.layers import RMSNorm, compute_dtype, paged_attention, rope, rope_angles
+from loopserve.models.layers import RMSNorm, compute_dtype, linear, paged_attention, rope, rope_angles
 from loopserve.random_streams import uniforms
 
 STATE_INITS = ("like-init", "zero")
@@ -36,13 +36,13 @@ class HuginnAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, stage: str, layer: int) -> torch.Tensor:
         c, n = self.c, x.shape[0]
-        qkv = self.Wqkv(x).view(n, 3, c.num_heads, c.head_dim)
+        qkv = linear(x, self.Wqkv.weight).view(n, 3, c.num_heads, c.head_dim)
         # the query and key heads biased and rotated together: per element the same math, fewer ops
         qk = (qkv[:, :2] + self.qk_bias.transpose(0, 1)).view(n, 2 * c.num_heads, c.head_dim)
         cos, sin = rope_angles(ctx, c.head_dim, c.rope_theta, x.dtype, "interleaved")
         q, k = rope(qk, cos, sin, "interleaved").split(c.num_heads, dim=1)
         v = qkv[:, 2]
-        return self.proj(paged_attention(q, k, v, ctx, stage, layer))
+        return linear(paged_attention(q, k, v, ctx, stage, layer), self.proj.weight)
 
 
 class HuginnMLP(nn.Module):
@@ -52,8 +52,8 @@ class HuginnMLP(nn.Module):
         self.proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.fc(x).chunk(2, dim=-1)
-        return self.proj(F.silu(gate) * up)
+        gate, up = linear(x, self.fc.weight).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.proj.weight)
 
 
 class SandwichBlock(nn.Module):
@@ -120,7 +120,7 @@ class RavenForCausalLM(LoopedLM):
 
     def core_step(self, state, inject, ctx):
         t = self.transformer
-        s = t.adapter(torch.cat([state, inject], dim=-1))
+        s = linear(torch.cat([state, inject], dim=-1), t.adapter.weight)
         for block in t.core_block:
             s = block(s, ctx)
         return s
@@ -131,4 +131,4 @@ class RavenForCausalLM(LoopedLM):
         for block in t.coda:
             x = block(x, ctx)
         x = t.ln_f(x if logit_rows is None else x[logit_rows])
-        return F.linear(x, t.wte.weight).to(compute_dtype(x.dtype))
+        return linear(x, t.wte.weight).to(compute_dtype(x.dtype))

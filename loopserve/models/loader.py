@@ -21,6 +21,7 @@ from loopserve.device import AUTO, resolve_device, resolve_dtype
 from loopserve.model_config import HUGINN, OURO, ModelConfig
 from loopserve.models.base import LoopedLM
 from loopserve.models.huginn import RavenForCausalLM
+from loopserve.models.layers import pack_linear_weights
 from loopserve.models.ouro import OuroForCausalLM
 from loopserve.sampling_params import SamplingParams
 from loopserve.tokenizer import Tokenizer
@@ -200,4 +201,5 @@ def load_model(model: str | Path, dtype: str = "float32", device: str = "cpu", s
     if extra:
         log.warning("%s: ignoring %d unexpected tensors, e.g. %s", folder, len(extra), sorted(extra)[0])
     net = net.eval().requires_grad_(False)
+    pack_linear_weights(net)  # (bfloat16 on the CPU: oneDNN copies of the projections, the same products faster)
     return LoadedModel(net, config, tokenizer, folder, defaults)

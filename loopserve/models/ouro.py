@@ -18,6 +18,7 @@ from loopserve.models.context import ForwardContext
 from loopserve.models.layers import (
     RMSNorm,
     compute_dtype,
+    linear,
     paged_attention,
     rope,
     rope_angles,
@@ -44,7 +45,7 @@ class OuroAttention(nn.Module):
         cos, sin = rope_angles(ctx, c.head_dim, c.rope_theta, x.dtype, "half")
         # one rotation for the query and key heads together: per element the same math, half the ops
         q, k = rope(qk, cos, sin, "half").split([c.num_heads, c.num_kv_heads], dim=1)
-        return self.o_proj(paged_attention(q, k, v, ctx, "core", layer))
+        return linear(paged_attention(q, k, v, ctx, "core", layer), self.o_proj.weight)
 
 
 class OuroMLP(nn.Module):
@@ -58,7 +59,7 @@ class OuroMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = stacked_linear(x, self.gate_up_proj.weight, self.gate_up_sizes)
-        return self.down_proj(F.silu(gate) * up)
+        return linear(F.silu(gate) * up, self.down_proj.weight)
 
 
 class OuroLayer(nn.Module):
@@ -111,7 +112,7 @@ class OuroForCausalLM(LoopedLM):
     def coda(self, state, ctx, logit_rows=None):
         h = state if logit_rows is None else state[logit_rows]
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(h, head.weight).to(compute_dtype(h.dtype))
+        return linear(h, head.weight).to(compute_dtype(h.dtype))
 
     def _gate(self, head: nn.Linear, state: torch.Tensor) -> torch.Tensor:
         cdt = compute_dtype(state.dtype)  # gate math in fp32 (or wider), not in bf16

@@ -1,0 +1,92 @@
+"""bfloat16 projections on the CPU through oneDNN copies of their weights reordered once (`layers.pack_linear_weights`):
+the same bits as `F.linear` at every row count, packed again after an in-place write, used by a bfloat16 model that
+`load_model` builds on the CPU, whose engine still equals the sequential reference decoder."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loopserve.engine.config import EngineConfig
+from loopserve.engine.engine import LLMEngine
+from loopserve.engine.reference import ReferenceDecoder
+from loopserve.models import layers
+from loopserve.models.loader import load_model
+from loopserve.sampling_params import SamplingParams
+
+CPU = torch.device("cpu")
+needs_packing = pytest.mark.skipif(not layers.can_pack_linear_weights(torch.bfloat16, CPU),
+                                   reason="oneDNN without bfloat16 on this CPU")
+
+
+def _packed_module(out_features: int, in_features: int, seed: int) -> nn.Linear:
+    g = torch.Generator().manual_seed(seed)
+    m = nn.Linear(in_features, out_features, bias=False).requires_grad_(False)
+    m.weight.copy_(torch.randn(out_features, in_features, generator=g).to(torch.bfloat16).float())
+    m = m.to(torch.bfloat16)
+    layers.pack_linear_weights(m)
+    return m
+
+
+@needs_packing
+@pytest.mark.parametrize("out_features,in_features", [(48, 64), (96, 40), (2304, 768)])
+def test_packed_products_are_f_linear_bit_for_bit(out_features, in_features):
+    w = _packed_module(out_features, in_features, out_features).weight
+    sizes = [out_features // 2, out_features // 4, out_features - out_features // 2 - out_features // 4]
+    g = torch.Generator().manual_seed(1)
+    for rows in (0, 1, 2, 7, 8, 9, 31, 32, 33, 100):
+        x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
+        assert torch.equal(layers.linear(x, w), F.linear(x, w))
+        for got, want in zip(layers.stacked_linear(x, w, sizes), F.linear(x, w).split(sizes, dim=-1), strict=True):
+            assert torch.equal(got, want)
+    x3 = torch.randn(3, 5, in_features, generator=g).to(torch.bfloat16)
+    strided = torch.randn(40, in_features, generator=g).to(torch.bfloat16)[::3]
+    for x in (x3, strided):
+        assert torch.equal(layers.linear(x, w), F.linear(x, w))
+    parts = getattr(w, layers.PACKED)
+    assert set(parts) == {(out_features,), tuple(sizes)}  # the whole weight and the stacked parts, packed once each
+
+
+@needs_packing
+def test_a_weight_written_in_place_is_packed_again():
+    w = _packed_module(48, 64, 3).weight
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    before = layers.linear(x, w)
+    with torch.no_grad():
+        w.mul_(2)
+    assert torch.equal(layers.linear(x, w), F.linear(x, w)) and not torch.equal(layers.linear(x, w), before)
+
+
+def test_only_bfloat16_weights_on_the_cpu_are_packed(tiny_ouro):
+    fp32 = load_model(tiny_ouro, "float32", "cpu", "zero").model
+    assert not any(hasattr(p, layers.PACKED) for p in fp32.parameters())
+    x = torch.randn(4, fp32.config.hidden_size)
+    w = next(p for p in fp32.parameters() if p.dim() == 2)
+    assert torch.equal(layers.linear(x[:, : w.shape[1]], w), F.linear(x[:, : w.shape[1]], w))
+
+
+@needs_packing
+@pytest.mark.parametrize("fixture", ["tiny_ouro", "tiny_huginn"])
+@pytest.mark.parametrize("scheduler", ["cdb", "cb"])
+def test_a_bfloat16_engine_with_packed_weights_equals_the_reference(request, fixture, scheduler):
+    loaded = load_model(request.getfixturevalue(fixture), "bfloat16", "cpu", "zero")
+    projections = [p for p in loaded.model.parameters() if hasattr(p, layers.PACKED)]
+    assert projections
+    engine = LLMEngine(loaded.model, loaded.tokenizer, EngineConfig(scheduler=scheduler, kv_cache_tokens=1024,
+                                                                    max_decode_batch=6))
+    prompts = [[(7 * i + 3 * j) % 200 + 1 for j in range(5 + 3 * i)] for i in range(6)]
+    params = [SamplingParams(max_tokens=10, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True)
+              for i in range(6)]
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(f"r{i}", prompt, p, seed=i)
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert any(getattr(p, layers.PACKED) for p in projections)  # the products went through packed copies
+    decoder = ReferenceDecoder(engine.model, engine.layout, engine.cfg.prefill_chunk_size)
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        ref = decoder.run(engine.make_sequence(f"r{i}", prompt, p, seed=i))
+        c = outs[f"r{i}"].outputs[0]
+        assert (c.token_ids, c.exit_depths) == (ref.output_ids, ref.exit_depths)
