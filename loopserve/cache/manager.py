@@ -44,7 +44,7 @@ class KVCacheManager:
         self._free_slots: list[int] = []
         self._next_slot = 0
         # by slot: the tokens its blocks have room for, the tokens whose KV rows are in use, its sequence
-        # (arrays, so that a prelude batch's room is checked and taken in a few numpy calls)
+        # (arrays, so that a prelude batch's room is checked and taken in one compiled pass, `_make_room`)
         self.room = np.zeros(max(num_slots, 1), np.int64)
         self.used = np.zeros(max(num_slots, 1), np.int64)
         self.owner: list[str | None] = [None] * max(num_slots, 1)

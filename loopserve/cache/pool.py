@@ -217,7 +217,8 @@ class BlockAllocator:
 
     Every per-block fact is an array (holders, indexed or not, place in the eviction queue) and both
     free lists are arrays, so freeing a sequence's blocks (a 4k-token context holds 257 of 16 tokens)
-    is a few array operations, not a Python step per block; only the prefix-cache index (keys) is a dict.
+    is a compiled pass over them and a few array operations, not a Python step per block; only the
+    prefix-cache index (keys) is a dict.
     """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
@@ -286,7 +287,7 @@ class BlockAllocator:
     def free_tables(self, tables: list[list[int] | np.ndarray]) -> None:
         """`free` of each table in turn, in one pass (the requests a coda batch finished). A block in several
         of them (a shared prompt block) loses a hold for each and becomes free at its last listing. A block
-        freed more often than it is held, a negative id, or (one table given) a block listed twice raises
+        freed more often than it is held, an id outside the pool, or (one table given) a block listed twice raises
         and changes nothing; with several tables, a block listed twice in one is not told apart from a
         block two of them share."""
         entries = np.concatenate([np.asarray(t, np.int64)[::-1] for t in tables]) if tables else np.zeros(0, np.int64)

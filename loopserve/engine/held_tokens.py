@@ -1,8 +1,9 @@
 """`HeldTokens`: the tokens whole coda batches gave resident quiet sequences, held by block-table slot
 until something reads the sequence's lists.
 
-A token that cannot finish its quiet sequence (`SlotFacts.takes_quietly`) needs nothing but recording:
-its id and exit depth, the loops it ran, the time it arrived. A batch writes those of all such rows
+A token that cannot finish its quiet sequence (`SlotFacts.takes_quietly`) needs no per-token check, only
+recording (its id and exit depth, the loops it ran, the time it arrived) and, if the sequence streams, its
+text and an output. A batch writes those of all such rows
 into arrays indexed by the rows' slots with a few array operations, instead of a Python call per
 row. The sequence moves them into its lists the first time anything reads `Sequence.output_ids`,
 `exit_depths` or `metrics` (each settles first): its next token that goes the long way, its finish,

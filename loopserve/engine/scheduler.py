@@ -748,11 +748,11 @@ class Scheduler:
             self.coda_running = _without(self.coda_running, taken)
             rows = rows_of(taken)
         assert rows is not None
-        # the rows whose token needs nothing but recording (most): their ids, exit depths and loops run go to
-        # `HeldTokens` in one call (no `Sample` is made for them, nothing checked per row), and their items
-        # keep their rows as the items of the next tokens, queued in batch order, with array writes; the rest
-        # take theirs one by one. A plain item was fed its sequence's last token: its decode index + 1
-        # tokens were generated before this one.
+        # the rows whose token needs no per-row check (most): their ids, exit depths and loops run go to
+        # `HeldTokens` in one call (no `Sample` is made for them), and their items keep their rows as the items
+        # of the next tokens, queued in batch order, with array writes; a streamed one's text is then decoded
+        # and its output queued; the rest take theirs one by one. A plain item was fed its sequence's last
+        # token: its decode index + 1 tokens were generated before this one.
         loops, depths, slots = pool.r[rows], pool.exits.exit_depth[rows], pool.kv_slot[rows]
         quiet = ok & pool.sequences.takes_quietly(slots, tokens, pool.decode_index[rows] + 1)
         if self.speculator is not None:  # (a verify group's rows are released in _accept)

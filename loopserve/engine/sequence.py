@@ -417,7 +417,8 @@ class Sequence:
 
     def completion(self) -> CompletionOutput:
         """Everything so far (CUMULATIVE and FINAL_ONLY outputs): the lists as they are once it finished (they
-        never change after), else copies."""
+        never change after; an n > 1 request's later outputs share them, as they share `logprobs`: outputs are
+        read, not modified), else copies."""
         done = self.finish_reason is not None
         ids, depths = self.output_ids, self._exit_depths
         return CompletionOutput(self.index, self.text, ids if done else list(ids), self.logprobs,

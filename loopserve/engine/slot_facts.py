@@ -4,13 +4,13 @@ A sequence holds its slot of the KV block tables from admission to its end (swap
 KV is dropped for recomputation is admitted again, maybe into another slot, and its facts written there),
 and the facts a decode batch reads about each row's sequence never change while it runs: its
 prompt's length, whether it samples by a plain argmax, its exit rule's constants, whether a token
-that cannot finish it needs nothing but recording (`Sequence.quiet`), how many tokens it may
-generate, and which tokens may stop it. Set once per sequence when it is admitted, they are read for
+that cannot finish it needs no per-token check (`Sequence.quiet`), whether it streams, how many tokens
+it may generate, and which tokens may stop it. Set once per sequence when it is admitted, they are read for
 a whole batch with one gather by the rows' slots (`StatePool.kv_slot`) instead of a Python attribute
 read per row. The reads alone gain nothing measurable (docs/benchmarks.md §8.15: the same instruction
 and cache-miss counts); what gains is the Python they let a batch skip: `takes_quietly` decides for a
-whole coda batch which rows' tokens need nothing but appending, so those rows make no `Sample` and
-run no per-row checks (docs/design.md §9).
+whole coda batch which rows' tokens need no per-row check, so those rows make no `Sample` (a streamed
+one only has its text decoded and an output made) (docs/design.md §9).
 """
 
 from __future__ import annotations
