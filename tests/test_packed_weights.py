@@ -59,6 +59,16 @@ def test_a_weight_written_in_place_is_packed_again():
     assert torch.equal(layers.linear(x, w), F.linear(x, w)) and not torch.equal(layers.linear(x, w), before)
 
 
+@needs_packing
+def test_a_product_autograd_differentiates_goes_through_f_linear():
+    w = _packed_module(48, 64, 4).weight
+    x = torch.randn(5, 64).to(torch.bfloat16).requires_grad_(True)
+    layers.linear(x, w).sum().backward()  # (the packed product has no backward)
+    assert x.grad is not None and not getattr(w, layers.PACKED)
+    with torch.no_grad():
+        assert torch.equal(layers.linear(x, w), F.linear(x, w)) and getattr(w, layers.PACKED)
+
+
 def test_only_bfloat16_weights_on_the_cpu_are_packed(tiny_ouro):
     fp32 = load_model(tiny_ouro, "float32", "cpu", "zero").model
     assert not any(hasattr(p, layers.PACKED) for p in fp32.parameters())

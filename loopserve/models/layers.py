@@ -60,12 +60,13 @@ def pack_linear_weights(model: nn.Module) -> None:
 
 
 def _packed(x: torch.Tensor, weight: torch.Tensor, sizes: tuple[int, ...]) -> list[torch.Tensor] | None:
-    """The packed parts of `weight` for a product with `x`, or None (not packed, or `x` not bfloat16 on the
-    CPU). (The dtype is tested first: a float32 model, as the compile benchmark traces, never looks a weight up.)"""
+    """The packed parts of `weight` for a product with `x`, or None (not packed, `x` not bfloat16 on the CPU, or
+    a product autograd would differentiate: the packed one has no backward). (The dtype is tested first: a
+    float32 model, as the compile benchmark traces, never looks a weight up.)"""
     if x.dtype != torch.bfloat16 or x.device.type != "cpu":
         return None
     by_sizes = getattr(weight, PACKED, None)
-    if by_sizes is None:
+    if by_sizes is None or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)):
         return None
     hit = by_sizes.get(sizes)
     if hit is None or hit[0] != weight._version:
