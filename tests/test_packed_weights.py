@@ -60,6 +60,15 @@ def test_a_weight_written_in_place_is_packed_again():
 
 
 @needs_packing
+def test_weights_made_under_inference_mode_are_packed_too():
+    with torch.inference_mode():  # (inference tensors have no version counter)
+        m = nn.Linear(64, 48, bias=False).to(torch.bfloat16).requires_grad_(False)
+    layers.pack_linear_weights(m)
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    assert torch.equal(layers.linear(x, m.weight), F.linear(x, m.weight)) and getattr(m.weight, layers.PACKED)
+
+
+@needs_packing
 def test_a_product_autograd_differentiates_goes_through_f_linear():
     w = _packed_module(48, 64, 4).weight
     x = torch.randn(5, 64).to(torch.bfloat16).requires_grad_(True)

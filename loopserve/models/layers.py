@@ -69,10 +69,13 @@ def _packed(x: torch.Tensor, weight: torch.Tensor, sizes: tuple[int, ...]) -> li
     if by_sizes is None or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)):
         return None
     hit = by_sizes.get(sizes)
-    if hit is None or hit[0] != weight._version:
+    # (an inference tensor, a weight made under inference mode, has no version counter: written in place later,
+    # which only inference mode allows, it would keep its packed copy)
+    version = -1 if weight.is_inference() else weight._version
+    if hit is None or hit[0] != version:
         with torch.inference_mode(False), torch.no_grad():  # (normal tensors: usable outside inference mode)
             parts = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS) for w in weight.split(list(sizes))]
-        hit = by_sizes[sizes] = (weight._version, parts)
+        hit = by_sizes[sizes] = (version, parts)
     return hit[1]
 
 
