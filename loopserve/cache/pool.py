@@ -295,7 +295,7 @@ class BlockAllocator:
         m, bad = _release_blocks(entries, self._refs, len(tables) == 1, self._listed, gone)
         if bad >= 0:
             raise RuntimeError(f"block {int(entries[bad])} freed more often than it was held, or listed twice")
-        self._drop_unheld(gone[:m])
+        self._drop_unheld(gone[:m][::-1])
 
     def _drop_unheld(self, blocks: np.ndarray) -> None:
         """Blocks no one holds now, in the order they were freed: cached if indexed, else empty."""
@@ -421,7 +421,8 @@ def _release_blocks(entries, refs, one_table, listed, gone):
     """`BlockAllocator.free_tables`' pass: each listed block (entries: the tables', tail first, in turn) loses a
     hold. At the first entry that is no block, is held by no one (any more), or (`one_table`) was listed
     before, the holds taken so far are put back and (0, its index) returned. Otherwise the blocks now held by
-    no one, each once, in the order of their last listing, go to gone[:m]; returns (m, -1). `listed`: all
+    no one, each once, go to gone[:m] last listed first (the reverse of the order they are freed in); returns
+    (m, -1). `listed`: all
     False, left so. One pass each way over the entries, where numpy took two gathers and a scatter-add
     over them and a deduplication whenever a block was shared."""
     n = refs.shape[0]
@@ -442,6 +443,4 @@ def _release_blocks(entries, refs, one_table, listed, gone):
             if refs[e] == 0:
                 gone[m] = e
                 m += 1
-    for i in range(m // 2):
-        gone[i], gone[m - 1 - i] = gone[m - 1 - i], gone[i]
     return m, -1

@@ -419,7 +419,7 @@ class Sequence:
         """Everything so far (CUMULATIVE and FINAL_ONLY outputs): the lists as they are once it finished (they
         never change after; an n > 1 request's later outputs share them, as they share `logprobs`: outputs are
         read, not modified), else copies."""
-        done = self.finish_reason is not None
+        done = self.finished
         ids, depths = self.output_ids, self._exit_depths
         return CompletionOutput(self.index, self.text, ids if done else list(ids), self.logprobs,
                                 depths if done else list(depths), self.finish_reason,
@@ -434,9 +434,7 @@ class Sequence:
             return None
         ids = self.output_ids  # (read once: a streamed request's every output comes here, a token at a time)
         a, b = self._sent_tokens, len(ids)
-        if self._decoded < b:
-            self.decode_pending()
-        text, finished = self._text, self.finish_reason is not None
+        text, finished = self.text, self.finished
         ready = len(text) if finished else max(self._sent_chars, len(text) - self._hold)
         if a == b and ready == self._sent_chars and not finished:
             return None
