@@ -11,6 +11,10 @@ vectorizing it, so a kernel checks the indices it reads through itself. It may r
 fixed order per compiled loop, so its results do not depend on the call) and releases the GIL, so
 threads can run slices of one call. A kernel that reads rows scattered over a large array may
 `prefetch_row` the rows it will read next: the CPU's own prefetcher follows only sequential reads.
+
+An `elementwise` pass stands for a chain of torch's element-wise ops and must give their bits: it rounds every
+product and sum as they do (no fast math). numpy has no bfloat16, so a bfloat16 tensor is passed as its int16
+view; `as_float32` and `stored_as` read and write an element of either kind (`widen_bfloat16`, `bfloat16_bits`).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import TypeVar, cast
 import numba
 from llvmlite import ir
 from numba.core import cgutils, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 F = TypeVar("F", bound=Callable)
 # a kernel's float sums may be reordered (vectorized) and its products fused; NaN and inf keep their meaning
@@ -78,3 +82,68 @@ def prefetch_row(typingctx, rows, row):
         return context.get_dummy_value()
 
     return types.void(rows, row), codegen
+
+
+def elementwise(fn: F) -> F:
+    """An element-wise pass over tensors (`kernel`'s options without its fast math: each product and sum rounds
+    as in IEEE arithmetic, none fused into another, so the pass gives torch's element-wise ops' bits)."""
+    return _njit(fn, nogil=True)
+
+
+def inlined_elementwise(fn: F) -> F:
+    """An `elementwise` pass's helper, compiled into its callers."""
+    return cast(F, numba.njit(inline="always")(fn))
+
+
+@intrinsic
+def widen_bfloat16(typingctx, bits):
+    """A bfloat16, its 16 bits as an int16 (a bfloat16 tensor's int16 view), as the float32 it widens to exactly:
+    the top half of that float32."""
+    if bits != types.int16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        return builder.bitcast(builder.shl(builder.zext(args[0], i32), i32(16)), ir.FloatType())
+
+    return types.float32(types.int16), codegen
+
+
+@intrinsic
+def bfloat16_bits(typingctx, x):
+    """float32 `x` rounded to bfloat16 (to nearest, ties to even; a NaN stays a NaN, quieted, its sign kept): its
+    16 bits as an int16. In LLVM IR on 32-bit integers, so that a loop of them vectorizes."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        u = builder.bitcast(args[0], i32)
+        high = builder.lshr(u, i32(16))
+        rounded = builder.lshr(builder.add(builder.add(u, i32(0x7FFF)), builder.and_(high, i32(1))), i32(16))
+        nan = builder.icmp_unsigned(">", builder.and_(u, i32(0x7FFFFFFF)), i32(0x7F800000))
+        return builder.trunc(builder.select(nan, builder.or_(high, i32(0x40)), rounded), ir.IntType(16))
+
+    return types.int16(types.float32), codegen
+
+
+def as_float32(v):
+    """An element read from a tensor's numpy view, as float32: a bfloat16 tensor is read as int16 (its bits)."""
+
+
+@overload(as_float32, inline="always")
+def _as_float32(v):
+    if v == types.int16:
+        return lambda v: widen_bfloat16(v)
+    return lambda v: v
+
+
+def stored_as(x, like):
+    """float32 `x` as an element of array `like`: the bits of its bfloat16 rounding in an int16 view, else itself."""
+
+
+@overload(stored_as, inline="always")
+def _stored_as(x, like):
+    if like.dtype == types.int16:
+        return lambda x, like: bfloat16_bits(x)
+    return lambda x, like: x

@@ -225,20 +225,49 @@ def test_rms_norm_is_upstreams_formula_bit_for_bit_on_the_cpu(dtype):
     assert torch.equal(norm(x), want)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-@pytest.mark.parametrize("style", ["half", "interleaved"])
-def test_rope_is_the_pair_rotation_written_out_bit_for_bit(dtype, style):
-    """`rope` (x * cos + partner(x) * sin on whole-width tables) gives exactly the pair rotation written out:
-    pairs (i, i + d/2) for Ouro, (2i, 2i + 1) for Huginn, in fp32 or wider."""
+def test_rope_pass_names_mismatched_shapes_and_keeps_infinities_as_the_ops_do():
+    """The compiled rotation refuses tables that do not match the heads (a ValueError naming both, not a read past an
+    array), and an infinite or NaN element comes out where torch's ops put one."""
     from types import SimpleNamespace
 
-    from loopserve.models.layers import compute_dtype, rope, rope_angles
+    from loopserve.models import rope_pass
+    from loopserve.models.layers import rope, rope_angles
+
+    cos, sin = rope_angles(SimpleNamespace(cache={}, positions=torch.arange(4)), 8, 10000.0, torch.float32, "half")
+    with pytest.raises(ValueError, match="do not match"):
+        rope_pass.rotate((torch.zeros(3, 2, 8),), cos, sin, True)
+    with pytest.raises(ValueError, match="do not match"):
+        rope_pass.rotate((torch.zeros(4, 2, 6),), cos, sin, True)
+    x = torch.randn(4, 2, 8)
+    x[1, 0, 2], x[2, 1, 5], x[3, 0, 0] = float("inf"), float("-inf"), float("nan")
+    for dtype in rope_pass.DTYPES:
+        got = rope(x.to(dtype), cos, sin, "half")
+        want = rope(x.to(dtype).requires_grad_(True), cos, sin, "half").detach()  # (torch's ops)
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("style", ["half", "interleaved"])
+@pytest.mark.parametrize("autograd", [False, True])
+def test_rope_is_the_pair_rotation_written_out_bit_for_bit(dtype, style, autograd):
+    """`rope` (x * cos + partner(x) * sin on whole-width tables) gives exactly the pair rotation written out:
+    pairs (i, i + d/2) for Ouro, (2i, 2i + 1) for Huginn, in fp32 or wider; as torch ops (float64, and any input
+    autograd differentiates) and as the CPU's compiled pass (`rope_pass`: float32 and bfloat16 in inference). So
+    does `rope_pair` on a query's and a key's heads."""
+    from types import SimpleNamespace
+
+    from loopserve.models import rope_pass
+    from loopserve.models.layers import compute_dtype, rope, rope_angles, rope_pair
 
     g = torch.Generator().manual_seed(7)
     positions = torch.randint(0, 4000, (9,), generator=g)
-    x = (torch.randn(9, 5, 32, generator=g) * 3).to(dtype)
+    x = (torch.randn(9, 5, 32, generator=g) * 3).to(dtype).requires_grad_(autograd)
     cos, sin = rope_angles(SimpleNamespace(cache={}, positions=positions), 32, 10000.0, dtype, style)
-    got = rope(x, cos, sin, style)
+    assert rope_pass.applies(x, cos) == (dtype != torch.float64 and not autograd)
+    got = rope(x, cos, sin, style).detach()
+    q, k = rope_pair(x[:, :3], x[:, 3:], cos, sin, style)
+    assert torch.equal(torch.cat([q, k], dim=1).detach(), got)
+    x = x.detach()
     inv = 1.0 / (10000.0 ** (torch.arange(0, 32, 2, dtype=torch.float64) / 32))
     ang = positions.to(torch.float64)[:, None] * inv[None, :]
     cdt = compute_dtype(dtype)

@@ -53,6 +53,7 @@ from loopserve.exits import (
     Signal,
 )
 from loopserve.jit import compiled
+from loopserve.models import rope_pass
 from loopserve.models.base import LoopedLM
 from loopserve.models.context import ForwardContext, decode_context, packed_decode_context, paged_context
 
@@ -456,6 +457,8 @@ class ModelRunner:
         pool.compile_passes()
         kv.compile_passes()
         kv.store.compile_scores()
+        if self.device.type == "cpu":
+            rope_pass.compile_pass(self.dtype)
 
     def _pack(self, rows: np.ndarray, core: bool = False, extra: int = 0) -> Packed:
         """Per row of a decode batch (state-pool rows `rows`), in one pass: its context's positions, KV write rows,

@@ -11,6 +11,7 @@ from torch import nn
 
 from loopserve.cache import pool
 from loopserve.cache.pool import KVStore
+from loopserve.models import rope_pass
 from loopserve.models.context import DenseContext, ForwardContext, PrefillGroup
 
 
@@ -125,10 +126,24 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> t
     """Rotary embedding of x [N, heads, d] in fp32 or wider, tables from `rope_angles` in the same `style`:
     x * cos + partner(x) * sin, where a dim's partner is the other dim of its pair. Per element exactly the
     pair rotation written out (x1 c - x2 s is x1 c + x2 (-s) in IEEE arithmetic), in four ops and two casts,
-    where that took seven and two (the tables are made once per stage call, not per layer)."""
+    where that took seven and two (the tables are made once per stage call, not per layer). On the CPU in
+    float32 and bfloat16 (inference) the same bits in one compiled pass (`rope_pass`)."""
+    if rope_pass.applies(x, cos):
+        return rope_pass.rotate((x,), cos, sin, style == "half")[0]
     xf = x.to(cos.dtype)
     partner = xf.roll(x.shape[-1] // 2, -1) if style == "half" else xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
     return (xf * cos[:, None] + partner * sin[:, None]).to(x.dtype)
+
+
+def rope_pair(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              style: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope` of a query's heads q [N, heads, d] and a key's k [N, kv_heads, d]: one compiled pass over both where
+    `rope_pass` applies, else the heads rotated together (one rotation, half the ops of two)."""
+    if rope_pass.applies(q, cos) and not (k.requires_grad and torch.is_grad_enabled()):
+        q, k = rope_pass.rotate((q, k), cos, sin, style == "half")
+        return q, k
+    q, k = rope(torch.cat([q, k], dim=1), cos, sin, style).split([q.shape[1], k.shape[1]], dim=1)
+    return q, k
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext,

@@ -20,8 +20,8 @@ from loopserve.models.layers import (
     compute_dtype,
     linear,
     paged_attention,
-    rope,
     rope_angles,
+    rope_pair,
     stacked_linear,
 )
 
@@ -40,11 +40,9 @@ class OuroAttention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
         c, n = self.c, x.shape[0]
         q, k, v = stacked_linear(x, self.qkv_proj.weight, self.qkv_sizes)
-        qk = torch.cat([q.view(n, c.num_heads, c.head_dim), k.view(n, c.num_kv_heads, c.head_dim)], dim=1)
-        v = v.view(n, c.num_kv_heads, c.head_dim)
         cos, sin = rope_angles(ctx, c.head_dim, c.rope_theta, x.dtype, "half")
-        # one rotation for the query and key heads together: per element the same math, half the ops
-        q, k = rope(qk, cos, sin, "half").split([c.num_heads, c.num_kv_heads], dim=1)
+        q, k = rope_pair(q.view(n, c.num_heads, c.head_dim), k.view(n, c.num_kv_heads, c.head_dim), cos, sin, "half")
+        v = v.view(n, c.num_kv_heads, c.head_dim)
         return linear(paged_attention(q, k, v, ctx, "core", layer), self.o_proj.weight)
 
 
