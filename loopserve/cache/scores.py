@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from loopserve.jit import inlined_kernel, kernel, prefetch_row
+from loopserve.jit import bfloat16_bits, inlined_kernel, kernel, prefetch_row, widen_bfloat16
 
 # Keys one thread takes at least before a call is split over threads: a slice of fewer finishes before
 # a thread is woken (a key's dot product is some ns; a hand-off some tens of µs).
@@ -124,18 +124,7 @@ def _scores(q, k_rows, index, visible, scale, out, first, last):  # pragma: no c
                 out[h, i, a, pos] = _dot(q[i, h * group + a], key) * scale
 
 
-_BF16_NEG_INF = np.uint16(0xFF80)
-
-
-@inlined_kernel
-def _bf16(x, word, bits):
-    """float32 x rounded to bfloat16 (to nearest, ties to even; a NaN stays a NaN): its 16 bits. `word` a
-    float32[1] scratch, `bits` its uint32 view."""
-    word[0] = x
-    u = np.int64(bits[0])
-    if (u & 0x7FFFFFFF) > 0x7F800000:  # a NaN (quieted; the sign kept)
-        return np.uint16((u >> 16) | 0x40)
-    return np.uint16((u + 0x7FFF + ((u >> 16) & 1)) >> 16)
+_BF16_NEG_INF = np.int16(-128)  # (0xFF80: bfloat16 -inf)
 
 
 @kernel
@@ -143,10 +132,6 @@ def _scores_bf16(q, k_rows, index, visible, scale, out, first, last):  # pragma:
     """`_scores` for a bfloat16 store: q float32; k_rows and out the bit patterns of bfloat16 (int16 views)."""
     n, length = visible.shape
     group, d = out.shape[2], k_rows.shape[1]
-    wide = np.empty(d, np.uint32)  # the key, widened
-    key = wide.view(np.float32)
-    word = np.empty(1, np.float32)
-    bits = word.view(np.uint32)
     for p in range(first, last):
         h, i = p // n, p % n
         for pos in range(length):
@@ -154,17 +139,17 @@ def _scores_bf16(q, k_rows, index, visible, scale, out, first, last):  # pragma:
                 prefetch_row(k_rows, index[h, i, pos + AHEAD])
             if not visible[i, pos]:
                 for a in range(group):
-                    out[h, i, a, pos] = np.int16(_BF16_NEG_INF)
+                    out[h, i, a, pos] = _BF16_NEG_INF
                 continue
             r = index[h, i, pos]
             if r < 0 or r >= k_rows.shape[0]:
                 raise IndexError("decode_scores: a KV index is outside the store")
             row = k_rows[r]
-            for j in range(d):  # a bfloat16 is the top half of the float32 it widens to
-                wide[j] = np.uint32(np.uint16(row[j])) << 16
             for a in range(group):
+                qa = q[i, h * group + a]
+                dot = np.float32(0.0)
+                for j in range(d):  # each key element widened where it is read (a vectorized load, shift and cast)
+                    dot += qa[j] * widen_bfloat16(row[j])
                 # the product rounded to bfloat16, then scaled in float32 and rounded again (the gathered path's
                 # bfloat16 matmul, then its scaling)
-                product = _bf16(_dot(q[i, h * group + a], key), word, bits)
-                bits[0] = np.uint32(product) << 16
-                out[h, i, a, pos] = np.int16(_bf16(word[0] * scale, word, bits))
+                out[h, i, a, pos] = bfloat16_bits(widen_bfloat16(bfloat16_bits(dot)) * scale)
