@@ -238,6 +238,8 @@ def test_rope_pass_names_mismatched_shapes_and_keeps_infinities_as_the_ops_do():
         rope_pass.rotate((torch.zeros(3, 2, 8),), cos, sin, True)
     with pytest.raises(ValueError, match="do not match"):
         rope_pass.rotate((torch.zeros(4, 2, 6),), cos, sin, True)
+    with pytest.raises(ValueError, match="float32 tables"):
+        rope_pass.rotate((torch.zeros(4, 2, 8, dtype=torch.float64),), cos, sin, True)
     x = torch.randn(4, 2, 8)
     x[1, 0, 2], x[2, 1, 5], x[3, 0, 0] = float("inf"), float("-inf"), float("nan")
     for dtype in rope_pass.DTYPES:

@@ -45,6 +45,9 @@ def rotate(xs: tuple[torch.Tensor, ...], cos: torch.Tensor, sin: torch.Tensor, h
             x.dim() != 3 or x.shape[0] != n or x.shape[2] != d or x.dtype != xs[0].dtype for x in xs):
         raise ValueError(f"rope: {[tuple(x.shape) for x in xs]} and tables {tuple(cos.shape)}, {tuple(sin.shape)} "
                          "do not match")
+    if xs[0].dtype not in DTYPES or cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        raise ValueError(f"rope: the pass takes {DTYPES} heads and float32 tables, not {xs[0].dtype} heads and "
+                         f"{cos.dtype}, {sin.dtype} tables")
     outs = [torch.empty(x.shape, dtype=x.dtype) for x in xs]
     bits = xs[0].dtype == torch.bfloat16  # (numpy has no bfloat16: its bits, as int16)
     arrays = [(t.view(torch.int16) if bits else t).numpy() for t in (*xs, *outs)]
