@@ -7,7 +7,8 @@ pass reads each element once and writes it once.
 
 Per element it computes what the ops compute, in the same order and rounding: x * cos and partner(x) * sin each
 rounded to float32, their sum rounded to float32, then (bfloat16) rounded to bfloat16: no product is fused into
-the sum (`jit.elementwise`), so the result is the ops' bits (tested against the pair rotation written out).
+the sum (`jit.elementwise`), so the result is the ops' bits (tested against the pair rotation written out; a NaN
+stays a NaN, its payload aside).
 """
 
 from __future__ import annotations
