@@ -128,7 +128,8 @@ def bfloat16_bits(typingctx, x):
 
 
 def as_float32(v):
-    """An element read from a tensor's numpy view, as float32: a bfloat16 tensor is read as int16 (its bits)."""
+    """An element read from a tensor's numpy view, as float32: an int16 is taken for a bfloat16's bits (the view a
+    bfloat16 tensor is passed as), anything else passes through as it is (the caller checks the dtypes)."""
 
 
 @overload(as_float32, inline="always")
@@ -139,7 +140,8 @@ def _as_float32(v):
 
 
 def stored_as(x, like):
-    """float32 `x` as an element of array `like`: the bits of its bfloat16 rounding in an int16 view, else itself."""
+    """float32 `x` as an element of array `like`: into an int16 array (a bfloat16 tensor's view) the bits of its
+    bfloat16 rounding, into any other `x` as it is (the caller checks the dtypes)."""
 
 
 @overload(stored_as, inline="always")

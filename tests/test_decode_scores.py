@@ -213,6 +213,41 @@ def test_prefetch_row_is_a_hint_that_never_faults():
         touch(np.ones(4), picks)  # one dimension: not a table of rows
 
 
+def test_bfloat16_intrinsics_convert_as_torch_does():
+    """`jit.bfloat16_bits` rounds float32 to bfloat16 as torch's cast does (to nearest, ties to even, overflow to
+    inf) on a million random bit patterns and the edge cases, a NaN to a NaN (its payload aside); `widen_bfloat16`
+    widens every one of the 65,536 bfloat16 patterns as torch does."""
+    import numba
+
+    from loopserve.jit import bfloat16_bits, widen_bfloat16
+
+    @numba.njit
+    def narrow(x, out):
+        for i in range(x.shape[0]):
+            out[i] = bfloat16_bits(x[i])
+
+    @numba.njit
+    def widen(bits, out):
+        for i in range(bits.shape[0]):
+            out[i] = widen_bfloat16(bits[i])
+
+    patterns = np.random.default_rng(0).integers(0, 1 << 32, 1 << 20, dtype=np.uint64).astype(np.uint32)
+    edges = np.array([0, 0x80000000, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F7F8000, 0x7F7F7FFF, 0x00000001, 0x00008000,
+                      0x00018000, 0x3F808000, 0x3F818000, 0x7F800000, 0xFF800000, 0x7F800001, 0xFFC00000], np.uint32)
+    x = np.concatenate([patterns, edges]).view(np.float32)
+    got = np.empty(len(x), np.int16)
+    narrow(x, got)
+    want = torch.from_numpy(x).to(torch.bfloat16)
+    nan = np.isnan(x)
+    assert np.array_equal(got[~nan], want.view(torch.int16).numpy()[~nan])
+    assert torch.isnan(torch.from_numpy(got[nan]).view(torch.bfloat16)).all()
+    bits = np.arange(-(1 << 15), 1 << 15, dtype=np.int16)
+    wide = np.empty(len(bits), np.float32)
+    widen(bits, wide)
+    torch_wide = torch.from_numpy(bits).view(torch.bfloat16).float().numpy()
+    assert np.array_equal(wide.view(np.uint32), torch_wide.view(np.uint32))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("grad", [False, True])  # True: the gather path (a query that needs gradients)
 def test_a_later_layers_shift_reads_what_the_shifted_index_reads(dtype, grad):

@@ -227,7 +227,8 @@ def test_rms_norm_is_upstreams_formula_bit_for_bit_on_the_cpu(dtype):
 
 def test_rope_pass_names_mismatched_shapes_and_keeps_infinities_as_the_ops_do():
     """The compiled rotation refuses tables that do not match the heads (a ValueError naming both, not a read past an
-    array), and an infinite or NaN element comes out where torch's ops put one."""
+    array), leaves to torch's ops what it cannot read, and an infinite or NaN element comes out where the ops put
+    one."""
     from types import SimpleNamespace
 
     from loopserve.models import rope_pass
@@ -240,7 +241,15 @@ def test_rope_pass_names_mismatched_shapes_and_keeps_infinities_as_the_ops_do():
         rope_pass.rotate((torch.zeros(4, 2, 6),), cos, sin, True)
     with pytest.raises(ValueError, match="float32 tables"):
         rope_pass.rotate((torch.zeros(4, 2, 8, dtype=torch.float64),), cos, sin, True)
+    with pytest.raises(ValueError, match="one dtype"):
+        rope_pass.rotate((torch.zeros(4, 2, 8), torch.zeros(4, 2, 8, dtype=torch.bfloat16)), cos, sin, True)
     x = torch.randn(4, 2, 8)
+    # what the pass cannot read through numpy goes through the ops: a lazily negated view, a vmap'd tensor, heads of
+    # two dtypes (the ops promote them), a float64 table
+    assert not rope_pass.applies((torch._neg_view(x),), cos, sin)
+    assert torch.equal(rope(torch._neg_view(x), cos, sin, "half"), rope(-x, cos, sin, "half"))
+    assert torch.equal(torch.vmap(lambda t: rope(t, cos, sin, "half"))(x[None])[0], rope(x, cos, sin, "half"))
+    assert not rope_pass.applies((x, x.bfloat16()), cos, sin) and not rope_pass.applies((x,), cos, sin.double())
     x[1, 0, 2], x[2, 1, 5], x[3, 0, 0] = float("inf"), float("-inf"), float("nan")
     for dtype in rope_pass.DTYPES:
         got = rope(x.to(dtype), cos, sin, "half")
@@ -265,7 +274,7 @@ def test_rope_is_the_pair_rotation_written_out_bit_for_bit(dtype, style, autogra
     positions = torch.randint(0, 4000, (9,), generator=g)
     x = (torch.randn(9, 5, 32, generator=g) * 3).to(dtype).requires_grad_(autograd)
     cos, sin = rope_angles(SimpleNamespace(cache={}, positions=positions), 32, 10000.0, dtype, style)
-    assert rope_pass.applies(x, cos) == (dtype != torch.float64 and not autograd)
+    assert rope_pass.applies((x,), cos, sin) == (dtype != torch.float64 and not autograd)
     got = rope(x, cos, sin, style).detach()
     q, k = rope_pair(x[:, :3], x[:, 3:], cos, sin, style)
     assert torch.equal(torch.cat([q, k], dim=1).detach(), got)

@@ -148,7 +148,9 @@ def _scores_bf16(q, k_rows, index, visible, scale, out, first, last):  # pragma:
             for a in range(group):
                 qa = q[i, h * group + a]
                 dot = np.float32(0.0)
-                for j in range(d):  # each key element widened where it is read (a vectorized load, shift and cast)
+                # each key element widened where it is read (a vectorized load, shift and cast; the store's rows are
+                # contiguous, which fixes the sum's order as the loop's vector width)
+                for j in range(d):
                     dot += qa[j] * widen_bfloat16(row[j])
                 # the product rounded to bfloat16, then scaled in float32 and rounded again (the gathered path's
                 # bfloat16 matmul, then its scaling)

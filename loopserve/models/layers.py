@@ -128,7 +128,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> t
     pair rotation written out (x1 c - x2 s is x1 c + x2 (-s) in IEEE arithmetic), in four ops and two casts,
     where that took seven and two (the tables are made once per stage call, not per layer). On the CPU in
     float32 and bfloat16 (inference) the same bits in one compiled pass (`rope_pass`)."""
-    if rope_pass.applies(x, cos):
+    if rope_pass.applies((x,), cos, sin):
         return rope_pass.rotate((x,), cos, sin, style == "half")[0]
     xf = x.to(cos.dtype)
     partner = xf.roll(x.shape[-1] // 2, -1) if style == "half" else xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
@@ -139,7 +139,7 @@ def rope_pair(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
               style: str) -> tuple[torch.Tensor, torch.Tensor]:
     """`rope` of a query's heads q [N, heads, d] and a key's k [N, kv_heads, d]: one compiled pass over both where
     `rope_pass` applies, else the heads rotated together (one rotation, half the ops of two)."""
-    if rope_pass.applies(q, cos) and not (k.requires_grad and torch.is_grad_enabled()):
+    if rope_pass.applies((q, k), cos, sin):
         q, k = rope_pass.rotate((q, k), cos, sin, style == "half")
         return q, k
     q, k = rope(torch.cat([q, k], dim=1), cos, sin, style).split([q.shape[1], k.shape[1]], dim=1)

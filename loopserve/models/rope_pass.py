@@ -1,9 +1,9 @@
 """The rotary embedding on the CPU as one compiled pass (float32 and bfloat16, inference).
 
 Written as torch ops (`layers.rope`), a rotation is a cast up, a roll, two products by the tables, a sum and a
-cast down: six passes over the heads, the products broadcasting the tables over them, which torch's CPU loops
-run slowly. In a 2,048-token Ouro prefill those ops took about 15 % of the step (docs/benchmarks.md §8.32). This
-pass reads each element once and writes it once.
+cast down: five or six passes over the heads (float32 needs no cast up), the products broadcasting the tables over
+them, which torch's CPU loops run slowly. In a 2,048-token Ouro prefill those ops took about 15 % of the step
+(docs/benchmarks.md §8.32). This pass reads each element once and writes it once.
 
 Per element it computes what the ops compute, in the same order and rounding: x * cos and partner(x) * sin each
 rounded to float32, their sum rounded to float32, then (bfloat16) rounded to bfloat16: no product is fused into
@@ -21,18 +21,24 @@ from loopserve.jit import as_float32, elementwise, inlined_elementwise, stored_a
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-def applies(x: torch.Tensor, cos: torch.Tensor) -> bool:
-    """Whether `rotate` takes this rotation: a CPU tensor in `DTYPES` with float32 tables, outside autograd (the pass
-    has no backward) and outside torch.compile's tracing (which cannot read numpy views)."""
-    return (x.device.type == "cpu" and x.dtype in DTYPES and cos.dtype == torch.float32
-            and not (x.requires_grad and torch.is_grad_enabled()) and not torch.compiler.is_compiling())
+def applies(xs: tuple[torch.Tensor, ...], cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether `rotate` takes this rotation: plain CPU tensors (not a subclass, a functorch transform's wrapper or a
+    lazily negated view: the pass reads their memory through numpy) of one dtype in `DTYPES` with float32 tables,
+    none of which autograd differentiates (the pass has no backward), outside torch.compile's tracing."""
+    if not all(type(t) is torch.Tensor for t in (*xs, cos, sin)) or torch.compiler.is_compiling():
+        return False  # (first: an fx Proxy or a fake tensor is not looked into)
+    grad = torch.is_grad_enabled()
+    return (cos.dtype == sin.dtype == torch.float32 and xs[0].dtype in DTYPES
+            and all(t.device.type == "cpu" and not t.is_neg() and not (grad and t.requires_grad)
+                    and not torch._C._functorch.is_functorch_wrapped_tensor(t) for t in (*xs, cos, sin))
+            and all(x.dtype == xs[0].dtype for x in xs))
 
 
 def compile_pass(dtype: torch.dtype) -> None:
     """Compile the pass for `dtype` (or load it from numba's cache) for the calls the models make (one tensor, and
     a query's and a key's heads), so that no request waits for it: a second or two the first time on a machine."""
     if dtype in DTYPES:
-        x, tables = torch.zeros(1, 1, 2, dtype=dtype), torch.zeros(1, 2)
+        x, tables = torch.zeros(1, 1, 2, dtype=dtype), torch.zeros(1, 2)  # (float32)
         rotate((x,), tables, tables, True)
         rotate((x, x), tables, tables, True)
 
@@ -43,12 +49,13 @@ def rotate(xs: tuple[torch.Tensor, ...], cos: torch.Tensor, sin: torch.Tensor, h
     tensors of the xs' dtype."""
     n, d = cos.shape
     if len(xs) not in (1, 2) or sin.shape != (n, d) or d % 2 or any(
-            x.dim() != 3 or x.shape[0] != n or x.shape[2] != d or x.dtype != xs[0].dtype for x in xs):
+            x.dim() != 3 or x.shape[0] != n or x.shape[2] != d for x in xs):
         raise ValueError(f"rope: {[tuple(x.shape) for x in xs]} and tables {tuple(cos.shape)}, {tuple(sin.shape)} "
                          "do not match")
-    if xs[0].dtype not in DTYPES or cos.dtype != torch.float32 or sin.dtype != torch.float32:
-        raise ValueError(f"rope: the pass takes {DTYPES} heads and float32 tables, not {xs[0].dtype} heads and "
-                         f"{cos.dtype}, {sin.dtype} tables")
+    tables = cos.dtype == sin.dtype == torch.float32
+    if xs[0].dtype not in DTYPES or any(x.dtype != xs[0].dtype for x in xs) or not tables:
+        raise ValueError(f"rope: the pass takes heads of one dtype in {DTYPES} and float32 tables, not "
+                         f"{[x.dtype for x in xs]} heads and {cos.dtype}, {sin.dtype} tables")
     outs = [torch.empty(x.shape, dtype=x.dtype) for x in xs]
     bits = xs[0].dtype == torch.bfloat16  # (numpy has no bfloat16: its bits, as int16)
     arrays = [(t.view(torch.int16) if bits else t).numpy() for t in (*xs, *outs)]
