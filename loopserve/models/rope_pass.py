@@ -25,13 +25,17 @@ def applies(xs: tuple[torch.Tensor, ...], cos: torch.Tensor, sin: torch.Tensor) 
     """Whether `rotate` takes this rotation: plain CPU tensors (not a subclass, a functorch transform's wrapper or a
     lazily negated view: the pass reads their memory through numpy) of one dtype in `DTYPES` with float32 tables,
     none of which autograd differentiates (the pass has no backward), outside torch.compile's tracing."""
-    if not all(type(t) is torch.Tensor for t in (*xs, cos, sin)) or torch.compiler.is_compiling():
-        return False  # (first: an fx Proxy or a fake tensor is not looked into)
-    grad = torch.is_grad_enabled()
-    return (cos.dtype == sin.dtype == torch.float32 and xs[0].dtype in DTYPES
-            and all(t.device.type == "cpu" and not t.is_neg() and not (grad and t.requires_grad)
-                    and not torch._C._functorch.is_functorch_wrapped_tensor(t) for t in (*xs, cos, sin))
-            and all(x.dtype == xs[0].dtype for x in xs))
+    if type(xs[0]) is not torch.Tensor or xs[0].dtype not in DTYPES or torch.compiler.is_compiling():
+        return False  # (the type first: an fx Proxy is not looked into)
+    dtype, grad = xs[0].dtype, torch.is_grad_enabled()
+    for t in (*xs, cos, sin):  # (a loop: called twice a layer, it is a cost per token)
+        if (type(t) is not torch.Tensor or t.device.type != "cpu" or t.is_neg() or (grad and t.requires_grad)
+                or _functorch_wrapped(t) or t.dtype != (dtype if t is not cos and t is not sin else torch.float32)):
+            return False
+    return True
+
+
+_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 def compile_pass(dtype: torch.dtype) -> None:
