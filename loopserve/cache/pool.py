@@ -422,9 +422,8 @@ def _release_blocks(entries, refs, one_table, listed, gone):
     hold. At the first entry that is no block, is held by no one (any more), or (`one_table`) was listed
     before, the holds taken so far are put back and (0, its index) returned. Otherwise the blocks now held by
     no one, each once, go to gone[:m] last listed first (the reverse of the order they are freed in); returns
-    (m, -1). `listed`: all
-    False, left so. One pass each way over the entries, where numpy took two gathers and a scatter-add
-    over them and a deduplication whenever a block was shared."""
+    (m, -1). `listed`: all False, left so. One pass each way over the entries, where numpy took two gathers and
+    a scatter-add over them and a deduplication whenever a block was shared."""
     n = refs.shape[0]
     for k in range(entries.shape[0]):
         e = entries[k]

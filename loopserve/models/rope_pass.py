@@ -25,14 +25,14 @@ def applies(xs: tuple[torch.Tensor, ...], cos: torch.Tensor, sin: torch.Tensor) 
     """Whether `rotate` takes this rotation: plain CPU tensors (not a subclass, a functorch transform's wrapper or a
     lazily negated view: the pass reads their memory through numpy) of one dtype in `DTYPES` with float32 tables,
     none of which autograd differentiates (the pass has no backward), outside torch.compile's tracing."""
-    if type(xs[0]) is not torch.Tensor or xs[0].dtype not in DTYPES or torch.compiler.is_compiling():
-        return False  # (the type first: an fx Proxy is not looked into)
-    dtype, grad = xs[0].dtype, torch.is_grad_enabled()
-    for t in (*xs, cos, sin):  # (a loop: called twice a layer, it is a cost per token)
-        if (type(t) is not torch.Tensor or t.device.type != "cpu" or t.is_neg() or (grad and t.requires_grad)
-                or _functorch_wrapped(t) or t.dtype != (dtype if t is not cos and t is not sin else torch.float32)):
-            return False
-    return True
+    if not all(type(t) is torch.Tensor for t in (*xs, cos, sin)) or torch.compiler.is_compiling():
+        return False  # (the types first: an fx Proxy is not looked into)
+    dtype = xs[0].dtype
+    if dtype not in DTYPES or any(x.dtype != dtype for x in xs) or not cos.dtype == sin.dtype == torch.float32:
+        return False
+    grad = torch.is_grad_enabled()
+    return not any(t.device.type != "cpu" or t.is_neg() or (grad and t.requires_grad) or _functorch_wrapped(t)
+                   for t in (*xs, cos, sin))
 
 
 _functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
