@@ -295,7 +295,10 @@ def test_rope_is_the_pair_rotation_written_out_bit_for_bit(dtype, style, autogra
 
 def test_ouro_gate_of_a_bf16_model_upcasts_its_head_once_and_again_after_a_write(tiny_ouro):
     """A bfloat16 Ouro computes its exit gate in fp32 from an fp32 copy of the head made once (not two casts
-    every core tick), the same logits as casting each time, and a copy made again once the head is written."""
+    every core tick; `layers.derived`, as the packed projections), the same logits as casting each time, and a
+    copy made again once the head is written."""
+    from loopserve.models import layers
+
     model = load_model(tiny_ouro, "bfloat16").model
     head = model.model.early_exit_gate
     state = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(1)).bfloat16()
@@ -306,9 +309,12 @@ def test_ouro_gate_of_a_bf16_model_upcasts_its_head_once_and_again_after_a_write
     with torch.inference_mode():  # (as the engine runs it)
         first = model.gate_logit(state)
     assert torch.equal(first, written_out())
-    copy = model._upcast_heads[id(head)][3][0]
-    assert not copy.is_inference()  # (usable outside inference mode too)
-    assert torch.equal(model.gate_logit(state), first) and model._upcast_heads[id(head)][3][0] is copy
+    def copy():
+        return getattr(head.weight, layers.DERIVED)[("cast", torch.float32)][1]
+
+    kept = copy()
+    assert kept.dtype == torch.float32 and not kept.is_inference()  # (usable outside inference mode too)
+    assert torch.equal(model.gate_logit(state), first) and copy() is kept
     with torch.no_grad():
         head.bias.add_(1.0)
     assert torch.equal(model.gate_logit(state), written_out()) and not torch.equal(model.gate_logit(state), first)
@@ -318,3 +324,4 @@ def test_ouro_gate_of_a_bf16_model_upcasts_its_head_once_and_again_after_a_write
         built = load_model(tiny_ouro, "bfloat16").model
     assert torch.equal(built.gate_logit(state), torch.nn.functional.linear(
         state.float(), built.model.early_exit_gate.weight.float(), built.model.early_exit_gate.bias.float())[:, 0])
+    assert ("cast", torch.float32) in getattr(built.model.early_exit_gate.weight, layers.DERIVED)  # kept there too

@@ -4,6 +4,8 @@ paged, layout-aware KV cache."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -37,11 +39,33 @@ class RMSNorm(nn.Module):
 
 PER_PART_DEVICES = ("cpu",)  # device types where `stacked_linear` multiplies part by part
 
+# Copies derived from a weight and kept on it, by what they are: a bfloat16 weight's parts reordered for oneDNN
+# (`_packed`), a gate head's float32 copy (`OuroForCausalLM._gate`). Made at first use and made again once the
+# weight has been written in place (its version counter moved; a new tensor carries none of the old one's copies).
+DERIVED = "loopserve_derived"
+
+
+def derived(weight: torch.Tensor, key: tuple, make: Callable[[torch.Tensor], Any]) -> Any:
+    """`make(weight)`, kept on `weight` under `key` and made outside inference mode (usable in and out of it). The
+    caller makes sure no product autograd differentiates reads it: a copy has no gradient path to its weight. (An
+    inference tensor, a weight made under inference mode, has no version counter: written in place later, which
+    only inference mode allows, it would keep its copies.)"""
+    copies = getattr(weight, DERIVED, None)
+    if copies is None:
+        copies = {}
+        setattr(weight, DERIVED, copies)
+    version = -1 if weight.is_inference() else weight._version
+    hit = copies.get(key)
+    if hit is None or hit[0] != version:
+        with torch.inference_mode(False), torch.no_grad():
+            hit = copies[key] = (version, make(weight))
+    return hit[1]
+
+
 # bfloat16 weights on the CPU are multiplied through copies reordered once into oneDNN's blocked layout
-# (`pack_linear_weights`): F.linear reorders a bfloat16 weight at every call. A packed weight carries them
-# (attribute `PACKED`): its parts by the part sizes asked for, with the weight's version when they were made (a
-# weight written in place since is packed again).
-PACKED = "onednn_parts"
+# (`pack_linear_weights`): F.linear reorders a bfloat16 weight at every call. A weight marked `PACKED` is multiplied
+# through its parts by the part sizes asked for (`derived`, key ("onednn", sizes)).
+PACKED = "loopserve_onednn_packed"
 PACK_ROWS = 32  # oneDNN's packing hint (rows per call): the products are the same bits for any row count
 
 
@@ -56,28 +80,20 @@ def pack_linear_weights(model: nn.Module) -> None:
     `F.linear` at any row count (tested), 1.1-1.5x faster per core step on an AVX-512 CPU at widths 8-32
     (docs/benchmarks.md §8.31); each copy takes as much memory as its weight."""
     for p in model.parameters():
-        if p.dim() == 2 and can_pack_linear_weights(p.dtype, p.device) and not hasattr(p, PACKED):
-            setattr(p, PACKED, {})
+        if p.dim() == 2 and can_pack_linear_weights(p.dtype, p.device):
+            setattr(p, PACKED, True)
 
 
 def _packed(x: torch.Tensor, weight: torch.Tensor, sizes: tuple[int, ...]) -> list[torch.Tensor] | None:
     """The packed parts of `weight` for a product with `x`, or None (not packed, `x` not bfloat16 on the CPU, or
     a product autograd would differentiate: the packed one has no backward). (The dtype is tested first: a
     float32 model, as the compile benchmark traces, never looks a weight up.)"""
-    if x.dtype != torch.bfloat16 or x.device.type != "cpu":
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or not getattr(weight, PACKED, False):
         return None
-    by_sizes = getattr(weight, PACKED, None)
-    if by_sizes is None or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)):
+    if torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad):
         return None
-    hit = by_sizes.get(sizes)
-    # (an inference tensor, a weight made under inference mode, has no version counter: written in place later,
-    # which only inference mode allows, it would keep its packed copy)
-    version = -1 if weight.is_inference() else weight._version
-    if hit is None or hit[0] != version:
-        with torch.inference_mode(False), torch.no_grad():  # (normal tensors: usable outside inference mode)
-            parts = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS) for w in weight.split(list(sizes))]
-        hit = by_sizes[sizes] = (version, parts)
-    return hit[1]
+    return derived(weight, ("onednn", sizes), lambda w: [torch.ops.mkldnn._reorder_linear_weight(part, PACK_ROWS)
+                                                          for part in w.split(list(sizes))])
 
 
 def _packed_product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:

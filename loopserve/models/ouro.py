@@ -18,6 +18,7 @@ from loopserve.models.context import ForwardContext
 from loopserve.models.layers import (
     RMSNorm,
     compute_dtype,
+    derived,
     linear,
     paged_attention,
     rope_angles,
@@ -96,7 +97,6 @@ class OuroForCausalLM(LoopedLM):
         self.lm_head = None if c.tie_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         # Optional distilled head predicting the gate's decision one step ahead (loopserve extra).
         self.lookahead_gate = nn.Linear(c.hidden_size, 1, bias=True) if lookahead_gate else None
-        self._upcast_heads: dict[int, tuple] = {}  # `_gate`'s fp32 copies of its heads, by head
 
     def prelude(self, token_ids, ctx, state_seeds=None):
         return self.model.embed_tokens(token_ids), None
@@ -116,19 +116,12 @@ class OuroForCausalLM(LoopedLM):
         cdt = compute_dtype(state.dtype)  # gate math in fp32 (or wider), not in bf16
         weight: torch.Tensor = head.weight
         bias: torch.Tensor = head.bias
-        if weight.dtype != cdt:  # a bf16 model: the head's fp32 copy, made once, not two casts every core tick
-            if weight.is_inference() or (torch.is_grad_enabled() and weight.requires_grad):
-                # (no copy kept: an inference tensor has no version counter; training needs the cast's graph)
-                return torch.nn.functional.linear(state.to(cdt), weight.to(cdt), bias.to(cdt))[:, 0]
-            # made again when the head's tensors are replaced or written in place (their version counters move;
-            # a write through `.data` is not seen)
-            key = (weight._version, bias._version, cdt)
-            hit = self._upcast_heads.get(id(head))
-            if hit is None or hit[0] is not weight or hit[1] is not bias or hit[2] != key:
-                with torch.inference_mode(False), torch.no_grad():  # (normal tensors: usable outside inference)
-                    hit = self._upcast_heads[id(head)] = (weight, bias, key, (weight.to(cdt), bias.to(cdt)))
-            weight, bias = hit[3]
-        return torch.nn.functional.linear(state.to(cdt), weight, bias)[:, 0]
+        if weight.dtype != cdt:  # a bf16 model: the head's fp32 copy, made once (`derived`), not two casts a core tick
+            if torch.is_grad_enabled() and (weight.requires_grad or bias.requires_grad):  # (training: the casts' graph)
+                weight, bias = weight.to(cdt), bias.to(cdt)
+            else:
+                weight, bias = (derived(t, ("cast", cdt), lambda w: w.to(cdt)) for t in (weight, bias))
+        return F.linear(state.to(cdt), weight, bias)[:, 0]
 
     def gate_logit(self, state):
         return self._gate(self.model.early_exit_gate, state)
