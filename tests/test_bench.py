@@ -385,6 +385,43 @@ def test_bench_throughput_end_to_end_on_two_requests(bench_cache, single_thread,
     assert "CDB refill" in capsys.readouterr().out
 
 
+def test_lockstep_runs_do_the_work_of_runs_made_one_after_another(bench_cache, single_thread):
+    """`run_lockstep` steps several runs of one workload in turn, always the one furthest behind in generated
+    tokens: each run does exactly what it does alone (the same ticks, rows and tokens), and its time is its own
+    steps'."""
+    from loopserve_lab.bench.harness import BenchModel, OfflineRun, run_lockstep, run_offline
+    from loopserve_lab.bench.trajectories import synthetic_traces
+    from loopserve_lab.bench.workloads import make_workload
+
+    bm = BenchModel.load("micro-ouro", "float32")
+    wl = make_workload("alpaca", 6, bm.tokenizer, seed=1, scale=0.25)
+    traces = synthetic_traces([r.output_len for r in wl.requests], bm.r_max, 2.5, "binomial", seed=0)
+    schedulers = ("cb", "cdb-norefill", "cdb")
+    alone = [run_offline(bm, wl, traces, s, 3, progress=False) for s in schedulers]
+    runs = [OfflineRun(bm, wl, traces, s, 3, progress=False) for s in schedulers]
+    order: list[tuple[int, list[int]]] = []  # (the run that stepped, every run's tokens then)
+
+    def hook(i: int):
+        def on_stage(rec) -> None:
+            live = [r.generated_tokens if not r.done else None for r in runs]
+            if not order or order[-1][0] != i or rec.stage == "prefill":  # (one entry a step: its first batch)
+                order.append((i, live))
+        return on_stage
+
+    for i, r in enumerate(runs):
+        r.engine.stage_hooks.append(hook(i))
+    together = run_lockstep(runs)
+    for a, b in zip(alone, together, strict=True):
+        assert (a.ticks, a.rows, a.generated_tokens, a.decode_items) == (b.ticks, b.rows, b.generated_tokens,
+                                                                        b.decode_items)
+        assert a.mean_exit_depth == b.mean_exit_depth and b.errors == 0
+        assert 0 < b.cpu_s and 0 < sum(b.stage_wall_s.values()) <= b.wall_s
+    assert [i for i, _ in order[:3]] == [0, 1, 2]  # each run's prefill first, in the order given
+    for i, tokens in order:  # each step went to a run furthest behind (of those still running)
+        assert tokens[i] == min(t for t in tokens if t is not None)
+    assert len({i for i, _ in order[:12]}) == 3  # interleaved, not one after another
+
+
 @pytest.mark.parametrize("kernels", [True, False])
 def test_bench_model_warns_of_emulated_bfloat16(bench_cache, monkeypatch, caplog, kernels):
     """bfloat16 on a CPU without its kernels is about 5x slower: a benchmark says so instead of measuring it
@@ -544,6 +581,15 @@ def test_device_cuda_is_plumbed_and_refused_without_a_gpu(bench_cache):
         pytest.skip("a GPU is present")
     with pytest.raises(SystemExit, match="CUDA is not available"):
         main(["bench", "throughput", "--model", "micro-ouro", "--device", "cuda", "--num-requests", "1",
+              "--out", str(bench_cache / "o")])
+
+
+def test_lockstep_is_refused_on_cuda(bench_cache):
+    """A GPU step returns before its work is done, so a lockstep run's per-step times would not be its own."""
+    from loopserve.cli import main
+
+    with pytest.raises(SystemExit, match="--lockstep: on the CPU only"):
+        main(["bench", "throughput", "--model", "micro-ouro", "--device", "cuda", "--lockstep", "--num-requests", "1",
               "--out", str(bench_cache / "o")])
 
 

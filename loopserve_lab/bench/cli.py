@@ -235,6 +235,9 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         return _replot_throughput(args.from_json, args.out)
     if args.device_busy and not str(args.device).startswith("cuda"):
         raise SystemExit("error: --device-busy measures a CUDA device's kernel time: it needs --device cuda")
+    if args.lockstep and str(args.device).startswith("cuda"):
+        raise SystemExit("error: --lockstep: on the CPU only (a GPU step returns before its work is done, so its "
+                         "time is not its own)")
     bm, out = _start(args, "throughput")
     wl = build_workload(args, bm)
     result: dict[str, Any] = {**_header(args, bm), "workload": wl.summary(), "sweeps": {}}
@@ -258,7 +261,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
             traces, desc = build_traces(args, bm, wl)
             result["sweeps"]["width"] = {"depths": desc, "rows": []}
             rows = sweep([(w, traces, w) for w in args.widths], "width", bm, wl, repeats=args.repeats,
-                         progress=progress, on_point=saver("width"), **ov)
+                         progress=progress, on_point=saver("width"), lockstep=args.lockstep, **ov)
             result["sweeps"]["width"]["rows"] = rows
             print(f"\nwidth sweep ({desc})\n{format_rows(rows, 'width')}")
             plot_throughput(rows, "width", out / "throughput_vs_width.png",
@@ -280,7 +283,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
                 print(f"threshold {q:g}: replayed mean depth {mean_depth(tr):.3f}", file=sys.stderr)
             result["sweeps"]["threshold"] = {"policy": traj.policy, "file": str(args.trajectories), "rows": []}
             rows = sweep(points, "threshold", bm, wl, repeats=args.repeats, progress=progress,
-                         on_point=saver("threshold"), **ov)
+                         on_point=saver("threshold"), lockstep=args.lockstep, **ov)
             result["sweeps"]["threshold"]["rows"] = rows
             print(f"\nthreshold sweep ({traj.policy}, width {args.width})\n{format_rows(rows, 'threshold')}")
             plot_throughput(rows, "threshold", out / "throughput_vs_threshold.png",
@@ -288,7 +291,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         elif name == "full-depth":
             tr = full_depth_traces([r.output_len for r in wl.requests], bm.r_max)
             rows = compare_point(bm, wl, tr, args.width, ("cb", "cdb"), max(args.repeats, 1), progress,
-                                 "full depth", **ov)
+                                 "full depth", args.lockstep, **ov)
             for r in rows:
                 r["point"] = "full depth"
             result["sweeps"]["full-depth"] = {"rows": rows}
@@ -656,6 +659,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--width", type=int, default=32, help="width of the threshold and full-depth sweeps")
     p.add_argument("--thresholds", type=_floats, default=None, help="default: 4 spanning the depth range")
     p.add_argument("--repeats", type=int, default=1, help="interleaved rounds; medians are reported")
+    p.add_argument("--lockstep", action="store_true",
+                   help="CPU: run a round's schedulers at once, a step of each in turn (the one furthest behind "
+                        "in tokens next), each timed on its own steps: a drifting machine slows them alike")
     p.add_argument("--from-json", type=Path, default=None, help="reprint and replot a throughput.json")
     p.add_argument("--device-busy", action="store_true",
                    help="CUDA: measure the device's busy time per run (profiler kernel records; %%busy = busy / wall)")

@@ -354,6 +354,92 @@ def add_workload(engine: LLMEngine, workload: Workload, traces: list[list[int]] 
     return ids
 
 
+class OfflineRun:
+    """One engine running a workload offline (every request at t = 0), a step at a time (`step`) inside its
+    contexts (`with`): `run_offline` steps one to its end, `run_lockstep` several in turn. The arguments are
+    `run_offline`'s."""
+
+    def __init__(self, bm: BenchModel, workload: Workload, traces: list[list[int]] | None, scheduler: str,
+                 width: int, progress: bool = True, record_schedule: bool = False, seed: int = 0,
+                 desc: str | None = None, rule: tuple[str, float] | None = None, sync_steps: bool = False,
+                 device_busy: bool = False, **engine_overrides: Any) -> None:
+        from tqdm import tqdm
+
+        cfg = engine_kwargs_for(workload, width, scheduler=scheduler, **engine_overrides)
+        if sync_steps:
+            if cfg.get("cuda_graphs"):
+                raise ValueError("sync_steps: per-stage device times need eager core steps; drop cuda_graphs")
+            cfg["cuda_graphs"] = False  # (unset would mean on, on CUDA)
+        self.scheduler, self.width, self.requests, self.cfg = scheduler, width, len(workload), cfg
+        self.cuda = str(bm.device).startswith("cuda")
+        self.sync = self.cuda and sync_steps
+        self.timer = TimedModel(bm.model, self.sync)
+        self.engine = bm.engine(seed=seed, timed=self.timer, **cfg)
+        add_workload(self.engine, workload, traces, rule=rule)
+        self.bar = tqdm(total=workload.output_tokens, desc=desc or f"{scheduler} w={width}", disable=not progress,
+                        unit="tok", leave=False)
+        self.record_schedule = record_schedule
+        self.stages = StageRecorder(self.engine, keep=record_schedule)
+        self.busy = DeviceBusy() if device_busy else None
+        self.errors = 0
+        self.stage_wall: dict[str, float] = {}
+        self._seen: dict[str, int] = {}
+        self._contexts = contextlib.ExitStack()
+
+    def __enter__(self) -> OfflineRun:
+        self._contexts.enter_context(torch.inference_mode())
+        self._contexts.enter_context(self.stages)
+        if self.busy is not None:
+            self._contexts.enter_context(self.busy)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._contexts.close()
+        self.bar.close()
+
+    @property
+    def done(self) -> bool:
+        return not self.engine.has_unfinished_requests()
+
+    @property
+    def generated_tokens(self) -> int:
+        return self.engine.stats.generated_tokens
+
+    def step(self) -> None:
+        """One engine step. Per step only perf_counter (vDSO, no system call) is read here: a CPU-time clock
+        is a system call, a preemption point on a loaded machine (the drivers read it as coarsely as they can)."""
+        t1 = time.perf_counter()
+        outs = self.engine.step()
+        if self.sync:
+            torch.cuda.synchronize()
+        self.stages.end_step(t1, time.perf_counter(), self.stage_wall)
+        for out in outs:
+            n = len(out.outputs[0].token_ids)
+            self.bar.update(n - self._seen.get(out.request_id, 0))
+            self._seen[out.request_id] = n
+            if out.finished and out.error:
+                self.errors += 1
+
+    def result(self, wall: float, cpu: float) -> RunResult:
+        """The run's figures, given its wall and CPU time."""
+        st, engine = self.engine.stats, self.engine
+        items = sum(st.exit_depths.values())
+        mean_d = sum(d * c for d, c in st.exit_depths.items()) / items if items else None
+        return RunResult(
+            scheduler=self.scheduler, width=self.width, requests=self.requests, wall_s=wall, cpu_s=cpu,
+            generated_tokens=st.generated_tokens, prompt_tokens=st.prompt_tokens, mean_exit_depth=mean_d,
+            decode_items=items, compute_s=self.timer.seconds, model_time_s=st.model_time, stage_wall_s=self.stage_wall,
+            prefill_cpu_s=self.stages.prefill_cpu_s,
+            schedule_time_s=st.schedule_time, compute_by_stage=dict(self.timer.by_stage), ticks=dict(st.ticks),
+            rows=dict(st.rows), refill_events=st.refill_events, preemptions=st.preemptions,
+            deferred_signal_ticks=st.deferred_signal_ticks,
+            # (the knobs as run: cuda_graphs and async_coda resolved for the device when left unset)
+            config={**self.cfg, "cuda_graphs": engine.cfg.cuda_graphs, "async_coda": engine.async_coda},
+            errors=self.errors, schedule_trace=self.stages.to_json() if self.record_schedule else None,
+            device_busy_s=self.busy.busy_s if self.busy is not None else None,
+            graph_buckets=st.graph_buckets, graph_capture_s=st.graph_capture_s)
+
+
 def run_offline(bm: BenchModel, workload: Workload, traces: list[list[int]] | None, scheduler: str,
                 width: int, progress: bool = True, record_schedule: bool = False, seed: int = 0,
                 desc: str | None = None, rule: tuple[str, float] | None = None, sync_steps: bool = False,
@@ -367,63 +453,49 @@ def run_offline(bm: BenchModel, workload: Workload, traces: list[list[int]] | No
     the device's busy time over the run (`DeviceBusy`): busy / wall is how well the host kept it fed.
     With `cuda_graphs` a replayed stage (core steps, codas with layers) runs no model code, so `compute_s`
     leaves them out (they count as runner time); per-stage device times (`sync_steps`) are then not measured."""
-    from tqdm import tqdm
-
-    cfg = engine_kwargs_for(workload, width, scheduler=scheduler, **engine_overrides)
-    if sync_steps:
-        if cfg.get("cuda_graphs"):
-            raise ValueError("sync_steps: per-stage device times need eager core steps; drop cuda_graphs")
-        cfg["cuda_graphs"] = False  # (unset would mean on, on CUDA)
-    cuda = str(bm.device).startswith("cuda")
-    sync = cuda and sync_steps
-    timer = TimedModel(bm.model, sync)
-    engine = bm.engine(seed=seed, timed=timer, **cfg)
-    add_workload(engine, workload, traces, rule=rule)
-    bar = tqdm(total=workload.output_tokens, desc=desc or f"{scheduler} w={width}", disable=not progress,
-               unit="tok", leave=False)
-    errors = 0
-    stage_wall: dict[str, float] = {}
-    # Per step only perf_counter (vDSO, no system call): a CPU-time clock per step is a system call,
-    # a preemption point on a loaded machine. CPU time is read around the whole run and around the
-    # runner's prefill calls (few).
-    busy = DeviceBusy() if device_busy else None
-    with torch.inference_mode(), StageRecorder(engine, keep=record_schedule) as stages, \
-            busy if busy is not None else contextlib.nullcontext():
-        seen: dict[str, int] = {}
-        c0, t0 = time.process_time(), time.perf_counter()
-        stages.t0 = t0
-        while engine.has_unfinished_requests():
-            t1 = time.perf_counter()
-            outs = engine.step()
-            if sync:
-                torch.cuda.synchronize()
-            stages.end_step(t1, time.perf_counter(), stage_wall)
-            for out in outs:
-                n = len(out.outputs[0].token_ids)
-                bar.update(n - seen.get(out.request_id, 0))
-                seen[out.request_id] = n
-                if out.finished and out.error:
-                    errors += 1
-        if cuda:
+    with OfflineRun(bm, workload, traces, scheduler, width, progress, record_schedule, seed, desc, rule, sync_steps,
+                    device_busy, **engine_overrides) as run:
+        c0, t0 = time.process_time(), time.perf_counter()  # (CPU time around the whole run: one system call)
+        run.stages.t0 = t0
+        while not run.done:
+            run.step()
+        if run.cuda:
             torch.cuda.synchronize()
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    bar.close()
-    st = engine.stats
-    items = sum(st.exit_depths.values())
-    mean_d = sum(d * c for d, c in st.exit_depths.items()) / items if items else None
-    return RunResult(
-        scheduler=scheduler, width=width, requests=len(workload), wall_s=wall, cpu_s=cpu,
-        generated_tokens=st.generated_tokens, prompt_tokens=st.prompt_tokens, mean_exit_depth=mean_d,
-        decode_items=items, compute_s=timer.seconds, model_time_s=st.model_time, stage_wall_s=stage_wall,
-        prefill_cpu_s=stages.prefill_cpu_s,
-        schedule_time_s=st.schedule_time, compute_by_stage=dict(timer.by_stage), ticks=dict(st.ticks),
-        rows=dict(st.rows), refill_events=st.refill_events, preemptions=st.preemptions,
-        deferred_signal_ticks=st.deferred_signal_ticks,
-        # (the knobs as run: cuda_graphs and async_coda resolved for the device when left unset)
-        config={**cfg, "cuda_graphs": engine.cfg.cuda_graphs, "async_coda": engine.async_coda}, errors=errors,
-        schedule_trace=stages.to_json() if record_schedule else None,
-        device_busy_s=busy.busy_s if busy is not None else None,
-        graph_buckets=st.graph_buckets, graph_capture_s=st.graph_capture_s)
+    return run.result(wall, cpu)
+
+
+def run_lockstep(runs: list[OfflineRun]) -> list[RunResult]:
+    """Run several offline runs of one workload at once: each step goes to the run that has generated the fewest
+    tokens so far (the first listed on a tie), so the runs advance through the workload together and end at
+    about the same time. A run's wall and CPU time are the sums over its own steps (the CPU clock read around each
+    step: a system call a step, some µs against a step's ms).
+
+    Why: on a shared machine whose speed drifts over minutes, runs made one after another meet different
+    machines, and their ratio carries the drift (rounds of the same point spread by up to 16 % of the bound,
+    docs/benchmarks.md §8.33); runs made step by step in turn meet the same one. The cost: each step starts with
+    the caches as another engine's step left them (on the CPU, a core step streams all the weights through them
+    anyway). On the CPU only: on a GPU a step returns before its work is done, so its time is not its own."""
+    if any(r.cuda for r in runs):
+        raise ValueError("lockstep: on the CPU only (a GPU step's time is not its own: it returns before its work "
+                         "is done); run them one after another")
+    wall, cpu = [0.0] * len(runs), [0.0] * len(runs)
+    with contextlib.ExitStack() as stack:
+        for r in runs:
+            stack.enter_context(r)
+        t0 = time.perf_counter()
+        for r in runs:
+            r.stages.t0 = t0
+        live = [i for i, r in enumerate(runs) if not r.done]
+        while live:
+            i = min(live, key=lambda k: runs[k].generated_tokens)
+            c1, t1 = time.process_time(), time.perf_counter()
+            runs[i].step()
+            wall[i] += time.perf_counter() - t1
+            cpu[i] += time.process_time() - c1
+            if runs[i].done:
+                live.remove(i)
+    return [r.result(w, c) for r, w, c in zip(runs, wall, cpu, strict=True)]
 
 
 def write_json(path: Path, data: Any) -> Path:

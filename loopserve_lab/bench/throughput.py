@@ -2,8 +2,9 @@
 workload and the same exit traces, all requests at t = 0.
 
 Schedulers run interleaved (cb, no-refill, refill, cb, ...) for `repeats` rounds and each point keeps
-the median, so a slow spell of a shared machine hits all three alike. Every row carries tokens/s
-(wall and CPU clock), throughput normalized to CB, the mean exit depth, both FLOP bounds
+the median, so a slow spell of a shared machine hits all three alike; with `lockstep` (CPU) a round's runs go
+at once, a step of each in turn (`harness.run_lockstep`), so a slow spell hits them within the same seconds.
+Every row carries tokens/s (wall and CPU clock), throughput normalized to CB, the mean exit depth, both FLOP bounds
 (`loopserve_lab.bench.bounds`) and the share of the bound realized.
 """
 
@@ -14,7 +15,15 @@ from collections.abc import Callable
 from typing import Any
 
 from loopserve_lab.bench.bounds import realized, run_bounds
-from loopserve_lab.bench.harness import CDB_SCHEDULERS, LABELS, BenchModel, RunResult, run_offline
+from loopserve_lab.bench.harness import (
+    CDB_SCHEDULERS,
+    LABELS,
+    BenchModel,
+    OfflineRun,
+    RunResult,
+    run_lockstep,
+    run_offline,
+)
 from loopserve_lab.bench.workloads import Workload
 
 METRICS = {  # row key -> RunResult attribute
@@ -30,18 +39,25 @@ def _median_run(runs: list[RunResult]) -> RunResult:
 
 def compare_point(bm: BenchModel, workload: Workload, traces: list[list[int]] | None, width: int,
                   schedulers: tuple[str, ...] = CDB_SCHEDULERS, repeats: int = 1, progress: bool = True,
-                  label: str = "", **engine_overrides: Any) -> list[dict[str, Any]]:
+                  label: str = "", lockstep: bool = False, **engine_overrides: Any) -> list[dict[str, Any]]:
     """Run each scheduler `repeats` times (interleaved) at one configuration; one row per scheduler.
 
     Throughputs are medians over the repeats; a ratio to CB is the median over rounds of the ratio
-    within a round (runs next to each other in time). `decode` rates leave out the time of prefill
-    ticks and the prompt's first tokens; they are the ones the decode FLOP bound speaks of."""
+    within a round (runs next to each other in time; with `lockstep`, a round's runs at once, a step of
+    each in turn: `harness.run_lockstep`). `decode` rates leave out the time of prefill ticks and the
+    prompt's first tokens; they are the ones the decode FLOP bound speaks of."""
     runs: dict[str, list[RunResult]] = {s: [] for s in schedulers}
     for rep in range(repeats):
-        for s in schedulers:
-            desc = f"{label} {LABELS.get(s, s)} w={width}" + (f" rep {rep + 1}" if repeats > 1 else "")
-            runs[s].append(run_offline(bm, workload, traces, s, width, progress=progress, desc=desc.strip(),
-                                       **engine_overrides))
+        descs = [(f"{label} {LABELS.get(s, s)} w={width}" + (f" rep {rep + 1}" if repeats > 1 else "")).strip()
+                 for s in schedulers]
+        if lockstep:
+            results = run_lockstep([OfflineRun(bm, workload, traces, s, width, progress=progress, desc=d,
+                                               **engine_overrides) for s, d in zip(schedulers, descs, strict=True)])
+        else:
+            results = [run_offline(bm, workload, traces, s, width, progress=progress, desc=d, **engine_overrides)
+                       for s, d in zip(schedulers, descs, strict=True)]
+        for s, r in zip(schedulers, results, strict=True):
+            runs[s].append(r)
     rows = []
     base = runs.get("cb")
     for s, rs in runs.items():
@@ -79,14 +95,14 @@ def compare_point(bm: BenchModel, workload: Workload, traces: list[list[int]] | 
 
 def sweep(points: list[tuple[Any, list[list[int]] | None, int]], key: str, bm: BenchModel, workload: Workload,
           schedulers: tuple[str, ...] = CDB_SCHEDULERS, repeats: int = 1, progress: bool = True,
-          on_point: Callable[[list[dict[str, Any]]], None] | None = None,
+          on_point: Callable[[list[dict[str, Any]]], None] | None = None, lockstep: bool = False,
           **engine_overrides: Any) -> list[dict[str, Any]]:
     """`points` = (x, traces, width); each row gets `key` = x."""
     from tqdm import tqdm
 
     rows: list[dict[str, Any]] = []
     for x, traces, width in tqdm(points, desc=f"sweep {key}", disable=not progress):
-        pr = compare_point(bm, workload, traces, width, schedulers, repeats, progress, f"{key}={x}",
+        pr = compare_point(bm, workload, traces, width, schedulers, repeats, progress, f"{key}={x}", lockstep,
                            **engine_overrides)
         for r in pr:
             r[key] = x
