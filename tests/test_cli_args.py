@@ -109,6 +109,19 @@ def test_min_prelude_batch_above_the_decode_width_is_refused():
         EngineConfig(max_decode_batch=4, min_prelude_batch=5)
 
 
+def test_boundary_batches_default_by_the_models_boundary_layers():
+    """Unset, a coda batch waits for half a decode batch of exited tokens and a prelude batch of its own for a
+    quarter, but only for a model whose coda or prelude has layers (Huginn: each such batch re-reads their
+    weights, docs/benchmarks.md §8.34); a fully looped model (Ouro's prelude is the embedding, its coda the head)
+    runs them at once. Set, the knobs win."""
+    cfg = EngineConfig(max_decode_batch=32)
+    assert cfg.boundary_batches_for(0, 0) == (1, 1)
+    assert cfg.boundary_batches_for(2, 2) == (8, 16)
+    assert cfg.boundary_batches_for(2, 0) == (8, 1) and cfg.boundary_batches_for(0, 2) == (1, 16)
+    assert EngineConfig(max_decode_batch=2).boundary_batches_for(1, 1) == (1, 1)
+    assert EngineConfig(max_decode_batch=32, min_coda_batch=3, min_prelude_batch=2).boundary_batches_for(2, 2) == (2, 3)
+
+
 def test_the_serving_benchmark_passes_every_knob_to_its_server():
     """`bench serve` in HTTP mode starts `loopserve serve` with every engine knob it runs in-process (each
     set here to a value other than its default, bools both ways), under the flags `serve` reads back."""

@@ -223,6 +223,15 @@ def test_cdb_chunked_prefill_and_min_coda_batch(min_coda_batch, lookahead, tiny_
     assert max(engine.stats.batch_hist["coda"]) > 1
 
 
+def test_engines_resolve_the_boundary_batches_for_their_model(tiny_huginn, tiny_ouro):
+    """An engine runs with the boundary batches its model's layers call for (`EngineConfig.boundary_batches_for`):
+    a Huginn with prelude and coda blocks waits for a quarter and a half of a batch, a fully looped Ouro for 1."""
+    huginn = make_engine(tiny_huginn, scheduler="cdb", max_decode_batch=8)
+    assert (huginn.cfg.min_prelude_batch, huginn.cfg.min_coda_batch) == (2, 4)
+    ouro = make_engine(tiny_ouro, scheduler="cdb", max_decode_batch=8)
+    assert (ouro.cfg.min_prelude_batch, ouro.cfg.min_coda_batch) == (1, 1)
+
+
 def test_cdb_min_prelude_batch(tiny_huginn):
     """A prelude batch of its own (fresh tokens the core batch had no room for when their coda ran; room
     appears as tokens exit, before their coda runs) waits for `min_prelude_batch` tokens while the core batch

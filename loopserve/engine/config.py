@@ -29,16 +29,19 @@ class EngineConfig:
     max_num_batched_tokens: int = _knob(2048, "prompt tokens per prefill tick")
     prefill_chunk_size: int = _knob(512, "prompt chunk boundary (part of the semantics, shared with the reference)")
     # Coda waits for this many exited tokens (an undersized batch still runs when nothing else can).
-    # None: 1 for fully looped models (Ouro: the coda is just the head), max_decode_batch // 4 when
+    # None: 1 for fully looped models (Ouro: the coda is just the head), max_decode_batch // 2 when
     # the model has coda blocks (Huginn: small coda batches re-read big boundary weights per token).
     min_coda_batch: int | None = _knob(None, "exited tokens a coda batch waits for; unset: 1 for fully looped "
-                                       "models, max-decode-batch/4 with coda blocks (Huginn)")
+                                       "models, max-decode-batch/2 with coda blocks (Huginn)")
     # A prelude batch of its own (fresh tokens the core batch had no room for when their coda or prefill ran)
     # waits for this many tokens while the core batch still has work. Fewer, fuller prelude batches re-read
-    # boundary weights less often (Huginn's prelude blocks) but refill the core batch later; on this project's
-    # CPU neither side won (docs/benchmarks.md §8.25), so the default keeps every prelude as soon as it fits.
-    min_prelude_batch: int = _knob(1, "cdb: fresh tokens a prelude batch of its own waits for while the core "
-                                   "batch has work (at most max-decode-batch)")
+    # boundary weights less often (Huginn's prelude blocks) but refill the core batch later. None: 1 for fully
+    # looped models (Ouro's prelude is the embedding), max_decode_batch // 4 with prelude blocks. With the codas
+    # at half a batch, Huginn-like decoding on the CPU ran 6 % faster than with 1 and a quarter batch, measured
+    # side by side (docs/benchmarks.md §8.34).
+    min_prelude_batch: int | None = _knob(None, "cdb: fresh tokens a prelude batch of its own waits for while the "
+                                          "core batch has work (at most max-decode-batch); unset: 1 for fully "
+                                          "looped models, max-decode-batch/4 with prelude blocks (Huginn)")
     kv_safety_margin: float = _knob(0.1, "fraction of KV blocks prefill admission keeps free")
     enable_prefix_caching: bool = _knob(True, "reuse the KV of full prompt blocks an earlier prompt with the same "
                                         "prefix computed (token ids as without it in float64; in float32 logits "
@@ -78,11 +81,12 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_decode_batch", "max_num_batched_tokens",
                      "prefill_chunk_size", "min_coda_batch", "min_prelude_batch"):
             v = getattr(self, name)
-            if v is None and name == "min_coda_batch":
+            if v is None and name in ("min_coda_batch", "min_prelude_batch"):
                 continue
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}: must be an integer >= 1, got {v!r}")
-        if self.min_prelude_batch > self.max_decode_batch:  # (a core batch with work never leaves that much room)
+        if self.min_prelude_batch is not None and self.min_prelude_batch > self.max_decode_batch:
+            # (a core batch with work never leaves that much room)
             raise ValueError(f"min_prelude_batch: must be <= max_decode_batch ({self.max_decode_batch}), "
                              f"got {self.min_prelude_batch}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
@@ -103,7 +107,10 @@ class EngineConfig:
         if self.max_num_batched_tokens < self.prefill_chunk_size:
             self.max_num_batched_tokens = self.prefill_chunk_size
 
-    def coda_batch_for(self, n_coda_layers: int) -> int:
-        if self.min_coda_batch is not None:
-            return self.min_coda_batch
-        return 1 if n_coda_layers == 0 else max(1, self.max_decode_batch // 4)
+    def boundary_batches_for(self, n_prelude_layers: int, n_coda_layers: int) -> tuple[int, int]:
+        """(min_prelude_batch, min_coda_batch) for a model with these prelude and coda layer counts: the knobs as
+        set, or their defaults for that model."""
+        width = self.max_decode_batch
+        prelude = self.min_prelude_batch or (1 if n_prelude_layers == 0 else max(1, width // 4))
+        coda = self.min_coda_batch or (1 if n_coda_layers == 0 else max(1, width // 2))
+        return prelude, coda

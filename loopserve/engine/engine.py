@@ -83,7 +83,9 @@ class LLMEngine:
         c: ModelConfig = model.config
         p = next(model.parameters())
         graphs_on = cfg.cuda_graphs if cfg.cuda_graphs is not None else p.device.type == "cuda"
-        cfg = dataclasses.replace(cfg, min_coda_batch=cfg.coda_batch_for(c.n_coda), cuda_graphs=graphs_on)
+        prelude_batch, coda_batch = cfg.boundary_batches_for(c.n_prelude, c.n_coda)
+        cfg = dataclasses.replace(cfg, min_prelude_batch=prelude_batch, min_coda_batch=coda_batch,
+                                  cuda_graphs=graphs_on)
         self.model, self.tokenizer, self.cfg, self.seed = model, tokenizer, cfg, seed
         self.model_config = c
         self.layout = KVLayout(cfg.kv_layout, c.n_prelude, c.n_core, c.n_coda, c.r_max)

@@ -953,7 +953,7 @@ class CDBScheduler(Scheduler):
             return StagePlan(Stage.PREFILL, chunks=chunks)
         room = width - len(self.core_rows)
         if self.prelude_q and room > 0 and (not len(self.core_rows)
-                                            or min(len(self.prelude_q), room) >= self.cfg.min_prelude_batch):
+                                            or min(len(self.prelude_q), room) >= (self.cfg.min_prelude_batch or 1)):
             plan = self._draft_plan(room)
             if plan is not None:
                 return plan
