@@ -22,8 +22,10 @@ record() {  # threshold-free gate trajectories of ouro-bench on the 128-request 
 }
 
 ouro() {
+  # the schedulers side by side, a step of each in turn (docs/benchmarks.md §8.34): ratios free of the machine's drift
   $LS bench throughput --model ouro-bench --workload alpaca --num-requests 128 --mean-depth 2.5 \
-      --sweep width,full-depth --widths 16,32,64 --width 32 --repeats 2 --threads 1 --out $OUT/ouro-throughput
+      --sweep width,full-depth --widths 16,32,64 --width 32 --repeats 3 --lockstep --threads 1 \
+      --out $OUT/ouro-throughput
   $LS bench throughput --model ouro-bench --workload alpaca --num-requests 128 --trajectories "$TRAJ" \
       --sweep threshold --width 32 --threads 1 --out $OUT/ouro-threshold
   $LS bench throughput --model ouro-bench --workload sharegpt --scale 0.25 --num-requests 64 --mean-depth 2.5 \
@@ -48,10 +50,15 @@ ablate() {
 huginn() {
   # r_max 16: a token costs 4x an ouro-bench token, so half-length outputs and 32 requests
   $LS bench throughput --model huginn-bench --workload alpaca --scale 0.5 --num-requests 32 --mean-depth 10 \
-      --kv-layout shared --sweep width,full-depth --widths 32 --width 32 --threads 1 --out $OUT/huginn-throughput
-  # the same with codas (and so the next tokens' preludes) batched 8 at a time
+      --kv-layout shared --sweep width,full-depth --widths 32 --width 32 --repeats 3 --lockstep --threads 1 \
+      --out $OUT/huginn-throughput
+  # with queued work (more requests than rows): what refill has to add
+  $LS bench throughput --model huginn-bench --workload alpaca --scale 0.5 --num-requests 128 --mean-depth 10 \
+      --kv-layout shared --sweep width --widths 32 --repeats 3 --lockstep --threads 1 --out $OUT/huginn-throughput-128
+  # the former defaults (until §8.34): codas 8 at a time, preludes of their own at once
   $LS bench throughput --model huginn-bench --workload alpaca --scale 0.5 --num-requests 32 --mean-depth 10 \
-      --kv-layout shared --sweep width --widths 32 --min-coda-batch 8 --threads 1 --out $OUT/huginn-throughput-mincoda8
+      --kv-layout shared --sweep width --widths 32 --min-coda-batch 8 --min-prelude-batch 1 --repeats 3 --lockstep \
+      --threads 1 --out $OUT/huginn-throughput-mincoda8
 }
 
 latency() {
