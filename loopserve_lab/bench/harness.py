@@ -472,7 +472,7 @@ def run_lockstep(runs: list[OfflineRun]) -> list[RunResult]:
     step: a system call a step, some µs against a step's ms).
 
     Why: on a shared machine whose speed drifts over minutes, runs made one after another meet different
-    machines, and their ratio carries the drift (rounds of the same point spread by up to 16 % of the bound,
+    machines, and their ratio carries the drift (rounds of the same point spread by up to 16 points of the bound,
     docs/benchmarks.md §8.33); runs made step by step in turn meet the same one. The cost: each step starts with
     the caches as another engine's step left them (on the CPU, a core step streams all the weights through them
     anyway). On the CPU only: on a GPU a step returns before its work is done, so its time is not its own."""
