@@ -378,7 +378,6 @@ class OfflineRun:
         add_workload(self.engine, workload, traces, rule=rule)
         self.bar = tqdm(total=workload.output_tokens, desc=desc or f"{scheduler} w={width}", disable=not progress,
                         unit="tok", leave=False)
-        self.record_schedule = record_schedule
         self.stages = StageRecorder(self.engine, keep=record_schedule)
         self.busy = DeviceBusy() if device_busy else None
         self.errors = 0
@@ -435,7 +434,7 @@ class OfflineRun:
             deferred_signal_ticks=st.deferred_signal_ticks,
             # (the knobs as run: cuda_graphs and async_coda resolved for the device when left unset)
             config={**self.cfg, "cuda_graphs": engine.cfg.cuda_graphs, "async_coda": engine.async_coda},
-            errors=self.errors, schedule_trace=self.stages.to_json() if self.record_schedule else None,
+            errors=self.errors, schedule_trace=self.stages.to_json() if self.stages.keep else None,
             device_busy_s=self.busy.busy_s if self.busy is not None else None,
             graph_buckets=st.graph_buckets, graph_capture_s=st.graph_capture_s)
 
