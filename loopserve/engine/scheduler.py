@@ -89,6 +89,9 @@ class Scheduler:
                  prefix_scope: bytes | None = None, random_state: bool = False,
                  speculator: Speculator | None = None) -> None:
         self.cfg, self.kv, self.pool, self.stats = cfg, kv, pool, stats
+        # resolved for the model by the engine (`EngineConfig.boundary_batches_for`)
+        assert cfg.min_coda_batch is not None and cfg.min_prelude_batch is not None, "boundary batches unresolved"
+        self.min_coda_batch, self.min_prelude_batch = cfg.min_coda_batch, cfg.min_prelude_batch
         self.speculator = speculator  # speculative decoding (off when None)
         # prefix caching (off when None): the engine-wide part of block keys (`cache.prefix`), and
         # whether the model's random initial states make the state seed base part of a prompt's KV
@@ -946,14 +949,14 @@ class CDBScheduler(Scheduler):
         self._try_swap_in()
         width = self.cfg.max_decode_batch
         ready = self._ready_for_coda()
-        if len(ready) >= (self.cfg.min_coda_batch or 1):
+        if len(ready) >= self.min_coda_batch:
             return self._coda_plan(ready)
         chunks = self._take_prefill() if self.waiting else []
         if chunks:
             return StagePlan(Stage.PREFILL, chunks=chunks)
         room = width - len(self.core_rows)
         if self.prelude_q and room > 0 and (not len(self.core_rows)
-                                            or min(len(self.prelude_q), room) >= (self.cfg.min_prelude_batch or 1)):
+                                            or min(len(self.prelude_q), room) >= self.min_prelude_batch):
             plan = self._draft_plan(room)
             if plan is not None:
                 return plan
