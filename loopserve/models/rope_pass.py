@@ -27,8 +27,7 @@ def applies(xs: tuple[torch.Tensor, ...], cos: torch.Tensor, sin: torch.Tensor) 
     none of which autograd differentiates (the pass has no backward), outside torch.compile's tracing."""
     if not all(type(t) is torch.Tensor for t in (*xs, cos, sin)) or torch.compiler.is_compiling():
         return False  # (the types first: an fx Proxy is not looked into)
-    dtype = xs[0].dtype
-    if dtype not in DTYPES or any(x.dtype != dtype for x in xs) or not cos.dtype == sin.dtype == torch.float32:
+    if not _dtypes_taken(xs, cos, sin):
         return False
     grad = torch.is_grad_enabled()
     return not any(t.device.type != "cpu" or t.is_neg() or (grad and t.requires_grad) or _functorch_wrapped(t)
@@ -36,6 +35,12 @@ def applies(xs: tuple[torch.Tensor, ...], cos: torch.Tensor, sin: torch.Tensor) 
 
 
 _functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+def _dtypes_taken(xs: tuple[torch.Tensor, ...], cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Heads of one dtype in `DTYPES`, float32 tables."""
+    dtype = xs[0].dtype
+    return dtype in DTYPES and all(x.dtype == dtype for x in xs) and cos.dtype == sin.dtype == torch.float32
 
 
 def compile_pass(dtype: torch.dtype) -> None:
@@ -56,8 +61,7 @@ def rotate(xs: tuple[torch.Tensor, ...], cos: torch.Tensor, sin: torch.Tensor, h
             x.dim() != 3 or x.shape[0] != n or x.shape[2] != d for x in xs):
         raise ValueError(f"rope: {[tuple(x.shape) for x in xs]} and tables {tuple(cos.shape)}, {tuple(sin.shape)} "
                          "do not match")
-    tables = cos.dtype == sin.dtype == torch.float32
-    if xs[0].dtype not in DTYPES or any(x.dtype != xs[0].dtype for x in xs) or not tables:
+    if not _dtypes_taken(xs, cos, sin):
         raise ValueError(f"rope: the pass takes heads of one dtype in {DTYPES} and float32 tables, not "
                          f"{[x.dtype for x in xs]} heads and {cos.dtype}, {sin.dtype} tables")
     outs = [torch.empty(x.shape, dtype=x.dtype) for x in xs]
