@@ -154,8 +154,8 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         """Stop a request (every sample of it); reported with the next step's outputs."""
         seq = self.requests.get(request_id)
-        for s in seq.family if seq is not None else ():
-            self.scheduler.abort(s.request_id)
+        for s in seq.family if seq is not None else ():  # (the head first: it takes its unstarted samples along)
+            self.scheduler.abort(s)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or bool(self.scheduler.finished)

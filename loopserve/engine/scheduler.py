@@ -147,16 +147,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def abort(self, request_id: str) -> Sequence | None:
-        """Stop a request wherever it is; it is reported (finish_reason "abort") with the next step's
-        outputs. None if the request is not in flight."""
-        seq = next((s for s in self.waiting if s.request_id == request_id), None)
-        seq = seq or next((f for s in self.waiting for f in s.pending_forks if f.request_id == request_id), None)
-        seq = seq or next((i.seq for i in self.swapped if i.seq.request_id == request_id), None)
-        seq = seq or self.running.get(request_id)
-        if seq is not None:
+    def abort(self, seq: Sequence) -> None:
+        """Stop a sequence (a request's sample) wherever it is; it is reported (finish_reason "abort") with the
+        next step's outputs. A finished one is left as it is. The sequence is given, not looked up by id: a
+        request of many prompts and samples aborts in time linear in its samples, not in them times the queue."""
+        if not seq.finished:
             self._stop(seq, "abort")
-        return seq
 
     def fail(self, seq: Sequence, error: Exception) -> None:
         """Finish one request whose part of a batch raised (sampling, logprobs, detokenization, stop
