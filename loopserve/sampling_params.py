@@ -29,7 +29,7 @@ MAX_SCHEMA_CHARS = 500_000  # a JSON schema, as JSON (an enum of 40,000 words: 0
 # Temperatures below this sample greedily (as vLLM does): dividing logits by a subnormal temperature
 # overflows to inf, and below it a logit gap of 1e-3 is already a probability ratio of e^100.
 GREEDY_TEMPERATURE = 1e-5
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # any 64-bit seed, signed or not (the engine keeps 63 bits)
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # any 64-bit seed, signed or not (engine/sequence.py `as_int64`)
 _repr = reprlib.Repr()  # a bad value in an error message, shortened
 _repr.maxlist, _repr.maxdict, _repr.maxstring, _repr.maxother = 8, 8, 80, 80
 _short = _repr.repr

@@ -154,3 +154,17 @@ def test_samples_share_the_prompts_full_blocks(tiny_ouro):
     engine.scheduler.check_invariants()
     engine.run_to_completion()
     engine.scheduler.check_drained()
+
+
+def test_seeds_are_distinct_over_64_bits(tiny_ouro):
+    """Seeds 2^63 apart draw different streams (the engine once kept 63 bits); seeds with one 64-bit pattern
+    (-1 and 2^64 - 1) draw the same one, as torch's manual_seed."""
+    llm = LLM(tiny_ouro, dtype="float64", kv_cache_tokens=512)
+
+    def tokens(seed: int) -> list[int]:
+        params = SamplingParams(max_tokens=12, temperature=1.0, seed=seed, ignore_eos=True)
+        return llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids
+
+    assert tokens(5) != tokens(5 + 2**63)
+    assert tokens(0) != tokens(2**63)
+    assert tokens(-1) == tokens(2**64 - 1)

@@ -90,6 +90,12 @@ def truncate_prompt(ids: list[int], keep: int | None) -> list[int]:
 _MASK64 = (1 << 64) - 1
 
 
+def as_int64(seed: int) -> int:
+    """A seed modulo 2^64 as the signed value an int64 array holds: any two seeds SamplingParams takes (64 bits,
+    signed or not) stay distinct unless they are one 64-bit pattern (-1 and 2^64 - 1, as torch's `manual_seed`)."""
+    return ((seed + (1 << 63)) & _MASK64) - (1 << 63)
+
+
 def chain_seed(seed: int, token: int) -> int:
     """One link of a token chain: the splitmix64 finalizer of (seed, token). Position p's initial-state
     seed is the chain over tokens 0..p from the request's state base, so it is a function of the prefix
@@ -185,8 +191,8 @@ class Sequence:
         self.prompt_ids = list(prompt_ids)
         self._prompt_ids_out = list(prompt_ids)  # one copy shared by this request's outputs, not one each
         self.tokenizer = tokenizer
-        self.seed = seed & _MASK63  # sampling (make_sequence: the request's seed, + index for sample `index`)
-        self.state_base = (state_seed if state_seed is not None else self.seed) & _MASK63
+        self.seed = as_int64(seed)  # sampling (make_sequence: the request's seed, + index for sample `index`)
+        self.state_base = as_int64(state_seed if state_seed is not None else self.seed)
         self._state_chain: list[int] = []  # state seeds of positions 0.. computed so far
         self.num_cached_tokens = 0  # prompt tokens the latest admission took from the prefix cache
         self.block_hashes: list[bytes] | None = None  # the prompt's full KV blocks' keys (prefix cache)
