@@ -621,6 +621,33 @@ def test_bench_serve_inprocess_and_replot(bench_cache, single_thread):
     assert (tp / "throughput_vs_width.png").is_file()
 
 
+def test_bench_serve_on_the_cpu_clock_skips_idle_gaps(bench_cache, single_thread):
+    """--clock cpu: the run's time is this process's CPU time, an idle engine jumps to the next arrival (3
+    requests at 0.01 req/s span minutes of release instants: the run takes about a second, its latencies
+    are its own work's); refused where the time would be another process's or a GPU's."""
+    import time
+
+    from loopserve.cli import main
+    from loopserve_lab.bench.serve import RunClock
+
+    clock = RunClock("cpu")
+    clock.wait_until(100.0)
+    assert 100.0 <= clock.now() < 101.0
+    with pytest.raises(ValueError, match="^clock: "):
+        RunClock("gpu")
+    out = bench_cache / "serve-cpu"
+    t = time.monotonic()
+    assert main(["bench", "serve", "--model", "micro-ouro", "--dtype", "float32", "--num-requests", "3",
+                 "--rates", "0.01", "--schedulers", "cdb", "--width", "2", "--clock", "cpu", "--no-progress",
+                 "--out", str(out)]) == 0
+    assert time.monotonic() - t < 60
+    (m,) = [r["metrics"] for r in json.loads((out / "serve.json").read_text())["runs"]]
+    assert (m["clock"], m["completed"]) == ("cpu", 3) and 0 < m["e2e"]["p99"] < 30
+    for bad in (["--mode", "http"], ["--device", "cuda"]):
+        with pytest.raises(SystemExit, match="--clock cpu: in-process on the CPU only"):
+            main(["bench", "serve", "--model", "micro-ouro", "--clock", "cpu", *bad, "--out", str(out)])
+
+
 def test_bench_throughput_reports_graph_buckets_and_their_capture_time(bench_cache, single_thread):
     """With cuda_graphs each row counts the buckets its run prepared and the time their captures took (none
     on the CPU, which captures nothing: the decode rate without them is the decode rate); eager, none."""

@@ -17,6 +17,7 @@ from typing import Any
 from loopserve.cache.layout import LAYOUTS
 from loopserve.config_args import add_config_args, config_kwargs
 from loopserve.engine.config import EngineConfig
+from loopserve_lab.bench.serve import CLOCKS
 from loopserve_lab.bench.step_latency import KV_BLOCKS
 
 DEFAULT_OUT = Path("bench-results")
@@ -464,6 +465,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from loopserve_lab.bench.plots import plot_serve
     from loopserve_lab.bench.serve import format_serve, launch_server, run_inprocess
 
+    if args.clock == "cpu" and (args.mode != "inprocess" or str(args.device).startswith("cuda")):
+        raise SystemExit("error: --clock cpu: in-process on the CPU only (a server's time is another process's; a "
+                         "GPU step returns before its work is done)")
     bm, out = _start(args, "serve")
     wl = build_workload(args, bm)
     traces, desc = build_traces(args, bm, wl)
@@ -476,7 +480,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cap = args.capacity
         if cap is None:
             r = run_offline(bm, wl, traces, "cb", args.width, progress=progress, desc="CB capacity", **ov)
-            cap = len(wl) / r.wall_s
+            cap = len(wl) / (r.cpu_s if args.clock == "cpu" else r.wall_s)
             print(f"CB offline capacity: {cap:.3f} req/s", file=sys.stderr)
         result["cb_capacity_req_s"] = cap
         rates = [round(f * cap, 4) for f in args.rate_fractions]
@@ -487,7 +491,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             if mode == "inprocess":
                 for rate in rates:
                     res = run_inprocess(bm, wl, traces, sched, rate, args.width, seed=args.seed, progress=progress,
-                                        burstiness=args.burstiness, **ov)
+                                        burstiness=args.burstiness, clock=args.clock, **ov)
                     res["metrics"]["mode"] = "in-process"
                     result["runs"].append(res if args.save_records else {"metrics": res["metrics"]})
                     write_json(path, result)
@@ -756,6 +760,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rate-fractions", type=_floats, default=[0.25, 0.5, 0.75, 1.0, 1.25])
     p.add_argument("--capacity", type=float, default=None, help="CB req/s (default: measured offline first)")
     p.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape of the gaps (1: Poisson)")
+    p.add_argument("--clock", default="wall", choices=CLOCKS,
+                   help="in-process: wall, or cpu (this process's CPU time; idle gaps skipped): runs on a shared "
+                        "machine compare")
     p.add_argument("--url", default=None, help="HTTP: an already running server (else `loopserve serve` per scheduler)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--api-key", default=None)

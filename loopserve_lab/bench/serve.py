@@ -4,7 +4,10 @@ OpenAI-compatible HTTP server.
 * **In-process**: the engine runs in this process; a request is added at the first step boundary
   after its release instant (a step cannot be interrupted), and its arrival time is the release
   instant, so queueing behind a running step counts as latency. Tokens are timed when `step()`
-  returns them.
+  returns them. The clock is the wall clock, or with `clock="cpu"` this process's CPU time plus the
+  idle gaps skipped to the next arrival: a run on a machine others share then takes the time its own
+  work took (with one torch thread, the wall time it would take alone), so configurations measured
+  minutes apart compare (on this VM wall-clock serving runs of one configuration differed by 25 %).
 * **HTTP**: `/v1/completions` with `stream: true` (SSE, `data: [DONE]`), prompts as token-id lists,
   `ignore_eos` and `max_tokens` from the workload, `stream_options.include_usage` for the token
   count and the vLLM extension `return_token_ids` for per-chunk counts. Works against any server
@@ -43,10 +46,37 @@ from loopserve_lab.bench.workloads import Workload
 # --------------------------------------------------------------------------------------------------
 
 
+class RunClock:
+    """Seconds since the run started: wall (`perf_counter`) or "cpu" (process CPU time, and an idle engine
+    jumps to the next arrival instead of sleeping)."""
+
+    def __init__(self, kind: str = "wall") -> None:
+        if kind not in CLOCKS:
+            raise ValueError(f"clock: expected one of {', '.join(CLOCKS)}, got {kind!r}")
+        self._read = time.perf_counter if kind == "wall" else time.process_time
+        self._sleeps = kind == "wall"
+        self._skipped = 0.0
+        self._t0 = self._read()
+
+    def now(self) -> float:
+        return self._read() - self._t0 + self._skipped
+
+    def wait_until(self, t: float) -> None:
+        gap = max(0.0, t - self.now())
+        if self._sleeps:
+            time.sleep(gap)
+        else:
+            self._skipped += gap
+
+
+CLOCKS = ("wall", "cpu")
+
+
 def run_inprocess(bm: BenchModel, workload: Workload, traces: list[list[int]] | None, scheduler: str,
                   rate: float, width: int, seed: int = 0, progress: bool = True, burstiness: float = 1.0,
-                  **engine_overrides: Any) -> dict[str, Any]:
-    """One open-loop run: the workload's requests released at Poisson instants of `rate` req/s."""
+                  clock: str = "wall", **engine_overrides: Any) -> dict[str, Any]:
+    """One open-loop run: the workload's requests released at Poisson instants of `rate` req/s, timed by
+    `clock` (`RunClock`)."""
     from tqdm import tqdm
 
     from loopserve.sampling_params import SamplingParams
@@ -60,9 +90,9 @@ def run_inprocess(bm: BenchModel, workload: Workload, traces: list[list[int]] | 
     bar = tqdm(total=len(workload), desc=f"{scheduler} @ {rate:g} req/s", disable=not progress, leave=False)
     nxt = 0
     with torch.inference_mode():
-        t0, m0 = time.perf_counter(), time.monotonic()
+        run_clock, m0 = RunClock(clock), time.monotonic()
         while nxt < len(workload) or engine.has_unfinished_requests():
-            now = time.perf_counter() - t0
+            now = run_clock.now()
             while nxt < len(workload) and arrivals[nxt] <= now:
                 req = workload.requests[nxt]
                 params = SamplingParams(max_tokens=req.output_len, ignore_eos=True, temperature=0.0,
@@ -72,10 +102,10 @@ def run_inprocess(bm: BenchModel, workload: Workload, traces: list[list[int]] | 
                                    arrival_time=m0 + arrivals[nxt])
                 nxt += 1
             if not engine.has_unfinished_requests():
-                time.sleep(max(0.0, arrivals[nxt] - (time.perf_counter() - t0)))
+                run_clock.wait_until(arrivals[nxt])
                 continue
             outs = engine.step()
-            t = time.perf_counter() - t0
+            t = run_clock.now()
             for out in outs:
                 i = int(out.request_id)
                 n = len(out.outputs[0].token_ids)
@@ -90,7 +120,7 @@ def run_inprocess(bm: BenchModel, workload: Workload, traces: list[list[int]] | 
     m = serving_metrics(records)
     st = engine.stats
     items = sum(st.exit_depths.values())
-    m.update({"scheduler": scheduler, "rate": rate, "width": width, "mode": "in-process",
+    m.update({"scheduler": scheduler, "rate": rate, "width": width, "mode": "in-process", "clock": clock,
               "mean_exit_depth": sum(d * c for d, c in st.exit_depths.items()) / items if items else None,
               "model_time_s": st.model_time, "schedule_time_s": st.schedule_time, "config": cfg})
     return {"metrics": m, "records": [r.to_json() for r in records]}
