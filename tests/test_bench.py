@@ -648,6 +648,55 @@ def test_bench_serve_on_the_cpu_clock_skips_idle_gaps(bench_cache, single_thread
             main(["bench", "serve", "--model", "micro-ouro", "--clock", "cpu", *bad, "--out", str(out)])
 
 
+def test_serve_lockstep_steps_the_run_furthest_behind_in_its_time():
+    """Each step goes to the run whose clock reads least (the first listed on a tie); a finished run leaves;
+    wall-clock runs are refused (their times would include the other runs' steps)."""
+    from types import SimpleNamespace
+
+    from loopserve_lab.bench.serve import serve_lockstep
+
+    order: list[str] = []
+
+    class Fake:
+        def __init__(self, name: str, cost: float, steps: int) -> None:
+            self.name, self.cost, self.left, self.t = name, cost, steps, 0.0
+            self.clock = SimpleNamespace(kind="cpu", now=lambda: self.t)
+            self.engine = SimpleNamespace(runner=SimpleNamespace(device=torch.device("cpu")))
+
+        @property
+        def done(self) -> bool:
+            return self.left == 0
+
+        def step(self) -> None:
+            order.append(self.name)
+            self.t += self.cost
+            self.left -= 1
+
+        def result(self) -> dict:
+            return {"name": self.name, "t": self.t}
+
+    results = serve_lockstep([Fake("a", 1.0, 3), Fake("b", 0.4, 6)])
+    assert order == ["a", "b", "b", "b", "a", "b", "b", "a", "b"]
+    assert results == [{"name": "a", "t": 3.0}, {"name": "b", "t": pytest.approx(2.4)}]
+    wall = Fake("w", 1.0, 1)
+    wall.clock.kind = "wall"
+    with pytest.raises(ValueError, match="^lockstep: "):
+        serve_lockstep([wall])
+
+
+def test_bench_serve_lockstep_runs_the_schedulers_side_by_side(bench_cache, single_thread):
+    from loopserve.cli import main
+
+    out = bench_cache / "serve-lockstep"
+    assert main(["bench", "serve", "--model", "micro-ouro", "--dtype", "float32", "--num-requests", "4",
+                 "--rates", "20", "--schedulers", "cb,cdb", "--width", "2", "--lockstep", "--no-progress",
+                 "--out", str(out)]) == 0
+    runs = [r["metrics"] for r in json.loads((out / "serve.json").read_text())["runs"]]
+    assert [(m["scheduler"], m["clock"], m["completed"]) for m in runs] == [("cb", "cpu", 4), ("cdb", "cpu", 4)]
+    with pytest.raises(SystemExit, match="--lockstep: runs on the CPU clock"):
+        main(["bench", "serve", "--model", "micro-ouro", "--lockstep", "--clock", "wall", "--out", str(out)])
+
+
 def test_bench_throughput_reports_graph_buckets_and_their_capture_time(bench_cache, single_thread):
     """With cuda_graphs each row counts the buckets its run prepared and the time their captures took (none
     on the CPU, which captures nothing: the decode rate without them is the decode rate); eager, none."""

@@ -463,8 +463,11 @@ def cmd_spec(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from loopserve_lab.bench.harness import CDB_SCHEDULERS, engine_kwargs_for, run_offline, write_json
     from loopserve_lab.bench.plots import plot_serve
-    from loopserve_lab.bench.serve import format_serve, launch_server, run_inprocess
+    from loopserve_lab.bench.serve import ServeRun, format_serve, launch_server, run_inprocess, serve_lockstep
 
+    if args.lockstep and args.clock == "wall":
+        raise SystemExit("error: --lockstep: runs on the CPU clock (`--clock cpu`, its default)")
+    args.clock = args.clock or ("cpu" if args.lockstep else "wall")
     if args.clock == "cpu" and (args.mode != "inprocess" or str(args.device).startswith("cuda")):
         raise SystemExit("error: --clock cpu: in-process on the CPU only (a server's time is another process's; a "
                          "GPU step returns before its work is done)")
@@ -487,12 +490,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     path = out / "serve.json"
     modes = ["inprocess", "http"] if args.mode == "both" else [args.mode]
     for mode in modes:
+        if mode == "inprocess" and args.lockstep:  # per rate, the schedulers side by side
+            for rate in rates:
+                runs = [ServeRun(bm, wl, traces, sched, rate, args.width, seed=args.seed, progress=False,
+                                 burstiness=args.burstiness, clock="cpu", **ov) for sched in schedulers]
+                for res in serve_lockstep(runs):
+                    result["runs"].append(res if args.save_records else {"metrics": res["metrics"]})
+                write_json(path, result)
+            continue
         for sched in schedulers:
             if mode == "inprocess":
                 for rate in rates:
                     res = run_inprocess(bm, wl, traces, sched, rate, args.width, seed=args.seed, progress=progress,
                                         burstiness=args.burstiness, clock=args.clock, **ov)
-                    res["metrics"]["mode"] = "in-process"
                     result["runs"].append(res if args.save_records else {"metrics": res["metrics"]})
                     write_json(path, result)
             else:
@@ -760,9 +770,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rate-fractions", type=_floats, default=[0.25, 0.5, 0.75, 1.0, 1.25])
     p.add_argument("--capacity", type=float, default=None, help="CB req/s (default: measured offline first)")
     p.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape of the gaps (1: Poisson)")
-    p.add_argument("--clock", default="wall", choices=CLOCKS,
-                   help="in-process: wall, or cpu (this process's CPU time; idle gaps skipped): runs on a shared "
-                        "machine compare")
+    p.add_argument("--clock", default=None, choices=CLOCKS,
+                   help="in-process: wall (default), or cpu (CPU time of the run's own steps; idle gaps skipped)")
+    p.add_argument("--lockstep", action="store_true",
+                   help="in-process, CPU only: at each rate the schedulers run at once on the CPU clock, a step of "
+                        "the one furthest behind in its time in turn (runs on a shared machine then compare)")
     p.add_argument("--url", default=None, help="HTTP: an already running server (else `loopserve serve` per scheduler)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--api-key", default=None)

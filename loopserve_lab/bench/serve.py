@@ -30,6 +30,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,83 +48,146 @@ from loopserve_lab.bench.workloads import Workload
 
 
 class RunClock:
-    """Seconds since the run started: wall (`perf_counter`) or "cpu" (process CPU time, and an idle engine
-    jumps to the next arrival instead of sleeping)."""
+    """Seconds since a run started: wall (`perf_counter`), or "cpu": the process CPU time spent inside the run's own
+    steps (`running`), plus the idle gaps skipped to the next arrival instead of slept (runs stepped in turn in one
+    process each count their own work only: `serve_lockstep`)."""
 
     def __init__(self, kind: str = "wall") -> None:
         if kind not in CLOCKS:
             raise ValueError(f"clock: expected one of {', '.join(CLOCKS)}, got {kind!r}")
-        self._read = time.perf_counter if kind == "wall" else time.process_time
-        self._sleeps = kind == "wall"
-        self._skipped = 0.0
-        self._t0 = self._read()
+        self.kind = kind
+        self._t0 = time.perf_counter()
+        self._spent = 0.0  # cpu: CPU seconds of the run's steps, and skipped gaps
+        self._since: float | None = None  # cpu: the process CPU time the current step started at
 
     def now(self) -> float:
-        return self._read() - self._t0 + self._skipped
+        if self.kind == "wall":
+            return time.perf_counter() - self._t0
+        return self._spent + (time.process_time() - self._since if self._since is not None else 0.0)
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """Around one of the run's steps: on the CPU clock, the time it spends is the run's."""
+        if self.kind == "cpu":
+            self._since = time.process_time()
+        try:
+            yield
+        finally:
+            if self._since is not None:
+                self._spent += time.process_time() - self._since
+                self._since = None
 
     def wait_until(self, t: float) -> None:
         gap = max(0.0, t - self.now())
-        if self._sleeps:
+        if self.kind == "wall":
             time.sleep(gap)
         else:
-            self._skipped += gap
+            self._spent += gap
 
 
 CLOCKS = ("wall", "cpu")
 
 
-def run_inprocess(bm: BenchModel, workload: Workload, traces: list[list[int]] | None, scheduler: str,
-                  rate: float, width: int, seed: int = 0, progress: bool = True, burstiness: float = 1.0,
-                  clock: str = "wall", **engine_overrides: Any) -> dict[str, Any]:
-    """One open-loop run: the workload's requests released at Poisson instants of `rate` req/s, timed by
-    `clock` (`RunClock`)."""
-    from tqdm import tqdm
+class ServeRun:
+    """One open-loop in-process run, stepped from outside: the workload's requests released at Poisson instants of
+    `rate` req/s, timed by `clock` (`RunClock`). `run_inprocess` steps one to its end; `serve_lockstep` several in
+    turn."""
 
-    from loopserve.sampling_params import SamplingParams
+    def __init__(self, bm: BenchModel, workload: Workload, traces: list[list[int]] | None, scheduler: str,
+                 rate: float, width: int, seed: int = 0, progress: bool = True, burstiness: float = 1.0,
+                 clock: str = "wall", **engine_overrides: Any) -> None:
+        from tqdm import tqdm
 
-    arrivals = poisson_arrivals(rate, len(workload), seed, burstiness)
-    cfg = engine_kwargs_for(workload, width, scheduler=scheduler, **engine_overrides)
-    engine = bm.engine(seed=seed, **cfg)
-    records = [RequestRecord(arrival=a, prompt_tokens=len(r.prompt_ids))
-               for a, r in zip(arrivals, workload.requests, strict=True)]
-    seen = [0] * len(workload)
-    bar = tqdm(total=len(workload), desc=f"{scheduler} @ {rate:g} req/s", disable=not progress, leave=False)
-    nxt = 0
-    with torch.inference_mode():
-        run_clock, m0 = RunClock(clock), time.monotonic()
-        while nxt < len(workload) or engine.has_unfinished_requests():
-            now = run_clock.now()
-            while nxt < len(workload) and arrivals[nxt] <= now:
-                req = workload.requests[nxt]
+        self.workload, self.traces, self.scheduler, self.rate, self.width = workload, traces, scheduler, rate, width
+        self.arrivals = poisson_arrivals(rate, len(workload), seed, burstiness)
+        self.cfg = engine_kwargs_for(workload, width, scheduler=scheduler, **engine_overrides)
+        self.engine = bm.engine(seed=seed, **self.cfg)
+        self.records = [RequestRecord(arrival=a, prompt_tokens=len(r.prompt_ids))
+                        for a, r in zip(self.arrivals, workload.requests, strict=True)]
+        self._seen = [0] * len(workload)
+        self._bar = tqdm(total=len(workload), desc=f"{scheduler} @ {rate:g} req/s", disable=not progress,
+                         leave=False)
+        self.next = 0  # the next request to release
+        self.clock = RunClock(clock)
+        self._m0 = time.monotonic()
+
+    @property
+    def done(self) -> bool:
+        return self.next >= len(self.workload) and not self.engine.has_unfinished_requests()
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        """Release the requests whose instant has come, then one engine step (or, idle, wait for the next)."""
+        from loopserve.sampling_params import SamplingParams
+
+        engine, traces = self.engine, self.traces
+        with self.clock.running():
+            now = self.clock.now()
+            while self.next < len(self.workload) and self.arrivals[self.next] <= now:
+                i = self.next
+                req = self.workload.requests[i]
                 params = SamplingParams(max_tokens=req.output_len, ignore_eos=True, temperature=0.0,
-                                        exit_trace=list(traces[nxt]) if traces is not None else None,
+                                        exit_trace=list(traces[i]) if traces is not None else None,
                                         exit_policy=None if traces is not None else "fixed")
-                engine.add_request(str(nxt), {"prompt_token_ids": req.prompt_ids}, params,
-                                   arrival_time=m0 + arrivals[nxt])
-                nxt += 1
+                engine.add_request(str(i), {"prompt_token_ids": req.prompt_ids}, params,
+                                   arrival_time=self._m0 + self.arrivals[i])
+                self.next += 1
             if not engine.has_unfinished_requests():
-                run_clock.wait_until(arrivals[nxt])
-                continue
-            outs = engine.step()
-            t = run_clock.now()
-            for out in outs:
-                i = int(out.request_id)
-                n = len(out.outputs[0].token_ids)
-                records[i].token_times += [t] * (n - seen[i])
-                seen[i] = n
-                if out.finished:
-                    records[i].finish = t
-                    if out.error:
-                        records[i].error = out.error
-                    bar.update(1)
-    bar.close()
-    m = serving_metrics(records)
-    st = engine.stats
-    items = sum(st.exit_depths.values())
-    m.update({"scheduler": scheduler, "rate": rate, "width": width, "mode": "in-process", "clock": clock,
-              "mean_exit_depth": sum(d * c for d, c in st.exit_depths.items()) / items if items else None,
-              "model_time_s": st.model_time, "schedule_time_s": st.schedule_time, "config": cfg})
-    return {"metrics": m, "records": [r.to_json() for r in records]}
+                idle = True
+            else:
+                idle = False
+                outs = engine.step()
+                t = self.clock.now()
+        if idle:
+            self.clock.wait_until(self.arrivals[self.next])
+            return
+        for out in outs:
+            i = int(out.request_id)
+            rec = self.records[i]
+            n = len(out.outputs[0].token_ids)
+            rec.token_times += [t] * (n - self._seen[i])
+            self._seen[i] = n
+            if out.finished:
+                rec.finish = t
+                if out.error:
+                    rec.error = out.error
+                self._bar.update(1)
+
+    def result(self) -> dict[str, Any]:
+        self._bar.close()
+        m = serving_metrics(self.records)
+        st = self.engine.stats
+        items = sum(st.exit_depths.values())
+        m.update({"scheduler": self.scheduler, "rate": self.rate, "width": self.width, "mode": "in-process",
+                  "clock": self.clock.kind,
+                  "mean_exit_depth": sum(d * c for d, c in st.exit_depths.items()) / items if items else None,
+                  "model_time_s": st.model_time, "schedule_time_s": st.schedule_time, "config": self.cfg})
+        return {"metrics": m, "records": [r.to_json() for r in self.records]}
+
+
+def run_inprocess(bm: BenchModel, workload: Workload, traces: list[list[int]] | None, scheduler: str,
+                  rate: float, width: int, **kwargs: Any) -> dict[str, Any]:
+    """One open-loop run (`ServeRun`, same arguments) to its end."""
+    run = ServeRun(bm, workload, traces, scheduler, rate, width, **kwargs)
+    while not run.done:
+        run.step()
+    return run.result()
+
+
+def serve_lockstep(runs: list[ServeRun]) -> list[dict[str, Any]]:
+    """Several open-loop runs at once on the CPU clock: each step goes to the run whose clock is furthest behind,
+    so the runs move through their (virtual) time together and meet the same machine, as `harness.run_lockstep`
+    does for offline runs; each run's clock counts its own steps only. On the CPU only (a GPU step returns before
+    its work is done: its time is not its own)."""
+    if any(r.clock.kind != "cpu" for r in runs) or any(r.engine.runner.device.type != "cpu" for r in runs):
+        raise ValueError("lockstep: runs on the CPU clock, on the CPU only")
+    live = [r for r in runs if not r.done]
+    while live:
+        run = min(live, key=lambda r: r.clock.now())
+        run.step()
+        if run.done:
+            live.remove(run)
+    return [r.result() for r in runs]
 
 
 # --------------------------------------------------------------------------------------------------
