@@ -109,8 +109,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    try:  # (a request the engine can never run, say past its KV pool, is refused before it starts)
+        if args.scheduler == "reference" or len(prompts) > 1:
+            outs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
+        else:
+            seq = llm._make_sequence(prompts[0], params)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.scheduler == "reference" or len(prompts) > 1:
-        outs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
         all_depths = []
         for o in outs:
             c = o.outputs[0]
@@ -122,7 +129,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # one prompt: stream text as tokens arrive, with each token's depth as a shade underneath
     engine = llm.engine
     assert engine is not None
-    seq = llm._make_sequence(prompts[0], params)
     engine.add_sequence(seq)
     print(seq.prompt or "", end="", flush=True)
     shown = 0

@@ -82,11 +82,29 @@ _CHECKPOINT_DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfl
 KV_ACTIVATION_RESERVE_GB = 1.0  # --gpu-memory-utilization: device memory left out of the KV pool for activations
 
 
+DEVICES = "cpu, cuda, cuda:N or auto"
+
+
 def resolve_device(device: str) -> str:
-    """`auto`: CUDA when a GPU is visible, else the CPU; any other name is kept."""
-    if device != AUTO:
-        return device
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    """`auto`: CUDA when a GPU is visible, else the CPU; any other name is checked (ValueError naming
+    `device`, where torch would raise its own errors later) and kept."""
+    if device == AUTO:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if not isinstance(device, str):
+        raise ValueError(f"device: expected {DEVICES}, got {type(device).__name__}")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device: expected {DEVICES}, got {device!r}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device: {device!r}, but CUDA is not available here (this torch build has no CUDA, or "
+                             "no GPU is visible); use cpu or auto")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device: {device!r}, but only {torch.cuda.device_count()} CUDA device(s) are visible")
+    elif dev.type != "cpu":
+        raise ValueError(f"device: {dev.type} is not supported (expected {DEVICES})")
+    return device
 
 
 def checkpoint_dtype(folder: Path) -> str | None:

@@ -13,10 +13,12 @@ from typing import Any
 from tqdm import tqdm
 
 from loopserve.cache.layout import KVLayout
+from loopserve.chat_messages import chat_messages
+from loopserve.engine.budget import completion_budget, pool_tokens
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine import LLMEngine
 from loopserve.engine.reference import ReferenceDecoder
-from loopserve.engine.sequence import PromptType, Sequence, make_sequence
+from loopserve.engine.sequence import PromptType, Sequence, make_sequence, parse_prompt, truncate_prompt
 from loopserve.models.loader import embedded_model_path, load_model
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import RequestOutputKind, SamplingParams
@@ -69,23 +71,41 @@ class LLM:
         return SamplingParams(**self.generation_defaults)
 
     def _make_sequence(self, prompt: PromptType, params: SamplingParams) -> Sequence:
+        """A request's Sequence, checked as the server checks one (ValueError naming the field): its token
+        budget against the context and the KV pool (engine/budget.py), then whether its samples' blocks could
+        ever fit the pool (the scheduler's `never_fits`), so that it never fails once running for that."""
         index = next(self._counter)
         # Per-request sampling seed: the request's own when given, as the server does, else one derived
         # from the LLM seed; the same in every scheduler. Initial states are seeded from the prompt.
         seed = params.seed if params.seed is not None else self.seed * 1_000_003 + index
-        # generate() returns finished requests only: no per-token outputs (vLLM's LLM does the same)
-        params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
-        return make_sequence(self.model, self.tokenizer, str(index), prompt, params, seed,
-                             self.engine_config.lookahead, self.engine_config.num_speculative_tokens,
-                             base_seed=self.seed,
-                             max_num_seqs=self.engine_config.max_num_seqs if self.engine is not None else None)
+        text, ids = parse_prompt(prompt, self.tokenizer)
+        ids = truncate_prompt(ids, params.truncate_prompt_tokens)  # (as make_sequence will: it is idempotent)
+        kv_tokens = pool_tokens(self.engine) if self.engine is not None else None
+        budget = completion_budget(len(ids), params.max_tokens, max_model_len=self.config.max_position,
+                                   kv_tokens=kv_tokens, clip_to_context=True)
+        # generate() returns finished requests only: no per-token outputs (vLLM's LLM does the same). No
+        # max_tokens: the room left, where the KV pool is smaller than the context (the server's rule).
+        params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY,
+                                     max_tokens=params.max_tokens if params.max_tokens is not None else budget)
+        seq = make_sequence(self.model, self.tokenizer, str(index), {"prompt": text, "prompt_token_ids": ids},
+                            params, seed, self.engine_config.lookahead, self.engine_config.num_speculative_tokens,
+                            base_seed=self.seed,
+                            max_num_seqs=self.engine_config.max_num_seqs if self.engine is not None else None)
+        why = self.engine.scheduler.never_fits(seq) if self.engine is not None else None
+        if why is not None:
+            raise ValueError(why)
+        return seq
 
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Outputs in the order of `prompts` (one prompt or a list: text, token ids or a prompt dict)."""
+        """Outputs in the order of `prompts` (one prompt or a list: text, token ids or a prompt dict). Every
+        request is checked before any runs: a ValueError naming the field means none ran."""
         single = isinstance(prompts, str | dict) or (
             isinstance(prompts, list) and bool(prompts) and all(isinstance(t, int) for t in prompts))
+        if not single and (isinstance(prompts, Mapping) or not isinstance(prompts, Seq)):
+            raise ValueError("prompts: expected a prompt (a string, a list of token ids, or a dict with 'prompt' or "
+                             f"'prompt_token_ids') or a list of prompts, got {type(prompts).__name__}")
         prompt_list: list[PromptType] = [prompts] if single else list(prompts)  # type: ignore[list-item,arg-type]
         return self._run(prompt_list, sampling_params, use_tqdm)
 
@@ -105,31 +125,45 @@ class LLM:
             conversations = list(messages)  # type: ignore[arg-type]
         else:
             raise ValueError("messages: expected a conversation (a list of messages) or a list of conversations")
+        batch = len(conversations) > 1 or conversations[0] is not messages
         prompts: list[PromptType] = [
-            self._chat_prompt(conv, chat_template, add_generation_prompt, chat_template_kwargs, tools)
-            for conv in conversations]
+            self._chat_prompt(conv, chat_template, add_generation_prompt, chat_template_kwargs, tools,
+                              f"messages.{i}" if batch else "messages")
+            for i, conv in enumerate(conversations)]
         return self._run(prompts, sampling_params, use_tqdm)
 
     def _chat_prompt(self, conversation: Conversation, chat_template: str | None = None,
                      add_generation_prompt: bool = True, chat_template_kwargs: dict[str, Any] | None = None,
-                     tools: Seq[Mapping[str, Any]] | None = None) -> dict[str, Any]:
+                     tools: Seq[Mapping[str, Any]] | None = None, where: str = "messages") -> dict[str, Any]:
+        """`where`: the conversation's field in errors (`messages`, or `messages.<i>` in a batch)."""
         extra = dict(chat_template_kwargs or {})
         for name in ("messages", "add_generation_prompt", "chat_template", "tools"):
             if name in extra:
                 raise ValueError(f"chat_template_kwargs.{name}: set by the chat() argument of that name")
-        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt, chat_template=chat_template,
+        messages = chat_messages(conversation, where)  # the server's rules for a message (chat_messages.py)
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt, chat_template=chat_template,
                                                   tools=tools, **extra)
         # the template writes any BOS itself: tokenize without adding special tokens (as vLLM and the server do)
-        return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
+        return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False,
+                                                                          what="messages")}
 
     def _run(self, prompt_list: list[PromptType], sampling_params: SamplingParams | Seq[SamplingParams] | None,
              use_tqdm: bool) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params = ([sampling_params] * len(prompt_list) if isinstance(sampling_params, SamplingParams)
-                  else list(sampling_params))
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompt_list)
+        elif isinstance(sampling_params, Seq) and not isinstance(sampling_params, str):
+            params = list(sampling_params)
+        else:
+            raise ValueError("sampling_params: expected a SamplingParams or a list of them (one per prompt), got "
+                             f"{type(sampling_params).__name__}")
+        for i, sp in enumerate(params):
+            if not isinstance(sp, SamplingParams):
+                raise ValueError(f"sampling_params.{i}: expected a SamplingParams, got {type(sp).__name__}")
         if len(params) != len(prompt_list):
             raise ValueError(f"sampling_params: {len(params)} given for {len(prompt_list)} prompts")
+        # all checked (and grammars compiled) before the first is added: a bad one means none ran
         seqs = [self._make_sequence(p, sp) for p, sp in zip(prompt_list, params, strict=True)]
         bar = _ProgressBar(len(seqs), use_tqdm)
         if self.engine is None:

@@ -35,15 +35,34 @@ _repr.maxlist, _repr.maxdict, _repr.maxstring, _repr.maxother = 8, 8, 80, 80
 _short = _repr.repr
 
 
+SCHEMA_FORMS = "a JSON schema: an object, a boolean, or the JSON text of one"
+
+
+def _check_schema(schema: Any) -> None:
+    """ValueError naming `json` unless `schema` is a JSON schema in a form GuidedDecodingParams takes (the
+    grammar compiler says whether its content is valid)."""
+    value = schema
+    if isinstance(schema, str):
+        try:
+            value = json.loads(schema)
+        except (ValueError, RecursionError) as e:
+            raise ValueError(f"json: must be {SCHEMA_FORMS}; the text is not valid JSON ({e})") from None
+    if not isinstance(value, dict | bool):
+        kinds = {list: "an array", str: "a string", int: "a number", float: "a number", type(None): "null"}
+        kind = kinds.get(type(value), type(value).__name__)
+        raise ValueError(f"json: must be {SCHEMA_FORMS}, got {'the JSON text of ' if schema is not value else ''}"
+                         f"{kind}")
+
+
 @dataclass
 class GuidedDecodingParams:
-    """Structured output (vLLM's `GuidedDecodingParams`): exactly one of `json` (a JSON schema: a dict, its
-    JSON text, or a pydantic model class), `regex`, `choice` (the output is one of these strings),
-    `grammar` (Lark, or GBNF as llama.cpp writes it) or `json_object=True` (any JSON object). Between
-    JSON tokens any whitespace is allowed, unless `disable_any_whitespace` (none) or `whitespace_pattern`
-    (a regex) says otherwise. The grammar is validated here: a ValueError names the field."""
+    """Structured output (vLLM's `GuidedDecodingParams`): exactly one of `json` (a JSON schema: a dict, a
+    boolean (true: any JSON value), its JSON text, or a pydantic model class), `regex`, `choice` (the output
+    is one of these strings), `grammar` (Lark, or GBNF as llama.cpp writes it) or `json_object=True` (any
+    JSON object). Between JSON tokens any whitespace is allowed, unless `disable_any_whitespace` (none) or
+    `whitespace_pattern` (a regex) says otherwise. The grammar is validated here: a ValueError names the field."""
 
-    json: str | dict[str, Any] | None = None
+    json: str | dict[str, Any] | bool | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
@@ -65,8 +84,8 @@ class GuidedDecodingParams:
         if len(given) != 1:
             raise ValueError("guided_decoding: exactly one of json, regex, choice, grammar or json_object is "
                              f"needed, got {', '.join(given) or 'none'}")
-        if self.json is not None and not isinstance(self.json, str | dict):
-            raise ValueError(f"json: must be a JSON schema (a dict or its JSON text), got {type(self.json).__name__}")
+        if self.json is not None:
+            _check_schema(self.json)
         for name in ("regex", "grammar", "whitespace_pattern"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or (not v and name != "whitespace_pattern")):
@@ -244,6 +263,8 @@ class SamplingParams:
             if self.exit_policy not in (None, "trace"):
                 raise bad("exit_policy", "must be 'trace' (or unset) when exit_trace is given")
             self.exit_policy = "trace"
+        if self.exit_policy == "trace" and self.exit_trace is None:  # else it would run at full depth unsaid
+            raise bad("exit_trace", "needed with exit_policy 'trace' (the exit depths to replay)")
         if self.exit_policy == "gate" and self.exit_threshold is not None and not 0 < self.exit_threshold <= 1:
             raise bad("exit_threshold", "a gate threshold is a probability in (0, 1]")
         if self.num_speculative_tokens is not None and (not is_int(self.num_speculative_tokens)
@@ -251,6 +272,12 @@ class SamplingParams:
             raise bad("num_speculative_tokens", "must be an integer >= 0")
         if self.guided_decoding is not None and not isinstance(self.guided_decoding, GuidedDecodingParams):
             raise bad("guided_decoding", "must be a GuidedDecodingParams")
+        # A grammar finishes its request as soon as it is complete (engine/sequence.py `append`), whatever
+        # min_tokens says: a choice or a bounded regex then ends earlier, and whether a grammar can end before
+        # min_tokens tokens cannot be told before it runs. A grammar can demand a length itself (a{8,}).
+        if self.min_tokens and self.guided_decoding is not None:
+            raise bad("min_tokens", "must be 0 with guided decoding (the grammar ends the output as soon as it is "
+                                    "complete; write a minimum length into the grammar instead)")
 
     @property
     def penalized(self) -> bool:

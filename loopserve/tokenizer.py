@@ -156,8 +156,19 @@ class Tokenizer:
         _compile(template)  # a broken template fails here, at startup, not on the first request
         self.chat_templates = {DEFAULT_TEMPLATE: template}
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = True, what: str = "text") -> list[int]:
+        """The token ids of `text`; ValueError naming `what` (the caller's field) for a string that is not
+        Unicode text: one with a lone surrogate, which a Python string can hold and UTF-8 cannot."""
+        try:
+            return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:  # (what the tokenizers library raises for it: "TextInputSequence must be str")
+            if isinstance(text, str):
+                try:
+                    text.encode()
+                except UnicodeEncodeError as e:
+                    raise ValueError(f"{what}: not valid Unicode text (it holds a lone surrogate, "
+                                     f"U+{ord(text[e.start]):04X})") from None
+            raise
 
     @cached_property
     def _bytes_per_token(self) -> int | None:

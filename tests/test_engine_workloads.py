@@ -52,7 +52,7 @@ def sampling_params(draw, arch: str, r_max: int) -> SamplingParams:
     if policy == "fixed":
         kw["exit_policy"] = "fixed"
     elif policy == "trace":
-        kw["exit_trace"] = draw(st.lists(st.integers(1, r_max + 1), max_size=10))
+        kw["exit_trace"] = draw(st.lists(st.integers(1, r_max), max_size=10))  # (past r_max: refused)
     elif policy == "signal" and arch == "ouro-la":  # rules that decide ahead next to ones that do not
         kw.update(exit_policy=draw(st.sampled_from(["lookahead_gate", "gate"])),
                   exit_threshold=draw(st.sampled_from([0.3, 0.6, 0.9])))
@@ -176,10 +176,19 @@ def test_prompt_that_never_fits_fails_alone(scheduler, tiny_ouro):
 
 
 def test_prompt_that_never_fits_through_llm(tiny_huginn):
+    """LLM refuses it up front, as the server does (ValueError naming the field), and runs none of the call's
+    requests; it used to return it as an output with finish_reason "error"."""
     llm = LLM(tiny_huginn, dtype="float64", scheduler="cdb", block_size=4, kv_cache_tokens=16)
-    outs = llm.generate([[5, 6], list(range(1, 30)), [7]], SamplingParams(temperature=0, max_tokens=3))
-    assert [o.outputs[0].finish_reason for o in outs] == ["length", "error", "length"]
-    assert "cannot fit in the KV cache" in outs[1].error and outs[0].error is None
+    params = SamplingParams(temperature=0, max_tokens=3)
+    with pytest.raises(ValueError, match=r"^prompt: 29 tokens do not fit in the KV cache \(16 tokens\)"):
+        llm.generate([[5, 6], list(range(1, 30)), [7]], params)
+    assert not llm.engine.has_unfinished_requests() and llm.engine.stats.finished_requests == {}
+    # the scheduler's block count too: 13 tokens and one to generate need 4 blocks, two samples 5
+    with pytest.raises(ValueError, match=r"^n: 2 samples of a prompt of 13 tokens cannot fit"):
+        llm.generate([[5, 6], list(range(1, 14))], SamplingParams(temperature=0, max_tokens=3, n=2))
+    assert not llm.engine.has_unfinished_requests() and llm.engine.stats.finished_requests == {}
+    outs = llm.generate([[5, 6], [7]], params)
+    assert [o.outputs[0].finish_reason for o in outs] == ["length", "length"]
     assert llm.engine.kv_usage() == 0
 
 

@@ -229,14 +229,16 @@ def test_exit_trace_replays_depths(tiny_ouro, tiny_huginn):
     for path in (tiny_ouro, tiny_huginn):
         llm = _llm(path)
         r_max = llm.config.r_max
-        trace = [1, 3, 2, 99, 1, 4]
-        clamped = [min(max(d, 2), r_max) for d in trace]
+        trace = [1, 3, 2, r_max, 1, 4]
+        clamped = [max(d, 2) for d in trace]  # min_loops bounds the replayed depths
         out = _gen(llm, [PROMPTS[0]], max_tokens=5, exit_trace=trace, min_loops=2)[0]
         assert out.exit_depths[1:] == clamped[:4]
         long = _gen(llm, [PROMPTS[1]], max_tokens=9, exit_trace=trace)[0]
-        unclamped = [min(d, r_max) for d in trace]
-        assert long.exit_depths[1:] == unclamped + [r_max] * 2  # full depth past the trace's end
+        assert long.exit_depths[1:] == trace + [r_max] * 2  # full depth past the trace's end
         assert long.exit_depths[0] == r_max
+        # a depth past r_max is refused as max_loops past it is, naming the entry (it was once clamped)
+        with pytest.raises(ValueError, match=rf"^exit_trace\.3: 99 exceeds the model's r_max \({r_max}\)"):
+            _gen(llm, [PROMPTS[0]], max_tokens=5, exit_trace=[1, 3, 2, 99, 1, 100])
 
 
 @pytest.mark.parametrize("fixture,policy,threshold", [("tiny_ouro", "gate", 0.5), ("tiny_huginn", "trace", None)])

@@ -8,6 +8,7 @@ import dataclasses
 import importlib.util
 import inspect
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -227,3 +228,87 @@ def test_token_id_prompts_are_ints_in_the_vocabulary(llm, prompt, field):
     with pytest.raises(ValueError, match=f"^{field}: "):
         llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)
     assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1), use_tqdm=False)[0].outputs[0].token_ids
+
+
+# ---------------- checked as the server checks them, before anything runs
+
+
+@pytest.fixture(scope="module")
+def small_kv(tiny_ouro) -> LLM:
+    """A KV pool of 256 tokens, far below the model's context (2048)."""
+    return LLM(tiny_ouro, kv_cache_tokens=256)
+
+
+def test_requests_that_cannot_fit_the_kv_pool_are_refused_before_any_runs(small_kv):
+    """The server's rule (engine/budget.py, then the scheduler's `never_fits`): a prompt the pool cannot hold,
+    or a prompt + max_tokens past it, is a ValueError naming the field, and none of the call's requests run.
+    They used to come back with finish_reason "error" (the second after 57 of its 100 tokens)."""
+    with pytest.raises(ValueError, match=r"^prompt: 300 tokens do not fit in the KV cache \(256 tokens\)$"):
+        small_kv.generate({"prompt_token_ids": [5] * 300}, SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^max_tokens: 200 prompt \+ 100 completion tokens exceed the KV cache"):
+        small_kv.generate([[5, 6], {"prompt_token_ids": [5] * 200}], SamplingParams(max_tokens=100), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^max_tokens: "):
+        small_kv.chat([HELLO, HELLO], SamplingParams(max_tokens=250), use_tqdm=False)
+    assert small_kv.engine.stats.finished_requests == {} and not small_kv.engine.has_unfinished_requests()
+    # no max_tokens: the room the pool leaves (the server's rule too), not the context's
+    [out] = small_kv.generate({"prompt_token_ids": [5] * 200}, SamplingParams(max_tokens=None, ignore_eos=True),
+                              use_tqdm=False)
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 56
+    # a completion past the context still ends at its end offline (vLLM's LLM), and that must fit the pool
+    with pytest.raises(ValueError, match=r"^max_tokens: 2 prompt \+ 2046 completion tokens exceed the KV cache"):
+        small_kv.generate([[5, 6]], SamplingParams(max_tokens=5000), use_tqdm=False)
+
+
+@pytest.mark.parametrize("prompts,params,field", [
+    ("a\ud800b", SamplingParams(max_tokens=1), "prompt"),  # a lone surrogate: a str, but not Unicode text
+    ({"prompt": "\udc80"}, SamplingParams(max_tokens=1), "prompt"),
+    (None, SamplingParams(max_tokens=1), "prompts"),
+    (5, SamplingParams(max_tokens=1), "prompts"),
+    ("a", {"max_tokens": 1}, "sampling_params"),
+    (["a", "b"], [SamplingParams(max_tokens=1), {"max_tokens": 1}], r"sampling_params\.1"),
+])
+def test_bad_arguments_are_value_errors_naming_the_field(llm, prompts, params, field):
+    with pytest.raises(ValueError, match=rf"^{field}: "):
+        llm.generate(prompts, params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("device,cuda,message", [
+    ("tpu", True, r"^device: expected cpu, cuda, cuda:N or auto, got 'tpu'"),
+    ("mps", True, r"^device: mps is not supported"),
+    ("cuda", False, r"^device: 'cuda', but CUDA is not available"),
+    ("cuda:3", True, r"^device: 'cuda:3', but only 1 CUDA device"),
+])
+def test_bad_device_is_a_value_error_naming_device(tiny_ouro, monkeypatch, device, cuda, message):
+    """Not torch's RuntimeError (an unknown device type) or AssertionError (a build without CUDA)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=message):
+        LLM(tiny_ouro, device=device)
+
+
+def test_chat_messages_follow_the_servers_rules(llm):
+    """One check for LLM.chat and the server (chat_messages.py): a message needs a known role and content,
+    except an assistant message with tool_calls. Errors name the message and field (in a batch, the
+    conversation too). A missing content used to fail in the template, and role "wizard" was rendered."""
+    params = SamplingParams(max_tokens=1)
+    for conv, field in (([{"role": "user"}], "messages.0.content"),
+                        ([*HELLO, {"role": "assistant", "content": None}], "messages.1.content"),
+                        ([{"role": "wizard", "content": "x"}], "messages.0.role"),
+                        ([{"content": "x"}], "messages.0.role"),
+                        ([{"role": "user", "content": [{"type": "image_url"}]}], "messages.0.content.0"),
+                        ([{"role": "user", "content": "x", "name": 5}], "messages.0.name"),
+                        ([{"role": "user", "content": "\ud800"}], "messages")):
+        with pytest.raises(ValueError, match=rf"^{re.escape(field)}: "):
+            llm.chat(conv, params, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^messages\.1\.0\.content: "):
+        llm.chat([HELLO, [{"role": "user", "content": None}]], params, use_tqdm=False)
+    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                                                                  "function": {"name": "f", "arguments": "{}"}}]}
+    [out] = llm.chat([*HELLO, call], params, use_tqdm=False)
+    assert out.prompt.endswith("<|im_start|>assistant\n<|im_end|>\n<|im_start|>assistant\n")
+    # text parts are joined, as the server joins them
+    [parts] = llm.chat([{"role": "user", "content": [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]}],
+                       params, use_tqdm=False)
+    assert parts.prompt == llm.chat(HELLO, params, use_tqdm=False)[0].prompt

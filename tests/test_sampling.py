@@ -61,6 +61,7 @@ LOGITS = P.log() + 3.0  # a constant shift changes nothing
     ("exit_policy", {"exit_policy": "sometimes"}),
     ("exit_trace", {"exit_trace": [2, 0]}),
     ("exit_policy", {"exit_trace": [2], "exit_policy": "gate"}),
+    ("exit_trace", {"exit_policy": "trace"}),  # nothing to replay: it ran at full depth unsaid
     ("num_speculative_tokens", {"num_speculative_tokens": -1}),
     ("num_speculative_tokens", {"num_speculative_tokens": 1.5}),
     ("num_speculative_tokens", {"num_speculative_tokens": "2"}),

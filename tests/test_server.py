@@ -407,6 +407,16 @@ def test_bad_input(server, method, path, body, headers, status):
     assert err["code"] == status and isinstance(err["type"], str)
 
 
+def test_the_bearer_scheme_is_case_insensitive(server):
+    """RFC 7235: an auth scheme is matched case-insensitively ("bearer k" was a 401); the key is not."""
+    for header in (f"bearer {API_KEY}", f"BEARER {API_KEY}", f"Bearer {API_KEY}", f"bEaReR  {API_KEY}"):
+        r = httpx.get(server.url + "/v1/models", headers={"Authorization": header}, timeout=30)
+        assert r.status_code == 200, (header, r.text)
+    for header in (f"bearer {API_KEY.upper()}", f"Basic {API_KEY}", f"Bearer{API_KEY}", API_KEY, "bearer"):
+        r = httpx.get(server.url + "/v1/models", headers={"Authorization": header}, timeout=30)
+        assert r.status_code == 401, (header, r.text)
+
+
 def test_too_many_top_logprobs_names_the_field(server):
     r = httpx.post(server.url + H, json=_h(logprobs=True, top_logprobs=50), headers=AUTH, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs", r.text

@@ -327,6 +327,15 @@ VALUES = [
     (C, {"prompt": [[1], []]}, "prompt.1"),  # one of a batch: named by its index
     (C, {"prompt": [[1], [3, 10**6]]}, "prompt.1"),  # a token outside the vocabulary
     (C, {"prompt": [3, 10**6]}, "prompt"),
+    # the message rules LLM.chat shares (chat_messages.py): content is needed but for an assistant's tool calls
+    (H, _user(None), "messages.0.content"),
+    (H, {"messages": [{"role": "user"}]}, "messages.0.content"),
+    (H, {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]}, "messages.1.content"),
+    # contradictory or ignored inputs
+    (C, {"exit_policy": "trace"}, "exit_trace"),  # nothing to replay (it ran at full depth)
+    (C, {"exit_trace": [1, 100]}, "exit_trace.1"),  # past r_max, as max_loops is (it was clamped)
+    (C, {"guided_choice": ["yes", "no"], "min_tokens": 5, "max_tokens": 10}, "min_tokens"),  # "yes" ended it
+    (H, {"guided_regex": "[ab]{1,3}", "min_tokens": 5, "max_tokens": 10}, "min_tokens"),
 ]
 
 
@@ -365,6 +374,46 @@ def test_validation_error_names_the_full_path(server, path, fields, param):
     assert err["param"] == param, err
     assert err["message"].startswith(f"{param}: "), err
 
+
+
+@pytest.mark.parametrize("schema", [5, "5", [1], "{not json", "null"])
+def test_guided_json_says_in_one_message_what_it_takes(server, schema):
+    """A schema object, its JSON text or a boolean (valid JSON Schemas, which llguidance compiles): each
+    wrong value gets the same message (a number was "Input should be a valid string", "5" llguidance's own)."""
+    r = httpx.post(server.url + C, json={**GOOD_C, "guided_json": schema}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "guided_json", err
+    assert err["message"].startswith("guided_json: must be a JSON schema: an object, a boolean, or the JSON text"), err
+
+
+def test_guided_json_takes_a_boolean_schema(server):
+    for schema in (True, "true"):
+        r = httpx.post(server.url + C, json={**GOOD_C, "guided_json": schema, "max_tokens": 4}, timeout=30)
+        assert r.status_code == 200, r.text
+    r = httpx.post(server.url + C, json={**GOOD_C, "guided_json": False}, timeout=30)  # admits nothing
+    assert r.status_code == 400 and r.json()["error"]["param"] == "guided_json", r.text
+
+
+def test_an_assistant_message_with_tool_calls_may_have_no_content(server):
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "content": "42", "tool_call_id": "c1"}]
+    r = httpx.post(server.url + H, json={**GOOD_H, "messages": messages}, timeout=30)
+    assert r.status_code == 200, r.text
+
+
+def test_tokenize_takes_one_of_prompt_or_messages(server):
+    """Both: refused (the messages were used and the prompt dropped without a word). The chat form checks
+    its messages as chat completions does."""
+    both = {"prompt": "x", "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(server.url + "/tokenize", json=both, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "prompt" and err["message"] == "prompt: give one of prompt or messages, not both", err
+    r = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user"}]}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content", r.text
+    assert httpx.post(server.url + "/tokenize", json={"prompt": "x"}, timeout=30).status_code == 200
 
 
 def test_more_samples_than_resident_sequences_is_a_400_naming_n(server):

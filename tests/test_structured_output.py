@@ -266,6 +266,36 @@ def test_a_grammar_is_compiled_once_even_when_it_fails(tiny_ouro, monkeypatch):
     assert [t[1] for t in texts].count("once(") == 1 and len(matchers) == 1
 
 
+@pytest.mark.parametrize("schema", [5, "5", [1], "null", "{not json"])
+def test_a_schema_of_the_wrong_form_says_what_json_takes(schema):
+    """One message, whatever the wrong value (it used to be llguidance's "schema must be an object or boolean"
+    for "5", and its parser's position in its own wrapper for text that is not JSON)."""
+    with pytest.raises(ValueError, match=r"^json: must be a JSON schema: an object, a boolean, or the JSON text"):
+        GuidedDecodingParams(json=schema)
+
+
+def test_boolean_schemas(llm):
+    """true (any JSON value) is a schema llguidance compiles, given as a boolean or as text; false admits
+    nothing and is refused."""
+    for schema in (True, "true"):
+        params = SamplingParams(temperature=1.0, max_tokens=30, guided_decoding=GuidedDecodingParams(json=schema))
+        out = llm.generate([[3, 4]], params, use_tqdm=False)[0].outputs[0]
+        assert out.finish_reason in ("stop", "length") and out.token_ids
+        if out.finish_reason == "stop":
+            json.loads(out.text)  # a complete JSON value
+    with pytest.raises(ValueError, match=r"^json: .*false"):
+        GuidedDecodingParams(json=False)
+
+
+@pytest.mark.parametrize("kind", ["choice", "regex"])
+def test_min_tokens_with_a_grammar_is_refused(kind):
+    """A grammar finishes its request once complete whatever min_tokens says ("yes" for a choice with
+    min_tokens 5), and whether it can end early cannot be told up front: the pair is refused."""
+    with pytest.raises(ValueError, match=r"^min_tokens: must be 0 with guided decoding"):
+        SamplingParams(min_tokens=5, max_tokens=10, guided_decoding=GUIDES[kind])
+    SamplingParams(min_tokens=0, max_tokens=10, guided_decoding=GUIDES[kind])
+
+
 def test_sampling_params_takes_only_guided_decoding_params():
     with pytest.raises(ValueError, match=r"^guided_decoding: "):
         SamplingParams(guided_decoding={"json": SCHEMA})  # type: ignore[arg-type]

@@ -31,13 +31,19 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+def _within_r_max(name: str, depth: int, r_max: int) -> None:
+    if depth > r_max:
+        raise ValueError(f"{name}: {depth} exceeds the model's r_max ({r_max}); the KV cache holds r_max depths")
+
+
 def resolve_exit_rule(params: SamplingParams, model: LoopedLM, lookahead: bool) -> ExitRule:
     """Fill in model defaults and check the request against the model."""
     config, has_gate = model.config, model.has_gate
     max_loops = params.max_loops or config.r_max
-    if max_loops > config.r_max:
-        raise ValueError(f"max_loops: {max_loops} exceeds the model's r_max ({config.r_max}); "
-                         "the KV cache holds r_max depths")
+    _within_r_max("max_loops", max_loops, config.r_max)
+    trace = params.exit_trace
+    if trace and max(trace) > config.r_max:  # its first entry past r_max is named (refused, not clamped)
+        _within_r_max(*next((f"exit_trace.{i}", d) for i, d in enumerate(trace) if d > config.r_max), config.r_max)
     min_loops = params.min_loops or 1
     if min_loops > max_loops:
         raise ValueError(f"min_loops: {min_loops} exceeds max_loops ({max_loops})")
@@ -68,14 +74,14 @@ def _all_ints(ids: list) -> bool:
 def parse_prompt(prompt: PromptType, tokenizer: Tokenizer) -> tuple[str | None, list[int]]:
     """(text, token ids) of a prompt given as text, token ids, or {"prompt" | "prompt_token_ids": ...}."""
     if isinstance(prompt, str):
-        return prompt, tokenizer.encode(prompt)
+        return prompt, tokenizer.encode(prompt, what="prompt")
     if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
         ids = prompt["prompt_token_ids"]
         if not isinstance(ids, list) or not _all_ints(ids):
             raise ValueError("prompt_token_ids: must be a list of integers")
         return prompt.get("prompt"), list(ids)
     if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
-        return prompt["prompt"], tokenizer.encode(prompt["prompt"])
+        return prompt["prompt"], tokenizer.encode(prompt["prompt"], what="prompt")
     if isinstance(prompt, list) and _all_ints(prompt):
         return None, list(prompt)
     raise ValueError("prompt: expected a string, a list of token ids, or a dict with 'prompt' or 'prompt_token_ids'")

@@ -63,7 +63,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
+from loopserve.chat_messages import chat_messages
 from loopserve.device import kv_memory_gb
+from loopserve.engine.budget import completion_budget, pool_tokens
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine import LLMEngine
 from loopserve.engine.sequence import Sequence, resolve_exit_rule, truncate_prompt
@@ -89,6 +91,7 @@ from loopserve.serve.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     error_body,
+    field_of,
     parse_body,
     parse_tokenize,
     sampling_params,
@@ -238,7 +241,7 @@ class OpenAIServing:
         self.engine, self.settings = engine, settings
         self.tokenizer = engine.tokenizer
         self.max_model_len = context_length(engine, settings.max_model_len)
-        self.kv_tokens = engine.kv.num_blocks * engine.kv.block_size
+        self.kv_tokens = pool_tokens(engine)
         self.fmt = LogprobFormatter(engine)
         self.created = int(time.time())
         self.aengine = AsyncLLMEngine(engine, settings.max_queued_requests, on_dead=on_engine_dead)
@@ -282,9 +285,11 @@ class OpenAIServing:
         keys = self.settings.api_keys
         if not keys:
             return
-        header = request.headers.get("authorization", "").encode()
+        scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
+        # the scheme is case-insensitive (RFC 7235: "bearer k" is "Bearer k"); the key is not
+        given = credentials.lstrip(" ").encode()
         # every key is compared, so the time taken does not tell which one (if any) came close
-        if not sum(secrets.compare_digest(header, f"Bearer {k}".encode()) for k in keys):
+        if scheme.lower() != "bearer" or not sum(secrets.compare_digest(given, k.encode()) for k in keys):
             raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')")
 
     def check_model(self, name: str | None) -> None:
@@ -309,26 +314,13 @@ class OpenAIServing:
     def resolve_max_tokens(self, requested: int | None, default: int | None, prompt_len: int, what: str,
                            field: str = "max_tokens") -> int | None:
         """The completion's token budget: `requested` (in the request's `field`) checked against the context
-        and the KV cache, or the room left (capped by `default`); `what` names the prompt's field."""
-        max_model_len, kv_tokens = self.max_model_len, self.kv_tokens
-        if prompt_len >= max_model_len:
-            raise ApiError(400, f"{what}: {prompt_len} tokens; this model's maximum context length is "
-                                f"{max_model_len} tokens, which leaves no room to generate", what)
-        room = min(max_model_len, kv_tokens) - prompt_len
-        if room < 1:
-            raise ApiError(400, f"{what}: {prompt_len} tokens do not fit in the KV cache ({kv_tokens} tokens)", what)
-        if requested is None:
-            return room if default is None else min(default, room)
-        if requested < 1:
-            return requested  # SamplingParams names the error
-        if prompt_len + requested > max_model_len:
-            raise ApiError(400, f"{field}: this model's maximum context length is {max_model_len} tokens, "
-                                f"but {prompt_len + requested} were requested ({prompt_len} in the {what}, "
-                                f"{requested} in the completion)", field)
-        if prompt_len + requested > kv_tokens:
-            raise ApiError(400, f"{field}: {prompt_len} prompt + {requested} completion tokens exceed the KV "
-                                f"cache ({kv_tokens} tokens)", field)
-        return requested
+        and the KV cache, or the room left (capped by `default`); `what` names the prompt's field. The rule
+        is `LLM`'s too (engine/budget.py)."""
+        try:
+            return completion_budget(prompt_len, requested, max_model_len=self.max_model_len,
+                                     kv_tokens=self.kv_tokens, default=default, prompt_field=what, field=field)
+        except ValueError as e:
+            raise ApiError(400, str(e), field_of(str(e))) from None
 
     def make_seq(self, rid: str, text: str | None, ids: list[int], params: SamplingParams, arrival: float,
                  seed: int | None, what: str, grammar_field: str | None = None) -> Sequence:
@@ -394,7 +386,12 @@ class OpenAIServing:
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool | None,
                     template_kwargs: dict[str, Any] | None, tools: list[ChatTool] | None = None) -> str:
         """The chat template applied to `messages` (with the request's tools and extra template variables)."""
-        plain = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
+        try:  # (model_dump keeps unknown fields: an assistant message's tool_calls allow it no content)
+            checked = chat_messages([m.model_dump() for m in messages])
+        except ValueError as e:
+            raise ApiError(400, str(e), field_of(str(e))) from None
+        # the template gets the fields this server knows; the others were reported as ignored
+        plain = [{k: m[k] for k in ("role", "content", "name") if k in m} for m in checked]
         tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
         try:
             return self.tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt is not False,
@@ -628,8 +625,8 @@ class OpenAIServing:
                                          where)
             params = sampling_params(req, max_tokens=mt, logprobs=req.logprobs,
                                      defaults=self.settings.sampling_defaults,
-                                     prompt_logprobs=req.logprobs if echo and req.prompt_logprobs is None else None)
-            params.guided_decoding = guide
+                                     prompt_logprobs=req.logprobs if echo and req.prompt_logprobs is None else None,
+                                     guided_decoding=guide)
             seqs.append(self.make_seq(rid, text, ids, params, arrival, req.seed, where, grammar_field))
         return _Generation(COMPLETION, req, cid, seqs, echo=echo, generated=generated)
 
@@ -676,9 +673,8 @@ class OpenAIServing:
         mt = self.resolve_max_tokens(requested, None, len(ids), "messages", name)
         top = req.top_logprobs or 0
         params = sampling_params(req, max_tokens=mt, logprobs=top if req.logprobs else None,
-                                 defaults=self.settings.sampling_defaults)
+                                 defaults=self.settings.sampling_defaults, guided_decoding=guide)
         cid, (rid,) = self.new_ids(request, CHAT, 1)
-        params.guided_decoding = guide
         seq = self.make_seq(rid, text, ids, params, arrival, req.seed, "messages",
                             "tools" if tools is not None else guide_field(req))
         return _Generation(CHAT, req, cid, [seq], top, tools)

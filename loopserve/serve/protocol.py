@@ -25,7 +25,8 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from loopserve.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+from loopserve.chat_messages import ROLES
+from loopserve.sampling_params import MAX_LOGPROBS, GuidedDecodingParams, RequestOutputKind, SamplingParams
 
 
 class ApiError(Exception):
@@ -108,7 +109,10 @@ class _SamplingFields(_Strict):
     num_speculative_tokens: int | None = None  # drafts per round at most (0: none); unset: the server's
     # structured output (serve/structured.py): at most one of these
     response_format: ResponseFormat | None = None
-    guided_json: str | dict[str, Any] | None = None
+    # a JSON schema (an object or a boolean) or its JSON text: any value is taken here and checked by
+    # GuidedDecodingParams, whose one message says what it takes (a union's error names one member's type)
+    guided_json: Any = Field(None, json_schema_extra={"anyOf": [
+        {"type": "object"}, {"type": "boolean"}, {"type": "string"}, {"type": "null"}]})
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
@@ -167,16 +171,12 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    """Types only: which messages a conversation may hold (content required, ...) is `chat_messages`'s rule,
+    shared with `LLM.chat`."""
+
+    role: Literal[ROLES]  # type: ignore[valid-type]
     content: str | list[TextPart] | None = None
     name: str | None = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content)
 
 
 class FunctionDefinition(_Strict):
@@ -284,11 +284,14 @@ def parse_body(cls: type[BaseModel], body: bytes) -> Any:
 
 
 def parse_tokenize(body: bytes) -> TokenizeCompletionRequest | TokenizeChatRequest:
-    """A /tokenize body: the chat form when it has `messages`, else the text form (vLLM's rule)."""
+    """A /tokenize body: the chat form when it has `messages`, else the text form (vLLM's rule). One with
+    both is refused: either would be dropped without a word."""
     try:
         obj = json.loads(body)
     except (ValueError, RecursionError):
         obj = None  # parse_body reports what is wrong with it
+    if isinstance(obj, dict) and "messages" in obj and "prompt" in obj:
+        raise ApiError(400, "prompt: give one of prompt or messages, not both", "prompt")
     return parse_body(TokenizeChatRequest if isinstance(obj, dict) and "messages" in obj else
                       TokenizeCompletionRequest, body)
 
@@ -353,8 +356,10 @@ ADJUSTMENTS = ("frequency_penalty", "presence_penalty", "repetition_penalty", "l
 
 
 def sampling_params(req: _SamplingFields, *, max_tokens: int | None, logprobs: int | None,
-                    defaults: dict[str, Any], prompt_logprobs: int | None = None) -> SamplingParams:
-    """SamplingParams of a request; its range checks become 400s naming the field."""
+                    defaults: dict[str, Any], prompt_logprobs: int | None = None,
+                    guided_decoding: GuidedDecodingParams | None = None) -> SamplingParams:
+    """SamplingParams of a request (`guided_decoding`: the grammar its fields ask for, checked with the rest);
+    its range checks become 400s naming the field."""
     ext = {k: getattr(req, k) if getattr(req, k) is not None else defaults.get(k)
            for k in ("min_loops", "max_loops", "exit_threshold", "exit_policy")}
     adjust = {k: defaults[k] for k in ADJUSTMENTS if defaults.get(k) is not None}  # else SamplingParams' own
@@ -369,13 +374,15 @@ def sampling_params(req: _SamplingFields, *, max_tokens: int | None, logprobs: i
         n=1 if req.n is None else req.n,
         # a stream needs what is new per step, a response that is not streamed the final output only
         output_kind=RequestOutputKind.DELTA if req.streaming else RequestOutputKind.FINAL_ONLY,
-        prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs, **ext, **adjust)
+        prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+        guided_decoding=guided_decoding, **ext, **adjust)
     try:
         return SamplingParams(**kwargs)
     except ValueError as e:
-        raise ApiError(400, str(e), _param_of(str(e))) from None
+        raise ApiError(400, str(e), field_of(str(e))) from None
 
 
-def _param_of(message: str) -> str | None:
+def field_of(message: str) -> str | None:
+    """The field a ValueError's message names first ("max_tokens: ...", "messages.0.role: ..."), or None."""
     head = message.split(":", 1)[0]
-    return head if head.isidentifier() else None
+    return head if head and all(p.isidentifier() or p.isdigit() for p in head.split(".")) else None

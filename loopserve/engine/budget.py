@@ -1,0 +1,45 @@
+"""A request's token budget: its prompt and completion checked against the context and the KV pool
+before it is added, by the server and by `LLM` alike (one rule for both), so that a request that can
+never run is refused up front instead of failing mid-generation. (How many blocks a request's samples
+need together is the scheduler's `never_fits`, which both ask next.)"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def pool_tokens(engine: Any) -> int:
+    """The tokens the engine's KV pool holds (whole blocks)."""
+    return engine.kv.num_blocks * engine.kv.block_size
+
+
+def completion_budget(prompt_len: int, requested: int | None, *, max_model_len: int, kv_tokens: int | None,
+                      default: int | None = None, prompt_field: str = "prompt", field: str = "max_tokens",
+                      clip_to_context: bool = False) -> int | None:
+    """The completion's token budget: `requested` (given in the request's `field`) checked against the
+    context (`max_model_len`) and the KV pool (`kv_tokens`; None: no pool to fit, the reference decoder),
+    or, when not requested, the room left, capped by `default`. ValueError naming the field at fault
+    (`prompt_field`: the prompt's) when the request cannot run.
+
+    `clip_to_context`: a completion asked to run past the context ends at its end instead (vLLM's offline
+    `LLM` does that, finish_reason "length"; its server, like this one, refuses the request)."""
+    if prompt_len >= max_model_len:
+        raise ValueError(f"{prompt_field}: {prompt_len} tokens; this model's maximum context length is "
+                         f"{max_model_len} tokens, which leaves no room to generate")
+    room = max_model_len - prompt_len if kv_tokens is None else min(max_model_len, kv_tokens) - prompt_len
+    if room < 1:
+        raise ValueError(f"{prompt_field}: {prompt_len} tokens do not fit in the KV cache ({kv_tokens} tokens)")
+    if requested is None:
+        return room if default is None else min(default, room)
+    if requested < 1:
+        return requested  # SamplingParams names the error
+    if clip_to_context:
+        requested = min(requested, max_model_len - prompt_len)
+    if prompt_len + requested > max_model_len:
+        raise ValueError(f"{field}: this model's maximum context length is {max_model_len} tokens, but "
+                         f"{prompt_len + requested} were requested ({prompt_len} in the {prompt_field}, "
+                         f"{requested} in the completion)")
+    if kv_tokens is not None and prompt_len + requested > kv_tokens:
+        raise ValueError(f"{field}: {prompt_len} prompt + {requested} completion tokens exceed the KV cache "
+                         f"({kv_tokens} tokens)")
+    return requested
