@@ -38,7 +38,8 @@ class EngineConfig:
     # boundary weights less often (Huginn's prelude blocks) but refill the core batch later. None: 1 for fully
     # looped models (Ouro's prelude is the embedding), max_decode_batch // 4 with prelude blocks. With the codas
     # at half a batch, Huginn-like decoding on the CPU ran 2-9 % faster at widths 16-64 than with preludes at once
-    # and codas at a quarter batch, measured side by side (docs/benchmarks.md §8.34).
+    # and codas at a quarter batch, measured side by side (docs/benchmarks.md §8.34), and served with the same
+    # latency (§8.35).
     min_prelude_batch: int | None = _knob(None, "cdb: fresh tokens a prelude batch of its own waits for while the "
                                           "core batch has work (at most max-decode-batch); unset: 1 for fully "
                                           "looped models, max-decode-batch/4 with prelude blocks (Huginn)")
