@@ -291,7 +291,7 @@ def test_cdb_at_full_depth_equals_cb(exits, tiny_ouro):
     assert cb.useful_core_rows == cb.rows["core"] == items * 4
 
 
-TRACES = [[1, 2, 4, 1, 3, 2, 1], [4, 4, 1], [2, 1, 1, 1, 1, 3, 2, 9], []]
+TRACES = [[1, 2, 4, 1, 3, 2, 1], [4, 4, 1], [2, 1, 1, 1, 1, 3, 2, 4], []]  # (at most r_max: past it is refused)
 
 
 def trace_depths(trace: list[int], items: int, max_loops: int, min_loops: int = 1) -> list[int]:

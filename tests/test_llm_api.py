@@ -289,12 +289,12 @@ def test_bad_device_is_a_value_error_naming_device(tiny_ouro, monkeypatch, devic
 
 
 def test_chat_messages_follow_the_servers_rules(llm):
-    """One check for LLM.chat and the server (chat_messages.py): a message needs a known role and content,
-    except an assistant message with tool_calls. Errors name the message and field (in a batch, the
-    conversation too). A missing content used to fail in the template, and role "wizard" was rendered."""
+    """One check for LLM.chat and the server (chat_messages.py): a message needs a known role and, unless it is
+    the assistant's, content. Errors name the message and field (in a batch, the conversation too). A missing
+    content used to fail in the template, and role "wizard" was rendered."""
     params = SamplingParams(max_tokens=1)
     for conv, field in (([{"role": "user"}], "messages.0.content"),
-                        ([*HELLO, {"role": "assistant", "content": None}], "messages.1.content"),
+                        ([{"role": "system", "content": None}, *HELLO], "messages.0.content"),
                         ([{"role": "wizard", "content": "x"}], "messages.0.role"),
                         ([{"content": "x"}], "messages.0.role"),
                         ([{"role": "user", "content": [{"type": "image_url"}]}], "messages.0.content.0"),
@@ -306,8 +306,9 @@ def test_chat_messages_follow_the_servers_rules(llm):
         llm.chat([HELLO, [{"role": "user", "content": None}]], params, use_tqdm=False)
     call = {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
                                                                   "function": {"name": "f", "arguments": "{}"}}]}
-    [out] = llm.chat([*HELLO, call], params, use_tqdm=False)
-    assert out.prompt.endswith("<|im_start|>assistant\n<|im_end|>\n<|im_start|>assistant\n")
+    for turn in (call, {"role": "assistant", "content": None}, {"role": "assistant"}):  # as the server takes them
+        [out] = llm.chat([*HELLO, turn], params, use_tqdm=False)
+        assert out.prompt.endswith("<|im_start|>assistant\n<|im_end|>\n<|im_start|>assistant\n")
     # text parts are joined, as the server joins them
     [parts] = llm.chat([{"role": "user", "content": [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]}],
                        params, use_tqdm=False)

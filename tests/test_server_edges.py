@@ -330,7 +330,7 @@ VALUES = [
     # the message rules LLM.chat shares (chat_messages.py): content is needed but for an assistant's tool calls
     (H, _user(None), "messages.0.content"),
     (H, {"messages": [{"role": "user"}]}, "messages.0.content"),
-    (H, {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]}, "messages.1.content"),
+    (H, {"messages": [{"role": "system"}, {"role": "user", "content": "hi"}]}, "messages.0.content"),
     # contradictory or ignored inputs
     (C, {"exit_policy": "trace"}, "exit_trace"),  # nothing to replay (it ran at full depth)
     (C, {"exit_trace": [1, 100]}, "exit_trace.1"),  # past r_max, as max_loops is (it was clamped)
@@ -395,12 +395,16 @@ def test_guided_json_takes_a_boolean_schema(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "guided_json", r.text
 
 
-def test_an_assistant_message_with_tool_calls_may_have_no_content(server):
+def test_an_assistant_message_may_have_no_content(server):
+    """With tool calls (OpenAI's rule) or without (vLLM takes those turns: a replayed conversation sends them)."""
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
-                {"role": "tool", "content": "42", "tool_call_id": "c1"}]
-    r = httpx.post(server.url + H, json={**GOOD_H, "messages": messages}, timeout=30)
-    assert r.status_code == 200, r.text
+    for messages in ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                      {"role": "tool", "content": "42", "tool_call_id": "c1"}],
+                     [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
+                      {"role": "user", "content": "again"}],
+                     [{"role": "user", "content": "hi"}, {"role": "assistant"}]):
+        r = httpx.post(server.url + H, json={**GOOD_H, "messages": messages}, timeout=30)
+        assert r.status_code == 200, r.text
 
 
 def test_tokenize_takes_one_of_prompt_or_messages(server):
@@ -451,6 +455,50 @@ def test_samples_that_cannot_fit_the_kv_cache_are_a_400_naming_n(small_kv_server
         assert ok.text.rstrip().endswith("data: [DONE]") and '"finish_reason":"length"' in ok.text.replace(" ", "")
     else:
         assert [c["finish_reason"] for c in ok.json()["choices"]] == ["length"] * 13
+
+@pytest.fixture(scope="module")
+def small_capacity_server(short_path, tmp_path_factory) -> Iterator[Server]:
+    """At most 4 resident sequences and 4 more queued: a capacity of 8 sequences."""
+    with run_server(short_path, tmp_path_factory.mktemp("logs") / "capacity.log", "--kv-cache-tokens", "2048",
+                    "--max-num-seqs", "4", "--max-queued-requests", "4") as s:
+        yield s
+
+
+def test_prompts_times_n_past_the_capacity_is_a_400_naming_the_field(small_capacity_server):
+    """Never admitted, however idle the server (each sample takes a place: `AsyncLLMEngine`); the field is n
+    unless the prompts alone are too many."""
+    url = small_capacity_server.url + C
+    for body, field in (({"prompt": ["a", "b", "c"], "n": 3}, "n"), ({"prompt": ["a"] * 9}, "prompt")):
+        r = httpx.post(url, json={**GOOD_C, **body}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        assert "9 sequences; this server holds at most 8 at once" in r.json()["error"]["message"]
+    ok = httpx.post(url, json={**GOOD_C, "prompt": ["a", "b"], "n": 4}, timeout=60)
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 8, ok.text
+
+
+def test_capacity_counts_every_sample(tiny_ouro):
+    """A request's samples each take a place (as max_num_seqs counts them): one request of 2 prompts x n = 4
+    fills a capacity of 8 until it finishes (it used to count as 2, and a few such requests held every
+    sequence while the server took more)."""
+    from loopserve.outputs import RequestOutput
+    from loopserve.sampling_params import SamplingParams
+    from loopserve.serve.async_engine import AsyncLLMEngine, EngineOverloadedError
+    from tests.engine_helpers import make_engine
+
+    aengine = AsyncLLMEngine(make_engine(tiny_ouro, max_num_seqs=4), max_queued_requests=4)  # (not started)
+    engine = aengine.engine
+
+    def request(rid: str, n: int):
+        return engine.make_sequence(rid, [5, 6, 7], SamplingParams(max_tokens=2, n=n))
+
+    aengine.add([request("a", 4), request("b", 4)])
+    with pytest.raises(EngineOverloadedError, match=r"capacity \(8 sequences"):
+        aengine.add([request("c", 1)])
+    aengine._deliver([RequestOutput("a", None, [5, 6, 7], [], finished=True)])  # a's 4 samples leave
+    aengine.add([request("c", 3), request("d", 1)])
+    with pytest.raises(EngineOverloadedError):
+        aengine.add([request("e", 1)])
+
 
 # -- D: cross-site safety --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("content_type", [

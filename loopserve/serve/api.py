@@ -126,7 +126,7 @@ class ServerSettings:
     model_path: str = ""
     expose_model_path: bool = False  # /v1/models shows `model_path` as the model's root (else its name)
     api_keys: tuple[str, ...] = ()  # any one of them is accepted; none: no authentication
-    max_queued_requests: int = 256  # engine requests waiting beyond max_num_seqs; past it: 503
+    max_queued_requests: int = 256  # sequences (samples) waiting beyond max_num_seqs; past it: 503
     max_body_bytes: int = 4 * 2**20
     max_model_len: int | None = None  # cap on prompt + completion tokens; None: the model's context
     sampling_defaults: dict[str, Any] = field(default_factory=dict)  # min_loops, max_loops, exit_*
@@ -611,8 +611,11 @@ class OpenAIServing:
     def completion(self, request: Request, req: CompletionRequest, arrival: float) -> _Generation:
         """A completions request's sequences (built on a worker thread: see the module's docstring)."""
         prompts = self.completion_prompts(req.prompt, _truncates(req.truncate_prompt_tokens))
-        if len(prompts) > self.aengine.capacity:
-            raise ApiError(400, f"prompt: at most {self.aengine.capacity} prompts per request", "prompt")
+        n = req.n if isinstance(req.n, int) and req.n >= 1 else 1  # (a bad n is SamplingParams' to name)
+        if len(prompts) * n > self.aengine.capacity:  # never admitted, however idle the server (async_engine.py)
+            field = "prompt" if len(prompts) > self.aengine.capacity else "n"
+            raise ApiError(400, f"{field}: {len(prompts)} prompts x n = {n} are {len(prompts) * n} sequences; this "
+                                f"server holds at most {self.aengine.capacity} at once", field)
         cid, rids = self.new_ids(request, COMPLETION, len(prompts))
         guide, grammar_field = request_guide(req), guide_field(req)
         echo = bool(req.echo)

@@ -6,9 +6,10 @@
 - The engine thread steps while there is work and sleeps on an event otherwise. After each step it
   hands the step's outputs to the event loop in one `call_soon_threadsafe`, which routes each
   output to its `RequestGroup` queue: clients see one output per generated token.
-- Admission is bounded: at most `max_num_seqs + max_queued_requests` engine requests in flight;
-  past that `add` raises `EngineOverloadedError` (the API answers 503) and nothing already
-  admitted is touched.
+- Admission is bounded: at most `max_num_seqs + max_queued_requests` sequences in flight, each
+  sample of a request with n > 1 counted (as `max_num_seqs` counts them), so that one request of
+  many prompts and samples cannot take every place while counting as a few; past that `add` raises
+  `EngineOverloadedError` (the API answers 503) and nothing already admitted is touched.
 - Requests that wait for admission are watched after each step: `on_scheduled(request_id, t)`
   reports the start of the step that admitted one (the metrics' queue and prefill times).
 - If a step raises, the engine is dead: every in-flight request gets the error, `/health` turns 503,
@@ -123,7 +124,9 @@ class AsyncLLMEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._stopping = False
-        self._routes: dict[str, tuple[RequestGroup, int]] = {}  # event-loop thread only
+        # event-loop thread only: request id -> (its group, its index there, its samples); the samples in flight
+        self._routes: dict[str, tuple[RequestGroup, int, int]] = {}
+        self._samples = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
@@ -136,10 +139,6 @@ class AsyncLLMEngine:
     @property
     def alive(self) -> bool:
         return self.dead is None and self._thread is not None and self._thread.is_alive()
-
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._routes)
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop admitting, abort whatever is still in flight, and stop the engine thread."""
@@ -160,11 +159,14 @@ class AsyncLLMEngine:
             raise EngineDeadError(f"the engine has stopped after an error: {self.dead!r}")
         if self._stopping:
             raise EngineStoppedError("the server is shutting down")
-        if len(self._routes) + len(seqs) > self.capacity:
-            raise EngineOverloadedError(f"the server is at capacity ({self.capacity} requests in flight or queued)")
+        samples = sum(len(s.family) for s in seqs)
+        if self._samples + samples > self.capacity:
+            raise EngineOverloadedError(f"the server is at capacity ({self.capacity} sequences in flight or queued, "
+                                        "each sample of a request counted)")
         group = RequestGroup(self, [s.request_id for s in seqs])
         for i, s in enumerate(seqs):
-            self._routes[s.request_id] = (group, i)
+            self._routes[s.request_id] = (group, i, len(s.family))
+        self._samples += samples
         self._cmds.put(("add", seqs))
         self._wake.set()
         return group
@@ -178,15 +180,17 @@ class AsyncLLMEngine:
             route = self._routes.get(out.request_id)
             if route is None:
                 continue
-            group, index = route
+            group, index, samples = route
             group.queue.put_nowait((index, out))
             if out.finished:
                 del self._routes[out.request_id]
+                self._samples -= samples
 
     def _fail_all(self, exc: BaseException) -> None:
-        for group, _ in list(self._routes.values()):
+        for group, _, _ in list(self._routes.values()):
             group.queue.put_nowait(exc)
         self._routes.clear()
+        self._samples = 0
 
     def _post(self, fn: Callable, *args) -> None:
         assert self._loop is not None

@@ -73,7 +73,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "of it after the weights and 1 GiB for activations (replaces --kv-cache-memory-gb; "
                         "refused on the CPU, where --kv-cache-memory-gb or --kv-cache-tokens size the pool)")
     s.add_argument("--max-queued-requests", type=int, default=256,
-                   help="requests accepted beyond --max-num-seqs; past it the server answers 503 with Retry-After")
+                   help="sequences accepted beyond --max-num-seqs (each sample of a request with n > 1 counts); "
+                        "past it the server answers 503 with Retry-After")
     s.add_argument("--max-request-body-bytes", type=int, default=4 * 2**20, help="larger bodies get 413")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests get to finish before they are aborted")
