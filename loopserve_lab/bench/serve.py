@@ -4,10 +4,11 @@ OpenAI-compatible HTTP server.
 * **In-process**: the engine runs in this process; a request is added at the first step boundary
   after its release instant (a step cannot be interrupted), and its arrival time is the release
   instant, so queueing behind a running step counts as latency. Tokens are timed when `step()`
-  returns them. The clock is the wall clock, or with `clock="cpu"` this process's CPU time plus the
-  idle gaps skipped to the next arrival: a run on a machine others share then takes the time its own
-  work took (with one torch thread, the wall time it would take alone), so configurations measured
-  minutes apart compare (on this VM wall-clock serving runs of one configuration differed by 25 %).
+  returns them. The clock is the wall clock, or with `clock="cpu"` the CPU time of the run's own steps plus
+  the idle gaps skipped to the next arrival: time the process waits for the machine no longer counts. Its
+  work still runs slower while others share the cores and caches, so configurations compare only run side
+  by side (`serve_lockstep`): on this VM wall-clock serving runs of one configuration differed by 25 %, and
+  CPU-clock runs minutes apart by as much.
 * **HTTP**: `/v1/completions` with `stream: true` (SSE, `data: [DONE]`), prompts as token-id lists,
   `ignore_eos` and `max_tokens` from the workload, `stream_options.include_usage` for the token
   count and the vLLM extension `return_token_ids` for per-chunk counts. Works against any server
@@ -132,13 +133,9 @@ class ServeRun:
                 engine.add_request(str(i), {"prompt_token_ids": req.prompt_ids}, params,
                                    arrival_time=self._m0 + self.arrivals[i])
                 self.next += 1
-            if not engine.has_unfinished_requests():
-                idle = True
-            else:
-                idle = False
-                outs = engine.step()
-                t = self.clock.now()
-        if idle:
+            outs = engine.step() if engine.has_unfinished_requests() else None
+            t = self.clock.now()
+        if outs is None:  # idle until the next release
             self.clock.wait_until(self.arrivals[self.next])
             return
         for out in outs:
