@@ -12,12 +12,13 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def message_text(content: Any) -> str:
-    """A checked message's content as text: a string as it is, the text parts joined, none as ""."""
+    """A checked message's content as text: a string as it is, the text parts one per line (vLLM joins them
+    so), none as ""."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    return "".join(part["text"] for part in content)
+    return "\n".join(part["text"] for part in content)
 
 
 def chat_messages(messages: Any, where: str = "messages") -> list[dict[str, Any]]:
@@ -25,11 +26,9 @@ def chat_messages(messages: Any, where: str = "messages") -> list[dict[str, Any]
     message with its content as text (`message_text`); other keys (tool_calls, tool_call_id, ...) are kept.
     ValueError naming `<where>.<i>.<field>`.
 
-    A message has a known role and, unless it is the assistant's, content: a string, or a list of
-    {"type": "text", "text": ...} parts (OpenAI's rule for user, system, developer and tool messages). An
-    assistant message's content may be null or left out, with tool calls or not, and renders as empty text:
-    vLLM takes such turns (a client replaying a conversation sends them), where OpenAI asks for tool_calls.
-    `name`, if given, is a string."""
+    A message has a known role; its content is a string or a list of {"type": "text", "text": ...} parts, or
+    null or left out, which renders as empty text (as vLLM takes it, in any role: a client replaying a
+    conversation sends an assistant turn without content, for one); `name`, if given, is a string."""
     if isinstance(messages, str | Mapping) or not isinstance(messages, Sequence):
         raise ValueError(f"{where}: expected a list of {{'role': ..., 'content': ...}} objects, "
                          f"got {type(messages).__name__}")
@@ -46,9 +45,6 @@ def chat_messages(messages: Any, where: str = "messages") -> list[dict[str, Any]
         if not isinstance(role, str) or role not in ROLES:
             raise ValueError(f"{at}.role: must be one of {', '.join(ROLES)}; got {role!r}")
         content = m.get("content")
-        if content is None and role != "assistant":
-            raise ValueError(f"{at}.content: field required for a {role} message (only the assistant's may be "
-                             "null or left out)")
         if content is not None and not isinstance(content, str):
             if isinstance(content, Mapping) or not isinstance(content, Sequence):
                 raise ValueError(f"{at}.content: must be a string or a list of text parts, "

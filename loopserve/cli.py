@@ -19,7 +19,7 @@ from pathlib import Path
 from loopserve.config_args import add_config_args, config_kwargs
 from loopserve.device import AUTO
 from loopserve.engine.config import EngineConfig
-from loopserve.exits import POLICIES
+from loopserve.exits import DEFAULT_POLICIES
 from loopserve.models.loader import DTYPES
 
 # Modules that add subcommands (the runtime's, then the lab's); a missing one is skipped.
@@ -64,7 +64,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                        help=f"default: the model's generation config, else {value}")
     p.add_argument("--chat", action="store_true", help="each prompt is a user message, rendered by the chat template")
     p.add_argument("--exit-threshold", type=float, default=None)
-    p.add_argument("--exit-policy", default=None, choices=POLICIES)
+    p.add_argument("--exit-policy", default=None, choices=DEFAULT_POLICIES)
     p.add_argument("--min-loops", type=int, default=None)
     p.add_argument("--max-loops", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")

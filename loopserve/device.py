@@ -85,9 +85,11 @@ KV_ACTIVATION_RESERVE_GB = 1.0  # --gpu-memory-utilization: device memory left o
 DEVICES = "cpu, cuda, cuda:N or auto"
 
 
-def resolve_device(device: str) -> str:
+def resolve_device(device: str | torch.device) -> str:
     """`auto`: CUDA when a GPU is visible, else the CPU; any other name is checked (ValueError naming
     `device`, where torch would raise its own errors later) and kept."""
+    if isinstance(device, torch.device):  # (vLLM takes one too)
+        device = str(device)
     if device == AUTO:
         return "cuda" if torch.cuda.is_available() else "cpu"
     if not isinstance(device, str):

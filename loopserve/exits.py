@@ -42,6 +42,7 @@ from loopserve.errors import NonFiniteError
 from loopserve.jit import compiled
 
 POLICIES = ("fixed", "gate", "latent_diff", "kl", "trace", "lookahead_gate")
+DEFAULT_POLICIES = tuple(p for p in POLICIES if p != "trace")  # what a default may be (a trace is a request's own)
 SIGNAL_OF = {"gate": "gate", "latent_diff": "latent_diff", "kl": "kl", "lookahead_gate": "lookahead_gate"}
 SIGNALS = (None, "gate", "latent_diff", "kl", "lookahead_gate")  # per-step signal kinds, by code (0: none)
 Signal = float | list[float] | tuple[float, float] | None  # lookahead_gate: (main logit, lookahead logit)

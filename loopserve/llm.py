@@ -145,7 +145,7 @@ class LLM:
                                                   tools=tools, **extra)
         # the template writes any BOS itself: tokenize without adding special tokens (as vLLM and the server do)
         return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False,
-                                                                          what="messages")}
+                                                                          what=where)}
 
     def _run(self, prompt_list: list[PromptType], sampling_params: SamplingParams | Seq[SamplingParams] | None,
              use_tqdm: bool) -> list[RequestOutput]:
@@ -164,7 +164,12 @@ class LLM:
         if len(params) != len(prompt_list):
             raise ValueError(f"sampling_params: {len(params)} given for {len(prompt_list)} prompts")
         # all checked (and grammars compiled) before the first is added: a bad one means none ran
-        seqs = [self._make_sequence(p, sp) for p, sp in zip(prompt_list, params, strict=True)]
+        seqs = []
+        for i, (p, sp) in enumerate(zip(prompt_list, params, strict=True)):
+            try:
+                seqs.append(self._make_sequence(p, sp))
+            except ValueError as e:  # the field first, as ever; then which prompt of the batch
+                raise ValueError(f"{e} (prompt {i} of {len(prompt_list)})" if len(prompt_list) > 1 else str(e)) from e
         bar = _ProgressBar(len(seqs), use_tqdm)
         if self.engine is None:
             decoder = ReferenceDecoder(self.model, self.layout, self.engine_config.prefill_chunk_size)

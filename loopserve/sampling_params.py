@@ -152,7 +152,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # logits -= frequency_penalty * (times the token was generated)
     repetition_penalty: float = 1.0  # tokens of the prompt or the output: logit / p if > 0 else logit * p
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
-    min_tokens: int = 0  # eos and stop_token_ids cannot end the request (nor stop strings) before this many
+    # eos and stop_token_ids cannot end the request (nor stop strings) before this many tokens; a grammar
+    # (guided_decoding) still ends it when complete, as in vLLM: a choice "yes" is 1 token whatever min_tokens
+    min_tokens: int = 0
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None  # keep only the last k prompt tokens
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -272,12 +274,6 @@ class SamplingParams:
             raise bad("num_speculative_tokens", "must be an integer >= 0")
         if self.guided_decoding is not None and not isinstance(self.guided_decoding, GuidedDecodingParams):
             raise bad("guided_decoding", "must be a GuidedDecodingParams")
-        # A grammar finishes its request as soon as it is complete (engine/sequence.py `append`), whatever
-        # min_tokens says: a choice or a bounded regex then ends earlier, and whether a grammar can end before
-        # min_tokens tokens cannot be told before it runs. A grammar can demand a length itself (a{8,}).
-        if self.min_tokens and self.guided_decoding is not None:
-            raise bad("min_tokens", "must be 0 with guided decoding (the grammar ends the output as soon as it is "
-                                    "complete; write a minimum length into the grammar instead)")
 
     @property
     def penalized(self) -> bool:

@@ -693,8 +693,9 @@ def test_bench_serve_lockstep_runs_the_schedulers_side_by_side(bench_cache, sing
                  "--out", str(out)]) == 0
     runs = [r["metrics"] for r in json.loads((out / "serve.json").read_text())["runs"]]
     assert [(m["scheduler"], m["clock"], m["completed"]) for m in runs] == [("cb", "cpu", 4), ("cdb", "cpu", 4)]
-    with pytest.raises(SystemExit, match="--lockstep: runs on the CPU clock"):
-        main(["bench", "serve", "--model", "micro-ouro", "--lockstep", "--clock", "wall", "--out", str(out)])
+    for bad in (["--clock", "wall"], ["--mode", "http"]):
+        with pytest.raises(SystemExit, match="--lockstep: in-process runs on the CPU clock"):
+            main(["bench", "serve", "--model", "micro-ouro", "--lockstep", *bad, "--out", str(out)])
 
 
 def test_bench_throughput_reports_graph_buckets_and_their_capture_time(bench_cache, single_thread):

@@ -13,7 +13,7 @@ import pytest
 from loopserve.cache.layout import LAYOUTS
 from loopserve.cli import build_parser, engine_kwargs
 from loopserve.engine.config import SCHEDULERS, EngineConfig
-from loopserve.exits import POLICIES
+from loopserve.exits import DEFAULT_POLICIES
 from loopserve_lab.bench.cli import BENCH_DRIVEN, engine_overrides
 
 FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
@@ -37,7 +37,7 @@ def test_every_engine_knob_is_a_flag_with_the_config_default(command):
     assert FIELDS <= set(actions)
     assert list(actions["scheduler"].choices or ()) == list(SCHEDULERS)
     assert list(actions["kv_layout"].choices or ()) == list(LAYOUTS)
-    assert list(actions["exit_policy"].choices or ()) == list(POLICIES)
+    assert list(actions["exit_policy"].choices or ()) == list(DEFAULT_POLICIES)  # (a trace is a request's own)
 
 
 def test_flags_reach_the_config():

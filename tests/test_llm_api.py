@@ -16,6 +16,7 @@ import pytest
 
 from loopserve import LLM, SamplingParams
 from loopserve.cli import main as cli_main
+from loopserve.device import resolve_device
 from loopserve.models.loader import embedded_model_path, generation_defaults
 from loopserve_lab.tiny import HF_CODE_DIR, TinySpec, make_tiny
 
@@ -286,15 +287,16 @@ def test_bad_device_is_a_value_error_naming_device(tiny_ouro, monkeypatch, devic
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ValueError, match=message):
         LLM(tiny_ouro, device=device)
+    assert resolve_device(torch.device("cpu")) == "cpu"  # a torch.device is taken too (vLLM takes one)
 
 
 def test_chat_messages_follow_the_servers_rules(llm):
-    """One check for LLM.chat and the server (chat_messages.py): a message needs a known role and, unless it is
-    the assistant's, content. Errors name the message and field (in a batch, the conversation too). A missing
-    content used to fail in the template, and role "wizard" was rendered."""
+    """One check for LLM.chat and the server (chat_messages.py): a message needs a known role, and content that
+    is text if it has any (none renders as empty text, as vLLM takes it). Errors name the message and field (in
+    a batch, the conversation too). A missing content used to fail in the template, and role "wizard" was
+    rendered."""
     params = SamplingParams(max_tokens=1)
-    for conv, field in (([{"role": "user"}], "messages.0.content"),
-                        ([{"role": "system", "content": None}, *HELLO], "messages.0.content"),
+    for conv, field in (([{"role": "user", "content": 5}], "messages.0.content"),
                         ([{"role": "wizard", "content": "x"}], "messages.0.role"),
                         ([{"content": "x"}], "messages.0.role"),
                         ([{"role": "user", "content": [{"type": "image_url"}]}], "messages.0.content.0"),
@@ -303,13 +305,15 @@ def test_chat_messages_follow_the_servers_rules(llm):
         with pytest.raises(ValueError, match=rf"^{re.escape(field)}: "):
             llm.chat(conv, params, use_tqdm=False)
     with pytest.raises(ValueError, match=r"^messages\.1\.0\.content: "):
-        llm.chat([HELLO, [{"role": "user", "content": None}]], params, use_tqdm=False)
+        llm.chat([HELLO, [{"role": "user", "content": 5}]], params, use_tqdm=False)
     call = {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
                                                                   "function": {"name": "f", "arguments": "{}"}}]}
     for turn in (call, {"role": "assistant", "content": None}, {"role": "assistant"}):  # as the server takes them
         [out] = llm.chat([*HELLO, turn], params, use_tqdm=False)
         assert out.prompt.endswith("<|im_start|>assistant\n<|im_end|>\n<|im_start|>assistant\n")
-    # text parts are joined, as the server joins them
+    [empty] = llm.chat([{"role": "user"}], params, use_tqdm=False)
+    assert empty.prompt == llm.chat([{"role": "user", "content": ""}], params, use_tqdm=False)[0].prompt
+    # text parts one per line, as the server (and vLLM) join them
     [parts] = llm.chat([{"role": "user", "content": [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]}],
                        params, use_tqdm=False)
-    assert parts.prompt == llm.chat(HELLO, params, use_tqdm=False)[0].prompt
+    assert parts.prompt == llm.chat([{"role": "user", "content": "Hel\nlo"}], params, use_tqdm=False)[0].prompt

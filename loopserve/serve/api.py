@@ -386,7 +386,7 @@ class OpenAIServing:
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool | None,
                     template_kwargs: dict[str, Any] | None, tools: list[ChatTool] | None = None) -> str:
         """The chat template applied to `messages` (with the request's tools and extra template variables)."""
-        try:  # (model_dump keeps unknown fields: an assistant message's tool_calls allow it no content)
+        try:  # the rules LLM.chat applies too (chat_messages.py)
             checked = chat_messages([m.model_dump() for m in messages])
         except ValueError as e:
             raise ApiError(400, str(e), field_of(str(e))) from None

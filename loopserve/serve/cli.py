@@ -20,7 +20,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from loopserve.cli import add_chat_args, add_engine_args, engine_kwargs
-from loopserve.exits import POLICIES
+from loopserve.exits import DEFAULT_POLICIES
 
 if TYPE_CHECKING:
     from loopserve.engine.engine import LLMEngine
@@ -62,7 +62,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--root-path", default="", help="path prefix under which a proxy serves this API")
     g = p.add_argument_group("request defaults (a request's own fields win)")
     g.add_argument("--exit-threshold", type=float, default=None, help="exit policy threshold (unset: the model's)")
-    g.add_argument("--exit-policy", default=None, choices=POLICIES, help="exit policy (unset: the model's)")
+    g.add_argument("--exit-policy", default=None, choices=DEFAULT_POLICIES, help="exit policy (unset: the model's)")
     g.add_argument("--min-loops", type=int, default=None, help="no exit before this many loops (unset: 1)")
     g.add_argument("--max-loops", type=int, default=None, help="always exit at this many loops (unset: r_max)")
     s = p.add_argument_group("server limits")

@@ -290,9 +290,9 @@ def parse_tokenize(body: bytes) -> TokenizeCompletionRequest | TokenizeChatReque
         obj = json.loads(body)
     except (ValueError, RecursionError):
         obj = None  # parse_body reports what is wrong with it
-    if isinstance(obj, dict) and "messages" in obj and "prompt" in obj:
+    if isinstance(obj, dict) and obj.get("messages") is not None and obj.get("prompt") is not None:
         raise ApiError(400, "prompt: give one of prompt or messages, not both", "prompt")
-    return parse_body(TokenizeChatRequest if isinstance(obj, dict) and "messages" in obj else
+    return parse_body(TokenizeChatRequest if isinstance(obj, dict) and obj.get("messages") is not None else
                       TokenizeCompletionRequest, body)
 
 

@@ -220,6 +220,13 @@ def cmd_record(args: argparse.Namespace) -> int:
     return 0
 
 
+def _on_gpu(device: str) -> bool:
+    """Whether `--device` (auto included) asks for a GPU."""
+    import torch
+
+    return str(device).startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+
+
 def cmd_throughput(args: argparse.Namespace) -> int:
     from loopserve_lab.bench.harness import write_json
     from loopserve_lab.bench.plots import plot_throughput
@@ -236,7 +243,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         return _replot_throughput(args.from_json, args.out)
     if args.device_busy and not str(args.device).startswith("cuda"):
         raise SystemExit("error: --device-busy measures a CUDA device's kernel time: it needs --device cuda")
-    if args.lockstep and str(args.device).startswith("cuda"):
+    if args.lockstep and _on_gpu(args.device):
         raise SystemExit("error: --lockstep: on the CPU only (a GPU step returns before its work is done, so its "
                          "time is not its own)")
     bm, out = _start(args, "throughput")
@@ -465,10 +472,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from loopserve_lab.bench.plots import plot_serve
     from loopserve_lab.bench.serve import ServeRun, format_serve, launch_server, run_inprocess, serve_lockstep
 
-    if args.lockstep and args.clock == "wall":
-        raise SystemExit("error: --lockstep: runs on the CPU clock (`--clock cpu`, its default)")
+    if args.lockstep and (args.clock == "wall" or args.mode != "inprocess"):
+        raise SystemExit("error: --lockstep: in-process runs on the CPU clock (`--clock cpu`, its default)")
     args.clock = args.clock or ("cpu" if args.lockstep else "wall")
-    if args.clock == "cpu" and (args.mode != "inprocess" or str(args.device).startswith("cuda")):
+    if args.clock == "cpu" and (args.mode != "inprocess" or _on_gpu(args.device)):
         raise SystemExit("error: --clock cpu: in-process on the CPU only (a server's time is another process's; a "
                          "GPU step returns before its work is done)")
     bm, out = _start(args, "serve")

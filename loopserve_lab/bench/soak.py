@@ -112,7 +112,7 @@ class Limits:
     room: int  # prompt + completion tokens one request may take: min(context length, KV pool)
     max_model_len: int
     r_max: int
-    capacity: int  # engine requests in flight or queued before 503
+    capacity: int  # sequences (a request's samples each) in flight or queued before 503
     body_limit: int
     read_timeout_s: float
 
