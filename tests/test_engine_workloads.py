@@ -1,5 +1,6 @@
-"""Random workloads against `LLMEngine` (Hypothesis): requests with random prompts and sampling /
-exit parameters arrive at random steps, some are aborted, and the KV pool is small. After every
+"""Random workloads against `LLMEngine` (Hypothesis): requests with random prompts (some the head of an
+earlier one: prefix caching, on by default, shares their full blocks) and sampling / exit parameters
+arrive at random steps, some are aborted, and the KV pool is small. After every
 step the scheduler's invariants hold; at the end every request finished, queues are empty and all
 KV blocks and state rows are free; every request that was not aborted equals the sequential
 reference decoder's output (float64), and loops run equal the exit depths.
@@ -76,9 +77,12 @@ def workloads(draw, arch: str, r_max: int):
                min_coda_batch=draw(st.integers(1, 3)), min_prelude_batch=draw(st.integers(1, min(3, width))),
                lookahead=draw(st.booleans()), async_coda=draw(st.booleans()), cuda_graphs=draw(st.booleans()),
                kv_safety_margin=draw(st.sampled_from([0.0, 0.1, 0.3])))
-    reqs = []
+    reqs: list[Req] = []
     for i in range(draw(st.integers(2, 8))):
         prompt = draw(st.lists(st.integers(1, 470), min_size=1, max_size=14))
+        if reqs and draw(st.integers(0, 2)) == 0:  # an earlier prompt's head: full blocks the prefix cache shares
+            head = draw(st.sampled_from(reqs)).prompt
+            prompt = head[:draw(st.integers(1, len(head)))] + prompt[:draw(st.integers(0, 4))]
         arrive = draw(st.integers(0, 12))
         aborted = draw(st.integers(0, 3)) == 0
         abort_at = arrive + draw(st.sampled_from([0, 1, 5, 12, 25])) if aborted else None
