@@ -17,9 +17,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from loopserve import LLM, SamplingParams
+from loopserve.engine.reference import ReferenceDecoder
 from loopserve.engine.runner import WorkItem
 from loopserve.sampling_params import RequestOutputKind
-from tests.engine_helpers import Req, assert_matches, drive, expected_loops, make_engine, reference
+from tests.engine_helpers import (
+    Req,
+    assert_logprobs_close,
+    assert_matches,
+    drive,
+    expected_loops,
+    make_engine,
+    reference,
+)
 
 SCHEDULERS = ("cb", "cdb-norefill", "cdb")
 LAYOUTS = ("depth_indexed", "last_exited", "shared")
@@ -32,7 +41,8 @@ HYP = settings(max_examples=25, deadline=None, database=None,
 # -- strategies ------------------------------------------------------------------------------------------
 @st.composite
 def sampling_params(draw, arch: str, r_max: int) -> SamplingParams:
-    kw: dict = dict(max_tokens=draw(st.sampled_from([1, 3, 6, 8, 10, 10])), ignore_eos=draw(st.booleans()))
+    kw: dict = dict(max_tokens=draw(st.sampled_from([1, 3, 6, 8, 10, 10])), ignore_eos=draw(st.booleans()),
+                    n=draw(st.sampled_from([1, 1, 1, 2])))  # (max_num_seqs >= 2: a pair is admitted together)
     temperature = draw(st.sampled_from([0.0, 0.0, 0.7, 1.0]))
     kw["temperature"] = temperature
     if temperature and draw(st.booleans()):
@@ -96,6 +106,9 @@ def check_workload(path, state_init: str, cfg: dict, reqs: list[Req]) -> None:
     outs = drive(engine, reqs)  # invariants after every step, drained at the end
     blocks_for, num_blocks = engine.kv.allocator.blocks_for, engine.kv.num_blocks
     for r in reqs:
+        if r.params.n > 1:
+            check_samples(engine, r, outs[r.rid])
+            continue
         out, ref = outs[r.rid], reference(engine, r)
         c = out.outputs[0]
         assert c.finish_reason in ("stop", "length", "abort", "error")
@@ -107,6 +120,25 @@ def check_workload(path, state_init: str, cfg: dict, reqs: list[Req]) -> None:
         if c.finish_reason != "abort":
             assert out.metrics.loops_run == expected_loops(ref)
         assert_matches(out, ref)
+
+
+def check_samples(engine, r: Req, out) -> None:
+    """A request of n > 1 samples: each equals the reference decoder run on it alone (an aborted or failed one
+    is a prefix of it; a failure is the pool's, which cannot hold the samples together); the request's loops
+    are its samples' when none was cut short."""
+    dec = ReferenceDecoder(engine.model, engine.layout, engine.cfg.prefill_chunk_size)
+    refs = [dec.run(s) for s in engine.make_sequence(r.rid, r.prompt, r.params, seed=r.seed).family]
+    assert [c.index for c in out.outputs] == list(range(r.params.n))
+    for c, ref in zip(out.outputs, refs, strict=True):
+        k = len(c.token_ids)
+        assert (c.token_ids, c.exit_depths) == (ref.output_ids[:k], ref.exit_depths[:k])
+        if c.finish_reason == "error":
+            assert out.error and "KV cache" in out.error
+        elif c.finish_reason != "abort":
+            assert (c.finish_reason, k, c.text) == (ref.finish_reason, len(ref.output_ids), ref.text)
+            assert_logprobs_close(c.logprobs, ref.logprobs)
+    if all(c.finish_reason in ("stop", "length") for c in out.outputs):
+        assert out.metrics.loops_run == sum(expected_loops(ref) for ref in refs)
 
 
 @HYP
