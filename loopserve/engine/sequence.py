@@ -41,9 +41,8 @@ def resolve_exit_rule(params: SamplingParams, model: LoopedLM, lookahead: bool) 
     config, has_gate = model.config, model.has_gate
     max_loops = params.max_loops or config.r_max
     _within_r_max("max_loops", max_loops, config.r_max)
-    trace = params.exit_trace
-    if trace and max(trace) > config.r_max:  # its first entry past r_max is named (refused, not clamped)
-        _within_r_max(*next((f"exit_trace.{i}", d) for i, d in enumerate(trace) if d > config.r_max), config.r_max)
+    for i, depth in enumerate(params.exit_trace or ()):  # refused, not clamped: the first entry past r_max named
+        _within_r_max(f"exit_trace.{i}", depth, config.r_max)
     min_loops = params.min_loops or 1
     if min_loops > max_loops:
         raise ValueError(f"min_loops: {min_loops} exceeds max_loops ({max_loops})")

@@ -91,7 +91,6 @@ from loopserve.serve.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     error_body,
-    field_of,
     parse_body,
     parse_tokenize,
     sampling_params,
@@ -320,7 +319,7 @@ class OpenAIServing:
             return completion_budget(prompt_len, requested, max_model_len=self.max_model_len,
                                      kv_tokens=self.kv_tokens, default=default, prompt_field=what, field=field)
         except ValueError as e:
-            raise ApiError(400, str(e), field_of(str(e))) from None
+            raise ApiError.bad_request(e) from None
 
     def make_seq(self, rid: str, text: str | None, ids: list[int], params: SamplingParams, arrival: float,
                  seed: int | None, what: str, grammar_field: str | None = None) -> Sequence:
@@ -389,7 +388,7 @@ class OpenAIServing:
         try:  # the rules LLM.chat applies too (chat_messages.py)
             checked = chat_messages([m.model_dump() for m in messages])
         except ValueError as e:
-            raise ApiError(400, str(e), field_of(str(e))) from None
+            raise ApiError.bad_request(e) from None
         # the template gets the fields this server knows; the others were reported as ignored
         plain = [{k: m[k] for k in ("role", "content", "name") if k in m} for m in checked]
         tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None

@@ -124,9 +124,8 @@ class AsyncLLMEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._stopping = False
-        # event-loop thread only: request id -> (its group, its index there, its samples); the samples in flight
+        # event-loop thread only: request id -> (its group, its index there, its samples)
         self._routes: dict[str, tuple[RequestGroup, int, int]] = {}
-        self._samples = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
@@ -159,14 +158,13 @@ class AsyncLLMEngine:
             raise EngineDeadError(f"the engine has stopped after an error: {self.dead!r}")
         if self._stopping:
             raise EngineStoppedError("the server is shutting down")
-        samples = sum(len(s.family) for s in seqs)
-        if self._samples + samples > self.capacity:
+        in_flight = sum(samples for _, _, samples in self._routes.values())
+        if in_flight + sum(len(s.family) for s in seqs) > self.capacity:
             raise EngineOverloadedError(f"the server is at capacity ({self.capacity} sequences in flight or queued, "
                                         "each sample of a request counted)")
         group = RequestGroup(self, [s.request_id for s in seqs])
         for i, s in enumerate(seqs):
             self._routes[s.request_id] = (group, i, len(s.family))
-        self._samples += samples
         self._cmds.put(("add", seqs))
         self._wake.set()
         return group
@@ -180,17 +178,15 @@ class AsyncLLMEngine:
             route = self._routes.get(out.request_id)
             if route is None:
                 continue
-            group, index, samples = route
+            group, index, _ = route
             group.queue.put_nowait((index, out))
             if out.finished:
                 del self._routes[out.request_id]
-                self._samples -= samples
 
     def _fail_all(self, exc: BaseException) -> None:
         for group, _, _ in list(self._routes.values()):
             group.queue.put_nowait(exc)
         self._routes.clear()
-        self._samples = 0
 
     def _post(self, fn: Callable, *args) -> None:
         assert self._loop is not None

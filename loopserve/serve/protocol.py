@@ -41,6 +41,11 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.headers = status, message, param, headers
 
+    @classmethod
+    def bad_request(cls, error: ValueError) -> ApiError:
+        """A 400 for a ValueError whose message names the field first (`_field_of`)."""
+        return cls(400, str(error), _field_of(str(error)))
+
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.param)
 
@@ -171,8 +176,8 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    """Types only: which messages a conversation may hold (content required, ...) is `chat_messages`'s rule,
-    shared with `LLM.chat`."""
+    """Types only: which messages a conversation may hold (known roles, content as text) is `chat_messages`'s
+    rule, shared with `LLM.chat`."""
 
     role: Literal[ROLES]  # type: ignore[valid-type]
     content: str | list[TextPart] | None = None
@@ -379,10 +384,10 @@ def sampling_params(req: _SamplingFields, *, max_tokens: int | None, logprobs: i
     try:
         return SamplingParams(**kwargs)
     except ValueError as e:
-        raise ApiError(400, str(e), field_of(str(e))) from None
+        raise ApiError.bad_request(e) from None
 
 
-def field_of(message: str) -> str | None:
+def _field_of(message: str) -> str | None:
     """The field a ValueError's message names first ("max_tokens: ...", "messages.0.role: ..."), or None."""
     head = message.split(":", 1)[0]
     return head if head and all(p.isidentifier() or p.isdigit() for p in head.split(".")) else None

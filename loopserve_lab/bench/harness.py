@@ -26,6 +26,7 @@ import math
 import os
 import platform
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -382,6 +383,8 @@ class OfflineRun:
         self.busy = DeviceBusy() if device_busy else None
         self.errors = 0
         self.stage_wall: dict[str, float] = {}
+        self.time_steps = False  # `run_lockstep`: the run's time is its steps' (else its caller times it whole)
+        self.step_wall = self.step_cpu = 0.0
         self._seen: dict[str, int] = {}
         self._contexts = contextlib.ExitStack()
 
@@ -405,8 +408,10 @@ class OfflineRun:
         return self.engine.stats.generated_tokens
 
     def step(self) -> None:
-        """One engine step. Per step only perf_counter (vDSO, no system call) is read here: a CPU-time clock
-        is a system call, a preemption point on a loaded machine (the drivers read it as coarsely as they can)."""
+        """One engine step. Unless `time_steps`, only perf_counter (vDSO, no system call) is read per step: a
+        CPU-time clock is a system call, a preemption point on a loaded machine (`run_offline` reads it around
+        the whole run; `run_lockstep` needs each run's own, some µs a step against a step's ms)."""
+        c1 = time.process_time() if self.time_steps else 0.0
         t1 = time.perf_counter()
         outs = self.engine.step()
         if self.sync:
@@ -418,6 +423,9 @@ class OfflineRun:
             self._seen[out.request_id] = n
             if out.finished and out.error:
                 self.errors += 1
+        if self.time_steps:
+            self.step_wall += time.perf_counter() - t1
+            self.step_cpu += time.process_time() - c1
 
     def result(self, wall: float, cpu: float) -> RunResult:
         """The run's figures, given its wall and CPU time."""
@@ -467,8 +475,7 @@ def run_offline(bm: BenchModel, workload: Workload, traces: list[list[int]] | No
 def run_lockstep(runs: list[OfflineRun]) -> list[RunResult]:
     """Run several offline runs of one workload at once: each step goes to the run that has generated the fewest
     tokens so far (the first listed on a tie), so the runs advance through the workload together and end at
-    about the same time. A run's wall and CPU time are the sums over its own steps (the CPU clock read around each
-    step: a system call a step, some µs against a step's ms).
+    about the same time. A run's wall and CPU time are the sums over its own steps (`OfflineRun.time_steps`).
 
     Why: on a shared machine whose speed drifts over minutes, runs made one after another meet different
     machines, and their ratio carries the drift (rounds of the same point spread by up to 16 points of the bound,
@@ -478,23 +485,27 @@ def run_lockstep(runs: list[OfflineRun]) -> list[RunResult]:
     if any(r.cuda for r in runs):
         raise ValueError("lockstep: on the CPU only (a GPU step's time is not its own: it returns before its work "
                          "is done); run them one after another")
-    wall, cpu = [0.0] * len(runs), [0.0] * len(runs)
     with contextlib.ExitStack() as stack:
         for r in runs:
             stack.enter_context(r)
+            r.time_steps = True
         t0 = time.perf_counter()
         for r in runs:
             r.stages.t0 = t0
-        live = [i for i, r in enumerate(runs) if not r.done]
-        while live:
-            i = min(live, key=lambda k: runs[k].generated_tokens)
-            c1, t1 = time.process_time(), time.perf_counter()
-            runs[i].step()
-            wall[i] += time.perf_counter() - t1
-            cpu[i] += time.process_time() - c1
-            if runs[i].done:
-                live.remove(i)
-    return [r.result(w, c) for r, w, c in zip(runs, wall, cpu, strict=True)]
+        step_in_turn(runs, lambda r: r.generated_tokens)
+    return [r.result(r.step_wall, r.step_cpu) for r in runs]
+
+
+def step_in_turn(runs: Sequence[Any], behind: Callable[[Any], float]) -> None:
+    """Step runs (each with `done` and `step()`) until all are done, each time the live one furthest behind by
+    `behind` (the first listed on a tie): the lockstep of offline runs (`run_lockstep`, by generated tokens) and
+    of serving runs (`serve.serve_lockstep`, by each run's own clock)."""
+    live = [r for r in runs if not r.done]
+    while live:
+        run = min(live, key=behind)
+        run.step()
+        if run.done:
+            live.remove(run)
 
 
 def write_json(path: Path, data: Any) -> Path:

@@ -39,7 +39,7 @@ import torch
 
 from loopserve.config_args import as_flags
 from loopserve.engine.config import EngineConfig
-from loopserve_lab.bench.harness import BenchModel, engine_kwargs_for
+from loopserve_lab.bench.harness import BenchModel, engine_kwargs_for, step_in_turn
 from loopserve_lab.bench.metrics import RequestRecord, poisson_arrivals, serving_metrics
 from loopserve_lab.bench.workloads import Workload
 
@@ -180,12 +180,7 @@ def serve_lockstep(runs: list[ServeRun]) -> list[dict[str, Any]]:
     its work is done: its time is not its own)."""
     if any(r.clock.kind != "cpu" for r in runs):  # (which `ServeRun` allows on the CPU only)
         raise ValueError("lockstep: runs on the CPU clock")
-    live = [r for r in runs if not r.done]
-    while live:
-        run = min(live, key=lambda r: r.clock.now())
-        run.step()
-        if run.done:
-            live.remove(run)
+    step_in_turn(runs, lambda r: r.clock.now())
     return [r.result() for r in runs]
 
 
