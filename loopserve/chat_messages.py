@@ -1,14 +1,20 @@
 """Chat messages as OpenAI's API (and vLLM) takes them: the roles there are, what each message must hold,
-and the plain form a chat template receives (the content as text). `LLM.chat` and the server's chat
-endpoints both check conversations here, so they take and refuse the same ones; an error names the
-field (`messages.<i>.<field>`)."""
+and the plain form a chat template receives. `LLM.chat` and the server's chat endpoints both check
+conversations here, so they take and refuse the same ones, and a template gets the same messages from
+either: the keys of `TEMPLATE_KEYS` that are set, checked and normalized, and nothing else. An error names
+the field (`messages.<i>.<field>`, down to `messages.<i>.tool_calls.<j>.function.arguments`)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+# what a chat template may read of a message, as vLLM passes them; the server reports any other field as ignored
+TEMPLATE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id")
+TOOL_CALL_KEYS = ("id", "type", "function")
+FUNCTION_KEYS = ("name", "arguments")
 
 
 def message_text(content: Any) -> str:
@@ -21,14 +27,17 @@ def message_text(content: Any) -> str:
     return "\n".join(part["text"] for part in content)
 
 
-def chat_messages(messages: Any, where: str = "messages") -> list[dict[str, Any]]:
-    """The messages of one conversation, checked, as the chat template gets them: each a copy of the
-    message with its content as text (`message_text`); other keys (tool_calls, tool_call_id, ...) are kept.
+def chat_messages(messages: Any, where: str = "messages", ignored: list[str] | None = None) -> list[dict[str, Any]]:
+    """The messages of one conversation, checked, as the chat template gets them: each holds the keys of
+    `TEMPLATE_KEYS` the message sets (a null counts as unset), the content always, as text (`message_text`).
+    Other keys are left out, and their paths (`<where>.<i>.<key>`) appended to `ignored` if it is given.
     ValueError naming `<where>.<i>.<field>`.
 
     A message has a known role; its content is a string or a list of {"type": "text", "text": ...} parts, or
     null or left out, which renders as empty text (as vLLM takes it, in any role: a client replaying a
-    conversation sends an assistant turn without content, for one); `name`, if given, is a string."""
+    conversation sends an assistant turn without content, for one); `name`, if given, is a string. Only an
+    assistant message may carry `tool_calls` (as `tool_calls` checks them), and only a tool message a
+    `tool_call_id` (a string: the call it answers)."""
     if isinstance(messages, str | Mapping) or not isinstance(messages, Sequence):
         raise ValueError(f"{where}: expected a list of {{'role': ..., 'content': ...}} objects, "
                          f"got {type(messages).__name__}")
@@ -54,11 +63,94 @@ def chat_messages(messages: Any, where: str = "messages") -> list[dict[str, Any]
                     raise ValueError(f"{at}.content.{j}: must be a text part ({{'type': 'text', 'text': ...}})")
                 if not isinstance(part.get("text"), str):
                     raise ValueError(f"{at}.content.{j}.text: must be a string")
+        plain: dict[str, Any] = {"role": role, "content": message_text(content)}
         name = m.get("name")
-        if name is not None and not isinstance(name, str):
-            raise ValueError(f"{at}.name: must be a string, got {type(name).__name__}")
-        plain = {**m, "content": message_text(content)}
-        if name is None:
-            plain.pop("name", None)
+        if name is not None:
+            if not isinstance(name, str):
+                raise ValueError(f"{at}.name: must be a string, got {type(name).__name__}")
+            plain["name"] = name
+        calls = m.get("tool_calls")
+        if calls is not None:
+            # OpenAI refuses them elsewhere; dropping them, as vLLM does, would hide the client's mistake
+            if role != "assistant":
+                raise ValueError(f"{at}.tool_calls: only an assistant message has tool calls (this one is {role!r})")
+            plain["tool_calls"] = tool_calls(calls, f"{at}.tool_calls", ignored)
+        call_id = m.get("tool_call_id")
+        if call_id is not None:
+            if not isinstance(call_id, str):
+                raise ValueError(f"{at}.tool_call_id: must be a string, got {type(call_id).__name__}")
+            if role != "tool":  # as tool_calls above
+                raise ValueError(f"{at}.tool_call_id: only a tool message answers a tool call (this one is {role!r})")
+            plain["tool_call_id"] = call_id
+        if ignored is not None:
+            ignored += [f"{at}.{k}" for k in m if k not in TEMPLATE_KEYS]
         out.append(plain)
     return out
+
+
+def tool_calls(calls: Any, where: str, ignored: list[str] | None = None) -> list[dict[str, Any]]:
+    """An assistant message's tool calls (`where`: their field), checked, as a chat template gets them:
+    OpenAI's [{"id": str, "type": "function", "function": {"name": str, "arguments": str}}], where `id` and
+    `type` may be left out (some clients do; `type` then reads "function"), and `arguments` is the JSON text of
+    an object or (from Python) a mapping. The template gets the arguments as a dict, as vLLM passes them: the
+    tool-use templates of Hugging Face models iterate over them or dump them with `tojson`; an empty string
+    is taken as no arguments ({}), as vLLM takes it. Other keys are left out (their paths added to `ignored`).
+    ValueError naming `<where>.<j>.<field>`."""
+    if isinstance(calls, str | Mapping) or not isinstance(calls, Sequence):
+        raise ValueError(f"{where}: must be a list of tool calls, got {type(calls).__name__}")
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}.{j}"
+        if not isinstance(call, Mapping):
+            raise ValueError(f"{at}: must be a tool call ({{'id': ..., 'type': 'function', 'function': "
+                             f"{{'name': ..., 'arguments': ...}}}}), got {type(call).__name__}")
+        call_id, kind, fn = call.get("id"), call.get("type"), call.get("function")
+        if call_id is not None and not isinstance(call_id, str):
+            raise ValueError(f"{at}.id: must be a string, got {type(call_id).__name__}")
+        if kind is not None and kind != "function":
+            raise ValueError(f"{at}.type: must be 'function', got {kind!r}")
+        if fn is None:
+            raise ValueError(f"{at}.function: field required")
+        if not isinstance(fn, Mapping):
+            raise ValueError(f"{at}.function: must be an object with 'name' and 'arguments', got {type(fn).__name__}")
+        name = fn.get("name")
+        if name is None:
+            raise ValueError(f"{at}.function.name: field required")
+        if not isinstance(name, str):
+            raise ValueError(f"{at}.function.name: must be a string, got {type(name).__name__}")
+        one: dict[str, Any] = {} if call_id is None else {"id": call_id}
+        one["type"] = "function"
+        one["function"] = {"name": name, "arguments": _arguments(fn.get("arguments"), f"{at}.function.arguments")}
+        if ignored is not None:
+            ignored += [f"{at}.{k}" for k in call if k not in TOOL_CALL_KEYS]
+            ignored += [f"{at}.function.{k}" for k in fn if k not in FUNCTION_KEYS]
+        out.append(one)
+    return out
+
+
+def _arguments(args: Any, where: str) -> dict[str, Any]:
+    if args is None:
+        raise ValueError(f"{where}: field required")
+    if isinstance(args, Mapping):
+        return dict(args)
+    if not isinstance(args, str):
+        raise ValueError(f"{where}: must be a JSON object as text (or a mapping), got {type(args).__name__}")
+    if args == "":
+        return {}
+    try:
+        parsed = json.loads(args)
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"{where}: must be a JSON object as text, got text that is not JSON ({e})") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{where}: must be a JSON object as text, got a JSON {_json_kind(parsed)}")
+    return parsed
+
+
+def _json_kind(value: Any) -> str:
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, bool):
+        return "boolean"
+    return "null" if value is None else "number"

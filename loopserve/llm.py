@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -25,6 +26,8 @@ from loopserve.sampling_params import RequestOutputKind, SamplingParams
 from loopserve.tokenizer import Tokenizer
 
 Conversation = Seq[Mapping[str, Any]]  # [{"role": "user", "content": "..."}, ...]
+
+log = logging.getLogger(__name__)
 
 
 def default_model_path() -> Path:
@@ -117,7 +120,10 @@ class LLM:
         """Generate replies to one conversation or a list of them, each rendered with the chat template.
 
         `chat_template` names one of the model's templates or is a template itself; `chat_template_kwargs`
-        become template variables; `tools` (JSON-schema dicts) reach the template as `tools`."""
+        become template variables; `tools` (JSON-schema dicts) reach the template as `tools`. Messages are
+        checked and rendered as the server's are (`chat_messages`): the template gets a message's role,
+        content, name, tool_calls (arguments as dicts) and tool_call_id; other keys are ignored with a
+        warning in the log."""
         if isinstance(messages, Seq) and not isinstance(messages, str) and messages and all(
                 isinstance(m, Mapping) for m in messages):
             conversations: list[Conversation] = [messages]  # type: ignore[list-item]
@@ -140,7 +146,11 @@ class LLM:
         for name in ("messages", "add_generation_prompt", "chat_template", "tools"):
             if name in extra:
                 raise ValueError(f"chat_template_kwargs.{name}: set by the chat() argument of that name")
-        messages = chat_messages(conversation, where)  # the server's rules for a message (chat_messages.py)
+        ignored: list[str] = []
+        # the server's rules for a message, and the same keys reach the template (chat_messages.py)
+        messages = chat_messages(conversation, where, ignored)
+        if ignored:  # as the server reports the fields it ignores
+            log.warning("chat: ignored unknown message fields: %s", ", ".join(ignored))
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt, chat_template=chat_template,
                                                   tools=tools, **extra)
         # the template writes any BOS itself: tokenize without adding special tokens (as vLLM and the server do)

@@ -385,12 +385,10 @@ class OpenAIServing:
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool | None,
                     template_kwargs: dict[str, Any] | None, tools: list[ChatTool] | None = None) -> str:
         """The chat template applied to `messages` (with the request's tools and extra template variables)."""
-        try:  # the rules LLM.chat applies too (chat_messages.py)
-            checked = chat_messages([m.model_dump() for m in messages])
+        try:  # the rules LLM.chat applies too (chat_messages.py); unknown fields were reported as ignored already
+            plain = chat_messages([m.model_dump() for m in messages])
         except ValueError as e:
             raise ApiError.bad_request(e) from None
-        # the template gets the fields this server knows; the others were reported as ignored
-        plain = [{k: m[k] for k in ("role", "content", "name") if k in m} for m in checked]
         tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
         try:
             return self.tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt is not False,

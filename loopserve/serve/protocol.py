@@ -61,7 +61,7 @@ class _Strict(BaseModel):
 
 
 def unknown_fields(obj: Any, prefix: str = "") -> list[str]:
-    """Full paths (`temprature`, `messages.0.tool_calls`) of the unknown fields a parsed body carried."""
+    """Full paths (`temprature`, `messages.0.reasoning_content`) of the unknown fields a parsed body carried."""
     if isinstance(obj, BaseModel):
         out = [prefix + k for k in obj.model_extra or {}]
         for name in type(obj).model_fields:
@@ -175,13 +175,29 @@ class TextPart(_Strict):
     text: str
 
 
+class ToolCallFunction(_Strict):
+    name: str
+    # OpenAI sends the JSON text; an object is taken too, as LLM.chat takes a dict (chat_messages.py)
+    arguments: str | dict[str, Any]
+
+
+class ToolCall(_Strict):
+    """An earlier assistant turn's call. Some clients leave out `id` and `type`."""
+
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
-    """Types only: which messages a conversation may hold (known roles, content as text) is `chat_messages`'s
-    rule, shared with `LLM.chat`."""
+    """Types only: which messages a conversation may hold (known roles, content as text, tool calls only from
+    the assistant, arguments a JSON object) is `chat_messages`'s rule, shared with `LLM.chat`."""
 
     role: Literal[ROLES]  # type: ignore[valid-type]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
 
 class FunctionDefinition(_Strict):
