@@ -25,9 +25,10 @@
 # event list builds a Python object per record, about 30 us each on this project's CPU (a likely culprit).
 # Uses the machine's own python3 and torch (no venv needed); results and logs go to $OUT (relative paths are
 # the repository root's). With PACK=file.tgz (outside $OUT) everything under $OUT is also packed into that one
-# file, for a copy that takes few files.
+# file after every step, so that a run stopped at its limit still hands back what it measured. The device tool
+# returns only a few files from its $OUT, so run it as
 #
-#   OUT=/some/dir scripts/gpu_check.sh
+#   D=$OUT; OUT=/tmp/gc PACK=$D/gc.tgz scripts/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -46,10 +47,13 @@ step() {  # step NAME LIMIT_S COMMAND...: output to $OUT/NAME.log; skipped once 
     ((limit > left)) && limit=$left
     timeout -k 10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
     echo "$name: rc ${PIPESTATUS[0]} after ${SECONDS}s (limit ${limit}s)" | tee -a "$OUT/steps.txt"
+    pack
 }
+pack() { if [[ -n "${PACK:-}" ]]; then tar czf "$PACK.part" -C "$OUT" . && mv "$PACK.part" "$PACK"; fi; }
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   $PY -c "import torch; print('torch', torch.__version__, torch.version.cuda)"
-  git rev-parse --short HEAD 2>/dev/null; } | tee "$OUT/machine.txt"
+  git rev-parse --short HEAD 2>/dev/null
+  git status --short 2>/dev/null; } | tee "$OUT/machine.txt"  # (the tree as sent: edits not yet committed too)
 step tests 120 $PY -m pytest -q -p no:cacheprovider -o addopts="" tests/test_cuda.py tests/test_pipeline.py
 step graphs-ouro-1.4b-shape 150 $PY -m loopserve.cli bench throughput --model ouro-1.4b-shape --device cuda \
     --dtype bfloat16 --workload alpaca --num-requests 64 --mean-depth 2.5 --sweep width --widths 32 --repeats 1 \
@@ -61,6 +65,9 @@ if git worktree add -f /tmp/before "$BEFORE" > /dev/null 2>&1; then
         throughput --model ouro-1.4b-shape --device cuda --dtype bfloat16 --workload alpaca --num-requests 64 \
         --mean-depth 2.5 --sweep width --widths 32 --repeats 1 --cuda-graphs --no-progress \
         --out "$OUT/graphs-ouro-1.4b-shape-before")
+else
+    echo "skipped graphs-ouro-1.4b-shape-before: no worktree of $BEFORE (history not sent, or /tmp/before in use)" \
+        | tee -a "$OUT/steps.txt"
 fi
 step overlap-ouro-1.4b-shape 120 $PY -m loopserve.cli bench ablate overlap --model ouro-1.4b-shape --device cuda \
     --dtype bfloat16 --num-requests 64 --width 32 --repeats 2 --cuda-graphs --no-progress \
@@ -81,4 +88,4 @@ step huginn-graphs-minprelude8 60 $PY -m loopserve.cli bench throughput --model 
 step throughput 120 $PY -m loopserve.cli bench throughput --model ouro-bench --device cuda --dtype bfloat16 \
     --workload alpaca --num-requests 128 --mean-depth 2.5 --sweep width,full-depth --widths 32,128 --width 128 \
     --repeats 1 --no-cuda-graphs --no-progress --out "$OUT"
-if [[ -n "${PACK:-}" ]]; then tar czf "$PACK" -C "$OUT" .; fi
+pack
