@@ -63,6 +63,18 @@ def test_a_weight_written_in_place_is_packed_again():
     assert torch.equal(layers.linear(x, w), F.linear(x, w)) and not torch.equal(layers.linear(x, w), before)
 
 
+def test_a_copy_is_made_again_once_module_to_replaces_the_weights_data():
+    # `Module.to` converts a parameter by swapping its data: the same object, its attributes and its version counter
+    # stay, so a copy checked by the version alone came back made from the old data (on a move to CUDA: on the CPU)
+    m = nn.Linear(4, 3, bias=False).requires_grad_(False)
+    w = m.weight
+    first = layers.derived(w, ("copy",), lambda t: t.clone())
+    m.to(torch.float64)
+    assert m.weight is w  # (what makes the stale copy possible)
+    again = layers.derived(m.weight, ("copy",), lambda t: t.clone())
+    assert first.dtype == torch.float32 and again.dtype == torch.float64 and torch.equal(again, m.weight)
+
+
 @needs_packing
 def test_weights_made_under_inference_mode_are_packed_too():
     with torch.inference_mode():  # (inference tensors have no version counter)

@@ -41,7 +41,9 @@ PER_PART_DEVICES = ("cpu",)  # device types where `stacked_linear` multiplies pa
 
 # Copies derived from a weight and kept on it, by what they are: a bfloat16 weight's parts reordered for oneDNN
 # (`_packed`), a gate head's float32 copy (`OuroForCausalLM._gate`). Made at first use and made again once the
-# weight has been written in place (its version counter moved; a new tensor carries none of the old one's copies).
+# weight has been written in place (its version counter moved) or its data replaced (`Module.to` converts a
+# parameter by swapping its data, keeping the object, its attributes and its version); a new tensor carries none
+# of the old one's copies.
 DERIVED = "loopserve_derived"
 
 
@@ -54,11 +56,11 @@ def derived(weight: torch.Tensor, key: tuple, make: Callable[[torch.Tensor], Any
     if copies is None:
         copies = {}
         setattr(weight, DERIVED, copies)
-    version = -1 if weight.is_inference() else weight._version
+    stamp = (-1 if weight.is_inference() else weight._version, weight.data_ptr(), weight.dtype, weight.device)
     hit = copies.get(key)
-    if hit is None or hit[0] != version:
+    if hit is None or hit[0] != stamp:
         with torch.inference_mode(False), torch.no_grad():
-            hit = copies[key] = (version, make(weight))
+            hit = copies[key] = (stamp, make(weight))
     return hit[1]
 
 
