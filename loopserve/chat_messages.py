@@ -88,6 +88,18 @@ def chat_messages(messages: Any, where: str = "messages", ignored: list[str] | N
     return out
 
 
+def check_continuable(messages: Sequence[Mapping[str, Any]], where: str = "messages") -> None:
+    """`continue_final_message`'s rule (the tokenizer's, `LLM.chat`'s and the server's): the final message is
+    the assistant's, the reply the model goes on with. ValueError naming `<where>.<i>.role`."""
+    if not messages:
+        raise ValueError(f"{where}: continue_final_message needs a final message to continue")
+    i = len(messages) - 1
+    role = messages[i].get("role")
+    if role != "assistant":
+        raise ValueError(f"{where}.{i}.role: continue_final_message continues the final message, which must be the "
+                         f"assistant's; this one is {role!r}")
+
+
 def tool_calls(calls: Any, where: str, ignored: list[str] | None = None) -> list[dict[str, Any]]:
     """An assistant message's tool calls (`where`: their field), checked, as a chat template gets them:
     OpenAI's [{"id": str, "type": "function", "function": {"name": str, "arguments": str}}], where `id` and

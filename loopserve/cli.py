@@ -17,10 +17,9 @@ from collections import Counter
 from pathlib import Path
 
 from loopserve.config_args import add_config_args, config_kwargs
-from loopserve.device import AUTO
 from loopserve.engine.config import EngineConfig
 from loopserve.exits import DEFAULT_POLICIES
-from loopserve.models.loader import DTYPES
+from loopserve.load_config import LoadConfig
 
 # Modules that add subcommands (the runtime's, then the lab's); a missing one is skipped.
 _COMMAND_MODULES = ["loopserve.cli", "loopserve.serve.cli", "loopserve_lab.bench.cli", "loopserve_lab.train.cli"]
@@ -32,17 +31,16 @@ BARS = " ▁▂▃▄▅▆▇█"
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Model flags, and every `EngineConfig` knob (generated), shared by generate, demo and serve."""
     p.add_argument("--model", default=None, help="HF folder or hub id (unset: the embedded model)")
-    p.add_argument("--dtype", default="float32", choices=[*DTYPES, AUTO],
-                   help="weights, activations and KV cache; auto: the checkpoint's torch_dtype (float16 -> bfloat16)")
-    p.add_argument("--device", default=AUTO, help="cpu, cuda, cuda:N; auto: cuda when available, else cpu")
-    p.add_argument("--state-init", default="like-init", choices=["like-init", "zero"],
-                   help="Huginn's initial recurrent state")
-    p.add_argument("--seed", type=int, default=0, help="engine seed (unseeded requests' sampling, Huginn states)")
+    add_config_args(p.add_argument_group("model (LLM's keywords of the same names)"), LoadConfig)
     add_config_args(p.add_argument_group("engine"), EngineConfig)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return config_kwargs(args, EngineConfig)
+
+
+def load_kwargs(args: argparse.Namespace) -> dict:
+    return config_kwargs(args, LoadConfig)
 
 
 def add_chat_args(p: argparse.ArgumentParser) -> None:
@@ -97,8 +95,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print("error: give prompts as arguments or with --prompts-file", file=sys.stderr)
         return 2
     try:
-        llm = LLM(args.model, dtype=args.dtype, device=args.device, state_init=args.state_init, seed=args.seed,
-                  chat_template=args.chat_template, generation_config=args.generation_config, **engine_kwargs(args))
+        llm = LLM(args.model, chat_template=args.chat_template, generation_config=args.generation_config,
+                  **load_kwargs(args), **engine_kwargs(args))
         given = {k: getattr(args, k) for k in GENERATE_DEFAULTS if getattr(args, k) is not None}
         params = SamplingParams(**{**GENERATE_DEFAULTS, **llm.generation_defaults, **given},
                                 exit_threshold=args.exit_threshold, exit_policy=args.exit_policy,

@@ -1,9 +1,10 @@
 """Command-line flags generated from config dataclasses, so each knob is declared once.
 
 A field becomes `--name-with-dashes`; its type and default come from the dataclass, its help and
-choices from `field(metadata={"help": ..., "choices": ...})`, and a bool becomes `--x/--no-x`.
-`generate`, `serve` and `bench` all add `EngineConfig` this way; `config_kwargs` reads the
-fields back from the parsed arguments, and `as_flags` writes values as arguments (a benchmark's server).
+choices from `field(metadata={"help": ..., "choices": ...})` (`knob`), and a bool becomes `--x/--no-x`.
+`generate`, `serve` and `bench` all add `EngineConfig` this way (`generate` and `serve` `LoadConfig` too);
+`config_kwargs` reads the fields back from the parsed arguments, and `as_flags` writes values as arguments (a
+benchmark's server).
 """
 
 from __future__ import annotations
@@ -13,6 +14,12 @@ import dataclasses
 import types
 import typing
 from typing import Any
+
+
+def knob(default: Any, help: str, **meta: Any) -> Any:
+    """A config dataclass field with its command-line help (and choices): `add_config_args` makes the flags from
+    these."""
+    return dataclasses.field(default=default, metadata={"help": help, **meta})
 
 
 def _value_type(hint: Any) -> type:

@@ -14,13 +14,14 @@ from typing import Any
 from tqdm import tqdm
 
 from loopserve.cache.layout import KVLayout
-from loopserve.chat_messages import chat_messages
+from loopserve.chat_messages import chat_messages, check_continuable
 from loopserve.engine.budget import completion_budget, pool_tokens
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine import LLMEngine
 from loopserve.engine.reference import ReferenceDecoder
 from loopserve.engine.sequence import PromptType, Sequence, make_sequence, parse_prompt, truncate_prompt
-from loopserve.models.loader import embedded_model_path, load_model
+from loopserve.load_config import LOAD_FIELDS, configs, load_for_engine
+from loopserve.models.loader import embedded_model_path
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import RequestOutputKind, SamplingParams
 from loopserve.tokenizer import Tokenizer
@@ -39,30 +40,41 @@ def default_model_path() -> Path:
     return path
 
 
+# vLLM's LLM keywords that change nothing here, accepted so that its scripts run as they are: this class logs no
+# periodic stats.
+_NO_EFFECT = ("disable_log_stats",)
+
+
 class LLM:
     """Offline generation. `scheduler` is one of "cdb" (default), "cdb-norefill", "cb", "reference";
-    any `EngineConfig` field can be passed as a keyword (block_size, max_decode_batch, ...).
+    any `EngineConfig` field can be passed as a keyword (block_size, max_decode_batch, ...), and any
+    `LoadConfig` field (dtype and device, both "auto" by default as for the server; seed, max_model_len, ...).
 
     `chat_template`: a Jinja template (text or a file) used instead of the model's. `generation_config`:
     "auto" (default) takes the sampling defaults of the model's `generation_config.json`, "vllm" ignores
     them, any other value is a folder holding one; `get_default_sampling_params` shows the result."""
 
-    def __init__(self, model: str | Path | None = None, *, dtype: str = "float32", device: str = "cpu",
-                 state_init: str = "like-init", seed: int = 0, chat_template: str | None = None,
-                 generation_config: str = "auto", **engine_kwargs) -> None:
-        names = {f.name for f in dataclasses.fields(EngineConfig)}
-        unknown = set(engine_kwargs) - names
+    def __init__(self, model: str | Path | None = None, *, chat_template: str | None = None,
+                 generation_config: str = "auto", **kwargs: Any) -> None:
+        """`kwargs`: `LoadConfig` fields (dtype, device, state_init, seed, max_model_len, gpu_memory_utilization,
+        enforce_eager, tensor_parallel_size, trust_remote_code, tokenizer, swap_space: what the `serve` flags of
+        those names mean, with the same defaults), `EngineConfig` fields, and vLLM's `disable_log_stats` (no
+        effect). ValueError naming the argument at fault."""
+        known = {*LOAD_FIELDS, *(f.name for f in dataclasses.fields(EngineConfig)), *_NO_EFFECT}
+        unknown = sorted(set(kwargs) - known)
         if unknown:
-            raise ValueError(f"{sorted(unknown)[0]}: unknown LLM argument")
-        self.engine_config = EngineConfig(**engine_kwargs)
-        loaded = load_model(model if model is not None else default_model_path(), dtype, device, state_init,
-                            chat_template=chat_template, generation_config=generation_config)
+            names = ", ".join(sorted({"model", "chat_template", "generation_config", *known}))
+            raise ValueError(f"{unknown[0]}: not an LLM argument (known: {names})")
+        self.load_config, self.engine_config = configs({k: v for k, v in kwargs.items() if k not in _NO_EFFECT})
+        loaded, self.engine_config, self.max_model_len = load_for_engine(
+            model if model is not None else default_model_path(), self.load_config, self.engine_config,
+            chat_template=chat_template, generation_config=generation_config)
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.generation_defaults = loaded.generation_defaults
-        self.seed = seed
+        self.seed = self.load_config.seed
         cfg, c = self.engine_config, self.config
         self.layout = KVLayout(cfg.kv_layout, c.n_prelude, c.n_core, c.n_coda, c.r_max)
-        self.engine = None if cfg.scheduler == "reference" else LLMEngine(self.model, self.tokenizer, cfg, seed)
+        self.engine = None if cfg.scheduler == "reference" else LLMEngine(self.model, self.tokenizer, cfg, self.seed)
         self._counter = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:
@@ -84,12 +96,14 @@ class LLM:
         text, ids = parse_prompt(prompt, self.tokenizer)
         ids = truncate_prompt(ids, params.truncate_prompt_tokens)  # (as make_sequence will: it is idempotent)
         kv_tokens = pool_tokens(self.engine) if self.engine is not None else None
-        budget = completion_budget(len(ids), params.max_tokens, max_model_len=self.config.max_position,
+        budget = completion_budget(len(ids), params.max_tokens, max_model_len=self.max_model_len,
                                    kv_tokens=kv_tokens, clip_to_context=True)
         # generate() returns finished requests only: no per-token outputs (vLLM's LLM does the same). No
-        # max_tokens: the room left, where the KV pool is smaller than the context (the server's rule).
-        params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY,
-                                     max_tokens=params.max_tokens if params.max_tokens is not None else budget)
+        # max_tokens: the room left, where the KV pool is smaller than the context (the server's rule); one past
+        # max_model_len: cut to it (a sequence itself stops only at the model's own context), and min_tokens with
+        # it, as a sequence stopped by the context ends before its min_tokens too.
+        params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY, max_tokens=budget,
+                                     min_tokens=min(params.min_tokens, budget))
         seq = make_sequence(self.model, self.tokenizer, str(index), {"prompt": text, "prompt_token_ids": ids},
                             params, seed, self.engine_config.lookahead, self.engine_config.num_speculative_tokens,
                             base_seed=self.seed,
@@ -116,11 +130,13 @@ class LLM:
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              chat_template_kwargs: dict[str, Any] | None = None,
-             tools: Seq[Mapping[str, Any]] | None = None) -> list[RequestOutput]:
+             tools: Seq[Mapping[str, Any]] | None = None, continue_final_message: bool = False) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, each rendered with the chat template.
 
         `chat_template` names one of the model's templates or is a template itself; `chat_template_kwargs`
-        become template variables; `tools` (JSON-schema dicts) reach the template as `tools`. Messages are
+        become template variables; `tools` (JSON-schema dicts) reach the template as `tools`.
+        `continue_final_message` (with add_generation_prompt=False, as in vLLM): the model goes on with the final
+        message, the assistant's, whose turn the prompt leaves open (it ends with the message's text). Messages are
         checked and rendered as the server's are (`chat_messages`): the template gets a message's role,
         content, name, tool_calls (arguments as dicts) and tool_call_id; other keys are ignored with a
         warning in the log."""
@@ -134,25 +150,29 @@ class LLM:
         batch = len(conversations) > 1 or conversations[0] is not messages
         prompts: list[PromptType] = [
             self._chat_prompt(conv, chat_template, add_generation_prompt, chat_template_kwargs, tools,
-                              f"messages.{i}" if batch else "messages")
+                              f"messages.{i}" if batch else "messages", continue_final_message)
             for i, conv in enumerate(conversations)]
         return self._run(prompts, sampling_params, use_tqdm)
 
     def _chat_prompt(self, conversation: Conversation, chat_template: str | None = None,
                      add_generation_prompt: bool = True, chat_template_kwargs: dict[str, Any] | None = None,
-                     tools: Seq[Mapping[str, Any]] | None = None, where: str = "messages") -> dict[str, Any]:
+                     tools: Seq[Mapping[str, Any]] | None = None, where: str = "messages",
+                     continue_final_message: bool = False) -> dict[str, Any]:
         """`where`: the conversation's field in errors (`messages`, or `messages.<i>` in a batch)."""
         extra = dict(chat_template_kwargs or {})
-        for name in ("messages", "add_generation_prompt", "chat_template", "tools"):
+        for name in ("messages", "add_generation_prompt", "chat_template", "tools", "continue_final_message"):
             if name in extra:
                 raise ValueError(f"chat_template_kwargs.{name}: set by the chat() argument of that name")
         ignored: list[str] = []
         # the server's rules for a message, and the same keys reach the template (chat_messages.py)
         messages = chat_messages(conversation, where, ignored)
+        if continue_final_message and not add_generation_prompt:  # (the tokenizer refuses both at once)
+            check_continuable(messages, where)  # (as the tokenizer does, naming the conversation of a batch)
         if ignored:  # as the server reports the fields it ignores
             log.warning("chat: ignored unknown message fields: %s", ", ".join(ignored))
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt, chat_template=chat_template,
-                                                  tools=tools, **extra)
+        text = self.tokenizer.apply_chat_template(messages, tools, chat_template=chat_template, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt,
+                                                  continue_final_message=continue_final_message, **extra)
         # the template writes any BOS itself: tokenize without adding special tokens (as vLLM and the server do)
         return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False,
                                                                           what=where)}

@@ -6,7 +6,7 @@ import enum
 import json
 import math
 import reprlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from loopserve.exits import POLICIES
@@ -121,6 +121,25 @@ class GuidedDecodingParams:
         return "grammar", self.grammar, None
 
 
+# vLLM's newer name (0.10+) for the same thing: `SamplingParams(structured_outputs=StructuredOutputsParams(...))`
+StructuredOutputsParams = GuidedDecodingParams
+
+
+def _structured_outputs(spec: dict[str, Any]) -> GuidedDecodingParams:
+    """The grammar of a `structured_outputs` dict (GuidedDecodingParams' fields); a ValueError names the key at
+    fault (`structured_outputs.choice: ...`), as the server's 400 does."""
+    known = [f.name for f in fields(GuidedDecodingParams)]
+    unknown = [k for k in spec if k not in known]
+    if unknown:
+        raise ValueError(f"structured_outputs.{unknown[0]}: unknown field (the fields are {', '.join(known)})")
+    try:
+        return GuidedDecodingParams(**spec)
+    except ValueError as e:
+        head, _, rest = str(e).partition(": ")
+        where = f"structured_outputs.{head}" if head in spec else "structured_outputs"
+        raise ValueError(f"{where}: {rest}") from None
+
+
 class RequestOutputKind(enum.IntEnum):
     """When a request's outputs are reported (vLLM's enum and values)."""
 
@@ -142,7 +161,7 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)  # None is taken as [] (vLLM types it Optional)
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # top logprobs per prompt token (and the token's own), full depth
@@ -158,8 +177,24 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None  # keep only the last k prompt tokens
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # no best-of selection: every sample is returned, so only best_of = n (or unset) means what it says
+    best_of: int | None = None
+    # only these token ids may be sampled (a mask on the raw logits, before logit_bias and the penalties)
+    allowed_token_ids: list[int] | None = None
+    # vLLM's rule: each word is tokenized as it is and after a space (its leading spaces stripped), once per
+    # request; a word's last token is masked whenever its other tokens end the output so far
+    bad_words: list[str] | None = None
+    # the text is decoded as the tokenizer joins tokens: false is taken only where it changes nothing (no
+    # special tokens in the text, skip_special_tokens)
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True  # false: token ids only (the text "", logprobs' decoded_token None; no stop strings)
+    # kept on the params for the caller's own use and never read here (vLLM hands them to custom logits
+    # processors, which this engine does not run)
+    extra_args: dict[str, Any] | None = None
+    # vLLM's newer name for guided_decoding (a StructuredOutputsParams, or a dict of its fields): sets it
+    structured_outputs: GuidedDecodingParams | dict[str, Any] | None = None
     # set by the engine on a request's own copy (engine/sampler.py `bind`), never by users: the request's
-    # tokens, which penalties and min_tokens read
+    # tokens, which penalties, min_tokens and bad_words read
     history: TokenHistory | None = field(default=None, repr=False, compare=False)
     # looped-model extensions
     min_loops: int | None = None
@@ -189,6 +224,13 @@ class SamplingParams:
 
         if not is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise bad("n", f"must be an integer in [1, {MAX_N}]")
+        if self.best_of is not None and (not is_int(self.best_of) or self.best_of != self.n):
+            raise bad("best_of", f"only best_of = n ({self.n}) or unset is supported (every sample is returned, none "
+                                 "is picked by its score)")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
+                     "spaces_between_special_tokens", "detokenize"):
+            if not isinstance(getattr(self, name), bool):  # ("no" is truthy: it would mean true)
+                raise bad(name, "must be true or false")
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "must be an integer >= 1")
         if not is_real(self.temperature) or not 0 <= self.temperature <= 100:
@@ -207,6 +249,8 @@ class SamplingParams:
             self.stop = list(self.stop)
         if isinstance(self.stop_token_ids, tuple):
             self.stop_token_ids = list(self.stop_token_ids)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
         if self.stop is not None and (not isinstance(self.stop, list)
                                       or not all(isinstance(s, str) and s for s in self.stop)):
             raise bad("stop", "must be a non-empty string or a list of them")
@@ -214,6 +258,25 @@ class SamplingParams:
             raise ValueError(f"stop: at most {MAX_STOP} stop strings, got {len(self.stop)}")
         if not isinstance(self.stop_token_ids, list) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        if not self.detokenize and self.stop:
+            raise bad("detokenize", "must be true with stop strings (they are matched in the text)")
+        if not self.spaces_between_special_tokens and not self.skip_special_tokens:
+            raise bad("spaces_between_special_tokens", "only true is supported with skip_special_tokens false")
+        if isinstance(self.allowed_token_ids, tuple):
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
+                or not all(is_int(t) and t >= 0 for t in self.allowed_token_ids)):
+            raise bad("allowed_token_ids", "must be a non-empty list of token ids (integers >= 0)")
+        if isinstance(self.bad_words, tuple):
+            self.bad_words = list(self.bad_words)
+        if self.bad_words is not None and (not isinstance(self.bad_words, list)
+                                           or not all(isinstance(w, str) and w.strip() for w in self.bad_words)):
+            raise bad("bad_words", "must be a list of strings, none empty or all whitespace")
+        if self.bad_words is not None and len(self.bad_words) > MAX_STOP:  # (matched after every token, as stop is)
+            raise ValueError(f"bad_words: at most {MAX_STOP} words, got {len(self.bad_words)}")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise bad("extra_args", "must be a dict")
         # penalties and logit adjustments
         for name in ("presence_penalty", "frequency_penalty"):
             if not is_real(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
@@ -236,8 +299,6 @@ class SamplingParams:
             raise bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
-        if not isinstance(self.include_stop_str_in_output, bool):
-            raise bad("include_stop_str_in_output", "must be true or false")
         if self.truncate_prompt_tokens is not None and (not is_int(self.truncate_prompt_tokens)
                                                         or self.truncate_prompt_tokens < 1):
             raise bad("truncate_prompt_tokens", "must be an integer >= 1")
@@ -272,6 +333,16 @@ class SamplingParams:
         if self.num_speculative_tokens is not None and (not is_int(self.num_speculative_tokens)
                                                         or self.num_speculative_tokens < 0):
             raise bad("num_speculative_tokens", "must be an integer >= 0")
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = _structured_outputs(self.structured_outputs)
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, GuidedDecodingParams):
+                raise bad("structured_outputs", "must be a StructuredOutputsParams or a dict of its fields")
+            # (the same grammar under both names is what a copy through the constructor passes back)
+            if self.guided_decoding is not None and self.guided_decoding != self.structured_outputs:
+                raise ValueError("structured_outputs: give it or guided_decoding (vLLM's newer and older names for "
+                                 "one thing), not both")
+            self.guided_decoding = self.structured_outputs
         if self.guided_decoding is not None and not isinstance(self.guided_decoding, GuidedDecodingParams):
             raise bad("guided_decoding", "must be a GuidedDecodingParams")
 

@@ -8,16 +8,25 @@ named by the `chat_template` argument (any other value is the template text itse
 tools are given and the folder has it, else `default`. How: a sandboxed Jinja environment with
 `trim_blocks`, `lstrip_blocks`, the `loopcontrols` extension, the `{% generation %}` block, a `tojson` that
 keeps non-ASCII text, and the globals `raise_exception` and `strftime_now`.
+
+The public methods are transformers' where the names are (scripts written for vLLM call them on
+`LLM.get_tokenizer()`): `apply_chat_template` with its keywords and defaults, calling the tokenizer, `len`,
+`get_vocab`, `batch_decode`, `convert_ids_to_tokens`, `convert_tokens_to_ids` and the special tokens.
+transformers' options that are not implemented (padding, tensors, ...) are a ValueError naming the option
+when set, never silently ignored. One difference: `decode` and `batch_decode` skip special tokens unless
+told not to (transformers keeps them), as the engine detokenizes its outputs.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from functools import cached_property, lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import jinja2
 import jinja2.ext
@@ -27,13 +36,64 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import pre_tokenizers
 from tokenizers.decoders import DecodeStream
 
+from loopserve.chat_messages import check_continuable
+
 DEFAULT_TEMPLATE = "default"
 TOOL_USE_TEMPLATE = "tool_use"  # picked when tools are given, as transformers does
 _JINJA_MARKS = "{}\n"  # a --chat-template value holding one of these is template text, not a path
+_Dicts = Sequence[Mapping[str, Any]]  # messages, tools, documents
+# transformers' special-token attributes, in the order its `all_special_tokens` lists them
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# transformers' options of `apply_chat_template` and of calling the tokenizer that are not implemented here; taken
+# at a value that does nothing (None, False, empty), as code passing transformers' defaults does
+CHAT_TEMPLATE_OPTIONS = ("padding", "truncation", "max_length", "return_tensors", "return_dict",
+                         "return_assistant_tokens_mask", "tokenizer_kwargs")
+CALL_OPTIONS = ("text_pair", "padding", "truncation", "max_length", "return_tensors", "is_split_into_words")
 
 
 def _token_str(v: Any) -> str | None:
     return v.get("content") if isinstance(v, dict) else v
+
+
+def _refuse_options(given: Mapping[str, Any]) -> None:
+    """ValueError naming the first option in `given` set to a value that would do something: ignoring it would
+    hand the caller something other than transformers does (unpadded ids for `padding=True`, a list for
+    `return_tensors="pt"`)."""
+    for name, value in given.items():
+        if value:
+            raise ValueError(f"{name}: not supported by this tokenizer (transformers' option; got {value!r})")
+
+
+class BatchEncoding(dict):
+    """What calling the tokenizer returns: `input_ids` and `attention_mask`, read as a dict or as attributes
+    (`tok(text).input_ids`), as transformers' BatchEncoding is."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def _continuation_marker(messages: list[Any], marker: str) -> list[Any]:
+    """`messages` with `marker` after the final message's text, where `continue_final_message` cuts the rendered
+    prompt: the template renders the message as it would, and whatever it adds after the text (its end of turn)
+    falls behind the marker. A message with content parts gets it after its last text part."""
+    last = dict(messages[-1])
+    content = last.get("content")
+    where = f"messages.{len(messages) - 1}.content"
+    if content is None or isinstance(content, str):
+        last["content"] = (content or "") + marker
+    elif isinstance(content, Sequence) and not isinstance(content, Mapping):
+        parts = list(content)
+        texts = [j for j, p in enumerate(parts) if isinstance(p, Mapping) and isinstance(p.get("text"), str)]
+        if not texts:
+            raise ValueError(f"{where}: continue_final_message needs text in the final message to continue")
+        parts[texts[-1]] = {**parts[texts[-1]], "text": parts[texts[-1]]["text"] + marker}
+        last["content"] = parts
+    else:
+        raise ValueError(f"{where}: must be a string or a list of text parts, got {type(content).__name__}")
+    return [*messages[:-1], last]
 
 
 class _TemplateRaised(jinja2.TemplateError):
@@ -130,6 +190,10 @@ class Tokenizer:
         self.eos_token = _token_str(self.config.get("eos_token"))
         self.bos_token_id = self.tok.token_to_id(self.bos_token) if self.bos_token else None
         self.eos_token_id = self.tok.token_to_id(self.eos_token) if self.eos_token else None
+        self.pad_token = _token_str(self.config.get("pad_token"))
+        self.pad_token_id = self.tok.token_to_id(self.pad_token) if self.pad_token else None
+        self.unk_token = _token_str(self.config.get("unk_token"))
+        self.unk_token_id = self.tok.token_to_id(self.unk_token) if self.unk_token else None
         self.chat_templates = read_chat_templates(folder, self.config)
         if chat_template is not None:
             self.set_chat_template(chat_template)
@@ -157,17 +221,20 @@ class Tokenizer:
         self.chat_templates = {DEFAULT_TEMPLATE: template}
 
     def encode(self, text: str, add_special_tokens: bool = True, what: str = "text") -> list[int]:
-        """The token ids of `text`; ValueError naming `what` (the caller's field) for a string that is not
-        Unicode text: one with a lone surrogate, which a Python string can hold and UTF-8 cannot."""
+        """The token ids of `text`; ValueError naming `what` (the caller's field) for anything but one text (a
+        list of texts is the tokenizer's call) and for a string that is not Unicode text: one with a lone
+        surrogate, which a Python string can hold and UTF-8 cannot."""
         try:
             return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
-        except TypeError:  # (what the tokenizers library raises for it: "TextInputSequence must be str")
-            if isinstance(text, str):
-                try:
-                    text.encode()
-                except UnicodeEncodeError as e:
-                    raise ValueError(f"{what}: not valid Unicode text (it holds a lone surrogate, "
-                                     f"U+{ord(text[e.start]):04X})") from None
+        except TypeError:  # (what the tokenizers library raises for both: "TextInputSequence must be str")
+            if not isinstance(text, str):
+                raise ValueError(f"{what}: expected one text (a str), got {type(text).__name__}; to tokenize "
+                                 "several, call the tokenizer on the list: tokenizer(texts)['input_ids']") from None
+            try:
+                text.encode()
+            except UnicodeEncodeError as e:
+                raise ValueError(f"{what}: not valid Unicode text (it holds a lone surrogate, "
+                                 f"U+{ord(text[e.start]):04X})") from None
             raise
 
     @cached_property
@@ -218,6 +285,60 @@ class Tokenizer:
             text = self._token_text[i] = self.tok.decode([i], skip_special_tokens=False)
         return text
 
+    def __call__(self, text: str | Sequence[str], add_special_tokens: bool = True, **options: Any) -> BatchEncoding:
+        """transformers' call: the `input_ids` and `attention_mask` of a text, or a list of each for a list of
+        texts (unpadded). `options`: transformers' of CALL_OPTIONS, taken at a value that does nothing."""
+        unknown = sorted(set(options) - set(CALL_OPTIONS))
+        if unknown:
+            raise TypeError(f"Tokenizer() got an unexpected keyword argument {unknown[0]!r}")
+        _refuse_options(options)
+        if isinstance(text, str):
+            ids = self.encode(text, add_special_tokens)
+            return BatchEncoding(input_ids=ids, attention_mask=[1] * len(ids))
+        if isinstance(text, Mapping) or not isinstance(text, Sequence):
+            raise ValueError(f"text: expected a string or a list of strings, got {type(text).__name__}")
+        batch = [self.encode(t, add_special_tokens, f"text.{i}") for i, t in enumerate(text)]
+        return BatchEncoding(input_ids=batch, attention_mask=[[1] * len(ids) for ids in batch])
+
+    def __len__(self) -> int:
+        """The vocabulary's size with the added tokens, as transformers' `len(tokenizer)`."""
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def get_vocab(self) -> dict[str, int]:
+        """Token (vocabulary symbol, added tokens included) -> id."""
+        return self.tok.get_vocab(with_added_tokens=True)
+
+    def batch_decode(self, sequences: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> list[str]:
+        """`decode` of each list of ids."""
+        return self.tok.decode_batch([list(ids) for ids in sequences], skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: int | Sequence[int], skip_special_tokens: bool = False) -> Any:
+        """The vocabulary symbol of an id (None outside the vocabulary), or a list of them for a list of ids."""
+        if isinstance(ids, int):
+            return self.tok.id_to_token(ids)
+        skip = set(self.all_special_ids) if skip_special_tokens else set()
+        return [self.tok.id_to_token(i) for i in ids if i not in skip]
+
+    def convert_tokens_to_ids(self, tokens: str | Sequence[str]) -> Any:
+        """The id of a vocabulary symbol (the unknown token's for one not in it, as transformers answers; None
+        if there is no unknown token), or a list of them for a list of symbols."""
+        if isinstance(tokens, str):
+            i = self.tok.token_to_id(tokens)
+            return self.unk_token_id if i is None else i
+        return [self.convert_tokens_to_ids(t) for t in tokens]
+
+    @property
+    def all_special_tokens(self) -> list[str]:
+        """transformers': the special-token attributes that are set (`bos_token`, ... in SPECIAL_TOKEN_NAMES'
+        order), then `additional_special_tokens`, each once."""
+        named = [_token_str(self.config.get(n)) for n in SPECIAL_TOKEN_NAMES]
+        named += [_token_str(t) for t in self.config.get("additional_special_tokens") or []]
+        return list(dict.fromkeys(t for t in named if t))
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        return self.convert_tokens_to_ids(self.all_special_tokens)
+
     def get_chat_template(self, chat_template: str | None = None, tools: Sequence[Any] | None = None) -> str:
         """The template text to render: `chat_template` names one of the folder's or is itself a template."""
         if chat_template is not None:
@@ -238,16 +359,42 @@ class Tokenizer:
         out["additional_special_tokens"] = [_token_str(t) for t in self.config.get("additional_special_tokens") or []]
         return out
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, *,
-                            chat_template: str | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
-                            **kwargs: Any) -> str:
-        """Render a conversation to prompt text (transformers' `apply_chat_template(..., tokenize=False)`).
+    @overload
+    def apply_chat_template(self, conversation: _Dicts, tools: _Dicts | None = None, documents: _Dicts | None = None,
+                            chat_template: str | None = None, add_generation_prompt: bool = False,
+                            continue_final_message: bool = False, *, tokenize: Literal[False],
+                            **kwargs: Any) -> str: ...
 
-        `chat_template`: see `get_chat_template`. `tools`: JSON-schema dicts. Other keyword arguments
-        (`documents`, `enable_thinking`, ... a vLLM request's `chat_template_kwargs`) become template variables
-        and may override the special tokens (`bos_token`, `eos_token`, ...). ValueError naming `messages` when
-        the template rejects the conversation (`raise_exception`) or fails on it, `chat_template` when there is
-        no template or it does not parse."""
+    @overload
+    def apply_chat_template(self, conversation: _Dicts, tools: _Dicts | None = None, documents: _Dicts | None = None,
+                            chat_template: str | None = None, add_generation_prompt: bool = False,
+                            continue_final_message: bool = False, tokenize: Literal[True] = True,
+                            **kwargs: Any) -> list[int]: ...
+
+    def apply_chat_template(self, conversation: _Dicts, tools: _Dicts | None = None, documents: _Dicts | None = None,
+                            chat_template: str | None = None, add_generation_prompt: bool = False,
+                            continue_final_message: bool = False, tokenize: bool = True,
+                            **kwargs: Any) -> str | list[int]:
+        """transformers' `apply_chat_template`, with its arguments and defaults: the conversation rendered with
+        the chat template, as token ids (none added: the template writes the special tokens itself), or as text
+        with `tokenize=False`.
+
+        `tools`: JSON-schema dicts. `documents`: the template's `documents`. `chat_template`: see
+        `get_chat_template`. `add_generation_prompt`: end with the template's opening of an assistant reply.
+        `continue_final_message`: end with the final message's text instead, its turn left open for the model to
+        continue (the final message is the assistant's; not with `add_generation_prompt`). transformers' options
+        of CHAT_TEMPLATE_OPTIONS are taken at a value that does nothing. Other keyword arguments
+        (`enable_thinking`, ... a vLLM request's `chat_template_kwargs`) become template variables and may
+        override the special tokens (`bos_token`, `eos_token`, ...). ValueError naming `messages` when the
+        template rejects the conversation (`raise_exception`) or fails on it, `chat_template` when there is no
+        template or it does not parse."""
+        _refuse_options({name: kwargs.pop(name) for name in CHAT_TEMPLATE_OPTIONS if name in kwargs})
+        text = self._render(conversation, tools, documents, chat_template, add_generation_prompt,
+                            continue_final_message, kwargs)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def _render(self, messages: _Dicts, tools: _Dicts | None, documents: _Dicts | None, chat_template: str | None,
+                add_generation_prompt: bool, continue_final_message: bool, kwargs: dict[str, Any]) -> str:
         if not isinstance(messages, Sequence) or isinstance(messages, str) or not all(
                 isinstance(m, Mapping) for m in messages):
             raise ValueError("messages: expected a list of {'role': ..., 'content': ...} objects")
@@ -255,11 +402,36 @@ class Tokenizer:
                                   or not all(isinstance(t, Mapping) for t in tools)):
             raise ValueError("tools: expected a list of JSON-schema objects")
         template = _compile(self.get_chat_template(chat_template, tools))
-        variables = {**self._special_tokens(), "documents": None, **kwargs, "messages": list(messages),
+        variables = {**self._special_tokens(), "documents": documents, **kwargs,
                      "tools": None if tools is None else list(tools), "add_generation_prompt": add_generation_prompt}
-        try:
-            return template.render(variables)
-        except _TemplateRaised as e:
-            raise ValueError(f"messages: {e.message}") from None
-        except Exception as e:  # an undefined field, a wrong type in a message, a sandbox violation
-            raise ValueError(f"messages: the chat template could not render them ({type(e).__name__}: {e})") from None
+
+        def render(conversation: list[Any]) -> str:
+            try:
+                return template.render({**variables, "messages": conversation})
+            except _TemplateRaised as e:
+                raise ValueError(f"messages: {e.message}") from None
+            except Exception as e:  # an undefined field, a wrong type in a message, a sandbox violation
+                why = f"{type(e).__name__}: {e}"
+                raise ValueError(f"messages: the chat template could not render them ({why})") from None
+
+        if not continue_final_message:
+            return render(list(messages))
+        if add_generation_prompt:
+            raise ValueError("continue_final_message: cannot be combined with add_generation_prompt, which opens "
+                             "a new assistant message instead of continuing the final one")
+        check_continuable(messages)
+        # a text no message holds but by a 2^-122 chance: the prompt is cut where the template put it
+        marker = f"CONTINUE{uuid.uuid4().hex}"
+        text = render(_continuation_marker(list(messages), marker))
+        if text.count(marker) != 1:
+            raise ValueError("continue_final_message: the chat template does not render the final message's text "
+                             "once and unchanged, so the prompt cannot end with it")
+        prompt = text[:text.index(marker)]
+        bare = prompt.rstrip()
+        if bare == prompt:
+            return prompt
+        # The marker hid the text's trailing whitespace from a template that trims the content (Llama 3's do). The
+        # prompt keeps as much of it as the conversation rendered as it is does, as transformers cuts it: the
+        # model then goes on from the text the template would have shown it.
+        kept = len(os.path.commonprefix([prompt, render(list(messages))]))
+        return prompt[:max(kept, len(bare))]

@@ -16,6 +16,12 @@ from loopserve.tokenizer import Tokenizer
 HELLO = [{"role": "user", "content": "Hello"}]
 
 
+def _text(tok: Tokenizer, messages, add_generation_prompt: bool = True, **kwargs) -> str:
+    """The prompt text, with the generation prompt unless told otherwise (the defaults these tests were written
+    for; transformers' `apply_chat_template` defaults to ids, without it: test_chat_template_hf.py)."""
+    return tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs)
+
+
 @pytest.fixture
 def folder(tiny_ouro, tmp_path) -> Path:
     """The tiny Ouro tokenizer files, in a folder a test may change."""
@@ -35,15 +41,15 @@ def _set_config_template(folder: Path, template) -> None:
 
 def test_folder_template_renders_chatml(folder):
     tok = Tokenizer(folder)
-    assert tok.apply_chat_template(HELLO) == "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n"
-    assert tok.apply_chat_template(HELLO, False) == "<|im_start|>user\nHello<|im_end|>\n"
+    assert _text(tok, HELLO) == "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n"
+    assert _text(tok, HELLO, False) == "<|im_start|>user\nHello<|im_end|>\n"
 
 
 def test_chat_template_jinja_file_wins_over_the_config(folder):
     _set_config_template(folder, [{"name": "default", "template": "config"}, {"name": "rag", "template": "rag"}])
     (folder / "chat_template.jinja").write_text("file: {{ messages[0]['content'] }}")
     tok = Tokenizer(folder)
-    assert tok.apply_chat_template(HELLO) == "file: Hello"
+    assert _text(tok, HELLO) == "file: Hello"
     assert tok.chat_templates == {"default": "file: {{ messages[0]['content'] }}"}  # the file replaces the list
 
 
@@ -51,8 +57,8 @@ def test_additional_chat_templates_are_named(folder):
     (folder / "additional_chat_templates").mkdir()
     (folder / "additional_chat_templates" / "terse.jinja").write_text("T{{ messages | length }}")
     tok = Tokenizer(folder)
-    assert tok.apply_chat_template(HELLO, chat_template="terse") == "T1"
-    assert tok.apply_chat_template(HELLO).startswith("<|im_start|>user")  # the default is still the config's
+    assert _text(tok, HELLO, chat_template="terse") == "T1"
+    assert _text(tok, HELLO).startswith("<|im_start|>user")  # the default is still the config's
 
 
 def test_named_template_list(folder):
@@ -61,13 +67,13 @@ def test_named_template_list(folder):
                                   {"name": "tool_use", "template": "U{{ tools[0].function.name }}"}])
     tok = Tokenizer(folder)
     assert tok.chat_template == "D{{ messages[0].content }}"
-    assert tok.apply_chat_template(HELLO) == "DHello"
-    assert tok.apply_chat_template(HELLO, chat_template="rag", documents=[{"text": "a"}, {"text": "b"}]) == "R2"
+    assert _text(tok, HELLO) == "DHello"
+    assert _text(tok, HELLO, chat_template="rag", documents=[{"text": "a"}, {"text": "b"}]) == "R2"
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
-    assert tok.apply_chat_template(HELLO, tools=tools) == "Uget_weather"  # tools pick tool_use, as transformers
-    assert tok.apply_chat_template(HELLO, tools=tools, chat_template="default") == "DHello"
+    assert _text(tok, HELLO, tools=tools) == "Uget_weather"  # tools pick tool_use, as transformers
+    assert _text(tok, HELLO, tools=tools, chat_template="default") == "DHello"
     # a chat_template that names no template is the template itself
-    assert tok.apply_chat_template(HELLO, chat_template="{{ messages[0].role }}!") == "user!"
+    assert _text(tok, HELLO, chat_template="{{ messages[0].role }}!") == "user!"
 
 
 def test_named_list_without_default_needs_a_name(folder):
@@ -75,8 +81,8 @@ def test_named_list_without_default_needs_a_name(folder):
     tok = Tokenizer(folder)
     assert tok.chat_template is None
     with pytest.raises(ValueError, match="chat_template: .*none is 'default'.*a, b"):
-        tok.apply_chat_template(HELLO)
-    assert tok.apply_chat_template(HELLO, chat_template="b") == "B"
+        _text(tok, HELLO)
+    assert _text(tok, HELLO, chat_template="b") == "B"
 
 
 @pytest.mark.parametrize("bad", [[{"name": "x"}], [["x", "y"]], 7])
@@ -89,7 +95,7 @@ def test_malformed_config_template_names_the_file(folder, bad):
 def test_no_template_is_a_clear_error(folder):
     _set_config_template(folder, None)
     with pytest.raises(ValueError, match="chat_template: the model has none"):
-        Tokenizer(folder).apply_chat_template(HELLO)
+        _text(Tokenizer(folder), HELLO)
 
 
 def test_loopcontrols_extension(folder):
@@ -98,7 +104,7 @@ def test_loopcontrols_extension(folder):
                 "{% if m.role == 'skip' %}{% continue %}{% endif %}{{ m.content }}{% endfor %}")
     msgs = [{"role": "user", "content": "a"}, {"role": "skip", "content": "b"}, {"role": "user", "content": "c"},
             {"role": "stop", "content": "d"}, {"role": "user", "content": "e"}]
-    assert tok.apply_chat_template(msgs, chat_template=template) == "ac"
+    assert _text(tok, msgs, chat_template=template) == "ac"
 
 
 def test_raise_exception_is_a_value_error_naming_messages(folder):
@@ -106,26 +112,26 @@ def test_raise_exception_is_a_value_error_naming_messages(folder):
     template = ("{% if messages[0].role != 'system' %}{{ raise_exception('a system message must come first') }}"
                 "{% endif %}")
     with pytest.raises(ValueError, match=r"^messages: a system message must come first$"):
-        tok.apply_chat_template(HELLO, chat_template=template)
-    assert tok.apply_chat_template([{"role": "system", "content": "x"}], chat_template=template) == ""
+        _text(tok, HELLO, chat_template=template)
+    assert _text(tok, [{"role": "system", "content": "x"}], chat_template=template) == ""
 
 
 def test_render_errors_name_messages_and_syntax_errors_the_template(folder):
     tok = Tokenizer(folder)
     with pytest.raises(ValueError, match="^messages: the chat template could not render them"):
-        tok.apply_chat_template([{"role": "user"}])  # no content: 'str' + undefined
+        _text(tok, [{"role": "user"}])  # no content: 'str' + undefined
     with pytest.raises(ValueError, match="^chat_template: not a valid Jinja template"):
-        tok.apply_chat_template(HELLO, chat_template="{% for m in messages %}")
+        _text(tok, HELLO, chat_template="{% for m in messages %}")
     with pytest.raises(ValueError, match="^messages: expected a list"):
-        tok.apply_chat_template("Hello")  # type: ignore[arg-type]
+        _text(tok, "Hello")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="^tools: expected a list"):
-        tok.apply_chat_template(HELLO, tools={"name": "f"})  # type: ignore[arg-type]
+        _text(tok, HELLO, tools={"name": "f"})  # type: ignore[arg-type]
 
 
 def test_strftime_now(folder):
     tok = Tokenizer(folder)
     before = datetime.now().strftime("%Y-%m-%d")
-    out = tok.apply_chat_template(HELLO, chat_template="{{ strftime_now('%Y-%m-%d') }}")
+    out = _text(tok, HELLO, chat_template="{{ strftime_now('%Y-%m-%d') }}")
     assert out in {before, datetime.now().strftime("%Y-%m-%d")}
 
 
@@ -135,19 +141,19 @@ def test_tools_documents_and_tojson(folder):
                 "{% if documents is not none %}{{ documents | length }} docs\n{% endif %}"
                 "{{ messages[-1].content }}")
     tools = [{"name": "f", "description": "a <b> & 'c' — é"}]
-    out = tok.apply_chat_template(HELLO, chat_template=template, tools=tools)
+    out = _text(tok, HELLO, chat_template=template, tools=tools)
     # transformers' tojson: plain JSON, non-ASCII kept, no HTML escaping
     assert out == json.dumps(tools[0], ensure_ascii=False) + "\nHello"
-    out = tok.apply_chat_template(HELLO, chat_template=template, documents=[{"title": "x", "text": "y"}])
+    out = _text(tok, HELLO, chat_template=template, documents=[{"title": "x", "text": "y"}])
     assert out == "1 docs\nHello"
-    assert tok.apply_chat_template(HELLO, chat_template="{{ x | tojson(indent=2) }}", x={"a": 1}) == '{\n  "a": 1\n}'
+    assert _text(tok, HELLO, chat_template="{{ x | tojson(indent=2) }}", x={"a": 1}) == '{\n  "a": 1\n}'
 
 
 def test_chat_template_kwargs_reach_the_template(folder):
     tok = Tokenizer(folder)
     template = "{{ bos_token }}{% if enable_thinking %}<think>{% endif %}{{ messages[0].content }}{{ eos_token }}"
-    assert tok.apply_chat_template(HELLO, chat_template=template) == "<|endoftext|>Hello<|endoftext|>"
-    out = tok.apply_chat_template(HELLO, chat_template=template, enable_thinking=True, bos_token="[B]")
+    assert _text(tok, HELLO, chat_template=template) == "<|endoftext|>Hello<|endoftext|>"
+    out = _text(tok, HELLO, chat_template=template, enable_thinking=True, bos_token="[B]")
     assert out == "[B]<think>Hello<|endoftext|>"  # extra variables, and the special tokens can be overridden
 
 
@@ -156,27 +162,27 @@ def test_generation_block_parses(folder):
     template = ("{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}[{{ m.content }}]"
                 "{% endgeneration %}{% else %}{{ m.content }}{% endif %}{% endfor %}")
     msgs = [*HELLO, {"role": "assistant", "content": "Hi"}]
-    assert tok.apply_chat_template(msgs, chat_template=template) == "Hello[Hi]"
+    assert _text(tok, msgs, chat_template=template) == "Hello[Hi]"
 
 
 def test_set_chat_template_from_text_or_file(folder, tmp_path):
     path = tmp_path / "t.jinja"
     path.write_text("F{{ messages[0].content }}")
     tok = Tokenizer(folder, chat_template=str(path))
-    assert tok.apply_chat_template(HELLO) == "FHello"
+    assert _text(tok, HELLO) == "FHello"
     tok.set_chat_template("{{ 'T' + messages[0].content }}")
-    assert tok.apply_chat_template(HELLO) == "THello"
+    assert _text(tok, HELLO) == "THello"
     with pytest.raises(ValueError, match="chat_template: .*neither a file nor a Jinja template"):
         tok.set_chat_template(str(tmp_path / "missing.jinja"))
     with pytest.raises(ValueError, match="chat_template: not a valid Jinja template"):
         tok.set_chat_template("{% if %}")
-    assert tok.apply_chat_template(HELLO) == "THello"  # a rejected template leaves the last one
+    assert _text(tok, HELLO) == "THello"  # a rejected template leaves the last one
 
 
 def test_sandbox_blocks_attribute_escapes(folder):
     tok = Tokenizer(folder)
     with pytest.raises(ValueError, match="^messages: "):
-        tok.apply_chat_template(HELLO, chat_template="{{ messages.__class__.__mro__ }}")
+        _text(tok, HELLO, chat_template="{{ messages.__class__.__mro__ }}")
 
 
 def test_decode_token_is_the_tokens_text(folder):

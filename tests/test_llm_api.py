@@ -90,7 +90,7 @@ def test_chat_single_conversation(llm):
     tok = llm.get_tokenizer()
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     [out] = llm.chat(HELLO, params, use_tqdm=False)
-    text = tok.apply_chat_template(HELLO, add_generation_prompt=True)
+    text = tok.apply_chat_template(HELLO, add_generation_prompt=True, tokenize=False)
     assert out.prompt == text
     assert out.prompt_token_ids == tok.encode(text, add_special_tokens=False)
     [same] = llm.generate({"prompt_token_ids": out.prompt_token_ids}, params, use_tqdm=False)
@@ -217,7 +217,7 @@ def test_transformers_reads_the_folders(tmp_path_factory):
         text = "Loops think twice. é"
         assert hf_tok(text)["input_ids"] == ours.encode(text)
         assert hf_tok.apply_chat_template(HELLO, tokenize=False, add_generation_prompt=True) == (
-            ours.apply_chat_template(HELLO))
+            ours.apply_chat_template(HELLO, tokenize=False, add_generation_prompt=True))
 
 
 @pytest.mark.parametrize("prompt,field", [([1, True, 3], "prompt"), ([1, 2.0], "prompt"),

@@ -81,7 +81,9 @@ PROMPTS = [[5, 17, 99, 3], [8, 1, 2], list(range(10, 30)), [44]]
 
 
 def reference(path, params, **cfg):
-    return LLM(path, scheduler="reference", dtype="float64", **cfg).generate(PROMPTS, params, use_tqdm=False)
+    # on the CPU, as `logged_run` (LLM's default device is auto: a GPU where there is one)
+    return LLM(path, scheduler="reference", dtype="float64", device="cpu", **cfg).generate(PROMPTS, params,
+                                                                                          use_tqdm=False)
 
 
 def assert_same(outs: dict, ref) -> None:

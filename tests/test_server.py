@@ -163,7 +163,7 @@ def test_chat_equals_offline(client, offline):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0.7, seed=3)
     tok = offline.tokenizer
-    ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True)
     want = offline_one(offline, {"prompt_token_ids": ids}, max_tokens=10, temperature=0.7, seed=3)
     c = r.choices[0]
     assert c.message.role == "assistant"

@@ -280,11 +280,13 @@ WRONG_SAMPLING = {
     "min_tokens": "1", "include_stop_str_in_output": "yes", "truncate_prompt_tokens": 1.5,
     "response_format": [1], "guided_json": 5, "guided_regex": 5, "guided_choice": "x", "guided_grammar": 5,
     "guided_whitespace_pattern": 5, "structured_outputs": [1], "prompt_logprobs": "2",
+    "allowed_token_ids": "1", "bad_words": "x", "use_beam_search": "no", "length_penalty": "1",
 }
 WRONG_COMPLETION = {**WRONG_SAMPLING, "prompt": 5, "logprobs": "2", "echo": "no", "suffix": 5, "best_of": "1"}
 WRONG_CHAT = {**WRONG_SAMPLING, "messages": 5, "max_completion_tokens": "4", "logprobs": 1, "top_logprobs": "2",
               "add_generation_prompt": "yes", "tools": "x", "tool_choice": 5, "parallel_tool_calls": "yes",
-              "chat_template_kwargs": [1]}
+              "chat_template_kwargs": [1], "echo": "no", "continue_final_message": "yes", "chat_template": 5,
+              "add_special_tokens": "no"}
 ANY_VALUE: set[str] = set()  # fields any JSON value is valid for
 GOOD_C = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
 GOOD_H = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

@@ -292,7 +292,8 @@ def test_write_tokenizer_files(tmp_path: Path, arch: str, bos: str, eos: str, pa
     assert cfg["chat_template"] == template
     ours = LoopTokenizer(tmp_path / "tok")
     for add_generation_prompt in (True, False):
-        assert ours.apply_chat_template(CONVERSATION, add_generation_prompt) == hf_render(
+        assert ours.apply_chat_template(CONVERSATION, add_generation_prompt=add_generation_prompt,
+                                        tokenize=False) == hf_render(
             template, CONVERSATION, add_generation_prompt)
 
 

@@ -15,7 +15,7 @@ def pool_tokens(engine: Any) -> int:
 
 def completion_budget(prompt_len: int, requested: int | None, *, max_model_len: int, kv_tokens: int | None,
                       default: int | None = None, prompt_field: str = "prompt", field: str = "max_tokens",
-                      clip_to_context: bool = False) -> int | None:
+                      clip_to_context: bool = False) -> int:
     """The completion's token budget: `requested` (given in the request's `field`) checked against the
     context (`max_model_len`) and the KV pool (`kv_tokens`; None: no pool to fit, the reference decoder),
     or, when not requested, the room left, capped by `default`. ValueError naming the field at fault

@@ -3,17 +3,12 @@ command-line flags are generated from it by `config_args`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from loopserve.cache.layout import LAYOUTS
+from loopserve.config_args import knob as _knob
 
 SCHEDULERS = ("reference", "cb", "cdb-norefill", "cdb")
-
-
-def _knob(default: Any, help: str, **meta: Any) -> Any:
-    """A field with its command-line help (and choices): `config_args` makes the flags from these."""
-    return field(default=default, metadata={"help": help, **meta})
 
 
 @dataclass

@@ -12,15 +12,16 @@ on its neighbours or the batch size. The reference decoder samples through the s
 a batch of one, which is what makes seeded sampling exact against it.
 
 Before temperature and the filters, `adjust_logits` applies what vLLM applies first, for the rows
-that ask for it: `logit_bias`, the `min_tokens` mask of the stop token ids, then the repetition,
-frequency and presence penalties over the request's tokens (`penalize`, row-wise too). A request's
+that ask for it: the `allowed_token_ids` and `bad_words` masks, `logit_bias`, the `min_tokens` mask
+of the stop token ids, then the repetition, frequency and presence penalties over the request's
+tokens (`penalize`, row-wise too). A request's
 tokens reach the sampler through its params (`bind`): every caller already passes a row's params, and
 a batch with no such row pays for none of it. Logprobs are of the raw distribution (the model's own,
 before any of these and before temperature): vLLM's default `raw_logprobs`.
 Then `apply_guides` (engine/grammar.py) sets the tokens a guided row's grammar forbids to -inf, from
 the matcher its params carry (structured output); rows without a grammar are not touched.
 
-A batch whose rows are all plain greedy (no adjustment, grammar or logprobs) is one argmax over the
+A batch whose rows are all plain greedy (no adjustment, mask, grammar or logprobs) is one argmax over the
 logits as they are (float64 would order them the same), with no float64 copy. On the CPU every
 argmax is numpy's (`argmax_rows`): the same index, several times faster than torch's there.
 
@@ -34,7 +35,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import chain
 from typing import Protocol
@@ -152,7 +153,7 @@ def _nucleus_from_largest(probs: torch.Tensor, cut: torch.Tensor, k: int,
 
 
 class TokenHistory(Protocol):
-    """What penalties and `min_tokens` read of a request besides its params (its `Sequence`)."""
+    """What penalties, `min_tokens` and `bad_words` read of a request besides its params (its `Sequence`)."""
 
     prompt_ids: list[int]
     eos_ids: set[int]  # empty under ignore_eos
@@ -184,11 +185,48 @@ class StopTokenIds(list[int]):
         self.held = torch.tensor(sorted(eos_ids.union(ids)), dtype=torch.long)
 
 
+class AllowedTokenIds(list[int]):
+    """A request's `allowed_token_ids`, unique, also as a tensor, built once (as `LogitBias`: a list as long
+    as a real vocabulary, rebuilt at every step, would cost every step of its batch)."""
+
+    def __init__(self, ids: list[int]) -> None:
+        super().__init__(ids)
+        self.ids = torch.tensor(sorted(set(ids)), dtype=torch.long)
+        self.top = max(ids)
+
+
+class BadWords(list[str]):
+    """A request's `bad_words` with the token sequences the sampler bans (`tokenize`), made once per request."""
+
+    def __init__(self, words: list[str], token_ids: list[list[int]]) -> None:
+        super().__init__(words)
+        self.token_ids = token_ids
+
+    @classmethod
+    def tokenize(cls, words: list[str], encode: Callable[[str], list[int]], vocab: int) -> BadWords:
+        """vLLM's rule: each word with its leading whitespace stripped, and after one space too when that gives
+        as many tokens starting with another one (a tokenizer that folds the space into the word's first token,
+        as byte-level BPE does: the word's form inside a text). Any other spaced form is the word's own tokens
+        after a space token, which the word's own sequence already bans. ValueError naming the word's field for
+        a word that gives no token, or one outside the model's vocabulary."""
+        seqs: list[list[int]] = []
+        for i, word in enumerate(words):
+            alone, spaced = encode(word.lstrip()), encode(" " + word.lstrip())
+            if not alone:
+                raise ValueError(f"bad_words.{i}: the word gives no token")
+            kept = [alone, spaced] if len(spaced) == len(alone) and spaced[0] != alone[0] else [alone]
+            if any(t >= vocab for ids in kept for t in ids):
+                raise ValueError(f"bad_words.{i}: tokenizes to ids outside the model's vocabulary [0, {vocab})")
+            seqs += kept
+        return cls(words, seqs)
+
+
 def bind(params: SamplingParams, history: TokenHistory) -> SamplingParams:
     """The params a request samples with: as given, or its own copy when its sampling reads more than they
-    say: its tokens (penalties, min_tokens; params may be shared by many requests, the history is one's),
-    its `logit_bias` or what `min_tokens` holds back, as tensors."""
-    if not (params.penalized or params.min_tokens or params.logit_bias):
+    say: its tokens (penalties, min_tokens, bad_words; params may be shared by many requests, the history is
+    one's), its `logit_bias`, `allowed_token_ids` or what `min_tokens` holds back, as tensors."""
+    if not (params.penalized or params.min_tokens or params.logit_bias or params.bad_words
+            or params.allowed_token_ids is not None):
         return params
     bound = copy.copy(params)
     bound.history = history
@@ -196,6 +234,8 @@ def bind(params: SamplingParams, history: TokenHistory) -> SamplingParams:
         bound.logit_bias = LogitBias(params.logit_bias)
     if params.min_tokens:
         bound.stop_token_ids = StopTokenIds(params.stop_token_ids, history.eos_ids)
+    if params.allowed_token_ids is not None:
+        bound.allowed_token_ids = AllowedTokenIds(params.allowed_token_ids)
     return bound
 
 
@@ -208,7 +248,8 @@ def _held(p: SamplingParams) -> torch.Tensor:
 def _history(p: SamplingParams) -> TokenHistory:
     history = p.history
     if history is None:
-        raise ValueError("penalties and min_tokens need the request's tokens: sample with bind(params, sequence)")
+        raise ValueError("penalties, min_tokens and bad_words need the request's tokens: sample with "
+                         "bind(params, sequence)")
     return history
 
 
@@ -234,10 +275,59 @@ def penalize(logits: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor
     return x - frequency[:, None] * counts - presence[:, None] * generated
 
 
-def adjust_logits(x: torch.Tensor, params: list[SamplingParams], counters: list[int]) -> torch.Tensor:
-    """`logit_bias`, the `min_tokens` mask and the penalties, in vLLM's order, on the rows that ask for them
-    (`counters`: tokens generated so far); the other rows come back as they are, without a copy when none asks."""
+def _banned(p: SamplingParams, n: int) -> list[int]:
+    """The tokens a request's `bad_words` ban after its first n output tokens: the last token of each word's
+    sequence whose other tokens end them (vLLM's rule: the output, not the prompt)."""
+    words = p.bad_words
+    if not isinstance(words, BadWords):
+        raise ValueError("bad_words: not tokenized; sample with the params of a Sequence, which tokenizes them")
+    out = _history(p).output_ids
+    return [ids[-1] for ids in words.token_ids if len(ids) - 1 <= n and out[n - len(ids) + 1:n] == ids[:-1]]
+
+
+def _mask_tokens(x: torch.Tensor, params: list[SamplingParams], counters: list[int], rows: list[int]) -> torch.Tensor:
+    """`x` with `allowed_token_ids` and `bad_words` applied to `rows`: every token but the allowed ones, and
+    every token the bad words ban now, at -inf. ValueError if that (with what min_tokens holds back) leaves an
+    allowed row nothing: its argmax would be any token, allowed or not."""
     dev, vocab = x.device, x.shape[-1]
+    bans = {i: _banned(params[i], counters[i]) for i in rows if params[i].bad_words}
+    allowed = {i: _allowed(params[i]) for i in rows if params[i].allowed_token_ids is not None}
+    if allowed:
+        if max(a.top for a in allowed.values()) >= vocab:  # (as logit_bias: a CUDA index error is fatal)
+            raise ValueError(f"allowed_token_ids: token ids must be in [0, {vocab}) (the model's vocabulary)")
+        for i, a in allowed.items():
+            gone = set(bans.get(i, ()))
+            if counters[i] < params[i].min_tokens:
+                gone.update(_held(params[i]).tolist())
+            if len(gone) >= len(a.ids) and gone.issuperset(a):
+                raise ValueError("allowed_token_ids: bad_words and min_tokens leave none of them to sample here")
+        ids = [a.ids for a in allowed.values()]
+        which = torch.repeat_interleave(torch.arange(len(ids)), torch.tensor([len(t) for t in ids]))
+        keep = torch.zeros(len(ids), vocab, dtype=torch.bool, device=dev)
+        keep[upload(which, dev), upload(torch.cat(ids), dev)] = True
+        idx = upload(list(allowed), dev)
+        x = x.index_put((idx,), x[idx].masked_fill(~keep, float("-inf")))
+    hits = [(i, t) for i, ts in bans.items() for t in ts]
+    if hits:
+        x = x.index_put((upload([i for i, _ in hits], dev), upload([t for _, t in hits], dev)),
+                        torch.full((), float("-inf"), dtype=x.dtype, device=dev))
+    return x
+
+
+def _allowed(p: SamplingParams) -> AllowedTokenIds:
+    ids = p.allowed_token_ids
+    assert ids is not None
+    return ids if isinstance(ids, AllowedTokenIds) else AllowedTokenIds(ids)
+
+
+def adjust_logits(x: torch.Tensor, params: list[SamplingParams], counters: list[int]) -> torch.Tensor:
+    """The `allowed_token_ids` and `bad_words` masks (first, as vLLM applies them; a -inf stays -inf whatever
+    follows), `logit_bias`, the `min_tokens` mask and the penalties, on the rows that ask for them (`counters`:
+    tokens generated so far); the other rows come back as they are, without a copy when none asks."""
+    dev, vocab = x.device, x.shape[-1]
+    masked = [i for i, p in enumerate(params) if p.allowed_token_ids is not None or p.bad_words]
+    if masked:
+        x = _mask_tokens(x, params, counters, masked)
     given = [(i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias]
     if given:
         biases = [b if isinstance(b, LogitBias) else LogitBias(b) for _, b in given]
@@ -332,7 +422,7 @@ GREEDY = SamplingParams(temperature=0.0)  # a plain greedy row's params, for a b
 def plain_greedy(p: SamplingParams) -> bool:
     """Sampled by the argmax of the raw logits: nothing adjusts, masks or reports them."""
     return (p.greedy and p.logprobs is None and not p.logit_bias and not p.min_tokens and not p.penalized
-            and p.guide is None)
+            and p.guide is None and p.allowed_token_ids is None and not p.bad_words)
 
 
 def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],

@@ -4,6 +4,7 @@ the reference decoder and the batching engine (one place decides when a request 
 from __future__ import annotations
 
 import contextlib
+import copy
 import enum
 import time
 from typing import TYPE_CHECKING, Any
@@ -11,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from loopserve.engine.grammar import new_guide, with_guide
-from loopserve.engine.sampler import Sample, bind, plain_greedy, sample_one
+from loopserve.engine.sampler import BadWords, Sample, bind, plain_greedy, sample_one
 from loopserve.exits import ExitRule
 from loopserve.models.base import LoopedLM
 from loopserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -137,6 +138,7 @@ def make_sequence(model: LoopedLM, tokenizer: Tokenizer, request_id: str, prompt
     c = model.config
     rule = resolve_exit_rule(params, model, lookahead)
     state = params.seed if params.seed is not None else base_seed
+    params = with_bad_words(params, tokenizer, c.vocab_size)  # once for the request's n samples
     family = [Sequence(sample_id(request_id, j), text, ids, params, rule, _sample_seed(seed, params.seed, j), tokenizer,
                        c.max_position, c.vocab_size, arrival_time, state_seed=state, index=j)
               for j in range(params.n)]
@@ -145,6 +147,22 @@ def make_sequence(model: LoopedLM, tokenizer: Tokenizer, request_id: str, prompt
         seq.family = family
     head.pending_forks = family[1:]
     return head
+
+
+def with_bad_words(params: SamplingParams, tokenizer: Tokenizer, vocab_size: int) -> SamplingParams:
+    """The params with their `bad_words` tokenized as the sampler bans them (`BadWords.tokenize`; a copy: the
+    caller's params may be shared); as given when there are none, or they already are."""
+    if not params.bad_words or isinstance(params.bad_words, BadWords):
+        return params
+    tokenized = copy.copy(params)
+    tokenized.bad_words = BadWords.tokenize(
+        params.bad_words, lambda word: tokenizer.encode(word, add_special_tokens=False, what="bad_words"), vocab_size)
+    return tokenized
+
+
+def _no_text(token: int) -> None:
+    """What a request that asked for token ids only (detokenize=False) decodes of a token: nothing."""
+    return None
 
 
 def sample_id(request_id: str, index: int) -> str:
@@ -172,7 +190,8 @@ class Sequence:
                              f"within the model's context of {max_model_len}")
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
             raise ValueError(f"prompt_token_ids: ids must be in [0, {vocab_size}) (the model's vocabulary)")
-        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids),
+                          ("allowed_token_ids", params.allowed_token_ids)):
             if ids and max(ids) >= vocab_size:
                 raise ValueError(f"{name}: token ids must be in [0, {vocab_size}) (the model's vocabulary)")
         self.eos_ids = set() if params.ignore_eos else set(tokenizer.eos_token_ids)
@@ -181,14 +200,20 @@ class Sequence:
         if params.min_tokens and len(self.stop_tokens) >= vocab_size:
             raise ValueError("stop_token_ids: with min_tokens, these and the end-of-sequence tokens leave no "
                              "token to sample")
-        # bound to this sequence's tokens if its sampling reads them (penalties, min_tokens)
+        if params.min_tokens and params.allowed_token_ids is not None and self.stop_tokens.issuperset(
+                params.allowed_token_ids):
+            raise ValueError("allowed_token_ids: with min_tokens, every allowed token is an end-of-sequence or stop "
+                             "token: none could be sampled before min_tokens")
+        # bound to this sequence's tokens if its sampling reads them (penalties, min_tokens, bad_words, which
+        # make_sequence has tokenized once for the request's samples)
+        params = with_bad_words(params, tokenizer, vocab_size)
         self.request_id, self.prompt, self.params, self.rule = request_id, prompt, bind(params, self), rule
         if params.guided_decoding is not None:  # structured output: this request's own grammar matcher
             self.params = with_guide(self.params, new_guide(params.guided_decoding, tokenizer, vocab_size))
         # Read per token, so settled once here (params never change after this): whether it reports after
         # every token, whether it needs its text then (stop strings too), whether it samples by a plain argmax
         self.streams = params.output_kind != RequestOutputKind.FINAL_ONLY
-        self._text_per_token = bool(params.stop) or self.streams
+        self._text_per_token = (bool(params.stop) or self.streams) and params.detokenize
         self.plain_greedy = plain_greedy(self.params)
         # and whether a token that cannot finish it needs nothing but recording (`HeldTokens`) and, if it
         # streams, its text and an output: no logprobs, stop strings or grammar read per token
@@ -211,7 +236,8 @@ class Sequence:
         self._exit_depths: list[int] = []
         self._text = ""  # the text of output_ids[:_decoded] (`text` decodes the rest when read)
         self._decoded = 0
-        self._detok = tokenizer.decode_stream(params.skip_special_tokens)  # incremental decoding of output_ids
+        # incremental decoding of output_ids (detokenize=False: none, the text stays "")
+        self._detok = tokenizer.decode_stream(params.skip_special_tokens) if params.detokenize else _no_text
         # DELTA outputs: what earlier outputs reported (tokens, characters of text, the finish), and the
         # characters held back while a stop string may still cut them (the longest one, less one)
         self._sent_tokens = self._sent_chars = 0
@@ -347,12 +373,14 @@ class Sequence:
         return token
 
     def _logprob_entry(self, sample: Sample) -> dict[int, Logprob]:
-        """A token's logprob entry (vLLM's shape): the top ones by rank, and the token's own."""
-        decode = self.tokenizer.decode_token  # the token's text, as vLLM's decoded_token
-        entry = {i: Logprob(v, rank, decode(i)) for rank, (i, v) in enumerate(sample.top or (), start=1)}
-        if sample.token not in entry:
-            entry[sample.token] = Logprob(sample.logprob, sample.rank, decode(sample.token))  # type: ignore[arg-type]
-        return entry
+        """A token's logprob entry in vLLM's order (V1): the token's own first, then the top ones by rank (the
+        token once, first, with its top rank, when it is among them)."""
+        decode = self.tokenizer.decode_token if self.params.detokenize else _no_text  # vLLM's decoded_token
+        ranked = {i: Logprob(v, rank, decode(i)) for rank, (i, v) in enumerate(sample.top or (), start=1)}
+        own = ranked.pop(sample.token, None)
+        if own is None:
+            own = Logprob(sample.logprob, sample.rank, decode(sample.token))  # type: ignore[arg-type]
+        return {sample.token: own, **ranked}
 
     def set_prompt_logprobs(self, position: int, samples: list[Sample]) -> None:
         """The logprobs of prompt tokens position+1, position+2, ... (sample j scores token position+1+j,
@@ -394,8 +422,7 @@ class Sequence:
                 self._stop_from = len(self.text)
             return False
         if token in self.eos_ids or token in self.stop_ids:
-            self.text = self.tokenizer.decode(self.output_ids if p.include_stop_str_in_output else self.output_ids[:-1],
-                                              p.skip_special_tokens)
+            self.text = self._decode(self.output_ids if p.include_stop_str_in_output else self.output_ids[:-1])
             self.finish("stop", keep_text=True)
             self.stop_reason = None if token in self.eos_ids else token
             return True
@@ -412,10 +439,14 @@ class Sequence:
         self.stop_reason = s
         return True
 
+    def _decode(self, ids: list[int]) -> str:
+        """The text of `ids` ("" for a request that asked for token ids only: detokenize=False)."""
+        return self.tokenizer.decode(ids, self.params.skip_special_tokens) if self.params.detokenize else ""
+
     def finish(self, reason: str, error: str | None = None, keep_text: bool = False,
                error_status: int | None = None) -> None:
         if not keep_text:  # the final text includes whatever incremental decoding held back
-            self.text = self.tokenizer.decode(self.output_ids, self.params.skip_special_tokens)
+            self.text = self._decode(self.output_ids)
         else:  # the text as it is (a stop cut it) or, for an error, as far as it decodes (decoding may be
             with contextlib.suppress(Exception):  # what failed); nothing more is decoded after this
                 self.decode_pending()

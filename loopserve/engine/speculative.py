@@ -63,10 +63,10 @@ class VerifyGroup:
 class Speculator:
     """Decides how many tokens a request drafts this round (0: it decodes plainly) and keeps its
     acceptance. Requests that ask for no drafts (`num_speculative_tokens=0`) never draft, nor do
-    those whose sampling reads the tokens before it (penalties, `min_tokens`, a grammar): verifying
-    several positions at once would need each row's own history. Nor do KL-exit requests on models
-    with coda layers: the KL signal runs the coda every loop, so a verify row would read the
-    intermediate coda KV of the rows before it, not their final one."""
+    those whose sampling reads the tokens before it (penalties, `min_tokens`, `bad_words`, a
+    grammar): verifying several positions at once would need each row's own history. Nor do KL-exit
+    requests on models with coda layers: the KL signal runs the coda every loop, so a verify row would
+    read the intermediate coda KV of the rows before it, not their final one."""
 
     def __init__(self, cfg: EngineConfig, coda_kv: bool) -> None:
         self.k, self.loops = cfg.num_speculative_tokens, cfg.speculative_draft_loops
@@ -77,7 +77,8 @@ class Speculator:
 
     def eligible(self, seq: Sequence) -> bool:
         p = seq.params
-        if p.num_speculative_tokens == 0 or p.penalized or p.min_tokens or p.guided_decoding is not None:
+        if (p.num_speculative_tokens == 0 or p.penalized or p.min_tokens or p.bad_words
+                or p.guided_decoding is not None):
             return False
         return not (self.coda_kv and seq.rule.signal == "kl")
 

@@ -2,10 +2,10 @@
 the engine and the settings and has one method per endpoint.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both stream as SSE `data: {...}`
-chunks ending with `data: [DONE]`), GET /v1/models, vLLM's POST /tokenize and POST /detokenize,
-GET /version, GET /health, GET /metrics, GET /openapi.json (the request bodies' JSON schemas
-included, though the endpoints parse the raw body themselves). Completions and chat share one path
-from admission to response: one choice builder and one stream writer, told apart by a `_Kind`.
+chunks ending with `data: [DONE]`), GET /v1/models and /v1/models/{model}, vLLM's POST /tokenize and POST
+/detokenize, GET /version, GET /health (and vLLM's GET or POST /ping), GET /metrics, GET /openapi.json (the
+request bodies' JSON schemas included, though the endpoints parse the raw body themselves). Completions and
+chat share one path from admission to response: one choice builder and one stream writer, told apart by a `_Kind`.
 
 Every error is an OpenAI-style body {"error": {"message", "type", "param", "code"}}: bad input is
 a 400 (401 bad API key, 404 unknown model or route, 413 body too large, 415 a body that is not
@@ -23,7 +23,7 @@ without asking first only as text/plain, form or multipart, so none of those can
 on a server that trusts its network. For the same reason no origin may read answers cross-site
 unless `--allowed-origins` names it (vLLM allows every origin by default; this server none).
 `/v1/models` shows the model's path only when asked. With API keys, /v1/*, /tokenize and
-/detokenize need one; /health, /metrics, /version and /openapi.json stay open (probes, scrapers).
+/detokenize need one; /health, /ping, /metrics, /version and /openapi.json stay open (probes, scrapers).
 
 Every response carries `X-Request-Id` (the client's, when it sends one): it is also the response's
 `id` (`cmpl-<id>`, `chatcmpl-<id>`) and names the request in the log.
@@ -63,12 +63,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
-from loopserve.chat_messages import chat_messages
-from loopserve.device import kv_memory_gb
+from loopserve.chat_messages import chat_messages, check_continuable, message_text
 from loopserve.engine.budget import completion_budget, pool_tokens
-from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine import LLMEngine
 from loopserve.engine.sequence import Sequence, resolve_exit_rule, truncate_prompt
+from loopserve.load_config import checked_model_len
 from loopserve.outputs import CompletionOutput, RequestOutput
 from loopserve.sampling_params import SamplingParams
 from loopserve.serve.async_engine import (
@@ -140,28 +139,18 @@ class ServerSettings:
     stats_interval_s: float | None = 10.0  # the periodic stats line; None: off
 
 
-def load_engine(model: str | Path | None, *, dtype: str = "float32", device: str = "cpu",
-                state_init: str = "like-init", seed: int = 0, gpu_memory_utilization: float | None = None,
-                **engine_kwargs: Any) -> tuple[LLMEngine, Path]:
-    """Load a checkpoint and build a batching engine (ValueError on a bad model or bad flags). `dtype`
-    and `device` may be "auto"; `gpu_memory_utilization` sizes the KV pool from a CUDA device's memory
-    (instead of kv_cache_memory_gb)."""
+def load_engine(model: str | Path | None, **kwargs: Any) -> tuple[LLMEngine, Path]:
+    """Load a checkpoint and build a batching engine (ValueError on a bad model or bad flags). `kwargs`:
+    `LoadConfig` fields (the serve flags dtype, device, seed, max_model_len, gpu_memory_utilization, ...) and
+    `EngineConfig` fields, checked and applied as `LLM` applies them (`load_config.load_for_engine`)."""
     from loopserve.llm import default_model_path
-    from loopserve.models.loader import load_model
+    from loopserve.load_config import configs, load_for_engine
 
-    cfg = EngineConfig(**engine_kwargs)
+    load, cfg = configs(kwargs)
     if cfg.scheduler == "reference":
         raise ValueError("scheduler: 'reference' is the sequential oracle; serve needs cb, cdb-norefill or cdb")
-    if gpu_memory_utilization is not None:
-        if not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {gpu_memory_utilization}")
-        if cfg.kv_cache_tokens is not None:
-            raise ValueError("gpu_memory_utilization: give it or kv_cache_tokens, not both")
-    loaded = load_model(model if model is not None else default_model_path(), dtype, device, state_init)
-    if gpu_memory_utilization is not None:
-        where = next(loaded.model.parameters()).device  # with the weights on it
-        cfg = dataclasses.replace(cfg, kv_cache_memory_gb=kv_memory_gb(gpu_memory_utilization, where))
-    return LLMEngine(loaded.model, loaded.tokenizer, cfg, seed), loaded.path
+    loaded, cfg, _ = load_for_engine(model if model is not None else default_model_path(), load, cfg)
+    return LLMEngine(loaded.model, loaded.tokenizer, cfg, load.seed), loaded.path
 
 
 def check_sampling_defaults(engine: LLMEngine, defaults: dict[str, Any]) -> None:
@@ -172,13 +161,8 @@ def check_sampling_defaults(engine: LLMEngine, defaults: dict[str, Any]) -> None
 
 def context_length(engine: LLMEngine, cap: int | None) -> int:
     """The server's maximum prompt + completion length: `cap` (--max-model-len) or the model's own
-    context; ValueError if the cap exceeds the model's context or leaves no room to generate."""
-    limit = engine.model_config.max_position
-    if cap is None:
-        return limit
-    if not 2 <= cap <= limit:
-        raise ValueError(f"max_model_len: must be in [2, {limit}] (the model's context), got {cap}")
-    return cap
+    context, checked as `LLM(max_model_len=...)` is."""
+    return checked_model_len(cap, engine.model_config.max_position)
 
 
 def _truncates(truncate_prompt_tokens: Any) -> bool:
@@ -220,6 +204,7 @@ class _Generation:
     top_logprobs: int = 0  # chat: alternatives per token
     tools: ToolPlan | None = None  # chat: the tool calls the output becomes (serve/structured.py)
     echo: bool = False  # completions: the prompt comes first in the text (and the logprobs)
+    echo_text: str = ""  # chat: what comes first in every reply (`echo`: the final assistant message's text)
     generated: bool = True  # false: echo with max_tokens 0 (the prompt alone; the one token run is dropped)
 
     @property
@@ -383,20 +368,28 @@ class OpenAIServing:
         return done
 
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool | None,
-                    template_kwargs: dict[str, Any] | None, tools: list[ChatTool] | None = None) -> str:
-        """The chat template applied to `messages` (with the request's tools and extra template variables)."""
+                    template_kwargs: dict[str, Any] | None, tools: list[ChatTool] | None = None,
+                    continue_final_message: bool | None = False) -> str:
+        """The chat template applied to `messages` (with the request's tools and extra template variables); with
+        `continue_final_message`, up to the final message's text (its turn left open)."""
         try:  # the rules LLM.chat applies too (chat_messages.py); unknown fields were reported as ignored already
             plain = chat_messages([m.model_dump() for m in messages])
+            if continue_final_message:  # (check_rendering refused it with add_generation_prompt)
+                check_continuable(plain)
         except ValueError as e:
             raise ApiError.bad_request(e) from None
         tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
         try:
-            return self.tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt is not False,
-                                                      tools=tool_dicts, **(template_kwargs or {}))
+            return self.tokenizer.apply_chat_template(plain, tool_dicts, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt is not False,
+                                                      continue_final_message=bool(continue_final_message),
+                                                      **(template_kwargs or {}))
         except ValueError as e:
             head = str(e).split(":", 1)[0]
             if template_kwargs and head in template_kwargs:  # the tokenizer refused one of the request's variables
                 raise ApiError(400, f"chat_template_kwargs.{e}", f"chat_template_kwargs.{head}") from None
+            if head == "continue_final_message":  # a template that does not render the final message as it is
+                raise ApiError.bad_request(e) from None
             raise ApiError(400, f"messages: {e}", "messages") from None
         except jinja2.TemplateError as e:
             raise ApiError(400, f"messages: the chat template rejected them ({e})", "messages") from None
@@ -466,8 +459,8 @@ class OpenAIServing:
             body: dict[str, Any] = {"text": text}
             logprobs = self.fmt.completion_logprobs(c, count, d, echo)
         else:
-            if not stream:
-                body = {"message": {"role": "assistant", "content": text}}
+            if not stream:  # (a stream sends the echoed text in a chunk of its own, first)
+                body = {"message": {"role": "assistant", "content": gen.echo_text + text}}
             else:
                 body = {"delta": {"content": text} if text or not finished else {}}
             if gen.tools is not None:  # a forced tool call: the output is its arguments
@@ -505,6 +498,10 @@ class OpenAIServing:
             yield sse({**self.base(obj, gen.cid), "choices": [
                 {"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                 for j in range(len(gen.seqs) * gen.n)], **usage_field})
+            if gen.echo_text:  # (vLLM's order: the echoed text in a chunk after the role's)
+                yield sse({**self.base(obj, gen.cid), "choices": [
+                    {"index": j, "delta": {"content": gen.echo_text}, "logprobs": None, "finish_reason": None}
+                    for j in range(len(gen.seqs) * gen.n)], **usage_field})
 
         def usage() -> dict[str, Any]:
             return usage_body(list(latest.values()), sum(d.tokens for d in sent.values()))
@@ -560,17 +557,26 @@ class OpenAIServing:
 
     async def models(self, request: Request) -> JSONResponse:
         self.check_auth(request)
+        return JSONResponse({"object": "list", "data": [self.model_card()]})
+
+    async def model(self, request: Request, model: str) -> JSONResponse:
+        """OpenAI's retrieve (`client.models.retrieve(id)`): the served model's card, else a 404 naming `model`."""
+        self.check_auth(request)
+        self.check_model(model)
+        return JSONResponse(self.model_card())
+
+    def model_card(self) -> dict[str, Any]:
         s = self.settings
         root = s.model_path if s.expose_model_path else s.model_name
-        return JSONResponse({"object": "list", "data": [{
-            "id": s.model_name, "object": "model", "created": self.created, "owned_by": "loopserve",
-            "root": root, "parent": None, "max_model_len": self.max_model_len,
-            "r_max": self.engine.model_config.r_max}]})
+        return {"id": s.model_name, "object": "model", "created": self.created, "owned_by": "loopserve",
+                "root": root, "parent": None, "max_model_len": self.max_model_len,
+                "r_max": self.engine.model_config.r_max}
 
     async def tokenize(self, request: Request) -> JSONResponse:
         req: TokenizeCompletionRequest | TokenizeChatRequest = await self.read(request, parse_tokenize)
         if isinstance(req, TokenizeChatRequest):
-            text = self.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+            text = self.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs,
+                                    continue_final_message=req.continue_final_message)
         else:
             text = req.prompt
         ids = self.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
@@ -661,8 +667,16 @@ class OpenAIServing:
     def chat(self, request: Request, req: ChatCompletionRequest, arrival: float) -> _Generation:
         """A chat request's sequence (built on a worker thread: see the module's docstring)."""
         guide, tools = chat_guide(req)
-        text = self.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs, req.tools)
-        ids = self.encode(text, "messages", _truncates(req.truncate_prompt_tokens), add_special_tokens=False)
+        # vLLM's echo: a reply that goes on with the final message (the assistant's) starts with its text
+        last = req.messages[-1]
+        echo_text = message_text(last.model_dump()["content"]) if req.echo and last.role == "assistant" else ""
+        if req.echo and tools is not None:  # the reply is the call's arguments, which nothing may come before
+            raise ApiError(400, "echo: cannot be combined with a forced tool call (tool_choice)", "echo")
+        text = self.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs, req.tools,
+                                req.continue_final_message)
+        # the template writes the special tokens it wants: none added unless asked (vLLM's default)
+        ids = self.encode(text, "messages", _truncates(req.truncate_prompt_tokens),
+                          add_special_tokens=bool(req.add_special_tokens))
         if not ids:
             raise ApiError(400, "messages: the chat template produced an empty prompt", "messages")
         ids = truncate_prompt(ids, req.truncate_prompt_tokens)
@@ -677,7 +691,7 @@ class OpenAIServing:
         cid, (rid,) = self.new_ids(request, CHAT, 1)
         seq = self.make_seq(rid, text, ids, params, arrival, req.seed, "messages",
                             "tools" if tools is not None else guide_field(req))
-        return _Generation(CHAT, req, cid, [seq], top, tools)
+        return _Generation(CHAT, req, cid, [seq], top, tools, echo_text=echo_text)
 
 
 # -- the app -----------------------------------------------------------------------------------------------------
@@ -733,9 +747,12 @@ def build_app(engine: LLMEngine, settings: ServerSettings,
 
     routes: list[tuple[str, str, Callable, dict[str, Any] | None]] = [
         ("GET", "/health", serving.health, None),
+        ("GET", "/ping", serving.health, None),  # vLLM's (SageMaker's) name for /health, by GET or POST
+        ("POST", "/ping", serving.health, None),
         ("GET", "/metrics", serving.prometheus, None),
         ("GET", "/version", serving.version, None),
         ("GET", "/v1/models", serving.models, None),
+        ("GET", "/v1/models/{model:path}", serving.model, None),  # (a served name may hold a '/')
         ("POST", "/tokenize", serving.tokenize, _json_body(TokenizeCompletionRequest, TokenizeChatRequest)),
         ("POST", "/detokenize", serving.detokenize, _json_body(DetokenizeRequest)),
         ("POST", "/v1/completions", serving.completions, _json_body(CompletionRequest)),

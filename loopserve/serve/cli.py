@@ -19,8 +19,10 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Any
 
-from loopserve.cli import add_chat_args, add_engine_args, engine_kwargs
+from loopserve.cli import add_chat_args, add_engine_args, engine_kwargs, load_kwargs
+from loopserve.engine.config import EngineConfig
 from loopserve.exits import DEFAULT_POLICIES
+from loopserve.load_config import LoadConfig
 
 if TYPE_CHECKING:
     from loopserve.engine.engine import LLMEngine
@@ -65,13 +67,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--exit-policy", default=None, choices=DEFAULT_POLICIES, help="exit policy (unset: the model's)")
     g.add_argument("--min-loops", type=int, default=None, help="no exit before this many loops (unset: 1)")
     g.add_argument("--max-loops", type=int, default=None, help="always exit at this many loops (unset: r_max)")
-    s = p.add_argument_group("server limits")
-    s.add_argument("--max-model-len", type=int, default=None,
-                   help="maximum prompt + completion tokens of a request (unset: the model's context length)")
-    s.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help="fraction of the CUDA device's memory this server may use: the KV pool gets what is left "
-                        "of it after the weights and 1 GiB for activations (replaces --kv-cache-memory-gb; "
-                        "refused on the CPU, where --kv-cache-memory-gb or --kv-cache-tokens size the pool)")
+    s = p.add_argument_group("server limits (--max-model-len and --gpu-memory-utilization: under model)")
     s.add_argument("--max-queued-requests", type=int, default=256,
                    help="sequences accepted beyond --max-num-seqs (each sample of a request with n > 1 counts); "
                         "past it the server answers 503 with Retry-After")
@@ -92,8 +88,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     lg.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                     help="log level of the server and of uvicorn")
     lg.add_argument("--no-access-log", action="store_true", help="no line per HTTP request from uvicorn")
-    lg.add_argument("--enable-log-requests", action="store_true",
-                    help="log each request received (prompt, token ids, sampling parameters) and finished")
+    requests = lg.add_mutually_exclusive_group()
+    requests.add_argument("--enable-log-requests", action="store_true",
+                          help="log each request received (prompt, token ids, sampling parameters) and finished")
+    # older vLLM logged requests unless told not to; its scripts still pass this
+    requests.add_argument("--disable-log-requests", action="store_true",
+                          help="no log line per request, as without --enable-log-requests (vLLM's older flag)")
     lg.add_argument("--max-log-len", type=int, default=None,
                     help="prompt characters and token ids shown per logged request (unset: all)")
     lg.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")
@@ -167,6 +167,10 @@ def _check(args: argparse.Namespace) -> str | None:
         return f"--replicas ({args.replicas}): must lie in [--min-replicas, --max-replicas] = [{low}, {high}]"
     if not (math.isfinite(args.replica_cpus) and args.replica_cpus > 0):
         return "--replica-cpus: must be > 0"
+    try:  # before the model loads, and before any Ray replica starts (--tensor-parallel-size 2, ...)
+        LoadConfig(**load_kwargs(args)).engine_config(EngineConfig(**engine_kwargs(args)))
+    except ValueError as e:
+        return str(e)
     return None
 
 
@@ -179,20 +183,17 @@ def load_server(args: argparse.Namespace) -> tuple[LLMEngine, ServerSettings]:
     """The engine and the `ServerSettings` these flags describe (ValueError on a bad model or bad flags):
     what this process serves, and what each Ray Serve replica loads (`serve/ray.py`)."""
     from loopserve.models.loader import generation_defaults
-    from loopserve.serve.api import ServerSettings, check_sampling_defaults, context_length, load_engine
+    from loopserve.serve.api import ServerSettings, check_sampling_defaults, load_engine
 
     model = args.model_tag or args.model
     defaults = {"exit_threshold": args.exit_threshold, "exit_policy": args.exit_policy,
                 "min_loops": args.min_loops, "max_loops": args.max_loops}
-    engine, path = load_engine(model, dtype=args.dtype, device=args.device, state_init=args.state_init,
-                               seed=args.seed, gpu_memory_utilization=args.gpu_memory_utilization,
-                               **engine_kwargs(args))
+    engine, path = load_engine(model, **load_kwargs(args), **engine_kwargs(args))
     if args.chat_template is not None:
         engine.tokenizer.set_chat_template(args.chat_template)
     # the model's generation_config.json sampling defaults, under the flags' own
     defaults = {**generation_defaults(path, args.generation_config), **defaults}
     check_sampling_defaults(engine, defaults)
-    context_length(engine, args.max_model_len)
     settings = ServerSettings(
         model_name=args.served_model_name or str(model if model is not None else path.name), model_path=str(path),
         expose_model_path=args.expose_model_path, api_keys=tuple(_api_keys(args.api_key)),

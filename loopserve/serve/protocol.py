@@ -10,8 +10,9 @@ Known fields are strict:
   the offline and the HTTP API);
 - known OpenAI fields that do not change the output (`user`, `metadata`, `store`, `service_tier`,
   `parallel_tool_calls`) are accepted and ignored;
-- known fields whose feature is not implemented (`best_of`, `suffix`) are accepted only at their
-  neutral value (1, empty); anything else is a 400 saying it is not supported.
+- known fields whose feature is not implemented (`best_of`, `suffix`, `use_beam_search`,
+  `length_penalty`) are accepted only at their neutral value (n, empty, false, 1); anything else is a
+  400 saying it is not supported.
 
 Structured output (`response_format`, vLLM's `guided_*` and `structured_outputs`) and tool calls
 (`tools`, `tool_choice`) are read by `serve/structured.py`.
@@ -137,10 +138,20 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: bool | None = None
     truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None  # vLLM extension: logprobs of the prompt tokens (full depth)
+    allowed_token_ids: list[int] | None = None  # vLLM extensions: only these may be sampled; words never generated
+    bad_words: list[str] | None = None
+    # vLLM's beam search: not implemented, so accepted only at the values that mean none (false, 1)
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
 
     def check_unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options: only allowed with stream=true", "stream_options")
+        if self.use_beam_search:
+            raise ApiError(400, "use_beam_search: beam search is not supported by this server", "use_beam_search")
+        if self.length_penalty is not None and self.length_penalty != 1:
+            raise ApiError(400, f"length_penalty: only 1 is supported (it scores beams, and this server does not run "
+                                f"beam search), got {self.length_penalty}", "length_penalty")
 
     @property
     def streaming(self) -> bool:
@@ -160,14 +171,12 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     echo: bool | None = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = None  # SamplingParams' rule: unset or n
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
         if self.suffix:
             raise ApiError(400, "suffix: not supported by this server", "suffix")
-        if self.best_of is not None and self.best_of != 1:
-            raise ApiError(400, "best_of: only best_of=1 is supported", "best_of")
 
 
 class TextPart(_Strict):
@@ -231,10 +240,16 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension: extra variables for the chat template
+    # vLLM extensions: the prompt ends with the final (assistant) message left open; the rendered prompt tokenized
+    # with the special tokens added; the final assistant message's text first in the reply; refused (below)
+    continue_final_message: bool | None = False
+    add_special_tokens: bool | None = False
+    echo: bool | None = False
+    chat_template: str | None = None
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        check_template_kwargs(self.chat_template_kwargs)
+        check_rendering(self)
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs: needs logprobs=true", "top_logprobs")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:  # (SamplingParams' logprobs)
@@ -250,13 +265,26 @@ class ChatCompletionRequest(_SamplingFields):
 TEMPLATE_RESERVED = {"messages": "set from the request's field",
                      "add_generation_prompt": "set from the request's field",
                      "chat_template": "a request cannot replace the server's chat template",
-                     "tools": "set from the request's `tools` field"}
+                     "tools": "set from the request's `tools` field",
+                     "continue_final_message": "set from the request's field"}
 
 
-def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+def check_rendering(req: ChatCompletionRequest | TokenizeChatRequest) -> None:
+    """The chat template fields of a chat or /tokenize body: no template of the client's (the `chat_template`
+    field, as vLLM refuses one unless started with --trust-request-chat-template, or in `chat_template_kwargs`),
+    and not both a new assistant message and the final one continued."""
+    kwargs = req.chat_template_kwargs
     for name, why in TEMPLATE_RESERVED.items():
         if kwargs and name in kwargs:
             raise ApiError(400, f"chat_template_kwargs.{name}: {why}", f"chat_template_kwargs.{name}")
+    if req.chat_template is not None:
+        raise ApiError(400, f"chat_template: {TEMPLATE_RESERVED['chat_template']} (vLLM refuses one too, unless "
+                            "started with --trust-request-chat-template); start the server with --chat-template",
+                       "chat_template")
+    if req.continue_final_message and req.add_generation_prompt is not False:
+        raise ApiError(400, "continue_final_message: cannot be combined with add_generation_prompt (true unless "
+                            "sent as false), which opens a new assistant message instead of continuing the final "
+                            "one", "continue_final_message")
 
 
 class TokenizeCompletionRequest(_Strict):
@@ -277,9 +305,11 @@ class TokenizeChatRequest(_Strict):
     add_special_tokens: bool | None = False
     return_token_strs: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool | None = False  # as in a chat request
+    chat_template: str | None = None  # refused, as in a chat request
 
     def check_unsupported(self) -> None:
-        check_template_kwargs(self.chat_template_kwargs)
+        check_rendering(self)
         if not self.messages:
             raise ApiError(400, "messages: must not be empty", "messages")
 
@@ -373,7 +403,7 @@ def _members(t: Any) -> list[Any]:
 
 # request fields passed to SamplingParams as they are (validated there)
 ADJUSTMENTS = ("frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "min_tokens",
-               "include_stop_str_in_output", "truncate_prompt_tokens")
+               "include_stop_str_in_output", "truncate_prompt_tokens", "allowed_token_ids", "bad_words")
 
 
 def sampling_params(req: _SamplingFields, *, max_tokens: int | None, logprobs: int | None,
@@ -392,7 +422,7 @@ def sampling_params(req: _SamplingFields, *, max_tokens: int | None, logprobs: i
         stop_token_ids=list(req.stop_token_ids or []), ignore_eos=bool(req.ignore_eos),
         skip_special_tokens=req.skip_special_tokens is not False, logprobs=logprobs, exit_trace=req.exit_trace,
         num_speculative_tokens=req.num_speculative_tokens,
-        n=1 if req.n is None else req.n,
+        n=1 if req.n is None else req.n, best_of=getattr(req, "best_of", None),  # (a completions field only)
         # a stream needs what is new per step, a response that is not streamed the final output only
         output_kind=RequestOutputKind.DELTA if req.streaming else RequestOutputKind.FINAL_ONLY,
         prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,

@@ -253,7 +253,8 @@ def mtbench_workload(n: int, tokenizer, seed: int = 0, scale: float = 1.0, path:
         text = questions[i]["turns"][0]
         prompt = text
         if getattr(tokenizer, "chat_template", None):
-            prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+            prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                   tokenize=False)
         ids = tokenizer.encode(prompt)
         if max_prompt is not None:
             ids = ids[:max_prompt]

@@ -94,8 +94,8 @@ def record(model_path: str | Path, out_dir: str | Path, heldout_windows: int = 3
 
     questions = fetch_mtbench_questions()
     llm = LLM(str(model_path), seed=seed, scheduler="cdb", max_num_seqs=128, max_decode_batch=128)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True)
-               for q in questions]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True,
+                                       tokenize=False) for q in questions]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95, exit_policy="fixed", seed=seed)
     outs = llm.generate(prompts, params, use_tqdm=True)
     reqs = []

@@ -1,0 +1,350 @@
+"""vLLM's SamplingParams as a script migrating from vLLM passes them: optional lists given as None, booleans
+checked as booleans, vLLM's other fields (`best_of`, `allowed_token_ids`, `bad_words`,
+`spaces_between_special_tokens`, `detokenize`, `extra_args`, `structured_outputs`) accepted or refused with a
+ValueError naming the field; `allowed_token_ids` and `bad_words` in the batching engine exactly as the
+reference decoder samples them, whatever the batch; the same over HTTP (with beam search refused); and
+logprob entries in vLLM V1's order (the token's own first, then the top ones by rank)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+
+from loopserve import LLM, GuidedDecodingParams, SamplingParams
+from loopserve.engine.sampler import (
+    AllowedTokenIds,
+    BadWords,
+    adjust_logits,
+    bind,
+    plain_greedy,
+    sample_one,
+    sample_rows,
+)
+from loopserve.sampling_params import StructuredOutputsParams
+from tests.engine_helpers import Req, assert_matches, drive, make_engine, reference
+from tests.server_helpers import MODEL, Server, run_server
+from tests.test_penalties import history
+from tests.test_speculative import SPEC, assert_same, drafted
+
+PROMPT = [5, 17, 99, 3, 250, 40, 7]
+INF = float("inf")
+
+
+def _gen(llm: LLM, prompt, **kw):
+    return llm.generate([prompt], SamplingParams(**kw), use_tqdm=False)[0]
+
+
+@pytest.fixture(scope="module")
+def ref_llm(tiny_ouro) -> LLM:
+    return LLM(model=tiny_ouro, scheduler="reference", dtype="float64")
+
+
+# ---------------- validation
+
+
+def test_optional_lists_take_none():
+    p = SamplingParams(stop_token_ids=None, stop=None, bad_words=None, allowed_token_ids=None, extra_args=None,
+                       structured_outputs=None, best_of=None, logit_bias=None)
+    assert p.stop_token_ids == [] and p.stop is None and p.guided_decoding is None
+    assert SamplingParams(stop_token_ids=(3, 4), allowed_token_ids=(1, 2)).allowed_token_ids == [1, 2]
+
+
+BOOLS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "detokenize")  # (and
+# include_stop_str_in_output, checked before: tests/test_penalties.py)
+
+
+@pytest.mark.parametrize("name", BOOLS)
+@pytest.mark.parametrize("value", ["no", 1, 0, None])
+def test_bool_fields_take_only_bools(name, value):
+    with pytest.raises(ValueError, match=f"^{name}: must be true or false"):
+        SamplingParams(**{name: value})
+
+
+@pytest.mark.parametrize("field,kwargs", [
+    ("best_of", {"best_of": 2}),
+    ("best_of", {"best_of": 2, "n": 3}),
+    ("best_of", {"best_of": 2.0, "n": 2}),
+    ("allowed_token_ids", {"allowed_token_ids": []}),
+    ("allowed_token_ids", {"allowed_token_ids": [-1]}),
+    ("allowed_token_ids", {"allowed_token_ids": [True]}),
+    ("allowed_token_ids", {"allowed_token_ids": "12"}),
+    ("bad_words", {"bad_words": "hen"}),
+    ("bad_words", {"bad_words": [""]}),
+    ("bad_words", {"bad_words": ["  "]}),
+    ("bad_words", {"bad_words": [5]}),
+    ("bad_words", {"bad_words": ["w"] * 257}),
+    ("spaces_between_special_tokens", {"spaces_between_special_tokens": False, "skip_special_tokens": False}),
+    ("detokenize", {"detokenize": False, "stop": ["x"]}),
+    ("extra_args", {"extra_args": [1]}),
+    ("structured_outputs", {"structured_outputs": 5}),
+    ("structured_outputs.colour", {"structured_outputs": {"colour": "red"}}),
+    ("structured_outputs.choice", {"structured_outputs": {"choice": []}}),
+    ("structured_outputs", {"structured_outputs": {}}),
+    ("structured_outputs", {"structured_outputs": {"regex": "a+"},
+                            "guided_decoding": GuidedDecodingParams(regex="b+")}),
+])
+def test_bad_field_is_named(field, kwargs):
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**kwargs)
+    assert str(e.value).startswith(f"{field}: "), str(e.value)
+
+
+def test_vllm_fields_accepted():
+    assert SamplingParams(n=3, best_of=3).best_of == 3
+    # without special tokens in the text there is nothing to space (vLLM ignores it then too)
+    assert SamplingParams(spaces_between_special_tokens=False).spaces_between_special_tokens is False
+    args = {"processor": {"k": 1}}
+    assert SamplingParams(extra_args=args).extra_args is args
+    # structured_outputs: vLLM's newer name, as a dict of its fields or StructuredOutputsParams
+    want = GuidedDecodingParams(choice=["yes", "no"])
+    assert SamplingParams(structured_outputs={"choice": ["yes", "no"]}).guided_decoding == want
+    p = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"]), max_tokens=4)
+    assert p.guided_decoding == want
+    assert dataclasses.replace(p, max_tokens=5).guided_decoding == want  # (a copy passes both names back)
+
+
+def test_request_checked_against_the_vocabulary(ref_llm):
+    vocab = ref_llm.config.vocab_size
+    with pytest.raises(ValueError, match="^allowed_token_ids: token ids must be in"):
+        _gen(ref_llm, PROMPT, allowed_token_ids=[3, vocab])
+    eos = min(ref_llm.tokenizer.eos_token_ids)
+    with pytest.raises(ValueError, match="^allowed_token_ids: with min_tokens"):
+        _gen(ref_llm, PROMPT, allowed_token_ids=[eos], stop_token_ids=[9], max_tokens=4, min_tokens=2)
+
+
+# ---------------- bad words: vLLM's tokenization, and the sampler's masks on hand-built logits
+
+
+def test_bad_words_tokenized_as_vllm_does(ref_llm):
+    tok = ref_llm.tokenizer
+
+    def enc(w: str) -> list[int]:
+        return tok.encode(w, add_special_tokens=False)
+
+    words = BadWords.tokenize(["hen", " i", "henhen"], enc, ref_llm.config.vocab_size)
+    # a spaced form is kept when it is as long and starts with another token (" i" is one token, " hen" two)
+    assert len(enc(" i")) == len(enc("i")) == 1 and len(enc(" hen")) == 2
+    assert words.token_ids == [enc("hen"), enc("i"), enc(" i"), enc("henhen")]
+    assert list(words) == ["hen", " i", "henhen"]
+    with pytest.raises(ValueError, match=r"^bad_words\.0: tokenizes to ids outside"):
+        BadWords.tokenize(["hen"], enc, 100)
+
+
+def adjusted(logits: list[float], params: SamplingParams, hist, counter: int | None = None) -> list[float]:
+    p = bind(params, hist)
+    n = len(hist.output_ids) if counter is None else counter
+    return adjust_logits(torch.tensor([logits], dtype=torch.float64), [p], [n])[0].tolist()
+
+
+def test_masks_on_hand_built_logits():
+    x = [0.5, 1.0, 2.0, 3.0, -1.0]
+    assert adjusted(x, SamplingParams(allowed_token_ids=[1, 3, 1]), history()) == [-INF, 1.0, -INF, 3.0, -INF]
+    words = BadWords(["a", "b c"], [[2], [4, 3]])  # 2 always; 3 right after 4
+    p = SamplingParams(bad_words=words)
+    assert adjusted(x, p, history(output=[0, 1])) == [0.5, 1.0, -INF, 3.0, -1.0]
+    assert adjusted(x, p, history(output=[0, 4])) == [0.5, 1.0, -INF, -INF, -1.0]
+    assert adjusted(x, p, history(output=[4, 0]), counter=1) == [0.5, 1.0, -INF, -INF, -1.0]  # the counter's prefix
+    assert adjusted(x, p, history(prompt=[4])) == [0.5, 1.0, -INF, 3.0, -1.0]  # the output's, not the prompt's
+    both = SamplingParams(bad_words=words, allowed_token_ids=[3, 0], logit_bias={0: 1.0})
+    assert adjusted(x, both, history(output=[4])) == [1.5, -INF, -INF, -INF, -INF]
+    # greedy: the argmax of what is left; the raw logits' logprobs stay (vLLM's raw_logprobs)
+    s = sample_one(torch.tensor(x), bind(SamplingParams(temperature=0, allowed_token_ids=[0, 1], logprobs=1),
+                                         history()), 0, 0)
+    assert s.token == 1 and s.top == [(3, pytest.approx(torch.log_softmax(torch.tensor(x), 0)[3].item()))]
+
+
+def test_a_row_with_nothing_left_fails_alone():
+    """Bad words banning every allowed token fail their row (its argmax would be any token), not the batch."""
+    stuck = bind(SamplingParams(temperature=0, allowed_token_ids=[2], bad_words=BadWords(["a"], [[2]])), history())
+    fine = bind(SamplingParams(temperature=0, bad_words=BadWords(["a"], [[2]])), history())
+    logits = torch.tensor([[0.0, 1.0, 5.0], [0.0, 1.0, 5.0]], dtype=torch.float64)
+    rows = sample_rows(logits, [stuck, fine], [0, 0], [0, 0])
+    assert isinstance(rows, list) and "allowed_token_ids" in (rows[0].error or "") and rows[1].token == 1
+
+
+def test_plain_greedy_fast_path_stays_for_other_rows():
+    assert plain_greedy(SamplingParams(temperature=0))
+    assert not plain_greedy(SamplingParams(temperature=0, allowed_token_ids=[1]))
+    assert not plain_greedy(SamplingParams(temperature=0, bad_words=["x"]))
+    plain = SamplingParams(temperature=0)
+    assert bind(plain, history()) is plain  # no copy, nothing to read per token
+    bound = bind(SamplingParams(allowed_token_ids=[4, 2, 4]), history())
+    assert isinstance(bound.allowed_token_ids, AllowedTokenIds) and bound.allowed_token_ids.ids.tolist() == [2, 4]
+
+
+# ---------------- whole requests: the batching engine against the reference decoder
+
+
+def _contains(seq: list[int], part: list[int]) -> bool:
+    return any(seq[i:i + len(part)] == part for i in range(len(seq) - len(part) + 1))
+
+
+@pytest.mark.parametrize("scheduler", ["cb", "cdb"])
+def test_engine_equals_reference(tiny_ouro, scheduler):
+    """allowed_token_ids and bad_words, greedy and seeded, beside rows without them (plain greedy, seeded,
+    penalized, with logprobs): each request as the reference decodes it alone."""
+    engine = make_engine(tiny_ouro, scheduler=scheduler)
+    tok = engine.tokenizer
+    feats = (dict(allowed_token_ids=[5, 17, 99, 300, 404]), dict(bad_words=["hen"]), dict(bad_words=["henhen", "i"]),
+             dict(allowed_token_ids=[404, 99, 108, 214], bad_words=["henhen"], logprobs=2), dict(),
+             dict(presence_penalty=0.5), dict(logprobs=1), dict(bad_words=["hen"], n=2))
+    reqs = []
+    for i, f in enumerate(feats * 2):
+        prompt = PROMPT if i % 3 == 0 else [(31 * i + 7 * j + 3) % 500 + 1 for j in range(4 + i % 5)]
+        seeded = i >= len(feats) or f.get("n") == 2
+        sampling = dict(temperature=1.0, seed=40 + i) if seeded else dict(temperature=0.0)
+        reqs.append(Req(f"r{i}", prompt, SamplingParams(max_tokens=14, ignore_eos=True, **{**sampling, **f}),
+                        seed=7 + i, arrive=i % 3))
+    outs = drive(engine, reqs)
+    for r in reqs:
+        if r.params.n == 1:
+            assert_matches(outs[r.rid], reference(engine, r))
+        for j, sample in enumerate(outs[r.rid].outputs if r.params.n > 1 else ()):  # j: as if seeded seed + j
+            alone = dataclasses.replace(r.params, n=1, seed=r.params.seed + j)
+            assert sample.token_ids == reference(engine, Req(r.rid, r.prompt, alone, r.seed)).output_ids
+        allowed, words = r.params.allowed_token_ids, r.params.bad_words
+        for sample in outs[r.rid].outputs:
+            if allowed is not None:
+                assert set(sample.token_ids) <= set(allowed)
+            for w in words or ():
+                assert not _contains(sample.token_ids, tok.encode(w, add_special_tokens=False))
+    # tokenized once for a request's samples
+    family = engine.make_sequence("f", PROMPT, SamplingParams(n=2, bad_words=["hen"])).family
+    assert isinstance(family[0].params.bad_words, BadWords)
+    assert family[0].params.bad_words is family[1].params.bad_words
+    # the features bite: greedy decoding of PROMPT runs into 'hen' (token 404) unless it is banned
+    greedy = dict(max_tokens=14, ignore_eos=True, temperature=0)
+    base = reference(engine, Req("b", PROMPT, SamplingParams(**greedy), 0)).output_ids
+    banned = reference(engine, Req("h", PROMPT, SamplingParams(**greedy, bad_words=["hen"]), 0)).output_ids
+    assert _contains(base, [404, 404]) and 404 not in banned
+    assert outs["r3"].outputs[0].token_ids.count(404) > 1  # 'henhen': 'hen' comes back, never twice in a row
+
+
+def test_speculation_keeps_them_exact(tiny_ouro):
+    """allowed_token_ids is a mask of the row alone (drafts apply it too); bad_words read the tokens before each
+    position, so such requests decode plainly, as penalties do. Drafts at full depth, at the fixed depth the
+    requests verify at, propose plain greedy's tokens: 'hen' after 'hen', which 'henhen' bans."""
+    engine = make_engine(tiny_ouro, scheduler="cdb", **SPEC, speculative_draft_loops=4)
+    greedy = dict(max_tokens=12, temperature=0, ignore_eos=True, exit_policy="fixed")
+    reqs = [Req("a", PROMPT, SamplingParams(**greedy, allowed_token_ids=[404, 99, 214, 5]), seed=1),
+            Req("b", PROMPT, SamplingParams(**greedy, bad_words=["henhen"]), seed=2),
+            Req("c", PROMPT[:4], SamplingParams(**greedy), seed=3)]
+    outs = drive(engine, reqs)
+    for r in reqs:
+        assert_same(outs[r.rid], reference(engine, r))
+    assert drafted(engine)
+    assert not _contains(outs["b"].outputs[0].token_ids, [404, 404])
+
+
+# ---------------- detokenize, and the order of logprob entries
+
+
+@pytest.mark.parametrize("scheduler", ["reference", "cdb"])
+def test_detokenize_false_gives_token_ids_only(tiny_ouro, scheduler):
+    llm = LLM(model=tiny_ouro, scheduler=scheduler, dtype="float64")
+    kw = dict(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1)
+    text = _gen(llm, PROMPT, **kw).outputs[0]
+    ids_only = _gen(llm, PROMPT, detokenize=False, **kw).outputs[0]
+    assert ids_only.token_ids == text.token_ids and text.text and ids_only.text == ""
+    assert all(v.decoded_token is None for d in ids_only.logprobs for v in d.values())
+
+
+def test_logprob_entries_in_vllm_order(ref_llm):
+    """The sampled (or prompt) token first, with its rank in the vocabulary, then the top k by rank; the token
+    once, first, when it is among them."""
+    out = _gen(ref_llm, PROMPT, max_tokens=8, temperature=1.5, seed=3, logprobs=2, prompt_logprobs=2)
+    c = out.outputs[0]
+    entries = list(zip(c.token_ids, c.logprobs, strict=True))
+    entries += [(t, d) for t, d in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:], strict=True)]
+    outside = 0
+    for token, entry in entries:
+        ids = list(entry)
+        assert ids[0] == token
+        ranks = [entry[i].rank for i in ids[1:]]
+        assert ranks == sorted(ranks) and set(ranks) <= {1, 2}
+        outside += token not in ids[1:] and len(ids) == 3
+        if len(ids) == 2:  # the token is one of the top two: its own rank, listed once
+            assert entry[token].rank in (1, 2) and ranks == [3 - entry[token].rank]
+    assert outside > 0  # some tokens were not among the top two (their entries have three)
+
+
+# ---------------- over HTTP (the openai client, vLLM's fields in extra_body)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_ouro, tmp_path_factory) -> Iterator[Server]:
+    log: Path = tmp_path_factory.mktemp("parity") / "server.log"
+    with run_server(tiny_ouro, log, "--dtype", "float64", "--kv-cache-tokens", "1024") as s:
+        yield s
+
+
+@pytest.fixture
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_ouro) -> LLM:
+    return LLM(model=tiny_ouro, dtype="float64", kv_cache_tokens=1024)
+
+
+def test_server_allowed_token_ids_and_bad_words(client, offline):
+    for extra in ({"allowed_token_ids": [5, 17, 99, 300, 404]}, {"bad_words": ["henhen", "i"]},
+                  {"allowed_token_ids": [404, 99, 108], "bad_words": ["henhen"]}):
+        r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True, **extra})
+        want = _gen(offline, PROMPT, max_tokens=10, temperature=0, ignore_eos=True, **extra).outputs[0]
+        assert r.choices[0].model_extra["token_ids"] == want.token_ids
+        assert r.choices[0].text == want.text
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                          temperature=0, extra_body={"allowed_token_ids": [404, 99],
+                                                                     "return_token_ids": True, "ignore_eos": True})
+    assert set(chat.choices[0].model_extra["token_ids"]) <= {404, 99}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"allowed_token_ids": [10**6]})
+    assert e.value.body["param"] == "allowed_token_ids"
+
+
+@pytest.mark.parametrize("extra,param", [({"use_beam_search": True}, "use_beam_search"),
+                                         ({"length_penalty": 0.8}, "length_penalty"),
+                                         ({"best_of": 3}, "best_of")])
+def test_server_refuses_beam_search(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body=extra)
+    assert e.value.body["param"] == param and e.value.body["message"].startswith(f"{param}: ")
+    if param != "best_of":
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                           extra_body=extra)
+    # their neutral values are accepted (best_of = n: every sample is returned)
+    ok = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, n=2, best_of=2,
+                                   extra_body={"use_beam_search": False, "length_penalty": 1.0})
+    assert len(ok.choices) == 2
+
+
+def test_server_logprobs_order(client, offline):
+    """vLLM's `prompt_logprobs` field lists an entry as the engine does (the prompt token first); OpenAI's lists
+    are by rank, whatever the order of the entries they are read from."""
+    kw = dict(max_tokens=6, temperature=1.5, seed=3)
+    r = client.completions.create(model=MODEL, prompt=PROMPT, logprobs=3, **kw, extra_body={"prompt_logprobs": 2})
+    for token, entry in zip(PROMPT[1:], r.choices[0].model_extra["prompt_logprobs"][1:], strict=True):
+        assert list(entry)[0] == str(token) and len(entry) in (2, 3)
+    want = _gen(offline, PROMPT, logprobs=3, **kw).outputs[0]
+    assert r.choices[0].text == want.text
+    checked = 0
+    for top, entry in zip(r.choices[0].logprobs.top_logprobs, want.logprobs, strict=True):
+        ranked = [offline.tokenizer.decode_token(t) for t, _ in sorted(entry.items(), key=lambda kv: kv[1].rank)]
+        if len(set(ranked)) == len(ranked):  # (a dict keyed by text: two tokens of one text would be one key)
+            assert list(top) == ranked
+            checked += 1
+    assert checked
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], logprobs=True,
+                                          top_logprobs=3, **kw)
+    for c in chat.choices[0].logprobs.content:
+        values = [t.logprob for t in c.top_logprobs]
+        assert len(values) == 3 and values == sorted(values, reverse=True)

@@ -1,0 +1,229 @@
+"""A vLLM script moved to loopserve: `LLM(seed=None)` and vLLM's other `LLM(...)` keywords (max_model_len,
+gpu_memory_utilization, enforce_eager, tensor_parallel_size, trust_remote_code, tokenizer, swap_space,
+disable_log_stats), the same keywords as `serve` flags with the same defaults and checks (`LoadConfig`), and the
+endpoints the openai client's `models.retrieve` and vLLM's probes call (GET /v1/models/{model}, /ping)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from loopserve import LLM, SamplingParams
+from loopserve.cli import build_parser
+from loopserve.serve.api import load_engine
+from loopserve.serve.cli import _check
+from tests.server_helpers import REPO, Server, run_server
+
+pytestmark = pytest.mark.timeout(180)
+
+SAMPLED = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True)  # unseeded: the LLM's seed decides
+PROMPTS = ["The cat", "A loop", "ROMEO:"]
+KEY = "migration-key"
+
+
+def _tokens(llm: LLM, params: SamplingParams = SAMPLED) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+# -- seed ------------------------------------------------------------------------------------------------------
+def test_seed_none_draws_a_random_seed_once(tiny_ouro):
+    """vLLM's seed=None: a random seed, drawn at construction; the run repeats under that seed."""
+    llm = LLM(tiny_ouro, seed=None)
+    first = _tokens(llm)  # (raised TypeError: None * int)
+    assert isinstance(llm.seed, int) and not isinstance(llm.seed, bool)
+    assert _tokens(LLM(tiny_ouro, seed=llm.seed)) == first
+    assert len({LLM(tiny_ouro, seed=None, scheduler="reference").seed for _ in range(3)}) == 3
+
+
+@pytest.mark.parametrize("seed", ["x", 1.5, True, [1]])
+def test_a_seed_that_is_not_an_integer_is_refused_at_construction(tiny_ouro, seed):
+    with pytest.raises(ValueError, match=r"^seed: must be an integer"):
+        LLM(tiny_ouro, seed=seed)
+    with pytest.raises(ValueError, match=r"^seed: must be an integer"):
+        load_engine(tiny_ouro, seed=seed, device="cpu")
+
+
+def test_the_server_engine_takes_seed_none(tiny_ouro):
+    engine, _ = load_engine(tiny_ouro, seed=None, device="cpu")
+    assert isinstance(engine.seed, int)
+
+
+# -- vLLM's LLM keywords ---------------------------------------------------------------------------------------
+def test_output_neutral_vllm_keywords_are_accepted_and_change_nothing(tiny_ouro):
+    """On the CPU graphs are off anyway, so enforce_eager changes nothing here either."""
+    plain = _tokens(LLM(tiny_ouro, seed=5))
+    llm = LLM(tiny_ouro, seed=5, trust_remote_code=True, tensor_parallel_size=1, tokenizer=str(tiny_ouro),
+              swap_space=4, disable_log_stats=True, enforce_eager=True, gpu_memory_utilization=None)
+    assert _tokens(llm) == plain
+    assert llm.engine_config.cuda_graphs is False  # enforce_eager: CUDA graphs off
+    assert _tokens(LLM(tiny_ouro, seed=5, tokenizer=None)) == plain
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(tensor_parallel_size=2), r"^tensor_parallel_size: must be 1, got 2: loopserve runs a model on one device "
+                                   r".*--replicas"),
+    (dict(tensor_parallel_size=True), r"^tensor_parallel_size: must be 1"),
+    (dict(enforce_eager=True, cuda_graphs=True), r"^enforce_eager: turns CUDA graphs off, but cuda_graphs=True"),
+    (dict(gpu_memory_utilization=1.5), r"^gpu_memory_utilization: must be in \(0, 1\], got 1.5"),
+    (dict(gpu_memory_utilization=0.5, kv_cache_tokens=256), r"^gpu_memory_utilization: .*not both"),
+    (dict(gpu_memory_utilization=0.5, device="cpu"), r"^gpu_memory_utilization: only for CUDA devices"),
+    (dict(max_model_len=4096), r"^max_model_len: must be in \[2, 2048\] \(the model's context\), got 4096"),
+    (dict(max_model_len="64"), r"^max_model_len: must be an integer"),
+    (dict(swap_space=-1), r"^swap_space: must be a number of GiB >= 0"),
+    (dict(tokenizer="/somewhere/else"), r"^tokenizer: '/somewhere/else' is not the model's folder; loopserve uses "
+                                        r"the checkpoint's own tokenizer"),
+    (dict(max_num_seq=4), r"^max_num_seq: not an LLM argument \(known: .*max_num_seqs.*\)$"),
+])
+def test_bad_vllm_keywords_are_named(tiny_ouro, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(tiny_ouro, **kwargs)
+
+
+def test_max_model_len_caps_prompt_plus_completion(tiny_ouro):
+    """As the model's own context does for `LLM` (vLLM's offline rule): a prompt that leaves no room is refused
+    naming `prompt`; a completion asked to run past the cap ends there, finish_reason "length"."""
+    llm = LLM(tiny_ouro, max_model_len=24)
+    assert llm.max_model_len == 24
+    with pytest.raises(ValueError, match=r"^prompt: 24 tokens; this model's maximum context length is 24 tokens"):
+        llm.generate({"prompt_token_ids": [5] * 24}, SamplingParams(max_tokens=1), use_tqdm=False)
+    out = llm.generate({"prompt_token_ids": [5] * 20}, SamplingParams(max_tokens=100, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert (len(out.token_ids), out.finish_reason) == (4, "length")
+    unset = llm.generate({"prompt_token_ids": [5] * 20}, SamplingParams(max_tokens=None, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0]
+    assert len(unset.token_ids) == 4  # no max_tokens: the room left under the cap
+    floor = llm.generate({"prompt_token_ids": [5] * 20}, SamplingParams(max_tokens=100, min_tokens=50),
+                         use_tqdm=False)[0].outputs[0]
+    assert (len(floor.token_ids), floor.finish_reason) == (4, "length")  # as min_tokens past the model's context
+    reference = LLM(tiny_ouro, max_model_len=24, scheduler="reference")
+    with pytest.raises(ValueError, match=r"^prompt: 30 tokens"):
+        reference.generate({"prompt_token_ids": [5] * 30}, SamplingParams(max_tokens=1), use_tqdm=False)
+
+
+# -- one declaration: LLM keywords and serve flags -------------------------------------------------------------
+def test_every_load_knob_is_an_llm_keyword_and_a_serve_flag_with_one_default():
+    from loopserve.load_config import LoadConfig
+
+    args = build_parser().parse_args(["serve"])
+    for f in dataclasses.fields(LoadConfig):
+        assert getattr(args, f.name) == f.default, f.name
+    assert (args.dtype, args.device) == ("auto", "auto")  # vLLM's defaults, for LLM and the server alike
+
+
+def test_llm_and_the_server_load_with_the_same_default_device_and_dtype(tiny_ouro, monkeypatch):
+    """What reaches the loader: `auto` for both (it was device "cpu" and dtype "float32" for LLM)."""
+    from loopserve.models import loader
+
+    asked: list[tuple[str, str]] = []
+    resolve_device, resolve_dtype = loader.resolve_device, loader.resolve_dtype
+    monkeypatch.setattr(loader, "resolve_device", lambda d: asked.append(("device", d)) or resolve_device(d))
+    monkeypatch.setattr(loader, "resolve_dtype",
+                        lambda d, folder, where: asked.append(("dtype", d)) or resolve_dtype(d, folder, where))
+    LLM(tiny_ouro, scheduler="reference")
+    load_engine(tiny_ouro)
+    assert asked == [("device", "auto"), ("dtype", "auto")] * 2
+
+
+def test_dtype_auto_never_chooses_float16(tmp_path, monkeypatch):
+    """A float16 checkpoint loads as bfloat16, or float32 on a CPU without bfloat16 kernels: float16 is emulated
+    and far slower on a CPU."""
+    from loopserve import device as dev
+    from loopserve.load_config import LoadConfig
+
+    (tmp_path / "config.json").write_text('{"torch_dtype": "float16"}')
+    for kernels in (True, False):
+        monkeypatch.setattr(dev, "cpu_has_bf16_kernels", lambda k=kernels: k)
+        assert dev.resolve_dtype(LoadConfig().dtype, tmp_path, "cpu") == ("bfloat16" if kernels else "float32")
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--tensor-parallel-size", "2"], r"^tensor_parallel_size: must be 1, got 2"),
+    (["--enforce-eager", "--cuda-graphs"], r"^enforce_eager: turns CUDA graphs off"),
+    (["--gpu-memory-utilization", "2"], r"^gpu_memory_utilization: must be in \(0, 1\]"),
+])
+def test_bad_load_flags_are_refused_before_the_model_loads(flags, message):
+    problem = _check(build_parser().parse_args(["serve", *flags]))
+    assert problem is not None
+    assert re.match(message, problem), problem
+
+
+def test_serve_takes_vllms_model_flags():
+    args = build_parser().parse_args(["serve", "--trust-remote-code", "--tensor-parallel-size", "1",
+                                      "--enforce-eager", "--disable-log-requests", "--swap-space", "4"])
+    assert args.trust_remote_code and args.enforce_eager and args.disable_log_requests
+    assert (args.tensor_parallel_size, args.swap_space, args.enable_log_requests) == (1, 4.0, False)
+    assert _check(args) is None
+    with pytest.raises(SystemExit):  # one or the other
+        build_parser().parse_args(["serve", "--enable-log-requests", "--disable-log-requests"])
+
+
+def test_the_server_engine_runs_eagerly_under_enforce_eager(tiny_ouro):
+    engine, _ = load_engine(tiny_ouro, device="cpu", enforce_eager=True)
+    assert engine.cfg.cuda_graphs is False
+
+
+def test_tensor_parallel_size_2_stops_the_server_start(tiny_ouro):
+    cmd = [sys.executable, "-m", "loopserve.cli", "serve", "--model", str(tiny_ouro), "--port", "0",
+           "--tensor-parallel-size", "2"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=90, cwd=REPO)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "error: tensor_parallel_size: must be 1, got 2" in run.stderr and "--replicas" in run.stderr
+
+
+# -- endpoints -------------------------------------------------------------------------------------------------
+SERVED = "org/tiny"  # a served name with a '/', as hub ids have
+
+
+@pytest.fixture(scope="module")
+def server(tiny_ouro, tmp_path_factory) -> Iterator[Server]:
+    """Started with vLLM's model flags, which the server used to refuse."""
+    log = tmp_path_factory.mktemp("migration") / "server.log"
+    with run_server(tiny_ouro, log, "--served-model-name", SERVED, "--api-key", KEY, "--kv-cache-tokens", "1024",
+                    "--max-model-len", "64", "--trust-remote-code", "--tensor-parallel-size", "1",
+                    "--enforce-eager", "--disable-log-requests", "--swap-space", "4") as s:
+        yield s
+
+
+def test_models_retrieve_returns_the_model_card(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=30)
+    model = client.models.retrieve(SERVED)
+    assert (model.id, model.object, model.owned_by) == (SERVED, "model", "loopserve")
+    assert model.model_extra["max_model_len"] == 64
+    [listed] = client.models.list().data
+    assert model.model_dump() == listed.model_dump()
+
+
+def test_models_retrieve_of_an_unknown_model_is_a_404_naming_model(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=30)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("other")
+    assert e.value.body["param"] == "model" and "other" in e.value.body["message"]
+    bare = httpx.get(server.url + "/v1/models/other", headers={"Authorization": f"Bearer {KEY}"})
+    assert bare.status_code == 404 and bare.json()["error"]["type"] == "NotFoundError"
+    assert httpx.get(server.url + f"/v1/models/{SERVED}").status_code == 401  # under /v1: needs the key
+
+
+@pytest.mark.parametrize("method", ["GET", "POST"])
+def test_ping_is_health(server, method):
+    """vLLM's probe; open as /health is."""
+    r = httpx.request(method, server.url + "/ping")
+    assert r.status_code == 200, r.text
+
+
+def test_vllm_model_flags_change_no_output(server, tiny_ouro):
+    """The server started with them answers as the offline LLM (on the CPU, where graphs are off anyway)."""
+    body = {"model": SERVED, "prompt": [5, 17, 99], "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert r.status_code == 200, r.text
+    ref = LLM(Path(tiny_ouro), device="cpu", dtype="float32").generate(
+        {"prompt_token_ids": [5, 17, 99]}, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+        use_tqdm=False)[0].outputs[0]
+    assert r.json()["choices"][0]["text"] == ref.text
