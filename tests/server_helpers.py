@@ -1,4 +1,4 @@
-"""Helpers for the server tests: a real `loopserve serve` process on a free loopback port, and
+"""Helpers for the server tests: a real `loopserve serve` process on a free loopback port, clients of it, and
 readers of its /metrics and SSE streams."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -27,6 +28,15 @@ class Server:
     proc: subprocess.Popen
     url: str
     log: Path
+
+    def client(self, api_key: str = "none", timeout: float = 60) -> openai.OpenAI:
+        """The official client on this server, without retries (a test sees the first answer)."""
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=timeout)
+
+    def post(self, path: str, body: dict, request_id: str | None = None, timeout: float = 30) -> httpx.Response:
+        """A JSON POST to `path`, with `X-Request-Id` when given."""
+        headers = {"X-Request-Id": request_id} if request_id else {}
+        return httpx.post(self.url + path, json=body, headers=headers, timeout=timeout)
 
 
 def free_port() -> int:

@@ -22,7 +22,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
 from tokenizers import Tokenizer as Raw
@@ -225,12 +224,7 @@ def server(tiny_huginn, tmp_path_factory) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=30)
-
-
-def _post(server: Server, path: str, body: dict, request_id: str | None = None) -> httpx.Response:
-    headers = {"X-Request-Id": request_id} if request_id else {}
-    return httpx.post(server.url + path, json=body, headers=headers, timeout=30)
+    return server.client(timeout=30)
 
 
 def _chat(client: openai.OpenAI, messages: list[dict[str, Any]], **extra: Any) -> Any:
@@ -247,9 +241,9 @@ def test_server_continues_the_final_message(server, client, llm):
     assert ids == llm.get_tokenizer().apply_chat_template(CONTINUED, continue_final_message=True)
     [want] = llm.chat(CONTINUED, GREEDY, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)
     assert r.choices[0].message.content == want.outputs[0].text
-    t = _post(server, "/tokenize", {"model": MODEL, "messages": CONTINUED, **CONTINUE}, "continued")
+    t = server.post("/tokenize", {"model": MODEL, "messages": CONTINUED, **CONTINUE}, "continued")
     assert t.status_code == 200 and t.json()["tokens"] == ids
-    assert _post(server, "/detokenize", {"tokens": ids}).json()["prompt"] == HUGINN_CONTINUED
+    assert server.post("/detokenize", {"tokens": ids}).json()["prompt"] == HUGINN_CONTINUED
     assert "ignored unknown fields" not in server.log.read_text()  # (known fields now)
 
 
@@ -263,7 +257,7 @@ def test_server_continues_the_final_message(server, client, llm):
      "chat_template_kwargs.continue_final_message"),
 ])
 def test_chat_fields_refused_with_a_400_naming_them(server, path, body, param):
-    r = _post(server, path, {"model": MODEL, "max_tokens": 1, **body})
+    r = server.post(path, {"model": MODEL, "max_tokens": 1, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param and r.json()["error"]["message"].startswith(f"{param}: ")
 
@@ -285,7 +279,7 @@ def test_echo_starts_the_reply_with_the_final_assistant_message(client):
 
 def test_echo_with_a_forced_tool_call_is_refused(server):
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    r = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": CONTINUED, "max_tokens": 2, "echo": True,
+    r = server.post("/v1/chat/completions", {"model": MODEL, "messages": CONTINUED, "max_tokens": 2, "echo": True,
                                                "tools": [tool], "tool_choice": "required"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
 

@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
 
@@ -146,19 +145,14 @@ def server(tiny_ouro, tmp_path_factory) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=30)
-
-
-def _post(server: Server, path: str, body: dict, request_id: str | None = None) -> httpx.Response:
-    headers = {"X-Request-Id": request_id} if request_id else {}
-    return httpx.post(server.url + path, json=body, headers=headers, timeout=30)
+    return server.client(timeout=30)
 
 
 def _rendered(server: Server, messages: list[dict[str, Any]], request_id: str | None = None) -> str:
     """The prompt the server renders for `messages` (/tokenize, then /detokenize)."""
-    r = _post(server, "/tokenize", {"model": MODEL, "messages": messages}, request_id)
+    r = server.post("/tokenize", {"model": MODEL, "messages": messages}, request_id)
     assert r.status_code == 200, r.text
-    return _post(server, "/detokenize", {"tokens": r.json()["tokens"]}).json()["prompt"]
+    return server.post("/detokenize", {"tokens": r.json()["tokens"]}).json()["prompt"]
 
 
 def _log_after(log: Path, marker: str, timeout: float = 10.0) -> str:
@@ -187,7 +181,7 @@ def test_openai_client_and_llm_chat_render_the_same_prompt(server, client, llm):
     r = client.chat.completions.create(model=MODEL, messages=CONVERSATION, max_tokens=1,  # type: ignore[arg-type]
                                        extra_body={"return_token_ids": True})
     ids = r.choices[0].model_extra["prompt_token_ids"]
-    said = _post(server, "/detokenize", {"tokens": ids}).json()["prompt"]
+    said = server.post("/detokenize", {"tokens": ids}).json()["prompt"]
     assert said == RENDERED == _llm_prompt(llm, CONVERSATION)
     # arguments sent as an object render as the JSON text of the same object
     as_object = _with_call(arguments={"city": "Paris", "days": 2})
@@ -197,7 +191,7 @@ def test_openai_client_and_llm_chat_render_the_same_prompt(server, client, llm):
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
 def test_arguments_that_are_not_a_json_object_are_a_400_naming_them(server, path):
     for arguments, says in (("{city: Paris}", "got text that is not JSON"), ("[1, 2]", "got a JSON array")):
-        r = _post(server, path, {"model": MODEL, "max_tokens": 1, "messages": _with_call(arguments=arguments)})
+        r = server.post(path, {"model": MODEL, "max_tokens": 1, "messages": _with_call(arguments=arguments)})
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert (err["param"], err["type"], err["code"]) == (ARGS, "BadRequestError", 400), err

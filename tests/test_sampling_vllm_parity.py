@@ -285,7 +285,7 @@ def server(tiny_ouro, tmp_path_factory) -> Iterator[Server]:
 
 @pytest.fixture
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    return server.client(api_key="x")
 
 
 @pytest.fixture(scope="module")

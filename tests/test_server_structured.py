@@ -63,7 +63,7 @@ def server(tiny_path, tmp_path_factory) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    return server.client()
 
 
 def _post(server: Server, path: str, body: dict) -> httpx.Response:
