@@ -28,7 +28,9 @@ TEMPLATE = ("{% for m in messages %}"
             "{% for c in m.tool_calls or [] %} [call {{ c.id }} {{ c.type }} {{ c.function.name }}"
             "{% for k, v in c.function.arguments | dictsort %} {{ k }}={{ v | tojson }}{% endfor %}]{% endfor %}"
             "{% if m.tool_call_id %} [answers {{ m.tool_call_id }}]{% endif %}|"
-            "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+            "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+            "{% if documents %}[{{ documents | length }} documents]{% endif %}"
+            "{% if tools %}[tools:{% for t in tools %} {{ t.function.name }}{% endfor %}]{% endif %}")
 CALL = {"id": "call_1", "type": "function",
         "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}
 CONVERSATION = [{"role": "user", "content": "Weather in Paris?"},
@@ -175,6 +177,27 @@ def test_the_template_gets_the_calls_and_ids(server):
     text = _log_after(server.log, "tools-odd /tokenize")
     assert "tools-odd /tokenize: ignored unknown fields: messages.1.tool_calls.0.index" in text
     assert "tools-known" not in text
+
+
+def test_documents_and_tools_reach_the_template_from_chat_and_tokenize(server, client):
+    # vLLM's `documents` (retrieval templates) on both endpoints, and `tools` on /tokenize too: they used to be
+    # reported as ignored fields, so a retrieval or tool-use template rendered without them
+    docs = [{"title": "a", "text": "x"}, {"title": "b", "text": "y"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    want = RENDERED + "[2 documents][tools: get_weather]"
+    r = server.post("/tokenize", {"model": MODEL, "messages": CONVERSATION, "documents": docs, "tools": tools})
+    assert r.status_code == 200, r.text
+    assert server.post("/detokenize", {"tokens": r.json()["tokens"]}).json()["prompt"] == want
+    c = client.chat.completions.create(model=MODEL, messages=CONVERSATION, max_tokens=1,  # type: ignore[arg-type]
+                                       tools=tools, tool_choice="none",  # ("auto" needs a tool parser)
+                                       extra_body={"documents": docs, "return_token_ids": True})
+    ids = c.choices[0].model_extra["prompt_token_ids"]
+    assert server.post("/detokenize", {"tokens": ids}).json()["prompt"] == want
+    # documents given twice is refused, naming the field
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=CONVERSATION, max_tokens=1,  # type: ignore[arg-type]
+                                       extra_body={"documents": docs, "chat_template_kwargs": {"documents": docs}})
+    assert e.value.param == "documents", e.value.body
 
 
 def test_openai_client_and_llm_chat_render_the_same_prompt(server, client, llm):

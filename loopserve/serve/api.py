@@ -369,9 +369,10 @@ class OpenAIServing:
 
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool | None,
                     template_kwargs: dict[str, Any] | None, tools: list[ChatTool] | None = None,
-                    continue_final_message: bool | None = False) -> str:
-        """The chat template applied to `messages` (with the request's tools and extra template variables); with
-        `continue_final_message`, up to the final message's text (its turn left open)."""
+                    continue_final_message: bool | None = False,
+                    documents: list[dict[str, Any]] | None = None) -> str:
+        """The chat template applied to `messages` (with the request's tools, documents and extra template
+        variables); with `continue_final_message`, up to the final message's text (its turn left open)."""
         try:  # the rules LLM.chat applies too (chat_messages.py); unknown fields were reported as ignored already
             plain = chat_messages([m.model_dump() for m in messages])
             if continue_final_message:  # (check_rendering refused it with add_generation_prompt)
@@ -380,7 +381,7 @@ class OpenAIServing:
             raise ApiError.bad_request(e) from None
         tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
         try:
-            return self.tokenizer.apply_chat_template(plain, tool_dicts, tokenize=False,
+            return self.tokenizer.apply_chat_template(plain, tool_dicts, documents, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt is not False,
                                                       continue_final_message=bool(continue_final_message),
                                                       **(template_kwargs or {}))
@@ -575,8 +576,8 @@ class OpenAIServing:
     async def tokenize(self, request: Request) -> JSONResponse:
         req: TokenizeCompletionRequest | TokenizeChatRequest = await self.read(request, parse_tokenize)
         if isinstance(req, TokenizeChatRequest):
-            text = self.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs,
-                                    continue_final_message=req.continue_final_message)
+            text = self.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs, req.tools,
+                                    req.continue_final_message, req.documents)
         else:
             text = req.prompt
         ids = self.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
@@ -673,7 +674,7 @@ class OpenAIServing:
         if req.echo and tools is not None:  # the reply is the call's arguments, which nothing may come before
             raise ApiError(400, "echo: cannot be combined with a forced tool call (tool_choice)", "echo")
         text = self.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs, req.tools,
-                                req.continue_final_message)
+                                req.continue_final_message, req.documents)
         # the template writes the special tokens it wants: none added unless asked (vLLM's default)
         ids = self.encode(text, "messages", _truncates(req.truncate_prompt_tokens),
                           add_special_tokens=bool(req.add_special_tokens))

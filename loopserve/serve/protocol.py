@@ -240,6 +240,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension: extra variables for the chat template
+    documents: list[dict[str, Any]] | None = None  # vLLM extension: the template's `documents` (retrieval templates)
     # vLLM extensions: the prompt ends with the final (assistant) message left open; the rendered prompt tokenized
     # with the special tokens added; the final assistant message's text first in the reply; refused (below)
     continue_final_message: bool | None = False
@@ -277,6 +278,8 @@ def check_rendering(req: ChatCompletionRequest | TokenizeChatRequest) -> None:
     for name, why in TEMPLATE_RESERVED.items():
         if kwargs and name in kwargs:
             raise ApiError(400, f"chat_template_kwargs.{name}: {why}", f"chat_template_kwargs.{name}")
+    if req.documents is not None and kwargs and "documents" in kwargs:  # (either reaches the template alone)
+        raise ApiError(400, "documents: given twice, as the field and in chat_template_kwargs; give one", "documents")
     if req.chat_template is not None:
         raise ApiError(400, f"chat_template: {TEMPLATE_RESERVED['chat_template']} (vLLM refuses one too, unless "
                             "started with --trust-request-chat-template); start the server with --chat-template",
@@ -305,6 +308,8 @@ class TokenizeChatRequest(_Strict):
     add_special_tokens: bool | None = False
     return_token_strs: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None  # as in a chat request: a tool-use template renders them
+    documents: list[dict[str, Any]] | None = None
     continue_final_message: bool | None = False  # as in a chat request
     chat_template: str | None = None  # refused, as in a chat request
 
