@@ -45,6 +45,18 @@ def default_model_path() -> Path:
 _NO_EFFECT = ("disable_log_stats",)
 
 
+def _vllm_only(**given: Any) -> None:
+    """ValueError naming the first of vLLM's arguments for what loopserve does not have (LoRA adapters, priority
+    scheduling, multimodal inputs) that asks for it: None, empty or all-zero priorities ask for nothing, so vLLM
+    scripts that pass them run unchanged."""
+    for name, value in given.items():
+        if name == "priority" and value is not None and all(p == 0 for p in value):
+            continue
+        if value is not None and (name != "mm_processor_kwargs" or value):
+            raise ValueError(f"{name}: not supported by loopserve (no LoRA adapters, priority scheduling or "
+                             f"multimodal inputs); got {value!r}")
+
+
 class LLM:
     """Offline generation. `scheduler` is one of "cdb" (default), "cdb-norefill", "cb", "reference";
     any `EngineConfig` field can be passed as a keyword (block_size, max_decode_batch, ...), and any
@@ -115,9 +127,12 @@ class LLM:
 
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: Any = None,
+                 priority: Seq[int] | None = None) -> list[RequestOutput]:
         """Outputs in the order of `prompts` (one prompt or a list: text, token ids or a prompt dict). Every
-        request is checked before any runs: a ValueError naming the field means none ran."""
+        request is checked before any runs: a ValueError naming the field means none ran. `lora_request` and
+        `priority` are vLLM's, taken at the values that ask for nothing (None; priorities all 0)."""
+        _vllm_only(lora_request=lora_request, priority=priority)
         single = isinstance(prompts, str | dict) or (
             isinstance(prompts, list) and bool(prompts) and all(isinstance(t, int) for t in prompts))
         if not single and (isinstance(prompts, Mapping) or not isinstance(prompts, Seq)):
@@ -128,10 +143,15 @@ class LLM:
 
     def chat(self, messages: Conversation | Seq[Conversation],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True,
-             chat_template: str | None = None, add_generation_prompt: bool = True,
+             lora_request: Any = None, chat_template: str | None = None,
+             chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: Seq[Mapping[str, Any]] | None = None,
              chat_template_kwargs: dict[str, Any] | None = None,
-             tools: Seq[Mapping[str, Any]] | None = None, continue_final_message: bool = False) -> list[RequestOutput]:
+             mm_processor_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, each rendered with the chat template.
+        The arguments are vLLM's, in its order; `lora_request`, `chat_template_content_format` ("auto" or
+        "string": a message's content reaches the template as text) and `mm_processor_kwargs` are taken at the
+        values that ask for nothing loopserve lacks (no adapters, no images).
 
         `chat_template` names one of the model's templates or is a template itself; `chat_template_kwargs`
         become template variables; `tools` (JSON-schema dicts) reach the template as `tools`.
@@ -140,6 +160,10 @@ class LLM:
         checked and rendered as the server's are (`chat_messages`): the template gets a message's role,
         content, name, tool_calls (arguments as dicts) and tool_call_id; other keys are ignored with a
         warning in the log."""
+        _vllm_only(lora_request=lora_request, mm_processor_kwargs=mm_processor_kwargs)
+        if chat_template_content_format not in ("auto", "string"):
+            raise ValueError(f"chat_template_content_format: {chat_template_content_format!r} is not supported: a "
+                             "message's content reaches the template as text ('string'; 'auto' picks it too)")
         if isinstance(messages, Seq) and not isinstance(messages, str) and messages and all(
                 isinstance(m, Mapping) for m in messages):
             conversations: list[Conversation] = [messages]  # type: ignore[list-item]

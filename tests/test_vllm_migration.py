@@ -87,6 +87,28 @@ def test_bad_vllm_keywords_are_named(tiny_ouro, kwargs, message):
         LLM(tiny_ouro, **kwargs)
 
 
+def test_generate_and_chat_take_vllms_arguments_at_their_no_op_values(tiny_ouro):
+    """vLLM's generate(..., lora_request, priority) and chat(...) in vLLM's argument order (a TypeError before);
+    the values that ask for what loopserve lacks are ValueErrors naming the argument."""
+    llm = LLM(tiny_ouro, device="cpu")
+    greedy = SamplingParams(max_tokens=3, temperature=0.0)
+    plain = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+    same = llm.generate(PROMPTS, greedy, False, None, [0, 0, 0])  # (vLLM's positional order)
+    assert [o.outputs[0].token_ids for o in same] == plain
+    hello = [{"role": "user", "content": "Hello"}]
+    [want] = llm.chat(hello, greedy, use_tqdm=False)
+    [got] = llm.chat(hello, greedy, False, None, None, "string", True, False, None, None, {})
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids and got.prompt == want.prompt
+    for call, name in ((lambda: llm.generate(PROMPTS, greedy, use_tqdm=False, priority=[1, 0, 0]), "priority"),
+                       (lambda: llm.generate(PROMPTS, greedy, use_tqdm=False, lora_request=object()), "lora_request"),
+                       (lambda: llm.chat(hello, greedy, use_tqdm=False, chat_template_content_format="openai"),
+                        "chat_template_content_format"),
+                       (lambda: llm.chat(hello, greedy, use_tqdm=False, mm_processor_kwargs={"fps": 2}),
+                        "mm_processor_kwargs")):
+        with pytest.raises(ValueError, match=f"^{name}: "):
+            call()
+
+
 def test_max_model_len_caps_prompt_plus_completion(tiny_ouro):
     """As the model's own context does for `LLM` (vLLM's offline rule): a prompt that leaves no room is refused
     naming `prompt`; a completion asked to run past the cap ends there, finish_reason "length"."""
