@@ -179,7 +179,9 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # no best-of selection: every sample is returned, so only best_of = n (or unset) means what it says
     best_of: int | None = None
-    # only these token ids may be sampled (a mask on the raw logits, before logit_bias and the penalties)
+    # only these token ids may be sampled (a mask on the raw logits, before logit_bias and the penalties); a set,
+    # kept unique and sorted. A request whose single-token bad words (and, with min_tokens, its stop and eos
+    # tokens) cover them is refused at admission
     allowed_token_ids: list[int] | None = None
     # vLLM's rule: each word is tokenized as it is and after a space (its leading spaces stripped), once per
     # request; a word's last token is masked whenever its other tokens end the output so far
@@ -264,10 +266,15 @@ class SamplingParams:
             raise bad("spaces_between_special_tokens", "only true is supported with skip_special_tokens false")
         if isinstance(self.allowed_token_ids, tuple):
             self.allowed_token_ids = list(self.allowed_token_ids)
-        if self.allowed_token_ids is not None and (
-                not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
-                or not all(is_int(t) and t >= 0 for t in self.allowed_token_ids)):
-            raise bad("allowed_token_ids", "must be a non-empty list of token ids (integers >= 0)")
+        allowed = self.allowed_token_ids
+        if allowed is not None:  # (the types by their set first, at C speed: a request body may hold 10^6 ids)
+            if (not isinstance(allowed, list) or not allowed
+                    or not (set(map(type, allowed)) <= {int} or all(is_int(t) for t in allowed)) or min(allowed) < 0):
+                raise bad("allowed_token_ids", "must be a non-empty list of token ids (integers >= 0)")
+            # a set: unique and sorted once, here (duplicates mean nothing; a long list of them is not kept)
+            unique = sorted(set(allowed))
+            if len(unique) != len(allowed) or unique != allowed:
+                self.allowed_token_ids = unique
         if isinstance(self.bad_words, tuple):
             self.bad_words = list(self.bad_words)
         if self.bad_words is not None and (not isinstance(self.bad_words, list)

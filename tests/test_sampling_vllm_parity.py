@@ -8,6 +8,7 @@ logprob entries in vLLM V1's order (the token's own first, then the top ones by 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from loopserve import LLM, GuidedDecodingParams, SamplingParams
 from loopserve.engine.sampler import (
     AllowedTokenIds,
     BadWords,
+    NothingToSampleError,
     adjust_logits,
     bind,
     plain_greedy,
@@ -165,6 +167,8 @@ def test_a_row_with_nothing_left_fails_alone():
     logits = torch.tensor([[0.0, 1.0, 5.0], [0.0, 1.0, 5.0]], dtype=torch.float64)
     rows = sample_rows(logits, [stuck, fine], [0, 0], [0, 0])
     assert isinstance(rows, list) and "allowed_token_ids" in (rows[0].error or "") and rows[1].token == 1
+    with pytest.raises(NothingToSampleError, match="^allowed_token_ids: "):  # its own type: the request's fault
+        rows[0].checked()
 
 
 def test_plain_greedy_fast_path_stays_for_other_rows():
@@ -241,6 +245,100 @@ def test_speculation_keeps_them_exact(tiny_ouro):
     assert not _contains(outs["b"].outputs[0].token_ids, [404, 404])
 
 
+# ---------------- allowed_token_ids: a set, built once per request; a request left no token to sample
+
+
+def test_allowed_token_ids_are_a_set_shared_by_the_samples(tiny_ouro):
+    """Duplicates are dropped once, in SamplingParams; the mask's data is built once per request (make_sequence),
+    and every sample holds that one object, with bad words too (their params are copies, bound to their tokens)."""
+    ids = [(7 * i) % 300 for i in range(10**5)]  # 10^5 ids, 300 of them unique
+    p = SamplingParams(allowed_token_ids=ids, n=8)
+    assert p.allowed_token_ids == sorted(set(ids)) and ids[:3] == [0, 7, 14]  # (the caller's list untouched)
+    engine = make_engine(tiny_ouro)
+    for extra in ({}, {"bad_words": ["henhen"]}, {"min_tokens": 1}):
+        family = engine.make_sequence("s", PROMPT, dataclasses.replace(p, **extra)).family
+        assert len(family) == 8
+        shared = family[0].params.allowed_token_ids
+        assert isinstance(shared, AllowedTokenIds) and list(shared) == sorted(set(ids))
+        assert shared.ids.tolist() == list(shared) and shared.top == 299
+        assert all(s.params.allowed_token_ids is shared for s in family)
+        mask = shared.keep(512, torch.device("cpu"))  # what its rows stack at every step: made once
+        assert mask is shared.keep(512, torch.device("cpu")) and mask.nonzero()[:, 0].tolist() == shared
+    assert SamplingParams(allowed_token_ids=[9, 3, 9, 3]).allowed_token_ids == [3, 9]
+
+
+def test_admission_refuses_a_request_left_no_first_token(tiny_ouro, ref_llm):
+    """Single-token bad words are banned at every step: covering every allowed id (with min_tokens, also with the
+    tokens it holds back) the request could sample nothing, and is refused before it runs (a 400 on a server)."""
+    engine = make_engine(tiny_ouro, scheduler="cb")
+    eos = min(engine.tokenizer.eos_token_ids)
+    refused = {"bad_words ban every one": dict(allowed_token_ids=[404, 108], bad_words=["hen", "i"]),
+               "with min_tokens, bad_words": dict(allowed_token_ids=[404, eos], bad_words=["hen"], min_tokens=1)}
+    for why, kw in refused.items():
+        with pytest.raises(ValueError, match=f"^allowed_token_ids: {why}"):
+            engine.make_sequence("x", PROMPT, SamplingParams(max_tokens=4, n=2, **kw))
+        with pytest.raises(ValueError, match=f"^allowed_token_ids: {why}"):
+            _gen(ref_llm, PROMPT, max_tokens=4, **kw)
+    # eos is not held back without min_tokens, nor 108 banned by a word it only ends ('ii': 108 after 108)
+    out = _gen(ref_llm, PROMPT, max_tokens=4, allowed_token_ids=[404, eos], bad_words=["hen"])
+    assert out.outputs[0].token_ids == [eos] and out.outputs[0].finish_reason == "stop"
+    engine.make_sequence("y", PROMPT, SamplingParams(allowed_token_ids=[404, 108], bad_words=["hen", "ii"]))
+
+
+STUCK = "allowed_token_ids: bad_words ban every one of them at output token 2: no token can be sampled"
+
+
+@pytest.mark.parametrize("scheduler", ["cb", "cdb"])
+def test_a_request_left_no_token_later_fails_alone_as_the_reference(tiny_ouro, scheduler, caplog):
+    """A bad word of several tokens bans its last one after the others: allowed_token_ids [404] with 'henhen'
+    ([404, 404]) leaves the second token nothing. That request alone finishes with finish_reason "error", status
+    400 (its own constraints, not a fault of the server) and no ERROR log, in a mixed batch (greedy, seeded, n = 2,
+    logprobs, penalties); the reference decoder finishes it the same way (not raising out of generate), and every
+    other request is as the reference decodes it."""
+    engine = make_engine(tiny_ouro, scheduler=scheduler)
+    words = ["henhen", "heni", "ihen", "ii"]  # [404, 404], [404, 108], [108, 404], [108, 108]
+    feats = (dict(allowed_token_ids=[404], bad_words=["henhen"]), dict(),
+             dict(allowed_token_ids=[404, 108], bad_words=words, n=2), dict(presence_penalty=0.5, logprobs=2),
+             dict(allowed_token_ids=[404, 108], bad_words=words, logprobs=1), dict(bad_words=["hen"]),
+             dict(allowed_token_ids=[404, 108], bad_words=["henhen"]))
+    reqs = []
+    for i, f in enumerate(feats * 2):
+        seeded = i >= len(feats) or f.get("n") == 2
+        sampling = dict(temperature=1.0, seed=60 + i) if seeded else dict(temperature=0.0)
+        prompt = PROMPT if i % 2 == 0 else [(13 * i + 5 * j) % 500 + 1 for j in range(3 + i % 4)]
+        reqs.append(Req(f"r{i}", prompt, SamplingParams(max_tokens=8, ignore_eos=True, **{**sampling, **f}),
+                        seed=3 + i, arrive=i % 3))
+    with caplog.at_level(logging.WARNING, logger="loopserve"):
+        outs = drive(engine, reqs)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    failed = 0
+    for r in reqs:
+        samples = ([dataclasses.replace(r.params, n=1, seed=r.params.seed + j) for j in range(r.params.n)]
+                   if r.params.n > 1 else [r.params])
+        for c, alone in zip(outs[r.rid].outputs, samples, strict=True):
+            ref = reference(engine, Req(r.rid, r.prompt, alone, r.seed))
+            if ref.finish_reason != "error":
+                assert c.finish_reason != "error"
+                if r.params.n == 1:
+                    assert_matches(outs[r.rid], ref)
+                assert c.token_ids == ref.output_ids
+                continue
+            failed += 1
+            assert (ref.error, ref.error_status) == (STUCK, 400) and len(ref.output_ids) == 1
+            assert (c.token_ids, c.exit_depths, c.finish_reason, c.text) == (
+                ref.output_ids, ref.exit_depths, "error", ref.text)
+            assert (outs[r.rid].error, outs[r.rid].error_status) == (STUCK, 400)
+    assert failed == 8  # r0, r2's two samples, r4, and again seeded (r6 never: 108 may follow 404)
+    assert sum("failed: " + STUCK in r.getMessage() for r in caplog.records) == failed  # a warning each
+    # offline, every scheduler: the request's output, not an exception out of generate
+    for sched in ("reference", scheduler):
+        llm = LLM(model=tiny_ouro, scheduler=sched, dtype="float64", kv_cache_tokens=512)
+        got = llm.generate([PROMPT, PROMPT], [SamplingParams(max_tokens=6, temperature=0, **feats[0]),
+                                              SamplingParams(max_tokens=6, temperature=0)], use_tqdm=False)
+        assert (got[0].outputs[0].finish_reason, got[0].error, got[0].error_status) == ("error", STUCK, 400)
+        assert got[0].outputs[0].token_ids == [404] and got[1].outputs[0].finish_reason == "length"
+
+
 # ---------------- detokenize, and the order of logprob entries
 
 
@@ -308,6 +406,28 @@ def test_server_allowed_token_ids_and_bad_words(client, offline):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"allowed_token_ids": [10**6]})
     assert e.value.body["param"] == "allowed_token_ids"
+
+
+def test_server_request_left_no_token_is_a_400(server, client):
+    """Refused at admission (single-token bad words cover allowed_token_ids), or failed when a bad word of several
+    tokens leaves it nothing later: a 400 either way (the client's constraints), never a 500 or an ERROR log, and
+    the server serves the next request."""
+    cases = [({"allowed_token_ids": [404, 108], "bad_words": ["hen", "i"]}, "allowed_token_ids: bad_words ban every"),
+             ({"allowed_token_ids": [404], "bad_words": ["henhen"]}, STUCK)]
+    for extra, message in cases:
+        for stream in (False, True):
+            if stream and extra["allowed_token_ids"] == [404]:  # (a stream has started: its error is an event)
+                continue
+            with pytest.raises(openai.BadRequestError) as e:
+                client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, stream=stream,
+                                          extra_body=extra)
+            assert e.value.body["message"].startswith(message)
+            if message != STUCK:  # (refused at admission: the field named)
+                assert e.value.body["param"] == "allowed_token_ids"
+    ok = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
+    assert ok.choices[0].finish_reason == "length"
+    log = server.log.read_text()
+    assert STUCK in log and "ERROR" not in log and "Traceback" not in log
 
 
 @pytest.mark.parametrize("extra,param", [({"use_beam_search": True}, "use_beam_search"),

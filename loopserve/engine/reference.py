@@ -12,8 +12,8 @@ import torch
 
 from loopserve.cache.layout import IN_FLIGHT, KVLayout
 from loopserve.cache.pool import KVStore
-from loopserve.engine.sampler import prompt_logprobs, unpack_prompt
-from loopserve.engine.sequence import Sequence
+from loopserve.engine.sampler import REQUEST_ERRORS, prompt_logprobs, unpack_prompt
+from loopserve.engine.sequence import Sequence, failure
 from loopserve.engine.signals import step_signals, uniform_logprobs
 from loopserve.models.base import LoopedLM
 from loopserve.models.context import build_context
@@ -53,11 +53,15 @@ class ReferenceDecoder:
             if scored > 0:
                 targets = torch.tensor(prompt[start + 1:start + 1 + scored], device=dev)
                 lp = prompt_logprobs(logits[len(coda_rows) - scored:], targets, k or 0)
-                seq.set_prompt_logprobs(start, unpack_prompt({name: t.cpu() for name, t in lp.items()},
-                                                             [k or 0] * scored))
+                try:
+                    seq.set_prompt_logprobs(start, unpack_prompt({name: t.cpu() for name, t in lp.items()},
+                                                                 [k or 0] * scored))
+                except REQUEST_ERRORS as e:  # (non-finite logits: as `_take`)
+                    self._fail(seq, e)
+                    return seq
             if last:
                 first = logits[0]
-        seq.sample_and_append(first, depth)
+        self._take(seq, first, depth)
         while not seq.finished:
             self._decode_token(seq, kv, rows)
         return seq
@@ -86,4 +90,20 @@ class ReferenceDecoder:
                 break
         kv.set_depth(ctx.write_rows, r)
         seq.metrics.loops_run += r
-        seq.sample_and_append(model.coda(state, ctx)[0], tracker.exit_depth or r)
+        self._take(seq, model.coda(state, ctx)[0], tracker.exit_depth or r)
+
+    def _take(self, seq: Sequence, logits: torch.Tensor, exit_depth: int) -> None:
+        """Sample and append the next token. A failure of the request's own making (`REQUEST_ERRORS`: non-finite
+        logits, its grammar past the parser's limits, sampling constraints that leave no token) finishes it with
+        finish_reason "error", as the engine does (`Scheduler.fail`: the same error and status); any other raises
+        (the spec: a bug is not a request's outcome)."""
+        try:
+            seq.sample_and_append(logits, exit_depth)
+        except REQUEST_ERRORS as e:
+            self._fail(seq, e)
+
+    @staticmethod
+    def _fail(seq: Sequence, error: Exception) -> None:
+        """Finish a request that failed alone, with the engine's error and status (`failure`)."""
+        message, status = failure(error)
+        seq.finish("error", message, keep_text=True, error_status=status)

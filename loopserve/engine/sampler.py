@@ -35,7 +35,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from itertools import chain
 from typing import Protocol
@@ -45,7 +45,7 @@ import torch
 
 from loopserve.device import upload
 from loopserve.engine.grammar import apply_guides
-from loopserve.errors import NonFiniteError
+from loopserve.errors import GrammarLimitError, NonFiniteError
 from loopserve.random_streams import uniforms
 from loopserve.sampling_params import SamplingParams
 
@@ -152,6 +152,18 @@ def _nucleus_from_largest(probs: torch.Tensor, cut: torch.Tensor, k: int,
     return ~settled, widest
 
 
+class NothingToSampleError(ValueError):
+    """A request's own sampling constraints leave it no token to sample at this step: `bad_words` (of several
+    tokens, banning a word's last one after the others) and what `min_tokens` holds back cover every one of its
+    `allowed_token_ids`. Its input is at fault, not the engine: it fails alone, with status 400."""
+
+
+# The failures of one request's own making, which fail it alone and are reported as they are (no traceback):
+# its model outputs (non-finite: status 500) and its input (its grammar past the parser's limits, sampling
+# constraints that leave no token: status 400). Any other exception a request raises is a bug.
+REQUEST_ERRORS = (NonFiniteError, GrammarLimitError, NothingToSampleError)
+
+
 class TokenHistory(Protocol):
     """What penalties, `min_tokens` and `bad_words` read of a request besides its params (its `Sequence`)."""
 
@@ -186,13 +198,25 @@ class StopTokenIds(list[int]):
 
 
 class AllowedTokenIds(list[int]):
-    """A request's `allowed_token_ids`, unique, also as a tensor, built once (as `LogitBias`: a list as long
-    as a real vocabulary, rebuilt at every step, would cost every step of its batch)."""
+    """A request's `allowed_token_ids` as a set: unique and sorted, also as a tensor, built once per request
+    (`make_sequence`) and shared by its samples (as `LogitBias`: a list as long as a real vocabulary, rebuilt at
+    every step, would cost every step of its batch; built per sample, 10^6 ids made n copies of it). Never
+    modified after: samples, and the steps of each, read the one object."""
 
-    def __init__(self, ids: list[int]) -> None:
-        super().__init__(ids)
-        self.ids = torch.tensor(sorted(set(ids)), dtype=torch.long)
-        self.top = max(ids)
+    def __init__(self, ids: Iterable[int]) -> None:
+        super().__init__(sorted(set(ids)))
+        self.ids = torch.tensor(self, dtype=torch.long)
+        self.top = self[-1] if self else -1
+        self._keep: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def keep(self, vocab: int, dev: torch.device) -> torch.Tensor:
+        """[vocab] bool on `dev`, true at the allowed ids (all < vocab), made once: every step of every sample
+        stacks the one mask (where scattering its ids into a fresh one cost each row O(ids) at every step)."""
+        mask = self._keep.get((vocab, dev))
+        if mask is None:
+            host = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, self.ids, True)
+            mask = self._keep[(vocab, dev)] = upload(host, dev)
+        return mask
 
 
 class BadWords(list[str]):
@@ -224,9 +248,11 @@ class BadWords(list[str]):
 def bind(params: SamplingParams, history: TokenHistory) -> SamplingParams:
     """The params a request samples with: as given, or its own copy when its sampling reads more than they
     say: its tokens (penalties, min_tokens, bad_words; params may be shared by many requests, the history is
-    one's), its `logit_bias`, `allowed_token_ids` or what `min_tokens` holds back, as tensors."""
-    if not (params.penalized or params.min_tokens or params.logit_bias or params.bad_words
-            or params.allowed_token_ids is not None):
+    one's), its `logit_bias`, `allowed_token_ids` or what `min_tokens` holds back, as tensors. Allowed token ids
+    already an `AllowedTokenIds` (`make_sequence` builds one per request) are kept, the object itself: a request's
+    samples share it."""
+    built = params.allowed_token_ids is None or isinstance(params.allowed_token_ids, AllowedTokenIds)
+    if not (params.penalized or params.min_tokens or params.logit_bias or params.bad_words or not built):
         return params
     bound = copy.copy(params)
     bound.history = history
@@ -234,8 +260,8 @@ def bind(params: SamplingParams, history: TokenHistory) -> SamplingParams:
         bound.logit_bias = LogitBias(params.logit_bias)
     if params.min_tokens:
         bound.stop_token_ids = StopTokenIds(params.stop_token_ids, history.eos_ids)
-    if params.allowed_token_ids is not None:
-        bound.allowed_token_ids = AllowedTokenIds(params.allowed_token_ids)
+    if not built:
+        bound.allowed_token_ids = _allowed(params)
     return bound
 
 
@@ -287,8 +313,10 @@ def _banned(p: SamplingParams, n: int) -> list[int]:
 
 def _mask_tokens(x: torch.Tensor, params: list[SamplingParams], counters: list[int], rows: list[int]) -> torch.Tensor:
     """`x` with `allowed_token_ids` and `bad_words` applied to `rows`: every token but the allowed ones, and
-    every token the bad words ban now, at -inf. ValueError if that (with what min_tokens holds back) leaves an
-    allowed row nothing: its argmax would be any token, allowed or not."""
+    every token the bad words ban now, at -inf. `NothingToSampleError` if that (with what min_tokens holds back)
+    leaves an allowed row nothing: its argmax would be any token, allowed or not. (Admission refuses a request
+    that would be left nothing at its first token, `make_sequence`: only a bad word of several tokens, banning
+    its last one after the others, leaves one nothing later.)"""
     dev, vocab = x.device, x.shape[-1]
     bans = {i: _banned(params[i], counters[i]) for i in rows if params[i].bad_words}
     allowed = {i: _allowed(params[i]) for i in rows if params[i].allowed_token_ids is not None}
@@ -299,12 +327,12 @@ def _mask_tokens(x: torch.Tensor, params: list[SamplingParams], counters: list[i
             gone = set(bans.get(i, ()))
             if counters[i] < params[i].min_tokens:
                 gone.update(_held(params[i]).tolist())
-            if len(gone) >= len(a.ids) and gone.issuperset(a):
-                raise ValueError("allowed_token_ids: bad_words and min_tokens leave none of them to sample here")
-        ids = [a.ids for a in allowed.values()]
-        which = torch.repeat_interleave(torch.arange(len(ids)), torch.tensor([len(t) for t in ids]))
-        keep = torch.zeros(len(ids), vocab, dtype=torch.bool, device=dev)
-        keep[upload(which, dev), upload(torch.cat(ids), dev)] = True
+            if len(gone) >= len(a) and gone.issuperset(a):
+                raise NothingToSampleError(f"allowed_token_ids: bad_words"
+                                           f"{' and min_tokens' if counters[i] < params[i].min_tokens else ''} "
+                                           f"ban every one of them at output token {counters[i] + 1}: no token can "
+                                           "be sampled")
+        keep = torch.stack([a.keep(vocab, dev) for a in allowed.values()])
         idx = upload(list(allowed), dev)
         x = x.index_put((idx,), x[idx].masked_fill(~keep, float("-inf")))
     hits = [(i, t) for i, ts in bans.items() for t in ts]
@@ -479,9 +507,12 @@ class Sample:
     rank: int | None = None
     top: list[tuple[int, float]] | None = None  # (token id, logprob) in rank order, k of them
     error: str | None = None  # sampling this row raised (see `sample_rows`)
+    cause: Exception | None = None  # what it raised
 
     def checked(self) -> Sample:
         if self.error is not None:
+            if isinstance(self.cause, REQUEST_ERRORS):  # the request's own failure, as raised (its status)
+                raise self.cause
             raise RuntimeError(self.error)
         if not self.finite:
             raise NonFiniteError("the model produced non-finite logits for this request")
@@ -587,7 +618,7 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], seeds: list[
             try:
                 rows.append(sample_one(logits[i], params[i], seeds[i], counters[i]))
             except Exception as e:
-                rows.append(Sample(0, True, error=f"{type(e).__name__}: {e}"))
+                rows.append(Sample(0, True, error=f"{type(e).__name__}: {e}", cause=e))
         return rows
 
 

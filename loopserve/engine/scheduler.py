@@ -47,11 +47,11 @@ from loopserve.cache.manager import KVCacheManager
 from loopserve.cache.prefix import block_keys, reusable_tokens
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.runner import PrefillChunk, Signals, StatePool, WorkItem, rows_of
-from loopserve.engine.sampler import Sample, SampledBatch
-from loopserve.engine.sequence import Sequence, Status
+from loopserve.engine.sampler import REQUEST_ERRORS, Sample, SampledBatch
+from loopserve.engine.sequence import Sequence, Status, failure
 from loopserve.engine.speculative import Speculator, VerifyGroup
 from loopserve.engine.stats import EngineStats
-from loopserve.errors import GrammarLimitError, NonFiniteError
+from loopserve.errors import NonFiniteError
 from loopserve.exits import ROW_MAX_LOOPS, Signal
 
 log = logging.getLogger("loopserve.engine")
@@ -158,13 +158,11 @@ class Scheduler:
         """Finish one request whose part of a batch raised (sampling, logprobs, detokenization, stop
         matching, its exit rule) or produced non-finite values: it alone ends with finish_reason
         "error" and frees its KV and state rows; every other request goes on untouched."""
-        status = 400 if isinstance(error, GrammarLimitError) else 500  # 400: the request's own input failed it
-        if isinstance(error, NonFiniteError | GrammarLimitError):
+        message, status = failure(error)  # (400: the request's own input failed it; as the reference decoder)
+        if isinstance(error, REQUEST_ERRORS):
             log.warning("request %s failed: %s", seq.request_id, error)
-            message = str(error)
         else:  # a bug the request triggered: keep the traceback for the report
             log.error("request %s failed", seq.request_id, exc_info=error)
-            message = f"internal error while handling this request ({type(error).__name__}: {error})"
         if not seq.finished:
             self._stop(seq, "error", message, status)
 

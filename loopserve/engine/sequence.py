@@ -12,7 +12,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from loopserve.engine.grammar import new_guide, with_guide
-from loopserve.engine.sampler import BadWords, Sample, bind, plain_greedy, sample_one
+from loopserve.engine.sampler import (
+    REQUEST_ERRORS,
+    AllowedTokenIds,
+    BadWords,
+    Sample,
+    bind,
+    plain_greedy,
+    sample_one,
+)
+from loopserve.errors import NonFiniteError
 from loopserve.exits import ExitRule
 from loopserve.models.base import LoopedLM
 from loopserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -138,7 +147,8 @@ def make_sequence(model: LoopedLM, tokenizer: Tokenizer, request_id: str, prompt
     c = model.config
     rule = resolve_exit_rule(params, model, lookahead)
     state = params.seed if params.seed is not None else base_seed
-    params = with_bad_words(params, tokenizer, c.vocab_size)  # once for the request's n samples
+    # once for the request's n samples, which share them
+    params = with_allowed_token_ids(with_bad_words(params, tokenizer, c.vocab_size), tokenizer, c.vocab_size)
     family = [Sequence(sample_id(request_id, j), text, ids, params, rule, _sample_seed(seed, params.seed, j), tokenizer,
                        c.max_position, c.vocab_size, arrival_time, state_seed=state, index=j)
               for j in range(params.n)]
@@ -158,6 +168,46 @@ def with_bad_words(params: SamplingParams, tokenizer: Tokenizer, vocab_size: int
     tokenized.bad_words = BadWords.tokenize(
         params.bad_words, lambda word: tokenizer.encode(word, add_special_tokens=False, what="bad_words"), vocab_size)
     return tokenized
+
+
+def with_allowed_token_ids(params: SamplingParams, tokenizer: Tokenizer, vocab_size: int) -> SamplingParams:
+    """The params with their `allowed_token_ids` as the sampler masks them (`AllowedTokenIds`, unique, sorted and a
+    tensor; a copy, made once per request and shared by its samples); as given when there are none, or they
+    already are. Call it after `with_bad_words`. ValueError naming the field for ids outside the vocabulary, or for
+    a request that could sample none of them as its first token: each is a bad word of one token (banned at every
+    step) or, with min_tokens, a token that min_tokens holds back (an end-of-sequence or stop token). Later, only a
+    bad word of several tokens can leave it none (the sampler's `NothingToSampleError`: the request fails alone)."""
+    ids = params.allowed_token_ids
+    if ids is None or isinstance(ids, AllowedTokenIds):
+        return params
+    if max(ids) >= vocab_size:  # (before building the set: a list of 10^6 ids outside the vocabulary is refused)
+        raise ValueError(f"allowed_token_ids: token ids must be in [0, {vocab_size}) (the model's vocabulary)")
+    allowed = AllowedTokenIds(ids)
+    words = params.bad_words
+    banned = {seq[0] for seq in words.token_ids if len(seq) == 1} if isinstance(words, BadWords) else set()
+    held = set(params.stop_token_ids) | (set() if params.ignore_eos else set(tokenizer.eos_token_ids))
+    if params.min_tokens and held.issuperset(allowed):
+        raise ValueError("allowed_token_ids: with min_tokens, every allowed token is an end-of-sequence or stop "
+                         "token: none could be sampled before min_tokens")
+    if banned.issuperset(allowed):
+        raise ValueError("allowed_token_ids: bad_words ban every one of them (each is a bad word of one token, "
+                         "banned at every step): no token could be sampled")
+    if params.min_tokens and banned.union(held).issuperset(allowed):
+        raise ValueError("allowed_token_ids: with min_tokens, bad_words and the end-of-sequence or stop tokens ban "
+                         "every one of them: no token could be sampled before min_tokens")
+    masked = copy.copy(params)
+    masked.allowed_token_ids = allowed
+    return masked
+
+
+def failure(error: Exception) -> tuple[str, int]:
+    """The error and status a request that `error` failed finishes with (finish_reason "error"), in the engine
+    (`Scheduler.fail`) and the reference decoder alike: a failure of its own making (`REQUEST_ERRORS`) as it was
+    raised, 400 where its input is at fault (500: its logits were not finite); any other, a bug it triggered,
+    as an internal error (500)."""
+    if isinstance(error, REQUEST_ERRORS):
+        return str(error), 500 if isinstance(error, NonFiniteError) else 400
+    return f"internal error while handling this request ({type(error).__name__}: {error})", 500
 
 
 def _no_text(token: int) -> None:
@@ -190,8 +240,7 @@ class Sequence:
                              f"within the model's context of {max_model_len}")
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
             raise ValueError(f"prompt_token_ids: ids must be in [0, {vocab_size}) (the model's vocabulary)")
-        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids),
-                          ("allowed_token_ids", params.allowed_token_ids)):
+        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
             if ids and max(ids) >= vocab_size:
                 raise ValueError(f"{name}: token ids must be in [0, {vocab_size}) (the model's vocabulary)")
         self.eos_ids = set() if params.ignore_eos else set(tokenizer.eos_token_ids)
@@ -200,13 +249,9 @@ class Sequence:
         if params.min_tokens and len(self.stop_tokens) >= vocab_size:
             raise ValueError("stop_token_ids: with min_tokens, these and the end-of-sequence tokens leave no "
                              "token to sample")
-        if params.min_tokens and params.allowed_token_ids is not None and self.stop_tokens.issuperset(
-                params.allowed_token_ids):
-            raise ValueError("allowed_token_ids: with min_tokens, every allowed token is an end-of-sequence or stop "
-                             "token: none could be sampled before min_tokens")
         # bound to this sequence's tokens if its sampling reads them (penalties, min_tokens, bad_words, which
-        # make_sequence has tokenized once for the request's samples)
-        params = with_bad_words(params, tokenizer, vocab_size)
+        # make_sequence has tokenized once for the request's samples, as it has built their allowed_token_ids)
+        params = with_allowed_token_ids(with_bad_words(params, tokenizer, vocab_size), tokenizer, vocab_size)
         self.request_id, self.prompt, self.params, self.rule = request_id, prompt, bind(params, self), rule
         if params.guided_decoding is not None:  # structured output: this request's own grammar matcher
             self.params = with_guide(self.params, new_guide(params.guided_decoding, tokenizer, vocab_size))
