@@ -76,9 +76,14 @@ class Readback:
 
 # -- choosing the device and dtype ("auto", vLLM's default for both) ------------------------------------------
 AUTO = "auto"
-# `torch_dtype` names of config.json -> loopserve dtypes; float16 is not one (see `resolve_dtype`)
-_CHECKPOINT_DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float64": "float64",
-                      "double": "float64", "float16": "bfloat16", "half": "bfloat16"}
+# The dtypes loopserve computes in, by name. float16 is not one (see `resolve_dtype`).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+# The one table of dtype names (vLLM's --dtype, torch's, config.json's torch_dtype) -> a name in DTYPES. The
+# float16 names map to bfloat16, the `auto` rule for a float16 checkpoint; asked for by name they are refused
+# (`dtype_name`).
+DTYPE_NAMES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float64": "float64",
+               "double": "float64", "float16": "bfloat16", "half": "bfloat16"}
+FLOAT16_NAMES = ("float16", "half")
 KV_ACTIVATION_RESERVE_GB = 1.0  # --gpu-memory-utilization: device memory left out of the KV pool for activations
 
 
@@ -109,6 +114,24 @@ def resolve_device(device: str | torch.device) -> str:
     return device
 
 
+def dtype_name(dtype: str | torch.dtype) -> str:
+    """A dtype asked for (`LLM(dtype=...)`, `--dtype`): a name of `DTYPE_NAMES` or a `torch.dtype` (as vLLM
+    takes), as its name in `DTYPES`, or `auto` as it is. ValueError naming `dtype` for any other, and for float16,
+    which loopserve never computes in (`resolve_dtype`; on an AVX-512 CPU, one thread, a [32, 768] x [768, 2048]
+    product took 158 ms in float16 against 1.3 ms in float32 and 0.66 ms in bfloat16)."""
+    name = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
+    if name in FLOAT16_NAMES:
+        raise ValueError(f"dtype: {dtype!r} is not supported: loopserve never computes in float16 (on a CPU it is "
+                         "emulated, about 100x slower, and it overflows in long recurrences); use bfloat16 (the "
+                         "same size, float32's range) or auto (which loads a float16 checkpoint as bfloat16)")
+    if name == AUTO:
+        return AUTO
+    if not isinstance(name, str) or name not in DTYPE_NAMES:
+        raise ValueError(f"dtype: expected one of {', '.join(n for n in DTYPE_NAMES if n not in FLOAT16_NAMES)}, "
+                         f"a torch.dtype of these, or {AUTO}; got {dtype!r}")
+    return DTYPE_NAMES[name]
+
+
 def checkpoint_dtype(folder: Path) -> str | None:
     """The dtype a HF folder's config.json declares (`torch_dtype`, or `dtype` in newer transformers);
     None when it declares none or cannot be read (the loader reports a bad config.json)."""
@@ -120,19 +143,20 @@ def checkpoint_dtype(folder: Path) -> str | None:
     return str(name).removeprefix("torch.") if name else None
 
 
-def resolve_dtype(dtype: str, folder: Path, device: str) -> str:
-    """`auto`: the checkpoint's dtype (float32 when it declares none). A float16 checkpoint loads as
+def resolve_dtype(dtype: str | torch.dtype, folder: Path, device: str) -> str:
+    """The name in `DTYPES` to load the model in `folder` with: another than `auto` as `dtype_name` checks it;
+    `auto`: the checkpoint's dtype (float32 when it declares none). A float16 checkpoint loads as
     bfloat16: same size, float32's range (float16 overflows in long recurrences, and on the CPU it is
     emulated and slow, while bfloat16 has fast kernels), so loopserve never computes in float16. On a
     CPU without bfloat16 kernels (`cpu_has_bf16_kernels`) a bfloat16 choice becomes float32."""
     if dtype != AUTO:
-        return dtype
+        return dtype_name(dtype)
     declared = checkpoint_dtype(folder)
-    chosen = _CHECKPOINT_DTYPES.get(declared or "float32", "float32")
-    if declared in ("float16", "half"):
+    chosen = DTYPE_NAMES.get(declared or "float32", "float32")
+    if declared in FLOAT16_NAMES:
         log.info("dtype auto: the checkpoint is float16; loading it as bfloat16 on %s (loopserve does not compute "
                  "in float16)", device)
-    elif declared is not None and declared not in _CHECKPOINT_DTYPES:
+    elif declared is not None and declared not in DTYPE_NAMES:
         log.info("dtype auto: the checkpoint's dtype %r is not supported; loading it as float32", declared)
     if chosen == "bfloat16" and bf16_is_emulated(device):
         log.info("dtype auto: this CPU has no bfloat16 matrix kernels (oneDNN); loading the %s checkpoint as "
@@ -161,7 +185,8 @@ def kv_memory_gb(fraction: float, device: str | torch.device) -> float:
     """The KV pool size (GiB) that keeps this process within `fraction` of a CUDA device's memory
     (vLLM's --gpu-memory-utilization): fraction x total, minus what is in use now (the weights, once
     loaded, and anything else on the device), minus KV_ACTIVATION_RESERVE_GB for activations.
-    ValueError on the CPU, or when nothing is left."""
+    ValueError on the CPU (which `load_for_engine` does not ask: there the fraction has no effect, with a
+    warning), or when nothing is left."""
     dev = torch.device(device)
     if dev.type != "cuda":
         raise ValueError(f"gpu_memory_utilization: only for CUDA devices (the model is on {dev.type}); size the "

@@ -15,18 +15,20 @@ from pathlib import Path
 from typing import Any
 
 from loopserve.config_args import knob
-from loopserve.device import AUTO, kv_memory_gb
+from loopserve.device import AUTO, DTYPE_NAMES, dtype_name, kv_memory_gb
 from loopserve.engine.config import EngineConfig
-from loopserve.models.loader import DTYPES, LoadedModel, load_model
+from loopserve.models.loader import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class LoadConfig:
-    dtype: str = knob(AUTO, "weights, activations and KV cache; auto: the checkpoint's torch_dtype, except that a "
-                      "float16 checkpoint loads as bfloat16 (loopserve never computes in float16) and, on a CPU "
-                      "without bfloat16 kernels, a bfloat16 one as float32", choices=(*DTYPES, AUTO))
+    # (LLM(dtype=...) also takes a torch.dtype, as vLLM does; either is kept as its name in device.DTYPES, or auto)
+    dtype: str = knob(AUTO, "weights, activations and KV cache (float: float32, double: float64); auto: the "
+                      "checkpoint's torch_dtype, except that a float16 checkpoint loads as bfloat16 and, on a CPU "
+                      "without bfloat16 kernels, a bfloat16 one as float32; float16 and half are refused: loopserve "
+                      "never computes in float16", choices=(AUTO, *DTYPE_NAMES))
     device: str = knob(AUTO, "cpu, cuda, cuda:N; auto: cuda when available, else cpu")
     state_init: str = knob("like-init", "Huginn's initial recurrent state", choices=("like-init", "zero"))
     # (an int once made: vLLM's seed=None is taken too, and replaced by a random seed in __post_init__)
@@ -36,8 +38,8 @@ class LoadConfig:
                                      "context length)")
     gpu_memory_utilization: float | None = knob(
         None, "fraction of the CUDA device's memory this engine may use: the KV pool gets what is left of it after "
-        "the weights and 1 GiB for activations (replaces --kv-cache-memory-gb; refused on the CPU, where "
-        "--kv-cache-memory-gb or --kv-cache-tokens size the pool)")
+        "the weights and 1 GiB for activations (replaces --kv-cache-memory-gb; on the CPU it has no effect, with a "
+        "warning: --kv-cache-memory-gb or --kv-cache-tokens size the pool there)")
     enforce_eager: bool = knob(False, "vLLM's name for --no-cuda-graphs: every decode step runs eagerly")
     tensor_parallel_size: int = knob(1, "only 1: loopserve runs a model on one device, and uses more devices as "
                                      "more replicas (serve --replicas, docs/scale-out.md)")
@@ -49,6 +51,7 @@ class LoadConfig:
                                     "is swapped to host memory as needed, with no size to set")
 
     def __post_init__(self) -> None:
+        self.dtype = dtype_name(self.dtype)
         if self.seed is None:
             # vLLM's seed=None. Drawn once, not per request, so that the run's unseeded requests still differ
             # from each other as under a fixed seed; logged so that the run can be repeated.
@@ -64,7 +67,9 @@ class LoadConfig:
         for name in ("enforce_eager", "trust_remote_code"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be True or False, got {getattr(self, name)!r}")
-        if self.tensor_parallel_size != 1 or isinstance(self.tensor_parallel_size, bool):
+        if not _is_int(self.tensor_parallel_size):
+            raise ValueError(f"tensor_parallel_size: must be 1 (an integer), got {self.tensor_parallel_size!r}")
+        if self.tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size: must be 1, got {self.tensor_parallel_size!r}: loopserve runs a "
                              "model on one device (one per replica); to use more devices, run more replicas "
                              "(loopserve serve --replicas N, docs/scale-out.md)")
@@ -123,7 +128,12 @@ def load_for_engine(model: str | Path, load: LoadConfig, cfg: EngineConfig, *, c
     max_model_len = checked_model_len(load.max_model_len, loaded.config.max_position)
     if load.gpu_memory_utilization is not None:
         where = next(loaded.model.parameters()).device  # with the weights on it
-        cfg = dataclasses.replace(cfg, kv_cache_memory_gb=kv_memory_gb(load.gpu_memory_utilization, where))
+        if where.type == "cuda":
+            cfg = dataclasses.replace(cfg, kv_cache_memory_gb=kv_memory_gb(load.gpu_memory_utilization, where))
+        else:  # (vLLM's scripts pass it whatever the device)
+            log.warning("gpu_memory_utilization=%s has no effect on the %s, where kv_cache_memory_gb (here %s GiB) "
+                        "or kv_cache_tokens sizes the KV pool", load.gpu_memory_utilization, where.type,
+                        cfg.kv_cache_memory_gb)
     return loaded, cfg, max_model_len
 
 

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(not (PATH / "model.safetensors").is_file(), reas
 
 @pytest.fixture(scope="module")
 def loaded():
-    return load_model(PATH, "float32")
+    return load_model(PATH, "float32", "cpu")
 
 
 def test_folder_layout():

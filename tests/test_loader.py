@@ -77,7 +77,7 @@ def test_make_tiny_ouro_names_and_shapes_are_upstream(tmp_path, layers, n_kv):
     n_layers = int(layers)
     assert len(shapes) == 11 * n_layers + 5
     assert "model.layers.0.self_attn.q_proj.weight" in shapes and "model.early_exit_gate.bias" in shapes
-    lm = load_model(folder)
+    lm = load_model(folder, "float32", "cpu")
     c = lm.config
     assert (c.arch, c.n_prelude, c.n_core, c.n_coda, c.r_max) == ("OuroForCausalLM", 0, n_layers, 0, 3)
     # what was written is what was loaded
@@ -106,7 +106,7 @@ def test_make_tiny_huginn_names_and_shapes_are_upstream(tmp_path, layers):
     hd = raw["n_embd"] // raw["n_heads"]
     ref = tiny_huginn_weights(raw)["freqs_cis"]
     assert torch.allclose(weights["freqs_cis"], ref, atol=1e-4)
-    lm = load_model(folder)
+    lm = load_model(folder, "float32", "cpu")
     assert (lm.config.n_prelude, lm.config.n_core, lm.config.n_coda, lm.config.head_dim) == (p, c, d, hd)
     for name, t in lm.model.checkpoint_tensors().items():
         assert torch.equal(t, weights[name]), name
@@ -137,7 +137,7 @@ def test_sharded_checkpoint_loads_identically(tmp_path, arch, layers):
     assert len(shard_files) == 3 and all((sharded / f).is_file() for f in shard_files)
     assert not (sharded / "model.safetensors").exists()
     assert _shapes(sharded) == _shapes(single)
-    a, b = load_model(single), load_model(sharded)
+    a, b = load_model(single, "float32", "cpu"), load_model(sharded, "float32", "cpu")
     pa, pb = dict(a.model.named_parameters()), dict(b.model.named_parameters())
     assert pa.keys() == pb.keys()
     assert all(torch.equal(pa[n], pb[n]) for n in pa)
@@ -152,7 +152,7 @@ def test_sharded_checkpoint_loads_identically(tmp_path, arch, layers):
 
 
 def test_ouro_tokenizer_files(tiny_ouro):
-    tok = load_model(tiny_ouro).tokenizer
+    tok = load_model(tiny_ouro, "float32", "cpu").tokenizer
     # Ouro layout: <|endoftext|> = 0 is bos = eos; <|im_end|> = 2 is an extra eos (generation_config)
     assert tok.bos_token_id == 0 and tok.eos_token_id == 0
     assert tok.eos_token_ids == {0, 2}
@@ -169,7 +169,7 @@ def test_ouro_tokenizer_files(tiny_ouro):
 
 
 def test_huginn_tokenizer_files(tiny_huginn):
-    lm = load_model(tiny_huginn)
+    lm = load_model(tiny_huginn, "float32", "cpu")
     tok, vocab = lm.tokenizer, lm.config.vocab_size
     # Huginn layout: the 32 specials are the last ids; <|begin_text|> is BOS, <|end_text|> EOS
     assert tok.bos_token_id == vocab - 32 and tok.id_to_token(vocab - 32) == "<|begin_text|>"
@@ -194,7 +194,7 @@ def test_generation_config_extra_eos_ids_stop_generation(request, tmp_path, fixt
     prompt = [20, 21, 22, 23, 24]
     full = _greedy(folder, prompt, 10, ignore_eos=True)
     assert len(full.token_ids) == 10 and full.finish_reason == "length"
-    tok = load_model(folder).tokenizer
+    tok = load_model(folder, "float32", "cpu").tokenizer
     # an extra eos only generation_config.json names: a token the model emits, first seen at k >= 1
     k = next(i for i in range(1, 10) if full.token_ids[i] not in full.token_ids[:i]
              and full.token_ids[i] != tok.eos_token_id)
@@ -203,7 +203,7 @@ def test_generation_config_extra_eos_ids_stop_generation(request, tmp_path, fixt
     gen = json.loads(gen_path.read_text())
     gen["eos_token_id"] = [tok.eos_token_id, stop_tok]
     gen_path.write_text(json.dumps(gen))
-    assert stop_tok in load_model(folder).tokenizer.eos_token_ids
+    assert stop_tok in load_model(folder, "float32", "cpu").tokenizer.eos_token_ids
     stopped = _greedy(folder, prompt, 10, ignore_eos=False)
     assert stopped.token_ids == full.token_ids[: k + 1]
     assert stopped.finish_reason == "stop"
@@ -215,14 +215,14 @@ def test_lookahead_gate_tensors_are_picked_up(tmp_path, tiny_ouro):
     with_gate = make_tiny(tmp_path / "la", TinySpec(arch="ouro", lookahead_gate=True, seed=2))
     names = _shapes(with_gate)
     assert names["lookahead_gate.weight"] == (1, 64) and names["lookahead_gate.bias"] == (1,)
-    lm = load_model(with_gate, dtype="float64")
+    lm = load_model(with_gate, dtype="float64", device="cpu")
     assert lm.model.has_lookahead_gate
     w = load_file(str(with_gate / "model.safetensors"))
     state = torch.randn(3, 64, dtype=torch.float64)
     expected = state @ w["lookahead_gate.weight"].double()[0] + w["lookahead_gate.bias"].double()[0]
     assert torch.allclose(lm.model.lookahead_gate_logit(state), expected)
     assert not torch.allclose(lm.model.gate_logit(state), expected)  # a separate head from the exit gate
-    plain = load_model(tiny_ouro)
+    plain = load_model(tiny_ouro, "float32", "cpu")
     assert not plain.model.has_lookahead_gate
     with pytest.raises(ValueError, match="lookahead gate"):
         plain.model.lookahead_gate_logit(state.float())
@@ -253,7 +253,7 @@ def _independent_folder(dst: Path, tokenizer_src: Path, arch: str) -> Path:
                                           ("tiny_huginn", "huginn")])
 def test_loads_folder_from_independent_writer(request, tmp_path, fixture, arch):
     folder = _independent_folder(tmp_path / "indep", request.getfixturevalue(fixture), arch)
-    lm = load_model(folder, dtype="float64", state_init="zero")
+    lm = load_model(folder, dtype="float64", device="cpu", state_init="zero")
     assert lm.config.vocab_size == 512
     prompt = [3, 30, 300, 33]
     depth = lm.config.r_max
@@ -283,7 +283,7 @@ def _rewrite_weights(folder: Path, edit) -> None:
 def test_missing_tensor_is_named(ouro_copy):
     _rewrite_weights(ouro_copy, lambda w: w.pop("model.layers.1.mlp.up_proj.weight"))
     with pytest.raises(ValueError) as e:
-        load_model(ouro_copy)
+        load_model(ouro_copy, "float32", "cpu")
     msg = str(e.value)
     assert "model.layers.1.mlp.up_proj.weight" in msg and "model.safetensors" in msg and "missing" in msg
 
@@ -293,7 +293,7 @@ def test_wrong_shape_is_named(ouro_copy):
         w["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(8, 64)
     _rewrite_weights(ouro_copy, edit)
     with pytest.raises(ValueError) as e:
-        load_model(ouro_copy)
+        load_model(ouro_copy, "float32", "cpu")
     msg = str(e.value)
     assert "model.layers.0.self_attn.k_proj.weight" in msg and "model.safetensors" in msg
     assert "(8, 64)" in msg and "(64, 64)" in msg
@@ -304,7 +304,7 @@ def test_unknown_architecture(ouro_copy):
     cfg["architectures"] = ["LlamaForCausalLM"]
     (ouro_copy / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError) as e:
-        load_model(ouro_copy)
+        load_model(ouro_copy, "float32", "cpu")
     assert "LlamaForCausalLM" in str(e.value) and "config.json" in str(e.value)
     with pytest.raises(ValueError, match="unknown architecture"):
         ModelConfig.from_hf({"hidden_size": 4})
@@ -315,14 +315,14 @@ def test_missing_config_key(ouro_copy):
     del cfg["num_hidden_layers"]
     (ouro_copy / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="num_hidden_layers") as e:
-        load_model(ouro_copy)
+        load_model(ouro_copy, "float32", "cpu")
     assert "config.json" in str(e.value)
 
 
 def test_missing_config_json(ouro_copy):
     (ouro_copy / "config.json").unlink()
     with pytest.raises(ValueError, match="config.json") as e:
-        load_model(ouro_copy)
+        load_model(ouro_copy, "float32", "cpu")
     assert str(ouro_copy) in str(e.value)
 
 
@@ -330,25 +330,25 @@ def test_missing_config_json(ouro_copy):
 def test_invalid_config_json(ouro_copy, text):
     (ouro_copy / "config.json").write_text(text)
     with pytest.raises(ValueError, match="config.json"):
-        load_model(ouro_copy)
+        load_model(ouro_copy, "float32", "cpu")
 
 
 def test_missing_weights(ouro_copy):
     (ouro_copy / "model.safetensors").unlink()
     with pytest.raises(ValueError, match="model.safetensors"):
-        load_model(ouro_copy)
+        load_model(ouro_copy, "float32", "cpu")
 
 
 def test_corrupt_safetensors(ouro_copy):
     (ouro_copy / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00not json")
     with pytest.raises(ValueError, match="model.safetensors"):
-        load_model(ouro_copy)
+        load_model(ouro_copy, "float32", "cpu")
 
 
 def test_missing_tokenizer(ouro_copy):
     (ouro_copy / "tokenizer.json").unlink()
     with pytest.raises(ValueError, match="tokenizer.json"):
-        load_model(ouro_copy)
+        load_model(ouro_copy, "float32", "cpu")
 
 
 def test_index_listing_missing_shard(tmp_path):
@@ -357,7 +357,7 @@ def test_index_listing_missing_shard(tmp_path):
     victim = sorted(set(index["weight_map"].values()))[1]
     (folder / victim).unlink()
     with pytest.raises(ValueError) as e:
-        load_model(folder)
+        load_model(folder, "float32", "cpu")
     assert victim in str(e.value) and "model.safetensors.index.json" in str(e.value)
 
 
@@ -370,7 +370,7 @@ def test_index_pointing_at_wrong_shard(tmp_path):
     index["weight_map"][name] = other
     path.write_text(json.dumps(index))
     with pytest.raises(ValueError) as e:
-        load_model(folder)
+        load_model(folder, "float32", "cpu")
     assert name in str(e.value) and other in str(e.value)
 
 
@@ -378,24 +378,24 @@ def test_index_without_weight_map(tmp_path):
     folder = make_tiny(tmp_path / "s", TinySpec(arch="ouro", r_max=2), shards=2)
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
     with pytest.raises(ValueError, match="weight_map"):
-        load_model(folder)
+        load_model(folder, "float32", "cpu")
     for text in ("{broken", "[]"):
         (folder / "model.safetensors.index.json").write_text(text)
         with pytest.raises(ValueError, match="model.safetensors.index.json"):
-            load_model(folder)
+            load_model(folder, "float32", "cpu")
 
 
 def test_bad_dtype_and_state_init(tiny_ouro, tiny_huginn):
     with pytest.raises(ValueError, match="dtype"):
-        load_model(tiny_ouro, dtype="float16x")
+        load_model(tiny_ouro, dtype="float16x", device="cpu")
     with pytest.raises(ValueError, match="state_init"):
-        load_model(tiny_huginn, state_init="random")
+        load_model(tiny_huginn, "float32", "cpu", state_init="random")
 
 
 def test_not_a_folder(tmp_path):
     for bad in (tmp_path / "nope", "a/b/c", "./relative"):
         with pytest.raises(ValueError, match="not a model folder"):
-            load_model(bad)
+            load_model(bad, "float32", "cpu")
 
 
 def test_hub_id_offline_fails_fast_naming_the_id(monkeypatch, tmp_path):
@@ -406,7 +406,7 @@ def test_hub_id_offline_fails_fast_naming_the_id(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)  # so "nobody/nothing" is not a relative folder by accident
     start = time.monotonic()
     with pytest.raises(ValueError) as e:
-        load_model("nobody/nothing")
+        load_model("nobody/nothing", "float32", "cpu")
     assert time.monotonic() - start < 10
     assert "'nobody/nothing'" in str(e.value)
     assert "Hugging Face Hub" in str(e.value) and "download" in str(e.value)
@@ -421,13 +421,13 @@ def test_cli_make_tiny(tmp_path, capsys):
                    "--hidden-size", "32", "--num-heads", "2", "--vocab-size", "320", "--shards", "2", "--seed", "9"])
     assert rc == 0 and str(out) in capsys.readouterr().out
     assert (out / "model.safetensors.index.json").is_file()
-    lm = load_model(out)
+    lm = load_model(out, "float32", "cpu")
     c = lm.config
     assert (c.n_prelude, c.n_core, c.n_coda, c.r_max, c.hidden_size, c.num_heads, c.vocab_size) == (
         1, 3, 1, 5, 32, 2, 320)
     out2 = tmp_path / "cli_ouro"
     assert cli_main(["make-tiny", str(out2), "--num-kv-heads", "2", "--lookahead-gate"]) == 0
-    lm2 = load_model(out2)
+    lm2 = load_model(out2, "float32", "cpu")
     assert lm2.config.arch == "OuroForCausalLM" and lm2.config.num_kv_heads == 2 and lm2.model.has_lookahead_gate
     assert cli_main(["make-tiny", str(tmp_path / "bad"), "--arch", "huginn", "--layers", "x"]) == 2
     assert "layers" in capsys.readouterr().err

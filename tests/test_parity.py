@@ -70,7 +70,7 @@ def test_ouro_mha_greedy_parity(tiny_ouro, dtype, depth):
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("depth", [1, 2, 3, 4])
 def test_ouro_gqa_greedy_parity(tiny_ouro_gqa, dtype, depth):
-    assert load_model(tiny_ouro_gqa).config.num_kv_heads == 2
+    assert load_model(tiny_ouro_gqa, "float32", "cpu").config.num_kv_heads == 2
     _compare(tiny_ouro_gqa, dtype, depth)
 
 
@@ -145,7 +145,7 @@ def test_stacked_linear_gives_each_part_in_one_matmul_or_part_by_part(monkeypatc
 @pytest.mark.parametrize("dtype,tol", [("float64", 1e-10), ("float32", 1e-4)])
 def test_ouro_gate_cdf_matches_upstream(request, fixture, dtype, tol):
     path = request.getfixturevalue(fixture)
-    lm = load_model(path, dtype=dtype)
+    lm = load_model(path, dtype=dtype, device="cpu")
     config, weights = oracle.load_folder(path)
     ids = PROMPTS[0] + PROMPTS[1]
     steps = lm.config.r_max
@@ -166,7 +166,7 @@ def test_ouro_gate_cdf_matches_upstream(request, fixture, dtype, tol):
 @pytest.mark.parametrize("dtype,tol", [("float64", 1e-10), ("float32", 1e-4)])
 def test_huginn_latent_diffs_match_upstream(request, fixture, dtype, tol):
     path = request.getfixturevalue(fixture)
-    lm = load_model(path, dtype=dtype, state_init="zero")
+    lm = load_model(path, dtype=dtype, device="cpu", state_init="zero")
     config, weights = oracle.load_folder(path)
     ids = PROMPTS[0] + PROMPTS[1]
     steps = lm.config.r_max
@@ -196,7 +196,7 @@ def test_bfloat16_loads_generates_and_stays_close(request, fixture):
     ids = PROMPTS[0] + PROMPTS[1]
     logprobs = {}
     for dtype in ("float32", "bfloat16"):
-        lm = load_model(path, dtype=dtype, state_init="zero")
+        lm = load_model(path, dtype=dtype, device="cpu", state_init="zero")
         ctx, states = _step_states(lm.model, ids, lm.config.r_max)
         logits = lm.model.coda(states[-1], ctx)
         assert logits.dtype == torch.float32  # logits leave the model in fp32 or wider
@@ -299,7 +299,7 @@ def test_ouro_gate_of_a_bf16_model_upcasts_its_head_once_and_again_after_a_write
     copy made again once the head is written."""
     from loopserve.models import layers
 
-    model = load_model(tiny_ouro, "bfloat16").model
+    model = load_model(tiny_ouro, "bfloat16", "cpu").model
     head = model.model.early_exit_gate
     state = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(1)).bfloat16()
 
@@ -321,7 +321,7 @@ def test_ouro_gate_of_a_bf16_model_upcasts_its_head_once_and_again_after_a_write
     head.weight = torch.nn.Parameter(torch.zeros_like(head.weight), requires_grad=False)  # a new tensor, same id
     assert torch.equal(model.gate_logit(state), written_out())
     with torch.inference_mode():  # a model built in inference mode: inference tensors, no version counters
-        built = load_model(tiny_ouro, "bfloat16").model
+        built = load_model(tiny_ouro, "bfloat16", "cpu").model
     assert torch.equal(built.gate_logit(state), torch.nn.functional.linear(
         state.float(), built.model.early_exit_gate.weight.float(), built.model.early_exit_gate.bias.float())[:, 0])
     assert ("cast", torch.float32) in getattr(built.model.early_exit_gate.weight, layers.DERIVED)  # kept there too

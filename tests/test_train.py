@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -123,7 +125,7 @@ def tiny_ref(tmp_path_factory):
 @pytest.mark.parametrize("lookahead", [False, True])
 def test_scorer_matches_reference_decoder(tiny_ref, layout, lookahead):
     """Teacher-forcing the reference decoder's own sampled tokens reproduces its logprobs and depths."""
-    model = load_model(tiny_ref, "float64").model
+    model = load_model(tiny_ref, "float64", "cpu").model
     llm = LLM(str(tiny_ref), dtype="float64", scheduler="reference", kv_layout=layout, lookahead=lookahead)
     for q in (0.4, 0.7):
         outs = llm.generate([[5], [9], [44]], SamplingParams(max_tokens=12, temperature=1.0, logprobs=0,
@@ -140,7 +142,7 @@ def test_scorer_matches_reference_decoder(tiny_ref, layout, lookahead):
 
 
 def test_scorer_fixed_depth_equals_dense_forward(tiny_ref):
-    model = load_model(tiny_ref, "float64").model
+    model = load_model(tiny_ref, "float64", "cpu").model
     wins = torch.randint(3, 512, (2, 12))
     states = step_states(model, wins[:, :-1])
     dense = step_losses(model, states, wins[:, 1:].reshape(-1)).view(4, 2, 11)[:, :, 1:]  # drop the prompt's
@@ -151,6 +153,64 @@ def test_scorer_fixed_depth_equals_dense_forward(tiny_ref):
 
 
 def test_lookahead_gate_mode_exits_no_earlier_than_two(tiny_ref):
-    model = load_model(tiny_ref, "float32").model
+    model = load_model(tiny_ref, "float32", "cpu").model
     res = score_windows(model, torch.randint(3, 512, (3, 10)), "depth_indexed", "lookahead_gate", threshold=0.3)
     assert res.depths.min() >= 2 and torch.equal(res.depths, res.loops)
+
+
+# -- the lab's dtype: float32 on the CPU unless --dtype says otherwise -------------------------------------------
+@pytest.fixture
+def bf16_checkpoint(tiny_ref, tmp_path, monkeypatch):
+    """tiny_ref declaring bfloat16, as the embedded model does, on a CPU with bfloat16 kernels: where LLM's dtype
+    auto runs it in bfloat16. Yields the folder and the dtypes each load resolves to, in order."""
+    from loopserve import device
+    from loopserve.models import loader
+
+    folder = tmp_path / "bf16"
+    shutil.copytree(tiny_ref, folder)
+    raw = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**raw, "torch_dtype": "bfloat16"}))
+    monkeypatch.setattr(device, "cpu_has_bf16_kernels", lambda: True)
+    chosen: list[str] = []
+    resolve = loader.resolve_dtype
+    monkeypatch.setattr(loader, "resolve_dtype", lambda *a: chosen.append(resolve(*a)) or chosen[-1])
+    return folder, chosen
+
+
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+def test_trajectories_record_in_one_dtype(bf16_checkpoint, tmp_path, monkeypatch, dtype):
+    """The gate logits (load_model) and the sampled continuations (LLM) of one recording: float32 by default, as
+    before, or --dtype's; the LLM ran in auto's bfloat16 while the logits were float32."""
+    from loopserve_lab.train import evaluate, trajectories
+
+    folder, chosen = bf16_checkpoint
+    monkeypatch.setattr(evaluate, "eval_texts", lambda tok: (None, torch.randint(3, 500, (40,))))
+    monkeypatch.setattr(trajectories, "fetch_mtbench_questions",
+                        lambda: [{"question_id": 1, "category": "writing", "turns": ["Hello"]}])
+    trajectories.record(folder, tmp_path / "out", heldout_windows=2, seq_len=12, max_tokens=3, log=lambda _: None,
+                        **({} if dtype is None else {"dtype": dtype}))
+    assert chosen == [dtype or "float32"] * 2
+    head = json.loads((tmp_path / "out" / "mtbench.json").read_text())
+    assert head["dtype"] == (dtype or "float32") and len(head["requests"]) == 1
+
+
+def test_eval_samples_run_in_the_scored_dtype(bf16_checkpoint):
+    """`eval ppl --samples` sampled with LLM's auto (bfloat16 here) next to float32 perplexities."""
+    from loopserve_lab.train.cli import samples
+
+    folder, chosen = bf16_checkpoint
+    assert len(samples(str(folder), n_tokens=2)) == 4
+    assert chosen == ["float32"]
+    assert len(samples(str(folder), n_tokens=2, dtype="bfloat16")) == 4
+    assert chosen == ["float32", "bfloat16"]
+
+
+def test_eval_commands_take_dtype_defaulting_to_float32():
+    from loopserve.cli import build_parser
+
+    parser = build_parser()
+    for command in ("ppl", "trajectories"):
+        assert parser.parse_args(["eval", command]).dtype == "float32"
+        assert parser.parse_args(["eval", command, "--dtype", "bfloat16"]).dtype == "bfloat16"
+        with pytest.raises(SystemExit):
+            parser.parse_args(["eval", command, "--dtype", "half"])

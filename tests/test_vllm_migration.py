@@ -6,6 +6,8 @@ endpoints the openai client's `models.retrieve` and vLLM's probes call (GET /v1/
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import logging
 import re
 import subprocess
 import sys
@@ -15,6 +17,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 
 from loopserve import LLM, SamplingParams
 from loopserve.cli import build_parser
@@ -71,10 +74,13 @@ def test_output_neutral_vllm_keywords_are_accepted_and_change_nothing(tiny_ouro)
     (dict(tensor_parallel_size=2), r"^tensor_parallel_size: must be 1, got 2: loopserve runs a model on one device "
                                    r".*--replicas"),
     (dict(tensor_parallel_size=True), r"^tensor_parallel_size: must be 1"),
+    (dict(tensor_parallel_size=1.0), r"^tensor_parallel_size: must be 1 \(an integer\), got 1.0$"),  # (was taken)
+    (dict(tensor_parallel_size="1"), r"^tensor_parallel_size: must be 1 \(an integer\), got '1'$"),
     (dict(enforce_eager=True, cuda_graphs=True), r"^enforce_eager: turns CUDA graphs off, but cuda_graphs=True"),
     (dict(gpu_memory_utilization=1.5), r"^gpu_memory_utilization: must be in \(0, 1\], got 1.5"),
     (dict(gpu_memory_utilization=0.5, kv_cache_tokens=256), r"^gpu_memory_utilization: .*not both"),
-    (dict(gpu_memory_utilization=0.5, device="cpu"), r"^gpu_memory_utilization: only for CUDA devices"),
+    (dict(gpu_memory_utilization=0, device="cpu"), r"^gpu_memory_utilization: must be in \(0, 1\], got 0"),
+    (dict(gpu_memory_utilization=-0.5, device="cpu"), r"^gpu_memory_utilization: must be in \(0, 1\]"),
     (dict(max_model_len=4096), r"^max_model_len: must be in \[2, 2048\] \(the model's context\), got 4096"),
     (dict(max_model_len="64"), r"^max_model_len: must be an integer"),
     (dict(swap_space=-1), r"^swap_space: must be a number of GiB >= 0"),
@@ -85,6 +91,19 @@ def test_output_neutral_vllm_keywords_are_accepted_and_change_nothing(tiny_ouro)
 def test_bad_vllm_keywords_are_named(tiny_ouro, kwargs, message):
     with pytest.raises(ValueError, match=message):
         LLM(tiny_ouro, **kwargs)
+
+
+def test_gpu_memory_utilization_on_the_cpu_is_a_warning_with_no_effect(tiny_ouro, caplog):
+    """vLLM's scripts pass it everywhere (it was a ValueError on the CPU): the KV pool stays as kv_cache_memory_gb
+    sizes it, and the outputs as without it."""
+    plain = LLM(tiny_ouro, seed=5, device="cpu", dtype="float32")
+    with caplog.at_level(logging.WARNING, logger="loopserve.load_config"):
+        llm = LLM(tiny_ouro, seed=5, device="cpu", dtype="float32", gpu_memory_utilization=0.9)
+    assert "gpu_memory_utilization=0.9 has no effect on the cpu" in caplog.text
+    assert llm.engine_config == plain.engine_config
+    assert _tokens(llm) == _tokens(plain)
+    engine, _ = load_engine(tiny_ouro, device="cpu", gpu_memory_utilization=1)  # the server's engine too
+    assert engine.cfg.kv_cache_memory_gb == plain.engine_config.kv_cache_memory_gb
 
 
 def test_generate_and_chat_take_vllms_arguments_at_their_no_op_values(tiny_ouro):
@@ -164,6 +183,91 @@ def test_dtype_auto_never_chooses_float16(tmp_path, monkeypatch):
     for kernels in (True, False):
         monkeypatch.setattr(dev, "cpu_has_bf16_kernels", lambda k=kernels: k)
         assert dev.resolve_dtype(LoadConfig().dtype, tmp_path, "cpu") == ("bfloat16" if kernels else "float32")
+
+
+# -- dtype names: vLLM's and torch's --------------------------------------------------------------------------
+FLOAT16_REFUSED = r"^dtype: .* is not supported: loopserve never computes in float16 .* use bfloat16 .* or auto"
+
+
+@pytest.mark.parametrize(("given", "name"), [
+    ("float", "float32"), ("float32", "float32"), (torch.float32, "float32"), (torch.float, "float32"),
+    ("bfloat16", "bfloat16"), (torch.bfloat16, "bfloat16"), ("double", "float64"), (torch.float64, "float64"),
+    ("auto", "auto"),
+])
+def test_vllms_and_torchs_dtype_names_are_taken(given, name):
+    """vLLM's `LLM(dtype=...)` takes these (they were a ValueError: "expected one of float32, bfloat16, ...")."""
+    from loopserve.load_config import LoadConfig
+
+    assert LoadConfig(dtype=given).dtype == name
+
+
+def test_a_torch_dtype_loads_the_model_in_it(tiny_ouro):
+    llm = LLM(tiny_ouro, dtype=torch.float64, device="cpu", scheduler="reference")
+    assert llm.load_config.dtype == "float64" and next(llm.model.parameters()).dtype == torch.float64
+    llm = LLM(tiny_ouro, dtype="float", device="cpu", scheduler="reference")
+    assert next(llm.model.parameters()).dtype == torch.float32
+
+
+@pytest.mark.parametrize("given", ["half", "float16", torch.float16])
+def test_float16_is_refused_saying_why(tiny_ouro, given):
+    with pytest.raises(ValueError, match=FLOAT16_REFUSED):
+        LLM(tiny_ouro, dtype=given)
+    from loopserve.models.loader import load_model
+
+    with pytest.raises(ValueError, match=FLOAT16_REFUSED):
+        load_model(tiny_ouro, given, "cpu")
+
+
+@pytest.mark.parametrize("given", ["int8", torch.int8, "float16x", None])
+def test_other_dtypes_are_refused_naming_the_names(given):
+    from loopserve.load_config import LoadConfig
+
+    with pytest.raises(ValueError, match=r"^dtype: expected one of float32, float, bfloat16, float64, double, a torch"
+                                         r"\.dtype of these, or auto; got "):
+        LoadConfig(dtype=given)
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "demo"])
+def test_the_dtype_flag_takes_the_same_names(command):
+    from loopserve.cli import load_kwargs
+    from loopserve.load_config import LoadConfig
+
+    for flag, name in (("float", "float32"), ("bfloat16", "bfloat16"), ("double", "float64"), ("auto", "auto")):
+        args = build_parser().parse_args([command, "--dtype", flag])
+        assert LoadConfig(**load_kwargs(args)).dtype == name
+    for flag in ("half", "float16"):  # (argparse refused them as invalid choices, without the reason)
+        args = build_parser().parse_args([command, "--dtype", flag])
+        with pytest.raises(ValueError, match=FLOAT16_REFUSED):
+            LoadConfig(**load_kwargs(args))
+    if command == "serve":
+        assert re.match(FLOAT16_REFUSED, _check(build_parser().parse_args(["serve", "--dtype", "half"])))
+
+
+def test_one_table_of_dtype_names_serves_the_checkpoint_and_the_caller(tmp_path, monkeypatch):
+    """A name the checkpoint rule (auto) knows is one `dtype=` takes, to the same dtype, but float16; and the loader
+    builds in `device.DTYPES`."""
+    from loopserve import device as dev
+    from loopserve.models import loader
+
+    assert loader.DTYPES is dev.DTYPES
+    monkeypatch.setattr(dev, "cpu_has_bf16_kernels", lambda: True)
+    for name, chosen in dev.DTYPE_NAMES.items():
+        (tmp_path / "config.json").write_text(f'{{"torch_dtype": "{name}"}}')
+        assert dev.resolve_dtype("auto", tmp_path, "cpu") == chosen
+        if name in dev.FLOAT16_NAMES:
+            assert chosen == "bfloat16"
+        else:
+            assert dev.dtype_name(name) == chosen and chosen in dev.DTYPES
+
+
+def test_the_load_defaults_are_declared_once():
+    """`load_model` declared dtype float32 and device cpu, against LoadConfig's auto and auto: it takes both from its
+    callers now."""
+    from loopserve.models.loader import load_model
+
+    params = inspect.signature(load_model).parameters
+    assert params["dtype"].default is inspect.Parameter.empty
+    assert params["device"].default is inspect.Parameter.empty
 
 
 @pytest.mark.parametrize(("flags", "message"), [

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from loopserve.device import AUTO, resolve_device, resolve_dtype
+from loopserve.device import DTYPES, dtype_name, resolve_device, resolve_dtype
 from loopserve.model_config import HUGINN, OURO, ModelConfig
 from loopserve.models.base import LoopedLM
 from loopserve.models.huginn import RavenForCausalLM
@@ -27,7 +27,6 @@ from loopserve.sampling_params import SamplingParams
 from loopserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 # Tensors real checkpoints carry that the model derives itself.
 _DERIVED = {HUGINN: {"lm_head.weight", "freqs_cis"}, OURO: set()}
 LOOKAHEAD_GATE = ("lookahead_gate.weight", "lookahead_gate.bias")
@@ -151,12 +150,13 @@ def _open(file: Path):
         raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
 
 
-def load_model(model: str | Path, dtype: str = "float32", device: str = "cpu", state_init: str = "like-init", *,
-               chat_template: str | None = None, generation_config: str = "auto") -> LoadedModel:
-    """`chat_template`: a template (text or a file) used instead of the folder's; `generation_config`: see
-    `generation_defaults`. `dtype` and `device` may be "auto" (`loopserve.device`)."""
-    if dtype not in (*DTYPES, AUTO):
-        raise ValueError(f"dtype: expected one of {', '.join(DTYPES)} or {AUTO}, got {dtype!r}")
+def load_model(model: str | Path, dtype: str | torch.dtype, device: str | torch.device, state_init: str = "like-init",
+               *, chat_template: str | None = None, generation_config: str = "auto") -> LoadedModel:
+    """`dtype` and `device` are given by every caller: their defaults are `LoadConfig`'s (both "auto",
+    `loopserve.device`), declared there only. `dtype` is a name `device.dtype_name` takes (ValueError naming
+    `dtype` otherwise, before anything is read). `chat_template`: a template (text or a file) used instead of the
+    folder's; `generation_config`: see `generation_defaults`."""
+    dtype = dtype_name(dtype)  # (before any file is read)
     folder = resolve_model_path(model)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, folder, device)

