@@ -89,8 +89,8 @@ def chat_messages(messages: Any, where: str = "messages", ignored: list[str] | N
 
 
 def check_continuable(messages: Sequence[Mapping[str, Any]], where: str = "messages") -> None:
-    """`continue_final_message`'s rule (the tokenizer's, `LLM.chat`'s and the server's): the final message is
-    the assistant's, the reply the model goes on with. ValueError naming `<where>.<i>.role`."""
+    """`continue_final_message`'s rule: the final message is the assistant's, the reply the model goes on with.
+    The tokenizer checks it (for `LLM.chat` and the server too). ValueError naming `<where>.<i>.role`."""
     if not messages:
         raise ValueError(f"{where}: continue_final_message needs a final message to continue")
     i = len(messages) - 1
@@ -98,6 +98,16 @@ def check_continuable(messages: Sequence[Mapping[str, Any]], where: str = "messa
     if role != "assistant":
         raise ValueError(f"{where}.{i}.role: continue_final_message continues the final message, which must be the "
                          f"assistant's; this one is {role!r}")
+
+
+def within(error: ValueError, where: str) -> ValueError:
+    """`error`, one that names a field of a conversation (`messages...: ...`, as the tokenizer's do), naming that
+    field as it is under `where` instead (`messages.<i>`: the conversation of a batch); any other as it is."""
+    message = str(error)
+    head = message.split(":", 1)[0]
+    if where == "messages" or not (head == "messages" or head.startswith("messages.")):
+        return error
+    return ValueError(where + message.removeprefix("messages"))
 
 
 def tool_calls(calls: Any, where: str, ignored: list[str] | None = None) -> list[dict[str, Any]]:

@@ -14,7 +14,7 @@ from typing import Any
 from tqdm import tqdm
 
 from loopserve.cache.layout import KVLayout
-from loopserve.chat_messages import chat_messages, check_continuable
+from loopserve.chat_messages import chat_messages, within
 from loopserve.engine.budget import completion_budget, pool_tokens
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine import LLMEngine
@@ -24,7 +24,7 @@ from loopserve.load_config import LOAD_FIELDS, configs, load_for_engine
 from loopserve.models.loader import embedded_model_path
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import RequestOutputKind, SamplingParams
-from loopserve.tokenizer import Tokenizer
+from loopserve.tokenizer import Tokenizer, template_variables
 
 Conversation = Seq[Mapping[str, Any]]  # [{"role": "user", "content": "..."}, ...]
 
@@ -154,9 +154,10 @@ class LLM:
         values that ask for nothing loopserve lacks (no adapters, no images).
 
         `chat_template` names one of the model's templates or is a template itself; `chat_template_kwargs`
-        become template variables; `tools` (JSON-schema dicts) reach the template as `tools`.
-        `continue_final_message` (with add_generation_prompt=False, as in vLLM): the model goes on with the final
-        message, the assistant's, whose turn the prompt leaves open (it ends with the message's text). Messages are
+        become template variables (not those of `tokenizer.TEMPLATE_RESERVED`: a ValueError); `tools`
+        (JSON-schema dicts) reach the template as `tools`. `continue_final_message` (with
+        add_generation_prompt=False, as in vLLM): the model goes on with the final message, the assistant's, whose
+        turn the prompt leaves open (it ends with the message's text). Messages are
         checked and rendered as the server's are (`chat_messages`): the template gets a message's role,
         content, name, tool_calls (arguments as dicts) and tool_call_id; other keys are ignored with a
         warning in the log."""
@@ -183,20 +184,18 @@ class LLM:
                      tools: Seq[Mapping[str, Any]] | None = None, where: str = "messages",
                      continue_final_message: bool = False) -> dict[str, Any]:
         """`where`: the conversation's field in errors (`messages`, or `messages.<i>` in a batch)."""
-        extra = dict(chat_template_kwargs or {})
-        for name in ("messages", "add_generation_prompt", "chat_template", "tools", "continue_final_message"):
-            if name in extra:
-                raise ValueError(f"chat_template_kwargs.{name}: set by the chat() argument of that name")
+        extra = template_variables(chat_template_kwargs)  # (the server's rule for them too)
         ignored: list[str] = []
         # the server's rules for a message, and the same keys reach the template (chat_messages.py)
         messages = chat_messages(conversation, where, ignored)
-        if continue_final_message and not add_generation_prompt:  # (the tokenizer refuses both at once)
-            check_continuable(messages, where)  # (as the tokenizer does, naming the conversation of a batch)
         if ignored:  # as the server reports the fields it ignores
             log.warning("chat: ignored unknown message fields: %s", ", ".join(ignored))
-        text = self.tokenizer.apply_chat_template(messages, tools, chat_template=chat_template, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt,
-                                                  continue_final_message=continue_final_message, **extra)
+        try:  # (continue_final_message's rules are the tokenizer's)
+            text = self.tokenizer.apply_chat_template(messages, tools, chat_template=chat_template, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=continue_final_message, **extra)
+        except ValueError as e:  # a field of `messages` named as the conversation's in a batch
+            raise within(e, where) from None
         # the template writes any BOS itself: tokenize without adding special tokens (as vLLM and the server do)
         return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False,
                                                                           what=where)}

@@ -19,6 +19,7 @@ told not to (transformers keeps them), as the engine detokenizes its outputs.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import uuid
@@ -385,10 +386,14 @@ class Tokenizer:
         continue (the final message is the assistant's; not with `add_generation_prompt`). transformers' options
         of CHAT_TEMPLATE_OPTIONS are taken at a value that does nothing. Other keyword arguments
         (`enable_thinking`, ... a vLLM request's `chat_template_kwargs`) become template variables and may
-        override the special tokens (`bos_token`, `eos_token`, ...). ValueError naming `messages` when the
+        override the special tokens (`bos_token`, `eos_token`, ...); not `messages`, the conversation's name in
+        the template (TEMPLATE_RESERVED; a ValueError naming it). ValueError naming `messages` when the
         template rejects the conversation (`raise_exception`) or fails on it, `chat_template` when there is no
         template or it does not parse."""
         _refuse_options({name: kwargs.pop(name) for name in CHAT_TEMPLATE_OPTIONS if name in kwargs})
+        for name in kwargs:  # (`messages`: the one reserved name that is not an argument here)
+            if name in TEMPLATE_RESERVED:
+                raise ValueError(f"{name}: {TEMPLATE_RESERVED[name]}")
         text = self._render(conversation, tools, documents, chat_template, add_generation_prompt,
                             continue_final_message, kwargs)
         return self.encode(text, add_special_tokens=False) if tokenize else text
@@ -416,9 +421,10 @@ class Tokenizer:
 
         if not continue_final_message:
             return render(list(messages))
-        if add_generation_prompt:
+        if add_generation_prompt:  # (LLM.chat and the server leave this check, and the next, to this one)
             raise ValueError("continue_final_message: cannot be combined with add_generation_prompt, which opens "
-                             "a new assistant message instead of continuing the final one")
+                             "a new assistant message instead of continuing the final one; set add_generation_prompt "
+                             "to false (LLM.chat and chat requests default it to true)")
         check_continuable(messages)
         # a text no message holds but by a 2^-122 chance: the prompt is cut where the template put it
         marker = f"CONTINUE{uuid.uuid4().hex}"
@@ -435,3 +441,49 @@ class Tokenizer:
         # model then goes on from the text the template would have shown it.
         kept = len(os.path.commonprefix([prompt, render(list(messages))]))
         return prompt[:max(kept, len(bare))]
+
+
+# apply_chat_template's arguments that are also the template's variables of the same name, which the template
+# variables a caller passes on (vLLM's `chat_template_kwargs`) may set instead: vLLM passes `documents` so
+TEMPLATE_ARGUMENTS = ("documents",)
+_RESERVED_WHY = {
+    "conversation": "the conversation: the template's `messages` are the messages given",
+    "chat_template": "picks the template to render; it is not a variable of one",
+    "tokenize": "not a template variable (the prompt is rendered as text, then tokenized)",
+    **{name: f"set by `{name}` itself, not by a template variable"
+       for name in ("tools", "add_generation_prompt", "continue_final_message")},
+}
+
+
+def _reserved() -> dict[str, str]:
+    own = [p.name for p in inspect.signature(Tokenizer.apply_chat_template).parameters.values()
+           if p.kind is not p.VAR_KEYWORD and p.name not in TEMPLATE_ARGUMENTS]
+    why = {name: _RESERVED_WHY.get(name, "an argument of apply_chat_template, not a template variable") for name in own}
+    why["messages"] = _RESERVED_WHY["conversation"]  # what the template calls the conversation
+    return {**why, **{name: "transformers' option of apply_chat_template, not a template variable"
+                      for name in CHAT_TEMPLATE_OPTIONS}}
+
+
+# The template variables a caller may not set (LLM.chat's and a request's `chat_template_kwargs`), with why: each
+# of apply_chat_template's own arguments (read off its signature, so that one added there is reserved here too),
+# transformers' options of it, and `messages`, the template's name for the conversation. The one list that
+# `template_variables` (LLM.chat, the server) and `apply_chat_template` itself check.
+TEMPLATE_RESERVED: dict[str, str] = _reserved()
+
+
+def template_variables(kwargs: Any, where: str = "chat_template_kwargs") -> dict[str, Any]:
+    """A caller's extra template variables (`chat_template_kwargs`), checked, as keywords to pass on to
+    `apply_chat_template`: ValueError naming `<where>` when it is not a mapping of names, `<where>.<name>` (with the
+    reason of TEMPLATE_RESERVED) for a name the call sets itself, which would otherwise collide with the argument
+    of that name (a TypeError) or override it. `documents` (TEMPLATE_ARGUMENTS) is taken: it reaches the template
+    as the argument would."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping):
+        raise ValueError(f"{where}: expected a dict of template variables, got {type(kwargs).__name__}")
+    for name in kwargs:
+        if not isinstance(name, str):
+            raise ValueError(f"{where}: the variables' names must be strings, got {name!r}")
+        if name in TEMPLATE_RESERVED:
+            raise ValueError(f"{where}.{name}: {TEMPLATE_RESERVED[name]}")
+    return dict(kwargs)

@@ -8,7 +8,9 @@ chat fields that change the output (`echo`, `add_special_tokens`) do what vLLM's
 Before: `apply_chat_template` returned text with the generation prompt whatever `tokenize` and
 `add_generation_prompt` said, took `continue_final_message` and transformers' options as template variables;
 `LLM.chat(continue_final_message=...)` was a TypeError; the server ignored these fields (a warning in the log)
-and closed the assistant turn; the tokenizer could not be called, nor had the methods below.
+and closed the assistant turn; the tokenizer could not be called, nor had the methods below. Later: a
+`chat_template_kwargs` name of one of apply_chat_template's arguments (`tokenize`, ...) was a TypeError, and chat
+`echo` without a generation prompt echoed only an assistant's final message (vLLM's rule: any role's).
 
 The expected values come from the `tokenizers` library on the same files (transformers is not installed here);
 `test_transformers_agrees` compares with transformers itself where it is.
@@ -210,7 +212,7 @@ def test_llm_chat_continue_final_message_refusals(llm):
         llm.chat(CONTINUED, GREEDY, use_tqdm=False, continue_final_message=True)  # (add_generation_prompt: True)
     with pytest.raises(ValueError, match="^messages.1.0.role: continue_final_message continues the final message"):
         llm.chat([CONTINUED, HELLO], GREEDY, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)
-    with pytest.raises(ValueError, match="^chat_template_kwargs.continue_final_message: set by the chat"):
+    with pytest.raises(ValueError, match="^chat_template_kwargs.continue_final_message: set by `continue_final_mes"):
         llm.chat(CONTINUED, GREEDY, use_tqdm=False, chat_template_kwargs={"continue_final_message": True})
 
 
@@ -291,3 +293,115 @@ def test_add_special_tokens_tokenizes_the_prompt_with_them(client, huginn):
     assert with_them.choices[0].model_extra["prompt_token_ids"] == [huginn.bos_token_id, *without]
     assert without == huginn.apply_chat_template(HELLO, add_generation_prompt=True)
 
+
+
+# -- chat_template_kwargs: one list of the names they may not use, refused by name everywhere -------------------------
+# (each name with the reason TEMPLATE_RESERVED gives: apply_chat_template's own arguments, read off its signature,
+# transformers' options of it and `messages`; a name of an argument used to be a TypeError, "got multiple values")
+RESERVED = [("tokenize", "not a template variable"), ("conversation", "the conversation"),
+            ("self", "an argument of apply_chat_template"), ("padding", "transformers' option of apply_chat_template"),
+            ("return_dict", "transformers' option"), ("messages", "the conversation"),
+            ("tools", "set by `tools` itself"), ("add_generation_prompt", "set by `add_generation_prompt` itself"),
+            ("chat_template", "picks the template to render")]
+
+
+def test_reserved_template_variables_are_read_off_apply_chat_template():
+    import inspect
+
+    from loopserve.tokenizer import CHAT_TEMPLATE_OPTIONS, TEMPLATE_RESERVED
+
+    own = set(inspect.signature(Tokenizer.apply_chat_template).parameters) - {"kwargs", "documents"}
+    assert set(TEMPLATE_RESERVED) == own | {"messages", *CHAT_TEMPLATE_OPTIONS} >= {name for name, _ in RESERVED}
+
+
+@pytest.mark.parametrize("name,why", RESERVED)
+def test_llm_chat_refuses_template_kwargs_named_like_arguments(llm, name, why):
+    # at a value that would do nothing too (padding=False): it is not a template variable whatever its value
+    with pytest.raises(ValueError, match=rf"^chat_template_kwargs\.{name}: {why}"):
+        llm.chat(HELLO, GREEDY, use_tqdm=False, chat_template_kwargs={name: False})
+
+
+def test_llm_chat_template_kwargs_other_misuse_and_documents(llm, ouro):
+    with pytest.raises(ValueError, match="^chat_template_kwargs: expected a dict of template variables, got str"):
+        llm.chat(HELLO, GREEDY, use_tqdm=False, chat_template_kwargs="x")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="^chat_template_kwargs: the variables' names must be strings, got 1"):
+        llm.chat(HELLO, GREEDY, use_tqdm=False, chat_template_kwargs={1: True})  # type: ignore[dict-item]
+    # documents are a template variable that apply_chat_template takes as an argument: vLLM passes them so
+    [out] = llm.chat(HELLO, GREEDY, use_tqdm=False, chat_template="{{ documents | length }} docs",
+                     chat_template_kwargs={"documents": [{"text": "a"}, {"text": "b"}]})
+    assert out.prompt == "2 docs"
+    # the tokenizer itself: `messages` is the conversation, which a keyword used to replace without a word
+    with pytest.raises(ValueError, match="^messages: the conversation"):
+        ouro.apply_chat_template(HELLO, tokenize=False, messages=CONTINUED)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+@pytest.mark.parametrize("name,why", RESERVED)
+def test_server_refuses_template_kwargs_named_like_arguments(server, path, name, why):
+    r = server.post(path, {"model": MODEL, "max_tokens": 1, "messages": HELLO, "chat_template_kwargs": {name: False}})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == f"chat_template_kwargs.{name}" and error["message"].startswith(
+        f"chat_template_kwargs.{name}: {why}"), error
+
+
+# -- continue_final_message: one check, one message, each rule run once ---------------------------------------------
+def test_continue_with_a_generation_prompt_is_one_rule_with_one_message(ouro, llm, server):
+    with pytest.raises(ValueError) as tok:
+        ouro.apply_chat_template(CONTINUED, add_generation_prompt=True, continue_final_message=True)
+    message = str(tok.value)
+    assert message.startswith("continue_final_message: cannot be combined with add_generation_prompt")
+    with pytest.raises(ValueError) as chat:
+        llm.chat(CONTINUED, GREEDY, use_tqdm=False, continue_final_message=True)  # (add_generation_prompt: True)
+    assert str(chat.value) == message
+    for path in ("/v1/chat/completions", "/tokenize"):
+        for body in ({}, {"add_generation_prompt": True}, {"add_generation_prompt": None}):
+            r = server.post(path, {"model": MODEL, "max_tokens": 1, "messages": CONTINUED,
+                                   "continue_final_message": True, **body})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
+            assert r.json()["error"]["message"] == message
+
+
+def test_the_final_message_is_checked_once(llm, monkeypatch):
+    import loopserve.chat_messages
+    import loopserve.llm
+    import loopserve.tokenizer
+
+    calls = []
+
+    def counted(*args: Any, **kwargs: Any) -> None:
+        calls.append(args)
+        loopserve.chat_messages.check_continuable(*args, **kwargs)
+
+    for module in (loopserve.llm, loopserve.tokenizer):  # wherever it is called from
+        if hasattr(module, "check_continuable"):
+            monkeypatch.setattr(module, "check_continuable", counted)
+    llm.chat(CONTINUED, GREEDY, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)
+    assert len(calls) == 1
+    # and a batch's error still names the conversation (the tokenizer's field, under the batch's)
+    with pytest.raises(ValueError, match="^messages.1.0.role: continue_final_message continues"):
+        llm.chat([CONTINUED, HELLO], GREEDY, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)
+    assert len(calls) == 3
+
+
+# -- echo: vLLM's rule ------------------------------------------------------------------------------------------------
+def test_echo_without_a_generation_prompt_echoes_the_final_message_in_its_role(server, client):
+    # vLLM: without a generation prompt the reply goes on with the final message, in that message's role, and
+    # `echo` starts it with that message's text, whoever's it is (it used to echo nothing but an assistant's)
+    body = {"model": MODEL, "messages": HELLO, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "add_generation_prompt": False}
+    plain = server.post("/v1/chat/completions", body).json()["choices"][0]["message"]
+    echoed = server.post("/v1/chat/completions", {**body, "echo": True, "n": 2}).json()["choices"]
+    assert plain["role"] == "user"
+    assert [c["message"] for c in echoed] == [{"role": "user", "content": "Hello" + plain["content"]}] * 2
+    chunks = list(client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4,  # type: ignore
+                                                 temperature=0, stream=True,
+                                                 extra_body={"ignore_eos": True, "echo": True,
+                                                             "add_generation_prompt": False}))
+    assert chunks[0].choices[0].delta.role == "user" and chunks[1].choices[0].delta.content == "Hello"
+    assert "".join(c.delta.content or "" for ch in chunks for c in ch.choices) == "Hello" + plain["content"]
+    # with a generation prompt the reply is the assistant's: a final user message is not echoed (as before)
+    opened = {**body, "add_generation_prompt": True}
+    reply = server.post("/v1/chat/completions", opened).json()["choices"][0]["message"]
+    assert reply["role"] == "assistant"
+    assert server.post("/v1/chat/completions", {**opened, "echo": True}).json()["choices"][0]["message"] == reply

@@ -198,6 +198,16 @@ def test_documents_and_tools_reach_the_template_from_chat_and_tokenize(server, c
         client.chat.completions.create(model=MODEL, messages=CONVERSATION, max_tokens=1,  # type: ignore[arg-type]
                                        extra_body={"documents": docs, "chat_template_kwargs": {"documents": docs}})
     assert e.value.param == "documents", e.value.body
+    # given in chat_template_kwargs alone they reach the template as the field does (vLLM passes them so; this was
+    # a TypeError, "got multiple values for argument 'documents'", answered as a 400 that refused them)
+    r = server.post("/tokenize", {"model": MODEL, "messages": CONVERSATION, "tools": tools,
+                                  "chat_template_kwargs": {"documents": docs}})
+    assert r.status_code == 200, r.text
+    assert server.post("/detokenize", {"tokens": r.json()["tokens"]}).json()["prompt"] == want
+    # and a template that fails on them is a 400 naming the messages it could not render (once: "messages: ")
+    r = server.post("/tokenize", {"model": MODEL, "messages": CONVERSATION, "chat_template_kwargs": {"documents": 5}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert r.json()["error"]["message"].startswith("messages: the chat template could not render them (TypeError")
 
 
 def test_openai_client_and_llm_chat_render_the_same_prompt(server, client, llm):

@@ -63,7 +63,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
-from loopserve.chat_messages import chat_messages, check_continuable, message_text
+from loopserve.chat_messages import chat_messages, message_text
 from loopserve.engine.budget import completion_budget, pool_tokens
 from loopserve.engine.engine import LLMEngine
 from loopserve.engine.sequence import Sequence, resolve_exit_rule, truncate_prompt
@@ -204,7 +204,8 @@ class _Generation:
     top_logprobs: int = 0  # chat: alternatives per token
     tools: ToolPlan | None = None  # chat: the tool calls the output becomes (serve/structured.py)
     echo: bool = False  # completions: the prompt comes first in the text (and the logprobs)
-    echo_text: str = ""  # chat: what comes first in every reply (`echo`: the final assistant message's text)
+    echo_text: str = ""  # chat: what comes first in every reply (`echo`: the final message's text)
+    role: str = "assistant"  # chat: the reply's (the final message's without a generation prompt, as in vLLM)
     generated: bool = True  # false: echo with max_tokens 0 (the prompt alone; the one token run is dropped)
 
     @property
@@ -373,32 +374,19 @@ class OpenAIServing:
                     documents: list[dict[str, Any]] | None = None) -> str:
         """The chat template applied to `messages` (with the request's tools, documents and extra template
         variables); with `continue_final_message`, up to the final message's text (its turn left open)."""
+        tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+        # check_rendering checked the variables (`template_variables`) and refused documents given twice
+        variables = {**(template_kwargs or {}), **({} if documents is None else {"documents": documents})}
         try:  # the rules LLM.chat applies too (chat_messages.py); unknown fields were reported as ignored already
             plain = chat_messages([m.model_dump() for m in messages])
-            if continue_final_message:  # (check_rendering refused it with add_generation_prompt)
-                check_continuable(plain)
-        except ValueError as e:
-            raise ApiError.bad_request(e) from None
-        tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
-        try:
-            return self.tokenizer.apply_chat_template(plain, tool_dicts, documents, tokenize=False,
+            return self.tokenizer.apply_chat_template(plain, tool_dicts, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt is not False,
                                                       continue_final_message=bool(continue_final_message),
-                                                      **(template_kwargs or {}))
-        except ValueError as e:
-            head = str(e).split(":", 1)[0]
-            if template_kwargs and head in template_kwargs:  # the tokenizer refused one of the request's variables
-                raise ApiError(400, f"chat_template_kwargs.{e}", f"chat_template_kwargs.{head}") from None
-            if head == "continue_final_message":  # a template that does not render the final message as it is
-                raise ApiError.bad_request(e) from None
-            raise ApiError(400, f"messages: {e}", "messages") from None
+                                                      **variables)
+        except ValueError as e:  # each names its field: messages..., continue_final_message, chat_template
+            raise ApiError.bad_request(e) from None
         except jinja2.TemplateError as e:
             raise ApiError(400, f"messages: the chat template rejected them ({e})", "messages") from None
-        except TypeError as e:
-            if not template_kwargs:
-                raise
-            # a variable the template (or the tokenizer) cannot take
-            raise ApiError(400, f"chat_template_kwargs: not accepted ({e})", "chat_template_kwargs") from None
 
     def log_received(self, gen: _Generation) -> None:
         if not self.settings.log_requests:
@@ -461,12 +449,13 @@ class OpenAIServing:
             logprobs = self.fmt.completion_logprobs(c, count, d, echo)
         else:
             if not stream:  # (a stream sends the echoed text in a chunk of its own, first)
-                body = {"message": {"role": "assistant", "content": gen.echo_text + text}}
+                body = {"message": {"role": gen.role, "content": gen.echo_text + text}}
             else:
                 body = {"delta": {"content": text} if text or not finished else {}}
             if gen.tools is not None:  # a forced tool call: the output is its arguments
                 whole = d.text() + text if finished and gen.tools.required else None
-                body = {"delta": gen.tools.delta(text, whole, d)} if stream else {"message": gen.tools.message(c)}
+                body = {"delta": gen.tools.delta(text, whole, d)} if stream else {
+                    "message": {**gen.tools.message(c), "role": gen.role}}
             logprobs = self.fmt.chat_logprobs(c, count, gen.top_logprobs)
         choice = {"index": index * gen.n + c.index, **body, "logprobs": logprobs,
                   "finish_reason": (gen.tools.finish_reason(c) if gen.tools is not None else c.finish_reason)
@@ -497,7 +486,7 @@ class OpenAIServing:
         usage_field: dict[str, Any] = {"usage": None} if req.include_usage else {}
         if gen.kind.chat:
             yield sse({**self.base(obj, gen.cid), "choices": [
-                {"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                {"index": j, "delta": {"role": gen.role, "content": ""}, "logprobs": None, "finish_reason": None}
                 for j in range(len(gen.seqs) * gen.n)], **usage_field})
             if gen.echo_text:  # (vLLM's order: the echoed text in a chunk after the role's)
                 yield sse({**self.base(obj, gen.cid), "choices": [
@@ -668,9 +657,12 @@ class OpenAIServing:
     def chat(self, request: Request, req: ChatCompletionRequest, arrival: float) -> _Generation:
         """A chat request's sequence (built on a worker thread: see the module's docstring)."""
         guide, tools = chat_guide(req)
-        # vLLM's echo: a reply that goes on with the final message (the assistant's) starts with its text
+        # vLLM's roles: the reply is the assistant's where the prompt opens an assistant message, else it goes on
+        # with the final message, in its role; `echo` starts it with the final message's text when that message is
+        # in the reply's role (so always, without a generation prompt)
         last = req.messages[-1]
-        echo_text = message_text(last.model_dump()["content"]) if req.echo and last.role == "assistant" else ""
+        role = "assistant" if req.add_generation_prompt is not False else last.role
+        echo_text = message_text(last.model_dump()["content"]) if req.echo and last.role == role else ""
         if req.echo and tools is not None:  # the reply is the call's arguments, which nothing may come before
             raise ApiError(400, "echo: cannot be combined with a forced tool call (tool_choice)", "echo")
         text = self.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs, req.tools,
@@ -692,7 +684,7 @@ class OpenAIServing:
         cid, (rid,) = self.new_ids(request, CHAT, 1)
         seq = self.make_seq(rid, text, ids, params, arrival, req.seed, "messages",
                             "tools" if tools is not None else guide_field(req))
-        return _Generation(CHAT, req, cid, [seq], top, tools, echo_text=echo_text)
+        return _Generation(CHAT, req, cid, [seq], top, tools, echo_text=echo_text, role=role)
 
 
 # -- the app -----------------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from loopserve.chat_messages import ROLES
 from loopserve.sampling_params import MAX_LOGPROBS, GuidedDecodingParams, RequestOutputKind, SamplingParams
+from loopserve.tokenizer import template_variables
 
 
 class ApiError(Exception):
@@ -260,34 +261,23 @@ class ChatCompletionRequest(_SamplingFields):
             raise ApiError(400, "messages: must not be empty", "messages")
 
 
-# `chat_template_kwargs` keys a request may not use: the arguments the server sets from the request's
-# own fields, and `chat_template`, which would run a template of the client's on the event loop (a
-# sandboxed one, but nested loops can still spin for minutes; vLLM too runs one only when trusted).
-TEMPLATE_RESERVED = {"messages": "set from the request's field",
-                     "add_generation_prompt": "set from the request's field",
-                     "chat_template": "a request cannot replace the server's chat template",
-                     "tools": "set from the request's `tools` field",
-                     "continue_final_message": "set from the request's field"}
-
-
 def check_rendering(req: ChatCompletionRequest | TokenizeChatRequest) -> None:
     """The chat template fields of a chat or /tokenize body: no template of the client's (the `chat_template`
-    field, as vLLM refuses one unless started with --trust-request-chat-template, or in `chat_template_kwargs`),
-    and not both a new assistant message and the final one continued."""
+    field, as vLLM refuses one unless started with --trust-request-chat-template: it would run on the event loop, a
+    sandboxed one, but nested loops can still spin for minutes), and `chat_template_kwargs` as LLM.chat takes them
+    (`template_variables`: none that the request sets by a field of its own, `chat_template` among them).
+    `continue_final_message`'s rules are the tokenizer's, checked when the request is rendered."""
     kwargs = req.chat_template_kwargs
-    for name, why in TEMPLATE_RESERVED.items():
-        if kwargs and name in kwargs:
-            raise ApiError(400, f"chat_template_kwargs.{name}: {why}", f"chat_template_kwargs.{name}")
+    try:
+        template_variables(kwargs)
+    except ValueError as e:
+        raise ApiError.bad_request(e) from None
     if req.documents is not None and kwargs and "documents" in kwargs:  # (either reaches the template alone)
         raise ApiError(400, "documents: given twice, as the field and in chat_template_kwargs; give one", "documents")
     if req.chat_template is not None:
-        raise ApiError(400, f"chat_template: {TEMPLATE_RESERVED['chat_template']} (vLLM refuses one too, unless "
-                            "started with --trust-request-chat-template); start the server with --chat-template",
-                       "chat_template")
-    if req.continue_final_message and req.add_generation_prompt is not False:
-        raise ApiError(400, "continue_final_message: cannot be combined with add_generation_prompt (true unless "
-                            "sent as false), which opens a new assistant message instead of continuing the final "
-                            "one", "continue_final_message")
+        raise ApiError(400, "chat_template: a request cannot replace the server's chat template (vLLM refuses one "
+                            "too, unless started with --trust-request-chat-template); start the server with "
+                            "--chat-template", "chat_template")
 
 
 class TokenizeCompletionRequest(_Strict):
