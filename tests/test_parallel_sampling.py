@@ -168,3 +168,19 @@ def test_seeds_are_distinct_over_64_bits(tiny_ouro):
     assert tokens(5) != tokens(5 + 2**63)
     assert tokens(0) != tokens(2**63)
     assert tokens(-1) == tokens(2**64 - 1)
+
+
+def test_a_requests_samples_share_its_checked_prompt(tiny_ouro):
+    """The prompt is checked and copied once per request, not once per sample (O(prompt) each: a request of 64
+    samples of a 1k-token prompt held the GIL 64 times as long); its outputs hand out a copy of their own."""
+    engine = make_engine(tiny_ouro, scheduler="cdb")
+    head = engine.make_sequence("r", PROMPT, SamplingParams(n=4, max_tokens=2, temperature=1.0))
+    assert all(s.prompt_ids is head.prompt_ids for s in head.family) and head.prompt_ids == PROMPT
+    assert head.prompt_ids is not PROMPT  # (the caller's list is not the engine's)
+    engine.add_sequence(head)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                assert out.prompt_token_ids == PROMPT and out.prompt_token_ids is not head.prompt_ids
+                out.prompt_token_ids.append(1)  # a caller's edit of an output reaches no sample
+    assert all(s.prompt_ids == PROMPT for s in head.family)
