@@ -388,7 +388,7 @@ def client(server) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def offline(tiny_ouro) -> LLM:
-    return LLM(model=tiny_ouro, dtype="float64", kv_cache_tokens=1024)
+    return LLM(model=tiny_ouro, dtype="float64", device="cpu", kv_cache_tokens=1024)  # (as the server)
 
 
 def test_server_allowed_token_ids_and_bad_words(client, offline):

@@ -63,7 +63,7 @@ def server(ouro_path, tmp_path_factory) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def offline(ouro_path) -> LLM:
-    return LLM(ouro_path, dtype="float64", kv_cache_tokens=KV_TOKENS)
+    return LLM(ouro_path, dtype="float64", device="cpu", kv_cache_tokens=KV_TOKENS)
 
 
 @pytest.fixture
@@ -633,7 +633,7 @@ def test_huginn_seeded_request_equals_engine_offline(huginn):
     server, path = huginn
     first, second = _huginn_request(server), _huginn_request(server)
     assert first["token_ids"] == second["token_ids"] and first["exit_depths"] == second["exit_depths"]
-    llm = LLM(path, dtype="float64", kv_cache_tokens=KV_TOKENS)
+    llm = LLM(path, dtype="float64", device="cpu", kv_cache_tokens=KV_TOKENS)
     assert llm.engine is not None
     seq = llm.engine.make_sequence("x", "Huginn and Muninn", SamplingParams(max_tokens=8, temperature=0.8, seed=42),
                                    seed=42)
@@ -645,7 +645,7 @@ def test_huginn_seeded_request_equals_engine_offline(huginn):
 def test_huginn_seeded_request_equals_llm_generate(huginn):
     server, path = huginn
     got = _huginn_request(server)
-    want = LLM(path, dtype="float64", kv_cache_tokens=KV_TOKENS).generate(
+    want = LLM(path, dtype="float64", device="cpu", kv_cache_tokens=KV_TOKENS).generate(
         "Huginn and Muninn", SamplingParams(max_tokens=8, temperature=0.8, seed=42))[0].outputs[0]
     assert got["token_ids"] == want.token_ids
 
@@ -697,7 +697,7 @@ def test_sigterm_finishes_short_requests_and_aborts_long_ones(ouro_path, tmp_pat
     log = tmp_path / "sigterm.log"
     # Size the grace period from this machine's speed: ~10x what the short request needs, ~1/5 of
     # what the long one needs.
-    llm = LLM(ouro_path)
+    llm = LLM(ouro_path, device="cpu")  # (as the servers here: outputs are compared)
     llm.generate("warm up", SamplingParams(max_tokens=4))
     t = time.perf_counter()
     llm.generate("time me", SamplingParams(max_tokens=40, ignore_eos=True))
