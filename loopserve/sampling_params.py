@@ -125,9 +125,9 @@ class GuidedDecodingParams:
 StructuredOutputsParams = GuidedDecodingParams
 
 
-def _structured_outputs(spec: dict[str, Any]) -> GuidedDecodingParams:
-    """The grammar of a `structured_outputs` dict (GuidedDecodingParams' fields); a ValueError names the key at
-    fault (`structured_outputs.choice: ...`), as the server's 400 does."""
+def structured_outputs_params(spec: dict[str, Any]) -> GuidedDecodingParams:
+    """The grammar of a `structured_outputs` dict (GuidedDecodingParams' fields), for `SamplingParams` and the
+    server's requests alike; a ValueError names the key at fault (`structured_outputs.choice: ...`)."""
     known = [f.name for f in fields(GuidedDecodingParams)]
     unknown = [k for k in spec if k not in known]
     if unknown:
@@ -137,7 +137,7 @@ def _structured_outputs(spec: dict[str, Any]) -> GuidedDecodingParams:
     except ValueError as e:
         head, _, rest = str(e).partition(": ")
         where = f"structured_outputs.{head}" if head in spec else "structured_outputs"
-        raise ValueError(f"{where}: {rest}") from None
+        raise ValueError(f"{where}: {rest or e}") from None
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -341,7 +341,7 @@ class SamplingParams:
                                                         or self.num_speculative_tokens < 0):
             raise bad("num_speculative_tokens", "must be an integer >= 0")
         if isinstance(self.structured_outputs, dict):
-            self.structured_outputs = _structured_outputs(self.structured_outputs)
+            self.structured_outputs = structured_outputs_params(self.structured_outputs)
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, GuidedDecodingParams):
                 raise bad("structured_outputs", "must be a StructuredOutputsParams or a dict of its fields")

@@ -20,21 +20,19 @@ it when started without `--enable-auto-tool-choice`.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import secrets
 from dataclasses import dataclass
 from typing import Any
 
 from loopserve.outputs import CompletionOutput
-from loopserve.sampling_params import GuidedDecodingParams
+from loopserve.sampling_params import GuidedDecodingParams, structured_outputs_params
 from loopserve.serve.protocol import ApiError
 from loopserve.serve.responses import ChoiceStream
 
 # vLLM's request fields -> GuidedDecodingParams fields
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
-GUIDED_PARAMS = tuple(f.name for f in dataclasses.fields(GuidedDecodingParams))  # structured_outputs' fields
 WHITESPACE = {"whitespace_pattern": "guided_whitespace_pattern"}  # the request field that gives it
 
 
@@ -43,8 +41,6 @@ def _guided(param: str, field_of: dict[str, str], **kwargs: Any) -> GuidedDecodi
     GuidedDecodingParams' field names -> the request's)."""
     try:
         return GuidedDecodingParams(**kwargs)
-    except TypeError as e:  # a key GuidedDecodingParams does not have (structured_outputs)
-        raise ApiError(400, f"{param}: {e}", param) from None
     except ValueError as e:
         head, _, rest = str(e).partition(": ")
         where = field_of.get(head, param)
@@ -90,12 +86,10 @@ def request_guide(req: Any) -> GuidedDecodingParams | None:
     if name == "response_format":
         return response_format_guide(req.response_format, req.guided_whitespace_pattern)
     if name == "structured_outputs":
-        so = req.structured_outputs
-        unknown = [k for k in so if k not in GUIDED_PARAMS]
-        if unknown:
-            raise ApiError(400, f"{name}.{unknown[0]}: unknown field (the fields are {', '.join(GUIDED_PARAMS)})",
-                           f"{name}.{unknown[0]}")
-        return _guided(name, {k: f"{name}.{k}" for k in so}, **so)
+        try:  # (SamplingParams' own rule for the field)
+            return structured_outputs_params(req.structured_outputs)
+        except ValueError as e:
+            raise ApiError.bad_request(e) from None
     kwargs = {GUIDED_FIELDS[name]: getattr(req, name)}
     if req.guided_whitespace_pattern is not None:
         kwargs["whitespace_pattern"] = req.guided_whitespace_pattern
