@@ -187,7 +187,7 @@ def with_allowed_token_ids(params: SamplingParams, tokenizer: Tokenizer, vocab_s
     allowed = AllowedTokenIds(ids)
     words = params.bad_words
     banned = {seq[0] for seq in words.token_ids if len(seq) == 1} if isinstance(words, BadWords) else set()
-    held = set(params.stop_token_ids) | (set() if params.ignore_eos else set(tokenizer.eos_token_ids))
+    held = stop_tokens(params, tokenizer)
     if params.min_tokens and held.issuperset(allowed):
         raise ValueError("allowed_token_ids: with min_tokens, every allowed token is an end-of-sequence or stop "
                          "token: none could be sampled before min_tokens")
@@ -200,6 +200,16 @@ def with_allowed_token_ids(params: SamplingParams, tokenizer: Tokenizer, vocab_s
     masked = copy.copy(params)
     masked.allowed_token_ids = allowed
     return masked
+
+
+def eos_ids(params: SamplingParams, tokenizer: Tokenizer) -> set[int]:
+    """The end-of-sequence tokens that may end a request: none under ignore_eos."""
+    return set() if params.ignore_eos else set(tokenizer.eos_token_ids)
+
+
+def stop_tokens(params: SamplingParams, tokenizer: Tokenizer) -> frozenset[int]:
+    """The tokens that may end a request (its eos tokens and stop_token_ids): what min_tokens holds back."""
+    return frozenset(eos_ids(params, tokenizer) | set(params.stop_token_ids))
 
 
 def failure(error: Exception) -> tuple[str, int]:
@@ -247,8 +257,7 @@ def checked_prompt(prompt_ids: list[int], params: SamplingParams, tokenizer: Tok
     for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
         if ids and max(ids) >= vocab_size:
             raise ValueError(f"{name}: token ids must be in [0, {vocab_size}) (the model's vocabulary)")
-    stop_tokens = set(params.stop_token_ids) | (set() if params.ignore_eos else set(tokenizer.eos_token_ids))
-    if params.min_tokens and len(stop_tokens) >= vocab_size:
+    if params.min_tokens and len(stop_tokens(params, tokenizer)) >= vocab_size:
         raise ValueError("stop_token_ids: with min_tokens, these and the end-of-sequence tokens leave no "
                          "token to sample")
     return list(prompt_ids)
@@ -262,9 +271,9 @@ class Sequence:
         """One sample of a request, as `make_sequence` builds it: `prompt_ids` checked (`checked_prompt`) and
         kept as given, shared with the request's other samples (never modified); `prompt_ids_out`: the copy
         the request's outputs hand out (one per request; a copy of `prompt_ids` if not given)."""
-        self.eos_ids = set() if params.ignore_eos else set(tokenizer.eos_token_ids)
+        self.eos_ids = eos_ids(params, tokenizer)
         self.stop_ids = set(params.stop_token_ids)
-        self.stop_tokens = frozenset(self.eos_ids | self.stop_ids)  # the tokens that may stop it
+        self.stop_tokens = stop_tokens(params, tokenizer)
         # bound to this sequence's tokens if its sampling reads them (penalties, min_tokens, bad_words, which
         # make_sequence has tokenized once for the request's samples, as it has built their allowed_token_ids)
         params = with_allowed_token_ids(with_bad_words(params, tokenizer, vocab_size), tokenizer, vocab_size)
