@@ -72,10 +72,15 @@ def stop(proc: subprocess.Popen, timeout: float = 15) -> None:
 
 @contextmanager
 def run_server(model: Path, log: Path, *extra: str, log_level: str = "warning", access_log: bool = False,
-               launcher: Path | None = None) -> Iterator[Server]:
+               launcher: Path | None = None, chat_template: str | None = None) -> Iterator[Server]:
     """A server on a free port, stopped (SIGTERM) on exit. `launcher`: a script run instead of
-    `python -m loopserve.cli` that takes the same arguments (tests patch the engine in one)."""
+    `python -m loopserve.cli` that takes the same arguments (tests patch the engine in one). `chat_template`: a
+    template's text, written to a file beside the log and served with `--chat-template`."""
     entry = [str(launcher)] if launcher is not None else ["-m", "loopserve.cli"]
+    if chat_template is not None:
+        template = log.parent / "template.jinja"
+        template.write_text(chat_template)
+        extra = (*extra, "--chat-template", str(template))
     for _ in range(3):
         port = free_port()
         cmd = [sys.executable, *entry, "serve", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),

@@ -139,9 +139,7 @@ def test_llm_chat_renders_the_calls_and_ids(llm, caplog):
 @pytest.fixture(scope="module")
 def server(tiny_ouro, tmp_path_factory) -> Iterator[Server]:
     folder = tmp_path_factory.mktemp("tool-messages")
-    (folder / "template.jinja").write_text(TEMPLATE)
-    with run_server(tiny_ouro, folder / "server.log", "--kv-cache-tokens", "1024",
-                    "--chat-template", str(folder / "template.jinja")) as s:
+    with run_server(tiny_ouro, folder / "server.log", "--kv-cache-tokens", "1024", chat_template=TEMPLATE) as s:
         yield s
 
 

@@ -55,9 +55,7 @@ def tiny_path(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(tiny_path, tmp_path_factory) -> Iterator[Server]:
     folder = tmp_path_factory.mktemp("structured")
-    (folder / "template.jinja").write_text(TEMPLATE)
-    with run_server(tiny_path, folder / "server.log", "--kv-cache-tokens", "2048",
-                    "--chat-template", str(folder / "template.jinja")) as s:
+    with run_server(tiny_path, folder / "server.log", "--kv-cache-tokens", "2048", chat_template=TEMPLATE) as s:
         yield s
 
 

@@ -46,13 +46,11 @@ def tiny_path(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(tiny_path, tmp_path_factory) -> Iterator[Server]:
     folder = tmp_path_factory.mktemp("vllm")
-    (folder / "template.jinja").write_text(TEMPLATE)
     with run_server(tiny_path, folder / "server.log", "--api-key", KEYS[0], "--api-key", KEYS[1],
                     "--allowed-origins", f'["{ORIGIN}"]', "--root-path", ROOT, "--enable-log-requests",
                     "--max-log-len", str(LOG_LEN),
                     "--log-stats-interval", str(STATS_S), "--max-model-len", str(MAX_LEN),
-                    "--kv-cache-tokens", "1024", "--chat-template", str(folder / "template.jinja"),
-                    log_level="info", access_log=True) as s:
+                    "--kv-cache-tokens", "1024", log_level="info", access_log=True, chat_template=TEMPLATE) as s:
         yield s
 
 
