@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from loopserve.cache.layout import LAYOUTS
+from loopserve.device import dtype_name
 from loopserve.models.loader import load_model
 from loopserve_lab.train.corpus import DEFAULT_CACHE_DIR, DEFAULT_HELDOUT_TITLE, fetch_shakespeare, load_works
 from loopserve_lab.train.scorer import score_windows
@@ -108,7 +109,7 @@ def run_eval(model_path: str | Path, out_json: Path, windows_limit: int | None, 
     model, tok = loaded.model, loaded.tokenizer
     val, held = eval_texts(tok)
     results: dict = {"model": str(model_path), "seq_len": seq_len, "torch_threads": torch.get_num_threads(),
-                     "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
+                     "dtype": dtype_name(next(model.parameters()).dtype)}
     if calibrate:
         vw = windows(val, seq_len, calib_windows)
         log(f"calibrating on {len(vw)} validation windows of {seq_len} tokens")

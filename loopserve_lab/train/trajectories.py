@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from loopserve.device import dtype_name
 from loopserve.models.loader import load_model
 from loopserve_lab.train.train_tiny import gate_logits, step_states, windows
 
@@ -85,7 +86,7 @@ def record(model_path: str | Path, out_dir: str | Path, heldout_windows: int = 3
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     head = {"model": str(model_path), "r_max": model.config.r_max,
-            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+            "dtype": dtype_name(next(model.parameters()).dtype),
             "gate": "lambda_r = sigmoid(gate_logits[r-1]); exit at first r with 1 - prod(1 - lambda_j) >= q"}
     _, held = eval_texts(tok)
     wins = windows(held, seq_len, heldout_windows)
