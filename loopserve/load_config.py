@@ -18,6 +18,7 @@ from loopserve.config_args import knob
 from loopserve.device import AUTO, DTYPE_NAMES, dtype_name, kv_memory_gb
 from loopserve.engine.config import EngineConfig
 from loopserve.models.loader import LoadedModel, load_model
+from loopserve.sampling_params import is_int, is_number
 
 log = logging.getLogger(__name__)
 
@@ -57,24 +58,24 @@ class LoadConfig:
             # from each other as under a fixed seed; logged so that the run can be repeated.
             self.seed = secrets.randbits(63)
             log.info("seed: none given, drew %d", self.seed)
-        elif not _is_int(self.seed):
+        elif not is_int(self.seed):
             raise ValueError(f"seed: must be an integer (or None: a random seed), got {self.seed!r}")
-        if self.max_model_len is not None and not _is_int(self.max_model_len):
+        if self.max_model_len is not None and not is_int(self.max_model_len):
             raise ValueError(f"max_model_len: must be an integer, got {self.max_model_len!r}")
         g = self.gpu_memory_utilization
-        if g is not None and not (isinstance(g, int | float) and not isinstance(g, bool) and 0 < g <= 1):
+        if g is not None and not (is_number(g) and 0 < g <= 1):
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {g!r}")
         for name in ("enforce_eager", "trust_remote_code"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be True or False, got {getattr(self, name)!r}")
-        if not _is_int(self.tensor_parallel_size):
+        if not is_int(self.tensor_parallel_size):
             raise ValueError(f"tensor_parallel_size: must be 1 (an integer), got {self.tensor_parallel_size!r}")
         if self.tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size: must be 1, got {self.tensor_parallel_size!r}: loopserve runs a "
                              "model on one device (one per replica); to use more devices, run more replicas "
                              "(loopserve serve --replicas N, docs/scale-out.md)")
         s = self.swap_space
-        if s is not None and not (isinstance(s, int | float) and not isinstance(s, bool) and s >= 0):
+        if s is not None and not (is_number(s) and s >= 0):
             raise ValueError(f"swap_space: must be a number of GiB >= 0, got {s!r}")
 
     def engine_config(self, cfg: EngineConfig) -> EngineConfig:
@@ -89,10 +90,6 @@ class LoadConfig:
 
 
 LOAD_FIELDS = tuple(f.name for f in dataclasses.fields(LoadConfig))
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def configs(kwargs: dict[str, Any]) -> tuple[LoadConfig, EngineConfig]:

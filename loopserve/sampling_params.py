@@ -35,6 +35,21 @@ _repr.maxlist, _repr.maxdict, _repr.maxstring, _repr.maxother = 8, 8, 80, 80
 _short = _repr.repr
 
 
+def is_int(x: Any) -> bool:
+    """An integer, not a bool (a JSON true would pass isinstance(x, int))."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_number(x: Any) -> bool:
+    """An int or a float, not a bool."""
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def is_real(x: Any) -> bool:
+    """A finite number (no bool, NaN or infinity)."""
+    return is_number(x) and math.isfinite(x)
+
+
 SCHEMA_FORMS = "a JSON schema: an object, a boolean, or the JSON text of one"
 
 
@@ -217,12 +232,6 @@ class SamplingParams:
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"{name}: {why}, got {_short(getattr(self, name))}")
-
-        def is_int(x) -> bool:
-            return isinstance(x, int) and not isinstance(x, bool)
-
-        def is_real(x) -> bool:  # finite int or float (no bool, NaN or infinity)
-            return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
         if not is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise bad("n", f"must be an integer in [1, {MAX_N}]")
