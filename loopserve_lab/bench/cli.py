@@ -38,11 +38,12 @@ def _ints(s: str) -> list[int]:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
+    from loopserve.device import DTYPES
     from loopserve_lab.bench.presets import DEFAULT_DTYPE, PRESETS
 
     g = p.add_argument_group("model and machine")
     g.add_argument("--model", default="ouro-bench", help=f"bench preset ({', '.join(PRESETS)}) or checkpoint folder")
-    g.add_argument("--dtype", default=DEFAULT_DTYPE, choices=["bfloat16", "float32", "float64"])
+    g.add_argument("--dtype", default=DEFAULT_DTYPE, choices=sorted(DTYPES))  # (the dtypes loopserve computes in)
     g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     g.add_argument("--state-init", default="like-init", choices=["like-init", "zero"], help="Huginn only")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
