@@ -50,6 +50,17 @@ def is_real(x: Any) -> bool:
     return is_number(x) and math.isfinite(x)
 
 
+# truncate_prompt_tokens: keep the last max_model_len prompt tokens (vLLM's value for "as many as the context holds")
+TRUNCATE_TO_CONTEXT = -1
+
+
+def truncates_prompt(truncate_prompt_tokens: Any) -> bool:
+    """A value truncate_prompt_tokens may take: an integer >= 1 (keep the last that many prompt tokens) or
+    TRUNCATE_TO_CONTEXT."""
+    return is_int(truncate_prompt_tokens) and (truncate_prompt_tokens >= 1
+                                                or truncate_prompt_tokens == TRUNCATE_TO_CONTEXT)
+
+
 SCHEMA_FORMS = "a JSON schema: an object, a boolean, or the JSON text of one"
 
 
@@ -190,7 +201,8 @@ class SamplingParams:
     # (guided_decoding) still ends it when complete, as in vLLM: a choice "yes" is 1 token whatever min_tokens
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
-    truncate_prompt_tokens: int | None = None  # keep only the last k prompt tokens
+    # keep only the last k prompt tokens; -1 (TRUNCATE_TO_CONTEXT): the last max_model_len of them
+    truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # no best-of selection: every sample is returned, so only best_of = n (or unset) means what it says
     best_of: int | None = None
@@ -315,9 +327,8 @@ class SamplingParams:
             raise bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
-        if self.truncate_prompt_tokens is not None and (not is_int(self.truncate_prompt_tokens)
-                                                        or self.truncate_prompt_tokens < 1):
-            raise bad("truncate_prompt_tokens", "must be an integer >= 1")
+        if self.truncate_prompt_tokens is not None and not truncates_prompt(self.truncate_prompt_tokens):
+            raise bad("truncate_prompt_tokens", "must be an integer >= 1, or -1 (the last max_model_len tokens)")
         if not is_int(self.output_kind) or self.output_kind not in OUTPUT_KINDS:
             raise bad("output_kind", f"must be one of {', '.join(f'RequestOutputKind.{k.name}' for k in OUTPUT_KINDS)}")
         self.output_kind = RequestOutputKind(self.output_kind)

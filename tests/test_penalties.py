@@ -22,6 +22,7 @@ from loopserve.engine.sampler import (
     sample_rows,
     unpack,
 )
+from loopserve.engine.sequence import truncate_prompt
 from tests.engine_helpers import Req, assert_matches, drive, make_engine, reference
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -63,7 +64,9 @@ def adjusted(logits: list[float], params: SamplingParams, hist: SimpleNamespace 
     ("min_tokens", {"min_tokens": 5, "max_tokens": 4}),
     ("include_stop_str_in_output", {"include_stop_str_in_output": 1}),
     ("truncate_prompt_tokens", {"truncate_prompt_tokens": 0}),
+    ("truncate_prompt_tokens", {"truncate_prompt_tokens": -2}),  # -1 is the only negative (the context)
     ("truncate_prompt_tokens", {"truncate_prompt_tokens": 2.0}),
+    ("truncate_prompt_tokens", {"truncate_prompt_tokens": True}),
 ])
 def test_bad_field_is_named(field, kwargs):
     with pytest.raises(ValueError) as e:
@@ -76,6 +79,7 @@ def test_valid_values_and_json_keys():
                        logit_bias={"17": 5, 3: -100.0}, truncate_prompt_tokens=1, include_stop_str_in_output=True)
     assert p.logit_bias == {17: 5.0, 3: -100.0} and p.penalized
     assert not SamplingParams().penalized and bind(SamplingParams(), history()) == SamplingParams()
+    assert SamplingParams(truncate_prompt_tokens=-1).truncate_prompt_tokens == -1  # vLLM's "to max_model_len"
 
 
 def test_request_checked_against_the_vocabulary(tiny_ouro):
@@ -306,3 +310,13 @@ def test_truncate_prompt_tokens(ref_llm):
     assert out.outputs[0].token_ids == direct.outputs[0].token_ids
     whole = _gen(ref_llm, PROMPT, max_tokens=6, temperature=0, ignore_eos=True, truncate_prompt_tokens=100)
     assert whole.prompt_token_ids == PROMPT
+
+
+def test_truncate_prompt_keeps_the_last_tokens():
+    """-1 keeps the last max_model_len tokens (the context the caller checks against), k >= 1 the last k."""
+    ids = list(range(10, 40))
+    assert truncate_prompt(ids, -1, 24) == ids[-24:] == list(range(16, 40))
+    assert truncate_prompt(ids, -1, 30) == truncate_prompt(ids, -1, 2048) == truncate_prompt(ids, None, 24) == ids
+    assert truncate_prompt(ids, 3, 24) == [37, 38, 39]
+    # cutting again to a context no shorter (the engine's, after LLM's or the server's) changes nothing
+    assert truncate_prompt(truncate_prompt(ids, -1, 24), -1, 2048) == ids[-24:]

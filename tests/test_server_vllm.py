@@ -2,9 +2,9 @@
 vLLM's flags: unknown request fields ignored with a warning, /tokenize, /detokenize and /version in
 vLLM's shapes, `chat_template_kwargs`, CORS (with preflight), `--root-path`, `X-Request-Id`, several
 API keys (and the environment variable), request logging, the start-up summary and periodic stats
-lines with timestamps, `--max-model-len`, vLLM's metric names; and, without a server, the start-up
-refusals (`--max-model-len` past the context, `--gpu-memory-utilization` on the CPU) and `auto` for
-the device and dtype.
+lines with timestamps, `--max-model-len` (and truncate_prompt_tokens=-1, which cuts to it), vLLM's metric
+names; and, without a server, the start-up refusals (`--max-model-len` past the context,
+`--gpu-memory-utilization` on the CPU) and `auto` for the device and dtype.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import openai
 import pytest
 
 from loopserve_lab.tiny import TinySpec, make_tiny
-from tests.server_helpers import MODEL, REPO, Server, metric, run_server
+from tests.server_helpers import MODEL, REPO, Server, metric, run_server, sse_events
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -210,6 +210,44 @@ def test_max_model_len_caps_prompt_plus_completion(server):
     assert usage["prompt_tokens"] + usage["completion_tokens"] == MAX_LEN
     long = _post(server, "/v1/completions", {"model": MODEL, "prompt": [5] * MAX_LEN})
     assert long.status_code == 400 and long.json()["error"]["param"] == "prompt"
+
+
+def _usage(r: httpx.Response, stream: bool) -> dict:
+    """A response's usage: the body's, or a stream's last chunk's (include_usage)."""
+    assert r.status_code == 200, r.text
+    if not stream:
+        return r.json()["usage"]
+    return json.loads([e for e in sse_events(r.text.splitlines()) if e != "[DONE]"][-1])["usage"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_truncate_prompt_tokens_minus_one_keeps_max_model_len_tokens(server, stream):
+    """vLLM's truncate_prompt_tokens=-1: the prompt's last --max-model-len tokens (48, not the model's 2048), on
+    both endpoints, streamed or not. A shorter prompt runs whole; a longer one is cut to fill the context, which
+    leaves no room to generate: a 400 as for a prompt of MAX_LEN tokens, naming the prompt's field (the count
+    says it was cut). 0 and values below -1 are 400s naming truncate_prompt_tokens."""
+    cmpl, chat = "/v1/completions", "/v1/chat/completions"
+    base = {"model": MODEL, "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+            **({"stream": True, "stream_options": {"include_usage": True}} if stream else {})}
+    short = {cmpl: {"prompt": list(range(5, 25))}, chat: {"messages": [{"role": "user", "content": "To be, or not"}]}}
+    for path, prompt in short.items():
+        cut, whole = (_usage(_post(server, path, {**base, **prompt, **asked}), stream)
+                      for asked in ({"truncate_prompt_tokens": -1}, {}))
+        assert cut["prompt_tokens"] == whole["prompt_tokens"] and cut["completion_tokens"] == 3, (path, cut, whole)
+        assert path == chat or cut["prompt_tokens"] == 20
+    text = "to be or not " * 40  # uncut, refused from its length alone (" at least "), before it is tokenized
+    for path, prompt, param in ((cmpl, {"prompt": list(range(5, 5 + 2 * MAX_LEN))}, "prompt"),
+                                (cmpl, {"prompt": text}, "prompt"),
+                                (chat, {"messages": [{"role": "user", "content": text}]}, "messages")):
+        r = _post(server, path, {**base, **prompt, "truncate_prompt_tokens": -1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert r.json()["error"]["message"].startswith(
+            f"{param}: {MAX_LEN} tokens; this model's maximum context length is {MAX_LEN} tokens, which leaves no "
+            "room to generate"), r.text
+    for path, bad in ((cmpl, 0), (cmpl, -2), (chat, 0), (chat, -2)):
+        r = _post(server, path, {**base, **short[path], "truncate_prompt_tokens": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+        assert r.json()["error"]["message"].startswith("truncate_prompt_tokens: "), r.text
 
 
 @pytest.mark.parametrize(("flags", "message"), [

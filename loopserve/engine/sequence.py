@@ -25,7 +25,7 @@ from loopserve.errors import NonFiniteError
 from loopserve.exits import ExitRule
 from loopserve.models.base import LoopedLM
 from loopserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from loopserve.sampling_params import RequestOutputKind, SamplingParams
+from loopserve.sampling_params import TRUNCATE_TO_CONTEXT, RequestOutputKind, SamplingParams
 from loopserve.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -96,9 +96,13 @@ def parse_prompt(prompt: PromptType, tokenizer: Tokenizer) -> tuple[str | None, 
     raise ValueError("prompt: expected a string, a list of token ids, or a dict with 'prompt' or 'prompt_token_ids'")
 
 
-def truncate_prompt(ids: list[int], keep: int | None) -> list[int]:
-    """The prompt a request runs on: its last `keep` tokens (`truncate_prompt_tokens`), else all of them
-    (also for a `keep` < 1, which SamplingParams refuses)."""
+def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """The prompt a request runs on: its last `keep` tokens (`truncate_prompt_tokens`), its last `max_model_len`
+    for TRUNCATE_TO_CONTEXT (-1), else all of them (also for a value SamplingParams refuses). `max_model_len`: the
+    context that whoever cuts checks the prompt against (`LLM`'s and the server's max_model_len; in the engine's
+    `make_sequence`, the model's own), never shorter than theirs, so the engine cutting again changes nothing."""
+    if keep == TRUNCATE_TO_CONTEXT:
+        keep = max_model_len
     return ids[-keep:] if keep is not None and keep >= 1 else ids
 
 
@@ -143,8 +147,8 @@ def make_sequence(model: LoopedLM, tokenizer: Tokenizer, request_id: str, prompt
         raise ValueError(f"n: {params.n} samples, but this engine holds at most {max_num_seqs} sequences at once "
                          "(its --max-num-seqs, EngineConfig.max_num_seqs)")
     text, ids = parse_prompt(prompt, tokenizer)
-    ids = truncate_prompt(ids, params.truncate_prompt_tokens)  # the text stays as given (vLLM)
     c = model.config
+    ids = truncate_prompt(ids, params.truncate_prompt_tokens, c.max_position)  # the text stays as given (vLLM)
     rule = resolve_exit_rule(params, model, lookahead)
     state = params.seed if params.seed is not None else base_seed
     # once for the request's n samples, which share them

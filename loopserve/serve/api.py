@@ -69,7 +69,7 @@ from loopserve.engine.engine import LLMEngine
 from loopserve.engine.sequence import Sequence, resolve_exit_rule, truncate_prompt
 from loopserve.load_config import checked_model_len
 from loopserve.outputs import CompletionOutput, RequestOutput
-from loopserve.sampling_params import SamplingParams
+from loopserve.sampling_params import SamplingParams, truncates_prompt
 from loopserve.serve.async_engine import (
     AsyncLLMEngine,
     EngineDeadError,
@@ -163,12 +163,6 @@ def context_length(engine: LLMEngine, cap: int | None) -> int:
     """The server's maximum prompt + completion length: `cap` (--max-model-len) or the model's own
     context, checked as `LLM(max_model_len=...)` is."""
     return checked_model_len(cap, engine.model_config.max_position)
-
-
-def _truncates(truncate_prompt_tokens: Any) -> bool:
-    """The request asks for its prompt to be cut to its last tokens (a value it can take: an int >= 1;
-    any other is refused later, so it must not skip the length check that avoids tokenizing)."""
-    return isinstance(truncate_prompt_tokens, int) and truncate_prompt_tokens >= 1
 
 
 async def _wait_disconnect(receive: Callable) -> None:
@@ -603,7 +597,9 @@ class OpenAIServing:
 
     def completion(self, request: Request, req: CompletionRequest, arrival: float) -> _Generation:
         """A completions request's sequences (built on a worker thread: see the module's docstring)."""
-        prompts = self.completion_prompts(req.prompt, _truncates(req.truncate_prompt_tokens))
+        # a text that will be cut skips the length check that spares tokenizing it; one with a value that is refused
+        # later does not
+        prompts = self.completion_prompts(req.prompt, truncates_prompt(req.truncate_prompt_tokens))
         n = req.n if isinstance(req.n, int) and req.n >= 1 else 1  # (a bad n is SamplingParams' to name)
         if len(prompts) * n > self.aengine.capacity:  # never admitted, however idle the server (async_engine.py)
             field = "prompt" if len(prompts) > self.aengine.capacity else "n"
@@ -616,7 +612,8 @@ class OpenAIServing:
         generated = not (echo and req.max_tokens == 0)
         seqs = []
         for rid, (where, text, whole) in zip(rids, prompts, strict=True):
-            ids = truncate_prompt(whole, req.truncate_prompt_tokens)  # before the context check, as the engine will
+            # before the context check, to the server's max_model_len for -1 (the engine cuts again: no change)
+            ids = truncate_prompt(whole, req.truncate_prompt_tokens, self.max_model_len)
             mt = self.resolve_max_tokens(req.max_tokens if generated else 1, COMPLETIONS_DEFAULT_MAX_TOKENS, len(ids),
                                          where)
             params = sampling_params(req, max_tokens=mt, logprobs=req.logprobs,
@@ -668,11 +665,11 @@ class OpenAIServing:
         text = self.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs, req.tools,
                                 req.continue_final_message, req.documents)
         # the template writes the special tokens it wants: none added unless asked (vLLM's default)
-        ids = self.encode(text, "messages", _truncates(req.truncate_prompt_tokens),
+        ids = self.encode(text, "messages", truncates_prompt(req.truncate_prompt_tokens),
                           add_special_tokens=bool(req.add_special_tokens))
         if not ids:
             raise ApiError(400, "messages: the chat template produced an empty prompt", "messages")
-        ids = truncate_prompt(ids, req.truncate_prompt_tokens)
+        ids = truncate_prompt(ids, req.truncate_prompt_tokens, self.max_model_len)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         if requested is not None and requested < 1:  # named as the request named it (SamplingParams says max_tokens)
