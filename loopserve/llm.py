@@ -13,6 +13,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from loopserve.beam_search import BeamSearchOutput, BeamSearchParams
+from loopserve.beam_search import beam_search as _beam_search
 from loopserve.cache.layout import KVLayout
 from loopserve.chat_messages import chat_messages, within
 from loopserve.engine.budget import completion_budget, pool_tokens
@@ -92,6 +94,17 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
 
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The batching engine, by vLLM's name for it (`llm.llm_engine.add_request(...)`, `step()`,
+        `has_unfinished_requests()`, `abort_request(...)`, `get_tokenizer()`). scheduler="reference" has none (it
+        runs the sequential reference decoder): a ValueError naming `scheduler` says so, rather than a None that
+        would fail later without saying why."""
+        if self.engine is None:
+            raise ValueError("scheduler: 'reference' is the sequential oracle, not a batching engine, so this LLM has "
+                             "no llm_engine; scheduler cb, cdb-norefill or cdb has one")
+        return self.engine
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use when given no sampling params: SamplingParams' defaults, overridden
         by the model's generation_config.json (as vLLM does; params passed explicitly are used as they are)."""
@@ -106,7 +119,9 @@ class LLM:
         # from the LLM seed; the same in every scheduler. Initial states are seeded from the prompt.
         seed = params.seed if params.seed is not None else self.seed * 1_000_003 + index
         text, ids = parse_prompt(prompt, self.tokenizer)
-        ids = truncate_prompt(ids, params.truncate_prompt_tokens)  # (as make_sequence will: it is idempotent)
+        # cut before the budget check, to this LLM's max_model_len for -1 (make_sequence cuts again, to the model's
+        # context, which is never shorter: no change)
+        ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)
         kv_tokens = pool_tokens(self.engine) if self.engine is not None else None
         budget = completion_budget(len(ids), params.max_tokens, max_model_len=self.max_model_len,
                                    kv_tokens=kv_tokens, clip_to_context=True)
@@ -140,6 +155,13 @@ class LLM:
                              f"'prompt_token_ids') or a list of prompts, got {type(prompts).__name__}")
         prompt_list: list[PromptType] = [prompts] if single else list(prompts)  # type: ignore[list-item,arg-type]
         return self._run(prompt_list, sampling_params, use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Seq[PromptType], params: BeamSearchParams, lora_request: Any = None,
+                    use_tqdm: bool = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+        """vLLM's beam search: one `BeamSearchOutput` per prompt (its best `params.beam_width` beams, best first);
+        each step runs every live beam as a full-depth prompt, all in one `generate` call (loopserve/beam_search.py)."""
+        return _beam_search(self, prompts, params, lora_request=lora_request, use_tqdm=use_tqdm,
+                            concurrency_limit=concurrency_limit)
 
     def chat(self, messages: Conversation | Seq[Conversation],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True,

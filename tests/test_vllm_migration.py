@@ -1,7 +1,8 @@
 """A vLLM script moved to loopserve: `LLM(seed=None)` and vLLM's other `LLM(...)` keywords (max_model_len,
 gpu_memory_utilization, enforce_eager, tensor_parallel_size, trust_remote_code, tokenizer, swap_space,
-disable_log_stats), the same keywords as `serve` flags with the same defaults and checks (`LoadConfig`), and the
-endpoints the openai client's `models.retrieve` and vLLM's probes call (GET /v1/models/{model}, /ping)."""
+disable_log_stats), the same keywords as `serve` flags with the same defaults and checks (`LoadConfig`),
+truncate_prompt_tokens=-1, `llm.llm_engine`, and the endpoints the openai client's `models.retrieve` and vLLM's
+probes call (GET /v1/models/{model}, /ping)."""
 
 from __future__ import annotations
 
@@ -147,6 +148,55 @@ def test_max_model_len_caps_prompt_plus_completion(tiny_ouro):
     reference = LLM(tiny_ouro, max_model_len=24, scheduler="reference")
     with pytest.raises(ValueError, match=r"^prompt: 30 tokens"):
         reference.generate({"prompt_token_ids": [5] * 30}, SamplingParams(max_tokens=1), use_tqdm=False)
+
+
+@pytest.mark.parametrize("scheduler", ["cdb", "reference"])
+def test_truncate_prompt_tokens_minus_one_keeps_max_model_len_tokens(tiny_ouro, scheduler):
+    """vLLM's truncate_prompt_tokens=-1: the prompt's last max_model_len tokens (this LLM's 24, not the model's
+    2048). A shorter prompt runs whole; a longer one is cut to fill the context, which leaves no room to generate:
+    refused as a prompt of max_model_len tokens is (the count says it was cut), by generate and chat alike."""
+    llm = LLM(tiny_ouro, max_model_len=24, scheduler=scheduler)
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    to_context = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, truncate_prompt_tokens=-1)
+    short = list(range(5, 25))  # 20 tokens
+    got, want = (llm.generate({"prompt_token_ids": short}, p, use_tqdm=False)[0] for p in (to_context, greedy))
+    assert got.prompt_token_ids == want.prompt_token_ids == short
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    hi = [{"role": "user", "content": "hi"}]  # 15 tokens once rendered
+    got, want = (llm.chat(hi, p, use_tqdm=False)[0] for p in (to_context, greedy))
+    assert got.prompt_token_ids == want.prompt_token_ids and got.outputs[0].token_ids == want.outputs[0].token_ids
+    filled = r"^prompt: 24 tokens; this model's maximum context length is 24 tokens, which leaves no room to generate"
+    with pytest.raises(ValueError, match=r"^prompt: 30 tokens; "):  # uncut: its own length
+        llm.generate({"prompt_token_ids": list(range(5, 35))}, greedy, use_tqdm=False)
+    for long_prompt in ({"prompt_token_ids": list(range(5, 35))}, "to be or not " * 20):  # 30 and 121 tokens
+        with pytest.raises(ValueError, match=filled):
+            llm.generate(long_prompt, to_context, use_tqdm=False)
+    with pytest.raises(ValueError, match=filled):
+        llm.chat([{"role": "user", "content": "to be or not " * 20}], to_context, use_tqdm=False)
+
+
+# -- llm.llm_engine --------------------------------------------------------------------------------------------
+def test_llm_engine_is_the_engine_generate_runs_on(tiny_ouro):
+    """vLLM's `llm.llm_engine`: the tokenizer is the LLM's, and a request driven through add_request / step
+    comes out as `generate` gives it; abort_request ends one. scheduler="reference" has no engine: a ValueError
+    naming scheduler, not None."""
+    llm = LLM(tiny_ouro)
+    engine = llm.llm_engine
+    assert engine.get_tokenizer() is llm.get_tokenizer()
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    want = llm.generate("ROMEO:", greedy, use_tqdm=False)[0]
+    engine.add_request("by-hand", "ROMEO:", greedy)
+    engine.add_request("aborted", "ROMEO:", SamplingParams(max_tokens=100, ignore_eos=True))
+    engine.abort_request("aborted")
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert finished["aborted"].outputs[0].finish_reason == "abort"
+    got = finished["by-hand"]
+    assert got.prompt_token_ids == want.prompt_token_ids
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids and len(want.outputs[0].token_ids) == 8
+    with pytest.raises(ValueError, match=r"^scheduler: 'reference' .* no llm_engine"):
+        _ = LLM(tiny_ouro, scheduler="reference").llm_engine
 
 
 # -- one declaration: LLM keywords and serve flags -------------------------------------------------------------

@@ -128,6 +128,10 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self.stage_hooks: list[Callable[[StageRecord], None]] = []
 
+    def get_tokenizer(self) -> Tokenizer:
+        """The tokenizer requests are encoded and decoded with (vLLM's `LLMEngine.get_tokenizer`)."""
+        return self.tokenizer
+
     # -- requests --------------------------------------------------------------------------------------
     def make_sequence(self, request_id: str, prompt: PromptType, params: SamplingParams,
                       arrival_time: float | None = None, seed: int | None = None) -> Sequence:
