@@ -1,10 +1,13 @@
 """loopserve: a serving engine for looped (recurrent-depth) language models."""
 
+from loopserve.beam_search import BeamSearchParams
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine import LLMEngine
+from loopserve.engine.sequence import TextPrompt, TokensPrompt
 from loopserve.llm import LLM
 from loopserve.outputs import CompletionOutput, Logprob, RequestOutput
-from loopserve.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams
+from loopserve.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutputKind", "GuidedDecodingParams",
-           "RequestOutput", "CompletionOutput", "Logprob"]
+           "StructuredOutputsParams", "BeamSearchParams", "TextPrompt", "TokensPrompt", "RequestOutput",
+           "CompletionOutput", "Logprob"]

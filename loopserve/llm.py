@@ -21,7 +21,7 @@ from loopserve.engine.budget import completion_budget, pool_tokens
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine import LLMEngine
 from loopserve.engine.reference import ReferenceDecoder
-from loopserve.engine.sequence import PromptType, Sequence, make_sequence, parse_prompt, truncate_prompt
+from loopserve.engine.sequence import PromptType, Sequence, TokensPrompt, make_sequence, parse_prompt, truncate_prompt
 from loopserve.load_config import LOAD_FIELDS, configs, load_for_engine
 from loopserve.models.loader import embedded_model_path
 from loopserve.outputs import RequestOutput
@@ -131,7 +131,10 @@ class LLM:
         # it, as a sequence stopped by the context ends before its min_tokens too.
         params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY, max_tokens=budget,
                                      min_tokens=min(params.min_tokens, budget))
-        seq = make_sequence(self.model, self.tokenizer, str(index), {"prompt": text, "prompt_token_ids": ids},
+        parsed = TokensPrompt(prompt_token_ids=ids, prompt=text)
+        if isinstance(prompt, dict) and "cache_salt" in prompt:
+            parsed["cache_salt"] = prompt["cache_salt"]
+        seq = make_sequence(self.model, self.tokenizer, str(index), parsed,
                             params, seed, self.engine_config.lookahead, self.engine_config.num_speculative_tokens,
                             base_seed=self.seed,
                             max_num_seqs=self.engine_config.max_num_seqs if self.engine is not None else None)

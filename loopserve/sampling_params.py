@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import copy
 import enum
 import json
 import math
 import reprlib
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from loopserve.exits import POLICIES
 
@@ -50,6 +53,22 @@ def is_real(x: Any) -> bool:
     return is_number(x) and math.isfinite(x)
 
 
+def python_numbers(value: Any) -> Any:
+    """`value` with numpy scalars (np.int64(5), np.float32(0.5), np.True_), alone or in a list, tuple or dict (keys
+    and values), as the Python numbers they hold, as vLLM takes them: sweeps written with np.arange / np.linspace
+    pass such values. A one-dimensional array becomes a list. Anything else is returned as it is (the types of a
+    long list are read by their set first, at C speed)."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray) and value.ndim == 1:
+        return value.tolist()
+    if isinstance(value, list | tuple) and any(issubclass(t, np.generic) for t in set(map(type, value))):
+        return type(value)(v.item() if isinstance(v, np.generic) else v for v in value)
+    if isinstance(value, dict) and any(isinstance(x, np.generic) for kv in value.items() for x in kv):
+        return {python_numbers(k): python_numbers(v) for k, v in value.items()}
+    return value
+
+
 # truncate_prompt_tokens: keep the last max_model_len prompt tokens (vLLM's value for "as many as the context holds")
 TRUNCATE_TO_CONTEXT = -1
 
@@ -80,6 +99,40 @@ def _check_schema(schema: Any) -> None:
                          f"{kind}")
 
 
+GRAMMAR_BACKENDS = (None, "auto", "guidance")  # `GuidedDecodingParams.backend`: the names that mean llguidance
+# the keywords of a JSON schema whose values are schemas, or lists or name maps of schemas
+_SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames",
+              "unevaluatedItems", "unevaluatedProperties", "additionalProperties")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def _without_additional_properties(schema: Any) -> Any:
+    """`disable_additional_properties`: a copy of the JSON schema (a dict, or its JSON text: then JSON text) in
+    which every object schema (`"type": "object"`) that does not set `additionalProperties` sets it false (vLLM's
+    rule). Walked by keyword, so a property named "type" or "properties" is not taken for a keyword."""
+    def walk(node: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        out = dict(node)
+        for key in _SUBSCHEMA:
+            if key in out:
+                out[key] = walk(out[key]) if not isinstance(out[key], list) else [walk(x) for x in out[key]]
+        for key in _SUBSCHEMA_LISTS:
+            if isinstance(out.get(key), list):
+                out[key] = [walk(x) for x in out[key]]
+        for key in _SUBSCHEMA_MAPS:
+            if isinstance(out.get(key), dict):
+                out[key] = {name: walk(x) for name, x in out[key].items()}
+        if out.get("type") == "object" and "additionalProperties" not in out:
+            out["additionalProperties"] = False
+        return out
+
+    if isinstance(schema, str):
+        return json.dumps(walk(json.loads(schema)), ensure_ascii=False)
+    return walk(schema)
+
+
 @dataclass
 class GuidedDecodingParams:
     """Structured output (vLLM's `GuidedDecodingParams`): exactly one of `json` (a JSON schema: a dict, a
@@ -95,16 +148,30 @@ class GuidedDecodingParams:
     json_object: bool | None = None
     disable_any_whitespace: bool = False
     whitespace_pattern: str | None = None
+    # vLLM's other fields. backend: the grammar engine; loopserve has one, llguidance (vLLM's "guidance"), so
+    # None, "auto" and "guidance" are taken and any other name is a ValueError rather than a silent swap.
+    # disable_fallback: nothing ever falls back to another engine here, so either value holds.
+    # disable_additional_properties: a JSON schema's objects that do not say otherwise admit no properties
+    # beyond those they list. structural_tag: not supported (a ValueError when set).
+    backend: str | None = None
+    disable_fallback: bool = False
+    disable_additional_properties: bool = False
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.json, type) and hasattr(self.json, "model_json_schema"):  # a pydantic model class
             self.json = self.json.model_json_schema()
         if isinstance(self.choice, tuple):
             self.choice = list(self.choice)
-        for name in ("json_object", "disable_any_whitespace"):
+        for name in ("json_object", "disable_any_whitespace", "disable_fallback", "disable_additional_properties"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):
                 raise ValueError(f"{name}: must be true or false, got {_short(v)}")
+        if self.backend not in GRAMMAR_BACKENDS:
+            raise ValueError(f"backend: loopserve compiles every grammar with llguidance (vLLM's 'guidance'); "
+                             f"expected one of {', '.join(map(str, GRAMMAR_BACKENDS))}, got {_short(self.backend)}")
+        if self.structural_tag is not None:
+            raise ValueError("structural_tag: not supported (use json, regex, choice, grammar or json_object)")
         given = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
@@ -112,6 +179,8 @@ class GuidedDecodingParams:
                              f"needed, got {', '.join(given) or 'none'}")
         if self.json is not None:
             _check_schema(self.json)
+            if self.disable_additional_properties:
+                self.json = _without_additional_properties(self.json)
         for name in ("regex", "grammar", "whitespace_pattern"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or (not v and name != "whitespace_pattern")):
@@ -245,6 +314,13 @@ class SamplingParams:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"{name}: {why}, got {_short(getattr(self, name))}")
 
+        given = self.__dict__
+        if any(issubclass(t, np.generic | np.ndarray) for t in set(map(type, given.values()))):
+            for name in _NUMBER_FIELDS:
+                given[name] = python_numbers(given[name])
+        for name in _NUMBER_LISTS:  # (numpy numbers inside them)
+            if given[name]:
+                given[name] = python_numbers(given[name])
         if not is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise bad("n", f"must be an integer in [1, {MAX_N}]")
         if self.best_of is not None and (not is_int(self.best_of) or self.best_of != self.n):
@@ -373,6 +449,11 @@ class SamplingParams:
         if self.guided_decoding is not None and not isinstance(self.guided_decoding, GuidedDecodingParams):
             raise bad("guided_decoding", "must be a GuidedDecodingParams")
 
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's `clone`): its lists and dicts are its own. What the engine sets on a request's
+        copy (`history`, `guide`) is not copied: a clone is a new request's params."""
+        return copy.deepcopy(self, {id(self.history): None, id(self.guide): None})
+
     @property
     def penalized(self) -> bool:
         """Whether sampling depends on the tokens so far (presence, frequency or repetition penalty)."""
@@ -381,3 +462,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+
+# the fields a user sets to numbers, or lists or dicts of them (`python_numbers` reads them before the checks)
+_NUMBER_LISTS = ("stop_token_ids", "allowed_token_ids", "exit_trace", "logit_bias")
+_NUMBER_FIELDS = tuple(f.name for f in fields(SamplingParams)
+                       if f.name not in ("stop", "bad_words", "extra_args", "structured_outputs", "history",
+                                         "exit_policy", "guided_decoding", "guide"))

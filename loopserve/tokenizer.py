@@ -42,6 +42,10 @@ from loopserve.chat_messages import check_continuable
 DEFAULT_TEMPLATE = "default"
 TOOL_USE_TEMPLATE = "tool_use"  # picked when tools are given, as transformers does
 _JINJA_MARKS = "{}\n"  # a --chat-template value holding one of these is template text, not a path
+# texts (characters) and id lists longer than this are encoded and decoded by the tokenizers library's batch calls,
+# which release the GIL while they work (the single calls hold it: seconds for megabytes, every other thread stalled,
+# a server's event loop too); the same ids and text, for a few microseconds more
+RELEASE_GIL_FROM = 1 << 14
 _Dicts = Sequence[Mapping[str, Any]]  # messages, tools, documents
 # transformers' special-token attributes, in the order its `all_special_tokens` lists them
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -226,6 +230,8 @@ class Tokenizer:
         list of texts is the tokenizer's call) and for a string that is not Unicode text: one with a lone
         surrogate, which a Python string can hold and UTF-8 cannot."""
         try:
+            if isinstance(text, str) and len(text) > RELEASE_GIL_FROM:
+                return self.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
             return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
         except TypeError:  # (what the tokenizers library raises for both: "TextInputSequence must be str")
             if not isinstance(text, str):
@@ -266,6 +272,8 @@ class Tokenizer:
         return -(-len(text.encode()) // most) if most else 0
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if len(ids) > RELEASE_GIL_FROM:
+            return self.tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def decode_stream(self, skip_special_tokens: bool = True) -> Callable[[int], str | None]:

@@ -281,8 +281,10 @@ WRONG_SAMPLING = {
     "response_format": [1], "guided_json": 5, "guided_regex": 5, "guided_choice": "x", "guided_grammar": 5,
     "guided_whitespace_pattern": 5, "structured_outputs": [1], "prompt_logprobs": "2",
     "allowed_token_ids": "1", "bad_words": "x", "use_beam_search": "no", "length_penalty": "1",
+    "return_tokens_as_token_ids": "yes", "request_id": 5, "cache_salt": 5, "priority": "1", "logits_processors": 5,
 }
-WRONG_COMPLETION = {**WRONG_SAMPLING, "prompt": 5, "logprobs": "2", "echo": "no", "suffix": 5, "best_of": "1"}
+WRONG_COMPLETION = {**WRONG_SAMPLING, "prompt": 5, "logprobs": "2", "echo": "no", "suffix": 5, "best_of": "1",
+                    "add_special_tokens": "no"}
 WRONG_CHAT = {**WRONG_SAMPLING, "messages": 5, "max_completion_tokens": "4", "logprobs": 1, "top_logprobs": "2",
               "add_generation_prompt": "yes", "tools": "x", "tool_choice": 5, "parallel_tool_calls": "yes",
               "chat_template_kwargs": [1], "echo": "no", "continue_final_message": "yes", "chat_template": 5,
@@ -625,18 +627,22 @@ def long_path(tmp_path_factory) -> Path:
 
 
 def _stream_in_background(server: Server, max_tokens: int) -> tuple[threading.Thread, threading.Event, dict]:
-    """A long stream on a thread; `started` is set at its first token; `result` gets tokens, [DONE], error."""
-    started, result = threading.Event(), {"tokens": 0, "done": False, "error": None}
+    """A long stream on a thread; `started` is set at its first token; `result` gets tokens, [DONE], the body of
+    an error event (`failed`), the transport's error."""
+    started, result = threading.Event(), {"tokens": 0, "done": False, "failed": None, "error": None}
     body = {"model": MODEL, "prompt": "a long one", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
 
     def run() -> None:
         try:
             with httpx.stream("POST", server.url + C, json=body, timeout=60) as r:
                 for data in sse_events(r.iter_lines()):
-                    if data == "[DONE]":
+                    chunk = json.loads(data) if data != "[DONE]" else None
+                    if chunk is None:
                         result["done"] = True
+                    elif "error" in chunk:
+                        result["failed"] = chunk["error"]
                     else:
-                        result["tokens"] += len(json.loads(data)["choices"][0]["exit_depths"])
+                        result["tokens"] += len(chunk["choices"][0]["exit_depths"])
                         started.set()
         except httpx.HTTPError as e:
             result["error"] = e
@@ -662,11 +668,13 @@ def test_request_failures_carry_the_engine_status(long_path, launcher, tmp_path)
         with pytest.raises(openai.BadRequestError) as bad:  # the engine says the input was at fault
             client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "REJECT-REQUEST"}])
         assert bad.value.status_code == 400 and "rejected by the engine" in bad.value.message
-        # a stream cannot change its status once started: it is cut
+        # a stream cannot change its status once started: it sends the same error in-band, then is cut (no [DONE])
+        events: list[str] = []
         with pytest.raises(httpx.HTTPError), httpx.stream("POST", server.url + C, timeout=30, json={
                 "model": MODEL, "prompt": "FAIL-REQUEST streamed", "max_tokens": 4, "stream": True}) as s:
-            events = list(sse_events(s.iter_lines()))
-            raise AssertionError(f"stream not cut: {events}")
+            for e in sse_events(s.iter_lines()):  # the cut raises while reading
+                events.append(e)
+        assert "[DONE]" not in events and json.loads(events[-1]) == {"error": err}, events
         t.join(60)
         assert result["done"] and result["tokens"] == 150 and result["error"] is None  # the neighbour is unharmed
         assert httpx.get(server.url + "/health").status_code == 200
@@ -685,7 +693,8 @@ def test_engine_death_fails_in_flight_requests_and_exits_nonzero(long_path, laun
         assert r.status_code == 503 and "injected engine failure" in r.json()["error"]["message"]
         t.join(30)
         assert not result["done"] and result["tokens"] < 1800  # the stream was cut...
-        assert result["ended"] - t0 < 5  # ...at once
+        assert result["ended"] - t0 < 5  # ...at once, after its error event
+        assert result["failed"]["code"] == 503 and "injected engine failure" in result["failed"]["message"]
         try:
             rc = server.proc.wait(15)
         except subprocess.TimeoutExpired:

@@ -254,3 +254,37 @@ def test_a_slow_grammar_compiles_off_the_event_loop(server):
     done["health"] = time.monotonic()
     worker.join()
     assert done["health"] < done["slow"], done
+
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_grammar_the_allowed_ids_leave_no_first_token_is_a_400_naming_the_field(server, path):
+    """A grammar whose first tokens `allowed_token_ids` all miss: refused when the request is made, a 400 naming the
+    field (the sampler drew a token the grammar then refused: a 500, with a traceback in the log), streamed or not."""
+    base = {"messages": MESSAGES} if "chat" in path else {"prompt": "ROMEO:"}
+    grammar = {"structured_outputs": {"choice": ["yes"]}} if "chat" in path else {"guided_choice": ["yes"]}
+    offset = len(server.log.read_text())
+    for stream in (False, True):
+        r = _post(server, path, {**base, "max_tokens": 4, "allowed_token_ids": [5], "stream": stream, **grammar})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
+        assert r.json()["error"]["message"] == ("allowed_token_ids: guided_decoding (choice) and allowed_token_ids "
+                                                "leave no token to sample at output token 1"), r.text
+    log = server.log.read_text()[offset:]
+    assert "Traceback" not in log and "ERROR" not in log, log
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_grammar_a_bad_word_leaves_no_token_later_is_a_400_naming_the_field(server, path):
+    """A bad word that bans the only token the grammar allows after "y" ("yes" is "y" + "es" here): the request
+    fails there as its own fault, a 400 naming the field (a warning in the log, no ERROR or traceback), where it was
+    a 500."""
+    base = {"messages": MESSAGES} if "chat" in path else {"prompt": "ROMEO:"}
+    grammar = {"structured_outputs": {"choice": ["yes"]}} if "chat" in path else {"guided_choice": ["yes"]}
+    offset = len(server.log.read_text())
+    r = _post(server, path, {**base, "max_tokens": 4, "bad_words": ["yes"], **grammar})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == ("bad_words: guided_decoding (choice) and bad_words leave no token to "
+                                            "sample at output token 2"), r.text
+    log = server.log.read_text()[offset:]
+    assert "Traceback" not in log and "ERROR" not in log, log
+    assert r.json()["error"]["param"] == "bad_words", r.text  # (the engine's error names it first)

@@ -5,7 +5,9 @@ everything else its KV depends on: the engine's scope (model, dtype, KV layout, 
 prefill chunk size, since chunks are part of the semantics, §4.2), the request's prompt depth
 (prompt tokens run `max_loops` loops and keep that KV depth), and, when the model draws random
 initial states (Huginn like-init), the state seed base the per-position seeds are chained from
-(§8). Equal keys mean equal token prefixes under equal roots, so the blocks hold bit-identical KV.
+(§8), and the request's cache salt if it has one (vLLM's `cache_salt`: requests share cached blocks
+only with requests of the same salt, so one cannot learn from timing what another's prompt held).
+Equal keys mean equal token prefixes under equal roots, so the blocks hold bit-identical KV.
 SHA-256: a collision would silently serve another prompt's KV.
 """
 
@@ -25,9 +27,12 @@ def cache_scope(model: str, dtype: str, layout: str, prefill_chunk_size: int) ->
 
 
 def block_keys(scope: bytes, prompt_depth: int, state_base: int | None, tokens: list[int],
-               block_size: int) -> list[bytes]:
+               block_size: int, salt: str | None = None) -> list[bytes]:
     """Keys of the prompt's full blocks (block i covers tokens [i*bs, (i+1)*bs) and all before it)."""
-    h = hashlib.sha256(scope + f"|{prompt_depth}|{state_base}".encode()).digest()
+    root = scope + f"|{prompt_depth}|{state_base}".encode()
+    if salt is not None:  # (depth and seed base hold no '|': no salted root equals an unsalted one)
+        root += b"|salt|" + hashlib.sha256(salt.encode("utf-8", "surrogatepass")).digest()
+    h = hashlib.sha256(root).digest()
     data = np.asarray(tokens, dtype=np.int64).tobytes()
     step = 8 * block_size
     keys = []

@@ -12,12 +12,14 @@ Where the work happens:
 - `new_guide` gives a request its `Guide` when its `Sequence` is built (on the caller's thread, a worker
   thread in the server, not the engine's): the grammar is compiled once per tokenizer and key, tried on
   its first allowed tokens (`_probe`: a grammar past the parser's limits is refused there), and each
-  request gets a copy of the compiled matcher. Compiling runs on a thread with a big stack
-  (`_on_compile_stack`).
+  request gets a copy of the compiled matcher, with the grammar's first mask (kept from the probe).
+  Compiling runs on a thread with a big stack (`_on_compile_stack`). `with_guide` refuses a request whose
+  other masks (allowed_token_ids, bad_words, min_tokens) ban every token of that first mask.
 - `apply_guides` is the sampler's one call: for the rows whose params carry a guide it fills their
-  bitmasks on the host (one parallel call), uploads them once and sets the disallowed logits to -inf on
-  the device. Rows without a guide are not touched, and a batch with none costs one scan of its params.
-  Each row's mask depends only on its own request, so batches stay invariant (§9).
+  bitmasks on the host (one parallel call), lets the sampler check them against each row's other masks (a
+  row left no token fails alone, `NothingToSampleError`), uploads them once and sets the disallowed logits
+  to -inf on the device. Rows without a guide are not touched, and a batch with none costs one scan of its
+  params. Each row's mask depends only on its own request, so batches stay invariant (§9).
 - `Guide.advance` moves the matcher past each token its request takes (`Sequence.append`); the request
   finishes with "stop" once the grammar admits nothing but the end.
 """
@@ -157,10 +159,13 @@ def _readable(error: str) -> str:
 
 
 class Guide:
-    """One request's grammar state: its matcher, advanced past every token the request takes."""
+    """One request's grammar state: its matcher, advanced past every token the request takes; `first`: the
+    bitmask of the tokens its grammar allows first (every fresh matcher's; shared, read-only), which admission
+    checks against the request's other masks (`with_guide`)."""
 
-    def __init__(self, matcher: Any, words: int) -> None:
+    def __init__(self, matcher: Any, words: int, first: np.ndarray | None = None, vocab: int | None = None) -> None:
         self.matcher, self.words = matcher, words  # words: int32 words of one bitmask
+        self.first, self.vocab = first, vocab  # vocab: the model's (the sampler's logits), if known
 
     def advance(self, token: int) -> None:
         """Consume a taken token (raises if the grammar rejects it: the mask was bypassed or the
@@ -192,12 +197,13 @@ class _Compiler:
         n_vocab = max(vocab_size, tokenizer.vocab_size)
         eos = sorted(tokenizer.eos_token_ids) or None
         self.tokenizer = llg.LLTokenizer(tokenizer.tok.to_str(), n_vocab=n_vocab, eos_token=eos)
-        self.words = (n_vocab + 31) // 32
-        # grammar -> its pristine matcher, or why it failed (a failure is not compiled again)
+        self.words, self.vocab = (n_vocab + 31) // 32, vocab_size
+        # grammar -> its pristine matcher and first mask, or why it failed (a failure is not compiled again)
         self._matchers: OrderedDict[str, Any] = OrderedDict()
         self._lock = threading.Lock()  # server requests build sequences on several threads
 
-    def matcher(self, grammar: str) -> Any:
+    def matcher(self, grammar: str) -> tuple[Any, np.ndarray]:
+        """A fresh matcher of `grammar` (a copy of its pristine one) and the bitmask of its first tokens."""
         with self._lock:
             pristine = self._matchers.get(grammar)
             if pristine is not None:
@@ -213,22 +219,25 @@ class _Compiler:
                     self._matchers.popitem(last=False)
         if isinstance(pristine, str):
             raise ValueError(pristine)
-        return pristine.deep_copy()
+        matcher, first = pristine
+        return matcher.deep_copy(), first
 
-    def _compile(self, grammar: str) -> Any:
+    def _compile(self, grammar: str) -> tuple[Any, np.ndarray]:
+        """The pristine matcher of `grammar` and the bitmask of the tokens it allows first (read-only)."""
         llg = _llguidance()
         # errors without the parser's state and the whole grammar: they go back to the client
         quiet = llg.LLParserLimits(verbose_errors=False)
         pristine = llg.LLMatcher(self.tokenizer, grammar, log_level=0, limits=quiet)
-        _probe(pristine, self.words)
-        return pristine
+        first = _probe(pristine, self.words)
+        first.flags.writeable = False
+        return pristine, first
 
 
-def _probe(matcher: Any, words: int) -> None:
-    """Raise ValueError if a fresh matcher is in error, or fails on one of its first allowed tokens (see
-    PROBED_FIRST_TOKENS)."""
+def _probe(matcher: Any, words: int) -> np.ndarray:
+    """The bitmask of a fresh matcher's first allowed tokens; ValueError if the matcher is in error, or fails on
+    one of them (see PROBED_FIRST_TOKENS)."""
+    mask = np.zeros(words, dtype=np.int32)
     if not matcher.is_error():
-        mask = np.zeros(words, dtype=np.int32)
         matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
         allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
         for token in allowed[:PROBED_FIRST_TOKENS].tolist():
@@ -238,6 +247,7 @@ def _probe(matcher: Any, words: int) -> None:
                                  f"({_readable(trial.get_error())})")
     if matcher.is_error():
         raise ValueError(f"guided_decoding: {_readable(matcher.get_error())}")
+    return mask
 
 
 _compilers: weakref.WeakKeyDictionary[Tokenizer, dict[int, _Compiler]] = weakref.WeakKeyDictionary()
@@ -251,14 +261,21 @@ def new_guide(spec: GuidedDecodingParams, tokenizer: Tokenizer, vocab_size: int)
         compiler = by_vocab.get(vocab_size)
         if compiler is None:
             compiler = by_vocab[vocab_size] = _Compiler(tokenizer, vocab_size)
-    return Guide(compiler.matcher(grammar_text(*spec.key)), compiler.words)
+    matcher, first = compiler.matcher(grammar_text(*spec.key))
+    return Guide(matcher, compiler.words, first, compiler.vocab)
 
 
 def with_guide(params: SamplingParams, guide: Guide) -> SamplingParams:
     """A request's own copy of its params, carrying its guide to the sampler (params may be shared by
-    many requests; the guide is one request's)."""
+    many requests; the guide is one request's). ValueError naming the fields in conflict if the request's
+    other constraints (`allowed_token_ids`, `bad_words` of one token, what `min_tokens` holds back) mask every
+    token its grammar allows first: its first token could not be sampled (the sampler's `first_token_room`;
+    the params are as bound to their sequence, `Sequence`)."""
+    from loopserve.engine.sampler import first_token_room  # (the sampler imports this module)
+
     bound = copy.copy(params)
     bound.guide = guide
+    first_token_room(bound)
     return bound
 
 
@@ -278,9 +295,12 @@ def _fill_masks(guides: list[Guide]) -> torch.Tensor:
     return masks
 
 
-def apply_guides(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def apply_guides(x: torch.Tensor, params: list[SamplingParams],
+                 check: Callable[[list[int], np.ndarray], None] | None = None) -> torch.Tensor:
     """`x` [B, V] with each guided row's disallowed tokens at -inf (the same tensor when no row has a
-    guide; otherwise a new one, so the raw logits stay for logprobs)."""
+    guide; otherwise a new one, so the raw logits stay for logprobs). `check(rows, masks)`, if given, reads
+    the guided rows' bitmasks on the host ([G, words] int32, row j is row rows[j]'s) before they are applied,
+    and may raise (the sampler's: a row that its other masks leave no token, `NothingToSampleError`)."""
     rows = [i for i, p in enumerate(params) if p.guide is not None]
     if not rows:
         return x
@@ -289,6 +309,8 @@ def apply_guides(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     if len(words) != 1:
         raise ValueError("guided_decoding: guides of different vocabularies in one batch")
     masks = _fill_masks([g for g in guides if g is not None])
+    if check is not None:
+        check(rows, masks.numpy())
     dev, vocab = x.device, x.shape[-1]
     shifts = torch.arange(32, dtype=torch.int32, device=dev)
     bits = (upload(masks, dev)[:, :, None] >> shifts) & 1  # [G, words, 32]: little-endian bits of each word

@@ -19,7 +19,10 @@ tokens reach the sampler through its params (`bind`): every caller already passe
 a batch with no such row pays for none of it. Logprobs are of the raw distribution (the model's own,
 before any of these and before temperature): vLLM's default `raw_logprobs`.
 Then `apply_guides` (engine/grammar.py) sets the tokens a guided row's grammar forbids to -inf, from
-the matcher its params carry (structured output); rows without a grammar are not touched.
+the matcher its params carry (structured output); rows without a grammar are not touched. A guided row whose
+grammar and other masks together leave no token fails alone with `NothingToSampleError` naming the fields
+(`guided_room`, checked on the host bitmasks: no device readback), as does a row whose bad words and min_tokens
+leave none of its allowed tokens.
 
 A batch whose rows are all plain greedy (no adjustment, mask, grammar or logprobs) is one argmax over the
 logits as they are (float64 would order them the same), with no float64 copy. On the CPU every
@@ -155,7 +158,8 @@ def _nucleus_from_largest(probs: torch.Tensor, cut: torch.Tensor, k: int,
 class NothingToSampleError(ValueError):
     """A request's own sampling constraints leave it no token to sample at this step: `bad_words` (of several
     tokens, banning a word's last one after the others) and what `min_tokens` holds back cover every one of its
-    `allowed_token_ids`. Its input is at fault, not the engine: it fails alone, with status 400."""
+    `allowed_token_ids`, or, for a guided request, every token its grammar allows there (`guided_room`). Its
+    input is at fault, not the engine: it fails alone, with status 400."""
 
 
 # The failures of one request's own making, which fail it alone and are reported as they are (no traceback):
@@ -208,6 +212,7 @@ class AllowedTokenIds(list[int]):
         self.ids = torch.tensor(self, dtype=torch.long)
         self.top = self[-1] if self else -1
         self._keep: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._packed: dict[int, np.ndarray] = {}
 
     def keep(self, vocab: int, dev: torch.device) -> torch.Tensor:
         """[vocab] bool on `dev`, true at the allowed ids (all < vocab), made once: every step of every sample
@@ -216,6 +221,18 @@ class AllowedTokenIds(list[int]):
         if mask is None:
             host = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, self.ids, True)
             mask = self._keep[(vocab, dev)] = upload(host, dev)
+        return mask
+
+    def packed(self, words: int) -> np.ndarray:
+        """[words] uint32 on the host, a grammar's bitmask layout (bit t % 32 of word t // 32: token t), set at
+        the allowed ids below words * 32; made once, read-only (a guided row's check, `guided_room`)."""
+        mask = self._packed.get(words)
+        if mask is None:
+            bits = np.zeros(words * 32, dtype=bool)
+            ids = self.ids.numpy()
+            bits[ids[ids < len(bits)]] = True
+            mask = self._packed[words] = _as_words(np.packbits(bits, bitorder="little"))
+            mask.flags.writeable = False
         return mask
 
 
@@ -348,6 +365,98 @@ def _allowed(p: SamplingParams) -> AllowedTokenIds:
     return ids if isinstance(ids, AllowedTokenIds) else AllowedTokenIds(ids)
 
 
+def _as_words(mask: np.ndarray) -> np.ndarray:
+    """A bitmask (int32 words as llguidance fills them, or bytes in little bit order) as uint32 words."""
+    return mask.view(np.uint32)
+
+
+def _any_below(words: np.ndarray, vocab: int) -> np.ndarray:
+    """Whether each row of uint32 bitmask `words` [..., W] has a bit set for a token below `vocab`."""
+    full, rem = divmod(vocab, 32)
+    found = np.asarray(words[..., :full].any(-1))
+    if rem and full < words.shape[-1]:
+        found |= (words[..., full] & np.uint32((1 << rem) - 1)) != 0
+    return found
+
+
+def guided_room(p: SamplingParams, grammar: np.ndarray, vocab: int, counter: int, bans: list[int],
+                held: np.ndarray | None) -> str | None:
+    """Why a guided row has no token to sample at output token counter + 1, or None if it has one: `grammar` is
+    the bitmask of the tokens its grammar allows there (int32 or uint32 words), `bans` the tokens its bad words
+    ban then, `held` those min_tokens holds back (None: none), on top of its `allowed_token_ids` (the masks
+    `adjust_logits` and `apply_guides` set to -inf; logit_bias, within +-100, and the penalties mask none). The reason
+    names the grammar's field (`structured_outputs` or `guided_decoding`, as the params name it) and each other
+    field that masks one of the tokens the grammar allows, the first of those (allowed_token_ids, bad_words,
+    min_tokens) ahead as the field at fault (a server's `param`). O(words + banned ids) while a token is left; the
+    names are worked out only when none is."""
+    words = _as_words(grammar)
+    left = words
+    if p.allowed_token_ids is not None:
+        left = left & _allowed(p).packed(len(words))
+    gone = np.asarray(bans, dtype=np.int64)
+    if held is not None and len(held):
+        gone = np.concatenate([gone, held.astype(np.int64, copy=False)])
+    gone = gone[gone < min(vocab, len(words) * 32)]
+    if len(gone):
+        left = left.copy() if left is words else left
+        np.bitwise_and.at(left, gone >> 5, ~(np.uint32(1) << (gone & 31).astype(np.uint32)))
+    if _any_below(left, vocab):
+        return None
+    allows = np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little")[:vocab])
+    names = []
+    if p.allowed_token_ids is not None and not np.isin(allows, _allowed(p).ids.numpy()).all():
+        names.append("allowed_token_ids")
+    if np.isin(allows, bans).any():
+        names.append("bad_words")
+    if held is not None and np.isin(allows, held).any():
+        names.append("min_tokens")
+    spec = p.guided_decoding
+    field = "structured_outputs" if p.structured_outputs is not None else "guided_decoding"
+    kind = next((k for k in ("json", "regex", "choice", "grammar") if getattr(spec, k, None) is not None),
+                "json_object")
+    at = f"at output token {counter + 1}"
+    if not names:
+        return f"{field}: the grammar ({kind}) allows no token of the model's vocabulary [0, {vocab}) {at}"
+    fields = ", ".join([f"{field} ({kind})", *names[:-1]]) + f" and {names[-1]}"
+    why = " (min_tokens holds back the end-of-sequence and stop tokens)" if "min_tokens" in names else ""
+    return f"{names[0]}: {fields} leave no token to sample {at}{why}"
+
+
+def first_token_room(p: SamplingParams) -> None:
+    """ValueError (`guided_room`'s reason) if a guided request could sample no first token: the sampler's masks
+    at output token 1 are exactly its grammar's first mask, its allowed_token_ids, its bad words of one token and,
+    with min_tokens, its end-of-sequence and stop tokens, so this refuses a request only if its first token would
+    fail it (`with_guide`, when its sequence is made). Later tokens are the sampler's (`NothingToSampleError`)."""
+    guide = p.guide
+    if guide is None or guide.first is None or guide.vocab is None:
+        return
+    words = p.bad_words
+    bans = [ids[0] for ids in words.token_ids if len(ids) == 1] if isinstance(words, BadWords) else []
+    bound = isinstance(p.stop_token_ids, StopTokenIds) or p.history is not None  # (its eos tokens are known)
+    held = _held(p).numpy() if p.min_tokens and bound else None
+    why = guided_room(p, guide.first, guide.vocab, 0, bans, held)
+    if why is not None:
+        raise ValueError(why)
+
+
+def _check_guided(params: list[SamplingParams], counters: list[int], vocab: int, rows: list[int],
+                  masks: np.ndarray) -> None:
+    """`apply_guides`' check of the guided rows' bitmasks `masks` (row j: rows[j]'s): `NothingToSampleError` for
+    the first row that its grammar with its other masks leaves no token (its argmax, or its draw from an
+    all-zero distribution, would be a token the grammar refuses: `sample_rows` then fails it alone). A row
+    with no other mask is checked in one vectorized pass for the batch."""
+    alone = _any_below(_as_words(masks), vocab)
+    for j, i in enumerate(rows):
+        p = params[i]
+        early = counters[i] < p.min_tokens
+        if alone[j] and p.allowed_token_ids is None and not p.bad_words and not early:
+            continue
+        bans = _banned(p, counters[i]) if p.bad_words else []
+        why = guided_room(p, masks[j], vocab, counters[i], bans, _held(p).numpy() if early else None)
+        if why is not None:
+            raise NothingToSampleError(why)
+
+
 def adjust_logits(x: torch.Tensor, params: list[SamplingParams], counters: list[int]) -> torch.Tensor:
     """The `allowed_token_ids` and `bad_words` masks (first, as vLLM applies them; a -inf stays -inf whatever
     follows), `logit_bias`, the `min_tokens` mask and the penalties, on the rows that ask for them (`counters`:
@@ -467,7 +576,8 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seeds: list
         return {"tokens": argmax_rows(logits.detach()), "finite": finite}  # (the order of values is the same)
     raw = _raw64(logits, finite)
     x = adjust_logits(raw, params, counters)
-    x = apply_guides(x, params)  # structured output: each guided row's grammar mask (engine/grammar.py)
+    # structured output: each guided row's grammar mask (engine/grammar.py), refused for a row it leaves no token
+    x = apply_guides(x, params, functools.partial(_check_guided, params, counters, x.shape[-1]))
     rand = [i for i, p in enumerate(params) if not p.greedy]
     every = bool(rand) and len(rand) == len(params)  # (then no row takes the argmax, none is copied out)
     tokens = None if every else argmax_rows(x)

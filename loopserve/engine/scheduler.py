@@ -524,7 +524,7 @@ class Scheduler:
             assert self.prefix_scope is not None
             seq.block_hashes = block_keys(self.prefix_scope, seq.rule.max_loops,
                                           seq.state_base if self.random_state else None, seq.prompt_ids,
-                                          self.kv.block_size)
+                                          self.kv.block_size, seq.cache_salt)
         return seq.block_hashes
 
     def _admit(self, seq: Sequence, hit: list[int]) -> None:

@@ -7,7 +7,7 @@ import contextlib
 import copy
 import enum
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Required, TypedDict, cast
 
 import torch
 
@@ -71,7 +71,30 @@ def resolve_exit_rule(params: SamplingParams, model: LoopedLM, lookahead: bool) 
     return ExitRule(policy, threshold, min_loops, max_loops, tuple(params.exit_trace or ()), delayed)
 
 
-PromptType = str | dict[str, Any] | list[int]
+class TextPrompt(TypedDict, total=False):
+    """vLLM's text prompt (`from loopserve import TextPrompt`). `cache_salt` as in vLLM; its multimodal keys are typed
+    as vLLM types them and refused when set (a ValueError naming the key: loopserve's models read text only)."""
+
+    prompt: Required[str]
+    cache_salt: str  # only requests with the same salt share prefix-cache blocks (cache/prefix.py)
+    multi_modal_data: Any
+    mm_processor_kwargs: Any
+
+
+class TokensPrompt(TypedDict, total=False):
+    """vLLM's token prompt: `prompt`, when given, is its text, reported back in the output; multimodal keys as in
+    `TextPrompt`."""
+
+    prompt_token_ids: Required[list[int]]
+    prompt: str | None
+    cache_salt: str
+    multi_modal_data: Any
+    mm_processor_kwargs: Any
+
+
+PromptType = str | TextPrompt | TokensPrompt | dict[str, Any] | list[int]
+# vLLM prompt keys that ask for what a text-only model cannot do: refused when set, never ignored
+_MULTIMODAL_KEYS = ("multi_modal_data", "prompt_embeds", "mm_processor_kwargs", "multi_modal_uuids")
 
 
 def _all_ints(ids: list) -> bool:
@@ -84,13 +107,18 @@ def parse_prompt(prompt: PromptType, tokenizer: Tokenizer) -> tuple[str | None, 
     """(text, token ids) of a prompt given as text, token ids, or {"prompt" | "prompt_token_ids": ...}."""
     if isinstance(prompt, str):
         return prompt, tokenizer.encode(prompt, what="prompt")
-    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-        ids = prompt["prompt_token_ids"]
-        if not isinstance(ids, list) or not _all_ints(ids):
-            raise ValueError("prompt_token_ids: must be a list of integers")
-        return prompt.get("prompt"), list(ids)
-    if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
-        return prompt["prompt"], tokenizer.encode(prompt["prompt"], what="prompt")
+    if isinstance(prompt, dict):
+        given = cast("dict[str, Any]", prompt)  # (TextPrompt, TokensPrompt or a plain dict)
+        for key in _MULTIMODAL_KEYS:
+            if given.get(key):
+                raise ValueError(f"{key}: not supported (loopserve serves text-only looped models)")
+        if "prompt_token_ids" in given:
+            ids = given["prompt_token_ids"]
+            if not isinstance(ids, list) or not _all_ints(ids):
+                raise ValueError("prompt_token_ids: must be a list of integers")
+            return given.get("prompt"), list(ids)
+        if isinstance(given.get("prompt"), str):
+            return given["prompt"], tokenizer.encode(given["prompt"], what="prompt")
     if isinstance(prompt, list) and _all_ints(prompt):
         return None, list(prompt)
     raise ValueError("prompt: expected a string, a list of token ids, or a dict with 'prompt' or 'prompt_token_ids'")
@@ -147,6 +175,9 @@ def make_sequence(model: LoopedLM, tokenizer: Tokenizer, request_id: str, prompt
         raise ValueError(f"n: {params.n} samples, but this engine holds at most {max_num_seqs} sequences at once "
                          "(its --max-num-seqs, EngineConfig.max_num_seqs)")
     text, ids = parse_prompt(prompt, tokenizer)
+    salt = cast("dict[str, Any]", prompt).get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"cache_salt: must be a non-empty string if given, got {salt!r}")
     c = model.config
     ids = truncate_prompt(ids, params.truncate_prompt_tokens, c.max_position)  # the text stays as given (vLLM)
     rule = resolve_exit_rule(params, model, lookahead)
@@ -161,6 +192,7 @@ def make_sequence(model: LoopedLM, tokenizer: Tokenizer, request_id: str, prompt
     head = family[0]
     for seq in family:
         seq.family = family
+        seq.cache_salt = salt
     head.pending_forks = family[1:]
     return head
 
@@ -300,6 +332,7 @@ class Sequence:
         self._state_chain: list[int] = []  # state seeds of positions 0.. computed so far
         self.num_cached_tokens = 0  # prompt tokens the latest admission took from the prefix cache
         self.block_hashes: list[bytes] | None = None  # the prompt's full KV blocks' keys (prefix cache)
+        self.cache_salt: str | None = None  # part of those keys: only requests with the same salt share blocks
         limit = max_model_len - len(prompt_ids)
         self.max_new = min(params.max_tokens, limit) if params.max_tokens is not None else limit
         self._output_ids: list[int] = []

@@ -13,10 +13,15 @@ JSON), overload a 503 with Retry-After. Requests are validated (tokenizing, chec
 sampling values, compiling grammars) before they reach the engine, so nothing invalid is ever
 admitted; unknown fields are ignored with a warning in the log (vLLM's behaviour). A generation
 request's sequences are built on a worker thread, not on the event loop: compiling a grammar can take
-a second, and llguidance releases the GIL meanwhile, so the other requests are served. Tokenizing
-holds the GIL, so a text prompt surely longer than the context is refused before it is tokenized. A
+a second, and llguidance releases the GIL meanwhile, so the other requests are served. /tokenize and
+/detokenize run on a worker thread too (a 4 MB prompt takes seconds to tokenize: on the event loop
+it would stall every request, /health included), and a long text or id list is tokenized or decoded
+with the GIL released (`Tokenizer.encode`). That still costs a core, so a text prompt surely longer
+than the context is refused before it is tokenized. Parsing a body stays on the event loop (a 3.5 MB
+one of 100,000 chat messages takes about half a second). A
 request that fails in the engine gets the engine's status (400 if its input was at fault, else 500);
-a stream cannot change its status any more, so it is cut instead.
+a stream cannot change its status any more, so it sends one error event with that status in the body
+(the openai client raises it as an `APIError`) and is cut, without [DONE].
 
 Only `application/json` bodies are read: a web page can make a browser send a cross-origin POST
 without asking first only as text/plain, form or multipart, so none of those can run a generation
@@ -25,8 +30,9 @@ unless `--allowed-origins` names it (vLLM allows every origin by default; this s
 `/v1/models` shows the model's path only when asked. With API keys, /v1/*, /tokenize and
 /detokenize need one; /health, /ping, /metrics, /version and /openapi.json stay open (probes, scrapers).
 
-Every response carries `X-Request-Id` (the client's, when it sends one): it is also the response's
-`id` (`cmpl-<id>`, `chatcmpl-<id>`) and names the request in the log.
+Every response carries `X-Request-Id` (the client's, when it sends one; else a generation request's
+body `request_id`, vLLM's field and rule; else a fresh one): it is also the response's `id`
+(`cmpl-<id>`, `chatcmpl-<id>`) and names the request in the log.
 
 A client that goes away (before, during or after sending its request) costs at most one info
 line, and none here when `connection.py` has already answered and logged the request (a stalled
@@ -66,7 +72,7 @@ from starlette.requests import ClientDisconnect
 from loopserve.chat_messages import chat_messages, message_text
 from loopserve.engine.budget import completion_budget, pool_tokens
 from loopserve.engine.engine import LLMEngine
-from loopserve.engine.sequence import Sequence, resolve_exit_rule, truncate_prompt
+from loopserve.engine.sequence import Sequence, TokensPrompt, resolve_exit_rule, truncate_prompt
 from loopserve.load_config import checked_model_len
 from loopserve.outputs import CompletionOutput, RequestOutput
 from loopserve.sampling_params import SamplingParams, truncates_prompt
@@ -79,7 +85,13 @@ from loopserve.serve.async_engine import (
 )
 from loopserve.serve.connection import CLOSED_BY_SERVER
 from loopserve.serve.metrics import ServerMetrics, StatsLogger
-from loopserve.serve.middleware import BodyLimitMiddleware, RequestIdMiddleware, request_id
+from loopserve.serve.middleware import (
+    BodyLimitMiddleware,
+    RequestIdMiddleware,
+    client_named,
+    request_id,
+    set_request_id,
+)
 from loopserve.serve.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -89,6 +101,7 @@ from loopserve.serve.protocol import (
     DetokenizeRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
+    _field_of,
     error_body,
     parse_body,
     parse_tokenize,
@@ -96,6 +109,7 @@ from loopserve.serve.protocol import (
     unknown_fields,
 )
 from loopserve.serve.responses import (
+    TOKENS_AS_IDS,
     ChoiceStream,
     GroupStreamingResponse,
     LogprobFormatter,
@@ -137,6 +151,7 @@ class ServerSettings:
     log_requests: bool = False  # a line per request received and finished
     max_log_len: int | None = None  # prompt characters and token ids shown in such a line; None: all
     stats_interval_s: float | None = 10.0  # the periodic stats line; None: off
+    return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:<id>" unless a request says
 
 
 def load_engine(model: str | Path | None, **kwargs: Any) -> tuple[LLMEngine, Path]:
@@ -163,6 +178,19 @@ def context_length(engine: LLMEngine, cap: int | None) -> int:
     """The server's maximum prompt + completion length: `cap` (--max-model-len) or the model's own
     context, checked as `LLM(max_model_len=...)` is."""
     return checked_model_len(cap, engine.model_config.max_position)
+
+
+def request_failure(out: RequestOutput) -> ApiError | None:
+    """The error a request that ended early answers with, streamed or not (None while it runs, or once it ran to a
+    stop or its length): the engine's status for a failed request (a 400 naming the field its message starts with,
+    e.g. a grammar that bad_words leave no token), 503 for one the server ended (shutdown, abort)."""
+    for c in out.outputs:
+        if c.finish_reason == "error":
+            status, message = out.error_status or 500, out.error or "the engine failed on this request"
+            return ApiError(status, message, _field_of(message) if status == 400 else None)
+        if c.finish_reason not in (None, "stop", "length"):
+            return ApiError(503, out.error or f"request ended: {c.finish_reason}")
+    return None
 
 
 async def _wait_disconnect(receive: Callable) -> None:
@@ -272,7 +300,8 @@ class OpenAIServing:
             raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')")
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.settings.model_name:
+        """A 404 naming `model` unless it names the served model; absent or empty: the served model (vLLM's)."""
+        if name and name != self.settings.model_name:
             raise ApiError(404, f"The model `{name}` does not exist.", "model")
 
     async def read(self, request: Request, parse: Callable[[bytes], Any]) -> Any:
@@ -283,6 +312,7 @@ class OpenAIServing:
             raise ApiError(415, f"Content-Type: expected application/json, got {content_type or 'none'}")
         req = parse(await request.body())
         self.check_model(req.model)
+        self.name_request(request, req)
         unknown = unknown_fields(req)
         if unknown:
             more = len(unknown) - MAX_LISTED_UNKNOWN
@@ -302,18 +332,24 @@ class OpenAIServing:
             raise ApiError.bad_request(e) from None
 
     def make_seq(self, rid: str, text: str | None, ids: list[int], params: SamplingParams, arrival: float,
-                 seed: int | None, what: str, grammar_field: str | None = None) -> Sequence:
+                 seed: int | None, what: str, grammar_field: str | None = None,
+                 cache_salt: str | None = None) -> Sequence:
         """The request's Sequence, or an ApiError naming the field at fault (`what`: the prompt's field;
-        `grammar_field`: the one that gave its grammar, which is compiled here)."""
-        prompt: Any = {"prompt": text, "prompt_token_ids": ids} if text is not None else ids
+        `grammar_field`: the one that gave its grammar, which is compiled here). `cache_salt`: vLLM's field, part
+        of the prompt's prefix-cache keys (cache/prefix.py), for each of the request's samples."""
+        prompt = TokensPrompt(prompt_token_ids=ids, prompt=text) if text is not None else TokensPrompt(
+            prompt_token_ids=ids)
+        if cache_salt is not None:
+            prompt["cache_salt"] = cache_salt
         try:
             seq = self.engine.make_sequence(rid, prompt, params, arrival, seed=seed)
         except ValueError as e:
-            msg: str | None = str(e)
+            msg = str(e)
         else:
-            msg = self.engine.scheduler.never_fits(seq)  # refused before a (streamed) response starts
-            if msg is None:
+            why = self.engine.scheduler.never_fits(seq)  # refused before a (streamed) response starts
+            if why is None:
                 return seq
+            msg = why
         head, _, rest = msg.partition(":")
         param = {"prompt": what, "prompt_token_ids": what, "guided_decoding": grammar_field or head}.get(head, head)
         raise ApiError(400, f"{param}:{rest}" if head in ("prompt", "prompt_token_ids") else msg, param)
@@ -355,11 +391,9 @@ class OpenAIServing:
         done = [o for o in finals if o is not None]
         self.log_finished([(o, o.outputs[0].finish_reason, len(o.outputs[0].token_ids)) for o in done])
         for o in done:
-            for c in o.outputs:
-                if c.finish_reason == "error":
-                    raise ApiError(o.error_status or 500, o.error or "the engine failed on this request")
-                if c.finish_reason not in ("stop", "length"):
-                    raise ApiError(503, o.error or f"request ended: {c.finish_reason}")
+            error = request_failure(o)
+            if error is not None:
+                raise error
         return done
 
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool | None,
@@ -404,6 +438,9 @@ class OpenAIServing:
 
     # -- the shared generation path ---------------------------------------------------------------------------
     async def generate(self, request: Request, gen: _Generation) -> Response:
+        # for this request's task (and its stream's, which copies the context), read by the logprob formatter
+        as_ids = gen.req.return_tokens_as_token_ids
+        TOKENS_AS_IDS.set(self.settings.return_tokens_as_token_ids if as_ids is None else as_ids)
         if not gen.generated:  # before admission: the engine thread may report them at once
             self.metrics.prompt_only([s.request_id for s in gen.seqs])
         try:
@@ -470,25 +507,28 @@ class OpenAIServing:
         return choice
 
     async def stream(self, gen: _Generation, group: RequestGroup) -> AsyncIterator[str]:
-        """SSE chunks: (chat: the assistant role first), then for every output the choices it moved on,
-        usage if asked, [DONE]. The outputs are DELTA ones: a chunk costs what is new."""
+        """SSE chunks of one choice each, as vLLM sends them (a client reading `choices[0]` misses no sample):
+        (chat: the assistant role for every choice, then the echoed text for every choice), then a chunk for
+        every choice an output moved on, usage if asked, [DONE]. The outputs are DELTA ones: a chunk costs
+        what is new. With continuous usage a chunk counts its own choice's prompt and tokens so far (vLLM's
+        rule); the last chunk counts everything. A request that fails raises `StreamFailed` with the status
+        its non-streamed response would have (`collect`): its error event is sent, then the stream is cut."""
         req, obj = gen.req, gen.kind.chunk_object
         sent = {(i, j): ChoiceStream() for i in range(len(gen.seqs)) for j in range(gen.n)}
         latest: dict[int, RequestOutput] = {}
         prompt_logprobs: dict[int, Any] = {}  # a DELTA output carries them in a request's first output only
         chat_prompt_sent = False
-        usage_field: dict[str, Any] = {"usage": None} if req.include_usage else {}
-        if gen.kind.chat:
-            yield sse({**self.base(obj, gen.cid), "choices": [
-                {"index": j, "delta": {"role": gen.role, "content": ""}, "logprobs": None, "finish_reason": None}
-                for j in range(len(gen.seqs) * gen.n)], **usage_field})
-            if gen.echo_text:  # (vLLM's order: the echoed text in a chunk after the role's)
-                yield sse({**self.base(obj, gen.cid), "choices": [
-                    {"index": j, "delta": {"content": gen.echo_text}, "logprobs": None, "finish_reason": None}
-                    for j in range(len(gen.seqs) * gen.n)], **usage_field})
+        continuous = req.include_usage and req.continuous_usage
 
-        def usage() -> dict[str, Any]:
-            return usage_body(list(latest.values()), sum(d.tokens for d in sent.values()))
+        def chunk(choice: dict[str, Any], usage: dict[str, Any] | None) -> dict[str, Any]:
+            return {**self.base(obj, gen.cid), "choices": [choice], **({"usage": usage} if req.include_usage else {})}
+
+        if gen.kind.chat:  # (vLLM's order: the echoed text in chunks after the role's)
+            for delta in [{"role": gen.role, "content": ""}, *([{"content": gen.echo_text}] if gen.echo_text else [])]:
+                for j in range(len(gen.seqs) * gen.n):
+                    p = len(gen.seqs[j // gen.n].prompt_ids)
+                    usage = {"prompt_tokens": p, "completion_tokens": 0, "total_tokens": p} if continuous else None
+                    yield sse(chunk({"index": j, "delta": delta, "logprobs": None, "finish_reason": None}, usage))
 
         try:
             async for i, out in group:
@@ -497,28 +537,25 @@ class OpenAIServing:
                 elif i in prompt_logprobs:
                     out = dataclasses.replace(out, prompt_logprobs=prompt_logprobs[i])
                 latest[i] = out
-                choices = []
+                error = request_failure(out)  # a failed output sends none of its choices
+                if error is not None:
+                    raise StreamFailed(error.status, error.message, error.param)
                 for c in out.outputs:
                     d = sent[i, c.index]
-                    if c.finish_reason not in (None, "stop", "length"):
-                        raise StreamFailed(out.error or f"request ended: {c.finish_reason}")
                     if d.finished or (not gen.generated and d.echoed and c.finish_reason is None):
                         continue  # nothing new for this choice
-                    choices.append(self.choice(gen, i, out, c, d, True))
-                if not choices:
-                    continue
-                chunk = {**self.base(obj, gen.cid), "choices": choices, **usage_field}
-                if gen.kind.chat and req.prompt_logprobs is not None and not chat_prompt_sent:
-                    chunk["prompt_logprobs"] = self.fmt.prompt_logprobs(out)  # top level, as in the response
-                    chat_prompt_sent = True
-                if req.include_usage and req.continuous_usage:
-                    chunk["usage"] = usage()
-                yield sse(chunk)
+                    choice = self.choice(gen, i, out, c, d, True)
+                    body = chunk(choice, usage_body([out], d.tokens) if continuous else None)
+                    if gen.kind.chat and req.prompt_logprobs is not None and not chat_prompt_sent:
+                        body["prompt_logprobs"] = self.fmt.prompt_logprobs(out)  # top level, as in the response
+                        chat_prompt_sent = True
+                    yield sse(body)
         except (EngineDeadError, EngineStoppedError) as e:
-            raise StreamFailed(str(e)) from None
+            raise StreamFailed(503, str(e)) from None
         self.log_finished([(o, sent[i, 0].finish_reason, sent[i, 0].tokens) for i, o in latest.items()])
         if req.include_usage:
-            yield sse({**self.base(obj, gen.cid), "choices": [], "usage": usage()})
+            total = usage_body(list(latest.values()), sum(d.tokens for d in sent.values()))
+            yield sse({**self.base(obj, gen.cid), "choices": [], "usage": total})
         yield "data: [DONE]\n\n"
 
     def new_ids(self, request: Request, kind: _Kind, n: int) -> tuple[str, list[str]]:
@@ -558,6 +595,10 @@ class OpenAIServing:
 
     async def tokenize(self, request: Request) -> JSONResponse:
         req: TokenizeCompletionRequest | TokenizeChatRequest = await self.read(request, parse_tokenize)
+        # on a worker thread (see the module's docstring), as the answer's JSON is written
+        return await anyio.to_thread.run_sync(self.tokenized, req)
+
+    def tokenized(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> JSONResponse:
         if isinstance(req, TokenizeChatRequest):
             text = self.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs, req.tools,
                                     req.continue_final_message, req.documents)
@@ -570,6 +611,9 @@ class OpenAIServing:
 
     async def detokenize(self, request: Request) -> JSONResponse:
         req: DetokenizeRequest = await self.read(request, lambda body: parse_body(DetokenizeRequest, body))
+        return await anyio.to_thread.run_sync(self.detokenized, req)  # (as /tokenize)
+
+    def detokenized(self, req: DetokenizeRequest) -> JSONResponse:
         vocab = self.tokenizer.vocab_size
         for i, t in enumerate(req.tokens):
             if not 0 <= t < vocab:
@@ -580,6 +624,15 @@ class OpenAIServing:
         arrival = time.monotonic()
         req: CompletionRequest = await self.read(request, lambda body: parse_body(CompletionRequest, body))
         return await self.generate(request, await self.build(self.completion, request, req, arrival))
+
+    @staticmethod
+    def name_request(request: Request, req: Any) -> None:
+        """vLLM's rule for the request's id: the X-Request-Id header's, else a generation body's `request_id`, else
+        a fresh one (the middleware's). It names the response (`new_ids`), the log lines and the X-Request-Id
+        header."""
+        rid = getattr(req, "request_id", None)
+        if rid is not None and not client_named(request.scope):
+            set_request_id(request.scope, rid)
 
     async def build(self, make: Callable[[Request, Any, float], _Generation], request: Request, req: Any,
                     arrival: float) -> _Generation:
@@ -599,7 +652,8 @@ class OpenAIServing:
         """A completions request's sequences (built on a worker thread: see the module's docstring)."""
         # a text that will be cut skips the length check that spares tokenizing it; one with a value that is refused
         # later does not
-        prompts = self.completion_prompts(req.prompt, truncates_prompt(req.truncate_prompt_tokens))
+        prompts = self.completion_prompts(req.prompt, truncates_prompt(req.truncate_prompt_tokens),
+                                          req.add_special_tokens is not False)
         n = req.n if isinstance(req.n, int) and req.n >= 1 else 1  # (a bad n is SamplingParams' to name)
         if len(prompts) * n > self.aengine.capacity:  # never admitted, however idle the server (async_engine.py)
             field = "prompt" if len(prompts) > self.aengine.capacity else "n"
@@ -620,12 +674,14 @@ class OpenAIServing:
                                      defaults=self.settings.sampling_defaults,
                                      prompt_logprobs=req.logprobs if echo and req.prompt_logprobs is None else None,
                                      guided_decoding=guide)
-            seqs.append(self.make_seq(rid, text, ids, params, arrival, req.seed, where, grammar_field))
+            seqs.append(self.make_seq(rid, text, ids, params, arrival, req.seed, where, grammar_field, req.cache_salt))
         return _Generation(COMPLETION, req, cid, seqs, echo=echo, generated=generated)
 
-    def completion_prompts(self, prompt: Any, truncated: bool) -> list[tuple[str, str | None, list[int]]]:
+    def completion_prompts(self, prompt: Any, truncated: bool,
+                           add_special_tokens: bool = True) -> list[tuple[str, str | None, list[int]]]:
         """Each prompt of a completions request as (its field: "prompt", or "prompt.i" in a batch; its text,
-        if it was given as text; its token ids)."""
+        if it was given as text, tokenized with the special tokens unless `add_special_tokens` is false, as in
+        vLLM; its token ids)."""
         items: list[Any] = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
         if not items:
             raise ApiError(400, "prompt: must not be empty", "prompt")
@@ -634,7 +690,8 @@ class OpenAIServing:
             where = "prompt" if items is not prompt else f"prompt.{i}"  # one prompt, or one of a batch
             if not p:
                 raise ApiError(400, f"{where}: must not be empty", where)
-            out.append((where, p, self.encode(p, where, truncated)) if isinstance(p, str) else (where, None, list(p)))
+            out.append((where, p, self.encode(p, where, truncated, add_special_tokens)) if isinstance(p, str)
+                       else (where, None, list(p)))
         return out
 
     def encode(self, text: str, what: str, truncated: bool, add_special_tokens: bool = True) -> list[int]:
@@ -680,7 +737,7 @@ class OpenAIServing:
                                  defaults=self.settings.sampling_defaults, guided_decoding=guide)
         cid, (rid,) = self.new_ids(request, CHAT, 1)
         seq = self.make_seq(rid, text, ids, params, arrival, req.seed, "messages",
-                            "tools" if tools is not None else guide_field(req))
+                            "tools" if tools is not None else guide_field(req), req.cache_salt)
         return _Generation(CHAT, req, cid, [seq], top, tools, echo_text=echo_text, role=role)
 
 

@@ -52,8 +52,8 @@ class EngineStoppedError(RuntimeError):
 class EngineSnapshot:
     """Engine state as of the end of the last step, for `/metrics` (read from any thread)."""
 
-    running: int = 0
-    waiting: int = 0
+    running: int = 0  # sequences admitted: each sample of a request with n > 1 counted
+    waiting: int = 0  # sequences waiting for admission (queued or swapped out), samples counted too
     kv_usage: float = 0.0
     exit_depths: dict[int, int] = field(default_factory=dict)
     core_batch: dict[int, int] = field(default_factory=dict)
@@ -226,9 +226,17 @@ class AsyncLLMEngine:
     def _publish(self) -> None:
         eng = self.engine
         sched, st = eng.scheduler, eng.stats
-        waiting = sum(1 for s in sched.waiting if s.request_id not in sched.running) + len(sched.swapped)
+        # both counted in sequences, each sample of a request with n > 1 one (as vLLM V1 counts them, and as
+        # max_num_seqs does): a waiting prompt's samples wait with it (its `pending_forks`), an admitted one's
+        # run with it (they hold their places from its admission on, and fork when its prefill completes)
+        running = waiting = 0
+        for s in sched.waiting:
+            if s.request_id in sched.running:
+                running += len(s.pending_forks)
+            else:
+                waiting += 1 + len(s.pending_forks)
         self.snapshot = EngineSnapshot(
-            running=len(sched.running), waiting=waiting, kv_usage=eng.kv_usage(),
+            running=len(sched.running) + running, waiting=waiting + len(sched.swapped), kv_usage=eng.kv_usage(),
             exit_depths=dict(st.exit_depths), core_batch=dict(st.batch_hist.get("core", {})), ticks=dict(st.ticks),
             core_rows=st.rows.get("core", 0), useful_core_rows=st.useful_core_rows,
             prefill_token_loops=st.prefill_token_loops, refill_events=st.refill_events,

@@ -67,6 +67,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--exit-policy", default=None, choices=DEFAULT_POLICIES, help="exit policy (unset: the model's)")
     g.add_argument("--min-loops", type=int, default=None, help="no exit before this many loops (unset: 1)")
     g.add_argument("--max-loops", type=int, default=None, help="always exit at this many loops (unset: r_max)")
+    g.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="write logprobs' tokens as 'token_id:<id>' (vLLM's flag; a request's "
+                        "return_tokens_as_token_ids wins)")
     s = p.add_argument_group("server limits (--max-model-len and --gpu-memory-utilization: under model)")
     s.add_argument("--max-queued-requests", type=int, default=256,
                    help="sequences accepted beyond --max-num-seqs (each sample of a request with n > 1 counts); "
@@ -202,7 +205,8 @@ def load_server(args: argparse.Namespace) -> tuple[LLMEngine, ServerSettings]:
         allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
         allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials,
         root_path=args.root_path, log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
-        stats_interval_s=None if args.disable_log_stats else args.log_stats_interval)
+        stats_interval_s=None if args.disable_log_stats else args.log_stats_interval,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids)
     return engine, settings
 
 

@@ -3,8 +3,9 @@ with `model_name` and `engine` labels (vLLM's convention, `vllm:` -> `loopserve:
 plus the process metrics of prometheus_client's default collectors (`process_*`, `python_*`); and
 the periodic stats line of the log (`StatsLogger`).
 
-vLLM names: num_requests_running, num_requests_waiting, kv_cache_usage_perc, num_preemptions_total
-prefix_cache_queries_total and prefix_cache_hits_total (prompt tokens looked up in the prefix
+vLLM names: num_requests_running, num_requests_waiting (both in sequences: each of a request's n
+samples counts as one, as in vLLM V1, which runs them as requests of their own), kv_cache_usage_perc,
+num_preemptions_total, prefix_cache_queries_total and prefix_cache_hits_total (prompt tokens looked up in the prefix
 cache, and those it supplied) (read from the engine's last snapshot); prompt_tokens_total, generation_tokens_total,
 request_success_total{finished_reason}, time_to_first_token_seconds, inter_token_latency_seconds,
 e2e_request_latency_seconds, request_queue_time_seconds (arrival to the first step that admits the
@@ -87,8 +88,10 @@ class _EngineCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         s, m = self.snapshot(), [self.model_name, ENGINE]
         for name, doc, value in (
-                ("num_requests_running", "Requests admitted to the engine (KV resident).", s.running),
-                ("num_requests_waiting", "Requests waiting for admission (queued or swapped out).", s.waiting),
+                ("num_requests_running", "Sequences admitted to the engine (KV resident), each of a request's n "
+                                         "samples counted as one (as vLLM V1 counts them).", s.running),
+                ("num_requests_waiting", "Sequences waiting for admission (queued or swapped out), each of a "
+                                         "request's n samples counted as one (as vLLM V1 counts them).", s.waiting),
                 ("kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent of blocks in use.", s.kv_usage)):
             g = GaugeMetricFamily(P + name, doc, labels=LABELS)
             g.add_metric(m, float(value))
@@ -272,8 +275,8 @@ class ServerMetrics:
 class StatsLogger:
     """Logs a line every `interval_s` while the server is busy (an interval with tokens, or requests
     running or waiting at its end), like vLLM's: prompt and generation throughput over the interval,
-    running and waiting requests, KV-cache usage; and for the loops, the mean exit depth of the
-    interval's decode tokens."""
+    running and waiting requests (samples counted, as in the gauges), KV-cache usage; and for the loops, the
+    mean exit depth of the interval's decode tokens."""
 
     def __init__(self, metrics: ServerMetrics, interval_s: float) -> None:
         self.metrics, self.interval_s = metrics, interval_s

@@ -2,8 +2,10 @@
 
 - `BodyLimitMiddleware`: 413 for a body over the limit, declared by Content-Length or streamed.
 - `RequestIdMiddleware`: every request gets an id, the client's `X-Request-Id` when it sends a usable
-  one (else a fresh one); it is echoed in the response's `X-Request-Id` header, and the app reads it
-  from the scope (`request_id(scope)`) for the response's `id` and the log.
+  one (else a fresh one); the app reads it from the scope (`request_id(scope)`) for the response's `id`
+  and the log, and may rename the request before its response starts (`set_request_id`: a generation
+  request's body `request_id`, vLLM's field, when no header named it); the response's `X-Request-Id`
+  header sends the id as of then.
 """
 
 from __future__ import annotations
@@ -14,11 +16,10 @@ import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from loopserve.serve.protocol import error_body
+from loopserve.serve.protocol import error_body, usable_request_id
 
 DRAIN_FACTOR, DRAIN_S = 8, 2.0  # how much of an over-limit body is read and dropped before the 413
 REQUEST_ID_KEY = "loopserve.request_id"  # scope key
-MAX_REQUEST_ID = 128  # longer client ids are replaced (they end up in logs and response ids)
 
 
 class _BodyTooLarge(Exception):
@@ -95,16 +96,25 @@ class BodyLimitMiddleware:
 def _client_request_id(scope: Scope) -> str | None:
     for k, v in scope.get("headers", []):
         if k == b"x-request-id":
-            # visible ASCII only: the id is logged and sent back in a header
-            if 0 < len(v) <= MAX_REQUEST_ID and all(0x21 <= b <= 0x7E for b in v):
-                return v.decode()
-            return None
+            # visible ASCII only, MAX_REQUEST_ID characters at most: the id is logged and sent back in a header
+            rid = v.decode("latin-1")
+            return rid if usable_request_id(rid) else None
     return None
 
 
 def request_id(scope: Scope) -> str:
     """The id `RequestIdMiddleware` gave this request (a fresh one if it did not run)."""
     return scope.get(REQUEST_ID_KEY) or uuid.uuid4().hex
+
+
+def set_request_id(scope: Scope, rid: str) -> None:
+    """Name the request `rid` from now on (the app's choice, before its response starts: the header sends it)."""
+    scope[REQUEST_ID_KEY] = rid
+
+
+def client_named(scope: Scope) -> bool:
+    """Whether the client sent a usable X-Request-Id header (which then names the request)."""
+    return _client_request_id(scope) is not None
 
 
 class RequestIdMiddleware:
@@ -115,12 +125,11 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        rid = _client_request_id(scope) or uuid.uuid4().hex
-        scope[REQUEST_ID_KEY] = rid
-        header = (b"x-request-id", rid.encode())
+        scope[REQUEST_ID_KEY] = _client_request_id(scope) or uuid.uuid4().hex
 
         async def send_with_id(msg: Message) -> None:
-            if msg["type"] == "http.response.start":
+            if msg["type"] == "http.response.start":  # the id as of now (`set_request_id`)
+                header = (b"x-request-id", scope[REQUEST_ID_KEY].encode())
                 msg = {**msg, "headers": [*msg.get("headers", []), header]}
             await send(msg)
 

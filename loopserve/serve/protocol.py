@@ -11,8 +11,8 @@ Known fields are strict:
 - known OpenAI fields that do not change the output (`user`, `metadata`, `store`, `service_tier`,
   `parallel_tool_calls`) are accepted and ignored;
 - known fields whose feature is not implemented (`best_of`, `suffix`, `use_beam_search`,
-  `length_penalty`) are accepted only at their neutral value (n, empty, false, 1); anything else is a
-  400 saying it is not supported.
+  `length_penalty`, vLLM's `priority` and `logits_processors`) are accepted only at their neutral value
+  (n, empty, false, 1, 0, none); anything else is a 400 saying it is not supported.
 
 Structured output (`response_format`, vLLM's `guided_*` and `structured_outputs`) and tool calls
 (`tools`, `tool_choice`) are read by `serve/structured.py`.
@@ -50,6 +50,15 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.param)
+
+
+MAX_REQUEST_ID = 128  # characters of a request id (it ends up in logs, response ids and the X-Request-Id header)
+
+
+def usable_request_id(rid: str) -> bool:
+    """Whether a client's request id (the X-Request-Id header's, or the body's `request_id`) can name its request:
+    1 to MAX_REQUEST_ID visible ASCII characters, as it is logged and sent back in a header."""
+    return 0 < len(rid) <= MAX_REQUEST_ID and all("!" <= c <= "~" for c in rid)
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
@@ -144,10 +153,29 @@ class _SamplingFields(_Strict):
     # vLLM's beam search: not implemented, so accepted only at the values that mean none (false, 1)
     use_beam_search: bool | None = None
     length_penalty: float | None = None
+    # vLLM extensions: logprobs' tokens written "token_id:<id>" (unset: the server's --return-tokens-as-token-ids);
+    # the response's id when no X-Request-Id header names one; a salt of the prompt's prefix-cache keys (requests
+    # share cached blocks only with requests of the same salt, or none); only at the values that ask for nothing
+    # this server lacks: `priority` 0 (no priority scheduling) and no `logits_processors` (no custom code is loaded)
+    return_tokens_as_token_ids: bool | None = None
+    request_id: str | None = None
+    cache_salt: str | None = None
+    priority: int | None = None
+    logits_processors: list[Any] | None = None
 
     def check_unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options: only allowed with stream=true", "stream_options")
+        if self.priority:
+            raise ApiError(400, f"priority: this server does not run priority scheduling (vLLM refuses a priority "
+                                f"unless started with --scheduling-policy priority); only 0 is taken, got "
+                                f"{self.priority}", "priority")
+        if self.logits_processors:
+            raise ApiError(400, "logits_processors: this server loads no custom logits processors (vLLM runs only "
+                                "those it was started with); only an empty list is taken", "logits_processors")
+        if self.request_id is not None and not usable_request_id(self.request_id):
+            raise ApiError(400, f"request_id: must be 1 to {MAX_REQUEST_ID} visible ASCII characters (it is sent "
+                                "back in the X-Request-Id header)", "request_id")
         if self.use_beam_search:
             raise ApiError(400, "use_beam_search: beam search is not supported by this server", "use_beam_search")
         if self.length_penalty is not None and self.length_penalty != 1:
@@ -171,6 +199,7 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool | None = False
+    add_special_tokens: bool | None = True  # vLLM extension: a text prompt tokenized with the special tokens (BOS)
     suffix: str | None = None
     best_of: int | None = None  # SamplingParams' rule: unset or n
 

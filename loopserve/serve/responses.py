@@ -1,6 +1,7 @@
 """The pieces of a response that completions and chat share: what a stream has sent of a choice
 (`ChoiceStream`), logprobs in OpenAI's two shapes (`LogprobFormatter`), `usage` (with the loop counts),
-SSE framing (`sse`), and the streaming response that aborts its engine requests however it ends.
+SSE framing (`sse`), and the streaming response that aborts its engine requests however it ends and
+reports a request that fails mid-stream (`StreamFailed`).
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator
+from contextvars import ContextVar
 from typing import Any
 
 from fastapi.responses import StreamingResponse
@@ -16,9 +18,13 @@ from starlette.types import Receive, Scope, Send
 from loopserve.engine.engine import LLMEngine
 from loopserve.outputs import CompletionOutput, Logprob, RequestOutput
 from loopserve.serve.async_engine import RequestGroup
+from loopserve.serve.protocol import ApiError
 
 log = logging.getLogger("loopserve.serve")
 MIN_LOGPROB = -9999.0  # JSON has no -inf
+# vLLM's return_tokens_as_token_ids: logprobs' tokens written "token_id:<id>". Set per request (a context variable:
+# each HTTP request runs in a task of its own) by `OpenAIServing.generate`, read by `LogprobFormatter.token_str`.
+TOKENS_AS_IDS: ContextVar[bool] = ContextVar("loopserve_tokens_as_ids", default=False)
 
 
 def _lp(x: float) -> float:
@@ -53,6 +59,8 @@ class LogprobFormatter:
         self.tok = engine.tokenizer
 
     def token_str(self, tid: int) -> str:
+        if TOKENS_AS_IDS.get():  # (vLLM's: so are the text offsets and bytes taken from it)
+            return f"token_id:{tid}"
         return self.tok.decode([tid], skip_special_tokens=False)
 
     def completion_logprobs(self, c: CompletionOutput, count: int, d: ChoiceStream,
@@ -103,9 +111,10 @@ class LogprobFormatter:
 
 
 def usage_body(outs: list[RequestOutput], completion_tokens: int) -> dict[str, Any]:
-    """`completion_tokens`: what the response sent (0 for echo with max_tokens 0: the one token the engine
-    ran is not sent). `prompt_tokens_details.cached_tokens`: prompt tokens served from the prefix cache
-    (OpenAI's field)."""
+    """The usage of the requests `outs` (a stream's chunk of one choice with continuous usage: the choice's
+    own request, whose loops its n samples share). `completion_tokens`: what the response sent (0 for echo
+    with max_tokens 0: the one token the engine ran is not sent). `prompt_tokens_details.cached_tokens`:
+    prompt tokens served from the prefix cache (OpenAI's field)."""
     prompt = sum(len(o.prompt_token_ids) for o in outs)
     loops = sum(o.metrics.loops_run for o in outs if o.metrics is not None)
     prefill_loops = sum(o.metrics.prefill_loops for o in outs if o.metrics is not None)
@@ -119,16 +128,31 @@ def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, allow_nan=False)}\n\n"
 
 
-class StreamFailed(RuntimeError):
-    """Raised inside a stream to cut the transport: an in-band error or a clean EOF would read as
-    success to some clients (vLLM's bench client), a broken chunked stream does not."""
+class StreamFailed(ApiError):
+    """A request that failed after its stream started (its status is sent already), raised inside the
+    stream with the status and message a non-streamed response would have. `GroupStreamingResponse` sends
+    it as one in-band error event in OpenAI's shape (`data: {"error": {...}}`: the openai client raises it
+    as an `APIError` with the message), then cuts the transport, with no [DONE]: a clean EOF, or an
+    in-band error followed by [DONE], would read as success to some clients (vLLM's bench client); a
+    broken chunked stream does not."""
+
+
+async def _error_event_on_failure(content: AsyncIterator[str]) -> AsyncIterator[str]:
+    """`content`, then, if it raises `StreamFailed`, its error event before the failure goes on to cut."""
+    try:
+        async for chunk in content:
+            yield chunk
+    except StreamFailed as e:
+        yield sse(e.body())
+        raise
 
 
 class GroupStreamingResponse(StreamingResponse):
-    """A streaming response that aborts its engine requests however the stream ends."""
+    """A streaming response that aborts its engine requests however the stream ends, and ends a failed one
+    with its error event and a cut (`StreamFailed`)."""
 
     def __init__(self, content: AsyncIterator[str], group: RequestGroup) -> None:
-        super().__init__(content, media_type="text/event-stream",
+        super().__init__(_error_event_on_failure(content), media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.group = group
 

@@ -1,0 +1,316 @@
+"""vLLM request fields and server behaviours a probe found accepted and ignored (or done otherwise than vLLM
+does them), against a real `loopserve serve` process on the tiny Huginn (whose tokenizer adds a BOS):
+
+- /tokenize and /detokenize run off the event loop (a 4 MB prompt froze /health for seconds), and a long
+  text is tokenized with the GIL released;
+- `num_requests_running` and `num_requests_waiting` both count sequences (each of a request's n samples),
+  as vLLM V1 does (running counted samples, waiting requests);
+- completions' `add_special_tokens` (default true; false: no BOS), `return_tokens_as_token_ids`
+  ("token_id:<id>" for every token string of the logprobs), `priority` and `logits_processors` (only their
+  neutral values), `request_id` (the response's id unless an X-Request-Id header names one), `cache_salt`
+  (requests share cached prompt blocks only with requests of the same salt), and `"model": ""` (the served
+  model).
+
+The server runs from a launcher that slows tokenizer calls on marked inputs and prints the thread each ran on.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from loopserve.cache.prefix import block_keys
+from loopserve.tokenizer import RELEASE_GIL_FROM, Tokenizer
+from tests.server_helpers import MODEL, Server, metric, run_server, sse_events, wait_idle
+
+pytestmark = pytest.mark.timeout(180)
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+SLOW_S = 3.0  # how long a marked tokenizer call takes
+MARK_LEN = 77  # a /detokenize of this many ids is slowed
+MAX_NUM_SEQS = 3
+PREFIX = [(7 * j) % 300 + 3 for j in range(70)]  # 4 full blocks of 16, then 6 tokens
+LAUNCHER = f'''"""`loopserve` with a tokenizer slow on marked inputs, saying which thread it ran on."""
+import sys
+import threading
+import time
+
+from loopserve.cli import main
+from loopserve.tokenizer import Tokenizer
+
+encode, decode = Tokenizer.encode, Tokenizer.decode
+
+
+def slow(what):
+    print(f"{{what}} on thread {{threading.current_thread().name}}", flush=True)
+    time.sleep({SLOW_S})  # (releases the GIL: on the event loop it would stall the loop, on a worker it would not)
+
+
+def slow_encode(self, text, *args, **kwargs):
+    if isinstance(text, str) and "SLOW-TOKENIZE" in text:
+        slow("encode")
+    return encode(self, text, *args, **kwargs)
+
+
+def slow_decode(self, ids, *args, **kwargs):
+    if len(ids) == {MARK_LEN}:
+        slow("decode")
+    return decode(self, ids, *args, **kwargs)
+
+
+Tokenizer.encode, Tokenizer.decode = slow_encode, slow_decode
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+@pytest.fixture(scope="module")
+def server(tiny_huginn, tmp_path_factory) -> Iterator[Server]:
+    folder = tmp_path_factory.mktemp("vllm-fields")
+    launcher = folder / "slow_tokenizer_loopserve.py"
+    launcher.write_text(LAUNCHER)
+    with run_server(tiny_huginn, folder / "server.log", "--max-num-seqs", str(MAX_NUM_SEQS), "--kv-cache-tokens",
+                    "8192", launcher=launcher) as s:
+        yield s
+
+
+def _json(r: httpx.Response) -> dict:
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _events(server: Server, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", server.url + path, json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(e) for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+
+
+def _refused(r: httpx.Response, param: str) -> str:
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param, err
+    return err["message"]
+
+
+# -- /tokenize and /detokenize off the event loop -----------------------------------------------------------------
+def test_tokenize_and_detokenize_run_off_the_event_loop(server):
+    calls = (("/tokenize", {"prompt": "SLOW-TOKENIZE to be"}, "encode"),
+             ("/tokenize", {"messages": [{"role": "user", "content": "SLOW-TOKENIZE hi"}]}, "encode"),
+             ("/detokenize", {"tokens": [5] * MARK_LEN}, "decode"))
+    for path, body, what in calls:
+        before = server.log.read_text().count(f"{what} on thread")
+        answer: dict = {}
+        t = threading.Thread(target=lambda: answer.update(r=server.post(path, body, timeout=60)))  # noqa: B023
+        t.start()
+        deadline = time.monotonic() + 30
+        while server.log.read_text().count(f"{what} on thread") == before:  # the slow call has started
+            assert time.monotonic() < deadline, server.log.read_text()[-2000:]
+            time.sleep(0.02)
+        start = time.monotonic()
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+        health_s = time.monotonic() - start
+        t.join(60)
+        assert answer["r"].status_code == 200, answer["r"].text
+        # on the event loop /health would wait for the rest of the slow call (SLOW_S, less the poll's lag)
+        assert health_s < SLOW_S / 2, (path, health_s)
+    threads = re.findall(r"(?:encode|decode) on thread (\S+)", server.log.read_text())
+    assert len(threads) >= len(calls) and "MainThread" not in threads, threads  # (uvicorn's loop runs there)
+
+
+def test_long_texts_are_tokenized_with_the_gil_released(tiny_huginn):
+    tok = Tokenizer(tiny_huginn)
+    text = "ROMEO loves JULIET. \n" * 5_000  # the same ids and text as the single calls give
+    assert len(text) > RELEASE_GIL_FROM
+    for special in (True, False):
+        ids = tok.encode(text, add_special_tokens=special)
+        assert ids == tok.tok.encode(text, add_special_tokens=special).ids
+        assert tok.decode(ids, special) == tok.tok.decode(ids, skip_special_tokens=special)
+    text *= 10  # 1 MB: about a second
+    gaps, done = [], threading.Event()
+    took: dict = {}
+
+    def work() -> None:
+        start = time.monotonic()
+        tok.encode(text)
+        took["s"] = time.monotonic() - start
+        done.set()
+
+    worker = threading.Thread(target=work)
+    last = time.monotonic()
+    worker.start()
+    while not done.is_set():  # this thread runs between 5 ms sleeps only while the worker lets go of the GIL
+        time.sleep(0.005)
+        now = time.monotonic()
+        gaps.append(now - last)
+        last = now
+    worker.join()
+    # holding the GIL, the call would stop this thread for all of its time (the list of ids it returns is built
+    # with the GIL held: a fraction of it)
+    assert max(gaps) < took["s"] / 2, (max(gaps), took["s"])
+
+
+# -- metrics: samples in both gauges ---------------------------------------------------------------------------------
+def test_running_and_waiting_gauges_count_samples(server):
+    body = {"model": MODEL, "prompt": "count us", "max_tokens": 1800, "ignore_eos": True, "stream": True,
+            "min_loops": 6}  # (full depth: the long completions stay in flight while /metrics is read)
+    seen = []
+    with httpx.Client(timeout=60) as client, \
+            client.stream("POST", server.url + C, json={**body, "n": MAX_NUM_SEQS}) as first, \
+            client.stream("POST", server.url + C, json={**body, "n": 2}) as second:
+        assert first.status_code == second.status_code == 200
+        deadline = time.monotonic() + 30
+        # the first request's 3 samples fill max_num_seqs: the second's 2 wait for admission
+        while (seen := [metric(server, "loopserve:num_requests_running"),
+                        metric(server, "loopserve:num_requests_waiting")]) != [MAX_NUM_SEQS, 2]:
+            assert time.monotonic() < deadline, seen
+            time.sleep(0.02)
+    wait_idle(server)
+    text = httpx.get(server.url + "/metrics").text
+    assert re.search(r"# HELP loopserve:num_requests_waiting Sequences waiting .* samples counted", text)
+
+
+# -- request fields ------------------------------------------------------------------------------------------------
+def test_completions_add_special_tokens(server):
+    base = {"model": MODEL, "prompt": "To be", "max_tokens": 1, "return_token_ids": True}
+    with_them = _json(server.post("/tokenize", {"prompt": "To be"}))["tokens"]
+    without = _json(server.post("/tokenize", {"prompt": "To be", "add_special_tokens": False}))["tokens"]
+    assert len(with_them) == len(without) + 1  # the BOS
+    for extra, want in (({}, with_them), ({"add_special_tokens": True}, with_them),
+                        ({"add_special_tokens": False}, without)):
+        r = _json(server.post(C, {**base, **extra}))
+        assert r["choices"][0]["prompt_token_ids"] == want, extra
+        assert r["usage"]["prompt_tokens"] == len(want)
+    # token ids are taken as they are
+    r = _json(server.post(C, {**base, "prompt": without, "add_special_tokens": True}))
+    assert r["choices"][0]["prompt_token_ids"] == without
+    # echo gives the text back
+    r = _json(server.post(C, {**base, "echo": True, "add_special_tokens": False}))
+    assert r["choices"][0]["text"].startswith("To be")
+
+
+def test_return_tokens_as_token_ids_in_completions(server):
+    body = {"model": MODEL, "prompt": "Once upon", "max_tokens": 4, "logprobs": 2, "return_token_ids": True,
+            "seed": 3, "return_tokens_as_token_ids": True}
+    r = _json(server.post(C, body))["choices"][0]
+    lp = r["logprobs"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in r["token_ids"]]
+    for top in lp["top_logprobs"]:
+        assert top and all(re.fullmatch(r"token_id:\d+", k) for k in top), top
+    # vLLM's text offsets: each token's string's length after the one before
+    assert lp["text_offset"] == [sum(len(s) for s in lp["tokens"][:k]) for k in range(len(lp["tokens"]))]
+    # the prompt's tokens too, with echo
+    echoed = _json(server.post(C, {**body, "echo": True}))["choices"][0]
+    ids = [*echoed["prompt_token_ids"], *echoed["token_ids"]]
+    assert echoed["logprobs"]["tokens"] == [f"token_id:{t}" for t in ids]
+    # streamed: every chunk's tokens
+    chunks = [e["choices"][0] for e in _events(server, C, body) if e["choices"]]
+    assert [t for c in chunks for t in c["logprobs"]["tokens"]] == \
+        [f"token_id:{t}" for c in chunks for t in c["token_ids"]]
+    # without the field (or with false) tokens are text again: the setting is the request's alone
+    for extra in ({"return_tokens_as_token_ids": False}, {"return_tokens_as_token_ids": None}):
+        plain = _json(server.post(C, {**body, **extra}))["choices"][0]["logprobs"]
+        assert "".join(plain["tokens"]) == r["text"] and not any(t.startswith("token_id:") for t in plain["tokens"])
+
+
+def test_return_tokens_as_token_ids_in_chat(server):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "logprobs": True,
+            "top_logprobs": 2, "return_token_ids": True, "seed": 3, "return_tokens_as_token_ids": True}
+    r = _json(server.post(CHAT, body))["choices"][0]
+    content = r["logprobs"]["content"]
+    assert [c["token"] for c in content] == [f"token_id:{t}" for t in r["token_ids"]]
+    for c in content:
+        assert len(c["top_logprobs"]) == 2 and all(re.fullmatch(r"token_id:\d+", t["token"]) for t in c["top_logprobs"])
+    chunks = [e["choices"][0] for e in _events(server, CHAT, body) if e["choices"] and e["choices"][0]["logprobs"]]
+    assert [c["token"] for ch in chunks for c in ch["logprobs"]["content"]] == \
+        [f"token_id:{t}" for ch in chunks for t in ch["token_ids"]]
+    plain = _json(server.post(CHAT, {**body, "return_tokens_as_token_ids": False}))["choices"][0]
+    assert "".join(c["token"] for c in plain["logprobs"]["content"]) == plain["message"]["content"]
+
+
+@pytest.mark.parametrize("path", [C, CHAT])
+def test_priority_and_logits_processors_only_at_their_neutral_values(server, path):
+    body = ({"prompt": "hi"} if path == C else {"messages": [{"role": "user", "content": "hi"}]})
+    body = {**body, "model": MODEL, "max_tokens": 1}
+    for neutral in ({"priority": 0}, {"priority": None}, {"logits_processors": []}, {"logits_processors": None}):
+        assert server.post(path, {**body, **neutral}).status_code == 200, neutral
+    assert "priority scheduling" in _refused(server.post(path, {**body, "priority": 1}), "priority")
+    assert "priority" in _refused(server.post(path, {**body, "priority": -2}), "priority")
+    _refused(server.post(path, {**body, "priority": "high"}), "priority")
+    for value in (["my_module.Processor"], [{"qualname": "m.P"}]):
+        assert "logits processors" in _refused(server.post(path, {**body, "logits_processors": value}),
+                                               "logits_processors")
+
+
+def test_request_id_field_names_the_response(server):
+    body = {"model": MODEL, "prompt": "id", "max_tokens": 1}
+    r = server.post(C, {**body, "request_id": "body-id-1"})
+    assert r.json()["id"] == "cmpl-body-id-1" and r.headers["x-request-id"] == "body-id-1"
+    # the X-Request-Id header wins (vLLM's rule)
+    r = server.post(C, {**body, "request_id": "body-id-2"}, request_id="header-id-2")
+    assert r.json()["id"] == "cmpl-header-id-2" and r.headers["x-request-id"] == "header-id-2"
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "request_id": "chat-3"}
+    r = server.post(CHAT, chat)
+    assert r.json()["id"] == "chatcmpl-chat-3" and r.headers["x-request-id"] == "chat-3"
+    assert {e["id"] for e in _events(server, CHAT, chat)} == {"chatcmpl-chat-3"}
+    # the same id twice is still two requests to the engine
+    r = server.post(C, {**body, "prompt": ["a", "b"], "n": 2, "request_id": "body-id-1"})
+    assert len(_json(r)["choices"]) == 4
+    for bad in ("", "has space", "x" * 129, "é"):
+        _refused(server.post(C, {**body, "request_id": bad}), "request_id")
+
+
+def test_cache_salt_separates_prefix_cache_entries(server):
+    def cached(prompt: list[int], **extra) -> int:
+        # one seed for all: the tiny Huginn's random initial states are part of the cache keys
+        r = _json(server.post(C, {"model": MODEL, "prompt": prompt, "max_tokens": 1, "seed": 5, **extra}))
+        return r["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    salted = [*PREFIX, 1]
+    assert cached(salted, cache_salt="alice") == 0
+    assert cached([*PREFIX, 2], cache_salt="alice") == 64  # the same salt shares the 4 full blocks
+    assert cached([*PREFIX, 3], cache_salt="bob") == 0  # another salt shares none
+    assert cached([*PREFIX, 4]) == 0  # nor does no salt
+    assert cached([*PREFIX, 5]) == 64
+    assert cached([*PREFIX, 6], cache_salt="bob") == 64
+    messages = [{"role": "user", "content": "a long system prompt " * 8}]
+    chat = {"model": MODEL, "messages": messages, "max_tokens": 1, "seed": 5}
+    first = _json(server.post(CHAT, {**chat, "cache_salt": "carol"}))["usage"]["prompt_tokens_details"]
+    again = _json(server.post(CHAT, {**chat, "cache_salt": "carol"}))["usage"]["prompt_tokens_details"]
+    other = _json(server.post(CHAT, {**chat, "cache_salt": "dave"}))["usage"]["prompt_tokens_details"]
+    assert first["cached_tokens"] == 0 and again["cached_tokens"] > 0 and other["cached_tokens"] == 0
+    _refused(server.post(C, {"model": MODEL, "prompt": "x", "cache_salt": ""}), "cache_salt")
+    _refused(server.post(C, {"model": MODEL, "prompt": "x", "cache_salt": 7}), "cache_salt")
+
+
+def test_block_keys_depend_on_the_salt():
+    scope, tokens = b"s" * 32, list(range(40))
+    plain = block_keys(scope, 4, None, tokens, 16)
+    assert block_keys(scope, 4, None, tokens, 16, None) == plain
+    a, b = block_keys(scope, 4, None, tokens, 16, "a"), block_keys(scope, 4, None, tokens, 16, "b")
+    assert a == block_keys(scope, 4, None, tokens, 16, "a")
+    assert len({*plain, *a, *b}) == 3 * len(plain)  # no key shared
+
+
+def test_an_empty_model_name_is_the_served_model(server):
+    r = _json(server.post(C, {"model": "", "prompt": "hi", "max_tokens": 1}))
+    assert r["model"] == MODEL
+    r = _json(server.post(CHAT, {"model": "", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}))
+    assert r["model"] == MODEL
+    assert _json(server.post("/tokenize", {"model": "", "prompt": "hi"}))["count"] > 0
+    assert _json(server.post("/detokenize", {"model": "", "tokens": [5]}))["prompt"]
+    r = server.post(C, {"model": "other", "prompt": "hi", "max_tokens": 1})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
+def test_the_openapi_schema_lists_the_fields(server):
+    schema = httpx.get(server.url + "/openapi.json").json()["components"]["schemas"]
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        props = schema[name]["properties"]
+        assert {"return_tokens_as_token_ids", "request_id", "cache_salt", "priority",
+                "logits_processors"} <= props.keys(), name
+    assert "add_special_tokens" in schema["CompletionRequest"]["properties"]
