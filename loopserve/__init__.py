@@ -1,12 +1,17 @@
 """loopserve: a serving engine for looped (recurrent-depth) language models."""
 
-from loopserve.beam_search import BeamSearchParams
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine import LLMEngine
 from loopserve.engine.sequence import TextPrompt, TokensPrompt
 from loopserve.llm import LLM
 from loopserve.outputs import CompletionOutput, Logprob, RequestOutput
-from loopserve.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
+from loopserve.sampling_params import (
+    BeamSearchParams,
+    GuidedDecodingParams,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutputKind", "GuidedDecodingParams",
            "StructuredOutputsParams", "BeamSearchParams", "TextPrompt", "TokensPrompt", "RequestOutput",

@@ -6,7 +6,13 @@ candidates are the beam plus each token of that logprob entry (the sampled token
 cumulative logprob the beam's plus the token's. A candidate ending in an end-of-sequence token (unless
 `ignore_eos`) is complete; of the others, the best `beam_width` by score go on. After `max_tokens` steps, or once
 no beam is live, the complete and live beams of a prompt are ranked by `get_beam_search_score` (the cumulative
-logprob over the length, prompt included, to the power `length_penalty`) and the best `beam_width` returned.
+logprob over the length, prompt included, to the power `length_penalty`) and the best `beam_width` returned, each
+with its `text` the whole sequence decoded, prompt included and special tokens kept (vLLM's
+`tokenizer.decode(beam.tokens)`); `include_stop_str_in_output` changes nothing offline, as in vLLM.
+
+One deliberate difference from vLLM: a beam completes on any of the tokenizer's end-of-sequence ids
+(`eos_token_ids`), where vLLM's offline search checks `tokenizer.eos_token_id` alone. loopserve's `generate` stops
+on every end-of-sequence id of the checkpoint (a chat model's end-of-turn token among them), so a beam does too.
 
 Logprobs are the raw model's (before temperature: SamplingParams' `raw_logprobs`), so `temperature` changes only
 which token each step samples, and a sampled token outside the top ones is a candidate too (vLLM's rule). Every
@@ -35,49 +41,15 @@ from tqdm import tqdm
 from loopserve.engine.budget import pool_tokens
 from loopserve.engine.sequence import PromptType, parse_prompt
 from loopserve.outputs import Logprob
-from loopserve.sampling_params import MAX_LOGPROBS, SamplingParams, is_int, is_real
+from loopserve.sampling_params import (  # (BeamSearchParams: vLLM's home, also importable from here)
+    BeamSearchParams,
+    SamplingParams,
+    check_beam_search_params,
+    is_int,
+)
 
 if TYPE_CHECKING:
     from loopserve.llm import LLM
-
-
-@dataclass
-class BeamSearchParams:
-    """vLLM's `BeamSearchParams` (its fields, order and defaults). `beam_width`: beams kept per prompt, and
-    sequences returned; `max_tokens`: the most tokens a beam generates. `include_stop_str_in_output`: a completed
-    beam's text ends with its end-of-sequence token's text (its `tokens` always end with the token). A ValueError
-    names the field at fault."""
-
-    beam_width: int
-    max_tokens: int
-    ignore_eos: bool = False
-    temperature: float = 0.0
-    length_penalty: float = 1.0
-    include_stop_str_in_output: bool = False
-
-    def __post_init__(self) -> None:
-        check_params(self)
-
-
-def check_params(params: BeamSearchParams) -> None:
-    """ValueError naming the first field of `params` that beam search cannot run with."""
-    def bad(name: str, why: str) -> ValueError:
-        return ValueError(f"{name}: {why}, got {getattr(params, name)!r}")
-
-    if not is_int(params.beam_width) or params.beam_width < 1:
-        raise bad("beam_width", "must be an integer >= 1")
-    if 2 * params.beam_width > MAX_LOGPROBS:  # each step asks for the top 2 * beam_width logprobs
-        raise bad("beam_width", f"must be at most {MAX_LOGPROBS // 2} (a step asks for 2 * beam_width logprobs, "
-                                f"and loopserve returns at most {MAX_LOGPROBS})")
-    if not is_int(params.max_tokens) or params.max_tokens < 1:
-        raise bad("max_tokens", "must be an integer >= 1")
-    for name in ("ignore_eos", "include_stop_str_in_output"):
-        if not isinstance(getattr(params, name), bool):
-            raise bad(name, "must be true or false")
-    if not is_real(params.temperature) or params.temperature < 0:
-        raise bad("temperature", "must be a finite number >= 0")
-    if not is_real(params.length_penalty):
-        raise bad("length_penalty", "must be a finite number")
 
 
 @dataclass
@@ -85,8 +57,8 @@ class BeamSearchSequence:
     """One beam (vLLM's fields): `tokens` the prompt's and the generated ones (a completed beam's last is its
     end-of-sequence token), `logprobs` one entry per generated token (the sampled token's, then the top
     2 * beam_width, as `generate` gives them), `cum_logprob` the sum of the generated tokens' logprobs, `text` the
-    generated text (without the end-of-sequence token, unless include_stop_str_in_output). `finish_reason`: "stop"
-    (an end-of-sequence token) or "length" (max_tokens, or the context's end); `stop_reason` None for both, as
+    whole sequence (`tokens`, prompt included) decoded with special tokens kept, as vLLM sets it. `finish_reason`:
+    "stop" (an end-of-sequence token) or "length" (max_tokens, or the context's end); `stop_reason` None for both, as
     `generate` reports them."""
 
     tokens: list[int]
@@ -143,7 +115,7 @@ def beam_search(llm: LLM, prompts: PromptType | Seq[PromptType], params: BeamSea
         raise ValueError(f"lora_request: not supported by loopserve (no LoRA adapters); got {lora_request!r}")
     if not isinstance(params, BeamSearchParams):
         raise ValueError(f"params: expected a BeamSearchParams, got {type(params).__name__}")
-    check_params(params)  # (again: fields may have been set after construction)
+    check_beam_search_params(params)  # (again: fields may have been set after construction)
     if concurrency_limit is not None and (not is_int(concurrency_limit) or concurrency_limit < 1):
         raise ValueError(f"concurrency_limit: must be an integer >= 1 or None, got {concurrency_limit!r}")
     prompt_list = _prompt_list(prompts)
@@ -174,7 +146,6 @@ def _search(llm: LLM, starts: list[_Beam], params: BeamSearchParams, use_tqdm: b
 
     live: list[list[_Beam]] = [[b] for b in starts]
     done: list[list[_Beam]] = [[] for _ in starts]
-    prompt_lens = [len(b.tokens) for b in starts]
     bar = tqdm(total=params.max_tokens, disable=not use_tqdm, desc="Beam search", unit="token")
     for _ in range(params.max_tokens):
         beams = [b for group in live for b in group]
@@ -215,16 +186,12 @@ def _search(llm: LLM, starts: list[_Beam], params: BeamSearchParams, use_tqdm: b
         for b in group:
             b.finish_reason = "length"
         best = sorted(done[p] + group, key=score, reverse=True)[:width]
-        outputs.append(BeamSearchOutput([_sequence(llm, b, prompt_lens[p], params) for b in best]))
+        outputs.append(BeamSearchOutput([_sequence(llm, b) for b in best]))
     return outputs
 
 
-def _sequence(llm: LLM, beam: _Beam, prompt_len: int, params: BeamSearchParams) -> BeamSearchSequence:
-    """A finished beam as returned: its text decoded from its generated tokens (a completed beam's
-    end-of-sequence token only with include_stop_str_in_output, as that token's own text)."""
-    generated = beam.tokens[prompt_len:]
-    stopped = beam.finish_reason == "stop"
-    text = llm.tokenizer.decode(generated[:-1] if stopped else generated)
-    if stopped and params.include_stop_str_in_output:
-        text += llm.tokenizer.decode(generated[-1:], skip_special_tokens=False)
+def _sequence(llm: LLM, beam: _Beam) -> BeamSearchSequence:
+    """A finished beam as returned: its text is its whole sequence decoded, prompt and end-of-sequence token
+    included (vLLM's `tokenizer.decode(beam.tokens)`: HF's decode keeps special tokens by default)."""
+    text = llm.tokenizer.decode(beam.tokens, skip_special_tokens=False)
     return BeamSearchSequence(beam.tokens, beam.logprobs, beam.cum_logprob, text, beam.finish_reason, None)

@@ -13,7 +13,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from loopserve.beam_search import BeamSearchOutput, BeamSearchParams
+from loopserve.beam_search import BeamSearchOutput
 from loopserve.beam_search import beam_search as _beam_search
 from loopserve.cache.layout import KVLayout
 from loopserve.chat_messages import chat_messages, within
@@ -25,7 +25,7 @@ from loopserve.engine.sequence import PromptType, Sequence, TokensPrompt, make_s
 from loopserve.load_config import LOAD_FIELDS, configs, load_for_engine
 from loopserve.models.loader import embedded_model_path
 from loopserve.outputs import RequestOutput
-from loopserve.sampling_params import RequestOutputKind, SamplingParams
+from loopserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from loopserve.tokenizer import Tokenizer, template_variables
 
 Conversation = Seq[Mapping[str, Any]]  # [{"role": "user", "content": "..."}, ...]
@@ -88,7 +88,8 @@ class LLM:
         self.seed = self.load_config.seed
         cfg, c = self.engine_config, self.config
         self.layout = KVLayout(cfg.kv_layout, c.n_prelude, c.n_core, c.n_coda, c.r_max)
-        self.engine = None if cfg.scheduler == "reference" else LLMEngine(self.model, self.tokenizer, cfg, self.seed)
+        self.engine = (None if cfg.scheduler == "reference"
+                       else LLMEngine(self.model, self.tokenizer, cfg, self.seed, self.max_model_len))
         self._counter = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:
@@ -119,9 +120,8 @@ class LLM:
         # from the LLM seed; the same in every scheduler. Initial states are seeded from the prompt.
         seed = params.seed if params.seed is not None else self.seed * 1_000_003 + index
         text, ids = parse_prompt(prompt, self.tokenizer)
-        # cut before the budget check, to this LLM's max_model_len for -1 (make_sequence cuts again, to the model's
-        # context, which is never shorter: no change)
-        ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)
+        # cut before the budget check (make_sequence cuts again, by the same rule: no change)
+        ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len, params.max_tokens)
         kv_tokens = pool_tokens(self.engine) if self.engine is not None else None
         budget = completion_budget(len(ids), params.max_tokens, max_model_len=self.max_model_len,
                                    kv_tokens=kv_tokens, clip_to_context=True)
@@ -136,7 +136,7 @@ class LLM:
             parsed["cache_salt"] = prompt["cache_salt"]
         seq = make_sequence(self.model, self.tokenizer, str(index), parsed,
                             params, seed, self.engine_config.lookahead, self.engine_config.num_speculative_tokens,
-                            base_seed=self.seed,
+                            base_seed=self.seed, max_model_len=self.max_model_len,
                             max_num_seqs=self.engine_config.max_num_seqs if self.engine is not None else None)
         why = self.engine.scheduler.never_fits(seq) if self.engine is not None else None
         if why is not None:

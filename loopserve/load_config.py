@@ -16,6 +16,7 @@ from typing import Any
 
 from loopserve.config_args import knob
 from loopserve.device import AUTO, DTYPE_NAMES, dtype_name, kv_memory_gb
+from loopserve.engine.budget import checked_model_len
 from loopserve.engine.config import EngineConfig
 from loopserve.models.loader import LoadedModel, load_model
 from loopserve.sampling_params import is_int, is_number
@@ -98,16 +99,6 @@ def configs(kwargs: dict[str, Any]) -> tuple[LoadConfig, EngineConfig]:
     load = LoadConfig(**{k: v for k, v in kwargs.items() if k in LOAD_FIELDS})
     cfg = EngineConfig(**{k: v for k, v in kwargs.items() if k not in LOAD_FIELDS})
     return load, load.engine_config(cfg)
-
-
-def checked_model_len(cap: int | None, max_position: int) -> int:
-    """A request's maximum prompt + completion length: `cap` (max_model_len) or the model's own context
-    (`max_position`); ValueError if the cap exceeds the model's context or leaves no room to generate."""
-    if cap is None:
-        return max_position
-    if not 2 <= cap <= max_position:
-        raise ValueError(f"max_model_len: must be in [2, {max_position}] (the model's context), got {cap}")
-    return cap
 
 
 def load_for_engine(model: str | Path, load: LoadConfig, cfg: EngineConfig, *, chat_template: str | None = None,

@@ -56,11 +56,10 @@ def is_real(x: Any) -> bool:
 def python_numbers(value: Any) -> Any:
     """`value` with numpy scalars (np.int64(5), np.float32(0.5), np.True_), alone or in a list, tuple or dict (keys
     and values), as the Python numbers they hold, as vLLM takes them: sweeps written with np.arange / np.linspace
-    pass such values. A one-dimensional array becomes a list. Anything else is returned as it is (the types of a
-    long list are read by their set first, at C speed)."""
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, np.ndarray) and value.ndim == 1:
+    pass such values. An array, of any shape, becomes a list (nested for two dimensions or more: the checks that
+    want a flat list then refuse it naming the field; a 0-d array becomes its number). Anything else is returned
+    as it is (the types of a long list are read by their set first, at C speed)."""
+    if isinstance(value, np.generic | np.ndarray):
         return value.tolist()
     if isinstance(value, list | tuple) and any(issubclass(t, np.generic) for t in set(map(type, value))):
         return type(value)(v.item() if isinstance(v, np.generic) else v for v in value)
@@ -109,8 +108,10 @@ _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "d
 
 def _without_additional_properties(schema: Any) -> Any:
     """`disable_additional_properties`: a copy of the JSON schema (a dict, or its JSON text: then JSON text) in
-    which every object schema (`"type": "object"`) that does not set `additionalProperties` sets it false (vLLM's
-    rule). Walked by keyword, so a property named "type" or "properties" is not taken for a keyword."""
+    which every schema that lists `properties` or `patternProperties` (a dict) and does not set
+    `additionalProperties` sets it false: vLLM's rule (backend_guidance `_walk_json_for_additional_properties`),
+    whatever its `type` says, so a free-form `{"type": "object"}` stays open. Walked by keyword, so a property
+    named "type" or "properties" is not taken for a keyword."""
     def walk(node: Any) -> Any:
         if not isinstance(node, dict):
             return node
@@ -124,7 +125,8 @@ def _without_additional_properties(schema: Any) -> Any:
         for key in _SUBSCHEMA_MAPS:
             if isinstance(out.get(key), dict):
                 out[key] = {name: walk(x) for name, x in out[key].items()}
-        if out.get("type") == "object" and "additionalProperties" not in out:
+        if "additionalProperties" not in out and (isinstance(out.get("properties"), dict)
+                                                  or isinstance(out.get("patternProperties"), dict)):
             out["additionalProperties"] = False
         return out
 
@@ -315,11 +317,11 @@ class SamplingParams:
             return ValueError(f"{name}: {why}, got {_short(getattr(self, name))}")
 
         given = self.__dict__
-        if any(issubclass(t, np.generic | np.ndarray) for t in set(map(type, given.values()))):
+        if any(issubclass(t, _NUMPY) for t in set(map(type, given.values()))):  # (every array: now a list)
             for name in _NUMBER_FIELDS:
                 given[name] = python_numbers(given[name])
-        for name in _NUMBER_LISTS:  # (numpy numbers inside them)
-            if given[name]:
+        for name in _NUMBER_LISTS:  # (numpy numbers inside them; `is not None`, never an array's truth value)
+            if given[name] is not None:
                 given[name] = python_numbers(given[name])
         if not is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise bad("n", f"must be an integer in [1, {MAX_N}]")
@@ -465,7 +467,49 @@ class SamplingParams:
 
 
 # the fields a user sets to numbers, or lists or dicts of them (`python_numbers` reads them before the checks)
+_NUMPY = np.generic | np.ndarray
 _NUMBER_LISTS = ("stop_token_ids", "allowed_token_ids", "exit_trace", "logit_bias")
 _NUMBER_FIELDS = tuple(f.name for f in fields(SamplingParams)
                        if f.name not in ("stop", "bad_words", "extra_args", "structured_outputs", "history",
                                          "exit_policy", "guided_decoding", "guide"))
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's `BeamSearchParams` (`vllm.sampling_params`: its fields, order and defaults), for `LLM.beam_search`
+    (loopserve/beam_search.py). `beam_width`: beams kept per prompt, and sequences returned; `max_tokens`: the most
+    tokens a beam generates; `ignore_eos`: no end-of-sequence token completes a beam; `temperature`: which token each
+    step samples (an extra candidate); `length_penalty`: the score's exponent of the length.
+    `include_stop_str_in_output`: taken, and changes nothing offline, as in vLLM (a beam's text is its whole
+    sequence decoded, end-of-sequence token included). A ValueError names the field at fault."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        check_beam_search_params(self)
+
+
+def check_beam_search_params(params: BeamSearchParams) -> None:
+    """ValueError naming the first field of `params` that beam search cannot run with."""
+    def bad(name: str, why: str) -> ValueError:
+        return ValueError(f"{name}: {why}, got {_short(getattr(params, name))}")
+
+    if not is_int(params.beam_width) or params.beam_width < 1:
+        raise bad("beam_width", "must be an integer >= 1")
+    if 2 * params.beam_width > MAX_LOGPROBS:  # each step asks for the top 2 * beam_width logprobs
+        raise bad("beam_width", f"must be at most {MAX_LOGPROBS // 2} (a step asks for 2 * beam_width logprobs, "
+                                f"and loopserve returns at most {MAX_LOGPROBS})")
+    if not is_int(params.max_tokens) or params.max_tokens < 1:
+        raise bad("max_tokens", "must be an integer >= 1")
+    for name in ("ignore_eos", "include_stop_str_in_output"):
+        if not isinstance(getattr(params, name), bool):
+            raise bad(name, "must be true or false")
+    if not is_real(params.temperature) or params.temperature < 0:
+        raise bad("temperature", "must be a finite number >= 0")
+    if not is_real(params.length_penalty):
+        raise bad("length_penalty", "must be a finite number")

@@ -1,7 +1,8 @@
 """Beam search (loopserve/beam_search.py, vLLM's `LLM.beam_search`) on tiny checkpoints, in float64 (logprobs
 exact to rounding whatever the batch or the prefix cache): width 1 is greedy `generate` at full depth; a search
 equals a brute-force one built from single-prefix `generate` calls; results are ranked, batched steps equal
-searches alone; end-of-sequence and context-end handling; bad params name their field."""
+searches alone; end-of-sequence and context-end handling; a beam's text is its whole sequence decoded (vLLM's);
+bad params name their field."""
 
 from __future__ import annotations
 
@@ -76,7 +77,8 @@ def test_width_one_is_greedy_generate_at_full_depth(model, request):
         [seq] = out.sequences
         assert seq.tokens == ids + greedy.token_ids
         assert seq.cum_logprob == pytest.approx(greedy.cumulative_logprob, abs=1e-9)
-        assert seq.text == greedy.text and seq.finish_reason == "length" and seq.stop_reason is None
+        assert seq.text == llm.tokenizer.decode(ids + greedy.token_ids, skip_special_tokens=False)
+        assert seq.finish_reason == "length" and seq.stop_reason is None
         assert len(seq.logprobs) == 6
         for token, entry in zip(greedy.token_ids, seq.logprobs, strict=True):
             assert next(iter(entry)) == token and entry[token].rank == 1  # the sampled token first
@@ -216,22 +218,41 @@ def test_end_of_sequence_completes_a_beam(llm):
         assert len(s.logprobs) == len(generated) and s.stop_reason is None
         if s.finish_reason == "stop":
             assert generated[-1] in eos and not set(generated[:-1]) & eos
-            assert s.text == llm.tokenizer.decode(generated[:-1])
         else:
             assert len(generated) == 4 and not set(generated) & eos
-            assert s.text == llm.tokenizer.decode(generated)
     # a completed beam scores without its end-of-sequence token
     s = stopped[0]
     assert _score(llm, s, 1.0) == pytest.approx(s.cum_logprob / (len(s.tokens) - 1))
-    # include_stop_str_in_output: the token's own text ends the completed beam's text
+    # include_stop_str_in_output: taken, and changes nothing offline (vLLM's rule: the text is the whole sequence)
     [kept] = beam_search(llm, "hello", BeamSearchParams(beam_width=3, max_tokens=4, include_stop_str_in_output=True))
-    assert [x.tokens for x in kept.sequences] == [x.tokens for x in out.sequences]
-    for x, y in zip(kept.sequences, out.sequences, strict=True):
-        end = llm.tokenizer.decode(x.tokens[-1:], skip_special_tokens=False) if x.finish_reason == "stop" else ""
-        assert x.text == y.text + end
+    assert [(x.tokens, x.text) for x in kept.sequences] == [(x.tokens, x.text) for x in out.sequences]
     # ignore_eos: no beam completes, every one runs max_tokens (an end-of-sequence token is just a token)
     [ignored] = beam_search(llm, "hello", BeamSearchParams(beam_width=3, max_tokens=4, ignore_eos=True))
     assert all(x.finish_reason == "length" and len(x.tokens) == len(ids) + 4 for x in ignored.sequences)
+
+
+def test_text_is_the_whole_sequence_decoded_prompt_included(llm):
+    """vLLM's `beam.text = tokenizer.decode(beam.tokens)`: the prompt's text, then the generated one, special
+    tokens kept (a completed beam's text ends with its end-of-sequence token's own text)."""
+    [out] = beam_search(llm, "hello", BeamSearchParams(beam_width=3, max_tokens=4))
+    assert any(s.finish_reason == "stop" for s in out.sequences)
+    for s in out.sequences:
+        assert s.text == llm.tokenizer.decode(s.tokens, skip_special_tokens=False)
+        assert s.text.startswith("hello") and len(s.text) > len("hello")
+        if s.finish_reason == "stop":
+            assert s.text.endswith(llm.tokenizer.decode(s.tokens[-1:], skip_special_tokens=False))
+            assert s.text != llm.tokenizer.decode(s.tokens)  # (the special token is kept)
+    [ids] = beam_search(llm, {"prompt_token_ids": [14, 300]}, BeamSearchParams(beam_width=2, max_tokens=2))
+    for s in ids.sequences:  # a token-id prompt's text is decoded too
+        assert s.text.startswith(llm.tokenizer.decode([14, 300], skip_special_tokens=False))
+
+
+def test_beam_search_params_live_beside_sampling_params():
+    """`from vllm.sampling_params import BeamSearchParams` has its loopserve twin; the older homes still work."""
+    import loopserve
+    import loopserve.sampling_params
+
+    assert loopserve.sampling_params.BeamSearchParams is BeamSearchParams is loopserve.BeamSearchParams
 
 
 def test_context_end_finishes_beams(tiny_ouro, monkeypatch):

@@ -313,10 +313,17 @@ def test_truncate_prompt_tokens(ref_llm):
 
 
 def test_truncate_prompt_keeps_the_last_tokens():
-    """-1 keeps the last max_model_len tokens (the context the caller checks against), k >= 1 the last k."""
+    """-1 keeps what the context leaves beside the completion (vLLM's max_input_tokens: max_model_len - max_tokens,
+    or max_model_len - 1 without max_tokens); k >= 1 the last k."""
     ids = list(range(10, 40))
-    assert truncate_prompt(ids, -1, 24) == ids[-24:] == list(range(16, 40))
-    assert truncate_prompt(ids, -1, 30) == truncate_prompt(ids, -1, 2048) == truncate_prompt(ids, None, 24) == ids
-    assert truncate_prompt(ids, 3, 24) == [37, 38, 39]
-    # cutting again to a context no shorter (the engine's, after LLM's or the server's) changes nothing
-    assert truncate_prompt(truncate_prompt(ids, -1, 24), -1, 2048) == ids[-24:]
+    assert truncate_prompt(ids, -1, 24, 4) == ids[-20:] == list(range(20, 40))
+    assert truncate_prompt(ids, -1, 24, None) == ids[-23:]
+    assert truncate_prompt(ids, -1, 34, 4) == truncate_prompt(ids, -1, 2048, 16) == truncate_prompt(ids, None, 24, 4)
+    assert truncate_prompt(ids, -1, 34, 4) == ids
+    assert truncate_prompt(ids, -1, 24, 100) == ids[-1:]  # (the budget check then refuses max_tokens)
+    assert truncate_prompt(ids, 3, 24, 4) == [37, 38, 39]
+    # cutting again with a budget no larger, to a context no shorter (the engine's, after LLM's or the server's,
+    # with the max_tokens they settled on) changes nothing
+    once = truncate_prompt(ids, -1, 24, 4)
+    assert truncate_prompt(once, -1, 24, 4) == truncate_prompt(once, -1, 2048, 4) == once
+    assert truncate_prompt(truncate_prompt(ids, -1, 24, None), -1, 24, 1) == ids[-23:]

@@ -20,7 +20,7 @@ import pytest
 from loopserve.sampling_params import MAX_CHOICES
 from loopserve.tokenizer import Tokenizer
 from loopserve_lab.tiny import TinySpec, make_tiny
-from tests.server_helpers import MODEL, Server, run_server
+from tests.server_helpers import MODEL, Server, run_server, sse_events
 
 pytest.importorskip("llguidance")
 pytestmark = pytest.mark.timeout(180)
@@ -288,3 +288,63 @@ def test_a_grammar_a_bad_word_leaves_no_token_later_is_a_400_naming_the_field(se
     log = server.log.read_text()[offset:]
     assert "Traceback" not in log and "ERROR" not in log, log
     assert r.json()["error"]["param"] == "bad_words", r.text  # (the engine's error names it first)
+
+
+# grammars that pass their first tokens and reach llguidance's parser limit later (after 5 letters; after `["abc",`):
+# the engine fails the request with "guided_decoding: the grammar cannot be parsed past this point (...)"
+LATE_LIMIT_GRAMMAR = "start: /[a-z]{5}/ word\nword: " + " | ".join(f'"w{i}"' for i in range(2500))
+LATE_LIMIT_SCHEMA = {"type": "array", "minItems": 2, "items": False, "prefixItems": [
+    {"type": "string", "pattern": "^[a-z]{3}$"},
+    {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(500)}}]}
+
+
+@pytest.mark.parametrize(("path", "grammar", "field"), [
+    ("/v1/completions", {"guided_grammar": LATE_LIMIT_GRAMMAR}, "guided_grammar"),
+    ("/v1/completions", {"guided_json": LATE_LIMIT_SCHEMA, **COMPACT}, "guided_json"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "late", "schema": LATE_LIMIT_SCHEMA}}, **COMPACT}, "response_format"),
+    ("/v1/chat/completions", {"structured_outputs": {"grammar": LATE_LIMIT_GRAMMAR}}, "structured_outputs"),
+])
+def test_a_grammar_failure_found_later_names_the_field_the_request_gave_it_in(server, path, grammar, field):
+    """A grammar that fails after its first tokens (the engine's error names it `guided_decoding`): the 400's `param`
+    is the field the request gave the grammar in, as for a failure found when the request is made (`make_seq`), and
+    the same in a stream's error event."""
+    base = {"messages": MESSAGES} if "chat" in path else {"prompt": "ROMEO:"}
+    body = {**base, "max_tokens": 30, "temperature": 0.0, **grammar}
+    r = _post(server, path, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field, err
+    assert err["message"].startswith("guided_decoding: the grammar cannot be parsed past this point"), err
+    events: list[str] = []
+    with pytest.raises(httpx.HTTPError), httpx.stream("POST", server.url + path, timeout=60,
+                                                      json={"model": MODEL, **body, "stream": True}) as s:
+        assert s.status_code == 200
+        for e in sse_events(s.iter_lines()):  # the cut raises while reading
+            events.append(e)
+    assert "[DONE]" not in events and json.loads(events[-1]) == {"error": err}, events
+
+
+def test_one_rule_names_the_request_field_of_an_engine_error():
+    """`request_field`: the engine's names of the prompt and the grammar become the request's fields, whether the
+    error is found when the sequence is made (`make_seq`) or later (`request_failure`); other fields stay."""
+    from loopserve.outputs import CompletionOutput, RequestOutput
+    from loopserve.serve.api import request_failure
+    from loopserve.serve.protocol import ApiError, request_field
+
+    limit = "guided_decoding: the grammar cannot be parsed past this point (...)"
+    assert request_field(limit, "prompt", "guided_choice") == "guided_choice"
+    assert request_field(limit, "messages", "response_format") == "response_format"
+    assert request_field(limit) == "guided_decoding"  # (no request to name it)
+    conflict = "bad_words: guided_decoding (choice) and bad_words leave no token to sample at output token 2"
+    assert request_field(conflict, "prompt", "guided_choice") == "bad_words"
+    too_long = ApiError.bad_request("prompt: 5000 tokens; this model's maximum context length is 4096", "prompt.1")
+    assert (too_long.param, too_long.message) == ("prompt.1", "prompt.1: 5000 tokens; this model's maximum context "
+                                                              "length is 4096")
+    failed = RequestOutput("r", None, [1], [CompletionOutput(0, "", [], None, [], "error")], True, error=limit,
+                           error_status=400)
+    error = request_failure(failed, "prompt", "guided_choice")
+    assert error is not None and (error.status, error.message, error.param) == (400, limit, "guided_choice")
+    failed.error_status = 500  # (not the request's fault: no field)
+    error = request_failure(failed, "prompt", "guided_choice")
+    assert error is not None and (error.status, error.param) == (500, None)

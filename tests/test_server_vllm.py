@@ -221,11 +221,10 @@ def _usage(r: httpx.Response, stream: bool) -> dict:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_truncate_prompt_tokens_minus_one_keeps_max_model_len_tokens(server, stream):
-    """vLLM's truncate_prompt_tokens=-1: the prompt's last --max-model-len tokens (48, not the model's 2048), on
-    both endpoints, streamed or not. A shorter prompt runs whole; a longer one is cut to fill the context, which
-    leaves no room to generate: a 400 as for a prompt of MAX_LEN tokens, naming the prompt's field (the count
-    says it was cut). 0 and values below -1 are 400s naming truncate_prompt_tokens."""
+def test_truncate_prompt_tokens_minus_one_keeps_what_the_context_leaves(server, stream):
+    """vLLM's truncate_prompt_tokens=-1: the prompt's last --max-model-len - max_tokens tokens (48 - 3, not the
+    model's 2048), on both endpoints, streamed or not, so the request runs. A shorter prompt runs whole. 0 and
+    values below -1 are 400s naming truncate_prompt_tokens."""
     cmpl, chat = "/v1/completions", "/v1/chat/completions"
     base = {"model": MODEL, "max_tokens": 3, "temperature": 0, "ignore_eos": True,
             **({"stream": True, "stream_options": {"include_usage": True}} if stream else {})}
@@ -235,15 +234,13 @@ def test_truncate_prompt_tokens_minus_one_keeps_max_model_len_tokens(server, str
                       for asked in ({"truncate_prompt_tokens": -1}, {}))
         assert cut["prompt_tokens"] == whole["prompt_tokens"] and cut["completion_tokens"] == 3, (path, cut, whole)
         assert path == chat or cut["prompt_tokens"] == 20
-    text = "to be or not " * 40  # uncut, refused from its length alone (" at least "), before it is tokenized
-    for path, prompt, param in ((cmpl, {"prompt": list(range(5, 5 + 2 * MAX_LEN))}, "prompt"),
-                                (cmpl, {"prompt": text}, "prompt"),
-                                (chat, {"messages": [{"role": "user", "content": text}]}, "messages")):
-        r = _post(server, path, {**base, **prompt, "truncate_prompt_tokens": -1})
-        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
-        assert r.json()["error"]["message"].startswith(
-            f"{param}: {MAX_LEN} tokens; this model's maximum context length is {MAX_LEN} tokens, which leaves no "
-            "room to generate"), r.text
+    text = "to be or not " * 40
+    for path, prompt in ((cmpl, {"prompt": list(range(5, 5 + 2 * MAX_LEN))}), (cmpl, {"prompt": text}),
+                         (chat, {"messages": [{"role": "user", "content": text}]})):
+        r = _post(server, path, {**base, **prompt})
+        assert r.status_code == 400, r.text  # uncut: too long
+        usage = _usage(_post(server, path, {**base, **prompt, "truncate_prompt_tokens": -1}), stream)
+        assert usage["prompt_tokens"] == MAX_LEN - 3 and usage["completion_tokens"] == 3, (path, usage)
     for path, bad in ((cmpl, 0), (cmpl, -2), (chat, 0), (chat, -2)):
         r = _post(server, path, {**base, **short[path], "truncate_prompt_tokens": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text

@@ -1,8 +1,9 @@
 """vLLM request fields and server behaviours a probe found accepted and ignored (or done otherwise than vLLM
 does them), against a real `loopserve serve` process on the tiny Huginn (whose tokenizer adds a BOS):
 
-- /tokenize and /detokenize run off the event loop (a 4 MB prompt froze /health for seconds), and a long
-  text is tokenized with the GIL released;
+- /tokenize and /detokenize run off the event loop (a 4 MB prompt froze /health for seconds), on a lane of
+  their own (a burst of them leaves the worker threads generation requests are built on free), and a long text
+  is tokenized with the GIL released;
 - `num_requests_running` and `num_requests_waiting` both count sequences (each of a request's n samples),
   as vLLM V1 does (running counted samples, waiting requests);
 - completions' `add_special_tokens` (default true; false: no BOS), `return_tokens_as_token_ids`
@@ -11,7 +12,9 @@ does them), against a real `loopserve serve` process on the tiny Huginn (whose t
   (requests share cached prompt blocks only with requests of the same salt), and `"model": ""` (the served
   model).
 
-The server runs from a launcher that slows tokenizer calls on marked inputs and prints the thread each ran on.
+The server runs from a launcher that slows tokenizer calls on marked inputs and prints the thread each ran on and how
+many ran at once, and that gives anyio's shared worker pool POOL_THREADS threads (its default is 40, which a test
+would need as many slow calls to fill).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import httpx
 import pytest
 
 from loopserve.cache.prefix import block_keys
+from loopserve.serve.api import TOKENIZE_THREADS
 from loopserve.tokenizer import RELEASE_GIL_FROM, Tokenizer
 from tests.server_helpers import MODEL, Server, metric, run_server, sse_events, wait_idle
 
@@ -35,26 +39,48 @@ C, CHAT = "/v1/completions", "/v1/chat/completions"
 SLOW_S = 3.0  # how long a marked tokenizer call takes
 MARK_LEN = 77  # a /detokenize of this many ids is slowed
 MAX_NUM_SEQS = 3
+POOL_THREADS = 4  # anyio's shared worker threads in the server (generation requests are built on them)
 PREFIX = [(7 * j) % 300 + 3 for j in range(70)]  # 4 full blocks of 16, then 6 tokens
-LAUNCHER = f'''"""`loopserve` with a tokenizer slow on marked inputs, saying which thread it ran on."""
+LAUNCHER = f'''"""`loopserve` with a tokenizer slow on marked inputs, saying which thread it ran on and how many ran
+at once, and a small shared worker pool."""
+import contextlib
 import sys
 import threading
 import time
 
+import anyio.to_thread
+
 from loopserve.cli import main
+from loopserve.serve import api
 from loopserve.tokenizer import Tokenizer
 
 encode, decode = Tokenizer.encode, Tokenizer.decode
+lock, running = threading.Lock(), [0]
+lifespan = api.OpenAIServing.lifespan
+
+
+@contextlib.asynccontextmanager
+async def small_pool(self, app):
+    anyio.to_thread.current_default_thread_limiter().total_tokens = {POOL_THREADS}  # (the event loop's)
+    async with lifespan(self, app):
+        yield
 
 
 def slow(what):
-    print(f"{{what}} on thread {{threading.current_thread().name}}", flush=True)
+    with lock:
+        running[0] += 1
+        at_once = running[0]
+    print(f"{{what}} on thread {{threading.current_thread().name}} ({{at_once}} at once)", flush=True)
     time.sleep({SLOW_S})  # (releases the GIL: on the event loop it would stall the loop, on a worker it would not)
+    with lock:
+        running[0] -= 1
 
 
 def slow_encode(self, text, *args, **kwargs):
     if isinstance(text, str) and "SLOW-TOKENIZE" in text:
         slow("encode")
+    elif isinstance(text, str) and "LANE-TOKENIZE" in text:
+        slow("lane")
     return encode(self, text, *args, **kwargs)
 
 
@@ -65,6 +91,7 @@ def slow_decode(self, ids, *args, **kwargs):
 
 
 Tokenizer.encode, Tokenizer.decode = slow_encode, slow_decode
+api.OpenAIServing.lifespan = small_pool
 sys.exit(main(sys.argv[1:]))
 '''
 
@@ -120,6 +147,34 @@ def test_tokenize_and_detokenize_run_off_the_event_loop(server):
         assert health_s < SLOW_S / 2, (path, health_s)
     threads = re.findall(r"(?:encode|decode) on thread (\S+)", server.log.read_text())
     assert len(threads) >= len(calls) and "MainThread" not in threads, threads  # (uvicorn's loop runs there)
+
+
+def test_tokenize_calls_run_on_a_lane_of_their_own(server):
+    """As many slow /tokenize calls as the shared worker pool has threads, at once: they run TOKENIZE_THREADS at a
+    time, on their own lane, and a completion sent meanwhile is built on a free shared thread at once (without the
+    lane the burst would hold every shared thread, and its build would wait out a slow call)."""
+    offset = len(server.log.read_text())
+    answers: list[httpx.Response] = []
+    burst = [threading.Thread(target=lambda: answers.append(server.post("/tokenize", {"prompt": "LANE-TOKENIZE"},
+                                                                          timeout=60)))
+             for _ in range(POOL_THREADS)]
+    for t in burst:
+        t.start()
+    deadline = time.monotonic() + 30
+    while server.log.read_text()[offset:].count("lane on thread") < TOKENIZE_THREADS:  # the lane is full
+        assert time.monotonic() < deadline, server.log.read_text()[-2000:]
+        time.sleep(0.02)
+    time.sleep(0.3)  # (the rest of the burst reaches the server)
+    start = time.monotonic()
+    r = server.post(C, {"model": MODEL, "prompt": "hi", "max_tokens": 1})
+    took = time.monotonic() - start
+    for t in burst:
+        t.join(60)
+    assert r.status_code == 200, r.text
+    assert len(answers) == POOL_THREADS and all(a.status_code == 200 for a in answers), answers
+    at_once = [int(k) for k in re.findall(r"lane on thread .* \((\d+) at once\)", server.log.read_text()[offset:])]
+    assert len(at_once) == POOL_THREADS and max(at_once) == TOKENIZE_THREADS, at_once
+    assert took < SLOW_S / 2, took  # (behind the burst it would wait for the rest of a slow call)
 
 
 def test_long_texts_are_tokenized_with_the_gil_released(tiny_huginn):

@@ -151,28 +151,53 @@ def test_max_model_len_caps_prompt_plus_completion(tiny_ouro):
 
 
 @pytest.mark.parametrize("scheduler", ["cdb", "reference"])
-def test_truncate_prompt_tokens_minus_one_keeps_max_model_len_tokens(tiny_ouro, scheduler):
-    """vLLM's truncate_prompt_tokens=-1: the prompt's last max_model_len tokens (this LLM's 24, not the model's
-    2048). A shorter prompt runs whole; a longer one is cut to fill the context, which leaves no room to generate:
-    refused as a prompt of max_model_len tokens is (the count says it was cut), by generate and chat alike."""
+def test_truncate_prompt_tokens_minus_one_keeps_what_the_context_leaves(tiny_ouro, scheduler):
+    """vLLM's truncate_prompt_tokens=-1: the prompt's last max_model_len - max_tokens tokens (this LLM's 24, not the
+    model's 2048), so the request runs; max_model_len - 1 without max_tokens (the completion then runs to the
+    context's end). A shorter prompt runs whole. generate and chat alike."""
     llm = LLM(tiny_ouro, max_model_len=24, scheduler=scheduler)
     greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     to_context = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, truncate_prompt_tokens=-1)
-    short = list(range(5, 25))  # 20 tokens
+    short = list(range(5, 25))  # 20 tokens: exactly what 24 - 4 leaves
     got, want = (llm.generate({"prompt_token_ids": short}, p, use_tqdm=False)[0] for p in (to_context, greedy))
     assert got.prompt_token_ids == want.prompt_token_ids == short
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
     hi = [{"role": "user", "content": "hi"}]  # 15 tokens once rendered
     got, want = (llm.chat(hi, p, use_tqdm=False)[0] for p in (to_context, greedy))
     assert got.prompt_token_ids == want.prompt_token_ids and got.outputs[0].token_ids == want.outputs[0].token_ids
-    filled = r"^prompt: 24 tokens; this model's maximum context length is 24 tokens, which leaves no room to generate"
-    with pytest.raises(ValueError, match=r"^prompt: 30 tokens; "):  # uncut: its own length
+    with pytest.raises(ValueError, match=r"^prompt: 30 tokens; this model's maximum context length is 24"):  # uncut
         llm.generate({"prompt_token_ids": list(range(5, 35))}, greedy, use_tqdm=False)
-    for long_prompt in ({"prompt_token_ids": list(range(5, 35))}, "to be or not " * 20):  # 30 and 121 tokens
-        with pytest.raises(ValueError, match=filled):
-            llm.generate(long_prompt, to_context, use_tqdm=False)
-    with pytest.raises(ValueError, match=filled):
-        llm.chat([{"role": "user", "content": "to be or not " * 20}], to_context, use_tqdm=False)
+    long_ids = list(range(5, 35))  # 30 tokens
+    got = llm.generate({"prompt_token_ids": long_ids}, to_context, use_tqdm=False)[0]
+    assert got.prompt_token_ids == long_ids[-20:] and len(got.outputs[0].token_ids) == 4
+    assert got.outputs[0].token_ids == llm.generate({"prompt_token_ids": long_ids[-20:]}, greedy,
+                                                    use_tqdm=False)[0].outputs[0].token_ids
+    text = llm.generate("to be or not " * 20, to_context, use_tqdm=False)[0]  # 121 tokens
+    assert len(text.prompt_token_ids) == 20 and len(text.outputs[0].token_ids) == 4
+    chat = llm.chat([{"role": "user", "content": "to be or not " * 20}], to_context, use_tqdm=False)[0]
+    assert len(chat.prompt_token_ids) == 20 and len(chat.outputs[0].token_ids) == 4
+    unbounded = SamplingParams(max_tokens=None, temperature=0, ignore_eos=True, truncate_prompt_tokens=-1)
+    got = llm.generate({"prompt_token_ids": long_ids}, unbounded, use_tqdm=False)[0]
+    assert got.prompt_token_ids == long_ids[-23:] and len(got.outputs[0].token_ids) == 1
+
+
+def test_the_engine_holds_max_model_len(tiny_ouro):
+    """`llm.llm_engine` keeps the LLM's max_model_len: a request added to it directly ends there ("length") and -1
+    cuts against it, as through `generate`; a bad cap is a ValueError naming max_model_len."""
+    llm = LLM(tiny_ouro, max_model_len=24)
+    engine = llm.llm_engine
+    assert engine.max_model_len == 24
+    engine.add_request("long", {"prompt_token_ids": list(range(5, 25))},
+                       SamplingParams(max_tokens=None, temperature=0, ignore_eos=True))
+    engine.add_request("cut", {"prompt_token_ids": list(range(5, 35))},
+                       SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, truncate_prompt_tokens=-1))
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert len(done["long"].outputs[0].token_ids) == 4 and done["long"].outputs[0].finish_reason == "length"
+    assert done["cut"].prompt_token_ids == list(range(15, 35)) and len(done["cut"].outputs[0].token_ids) == 4
+    with pytest.raises(ValueError, match=r"^max_model_len: must be in \[2, 2048\]"):
+        type(engine)(llm.model, llm.tokenizer, llm.engine_config, max_model_len=4096)
 
 
 # -- llm.llm_engine --------------------------------------------------------------------------------------------

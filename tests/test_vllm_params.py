@@ -1,7 +1,8 @@
-"""vLLM's parameter types as vLLM scripts use them: numpy numbers in SamplingParams (np.arange / np.linspace sweeps),
-`SamplingParams.clone`, GuidedDecodingParams / StructuredOutputsParams' other fields (backend, disable_fallback,
-disable_additional_properties, structural_tag), and the prompt types `TextPrompt` / `TokensPrompt` (multimodal keys
-refused, never ignored)."""
+"""vLLM's parameter types as vLLM scripts use them: numpy numbers in SamplingParams (np.arange / np.linspace sweeps;
+arrays of any shape, a 2-d one refused naming its field), `SamplingParams.clone`, GuidedDecodingParams /
+StructuredOutputsParams' other fields (backend, disable_fallback, disable_additional_properties, structural_tag),
+and the prompt types `TextPrompt` / `TokensPrompt` (multimodal keys refused, never ignored, whatever their value's
+type)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from loopserve import (
     LLM,
@@ -19,6 +21,7 @@ from loopserve import (
     TokensPrompt,
 )
 from loopserve.engine.grammar import new_guide
+from loopserve.engine.sequence import parse_prompt
 from loopserve.models.loader import load_model
 
 pytestmark = pytest.mark.timeout(120)
@@ -52,6 +55,17 @@ def test_numpy_numbers_are_taken_as_the_python_numbers_they_hold():
 def test_bad_numpy_numbers_are_named_with_their_value(kwargs, field):
     with pytest.raises(ValueError, match=rf"^{field}: "):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("field", ["stop_token_ids", "allowed_token_ids"])
+def test_a_two_dimensional_array_is_refused_naming_its_field(field):
+    """Every array becomes a list, so a 2-d one is a nested list the checks refuse by name (not numpy's "truth
+    value of an array is ambiguous")."""
+    with pytest.raises(ValueError, match=rf"^{field}: .*\[\[1, 2\], \[3, 4\]\]"):
+        SamplingParams(**{field: np.array([[1, 2], [3, 4]])})
+    with pytest.raises(ValueError, match=rf"^{field}: "):
+        SamplingParams(**{field: [np.array([1, 2])]})  # (an array inside the list: not a token id either)
+    assert getattr(SamplingParams(**{field: np.array([4, 2])}), field) in ([4, 2], [2, 4])
 
 
 def test_a_numpy_sweep_runs_like_its_python_twin(tiny_ouro):
@@ -102,26 +116,38 @@ def test_structural_tag_is_refused_and_disable_fallback_taken():
         GuidedDecodingParams(choice=["x"], disable_fallback="yes")
 
 
-def test_disable_additional_properties_closes_every_object_schema_that_does_not_say():
+def test_disable_additional_properties_closes_every_schema_with_properties_that_does_not_say():
+    """vLLM's rule (backend_guidance `_walk_json_for_additional_properties`): a schema that lists `properties` or
+    `patternProperties` and does not set `additionalProperties` is closed, whatever its `type`; a free-form
+    `{"type": "object"}` stays open."""
     schema = {"type": "object", "properties": {
-        "type": {"type": "object", "properties": {"properties": {"type": "string"}}},  # (names, not keywords)
-        "list": {"type": "array", "items": {"type": "object"}},
-        "either": {"anyOf": [{"type": "object"}, {"type": "integer"}]},
-        "open": {"type": "object", "additionalProperties": True}}, "$defs": {"d": {"type": "object"}}}
+        "type": {"type": "object", "properties": {"properties": {"type": "object"}}},  # (names, not keywords)
+        "list": {"type": "array", "items": {"properties": {"x": {"type": "integer"}}}},  # (no type: closed)
+        "either": {"anyOf": [{"type": ["object", "null"], "properties": {"y": {}}}, {"type": "integer"}]},
+        "free": {"type": "object"},  # (no properties: open)
+        "pattern": {"type": "object", "patternProperties": {"^a": {"type": "integer"}}},
+        "open": {"type": "object", "properties": {"z": {}}, "additionalProperties": True}},
+        "$defs": {"d": {"type": "object", "properties": {"w": {"type": "string"}}}, "e": {"type": "object"}}}
     spec = GuidedDecodingParams(json=schema, disable_additional_properties=True)
     got = spec.json
+    props = got["properties"]
     assert got["additionalProperties"] is False
-    assert got["properties"]["type"]["additionalProperties"] is False
-    assert "additionalProperties" not in got["properties"]["type"]["properties"]  # (a property named so: untouched)
-    assert got["properties"]["list"]["items"]["additionalProperties"] is False
-    assert got["properties"]["either"]["anyOf"][0]["additionalProperties"] is False
-    assert "additionalProperties" not in got["properties"]["either"]["anyOf"][1]
-    assert got["properties"]["open"]["additionalProperties"] is True  # (said otherwise: kept)
-    assert got["$defs"]["d"]["additionalProperties"] is False
+    assert props["type"]["additionalProperties"] is False
+    assert "additionalProperties" not in props["type"]["properties"]  # (a property named so: untouched)
+    assert "additionalProperties" not in props["type"]["properties"]["properties"]  # (free-form: open)
+    assert props["list"]["items"]["additionalProperties"] is False
+    assert props["either"]["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in props["either"]["anyOf"][1]
+    assert "additionalProperties" not in props["free"]
+    assert props["pattern"]["additionalProperties"] is False
+    assert props["open"]["additionalProperties"] is True  # (said otherwise: kept)
+    assert got["$defs"]["d"]["additionalProperties"] is False and "additionalProperties" not in got["$defs"]["e"]
     assert "additionalProperties" not in schema and "additionalProperties" not in schema["properties"]["type"]
     as_text = GuidedDecodingParams(json=json.dumps(schema), disable_additional_properties=True)
     assert json.loads(as_text.json) == got
     assert GuidedDecodingParams(json=schema).json == schema  # (off: the schema as given)
+    free = {"type": "object"}
+    assert GuidedDecodingParams(json=free, disable_additional_properties=True).json == free
 
 
 def _accepts(spec: GuidedDecodingParams, text: str, tiny_ouro) -> bool:
@@ -159,6 +185,19 @@ def test_multimodal_prompt_keys_are_refused_not_ignored(tiny_ouro, key):
     with pytest.raises(ValueError, match=rf"^{key}: not supported"):
         llm.generate({"prompt": "ROMEO:", key: {"image": 1}}, use_tqdm=False)
     llm.generate({"prompt": "ROMEO:", key: None}, SamplingParams(max_tokens=1), use_tqdm=False)  # (unset: fine)
+    llm.generate({"prompt": "ROMEO:", key: {}}, SamplingParams(max_tokens=1), use_tqdm=False)  # (empty: unset)
+
+
+@pytest.mark.parametrize("key, value", [
+    ("prompt_embeds", torch.zeros(3, 8)), ("prompt_embeds", torch.ones(1)), ("multi_modal_data", np.zeros((2, 2))),
+    ("multi_modal_data", np.array([1])),
+])
+def test_an_array_or_tensor_under_a_multimodal_key_is_refused_naming_it(key, value):
+    """Set means not None (nor an empty dict, list or tuple), never the value's truth value: a tensor or an
+    array (which has none, or an ambiguous one) is refused naming its key."""
+    for prompt in ({"prompt": "ROMEO:", key: value}, {"prompt_token_ids": [1, 2], key: value}):
+        with pytest.raises(ValueError, match=rf"^{key}: not supported"):
+            parse_prompt(prompt, None)
 
 
 def test_a_prompts_cache_salt_keeps_its_prefix_cache_entries_apart(tiny_ouro):

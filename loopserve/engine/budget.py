@@ -7,6 +7,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from loopserve.sampling_params import is_int
+
+
+def checked_model_len(cap: Any, max_position: int) -> int:
+    """A request's maximum prompt + completion length: `cap` (max_model_len) or the model's own context
+    (`max_position`); ValueError if the cap exceeds the model's context or leaves no room to generate."""
+    if cap is None:
+        return max_position
+    if not (is_int(cap) and 2 <= cap <= max_position):
+        raise ValueError(f"max_model_len: must be in [2, {max_position}] (the model's context), got {cap!r}")
+    return cap
+
 
 def pool_tokens(engine: Any) -> int:
     """The tokens the engine's KV pool holds (whole blocks)."""

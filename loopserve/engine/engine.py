@@ -27,6 +27,7 @@ from loopserve.cache.layout import KVLayout
 from loopserve.cache.manager import KVCacheManager
 from loopserve.cache.pool import KVStore
 from loopserve.cache.prefix import cache_scope
+from loopserve.engine.budget import checked_model_len
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.graphs import StageGraphs
 from loopserve.engine.runner import (
@@ -77,10 +78,14 @@ class InFlight:
 
 
 class LLMEngine:
-    def __init__(self, model: LoopedLM, tokenizer: Tokenizer, cfg: EngineConfig, seed: int = 0) -> None:
+    def __init__(self, model: LoopedLM, tokenizer: Tokenizer, cfg: EngineConfig, seed: int = 0,
+                 max_model_len: int | None = None) -> None:
+        """`max_model_len`: the most prompt + completion tokens of a request (vLLM's; None: the model's context);
+        a request's prompt is checked against it and its output ends there ("length")."""
         if cfg.scheduler == "reference":
             raise ValueError("scheduler: 'reference' is the sequential oracle, not a batching engine")
         c: ModelConfig = model.config
+        self.max_model_len = checked_model_len(max_model_len, c.max_position)
         p = next(model.parameters())
         graphs_on = cfg.cuda_graphs if cfg.cuda_graphs is not None else p.device.type == "cuda"
         prelude_batch, coda_batch = cfg.boundary_batches_for(c.n_prelude, c.n_coda)
@@ -139,7 +144,7 @@ class LLMEngine:
             seed = int.from_bytes(hashlib.sha256(f"{self.seed}:{request_id}".encode()).digest()[:8], "little")
         return make_sequence(self.model, self.tokenizer, request_id, prompt, params, seed, self.cfg.lookahead,
                              self.cfg.num_speculative_tokens, arrival_time, base_seed=self.seed,
-                             max_num_seqs=self.cfg.max_num_seqs)
+                             max_num_seqs=self.cfg.max_num_seqs, max_model_len=self.max_model_len)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: float | None = None, seed: int | None = None) -> None:

@@ -163,9 +163,9 @@ class Guide:
     bitmask of the tokens its grammar allows first (every fresh matcher's; shared, read-only), which admission
     checks against the request's other masks (`with_guide`)."""
 
-    def __init__(self, matcher: Any, words: int, first: np.ndarray | None = None, vocab: int | None = None) -> None:
+    def __init__(self, matcher: Any, words: int, first: np.ndarray, vocab: int) -> None:
         self.matcher, self.words = matcher, words  # words: int32 words of one bitmask
-        self.first, self.vocab = first, vocab  # vocab: the model's (the sampler's logits), if known
+        self.first, self.vocab = first, vocab  # vocab: the model's (the sampler's logits)
 
     def advance(self, token: int) -> None:
         """Consume a taken token (raises if the grammar rejects it: the mask was bypassed or the

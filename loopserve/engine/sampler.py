@@ -428,8 +428,9 @@ def first_token_room(p: SamplingParams) -> None:
     with min_tokens, its end-of-sequence and stop tokens, so this refuses a request only if its first token would
     fail it (`with_guide`, when its sequence is made). Later tokens are the sampler's (`NothingToSampleError`)."""
     guide = p.guide
-    if guide is None or guide.first is None or guide.vocab is None:
+    if guide is None:
         return
+    # (read off the params, not `_banned` / the sequence: this runs while the sequence is being made)
     words = p.bad_words
     bans = [ids[0] for ids in words.token_ids if len(ids) == 1] if isinstance(words, BadWords) else []
     bound = isinstance(p.stop_token_ids, StopTokenIds) or p.history is not None  # (its eos tokens are known)

@@ -244,13 +244,14 @@ class Scheduler:
         self._next_order += n * self._order_step
         return first
 
-    def _resident(self) -> int:
+    def resident(self) -> int:
         """Sequences holding (or about to hold) a state of their own: the running ones, and the samples
-        that will fork from admitted, partly prefilled prompts (n > 1). At most `max_num_seqs`."""
+        that will fork from admitted, partly prefilled prompts (n > 1). At most `max_num_seqs`. (The server's
+        running gauge too: serve/async_engine.py.)"""
         return len(self.running) + sum(len(s.pending_forks) for s in self.waiting if s.request_id in self.running)
 
     def _try_swap_in(self) -> None:
-        while self.swapped and self._resident() < self.cfg.max_num_seqs:
+        while self.swapped and self.resident() < self.cfg.max_num_seqs:
             item = self.swapped[0]
             sid = item.seq.request_id
             shared = self._cached_prompt_blocks(item.seq)
@@ -455,7 +456,7 @@ class Scheduler:
         margin = int(cfg.kv_safety_margin * kv.num_blocks)
         free = kv.num_free
         owed = self._owed_blocks()
-        resident = self._resident()
+        resident = self.resident()
         for seq in list(self.waiting):
             sid = seq.request_id
             admitted = sid in self.running
@@ -858,7 +859,7 @@ class Scheduler:
         # every admitted sequence is in exactly one place: prefilling its prompt, or one work item
         assert set(self.running) == partial | set(ids) and not partial & set(ids), "admitted sequence misplaced"
         assert not set(self.running) & set(swapped), "sequence both resident and swapped"
-        assert self._resident() <= self.cfg.max_num_seqs, "more resident sequences than max_num_seqs"
+        assert self.resident() <= self.cfg.max_num_seqs, "more resident sequences than max_num_seqs"
         assert not self.prefilling, "a prefill chunk's result was never read"
         for s in [*self.waiting, *self.running.values(), *(i.seq for i in self.swapped)]:
             assert not s.finished, f"finished sequence {s.request_id} still queued"

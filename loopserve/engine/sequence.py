@@ -109,8 +109,9 @@ def parse_prompt(prompt: PromptType, tokenizer: Tokenizer) -> tuple[str | None, 
         return prompt, tokenizer.encode(prompt, what="prompt")
     if isinstance(prompt, dict):
         given = cast("dict[str, Any]", prompt)  # (TextPrompt, TokensPrompt or a plain dict)
-        for key in _MULTIMODAL_KEYS:
-            if given.get(key):
+        for key in _MULTIMODAL_KEYS:  # (set: not None nor an empty dict, list or tuple; never a tensor's truth value)
+            value = given.get(key)
+            if value is not None and not (isinstance(value, dict | list | tuple) and not value):
                 raise ValueError(f"{key}: not supported (loopserve serves text-only looped models)")
         if "prompt_token_ids" in given:
             ids = given["prompt_token_ids"]
@@ -124,13 +125,15 @@ def parse_prompt(prompt: PromptType, tokenizer: Tokenizer) -> tuple[str | None, 
     raise ValueError("prompt: expected a string, a list of token ids, or a dict with 'prompt' or 'prompt_token_ids'")
 
 
-def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
-    """The prompt a request runs on: its last `keep` tokens (`truncate_prompt_tokens`), its last `max_model_len`
-    for TRUNCATE_TO_CONTEXT (-1), else all of them (also for a value SamplingParams refuses). `max_model_len`: the
-    context that whoever cuts checks the prompt against (`LLM`'s and the server's max_model_len; in the engine's
-    `make_sequence`, the model's own), never shorter than theirs, so the engine cutting again changes nothing."""
+def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int, max_tokens: int | None) -> list[int]:
+    """The prompt a request runs on: its last `keep` tokens (`truncate_prompt_tokens`), else all of them (also for
+    a value SamplingParams refuses). TRUNCATE_TO_CONTEXT (-1) keeps what the context leaves beside the completion
+    (vLLM's `max_input_tokens`): the last `max_model_len - max_tokens`, or `max_model_len - 1` without max_tokens
+    (room for one token; the completion then runs to the context's end). `max_model_len`: the context whoever cuts
+    checks the prompt against (`LLM`'s, the server's, the engine's: the same cap), so cutting again changes
+    nothing."""
     if keep == TRUNCATE_TO_CONTEXT:
-        keep = max_model_len
+        keep = max(max_model_len - (max_tokens or 1), 1)
     return ids[-keep:] if keep is not None and keep >= 1 else ids
 
 
@@ -155,9 +158,12 @@ def chain_seed(seed: int, token: int) -> int:
 
 def make_sequence(model: LoopedLM, tokenizer: Tokenizer, request_id: str, prompt: PromptType,
                   params: SamplingParams, seed: int, lookahead: bool, num_speculative_tokens: int,
-                  arrival_time: float | None = None, base_seed: int = 0, max_num_seqs: int | None = None) -> Sequence:
+                  arrival_time: float | None = None, base_seed: int = 0, max_num_seqs: int | None = None,
+                  max_model_len: int | None = None) -> Sequence:
     """Validate a request against the model and the engine (`lookahead`, `num_speculative_tokens`,
     `max_num_seqs`: its knobs; None: no limit) and build its Sequence (ValueError names the bad field).
+    `max_model_len`: the most prompt + completion tokens (None: the model's context); the sequence ends
+    ("length") there.
 
     `seed` seeds sampling when the request gives none; the random initial states are seeded by the
     request's own seed, else by `base_seed` (the engine's), chained over the tokens (`Sequence.state_seed`).
@@ -179,15 +185,16 @@ def make_sequence(model: LoopedLM, tokenizer: Tokenizer, request_id: str, prompt
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise ValueError(f"cache_salt: must be a non-empty string if given, got {salt!r}")
     c = model.config
-    ids = truncate_prompt(ids, params.truncate_prompt_tokens, c.max_position)  # the text stays as given (vLLM)
+    context = max_model_len or c.max_position
+    ids = truncate_prompt(ids, params.truncate_prompt_tokens, context, params.max_tokens)  # (the text stays: vLLM)
     rule = resolve_exit_rule(params, model, lookahead)
     state = params.seed if params.seed is not None else base_seed
     # once for the request's n samples, which share them
     params = with_allowed_token_ids(with_bad_words(params, tokenizer, c.vocab_size), tokenizer, c.vocab_size)
-    ids = checked_prompt(ids, params, tokenizer, c.max_position, c.vocab_size)
+    ids = checked_prompt(ids, params, tokenizer, context, c.vocab_size)
     out = list(ids)  # (outputs hand this one to the caller: not the list the engine reads)
     family = [Sequence(sample_id(request_id, j), text, ids, params, rule, _sample_seed(seed, params.seed, j), tokenizer,
-                       c.max_position, c.vocab_size, arrival_time, state_seed=state, index=j, prompt_ids_out=out)
+                       context, c.vocab_size, arrival_time, state_seed=state, index=j, prompt_ids_out=out)
               for j in range(params.n)]
     head = family[0]
     for seq in family:

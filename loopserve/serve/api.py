@@ -15,10 +15,11 @@ admitted; unknown fields are ignored with a warning in the log (vLLM's behaviour
 request's sequences are built on a worker thread, not on the event loop: compiling a grammar can take
 a second, and llguidance releases the GIL meanwhile, so the other requests are served. /tokenize and
 /detokenize run on a worker thread too (a 4 MB prompt takes seconds to tokenize: on the event loop
-it would stall every request, /health included), and a long text or id list is tokenized or decoded
-with the GIL released (`Tokenizer.encode`). That still costs a core, so a text prompt surely longer
-than the context is refused before it is tokenized. Parsing a body stays on the event loop (a 3.5 MB
-one of 100,000 chat messages takes about half a second). A
+it would stall every request, /health included), in a lane of their own (TOKENIZE_THREADS at a time: a
+burst of them never holds the threads generation requests are built on), and a long text or id list is
+tokenized or decoded with the GIL released (`Tokenizer.encode`). That still costs a core, so a text
+prompt surely longer than the context is refused before it is tokenized. Parsing a body stays on the
+event loop (a 3.5 MB one of 100,000 chat messages takes about half a second). A
 request that fails in the engine gets the engine's status (400 if its input was at fault, else 500);
 a stream cannot change its status any more, so it sends one error event with that status in the body
 (the openai client raises it as an `APIError`) and is cut, without [DONE].
@@ -70,10 +71,9 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
 from loopserve.chat_messages import chat_messages, message_text
-from loopserve.engine.budget import completion_budget, pool_tokens
+from loopserve.engine.budget import checked_model_len, completion_budget, pool_tokens
 from loopserve.engine.engine import LLMEngine
 from loopserve.engine.sequence import Sequence, TokensPrompt, resolve_exit_rule, truncate_prompt
-from loopserve.load_config import checked_model_len
 from loopserve.outputs import CompletionOutput, RequestOutput
 from loopserve.sampling_params import SamplingParams, truncates_prompt
 from loopserve.serve.async_engine import (
@@ -101,7 +101,6 @@ from loopserve.serve.protocol import (
     DetokenizeRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
-    _field_of,
     error_body,
     parse_body,
     parse_tokenize,
@@ -109,7 +108,6 @@ from loopserve.serve.protocol import (
     unknown_fields,
 )
 from loopserve.serve.responses import (
-    TOKENS_AS_IDS,
     ChoiceStream,
     GroupStreamingResponse,
     LogprobFormatter,
@@ -122,6 +120,7 @@ from loopserve.serve.structured import ToolPlan, chat_guide, guide_field, reques
 log = logging.getLogger("loopserve.serve")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 GRAMMAR_BUILDS = 1  # requests that may compile a grammar are built one at a time (`OpenAIServing.build`)
+TOKENIZE_THREADS = 2  # /tokenize and /detokenize calls run at once, on their own lane (`OpenAIServing.off_loop`)
 MAX_LISTED_UNKNOWN = 20  # unknown fields named in one warning
 
 
@@ -164,8 +163,8 @@ def load_engine(model: str | Path | None, **kwargs: Any) -> tuple[LLMEngine, Pat
     load, cfg = configs(kwargs)
     if cfg.scheduler == "reference":
         raise ValueError("scheduler: 'reference' is the sequential oracle; serve needs cb, cdb-norefill or cdb")
-    loaded, cfg, _ = load_for_engine(model if model is not None else default_model_path(), load, cfg)
-    return LLMEngine(loaded.model, loaded.tokenizer, cfg, load.seed), loaded.path
+    loaded, cfg, max_model_len = load_for_engine(model if model is not None else default_model_path(), load, cfg)
+    return LLMEngine(loaded.model, loaded.tokenizer, cfg, load.seed, max_model_len), loaded.path
 
 
 def check_sampling_defaults(engine: LLMEngine, defaults: dict[str, Any]) -> None:
@@ -175,19 +174,22 @@ def check_sampling_defaults(engine: LLMEngine, defaults: dict[str, Any]) -> None
 
 
 def context_length(engine: LLMEngine, cap: int | None) -> int:
-    """The server's maximum prompt + completion length: `cap` (--max-model-len) or the model's own
-    context, checked as `LLM(max_model_len=...)` is."""
-    return checked_model_len(cap, engine.model_config.max_position)
+    """The server's maximum prompt + completion length: `cap` (--max-model-len, checked as `LLM(max_model_len=...)`
+    is) or the engine's (its own cap, else the model's context)."""
+    return engine.max_model_len if cap is None else checked_model_len(cap, engine.model_config.max_position)
 
 
-def request_failure(out: RequestOutput) -> ApiError | None:
+def request_failure(out: RequestOutput, prompt_field: str | None = None,
+                    grammar_field: str | None = None) -> ApiError | None:
     """The error a request that ended early answers with, streamed or not (None while it runs, or once it ran to a
-    stop or its length): the engine's status for a failed request (a 400 naming the field its message starts with,
-    e.g. a grammar that bad_words leave no token), 503 for one the server ended (shutdown, abort)."""
+    stop or its length): the engine's status for a failed request (a 400 naming the field at fault as the request
+    named it, as when its sequence is made: `ApiError.bad_request` with the request's prompt and grammar fields; e.g.
+    bad_words, for a grammar that bad_words leave no token), 503 for one the server ended (shutdown, abort)."""
     for c in out.outputs:
         if c.finish_reason == "error":
             status, message = out.error_status or 500, out.error or "the engine failed on this request"
-            return ApiError(status, message, _field_of(message) if status == 400 else None)
+            return ApiError.bad_request(message, prompt_field, grammar_field) if status == 400 else \
+                ApiError(status, message)
         if c.finish_reason not in (None, "stop", "length"):
             return ApiError(503, out.error or f"request ended: {c.finish_reason}")
     return None
@@ -217,12 +219,17 @@ CHAT = _Kind(True, "chat.completion", "chat.completion.chunk", "chatcmpl")
 
 @dataclass
 class _Generation:
-    """One generation request on the shared path: its kind, its body, its id, its sequences."""
+    """One generation request on the shared path: its kind, its body, its id, its sequences, its logprob formatter
+    (which knows whether the request wants tokens as ids), and the fields its prompts and its grammar came in (an
+    error the engine finds names them as the request did: `failure`)."""
 
     kind: _Kind
     req: CompletionRequest | ChatCompletionRequest
     cid: str
     seqs: list[Sequence]
+    fmt: LogprobFormatter
+    prompt_fields: list[str]  # per sequence: "prompt", "prompt.1" (a batch's), "messages"
+    grammar_field: str | None  # response_format, guided_json, structured_outputs, tools, ... (None: no grammar)
     top_logprobs: int = 0  # chat: alternatives per token
     tools: ToolPlan | None = None  # chat: the tool calls the output becomes (serve/structured.py)
     echo: bool = False  # completions: the prompt comes first in the text (and the logprobs)
@@ -239,6 +246,10 @@ class _Generation:
         stop = self.seqs[0].params.stop
         return stop if isinstance(stop, list) else None
 
+    def failure(self, index: int, out: RequestOutput) -> ApiError | None:
+        """The error of sequence `index`'s output `out`, if it ended early (`request_failure`)."""
+        return request_failure(out, self.prompt_fields[index], self.grammar_field)
+
 
 class OpenAIServing:
     """The engine behind the HTTP API, with one method per endpoint (`build_app` routes to them)."""
@@ -249,7 +260,6 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.max_model_len = context_length(engine, settings.max_model_len)
         self.kv_tokens = pool_tokens(engine)
-        self.fmt = LogprobFormatter(engine)
         self.created = int(time.time())
         self.aengine = AsyncLLMEngine(engine, settings.max_queued_requests, on_dead=on_engine_dead)
         self.metrics = ServerMetrics(settings.model_name, lambda: self.aengine.snapshot, engine.model_config.r_max,
@@ -258,6 +268,7 @@ class OpenAIServing:
         self.aengine.on_scheduled = self.metrics.scheduled
         self._http_requests = itertools.count()  # engine ids stay unique whatever ids clients send
         self._grammar_lane: anyio.CapacityLimiter | None = None  # see `build`
+        self._tokenize_lane: anyio.CapacityLimiter | None = None  # see `tokenize`
 
     @asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
@@ -334,8 +345,8 @@ class OpenAIServing:
     def make_seq(self, rid: str, text: str | None, ids: list[int], params: SamplingParams, arrival: float,
                  seed: int | None, what: str, grammar_field: str | None = None,
                  cache_salt: str | None = None) -> Sequence:
-        """The request's Sequence, or an ApiError naming the field at fault (`what`: the prompt's field;
-        `grammar_field`: the one that gave its grammar, which is compiled here). `cache_salt`: vLLM's field, part
+        """The request's Sequence, or a 400 naming the field at fault as the request named it (`what`: the prompt's
+        field; `grammar_field`: the one that gave its grammar, which is compiled here). `cache_salt`: vLLM's field, part
         of the prompt's prefix-cache keys (cache/prefix.py), for each of the request's samples."""
         prompt = TokensPrompt(prompt_token_ids=ids, prompt=text) if text is not None else TokensPrompt(
             prompt_token_ids=ids)
@@ -350,9 +361,7 @@ class OpenAIServing:
             if why is None:
                 return seq
             msg = why
-        head, _, rest = msg.partition(":")
-        param = {"prompt": what, "prompt_token_ids": what, "guided_decoding": grammar_field or head}.get(head, head)
-        raise ApiError(400, f"{param}:{rest}" if head in ("prompt", "prompt_token_ids") else msg, param)
+        raise ApiError.bad_request(msg, what, grammar_field)  # (the rule of a failure found later: `request_failure`)
 
     def admit(self, seqs: list[Sequence]) -> RequestGroup:
         try:
@@ -366,8 +375,8 @@ class OpenAIServing:
         except EngineDeadError as e:
             raise ApiError(503, str(e)) from None
 
-    async def collect(self, group: RequestGroup, request: Request) -> list[RequestOutput] | None:
-        """Final outputs, or None if the client went away first (then the requests are aborted)."""
+    async def collect(self, gen: _Generation, group: RequestGroup, request: Request) -> list[RequestOutput] | None:
+        """`gen`'s final outputs, or None if the client went away first (then the requests are aborted)."""
         finals: list[RequestOutput | None] = [None] * len(group.request_ids)
 
         async def consume() -> None:
@@ -390,8 +399,8 @@ class OpenAIServing:
             group.abort()
         done = [o for o in finals if o is not None]
         self.log_finished([(o, o.outputs[0].finish_reason, len(o.outputs[0].token_ids)) for o in done])
-        for o in done:
-            error = request_failure(o)
+        for i, o in enumerate(finals):
+            error = gen.failure(i, o) if o is not None else None
             if error is not None:
                 raise error
         return done
@@ -438,9 +447,6 @@ class OpenAIServing:
 
     # -- the shared generation path ---------------------------------------------------------------------------
     async def generate(self, request: Request, gen: _Generation) -> Response:
-        # for this request's task (and its stream's, which copies the context), read by the logprob formatter
-        as_ids = gen.req.return_tokens_as_token_ids
-        TOKENS_AS_IDS.set(self.settings.return_tokens_as_token_ids if as_ids is None else as_ids)
         if not gen.generated:  # before admission: the engine thread may report them at once
             self.metrics.prompt_only([s.request_id for s in gen.seqs])
         try:
@@ -451,14 +457,14 @@ class OpenAIServing:
         self.log_received(gen)
         if gen.req.streaming:
             return GroupStreamingResponse(self.stream(gen, group), group)
-        outs = await self.collect(group, request)
+        outs = await self.collect(gen, group, request)
         if outs is None:
             return Response(status_code=499)
         choices = [self.choice(gen, i, o, c, ChoiceStream()) for i, o in enumerate(outs) for c in o.outputs]
         sent = sum(len(c.token_ids) for o in outs for c in o.outputs) if gen.generated else 0
         body = {**self.base(gen.kind.object, gen.cid), "choices": choices, "usage": usage_body(outs, sent)}
         if gen.kind.chat and gen.req.prompt_logprobs is not None:
-            body["prompt_logprobs"] = self.fmt.prompt_logprobs(outs[0])
+            body["prompt_logprobs"] = gen.fmt.prompt_logprobs(outs[0])
         return JSONResponse(body)
 
     def choice(self, gen: _Generation, index: int, out: RequestOutput, c: CompletionOutput, d: ChoiceStream,
@@ -477,7 +483,7 @@ class OpenAIServing:
                 given = out.prompt if out.prompt is not None and gen.req.truncate_prompt_tokens is None else None
                 text = (given if given is not None else self.tokenizer.decode(out.prompt_token_ids)) + text
             body: dict[str, Any] = {"text": text}
-            logprobs = self.fmt.completion_logprobs(c, count, d, echo)
+            logprobs = gen.fmt.completion_logprobs(c, count, d, echo)
         else:
             if not stream:  # (a stream sends the echoed text in a chunk of its own, first)
                 body = {"message": {"role": gen.role, "content": gen.echo_text + text}}
@@ -487,14 +493,14 @@ class OpenAIServing:
                 whole = d.text() + text if finished and gen.tools.required else None
                 body = {"delta": gen.tools.delta(text, whole, d)} if stream else {
                     "message": {**gen.tools.message(c), "role": gen.role}}
-            logprobs = self.fmt.chat_logprobs(c, count, gen.top_logprobs)
+            logprobs = gen.fmt.chat_logprobs(c, count, gen.top_logprobs)
         choice = {"index": index * gen.n + c.index, **body, "logprobs": logprobs,
                   "finish_reason": (gen.tools.finish_reason(c) if gen.tools is not None else c.finish_reason)
                   if finished else None,
                   "stop_reason": c.stop_reason if finished else None,
                   "exit_depths": list(c.exit_depths[:count])}
         if not gen.kind.chat and gen.req.prompt_logprobs is not None and first:
-            choice["prompt_logprobs"] = self.fmt.prompt_logprobs(out)
+            choice["prompt_logprobs"] = gen.fmt.prompt_logprobs(out)
         if gen.req.return_token_ids:
             choice["token_ids"] = list(c.token_ids[:count])
             if first:
@@ -537,7 +543,7 @@ class OpenAIServing:
                 elif i in prompt_logprobs:
                     out = dataclasses.replace(out, prompt_logprobs=prompt_logprobs[i])
                 latest[i] = out
-                error = request_failure(out)  # a failed output sends none of its choices
+                error = gen.failure(i, out)  # a failed output sends none of its choices
                 if error is not None:
                     raise StreamFailed(error.status, error.message, error.param)
                 for c in out.outputs:
@@ -547,7 +553,7 @@ class OpenAIServing:
                     choice = self.choice(gen, i, out, c, d, True)
                     body = chunk(choice, usage_body([out], d.tokens) if continuous else None)
                     if gen.kind.chat and req.prompt_logprobs is not None and not chat_prompt_sent:
-                        body["prompt_logprobs"] = self.fmt.prompt_logprobs(out)  # top level, as in the response
+                        body["prompt_logprobs"] = gen.fmt.prompt_logprobs(out)  # top level, as in the response
                         chat_prompt_sent = True
                     yield sse(body)
         except (EngineDeadError, EngineStoppedError) as e:
@@ -557,6 +563,12 @@ class OpenAIServing:
             total = usage_body(list(latest.values()), sum(d.tokens for d in sent.values()))
             yield sse({**self.base(obj, gen.cid), "choices": [], "usage": total})
         yield "data: [DONE]\n\n"
+
+    def formatter(self, req: CompletionRequest | ChatCompletionRequest) -> LogprobFormatter:
+        """The request's logprob formatter: tokens as "token_id:<id>" if the request asks (vLLM's
+        return_tokens_as_token_ids), else as the server's --return-tokens-as-token-ids says."""
+        as_ids = req.return_tokens_as_token_ids
+        return LogprobFormatter(self.tokenizer, self.settings.return_tokens_as_token_ids if as_ids is None else as_ids)
 
     def new_ids(self, request: Request, kind: _Kind, n: int) -> tuple[str, list[str]]:
         """The response id (from the request id) and the engine ids of its `n` sequences."""
@@ -595,8 +607,16 @@ class OpenAIServing:
 
     async def tokenize(self, request: Request) -> JSONResponse:
         req: TokenizeCompletionRequest | TokenizeChatRequest = await self.read(request, parse_tokenize)
-        # on a worker thread (see the module's docstring), as the answer's JSON is written
-        return await anyio.to_thread.run_sync(self.tokenized, req)
+        return await self.off_loop(self.tokenized, req)
+
+    async def off_loop(self, call: Callable[[Any], JSONResponse], req: Any) -> JSONResponse:
+        """`call(req)` (/tokenize's or /detokenize's, the answer's JSON written too) on a worker thread (see the
+        module's docstring), in the tokenize lane: TOKENIZE_THREADS at a time, so a burst of multi-MB calls (seconds
+        each) never holds the shared pool's threads, which generation requests are built on (`build`); the others
+        wait for the lane."""
+        if self._tokenize_lane is None:
+            self._tokenize_lane = anyio.CapacityLimiter(TOKENIZE_THREADS)  # (made on the event loop)
+        return await anyio.to_thread.run_sync(call, req, limiter=self._tokenize_lane)
 
     def tokenized(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> JSONResponse:
         if isinstance(req, TokenizeChatRequest):
@@ -611,7 +631,7 @@ class OpenAIServing:
 
     async def detokenize(self, request: Request) -> JSONResponse:
         req: DetokenizeRequest = await self.read(request, lambda body: parse_body(DetokenizeRequest, body))
-        return await anyio.to_thread.run_sync(self.detokenized, req)  # (as /tokenize)
+        return await self.off_loop(self.detokenized, req)  # (as /tokenize)
 
     def detokenized(self, req: DetokenizeRequest) -> JSONResponse:
         vocab = self.tokenizer.vocab_size
@@ -666,16 +686,18 @@ class OpenAIServing:
         generated = not (echo and req.max_tokens == 0)
         seqs = []
         for rid, (where, text, whole) in zip(rids, prompts, strict=True):
-            # before the context check, to the server's max_model_len for -1 (the engine cuts again: no change)
-            ids = truncate_prompt(whole, req.truncate_prompt_tokens, self.max_model_len)
-            mt = self.resolve_max_tokens(req.max_tokens if generated else 1, COMPLETIONS_DEFAULT_MAX_TOKENS, len(ids),
-                                         where)
+            requested = req.max_tokens if generated else 1
+            # before the context check (the engine cuts again, by the same rule: no change)
+            ids = truncate_prompt(whole, req.truncate_prompt_tokens, self.max_model_len,
+                                  COMPLETIONS_DEFAULT_MAX_TOKENS if requested is None else requested)
+            mt = self.resolve_max_tokens(requested, COMPLETIONS_DEFAULT_MAX_TOKENS, len(ids), where)
             params = sampling_params(req, max_tokens=mt, logprobs=req.logprobs,
                                      defaults=self.settings.sampling_defaults,
                                      prompt_logprobs=req.logprobs if echo and req.prompt_logprobs is None else None,
                                      guided_decoding=guide)
             seqs.append(self.make_seq(rid, text, ids, params, arrival, req.seed, where, grammar_field, req.cache_salt))
-        return _Generation(COMPLETION, req, cid, seqs, echo=echo, generated=generated)
+        return _Generation(COMPLETION, req, cid, seqs, self.formatter(req), [where for where, _, _ in prompts],
+                           grammar_field, echo=echo, generated=generated)
 
     def completion_prompts(self, prompt: Any, truncated: bool,
                            add_special_tokens: bool = True) -> list[tuple[str, str | None, list[int]]]:
@@ -726,8 +748,8 @@ class OpenAIServing:
                           add_special_tokens=bool(req.add_special_tokens))
         if not ids:
             raise ApiError(400, "messages: the chat template produced an empty prompt", "messages")
-        ids = truncate_prompt(ids, req.truncate_prompt_tokens, self.max_model_len)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        ids = truncate_prompt(ids, req.truncate_prompt_tokens, self.max_model_len, requested)
         name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         if requested is not None and requested < 1:  # named as the request named it (SamplingParams says max_tokens)
             raise ApiError(400, f"{name}: must be an integer >= 1, got {requested}", name)
@@ -736,9 +758,10 @@ class OpenAIServing:
         params = sampling_params(req, max_tokens=mt, logprobs=top if req.logprobs else None,
                                  defaults=self.settings.sampling_defaults, guided_decoding=guide)
         cid, (rid,) = self.new_ids(request, CHAT, 1)
-        seq = self.make_seq(rid, text, ids, params, arrival, req.seed, "messages",
-                            "tools" if tools is not None else guide_field(req), req.cache_salt)
-        return _Generation(CHAT, req, cid, [seq], top, tools, echo_text=echo_text, role=role)
+        grammar_field = "tools" if tools is not None else guide_field(req)
+        seq = self.make_seq(rid, text, ids, params, arrival, req.seed, "messages", grammar_field, req.cache_salt)
+        return _Generation(CHAT, req, cid, [seq], self.formatter(req), ["messages"], grammar_field, top, tools,
+                           echo_text=echo_text, role=role)
 
 
 # -- the app -----------------------------------------------------------------------------------------------------

@@ -227,16 +227,11 @@ class AsyncLLMEngine:
         eng = self.engine
         sched, st = eng.scheduler, eng.stats
         # both counted in sequences, each sample of a request with n > 1 one (as vLLM V1 counts them, and as
-        # max_num_seqs does): a waiting prompt's samples wait with it (its `pending_forks`), an admitted one's
-        # run with it (they hold their places from its admission on, and fork when its prefill completes)
-        running = waiting = 0
-        for s in sched.waiting:
-            if s.request_id in sched.running:
-                running += len(s.pending_forks)
-            else:
-                waiting += 1 + len(s.pending_forks)
+        # max_num_seqs does): an admitted prompt's samples run with it (they hold their places from its admission
+        # on, and fork when its prefill completes: the scheduler's `resident`), a waiting one's wait with it
+        waiting = sum(1 + len(s.pending_forks) for s in sched.waiting if s.request_id not in sched.running)
         self.snapshot = EngineSnapshot(
-            running=len(sched.running) + running, waiting=waiting + len(sched.swapped), kv_usage=eng.kv_usage(),
+            running=sched.resident(), waiting=waiting + len(sched.swapped), kv_usage=eng.kv_usage(),
             exit_depths=dict(st.exit_depths), core_batch=dict(st.batch_hist.get("core", {})), ticks=dict(st.ticks),
             core_rows=st.rows.get("core", 0), useful_core_rows=st.useful_core_rows,
             prefill_token_loops=st.prefill_token_loops, refill_events=st.refill_events,

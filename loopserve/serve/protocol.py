@@ -44,9 +44,15 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.headers = status, message, param, headers
 
     @classmethod
-    def bad_request(cls, error: ValueError) -> ApiError:
-        """A 400 for a ValueError whose message names the field first (`_field_of`)."""
-        return cls(400, str(error), _field_of(str(error)))
+    def bad_request(cls, error: ValueError | str, prompt_field: str | None = None,
+                    grammar_field: str | None = None) -> ApiError:
+        """A 400 for a ValueError (or an engine's error message) that names the field at fault first ("max_tokens:
+        ...", "messages.0.role: ..."), its `param` that field as the request named it (`request_field`)."""
+        message = str(error)
+        head, param = _field_of(message), request_field(message, prompt_field, grammar_field)
+        if head is not None and head in PROMPT_NAMES and param != head:  # the message names it as the request did
+            message = f"{param}{message[len(head):]}"  # "prompt.1: ...", "messages: ..."
+        return cls(400, message, param)
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.param)
@@ -461,3 +467,21 @@ def _field_of(message: str) -> str | None:
     """The field a ValueError's message names first ("max_tokens: ...", "messages.0.role: ..."), or None."""
     head = message.split(":", 1)[0]
     return head if head and all(p.isidentifier() or p.isdigit() for p in head.split(".")) else None
+
+
+PROMPT_NAMES = ("prompt", "prompt_token_ids")  # the engine's names of a request's prompt
+GRAMMAR_NAMES = ("guided_decoding", "structured_outputs")  # and of its grammar (SamplingParams' fields)
+
+
+def request_field(message: str, prompt_field: str | None = None, grammar_field: str | None = None) -> str | None:
+    """The request field a message (a ValueError's, or a failed request's engine error, found when its sequence is
+    made or later) is about: the field it names first, except that the engine's names of the prompt and of the
+    grammar become the fields this request gave them in (`prompt_field`: "prompt", "prompt.1", "messages";
+    `grammar_field`: "response_format", "guided_json", "structured_outputs", "tools", ...), where known. The
+    one rule for `param` of such an error, whenever it is found."""
+    head = _field_of(message)
+    if head in PROMPT_NAMES and prompt_field is not None:
+        return prompt_field
+    if head in GRAMMAR_NAMES and grammar_field is not None:
+        return grammar_field
+    return head

@@ -9,22 +9,18 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator
-from contextvars import ContextVar
 from typing import Any
 
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from loopserve.engine.engine import LLMEngine
 from loopserve.outputs import CompletionOutput, Logprob, RequestOutput
 from loopserve.serve.async_engine import RequestGroup
 from loopserve.serve.protocol import ApiError
+from loopserve.tokenizer import Tokenizer
 
 log = logging.getLogger("loopserve.serve")
 MIN_LOGPROB = -9999.0  # JSON has no -inf
-# vLLM's return_tokens_as_token_ids: logprobs' tokens written "token_id:<id>". Set per request (a context variable:
-# each HTTP request runs in a task of its own) by `OpenAIServing.generate`, read by `LogprobFormatter.token_str`.
-TOKENS_AS_IDS: ContextVar[bool] = ContextVar("loopserve_tokens_as_ids", default=False)
 
 
 def _lp(x: float) -> float:
@@ -55,11 +51,14 @@ class ChoiceStream:
 
 
 class LogprobFormatter:
-    def __init__(self, engine: LLMEngine) -> None:
-        self.tok = engine.tokenizer
+    """One request's logprobs in OpenAI's shapes. `tokens_as_ids`: vLLM's return_tokens_as_token_ids, the request's
+    (or the server's default): every token string written "token_id:<id>"."""
+
+    def __init__(self, tokenizer: Tokenizer, tokens_as_ids: bool = False) -> None:
+        self.tok, self.tokens_as_ids = tokenizer, tokens_as_ids
 
     def token_str(self, tid: int) -> str:
-        if TOKENS_AS_IDS.get():  # (vLLM's: so are the text offsets and bytes taken from it)
+        if self.tokens_as_ids:  # (vLLM's: so are the text offsets and bytes taken from it)
             return f"token_id:{tid}"
         return self.tok.decode([tid], skip_special_tokens=False)
 
