@@ -1,37 +1,59 @@
-"""Beam search: vLLM's `LLM.beam_search(prompts, BeamSearchParams)`, built on `LLM.generate`.
+"""Beam search: vLLM's `LLM.beam_search(prompts, BeamSearchParams)` and its server's `use_beam_search`, one
+algorithm (`BeamSearch`) driven two ways.
 
-Each step runs every live beam of every prompt (its prompt and its tokens so far, as a token-id prompt) for one
-token, all in ONE `generate` call (one engine run), asking for the top `2 * beam_width` logprobs. A beam's
-candidates are the beam plus each token of that logprob entry (the sampled token first, then the top ones), their
-cumulative logprob the beam's plus the token's. A candidate ending in an end-of-sequence token (unless
-`ignore_eos`) is complete; of the others, the best `beam_width` by score go on. After `max_tokens` steps, or once
-no beam is live, the complete and live beams of a prompt are ranked by `get_beam_search_score` (the cumulative
-logprob over the length, prompt included, to the power `length_penalty`) and the best `beam_width` returned, each
-with its `text` the whole sequence decoded, prompt included and special tokens kept (vLLM's
-`tokenizer.decode(beam.tokens)`); `include_stop_str_in_output` changes nothing offline, as in vLLM.
+A step runs every live beam of every prompt (its prompt and its tokens so far, as a token-id prompt) for one token,
+asking for the top `2 * beam_width` logprobs (`BeamSearch.step_params`). A beam's candidates are the beam plus each
+token of that logprob entry (the sampled token first, then the top ones), their cumulative logprob the beam's plus
+the token's. A candidate ending in an end-of-sequence token (unless `ignore_eos`) is complete; of the others, the
+best `beam_width` by score go on. After `max_tokens` steps, or once no beam is live, the complete and live beams of
+a prompt are ranked by `get_beam_search_score` (the cumulative logprob over the length, prompt included, to the
+power `length_penalty`) and the best `beam_width` returned, best first.
+
+`BeamSearch` is that state machine: `next_prompts()` (the step's prompts, [] once the search is over),
+`update(outputs)` (the step's results, one per prompt, in order), `results(text)` (the ranked beams as
+`BeamSearchSequence`s, their text by a rule). Its two drivers:
+
+- `LLM.beam_search` (`beam_search` here): each step is ONE `LLM.generate` call (one engine run) over every live
+  beam of every prompt searched together.
+- the server's `use_beam_search` (serve/api.py, `OpenAIServing.beam_search`): each step's sequences are built on a
+  worker thread and admitted to the async engine together, as one request's samples are (the server's admission
+  limits apply to every step: a full queue is a 503), and collected as a request's are (a client that goes away
+  aborts the step in flight and ends the search; a step that fails fails the request with its error).
+
+The text of a returned beam is the one thing the drivers do differently, as vLLM's do (`results`' rule):
+
+- offline (`whole_text`): the whole sequence decoded, prompt included and special tokens kept (vLLM's
+  `tokenizer.decode(beam.tokens)`); `include_stop_str_in_output` changes nothing, as in vLLM;
+- the server (`generated_text`): the generated tokens alone, without a final end-of-sequence token unless
+  `include_stop_str_in_output`, decoded with the request's `skip_special_tokens`: the text a normal request with
+  those tokens gets. (vLLM's server decodes keeping special tokens whatever `skip_special_tokens` says, and drops
+  the end-of-sequence token from the text even with `include_stop_str_in_output`, which instead keeps it in the
+  token ids; here the token ids are always the beam's, end-of-sequence token included, as offline.)
 
 One deliberate difference from vLLM: a beam completes on any of the tokenizer's end-of-sequence ids
-(`eos_token_ids`), where vLLM's offline search checks `tokenizer.eos_token_id` alone. loopserve's `generate` stops
-on every end-of-sequence id of the checkpoint (a chat model's end-of-turn token among them), so a beam does too.
+(`eos_token_ids`), where vLLM's search checks `tokenizer.eos_token_id` alone. loopserve's `generate` stops on every
+end-of-sequence id of the checkpoint (a chat model's end-of-turn token among them), so a beam does too.
 
 Logprobs are the raw model's (before temperature: SamplingParams' `raw_logprobs`), so `temperature` changes only
 which token each step samples, and a sampled token outside the top ones is a candidate too (vLLM's rule). Every
-step's request is seeded with the LLM's seed: its sampled token depends only on the beam (so a prompt's beams are
-the same whether it is searched alone or with others), and Huginn's random initial states, which that seed also
-seeds, are those `generate` uses by default. (A step samples its one token with the same draw for every beam and
-step: the sampled token is a deterministic extra candidate, not an independent sample.)
+step's request is seeded with one seed (offline the LLM's; on the server the request's `seed`, else the server's
+`--seed`): its sampled token depends only on the beam (so a prompt's beams are the same whether it is searched
+alone or with others), and Huginn's random initial states, which the engine's seed seeds, are those `generate`
+uses by default. (A step samples its one token with the same draw for every beam and step: the sampled token is a
+deterministic extra candidate, not an independent sample.) So a server's search returns what `LLM.beam_search`
+returns for the same checkpoint, dtype, seed and params, apart from the text rule.
 
 Looped models: a step re-runs the beam's whole prefix as a prompt, so every token of a beam gets its KV from a
 full-depth prefill (r_max loops), never from an exit-depth decode step, and its logprobs are full-depth ones (a
 prompt's last position runs every loop). This is what vLLM's own beam search does; it stays cheap through prefix
 caching (`EngineConfig.enable_prefix_caching`, on by default): a step recomputes only the tokens past the
-prefix's last full KV block. Beam search therefore ignores the exit policy: a width-1 greedy search equals
-`generate` at full depth (`exit_policy="fixed"`), not `generate` with early exits.
+prefix's last full KV block. Beam search therefore ignores the exit policy (the server's exit flags included): a
+width-1 greedy search equals `generate` at full depth (`exit_policy="fixed"`), not `generate` with early exits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -40,7 +62,7 @@ from tqdm import tqdm
 
 from loopserve.engine.budget import pool_tokens
 from loopserve.engine.sequence import PromptType, parse_prompt
-from loopserve.outputs import Logprob
+from loopserve.outputs import Logprob, RequestOutput
 from loopserve.sampling_params import (  # (BeamSearchParams: vLLM's home, also importable from here)
     BeamSearchParams,
     SamplingParams,
@@ -50,16 +72,18 @@ from loopserve.sampling_params import (  # (BeamSearchParams: vLLM's home, also 
 
 if TYPE_CHECKING:
     from loopserve.llm import LLM
+    from loopserve.tokenizer import Tokenizer
 
 
 @dataclass
 class BeamSearchSequence:
-    """One beam (vLLM's fields): `tokens` the prompt's and the generated ones (a completed beam's last is its
-    end-of-sequence token), `logprobs` one entry per generated token (the sampled token's, then the top
-    2 * beam_width, as `generate` gives them), `cum_logprob` the sum of the generated tokens' logprobs, `text` the
-    whole sequence (`tokens`, prompt included) decoded with special tokens kept, as vLLM sets it. `finish_reason`:
-    "stop" (an end-of-sequence token) or "length" (max_tokens, or the context's end); `stop_reason` None for both, as
-    `generate` reports them."""
+    """One beam (vLLM's fields, then loopserve's `exit_depths`): `tokens` the prompt's and the generated ones (a
+    completed beam's last is its end-of-sequence token), `logprobs` one entry per generated token (the sampled
+    token's, then the top 2 * beam_width, as `generate` gives them), `cum_logprob` the sum of the generated tokens'
+    logprobs, `text` as the driver's rule writes it (offline: the whole sequence, `tokens` with the prompt, decoded
+    with special tokens kept, as vLLM sets it). `finish_reason`: "stop" (an end-of-sequence token) or "length"
+    (max_tokens, or the context's end); `stop_reason` None for both, as `generate` reports them. `exit_depths`: the
+    loops each generated token ran (full depth: a step's token is its prompt's last position)."""
 
     tokens: list[int]
     logprobs: list[dict[int, Logprob]]
@@ -67,6 +91,7 @@ class BeamSearchSequence:
     text: str | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    exit_depths: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -90,7 +115,126 @@ class _Beam:
     tokens: list[int]
     logprobs: list[dict[int, Logprob]]
     cum_logprob: float
+    exit_depths: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+
+
+# A returned beam's text: (its prompt's length, its tokens, its finish reason) -> the text
+TextRule = Callable[[int, list[int], str], str]
+
+
+def whole_text(tokenizer: Tokenizer) -> TextRule:
+    """`LLM.beam_search`'s rule (vLLM's offline one, `tokenizer.decode(beam.tokens)`: HF's decode keeps special
+    tokens by default): the whole sequence decoded, prompt and end-of-sequence token included."""
+    return lambda prompt_len, tokens, finish_reason: tokenizer.decode(tokens, skip_special_tokens=False)
+
+
+def generated_text(tokenizer: Tokenizer, include_stop_str_in_output: bool,
+                   skip_special_tokens: bool = True) -> TextRule:
+    """The server's rule: the generated tokens alone, a final end-of-sequence token left out unless
+    `include_stop_str_in_output`, decoded with `skip_special_tokens` (the text a normal request with the same
+    tokens gets: engine/sequence.py's rule for a request that ends on an end-of-sequence token)."""
+    def text(prompt_len: int, tokens: list[int], finish_reason: str) -> str:
+        generated = tokens[prompt_len:]
+        if finish_reason == "stop" and not include_stop_str_in_output:
+            generated = generated[:-1]
+        return tokenizer.decode(generated, skip_special_tokens=skip_special_tokens)
+
+    return text
+
+
+class BeamSearch:
+    """The search of some prompts (token ids), together: which prompts each step runs, how their results update
+    the beams, how the final beams are ranked and returned. A driver runs it:
+
+        search = BeamSearch(prompts, params, eos_token_ids, room)
+        while step := search.next_prompts():
+            outputs = ...  # each of `step`'s prompts run for one token with `search.step_params(seed)`
+            search.update(outputs)
+        return search.results(text_rule)
+
+    `eos_token_ids`: the tokens that complete a beam (unless `params.ignore_eos`) and that its score leaves out.
+    `room`: the most tokens a beam may hold (the context, or the KV pool if smaller); a beam that fills it ends
+    there, "length" (a prompt that leaves no room is the driver's to refuse). ValueError naming the field of
+    `params` at fault."""
+
+    def __init__(self, prompts: Seq[Seq[int]], params: BeamSearchParams, eos_token_ids: Collection[int],
+                 room: int) -> None:
+        check_beam_search_params(params)
+        self.params = params
+        self.width = params.beam_width
+        self.eos = frozenset(() if params.ignore_eos else eos_token_ids)  # what completes a beam
+        self.all_eos = frozenset(eos_token_ids)  # (the score's rule, whatever ignore_eos says: vLLM's)
+        self.room = room
+        self.prompt_lens = [len(p) for p in prompts]
+        self.live: list[list[_Beam]] = [[_Beam(list(p), [], 0.0)] for p in prompts]
+        self.done: list[list[_Beam]] = [[] for _ in prompts]
+        self.steps = 0
+
+    def step_params(self, seed: int) -> SamplingParams:
+        """Every step request's params: one token, the top 2 * beam_width logprobs, seeded with `seed`."""
+        p = self.params
+        return SamplingParams(max_tokens=1, logprobs=2 * self.width, temperature=p.temperature,
+                              ignore_eos=p.ignore_eos, seed=seed)
+
+    def next_prompts(self) -> list[tuple[int, list[int]]]:
+        """The next step's prompts: (the index of the prompt searched, the beam's token ids) for every live beam,
+        prompt by prompt; [] once the search is over (max_tokens steps run, or no beam live)."""
+        if self.steps >= self.params.max_tokens:
+            return []
+        return [(p, list(b.tokens)) for p, group in enumerate(self.live) for b in group]
+
+    def update(self, outputs: Seq[RequestOutput]) -> None:
+        """Take a step's results: one finished output per `next_prompts` entry, in its order. RuntimeError for a
+        failed one (the server fails a request on its step's error before this)."""
+        if len(outputs) != sum(len(group) for group in self.live):
+            raise ValueError(f"outputs: expected one per beam ({sum(len(g) for g in self.live)}), got {len(outputs)}")
+        penalty = self.params.length_penalty
+        at = 0
+        for p, group in enumerate(self.live):
+            candidates: list[tuple[float, float, _Beam, int, dict[int, Logprob], list[int]]] = []
+            for beam, result in zip(group, outputs[at:at + len(group)], strict=True):
+                if result.error is not None:
+                    raise RuntimeError(f"beam search: a step failed: {result.error}")
+                out = result.outputs[0]
+                entry = (out.logprobs or [{}])[0]
+                depths = beam.exit_depths + list(out.exit_depths[:1])
+                for token, lp in entry.items():
+                    cum = beam.cum_logprob + lp.logprob
+                    if token in self.eos:
+                        self.done[p].append(_Beam(beam.tokens + [token], beam.logprobs + [entry], cum, depths, "stop"))
+                    else:  # scored as get_beam_search_score would score the beam it makes, without making it
+                        length = len(beam.tokens) + 1 - (token in self.all_eos)
+                        candidates.append((cum / length ** penalty, cum, beam, token, entry, depths))
+            at += len(group)
+            candidates.sort(key=lambda c: c[0], reverse=True)  # (stable: ties keep beam, then entry, order)
+            group = []
+            for _, cum, beam, token, entry, depths in candidates[:self.width]:
+                new = _Beam(beam.tokens + [token], beam.logprobs + [entry], cum, depths)
+                if len(new.tokens) >= self.room:
+                    new.finish_reason = "length"
+                    self.done[p].append(new)
+                else:
+                    group.append(new)
+            self.live[p] = group
+        self.steps += 1
+
+    def score(self, beam: _Beam) -> float:
+        return get_beam_search_score(beam.tokens, beam.cum_logprob, self.all_eos, self.params.length_penalty)
+
+    def results(self, text: TextRule) -> list[BeamSearchOutput]:
+        """Per prompt, its best beams (at most beam_width, best first: the complete ones and those still live, which
+        end "length"), each with its text by the rule `text` (`whole_text`, `generated_text`)."""
+        outputs = []
+        for p, group in enumerate(self.live):
+            for b in group:
+                b.finish_reason = "length"
+            best = sorted(self.done[p] + group, key=self.score, reverse=True)[:self.width]
+            outputs.append(BeamSearchOutput([
+                BeamSearchSequence(b.tokens, b.logprobs, b.cum_logprob,
+                                   text(self.prompt_lens[p], b.tokens, b.finish_reason or "length"),
+                                   b.finish_reason, None, b.exit_depths) for b in best]))
+        return outputs
 
 
 def _prompt_list(prompts: Any) -> list[PromptType]:
@@ -119,13 +263,13 @@ def beam_search(llm: LLM, prompts: PromptType | Seq[PromptType], params: BeamSea
     if concurrency_limit is not None and (not is_int(concurrency_limit) or concurrency_limit < 1):
         raise ValueError(f"concurrency_limit: must be an integer >= 1 or None, got {concurrency_limit!r}")
     prompt_list = _prompt_list(prompts)
-    starts: list[_Beam] = []
+    starts: list[list[int]] = []
     for i, prompt in enumerate(prompt_list):
         try:
             _, ids = parse_prompt(prompt, llm.tokenizer)
         except ValueError as e:
             raise ValueError(f"{e} (prompt {i} of {len(prompt_list)})" if len(prompt_list) > 1 else str(e)) from e
-        starts.append(_Beam(ids, [], 0.0))
+        starts.append(ids)
     chunk = concurrency_limit or max(1, len(starts))
     outputs: list[BeamSearchOutput] = []
     for lo in range(0, len(starts), chunk):
@@ -133,65 +277,15 @@ def beam_search(llm: LLM, prompts: PromptType | Seq[PromptType], params: BeamSea
     return outputs
 
 
-def _search(llm: LLM, starts: list[_Beam], params: BeamSearchParams, use_tqdm: bool) -> list[BeamSearchOutput]:
-    """Beam search for these prompts together (each step one `generate` call over all their live beams)."""
-    width = params.beam_width
-    eos = frozenset(() if params.ignore_eos else llm.tokenizer.eos_token_ids)
-    all_eos = frozenset(llm.tokenizer.eos_token_ids)  # (the score's rule, whatever ignore_eos says: vLLM's)
+def _search(llm: LLM, starts: list[list[int]], params: BeamSearchParams, use_tqdm: bool) -> list[BeamSearchOutput]:
+    """`BeamSearch` of these prompts together, each step one `generate` call over all their live beams."""
     # a beam that fills the context (or the KV pool) ends there, "length" (the prompt itself is generate's to check)
     room = llm.max_model_len if llm.engine is None else min(llm.max_model_len, pool_tokens(llm.engine))
-
-    def score(b: _Beam) -> float:
-        return get_beam_search_score(b.tokens, b.cum_logprob, all_eos, params.length_penalty)
-
-    live: list[list[_Beam]] = [[b] for b in starts]
-    done: list[list[_Beam]] = [[] for _ in starts]
+    search = BeamSearch(starts, params, llm.tokenizer.eos_token_ids, room)
+    step_params = search.step_params(llm.seed)
     bar = tqdm(total=params.max_tokens, disable=not use_tqdm, desc="Beam search", unit="token")
-    for _ in range(params.max_tokens):
-        beams = [b for group in live for b in group]
-        if not beams:
-            break
-        step_params = SamplingParams(max_tokens=1, logprobs=2 * width, temperature=params.temperature,
-                                      ignore_eos=params.ignore_eos, seed=llm.seed)
-        results = llm.generate([{"prompt_token_ids": b.tokens} for b in beams], step_params, use_tqdm=False)
-        at = 0
-        for p, group in enumerate(live):
-            candidates: list[tuple[float, float, _Beam, int, dict[int, Logprob]]] = []
-            for beam, result in zip(group, results[at:at + len(group)], strict=True):
-                if result.error is not None:
-                    raise RuntimeError(f"beam search: a step failed: {result.error}")
-                entry = (result.outputs[0].logprobs or [{}])[0]
-                for token, lp in entry.items():
-                    cum = beam.cum_logprob + lp.logprob
-                    if token in eos:
-                        done[p].append(_Beam(beam.tokens + [token], beam.logprobs + [entry], cum, "stop"))
-                    else:  # scored as get_beam_search_score would score the beam it makes, without making it
-                        length = len(beam.tokens) + 1 - (token in all_eos)
-                        candidates.append((cum / length ** params.length_penalty, cum, beam, token, entry))
-            at += len(group)
-            candidates.sort(key=lambda c: c[0], reverse=True)  # (stable: ties keep beam, then entry, order)
-            group = []
-            for _, cum, beam, token, entry in candidates[:width]:
-                new = _Beam(beam.tokens + [token], beam.logprobs + [entry], cum)
-                if len(new.tokens) >= room:
-                    new.finish_reason = "length"
-                    done[p].append(new)
-                else:
-                    group.append(new)
-            live[p] = group
+    while step := search.next_prompts():
+        search.update(llm.generate([{"prompt_token_ids": ids} for _, ids in step], step_params, use_tqdm=False))
         bar.update(1)
     bar.close()
-    outputs = []
-    for p, group in enumerate(live):
-        for b in group:
-            b.finish_reason = "length"
-        best = sorted(done[p] + group, key=score, reverse=True)[:width]
-        outputs.append(BeamSearchOutput([_sequence(llm, b) for b in best]))
-    return outputs
-
-
-def _sequence(llm: LLM, beam: _Beam) -> BeamSearchSequence:
-    """A finished beam as returned: its text is its whole sequence decoded, prompt and end-of-sequence token
-    included (vLLM's `tokenizer.decode(beam.tokens)`: HF's decode keeps special tokens by default)."""
-    text = llm.tokenizer.decode(beam.tokens, skip_special_tokens=False)
-    return BeamSearchSequence(beam.tokens, beam.logprobs, beam.cum_logprob, text, beam.finish_reason, None)
+    return search.results(whole_text(llm.tokenizer))

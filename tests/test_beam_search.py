@@ -2,7 +2,9 @@
 exact to rounding whatever the batch or the prefix cache): width 1 is greedy `generate` at full depth; a search
 equals a brute-force one built from single-prefix `generate` calls; results are ranked, batched steps equal
 searches alone; end-of-sequence and context-end handling; a beam's text is its whole sequence decoded (vLLM's);
-bad params name their field."""
+bad params name their field; the `BeamSearch` state machine gives the same beams whatever drives it (the server's
+driver, tests/test_server_beam_search.py, admits a step's beams as requests of their own), and the server's text
+rule."""
 
 from __future__ import annotations
 
@@ -12,11 +14,14 @@ import pytest
 
 from loopserve import LLM, SamplingParams
 from loopserve.beam_search import (
+    BeamSearch,
     BeamSearchOutput,
     BeamSearchParams,
     BeamSearchSequence,
     beam_search,
+    generated_text,
     get_beam_search_score,
+    whole_text,
 )
 from loopserve.sampling_params import MAX_LOGPROBS
 
@@ -293,3 +298,53 @@ def test_widest_beam_and_bad_arguments(llm):
         args = {"prompts": "hello", "params": params, **kwargs}
         with pytest.raises(ValueError, match=f"^{name}: "):
             beam_search(llm, args.pop("prompts"), args.pop("params"), **args)
+
+
+# ---------------- the state machine, whatever drives it
+
+
+def test_state_machine_driven_beam_by_beam_equals_beam_search(llm):
+    """`BeamSearch` driven with each beam of a step in a `generate` call of its own (as the server admits a step's
+    beams: separate requests) returns `beam_search`'s beams, with their exit depths (full depth)."""
+    params = BeamSearchParams(beam_width=3, max_tokens=4)
+    ids = _ids(llm, "hello")
+    [want] = beam_search(llm, "hello", params)
+    search = BeamSearch([ids], params, llm.tokenizer.eos_token_ids, llm.max_model_len)
+    step_params = search.step_params(llm.seed)
+    widths = []
+    while step := search.next_prompts():
+        assert all(p == 0 for p, _ in step)
+        widths.append(len(step))
+        outs = [llm.generate({"prompt_token_ids": tokens}, step_params, use_tqdm=False)[0] for _, tokens in step]
+        with pytest.raises(ValueError, match="^outputs: expected one per beam"):
+            search.update(outs[:-1])
+        search.update(outs)
+    assert widths == [1, 3, 3, 3] and search.next_prompts() == []
+    [got] = search.results(whole_text(llm.tokenizer))
+    assert [(s.tokens, s.text, s.finish_reason) for s in got.sequences] == [
+        (s.tokens, s.text, s.finish_reason) for s in want.sequences]
+    assert [s.cum_logprob for s in got.sequences] == pytest.approx([s.cum_logprob for s in want.sequences],
+                                                                   abs=1e-9)
+    for s in got.sequences + want.sequences:
+        assert s.exit_depths == [llm.config.r_max] * (len(s.tokens) - len(ids))
+
+
+def test_server_text_rule(llm):
+    """`generated_text`: the generated tokens alone, a final end-of-sequence token left out unless
+    include_stop_str_in_output, decoded with skip_special_tokens (a normal request's text for those tokens)."""
+    ids = _ids(llm, "hello")
+    search = BeamSearch([ids], BeamSearchParams(beam_width=3, max_tokens=4), llm.tokenizer.eos_token_ids, 1000)
+    step_params = search.step_params(llm.seed)
+    while step := search.next_prompts():
+        search.update(llm.generate([{"prompt_token_ids": t} for _, t in step], step_params, use_tqdm=False))
+    [plain] = search.results(generated_text(llm.tokenizer, include_stop_str_in_output=False))
+    [kept] = search.results(generated_text(llm.tokenizer, True, skip_special_tokens=False))
+    [skipped] = search.results(generated_text(llm.tokenizer, True))
+    assert any(s.finish_reason == "stop" for s in plain.sequences)
+    for s, k, sk in zip(plain.sequences, kept.sequences, skipped.sequences, strict=True):
+        generated = s.tokens[len(ids):]
+        if s.finish_reason == "stop":
+            eos = llm.tokenizer.decode(generated[-1:], skip_special_tokens=False)
+            assert s.text == llm.tokenizer.decode(generated[:-1]) and k.text == s.text + eos and sk.text == s.text
+        else:
+            assert s.text == k.text == sk.text == llm.tokenizer.decode(generated)

@@ -430,10 +430,10 @@ def test_server_request_left_no_token_is_a_400(server, client):
     assert STUCK in log and "ERROR" not in log and "Traceback" not in log
 
 
-@pytest.mark.parametrize("extra,param", [({"use_beam_search": True}, "use_beam_search"),
-                                         ({"length_penalty": 0.8}, "length_penalty"),
+@pytest.mark.parametrize("extra,param", [({"length_penalty": 0.8}, "length_penalty"),
                                          ({"best_of": 3}, "best_of")])
-def test_server_refuses_beam_search(client, extra, param):
+def test_server_refuses_beam_search_fields_without_beam_search(client, extra, param):
+    """(beam search itself: tests/test_server_beam_search.py)"""
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body=extra)
     assert e.value.body["param"] == param and e.value.body["message"].startswith(f"{param}: ")

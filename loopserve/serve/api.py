@@ -6,6 +6,8 @@ chunks ending with `data: [DONE]`), GET /v1/models and /v1/models/{model}, vLLM'
 /detokenize, GET /version, GET /health (and vLLM's GET or POST /ping), GET /metrics, GET /openapi.json (the
 request bodies' JSON schemas included, though the endpoints parse the raw body themselves). Completions and
 chat share one path from admission to response: one choice builder and one stream writer, told apart by a `_Kind`.
+vLLM's `use_beam_search` runs loopserve/beam_search.py's search on that path, step by step
+(`OpenAIServing.beam_search`).
 
 Every error is an OpenAI-style body {"error": {"message", "type", "param", "code"}}: bad input is
 a 400 (401 bad API key, 404 unknown model or route, 413 body too large, 415 a body that is not
@@ -52,12 +54,12 @@ import itertools
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import anyio.to_thread
@@ -70,12 +72,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
+from loopserve.beam_search import BeamSearch, generated_text
 from loopserve.chat_messages import chat_messages, message_text
 from loopserve.engine.budget import checked_model_len, completion_budget, pool_tokens
 from loopserve.engine.engine import LLMEngine
 from loopserve.engine.sequence import Sequence, TokensPrompt, resolve_exit_rule, truncate_prompt
 from loopserve.outputs import CompletionOutput, RequestOutput
-from loopserve.sampling_params import SamplingParams, truncates_prompt
+from loopserve.sampling_params import BeamSearchParams, SamplingParams, truncates_prompt
 from loopserve.serve.async_engine import (
     AsyncLLMEngine,
     EngineDeadError,
@@ -202,6 +205,19 @@ async def _wait_disconnect(receive: Callable) -> None:
             return
 
 
+def _refuse_beam_grammar(field: str | None) -> None:
+    """A 400 naming the grammar field (or `tool_choice`, for a forced tool call) of a `use_beam_search` request."""
+    if field is not None:
+        raise ApiError(400, f"{field}: structured output cannot be combined with use_beam_search (a beam search "
+                            "ranks the model's own top 2 * n tokens)", field)
+
+
+async def _replay(outs: list[RequestOutput]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Finished outputs as a request group yields them (a beam search's result, streamed)."""
+    for i, out in enumerate(outs):
+        yield i, out
+
+
 # -- the serving class ------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class _Kind:
@@ -236,10 +252,12 @@ class _Generation:
     echo_text: str = ""  # chat: what comes first in every reply (`echo`: the final message's text)
     role: str = "assistant"  # chat: the reply's (the final message's without a generation prompt, as in vLLM)
     generated: bool = True  # false: echo with max_tokens 0 (the prompt alone; the one token run is dropped)
+    # use_beam_search: the search (its width is n), whose first step `seqs` are (`OpenAIServing.beam_search`)
+    search: BeamSearch | None = None
 
     @property
     def n(self) -> int:
-        return self.seqs[0].params.n
+        return self.search.width if self.search is not None else self.seqs[0].params.n
 
     @property
     def stop(self) -> list[str] | None:
@@ -447,6 +465,13 @@ class OpenAIServing:
 
     # -- the shared generation path ---------------------------------------------------------------------------
     async def generate(self, request: Request, gen: _Generation) -> Response:
+        if gen.search is not None:
+            beams = await self.beam_search(request, gen)
+            if beams is None:
+                return Response(status_code=499)
+            if gen.req.streaming:  # the search is over: its result, streamed (`beam_search`)
+                return GroupStreamingResponse(self.stream(gen, _replay(beams)), None)
+            return self.respond(gen, beams)
         if not gen.generated:  # before admission: the engine thread may report them at once
             self.metrics.prompt_only([s.request_id for s in gen.seqs])
         try:
@@ -460,6 +485,10 @@ class OpenAIServing:
         outs = await self.collect(gen, group, request)
         if outs is None:
             return Response(status_code=499)
+        return self.respond(gen, outs)
+
+    def respond(self, gen: _Generation, outs: list[RequestOutput]) -> JSONResponse:
+        """The response (not streamed) of `gen`'s final outputs."""
         choices = [self.choice(gen, i, o, c, ChoiceStream()) for i, o in enumerate(outs) for c in o.outputs]
         sent = sum(len(c.token_ids) for o in outs for c in o.outputs) if gen.generated else 0
         body = {**self.base(gen.kind.object, gen.cid), "choices": choices, "usage": usage_body(outs, sent)}
@@ -501,6 +530,8 @@ class OpenAIServing:
                   "exit_depths": list(c.exit_depths[:count])}
         if not gen.kind.chat and gen.req.prompt_logprobs is not None and first:
             choice["prompt_logprobs"] = gen.fmt.prompt_logprobs(out)
+        if gen.search is not None and finished:  # the beam's own (its score's numerator)
+            choice["cumulative_logprob"] = c.cumulative_logprob
         if gen.req.return_token_ids:
             choice["token_ids"] = list(c.token_ids[:count])
             if first:
@@ -512,7 +543,7 @@ class OpenAIServing:
         d.finish_reason = c.finish_reason
         return choice
 
-    async def stream(self, gen: _Generation, group: RequestGroup) -> AsyncIterator[str]:
+    async def stream(self, gen: _Generation, group: AsyncIterable[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
         """SSE chunks of one choice each, as vLLM sends them (a client reading `choices[0]` misses no sample):
         (chat: the assistant role for every choice, then the echoed text for every choice), then a chunk for
         every choice an output moved on, usage if asked, [DONE]. The outputs are DELTA ones: a chunk costs
@@ -563,6 +594,93 @@ class OpenAIServing:
             total = usage_body(list(latest.values()), sum(d.tokens for d in sent.values()))
             yield sse({**self.base(obj, gen.cid), "choices": [], "usage": total})
         yield "data: [DONE]\n\n"
+
+    # -- beam search ------------------------------------------------------------------------------------------
+    async def beam_search(self, request: Request, gen: _Generation) -> list[RequestOutput] | None:
+        """Run `gen`'s beam search (loopserve/beam_search.py's `BeamSearch`, the algorithm `LLM.beam_search` runs):
+        each step's sequences are admitted together, as a request's samples are (`admit`: a full server is a 503,
+        at any step), and collected as a request's are (`collect`: a client that goes away aborts the step in flight
+        and ends the search, None; a step that fails fails the request with its error). The first step's sequences
+        were built with the request (`gen.seqs`), the others are built on a worker thread, as a request's are. The
+        result: one finished RequestOutput per prompt, its choices the best beams, best first (`beam_outputs`).
+
+        A stream gets that result as chunks once the search is over (vLLM's server also yields only the final
+        result of a beam search): each choice's whole text in one chunk, with its finish_reason, then usage if asked
+        and [DONE]. The status line waits for the search, so a search that fails, or is refused at a step's
+        admission, answers with its own status, as a response that is not streamed does."""
+        search = gen.search
+        assert search is not None
+        step, seqs = search.next_prompts(), gen.seqs
+        first: list[RequestOutput] = []  # the first step's outputs: the prompts' own (text, ids, cached tokens)
+        loops = [[0, 0] for _ in gen.seqs]  # per prompt: decode and prefill loops its steps ran
+        while True:
+            step_gen = dataclasses.replace(gen, seqs=seqs, prompt_fields=[gen.prompt_fields[p] for p, _ in step])
+            group = self.admit(seqs)
+            self.log_received(step_gen)
+            outs = await self.collect(step_gen, group, request)
+            if outs is None:
+                return None
+            search.update(outs)
+            first = first or outs
+            for (p, _), o in zip(step, outs, strict=True):
+                if o.metrics is not None:
+                    loops[p][0] += o.metrics.loops_run
+                    loops[p][1] += o.metrics.prefill_loops
+            step = search.next_prompts()
+            if not step:
+                break
+            seqs = await anyio.to_thread.run_sync(self.beam_seqs, gen, step, time.monotonic())
+        return await anyio.to_thread.run_sync(self.beam_outputs, gen, first, loops)
+
+    def beam_seqs(self, gen: _Generation, step: list[tuple[int, list[int]]], arrival: float,
+                  texts: list[str | None] | None = None) -> list[Sequence]:
+        """The sequences of a beam search step (`BeamSearch.next_prompts`): each beam as a token-id prompt, run for
+        one token with the search's step params, seeded with the request's seed, else the server's (`--seed`: what
+        `LLM.beam_search` uses is the LLM's seed). `texts`: the prompts' texts (the first step's: the log's)."""
+        assert gen.search is not None
+        seed = gen.req.seed if gen.req.seed is not None else self.engine.seed
+        params = gen.search.step_params(seed)
+        tag = next(self._http_requests)
+        return [self.make_seq(f"{gen.cid}-{tag}-{j}", texts[p] if texts else None, ids, params, arrival, seed,
+                              gen.prompt_fields[p], None, gen.req.cache_salt) for j, (p, ids) in enumerate(step)]
+
+    def beam_outputs(self, gen: _Generation, first: list[RequestOutput], loops: list[list[int]]) -> list[RequestOutput]:
+        """Per prompt, the search's result as a finished output: its best beams as its choices (their text by the
+        server's rule, `generated_text`; their token ids the generated ones, a final end-of-sequence token
+        included), its prompt, and its usage: the prompt counted once (its cached tokens the first step's), the
+        loops every step of its beams ran."""
+        assert gen.search is not None
+        params = gen.search.params
+        rule = generated_text(self.tokenizer, params.include_stop_str_in_output,
+                              gen.req.skip_special_tokens is not False)
+        outs = []
+        for p, result in enumerate(gen.search.results(rule)):
+            own = first[p]
+            plen = len(own.prompt_token_ids)
+            metrics = None if own.metrics is None else dataclasses.replace(
+                own.metrics, loops_run=loops[p][0], prefill_loops=loops[p][1])
+            outs.append(dataclasses.replace(own, finished=True, metrics=metrics, outputs=[
+                CompletionOutput(k, s.text or "", s.tokens[plen:], None, s.exit_depths, s.finish_reason,
+                                 s.cum_logprob, s.stop_reason) for k, s in enumerate(result.sequences)]))
+        return outs
+
+    def beam_params(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> BeamSearchParams:
+        """A `use_beam_search` request's BeamSearchParams (vLLM's `to_beam_search_params`): width n, `max_tokens`,
+        temperature (unset: 1, as for sampling), ignore_eos, length_penalty, include_stop_str_in_output; a 400 naming
+        the field at fault. (protocol.py refused the fields a beam search cannot honour.)"""
+        try:
+            # (max_tokens None, never given here, would be named by BeamSearchParams' own check)
+            return BeamSearchParams(beam_width=1 if req.n is None else req.n, max_tokens=cast(int, max_tokens),
+                                    ignore_eos=bool(req.ignore_eos),
+                                    temperature=1.0 if req.temperature is None else req.temperature,
+                                    length_penalty=1.0 if req.length_penalty is None else req.length_penalty,
+                                    include_stop_str_in_output=bool(req.include_stop_str_in_output))
+        except ValueError as e:
+            raise ApiError.bad_request(e) from None
+
+    def beam_room(self) -> int:
+        """The most tokens a beam may hold: the context, or the KV pool if smaller (`BeamSearch`'s `room`)."""
+        return min(self.max_model_len, self.kv_tokens)
 
     def formatter(self, req: CompletionRequest | ChatCompletionRequest) -> LogprobFormatter:
         """The request's logprob formatter: tokens as "token_id:<id>" if the request asks (vLLM's
@@ -680,6 +798,8 @@ class OpenAIServing:
             raise ApiError(400, f"{field}: {len(prompts)} prompts x n = {n} are {len(prompts) * n} sequences; this "
                                 f"server holds at most {self.aengine.capacity} at once", field)
         cid, rids = self.new_ids(request, COMPLETION, len(prompts))
+        if req.use_beam_search:
+            return self.beam_completion(req, arrival, prompts, cid)
         guide, grammar_field = request_guide(req), guide_field(req)
         echo = bool(req.echo)
         # echo with max_tokens 0 (lm-eval's loglikelihood): score the prompt, send no completion (one token runs)
@@ -698,6 +818,24 @@ class OpenAIServing:
             seqs.append(self.make_seq(rid, text, ids, params, arrival, req.seed, where, grammar_field, req.cache_salt))
         return _Generation(COMPLETION, req, cid, seqs, self.formatter(req), [where for where, _, _ in prompts],
                            grammar_field, echo=echo, generated=generated)
+
+    def beam_completion(self, req: CompletionRequest, arrival: float, prompts: list[tuple[str, str | None, list[int]]],
+                        cid: str) -> _Generation:
+        """A `use_beam_search` completions request: its search (every prompt's, together) and the first step's
+        sequences. `max_tokens` (unset: 16) is checked against each prompt's context as a normal request's is; the
+        room a prompt leaves is the search's end for its beams (`BeamSearch`'s `room`), as it is a normal request's."""
+        _refuse_beam_grammar(guide_field(req))
+        params = self.beam_params(req, COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens)
+        starts = []
+        for where, _, whole in prompts:
+            ids = truncate_prompt(whole, req.truncate_prompt_tokens, self.max_model_len, params.max_tokens)
+            self.resolve_max_tokens(req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, len(ids), where)
+            starts.append(ids)
+        search = BeamSearch(starts, params, self.tokenizer.eos_token_ids, self.beam_room())
+        gen = _Generation(COMPLETION, req, cid, [], self.formatter(req), [where for where, _, _ in prompts], None,
+                          echo=bool(req.echo), search=search)
+        gen.seqs = self.beam_seqs(gen, search.next_prompts(), arrival, [text for _, text, _ in prompts])
+        return gen
 
     def completion_prompts(self, prompt: Any, truncated: bool,
                            add_special_tokens: bool = True) -> list[tuple[str, str | None, list[int]]]:
@@ -733,6 +871,8 @@ class OpenAIServing:
     def chat(self, request: Request, req: ChatCompletionRequest, arrival: float) -> _Generation:
         """A chat request's sequence (built on a worker thread: see the module's docstring)."""
         guide, tools = chat_guide(req)
+        if req.use_beam_search and guide is not None:
+            _refuse_beam_grammar("tool_choice" if tools is not None else guide_field(req))
         # vLLM's roles: the reply is the assistant's where the prompt opens an assistant message, else it goes on
         # with the final message, in its role; `echo` starts it with the final message's text when that message is
         # in the reply's role (so always, without a generation prompt)
@@ -754,6 +894,13 @@ class OpenAIServing:
         if requested is not None and requested < 1:  # named as the request named it (SamplingParams says max_tokens)
             raise ApiError(400, f"{name}: must be an integer >= 1, got {requested}", name)
         mt = self.resolve_max_tokens(requested, None, len(ids), "messages", name)
+        if req.use_beam_search:  # (the room left when max_tokens is unset, as for sampling)
+            cid, _ = self.new_ids(request, CHAT, 1)
+            search = BeamSearch([ids], self.beam_params(req, mt), self.tokenizer.eos_token_ids, self.beam_room())
+            gen = _Generation(CHAT, req, cid, [], self.formatter(req), ["messages"], None, echo_text=echo_text,
+                              role=role, search=search)
+            gen.seqs = self.beam_seqs(gen, search.next_prompts(), arrival, [text])
+            return gen
         top = req.top_logprobs or 0
         params = sampling_params(req, max_tokens=mt, logprobs=top if req.logprobs else None,
                                  defaults=self.settings.sampling_defaults, guided_decoding=guide)

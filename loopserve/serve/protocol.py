@@ -10,9 +10,17 @@ Known fields are strict:
   the offline and the HTTP API);
 - known OpenAI fields that do not change the output (`user`, `metadata`, `store`, `service_tier`,
   `parallel_tool_calls`) are accepted and ignored;
-- known fields whose feature is not implemented (`best_of`, `suffix`, `use_beam_search`,
-  `length_penalty`, vLLM's `priority` and `logits_processors`) are accepted only at their neutral value
-  (n, empty, false, 1, 0, none); anything else is a 400 saying it is not supported.
+- known fields whose feature is not implemented (`best_of`, `suffix`, vLLM's `priority` and
+  `logits_processors`) are accepted only at their neutral value (n, empty, 0, none); anything else is a
+  400 saying it is not supported.
+
+vLLM's `use_beam_search: true` runs a beam search (loopserve/beam_search.py, `OpenAIServing.beam_search`) of
+width `n` (1 to MAX_LOGPROBS // 2: a step asks for the top 2 * n logprobs), with `max_tokens`, `temperature`,
+`ignore_eos`, `length_penalty` (refused other than 1 without beam search, which alone uses it) and
+`include_stop_str_in_output`. A field it cannot honour is refused with a 400 naming it unless it is at a value
+that asks for nothing (`_SamplingFields.beam_search_conflicts`): sampling filters, penalties and token
+restrictions, stop strings and stop tokens, logprobs of any kind, the looped-model depth fields, `best_of`
+other than n, and (checked where the grammar is read, serve/api.py) structured output and forced tool calls.
 
 Structured output (`response_format`, vLLM's `guided_*` and `structured_outputs`) and tool calls
 (`tools`, `tool_choice`) are read by `serve/structured.py`.
@@ -156,7 +164,7 @@ class _SamplingFields(_Strict):
     prompt_logprobs: int | None = None  # vLLM extension: logprobs of the prompt tokens (full depth)
     allowed_token_ids: list[int] | None = None  # vLLM extensions: only these may be sampled; words never generated
     bad_words: list[str] | None = None
-    # vLLM's beam search: not implemented, so accepted only at the values that mean none (false, 1)
+    # vLLM's beam search (width n; `beam_search_conflicts`: what it refuses); length_penalty scores its beams
     use_beam_search: bool | None = None
     length_penalty: float | None = None
     # vLLM extensions: logprobs' tokens written "token_id:<id>" (unset: the server's --return-tokens-as-token-ids);
@@ -183,10 +191,40 @@ class _SamplingFields(_Strict):
             raise ApiError(400, f"request_id: must be 1 to {MAX_REQUEST_ID} visible ASCII characters (it is sent "
                                 "back in the X-Request-Id header)", "request_id")
         if self.use_beam_search:
-            raise ApiError(400, "use_beam_search: beam search is not supported by this server", "use_beam_search")
-        if self.length_penalty is not None and self.length_penalty != 1:
-            raise ApiError(400, f"length_penalty: only 1 is supported (it scores beams, and this server does not run "
-                                f"beam search), got {self.length_penalty}", "length_penalty")
+            self.check_beam_search()
+        elif self.length_penalty is not None and self.length_penalty != 1:
+            raise ApiError(400, f"length_penalty: only 1 is taken without use_beam_search (it scores beams), got "
+                                f"{self.length_penalty}", "length_penalty")
+
+    def check_beam_search(self) -> None:
+        """A beam search's fields: `n` (the beam width) in [1, MAX_LOGPROBS // 2], and none of
+        `beam_search_conflicts` set to a value that asks for something (400 naming the field)."""
+        n = 1 if self.n is None else self.n
+        if not 1 <= n <= MAX_LOGPROBS // 2:
+            raise ApiError(400, f"n: the beam width with use_beam_search must be an integer in [1, "
+                                f"{MAX_LOGPROBS // 2}] (a step asks for the top 2 * n logprobs, at most "
+                                f"{MAX_LOGPROBS}), got {n}", "n")
+        for name, (neutral, why) in self.beam_search_conflicts().items():
+            value = getattr(self, name)
+            if value is not None and value not in neutral:  # (strict types: no true for 1)
+                raise ApiError(400, f"{name}: cannot be combined with use_beam_search ({why}); got "
+                                    f"{json.dumps(value)[:80]}", name)
+
+    def beam_search_conflicts(self) -> dict[str, tuple[tuple[Any, ...], str]]:
+        """The fields a beam search cannot honour: field -> (the values that ask for nothing, besides unset; why)."""
+        ranks = "a beam search ranks the model's own top 2 * n tokens"
+        depth = "a beam search runs every token at full depth, as a prompt token"
+        return {
+            "top_p": ((1.0,), ranks), "top_k": ((-1, 0), ranks), "min_p": ((0.0,), ranks),
+            "frequency_penalty": ((0.0,), ranks), "presence_penalty": ((0.0,), ranks),
+            "repetition_penalty": ((1.0,), ranks), "logit_bias": (({},), ranks), "min_tokens": ((0,), ranks),
+            "allowed_token_ids": ((), ranks), "bad_words": (([],), ranks),
+            "stop": (("", []), "a beam ends only on an end-of-sequence token or at max_tokens"),
+            "stop_token_ids": (([],), "a beam ends only on an end-of-sequence token or at max_tokens"),
+            "prompt_logprobs": ((), "a beam search returns no logprobs"),
+            "min_loops": ((), depth), "max_loops": ((), depth), "exit_threshold": ((), depth),
+            "exit_policy": ((), depth), "exit_trace": ((), depth), "num_speculative_tokens": ((0,), depth),
+        }
 
     @property
     def streaming(self) -> bool:
@@ -213,6 +251,10 @@ class CompletionRequest(_SamplingFields):
         super().check_unsupported()
         if self.suffix:
             raise ApiError(400, "suffix: not supported by this server", "suffix")
+
+    def beam_search_conflicts(self) -> dict[str, tuple[tuple[Any, ...], str]]:
+        return {**super().beam_search_conflicts(), "logprobs": ((), "a beam search returns no logprobs"),
+                "best_of": ((1 if self.n is None else self.n,), "a beam search returns its n best beams")}
 
 
 class TextPart(_Strict):
@@ -283,6 +325,10 @@ class ChatCompletionRequest(_SamplingFields):
     add_special_tokens: bool | None = False
     echo: bool | None = False
     chat_template: str | None = None
+
+    def beam_search_conflicts(self) -> dict[str, tuple[tuple[Any, ...], str]]:
+        return {**super().beam_search_conflicts(), "logprobs": ((False,), "a beam search returns no logprobs"),
+                "top_logprobs": ((), "a beam search returns no logprobs")}
 
     def check_unsupported(self) -> None:
         super().check_unsupported()

@@ -147,10 +147,11 @@ async def _error_event_on_failure(content: AsyncIterator[str]) -> AsyncIterator[
 
 
 class GroupStreamingResponse(StreamingResponse):
-    """A streaming response that aborts its engine requests however the stream ends, and ends a failed one
-    with its error event and a cut (`StreamFailed`)."""
+    """A streaming response that aborts its engine requests (`group`; None: a beam search's result, streamed once
+    the search is over) however the stream ends, and ends a failed one with its error event and a cut
+    (`StreamFailed`)."""
 
-    def __init__(self, content: AsyncIterator[str], group: RequestGroup) -> None:
+    def __init__(self, content: AsyncIterator[str], group: RequestGroup | None) -> None:
         super().__init__(_error_event_on_failure(content), media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.group = group
@@ -163,4 +164,5 @@ class GroupStreamingResponse(StreamingResponse):
             # without the traceback an exception would log for what is an engine-side failure.
             log.error("%s: stream cut: %s", scope.get("path"), e)
         finally:
-            self.group.abort()
+            if self.group is not None:  # (None: nothing left running, a beam search's result)
+                self.group.abort()
