@@ -43,6 +43,9 @@ from loopserve.jit import compiled
 
 POLICIES = ("fixed", "gate", "latent_diff", "kl", "trace", "lookahead_gate")
 DEFAULT_POLICIES = tuple(p for p in POLICIES if p != "trace")  # what a default may be (a trace is a request's own)
+# the threshold a state-signal policy uses when the request gives none: the upstream recurrent-depth (Huginn) code's
+# "auto" values for its latent-diff and kl criteria (the gate's is the checkpoint's: `resolve_exit_rule`)
+DEFAULT_THRESHOLDS = {"latent_diff": 0.03, "kl": 5e-4}
 SIGNAL_OF = {"gate": "gate", "latent_diff": "latent_diff", "kl": "kl", "lookahead_gate": "lookahead_gate"}
 SIGNALS = (None, "gate", "latent_diff", "kl", "lookahead_gate")  # per-step signal kinds, by code (0: none)
 Signal = float | list[float] | tuple[float, float] | None  # lookahead_gate: (main logit, lookahead logit)

@@ -336,3 +336,24 @@ def test_gate_policy_rejected_for_huginn(tiny_huginn):
         llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2, exit_policy="gate", exit_threshold=0.5))
     with pytest.raises(ValueError, match="max_loops"):
         llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2, max_loops=llm.config.r_max + 1))
+
+
+@pytest.mark.parametrize("policy, threshold", [("latent_diff", 0.03), ("kl", 5e-4)])
+def test_a_state_signal_without_a_threshold_takes_the_upstream_default(tiny_huginn, policy, threshold):
+    """latent_diff and kl without exit_threshold use the upstream Huginn code's "auto" values
+    (`exits.DEFAULT_THRESHOLDS`), so "the model's own signal" exits early by default as Ouro's gate does; a
+    request's own threshold wins, and fixed and trace need none."""
+    from loopserve.engine.sequence import resolve_exit_rule
+    from loopserve.exits import DEFAULT_THRESHOLDS
+
+    llm = _llm(tiny_huginn)
+    assert DEFAULT_THRESHOLDS[policy] == threshold
+    rule = resolve_exit_rule(SamplingParams(exit_policy=policy), llm.model, False)
+    assert rule.threshold == threshold and rule.signal == policy
+    assert resolve_exit_rule(SamplingParams(exit_policy=policy, exit_threshold=0.5), llm.model, False).threshold == 0.5
+    if policy == "latent_diff":  # (Huginn's own policy)
+        assert resolve_exit_rule(SamplingParams(), llm.model, False).threshold == threshold
+    assert resolve_exit_rule(SamplingParams(exit_policy="fixed"), llm.model, False).threshold is None
+    same = _gen(llm, PROMPTS, max_tokens=6, exit_policy=policy)
+    assert [o.exit_depths for o in same] == [o.exit_depths for o in _gen(llm, PROMPTS, max_tokens=6,
+                                                                         exit_policy=policy, exit_threshold=threshold)]

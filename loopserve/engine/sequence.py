@@ -22,7 +22,7 @@ from loopserve.engine.sampler import (
     sample_one,
 )
 from loopserve.errors import NonFiniteError
-from loopserve.exits import ExitRule
+from loopserve.exits import DEFAULT_THRESHOLDS, ExitRule
 from loopserve.models.base import LoopedLM
 from loopserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from loopserve.sampling_params import TRUNCATE_TO_CONTEXT, RequestOutputKind, SamplingParams
@@ -66,6 +66,8 @@ def resolve_exit_rule(params: SamplingParams, model: LoopedLM, lookahead: bool) 
         threshold = threshold if threshold is not None else (config.exit_threshold or 1.0)
         if not 0 < threshold <= 1:
             raise ValueError(f"exit_threshold: a gate threshold is a probability in (0, 1], got {threshold}")
+    elif threshold is None:
+        threshold = DEFAULT_THRESHOLDS.get(policy)  # (a policy without a threshold: fixed, trace)
     # lookahead_gate already decides one step ahead without a wasted loop: delayed lookahead adds nothing
     delayed = lookahead and policy != "lookahead_gate"
     return ExitRule(policy, threshold, min_loops, max_loops, tuple(params.exit_trace or ()), delayed)
