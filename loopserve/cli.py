@@ -18,7 +18,7 @@ from pathlib import Path
 
 from loopserve.config_args import add_config_args, config_kwargs
 from loopserve.engine.config import EngineConfig
-from loopserve.exits import DEFAULT_POLICIES
+from loopserve.exits import DEFAULT_POLICIES, DEFAULT_THRESHOLDS
 from loopserve.load_config import LoadConfig
 
 # Modules that add subcommands (the runtime's, then the lab's); a missing one is skipped.
@@ -26,6 +26,20 @@ _COMMAND_MODULES = ["loopserve.cli", "loopserve.serve.cli", "loopserve_lab.bench
 # The extra a command's own third-party modules come with, when more than one extra provides a module.
 _COMMAND_EXTRA = {"serve": "serve", "bench": "bench", "train-tiny": "train", "eval": "train"}
 BARS = " ▁▂▃▄▅▆▇█"
+# The help of every command's flags shows their defaults (as `loopserve serve --help` does).
+HELP_FORMAT = argparse.ArgumentDefaultsHelpFormatter
+
+
+class CommandError(SystemExit):
+    """A command's refusal of its arguments or inputs: `main` prints one `error: <message>` line and the process
+    exits with status 2, as for argparse's own errors (`str(e)` is the message)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -54,18 +68,37 @@ def add_chat_args(p: argparse.ArgumentParser) -> None:
 
 # What `generate` samples with when neither a flag nor the model's generation_config.json says otherwise.
 GENERATE_DEFAULTS = {"max_tokens": 64, "temperature": 0.8, "top_p": 1.0, "top_k": -1}
+_SAMPLING_HELP = {"max_tokens": "tokens to generate per prompt", "temperature": "sampling temperature (0: greedy)",
+                  "top_p": "nucleus sampling: the smallest set of tokens holding this much probability",
+                  "top_k": "sample among the k likeliest tokens (-1: all)"}
+
+
+# The looped-model fields of SamplingParams as flags (generate, demo; serve's request defaults): (type, help); each
+# is unset by default.
+EXIT_FLAGS: dict[str, tuple[type, str]] = {
+    "exit_threshold": (float, "the exit policy's threshold (unset: the gate's is the checkpoint's early_exit_threshold"
+                              + "".join(f", {k}'s {v:g}" for k, v in DEFAULT_THRESHOLDS.items()) + ")"),
+    "exit_policy": (str, "exit policy (unset: the model's: gate with a learned exit gate, else latent_diff)"),
+    "min_loops": (int, "no exit before this many loops (unset: 1)"),
+    "max_loops": (int, "always exit at this many loops (unset: the model's r_max)"),
+}
+
+
+def add_exit_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """The exit-rule flags (`EXIT_FLAGS`: request defaults for `serve`, the requests' own for `generate` / `demo`)."""
+    for name, (kind, text) in EXIT_FLAGS.items():
+        choices = DEFAULT_POLICIES if name == "exit_policy" else None
+        p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help=text, choices=choices)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     for name, value in GENERATE_DEFAULTS.items():
         p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=None,
-                       help=f"default: the model's generation config, else {value}")
+                       help=f"{_SAMPLING_HELP[name]} (unset: the model's generation config, else {value})")
     p.add_argument("--chat", action="store_true", help="each prompt is a user message, rendered by the chat template")
-    p.add_argument("--exit-threshold", type=float, default=None)
-    p.add_argument("--exit-policy", default=None, choices=DEFAULT_POLICIES)
-    p.add_argument("--min-loops", type=int, default=None)
-    p.add_argument("--max-loops", type=int, default=None)
-    p.add_argument("--ignore-eos", action="store_true")
+    add_exit_args(p)
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="go on past end-of-sequence tokens, to --max-tokens (or the context)")
 
 
 def depth_histogram(depths: list[int]) -> str:
@@ -90,7 +123,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     prompts = list(args.prompts)
     if args.prompts_file:
-        prompts += [ln.rstrip("\n") for ln in Path(args.prompts_file).read_text().splitlines() if ln.strip()]
+        try:
+            text = Path(args.prompts_file).read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            print(f"error: --prompts-file: {args.prompts_file}: {why}", file=sys.stderr)
+            return 2
+        prompts += [ln.rstrip("\n") for ln in text.splitlines() if ln.strip()]
     if not prompts:
         print("error: give prompts as arguments or with --prompts-file", file=sys.stderr)
         return 2
@@ -148,13 +187,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_make_tiny(args: argparse.Namespace) -> int:
     from loopserve_lab.tiny import TinySpec, make_tiny
 
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        print(f"error: {out}: exists and is not a folder (make-tiny writes a checkpoint folder)", file=sys.stderr)
+        return 2
+    if out.is_dir() and any(out.iterdir()):
+        # (another checkpoint's files left beside the new ones, say Ouro's beside Huginn's, would make a folder
+        # that loads as neither)
+        print(f"error: {out}: the folder is not empty; give a new or empty folder", file=sys.stderr)
+        return 2
     layers = args.layers or ("2" if args.arch == "ouro" else "2-2-2")
     spec = TinySpec(arch=args.arch, hidden_size=args.hidden_size, num_heads=args.num_heads,
                     num_kv_heads=args.num_kv_heads, intermediate_size=args.intermediate_size,
                     vocab_size=args.vocab_size, layers=layers, r_max=args.r_max or (4 if args.arch == "ouro" else 8),
                     lookahead_gate=args.lookahead_gate, seed=args.seed)
     try:
-        out = make_tiny(args.out, spec, shards=args.shards)
+        out = make_tiny(out, spec, shards=args.shards)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -165,26 +213,30 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     for name, fn, help_ in (("generate", cmd_generate, "generate text, streaming, with exit depths"),
                             ("demo", cmd_demo, "generate from the embedded default model")):
-        p = sub.add_parser(name, help=help_)
+        p = sub.add_parser(name, help=help_, formatter_class=HELP_FORMAT)
         p.add_argument("prompts", nargs="*")
-        p.add_argument("--prompts-file", default=None, help="one prompt per line")
+        p.add_argument("--prompts-file", default=None,
+                       help="a file of prompts, one per line (after those given as arguments)")
         add_engine_args(p)
         add_chat_args(p)
         add_sampling_args(p)
         p.set_defaults(func=fn)
-    p = sub.add_parser("make-tiny", help="write a random tiny Ouro or Huginn checkpoint (HF layout)")
-    p.add_argument("out")
-    p.add_argument("--arch", default="ouro", choices=["ouro", "huginn"])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--hidden-size", type=int, default=64)
-    p.add_argument("--num-heads", type=int, default=4)
-    p.add_argument("--num-kv-heads", type=int, default=None, help="Ouro: < num-heads for GQA")
-    p.add_argument("--intermediate-size", type=int, default=128)
-    p.add_argument("--vocab-size", type=int, default=512)
-    p.add_argument("--layers", default=None, help="Ouro: N layers; Huginn: prelude-core-coda, e.g. 2-4-2")
-    p.add_argument("--r-max", type=int, default=None, help="Ouro total_ut_steps / Huginn mean_recurrence")
-    p.add_argument("--lookahead-gate", action="store_true")
-    p.add_argument("--shards", type=int, default=1)
+    p = sub.add_parser("make-tiny", help="write a random tiny Ouro or Huginn checkpoint (HF layout)",
+                       formatter_class=HELP_FORMAT)
+    p.add_argument("out", help="folder to write: a new or empty one")
+    p.add_argument("--arch", default="ouro", choices=["ouro", "huginn"], help="architecture")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    p.add_argument("--hidden-size", type=int, default=64, help="hidden size")
+    p.add_argument("--num-heads", type=int, default=4, help="attention heads")
+    p.add_argument("--num-kv-heads", type=int, default=None, help="Ouro: < num-heads for GQA (unset: num-heads)")
+    p.add_argument("--intermediate-size", type=int, default=128, help="MLP width")
+    p.add_argument("--vocab-size", type=int, default=512, help="vocabulary size")
+    p.add_argument("--layers", default=None, help="Ouro: a number of layers, e.g. 2; Huginn: prelude-core-coda, e.g. "
+                                                  "2-4-2 (unset: Ouro 2, Huginn 2-2-2)")
+    p.add_argument("--r-max", type=int, default=None,
+                   help="Ouro total_ut_steps / Huginn mean_recurrence (unset: Ouro 4, Huginn 8)")
+    p.add_argument("--lookahead-gate", action="store_true", help="Ouro: add the distilled lookahead gate head")
+    p.add_argument("--shards", type=int, default=1, help="safetensors files to split the weights into")
     p.set_defaults(func=cmd_make_tiny)
 
 
@@ -221,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
+    except CommandError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise  # (exit status 2; a caller that catches SystemExit reads the message from it)
     except ModuleNotFoundError as e:
         extras = extras_providing(e.name or "")
         if not extras:

@@ -71,9 +71,9 @@ class LLM:
     def __init__(self, model: str | Path | None = None, *, chat_template: str | None = None,
                  generation_config: str = "auto", **kwargs: Any) -> None:
         """`kwargs`: `LoadConfig` fields (dtype, device, state_init, seed, max_model_len, gpu_memory_utilization,
-        enforce_eager, tensor_parallel_size, trust_remote_code, tokenizer, swap_space: what the `serve` flags of
-        those names mean, with the same defaults), `EngineConfig` fields, and vLLM's `disable_log_stats` (no
-        effect). ValueError naming the argument at fault."""
+        enforce_eager, tensor_parallel_size, trust_remote_code, tokenizer, swap_space, threads: what the `serve`
+        flags of those names mean, with the same defaults), `EngineConfig` fields, and vLLM's `disable_log_stats`
+        (no effect). ValueError naming the argument at fault."""
         known = {*LOAD_FIELDS, *(f.name for f in dataclasses.fields(EngineConfig)), *_NO_EFFECT}
         unknown = sorted(set(kwargs) - known)
         if unknown:

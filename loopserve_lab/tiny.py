@@ -49,7 +49,13 @@ class TinySpec:
 def hf_config(spec: TinySpec) -> dict:
     head_dim = spec.hidden_size // spec.num_heads
     if spec.arch == "ouro":
-        n = int(spec.layers)
+        try:
+            n = int(spec.layers)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise ValueError(f"layers: Ouro takes a number of layers like '2', got {spec.layers!r} "
+                             "('prelude-core-coda' like '2-4-2' is Huginn's)")
         return {
             "architectures": [OURO],
             "auto_map": _auto_map(OURO),
@@ -130,8 +136,8 @@ def _random_weights(model: LoopedLM, seed: int) -> dict[str, torch.Tensor]:
 
 def make_tiny(out: str | Path, spec: TinySpec, shards: int = 1) -> Path:
     out = Path(out)
+    raw = hf_config(spec)  # (checks the spec before anything is written)
     out.mkdir(parents=True, exist_ok=True)
-    raw = hf_config(spec)
     config = ModelConfig.from_hf(raw)
     with torch.device("meta"):
         model = (OuroForCausalLM(config, lookahead_gate=spec.lookahead_gate) if config.arch == OURO

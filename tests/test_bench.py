@@ -734,7 +734,7 @@ def test_device_busy_reads_the_raw_records_on_the_cpu_too():
     assert busy.busy_s is not None and 0 < busy.busy_s < wall - 0.15
 
 
-def test_ablation_trace_exports_the_schedule(bench_cache, single_thread):
+def test_ablation_trace_exports_the_schedule(bench_cache, single_thread, capsys):
     from loopserve.cli import main
 
     out = bench_cache / "trace"
@@ -748,7 +748,13 @@ def test_ablation_trace_exports_the_schedule(bench_cache, single_thread):
         assert all(0 < t["batch"] for t in ticks)
         coda_rows = data["traces"][sched]["summary"]["rows"]["coda"]
         assert sum(t["batch"] for t in ticks if t["stage"] == "coda") == coda_rows
-    assert (out / "schedule_trace.png").is_file()
+    assert (out / "ablate_trace.png").is_file()  # (docs/benchmarks.md: ablate_*.json/.png)
+    printed = capsys.readouterr().out
+    assert "ticks/rows" in printed and "Stage." not in printed and "{" not in printed
+    for sched in ("cdb-norefill", "cdb"):
+        s = data["traces"][sched]["summary"]
+        (line,) = [ln for ln in printed.splitlines() if ln.split()[0] == sched]
+        assert f"{s['ticks']['core']}/{s['rows']['core']}" in line.split()
 
 
 def test_bench_host_times_decode_ticks_of_a_null_model(bench_cache, single_thread):
@@ -792,6 +798,45 @@ def test_interval_union_counts_overlaps_once(pairs):
     intervals = [(float(min(a, b)), float(max(a, b))) for a, b in pairs]
     covered = {t for a, b in intervals for t in range(int(a), int(b))}
     assert interval_union(intervals) == len(covered)
+
+
+def _refused(argv: list[str], capsys) -> str:
+    """The one `error:` line a bench command refused `argv` with (status 2, as argparse's own errors)."""
+    from loopserve.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    stderr = capsys.readouterr().err
+    err = [ln for ln in stderr.splitlines() if ln.startswith("error: ")]
+    assert len(err) == 1 and "Traceback" not in stderr and stderr.endswith(err[0] + "\n"), stderr
+    return err[0]
+
+
+def test_bench_refusals_are_one_error_line_with_status_2(bench_cache, monkeypatch, capsys):
+    """A model that is neither a preset nor a folder, MT-Bench before `bench setup`, a missing trajectories file,
+    an unknown sweep (checked before the model loads), a bad `bench host` flag: no traceback."""
+    from loopserve_lab.bench import harness
+
+    assert "--model: 'nosuch' is neither a bench preset" in _refused(
+        ["bench", "throughput", "--model", "nosuch", "--no-progress"], capsys)
+    assert "run `loopserve bench setup` first" in _refused(
+        ["bench", "throughput", "--model", "micro-ouro", "--workload", "mtbench", "--no-progress",
+         "--out", str(bench_cache / "o")], capsys)
+    assert "--trajectories: " in _refused(
+        ["bench", "throughput", "--model", "micro-ouro", "--num-requests", "1", "--trajectories",
+         str(bench_cache / "none.json"), "--threshold", "0.5", "--no-progress", "--out", str(bench_cache / "o")],
+        capsys)
+    assert "--output-kinds" in _refused(["bench", "host", "--output-kinds", "x", "--no-progress"], capsys)
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(harness.BenchModel, "load", no_load)
+    assert "--sweep: expected a comma list of width, threshold, full-depth, got 'bogus'" in _refused(
+        ["bench", "throughput", "--sweep", "width,bogus", "--no-progress"], capsys)
+    assert "--sweep threshold needs --trajectories" in _refused(
+        ["bench", "throughput", "--sweep", "threshold", "--no-progress"], capsys)
 
 
 def test_bench_throughput_device_busy_needs_cuda():

@@ -159,3 +159,54 @@ def test_the_gpu_check_commands_parse_and_name_their_graphs():
             assert engine_overrides(args).get("cuda_graphs") is not None, line
     for test_file in re.search(r"pytest .*?((?:tests/\S+ ?)+)", text).group(1).split():  # type: ignore[union-attr]
         assert (script.parents[1] / test_file).is_file(), test_file
+
+
+def _shown_help(argv: list[str]) -> dict[str, str]:
+    """`--flag` -> its help as `--help` prints it (defaults filled in), for the (sub)command `argv` names."""
+    parser = _subparser(argv)
+    formatter = parser._get_formatter()
+    return {a.option_strings[0]: formatter._expand_help(a) if a.help else ""
+            for a in parser._actions if a.option_strings and a.dest != "help"}
+
+
+@pytest.mark.parametrize("command", ["generate", "demo", "make-tiny"])
+def test_every_flag_of_the_runtime_commands_has_help_that_shows_its_default(command):
+    parser = _subparser([command])
+    for flag, shown in _shown_help([command]).items():
+        action = next(a for a in parser._actions if flag in a.option_strings)
+        assert shown.strip(), f"{command} {flag}: no help"
+        assert f"default: {action.default}" in shown, (flag, shown)
+        assert shown.count("default:") == 1, shown
+
+
+@pytest.mark.parametrize(("argv", "flags"), [
+    (["generate"], {"--exit-threshold": "None", "--exit-policy": "None", "--min-loops": "None",
+                    "--max-loops": "None", "--ignore-eos": "False", "--threads": "None"}),
+    (["make-tiny"], {"--arch": "ouro", "--seed": "0", "--hidden-size": "64", "--shards": "1",
+                     "--lookahead-gate": "False"}),
+    (["eval", "ppl"], {"--out-json": "eval-results/embedded-model-results.json", "--plots-dir": "eval-results"}),
+    (["bench", "throughput"], {"--sweep": "width", "--widths": "8,16,32,64", "--width": "32", "--repeats": "1",
+                               "--num-requests": "128", "--workload": "alpaca", "--scale": "1.0", "--seed": "0"}),
+    (["bench", "theory"], {"--r-max": "the config's", "--dtype": "bfloat16"}),
+])
+def test_flags_say_their_defaults(argv, flags):
+    shown = _shown_help(argv)
+    for flag, default in flags.items():
+        assert f"default: {default}" in shown[flag], (flag, shown[flag])
+
+
+def test_the_width_sweep_default_parses_to_widths():
+    args = build_parser().parse_args(["bench", "throughput"])
+    assert args.widths == [8, 16, 32, 64]
+
+
+def test_eval_writes_outside_the_docs_unless_told():
+    """Run from the repository's root, `eval ppl` and `eval trajectories` must not overwrite committed docs/ files
+    by default; docs/embedded-model.md passes those paths itself."""
+    ppl = build_parser().parse_args(["eval", "ppl"])
+    traj = build_parser().parse_args(["eval", "trajectories"])
+    for path in (ppl.out_json, ppl.plots_dir, traj.out_dir):
+        assert Path(path).parts[0] == "eval-results", path
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "embedded-model.md").read_text()
+    assert "--out-json docs/embedded-model-results.json --plots-dir docs" in doc
+    assert "eval trajectories --out-dir docs/trajectories" in doc

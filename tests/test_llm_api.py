@@ -179,6 +179,19 @@ def test_generate_cli_chat_and_generation_config(tiny_ouro, tmp_path, capsys):
     assert "neither a file nor a Jinja template" in capsys.readouterr().err
 
 
+def test_generate_cli_prompts_file(tiny_ouro, tmp_path, capsys):
+    """Prompts from a file, after the arguments'; a file that cannot be read is one error line, status 2."""
+    args = ["generate", "--model", str(tiny_ouro), "--scheduler", "reference", "--max-tokens", "2", "--threads", "1"]
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("first one\n\nsecond one\n")
+    assert cli_main([*args, "--prompts-file", str(prompts), "zeroth"]) == 0
+    out = capsys.readouterr().out
+    assert out.index(">>> zeroth") < out.index(">>> first one") < out.index(">>> second one")
+    assert cli_main([*args, "--prompts-file", str(tmp_path / "nofile.txt")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: --prompts-file: {tmp_path / 'nofile.txt'}: No such file or directory\n"
+
+
 # ---------------- folders transformers reads
 
 

@@ -125,6 +125,10 @@ def test_make_tiny_rejects_bad_spec(tmp_path):
         make_tiny(tmp_path / "x", TinySpec(arch="llama"))
     with pytest.raises(ValueError, match="layers"):
         make_tiny(tmp_path / "y", TinySpec(arch="huginn", layers="4"))
+    for layers in ("2-4-2", "0", "two"):  # Ouro takes a number, and says so (not int()'s "invalid literal")
+        with pytest.raises(ValueError, match=r"^layers: Ouro takes a number of layers like '2'"):
+            make_tiny(tmp_path / "z", TinySpec(arch="ouro", layers=layers))
+    assert not (tmp_path / "z").exists()  # (the spec is checked before anything is written)
 
 
 @pytest.mark.parametrize("arch,layers", [("ouro", "2"), ("huginn", "1-2-1")])
@@ -431,3 +435,26 @@ def test_cli_make_tiny(tmp_path, capsys):
     assert lm2.config.arch == "OuroForCausalLM" and lm2.config.num_kv_heads == 2 and lm2.model.has_lookahead_gate
     assert cli_main(["make-tiny", str(tmp_path / "bad"), "--arch", "huginn", "--layers", "x"]) == 2
     assert "layers" in capsys.readouterr().err
+
+
+def test_cli_make_tiny_refuses_a_file_or_a_folder_with_files(tmp_path, capsys):
+    """Writing over another checkpoint would leave its files beside the new ones (Ouro's beside Huginn's): a
+    non-empty folder is refused, with one error line and status 2, and left as it was; an empty one is taken."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert cli_main(["make-tiny", str(afile)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "not a folder" in err and err.count("\n") == 1
+    ouro = tmp_path / "ouro"
+    assert cli_main(["make-tiny", str(ouro)]) == 0
+    before = sorted(p.name for p in ouro.iterdir())
+    assert cli_main(["make-tiny", str(ouro), "--arch", "huginn", "--layers", "1-1-1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "not empty" in err and err.count("\n") == 1
+    assert sorted(p.name for p in ouro.iterdir()) == before
+    assert load_model(ouro, "float32", "cpu").config.arch == "OuroForCausalLM"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli_main(["make-tiny", str(empty), "--layers", "1"]) == 0
+    assert cli_main(["make-tiny", str(tmp_path / "o2"), "--layers", "2-4-2"]) == 2
+    assert "Ouro takes a number of layers" in capsys.readouterr().err

@@ -96,6 +96,17 @@ def test_bad_field_is_named(field, kwargs):
     assert str(e.value).startswith(f"{field}: "), str(e.value)
 
 
+def test_a_grammar_without_a_kind_names_both_of_vllms_names():
+    """GuidedDecodingParams and StructuredOutputsParams are one class: its error cannot know which name the caller
+    used, so it gives both (a `structured_outputs` dict's is renamed to that field, above)."""
+    for cls in (GuidedDecodingParams, StructuredOutputsParams):
+        with pytest.raises(ValueError, match=r"^guided_decoding / structured_outputs: exactly one of json, regex, "
+                                             r"choice, grammar or json_object is needed, got none$"):
+            cls()
+    with pytest.raises(ValueError, match=r"^guided_decoding / structured_outputs: .* got regex, choice$"):
+        StructuredOutputsParams(regex="a+", choice=["a"])
+
+
 def test_vllm_fields_accepted():
     assert SamplingParams(n=3, best_of=3).best_of == 3
     # without special tokens in the text there is nothing to space (vLLM ignores it then too)

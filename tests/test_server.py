@@ -694,6 +694,11 @@ def test_num_speculative_tokens_field(server, spec_server, offline):
 
 # -- SIGTERM --------------------------------------------------------------------------------------------------------
 def test_sigterm_finishes_short_requests_and_aborts_long_ones(ouro_path, tmp_path):
+    """SIGTERM: no new connections; a request in flight that finishes within the grace period (--shutdown-timeout)
+    is answered in full; one still running a little before it runs out is ended by the server itself, before
+    uvicorn would cancel it (a plain-text 500, a bare cut, an ERROR and a traceback each): a 503 with the
+    OpenAI-style body and Retry-After, or for a stream, an error event with that body, then the cut (no [DONE]).
+    The process exits 0, and its log has no ERROR line and no traceback."""
     log = tmp_path / "sigterm.log"
     # Size the grace period from this machine's speed: ~10x what the short request needs, ~1/5 of
     # what the long one needs.
@@ -703,32 +708,45 @@ def test_sigterm_finishes_short_requests_and_aborts_long_ones(ouro_path, tmp_pat
     llm.generate("time me", SamplingParams(max_tokens=40, ignore_eos=True))
     per_token = (time.perf_counter() - t) / 40
     short, grace = 40, max(1.5, 400 * per_token)
+    shutting_down = {"error": {"message": "the server is shutting down", "type": "ServiceUnavailableError",
+                               "param": None, "code": 503}}
     with run_server(ouro_path, log, "--shutdown-timeout", str(grace), "--kv-cache-tokens", str(KV_TOKENS)) as server:
-        results: dict[str, tuple[int, bool]] = {}
+        results: dict[str, tuple[int, bool, dict | None]] = {}
         started = {k: threading.Event() for k in ("short", "long")}
+        answer: dict[str, httpx.Response] = {}
 
         def stream(name: str, max_tokens: int) -> None:
             body = {"model": MODEL, "prompt": name, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
-            n, done = 0, False
+            n, done, error = 0, False, None
             try:
                 with httpx.Client(timeout=60) as c, c.stream("POST", server.url + C, json=body) as r:
                     for data in sse_events(r.iter_lines()):
                         if data == "[DONE]":
                             done = True
+                        elif "error" in (event := json.loads(data)):
+                            error = event
                         else:
-                            n += len(json.loads(data)["choices"][0]["exit_depths"])
+                            n += len(event["choices"][0]["exit_depths"])
                             started[name].set()
             except httpx.HTTPError:
                 pass
             started[name].set()
-            results[name] = (n, done)
+            results[name] = (n, done, error)
+
+        def whole() -> None:  # not streamed
+            body = {"model": MODEL, "prompt": "whole", "max_tokens": MAX_LEN - 8, "ignore_eos": True}
+            answer["whole"] = httpx.post(server.url + C, json=body, timeout=60)
 
         threads = [threading.Thread(target=stream, args=("short", short)),
-                   threading.Thread(target=stream, args=("long", MAX_LEN - 8))]
+                   threading.Thread(target=stream, args=("long", MAX_LEN - 8)), threading.Thread(target=whole)]
         for t in threads:
             t.start()
         for e in started.values():
             assert e.wait(30)
+        deadline = time.monotonic() + 30
+        while metric(server, "loopserve:num_requests_running") < 3:  # the one not streamed too
+            assert time.monotonic() < deadline, "the requests did not all start"
+            time.sleep(0.05)
         t0 = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
@@ -738,10 +756,17 @@ def test_sigterm_finishes_short_requests_and_aborts_long_ones(ouro_path, tmp_pat
             t.join(30)
         rc = server.proc.wait(20)
         assert time.monotonic() - t0 < grace + 10
-    assert rc == 0, log.read_text()
-    assert results["short"] == (short, True)  # in flight at SIGTERM: finished
-    n_long, done_long = results["long"]
-    assert not done_long and n_long < MAX_LEN - 8  # could not finish in the grace period: aborted, stream cut
+    text = log.read_text()
+    assert rc == 0, text
+    assert results["short"] == (short, True, None)  # in flight at SIGTERM: finished
+    n_long, done_long, error = results["long"]
+    # could not finish in the grace period: ended by the server, with its error event before the cut
+    assert not done_long and n_long < MAX_LEN - 8 and error == shutting_down, results["long"]
+    r = answer["whole"]
+    assert r.status_code == 503 and r.json() == shutting_down, r.text
+    assert r.headers.get("retry-after") == "5", r.headers
+    assert "ERROR" not in text and "Traceback" not in text, text
+    assert "aborted 2 request(s) still running" in text, text
 
 
 # -- prompt logprobs (echo) and n > 1 -------------------------------------------------------------------------

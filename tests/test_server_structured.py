@@ -234,6 +234,25 @@ def test_bad_grammars_are_400_naming_the_field(server, path, body, param):
     assert r.json()["error"]["param"] == param, r.json()
 
 
+# a character class llguidance cannot compile (it excludes every character): the engine's error names the grammar
+# `guided_decoding`; the 400 names it as the request gave it, in `param` and at the start of its message
+UNCOMPILABLE_REGEX = "[^\\x00-\\U0010FFFF]"
+
+
+@pytest.mark.parametrize(("path", "grammar", "field"), [
+    ("/v1/completions", {"guided_regex": UNCOMPILABLE_REGEX}, "guided_regex"),
+    ("/v1/completions", {"guided_regex": UNCOMPILABLE_REGEX, "stream": True}, "guided_regex"),
+    ("/v1/chat/completions", {"structured_outputs": {"regex": UNCOMPILABLE_REGEX}}, "structured_outputs"),
+])
+def test_an_uncompilable_grammar_is_a_400_whose_message_names_the_request_field(server, path, grammar, field):
+    base = {"messages": MESSAGES} if "chat" in path else {"prompt": "a"}
+    r = _post(server, path, {**base, "max_tokens": 4, **grammar})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field, err
+    assert err["message"].startswith(f"{field}: llguidance cannot compile it ("), err
+
+
 def test_a_slow_grammar_compiles_off_the_event_loop(server):
     """A grammar can take a second or more to compile (this regex's counted repetitions: over 1 s here,
     then llguidance gives up: a 400). Requests are built on a worker thread and llguidance releases the
@@ -306,16 +325,16 @@ LATE_LIMIT_SCHEMA = {"type": "array", "minItems": 2, "items": False, "prefixItem
     ("/v1/chat/completions", {"structured_outputs": {"grammar": LATE_LIMIT_GRAMMAR}}, "structured_outputs"),
 ])
 def test_a_grammar_failure_found_later_names_the_field_the_request_gave_it_in(server, path, grammar, field):
-    """A grammar that fails after its first tokens (the engine's error names it `guided_decoding`): the 400's `param`
-    is the field the request gave the grammar in, as for a failure found when the request is made (`make_seq`), and
-    the same in a stream's error event."""
+    """A grammar that fails after its first tokens (the engine's error names it `guided_decoding`): the 400's `param`,
+    and the name its message starts with, is the field the request gave the grammar in, as for a failure found when
+    the request is made (`make_seq`), and the same in a stream's error event."""
     base = {"messages": MESSAGES} if "chat" in path else {"prompt": "ROMEO:"}
     body = {**base, "max_tokens": 30, "temperature": 0.0, **grammar}
     r = _post(server, path, body)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == field, err
-    assert err["message"].startswith("guided_decoding: the grammar cannot be parsed past this point"), err
+    assert err["message"].startswith(f"{field}: the grammar cannot be parsed past this point"), err
     events: list[str] = []
     with pytest.raises(httpx.HTTPError), httpx.stream("POST", server.url + path, timeout=60,
                                                       json={"model": MODEL, **body, "stream": True}) as s:
@@ -341,10 +360,16 @@ def test_one_rule_names_the_request_field_of_an_engine_error():
     too_long = ApiError.bad_request("prompt: 5000 tokens; this model's maximum context length is 4096", "prompt.1")
     assert (too_long.param, too_long.message) == ("prompt.1", "prompt.1: 5000 tokens; this model's maximum context "
                                                               "length is 4096")
+    bad_regex = ApiError.bad_request("guided_decoding: llguidance cannot compile it (x)", "prompt", "guided_regex")
+    assert (bad_regex.param, bad_regex.message) == ("guided_regex", "guided_regex: llguidance cannot compile it (x)")
+    unnamed = ApiError.bad_request("guided_decoding: llguidance cannot compile it (x)")  # (no request field known)
+    assert (unnamed.param, unnamed.message) == ("guided_decoding", "guided_decoding: llguidance cannot compile it (x)")
+    assert ApiError.bad_request(conflict, "prompt", "guided_choice").message == conflict  # (names another field)
     failed = RequestOutput("r", None, [1], [CompletionOutput(0, "", [], None, [], "error")], True, error=limit,
                            error_status=400)
     error = request_failure(failed, "prompt", "guided_choice")
-    assert error is not None and (error.status, error.message, error.param) == (400, limit, "guided_choice")
+    assert error is not None and (error.status, error.param) == (400, "guided_choice")
+    assert error.message == "guided_choice" + limit.removeprefix("guided_decoding")  # named as the request did
     failed.error_status = 500  # (not the request's fault: no field)
     error = request_failure(failed, "prompt", "guided_choice")
     assert error is not None and (error.status, error.param) == (500, None)

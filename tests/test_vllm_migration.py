@@ -234,6 +234,26 @@ def test_every_load_knob_is_an_llm_keyword_and_a_serve_flag_with_one_default():
     assert (args.dtype, args.device) == ("auto", "auto")  # vLLM's defaults, for LLM and the server alike
 
 
+def test_threads_is_an_llm_keyword_and_a_flag_applied_when_the_model_loads(tiny_ouro, monkeypatch):
+    """`threads` (not vLLM's): torch's CPU threads, set by `load_for_engine` for `LLM` and the server alike;
+    unset leaves torch's default alone; anything but an integer >= 1 is a ValueError naming it."""
+    from loopserve import load_config
+
+    set_to: list[int] = []
+    monkeypatch.setattr(load_config.torch, "set_num_threads", set_to.append)
+    LLM(tiny_ouro, scheduler="reference")
+    assert set_to == []
+    LLM(tiny_ouro, scheduler="reference", threads=1)
+    load_engine(tiny_ouro, threads=2)
+    assert set_to == [1, 2]
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="^threads: must be an integer >= 1"):
+            LLM(tiny_ouro, scheduler="reference", threads=bad)
+    for command in ("generate", "demo", "serve"):
+        assert build_parser().parse_args([command, "--threads", "3"]).threads == 3
+    assert torch.get_num_threads() == 1  # (the fixture's; the patched setter changed nothing)
+
+
 def test_llm_and_the_server_load_with_the_same_default_device_and_dtype(tiny_ouro, monkeypatch):
     """What reaches the loader: `auto` for both (it was device "cpu" and dtype "float32" for LLM)."""
     from loopserve.models import loader

@@ -43,6 +43,10 @@ upload).
 
 If the engine thread dies, in-flight requests fail at once and `on_engine_dead` is called on the
 event loop: `cli.py` then stops the server and exits non-zero, so a supervisor restarts it.
+
+On a graceful shutdown (SIGTERM) new requests get a 503 with Retry-After, and those in flight get the grace
+period to finish; a little before it runs out `abort_in_flight` ends the ones left with a 503 "the server is
+shutting down" (Retry-After; a stream: its error event, then the cut), before uvicorn would cancel them.
 """
 
 from __future__ import annotations
@@ -136,9 +140,11 @@ def loopserve_version() -> str:
 
 @dataclass
 class ServerSettings:
-    model_name: str
+    # the names a request's `model` may give (--served-model-name a b); the first is the default, for a request
+    # without one, and the name responses and metrics report (vLLM's rule: one card per name in /v1/models)
+    model_names: tuple[str, ...]
     model_path: str = ""
-    expose_model_path: bool = False  # /v1/models shows `model_path` as the model's root (else its name)
+    expose_model_path: bool = False  # /v1/models shows `model_path` as the model's root (else its first name)
     api_keys: tuple[str, ...] = ()  # any one of them is accepted; none: no authentication
     max_queued_requests: int = 256  # sequences (samples) waiting beyond max_num_seqs; past it: 503
     max_body_bytes: int = 4 * 2**20
@@ -154,6 +160,16 @@ class ServerSettings:
     max_log_len: int | None = None  # prompt characters and token ids shown in such a line; None: all
     stats_interval_s: float | None = 10.0  # the periodic stats line; None: off
     return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:<id>" unless a request says
+
+    def __post_init__(self) -> None:
+        if isinstance(self.model_names, str) or not self.model_names or not all(self.model_names):
+            raise ValueError(f"model_names: expected a tuple of names, got {self.model_names!r}")
+        self.model_names = tuple(dict.fromkeys(self.model_names))  # a name given twice is listed once
+
+    @property
+    def model_name(self) -> str:
+        """The default name: the first."""
+        return self.model_names[0]
 
 
 def load_engine(model: str | Path | None, **kwargs: Any) -> tuple[LLMEngine, Path]:
@@ -302,6 +318,14 @@ class OpenAIServing:
                     await stats
             await self.aengine.shutdown()
 
+    def abort_in_flight(self) -> None:
+        """The end of a graceful shutdown's grace period (`connection.GracefulServer` calls it a little before uvicorn
+        cancels the request tasks): refuse new requests and end every one still running in the engine with a 503
+        (`collect`, `stream`): a response with Retry-After, a stream's error event and cut. One line in the log."""
+        n = self.aengine.abort_all(EngineStoppedError("the server is shutting down"))
+        if n:
+            log.warning("shutdown: the grace period is over; aborted %d request(s) still running (503)", n)
+
     def summary(self) -> str:
         """The start-up line: what is served, and how."""
         e, c = self.engine, self.engine.model_config
@@ -310,8 +334,9 @@ class OpenAIServing:
         dtype = str(p.dtype).removeprefix("torch.")
         k = e.cfg.num_speculative_tokens
         spec = f"{k} tokens drafted at {e.cfg.speculative_draft_loops} loops" if k else "off"
+        names = ", ".join(repr(n) for n in self.settings.model_names)
         return (f"model {self.settings.model_path or self.settings.model_name} served as "
-                f"{self.settings.model_name!r}: {c.arch}, dtype {dtype}, device {p.device}, r_max {c.r_max}, "
+                f"{names}: {c.arch}, dtype {dtype}, device {p.device}, r_max {c.r_max}, "
                 f"max_model_len {self.max_model_len}, KV cache {self.kv_tokens} tokens ({gib:.3g} GiB, blocks of "
                 f"{e.kv.block_size}), kv_layout {e.cfg.kv_layout}, scheduler {e.cfg.scheduler}, max_num_seqs "
                 f"{e.cfg.max_num_seqs}, speculative decoding {spec}")
@@ -328,9 +353,10 @@ class OpenAIServing:
         if scheme.lower() != "bearer" or not sum(secrets.compare_digest(given, k.encode()) for k in keys):
             raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')")
 
-    def check_model(self, name: str | None) -> None:
-        """A 404 naming `model` unless it names the served model; absent or empty: the served model (vLLM's)."""
-        if name and name != self.settings.model_name:
+    def check_model(self, name: str | None, required: bool = False) -> None:
+        """A 404 naming `model` unless it is one of the served names; absent or empty: the first (vLLM's),
+        unless `required`."""
+        if (name or required) and name not in self.settings.model_names:
             raise ApiError(404, f"The model `{name}` does not exist.", "model")
 
     async def read(self, request: Request, parse: Callable[[bytes], Any]) -> Any:
@@ -409,7 +435,9 @@ class OpenAIServing:
             if not task.done():
                 return None
             task.result()
-        except (EngineDeadError, EngineStoppedError) as e:
+        except EngineStoppedError as e:  # the server's shutdown (`abort_in_flight`): retry (another replica, a restart)
+            raise ApiError(503, str(e), headers={"Retry-After": "5"}) from None
+        except EngineDeadError as e:
             raise ApiError(503, str(e)) from None
         finally:
             gone.cancel()
@@ -461,6 +489,7 @@ class OpenAIServing:
                      reason, len(o.prompt_token_ids), tokens, loops)
 
     def base(self, obj: str, cid: str) -> dict[str, Any]:
+        # `model`: the first served name, whichever name the request gave (vLLM's `OpenAIServingModels.model_name`)
         return {"id": cid, "object": obj, "created": int(time.time()), "model": self.settings.model_name}
 
     # -- the shared generation path ---------------------------------------------------------------------------
@@ -708,18 +737,21 @@ class OpenAIServing:
 
     async def models(self, request: Request) -> JSONResponse:
         self.check_auth(request)
-        return JSONResponse({"object": "list", "data": [self.model_card()]})
+        return JSONResponse({"object": "list", "data": [self.model_card(n) for n in self.settings.model_names]})
 
     async def model(self, request: Request, model: str) -> JSONResponse:
-        """OpenAI's retrieve (`client.models.retrieve(id)`): the served model's card, else a 404 naming `model`."""
+        """OpenAI's retrieve (`client.models.retrieve(id)`): the card of that served name, else a 404 naming
+        `model`."""
         self.check_auth(request)
-        self.check_model(model)
-        return JSONResponse(self.model_card())
+        self.check_model(model, required=True)  # (GET /v1/models/ names no model)
+        return JSONResponse(self.model_card(model))
 
-    def model_card(self) -> dict[str, Any]:
+    def model_card(self, name: str) -> dict[str, Any]:
+        """The card of one served name; every name's card has the same `root`: one model behind them all
+        (vLLM's: its path; here the path only with --expose-model-path, else the first name)."""
         s = self.settings
         root = s.model_path if s.expose_model_path else s.model_name
-        return {"id": s.model_name, "object": "model", "created": self.created, "owned_by": "loopserve",
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "loopserve",
                 "root": root, "parent": None, "max_model_len": self.max_model_len,
                 "r_max": self.engine.model_config.r_max}
 

@@ -15,6 +15,9 @@
 - If a step raises, the engine is dead: every in-flight request gets the error, `/health` turns 503,
   new requests get 503, and `on_dead` is called on the event loop (the server then stops: a
   process whose engine is gone should be restarted, not kept answering 503).
+- At the end of a graceful shutdown's grace period `abort_all` ends every request still in flight at once
+  (its group raises the error given, whatever step the engine thread is in) and aborts it in the engine;
+  `shutdown` then stops the thread.
 """
 
 from __future__ import annotations
@@ -151,6 +154,16 @@ class AsyncLLMEngine:
             if self._thread.is_alive():
                 log.warning("engine thread did not stop within %.1f s", timeout_s)
         self._fail_all(EngineStoppedError("the server is shutting down"))
+
+    def abort_all(self, exc: BaseException) -> int:
+        """Stop admitting, end every request group in flight with `exc` (its handler answers at once) and abort its
+        requests in the engine; the engine thread goes on (`shutdown` stops it). The number of groups ended."""
+        self._stopping = True
+        groups = {id(group) for group, _, _ in self._routes.values()}
+        if self._routes:
+            self.abort(list(self._routes))
+        self._fail_all(exc)
+        return len(groups)
 
     # -- requests (event-loop thread) -------------------------------------------------------------------
     def add(self, seqs: list[Sequence]) -> RequestGroup:

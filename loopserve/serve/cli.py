@@ -1,5 +1,5 @@
 """`loopserve serve [MODEL] --model PATH [--host 127.0.0.1] [--port 8000] [--api-key KEY ...]
-[--served-model-name NAME]` plus the engine flags: an OpenAI-compatible server (FastAPI + uvicorn).
+[--served-model-name NAME ...]` plus the engine flags: an OpenAI-compatible server (FastAPI + uvicorn).
 Flags take vLLM's names where the concept is the same; `--help` shows every default.
 
 Exit status: 0 after SIGTERM (130 after SIGINT), 2 for bad flags or a bad model, 1 if the server
@@ -19,9 +19,8 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Any
 
-from loopserve.cli import add_chat_args, add_engine_args, engine_kwargs, load_kwargs
+from loopserve.cli import add_chat_args, add_engine_args, add_exit_args, engine_kwargs, load_kwargs
 from loopserve.engine.config import EngineConfig
-from loopserve.exits import DEFAULT_POLICIES
 from loopserve.load_config import LoadConfig
 
 if TYPE_CHECKING:
@@ -46,9 +45,23 @@ def _str_list(value: str) -> list[str]:
     return [x.strip() for x in value.split(",") if x.strip()]
 
 
+class _OwnUsage(argparse.ArgumentParser):
+    """For `serve`'s parser: arguments it does not know are its own error, shown with its own usage. (A subcommand's
+    parser hands them back to the top-level one, whose error would show `loopserve`'s usage instead.)"""
+
+    def parse_known_args(  # type: ignore[override]  # (typeshed's overloads; the call is the base class's)
+            self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, SSE, metrics)",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # (add_parser builds the top-level parser's class: that class, with this one's parse_known_args)
+    p.__class__ = type("ServeParser", (_OwnUsage, type(p)), {})
     p.add_argument("model_tag", nargs="?", default=None, help="model folder (same as --model)")
     add_engine_args(p)
     add_chat_args(p)
@@ -58,15 +71,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help=f"require 'Authorization: Bearer KEY' on /v1, /tokenize and /detokenize; repeat the flag "
                         f"for several keys (any one is accepted); unset: ${API_KEY_ENV}, else no key")
-    p.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (unset: --model)")
+    # vLLM's form: several names after one flag (so the model goes before it, or in --model)
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the names clients may pass as `model`, each listed in /v1/models; the first is the default "
+                        "and the one responses and metrics report (unset: the model as given)")
     p.add_argument("--expose-model-path", action="store_true",
-                   help="/v1/models shows the model's path as its `root` (else its served name)")
+                   help="/v1/models shows the model's path as its `root` (else its first served name)")
     p.add_argument("--root-path", default="", help="path prefix under which a proxy serves this API")
     g = p.add_argument_group("request defaults (a request's own fields win)")
-    g.add_argument("--exit-threshold", type=float, default=None, help="exit policy threshold (unset: the model's)")
-    g.add_argument("--exit-policy", default=None, choices=DEFAULT_POLICIES, help="exit policy (unset: the model's)")
-    g.add_argument("--min-loops", type=int, default=None, help="no exit before this many loops (unset: 1)")
-    g.add_argument("--max-loops", type=int, default=None, help="always exit at this many loops (unset: r_max)")
+    add_exit_args(g)
     g.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="write logprobs' tokens as 'token_id:<id>' (vLLM's flag; a request's "
                         "return_tokens_as_token_ids wins)")
@@ -124,7 +137,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def uvicorn_log_config(level: str) -> dict[str, Any]:
-    """uvicorn's logging config with a timestamp on every line (its default has none)."""
+    """uvicorn's logging config with a timestamp on every line (its default has none), and without its error line
+    for a stream the app cut on purpose (the app logs that itself: `responses.CutStreamFilter`)."""
     from uvicorn.config import LOGGING_CONFIG
 
     cfg = copy.deepcopy(LOGGING_CONFIG)
@@ -132,6 +146,8 @@ def uvicorn_log_config(level: str) -> dict[str, Any]:
         formatter["fmt"] = "%(asctime)s " + formatter["fmt"]
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         cfg["loggers"].setdefault(name, {})["level"] = level.upper()
+    cfg.setdefault("filters", {})["stream_cut"] = {"()": "loopserve.serve.responses.CutStreamFilter"}
+    cfg["loggers"]["uvicorn.error"].setdefault("filters", []).append("stream_cut")
     return cfg
 
 
@@ -139,6 +155,10 @@ def _check(args: argparse.Namespace) -> str | None:
     """The first thing wrong with the server flags, if any."""
     if args.model_tag and args.model and args.model_tag != args.model:
         return f"model given twice ({args.model_tag!r} and --model {args.model!r})"
+    swallowed = [n for n in (args.served_model_name or [])[1:] if os.path.exists(n)]
+    if swallowed and not (args.model_tag or args.model):
+        return (f"--served-model-name took the model {swallowed[-1]!r} as a name; give the model before the flag "
+                f"or as --model")
     if args.max_queued_requests < 0:
         return "--max-queued-requests: must be >= 0"
     if args.max_request_body_bytes < 1024:
@@ -198,7 +218,7 @@ def load_server(args: argparse.Namespace) -> tuple[LLMEngine, ServerSettings]:
     defaults = {**generation_defaults(path, args.generation_config), **defaults}
     check_sampling_defaults(engine, defaults)
     settings = ServerSettings(
-        model_name=args.served_model_name or str(model if model is not None else path.name), model_path=str(path),
+        model_names=_served_names(args) or (str(model if model is not None else path.name),), model_path=str(path),
         expose_model_path=args.expose_model_path, api_keys=tuple(_api_keys(args.api_key)),
         max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_request_body_bytes,
         max_model_len=args.max_model_len, sampling_defaults={k: v for k, v in defaults.items() if v is not None},
@@ -223,7 +243,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from loopserve.serve.api import build_app
-    from loopserve.serve.connection import read_timeout_protocol
+    from loopserve.serve.connection import GracefulServer, read_timeout_protocol
 
     try:
         engine, settings = load_server(args)
@@ -242,11 +262,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     log.info("serving on http://%s:%d%s (API keys: %d, CORS origins: %s)", args.host, args.port, args.root_path,
              len(settings.api_keys), ", ".join(settings.allowed_origins) or "none")
     # ws="none": there are no WebSocket endpoints, so an upgrade request is read as plain HTTP
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+    # the grace period's end: the app answers what is still running (503) before uvicorn cancels it
+    server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            log_config=uvicorn_log_config(args.log_level),
                                            access_log=not args.no_access_log,
                                            timeout_graceful_shutdown=args.shutdown_timeout,
-                                           http=read_timeout_protocol(args.request_read_timeout), ws="none"))
+                                           http=read_timeout_protocol(args.request_read_timeout), ws="none"),
+                            on_deadline=app.state.serving.abort_in_flight)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal: exit quietly then
     signal.signal(signal.SIGTERM, _exit_with(0))
     signal.signal(signal.SIGINT, _exit_with(130))
@@ -255,6 +277,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print("error: the engine failed (see the log above); the server has stopped", file=sys.stderr, flush=True)
         return 1
     return 0 if server.started else 1
+
+
+def _served_names(args: argparse.Namespace) -> tuple[str, ...]:
+    """The --served-model-name names, empty ones left out (an unset variable in a script): none, the model's."""
+    return tuple(n for n in args.served_model_name or () if n)
 
 
 def _api_keys(flags: list[str] | None) -> list[str]:

@@ -1,4 +1,5 @@
-"""HTTP connections: uvicorn's h11 protocol with a request read timeout.
+"""HTTP connections: uvicorn's h11 protocol with a request read timeout, and uvicorn's server with the app's own
+end of a graceful shutdown's grace period (`GracefulServer`).
 
 uvicorn closes idle keep-alive connections, but a client that is slow to *send* a request is
 never timed out: one that opens a connection and sends half a request head, or declares a body
@@ -15,6 +16,12 @@ protocol class `cli.py` passes to `uvicorn.Config(http=...)`:
 
 The app sees such a request as a client disconnect; `CLOSED_BY_SERVER` in its scope tells it that
 the server has already answered and logged it.
+
+When the grace period (`--shutdown-timeout`) runs out, uvicorn cancels the request tasks still running: a
+request not answered yet gets a plain-text 500, a stream is cut with no error event, and each logs an ERROR
+and a traceback. `GracefulServer` calls the app's `on_deadline` (`OpenAIServing.abort_in_flight`) a little
+before that, so that the app answers them itself (a 503, a stream's error event and cut) and they are done
+by then.
 """
 
 from __future__ import annotations
@@ -22,15 +29,20 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
+from collections.abc import Callable
 from typing import Any
 
 import h11
+import uvicorn
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
 from loopserve.serve.protocol import error_body
 
 log = logging.getLogger("loopserve.serve")
 CLOSED_BY_SERVER = "loopserve.closed_by_server"  # scope key: the server answered and closed the request
+SHUTDOWN_MARGIN_S = 1.0  # `GracefulServer`: the app's end of the grace period comes this much (at most a quarter
+# of the grace period) before uvicorn's, for the answers to be written
 
 
 def read_timeout_protocol(timeout_s: float) -> type[H11Protocol]:
@@ -131,3 +143,25 @@ class ReadTimeoutProtocol(H11Protocol):
 
     def _peer(self) -> str:
         return f"{self.client[0]}:{self.client[1]}" if self.client else "client"
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server, whose graceful shutdown calls `on_deadline` (on the event loop) SHUTDOWN_MARGIN_S (at most a
+    quarter of the grace period) before its grace period (`timeout_graceful_shutdown`) runs out and uvicorn cancels
+    the request tasks still running: the app ends them itself meanwhile."""
+
+    def __init__(self, config: uvicorn.Config, on_deadline: Callable[[], None]) -> None:
+        super().__init__(config)
+        self.on_deadline = on_deadline
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        grace = self.config.timeout_graceful_shutdown
+        deadline: asyncio.TimerHandle | None = None
+        if grace is not None:  # (None: uvicorn waits for them however long they take)
+            delay = max(grace - min(SHUTDOWN_MARGIN_S, grace / 4), 0.0)
+            deadline = asyncio.get_running_loop().call_later(delay, self.on_deadline)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if deadline is not None:
+                deadline.cancel()

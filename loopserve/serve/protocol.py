@@ -55,11 +55,12 @@ class ApiError(Exception):
     def bad_request(cls, error: ValueError | str, prompt_field: str | None = None,
                     grammar_field: str | None = None) -> ApiError:
         """A 400 for a ValueError (or an engine's error message) that names the field at fault first ("max_tokens:
-        ...", "messages.0.role: ..."), its `param` that field as the request named it (`request_field`)."""
+        ...", "messages.0.role: ..."), its `param` that field as the request named it (`request_field`); a message
+        naming the prompt or the grammar as the engine does names it so too ("prompt.1: ...", "guided_regex: ...")."""
         message = str(error)
         head, param = _field_of(message), request_field(message, prompt_field, grammar_field)
-        if head is not None and head in PROMPT_NAMES and param != head:  # the message names it as the request did
-            message = f"{param}{message[len(head):]}"  # "prompt.1: ...", "messages: ..."
+        if head is not None and head in PROMPT_NAMES + GRAMMAR_NAMES and param != head:  # as the request named it
+            message = f"{param}{message[len(head):]}"  # "prompt.1: ...", "messages: ...", "response_format: ..."
         return cls(400, message, param)
 
     def body(self) -> dict[str, Any]:

@@ -130,8 +130,8 @@ def _serve_parser() -> argparse.ArgumentParser:
 
 def flags_from_config(config: dict[str, Any]) -> argparse.Namespace:
     """The serve flags from a config's `args` ({"model": PATH, "max_model_len": 512, "api_key": [...]}):
-    names with `_` or `-`, flags as true/false, lists for repeatable or list flags. ValueError names
-    an unknown or bad entry."""
+    names with `_` or `-`, flags as true/false, lists for repeatable or list flags (served_model_name: one
+    name or a list of them). ValueError names an unknown or bad entry."""
     parser = _serve_parser()
     actions = {a.dest: a for a in parser._actions if a.option_strings}
     argv: list[str] = []
@@ -150,6 +150,9 @@ def flags_from_config(config: dict[str, Any]) -> argparse.Namespace:
         elif isinstance(action, argparse._AppendAction):
             for item in value if isinstance(value, list) else [value]:
                 argv += [flag, str(item)]
+        elif action.nargs == "+":  # several values after one flag: served_model_name: [a, b] (or one: a)
+            items = value if isinstance(value, list) else [] if value is None else [value]
+            argv += [flag, *map(str, items)] if items else []
         elif isinstance(value, list):
             argv += [flag, json.dumps(value)]
         elif value is not None:

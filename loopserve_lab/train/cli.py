@@ -8,6 +8,9 @@ import json
 import sys
 from pathlib import Path
 
+# Where `eval` writes unless told: a folder of the current directory, so that a run from the repository's root
+# never overwrites the committed docs/ files (docs/embedded-model.md passes those paths when it means them).
+EVAL_OUT = Path("eval-results")
 SAMPLE_PROMPTS = ("ROMEO:\nBut soft, what light", "KING HENRY:\nOnce more unto the", "HAMLET:\n",
                   "First Citizen:\nWe are accounted poor citizens,")
 
@@ -107,27 +110,37 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = evs.add_parser("ppl", help="held-out perplexity at fixed depths and over exit thresholds, per KV layout")
     p.add_argument("model", nargs="?", default=None, help="model folder (default: the embedded model)")
     p.add_argument("--windows", type=int, default=48, help="held-out windows to score (default 48)")
-    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per window (default: %(default)s)")
     p.add_argument("--calibrate", action="store_true",
                    help="pick the default exit threshold on the validation slice and write it to config.json")
-    p.add_argument("--calib-windows", type=int, default=32)
-    p.add_argument("--max-ppl-increase", type=float, default=0.05)
-    p.add_argument("--max-mean-depth", type=float, default=3.0)
+    p.add_argument("--calib-windows", type=int, default=32,
+                   help="validation windows for --calibrate (default: %(default)s)")
+    p.add_argument("--max-ppl-increase", type=float, default=0.05,
+                   help="--calibrate: the most perplexity may rise over full depth (default: %(default)s)")
+    p.add_argument("--max-mean-depth", type=float, default=3.0,
+                   help="--calibrate: the most mean exit depth may be (default: %(default)s)")
     p.add_argument("--samples", action="store_true", help="also generate a few sample texts")
-    p.add_argument("--out-json", default="docs/embedded-model-results.json")
-    p.add_argument("--plots-dir", default="docs")
-    p.add_argument("--training-log", default=None)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--jobs", type=int, default=1, help="parallel scoring processes (one thread each)")
+    p.add_argument("--out-json", default=str(EVAL_OUT / "embedded-model-results.json"),
+                   help="results file (default: %(default)s; docs/embedded-model.md's is "
+                        "docs/embedded-model-results.json)")
+    p.add_argument("--plots-dir", default=str(EVAL_OUT),
+                   help="folder for the PNG plots (default: %(default)s; docs/embedded-model.md's: docs)")
+    p.add_argument("--training-log", default=None,
+                   help="training_log.json for the training plot (default: the model folder's)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default: %(default)s)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="parallel scoring processes (one thread each; default: %(default)s)")
     p.add_argument("--no-progress", action="store_true")
     _add_dtype_arg(p)
     p.set_defaults(func=cmd_eval_ppl)
     p = evs.add_parser("trajectories", help="record full-depth gate logits per token and step (held-out, MT-Bench)")
-    p.add_argument("model", nargs="?", default=None)
-    p.add_argument("--out-dir", default="docs/trajectories")
-    p.add_argument("--heldout-windows", type=int, default=32)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("model", nargs="?", default=None, help="model folder (default: the embedded model)")
+    p.add_argument("--out-dir", default=str(EVAL_OUT / "trajectories"),
+                   help="output folder (default: %(default)s; docs/embedded-model.md's: docs/trajectories)")
+    p.add_argument("--heldout-windows", type=int, default=32, help="held-out windows (default: %(default)s)")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per window (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=128,
+                   help="tokens generated per MT-Bench question (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default: %(default)s)")
     _add_dtype_arg(p)
     p.set_defaults(func=cmd_eval_trajectories)
