@@ -288,4 +288,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m loopserve.cli` runs this file as `__main__`, a second copy of the module: the commands (and the
+    # `CommandError` they raise) come from `loopserve.cli`, so its `main` is the one that must catch them.
+    from loopserve.cli import main as _main
+
+    sys.exit(_main())

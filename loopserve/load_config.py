@@ -53,10 +53,14 @@ class LoadConfig:
                                  "checkpoint's own tokenizer")
     swap_space: float | None = knob(None, "accepted for vLLM's scripts, with no effect: preempted sequences' KV "
                                     "is swapped to host memory as needed, with no size to set")
-    # (not vLLM's: it sets no CPU threads. Process-wide, as torch.set_num_threads is; applied when the model loads)
+    # (not vLLM's: it sets no CPU threads. Process-wide, as torch.set_num_threads is; applied once the model has
+    # loaded, so that a load that fails changes nothing. Unset leaves the count alone: torch's default
+    # (OMP_NUM_THREADS, else one per core) only if nothing in the process, an earlier LLM(threads=N) say, set it)
     threads: int | None = knob(None, "torch's intra-op CPU threads (torch.set_num_threads), set for the whole "
-                               "process when the model loads; unset: torch's default (OMP_NUM_THREADS, else one "
-                               "per core), which on a busy or shared machine can be far slower than 1")
+                               "process once the model has loaded; unset: left as they are (torch's default, "
+                               "OMP_NUM_THREADS else one per core, unless the process set them before), which on a "
+                               "busy or shared machine can be far slower than 1; a Ray replica on the CPU: "
+                               "--replica-cpus unless given")
 
     def __post_init__(self) -> None:
         self.dtype = dtype_name(self.dtype)
@@ -85,7 +89,7 @@ class LoadConfig:
         if s is not None and not (is_number(s) and s >= 0):
             raise ValueError(f"swap_space: must be a number of GiB >= 0, got {s!r}")
         if self.threads is not None and not (is_int(self.threads) and self.threads >= 1):
-            raise ValueError(f"threads: must be an integer >= 1 (or None: torch's default), got {self.threads!r}")
+            raise ValueError(f"threads: must be an integer >= 1 (or None: left as they are), got {self.threads!r}")
 
     def engine_config(self, cfg: EngineConfig) -> EngineConfig:
         """`cfg` as these settings change it (enforce_eager: no CUDA graphs), after checking that they agree."""
@@ -111,17 +115,15 @@ def configs(kwargs: dict[str, Any]) -> tuple[LoadConfig, EngineConfig]:
 
 def load_for_engine(model: str | Path, load: LoadConfig, cfg: EngineConfig, *, chat_template: str | None = None,
                     generation_config: str = "auto") -> tuple[LoadedModel, EngineConfig, int]:
-    """The model `load` describes (torch's CPU threads set first, when `load.threads` gives them); the engine
-    config to run it with (`cfg`, whose KV pool gpu_memory_utilization sizes from the device's memory left after
-    the weights); and its maximum prompt + completion length. ValueError naming the field at fault (`cfg` comes
-    checked by `configs`)."""
+    """The model `load` describes (torch's CPU threads set once it has loaded, when `load.threads` gives them: a
+    load that fails leaves them as they were); the engine config to run it with (`cfg`, whose KV pool
+    gpu_memory_utilization sizes from the device's memory left after the weights); and its maximum prompt +
+    completion length. ValueError naming the field at fault (`cfg` comes checked by `configs`)."""
     if load.tokenizer is not None and not _same_model(load.tokenizer, model):
         # Another folder's tokenizer would need its own eos ids and chat template to be reconciled with the
         # model's generation config, and its ids with the embedding the weights were trained on.
         raise ValueError(f"tokenizer: {load.tokenizer!r} is not the model's folder; loopserve uses the checkpoint's "
                          f"own tokenizer (leave tokenizer unset, or give the model's path)")
-    if load.threads is not None:
-        torch.set_num_threads(int(load.threads))
     loaded = load_model(model, load.dtype, load.device, load.state_init, chat_template=chat_template,
                         generation_config=generation_config)
     max_model_len = checked_model_len(load.max_model_len, loaded.config.max_position)
@@ -133,6 +135,8 @@ def load_for_engine(model: str | Path, load: LoadConfig, cfg: EngineConfig, *, c
             log.warning("gpu_memory_utilization=%s has no effect on the %s, where kv_cache_memory_gb (here %s GiB) "
                         "or kv_cache_tokens sizes the KV pool", load.gpu_memory_utilization, where.type,
                         cfg.kv_cache_memory_gb)
+    if load.threads is not None:  # (process-wide: set only once nothing above has refused the model)
+        torch.set_num_threads(int(load.threads))
     return loaded, cfg, max_model_len
 
 

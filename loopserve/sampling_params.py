@@ -177,10 +177,10 @@ class GuidedDecodingParams:
         given = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
-            # (named by both of vLLM's names: GuidedDecodingParams and StructuredOutputsParams are one class here, so
-            # which one the caller wrote is unknown; a `structured_outputs` dict's error is renamed to that field)
-            raise ValueError("guided_decoding / structured_outputs: exactly one of json, regex, choice, grammar or "
-                             f"json_object is needed, got {', '.join(given) or 'none'}")
+            # (named by vLLM's newer name: GuidedDecodingParams and StructuredOutputsParams are one class here, so which
+            # one the caller wrote is unknown; the message says both take it)
+            raise ValueError("structured_outputs: exactly one of json, regex, choice, grammar or json_object is needed "
+                             f"(in StructuredOutputsParams or GuidedDecodingParams), got {', '.join(given) or 'none'}")
         if self.json is not None:
             _check_schema(self.json)
             if self.disable_additional_properties:

@@ -210,3 +210,54 @@ def test_eval_writes_outside_the_docs_unless_told():
     doc = (Path(__file__).resolve().parents[1] / "docs" / "embedded-model.md").read_text()
     assert "--out-json docs/embedded-model-results.json --plots-dir docs" in doc
     assert "eval trajectories --out-dir docs/trajectories" in doc
+
+
+def _one_error_line(stderr: str) -> str:
+    """The one `error:` line a refusal prints, with no traceback before or after it."""
+    err = [ln for ln in stderr.splitlines() if ln.startswith("error: ")]
+    assert len(err) == 1 and "Traceback" not in stderr and stderr.endswith(err[0] + "\n"), stderr
+    return err[0]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["eval", "ppl", "/nonexistent"], "error: model: '/nonexistent' is not a model folder"),
+    (["bench", "throughput", "--from-json", "/missing.json"], "error: --from-json: /missing.json: No such file"),
+    (["bench", "step-latency", "--from-json", "/missing.json"], "error: --from-json: /missing.json: No such file"),
+    # (run as `__main__`, the module's own `CommandError` class was not the one `bench` raises: exit 2, silently)
+    (["bench", "throughput", "--model", "/nonexistent", "--no-progress", "--out", "out"],
+     "error: --model: '/nonexistent' is neither a bench preset"),
+])
+def test_refusals_are_one_error_line_with_status_2_run_as_a_module(argv, message, tmp_path):
+    """`python -m loopserve.cli` (as the tests and docs run it) refuses a missing model or results file with one
+    `error:` line and status 2, as the `loopserve` script does; a refused bench run leaves no results folder."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "loopserve.cli", *argv], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 2, (r.returncode, r.stderr[-3000:])
+    assert _one_error_line(r.stderr).startswith(message), r.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_from_json_that_is_not_the_commands_results_is_one_error_line(tmp_path, capsys):
+    """`--from-json` given a file that is not JSON, or not the command's own results: an `error:` line, status 2."""
+    from loopserve.cli import main
+
+    def refused(argv: list[str]) -> str:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        return _one_error_line(capsys.readouterr().err)
+
+    bad, other = tmp_path / "bad.json", tmp_path / "other.json"
+    bad.write_text("{not json")
+    other.write_text('{"points": []}')
+    for command in ("throughput", "step-latency"):
+        assert refused(["bench", command, "--from-json", str(bad)]).startswith(f"error: --from-json: {bad}: not JSON")
+    assert "not the results of `loopserve bench throughput` (no 'sweeps')" in refused(
+        ["bench", "throughput", "--from-json", str(other)])
+    other.write_text('{"sweeps": {}}')
+    assert "not the results of `loopserve bench step-latency` (no 'points')" in refused(
+        ["bench", "step-latency", "--from-json", str(other)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.json", "other.json"]  # (nothing written)

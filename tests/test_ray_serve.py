@@ -76,6 +76,41 @@ def test_flags_map_onto_deployment_options():
     assert lray.deployment_options(_flags("--max-queued-requests", "0"), gpus=False)["max_queued_requests"] == -1
 
 
+def test_replica_threads_flags_one_rule(monkeypatch):
+    """A replica's torch threads: --threads where given (on a CPU or a GPU replica), else on a CPU replica
+    --replica-cpus (at least 1), else left as they are; set by the loader once the model has loaded (as the
+    single-process server's --threads), never by the replica itself before it."""
+    import types
+
+    import torch
+
+    assert lray.replica_threads(_flags(), cuda=False) == 1
+    assert lray.replica_threads(_flags("--replica-cpus", "2.5"), cuda=False) == 2
+    assert lray.replica_threads(_flags("--replica-cpus", "0.5"), cuda=False) == 1
+    assert lray.replica_threads(_flags("--replica-cpus", "2", "--threads", "3"), cuda=False) == 3
+    assert lray.replica_threads(_flags("--replica-cpus", "2"), cuda=True) is None
+    assert lray.replica_threads(_flags("--threads", "3"), cuda=True) == 3
+    # the replica's constructor, with Ray's context, the loader and the app stubbed: --threads reaches the loader
+    # (which sets it once the model has loaded) and the replica sets no threads itself
+    from loopserve.serve import api, cli
+
+    loaded_with: list[argparse.Namespace] = []
+    set_to: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", set_to.append)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(lray.serve, "get_replica_context", lambda: types.SimpleNamespace(
+        replica_id=types.SimpleNamespace(unique_id="r1"), deployment=lray.DEPLOYMENT, app_name=lray.APP_NAME))
+    monkeypatch.setattr(cli, "load_server", lambda a: (loaded_with.append(a), (None, None))[1])
+    monkeypatch.setattr(api, "build_app", lambda *a, **k: types.SimpleNamespace(
+        state=types.SimpleNamespace(serving=types.SimpleNamespace(summary=lambda: ""))))
+    user_class = lray.LoopServeReplica.func_or_class.__mro__[1]  # (the class under Ray Serve's ASGI wrapper)
+    for argv, threads in ((["--replica-cpus", "2", "--threads", "3"], 3), (["--replica-cpus", "2"], 2)):
+        args = _flags(*argv)
+        user_class.__init__(object.__new__(user_class), args)
+        assert loaded_with[-1].threads == threads and args.threads == (3 if "--threads" in argv else None)
+    assert set_to == []
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--replicas", "0"], "--replicas: must be >= 1"),
     (["--min-replicas", "3", "--max-replicas", "2"], "is above --max-replicas"),

@@ -98,12 +98,13 @@ def test_bad_field_is_named(field, kwargs):
 
 def test_a_grammar_without_a_kind_names_both_of_vllms_names():
     """GuidedDecodingParams and StructuredOutputsParams are one class: its error cannot know which name the caller
-    used, so it gives both (a `structured_outputs` dict's is renamed to that field, above)."""
+    used, so it names the field by the newer one and says both classes take it."""
     for cls in (GuidedDecodingParams, StructuredOutputsParams):
-        with pytest.raises(ValueError, match=r"^guided_decoding / structured_outputs: exactly one of json, regex, "
-                                             r"choice, grammar or json_object is needed, got none$"):
+        with pytest.raises(ValueError, match=r"^structured_outputs: exactly one of json, regex, choice, grammar or "
+                                             r"json_object is needed \(in StructuredOutputsParams or "
+                                             r"GuidedDecodingParams\), got none$"):
             cls()
-    with pytest.raises(ValueError, match=r"^guided_decoding / structured_outputs: .* got regex, choice$"):
+    with pytest.raises(ValueError, match=r"^structured_outputs: .* got regex, choice$"):
         StructuredOutputsParams(regex="a+", choice=["a"])
 
 

@@ -4,7 +4,8 @@ float32, with the same engine flags): the same beams (tokens, cumulative logprob
 3, several prompts, length_penalty, ignore_eos both ways and chat; the server's text rule (the generated tokens
 alone, a final end-of-sequence token left out unless include_stop_str_in_output); streaming (the final choices as
 chunks, then usage and [DONE]); the refusals (a 400 naming the field); a client that goes away mid-search stops it
-(nothing left running); a step refused at admission fails the request with a 503."""
+(nothing left running); a step refused at admission fails the request with a 503; /metrics count a search as one
+request (its prompt once, its returned tokens), not its steps' sequences."""
 
 from __future__ import annotations
 
@@ -204,7 +205,7 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "
     (H, {"presence_penalty": 0.5}, "presence_penalty"), (C, {"logit_bias": {"5": 1.0}}, "logit_bias"),
     (C, {"min_tokens": 2}, "min_tokens"), (C, {"allowed_token_ids": [5, 6]}, "allowed_token_ids"),
     (C, {"bad_words": ["x"]}, "bad_words"), (C, {"min_loops": 2}, "min_loops"), (H, {"max_loops": 2}, "max_loops"),
-    (C, {"exit_threshold": 0.5}, "exit_threshold"), (C, {"exit_policy": "fixed"}, "exit_policy"),
+    (C, {"exit_threshold": 0.5}, "exit_threshold"), (C, {"exit_policy": "kl"}, "exit_policy"),
     (C, {"exit_trace": [1, 2]}, "exit_trace"), (C, {"num_speculative_tokens": 2}, "num_speculative_tokens"),
     (C, {"n": 2, "best_of": 3}, "best_of"), (C, {"response_format": {"type": "json_object"}}, "response_format"),
     (H, {"guided_choice": ["a", "b"]}, "guided_choice"), (C, {"structured_outputs": {"regex": "a+"}},
@@ -225,6 +226,7 @@ def test_neutral_values_are_taken(server):
     """Fields at a value that asks for nothing pass; length_penalty other than 1 still needs use_beam_search."""
     neutral = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "stop": [], "stop_token_ids": [], "repetition_penalty": 1,
                "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "min_tokens": 0, "bad_words": [],
+               "allowed_token_ids": [], "exit_policy": "fixed",  # (what the search does: every token at full depth)
                "num_speculative_tokens": 0, "n": 2, "best_of": 2, "seed": 5, "truncate_prompt_tokens": 1,
                "cache_salt": "s", "user": "u"}
     r = _ok(server, C, {"prompt": "hello there", "max_tokens": 2, **neutral})
@@ -237,27 +239,68 @@ def test_neutral_values_are_taken(server):
 
 
 # -- the search's requests: disconnects, admission ---------------------------------------------------------------
-def _finished(server: Server) -> float:
-    return metric(server, "loopserve:request_success_total", 0.0)
+def _steps(server: Server) -> float:
+    """Engine steps so far (the search's steps are not requests in the metrics: `ServerMetrics.beam_search`)."""
+    return metric(server, "loopserve:engine_steps_total")
+
+
+def _aborted(server: Server) -> float:
+    return metric(server, "loopserve:request_success_total", finished_reason="abort")
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_client_disconnect_mid_search_stops_it(server, stream):
     """A long search (1000 steps of 3 beams, seconds) whose client goes away after half a second: the step in
-    flight is aborted and no other starts; nothing is left running or holding KV blocks."""
+    flight is aborted and no other starts; nothing is left running or holding KV blocks; the metrics count one
+    aborted request."""
     wait_idle(server)
-    before = _finished(server)
+    before, aborted = _steps(server), _aborted(server)
     with pytest.raises(httpx.ReadTimeout):
         _post(server, C, {"prompt": "hello", "n": 3, "max_tokens": 1000, "ignore_eos": True, "stream": stream},
               timeout=httpx.Timeout(30, read=0.5))
     time.sleep(0.3)  # (the server sees the disconnect; between two steps nothing runs for a moment)
     wait_idle(server)
-    after = _finished(server)
-    assert 0 < after - before < 3 * 1000  # the search ran some steps, then stopped
+    after = _steps(server)
+    assert after > before  # the search ran some steps, then stopped
     time.sleep(0.5)
-    assert _finished(server) == after  # and no step began since
+    assert _steps(server) == after  # and no step began since
     wait_idle(server)
     assert metric(server, "loopserve:num_requests_running") == metric(server, "loopserve:num_requests_waiting") == 0
+    assert _aborted(server) == aborted + 1
+
+
+# -- the search in /metrics: one request per prompt ------------------------------------------------------------------
+METRICS = {"success": ("loopserve:request_success_total", {}), "prompt": ("loopserve:prompt_tokens_total", {}),
+           "generated": ("loopserve:generation_tokens_total", {}),
+           "ttft": ("loopserve:time_to_first_token_seconds_count", {}),
+           "e2e": ("loopserve:e2e_request_latency_seconds_count", {}),
+           "itl": ("loopserve:inter_token_latency_seconds_count", {}),
+           "request_prompt": ("loopserve:request_prompt_tokens_sum", {}),
+           "request_generated": ("loopserve:request_generation_tokens_sum", {}),
+           "length": ("loopserve:request_success_total", {"finished_reason": "length"})}
+
+
+def _metrics(server: Server) -> dict[str, float]:
+    return {k: metric(server, name, **labels) for k, (name, labels) in METRICS.items()}
+
+
+@pytest.mark.parametrize("path,stream", [(C, False), (C, True), (H, False)])
+def test_metrics_count_a_search_once(server, path, stream):
+    """A search of 3 beams over 4 steps (one prompt) is one request: its prompt once, its returned beams' tokens
+    (as `usage` counts them), one finish reason, one time to first token and one end-to-end latency; its steps'
+    sequences (1 + 3 * 3 of them) are not counted."""
+    body = {"n": 3, "max_tokens": 4, "ignore_eos": True, "temperature": 0.0, "stream": stream,
+            "stream_options": {"include_usage": True} if stream else None}
+    if path == C:
+        body["prompt"] = [100, 101, 102]
+    wait_idle(server)
+    before = _metrics(server)
+    r = _post(server, path, body)
+    usage = _events(r)[-1]["usage"] if stream else r.json()["usage"]
+    assert usage["completion_tokens"] == 3 * 4
+    delta = {k: v - before[k] for k, v in _metrics(server).items()}
+    assert delta == {"success": 1, "prompt": usage["prompt_tokens"], "generated": 12, "ttft": 1, "e2e": 1, "itl": 0,
+                     "request_prompt": usage["prompt_tokens"], "request_generated": 12, "length": 1}, delta
 
 
 def test_a_step_refused_at_admission_fails_the_search(server):

@@ -1,11 +1,14 @@
 """`--served-model-name` with one name and with several (vLLM's `--served-model-name a b`): the flag as parsed
 (and as a Ray Serve config gives it), then real `loopserve serve` processes. A request's `model` may give any
 served name (absent or empty: the first), another name is a 404 naming `model`; /v1/models lists one card per
-name and /v1/models/{name} returns that name's card; responses and metrics report the first name, as vLLM's do.
-Also: the serve subcommand's own usage on a flag it does not know (not the top-level `loopserve` usage)."""
+name and /v1/models/{name} returns that name's card; a response reports the name its request gave (absent or empty:
+the first), as vLLM's do (`OpenAIServing._get_model_name`), and metrics the first. Also: the serve subcommand's own
+usage on a flag it does not know (not the top-level `loopserve` usage), and a later name that is a checkpoint folder
+refused as the model swallowed by the flag."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +19,7 @@ import pytest
 from loopserve.cli import build_parser, main
 from loopserve.serve.api import ServerSettings
 from loopserve.serve.cli import _check
-from tests.server_helpers import Server, metric, run_server
+from tests.server_helpers import REPO, Server, metric, run_server, sse_events
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -58,12 +61,20 @@ def test_bad_values_keep_the_serve_usage(capsys):
     assert err.startswith("usage: loopserve serve ") and "--served-model-name: expected at least one argument" in err
 
 
-def test_a_model_path_taken_as_a_name_is_refused(tmp_path):
+def test_a_model_path_taken_as_a_name_is_refused(tmp_path, monkeypatch):
+    """A later name that is a checkpoint folder (a config.json in it) is the model the flag swallowed; one that
+    merely exists here (a folder or file of the working directory) is a name."""
+    (tmp_path / "config.json").write_text("{}")
     problem = _check(_serve("--served-model-name", "a", str(tmp_path)))
     assert problem is not None and problem.startswith("--served-model-name took the model"), problem
     assert str(tmp_path) in problem
     assert _check(_serve(str(tmp_path), "--served-model-name", "a", "b")) is None
     assert _check(_serve("--model", str(tmp_path), "--served-model-name", "a", "b")) is None
+    # from the repository root, with the embedded model: "docs" and "README.md" exist there, and are names
+    monkeypatch.chdir(REPO)
+    assert Path("docs").is_dir() and Path("README.md").is_file()
+    assert _check(_serve("--served-model-name", "ouro", "docs", "README.md")) is None
+    assert _check(_serve("--served-model-name", "ouro", str(tmp_path.parent))) is None  # (no config.json there)
 
 
 def test_settings_hold_one_tuple_of_names():
@@ -126,25 +137,40 @@ def test_models_slash_names_no_model(named):
 
 
 def test_a_request_may_name_any_served_name(named):
-    """Each name (and none) reaches the model; the response reports the first name, as vLLM's do."""
+    """Each name (and none) reaches the model; the response reports the name the request gave, else the first, as
+    vLLM's do (completions, chat, stream chunks, beam search); metrics are labelled with the first name."""
     server, names = named
     client = server.client()
     for name in names:
         r = client.completions.create(model=name, prompt="hi", max_tokens=2, temperature=0)
-        assert (r.model, r.usage.completion_tokens) == (names[0], 2)
+        assert (r.model, r.usage.completion_tokens) == (name, 2)
         chat = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}],
                                               max_tokens=2, temperature=0)
-        assert chat.model == names[0] and chat.choices[0].message.content is not None
-        chunks = list(client.completions.create(model=name, prompt="hi", max_tokens=2, stream=True))
-        assert chunks and {c.model for c in chunks} == {names[0]}
+        assert chat.model == name and chat.choices[0].message.content is not None
+        chunks = list(client.completions.create(model=name, prompt="hi", max_tokens=2, stream=True,
+                                                stream_options={"include_usage": True}))
+        assert len(chunks) > 1 and {c.model for c in chunks} == {name}  # (the usage chunk too)
+        chunks = list(client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=2, stream=True))
+        assert chunks and {c.model for c in chunks} == {name}
+        for stream in (False, True):
+            beam = server.post(C, {"model": name, "prompt": "hi", "max_tokens": 2, "use_beam_search": True, "n": 2,
+                                   "stream": stream})
+            assert beam.status_code == 200, beam.text
+            bodies = [json.loads(e) for e in sse_events(beam.text.splitlines()) if e != "[DONE]"] if stream else [
+                beam.json()]
+            assert bodies and {b["model"] for b in bodies} == {name}, bodies
         tokenized = server.post("/tokenize", {"model": name, "prompt": "hi"})
         assert tokenized.status_code == 200 and tokenized.json()["count"] > 0, tokenized.text
     same = [client.completions.create(model=n, prompt="hi", max_tokens=3, temperature=0).choices[0].text
             for n in names]
     assert len(set(same)) == 1  # one model behind every name
-    r = server.post(C, {"model": "", "prompt": "hi", "max_tokens": 1})
-    assert r.status_code == 200 and r.json()["model"] == names[0], r.text
+    for absent in ({"model": ""}, {}):
+        r = server.post(C, {**absent, "prompt": "hi", "max_tokens": 1})
+        assert r.status_code == 200 and r.json()["model"] == names[0], r.text
     assert metric(server, "loopserve:request_success_total", model_name=names[0]) >= len(names)
+    for other in names[1:]:
+        assert metric(server, "loopserve:request_success_total", 0.0, model_name=other) == 0
 
 
 @pytest.mark.parametrize("path", [C, CHAT, "/tokenize"])

@@ -264,6 +264,10 @@ def test_bad_server_flags_stop_the_start(tiny_path, flags, message):
     (["--root-path", "api"], "--root-path: must start with '/'"),
     (["--log-stats-interval", "0"], "--log-stats-interval"),
     (["--max-log-len", "-1"], "--max-log-len"),
+    # a NaN deadline would fire at once: every request in flight a 503 on SIGTERM, with no grace
+    (["--shutdown-timeout", "nan"], "--shutdown-timeout: must be a number of seconds >= 0"),
+    (["--shutdown-timeout", "-1"], "--shutdown-timeout: must be a number of seconds >= 0"),
+    (["--shutdown-timeout", "inf"], "--shutdown-timeout: must be a number of seconds >= 0"),
 ])
 def test_bad_server_flags_are_named(flags, message):
     from loopserve.cli import build_parser
@@ -271,6 +275,13 @@ def test_bad_server_flags_are_named(flags, message):
 
     problem = _check(build_parser().parse_args(["serve", *flags]))
     assert problem is not None and problem.startswith(message)
+
+
+def test_shutdown_timeout_zero_is_taken():
+    from loopserve.cli import build_parser
+    from loopserve.serve.cli import _check
+
+    assert _check(build_parser().parse_args(["serve", "--shutdown-timeout", "0"])) is None
 
 
 def test_gpu_memory_utilization_is_a_fraction(tiny_path):

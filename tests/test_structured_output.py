@@ -166,8 +166,8 @@ def test_padded_model_vocabulary_is_masked(tiny_ouro):
     (dict(grammar="start: " + " | ".join(f'"w{i}"' for i in range(MAX_GRAMMAR_CHARS // 6)) + ""), "grammar"),
     (dict(choice=[f"c{i}" for i in range(MAX_CHOICES + 1)]), "choice"),
     (dict(json={"enum": ["x" * 100] * (MAX_SCHEMA_CHARS // 100)}), "json"),
-    (dict(), "guided_decoding"),
-    (dict(regex="a", choice=["a"]), "guided_decoding"),
+    (dict(), "structured_outputs"),
+    (dict(regex="a", choice=["a"]), "structured_outputs"),
 ])
 def test_bad_specs_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"^{field}: "):

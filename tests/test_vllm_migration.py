@@ -236,7 +236,7 @@ def test_every_load_knob_is_an_llm_keyword_and_a_serve_flag_with_one_default():
 
 def test_threads_is_an_llm_keyword_and_a_flag_applied_when_the_model_loads(tiny_ouro, monkeypatch):
     """`threads` (not vLLM's): torch's CPU threads, set by `load_for_engine` for `LLM` and the server alike;
-    unset leaves torch's default alone; anything but an integer >= 1 is a ValueError naming it."""
+    unset leaves the count as it is; anything but an integer >= 1 is a ValueError naming it."""
     from loopserve import load_config
 
     set_to: list[int] = []
@@ -252,6 +252,25 @@ def test_threads_is_an_llm_keyword_and_a_flag_applied_when_the_model_loads(tiny_
     for command in ("generate", "demo", "serve"):
         assert build_parser().parse_args([command, "--threads", "3"]).threads == 3
     assert torch.get_num_threads() == 1  # (the fixture's; the patched setter changed nothing)
+
+
+def test_threads_change_nothing_when_the_load_fails_and_unset_leaves_them_as_they_are(tiny_ouro, tmp_path):
+    """torch's thread count is process-wide: `threads` sets it only once the model has loaded (a bad path, a
+    folder that is no checkpoint, a max_model_len past the model's context: the count is untouched), and an
+    unset `threads` leaves whatever an earlier `LLM(threads=N)` set, for `LLM` and the server alike. (The
+    autouse `single_thread` fixture restores the count afterwards.)"""
+    assert torch.get_num_threads() == 1
+    for model, kwargs in ((tmp_path / "nosuch", {}), (tmp_path, {}), (tiny_ouro, {"max_model_len": 10 ** 9})):
+        with pytest.raises(ValueError):
+            LLM(model, scheduler="reference", threads=2, **kwargs)
+        with pytest.raises(ValueError):
+            load_engine(model, threads=2, device="cpu", **kwargs)
+        assert torch.get_num_threads() == 1, model
+    LLM(tiny_ouro, scheduler="reference", threads=2)
+    assert torch.get_num_threads() == 2
+    LLM(tiny_ouro, scheduler="reference")  # unset: the earlier LLM's 2 holds (not torch's default)
+    load_engine(tiny_ouro, device="cpu")
+    assert torch.get_num_threads() == 2
 
 
 def test_llm_and_the_server_load_with_the_same_default_device_and_dtype(tiny_ouro, monkeypatch):

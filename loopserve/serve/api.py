@@ -109,6 +109,7 @@ from loopserve.serve.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     error_body,
+    fill_defaults,
     parse_body,
     parse_tokenize,
     sampling_params,
@@ -141,7 +142,8 @@ def loopserve_version() -> str:
 @dataclass
 class ServerSettings:
     # the names a request's `model` may give (--served-model-name a b); the first is the default, for a request
-    # without one, and the name responses and metrics report (vLLM's rule: one card per name in /v1/models)
+    # without one, and the name metrics report; a response reports the name its request gave, else the first (vLLM's
+    # rules: one card per name in /v1/models, `OpenAIServing._get_model_name`)
     model_names: tuple[str, ...]
     model_path: str = ""
     expose_model_path: bool = False  # /v1/models shows `model_path` as the model's root (else its first name)
@@ -149,7 +151,9 @@ class ServerSettings:
     max_queued_requests: int = 256  # sequences (samples) waiting beyond max_num_seqs; past it: 503
     max_body_bytes: int = 4 * 2**20
     max_model_len: int | None = None  # cap on prompt + completion tokens; None: the model's context
-    sampling_defaults: dict[str, Any] = field(default_factory=dict)  # min_loops, max_loops, exit_*
+    # what a request's unset fields take (`protocol.fill_defaults`): the checkpoint's generation_config.json sampling
+    # defaults (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens), and min_loops, max_loops, exit_*
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
     # CORS: the origins whose pages may call the API; none: no cross-origin access at all
     allowed_origins: tuple[str, ...] = ()
     allowed_methods: tuple[str, ...] = ("*",)
@@ -190,6 +194,16 @@ def check_sampling_defaults(engine: LLMEngine, defaults: dict[str, Any]) -> None
     """Raise ValueError if server-wide exit defaults do not suit the model."""
     params = SamplingParams(**{k: v for k, v in defaults.items() if v is not None})
     resolve_exit_rule(params, engine.model, engine.cfg.lookahead)
+
+
+def serving_defaults(engine: LLMEngine, defaults: dict[str, Any]) -> dict[str, Any]:
+    """`defaults` (`ServerSettings.sampling_defaults`) with the exit policy that an exit_threshold default belongs to:
+    --exit-policy's, else the model's own (`resolve_exit_rule`: its gate, else latent_diff). A request naming another
+    policy gets that policy's own threshold (`fill_defaults`); one naming none runs that policy, as it would anyway."""
+    out = {k: v for k, v in defaults.items() if v is not None}
+    if out.get("exit_threshold") is not None and out.get("exit_policy") is None:
+        out["exit_policy"] = resolve_exit_rule(SamplingParams(), engine.model, engine.cfg.lookahead).policy
+    return out
 
 
 def context_length(engine: LLMEngine, cap: int | None) -> int:
@@ -268,8 +282,10 @@ class _Generation:
     echo_text: str = ""  # chat: what comes first in every reply (`echo`: the final message's text)
     role: str = "assistant"  # chat: the reply's (the final message's without a generation prompt, as in vLLM)
     generated: bool = True  # false: echo with max_tokens 0 (the prompt alone; the one token run is dropped)
-    # use_beam_search: the search (its width is n), whose first step `seqs` are (`OpenAIServing.beam_search`)
+    # use_beam_search: the search (its width is n), whose first step `seqs` are (`OpenAIServing.beam_search`), and
+    # the request's arrival (its metrics)
     search: BeamSearch | None = None
+    arrival: float = 0.0
 
     @property
     def n(self) -> int:
@@ -293,6 +309,7 @@ class OpenAIServing:
         self.engine, self.settings = engine, settings
         self.tokenizer = engine.tokenizer
         self.max_model_len = context_length(engine, settings.max_model_len)
+        self.sampling_defaults = serving_defaults(engine, settings.sampling_defaults)
         self.kv_tokens = pool_tokens(engine)
         self.created = int(time.time())
         self.aengine = AsyncLLMEngine(engine, settings.max_queued_requests, on_dead=on_engine_dead)
@@ -378,13 +395,21 @@ class OpenAIServing:
     def resolve_max_tokens(self, requested: int | None, default: int | None, prompt_len: int, what: str,
                            field: str = "max_tokens") -> int | None:
         """The completion's token budget: `requested` (in the request's `field`) checked against the context
-        and the KV cache, or the room left (capped by `default`); `what` names the prompt's field. The rule
-        is `LLM`'s too (engine/budget.py)."""
+        and the KV cache, or the room left (capped by `default_max_tokens(default)`); `what` names the prompt's
+        field. The rule is `LLM`'s too (engine/budget.py)."""
         try:
             return completion_budget(prompt_len, requested, max_model_len=self.max_model_len,
-                                     kv_tokens=self.kv_tokens, default=default, prompt_field=what, field=field)
+                                     kv_tokens=self.kv_tokens, default=self.default_max_tokens(default),
+                                     prompt_field=what, field=field)
         except ValueError as e:
             raise ApiError.bad_request(e) from None
+
+    def default_max_tokens(self, default: int | None) -> int | None:
+        """The cap on the budget of a request that sets none: the endpoint's `default` (16 for completions, none for
+        chat), and the checkpoint's generation_config.json `max_new_tokens` where it gives one (the server's
+        `max_tokens` default), whichever is smaller (vLLM's `get_max_tokens`)."""
+        caps = [c for c in (default, self.sampling_defaults.get("max_tokens")) if c is not None]
+        return min(caps) if caps else None
 
     def make_seq(self, rid: str, text: str | None, ids: list[int], params: SamplingParams, arrival: float,
                  seed: int | None, what: str, grammar_field: str | None = None,
@@ -419,8 +444,10 @@ class OpenAIServing:
         except EngineDeadError as e:
             raise ApiError(503, str(e)) from None
 
-    async def collect(self, gen: _Generation, group: RequestGroup, request: Request) -> list[RequestOutput] | None:
-        """`gen`'s final outputs, or None if the client went away first (then the requests are aborted)."""
+    async def collect(self, gen: _Generation, group: RequestGroup, request: Request,
+                      log_finished: bool = True) -> list[RequestOutput] | None:
+        """`gen`'s final outputs, or None if the client went away first (then the requests are aborted);
+        `log_finished`: a line per finished request (--enable-log-requests; not for a beam search's steps)."""
         finals: list[RequestOutput | None] = [None] * len(group.request_ids)
 
         async def consume() -> None:
@@ -444,7 +471,8 @@ class OpenAIServing:
             task.cancel()
             group.abort()
         done = [o for o in finals if o is not None]
-        self.log_finished([(o, o.outputs[0].finish_reason, len(o.outputs[0].token_ids)) for o in done])
+        if log_finished:
+            self.log_finished([(o, o.outputs[0].finish_reason, len(o.outputs[0].token_ids)) for o in done])
         for i, o in enumerate(finals):
             error = gen.failure(i, o) if o is not None else None
             if error is not None:
@@ -471,13 +499,15 @@ class OpenAIServing:
         except jinja2.TemplateError as e:
             raise ApiError(400, f"messages: the chat template rejected them ({e})", "messages") from None
 
-    def log_received(self, gen: _Generation) -> None:
+    def log_received(self, gen: _Generation, params: BeamSearchParams | None = None) -> None:
+        """A line per sequence of `gen` (--enable-log-requests); `params`: a beam search's (its first step's sequences,
+        one per prompt, are logged, with the search's params rather than the step's)."""
         if not self.settings.log_requests:
             return
         n = self.settings.max_log_len
         for s in gen.seqs:
             log.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s", s.request_id,
-                     (s.prompt or "")[:n] if s.prompt is not None else None, s.params, s.prompt_ids[:n])
+                     (s.prompt or "")[:n] if s.prompt is not None else None, params or s.params, s.prompt_ids[:n])
 
     def log_finished(self, done: list[tuple[RequestOutput, str | None, int]]) -> None:
         """(a request's last output, its first sample's finish reason and token count)."""
@@ -488,9 +518,10 @@ class OpenAIServing:
             log.info("Finished request %s: %s, %d prompt + %d completion tokens, %d loops", o.request_id,
                      reason, len(o.prompt_token_ids), tokens, loops)
 
-    def base(self, obj: str, cid: str) -> dict[str, Any]:
-        # `model`: the first served name, whichever name the request gave (vLLM's `OpenAIServingModels.model_name`)
-        return {"id": cid, "object": obj, "created": int(time.time()), "model": self.settings.model_name}
+    def base(self, obj: str, gen: _Generation) -> dict[str, Any]:
+        # `model`: the served name the request gave, else the first (vLLM's `OpenAIServing._get_model_name`)
+        return {"id": gen.cid, "object": obj, "created": int(time.time()),
+                "model": gen.req.model or self.settings.model_name}
 
     # -- the shared generation path ---------------------------------------------------------------------------
     async def generate(self, request: Request, gen: _Generation) -> Response:
@@ -520,7 +551,7 @@ class OpenAIServing:
         """The response (not streamed) of `gen`'s final outputs."""
         choices = [self.choice(gen, i, o, c, ChoiceStream()) for i, o in enumerate(outs) for c in o.outputs]
         sent = sum(len(c.token_ids) for o in outs for c in o.outputs) if gen.generated else 0
-        body = {**self.base(gen.kind.object, gen.cid), "choices": choices, "usage": usage_body(outs, sent)}
+        body = {**self.base(gen.kind.object, gen), "choices": choices, "usage": usage_body(outs, sent)}
         if gen.kind.chat and gen.req.prompt_logprobs is not None:
             body["prompt_logprobs"] = gen.fmt.prompt_logprobs(outs[0])
         return JSONResponse(body)
@@ -587,7 +618,7 @@ class OpenAIServing:
         continuous = req.include_usage and req.continuous_usage
 
         def chunk(choice: dict[str, Any], usage: dict[str, Any] | None) -> dict[str, Any]:
-            return {**self.base(obj, gen.cid), "choices": [choice], **({"usage": usage} if req.include_usage else {})}
+            return {**self.base(obj, gen), "choices": [choice], **({"usage": usage} if req.include_usage else {})}
 
         if gen.kind.chat:  # (vLLM's order: the echoed text in chunks after the role's)
             for delta in [{"role": gen.role, "content": ""}, *([{"content": gen.echo_text}] if gen.echo_text else [])]:
@@ -618,10 +649,11 @@ class OpenAIServing:
                     yield sse(body)
         except (EngineDeadError, EngineStoppedError) as e:
             raise StreamFailed(503, str(e)) from None
-        self.log_finished([(o, sent[i, 0].finish_reason, sent[i, 0].tokens) for i, o in latest.items()])
+        if gen.search is None:  # (a beam search logged its end itself)
+            self.log_finished([(o, sent[i, 0].finish_reason, sent[i, 0].tokens) for i, o in latest.items()])
         if req.include_usage:
             total = usage_body(list(latest.values()), sum(d.tokens for d in sent.values()))
-            yield sse({**self.base(obj, gen.cid), "choices": [], "usage": total})
+            yield sse({**self.base(obj, gen), "choices": [], "usage": total})
         yield "data: [DONE]\n\n"
 
     # -- beam search ------------------------------------------------------------------------------------------
@@ -633,6 +665,10 @@ class OpenAIServing:
         were built with the request (`gen.seqs`), the others are built on a worker thread, as a request's are. The
         result: one finished RequestOutput per prompt, its choices the best beams, best first (`beam_outputs`).
 
+        The search is one request per prompt in the metrics (`ServerMetrics.beam_search`, recorded when it ends; its
+        steps' sequences are not counted: `beam_steps`) and in the log (--enable-log-requests: one line per prompt
+        when its first step is admitted, one when the search is over).
+
         A stream gets that result as chunks once the search is over (vLLM's server also yields only the final
         result of a beam search): each choice's whole text in one chunk, with its finish_reason, then usage if asked
         and [DONE]. The status line waits for the search, so a search that fails, or is refused at a step's
@@ -642,24 +678,54 @@ class OpenAIServing:
         step, seqs = search.next_prompts(), gen.seqs
         first: list[RequestOutput] = []  # the first step's outputs: the prompts' own (text, ids, cached tokens)
         loops = [[0, 0] for _ in gen.seqs]  # per prompt: decode and prefill loops its steps ran
-        while True:
-            step_gen = dataclasses.replace(gen, seqs=seqs, prompt_fields=[gen.prompt_fields[p] for p, _ in step])
-            group = self.admit(seqs)
-            self.log_received(step_gen)
-            outs = await self.collect(step_gen, group, request)
-            if outs is None:
-                return None
-            search.update(outs)
-            first = first or outs
-            for (p, _), o in zip(step, outs, strict=True):
-                if o.metrics is not None:
-                    loops[p][0] += o.metrics.loops_run
-                    loops[p][1] += o.metrics.prefill_loops
-            step = search.next_prompts()
-            if not step:
-                break
-            seqs = await anyio.to_thread.run_sync(self.beam_seqs, gen, step, time.monotonic())
-        return await anyio.to_thread.run_sync(self.beam_outputs, gen, first, loops)
+        prompts = [len(s.prompt_ids) for s in gen.seqs]
+        admitted, ended = False, "abort"  # how a search that ends early is counted
+        try:
+            while True:
+                step_gen = dataclasses.replace(gen, seqs=seqs, prompt_fields=[gen.prompt_fields[p] for p, _ in step])
+                ids = [s.request_id for s in seqs]
+                self.metrics.beam_steps(ids)  # (before admission: the engine thread may report them at once)
+                try:
+                    group = self.admit(seqs)
+                except ApiError:
+                    self.metrics.forget(ids)
+                    raise
+                if not admitted:
+                    admitted = True
+                    self.log_received(gen, search.params)
+                outs = await self.collect(step_gen, group, request, log_finished=False)
+                if outs is None:
+                    return None
+                search.update(outs)
+                first = first or outs
+                for (p, _), o in zip(step, outs, strict=True):
+                    if o.metrics is not None:
+                        loops[p][0] += o.metrics.loops_run
+                        loops[p][1] += o.metrics.prefill_loops
+                step = search.next_prompts()
+                if not step:
+                    break
+                seqs = await anyio.to_thread.run_sync(self.beam_seqs, gen, step, time.monotonic())
+            done = await anyio.to_thread.run_sync(self.beam_outputs, gen, first, loops)
+        except ApiError as e:  # (else, a 503 or cancelled: aborted)
+            ended = "abort" if e.status == 503 else "error"
+            raise
+        else:
+            self.metrics.beam_search(gen.arrival, [
+                (plen, sum(len(c.token_ids) for c in o.outputs), o.outputs[0].finish_reason or "length",
+                 self._first_token_time(o)) for plen, o in zip(prompts, done, strict=True)])
+            self.log_finished([(o, o.outputs[0].finish_reason, len(o.outputs[0].token_ids)) for o in done])
+            admitted = False  # (recorded)
+            return done
+        finally:
+            if admitted:  # ended early, once running: one request per prompt, no tokens returned
+                self.metrics.beam_search(gen.arrival, [
+                    (plen, 0, ended, self._first_token_time(first[p]) if first else None)
+                    for p, plen in enumerate(prompts)])
+
+    @staticmethod
+    def _first_token_time(out: RequestOutput) -> float | None:
+        return out.metrics.first_token_time if out.metrics is not None else None
 
     def beam_seqs(self, gen: _Generation, step: list[tuple[int, list[int]]], arrival: float,
                   texts: list[str | None] | None = None) -> list[Sequence]:
@@ -695,13 +761,14 @@ class OpenAIServing:
 
     def beam_params(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> BeamSearchParams:
         """A `use_beam_search` request's BeamSearchParams (vLLM's `to_beam_search_params`): width n, `max_tokens`,
-        temperature (unset: 1, as for sampling), ignore_eos, length_penalty, include_stop_str_in_output; a 400 naming
-        the field at fault. (protocol.py refused the fields a beam search cannot honour.)"""
+        temperature (unset: the server's default, as for sampling: `fill_defaults`; else 1), ignore_eos,
+        length_penalty, include_stop_str_in_output; a 400 naming the field at fault. (protocol.py refused the fields a
+        beam search cannot honour.)"""
+        temperature = fill_defaults(req, self.sampling_defaults).get("temperature", 1.0)
         try:
             # (max_tokens None, never given here, would be named by BeamSearchParams' own check)
             return BeamSearchParams(beam_width=1 if req.n is None else req.n, max_tokens=cast(int, max_tokens),
-                                    ignore_eos=bool(req.ignore_eos),
-                                    temperature=1.0 if req.temperature is None else req.temperature,
+                                    ignore_eos=bool(req.ignore_eos), temperature=temperature,
                                     length_penalty=1.0 if req.length_penalty is None else req.length_penalty,
                                     include_stop_str_in_output=bool(req.include_stop_str_in_output))
         except ValueError as e:
@@ -841,10 +908,11 @@ class OpenAIServing:
             requested = req.max_tokens if generated else 1
             # before the context check (the engine cuts again, by the same rule: no change)
             ids = truncate_prompt(whole, req.truncate_prompt_tokens, self.max_model_len,
-                                  COMPLETIONS_DEFAULT_MAX_TOKENS if requested is None else requested)
+                                  self.default_max_tokens(COMPLETIONS_DEFAULT_MAX_TOKENS) if requested is None
+                                  else requested)
             mt = self.resolve_max_tokens(requested, COMPLETIONS_DEFAULT_MAX_TOKENS, len(ids), where)
             params = sampling_params(req, max_tokens=mt, logprobs=req.logprobs,
-                                     defaults=self.settings.sampling_defaults,
+                                     defaults=self.sampling_defaults,
                                      prompt_logprobs=req.logprobs if echo and req.prompt_logprobs is None else None,
                                      guided_decoding=guide)
             seqs.append(self.make_seq(rid, text, ids, params, arrival, req.seed, where, grammar_field, req.cache_salt))
@@ -854,10 +922,12 @@ class OpenAIServing:
     def beam_completion(self, req: CompletionRequest, arrival: float, prompts: list[tuple[str, str | None, list[int]]],
                         cid: str) -> _Generation:
         """A `use_beam_search` completions request: its search (every prompt's, together) and the first step's
-        sequences. `max_tokens` (unset: 16) is checked against each prompt's context as a normal request's is; the
-        room a prompt leaves is the search's end for its beams (`BeamSearch`'s `room`), as it is a normal request's."""
+        sequences. `max_tokens` (unset: 16, or the checkpoint's max_new_tokens if smaller) is checked against each
+        prompt's context as a normal request's is; the room a prompt leaves is the search's end for its beams
+        (`BeamSearch`'s `room`), as it is a normal request's."""
         _refuse_beam_grammar(guide_field(req))
-        params = self.beam_params(req, COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens)
+        budget = self.default_max_tokens(COMPLETIONS_DEFAULT_MAX_TOKENS) if req.max_tokens is None else req.max_tokens
+        params = self.beam_params(req, budget)
         starts = []
         for where, _, whole in prompts:
             ids = truncate_prompt(whole, req.truncate_prompt_tokens, self.max_model_len, params.max_tokens)
@@ -865,7 +935,7 @@ class OpenAIServing:
             starts.append(ids)
         search = BeamSearch(starts, params, self.tokenizer.eos_token_ids, self.beam_room())
         gen = _Generation(COMPLETION, req, cid, [], self.formatter(req), [where for where, _, _ in prompts], None,
-                          echo=bool(req.echo), search=search)
+                          echo=bool(req.echo), search=search, arrival=arrival)
         gen.seqs = self.beam_seqs(gen, search.next_prompts(), arrival, [text for _, text, _ in prompts])
         return gen
 
@@ -930,12 +1000,12 @@ class OpenAIServing:
             cid, _ = self.new_ids(request, CHAT, 1)
             search = BeamSearch([ids], self.beam_params(req, mt), self.tokenizer.eos_token_ids, self.beam_room())
             gen = _Generation(CHAT, req, cid, [], self.formatter(req), ["messages"], None, echo_text=echo_text,
-                              role=role, search=search)
+                              role=role, search=search, arrival=arrival)
             gen.seqs = self.beam_seqs(gen, search.next_prompts(), arrival, [text])
             return gen
         top = req.top_logprobs or 0
         params = sampling_params(req, max_tokens=mt, logprobs=top if req.logprobs else None,
-                                 defaults=self.settings.sampling_defaults, guided_decoding=guide)
+                                 defaults=self.sampling_defaults, guided_decoding=guide)
         cid, (rid,) = self.new_ids(request, CHAT, 1)
         grammar_field = "tools" if tools is not None else guide_field(req)
         seq = self.make_seq(rid, text, ids, params, arrival, req.seed, "messages", grammar_field, req.cache_salt)

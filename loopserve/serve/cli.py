@@ -17,6 +17,7 @@ import math
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loopserve.cli import add_chat_args, add_engine_args, add_exit_args, engine_kwargs, load_kwargs
@@ -74,7 +75,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     # vLLM's form: several names after one flag (so the model goes before it, or in --model)
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the names clients may pass as `model`, each listed in /v1/models; the first is the default "
-                        "and the one responses and metrics report (unset: the model as given)")
+                        "and the one metrics report; a response reports the name its request gave, else the first "
+                        "(unset: the model as given)")
     p.add_argument("--expose-model-path", action="store_true",
                    help="/v1/models shows the model's path as its `root` (else its first served name)")
     p.add_argument("--root-path", default="", help="path prefix under which a proxy serves this API")
@@ -131,8 +133,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="start Ray's dashboard (http://127.0.0.1:8265; `serve status` needs it) with the local "
                         "Ray instance (a dozen more processes)")
     r.add_argument("--replica-cpus", type=float, default=1.0,
-                   help="CPUs reserved per replica (and its torch threads) when it gets no GPU; a replica gets one "
-                        "GPU wherever the cluster has GPUs and --device is not cpu")
+                   help="CPUs reserved per replica (and its torch threads, unless --threads) when it gets no GPU; a "
+                        "replica gets one GPU wherever the cluster has GPUs and --device is not cpu")
     p.set_defaults(func=cmd_serve)
 
 
@@ -155,7 +157,8 @@ def _check(args: argparse.Namespace) -> str | None:
     """The first thing wrong with the server flags, if any."""
     if args.model_tag and args.model and args.model_tag != args.model:
         return f"model given twice ({args.model_tag!r} and --model {args.model!r})"
-    swallowed = [n for n in (args.served_model_name or [])[1:] if os.path.exists(n)]
+    # (a name that is a checkpoint folder: another name that merely exists here, "docs", is a name)
+    swallowed = [n for n in (args.served_model_name or [])[1:] if Path(n, "config.json").is_file()]
     if swallowed and not (args.model_tag or args.model):
         return (f"--served-model-name took the model {swallowed[-1]!r} as a name; give the model before the flag "
                 f"or as --model")
@@ -165,6 +168,8 @@ def _check(args: argparse.Namespace) -> str | None:
         return "--max-request-body-bytes: must be >= 1024"
     if not 0 <= args.port < 65536:
         return "--port: must be in [0, 65535]"
+    if not (math.isfinite(args.shutdown_timeout) and args.shutdown_timeout >= 0):
+        return "--shutdown-timeout: must be a number of seconds >= 0"
     if not (math.isfinite(args.request_read_timeout) and args.request_read_timeout > 0):
         return "--request-read-timeout: must be a number of seconds > 0"
     if not (math.isfinite(args.log_stats_interval) and args.log_stats_interval > 0):
@@ -217,6 +222,8 @@ def load_server(args: argparse.Namespace) -> tuple[LLMEngine, ServerSettings]:
     # the model's generation_config.json sampling defaults, under the flags' own
     defaults = {**generation_defaults(path, args.generation_config), **defaults}
     check_sampling_defaults(engine, defaults)
+    if args.exit_policy == "kl":
+        _warn_kl(engine)
     settings = ServerSettings(
         model_names=_served_names(args) or (str(model if model is not None else path.name),), model_path=str(path),
         expose_model_path=args.expose_model_path, api_keys=tuple(_api_keys(args.api_key)),
@@ -277,6 +284,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print("error: the engine failed (see the log above); the server has stopped", file=sys.stderr, flush=True)
         return 1
     return 0 if server.started else 1
+
+
+def _warn_kl(engine: LLMEngine) -> None:
+    """--exit-policy kl's cost, said at start-up: every request that keeps the default runs the coda (and LM head)
+    after every loop, and, on a model with coda layers, decodes without speculative drafts."""
+    spec = engine.cfg.num_speculative_tokens and engine.model_config.n_coda > 0
+    log.warning("--exit-policy kl: every request that does not pick another exit_policy runs the coda and LM head "
+                "after every loop (the KL signal), an expensive default%s",
+                "; and speculative decoding is off for those requests (the KL signal reads the coda KV of every loop)"
+                if spec else "")
 
 
 def _served_names(args: argparse.Namespace) -> tuple[str, ...]:

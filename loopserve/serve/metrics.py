@@ -14,7 +14,11 @@ request), request_prefill_time_seconds (admission to the first token), request_d
 request_generation_tokens (recorded per output on the engine thread). A request that is not
 streamed has one output, when it finishes (`FINAL_ONLY`): its time to first token is the engine's
 first-token time, and its inter-token latency is observed as its mean gap, once per gap (the
-histogram's sum and count are exact, its buckets approximate for such requests).
+histogram's sum and count are exact, its buckets approximate for such requests). A beam search
+(`use_beam_search`) counts as one request per prompt, recorded when it ends (`beam_search`): its
+prompt once, the tokens of the beams it returns (as its `usage` counts them), its finish reason, its
+time to first token (its first step's) and its end-to-end latency; the sequences of its steps are
+not requests of their own (`beam_steps`), and it observes no inter-token or phase times.
 
 Loop-specific (from `EngineStats`): exit_depth (histogram of decode-token exit depths),
 core_batch_size (histogram of core-step batch widths), core_loops_total (core row-steps computed),
@@ -130,7 +134,7 @@ class _EngineCollector(Collector):
 class _Track:
     """What the metrics know of one request in flight."""
 
-    __slots__ = ("tokens", "sample_tokens", "last", "scheduled", "prompt_only")
+    __slots__ = ("tokens", "sample_tokens", "last", "scheduled", "prompt_only", "beam_step")
 
     def __init__(self) -> None:
         self.tokens = 0  # generated tokens counted, all samples
@@ -138,6 +142,7 @@ class _Track:
         self.last = 0.0
         self.scheduled: float | None = None  # start of the first step that admitted it
         self.prompt_only = False  # echo with max_tokens 0: the token the engine runs is not part of the response
+        self.beam_step = False  # a step of a beam search: not counted (`beam_search` records the search)
 
 
 class ServerMetrics:
@@ -201,6 +206,31 @@ class ServerMetrics:
             for rid in request_ids:
                 self._tracks.setdefault(rid, _Track()).prompt_only = True
 
+    def beam_steps(self, request_ids: list[str]) -> None:
+        """These sequences are a beam search's step: none of them is counted (`beam_search` records the search, once,
+        when it ends). Called before they are admitted."""
+        with self._lock:
+            for rid in request_ids:
+                self._tracks.setdefault(rid, _Track()).beam_step = True
+
+    def beam_search(self, arrival: float, prompts: list[tuple[int, int, str, float | None]]) -> None:
+        """A beam search that has ended, one request per prompt: (its prompt tokens, the tokens of the beams it
+        returns, its finish reason (its best beam's; `abort` or `error` for a search that ended early), the time of
+        its first token (its first step's; None if no step gave one: then its prompt is not counted as prefilled))."""
+        now, m = time.monotonic(), self.labels
+        with self._lock:
+            for prompt, tokens, reason, first in prompts:
+                if first is not None:
+                    self.prompt_tokens.labels(*m).inc(prompt)
+                    self.prompt_total += prompt
+                    self.ttft.labels(*m).observe(max(0.0, first - arrival))
+                self.generation_tokens.labels(*m).inc(tokens)
+                self.generation_total += tokens
+                self.request_success.labels(*m, reason).inc()
+                self.req_prompt.labels(*m).observe(prompt)
+                self.req_gen.labels(*m).observe(tokens)
+                self.e2e.labels(*m).observe(max(0.0, now - arrival))
+
     def forget(self, request_ids: list[str]) -> None:
         """Requests that were not admitted after all."""
         with self._lock:
@@ -216,6 +246,10 @@ class ServerMetrics:
         with self._lock:
             for out in outs:
                 track = self._tracks.setdefault(out.request_id, _Track())
+                if track.beam_step:
+                    if out.finished:
+                        self._tracks.pop(out.request_id, None)
+                    continue
                 # every sample's tokens (n > 1), as usage counts them
                 new = 0 if track.prompt_only else sum(len(c.token_ids) for c in out.outputs)
                 if new > 0:

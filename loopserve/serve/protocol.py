@@ -20,7 +20,8 @@ width `n` (1 to MAX_LOGPROBS // 2: a step asks for the top 2 * n logprobs), with
 `include_stop_str_in_output`. A field it cannot honour is refused with a 400 naming it unless it is at a value
 that asks for nothing (`_SamplingFields.beam_search_conflicts`): sampling filters, penalties and token
 restrictions, stop strings and stop tokens, logprobs of any kind, the looped-model depth fields, `best_of`
-other than n, and (checked where the grammar is read, serve/api.py) structured output and forced tool calls.
+other than n, and (checked where the grammar is read, serve/api.py) structured output and forced tool calls. (Empty
+token restrictions and `exit_policy: "fixed"`, what the search does anyway, ask for nothing.)
 
 Structured output (`response_format`, vLLM's `guided_*` and `structured_outputs`) and tool calls
 (`tools`, `tool_choice`) are read by `serve/structured.py`.
@@ -119,6 +120,7 @@ class _SamplingFields(_Strict):
     model: str | None = None
     max_tokens: int | None = None
     n: int | None = 1
+    # unset sampling fields (these, the adjustments and the exit fields): the server's defaults (`fill_defaults`)
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -154,7 +156,7 @@ class _SamplingFields(_Strict):
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    # penalties and logit adjustments (OpenAI's, and vLLM's extensions); unset: SamplingParams' defaults
+    # penalties and logit adjustments (OpenAI's, and vLLM's extensions); unset: the server's, else SamplingParams'
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None  # unset: the model's generation_config.json, else 1
@@ -219,12 +221,12 @@ class _SamplingFields(_Strict):
             "top_p": ((1.0,), ranks), "top_k": ((-1, 0), ranks), "min_p": ((0.0,), ranks),
             "frequency_penalty": ((0.0,), ranks), "presence_penalty": ((0.0,), ranks),
             "repetition_penalty": ((1.0,), ranks), "logit_bias": (({},), ranks), "min_tokens": ((0,), ranks),
-            "allowed_token_ids": ((), ranks), "bad_words": (([],), ranks),
+            "allowed_token_ids": (([],), ranks), "bad_words": (([],), ranks),
             "stop": (("", []), "a beam ends only on an end-of-sequence token or at max_tokens"),
             "stop_token_ids": (([],), "a beam ends only on an end-of-sequence token or at max_tokens"),
             "prompt_logprobs": ((), "a beam search returns no logprobs"),
             "min_loops": ((), depth), "max_loops": ((), depth), "exit_threshold": ((), depth),
-            "exit_policy": ((), depth), "exit_trace": ((), depth), "num_speculative_tokens": ((0,), depth),
+            "exit_policy": (("fixed",), depth), "exit_trace": ((), depth), "num_speculative_tokens": ((0,), depth),
         }
 
     @property
@@ -481,21 +483,32 @@ def _members(t: Any) -> list[Any]:
 # request fields passed to SamplingParams as they are (validated there)
 ADJUSTMENTS = ("frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "min_tokens",
                "include_stop_str_in_output", "truncate_prompt_tokens", "allowed_token_ids", "bad_words")
+EXIT_FIELDS = ("min_loops", "max_loops", "exit_threshold", "exit_policy")
+# the fields an unset value of which the server's defaults give (`fill_defaults`)
+DEFAULTED = ("temperature", "top_p", "top_k", "min_p", *ADJUSTMENTS, *EXIT_FIELDS)
+
+
+def fill_defaults(req: _SamplingFields, defaults: dict[str, Any]) -> dict[str, Any]:
+    """The request's `DEFAULTED` fields as SamplingParams keyword arguments: each the request's own value, else the
+    server's default (`ServerSettings.sampling_defaults`: the checkpoint's generation_config.json temperature, top_p,
+    top_k, min_p and repetition_penalty, as `LLM.get_default_sampling_params` takes them, under the serve flags' exit
+    defaults), else left out (SamplingParams' own default): vLLM's rule for its `default_sampling_params`. One rule
+    for sampling (`sampling_params`) and beam search (its temperature). The server's exit_threshold belongs to its
+    exit policy (`defaults["exit_policy"]`: --exit-policy, else the model's own, filled in by the server): a request
+    naming another policy without a threshold gets that policy's own default threshold (exits.py)."""
+    out = {k: getattr(req, k) if getattr(req, k) is not None else defaults.get(k) for k in DEFAULTED}
+    if req.exit_threshold is None and req.exit_policy not in (None, defaults.get("exit_policy")):
+        out["exit_threshold"] = None
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def sampling_params(req: _SamplingFields, *, max_tokens: int | None, logprobs: int | None,
                     defaults: dict[str, Any], prompt_logprobs: int | None = None,
                     guided_decoding: GuidedDecodingParams | None = None) -> SamplingParams:
-    """SamplingParams of a request (`guided_decoding`: the grammar its fields ask for, checked with the rest);
-    its range checks become 400s naming the field."""
-    ext = {k: getattr(req, k) if getattr(req, k) is not None else defaults.get(k)
-           for k in ("min_loops", "max_loops", "exit_threshold", "exit_policy")}
-    adjust = {k: defaults[k] for k in ADJUSTMENTS if defaults.get(k) is not None}  # else SamplingParams' own
-    adjust.update({k: getattr(req, k) for k in ADJUSTMENTS if getattr(req, k) is not None})
+    """SamplingParams of a request, its unset fields from the server's `defaults` (`fill_defaults`; `guided_decoding`:
+    the grammar its fields ask for, checked with the rest); its range checks become 400s naming the field."""
     kwargs: dict[str, Any] = dict(
-        max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p, top_k=-1 if req.top_k is None else req.top_k,
-        min_p=0.0 if req.min_p is None else req.min_p, seed=req.seed, stop=req.stop,
+        max_tokens=max_tokens, seed=req.seed, stop=req.stop,
         stop_token_ids=list(req.stop_token_ids or []), ignore_eos=bool(req.ignore_eos),
         skip_special_tokens=req.skip_special_tokens is not False, logprobs=logprobs, exit_trace=req.exit_trace,
         num_speculative_tokens=req.num_speculative_tokens,
@@ -503,7 +516,7 @@ def sampling_params(req: _SamplingFields, *, max_tokens: int | None, logprobs: i
         # a stream needs what is new per step, a response that is not streamed the final output only
         output_kind=RequestOutputKind.DELTA if req.streaming else RequestOutputKind.FINAL_ONLY,
         prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
-        guided_decoding=guided_decoding, **ext, **adjust)
+        guided_decoding=guided_decoding, **fill_defaults(req, defaults))
     try:
         return SamplingParams(**kwargs)
     except ValueError as e:

@@ -10,7 +10,8 @@ loopserve imports Ray, and `serve/cli.py` imports this module only when a Ray fl
   client that disconnects cancels its request on that replica, which aborts it and frees its KV.
 - `deployment_options(args, gpus)`: the serve flags mapped onto Ray Serve's deployment options:
   replicas or autoscaling bounds, one GPU per replica where the cluster has GPUs (else
-  `--replica-cpus` CPUs), `max_ongoing_requests` = what the replica's app admits
+  `--replica-cpus` CPUs, and as many torch threads unless `--threads` gives them: `replica_threads`),
+  `max_ongoing_requests` = what the replica's app admits
   (`--max-num-seqs` + `--max-queued-requests`, past which it answers 503 as the single-process
   server does) + a few slots so that probes never wait behind generations, `--max-queued-requests`
   also as the proxy's queue bound, `--shutdown-timeout` as the graceful shutdown time; autoscaling
@@ -91,6 +92,16 @@ def deployment_options(args: argparse.Namespace, gpus: bool) -> dict[str, Any]:
         "target_ongoing_requests": cfg.max_num_seqs,
     }
     return opts
+
+
+def replica_threads(args: argparse.Namespace, cuda: bool) -> int | None:
+    """A replica's torch CPU threads (`LoadConfig.threads`, which the loader sets once the model has loaded):
+    `--threads` where given; else, on a replica with no GPU (`cuda` false), the CPUs Ray reserved for it
+    (`--replica-cpus`, at least 1), since replicas on one node would otherwise each start a pool as wide as the
+    machine and fight over its cores; else None (left as they are)."""
+    if args.threads is not None:
+        return int(args.threads)
+    return None if cuda else max(1, int(args.replica_cpus))
 
 
 def _cluster_has_gpus() -> bool:
@@ -259,10 +270,8 @@ class LoopServeReplica:
         from loopserve.serve.cli import LOG_FORMAT, load_server
 
         logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
-        if not torch.cuda.is_available():
-            # intra-op threads within the CPUs Ray reserved for this replica: replicas on one node
-            # would otherwise each start a pool as wide as the machine and fight over the cores
-            torch.set_num_threads(max(1, int(args.replica_cpus)))
+        # (set by the loader, once the model has loaded, as for the single-process server's --threads)
+        args = argparse.Namespace(**{**vars(args), "threads": replica_threads(args, torch.cuda.is_available())})
         context = serve.get_replica_context()
         self.replica_id: str = context.replica_id.unique_id
         self._where = (context.deployment, context.app_name)

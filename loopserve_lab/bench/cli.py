@@ -49,7 +49,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="weights, activations and KV cache (default: %(default)s)")
     g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     g.add_argument("--state-init", default="like-init", choices=["like-init", "zero"], help="Huginn only")
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch's CPU threads, for the whole process (default: left as they are)")
     g.add_argument("--seed", type=int, default=0,
                    help="seed of the engine (sampling, Huginn's initial states) and of the synthetic exit depths "
                         "(default: %(default)s)")
@@ -108,14 +109,30 @@ def _start(args: argparse.Namespace, name: str):
 
         if not torch.cuda.is_available():
             raise CommandError(f"--device {args.device}: CUDA is not available on this machine")
-    out = args.out or DEFAULT_OUT / name
-    out.mkdir(parents=True, exist_ok=True)
     print(f"loading {args.model} ({args.dtype}, {args.device})", file=sys.stderr)
     try:
         bm = BenchModel.load(args.model, args.dtype, args.device, args.state_init)
     except ValueError as e:  # (not a preset nor a checkpoint folder; a folder that does not load)
         raise CommandError(str(e)) from None
+    out = args.out or DEFAULT_OUT / name  # (made once the model has loaded: a refused run leaves no folder)
+    out.mkdir(parents=True, exist_ok=True)
     return bm, out
+
+
+def read_results(path: Path, command: str, key: str) -> dict[str, Any]:
+    """`--from-json`: the results `bench <command>` wrote (a JSON object holding `key`), or a CommandError saying
+    why not."""
+    import json
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise CommandError(f"--from-json: {path}: {e.strerror or e}") from None
+    except ValueError as e:  # (not UTF-8, or not JSON)
+        raise CommandError(f"--from-json: {path}: not JSON ({e})") from None
+    if not isinstance(data, dict) or key not in data:
+        raise CommandError(f"--from-json: {path}: not the results of `loopserve bench {command}` (no {key!r})")
+    return data
 
 
 def _header(args: argparse.Namespace, bm: Any) -> dict[str, Any]:
@@ -203,7 +220,11 @@ def cmd_theory(args: argparse.Namespace) -> int:
             print(f"error: --model: {args.model!r} is neither a preset nor a config.json / checkpoint folder",
                   file=sys.stderr)
             return 2
-        config = json.loads(path.read_text())
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, ValueError) as e:  # (unreadable, not UTF-8, or not JSON)
+            print(f"error: --model: {path}: not a readable JSON config ({e})", file=sys.stderr)
+            return 2
     try:
         from loopserve_lab.bench.theory import model_config
 
@@ -342,12 +363,10 @@ def cmd_throughput(args: argparse.Namespace) -> int:
 
 
 def _replot_throughput(path: Path, out: Path | None) -> int:
-    import json
-
     from loopserve_lab.bench.plots import plot_throughput
     from loopserve_lab.bench.throughput import format_rows
 
-    data = json.loads(Path(path).read_text())
+    data = read_results(path, "throughput", "sweeps")
     out = out or Path(path).parent
     name = data.get("model", {}).get("name", "model")
     for sweep, body in data.get("sweeps", {}).items():
@@ -365,14 +384,12 @@ def _replot_throughput(path: Path, out: Path | None) -> int:
 
 
 def cmd_step_latency(args: argparse.Namespace) -> int:
-    import json
-
     from loopserve_lab.bench.harness import write_json
     from loopserve_lab.bench.plots import plot_step_latency
     from loopserve_lab.bench.step_latency import fit_all, format_step_latency, step_latency
 
     if args.from_json is not None:  # refit and replot earlier measurements
-        data = json.loads(Path(args.from_json).read_text())
+        data = read_results(args.from_json, "step-latency", "points")
         data["fits"] = fit_all(data["points"], args.fit_max_batch)
         data.setdefault("refits", []).append(
             "loopserve " + " ".join(shlex.quote(a) for a in sys.argv[1:]))

@@ -37,9 +37,19 @@ def cmd_train_tiny(args: argparse.Namespace) -> int:
 
 
 def _model(args) -> str:
-    from loopserve.models.loader import embedded_model_path
+    """The model folder to evaluate (the embedded model unless given), or a CommandError (`error:` line, exit 2)
+    if it is not a checkpoint folder: checked before anything runs, as `load_model` would refuse it."""
+    from loopserve.cli import CommandError
+    from loopserve.models.loader import embedded_model_path, resolve_model_path
 
-    return str(args.model or embedded_model_path())
+    model = str(args.model or embedded_model_path())
+    try:
+        folder = resolve_model_path(model)  # (a hub id is fetched here, as the loader would)
+    except ValueError as e:
+        raise CommandError(str(e)) from None
+    if not (folder / "config.json").is_file():
+        raise CommandError(f"model: {model!r} is not a checkpoint folder ({folder / 'config.json'}: missing)")
+    return model
 
 
 def samples(model: str, n_tokens: int = 80, seed: int = 0, dtype: str | None = None) -> list[dict]:
@@ -58,8 +68,8 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
 
     from loopserve_lab.train.evaluate import markdown_tables, plot_results, run_eval
 
-    torch.set_num_threads(args.threads)
     model = _model(args)
+    torch.set_num_threads(args.threads)
     out_json = Path(args.out_json)
     res = run_eval(model, out_json, args.windows, args.seq_len, args.calibrate, args.max_ppl_increase,
                    args.max_mean_depth, args.calib_windows, progress=not args.no_progress, jobs=args.jobs,
@@ -82,8 +92,9 @@ def cmd_eval_trajectories(args: argparse.Namespace) -> int:
 
     from loopserve_lab.train.trajectories import record
 
+    model = _model(args)
     torch.set_num_threads(args.threads)
-    record(_model(args), args.out_dir, args.heldout_windows, args.seq_len, args.max_tokens, dtype=args.dtype)
+    record(model, args.out_dir, args.heldout_windows, args.seq_len, args.max_tokens, dtype=args.dtype)
     return 0
 
 

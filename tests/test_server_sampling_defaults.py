@@ -1,0 +1,179 @@
+"""The server's request defaults: a checkpoint's generation_config.json sampling values fill a request's unset fields
+(vLLM's `default_sampling_params`, `LLM.get_default_sampling_params` offline; `--generation-config vllm` ignores
+them), for sampling and for a beam search's temperature; the server's `--exit-threshold` is the threshold of its own
+exit policy (--exit-policy, else the model's), not of a policy a request picks; `--exit-policy kl`'s start-up warning.
+A real `loopserve serve` process on a tiny Ouro copy whose generation_config.json sets temperature, top_k and
+max_new_tokens, and `load_server` in this process."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from loopserve import LLM
+from loopserve.cli import build_parser
+from loopserve.exits import DEFAULT_THRESHOLDS
+from loopserve.serve.api import serving_defaults
+from loopserve.serve.cli import load_server
+from loopserve.serve.protocol import CompletionRequest, fill_defaults, sampling_params
+from tests.server_helpers import MODEL, Server, run_server
+
+pytestmark = pytest.mark.timeout(180)
+
+C, H = "/v1/completions", "/v1/chat/completions"
+GEN = {"temperature": 0.5, "top_k": 3, "max_new_tokens": 5}  # the checkpoint's generation_config.json sets these
+THRESHOLD = 0.9  # the server's --exit-threshold (the Ouro gate's: the model's own policy)
+
+
+def _with_generation_config(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    path = dst / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **GEN}))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_ouro, tmp_path_factory) -> Path:
+    return _with_generation_config(tiny_ouro, tmp_path_factory.mktemp("gen") / "m")
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory) -> Iterator[Server]:
+    with run_server(checkpoint, tmp_path_factory.mktemp("defaults") / "server.log", "--dtype", "float32",
+                    "--kv-cache-tokens", "4096", "--exit-threshold", str(THRESHOLD), "--enable-log-requests",
+                    log_level="info") as s:
+        yield s
+
+
+def _ok(server: Server, path: str, body: dict, request_id: str | None = None) -> dict:
+    if path == H:
+        body = {"messages": [{"role": "user", "content": "Hello there"}], **body}
+    else:
+        body = {"prompt": "hello there", **body}
+    r = server.post(path, {"model": MODEL, "return_token_ids": True, **body}, request_id=request_id)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _tokens(server: Server, path: str, body: dict) -> list[int]:
+    return _ok(server, path, body)["choices"][0]["token_ids"]
+
+
+def _args(model: Path, *flags: str):
+    return build_parser().parse_args(["serve", "--model", str(model), "--device", "cpu", "--kv-cache-tokens", "1024",
+                                      *flags])
+
+
+# -- generation_config.json -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("path", [C, H])
+def test_unset_sampling_fields_take_the_checkpoints(server, path):
+    """A seeded request that sets neither temperature nor top_k samples as one giving the checkpoint's values, not
+    as one giving SamplingParams' own (1 and -1)."""
+    body = {"seed": 7, "max_tokens": 12, "ignore_eos": True}
+    unset = _tokens(server, path, body)
+    assert unset == _tokens(server, path, {**body, "temperature": GEN["temperature"], "top_k": GEN["top_k"]})
+    assert unset != _tokens(server, path, {**body, "temperature": 1.0, "top_k": -1})
+    # a request's own value wins over the checkpoint's
+    assert unset != _tokens(server, path, {**body, "top_k": -1})
+
+
+@pytest.mark.parametrize("path", [C, H])
+def test_unset_max_tokens_takes_max_new_tokens(server, path):
+    got = _ok(server, path, {"ignore_eos": True, "seed": 1})
+    assert got["usage"]["completion_tokens"] == GEN["max_new_tokens"]  # (completions: min(16, 5); chat: 5)
+    got = _ok(server, path, {"ignore_eos": True, "seed": 1, "max_tokens": 7})
+    assert got["usage"]["completion_tokens"] == 7
+
+
+def _log_lines(server: Server, marker: str, want: int, timeout: float = 10.0) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while len(lines := [ln for ln in server.log.read_text().splitlines() if marker in ln]) < want:
+        assert time.monotonic() < deadline, f"{marker!r}: {lines}"
+        time.sleep(0.05)
+    return lines
+
+
+def test_beam_search_temperature_default_and_one_log_line_per_search(server):
+    """A beam search's unset temperature is the checkpoint's (vLLM's `to_beam_search_params`), its own wins; the
+    search is logged once when it starts (with its params) and once when it ends, not per beam per step."""
+    body = {"use_beam_search": True, "n": 2, "max_tokens": 3, "ignore_eos": True}
+    for rid, extra, temperature in (("beam-default", {}, GEN["temperature"]), ("beam-own", {"temperature": 0.25},
+                                                                                0.25)):
+        got = _ok(server, C, {**body, **extra}, request_id=rid)
+        assert [len(c["token_ids"]) for c in got["choices"]] == [3, 3]
+        [received] = _log_lines(server, f"Received request cmpl-{rid}", 1)
+        assert "BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True, temperature=" \
+               f"{temperature}," in received, received
+        [finished] = _log_lines(server, f"Finished request cmpl-{rid}", 1)
+        assert "length, " in finished and " + 3 completion tokens" in finished
+    time.sleep(0.3)  # (nothing more is logged for them)
+    for rid in ("beam-default", "beam-own"):
+        assert len(_log_lines(server, f"request cmpl-{rid}", 2)) == 2
+
+
+def test_generation_config_vllm_ignores_the_checkpoints(checkpoint):
+    req = CompletionRequest(prompt="x")
+    for mode, want in (("auto", (0.5, 3)), ("vllm", (1.0, -1))):
+        engine, settings = load_server(_args(checkpoint, "--generation-config", mode))
+        params = sampling_params(req, max_tokens=2, logprobs=None, defaults=settings.sampling_defaults)
+        assert (params.temperature, params.top_k) == want, mode
+    # as offline
+    offline = LLM(checkpoint, scheduler="reference").get_default_sampling_params()
+    assert (offline.temperature, offline.top_k, offline.max_tokens) == (0.5, 3, 5)
+
+
+# -- the exit threshold belongs to the server's exit policy --------------------------------------------------------
+def test_server_threshold_is_its_own_policys(server):
+    """--exit-threshold 0.9 on an Ouro server (no --exit-policy: the gate's): a request that picks kl gets kl's
+    default threshold (5e-4), not 0.9; one that names the gate, or no policy, gets 0.9."""
+    body = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
+
+    def depths(extra: dict) -> list[int]:
+        return _ok(server, C, {**body, **extra})["choices"][0]["exit_depths"]
+
+    kl = depths({"exit_policy": "kl"})
+    assert kl == depths({"exit_policy": "kl", "exit_threshold": DEFAULT_THRESHOLDS["kl"]})
+    assert kl != depths({"exit_policy": "kl", "exit_threshold": THRESHOLD})  # (this checkpoint tells them apart)
+    gate = depths({"exit_policy": "gate"})
+    assert gate == depths({}) == depths({"exit_threshold": THRESHOLD})
+    assert gate != depths({"exit_threshold": 1.0})
+
+
+@pytest.mark.parametrize("fixture,own", [("tiny_ouro", "gate"), ("tiny_huginn", "latent_diff")])
+def test_threshold_default_rule(request, fixture, own):
+    engine, settings = load_server(_args(request.getfixturevalue(fixture), "--exit-threshold", "0.5"))
+    defaults = serving_defaults(engine, settings.sampling_defaults)
+    assert defaults["exit_policy"] == own
+    for policy, threshold in ((None, 0.5), (own, 0.5), ("kl", None), ("fixed", None)):
+        filled = fill_defaults(CompletionRequest(prompt="x", exit_policy=policy), defaults)
+        assert filled.get("exit_threshold") == threshold, policy
+    # a request's own threshold always wins; --exit-policy kl makes kl the policy the threshold belongs to
+    assert fill_defaults(CompletionRequest(prompt="x", exit_policy="kl", exit_threshold=0.1), defaults)[
+        "exit_threshold"] == 0.1
+    engine, settings = load_server(_args(request.getfixturevalue(fixture), "--exit-threshold", "0.01",
+                                         "--exit-policy", "kl"))
+    defaults = serving_defaults(engine, settings.sampling_defaults)
+    assert fill_defaults(CompletionRequest(prompt="x", exit_policy="kl"), defaults)["exit_threshold"] == 0.01
+    assert "exit_threshold" not in fill_defaults(CompletionRequest(prompt="x", exit_policy=own), defaults)
+
+
+# -- --exit-policy kl --------------------------------------------------------------------------------------------
+def test_exit_policy_kl_warns_at_start(tiny_ouro, tiny_huginn, caplog):
+    with caplog.at_level(logging.WARNING, logger="loopserve.serve"):
+        load_server(_args(tiny_ouro))
+        assert not [r for r in caplog.records if "--exit-policy kl" in r.getMessage()]
+        load_server(_args(tiny_ouro, "--exit-policy", "kl"))
+        [warning] = [r for r in caplog.records if "--exit-policy kl" in r.getMessage()]
+        assert warning.levelno == logging.WARNING and "coda" in warning.getMessage()
+        assert "speculative" not in warning.getMessage()  # (no drafts to lose)
+        caplog.clear()
+        # a model with coda layers and drafts: the KL requests do not draft
+        load_server(_args(tiny_huginn, "--exit-policy", "kl", "--num-speculative-tokens", "2"))
+        [warning] = [r for r in caplog.records if "--exit-policy kl" in r.getMessage()]
+        assert "speculative decoding is off" in warning.getMessage()
