@@ -53,6 +53,7 @@ width-1 greedy search equals `generate` at full depth (`exit_policy="fixed"`), n
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -107,7 +108,20 @@ def get_beam_search_score(tokens: Seq[int], cumulative_logprob: float, eos_token
     prompt included, but a last one that is an end-of-sequence token (`eos_token_id`: one id or several)."""
     eos = () if eos_token_id is None else (eos_token_id,) if isinstance(eos_token_id, int) else eos_token_id
     seq_len = len(tokens) - (1 if tokens and tokens[-1] in eos else 0)
-    return cumulative_logprob / (seq_len ** length_penalty)
+    return length_penalized(cumulative_logprob, seq_len, length_penalty)
+
+
+def length_penalized(cumulative_logprob: float, seq_len: int, length_penalty: float) -> float:
+    """`cumulative_logprob / seq_len ** length_penalty`, its limit where the power overflows or underflows a float (a
+    finite but huge length_penalty: vLLM raises OverflowError there): 0 for a huge positive penalty (every beam ties),
+    minus infinity (0 for a sure beam) for a huge negative one."""
+    try:
+        scale = seq_len ** length_penalty
+    except OverflowError:
+        return 0.0
+    if scale == 0.0:  # (underflowed)
+        return -math.inf if cumulative_logprob < 0 else 0.0
+    return cumulative_logprob / scale
 
 
 @dataclass
@@ -205,7 +219,7 @@ class BeamSearch:
                         self.done[p].append(_Beam(beam.tokens + [token], beam.logprobs + [entry], cum, depths, "stop"))
                     else:  # scored as get_beam_search_score would score the beam it makes, without making it
                         length = len(beam.tokens) + 1 - (token in self.all_eos)
-                        candidates.append((cum / length ** penalty, cum, beam, token, entry, depths))
+                        candidates.append((length_penalized(cum, length, penalty), cum, beam, token, entry, depths))
             at += len(group)
             candidates.sort(key=lambda c: c[0], reverse=True)  # (stable: ties keep beam, then entry, order)
             group = []

@@ -511,7 +511,7 @@ def check_beam_search_params(params: BeamSearchParams) -> None:
     for name in ("ignore_eos", "include_stop_str_in_output"):
         if not isinstance(getattr(params, name), bool):
             raise bad(name, "must be true or false")
-    if not is_real(params.temperature) or params.temperature < 0:
-        raise bad("temperature", "must be a finite number >= 0")
+    if not is_real(params.temperature) or not 0 <= params.temperature <= 100:
+        raise bad("temperature", "must be in [0, 100]")  # (SamplingParams' range: each step samples with it)
     if not is_real(params.length_penalty):
         raise bad("length_penalty", "must be a finite number")

@@ -275,7 +275,8 @@ def test_context_end_finishes_beams(tiny_ouro, monkeypatch):
 @pytest.mark.parametrize("field,value", [
     ("beam_width", 0), ("beam_width", -1), ("beam_width", 1.5), ("beam_width", True),
     ("beam_width", MAX_LOGPROBS // 2 + 1), ("max_tokens", 0), ("max_tokens", "3"), ("max_tokens", None),
-    ("temperature", -0.1), ("temperature", math.nan), ("temperature", "0"), ("length_penalty", math.nan),
+    ("temperature", -0.1), ("temperature", 101), ("temperature", math.nan), ("temperature", "0"),
+    ("length_penalty", math.nan),
     ("length_penalty", math.inf), ("length_penalty", "1"), ("ignore_eos", 1), ("include_stop_str_in_output", None),
 ])
 def test_bad_params_name_the_field(llm, field, value):
@@ -348,3 +349,13 @@ def test_server_text_rule(llm):
             assert s.text == llm.tokenizer.decode(generated[:-1]) and k.text == s.text + eos and sk.text == s.text
         else:
             assert s.text == k.text == sk.text == llm.tokenizer.decode(generated)
+
+
+def test_a_huge_length_penalty_takes_the_scores_limit():
+    """`seq_len ** length_penalty` overflows (or underflows) a float for a finite but huge penalty, where vLLM raises:
+    the score is its limit."""
+    from loopserve.beam_search import length_penalized
+
+    assert length_penalized(-3.0, 5, 1e300) == 0.0
+    assert length_penalized(-3.0, 5, -1e300) == -math.inf and length_penalized(0.0, 5, -1e300) == 0.0
+    assert length_penalized(-3.0, 5, 1.0) == -0.6 and length_penalized(-3.0, 1, 1e300) == -3.0

@@ -212,7 +212,8 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "
                                                           "structured_outputs"),
     (H, {"tools": TOOLS, "tool_choice": "required"}, "tool_choice"), (C, {"max_tokens": 0}, "max_tokens"),
     (H, {"max_completion_tokens": 0}, "max_completion_tokens"), (C, {"max_tokens": 5000}, "max_tokens"),
-    (C, {"temperature": -1.0}, "temperature")])
+    (C, {"temperature": -1.0}, "temperature"), (C, {"temperature": 101}, "temperature"),
+    (H, {"seed": 2**70}, "seed")])
 @pytest.mark.parametrize("stream", [False, True])
 def test_refusals_name_the_field(server, path, extra, param, stream):
     body = {"prompt": "hello"} if path == C else {}
@@ -324,3 +325,15 @@ def test_a_step_refused_at_admission_fails_the_search(server):
 def test_log_is_clean(server):
     text = server.log.read_text()
     assert "Traceback" not in text and "ERROR" not in text, text[-3000:]
+
+
+@pytest.mark.parametrize("length_penalty", [1e300, -1e300])
+def test_a_huge_length_penalty_ranks_by_its_limit(server, offline, length_penalty):
+    """A finite but huge length_penalty overflows `seq_len ** length_penalty` (vLLM raises OverflowError): the score
+    takes its limit instead (0 for every beam, or minus infinity), on the server as offline."""
+    body = {"prompt": "hello", "max_tokens": 2, "n": 2, "use_beam_search": True, "temperature": 0,
+            "length_penalty": length_penalty}
+    got = _ok(server, C, body)
+    want = offline.beam_search(["hello"], BeamSearchParams(beam_width=2, max_tokens=2, temperature=0.0,
+                                                           length_penalty=length_penalty))[0].sequences
+    assert [c["cumulative_logprob"] for c in got["choices"]] == pytest.approx([s.cum_logprob for s in want])

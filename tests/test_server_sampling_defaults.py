@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from loopserve import LLM
@@ -81,6 +82,19 @@ def test_unset_sampling_fields_take_the_checkpoints(server, path):
     assert unset != _tokens(server, path, {**body, "temperature": 1.0, "top_k": -1})
     # a request's own value wins over the checkpoint's
     assert unset != _tokens(server, path, {**body, "top_k": -1})
+
+
+@pytest.mark.parametrize("path", [C, H])
+def test_truncation_to_the_context_leaves_room_for_the_default_max_tokens(server, path):
+    """truncate_prompt_tokens=-1 without max_tokens keeps max_model_len - the default the request then gets (here the
+    checkpoint's max_new_tokens), on both endpoints: the completion is not squeezed to what is left."""
+    long = "word " * 4000
+    body = {"ignore_eos": True, "seed": 1, "truncate_prompt_tokens": -1}
+    body |= {"messages": [{"role": "user", "content": long}]} if path == H else {"prompt": long}
+    usage = _ok(server, path, body)["usage"]
+    assert usage["completion_tokens"] == GEN["max_new_tokens"], usage
+    context = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["max_model_len"]
+    assert usage["prompt_tokens"] + GEN["max_new_tokens"] == context, usage
 
 
 @pytest.mark.parametrize("path", [C, H])

@@ -734,7 +734,10 @@ class OpenAIServing:
         `LLM.beam_search` uses is the LLM's seed). `texts`: the prompts' texts (the first step's: the log's)."""
         assert gen.search is not None
         seed = gen.req.seed if gen.req.seed is not None else self.engine.seed
-        params = gen.search.step_params(seed)
+        try:  # (the first step's, built with the request: a bad seed or temperature is its 400)
+            params = gen.search.step_params(seed)
+        except ValueError as e:
+            raise ApiError.bad_request(e) from None
         tag = next(self._http_requests)
         return [self.make_seq(f"{gen.cid}-{tag}-{j}", texts[p] if texts else None, ids, params, arrival, seed,
                               gen.prompt_fields[p], None, gen.req.cache_salt) for j, (p, ids) in enumerate(step)]
@@ -991,7 +994,8 @@ class OpenAIServing:
         if not ids:
             raise ApiError(400, "messages: the chat template produced an empty prompt", "messages")
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        ids = truncate_prompt(ids, req.truncate_prompt_tokens, self.max_model_len, requested)
+        ids = truncate_prompt(ids, req.truncate_prompt_tokens, self.max_model_len,
+                              self.default_max_tokens(None) if requested is None else requested)
         name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         if requested is not None and requested < 1:  # named as the request named it (SamplingParams says max_tokens)
             raise ApiError(400, f"{name}: must be an integer >= 1, got {requested}", name)
