@@ -242,6 +242,8 @@ class BadWords(list[str]):
     def __init__(self, words: list[str], token_ids: list[list[int]]) -> None:
         super().__init__(words)
         self.token_ids = token_ids
+        # the words of one token: banned at every step, the first output token's included
+        self.always = [ids[0] for ids in token_ids if len(ids) == 1]
 
     @classmethod
     def tokenize(cls, words: list[str], encode: Callable[[str], list[int]], vocab: int) -> BadWords:
@@ -432,7 +434,7 @@ def first_token_room(p: SamplingParams) -> None:
         return
     # (read off the params, not `_banned` / the sequence: this runs while the sequence is being made)
     words = p.bad_words
-    bans = [ids[0] for ids in words.token_ids if len(ids) == 1] if isinstance(words, BadWords) else []
+    bans = words.always if isinstance(words, BadWords) else []
     bound = isinstance(p.stop_token_ids, StopTokenIds) or p.history is not None  # (its eos tokens are known)
     held = _held(p).numpy() if p.min_tokens and bound else None
     why = guided_room(p, guide.first, guide.vocab, 0, bans, held)

@@ -231,7 +231,7 @@ def with_allowed_token_ids(params: SamplingParams, tokenizer: Tokenizer, vocab_s
         raise ValueError(f"allowed_token_ids: token ids must be in [0, {vocab_size}) (the model's vocabulary)")
     allowed = AllowedTokenIds(ids)
     words = params.bad_words
-    banned = {seq[0] for seq in words.token_ids if len(seq) == 1} if isinstance(words, BadWords) else set()
+    banned = set(words.always) if isinstance(words, BadWords) else set()
     held = stop_tokens(params, tokenizer)
     if params.min_tokens and held.issuperset(allowed):
         raise ValueError("allowed_token_ids: with min_tokens, every allowed token is an end-of-sequence or stop "
