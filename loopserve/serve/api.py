@@ -78,7 +78,7 @@ from starlette.requests import ClientDisconnect
 
 from loopserve.beam_search import BeamSearch, generated_text
 from loopserve.chat_messages import chat_messages, message_text
-from loopserve.engine.budget import checked_model_len, completion_budget, pool_tokens
+from loopserve.engine.budget import completion_budget, pool_tokens
 from loopserve.engine.engine import LLMEngine
 from loopserve.engine.sequence import Sequence, TokensPrompt, resolve_exit_rule, truncate_prompt
 from loopserve.outputs import CompletionOutput, RequestOutput
@@ -150,7 +150,6 @@ class ServerSettings:
     api_keys: tuple[str, ...] = ()  # any one of them is accepted; none: no authentication
     max_queued_requests: int = 256  # sequences (samples) waiting beyond max_num_seqs; past it: 503
     max_body_bytes: int = 4 * 2**20
-    max_model_len: int | None = None  # cap on prompt + completion tokens; None: the model's context
     # what a request's unset fields take (`protocol.fill_defaults`): the checkpoint's generation_config.json sampling
     # defaults (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens), and min_loops, max_loops, exit_*
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
@@ -204,12 +203,6 @@ def serving_defaults(engine: LLMEngine, defaults: dict[str, Any]) -> dict[str, A
     if out.get("exit_threshold") is not None and out.get("exit_policy") is None:
         out["exit_policy"] = resolve_exit_rule(SamplingParams(), engine.model, engine.cfg.lookahead).policy
     return out
-
-
-def context_length(engine: LLMEngine, cap: int | None) -> int:
-    """The server's maximum prompt + completion length: `cap` (--max-model-len, checked as `LLM(max_model_len=...)`
-    is) or the engine's (its own cap, else the model's context)."""
-    return engine.max_model_len if cap is None else checked_model_len(cap, engine.model_config.max_position)
 
 
 def request_failure(out: RequestOutput, prompt_field: str | None = None,
@@ -308,7 +301,7 @@ class OpenAIServing:
                  on_engine_dead: Callable[[], None] | None = None) -> None:
         self.engine, self.settings = engine, settings
         self.tokenizer = engine.tokenizer
-        self.max_model_len = context_length(engine, settings.max_model_len)
+        self.max_model_len = engine.max_model_len  # (--max-model-len: the engine's cap, `load_engine`)
         self.sampling_defaults = serving_defaults(engine, settings.sampling_defaults)
         self.kv_tokens = pool_tokens(engine)
         self.created = int(time.time())
@@ -433,16 +426,19 @@ class OpenAIServing:
         raise ApiError.bad_request(msg, what, grammar_field)  # (the rule of a failure found later: `request_failure`)
 
     def admit(self, seqs: list[Sequence]) -> RequestGroup:
+        """Hand `seqs` to the engine as one group; refused, a 503, and the metrics stop tracking them."""
         try:
             return self.aengine.add(seqs)
         except EngineOverloadedError as e:
             self.metrics.reject("overload")
-            raise ApiError(503, f"{e}; retry later", headers={"Retry-After": "1"}) from None
+            error = ApiError(503, f"{e}; retry later", headers={"Retry-After": "1"})
         except EngineStoppedError as e:
             self.metrics.reject("shutdown")
-            raise ApiError(503, str(e), headers={"Retry-After": "5"}) from None
+            error = ApiError(503, str(e), headers={"Retry-After": "5"})
         except EngineDeadError as e:
-            raise ApiError(503, str(e)) from None
+            error = ApiError(503, str(e))
+        self.metrics.forget([s.request_id for s in seqs])
+        raise error
 
     async def collect(self, gen: _Generation, group: RequestGroup, request: Request,
                       log_finished: bool = True) -> list[RequestOutput] | None:
@@ -534,11 +530,7 @@ class OpenAIServing:
             return self.respond(gen, beams)
         if not gen.generated:  # before admission: the engine thread may report them at once
             self.metrics.prompt_only([s.request_id for s in gen.seqs])
-        try:
-            group = self.admit(gen.seqs)
-        except ApiError:
-            self.metrics.forget([s.request_id for s in gen.seqs])
-            raise
+        group = self.admit(gen.seqs)
         self.log_received(gen)
         if gen.req.streaming:
             return GroupStreamingResponse(self.stream(gen, group), group)
@@ -683,13 +675,9 @@ class OpenAIServing:
         try:
             while True:
                 step_gen = dataclasses.replace(gen, seqs=seqs, prompt_fields=[gen.prompt_fields[p] for p, _ in step])
-                ids = [s.request_id for s in seqs]
-                self.metrics.beam_steps(ids)  # (before admission: the engine thread may report them at once)
-                try:
-                    group = self.admit(seqs)
-                except ApiError:
-                    self.metrics.forget(ids)
-                    raise
+                # (marked before admission: the engine thread may report them at once)
+                self.metrics.beam_steps([s.request_id for s in seqs])
+                group = self.admit(seqs)
                 if not admitted:
                     admitted = True
                     self.log_received(gen, search.params)

@@ -21,8 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loopserve.cli import add_chat_args, add_engine_args, add_exit_args, engine_kwargs, load_kwargs
-from loopserve.engine.config import EngineConfig
-from loopserve.load_config import LoadConfig
+from loopserve.load_config import configs
 
 if TYPE_CHECKING:
     from loopserve.engine.engine import LLMEngine
@@ -196,7 +195,7 @@ def _check(args: argparse.Namespace) -> str | None:
     if not (math.isfinite(args.replica_cpus) and args.replica_cpus > 0):
         return "--replica-cpus: must be > 0"
     try:  # before the model loads, and before any Ray replica starts (--tensor-parallel-size 2, ...)
-        LoadConfig(**load_kwargs(args)).engine_config(EngineConfig(**engine_kwargs(args)))
+        configs({**load_kwargs(args), **engine_kwargs(args)})
     except ValueError as e:
         return str(e)
     return None
@@ -228,7 +227,7 @@ def load_server(args: argparse.Namespace) -> tuple[LLMEngine, ServerSettings]:
         model_names=_served_names(args) or (str(model if model is not None else path.name),), model_path=str(path),
         expose_model_path=args.expose_model_path, api_keys=tuple(_api_keys(args.api_key)),
         max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_request_body_bytes,
-        max_model_len=args.max_model_len, sampling_defaults={k: v for k, v in defaults.items() if v is not None},
+        sampling_defaults={k: v for k, v in defaults.items() if v is not None},
         allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
         allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials,
         root_path=args.root_path, log_requests=args.enable_log_requests, max_log_len=args.max_log_len,

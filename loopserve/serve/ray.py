@@ -114,14 +114,11 @@ def _cluster_has_gpus() -> bool:
 
 def build_application(args: argparse.Namespace) -> Application:
     """The Ray Serve application for parsed serve flags (ValueError on bad flags)."""
-    from loopserve.cli import engine_kwargs
-    from loopserve.engine.config import EngineConfig
     from loopserve.serve.cli import _api_keys, _check
 
-    problem = _check(args)
+    problem = _check(args)  # (bad engine and load flags fail here, not in every replica)
     if problem is not None:
         raise ValueError(problem)
-    EngineConfig(**engine_kwargs(args))  # bad engine flags fail here, not in every replica
     model = args.model_tag or args.model
     if model is not None and not Path(model).exists() and Path(model).is_absolute():
         raise ValueError(f"model: {model} does not exist")
