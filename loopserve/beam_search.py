@@ -54,7 +54,7 @@ width-1 greedy search equals `generate` at full depth (`exit_policy="fixed"`), n
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from loopserve.engine.budget import pool_tokens
-from loopserve.engine.sequence import PromptType, parse_prompt
+from loopserve.engine.sequence import PromptType, in_batch, parse_prompt, prompt_list
 from loopserve.outputs import Logprob, RequestOutput
 from loopserve.sampling_params import (  # (BeamSearchParams: vLLM's home, also importable from here)
     BeamSearchParams,
@@ -251,18 +251,6 @@ class BeamSearch:
         return outputs
 
 
-def _prompt_list(prompts: Any) -> list[PromptType]:
-    """One prompt or a list of them, as `LLM.generate` takes them."""
-    single = isinstance(prompts, str | dict) or (
-        isinstance(prompts, list) and bool(prompts) and all(is_int(t) for t in prompts))
-    if single:
-        return [prompts]
-    if isinstance(prompts, Mapping) or not isinstance(prompts, Seq):
-        raise ValueError("prompts: expected a prompt (a string, a list of token ids, or a dict with 'prompt' or "
-                         f"'prompt_token_ids') or a list of prompts, got {type(prompts).__name__}")
-    return list(prompts)
-
-
 def beam_search(llm: LLM, prompts: PromptType | Seq[PromptType], params: BeamSearchParams, lora_request: Any = None,
                 use_tqdm: bool = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
     """vLLM's `LLM.beam_search` on `llm`: one `BeamSearchOutput` per prompt, in the order of `prompts` (one prompt or
@@ -276,13 +264,13 @@ def beam_search(llm: LLM, prompts: PromptType | Seq[PromptType], params: BeamSea
     check_beam_search_params(params)  # (again: fields may have been set after construction)
     if concurrency_limit is not None and (not is_int(concurrency_limit) or concurrency_limit < 1):
         raise ValueError(f"concurrency_limit: must be an integer >= 1 or None, got {concurrency_limit!r}")
-    prompt_list = _prompt_list(prompts)
+    given = prompt_list(prompts)
     starts: list[list[int]] = []
-    for i, prompt in enumerate(prompt_list):
+    for i, prompt in enumerate(given):
         try:
             _, ids = parse_prompt(prompt, llm.tokenizer)
         except ValueError as e:
-            raise ValueError(f"{e} (prompt {i} of {len(prompt_list)})" if len(prompt_list) > 1 else str(e)) from e
+            raise in_batch(e, i, len(given)) from e
         starts.append(ids)
     chunk = concurrency_limit or max(1, len(starts))
     outputs: list[BeamSearchOutput] = []

@@ -21,7 +21,16 @@ from loopserve.engine.budget import completion_budget, pool_tokens
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine import LLMEngine
 from loopserve.engine.reference import ReferenceDecoder
-from loopserve.engine.sequence import PromptType, Sequence, TokensPrompt, make_sequence, parse_prompt, truncate_prompt
+from loopserve.engine.sequence import (
+    PromptType,
+    Sequence,
+    TokensPrompt,
+    in_batch,
+    make_sequence,
+    parse_prompt,
+    prompt_list,
+    truncate_prompt,
+)
 from loopserve.load_config import LOAD_FIELDS, configs, load_for_engine
 from loopserve.models.loader import embedded_model_path
 from loopserve.outputs import RequestOutput
@@ -151,13 +160,7 @@ class LLM:
         request is checked before any runs: a ValueError naming the field means none ran. `lora_request` and
         `priority` are vLLM's, taken at the values that ask for nothing (None; priorities all 0)."""
         _vllm_only(lora_request=lora_request, priority=priority)
-        single = isinstance(prompts, str | dict) or (
-            isinstance(prompts, list) and bool(prompts) and all(isinstance(t, int) for t in prompts))
-        if not single and (isinstance(prompts, Mapping) or not isinstance(prompts, Seq)):
-            raise ValueError("prompts: expected a prompt (a string, a list of token ids, or a dict with 'prompt' or "
-                             f"'prompt_token_ids') or a list of prompts, got {type(prompts).__name__}")
-        prompt_list: list[PromptType] = [prompts] if single else list(prompts)  # type: ignore[list-item,arg-type]
-        return self._run(prompt_list, sampling_params, use_tqdm)
+        return self._run(prompt_list(prompts), sampling_params, use_tqdm)
 
     def beam_search(self, prompts: PromptType | Seq[PromptType], params: BeamSearchParams, lora_request: Any = None,
                     use_tqdm: bool = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
@@ -247,7 +250,7 @@ class LLM:
             try:
                 seqs.append(self._make_sequence(p, sp))
             except ValueError as e:  # the field first, as ever; then which prompt of the batch
-                raise ValueError(f"{e} (prompt {i} of {len(prompt_list)})" if len(prompt_list) > 1 else str(e)) from e
+                raise in_batch(e, i, len(prompt_list)) from e
         bar = _ProgressBar(len(seqs), use_tqdm)
         if self.engine is None:
             decoder = ReferenceDecoder(self.model, self.layout, self.engine_config.prefill_chunk_size)

@@ -7,6 +7,8 @@ import contextlib
 import copy
 import enum
 import time
+from collections.abc import Mapping
+from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Any, Required, TypedDict, cast
 
 import torch
@@ -125,6 +127,22 @@ def parse_prompt(prompt: PromptType, tokenizer: Tokenizer) -> tuple[str | None, 
     if isinstance(prompt, list) and _all_ints(prompt):
         return None, list(prompt)
     raise ValueError("prompt: expected a string, a list of token ids, or a dict with 'prompt' or 'prompt_token_ids'")
+
+
+def prompt_list(prompts: Any) -> list[PromptType]:
+    """One prompt (text, token ids, a prompt dict) or a list of them, as `LLM.generate` and `LLM.beam_search` take
+    them, as a list; a ValueError naming `prompts` for anything else."""
+    if isinstance(prompts, str | dict) or (isinstance(prompts, list) and bool(prompts) and _all_ints(prompts)):
+        return [prompts]
+    if isinstance(prompts, Mapping) or not isinstance(prompts, Seq):
+        raise ValueError("prompts: expected a prompt (a string, a list of token ids, or a dict with 'prompt' or "
+                         f"'prompt_token_ids') or a list of prompts, got {type(prompts).__name__}")
+    return list(prompts)
+
+
+def in_batch(error: ValueError, i: int, n: int) -> ValueError:
+    """`error` of prompt i of a batch of n, saying which (the field it names stays first)."""
+    return ValueError(f"{error} (prompt {i} of {n})" if n > 1 else str(error))
 
 
 def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int, max_tokens: int | None) -> list[int]:
