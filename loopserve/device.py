@@ -84,6 +84,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch
 DTYPE_NAMES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float64": "float64",
                "double": "float64", "float16": "bfloat16", "half": "bfloat16"}
 FLOAT16_NAMES = ("float16", "half")
+DTYPE_CHOICES = tuple(n for n in DTYPE_NAMES if n not in FLOAT16_NAMES)  # the names a caller may ask for
 KV_ACTIVATION_RESERVE_GB = 1.0  # --gpu-memory-utilization: device memory left out of the KV pool for activations
 
 
@@ -127,7 +128,7 @@ def dtype_name(dtype: str | torch.dtype) -> str:
     if name == AUTO:
         return AUTO
     if not isinstance(name, str) or name not in DTYPE_NAMES:
-        raise ValueError(f"dtype: expected one of {', '.join(n for n in DTYPE_NAMES if n not in FLOAT16_NAMES)}, "
+        raise ValueError(f"dtype: expected one of {', '.join(DTYPE_CHOICES)}, "
                          f"a torch.dtype of these, or {AUTO}; got {dtype!r}")
     return DTYPE_NAMES[name]
 

@@ -684,15 +684,12 @@ def cmd_ablate(args: argparse.Namespace) -> int:
 
 def format_trace_summary(summaries: dict[str, dict[str, Any]]) -> str:
     """`bench ablate trace`'s table: per scheduler, its wall time, ticks, refills, and each stage's ticks / rows."""
-    def plain(counts: dict[Any, int]) -> dict[str, int]:  # (stage keys may be `Stage` members)
-        return {str(getattr(k, "value", k)): v for k, v in counts.items()}
-
-    order = ["prefill", "prelude", "core", "coda"]
-    stages = order + sorted({k for s in summaries.values() for k in plain(s["ticks"])} - set(order))
+    order = ["prefill", "prelude", "core", "coda"]  # (the ticks' keys: `Stage` members, a StrEnum, or their names)
+    stages = order + sorted({str(k) for s in summaries.values() for k in s["ticks"]} - set(order))
     lines = [f"{'scheduler':<14}{'wall s':>8}{'ticks':>7}{'refills':>8}" + "".join(f"{st:>13}" for st in stages),
              f"{'':<37}" + "".join(f"{'ticks/rows':>13}" for _ in stages)]
     for name, s in summaries.items():
-        ticks, rows = plain(s["ticks"]), plain(s["rows"])
+        ticks, rows = s["ticks"], s["rows"]
         cells = "".join(f"{f'{ticks.get(st, 0)}/{rows.get(st, 0)}':>13}" for st in stages)
         lines.append(f"{name:<14}{s['wall_s']:>8.2f}{sum(ticks.values()):>7}{s['refill_events']:>8}{cells}")
     return "\n".join(lines)

@@ -99,10 +99,10 @@ def cmd_eval_trajectories(args: argparse.Namespace) -> int:
 
 
 def _add_dtype_arg(p: argparse.ArgumentParser) -> None:
-    from loopserve.device import AUTO, DTYPE_NAMES, FLOAT16_NAMES
+    from loopserve.device import AUTO, DTYPE_CHOICES
     from loopserve_lab.train.evaluate import EVAL_DTYPE
 
-    p.add_argument("--dtype", default=EVAL_DTYPE, choices=[n for n in (*DTYPE_NAMES, AUTO) if n not in FLOAT16_NAMES],
+    p.add_argument("--dtype", default=EVAL_DTYPE, choices=[*DTYPE_CHOICES, AUTO],
                    help=f"the model's dtype, on the CPU (default {EVAL_DTYPE}: the dtype docs/embedded-model.md's "
                         "figures were measured in; auto: LLM's rule)")
 
