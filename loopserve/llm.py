@@ -68,6 +68,11 @@ def _vllm_only(**given: Any) -> None:
                              f"multimodal inputs); got {value!r}")
 
 
+# vLLM's entry points for pooling models (embeddings, classification, scores, rewards): loopserve serves generative
+# looped LMs, so these are refused saying so, as vLLM refuses them for a generative model
+_POOLING = ("encode", "embed", "classify", "score", "reward")
+
+
 class LLM:
     """Offline generation. `scheduler` is one of "cdb" (default), "cdb-norefill", "cb", "reference";
     any `EngineConfig` field can be passed as a keyword (block_size, max_decode_batch, ...), and any
@@ -103,6 +108,16 @@ class LLM:
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
+
+    def __getattr__(self, name: str) -> Any:
+        """vLLM's pooling methods exist (`hasattr` is true, as on vLLM's LLM) and raise a ValueError naming
+        themselves when called; any other missing attribute is the usual AttributeError."""
+        if name in _POOLING:
+            def refuse(*args: Any, **kwargs: Any) -> Any:
+                raise ValueError(f"{name}: LLM.{name} is for pooling models (embeddings, classification, scores); "
+                                 f"loopserve serves generative looped LMs: use generate, chat or beam_search")
+            return refuse
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def llm_engine(self) -> LLMEngine:

@@ -42,6 +42,7 @@ from loopserve_lab.tiny import TinySpec, make_tiny  # noqa: E402
 REPLICA = "x-loopserve-replica"
 START_TIMEOUT_S = 150.0  # Ray, the proxy and two replicas on a loaded 2-core machine
 LONG = {"max_tokens": 600, "ignore_eos": True, "temperature": 0}  # a request that runs for seconds
+GRACE_S = 8.0  # the server's --shutdown-timeout
 
 
 # -- without a Ray instance -------------------------------------------------------------------------------------
@@ -213,6 +214,7 @@ def server(tiny_model, tmp_path_factory) -> Iterator[RayServer]:
     cmd = [sys.executable, "-m", "loopserve.cli", "serve", "--model", str(tiny_model), "--port", str(port),
            "--served-model-name", MODEL, "--device", "cpu", "--kv-cache-tokens", "4096", "--max-num-seqs", "2",
            "--max-queued-requests", "8", "--replicas", "2", "--replica-cpus", "1", "--no-access-log",
+           "--shutdown-timeout", str(GRACE_S),
            "--log-level", "info"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_DEDUP_LOGS": "0",
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
@@ -425,3 +427,75 @@ def test_replica_death_fails_only_its_requests_and_ray_restarts_it(server):
         assert time.monotonic() < deadline, f"replica not restarted: {now}"
         time.sleep(0.5)
     assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+
+
+# -- last: it stops the module's server ------------------------------------------------------------------------
+@pytest.mark.timeout(300)
+def test_sigterm_lets_requests_in_flight_finish_and_answers_the_rest_503(server):
+    """A stopped server (SIGTERM) drains its replicas as the single-process server drains: a request that can finish
+    within the grace period is answered in full, those that cannot get a 503 a little before it runs out (a
+    stream: the error event), none is cut without an answer (Ray Serve's own shutdown cut them all at once)."""
+    outcomes: dict[str, object] = {}
+    first_token = threading.Event()
+
+    def stream(name: str, max_tokens: int) -> None:
+        events: list[str] = []
+        try:
+            with httpx.stream("POST", server.url + "/v1/completions", timeout=120,
+                              json={"model": MODEL, "prompt": "Once", "stream": True, **LONG,
+                                    "max_tokens": max_tokens}) as s:
+                for event in sse_events(s.iter_lines()):
+                    events.append(event)
+                    first_token.set()
+            outcomes[name] = (s.status_code, events[-1:])
+        except httpx.HTTPError as e:  # a cut: fine only after the error event
+            outcomes[name] = (e, events[-1:])
+
+    def plain(name: str) -> None:
+        try:
+            r = _complete(server, **{**LONG, "max_tokens": 1900})
+            outcomes[name] = (r.status_code, r.json(), r.headers.get("retry-after"))
+        except httpx.HTTPError as e:
+            outcomes[name] = e
+
+    # one request that finishes well within the grace period, then ten that cannot all finish (four run, two at
+    # a time on each replica, the others wait in the engines: 5,700 tokens a slot)
+    threads = [threading.Thread(target=stream, args=("short", 120))]
+    threads[0].start()
+    assert first_token.wait(60), outcomes
+    threads += [threading.Thread(target=stream, args=(f"stream{i}", 1900)) for i in range(5)]
+    threads += [threading.Thread(target=plain, args=(f"plain{i}",)) for i in range(5)]
+    for t in threads[1:]:
+        t.start()
+    deadline = time.monotonic() + 60
+    while True:
+        m = _metrics(server)
+        if sum(v for (name, _), v in m.items()
+               if name in ("loopserve:num_requests_running", "loopserve:num_requests_waiting")) >= 10:
+            break
+        assert time.monotonic() < deadline, f"requests not admitted: {m}, {outcomes}"
+        time.sleep(0.05)
+    stopped = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(GRACE_S + 60)
+        assert not t.is_alive(), "a request hung through the shutdown"
+    assert server.proc.wait(60) == 0
+    assert time.monotonic() - stopped < GRACE_S + 30
+    assert outcomes["short"] == (200, ["[DONE]"]), outcomes["short"]
+    refused = 0
+    for name, outcome in outcomes.items():
+        if name.startswith("stream") and isinstance(outcome, tuple):
+            status, last = outcome
+            if last != ["[DONE]"]:  # its 200 was sent: the 503 comes as its last event
+                assert json.loads(last[0])["error"]["code"] == 503, (name, outcome)
+                refused += 1
+        elif name.startswith("plain"):
+            assert isinstance(outcome, tuple), (name, outcome)
+            if outcome[0] != 200:
+                assert outcome[0] == 503 and outcome[2] is not None, (name, outcome)
+                assert outcome[1]["error"]["message"] == "the server is shutting down"
+                refused += 1
+    assert refused >= 1, outcomes
+    log = server.log.read_text()
+    assert "shutdown: draining the replicas" in log and "Traceback" not in log, log[-3000:]

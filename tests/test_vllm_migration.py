@@ -129,6 +129,19 @@ def test_generate_and_chat_take_vllms_arguments_at_their_no_op_values(tiny_ouro)
             call()
 
 
+@pytest.mark.parametrize("method", ["encode", "embed", "classify", "score", "reward"])
+def test_vllms_pooling_methods_are_refused_naming_themselves(tiny_ouro, method):
+    """A vLLM script that calls a pooling method gets a ValueError saying what to use instead, not an
+    AttributeError; other missing attributes stay AttributeErrors (so `getattr(llm, x, default)` works)."""
+    llm = LLM(tiny_ouro, device="cpu")
+    assert callable(getattr(llm, method))
+    with pytest.raises(ValueError, match=f"^{method}: LLM.{method} is for pooling models.*use generate"):
+        getattr(llm, method)(["Hello"])
+    assert getattr(llm, "no_such_method", None) is None
+    with pytest.raises(AttributeError, match="no_such_method"):
+        llm.no_such_method  # noqa: B018
+
+
 def test_max_model_len_caps_prompt_plus_completion(tiny_ouro):
     """As the model's own context does for `LLM` (vLLM's offline rule): a prompt that leaves no room is refused
     naming `prompt`; a completion asked to run past the cap ends there, finish_reason "length"."""

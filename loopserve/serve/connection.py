@@ -45,6 +45,13 @@ SHUTDOWN_MARGIN_S = 1.0  # `GracefulServer`: the app's end of the grace period c
 # of the grace period) before uvicorn's, for the answers to be written
 
 
+def grace_deadline(grace_s: float) -> float:
+    """Seconds from the start of a graceful shutdown to the app's end of it (`OpenAIServing.abort_in_flight`):
+    SHUTDOWN_MARGIN_S, at most a quarter of the grace period, before the grace period runs out. One rule for
+    the single-process server (`GracefulServer`) and Ray Serve's replicas (`ray.LoopServeReplica.drain`)."""
+    return max(grace_s - min(SHUTDOWN_MARGIN_S, grace_s / 4), 0.0)
+
+
 def read_timeout_protocol(timeout_s: float) -> type[H11Protocol]:
     """The protocol class for `uvicorn.Config(http=...)` with this read timeout."""
     return type("ReadTimeoutProtocol", (ReadTimeoutProtocol,), {"read_timeout_s": timeout_s})
@@ -158,8 +165,7 @@ class GracefulServer(uvicorn.Server):
         grace = self.config.timeout_graceful_shutdown
         deadline: asyncio.TimerHandle | None = None
         if grace is not None:  # (None: uvicorn waits for them however long they take)
-            delay = max(grace - min(SHUTDOWN_MARGIN_S, grace / 4), 0.0)
-            deadline = asyncio.get_running_loop().call_later(delay, self.on_deadline)
+            deadline = asyncio.get_running_loop().call_later(grace_deadline(grace), self.on_deadline)
         try:
             await super().shutdown(sockets)
         finally:

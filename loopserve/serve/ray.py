@@ -26,7 +26,8 @@ loopserve imports Ray, and `serve/cli.py` imports this module only when a Ray fl
 - `app(config)`: the application builder for `serve run loopserve.serve.ray:app model=PATH ...` and
   Ray Serve config files (`import_path: loopserve.serve.ray:app`, `args:` the serve flags by name).
 - `run_replicas(args)`: the `loopserve serve` path: start (or join, `--ray-address`) Ray, run the
-  application on `--host`/`--port`, wait for SIGTERM/SIGINT, then take it down.
+  application on `--host`/`--port`, wait for SIGTERM/SIGINT, drain the replicas (`drain_replicas`: the
+  single-process server's graceful shutdown, on each replica), then take it down.
 
 Failure semantics (docs/scale-out.md): requests that reach the proxy while a replica is dead, or wait
 in the proxy, go to another replica; those the dead replica had taken (running, or waiting in its
@@ -36,6 +37,7 @@ engine's queue) fail (the proxy answers 500, or a stream is cut: its 200 is alre
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import signal
@@ -57,6 +59,8 @@ HEALTH_CHECK_PERIOD_S = 2.0  # Ray's default is 10 s: a dead engine should leave
 CONSTRUCTOR_RETRIES = 3  # Ray's default, 20, would retry a bad model for minutes
 METRICS_TIMEOUT_S = 5.0  # a replica that does not answer in time is left out of /metrics
 PROBE_SLOTS = 8  # requests a replica takes beyond what its engine admits: /health, /metrics, 503s
+DRAIN_POLL_S = 0.05  # `LoopServeReplica.drain`: how often it looks whether its HTTP requests are all answered
+DRAIN_SLACK_S = 10.0  # `drain_replicas` waits this much beyond the grace period for the replicas' answers
 
 
 # -- flags -> deployment options ------------------------------------------------------------------------------
@@ -227,6 +231,7 @@ class _ReplicaASGI:
         root = replica.fastapi.state.settings.root_path
         self.metrics_paths = {"/metrics", f"{root}/metrics"}
         self.header = (REPLICA_HEADER, replica.replica_id.encode())
+        self.active = 0  # HTTP requests not answered yet (`LoopServeReplica.drain` waits for them)
 
     async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]],
                        send: Callable[[dict], Awaitable[None]]) -> None:
@@ -244,15 +249,19 @@ class _ReplicaASGI:
                 msg = {**msg, "headers": [*headers, self.header]}
             await send(msg)
 
-        if scope["method"] == "GET" and scope["path"] in self.metrics_paths:
-            body = (await self.replica.merged_metrics()).encode()
-            from prometheus_client import CONTENT_TYPE_LATEST
+        self.active += 1
+        try:
+            if scope["method"] == "GET" and scope["path"] in self.metrics_paths:
+                body = (await self.replica.merged_metrics()).encode()
+                from prometheus_client import CONTENT_TYPE_LATEST
 
-            await send_with_replica({"type": "http.response.start", "status": 200, "headers": [
-                (b"content-type", CONTENT_TYPE_LATEST.encode()), (b"content-length", str(len(body)).encode())]})
-            await send_with_replica({"type": "http.response.body", "body": body})
-            return
-        await self.inner(scope, receive, send_with_replica)
+                await send_with_replica({"type": "http.response.start", "status": 200, "headers": [
+                    (b"content-type", CONTENT_TYPE_LATEST.encode()), (b"content-length", str(len(body)).encode())]})
+                await send_with_replica({"type": "http.response.body", "body": body})
+                return
+            await self.inner(scope, receive, send_with_replica)
+        finally:
+            self.active -= 1
 
 
 @serve.deployment(name=DEPLOYMENT)
@@ -278,10 +287,33 @@ class LoopServeReplica:
         # whose controller replaces this replica
         self.fastapi = build_app(engine, settings, on_engine_dead=lambda: log.error(
             "replica %s: the engine failed; Ray Serve will replace this replica", self.replica_id))
+        self.asgi = _ReplicaASGI(self)
         log.info("replica %s: %s", self.replica_id, self.fastapi.state.serving.summary())
 
     def __serve_build_asgi_app__(self) -> _ReplicaASGI:
-        return _ReplicaASGI(self)
+        return self.asgi
+
+    async def drain(self, grace_s: float) -> int:
+        """The graceful shutdown of the single-process server, on this replica (`drain_replicas` calls it on every
+        replica before Ray Serve is taken down, which cuts whatever a replica is still answering at once): new
+        generation requests get a 503 from now on, those in flight have until `connection.grace_deadline` to
+        finish, then the app ends them with a 503 (a stream: its error event and cut). Returns once every HTTP
+        request has been answered or the grace period is over: the number still unanswered then."""
+        from loopserve.serve.connection import grace_deadline
+
+        loop = asyncio.get_running_loop()
+        start, serving = loop.time(), self.fastapi.state.serving
+        serving.aengine.stop_admitting()
+
+        async def answered_by(seconds: float) -> None:
+            while self.asgi.active and loop.time() < start + seconds:
+                await asyncio.sleep(DRAIN_POLL_S)
+
+        await answered_by(grace_deadline(grace_s))
+        if self.asgi.active:
+            serving.abort_in_flight()
+            await answered_by(grace_s)  # (their answers written)
+        return self.asgi.active
 
     def check_health(self) -> None:
         if not self.fastapi.state.engine.alive:
@@ -344,6 +376,7 @@ def run_replicas(args: argparse.Namespace) -> int:
         log.info("serving on http://%s:%d%s with Ray Serve (%s)", args.host, args.port, args.root_path,
                  _describe(args))
         stop.wait()
+        drain_replicas(args.shutdown_timeout)
         return code["value"]
     finally:
         if local:
@@ -351,6 +384,23 @@ def run_replicas(args: argparse.Namespace) -> int:
         else:  # the cluster and its other applications stay up
             serve.delete(APP_NAME)
         ray.shutdown()
+
+
+def drain_replicas(grace_s: float) -> None:
+    """Every replica's `drain`, at once: `serve.shutdown` and `serve.delete` take the proxy down at once, cutting
+    every request still being answered, whatever the deployment's graceful_shutdown_timeout_s. After this, the
+    requests in flight have had the grace period to finish and the rest a 503."""
+    log.info("shutdown: draining the replicas (grace period %.1f s)", grace_s)
+    try:
+        unanswered = serve.get_deployment_handle(DEPLOYMENT, APP_NAME).broadcast("drain", grace_s).results(
+            timeout_s=grace_s + DRAIN_SLACK_S, return_exceptions=True)
+    except Exception as e:  # the router itself failed: nothing more to wait for
+        log.warning("shutdown: the replicas could not be drained (%r); requests in flight are cut", e)
+        return
+    failed = [u for u in unanswered if not isinstance(u, int)]
+    if failed or any(unanswered):
+        log.warning("shutdown: %d replica(s) did not drain (%s), %d request(s) unanswered", len(failed),
+                    "; ".join(repr(f) for f in failed) or "-", sum(u for u in unanswered if isinstance(u, int)))
 
 
 def _describe(args: argparse.Namespace) -> str:
