@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from loopserve.engine.budget import pool_tokens
+from loopserve.engine.budget import pool_tokens, sequence_room
 from loopserve.engine.sequence import PromptType, in_batch, parse_prompt, prompt_list
 from loopserve.outputs import Logprob, RequestOutput
 from loopserve.sampling_params import (  # (BeamSearchParams: vLLM's home, also importable from here)
@@ -168,9 +168,9 @@ class BeamSearch:
         return search.results(text_rule)
 
     `eos_token_ids`: the tokens that complete a beam (unless `params.ignore_eos`) and that its score leaves out.
-    `room`: the most tokens a beam may hold (the context, or the KV pool if smaller); a beam that fills it ends
-    there, "length" (a prompt that leaves no room is the driver's to refuse). ValueError naming the field of
-    `params` at fault."""
+    `room`: the most tokens a beam may hold (`sequence_room`: the context, or the KV pool if smaller); a beam that
+    fills it ends there, "length" (a prompt that leaves no room is the driver's to refuse). ValueError naming the
+    field of `params` at fault."""
 
     def __init__(self, prompts: Seq[Seq[int]], params: BeamSearchParams, eos_token_ids: Collection[int],
                  room: int) -> None:
@@ -282,7 +282,7 @@ def beam_search(llm: LLM, prompts: PromptType | Seq[PromptType], params: BeamSea
 def _search(llm: LLM, starts: list[list[int]], params: BeamSearchParams, use_tqdm: bool) -> list[BeamSearchOutput]:
     """`BeamSearch` of these prompts together, each step one `generate` call over all their live beams."""
     # a beam that fills the context (or the KV pool) ends there, "length" (the prompt itself is generate's to check)
-    room = llm.max_model_len if llm.engine is None else min(llm.max_model_len, pool_tokens(llm.engine))
+    room = sequence_room(llm.max_model_len, None if llm.engine is None else pool_tokens(llm.engine))
     search = BeamSearch(starts, params, llm.tokenizer.eos_token_ids, room)
     step_params = search.step_params(llm.seed)
     bar = tqdm(total=params.max_tokens, disable=not use_tqdm, desc="Beam search", unit="token")

@@ -199,6 +199,8 @@ class Tokenizer:
         self.pad_token_id = self.tok.token_to_id(self.pad_token) if self.pad_token else None
         self.unk_token = _token_str(self.config.get("unk_token"))
         self.unk_token_id = self.tok.token_to_id(self.unk_token) if self.unk_token else None
+        # transformers' attribute: `all_special_tokens` and the chat templates' variable of that name read it
+        self.additional_special_tokens = [_token_str(t) for t in self.config.get("additional_special_tokens") or []]
         self.chat_templates = read_chat_templates(folder, self.config)
         if chat_template is not None:
             self.set_chat_template(chat_template)
@@ -341,7 +343,7 @@ class Tokenizer:
         """transformers': the special-token attributes that are set (`bos_token`, ... in SPECIAL_TOKEN_NAMES'
         order), then `additional_special_tokens`, each once."""
         named = [_token_str(self.config.get(n)) for n in SPECIAL_TOKEN_NAMES]
-        named += [_token_str(t) for t in self.config.get("additional_special_tokens") or []]
+        named += self.additional_special_tokens
         return list(dict.fromkeys(t for t in named if t))
 
     @property
@@ -365,7 +367,7 @@ class Tokenizer:
     def _special_tokens(self) -> dict[str, Any]:
         names = ("bos_token", "eos_token", "unk_token", "pad_token")
         out: dict[str, Any] = {n: _token_str(self.config.get(n)) or "" for n in names}
-        out["additional_special_tokens"] = [_token_str(t) for t in self.config.get("additional_special_tokens") or []]
+        out["additional_special_tokens"] = self.additional_special_tokens  # (shared: the sandbox is immutable)
         return out
 
     @overload

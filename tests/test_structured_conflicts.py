@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from loopserve import LLM, GuidedDecodingParams, SamplingParams
-from loopserve.engine import sampler
+from loopserve.engine import sequence
 from loopserve.engine.sampler import NothingToSampleError, guided_room, sample_one
 from tests.engine_helpers import Req, assert_matches, drive, make_engine, reference
 
@@ -100,7 +100,7 @@ def test_the_first_token_check_refuses_exactly_what_the_sampler_would_fail(tiny_
         except ValueError as e:
             why = str(e)
         with monkeypatch.context() as m:
-            m.setattr(sampler, "first_token_room", lambda p: None)
+            m.setattr(sequence, "first_token_room", lambda p: None)
             try:
                 seq = engine.make_sequence(f"s{k}", PROMPT, params)
             except ValueError as e:  # refused for another reason (allowed ids all banned): refused above too

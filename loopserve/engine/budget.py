@@ -25,6 +25,13 @@ def pool_tokens(engine: Any) -> int:
     return engine.kv.num_blocks * engine.kv.block_size
 
 
+def sequence_room(max_model_len: int, kv_tokens: int | None) -> int:
+    """The most tokens one sequence (prompt and completion) may hold: the context, or the KV pool if smaller
+    (`kv_tokens`: `pool_tokens`; None: no pool to fit, the reference decoder). A completion's budget is what
+    its prompt leaves of it (`completion_budget`); a beam ends where it is full (`BeamSearch`'s `room`)."""
+    return max_model_len if kv_tokens is None else min(max_model_len, kv_tokens)
+
+
 def completion_budget(prompt_len: int, requested: int | None, *, max_model_len: int, kv_tokens: int | None,
                       default: int | None = None, prompt_field: str = "prompt", field: str = "max_tokens",
                       clip_to_context: bool = False) -> int:
@@ -38,7 +45,7 @@ def completion_budget(prompt_len: int, requested: int | None, *, max_model_len: 
     if prompt_len >= max_model_len:
         raise ValueError(f"{prompt_field}: {prompt_len} tokens; this model's maximum context length is "
                          f"{max_model_len} tokens, which leaves no room to generate")
-    room = max_model_len - prompt_len if kv_tokens is None else min(max_model_len, kv_tokens) - prompt_len
+    room = sequence_room(max_model_len, kv_tokens) - prompt_len
     if room < 1:
         raise ValueError(f"{prompt_field}: {prompt_len} tokens do not fit in the KV cache ({kv_tokens} tokens)")
     if requested is None:

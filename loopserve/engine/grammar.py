@@ -13,8 +13,9 @@ Where the work happens:
   thread in the server, not the engine's): the grammar is compiled once per tokenizer and key, tried on
   its first allowed tokens (`_probe`: a grammar past the parser's limits is refused there), and each
   request gets a copy of the compiled matcher, with the grammar's first mask (kept from the probe).
-  Compiling runs on a thread with a big stack (`_on_compile_stack`). `with_guide` refuses a request whose
-  other masks (allowed_token_ids, bad_words, min_tokens) ban every token of that first mask.
+  Compiling runs on a thread with a big stack (`_on_compile_stack`). `with_guide` binds the guide to the
+  request's params; `make_sequence` (engine/sequence.py) then refuses a request whose other masks
+  (allowed_token_ids, bad_words, min_tokens) ban every token of that first mask (the sampler's `first_token_room`).
 - `apply_guides` is the sampler's one call: for the rows whose params carry a guide it fills their
   bitmasks on the host (one parallel call), lets the sampler check them against each row's other masks (a
   row left no token fails alone, `NothingToSampleError`), uploads them once and sets the disallowed logits
@@ -161,7 +162,7 @@ def _readable(error: str) -> str:
 class Guide:
     """One request's grammar state: its matcher, advanced past every token the request takes; `first`: the
     bitmask of the tokens its grammar allows first (every fresh matcher's; shared, read-only), which admission
-    checks against the request's other masks (`with_guide`)."""
+    checks against the request's other masks (the sampler's `first_token_room`)."""
 
     def __init__(self, matcher: Any, words: int, first: np.ndarray, vocab: int) -> None:
         self.matcher, self.words = matcher, words  # words: int32 words of one bitmask
@@ -267,15 +268,10 @@ def new_guide(spec: GuidedDecodingParams, tokenizer: Tokenizer, vocab_size: int)
 
 def with_guide(params: SamplingParams, guide: Guide) -> SamplingParams:
     """A request's own copy of its params, carrying its guide to the sampler (params may be shared by
-    many requests; the guide is one request's). ValueError naming the fields in conflict if the request's
-    other constraints (`allowed_token_ids`, `bad_words` of one token, what `min_tokens` holds back) mask every
-    token its grammar allows first: its first token could not be sampled (the sampler's `first_token_room`;
-    the params are as bound to their sequence, `Sequence`)."""
-    from loopserve.engine.sampler import first_token_room  # (the sampler imports this module)
-
+    many requests; the guide is one request's). It only binds: whether the request's first token can be
+    sampled at all is checked when the request is made (`make_sequence`, with the sampler's `first_token_room`)."""
     bound = copy.copy(params)
     bound.guide = guide
-    first_token_room(bound)
     return bound
 
 

@@ -20,6 +20,7 @@ from loopserve.engine.sampler import (
     BadWords,
     Sample,
     bind,
+    first_token_room,
     plain_greedy,
     sample_one,
 )
@@ -217,6 +218,7 @@ def make_sequence(model: LoopedLM, tokenizer: Tokenizer, request_id: str, prompt
                        context, c.vocab_size, arrival_time, state_seed=state, index=j, prompt_ids_out=out)
               for j in range(params.n)]
     head = family[0]
+    first_token_room(head.params)  # a grammar whose first tokens the other masks all ban (its samples share them)
     for seq in family:
         seq.family = family
         seq.cache_salt = salt

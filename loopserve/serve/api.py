@@ -78,7 +78,7 @@ from starlette.requests import ClientDisconnect
 
 from loopserve.beam_search import BeamSearch, generated_text
 from loopserve.chat_messages import chat_messages, message_text
-from loopserve.engine.budget import completion_budget, pool_tokens
+from loopserve.engine.budget import completion_budget, pool_tokens, sequence_room
 from loopserve.engine.engine import LLMEngine
 from loopserve.engine.sequence import Sequence, TokensPrompt, resolve_exit_rule, truncate_prompt
 from loopserve.outputs import CompletionOutput, RequestOutput
@@ -275,9 +275,11 @@ class _Generation:
     echo_text: str = ""  # chat: what comes first in every reply (`echo`: the final message's text)
     role: str = "assistant"  # chat: the reply's (the final message's without a generation prompt, as in vLLM)
     generated: bool = True  # false: echo with max_tokens 0 (the prompt alone; the one token run is dropped)
-    # use_beam_search: the search (its width is n), whose first step `seqs` are (`OpenAIServing.beam_search`), and
-    # the request's arrival (its metrics)
+    # use_beam_search: the search (its width is n), whose first step `seqs` are (`OpenAIServing.beam_search`), the
+    # params every step's sequences run with (`BeamSearch.step_params`, made once: `beam_generation`), and the
+    # request's arrival (its metrics)
     search: BeamSearch | None = None
+    step_params: SamplingParams | None = None
     arrival: float = 0.0
 
     @property
@@ -667,14 +669,15 @@ class OpenAIServing:
         admission, answers with its own status, as a response that is not streamed does."""
         search = gen.search
         assert search is not None
-        step, seqs = search.next_prompts(), gen.seqs
+        seqs = gen.seqs
+        owners = list(range(len(seqs)))  # the prompt each step sequence searches (the first step: one per prompt)
         first: list[RequestOutput] = []  # the first step's outputs: the prompts' own (text, ids, cached tokens)
         loops = [[0, 0] for _ in gen.seqs]  # per prompt: decode and prefill loops its steps ran
         prompts = [len(s.prompt_ids) for s in gen.seqs]
         admitted, ended = False, "abort"  # how a search that ends early is counted
         try:
             while True:
-                step_gen = dataclasses.replace(gen, seqs=seqs, prompt_fields=[gen.prompt_fields[p] for p, _ in step])
+                step_gen = dataclasses.replace(gen, seqs=seqs, prompt_fields=[gen.prompt_fields[p] for p in owners])
                 # (marked before admission: the engine thread may report them at once)
                 self.metrics.beam_steps([s.request_id for s in seqs])
                 group = self.admit(seqs)
@@ -686,13 +689,14 @@ class OpenAIServing:
                     return None
                 search.update(outs)
                 first = first or outs
-                for (p, _), o in zip(step, outs, strict=True):
+                for p, o in zip(owners, outs, strict=True):
                     if o.metrics is not None:
                         loops[p][0] += o.metrics.loops_run
                         loops[p][1] += o.metrics.prefill_loops
                 step = search.next_prompts()
                 if not step:
                     break
+                owners = [p for p, _ in step]
                 seqs = await anyio.to_thread.run_sync(self.beam_seqs, gen, step, time.monotonic())
             done = await anyio.to_thread.run_sync(self.beam_outputs, gen, first, loops)
         except ApiError as e:  # (else, a 503 or cancelled: aborted)
@@ -718,17 +722,32 @@ class OpenAIServing:
     def beam_seqs(self, gen: _Generation, step: list[tuple[int, list[int]]], arrival: float,
                   texts: list[str | None] | None = None) -> list[Sequence]:
         """The sequences of a beam search step (`BeamSearch.next_prompts`): each beam as a token-id prompt, run for
-        one token with the search's step params, seeded with the request's seed, else the server's (`--seed`: what
-        `LLM.beam_search` uses is the LLM's seed). `texts`: the prompts' texts (the first step's: the log's)."""
-        assert gen.search is not None
-        seed = gen.req.seed if gen.req.seed is not None else self.engine.seed
-        try:  # (the first step's, built with the request: a bad seed or temperature is its 400)
-            params = gen.search.step_params(seed)
+        one token with the search's step params (`gen.step_params`). `texts`: the prompts' texts (the first step's:
+        the log's)."""
+        params = gen.step_params
+        assert params is not None
+        tag = next(self._http_requests)
+        return [self.make_seq(f"{gen.cid}-{tag}-{j}", texts[p] if texts else None, ids, params, arrival, params.seed,
+                              gen.prompt_fields[p], None, gen.req.cache_salt) for j, (p, ids) in enumerate(step)]
+
+    def beam_generation(self, kind: _Kind, req: CompletionRequest | ChatCompletionRequest, cid: str,
+                        params: BeamSearchParams, prompts: list[tuple[str, str | None, list[int]]], arrival: float,
+                        **fields: Any) -> _Generation:
+        """A `use_beam_search` request's generation, completions' and chat's alike: the search of its `prompts` (each
+        its field, its text if given as text, its token ids, as checked and cut) with `params`; the params its steps
+        run with, seeded with the request's seed, else the server's (`--seed`: what `LLM.beam_search` uses is the
+        LLM's seed; a bad seed is a 400 naming it); and its first step's sequences, one per prompt. A beam ends where
+        the context, or the KV pool, is full (`sequence_room`). `fields`: the kind's own (echo; echo_text, role)."""
+        search = BeamSearch([ids for _, _, ids in prompts], params, self.tokenizer.eos_token_ids,
+                            sequence_room(self.max_model_len, self.kv_tokens))
+        try:
+            step_params = search.step_params(req.seed if req.seed is not None else self.engine.seed)
         except ValueError as e:
             raise ApiError.bad_request(e) from None
-        tag = next(self._http_requests)
-        return [self.make_seq(f"{gen.cid}-{tag}-{j}", texts[p] if texts else None, ids, params, arrival, seed,
-                              gen.prompt_fields[p], None, gen.req.cache_salt) for j, (p, ids) in enumerate(step)]
+        gen = _Generation(kind, req, cid, [], self.formatter(req), [where for where, _, _ in prompts], None,
+                          search=search, step_params=step_params, arrival=arrival, **fields)
+        gen.seqs = self.beam_seqs(gen, search.next_prompts(), arrival, [text for _, text, _ in prompts])
+        return gen
 
     def beam_outputs(self, gen: _Generation, first: list[RequestOutput], loops: list[list[int]]) -> list[RequestOutput]:
         """Per prompt, the search's result as a finished output: its best beams as its choices (their text by the
@@ -764,10 +783,6 @@ class OpenAIServing:
                                     include_stop_str_in_output=bool(req.include_stop_str_in_output))
         except ValueError as e:
             raise ApiError.bad_request(e) from None
-
-    def beam_room(self) -> int:
-        """The most tokens a beam may hold: the context, or the KV pool if smaller (`BeamSearch`'s `room`)."""
-        return min(self.max_model_len, self.kv_tokens)
 
     def formatter(self, req: CompletionRequest | ChatCompletionRequest) -> LogprobFormatter:
         """The request's logprob formatter: tokens as "token_id:<id>" if the request asks (vLLM's
@@ -920,15 +935,11 @@ class OpenAIServing:
         budget = self.default_max_tokens(COMPLETIONS_DEFAULT_MAX_TOKENS) if req.max_tokens is None else req.max_tokens
         params = self.beam_params(req, budget)
         starts = []
-        for where, _, whole in prompts:
+        for where, text, whole in prompts:
             ids = truncate_prompt(whole, req.truncate_prompt_tokens, self.max_model_len, params.max_tokens)
             self.resolve_max_tokens(req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, len(ids), where)
-            starts.append(ids)
-        search = BeamSearch(starts, params, self.tokenizer.eos_token_ids, self.beam_room())
-        gen = _Generation(COMPLETION, req, cid, [], self.formatter(req), [where for where, _, _ in prompts], None,
-                          echo=bool(req.echo), search=search, arrival=arrival)
-        gen.seqs = self.beam_seqs(gen, search.next_prompts(), arrival, [text for _, text, _ in prompts])
-        return gen
+            starts.append((where, text, ids))
+        return self.beam_generation(COMPLETION, req, cid, params, starts, arrival, echo=bool(req.echo))
 
     def completion_prompts(self, prompt: Any, truncated: bool,
                            add_special_tokens: bool = True) -> list[tuple[str, str | None, list[int]]]:
@@ -990,11 +1001,8 @@ class OpenAIServing:
         mt = self.resolve_max_tokens(requested, None, len(ids), "messages", name)
         if req.use_beam_search:  # (the room left when max_tokens is unset, as for sampling)
             cid, _ = self.new_ids(request, CHAT, 1)
-            search = BeamSearch([ids], self.beam_params(req, mt), self.tokenizer.eos_token_ids, self.beam_room())
-            gen = _Generation(CHAT, req, cid, [], self.formatter(req), ["messages"], None, echo_text=echo_text,
-                              role=role, search=search, arrival=arrival)
-            gen.seqs = self.beam_seqs(gen, search.next_prompts(), arrival, [text])
-            return gen
+            return self.beam_generation(CHAT, req, cid, self.beam_params(req, mt), [("messages", text, ids)], arrival,
+                                        echo_text=echo_text, role=role)
         top = req.top_logprobs or 0
         params = sampling_params(req, max_tokens=mt, logprobs=top if req.logprobs else None,
                                  defaults=self.sampling_defaults, guided_decoding=guide)
