@@ -33,7 +33,7 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
 from loopserve.sampling_params import MAX_STOP
-from loopserve.serve.protocol import ChatCompletionRequest, CompletionRequest
+from loopserve.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_body
 from loopserve_lab.tiny import TinySpec, make_tiny
 from tests.server_helpers import MODEL, Server, run_server, sse_events, wait_idle
 
@@ -335,6 +335,21 @@ VALUES = [
     (C, {"exit_policy": "trace"}, "exit_trace"),  # nothing to replay (it ran at full depth)
     (C, {"exit_trace": [1, 100]}, "exit_trace.1"),  # past r_max, as max_loops is (it was clamped)
 ]
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ([1, "a"], "prompt.1: Input should be a valid integer"),  # token ids, wrong at item 1 (not "prompt.0: string")
+    (["a", 1], "prompt.1: Input should be a valid string"),
+    ([[1], 2], "prompt.1: Input should be a valid array"),
+    ([[1], [2, "x"]], "prompt.1.1: Input should be a valid integer"),
+    ([1.5, 2], "prompt.0: Input should be a valid string or a valid integer or a valid array"),  # nothing fits it
+])
+def test_a_mixed_prompt_list_is_named_where_it_goes_wrong(prompt, message):
+    """The prompt is a union (text, texts, token ids, lists of them), each member failing on its own items: the
+    error names the member that got furthest, or every member that fails at the same item."""
+    with pytest.raises(ApiError) as e:
+        parse_body(CompletionRequest, json.dumps({"model": MODEL, "prompt": prompt}).encode())
+    assert (e.value.status, e.value.message, e.value.param) == (400, message, message.split(":")[0])
 
 
 @pytest.mark.parametrize("path", [C, H])

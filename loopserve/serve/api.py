@@ -901,7 +901,8 @@ class OpenAIServing:
         if len(prompts) * n > self.aengine.capacity:  # never admitted, however idle the server (async_engine.py)
             field = "prompt" if len(prompts) > self.aengine.capacity else "n"
             raise ApiError(400, f"{field}: {len(prompts)} prompts x n = {n} are {len(prompts) * n} sequences; this "
-                                f"server holds at most {self.aengine.capacity} at once", field)
+                                f"server holds at most {self.aengine.capacity} at once (--max-num-seqs + "
+                                f"--max-queued-requests): send fewer per request", field)
         cid, rids = self.new_ids(request, COMPLETION, len(prompts))
         if req.use_beam_search:
             return self.beam_completion(req, arrival, prompts, cid)

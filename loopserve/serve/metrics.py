@@ -11,7 +11,10 @@ request_success_total{finished_reason}, time_to_first_token_seconds, inter_token
 e2e_request_latency_seconds, request_queue_time_seconds (arrival to the first step that admits the
 request), request_prefill_time_seconds (admission to the first token), request_decode_time_seconds
 (first token to finish), request_inference_time_seconds (admission to finish), request_prompt_tokens,
-request_generation_tokens (recorded per output on the engine thread). A request that is not
+request_generation_tokens (recorded per output on the engine thread). Units: generation_tokens_total,
+request_success_total and request_generation_tokens count samples (each of n finishes with its own reason and
+length); prompt_tokens_total, request_prompt_tokens, time_to_first_token and the latency histograms count
+requests (what a request's samples share, once). A request that is not
 streamed has one output, when it finishes (`FINAL_ONLY`): its time to first token is the engine's
 first-token time, and its inter-token latency is observed as its mean gap, once per gap (the
 histogram's sum and count are exact, its buckets approximate for such requests). A beam search

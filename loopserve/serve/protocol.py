@@ -434,15 +434,32 @@ def _describe(cls: type[BaseModel], e: ValidationError) -> tuple[str, str | None
         return f"request body: malformed JSON ({first['msg']})", None
     if kind in ("model_type", "model_attributes_type") and not first["loc"]:
         return "request body: expected a JSON object", None
-    # A union reports one error per member; of those under the first failing field, the deepest says
-    # most (`prompt.1: Input should be a valid string` rather than `prompt: ...`).
+    # A union reports errors per member, each member every item of a list it fails on. Of each member's first
+    # error under the first failing field, the deepest says most (`prompt.1: Input should be a valid string`
+    # rather than `prompt: ...`), and of those the ones that got furthest along a list (`[1, "a"]` is a list of
+    # token ids that fails at item 1, not a list of strings that fails at item 0); members that fail at the same
+    # place are named together.
     paths = [_request_path(cls, err["loc"]) for err in errors]
     head = paths[0]
-    best = max((k for k, p in enumerate(paths) if p[:len(head)] == head), key=lambda k: len(paths[k]))
-    err, param = errors[best], ".".join(paths[best]) or None
+    firsts: dict[tuple[str, ...], int] = {}  # (a member's, or a field's, first error: errors come in item order)
+    for k, err in enumerate(errors):
+        firsts.setdefault(tuple(str(seg) for seg in err["loc"] if not isinstance(seg, int)), k)
+    under = [k for k in firsts.values() if paths[k][:len(head)] == head]
+    deepest = max(len(paths[k]) for k in under)
+
+    def reach(k: int) -> list[int]:
+        return [int(seg) if seg.isdigit() else -1 for seg in paths[k]]
+
+    furthest = max(reach(k) for k in under if len(paths[k]) == deepest)
+    best = [k for k in under if len(paths[k]) == deepest and reach(k) == furthest]
+    err, param = errors[best[0]], ".".join(paths[best[0]]) or None
     if err["type"] == "missing":
         return f"{param}: field required", param
-    return f"{param}: {err['msg']}", param
+    said = list(dict.fromkeys(errors[k]["msg"] for k in best))
+    lead = "Input should be "
+    if len(said) > 1 and all(m.startswith(lead) for m in said):
+        said = [lead + " or ".join(m.removeprefix(lead) for m in said)]
+    return f"{param}: {'; or '.join(said)}", param
 
 
 def _request_path(cls: type[BaseModel], loc: tuple[int | str, ...]) -> list[str]:

@@ -168,11 +168,12 @@ def tool_plan(req: Any) -> ToolPlan | None:
     """The tool calls a chat request forces (None: it generates text). Raises ApiError for what is not
     supported ("auto") or inconsistent (a named function that is not among the tools)."""
     choice, tools = req.tool_choice, req.tools or []
-    names = [t.function.name for t in tools]
-    twice = next((i for i, name in enumerate(names) if name in names[:i]), None)
-    if twice is not None:
-        where = f"tools.{twice}.function.name"
-        raise ApiError(400, f"{where}: {names[twice]!r} names another tool already", where)
+    seen: set[str] = set()  # (a set: a body may list tens of thousands of tools)
+    for i, t in enumerate(tools):
+        if t.function.name in seen:
+            where = f"tools.{i}.function.name"
+            raise ApiError(400, f"{where}: {t.function.name!r} names another tool already", where)
+        seen.add(t.function.name)
     if choice is None:
         choice = "auto" if tools else "none"
     if choice == "none":
