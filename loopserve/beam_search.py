@@ -57,7 +57,7 @@ import math
 from collections.abc import Callable, Collection
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
@@ -251,14 +251,12 @@ class BeamSearch:
         return outputs
 
 
-def beam_search(llm: LLM, prompts: PromptType | Seq[PromptType], params: BeamSearchParams, lora_request: Any = None,
-                use_tqdm: bool = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+def beam_search(llm: LLM, prompts: PromptType | Seq[PromptType], params: BeamSearchParams, use_tqdm: bool = False,
+                concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
     """vLLM's `LLM.beam_search` on `llm`: one `BeamSearchOutput` per prompt, in the order of `prompts` (one prompt or
-    a list, as `generate` takes them). `concurrency_limit`: search at most this many prompts at once (None: all);
-    `lora_request` is vLLM's, taken only as None. `use_tqdm`: a bar over the steps. ValueError naming the field
-    at fault (for a prompt of several: which one) before anything runs."""
-    if lora_request is not None:
-        raise ValueError(f"lora_request: not supported by loopserve (no LoRA adapters); got {lora_request!r}")
+    a list, as `generate` takes them). `concurrency_limit`: search at most this many prompts at once (None: all).
+    `use_tqdm`: a bar over the steps. ValueError naming the field at fault (for a prompt of several: which one)
+    before anything runs."""
     if not isinstance(params, BeamSearchParams):
         raise ValueError(f"params: expected a BeamSearchParams, got {type(params).__name__}")
     check_beam_search_params(params)  # (again: fields may have been set after construction)

@@ -197,14 +197,18 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
         print(f"error: {out}: the folder is not empty; give a new or empty folder", file=sys.stderr)
         return 2
     layers = args.layers or ("2" if args.arch == "ouro" else "2-2-2")
+    r_max = args.r_max if args.r_max is not None else (4 if args.arch == "ouro" else 8)
     spec = TinySpec(arch=args.arch, hidden_size=args.hidden_size, num_heads=args.num_heads,
                     num_kv_heads=args.num_kv_heads, intermediate_size=args.intermediate_size,
-                    vocab_size=args.vocab_size, layers=layers, r_max=args.r_max or (4 if args.arch == "ouro" else 8),
-                    lookahead_gate=args.lookahead_gate, seed=args.seed)
+                    vocab_size=args.vocab_size, layers=layers, r_max=r_max, lookahead_gate=args.lookahead_gate,
+                    seed=args.seed)
     try:
         out = make_tiny(out, spec, shards=args.shards)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # (a folder that cannot be made or written: /proc/x, read-only, disk full)
+        print(f"error: {out}: cannot write the checkpoint there ({e.strerror or e})", file=sys.stderr)
         return 2
     print(f"wrote {args.arch} tiny checkpoint to {out}")
     return 0

@@ -20,6 +20,7 @@ from loopserve.config_args import knob
 from loopserve.device import AUTO, DTYPE_NAMES, dtype_name, kv_memory_gb
 from loopserve.engine.budget import checked_model_len
 from loopserve.engine.config import EngineConfig
+from loopserve.model_config import STATE_INITS
 from loopserve.models.loader import LoadedModel, load_model
 from loopserve.sampling_params import is_int, is_number
 
@@ -34,7 +35,8 @@ class LoadConfig:
                       "without bfloat16 kernels, a bfloat16 one as float32; float16 and half are refused: loopserve "
                       "never computes in float16", choices=(AUTO, *DTYPE_NAMES))
     device: str = knob(AUTO, "cpu, cuda, cuda:N; auto: cuda when available, else cpu")
-    state_init: str = knob("like-init", "Huginn's initial recurrent state", choices=("like-init", "zero"))
+    state_init: str | None = knob(None, "Huginn's initial recurrent state (unset: the checkpoint's state_init, "
+                                  "like-init for Huginn-0125; zero: deterministic)", choices=STATE_INITS)
     # (an int once made: vLLM's seed=None is taken too, and replaced by a random seed in __post_init__)
     seed: int = knob(0, "engine seed: unseeded requests' sampling and Huginn's initial states "
                      "(LLM(seed=None): a random seed, drawn once at start, logged and kept as LLM.seed)")

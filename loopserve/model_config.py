@@ -6,13 +6,99 @@ round trips (`make-tiny`, the loader's error messages).
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from loopserve.sampling_params import is_int, is_real
 
 OURO = "OuroForCausalLM"
 HUGINN = "RavenForCausalLM"
 ARCHITECTURES = (OURO, HUGINN)
+STATE_INITS = ("like-init", "zero")  # Huginn's initial loop states loopserve draws (its config's `state_init`)
+
+
+def _one_of(*values: Any) -> Callable[[Any], bool]:
+    return lambda v: v in values
+
+
+def _plain_rope(v: Any) -> bool:
+    """Whether upstream's rotary embedding reads `rope_scaling` as plain RoPE: null, or rope_type (older: type)
+    'default'."""
+    return v is None or (isinstance(v, dict) and v.get("rope_type", v.get("type")) == "default")
+
+
+def _full_attention(v: Any) -> bool:
+    return isinstance(v, list) and all(kind == "full_attention" for kind in v)
+
+
+# Architecture keys the upstream code reads that loopserve implements at one setting only: per architecture,
+# key -> (whether a value is that setting, what loopserve implements). A key that is absent takes upstream's
+# default, which is that setting. Another value would run with silently different math, so it is refused at load.
+# (Upstream Ouro derives sliding layers from use_sliding_window, sliding_window and max_window_layers when
+# layer_types is absent: refusing use_sliding_window true covers that, and the corner where every layer is below
+# max_window_layers, which keeps full attention, no released checkpoint sets.)
+UNIMPLEMENTED: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
+    OURO: {
+        "hidden_act": (_one_of("silu"), '"silu" (the SiLU-gated MLP)'),
+        "rope_scaling": (_plain_rope, 'plain RoPE (null, or rope_type "default")'),
+        "partial_rotary_factor": (_one_of(1.0), "1.0 (RoPE over the whole head)"),
+        "use_sliding_window": (_one_of(False, None), "false (full attention in every layer)"),
+        "layer_types": (_full_attention, '"full_attention" in every layer (no sliding window)'),
+        "early_exit_step": (_one_of(None), "null (the exit depth is the exit policy's)"),
+    },
+    HUGINN: {
+        "injection_type": (_one_of("linear"), '"linear" (the adapter over [state, embedding])'),
+        "nonlin_name": (_one_of("SiLU"), '"SiLU"'),
+        "norm_class_name": (_one_of("RMSNorm_llama"), '"RMSNorm_llama"'),
+        "block_class_name": (_one_of("SandwichBlock"), '"SandwichBlock"'),
+        "mlp_class_name": (_one_of("GatedMLP"), '"GatedMLP"'),
+        "qk_bias": (_one_of(True), "true (learned query and key biases)"),
+        "bias": (_one_of(False), "false (no biases in the linear layers)"),
+        "tie_embeddings": (_one_of(True), "true (the head is the embedding)"),
+        "test_time_noise": (_one_of(0), "0 (no noise on the loop state)"),
+    },
+}
+_REQUIRED = object()
+
+
+class _Keys:
+    """A config.json's values, each checked as it is read: a ValueError names the key and the file."""
+
+    def __init__(self, cfg: dict[str, Any], source: str, arch: str) -> None:
+        self.cfg, self.source, self.arch = cfg, source, arch
+
+    def error(self, key: str, why: str) -> ValueError:
+        return ValueError(f"{self.source}: {key}: {why}")
+
+    def get(self, key: str, default: Any = _REQUIRED, *, null_is_default: bool = False) -> Any:
+        """The key's value; `default` when it is absent (or null, if `null_is_default`)."""
+        value = self.cfg.get(key, default)
+        if value is None and null_is_default:
+            value = default
+        if value is _REQUIRED:
+            raise ValueError(f"{self.source}: missing required key {key!r} for {self.arch}")
+        return value
+
+    def integer(self, key: str, default: Any = _REQUIRED, *, low: int = 1, null_is_default: bool = False) -> int:
+        value = self.get(key, default, null_is_default=null_is_default)
+        if not (is_int(value) and value >= low):
+            raise self.error(key, f"must be an integer >= {low}, got {value!r}")
+        return value
+
+    def positive(self, key: str, default: float) -> float:
+        value = self.get(key, default)
+        if not (is_real(value) and value > 0):
+            raise self.error(key, f"must be a number > 0, got {value!r}")
+        return float(value)
+
+    def unimplemented(self) -> None:
+        for key, (accepted, implemented) in UNIMPLEMENTED[self.arch].items():
+            if key in self.cfg and not accepted(self.cfg[key]):
+                raise self.error(key, f"{json.dumps(self.cfg[key])} is not supported: loopserve implements "
+                                      f"{implemented} only")
 
 
 @dataclass(frozen=True)
@@ -32,65 +118,98 @@ class ModelConfig:
     norm_eps: float
     max_position: int
     tie_embeddings: bool
-    exit_threshold: float | None  # Ouro's `early_exit_threshold`; None for Huginn
+    exit_threshold: float | None  # Ouro's `early_exit_threshold` (None: the last step's); None for Huginn
+    # Huginn's `state_init`, how training drew the initial loop state (a load's default); None for Ouro
+    state_init: str | None
+    embed_scale: float  # the embedding's multiplier (Huginn: init_values.embed_scale, as upstream reads it)
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
-
-    @property
-    def embed_scale(self) -> float:
-        if self.arch != HUGINN:
-            return 1.0
-        init = self.raw.get("init_values") or {}  # upstream reads the checkpoint's stored value
-        return float(init.get("embed_scale", math.sqrt(self.hidden_size)))
 
     @staticmethod
     def from_hf(cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        """The config of an HF `config.json` dict; ValueError naming `source` and the key for a value loopserve
+        cannot run as upstream does (missing, mistyped, out of range, or an `UNIMPLEMENTED` setting)."""
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else None
         if arch not in ARCHITECTURES:
             raise ValueError(
                 f"{source}: unknown architecture {arch!r}; loopserve supports {', '.join(ARCHITECTURES)}"
             )
-        try:
-            if arch == OURO:
-                hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-                return ModelConfig(
-                    arch=arch,
-                    hidden_size=hidden,
-                    num_heads=heads,
-                    num_kv_heads=cfg.get("num_key_value_heads") or heads,
-                    head_dim=cfg.get("head_dim") or hidden // heads,
-                    intermediate_size=cfg["intermediate_size"],
-                    vocab_size=cfg["vocab_size"],
-                    n_prelude=0,
-                    n_core=cfg["num_hidden_layers"],
-                    n_coda=0,
-                    r_max=cfg.get("total_ut_steps", 4),
-                    rope_theta=float(cfg.get("rope_theta", 10000.0)),
-                    norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                    max_position=cfg.get("max_position_embeddings", 32768),
-                    tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                    exit_threshold=cfg.get("early_exit_threshold", 1.0),
-                    raw=cfg,
-                )
-            hidden, heads = cfg["n_embd"], cfg["n_heads"]
-            return ModelConfig(
+        k = _Keys(cfg, source, arch)
+        k.unimplemented()
+        if arch == OURO:
+            hidden, heads = k.integer("hidden_size"), k.integer("num_attention_heads")
+            kv_heads = k.integer("num_key_value_heads", heads, null_is_default=True)  # (OuroConfig: null = MHA)
+            if heads % kv_heads:
+                raise k.error("num_key_value_heads", f"must divide num_attention_heads ({heads}), got {kv_heads}")
+            threshold = k.get("early_exit_threshold", 1.0)
+            if threshold is not None and not (is_real(threshold) and 0 < threshold <= 1):
+                raise k.error("early_exit_threshold", f"must be a probability in (0, 1] or null, got {threshold!r}")
+            tie = k.get("tie_word_embeddings", False)
+            if not isinstance(tie, bool):
+                raise k.error("tie_word_embeddings", f"must be true or false, got {tie!r}")
+            config = ModelConfig(
                 arch=arch,
                 hidden_size=hidden,
                 num_heads=heads,
-                num_kv_heads=heads,
-                head_dim=hidden // heads,
-                intermediate_size=cfg["intermediate_size"],
-                vocab_size=cfg.get("padded_vocab_size") or cfg["vocab_size"],
-                n_prelude=cfg["n_layers_in_prelude"],
-                n_core=cfg["n_layers_in_recurrent_block"],
-                n_coda=cfg["n_layers_in_coda"],
-                r_max=cfg.get("mean_recurrence", 32),
-                rope_theta=float(cfg.get("rope_base", 50000.0)),
-                norm_eps=float(cfg.get("norm_eps", 1e-6)),
-                max_position=cfg.get("block_size", 4096),
-                tie_embeddings=True,
-                exit_threshold=None,
+                num_kv_heads=kv_heads,
+                head_dim=k.integer("head_dim", hidden // heads, null_is_default=True),
+                intermediate_size=k.integer("intermediate_size"),
+                vocab_size=k.integer("vocab_size"),
+                n_prelude=0,
+                n_core=k.integer("num_hidden_layers"),
+                n_coda=0,
+                r_max=k.integer("total_ut_steps", 4),
+                rope_theta=k.positive("rope_theta", 10000.0),
+                norm_eps=k.positive("rms_norm_eps", 1e-6),
+                max_position=k.integer("max_position_embeddings", 32768, low=2),
+                tie_embeddings=tie,
+                exit_threshold=threshold,
+                state_init=None,
+                embed_scale=1.0,
                 raw=cfg,
             )
-        except KeyError as e:
-            raise ValueError(f"{source}: missing required key {e.args[0]!r} for {arch}") from None
+            head_dim_key = "head_dim (hidden_size // num_attention_heads)" if cfg.get("head_dim") is None \
+                else "head_dim"
+        else:
+            hidden, heads = k.integer("n_embd"), k.integer("n_heads")
+            if hidden % heads:
+                raise k.error("n_embd", f"must be a multiple of n_heads ({heads}), got {hidden}")
+            kv_heads = k.integer("num_key_value_heads", heads, null_is_default=True)
+            if kv_heads != heads:  # (upstream's attention has no grouped-query attention)
+                raise k.error("num_key_value_heads", f"must equal n_heads ({heads}): Huginn's attention has no "
+                                                     f"grouped-query attention, got {kv_heads}")
+            state_init = k.get("state_init", "like-init")
+            if state_init not in STATE_INITS:
+                raise k.error("state_init", f"{json.dumps(state_init)} is not supported: loopserve implements "
+                                            f"{' and '.join(map(json.dumps, STATE_INITS))} only")
+            init = k.get("init_values", {})
+            scale: Any = init.get("embed_scale", math.sqrt(hidden)) if isinstance(init, dict) else None
+            if not (is_real(scale) and scale > 0):
+                raise k.error("init_values", f"must be an object whose embed_scale (default sqrt(n_embd)) is a number "
+                                             f"> 0, got {init!r}")
+            config = ModelConfig(
+                arch=arch,
+                hidden_size=hidden,
+                num_heads=heads,
+                num_kv_heads=kv_heads,
+                head_dim=hidden // heads,
+                intermediate_size=k.integer("intermediate_size"),
+                # (upstream: vocab_size, unless the config stores a padded size)
+                vocab_size=k.integer("padded_vocab_size" if cfg.get("padded_vocab_size") is not None else "vocab_size"),
+                n_prelude=k.integer("n_layers_in_prelude", low=0),
+                n_core=k.integer("n_layers_in_recurrent_block"),
+                n_coda=k.integer("n_layers_in_coda", low=0),
+                r_max=k.integer("mean_recurrence", 32),
+                rope_theta=k.positive("rope_base", 50000.0),
+                norm_eps=k.positive("norm_eps", 1e-6),
+                max_position=k.integer("block_size", 4096, low=2),
+                tie_embeddings=True,
+                exit_threshold=None,
+                state_init=state_init,
+                embed_scale=float(scale),
+                raw=cfg,
+            )
+            head_dim_key = "n_embd / n_heads"
+        if config.head_dim % 2:  # (RoPE turns pairs of dims)
+            raise k.error(head_dim_key, f"must be even (rotary embeddings turn pairs of dims), got {config.head_dim}")
+        return config

@@ -37,6 +37,10 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that finished it; None for eos/length
 
+    def finished(self) -> bool:
+        """vLLM's `CompletionOutput.finished()` (a method there too, unlike `RequestOutput.finished`)."""
+        return self.finish_reason is not None
+
 
 @dataclass
 class RequestOutput:

@@ -10,8 +10,11 @@ tools are given and the folder has it, else `default`. How: a sandboxed Jinja en
 keeps non-ASCII text, and the globals `raise_exception` and `strftime_now`.
 
 The public methods are transformers' where the names are (scripts written for vLLM call them on
-`LLM.get_tokenizer()`): `apply_chat_template` with its keywords and defaults, calling the tokenizer, `len`,
-`get_vocab`, `batch_decode`, `convert_ids_to_tokens`, `convert_tokens_to_ids` and the special tokens.
+`LLM.get_tokenizer()`): `apply_chat_template` with its keywords and defaults (and a batch of conversations),
+calling the tokenizer, `len`, `get_vocab`, `get_added_vocab`, `tokenize`, `decode` and `batch_decode` (of lists,
+one id, tensors or arrays), `convert_ids_to_tokens`, `convert_tokens_to_ids`, `convert_tokens_to_string`, the
+special tokens and `special_tokens_map` (4.x's: with `additional_special_tokens`), `is_fast`, `model_max_length`
+and `name_or_path` (the folder).
 transformers' options that are not implemented (padding, tensors, ...) are a ValueError naming the option
 when set, never silently ignored. One difference: `decode` and `batch_decode` skip special tokens unless
 told not to (transformers keeps them), as the engine detokenizes its outputs.
@@ -27,17 +30,17 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from functools import cached_property, lru_cache
 from pathlib import Path
-from typing import Any, Literal, overload
+from typing import Any, Literal, cast, overload
 
 import jinja2
 import jinja2.ext
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Encoding, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import pre_tokenizers
 from tokenizers.decoders import DecodeStream
 
-from loopserve.chat_messages import check_continuable
+from loopserve.chat_messages import check_continuable, within
 
 DEFAULT_TEMPLATE = "default"
 TOOL_USE_TEMPLATE = "tool_use"  # picked when tools are given, as transformers does
@@ -54,10 +57,34 @@ SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_
 CHAT_TEMPLATE_OPTIONS = ("padding", "truncation", "max_length", "return_tensors", "return_dict",
                          "return_assistant_tokens_mask", "tokenizer_kwargs")
 CALL_OPTIONS = ("text_pair", "padding", "truncation", "max_length", "return_tensors", "is_split_into_words")
+# transformers' `model_max_length` when tokenizer_config.json sets none (its VERY_LARGE_INTEGER)
+VERY_LARGE_INTEGER = int(1e30)
 
 
 def _token_str(v: Any) -> str | None:
     return v.get("content") if isinstance(v, dict) else v
+
+
+def _check_text(text: Any, what: str) -> None:
+    """ValueError naming `what` unless `text` is one text (a str) that is Unicode text: not one with a lone
+    surrogate, which a Python string can hold and UTF-8 cannot."""
+    if not isinstance(text, str):
+        raise ValueError(f"{what}: expected one text (a str), got {type(text).__name__}; to tokenize several, call "
+                         "the tokenizer on the list: tokenizer(texts)['input_ids']")
+    try:
+        text.encode()
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what}: not valid Unicode text (it holds a lone surrogate, "
+                         f"U+{ord(text[e.start]):04X})") from None
+
+
+def _token_ids(ids: Any) -> Any:
+    """Token ids as the tokenizers library takes them, from what transformers' `decode` takes (its `to_py_obj`): a
+    list as it is, one id (an int) as a list of it, a tensor or an array (torch, numpy) as its list."""
+    if isinstance(ids, list):
+        return ids
+    ids = ids.tolist() if hasattr(ids, "tolist") else ids
+    return [ids] if isinstance(ids, int) else list(ids)
 
 
 def _refuse_options(given: Mapping[str, Any]) -> None:
@@ -182,6 +209,8 @@ def load_chat_template(value: str) -> str:
 
 
 class Tokenizer:
+    is_fast = True  # transformers' attribute: a tokenizers-library tokenizer, as its PreTrainedTokenizerFast
+
     def __init__(self, folder: Path, chat_template: str | None = None) -> None:
         """`chat_template`: a template (or a file holding one, see `load_chat_template`) that replaces the
         folder's templates."""
@@ -191,6 +220,10 @@ class Tokenizer:
         self.tok = HFTokenizer.from_file(str(path))
         cfg_path = folder / "tokenizer_config.json"
         self.config: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        # transformers' attributes: the folder it was loaded from, and the longest input the model takes
+        self.name_or_path = str(folder)
+        max_length = self.config.get("model_max_length")
+        self.model_max_length: int = max_length if max_length is not None else VERY_LARGE_INTEGER
         self.bos_token = _token_str(self.config.get("bos_token"))
         self.eos_token = _token_str(self.config.get("eos_token"))
         self.bos_token_id = self.tok.token_to_id(self.bos_token) if self.bos_token else None
@@ -231,19 +264,27 @@ class Tokenizer:
         """The token ids of `text`; ValueError naming `what` (the caller's field) for anything but one text (a
         list of texts is the tokenizer's call) and for a string that is not Unicode text: one with a lone
         surrogate, which a Python string can hold and UTF-8 cannot."""
+        return self._encoding(text, add_special_tokens, what).ids
+
+    def tokenize(self, text: str, pair: str | None = None, add_special_tokens: bool = False) -> list[str]:
+        """transformers' `tokenize`: the vocabulary symbols of `text` (then `pair`), with the special tokens the
+        tokenizer adds only if `add_special_tokens` (transformers' default leaves them out). A byte-level BPE's read
+        'Ġthe' for ' the': `convert_tokens_to_string` turns them back into text. ValueError naming `text` or `pair`,
+        as `encode`'s names its text."""
+        return self._encoding(text, add_special_tokens, "text", pair).tokens
+
+    def _encoding(self, text: str, add_special_tokens: bool, what: str, pair: str | None = None) -> Encoding:
+        """The tokenizers library's encoding of `text` (then `pair`); ValueError naming `what` or `pair` as
+        `encode` says."""
         try:
             if isinstance(text, str) and len(text) > RELEASE_GIL_FROM:
-                return self.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
-            return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+                one = text if pair is None else (text, pair)
+                return self.tok.encode_batch([one], add_special_tokens=add_special_tokens)[0]
+            return self.tok.encode(text, pair, add_special_tokens=add_special_tokens)
         except TypeError:  # (what the tokenizers library raises for both: "TextInputSequence must be str")
-            if not isinstance(text, str):
-                raise ValueError(f"{what}: expected one text (a str), got {type(text).__name__}; to tokenize "
-                                 "several, call the tokenizer on the list: tokenizer(texts)['input_ids']") from None
-            try:
-                text.encode()
-            except UnicodeEncodeError as e:
-                raise ValueError(f"{what}: not valid Unicode text (it holds a lone surrogate, "
-                                 f"U+{ord(text[e.start]):04X})") from None
+            _check_text(text, what)
+            if pair is not None:
+                _check_text(pair, "pair")
             raise
 
     @cached_property
@@ -273,7 +314,10 @@ class Tokenizer:
         most = self._bytes_per_token
         return -(-len(text.encode()) // most) if most else 0
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: Any, skip_special_tokens: bool = True) -> str:
+        """The text of token ids: a list of them, one id (an int), or a tensor or array (torch, numpy) of them, as
+        transformers' `decode` takes them."""
+        ids = _token_ids(ids)
         if len(ids) > RELEASE_GIL_FROM:
             return self.tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -319,9 +363,16 @@ class Tokenizer:
         """Token (vocabulary symbol, added tokens included) -> id."""
         return self.tok.get_vocab(with_added_tokens=True)
 
-    def batch_decode(self, sequences: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> list[str]:
-        """`decode` of each list of ids."""
-        return self.tok.decode_batch([list(ids) for ids in sequences], skip_special_tokens=skip_special_tokens)
+    def batch_decode(self, sequences: Any, skip_special_tokens: bool = True) -> list[str]:
+        """`decode` of each of `sequences` (a list of them, or a 2-d tensor or array: its rows)."""
+        rows = [_token_ids(ids) for ids in _token_ids(sequences)]
+        return self.tok.decode_batch(rows, skip_special_tokens=skip_special_tokens)
+
+    def convert_tokens_to_string(self, tokens: Sequence[str]) -> str:
+        """transformers': the text of vocabulary symbols (what `tokenize` gives), read by the tokenizer's decoder
+        (joined by spaces if it has none), special tokens kept."""
+        decoder = self.tok.decoder
+        return decoder.decode(list(tokens)) if decoder is not None else " ".join(tokens)
 
     def convert_ids_to_tokens(self, ids: int | Sequence[int], skip_special_tokens: bool = False) -> Any:
         """The vocabulary symbol of an id (None outside the vocabulary), or a list of them for a list of ids."""
@@ -340,15 +391,29 @@ class Tokenizer:
 
     @property
     def all_special_tokens(self) -> list[str]:
-        """transformers': the special-token attributes that are set (`bos_token`, ... in SPECIAL_TOKEN_NAMES'
-        order), then `additional_special_tokens`, each once."""
-        named = [_token_str(self.config.get(n)) for n in SPECIAL_TOKEN_NAMES]
-        named += self.additional_special_tokens
-        return list(dict.fromkeys(t for t in named if t))
+        """transformers': the tokens of `special_tokens_map` (the special-token attributes that are set, then
+        `additional_special_tokens`), each once."""
+        tokens = [t for v in self.special_tokens_map.values() for t in ([v] if isinstance(v, str) else v)]
+        return list(dict.fromkeys(tokens))
 
     @property
     def all_special_ids(self) -> list[int]:
         return self.convert_tokens_to_ids(self.all_special_tokens)
+
+    @property
+    def special_tokens_map(self) -> dict[str, str | list[str]]:
+        """transformers' (4.x): each special-token attribute that is set (SPECIAL_TOKEN_NAMES) -> its token, then
+        `additional_special_tokens` -> their list, if any."""
+        named = {n: _token_str(self.config.get(n)) for n in SPECIAL_TOKEN_NAMES}
+        out: dict[str, str | list[str]] = {n: t for n, t in named.items() if t}
+        additional = [t for t in self.additional_special_tokens if t]
+        if additional:
+            out["additional_special_tokens"] = additional
+        return out
+
+    def get_added_vocab(self) -> dict[str, int]:
+        """transformers': the added tokens (tokenizer.json's `added_tokens`, special or not) -> their ids, by id."""
+        return {t.content: i for i, t in sorted(self.tok.get_added_tokens_decoder().items())}
 
     def get_chat_template(self, chat_template: str | None = None, tools: Sequence[Any] | None = None) -> str:
         """The template text to render: `chat_template` names one of the folder's or is itself a template."""
@@ -382,13 +447,27 @@ class Tokenizer:
                             continue_final_message: bool = False, tokenize: Literal[True] = True,
                             **kwargs: Any) -> list[int]: ...
 
-    def apply_chat_template(self, conversation: _Dicts, tools: _Dicts | None = None, documents: _Dicts | None = None,
-                            chat_template: str | None = None, add_generation_prompt: bool = False,
-                            continue_final_message: bool = False, tokenize: bool = True,
-                            **kwargs: Any) -> str | list[int]:
+    @overload
+    def apply_chat_template(self, conversation: Sequence[_Dicts], tools: _Dicts | None = None,
+                            documents: _Dicts | None = None, chat_template: str | None = None,
+                            add_generation_prompt: bool = False, continue_final_message: bool = False, *,
+                            tokenize: Literal[False], **kwargs: Any) -> list[str]: ...
+
+    @overload
+    def apply_chat_template(self, conversation: Sequence[_Dicts], tools: _Dicts | None = None,
+                            documents: _Dicts | None = None, chat_template: str | None = None,
+                            add_generation_prompt: bool = False, continue_final_message: bool = False,
+                            tokenize: Literal[True] = True, **kwargs: Any) -> list[list[int]]: ...
+
+    def apply_chat_template(self, conversation: _Dicts | Sequence[_Dicts], tools: _Dicts | None = None,
+                            documents: _Dicts | None = None, chat_template: str | None = None,
+                            add_generation_prompt: bool = False, continue_final_message: bool = False,
+                            tokenize: bool = True, **kwargs: Any) -> str | list[int] | list[str] | list[list[int]]:
         """transformers' `apply_chat_template`, with its arguments and defaults: the conversation rendered with
         the chat template, as token ids (none added: the template writes the special tokens itself), or as text
-        with `tokenize=False`.
+        with `tokenize=False`. A batch of conversations (a list whose first item is a list, transformers' test)
+        gives a list of those, each rendered with the same arguments; an error names the conversation's field
+        under `messages.<i>`.
 
         `tools`: JSON-schema dicts. `documents`: the template's `documents`. `chat_template`: see
         `get_chat_template`. `add_generation_prompt`: end with the template's opening of an assistant reply.
@@ -404,9 +483,18 @@ class Tokenizer:
         for name in kwargs:  # (`messages`: the one reserved name that is not an argument here)
             if name in TEMPLATE_RESERVED:
                 raise ValueError(f"{name}: {TEMPLATE_RESERVED[name]}")
-        text = self._render(conversation, tools, documents, chat_template, add_generation_prompt,
-                            continue_final_message, kwargs)
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+        first = conversation[0] if isinstance(conversation, list | tuple) and conversation else None
+        batch = isinstance(first, list | tuple)  # (transformers' test of a batch)
+        conversations = cast("Sequence[_Dicts]", conversation) if batch else [cast("_Dicts", conversation)]
+        rendered: list[Any] = []
+        for i, messages in enumerate(conversations):
+            try:
+                text = self._render(messages, tools, documents, chat_template, add_generation_prompt,
+                                    continue_final_message, kwargs)
+            except ValueError as e:
+                raise within(e, f"messages.{i}" if batch else "messages") from None
+            rendered.append(self.encode(text, add_special_tokens=False) if tokenize else text)
+        return rendered if batch else rendered[0]
 
     def _render(self, messages: _Dicts, tools: _Dicts | None, documents: _Dicts | None, chat_template: str | None,
                 add_generation_prompt: bool, continue_final_message: bool, kwargs: dict[str, Any]) -> str:

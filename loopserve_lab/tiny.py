@@ -22,6 +22,7 @@ from loopserve.model_config import HUGINN, OURO, ModelConfig
 from loopserve.models.base import LoopedLM
 from loopserve.models.huginn import RavenForCausalLM
 from loopserve.models.ouro import OuroForCausalLM
+from loopserve.sampling_params import is_int
 from loopserve_lab.tokenization.build import byte_level_tokenizer, write_tokenizer_files
 
 # The configuration class transformers loads for each architecture, as the released checkpoints name it
@@ -47,7 +48,9 @@ class TinySpec:
 
 
 def hf_config(spec: TinySpec) -> dict:
-    head_dim = spec.hidden_size // spec.num_heads
+    """The config.json of `spec` (ValueError naming the spec field for a setting its architecture lacks; the values
+    themselves are checked as the loader checks them, by `make_tiny`)."""
+    head_dim = spec.hidden_size // max(spec.num_heads, 1)  # (0 heads: refused as the loader refuses it)
     if spec.arch == "ouro":
         try:
             n = int(spec.layers)
@@ -73,6 +76,11 @@ def hf_config(spec: TinySpec) -> dict:
         }
     if spec.arch != "huginn":
         raise ValueError(f"arch: expected 'ouro' or 'huginn', got {spec.arch!r}")
+    if spec.num_kv_heads not in (None, spec.num_heads):
+        raise ValueError(f"num_kv_heads: Ouro only (Huginn's attention has no grouped-query attention), got "
+                         f"{spec.num_kv_heads}")
+    if spec.lookahead_gate:
+        raise ValueError("lookahead_gate: Ouro only (Huginn has no learned exit gate)")
     try:
         p, c, d = (int(x) for x in spec.layers.split("-"))
     except ValueError:
@@ -135,13 +143,18 @@ def _random_weights(model: LoopedLM, seed: int) -> dict[str, torch.Tensor]:
 
 
 def make_tiny(out: str | Path, spec: TinySpec, shards: int = 1) -> Path:
+    """Write the checkpoint of `spec` to folder `out`. ValueError, before anything is written, for a spec or a
+    shard count whose checkpoint the loader would refuse; OSError if `out` cannot be written."""
     out = Path(out)
-    raw = hf_config(spec)  # (checks the spec before anything is written)
+    if not (is_int(shards) and shards >= 1):
+        raise ValueError(f"shards: must be an integer >= 1, got {shards!r}")
+    raw = hf_config(spec)
+    config = ModelConfig.from_hf(raw, "make-tiny's config.json")
+    tokenizer = byte_level_tokenizer(spec.arch, spec.vocab_size)
     out.mkdir(parents=True, exist_ok=True)
-    config = ModelConfig.from_hf(raw)
     with torch.device("meta"):
         model = (OuroForCausalLM(config, lookahead_gate=spec.lookahead_gate) if config.arch == OURO
-                 else RavenForCausalLM(config, state_init="zero"))
+                 else RavenForCausalLM(config))
     tensors = _random_weights(model, spec.seed)
     if config.arch == HUGINN:  # the released file carries a duplicate head and the RoPE table
         tensors["lm_head.weight"] = tensors["transformer.wte.weight"].clone()
@@ -158,12 +171,12 @@ def make_tiny(out: str | Path, spec: TinySpec, shards: int = 1) -> Path:
         gen["eos_token_id"] = [spec.vocab_size - 31, spec.vocab_size - 28]  # <|end_text|>, <|end_turn|>
         gen["pad_token_id"] = raw["pad_token_id"]
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    write_tokenizer_files(byte_level_tokenizer(spec.arch, spec.vocab_size), spec.arch, out, spec.max_position)
+    write_tokenizer_files(tokenizer, spec.arch, out, spec.max_position)
     return out
 
 
 def _save(tensors: dict[str, torch.Tensor], out: Path, shards: int) -> None:
-    if shards <= 1:
+    if shards == 1:
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
         return
     names = sorted(tensors)

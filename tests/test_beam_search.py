@@ -298,7 +298,7 @@ def test_widest_beam_and_bad_arguments(llm):
                          ({"prompts": ["hello", {"x": 1}]}, "prompt")):
         args = {"prompts": "hello", "params": params, **kwargs}
         with pytest.raises(ValueError, match=f"^{name}: "):
-            beam_search(llm, args.pop("prompts"), args.pop("params"), **args)
+            llm.beam_search(args.pop("prompts"), args.pop("params"), **args)
 
 
 # ---------------- the state machine, whatever drives it

@@ -103,7 +103,8 @@ def test_replica_threads_flags_one_rule(monkeypatch):
         replica_id=types.SimpleNamespace(unique_id="r1"), deployment=lray.DEPLOYMENT, app_name=lray.APP_NAME))
     monkeypatch.setattr(cli, "load_server", lambda a: (loaded_with.append(a), (None, None))[1])
     monkeypatch.setattr(api, "build_app", lambda *a, **k: types.SimpleNamespace(
-        state=types.SimpleNamespace(serving=types.SimpleNamespace(summary=lambda: ""))))
+        state=types.SimpleNamespace(serving=types.SimpleNamespace(summary=lambda: ""),
+                                    settings=types.SimpleNamespace(root_path=""))))
     user_class = lray.LoopServeReplica.func_or_class.__mro__[1]  # (the class under Ray Serve's ASGI wrapper)
     for argv, threads in ((["--replica-cpus", "2", "--threads", "3"], 3), (["--replica-cpus", "2"], 2)):
         args = _flags(*argv)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from loopserve.cache.layout import LAYOUTS
 from loopserve.config_args import knob as _knob
+from loopserve.sampling_params import is_int, is_real
 
 SCHEDULERS = ("reference", "cb", "cdb-norefill", "cdb")
 
@@ -85,8 +86,12 @@ class EngineConfig:
             # (a core batch with work never leaves that much room)
             raise ValueError(f"min_prelude_batch: must be <= max_decode_batch ({self.max_decode_batch}), "
                              f"got {self.min_prelude_batch}")
-        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
-            raise ValueError(f"kv_cache_tokens: must be >= block_size ({self.block_size})")
+        if self.kv_cache_tokens is not None and not (is_int(self.kv_cache_tokens)
+                                                     and self.kv_cache_tokens >= self.block_size):
+            raise ValueError(f"kv_cache_tokens: must be an integer >= block_size ({self.block_size}), "
+                             f"got {self.kv_cache_tokens!r}")
+        if not (is_real(self.kv_cache_memory_gb) and self.kv_cache_memory_gb > 0):
+            raise ValueError(f"kv_cache_memory_gb: must be a number of GiB > 0, got {self.kv_cache_memory_gb!r}")
         if not 0 <= self.kv_safety_margin < 1:
             raise ValueError(f"kv_safety_margin: must be in [0, 1), got {self.kv_safety_margin}")
         for name in ("num_speculative_tokens", "speculative_draft_loops", "speculative_max_batch"):
@@ -102,6 +107,25 @@ class EngineConfig:
                              "layout (depth_indexed or last_exited), not kv_layout='shared'")
         if self.max_num_batched_tokens < self.prefill_chunk_size:
             self.max_num_batched_tokens = self.prefill_chunk_size
+
+    def kv_pool_tokens(self, bytes_per_token: int) -> int:
+        """The KV pool's size in tokens: kv_cache_tokens, else what kv_cache_memory_gb holds at `bytes_per_token`
+        (ValueError naming it when that is less than a block)."""
+        if self.kv_cache_tokens is not None:
+            return self.kv_cache_tokens
+        tokens = int(self.kv_cache_memory_gb * 2**30 // bytes_per_token)
+        if tokens < self.block_size:
+            raise ValueError(f"kv_cache_memory_gb: {self.kv_cache_memory_gb} GiB holds {tokens} tokens of KV "
+                             f"({bytes_per_token} bytes a token), less than a block ({self.block_size} tokens)")
+        return tokens
+
+    def kv_pool_error(self, tokens: int, nbytes: int, device: object) -> ValueError:
+        """The error for a KV pool of `tokens` tokens (`nbytes` bytes) that `device` could not allocate, naming the
+        knob that sized it."""
+        name = "kv_cache_tokens" if self.kv_cache_tokens is not None else "kv_cache_memory_gb"
+        asked = self.kv_cache_tokens if self.kv_cache_tokens is not None else f"{self.kv_cache_memory_gb} GiB"
+        return ValueError(f"{name}: {asked} asks for a KV pool of {tokens} tokens, {nbytes} bytes "
+                          f"({nbytes / 2**30:.3g} GiB), which {device} could not allocate; give a smaller {name}")
 
     def boundary_batches_for(self, n_prelude_layers: int, n_coda_layers: int) -> tuple[int, int]:
         """(min_prelude_batch, min_coda_batch) for a model with these prelude and coda layer counts: the knobs as

@@ -17,7 +17,7 @@ import hashlib
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -95,10 +95,12 @@ class LLMEngine:
         self.model_config = c
         self.layout = KVLayout(cfg.kv_layout, c.n_prelude, c.n_core, c.n_coda, c.r_max)
         per_token = self.layout.bytes_per_token(c.num_kv_heads, c.head_dim, p.dtype)
-        tokens = cfg.kv_cache_tokens or int(cfg.kv_cache_memory_gb * 2**30 // per_token)
-        blocks = max(1, tokens // cfg.block_size)
-        store = KVStore((blocks + 1) * cfg.block_size, self.layout.slots_per_token, c.num_kv_heads, c.head_dim,
-                        p.dtype, p.device)
+        blocks = cfg.kv_pool_tokens(per_token) // cfg.block_size
+        try:
+            store = KVStore((blocks + 1) * cfg.block_size, self.layout.slots_per_token, c.num_kv_heads, c.head_dim,
+                            p.dtype, p.device)
+        except RuntimeError:  # (torch.OutOfMemoryError is one): a ValueError naming the knob, not torch's traceback
+            raise cfg.kv_pool_error(blocks * cfg.block_size, blocks * cfg.block_size * per_token, p.device) from None
         # block 0: scratch rows
         # CUDA graphs read the block table where it was when they were captured: give it, from the start, the
         # columns of the longest sequence the pool or the model's positions allow, so it never moves
@@ -160,14 +162,45 @@ class LLMEngine:
             self.requests[s.request_id] = s
         self.scheduler.add(seq)
 
-    def abort_request(self, request_id: str) -> None:
-        """Stop a request (every sample of it); reported with the next step's outputs."""
-        seq = self.requests.get(request_id)
-        for s in seq.family if seq is not None else ():  # (the head first: it takes its unstarted samples along)
-            self.scheduler.abort(s)
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Stop requests (every sample of each); each is reported (finish_reason "abort") with the next step's
+        outputs. `request_ids`: a list of ids, as vLLM V1's `LLMEngine.abort_request` takes them, or one id (a str,
+        as vLLM V0 took it and the server passes it; vLLM V1 would read a str as its characters). An id not in
+        flight (unknown, or already reported finished) is passed over, as in vLLM."""
+        ids = [request_ids] if isinstance(request_ids, str) else request_ids
+        if not isinstance(ids, Iterable):
+            raise ValueError(f"request_ids: expected a list of request ids or one id (a str), got "
+                             f"{type(request_ids).__name__}")
+        for request_id in ids:
+            seq = self.requests.get(request_id)
+            for s in seq.family if seq is not None else ():  # (the head first: it takes its unstarted samples along)
+                self.scheduler.abort(s)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or bool(self.scheduler.finished)
+
+    def get_num_unfinished_requests(self) -> int:
+        """vLLM's: the requests `step` has still to report finished, each sample of an n > 1 request counted (vLLM
+        runs them as requests of their own). 0 exactly when `has_unfinished_requests()` is false. Unlike vLLM's, an
+        aborted request counts until the step that reports its abort, and a request's samples leave together, when
+        the last of them is reported."""
+        return len(self.requests)
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """vLLM's: forget every cached prompt block, so that no later prompt reuses KV computed before (after the
+        weights changed, say, or to time prefills from cold). Only with no request in flight, as vLLM resets only
+        while no request holds KV: False (with a warning, as vLLM's) and nothing forgotten otherwise.
+        `reset_running_requests=True` (vLLM preempts the running requests to reset at once) is not supported: a
+        ValueError. `reset_connector`: vLLM's, for the cache of a KV connector; loopserve has none, so there is
+        nothing more to reset, as in vLLM without one."""
+        if reset_running_requests:
+            raise ValueError("reset_running_requests: not supported by loopserve (it does not preempt requests to "
+                             "reset the prefix cache); reset with no request in flight")
+        if self.has_unfinished_requests():
+            log.warning("prefix cache not reset: %d requests are in flight", self.get_num_unfinished_requests())
+            return False
+        self.kv.allocator.reset_cache()
+        return True
 
     # -- one tick ----------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -135,6 +135,9 @@ def prompt_list(prompts: Any) -> list[PromptType]:
     them, as a list; a ValueError naming `prompts` for anything else."""
     if isinstance(prompts, str | dict) or (isinstance(prompts, list) and bool(prompts) and _all_ints(prompts)):
         return [prompts]
+    if isinstance(prompts, bytes | bytearray):  # (a Sequence of ints: it would be read as one prompt per byte)
+        raise ValueError(f"prompts: got {type(prompts).__name__}, not text; decode them first "
+                         "(prompts.decode('utf-8'))")
     if isinstance(prompts, Mapping) or not isinstance(prompts, Seq):
         raise ValueError("prompts: expected a prompt (a string, a list of token ids, or a dict with 'prompt' or "
                          f"'prompt_token_ids') or a list of prompts, got {type(prompts).__name__}")

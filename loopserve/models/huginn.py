@@ -15,13 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from loopserve.device import upload
-from loopserve.model_config import ModelConfig
+from loopserve.model_config import STATE_INITS, ModelConfig
 from loopserve.models.base import LoopedLM
 from loopserve.models.context import ForwardContext
 from loopserve.models.layers import RMSNorm, compute_dtype, linear, paged_attention, rope, rope_angles
 from loopserve.random_streams import uniforms
 
-STATE_INITS = ("like-init", "zero")
 _TRUNC = 3.0  # truncation of the like-init normal, in standard deviations
 _DRAW_ELEMENTS = 1 << 21  # like-init numbers drawn at once (int64 temporaries of 16 MiB)
 
@@ -89,8 +88,10 @@ def like_init_state(seeds: list[int] | torch.Tensor, hidden: int, dtype: torch.d
 
 
 class RavenForCausalLM(LoopedLM):
-    def __init__(self, c: ModelConfig, state_init: str = "like-init") -> None:
+    def __init__(self, c: ModelConfig, state_init: str | None = None) -> None:
+        """`state_init`: how a token's initial loop state is drawn (None: the checkpoint's, `c.state_init`)."""
         super().__init__()
+        state_init = state_init or c.state_init
         if state_init not in STATE_INITS:
             raise ValueError(f"state_init: expected one of {STATE_INITS}, got {state_init!r}")
         self.config, self.state_init = c, state_init

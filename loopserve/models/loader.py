@@ -150,12 +150,13 @@ def _open(file: Path):
         raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
 
 
-def load_model(model: str | Path, dtype: str | torch.dtype, device: str | torch.device, state_init: str = "like-init",
+def load_model(model: str | Path, dtype: str | torch.dtype, device: str | torch.device, state_init: str | None = None,
                *, chat_template: str | None = None, generation_config: str = "auto") -> LoadedModel:
     """`dtype` and `device` are given by every caller: their defaults are `LoadConfig`'s (both "auto",
     `loopserve.device`), declared there only. `dtype` is a name `device.dtype_name` takes (ValueError naming
-    `dtype` otherwise, before anything is read). `chat_template`: a template (text or a file) used instead of the
-    folder's; `generation_config`: see `generation_defaults`."""
+    `dtype` otherwise, before anything is read). `state_init`: Huginn's initial loop state (None: the checkpoint's
+    `state_init`). `chat_template`: a template (text or a file) used instead of the folder's; `generation_config`:
+    see `generation_defaults`."""
     dtype = dtype_name(dtype)  # (before any file is read)
     folder = resolve_model_path(model)
     device = resolve_device(device)

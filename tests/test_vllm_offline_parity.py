@@ -1,0 +1,283 @@
+"""vLLM's offline API where a probe found loopserve short of it: `LLMEngine.abort_request` with vLLM V1's list of ids
+and `get_num_unfinished_requests`; `CompletionOutput.finished()`; vLLM's `LLM(...)` keywords for what loopserve lacks,
+taken at the values that ask for nothing of it (`llm._NEUTRAL`); `LLM.reset_prefix_cache`; bytes refused as
+prompts; and transformers' tokenizer methods and attributes scripts call on `LLM.get_tokenizer()` (`tokenize`,
+`convert_tokens_to_string`, `special_tokens_map`, `get_added_vocab`, `is_fast`, `model_max_length`, `name_or_path`,
+`decode` of an id or a tensor, `apply_chat_template` of a batch).
+
+Before: `abort_request(["b"])` was a TypeError (unhashable list), `finished()` and `get_num_unfinished_requests()`
+AttributeErrors, `LLM(tokenizer_mode="auto")` (and the other keywords below) "not an LLM argument",
+`generate(b"hello")` five prompts of one byte each, and the tokenizer methods missing or TypeErrors.
+
+The tokenizer's expected values are the `tokenizers` library's on the same files, by the rules transformers' fast
+tokenizer follows (transformers is not installed here); `test_transformers_agrees` compares with transformers itself
+where it is.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer as Raw
+from tokenizers import models, pre_tokenizers
+
+from loopserve import LLM, CompletionOutput, SamplingParams
+from loopserve.beam_search import BeamSearchParams
+from loopserve.sampling_params import MAX_LOGPROBS
+from loopserve.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.timeout(180)
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+PROMPTS = ["The cat", "A loop", "ROMEO:"]
+
+
+def _tokens(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+# -- LLMEngine ---------------------------------------------------------------------------------------------------
+def test_abort_request_takes_vllms_list_of_ids_and_one_id(tiny_ouro):
+    """vLLM V1's `abort_request(request_ids: list[str])`, and one id (a str) as before; ids not in flight are passed
+    over. `get_num_unfinished_requests` counts each sample of an n > 1 request (vLLM runs them as requests of their
+    own) until `step` reports it finished, so it is 0 exactly when `has_unfinished_requests()` is false."""
+    engine = LLM(tiny_ouro, device="cpu").llm_engine
+    assert engine.get_num_unfinished_requests() == 0
+    long = SamplingParams(max_tokens=50, ignore_eos=True)
+    engine.add_request("a", "ROMEO:", long)
+    engine.add_request("b", "ROMEO:", SamplingParams(n=2, max_tokens=50, ignore_eos=True))
+    engine.add_request("c", "ROMEO:", SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.add_request("d", "ROMEO:", long)
+    assert engine.get_num_unfinished_requests() == 5
+    engine.abort_request(["a", "b", "no-such-id"])
+    engine.abort_request("d")
+    engine.abort_request("no-such-id")
+    engine.abort_request(())
+    finished = {}
+    while engine.get_num_unfinished_requests():
+        assert engine.has_unfinished_requests()
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert not engine.has_unfinished_requests()
+    assert {r: [c.finish_reason for c in o.outputs] for r, o in finished.items()} == {
+        "a": ["abort"], "b": ["abort", "abort"], "c": ["length"], "d": ["abort"]}
+    with pytest.raises(ValueError, match=r"^request_ids: expected a list of request ids or one id \(a str\), got int"):
+        engine.abort_request(5)  # type: ignore[arg-type]
+
+
+def test_completion_output_finished_is_vllms_method():
+    """vLLM's `CompletionOutput.finished()`: whether it has a finish reason (a method, as there)."""
+    done = CompletionOutput(0, "x", [5], None, [1], "length")
+    assert done.finished() is True
+    assert CompletionOutput(0, "", [], None, [], None).finished() is False
+
+
+def test_generated_completions_are_finished(tiny_ouro):
+    [out] = LLM(tiny_ouro, device="cpu").generate("ROMEO:", GREEDY, use_tqdm=False)
+    assert out.finished and out.outputs[0].finished()
+
+
+# -- vLLM's LLM keywords for what loopserve lacks ----------------------------------------------------------------
+NEUTRAL = dict(tokenizer_mode="hf", skip_tokenizer_init=False, revision=None, tokenizer_revision=None,
+               download_dir=None, hf_overrides={}, quantization=None, kv_cache_dtype="auto", cpu_offload_gb=0,
+               pipeline_parallel_size=1, enable_chunked_prefill=True, max_logprobs=-1, task="generate",
+               runner="auto", enable_lora=False, mm_processor_kwargs=None, disable_custom_all_reduce=True,
+               disable_log_stats=False)
+
+
+def test_vllms_keywords_at_their_neutral_values_are_taken_and_change_nothing(tiny_ouro):
+    plain = _tokens(LLM(tiny_ouro, device="cpu"))
+    llm = LLM(tiny_ouro, device="cpu", **NEUTRAL)
+    assert _tokens(llm) == plain
+    assert _tokens(LLM(tiny_ouro, device="cpu", tokenizer_mode="auto", enable_chunked_prefill=None, task="auto",
+                       max_logprobs=MAX_LOGPROBS, hf_overrides=None, cpu_offload_gb=0.0)) == plain
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(tokenizer_mode="slow"), r"^tokenizer_mode: not supported by loopserve \(.*tokenizers library.*\); it takes "
+                                  r"'auto' or 'hf', got 'slow'$"),
+    (dict(skip_tokenizer_init=True), r"^skip_tokenizer_init: not supported by loopserve"),
+    (dict(revision="main"), r"^revision: not supported by loopserve \(.*\); it takes None, got 'main'$"),
+    (dict(tokenizer_revision="v1"), r"^tokenizer_revision: "),
+    (dict(download_dir="/tmp"), r"^download_dir: "),
+    (dict(hf_overrides={"num_hidden_layers": 1}), r"^hf_overrides: .*it takes None or \{\}"),
+    (dict(quantization="fp8"), r"^quantization: not supported by loopserve \(weights load unquantized"),
+    (dict(kv_cache_dtype="fp8"), r"^kv_cache_dtype: .*it takes 'auto', got 'fp8'$"),
+    (dict(cpu_offload_gb=4), r"^cpu_offload_gb: "),
+    (dict(pipeline_parallel_size=2), r"^pipeline_parallel_size: "),
+    (dict(pipeline_parallel_size=True), r"^pipeline_parallel_size: .*got True$"),  # (True == 1, but not an int)
+    (dict(enable_chunked_prefill=False), r"^enable_chunked_prefill: .*prefilled in chunks"),
+    (dict(max_logprobs=5), rf"^max_logprobs: .*capped at {MAX_LOGPROBS}.*it takes -1 or an integer >= "
+                           rf"{MAX_LOGPROBS}, got 5$"),
+    (dict(max_logprobs=True), r"^max_logprobs: "),
+    (dict(task="embed"), r"^task: .*generative models only"),
+    (dict(runner="pooling"), r"^runner: "),
+    (dict(enable_lora=True), r"^enable_lora: .*no LoRA adapters"),
+    (dict(mm_processor_kwargs={"fps": 2}), r"^mm_processor_kwargs: .*no multimodal inputs"),
+    (dict(lora_request=None), r"^lora_request: not an LLM argument"),  # (generate's and chat's, not LLM's)
+    (dict(priority=None), r"^priority: not an LLM argument"),
+    (dict(max_seq_len_to_capture=8192), r"^max_seq_len_to_capture: not an LLM argument"),  # (gone from vLLM)
+])
+def test_vllms_keywords_asking_for_what_loopserve_lacks_are_named(tiny_ouro, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(tiny_ouro, device="cpu", **kwargs)
+
+
+# -- LLM.reset_prefix_cache --------------------------------------------------------------------------------------
+def test_reset_prefix_cache_forgets_the_cached_prompt_blocks(tiny_ouro):
+    """vLLM's `LLM.reset_prefix_cache()`: True, and a prompt seen before is prefilled from scratch again (the same
+    tokens); False, and nothing forgotten, while a request is in flight (vLLM resets only when no request holds
+    KV); `reset_running_requests=True` (vLLM preempts to reset at once) is refused naming it."""
+    llm = LLM(tiny_ouro, device="cpu")
+    prompt = "ROMEO: " * 12  # several full KV blocks
+
+    def run() -> tuple[list[int], int]:
+        [out] = llm.generate(prompt, GREEDY, use_tqdm=False)
+        return out.outputs[0].token_ids, out.num_cached_tokens
+
+    tokens, cached = run()
+    assert cached == 0
+    again, cached = run()
+    assert again == tokens and cached > 0
+    engine = llm.llm_engine
+    engine.add_request("busy", "A loop", GREEDY)
+    assert llm.reset_prefix_cache() is False
+    engine.run_to_completion()
+    assert run()[1] > 0  # (not forgotten)
+    assert llm.reset_prefix_cache() is True
+    engine.kv.check_invariants(set())
+    assert run() == (tokens, 0)
+    assert llm.reset_prefix_cache(reset_connector=True) is True  # (no KV connector: nothing more to reset)
+    with pytest.raises(ValueError, match=r"^reset_running_requests: not supported by loopserve"):
+        llm.reset_prefix_cache(reset_running_requests=True)
+    assert LLM(tiny_ouro, device="cpu", scheduler="reference").reset_prefix_cache() is True  # (caches nothing)
+
+
+# -- prompts ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("prompts", [b"hello", bytearray(b"hello")])
+def test_bytes_are_refused_as_prompts_saying_to_decode_them(tiny_ouro, prompts):
+    """Bytes are a sequence of ints: they were read as one prompt per byte ("prompt 0 of 5")."""
+    llm = LLM(tiny_ouro, device="cpu")
+    want = rf"^prompts: got {type(prompts).__name__}, not text; decode them first"
+    with pytest.raises(ValueError, match=want):
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match=want):
+        llm.beam_search(prompts, BeamSearchParams(beam_width=2, max_tokens=2))
+
+
+# -- the tokenizer: transformers' methods and attributes -----------------------------------------------------------
+TEXT, PAIR = "Loops think twice.", " And again!"
+
+
+def _raw(folder: Path) -> tuple[Raw, dict]:
+    return Raw.from_file(str(folder / "tokenizer.json")), json.loads((folder / "tokenizer_config.json").read_text())
+
+
+@pytest.mark.parametrize("arch", ["ouro", "huginn"])
+def test_tokenize_and_convert_tokens_to_string_are_transformers(arch, request):
+    """`tokenize`: the encoding's symbols, special tokens only with add_special_tokens (transformers' default: none);
+    `convert_tokens_to_string`: the tokenizer's decoder over them (a byte-level BPE gives the text back)."""
+    folder = request.getfixturevalue(f"tiny_{arch}")
+    tok, (raw, _) = Tokenizer(folder), _raw(folder)
+    symbols = tok.tokenize(TEXT)
+    assert symbols == raw.encode(TEXT, add_special_tokens=False).tokens
+    assert tok.tokenize(TEXT, add_special_tokens=True) == raw.encode(TEXT).tokens
+    assert tok.tokenize(TEXT, PAIR) == raw.encode(TEXT, PAIR, add_special_tokens=False).tokens
+    assert tok.convert_tokens_to_ids(symbols) == tok.encode(TEXT, add_special_tokens=False)
+    assert tok.convert_tokens_to_string(symbols) == raw.decoder.decode(symbols) == TEXT
+    long = "to be or not " * 2000  # (past RELEASE_GIL_FROM: the batch call, the same symbols)
+    assert tok.tokenize(long, PAIR) == raw.encode(long, PAIR, add_special_tokens=False).tokens
+    with pytest.raises(ValueError, match=r"^text: expected one text \(a str\), got list"):
+        tok.tokenize(["a"])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^pair: expected one text \(a str\), got int"):
+        tok.tokenize("a", 5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^pair: not valid Unicode text"):
+        tok.tokenize("a", "\ud800")
+
+
+@pytest.mark.parametrize("arch", ["ouro", "huginn"])
+def test_special_tokens_map_added_vocab_and_attributes_are_transformers(arch, request):
+    """transformers' (4.x) `special_tokens_map`: the special-token attributes set, then additional_special_tokens if
+    any; `get_added_vocab`: tokenizer.json's added tokens -> ids; `is_fast`; `model_max_length` from
+    tokenizer_config.json; `name_or_path` the folder."""
+    folder = request.getfixturevalue(f"tiny_{arch}")
+    tok, (raw, config) = Tokenizer(folder), _raw(folder)
+    names = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+    want: dict = {n: config[n] for n in names if config.get(n)}
+    if config.get("additional_special_tokens"):
+        want["additional_special_tokens"] = config["additional_special_tokens"]
+    assert tok.special_tokens_map == want
+    assert tok.all_special_tokens == list(dict.fromkeys(
+        t for v in want.values() for t in ([v] if isinstance(v, str) else v)))
+    assert tok.get_added_vocab() == {t.content: i for i, t in sorted(raw.get_added_tokens_decoder().items())}
+    assert tok.is_fast is True
+    assert tok.model_max_length == config["model_max_length"]
+    assert tok.name_or_path == str(folder)
+
+
+def test_a_bare_tokenizer_folder_gets_transformers_defaults(tmp_path):
+    """No tokenizer_config.json: transformers' model_max_length default (int(1e30)) and no special tokens; a
+    tokenizer with no decoder joins symbols with spaces."""
+    raw = Raw(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    raw.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer(tmp_path)
+    assert tok.model_max_length == int(1e30) and tok.special_tokens_map == {} and tok.get_added_vocab() == {}
+    assert tok.tokenize("hello world") == ["hello", "world"]
+    assert tok.convert_tokens_to_string(["hello", "world"]) == "hello world"
+
+
+def test_decode_takes_one_id_and_tensors_as_transformers_does(tiny_ouro):
+    """transformers' decode runs `to_py_obj` on its input: one id (an int) decodes as a list of it, a torch tensor
+    or a numpy array (or scalar) as its list; batch_decode so too, row by row."""
+    tok = Tokenizer(tiny_ouro)
+    ids = tok.encode("To be, or not")
+    assert tok.decode(ids[0]) == tok.decode([ids[0]])
+    for given in (torch.tensor(ids), np.array(ids), tuple(ids)):
+        assert tok.decode(given) == tok.decode(ids) == "To be, or not"
+    assert tok.decode(np.int64(ids[1])) == tok.decode(torch.tensor(ids[1])) == tok.decode([ids[1]])
+    rows = [ids[:3], ids[3:6]]
+    assert tok.batch_decode(torch.tensor(rows)) == tok.batch_decode(np.array(rows)) == [tok.decode(r) for r in rows]
+
+
+def test_apply_chat_template_takes_a_batch_of_conversations(tiny_ouro):
+    """transformers' batch (a list whose first item is a list): a list of what each conversation gives alone, text
+    or ids; an error names the conversation's field under messages.<i>."""
+    tok = Tokenizer(tiny_ouro)
+    convs = [[{"role": "user", "content": "Hi"}],
+             [{"role": "user", "content": "Yo"}, {"role": "assistant", "content": "Well"}]]
+    for kwargs in ({}, {"tokenize": False}, {"add_generation_prompt": True, "tokenize": False}):
+        assert tok.apply_chat_template(convs, **kwargs) == [tok.apply_chat_template(c, **kwargs) for c in convs]
+    assert tok.apply_chat_template(tuple(convs), tokenize=False) == tok.apply_chat_template(convs, tokenize=False)
+    with pytest.raises(ValueError, match=r"^messages\.1: expected a list of"):
+        tok.apply_chat_template([convs[0], ["not a message"]])
+    with pytest.raises(ValueError, match=r"^messages\.0\.0\.role: continue_final_message .* the assistant's"):
+        tok.apply_chat_template(convs, continue_final_message=True, tokenize=False)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
+@pytest.mark.parametrize("arch", ["ouro", "huginn"])
+def test_transformers_agrees(arch, request):
+    import transformers
+    from transformers import PreTrainedTokenizerFast
+
+    folder = request.getfixturevalue(f"tiny_{arch}")
+    hf, ours = PreTrainedTokenizerFast.from_pretrained(folder), Tokenizer(folder)
+    assert ours.tokenize(TEXT) == hf.tokenize(TEXT) and ours.tokenize(TEXT, PAIR) == hf.tokenize(TEXT, PAIR)
+    symbols = hf.tokenize(TEXT)
+    assert ours.convert_tokens_to_string(symbols) == hf.convert_tokens_to_string(symbols)
+    assert ours.get_added_vocab() == hf.get_added_vocab() and ours.is_fast == hf.is_fast
+    assert ours.model_max_length == hf.model_max_length
+    ids = ours.encode(TEXT)
+    assert ours.decode(ids[0], skip_special_tokens=False) == hf.decode(ids[0])
+    assert ours.decode(torch.tensor(ids), skip_special_tokens=False) == hf.decode(torch.tensor(ids))
+    ours_map = ours.special_tokens_map
+    if int(transformers.__version__.split(".")[0]) >= 5:  # (5 leaves additional_special_tokens out; 4.x's map)
+        ours_map.pop("additional_special_tokens", None)
+    assert ours_map == hf.special_tokens_map
+    convs = [[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Yo"}]]
+    assert ours.apply_chat_template(convs, tokenize=False) == hf.apply_chat_template(convs, tokenize=False)
