@@ -478,6 +478,14 @@ def test_sigterm_lets_requests_in_flight_finish_and_answers_the_rest_503(server)
         time.sleep(0.05)
     stopped = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
+    while "shutdown: draining the replicas" not in server.log.read_text():
+        assert time.monotonic() - stopped < 30, "the server did not start draining"
+        time.sleep(0.05)
+    time.sleep(1.0)  # (the drain call reaches the replicas)
+    late = _complete(server, max_tokens=3)  # a new request while the ones above still run: refused at once
+    assert late.status_code == 503 and late.headers.get("retry-after") == "5", late.text
+    assert late.json()["error"]["message"] == "the server is shutting down"
+    assert time.monotonic() - stopped < GRACE_S - 2  # (long before the grace period is over)
     for t in threads:
         t.join(GRACE_S + 60)
         assert not t.is_alive(), "a request hung through the shutdown"

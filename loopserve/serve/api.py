@@ -100,6 +100,8 @@ from loopserve.serve.middleware import (
     set_request_id,
 )
 from loopserve.serve.protocol import (
+    SHUTDOWN_RETRY_AFTER_S,
+    SHUTTING_DOWN,
     ApiError,
     ChatCompletionRequest,
     ChatMessage,
@@ -185,8 +187,9 @@ def load_engine(model: str | Path | None, **kwargs: Any) -> tuple[LLMEngine, Pat
     load, cfg = configs(kwargs)
     if cfg.scheduler == "reference":
         raise ValueError("scheduler: 'reference' is the sequential oracle; serve needs cb, cdb-norefill or cdb")
-    loaded, cfg, max_model_len = load_for_engine(model if model is not None else default_model_path(), load, cfg)
-    return LLMEngine(loaded.model, loaded.tokenizer, cfg, load.seed, max_model_len), loaded.path
+    loaded, cfg, max_model_len, memory_knob = load_for_engine(model if model is not None else default_model_path(),
+                                                              load, cfg)
+    return LLMEngine(loaded.model, loaded.tokenizer, cfg, load.seed, max_model_len, memory_knob), loaded.path
 
 
 def check_sampling_defaults(engine: LLMEngine, defaults: dict[str, Any]) -> None:
@@ -334,7 +337,7 @@ class OpenAIServing:
         """The end of a graceful shutdown's grace period (`connection.GracefulServer` calls it a little before uvicorn
         cancels the request tasks): refuse new requests and end every one still running in the engine with a 503
         (`collect`, `stream`): a response with Retry-After, a stream's error event and cut. One line in the log."""
-        n = self.aengine.abort_all(EngineStoppedError("the server is shutting down"))
+        n = self.aengine.abort_all(EngineStoppedError(SHUTTING_DOWN))
         if n:
             log.warning("shutdown: the grace period is over; aborted %d request(s) still running (503)", n)
 
@@ -436,7 +439,7 @@ class OpenAIServing:
             error = ApiError(503, f"{e}; retry later", headers={"Retry-After": "1"})
         except EngineStoppedError as e:
             self.metrics.reject("shutdown")
-            error = ApiError(503, str(e), headers={"Retry-After": "5"})
+            error = ApiError(503, str(e), headers={"Retry-After": str(SHUTDOWN_RETRY_AFTER_S)})
         except EngineDeadError as e:
             error = ApiError(503, str(e))
         self.metrics.forget([s.request_id for s in seqs])
@@ -461,7 +464,7 @@ class OpenAIServing:
                 return None
             task.result()
         except EngineStoppedError as e:  # the server's shutdown (`abort_in_flight`): retry (another replica, a restart)
-            raise ApiError(503, str(e), headers={"Retry-After": "5"}) from None
+            raise ApiError(503, str(e), headers={"Retry-After": str(SHUTDOWN_RETRY_AFTER_S)}) from None
         except EngineDeadError as e:
             raise ApiError(503, str(e)) from None
         finally:

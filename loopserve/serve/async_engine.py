@@ -35,6 +35,7 @@ import torch
 from loopserve.engine.engine import LLMEngine
 from loopserve.engine.sequence import Sequence, Status
 from loopserve.outputs import RequestOutput
+from loopserve.serve.protocol import SHUTTING_DOWN
 
 log = logging.getLogger("loopserve.serve")
 
@@ -153,7 +154,7 @@ class AsyncLLMEngine:
             await asyncio.to_thread(self._thread.join, timeout_s)
             if self._thread.is_alive():
                 log.warning("engine thread did not stop within %.1f s", timeout_s)
-        self._fail_all(EngineStoppedError("the server is shutting down"))
+        self._fail_all(EngineStoppedError(SHUTTING_DOWN))
 
     def stop_admitting(self) -> None:
         """From now on `add` raises EngineStoppedError (the API answers 503); what is in flight goes on."""
@@ -174,7 +175,7 @@ class AsyncLLMEngine:
         if self.dead is not None:
             raise EngineDeadError(f"the engine has stopped after an error: {self.dead!r}")
         if self._stopping:
-            raise EngineStoppedError("the server is shutting down")
+            raise EngineStoppedError(SHUTTING_DOWN)
         in_flight = sum(samples for _, _, samples in self._routes.values())
         if in_flight + sum(len(s.family) for s in seqs) > self.capacity:
             raise EngineOverloadedError(f"the server is at capacity ({self.capacity} sequences in flight or queued, "

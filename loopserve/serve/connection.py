@@ -37,7 +37,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
-from loopserve.serve.protocol import error_body
+from loopserve.serve.protocol import SHUTTING_DOWN, error_body
 
 log = logging.getLogger("loopserve.serve")
 CLOSED_BY_SERVER = "loopserve.closed_by_server"  # scope key: the server answered and closed the request
@@ -86,7 +86,7 @@ class ReadTimeoutProtocol(H11Protocol):
     def shutdown(self) -> None:
         if self._awaiting == "body" and not self.cycle.response_started:
             log.info("%s: request body still arriving at shutdown; answered 503 and closed", self._peer())
-            self._answer(503, "the server is shutting down")
+            self._answer(503, SHUTTING_DOWN)
             self.transport.close()
             return
         super().shutdown()

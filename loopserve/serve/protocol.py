@@ -77,6 +77,10 @@ def usable_request_id(rid: str) -> bool:
     return 0 < len(rid) <= MAX_REQUEST_ID and all("!" <= c <= "~" for c in rid)
 
 
+SHUTTING_DOWN = "the server is shutting down"  # what a request refused or ended by a graceful shutdown is told
+SHUTDOWN_RETRY_AFTER_S = 5  # its Retry-After: another replica, or this server restarted, may take it by then
+
+
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": ApiError.TYPES.get(status, "Error"), "param": param,
                       "code": status}}

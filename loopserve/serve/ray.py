@@ -51,6 +51,8 @@ import ray
 from ray import serve
 from ray.serve import Application
 
+from loopserve.serve.protocol import SHUTDOWN_RETRY_AFTER_S, SHUTTING_DOWN, error_body
+
 log = logging.getLogger("loopserve.serve")
 APP_NAME = "loopserve"  # the Ray Serve application
 DEPLOYMENT = "loopserve"  # its one deployment
@@ -223,7 +225,9 @@ def merge_metrics(texts: list[tuple[str, str]]) -> str:
 # -- the replica ------------------------------------------------------------------------------------------------
 class _ReplicaASGI:
     """The app of one replica as Ray Serve calls it: `build_app`'s app, with the replica's id on every
-    response and GET /metrics merged over all replicas."""
+    response and GET /metrics merged over all replicas. While the replica drains (`LoopServeReplica.drain`), a
+    new generation request is answered 503 here, as the single-process server's closed socket refuses it, and
+    those in flight are counted."""
 
     def __init__(self, replica: LoopServeReplica) -> None:
         self.replica = replica
@@ -231,7 +235,10 @@ class _ReplicaASGI:
         root = replica.fastapi.state.settings.root_path
         self.metrics_paths = {"/metrics", f"{root}/metrics"}
         self.header = (REPLICA_HEADER, replica.replica_id.encode())
-        self.active = 0  # HTTP requests not answered yet (`LoopServeReplica.drain` waits for them)
+        # generation requests not answered yet, and whether new ones are refused: a plain int and bool, as every
+        # ASGI call and the `drain` handle call run on the replica's one user-code event loop
+        self.generating = 0
+        self.draining = False
 
     async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]],
                        send: Callable[[dict], Awaitable[None]]) -> None:
@@ -249,19 +256,32 @@ class _ReplicaASGI:
                 msg = {**msg, "headers": [*headers, self.header]}
             await send(msg)
 
-        self.active += 1
-        try:
-            if scope["method"] == "GET" and scope["path"] in self.metrics_paths:
-                body = (await self.replica.merged_metrics()).encode()
-                from prometheus_client import CONTENT_TYPE_LATEST
+        if scope["method"] == "GET" and scope["path"] in self.metrics_paths:
+            body = (await self.replica.merged_metrics()).encode()
+            from prometheus_client import CONTENT_TYPE_LATEST
 
-                await send_with_replica({"type": "http.response.start", "status": 200, "headers": [
-                    (b"content-type", CONTENT_TYPE_LATEST.encode()), (b"content-length", str(len(body)).encode())]})
-                await send_with_replica({"type": "http.response.body", "body": body})
-                return
+            await _respond(send_with_replica, 200, body, CONTENT_TYPE_LATEST)
+            return
+        if not (scope["method"] == "POST" and scope["path"].endswith("completions")):  # probes, tokenize, ...
+            await self.inner(scope, receive, send_with_replica)
+            return
+        if self.draining:
+            body = json.dumps(error_body(503, SHUTTING_DOWN)).encode()
+            await _respond(send_with_replica, 503, body, "application/json",
+                           [(b"retry-after", str(SHUTDOWN_RETRY_AFTER_S).encode())])
+            return
+        self.generating += 1
+        try:
             await self.inner(scope, receive, send_with_replica)
         finally:
-            self.active -= 1
+            self.generating -= 1
+
+
+async def _respond(send: Callable[[dict], Awaitable[None]], status: int, body: bytes, content_type: str,
+                   headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode()), *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})
 
 
 @serve.deployment(name=DEPLOYMENT)
@@ -295,25 +315,26 @@ class LoopServeReplica:
 
     async def drain(self, grace_s: float) -> int:
         """The graceful shutdown of the single-process server, on this replica (`drain_replicas` calls it on every
-        replica before Ray Serve is taken down, which cuts whatever a replica is still answering at once): new
-        generation requests get a 503 from now on, those in flight have until `connection.grace_deadline` to
-        finish, then the app ends them with a 503 (a stream: its error event and cut). Returns once every HTTP
-        request has been answered or the grace period is over: the number still unanswered then."""
+        replica before Ray Serve is taken down, which cuts whatever a replica is still answering at once): a new
+        generation request gets a 503 from now on (`_ReplicaASGI`), those in flight have until
+        `connection.grace_deadline` to finish (a beam search's later steps still admitted), then the app ends them
+        with a 503 (a stream: its error event and cut). Returns once every generation request has been answered
+        or the grace period is over: the number still unanswered then."""
         from loopserve.serve.connection import grace_deadline
 
         loop = asyncio.get_running_loop()
-        start, serving = loop.time(), self.fastapi.state.serving
-        serving.aengine.stop_admitting()
+        start = loop.time()
+        self.asgi.draining = True
 
         async def answered_by(seconds: float) -> None:
-            while self.asgi.active and loop.time() < start + seconds:
+            while self.asgi.generating and loop.time() < start + seconds:
                 await asyncio.sleep(DRAIN_POLL_S)
 
         await answered_by(grace_deadline(grace_s))
-        if self.asgi.active:
-            serving.abort_in_flight()
+        if self.asgi.generating:
+            self.fastapi.state.serving.abort_in_flight()
             await answered_by(grace_s)  # (their answers written)
-        return self.asgi.active
+        return self.asgi.generating
 
     def check_health(self) -> None:
         if not self.fastapi.state.engine.alive:
@@ -352,6 +373,8 @@ def run_replicas(args: argparse.Namespace) -> int:
     code = {"value": 0}
 
     def on_signal(signum: int, frame: Any) -> None:
+        if stop.is_set():  # a second signal, while the replicas drain: stop waiting for them (uvicorn's rule too)
+            raise KeyboardInterrupt
         code["value"] = 130 if signum == signal.SIGINT else 0
         stop.set()
 
@@ -376,7 +399,10 @@ def run_replicas(args: argparse.Namespace) -> int:
         log.info("serving on http://%s:%d%s with Ray Serve (%s)", args.host, args.port, args.root_path,
                  _describe(args))
         stop.wait()
-        drain_replicas(args.shutdown_timeout)
+        try:
+            drain_replicas(args.shutdown_timeout)
+        except KeyboardInterrupt:
+            log.warning("shutdown: stopped again; requests still in flight are cut")
         return code["value"]
     finally:
         if local:
@@ -394,7 +420,7 @@ def drain_replicas(grace_s: float) -> None:
     try:
         unanswered = serve.get_deployment_handle(DEPLOYMENT, APP_NAME).broadcast("drain", grace_s).results(
             timeout_s=grace_s + DRAIN_SLACK_S, return_exceptions=True)
-    except Exception as e:  # the router itself failed: nothing more to wait for
+    except Exception as e:  # the router failed, or a replica did not answer in time: nothing more to wait for
         log.warning("shutdown: the replicas could not be drained (%r); requests in flight are cut", e)
         return
     failed = [u for u in unanswered if not isinstance(u, int)]
