@@ -79,16 +79,25 @@ _NEUTRAL: dict[str, _Neutral] = {
     "tokenizer_mode": _only("the checkpoint's tokenizer.json is read by the tokenizers library: the fast tokenizer "
                             "'auto' and 'hf' pick", "auto", "hf"),
     "skip_tokenizer_init": _only("the checkpoint's tokenizer is always loaded", False),
-    "revision": _only("the model folder or hub id is loaded as it is, its default revision from the hub", None),
+    "revision": _only("the model folder or hub id is loaded as it is, its default revision from the hub", None,
+                      "main"),
     "tokenizer_revision": _only("the checkpoint's own tokenizer is loaded, from the model's revision", None),
     "download_dir": _only("a hub model is fetched to the Hugging Face cache", None),
+    "hf_token": _only("a hub model is fetched with huggingface_hub's own token (HF_TOKEN, or a login)", None),
     "hf_overrides": _only("the checkpoint's config.json is read as it is", None, {}),
     "quantization": _only("weights load unquantized, in `dtype`", None),
     "kv_cache_dtype": _only("the KV cache is kept in the model's dtype", "auto"),
     "cpu_offload_gb": _only("weights are not offloaded", 0, 0.0),
     "pipeline_parallel_size": _only("a model runs on one device", 1),
+    "distributed_executor_backend": _only("a model runs in this process, on one device", None),
+    # (False too: loopserve always chunks, and its outputs do not depend on it: the chunks change no math under
+    # depth_indexed and last_exited, and under shared their starts are fixed by prefill_chunk_size, not by how
+    # the scheduler packs them, docs/design.md §4.2)
     "enable_chunked_prefill": _only("prompts are always prefilled in chunks (prefill_chunk_size, max_num_batched_"
-                                    "tokens)", None, True),
+                                    "tokens)", None, True, False),
+    "enable_sleep_mode": _only("the model and KV cache stay on the device until the LLM is dropped", False),
+    "compilation_config": _only("loopserve compiles its own stages (CUDA graphs: cuda_graphs, enforce_eager)",
+                                None),
     # vLLM's cap on a request's logprobs and prompt_logprobs (-1: none): loopserve's is MAX_LOGPROBS, vLLM's
     # default, whatever is passed, so a value that allows at least that much asks for nothing; a request over it is
     # a ValueError naming its field either way
@@ -144,7 +153,7 @@ class LLM:
             raise ValueError(f"{unknown[0]}: not an LLM argument (known: {names})")
         _check_neutral(**{k: v for k, v in kwargs.items() if k in neutral})
         self.load_config, self.engine_config = configs({k: v for k, v in kwargs.items() if k not in neutral})
-        loaded, self.engine_config, self.max_model_len = load_for_engine(
+        loaded, self.engine_config, self.max_model_len, memory_knob = load_for_engine(
             model if model is not None else default_model_path(), self.load_config, self.engine_config,
             chat_template=chat_template, generation_config=generation_config)
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
@@ -153,7 +162,7 @@ class LLM:
         cfg, c = self.engine_config, self.config
         self.layout = KVLayout(cfg.kv_layout, c.n_prelude, c.n_core, c.n_coda, c.r_max)
         self.engine = (None if cfg.scheduler == "reference"
-                       else LLMEngine(self.model, self.tokenizer, cfg, self.seed, self.max_model_len))
+                       else LLMEngine(self.model, self.tokenizer, cfg, self.seed, self.max_model_len, memory_knob))
         self._counter = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:

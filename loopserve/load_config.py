@@ -116,11 +116,13 @@ def configs(kwargs: dict[str, Any]) -> tuple[LoadConfig, EngineConfig]:
 
 
 def load_for_engine(model: str | Path, load: LoadConfig, cfg: EngineConfig, *, chat_template: str | None = None,
-                    generation_config: str = "auto") -> tuple[LoadedModel, EngineConfig, int]:
+                    generation_config: str = "auto") -> tuple[LoadedModel, EngineConfig, int, str]:
     """The model `load` describes (torch's CPU threads set once it has loaded, when `load.threads` gives them: a
     load that fails leaves them as they were); the engine config to run it with (`cfg`, whose KV pool
-    gpu_memory_utilization sizes from the device's memory left after the weights); and its maximum prompt +
-    completion length. ValueError naming the field at fault (`cfg` comes checked by `configs`)."""
+    gpu_memory_utilization sizes from the device's memory left after the weights); its maximum prompt +
+    completion length; and the setting that gave the config's kv_cache_memory_gb (`LLMEngine`'s
+    `kv_memory_knob`: gpu_memory_utilization where it sized the pool, else kv_cache_memory_gb). ValueError naming
+    the field at fault (`cfg` comes checked by `configs`)."""
     if load.tokenizer is not None and not _same_model(load.tokenizer, model):
         # Another folder's tokenizer would need its own eos ids and chat template to be reconciled with the
         # model's generation config, and its ids with the embedding the weights were trained on.
@@ -129,17 +131,19 @@ def load_for_engine(model: str | Path, load: LoadConfig, cfg: EngineConfig, *, c
     loaded = load_model(model, load.dtype, load.device, load.state_init, chat_template=chat_template,
                         generation_config=generation_config)
     max_model_len = checked_model_len(load.max_model_len, loaded.config.max_position)
+    memory_knob = "kv_cache_memory_gb"
     if load.gpu_memory_utilization is not None:
         where = next(loaded.model.parameters()).device  # with the weights on it
         if where.type == "cuda":
             cfg = dataclasses.replace(cfg, kv_cache_memory_gb=kv_memory_gb(load.gpu_memory_utilization, where))
+            memory_knob = "gpu_memory_utilization"
         else:  # (vLLM's scripts pass it whatever the device)
             log.warning("gpu_memory_utilization=%s has no effect on the %s, where kv_cache_memory_gb (here %s GiB) "
                         "or kv_cache_tokens sizes the KV pool", load.gpu_memory_utilization, where.type,
                         cfg.kv_cache_memory_gb)
     if load.threads is not None:  # (process-wide: set only once nothing above has refused the model)
         torch.set_num_threads(int(load.threads))
-    return loaded, cfg, max_model_len
+    return loaded, cfg, max_model_len, memory_knob
 
 
 def _same_model(tokenizer: str | Path, model: str | Path) -> bool:

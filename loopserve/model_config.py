@@ -1,7 +1,10 @@
 """Model configuration: one normalized view of an Ouro or Huginn `config.json`.
 
-The engine, the cache and the benchmarks only read this dataclass; the raw HF dict is kept for
-round trips (`make-tiny`, the loader's error messages).
+The engine, the cache and the benchmarks only read this dataclass. `from_hf` checks the config as it reads it:
+a missing, mistyped or out-of-range value, or an architecture setting loopserve implements one way only
+(`UNIMPLEMENTED`), is a ValueError naming the key and the file, before any weight is read. The raw HF dict is
+kept so that a config can be made again with one key changed (`loopserve_lab.train.evaluate` sets a calibrated
+`early_exit_threshold`).
 """
 
 from __future__ import annotations
@@ -25,25 +28,28 @@ def _one_of(*values: Any) -> Callable[[Any], bool]:
 
 
 def _plain_rope(v: Any) -> bool:
-    """Whether upstream's rotary embedding reads `rope_scaling` as plain RoPE: null, or rope_type (older: type)
-    'default'."""
-    return v is None or (isinstance(v, dict) and v.get("rope_type", v.get("type")) == "default")
+    """Whether upstream's rotary embedding reads `rope_scaling` as plain RoPE: null, or type (else rope_type)
+    'default': OuroConfig copies an older config's `type` over `rope_type`, so `type` is what upstream runs."""
+    return v is None or (isinstance(v, dict) and v.get("type", v.get("rope_type")) == "default")
 
 
 def _full_attention(v: Any) -> bool:
-    return isinstance(v, list) and all(kind == "full_attention" for kind in v)
+    """Full attention in every layer: each "full_attention", or null (OuroConfig derives the kinds then, as when
+    the key is absent: see `UNIMPLEMENTED`)."""
+    return v is None or (isinstance(v, list) and all(kind == "full_attention" for kind in v))
 
 
 # Architecture keys the upstream code reads that loopserve implements at one setting only: per architecture,
 # key -> (whether a value is that setting, what loopserve implements). A key that is absent takes upstream's
 # default, which is that setting. Another value would run with silently different math, so it is refused at load.
 # (Upstream Ouro derives sliding layers from use_sliding_window, sliding_window and max_window_layers when
-# layer_types is absent: refusing use_sliding_window true covers that, and the corner where every layer is below
-# max_window_layers, which keeps full attention, no released checkpoint sets.)
+# layer_types is absent or null: refusing use_sliding_window true covers that, and the corner where every layer is
+# below max_window_layers, which keeps full attention, no released checkpoint sets.)
 UNIMPLEMENTED: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
     OURO: {
-        "hidden_act": (_one_of("silu"), '"silu" (the SiLU-gated MLP)'),
-        "rope_scaling": (_plain_rope, 'plain RoPE (null, or rope_type "default")'),
+        # ("swish" names the same function as "silu" in transformers' ACT2FN)
+        "hidden_act": (_one_of("silu", "swish"), '"silu" (the SiLU-gated MLP)'),
+        "rope_scaling": (_plain_rope, 'plain RoPE (null, or type "default", else rope_type "default")'),
         "partial_rotary_factor": (_one_of(1.0), "1.0 (RoPE over the whole head)"),
         "use_sliding_window": (_one_of(False, None), "false (full attention in every layer)"),
         "layer_types": (_full_attention, '"full_attention" in every layer (no sliding window)'),
@@ -58,7 +64,7 @@ UNIMPLEMENTED: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
         "qk_bias": (_one_of(True), "true (learned query and key biases)"),
         "bias": (_one_of(False), "false (no biases in the linear layers)"),
         "tie_embeddings": (_one_of(True), "true (the head is the embedding)"),
-        "test_time_noise": (_one_of(0), "0 (no noise on the loop state)"),
+        "test_time_noise": (_one_of(0, None), "0 (no noise on the loop state)"),  # (null: none, as 0)
     },
 }
 _REQUIRED = object()
@@ -142,8 +148,12 @@ class ModelConfig:
             if heads % kv_heads:
                 raise k.error("num_key_value_heads", f"must divide num_attention_heads ({heads}), got {kv_heads}")
             threshold = k.get("early_exit_threshold", 1.0)
-            if threshold is not None and not (is_real(threshold) and 0 < threshold <= 1):
-                raise k.error("early_exit_threshold", f"must be a probability in (0, 1] or null, got {threshold!r}")
+            if threshold is not None and not (is_real(threshold) and threshold > 0):
+                raise k.error("early_exit_threshold", f"must be a number > 0 or null, got {threshold!r}")
+            if threshold is not None and threshold > 1:
+                # upstream's exit CDF never exceeds it, so every token runs to the last step, as at 1.0; stored as
+                # 1.0 because the gate takes a probability in (0, 1] (sequence.resolve_exit_rule)
+                threshold = 1.0
             tie = k.get("tie_word_embeddings", False)
             if not isinstance(tie, bool):
                 raise k.error("tie_word_embeddings", f"must be true or false, got {tie!r}")
@@ -182,7 +192,7 @@ class ModelConfig:
             if state_init not in STATE_INITS:
                 raise k.error("state_init", f"{json.dumps(state_init)} is not supported: loopserve implements "
                                             f"{' and '.join(map(json.dumps, STATE_INITS))} only")
-            init = k.get("init_values", {})
+            init = k.get("init_values", {}, null_is_default=True)
             scale: Any = init.get("embed_scale", math.sqrt(hidden)) if isinstance(init, dict) else None
             if not (is_real(scale) and scale > 0):
                 raise k.error("init_values", f"must be an object whose embed_scale (default sqrt(n_embd)) is a number "

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import inspect
 import json
+import numbers
 import os
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import cached_property, lru_cache
 from pathlib import Path
@@ -78,13 +79,27 @@ def _check_text(text: Any, what: str) -> None:
                          f"U+{ord(text[e.start]):04X})") from None
 
 
-def _token_ids(ids: Any) -> Any:
+def _token_ids(ids: Any, what: str) -> Any:
     """Token ids as the tokenizers library takes them, from what transformers' `decode` takes (its `to_py_obj`): a
-    list as it is, one id (an int) as a list of it, a tensor or an array (torch, numpy) as its list."""
+    list as it is, one id (an int) as a list of it, a tensor or an array (torch, numpy) as its list. ValueError
+    naming `what` for anything else (a str, a float): the library's TypeError would name neither."""
     if isinstance(ids, list):
         return ids
     ids = ids.tolist() if hasattr(ids, "tolist") else ids
-    return [ids] if isinstance(ids, int) else list(ids)
+    if isinstance(ids, int):
+        return [ids]
+    if isinstance(ids, str | bytes) or not isinstance(ids, Iterable):
+        raise ValueError(f"{what}: expected token ids (a list of integers, one integer, or a tensor or array of "
+                         f"them), got {type(ids).__name__}")
+    return list(ids)
+
+
+def _check_ids(ids: list[Any], what: str) -> None:
+    """ValueError naming the first of `ids` that is not a token id: an integer the tokenizers library reads (an
+    unsigned 32-bit one). Called only once the library has refused `ids`, so that a decode pays nothing for it."""
+    for i, token in enumerate(ids):
+        if not (isinstance(token, numbers.Integral) and 0 <= int(token) < 2**32):
+            raise ValueError(f"{what}.{i}: expected a token id (an integer >= 0), got {token!r}")
 
 
 def _refuse_options(given: Mapping[str, Any]) -> None:
@@ -316,11 +331,15 @@ class Tokenizer:
 
     def decode(self, ids: Any, skip_special_tokens: bool = True) -> str:
         """The text of token ids: a list of them, one id (an int), or a tensor or array (torch, numpy) of them, as
-        transformers' `decode` takes them."""
-        ids = _token_ids(ids)
-        if len(ids) > RELEASE_GIL_FROM:
-            return self.tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
-        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        transformers' `decode` takes them (ValueError naming `ids` for anything else)."""
+        ids = _token_ids(ids, "ids")
+        try:
+            if len(ids) > RELEASE_GIL_FROM:
+                return self.tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
+            return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        except (TypeError, OverflowError):  # (the library's errors for an item that is not a u32)
+            _check_ids(ids, "ids")
+            raise
 
     def decode_stream(self, skip_special_tokens: bool = True) -> Callable[[int], str | None]:
         """Incremental decoding: feed generated ids one at a time, get the new text (None while a
@@ -365,8 +384,13 @@ class Tokenizer:
 
     def batch_decode(self, sequences: Any, skip_special_tokens: bool = True) -> list[str]:
         """`decode` of each of `sequences` (a list of them, or a 2-d tensor or array: its rows)."""
-        rows = [_token_ids(ids) for ids in _token_ids(sequences)]
-        return self.tok.decode_batch(rows, skip_special_tokens=skip_special_tokens)
+        rows = [_token_ids(ids, f"sequences.{i}") for i, ids in enumerate(_token_ids(sequences, "sequences"))]
+        try:
+            return self.tok.decode_batch(rows, skip_special_tokens=skip_special_tokens)
+        except (TypeError, OverflowError):  # (as in `decode`)
+            for i, ids in enumerate(rows):
+                _check_ids(ids, f"sequences.{i}")
+            raise
 
     def convert_tokens_to_string(self, tokens: Sequence[str]) -> str:
         """transformers': the text of vocabulary symbols (what `tokenize` gives), read by the tokenizer's decoder

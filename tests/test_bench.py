@@ -958,3 +958,24 @@ def test_stage_recorder_charges_each_batch_of_a_step_to_its_own_stage():
     assert wall == {Stage.PREFILL: pytest.approx(3.0), Stage.PRELUDE: pytest.approx(1.0),
                     Stage.CORE: pytest.approx(1.0)}
     assert not Hooks.stage_hooks  # the recorder unhooks itself
+
+
+def test_bench_state_init_is_the_checkpoints_unless_asked(tmp_path, tiny_huginn):
+    """--state-init takes the loader's choices (model_config.STATE_INITS); unset, the checkpoint's own."""
+    import argparse
+    import shutil
+
+    from loopserve.model_config import STATE_INITS
+    from loopserve_lab.bench.cli import add_model_args
+    from loopserve_lab.bench.harness import BenchModel
+
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    assert p.parse_args([]).state_init is None
+    assert next(a for a in p._actions if a.dest == "state_init").choices == STATE_INITS
+    zero = tmp_path / "zero"
+    shutil.copytree(tiny_huginn, zero)
+    cfg = json.loads((zero / "config.json").read_text())
+    (zero / "config.json").write_text(json.dumps({**cfg, "state_init": "zero"}))
+    assert BenchModel.load(str(zero), "float32").model.state_init == "zero"
+    assert BenchModel.load(str(zero), "float32", "cpu", "like-init").model.state_init == "like-init"

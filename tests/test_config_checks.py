@@ -11,10 +11,13 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
-from loopserve import LLM
+from loopserve import LLM, SamplingParams, load_config
 from loopserve.cli import main as cli_main
+from loopserve.engine import engine as engine_module
 from loopserve.engine.config import EngineConfig
+from loopserve.engine.engine import LLMEngine
 from loopserve.model_config import HUGINN, OURO, UNIMPLEMENTED, ModelConfig
 from loopserve.models.loader import load_model
 
@@ -97,6 +100,7 @@ REFUSED = {
     OURO: [
         ("rope_scaling", {"type": "yarn", "factor": 4.0}),
         ("rope_scaling", {"rope_type": "linear", "factor": 2.0}),
+        ("rope_scaling", {"type": "linear", "rope_type": "default", "factor": 2.0}),  # (OuroConfig: type wins)
         ("use_sliding_window", True),
         ("layer_types", ["full_attention", "sliding_attention"]),
         ("hidden_act", "gelu"),
@@ -133,7 +137,9 @@ def test_unimplemented_setting_is_refused_naming_key_and_value(request, tmp_path
 @pytest.mark.parametrize("changes", [
     {"rope_scaling": None}, {"rope_scaling": {"rope_type": "default"}}, {"rope_scaling": {"type": "default"}},
     {"use_sliding_window": False, "sliding_window": None}, {"use_sliding_window": False, "sliding_window": 4096},
-    {"layer_types": ["full_attention"] * 2}, {"hidden_act": "silu"}, {"partial_rotary_factor": 1.0},
+    {"rope_scaling": {"type": "default", "rope_type": "linear"}},
+    {"layer_types": ["full_attention"] * 2}, {"layer_types": None}, {"hidden_act": "silu"},
+    {"hidden_act": "swish"}, {"partial_rotary_factor": 1.0},
     {"early_exit_step": None}, {"early_exit_threshold": None}, {"num_key_value_heads": None, "head_dim": None},
     {key: ... for key in ("rope_scaling", "use_sliding_window", "sliding_window", "layer_types", "hidden_act")},
 ])
@@ -146,8 +152,21 @@ def test_ouro_neutral_settings_load_as_the_plain_model(tmp_path, tiny_ouro, chan
         assert lm.config == base.config
 
 
+@pytest.mark.parametrize("threshold", [1.5, 7])
+def test_ouro_exit_threshold_above_one_runs_as_one(tmp_path, tiny_ouro, threshold):
+    """Upstream's exit CDF never exceeds a threshold above 1: every token runs to the last step, as at 1.0."""
+    lm = LLM(str(_edited(tiny_ouro, tmp_path / "c", early_exit_threshold=threshold)), dtype="float32",
+             kv_cache_tokens=512)
+    base = LLM(str(tiny_ouro), dtype="float32", kv_cache_tokens=512)
+    assert lm.config == base.config and lm.config.exit_threshold == 1.0
+    params = SamplingParams(max_tokens=4, temperature=0)
+    assert lm.generate(["To be"], params)[0].outputs[0].token_ids == \
+        base.generate(["To be"], params)[0].outputs[0].token_ids
+
+
 @pytest.mark.parametrize("changes", [
-    {"num_key_value_heads": ...}, {"num_key_value_heads": None}, {"test_time_noise": 0},
+    {"num_key_value_heads": ...}, {"num_key_value_heads": None}, {"test_time_noise": 0}, {"test_time_noise": None},
+    {"init_values": None},  # (made with embed_scale sqrt(n_embd), the default)
     {key: ... for key in ("injection_type", "nonlin_name", "norm_class_name", "block_class_name", "mlp_class_name",
                           "qk_bias", "bias", "tie_embeddings", "state_init", "padded_vocab_size")},
 ])
@@ -176,8 +195,9 @@ def test_huginn_state_init_follows_the_checkpoint_unless_asked(tmp_path, tiny_hu
     ("total_ut_steps", 0, ">= 1"), ("total_ut_steps", -2, ">= 1"), ("total_ut_steps", "4", "integer"),
     ("num_hidden_layers", 0, ">= 1"), ("num_attention_heads", 0, ">= 1"), ("hidden_size", 64.0, "integer"),
     ("num_key_value_heads", 3, "divide num_attention_heads (4)"), ("head_dim", 15, "even"),
-    ("rms_norm_eps", None, "> 0"), ("rope_theta", -1.0, "> 0"), ("early_exit_threshold", "0.5", "(0, 1]"),
-    ("early_exit_threshold", 0, "(0, 1]"), ("early_exit_threshold", 1.5, "(0, 1]"),
+    ("rms_norm_eps", None, "> 0"), ("rope_theta", -1.0, "> 0"), ("early_exit_threshold", "0.5", "> 0 or null"),
+    ("early_exit_threshold", 0, "> 0 or null"), ("early_exit_threshold", -1.0, "> 0 or null"),
+    ("early_exit_threshold", True, "> 0 or null"),
     ("max_position_embeddings", 1, ">= 2"), ("tie_word_embeddings", "false", "true or false"),
     ("num_hidden_layers", ..., "missing"),
 ])
@@ -263,6 +283,56 @@ def test_kv_pool_that_cannot_be_made_names_the_knob(tiny_ouro, knobs, words):
     with pytest.raises(ValueError) as e:
         LLM(str(tiny_ouro), dtype="float32", **knobs)
     assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_kv_pool_sized_by_gpu_memory_utilization_names_it():
+    """On CUDA gpu_memory_utilization gives kv_cache_memory_gb (`load_for_engine`): the errors name it."""
+    with pytest.raises(ValueError, match=r"^gpu_memory_utilization: the 1e-07 GiB it leaves for the KV pool holds "
+                                         r"0 tokens of KV \(1000 bytes a token\), less than a block"):
+        EngineConfig(kv_cache_memory_gb=1e-7).kv_pool_tokens(1000, "gpu_memory_utilization")
+    msg = str(EngineConfig(kv_cache_memory_gb=70.0).kv_pool_error(16, 2**30, "cuda:0", "gpu_memory_utilization"))
+    assert msg.startswith("gpu_memory_utilization: the 70 GiB it leaves for the KV pool asks for a KV pool of 16 "
+                          "tokens") and msg.endswith("give a smaller gpu_memory_utilization"), msg
+    # kv_cache_tokens, when given, sized the pool whatever gave kv_cache_memory_gb
+    msg = str(EngineConfig(kv_cache_tokens=64).kv_pool_error(64, 2**20, "cpu", "gpu_memory_utilization"))
+    assert msg.startswith("kv_cache_tokens: 64 asks"), msg
+
+
+def test_engine_kv_pool_errors_name_the_memory_knob_given(tiny_ouro):
+    loaded = load_model(tiny_ouro, "float32", "cpu")
+    with pytest.raises(ValueError, match="^gpu_memory_utilization: the 1e[+]09 GiB it leaves .* could not allocate"):
+        LLMEngine(loaded.model, loaded.tokenizer, EngineConfig(kv_cache_memory_gb=1e9),
+                  kv_memory_knob="gpu_memory_utilization")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_kv_pool_from_gpu_memory_utilization_names_it(tiny_ouro, monkeypatch):
+    monkeypatch.setattr(load_config, "kv_memory_gb", lambda fraction, device: 1e-9)
+    with pytest.raises(ValueError, match="^gpu_memory_utilization: the 1e-09 GiB it leaves for the KV pool holds 0"):
+        LLM(str(tiny_ouro), dtype="float32", device="cuda", gpu_memory_utilization=0.5)
+
+
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                                   RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+                                                "1024 bytes. Error code 12 (Cannot allocate memory)")])
+def test_kv_pool_allocation_failure_names_the_knob(tiny_ouro, monkeypatch, error):
+    def refuse(*args, **kwargs):
+        raise error
+    monkeypatch.setattr(engine_module, "KVStore", refuse)
+    with pytest.raises(ValueError, match="^kv_cache_tokens: 512 asks for a KV pool .* could not allocate"):
+        LLM(str(tiny_ouro), dtype="float32", kv_cache_tokens=512)
+
+
+def test_kv_pool_other_runtime_error_is_not_called_an_allocation_failure(tiny_ouro, monkeypatch):
+    """Only an allocator's refusal becomes "could not allocate"; any other error passes unchanged."""
+    error = RuntimeError("some bug while making the pool")
+
+    def fail(*args, **kwargs):
+        raise error
+    monkeypatch.setattr(engine_module, "KVStore", fail)
+    with pytest.raises(RuntimeError) as e:
+        LLM(str(tiny_ouro), dtype="float32", kv_cache_tokens=512)
+    assert e.value is error
 
 
 def test_cli_kv_pool_too_big_is_one_line(tiny_ouro, capsys):

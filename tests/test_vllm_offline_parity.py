@@ -86,7 +86,8 @@ NEUTRAL = dict(tokenizer_mode="hf", skip_tokenizer_init=False, revision=None, to
                download_dir=None, hf_overrides={}, quantization=None, kv_cache_dtype="auto", cpu_offload_gb=0,
                pipeline_parallel_size=1, enable_chunked_prefill=True, max_logprobs=-1, task="generate",
                runner="auto", enable_lora=False, mm_processor_kwargs=None, disable_custom_all_reduce=True,
-               disable_log_stats=False)
+               disable_log_stats=False, hf_token=None, distributed_executor_backend=None, enable_sleep_mode=False,
+               compilation_config=None)
 
 
 def test_vllms_keywords_at_their_neutral_values_are_taken_and_change_nothing(tiny_ouro):
@@ -94,14 +95,16 @@ def test_vllms_keywords_at_their_neutral_values_are_taken_and_change_nothing(tin
     llm = LLM(tiny_ouro, device="cpu", **NEUTRAL)
     assert _tokens(llm) == plain
     assert _tokens(LLM(tiny_ouro, device="cpu", tokenizer_mode="auto", enable_chunked_prefill=None, task="auto",
-                       max_logprobs=MAX_LOGPROBS, hf_overrides=None, cpu_offload_gb=0.0)) == plain
+                       max_logprobs=MAX_LOGPROBS, hf_overrides=None, cpu_offload_gb=0.0, revision="main")) == plain
+    # (loopserve always chunks, and its outputs do not depend on chunking: vLLM's False changes nothing either)
+    assert _tokens(LLM(tiny_ouro, device="cpu", enable_chunked_prefill=False)) == plain
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     (dict(tokenizer_mode="slow"), r"^tokenizer_mode: not supported by loopserve \(.*tokenizers library.*\); it takes "
                                   r"'auto' or 'hf', got 'slow'$"),
     (dict(skip_tokenizer_init=True), r"^skip_tokenizer_init: not supported by loopserve"),
-    (dict(revision="main"), r"^revision: not supported by loopserve \(.*\); it takes None, got 'main'$"),
+    (dict(revision="v1"), r"^revision: not supported by loopserve \(.*\); it takes None or 'main', got 'v1'$"),
     (dict(tokenizer_revision="v1"), r"^tokenizer_revision: "),
     (dict(download_dir="/tmp"), r"^download_dir: "),
     (dict(hf_overrides={"num_hidden_layers": 1}), r"^hf_overrides: .*it takes None or \{\}"),
@@ -110,7 +113,14 @@ def test_vllms_keywords_at_their_neutral_values_are_taken_and_change_nothing(tin
     (dict(cpu_offload_gb=4), r"^cpu_offload_gb: "),
     (dict(pipeline_parallel_size=2), r"^pipeline_parallel_size: "),
     (dict(pipeline_parallel_size=True), r"^pipeline_parallel_size: .*got True$"),  # (True == 1, but not an int)
-    (dict(enable_chunked_prefill=False), r"^enable_chunked_prefill: .*prefilled in chunks"),
+    (dict(enable_chunked_prefill=0), r"^enable_chunked_prefill: .*prefilled in chunks.*None or True or False, "
+                                     r"got 0$"),
+    (dict(hf_token="hf_abc"), r"^hf_token: .*huggingface_hub's own token"),
+    (dict(hf_token=True), r"^hf_token: .*it takes None, got True$"),
+    (dict(distributed_executor_backend="ray"), r"^distributed_executor_backend: .*in this process"),
+    (dict(enable_sleep_mode=True), r"^enable_sleep_mode: "),
+    (dict(compilation_config=3), r"^compilation_config: .*it takes None, got 3$"),
+    (dict(compilation_config={"level": 0}), r"^compilation_config: "),
     (dict(max_logprobs=5), rf"^max_logprobs: .*capped at {MAX_LOGPROBS}.*it takes -1 or an integer >= "
                            rf"{MAX_LOGPROBS}, got 5$"),
     (dict(max_logprobs=True), r"^max_logprobs: "),
@@ -242,6 +252,31 @@ def test_decode_takes_one_id_and_tensors_as_transformers_does(tiny_ouro):
     assert tok.decode(np.int64(ids[1])) == tok.decode(torch.tensor(ids[1])) == tok.decode([ids[1]])
     rows = [ids[:3], ids[3:6]]
     assert tok.batch_decode(torch.tensor(rows)) == tok.batch_decode(np.array(rows)) == [tok.decode(r) for r in rows]
+
+
+@pytest.mark.parametrize("given,want", [
+    ("abc", "ids: expected token ids (a list of integers, one integer, or a tensor or array of them), got str"),
+    (1.5, "ids: expected token ids .*, got float"), (torch.tensor(1.5), "ids: expected token ids .*, got float"),
+    (None, "ids: expected token ids .*, got NoneType"), (b"ab", "ids: expected token ids .*, got bytes"),
+    (["a"], "ids.0: expected a token id (an integer >= 0), got 'a'"), ([1, 1.5], "ids.1: .* got 1.5"),
+    ([-1], "ids.0: .* got -1"), ([2**32], "ids.0: .* got 4294967296"), ([2**64], "ids.0: .* got 18446744073709551616"),
+])
+def test_decode_of_what_is_not_token_ids_is_a_value_error_naming_it(tiny_ouro, given, want):
+    """Not the tokenizers library's TypeError or OverflowError ("'str' object cannot be interpreted as an
+    integer"), which names neither the argument nor the item."""
+    tok = Tokenizer(tiny_ouro)
+    with pytest.raises(ValueError, match="^" + want.replace("(", r"\(").replace(")", r"\)")):
+        tok.decode(given)
+
+
+def test_batch_decode_of_what_is_not_token_ids_names_the_row(tiny_ouro):
+    tok = Tokenizer(tiny_ouro)
+    with pytest.raises(ValueError, match=r"^sequences\.1: expected token ids .* got str"):
+        tok.batch_decode([[1], "ab"])
+    with pytest.raises(ValueError, match=r"^sequences\.1\.0: expected a token id .* got -1"):
+        tok.batch_decode([[1], [-1]])
+    with pytest.raises(ValueError, match="^sequences: expected token ids .* got float"):
+        tok.batch_decode(1.5)
 
 
 def test_apply_chat_template_takes_a_batch_of_conversations(tiny_ouro):

@@ -108,24 +108,34 @@ class EngineConfig:
         if self.max_num_batched_tokens < self.prefill_chunk_size:
             self.max_num_batched_tokens = self.prefill_chunk_size
 
-    def kv_pool_tokens(self, bytes_per_token: int) -> int:
+    def kv_pool_tokens(self, bytes_per_token: int, memory_knob: str) -> int:
         """The KV pool's size in tokens: kv_cache_tokens, else what kv_cache_memory_gb holds at `bytes_per_token`
-        (ValueError naming it when that is less than a block)."""
+        (ValueError naming `memory_knob`, the setting that gave kv_cache_memory_gb, when that is less than a
+        block)."""
         if self.kv_cache_tokens is not None:
             return self.kv_cache_tokens
         tokens = int(self.kv_cache_memory_gb * 2**30 // bytes_per_token)
         if tokens < self.block_size:
-            raise ValueError(f"kv_cache_memory_gb: {self.kv_cache_memory_gb} GiB holds {tokens} tokens of KV "
+            raise ValueError(f"{memory_knob}: {self._memory_asked(memory_knob)} holds {tokens} tokens of KV "
                              f"({bytes_per_token} bytes a token), less than a block ({self.block_size} tokens)")
         return tokens
 
-    def kv_pool_error(self, tokens: int, nbytes: int, device: object) -> ValueError:
+    def kv_pool_error(self, tokens: int, nbytes: int, device: object, memory_knob: str) -> ValueError:
         """The error for a KV pool of `tokens` tokens (`nbytes` bytes) that `device` could not allocate, naming the
-        knob that sized it."""
-        name = "kv_cache_tokens" if self.kv_cache_tokens is not None else "kv_cache_memory_gb"
-        asked = self.kv_cache_tokens if self.kv_cache_tokens is not None else f"{self.kv_cache_memory_gb} GiB"
+        knob that sized it: kv_cache_tokens, else `memory_knob` (the setting that gave kv_cache_memory_gb)."""
+        if self.kv_cache_tokens is not None:
+            name, asked = "kv_cache_tokens", str(self.kv_cache_tokens)
+        else:
+            name, asked = memory_knob, self._memory_asked(memory_knob)
         return ValueError(f"{name}: {asked} asks for a KV pool of {tokens} tokens, {nbytes} bytes "
                           f"({nbytes / 2**30:.3g} GiB), which {device} could not allocate; give a smaller {name}")
+
+    def _memory_asked(self, memory_knob: str) -> str:
+        """kv_cache_memory_gb as an error names it: as given, or as what `memory_knob` (gpu_memory_utilization,
+        which gives it a fraction of the device, not GiB) left for the KV pool."""
+        if memory_knob == "kv_cache_memory_gb":
+            return f"{self.kv_cache_memory_gb} GiB"
+        return f"the {self.kv_cache_memory_gb:.3g} GiB it leaves for the KV pool"
 
     def boundary_batches_for(self, n_prelude_layers: int, n_coda_layers: int) -> tuple[int, int]:
         """(min_prelude_batch, min_coda_batch) for a model with these prelude and coda layer counts: the knobs as

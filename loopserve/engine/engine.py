@@ -77,11 +77,19 @@ class InFlight:
     deferred: bool = False  # a core step whose signals may wait for the next batch
 
 
+def _could_not_allocate(e: RuntimeError) -> bool:
+    """Whether `e` is an allocator refusing memory: torch.OutOfMemoryError (CUDA's), or the CPU allocator's plain
+    RuntimeError ("DefaultCPUAllocator: can't allocate memory: you tried to allocate N bytes ...")."""
+    return isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e)
+
+
 class LLMEngine:
     def __init__(self, model: LoopedLM, tokenizer: Tokenizer, cfg: EngineConfig, seed: int = 0,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, kv_memory_knob: str = "kv_cache_memory_gb") -> None:
         """`max_model_len`: the most prompt + completion tokens of a request (vLLM's; None: the model's context);
-        a request's prompt is checked against it and its output ends there ("length")."""
+        a request's prompt is checked against it and its output ends there ("length"). `kv_memory_knob`: the
+        setting that gave cfg.kv_cache_memory_gb, which the KV pool's errors name (gpu_memory_utilization where
+        `load_config.load_for_engine` sized the pool from it)."""
         if cfg.scheduler == "reference":
             raise ValueError("scheduler: 'reference' is the sequential oracle, not a batching engine")
         c: ModelConfig = model.config
@@ -95,12 +103,15 @@ class LLMEngine:
         self.model_config = c
         self.layout = KVLayout(cfg.kv_layout, c.n_prelude, c.n_core, c.n_coda, c.r_max)
         per_token = self.layout.bytes_per_token(c.num_kv_heads, c.head_dim, p.dtype)
-        blocks = cfg.kv_pool_tokens(per_token) // cfg.block_size
+        blocks = cfg.kv_pool_tokens(per_token, kv_memory_knob) // cfg.block_size
         try:
             store = KVStore((blocks + 1) * cfg.block_size, self.layout.slots_per_token, c.num_kv_heads, c.head_dim,
                             p.dtype, p.device)
-        except RuntimeError:  # (torch.OutOfMemoryError is one): a ValueError naming the knob, not torch's traceback
-            raise cfg.kv_pool_error(blocks * cfg.block_size, blocks * cfg.block_size * per_token, p.device) from None
+        except RuntimeError as e:  # a pool too big: a ValueError naming the knob, not torch's traceback
+            if not _could_not_allocate(e):
+                raise
+            raise cfg.kv_pool_error(blocks * cfg.block_size, blocks * cfg.block_size * per_token, p.device,
+                                    kv_memory_knob) from None
         # block 0: scratch rows
         # CUDA graphs read the block table where it was when they were captured: give it, from the start, the
         # columns of the longest sequence the pool or the model's positions allow, so it never moves

@@ -13,9 +13,11 @@ request), request_prefill_time_seconds (admission to the first token), request_d
 (first token to finish), request_inference_time_seconds (admission to finish), request_prompt_tokens,
 request_generation_tokens (recorded per output on the engine thread). Units: generation_tokens_total,
 request_success_total and request_generation_tokens count samples (each of n finishes with its own reason and
-length); prompt_tokens_total, request_prompt_tokens, time_to_first_token and the latency histograms count
-requests (what a request's samples share, once). A request that is not
-streamed has one output, when it finishes (`FINAL_ONLY`): its time to first token is the engine's
+length); prompt_tokens_total, request_prompt_tokens, time_to_first_token and the other latency histograms
+(e2e, queue, prefill, decode and inference time) count requests (what a request's samples share, once);
+inter_token_latency counts gaps: one per generated token after a request's first, every sample's tokens
+included (the time since the request's previous output, 0 for the other tokens of one output). A request
+that is not streamed has one output, when it finishes (`FINAL_ONLY`): its time to first token is the engine's
 first-token time, and its inter-token latency is observed as its mean gap, once per gap (the
 histogram's sum and count are exact, its buckets approximate for such requests). A beam search
 (`use_beam_search`) counts as one request per prompt, recorded when it ends (`beam_search`): its

@@ -18,6 +18,7 @@ from loopserve.cache.layout import LAYOUTS
 from loopserve.cli import CommandError
 from loopserve.config_args import add_config_args, config_kwargs
 from loopserve.engine.config import EngineConfig
+from loopserve.model_config import STATE_INITS
 from loopserve_lab.bench.serve import CLOCKS
 from loopserve_lab.bench.step_latency import KV_BLOCKS
 
@@ -48,7 +49,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=DEFAULT_DTYPE, choices=sorted(DTYPES),  # (the dtypes loopserve computes in)
                    help="weights, activations and KV cache (default: %(default)s)")
     g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    g.add_argument("--state-init", default="like-init", choices=["like-init", "zero"], help="Huginn only")
+    g.add_argument("--state-init", default=None, choices=STATE_INITS,
+                   help="Huginn's initial loop state (default: the checkpoint's state_init)")
     g.add_argument("--threads", type=int, default=None,
                    help="torch's CPU threads, for the whole process (default: left as they are)")
     g.add_argument("--seed", type=int, default=0,

@@ -81,7 +81,8 @@ class BenchModel:
 
     @staticmethod
     def load(model: str | None, dtype: str = DEFAULT_DTYPE, device: str = "cpu",
-             state_init: str = "like-init") -> BenchModel:
+             state_init: str | None = None) -> BenchModel:
+        """`state_init`: Huginn's initial loop state, one of model_config.STATE_INITS (None: the checkpoint's)."""
         path = resolve_model(model)
         if dtype == "bfloat16" and bf16_is_emulated(device):
             log.warning("--dtype bfloat16 on a CPU without bfloat16 kernels: every product is emulated (about 5x "

@@ -530,7 +530,7 @@ def _warm_up(hf: HFPeer, bm: Any, wl: Any, cfg: PeerConfig, ov: dict[str, Any]) 
 
 
 def _greedy_check(report: dict[str, Any], workloads: dict[str, Any], path: Path, code: PeerCode, cfg: PeerConfig,
-                  args: argparse.Namespace, ov: dict[str, Any], state_init: str) -> None:
+                  args: argparse.Namespace, ov: dict[str, Any], state_init: str | None) -> None:
     from loopserve_lab.bench.harness import BenchModel
     from loopserve_lab.bench.workloads import Workload
 
