@@ -83,7 +83,8 @@ _NEUTRAL: dict[str, _Neutral] = {
                       "main"),
     "tokenizer_revision": _only("the checkpoint's own tokenizer is loaded, from the model's revision", None),
     "download_dir": _only("a hub model is fetched to the Hugging Face cache", None),
-    "hf_token": _only("a hub model is fetched with huggingface_hub's own token (HF_TOKEN, or a login)", None),
+    # (True is vLLM's "the token of `huggingface-cli login`", which huggingface_hub reads anyway)
+    "hf_token": _only("a hub model is fetched with huggingface_hub's own token (HF_TOKEN, or a login)", None, True),
     "hf_overrides": _only("the checkpoint's config.json is read as it is", None, {}),
     "quantization": _only("weights load unquantized, in `dtype`", None),
     "kv_cache_dtype": _only("the KV cache is kept in the model's dtype", "auto"),

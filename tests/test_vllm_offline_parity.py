@@ -86,7 +86,7 @@ NEUTRAL = dict(tokenizer_mode="hf", skip_tokenizer_init=False, revision=None, to
                download_dir=None, hf_overrides={}, quantization=None, kv_cache_dtype="auto", cpu_offload_gb=0,
                pipeline_parallel_size=1, enable_chunked_prefill=True, max_logprobs=-1, task="generate",
                runner="auto", enable_lora=False, mm_processor_kwargs=None, disable_custom_all_reduce=True,
-               disable_log_stats=False, hf_token=None, distributed_executor_backend=None, enable_sleep_mode=False,
+               disable_log_stats=False, hf_token=True, distributed_executor_backend=None, enable_sleep_mode=False,
                compilation_config=None)
 
 
@@ -116,7 +116,7 @@ def test_vllms_keywords_at_their_neutral_values_are_taken_and_change_nothing(tin
     (dict(enable_chunked_prefill=0), r"^enable_chunked_prefill: .*prefilled in chunks.*None or True or False, "
                                      r"got 0$"),
     (dict(hf_token="hf_abc"), r"^hf_token: .*huggingface_hub's own token"),
-    (dict(hf_token=True), r"^hf_token: .*it takes None, got True$"),
+    (dict(hf_token=False), r"^hf_token: .*it takes None or True, got False$"),
     (dict(distributed_executor_backend="ray"), r"^distributed_executor_backend: .*in this process"),
     (dict(enable_sleep_mode=True), r"^enable_sleep_mode: "),
     (dict(compilation_config=3), r"^compilation_config: .*it takes None, got 3$"),
