@@ -17,7 +17,7 @@ from collections import Counter
 from pathlib import Path
 
 from loopserve.config_args import add_config_args, config_kwargs
-from loopserve.engine.config import EngineConfig
+from loopserve.engine.config import SCHEDULERS, EngineConfig
 from loopserve.exits import DEFAULT_POLICIES, DEFAULT_THRESHOLDS
 from loopserve.load_config import LoadConfig
 
@@ -42,11 +42,12 @@ class CommandError(SystemExit):
         return self.message
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Model flags, and every `EngineConfig` knob (generated), shared by generate, demo and serve."""
+def add_engine_args(p: argparse.ArgumentParser, schedulers: tuple[str, ...] = SCHEDULERS) -> None:
+    """Model flags, and every `EngineConfig` knob (generated), shared by generate, demo and serve (`schedulers`: the
+    ones the command runs)."""
     p.add_argument("--model", default=None, help="HF folder or hub id (unset: the embedded model)")
     add_config_args(p.add_argument_group("model (LLM's keywords of the same names)"), LoadConfig)
-    add_config_args(p.add_argument_group("engine"), EngineConfig)
+    add_config_args(p.add_argument_group("engine"), EngineConfig, choices={"scheduler": schedulers})
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

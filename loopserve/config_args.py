@@ -34,9 +34,10 @@ def _value_type(hint: Any) -> type:
 
 def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, *,
                     skip: tuple[str, ...] = (), all_default: Any = dataclasses.MISSING,
-                    default_note: str | None = None) -> None:
+                    default_note: str | None = None, choices: dict[str, tuple[Any, ...]] | None = None) -> None:
     """One flag per field of dataclass `cls` (except `skip`). `all_default` replaces every default
-    (e.g. None: "the command decides"), described in the help by `default_note`."""
+    (e.g. None: "the command decides"), described in the help by `default_note`; `choices` narrows a field's
+    choices for this command (a subset of the field's own)."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.name in skip:
@@ -48,7 +49,7 @@ def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, c
         text = f.metadata.get("help", "").replace("%", "%%")
         kw: dict[str, Any] = {"default": default, "help": f"{text} ({note})".strip()}
         if "choices" in f.metadata:
-            kw["choices"] = f.metadata["choices"]
+            kw["choices"] = (choices or {}).get(f.name, f.metadata["choices"])
         flag = flag_of(f.name)
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)

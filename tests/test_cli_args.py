@@ -12,7 +12,7 @@ import pytest
 
 from loopserve.cache.layout import LAYOUTS
 from loopserve.cli import build_parser, engine_kwargs
-from loopserve.engine.config import SCHEDULERS, EngineConfig
+from loopserve.engine.config import ENGINE_SCHEDULERS, SCHEDULERS, EngineConfig
 from loopserve.exits import DEFAULT_POLICIES
 from loopserve_lab.bench.cli import BENCH_DRIVEN, engine_overrides
 
@@ -35,9 +35,17 @@ def test_every_engine_knob_is_a_flag_with_the_config_default(command):
     assert engine_kwargs(args) == dataclasses.asdict(EngineConfig())
     actions = _actions([command])
     assert FIELDS <= set(actions)
-    assert list(actions["scheduler"].choices or ()) == list(SCHEDULERS)
+    # serve runs a batching engine: the reference decoder is not offered (nor taken: argparse's exit 2)
+    assert list(actions["scheduler"].choices or ()) == list(ENGINE_SCHEDULERS if command == "serve" else SCHEDULERS)
     assert list(actions["kv_layout"].choices or ()) == list(LAYOUTS)
     assert list(actions["exit_policy"].choices or ()) == list(DEFAULT_POLICIES)  # (a trace is a request's own)
+
+
+def test_serve_refuses_the_reference_scheduler_as_a_flag():
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["serve", "--scheduler", "reference"])
+    assert e.value.code == 2
+    assert build_parser().parse_args(["generate", "--scheduler", "reference"]).scheduler == "reference"
 
 
 def test_flags_reach_the_config():
@@ -261,3 +269,17 @@ def test_from_json_that_is_not_the_commands_results_is_one_error_line(tmp_path, 
     assert "not the results of `loopserve bench step-latency` (no 'points')" in refused(
         ["bench", "step-latency", "--from-json", str(other)])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.json", "other.json"]  # (nothing written)
+
+
+def test_empty_api_keys_fall_back_to_the_variable_with_a_warning(monkeypatch, caplog):
+    """`--api-key "$KEY"` with KEY unset: no key of its own, so $LOOPSERVE_API_KEY (vLLM's rule), said in the log."""
+    from loopserve.serve.cli import API_KEY_ENV, _api_keys
+
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert _api_keys(["a", ""]) == ["a"] and not caplog.records
+    assert _api_keys([""]) == []
+    assert "without a key" in caplog.text
+    monkeypatch.setenv(API_KEY_ENV, "secret")
+    caplog.clear()
+    assert _api_keys([""]) == ["secret"] and f"taking ${API_KEY_ENV}" in caplog.text
+    assert _api_keys(None) == ["secret"]

@@ -9,7 +9,8 @@ from loopserve.cache.layout import LAYOUTS
 from loopserve.config_args import knob as _knob
 from loopserve.sampling_params import is_int, is_real
 
-SCHEDULERS = ("reference", "cb", "cdb-norefill", "cdb")
+ENGINE_SCHEDULERS = ("cb", "cdb-norefill", "cdb")  # the batching engines (`LLMEngine`: what `serve` runs)
+SCHEDULERS = ("reference", *ENGINE_SCHEDULERS)  # and the sequential oracle, which `LLM` also runs
 
 
 @dataclass

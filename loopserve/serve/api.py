@@ -79,6 +79,7 @@ from starlette.requests import ClientDisconnect
 from loopserve.beam_search import BeamSearch, generated_text
 from loopserve.chat_messages import chat_messages, message_text
 from loopserve.engine.budget import completion_budget, pool_tokens, sequence_room
+from loopserve.engine.config import ENGINE_SCHEDULERS
 from loopserve.engine.engine import LLMEngine
 from loopserve.engine.sequence import Sequence, TokensPrompt, resolve_exit_rule, truncate_prompt
 from loopserve.outputs import CompletionOutput, RequestOutput
@@ -186,7 +187,7 @@ def load_engine(model: str | Path | None, **kwargs: Any) -> tuple[LLMEngine, Pat
 
     load, cfg = configs(kwargs)
     if cfg.scheduler == "reference":
-        raise ValueError("scheduler: 'reference' is the sequential oracle; serve needs cb, cdb-norefill or cdb")
+        raise ValueError(f"scheduler: 'reference' is the sequential oracle; serve needs {', '.join(ENGINE_SCHEDULERS)}")
     loaded, cfg, max_model_len, memory_knob = load_for_engine(model if model is not None else default_model_path(),
                                                               load, cfg)
     return LLMEngine(loaded.model, loaded.tokenizer, cfg, load.seed, max_model_len, memory_knob), loaded.path

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loopserve.cli import add_chat_args, add_engine_args, add_exit_args, engine_kwargs, load_kwargs
+from loopserve.engine.config import ENGINE_SCHEDULERS
 from loopserve.load_config import configs
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     # (add_parser builds the top-level parser's class: that class, with this one's parse_known_args)
     p.__class__ = type("ServeParser", (_OwnUsage, type(p)), {})
     p.add_argument("model_tag", nargs="?", default=None, help="model folder (same as --model)")
-    add_engine_args(p)
+    add_engine_args(p, ENGINE_SCHEDULERS)  # (the reference decoder is no engine to serve from)
     add_chat_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (loopback only by default)")
     p.add_argument("--port", type=int, default=8000, help="TCP port")
@@ -301,10 +302,16 @@ def _served_names(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def _api_keys(flags: list[str] | None) -> list[str]:
-    """The accepted keys: the --api-key values, else $LOOPSERVE_API_KEY (flags win, as in vLLM)."""
-    if flags:
-        return [k for k in flags if k]
+    """The accepted keys: the --api-key values, else $LOOPSERVE_API_KEY (flags win, as in vLLM; an empty one, say an
+    unset variable's, is no key, so it falls back to the variable as vLLM's does, with a warning: a server meant to
+    need a key should not quietly take requests without one)."""
+    keys = [k for k in flags or () if k]
+    if keys:
+        return keys
     env = os.environ.get(API_KEY_ENV)
+    if flags:
+        log.warning("--api-key: only empty keys given (an unset variable?); %s", f"taking ${API_KEY_ENV}" if env else
+                    "the server takes requests without a key")
     return [env] if env else []
 
 
