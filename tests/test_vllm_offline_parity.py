@@ -67,6 +67,10 @@ def test_abort_request_takes_vllms_list_of_ids_and_one_id(tiny_ouro):
         "a": ["abort"], "b": ["abort", "abort"], "c": ["length"], "d": ["abort"]}
     with pytest.raises(ValueError, match=r"^request_ids: expected a list of request ids or one id \(a str\), got int"):
         engine.abort_request(5)  # type: ignore[arg-type]
+    # an id is a str, as vLLM's add_request requires (an int would come back as another type than the others)
+    with pytest.raises(ValueError, match=r"^request_id: expected a str, got int 5"):
+        engine.add_request(5, "ROMEO:", SamplingParams(max_tokens=1))  # type: ignore[arg-type]
+    assert not engine.has_unfinished_requests()
 
 
 def test_completion_output_finished_is_vllms_method():

@@ -161,6 +161,10 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: float | None = None, seed: int | None = None) -> None:
+        """Queue a request (every sample of it, n > 1). `request_id` a str, as vLLM's (an int would come back in
+        outputs and sample ids of another type than the caller's other requests): ValueError naming it."""
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id: expected a str, got {type(request_id).__name__} {request_id!r}")
         self.add_sequence(self.make_sequence(request_id, prompt, params, arrival_time, seed))
 
     def add_sequence(self, seq: Sequence) -> None:
