@@ -16,7 +16,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from loopserve.config_args import add_config_args, config_kwargs
+from loopserve.config_args import add_config_args, config_kwargs, flag_of
 from loopserve.engine.config import SCHEDULERS, EngineConfig
 from loopserve.exits import DEFAULT_POLICIES, DEFAULT_THRESHOLDS
 from loopserve.load_config import LoadConfig
@@ -89,12 +89,12 @@ def add_exit_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """The exit-rule flags (`EXIT_FLAGS`: request defaults for `serve`, the requests' own for `generate` / `demo`)."""
     for name, (kind, text) in EXIT_FLAGS.items():
         choices = DEFAULT_POLICIES if name == "exit_policy" else None
-        p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help=text, choices=choices)
+        p.add_argument(flag_of(name), type=kind, default=None, help=text, choices=choices)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     for name, value in GENERATE_DEFAULTS.items():
-        p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=None,
+        p.add_argument(flag_of(name), type=type(value), default=None,
                        help=f"{_SAMPLING_HELP[name]} (unset: the model's generation config, else {value})")
     p.add_argument("--chat", action="store_true", help="each prompt is a user message, rendered by the chat template")
     add_exit_args(p)

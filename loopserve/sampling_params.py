@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from loopserve.engine.sampler import TokenHistory
 
 MAX_LOGPROBS = 20
+MAX_BEAM_WIDTH = MAX_LOGPROBS // 2  # a beam search step asks for the top 2 * beam_width logprobs
 MAX_N = 128  # samples per prompt
 # Sizes that bound one request's cost to the engine (a 400 beyond them). Stop strings are searched for
 # after every token, each on its own (150,000 of them held the engine ~60 ms a token, for everyone).
@@ -503,8 +504,8 @@ def check_beam_search_params(params: BeamSearchParams) -> None:
 
     if not is_int(params.beam_width) or params.beam_width < 1:
         raise bad("beam_width", "must be an integer >= 1")
-    if 2 * params.beam_width > MAX_LOGPROBS:  # each step asks for the top 2 * beam_width logprobs
-        raise bad("beam_width", f"must be at most {MAX_LOGPROBS // 2} (a step asks for 2 * beam_width logprobs, "
+    if params.beam_width > MAX_BEAM_WIDTH:
+        raise bad("beam_width", f"must be at most {MAX_BEAM_WIDTH} (a step asks for 2 * beam_width logprobs, "
                                 f"and loopserve returns at most {MAX_LOGPROBS})")
     if not is_int(params.max_tokens) or params.max_tokens < 1:
         raise bad("max_tokens", "must be an integer >= 1")

@@ -232,6 +232,12 @@ async def _wait_disconnect(receive: Callable) -> None:
             return
 
 
+def _shut_down(e: EngineStoppedError) -> ApiError:
+    """The 503 of a request the server's graceful shutdown refused or ended: retry later (another replica, or this
+    server restarted)."""
+    return ApiError(503, str(e), headers={"Retry-After": str(SHUTDOWN_RETRY_AFTER_S)})
+
+
 def _refuse_beam_grammar(field: str | None) -> None:
     """A 400 naming the grammar field (or `tool_choice`, for a forced tool call) of a `use_beam_search` request."""
     if field is not None:
@@ -440,7 +446,7 @@ class OpenAIServing:
             error = ApiError(503, f"{e}; retry later", headers={"Retry-After": "1"})
         except EngineStoppedError as e:
             self.metrics.reject("shutdown")
-            error = ApiError(503, str(e), headers={"Retry-After": str(SHUTDOWN_RETRY_AFTER_S)})
+            error = _shut_down(e)
         except EngineDeadError as e:
             error = ApiError(503, str(e))
         self.metrics.forget([s.request_id for s in seqs])
@@ -465,7 +471,7 @@ class OpenAIServing:
                 return None
             task.result()
         except EngineStoppedError as e:  # the server's shutdown (`abort_in_flight`): retry (another replica, a restart)
-            raise ApiError(503, str(e), headers={"Retry-After": str(SHUTDOWN_RETRY_AFTER_S)}) from None
+            raise _shut_down(e) from None
         except EngineDeadError as e:
             raise ApiError(503, str(e)) from None
         finally:

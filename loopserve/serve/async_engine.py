@@ -156,14 +156,10 @@ class AsyncLLMEngine:
                 log.warning("engine thread did not stop within %.1f s", timeout_s)
         self._fail_all(EngineStoppedError(SHUTTING_DOWN))
 
-    def stop_admitting(self) -> None:
-        """From now on `add` raises EngineStoppedError (the API answers 503); what is in flight goes on."""
-        self._stopping = True
-
     def abort_all(self, exc: BaseException) -> int:
         """Stop admitting, end every request group in flight with `exc` (its handler answers at once) and abort its
         requests in the engine; the engine thread goes on (`shutdown` stops it). The number of groups ended."""
-        self.stop_admitting()
+        self._stopping = True
         groups = {id(group) for group, _, _ in self._routes.values()}
         if self._routes:
             self.abort(list(self._routes))

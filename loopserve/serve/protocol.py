@@ -15,7 +15,7 @@ Known fields are strict:
   400 saying it is not supported.
 
 vLLM's `use_beam_search: true` runs a beam search (loopserve/beam_search.py, `OpenAIServing.beam_search`) of
-width `n` (1 to MAX_LOGPROBS // 2: a step asks for the top 2 * n logprobs), with `max_tokens`, `temperature`,
+width `n` (1 to MAX_BEAM_WIDTH: a step asks for the top 2 * n logprobs), with `max_tokens`, `temperature`,
 `ignore_eos`, `length_penalty` (refused other than 1 without beam search, which alone uses it) and
 `include_stop_str_in_output`. A field it cannot honour is refused with a 400 naming it unless it is at a value
 that asks for nothing (`_SamplingFields.beam_search_conflicts`): sampling filters, penalties and token
@@ -36,7 +36,13 @@ from typing import Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from loopserve.chat_messages import ROLES
-from loopserve.sampling_params import MAX_LOGPROBS, GuidedDecodingParams, RequestOutputKind, SamplingParams
+from loopserve.sampling_params import (
+    MAX_BEAM_WIDTH,
+    MAX_LOGPROBS,
+    GuidedDecodingParams,
+    RequestOutputKind,
+    SamplingParams,
+)
 from loopserve.tokenizer import template_variables
 
 
@@ -204,12 +210,12 @@ class _SamplingFields(_Strict):
                                 f"{self.length_penalty}", "length_penalty")
 
     def check_beam_search(self) -> None:
-        """A beam search's fields: `n` (the beam width) in [1, MAX_LOGPROBS // 2], and none of
+        """A beam search's fields: `n` (the beam width) in [1, MAX_BEAM_WIDTH], and none of
         `beam_search_conflicts` set to a value that asks for something (400 naming the field)."""
         n = 1 if self.n is None else self.n
-        if not 1 <= n <= MAX_LOGPROBS // 2:
+        if not 1 <= n <= MAX_BEAM_WIDTH:
             raise ApiError(400, f"n: the beam width with use_beam_search must be an integer in [1, "
-                                f"{MAX_LOGPROBS // 2}] (a step asks for the top 2 * n logprobs, at most "
+                                f"{MAX_BEAM_WIDTH}] (a step asks for the top 2 * n logprobs, at most "
                                 f"{MAX_LOGPROBS}), got {n}", "n")
         for name, (neutral, why) in self.beam_search_conflicts().items():
             value = getattr(self, name)

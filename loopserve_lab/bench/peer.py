@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 
+from loopserve.config_args import flag_of
 from loopserve.model_config import HUGINN, OURO
 
 TESTED_TRANSFORMERS = "4.57.6"
@@ -101,7 +102,7 @@ class PeerConfig:
             raise PeerError(f"--workloads: expected a comma list of uniform, alpaca; got {','.join(self.workloads)!r}")
         for name in ("num_requests", "prompt_len", "output_len", "hf_batch", "width", "repeats"):
             if getattr(self, name) < 1:
-                raise PeerError(f"--{name.replace('_', '-')} must be >= 1")
+                raise PeerError(f"{flag_of(name)} must be >= 1")
         if self.check_requests < 0:
             raise PeerError("--check-requests must be >= 0")
         if self.scale <= 0:

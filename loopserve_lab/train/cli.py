@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+from loopserve.config_args import flag_of
+
 # Where `eval` writes unless told: a folder of the current directory, so that a run from the repository's root
 # never overwrites the committed docs/ files (docs/embedded-model.md passes those paths when it means them).
 EVAL_OUT = Path("eval-results")
@@ -19,7 +21,7 @@ def _add_dataclass_args(p: argparse.ArgumentParser, cls, skip: tuple[str, ...] =
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
-        p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default,
+        p.add_argument(flag_of(f.name), type=type(f.default), default=f.default,
                        help=f"(default: {f.default})")
 
 
