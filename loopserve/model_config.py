@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,11 +73,11 @@ _REQUIRED = object()
 class _Keys:
     """A config.json's values, each checked as it is read: a ValueError names the key and the file."""
 
-    def __init__(self, cfg: dict[str, Any], source: str, arch: str) -> None:
-        self.cfg, self.source, self.arch = cfg, source, arch
+    def __init__(self, cfg: dict[str, Any], source: str, arch: str, key_names: Mapping[str, str]) -> None:
+        self.cfg, self.source, self.arch, self.key_names = cfg, source, arch, key_names
 
     def error(self, key: str, why: str) -> ValueError:
-        return ValueError(f"{self.source}: {key}: {why}")
+        return ValueError(f"{self.source}: {self.key_names.get(key, key)}: {why}")
 
     def get(self, key: str, default: Any = _REQUIRED, *, null_is_default: bool = False) -> Any:
         """The key's value; `default` when it is absent (or null, if `null_is_default`)."""
@@ -131,16 +131,18 @@ class ModelConfig:
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
-    def from_hf(cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    def from_hf(cfg: dict[str, Any], source: str = "config.json", key_names: Mapping[str, str] | None = None
+                ) -> ModelConfig:
         """The config of an HF `config.json` dict; ValueError naming `source` and the key for a value loopserve
-        cannot run as upstream does (missing, mistyped, out of range, or an `UNIMPLEMENTED` setting)."""
+        cannot run as upstream does (missing, mistyped, out of range, or an `UNIMPLEMENTED` setting). `key_names`
+        names keys in errors as the caller's user knows them (make-tiny: its options)."""
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else None
         if arch not in ARCHITECTURES:
             raise ValueError(
                 f"{source}: unknown architecture {arch!r}; loopserve supports {', '.join(ARCHITECTURES)}"
             )
-        k = _Keys(cfg, source, arch)
+        k = _Keys(cfg, source, arch, key_names or {})
         k.unimplemented()
         if arch == OURO:
             hidden, heads = k.integer("hidden_size"), k.integer("num_attention_heads")

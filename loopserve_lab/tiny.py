@@ -47,6 +47,22 @@ class TinySpec:
     seed: int = 0
 
 
+# The config.json keys each TinySpec field is written to, so that the loader's errors name the field (make-tiny's
+# option of the same name) and the key
+SPEC_FIELD_OF_KEY = {
+    key: spec_field if key == spec_field else f"{spec_field} ({key})"
+    for spec_field, keys in (
+        ("hidden_size", ("hidden_size", "n_embd")), ("num_heads", ("num_attention_heads", "n_heads")),
+        ("num_kv_heads", ("num_key_value_heads",)), ("intermediate_size", ("intermediate_size",)),
+        ("vocab_size", ("vocab_size", "padded_vocab_size")),
+        ("layers", ("num_hidden_layers", "n_layers_in_prelude", "n_layers_in_recurrent_block", "n_layers_in_coda")),
+        ("r_max", ("total_ut_steps", "mean_recurrence")),
+        ("hidden_size / num_heads", ("head_dim", "head_dim (hidden_size // num_attention_heads)", "n_embd / n_heads")),
+    )
+    for key in keys
+}
+
+
 def hf_config(spec: TinySpec) -> dict:
     """The config.json of `spec` (ValueError naming the spec field for a setting its architecture lacks; the values
     themselves are checked as the loader checks them, by `make_tiny`)."""
@@ -86,8 +102,8 @@ def hf_config(spec: TinySpec) -> dict:
     except ValueError:
         raise ValueError(f"layers: Huginn needs 'prelude-core-coda' like '2-4-2', got {spec.layers!r}") from None
     h = spec.hidden_size
-    depth = p + c * spec.r_max + d
-    std = math.sqrt(2 / (5 * h))
+    depth = max(p + c * spec.r_max + d, 1)  # (0 core layers or loops: refused as the loader refuses them)
+    std = math.sqrt(2 / (5 * max(h, 1)))
     return {
         "architectures": [HUGINN],
         "auto_map": _auto_map(HUGINN),
@@ -149,7 +165,7 @@ def make_tiny(out: str | Path, spec: TinySpec, shards: int = 1) -> Path:
     if not (is_int(shards) and shards >= 1):
         raise ValueError(f"shards: must be an integer >= 1, got {shards!r}")
     raw = hf_config(spec)
-    config = ModelConfig.from_hf(raw, "make-tiny's config.json")
+    config = ModelConfig.from_hf(raw, "make-tiny", SPEC_FIELD_OF_KEY)
     tokenizer = byte_level_tokenizer(spec.arch, spec.vocab_size)
     out.mkdir(parents=True, exist_ok=True)
     with torch.device("meta"):

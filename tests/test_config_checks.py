@@ -227,14 +227,16 @@ def test_huginn_odd_head_dim_is_refused(tmp_path, tiny_huginn):
 
 # ---------------- make-tiny refuses what the loader would refuse, writing nothing
 
-@pytest.mark.parametrize("flags,words", [
-    (["--hidden-size", "63"], ["head_dim", "even"]),
-    (["--num-kv-heads", "3"], ["num_key_value_heads", "divide"]),
-    (["--r-max", "0"], ["total_ut_steps", ">= 1"]),
-    (["--arch", "huginn", "--r-max", "0"], ["mean_recurrence", ">= 1"]),
+@pytest.mark.parametrize("flags,words", [  # (the option's name first, then the config.json key it is written to)
+    (["--hidden-size", "63"], ["hidden_size / num_heads (head_dim", "even"]),
+    (["--num-kv-heads", "3"], ["num_kv_heads (num_key_value_heads)", "divide"]),
+    (["--r-max", "0"], ["r_max (total_ut_steps)", ">= 1"]),
+    (["--arch", "huginn", "--r-max", "0"], ["r_max (mean_recurrence)", ">= 1"]),
     (["--shards", "0"], ["shards", ">= 1"]),
-    (["--num-heads", "0"], ["num_attention_heads", ">= 1"]),
-    (["--arch", "huginn", "--hidden-size", "63"], ["n_embd", "multiple of n_heads"]),
+    (["--num-heads", "0"], ["num_heads (num_attention_heads)", ">= 1"]),
+    (["--arch", "huginn", "--hidden-size", "63"], ["hidden_size (n_embd)", "multiple of n_heads"]),
+    (["--arch", "huginn", "--hidden-size", "0"], ["hidden_size (n_embd)", ">= 1"]),  # (was a ZeroDivisionError)
+    (["--arch", "huginn", "--layers", "0-0-0"], ["layers (n_layers_in_recurrent_block)", ">= 1"]),  # (the same)
     (["--arch", "huginn", "--num-kv-heads", "2"], ["num_kv_heads", "Ouro only"]),
     (["--arch", "huginn", "--lookahead-gate"], ["lookahead_gate", "Ouro only"]),
     (["--vocab-size", "100"], ["vocab_size"]),
