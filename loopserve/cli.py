@@ -128,12 +128,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             text = Path(args.prompts_file).read_text()
         except (OSError, UnicodeDecodeError) as e:
             why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-            print(f"error: --prompts-file: {args.prompts_file}: {why}", file=sys.stderr)
-            return 2
+            raise CommandError(f"--prompts-file: {args.prompts_file}: {why}") from None
         prompts += [ln.rstrip("\n") for ln in text.splitlines() if ln.strip()]
     if not prompts:
-        print("error: give prompts as arguments or with --prompts-file", file=sys.stderr)
-        return 2
+        raise CommandError("give prompts as arguments or with --prompts-file")
     try:
         llm = LLM(args.model, chat_template=args.chat_template, generation_config=args.generation_config,
                   **load_kwargs(args), **engine_kwargs(args))
@@ -145,16 +143,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if args.chat or args.chat_template is not None:
             prompts = [llm._chat_prompt([{"role": "user", "content": p}]) for p in prompts]
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise CommandError(str(e)) from None
     try:  # (a request the engine can never run, say past its KV pool, is refused before it starts)
         if args.scheduler == "reference" or len(prompts) > 1:
             outs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
         else:
             seq = llm._make_sequence(prompts[0], params)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise CommandError(str(e)) from None
     if args.scheduler == "reference" or len(prompts) > 1:
         all_depths = []
         for o in outs:
@@ -190,13 +186,11 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     if out.exists() and not out.is_dir():
-        print(f"error: {out}: exists and is not a folder (make-tiny writes a checkpoint folder)", file=sys.stderr)
-        return 2
+        raise CommandError(f"{out}: exists and is not a folder (make-tiny writes a checkpoint folder)")
     if out.is_dir() and any(out.iterdir()):
         # (another checkpoint's files left beside the new ones, say Ouro's beside Huginn's, would make a folder
         # that loads as neither)
-        print(f"error: {out}: the folder is not empty; give a new or empty folder", file=sys.stderr)
-        return 2
+        raise CommandError(f"{out}: the folder is not empty; give a new or empty folder")
     layers = args.layers or ("2" if args.arch == "ouro" else "2-2-2")
     r_max = args.r_max if args.r_max is not None else (4 if args.arch == "ouro" else 8)
     spec = TinySpec(arch=args.arch, hidden_size=args.hidden_size, num_heads=args.num_heads,
@@ -206,11 +200,9 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
     try:
         out = make_tiny(out, spec, shards=args.shards)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise CommandError(str(e)) from None
     except OSError as e:  # (a folder that cannot be made or written: /proc/x, read-only, disk full)
-        print(f"error: {out}: cannot write the checkpoint there ({e.strerror or e})", file=sys.stderr)
-        return 2
+        raise CommandError(f"{out}: cannot write the checkpoint there ({e.strerror or e})") from None
     print(f"wrote {args.arch} tiny checkpoint to {out}")
     return 0
 

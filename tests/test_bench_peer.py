@@ -48,7 +48,10 @@ def _ouro_code(folder: Path) -> Path:
 def _peer(argv: list[str], capsys) -> tuple[int, str]:
     from loopserve.cli import main
 
-    rc = main(["bench", "peer", "--model", "micro-ouro", "--no-progress", *argv])
+    try:
+        rc = main(["bench", "peer", "--model", "micro-ouro", "--no-progress", *argv])
+    except SystemExit as e:  # (a refusal: `error:` line, status 2)
+        rc = int(e.code or 0)
     err = capsys.readouterr().err
     return rc, err
 

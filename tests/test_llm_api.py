@@ -175,7 +175,9 @@ def test_generate_cli_chat_and_generation_config(tiny_ouro, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "Q: Why\nA:" in out and "2 tokens" in out
     assert cli_main([*args, "--generation-config", "vllm", "--max-tokens", "1", "Hi"]) == 0
-    assert cli_main([*args, "--chat-template", str(tmp_path / "missing"), "Hi"]) == 2
+    with pytest.raises(SystemExit) as exited:
+        cli_main([*args, "--chat-template", str(tmp_path / "missing"), "Hi"])
+    assert exited.value.code == 2
     assert "neither a file nor a Jinja template" in capsys.readouterr().err
 
 
@@ -187,7 +189,9 @@ def test_generate_cli_prompts_file(tiny_ouro, tmp_path, capsys):
     assert cli_main([*args, "--prompts-file", str(prompts), "zeroth"]) == 0
     out = capsys.readouterr().out
     assert out.index(">>> zeroth") < out.index(">>> first one") < out.index(">>> second one")
-    assert cli_main([*args, "--prompts-file", str(tmp_path / "nofile.txt")]) == 2
+    with pytest.raises(SystemExit) as exited:
+        cli_main([*args, "--prompts-file", str(tmp_path / "nofile.txt")])
+    assert exited.value.code == 2
     err = capsys.readouterr().err
     assert err == f"error: --prompts-file: {tmp_path / 'nofile.txt'}: No such file or directory\n"
 

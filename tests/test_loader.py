@@ -433,7 +433,9 @@ def test_cli_make_tiny(tmp_path, capsys):
     assert cli_main(["make-tiny", str(out2), "--num-kv-heads", "2", "--lookahead-gate"]) == 0
     lm2 = load_model(out2, "float32", "cpu")
     assert lm2.config.arch == "OuroForCausalLM" and lm2.config.num_kv_heads == 2 and lm2.model.has_lookahead_gate
-    assert cli_main(["make-tiny", str(tmp_path / "bad"), "--arch", "huginn", "--layers", "x"]) == 2
+    with pytest.raises(SystemExit) as exited:
+        cli_main(["make-tiny", str(tmp_path / "bad"), "--arch", "huginn", "--layers", "x"])
+    assert exited.value.code == 2
     assert "layers" in capsys.readouterr().err
 
 
@@ -442,13 +444,17 @@ def test_cli_make_tiny_refuses_a_file_or_a_folder_with_files(tmp_path, capsys):
     non-empty folder is refused, with one error line and status 2, and left as it was; an empty one is taken."""
     afile = tmp_path / "afile"
     afile.write_text("x")
-    assert cli_main(["make-tiny", str(afile)]) == 2
+    with pytest.raises(SystemExit) as exited:
+        cli_main(["make-tiny", str(afile)])
+    assert exited.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "not a folder" in err and err.count("\n") == 1
     ouro = tmp_path / "ouro"
     assert cli_main(["make-tiny", str(ouro)]) == 0
     before = sorted(p.name for p in ouro.iterdir())
-    assert cli_main(["make-tiny", str(ouro), "--arch", "huginn", "--layers", "1-1-1"]) == 2
+    with pytest.raises(SystemExit) as exited:
+        cli_main(["make-tiny", str(ouro), "--arch", "huginn", "--layers", "1-1-1"])
+    assert exited.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "not empty" in err and err.count("\n") == 1
     assert sorted(p.name for p in ouro.iterdir()) == before
@@ -456,5 +462,7 @@ def test_cli_make_tiny_refuses_a_file_or_a_folder_with_files(tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert cli_main(["make-tiny", str(empty), "--layers", "1"]) == 0
-    assert cli_main(["make-tiny", str(tmp_path / "o2"), "--layers", "2-4-2"]) == 2
+    with pytest.raises(SystemExit) as exited:
+        cli_main(["make-tiny", str(tmp_path / "o2"), "--layers", "2-4-2"])
+    assert exited.value.code == 2
     assert "Ouro takes a number of layers" in capsys.readouterr().err

@@ -237,7 +237,9 @@ def test_stalled_connections_are_closed_after_the_read_timeout(server):
 def test_request_read_timeout_must_be_positive(value, capsys):
     from loopserve.cli import main
 
-    assert main(["serve", "--model", "unused", "--request-read-timeout", value]) == 2  # before loading anything
+    with pytest.raises(SystemExit) as exited:  # before loading anything
+        main(["serve", "--model", "unused", "--request-read-timeout", value])
+    assert exited.value.code == 2
     assert "--request-read-timeout: must be a number of seconds > 0" in capsys.readouterr().err
 
 

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from loopserve.cli import add_chat_args, add_engine_args, add_exit_args, engine_kwargs, load_kwargs
+from loopserve.cli import CommandError, add_chat_args, add_engine_args, add_exit_args, engine_kwargs, load_kwargs
 from loopserve.engine.config import ENGINE_SCHEDULERS
 from loopserve.load_config import configs
 
@@ -240,8 +240,7 @@ def load_server(args: argparse.Namespace) -> tuple[LLMEngine, ServerSettings]:
 def cmd_serve(args: argparse.Namespace) -> int:
     problem = _check(args)
     if problem is not None:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
+        raise CommandError(problem)
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     if uses_ray(args):  # imported only here: the single-process server never loads Ray
         from loopserve.serve.ray import run_replicas
@@ -255,8 +254,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         engine, settings = load_server(args)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise CommandError(str(e)) from None
     engine_failed = False
 
     def stop_serving() -> None:  # on the event loop, once the engine thread has died

@@ -51,6 +51,7 @@ import ray
 from ray import serve
 from ray.serve import Application
 
+from loopserve.cli import CommandError
 from loopserve.serve.protocol import SHUTDOWN_RETRY_AFTER_S, SHUTTING_DOWN, error_body
 
 log = logging.getLogger("loopserve.serve")
@@ -361,14 +362,13 @@ class LoopServeReplica:
 
 # -- `loopserve serve --replicas N` ----------------------------------------------------------------------------
 def run_replicas(args: argparse.Namespace) -> int:
-    """Serve the flags' model on Ray Serve until SIGTERM (exit 0) or SIGINT (130); 2 for bad flags,
+    """Serve the flags' model on Ray Serve until SIGTERM (exit 0) or SIGINT (130); a CommandError for bad flags,
     1 if the application could not be deployed."""
     local = args.ray_address is None
     try:
         deployment_options(args, gpus=False)  # bad engine flags: before Ray starts
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise CommandError(str(e)) from None
     stop = threading.Event()
     code = {"value": 0}
 
@@ -388,8 +388,7 @@ def run_replicas(args: argparse.Namespace) -> int:
         try:
             application = build_application(args)
         except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+            raise CommandError(str(e)) from None
         serve.start(http_options={"host": args.host, "port": args.port})
         try:
             serve.run(application, name=APP_NAME, route_prefix="/", blocking=False)

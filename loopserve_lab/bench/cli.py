@@ -219,14 +219,11 @@ def cmd_theory(args: argparse.Namespace) -> int:
         path = Path(args.model)
         path = path / "config.json" if path.is_dir() else path
         if not path.is_file():
-            print(f"error: --model: {args.model!r} is neither a preset nor a config.json / checkpoint folder",
-                  file=sys.stderr)
-            return 2
+            raise CommandError(f"--model: {args.model!r} is neither a preset nor a config.json / checkpoint folder")
         try:
             config = json.loads(path.read_text())
         except (OSError, ValueError) as e:  # (unreadable, not UTF-8, or not JSON)
-            print(f"error: --model: {path}: not a readable JSON config ({e})", file=sys.stderr)
-            return 2
+            raise CommandError(f"--model: {path}: not a readable JSON config ({e})") from None
     try:
         from loopserve_lab.bench.theory import model_config
 
@@ -234,8 +231,7 @@ def cmd_theory(args: argparse.Namespace) -> int:
         mean = args.mean_depth if args.mean_depth is not None else 0.625 * r
         rep = theory_report(config, mean, args.r_max, args.context, args.roofline, args.dtype)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise CommandError(str(e)) from None
     print(format_report(rep))
     if args.out:
         print(f"wrote {write_json(args.out / 'theory.json', rep)}", file=sys.stderr)

@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 
+from loopserve.cli import CommandError
 from loopserve.config_args import flag_of
 from loopserve.model_config import HUGINN, OURO
 
@@ -449,8 +450,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
     try:
         return _peer(args)
     except PeerError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise CommandError(str(e)) from None
 
 
 def _peer(args: argparse.Namespace) -> int:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
+from loopserve.cli import CommandError
 from loopserve.config_args import flag_of
 
 # Where `eval` writes unless told: a folder of the current directory, so that a run from the repository's root
@@ -33,15 +33,13 @@ def cmd_train_tiny(args: argparse.Namespace) -> int:
     try:
         train(cfg, progress=not args.no_progress)
     except (ValueError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise CommandError(str(e)) from None
     return 0
 
 
 def _model(args) -> str:
     """The model folder to evaluate (the embedded model unless given), or a CommandError (`error:` line, exit 2)
     if it is not a checkpoint folder: checked before anything runs, as `load_model` would refuse it."""
-    from loopserve.cli import CommandError
     from loopserve.models.loader import embedded_model_path, resolve_model_path
 
     model = str(args.model or embedded_model_path())
