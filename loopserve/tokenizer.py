@@ -384,6 +384,10 @@ class Tokenizer:
 
     def batch_decode(self, sequences: Any, skip_special_tokens: bool = True) -> list[str]:
         """`decode` of each of `sequences` (a list of them, or a 2-d tensor or array: its rows)."""
+        if isinstance(sequences, numbers.Integral) or getattr(sequences, "ndim", None) == 0:
+            # (one id is not a batch: transformers fails iterating over it)
+            raise ValueError(f"sequences: expected a list of token-id sequences (or a 2-d tensor or array), got "
+                             f"{type(sequences).__name__} {sequences!r}")
         rows = [_token_ids(ids, f"sequences.{i}") for i, ids in enumerate(_token_ids(sequences, "sequences"))]
         try:
             return self.tok.decode_batch(rows, skip_special_tokens=skip_special_tokens)

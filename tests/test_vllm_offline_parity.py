@@ -281,6 +281,10 @@ def test_batch_decode_of_what_is_not_token_ids_names_the_row(tiny_ouro):
         tok.batch_decode([[1], [-1]])
     with pytest.raises(ValueError, match="^sequences: expected token ids .* got float"):
         tok.batch_decode(1.5)
+    for one_id in (3, np.int64(3), torch.tensor(3)):  # (one id is not a batch: it decoded as [3] before)
+        with pytest.raises(ValueError, match="^sequences: expected a list of token-id sequences"):
+            tok.batch_decode(one_id)
+    assert tok.batch_decode(torch.tensor([3])) == [tok.decode(3)]  # (a 1-d tensor: each id alone, as transformers)
 
 
 def test_apply_chat_template_takes_a_batch_of_conversations(tiny_ouro):
