@@ -8,7 +8,6 @@ import itertools
 import logging
 from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +34,9 @@ from loopserve.engine.sequence import (
 from loopserve.load_config import LOAD_FIELDS, configs, load_for_engine
 from loopserve.models.loader import embedded_model_path
 from loopserve.outputs import RequestOutput
-from loopserve.sampling_params import MAX_LOGPROBS, BeamSearchParams, RequestOutputKind, SamplingParams, is_int
+from loopserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from loopserve.tokenizer import Tokenizer, template_variables
+from loopserve.vllm_neutral import NEUTRAL, check_neutral
 
 Conversation = Seq[Mapping[str, Any]]  # [{"role": "user", "content": "..."}, ...]
 
@@ -50,79 +50,6 @@ def default_model_path() -> Path:
     if not (path / "model.safetensors").is_file():
         raise ValueError(f"model: the embedded model is missing from {path}; pass model=PATH")
     return path
-
-
-@dataclass(frozen=True)
-class _Neutral:
-    """One of vLLM's arguments for what loopserve has no counterpart of, taken at the values that ask for nothing of
-    it (vLLM's defaults, mostly), so that vLLM's scripts that pass them run as they are."""
-
-    accepts: Callable[[Any], bool]
-    values: str  # the values taken, as the error for any other names them
-    why: str  # what loopserve does instead
-    init: bool = True  # an `LLM(...)` keyword (else an argument of `generate` or `chat` only)
-
-
-def _only(why: str, *values: Any, init: bool = True) -> _Neutral:
-    """Taken at exactly these values, type and all (True is not 1)."""
-    return _Neutral(lambda v: any(type(v) is type(x) and v == x for x in values), " or ".join(map(repr, values)), why,
-                    init)
-
-
-_ANY = "any value"
-
-# vLLM's `LLM(...)` keywords, and the arguments of `generate` and `chat`, for what loopserve lacks: each taken at the
-# values that ask for nothing of it, any other a ValueError naming it (`_check_neutral`).
-_NEUTRAL: dict[str, _Neutral] = {
-    "disable_log_stats": _Neutral(lambda v: True, _ANY, "this class logs no periodic stats"),
-    "disable_custom_all_reduce": _Neutral(lambda v: True, _ANY, "it has no tensor parallelism to all-reduce for"),
-    "tokenizer_mode": _only("the checkpoint's tokenizer.json is read by the tokenizers library: the fast tokenizer "
-                            "'auto' and 'hf' pick", "auto", "hf"),
-    "skip_tokenizer_init": _only("the checkpoint's tokenizer is always loaded", False),
-    "revision": _only("the model folder or hub id is loaded as it is, its default revision from the hub", None,
-                      "main"),
-    "tokenizer_revision": _only("the checkpoint's own tokenizer is loaded, from the model's revision", None),
-    "download_dir": _only("a hub model is fetched to the Hugging Face cache", None),
-    # (True is vLLM's "the token of `huggingface-cli login`", which huggingface_hub reads anyway)
-    "hf_token": _only("a hub model is fetched with huggingface_hub's own token (HF_TOKEN, or a login)", None, True),
-    "hf_overrides": _only("the checkpoint's config.json is read as it is", None, {}),
-    "quantization": _only("weights load unquantized, in `dtype`", None),
-    "kv_cache_dtype": _only("the KV cache is kept in the model's dtype", "auto"),
-    "cpu_offload_gb": _only("weights are not offloaded", 0, 0.0),
-    "pipeline_parallel_size": _only("a model runs on one device", 1),
-    "distributed_executor_backend": _only("a model runs in this process, on one device", None),
-    # (False too: loopserve always chunks, and its outputs do not depend on it: the chunks change no math under
-    # depth_indexed and last_exited, and under shared their starts are fixed by prefill_chunk_size, not by how
-    # the scheduler packs them, docs/design.md §4.2)
-    "enable_chunked_prefill": _only("prompts are always prefilled in chunks (prefill_chunk_size, max_num_batched_"
-                                    "tokens)", None, True, False),
-    "enable_sleep_mode": _only("the model and KV cache stay on the device until the LLM is dropped", False),
-    "compilation_config": _only("loopserve compiles its own stages (CUDA graphs: cuda_graphs, enforce_eager)",
-                                None),
-    # vLLM's cap on a request's logprobs and prompt_logprobs (-1: none): loopserve's is MAX_LOGPROBS, vLLM's
-    # default, whatever is passed, so a value that allows at least that much asks for nothing; a request over it is
-    # a ValueError naming its field either way
-    "max_logprobs": _Neutral(lambda v: is_int(v) and (v == -1 or v >= MAX_LOGPROBS),
-                             f"-1 or an integer >= {MAX_LOGPROBS}",
-                             f"a request's logprobs are capped at {MAX_LOGPROBS}, vLLM's default"),
-    "task": _only("it serves generative models only", "auto", "generate"),  # (vLLM's name before `runner`)
-    "runner": _only("it serves generative models only", "auto", "generate"),
-    "enable_lora": _only("no LoRA adapters", False),
-    "lora_request": _only("no LoRA adapters", None, init=False),
-    "priority": _Neutral(lambda v: v is None or (isinstance(v, Seq) and all(p == 0 for p in v)), "None or all 0",
-                         "no priority scheduling", init=False),
-    "mm_processor_kwargs": _only("no multimodal inputs", None, {}),
-}
-
-
-def _check_neutral(**given: Any) -> None:
-    """ValueError naming the first of `given` (keywords of `_NEUTRAL`) set to a value that asks for what loopserve
-    lacks."""
-    for name, value in given.items():
-        neutral = _NEUTRAL[name]
-        if not neutral.accepts(value):
-            raise ValueError(f"{name}: not supported by loopserve ({neutral.why}); it takes {neutral.values}, "
-                             f"got {value!r}")
 
 
 # vLLM's entry points for pooling models (embeddings, classification, scores, rewards): loopserve serves generative
@@ -144,15 +71,15 @@ class LLM:
         """`kwargs`: `LoadConfig` fields (dtype, device, state_init, seed, max_model_len, gpu_memory_utilization,
         enforce_eager, tensor_parallel_size, trust_remote_code, tokenizer, swap_space, threads: what the `serve`
         flags of those names mean, with the same defaults), `EngineConfig` fields, and vLLM's keywords for what
-        loopserve lacks (`_NEUTRAL`: tokenizer_mode, quantization, kv_cache_dtype, max_logprobs, ...) at the values
+        loopserve lacks (`NEUTRAL`: tokenizer_mode, quantization, kv_cache_dtype, max_logprobs, ...) at the values
         that ask for nothing of it. ValueError naming the argument at fault."""
-        neutral = {name for name, n in _NEUTRAL.items() if n.init}
+        neutral = {name for name, n in NEUTRAL.items() if n.init}
         known = {*LOAD_FIELDS, *(f.name for f in dataclasses.fields(EngineConfig)), *neutral}
         unknown = sorted(set(kwargs) - known)
         if unknown:
             names = ", ".join(sorted({"model", "chat_template", "generation_config", *known}))
             raise ValueError(f"{unknown[0]}: not an LLM argument (known: {names})")
-        _check_neutral(**{k: v for k, v in kwargs.items() if k in neutral})
+        check_neutral(**{k: v for k, v in kwargs.items() if k in neutral})
         self.load_config, self.engine_config = configs({k: v for k, v in kwargs.items() if k not in neutral})
         loaded, self.engine_config, self.max_model_len, memory_knob = load_for_engine(
             model if model is not None else default_model_path(), self.load_config, self.engine_config,
@@ -237,23 +164,24 @@ class LLM:
 
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True, lora_request: Any = None,
+                 use_tqdm: bool | Callable[..., tqdm] = True, lora_request: Any = None,
                  priority: Seq[int] | None = None) -> list[RequestOutput]:
         """Outputs in the order of `prompts` (one prompt or a list: text, token ids or a prompt dict). Every
         request is checked before any runs: a ValueError naming the field means none ran. `lora_request` and
         `priority` are vLLM's, taken at the values that ask for nothing (None; priorities all 0)."""
-        _check_neutral(lora_request=lora_request, priority=priority)
+        check_neutral(lora_request=lora_request, priority=priority)
         return self._run(prompt_list(prompts), sampling_params, use_tqdm)
 
     def beam_search(self, prompts: PromptType | Seq[PromptType], params: BeamSearchParams, lora_request: Any = None,
                     use_tqdm: bool = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
         """vLLM's beam search: one `BeamSearchOutput` per prompt (its best `params.beam_width` beams, best first);
         each step runs every live beam as a full-depth prompt, all in one `generate` call (loopserve/beam_search.py)."""
-        _check_neutral(lora_request=lora_request)
+        check_neutral(lora_request=lora_request)
         return _beam_search(self, prompts, params, use_tqdm=use_tqdm, concurrency_limit=concurrency_limit)
 
     def chat(self, messages: Conversation | Seq[Conversation],
-             sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True,
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             use_tqdm: bool | Callable[..., tqdm] = True,
              lora_request: Any = None, chat_template: str | None = None,
              chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: Seq[Mapping[str, Any]] | None = None,
@@ -272,7 +200,7 @@ class LLM:
         checked and rendered as the server's are (`chat_messages`): the template gets a message's role,
         content, name, tool_calls (arguments as dicts) and tool_call_id; other keys are ignored with a
         warning in the log."""
-        _check_neutral(lora_request=lora_request, mm_processor_kwargs=mm_processor_kwargs)
+        check_neutral(lora_request=lora_request, mm_processor_kwargs=mm_processor_kwargs)
         if chat_template_content_format not in ("auto", "string"):
             raise ValueError(f"chat_template_content_format: {chat_template_content_format!r} is not supported: a "
                              "message's content reaches the template as text ('string'; 'auto' picks it too)")
@@ -312,7 +240,7 @@ class LLM:
                                                                           what=where)}
 
     def _run(self, prompt_list: list[PromptType], sampling_params: SamplingParams | Seq[SamplingParams] | None,
-             use_tqdm: bool) -> list[RequestOutput]:
+             use_tqdm: bool | Callable[..., tqdm]) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -353,10 +281,12 @@ class LLM:
 
 
 class _ProgressBar:
-    """vLLM's offline progress bar: requests done, and the prompt and output tokens/s of those done."""
+    """vLLM's offline progress bar: requests done, and the prompt and output tokens/s of those done. `use_tqdm`: on
+    or off, or the tqdm class (or factory) to draw it with, as vLLM takes it (a notebook's, a logging one)."""
 
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.bar = tqdm(total=total, disable=not enabled, desc="Processed prompts", dynamic_ncols=True,
+    def __init__(self, total: int, use_tqdm: bool | Callable[..., tqdm]) -> None:
+        make = use_tqdm if callable(use_tqdm) else tqdm
+        self.bar = make(total=total, disable=not use_tqdm, desc="Processed prompts", dynamic_ncols=True,
                         postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
         self.prompt_tokens = self.output_tokens = 0
 

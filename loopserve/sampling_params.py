@@ -259,8 +259,8 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    seed: int | None = None  # -1 is taken as None (unseeded), as vLLM takes it
+    stop: str | list[str] | None = None  # None is taken as [] (as vLLM does)
     stop_token_ids: list[int] = field(default_factory=list)  # None is taken as [] (vLLM types it Optional)
     ignore_eos: bool = False
     logprobs: int | None = None
@@ -286,7 +286,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     # vLLM's rule: each word is tokenized as it is and after a space (its leading spaces stripped), once per
     # request; a word's last token is masked whenever its other tokens end the output so far
-    bad_words: list[str] | None = None
+    bad_words: list[str] | None = None  # None is taken as [] (as vLLM does)
     # the text is decoded as the tokenizer joins tokens: false is taken only where it changes nothing (no
     # special tokens in the text, skip_special_tokens)
     spaces_between_special_tokens: bool = True
@@ -294,6 +294,9 @@ class SamplingParams:
     # kept on the params for the caller's own use and never read here (vLLM hands them to custom logits
     # processors, which this engine does not run)
     extra_args: dict[str, Any] | None = None
+    # vLLM's per-request logits processors (callables; vLLM 0.10 and before): loopserve runs none, so only None or
+    # an empty list is taken (a ValueError otherwise: running without them would sample from other logits)
+    logits_processors: list[Any] | None = None
     # vLLM's newer name for guided_decoding (a StructuredOutputsParams, or a dict of its fields): sets it
     structured_outputs: GuidedDecodingParams | dict[str, Any] | None = None
     # set by the engine on a request's own copy (engine/sampler.py `bind`), never by users: the request's
@@ -347,18 +350,25 @@ class SamplingParams:
             raise bad("min_p", "must be in [0, 1]")
         if self.seed is not None and (not is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
             raise bad("seed", "must be a 64-bit integer")
+        if self.logits_processors not in (None, [], ()):
+            raise ValueError("logits_processors: not supported by loopserve (it runs no per-request logits "
+                             "processors: use logit_bias, allowed_token_ids, bad_words or structured outputs); it "
+                             f"takes None or [], got {_short(self.logits_processors)}")
+        if self.seed == -1:  # (configs that mean "random" by -1: vLLM's rule)
+            self.seed = None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if isinstance(self.stop, tuple):
             self.stop = list(self.stop)
+        if self.stop is None:
+            self.stop = []
         if isinstance(self.stop_token_ids, tuple):
             self.stop_token_ids = list(self.stop_token_ids)
         if self.stop_token_ids is None:
             self.stop_token_ids = []
-        if self.stop is not None and (not isinstance(self.stop, list)
-                                      or not all(isinstance(s, str) and s for s in self.stop)):
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "must be a non-empty string or a list of them")
-        if self.stop is not None and len(self.stop) > MAX_STOP:
+        if len(self.stop) > MAX_STOP:
             raise ValueError(f"stop: at most {MAX_STOP} stop strings, got {len(self.stop)}")
         if not isinstance(self.stop_token_ids, list) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
@@ -379,10 +389,11 @@ class SamplingParams:
                 self.allowed_token_ids = unique
         if isinstance(self.bad_words, tuple):
             self.bad_words = list(self.bad_words)
-        if self.bad_words is not None and (not isinstance(self.bad_words, list)
-                                           or not all(isinstance(w, str) and w.strip() for w in self.bad_words)):
+        if self.bad_words is None:
+            self.bad_words = []
+        if not isinstance(self.bad_words, list) or not all(isinstance(w, str) and w.strip() for w in self.bad_words):
             raise bad("bad_words", "must be a list of strings, none empty or all whitespace")
-        if self.bad_words is not None and len(self.bad_words) > MAX_STOP:  # (matched after every token, as stop is)
+        if len(self.bad_words) > MAX_STOP:  # (matched after every token, as stop is)
             raise ValueError(f"bad_words: at most {MAX_STOP} words, got {len(self.bad_words)}")
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise bad("extra_args", "must be a dict")
@@ -454,6 +465,20 @@ class SamplingParams:
         if self.guided_decoding is not None and not isinstance(self.guided_decoding, GuidedDecodingParams):
             raise bad("guided_decoding", "must be a GuidedDecodingParams")
 
+    @staticmethod
+    def from_optional(**kwargs: Any) -> SamplingParams:
+        """vLLM's: the params of keywords an API request may leave unset (None), each of those at its default
+        (`max_tokens` None stays None: no limit, as there); `logit_bias`'s biases clamped into [-100, 100], as vLLM
+        clamps them. An unknown keyword is a TypeError naming it."""
+        unknown = set(kwargs) - {f.name for f in fields(SamplingParams)}
+        if unknown:
+            raise TypeError(f"SamplingParams.from_optional: unexpected keyword {sorted(unknown)[0]!r}")
+        given = {k: v for k, v in kwargs.items() if v is not None or k == "max_tokens"}
+        bias = given.get("logit_bias")
+        if isinstance(bias, dict):
+            given["logit_bias"] = {k: min(100.0, max(-100.0, v)) if is_real(v) else v for k, v in bias.items()}
+        return SamplingParams(**given)
+
     def clone(self) -> SamplingParams:
         """A deep copy (vLLM's `clone`): its lists and dicts are its own. What the engine sets on a request's
         copy (`history`, `guide`) is not copied: a clone is a new request's params."""
@@ -473,7 +498,8 @@ class SamplingParams:
 _NUMPY = np.generic | np.ndarray
 _NUMBER_LISTS = ("stop_token_ids", "allowed_token_ids", "exit_trace", "logit_bias")
 _NUMBER_FIELDS = tuple(f.name for f in fields(SamplingParams)
-                       if f.name not in ("stop", "bad_words", "extra_args", "structured_outputs", "history",
+                       if f.name not in ("stop", "bad_words", "extra_args", "logits_processors", "structured_outputs",
+                                         "history",
                                          "exit_policy", "guided_decoding", "guide"))
 
 

@@ -52,7 +52,13 @@ def ref_llm(tiny_ouro) -> LLM:
 def test_optional_lists_take_none():
     p = SamplingParams(stop_token_ids=None, stop=None, bad_words=None, allowed_token_ids=None, extra_args=None,
                        structured_outputs=None, best_of=None, logit_bias=None)
-    assert p.stop_token_ids == [] and p.stop is None and p.guided_decoding is None
+    assert p.stop_token_ids == [] and p.stop == [] and p.bad_words == [] and p.guided_decoding is None
+    assert SamplingParams().stop == [] and SamplingParams().bad_words == []  # (vLLM's: `params.stop + [...]` works)
+
+
+def test_seed_minus_one_is_unseeded():
+    """vLLM takes seed -1 as no seed; other negative seeds are seeds."""
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
     assert SamplingParams(stop_token_ids=(3, 4), allowed_token_ids=(1, 2)).allowed_token_ids == [1, 2]
 
 
@@ -480,3 +486,22 @@ def test_server_logprobs_order(client, offline):
     for c in chat.choices[0].logprobs.content:
         values = [t.logprob for t in c.top_logprobs]
         assert len(values) == 3 and values == sorted(values, reverse=True)
+
+
+def test_from_optional_takes_unset_fields_at_their_defaults():
+    """vLLM's `SamplingParams.from_optional`: None means "unset" (the default), but max_tokens None stays None (no
+    limit); logit_bias clamped into [-100, 100]; an unknown keyword a TypeError."""
+    p = SamplingParams.from_optional(n=None, temperature=None, top_p=None, top_k=None, max_tokens=None, seed=None,
+                                     stop=None, logit_bias={"5": 150, 7: -300.0})
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.max_tokens, p.seed, p.stop) == (1, 1.0, 1.0, -1, None, None, [])
+    assert p.logit_bias == {5: 100.0, 7: -100.0}
+    assert SamplingParams.from_optional(temperature=0.5, max_tokens=3) == SamplingParams(temperature=0.5, max_tokens=3)
+    with pytest.raises(TypeError, match="bogus"):
+        SamplingParams.from_optional(bogus=None)
+
+
+def test_logits_processors_only_when_empty():
+    """vLLM 0.10's per-request logits processors: loopserve runs none, so a non-empty list is refused naming it."""
+    assert SamplingParams(logits_processors=[]).logits_processors == [] and SamplingParams().logits_processors is None
+    with pytest.raises(ValueError, match="^logits_processors: not supported by loopserve"):
+        SamplingParams(logits_processors=[lambda ids, logits: logits])

@@ -516,7 +516,7 @@ def test_capacity_counts_every_sample(tiny_ouro):
     aengine.add([request("a", 4), request("b", 4)])
     with pytest.raises(EngineOverloadedError, match=r"capacity \(8 sequences"):
         aengine.add([request("c", 1)])
-    aengine._deliver([RequestOutput("a", None, [5, 6, 7], [], finished=True)])  # a's 4 samples leave
+    aengine._deliver([RequestOutput("a", None, [5, 6, 7], None, [], finished=True)])  # a's 4 samples leave
     aengine.add([request("c", 3), request("d", 1)])
     with pytest.raises(EngineOverloadedError):
         aengine.add([request("e", 1)])

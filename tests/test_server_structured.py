@@ -365,7 +365,7 @@ def test_one_rule_names_the_request_field_of_an_engine_error():
     unnamed = ApiError.bad_request("guided_decoding: llguidance cannot compile it (x)")  # (no request field known)
     assert (unnamed.param, unnamed.message) == ("guided_decoding", "guided_decoding: llguidance cannot compile it (x)")
     assert ApiError.bad_request(conflict, "prompt", "guided_choice").message == conflict  # (names another field)
-    failed = RequestOutput("r", None, [1], [CompletionOutput(0, "", [], None, [], "error")], True, error=limit,
+    failed = RequestOutput("r", None, [1], None, [CompletionOutput(0, "", [], None, None, "error")], True, error=limit,
                            error_status=400)
     error = request_failure(failed, "prompt", "guided_choice")
     assert error is not None and (error.status, error.param) == (400, "guided_choice")

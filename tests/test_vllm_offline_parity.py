@@ -1,6 +1,6 @@
 """vLLM's offline API where a probe found loopserve short of it: `LLMEngine.abort_request` with vLLM V1's list of ids
 and `get_num_unfinished_requests`; `CompletionOutput.finished()`; vLLM's `LLM(...)` keywords for what loopserve lacks,
-taken at the values that ask for nothing of it (`llm._NEUTRAL`); `LLM.reset_prefix_cache`; bytes refused as
+taken at the values that ask for nothing of it (`vllm_neutral.NEUTRAL`); `LLM.reset_prefix_cache`; bytes refused as
 prompts; and transformers' tokenizer methods and attributes scripts call on `LLM.get_tokenizer()` (`tokenize`,
 `convert_tokens_to_string`, `special_tokens_map`, `get_added_vocab`, `is_fast`, `model_max_length`, `name_or_path`,
 `decode` of an id or a tensor, `apply_chat_template` of a batch).
@@ -26,7 +26,7 @@ import torch
 from tokenizers import Tokenizer as Raw
 from tokenizers import models, pre_tokenizers
 
-from loopserve import LLM, CompletionOutput, SamplingParams
+from loopserve import LLM, CompletionOutput, RequestOutput, SamplingParams
 from loopserve.beam_search import BeamSearchParams
 from loopserve.sampling_params import MAX_LOGPROBS
 from loopserve.tokenizer import Tokenizer
@@ -75,9 +75,9 @@ def test_abort_request_takes_vllms_list_of_ids_and_one_id(tiny_ouro):
 
 def test_completion_output_finished_is_vllms_method():
     """vLLM's `CompletionOutput.finished()`: whether it has a finish reason (a method, as there)."""
-    done = CompletionOutput(0, "x", [5], None, [1], "length")
+    done = CompletionOutput(0, "x", [5], None, None, "length", exit_depths=[1])
     assert done.finished() is True
-    assert CompletionOutput(0, "", [], None, [], None).finished() is False
+    assert CompletionOutput(0, "", [], None, None).finished() is False
 
 
 def test_generated_completions_are_finished(tiny_ouro):
@@ -324,3 +324,48 @@ def test_transformers_agrees(arch, request):
     assert ours_map == hf.special_tokens_map
     convs = [[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Yo"}]]
     assert ours.apply_chat_template(convs, tokenize=False) == hf.apply_chat_template(convs, tokenize=False)
+
+
+def test_outputs_take_vllms_positional_order():
+    """vLLM's order: CompletionOutput(index, text, token_ids, cumulative_logprob, logprobs, finish_reason,
+    stop_reason), RequestOutput(request_id, prompt, prompt_token_ids, prompt_logprobs, outputs, finished, metrics):
+    a mock or an adapter built positionally gets the fields it means (it got logprobs=-0.5 before)."""
+    c = CompletionOutput(0, "hi", [1], -0.5, None, "stop", "\n")
+    assert (c.cumulative_logprob, c.logprobs, c.finish_reason, c.stop_reason, c.exit_depths) == (-0.5, None, "stop",
+                                                                                                 "\n", [])
+    r = RequestOutput("r", "p", [1], None, [c], True)
+    assert (r.prompt_logprobs, r.outputs, r.finished, r.metrics, r.num_cached_tokens) == (None, [c], True, None, 0)
+    assert (r.lora_request, r.kv_transfer_params, r.encoder_prompt, c.lora_request) == (None, None, None, None)
+
+
+def test_add_request_takes_vllms_arguments(tiny_ouro):
+    """vLLM's add_request(request_id, prompt, params, arrival_time, lora_request, tokenization_kwargs, trace_headers,
+    priority): taken at the values that ask for nothing, any other a ValueError naming it; params not a
+    SamplingParams a ValueError naming params (an AttributeError before)."""
+    engine = LLM(tiny_ouro, device="cpu").llm_engine
+    engine.add_request("a", "ROMEO:", SamplingParams(max_tokens=1), None, None, None, {"traceparent": "x"}, 0)
+    for name, value in (("lora_request", object()), ("tokenization_kwargs", {"truncation": True}), ("priority", 2)):
+        with pytest.raises(ValueError, match=f"^{name}: not supported by loopserve"):
+            engine.add_request("b", "ROMEO:", SamplingParams(max_tokens=1), **{name: value})
+    with pytest.raises(ValueError, match="^params: expected a SamplingParams, got NoneType"):
+        engine.add_request("c", "ROMEO:", None)  # type: ignore[arg-type]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.get_num_unfinished_requests() == 0
+
+
+def test_use_tqdm_takes_a_tqdm_class(tiny_ouro):
+    """vLLM's use_tqdm: a callable is the bar's class (a notebook's, a logging one); it was ignored before."""
+    from tqdm import tqdm
+
+    made = []
+
+    class Bar(tqdm):
+        def __init__(self, *args, **kwargs):
+            made.append(kwargs["total"])
+            super().__init__(*args, **kwargs)
+
+    llm = LLM(tiny_ouro, device="cpu")
+    llm.generate(["a", "b"], GREEDY, use_tqdm=Bar)
+    llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=Bar)
+    assert made == [2, 1]

@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -48,6 +49,7 @@ from loopserve.models.base import LoopedLM
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import SamplingParams
 from loopserve.tokenizer import Tokenizer
+from loopserve.vllm_neutral import check_neutral
 
 log = logging.getLogger("loopserve.engine")
 
@@ -160,11 +162,20 @@ class LLMEngine:
                              max_num_seqs=self.cfg.max_num_seqs, max_model_len=self.max_model_len)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    arrival_time: float | None = None, seed: int | None = None) -> None:
-        """Queue a request (every sample of it, n > 1). `request_id` a str, as vLLM's (an int would come back in
-        outputs and sample ids of another type than the caller's other requests): ValueError naming it."""
+                    arrival_time: float | None = None, lora_request: Any = None,
+                    tokenization_kwargs: dict[str, Any] | None = None, trace_headers: Any = None, priority: int = 0,
+                    *, seed: int | None = None) -> None:
+        """Queue a request (every sample of it, n > 1). The arguments are vLLM's, in its order; `lora_request`,
+        `tokenization_kwargs`, `trace_headers` and `priority` are taken at the values that ask for nothing
+        (`vllm_neutral`). `request_id` a str, as vLLM's (an int would come back in outputs and sample ids of another
+        type than the caller's other requests): ValueError naming it. `seed`: the stream of an unseeded request
+        (`make_sequence`)."""
         if not isinstance(request_id, str):
             raise ValueError(f"request_id: expected a str, got {type(request_id).__name__} {request_id!r}")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params: expected a SamplingParams, got {type(params).__name__}")
+        check_neutral(lora_request=lora_request, tokenization_kwargs=tokenization_kwargs, trace_headers=trace_headers,
+                      priority=priority)
         self.add_sequence(self.make_sequence(request_id, prompt, params, arrival_time, seed))
 
     def add_sequence(self, seq: Sequence) -> None:

@@ -602,10 +602,10 @@ class Sequence:
         read, not modified), else copies."""
         done = self.finished
         ids, depths = self.output_ids, self._exit_depths
-        return CompletionOutput(self.index, self.text, ids if done else list(ids), self.logprobs,
-                                depths if done else list(depths), self.finish_reason,
+        return CompletionOutput(self.index, self.text, ids if done else list(ids),
                                 self.cumulative_logprob if self.params.logprobs is not None else None,
-                                stop_reason=self.stop_reason)
+                                self.logprobs, self.finish_reason, self.stop_reason,
+                                exit_depths=depths if done else list(depths))
 
     def delta(self) -> CompletionOutput | None:
         """What is new since this sample's last DELTA output (None: nothing): the new tokens, their exit
@@ -621,10 +621,10 @@ class Sequence:
             return None
         piece = text[self._sent_chars:ready]
         self._sent_tokens, self._sent_chars, self._sent_finish = b, max(self._sent_chars, ready), finished
-        return CompletionOutput(self.index, piece, ids[a:b], self.logprobs[a:b] if self.logprobs is not None else None,
-                                self._exit_depths[a:b], self.finish_reason,
+        return CompletionOutput(self.index, piece, ids[a:b],
                                 self.cumulative_logprob if self.params.logprobs is not None else None,
-                                stop_reason=self.stop_reason)
+                                self.logprobs[a:b] if self.logprobs is not None else None, self.finish_reason,
+                                self.stop_reason, exit_depths=self._exit_depths[a:b])
 
     def to_output(self) -> RequestOutput:
         """The request's output (called on its head): everything so far, or with `output_kind` DELTA what
@@ -638,9 +638,9 @@ class Sequence:
         else:
             completions, prompt_logprobs = [s.completion() for s in head.family], head.prompt_logprobs
         if len(head.family) == 1:
-            return RequestOutput(head.request_id, head.prompt, head._prompt_ids_out, completions, head.finished,
-                                 head.metrics, head.error, head.error_status, prompt_logprobs=prompt_logprobs,
-                                 num_cached_tokens=head.num_cached_tokens)
+            return RequestOutput(head.request_id, head.prompt, head._prompt_ids_out, prompt_logprobs, completions,
+                                 head.finished, head.metrics, num_cached_tokens=head.num_cached_tokens,
+                                 error=head.error, error_status=head.error_status)
         failed = next((s for s in head.family if s.error is not None), None)
         finished = all(s.finished for s in head.family)
         firsts = [s.metrics.first_token_time for s in head.family if s.metrics.first_token_time is not None]
@@ -650,6 +650,7 @@ class Sequence:
                                  sum(s.metrics.loops_run for s in head.family),
                                  head.metrics.prefill_loops,  # the samples share the prompt's prefill
                                  last_token_time=max(lasts, default=None))
-        return RequestOutput(head.request_id, head.prompt, head._prompt_ids_out, completions, finished, metrics,
-                             failed.error if failed else None, failed.error_status if failed else None,
-                             prompt_logprobs=prompt_logprobs, num_cached_tokens=head.num_cached_tokens)
+        return RequestOutput(head.request_id, head.prompt, head._prompt_ids_out, prompt_logprobs, completions, finished,
+                             metrics, num_cached_tokens=head.num_cached_tokens,
+                             error=failed.error if failed else None,
+                             error_status=failed.error_status if failed else None)

@@ -775,8 +775,8 @@ class OpenAIServing:
             metrics = None if own.metrics is None else dataclasses.replace(
                 own.metrics, loops_run=loops[p][0], prefill_loops=loops[p][1])
             outs.append(dataclasses.replace(own, finished=True, metrics=metrics, outputs=[
-                CompletionOutput(k, s.text or "", s.tokens[plen:], None, s.exit_depths, s.finish_reason,
-                                 s.cum_logprob, s.stop_reason) for k, s in enumerate(result.sequences)]))
+                CompletionOutput(k, s.text or "", s.tokens[plen:], s.cum_logprob, None, s.finish_reason, s.stop_reason,
+                                 exit_depths=s.exit_depths) for k, s in enumerate(result.sequences)]))
         return outs
 
     def beam_params(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> BeamSearchParams:

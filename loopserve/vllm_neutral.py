@@ -1,0 +1,96 @@
+"""vLLM's arguments for what loopserve has no counterpart of (LoRA, quantization, priorities, ...), each taken at the
+values that ask for nothing of it, so that vLLM's scripts that pass them run as they are; any other value is a
+ValueError naming the argument (`check_neutral`). Read by `LLM` (its keywords, `generate`, `chat`) and
+`LLMEngine.add_request`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Any
+
+from loopserve.sampling_params import MAX_LOGPROBS, is_int
+
+
+@dataclass(frozen=True)
+class Neutral:
+    """One of vLLM's arguments for what loopserve has no counterpart of, taken at the values that ask for nothing of
+    it (vLLM's defaults, mostly), so that vLLM's scripts that pass them run as they are."""
+
+    accepts: Callable[[Any], bool]
+    values: str  # the values taken, as the error for any other names them
+    why: str  # what loopserve does instead
+    init: bool = True  # an `LLM(...)` keyword (else an argument of `generate`, `chat` or `add_request` only)
+
+
+def _only(why: str, *values: Any, init: bool = True) -> Neutral:
+    """Taken at exactly these values, type and all (True is not 1)."""
+    return Neutral(lambda v: any(type(v) is type(x) and v == x for x in values), " or ".join(map(repr, values)), why,
+                   init)
+
+
+_ANY = "any value"
+
+
+def _zero(v: Any) -> bool:
+    return is_int(v) and v == 0
+
+# vLLM's `LLM(...)` keywords, and the arguments of `generate` and `chat`, for what loopserve lacks: each taken at the
+# values that ask for nothing of it, any other a ValueError naming it (`_check_neutral`).
+NEUTRAL: dict[str, Neutral] = {
+    "disable_log_stats": Neutral(lambda v: True, _ANY, "this class logs no periodic stats"),
+    "disable_custom_all_reduce": Neutral(lambda v: True, _ANY, "it has no tensor parallelism to all-reduce for"),
+    "tokenizer_mode": _only("the checkpoint's tokenizer.json is read by the tokenizers library: the fast tokenizer "
+                            "'auto' and 'hf' pick", "auto", "hf"),
+    "skip_tokenizer_init": _only("the checkpoint's tokenizer is always loaded", False),
+    "revision": _only("the model folder or hub id is loaded as it is, its default revision from the hub", None,
+                      "main"),
+    "tokenizer_revision": _only("the checkpoint's own tokenizer is loaded, from the model's revision", None),
+    "download_dir": _only("a hub model is fetched to the Hugging Face cache", None),
+    # (True is vLLM's "the token of `huggingface-cli login`", which huggingface_hub reads anyway)
+    "hf_token": _only("a hub model is fetched with huggingface_hub's own token (HF_TOKEN, or a login)", None, True),
+    "hf_overrides": _only("the checkpoint's config.json is read as it is", None, {}),
+    "quantization": _only("weights load unquantized, in `dtype`", None),
+    "kv_cache_dtype": _only("the KV cache is kept in the model's dtype", "auto"),
+    "cpu_offload_gb": _only("weights are not offloaded", 0, 0.0),
+    "pipeline_parallel_size": _only("a model runs on one device", 1),
+    "distributed_executor_backend": _only("a model runs in this process, on one device", None),
+    # (False too: loopserve always chunks, and its outputs do not depend on it: the chunks change no math under
+    # depth_indexed and last_exited, and under shared their starts are fixed by prefill_chunk_size, not by how
+    # the scheduler packs them, docs/design.md §4.2)
+    "enable_chunked_prefill": _only("prompts are always prefilled in chunks (prefill_chunk_size, max_num_batched_"
+                                    "tokens)", None, True, False),
+    "enable_sleep_mode": _only("the model and KV cache stay on the device until the LLM is dropped", False),
+    "compilation_config": _only("loopserve compiles its own stages (CUDA graphs: cuda_graphs, enforce_eager)",
+                                None),
+    # vLLM's cap on a request's logprobs and prompt_logprobs (-1: none): loopserve's is MAX_LOGPROBS, vLLM's
+    # default, whatever is passed, so a value that allows at least that much asks for nothing; a request over it is
+    # a ValueError naming its field either way
+    "max_logprobs": Neutral(lambda v: is_int(v) and (v == -1 or v >= MAX_LOGPROBS),
+                            f"-1 or an integer >= {MAX_LOGPROBS}",
+                            f"a request's logprobs are capped at {MAX_LOGPROBS}, vLLM's default"),
+    "task": _only("it serves generative models only", "auto", "generate"),  # (vLLM's name before `runner`)
+    "runner": _only("it serves generative models only", "auto", "generate"),
+    "enable_lora": _only("no LoRA adapters", False),
+    "lora_request": _only("no LoRA adapters", None, init=False),
+    # (`generate` takes a list, one per prompt; `LLMEngine.add_request` one int)
+    "priority": Neutral(lambda v: v is None or _zero(v) or (isinstance(v, Seq) and all(map(_zero, v))),
+                        "None, 0 or all 0", "no priority scheduling", init=False),
+    "mm_processor_kwargs": _only("no multimodal inputs", None, {}),
+    # `LLMEngine.add_request`'s: the prompt is tokenized as the model's tokenizer is set up; tracing headers are
+    # for vLLM's OpenTelemetry spans, which loopserve does not emit (so any value asks for nothing)
+    "tokenization_kwargs": _only("prompts are tokenized as the checkpoint's tokenizer is set up", None, {},
+                                 init=False),
+    "trace_headers": Neutral(lambda v: True, _ANY, "it emits no tracing spans", init=False),
+}
+
+
+def check_neutral(**given: Any) -> None:
+    """ValueError naming the first of `given` (keywords of `NEUTRAL`) set to a value that asks for what loopserve
+    lacks."""
+    for name, value in given.items():
+        neutral = NEUTRAL[name]
+        if not neutral.accepts(value):
+            raise ValueError(f"{name}: not supported by loopserve ({neutral.why}); it takes {neutral.values}, "
+                             f"got {value!r}")
