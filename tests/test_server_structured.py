@@ -107,6 +107,25 @@ def test_json_object_and_guided_fields_on_both_endpoints(server):
     assert re.fullmatch(r"\([1-9]\)", out["choices"][0]["message"]["content"])
 
 
+def test_structured_outputs_options_apply_to_another_fields_grammar(server):
+    """vLLM merges a structured_outputs of options only (disable_any_whitespace, ...) with response_format or a
+    forced tool call: the options shape that grammar (a 400 "only one of" before)."""
+    schema = WEATHER["function"]["parameters"]
+    out = _post(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 60, "seed": 6,
+                                                 "response_format": {"type": "json_schema", "json_schema": {
+                                                     "name": "w", "schema": schema}},
+                                                 "structured_outputs": {"disable_any_whitespace": True}})
+    text = out.json()["choices"][0]["message"]["content"]
+    assert out.status_code == 200 and _valid_weather(text) and not re.search(r"\s", text), out.text
+    out = _post(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 300, "seed": 9,
+                                                 "tools": [WEATHER], "tool_choice": "required",
+                                                 "parallel_tool_calls": False,
+                                                 "structured_outputs": {"disable_any_whitespace": True}})
+    choice = out.json()["choices"][0]
+    assert out.status_code == 200 and choice["finish_reason"] == "tool_calls", out.text
+    assert _valid_weather(choice["message"]["tool_calls"][0]["function"]["arguments"])
+
+
 def test_named_tool_choice_returns_a_tool_call(client, server, tiny_path):
     named = {"type": "function", "function": {"name": "get_weather"}}
     done = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[TIME, WEATHER], tool_choice=named,
@@ -226,6 +245,14 @@ def test_required_tool_choice(client):
      "tool_choice.function.name"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {
         "name": "bad", "parameters": {"type": "nope"}}}], "tool_choice": "required"}, "tools"),
+    # a structured_outputs of options only: merged with another field's grammar, its own fields checked
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"},
+                              "structured_outputs": {"disable_any_whitespace": "x"}},
+     "structured_outputs.disable_any_whitespace"),
+    ("/v1/completions", {"guided_regex": "a", "structured_outputs": {"colour": 1}}, "structured_outputs.colour"),
+    ("/v1/completions", {"guided_regex": "a", "guided_whitespace_pattern": "",
+                         "structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern"),
+    ("/v1/completions", {"structured_outputs": {"disable_any_whitespace": True}}, "structured_outputs"),  # no grammar
 ])
 def test_bad_grammars_are_400_naming_the_field(server, path, body, param):
     base = {"messages": MESSAGES} if "chat" in path else {"prompt": "a"}

@@ -6,7 +6,10 @@ Grammar fields (at most one may be given; each error is a 400 naming it): `respo
 is no grammar), vLLM's `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (with
 `guided_whitespace_pattern`, which applies to response_format and tool calls too) and its newer `structured_outputs`
 object (`json`, `regex`, `choice`, `grammar`, `json_object`, `disable_any_whitespace`,
-`whitespace_pattern`). Between JSON tokens any whitespace is allowed unless a pattern says otherwise.
+`whitespace_pattern`). Between JSON tokens any whitespace is allowed unless a pattern says otherwise. A
+`structured_outputs` that names no grammar, only options (`disable_any_whitespace`, `whitespace_pattern`,
+`disable_additional_properties`, ...), applies them to the grammar another field asks for (`response_format`,
+`guided_*`, a forced tool call), as vLLM merges the two.
 
 Tool calling (chat), as vLLM does it without a tool-call parser: `tools` go to the chat template;
 `tool_choice` "none" generates text; a named function ({"type": "function", "function": {"name"}})
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from loopserve.outputs import CompletionOutput
@@ -33,7 +36,36 @@ from loopserve.serve.responses import ChoiceStream
 # vLLM's request fields -> GuidedDecodingParams fields
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
-WHITESPACE = {"whitespace_pattern": "guided_whitespace_pattern"}  # the request field that gives it
+GRAMMAR_KEYS = ("json", "regex", "choice", "grammar", "json_object")  # a structured_outputs that has none: options
+
+
+def _options_only(req: Any) -> dict[str, Any] | None:
+    """The request's `structured_outputs` if it names no grammar, only options for another field's grammar."""
+    spec = getattr(req, "structured_outputs", None)
+    if isinstance(spec, dict) and all(spec.get(k) in (None, False) for k in GRAMMAR_KEYS):
+        return spec
+    return None
+
+
+def grammar_options(req: Any) -> tuple[dict[str, Any], dict[str, str]]:
+    """The options a request gives the grammar of its response_format, guided_* field or forced tool call
+    (GuidedDecodingParams' fields), and the request field each comes from (for errors)."""
+    options, field_of = {}, {}
+    if getattr(req, "guided_whitespace_pattern", None) is not None:
+        options["whitespace_pattern"], field_of["whitespace_pattern"] = req.guided_whitespace_pattern, \
+            "guided_whitespace_pattern"
+    known = {f.name for f in fields(GuidedDecodingParams)}
+    for key, value in (_options_only(req) or {}).items():
+        if key in GRAMMAR_KEYS:
+            continue
+        if key not in known:
+            where = f"structured_outputs.{key}"
+            raise ApiError(400, f"{where}: unknown field (the fields are {', '.join(sorted(known))})", where)
+        if key in options:
+            where = f"structured_outputs.{key}"
+            raise ApiError(400, f"{where}: given twice (guided_whitespace_pattern gives it too)", where)
+        options[key], field_of[key] = value, f"structured_outputs.{key}"
+    return options, field_of
 
 
 def _guided(param: str, field_of: dict[str, str], **kwargs: Any) -> GuidedDecodingParams:
@@ -47,29 +79,29 @@ def _guided(param: str, field_of: dict[str, str], **kwargs: Any) -> GuidedDecodi
         raise ApiError(400, f"{where}: {rest or e}", where) from None
 
 
-def response_format_guide(fmt: Any, whitespace: str | None = None,
-                          param: str = "response_format") -> GuidedDecodingParams | None:
-    """The grammar of an OpenAI `response_format` (None for text); `whitespace`: the pattern allowed
-    between JSON tokens (None: any whitespace)."""
-    kind = fmt.type
-    ws = {"whitespace_pattern": whitespace} if whitespace is not None else {}
+def response_format_guide(req: Any, param: str = "response_format") -> GuidedDecodingParams | None:
+    """The grammar of a request's OpenAI `response_format` (None for text), with its `grammar_options`."""
+    kind = req.response_format.type
+    options, field_of = grammar_options(req)
     if kind == "text":
         return None
     if kind == "json_object":
-        return _guided(param, WHITESPACE, json_object=True, **ws)
+        return _guided(param, field_of, json_object=True, **options)
     if kind == "json_schema":
-        spec = fmt.json_schema
+        spec = req.response_format.json_schema
         if spec is None:
             raise ApiError(400, f"{param}.json_schema: field required for type json_schema", f"{param}.json_schema")
         schema = spec.schema_ if spec.schema_ is not None else {"type": "object"}  # OpenAI: schema is optional
-        return _guided(f"{param}.json_schema.schema", WHITESPACE, json=schema, **ws)
+        return _guided(f"{param}.json_schema.schema", field_of, json=schema, **options)
     raise ApiError(400, f"{param}.type: {kind!r} is not supported (text, json_object or json_schema)", f"{param}.type")
 
 
 def guide_field(req: Any) -> str | None:
     """The grammar field a request gives (None: none; a forced tool call is not one). Raises ApiError if
     it gives several."""
-    given = [name for name in (*GUIDED_FIELDS, "structured_outputs") if getattr(req, name, None) is not None]
+    given = [name for name in GUIDED_FIELDS if getattr(req, name, None) is not None]
+    if getattr(req, "structured_outputs", None) is not None and _options_only(req) is None:
+        given.append("structured_outputs")
     fmt = getattr(req, "response_format", None)
     if fmt is not None and fmt.type != "text":
         given.append("response_format")
@@ -78,22 +110,28 @@ def guide_field(req: Any) -> str | None:
     return given[0] if given else None
 
 
-def request_guide(req: Any) -> GuidedDecodingParams | None:
-    """The grammar a completions or chat request asks for through its grammar fields (None: none)."""
+def request_guide(req: Any, tool_call: bool = False) -> GuidedDecodingParams | None:
+    """The grammar a completions or chat request asks for through its grammar fields (None: none). `tool_call`:
+    the request forces a tool call, whose grammar takes the options of a `structured_outputs` without one."""
     name = guide_field(req)
     if name is None:
+        if _options_only(req) is not None and not tool_call:  # (options for no grammar: the 400 saying one is needed)
+            _structured_outputs(req.structured_outputs)
         return None
     if name == "response_format":
-        return response_format_guide(req.response_format, req.guided_whitespace_pattern)
+        return response_format_guide(req)
     if name == "structured_outputs":
-        try:  # (SamplingParams' own rule for the field)
-            return structured_outputs_params(req.structured_outputs)
-        except ValueError as e:
-            raise ApiError.bad_request(e) from None
-    kwargs = {GUIDED_FIELDS[name]: getattr(req, name)}
-    if req.guided_whitespace_pattern is not None:
-        kwargs["whitespace_pattern"] = req.guided_whitespace_pattern
-    return _guided(name, {GUIDED_FIELDS[name]: name, **WHITESPACE}, **kwargs)
+        return _structured_outputs(req.structured_outputs)
+    options, field_of = grammar_options(req)
+    return _guided(name, {GUIDED_FIELDS[name]: name, **field_of}, **{GUIDED_FIELDS[name]: getattr(req, name)},
+                   **options)
+
+
+def _structured_outputs(spec: dict[str, Any]) -> GuidedDecodingParams:
+    try:  # (SamplingParams' own rule for the field)
+        return structured_outputs_params(spec)
+    except ValueError as e:
+        raise ApiError.bad_request(e) from None
 
 
 @dataclass
@@ -157,7 +195,8 @@ def tool_call(name: str, arguments: str, call_id: str | None = None) -> dict[str
 
 def chat_guide(req: Any) -> tuple[GuidedDecodingParams | None, ToolPlan | None]:
     """The grammar of a chat request and, when it forces tool calls, how they are returned."""
-    plan, guide = tool_plan(req), request_guide(req)
+    plan = tool_plan(req)
+    guide = request_guide(req, tool_call=plan is not None)
     if plan is not None and guide is not None:
         raise ApiError(400, "tool_choice: a forced tool call cannot be combined with another grammar field",
                        "tool_choice")
@@ -185,16 +224,17 @@ def tool_plan(req: Any) -> ToolPlan | None:
                             "tool-call format, which this server does not have; use 'required', a named function "
                             "or 'none'", "tool_choice")
     schemas = {t.function.name: t.function.parameters or {"type": "object", "properties": {}} for t in tools}
-    ws = {"whitespace_pattern": req.guided_whitespace_pattern} if req.guided_whitespace_pattern is not None else {}
+    options, field_of = grammar_options(req)
     if choice == "required":
         items = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
                   "properties": {"name": {"const": name}, "parameters": schema}} for name, schema in schemas.items()]
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
         if req.parallel_tool_calls is False:
             schema["maxItems"] = 1
-        return ToolPlan(list(schemas), True, _guided("tools", WHITESPACE, json=schema, **ws))
+        return ToolPlan(list(schemas), True, _guided("tools", field_of, json=schema, **options))
     name = choice.function.name
     if name not in schemas:
         raise ApiError(400, f"tool_choice.function.name: {name!r} is not among the tools", "tool_choice.function.name")
     index = list(schemas).index(name)
-    return ToolPlan([name], False, _guided(f"tools.{index}.function.parameters", WHITESPACE, json=schemas[name], **ws))
+    return ToolPlan([name], False, _guided(f"tools.{index}.function.parameters", field_of, json=schemas[name],
+                                           **options))
