@@ -20,7 +20,9 @@ if TYPE_CHECKING:
 
 MAX_LOGPROBS = 20
 MAX_BEAM_WIDTH = MAX_LOGPROBS // 2  # a beam search step asks for the top 2 * beam_width logprobs
-MAX_N = 128  # samples per prompt
+# samples per prompt: vLLM's bound (VLLM_MAX_N_SEQUENCES' default); an engine's max_num_seqs bounds it further, since a
+# request's samples are resident together (a ValueError naming n and the knob when it is made)
+MAX_N = 16384
 # Sizes that bound one request's cost to the engine (a 400 beyond them). Stop strings are searched for
 # after every token, each on its own (150,000 of them held the engine ~60 ms a token, for everyone).
 # Grammars are compiled in time that grows faster than their size (a choice among 20,000 options: 0.6 s;
