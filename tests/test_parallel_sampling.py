@@ -158,7 +158,7 @@ def test_samples_share_the_prompts_full_blocks(tiny_ouro):
 
 def test_seeds_are_distinct_over_64_bits(tiny_ouro):
     """Seeds 2^63 apart draw different streams (the engine once kept 63 bits); seeds with one 64-bit pattern
-    (-1 and 2^64 - 1) draw the same one, as torch's manual_seed."""
+    (-2 and 2^64 - 2) draw the same one, as torch's manual_seed (-1 is no seed, as in vLLM)."""
     llm = LLM(tiny_ouro, dtype="float64", kv_cache_tokens=512)
 
     def tokens(seed: int) -> list[int]:
@@ -167,7 +167,7 @@ def test_seeds_are_distinct_over_64_bits(tiny_ouro):
 
     assert tokens(5) != tokens(5 + 2**63)
     assert tokens(0) != tokens(2**63)
-    assert tokens(-1) == tokens(2**64 - 1)
+    assert tokens(-2) == tokens(2**64 - 2)
 
 
 def test_a_requests_samples_share_its_checked_prompt(tiny_ouro):
