@@ -1,5 +1,6 @@
 """loopserve: a serving engine for looped (recurrent-depth) language models."""
 
+from loopserve.async_llm import AsyncEngineArgs, AsyncLLM, AsyncLLMEngine, EngineArgs
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine import LLMEngine
 from loopserve.engine.sequence import TextPrompt, TokensPrompt
@@ -13,6 +14,6 @@ from loopserve.sampling_params import (
     StructuredOutputsParams,
 )
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutputKind", "GuidedDecodingParams",
-           "StructuredOutputsParams", "BeamSearchParams", "TextPrompt", "TokensPrompt", "RequestOutput",
-           "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "AsyncLLM", "EngineArgs", "AsyncEngineArgs", "EngineConfig",
+           "SamplingParams", "RequestOutputKind", "GuidedDecodingParams", "StructuredOutputsParams", "BeamSearchParams",
+           "TextPrompt", "TokensPrompt", "RequestOutput", "CompletionOutput", "Logprob"]

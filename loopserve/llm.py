@@ -130,10 +130,12 @@ class LLM:
         by the model's generation_config.json (as vLLM does; params passed explicitly are used as they are)."""
         return SamplingParams(**self.generation_defaults)
 
-    def _make_sequence(self, prompt: PromptType, params: SamplingParams) -> Sequence:
+    def _make_sequence(self, prompt: PromptType, params: SamplingParams,
+                       output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY) -> Sequence:
         """A request's Sequence, checked as the server checks one (ValueError naming the field): its token
         budget against the context and the KV pool (engine/budget.py), then whether its samples' blocks could
-        ever fit the pool (the scheduler's `never_fits`), so that it never fails once running for that."""
+        ever fit the pool (the scheduler's `never_fits`), so that it never fails once running for that.
+        `output_kind`: how it reports (`generate`: finished requests only; `AsyncLLMEngine`: the params' own)."""
         index = next(self._counter)
         # Per-request sampling seed: the request's own when given, as the server does, else one derived
         # from the LLM seed; the same in every scheduler. Initial states are seeded from the prompt.
@@ -148,7 +150,7 @@ class LLM:
         # max_tokens: the room left, where the KV pool is smaller than the context (the server's rule); one past
         # max_model_len: cut to it (a sequence itself stops only at the model's own context), and min_tokens with
         # it, as a sequence stopped by the context ends before its min_tokens too.
-        params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY, max_tokens=budget,
+        params = dataclasses.replace(params, output_kind=output_kind, max_tokens=budget,
                                      min_tokens=min(params.min_tokens, budget))
         parsed = TokensPrompt(prompt_token_ids=ids, prompt=text)
         if isinstance(prompt, dict) and "cache_salt" in prompt:

@@ -242,6 +242,11 @@ def structured_outputs_params(spec: dict[str, Any]) -> GuidedDecodingParams:
         raise ValueError(f"{where}: {rest or e}") from None
 
 
+def given_seed(seed: int | None) -> int | None:
+    """A request's seed as vLLM reads it: -1 is no seed (configs that mean "random" by it), as None is."""
+    return None if seed == -1 else seed
+
+
 class RequestOutputKind(enum.IntEnum):
     """When a request's outputs are reported (vLLM's enum and values)."""
 
@@ -261,7 +266,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
-    seed: int | None = None  # -1 is taken as None (unseeded), as vLLM takes it
+    seed: int | None = None  # -1 is taken as None (unseeded), as vLLM takes it (`given_seed`)
     stop: str | list[str] | None = None  # None is taken as [] (as vLLM does)
     stop_token_ids: list[int] = field(default_factory=list)  # None is taken as [] (vLLM types it Optional)
     ignore_eos: bool = False
@@ -356,8 +361,7 @@ class SamplingParams:
             raise ValueError("logits_processors: not supported by loopserve (it runs no per-request logits "
                              "processors: use logit_bias, allowed_token_ids, bad_words or structured outputs); it "
                              f"takes None or [], got {_short(self.logits_processors)}")
-        if self.seed == -1:  # (configs that mean "random" by -1: vLLM's rule)
-            self.seed = None
+        self.seed = given_seed(self.seed)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if isinstance(self.stop, tuple):

@@ -5,6 +5,7 @@ ValueError naming the argument (`check_neutral`). Read by `LLM` (its keywords, `
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -33,11 +34,11 @@ def _only(why: str, *values: Any, init: bool = True) -> Neutral:
 _ANY = "any value"
 
 
-def _zero(v: Any) -> bool:
-    return is_int(v) and v == 0
+def _zero(v: Any) -> bool:  # (numpy's zeros too, as vLLM compares them)
+    return isinstance(v, numbers.Number) and not isinstance(v, bool) and v == 0
 
 # vLLM's `LLM(...)` keywords, and the arguments of `generate` and `chat`, for what loopserve lacks: each taken at the
-# values that ask for nothing of it, any other a ValueError naming it (`_check_neutral`).
+# values that ask for nothing of it, any other a ValueError naming it (`check_neutral`).
 NEUTRAL: dict[str, Neutral] = {
     "disable_log_stats": Neutral(lambda v: True, _ANY, "this class logs no periodic stats"),
     "disable_custom_all_reduce": Neutral(lambda v: True, _ANY, "it has no tensor parallelism to all-reduce for"),

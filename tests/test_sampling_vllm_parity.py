@@ -54,12 +54,12 @@ def test_optional_lists_take_none():
                        structured_outputs=None, best_of=None, logit_bias=None)
     assert p.stop_token_ids == [] and p.stop == [] and p.bad_words == [] and p.guided_decoding is None
     assert SamplingParams().stop == [] and SamplingParams().bad_words == []  # (vLLM's: `params.stop + [...]` works)
+    assert SamplingParams(stop_token_ids=(3, 4), allowed_token_ids=(1, 2)).allowed_token_ids == [1, 2]
 
 
 def test_seed_minus_one_is_unseeded():
     """vLLM takes seed -1 as no seed; other negative seeds are seeds."""
     assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
-    assert SamplingParams(stop_token_ids=(3, 4), allowed_token_ids=(1, 2)).allowed_token_ids == [1, 2]
 
 
 BOOLS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "detokenize")  # (and

@@ -487,7 +487,7 @@ def small_capacity_server(short_path, tmp_path_factory) -> Iterator[Server]:
 
 
 def test_prompts_times_n_past_the_capacity_is_a_400_naming_the_field(small_capacity_server):
-    """Never admitted, however idle the server (each sample takes a place: `AsyncLLMEngine`); the field is n
+    """Never admitted, however idle the server (each sample takes a place: `EngineThread`); the field is n
     unless the prompts alone are too many."""
     url = small_capacity_server.url + C
     for body, field in (({"prompt": ["a", "b", "c"], "n": 3}, "n"), ({"prompt": ["a"] * 9}, "prompt")):
@@ -502,12 +502,12 @@ def test_capacity_counts_every_sample(tiny_ouro):
     """A request's samples each take a place (as max_num_seqs counts them): one request of 2 prompts x n = 4
     fills a capacity of 8 until it finishes (it used to count as 2, and a few such requests held every
     sequence while the server took more)."""
+    from loopserve.engine.engine_thread import EngineOverloadedError, EngineThread
     from loopserve.outputs import RequestOutput
     from loopserve.sampling_params import SamplingParams
-    from loopserve.serve.async_engine import AsyncLLMEngine, EngineOverloadedError
     from tests.engine_helpers import make_engine
 
-    aengine = AsyncLLMEngine(make_engine(tiny_ouro, max_num_seqs=4), max_queued_requests=4)  # (not started)
+    aengine = EngineThread(make_engine(tiny_ouro, max_num_seqs=4), max_queued_requests=4)  # (not started)
     engine = aengine.engine
 
     def request(rid: str, n: int):

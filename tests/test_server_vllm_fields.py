@@ -246,6 +246,14 @@ def test_completions_add_special_tokens(server):
     # echo gives the text back
     r = _json(server.post(C, {**base, "echo": True, "add_special_tokens": False}))
     assert r["choices"][0]["text"].startswith("To be")
+    # a token-id prompt is echoed with its special tokens, as vLLM decodes it and as the logprobs' tokens and
+    # offsets count them (the text dropped them while the offsets counted them)
+    r = _json(server.post(C, {**base, "prompt": with_them, "echo": True, "logprobs": 0, "max_tokens": 1,
+                              "skip_special_tokens": False}))["choices"][0]
+    lp = r["logprobs"]
+    assert r["text"].startswith("".join(lp["tokens"][:len(with_them)])) and len(with_them) > len(without)
+    n = len(with_them)
+    assert all(r["text"][o:o + len(t)] == t for o, t in zip(lp["text_offset"][:n], lp["tokens"][:n], strict=True)), lp
 
 
 def test_return_tokens_as_token_ids_in_completions(server):
@@ -369,3 +377,14 @@ def test_the_openapi_schema_lists_the_fields(server):
         assert {"return_tokens_as_token_ids", "request_id", "cache_salt", "priority",
                 "logits_processors"} <= props.keys(), name
     assert "add_special_tokens" in schema["CompletionRequest"]["properties"]
+
+
+def test_seed_minus_one_is_no_seed(server):
+    """vLLM's rule, over HTTP too: `seed: -1` is unseeded (each request its own stream), not one fixed stream (the
+    raw -1 reached the engine, and every such request drew the same tokens)."""
+    body = {"model": MODEL, "prompt": "Once upon", "max_tokens": 12, "temperature": 1.0, "ignore_eos": True,
+            "return_token_ids": True}
+    seeded = [_json(server.post(C, {**body, "seed": 7}))["choices"][0]["token_ids"] for _ in range(2)]
+    assert seeded[0] == seeded[1]
+    unseeded = [_json(server.post(C, {**body, "seed": -1}))["choices"][0]["token_ids"] for _ in range(3)]
+    assert len({tuple(t) for t in unseeded}) > 1, unseeded

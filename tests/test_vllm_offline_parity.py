@@ -369,3 +369,13 @@ def test_use_tqdm_takes_a_tqdm_class(tiny_ouro):
     llm.generate(["a", "b"], GREEDY, use_tqdm=Bar)
     llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=Bar)
     assert made == [2, 1]
+
+
+def test_priority_zeros_of_any_number_type_ask_for_nothing(tiny_ouro):
+    """generate's priority list of numpy zeros (np.zeros(n, int)) is neutral, as 0 is; a non-zero one is refused."""
+    llm = LLM(tiny_ouro, device="cpu")
+    assert len(llm.generate(["a", "b"], GREEDY, use_tqdm=False, priority=list(np.zeros(2, int)))) == 2
+    with pytest.raises(ValueError, match="^priority: not supported"):
+        llm.generate(["a"], GREEDY, use_tqdm=False, priority=[np.int64(1)])
+    with pytest.raises(ValueError, match="^priority: not supported"):
+        llm.generate(["a"], GREEDY, use_tqdm=False, priority=[True])

@@ -247,7 +247,7 @@ class Scheduler:
     def resident(self) -> int:
         """Sequences holding (or about to hold) a state of their own: the running ones, and the samples
         that will fork from admitted, partly prefilled prompts (n > 1). At most `max_num_seqs`. (The server's
-        running gauge too: serve/async_engine.py.)"""
+        running gauge too: engine/engine_thread.py.)"""
         return len(self.running) + sum(len(s.pending_forks) for s in self.waiting if s.request_id in self.running)
 
     def _try_swap_in(self) -> None:

@@ -1,10 +1,9 @@
 """OpenAI-compatible HTTP serving: `loopserve serve`.
 
-- `async_engine.py`: `AsyncLLMEngine`, one background thread that drives `LLMEngine.step()` while
-  the event loop adds, streams and aborts requests.
 - `protocol.py`: request bodies (pydantic), OpenAI-style errors, the unknown-field policy.
 - `api.py`: `build_app(engine, settings, on_engine_dead)`, the FastAPI app around `OpenAIServing`
-  (the endpoints).
+  (the endpoints), which runs the engine on an `EngineThread` (engine/engine_thread.py: one background thread drives
+  `LLMEngine.step()` while the event loop adds, streams and aborts requests).
 - `responses.py`: the response pieces completions and chat share (text deltas, logprobs, usage, SSE).
 - `middleware.py`: the request body size limit and request ids (`X-Request-Id`).
 - `connection.py`: uvicorn's HTTP protocol with a request read timeout (stalled clients get 408).

@@ -81,16 +81,16 @@ from loopserve.chat_messages import chat_messages, message_text
 from loopserve.engine.budget import completion_budget, pool_tokens, sequence_room
 from loopserve.engine.config import ENGINE_SCHEDULERS
 from loopserve.engine.engine import LLMEngine
-from loopserve.engine.sequence import Sequence, TokensPrompt, resolve_exit_rule, truncate_prompt
-from loopserve.outputs import CompletionOutput, RequestOutput
-from loopserve.sampling_params import BeamSearchParams, SamplingParams, truncates_prompt
-from loopserve.serve.async_engine import (
-    AsyncLLMEngine,
+from loopserve.engine.engine_thread import (
     EngineDeadError,
     EngineOverloadedError,
     EngineStoppedError,
+    EngineThread,
     RequestGroup,
 )
+from loopserve.engine.sequence import Sequence, TokensPrompt, resolve_exit_rule, truncate_prompt
+from loopserve.outputs import CompletionOutput, RequestOutput
+from loopserve.sampling_params import BeamSearchParams, SamplingParams, given_seed, truncates_prompt
 from loopserve.serve.connection import CLOSED_BY_SERVER
 from loopserve.serve.metrics import ServerMetrics, StatsLogger
 from loopserve.serve.middleware import (
@@ -317,7 +317,8 @@ class OpenAIServing:
         self.sampling_defaults = serving_defaults(engine, settings.sampling_defaults)
         self.kv_tokens = pool_tokens(engine)
         self.created = int(time.time())
-        self.aengine = AsyncLLMEngine(engine, settings.max_queued_requests, on_dead=on_engine_dead)
+        self.aengine = EngineThread(engine, settings.max_queued_requests, on_dead=on_engine_dead,
+                                    stopped_message=SHUTTING_DOWN)
         self.metrics = ServerMetrics(settings.model_name, lambda: self.aengine.snapshot, engine.model_config.r_max,
                                      engine.cfg.max_decode_batch, self.max_model_len)
         self.aengine.on_outputs = self.metrics.observe
@@ -572,9 +573,11 @@ class OpenAIServing:
         echo = out if gen.echo and not d.echoed else None
         d.echoed = d.echoed or gen.echo
         if not gen.kind.chat:
-            if echo is not None:  # the prompt first: as given, or the text of its (token ids or truncated) tokens
+            if echo is not None:  # the prompt first: as given, or the text of its (token ids or truncated) tokens,
+                # special tokens kept, as vLLM decodes them (and as `logprobs.tokens` and its offsets count them)
                 given = out.prompt if out.prompt is not None and gen.req.truncate_prompt_tokens is None else None
-                text = (given if given is not None else self.tokenizer.decode(out.prompt_token_ids)) + text
+                text = (given if given is not None
+                        else self.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)) + text
             body: dict[str, Any] = {"text": text}
             logprobs = gen.fmt.completion_logprobs(c, count, d, echo)
         else:
@@ -751,7 +754,8 @@ class OpenAIServing:
         search = BeamSearch([ids for _, _, ids in prompts], params, self.tokenizer.eos_token_ids,
                             sequence_room(self.max_model_len, self.kv_tokens))
         try:
-            step_params = search.step_params(req.seed if req.seed is not None else self.engine.seed)
+            seed = given_seed(req.seed)
+            step_params = search.step_params(seed if seed is not None else self.engine.seed)
         except ValueError as e:
             raise ApiError.bad_request(e) from None
         gen = _Generation(kind, req, cid, [], self.formatter(req), [where for where, _, _ in prompts], None,
@@ -908,7 +912,7 @@ class OpenAIServing:
         prompts = self.completion_prompts(req.prompt, truncates_prompt(req.truncate_prompt_tokens),
                                           req.add_special_tokens is not False)
         n = req.n if isinstance(req.n, int) and req.n >= 1 else 1  # (a bad n is SamplingParams' to name)
-        if len(prompts) * n > self.aengine.capacity:  # never admitted, however idle the server (async_engine.py)
+        if len(prompts) * n > self.aengine.capacity:  # never admitted, however idle the server (engine_thread.py)
             field = "prompt" if len(prompts) > self.aengine.capacity else "n"
             raise ApiError(400, f"{field}: {len(prompts)} prompts x n = {n} are {len(prompts) * n} sequences; this "
                                 f"server holds at most {self.aengine.capacity} at once (--max-num-seqs + "
@@ -932,7 +936,8 @@ class OpenAIServing:
                                      defaults=self.sampling_defaults,
                                      prompt_logprobs=req.logprobs if echo and req.prompt_logprobs is None else None,
                                      guided_decoding=guide)
-            seqs.append(self.make_seq(rid, text, ids, params, arrival, req.seed, where, grammar_field, req.cache_salt))
+            seqs.append(self.make_seq(rid, text, ids, params, arrival, params.seed, where, grammar_field,
+                                      req.cache_salt))
         return _Generation(COMPLETION, req, cid, seqs, self.formatter(req), [where for where, _, _ in prompts],
                            grammar_field, echo=echo, generated=generated)
 
@@ -1019,7 +1024,7 @@ class OpenAIServing:
                                  defaults=self.sampling_defaults, guided_decoding=guide)
         cid, (rid,) = self.new_ids(request, CHAT, 1)
         grammar_field = "tools" if tools is not None else guide_field(req)
-        seq = self.make_seq(rid, text, ids, params, arrival, req.seed, "messages", grammar_field, req.cache_salt)
+        seq = self.make_seq(rid, text, ids, params, arrival, params.seed, "messages", grammar_field, req.cache_salt)
         return _Generation(CHAT, req, cid, [seq], self.formatter(req), ["messages"], grammar_field, top, tools,
                            echo_text=echo_text, role=role)
 

@@ -55,8 +55,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from loopserve.engine.engine_thread import EngineSnapshot
 from loopserve.outputs import RequestOutput
-from loopserve.serve.async_engine import EngineSnapshot
 
 log = logging.getLogger("loopserve.serve")
 P = "loopserve:"

@@ -16,8 +16,8 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from loopserve.engine.engine_thread import RequestGroup
 from loopserve.outputs import CompletionOutput, Logprob, RequestOutput
-from loopserve.serve.async_engine import RequestGroup
 from loopserve.serve.protocol import ApiError
 from loopserve.tokenizer import Tokenizer
 

@@ -42,7 +42,8 @@ GRAMMAR_KEYS = ("json", "regex", "choice", "grammar", "json_object")  # a struct
 def _options_only(req: Any) -> dict[str, Any] | None:
     """The request's `structured_outputs` if it names no grammar, only options for another field's grammar."""
     spec = getattr(req, "structured_outputs", None)
-    if isinstance(spec, dict) and all(spec.get(k) in (None, False) for k in GRAMMAR_KEYS):
+    if isinstance(spec, dict) and all(spec.get(k) is None or (k == "json_object" and spec[k] is False)
+                                      for k in GRAMMAR_KEYS):
         return spec
     return None
 

@@ -1,23 +1,24 @@
-"""`AsyncLLMEngine`: one background thread drives `LLMEngine.step()`; the event loop never computes.
+"""`EngineThread`: one background thread drives `LLMEngine.step()`; the event loop never computes. The public
+`AsyncLLMEngine` (loopserve/async_llm.py) and the HTTP server (serve/api.py) each run their engine on one.
 
-- The HTTP side (event-loop thread) validates and builds `Sequence`s, then `add`s them: a command
-  goes on a thread-safe queue and the engine thread is woken. `abort` works the same way. Commands
-  are applied between steps, so the engine itself stays single-threaded.
+- The event-loop thread builds `Sequence`s, then `add`s them: a command goes on a thread-safe queue and the
+  engine thread is woken. `abort` works the same way. Commands are applied between steps, so the engine itself
+  stays single-threaded.
 - The engine thread steps while there is work and sleeps on an event otherwise. After each step it
   hands the step's outputs to the event loop in one `call_soon_threadsafe`, which routes each
   output to its `RequestGroup` queue: clients see one output per generated token.
-- Admission is bounded: at most `max_num_seqs + max_queued_requests` sequences in flight, each
+- Admission may be bounded (the server's): at most `max_num_seqs + max_queued_requests` sequences in flight, each
   sample of a request with n > 1 counted (as `max_num_seqs` counts them), so that one request of
   many prompts and samples cannot take every place while counting as a few; past that `add` raises
   `EngineOverloadedError` (the API answers 503) and nothing already admitted is touched.
 - Requests that wait for admission are watched after each step: `on_scheduled(request_id, t)`
   reports the start of the step that admitted one (the metrics' queue and prefill times).
-- If a step raises, the engine is dead: every in-flight request gets the error, `/health` turns 503,
-  new requests get 503, and `on_dead` is called on the event loop (the server then stops: a
-  process whose engine is gone should be restarted, not kept answering 503).
+- If a step raises, the engine is dead: every in-flight request gets `EngineDeadError`, new ones too, and
+  `on_dead` is called on the event loop (the server then stops: a process whose engine is gone should be
+  restarted, not kept answering 503).
 - At the end of a graceful shutdown's grace period `abort_all` ends every request still in flight at once
   (its group raises the error given, whatever step the engine thread is in) and aborts it in the engine;
-  `shutdown` then stops the thread.
+  `shutdown` (a coroutine) or `close` (blocking) then stops the thread.
 """
 
 from __future__ import annotations
@@ -35,13 +36,12 @@ import torch
 from loopserve.engine.engine import LLMEngine
 from loopserve.engine.sequence import Sequence, Status
 from loopserve.outputs import RequestOutput
-from loopserve.serve.protocol import SHUTTING_DOWN
 
-log = logging.getLogger("loopserve.serve")
+log = logging.getLogger("loopserve.engine")
 
 
 class EngineDeadError(RuntimeError):
-    pass
+    """The engine thread has stopped after a step raised (vLLM's `EngineDeadError`): nothing more runs on it."""
 
 
 class EngineOverloadedError(RuntimeError):
@@ -49,7 +49,8 @@ class EngineOverloadedError(RuntimeError):
 
 
 class EngineStoppedError(RuntimeError):
-    pass
+    """The engine thread has been shut down, or is shutting down: requests in flight end with it, new ones are
+    refused."""
 
 
 @dataclass
@@ -78,10 +79,10 @@ class EngineSnapshot:
 
 
 class RequestGroup:
-    """The engine requests of one HTTP request. Iterate for `(index, RequestOutput)` pairs (one per
+    """The engine requests of one client request. Iterate for `(index, RequestOutput)` pairs (one per
     new token, and a final one per request); `abort()` cancels what has not finished."""
 
-    def __init__(self, engine: AsyncLLMEngine, request_ids: list[str]) -> None:
+    def __init__(self, engine: EngineThread, request_ids: list[str]) -> None:
         self._engine = engine
         self.request_ids = request_ids
         self.queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException] = asyncio.Queue()
@@ -110,13 +111,18 @@ class RequestGroup:
             self._engine.abort(sorted(self.pending))
 
 
-class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, max_queued_requests: int = 256,
+class EngineThread:
+    """`max_queued_requests`: the admission bound past `max_num_seqs` (None: none). `stopped_message`: what a request
+    refused or ended by the shutdown is told (`EngineStoppedError`)."""
+
+    def __init__(self, engine: LLMEngine, max_queued_requests: int | None = 256,
                  on_outputs: Callable[[list[RequestOutput]], None] | None = None,
                  idle_poll_s: float = 0.5, on_dead: Callable[[], None] | None = None,
-                 on_scheduled: Callable[[str, float], None] | None = None) -> None:
+                 on_scheduled: Callable[[str, float], None] | None = None,
+                 stopped_message: str = "the engine has been shut down") -> None:
         self.engine = engine
-        self.capacity = engine.cfg.max_num_seqs + max_queued_requests
+        self.capacity = None if max_queued_requests is None else engine.cfg.max_num_seqs + max_queued_requests
+        self.stopped_message = stopped_message
         self.on_outputs = on_outputs
         self.on_scheduled = on_scheduled
         self._unscheduled: dict[str, Sequence] = {}  # engine thread only: added, not admitted yet
@@ -140,21 +146,50 @@ class AsyncLLMEngine:
         self._thread.start()
 
     @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop it was started on, whose tasks its outputs go to (None before `start`)."""
+        return self._loop
+
+    @property
     def alive(self) -> bool:
         return self.dead is None and self._thread is not None and self._thread.is_alive()
 
-    async def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Stop admitting, abort whatever is still in flight, and stop the engine thread."""
+    def stop(self) -> None:
+        """Stop admitting, abort whatever is still in flight, and let the engine thread end once the engine has
+        reported them (from the event-loop thread, or any thread once that loop has stopped)."""
         self._stopping = True
         if self._routes:
             self.abort(list(self._routes))
         self._stop.set()
         self._wake.set()
+
+    def _join(self, timeout_s: float | None) -> None:
         if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, timeout_s)
+            self._thread.join(timeout_s)
             if self._thread.is_alive():
-                log.warning("engine thread did not stop within %.1f s", timeout_s)
-        self._fail_all(EngineStoppedError(SHUTTING_DOWN))
+                log.warning("engine thread did not stop within %s s", timeout_s)
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        """`stop`, wait for the engine thread without blocking the event loop, and end what is left in flight."""
+        self.stop()
+        await asyncio.to_thread(self._join, timeout_s)
+        self._fail_all(EngineStoppedError(self.stopped_message))
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """`shutdown` for a caller that is no coroutine (vLLM's `shutdown()` is not): it blocks until the thread
+        has stopped (`timeout_s`: at most that long). Called off the event loop's thread, the requests left in
+        flight are ended on the loop (if it still runs: else nobody waits for them)."""
+        self.stop()
+        self._join(timeout_s)
+        exc = EngineStoppedError(self.stopped_message)
+        try:
+            on_loop = asyncio.get_running_loop() is self._loop
+        except RuntimeError:  # no loop runs in this thread
+            on_loop = False
+        if on_loop:
+            self._fail_all(exc)
+        elif self._loop is not None:
+            self._post(self._fail_all, exc)
 
     def abort_all(self, exc: BaseException) -> int:
         """Stop admitting, end every request group in flight with `exc` (its handler answers at once) and abort its
@@ -171,9 +206,9 @@ class AsyncLLMEngine:
         if self.dead is not None:
             raise EngineDeadError(f"the engine has stopped after an error: {self.dead!r}")
         if self._stopping:
-            raise EngineStoppedError(SHUTTING_DOWN)
+            raise EngineStoppedError(self.stopped_message)
         in_flight = sum(samples for _, _, samples in self._routes.values())
-        if in_flight + sum(len(s.family) for s in seqs) > self.capacity:
+        if self.capacity is not None and in_flight + sum(len(s.family) for s in seqs) > self.capacity:
             raise EngineOverloadedError(f"the server is at capacity ({self.capacity} sequences in flight or queued, "
                                         "each sample of a request counted)")
         group = RequestGroup(self, [s.request_id for s in seqs])

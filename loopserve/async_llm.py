@@ -1,0 +1,211 @@
+"""`AsyncLLMEngine` (also `AsyncLLM`, vLLM V1's name): vLLM's asyncio API, and `EngineArgs` / `AsyncEngineArgs`, the
+keywords one is built from.
+
+An `AsyncLLMEngine` is an `LLM` (built from the args: its engine, tokenizer, chat template, generation defaults and
+request checks, `LLM._make_sequence`) whose engine runs on an `EngineThread` (engine/engine_thread.py), the server's
+thread too. The thread starts with the first `generate`, on the event loop that runs it (outputs are handed to that
+loop); `shutdown()` stops it, and a later `generate` starts another, on its own loop (`asyncio.run` again).
+
+`generate` is an async generator of one request's `RequestOutput`s as its `output_kind` asks (vLLM's rules, the
+engine's outputs). Engine request ids are the LLM's own (unique), the caller's `request_id` goes on the outputs: a
+request the caller stopped reading frees its id at once, whatever step the engine is in. A consumer that stops early
+(breaks out, is cancelled, closes the generator or drops it) aborts its request, as vLLM does; `abort(request_id)`
+ends a stream with a final output whose finish_reason is "abort" (vLLM V1's). A step that raises kills the engine:
+every stream and every later call raise `EngineDeadError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, Iterable
+from pathlib import Path
+from typing import Any
+
+from loopserve.engine.engine import LLMEngine
+from loopserve.engine.engine_thread import EngineDeadError, EngineStoppedError, EngineThread, RequestGroup
+from loopserve.engine.sequence import PromptType
+from loopserve.llm import LLM
+from loopserve.outputs import RequestOutput
+from loopserve.sampling_params import BeamSearchParams, SamplingParams
+from loopserve.tokenizer import Tokenizer
+from loopserve.vllm_neutral import check_neutral
+
+__all__ = ["AsyncLLMEngine", "AsyncLLM", "AsyncEngineArgs", "EngineArgs", "EngineDeadError", "EngineStoppedError"]
+
+log = logging.getLogger(__name__)
+
+
+class EngineArgs:
+    """vLLM's `EngineArgs`: `model` and the keywords of `LLM(...)`, kept to build an engine from. They are `LLM`'s
+    (declared there, not again here), so they are checked as `LLM` checks them, when the engine is built
+    (`AsyncLLMEngine.from_engine_args`): an unknown one is a ValueError naming it. Read back as attributes
+    (`args.model`, `args.dtype`)."""
+
+    def __init__(self, model: str | Path | None = None, **kwargs: Any) -> None:
+        self.model = model
+        self.kwargs = kwargs
+
+    def __getattr__(self, name: str) -> Any:
+        kwargs = self.__dict__.get("kwargs", {})
+        if name in kwargs:
+            return kwargs[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def create_llm(self) -> LLM:
+        return LLM(self.model, **self.kwargs)
+
+
+class AsyncEngineArgs(EngineArgs):
+    """vLLM's `AsyncEngineArgs`: `EngineArgs` and the async engine's own `enable_log_requests` (a log line per
+    request added and aborted; `disable_log_requests`, vLLM's older name, says the opposite)."""
+
+    def __init__(self, model: str | Path | None = None, *, enable_log_requests: bool | None = None,
+                 disable_log_requests: bool | None = None, **kwargs: Any) -> None:
+        super().__init__(model, **kwargs)
+        given = {"enable_log_requests": enable_log_requests, "disable_log_requests": disable_log_requests}
+        for name, value in given.items():
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name}: expected a bool, got {value!r}")
+        if enable_log_requests is not None and enable_log_requests == disable_log_requests:
+            raise ValueError(f"disable_log_requests: {disable_log_requests} contradicts enable_log_requests="
+                             f"{enable_log_requests}; give one of them")
+        self.enable_log_requests = enable_log_requests if enable_log_requests is not None else (
+            disable_log_requests is False)
+
+
+class AsyncLLMEngine:
+    """vLLM's `AsyncLLMEngine` (V1: `AsyncLLM`): `from_engine_args(AsyncEngineArgs(model=..., ...))`, then
+    `async for out in engine.generate(prompt, params, request_id)`, `await abort(request_id)`,
+    `await get_tokenizer()`, `shutdown()`. Use it from one event loop at a time (module docstring). `llm`: the `LLM`
+    it is built on, whose engine it runs: `llm.generate` must not run while the engine thread does (it would step
+    the same engine from a second thread): `shutdown()` first."""
+
+    def __init__(self, llm: LLM, log_requests: bool = False) -> None:
+        self.llm = llm
+        self.engine: LLMEngine = llm.llm_engine  # (a ValueError naming `scheduler` for the reference decoder)
+        self.log_requests = log_requests
+        self._thread: EngineThread | None = None
+        self._closed = False  # shut down, and no generate since
+        self._streams: dict[str, RequestGroup] = {}  # event-loop thread only: the caller's request id -> its group
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, start_engine_loop: bool = True) -> AsyncLLMEngine:
+        """Build the engine (the model loads here). `start_engine_loop`: vLLM's; the engine thread starts with the
+        first `generate` either way (it hands outputs to the event loop running it, which only then is known)."""
+        if not isinstance(engine_args, EngineArgs):
+            raise ValueError(f"engine_args: expected an AsyncEngineArgs, got {type(engine_args).__name__}")
+        if not isinstance(start_engine_loop, bool):
+            raise ValueError(f"start_engine_loop: expected a bool, got {start_engine_loop!r}")
+        return cls(engine_args.create_llm(), getattr(engine_args, "enable_log_requests", False))
+
+    # -- state (vLLM's names) ---------------------------------------------------------------------------------------
+    @property
+    def errored(self) -> bool:
+        """A step raised: the engine is dead (every stream raised `EngineDeadError`)."""
+        return self._thread is not None and self._thread.dead is not None
+
+    @property
+    def is_running(self) -> bool:
+        """Not dead and not shut down (True before the first `generate` too, as vLLM's)."""
+        return not self.errored and not self._closed
+
+    @property
+    def dead_error(self) -> EngineDeadError:
+        dead = self._thread.dead if self._thread is not None else None
+        return EngineDeadError(f"the engine has stopped after an error: {dead!r}")
+
+    async def check_health(self) -> None:
+        if self.errored:
+            raise self.dead_error
+
+    async def get_tokenizer(self) -> Tokenizer:
+        return self.llm.get_tokenizer()
+
+    # -- requests -----------------------------------------------------------------------------------------------
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, *,
+                       lora_request: Any = None, tokenization_kwargs: dict[str, Any] | None = None,
+                       trace_headers: Any = None, priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
+        """One request's outputs, as `sampling_params.output_kind` asks: an output per token with everything so far
+        (CUMULATIVE, the default), with what is new (DELTA), or one when it finishes (FINAL_ONLY). `prompt`: what
+        `LLM.generate` takes for one prompt (text, token ids, a TextPrompt or TokensPrompt). Checked as `LLM` checks
+        a request when the generator is first iterated: a ValueError naming the field; a `request_id` in flight is
+        one too. `lora_request`, `tokenization_kwargs`, `trace_headers` and `priority` are vLLM's, taken at the values
+        that ask for nothing (`vllm_neutral`)."""
+        check_neutral(lora_request=lora_request, tokenization_kwargs=tokenization_kwargs, trace_headers=trace_headers,
+                      priority=priority)
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id: expected a str, got {type(request_id).__name__} {request_id!r}")
+        if isinstance(sampling_params, BeamSearchParams):
+            raise ValueError("sampling_params: beam search (BeamSearchParams) is not served by AsyncLLMEngine; "
+                             "LLM.beam_search or the server's use_beam_search run it")
+        if not isinstance(sampling_params, SamplingParams):
+            raise ValueError(f"sampling_params: expected a SamplingParams, got {type(sampling_params).__name__}")
+        if request_id in self._streams:
+            raise ValueError(f"request_id: {request_id!r} is already in flight")
+        thread = self._engine_thread()
+        seq = self.llm._make_sequence(prompt, sampling_params, sampling_params.output_kind)
+        group = thread.add([seq])
+        self._streams[request_id] = group
+        if self.log_requests:
+            log.info("Added request %s.", request_id)
+        try:
+            async for _, out in group:
+                out.request_id = request_id
+                yield out
+        finally:
+            # the consumer stopped before the end (broke out, was cancelled, closed or dropped the generator): the
+            # request is aborted, as vLLM aborts it, so that it frees its KV blocks (a no-op once it finished)
+            group.abort()
+            del self._streams[request_id]
+
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """Abort requests in flight (one id or several; an id not in flight is passed over, as in vLLM): each stream
+        ends with a final output whose finish_reason is "abort"."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            group = self._streams.get(rid)
+            if group is not None:
+                group.abort()
+        if self.log_requests:
+            log.info("Aborted request(s) %s.", ",".join(ids))
+
+    # -- the engine thread ----------------------------------------------------------------------------------------
+    def _engine_thread(self) -> EngineThread:
+        """The engine thread serving the running event loop: started by the first `generate`, and again after
+        `shutdown()` or once the loop it served has ended. A dead one is kept (its `add` raises EngineDeadError)."""
+        loop = asyncio.get_running_loop()
+        thread = self._thread
+        if thread is not None and thread.dead is None and thread.loop is not loop:
+            assert thread.loop is not None
+            if thread.loop.is_running():
+                raise RuntimeError("AsyncLLMEngine: its engine thread serves another event loop, which is still "
+                                   "running; use one AsyncLLMEngine per event loop, or shutdown() first")
+            thread.close()  # its loop has ended, with whatever waited on it: a new thread serves this one
+            thread = None
+        if thread is None:
+            thread = self._thread = EngineThread(self.engine, max_queued_requests=None,
+                                                 stopped_message="the AsyncLLMEngine has been shut down")
+            thread.start()
+            self._closed = False
+        return thread
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the engine thread (idempotent): requests in flight are aborted, their streams raise
+        `EngineStoppedError`. Blocks until it has stopped (`timeout`: seconds, at most). A later `generate`
+        starts a new thread."""
+        thread = self._thread
+        if thread is not None and thread.dead is None:  # (a dead one has stopped; kept, `errored` reads it)
+            thread.close(timeout)
+            self._thread = None
+        self._closed = True
+
+    def __del__(self) -> None:
+        # a dropped engine's thread would poll on, holding the model: told to stop (without waiting for it, as
+        # this may run anywhere the collector does)
+        thread = self.__dict__.get("_thread")
+        if thread is not None:
+            thread.stop()
+
+
+AsyncLLM = AsyncLLMEngine  # vLLM V1's name for it

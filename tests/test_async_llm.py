@@ -1,0 +1,266 @@
+"""The public asyncio API (`loopserve.AsyncLLMEngine`, vLLM's): its outputs equal `LLM.generate`'s, streams follow
+`output_kind`, concurrent requests run together, a stopped consumer or `abort` frees its request, bad requests are a
+ValueError naming the field, a dead engine says so, and the engine thread follows its event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from loopserve import LLM, AsyncEngineArgs, AsyncLLM, AsyncLLMEngine, RequestOutputKind, SamplingParams, TokensPrompt
+from loopserve.async_llm import EngineDeadError, EngineStoppedError
+from loopserve.sampling_params import BeamSearchParams
+
+FINAL, CUMULATIVE, DELTA = RequestOutputKind.FINAL_ONLY, RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA
+PROMPTS = ["the cat", [5, 6, 7, 8], TokensPrompt(prompt_token_ids=[9, 10, 11]), {"prompt": "a b c"}]
+LONG = SamplingParams(max_tokens=400, ignore_eos=True, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_ouro):
+    eng = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=str(tiny_ouro), dtype="float32", scheduler="cdb",
+                                                          kv_cache_tokens=1024))
+    yield eng
+    eng.shutdown()
+
+
+def drained(eng: AsyncLLMEngine) -> bool:
+    """Nothing in flight, every KV block free (cached prompt blocks count as free) and no stream open."""
+    e = eng.llm.llm_engine
+    return not e.requests and e.kv.allocator.num_free == e.kv.num_blocks and not eng._streams
+
+
+async def wait_drained(eng: AsyncLLMEngine, timeout_s: float = 30.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not drained(eng):
+        assert time.monotonic() < end, "the request was not freed"
+        await asyncio.sleep(0.01)
+
+
+async def collect(eng: AsyncLLMEngine, prompt, params: SamplingParams, rid: str) -> list:
+    return [out async for out in eng.generate(prompt, params, rid)]
+
+
+def completion(out):
+    return [(c.index, c.text, c.token_ids, c.exit_depths, c.finish_reason) for c in out.outputs]
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=12, temperature=0.0),
+    SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=7),
+    SamplingParams(max_tokens=8, temperature=1.0, seed=3, n=3),
+], ids=["greedy", "seeded", "n3"])
+def test_outputs_equal_llm_generate(engine, params):
+    """Concurrent requests from several tasks, each kind, give `LLM.generate`'s outputs (the same engine, before its
+    thread runs it; the thread is stopped first for this)."""
+    engine.shutdown()
+    want = [completion(o) for o in engine.llm.generate(PROMPTS, params, use_tqdm=False)]
+
+    async def main():
+        kinds = [CUMULATIVE, FINAL, DELTA, CUMULATIVE]
+        runs = [collect(engine, p, params.clone() if k == CUMULATIVE else _kind(params, k), f"r{i}")
+                for i, (p, k) in enumerate(zip(PROMPTS, kinds, strict=True))]
+        return kinds, await asyncio.gather(*runs)
+
+    kinds, got = asyncio.run(main())
+    for i, (kind, outs) in enumerate(zip(kinds, got, strict=True)):
+        assert all(o.request_id == f"r{i}" for o in outs)
+        assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+        if kind == FINAL:
+            assert len(outs) == 1
+        if kind == DELTA:
+            assert _joined(outs) == want[i]
+        else:
+            assert completion(outs[-1]) == want[i]
+            assert len(outs) > 1 or kind == FINAL  # streamed: an output per token
+    assert drained(engine)
+
+
+def _kind(params: SamplingParams, kind: RequestOutputKind) -> SamplingParams:
+    p = params.clone()
+    p.output_kind = kind
+    return p
+
+
+def _joined(outs) -> list:
+    """The completions DELTA outputs add up to, per sample."""
+    text: dict[int, str] = {}
+    ids: dict[int, list] = {}
+    depths: dict[int, list] = {}
+    reason: dict[int, str | None] = {}
+    for o in outs:
+        for c in o.outputs:
+            text[c.index] = text.get(c.index, "") + c.text
+            ids.setdefault(c.index, []).extend(c.token_ids)
+            depths.setdefault(c.index, []).extend(c.exit_depths)
+            reason[c.index] = c.finish_reason
+    return [(i, text[i], ids[i], depths[i], reason[i]) for i in sorted(text)]
+
+
+def test_cumulative_streams_every_token(engine):
+    async def main():
+        return await collect(engine, "to be", SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.0), "c")
+
+    outs = asyncio.run(main())
+    assert [len(o.outputs[0].token_ids) for o in outs] == list(range(1, 11))
+    assert all(outs[k].outputs[0].text.startswith(outs[k - 1].outputs[0].text) for k in range(1, len(outs)))
+
+
+def test_abort_ends_the_stream_with_abort(engine):
+    """`abort` (one id, or a list) ends the stream with a final output, finish_reason "abort" (vLLM V1's); the request
+    is gone from the engine and its blocks are free; an id not in flight is passed over."""
+    async def main():
+        gens = {rid: engine.generate([5, 6, 7], LONG, rid) for rid in ("a", "b", "c")}
+        for g in gens.values():
+            await anext(g)
+        await engine.abort("a")
+        await engine.abort(["b", "c", "never-added"])
+        return {rid: [o async for o in g] for rid, g in gens.items()}
+
+    for rid, rest in asyncio.run(main()).items():
+        last = rest[-1]
+        assert last.request_id == rid and last.finished and last.outputs[0].finish_reason == "abort"
+        assert len(last.outputs[0].token_ids) < 400
+    assert drained(engine)
+
+
+@pytest.mark.parametrize("how", ["break", "cancel", "aclose"])
+def test_a_consumer_that_stops_frees_its_request(engine, how):
+    """vLLM aborts a request whose consumer went away: breaking out, a cancelled task, a closed generator. The engine
+    then has nothing in flight and every KV block is free (long before the request could have run its 1000 tokens),
+    and the id may be used again."""
+    core = engine.llm.llm_engine
+    run = SamplingParams(max_tokens=1000, ignore_eos=True, temperature=0.0)
+
+    async def main():
+        before = core.stats.generated_tokens
+        if how == "break":
+            async for out in engine.generate([5, 6, 7], run, "x"):
+                if len(out.outputs[0].token_ids) >= 2:
+                    break
+        elif how == "cancel":
+            started = asyncio.Event()
+
+            async def consume():
+                async for _ in engine.generate([5, 6, 7], run, "x"):
+                    started.set()
+
+            task = asyncio.ensure_future(consume())
+            await started.wait()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        else:
+            gen = engine.generate([5, 6, 7], run, "x")
+            await anext(gen)
+            await gen.aclose()
+        await wait_drained(engine)
+        assert core.stats.generated_tokens - before < 100
+        again = await collect(engine, [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0), "x")
+        assert again[-1].outputs[0].finish_reason == "length"
+
+    asyncio.run(main())
+    assert drained(engine)
+
+
+@pytest.mark.parametrize("call, field", [
+    (lambda e: e.generate([5] * 5000, SamplingParams(max_tokens=4), "r"), "prompt"),
+    (lambda e: e.generate([5, 6], SamplingParams(max_tokens=5000), "r"), "max_tokens"),
+    (lambda e: e.generate([5, 6], SamplingParams(max_tokens=4, stop_token_ids=[10**6]), "r"), "stop_token_ids"),
+    (lambda e: e.generate([], SamplingParams(max_tokens=4), "r"), "prompt"),
+    (lambda e: e.generate([5], {"max_tokens": 4}, "r"), "sampling_params"),
+    (lambda e: e.generate([5], BeamSearchParams(beam_width=2, max_tokens=4), "r"), "sampling_params"),
+    (lambda e: e.generate([5], SamplingParams(max_tokens=4), 7), "request_id"),
+    (lambda e: e.generate([5], SamplingParams(max_tokens=4), "r", lora_request=object()), "lora_request"),
+    (lambda e: e.generate([5], SamplingParams(max_tokens=4), "r", priority=1), "priority"),
+])
+def test_bad_requests_are_value_errors_naming_the_field(engine, call, field):
+    async def main():
+        with pytest.raises(ValueError, match=f"^{field}"):
+            await anext(call(engine))
+
+    asyncio.run(main())
+    assert drained(engine)
+
+
+def test_a_request_id_in_flight_is_refused(engine):
+    async def main():
+        first = engine.generate([5, 6, 7], LONG, "dup")
+        await anext(first)
+        with pytest.raises(ValueError, match="^request_id: 'dup' is already in flight"):
+            await anext(engine.generate([1, 2], SamplingParams(max_tokens=2), "dup"))
+        await engine.abort("dup")
+        assert [o async for o in first][-1].outputs[0].finish_reason == "abort"
+
+    asyncio.run(main())
+    assert drained(engine)
+
+
+def test_shutdown_ends_streams_and_a_new_loop_restarts(engine):
+    """`shutdown()` stops the thread (idempotent): a stream in flight raises EngineStoppedError and its request is
+    freed; a later `generate`, on another event loop, starts a new thread."""
+    async def main():
+        gen = engine.generate([5, 6, 7], LONG, "s")
+        await anext(gen)
+        engine.shutdown()
+        engine.shutdown()
+        assert not engine.is_running and not engine.errored
+        with pytest.raises(EngineStoppedError):
+            async for _ in gen:
+                pass
+
+    asyncio.run(main())
+    assert drained(engine)
+    outs = asyncio.run(collect(engine, [5, 6], SamplingParams(max_tokens=2, temperature=0.0), "t"))
+    assert outs[-1].finished and engine.is_running
+
+
+def test_get_tokenizer_and_alias(engine):
+    assert AsyncLLM is AsyncLLMEngine
+    tok = asyncio.run(engine.get_tokenizer())
+    assert tok is engine.llm.get_tokenizer()
+
+
+def test_from_engine_args_names_an_unknown_keyword(tiny_ouro):
+    with pytest.raises(ValueError, match="^max_num_seq: not an LLM argument"):
+        AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=str(tiny_ouro), max_num_seq=4))
+    with pytest.raises(ValueError, match="^disable_log_requests"):
+        AsyncEngineArgs(model=str(tiny_ouro), enable_log_requests=True, disable_log_requests=True)
+    args = AsyncEngineArgs(model=str(tiny_ouro), dtype="float32", disable_log_requests=False)
+    assert args.dtype == "float32" and args.enable_log_requests
+    with pytest.raises(ValueError, match="^scheduler: 'reference'"):
+        AsyncLLMEngine(LLM(str(tiny_ouro), dtype="float32", scheduler="reference"))
+
+
+def test_a_dead_engine_fails_every_stream(tiny_ouro, monkeypatch):
+    """A step that raises kills the engine (vLLM's EngineDeadError): the streams in flight raise it, and so do later
+    requests; `errored`, `is_running` and `check_health` say so."""
+    eng = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=str(tiny_ouro), dtype="float32",
+                                                          kv_cache_tokens=1024))
+    real, steps = eng.llm.llm_engine.step, []
+
+    def failing():
+        steps.append(1)
+        if len(steps) > 3:
+            raise RuntimeError("boom")
+        return real()
+
+    monkeypatch.setattr(eng.llm.llm_engine, "step", failing)
+
+    async def main():
+        assert eng.is_running and not eng.errored
+        await eng.check_health()
+        runs = [collect(eng, [5, 6, 7], LONG, f"d{i}") for i in range(3)]
+        for result in await asyncio.gather(*runs, return_exceptions=True):
+            assert isinstance(result, EngineDeadError) and "boom" in str(result)
+        assert eng.errored and not eng.is_running
+        with pytest.raises(EngineDeadError):
+            await eng.check_health()
+        with pytest.raises(EngineDeadError):
+            await anext(eng.generate([5], SamplingParams(max_tokens=2), "later"))
+
+    asyncio.run(main())
+    eng.shutdown()
+    assert eng.errored
