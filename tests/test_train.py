@@ -214,3 +214,16 @@ def test_eval_commands_take_dtype_defaulting_to_float32():
         assert parser.parse_args(["eval", command, "--dtype", "bfloat16"]).dtype == "bfloat16"
         with pytest.raises(SystemExit):
             parser.parse_args(["eval", command, "--dtype", "half"])
+
+
+@pytest.mark.parametrize("flags,words", [(["--steps", "0"], "steps: must be an integer >= 1"),
+                                         (["--lr", "0"], "lr: must be a number"),
+                                         (["--gate-warmup", "2"], "gate_warmup: must be a number in [0.0, 1.0]")])
+def test_train_tiny_refuses_settings_it_cannot_train_with(flags, words, capsys):
+    """One `error:` line, before any data is read (--steps 0 ran to the end and divided by zero there)."""
+    from loopserve.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["train-tiny", "--no-progress", "--cache-dir", "/nonexistent", *flags])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.startswith("error: ") and words in err and err.count("\n") == 1, err

@@ -29,8 +29,8 @@ def cmd_train_tiny(args: argparse.Namespace) -> int:
     from loopserve_lab.train.train_tiny import TrainConfig, train
 
     names = {f.name for f in dataclasses.fields(TrainConfig)}
-    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
     try:
+        cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
         train(cfg, progress=not args.no_progress)
     except (ValueError, RuntimeError) as e:
         raise CommandError(str(e)) from None

@@ -43,6 +43,7 @@ from tqdm import tqdm
 from loopserve.model_config import ModelConfig
 from loopserve.models.context import dense_context
 from loopserve.models.ouro import OuroForCausalLM
+from loopserve.sampling_params import is_int, is_real
 from loopserve_lab.tiny import TinySpec, hf_config, write_hf_config
 from loopserve_lab.tokenization.build import train_bpe, write_tokenizer_files
 from loopserve_lab.train.corpus import DEFAULT_CACHE_DIR, DEFAULT_HELDOUT_TITLE, fetch_shakespeare, load_works
@@ -86,6 +87,24 @@ class TrainConfig:
     lookahead_windows: int = 96
     lookahead_ridge: float = 1e-2
     early_exit_threshold: float = 1.0  # written into config.json; `eval ppl --calibrate` sets it
+
+    def __post_init__(self) -> None:
+        """A ValueError naming the field for a value training cannot run with (0 steps divided by zero at the end)."""
+        for name in ("threads", "vocab_size", "val_tokens", "seq_len", "batch_size", "hidden_size", "num_layers",
+                     "num_heads", "intermediate_size", "r_max", "max_position", "steps", "eval_every", "eval_windows",
+                     "lookahead_windows"):
+            value = getattr(self, name)
+            if not (is_int(value) and value >= 1):
+                raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+        if not (is_int(self.warmup_steps) and self.warmup_steps >= 0):
+            raise ValueError(f"warmup_steps: must be an integer >= 0, got {self.warmup_steps!r}")
+        for name, low, high in (("lr", 0.0, math.inf), ("min_lr_frac", 0.0, 1.0), ("gate_warmup", 0.0, 1.0),
+                                ("weight_decay", 0.0, math.inf), ("grad_clip", 0.0, math.inf), ("beta", 0.0, math.inf),
+                                ("lookahead_ridge", 0.0, math.inf), ("early_exit_threshold", 0.0, 1.0)):
+            value = getattr(self, name)
+            if not (is_real(value) and low <= value <= high) or (name == "lr" and value == 0):
+                raise ValueError(f"{name}: must be a number in [{low}, {high}]{' and > 0' if name == 'lr' else ''}, "
+                                 f"got {value!r}")
 
 
 # --------------------------------------------------------------------------------------------------
