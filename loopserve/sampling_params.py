@@ -204,6 +204,12 @@ class GuidedDecodingParams:
             raise ValueError(f"choice: at most {MAX_CHOICES} options, got {len(self.choice)}")
         from loopserve.engine.grammar import grammar_text
 
+        if key[0] == "json" and key[2]:  # (checked alone, so that an error in it is not blamed on the schema)
+            try:
+                grammar_text("regex", key[2])
+            except ValueError as e:
+                raise ValueError(f"whitespace_pattern: not a pattern llguidance takes ({str(e).partition(': ')[2]})"
+                                 ) from None
         grammar_text(*key)  # compiles (cached) and validates
 
     @property

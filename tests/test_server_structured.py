@@ -255,6 +255,11 @@ def test_required_tool_choice(client):
     ("/v1/completions", {"structured_outputs": {"disable_any_whitespace": True}}, "structured_outputs"),  # no grammar
     # a grammar key given as false or 0 is a grammar (a bad one), not options: it was dropped beside guided_regex
     ("/v1/completions", {"guided_regex": "a+", "structured_outputs": {"json": False}}, "structured_outputs"),
+    # a bad whitespace pattern is named, not the schema it goes with
+    ("/v1/completions", {"guided_json": {"type": "object"}, "structured_outputs": {"whitespace_pattern": "(("}},
+     "structured_outputs.whitespace_pattern"),
+    ("/v1/completions", {"guided_json": {"type": "object"}, "guided_whitespace_pattern": "(("},
+     "guided_whitespace_pattern"),
 ])
 def test_bad_grammars_are_400_naming_the_field(server, path, body, param):
     base = {"messages": MESSAGES} if "chat" in path else {"prompt": "a"}
