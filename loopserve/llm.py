@@ -55,6 +55,17 @@ def default_model_path() -> Path:
 # vLLM's entry points for pooling models (embeddings, classification, scores, rewards): loopserve serves generative
 # looped LMs, so these are refused saying so, as vLLM refuses them for a generative model
 _POOLING = ("encode", "embed", "classify", "score", "reward")
+# vLLM's other `LLM` methods for what loopserve has no counterpart of: refused saying what to do instead
+_ABSENT = {
+    "sleep": "the model and KV cache stay on the device until the LLM is dropped (del llm frees them)",
+    "wake_up": "the model and KV cache stay on the device until the LLM is dropped (del llm frees them)",
+    "collective_rpc": "the model runs in this process, with no workers to call: llm.model is the module",
+    "apply_model": "the model runs in this process, with no workers to call: llm.model is the module",
+    "start_profile": "wrap generate in torch.profiler.profile() (the model runs in this process)",
+    "stop_profile": "wrap generate in torch.profiler.profile() (the model runs in this process)",
+    "set_tokenizer": "the checkpoint's tokenizer is always used (get_tokenizer() returns it)",
+    "get_metrics": "the engine's counters are llm.llm_engine.stats; the server exports Prometheus /metrics",
+}
 
 
 class LLM:
@@ -97,14 +108,20 @@ class LLM:
         return self.tokenizer
 
     def __getattr__(self, name: str) -> Any:
-        """vLLM's pooling methods exist (`hasattr` is true, as on vLLM's LLM) and raise a ValueError naming
-        themselves when called; any other missing attribute is the usual AttributeError."""
+        """vLLM's pooling methods, and its methods for what loopserve lacks (`_ABSENT`), exist (`hasattr` is true, as
+        on vLLM's LLM) and raise a ValueError naming themselves, saying what to use instead, when called; any other
+        missing attribute is the usual AttributeError."""
         if name in _POOLING:
-            def refuse(*args: Any, **kwargs: Any) -> Any:
-                raise ValueError(f"{name}: LLM.{name} is for pooling models (embeddings, classification, scores); "
-                                 f"loopserve serves generative looped LMs: use generate, chat or beam_search")
-            return refuse
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+            why = ("is for pooling models (embeddings, classification, scores); loopserve serves generative looped "
+                   "LMs: use generate, chat or beam_search")
+        elif name in _ABSENT:
+            why = f"is not supported by loopserve: {_ABSENT[name]}"
+        else:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            raise ValueError(f"{name}: LLM.{name} {why}")
+        return refuse
 
     @property
     def llm_engine(self) -> LLMEngine:

@@ -142,6 +142,15 @@ def test_vllms_pooling_methods_are_refused_naming_themselves(tiny_ouro, method):
         llm.no_such_method  # noqa: B018
 
 
+@pytest.mark.parametrize("method", ["sleep", "wake_up", "collective_rpc", "apply_model", "start_profile",
+                                    "stop_profile", "set_tokenizer", "get_metrics"])
+def test_vllms_methods_for_what_loopserve_lacks_say_what_to_use(tiny_ouro, method):
+    """They were AttributeErrors; now a ValueError naming the method and what to do instead."""
+    llm = LLM(tiny_ouro, device="cpu")
+    with pytest.raises(ValueError, match=f"^{method}: LLM.{method} is not supported by loopserve: "):
+        getattr(llm, method)()
+
+
 def test_max_model_len_caps_prompt_plus_completion(tiny_ouro):
     """As the model's own context does for `LLM` (vLLM's offline rule): a prompt that leaves no room is refused
     naming `prompt`; a completion asked to run past the cap ends there, finish_reason "length"."""
