@@ -8,8 +8,10 @@ loop); `shutdown()` stops it, and a later `generate` starts another, on its own 
 
 `generate` is an async generator of one request's `RequestOutput`s as its `output_kind` asks (vLLM's rules, the
 engine's outputs). Engine request ids are the LLM's own (unique), the caller's `request_id` goes on the outputs: a
-request the caller stopped reading frees its id at once, whatever step the engine is in. A consumer that stops early
-(breaks out, is cancelled, closes the generator or drops it) aborts its request, as vLLM does; `abort(request_id)`
+request the caller stopped reading frees its id once its generator is closed (`aclose()`, cancelled, or collected:
+a generator merely left by `break` is closed by asyncio a loop turn later, or never while a reference holds it),
+whatever step the engine is in. A consumer that stops early (breaks out, is cancelled, closes the generator or drops
+it) aborts its request, as vLLM does; `abort(request_id)`
 ends a stream with a final output whose finish_reason is "abort" (vLLM V1's). A step that raises kills the engine:
 every stream and every later call raise `EngineDeadError`.
 """
@@ -25,11 +27,11 @@ from typing import Any
 from loopserve.engine.engine import LLMEngine
 from loopserve.engine.engine_thread import EngineDeadError, EngineStoppedError, EngineThread, RequestGroup
 from loopserve.engine.sequence import PromptType
-from loopserve.llm import LLM
+from loopserve.llm import LLM, llm_configs
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import BeamSearchParams, SamplingParams
 from loopserve.tokenizer import Tokenizer
-from loopserve.vllm_neutral import check_neutral
+from loopserve.vllm_neutral import absent_method, check_neutral
 
 __all__ = ["AsyncLLMEngine", "AsyncLLM", "AsyncEngineArgs", "EngineArgs", "EngineDeadError", "EngineStoppedError"]
 
@@ -38,18 +40,20 @@ log = logging.getLogger(__name__)
 
 class EngineArgs:
     """vLLM's `EngineArgs`: `model` and the keywords of `LLM(...)`, kept to build an engine from. They are `LLM`'s
-    (declared there, not again here), so they are checked as `LLM` checks them, when the engine is built
-    (`AsyncLLMEngine.from_engine_args`): an unknown one is a ValueError naming it. Read back as attributes
-    (`args.model`, `args.dtype`)."""
+    (declared there, not again here) and checked as `LLM` checks them, here (`llm_configs`): an unknown one, or a
+    value out of range, is a ValueError naming it. Every setting reads back as an attribute, given or not
+    (`args.model`, `args.dtype`, `args.max_num_seqs`: the config's value)."""
 
     def __init__(self, model: str | Path | None = None, **kwargs: Any) -> None:
         self.model = model
         self.kwargs = kwargs
+        self.load_config, self.engine_config = llm_configs(kwargs)
 
     def __getattr__(self, name: str) -> Any:
-        kwargs = self.__dict__.get("kwargs", {})
-        if name in kwargs:
-            return kwargs[name]
+        for source in (self.__dict__.get("kwargs", {}), vars(self.__dict__.get("load_config", object())),
+                       vars(self.__dict__.get("engine_config", object()))):
+            if name in source:
+                return source[name]
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def create_llm(self) -> LLM:
@@ -90,14 +94,23 @@ class AsyncLLMEngine:
         self._streams: dict[str, RequestGroup] = {}  # event-loop thread only: the caller's request id -> its group
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs, start_engine_loop: bool = True) -> AsyncLLMEngine:
+    def from_engine_args(cls, engine_args: EngineArgs, start_engine_loop: bool = True, usage_context: Any = None,
+                         stat_loggers: Any = None) -> AsyncLLMEngine:
         """Build the engine (the model loads here). `start_engine_loop`: vLLM's; the engine thread starts with the
-        first `generate` either way (it hands outputs to the event loop running it, which only then is known)."""
+        first `generate` either way (it hands outputs to the event loop running it, which only then is known).
+        `usage_context` (vLLM's usage telemetry, which loopserve does not send) and `stat_loggers` (None: loopserve
+        logs no periodic stats) are taken at the values that ask for nothing."""
         if not isinstance(engine_args, EngineArgs):
             raise ValueError(f"engine_args: expected an AsyncEngineArgs, got {type(engine_args).__name__}")
         if not isinstance(start_engine_loop, bool):
             raise ValueError(f"start_engine_loop: expected a bool, got {start_engine_loop!r}")
+        check_neutral(usage_context=usage_context, stat_loggers=stat_loggers)
         return cls(engine_args.create_llm(), getattr(engine_args, "enable_log_requests", False))
+
+    def __getattr__(self, name: str) -> Any:
+        """vLLM's methods for what loopserve lacks (`vllm_neutral.ABSENT_METHODS`): a ValueError naming the method
+        and what to use instead when called; any other missing attribute is the usual AttributeError."""
+        return absent_method(self, name)
 
     # -- state (vLLM's names) ---------------------------------------------------------------------------------------
     @property
@@ -121,6 +134,19 @@ class AsyncLLMEngine:
 
     async def get_tokenizer(self) -> Tokenizer:
         return self.llm.get_tokenizer()
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """`LLMEngine.reset_prefix_cache` (vLLM's rules: only with no request in flight, else False), run between
+        two steps of the engine thread when it runs."""
+        def reset(engine: LLMEngine) -> bool:
+            return engine.reset_prefix_cache(reset_running_requests, reset_connector)
+        thread = self._thread
+        if thread is None or thread.dead is not None or not thread.alive:
+            return reset(self.engine)
+        return await thread.between_steps(reset)
+
+    async def is_sleeping(self) -> bool:
+        return False  # (vLLM's: loopserve never puts the model to sleep)
 
     # -- requests -----------------------------------------------------------------------------------------------
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, *,

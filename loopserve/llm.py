@@ -31,12 +31,12 @@ from loopserve.engine.sequence import (
     prompt_list,
     truncate_prompt,
 )
-from loopserve.load_config import LOAD_FIELDS, configs, load_for_engine
+from loopserve.load_config import LOAD_FIELDS, LoadConfig, configs, load_for_engine
 from loopserve.models.loader import embedded_model_path
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from loopserve.tokenizer import Tokenizer, template_variables
-from loopserve.vllm_neutral import NEUTRAL, check_neutral
+from loopserve.vllm_neutral import NEUTRAL, absent_method, check_neutral
 
 Conversation = Seq[Mapping[str, Any]]  # [{"role": "user", "content": "..."}, ...]
 
@@ -52,20 +52,18 @@ def default_model_path() -> Path:
     return path
 
 
-# vLLM's entry points for pooling models (embeddings, classification, scores, rewards): loopserve serves generative
-# looped LMs, so these are refused saying so, as vLLM refuses them for a generative model
-_POOLING = ("encode", "embed", "classify", "score", "reward")
-# vLLM's other `LLM` methods for what loopserve has no counterpart of: refused saying what to do instead
-_ABSENT = {
-    "sleep": "the model and KV cache stay on the device until the LLM is dropped (del llm frees them)",
-    "wake_up": "the model and KV cache stay on the device until the LLM is dropped (del llm frees them)",
-    "collective_rpc": "the model runs in this process, with no workers to call: llm.model is the module",
-    "apply_model": "the model runs in this process, with no workers to call: llm.model is the module",
-    "start_profile": "wrap generate in torch.profiler.profile() (the model runs in this process)",
-    "stop_profile": "wrap generate in torch.profiler.profile() (the model runs in this process)",
-    "set_tokenizer": "the checkpoint's tokenizer is always used (get_tokenizer() returns it)",
-    "get_metrics": "the engine's counters are llm.llm_engine.stats; the server exports Prometheus /metrics",
-}
+def llm_configs(kwargs: Mapping[str, Any]) -> tuple[LoadConfig, EngineConfig]:
+    """`LLM(...)`'s keywords (but `model`, `chat_template` and `generation_config`) as its load and engine configs:
+    a ValueError naming an unknown keyword, a value out of range, or a vLLM keyword at a value that asks for what
+    loopserve lacks (`NEUTRAL`)."""
+    neutral = {name for name, n in NEUTRAL.items() if n.init}
+    known = {*LOAD_FIELDS, *(f.name for f in dataclasses.fields(EngineConfig)), *neutral}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        names = ", ".join(sorted({"model", "chat_template", "generation_config", *known}))
+        raise ValueError(f"{unknown[0]}: not an LLM argument (known: {names})")
+    check_neutral(**{k: v for k, v in kwargs.items() if k in neutral})
+    return configs({k: v for k, v in kwargs.items() if k not in neutral})
 
 
 class LLM:
@@ -84,14 +82,7 @@ class LLM:
         flags of those names mean, with the same defaults), `EngineConfig` fields, and vLLM's keywords for what
         loopserve lacks (`NEUTRAL`: tokenizer_mode, quantization, kv_cache_dtype, max_logprobs, ...) at the values
         that ask for nothing of it. ValueError naming the argument at fault."""
-        neutral = {name for name, n in NEUTRAL.items() if n.init}
-        known = {*LOAD_FIELDS, *(f.name for f in dataclasses.fields(EngineConfig)), *neutral}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            names = ", ".join(sorted({"model", "chat_template", "generation_config", *known}))
-            raise ValueError(f"{unknown[0]}: not an LLM argument (known: {names})")
-        check_neutral(**{k: v for k, v in kwargs.items() if k in neutral})
-        self.load_config, self.engine_config = configs({k: v for k, v in kwargs.items() if k not in neutral})
+        self.load_config, self.engine_config = llm_configs(kwargs)
         loaded, self.engine_config, self.max_model_len, memory_knob = load_for_engine(
             model if model is not None else default_model_path(), self.load_config, self.engine_config,
             chat_template=chat_template, generation_config=generation_config)
@@ -108,20 +99,10 @@ class LLM:
         return self.tokenizer
 
     def __getattr__(self, name: str) -> Any:
-        """vLLM's pooling methods, and its methods for what loopserve lacks (`_ABSENT`), exist (`hasattr` is true, as
-        on vLLM's LLM) and raise a ValueError naming themselves, saying what to use instead, when called; any other
-        missing attribute is the usual AttributeError."""
-        if name in _POOLING:
-            why = ("is for pooling models (embeddings, classification, scores); loopserve serves generative looped "
-                   "LMs: use generate, chat or beam_search")
-        elif name in _ABSENT:
-            why = f"is not supported by loopserve: {_ABSENT[name]}"
-        else:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-        def refuse(*args: Any, **kwargs: Any) -> Any:
-            raise ValueError(f"{name}: LLM.{name} {why}")
-        return refuse
+        """vLLM's methods for what loopserve lacks (`vllm_neutral.ABSENT_METHODS`: pooling, sleep, profiling, ...)
+        exist (`hasattr` is true, as on vLLM's LLM) and raise a ValueError naming themselves, saying what to use
+        instead, when called; any other missing attribute is the usual AttributeError."""
+        return absent_method(self, name)
 
     @property
     def llm_engine(self) -> LLMEngine:

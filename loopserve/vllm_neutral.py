@@ -84,6 +84,9 @@ NEUTRAL: dict[str, Neutral] = {
     "tokenization_kwargs": _only("prompts are tokenized as the checkpoint's tokenizer is set up", None, {},
                                  init=False),
     "trace_headers": Neutral(lambda v: True, _ANY, "it emits no tracing spans", init=False),
+    # `AsyncLLMEngine.from_engine_args`'s
+    "usage_context": Neutral(lambda v: True, _ANY, "it sends no usage telemetry", init=False),
+    "stat_loggers": _only("it logs no periodic stats", None, init=False),
 }
 
 
@@ -95,3 +98,39 @@ def check_neutral(**given: Any) -> None:
         if not neutral.accepts(value):
             raise ValueError(f"{name}: not supported by loopserve ({neutral.why}); it takes {neutral.values}, "
                              f"got {value!r}")
+
+
+_POOLING = ("is for pooling models (embeddings, classification, scores); loopserve serves generative looped LMs: "
+            "use generate (or chat, beam_search)")
+_SLEEP = "is not supported by loopserve: the model and KV cache stay on the device until the engine is dropped"
+_IN_PROCESS = "is not supported by loopserve: the model runs in this process, with no workers to call (llm.model)"
+_PROFILE = "is not supported by loopserve: wrap the calls in torch.profiler.profile() (the model runs in this process)"
+_LORA = "is not supported by loopserve: it serves no LoRA adapters"
+# vLLM's methods of `LLM` and of its async engine for what loopserve has no counterpart of: they exist (`hasattr` is
+# true, as on vLLM's classes) and raise a ValueError naming themselves and saying what to use instead when called
+ABSENT_METHODS = {
+    **dict.fromkeys(("encode", "embed", "classify", "score", "reward"), _POOLING),
+    **dict.fromkeys(("sleep", "wake_up"), _SLEEP),
+    **dict.fromkeys(("collective_rpc", "apply_model"), _IN_PROCESS),
+    **dict.fromkeys(("start_profile", "stop_profile"), _PROFILE),
+    **dict.fromkeys(("add_lora", "remove_lora", "list_loras", "pin_lora"), _LORA),
+    "set_tokenizer": "is not supported by loopserve: the checkpoint's tokenizer is always used (get_tokenizer())",
+    "get_metrics": "is not supported by loopserve: the engine's counters are its stats (LLMEngine.stats); the "
+                   "server exports Prometheus /metrics",
+    **dict.fromkeys(("get_model_config", "get_vllm_config"),
+                    "is not supported by loopserve: its configs are the LLM's (llm.config: the model's shapes, "
+                    "llm.engine_config, llm.load_config, llm.max_model_len)"),
+}
+
+
+def absent_method(owner: object, name: str) -> Callable[..., Any]:
+    """`owner.name` for an `ABSENT_METHODS` name: a function that refuses (a ValueError naming it, saying what to use
+    instead); any other name is the usual AttributeError (for `__getattr__`)."""
+    why = ABSENT_METHODS.get(name)
+    kind = type(owner).__name__
+    if why is None:
+        raise AttributeError(f"{kind!r} object has no attribute {name!r}")
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError(f"{name}: {kind}.{name} {why}")
+    return refuse

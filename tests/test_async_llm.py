@@ -9,7 +9,16 @@ import time
 
 import pytest
 
-from loopserve import LLM, AsyncEngineArgs, AsyncLLM, AsyncLLMEngine, RequestOutputKind, SamplingParams, TokensPrompt
+from loopserve import (
+    LLM,
+    AsyncEngineArgs,
+    AsyncLLM,
+    AsyncLLMEngine,
+    EngineConfig,
+    RequestOutputKind,
+    SamplingParams,
+    TokensPrompt,
+)
 from loopserve.async_llm import EngineDeadError, EngineStoppedError
 from loopserve.sampling_params import BeamSearchParams
 
@@ -224,8 +233,16 @@ def test_get_tokenizer_and_alias(engine):
 
 
 def test_from_engine_args_names_an_unknown_keyword(tiny_ouro):
+    """Checked when the args are made (vLLM's dataclass refuses an unknown field there), values too; every setting
+    reads back, given or not; vLLM's from_engine_args keywords at the values that ask for nothing."""
     with pytest.raises(ValueError, match="^max_num_seq: not an LLM argument"):
-        AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=str(tiny_ouro), max_num_seq=4))
+        AsyncEngineArgs(model=str(tiny_ouro), max_num_seq=4)
+    with pytest.raises(ValueError, match="^max_num_seqs"):
+        AsyncEngineArgs(model=str(tiny_ouro), max_num_seqs=0)
+    assert AsyncEngineArgs(model=str(tiny_ouro)).max_num_seqs == EngineConfig().max_num_seqs  # (the default)
+    assert AsyncEngineArgs(model=str(tiny_ouro), max_num_seqs=3).max_num_seqs == 3
+    with pytest.raises(ValueError, match="^stat_loggers: not supported by loopserve"):
+        AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=str(tiny_ouro)), stat_loggers=[object()])
     with pytest.raises(ValueError, match="^disable_log_requests"):
         AsyncEngineArgs(model=str(tiny_ouro), enable_log_requests=True, disable_log_requests=True)
     args = AsyncEngineArgs(model=str(tiny_ouro), dtype="float32", disable_log_requests=False)
@@ -264,3 +281,29 @@ def test_a_dead_engine_fails_every_stream(tiny_ouro, monkeypatch):
     asyncio.run(main())
     eng.shutdown()
     assert eng.errored
+
+
+def test_reset_prefix_cache_runs_between_steps(engine):
+    """vLLM's rules (False while a request is in flight, True when idle), run on the engine thread between two steps
+    (the engine is single-threaded), and before the thread starts."""
+    engine.shutdown()
+    assert asyncio.run(engine.reset_prefix_cache()) is True
+
+    async def run() -> tuple[bool, bool]:
+        stream = engine.generate("the cat", LONG, "busy")
+        await stream.__anext__()
+        busy = await engine.reset_prefix_cache()
+        await stream.aclose()
+        await wait_drained(engine)
+        return busy, await engine.reset_prefix_cache()
+
+    assert asyncio.run(run()) == (False, True)
+
+
+@pytest.mark.parametrize("method", ["encode", "add_lora", "sleep", "start_profile", "get_model_config"])
+def test_vllms_methods_for_what_loopserve_lacks_say_what_to_use(engine, method):
+    with pytest.raises(ValueError, match=f"^{method}: AsyncLLMEngine.{method} .*"):
+        getattr(engine, method)()
+    assert asyncio.run(engine.is_sleeping()) is False
+    with pytest.raises(AttributeError, match="no_such_method"):
+        engine.no_such_method  # noqa: B018

@@ -11,6 +11,8 @@
   sample of a request with n > 1 counted (as `max_num_seqs` counts them), so that one request of
   many prompts and samples cannot take every place while counting as a few; past that `add` raises
   `EngineOverloadedError` (the API answers 503) and nothing already admitted is touched.
+- `between_steps(fn)` runs `fn(engine)` on the engine thread between two steps (an engine-wide call such as
+  `reset_prefix_cache`), its result a future on the event loop.
 - Requests that wait for admission are watched after each step: `on_scheduled(request_id, t)`
   reports the start of the step that admitted one (the metrics' queue and prefill times).
 - If a step raises, the engine is dead: every in-flight request gets `EngineDeadError`, new ones too, and
@@ -30,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -111,6 +114,14 @@ class RequestGroup:
             self._engine.abort(sorted(self.pending))
 
 
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if not future.done():  # (the caller may have stopped waiting)
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+
 class EngineThread:
     """`max_queued_requests`: the admission bound past `max_num_seqs` (None: none). `stopped_message`: what a request
     refused or ended by the shutdown is told (`EngineStoppedError`)."""
@@ -130,7 +141,7 @@ class EngineThread:
         self.idle_poll_s = idle_poll_s
         self.snapshot = EngineSnapshot()
         self.dead: BaseException | None = None
-        self._cmds: queue.SimpleQueue[tuple[str, list]] = queue.SimpleQueue()
+        self._cmds: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._stopping = False
@@ -222,6 +233,15 @@ class EngineThread:
         self._cmds.put(("abort", list(request_ids)))
         self._wake.set()
 
+    def between_steps(self, fn: Callable[[LLMEngine], Any]) -> asyncio.Future:
+        """`fn(engine)` run on the engine thread between two steps (the engine is single-threaded: nothing else may
+        touch it while the thread runs); a future of its result or its exception, on the event loop."""
+        assert self._loop is not None
+        future = self._loop.create_future()
+        self._cmds.put(("call", (fn, future)))
+        self._wake.set()
+        return future
+
     def _deliver(self, outs: list[RequestOutput]) -> None:
         for out in outs:
             route = self._routes.get(out.request_id)
@@ -256,6 +276,14 @@ class EngineThread:
                     self.engine.add_sequence(seq)
                     if self.on_scheduled is not None:
                         self._unscheduled[seq.request_id] = seq
+            elif kind == "call":
+                fn, future = payload
+                try:
+                    result = fn(self.engine)
+                except Exception as e:  # (the caller's error, not the engine's: it goes to the caller)
+                    self._post(_settle, future, None, e)
+                else:
+                    self._post(_settle, future, result, None)
             else:
                 for rid in payload:
                     if rid in self.engine.requests:
