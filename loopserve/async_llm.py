@@ -171,7 +171,7 @@ class AsyncLLMEngine:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
         thread = self._engine_thread()
         seq = self.llm._make_sequence(prompt, sampling_params, sampling_params.output_kind)
-        group = thread.add([seq])
+        group = thread.add([seq], merge=True)  # (a consumer that falls behind reads merged outputs, as vLLM's)
         self._streams[request_id] = group
         if self.log_requests:
             log.info("Added request %s.", request_id)

@@ -70,3 +70,31 @@ class RequestOutput:
     # the KV cache), 500 when the engine failed on its part of a batch (the other requests go on)
     error_status: int | None = None
     extra: dict = field(default_factory=dict)
+
+    def add(self, next_output: RequestOutput, aggregate: bool) -> None:
+        """vLLM's: fold a later output of the same request into this one, for a consumer that fell behind.
+        `aggregate` (DELTA outputs): each completion's new text, tokens, logprobs and depths are appended to this
+        one's of the same index (a completion new to this output is added); otherwise (CUMULATIVE) the later output,
+        which holds everything so far, replaces this one's completions. Either way the request's state (finished,
+        metrics, error, cached tokens) becomes the later one's; the prompt logprobs stay the first output's."""
+        if aggregate:
+            mine = {c.index: c for c in self.outputs}
+            for c in next_output.outputs:
+                old = mine.get(c.index)
+                if old is None:
+                    self.outputs.append(c)
+                    continue
+                old.text += c.text
+                old.token_ids = [*old.token_ids, *c.token_ids]
+                old.exit_depths = [*old.exit_depths, *c.exit_depths]
+                if old.logprobs is not None and c.logprobs is not None:
+                    old.logprobs = [*old.logprobs, *c.logprobs]
+                old.cumulative_logprob, old.finish_reason, old.stop_reason = (c.cumulative_logprob, c.finish_reason,
+                                                                              c.stop_reason)
+        else:
+            self.outputs = next_output.outputs
+        self.finished, self.metrics, self.num_cached_tokens = (next_output.finished, next_output.metrics,
+                                                               next_output.num_cached_tokens)
+        self.error, self.error_status = next_output.error, next_output.error_status
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = next_output.prompt_logprobs

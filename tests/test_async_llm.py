@@ -307,3 +307,33 @@ def test_vllms_methods_for_what_loopserve_lacks_say_what_to_use(engine, method):
     assert asyncio.run(engine.is_sleeping()) is False
     with pytest.raises(AttributeError, match="no_such_method"):
         engine.no_such_method  # noqa: B018
+
+
+@pytest.mark.parametrize("kind", [DELTA, CUMULATIVE])
+def test_a_slow_consumer_reads_merged_outputs(engine, kind):
+    """Outputs that arrive while the consumer is busy are folded into the one it has not read yet (vLLM's
+    `RequestOutput.add`): fewer outputs than tokens, and together exactly what a fast consumer gets."""
+    params = SamplingParams(max_tokens=48, ignore_eos=True, temperature=0.0, logprobs=1)
+    engine.shutdown()
+    [want] = engine.llm.generate(["the cat"], params, use_tqdm=False)
+
+    async def slow() -> list:
+        outs = []
+        async for out in engine.generate("the cat", SamplingParams(**{**vars(params), "output_kind": kind}), "slow"):
+            outs.append(out)
+            time.sleep(0.02)  # (blocks the loop: the engine thread's outputs pile up meanwhile)
+        return outs
+
+    outs = asyncio.run(slow())
+    assert len(outs) < 48 and outs[-1].finished, len(outs)
+    w = want.outputs[0]
+    if kind == DELTA:
+        got = [c for o in outs for c in o.outputs]
+        assert "".join(c.text for c in got) == w.text
+        assert [t for c in got for t in c.token_ids] == w.token_ids
+        assert [d for c in got for d in c.exit_depths] == w.exit_depths
+        assert [lp for c in got for lp in c.logprobs] == w.logprobs
+    else:
+        last = outs[-1].outputs[0]
+        assert (last.text, last.token_ids, last.exit_depths, last.finish_reason) == (w.text, w.token_ids,
+                                                                                    w.exit_depths, w.finish_reason)

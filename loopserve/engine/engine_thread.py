@@ -39,6 +39,7 @@ import torch
 from loopserve.engine.engine import LLMEngine
 from loopserve.engine.sequence import Sequence, Status
 from loopserve.outputs import RequestOutput
+from loopserve.sampling_params import RequestOutputKind
 
 log = logging.getLogger("loopserve.engine")
 
@@ -83,14 +84,31 @@ class EngineSnapshot:
 
 class RequestGroup:
     """The engine requests of one client request. Iterate for `(index, RequestOutput)` pairs (one per
-    new token, and a final one per request); `abort()` cancels what has not finished."""
+    new token, and a final one per request); `abort()` cancels what has not finished. `merge` (the public async
+    engine's, as vLLM's): a request's outputs that arrive before the consumer read the last one are folded into it
+    (`RequestOutput.add`: DELTA pieces joined, a CUMULATIVE output replaced), so that a slow consumer reads fewer,
+    larger outputs instead of a queue that grows with every token (quadratically, for CUMULATIVE ones)."""
 
-    def __init__(self, engine: EngineThread, request_ids: list[str]) -> None:
+    def __init__(self, engine: EngineThread, request_ids: list[str],
+                 merge: list[RequestOutputKind] | None = None) -> None:
         self._engine = engine
         self.request_ids = request_ids
         self.queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException] = asyncio.Queue()
         self.pending = set(request_ids)
         self._aborted = False
+        self._merge = merge  # per request: its output kind
+        self._unread: dict[int, RequestOutput] = {}  # with `merge`: a request's output still in the queue
+
+    def put(self, index: int, out: RequestOutput) -> None:
+        """Hand over request `index`'s next output (event-loop thread)."""
+        unread = self._unread.get(index) if self._merge is not None else None
+        if unread is not None:
+            assert self._merge is not None
+            unread.add(out, aggregate=self._merge[index] == RequestOutputKind.DELTA)
+            return
+        if self._merge is not None:
+            self._unread[index] = out
+        self.queue.put_nowait((index, out))
 
     def __aiter__(self) -> RequestGroup:
         return self
@@ -103,6 +121,7 @@ class RequestGroup:
             self.pending.clear()
             raise item
         index, out = item
+        self._unread.pop(index, None)  # (read: later outputs queue anew)
         if out.finished:
             self.pending.discard(self.request_ids[index])
         return index, out
@@ -213,7 +232,9 @@ class EngineThread:
         return len(groups)
 
     # -- requests (event-loop thread) -------------------------------------------------------------------
-    def add(self, seqs: list[Sequence]) -> RequestGroup:
+    def add(self, seqs: list[Sequence], merge: bool = False) -> RequestGroup:
+        """Queue requests (each with its samples) as one group. `merge`: outputs a consumer has not read yet are folded
+        together (`RequestGroup`)."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine has stopped after an error: {self.dead!r}")
         if self._stopping:
@@ -222,7 +243,8 @@ class EngineThread:
         if self.capacity is not None and in_flight + sum(len(s.family) for s in seqs) > self.capacity:
             raise EngineOverloadedError(f"the server is at capacity ({self.capacity} sequences in flight or queued, "
                                         "each sample of a request counted)")
-        group = RequestGroup(self, [s.request_id for s in seqs])
+        group = RequestGroup(self, [s.request_id for s in seqs],
+                             [s.params.output_kind for s in seqs] if merge else None)
         for i, s in enumerate(seqs):
             self._routes[s.request_id] = (group, i, len(s.family))
         self._cmds.put(("add", seqs))
@@ -248,7 +270,7 @@ class EngineThread:
             if route is None:
                 continue
             group, index, _ = route
-            group.queue.put_nowait((index, out))
+            group.put(index, out)
             if out.finished:
                 del self._routes[out.request_id]
 
