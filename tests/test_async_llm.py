@@ -337,3 +337,18 @@ def test_a_slow_consumer_reads_merged_outputs(engine, kind):
         last = outs[-1].outputs[0]
         assert (last.text, last.token_ids, last.exit_depths, last.finish_reason) == (w.text, w.token_ids,
                                                                                     w.exit_depths, w.finish_reason)
+
+
+def test_a_call_between_steps_is_answered_when_the_thread_has_ended(engine):
+    """`EngineThread.between_steps` on a thread that has stopped answers with EngineStoppedError at once, rather
+    than a future nobody settles (a hang)."""
+    async def run() -> None:
+        [_ async for _ in engine.generate("the cat", SamplingParams(max_tokens=1), "warm")]
+        thread = engine._thread
+        assert thread is not None
+        await thread.shutdown()
+        with pytest.raises(EngineStoppedError):
+            await asyncio.wait_for(thread.between_steps(lambda e: True), 5)
+
+    asyncio.run(run())
+    engine.shutdown()

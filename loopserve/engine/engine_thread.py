@@ -198,6 +198,8 @@ class EngineThread:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
                 log.warning("engine thread did not stop within %s s", timeout_s)
+            else:
+                self._refuse_calls()  # (a call queued as it ended)
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         """`stop`, wait for the engine thread without blocking the event loop, and end what is left in flight."""
@@ -262,7 +264,21 @@ class EngineThread:
         future = self._loop.create_future()
         self._cmds.put(("call", (fn, future)))
         self._wake.set()
+        if self._thread is None or not self._thread.is_alive():  # (it has ended: no one else would answer the call)
+            self._refuse_calls()
         return future
+
+    def _refuse_calls(self) -> None:
+        """Answer the calls still queued once the engine thread has ended (any thread): its error, or stopped."""
+        exc: BaseException = (EngineDeadError(f"the engine has stopped after an error: {self.dead!r}")
+                              if self.dead is not None else EngineStoppedError(self.stopped_message))
+        while True:
+            try:
+                kind, payload = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "call":
+                self._post(_settle, payload[1], None, exc)
 
     def _deliver(self, outs: list[RequestOutput]) -> None:
         for out in outs:
@@ -366,3 +382,5 @@ class EngineThread:
             self._post(self._fail_all, EngineDeadError(f"engine error: {e!r}"))
             if self.on_dead is not None:
                 self._post(self.on_dead)
+        finally:
+            self._refuse_calls()
