@@ -39,30 +39,47 @@ log = logging.getLogger(__name__)
 
 
 class EngineArgs:
-    """vLLM's `EngineArgs`: `model` and the keywords of `LLM(...)`, kept to build an engine from. They are `LLM`'s
-    (declared there, not again here) and checked as `LLM` checks them, here (`llm_configs`): an unknown one, or a
-    value out of range, is a ValueError naming it. Every setting reads back as an attribute, given or not
-    (`args.model`, `args.dtype`, `args.max_num_seqs`: the config's value)."""
+    """vLLM's `EngineArgs`: `model`, `chat_template`, `generation_config` and the other keywords of `LLM(...)`, kept
+    to build an engine from. They are `LLM`'s (declared there, not again here) and checked as `LLM` checks them, here
+    (`llm_configs`): an unknown one, or a value out of range, is a ValueError naming it. Every setting reads back as
+    an attribute, given or not (`args.dtype`, `args.max_num_seqs`: the config's value), and may be set as one
+    (`args.max_num_seqs = 8`, checked again), as vLLM's dataclass fields are."""
 
-    def __init__(self, model: str | Path | None = None, **kwargs: Any) -> None:
-        self.model = model
+    _OWN: tuple[str, ...] = ("model", "chat_template", "generation_config", "kwargs", "load_config", "engine_config")
+
+    def __init__(self, model: str | Path | None = None, *, chat_template: str | None = None,
+                 generation_config: str = "auto", **kwargs: Any) -> None:
+        self.model, self.chat_template, self.generation_config = model, chat_template, generation_config
         self.kwargs = kwargs
         self.load_config, self.engine_config = llm_configs(kwargs)
 
     def __getattr__(self, name: str) -> Any:
-        for source in (self.__dict__.get("kwargs", {}), vars(self.__dict__.get("load_config", object())),
-                       vars(self.__dict__.get("engine_config", object()))):
-            if name in source:
-                return source[name]
+        if not name.startswith("__"):  # (copy and pickle look up their hooks on an instance not yet built)
+            for source in (self.__dict__.get("kwargs", {}), getattr(self.__dict__.get("load_config"), "__dict__", {}),
+                           getattr(self.__dict__.get("engine_config"), "__dict__", {})):
+                if name in source:
+                    return source[name]
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._OWN or "kwargs" not in self.__dict__:
+            super().__setattr__(name, value)
+            return
+        kwargs = {**self.kwargs, name: value}
+        configs = llm_configs(kwargs)  # (an unknown name, or a bad value: a ValueError naming it, nothing changed)
+        self.__dict__["kwargs"] = kwargs
+        self.__dict__["load_config"], self.__dict__["engine_config"] = configs
+
     def create_llm(self) -> LLM:
-        return LLM(self.model, **self.kwargs)
+        return LLM(self.model, chat_template=self.chat_template, generation_config=self.generation_config,
+                   **self.kwargs)
 
 
 class AsyncEngineArgs(EngineArgs):
     """vLLM's `AsyncEngineArgs`: `EngineArgs` and the async engine's own `enable_log_requests` (a log line per
     request added and aborted; `disable_log_requests`, vLLM's older name, says the opposite)."""
+
+    _OWN = (*EngineArgs._OWN, "enable_log_requests")
 
     def __init__(self, model: str | Path | None = None, *, enable_log_requests: bool | None = None,
                  disable_log_requests: bool | None = None, **kwargs: Any) -> None:
@@ -140,10 +157,7 @@ class AsyncLLMEngine:
         two steps of the engine thread when it runs."""
         def reset(engine: LLMEngine) -> bool:
             return engine.reset_prefix_cache(reset_running_requests, reset_connector)
-        thread = self._thread
-        if thread is None or thread.dead is not None or not thread.alive:
-            return reset(self.engine)
-        return await thread.between_steps(reset)
+        return await self._engine_thread().between_steps(reset)
 
     async def is_sleeping(self) -> bool:
         return False  # (vLLM's: loopserve never puts the model to sleep)
@@ -178,12 +192,15 @@ class AsyncLLMEngine:
         try:
             async for _, out in group:
                 out.request_id = request_id
+                if out.finished:  # (its id is free again at once, as vLLM frees it on finish)
+                    self._streams.pop(request_id, None)
                 yield out
         finally:
             # the consumer stopped before the end (broke out, was cancelled, closed or dropped the generator): the
             # request is aborted, as vLLM aborts it, so that it frees its KV blocks (a no-op once it finished)
             group.abort()
-            del self._streams[request_id]
+            if self._streams.get(request_id) is group:
+                del self._streams[request_id]
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Abort requests in flight (one id or several; an id not in flight is passed over, as in vLLM): each stream
@@ -202,12 +219,14 @@ class AsyncLLMEngine:
         `shutdown()` or once the loop it served has ended. A dead one is kept (its `add` raises EngineDeadError)."""
         loop = asyncio.get_running_loop()
         thread = self._thread
-        if thread is not None and thread.dead is None and thread.loop is not loop:
+        if thread is not None and thread.dead is None and (thread.loop is not loop or thread.stopping):
             assert thread.loop is not None
-            if thread.loop.is_running():
+            if thread.loop is not loop and thread.loop.is_running():
                 raise RuntimeError("AsyncLLMEngine: its engine thread serves another event loop, which is still "
                                    "running; use one AsyncLLMEngine per event loop, or shutdown() first")
-            thread.close()  # its loop has ended, with whatever waited on it: a new thread serves this one
+            # its loop has ended, or it was shut down and has not stopped yet: waited for to the end, so that never
+            # two threads step the engine
+            thread.close()
             thread = None
         if thread is None:
             thread = self._thread = EngineThread(self.engine, max_queued_requests=None,
@@ -223,7 +242,8 @@ class AsyncLLMEngine:
         thread = self._thread
         if thread is not None and thread.dead is None:  # (a dead one has stopped; kept, `errored` reads it)
             thread.close(timeout)
-            self._thread = None
+            if not thread.alive:  # (still stepping past `timeout`: kept, so that the next generate waits for it)
+                self._thread = None
         self._closed = True
 
     def __del__(self) -> None:

@@ -352,3 +352,84 @@ def test_a_call_between_steps_is_answered_when_the_thread_has_ended(engine):
 
     asyncio.run(run())
     engine.shutdown()
+
+
+def test_engine_args_read_back_set_copy_and_take_every_llm_keyword(tiny_ouro):
+    """chat_template and generation_config are LLM's keywords too; a setting assigned is checked and used; the args
+    deep-copy and pickle (copy's hook lookups on a half-built instance raised a TypeError)."""
+    import copy
+    import pickle
+
+    args = AsyncEngineArgs(model=str(tiny_ouro), dtype="float32", generation_config="vllm", enable_log_requests=True)
+    args.max_num_seqs = 3
+    with pytest.raises(ValueError, match="^max_num_seqs: must be an integer >= 1"):
+        args.max_num_seqs = 0
+    for same in (copy.deepcopy(args), pickle.loads(pickle.dumps(args))):
+        assert (same.max_num_seqs, same.generation_config, same.enable_log_requests) == (3, "vllm", True)
+    eng = AsyncLLMEngine.from_engine_args(args)
+    assert eng.engine.cfg.max_num_seqs == 3 and eng.log_requests
+
+
+def test_a_finished_request_frees_its_id_at_once(engine):
+    """vLLM frees a request id when the request finishes: a consumer that breaks out on the finished output may
+    reuse it at once (it stayed in use until the generator was closed)."""
+    async def run() -> None:
+        for _ in range(2):
+            async for out in engine.generate("the cat", SamplingParams(max_tokens=2), "same"):
+                if out.finished:
+                    break
+
+    asyncio.run(run())
+
+
+def test_cumulative_outputs_hold_their_own_lists(engine):
+    """A CUMULATIVE output kept by the consumer does not change as the engine thread goes on (its logprobs were the
+    engine's own list, growing under it)."""
+    params = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.0, logprobs=1, output_kind=CUMULATIVE)
+
+    async def run() -> list:
+        return [out async for out in engine.generate("the cat", params, "lists")]
+
+    outs = asyncio.run(run())
+    assert [len(o.outputs[0].logprobs) for o in outs] == [len(o.outputs[0].token_ids) for o in outs] == \
+        list(range(1, 11))
+    assert outs[0].metrics is not outs[-1].metrics and outs[0].metrics.finished_time is None
+
+
+def test_reset_prefix_cache_from_a_second_event_loop(engine):
+    """After a first asyncio.run, a second one's reset goes to a thread serving its own loop (it raised 'Future
+    attached to a different loop')."""
+    asyncio.run(collect(engine, "the cat", SamplingParams(max_tokens=1), "first"))
+    assert asyncio.run(engine.reset_prefix_cache()) is True
+
+
+def test_a_shutdown_past_its_timeout_never_leaves_two_threads_stepping(tiny_ouro, monkeypatch):
+    """shutdown(timeout) returning while the thread is mid-step keeps it: the next generate waits for it to end
+    before starting another (two threads once stepped the same engine and broke its scheduler)."""
+    eng = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=str(tiny_ouro), dtype="float32",
+                                                          kv_cache_tokens=1024))
+    real, active, most = eng.llm.llm_engine.step, [0], [0]
+
+    def slow():
+        active[0] += 1
+        most[0] = max(most[0], active[0])
+        time.sleep(0.05)
+        try:
+            return real()
+        finally:
+            active[0] -= 1
+
+    monkeypatch.setattr(eng.llm.llm_engine, "step", slow)
+
+    async def main() -> list:
+        stream = eng.generate([5, 6, 7], LONG, "a")
+        await anext(stream)
+        eng.shutdown(timeout=0.001)
+        with pytest.raises(EngineStoppedError):
+            async for _ in stream:
+                pass
+        return await collect(eng, [5, 6], SamplingParams(max_tokens=3, ignore_eos=True), "b")
+
+    outs = asyncio.run(main())
+    eng.shutdown()
+    assert outs[-1].finished and most[0] == 1 and not eng.engine.requests

@@ -102,8 +102,7 @@ class RequestGroup:
     def put(self, index: int, out: RequestOutput) -> None:
         """Hand over request `index`'s next output (event-loop thread)."""
         unread = self._unread.get(index) if self._merge is not None else None
-        if unread is not None:
-            assert self._merge is not None
+        if unread is not None and self._merge is not None:
             unread.add(out, aggregate=self._merge[index] == RequestOutputKind.DELTA)
             return
         if self._merge is not None:
@@ -161,6 +160,10 @@ class EngineThread:
         self.snapshot = EngineSnapshot()
         self.dead: BaseException | None = None
         self._cmds: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        # `between_steps` queues a call only while the thread has not ended (under the lock it sets `_ended` under,
+        # before answering the calls left): so every call is answered, by the thread or with its error
+        self._calls_lock = threading.Lock()
+        self._ended = False
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._stopping = False
@@ -181,15 +184,20 @@ class EngineThread:
         return self._loop
 
     @property
+    def stopping(self) -> bool:
+        """`stop` was called (it admits nothing more; the thread ends once the engine has reported what it held)."""
+        return self._stopping
+
+    @property
     def alive(self) -> bool:
         return self.dead is None and self._thread is not None and self._thread.is_alive()
 
     def stop(self) -> None:
         """Stop admitting, abort whatever is still in flight, and let the engine thread end once the engine has
-        reported them (from the event-loop thread, or any thread once that loop has stopped)."""
+        reported them (from any thread: the engine thread aborts every request it holds, so the event loop's routes
+        are not read here)."""
         self._stopping = True
-        if self._routes:
-            self.abort(list(self._routes))
+        self._cmds.put(("abort_all", None))
         self._stop.set()
         self._wake.set()
 
@@ -198,8 +206,6 @@ class EngineThread:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
                 log.warning("engine thread did not stop within %s s", timeout_s)
-            else:
-                self._refuse_calls()  # (a call queued as it ended)
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         """`stop`, wait for the engine thread without blocking the event loop, and end what is left in flight."""
@@ -262,16 +268,24 @@ class EngineThread:
         touch it while the thread runs); a future of its result or its exception, on the event loop."""
         assert self._loop is not None
         future = self._loop.create_future()
-        self._cmds.put(("call", (fn, future)))
-        self._wake.set()
-        if self._thread is None or not self._thread.is_alive():  # (it has ended: no one else would answer the call)
-            self._refuse_calls()
+        with self._calls_lock:
+            if self._ended:
+                _settle(future, None, self._end_error())
+            else:
+                self._cmds.put(("call", (fn, future)))
+                self._wake.set()
         return future
 
-    def _refuse_calls(self) -> None:
-        """Answer the calls still queued once the engine thread has ended (any thread): its error, or stopped."""
-        exc: BaseException = (EngineDeadError(f"the engine has stopped after an error: {self.dead!r}")
-                              if self.dead is not None else EngineStoppedError(self.stopped_message))
+    def _end_error(self) -> BaseException:
+        return (EngineDeadError(f"the engine has stopped after an error: {self.dead!r}") if self.dead is not None
+                else EngineStoppedError(self.stopped_message))
+
+    def _end(self) -> None:
+        """The engine thread's last act: no call is queued from now on, and those queued are answered with its error
+        (or stopped)."""
+        with self._calls_lock:
+            self._ended = True
+        exc = self._end_error()
         while True:
             try:
                 kind, payload = self._cmds.get_nowait()
@@ -314,6 +328,9 @@ class EngineThread:
                     self.engine.add_sequence(seq)
                     if self.on_scheduled is not None:
                         self._unscheduled[seq.request_id] = seq
+            elif kind == "abort_all":
+                # (each request once, by its head: aborting it takes its samples along)
+                self.engine.abort_request([rid for rid, seq in self.engine.requests.items() if seq is seq.family[0]])
             elif kind == "call":
                 fn, future = payload
                 try:
@@ -383,4 +400,4 @@ class EngineThread:
             if self.on_dead is not None:
                 self._post(self.on_dead)
         finally:
-            self._refuse_calls()
+            self._end()

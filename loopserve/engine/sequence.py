@@ -598,13 +598,14 @@ class Sequence:
 
     def completion(self) -> CompletionOutput:
         """Everything so far (CUMULATIVE and FINAL_ONLY outputs): the lists as they are once it finished (they
-        never change after; an n > 1 request's later outputs share them, as they share `logprobs`: outputs are
-        read, not modified), else copies."""
+        never change after; an n > 1 request's later outputs share them: outputs are read, not modified), else
+        copies (the engine thread goes on appending to its own while a consumer holds the output)."""
         done = self.finished
         ids, depths = self.output_ids, self._exit_depths
+        logprobs = self.logprobs if done or self.logprobs is None else list(self.logprobs)
         return CompletionOutput(self.index, self.text, ids if done else list(ids),
                                 self.cumulative_logprob if self.params.logprobs is not None else None,
-                                self.logprobs, self.finish_reason, self.stop_reason,
+                                logprobs, self.finish_reason, self.stop_reason,
                                 exit_depths=depths if done else list(depths))
 
     def delta(self) -> CompletionOutput | None:
@@ -638,8 +639,10 @@ class Sequence:
         else:
             completions, prompt_logprobs = [s.completion() for s in head.family], head.prompt_logprobs
         if len(head.family) == 1:
+            # (the metrics of a running request are still written to: a copy, as its lists are copies)
+            metrics = head.metrics if head.finished else copy.copy(head.metrics)
             return RequestOutput(head.request_id, head.prompt, head._prompt_ids_out, prompt_logprobs, completions,
-                                 head.finished, head.metrics, num_cached_tokens=head.num_cached_tokens,
+                                 head.finished, metrics, num_cached_tokens=head.num_cached_tokens,
                                  error=head.error, error_status=head.error_status)
         failed = next((s for s in head.family if s.error is not None), None)
         finished = all(s.finished for s in head.family)
