@@ -30,7 +30,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -286,13 +286,17 @@ class EngineThread:
         with self._calls_lock:
             self._ended = True
         exc = self._end_error()
-        while True:
-            try:
-                kind, payload = self._cmds.get_nowait()
-            except queue.Empty:
-                return
+        for kind, payload in self._queued_commands():
             if kind == "call":
                 self._post(_settle, payload[1], None, exc)
+
+    def _queued_commands(self) -> Iterator[tuple[str, Any]]:
+        """The commands queued so far, each taken off the queue as it is read."""
+        while True:
+            try:
+                yield self._cmds.get_nowait()
+            except queue.Empty:
+                return
 
     def _deliver(self, outs: list[RequestOutput]) -> None:
         for out in outs:
@@ -318,11 +322,7 @@ class EngineThread:
 
     # -- the engine thread --------------------------------------------------------------------------------
     def _apply_commands(self) -> None:
-        while True:
-            try:
-                kind, payload = self._cmds.get_nowait()
-            except queue.Empty:
-                return
+        for kind, payload in self._queued_commands():
             if kind == "add":
                 for seq in payload:
                     self.engine.add_sequence(seq)
