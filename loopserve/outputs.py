@@ -21,6 +21,12 @@ class RequestMetrics:
     prefill_loops: int = 0  # core loop steps per prompt token, summed over the prompt tokens computed
     last_token_time: float | None = None
 
+    def snapshot(self) -> RequestMetrics:
+        """A copy (the engine goes on writing a running request's own), made field by field: a fifth of copy.copy's
+        time, for an output per token."""
+        return RequestMetrics(self.arrival_time, self.first_token_time, self.finished_time, self.loops_run,
+                              self.prefill_loops, self.last_token_time)
+
     @property
     def time_to_first_token(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time

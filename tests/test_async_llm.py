@@ -433,3 +433,16 @@ def test_a_shutdown_past_its_timeout_never_leaves_two_threads_stepping(tiny_ouro
     outs = asyncio.run(main())
     eng.shutdown()
     assert outs[-1].finished and most[0] == 1 and not eng.engine.requests
+
+
+def test_metrics_snapshot_copies_every_field():
+    """`RequestMetrics.snapshot` copies field by field (for speed): a field added later must be copied too."""
+    import dataclasses
+
+    from loopserve.outputs import RequestMetrics
+
+    values = {f.name: float(i + 1) if "time" in f.name else i + 1
+              for i, f in enumerate(dataclasses.fields(RequestMetrics))}
+    m = RequestMetrics(**values)
+    copy = m.snapshot()
+    assert copy is not m and dataclasses.asdict(copy) == values

@@ -632,15 +632,18 @@ class Sequence:
         is new, one completion per sample that has something new, and the prompt logprobs in the first
         output only (vLLM's rule). Finished once every sample is."""
         head = self.family[0]
-        if head.params.output_kind == RequestOutputKind.DELTA:
+        kind = head.params.output_kind
+        if kind == RequestOutputKind.DELTA:
             completions = [c for s in head.family if (c := s.delta()) is not None]
             prompt_logprobs = None if head._sent_prompt_logprobs else head.prompt_logprobs
             head._sent_prompt_logprobs = True
         else:
             completions, prompt_logprobs = [s.completion() for s in head.family], head.prompt_logprobs
         if len(head.family) == 1:
-            # (the metrics of a running request are still written to: a copy, as its lists are copies)
-            metrics = head.metrics if head.finished else copy.copy(head.metrics)
+            # (a running request's metrics are still written to: a CUMULATIVE output, a snapshot of everything so far,
+            # gets a copy, as it gets copies of the lists; a DELTA one, read as it comes, is not worth one a token)
+            metrics = head.metrics if head.finished or kind != RequestOutputKind.CUMULATIVE \
+                else head.metrics.snapshot()
             return RequestOutput(head.request_id, head.prompt, head._prompt_ids_out, prompt_logprobs, completions,
                                  head.finished, metrics, num_cached_tokens=head.num_cached_tokens,
                                  error=head.error, error_status=head.error_status)
