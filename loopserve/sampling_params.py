@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 
 MAX_LOGPROBS = 20
 MAX_BEAM_WIDTH = MAX_LOGPROBS // 2  # a beam search step asks for the top 2 * beam_width logprobs
-# samples per prompt: vLLM's bound (VLLM_MAX_N_SEQUENCES' default); an engine's max_num_seqs bounds it further, since a
-# request's samples are resident together (a ValueError naming n and the knob when it is made)
+# samples per prompt: vLLM's bound (VLLM_MAX_N_SEQUENCES' default). Past an engine's max_num_seqs they come in parts
+# (docs/design.md §6.6); a server's admission bound counts each one
 MAX_N = 16384
 # Sizes that bound one request's cost to the engine (a 400 beyond them). Stop strings are searched for
 # after every token, each on its own (150,000 of them held the engine ~60 ms a token, for everyone).

@@ -42,7 +42,8 @@ HYP = settings(max_examples=25, deadline=None, database=None,
 @st.composite
 def sampling_params(draw, arch: str, r_max: int) -> SamplingParams:
     kw: dict = dict(max_tokens=draw(st.sampled_from([1, 3, 6, 8, 10, 10])), ignore_eos=draw(st.booleans()),
-                    n=draw(st.sampled_from([1, 1, 1, 2])))  # (max_num_seqs >= 2: a pair is admitted together)
+                    # (max_num_seqs is 2-5: a pair is admitted together, 7 samples come in parts)
+                    n=draw(st.sampled_from([1, 1, 1, 2, 7])))
     temperature = draw(st.sampled_from([0.0, 0.0, 0.7, 1.0]))
     kw["temperature"] = temperature
     if temperature and draw(st.booleans()):

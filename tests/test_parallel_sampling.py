@@ -110,18 +110,36 @@ def test_bad_n_names_the_field(bad):
 
 
 
-def test_more_samples_than_max_num_seqs_is_refused_naming_n(tiny_ouro):
-    """A request's samples are resident together, so n > max_num_seqs could never be admitted: the engine
-    stalled ("no progress") and stopped. Refused when the request is made, in the engine and in `LLM`."""
-    engine = make_engine(tiny_ouro, max_num_seqs=2)
-    with pytest.raises(ValueError, match="^n: 3 samples.*--max-num-seqs"):
-        engine.add_request("r", PROMPT, SamplingParams(n=3, max_tokens=2))
-    assert not engine.has_unfinished_requests()
+@pytest.mark.parametrize("scheduler", ["cb", "cdb"])
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_more_samples_than_max_num_seqs_come_in_parts(tiny_ouro, scheduler, prefix_caching):
+    """n > max_num_seqs (pass@k evals): the samples prefill in parts of at most max_num_seqs, queued as vLLM queues
+    them (they were refused: a request's samples were all resident at once), each sample still the reference's;
+    the bound holds after every step (check_invariants), and aborting the request stops every part."""
+    engine = make_engine(tiny_ouro, scheduler=scheduler, max_num_seqs=2, max_decode_batch=2, prefill_chunk_size=4,
+                         enable_prefix_caching=prefix_caching)
+    reqs = [Req("many", PROMPT, SamplingParams(n=5, max_tokens=4, temperature=1.0, seed=3, ignore_eos=True), seed=0),
+            Req("one", [44, 45], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), seed=1, arrive=1)]
+    outs = drive(engine, reqs)
+    _check(engine, reqs, outs)
+    assert len({tuple(c.token_ids) for c in outs["many"].outputs}) > 1
+    parts = 3  # (5 samples, 2 at once: the prompt prefilled three times, or read from the cache)
+    if not prefix_caching:
+        assert engine.stats.prompt_tokens == parts * len(PROMPT) + 2
+    # aborted while its later parts wait: every sample ends, nothing is left behind
+    engine.add_request("cut", PROMPT, SamplingParams(n=5, max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.abort_request("cut")
+    done = []
+    while engine.has_unfinished_requests():
+        done += engine.step()
+    [cut] = [o for o in done if o.request_id == "cut"]
+    assert len(cut.outputs) == 5 and {c.finish_reason for c in cut.outputs} == {"abort"}
+    engine.scheduler.check_drained()
     llm = LLM(tiny_ouro, dtype="float64", kv_cache_tokens=256, max_num_seqs=2)
-    with pytest.raises(ValueError, match="^n: "):
-        llm.generate([PROMPT], SamplingParams(n=3, max_tokens=2), use_tqdm=False)
-    out = llm.generate([PROMPT], SamplingParams(n=2, max_tokens=2), use_tqdm=False)[0]
-    assert [c.finish_reason for c in out.outputs] == ["length", "length"]
+    out = llm.generate([PROMPT], SamplingParams(n=3, max_tokens=2), use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2] and {c.finish_reason for c in out.outputs} == {"length"}
+
 
 def test_max_num_seqs_counts_waiting_samples_and_cache_hits(tiny_ouro):
     """Samples still waiting for their prompt's prefill, and prompts admitted from a prefix-cache hit,

@@ -388,3 +388,19 @@ def test_seed_minus_one_is_no_seed(server):
     assert seeded[0] == seeded[1]
     unseeded = [_json(server.post(C, {**body, "seed": -1}))["choices"][0]["token_ids"] for _ in range(3)]
     assert len({tuple(t) for t in unseeded}) > 1, unseeded
+
+
+def test_more_samples_than_max_num_seqs_are_served(server):
+    """n past --max-num-seqs (a pass@k eval) is served in parts, as vLLM queues such samples (it was a 400); the
+    samples of the first part are those of the same request with n = --max-num-seqs (they do not depend on how the
+    request was cut), and the samples differ."""
+    body = {"model": MODEL, "prompt": "Once upon", "max_tokens": 4, "temperature": 1.0, "seed": 5,
+            "ignore_eos": True, "return_token_ids": True}
+
+    def samples(n: int) -> list[list[int]]:
+        choices = _json(server.post(C, {**body, "n": n}))["choices"]
+        return [c["token_ids"] for c in sorted(choices, key=lambda c: c["index"])]
+
+    many = samples(2 * MAX_NUM_SEQS + 1)
+    assert len(many) == 2 * MAX_NUM_SEQS + 1 and len({tuple(t) for t in many}) > 1
+    assert many[:MAX_NUM_SEQS] == samples(MAX_NUM_SEQS)

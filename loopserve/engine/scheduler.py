@@ -125,24 +125,28 @@ class Scheduler:
     def never_fits(self, seq: Sequence) -> str | None:
         """Why a request (its head) could never fit the KV cache whatever else runs, or None: its samples'
         prompt with room for one generated token, and each other sample's own blocks beside the prompt's
-        full ones, which they share. (The server asks before a response starts.)"""
-        n = len(seq.prompt_ids)
-        if self.kv.allocator.blocks_for(n + 1) + (len(seq.family) - 1) * self._own_blocks(n) <= self.kv.num_blocks:
+        full ones, which they share (the samples of one part: its first one's `pending_forks`; the head's part is
+        the largest). (The server asks before a response starts.)"""
+        n, samples = len(seq.prompt_ids), 1 + len(seq.pending_forks)
+        if self.kv.allocator.blocks_for(n + 1) + (samples - 1) * self._own_blocks(n) <= self.kv.num_blocks:
             return None
-        what = f"n: {len(seq.family)} samples of a " if len(seq.family) > 1 else "prompt: a "
+        what = f"n: {samples} samples of a " if samples > 1 else "prompt: a "
         return (f"{what}prompt of {len(seq.prompt_ids)} tokens cannot fit in the KV cache "
                 f"({self.kv.num_blocks * self.kv.block_size} tokens)")
 
     def add(self, seq: Sequence) -> None:
-        """Queue a request (with n > 1, its head: the other samples fork from its prefill)."""
+        """Queue a request (with n > 1, its head, and the first sample of each further part: the other samples
+        fork from their part's prefill)."""
         why = self.never_fits(seq)
+        parts = [s for s in seq.family if s.prefill_head is s]
         if why is not None:
             for s in seq.family:
                 s.finish("error", why, error_status=400)
                 self._finish(s)
-            seq.pending_forks = []
+            for s in parts:
+                s.pending_forks = []
             return
-        self.waiting.append(seq)
+        self.waiting.extend(parts)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -170,7 +174,7 @@ class Scheduler:
         """Take a request out of every queue, release what it holds, and finish it (`status`: an error's)."""
         if seq in self.waiting:
             self.waiting.remove(seq)
-        head = seq.family[0]
+        head = seq.prefill_head
         if seq in head.pending_forks:  # a sample still waiting for the prompt's prefill
             head.pending_forks = [f for f in head.pending_forks if f is not seq]
         for fork in seq.pending_forks if seq is head else ():  # the prefill they wait for will not come
@@ -460,7 +464,7 @@ class Scheduler:
         for seq in list(self.waiting):
             sid = seq.request_id
             admitted = sid in self.running
-            if not admitted and resident + len(seq.family) > cfg.max_num_seqs:
+            if not admitted and resident + 1 + len(seq.pending_forks) > cfg.max_num_seqs:
                 break
             hit = [] if admitted else self._cached_prefix(seq)  # a new prompt's cached blocks
             start = self.prefill_pos[sid] if admitted else len(hit) * kv.block_size
@@ -483,7 +487,7 @@ class Scheduler:
                     break
                 owed += whole - need
                 self._admit(seq, hit)  # its cached blocks are held from now: later allocations cannot evict them
-                resident += len(seq.family)
+                resident += 1 + len(seq.pending_forks)
             free -= need
             budget -= n
             chunks.append(PrefillChunk(seq, start, n))

@@ -185,7 +185,10 @@ def make_sequence(model: LoopedLM, tokenizer: Tokenizer, request_id: str, prompt
                   arrival_time: float | None = None, base_seed: int = 0, max_num_seqs: int | None = None,
                   max_model_len: int | None = None) -> Sequence:
     """Validate a request against the model and the engine (`lookahead`, `num_speculative_tokens`,
-    `max_num_seqs`: its knobs; None: no limit) and build its Sequence (ValueError names the bad field).
+    `max_num_seqs`: its knobs; None: no limit) and build its Sequence (ValueError names the bad field). With n >
+    `max_num_seqs` the samples prefill in parts of at most `max_num_seqs`, each part's first sample the
+    `prefill_head` of the others (vLLM queues such samples too; here each part prefills the prompt again, or reuses
+    it from the prefix cache).
     `max_model_len`: the most prompt + completion tokens (None: the model's context); the sequence ends
     ("length") there.
 
@@ -201,9 +204,6 @@ def make_sequence(model: LoopedLM, tokenizer: Tokenizer, request_id: str, prompt
                "speculative decoding is off in this engine: --num-speculative-tokens K "
                "(EngineConfig.num_speculative_tokens=K) turns it on, and a request may then ask for up to K")
         raise ValueError(f"num_speculative_tokens: {asked} asked for, but {why}")
-    if max_num_seqs is not None and params.n > max_num_seqs:  # its samples are resident together: never admitted
-        raise ValueError(f"n: {params.n} samples, but this engine holds at most {max_num_seqs} sequences at once "
-                         "(its --max-num-seqs, EngineConfig.max_num_seqs)")
     text, ids = parse_prompt(prompt, tokenizer)
     salt = cast("dict[str, Any]", prompt).get("cache_salt") if isinstance(prompt, dict) else None
     if salt is not None and (not isinstance(salt, str) or not salt):
@@ -225,7 +225,11 @@ def make_sequence(model: LoopedLM, tokenizer: Tokenizer, request_id: str, prompt
     for seq in family:
         seq.family = family
         seq.cache_salt = salt
-    head.pending_forks = family[1:]
+    part = min(params.n, max_num_seqs or params.n)  # (a part's samples are resident together)
+    for k in range(0, params.n, part):
+        family[k].pending_forks = family[k + 1:k + part]
+        for seq in family[k:k + part]:
+            seq.prefill_head = family[k]
     return head
 
 
@@ -390,10 +394,12 @@ class Sequence:
         self.status = Status.WAITING
         # n > 1: the request's samples share the prompt's prefill. `family` lists them all (this one
         # included, the first is the head, whose id is the request's); the head prefills the prompt and
-        # its `pending_forks` receive a copy of the prompt's KV when that completes.
+        # its `pending_forks` receive a copy of the prompt's KV when that completes. With more samples than the
+        # engine holds at once, they come in parts, each prefilled by its first sample (`prefill_head`).
         self.index = index
         self.family: list[Sequence] = [self]
         self.pending_forks: list[Sequence] = []
+        self.prefill_head: Sequence = self
         self.arrival_index = 0  # order of arrival at the engine (preemption picks the latest)
         self._metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
         # while resident in the engine: where whole batches leave its quiet tokens (`HeldTokens`), by slot
@@ -654,7 +660,8 @@ class Sequence:
         metrics = RequestMetrics(head.metrics.arrival_time, min(firsts, default=None),
                                  max(s.metrics.finished_time or 0.0 for s in head.family) if finished else None,
                                  sum(s.metrics.loops_run for s in head.family),
-                                 head.metrics.prefill_loops,  # the samples share the prompt's prefill
+                                 # (the samples share the prompt's prefill, each part's first sample runs it)
+                                 sum(s.metrics.prefill_loops for s in head.family),
                                  last_token_time=max(lasts, default=None))
         return RequestOutput(head.request_id, head.prompt, head._prompt_ids_out, prompt_logprobs, completions, finished,
                              metrics, num_cached_tokens=head.num_cached_tokens,
