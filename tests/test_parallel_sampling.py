@@ -139,6 +139,11 @@ def test_more_samples_than_max_num_seqs_come_in_parts(tiny_ouro, scheduler, pref
     llm = LLM(tiny_ouro, dtype="float64", kv_cache_tokens=256, max_num_seqs=2)
     out = llm.generate([PROMPT], SamplingParams(n=3, max_tokens=2), use_tqdm=False)[0]
     assert [c.index for c in out.outputs] == [0, 1, 2] and {c.finish_reason for c in out.outputs} == {"length"}
+    r_max = engine.model_config.r_max  # (a part's prefill counted once each; the reference's once in all)
+    assert out.metrics.prefill_loops == 2 * len(PROMPT) * r_max
+    ref = LLM(tiny_ouro, dtype="float64", scheduler="reference").generate([PROMPT], SamplingParams(n=3, max_tokens=2),
+                                                                         use_tqdm=False)[0]
+    assert ref.metrics.prefill_loops == len(PROMPT) * r_max
 
 
 def test_max_num_seqs_counts_waiting_samples_and_cache_hits(tiny_ouro):

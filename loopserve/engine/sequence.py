@@ -660,8 +660,9 @@ class Sequence:
         metrics = RequestMetrics(head.metrics.arrival_time, min(firsts, default=None),
                                  max(s.metrics.finished_time or 0.0 for s in head.family) if finished else None,
                                  sum(s.metrics.loops_run for s in head.family),
-                                 # (the samples share the prompt's prefill, each part's first sample runs it)
-                                 sum(s.metrics.prefill_loops for s in head.family),
+                                 # (the samples share the prompt's prefill, each part's first sample runs it; the
+                                 # reference decoder runs one per sample, counted once as the engine's)
+                                 sum(s.metrics.prefill_loops for s in head.family if s.prefill_head is s),
                                  last_token_time=max(lasts, default=None))
         return RequestOutput(head.request_id, head.prompt, head._prompt_ids_out, prompt_logprobs, completions, finished,
                              metrics, num_cached_tokens=head.num_cached_tokens,
