@@ -43,6 +43,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,9 @@ METRICS_TIMEOUT_S = 5.0  # a replica that does not answer in time is left out of
 PROBE_SLOTS = 8  # requests a replica takes beyond what its engine admits: /health, /metrics, 503s
 DRAIN_POLL_S = 0.05  # `LoopServeReplica.drain`: how often it looks whether its HTTP requests are all answered
 DRAIN_SLACK_S = 10.0  # `drain_replicas` waits this much beyond the grace period for the replicas' answers
+# ... and this long once they have all answered: a replica's last chunks (a stream's 503 event) are still on their way
+# through the proxy, which `serve.shutdown` takes down at once (a CI run saw a stream cut before its error event)
+DRAIN_FLUSH_S = 1.0
 
 
 # -- flags -> deployment options ------------------------------------------------------------------------------
@@ -423,6 +427,7 @@ def drain_replicas(grace_s: float) -> None:
         log.warning("shutdown: the replicas could not be drained (%r); requests in flight are cut", e)
         return
     failed = [u for u in unanswered if not isinstance(u, int)]
+    time.sleep(DRAIN_FLUSH_S)
     if failed or any(unanswered):
         log.warning("shutdown: %d replica(s) did not drain (%s), %d request(s) unanswered", len(failed),
                     "; ".join(repr(f) for f in failed) or "-", sum(u for u in unanswered if isinstance(u, int)))
