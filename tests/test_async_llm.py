@@ -446,3 +446,17 @@ def test_metrics_snapshot_copies_every_field():
     m = RequestMetrics(**values)
     copy = m.snapshot()
     assert copy is not m and dataclasses.asdict(copy) == values
+
+
+def test_shutdown_from_another_thread_ends_streams_with_the_error(engine):
+    """Called off the event loop (asyncio.to_thread), shutdown ends the streams in flight with EngineStoppedError, as
+    on the loop (they ended with their abort outputs instead)."""
+    async def run() -> None:
+        stream = engine.generate("the cat", LONG, "off-loop")
+        await anext(stream)
+        await asyncio.to_thread(engine.shutdown)
+        with pytest.raises(EngineStoppedError):
+            async for _ in stream:
+                pass
+
+    asyncio.run(run())

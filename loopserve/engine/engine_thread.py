@@ -216,18 +216,20 @@ class EngineThread:
     def close(self, timeout_s: float | None = None) -> None:
         """`shutdown` for a caller that is no coroutine (vLLM's `shutdown()` is not): it blocks until the thread
         has stopped (`timeout_s`: at most that long). Called off the event loop's thread, the requests left in
-        flight are ended on the loop (if it still runs: else nobody waits for them)."""
-        self.stop()
-        self._join(timeout_s)
+        flight are ended on the loop (if it still runs: else nobody waits for them), before the engine's abort
+        outputs reach it (posted first: the loop runs its callbacks in order), so that they end with the error
+        there too, not with their abort outputs."""
         exc = EngineStoppedError(self.stopped_message)
         try:
             on_loop = asyncio.get_running_loop() is self._loop
         except RuntimeError:  # no loop runs in this thread
             on_loop = False
+        if not on_loop and self._loop is not None:
+            self._post(self._fail_all, exc)
+        self.stop()
+        self._join(timeout_s)
         if on_loop:
             self._fail_all(exc)
-        elif self._loop is not None:
-            self._post(self._fail_all, exc)
 
     def abort_all(self, exc: BaseException) -> int:
         """Stop admitting, end every request group in flight with `exc` (its handler answers at once) and abort its
