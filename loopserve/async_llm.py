@@ -24,7 +24,7 @@ from collections.abc import AsyncGenerator, Iterable
 from pathlib import Path
 from typing import Any
 
-from loopserve.engine.engine import LLMEngine
+from loopserve.engine.engine import LLMEngine, check_request_id
 from loopserve.engine.engine_thread import EngineDeadError, EngineStoppedError, EngineThread, RequestGroup
 from loopserve.engine.sequence import PromptType
 from loopserve.llm import LLM, llm_configs
@@ -142,8 +142,10 @@ class AsyncLLMEngine:
 
     @property
     def dead_error(self) -> EngineDeadError:
-        dead = self._thread.dead if self._thread is not None else None
-        return EngineDeadError(f"the engine has stopped after an error: {dead!r}")
+        """vLLM's: the error a dead engine's requests meet."""
+        if self._thread is None:
+            return EngineDeadError("the engine has not failed")
+        return self._thread.dead_error()
 
     async def check_health(self) -> None:
         if self.errored:
@@ -174,8 +176,7 @@ class AsyncLLMEngine:
         that ask for nothing (`vllm_neutral`)."""
         check_neutral(lora_request=lora_request, tokenization_kwargs=tokenization_kwargs, trace_headers=trace_headers,
                       priority=priority)
-        if not isinstance(request_id, str):
-            raise ValueError(f"request_id: expected a str, got {type(request_id).__name__} {request_id!r}")
+        check_request_id(request_id)
         if isinstance(sampling_params, BeamSearchParams):
             raise ValueError("sampling_params: beam search (BeamSearchParams) is not served by AsyncLLMEngine; "
                              "LLM.beam_search or the server's use_beam_search run it")

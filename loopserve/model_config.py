@@ -68,6 +68,9 @@ UNIMPLEMENTED: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
     },
 }
 _REQUIRED = object()
+# How errors name a head dim derived from other keys (`ModelConfig.from_hf`; make-tiny names its options for them)
+OURO_DERIVED_HEAD_DIM = "head_dim (hidden_size // num_attention_heads)"
+HUGINN_HEAD_DIM = "n_embd / n_heads"
 
 
 class _Keys:
@@ -180,8 +183,7 @@ class ModelConfig:
                 embed_scale=1.0,
                 raw=cfg,
             )
-            head_dim_key = "head_dim (hidden_size // num_attention_heads)" if cfg.get("head_dim") is None \
-                else "head_dim"
+            head_dim_key = OURO_DERIVED_HEAD_DIM if cfg.get("head_dim") is None else "head_dim"
         else:
             hidden, heads = k.integer("n_embd"), k.integer("n_heads")
             if hidden % heads:
@@ -221,7 +223,7 @@ class ModelConfig:
                 embed_scale=float(scale),
                 raw=cfg,
             )
-            head_dim_key = "n_embd / n_heads"
+            head_dim_key = HUGINN_HEAD_DIM
         if config.head_dim % 2:  # (RoPE turns pairs of dims)
             raise k.error(head_dim_key, f"must be even (rotary embeddings turn pairs of dims), got {config.head_dim}")
         return config

@@ -233,13 +233,18 @@ class GuidedDecodingParams:
 StructuredOutputsParams = GuidedDecodingParams
 
 
-def structured_outputs_params(spec: dict[str, Any]) -> GuidedDecodingParams:
-    """The grammar of a `structured_outputs` dict (GuidedDecodingParams' fields), for `SamplingParams` and the
-    server's requests alike; a ValueError names the key at fault (`structured_outputs.choice: ...`)."""
+def check_structured_outputs_keys(spec: dict[str, Any]) -> None:
+    """ValueError naming the first key of a `structured_outputs` dict that is not a GuidedDecodingParams field."""
     known = [f.name for f in fields(GuidedDecodingParams)]
     unknown = [k for k in spec if k not in known]
     if unknown:
         raise ValueError(f"structured_outputs.{unknown[0]}: unknown field (the fields are {', '.join(known)})")
+
+
+def structured_outputs_params(spec: dict[str, Any]) -> GuidedDecodingParams:
+    """The grammar of a `structured_outputs` dict (GuidedDecodingParams' fields), for `SamplingParams` and the
+    server's requests alike; a ValueError names the key at fault (`structured_outputs.choice: ...`)."""
+    check_structured_outputs_keys(spec)
     try:
         return GuidedDecodingParams(**spec)
     except ValueError as e:

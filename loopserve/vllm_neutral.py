@@ -1,7 +1,7 @@
 """vLLM's arguments for what loopserve has no counterpart of (LoRA, quantization, priorities, ...), each taken at the
 values that ask for nothing of it, so that vLLM's scripts that pass them run as they are; any other value is a
-ValueError naming the argument (`check_neutral`). Read by `LLM` (its keywords, `generate`, `chat`) and
-`LLMEngine.add_request`."""
+ValueError naming the argument (`check_neutral`); and vLLM's methods for what loopserve lacks, refused saying what to
+use instead (`ABSENT_METHODS`). Read by `LLM`, `LLMEngine.add_request` and `AsyncLLMEngine`."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ _ANY = "any value"
 
 def _zero(v: Any) -> bool:  # (numpy's zeros too, as vLLM compares them)
     return isinstance(v, numbers.Number) and not isinstance(v, bool) and v == 0
+
 
 # vLLM's `LLM(...)` keywords, and the arguments of `generate` and `chat`, for what loopserve lacks: each taken at the
 # values that ask for nothing of it, any other a ValueError naming it (`check_neutral`).

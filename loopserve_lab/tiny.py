@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from loopserve.model_config import HUGINN, OURO, ModelConfig
+from loopserve.model_config import HUGINN, HUGINN_HEAD_DIM, OURO, OURO_DERIVED_HEAD_DIM, ModelConfig
 from loopserve.models.base import LoopedLM
 from loopserve.models.huginn import RavenForCausalLM
 from loopserve.models.ouro import OuroForCausalLM
@@ -57,7 +57,7 @@ SPEC_FIELD_OF_KEY = {
         ("vocab_size", ("vocab_size", "padded_vocab_size")),
         ("layers", ("num_hidden_layers", "n_layers_in_prelude", "n_layers_in_recurrent_block", "n_layers_in_coda")),
         ("r_max", ("total_ut_steps", "mean_recurrence")),
-        ("hidden_size / num_heads", ("head_dim", "head_dim (hidden_size // num_attention_heads)", "n_embd / n_heads")),
+        ("hidden_size / num_heads", ("head_dim", OURO_DERIVED_HEAD_DIM, HUGINN_HEAD_DIM)),
     )
     for key in keys
 }

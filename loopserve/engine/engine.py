@@ -85,6 +85,13 @@ def _could_not_allocate(e: RuntimeError) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e)
 
 
+def check_request_id(request_id: Any) -> None:
+    """A request id is a str, as vLLM's (an int would come back in outputs and sample ids of another type than the
+    caller's other requests): ValueError naming it."""
+    if not isinstance(request_id, str):
+        raise ValueError(f"request_id: expected a str, got {type(request_id).__name__} {request_id!r}")
+
+
 class LLMEngine:
     def __init__(self, model: LoopedLM, tokenizer: Tokenizer, cfg: EngineConfig, seed: int = 0,
                  max_model_len: int | None = None, kv_memory_knob: str = "kv_cache_memory_gb") -> None:
@@ -170,8 +177,7 @@ class LLMEngine:
         (`vllm_neutral`). `request_id` a str, as vLLM's (an int would come back in outputs and sample ids of another
         type than the caller's other requests): ValueError naming it. `seed`: the stream of an unseeded request
         (`make_sequence`)."""
-        if not isinstance(request_id, str):
-            raise ValueError(f"request_id: expected a str, got {type(request_id).__name__} {request_id!r}")
+        check_request_id(request_id)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params: expected a SamplingParams, got {type(params).__name__}")
         check_neutral(lora_request=lora_request, tokenization_kwargs=tokenization_kwargs, trace_headers=trace_headers,

@@ -101,11 +101,11 @@ class RequestGroup:
 
     def put(self, index: int, out: RequestOutput) -> None:
         """Hand over request `index`'s next output (event-loop thread)."""
-        unread = self._unread.get(index) if self._merge is not None else None
-        if unread is not None and self._merge is not None:
-            unread.add(out, aggregate=self._merge[index] == RequestOutputKind.DELTA)
-            return
         if self._merge is not None:
+            unread = self._unread.get(index)
+            if unread is not None:
+                unread.add(out, aggregate=self._merge[index] == RequestOutputKind.DELTA)
+                return
             self._unread[index] = out
         self.queue.put_nowait((index, out))
 
@@ -246,7 +246,7 @@ class EngineThread:
         """Queue requests (each with its samples) as one group. `merge`: outputs a consumer has not read yet are folded
         together (`RequestGroup`)."""
         if self.dead is not None:
-            raise EngineDeadError(f"the engine has stopped after an error: {self.dead!r}")
+            raise self.dead_error()
         if self._stopping:
             raise EngineStoppedError(self.stopped_message)
         in_flight = sum(samples for _, _, samples in self._routes.values())
@@ -278,9 +278,12 @@ class EngineThread:
                 self._wake.set()
         return future
 
+    def dead_error(self) -> EngineDeadError:
+        """What a request meets once a step has raised."""
+        return EngineDeadError(f"the engine has stopped after an error: {self.dead!r}")
+
     def _end_error(self) -> BaseException:
-        return (EngineDeadError(f"the engine has stopped after an error: {self.dead!r}") if self.dead is not None
-                else EngineStoppedError(self.stopped_message))
+        return self.dead_error() if self.dead is not None else EngineStoppedError(self.stopped_message)
 
     def _end(self) -> None:
         """The engine thread's last act: no call is queued from now on, and those queued are answered with its error

@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import json
 import secrets
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from loopserve.outputs import CompletionOutput
-from loopserve.sampling_params import GuidedDecodingParams, structured_outputs_params
+from loopserve.sampling_params import GuidedDecodingParams, check_structured_outputs_keys, structured_outputs_params
 from loopserve.serve.protocol import ApiError
 from loopserve.serve.responses import ChoiceStream
 
@@ -51,21 +51,23 @@ def _options_only(req: Any) -> dict[str, Any] | None:
 def grammar_options(req: Any) -> tuple[dict[str, Any], dict[str, str]]:
     """The options a request gives the grammar of its response_format, guided_* field or forced tool call
     (GuidedDecodingParams' fields), and the request field each comes from (for errors)."""
-    options, field_of = {}, {}
+    options: dict[str, Any] = {}
+    field_of: dict[str, str] = {}
     if getattr(req, "guided_whitespace_pattern", None) is not None:
-        options["whitespace_pattern"], field_of["whitespace_pattern"] = req.guided_whitespace_pattern, \
-            "guided_whitespace_pattern"
-    known = {f.name for f in fields(GuidedDecodingParams)}
-    for key, value in (_options_only(req) or {}).items():
+        options["whitespace_pattern"] = req.guided_whitespace_pattern
+        field_of["whitespace_pattern"] = "guided_whitespace_pattern"
+    spec = _options_only(req) or {}
+    try:
+        check_structured_outputs_keys(spec)
+    except ValueError as e:
+        raise ApiError.bad_request(e) from None
+    for key, value in spec.items():
         if key in GRAMMAR_KEYS:
             continue
-        if key not in known:
-            where = f"structured_outputs.{key}"
-            raise ApiError(400, f"{where}: unknown field (the fields are {', '.join(sorted(known))})", where)
+        where = f"structured_outputs.{key}"
         if key in options:
-            where = f"structured_outputs.{key}"
             raise ApiError(400, f"{where}: given twice (guided_whitespace_pattern gives it too)", where)
-        options[key], field_of[key] = value, f"structured_outputs.{key}"
+        options[key], field_of[key] = value, where
     return options, field_of
 
 
