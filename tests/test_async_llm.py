@@ -321,7 +321,7 @@ def test_a_slow_consumer_reads_merged_outputs(engine, kind):
         outs = []
         async for out in engine.generate("the cat", SamplingParams(**{**vars(params), "output_kind": kind}), "slow"):
             outs.append(out)
-            time.sleep(0.02)  # (blocks the loop: the engine thread's outputs pile up meanwhile)
+            time.sleep(0.05)  # (blocks the loop: the engine thread's outputs pile up meanwhile)
         return outs
 
     outs = asyncio.run(slow())
@@ -391,8 +391,9 @@ def test_cumulative_outputs_hold_their_own_lists(engine):
         return [out async for out in engine.generate("the cat", params, "lists")]
 
     outs = asyncio.run(run())
-    assert [len(o.outputs[0].logprobs) for o in outs] == [len(o.outputs[0].token_ids) for o in outs] == \
-        list(range(1, 11))
+    lengths = [len(o.outputs[0].token_ids) for o in outs]  # (a loaded machine may merge some: fewer, never fewer ids)
+    assert [len(o.outputs[0].logprobs) for o in outs] == lengths and lengths[-1] == 10
+    assert lengths == sorted(set(lengths)) and len(outs) > 1
     assert outs[0].metrics is not outs[-1].metrics and outs[0].metrics.finished_time is None
 
 
