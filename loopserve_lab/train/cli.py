@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from pathlib import Path
 
 from loopserve.cli import CommandError
-from loopserve.config_args import flag_of
+from loopserve.config_args import add_config_args, config_kwargs
 
 # Where `eval` writes unless told: a folder of the current directory, so that a run from the repository's root
 # never overwrites the committed docs/ files (docs/embedded-model.md passes those paths when it means them).
@@ -17,20 +16,11 @@ SAMPLE_PROMPTS = ("ROMEO:\nBut soft, what light", "KING HENRY:\nOnce more unto t
                   "First Citizen:\nWe are accounted poor citizens,")
 
 
-def _add_dataclass_args(p: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
-    for f in dataclasses.fields(cls):
-        if f.name in skip:
-            continue
-        p.add_argument(flag_of(f.name), type=type(f.default), default=f.default,
-                       help=f"(default: {f.default})")
-
-
 def cmd_train_tiny(args: argparse.Namespace) -> int:
     from loopserve_lab.train.train_tiny import TrainConfig, train
 
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
     try:
-        cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+        cfg = TrainConfig(**config_kwargs(args, TrainConfig))
         train(cfg, progress=not args.no_progress)
     except (ValueError, RuntimeError) as e:
         raise CommandError(str(e)) from None
@@ -111,8 +101,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     from loopserve_lab.train.train_tiny import TrainConfig
 
     p = sub.add_parser("train-tiny", help="train the embedded looped model on Shakespeare (Ouro Stage I)")
-    p.add_argument("out", nargs="?", default="ouro-shakespeare", help="output folder (HF layout)")
-    _add_dataclass_args(p, TrainConfig, skip=("out",))
+    p.add_argument("out", nargs="?", default=TrainConfig.out, help="output folder (HF layout)")
+    add_config_args(p, TrainConfig, skip=("out",))
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_train_tiny)
 
