@@ -65,6 +65,10 @@ class Readback:
             tensors = {k: t.to("cpu", copy=True) for k, t in tensors.items()}
         self._host = tensors  # (on the CPU: the tensors themselves, as `to("cpu")` would give)
 
+    def ready(self) -> bool:
+        """Whether `host()` would return at once: the copy has arrived (on the CPU, always)."""
+        return self._event is None or self._event.query()
+
     def host(self) -> dict[str, torch.Tensor]:
         if self._event is not None:
             self._event.synchronize()

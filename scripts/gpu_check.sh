@@ -9,7 +9,8 @@
 #   projections, decode attention as one fused call, a shorter rotary embedding: docs/benchmarks.md §8.27), so compare the decode rates;
 # - the same run at the last lease's revision (BEFORE), for an A/B of the kernel changes on this machine;
 # - the overlap ablation at that size, interleaved: on `ouro-bench` async codas cost 16-24 % under graphs, while the
-#   separate throughput runs disagreed; this A/B decides the default;
+#   separate throughput runs disagreed; since then an async coda whose tokens have arrived is taken before the next
+#   tick is planned (no extra tick when the device keeps up, docs/design.md §6.4); this A/B decides the default;
 # - that core step's own time as graph replays against the roofline (the last lease's grid did not finish in 90 s:
 #   each point drew its random KV, up to 6.4G numbers, on the host; now drawn on the device);
 # - the device's busy share of the wall time in CB and CDB runs at that size (`--device-busy`: 52 % on the last

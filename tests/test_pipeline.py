@@ -5,9 +5,12 @@ once. Either way every request's output equals the sequential reference decoder'
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from loopserve import LLM, SamplingParams
+from loopserve.device import Readback
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine import LLMEngine
 from loopserve.models.loader import load_model
@@ -172,13 +175,25 @@ def test_aborting_a_request_whose_signals_are_in_flight(ouro_la):
 
 
 # -- async codas: a coda's tokens are sampled once the next stage batch is queued ----------------------------
+def device_copies_arrive(monkeypatch, when: str) -> None:
+    """Whether a readback's copy has reached the host when the engine looks (`Readback.ready`): on the CPU it
+    always has; "never" plays a device still busy with the coda when the next tick is planned, "sometimes"
+    one that is busy at random ticks (a seeded draw)."""
+    rng = random.Random(0)
+    if when != "always":
+        monkeypatch.setattr(Readback, "ready", lambda self: when == "sometimes" and rng.random() < 0.5)
+
+
+@pytest.mark.parametrize("arrive", ["never", "sometimes", "always"])
 @pytest.mark.parametrize("scheduler", ["cb", "cdb-norefill", "cdb"])
 @pytest.mark.parametrize("arch", ["ouro", "huginn"])
-def test_async_codas_match_the_reference(arch, scheduler, tiny_ouro, tiny_huginn):
-    """The exactness matrix's workload (late arrivals, aborts, preemption) with async codas on."""
+def test_async_codas_match_the_reference(arch, scheduler, arrive, tiny_ouro, tiny_huginn, monkeypatch):
+    """The exactness matrix's workload (late arrivals, aborts, preemption) with async codas on, whether their
+    tokens are taken before the next batch is planned (arrived) or after it is queued."""
     from tests.engine_helpers import assert_matches, drive, make_engine, reference
     from tests.test_engine_exact import MATRIX_CFG, matrix_workload
 
+    device_copies_arrive(monkeypatch, arrive)
     path, state_init = (tiny_ouro, "zero") if arch == "ouro" else (tiny_huginn, "like-init")
     engine = make_engine(path, state_init, scheduler=scheduler, lookahead=True, async_coda=True, **MATRIX_CFG)
     reqs = matrix_workload(arch, "lookahead", engine.model_config.r_max)
@@ -224,9 +239,14 @@ def coda_read_lags(path, async_coda: bool) -> list[int]:
     return lags
 
 
-def test_async_coda_reads_tokens_after_the_next_batch_is_queued(ouro_la):
-    sync, lagged = coda_read_lags(ouro_la, False), coda_read_lags(ouro_la, True)
+def test_async_coda_reads_tokens_after_the_next_batch_is_queued(ouro_la, monkeypatch):
+    """A coda the device has not finished when the next tick is planned is read after that tick's batch is queued;
+    one whose tokens have arrived is read before anything else is queued (as a synchronous coda's, without a wait)."""
+    sync, arrived = coda_read_lags(ouro_la, False), coda_read_lags(ouro_la, True)
+    device_copies_arrive(monkeypatch, "never")
+    lagged = coda_read_lags(ouro_la, True)
     assert sync and set(sync) == {0}
+    assert arrived and set(arrived) == {0}
     assert lagged and max(lagged) >= 1 and sum(lag >= 1 for lag in lagged) > len(lagged) // 2, lagged
 
 

@@ -244,6 +244,8 @@ class LLMEngine:
         tokens = self.stats.generated_tokens
         if not len(sched.core_rows) and any(e.plan.stage is Stage.CODA for e in self._in_flight):
             self._land(self._take_in_flight())  # nothing would run beside the coda: take its tokens now
+        else:
+            self._land(self._take_arrived_codas())
         plan = sched.schedule()
         self._run(plan)
         self.stats.model_time += self._model_time
@@ -345,6 +347,19 @@ class LLMEngine:
     def _take_in_flight(self) -> list[InFlight]:
         entries, self._in_flight = self._in_flight, []
         return entries
+
+    def _take_arrived_codas(self) -> list[InFlight]:
+        """The asynchronous codas at the head of the in-flight queue whose tokens are on the host already: taken
+        before planning, their tokens join this tick's core batch (as with synchronous codas) without the host
+        having waited for them; a coda the device has not finished keeps the tick it would otherwise cost (§6.4)."""
+        n = 0
+        for entry in self._in_flight:
+            if entry.plan.stage is not Stage.CODA or not isinstance(entry.result, PendingSamples) \
+                    or not entry.result.ready():
+                break
+            n += 1
+        taken, self._in_flight = self._in_flight[:n], self._in_flight[n:]
+        return taken
 
     def _land(self, entries: list[InFlight]) -> None:
         """Read the results of queued batches (in queue order) and hand them to the scheduler; the

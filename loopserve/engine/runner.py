@@ -387,6 +387,10 @@ class PendingSamples:
         self._readback = Readback(result) if isinstance(result, dict) else None
         self._batch = None if isinstance(result, dict) else SampledBatch(None, [], rows=result)
 
+    def ready(self) -> bool:
+        """Whether the tokens are on the host already (`get` would not wait)."""
+        return self._readback is None or self._readback.ready()
+
     def get(self) -> SampledBatch:
         if self._batch is None:
             assert self._readback is not None
