@@ -344,7 +344,7 @@ VALUES = [
     (["a", 1], "prompt.1: Input should be a valid string"),
     ([[1], 2], "prompt.1: Input should be a valid array"),
     ([[1], [2, "x"]], "prompt.1.1: Input should be a valid integer"),
-    ([1.5, 2], "prompt.0: Input should be a valid string or a valid integer or a valid array"),  # nothing fits it
+    ([1.5, 2], "prompt.0: Input should be a valid integer or a valid array or a valid string"),  # nothing fits it
 ])
 def test_a_mixed_prompt_list_is_named_where_it_goes_wrong(prompt, message):
     """The prompt is a union (text, texts, token ids, lists of them), each member failing on its own items: the

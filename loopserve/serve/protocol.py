@@ -253,7 +253,9 @@ class _SamplingFields(_Strict):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # (token ids first: pydantic tries the members in order and collects an error per element of a member that
+    # fails, so a 500k-id prompt took 250 ms to parse behind str | list[str], 43 ms in this order)
+    prompt: list[int] | list[list[int]] | str | list[str]
     logprobs: int | None = None
     echo: bool | None = False
     add_special_tokens: bool | None = True  # vLLM extension: a text prompt tokenized with the special tokens (BOS)
@@ -450,7 +452,9 @@ def _describe(cls: type[BaseModel], e: ValidationError) -> tuple[str, str | None
     # token ids that fails at item 1, not a list of strings that fails at item 0); members that fail at the same
     # place are named together.
     paths = [_request_path(cls, err["loc"]) for err in errors]
-    head = paths[0]
+    # the failing field: the shortest path among the first failing top-level field's errors (a union member that
+    # fails on the field as a whole, `prompt: ... a valid string`, may come after one that fails at an item)
+    head = min((paths[k] for k, err in enumerate(errors) if err["loc"][:1] == errors[0]["loc"][:1]), key=len)
     firsts: dict[tuple[str, ...], int] = {}  # (a member's, or a field's, first error: errors come in item order)
     for k, err in enumerate(errors):
         firsts.setdefault(tuple(str(seg) for seg in err["loc"] if not isinstance(seg, int)), k)
