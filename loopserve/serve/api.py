@@ -586,12 +586,11 @@ class OpenAIServing:
             else:
                 body = {"delta": {"content": text} if text or not finished else {}}
             if gen.tools is not None:  # a forced tool call: the output is its arguments
-                whole = d.text() + text if finished and gen.tools.required else None
-                body = {"delta": gen.tools.delta(text, whole, d)} if stream else {
-                    "message": {**gen.tools.message(c), "role": gen.role}}
+                body = {"delta": gen.tools.delta(text, finished, d)} if stream else {
+                    "message": {**gen.tools.message(c, d), "role": gen.role}}
             logprobs = gen.fmt.chat_logprobs(c, count, gen.top_logprobs)
         choice = {"index": index * gen.n + c.index, **body, "logprobs": logprobs,
-                  "finish_reason": (gen.tools.finish_reason(c) if gen.tools is not None else c.finish_reason)
+                  "finish_reason": (gen.tools.finish_reason(c, d) if gen.tools is not None else c.finish_reason)
                   if finished else None,
                   "stop_reason": c.stop_reason if finished else None,
                   "exit_depths": list(c.exit_depths[:count])}
@@ -605,8 +604,6 @@ class OpenAIServing:
                 choice["prompt_token_ids"] = list(out.prompt_token_ids)
         d.tokens += count
         d.chunks += 1
-        if stream and text and gen.tools is not None and gen.tools.required:
-            d.parts.append(text)  # "required" parses the whole text once, when it finishes
         d.finish_reason = c.finish_reason
         return choice
 

@@ -11,7 +11,7 @@ import contextvars
 import json
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -20,6 +20,9 @@ from loopserve.engine.engine_thread import RequestGroup
 from loopserve.outputs import CompletionOutput, Logprob, RequestOutput
 from loopserve.serve.protocol import ApiError
 from loopserve.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from loopserve.serve.structured import ToolListScanner
 
 log = logging.getLogger("loopserve.serve")
 MIN_LOGPROB = -9999.0  # JSON has no -inf
@@ -32,26 +35,25 @@ def _lp(x: float) -> float:
 
 
 class ChoiceStream:
-    """What has been sent of one choice: tokens, text (kept for a "required" tool call, parsed once it
-    finishes), the text offset, the echoed prompt, the finish. A stream's outputs are DELTA ones (the
-    engine holds back text a stop string may still cut), so each chunk costs what is new, not the
+    """What has been sent of one choice: tokens, the text offset, the echoed prompt, the finish, and for a
+    "required" tool call the scanner that reads its list as it comes (`structured.ToolListScanner`; the text is
+    kept only until a call's name is complete: cut before, it is sent as content). A stream's outputs are DELTA
+    ones (the engine holds back text a stop string may still cut), so each chunk costs what is new, not the
     choice's length."""
 
     def __init__(self) -> None:
         self.chunks = 0
         self.tokens = 0
-        self.parts: list[str] = []
+        self.parts: list[str] = []  # a "required" tool call's text, until a call is named
         self.offset = 0  # text_offset of the next token (completions logprobs)
         self.echoed = False  # completions with echo: the prompt has been sent
         self.finish_reason: str | None = None  # sent with the choice's last chunk
         self.call_id: str | None = None  # a named tool call's, once its first chunk is sent
+        self.tool_scan: ToolListScanner | None = None  # a "required" tool call's
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-    def text(self) -> str:
-        return "".join(self.parts)
 
 
 class LogprobFormatter:

@@ -14,16 +14,22 @@ object (`json`, `regex`, `choice`, `grammar`, `json_object`, `disable_any_whites
 Tool calling (chat), as vLLM does it without a tool-call parser: `tools` go to the chat template;
 `tool_choice` "none" generates text; a named function ({"type": "function", "function": {"name"}})
 forces its arguments through the function's parameters schema, and the output becomes one tool call
-(finish_reason "stop", as OpenAI and vLLM answer a forced function); "required" forces a JSON list
-of {"name", "parameters"} over the given tools (at least one; one if `parallel_tool_calls` is false),
-returned as tool calls with finish_reason "tool_calls". "auto" (the default when tools are given)
-would need a parser for the model's own tool-call format: it is refused with a 400, as vLLM refuses
-it when started without `--enable-auto-tool-choice`.
+(finish_reason "stop", as OpenAI and vLLM answer a forced function; streamed, its arguments as they come);
+"required" forces a JSON list of {"name", "parameters"} over the given tools (at least one; one if
+`parallel_tool_calls` is false), returned as tool calls (each call's arguments the raw text of its "parameters")
+with finish_reason "tool_calls". Streamed, the list is read as it comes (`ToolListScanner`, which costs each chunk
+its own length): a call's id and name are sent as soon as its name is complete, then its arguments in pieces, as
+vLLM streams them. A list cut short (finish_reason "length") is no tool calls but the text as content in a whole
+response; a stream cannot take back the calls it sent: it keeps them (the last one's arguments cut short) and ends
+with "length" (if no name was complete, it sends the text as content, as the whole response does). "auto" (the
+default when tools are given) would need a parser for the model's own tool-call format: it is refused with a 400,
+as vLLM refuses it when started without `--enable-auto-tool-choice`.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -137,42 +143,206 @@ def _structured_outputs(spec: dict[str, Any]) -> GuidedDecodingParams:
         raise ApiError.bad_request(e) from None
 
 
+_STRING_STOP = re.compile(r'["\\]')  # what ends a run of plain characters in a JSON string
+_WHITESPACE = " \t\n\r"
+_SCALAR_END = ",}]" + _WHITESPACE  # what ends a number, true, false or null
+
+# What `ToolListScanner.feed` reports: (call index, name, text): a call's name, once its string is complete (text
+# ""), or a piece of the raw text of its parameters (name None).
+ToolEvent = tuple[int, str | None, str]
+
+
+class ToolListScanner:
+    """An incremental reader of "required"'s output, the JSON list [{"name": ..., "parameters": {...}}, ...] its
+    grammar makes (any whitespace between tokens, its keys in any order). Fed the text piece by piece, it reads
+    each character once (a piece costs its length, not the text's) and reports each call's name as soon as that
+    string is complete, then the raw text of its "parameters" value as it comes, from the value's first character
+    to its last (a value read before the item's name is held until the name is known). Calls are numbered in the
+    order their names complete. A small state machine over JSON: strings (with escapes), the depth of objects and
+    arrays, and, in an item (depth 2), whether a key, its colon, its value or what follows is next. The text is
+    assumed a prefix of JSON of that shape (the grammar's promise); `complete`: the list is closed."""
+
+    def __init__(self) -> None:
+        self.depth = 0  # objects and arrays open
+        self.in_string = False
+        self.escape = False  # in a string, just after a backslash
+        self.item = False  # the container at depth 2 is an item of the list (an object)
+        # in an item, at depth 2: "key" (or in one), "colon", "value", "string" (in one), "scalar" (in one), "next"
+        self.expect = "key"
+        self.key: str | None = None  # the key whose value is next or being read
+        self.token: list[str] | None = None  # the raw text so far of the key or the name being read
+        self.capture = False  # in the item's parameters value: its text goes to the call
+        self.index: int | None = None  # the item's call index, once its name is complete
+        self.held: list[str] = []  # the item's parameters text read before its name
+        self.calls = 0  # calls named so far
+        self.complete = False  # the list is closed
+
+    def feed(self, piece: str) -> list[ToolEvent]:
+        """The events of the next piece of text, a call's argument pieces joined."""
+        events: list[ToolEvent] = []
+        k, n = 0, len(piece)
+        start = 0  # where the key, name or parameters being read began in this piece
+        while k < n and not self.complete:
+            if self.in_string:
+                if self.escape:
+                    self.escape, k = False, k + 1
+                    continue
+                m = _STRING_STOP.search(piece, k)
+                if m is None:
+                    k = n
+                    break
+                k = m.start()
+                if piece[k] == "\\":
+                    self.escape, k = True, k + 1
+                    continue
+                self.in_string = False
+                if self.depth == 2 and self.item:
+                    self._string_end(piece, start, k, events)
+                k += 1
+                continue
+            c = piece[k]
+            in_item = self.depth == 2 and self.item
+            if in_item and self.expect == "scalar" and c in _SCALAR_END:
+                self.expect = "next"
+                if self.capture:
+                    self.capture = False
+                    self._arguments(piece[start:k], events)
+            if in_item and self.expect == "value" and c not in _WHITESPACE:  # a value starts
+                if self.key == "parameters":
+                    self.capture, start = True, k
+                if c == '"':
+                    self.expect = "string"
+                    if self.key == "name" and self.index is None:
+                        self.token, start = [], k + 1
+                else:
+                    self.expect = "next" if c in "{[" else "scalar"  # (a container ends back at depth 2)
+            elif in_item and c == '"' and self.expect == "key":
+                self.token, start = [], k + 1
+            elif in_item and c == ":" and self.expect == "colon":
+                self.expect = "value"
+            elif in_item and c == "," and self.expect == "next":
+                self.expect, self.key = "key", None
+            if c == '"':
+                self.in_string = True
+            elif c in "{[":
+                if self.depth == 1:  # an item starts
+                    self.item, self.expect, self.key, self.index, self.held = c == "{", "key", None, None, []
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                if self.depth == 2 and self.item and self.capture:  # the parameters object (or array) is closed
+                    self.capture = False
+                    self._arguments(piece[start:k + 1], events)
+                elif self.depth == 0:
+                    self.complete = True
+            k += 1
+        if self.capture:
+            self._arguments(piece[start:], events)
+        elif self.token is not None:
+            self.token.append(piece[start:])
+        return events
+
+    def _string_end(self, piece: str, start: int, end: int, events: list[ToolEvent]) -> None:
+        """An item's key or value string closed at `end` (its quote)."""
+        if self.token is not None:  # a key, or the name
+            value = json.loads('"' + "".join(self.token) + piece[start:end] + '"')
+            self.token = None
+            if self.expect == "key":
+                self.key, self.expect = value, "colon"
+                return
+            self.index, self.calls = self.calls, self.calls + 1
+            events.append((self.index, value, ""))
+            if self.held:
+                self._arguments("".join(self.held), events)
+                self.held = []
+        elif self.capture:  # (parameters that are a string)
+            self.capture = False
+            self._arguments(piece[start:end + 1], events)
+        self.expect = "next"
+
+    def _arguments(self, text: str, events: list[ToolEvent]) -> None:
+        if not text:
+            return
+        if self.index is None:
+            self.held.append(text)
+        elif events and events[-1][0] == self.index and events[-1][1] is None:
+            events[-1] = (self.index, None, events[-1][2] + text)
+        else:
+            events.append((self.index, None, text))
+
+
+def tool_call_entries(events: list[ToolEvent]) -> list[dict[str, Any]]:
+    """`tool_calls` entries of scanner events, one per call, in order, each with its `index`: a call named in them
+    gets a new id, its type and its name (and arguments "", if none follow); its argument pieces are joined. A
+    stream's chunk sends them as they are; a whole response's calls are those of all the events."""
+    entries: dict[int, dict[str, Any]] = {}
+    for i, name, text in events:
+        entry = entries.setdefault(i, {"index": i})
+        if name is not None:
+            entry.update(id=new_call_id(), type="function", function={"name": name, "arguments": ""})
+        else:
+            fn = entry.setdefault("function", {"arguments": ""})
+            fn["arguments"] += text
+    return list(entries.values())
+
+
 @dataclass
 class ToolPlan:
-    """How a chat request's output becomes tool calls: one named function, or "required" (a list)."""
+    """How a chat request's output becomes tool calls: one named function, or "required" (a list).
+
+    "required" reads its output with one `ToolListScanner` per choice, whole (`calls`, `message`) or, streamed,
+    piece by piece (`delta`): a stream sends each call's id and name as soon as the name is complete, then the
+    raw text of its parameters as it comes, so the arguments a stream sends are those the whole response has.
+    Cut before the list is complete (max_tokens: finish_reason "length"), the whole response has no calls, only
+    the text as content; a stream cannot take back what it sent: it keeps the calls whose names were complete (the
+    last one's arguments cut short) and ends with the engine's finish reason, or, if no name was complete, sends
+    the text as content at the end, as the whole response does. finish_reason "tool_calls" needs the list closed
+    and the engine's "stop"."""
 
     names: list[str]  # the function forced, or every tool's
     required: bool  # "required": the output is [{"name", "parameters"}, ...]
     guide: GuidedDecodingParams
 
-    def calls(self, text: str) -> list[dict[str, Any]]:
-        """The tool calls of a finished output's text. A named call's arguments are the text as it is (vLLM's
-        answer; cut by max_tokens it is incomplete JSON, which the finish reason "length" says); "required"'s
-        list only if it is complete JSON ([] if it was cut: the text is then the message's content)."""
+    @staticmethod
+    def _scanner(sent: ChoiceStream) -> ToolListScanner:
+        if sent.tool_scan is None:
+            sent.tool_scan = ToolListScanner()
+        return sent.tool_scan
+
+    def calls(self, text: str, sent: ChoiceStream | None = None) -> list[dict[str, Any]]:
+        """The tool calls of a finished output's text (`sent`: keeps the scanner, for `finish_reason`). A named
+        call's arguments are the text as it is (vLLM's answer; cut by max_tokens it is incomplete JSON, which the
+        finish reason "length" says); "required"'s calls, each with the raw text of its parameters as arguments,
+        only if the list is complete ([] if it was cut: the text is then the message's content)."""
         if not self.required:
             return [tool_call(self.names[0], text)]
-        try:
-            value = json.loads(text)
-        except ValueError:
+        scan = self._scanner(sent if sent is not None else ChoiceStream())
+        entries = tool_call_entries(scan.feed(text))
+        if not scan.complete:
             return []
-        return [tool_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in value]
+        return [{k: v for k, v in entry.items() if k != "index"} for entry in entries]
 
-    def message(self, c: CompletionOutput) -> dict[str, Any]:
+    def message(self, c: CompletionOutput, sent: ChoiceStream) -> dict[str, Any]:
         """The assistant message of a finished output: its tool calls, or its text if they are incomplete."""
-        calls = self.calls(c.text)
+        calls = self.calls(c.text, sent)
         return {"role": "assistant", "content": None if calls else c.text, "tool_calls": calls}
 
-    def delta(self, piece: str, whole: str | None, sent: ChoiceStream) -> dict[str, Any]:
-        """A stream chunk's delta for one choice's new text `piece` (`whole`: "required"'s whole text, once it
-        finished; `sent`: what the stream sent of the choice): a named call's arguments as they come (its id
-        and name first); the calls of "required" once the list is complete."""
-        if self.required:  # the list once complete; cut (no complete list), the text as content, as `message`
-            if whole is None:
-                return {}
-            calls = self.calls(whole)
-            if calls:
-                return {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
-            return {"content": whole} if whole else {}
+    def delta(self, piece: str, finished: bool, sent: ChoiceStream) -> dict[str, Any]:
+        """A stream chunk's delta for one choice's new text `piece` (`finished`: its last; `sent`: what the stream
+        sent of the choice, with its scanner): a named call's arguments as they come (its id and name first);
+        "required"'s calls as they come (see the class)."""
+        if self.required:
+            scan = self._scanner(sent)
+            entries = tool_call_entries(scan.feed(piece))
+            delta: dict[str, Any] = {"tool_calls": entries} if entries else {}
+            if scan.calls:
+                sent.parts.clear()
+            elif finished:  # no call named: the text as content, as `message` answers
+                whole = "".join(sent.parts) + piece
+                return {"content": whole} if whole else {}
+            else:
+                sent.parts.append(piece)  # (kept until a call is named)
+            return delta
         if not piece:
             return {}
         fn: dict[str, Any] = {"arguments": piece}
@@ -182,8 +352,10 @@ class ToolPlan:
         return {"tool_calls": [{"index": 0, "id": sent.call_id, "type": "function",
                                 "function": {"name": self.names[0], **fn}}]}
 
-    def finish_reason(self, c: CompletionOutput) -> str | None:
-        return "tool_calls" if self.required and c.finish_reason == "stop" else c.finish_reason
+    def finish_reason(self, c: CompletionOutput, sent: ChoiceStream) -> str | None:
+        """"required": "tool_calls" once the list is complete (`sent`'s scanner says), else the engine's reason."""
+        complete = sent.tool_scan is not None and sent.tool_scan.complete
+        return "tool_calls" if self.required and c.finish_reason == "stop" and complete else c.finish_reason
 
 
 def new_call_id() -> str:
