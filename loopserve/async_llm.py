@@ -9,23 +9,34 @@ loop); `shutdown()` stops it, and a later `generate` starts another, on its own 
 `generate` is an async generator of one request's `RequestOutput`s as its `output_kind` asks (vLLM's rules, the
 engine's outputs). Engine request ids are the LLM's own (unique), the caller's `request_id` goes on the outputs: a
 request the caller stopped reading frees its id once its generator is closed (`aclose()`, cancelled, or collected:
-a generator merely left by `break` is closed by asyncio a loop turn later, or never while a reference holds it),
+a generator merely left by `break` is closed by asyncio a few loop turns later, or never while a reference holds
+it), and at once once `abort(request_id)` is called,
 whatever step the engine is in. A consumer that stops early (breaks out, is cancelled, closes the generator or drops
 it) aborts its request, as vLLM does; `abort(request_id)`
 ends a stream with a final output whose finish_reason is "abort" (vLLM V1's). A step that raises kills the engine:
-every stream and every later call raise `EngineDeadError`.
+every stream and every later call raise `EngineDeadError`. An event loop that ends without `shutdown()` stops its
+engine thread; so does the interpreter's exit. `LLM.generate` on the same engine takes it back from a thread whose
+loop has ended, and refuses (RuntimeError) while that loop runs: two threads never step one engine.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
+import threading
 from collections.abc import AsyncGenerator, Iterable
 from pathlib import Path
 from typing import Any
 
 from loopserve.engine.engine import LLMEngine, check_request_id
-from loopserve.engine.engine_thread import EngineDeadError, EngineStoppedError, EngineThread, RequestGroup
+from loopserve.engine.engine_thread import (
+    EngineDeadError,
+    EngineSnapshot,
+    EngineStoppedError,
+    EngineThread,
+    RequestGroup,
+)
 from loopserve.engine.sequence import PromptType
 from loopserve.llm import LLM, llm_configs
 from loopserve.outputs import RequestOutput
@@ -74,12 +85,54 @@ class EngineArgs:
         return LLM(self.model, chat_template=self.chat_template, generation_config=self.generation_config,
                    **self.kwargs)
 
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """vLLM's: the engine's flags on `parser` (those of `loopserve generate` and `serve`: `--model`, each
+        `LoadConfig` and `EngineConfig` field, `--chat-template`, `--generation-config`); returns it."""
+        from loopserve.cli import add_chat_args, add_engine_args
+
+        add_engine_args(parser)
+        add_chat_args(parser)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """vLLM's: the args of a namespace parsed with `add_cli_args`' flags."""
+        from loopserve.cli import engine_kwargs, load_kwargs
+
+        return cls(args.model, chat_template=args.chat_template, generation_config=args.generation_config,
+                   **cls._own_cli_kwargs(args), **load_kwargs(args), **engine_kwargs(args))
+
+    @classmethod
+    def _own_cli_kwargs(cls, args: argparse.Namespace) -> dict[str, Any]:
+        return {}
+
 
 class AsyncEngineArgs(EngineArgs):
     """vLLM's `AsyncEngineArgs`: `EngineArgs` and the async engine's own `enable_log_requests` (a log line per
     request added and aborted; `disable_log_requests`, vLLM's older name, says the opposite)."""
 
     _OWN = (*EngineArgs._OWN, "enable_log_requests")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        super().add_cli_args(parser)
+        parser.add_argument("--enable-log-requests", action="store_true", help="log each request added and aborted")
+        return parser
+
+    @classmethod
+    def _own_cli_kwargs(cls, args: argparse.Namespace) -> dict[str, Any]:
+        return {"enable_log_requests": bool(getattr(args, "enable_log_requests", False))}
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "enable_log_requests" and not isinstance(value, bool):
+            raise ValueError(f"enable_log_requests: expected a bool, got {value!r}")
+        super().__setattr__(name, value)
+
+    @property
+    def disable_log_requests(self) -> bool:
+        """vLLM's older name, the opposite of `enable_log_requests`."""
+        return not self.enable_log_requests
 
     def __init__(self, model: str | Path | None = None, *, enable_log_requests: bool | None = None,
                  disable_log_requests: bool | None = None, **kwargs: Any) -> None:
@@ -107,6 +160,7 @@ class AsyncLLMEngine:
         self.engine: LLMEngine = llm.llm_engine  # (a ValueError naming `scheduler` for the reference decoder)
         self.log_requests = log_requests
         self._thread: EngineThread | None = None
+        self._thread_lock = threading.Lock()  # (two event loops' threads may each ask for the engine thread at once)
         self._closed = False  # shut down, and no generate since
         self._streams: dict[str, RequestGroup] = {}  # event-loop thread only: the caller's request id -> its group
 
@@ -132,27 +186,59 @@ class AsyncLLMEngine:
     # -- state (vLLM's names) ---------------------------------------------------------------------------------------
     @property
     def errored(self) -> bool:
-        """A step raised: the engine is dead (every stream raised `EngineDeadError`)."""
-        return self._thread is not None and self._thread.dead is not None
+        """A step raised (the engine is dead: every stream raised `EngineDeadError`), or it was shut down (vLLM's:
+        not running); a later `generate` after a shutdown starts it again."""
+        return self._closed or (self._thread is not None and self._thread.dead is not None)
 
     @property
     def is_running(self) -> bool:
         """Not dead and not shut down (True before the first `generate` too, as vLLM's)."""
-        return not self.errored and not self._closed
+        return not self.errored
+
+    @property
+    def is_stopped(self) -> bool:
+        """vLLM's: `errored`."""
+        return self.errored
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.llm.get_tokenizer()
 
     @property
     def dead_error(self) -> EngineDeadError:
-        """vLLM's: the error a dead engine's requests meet."""
-        if self._thread is None:
-            return EngineDeadError("the engine has not failed")
-        return self._thread.dead_error()
+        """vLLM's: the error a dead (or shut down) engine's requests meet."""
+        if self._thread is not None and self._thread.dead is not None:
+            return self._thread.dead_error()
+        if self._closed:
+            return EngineStoppedError("the AsyncLLMEngine has been shut down")
+        return EngineDeadError("the engine has not failed")
 
     async def check_health(self) -> None:
         if self.errored:
             raise self.dead_error
 
-    async def get_tokenizer(self) -> Tokenizer:
+    def get_tokenizer(self, lora_request: Any = None) -> Tokenizer:
+        """The tokenizer (vLLM's, a plain method since V1's renderer; older vLLM awaited it)."""
+        check_neutral(lora_request=lora_request)
         return self.llm.get_tokenizer()
+
+    async def is_tracing_enabled(self) -> bool:
+        return False  # (loopserve exports no OpenTelemetry traces)
+
+    async def get_supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+    async def reset_mm_cache(self) -> None:
+        """vLLM's: loopserve takes no multimodal inputs, so there is no such cache to reset."""
+
+    async def do_log_stats(self, *args: Any, **kwargs: Any) -> None:
+        """vLLM's periodic stats line, logged once (INFO) from the engine thread's last snapshot (it is not read while
+        the thread steps): sequences running and waiting, KV cache use, tokens generated and their mean exit depth."""
+        snap = self._thread.snapshot if self._thread is not None else EngineSnapshot()
+        tokens = sum(snap.exit_depths.values())
+        depth = sum(d * c for d, c in snap.exit_depths.items()) / tokens if tokens else 0.0
+        log.info("Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, generated tokens: %d, mean exit depth: "
+                 "%.2f", snap.running, snap.waiting, 100 * snap.kv_usage, tokens, depth)
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """`LLMEngine.reset_prefix_cache` (vLLM's rules: only with no request in flight, else False), run between
@@ -182,9 +268,9 @@ class AsyncLLMEngine:
                              "LLM.beam_search or the server's use_beam_search run it")
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params: expected a SamplingParams, got {type(sampling_params).__name__}")
+        thread = self._engine_thread()  # (first: a thread it replaces takes its loop's streams along)
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
-        thread = self._engine_thread()
         seq = self.llm._make_sequence(prompt, sampling_params, sampling_params.output_kind)
         group = thread.add([seq], merge=True)  # (a consumer that falls behind reads merged outputs, as vLLM's)
         self._streams[request_id] = group
@@ -208,7 +294,7 @@ class AsyncLLMEngine:
         ends with a final output whose finish_reason is "abort"."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
-            group = self._streams.get(rid)
+            group = self._streams.pop(rid, None)  # (its id is free at once, as vLLM frees it)
             if group is not None:
                 group.abort()
         if self.log_requests:
@@ -219,22 +305,24 @@ class AsyncLLMEngine:
         """The engine thread serving the running event loop: started by the first `generate`, and again after
         `shutdown()` or once the loop it served has ended. A dead one is kept (its `add` raises EngineDeadError)."""
         loop = asyncio.get_running_loop()
-        thread = self._thread
-        if thread is not None and thread.dead is None and (thread.loop is not loop or thread.stopping):
-            assert thread.loop is not None
-            if thread.loop is not loop and thread.loop.is_running():
-                raise RuntimeError("AsyncLLMEngine: its engine thread serves another event loop, which is still "
-                                   "running; use one AsyncLLMEngine per event loop, or shutdown() first")
-            # its loop has ended, or it was shut down and has not stopped yet: waited for to the end, so that never
-            # two threads step the engine
-            thread.close()
-            thread = None
-        if thread is None:
-            thread = self._thread = EngineThread(self.engine, max_queued_requests=None,
-                                                 stopped_message="the AsyncLLMEngine has been shut down")
-            thread.start()
-            self._closed = False
-        return thread
+        with self._thread_lock:
+            thread = self._thread
+            if thread is not None and thread.dead is None and (thread.loop is not loop or thread.stopping):
+                assert thread.loop is not None
+                if thread.loop is not loop and thread.loop.is_running():
+                    raise RuntimeError("AsyncLLMEngine: its engine thread serves another event loop, which is still "
+                                       "running; use one AsyncLLMEngine per event loop, or shutdown() first")
+                # its loop has ended, or it was shut down and has not stopped yet: waited for to the end, so that
+                # never two threads step the engine; the streams of its loop are gone with it
+                thread.close()
+                thread = None
+                self._streams.clear()
+            if thread is None:
+                thread = self._thread = EngineThread(self.engine, max_queued_requests=None,
+                                                     stopped_message="the AsyncLLMEngine has been shut down")
+                thread.start()
+                self._closed = False
+            return thread
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop the engine thread (idempotent): requests in flight are aborted, their streams raise

@@ -270,6 +270,8 @@ class LLM:
                     decoder.run(sample)
                 bar.finished(seq.to_output())
         else:
+            if self.engine.driver is not None:  # (an AsyncLLMEngine ran this engine: its thread hands it back)
+                self.engine.driver.hand_back()
             for seq in seqs:
                 self.engine.add_sequence(seq)
             while self.engine.has_unfinished_requests():

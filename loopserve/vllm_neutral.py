@@ -109,6 +109,8 @@ _PROFILE = "is not supported by loopserve: wrap the calls in torch.profiler.prof
 _LORA = "is not supported by loopserve: it serves no LoRA adapters"
 # vLLM's methods of `LLM` and of its async engine for what loopserve has no counterpart of: they exist (`hasattr` is
 # true, as on vLLM's classes) and raise a ValueError naming themselves and saying what to use instead when called
+_CONFIGS = ("is not supported by loopserve: its configs are those of the LLM (LLM.config: the model's shapes, "
+            "LLM.engine_config, LLM.load_config, LLM.max_model_len; an AsyncLLMEngine's LLM is its .llm)")
 ABSENT_METHODS = {
     **dict.fromkeys(("encode", "embed", "classify", "score", "reward"), _POOLING),
     **dict.fromkeys(("sleep", "wake_up"), _SLEEP),
@@ -118,17 +120,29 @@ ABSENT_METHODS = {
     "set_tokenizer": "is not supported by loopserve: the checkpoint's tokenizer is always used (get_tokenizer())",
     "get_metrics": "is not supported by loopserve: the engine's counters are its stats (LLMEngine.stats); the "
                    "server exports Prometheus /metrics",
-    **dict.fromkeys(("get_model_config", "get_vllm_config"),
-                    "is not supported by loopserve: its configs are the LLM's (llm.config: the model's shapes, "
-                    "llm.engine_config, llm.load_config, llm.max_model_len)"),
+    **dict.fromkeys(("get_model_config", "get_vllm_config", "get_decoding_config"), _CONFIGS),
+    **dict.fromkeys(("pause_generation", "resume_generation", "is_paused"),
+                    "is not supported by loopserve: it does not update weights in place; abort the requests (or "
+                    "shutdown()) and build a new engine"),
+    "add_request": "is not supported by loopserve's AsyncLLMEngine: generate(prompt, params, request_id) adds a "
+                   "request and streams its outputs (LLMEngine.add_request is the offline engine's)",
+    "get_input_preprocessor": "is not supported by loopserve: prompts are tokenized and checked by the LLM "
+                              "(get_tokenizer(); LLM.generate's rules)",
+}
+# vLLM's attributes (not methods) for the same: reading one is an AttributeError saying what to use instead
+ABSENT_ATTRIBUTES = {
+    **dict.fromkeys(("model_config", "vllm_config"), _CONFIGS),
 }
 
 
 def absent_method(owner: object, name: str) -> Callable[..., Any]:
     """`owner.name` for an `ABSENT_METHODS` name: a function that refuses (a ValueError naming it, saying what to use
-    instead); any other name is the usual AttributeError (for `__getattr__`)."""
+    instead); an `ABSENT_ATTRIBUTES` name is an AttributeError saying the same (`hasattr` stays False), any other name
+    the usual AttributeError (for `__getattr__`)."""
     why = ABSENT_METHODS.get(name)
     kind = type(owner).__name__
+    if name in ABSENT_ATTRIBUTES:
+        raise AttributeError(f"{kind!r} object has no attribute {name!r}: {kind}.{name} {ABSENT_ATTRIBUTES[name]}")
     if why is None:
         raise AttributeError(f"{kind!r} object has no attribute {name!r}")
 

@@ -215,7 +215,9 @@ def test_shutdown_ends_streams_and_a_new_loop_restarts(engine):
         await anext(gen)
         engine.shutdown()
         engine.shutdown()
-        assert not engine.is_running and not engine.errored
+        assert not engine.is_running and engine.errored and engine.is_stopped  # (vLLM's: not running is errored)
+        with pytest.raises(EngineDeadError, match="shut down"):  # (an EngineStoppedError, as vLLM's dead error)
+            await engine.check_health()
         with pytest.raises(EngineStoppedError):
             async for _ in gen:
                 pass
@@ -227,9 +229,27 @@ def test_shutdown_ends_streams_and_a_new_loop_restarts(engine):
 
 
 def test_get_tokenizer_and_alias(engine):
+    """vLLM's (V1 renderer) `get_tokenizer()` is a plain method, and `tokenizer` a property."""
     assert AsyncLLM is AsyncLLMEngine
-    tok = asyncio.run(engine.get_tokenizer())
-    assert tok is engine.llm.get_tokenizer()
+    tok = engine.get_tokenizer()
+    assert tok is engine.llm.get_tokenizer() is engine.tokenizer is engine.get_tokenizer(lora_request=None)
+    with pytest.raises(ValueError, match="^lora_request"):
+        engine.get_tokenizer(lora_request=object())
+
+
+def test_vllms_housekeeping_calls(engine, caplog):
+    """The calls vLLM's API server makes on its engine client: a stats line, no tracing, the task, no multimodal
+    cache."""
+    import logging
+
+    async def main():
+        await collect(engine, "the cat", SamplingParams(max_tokens=3, ignore_eos=True), "stats")
+        with caplog.at_level(logging.INFO, logger="loopserve.async_llm"):
+            await engine.do_log_stats()
+        return await engine.is_tracing_enabled(), await engine.get_supported_tasks(), await engine.reset_mm_cache()
+
+    assert asyncio.run(main()) == (False, ("generate",), None)
+    assert any("generated tokens: " in r.getMessage() and "KV cache usage" in r.getMessage() for r in caplog.records)
 
 
 def test_from_engine_args_names_an_unknown_keyword(tiny_ouro):
@@ -300,13 +320,21 @@ def test_reset_prefix_cache_runs_between_steps(engine):
     assert asyncio.run(run()) == (False, True)
 
 
-@pytest.mark.parametrize("method", ["encode", "add_lora", "sleep", "start_profile", "get_model_config"])
+@pytest.mark.parametrize("method", ["encode", "add_lora", "sleep", "start_profile", "get_model_config",
+                                    "pause_generation", "add_request", "get_decoding_config"])
 def test_vllms_methods_for_what_loopserve_lacks_say_what_to_use(engine, method):
     with pytest.raises(ValueError, match=f"^{method}: AsyncLLMEngine.{method} .*"):
         getattr(engine, method)()
     assert asyncio.run(engine.is_sleeping()) is False
     with pytest.raises(AttributeError, match="no_such_method"):
         engine.no_such_method  # noqa: B018
+
+
+def test_vllms_config_attributes_are_attribute_errors_saying_what_to_use(engine):
+    """An attribute, not a method: reading it is an AttributeError (hasattr stays False) that names `.llm`."""
+    with pytest.raises(AttributeError, match=r"'model_config'.*LLM.config.*\.llm"):
+        engine.model_config  # noqa: B018
+    assert not hasattr(engine, "vllm_config")
 
 
 @pytest.mark.parametrize("kind", [DELTA, CUMULATIVE])
@@ -461,3 +489,154 @@ def test_shutdown_from_another_thread_ends_streams_with_the_error(engine):
                 pass
 
     asyncio.run(run())
+
+
+# -- one engine, several threads and loops ------------------------------------------------------------------------
+def test_llm_generate_takes_the_engine_back_from_a_loop_that_ended(engine):
+    """After `asyncio.run` returned without a shutdown, `llm.generate` on the same engine stops the idle engine thread
+    first and gives `LLM.generate`'s own outputs (it stepped the engine beside the thread: wrong outputs, or a dead
+    engine); while a loop runs the engine, it is a RuntimeError, and so is stepping the engine by hand."""
+    params = SamplingParams(max_tokens=8, temperature=0.9, seed=5)
+    engine.shutdown()
+    want = [completion(o) for o in engine.llm.generate(PROMPTS, params, use_tqdm=False)]
+    asyncio.run(collect(engine, "the cat", SamplingParams(max_tokens=3), "before"))
+    assert [completion(o) for o in engine.llm.generate(PROMPTS, params, use_tqdm=False)] == want
+
+    async def busy():
+        stream = engine.generate([5, 6, 7], LONG, "busy")
+        await anext(stream)
+        with pytest.raises(RuntimeError, match="shutdown"):
+            engine.llm.generate(PROMPTS, params, use_tqdm=False)
+        with pytest.raises(RuntimeError, match="engine thread"):
+            engine.llm.llm_engine.step()
+        await stream.aclose()
+
+    asyncio.run(busy())
+    assert [completion(o) for o in engine.llm.generate(PROMPTS, params, use_tqdm=False)] == want
+    assert not engine.errored or engine._closed
+
+
+def test_a_loop_that_ends_without_shutdown_stops_its_engine_thread(engine):
+    """Nobody reads its outputs any more: the thread stops (within its idle poll), aborting what it held."""
+    async def main():
+        stream = engine.generate([5, 6, 7], LONG, "left")
+        await anext(stream)
+        return engine._thread
+
+    thread = asyncio.run(main())
+    end = time.monotonic() + 10
+    while thread.alive:
+        assert time.monotonic() < end, "the engine thread outlived its event loop"
+        time.sleep(0.05)
+    assert engine.engine.driver is None and not engine.engine.requests
+
+
+def test_two_threads_asking_for_the_engine_thread_at_once_get_one(engine):
+    """After a first loop ended, two threads each running their own loop race to replace the engine thread: one gets
+    it, the other the documented RuntimeError (both once started a thread on the one engine, which then died)."""
+    import threading
+
+    asyncio.run(collect(engine, "the cat", SamplingParams(max_tokens=2), "first"))
+    barrier, results = threading.Barrier(2), []
+
+    def run(tag: str) -> None:
+        async def main():
+            barrier.wait()
+            try:
+                outs = await collect(engine, [5, 6, 7], SamplingParams(max_tokens=40, ignore_eos=True), tag)
+                results.append(("ok", len(outs[-1].outputs[0].token_ids)))
+            except RuntimeError as e:
+                results.append(("refused" if "another event loop" in str(e) else repr(e), 0))
+        asyncio.run(main())
+
+    threads = [threading.Thread(target=run, args=(f"t{i}",)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    engine.shutdown()
+    assert sorted(r[0] for r in results) in (["ok", "refused"], ["ok", "ok"]), results
+    assert all(n == 40 for kind, n in results if kind == "ok")
+    assert engine._thread is None or engine._thread.dead is None
+
+
+def test_a_closed_loops_streams_do_not_hold_their_ids(engine):
+    """A loop closed with a stream still open (run_until_complete, then close): its request id is free on the next
+    loop (it stayed 'already in flight' for ever)."""
+    loop = asyncio.new_event_loop()
+    stream = engine.generate([5, 6, 7], LONG, "stale")
+    loop.run_until_complete(anext(stream))
+    loop.close()
+    outs = asyncio.run(collect(engine, [5, 6], SamplingParams(max_tokens=2, ignore_eos=True), "stale"))
+    assert outs[-1].finished
+    del stream
+
+
+def test_abort_frees_the_id_and_the_kv_at_once(engine):
+    """After `await abort(id)`, the id may be reused and the prefix cache reset (an aborted request holds no KV), before
+    the consumer has read the abort output (vLLM's order)."""
+    async def main():
+        stream = engine.generate([5, 6, 7], LONG, "again")
+        await anext(stream)
+        await engine.abort("again")
+        reset = await engine.reset_prefix_cache()
+        outs = await collect(engine, [5, 6], SamplingParams(max_tokens=2, ignore_eos=True), "again")
+        rest = [o async for o in stream]
+        return reset, outs, rest
+
+    reset, outs, rest = asyncio.run(main())
+    assert reset is True and outs[-1].finished and outs[-1].request_id == "again"
+    assert rest[-1].outputs[0].finish_reason == "abort"
+
+
+@pytest.mark.parametrize("how", ["return", "raise"])
+def test_exit_with_requests_in_flight_and_no_shutdown_is_clean(tiny_ouro, how, tmp_path):
+    """A script that leaves asyncio.run with a stream open and never calls shutdown exits 0 (the engine thread, still
+    in a step while the interpreter finalized, aborted the process: 'terminate called without an active exception')."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "leave.py"
+    script.write_text(f"""
+import asyncio, sys
+from loopserve import AsyncEngineArgs, AsyncLLMEngine, SamplingParams
+eng = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model={str(tiny_ouro)!r}, dtype="float32", kv_cache_tokens=1024))
+async def main():
+    streams = [eng.generate([5, 6, 7], SamplingParams(max_tokens=400, ignore_eos=True), str(i)) for i in range(4)]
+    for s in streams:
+        await anext(s)
+    if {how!r} == "raise":
+        raise SystemExit(0)
+asyncio.run(main())
+""")
+    for _ in range(2):
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_engine_args_from_cli_args(tiny_ouro):
+    """vLLM's `add_cli_args` / `from_cli_args`: the flags of `loopserve serve` (one declaration: the configs'), and
+    `--enable-log-requests`; `enable_log_requests` is checked when set, and `disable_log_requests` reads back."""
+    import argparse
+
+    parser = AsyncEngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = AsyncEngineArgs.from_cli_args(parser.parse_args(
+        ["--model", str(tiny_ouro), "--dtype", "float32", "--max-num-seqs", "3", "--enable-log-requests"]))
+    assert isinstance(args, AsyncEngineArgs)
+    assert (args.model, args.dtype, args.max_num_seqs, args.enable_log_requests, args.disable_log_requests) == (
+        str(tiny_ouro), "float32", 3, True, False)
+    with pytest.raises(ValueError, match="^enable_log_requests: expected a bool"):
+        args.enable_log_requests = "yes"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--max-num-seqs", "x"])
+    plain = EngineArgs_from_cli(tiny_ouro)
+    assert plain.max_num_seqs == EngineConfig().max_num_seqs and not hasattr(plain, "enable_log_requests")
+
+
+def EngineArgs_from_cli(path):  # noqa: N802 (the class's name)
+    import argparse
+
+    from loopserve.async_llm import EngineArgs
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    return EngineArgs.from_cli_args(parser.parse_args(["--model", str(path)]))

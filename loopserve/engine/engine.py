@@ -16,6 +16,7 @@ import dataclasses
 import hashlib
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -154,6 +155,9 @@ class LLMEngine:
         self._model_time = 0.0
         self.requests: dict[str, Sequence] = {}
         self.stage_hooks: list[Callable[[StageRecord], None]] = []
+        # the EngineThread stepping this engine while it runs (engine/engine_thread.py): no other thread may add,
+        # abort or step meanwhile (`LLM` asks it to hand the engine back first: `EngineThread.hand_back`)
+        self.driver: Any = None
 
     def get_tokenizer(self) -> Tokenizer:
         """The tokenizer requests are encoded and decoded with (vLLM's `LLMEngine.get_tokenizer`)."""
@@ -184,8 +188,15 @@ class LLMEngine:
                       priority=priority)
         self.add_sequence(self.make_sequence(request_id, prompt, params, arrival_time, seed))
 
+    def _check_thread(self, what: str) -> None:
+        driver = self.driver
+        if driver is not None and driver.ident != threading.get_ident():
+            raise RuntimeError(f"LLMEngine.{what}: this engine is stepped by an engine thread (AsyncLLMEngine or the "
+                               "server's); shut that down first, or go through it")
+
     def add_sequence(self, seq: Sequence) -> None:
         """Admit a request built by `make_sequence` (with n > 1: all its samples)."""
+        self._check_thread("add_request")
         taken = [s.request_id for s in seq.family if s.request_id in self.requests]
         if taken:
             raise ValueError(f"request_id: {taken[0]!r} is already in flight")
@@ -199,6 +210,7 @@ class LLMEngine:
         outputs. `request_ids`: a list of ids, as vLLM V1's `LLMEngine.abort_request` takes them, or one id (a str,
         as vLLM V0 took it and the server passes it; vLLM V1 would read a str as its characters). An id not in
         flight (unknown, or already reported finished) is passed over, as in vLLM."""
+        self._check_thread("abort_request")
         ids = [request_ids] if isinstance(request_ids, str) else request_ids
         if not isinstance(ids, Iterable):
             raise ValueError(f"request_ids: expected a list of request ids or one id (a str), got "
@@ -220,16 +232,18 @@ class LLMEngine:
 
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """vLLM's: forget every cached prompt block, so that no later prompt reuses KV computed before (after the
-        weights changed, say, or to time prefills from cold). Only with no request in flight, as vLLM resets only
-        while no request holds KV: False (with a warning, as vLLM's) and nothing forgotten otherwise.
+        weights changed, say, or to time prefills from cold). Only with no request in flight (an aborted one counts no
+        more, reported or not), as vLLM resets only while no request holds KV: False (with a warning, as vLLM's) and
+        nothing forgotten otherwise.
         `reset_running_requests=True` (vLLM preempts the running requests to reset at once) is not supported: a
         ValueError. `reset_connector`: vLLM's, for the cache of a KV connector; loopserve has none, so there is
         nothing more to reset, as in vLLM without one."""
         if reset_running_requests:
             raise ValueError("reset_running_requests: not supported by loopserve (it does not preempt requests to "
                              "reset the prefix cache); reset with no request in flight")
-        if self.has_unfinished_requests():
-            log.warning("prefix cache not reset: %d requests are in flight", self.get_num_unfinished_requests())
+        if self.scheduler.has_work():  # (a request aborted or finished, not yet reported, holds no KV any more)
+            log.warning("prefix cache not reset: %d requests are in flight",
+                        sum(not s.finished for s in self.requests.values()))
             return False
         self.kv.allocator.reset_cache()
         return True
@@ -238,6 +252,8 @@ class LLMEngine:
     @torch.no_grad()
     def step(self) -> list[RequestOutput]:
         """Schedule one stage batch, run it, update the requests with what came back."""
+        if self.driver is not None:
+            self._check_thread("step")
         t0 = time.perf_counter()
         self._model_time = 0.0
         sched = self.scheduler

@@ -26,10 +26,12 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,9 +54,9 @@ class EngineOverloadedError(RuntimeError):
     pass
 
 
-class EngineStoppedError(RuntimeError):
+class EngineStoppedError(EngineDeadError):
     """The engine thread has been shut down, or is shutting down: requests in flight end with it, new ones are
-    refused."""
+    refused. (An `EngineDeadError`, as vLLM's requests meet one after a shutdown.)"""
 
 
 @dataclass
@@ -176,7 +178,22 @@ class EngineThread:
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="loopserve-engine", daemon=True)
+        _LIVE.add(self)
         self._thread.start()
+
+    @property
+    def ident(self) -> int | None:
+        """The engine thread's id (`threading.get_ident()` there), once started."""
+        return self._thread.ident if self._thread is not None else None
+
+    def hand_back(self) -> None:
+        """Give the engine back to a caller on another thread (`LLM.generate` on the engine an `AsyncLLMEngine` ran):
+        if the event loop this thread served no longer runs (`asyncio.run` returned without a `shutdown()`), stop the
+        thread and wait for it; if it still runs, a RuntimeError (two threads would step one engine)."""
+        if self._loop is not None and self._loop.is_running() and not self._stopping:
+            raise RuntimeError("the engine is stepped by an engine thread serving a running event loop "
+                               "(AsyncLLMEngine): shutdown() it before using the LLM synchronously")
+        self.close()
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
@@ -378,6 +395,7 @@ class EngineThread:
             spec_draft_tokens=st.spec_draft_tokens, spec_accepted_tokens=st.spec_accepted_tokens)
 
     def _run(self) -> None:
+        self.engine.driver = self  # (from now on only this thread may add to or step the engine)
         try:
             with torch.no_grad():
                 while True:
@@ -398,6 +416,8 @@ class EngineThread:
                     if self._stop.is_set():
                         return
                     self._wake.wait(self.idle_poll_s)
+                    if self._loop is not None and self._loop.is_closed() and not self._stopping:
+                        self.stop()  # its event loop has ended (`asyncio.run` returned, no shutdown): nobody reads on
         except BaseException as e:  # a bug in a step: fail loudly, answer what is in flight, then report
             log.exception("engine step failed; the engine is stopped")
             self.dead = e
@@ -405,4 +425,21 @@ class EngineThread:
             if self.on_dead is not None:
                 self._post(self.on_dead)
         finally:
+            if self.engine.driver is self:
+                self.engine.driver = None
             self._end()
+
+
+# Engine threads started and not yet collected. At exit each is stopped and waited for: a daemon thread still in a step
+# while the interpreter finalizes aborted the process ("terminate called without an active exception").
+_LIVE: weakref.WeakSet[EngineThread] = weakref.WeakSet()
+EXIT_JOIN_S = 10.0
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    threads = [t for t in list(_LIVE) if t.alive]
+    for t in threads:
+        t.stop()
+    for t in threads:
+        t._join(EXIT_JOIN_S)
