@@ -125,3 +125,25 @@ def test_a_bfloat16_engine_with_packed_weights_equals_the_reference(request, fix
         ref = decoder.run(engine.make_sequence(f"r{i}", prompt, p, seed=i))
         c = outs[f"r{i}"].outputs[0]
         assert (c.token_ids, c.exit_depths) == (ref.output_ids, ref.exit_depths)
+
+
+@needs_packing
+def test_a_traced_product_is_f_linear_not_the_packed_op():
+    """`torch.compile` traces `F.linear`, which inductor lowers, not oneDNN's packed product, which it cannot (`bench
+    compile` failed in bfloat16); eager calls still take the packed one."""
+    w = _packed_module(48, 64, 5).weight
+    graphs: list[torch.fx.GraphModule] = []
+
+    def capture(gm: torch.fx.GraphModule, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    traced = torch.compile(lambda a: layers.linear(a, w) + layers.stacked_linear(a, w, [16, 32])[1].sum(),
+                           backend=capture, fullgraph=True)
+    with torch.inference_mode():
+        got = traced(x)
+    targets = {str(node.target) for gm in graphs for node in gm.graph.nodes}
+    assert graphs and not any("linear_pointwise" in t for t in targets), targets
+    assert torch.equal(got, F.linear(x, w) + F.linear(x, w[16:48]).sum())
+    torch._dynamo.reset()

@@ -87,12 +87,15 @@ def pack_linear_weights(model: nn.Module) -> None:
 
 
 def _packed(x: torch.Tensor, weight: torch.Tensor, sizes: tuple[int, ...]) -> list[torch.Tensor] | None:
-    """The packed parts of `weight` for a product with `x`, or None (not packed, `x` not bfloat16 on the CPU, or
-    a product autograd would differentiate: the packed one has no backward). (The dtype is tested first: a
-    float32 model, as the compile benchmark traces, never looks a weight up.)"""
+    """The packed parts of `weight` for a product with `x`, or None (not packed, `x` not bfloat16 on the CPU, a
+    product autograd would differentiate: the packed one has no backward, or one `torch.compile` traces: inductor
+    cannot lower oneDNN's packed product, `bench compile` failed in bfloat16). (The dtype is tested first: a float32
+    model never looks a weight up.)"""
     if x.dtype != torch.bfloat16 or x.device.type != "cpu" or not getattr(weight, PACKED, False):
         return None
     if torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad):
+        return None
+    if torch.compiler.is_compiling():
         return None
     return derived(weight, ("onednn", sizes), lambda w: [torch.ops.mkldnn._reorder_linear_weight(part, PACK_ROWS)
                                                           for part in w.split(list(sizes))])
