@@ -248,7 +248,18 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue
         module.register(sub)
+    _name_own_parsers(parser)
     return parser
+
+
+def _name_own_parsers(parser: argparse.ArgumentParser) -> None:
+    """Each subcommand's parser the default `_parser` of what it parses (the deepest wins), so that `main` reports an
+    unknown flag with that command's usage: argparse's own error for one comes from the top parser's."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for p in action.choices.values():
+                p.set_defaults(_parser=p)
+                _name_own_parsers(p)
 
 
 def extras_providing(module: str) -> list[str]:
@@ -267,7 +278,10 @@ def extras_providing(module: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return int(args.func(args) or 0)
     except CommandError as e:

@@ -229,6 +229,8 @@ def _one_error_line(stderr: str) -> str:
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["eval", "ppl", "/nonexistent"], "error: model: '/nonexistent' is not a model folder"),
+    # (it rewrote the packaged embedded model's config.json, so the defaults of LLM() and `demo`, without a word)
+    (["eval", "ppl", "--calibrate"], "error: --calibrate writes the chosen threshold into the model's config.json"),
     (["bench", "throughput", "--from-json", "/missing.json"], "error: --from-json: /missing.json: No such file"),
     (["bench", "step-latency", "--from-json", "/missing.json"], "error: --from-json: /missing.json: No such file"),
     # (run as `__main__`, the module's own `CommandError` class was not the one `bench` raises: exit 2, silently)
@@ -283,3 +285,17 @@ def test_empty_api_keys_fall_back_to_the_variable_with_a_warning(monkeypatch, ca
     caplog.clear()
     assert _api_keys([""]) == ["secret"] and f"taking ${API_KEY_ENV}" in caplog.text
     assert _api_keys(None) == ["secret"]
+
+
+@pytest.mark.parametrize("argv, prog", [(["generate", "--bogus"], "loopserve generate"),
+                                        (["bench", "throughput", "--bogus"], "loopserve bench throughput"),
+                                        (["eval", "ppl", "--bogus"], "loopserve eval ppl")])
+def test_an_unknown_flag_is_reported_with_its_commands_usage(argv, prog, capsys):
+    """argparse reported it with the top parser's usage (`usage: loopserve [-h] {generate,...}`), not the command's."""
+    from loopserve.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"usage: {prog} ") and err.endswith(
+        f"{prog}: error: unrecognized arguments: --bogus\n"), err

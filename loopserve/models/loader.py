@@ -118,7 +118,7 @@ def resolve_model_path(model: str | Path) -> Path:
     except Exception as e:  # offline, unknown repo, no permission: all end here
         raise ValueError(
             f"model: {name!r} is not a local folder and could not be fetched from the Hugging Face Hub "
-            f"({type(e).__name__}); download it first (huggingface-cli download {name}) and pass the folder"
+            f"({type(e).__name__}); download it first (hf download {name} --local-dir DIR) and pass DIR"
         ) from None
 
 

@@ -58,6 +58,10 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
 
     from loopserve_lab.train.evaluate import markdown_tables, plot_results, run_eval
 
+    if args.calibrate and args.model is None:  # (it would rewrite the packaged model's defaults without a word)
+        raise CommandError("--calibrate writes the chosen threshold into the model's config.json: name the model "
+                           "folder (the embedded model's is loopserve/assets/ouro-shakespeare, to calibrate the "
+                           "shipped model again on purpose)")
     model = _model(args)
     torch.set_num_threads(args.threads)
     out_json = Path(args.out_json)
@@ -113,7 +117,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--windows", type=int, default=48, help="held-out windows to score (default 48)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per window (default: %(default)s)")
     p.add_argument("--calibrate", action="store_true",
-                   help="pick the default exit threshold on the validation slice and write it to config.json")
+                   help="pick the default exit threshold on the validation slice and write it to the model's "
+                        "config.json (the model folder must be named)")
     p.add_argument("--calib-windows", type=int, default=32,
                    help="validation windows for --calibrate (default: %(default)s)")
     p.add_argument("--max-ppl-increase", type=float, default=0.05,
