@@ -280,8 +280,9 @@ def extras_providing(module: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
+    command_parser = vars(args).pop("_parser", parser)  # (not a setting: benches write their args out)
     if unknown:
-        getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+        command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return int(args.func(args) or 0)
     except CommandError as e:

@@ -8,6 +8,7 @@ a table, and shows progress bars on long runs. Models are bench presets (`ouro-b
 from __future__ import annotations
 
 import argparse
+import functools
 import shlex
 import sys
 import time
@@ -389,8 +390,10 @@ def cmd_step_latency(args: argparse.Namespace) -> int:
     if args.from_json is not None:  # refit and replot earlier measurements
         data = read_results(args.from_json, "step-latency", "points")
         data["fits"] = fit_all(data["points"], args.fit_max_batch)
-        data.setdefault("refits", []).append(
-            "loopserve " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
+        command = "loopserve " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+        refits = data.setdefault("refits", [])
+        if command not in refits:  # (the same refit again leaves the file as it was: docs/ commands are re-run)
+            refits.append(command)
         out = args.out or Path(args.from_json).parent
         name = data.get("model", {}).get("name", "model")
         dtype = data.get("model", {}).get("dtype", "")
@@ -579,11 +582,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for mode in ("in-process", "http"):
         rows = [r["metrics"] for r in result["runs"] if r["metrics"]["mode"] == mode]
         if rows:
-            print(f"\n{mode} ({desc.get('source')})\n{format_serve(rows)}")
+            print(f"\n{mode} ({_serve_depths(args, desc, traces, mode)})\n{format_serve(rows)}")
             tag = "inprocess" if mode == "in-process" else "http"
             plot_serve(rows, out / f"serve_{tag}.png", f"{bm.name}: open-loop Poisson, {mode}")
     print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def _serve_depths(args: argparse.Namespace, desc: dict[str, Any], traces: Any, mode: str) -> str:
+    """What decided the exit depths of a `bench serve` table's requests: over HTTP a given exit policy or threshold
+    (live exits, whatever the depth law), else the traces only with --http-exit-trace (else full depth)."""
+    if mode == "http" and (args.exit_policy is not None or args.exit_threshold is not None):
+        policy = args.exit_policy or "the model's policy"
+        return policy + ("" if args.exit_threshold is None else f" at threshold {args.exit_threshold:g}") + ", live"
+    if mode == "http" and traces is not None and not args.http_exit_trace:
+        return "full depth: traces are replayed over HTTP only with --http-exit-trace"
+    return str(desc.get("source"))
 
 
 def _http_rates(base: str, name: str, wl: Any, rates: list[float], sched: str, args: argparse.Namespace,
@@ -698,9 +712,20 @@ def format_trace_summary(summaries: dict[str, dict[str, Any]]) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
+class _HelpFormat(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default after its help (`bench <command> --help` lists them), unless the help already says what it
+    is in its own words ("default: 0.625 r_max"); a flag given no help gets "default: ..." as its help (`register`)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks: theory, throughput, step latency, serving, ablations")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
+    bsub.add_parser = functools.partial(bsub.add_parser, formatter_class=_HelpFormat)  # type: ignore[method-assign]
 
     p = bsub.add_parser("theory", help="FLOP bound, KV bytes and roofline from a config (no weights)")
     p.add_argument("--model", default="ouro-bench", help="bench preset, checkpoint folder or config.json")
@@ -873,6 +898,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_engine_args(p)
     _add_peer_args(p)
     p.set_defaults(func=_cmd_peer, threads=1)
+    for command in bsub.choices.values():  # (argparse prints no help line, so no default, for a flag without help)
+        for action in command._actions:
+            if action.help is None and action.option_strings and action.nargs != 0:
+                action.help = "default: %(default)s"
 
 
 def _add_peer_args(p: argparse.ArgumentParser) -> None:
