@@ -414,17 +414,44 @@ def run_replicas(args: argparse.Namespace) -> int:
         log.info("serving on http://%s:%d%s with Ray Serve (%s)", args.host, args.port, args.root_path,
                  _describe(args))
         stop.wait()
+        if local and _local_ray_stopped():
+            log.warning("shutdown: Ray's own processes were stopped too (a signal to the whole process group): the "
+                        "replicas are gone, nothing to drain")
+            return code["value"]
         try:
             drain_replicas(args.shutdown_timeout)
         except KeyboardInterrupt:
             log.warning("shutdown: stopped again; requests still in flight are cut")
         return code["value"]
     finally:
-        if local:
-            serve.shutdown()
-        else:  # the cluster and its other applications stay up
-            serve.delete(APP_NAME)
+        if not (local and _local_ray_stopped(wait_s=0.0)):  # (every call to a Ray that is gone waits 60 s for it)
+            if local:
+                serve.shutdown()
+            else:  # the cluster and its other applications stay up
+                serve.delete(APP_NAME)
         ray.shutdown()
+
+
+RAY_STOP_WAIT_S = 0.5  # how long a signal to the whole process group may take to stop Ray's own processes
+
+
+def _local_ray_stopped(wait_s: float = RAY_STOP_WAIT_S) -> bool:
+    """Whether the local Ray instance this process started has lost any of its own processes (waiting up to `wait_s`
+    for one to go): a SIGTERM to the whole process group (GNU `timeout`, systemd's control-group kill) reaches them with
+    the server (its log monitor exits at once; the replicas' workers go too), and the drain's calls to the replicas,
+    then Ray's own, waited 60 s for a GCS that went away before failing."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    end = time.monotonic() + wait_s
+    while node is not None:
+        try:
+            if node.dead_processes():
+                return True
+        except Exception:  # (a private API: if it changes, drain as before)
+            return False
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.05)
+    return False
 
 
 def drain_replicas(grace_s: float) -> None:
