@@ -10,7 +10,7 @@ loop); `shutdown()` stops it, and a later `generate` starts another, on its own 
 engine's outputs). Engine request ids are the LLM's own (unique), the caller's `request_id` goes on the outputs: a
 request the caller stopped reading frees its id once its generator is closed (`aclose()`, cancelled, or collected:
 a generator merely left by `break` is closed by asyncio a few loop turns later, or never while a reference holds
-it), and at once once `abort(request_id)` is called,
+it), and at once when `abort(request_id)` is called,
 whatever step the engine is in. A consumer that stops early (breaks out, is cancelled, closes the generator or drops
 it) aborts its request, as vLLM does; `abort(request_id)`
 ends a stream with a final output whose finish_reason is "abort" (vLLM V1's). A step that raises kills the engine:
@@ -42,7 +42,7 @@ from loopserve.llm import LLM, llm_configs
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import BeamSearchParams, SamplingParams
 from loopserve.tokenizer import Tokenizer
-from loopserve.vllm_neutral import absent_method, check_neutral
+from loopserve.vllm_neutral import ASYNC_ABSENT_METHODS, absent_method, check_neutral
 
 __all__ = ["AsyncLLMEngine", "AsyncLLM", "AsyncEngineArgs", "EngineArgs", "EngineDeadError", "EngineStoppedError"]
 
@@ -151,9 +151,10 @@ class AsyncEngineArgs(EngineArgs):
 class AsyncLLMEngine:
     """vLLM's `AsyncLLMEngine` (V1: `AsyncLLM`): `from_engine_args(AsyncEngineArgs(model=..., ...))`, then
     `async for out in engine.generate(prompt, params, request_id)`, `await abort(request_id)`,
-    `await get_tokenizer()`, `shutdown()`. Use it from one event loop at a time (module docstring). `llm`: the `LLM`
-    it is built on, whose engine it runs: `llm.generate` must not run while the engine thread does (it would step
-    the same engine from a second thread): `shutdown()` first."""
+    `get_tokenizer()`, `shutdown()`. Use it from one event loop at a time (module docstring). `llm`: the `LLM` it is
+    built on, whose engine it runs: `llm.generate` takes the engine back from an engine thread with nothing in flight
+    or whose loop has ended, and is a RuntimeError while the thread serves requests (two threads would step one
+    engine)."""
 
     def __init__(self, llm: LLM, log_requests: bool = False) -> None:
         self.llm = llm
@@ -179,9 +180,10 @@ class AsyncLLMEngine:
         return cls(engine_args.create_llm(), getattr(engine_args, "enable_log_requests", False))
 
     def __getattr__(self, name: str) -> Any:
-        """vLLM's methods for what loopserve lacks (`vllm_neutral.ABSENT_METHODS`): a ValueError naming the method
-        and what to use instead when called; any other missing attribute is the usual AttributeError."""
-        return absent_method(self, name)
+        """vLLM's methods for what loopserve lacks (`vllm_neutral.ABSENT_METHODS`, and `ASYNC_ABSENT_METHODS`): a
+        ValueError naming the method and what to use instead when called; any other missing attribute is the usual
+        AttributeError."""
+        return absent_method(self, name, ASYNC_ABSENT_METHODS)
 
     # -- state (vLLM's names) ---------------------------------------------------------------------------------------
     @property
@@ -245,6 +247,9 @@ class AsyncLLMEngine:
         two steps of the engine thread when it runs."""
         def reset(engine: LLMEngine) -> bool:
             return engine.reset_prefix_cache(reset_running_requests, reset_connector)
+        thread = self._thread
+        if thread is None or not thread.alive:  # (shut down, or never started: run here, starting nothing)
+            return reset(self.engine)
         return await self._engine_thread().between_steps(reset)
 
     async def is_sleeping(self) -> bool:
@@ -279,8 +284,8 @@ class AsyncLLMEngine:
         try:
             async for _, out in group:
                 out.request_id = request_id
-                if out.finished:  # (its id is free again at once, as vLLM frees it on finish)
-                    self._streams.pop(request_id, None)
+                if out.finished and self._streams.get(request_id) is group:  # (its id is free again at once, as vLLM
+                    del self._streams[request_id]  # frees it on finish; after an abort it may name a newer request)
                 yield out
         finally:
             # the consumer stopped before the end (broke out, was cancelled, closed or dropped the generator): the
@@ -318,9 +323,10 @@ class AsyncLLMEngine:
                 thread = None
                 self._streams.clear()
             if thread is None:
-                thread = self._thread = EngineThread(self.engine, max_queued_requests=None,
-                                                     stopped_message="the AsyncLLMEngine has been shut down")
-                thread.start()
+                thread = EngineThread(self.engine, max_queued_requests=None,
+                                      stopped_message="the AsyncLLMEngine has been shut down")
+                thread.start()  # (a RuntimeError if another thread steps the engine: another AsyncLLMEngine on it)
+                self._thread = thread
                 self._closed = False
             return thread
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import threading
 from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -20,6 +21,7 @@ from loopserve.chat_messages import chat_messages, within
 from loopserve.engine.budget import completion_budget, pool_tokens
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine import LLMEngine
+from loopserve.engine.engine_thread import EngineThread
 from loopserve.engine.reference import ReferenceDecoder
 from loopserve.engine.sequence import (
     PromptType,
@@ -270,14 +272,20 @@ class LLM:
                     decoder.run(sample)
                 bar.finished(seq.to_output())
         else:
-            if self.engine.driver is not None:  # (an AsyncLLMEngine ran this engine: its thread hands it back)
-                self.engine.driver.hand_back()
-            for seq in seqs:
-                self.engine.add_sequence(seq)
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished:
-                        bar.finished(out)
+            owner = self.engine.driver  # (read once: a thread whose loop closed lets go of it by itself)
+            if isinstance(owner, EngineThread):  # an AsyncLLMEngine ran this engine: its thread hands it back
+                owner.hand_back()
+            me = threading.current_thread()
+            self.engine.claim(me, threading.get_ident())  # (for the whole loop: no engine thread starts meanwhile)
+            try:
+                for seq in seqs:
+                    self.engine.add_sequence(seq)
+                while self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        if out.finished:
+                            bar.finished(out)
+            finally:
+                self.engine.release(me)
         bar.close()
         return [s.to_output() for s in seqs]
 

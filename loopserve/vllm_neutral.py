@@ -120,12 +120,16 @@ ABSENT_METHODS = {
     "set_tokenizer": "is not supported by loopserve: the checkpoint's tokenizer is always used (get_tokenizer())",
     "get_metrics": "is not supported by loopserve: the engine's counters are its stats (LLMEngine.stats); the "
                    "server exports Prometheus /metrics",
-    **dict.fromkeys(("get_model_config", "get_vllm_config", "get_decoding_config"), _CONFIGS),
+    **dict.fromkeys(("get_model_config", "get_vllm_config"), _CONFIGS),
+}
+# vLLM's AsyncLLM methods (not LLM's) for what loopserve lacks: `AsyncLLMEngine`'s, beside the table above
+ASYNC_ABSENT_METHODS = {
+    "get_decoding_config": _CONFIGS,
     **dict.fromkeys(("pause_generation", "resume_generation", "is_paused"),
                     "is not supported by loopserve: it does not update weights in place; abort the requests (or "
                     "shutdown()) and build a new engine"),
-    "add_request": "is not supported by loopserve's AsyncLLMEngine: generate(prompt, params, request_id) adds a "
-                   "request and streams its outputs (LLMEngine.add_request is the offline engine's)",
+    "add_request": "is not supported by loopserve: generate(prompt, params, request_id) adds a request and streams "
+                   "its outputs (LLMEngine.add_request is the offline engine's)",
     "get_input_preprocessor": "is not supported by loopserve: prompts are tokenized and checked by the LLM "
                               "(get_tokenizer(); LLM.generate's rules)",
 }
@@ -135,11 +139,11 @@ ABSENT_ATTRIBUTES = {
 }
 
 
-def absent_method(owner: object, name: str) -> Callable[..., Any]:
+def absent_method(owner: object, name: str, more: dict[str, str] | None = None) -> Callable[..., Any]:
     """`owner.name` for an `ABSENT_METHODS` name: a function that refuses (a ValueError naming it, saying what to use
-    instead); an `ABSENT_ATTRIBUTES` name is an AttributeError saying the same (`hasattr` stays False), any other name
-    the usual AttributeError (for `__getattr__`)."""
-    why = ABSENT_METHODS.get(name)
+    instead; `more`: the owner's own such methods); an `ABSENT_ATTRIBUTES` name is an AttributeError saying the same
+    (`hasattr` stays False), any other name the usual AttributeError (for `__getattr__`)."""
+    why = ABSENT_METHODS.get(name) or (more or {}).get(name)
     kind = type(owner).__name__
     if name in ABSENT_ATTRIBUTES:
         raise AttributeError(f"{kind!r} object has no attribute {name!r}: {kind}.{name} {ABSENT_ATTRIBUTES[name]}")

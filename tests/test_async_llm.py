@@ -292,10 +292,11 @@ def test_a_dead_engine_fails_every_stream(tiny_ouro, monkeypatch):
         runs = [collect(eng, [5, 6, 7], LONG, f"d{i}") for i in range(3)]
         for result in await asyncio.gather(*runs, return_exceptions=True):
             assert isinstance(result, EngineDeadError) and "boom" in str(result)
+            assert not isinstance(result, EngineStoppedError)  # (dead, not shut down)
         assert eng.errored and not eng.is_running
-        with pytest.raises(EngineDeadError):
+        with pytest.raises(EngineDeadError, match="boom"):
             await eng.check_health()
-        with pytest.raises(EngineDeadError):
+        with pytest.raises(EngineDeadError, match="boom"):
             await anext(eng.generate([5], SamplingParams(max_tokens=2), "later"))
 
     asyncio.run(main())
@@ -640,3 +641,108 @@ def EngineArgs_from_cli(path):  # noqa: N802 (the class's name)
 
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     return EngineArgs.from_cli_args(parser.parse_args(["--model", str(path)]))
+
+
+def test_an_aborted_stream_does_not_free_the_id_of_the_request_reusing_it(engine):
+    """`abort` frees the id at once, so a new request may take it while the old stream still has its abort output to
+    read: reading it left the new request's id free (a third was admitted) and unabortable."""
+    async def main():
+        old = engine.generate([5, 6, 7], LONG, "x")
+        await anext(old)
+        await engine.abort("x")
+        new = engine.generate([5, 6], LONG, "x")
+        await anext(new)
+        rest = [o async for o in old]  # (its abort output)
+        with pytest.raises(ValueError, match="already in flight"):
+            await anext(engine.generate([5], LONG, "x"))
+        await engine.abort("x")
+        tail = [o async for o in new]
+        return rest, tail
+
+    rest, tail = asyncio.run(main())
+    assert rest[-1].outputs[0].finish_reason == "abort" and tail[-1].outputs[0].finish_reason == "abort"
+    assert len(tail[-1].outputs[0].token_ids) < 400
+
+
+def test_one_engine_is_stepped_by_one_owner(tiny_ouro):
+    """A second AsyncLLMEngine over the same LLM, on another loop, is refused (both threads once stepped the engine and
+    broke its scheduler); so is an engine thread while `LLM.generate` runs on another thread, and `LLM.generate`
+    while the thread serves a request; an idle thread (a notebook's loop always runs) hands the engine back."""
+    import threading
+
+    llm = LLM(str(tiny_ouro), dtype="float32", kv_cache_tokens=1024)
+    first, second = AsyncLLMEngine(llm), AsyncLLMEngine(llm)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    want = completion(llm.generate(["the cat"], params, use_tqdm=False)[0])
+
+    async def run_first(started: threading.Event, release: threading.Event):
+        stream = first.generate([5, 6, 7], LONG, "a")
+        await anext(stream)
+        started.set()
+        await asyncio.to_thread(release.wait, 60)
+        await stream.aclose()
+        while first._thread._routes:  # (the abort is reported by the engine's next step)
+            await asyncio.sleep(0.01)
+        # idle now: the loop still runs, yet LLM.generate may take the engine (the thread is stopped for it)
+        assert completion(llm.generate(["the cat"], params, use_tqdm=False)[0]) == want
+        return [completion(o) async for o in first.generate("the cat", params, "b")][-1]
+
+    started, release, errors = threading.Event(), threading.Event(), []
+
+    def other_loop():
+        started.wait(60)
+        try:
+            asyncio.run(collect(second, [5, 6], params, "c"))
+        except RuntimeError as e:
+            errors.append(str(e))
+        try:
+            llm.generate(["the cat"], params, use_tqdm=False)
+        except RuntimeError as e:
+            errors.append(str(e))
+        release.set()
+
+    t = threading.Thread(target=other_loop)
+    t.start()
+    last = asyncio.run(run_first(started, release))
+    t.join(60)
+    first.shutdown()
+    second.shutdown()
+    assert last == want
+    assert len(errors) == 2 and "stepped by" in errors[0] and "requests in flight" in errors[1], errors
+    assert llm.llm_engine.driver is None and not llm.llm_engine.requests
+
+    # an engine thread cannot start while LLM.generate steps the engine on another thread
+    blocked: list[str] = []
+    real_step, in_step = llm.llm_engine.step, threading.Event()
+
+    def slow_step():
+        in_step.set()
+        time.sleep(0.05)
+        return real_step()
+
+    llm.llm_engine.step = slow_step  # type: ignore[method-assign]
+    sync = threading.Thread(target=llm.generate, args=(["the cat"], SamplingParams(max_tokens=20, ignore_eos=True)),
+                            kwargs={"use_tqdm": False})
+    sync.start()
+    in_step.wait(30)
+    try:
+        asyncio.run(collect(first, [5, 6], params, "d"))
+    except RuntimeError as e:
+        blocked.append(str(e))
+    sync.join(60)
+    del llm.llm_engine.step
+    assert blocked and "stepped by" in blocked[0]
+
+
+def test_reset_prefix_cache_after_shutdown_starts_nothing(engine):
+    asyncio.run(collect(engine, "the cat", SamplingParams(max_tokens=2), "r"))
+    engine.shutdown()
+    assert asyncio.run(engine.reset_prefix_cache()) is True
+    assert engine.errored and (engine._thread is None or not engine._thread.alive)
+
+
+def test_asyncllm_only_methods_are_not_llms(engine):
+    """vLLM's LLM has no add_request or pause_generation: loopserve's LLM neither (the shared table gave it them)."""
+    assert not hasattr(engine.llm, "add_request") and not hasattr(engine.llm, "pause_generation")
+    with pytest.raises(ValueError, match="^add_request: AsyncLLMEngine.add_request"):
+        engine.add_request()

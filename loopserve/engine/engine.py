@@ -7,7 +7,8 @@ order, right after the next batch was queued, so on CUDA the host plans tick t+1
 runs tick t. Entries that may wait for the next batch: async codas (CUDA by default), and core steps
 whose rules all decide a step ahead (delayed lookahead, lookahead_gate). The tokens a coda or
 prefill sampled start their next loop as soon as they are read (the scheduler's `follow_up`
-preludes): in the same tick, or one tick later for an async coda.
+preludes): in the same tick; an async coda's at the start of the next tick if its tokens have arrived by then
+(`_take_arrived_codas`), else once that tick's batch is queued, joining the core batch a tick later.
 """
 
 from __future__ import annotations
@@ -149,15 +150,19 @@ class LLMEngine:
                         p.device)
         self.runner = ModelRunner(model, self.layout, self.kv, self.pool, scratch_row=scratch, graphs=graphs)
         self._arrivals = itertools.count()
-        # Async codas (CUDA by default): a coda's tokens are read once the next stage batch is queued.
+        # Async codas (CUDA by default): the host does not wait for a coda's tokens (taken when they have arrived,
+        # at the latest once the next stage batch is queued: `_take_arrived_codas`, docs/design.md §6.4).
         self.async_coda = cfg.async_coda if cfg.async_coda is not None else p.device.type == "cuda"
         self._in_flight: list[InFlight] = []  # queued batches whose results are read after the next one
         self._model_time = 0.0
         self.requests: dict[str, Sequence] = {}
         self.stage_hooks: list[Callable[[StageRecord], None]] = []
-        # the EngineThread stepping this engine while it runs (engine/engine_thread.py): no other thread may add,
-        # abort or step meanwhile (`LLM` asks it to hand the engine back first: `EngineThread.hand_back`)
+        # who steps this engine now (`claim`): an EngineThread (engine/engine_thread.py) while it runs, or the thread
+        # in `LLM.generate`; no other thread may add, abort, step or reset meanwhile (`LLM` asks an EngineThread to
+        # hand the engine back first: `EngineThread.hand_back`)
         self.driver: Any = None
+        self._driver_ident: int | None = None  # its thread's id, once known
+        self._driver_lock = threading.Lock()
 
     def get_tokenizer(self) -> Tokenizer:
         """The tokenizer requests are encoded and decoded with (vLLM's `LLMEngine.get_tokenizer`)."""
@@ -188,11 +193,30 @@ class LLMEngine:
                       priority=priority)
         self.add_sequence(self.make_sequence(request_id, prompt, params, arrival_time, seed))
 
+    def claim(self, owner: Any, ident: int | None) -> None:
+        """Make `owner` (on thread `ident`, None: not known yet) the one that steps this engine: a RuntimeError if
+        another holds it (two threads stepping one engine broke its scheduler). The same owner may claim again."""
+        with self._driver_lock:
+            if self.driver is not None and self.driver is not owner:
+                raise RuntimeError(f"LLMEngine: this engine is stepped by {self._owner()} already; shut that down "
+                                   "first, or go through it")
+            self.driver, self._driver_ident = owner, ident
+
+    def release(self, owner: Any) -> None:
+        """`owner` no longer steps this engine (a no-op if it does not hold it)."""
+        with self._driver_lock:
+            if self.driver is owner:
+                self.driver = self._driver_ident = None
+
     def _check_thread(self, what: str) -> None:
+        ident = self._driver_ident
+        if ident is not None and ident != threading.get_ident():
+            raise RuntimeError(f"LLMEngine.{what}: this engine is stepped by {self._owner()}; shut that down first, "
+                               "or go through it")
+
+    def _owner(self) -> str:
         driver = self.driver
-        if driver is not None and driver.ident != threading.get_ident():
-            raise RuntimeError(f"LLMEngine.{what}: this engine is stepped by an engine thread (AsyncLLMEngine or the "
-                               "server's); shut that down first, or go through it")
+        return f"LLM.generate on thread {driver.name!r}" if isinstance(driver, threading.Thread) else str(driver)
 
     def add_sequence(self, seq: Sequence) -> None:
         """Admit a request built by `make_sequence` (with n > 1: all its samples)."""
@@ -238,6 +262,7 @@ class LLMEngine:
         `reset_running_requests=True` (vLLM preempts the running requests to reset at once) is not supported: a
         ValueError. `reset_connector`: vLLM's, for the cache of a KV connector; loopserve has none, so there is
         nothing more to reset, as in vLLM without one."""
+        self._check_thread("reset_prefix_cache")
         if reset_running_requests:
             raise ValueError("reset_running_requests: not supported by loopserve (it does not preempt requests to "
                              "reset the prefix cache); reset with no request in flight")
@@ -252,7 +277,7 @@ class LLMEngine:
     @torch.no_grad()
     def step(self) -> list[RequestOutput]:
         """Schedule one stage batch, run it, update the requests with what came back."""
-        if self.driver is not None:
+        if self._driver_ident is not None:
             self._check_thread("step")
         t0 = time.perf_counter()
         self._model_time = 0.0

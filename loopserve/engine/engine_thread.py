@@ -47,7 +47,8 @@ log = logging.getLogger("loopserve.engine")
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread has stopped after a step raised (vLLM's `EngineDeadError`): nothing more runs on it."""
+    """The engine thread has stopped after a step raised (vLLM's `EngineDeadError`): nothing more runs on it. Its
+    subclass `EngineStoppedError` says it was shut down instead."""
 
 
 class EngineOverloadedError(RuntimeError):
@@ -178,8 +179,12 @@ class EngineThread:
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="loopserve-engine", daemon=True)
+        self.engine.claim(self, None)  # (a RuntimeError if another thread steps the engine: nothing started)
         _LIVE.add(self)
         self._thread.start()
+
+    def __str__(self) -> str:
+        return "an engine thread (an AsyncLLMEngine's or the server's)"
 
     @property
     def ident(self) -> int | None:
@@ -188,11 +193,13 @@ class EngineThread:
 
     def hand_back(self) -> None:
         """Give the engine back to a caller on another thread (`LLM.generate` on the engine an `AsyncLLMEngine` ran):
-        if the event loop this thread served no longer runs (`asyncio.run` returned without a `shutdown()`), stop the
-        thread and wait for it; if it still runs, a RuntimeError (two threads would step one engine)."""
-        if self._loop is not None and self._loop.is_running() and not self._stopping:
-            raise RuntimeError("the engine is stepped by an engine thread serving a running event loop "
-                               "(AsyncLLMEngine): shutdown() it before using the LLM synchronously")
+        if the event loop this thread served no longer runs (`asyncio.run` returned without a `shutdown()`), or it
+        holds no request (a notebook's loop always runs), stop the thread and wait for it; else a RuntimeError (two
+        threads would step one engine). (`_routes` belongs to the loop's thread: read here only for being empty.)"""
+        if self._loop is not None and self._loop.is_running() and not self._stopping and self._routes:
+            raise RuntimeError("the engine is stepped by an engine thread serving a running event loop, with requests "
+                               "in flight (AsyncLLMEngine): wait for them, or shutdown() it, before using the LLM "
+                               "synchronously")
         self.close()
 
     @property
@@ -395,7 +402,7 @@ class EngineThread:
             spec_draft_tokens=st.spec_draft_tokens, spec_accepted_tokens=st.spec_accepted_tokens)
 
     def _run(self) -> None:
-        self.engine.driver = self  # (from now on only this thread may add to or step the engine)
+        self.engine.claim(self, threading.get_ident())  # (from now on only this thread may add to or step it)
         try:
             with torch.no_grad():
                 while True:
@@ -425,8 +432,7 @@ class EngineThread:
             if self.on_dead is not None:
                 self._post(self.on_dead)
         finally:
-            if self.engine.driver is self:
-                self.engine.driver = None
+            self.engine.release(self)
             self._end()
 
 

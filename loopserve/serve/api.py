@@ -651,7 +651,7 @@ class OpenAIServing:
                         body["prompt_logprobs"] = gen.fmt.prompt_logprobs(out)  # top level, as in the response
                         chat_prompt_sent = True
                     yield sse(body)
-        except (EngineDeadError, EngineStoppedError) as e:
+        except EngineDeadError as e:  # (EngineStoppedError too)
             raise StreamFailed(503, str(e)) from None
         if gen.search is None:  # (a beam search logged its end itself)
             self.log_finished([(o, sent[i, 0].finish_reason, sent[i, 0].tokens) for i, o in latest.items()])

@@ -316,6 +316,7 @@ class ToolPlan:
         only if the list is complete ([] if it was cut: the text is then the message's content)."""
         if not self.required:
             return [tool_call(self.names[0], text)]
+        assert sent is None or sent.tool_scan is None, "a whole text is read by a scanner of its own"
         scan = self._scanner(sent if sent is not None else ChoiceStream())
         entries = tool_call_entries(scan.feed(text))
         if not scan.complete:
