@@ -248,7 +248,11 @@ class AsyncLLMEngine:
         def reset(engine: LLMEngine) -> bool:
             return engine.reset_prefix_cache(reset_running_requests, reset_connector)
         thread = self._thread
-        if thread is None or not thread.alive:  # (shut down, or never started: run here, starting nothing)
+        if thread is not None and thread.dead is not None:
+            raise self.dead_error
+        if self._closed or thread is None or not thread.alive:  # (shut down, or never started: here, starting nothing)
+            if thread is not None and thread.alive:  # (a shutdown(timeout) returned before it ended: let it end)
+                await asyncio.to_thread(thread.close)
             return reset(self.engine)
         return await self._engine_thread().between_steps(reset)
 

@@ -298,6 +298,8 @@ def test_a_dead_engine_fails_every_stream(tiny_ouro, monkeypatch):
             await eng.check_health()
         with pytest.raises(EngineDeadError, match="boom"):
             await anext(eng.generate([5], SamplingParams(max_tokens=2), "later"))
+        with pytest.raises(EngineDeadError, match="boom"):  # (not False "requests are in flight": they failed)
+            await eng.reset_prefix_cache()
 
     asyncio.run(main())
     eng.shutdown()
@@ -735,9 +737,24 @@ def test_one_engine_is_stepped_by_one_owner(tiny_ouro):
 
 
 def test_reset_prefix_cache_after_shutdown_starts_nothing(engine):
+    """After a shutdown, even one whose timeout ran out mid-step, a reset runs on the engine itself once the thread
+    has ended (it started a new thread, making the engine healthy again)."""
     asyncio.run(collect(engine, "the cat", SamplingParams(max_tokens=2), "r"))
     engine.shutdown()
     assert asyncio.run(engine.reset_prefix_cache()) is True
+    assert engine.errored and (engine._thread is None or not engine._thread.alive)
+
+    async def cut_short() -> bool:
+        stream = engine.generate([5, 6, 7], LONG, "long")
+        await anext(stream)
+        engine.shutdown(timeout=0)
+        reset = await engine.reset_prefix_cache()
+        with pytest.raises(EngineStoppedError):
+            async for _ in stream:
+                pass
+        return reset
+
+    assert asyncio.run(cut_short()) is True
     assert engine.errored and (engine._thread is None or not engine._thread.alive)
 
 

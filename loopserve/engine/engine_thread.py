@@ -174,14 +174,16 @@ class EngineThread:
         self._routes: dict[str, tuple[RequestGroup, int, int]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._life = threading.Lock()  # `start` against `hand_back` (from another thread): never half started
 
     # -- lifecycle (event-loop thread) ------------------------------------------------------------------
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="loopserve-engine", daemon=True)
-        self.engine.claim(self, None)  # (a RuntimeError if another thread steps the engine: nothing started)
-        _LIVE.add(self)
-        self._thread.start()
+        with self._life:
+            self.engine.claim(self, None)  # (a RuntimeError if another thread steps the engine: nothing started)
+            _LIVE.add(self)
+            self._thread.start()
 
     def __str__(self) -> str:
         return "an engine thread (an AsyncLLMEngine's or the server's)"
@@ -196,10 +198,14 @@ class EngineThread:
         if the event loop this thread served no longer runs (`asyncio.run` returned without a `shutdown()`), or it
         holds no request (a notebook's loop always runs), stop the thread and wait for it; else a RuntimeError (two
         threads would step one engine). (`_routes` belongs to the loop's thread: read here only for being empty.)"""
-        if self._loop is not None and self._loop.is_running() and not self._stopping and self._routes:
-            raise RuntimeError("the engine is stepped by an engine thread serving a running event loop, with requests "
-                               "in flight (AsyncLLMEngine): wait for them, or shutdown() it, before using the LLM "
-                               "synchronously")
+        with self._life:
+            if self._loop is not None and self._loop.is_running() and not self._stopping and self._routes:
+                raise RuntimeError("the engine is stepped by an engine thread serving a running event loop, with "
+                                   "requests in flight (AsyncLLMEngine): wait for them, or shutdown() it, before "
+                                   "using the LLM synchronously")
+            # (a request its loop adds from now on is refused with this, or ends with it: it raced the hand-back)
+            self.stopped_message = "the engine was handed back to LLM.generate on another thread"
+            self.stop()
         self.close()
 
     @property
