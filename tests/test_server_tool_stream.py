@@ -257,3 +257,64 @@ def test_required_cut_by_max_tokens_streams_what_it_had(client):
     assert choices[-1].finish_reason == "length" and not any(ch.delta.content for ch in choices)
     (call,) = calls
     assert call["name"] == "get_time" and text.endswith(call["arguments"]) and call["arguments"].startswith("{")
+
+
+BOOK = {"type": "function", "function": {"name": "book", "parameters": {
+    "$defs": {"Who": {"type": "object", "properties": {"name": {"enum": ["al", "bo"]}}, "required": ["name"],
+                      "additionalProperties": False}},
+    "type": "object", "properties": {"who": {"$ref": "#/$defs/Who"}}, "required": ["who"],
+    "additionalProperties": False}}}
+TREE = {"type": "function", "function": {"name": "tree", "parameters": {
+    "type": "object", "properties": {"child": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}, "v": {"enum": [1]}},
+    "required": ["v", "child"], "additionalProperties": False}}}
+
+
+def _tree_ok(value) -> bool:
+    return value is None or (isinstance(value, dict) and set(value) == {"v", "child"} and value["v"] == 1
+                             and _tree_ok(value["child"]))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("seed", [1, 3])
+def test_required_keeps_each_tools_references_its_own(client, seed):
+    """A tool schema that refers within itself ($defs, or `#` for a recursive one, as pydantic writes nested models)
+    under "required": its references still point into it (left inside the list schema, `#/$defs/Who` was a 400 and
+    `#` the whole call list, so a call's arguments nested calls)."""
+    kw = dict(model=MODEL, messages=MESSAGES, tools=[BOOK, TREE], tool_choice="required", temperature=1.0,
+              max_tokens=400, seed=seed, extra_body=COMPACT)
+    done = client.chat.completions.create(**kw).choices[0]
+    assert done.finish_reason in ("tool_calls", "length")
+    for tc in done.message.tool_calls or ():
+        args = json.loads(tc.function.arguments)
+        if tc.function.name == "book":
+            assert args["who"]["name"] in ("al", "bo") and set(args) == {"who"}
+        else:
+            assert _tree_ok(args), args
+
+
+@pytest.mark.timeout(180)
+def test_a_named_call_with_no_arguments_is_streamed_too(client):
+    """A forced function whose output a stop string cuts to nothing: the whole response has the call (arguments "");
+    the stream sent none (an empty delta, then the finish)."""
+    kw = dict(model=MODEL, messages=MESSAGES, tools=[TIME, WEATHER], temperature=1.0, max_tokens=20, stop=["{"],
+              tool_choice={"type": "function", "function": {"name": "get_time"}}, seed=1, extra_body=COMPACT)
+    done = client.chat.completions.create(**kw).choices[0]
+    calls, _ = _streamed_calls(list(client.chat.completions.create(**kw, stream=True)))
+    assert [(tc.function.name, tc.function.arguments) for tc in done.message.tool_calls] == \
+        [(c["name"], c["arguments"]) for c in calls] == [("get_time", "")]
+
+
+def test_an_empty_tool_name_is_refused(client):
+    tool = {"type": "function", "function": {"name": "", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[tool], tool_choice="required")
+    assert e.value.body["param"] == "tools.0.function.name" and "must not be empty" in e.value.body["message"]
+
+
+def test_sse_lines_escape_unicode_line_separators():
+    """SSE ends a line at CR or LF only, but httpx's iter_lines (Python's splitlines) also at U+2028 / U+2029."""
+    from loopserve.serve.responses import sse
+
+    event = sse({"name": "a\u2028b\u2029c\u00e9"})
+    assert "\u2028" not in event and "\u2029" not in event and len(event.splitlines()) == 2
+    assert json.loads(event.removeprefix("data: ")) == {"name": "a\u2028b\u2029c\u00e9"}

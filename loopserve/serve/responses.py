@@ -129,8 +129,14 @@ def usage_body(outs: list[RequestOutput], completion_tokens: int) -> dict[str, A
             "loops": loops, "prefill_loops": prefill_loops}
 
 
+_LINE_SEPARATORS = {0x2028: "\\u2028", 0x2029: "\\u2029"}  # (as JSON escapes)
+
+
 def sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, allow_nan=False)}\n\n"
+    """One SSE event of `obj` as JSON. U+2028 and U+2029 are written escaped: SSE does not end a line at them, but
+    readers that split lines by Python's rules (httpx's `iter_lines`) do, and cut the event in two."""
+    text = json.dumps(obj, ensure_ascii=False, allow_nan=False).translate(_LINE_SEPARATORS)
+    return f"data: {text}\n\n"
 
 
 class StreamFailed(ApiError):

@@ -19,9 +19,11 @@ forces its arguments through the function's parameters schema, and the output be
 `parallel_tool_calls` is false), returned as tool calls (each call's arguments the raw text of its "parameters")
 with finish_reason "tool_calls". Streamed, the list is read as it comes (`ToolListScanner`, which costs each chunk
 its own length): a call's id and name are sent as soon as its name is complete, then its arguments in pieces, as
-vLLM streams them. A list cut short (finish_reason "length") is no tool calls but the text as content in a whole
-response; a stream cannot take back the calls it sent: it keeps them (the last one's arguments cut short) and ends
-with "length" (if no name was complete, it sends the text as content, as the whole response does). "auto" (the
+vLLM streams them. A tool's schema that refers within itself ($defs, `#/properties/...`, `#`) moves to the list
+schema's $defs, its references rebased. A list cut short (finish_reason "length", or "stop" with the stop string or
+token as stop_reason) is no tool calls but the text as content in a whole response; a stream cannot take back the
+calls it sent: it keeps them (the last one's arguments cut short) and ends with that finish reason (if no name was
+complete, it sends the text as content, as the whole response does). A tool's name must not be empty. "auto" (the
 default when tools are given) would need a parser for the model's own tool-call format: it is refused with a 400,
 as vLLM refuses it when started without `--enable-auto-tool-choice`.
 """
@@ -344,7 +346,7 @@ class ToolPlan:
             else:
                 sent.parts.append(piece)  # (kept until a call is named)
             return delta
-        if not piece:
+        if not piece and not (finished and sent.call_id is None):  # (a call with no arguments is still sent)
             return {}
         fn: dict[str, Any] = {"arguments": piece}
         if sent.call_id is not None:
@@ -357,6 +359,28 @@ class ToolPlan:
         """"required": "tool_calls" once the list is complete (`sent`'s scanner says), else the engine's reason."""
         complete = sent.tool_scan is not None and sent.tool_scan.complete
         return "tool_calls" if self.required and c.finish_reason == "stop" and complete else c.finish_reason
+
+
+# schema keywords whose values are data, not schemas: a "$ref" in them is not a reference
+_DATA_KEYWORDS = ("const", "enum", "default", "examples")
+
+
+def _refers(schema: Any) -> bool:
+    """Whether a JSON schema holds a local reference ("$ref": "#...") outside its data keywords."""
+    if isinstance(schema, dict):
+        return any((k == "$ref" and isinstance(v, str) and v.startswith("#"))
+                   or (k not in _DATA_KEYWORDS and _refers(v)) for k, v in schema.items())
+    return isinstance(schema, list) and any(_refers(v) for v in schema)
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """`schema` with each local reference "#<pointer>" made "<base><pointer>" (`base`: where the schema now stands)."""
+    if isinstance(schema, dict):
+        return {k: (base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#")
+                    else v if k in _DATA_KEYWORDS else _rebased(v, base)) for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [_rebased(v, base) for v in schema]
+    return schema
 
 
 def new_call_id() -> str:
@@ -385,8 +409,10 @@ def tool_plan(req: Any) -> ToolPlan | None:
     choice, tools = req.tool_choice, req.tools or []
     seen: set[str] = set()  # (a set: a body may list tens of thousands of tools)
     for i, t in enumerate(tools):
+        where = f"tools.{i}.function.name"
+        if not t.function.name:  # (a client that tests `if call.function.name` would drop its calls)
+            raise ApiError(400, f"{where}: must not be empty", where)
         if t.function.name in seen:
-            where = f"tools.{i}.function.name"
             raise ApiError(400, f"{where}: {t.function.name!r} names another tool already", where)
         seen.add(t.function.name)
     if choice is None:
@@ -402,9 +428,15 @@ def tool_plan(req: Any) -> ToolPlan | None:
     schemas = {t.function.name: t.function.parameters or {"type": "object", "properties": {}} for t in tools}
     options, field_of = grammar_options(req)
     if choice == "required":
+        # a tool's schema that refers within itself ($defs, `#/properties/...`, `#` for a recursive one) moves to the
+        # list schema's $defs, its references rebased there: left inside the list, they pointed at the list's root
+        defs = {f"tool_{i}": _rebased(schema, f"#/$defs/tool_{i}") for i, schema in enumerate(schemas.values())
+                if _refers(schema)}
         items = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-                  "properties": {"name": {"const": name}, "parameters": schema}} for name, schema in schemas.items()]
-        schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+                  "properties": {"name": {"const": name},
+                                 "parameters": {"$ref": f"#/$defs/tool_{i}"} if f"tool_{i}" in defs else schema}}
+                 for i, (name, schema) in enumerate(schemas.items())]
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}, **({"$defs": defs} if defs else {})}
         if req.parallel_tool_calls is False:
             schema["maxItems"] = 1
         return ToolPlan(list(schemas), True, _guided("tools", field_of, json=schema, **options))
