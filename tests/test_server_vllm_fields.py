@@ -70,7 +70,9 @@ def slow(what):
     with lock:
         running[0] += 1
         at_once = running[0]
-    print(f"{{what}} on thread {{threading.current_thread().name}} ({{at_once}} at once)", flush=True)
+    # (one write per line: print writes the text and the newline apart, so two threads' lines could run together)
+    sys.stdout.write(f"{{what}} on thread {{threading.current_thread().name}} ({{at_once}} at once)\\n")
+    sys.stdout.flush()
     time.sleep({SLOW_S})  # (releases the GIL: on the event loop it would stall the loop, on a worker it would not)
     with lock:
         running[0] -= 1
@@ -172,7 +174,7 @@ def test_tokenize_calls_run_on_a_lane_of_their_own(server):
         t.join(60)
     assert r.status_code == 200, r.text
     assert len(answers) == POOL_THREADS and all(a.status_code == 200 for a in answers), answers
-    at_once = [int(k) for k in re.findall(r"lane on thread .* \((\d+) at once\)", server.log.read_text()[offset:])]
+    at_once = [int(k) for k in re.findall(r"lane on thread [^()]*? \((\d+) at once\)", server.log.read_text()[offset:])]
     assert len(at_once) == POOL_THREADS and max(at_once) == TOKENIZE_THREADS, at_once
     assert took < SLOW_S / 2, took  # (behind the burst it would wait for the rest of a slow call)
 
