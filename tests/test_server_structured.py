@@ -244,7 +244,7 @@ def test_required_tool_choice(client):
     ("/v1/chat/completions", {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "f"}}},
      "tool_choice.function.name"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {
-        "name": "bad", "parameters": {"type": "nope"}}}], "tool_choice": "required"}, "tools"),
+        "name": "bad", "parameters": {"type": "nope"}}}], "tool_choice": "required"}, "tools.0.function.parameters"),
     # a structured_outputs of options only: merged with another field's grammar, its own fields checked
     ("/v1/chat/completions", {"response_format": {"type": "json_object"},
                               "structured_outputs": {"disable_any_whitespace": "x"}},

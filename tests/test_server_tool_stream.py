@@ -318,3 +318,22 @@ def test_sse_lines_escape_unicode_line_separators():
     event = sse({"name": "a\u2028b\u2029c\u00e9"})
     assert "\u2028" not in event and "\u2029" not in event and len(event.splitlines()) == 2
     assert json.loads(event.removeprefix("data: ")) == {"name": "a\u2028b\u2029c\u00e9"}
+
+
+def test_a_required_tools_bad_schema_is_named_by_its_tool():
+    """The list's grammar holds every tool's schema: its error names the tool whose own schema fails (it named
+    `tools`); an option's error still names the option."""
+    pytest.importorskip("llguidance")
+    from loopserve.serve.protocol import ApiError, ChatCompletionRequest, parse_body
+    from loopserve.serve.structured import chat_guide
+
+    bad = {"type": "function", "function": {"name": "b", "parameters": {
+        "type": "object", "properties": {"x": {"$ref": "#/nope"}}}}}
+    cases = [([TIME, bad], {}, "tools.1.function.parameters"),
+             ([TIME], {"structured_outputs": {"whitespace_pattern": "("}}, "structured_outputs.whitespace_pattern")]
+    for tools, extra, param in cases:
+        req = parse_body(ChatCompletionRequest, json.dumps({"model": MODEL, "messages": MESSAGES, "tools": tools,
+                                                            "tool_choice": "required", **extra}).encode())
+        with pytest.raises(ApiError) as e:
+            chat_guide(req)
+        assert (e.value.status, e.value.param) == (400, param) and e.value.message.startswith(param + ": ")

@@ -85,9 +85,13 @@ def _guided(param: str, field_of: dict[str, str], **kwargs: Any) -> GuidedDecodi
     try:
         return GuidedDecodingParams(**kwargs)
     except ValueError as e:
-        head, _, rest = str(e).partition(": ")
-        where = field_of.get(head, param)
-        raise ApiError(400, f"{where}: {rest or e}", where) from None
+        raise _guided_error(param, field_of, e) from None
+
+
+def _guided_error(param: str, field_of: dict[str, str], e: ValueError) -> ApiError:
+    head, _, rest = str(e).partition(": ")
+    where = field_of.get(head, param)
+    return ApiError(400, f"{where}: {rest or e}", where)
 
 
 def response_format_guide(req: Any, param: str = "response_format") -> GuidedDecodingParams | None:
@@ -439,7 +443,14 @@ def tool_plan(req: Any) -> ToolPlan | None:
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}, **({"$defs": defs} if defs else {})}
         if req.parallel_tool_calls is False:
             schema["maxItems"] = 1
-        return ToolPlan(list(schemas), True, _guided("tools", field_of, json=schema, **options))
+        try:
+            guide = GuidedDecodingParams(json=schema, **options)
+        except ValueError as e:  # the list's grammar: named by the tool whose own schema fails, where one does
+            head = str(e).partition(": ")[0]
+            for i, one in enumerate(schemas.values() if head not in field_of else ()):
+                _guided(f"tools.{i}.function.parameters", field_of, json=one, **options)
+            raise _guided_error("tools", field_of, e) from None
+        return ToolPlan(list(schemas), True, guide)
     name = choice.function.name
     if name not in schemas:
         raise ApiError(400, f"tool_choice.function.name: {name!r} is not among the tools", "tool_choice.function.name")
