@@ -285,7 +285,7 @@ def tool_call_entries(events: list[ToolEvent]) -> list[dict[str, Any]]:
     for i, name, text in events:
         entry = entries.setdefault(i, {"index": i})
         if name is not None:
-            entry.update(id=new_call_id(), type="function", function={"name": name, "arguments": ""})
+            entry.update(tool_call(name, ""))
         else:
             fn = entry.setdefault("function", {"arguments": ""})
             fn["arguments"] += text
@@ -322,8 +322,10 @@ class ToolPlan:
         only if the list is complete ([] if it was cut: the text is then the message's content)."""
         if not self.required:
             return [tool_call(self.names[0], text)]
-        assert sent is None or sent.tool_scan is None, "a whole text is read by a scanner of its own"
-        scan = self._scanner(sent if sent is not None else ChoiceStream())
+        scan = ToolListScanner()
+        if sent is not None:
+            assert sent.tool_scan is None, "a whole text is read by a scanner of its own"
+            sent.tool_scan = scan
         entries = tool_call_entries(scan.feed(text))
         if not scan.complete:
             return []
@@ -341,7 +343,6 @@ class ToolPlan:
         if self.required:
             scan = self._scanner(sent)
             entries = tool_call_entries(scan.feed(piece))
-            delta: dict[str, Any] = {"tool_calls": entries} if entries else {}
             if scan.calls:
                 sent.parts.clear()
             elif finished:  # no call named: the text as content, as `message` answers
@@ -349,15 +350,14 @@ class ToolPlan:
                 return {"content": whole} if whole else {}
             else:
                 sent.parts.append(piece)  # (kept until a call is named)
-            return delta
+            return {"tool_calls": entries} if entries else {}
         if not piece and not (finished and sent.call_id is None):  # (a call with no arguments is still sent)
             return {}
-        fn: dict[str, Any] = {"arguments": piece}
         if sent.call_id is not None:
-            return {"tool_calls": [{"index": 0, "function": fn}]}
-        sent.call_id = new_call_id()
-        return {"tool_calls": [{"index": 0, "id": sent.call_id, "type": "function",
-                                "function": {"name": self.names[0], **fn}}]}
+            return {"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}
+        call = tool_call(self.names[0], piece)
+        sent.call_id = call["id"]
+        return {"tool_calls": [{"index": 0, **call}]}
 
     def finish_reason(self, c: CompletionOutput, sent: ChoiceStream) -> str | None:
         """"required": "tool_calls" once the list is complete (`sent`'s scanner says), else the engine's reason."""
@@ -367,14 +367,6 @@ class ToolPlan:
 
 # schema keywords whose values are data, not schemas: a "$ref" in them is not a reference
 _DATA_KEYWORDS = ("const", "enum", "default", "examples")
-
-
-def _refers(schema: Any) -> bool:
-    """Whether a JSON schema holds a local reference ("$ref": "#...") outside its data keywords."""
-    if isinstance(schema, dict):
-        return any((k == "$ref" and isinstance(v, str) and v.startswith("#"))
-                   or (k not in _DATA_KEYWORDS and _refers(v)) for k, v in schema.items())
-    return isinstance(schema, list) and any(_refers(v) for v in schema)
 
 
 def _rebased(schema: Any, base: str) -> Any:
@@ -434,8 +426,9 @@ def tool_plan(req: Any) -> ToolPlan | None:
     if choice == "required":
         # a tool's schema that refers within itself ($defs, `#/properties/...`, `#` for a recursive one) moves to the
         # list schema's $defs, its references rebased there: left inside the list, they pointed at the list's root
-        defs = {f"tool_{i}": _rebased(schema, f"#/$defs/tool_{i}") for i, schema in enumerate(schemas.values())
-                if _refers(schema)}
+        rebased = {f"tool_{i}": (schema, _rebased(schema, f"#/$defs/tool_{i}"))
+                   for i, schema in enumerate(schemas.values())}
+        defs = {key: new for key, (old, new) in rebased.items() if new != old}  # (those that refer within themselves)
         items = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
                   "properties": {"name": {"const": name},
                                  "parameters": {"$ref": f"#/$defs/tool_{i}"} if f"tool_{i}" in defs else schema}}

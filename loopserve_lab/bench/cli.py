@@ -8,7 +8,6 @@ a table, and shows progress bars on long runs. Models are bench presets (`ouro-b
 from __future__ import annotations
 
 import argparse
-import functools
 import shlex
 import sys
 import time
@@ -725,7 +724,6 @@ class _HelpFormat(argparse.ArgumentDefaultsHelpFormatter):
 def register(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks: theory, throughput, step latency, serving, ablations")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
-    bsub.add_parser = functools.partial(bsub.add_parser, formatter_class=_HelpFormat)  # type: ignore[method-assign]
 
     p = bsub.add_parser("theory", help="FLOP bound, KV bytes and roofline from a config (no weights)")
     p.add_argument("--model", default="ouro-bench", help="bench preset, checkpoint folder or config.json")
@@ -898,8 +896,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_engine_args(p)
     _add_peer_args(p)
     p.set_defaults(func=_cmd_peer, threads=1)
-    for command in bsub.choices.values():  # (argparse prints no help line, so no default, for a flag without help)
-        for action in command._actions:
+    for command in bsub.choices.values():
+        command.formatter_class = _HelpFormat
+        for action in command._actions:  # (argparse prints no help line, so no default, for a flag without help)
             if action.help is None and action.option_strings and action.nargs != 0:
                 action.help = "default: %(default)s"
 
