@@ -979,3 +979,34 @@ def test_bench_state_init_is_the_checkpoints_unless_asked(tmp_path, tiny_huginn)
     (zero / "config.json").write_text(json.dumps({**cfg, "state_init": "zero"}))
     assert BenchModel.load(str(zero), "float32").model.state_init == "zero"
     assert BenchModel.load(str(zero), "float32", "cpu", "like-init").model.state_init == "like-init"
+
+
+def test_a_refit_run_again_leaves_its_results_as_they_were(tmp_path):
+    """`bench step-latency --from-json` refits earlier points and records its command once: the docs' refit run
+    again left the committed JSON changed (its command appended again)."""
+    import shutil
+
+    from loopserve.cli import main
+
+    data = tmp_path / "step_latency.json"
+    shutil.copy(Path(__file__).resolve().parents[1] / "docs/bench/step-latency-ouro/step_latency.json", data)
+    argv = ["bench", "step-latency", "--from-json", str(data), "--fit-max-batch", "32", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    once = data.read_text()
+    assert main(argv) == 0
+    assert data.read_text() == once
+
+
+def test_every_bench_flag_shows_its_default_in_help():
+    """`loopserve bench <command> --help` lists each flag's default (docs/benchmarks.md says so)."""
+    import argparse
+
+    from loopserve.cli import build_parser
+
+    bench = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["bench"]
+    commands = next(a for a in bench._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for name, command in commands.items():
+        formatter = command._get_formatter()
+        for action in command._actions:
+            if action.option_strings and action.nargs != 0 and action.default is not argparse.SUPPRESS:
+                assert "default" in formatter._expand_help(action), (name, action.option_strings)
