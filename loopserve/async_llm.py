@@ -47,6 +47,7 @@ from loopserve.vllm_neutral import ASYNC_ABSENT_METHODS, absent_method, check_ne
 __all__ = ["AsyncLLMEngine", "AsyncLLM", "AsyncEngineArgs", "EngineArgs", "EngineDeadError", "EngineStoppedError"]
 
 log = logging.getLogger(__name__)
+SHUT_DOWN = "the AsyncLLMEngine has been shut down"  # what its requests meet after `shutdown()`
 
 
 class EngineArgs:
@@ -212,7 +213,7 @@ class AsyncLLMEngine:
         if self._thread is not None and self._thread.dead is not None:
             return self._thread.dead_error()
         if self._closed:
-            return EngineStoppedError("the AsyncLLMEngine has been shut down")
+            return EngineStoppedError(SHUT_DOWN)
         return EngineDeadError("the engine has not failed")
 
     async def check_health(self) -> None:
@@ -328,7 +329,7 @@ class AsyncLLMEngine:
                 self._streams.clear()
             if thread is None:
                 thread = EngineThread(self.engine, max_queued_requests=None,
-                                      stopped_message="the AsyncLLMEngine has been shut down")
+                                      stopped_message=SHUT_DOWN)
                 thread.start()  # (a RuntimeError if another thread steps the engine: another AsyncLLMEngine on it)
                 self._thread = thread
                 self._closed = False
