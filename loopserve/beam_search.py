@@ -83,7 +83,7 @@ class BeamSearchSequence:
     token's, then the top 2 * beam_width, as `generate` gives them), `cum_logprob` the sum of the generated tokens'
     logprobs, `text` as the driver's rule writes it (offline: the whole sequence, `tokens` with the prompt, decoded
     with special tokens kept, as vLLM sets it). `finish_reason`: "stop" (an end-of-sequence token) or "length"
-    (max_tokens, or the context's end); `stop_reason` None for both, as `generate` reports them. `exit_depths`: the
+    (max_tokens, or the context's end); `stop_reason` None for both, as vLLM's beam search leaves it. `exit_depths`: the
     loops each generated token ran (full depth: a step's token is its prompt's last position)."""
 
     tokens: list[int]

@@ -45,8 +45,13 @@ def _full_attention(v: Any) -> bool:
 # (Upstream Ouro derives sliding layers from use_sliding_window, sliding_window and max_window_layers when
 # layer_types is absent or null: refusing use_sliding_window true covers that, and the corner where every layer is
 # below max_window_layers, which keeps full attention, no released checkpoint sets.)
+_EVERY_ARCHITECTURE = {
+    # (a quantized checkpoint's weights and scales read as float weights would be other math)
+    "quantization_config": (_one_of(None), "unquantized weights (no quantization_config)"),
+}
 UNIMPLEMENTED: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
     OURO: {
+        **_EVERY_ARCHITECTURE,
         # ("swish" names the same function as "silu" in transformers' ACT2FN)
         "hidden_act": (_one_of("silu", "swish"), '"silu" (the SiLU-gated MLP)'),
         "rope_scaling": (_plain_rope, 'plain RoPE (null, or type "default", else rope_type "default")'),
@@ -56,6 +61,7 @@ UNIMPLEMENTED: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
         "early_exit_step": (_one_of(None), "null (the exit depth is the exit policy's)"),
     },
     HUGINN: {
+        **_EVERY_ARCHITECTURE,
         "injection_type": (_one_of("linear"), '"linear" (the adapter over [state, embedding])'),
         "nonlin_name": (_one_of("SiLU"), '"SiLU"'),
         "norm_class_name": (_one_of("RMSNorm_llama"), '"RMSNorm_llama"'),

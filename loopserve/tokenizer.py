@@ -1,5 +1,6 @@
 """Tokenizer of a checkpoint folder, read as transformers reads it: `tokenizer.json` + `tokenizer_config.json`
-(special tokens), the chat templates, and `generation_config.json` (extra eos ids).
+(special tokens) and the chat templates. The generation config's extra eos ids are the loader's to give
+(`extra_eos_ids`): transformers' tokenizers do not read that file either.
 
 Chat templates follow transformers' rules. Where they come from: `chat_template.jinja` in the folder replaces
 whatever `tokenizer_config.json` says; `tokenizer_config.json`'s `chat_template` is one template or a list of
@@ -42,6 +43,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
 from loopserve.chat_messages import check_continuable, within
+from loopserve.json_files import read_json_object
 
 DEFAULT_TEMPLATE = "default"
 TOOL_USE_TEMPLATE = "tool_use"  # picked when tools are given, as transformers does
@@ -226,15 +228,16 @@ def load_chat_template(value: str) -> str:
 class Tokenizer:
     is_fast = True  # transformers' attribute: a tokenizers-library tokenizer, as its PreTrainedTokenizerFast
 
-    def __init__(self, folder: Path, chat_template: str | None = None) -> None:
+    def __init__(self, folder: Path, chat_template: str | None = None, extra_eos_ids: Iterable[int] = ()) -> None:
         """`chat_template`: a template (or a file holding one, see `load_chat_template`) that replaces the
-        folder's templates."""
+        folder's templates. `extra_eos_ids`: end-of-sequence ids besides `eos_token` (the generation config's),
+        all in `eos_token_ids`."""
         path = folder / "tokenizer.json"
         if not path.is_file():
             raise ValueError(f"{path}: missing tokenizer file")
         self.tok = HFTokenizer.from_file(str(path))
         cfg_path = folder / "tokenizer_config.json"
-        self.config: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.config: dict[str, Any] = read_json_object(cfg_path) if cfg_path.is_file() else {}
         # transformers' attributes: the folder it was loaded from, and the longest input the model takes
         self.name_or_path = str(folder)
         max_length = self.config.get("model_max_length")
@@ -253,10 +256,7 @@ class Tokenizer:
         if chat_template is not None:
             self.set_chat_template(chat_template)
         self.eos_token_ids: set[int] = {self.eos_token_id} if self.eos_token_id is not None else set()
-        gen_path = folder / "generation_config.json"
-        if gen_path.is_file():
-            eos = json.loads(gen_path.read_text()).get("eos_token_id")
-            self.eos_token_ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self.eos_token_ids |= set(extra_eos_ids)
         self.special_ids = {i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
         self._token_text: dict[int, str] = {}
 

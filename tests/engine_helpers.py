@@ -4,6 +4,7 @@ sampler's finiteness check on extreme logits (run on the CPU and on a device).""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,16 +17,22 @@ from loopserve.engine.engine import LLMEngine
 from loopserve.engine.reference import ReferenceDecoder
 from loopserve.engine.sampler import finite_rows
 from loopserve.engine.sequence import Sequence
+from loopserve.model_config import HUGINN
 from loopserve.models.loader import LoadedModel, load_model
 from loopserve.outputs import RequestOutput
 
 _LOADED: dict[tuple[Path, str], LoadedModel] = {}
 
 
+def huginn_state(path: Path, state_init: str = "zero") -> str | None:
+    """`state_init` for a Huginn checkpoint; None for another (Ouro has no initial state to choose)."""
+    return state_init if json.loads((path / "config.json").read_text())["architectures"] == [HUGINN] else None
+
+
 def loaded(path: Path, state_init: str = "zero") -> LoadedModel:
     key = (path, state_init)
     if key not in _LOADED:
-        _LOADED[key] = load_model(path, "float64", "cpu", state_init)
+        _LOADED[key] = load_model(path, "float64", "cpu", huginn_state(path, state_init))
     return _LOADED[key]
 
 

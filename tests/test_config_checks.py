@@ -106,6 +106,7 @@ REFUSED = {
         ("hidden_act", "gelu"),
         ("partial_rotary_factor", 0.5),
         ("early_exit_step", 1),
+        ("quantization_config", {"quant_method": "fp8", "fmt": "e4m3"}),
     ],
     HUGINN: [
         ("injection_type", "add"),
@@ -117,6 +118,7 @@ REFUSED = {
         ("bias", True),
         ("tie_embeddings", False),
         ("test_time_noise", 0.5),
+        ("quantization_config", {"quant_method": "bitsandbytes", "load_in_4bit": True}),
     ],
 }
 

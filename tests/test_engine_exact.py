@@ -15,7 +15,7 @@ from loopserve import LLM, SamplingParams
 from loopserve.engine.held_tokens import HOLD
 from loopserve.engine.sequence import Sequence
 from loopserve.sampling_params import RequestOutputKind
-from tests.engine_helpers import Req, assert_logprobs_close, assert_matches, drive, make_engine, reference
+from tests.engine_helpers import Req, assert_logprobs_close, assert_matches, drive, huginn_state, make_engine, reference
 
 SCHEDULERS = ("cb", "cdb-norefill", "cdb")
 LAYOUTS = ("depth_indexed", "last_exited", "shared")
@@ -137,7 +137,7 @@ PROMPTS = [list(range(7, 30)), [45], [300, 301, 302, 9], list(range(100, 112)), 
 def test_generate_matches_reference_llm(arch, scheduler, layout, tiny_ouro, tiny_ouro_gqa, tiny_huginn,
                                         tiny_huginn_242):
     path = {"ouro": tiny_ouro, "ouro_gqa": tiny_ouro_gqa, "huginn": tiny_huginn, "huginn_242": tiny_huginn_242}[arch]
-    common = dict(dtype="float64", state_init="zero", seed=5, kv_layout=layout, prefill_chunk_size=8)
+    common = dict(dtype="float64", state_init=huginn_state(path), seed=5, kv_layout=layout, prefill_chunk_size=8)
     ref_llm = LLM(path, scheduler="reference", **common)
     llm = LLM(path, scheduler=scheduler, max_decode_batch=2, max_num_batched_tokens=10, block_size=4,
               kv_cache_tokens=48, **common)
@@ -175,7 +175,7 @@ def test_huginn_kl_policy(scheduler, cuda_graphs, tiny_huginn):
 @pytest.mark.parametrize("arch", ["ouro", "huginn"])
 def test_stops_match_reference(arch, scheduler, tiny_ouro, tiny_huginn):
     path = tiny_ouro if arch == "ouro" else tiny_huginn
-    common = dict(dtype="float64", state_init="zero", kv_layout="depth_indexed", kv_cache_tokens=256)
+    common = dict(dtype="float64", state_init=huginn_state(path), kv_layout="depth_indexed", kv_cache_tokens=256)
     ref_llm = LLM(path, scheduler="reference", **common)
     free = SamplingParams(temperature=0.9, seed=11, max_tokens=10)
     probe = ref_llm.generate(PROMPTS[:3], [free] * 3)  # what the requests say when nothing stops them

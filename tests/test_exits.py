@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from loopserve import LLM, SamplingParams
 from loopserve.exits import ExitRule
+from tests.engine_helpers import huginn_state
 from tests.upstream import oracle
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -188,7 +189,7 @@ def test_gate_depth_is_monotone_in_threshold(logits, q, lohi):
 
 
 def _llm(path, **kw):
-    return LLM(model=path, scheduler="reference", dtype="float64", state_init="zero", **kw)
+    return LLM(model=path, scheduler="reference", dtype="float64", state_init=huginn_state(path), **kw)
 
 
 def _gen(llm, prompts, **params):

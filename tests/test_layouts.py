@@ -11,6 +11,7 @@ from loopserve.cache.layout import IN_FLIGHT, LAYOUTS, KVLayout
 from loopserve.cache.pool import KVStore
 from loopserve.models.context import build_context
 from loopserve.models.layers import paged_attention
+from tests.engine_helpers import huginn_state
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -200,7 +201,7 @@ def test_paged_attention_chunk_reads_own_chunk_at_current_depth():
 
 
 def _run(path, layout: str, prompts, chunk: int = 512, dtype: str = "float64", **params):
-    llm = LLM(model=path, scheduler="reference", kv_layout=layout, dtype=dtype, state_init="zero",
+    llm = LLM(model=path, scheduler="reference", kv_layout=layout, dtype=dtype, state_init=huginn_state(path),
               prefill_chunk_size=chunk)
     params.setdefault("temperature", 0)
     params.setdefault("ignore_eos", True)

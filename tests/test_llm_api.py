@@ -17,7 +17,7 @@ import pytest
 from loopserve import LLM, SamplingParams
 from loopserve.cli import main as cli_main
 from loopserve.device import resolve_device
-from loopserve.models.loader import embedded_model_path, generation_defaults
+from loopserve.models.loader import embedded_model_path, read_generation_config
 from loopserve_lab.tiny import HF_CODE_DIR, TinySpec, make_tiny
 
 HELLO = [{"role": "user", "content": "Hello"}]
@@ -43,7 +43,7 @@ def llm(tiny_ouro) -> LLM:
 def test_generation_config_defaults_are_the_default_params(tiny_ouro, tmp_path):
     folder = _with_generation_config(tiny_ouro, tmp_path / "m", temperature=0.5, top_p=0.9, top_k=7, min_p=0.05,
                                      max_new_tokens=5, repetition_penalty=1.1, do_sample=True)
-    defaults = generation_defaults(folder)
+    defaults = read_generation_config(folder).sampling_defaults
     expected = {"temperature": 0.5, "top_p": 0.9, "top_k": 7, "min_p": 0.05, "max_tokens": 5}
     if "repetition_penalty" in SAMPLING_FIELDS:  # skipped (with a debug log) while SamplingParams lacks it
         expected["repetition_penalty"] = 1.1
@@ -65,14 +65,14 @@ def test_generation_config_defaults_are_the_default_params(tiny_ouro, tmp_path):
 def test_generation_config_modes(tiny_ouro, tmp_path):
     folder = _with_generation_config(tiny_ouro, tmp_path / "m", temperature=0.25)
     other = _with_generation_config(tiny_ouro, tmp_path / "other", top_k=3)
-    assert generation_defaults(folder, "auto") == {"temperature": 0.25}
-    assert generation_defaults(folder, "vllm") == {}
-    assert generation_defaults(folder, str(other)) == {"top_k": 3}
-    assert generation_defaults(tiny_ouro) == {}  # eos ids only: nothing to default
+    assert read_generation_config(folder, "auto").sampling_defaults == {"temperature": 0.25}
+    assert read_generation_config(folder, "vllm").sampling_defaults == {}
+    assert read_generation_config(folder, str(other)).sampling_defaults == {"top_k": 3}
+    assert read_generation_config(tiny_ouro).sampling_defaults == {}  # eos ids only: nothing to default
     llm = LLM(folder, scheduler="reference", generation_config="vllm")
     assert llm.get_default_sampling_params() == SamplingParams()
     with pytest.raises(ValueError, match="generation_config: .*missing"):
-        generation_defaults(folder, str(tmp_path / "nowhere"))
+        read_generation_config(folder, str(tmp_path / "nowhere"))
 
 
 @pytest.mark.parametrize("key,value,field", [("top_p", 0, "top_p"), ("temperature", -1, "temperature"),

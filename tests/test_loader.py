@@ -18,6 +18,7 @@ from loopserve.cli import main as cli_main
 from loopserve.model_config import ModelConfig
 from loopserve.models.loader import load_model
 from loopserve_lab.tiny import TinySpec, make_tiny
+from tests.engine_helpers import huginn_state
 from tests.upstream import oracle
 from tests.upstream.tiny_weights import tiny_huginn_config, tiny_huginn_weights, tiny_ouro_config, tiny_ouro_weights
 
@@ -147,7 +148,7 @@ def test_sharded_checkpoint_loads_identically(tmp_path, arch, layers):
     assert all(torch.equal(pa[n], pb[n]) for n in pa)
     prompt = [7, 8, 9, 10]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    outs = [LLM(model=f, scheduler="reference", state_init="zero").generate([prompt], params)[0]
+    outs = [LLM(model=f, scheduler="reference", state_init=huginn_state(f)).generate([prompt], params)[0]
             for f in (single, sharded)]
     assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
 
@@ -188,7 +189,7 @@ def test_huginn_tokenizer_files(tiny_huginn):
 
 
 def _greedy(folder, prompt, n, ignore_eos):
-    llm = LLM(model=folder, scheduler="reference", dtype="float64", state_init="zero")
+    llm = LLM(model=folder, scheduler="reference", dtype="float64", state_init=huginn_state(folder))
     return llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=ignore_eos))[0].outputs[0]
 
 
@@ -210,9 +211,22 @@ def test_generation_config_extra_eos_ids_stop_generation(request, tmp_path, fixt
     assert stop_tok in load_model(folder, "float32", "cpu").tokenizer.eos_token_ids
     stopped = _greedy(folder, prompt, 10, ignore_eos=False)
     assert stopped.token_ids == full.token_ids[: k + 1]
-    assert stopped.finish_reason == "stop"
+    # vLLM's stop_reason: a generation config's eos id other than the tokenizer's is a stop id, and names itself
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_tok
     again = _greedy(folder, prompt, 10, ignore_eos=True)
     assert again.token_ids == full.token_ids and again.finish_reason == "length"
+
+
+@pytest.mark.parametrize("scheduler", ["reference", "cdb"])
+def test_stop_reason_names_every_eos_but_the_tokenizers(tiny_ouro, scheduler):
+    llm = LLM(tiny_ouro, scheduler=scheduler)
+    tok = llm.get_tokenizer()
+    extra = sorted(tok.eos_token_ids - {tok.eos_token_id})
+    assert extra, "the tiny checkpoint's generation config names a second eos id"
+    for forced, reason in [(tok.eos_token_id, None), (extra[0], extra[0])]:
+        params = SamplingParams(temperature=0, max_tokens=4, logit_bias={forced: 100})
+        out = llm.generate(["a"], params, use_tqdm=False)[0].outputs[0]
+        assert (out.token_ids, out.finish_reason, out.stop_reason) == ([forced], "stop", reason)
 
 
 def test_lookahead_gate_tensors_are_picked_up(tmp_path, tiny_ouro):
@@ -257,11 +271,11 @@ def _independent_folder(dst: Path, tokenizer_src: Path, arch: str) -> Path:
                                           ("tiny_huginn", "huginn")])
 def test_loads_folder_from_independent_writer(request, tmp_path, fixture, arch):
     folder = _independent_folder(tmp_path / "indep", request.getfixturevalue(fixture), arch)
-    lm = load_model(folder, dtype="float64", device="cpu", state_init="zero")
+    lm = load_model(folder, dtype="float64", device="cpu", state_init=huginn_state(folder))
     assert lm.config.vocab_size == 512
     prompt = [3, 30, 300, 33]
     depth = lm.config.r_max
-    llm = LLM(model=folder, scheduler="reference", dtype="float64", state_init="zero")
+    llm = LLM(model=folder, scheduler="reference", dtype="float64", state_init=huginn_state(folder))
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=3))[0]
     tokens, top = oracle.greedy_generate(folder, prompt, depth, 3, k=3)
     assert out.outputs[0].token_ids == tokens
@@ -337,6 +351,69 @@ def test_invalid_config_json(ouro_copy, text):
         load_model(ouro_copy, "float32", "cpu")
 
 
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json", "tokenizer_config.json"])
+@pytest.mark.parametrize("text", ["{not json", "[1, 2, 3]", "null"])
+def test_invalid_json_files_are_named(ouro_copy, name, text):
+    (ouro_copy / name).write_text(text)
+    with pytest.raises(ValueError, match=rf"{name}: (not valid JSON|expected a JSON object)"):
+        load_model(ouro_copy, "float32", "cpu")
+
+
+def test_quantized_checkpoint_is_refused(ouro_copy):
+    """A quantized checkpoint read as float weights would run other math: refused at load, naming the key."""
+    cfg = json.loads((ouro_copy / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (ouro_copy / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="config.json: quantization_config: .* not supported"):
+        load_model(ouro_copy, "float32", "cpu")
+    cfg["quantization_config"] = None  # (null: none)
+    (ouro_copy / "config.json").write_text(json.dumps(cfg))
+    load_model(ouro_copy, "float32", "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8])
+def test_weights_stored_as_another_kind_of_number_are_refused(ouro_copy, dtype):
+    name = "model.layers.0.mlp.up_proj.weight"
+
+    def edit(w):
+        w[name] = w[name].to(dtype)
+    _rewrite_weights(ouro_copy, edit)
+    with pytest.raises(ValueError, match=rf"{name}.* is {str(dtype).removeprefix('torch.')}; .*bfloat16"):
+        load_model(ouro_copy, "float32", "cpu")
+
+
+def _generation_config(folder: Path, **keys) -> None:
+    path = folder / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **keys}))
+
+
+@pytest.mark.parametrize("eos", ["481", True, -1, 2**62, [[1]], [1, "2"], 1.0])
+def test_generation_config_eos_ids_are_checked_at_load(ouro_copy, eos):
+    _generation_config(ouro_copy, eos_token_id=eos)
+    with pytest.raises(ValueError, match=r"generation_config.json: eos_token_id: must be a token id"):
+        load_model(ouro_copy, "float32", "cpu")
+
+
+def test_eos_ids_follow_the_generation_config_chosen(ouro_copy, tmp_path):
+    """The eos ids besides the tokenizer's come from the generation config `generation_config` names (vLLM's
+    rule): the model folder's, else its config.json's `eos_token_id`; none under "vllm"; another folder's."""
+    own = load_model(ouro_copy, "float32", "cpu").tokenizer
+    primary = own.eos_token_id
+    assert primary is not None and len(own.eos_token_ids) > 1
+    assert load_model(ouro_copy, "float32", "cpu", generation_config="vllm").tokenizer.eos_token_ids == {primary}
+    other = _copy(ouro_copy, tmp_path / "other")
+    _generation_config(other, eos_token_id=[7, 9])
+    chosen = load_model(ouro_copy, "float32", "cpu", generation_config=str(other)).tokenizer
+    assert chosen.eos_token_ids == {primary, 7, 9}
+    (ouro_copy / "generation_config.json").unlink()
+    cfg = json.loads((ouro_copy / "config.json").read_text())
+    (ouro_copy / "config.json").write_text(json.dumps({**cfg, "eos_token_id": [primary, 11]}))
+    assert load_model(ouro_copy, "float32", "cpu").tokenizer.eos_token_ids == {primary, 11}
+    (ouro_copy / "config.json").write_text(json.dumps({**cfg, "eos_token_id": "11"}))
+    with pytest.raises(ValueError, match="config.json: eos_token_id"):
+        load_model(ouro_copy, "float32", "cpu")
+
+
 def test_missing_weights(ouro_copy):
     (ouro_copy / "model.safetensors").unlink()
     with pytest.raises(ValueError, match="model.safetensors"):
@@ -394,6 +471,11 @@ def test_bad_dtype_and_state_init(tiny_ouro, tiny_huginn):
         load_model(tiny_ouro, dtype="float16x", device="cpu")
     with pytest.raises(ValueError, match="state_init"):
         load_model(tiny_huginn, "float32", "cpu", state_init="random")
+    for value in ("zero", "like-init"):  # Ouro has no initial loop state to choose: not silently ignored
+        with pytest.raises(ValueError, match="state_init: OuroForCausalLM has no random initial loop state"):
+            load_model(tiny_ouro, "float32", "cpu", state_init=value)
+        with pytest.raises(ValueError, match="state_init"):
+            LLM(tiny_ouro, state_init=value)
 
 
 def test_not_a_folder(tmp_path):

@@ -16,6 +16,7 @@ from loopserve.models.base import latent_diff
 from loopserve.models.context import dense_context
 from loopserve.models.loader import load_model
 from loopserve_lab.tiny import TinySpec, make_tiny
+from tests.engine_helpers import huginn_state
 from tests.upstream import oracle
 
 PROMPTS = [[5, 17, 99, 3, 250, 40, 7], [300, 12, 12, 401, 8]]
@@ -34,7 +35,7 @@ def tiny_huginn_020(tmp_path_factory):
 
 
 def _ours(path, dtype: str, depth: int, prompt: list[int]):
-    llm = LLM(model=path, scheduler="reference", kv_layout="depth_indexed", dtype=dtype, state_init="zero")
+    llm = LLM(model=path, scheduler="reference", kv_layout="depth_indexed", dtype=dtype, state_init=huginn_state(path))
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=5, ignore_eos=True,
                             min_loops=depth, max_loops=depth)
     return llm.generate([prompt], params)[0].outputs[0]
@@ -186,7 +187,7 @@ def test_huginn_latent_diffs_match_upstream(request, fixture, dtype, tol):
 @pytest.mark.parametrize("fixture", ["tiny_ouro", "tiny_huginn"])
 def test_bfloat16_loads_generates_and_stays_close(request, fixture):
     path = request.getfixturevalue(fixture)
-    llm = LLM(model=path, scheduler="reference", dtype="bfloat16", state_init="zero")
+    llm = LLM(model=path, scheduler="reference", dtype="bfloat16", state_init=huginn_state(path))
     assert next(llm.model.parameters()).dtype == torch.bfloat16
     out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1))[0]
     c = out.outputs[0]
@@ -196,7 +197,7 @@ def test_bfloat16_loads_generates_and_stays_close(request, fixture):
     ids = PROMPTS[0] + PROMPTS[1]
     logprobs = {}
     for dtype in ("float32", "bfloat16"):
-        lm = load_model(path, dtype=dtype, device="cpu", state_init="zero")
+        lm = load_model(path, dtype=dtype, device="cpu", state_init=huginn_state(path))
         ctx, states = _step_states(lm.model, ids, lm.config.r_max)
         logits = lm.model.coda(states[-1], ctx)
         assert logits.dtype == torch.float32  # logits leave the model in fp32 or wider

@@ -61,7 +61,7 @@ def obeys(kind: str, text: str) -> bool:
 
 @pytest.fixture(scope="module")
 def llm(tiny_ouro):
-    return LLM(tiny_ouro, dtype="float64", state_init="zero", seed=3, max_decode_batch=8, kv_cache_tokens=2048)
+    return LLM(tiny_ouro, dtype="float64", seed=3, max_decode_batch=8, kv_cache_tokens=2048)
 
 
 @pytest.mark.parametrize("kind", list(GUIDES))

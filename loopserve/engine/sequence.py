@@ -560,7 +560,8 @@ class Sequence:
     def _stopped(self, token: int, searched: int) -> bool:
         """Finish the request if the token just appended, or the text it completed, stops it (vLLM's rules:
         nothing stops it before min_tokens tokens; the stop token's text, or the stop string, is left out
-        of the text unless include_stop_str_in_output; stop_reason is the stop token id or string, None for eos)."""
+        of the text unless include_stop_str_in_output; stop_reason is the stop token id or string, None for the
+        tokenizer's eos token: a generation config's other eos ids are stop ids to vLLM, and name themselves)."""
         p = self.params
         if len(self.output_ids) <= p.min_tokens:
             if p.stop:
@@ -569,7 +570,7 @@ class Sequence:
         if token in self.eos_ids or token in self.stop_ids:
             self.text = self._decode(self.output_ids if p.include_stop_str_in_output else self.output_ids[:-1])
             self.finish("stop", keep_text=True)
-            self.stop_reason = None if token in self.eos_ids else token
+            self.stop_reason = None if token in self.eos_ids and token == self.tokenizer.eos_token_id else token
             return True
         if not p.stop:
             return False

@@ -18,21 +18,21 @@ import torch
 from safetensors import safe_open
 
 from loopserve.device import DTYPES, dtype_name, resolve_device, resolve_dtype
-from loopserve.model_config import HUGINN, OURO, ModelConfig
+from loopserve.json_files import read_json_object
+from loopserve.model_config import HUGINN, OURO, STATE_INITS, ModelConfig
 from loopserve.models.base import LoopedLM
 from loopserve.models.huginn import RavenForCausalLM
 from loopserve.models.layers import pack_linear_weights
 from loopserve.models.ouro import OuroForCausalLM
-from loopserve.sampling_params import SamplingParams
+from loopserve.sampling_params import SamplingParams, is_int
 from loopserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 # Tensors real checkpoints carry that the model derives itself.
 _DERIVED = {HUGINN: {"lm_head.weight", "freqs_cis"}, OURO: set()}
+# the tensor dtypes a checkpoint's weights may be stored in (each converts exactly, or by rounding, to the dtype run)
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 LOOKAHEAD_GATE = ("lookahead_gate.weight", "lookahead_gate.bias")
-# `generation_config` modes (vLLM's `--generation-config`): "auto" reads the model folder's file, "vllm"
-# ignores it (SamplingParams' own defaults); any other value is a folder holding a generation_config.json.
-GENERATION_CONFIG_MODES = ("auto", "vllm")
 # generation_config.json keys that are sampling defaults -> SamplingParams fields (the keys vLLM reads)
 _GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                     "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
@@ -49,21 +49,34 @@ class LoadedModel:
     generation_defaults: dict[str, Any] = field(default_factory=dict)
 
 
-def generation_defaults(folder: Path, mode: str = "auto") -> dict[str, Any]:
-    """The sampling defaults `generation_config.json` sets, as SamplingParams keyword arguments.
+@dataclass(frozen=True)
+class GenerationConfig:
+    """What a checkpoint's generation config gives the engine (vLLM's `--generation-config`): the sampling
+    defaults of requests that leave those fields unset, and end-of-sequence ids besides the tokenizer's own."""
 
-    `mode` is "auto" (the file in `folder`), "vllm" (none) or another folder. `do_sample` is ignored, as
-    vLLM does. A key SamplingParams has no field for is skipped; values are checked as SamplingParams
-    checks them (ValueError naming the file and the field)."""
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    eos_token_ids: tuple[int, ...] = ()
+
+
+def read_generation_config(folder: Path, mode: str = "auto", model_config: dict[str, Any] | None = None,
+                           vocab_size: int | None = None) -> GenerationConfig:
+    """The generation config `mode` names: "auto", the model folder's `generation_config.json`, or where the folder
+    has none, the eos ids of its `config.json` (`model_config`; transformers' `GenerationConfig.from_model_config`,
+    as vLLM falls back to); "vllm", none; another value, the generation_config.json of that folder.
+
+    `do_sample` is ignored, as vLLM does; a key SamplingParams has no field for is skipped. Values are checked as
+    SamplingParams checks them, and eos ids as token ids (below `vocab_size`): a ValueError naming the file and the
+    key."""
     if mode == "vllm":
-        return {}
+        return GenerationConfig()
     source = folder if mode == "auto" else Path(mode).expanduser()
     path = source / "generation_config.json"
     if not path.is_file():
         if mode != "auto":
             raise ValueError(f"generation_config: {path} is missing")
-        return {}
-    raw = _json_object(path)
+        config_eos = (model_config or {}).get("eos_token_id")
+        return GenerationConfig(eos_token_ids=_token_ids(config_eos, folder / "config.json", vocab_size))
+    raw = read_json_object(path)
     fields = {f.name for f in dataclasses.fields(SamplingParams)}
     out: dict[str, Any] = {}
     for key, name in _GENERATION_KEYS.items():
@@ -79,18 +92,17 @@ def generation_defaults(folder: Path, mode: str = "auto") -> dict[str, Any]:
         raise ValueError(f"{path}: {e}") from None
     if out:
         log.info("%s: default sampling parameters %s (a request's own values win)", path, out)
-    return out
+    return GenerationConfig(out, _token_ids(raw.get("eos_token_id"), path, vocab_size))
 
 
-def _json_object(path: Path) -> dict[str, Any]:
-    """A JSON file holding an object (ValueError naming the file otherwise)."""
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(raw).__name__}")
-    return raw
+def _token_ids(value: Any, path: Path, vocab_size: int | None) -> tuple[int, ...]:
+    """An `eos_token_id` entry (a token id, a list of them, or null) as ids (ValueError naming the file and key)."""
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    limit = vocab_size if vocab_size is not None else 2**31
+    if not all(is_int(i) and 0 <= i < limit for i in ids):
+        raise ValueError(f"{path}: eos_token_id: must be a token id (an integer in [0, {limit})) or a list of them, "
+                         f"got {json.dumps(value)}")
+    return tuple(dict.fromkeys(ids))
 
 
 def embedded_model_path() -> Path:
@@ -156,7 +168,7 @@ def load_model(model: str | Path, dtype: str | torch.dtype, device: str | torch.
     `loopserve.device`), declared there only. `dtype` is a name `device.dtype_name` takes (ValueError naming
     `dtype` otherwise, before anything is read). `state_init`: Huginn's initial loop state (None: the checkpoint's
     `state_init`). `chat_template`: a template (text or a file) used instead of the folder's; `generation_config`:
-    see `generation_defaults`."""
+    see `read_generation_config`."""
     dtype = dtype_name(dtype)  # (before any file is read)
     folder = resolve_model_path(model)
     device = resolve_device(device)
@@ -164,11 +176,14 @@ def load_model(model: str | Path, dtype: str | torch.dtype, device: str | torch.
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
         raise ValueError(f"{cfg_path}: missing")
-    raw = _json_object(cfg_path)
+    raw = read_json_object(cfg_path)
     config = ModelConfig.from_hf(raw, str(cfg_path))
     # the small files first: a bad template or generation config fails before the weights are read
-    tokenizer = Tokenizer(folder, chat_template=chat_template)
-    defaults = generation_defaults(folder, generation_config)
+    if state_init is not None and config.arch != HUGINN:
+        raise ValueError(f"state_init: {config.arch} has no random initial loop state to choose (Huginn's "
+                         f"{' or '.join(STATE_INITS)}): leave it unset")
+    generation = read_generation_config(folder, generation_config, raw, config.vocab_size)
+    tokenizer = Tokenizer(folder, chat_template=chat_template, extra_eos_ids=generation.eos_token_ids)
     files = _tensor_files(folder)
     net: LoopedLM
     default_dtype = torch.get_default_dtype()
@@ -194,6 +209,10 @@ def load_model(model: str | Path, dtype: str | torch.dtype, device: str | torch.
             if name not in held[files[name]]:  # an index entry pointing at the wrong shard
                 raise ValueError(f"{files[name]}: tensor {name!r} missing (the index lists it in this file)")
             t = handles[files[name]].get_tensor(name)
+            if t.dtype not in WEIGHT_DTYPES:  # (a quantized tensor copied into a float parameter is other math)
+                stored = ", ".join(str(d).removeprefix("torch.") for d in WEIGHT_DTYPES)
+                raise ValueError(f"{files[name]}: tensor {name!r} is {str(t.dtype).removeprefix('torch.')}; "
+                                 f"loopserve loads weights stored as {stored} only")
             if tuple(t.shape) != tuple(p.shape):
                 raise ValueError(f"{files[name]}: tensor {name!r} has shape {tuple(t.shape)}, "
                                  f"expected {tuple(p.shape)}")
@@ -203,4 +222,4 @@ def load_model(model: str | Path, dtype: str | torch.dtype, device: str | torch.
         log.warning("%s: ignoring %d unexpected tensors, e.g. %s", folder, len(extra), sorted(extra)[0])
     net = net.eval().requires_grad_(False)
     pack_linear_weights(net)  # (bfloat16 on the CPU: oneDNN copies of the projections, the same products faster)
-    return LoadedModel(net, config, tokenizer, folder, defaults)
+    return LoadedModel(net, config, tokenizer, folder, generation.sampling_defaults)

@@ -89,6 +89,7 @@ from loopserve.engine.engine_thread import (
     RequestGroup,
 )
 from loopserve.engine.sequence import Sequence, TokensPrompt, resolve_exit_rule, truncate_prompt
+from loopserve.models.loader import LoadedModel
 from loopserve.outputs import CompletionOutput, RequestOutput
 from loopserve.sampling_params import BeamSearchParams, SamplingParams, given_seed, truncates_prompt
 from loopserve.serve.connection import CLOSED_BY_SERVER
@@ -178,10 +179,13 @@ class ServerSettings:
         return self.model_names[0]
 
 
-def load_engine(model: str | Path | None, **kwargs: Any) -> tuple[LLMEngine, Path]:
-    """Load a checkpoint and build a batching engine (ValueError on a bad model or bad flags). `kwargs`:
-    `LoadConfig` fields (the serve flags dtype, device, seed, max_model_len, gpu_memory_utilization, ...) and
-    `EngineConfig` fields, checked and applied as `LLM` applies them (`load_config.load_for_engine`)."""
+def load_engine(model: str | Path | None, *, chat_template: str | None = None, generation_config: str = "auto",
+                **kwargs: Any) -> tuple[LLMEngine, LoadedModel]:
+    """Load a checkpoint and build a batching engine (ValueError on a bad model or bad flags); the loaded checkpoint
+    beside it (its folder, its generation config's sampling defaults). `kwargs`: `LoadConfig` fields (the serve
+    flags dtype, device, seed, max_model_len, gpu_memory_utilization, ...) and `EngineConfig` fields, checked and
+    applied as `LLM` applies them (`load_config.load_for_engine`); `chat_template` and `generation_config` as
+    `LLM` takes them."""
     from loopserve.llm import default_model_path
     from loopserve.load_config import configs, load_for_engine
 
@@ -189,8 +193,9 @@ def load_engine(model: str | Path | None, **kwargs: Any) -> tuple[LLMEngine, Pat
     if cfg.scheduler == "reference":
         raise ValueError(f"scheduler: 'reference' is the sequential oracle; serve needs {', '.join(ENGINE_SCHEDULERS)}")
     loaded, cfg, max_model_len, memory_knob = load_for_engine(model if model is not None else default_model_path(),
-                                                              load, cfg)
-    return LLMEngine(loaded.model, loaded.tokenizer, cfg, load.seed, max_model_len, memory_knob), loaded.path
+                                                              load, cfg, chat_template=chat_template,
+                                                              generation_config=generation_config)
+    return LLMEngine(loaded.model, loaded.tokenizer, cfg, load.seed, max_model_len, memory_knob), loaded
 
 
 def check_sampling_defaults(engine: LLMEngine, defaults: dict[str, Any]) -> None:

@@ -210,17 +210,16 @@ def uses_ray(args: argparse.Namespace) -> bool:
 def load_server(args: argparse.Namespace) -> tuple[LLMEngine, ServerSettings]:
     """The engine and the `ServerSettings` these flags describe (ValueError on a bad model or bad flags):
     what this process serves, and what each Ray Serve replica loads (`serve/ray.py`)."""
-    from loopserve.models.loader import generation_defaults
     from loopserve.serve.api import ServerSettings, check_sampling_defaults, load_engine
 
     model = args.model_tag or args.model
     defaults = {"exit_threshold": args.exit_threshold, "exit_policy": args.exit_policy,
                 "min_loops": args.min_loops, "max_loops": args.max_loops}
-    engine, path = load_engine(model, **load_kwargs(args), **engine_kwargs(args))
-    if args.chat_template is not None:
-        engine.tokenizer.set_chat_template(args.chat_template)
+    engine, loaded = load_engine(model, chat_template=args.chat_template, generation_config=args.generation_config,
+                                 **load_kwargs(args), **engine_kwargs(args))
+    path = loaded.path
     # the model's generation_config.json sampling defaults, under the flags' own
-    defaults = {**generation_defaults(path, args.generation_config), **defaults}
+    defaults = {**loaded.generation_defaults, **defaults}
     check_sampling_defaults(engine, defaults)
     if args.exit_policy == "kl":
         _warn_kl(engine)
