@@ -15,6 +15,7 @@ from loopserve.engine.reference import ReferenceDecoder
 from loopserve.models import layers
 from loopserve.models.loader import load_model
 from loopserve.sampling_params import SamplingParams
+from tests.engine_helpers import huginn_state
 
 CPU = torch.device("cpu")
 needs_packing = pytest.mark.skipif(not layers.can_pack_linear_weights(torch.bfloat16, CPU),
@@ -95,7 +96,7 @@ def test_a_product_autograd_differentiates_goes_through_f_linear():
 
 
 def test_only_bfloat16_weights_on_the_cpu_are_packed(tiny_ouro):
-    fp32 = load_model(tiny_ouro, "float32", "cpu", "zero").model
+    fp32 = load_model(tiny_ouro, "float32", "cpu").model
     assert not any(hasattr(p, layers.PACKED) for p in fp32.parameters())
     x = torch.randn(4, fp32.config.hidden_size)
     w = next(p for p in fp32.parameters() if p.dim() == 2)
@@ -106,7 +107,8 @@ def test_only_bfloat16_weights_on_the_cpu_are_packed(tiny_ouro):
 @pytest.mark.parametrize("fixture", ["tiny_ouro", "tiny_huginn"])
 @pytest.mark.parametrize("scheduler", ["cdb", "cb"])
 def test_a_bfloat16_engine_with_packed_weights_equals_the_reference(request, fixture, scheduler):
-    loaded = load_model(request.getfixturevalue(fixture), "bfloat16", "cpu", "zero")
+    path = request.getfixturevalue(fixture)
+    loaded = load_model(path, "bfloat16", "cpu", huginn_state(path))
     projections = [p for p in loaded.model.parameters() if hasattr(p, layers.PACKED)]
     assert projections
     engine = LLMEngine(loaded.model, loaded.tokenizer, EngineConfig(scheduler=scheduler, kv_cache_tokens=1024,

@@ -151,7 +151,7 @@ def test_disable_additional_properties_closes_every_schema_with_properties_that_
 
 
 def _accepts(spec: GuidedDecodingParams, text: str, tiny_ouro) -> bool:
-    loaded = load_model(tiny_ouro, "float32", "cpu", "zero")
+    loaded = load_model(tiny_ouro, "float32", "cpu")
     guide = new_guide(spec, loaded.tokenizer, loaded.config.vocab_size)
     try:
         for token in loaded.tokenizer.encode(text, add_special_tokens=False):

@@ -46,7 +46,7 @@ from loopserve.engine.scheduler import Stage, StagePlan, make_scheduler
 from loopserve.engine.sequence import PromptType, Sequence, make_sequence
 from loopserve.engine.speculative import Speculator
 from loopserve.engine.stats import EngineStats
-from loopserve.model_config import HUGINN, ModelConfig
+from loopserve.model_config import ModelConfig
 from loopserve.models.base import LoopedLM
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import SamplingParams
@@ -134,7 +134,7 @@ class LLMEngine:
         # of every sequence that may draft at once, so that verify groups are not trimmed for want of rows
         drafts = cfg.num_speculative_tokens * min(cfg.speculative_max_batch, cfg.max_num_seqs)
         self.pool = StatePool(cfg.max_num_seqs + drafts, c.hidden_size, p.dtype, p.device,
-                              with_inject=c.arch == HUGINN)
+                              with_inject=model.injects)
         self.stats = EngineStats()
         scope = cache_scope(c.arch, str(p.dtype), cfg.kv_layout, cfg.prefill_chunk_size)
         speculator = Speculator(cfg, coda_kv=c.n_coda > 0) if cfg.num_speculative_tokens else None

@@ -18,6 +18,7 @@ from loopserve.models.context import ForwardContext
 class LoopedLM(nn.Module):
     config: ModelConfig
     has_gate: bool = False
+    injects: bool = False  # whether `prelude` returns a per-step injection (then the engine keeps one per state row)
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor of the model's checkpoint by its name there, in parameter order: a parameter, or the

@@ -88,6 +88,8 @@ def like_init_state(seeds: list[int] | torch.Tensor, hidden: int, dtype: torch.d
 
 
 class RavenForCausalLM(LoopedLM):
+    injects = True  # the embedding, fed to the adapter at every loop step
+
     def __init__(self, c: ModelConfig, state_init: str | None = None) -> None:
         """`state_init`: how a token's initial loop state is drawn (None: the checkpoint's, `c.state_init`)."""
         super().__init__()

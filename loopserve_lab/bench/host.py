@@ -70,6 +70,7 @@ class NullLM(LoopedLM):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
+        self.injects = config.arch == HUGINN  # (Huginn: an injection row per token, as the real model's)
         self.anchor = nn.Parameter(torch.zeros(1))  # the engine reads dtype and device from parameters
         self.seconds = 0.0
 
@@ -81,7 +82,7 @@ class NullLM(LoopedLM):
         t0 = time.process_time()
         state = torch.zeros(token_ids.shape[0], self.config.hidden_size)
         state[:, 0] = token_ids * 0.6180339  # (the context, built for Huginn's prelude blocks, goes unread)
-        inject = state.clone() if self.config.arch == HUGINN else None  # (Huginn: an injection row per token)
+        inject = state.clone() if self.injects else None
         self._timed(t0)
         return state, inject
 
@@ -216,7 +217,8 @@ def run(widths: list[int], contexts: list[int], schedulers: list[str], progress:
             for kind in output_kinds]
     runs: dict[tuple[str, int, int, str], list[HostPoint]] = {key: [] for key in grid}
     with tempfile.TemporaryDirectory() as tmp:
-        loaded = load_model(make_tiny(Path(tmp) / "null", NULL_SPECS[arch]), "float32", "cpu", "zero")  # (tokenizer)
+        loaded = load_model(make_tiny(Path(tmp) / "null", NULL_SPECS[arch]), "float32", "cpu",
+                            "zero" if arch == "huginn" else None)  # (its tokenizer; Huginn: states from 0)
         for sched in schedulers:  # warm-up, discarded: first calls pay one-time costs (dispatch, caches)
             measure(sched, 8, 16, loaded)
         for _ in range(repeats):

@@ -24,7 +24,6 @@ from loopserve.cache.layout import KVLayout
 from loopserve.cache.pool import KVStore
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.graphs import capture
-from loopserve.model_config import HUGINN
 from loopserve.models.context import build_context
 
 
@@ -88,7 +87,7 @@ def core_inputs(model: Any, batch: int, context: int, layout: str = "shared", de
     segs = [(rows, context, 1) for rows in sequence_rows(batch, per, blocks, seed)]
     ctx = build_context(kv, lay, segs, torch.full((batch,), depth))
     state = torch.randn(batch, c.hidden_size, generator=g).to(p)
-    inject = torch.randn(batch, c.hidden_size, generator=g).to(p) if c.arch == HUGINN else None
+    inject = torch.randn(batch, c.hidden_size, generator=g).to(p) if model.injects else None
     return state, inject, ctx
 
 
