@@ -94,6 +94,7 @@ def test_health_models_and_metric_names(server, client, ouro_path):
                  "request_decode_time_seconds_bucket", "request_inference_time_seconds_bucket"):
         assert f"loopserve:{name}" in text, name
     assert 'engine="0"' in text and "process_cpu_seconds_total" in text and "python_gc_objects_collected" in text
+    assert "_created" not in text  # (no creation-time series beside each counter and histogram, as in vLLM)
 
 
 def test_prefix_cache_usage_and_metrics(server, client):
@@ -572,11 +573,15 @@ def test_latency_metrics_count_every_token(server, client, stream):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_token_and_request_metrics_count_every_sample(server, client, stream):
-    """n > 1: generation tokens count every sample's tokens (as usage does), and each sample is a finished
-    request (vLLM counts child requests)."""
+    """n > 1: each sample counts as a request of its own (vLLM V1's child requests), in every metric: its tokens
+    (as usage counts them), its finish, its prompt, its time to first token and end-to-end latency, and the gaps
+    between its own tokens (not between the tokens of the samples' merged stream)."""
     wait_idle(server)
     names = ("loopserve:generation_tokens_total", "loopserve:request_generation_tokens_count",
-             "loopserve:request_generation_tokens_sum")
+             "loopserve:request_generation_tokens_sum", "loopserve:time_to_first_token_seconds_count",
+             "loopserve:e2e_request_latency_seconds_count", "loopserve:request_prompt_tokens_count",
+             "loopserve:prompt_tokens_total", "loopserve:inter_token_latency_seconds_count",
+             "loopserve:request_decode_time_seconds_count")
     before = [metric(server, n) for n in names]
     done = metric(server, "loopserve:request_success_total", finished_reason="length")
     kw = dict(model=MODEL, prompt="two samples", max_tokens=5, n=2, temperature=0.8, seed=5,
@@ -587,9 +592,12 @@ def test_token_and_request_metrics_count_every_sample(server, client, stream):
     else:
         usage = client.completions.create(**kw).usage
     wait_idle(server)
-    tokens, samples, per_sample = (metric(server, n) - b for n, b in zip(names, before, strict=True))
+    tokens, samples, per_sample, ttft, e2e, prompts, prompt_tokens, gaps, decode = (
+        metric(server, n) - b for n, b in zip(names, before, strict=True))
     assert usage.completion_tokens == tokens == per_sample == 10 and samples == 2  # (streams: DELTA outputs)
     assert metric(server, "loopserve:request_success_total", finished_reason="length") - done == 2
+    assert (ttft, e2e, prompts, decode, gaps) == (2, 2, 2, 2, 2 * 4)
+    assert prompt_tokens == 2 * usage.prompt_tokens
 
 
 def test_prompt_only_echo_counts_no_generated_token(server):

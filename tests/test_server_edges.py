@@ -537,7 +537,7 @@ def test_capacity_counts_every_sample(tiny_ouro):
 # -- D: cross-site safety --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("content_type", [
     "text/plain", "text/plain; charset=utf-8", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
-    "application/jsonx", "text/json", None])
+    "application/jsonx", "text/json", "text/vnd.x+json", "application/+json", None])
 @pytest.mark.parametrize("path", [C, H])
 def test_post_bodies_must_be_json(server, path, content_type):
     body = json.dumps(GOOD_C if path == C else GOOD_H).encode()
@@ -549,7 +549,8 @@ def test_post_bodies_must_be_json(server, path, content_type):
     assert err["code"] == 415 and err["type"] == "UnsupportedMediaTypeError" and "application/json" in err["message"]
 
 
-@pytest.mark.parametrize("content_type", ["application/json", "application/json; charset=utf-8", "Application/JSON"])
+@pytest.mark.parametrize("content_type", ["application/json", "application/json; charset=utf-8", "Application/JSON",
+                                          "application/vnd.api+json"])
 def test_json_content_types_are_accepted(server, content_type):
     r = httpx.post(server.url + C, content=json.dumps(GOOD_C).encode(), headers={"Content-Type": content_type},
                    timeout=30)

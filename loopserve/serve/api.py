@@ -44,9 +44,11 @@ upload).
 If the engine thread dies, in-flight requests fail at once and `on_engine_dead` is called on the
 event loop: `cli.py` then stops the server and exits non-zero, so a supervisor restarts it.
 
-On a graceful shutdown (SIGTERM) new requests get a 503 with Retry-After, and those in flight get the grace
-period to finish; a little before it runs out `abort_in_flight` ends the ones left with a 503 "the server is
-shutting down" (Retry-After; a stream: its error event, then the cut), before uvicorn would cancel them.
+On a graceful shutdown (SIGTERM) the server stops listening and closes idle connections at once (a new request's
+connection is refused: a client or balancer retries elsewhere), a request whose body is still arriving gets a 503
+with Retry-After, and those in flight get the grace period to finish; a little before it runs out
+`abort_in_flight` ends the ones left with a 503 "the server is shutting down" (Retry-After; a stream: its error
+event, then the cut), before uvicorn would cancel them.
 """
 
 from __future__ import annotations
@@ -1044,7 +1046,11 @@ BODIES = (CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest, T
 
 
 def _is_json(content_type: str) -> bool:
-    return content_type.split(";", 1)[0].strip().lower() == "application/json"
+    """application/json, or a type with the +json suffix (application/vnd.api+json): JSON, as FastAPI reads it. Either
+    needs a CORS preflight from a browser (docs/design.md §8)."""
+    kind = content_type.split(";", 1)[0].strip().lower()
+    return kind == "application/json" or len(kind) > len("application/+json") and kind.startswith("application/") \
+        and kind.endswith("+json")
 
 
 def build_app(engine: LLMEngine, settings: ServerSettings,

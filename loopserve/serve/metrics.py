@@ -11,15 +11,15 @@ request_success_total{finished_reason}, time_to_first_token_seconds, inter_token
 e2e_request_latency_seconds, request_queue_time_seconds (arrival to the first step that admits the
 request), request_prefill_time_seconds (admission to the first token), request_decode_time_seconds
 (first token to finish), request_inference_time_seconds (admission to finish), request_prompt_tokens,
-request_generation_tokens (recorded per output on the engine thread). Units: generation_tokens_total,
-request_success_total and request_generation_tokens count samples (each of n finishes with its own reason and
-length); prompt_tokens_total, request_prompt_tokens, time_to_first_token and the other latency histograms
-(e2e, queue, prefill, decode and inference time) count requests (what a request's samples share, once);
-inter_token_latency counts gaps: one per generated token after a request's first, every sample's tokens
-included (the time since the request's previous output, 0 for the other tokens of one output). A request
-that is not streamed has one output, when it finishes (`FINAL_ONLY`): its time to first token is the engine's
-first-token time, and its inter-token latency is observed as its mean gap, once per gap (the
-histogram's sum and count are exact, its buckets approximate for such requests). A beam search
+request_generation_tokens (recorded per output on the engine thread). Units: each of a request's n samples counts
+as a request of its own, as vLLM V1 counts its child requests: its prompt tokens (prompt_tokens_total,
+request_prompt_tokens), its finish (request_success_total{finished_reason}), its tokens
+(request_generation_tokens), its time to first token and latencies (e2e, queue, prefill, decode and inference time:
+to the sample's finish); inter_token_latency counts one gap per generated token after a sample's first (the time
+since that sample's previous output, 0 for the other tokens of one output). A request that is not streamed has one
+output, when it finishes (`FINAL_ONLY`): its time to first token is the engine's first-token time, and its
+inter-token latency is observed as its mean gap, once per gap (the histogram's sum and count are exact, its
+buckets approximate for such requests). A beam search
 (`use_beam_search`) counts as one request per prompt, recorded when it ends (`beam_search`): its
 prompt once, the tokens of the beams it returns (as its `usage` counts them), its finish reason, its
 time to first token (its first step's) and its end-to-end latency; the sequences of its steps are
@@ -50,6 +50,7 @@ from prometheus_client import (
     Histogram,
     PlatformCollector,
     ProcessCollector,
+    disable_created_metrics,
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -139,12 +140,11 @@ class _EngineCollector(Collector):
 class _Track:
     """What the metrics know of one request in flight."""
 
-    __slots__ = ("tokens", "sample_tokens", "last", "scheduled", "prompt_only", "beam_step")
+    __slots__ = ("sample_tokens", "sample_last", "scheduled", "prompt_only", "beam_step")
 
     def __init__(self) -> None:
-        self.tokens = 0  # generated tokens counted, all samples
         self.sample_tokens: dict[int, int] = {}  # per sample (its index): its tokens so far
-        self.last = 0.0
+        self.sample_last: dict[int, float] = {}  # and when its latest arrived
         self.scheduled: float | None = None  # start of the first step that admitted it
         self.prompt_only = False  # echo with max_tokens 0: the token the engine runs is not part of the response
         self.beam_step = False  # a step of a beam search: not counted (`beam_search` records the search)
@@ -155,6 +155,9 @@ class ServerMetrics:
                  max_model_len: int) -> None:
         self.model_name = model_name
         self.snapshot = snapshot
+        # no `*_created` series beside each counter and histogram (vLLM turns them off too; prometheus_client's
+        # setting is the process's, and this process serves)
+        disable_created_metrics()
         self.registry = CollectorRegistry(auto_describe=True)
         r, lab = self.registry, LABELS
         for collector in (ProcessCollector, PlatformCollector, GCCollector):
@@ -243,9 +246,10 @@ class ServerMetrics:
                 self._tracks.pop(rid, None)
 
     def observe(self, outs: list[RequestOutput]) -> None:
-        """Record a step's outputs (called on the engine thread). The server's outputs are DELTA ones (a
-        stream) or one FINAL_ONLY output: either way a completion holds tokens not counted before, and a
-        sample is finished in the output whose completion first has its finish reason."""
+        """Record a step's outputs (called on the engine thread), each sample of a request as a request of its own
+        (vLLM V1's child requests). The server's outputs are DELTA ones (a stream) or one FINAL_ONLY output: either
+        way a completion holds tokens not counted before, and a sample is finished in the output whose completion
+        first has its finish reason."""
         now = time.monotonic()
         m = self.labels
         with self._lock:
@@ -255,38 +259,45 @@ class ServerMetrics:
                     if out.finished:
                         self._tracks.pop(out.request_id, None)
                     continue
-                # every sample's tokens (n > 1), as usage counts them
-                new = 0 if track.prompt_only else sum(len(c.token_ids) for c in out.outputs)
-                if new > 0:
-                    rm = out.metrics
-                    if track.tokens == 0:
-                        self.prompt_tokens.labels(*m).inc(len(out.prompt_token_ids))
-                        self.prompt_total += len(out.prompt_token_ids)
-                        if rm is not None:
-                            first = rm.first_token_time if rm.first_token_time is not None else now
-                            self.ttft.labels(*m).observe(max(0.0, first - rm.arrival_time))
-                        if new > 1 and rm is not None and rm.first_token_time is not None:  # a final-only output
-                            gap = ((rm.last_token_time or now) - rm.first_token_time) / (new - 1)
-                            for _ in range(new - 1):
-                                self.itl.labels(*m).observe(gap)
-                    else:
-                        self.itl.labels(*m).observe(now - track.last)
-                        for _ in range(new - 1):
-                            self.itl.labels(*m).observe(0.0)
-                    self.generation_tokens.labels(*m).inc(new)
-                    self.generation_total += new
-                    track.tokens, track.last = track.tokens + new, now
                 for c in out.outputs:
-                    track.sample_tokens[c.index] = track.sample_tokens.get(c.index, 0) + len(c.token_ids)
-                    if c.finish_reason is not None:  # a sample is a request here (vLLM counts each child of n > 1)
-                        self.request_success.labels(*m, c.finish_reason).inc()
-                        self.req_gen.labels(*m).observe(0 if track.prompt_only else track.sample_tokens[c.index])
+                    new = 0 if track.prompt_only else len(c.token_ids)
+                    before = track.sample_tokens.get(c.index, 0)
+                    if new > 0:
+                        if before == 0:
+                            self._first_tokens(out, new, now)
+                        else:  # a stream's later output: one gap since the sample's last, none within the output
+                            self.itl.labels(*m).observe(now - track.sample_last[c.index])
+                            for _ in range(new - 1):
+                                self.itl.labels(*m).observe(0.0)
+                        self.generation_tokens.labels(*m).inc(new)
+                        self.generation_total += new
+                        track.sample_last[c.index] = now
+                    track.sample_tokens[c.index] = before + new
+                    if c.finish_reason is not None:
+                        self._sample_finished(out, track, track.sample_tokens[c.index], c.finish_reason, now)
                 if out.finished:
                     self._tracks.pop(out.request_id, None)
-                    self._finished(out, track, now)
 
-    def _finished(self, out: RequestOutput, track: _Track, now: float) -> None:
+    def _first_tokens(self, out: RequestOutput, new: int, now: float) -> None:
+        """A sample's first output with tokens: its prompt counts as prefilled, its time to first token (the
+        engine's first-token time), and for an output that is not streamed (all its tokens at once), its gaps as
+        the mean gap of the request's tokens."""
+        m, rm = self.labels, out.metrics
+        self.prompt_tokens.labels(*m).inc(len(out.prompt_token_ids))
+        self.prompt_total += len(out.prompt_token_ids)
+        if rm is None:
+            return
+        first = rm.first_token_time if rm.first_token_time is not None else now
+        self.ttft.labels(*m).observe(max(0.0, first - rm.arrival_time))
+        if new > 1 and rm.first_token_time is not None:  # a final-only output
+            gap = ((rm.last_token_time or now) - rm.first_token_time) / (new - 1)
+            for _ in range(new - 1):
+                self.itl.labels(*m).observe(gap)
+
+    def _sample_finished(self, out: RequestOutput, track: _Track, tokens: int, reason: str, now: float) -> None:
         m = self.labels
+        self.request_success.labels(*m, reason).inc()
+        self.req_gen.labels(*m).observe(tokens)
         self.req_prompt.labels(*m).observe(len(out.prompt_token_ids))
         if track.prompt_only:
             self.prompt_tokens.labels(*m).inc(len(out.prompt_token_ids))
@@ -297,7 +308,7 @@ class ServerMetrics:
         self.e2e.labels(*m).observe(max(0.0, now - rm.arrival_time))
         if track.scheduled is None or rm.first_token_time is None or track.prompt_only:
             return  # never admitted, or no token: no phases to time
-        end = rm.finished_time or now
+        end = rm.finished_time if out.finished and rm.finished_time is not None else now
         for hist, start, stop in ((self.queue_time, rm.arrival_time, track.scheduled),
                                   (self.prefill_time, track.scheduled, rm.first_token_time),
                                   (self.decode_time, rm.first_token_time, end),
