@@ -71,7 +71,8 @@ def python_numbers(value: Any) -> Any:
     return value
 
 
-# truncate_prompt_tokens: keep the last max_model_len prompt tokens (vLLM's value for "as many as the context holds")
+# truncate_prompt_tokens: keep the last prompt tokens the context holds beside the completion (vLLM's -1,
+# `engine.sequence.truncate_prompt`)
 TRUNCATE_TO_CONTEXT = -1
 
 
@@ -437,7 +438,8 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if self.truncate_prompt_tokens is not None and not truncates_prompt(self.truncate_prompt_tokens):
-            raise bad("truncate_prompt_tokens", "must be an integer >= 1, or -1 (the last max_model_len tokens)")
+            raise bad("truncate_prompt_tokens",
+                      "must be an integer >= 1, or -1 (the last tokens the context holds beside the completion)")
         if not is_int(self.output_kind) or self.output_kind not in OUTPUT_KINDS:
             raise bad("output_kind", f"must be one of {', '.join(f'RequestOutputKind.{k.name}' for k in OUTPUT_KINDS)}")
         self.output_kind = RequestOutputKind(self.output_kind)
