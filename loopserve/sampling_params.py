@@ -466,6 +466,9 @@ class SamplingParams:
             self.exit_policy = "trace"
         if self.exit_policy == "trace" and self.exit_trace is None:  # else it would run at full depth unsaid
             raise bad("exit_trace", "needed with exit_policy 'trace' (the exit depths to replay)")
+        if self.exit_policy in ("fixed", "trace") and self.exit_threshold is not None:  # (not silently ignored)
+            raise bad("exit_threshold", f"exit_policy {self.exit_policy!r} compares no signal with a threshold: "
+                                        "leave it unset")
         if self.exit_policy == "gate" and self.exit_threshold is not None and not 0 < self.exit_threshold <= 1:
             raise bad("exit_threshold", "a gate threshold is a probability in (0, 1]")
         if self.num_speculative_tokens is not None and (not is_int(self.num_speculative_tokens)

@@ -358,3 +358,12 @@ def test_a_state_signal_without_a_threshold_takes_the_upstream_default(tiny_hugi
     same = _gen(llm, PROMPTS, max_tokens=6, exit_policy=policy)
     assert [o.exit_depths for o in same] == [o.exit_depths for o in _gen(llm, PROMPTS, max_tokens=6,
                                                                          exit_policy=policy, exit_threshold=threshold)]
+
+
+@pytest.mark.parametrize("kw", [dict(exit_policy="fixed"), dict(exit_policy="trace", exit_trace=[1, 2]),
+                                dict(exit_trace=[2])])
+def test_a_threshold_with_a_rule_that_reads_no_signal_is_refused(kw):
+    """fixed and trace compare no signal with a threshold: one given is a ValueError naming it, not ignored."""
+    with pytest.raises(ValueError, match="exit_threshold: exit_policy '(fixed|trace)' compares no signal"):
+        SamplingParams(exit_threshold=0.5, **kw)
+    SamplingParams(**kw)  # (without one: fine)

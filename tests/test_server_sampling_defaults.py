@@ -167,6 +167,10 @@ def test_threshold_default_rule(request, fixture, own):
     for policy, threshold in ((None, 0.5), (own, 0.5), ("kl", None), ("fixed", None)):
         filled = fill_defaults(CompletionRequest(prompt="x", exit_policy=policy), defaults)
         assert filled.get("exit_threshold") == threshold, policy
+    # an exit_trace names its policy (trace): the server's threshold is not its, and a request with one is run
+    traced = CompletionRequest(prompt="x", exit_trace=[1, 2])
+    assert "exit_threshold" not in fill_defaults(traced, defaults)
+    assert sampling_params(traced, max_tokens=2, logprobs=None, defaults=defaults).exit_policy == "trace"
     # a request's own threshold always wins; --exit-policy kl makes kl the policy the threshold belongs to
     assert fill_defaults(CompletionRequest(prompt="x", exit_policy="kl", exit_threshold=0.1), defaults)[
         "exit_threshold"] == 0.1
