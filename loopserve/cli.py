@@ -1,8 +1,8 @@
 """Command line: `loopserve generate | demo | make-tiny | serve | bench | train-tiny | eval`.
 
 Each subcommand registers itself from the module that owns it (`register(subparsers)`), so this
-file only lists them: the runtime's (`generate`, `demo`, `make-tiny`, `serve`) and the lab's
-(`bench`, `train-tiny`, `eval`, from `loopserve_lab`, imported only when the parser is built).
+file only lists them: the runtime's (`generate`, `demo`, `serve`) and the lab's (`make-tiny`, `bench`,
+`train-tiny`, `eval`, from `loopserve_lab`, in the same wheel, imported only when the parser is built).
 A command that needs an optional extra which is not installed exits 2 naming the extra.
 """
 
@@ -22,7 +22,8 @@ from loopserve.exits import DEFAULT_POLICIES, DEFAULT_THRESHOLDS
 from loopserve.load_config import LoadConfig
 
 # Modules that add subcommands (the runtime's, then the lab's); a missing one is skipped.
-_COMMAND_MODULES = ["loopserve.cli", "loopserve.serve.cli", "loopserve_lab.bench.cli", "loopserve_lab.train.cli"]
+_COMMAND_MODULES = ["loopserve.cli", "loopserve.serve.cli", "loopserve_lab.tiny", "loopserve_lab.bench.cli",
+                    "loopserve_lab.train.cli"]
 # The extra a command's own third-party modules come with, when more than one extra provides a module.
 _COMMAND_EXTRA = {"serve": "serve", "bench": "bench", "train-tiny": "train", "eval": "train"}
 BARS = " ▁▂▃▄▅▆▇█"
@@ -181,32 +182,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return cmd_generate(args)
 
 
-def cmd_make_tiny(args: argparse.Namespace) -> int:
-    from loopserve_lab.tiny import TinySpec, make_tiny
-
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise CommandError(f"{out}: exists and is not a folder (make-tiny writes a checkpoint folder)")
-    if out.is_dir() and any(out.iterdir()):
-        # (another checkpoint's files left beside the new ones, say Ouro's beside Huginn's, would make a folder
-        # that loads as neither)
-        raise CommandError(f"{out}: the folder is not empty; give a new or empty folder")
-    layers = args.layers or ("2" if args.arch == "ouro" else "2-2-2")
-    r_max = args.r_max if args.r_max is not None else (4 if args.arch == "ouro" else 8)
-    spec = TinySpec(arch=args.arch, hidden_size=args.hidden_size, num_heads=args.num_heads,
-                    num_kv_heads=args.num_kv_heads, intermediate_size=args.intermediate_size,
-                    vocab_size=args.vocab_size, layers=layers, r_max=r_max, lookahead_gate=args.lookahead_gate,
-                    seed=args.seed)
-    try:
-        out = make_tiny(out, spec, shards=args.shards)
-    except ValueError as e:
-        raise CommandError(str(e)) from None
-    except OSError as e:  # (a folder that cannot be made or written: /proc/x, read-only, disk full)
-        raise CommandError(f"{out}: cannot write the checkpoint there ({e.strerror or e})") from None
-    print(f"wrote {args.arch} tiny checkpoint to {out}")
-    return 0
-
-
 def register(sub: argparse._SubParsersAction) -> None:
     for name, fn, help_ in (("generate", cmd_generate, "generate text, streaming, with exit depths"),
                             ("demo", cmd_demo, "generate from the embedded default model")):
@@ -218,23 +193,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         add_chat_args(p)
         add_sampling_args(p)
         p.set_defaults(func=fn)
-    p = sub.add_parser("make-tiny", help="write a random tiny Ouro or Huginn checkpoint (HF layout)",
-                       formatter_class=HELP_FORMAT)
-    p.add_argument("out", help="folder to write: a new or empty one")
-    p.add_argument("--arch", default="ouro", choices=["ouro", "huginn"], help="architecture")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
-    p.add_argument("--hidden-size", type=int, default=64, help="hidden size")
-    p.add_argument("--num-heads", type=int, default=4, help="attention heads")
-    p.add_argument("--num-kv-heads", type=int, default=None, help="Ouro: < num-heads for GQA (unset: num-heads)")
-    p.add_argument("--intermediate-size", type=int, default=128, help="MLP width")
-    p.add_argument("--vocab-size", type=int, default=512, help="vocabulary size")
-    p.add_argument("--layers", default=None, help="Ouro: a number of layers, e.g. 2; Huginn: prelude-core-coda, e.g. "
-                                                  "2-4-2 (unset: Ouro 2, Huginn 2-2-2)")
-    p.add_argument("--r-max", type=int, default=None,
-                   help="Ouro total_ut_steps / Huginn mean_recurrence (unset: Ouro 4, Huginn 8)")
-    p.add_argument("--lookahead-gate", action="store_true", help="Ouro: add the distilled lookahead gate head")
-    p.add_argument("--shards", type=int, default=1, help="safetensors files to split the weights into")
-    p.set_defaults(func=cmd_make_tiny)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,6 +9,8 @@ it, so that `transformers.AutoConfig` reads the folder (with `trust_remote_code=
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import math
 import shutil
@@ -32,6 +34,10 @@ HF_CONFIG_CLASS = {OURO: ("configuration_ouro", "OuroConfig"), HUGINN: ("raven_c
 HF_CODE_DIR = Path(__file__).parent / "hf_code"
 
 
+# `TinySpec.layers` and `r_max` of each architecture where make-tiny's flags leave them unset (TinySpec's own: Ouro's)
+ARCH_DEFAULTS = {"ouro": ("2", 4), "huginn": ("2-2-2", 8)}
+
+
 @dataclass
 class TinySpec:
     arch: str = "ouro"  # "ouro" | "huginn"
@@ -40,8 +46,8 @@ class TinySpec:
     num_kv_heads: int | None = None  # Ouro only; < num_heads gives GQA
     intermediate_size: int = 128
     vocab_size: int = 512
-    layers: str = "2"  # Ouro: number of layers; Huginn: "prelude-core-coda", e.g. "2-4-2"
-    r_max: int = 4
+    layers: str = ARCH_DEFAULTS["ouro"][0]  # Ouro: number of layers; Huginn: "prelude-core-coda", e.g. "2-4-2"
+    r_max: int = ARCH_DEFAULTS["ouro"][1]
     max_position: int = 2048
     lookahead_gate: bool = False
     seed: int = 0
@@ -206,3 +212,56 @@ def _save(tensors: dict[str, torch.Tensor], out: Path, shards: int) -> None:
             total += tensors[n].numel() * tensors[n].element_size()
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """`loopserve make-tiny`: a flag per TinySpec field, its default TinySpec's."""
+    from loopserve.cli import HELP_FORMAT
+
+    default = {f.name: f.default for f in dataclasses.fields(TinySpec)}
+    arch_defaults = ", ".join(f"{arch} {layers}" for arch, (layers, _) in ARCH_DEFAULTS.items())
+    arch_r_max = ", ".join(f"{arch} {r_max}" for arch, (_, r_max) in ARCH_DEFAULTS.items())
+    p = sub.add_parser("make-tiny", help="write a random tiny Ouro or Huginn checkpoint (HF layout)",
+                       formatter_class=HELP_FORMAT)
+    p.add_argument("out", help="folder to write: a new or empty one")
+    p.add_argument("--arch", default=default["arch"], choices=list(ARCH_DEFAULTS), help="architecture")
+    p.add_argument("--seed", type=int, default=default["seed"], help="seed of the random weights")
+    p.add_argument("--hidden-size", type=int, default=default["hidden_size"], help="hidden size")
+    p.add_argument("--num-heads", type=int, default=default["num_heads"], help="attention heads")
+    p.add_argument("--num-kv-heads", type=int, default=default["num_kv_heads"],
+                   help="Ouro: < num-heads for GQA (unset: num-heads)")
+    p.add_argument("--intermediate-size", type=int, default=default["intermediate_size"], help="MLP width")
+    p.add_argument("--vocab-size", type=int, default=default["vocab_size"], help="vocabulary size")
+    p.add_argument("--layers", default=None, help="Ouro: a number of layers, e.g. 2; Huginn: prelude-core-coda, e.g. "
+                                                  f"2-4-2 (unset: {arch_defaults})")
+    p.add_argument("--r-max", type=int, default=None,
+                   help=f"Ouro total_ut_steps / Huginn mean_recurrence (unset: {arch_r_max})")
+    p.add_argument("--lookahead-gate", action="store_true", help="Ouro: add the distilled lookahead gate head")
+    p.add_argument("--shards", type=int, default=1, help="safetensors files to split the weights into")
+    p.set_defaults(func=cmd_make_tiny)
+
+
+def cmd_make_tiny(args: argparse.Namespace) -> int:
+    from loopserve.cli import CommandError
+
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise CommandError(f"{out}: exists and is not a folder (make-tiny writes a checkpoint folder)")
+    if out.is_dir() and any(out.iterdir()):
+        # (another checkpoint's files left beside the new ones, say Ouro's beside Huginn's, would make a folder
+        # that loads as neither)
+        raise CommandError(f"{out}: the folder is not empty; give a new or empty folder")
+    layers, r_max = ARCH_DEFAULTS[args.arch]
+    spec = TinySpec(arch=args.arch, hidden_size=args.hidden_size, num_heads=args.num_heads,
+                    num_kv_heads=args.num_kv_heads, intermediate_size=args.intermediate_size,
+                    vocab_size=args.vocab_size, layers=args.layers or layers,
+                    r_max=args.r_max if args.r_max is not None else r_max, lookahead_gate=args.lookahead_gate,
+                    seed=args.seed)
+    try:
+        out = make_tiny(out, spec, shards=args.shards)
+    except ValueError as e:
+        raise CommandError(str(e)) from None
+    except OSError as e:  # (a folder that cannot be made or written: /proc/x, read-only, disk full)
+        raise CommandError(f"{out}: cannot write the checkpoint there ({e.strerror or e})") from None
+    print(f"wrote {args.arch} tiny checkpoint to {out}")
+    return 0
