@@ -777,6 +777,58 @@ def test_sigterm_finishes_short_requests_and_aborts_long_ones(ouro_path, tmp_pat
     assert "aborted 2 request(s) still running" in text, text
 
 
+def test_a_second_ctrl_c_ends_the_requests_with_their_503s_at_once(ouro_path, tmp_path):
+    """Ctrl+C twice (uvicorn's force quit): the requests still running are ended at once as at the end of the grace
+    period (a 503 with its JSON body; a stream, its error event), not cut by uvicorn's cancellation (a plain-text 500,
+    a bare cut and an ERROR traceback per request); the process exits within a few seconds."""
+    log = tmp_path / "sigint.log"
+    shutting_down = {"error": {"message": "the server is shutting down", "type": "ServiceUnavailableError",
+                               "param": None, "code": 503}}
+    with run_server(ouro_path, log, "--shutdown-timeout", "120", "--kv-cache-tokens", str(KV_TOKENS)) as server:
+        results: dict[str, object] = {}
+        started = threading.Event()
+
+        def stream() -> None:
+            body = {"model": MODEL, "prompt": "long", "max_tokens": MAX_LEN - 8, "ignore_eos": True, "stream": True}
+            events = []
+            try:
+                with httpx.Client(timeout=60) as c, c.stream("POST", server.url + C, json=body) as r:
+                    for data in sse_events(r.iter_lines()):
+                        events.append(data)
+                        started.set()
+            except httpx.HTTPError:  # (the cut after the error event)
+                pass
+            results["stream"] = events
+
+        def whole() -> None:
+            body = {"model": MODEL, "prompt": "whole", "max_tokens": MAX_LEN - 8, "ignore_eos": True}
+            results["whole"] = httpx.post(server.url + C, json=body, timeout=60)
+
+        threads = [threading.Thread(target=stream), threading.Thread(target=whole)]
+        for t in threads:
+            t.start()
+        assert started.wait(30)
+        deadline = time.monotonic() + 30
+        while metric(server, "loopserve:num_requests_running") < 2:
+            assert time.monotonic() < deadline, "the requests did not both start"
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        server.proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        server.proc.send_signal(signal.SIGINT)
+        for t in threads:
+            t.join(30)
+        server.proc.wait(20)
+        assert time.monotonic() - t0 < 10  # (not the 120 s grace period)
+    text = log.read_text()
+    events = results["stream"]
+    assert isinstance(events, list) and events and json.loads(events[-1]) == shutting_down, events[-3:]
+    r = results["whole"]
+    assert isinstance(r, httpx.Response) and r.status_code == 503 and r.json() == shutting_down, r
+    assert "ERROR" not in text and "Traceback" not in text, text
+    assert "aborted 2 request(s) still running" in text, text
+
+
 # -- prompt logprobs (echo) and n > 1 -------------------------------------------------------------------------
 def test_lm_eval_loglikelihood_requests(server, offline):
     """Requests shaped like lm-eval's `local-completions` loglikelihood ones (token-id prompts, echo,

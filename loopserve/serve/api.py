@@ -354,7 +354,7 @@ class OpenAIServing:
         (`collect`, `stream`): a response with Retry-After, a stream's error event and cut. One line in the log."""
         n = self.aengine.abort_all(EngineStoppedError(SHUTTING_DOWN))
         if n:
-            log.warning("shutdown: the grace period is over; aborted %d request(s) still running (503)", n)
+            log.warning("shutdown: aborted %d request(s) still running (503)", n)
 
     def summary(self) -> str:
         """The start-up line: what is served, and how."""

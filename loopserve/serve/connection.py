@@ -29,8 +29,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 import socket
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import h11
@@ -155,17 +157,33 @@ class ReadTimeoutProtocol(H11Protocol):
 class GracefulServer(uvicorn.Server):
     """uvicorn's server, whose graceful shutdown calls `on_deadline` (on the event loop) SHUTDOWN_MARGIN_S (at most a
     quarter of the grace period) before its grace period (`timeout_graceful_shutdown`) runs out and uvicorn cancels
-    the request tasks still running: the app ends them itself meanwhile."""
+    the request tasks still running: the app ends them itself meanwhile. A second Ctrl+C (uvicorn's force quit)
+    calls it at once, then forces the exit SHUTDOWN_MARGIN_S later: each request still running gets its 503 (a
+    stream, its error event) instead of the plain-text 500 and the traceback uvicorn's cancellation leaves."""
 
     def __init__(self, config: uvicorn.Config, on_deadline: Callable[[], None]) -> None:
         super().__init__(config)
         self.on_deadline = on_deadline
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ending_now = False
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig == signal.SIGINT and self.should_exit and self._loop is not None and not self._ending_now:
+            self._ending_now = True  # (a third Ctrl+C forces the exit at once, as uvicorn's second does)
+            self._loop.call_soon_threadsafe(self._end_now)
+            return
+        super().handle_exit(sig, frame)
+
+    def _end_now(self) -> None:
+        self.on_deadline()
+        asyncio.get_running_loop().call_later(SHUTDOWN_MARGIN_S, setattr, self, "force_exit", True)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
         grace = self.config.timeout_graceful_shutdown
         deadline: asyncio.TimerHandle | None = None
         if grace is not None:  # (None: uvicorn waits for them however long they take)
-            deadline = asyncio.get_running_loop().call_later(grace_deadline(grace), self.on_deadline)
+            deadline = self._loop.call_later(grace_deadline(grace), self.on_deadline)
         try:
             await super().shutdown(sockets)
         finally:
