@@ -64,8 +64,9 @@ def add_chat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None,
                    help="Jinja chat template used instead of the model's: a file, or the template text")
     p.add_argument("--generation-config", default="auto",
-                   help="sampling defaults: 'auto' reads the model's generation_config.json, 'vllm' ignores it, "
-                        "or a folder holding one (explicit sampling flags and request fields win)")
+                   help="sampling defaults: 'auto' reads the model's generation_config.json, 'vllm' ignores its "
+                        "sampling values (its eos ids still end requests), or a folder holding one (explicit "
+                        "sampling flags and request fields win)")
 
 
 # What `generate` samples with when neither a flag nor the model's generation_config.json says otherwise.

@@ -89,7 +89,7 @@ class LLM:
             model if model is not None else default_model_path(), self.load_config, self.engine_config,
             chat_template=chat_template, generation_config=generation_config)
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
-        self.generation_defaults = loaded.generation_defaults
+        self.generation_defaults = loaded.generation.sampling_defaults
         self.seed = self.load_config.seed
         cfg, c = self.engine_config, self.config
         self.layout = KVLayout(cfg.kv_layout, c.n_prelude, c.n_core, c.n_coda, c.r_max)

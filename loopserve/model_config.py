@@ -39,16 +39,17 @@ def _full_attention(v: Any) -> bool:
     return v is None or (isinstance(v, list) and all(kind == "full_attention" for kind in v))
 
 
+# Keys of every architecture's config that loopserve implements at one setting only (see `UNIMPLEMENTED`): a quantized
+# checkpoint's weights and scales read as float weights would be other math
+_EVERY_ARCHITECTURE = {
+    "quantization_config": (_one_of(None), "unquantized weights (no quantization_config)"),
+}
 # Architecture keys the upstream code reads that loopserve implements at one setting only: per architecture,
 # key -> (whether a value is that setting, what loopserve implements). A key that is absent takes upstream's
 # default, which is that setting. Another value would run with silently different math, so it is refused at load.
 # (Upstream Ouro derives sliding layers from use_sliding_window, sliding_window and max_window_layers when
 # layer_types is absent or null: refusing use_sliding_window true covers that, and the corner where every layer is
 # below max_window_layers, which keeps full attention, no released checkpoint sets.)
-_EVERY_ARCHITECTURE = {
-    # (a quantized checkpoint's weights and scales read as float weights would be other math)
-    "quantization_config": (_one_of(None), "unquantized weights (no quantization_config)"),
-}
 UNIMPLEMENTED: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
     OURO: {
         **_EVERY_ARCHITECTURE,

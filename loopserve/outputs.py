@@ -43,9 +43,14 @@ class CompletionOutput:
     cumulative_logprob: float | None  # None unless logprobs were asked for
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None
-    stop_reason: int | str | None = None  # the stop token id or stop string that finished it; None for eos/length
+    # the stop token id or stop string that finished it; None for the tokenizer's eos and for length
+    stop_reason: int | str | None = None
     lora_request: None = None  # (vLLM's; loopserve serves no LoRA adapters)
     exit_depths: list[int] = field(default_factory=list)  # each token's loop count
+    # this sample's own times and loops (`RequestOutput.metrics` merges an n > 1 request's samples): what the
+    # server's metrics time each sample by, as vLLM times each child request (not compared: outputs of one text
+    # are equal whenever they ran)
+    metrics: RequestMetrics | None = field(default=None, compare=False)
 
     def finished(self) -> bool:
         """vLLM's `CompletionOutput.finished()` (a method there too, unlike `RequestOutput.finished`)."""

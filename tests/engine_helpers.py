@@ -21,7 +21,7 @@ from loopserve.model_config import HUGINN
 from loopserve.models.loader import LoadedModel, load_model
 from loopserve.outputs import RequestOutput
 
-_LOADED: dict[tuple[Path, str], LoadedModel] = {}
+_LOADED: dict[tuple[Path, str | None], LoadedModel] = {}
 
 
 def huginn_state(path: Path, state_init: str = "zero") -> str | None:
@@ -30,9 +30,9 @@ def huginn_state(path: Path, state_init: str = "zero") -> str | None:
 
 
 def loaded(path: Path, state_init: str = "zero") -> LoadedModel:
-    key = (path, state_init)
+    key = (path, huginn_state(path, state_init))
     if key not in _LOADED:
-        _LOADED[key] = load_model(path, "float64", "cpu", huginn_state(path, state_init))
+        _LOADED[key] = load_model(path, "float64", "cpu", key[1])
     return _LOADED[key]
 
 

@@ -197,8 +197,8 @@ def test_stops_match_reference(arch, scheduler, tiny_ouro, tiny_huginn):
     want = ref_llm.generate(prompts, params)
     got = llm.generate(prompts, params)
     for g, w in zip(got, want, strict=True):
-        assert (g.outputs[0].token_ids, g.outputs[0].text, g.outputs[0].finish_reason) == (
-            w.outputs[0].token_ids, w.outputs[0].text, w.outputs[0].finish_reason)
+        assert (g.outputs[0].token_ids, g.outputs[0].text, g.outputs[0].finish_reason, g.outputs[0].stop_reason) == (
+            w.outputs[0].token_ids, w.outputs[0].text, w.outputs[0].finish_reason, w.outputs[0].stop_reason)
     assert [o.outputs[0].finish_reason for o in want[:3]] == ["stop"] * 3
     assert len(want[0].outputs[0].token_ids) <= 5 and want[0].outputs[0].token_ids[-1] == eos
     assert want[2].outputs[0].text.find(stop) == -1

@@ -17,6 +17,7 @@ from loopserve.engine.held_tokens import HOLD, HeldTokens
 from loopserve.engine.sequence import Sequence
 from loopserve.engine.slot_facts import SlotFacts
 from loopserve.exits import ExitRule
+from loopserve.models.loader import read_generation_config
 from loopserve.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams
 from loopserve.tokenizer import Tokenizer
 
@@ -38,7 +39,9 @@ def test_quiet_tokens_held_are_the_appends_that_finish_nothing(tiny_ouro, tokens
     (`reads`) or not (the slot then settles its sequence every `HOLD` tokens), and when another sequence
     takes the slot (the holder settles first). It declines every token that may finish the request, and
     the stop tokens of the sequence in another slot, and nothing else."""
-    tok = Tokenizer(tiny_ouro)
+    # (the generation config's second eos id too: one that ends the request with itself as stop_reason)
+    tok = Tokenizer(tiny_ouro, extra_eos_ids=read_generation_config(tiny_ouro).eos_token_ids)
+    assert len(tok.eos_token_ids) > 1
     eos = min(tok.eos_token_ids)
     stream = [eos if t == 0 else t for t in tokens]  # eos at times, stop ids at times
     params = SamplingParams(max_tokens=max_tokens, min_tokens=min(min_tokens, max_tokens), stop_token_ids=stop_ids,

@@ -613,7 +613,8 @@ class Sequence:
         return CompletionOutput(self.index, self.text, ids if done else list(ids),
                                 self.cumulative_logprob if self.params.logprobs is not None else None,
                                 logprobs, self.finish_reason, self.stop_reason,
-                                exit_depths=depths if done else list(depths))
+                                exit_depths=depths if done else list(depths),
+                                metrics=self._metrics if done else self._metrics.snapshot())
 
     def delta(self) -> CompletionOutput | None:
         """What is new since this sample's last DELTA output (None: nothing): the new tokens, their exit
@@ -632,7 +633,7 @@ class Sequence:
         return CompletionOutput(self.index, piece, ids[a:b],
                                 self.cumulative_logprob if self.params.logprobs is not None else None,
                                 self.logprobs[a:b] if self.logprobs is not None else None, self.finish_reason,
-                                self.stop_reason, exit_depths=self._exit_depths[a:b])
+                                self.stop_reason, exit_depths=self._exit_depths[a:b], metrics=self._metrics)
 
     def to_output(self) -> RequestOutput:
         """The request's output (called on its head): everything so far, or with `output_kind` DELTA what

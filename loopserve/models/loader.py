@@ -1,7 +1,8 @@
 """Load a looped LM from a local Hugging Face folder (or a hub id, resolved when online: the [hub] extra).
 
 Reads `config.json` (dispatch on `architectures`), `model.safetensors` or shards listed in
-`model.safetensors.index.json`, the tokenizer files, and the sampling defaults of `generation_config.json`.
+`model.safetensors.index.json`, the tokenizer files, and the generation config (`generation_config.json`: sampling
+defaults and end-of-sequence ids; config.json's eos ids where there is none).
 Every parameter the model needs must be present with the right shape; errors name the file and the tensor.
 """
 
@@ -38,45 +39,46 @@ _GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "to
                     "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
+@dataclass(frozen=True)
+class GenerationConfig:
+    """What a checkpoint's generation config gives the engine (vLLM's `--generation-config`): the sampling
+    defaults of requests that leave those fields unset, and end-of-sequence ids besides the tokenizer's own."""
+
+    # SamplingParams fields it sets: what a request that does not set them gets (vLLM's `--generation-config auto`)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    eos_token_ids: tuple[int, ...] = ()
+
+
 @dataclass
 class LoadedModel:
     model: LoopedLM
     config: ModelConfig
     tokenizer: Tokenizer
     path: Path
-    # SamplingParams fields the checkpoint's generation_config.json sets: what a request that does not
-    # set them gets (vLLM's `--generation-config auto`)
-    generation_defaults: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class GenerationConfig:
-    """What a checkpoint's generation config gives the engine (vLLM's `--generation-config`): the sampling
-    defaults of requests that leave those fields unset, and end-of-sequence ids besides the tokenizer's own."""
-
-    sampling_defaults: dict[str, Any] = field(default_factory=dict)
-    eos_token_ids: tuple[int, ...] = ()
+    generation: GenerationConfig
 
 
 def read_generation_config(folder: Path, mode: str = "auto", model_config: dict[str, Any] | None = None,
                            vocab_size: int | None = None) -> GenerationConfig:
-    """The generation config `mode` names: "auto", the model folder's `generation_config.json`, or where the folder
-    has none, the eos ids of its `config.json` (`model_config`; transformers' `GenerationConfig.from_model_config`,
-    as vLLM falls back to); "vllm", none; another value, the generation_config.json of that folder.
+    """The generation config `mode` names, as vLLM reads it: "auto", the model folder's `generation_config.json`;
+    "vllm", the same file's eos ids but no sampling defaults (vLLM's "vllm" drops only those); another value, the
+    generation_config.json of that folder. Where the model folder has no such file, its `config.json`
+    (`model_config`) gives the eos ids (transformers' `GenerationConfig.from_model_config`, vLLM's fallback).
 
     `do_sample` is ignored, as vLLM does; a key SamplingParams has no field for is skipped. Values are checked as
     SamplingParams checks them, and eos ids as token ids (below `vocab_size`): a ValueError naming the file and the
     key."""
-    if mode == "vllm":
-        return GenerationConfig()
-    source = folder if mode == "auto" else Path(mode).expanduser()
+    source = Path(mode).expanduser() if mode not in ("auto", "vllm") else folder
     path = source / "generation_config.json"
     if not path.is_file():
-        if mode != "auto":
+        if source is not folder:
             raise ValueError(f"generation_config: {path} is missing")
         config_eos = (model_config or {}).get("eos_token_id")
         return GenerationConfig(eos_token_ids=_token_ids(config_eos, folder / "config.json", vocab_size))
     raw = read_json_object(path)
+    eos = _token_ids(raw.get("eos_token_id"), path, vocab_size)
+    if mode == "vllm":
+        return GenerationConfig(eos_token_ids=eos)
     fields = {f.name for f in dataclasses.fields(SamplingParams)}
     out: dict[str, Any] = {}
     for key, name in _GENERATION_KEYS.items():
@@ -92,7 +94,7 @@ def read_generation_config(folder: Path, mode: str = "auto", model_config: dict[
         raise ValueError(f"{path}: {e}") from None
     if out:
         log.info("%s: default sampling parameters %s (a request's own values win)", path, out)
-    return GenerationConfig(out, _token_ids(raw.get("eos_token_id"), path, vocab_size))
+    return GenerationConfig(out, eos)
 
 
 def _token_ids(value: Any, path: Path, vocab_size: int | None) -> tuple[int, ...]:
@@ -222,4 +224,4 @@ def load_model(model: str | Path, dtype: str | torch.dtype, device: str | torch.
         log.warning("%s: ignoring %d unexpected tensors, e.g. %s", folder, len(extra), sorted(extra)[0])
     net = net.eval().requires_grad_(False)
     pack_linear_weights(net)  # (bfloat16 on the CPU: oneDNN copies of the projections, the same products faster)
-    return LoadedModel(net, config, tokenizer, folder, generation.sampling_defaults)
+    return LoadedModel(net, config, tokenizer, folder, generation)

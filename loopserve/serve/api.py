@@ -1047,7 +1047,7 @@ BODIES = (CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest, T
 
 def _is_json(content_type: str) -> bool:
     """application/json, or a type with the +json suffix (application/vnd.api+json): JSON, as FastAPI reads it. Either
-    needs a CORS preflight from a browser (docs/design.md §8)."""
+    needs a CORS preflight from a browser (docs/design.md §11)."""
     kind = content_type.split(";", 1)[0].strip().lower()
     return kind == "application/json" or len(kind) > len("application/+json") and kind.startswith("application/") \
         and kind.endswith("+json")

@@ -219,7 +219,7 @@ def load_server(args: argparse.Namespace) -> tuple[LLMEngine, ServerSettings]:
                                  **load_kwargs(args), **engine_kwargs(args))
     path = loaded.path
     # the model's generation_config.json sampling defaults, under the flags' own
-    defaults = {**loaded.generation_defaults, **defaults}
+    defaults = {**loaded.generation.sampling_defaults, **defaults}
     check_sampling_defaults(engine, defaults)
     if args.exit_policy == "kl":
         _warn_kl(engine)

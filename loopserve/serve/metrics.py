@@ -57,7 +57,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from loopserve.engine.engine_thread import EngineSnapshot
-from loopserve.outputs import RequestOutput
+from loopserve.outputs import RequestMetrics, RequestOutput
 
 log = logging.getLogger("loopserve.serve")
 P = "loopserve:"
@@ -262,9 +262,10 @@ class ServerMetrics:
                 for c in out.outputs:
                     new = 0 if track.prompt_only else len(c.token_ids)
                     before = track.sample_tokens.get(c.index, 0)
+                    times = c.metrics or out.metrics  # (the sample's own: an n > 1 request's merge is not it)
                     if new > 0:
                         if before == 0:
-                            self._first_tokens(out, new, now)
+                            self._first_tokens(out, times, new, now)
                         else:  # a stream's later output: one gap since the sample's last, none within the output
                             self.itl.labels(*m).observe(now - track.sample_last[c.index])
                             for _ in range(new - 1):
@@ -274,27 +275,28 @@ class ServerMetrics:
                         track.sample_last[c.index] = now
                     track.sample_tokens[c.index] = before + new
                     if c.finish_reason is not None:
-                        self._sample_finished(out, track, track.sample_tokens[c.index], c.finish_reason, now)
+                        self._sample_finished(out, times, track, track.sample_tokens[c.index], c.finish_reason, now)
                 if out.finished:
                     self._tracks.pop(out.request_id, None)
 
-    def _first_tokens(self, out: RequestOutput, new: int, now: float) -> None:
+    def _first_tokens(self, out: RequestOutput, times: RequestMetrics | None, new: int, now: float) -> None:
         """A sample's first output with tokens: its prompt counts as prefilled, its time to first token (the
         engine's first-token time), and for an output that is not streamed (all its tokens at once), its gaps as
-        the mean gap of the request's tokens."""
-        m, rm = self.labels, out.metrics
+        their mean."""
+        m = self.labels
         self.prompt_tokens.labels(*m).inc(len(out.prompt_token_ids))
         self.prompt_total += len(out.prompt_token_ids)
-        if rm is None:
+        if times is None:
             return
-        first = rm.first_token_time if rm.first_token_time is not None else now
-        self.ttft.labels(*m).observe(max(0.0, first - rm.arrival_time))
-        if new > 1 and rm.first_token_time is not None:  # a final-only output
-            gap = ((rm.last_token_time or now) - rm.first_token_time) / (new - 1)
+        first = times.first_token_time if times.first_token_time is not None else now
+        self.ttft.labels(*m).observe(max(0.0, first - times.arrival_time))
+        if new > 1 and times.first_token_time is not None:  # a final-only output
+            gap = ((times.last_token_time or now) - times.first_token_time) / (new - 1)
             for _ in range(new - 1):
                 self.itl.labels(*m).observe(gap)
 
-    def _sample_finished(self, out: RequestOutput, track: _Track, tokens: int, reason: str, now: float) -> None:
+    def _sample_finished(self, out: RequestOutput, times: RequestMetrics | None, track: _Track, tokens: int,
+                         reason: str, now: float) -> None:
         m = self.labels
         self.request_success.labels(*m, reason).inc()
         self.req_gen.labels(*m).observe(tokens)
@@ -302,16 +304,15 @@ class ServerMetrics:
         if track.prompt_only:
             self.prompt_tokens.labels(*m).inc(len(out.prompt_token_ids))
             self.prompt_total += len(out.prompt_token_ids)
-        rm = out.metrics
-        if rm is None:
+        if times is None:
             return
-        self.e2e.labels(*m).observe(max(0.0, now - rm.arrival_time))
-        if track.scheduled is None or rm.first_token_time is None or track.prompt_only:
-            return  # never admitted, or no token: no phases to time
-        end = rm.finished_time if out.finished and rm.finished_time is not None else now
-        for hist, start, stop in ((self.queue_time, rm.arrival_time, track.scheduled),
-                                  (self.prefill_time, track.scheduled, rm.first_token_time),
-                                  (self.decode_time, rm.first_token_time, end),
+        end = times.finished_time if times.finished_time is not None else now
+        self.e2e.labels(*m).observe(max(0.0, end - times.arrival_time))
+        if track.scheduled is None or times.first_token_time is None or track.prompt_only or tokens == 0:
+            return  # never admitted, or no token of its own: no phases to time
+        for hist, start, stop in ((self.queue_time, times.arrival_time, track.scheduled),
+                                  (self.prefill_time, track.scheduled, times.first_token_time),
+                                  (self.decode_time, times.first_token_time, end),
                                   (self.inference_time, track.scheduled, end)):
             hist.labels(*m).observe(max(0.0, stop - start))
 

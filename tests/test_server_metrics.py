@@ -1,0 +1,57 @@
+"""The server's request metrics, fed hand-built outputs (`ServerMetrics.observe`, as the engine thread calls it): each
+of an n > 1 request's samples is timed by its own first, last and finish times, not by the request's merge of them."""
+
+from __future__ import annotations
+
+import pytest
+
+from loopserve.engine.engine_thread import EngineSnapshot
+from loopserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from loopserve.serve.metrics import ENGINE, ServerMetrics
+
+MODEL = "m"
+
+
+def _value(metrics: ServerMetrics, name: str) -> float:
+    value = metrics.registry.get_sample_value(f"loopserve:{name}", {"model_name": MODEL, "engine": ENGINE})
+    assert value is not None, name
+    return value
+
+
+def _sample(index: int, tokens: int, first: float, last: float, finished: float | None,
+            reason: str | None = "length") -> CompletionOutput:
+    return CompletionOutput(index, "", list(range(tokens)), None, None, reason,
+                            metrics=RequestMetrics(0.0, first, finished, last_token_time=last))
+
+
+@pytest.fixture
+def metrics() -> ServerMetrics:
+    return ServerMetrics(MODEL, EngineSnapshot, r_max=4, max_decode_batch=8, max_model_len=256)
+
+
+def test_a_final_only_output_times_each_sample_by_its_own_tokens(metrics):
+    """One output for two samples (a response that is not streamed): the 2-token one ran from t=1 to t=11, the
+    101-token one from t=1 to t=101; the request's merged metrics say first 1, last and finished 101."""
+    metrics.scheduled("r", 0.5)
+    merged = RequestMetrics(0.0, 1.0, 101.0, last_token_time=101.0)
+    samples = [_sample(0, 2, 1.0, 11.0, 11.0), _sample(1, 101, 1.0, 101.0, 101.0)]
+    out = RequestOutput("r", None, [7, 8, 9], None, samples, True, merged)
+    metrics.observe([out])
+    assert _value(metrics, "inter_token_latency_seconds_count") == 1 + 100
+    assert _value(metrics, "inter_token_latency_seconds_sum") == pytest.approx(10.0 + 100.0)
+    assert _value(metrics, "request_decode_time_seconds_sum") == pytest.approx(10.0 + 100.0)
+    assert _value(metrics, "e2e_request_latency_seconds_sum") == pytest.approx(11.0 + 101.0)
+    assert _value(metrics, "time_to_first_token_seconds_count") == 2
+    assert _value(metrics, "prompt_tokens_total") == 2 * 3
+    assert _value(metrics, "generation_tokens_total") == 103
+
+
+def test_a_sample_ended_before_its_first_token_times_no_phase(metrics):
+    metrics.scheduled("r", 0.5)
+    merged = RequestMetrics(0.0, 1.0, 5.0, last_token_time=5.0)
+    out = RequestOutput("r", None, [7], None, [_sample(0, 5, 1.0, 5.0, 5.0), _sample(1, 0, None, None, 2.0, "abort")],
+                        True, merged)
+    metrics.observe([out])
+    assert _value(metrics, "request_decode_time_seconds_count") == 1  # (the aborted one ran no decode of its own)
+    assert _value(metrics, "e2e_request_latency_seconds_count") == 2
+    assert _value(metrics, "time_to_first_token_seconds_count") == 1
