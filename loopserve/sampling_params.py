@@ -195,6 +195,9 @@ class GuidedDecodingParams:
                 raise ValueError(f"{name}: must be a non-empty string, got {_short(v)}")
             if v is not None and len(v) > MAX_GRAMMAR_CHARS:
                 raise ValueError(f"{name}: at most {MAX_GRAMMAR_CHARS} characters, got {len(v)}")
+        if self.disable_any_whitespace and self.whitespace_pattern:  # (one would be ignored)
+            raise ValueError(f"whitespace_pattern: {_short(self.whitespace_pattern)} allows whitespace that "
+                             "disable_any_whitespace forbids: give one of them")
         if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
                                         or not all(isinstance(c, str) and c for c in self.choice)):
             raise ValueError(f"choice: must be a non-empty list of non-empty strings, got {_short(self.choice)}")

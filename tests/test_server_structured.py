@@ -126,6 +126,28 @@ def test_structured_outputs_options_apply_to_another_fields_grammar(server):
     assert _valid_weather(choice["message"]["tool_calls"][0]["function"]["arguments"])
 
 
+def test_guided_whitespace_pattern_shapes_a_structured_outputs_grammar(server):
+    """vLLM's older `guided_whitespace_pattern` applies to the grammar the newer `structured_outputs` names (it was
+    dropped: the random model padded the object with whitespace to max_tokens)."""
+    out = _post(server, "/v1/completions", {"prompt": "a", "max_tokens": 60, "seed": 3, "guided_whitespace_pattern": "",
+                                            "structured_outputs": {"json": WEATHER["function"]["parameters"]}})
+    text = out.json()["choices"][0]["text"]
+    assert out.status_code == 200 and _valid_weather(text) and not re.search(r"\s", text), out.text
+
+
+@pytest.mark.parametrize("parameters", [None, {}])
+def test_a_tool_without_parameters_is_called_with_none(client, parameters):
+    """A function that gives no parameters (or {}) takes none, as OpenAI reads it: its arguments are {} (they were
+    an open object's, free keys until max_tokens)."""
+    function = {"name": "now"} if parameters is None else {"name": "now", "parameters": parameters}
+    tool = {"type": "function", "function": function}
+    for choice in ({"type": "function", "function": {"name": "now"}}, "required"):
+        done = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[tool], tool_choice=choice,
+                                              max_tokens=60, seed=4, extra_body=COMPACT)
+        (call,) = done.choices[0].message.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == ("now", {}), done
+
+
 def test_named_tool_choice_returns_a_tool_call(client, server, tiny_path):
     named = {"type": "function", "function": {"name": "get_weather"}}
     done = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[TIME, WEATHER], tool_choice=named,
@@ -260,6 +282,15 @@ def test_required_tool_choice(client):
      "structured_outputs.whitespace_pattern"),
     ("/v1/completions", {"guided_json": {"type": "object"}, "guided_whitespace_pattern": "(("},
      "guided_whitespace_pattern"),
+    # the older field's pattern and the newer object's, both for its grammar; a pattern no whitespace may follow
+    ("/v1/completions", {"structured_outputs": {"json": {"type": "object"}, "whitespace_pattern": " "},
+                         "guided_whitespace_pattern": ""}, "structured_outputs.whitespace_pattern"),
+    ("/v1/completions", {"guided_json": {"type": "object"}, "guided_whitespace_pattern": " ",
+                         "structured_outputs": {"disable_any_whitespace": True}}, "guided_whitespace_pattern"),
+    # a call's arguments are a JSON object (which a later turn sends back): a tool's parameters schema says so
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {
+        "name": "g", "parameters": {"type": "string", "maxLength": 3}}}], "tool_choice": "none"},
+     "tools.0.function.parameters"),
 ])
 def test_bad_grammars_are_400_naming_the_field(server, path, body, param):
     base = {"messages": MESSAGES} if "chat" in path else {"prompt": "a"}

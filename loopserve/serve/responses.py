@@ -174,8 +174,10 @@ class GroupStreamingResponse(StreamingResponse):
         except StreamFailed as e:
             # Returning without the final chunk makes the server close the connection mid-stream,
             # without the traceback an exception would log for what is an engine-side failure.
-            # (503: the server's shutdown, or an engine failure logged already: not an error of this request)
-            log.log(logging.WARNING if e.status == 503 else logging.ERROR, "%s: stream cut: %s", scope.get("path"), e)
+            # (a 4xx: the request's own input; 503: the server's shutdown, or an engine failure logged already: not an
+            # error of the server's either way)
+            log.log(logging.WARNING if e.status < 500 or e.status == 503 else logging.ERROR, "%s: stream cut: %s",
+                    scope.get("path"), e)
             _STREAM_CUT.set(True)  # (this request's task: uvicorn logs its "without completing" line from it)
         finally:
             if self.group is not None:  # (None: nothing left running, a beam search's result)

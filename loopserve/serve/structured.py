@@ -23,7 +23,8 @@ vLLM streams them. A tool's schema that refers within itself ($defs, `#/properti
 schema's $defs, its references rebased. A list cut short (finish_reason "length", or "stop" with the stop string or
 token as stop_reason) is no tool calls but the text as content in a whole response; a stream cannot take back the
 calls it sent: it keeps them (the last one's arguments cut short) and ends with that finish reason (if no name was
-complete, it sends the text as content, as the whole response does). A tool's name must not be empty. "auto" (the
+complete, it sends the text as content, as the whole response does). A tool's name must not be empty, and its
+parameters must be a schema of type "object" (none given, or {}: no parameters, arguments {}). "auto" (the
 default when tools are given) would need a parser for the model's own tool-call format: it is refused with a 400,
 as vLLM refuses it when started without `--enable-auto-tool-choice`.
 """
@@ -45,6 +46,7 @@ from loopserve.serve.responses import ChoiceStream
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
 GRAMMAR_KEYS = ("json", "regex", "choice", "grammar", "json_object")  # a structured_outputs that has none: options
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}  # a tool's that gives none
 
 
 def _options_only(req: Any) -> dict[str, Any] | None:
@@ -136,7 +138,14 @@ def request_guide(req: Any, tool_call: bool = False) -> GuidedDecodingParams | N
     if name == "response_format":
         return response_format_guide(req)
     if name == "structured_outputs":
-        return _structured_outputs(req.structured_outputs)
+        spec = req.structured_outputs
+        pattern = getattr(req, "guided_whitespace_pattern", None)
+        if pattern is not None:  # (vLLM's older field applies to the newer object's grammar too)
+            if spec.get("whitespace_pattern") is not None:
+                where = "structured_outputs.whitespace_pattern"
+                raise ApiError(400, f"{where}: given twice (guided_whitespace_pattern gives it too)", where)
+            spec = {**spec, "whitespace_pattern": pattern}
+        return _structured_outputs(spec)
     options, field_of = grammar_options(req)
     return _guided(name, {GUIDED_FIELDS[name]: name, **field_of}, **{GUIDED_FIELDS[name]: getattr(req, name)},
                    **options)
@@ -411,6 +420,11 @@ def tool_plan(req: Any) -> ToolPlan | None:
         if t.function.name in seen:
             raise ApiError(400, f"{where}: {t.function.name!r} names another tool already", where)
         seen.add(t.function.name)
+        kind = (t.function.parameters or {}).get("type", "object")
+        if kind != "object":  # (OpenAI's rule: a call's arguments are a JSON object, which a message sends back)
+            where = f"tools.{i}.function.parameters"
+            raise ApiError(400, f"{where}: must be a schema of type \"object\" (a call's arguments are a JSON "
+                                f"object), got type {json.dumps(kind)}", where)
     if choice is None:
         choice = "auto" if tools else "none"
     if choice == "none":
@@ -421,7 +435,8 @@ def tool_plan(req: Any) -> ToolPlan | None:
         raise ApiError(400, "tool_choice: 'auto' (the default when tools are given) needs a parser of the model's own "
                             "tool-call format, which this server does not have; use 'required', a named function "
                             "or 'none'", "tool_choice")
-    schemas = {t.function.name: t.function.parameters or {"type": "object", "properties": {}} for t in tools}
+    # a function without parameters (none given, or {}) takes none: its arguments are {} (OpenAI's reading)
+    schemas = {t.function.name: t.function.parameters or NO_PARAMETERS for t in tools}
     options, field_of = grammar_options(req)
     if choice == "required":
         # a tool's schema that refers within itself ($defs, `#/properties/...`, `#` for a recursive one) moves to the
