@@ -446,11 +446,12 @@ class SamplingParams:
         if not is_int(self.output_kind) or self.output_kind not in OUTPUT_KINDS:
             raise bad("output_kind", f"must be one of {', '.join(f'RequestOutputKind.{k.name}' for k in OUTPUT_KINDS)}")
         self.output_kind = RequestOutputKind(self.output_kind)
-        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
-        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs)
-                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
-            raise bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                # (vLLM's -1, the whole vocabulary, is over its default cap too: max_logprobs 20)
+                whole = " (-1, the whole vocabulary, is past that cap)" if v == -1 else ""
+                raise bad(name, f"must be an integer in [0, {MAX_LOGPROBS}]{whole}")
         for name in ("min_loops", "max_loops"):
             v = getattr(self, name)
             if v is not None and (not is_int(v) or v < 1):

@@ -747,3 +747,14 @@ def test_the_first_failing_item_is_named_not_a_later_one(body, message):
     with pytest.raises(ApiError) as e:
         parse_body(ChatCompletionRequest, json.dumps({"model": MODEL, **body}).encode())
     assert e.value.message.startswith(message), e.value.message
+
+
+@pytest.mark.parametrize("body,message", [
+    (b'{"model": "m", "prompt": ', "request body: malformed JSON"),
+    (b'{"model": "m", "prompt": "a", "guided_json": ' + b'{"a": ' * 300 + b"1" + b"}" * 301,
+     "request body: nested too deeply for the JSON parser"),
+])
+def test_a_body_the_json_parser_cannot_read_is_a_400_saying_why(server, body, message):
+    r = httpx.post(server.url + C, content=body, headers={"Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith(message), r.json()

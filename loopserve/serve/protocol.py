@@ -463,6 +463,8 @@ def _describe(cls: type[BaseModel], e: ValidationError) -> tuple[str, str | None
     first = errors[0]
     kind = first["type"]
     if kind == "json_invalid":
+        if "recursion limit" in first["msg"]:  # (valid JSON, past the parser's depth: pydantic's ~200 levels)
+            return f"request body: nested too deeply for the JSON parser ({first['msg']})", None
         return f"request body: malformed JSON ({first['msg']})", None
     if kind in ("model_type", "model_attributes_type") and not first["loc"]:
         return "request body: expected a JSON object", None
