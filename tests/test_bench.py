@@ -436,15 +436,23 @@ def test_bench_model_warns_of_emulated_bfloat16(bench_cache, monkeypatch, caplog
     assert ("--dtype float32" in caplog.text) == (not kernels)
 
 
-def test_timed_model_times_the_stages_without_touching_the_model(bench_cache, single_thread):
+@pytest.mark.parametrize("preset", ["micro-ouro", "micro-huginn"])
+def test_timed_model_times_the_stages_without_touching_the_model(bench_cache, single_thread, preset):
     """The benchmarks' model timer wraps the model (the engine is built around the wrapper): the same tokens
-    as the bare model, time in every stage the engine called, and the model itself left as it was."""
+    as the bare model, time in every stage the engine called, and the model itself left as it was. What the engine
+    asks of a model (its gate, its injection, its random states) the wrapper answers as the model does: Huginn's
+    runs crashed when it did not say that the model injects."""
+    from loopserve.models.base import LoopedLM
     from loopserve.sampling_params import SamplingParams
     from loopserve_lab.bench.harness import BenchModel, TimedModel
 
-    bm = BenchModel.load("micro-ouro", "float32")
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, exit_policy="gate", exit_threshold=0.5)
+    bm = BenchModel.load(preset, "float32")
+    ouro = preset == "micro-ouro"
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, exit_policy="gate" if ouro else "fixed",
+                            exit_threshold=0.5 if ouro else None)
     timed = TimedModel(bm.model)
+    for name in ("has_gate", "injects", "draws_random_state", "has_lookahead_gate"):  # (LoopedLM's questions)
+        assert hasattr(LoopedLM, name) and getattr(timed, name) == getattr(bm.model, name), name
     outs = {}
     for name, engine in (("bare", bm.engine(kv_cache_tokens=256)), ("timed", bm.engine(timed=timed,
                                                                                        kv_cache_tokens=256))):
@@ -453,7 +461,7 @@ def test_timed_model_times_the_stages_without_touching_the_model(bench_cache, si
             for o in engine.step():
                 outs[name] = (o.outputs[0].token_ids, o.outputs[0].exit_depths)
     assert outs["bare"] == outs["timed"]
-    assert all(timed.by_stage[s] > 0 for s in ("prelude", "core_step", "coda", "gate_logit"))
+    assert all(timed.by_stage[s] > 0 for s in ("prelude", "core_step", "coda", *(("gate_logit",) if ouro else ())))
     assert timed.seconds == pytest.approx(sum(timed.by_stage.values()))
     assert not {"prelude", "core_step", "coda", "gate_logit"} & set(vars(bm.model))  # no method replaced
 

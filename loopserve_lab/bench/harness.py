@@ -130,7 +130,7 @@ class TimedModel(LoopedLM):
     def __init__(self, inner: LoopedLM, sync_cuda: bool = False) -> None:
         super().__init__()
         self.inner, self.sync = inner, sync_cuda
-        self.config, self.has_gate = inner.config, inner.has_gate
+        self.config, self.has_gate, self.injects = inner.config, inner.has_gate, inner.injects
         self.seconds = 0.0
         self.by_stage: dict[str, float] = {s: 0.0 for s in self.STAGES}
 
