@@ -711,7 +711,7 @@ def format_trace_summary(summaries: dict[str, dict[str, Any]]) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
-class _HelpFormat(argparse.ArgumentDefaultsHelpFormatter):
+class HelpFormat(argparse.ArgumentDefaultsHelpFormatter):
     """Each flag's default after its help (`bench <command> --help` lists them), unless the help already says what it
     is in its own words ("default: 0.625 r_max"); a flag given no help gets "default: ..." as its help (`register`)."""
 
@@ -897,7 +897,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_peer_args(p)
     p.set_defaults(func=_cmd_peer, threads=1)
     for command in bsub.choices.values():
-        command.formatter_class = _HelpFormat
+        command.formatter_class = HelpFormat
         for action in command._actions:  # (argparse prints no help line, so no default, for a flag without help)
             if action.help is None and action.option_strings and action.nargs != 0:
                 action.help = "default: %(default)s"

@@ -1085,7 +1085,10 @@ def summary(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loopserve_lab.bench.soak", description=__doc__.split("\n\n")[0])
+    from loopserve_lab.bench.cli import HelpFormat
+
+    p = argparse.ArgumentParser(prog="python -m loopserve_lab.bench.soak", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormat)
     p.add_argument("--duration-s", type=float, required=True, help="wall time of the traffic")
     p.add_argument("--model", type=Path, default=None, help="checkpoint folder (default: a make_tiny checkpoint)")
     p.add_argument("--concurrency", type=int, default=8, help="concurrent client workers")

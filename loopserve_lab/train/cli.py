@@ -114,7 +114,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     evs = ev.add_subparsers(dest="eval_command", required=True)
     p = evs.add_parser("ppl", help="held-out perplexity at fixed depths and over exit thresholds, per KV layout")
     p.add_argument("model", nargs="?", default=None, help="model folder (default: the embedded model)")
-    p.add_argument("--windows", type=int, default=48, help="held-out windows to score (default 48)")
+    p.add_argument("--windows", type=int, default=48, help="held-out windows to score (default: %(default)s)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per window (default: %(default)s)")
     p.add_argument("--calibrate", action="store_true",
                    help="pick the default exit threshold on the validation slice and write it to the model's "
