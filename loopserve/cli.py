@@ -20,6 +20,7 @@ from loopserve.config_args import add_config_args, config_kwargs, flag_of
 from loopserve.engine.config import SCHEDULERS, EngineConfig
 from loopserve.exits import DEFAULT_POLICIES, DEFAULT_THRESHOLDS
 from loopserve.load_config import LoadConfig
+from loopserve.sampling_params import EXIT_FIELDS
 
 # Modules that add subcommands (the runtime's, then the lab's); a missing one is skipped.
 _COMMAND_MODULES = ["loopserve.cli", "loopserve.serve.cli", "loopserve_lab.tiny", "loopserve_lab.bench.cli",
@@ -78,7 +79,7 @@ _SAMPLING_HELP = {"max_tokens": "tokens to generate per prompt", "temperature": 
 
 # The looped-model fields of SamplingParams as flags (generate, demo; serve's request defaults): (type, help); each
 # is unset by default.
-EXIT_FLAGS: dict[str, tuple[type, str]] = {
+EXIT_FLAGS: dict[str, tuple[type, str]] = {  # (keyed by EXIT_FIELDS, each once)
     "exit_threshold": (float, "the exit policy's threshold (unset: the gate's is the checkpoint's early_exit_threshold"
                               + "".join(f", {k}'s {v:g}" for k, v in DEFAULT_THRESHOLDS.items()) + ")"),
     "exit_policy": (str, "exit policy (unset: the model's: gate with a learned exit gate, else latent_diff)"),
@@ -139,8 +140,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                   **load_kwargs(args), **engine_kwargs(args))
         given = {k: getattr(args, k) for k in GENERATE_DEFAULTS if getattr(args, k) is not None}
         params = SamplingParams(**{**GENERATE_DEFAULTS, **llm.generation_defaults, **given},
-                                exit_threshold=args.exit_threshold, exit_policy=args.exit_policy,
-                                min_loops=args.min_loops, max_loops=args.max_loops, ignore_eos=args.ignore_eos,
+                                **{k: getattr(args, k) for k in EXIT_FIELDS}, ignore_eos=args.ignore_eos,
                                 seed=args.seed)
         if args.chat or args.chat_template is not None:
             prompts = [llm._chat_prompt([{"role": "user", "content": p}]) for p in prompts]

@@ -30,6 +30,10 @@ MAX_N = 16384
 # a choice among more than ~2,000 options that share it.
 MAX_STOP = 256
 MAX_CHOICES = 2000
+# GuidedDecodingParams' grammar fields (its json_object, a flag, names one more: a JSON object)
+GUIDE_KINDS = ("json", "regex", "choice", "grammar")
+# SamplingParams' fields for a looped model's exit rule that a request, a command's flags or a server's defaults set
+EXIT_FIELDS = ("min_loops", "max_loops", "exit_threshold", "exit_policy")
 MAX_GRAMMAR_CHARS = 100_000  # a regex, a Lark/GBNF grammar, a whitespace pattern
 MAX_SCHEMA_CHARS = 500_000  # a JSON schema, as JSON (an enum of 40,000 words: 0.3 s to compile)
 # Temperatures below this sample greedily (as vLLM does): dividing logits by a subnormal temperature
@@ -178,7 +182,7 @@ class GuidedDecodingParams:
                              f"expected one of {', '.join(map(str, GRAMMAR_BACKENDS))}, got {_short(self.backend)}")
         if self.structural_tag is not None:
             raise ValueError("structural_tag: not supported (use json, regex, choice, grammar or json_object)")
-        given = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]
+        given = [n for n in GUIDE_KINDS if getattr(self, n) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
             # (named by vLLM's newer name: GuidedDecodingParams and StructuredOutputsParams are one class here, so which

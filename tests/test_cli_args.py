@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from loopserve.cache.layout import LAYOUTS
-from loopserve.cli import build_parser, engine_kwargs
+from loopserve.cli import EXIT_FLAGS, build_parser, engine_kwargs
 from loopserve.engine.config import ENGINE_SCHEDULERS, SCHEDULERS, EngineConfig
 from loopserve.exits import DEFAULT_POLICIES
+from loopserve.sampling_params import EXIT_FIELDS
 from loopserve_lab.bench.cli import BENCH_DRIVEN, engine_overrides
 
 FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
@@ -39,6 +40,7 @@ def test_every_engine_knob_is_a_flag_with_the_config_default(command):
     assert list(actions["scheduler"].choices or ()) == list(ENGINE_SCHEDULERS if command == "serve" else SCHEDULERS)
     assert list(actions["kv_layout"].choices or ()) == list(LAYOUTS)
     assert list(actions["exit_policy"].choices or ()) == list(DEFAULT_POLICIES)  # (a trace is a request's own)
+    assert set(EXIT_FIELDS) <= set(actions) and set(EXIT_FLAGS) == set(EXIT_FIELDS)  # (each exit field a flag)
 
 
 def test_serve_refuses_the_reference_scheduler_as_a_flag():

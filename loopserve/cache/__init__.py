@@ -1,6 +1,3 @@
-"""Paged KV cache: storage, block allocation and the KV layouts that map (layer, depth) to slots."""
-
-from loopserve.cache.layout import LAYOUTS, KVLayout
-from loopserve.cache.pool import BlockAllocator, KVStore
-
-__all__ = ["LAYOUTS", "KVLayout", "BlockAllocator", "KVStore"]
+"""Paged KV cache: the store and its block allocator (`pool`), the layouts that map (layer, depth) to slots
+(`layout`), the per-sequence block tables (`block_table`) and their manager (`manager`), prefix caching (`prefix`),
+and decode attention scores read where the keys lie (`scores`)."""

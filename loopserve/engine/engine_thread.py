@@ -147,7 +147,7 @@ class EngineThread:
     """`max_queued_requests`: the admission bound past `max_num_seqs` (None: none). `stopped_message`: what a request
     refused or ended by the shutdown is told (`EngineStoppedError`)."""
 
-    def __init__(self, engine: LLMEngine, max_queued_requests: int | None = 256,
+    def __init__(self, engine: LLMEngine, max_queued_requests: int | None,
                  on_outputs: Callable[[list[RequestOutput]], None] | None = None,
                  idle_poll_s: float = 0.5, on_dead: Callable[[], None] | None = None,
                  on_scheduled: Callable[[str, float], None] | None = None,

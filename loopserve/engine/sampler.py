@@ -50,7 +50,7 @@ from loopserve.device import upload
 from loopserve.engine.grammar import apply_guides
 from loopserve.errors import GrammarLimitError, NonFiniteError
 from loopserve.random_streams import uniforms
-from loopserve.sampling_params import SamplingParams
+from loopserve.sampling_params import GUIDE_KINDS, SamplingParams
 
 
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -428,7 +428,7 @@ def guided_room(p: SamplingParams, grammar: np.ndarray, vocab: int, counter: int
         names.append("min_tokens")
     spec = p.guided_decoding
     field = "structured_outputs" if p.structured_outputs is not None else "guided_decoding"
-    kind = next((k for k in ("json", "regex", "choice", "grammar") if getattr(spec, k, None) is not None),
+    kind = next((k for k in GUIDE_KINDS if getattr(spec, k, None) is not None),
                 "json_object")
     at = f"at output token {counter + 1}"
     if not names:

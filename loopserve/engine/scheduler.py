@@ -45,7 +45,7 @@ import numpy as np
 from loopserve.cache.layout import IN_FLIGHT
 from loopserve.cache.manager import KVCacheManager
 from loopserve.cache.prefix import block_keys, reusable_tokens
-from loopserve.engine.config import EngineConfig
+from loopserve.engine.config import ENGINE_SCHEDULERS, EngineConfig
 from loopserve.engine.runner import PrefillChunk, Signals, StatePool, WorkItem, rows_of
 from loopserve.engine.sampler import REQUEST_ERRORS, Sample, SampledBatch
 from loopserve.engine.sequence import Sequence, Status, failure
@@ -1107,5 +1107,6 @@ class CBScheduler(CohortScheduler):
 def make_scheduler(cfg: EngineConfig, kv: KVCacheManager, pool: StatePool, stats: EngineStats,
                    prefix_scope: bytes | None = None, random_state: bool = False,
                    speculator: Speculator | None = None) -> Scheduler:
-    cls = {"cb": CBScheduler, "cdb-norefill": CDBNoRefillScheduler, "cdb": CDBScheduler}[cfg.scheduler]
+    classes = dict(zip(ENGINE_SCHEDULERS, (CBScheduler, CDBNoRefillScheduler, CDBScheduler), strict=True))
+    cls = classes[cfg.scheduler]
     return cls(cfg, kv, pool, stats, prefix_scope, random_state, speculator)

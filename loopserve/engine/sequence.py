@@ -453,10 +453,6 @@ class Sequence:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
-    @property
     def decode_index(self) -> int:
         """Index of the next decode work item (the item fed generated token k is item k)."""
         return len(self.output_ids) - 1

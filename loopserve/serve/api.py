@@ -94,6 +94,7 @@ from loopserve.engine.sequence import Sequence, TokensPrompt, resolve_exit_rule,
 from loopserve.models.loader import LoadedModel
 from loopserve.outputs import CompletionOutput, RequestOutput
 from loopserve.sampling_params import BeamSearchParams, SamplingParams, given_seed, truncates_prompt
+from loopserve.serve.cli import CORS_ANY, LOG_STATS_INTERVAL_S, MAX_QUEUED_REQUESTS, MAX_REQUEST_BODY_BYTES
 from loopserve.serve.connection import CLOSED_BY_SERVER
 from loopserve.serve.metrics import ServerMetrics, StatsLogger
 from loopserve.serve.middleware import (
@@ -154,20 +155,20 @@ class ServerSettings:
     model_path: str = ""
     expose_model_path: bool = False  # /v1/models shows `model_path` as the model's root (else its first name)
     api_keys: tuple[str, ...] = ()  # any one of them is accepted; none: no authentication
-    max_queued_requests: int = 256  # sequences (samples) waiting beyond max_num_seqs; past it: 503
-    max_body_bytes: int = 4 * 2**20
+    max_queued_requests: int = MAX_QUEUED_REQUESTS  # sequences (samples) waiting beyond max_num_seqs; past it: 503
+    max_body_bytes: int = MAX_REQUEST_BODY_BYTES
     # what a request's unset fields take (`protocol.fill_defaults`): the checkpoint's generation_config.json sampling
     # defaults (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens), and min_loops, max_loops, exit_*
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     # CORS: the origins whose pages may call the API; none: no cross-origin access at all
     allowed_origins: tuple[str, ...] = ()
-    allowed_methods: tuple[str, ...] = ("*",)
-    allowed_headers: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = CORS_ANY
+    allowed_headers: tuple[str, ...] = CORS_ANY
     allow_credentials: bool = False
     root_path: str = ""  # the path prefix of a proxy in front of the server
     log_requests: bool = False  # a line per request received and finished
     max_log_len: int | None = None  # prompt characters and token ids shown in such a line; None: all
-    stats_interval_s: float | None = 10.0  # the periodic stats line; None: off
+    stats_interval_s: float | None = LOG_STATS_INTERVAL_S  # the periodic stats line; None: off
     return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:<id>" unless a request says
 
     def __post_init__(self) -> None:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from loopserve.cli import CommandError, add_chat_args, add_engine_args, add_exit_args, engine_kwargs, load_kwargs
 from loopserve.engine.config import ENGINE_SCHEDULERS
 from loopserve.load_config import configs
+from loopserve.sampling_params import EXIT_FIELDS
 
 if TYPE_CHECKING:
     from loopserve.engine.engine import LLMEngine
@@ -30,6 +31,12 @@ if TYPE_CHECKING:
 
 API_KEY_ENV = "LOOPSERVE_API_KEY"  # vLLM's VLLM_API_KEY: the key when no --api-key is given
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# the server's limits unless flags say otherwise: the flags' defaults and `ServerSettings`' (serve/api.py)
+MAX_QUEUED_REQUESTS = 256  # sequences (samples) accepted beyond max_num_seqs
+MAX_REQUEST_BODY_BYTES = 4 * 2**20
+REQUEST_READ_TIMEOUT_S = 30.0
+LOG_STATS_INTERVAL_S = 10.0
+CORS_ANY = ("*",)  # CORS: every method, every header (once origins are allowed)
 log = logging.getLogger("loopserve.serve")
 
 
@@ -86,20 +93,21 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="write logprobs' tokens as 'token_id:<id>' (vLLM's flag; a request's "
                         "return_tokens_as_token_ids wins)")
     s = p.add_argument_group("server limits (--max-model-len and --gpu-memory-utilization: under model)")
-    s.add_argument("--max-queued-requests", type=int, default=256,
+    s.add_argument("--max-queued-requests", type=int, default=MAX_QUEUED_REQUESTS,
                    help="sequences accepted beyond --max-num-seqs (each sample of a request with n > 1 counts); "
                         "past it the server answers 503 with Retry-After")
-    s.add_argument("--max-request-body-bytes", type=int, default=4 * 2**20, help="larger bodies get 413")
+    s.add_argument("--max-request-body-bytes", type=int, default=MAX_REQUEST_BODY_BYTES, help="larger bodies get 413")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests get to finish before they are aborted")
-    s.add_argument("--request-read-timeout", type=float, default=30.0,
+    s.add_argument("--request-read-timeout", type=float, default=REQUEST_READ_TIMEOUT_S,
                    help="seconds a client may take to send a request head, or stall while sending a body "
                         "(then 408); a connection that does not keep up is closed")
     c = p.add_argument_group("CORS (browsers calling the API from other origins; off unless origins are given)")
     c.add_argument("--allowed-origins", type=_str_list, default=[],
                    help="origins allowed to call the API: a JSON list or comma-separated; '*' for any")
-    c.add_argument("--allowed-methods", type=_str_list, default=["*"], help="allowed methods (JSON list or a,b)")
-    c.add_argument("--allowed-headers", type=_str_list, default=["*"],
+    c.add_argument("--allowed-methods", type=_str_list, default=list(CORS_ANY),
+                   help="allowed methods (JSON list or a,b)")
+    c.add_argument("--allowed-headers", type=_str_list, default=list(CORS_ANY),
                    help="allowed request headers (JSON list or a,b)")
     c.add_argument("--allow-credentials", action="store_true", help="allow cookies and Authorization cross-origin")
     lg = p.add_argument_group("logging")
@@ -115,7 +123,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     lg.add_argument("--max-log-len", type=int, default=None,
                     help="prompt characters and token ids shown per logged request (unset: all)")
     lg.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")
-    lg.add_argument("--log-stats-interval", type=float, default=10.0,
+    lg.add_argument("--log-stats-interval", type=float, default=LOG_STATS_INTERVAL_S,
                     help="seconds between stats lines (throughput, running and waiting requests, KV cache usage, "
                          "mean exit depth), logged while the server is busy")
     r = p.add_argument_group("scale-out on Ray Serve (the [ray] extra; docs/scale-out.md)")
@@ -186,8 +194,7 @@ def _check(args: argparse.Namespace) -> str | None:
         return "--min-replicas: must be >= 0"
     if args.max_replicas is not None and args.max_replicas < 1:
         return "--max-replicas: must be >= 1"
-    low = args.min_replicas if args.min_replicas is not None else 1
-    high = args.max_replicas if args.max_replicas is not None else max(low, args.replicas or 1)
+    low, high = replica_bounds(args)
     if low > high:
         return f"--min-replicas ({low}) is above --max-replicas ({high})"
     if args.replicas is not None and (args.min_replicas is not None or args.max_replicas is not None) \
@@ -202,6 +209,13 @@ def _check(args: argparse.Namespace) -> str | None:
     return None
 
 
+def replica_bounds(args: argparse.Namespace) -> tuple[int, int]:
+    """The least and most replicas these flags allow: --min-replicas (unset: 1), --max-replicas (unset: the larger of
+    that and --replicas)."""
+    low = args.min_replicas if args.min_replicas is not None else 1
+    return low, args.max_replicas if args.max_replicas is not None else max(low, args.replicas or 1)
+
+
 def uses_ray(args: argparse.Namespace) -> bool:
     """Whether these flags ask for replicas on Ray Serve (else one engine in this process)."""
     return any(v is not None for v in (args.replicas, args.min_replicas, args.max_replicas, args.ray_address))
@@ -213,8 +227,7 @@ def load_server(args: argparse.Namespace) -> tuple[LLMEngine, ServerSettings]:
     from loopserve.serve.api import ServerSettings, check_sampling_defaults, load_engine
 
     model = args.model_tag or args.model
-    defaults = {"exit_threshold": args.exit_threshold, "exit_policy": args.exit_policy,
-                "min_loops": args.min_loops, "max_loops": args.max_loops}
+    defaults = {k: getattr(args, k) for k in EXIT_FIELDS}
     engine, loaded = load_engine(model, chat_template=args.chat_template, generation_config=args.generation_config,
                                  **load_kwargs(args), **engine_kwargs(args))
     path = loaded.path

@@ -60,7 +60,7 @@ def read_timeout_protocol(timeout_s: float) -> type[H11Protocol]:
 
 
 class ReadTimeoutProtocol(H11Protocol):
-    read_timeout_s = 30.0
+    read_timeout_s: float  # (`read_timeout_protocol` makes the class that sets it)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

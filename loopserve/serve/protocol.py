@@ -38,6 +38,7 @@ from pydantic_core import PydanticCustomError
 
 from loopserve.chat_messages import ROLES
 from loopserve.sampling_params import (
+    EXIT_FIELDS,
     MAX_BEAM_WIDTH,
     MAX_LOGPROBS,
     GuidedDecodingParams,
@@ -540,7 +541,6 @@ def _members(t: Any) -> list[Any]:
 # request fields passed to SamplingParams as they are (validated there)
 ADJUSTMENTS = ("frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "min_tokens",
                "include_stop_str_in_output", "truncate_prompt_tokens", "allowed_token_ids", "bad_words")
-EXIT_FIELDS = ("min_loops", "max_loops", "exit_threshold", "exit_policy")
 # the fields an unset value of which the server's defaults give (`fill_defaults`)
 DEFAULTED = ("temperature", "top_p", "top_k", "min_p", *ADJUSTMENTS, *EXIT_FIELDS)
 

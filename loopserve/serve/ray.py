@@ -75,6 +75,7 @@ def deployment_options(args: argparse.Namespace, gpus: bool) -> dict[str, Any]:
     """Ray Serve deployment options for these serve flags; `gpus`: the cluster has GPUs."""
     from loopserve.cli import engine_kwargs
     from loopserve.engine.config import EngineConfig
+    from loopserve.serve.cli import replica_bounds
 
     cfg = EngineConfig(**engine_kwargs(args))
     actor: dict[str, Any] = {"num_cpus": args.replica_cpus}
@@ -93,8 +94,7 @@ def deployment_options(args: argparse.Namespace, gpus: bool) -> dict[str, Any]:
     if args.min_replicas is None and args.max_replicas is None:
         opts["num_replicas"] = args.replicas or 1
         return opts
-    low = args.min_replicas if args.min_replicas is not None else 1
-    high = args.max_replicas if args.max_replicas is not None else max(low, args.replicas or 1)
+    low, high = replica_bounds(args)
     opts["num_replicas"] = "auto"
     opts["autoscaling_config"] = {
         "min_replicas": low, "max_replicas": high,

@@ -38,14 +38,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from loopserve.outputs import CompletionOutput
-from loopserve.sampling_params import GuidedDecodingParams, check_structured_outputs_keys, structured_outputs_params
+from loopserve.sampling_params import (
+    GUIDE_KINDS,
+    GuidedDecodingParams,
+    check_structured_outputs_keys,
+    structured_outputs_params,
+)
 from loopserve.serve.protocol import ApiError
 from loopserve.serve.responses import ChoiceStream
 
 # vLLM's request fields -> GuidedDecodingParams fields
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
-GRAMMAR_KEYS = ("json", "regex", "choice", "grammar", "json_object")  # a structured_outputs that has none: options
+GRAMMAR_KEYS = (*GUIDE_KINDS, "json_object")  # a structured_outputs that has none: options
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}  # a tool's that gives none
 
 

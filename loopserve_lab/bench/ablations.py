@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from loopserve.engine.config import ENGINE_SCHEDULERS
 from loopserve_lab.bench.bounds import run_bounds
 from loopserve_lab.bench.harness import BenchModel, run_offline
 from loopserve_lab.bench.throughput import compare_point
@@ -54,7 +55,7 @@ def huginn_split(models: dict[str, BenchModel], workload_for: Any, traces_for: A
     for split, bm in models.items():
         wl = workload_for(bm)
         tr = traces_for(bm, wl)
-        for r in compare_point(bm, wl, tr, width, ("cb", "cdb-norefill", "cdb"), repeats, progress,
+        for r in compare_point(bm, wl, tr, width, ENGINE_SCHEDULERS, repeats, progress,
                                f"split {split}", **overrides):
             r["split"] = split
             rows.append(r)

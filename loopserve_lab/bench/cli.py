@@ -17,8 +17,9 @@ from typing import Any
 from loopserve.cache.layout import LAYOUTS
 from loopserve.cli import CommandError
 from loopserve.config_args import add_config_args, config_kwargs
-from loopserve.engine.config import EngineConfig
+from loopserve.engine.config import ENGINE_SCHEDULERS, EngineConfig
 from loopserve.model_config import STATE_INITS
+from loopserve.models.loader import embedded_model_path
 from loopserve_lab.bench.serve import CLOCKS
 from loopserve_lab.bench.step_latency import KV_BLOCKS
 
@@ -515,7 +516,7 @@ def cmd_spec(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from loopserve_lab.bench.harness import CDB_SCHEDULERS, engine_kwargs_for, run_offline, write_json
+    from loopserve_lab.bench.harness import engine_kwargs_for, run_offline, write_json
     from loopserve_lab.bench.plots import plot_serve
     from loopserve_lab.bench.serve import ServeRun, format_serve, launch_server, run_inprocess, serve_lockstep
 
@@ -530,7 +531,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     traces, desc = build_traces(args, bm, wl)
     progress = not args.no_progress
     ov = engine_overrides(args)
-    schedulers = tuple(s.strip() for s in args.schedulers.split(",")) if args.schedulers else CDB_SCHEDULERS
+    schedulers = tuple(s.strip() for s in args.schedulers.split(",")) if args.schedulers else ENGINE_SCHEDULERS
     result: dict[str, Any] = {**_header(args, bm), "workload": wl.summary(), "depths": desc, "runs": []}
     rates = list(args.rates or [])
     if not rates:  # fractions of CB's offline capacity on this workload
@@ -844,7 +845,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = bsub.add_parser("spec", help="self-speculative decoding vs plain: acceptance, latency per token, throughput")
     add_model_args(p)
     add_engine_args(p)
-    p.set_defaults(model=str(Path(__file__).resolve().parents[2] / "loopserve" / "assets" / "ouro-shakespeare"))
+    p.set_defaults(model=str(embedded_model_path()))
     p.add_argument("-k", type=int, default=4, help="tokens drafted per verify pass")
     p.add_argument("--draft-loops", type=_ints, default=[1, 2], help="draft depths (the best one alone for the rest)")
     p.add_argument("--concurrency", type=_ints, default=[1, 2, 4, 8])

@@ -44,7 +44,6 @@ from loopserve_lab.bench.workloads import Workload
 
 log = logging.getLogger(__name__)
 
-CDB_SCHEDULERS = ("cb", "cdb-norefill", "cdb")
 LABELS = {"cb": "CB", "cdb-norefill": "CDB no-refill", "cdb": "CDB refill"}
 
 

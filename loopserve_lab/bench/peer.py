@@ -512,7 +512,7 @@ def _peer(args: argparse.Namespace) -> int:
         print(format_rows(body["rows"], kind))
         write_json(report_path, report)
     if cfg.check and cfg.check_requests:
-        _greedy_check(report, workloads, path, code, cfg, args, ov, state_init)
+        _greedy_check(report, workloads, path, code, cfg, ov, state_init)
         write_json(report_path, report)
     print(f"wrote {report_path}, {write_markdown(out / 'peer.md', report)}, {plot_report(out / 'peer.png', report)}",
           file=sys.stderr)
@@ -531,7 +531,7 @@ def _warm_up(hf: HFPeer, bm: Any, wl: Any, cfg: PeerConfig, ov: dict[str, Any]) 
 
 
 def _greedy_check(report: dict[str, Any], workloads: dict[str, Any], path: Path, code: PeerCode, cfg: PeerConfig,
-                  args: argparse.Namespace, ov: dict[str, Any], state_init: str | None) -> None:
+                  ov: dict[str, Any], state_init: str | None) -> None:
     from loopserve_lab.bench.harness import BenchModel
     from loopserve_lab.bench.workloads import Workload
 

@@ -10,6 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from loopserve.engine.config import ENGINE_SCHEDULERS
 from loopserve_lab.bench.harness import LABELS  # noqa: E402
 
 COLORS = {"cb": "#7f7f7f", "cdb-norefill": "#ff7f0e", "cdb": "#1f77b4"}
@@ -36,7 +37,7 @@ def plot_throughput(rows: list[dict[str, Any]], x: str, path: Path, title: str, 
     wall clock (faint, dashed), with the decode FLOP bound. The right panel shows absolute decode
     tokens/s (wall) and the mean exit depth."""
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for s in ("cb", "cdb-norefill", "cdb"):
+    for s in ENGINE_SCHEDULERS:
         xs, ys = _series(rows, x, s, "norm_decode_cpu")
         if xs:
             ax.plot(xs, ys, marker=MARKERS[s], color=COLORS[s], label=f"{LABELS[s]} (CPU clock)")
@@ -51,7 +52,7 @@ def plot_throughput(rows: list[dict[str, Any]], x: str, path: Path, title: str, 
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="best")
-    for s in ("cb", "cdb-norefill", "cdb"):
+    for s in ENGINE_SCHEDULERS:
         xs, ys = _series(rows, x, s, "decode_tokens_per_s")
         if xs:
             ax2.plot(xs, ys, marker=MARKERS[s], color=COLORS[s], label=LABELS[s])
@@ -73,7 +74,7 @@ def plot_throughput(rows: list[dict[str, Any]], x: str, path: Path, title: str, 
 def plot_serve(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
     """Normalized latency (and TTFT p50) against request rate, one line per scheduler."""
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for s in ("cb", "cdb-norefill", "cdb"):
+    for s in ENGINE_SCHEDULERS:
         pts = sorted((r["rate"], r["normalized_latency"], (r["ttft"] or {}).get("p50"))
                      for r in rows if r["scheduler"] == s and r.get("normalized_latency") is not None)
         if not pts:

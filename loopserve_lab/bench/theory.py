@@ -265,10 +265,6 @@ class StageFlops:
     def Fr(self) -> int:
         return self.core_step
 
-    def full_depth(self, r: int) -> int:
-        """FLOPs of one token at depth ``r``: F0 + r * Fr."""
-        return self.F0 + r * self.Fr
-
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["F0"] = self.F0

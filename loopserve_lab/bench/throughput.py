@@ -14,9 +14,9 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
+from loopserve.engine.config import ENGINE_SCHEDULERS
 from loopserve_lab.bench.bounds import realized, run_bounds
 from loopserve_lab.bench.harness import (
-    CDB_SCHEDULERS,
     LABELS,
     BenchModel,
     OfflineRun,
@@ -38,7 +38,7 @@ def _median_run(runs: list[RunResult]) -> RunResult:
 
 
 def compare_point(bm: BenchModel, workload: Workload, traces: list[list[int]] | None, width: int,
-                  schedulers: tuple[str, ...] = CDB_SCHEDULERS, repeats: int = 1, progress: bool = True,
+                  schedulers: tuple[str, ...] = ENGINE_SCHEDULERS, repeats: int = 1, progress: bool = True,
                   label: str = "", lockstep: bool = False, **engine_overrides: Any) -> list[dict[str, Any]]:
     """Run each scheduler `repeats` times (interleaved) at one configuration; one row per scheduler.
 
@@ -94,7 +94,7 @@ def compare_point(bm: BenchModel, workload: Workload, traces: list[list[int]] | 
 
 
 def sweep(points: list[tuple[Any, list[list[int]] | None, int]], key: str, bm: BenchModel, workload: Workload,
-          schedulers: tuple[str, ...] = CDB_SCHEDULERS, repeats: int = 1, progress: bool = True,
+          schedulers: tuple[str, ...] = ENGINE_SCHEDULERS, repeats: int = 1, progress: bool = True,
           on_point: Callable[[list[dict[str, Any]]], None] | None = None, lockstep: bool = False,
           **engine_overrides: Any) -> list[dict[str, Any]]:
     """`points` = (x, traces, width); each row gets `key` = x."""
