@@ -1,9 +1,11 @@
 """Command line: `loopserve generate | demo | make-tiny | serve | bench | train-tiny | eval`.
 
-Each subcommand registers itself from the module that owns it (`register(subparsers)`), so this
-file only lists them: the runtime's (`generate`, `demo`, `serve`) and the lab's (`make-tiny`, `bench`,
-`train-tiny`, `eval`, from `loopserve_lab`, in the same wheel, imported only when the parser is built).
-A command that needs an optional extra which is not installed exits 2 naming the extra.
+Each subcommand registers itself from the module that owns it (`register(subparsers)`): the runtime's
+(`generate` and `demo`, here; `serve`) and the lab's (`make-tiny`, `bench`, `train-tiny`, `eval`, from
+`loopserve_lab`, in the same wheel, imported only when the parser is built). This file also owns what the
+commands share: the engine, load, chat and exit-rule flags (`add_engine_args`, `add_chat_args`, `add_exit_args`,
+`EXIT_FLAGS`), `CommandError`, and the extras check (a command that needs an optional extra which is not
+installed exits 2 naming the extra).
 """
 
 from __future__ import annotations

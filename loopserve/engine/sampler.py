@@ -238,7 +238,7 @@ class AllowedTokenIds(list[int]):
             bits = np.zeros(words * 32, dtype=bool)
             ids = self.ids.numpy()
             bits[ids[ids < len(bits)]] = True
-            mask = self._packed[words] = _as_words(np.packbits(bits, bitorder="little"))
+            mask = self._packed[words] = _bitmask_words(np.packbits(bits, bitorder="little"))
             mask.flags.writeable = False
         return mask
 
@@ -381,7 +381,7 @@ def _allowed(p: SamplingParams) -> AllowedTokenIds:
     return ids if isinstance(ids, AllowedTokenIds) else AllowedTokenIds(ids)
 
 
-def _as_words(mask: np.ndarray) -> np.ndarray:
+def _bitmask_words(mask: np.ndarray) -> np.ndarray:
     """A bitmask (int32 words as llguidance fills them, or bytes in little bit order) as uint32 words."""
     return mask.view(np.uint32)
 
@@ -405,7 +405,7 @@ def guided_room(p: SamplingParams, grammar: np.ndarray, vocab: int, counter: int
     field that masks one of the tokens the grammar allows, the first of those (allowed_token_ids, bad_words,
     min_tokens) ahead as the field at fault (a server's `param`). O(words + banned ids) while a token is left; the
     names are worked out only when none is."""
-    words = _as_words(grammar)
+    words = _bitmask_words(grammar)
     left = words
     if p.allowed_token_ids is not None:
         left = left & _allowed(p).packed(len(words))
@@ -460,7 +460,7 @@ def _check_guided(params: list[SamplingParams], counters: list[int], bans: dict[
     the first row that its grammar with its other masks (`bans`: `bad_word_bans`'s) leaves no token (its argmax,
     or its draw from an all-zero distribution, would be a token the grammar refuses: `sample_rows` then fails it
     alone). A row with no other mask is checked in one vectorized pass for the batch."""
-    alone = _any_below(_as_words(masks), vocab)
+    alone = _any_below(_bitmask_words(masks), vocab)
     for j, i in enumerate(rows):
         p = params[i]
         early = counters[i] < p.min_tokens

@@ -26,6 +26,9 @@ from loopserve_lab.bench.step_latency import KV_BLOCKS
 DEFAULT_OUT = Path("bench-results")
 BENCH_DRIVEN = ("scheduler", "max_decode_batch")  # engine knobs each benchmark sets per run
 SWEEPS = ("width", "threshold", "full-depth")  # bench throughput --sweep
+# the mean exit depth of synthetic traces and of `theory`'s bound, as a fraction of r_max, when none is given (2.5 of
+# Ouro's 4: the Ouro-like workload's)
+DEFAULT_MEAN_DEPTH = 0.625
 
 
 def _floats(s: str) -> list[float]:
@@ -83,7 +86,8 @@ def add_depth_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("exit depths (replayed identically in every scheduler)")
     g.add_argument("--depth-law", default="binomial", choices=[*DEPTH_LAWS, "full"],
                    help="synthetic law of exit depths; 'full': every token at r_max")
-    g.add_argument("--mean-depth", type=float, default=None, help="synthetic mean (default: 0.625 r_max)")
+    g.add_argument("--mean-depth", type=float, default=None,
+                   help=f"synthetic mean (default: {DEFAULT_MEAN_DEPTH:g} r_max)")
     g.add_argument("--min-depth", type=int, default=1)
     g.add_argument("--trajectories", type=Path, default=None,
                    help="threshold-free trajectories (bench record) to replay at --threshold instead")
@@ -177,7 +181,7 @@ def build_traces(args: argparse.Namespace, bm: Any, wl: Any, threshold: float | 
                                                "policy": traj.policy, "threshold": q}
     if args.depth_law == "full":
         return None, {"source": "full depth"}
-    mean = args.mean_depth if args.mean_depth is not None else 0.625 * bm.r_max
+    mean = args.mean_depth if args.mean_depth is not None else DEFAULT_MEAN_DEPTH * bm.r_max
     tr = synthetic_traces([r.output_len for r in wl.requests], bm.r_max, mean, args.depth_law,
                           seed=args.seed, min_depth=args.min_depth)
     return tr, {"source": "synthetic", "law": args.depth_law, "mean": mean, "min_depth": args.min_depth}
@@ -229,7 +233,7 @@ def cmd_theory(args: argparse.Namespace) -> int:
         from loopserve_lab.bench.theory import model_config
 
         r = args.r_max or model_config(config).r_max
-        mean = args.mean_depth if args.mean_depth is not None else 0.625 * r
+        mean = args.mean_depth if args.mean_depth is not None else DEFAULT_MEAN_DEPTH * r
         rep = theory_report(config, mean, args.r_max, args.context, args.roofline, args.dtype)
     except ValueError as e:
         raise CommandError(str(e)) from None
@@ -728,7 +732,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = bsub.add_parser("theory", help="FLOP bound, KV bytes and roofline from a config (no weights)")
     p.add_argument("--model", default="ouro-bench", help="bench preset, checkpoint folder or config.json")
-    p.add_argument("--mean-depth", type=float, default=None, help="default: 0.625 r_max")
+    p.add_argument("--mean-depth", type=float, default=None, help=f"default: {DEFAULT_MEAN_DEPTH:g} r_max")
     p.add_argument("--r-max", type=int, default=None,
                    help="loops per token at full depth (default: the config's total_ut_steps / mean_recurrence)")
     p.add_argument("--context", type=int, default=0,
