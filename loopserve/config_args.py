@@ -23,6 +23,15 @@ def knob(default: Any, help: str, **meta: Any) -> Any:
     return dataclasses.field(default=default, metadata={"help": help, **meta})
 
 
+def check_bool_knobs(config: Any) -> None:
+    """A ValueError naming the first bool field of dataclass `config` (`bool`, or `bool | None` left unset) that holds
+    anything else: a flag's "false" string, or 0, would otherwise be read as a setting."""
+    for f in dataclasses.fields(config):
+        v = getattr(config, f.name)
+        if f.type in ("bool", "bool | None") and not isinstance(v, bool) and not (v is None and "None" in f.type):
+            raise ValueError(f"{f.name}: must be true or false{' (or unset)' if 'None' in f.type else ''}, got {v!r}")
+
+
 def _value_type(hint: Any) -> type:
     """int, float, str or bool of an annotation like `int | None`."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]

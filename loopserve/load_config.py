@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from loopserve.config_args import knob
+from loopserve.config_args import check_bool_knobs, knob
 from loopserve.device import AUTO, DTYPE_NAMES, dtype_name, kv_memory_gb
 from loopserve.engine.budget import checked_model_len
 from loopserve.engine.config import EngineConfig
@@ -78,9 +78,7 @@ class LoadConfig:
         g = self.gpu_memory_utilization
         if g is not None and not (is_number(g) and 0 < g <= 1):
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {g!r}")
-        for name in ("enforce_eager", "trust_remote_code"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}: must be True or False, got {getattr(self, name)!r}")
+        check_bool_knobs(self)
         if not is_int(self.tensor_parallel_size):
             raise ValueError(f"tensor_parallel_size: must be 1 (an integer), got {self.tensor_parallel_size!r}")
         if self.tensor_parallel_size != 1:

@@ -18,6 +18,7 @@ from loopserve.cli import main as cli_main
 from loopserve.engine import engine as engine_module
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine import LLMEngine
+from loopserve.load_config import LoadConfig
 from loopserve.model_config import HUGINN, OURO, UNIMPLEMENTED, ModelConfig
 from loopserve.models.loader import load_model
 
@@ -350,3 +351,15 @@ def test_cli_kv_pool_too_big_is_one_line(tiny_ouro, capsys):
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: kv_cache_memory_gb:") and err.count("\n") == 1, err
+
+
+# ---------------- bool knobs take bools only
+@pytest.mark.parametrize("config,name", [(EngineConfig, "enable_prefix_caching"), (EngineConfig, "lookahead"),
+                                         (EngineConfig, "async_coda"), (LoadConfig, "enforce_eager")])
+@pytest.mark.parametrize("value", ["false", 0, 1, [True]])
+def test_bool_knobs_refuse_anything_but_a_bool(config, name, value):
+    """The string "false" turned prefix caching on (a truthy value read as a setting): every bool field of the
+    engine's and the load's configs takes True or False (None where it means unset) and nothing else."""
+    with pytest.raises(ValueError, match=f"^{name}: must be true or false"):
+        config(**{name: value})
+    config(**{name: False})

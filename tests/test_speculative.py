@@ -230,6 +230,15 @@ def test_shared_layout_is_refused():
             EngineConfig(**{name: -1})
     with pytest.raises(ValueError, match="speculative_min_acceptance"):
         EngineConfig(speculative_min_acceptance=1.5)
+    with pytest.raises(ValueError, match="^num_speculative_tokens: must be an integer"):
+        EngineConfig(num_speculative_tokens=True)  # (a bool is not a count)
+
+
+def test_draft_loops_past_the_models_r_max_are_refused(tiny_ouro):
+    """A draft runs at most the model's loops: more was clamped without a word."""
+    with pytest.raises(ValueError, match=r"^speculative_draft_loops: at most the model's r_max \(4\), got 5"):
+        make_engine(tiny_ouro, num_speculative_tokens=2, speculative_draft_loops=5)
+    make_engine(tiny_ouro, num_speculative_tokens=2, speculative_draft_loops=4)
 
 
 def test_requests_that_cannot_draft_run_plainly(tiny_ouro, tiny_huginn):
@@ -350,8 +359,10 @@ def test_parallel_samples_draft(scheduler, tiny_ouro):
 
 # -- rounds that accept drafts: stops inside them; shared prefixes; a fault in a verify group -------------------
 # a draft as deep as a fixed-depth greedy request computes exactly what its verifier computes: every draft
-# is accepted, so rounds emit k + 1 tokens and a stop can fall anywhere inside one
+# is accepted, so rounds emit k + 1 tokens and a stop can fall anywhere inside one (draft loops: the models' r_max,
+# tiny_huginn's 6; tiny_ouro's 4, set where it runs)
 DEEP = dict(num_speculative_tokens=4, speculative_draft_loops=6, speculative_min_acceptance=0.0)
+OURO_DEEP = {**DEEP, "speculative_draft_loops": 4}
 
 
 @pytest.mark.parametrize("scheduler", SCHEDULERS)
@@ -361,7 +372,8 @@ def test_stops_inside_accepted_rounds(arch, scheduler, tiny_ouro, tiny_huginn):
     request there, exactly as plain decoding does (text, exit depths, logprobs included)."""
     path, state_init = (tiny_ouro, "zero") if arch == "ouro" else (tiny_huginn, "like-init")
     # room for all three requests' groups of k + 1 = 5 rows in one batch (drafts only take rows left)
-    engine = make_engine(path, state_init, scheduler=scheduler, max_decode_batch=15, max_num_seqs=15, **DEEP)
+    engine = make_engine(path, state_init, scheduler=scheduler, max_decode_batch=15, max_num_seqs=15,
+                         **(OURO_DEEP if arch == "ouro" else DEEP))
     base = dict(temperature=0, exit_policy="fixed", ignore_eos=True, logprobs=1)
     free = reference(engine, Req("s", [5, 6, 7], SamplingParams(max_tokens=20, **base), seed=1)).output_ids
     stop_tok = free[6]  # inside the second round (tokens 1..5 come from the first verify pass)
@@ -384,7 +396,7 @@ def test_stops_inside_accepted_rounds(arch, scheduler, tiny_ouro, tiny_huginn):
 def test_shared_prefixes_under_kv_pressure(scheduler, tiny_ouro):
     """Prefix-cache hits, prompt logprobs, aborts, preemption and eviction (test_prefix_cache's workload
     on its tight pool) with rounds that accept drafts."""
-    engine = make_engine(tiny_ouro, scheduler=scheduler, **TIGHT, **DEEP)
+    engine = make_engine(tiny_ouro, scheduler=scheduler, **TIGHT, **OURO_DEEP)
     reqs = shared_workload("ouro", "fixed", engine.model_config.r_max, longer=8)
     outs = drive(engine, reqs)
     for r in reqs:
@@ -406,7 +418,7 @@ def test_nan_in_a_verify_group_fails_that_request_alone(tiny_ouro, monkeypatch):
         return real_core(self, rows)
 
     monkeypatch.setattr(ModelRunner, "core", core)
-    engine = make_engine(tiny_ouro, scheduler="cdb", **DEEP)
+    engine = make_engine(tiny_ouro, scheduler="cdb", **OURO_DEEP)
     gate = dict(temperature=0, max_tokens=12, ignore_eos=True, exit_policy="gate", exit_threshold=0.6)
     reqs = [Req("v", [5, 9, 2, 7], SamplingParams(**gate), seed=1), Req("o", [3, 4], SamplingParams(**gate), seed=2)]
     outs = drive(engine, reqs)

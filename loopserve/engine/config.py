@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loopserve.cache.layout import LAYOUTS
+from loopserve.config_args import check_bool_knobs
 from loopserve.config_args import knob as _knob
 from loopserve.sampling_params import is_int, is_real
 
@@ -74,6 +75,7 @@ class EngineConfig:
                                               "of its drafts was accepted over its last 4 rounds")
 
     def __post_init__(self) -> None:
+        check_bool_knobs(self)
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler: expected one of {', '.join(SCHEDULERS)}, got {self.scheduler!r}")
         for name in ("block_size", "max_num_seqs", "max_decode_batch", "max_num_batched_tokens",
@@ -81,7 +83,7 @@ class EngineConfig:
             v = getattr(self, name)
             if v is None and name in ("min_coda_batch", "min_prelude_batch"):
                 continue
-            if not isinstance(v, int) or v < 1:
+            if not is_int(v) or v < 1:
                 raise ValueError(f"{name}: must be an integer >= 1, got {v!r}")
         if self.min_prelude_batch is not None and self.min_prelude_batch > self.max_decode_batch:
             # (a core batch with work never leaves that much room)
@@ -93,14 +95,14 @@ class EngineConfig:
                              f"got {self.kv_cache_tokens!r}")
         if not (is_real(self.kv_cache_memory_gb) and self.kv_cache_memory_gb > 0):
             raise ValueError(f"kv_cache_memory_gb: must be a number of GiB > 0, got {self.kv_cache_memory_gb!r}")
-        if not 0 <= self.kv_safety_margin < 1:
+        if not (is_real(self.kv_safety_margin) and 0 <= self.kv_safety_margin < 1):
             raise ValueError(f"kv_safety_margin: must be in [0, 1), got {self.kv_safety_margin}")
         for name in ("num_speculative_tokens", "speculative_draft_loops", "speculative_max_batch"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < (0 if name == "num_speculative_tokens" else 1):
+            if not is_int(v) or v < (0 if name == "num_speculative_tokens" else 1):
                 raise ValueError(f"{name}: must be an integer >= {0 if name == 'num_speculative_tokens' else 1}, "
                                  f"got {v!r}")
-        if not 0 <= self.speculative_min_acceptance <= 1:
+        if not (is_real(self.speculative_min_acceptance) and 0 <= self.speculative_min_acceptance <= 1):
             raise ValueError(f"speculative_min_acceptance: must be in [0, 1], got {self.speculative_min_acceptance}")
         if self.num_speculative_tokens and self.kv_layout == "shared":
             # under shared a verify row reads the other rows' latest loop, not their final depth (§12)

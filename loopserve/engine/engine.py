@@ -104,6 +104,13 @@ class LLMEngine:
         if cfg.scheduler == "reference":
             raise ValueError("scheduler: 'reference' is the sequential oracle, not a batching engine")
         c: ModelConfig = model.config
+        if cfg.speculative_draft_loops > c.r_max:  # (a draft runs at most the model's loops: more is not a setting)
+            raise ValueError(f"speculative_draft_loops: at most the model's r_max ({c.r_max}), "
+                             f"got {cfg.speculative_draft_loops}")
+        if cfg.num_speculative_tokens >= cfg.max_decode_batch:
+            log.warning("num_speculative_tokens=%d: a round drafts at most max_decode_batch - 1 = %d tokens (a "
+                        "request's drafts and its verify row share one batch)", cfg.num_speculative_tokens,
+                        cfg.max_decode_batch - 1)
         self.max_model_len = checked_model_len(max_model_len, c.max_position)
         p = next(model.parameters())
         graphs_on = cfg.cuda_graphs if cfg.cuda_graphs is not None else p.device.type == "cuda"
