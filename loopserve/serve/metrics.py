@@ -229,8 +229,7 @@ class ServerMetrics:
         with self._lock:
             for prompt, tokens, reason, first in prompts:
                 if first is not None:
-                    self.prompt_tokens.labels(*m).inc(prompt)
-                    self.prompt_total += prompt
+                    self._prefilled(prompt)
                     self.ttft.labels(*m).observe(max(0.0, first - arrival))
                 self.generation_tokens.labels(*m).inc(tokens)
                 self.generation_total += tokens
@@ -284,8 +283,7 @@ class ServerMetrics:
         engine's first-token time), and for an output that is not streamed (all its tokens at once), its gaps as
         their mean."""
         m = self.labels
-        self.prompt_tokens.labels(*m).inc(len(out.prompt_token_ids))
-        self.prompt_total += len(out.prompt_token_ids)
+        self._prefilled(len(out.prompt_token_ids))
         if times is None:
             return
         first = times.first_token_time if times.first_token_time is not None else now
@@ -302,8 +300,7 @@ class ServerMetrics:
         self.req_gen.labels(*m).observe(tokens)
         self.req_prompt.labels(*m).observe(len(out.prompt_token_ids))
         if track.prompt_only:
-            self.prompt_tokens.labels(*m).inc(len(out.prompt_token_ids))
-            self.prompt_total += len(out.prompt_token_ids)
+            self._prefilled(len(out.prompt_token_ids))
         if times is None:
             return
         end = times.finished_time if times.finished_time is not None else now
@@ -315,6 +312,11 @@ class ServerMetrics:
                                   (self.decode_time, times.first_token_time, end),
                                   (self.inference_time, track.scheduled, end)):
             hist.labels(*m).observe(max(0.0, stop - start))
+
+    def _prefilled(self, tokens: int) -> None:
+        """A prompt counted as prefilled (the counter, and the plain total the stats line reads)."""
+        self.prompt_tokens.labels(*self.labels).inc(tokens)
+        self.prompt_total += tokens
 
     def reject(self, reason: str) -> None:
         self.rejected.labels(*self.labels, reason).inc()
