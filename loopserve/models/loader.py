@@ -68,10 +68,10 @@ def read_generation_config(folder: Path, mode: str = "auto", model_config: dict[
     `do_sample` is ignored, as vLLM does; a key SamplingParams has no field for is skipped. Values are checked as
     SamplingParams checks them, and eos ids as token ids (below `vocab_size`): a ValueError naming the file and the
     key."""
-    source = Path(mode).expanduser() if mode not in ("auto", "vllm") else folder
-    path = source / "generation_config.json"
+    elsewhere = mode not in ("auto", "vllm")  # (another folder's)
+    path = (Path(mode).expanduser() if elsewhere else folder) / "generation_config.json"
     if not path.is_file():
-        if source is not folder:
+        if elsewhere:
             raise ValueError(f"generation_config: {path} is missing")
         config_eos = (model_config or {}).get("eos_token_id")
         return GenerationConfig(eos_token_ids=_token_ids(config_eos, folder / "config.json", vocab_size))
