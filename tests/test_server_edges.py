@@ -15,6 +15,7 @@ import asyncio
 import collections
 import json
 import re
+import select
 import signal
 import socket
 import subprocess
@@ -231,6 +232,30 @@ def test_stalled_connections_are_closed_after_the_read_timeout(server):
             s.sendall(body[i:i + len(body) // 3 + 1])
         status, out = _status_and_json(_read_response(s))
         assert status == 200 and out["usage"]["completion_tokens"] == 2
+
+
+def test_a_body_that_trickles_in_is_cut_once_it_is_too_slow(server):
+    """A byte every third of the read timeout never stalls, and held its connection and request task for as long
+    as the client liked: a body gets BODY_TIMEOUTS read timeouts, plus its bytes at MIN_BODY_RATE, then a 408."""
+    from loopserve.serve.connection import BODY_TIMEOUTS
+
+    head, body = _request(C, json.dumps({"model": MODEL, "prompt": "trickle " * 40, "max_tokens": 2}).encode())
+    with socket.create_connection(_addr(server)) as s:
+        s.sendall(head)
+        t0 = time.monotonic()
+        for i in range(len(body)):  # (far more bytes than the deadline lets through at this pace)
+            if select.select([s], [], [], READ_TIMEOUT / 3)[0]:  # answered
+                break
+            try:
+                s.sendall(body[i:i + 1])
+            except OSError:
+                break
+        raw = _read_all(s)
+        elapsed = time.monotonic() - t0
+    status, err = _status_and_json(raw)
+    assert status == 408 and "too slow" in err["error"]["message"], err
+    deadline = BODY_TIMEOUTS * READ_TIMEOUT
+    assert deadline - 0.5 < elapsed < deadline + 2 * READ_TIMEOUT + 1, elapsed
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])

@@ -101,7 +101,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="on SIGTERM, seconds in-flight requests get to finish before they are aborted")
     s.add_argument("--request-read-timeout", type=float, default=REQUEST_READ_TIMEOUT_S,
                    help="seconds a client may take to send a request head, or stall while sending a body "
-                        "(then 408); a connection that does not keep up is closed")
+                        "(then 408; a body trickling in gets 4 of these plus its bytes at 16 KiB/s); a "
+                        "connection that does not keep up is closed")
     c = p.add_argument_group("CORS (browsers calling the API from other origins; off unless origins are given)")
     c.add_argument("--allowed-origins", type=_str_list, default=[],
                    help="origins allowed to call the API: a JSON list or comma-separated; '*' for any")

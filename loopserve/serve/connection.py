@@ -10,7 +10,9 @@ protocol class `cli.py` passes to `uvicorn.Config(http=...)`:
 - a request head (request line and headers) must be complete within the timeout of the
   connection opening or of the head's first byte; otherwise the connection is closed;
 - while a request body is being received, a gap of more than the timeout between its bytes is a
-  stall: the client gets a 408 (OpenAI-style body) and the connection is closed;
+  stall: the client gets a 408 (OpenAI-style body) and the connection is closed; so is a body that trickles in
+  without stalling, once it has taken BODY_TIMEOUTS timeouts plus its bytes at MIN_BODY_RATE (a byte every few
+  seconds held a connection and its task for as long as the client liked);
 - on graceful shutdown, a request whose body is still arriving gets a 503 and its connection is
   closed at once: it was never admitted, so there is nothing to let finish.
 
@@ -47,6 +49,12 @@ SHUTDOWN_MARGIN_S = 1.0  # `GracefulServer`: the app's end of the grace period c
 # of the grace period) before uvicorn's, for the answers to be written
 
 
+# A request body may take BODY_TIMEOUTS read timeouts, plus its bytes at MIN_BODY_RATE bytes/s (a 4 MiB body: 256 s
+# more), before it counts as too slow (408)
+BODY_TIMEOUTS = 4
+MIN_BODY_RATE = 16 * 1024
+
+
 def grace_deadline(grace_s: float) -> float:
     """Seconds from the start of a graceful shutdown to the app's end of it (`OpenAIServing.abort_in_flight`):
     SHUTDOWN_MARGIN_S, at most a quarter of the grace period, before the grace period runs out. One rule for
@@ -67,6 +75,8 @@ class ReadTimeoutProtocol(H11Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._awaiting: str | None = None  # "head" or "body": what the client is expected to send
         self._since = 0.0  # head: when it was first awaited; body: when its last bytes arrived
+        self._body_start = 0.0  # when the body began to be awaited
+        self._body_bytes = 0  # and what of it has arrived since
 
     # -- asyncio / uvicorn hooks ----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -74,6 +84,8 @@ class ReadTimeoutProtocol(H11Protocol):
         self._watch(fresh=True)
 
     def data_received(self, data: bytes) -> None:
+        if self._awaiting == "body":
+            self._body_bytes += len(data)
         super().data_received(data)
         self._watch()
 
@@ -104,6 +116,8 @@ class ReadTimeoutProtocol(H11Protocol):
             elif state is h11.IDLE and (fresh or self.conn.trailing_data[0]):
                 awaiting = "head"  # a new connection, or part of the next request head has arrived
         now = self.loop.time()
+        if awaiting == "body" and self._awaiting != "body":
+            self._body_start, self._body_bytes = now, 0
         if awaiting != self._awaiting or awaiting == "body":  # body bytes restart the stall clock
             self._since = now
         self._awaiting = awaiting
@@ -124,8 +138,16 @@ class ReadTimeoutProtocol(H11Protocol):
         now = self.loop.time()
         if self.flow.read_paused:  # the app has not read what came: not the client's stall
             self._since = now
+            self._body_start, self._body_bytes = now, 0  # (nor its slowness: the body's allowance starts again)
         due = self._since + self.read_timeout_s
-        if now < due:
+        slow = (self._awaiting == "body" and not self.cycle.response_started
+                and now - self._body_start > BODY_TIMEOUTS * self.read_timeout_s + self._body_bytes / MIN_BODY_RATE)
+        if slow:
+            log.info("%s: request body too slow (%d bytes in %.0f s); answered 408 and closed", self._peer(),
+                     self._body_bytes, now - self._body_start)
+            self._answer(408, f"request body: too slow ({self._body_bytes} bytes in {now - self._body_start:.0f} s)")
+            self.transport.close()
+        elif now < due:
             self._timer = self.loop.call_at(due, self._check)
         elif self._awaiting == "head":
             # a connection that never sent a byte is not worth a line (browsers open spare ones)
