@@ -439,6 +439,13 @@ class Tokenizer:
             out["additional_special_tokens"] = additional
         return out
 
+    def info(self) -> dict[str, Any]:
+        """What vLLM's GET /tokenizer_info answers: tokenizer_config.json's settings, its special tokens as text
+        (`special_tokens_map`), `tokenizer_class`, and the chat template a chat request renders with (the default
+        one, as set: `--chat-template`'s or the folder's; None when there is none)."""
+        return {"tokenizer_class": "PreTrainedTokenizerFast", **self.config, **self.special_tokens_map,
+                "chat_template": self.chat_template}
+
     def get_added_vocab(self) -> dict[str, int]:
         """transformers': the added tokens (tokenizer.json's `added_tokens`, special or not) -> their ids, by id."""
         return {t.content: i for i, t in sorted(self.tok.get_added_tokens_decoder().items())}

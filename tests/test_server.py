@@ -95,6 +95,7 @@ def test_health_models_and_metric_names(server, client, ouro_path):
         assert f"loopserve:{name}" in text, name
     assert 'engine="0"' in text and "process_cpu_seconds_total" in text and "python_gc_objects_collected" in text
     assert "_created" not in text  # (no creation-time series beside each counter and histogram, as in vLLM)
+    assert httpx.get(server.url + "/tokenizer_info").status_code == 404  # (only with --enable-tokenizer-info-endpoint)
 
 
 def test_prefix_cache_usage_and_metrics(server, client):

@@ -21,6 +21,7 @@ import httpx
 import openai
 import pytest
 
+from loopserve.tokenizer import Tokenizer
 from loopserve_lab.tiny import TinySpec, make_tiny
 from tests.server_helpers import MODEL, REPO, Server, metric, run_server, sse_events
 
@@ -50,7 +51,8 @@ def server(tiny_path, tmp_path_factory) -> Iterator[Server]:
                     "--allowed-origins", f'["{ORIGIN}"]', "--root-path", ROOT, "--enable-log-requests",
                     "--max-log-len", str(LOG_LEN),
                     "--log-stats-interval", str(STATS_S), "--max-model-len", str(MAX_LEN),
-                    "--kv-cache-tokens", "1024", log_level="info", access_log=True, chat_template=TEMPLATE) as s:
+                    "--kv-cache-tokens", "1024", "--enable-tokenizer-info-endpoint", log_level="info", access_log=True,
+                    chat_template=TEMPLATE) as s:
         yield s
 
 
@@ -113,6 +115,20 @@ def test_tokenize_detokenize_round_trip(server):
         assert (r.status_code, r.json()["error"]["param"]) == (status, param)
     assert _post(server, "/tokenize", {"prompt": "x"}, Authorization="Bearer nope").status_code == 401
     assert _post(server, "/tokenize", {"model": "other", "prompt": "x"}).status_code == 404
+
+
+def test_tokenizer_info_serves_what_a_remote_tokenizer_reads(server, tiny_path):
+    """GET /tokenizer_info (vLLM's --enable-tokenizer-info-endpoint): the tokenizer's config, its special tokens as
+    text and the chat template the server renders with: what lm-eval's remote tokenizer reads (eos_token, the
+    template), beside /tokenize and /detokenize. Authenticated as the other routes are."""
+    r = httpx.get(server.url + "/tokenizer_info", headers=_auth(), timeout=30)
+    assert r.status_code == 200, r.text
+    info = r.json()
+    tok = Tokenizer(tiny_path)
+    assert info["tokenizer_class"] and info["eos_token"] == tok.eos_token and info["chat_template"] == TEMPLATE
+    eos = _post(server, "/tokenize", {"prompt": info["eos_token"], "add_special_tokens": False}).json()["tokens"]
+    assert eos == [tok.eos_token_id]
+    assert httpx.get(server.url + "/tokenizer_info", timeout=30).status_code == 401
 
 
 def test_chat_template_kwargs_reach_the_template(server):

@@ -170,6 +170,9 @@ class ServerSettings:
     max_log_len: int | None = None  # prompt characters and token ids shown in such a line; None: all
     stats_interval_s: float | None = LOG_STATS_INTERVAL_S  # the periodic stats line; None: off
     return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:<id>" unless a request says
+    # GET /tokenizer_info (vLLM's --enable-tokenizer-info-endpoint, off by default as there: it shows the tokenizer's
+    # config and chat template); clients that tokenize through the server read it (lm-eval's remote tokenizer)
+    tokenizer_info: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.model_names, str) or not self.model_names or not all(self.model_names):
@@ -871,6 +874,10 @@ class OpenAIServing:
         return JSONResponse({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
                              "token_strs": strs})
 
+    async def tokenizer_info(self, request: Request) -> JSONResponse:
+        self.check_auth(request)
+        return JSONResponse(self.tokenizer.info())
+
     async def detokenize(self, request: Request) -> JSONResponse:
         req: DetokenizeRequest = await self.read(request, lambda body: parse_body(DetokenizeRequest, body))
         return await self.off_loop(self.detokenized, req)  # (as /tokenize)
@@ -1102,6 +1109,8 @@ def build_app(engine: LLMEngine, settings: ServerSettings,
         ("POST", "/v1/completions", serving.completions, _json_body(CompletionRequest)),
         ("POST", "/v1/chat/completions", serving.chat_completions, _json_body(ChatCompletionRequest)),
     ]
+    if settings.tokenizer_info:
+        routes.append(("GET", "/tokenizer_info", serving.tokenizer_info, None))
     for method, path, endpoint, extra in routes:
         app.add_api_route(path, endpoint, methods=[method], openapi_extra=extra)
 

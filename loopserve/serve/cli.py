@@ -89,6 +89,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--root-path", default="", help="path prefix under which a proxy serves this API")
     g = p.add_argument_group("request defaults (a request's own fields win)")
     add_exit_args(g)
+    g.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="serve GET /tokenizer_info: the tokenizer's config and chat template (vLLM's flag; for "
+                        "clients that tokenize through the server)")
     g.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="write logprobs' tokens as 'token_id:<id>' (vLLM's flag; a request's "
                         "return_tokens_as_token_ids wins)")
@@ -246,6 +249,7 @@ def load_server(args: argparse.Namespace) -> tuple[LLMEngine, ServerSettings]:
         allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials,
         root_path=args.root_path, log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
         stats_interval_s=None if args.disable_log_stats else args.log_stats_interval,
+        tokenizer_info=args.enable_tokenizer_info_endpoint,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids)
     return engine, settings
 
