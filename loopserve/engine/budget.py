@@ -43,8 +43,9 @@ def completion_budget(prompt_len: int, requested: int | None, *, max_model_len: 
     `clip_to_context`: a completion asked to run past the context ends at its end instead (vLLM's offline
     `LLM` does that, finish_reason "length"; its server, like this one, refuses the request)."""
     if prompt_len >= max_model_len:
-        raise ValueError(f"{prompt_field}: {prompt_len} tokens; this model's maximum context length is "
-                         f"{max_model_len} tokens, which leaves no room to generate")
+        why = "more than" if prompt_len > max_model_len else "all of"
+        raise ValueError(f"{prompt_field}: {prompt_len} tokens, {why} this model's maximum context length of "
+                         f"{max_model_len} tokens: no room to generate")
     room = sequence_room(max_model_len, kv_tokens) - prompt_len
     if room < 1:
         raise ValueError(f"{prompt_field}: {prompt_len} tokens do not fit in the KV cache ({kv_tokens} tokens)")
