@@ -66,8 +66,9 @@ PROBE_SLOTS = 8  # requests a replica takes beyond what its engine admits: /heal
 DRAIN_POLL_S = 0.05  # `LoopServeReplica.drain`: how often it looks whether its HTTP requests are all answered
 DRAIN_SLACK_S = 10.0  # `drain_replicas` waits this much beyond the grace period for the replicas' answers
 # ... and this long once they have all answered: a replica's last chunks (a stream's 503 event) are still on their way
-# through the proxy, which `serve.shutdown` takes down at once (a CI run saw a stream cut before its error event)
-DRAIN_FLUSH_S = 1.0
+# through the proxy, which `serve.shutdown` takes down at once (a CI run saw a stream cut before its error event; with
+# 1 s, a loaded CI run saw a response that was not answered whole)
+DRAIN_FLUSH_S = 3.0
 
 
 # -- flags -> deployment options ------------------------------------------------------------------------------
