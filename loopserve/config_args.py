@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import types
 import typing
 from typing import Any
@@ -23,13 +24,23 @@ def knob(default: Any, help: str, **meta: Any) -> Any:
     return dataclasses.field(default=default, metadata={"help": help, **meta})
 
 
+@functools.cache
+def _hints(cls: Any) -> dict[str, Any]:
+    """A config dataclass's field annotations as types (the modules write them as strings), read once per class."""
+    return typing.get_type_hints(cls)
+
+
 def check_bool_knobs(config: Any) -> None:
     """A ValueError naming the first bool field of dataclass `config` (`bool`, or `bool | None` left unset) that holds
     anything else: a flag's "false" string, or 0, would otherwise be read as a setting."""
+    hints = _hints(type(config))
     for f in dataclasses.fields(config):
-        v = getattr(config, f.name)
-        if f.type in ("bool", "bool | None") and not isinstance(v, bool) and not (v is None and "None" in f.type):
-            raise ValueError(f"{f.name}: must be true or false{' (or unset)' if 'None' in f.type else ''}, got {v!r}")
+        kinds = typing.get_args(hints[f.name]) or (hints[f.name],)
+        if bool not in kinds:
+            continue
+        v, optional = getattr(config, f.name), type(None) in kinds
+        if not isinstance(v, bool) and not (optional and v is None):
+            raise ValueError(f"{f.name}: must be true or false{' (or unset)' if optional else ''}, got {v!r}")
 
 
 def _value_type(hint: Any) -> type:
@@ -48,7 +59,7 @@ def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, c
     """One flag per field of dataclass `cls` (except `skip`). `all_default` replaces every default
     (e.g. None: "the command decides"), described in the help by `default_note`; `choices` narrows a field's
     choices for this command (a subset of the field's own)."""
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
