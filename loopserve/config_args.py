@@ -33,7 +33,7 @@ def _hints(cls: Any) -> dict[str, Any]:
 def check_bool_knobs(config: Any) -> None:
     """A ValueError naming the first bool field of dataclass `config` (`bool`, or `bool | None` left unset) that holds
     anything else: a flag's "false" string, or 0, would otherwise be read as a setting."""
-    hints = _hints(type(config))
+    hints = _hints(config.__class__)
     for f in dataclasses.fields(config):
         kinds = typing.get_args(hints[f.name]) or (hints[f.name],)
         if bool not in kinds:
