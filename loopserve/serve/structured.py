@@ -79,11 +79,16 @@ def grammar_options(req: Any) -> tuple[dict[str, Any], dict[str, str]]:
     for key, value in spec.items():
         if key in GRAMMAR_KEYS:
             continue
-        where = f"structured_outputs.{key}"
         if key in options:
-            raise ApiError(400, f"{where}: given twice (guided_whitespace_pattern gives it too)", where)
-        options[key], field_of[key] = value, where
+            raise _given_twice(key)
+        options[key], field_of[key] = value, f"structured_outputs.{key}"
     return options, field_of
+
+
+def _given_twice(key: str) -> ApiError:
+    """The 400 for a structured_outputs option that the request's guided_whitespace_pattern gives too."""
+    where = f"structured_outputs.{key}"
+    return ApiError(400, f"{where}: given twice (guided_whitespace_pattern gives it too)", where)
 
 
 def _guided(param: str, field_of: dict[str, str], **kwargs: Any) -> GuidedDecodingParams:
@@ -147,8 +152,7 @@ def request_guide(req: Any, tool_call: bool = False) -> GuidedDecodingParams | N
         pattern = getattr(req, "guided_whitespace_pattern", None)
         if pattern is not None:  # (vLLM's older field applies to the newer object's grammar too)
             if spec.get("whitespace_pattern") is not None:
-                where = "structured_outputs.whitespace_pattern"
-                raise ApiError(400, f"{where}: given twice (guided_whitespace_pattern gives it too)", where)
+                raise _given_twice("whitespace_pattern")
             spec = {**spec, "whitespace_pattern": pattern}
         return _structured_outputs(spec)
     options, field_of = grammar_options(req)
