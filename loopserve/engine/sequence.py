@@ -644,10 +644,10 @@ class Sequence:
         else:
             completions, prompt_logprobs = [s.completion() for s in head.family], head.prompt_logprobs
         if len(head.family) == 1:
-            # (a running request's metrics are still written to: a CUMULATIVE output, a snapshot of everything so far,
-            # gets a copy, as it gets copies of the lists; a DELTA one, read as it comes, is not worth one a token)
-            metrics = head.metrics if head.finished or kind != RequestOutputKind.CUMULATIVE \
-                else head.metrics.snapshot()
+            # its sample's own: a running request's metrics are still written to, so a CUMULATIVE output, a snapshot
+            # of everything so far, holds a copy (`completion`), as it holds copies of the lists; a DELTA one, read
+            # as it comes, is not worth one a token
+            metrics = completions[0].metrics if completions else head.metrics
             return RequestOutput(head.request_id, head.prompt, head._prompt_ids_out, prompt_logprobs, completions,
                                  head.finished, metrics, num_cached_tokens=head.num_cached_tokens,
                                  error=head.error, error_status=head.error_status)
