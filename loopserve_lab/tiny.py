@@ -34,13 +34,24 @@ HF_CONFIG_CLASS = {OURO: ("configuration_ouro", "OuroConfig"), HUGINN: ("raven_c
 HF_CODE_DIR = Path(__file__).parent / "hf_code"
 
 
+# make-tiny's name of each architecture (`TinySpec.arch`, `--arch`) -> the class its config.json names
+ARCHITECTURES = {"ouro": OURO, "huginn": HUGINN}
 # `TinySpec.layers` and `r_max` of each architecture where make-tiny's flags leave them unset (TinySpec's own: Ouro's)
 ARCH_DEFAULTS = {"ouro": ("2", 4), "huginn": ("2-2-2", 8)}
 
 
+def tiny_arch(architecture: str) -> str:
+    """make-tiny's name (`ARCHITECTURES`) of a config's architecture class, e.g. OuroForCausalLM -> "ouro"."""
+    for name, cls in ARCHITECTURES.items():
+        if cls == architecture:
+            return name
+    raise ValueError(f"arch: no tiny checkpoint of {architecture!r}; make-tiny builds "
+                     f"{', '.join(ARCHITECTURES.values())}")
+
+
 @dataclass
 class TinySpec:
-    arch: str = "ouro"  # "ouro" | "huginn"
+    arch: str = "ouro"  # a key of `ARCHITECTURES`
     hidden_size: int = 64
     num_heads: int = 4
     num_kv_heads: int | None = None  # Ouro only; < num_heads gives GQA
@@ -50,6 +61,7 @@ class TinySpec:
     r_max: int = ARCH_DEFAULTS["ouro"][1]
     max_position: int = 2048
     lookahead_gate: bool = False
+    state_init: str = "like-init"  # Huginn: its config's `state_init` (model_config.STATE_INITS); the released value
     seed: int = 0
 
 
@@ -62,7 +74,7 @@ SPEC_FIELD_OF_KEY = {
         ("num_kv_heads", ("num_key_value_heads",)), ("intermediate_size", ("intermediate_size",)),
         ("vocab_size", ("vocab_size", "padded_vocab_size")),
         ("layers", ("num_hidden_layers", "n_layers_in_prelude", "n_layers_in_recurrent_block", "n_layers_in_coda")),
-        ("r_max", ("total_ut_steps", "mean_recurrence")),
+        ("r_max", ("total_ut_steps", "mean_recurrence")), ("state_init", ("state_init",)),
         ("hidden_size / num_heads", ("head_dim", OURO_DERIVED_HEAD_DIM, HUGINN_HEAD_DIM)),
     )
     for key in keys
@@ -73,7 +85,9 @@ def hf_config(spec: TinySpec) -> dict:
     """The config.json of `spec` (ValueError naming the spec field for a setting its architecture lacks; the values
     themselves are checked as the loader checks them, by `make_tiny`)."""
     head_dim = spec.hidden_size // max(spec.num_heads, 1)  # (0 heads: refused as the loader refuses it)
-    if spec.arch == "ouro":
+    if spec.arch not in ARCHITECTURES:
+        raise ValueError(f"arch: expected one of {', '.join(map(repr, ARCHITECTURES))}, got {spec.arch!r}")
+    if ARCHITECTURES[spec.arch] == OURO:
         try:
             n = int(spec.layers)
         except ValueError:
@@ -81,6 +95,9 @@ def hf_config(spec: TinySpec) -> dict:
         if n < 1:
             raise ValueError(f"layers: Ouro takes a number of layers like '2', got {spec.layers!r} "
                              "('prelude-core-coda' like '2-4-2' is Huginn's)")
+        if spec.state_init != TinySpec.state_init:
+            raise ValueError(f"state_init: Huginn only (Ouro's loop starts from its prelude's output), got "
+                             f"{spec.state_init!r}")
         return {
             "architectures": [OURO],
             "auto_map": _auto_map(OURO),
@@ -96,8 +113,6 @@ def hf_config(spec: TinySpec) -> dict:
             "use_cache": True, "torch_dtype": "float32", "bos_token_id": 0, "eos_token_id": 0,
             "pad_token_id": 0,
         }
-    if spec.arch != "huginn":
-        raise ValueError(f"arch: expected 'ouro' or 'huginn', got {spec.arch!r}")
     if spec.num_kv_heads not in (None, spec.num_heads):
         raise ValueError(f"num_kv_heads: Ouro only (Huginn's attention has no grouped-query attention), got "
                          f"{spec.num_kv_heads}")
@@ -120,7 +135,7 @@ def hf_config(spec: TinySpec) -> dict:
         "block_size": spec.max_position, "rope_base": 50000, "norm_class_name": "RMSNorm_llama",
         "norm_eps": 1e-6, "block_class_name": "SandwichBlock", "mlp_class_name": "GatedMLP",
         "nonlin_name": "SiLU", "bias": False, "qk_bias": True, "tie_embeddings": True,
-        "injection_type": "linear", "state_init": "like-init", "mean_recurrence": spec.r_max,
+        "injection_type": "linear", "state_init": spec.state_init, "mean_recurrence": spec.r_max,
         "mean_backprop_depth": max(1, spec.r_max // 4), "sampling_scheme": "poisson-lognormal-filling",
         "init_strategy": "takase", "init_orthogonal": False, "activation_checkpoint_impl": "per-iteration",
         "architecture_class_name": "RecurrentGPT", "torch_dtype": "float32",
@@ -224,7 +239,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("make-tiny", help="write a random tiny Ouro or Huginn checkpoint (HF layout)",
                        formatter_class=HELP_FORMAT)
     p.add_argument("out", help="folder to write: a new or empty one")
-    p.add_argument("--arch", default=default["arch"], choices=list(ARCH_DEFAULTS), help="architecture")
+    p.add_argument("--arch", default=default["arch"], choices=list(ARCHITECTURES), help="architecture")
     p.add_argument("--seed", type=int, default=default["seed"], help="seed of the random weights")
     p.add_argument("--hidden-size", type=int, default=default["hidden_size"], help="hidden size")
     p.add_argument("--num-heads", type=int, default=default["num_heads"], help="attention heads")

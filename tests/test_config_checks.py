@@ -21,6 +21,7 @@ from loopserve.engine.engine import LLMEngine
 from loopserve.load_config import LoadConfig
 from loopserve.model_config import HUGINN, OURO, UNIMPLEMENTED, ModelConfig
 from loopserve.models.loader import load_model
+from loopserve_lab.tiny import ARCH_DEFAULTS, ARCHITECTURES, TinySpec, make_tiny, tiny_arch
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -262,6 +263,24 @@ def test_make_tiny_unwritable_folder_is_one_line(tmp_path, capsys):
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {blocker / 'sub'}: cannot write") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_tiny_arch_names_the_spec_a_checkpoint_was_made_from(tmp_path, arch):
+    """One table maps make-tiny's names to config.json's classes: what a benchmark reads back from a loaded
+    checkpoint (its `NULL_SPECS` key, its report's "arch") is the name it was made with."""
+    path = make_tiny(tmp_path / arch, TinySpec(arch=arch, layers=ARCH_DEFAULTS[arch][0]))
+    assert tiny_arch(load_model(path, "float32", "cpu").config.arch) == arch
+    with pytest.raises(ValueError, match="arch: no tiny checkpoint of 'GPT2LMHeadModel'"):
+        tiny_arch("GPT2LMHeadModel")
+
+
+def test_tiny_state_init_is_written_for_huginn_and_refused_for_ouro(tmp_path):
+    path = make_tiny(tmp_path / "h", TinySpec(arch="huginn", layers="1-1-1", state_init="zero"))
+    assert load_model(path, "float32", "cpu").config.state_init == "zero"
+    with pytest.raises(ValueError, match="state_init: Huginn only"):
+        make_tiny(tmp_path / "o", TinySpec(state_init="zero"))
+    assert not (tmp_path / "o").exists()
 
 
 def test_make_tiny_r_max_given_is_kept(tmp_path):

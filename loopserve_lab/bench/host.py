@@ -40,12 +40,11 @@ from torch import nn
 
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine import LLMEngine, StageRecord
-from loopserve.model_config import HUGINN, ModelConfig
 from loopserve.models.base import LoopedLM
 from loopserve.models.loader import LoadedModel, load_model
 from loopserve.sampling_params import RequestOutputKind, SamplingParams
 from loopserve_lab.bench.theory import DEVICES, HUGINN_0125, OURO_1_4B, step_time_estimate
-from loopserve_lab.tiny import TinySpec, make_tiny
+from loopserve_lab.tiny import TinySpec, make_tiny, tiny_arch
 
 # the null models' checkpoints (their config and tokenizer; the weights go unused): Ouro-shaped (a prelude and a
 # coda without layers) and Huginn-shaped (prelude and coda blocks, whose KV the engine plans: contexts are built
@@ -54,23 +53,23 @@ NULL_SPECS = {
     "ouro": TinySpec(arch="ouro", hidden_size=8, num_heads=1, intermediate_size=16, vocab_size=512, layers="1",
                      r_max=4, max_position=8192, seed=0),
     "huginn": TinySpec(arch="huginn", hidden_size=8, num_heads=1, intermediate_size=16, vocab_size=512,
-                       layers="1-1-1", r_max=4, max_position=8192, seed=0),
+                       layers="1-1-1", r_max=4, max_position=8192, state_init="zero", seed=0),
 }
 OUTPUT_TOKENS = 16
 PROJECTED = {"ouro-1.4b": OURO_1_4B, "huginn-0125": HUGINN_0125}
 
 
 class NullLM(LoopedLM):
-    """The stage API at (almost) no cost: state[:, 0] is a hash of (token, position), state[:, 1]
-    counts loops. `seconds` accumulates the CPU time spent inside the stages (the clock the host
-    time is read on, so `host = tick - null` never mixes clocks)."""
+    """The stage API of `shape` (a loaded model: its config, and whether it injects) at (almost) no cost:
+    state[:, 0] is a hash of (token, position), state[:, 1] counts loops. `seconds` accumulates the CPU time
+    spent inside the stages (the clock the host time is read on, so `host = tick - null` never mixes clocks)."""
 
     has_gate = True
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, shape: LoopedLM) -> None:
         super().__init__()
-        self.config = config
-        self.injects = config.arch == HUGINN  # (Huginn: an injection row per token, as the real model's)
+        self.config = shape.config
+        self.injects = shape.injects  # (Huginn: an injection row per token, as the real model's)
         self.anchor = nn.Parameter(torch.zeros(1))  # the engine reads dtype and device from parameters
         self.seconds = 0.0
 
@@ -164,7 +163,7 @@ def null_engine(scheduler: str, width: int, context: int, loaded: LoadedModel,
     cfg = EngineConfig(scheduler=scheduler, max_decode_batch=width, max_num_seqs=width, block_size=block,
                        kv_cache_tokens=tokens, prefill_chunk_size=2048, max_num_batched_tokens=8192,
                        kv_safety_margin=0.0)
-    return LLMEngine(NullLM(loaded.config), loaded.tokenizer, cfg)
+    return LLMEngine(NullLM(loaded.model), loaded.tokenizer, cfg)
 
 
 def measure(scheduler: str, width: int, context: int, loaded: LoadedModel, seed: int = 0,
@@ -175,7 +174,7 @@ def measure(scheduler: str, width: int, context: int, loaded: LoadedModel, seed:
     engine = null_engine(scheduler, width, context, loaded, output_len)
     model = engine.model
     assert isinstance(model, NullLM)
-    arch = "huginn" if loaded.config.arch == HUGINN else "ouro"  # (the `NULL_SPECS` name)
+    arch = tiny_arch(loaded.config.arch)  # (the `NULL_SPECS` name)
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True, exit_policy="gate",
                             exit_threshold=0.5, output_kind=RequestOutputKind[output_kind.upper()])
@@ -217,8 +216,7 @@ def run(widths: list[int], contexts: list[int], schedulers: list[str], progress:
             for kind in output_kinds]
     runs: dict[tuple[str, int, int, str], list[HostPoint]] = {key: [] for key in grid}
     with tempfile.TemporaryDirectory() as tmp:
-        loaded = load_model(make_tiny(Path(tmp) / "null", NULL_SPECS[arch]), "float32", "cpu",
-                            "zero" if arch == "huginn" else None)  # (its tokenizer; Huginn: states from 0)
+        loaded = load_model(make_tiny(Path(tmp) / "null", NULL_SPECS[arch]), "float32", "cpu")  # (its tokenizer)
         for sched in schedulers:  # warm-up, discarded: first calls pay one-time costs (dispatch, caches)
             measure(sched, 8, 16, loaded)
         for _ in range(repeats):

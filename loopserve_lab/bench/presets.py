@@ -24,14 +24,14 @@ from pathlib import Path
 
 from loopserve.model_config import OURO, ModelConfig
 from loopserve_lab.bench.theory import OURO_1_4B
-from loopserve_lab.tiny import TinySpec, hf_config, make_tiny
+from loopserve_lab.tiny import TinySpec, hf_config, make_tiny, tiny_arch
 
 
 def _shapes_of(c: ModelConfig) -> TinySpec:
     """Random weights in a released model's shapes: device step times at its real size (a 2.8 GB bf16
     checkpoint: meant for a lent GPU, where `scripts/gpu_check.sh` uses it), never quality."""
     ouro = c.arch == OURO
-    return TinySpec(arch="ouro" if ouro else "huginn", hidden_size=c.hidden_size, num_heads=c.num_heads,
+    return TinySpec(arch=tiny_arch(c.arch), hidden_size=c.hidden_size, num_heads=c.num_heads,
                     num_kv_heads=c.num_kv_heads if ouro else None, intermediate_size=c.intermediate_size,
                     vocab_size=c.vocab_size, layers=str(c.n_core) if ouro else f"{c.n_prelude}-{c.n_core}-{c.n_coda}",
                     r_max=c.r_max, max_position=8192, seed=0)

@@ -44,6 +44,7 @@ import torch
 
 from loopserve.cache.layout import LAYOUTS, KVLayout
 from loopserve.model_config import HUGINN, OURO, ModelConfig
+from loopserve_lab.tiny import tiny_arch
 
 __all__ = [
     "LAYOUTS",
@@ -155,7 +156,7 @@ def _r_max(c: ModelConfig, r_max: int | None) -> int:
 def _model_summary(c: ModelConfig) -> dict[str, Any]:
     """The report's ``model`` block (its key names are those of earlier ``theory.json`` files)."""
     return {
-        "arch": "ouro" if c.arch == OURO else "huginn",
+        "arch": tiny_arch(c.arch),
         "architecture": c.arch,
         "hidden": c.hidden_size,
         "intermediate": c.intermediate_size,
