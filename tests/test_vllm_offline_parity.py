@@ -91,7 +91,14 @@ NEUTRAL = dict(tokenizer_mode="hf", skip_tokenizer_init=False, revision=None, to
                pipeline_parallel_size=1, enable_chunked_prefill=True, max_logprobs=-1, task="generate",
                runner="auto", enable_lora=False, mm_processor_kwargs=None, disable_custom_all_reduce=True,
                disable_log_stats=False, hf_token=True, distributed_executor_backend=None, enable_sleep_mode=False,
-               compilation_config=None)
+               compilation_config=None, data_parallel_size=1, enable_expert_parallel=False, worker_cls="auto",
+               max_parallel_loading_workers=None, load_format="auto", config_format="auto", code_revision=None,
+               model_impl="auto", served_model_name=["a", "b"], scheduling_policy="fcfs", async_scheduling=False,
+               disable_sliding_window=True, disable_cascade_attn=False, calculate_kv_scales=False,
+               kv_transfer_config=None, guided_decoding_backend="auto", structured_outputs_config=None,
+               logits_processors=None, override_generation_config={}, speculative_config=None,
+               limit_mm_per_prompt=None, enable_prompt_embeds=False,
+               allowed_local_media_path="", max_cpu_loras=None)
 
 
 def test_vllms_keywords_at_their_neutral_values_are_taken_and_change_nothing(tiny_ouro):
@@ -132,6 +139,13 @@ def test_vllms_keywords_at_their_neutral_values_are_taken_and_change_nothing(tin
     (dict(runner="pooling"), r"^runner: "),
     (dict(enable_lora=True), r"^enable_lora: .*no LoRA adapters"),
     (dict(mm_processor_kwargs={"fps": 2}), r"^mm_processor_kwargs: .*no multimodal inputs"),
+    (dict(data_parallel_size=2), r"^data_parallel_size: .*loopserve serve --replicas.*it takes 1, got 2$"),
+    (dict(scheduling_policy="priority"), r"^scheduling_policy: .*first come, first served.*got 'priority'$"),
+    (dict(guided_decoding_backend="xgrammar"), r"^guided_decoding_backend: .*llguidance.*'auto' or 'guidance'"),
+    (dict(logits_processors=[print]), r"^logits_processors: .*no custom logits processors"),
+    (dict(speculative_config={"method": "ngram"}), r"^speculative_config: .*num_speculative_tokens"),
+    (dict(disable_cascade_attn="no"), r"^disable_cascade_attn: .*True or False"),
+    (dict(load_format="dummy"), r"^load_format: .*safetensors"),
     (dict(lora_request=None), r"^lora_request: not an LLM argument"),  # (generate's and chat's, not LLM's)
     (dict(priority=None), r"^priority: not an LLM argument"),
     (dict(max_seq_len_to_capture=8192), r"^max_seq_len_to_capture: not an LLM argument"),  # (gone from vLLM)
