@@ -451,9 +451,17 @@ class Tokenizer:
         return {t.content: i for i, t in sorted(self.tok.get_added_tokens_decoder().items())}
 
     def get_chat_template(self, chat_template: str | None = None, tools: Sequence[Any] | None = None) -> str:
-        """The template text to render: `chat_template` names one of the folder's or is itself a template."""
+        """The template text to render: `chat_template` names one of the folder's, is itself a template, or is a file
+        holding one (`load_chat_template`, as `--chat-template` reads it: a string with no Jinja marks would render
+        as itself, whatever the conversation)."""
         if chat_template is not None:
-            return self.chat_templates.get(chat_template, chat_template)
+            if chat_template in self.chat_templates:
+                return self.chat_templates[chat_template]
+            if not any(c in chat_template for c in _JINJA_MARKS) and not Path(chat_template).expanduser().is_file():
+                names = f" or one of the model's templates ({', '.join(sorted(self.chat_templates))})" if (
+                    self.chat_templates) else ""
+                raise ValueError(f"chat_template: {chat_template!r} is not a Jinja template, a file{names}")
+            return load_chat_template(chat_template)
         if tools is not None and TOOL_USE_TEMPLATE in self.chat_templates:
             return self.chat_templates[TOOL_USE_TEMPLATE]
         if DEFAULT_TEMPLATE in self.chat_templates:

@@ -120,6 +120,20 @@ def test_chat_template_arguments(llm):
     assert out.prompt == ":Hello"
     with pytest.raises(ValueError, match="chat_template_kwargs.tools"):
         llm.chat(HELLO, params, chat_template_kwargs={"tools": []})
+
+
+def test_chat_template_may_be_a_file_and_a_path_that_is_none_is_refused(llm, tmp_path):
+    """`--chat-template`'s rule: a string without Jinja marks is a file to read. It used to render as itself: the
+    prompt was the path, whatever the conversation."""
+    path = tmp_path / "t.jinja"
+    path.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}")
+    params = SamplingParams(max_tokens=1)
+    [out] = llm.chat(HELLO, params, use_tqdm=False, chat_template=str(path))
+    assert out.prompt == "[user] Hello"
+    for name in (str(tmp_path / "missing.jinja"), "tool_use"):
+        with pytest.raises(ValueError, match=r"^chat_template: .* is not a Jinja template, a file or one of the "
+                                             r"model's templates \(default\)$"):
+            llm.chat(HELLO, params, use_tqdm=False, chat_template=name)
     with pytest.raises(ValueError, match="^messages: "):
         llm.chat([], params)
 
