@@ -277,15 +277,17 @@ def test_from_json_that_is_not_the_commands_results_is_one_error_line(tmp_path, 
 
 def test_empty_api_keys_fall_back_to_the_variable_with_a_warning(monkeypatch, caplog):
     """`--api-key "$KEY"` with KEY unset: no key of its own, so $LOOPSERVE_API_KEY (vLLM's rule), said in the log."""
-    from loopserve.serve.cli import API_KEY_ENV, _api_keys
+    from loopserve.serve.cli import API_KEY_ENVS, _api_keys
 
-    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    ours = API_KEY_ENVS[0]
+    monkeypatch.delenv(API_KEY_ENVS[1], raising=False)
+    monkeypatch.delenv(ours, raising=False)
     assert _api_keys(["a", ""]) == ["a"] and not caplog.records
     assert _api_keys([""]) == []
     assert "without a key" in caplog.text
-    monkeypatch.setenv(API_KEY_ENV, "secret")
+    monkeypatch.setenv(ours, "secret")
     caplog.clear()
-    assert _api_keys([""]) == ["secret"] and f"taking ${API_KEY_ENV}" in caplog.text
+    assert _api_keys([""]) == ["secret"] and f"taking ${ours}" in caplog.text
     assert _api_keys(None) == ["secret"]
 
 

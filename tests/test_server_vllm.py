@@ -203,13 +203,17 @@ def test_any_of_several_api_keys(server):
 
 
 def test_api_key_flags_win_over_the_environment(monkeypatch):
-    from loopserve.serve.cli import API_KEY_ENV, _api_keys
+    from loopserve.serve.cli import API_KEY_ENVS, _api_keys
 
-    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    ours, vllms = API_KEY_ENVS
+    for name in API_KEY_ENVS:
+        monkeypatch.delenv(name, raising=False)
+    assert _api_keys(None) == []
+    monkeypatch.setenv(vllms, "from-vllm")  # a deployment moved from vLLM keeps its key (it was ignored)
+    assert _api_keys(None) == ["from-vllm"]
+    monkeypatch.setenv(ours, "from-env")
     assert _api_keys(None) == ["from-env"]
     assert _api_keys(["a", "b"]) == ["a", "b"]
-    monkeypatch.delenv(API_KEY_ENV)
-    assert _api_keys(None) == []
 
 
 # -- limits ----------------------------------------------------------------------------------------------------

@@ -29,7 +29,9 @@ if TYPE_CHECKING:
     from loopserve.engine.engine import LLMEngine
     from loopserve.serve.api import ServerSettings
 
-API_KEY_ENV = "LOOPSERVE_API_KEY"  # vLLM's VLLM_API_KEY: the key when no --api-key is given
+# the key when no --api-key is given: loopserve's variable, else vLLM's (a deployment moved from vLLM keeps its key:
+# ignoring VLLM_API_KEY would serve it without one)
+API_KEY_ENVS = ("LOOPSERVE_API_KEY", "VLLM_API_KEY")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # the server's limits unless flags say otherwise: the flags' defaults and `ServerSettings`' (serve/api.py)
 MAX_QUEUED_REQUESTS = 256  # sequences (samples) accepted beyond max_num_seqs
@@ -78,7 +80,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     # one key per flag (repeat it for more): a list-valued flag would swallow a model path that follows it
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help=f"require 'Authorization: Bearer KEY' on /v1, /tokenize and /detokenize; repeat the flag "
-                        f"for several keys (any one is accepted); unset: ${API_KEY_ENV}, else no key")
+                        f"for several keys (any one is accepted); unset: ${API_KEY_ENVS[0]}, else "
+                        f"${API_KEY_ENVS[1]}, else no key")
     # vLLM's form: several names after one flag (so the model goes before it, or in --model)
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the names clients may pass as `model`, each listed in /v1/models; the first is the default "
@@ -317,15 +320,15 @@ def _served_names(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def _api_keys(flags: list[str] | None) -> list[str]:
-    """The accepted keys: the --api-key values, else $LOOPSERVE_API_KEY (flags win, as in vLLM; an empty one, say an
-    unset variable's, is no key, so it falls back to the variable as vLLM's does, with a warning: a server meant to
-    need a key should not quietly take requests without one)."""
+    """The accepted keys: the --api-key values, else the first of `API_KEY_ENVS` set (flags win, as in vLLM; an empty
+    one, say an unset variable's, is no key, so it falls back to the variables as vLLM's does, with a warning: a
+    server meant to need a key should not quietly take requests without one)."""
     keys = [k for k in flags or () if k]
     if keys:
         return keys
-    env = os.environ.get(API_KEY_ENV)
+    name, env = next(((n, os.environ[n]) for n in API_KEY_ENVS if os.environ.get(n)), (None, None))
     if flags:
-        log.warning("--api-key: only empty keys given (an unset variable?); %s", f"taking ${API_KEY_ENV}" if env else
+        log.warning("--api-key: only empty keys given (an unset variable?); %s", f"taking ${name}" if env else
                     "the server takes requests without a key")
     return [env] if env else []
 

@@ -135,7 +135,7 @@ def build_application(args: argparse.Namespace) -> Application:
     if model is not None and not Path(model).exists() and Path(model).is_absolute():
         raise ValueError(f"model: {model} does not exist")
     args = argparse.Namespace(**vars(args))
-    args.api_key = _api_keys(args.api_key)  # $LOOPSERVE_API_KEY is read here: replicas may not see it
+    args.api_key = _api_keys(args.api_key)  # the key variables are read here: replicas may not see them
     args.func = None  # the subcommand's function is not needed (nor always picklable) on replicas
     return LoopServeReplica.options(**deployment_options(args, _cluster_has_gpus())).bind(args)
 
