@@ -77,6 +77,20 @@ def test_flags_map_onto_deployment_options():
     assert lray.deployment_options(_flags("--max-queued-requests", "0"), gpus=False)["max_queued_requests"] == -1
 
 
+@pytest.mark.parametrize(("argv", "said"), [
+    ((), "1 replicas"), (("--replicas", "3"), "3 replicas"),
+    (("--min-replicas", "2"), "autoscaling 2..2 replicas"),  # (it said "2..None")
+    (("--max-replicas", "4"), "autoscaling 1..4 replicas"),
+])
+def test_the_start_line_says_the_replicas_the_deployment_gets(argv, said):
+    args = _flags(*argv)
+    assert lray._describe(args) == said
+    opts = lray.deployment_options(args, gpus=False)
+    auto = opts.get("autoscaling_config")
+    assert said == (f"autoscaling {auto['min_replicas']}..{auto['max_replicas']} replicas" if auto else
+                    f"{opts['num_replicas']} replicas")
+
+
 def test_replica_threads_flags_one_rule(monkeypatch):
     """A replica's torch threads: --threads where given (on a CPU or a GPU replica), else on a CPU replica
     --replica-cpus (at least 1), else left as they are; set by the loader once the model has loaded (as the

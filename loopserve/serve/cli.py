@@ -216,11 +216,22 @@ def _check(args: argparse.Namespace) -> str | None:
     return None
 
 
+DEFAULT_REPLICAS = 1  # without --replicas, and the least replicas autoscaling keeps without --min-replicas
+
+
+def fixed_replicas(args: argparse.Namespace) -> int | None:
+    """How many replicas these flags ask for, or None where they ask for autoscaling (--min-replicas or
+    --max-replicas given: `replica_bounds`)."""
+    if args.min_replicas is None and args.max_replicas is None:
+        return args.replicas or DEFAULT_REPLICAS
+    return None
+
+
 def replica_bounds(args: argparse.Namespace) -> tuple[int, int]:
-    """The least and most replicas these flags allow: --min-replicas (unset: 1), --max-replicas (unset: the larger of
-    that and --replicas)."""
-    low = args.min_replicas if args.min_replicas is not None else 1
-    return low, args.max_replicas if args.max_replicas is not None else max(low, args.replicas or 1)
+    """The least and most replicas these flags allow: --min-replicas (unset: `DEFAULT_REPLICAS`), --max-replicas
+    (unset: the larger of that and --replicas)."""
+    low = args.min_replicas if args.min_replicas is not None else DEFAULT_REPLICAS
+    return low, args.max_replicas if args.max_replicas is not None else max(low, args.replicas or DEFAULT_REPLICAS)
 
 
 def uses_ray(args: argparse.Namespace) -> bool:

@@ -76,7 +76,7 @@ def deployment_options(args: argparse.Namespace, gpus: bool) -> dict[str, Any]:
     """Ray Serve deployment options for these serve flags; `gpus`: the cluster has GPUs."""
     from loopserve.cli import engine_kwargs
     from loopserve.engine.config import EngineConfig
-    from loopserve.serve.cli import replica_bounds
+    from loopserve.serve.cli import fixed_replicas, replica_bounds
 
     cfg = EngineConfig(**engine_kwargs(args))
     actor: dict[str, Any] = {"num_cpus": args.replica_cpus}
@@ -92,8 +92,9 @@ def deployment_options(args: argparse.Namespace, gpus: bool) -> dict[str, Any]:
         "graceful_shutdown_timeout_s": args.shutdown_timeout,
         "max_constructor_retry_count": CONSTRUCTOR_RETRIES,
     }
-    if args.min_replicas is None and args.max_replicas is None:
-        opts["num_replicas"] = args.replicas or 1
+    fixed = fixed_replicas(args)
+    if fixed is not None:
+        opts["num_replicas"] = fixed
         return opts
     low, high = replica_bounds(args)
     opts["num_replicas"] = "auto"
@@ -185,9 +186,11 @@ def flags_from_config(config: dict[str, Any]) -> argparse.Namespace:
 
 def app(config: dict[str, Any]) -> Application:
     """Application builder for `serve run loopserve.serve.ray:app model=PATH ...` and config files."""
+    from loopserve.serve.cli import DEFAULT_REPLICAS
+
     args = flags_from_config(config)
     if args.replicas is None and args.min_replicas is None and args.max_replicas is None:
-        args.replicas = 1  # a config file's `deployments:` section may say more
+        args.replicas = DEFAULT_REPLICAS  # a config file's `deployments:` section may say more
     return build_application(args)
 
 
@@ -474,6 +477,10 @@ def drain_replicas(grace_s: float) -> None:
 
 
 def _describe(args: argparse.Namespace) -> str:
-    if args.min_replicas is None and args.max_replicas is None:
-        return f"{args.replicas or 1} replicas"
-    return f"autoscaling {args.min_replicas if args.min_replicas is not None else 1}..{args.max_replicas} replicas"
+    from loopserve.serve.cli import fixed_replicas, replica_bounds
+
+    fixed = fixed_replicas(args)
+    if fixed is not None:
+        return f"{fixed} replicas"
+    low, high = replica_bounds(args)
+    return f"autoscaling {low}..{high} replicas"

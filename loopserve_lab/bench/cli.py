@@ -1,6 +1,8 @@
-"""`loopserve bench ...`: theory, setup, record, throughput, step-latency, serve, ablate, peer, prefix, spec, compile.
+"""`loopserve bench ...`: theory, setup, record, throughput, step-latency, serve, ablate, peer, prefix, spec, compile,
+host.
 
-Every command takes `--device` (cpu, cuda, cuda:N), writes JSON (and PNG plots) to `--out`, prints
+Every command that runs a model takes `--device` (cpu, cuda, cuda:N; not theory, setup or host, which run none or
+a null model on the CPU), writes JSON (and PNG plots) to `--out`, prints
 a table, and shows progress bars on long runs. Models are bench presets (`ouro-bench`,
 `huginn-bench`, ...; see `loopserve_lab.bench.presets`) or checkpoint folders.
 """
@@ -819,7 +821,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--schedulers", default="cb,cdb")
     p.add_argument("--arch", default="ouro", choices=tuple(NULL_SPECS),
                    help="the null model's shape: ouro (prelude and coda without layers) or huginn (prelude and coda "
-                        "blocks: contexts built for them, an injection row per token, codas batched by width/4)")
+                        "blocks: contexts built for them, an injection row per token, boundary batches at the "
+                        "engine's defaults for such a model: EngineConfig.boundary_batches_for)")
     p.add_argument("--output-kinds", default="cumulative",
                    help="cumulative (an output per token, everything so far), delta (an output per token, what is "
                         "new: streamed responses) and/or final_only (LLM.generate, responses not streamed), measured "

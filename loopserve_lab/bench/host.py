@@ -48,7 +48,8 @@ from loopserve_lab.tiny import TinySpec, make_tiny, tiny_arch
 
 # the null models' checkpoints (their config and tokenizer; the weights go unused): Ouro-shaped (a prelude and a
 # coda without layers) and Huginn-shaped (prelude and coda blocks, whose KV the engine plans: contexts are built
-# for those stages too, an injection row is kept per token, and the coda waits for max_decode_batch / 4 tokens)
+# for those stages too, an injection row is kept per token, and codas and preludes wait for fuller batches:
+# `EngineConfig.boundary_batches_for`)
 NULL_SPECS = {
     "ouro": TinySpec(arch="ouro", hidden_size=8, num_heads=1, intermediate_size=16, vocab_size=512, layers="1",
                      r_max=4, max_position=8192, seed=0),
