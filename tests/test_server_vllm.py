@@ -192,6 +192,9 @@ def test_request_id_is_echoed_and_names_the_response(server):
     for headers in ({"X-Request-Id": "x" * 500}, {}):  # an unusable id is replaced; errors carry one too
         err = httpx.get(server.url + "/v1/nope", headers=headers)
         assert err.status_code == 404 and re.fullmatch(r"[0-9a-f]{32}", err.headers["x-request-id"])
+        if headers:  # and the log says so (the client's id was lost without a word)
+            _log_after(server, f"X-Request-Id: not 1 to 128 visible ASCII characters (500 characters sent); the "
+                               f"request is named {err.headers['x-request-id']} instead")
 
 
 def test_any_of_several_api_keys(server):

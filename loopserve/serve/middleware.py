@@ -2,24 +2,26 @@
 
 - `BodyLimitMiddleware`: 413 for a body over the limit, declared by Content-Length or streamed.
 - `RequestIdMiddleware`: every request gets an id, the client's `X-Request-Id` when it sends a usable
-  one (else a fresh one); the app reads it from the scope (`request_id(scope)`) for the response's `id`
-  and the log, and may rename the request before its response starts (`set_request_id`: a generation
-  request's body `request_id`, vLLM's field, when no header named it); the response's `X-Request-Id`
-  header sends the id as of then.
+  one (else a fresh one, and a warning when it sent one that is not); the app reads it from the scope
+  (`request_id(scope)`) for the response's `id` and the log, and may rename the request before its response
+  starts (`set_request_id`: a generation request's body `request_id`, vLLM's field, when no header named it);
+  the response's `X-Request-Id` header sends the id as of then.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from loopserve.serve.protocol import error_body, usable_request_id
+from loopserve.serve.protocol import MAX_REQUEST_ID, error_body, usable_request_id
 
 DRAIN_FACTOR, DRAIN_S = 8, 2.0  # how much of an over-limit body is read and dropped before the 413
 REQUEST_ID_KEY = "loopserve.request_id"  # scope key
+log = logging.getLogger("loopserve.serve")
 
 
 class _BodyTooLarge(Exception):
@@ -93,13 +95,18 @@ class BodyLimitMiddleware:
         await send({"type": "http.response.body", "body": body})
 
 
-def _client_request_id(scope: Scope) -> str | None:
+def _sent_request_id(scope: Scope) -> str | None:
+    """The X-Request-Id header as sent, usable or not."""
     for k, v in scope.get("headers", []):
         if k == b"x-request-id":
-            # visible ASCII only, MAX_REQUEST_ID characters at most: the id is logged and sent back in a header
-            rid = v.decode("latin-1")
-            return rid if usable_request_id(rid) else None
+            return v.decode("latin-1")
     return None
+
+
+def _client_request_id(scope: Scope) -> str | None:
+    # visible ASCII only, MAX_REQUEST_ID characters at most: the id is logged and sent back in a header
+    rid = _sent_request_id(scope)
+    return rid if rid is not None and usable_request_id(rid) else None
 
 
 def request_id(scope: Scope) -> str:
@@ -125,7 +132,14 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        scope[REQUEST_ID_KEY] = _client_request_id(scope) or uuid.uuid4().hex
+        rid = _client_request_id(scope)
+        if rid is None:
+            rid = uuid.uuid4().hex
+            sent = _sent_request_id(scope)
+            if sent is not None:  # (served all the same, as vLLM serves it: a gateway's ids may be longer)
+                log.warning("X-Request-Id: not 1 to %d visible ASCII characters (%d characters sent); the request "
+                            "is named %s instead", MAX_REQUEST_ID, len(sent), rid)
+        scope[REQUEST_ID_KEY] = rid
 
         async def send_with_id(msg: Message) -> None:
             if msg["type"] == "http.response.start":  # the id as of now (`set_request_id`)
