@@ -309,6 +309,7 @@ WRONG_SAMPLING = {
     "guided_whitespace_pattern": 5, "structured_outputs": [1], "prompt_logprobs": "2",
     "allowed_token_ids": "1", "bad_words": "x", "use_beam_search": "no", "length_penalty": "1",
     "return_tokens_as_token_ids": "yes", "request_id": 5, "cache_salt": 5, "priority": "1", "logits_processors": 5,
+    "mm_processor_kwargs": [1], "kv_transfer_params": 5, "vllm_xargs": "x", "spaces_between_special_tokens": "no",
 }
 WRONG_COMPLETION = {**WRONG_SAMPLING, "prompt": 5, "logprobs": "2", "echo": "no", "suffix": 5, "best_of": "1",
                     "add_special_tokens": "no"}
@@ -316,7 +317,7 @@ WRONG_CHAT = {**WRONG_SAMPLING, "messages": 5, "max_completion_tokens": "4", "lo
               "add_generation_prompt": "yes", "tools": "x", "tool_choice": 5, "parallel_tool_calls": "yes",
               "chat_template_kwargs": [1], "echo": "no", "continue_final_message": "yes", "chat_template": 5,
               "add_special_tokens": "no", "documents": 5}
-ANY_VALUE: set[str] = set()  # fields any JSON value is valid for
+ANY_VALUE = {"prompt_embeds"}  # fields any JSON value is valid for (to be refused by name)
 GOOD_C = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
 GOOD_H = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 

@@ -311,6 +311,24 @@ def test_priority_and_logits_processors_only_at_their_neutral_values(server, pat
                                                "logits_processors")
 
 
+@pytest.mark.parametrize("path", [C, CHAT])
+def test_vllms_fields_for_what_the_server_lacks_are_refused_unless_empty(server, path):
+    """They were ignored with a log line: a request with `prompt_embeds` was answered from its text prompt."""
+    body = ({"prompt": "hi"} if path == C else {"messages": [{"role": "user", "content": "hi"}]})
+    body = {**body, "model": MODEL, "max_tokens": 1}
+    for name in ("mm_processor_kwargs", "kv_transfer_params", "vllm_xargs"):
+        for neutral in (None, {}):
+            assert server.post(path, {**body, name: neutral}).status_code == 200, (name, neutral)
+        assert "not supported by this server" in _refused(server.post(path, {**body, name: {"a": 1}}), name)
+    if path == C:
+        assert "--enable-prompt-embeds" in _refused(server.post(path, {**body, "prompt_embeds": "AAAA"}),
+                                                    "prompt_embeds")
+    # SamplingParams' field, taken (no longer logged as unknown); false needs skip_special_tokens, as offline
+    assert server.post(path, {**body, "spaces_between_special_tokens": False}).status_code == 200
+    assert "spaces_between_special_tokens" in _refused(server.post(path, {
+        **body, "spaces_between_special_tokens": False, "skip_special_tokens": False}), "spaces_between_special_tokens")
+
+
 def test_request_id_field_names_the_response(server):
     body = {"model": MODEL, "prompt": "id", "max_tokens": 1}
     r = server.post(C, {**body, "request_id": "body-id-1"})

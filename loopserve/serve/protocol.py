@@ -10,9 +10,9 @@ Known fields are strict:
   the offline and the HTTP API);
 - known OpenAI fields that do not change the output (`user`, `metadata`, `store`, `service_tier`,
   `parallel_tool_calls`) are accepted and ignored;
-- known fields whose feature is not implemented (`best_of`, `suffix`, vLLM's `priority` and
-  `logits_processors`) are accepted only at their neutral value (n, empty, 0, none); anything else is a
-  400 saying it is not supported.
+- known fields whose feature is not implemented (`best_of`, `suffix`, vLLM's `priority`,
+  `logits_processors`, `prompt_embeds`, `mm_processor_kwargs`, `kv_transfer_params` and `vllm_xargs`) are
+  accepted only at their neutral value (n, empty, 0, none); anything else is a 400 saying it is not supported.
 
 vLLM's `use_beam_search: true` runs a beam search (loopserve/beam_search.py, `OpenAIServing.beam_search`) of
 width `n` (1 to MAX_BEAM_WIDTH: a step asks for the top 2 * n logprobs), with `max_tokens`, `temperature`,
@@ -128,6 +128,14 @@ class ResponseFormat(_Strict):
     json_schema: JsonSchemaFormat | None = None
 
 
+# vLLM's request fields for what this server has no counterpart of -> why; a request may send them empty
+NEUTRAL_FIELDS = {
+    "mm_processor_kwargs": "it takes no multimodal inputs",
+    "kv_transfer_params": "it runs no disaggregated prefill",
+    "vllm_xargs": "it loads no custom logits processors to read them",
+}
+
+
 class _SamplingFields(_Strict):
     model: str | None = None
     max_tokens: int | None = None
@@ -191,8 +199,16 @@ class _SamplingFields(_Strict):
     cache_salt: str | None = None
     priority: int | None = None
     logits_processors: list[Any] | None = None
+    # vLLM's fields for what this server lacks: taken empty only (`NEUTRAL_FIELDS`); they used to be ignored
+    mm_processor_kwargs: dict[str, Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    spaces_between_special_tokens: bool | None = True  # vLLM's: SamplingParams' field
 
     def check_unsupported(self) -> None:
+        for name, why in NEUTRAL_FIELDS.items():
+            if getattr(self, name):
+                raise ApiError(400, f"{name}: not supported by this server ({why}); only null or {{}} is taken", name)
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options: only allowed with stream=true", "stream_options")
         if self.priority:
@@ -279,11 +295,15 @@ class CompletionRequest(_SamplingFields):
     add_special_tokens: bool | None = True  # vLLM extension: a text prompt tokenized with the special tokens (BOS)
     suffix: str | None = None
     best_of: int | None = None  # SamplingParams' rule: unset or n
+    prompt_embeds: Any = None  # vLLM's (base64 tensors), only when started with --enable-prompt-embeds: refused
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
         if self.suffix:
             raise ApiError(400, "suffix: not supported by this server", "suffix")
+        if self.prompt_embeds is not None:
+            raise ApiError(400, "prompt_embeds: not supported by this server (vLLM takes them only when started with "
+                                "--enable-prompt-embeds); give the prompt as text or token ids", "prompt_embeds")
 
     def beam_search_conflicts(self) -> dict[str, tuple[tuple[Any, ...], str]]:
         return {**super().beam_search_conflicts(), "logprobs": ((), "a beam search returns no logprobs"),
@@ -571,7 +591,9 @@ def sampling_params(req: _SamplingFields, *, max_tokens: int | None, logprobs: i
     kwargs: dict[str, Any] = dict(
         max_tokens=max_tokens, seed=req.seed, stop=req.stop,
         stop_token_ids=list(req.stop_token_ids or []), ignore_eos=bool(req.ignore_eos),
-        skip_special_tokens=req.skip_special_tokens is not False, logprobs=logprobs, exit_trace=req.exit_trace,
+        skip_special_tokens=req.skip_special_tokens is not False,
+        spaces_between_special_tokens=req.spaces_between_special_tokens is not False, logprobs=logprobs,
+        exit_trace=req.exit_trace,
         num_speculative_tokens=req.num_speculative_tokens,
         n=1 if req.n is None else req.n, best_of=getattr(req, "best_of", None),  # (a completions field only)
         # a stream needs what is new per step, a response that is not streamed the final output only
