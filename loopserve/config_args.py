@@ -67,10 +67,14 @@ def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, c
         default = f.default if all_default is dataclasses.MISSING else all_default
         # "%(default)s": argparse fills it in, and ArgumentDefaultsHelpFormatter then adds no second one
         note = default_note if all_default is not dataclasses.MISSING else "default: %(default)s"
-        text = f.metadata.get("help", "").replace("%", "%%")
-        kw: dict[str, Any] = {"default": default, "help": f"{text} ({note})".strip()}
+        text = f.metadata.get("help", "")
+        kw: dict[str, Any] = {"default": default}
         if "choices" in f.metadata:
-            kw["choices"] = (choices or {}).get(f.name, f.metadata["choices"])
+            own = f.metadata["choices"]
+            kw["choices"] = tuple((choices or {}).get(f.name, own))
+            if isinstance(own, dict):  # choice -> what it does: the help describes this command's choices only
+                text = "; ".join([text] * bool(text) + [f"{c}: {own[c]}" for c in kw["choices"]])
+        kw["help"] = f"{text.replace('%', '%%')} ({note})".strip()
         flag = flag_of(f.name)
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,15 @@ def test_every_serve_flag_has_help_that_shows_its_default():
         shown = formatter._expand_help(action)
         assert f"default: {action.default}" in shown, (action.option_strings[0], shown)
         assert shown.count("default:") == 1, shown
+
+
+@pytest.mark.parametrize(("command", "schedulers"), [("serve", ENGINE_SCHEDULERS), ("generate", SCHEDULERS)])
+def test_a_commands_scheduler_help_describes_the_choices_it_takes(command, schedulers):
+    """serve's help offered "reference: the sequential oracle", which serve refuses (it is no engine to serve from)."""
+    (action,) = [a for a in _subparser([command])._actions if a.dest == "scheduler"]
+    assert tuple(action.choices) == schedulers
+    described = re.findall(r"(?:^|; )([a-z-]+): ", action.help)
+    assert described == list(schedulers), action.help
 
 
 def test_serve_takes_vllm_flag_names():

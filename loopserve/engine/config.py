@@ -12,12 +12,15 @@ from loopserve.sampling_params import is_int, is_real
 
 ENGINE_SCHEDULERS = ("cb", "cdb-norefill", "cdb")  # the batching engines (`LLMEngine`: what `serve` runs)
 SCHEDULERS = ("reference", *ENGINE_SCHEDULERS)  # and the sequential oracle, which `LLM` also runs
+SCHEDULER_HELP = dict(zip(SCHEDULERS, ("the sequential oracle (a request, a token, a loop at a time)",
+                                       "full-depth continuous batching",
+                                       "continuous depth batching without refill",
+                                       "continuous depth batching with refill"), strict=True))
 
 
 @dataclass
 class EngineConfig:
-    scheduler: str = _knob("cdb", "cdb: continuous depth batching with refill; cdb-norefill; cb: full-depth "
-                           "continuous batching; reference: the sequential oracle", choices=SCHEDULERS)
+    scheduler: str = _knob("cdb", "", choices=SCHEDULER_HELP)
     kv_layout: str = _knob("depth_indexed", "KV cache layout (what a query at loop depth r reads)", choices=LAYOUTS)
     block_size: int = _knob(16, "tokens per KV block")
     kv_cache_tokens: int | None = _knob(None, "KV pool size in tokens; unset: from --kv-cache-memory-gb")
