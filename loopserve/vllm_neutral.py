@@ -5,6 +5,8 @@ use instead (`ABSENT_METHODS`). Read by `LLM`, `LLMEngine.add_request` and `Asyn
 
 from __future__ import annotations
 
+import argparse
+import json
 import numbers
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -129,6 +131,40 @@ def check_neutral(**given: Any) -> None:
         if not neutral.accepts(value):
             raise ValueError(f"{name}: not supported by loopserve ({neutral.why}); it takes {neutral.values}, "
                              f"got {value!r}")
+
+
+_NEUTRAL_DEST = "vllm_neutral."  # (a namespace attribute's prefix: these flags set no loopserve knob)
+
+
+def _flag_value(text: str) -> Any:
+    """A vLLM flag's value as vLLM's parser would give it: JSON where it parses (1, true, null, {}), else the text."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def add_neutral_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """vLLM's command-line flags of the `NEUTRAL` `LLM(...)` keywords the command has no flag of its own for, so that
+    a vLLM launch line runs as it is (`--enable-chunked-prefill`, `--kv-cache-dtype auto`): each takes a value (JSON
+    or text; none: true), `--no-` where both true and false ask for nothing; `neutral_kwargs` reads them back for
+    `check_neutral`."""
+    taken = set(getattr(parser, "_option_string_actions", {}))
+    for name, neutral in NEUTRAL.items():
+        flag = "--" + name.replace("_", "-")
+        if not neutral.init or flag in taken:
+            continue
+        text = f"vLLM's; not supported by loopserve ({neutral.why}): takes {neutral.values}".replace("%", "%%")
+        parser.add_argument(flag, dest=_NEUTRAL_DEST + name, nargs="?", const=True, type=_flag_value,
+                            default=argparse.SUPPRESS, metavar="VALUE", help=text)
+        if neutral.accepts(True) and neutral.accepts(False):
+            parser.add_argument("--no-" + flag[2:], dest=_NEUTRAL_DEST + name, action="store_const", const=False,
+                                default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+def neutral_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The `add_neutral_args` flags given, as `LLM(...)` keywords."""
+    return {k[len(_NEUTRAL_DEST):]: v for k, v in vars(args).items() if k.startswith(_NEUTRAL_DEST)}
 
 
 _POOLING = ("is for pooling models (embeddings, classification, scores); loopserve serves generative looped LMs: "

@@ -16,6 +16,7 @@ from loopserve.cli import EXIT_FLAGS, build_parser, engine_kwargs
 from loopserve.engine.config import ENGINE_SCHEDULERS, SCHEDULERS, EngineConfig
 from loopserve.exits import DEFAULT_POLICIES
 from loopserve.sampling_params import EXIT_FIELDS
+from loopserve.vllm_neutral import NEUTRAL
 from loopserve_lab.bench.cli import BENCH_DRIVEN, engine_overrides
 
 FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
@@ -88,6 +89,9 @@ def test_every_serve_flag_has_help_that_shows_its_default():
         if not action.option_strings or action.dest == "help":
             continue
         assert action.help and action.help.strip(), f"{action.option_strings[0]}: no help"
+        if action.default is argparse.SUPPRESS:  # (vLLM's neutral flags: unset unless given, no default to show)
+            assert action.dest in {"vllm_neutral." + n for n in NEUTRAL}, action.dest
+            continue
         shown = formatter._expand_help(action)
         assert f"default: {action.default}" in shown, (action.option_strings[0], shown)
         assert shown.count("default:") == 1, shown
@@ -100,6 +104,26 @@ def test_a_commands_scheduler_help_describes_the_choices_it_takes(command, sched
     assert tuple(action.choices) == schedulers
     described = re.findall(r"(?:^|; )([a-z-]+): ", action.help)
     assert described == list(schedulers), action.help
+
+
+@pytest.mark.parametrize(("argv", "refusal"), [
+    ("--enable-chunked-prefill", None), ("--no-enable-chunked-prefill", None), ("--enable-chunked-prefill false", None),
+    ("--kv-cache-dtype auto", None), ("--max-logprobs 20", None), ("--pipeline-parallel-size 1", None),
+    ("--hf-overrides {}", None), ("--revision main", None), ("--uvicorn-log-level debug", None),
+    ("--disable-uvicorn-access-log", None),
+    ("--quantization awq", "quantization: not supported by loopserve (weights load unquantized"),
+    ("--kv-cache-dtype fp8", "kv_cache_dtype: not supported by loopserve"),
+    ("--max-logprobs 5", "max_logprobs: not supported by loopserve"),
+    ("--data-parallel-size 2", "data_parallel_size: not supported by loopserve"),
+    ("--skip-tokenizer-init", "skip_tokenizer_init: not supported by loopserve"),
+])
+def test_serve_takes_vllms_flags_for_what_it_lacks_at_their_neutral_values(argv, refusal):
+    """A vLLM launch line runs as it is where it asks for nothing loopserve lacks, and is refused naming the flag's
+    keyword where it does (these flags stopped start-up with argparse's bare 'unrecognized arguments')."""
+    from loopserve.serve.cli import _check
+
+    said = _check(build_parser().parse_args(["serve", *argv.split()]))
+    assert said == refusal if refusal is None else said.startswith(refusal), said
 
 
 def test_serve_takes_vllm_flag_names():

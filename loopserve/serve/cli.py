@@ -24,6 +24,7 @@ from loopserve.cli import CommandError, add_chat_args, add_engine_args, add_exit
 from loopserve.engine.config import ENGINE_SCHEDULERS
 from loopserve.load_config import configs
 from loopserve.sampling_params import EXIT_FIELDS
+from loopserve.vllm_neutral import add_neutral_args, check_neutral, neutral_kwargs
 
 if TYPE_CHECKING:
     from loopserve.engine.engine import LLMEngine
@@ -118,9 +119,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="allowed request headers (JSON list or a,b)")
     c.add_argument("--allow-credentials", action="store_true", help="allow cookies and Authorization cross-origin")
     lg = p.add_argument_group("logging")
-    lg.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                    help="log level of the server and of uvicorn")
-    lg.add_argument("--no-access-log", action="store_true", help="no line per HTTP request from uvicorn")
+    lg.add_argument("--log-level", "--uvicorn-log-level", default="info",
+                    choices=["critical", "error", "warning", "info", "debug"],
+                    help="log level of the server and of uvicorn (--uvicorn-log-level: vLLM's name)")
+    lg.add_argument("--no-access-log", "--disable-uvicorn-access-log", action="store_true",
+                    help="no line per HTTP request from uvicorn (--disable-uvicorn-access-log: vLLM's name)")
     requests = lg.add_mutually_exclusive_group()
     requests.add_argument("--enable-log-requests", action="store_true",
                           help="log each request received (prompt, token ids, sampling parameters) and finished")
@@ -150,6 +153,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--replica-cpus", type=float, default=1.0,
                    help="CPUs reserved per replica (and its torch threads, unless --threads) when it gets no GPU; a "
                         "replica gets one GPU wherever the cluster has GPUs and --device is not cpu")
+    add_neutral_args(p.add_argument_group("vLLM's flags for what loopserve lacks (LLM's keywords of the same names: "
+                                          "each taken at the values that ask for nothing of it)"))
     p.set_defaults(func=cmd_serve)
 
 
@@ -211,6 +216,7 @@ def _check(args: argparse.Namespace) -> str | None:
         return "--replica-cpus: must be > 0"
     try:  # before the model loads, and before any Ray replica starts (--tensor-parallel-size 2, ...)
         configs({**load_kwargs(args), **engine_kwargs(args)})
+        check_neutral(**neutral_kwargs(args))
     except ValueError as e:
         return str(e)
     return None
