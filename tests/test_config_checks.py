@@ -297,6 +297,18 @@ def test_kv_cache_memory_gb_must_be_positive(value):
         EngineConfig(kv_cache_memory_gb=value)
 
 
+def test_a_kv_pool_shorter_than_max_model_len_is_said_at_start(tiny_ouro, caplog):
+    """vLLM refuses to start there; loopserve serves what fits, and says so once (the server started silently and
+    /v1/models advertised a length no request could reach)."""
+    with caplog.at_level("WARNING", logger="loopserve.engine"):
+        LLM(str(tiny_ouro), dtype="float32", kv_cache_tokens=100, max_model_len=512)
+    assert "the KV cache holds 96 tokens, fewer than max_model_len 512" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="loopserve.engine"):
+        LLM(str(tiny_ouro), dtype="float32", kv_cache_tokens=512, max_model_len=512)
+    assert "fewer than max_model_len" not in caplog.text
+
+
 def test_kv_cache_tokens_must_be_an_integer():
     with pytest.raises(ValueError, match="kv_cache_tokens: must be an integer >= block_size"):
         EngineConfig(kv_cache_tokens=100.5)
