@@ -46,8 +46,8 @@ DEFAULT_POLICIES = tuple(p for p in POLICIES if p != "trace")  # what a default 
 # the threshold a state-signal policy uses when the request gives none: the upstream recurrent-depth (Huginn) code's
 # "auto" values for its latent-diff and kl criteria (the gate's is the checkpoint's: `resolve_exit_rule`)
 DEFAULT_THRESHOLDS = {"latent_diff": 0.03, "kl": 5e-4}
-SIGNAL_OF = {"gate": "gate", "latent_diff": "latent_diff", "kl": "kl", "lookahead_gate": "lookahead_gate"}
 SIGNALS = (None, "gate", "latent_diff", "kl", "lookahead_gate")  # per-step signal kinds, by code (0: none)
+GATE_POLICIES = ("gate", "lookahead_gate")  # the policies that read a learned exit gate (the checkpoint's threshold)
 Signal = float | list[float] | tuple[float, float] | None  # lookahead_gate: (main logit, lookahead logit)
 
 
@@ -63,9 +63,9 @@ class ExitRule:
     @functools.cached_property  # read per item per step: computed once per rule
     def signal(self) -> str | None:
         """Which per-step signal the runner must compute for this rule, if any."""
-        if self.threshold is None and self.policy not in ("gate", "lookahead_gate"):
+        if self.threshold is None and self.policy not in GATE_POLICIES:
             return None
-        return SIGNAL_OF.get(self.policy)
+        return self.policy if self.policy in SIGNALS else None  # (a policy named as the signal it reads)
 
     @functools.cached_property
     def signal_code(self) -> int:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from loopserve.config_args import check_bool_knobs, knob
-from loopserve.device import AUTO, DTYPE_NAMES, dtype_name, kv_memory_gb
+from loopserve.device import AUTO, DTYPE_NAMES, KV_ACTIVATION_RESERVE_GB, dtype_name, kv_memory_gb
 from loopserve.engine.budget import checked_model_len
 from loopserve.engine.config import EngineConfig
 from loopserve.model_config import STATE_INITS
@@ -44,8 +44,8 @@ class LoadConfig:
                                      "context length)")
     gpu_memory_utilization: float | None = knob(
         None, "fraction of the CUDA device's memory this engine may use: the KV pool gets what is left of it after "
-        "the weights and 1 GiB for activations (replaces --kv-cache-memory-gb; on the CPU it has no effect, with a "
-        "warning: --kv-cache-memory-gb or --kv-cache-tokens size the pool there)")
+        f"the weights and {KV_ACTIVATION_RESERVE_GB:g} GiB for activations (replaces --kv-cache-memory-gb; on the "
+        "CPU it has no effect, with a warning: --kv-cache-memory-gb or --kv-cache-tokens size the pool there)")
     enforce_eager: bool = knob(False, "vLLM's name for --no-cuda-graphs: every decode step runs eagerly")
     tensor_parallel_size: int = knob(1, "only 1: loopserve runs a model on one device, and uses more devices as "
                                      "more replicas (serve --replicas, docs/scale-out.md)")

@@ -13,12 +13,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from loopserve import LLM, SamplingParams
+from loopserve.engine.config import SPECULATIVE_PAUSE as PAUSE
+from loopserve.engine.config import SPECULATIVE_WINDOW as WINDOW
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.reference import ReferenceDecoder
 from loopserve.engine.runner import ModelRunner
 from loopserve.engine.scheduler import Stage
 from loopserve.engine.sequence import Sequence
-from loopserve.engine.speculative import PAUSE, WINDOW
 from loopserve.outputs import RequestOutput
 from tests.engine_helpers import Req, assert_logprobs_close, drive, make_engine, reference
 from tests.test_engine_exact import MATRIX_CFG, matrix_workload

@@ -12,6 +12,11 @@ from loopserve.sampling_params import is_int, is_real
 
 ENGINE_SCHEDULERS = ("cb", "cdb-norefill", "cdb")  # the batching engines (`LLMEngine`: what `serve` runs)
 SCHEDULERS = ("reference", *ENGINE_SCHEDULERS)  # and the sequential oracle, which `LLM` also runs
+# self-speculative decoding: the rounds over which a request's acceptance is judged (and the fewest before it is
+# judged at all), and the tokens it then decodes plainly before it drafts again (text changes: a passage that drafts
+# badly may be followed by one that drafts well)
+SPECULATIVE_WINDOW = 4
+SPECULATIVE_PAUSE = 16
 SCHEDULER_HELP = dict(zip(SCHEDULERS, ("the sequential oracle (a request, a token, a loop at a time)",
                                        "full-depth continuous batching",
                                        "continuous depth batching without refill",
@@ -74,8 +79,9 @@ class EngineConfig:
     speculative_draft_loops: int = _knob(1, "loop steps a drafted token runs before its greedy coda")
     speculative_max_batch: int = _knob(8, "no drafting while this many sequences are resident (the engine is "
                                        "compute-bound there: B*)")
-    speculative_min_acceptance: float = _knob(0.3, "a request pauses drafting (16 tokens) when under this share "
-                                              "of its drafts was accepted over its last 4 rounds")
+    speculative_min_acceptance: float = _knob(0.3, f"a request pauses drafting ({SPECULATIVE_PAUSE} tokens) when "
+                                              f"under this share of its drafts was accepted over its last "
+                                              f"{SPECULATIVE_WINDOW} rounds")
 
     def __post_init__(self) -> None:
         check_bool_knobs(self)

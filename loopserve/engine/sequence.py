@@ -25,7 +25,7 @@ from loopserve.engine.sampler import (
     sample_one,
 )
 from loopserve.errors import NonFiniteError
-from loopserve.exits import DEFAULT_THRESHOLDS, ExitRule
+from loopserve.exits import DEFAULT_THRESHOLDS, GATE_POLICIES, ExitRule
 from loopserve.models.base import LoopedLM
 from loopserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from loopserve.sampling_params import TRUNCATE_TO_CONTEXT, RequestOutputKind, SamplingParams
@@ -59,11 +59,11 @@ def resolve_exit_rule(params: SamplingParams, model: LoopedLM, lookahead: bool) 
     min_loops = params.min_loops or 1
     if min_loops > max_loops:
         raise ValueError(f"min_loops: {min_loops} exceeds max_loops ({max_loops})")
-    policy = params.exit_policy or ("gate" if has_gate else "latent_diff")
+    policy = params.exit_policy or model.default_exit_policy
     threshold = params.exit_threshold
     if policy == "lookahead_gate" and not model.has_lookahead_gate:
         raise ValueError("exit_policy: this checkpoint has no lookahead_gate tensors")
-    if policy in ("gate", "lookahead_gate"):
+    if policy in GATE_POLICIES:
         if not has_gate:
             raise ValueError(f"exit_policy: {config.arch} has no learned exit gate")
         threshold = threshold if threshold is not None else (config.exit_threshold or 1.0)

@@ -16,17 +16,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from loopserve.engine.config import EngineConfig
+from loopserve.engine.config import SPECULATIVE_PAUSE, SPECULATIVE_WINDOW, EngineConfig
 from loopserve.engine.sequence import Sequence, chain_seed
 
 if TYPE_CHECKING:
     from loopserve.engine.runner import WorkItem
 
-# rounds over which a request's acceptance is judged (and the fewest before it is judged at all)
-WINDOW = 4
-# tokens a request then decodes plainly before it drafts again (text changes: a passage that drafts
-# badly may be followed by one that drafts well)
-PAUSE = 16
 
 
 @dataclass(eq=False)
@@ -96,18 +91,19 @@ class Speculator:
         return max(0, min(asked, width - 1, left - 1))
 
     def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
-        """One round's outcome (before its tokens are appended); a request accepting under
-        `min_acceptance` of its drafts over the last `WINDOW` rounds decodes the next `PAUSE` tokens
-        plainly (drafting would cost more than it saves), then drafts again with a fresh window."""
-        rounds = self._rounds.setdefault(seq.request_id, deque(maxlen=WINDOW))
+        """One round's outcome (before its tokens are appended); a request accepting under `min_acceptance` of its
+        drafts over the last `SPECULATIVE_WINDOW` rounds decodes the next `SPECULATIVE_PAUSE` tokens plainly (drafting
+        would cost more than it saves), then drafts again with a fresh window."""
+        rounds = self._rounds.setdefault(seq.request_id, deque(maxlen=SPECULATIVE_WINDOW))
         rounds.append((drafted, accepted))
-        if len(rounds) == WINDOW and sum(a for _, a in rounds) < self.min_acceptance * sum(d for d, _ in rounds):
-            self._paused[seq.request_id] = len(seq.output_ids) + accepted + 1 + PAUSE
+        judged = len(rounds) == SPECULATIVE_WINDOW
+        if judged and sum(a for _, a in rounds) < self.min_acceptance * sum(d for d, _ in rounds):
+            self._paused[seq.request_id] = len(seq.output_ids) + accepted + 1 + SPECULATIVE_PAUSE
             rounds.clear()
 
     def pause(self, seq: Sequence) -> None:
-        """`seq` decodes the next `PAUSE` tokens plainly (a row verifying its draft failed)."""
-        self._paused[seq.request_id] = len(seq.output_ids) + PAUSE
+        """`seq` decodes the next `SPECULATIVE_PAUSE` tokens plainly (a row verifying its draft failed)."""
+        self._paused[seq.request_id] = len(seq.output_ids) + SPECULATIVE_PAUSE
         self._rounds.pop(seq.request_id, None)
 
     def forget(self, request_id: str) -> None:

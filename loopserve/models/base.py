@@ -20,6 +20,12 @@ class LoopedLM(nn.Module):
     has_gate: bool = False
     injects: bool = False  # whether `prelude` returns a per-step injection (then the engine keeps one per state row)
 
+    @property
+    def default_exit_policy(self) -> str:
+        """The exit policy of a request that names none: the learned gate where the model has one, else the
+        latent difference between loop steps."""
+        return "gate" if self.has_gate else "latent_diff"
+
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor of the model's checkpoint by its name there, in parameter order: a parameter, or the
         rows of one that stacks tensors a checkpoint stores apart (a submodule's `stacked`: {its parameter:

@@ -38,6 +38,10 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 MAX_QUEUED_REQUESTS = 256  # sequences (samples) accepted beyond max_num_seqs
 MAX_REQUEST_BODY_BYTES = 4 * 2**20
 REQUEST_READ_TIMEOUT_S = 30.0
+# a request body may take BODY_TIMEOUTS read timeouts, plus its bytes at MIN_BODY_RATE bytes/s (a 4 MiB body: 256 s
+# more), before it counts as too slow (408: serve/connection.py)
+BODY_TIMEOUTS = 4
+MIN_BODY_RATE = 16 * 1024
 LOG_STATS_INTERVAL_S = 10.0
 CORS_ANY = ("*",)  # CORS: every method, every header (once origins are allowed)
 log = logging.getLogger("loopserve.serve")
@@ -108,8 +112,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="on SIGTERM, seconds in-flight requests get to finish before they are aborted")
     s.add_argument("--request-read-timeout", type=float, default=REQUEST_READ_TIMEOUT_S,
                    help="seconds a client may take to send a request head, or stall while sending a body "
-                        "(then 408; a body trickling in gets 4 of these plus its bytes at 16 KiB/s); a "
-                        "connection that does not keep up is closed")
+                        f"(then 408; a body trickling in gets {BODY_TIMEOUTS} of these plus its bytes at "
+                        f"{MIN_BODY_RATE // 1024} KiB/s); a connection that does not keep up is closed")
     c = p.add_argument_group("CORS (browsers calling the API from other origins; off unless origins are given)")
     c.add_argument("--allowed-origins", type=_str_list, default=[],
                    help="origins allowed to call the API: a JSON list or comma-separated; '*' for any")

@@ -41,18 +41,13 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
+from loopserve.serve.cli import BODY_TIMEOUTS, MIN_BODY_RATE
 from loopserve.serve.protocol import SHUTTING_DOWN, error_body
 
 log = logging.getLogger("loopserve.serve")
 CLOSED_BY_SERVER = "loopserve.closed_by_server"  # scope key: the server answered and closed the request
 SHUTDOWN_MARGIN_S = 1.0  # `GracefulServer`: the app's end of the grace period comes this much (at most a quarter
 # of the grace period) before uvicorn's, for the answers to be written
-
-
-# A request body may take BODY_TIMEOUTS read timeouts, plus its bytes at MIN_BODY_RATE bytes/s (a 4 MiB body: 256 s
-# more), before it counts as too slow (408)
-BODY_TIMEOUTS = 4
-MIN_BODY_RATE = 16 * 1024
 
 
 def grace_deadline(grace_s: float) -> float:

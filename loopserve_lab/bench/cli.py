@@ -31,6 +31,7 @@ SWEEPS = ("width", "threshold", "full-depth")  # bench throughput --sweep
 # the mean exit depth of synthetic traces and of `theory`'s bound, as a fraction of r_max, when none is given (2.5 of
 # Ouro's 4: the Ouro-like workload's)
 DEFAULT_MEAN_DEPTH = 0.625
+OVERLAP_THRESHOLD = 0.5  # `ablate overlap`: the live exit rule's threshold unless --threshold gives one
 
 
 def _floats(s: str) -> list[float]:
@@ -94,7 +95,8 @@ def add_depth_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trajectories", type=Path, default=None,
                    help="threshold-free trajectories (bench record) to replay at --threshold instead")
     g.add_argument("--threshold", type=float, default=None,
-                   help="exit threshold replayed from --trajectories (ablate overlap: of the live rule, default 0.5)")
+                   help="exit threshold replayed from --trajectories (ablate overlap: of the live rule, default "
+                        f"{OVERLAP_THRESHOLD})")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -678,8 +680,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
                       f"{100 * o['scheduler']:>7.1f}%{100 * o['other']:>7.1f}%{100 * o['outside_compute']:>8.1f}%"
                       f"{r['loops_per_item']:>11.3f}")
         elif args.which == "overlap":
-            policy = "gate" if bm.model.has_gate else "latent_diff"
-            rule = (policy, args.threshold if args.threshold is not None else 0.5)
+            rule = (bm.model.default_exit_policy, args.threshold if args.threshold is not None else OVERLAP_THRESHOLD)
             rows = ablations.overlap(bm, wl, args.width, rule, args.repeats, progress,
                                      **{k: v for k, v in ov.items() if k != "lookahead"})
             res["rows"] = rows

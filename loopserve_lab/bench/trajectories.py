@@ -181,7 +181,7 @@ def record_trajectories(engine, workload, policy: str | None = None, progress: b
 
     model = engine.model
     if policy is None:
-        policy = "gate" if model.has_gate else "latent_diff"
+        policy = model.default_exit_policy
     threshold = {"gate": 1.0, "latent_diff": 0.0}[policy]
     r_max = model.config.r_max
     n = len(workload)
