@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import datetime
 import json
 import os
@@ -64,6 +63,8 @@ from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from loopserve.config_args import add_config_args, config_kwargs, knob
 
 SERVED, REJECTED, CLIENT_ERROR, ABORTED = "served", "rejected", "client_error", "aborted"
 SERVER_ERROR, LOST, UNEXPECTED_4XX, BAD_ACCEPTED = "5xx", "lost", "unexpected_4xx", "bad_accepted"
@@ -89,18 +90,20 @@ STOPS = ["e", "th", " the", "an", "\n", "o r", "xyz", "er"]  # ASCII: never half
 class SoakConfig:
     duration_s: float
     model: Path | None = None  # None: a tiny checkpoint built with make_tiny
-    concurrency: int = 8
-    seed: int = 0
-    kv_cache_tokens: int = 1024
-    max_num_seqs: int = 4
-    max_queued_requests: int = 4
-    max_body_bytes: int = 65536
-    request_timeout_s: float = 300.0  # past this, a request that should have been answered is lost
-    drain_s: float = 60.0  # after the traffic time, in-flight requests get this long, then are cut
-    burst_every_s: float = 10.0  # a burst above the admission bound every 0.5-1 times this
-    read_timeout_s: float = 3.0  # the server's --request-read-timeout: stalled uploads get 408 after it
-    idle_timeout_s: float = 30.0
-    max_rss_growth_mib: float = 200.0
+    # (the knobs: a flag each, `main`)
+    concurrency: int = knob(8, "concurrent client workers")
+    seed: int = knob(0, "seed of the traffic and of the server")
+    kv_cache_tokens: int = knob(1024, "server KV pool: small, for preemption")
+    max_num_seqs: int = knob(4, "the server's --max-num-seqs")
+    max_queued_requests: int = knob(4, "the server's --max-queued-requests: small, for overload (503)")
+    max_request_body_bytes: int = knob(65536, "the server's --max-request-body-bytes")
+    request_timeout_s: float = knob(300.0, "a request that should be answered and is not within this is lost")
+    drain_s: float = knob(60.0, "after the traffic time, in-flight requests get this long before they are cut")
+    burst_every_s: float = knob(10.0, "a burst of more requests than the server admits every 0.5-1 times this")
+    read_timeout_s: float = knob(3.0, "the server's --request-read-timeout (stalled uploads wait this long for "
+                                      "their 408)")
+    idle_timeout_s: float = knob(30.0, "after the drain, the server must have nothing running or waiting within this")
+    max_rss_growth_mib: float = knob(200.0, "the server's resident memory may grow this much over the run")
     server_args: list[str] = field(default_factory=list)
     server_log: Path | None = None  # default: in a temporary folder, removed after the run
 
@@ -788,12 +791,6 @@ class Traffic:
 
 
 # -- the server ----------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def rss_mib(pid: int, field: str = "VmRSS") -> float | None:
     """Resident set size of a process (Linux /proc; VmHWM: its peak), MiB."""
     try:
@@ -823,13 +820,16 @@ def _metric(m: dict, name: str, **labels: str) -> float:
 
 def start_server(cfg: SoakConfig, model: Path, log: Path) -> tuple[subprocess.Popen, str, int]:
     """`loopserve serve` on a free loopback port, healthy (a few tries if a port is taken meanwhile)."""
+    from loopserve_lab.bench.serve import free_port, wait_healthy  # (torch, which this client needs nowhere else)
+
     for _ in range(3):
         port = free_port()
         cmd = [sys.executable, "-m", "loopserve.cli", "serve", "--model", str(model), "--host", "127.0.0.1",
                "--port", str(port), "--served-model-name", MODEL_NAME, "--dtype", "float32",
                "--seed", str(cfg.seed), "--kv-cache-tokens", str(cfg.kv_cache_tokens),
                "--max-num-seqs", str(cfg.max_num_seqs), "--max-queued-requests", str(cfg.max_queued_requests),
-               "--max-request-body-bytes", str(cfg.max_body_bytes), "--request-read-timeout", str(cfg.read_timeout_s),
+               "--max-request-body-bytes", str(cfg.max_request_body_bytes),
+               "--request-read-timeout", str(cfg.read_timeout_s),
                "--log-level", "info", *cfg.server_args]
         # one intra-op thread: a small model's ops are too small to split, and on a shared machine
         # torch's thread pool spins instead of working
@@ -837,12 +837,11 @@ def start_server(cfg: SoakConfig, model: Path, log: Path) -> tuple[subprocess.Po
         with open(log, "w") as f:
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and proc.poll() is None:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    return proc, url, port
-            time.sleep(0.2)
+        try:
+            wait_healthy(url, proc=proc)
+            return proc, url, port
+        except (RuntimeError, TimeoutError):
+            pass
         if proc.poll() is None:
             proc.kill()
         proc.wait()
@@ -978,7 +977,7 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
             info = httpx.get(base_url + "/v1/models", timeout=10).json()["data"][0]
             max_len, r_max = int(info["max_model_len"]), int(info["r_max"])
             lim = Limits(room=min(max_len, cfg.kv_cache_tokens), max_model_len=max_len, r_max=r_max,
-                         capacity=cfg.max_num_seqs + cfg.max_queued_requests, body_limit=cfg.max_body_bytes,
+                         capacity=cfg.max_num_seqs + cfg.max_queued_requests, body_limit=cfg.max_request_body_bytes,
                          read_timeout_s=cfg.read_timeout_s)
             before = scrape(base_url)
             rss: dict[str, Any] = {"after_warmup": None, "warmup_at_s": None, "samples": []}
@@ -1091,36 +1090,15 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=HelpFormat)
     p.add_argument("--duration-s", type=float, required=True, help="wall time of the traffic")
     p.add_argument("--model", type=Path, default=None, help="checkpoint folder (default: a make_tiny checkpoint)")
-    p.add_argument("--concurrency", type=int, default=8, help="concurrent client workers")
     p.add_argument("--out", type=Path, default=None, help="write the JSON report here")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--kv-cache-tokens", type=int, default=1024, help="server KV pool: small, for preemption")
-    p.add_argument("--max-num-seqs", type=int, default=4)
-    p.add_argument("--max-queued-requests", type=int, default=4, help="small, for overload (503)")
-    p.add_argument("--max-request-body-bytes", type=int, default=65536)
-    p.add_argument("--request-timeout-s", type=float, default=300.0,
-                   help="a request that should be answered and is not within this is lost")
-    p.add_argument("--drain-s", type=float, default=60.0,
-                   help="after the traffic time, in-flight requests get this long before they are cut")
-    p.add_argument("--burst-every-s", type=float, default=10.0,
-                   help="a burst of more requests than the server admits every 0.5-1 times this")
-    p.add_argument("--read-timeout-s", type=float, default=3.0,
-                   help="the server's --request-read-timeout (stalled uploads wait this long for their 408)")
-    p.add_argument("--idle-timeout-s", type=float, default=30.0)
-    p.add_argument("--max-rss-growth-mib", type=float, default=200.0)
+    add_config_args(p, SoakConfig, skip=("duration_s", "model", "server_args", "server_log"))
     p.add_argument("--server-log", type=Path, default=None, help="keep the server's log here")
     p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                    help="extra flag for `loopserve serve` (repeat; e.g. --server-arg=--scheduler=cb)")
     a = p.parse_args(argv)
     if a.duration_s <= 0 or a.concurrency < 1:
         p.error("--duration-s must be > 0 and --concurrency >= 1")
-    cfg = SoakConfig(duration_s=a.duration_s, model=a.model, concurrency=a.concurrency, seed=a.seed,
-                     kv_cache_tokens=a.kv_cache_tokens, max_num_seqs=a.max_num_seqs,
-                     max_queued_requests=a.max_queued_requests, max_body_bytes=a.max_request_body_bytes,
-                     request_timeout_s=a.request_timeout_s, drain_s=a.drain_s, burst_every_s=a.burst_every_s,
-                     read_timeout_s=a.read_timeout_s,
-                     idle_timeout_s=a.idle_timeout_s,
-                     max_rss_growth_mib=a.max_rss_growth_mib, server_args=a.server_arg, server_log=a.server_log)
+    cfg = SoakConfig(**{**config_kwargs(a, SoakConfig), "server_args": a.server_arg})
     command = ["python -m loopserve_lab.bench.soak", *(argv if argv is not None else sys.argv[1:])]
     report = {"command": " ".join(command), **run_soak(cfg)}
     print(summary(report), flush=True)
