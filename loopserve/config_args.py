@@ -3,7 +3,7 @@
 A field becomes `--name-with-dashes`; its type and default come from the dataclass, its help and
 choices from `field(metadata={"help": ..., "choices": ...})` (`knob`), and a bool becomes `--x/--no-x`.
 `generate`, `demo`, `serve` and `bench` all add `EngineConfig` this way (`generate`, `demo` and `serve` `LoadConfig`
-too);
+too), `train-tiny` its `TrainConfig` and the soak test its `SoakConfig`;
 `config_kwargs` reads the fields back from the parsed arguments, and `as_flags` writes values as arguments (a
 benchmark's server).
 """

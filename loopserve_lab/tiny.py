@@ -25,7 +25,7 @@ from loopserve.models.base import LoopedLM
 from loopserve.models.huginn import RavenForCausalLM
 from loopserve.models.ouro import OuroForCausalLM
 from loopserve.sampling_params import is_int
-from loopserve_lab.tokenization.build import byte_level_tokenizer, write_tokenizer_files
+from loopserve_lab.tokenization.build import ARCHS, byte_level_tokenizer, write_tokenizer_files
 
 # The configuration class transformers loads for each architecture, as the released checkpoints name it
 # (module, class); the module's file is in hf_code/. No model class: loopserve runs the model itself, and
@@ -34,24 +34,25 @@ HF_CONFIG_CLASS = {OURO: ("configuration_ouro", "OuroConfig"), HUGINN: ("raven_c
 HF_CODE_DIR = Path(__file__).parent / "hf_code"
 
 
-# make-tiny's name of each architecture (`TinySpec.arch`, `--arch`) -> the class its config.json names
-ARCHITECTURES = {"ouro": OURO, "huginn": HUGINN}
+# make-tiny's name of each architecture (`TinySpec.arch`, `--arch`; the tokenizer builder's `ARCHS`) -> the class
+# its config.json names
+TINY_ARCHS = dict(zip(ARCHS, (OURO, HUGINN), strict=True))
 # `TinySpec.layers` and `r_max` of each architecture where make-tiny's flags leave them unset (TinySpec's own: Ouro's)
 ARCH_DEFAULTS = {"ouro": ("2", 4), "huginn": ("2-2-2", 8)}
 
 
 def tiny_arch(architecture: str) -> str:
-    """make-tiny's name (`ARCHITECTURES`) of a config's architecture class, e.g. OuroForCausalLM -> "ouro"."""
-    for name, cls in ARCHITECTURES.items():
+    """make-tiny's name (`TINY_ARCHS`) of a config's architecture class, e.g. OuroForCausalLM -> "ouro"."""
+    for name, cls in TINY_ARCHS.items():
         if cls == architecture:
             return name
     raise ValueError(f"arch: no tiny checkpoint of {architecture!r}; make-tiny builds "
-                     f"{', '.join(ARCHITECTURES.values())}")
+                     f"{', '.join(TINY_ARCHS.values())}")
 
 
 @dataclass
 class TinySpec:
-    arch: str = "ouro"  # a key of `ARCHITECTURES`
+    arch: str = "ouro"  # a key of `TINY_ARCHS`
     hidden_size: int = 64
     num_heads: int = 4
     num_kv_heads: int | None = None  # Ouro only; < num_heads gives GQA
@@ -85,9 +86,9 @@ def hf_config(spec: TinySpec) -> dict:
     """The config.json of `spec` (ValueError naming the spec field for a setting its architecture lacks; the values
     themselves are checked as the loader checks them, by `make_tiny`)."""
     head_dim = spec.hidden_size // max(spec.num_heads, 1)  # (0 heads: refused as the loader refuses it)
-    if spec.arch not in ARCHITECTURES:
-        raise ValueError(f"arch: expected one of {', '.join(map(repr, ARCHITECTURES))}, got {spec.arch!r}")
-    if ARCHITECTURES[spec.arch] == OURO:
+    if spec.arch not in TINY_ARCHS:
+        raise ValueError(f"arch: expected one of {', '.join(map(repr, TINY_ARCHS))}, got {spec.arch!r}")
+    if TINY_ARCHS[spec.arch] == OURO:
         try:
             n = int(spec.layers)
         except ValueError:
@@ -239,7 +240,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("make-tiny", help="write a random tiny Ouro or Huginn checkpoint (HF layout)",
                        formatter_class=HELP_FORMAT)
     p.add_argument("out", help="folder to write: a new or empty one")
-    p.add_argument("--arch", default=default["arch"], choices=list(ARCHITECTURES), help="architecture")
+    p.add_argument("--arch", default=default["arch"], choices=list(TINY_ARCHS), help="architecture")
     p.add_argument("--seed", type=int, default=default["seed"], help="seed of the random weights")
     p.add_argument("--hidden-size", type=int, default=default["hidden_size"], help="hidden size")
     p.add_argument("--num-heads", type=int, default=default["num_heads"], help="attention heads")

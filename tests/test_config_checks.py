@@ -21,7 +21,7 @@ from loopserve.engine.engine import LLMEngine
 from loopserve.load_config import LoadConfig
 from loopserve.model_config import HUGINN, OURO, UNIMPLEMENTED, ModelConfig
 from loopserve.models.loader import load_model
-from loopserve_lab.tiny import ARCH_DEFAULTS, ARCHITECTURES, TinySpec, make_tiny, tiny_arch
+from loopserve_lab.tiny import ARCH_DEFAULTS, TINY_ARCHS, TinySpec, make_tiny, tiny_arch
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -265,7 +265,7 @@ def test_make_tiny_unwritable_folder_is_one_line(tmp_path, capsys):
     assert err.startswith(f"error: {blocker / 'sub'}: cannot write") and err.count("\n") == 1, err
 
 
-@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+@pytest.mark.parametrize("arch", list(TINY_ARCHS))
 def test_tiny_arch_names_the_spec_a_checkpoint_was_made_from(tmp_path, arch):
     """One table maps make-tiny's names to config.json's classes: what a benchmark reads back from a loaded
     checkpoint (its `NULL_SPECS` key, its report's "arch") is the name it was made with."""

@@ -1,6 +1,7 @@
 """Huginn-0125 (`RavenForCausalLM`, recurrent-depth LM of Geiping et al. 2025).
 
-prelude = wte * sqrt(h) then prelude sandwich blocks -> e; the state starts as zeros or a
+prelude = wte * embed_scale (the config's init_values.embed_scale, sqrt(h) in the released model) then prelude
+sandwich blocks -> e; the state starts as zeros or a
 truncated normal (std sqrt(2/5), cut at 3 std); core step = adapter(cat[state, e]) then the core
 sandwich blocks; coda = ln_f, coda blocks, ln_f, tied head. Attention: fused Wqkv, `qk_bias` added
 before interleaved (adjacent-pair) RoPE. Parameter names match the HF checkpoint.

@@ -1,5 +1,6 @@
-"""Building blocks shared by the looped models: RMSNorm, rotary embeddings, and attention over the
-paged, layout-aware KV cache."""
+"""Building blocks shared by the looped models: RMSNorm, linear layers (stacked projections, their derived copies
+and, on the CPU, oneDNN's packed bfloat16 weights), rotary embeddings, and attention over the paged, layout-aware
+KV cache."""
 
 from __future__ import annotations
 

@@ -104,7 +104,7 @@ class BenchModel:
 
 
 def engine_kwargs_for(workload: Workload, width: int, max_num_seqs: int | None = None,
-                      block_size: int = 16, **overrides: Any) -> dict[str, Any]:
+                      block_size: int = EngineConfig.block_size, **overrides: Any) -> dict[str, Any]:
     """Engine knobs for a run: decode width `width`, `max_num_seqs` running sequences (default
     4 x width, at most the workload size) and a KV pool that holds the `max_num_seqs` longest
     requests at full length, plus the admission safety margin."""
@@ -113,7 +113,8 @@ def engine_kwargs_for(workload: Workload, width: int, max_num_seqs: int | None =
     blocks = sum(-(-n // block_size) for n in lengths)
     kv_tokens = int(blocks * 1.2 + 4) * block_size
     cfg = {"max_decode_batch": width, "max_num_seqs": seqs, "block_size": block_size,
-           "kv_cache_tokens": kv_tokens, "max_num_batched_tokens": 2048, "prefill_chunk_size": 512}
+           "kv_cache_tokens": kv_tokens, "max_num_batched_tokens": EngineConfig.max_num_batched_tokens,
+           "prefill_chunk_size": EngineConfig.prefill_chunk_size}
     cfg.update({k: v for k, v in overrides.items() if v is not None})
     return cfg
 

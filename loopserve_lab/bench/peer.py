@@ -58,15 +58,18 @@ from loopserve.model_config import HUGINN, OURO
 
 TESTED_TRANSFORMERS = "4.57.6"
 
-# Per architecture: the modeling file and the config file the user's folder must hold, and the
-# auto_map that points transformers at them.
+# Per architecture: the modeling file and the config file the user's folder must hold, the auto_map that points
+# transformers at them, what its `generate` needs to run as loopserve runs (Huginn: a zero initial state, as
+# loopserve's --state-init zero), and whether it reads the attention mask (the upstream Huginn code does not).
 ARCH_CODE: dict[str, dict[str, Any]] = {
     OURO: {"files": ("modeling_ouro.py", "configuration_ouro.py"),
            "auto_map": {"AutoConfig": "configuration_ouro.OuroConfig",
-                        "AutoModelForCausalLM": "modeling_ouro.OuroForCausalLM"}},
+                        "AutoModelForCausalLM": "modeling_ouro.OuroForCausalLM"},
+           "generate_kwargs": {}, "reads_mask": True},
     HUGINN: {"files": ("raven_modeling_minimal.py", "raven_config_minimal.py"),
              "auto_map": {"AutoConfig": "raven_config_minimal.RavenConfig",
-                          "AutoModelForCausalLM": "raven_modeling_minimal.RavenForCausalLM"}},
+                          "AutoModelForCausalLM": "raven_modeling_minimal.RavenForCausalLM"},
+             "generate_kwargs": {"init_scale": 0.0}, "reads_mask": False},
 }
 SYSTEMS = ("hf", "cb", "cdb")
 LABELS = {"hf": "HF generate", "cb": "loopserve CB (full depth)", "cdb": "loopserve CDB refill"}
@@ -210,11 +213,9 @@ class HFPeer:
         # greedy choices.
         gen = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=0,
                                eos_token_id=None, pad_token_id=self.pad_id, use_cache=True)
-        extra: dict[str, Any] = {}
-        if self.arch == HUGINN:
-            extra["init_scale"] = 0.0  # zero initial state, as loopserve's --state-init zero
         with torch.inference_mode():
-            out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=gen, **extra)
+            out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=gen,
+                                      **ARCH_CODE[self.arch]["generate_kwargs"])
         return [row[width:].tolist() for row in out]
 
 
@@ -464,7 +465,8 @@ def _peer(args: argparse.Namespace) -> int:
         path = resolve_model(args.model)
     except ValueError as e:
         raise PeerError(str(e)) from None
-    arch = ModelConfig.from_hf(json.loads((path / "config.json").read_text())).arch
+    config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    arch = config.arch
     code = check_peer_code(cfg.hf_code, arch)  # before the heavy imports: a wrong folder fails at once
     tf_version = require_transformers()
     if args.dtype == "float16":
@@ -474,7 +476,8 @@ def _peer(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     progress = not args.no_progress
     ov = engine_overrides(args)
-    state_init = "zero" if arch == HUGINN else args.state_init  # matches the HF side's zero state
+    # a model that draws its initial loop state starts from zero on both sides (ARCH_CODE's generate_kwargs)
+    state_init = "zero" if config.state_init is not None else args.state_init
 
     print(f"loading {path} ({args.dtype}): loopserve and HF ({code.folder})", file=sys.stderr)
     bm = BenchModel.load(str(path), args.dtype, "cpu", state_init)
@@ -544,7 +547,7 @@ def _greedy_check(report: dict[str, Any], workloads: dict[str, Any], path: Path,
         ours = loopserve_outputs(bm32, sub, cfg.width, **ov)
         chk = compare_outputs(hf_out, ours)
         chk["note"] = ("one HF static batch, left padded" if kind != "uniform" else "one HF static batch")
-        if code.arch == HUGINN and kind != "uniform":
+        if not ARCH_CODE[code.arch]["reads_mask"] and kind != "uniform":
             chk["note"] += "; the upstream Huginn code ignores the attention mask, so padded rows differ"
         report["workloads"][kind]["greedy_check"] = chk
         print(f"greedy check {kind}: {chk['identical']} of {chk['requests']} requests identical", file=sys.stderr)
