@@ -16,16 +16,16 @@ import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
 from loopserve.model_config import HUGINN, HUGINN_HEAD_DIM, OURO, OURO_DERIVED_HEAD_DIM, ModelConfig
 from loopserve.models.base import LoopedLM
-from loopserve.models.huginn import RavenForCausalLM
-from loopserve.models.ouro import OuroForCausalLM
+from loopserve.models.loader import build_model
 from loopserve.sampling_params import is_int
-from loopserve_lab.tokenization.build import ARCHS, byte_level_tokenizer, write_tokenizer_files
+from loopserve_lab.tokenization.build import ARCHS, byte_level_tokenizer, role_token_ids, write_tokenizer_files
 
 # The configuration class transformers loads for each architecture, as the released checkpoints name it
 # (module, class); the module's file is in hf_code/. No model class: loopserve runs the model itself, and
@@ -111,8 +111,7 @@ def hf_config(spec: TinySpec) -> dict:
             "tie_word_embeddings": False, "total_ut_steps": spec.r_max, "early_exit_threshold": 1.0,
             "use_sliding_window": False, "sliding_window": None, "max_window_layers": n,
             "layer_types": ["full_attention"] * n, "initializer_range": 0.02, "attention_dropout": 0.0,
-            "use_cache": True, "torch_dtype": "float32", "bos_token_id": 0, "eos_token_id": 0,
-            "pad_token_id": 0,
+            "use_cache": True, "torch_dtype": "float32", **_special_ids(spec),
         }
     if spec.num_kv_heads not in (None, spec.num_heads):
         raise ValueError(f"num_kv_heads: Ouro only (Huginn's attention has no grouped-query attention), got "
@@ -143,9 +142,21 @@ def hf_config(spec: TinySpec) -> dict:
         "effective_expected_depth": depth,
         "init_values": {"std": std, "out_proj": std / math.sqrt(2 * depth), "embedding": std,
                         "embed_scale": math.sqrt(h)},
-        "bos_token_id": spec.vocab_size - 32, "eos_token_id": spec.vocab_size - 31,
-        "pad_token_id": spec.vocab_size - 27,
+        **_special_ids(spec),
     }
+
+
+def _special_ids(spec: TinySpec) -> dict[str, Any]:
+    """config.json's bos, eos and pad ids: the tokenizer's (`tokenization.build.ROLE_TOKENS`)."""
+    ids = role_token_ids(spec.arch, spec.vocab_size)
+    return {f"{role}_token_id": ids[role] for role in ("bos", "eos", "pad")}
+
+
+def write_generation_config(out: Path, arch: str, vocab_size: int) -> None:
+    """generation_config.json as the released checkpoints have it: bos, pad, and every token that ends a reply."""
+    ids = role_token_ids(arch, vocab_size)
+    gen = {"bos_token_id": ids["bos"], "eos_token_id": ids["ends"], "pad_token_id": ids["pad"]}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
 
 
 def _auto_map(arch: str) -> dict[str, str]:
@@ -191,8 +202,7 @@ def make_tiny(out: str | Path, spec: TinySpec, shards: int = 1) -> Path:
     tokenizer = byte_level_tokenizer(spec.arch, spec.vocab_size)
     out.mkdir(parents=True, exist_ok=True)
     with torch.device("meta"):
-        model = (OuroForCausalLM(config, lookahead_gate=spec.lookahead_gate) if config.arch == OURO
-                 else RavenForCausalLM(config))
+        model = build_model(config, lookahead_gate=spec.lookahead_gate)
     tensors = _random_weights(model, spec.seed)
     if config.arch == HUGINN:  # the released file carries a duplicate head and the RoPE table
         tensors["lm_head.weight"] = tensors["transformer.wte.weight"].clone()
@@ -202,13 +212,7 @@ def make_tiny(out: str | Path, spec: TinySpec, shards: int = 1) -> Path:
         tensors["freqs_cis"] = torch.stack([ang.cos(), ang.sin()], -1)[None, :, None].float().contiguous()
     _save(tensors, out, shards)
     write_hf_config(out, raw)
-    gen = {"bos_token_id": raw["bos_token_id"], "eos_token_id": raw["eos_token_id"]}
-    if config.arch == OURO:
-        gen["eos_token_id"] = [0, 2]  # <|endoftext|> and <|im_end|>
-    else:
-        gen["eos_token_id"] = [spec.vocab_size - 31, spec.vocab_size - 28]  # <|end_text|>, <|end_turn|>
-        gen["pad_token_id"] = raw["pad_token_id"]
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    write_generation_config(out, spec.arch, spec.vocab_size)
     write_tokenizer_files(tokenizer, spec.arch, out, spec.max_position)
     return out
 

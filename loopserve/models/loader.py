@@ -164,6 +164,14 @@ def _open(file: Path):
         raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
 
 
+def build_model(config: ModelConfig, lookahead_gate: bool = False, state_init: str | None = None) -> LoopedLM:
+    """The model class of `config`'s architecture, built (in the current default device and dtype): Ouro with its
+    lookahead gate head when asked, Huginn with `state_init` (None: the config's)."""
+    if config.arch == OURO:
+        return OuroForCausalLM(config, lookahead_gate=lookahead_gate)
+    return RavenForCausalLM(config, state_init=state_init)
+
+
 def load_model(model: str | Path, dtype: str | torch.dtype, device: str | torch.device, state_init: str | None = None,
                *, chat_template: str | None = None, generation_config: str = "auto") -> LoadedModel:
     """`dtype` and `device` are given by every caller: their defaults are `LoadConfig`'s (both "auto",
@@ -192,10 +200,7 @@ def load_model(model: str | Path, dtype: str | torch.dtype, device: str | torch.
     try:  # build on the meta device directly in the target dtype: no throwaway random init
         torch.set_default_dtype(DTYPES[dtype])
         with torch.device("meta"):
-            if config.arch == OURO:
-                net = OuroForCausalLM(config, lookahead_gate=all(n in files for n in LOOKAHEAD_GATE))
-            else:
-                net = RavenForCausalLM(config, state_init=state_init)
+            net = build_model(config, lookahead_gate=all(n in files for n in LOOKAHEAD_GATE), state_init=state_init)
     finally:
         torch.set_default_dtype(default_dtype)
     net = net.to_empty(device=device)

@@ -35,8 +35,10 @@ __all__ = [
     "HUGINN_SPECIAL_TOKENS",
     "OURO_CHAT_TEMPLATE",
     "OURO_SPECIAL_TOKENS",
+    "ROLE_TOKENS",
     "byte_level_tokenizer",
     "bytes_to_unicode",
+    "role_token_ids",
     "special_token_ids",
     "train_bpe",
     "write_tokenizer_files",
@@ -220,6 +222,22 @@ def _num_regular(arch: str, vocab_size: int) -> int:
             f"(256 byte symbols + {n_special} special tokens)"
         )
     return vocab_size - n_special
+
+
+# Each layout's beginning, end and padding tokens (config.json's bos / eos / pad ids), and the tokens that end a reply
+# (a generation config's eos ids: the released checkpoints' end of text and end of turn)
+ROLE_TOKENS = {
+    "ouro": {"bos": "<|endoftext|>", "eos": "<|endoftext|>", "pad": "<|endoftext|>",
+             "ends": ("<|endoftext|>", "<|im_end|>")},
+    "huginn": {"bos": HUGINN_BOS, "eos": HUGINN_EOS, "pad": HUGINN_PAD, "ends": (HUGINN_EOS, "<|end_turn|>")},
+}
+
+
+def role_token_ids(arch: str, vocab_size: int) -> dict[str, int | list[int]]:
+    """`ROLE_TOKENS` of `arch` as ids: {"bos": id, "eos": id, "pad": id, "ends": [ids]}."""
+    ids = special_token_ids(arch, vocab_size)
+    return {role: [ids[t] for t in tok] if isinstance(tok, tuple) else ids[tok]
+            for role, tok in ROLE_TOKENS[arch].items()}
 
 
 def special_token_ids(arch: str, vocab_size: int) -> dict[str, int]:

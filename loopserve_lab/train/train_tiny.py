@@ -44,7 +44,7 @@ from loopserve.model_config import ModelConfig
 from loopserve.models.context import dense_context
 from loopserve.models.ouro import OuroForCausalLM
 from loopserve.sampling_params import is_int, is_real
-from loopserve_lab.tiny import TinySpec, hf_config, write_hf_config
+from loopserve_lab.tiny import TinySpec, hf_config, write_generation_config, write_hf_config
 from loopserve_lab.tokenization.build import train_bpe, write_tokenizer_files
 from loopserve_lab.train.corpus import DEFAULT_CACHE_DIR, DEFAULT_HELDOUT_TITLE, fetch_shakespeare, load_works
 from loopserve_lab.train.objective import exit_distribution, stage1_loss
@@ -276,8 +276,7 @@ def save_folder(model: OuroForCausalLM, raw: dict, tok, out: Path) -> None:
     tensors = {n: p.detach().to(torch.bfloat16).contiguous() for n, p in model.checkpoint_tensors().items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     write_hf_config(out, raw)
-    gen = {"bos_token_id": raw["bos_token_id"], "eos_token_id": [0, 2]}
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    write_generation_config(out, "ouro", raw["vocab_size"])
     write_tokenizer_files(tok, "ouro", out, raw["max_position_embeddings"])
 
 
