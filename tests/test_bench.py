@@ -874,10 +874,10 @@ def test_bench_host_projection_replays_the_ticks():
     """The device-idle projection by hand for two ticks: a core tick, then a coda tick with its preludes;
     serial idle is host / (host + device), pipelined counts only the host time the device waits for."""
     from loopserve_lab.bench import host
-    from loopserve_lab.bench.theory import DEVICES, OURO_1_4B, step_time_estimate
+    from loopserve_lab.bench.theory import OURO_1_4B, ROOFLINE_DEVICES, step_time_estimate
 
     def t(stage, rows):
-        return step_time_estimate(OURO_1_4B, DEVICES["h200"], rows, 512, stage=stage).time_s
+        return step_time_estimate(OURO_1_4B, ROOFLINE_DEVICES["h200"], rows, 512, stage=stage).time_s
 
     d_core, d_coda = t("core", 64), t("coda", 20) + t("prelude", 20)
     h_core, h_coda = 0.5 * d_core, d_core + 0.001  # the coda tick's host work outlasts the core step

@@ -252,7 +252,7 @@ def test_rope_pass_names_mismatched_shapes_and_keeps_infinities_as_the_ops_do():
     assert torch.equal(torch.vmap(lambda t: rope(t, cos, sin, "half"))(x[None])[0], rope(x, cos, sin, "half"))
     assert not rope_pass.applies((x, x.bfloat16()), cos, sin) and not rope_pass.applies((x,), cos, sin.double())
     x[1, 0, 2], x[2, 1, 5], x[3, 0, 0] = float("inf"), float("-inf"), float("nan")
-    for dtype in rope_pass.DTYPES:
+    for dtype in rope_pass.ROPE_DTYPES:
         got = rope(x.to(dtype), cos, sin, "half")
         want = rope(x.to(dtype).requires_grad_(True), cos, sin, "half").detach()  # (torch's ops)
         assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())

@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loopserve.engine.graphs import PACKED
+from loopserve.engine.graphs import PACKED_ROWS
 from loopserve.engine.runner import StatePool, _pack_rows
 from loopserve.engine.stats import EngineStats
 from loopserve.exits import POLICIES, SIGNALS, ExitBook, ExitRule, rule_table
@@ -172,7 +172,7 @@ def test_undecided_and_packed_inputs_are_the_array_form(case, scratch, core):
     pool, rows, generations = case
     keep = (pool.generation[rows] == generations) & ~pool.passive[rows] & (pool.exits.exit_depth[rows] == 0)
     assert pool.undecided(rows, generations).tolist() == keep.tolist()
-    host, kinds = np.full((PACKED, len(rows)), -7, np.int64), np.full(len(rows), -7, np.int8)
+    host, kinds = np.full((PACKED_ROWS, len(rows)), -7, np.int64), np.full(len(rows), -7, np.int8)
     counts = np.zeros(len(SIGNALS), np.int64)
     top, now = _pack_rows(rows, core, pool.passive, pool.position, pool.kv_row, pool.r, pool.kv_slot, pool.parity,
                           pool.signal, pool.decides_ahead, scratch, pool.rows, host, kinds, counts)

@@ -55,7 +55,7 @@ class KVStore:
         self._gather_rows = {"k": _as_words(self.k), "v": _as_words(self.v)}  # what `_take_rows` reads
         # decode scores read K in place on the CPU (`scores`). The flag is what `scores` tests: a torch.compile'd
         # stage may read a bool, not the numpy view (Dynamo guards fail)
-        self._k_rows = scores.key_rows(self.k) if on_cpu and dtype in scores.DTYPES else None
+        self._k_rows = scores.key_rows(self.k) if on_cpu and dtype in scores.SCORE_DTYPES else None
         self._reads_keys_in_place = self._k_rows is not None
 
     def write(self, slot: torch.Tensor | int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

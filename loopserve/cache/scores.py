@@ -32,14 +32,14 @@ from loopserve.jit import bfloat16_bits, inlined_kernel, kernel, prefetch_row, w
 # Keys one thread takes at least before a call is split over threads: a slice of fewer finishes before
 # a thread is woken (a key's dot product is some ns; a hand-off some tens of µs).
 KEYS_PER_THREAD = 1 << 16
-DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+SCORE_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 # How many keys ahead of the one being scored its row is prefetched: some 100-200 ns of work at a few ns a key,
 # about a read from memory (16 to 48 measured the same over scattered blocks; 8 too few)
 AHEAD = 24
 
 
 def key_rows(k: torch.Tensor) -> np.ndarray:
-    """A CPU store's K ([..., head_dim], `DTYPES`) as the numpy view `decode_scores` reads: [rows, head_dim],
+    """A CPU store's K ([..., head_dim], `SCORE_DTYPES`) as the numpy view `decode_scores` reads: [rows, head_dim],
     bfloat16 as its int16 bit patterns."""
     flat = k.view(-1, k.shape[-1])
     return (flat.view(torch.int16) if k.dtype == torch.bfloat16 else flat).numpy()
@@ -49,7 +49,7 @@ def decode_scores(q: torch.Tensor, k_rows: np.ndarray, index: torch.Tensor, visi
                   scale: float) -> torch.Tensor:
     """scale * q . K[index] for one query per sequence, -inf where a key is not visible.
 
-    q [N, heads, d] (`DTYPES`); k_rows: the store's K as [rows, d] (`key_rows`); index [kv_heads, N, L] flat
+    q [N, heads, d] (`SCORE_DTYPES`); k_rows: the store's K as [rows, d] (`key_rows`); index [kv_heads, N, L] flat
     row indices (`KVStore.index`); visible [N, L] bool. Returns [kv_heads, N, heads // kv_heads, L]
     (query head h reads kv head h // (heads // kv_heads)), in q's dtype."""
     nkv, n, length = index.shape

@@ -59,7 +59,7 @@ LADDER_BASE = (1, 2, 3, 4, 6)  # then doubling: 8, 12, 16, 24, 32, 48, ...
 # each row's position, KV write row, loop depth, block-table slot, state rows read and written, pool row (its
 # injection row); a prelude adds its token and random-state seed.
 POSITION, KV_WRITE, DEPTH, SLOT, STATE_READ, STATE_WRITE, POOL_ROW, TOKEN, SEED = range(9)
-PACKED = POOL_ROW + 1  # the rows every stage packs
+PACKED_ROWS = POOL_ROW + 1  # the rows every stage packs
 
 
 def bucket(n: int) -> int:
@@ -141,7 +141,7 @@ class StageGraphs:
         self._replay("prelude", meta, max_keys)
 
     def core(self, meta: torch.Tensor, max_keys: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """The core step of the rows whose metadata is `meta` ([PACKED, n], `POSITION` ... `POOL_ROW`) and whose
+        """The core step of the rows whose metadata is `meta` ([PACKED_ROWS, n], `POSITION` ... `POOL_ROW`) and whose
         longest key count is `max_keys`: each row's state read from the pool and the next one written back.
         Returns the states read and written ([n, hidden]) and the rows' own signals (`signal_kinds`, by kind),
         views of the static buffers, valid until the next stage is queued."""

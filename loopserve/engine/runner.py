@@ -20,7 +20,7 @@ from loopserve.device import Readback, upload
 from loopserve.engine.graphs import (
     DEPTH,
     KV_WRITE,
-    PACKED,
+    PACKED_ROWS,
     POOL_ROW,
     POSITION,
     SEED,
@@ -292,8 +292,8 @@ class StatePool:
         self.exits.observe(none, none, np.zeros(0), np.zeros(0), np.zeros(0, bool))
         self.held.add(none, none, none, none, 0.0)
         _pack_rows(none, True, self.passive, self.position, self.kv_row, self.r, self.kv_slot, self.parity,
-                   self.signal, self.decides_ahead, 0, self.rows, np.zeros((PACKED, 0), np.int64), np.zeros(0, np.int8),
-                   np.zeros(len(SIGNALS), np.int64))
+                   self.signal, self.decides_ahead, 0, self.rows, np.zeros((PACKED_ROWS, 0), np.int64),
+                   np.zeros(0, np.int8), np.zeros(len(SIGNALS), np.int64))
 
     def state_rows(self, rows: np.ndarray) -> np.ndarray:
         """Indices into `state` of the rows' current buffers."""
@@ -440,7 +440,7 @@ class PendingPrefill:
 class Packed(NamedTuple):
     """A decode batch's metadata packed for one upload (`ModelRunner._pack`)."""
 
-    host: np.ndarray  # [PACKED + extra, rows] int64: the rows named in graphs.py, then the caller's
+    host: np.ndarray  # [PACKED_ROWS + extra, rows] int64: the rows named in graphs.py, then the caller's
     top: int  # the largest position
     kinds: np.ndarray  # each row's signal code in SIGNALS (0: none)
     counts: list[int]  # rows per signal code
@@ -470,7 +470,7 @@ class ModelRunner:
         then `extra` rows for the caller to fill; the caller uploads them in one copy (`core`: a passive row
         writes its KV to the scratch row and has no signal)."""
         pool = self.pool
-        host, kinds = np.empty((PACKED + extra, len(rows)), np.int64), np.empty(len(rows), np.int8)
+        host, kinds = np.empty((PACKED_ROWS + extra, len(rows)), np.int64), np.empty(len(rows), np.int8)
         counts = np.zeros(len(SIGNALS), np.int64)
         top, now = _pack_rows(rows, core, pool.passive, pool.position, pool.kv_row, pool.r, pool.kv_slot, pool.parity,
                               pool.signal, pool.decides_ahead, self.scratch_row, pool.rows, host, kinds, counts)
@@ -547,7 +547,7 @@ class ModelRunner:
     def prelude(self, items: list[WorkItem], rows: np.ndarray) -> None:
         """Run the preludes of `items` (in state-pool rows `rows`) into their state rows (their current buffers)
         and, for Huginn, their injection rows. The tokens (and random-state seeds) go up with the rows' metadata."""
-        host, top = self._pack(rows, extra=SEED + 1 - PACKED)[:2]
+        host, top = self._pack(rows, extra=SEED + 1 - PACKED_ROWS)[:2]
         host[STATE_WRITE] = host[STATE_READ]  # a prelude writes the rows' current buffers, which their next step reads
         host[TOKEN] = self.pool.token[rows]
         host[SEED] = [it.state_seed() for it in items] if self.draws_random_state else 0
@@ -746,7 +746,7 @@ def _start_pool_rows(rows, slots, position, prompt_len, rule, decode_index, sign
 @compiled
 def _pack_rows(rows, core, passive, position, kv_row, r, kv_slot, parity, signal, decides_ahead, scratch_row, n_rows,
                host, kinds, counts):
-    """`ModelRunner._pack`: host[:PACKED, k] = (position, KV write row, depth, block-table slot, state index read,
+    """`ModelRunner._pack`: host[:PACKED_ROWS, k] = (position, KV write row, depth, block-table slot, state index read,
     state index written, pool row) and kinds[k] = the signal code of batch row k (in a `core` batch a passive row
     writes its KV to the scratch row and has no signal), counted in counts[code]; returns the largest position and
     the number of rows with a signal whose rule does not decide a step ahead (a core step whose signals are all

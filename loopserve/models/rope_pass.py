@@ -18,12 +18,12 @@ import torch
 
 from loopserve.jit import as_float32, elementwise, inlined_elementwise, stored_as
 
-DTYPES = (torch.float32, torch.bfloat16)
+ROPE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def applies(xs: tuple[torch.Tensor, ...], cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Whether `rotate` takes this rotation: plain CPU tensors (not a subclass, a functorch transform's wrapper or a
-    lazily negated view: the pass reads their memory through numpy) of one dtype in `DTYPES` with float32 tables,
+    lazily negated view: the pass reads their memory through numpy) of one dtype in `ROPE_DTYPES` with float32 tables,
     none of which autograd differentiates (the pass has no backward), outside torch.compile's tracing."""
     if not all(type(t) is torch.Tensor for t in (*xs, cos, sin)) or torch.compiler.is_compiling():
         return False  # (the types first: an fx Proxy is not looked into)
@@ -38,15 +38,15 @@ _functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 def _dtypes_taken(xs: tuple[torch.Tensor, ...], cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    """Heads of one dtype in `DTYPES`, float32 tables."""
+    """Heads of one dtype in `ROPE_DTYPES`, float32 tables."""
     dtype = xs[0].dtype
-    return dtype in DTYPES and all(x.dtype == dtype for x in xs) and cos.dtype == sin.dtype == torch.float32
+    return dtype in ROPE_DTYPES and all(x.dtype == dtype for x in xs) and cos.dtype == sin.dtype == torch.float32
 
 
 def compile_pass(dtype: torch.dtype) -> None:
     """Compile the pass for `dtype` (or load it from numba's cache) for the calls the models make (one tensor, and
     a query's and a key's heads), so that no request waits for it: a second or two the first time on a machine."""
-    if dtype in DTYPES:
+    if dtype in ROPE_DTYPES:
         x, tables = torch.zeros(1, 1, 2, dtype=dtype), torch.zeros(1, 2)  # (float32)
         rotate((x,), tables, tables, True)
         rotate((x, x), tables, tables, True)
@@ -62,7 +62,7 @@ def rotate(xs: tuple[torch.Tensor, ...], cos: torch.Tensor, sin: torch.Tensor, h
         raise ValueError(f"rope: {[tuple(x.shape) for x in xs]} and tables {tuple(cos.shape)}, {tuple(sin.shape)} "
                          "do not match")
     if not _dtypes_taken(xs, cos, sin):
-        raise ValueError(f"rope: the pass takes heads of one dtype in {DTYPES} and float32 tables, not "
+        raise ValueError(f"rope: the pass takes heads of one dtype in {ROPE_DTYPES} and float32 tables, not "
                          f"{[x.dtype for x in xs]} heads and {cos.dtype}, {sin.dtype} tables")
     outs = [torch.empty(x.shape, dtype=x.dtype) for x in xs]
     bits = xs[0].dtype == torch.bfloat16  # (numpy has no bfloat16: its bits, as int16)

@@ -99,7 +99,7 @@ def add_depth_args(p: argparse.ArgumentParser) -> None:
                         f"{OVERLAP_THRESHOLD})")
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+def add_engine_overrides(p: argparse.ArgumentParser) -> None:
     """Every `EngineConfig` knob but the two a benchmark drives itself (the scheduler, and the width
     given by --width / --widths); unset knobs are chosen per run (`harness.engine_kwargs_for`: e.g.
     max-num-seqs 4 x width, a KV pool that fits the workload)."""
@@ -756,7 +756,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = bsub.add_parser("record", help="record threshold-free exit trajectories at full depth")
     add_model_args(p)
     add_workload_args(p)
-    add_engine_args(p)
+    add_engine_overrides(p)
     p.add_argument("--policy", default=None, choices=["gate", "latent_diff"], help="default: the model's own")
     p.add_argument("--width", type=int, default=32)
     p.add_argument("--file", type=Path, default=None, help="output file (.json or .json.gz)")
@@ -766,7 +766,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_args(p)
     add_workload_args(p)
     add_depth_args(p)
-    add_engine_args(p)
+    add_engine_overrides(p)
     p.add_argument("--sweep", default="width",
                    help=f"comma list of: {', '.join(SWEEPS)} (default: %(default)s)")
     p.add_argument("--widths", type=_ints, default="8,16,32,64",
@@ -839,7 +839,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = bsub.add_parser("prefix", help="prefix caching on vs off: TTFT and throughput behind a shared system prompt")
     add_model_args(p)
-    add_engine_args(p)
+    add_engine_overrides(p)
     p.add_argument("--prefix-len", type=int, default=1024, help="tokens of the shared system prompt")
     p.add_argument("--num-requests", type=int, default=16, help="questions per throughput batch")
     p.add_argument("--ttft-requests", type=int, default=8, help="requests timed alone (and conversations)")
@@ -852,7 +852,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = bsub.add_parser("spec", help="self-speculative decoding vs plain: acceptance, latency per token, throughput")
     add_model_args(p)
-    add_engine_args(p)
+    add_engine_overrides(p)
     p.set_defaults(model=str(embedded_model_path()))
     p.add_argument("-k", type=int, default=4, help="tokens drafted per verify pass")
     p.add_argument("--draft-loops", type=_ints, default=[1, 2], help="draft depths (the best one alone for the rest)")
@@ -866,7 +866,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_args(p)
     add_workload_args(p, n=64)
     add_depth_args(p)
-    add_engine_args(p)
+    add_engine_overrides(p)
     p.add_argument("--mode", default="inprocess", choices=["inprocess", "http", "both"])
     p.add_argument("--schedulers", default=None, help="comma list (default: cb,cdb-norefill,cdb)")
     p.add_argument("--width", type=int, default=32)
@@ -893,7 +893,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_args(p)
     add_workload_args(p)
     add_depth_args(p)
-    add_engine_args(p)
+    add_engine_overrides(p)
     p.add_argument("--width", type=int, default=32)
     p.add_argument("--values", type=_ints, default=None, help="min-coda: the minimum coda batches")
     p.add_argument("--repeats", type=int, default=1)
@@ -902,7 +902,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = bsub.add_parser("peer", help="upstream HF remote code (generate, static batches) vs loopserve CB and CDB")
     add_model_args(p)
     add_depth_args(p)
-    add_engine_args(p)
+    add_engine_overrides(p)
     _add_peer_args(p)
     p.set_defaults(func=_cmd_peer, threads=1)
     for command in bsub.choices.values():

@@ -43,7 +43,7 @@ from loopserve.engine.engine import LLMEngine, StageRecord
 from loopserve.models.base import LoopedLM
 from loopserve.models.loader import LoadedModel, load_model
 from loopserve.sampling_params import RequestOutputKind, SamplingParams
-from loopserve_lab.bench.theory import DEVICES, HUGINN_0125, OURO_1_4B, step_time_estimate
+from loopserve_lab.bench.theory import HUGINN_0125, OURO_1_4B, ROOFLINE_DEVICES, step_time_estimate
 from loopserve_lab.tiny import TinySpec, make_tiny, tiny_arch
 
 # the null models' checkpoints (their config and tokenizer; the weights go unused): Ouro-shaped (a prelude and a
@@ -251,8 +251,8 @@ def projection(points: list[HostPoint]) -> list[dict[str, Any]]:
         for model, cfg in PROJECTED.items():
             for dev in ("h100", "h200"):
                 batches = {b for _, tick in p.ticks for b in tick}  # (stage, rows): roofline seconds
-                step = {(stage, rows): step_time_estimate(cfg, DEVICES[dev], rows, p.context, stage=stage).time_s
-                        for stage, rows in batches}
+                step = {(stage, rows): step_time_estimate(cfg, ROOFLINE_DEVICES[dev], rows, p.context,
+                                                          stage=stage).time_s for stage, rows in batches}
                 device = [sum(step[b] for b in tick) for _, tick in p.ticks]
                 h, d = sum(host), sum(device)
                 # pipelined: the host's work for tick t+1 runs while the device runs tick t

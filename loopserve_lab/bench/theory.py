@@ -48,7 +48,7 @@ from loopserve_lab.tiny import tiny_arch
 
 __all__ = [
     "LAYOUTS",
-    "DEVICES",
+    "ROOFLINE_DEVICES",
     "H100_SXM",
     "H200",
     "HUGINN_0125",
@@ -383,7 +383,7 @@ class Device:
 
 H100_SXM = Device("H100 SXM", 989e12, 3.35e12)  # dense BF16 peak, HBM3
 H200 = Device("H200", 989e12, 4.8e12)  # dense BF16 peak, HBM3e
-DEVICES: dict[str, Device] = {"h100": H100_SXM, "h100-sxm": H100_SXM, "h200": H200}
+ROOFLINE_DEVICES: dict[str, Device] = {"h100": H100_SXM, "h100-sxm": H100_SXM, "h200": H200}
 
 
 def cpu_probe(seconds: float = 1.0, matmul_size: int = 1024, copy_mib: int = 256) -> Device:
@@ -428,9 +428,9 @@ def get_device(name: str | Device) -> Device:
     key = name.lower()
     if key in ("cpu", "this-cpu"):
         return cpu_probe()
-    if key not in DEVICES:
-        raise ValueError(f"unknown device {name!r}; known: {sorted(DEVICES)} or 'cpu'")
-    return DEVICES[key]
+    if key not in ROOFLINE_DEVICES:
+        raise ValueError(f"unknown device {name!r}; known: {sorted(ROOFLINE_DEVICES)} or 'cpu'")
+    return ROOFLINE_DEVICES[key]
 
 
 @dataclass(frozen=True)
