@@ -298,6 +298,17 @@ def _rewrite_weights(folder: Path, edit) -> None:
     save_file(w, str(folder / "model.safetensors"))
 
 
+def test_an_empty_model_or_a_folder_without_config_is_named(tmp_path, monkeypatch):
+    """`LLM("")` read the working folder and said "config.json: missing", naming no folder."""
+    from loopserve.models.loader import load_model
+
+    with pytest.raises(ValueError, match=r"^model: empty; give a model folder or hub id"):
+        load_model("", "float32", "cpu")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=f"^{tmp_path / 'config.json'}: missing$"):
+        load_model(".", "float32", "cpu")
+
+
 def test_missing_tensor_is_named(ouro_copy):
     _rewrite_weights(ouro_copy, lambda w: w.pop("model.layers.1.mlp.up_proj.weight"))
     with pytest.raises(ValueError) as e:

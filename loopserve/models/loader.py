@@ -114,6 +114,8 @@ def embedded_model_path() -> Path:
 
 
 def resolve_model_path(model: str | Path) -> Path:
+    if not str(model).strip():  # (Path("") is the working folder: its errors would name no folder at all)
+        raise ValueError("model: empty; give a model folder or hub id (unset: the embedded model)")
     path = Path(model).expanduser()
     if path.is_dir():
         return path
@@ -185,7 +187,7 @@ def load_model(model: str | Path, dtype: str | torch.dtype, device: str | torch.
     dtype = resolve_dtype(dtype, folder, device)
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
-        raise ValueError(f"{cfg_path}: missing")
+        raise ValueError(f"{cfg_path.absolute()}: missing")
     raw = read_json_object(cfg_path)
     config = ModelConfig.from_hf(raw, str(cfg_path))
     # the small files first: a bad template or generation config fails before the weights are read
