@@ -221,7 +221,8 @@ class AsyncLLMEngine:
             raise self.dead_error
 
     def get_tokenizer(self, lora_request: Any = None) -> Tokenizer:
-        """The tokenizer (vLLM's, a plain method since V1's renderer; older vLLM awaited it)."""
+        """The tokenizer (vLLM's, a plain method since V1's renderer; older vLLM awaited it, and so may a caller here:
+        the tokenizer is awaitable, giving itself)."""
         check_neutral(lora_request=lora_request)
         return self.llm.get_tokenizer()
 

@@ -28,7 +28,7 @@ import json
 import numbers
 import os
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import cached_property, lru_cache
 from pathlib import Path
@@ -373,6 +373,12 @@ class Tokenizer:
             raise ValueError(f"text: expected a string or a list of strings, got {type(text).__name__}")
         batch = [self.encode(t, add_special_tokens, f"text.{i}") for i, t in enumerate(text)]
         return BatchEncoding(input_ids=batch, attention_mask=[[1] * len(ids) for ids in batch])
+
+    def __await__(self) -> Generator[Any, None, Tokenizer]:
+        """`await engine.get_tokenizer()`, as vLLM before V1's renderer had it (a coroutine), gives the tokenizer
+        too: code written for either vLLM runs."""
+        return self
+        yield  # (a generator that returns at once)
 
     def __len__(self) -> int:
         """The vocabulary's size with the added tokens, as transformers' `len(tokenizer)`."""

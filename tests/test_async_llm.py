@@ -236,6 +236,10 @@ def test_get_tokenizer_and_alias(engine):
     with pytest.raises(ValueError, match="^lora_request"):
         engine.get_tokenizer(lora_request=object())
 
+    async def older_vllm() -> object:  # (vLLM before V1's renderer awaited it: a TypeError here before)
+        return await engine.get_tokenizer()
+    assert asyncio.run(older_vllm()) is tok
+
 
 def test_vllms_housekeeping_calls(engine, caplog):
     """The calls vLLM's API server makes on its engine client: a stats line, no tracing, the task, no multimodal
