@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import numbers
+import re
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -25,12 +26,17 @@ class Neutral:
     values: str  # the values taken, as the error for any other names them
     why: str  # what loopserve does instead
     init: bool = True  # an `LLM(...)` keyword (else an argument of `generate`, `chat` or `add_request` only)
+    switch: bool = False  # on vLLM's command line a flag without a value (`--x` on, `--no-x` off)
+    secret: bool = False  # a string value is not repeated in an error (a token)
 
 
-def _only(why: str, *values: Any, init: bool = True) -> Neutral:
-    """Taken at exactly these values, type and all (True is not 1)."""
+def _only(why: str, *values: Any, init: bool = True, secret: bool = False, switch: bool | None = None) -> Neutral:
+    """Taken at exactly these values, type and all (True is not 1); unless `switch` says, a switch on the command line
+    where the values are booleans (and None)."""
+    if switch is None:
+        switch = all(v is None or isinstance(v, bool) for v in values) and any(isinstance(v, bool) for v in values)
     return Neutral(lambda v: any(type(v) is type(x) and v == x for x in values), " or ".join(map(repr, values)), why,
-                   init)
+                   init, switch, secret)
 
 
 _ANY = "any value"
@@ -43,8 +49,9 @@ def _zero(v: Any) -> bool:  # (numpy's zeros too, as vLLM compares them)
 # vLLM's `LLM(...)` keywords, and the arguments of `generate` and `chat`, for what loopserve lacks: each taken at the
 # values that ask for nothing of it, any other a ValueError naming it (`check_neutral`).
 NEUTRAL: dict[str, Neutral] = {
-    "disable_log_stats": Neutral(lambda v: True, _ANY, "this class logs no periodic stats"),
-    "disable_custom_all_reduce": Neutral(lambda v: True, _ANY, "it has no tensor parallelism to all-reduce for"),
+    "disable_log_stats": Neutral(lambda v: True, _ANY, "this class logs no periodic stats", switch=True),
+    "disable_custom_all_reduce": Neutral(lambda v: True, _ANY, "it has no tensor parallelism to all-reduce for",
+                                         switch=True),
     "tokenizer_mode": _only("the checkpoint's tokenizer.json is read by the tokenizers library: the fast tokenizer "
                             "'auto' and 'hf' pick", "auto", "hf"),
     "skip_tokenizer_init": _only("the checkpoint's tokenizer is always loaded", False),
@@ -53,7 +60,9 @@ NEUTRAL: dict[str, Neutral] = {
     "tokenizer_revision": _only("the checkpoint's own tokenizer is loaded, from the model's revision", None),
     "download_dir": _only("a hub model is fetched to the Hugging Face cache", None),
     # (True is vLLM's "the token of `huggingface-cli login`", which huggingface_hub reads anyway)
-    "hf_token": _only("a hub model is fetched with huggingface_hub's own token (HF_TOKEN, or a login)", None, True),
+    # (vLLM's --hf-token takes the token: a value, never repeated in an error)
+    "hf_token": _only("a hub model is fetched with huggingface_hub's own token (HF_TOKEN, or a login)", None, True,
+                      secret=True, switch=False),
     "hf_overrides": _only("the checkpoint's config.json is read as it is", None, {}),
     "quantization": _only("weights load unquantized, in `dtype`", None),
     "kv_cache_dtype": _only("the KV cache is kept in the model's dtype", "auto"),
@@ -89,7 +98,7 @@ NEUTRAL: dict[str, Neutral] = {
     # (both: loopserve's models have no sliding window to disable, and a config.json asking for one is refused)
     "disable_sliding_window": _only("its models attend over the whole context", False, True),
     "disable_cascade_attn": Neutral(lambda v: isinstance(v, bool), "True or False",
-                                    "it has no cascade attention kernel to turn off"),
+                                    "it has no cascade attention kernel to turn off", switch=True),
     "calculate_kv_scales": _only("the KV cache is kept in the model's dtype, unscaled", False),
     "kv_transfer_config": _only("no disaggregated prefill", None),
     "guided_decoding_backend": _only("structured output is llguidance's, vLLM's 'guidance'", "auto", "guidance"),
@@ -129,37 +138,55 @@ def check_neutral(**given: Any) -> None:
     for name, value in given.items():
         neutral = NEUTRAL[name]
         if not neutral.accepts(value):
+            shown = "a string (not shown: a secret)" if neutral.secret and isinstance(value, str) else repr(value)
             raise ValueError(f"{name}: not supported by loopserve ({neutral.why}); it takes {neutral.values}, "
-                             f"got {value!r}")
+                             f"got {shown}")
 
 
 _NEUTRAL_DEST = "vllm_neutral."  # (a namespace attribute's prefix: these flags set no loopserve knob)
 
 
+_CLI_WORDS = {"none": None, "null": None, "true": True, "false": False}
+
+
 def _flag_value(text: str) -> Any:
-    """A vLLM flag's value as vLLM's parser would give it: JSON where it parses (1, true, null, {}), else the text."""
+    """A vLLM flag's value as vLLM's parser would give it: true, false, null (any case, and None), else JSON where it
+    parses (1, {}), else the text."""
+    if text.lower() in _CLI_WORDS:
+        return _CLI_WORDS[text.lower()]
     try:
         return json.loads(text)
     except ValueError:
         return text
 
 
+def _cli_terms(values: str) -> str:
+    """`Neutral.values` as a command line writes them (null, true, false)."""
+    return re.sub(r"\b(None|True|False)\b", lambda m: {"None": "null", "True": "true", "False": "false"}[m[1]], values)
+
+
 def add_neutral_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """vLLM's command-line flags of the `NEUTRAL` `LLM(...)` keywords the command has no flag of its own for, so that
-    a vLLM launch line runs as it is (`--enable-chunked-prefill`, `--kv-cache-dtype auto`): each takes a value (JSON
-    or text; none: true), `--no-` where both true and false ask for nothing; `neutral_kwargs` reads them back for
-    `check_neutral`."""
+    a vLLM launch line runs as it is (`--enable-chunked-prefill`, `--kv-cache-dtype auto`): a switch as vLLM's
+    (`--x` true, `--no-x` false, no value: a model path after it stays the model), any other with one value (JSON or
+    text); `neutral_kwargs` reads them back for `check_neutral`."""
     taken = set(getattr(parser, "_option_string_actions", {}))
     for name, neutral in NEUTRAL.items():
-        flag = "--" + name.replace("_", "-")
+        flag, dest = "--" + name.replace("_", "-"), _NEUTRAL_DEST + name
         if not neutral.init or flag in taken:
             continue
-        text = f"vLLM's; not supported by loopserve ({neutral.why}): takes {neutral.values}".replace("%", "%%")
-        parser.add_argument(flag, dest=_NEUTRAL_DEST + name, nargs="?", const=True, type=_flag_value,
-                            default=argparse.SUPPRESS, metavar="VALUE", help=text)
-        if neutral.accepts(True) and neutral.accepts(False):
-            parser.add_argument("--no-" + flag[2:], dest=_NEUTRAL_DEST + name, action="store_const", const=False,
+        if neutral.switch:
+            on, off = neutral.accepts(True), neutral.accepts(False)
+            taken_as = "on or off" if on and off else "off (--no-" + flag[2:] + ") only" if off else "on only"
+            text = f"vLLM's switch; not supported by loopserve ({neutral.why}): taken {taken_as}"
+            parser.add_argument(flag, dest=dest, action="store_const", const=True, default=argparse.SUPPRESS,
+                                help=text.replace("%", "%%"))
+            parser.add_argument("--no-" + flag[2:], dest=dest, action="store_const", const=False,
                                 default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+            continue
+        text = f"vLLM's; not supported by loopserve ({neutral.why}): takes {_cli_terms(neutral.values)}"
+        parser.add_argument(flag, dest=dest, type=_flag_value, default=argparse.SUPPRESS, metavar="VALUE",
+                            help=text.replace("%", "%%"))
 
 
 def neutral_kwargs(args: argparse.Namespace) -> dict[str, Any]:

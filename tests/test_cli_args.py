@@ -116,6 +116,9 @@ def test_a_commands_scheduler_help_describes_the_choices_it_takes(command, sched
     ("--max-logprobs 5", "max_logprobs: not supported by loopserve"),
     ("--data-parallel-size 2", "data_parallel_size: not supported by loopserve"),
     ("--skip-tokenizer-init", "skip_tokenizer_init: not supported by loopserve"),
+    ("--enable-chunked-prefill False", None), ("--no-enable-lora", None), ("--tokenizer-revision None", None),
+    ("--enable-lora", "enable_lora: not supported by loopserve (no LoRA adapters); it takes False, got True"),
+    ("--hf-token hf_SECRET", "hf_token: not supported by loopserve"),
 ])
 def test_serve_takes_vllms_flags_for_what_it_lacks_at_their_neutral_values(argv, refusal):
     """A vLLM launch line runs as it is where it asks for nothing loopserve lacks, and is refused naming the flag's
@@ -124,6 +127,15 @@ def test_serve_takes_vllms_flags_for_what_it_lacks_at_their_neutral_values(argv,
 
     said = _check(build_parser().parse_args(["serve", *argv.split()]))
     assert said == refusal if refusal is None else said.startswith(refusal), said
+    assert "SECRET" not in (said or "")  # (a token is not repeated into logs)
+
+
+@pytest.mark.parametrize("switch", ["--disable-custom-all-reduce", "--enable-chunked-prefill", "--enable-lora",
+                                    "--no-enable-chunked-prefill"])
+def test_vllms_switches_take_no_value_so_a_model_after_one_stays_the_model(switch):
+    """A switch that took an optional value swallowed the model path: `serve --disable-custom-all-reduce /m` served
+    the embedded model without a word."""
+    assert build_parser().parse_args(["serve", switch, "/m"]).model_tag == "/m"
 
 
 def test_serve_takes_vllm_flag_names():

@@ -126,7 +126,7 @@ def test_vllms_keywords_at_their_neutral_values_are_taken_and_change_nothing(tin
     (dict(pipeline_parallel_size=True), r"^pipeline_parallel_size: .*got True$"),  # (True == 1, but not an int)
     (dict(enable_chunked_prefill=0), r"^enable_chunked_prefill: .*prefilled in chunks.*None or True or False, "
                                      r"got 0$"),
-    (dict(hf_token="hf_abc"), r"^hf_token: .*huggingface_hub's own token"),
+    (dict(hf_token="hf_abc"), r"^hf_token: .*huggingface_hub's own token.*got a string \(not shown: a secret\)$"),
     (dict(hf_token=False), r"^hf_token: .*it takes None or True, got False$"),
     (dict(distributed_executor_backend="ray"), r"^distributed_executor_backend: .*in this process"),
     (dict(enable_sleep_mode=True), r"^enable_sleep_mode: "),
