@@ -42,7 +42,13 @@ from loopserve.llm import LLM, llm_configs
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import BeamSearchParams, SamplingParams
 from loopserve.tokenizer import Tokenizer
-from loopserve.vllm_neutral import ASYNC_ABSENT_METHODS, absent_method, check_neutral
+from loopserve.vllm_neutral import (
+    ASYNC_ABSENT_METHODS,
+    absent_method,
+    add_neutral_args,
+    check_neutral,
+    neutral_kwargs,
+)
 
 __all__ = ["AsyncLLMEngine", "AsyncLLM", "AsyncEngineArgs", "EngineArgs", "EngineDeadError", "EngineStoppedError"]
 
@@ -88,12 +94,14 @@ class EngineArgs:
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        """vLLM's: the engine's flags on `parser` (those of `loopserve generate` and `serve`: `--model`, each
-        `LoadConfig` and `EngineConfig` field, `--chat-template`, `--generation-config`); returns it."""
+        """vLLM's: the engine's flags on `parser` (those of `loopserve serve`: `--model`, each `LoadConfig` and
+        `EngineConfig` field, `--chat-template`, `--generation-config`, and vLLM's flags for what loopserve lacks,
+        `vllm_neutral.add_neutral_args`); returns it."""
         from loopserve.cli import add_chat_args, add_engine_args
 
         add_engine_args(parser)
         add_chat_args(parser)
+        add_neutral_args(parser)
         return parser
 
     @classmethod
@@ -102,7 +110,7 @@ class EngineArgs:
         from loopserve.cli import engine_kwargs, load_kwargs
 
         return cls(args.model, chat_template=args.chat_template, generation_config=args.generation_config,
-                   **cls._own_cli_kwargs(args), **load_kwargs(args), **engine_kwargs(args))
+                   **cls._own_cli_kwargs(args), **load_kwargs(args), **engine_kwargs(args), **neutral_kwargs(args))
 
     @classmethod
     def _own_cli_kwargs(cls, args: argparse.Namespace) -> dict[str, Any]:

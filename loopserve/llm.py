@@ -194,9 +194,9 @@ class LLM:
         "string": a message's content reaches the template as text) and `mm_processor_kwargs` are taken at the
         values that ask for nothing loopserve lacks (no adapters, no images).
 
-        `chat_template` names one of the model's templates or is a template itself; `chat_template_kwargs`
-        become template variables (not those of `tokenizer.TEMPLATE_RESERVED`: a ValueError); `tools`
-        (JSON-schema dicts) reach the template as `tools`. `continue_final_message` (with
+        `chat_template` names one of the model's templates, is a template itself or a file holding one;
+        `chat_template_kwargs` become template variables (not those of `tokenizer.TEMPLATE_RESERVED`: a ValueError);
+        `tools` (JSON-schema dicts) reach the template as `tools`. `continue_final_message` (with
         add_generation_prompt=False, as in vLLM): the model goes on with the final message, the assistant's, whose
         turn the prompt leaves open (it ends with the message's text). Messages are
         checked and rendered as the server's are (`chat_messages`): the template gets a message's role,

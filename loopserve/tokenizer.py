@@ -463,11 +463,13 @@ class Tokenizer:
         if chat_template is not None:
             if chat_template in self.chat_templates:
                 return self.chat_templates[chat_template]
-            if not any(c in chat_template for c in _JINJA_MARKS) and not Path(chat_template).expanduser().is_file():
-                names = f" or one of the model's templates ({', '.join(sorted(self.chat_templates))})" if (
-                    self.chat_templates) else ""
-                raise ValueError(f"chat_template: {chat_template!r} is not a Jinja template, a file{names}")
-            return load_chat_template(chat_template)
+            try:
+                return load_chat_template(chat_template)
+            except (ValueError, OSError):  # (OSError: a name too long for a path, say, or a file it cannot read)
+                what = (f"a Jinja template, a readable file or one of the model's templates "
+                        f"({', '.join(sorted(self.chat_templates))})" if self.chat_templates
+                        else "a Jinja template or a readable file")
+                raise ValueError(f"chat_template: {chat_template[:80]!r} is not {what}") from None
         if tools is not None and TOOL_USE_TEMPLATE in self.chat_templates:
             return self.chat_templates[TOOL_USE_TEMPLATE]
         if DEFAULT_TEMPLATE in self.chat_templates:

@@ -1,7 +1,8 @@
 """vLLM's arguments for what loopserve has no counterpart of (LoRA, quantization, priorities, ...), each taken at the
 values that ask for nothing of it, so that vLLM's scripts that pass them run as they are; any other value is a
-ValueError naming the argument (`check_neutral`); and vLLM's methods for what loopserve lacks, refused saying what to
-use instead (`ABSENT_METHODS`). Read by `LLM`, `LLMEngine.add_request` and `AsyncLLMEngine`."""
+ValueError naming the argument (`check_neutral`); the same as vLLM's command-line flags (`add_neutral_args`: `serve`'s,
+`EngineArgs.add_cli_args`'); and vLLM's methods for what loopserve lacks, refused saying what to use instead
+(`ABSENT_METHODS`). Read by `LLM`, `LLMEngine.add_request`, `AsyncLLMEngine` and those commands."""
 
 from __future__ import annotations
 

@@ -638,6 +638,12 @@ def test_engine_args_from_cli_args(tiny_ouro):
         parser.parse_args(["--max-num-seqs", "x"])
     plain = EngineArgs_from_cli(tiny_ouro)
     assert plain.max_num_seqs == EngineConfig().max_num_seqs and not hasattr(plain, "enable_log_requests")
+    # vLLM's flags for what loopserve lacks, as serve takes them
+    vllm = AsyncEngineArgs.from_cli_args(parser.parse_args(["--model", str(tiny_ouro), "--enable-chunked-prefill",
+                                                            "--kv-cache-dtype", "auto"]))
+    assert (vllm.enable_chunked_prefill, vllm.kv_cache_dtype) == (True, "auto")
+    with pytest.raises(ValueError, match="^quantization: not supported by loopserve"):
+        AsyncEngineArgs.from_cli_args(parser.parse_args(["--quantization", "awq"]))
 
 
 def EngineArgs_from_cli(path):  # noqa: N802 (the class's name)

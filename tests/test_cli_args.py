@@ -335,6 +335,10 @@ def test_empty_api_keys_fall_back_to_the_variable_with_a_warning(monkeypatch, ca
     caplog.clear()
     assert _api_keys([""]) == ["secret"] and f"taking ${ours}" in caplog.text
     assert _api_keys(None) == ["secret"]
+    monkeypatch.delenv(ours)
+    monkeypatch.setenv(API_KEY_ENVS[1], "vllms")  # (vLLM's variable, where ours is unset)
+    caplog.clear()
+    assert _api_keys([""]) == ["vllms"] and f"taking ${API_KEY_ENVS[1]}" in caplog.text
 
 
 @pytest.mark.parametrize("argv, prog", [(["generate", "--bogus"], "loopserve generate"),

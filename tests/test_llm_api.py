@@ -131,9 +131,11 @@ def test_chat_template_may_be_a_file_and_a_path_that_is_none_is_refused(llm, tmp
     [out] = llm.chat(HELLO, params, use_tqdm=False, chat_template=str(path))
     assert out.prompt == "[user] Hello"
     for name in (str(tmp_path / "missing.jinja"), "tool_use"):
-        with pytest.raises(ValueError, match=r"^chat_template: .* is not a Jinja template, a file or one of the "
-                                             r"model's templates \(default\)$"):
+        with pytest.raises(ValueError, match=r"^chat_template: .* is not a Jinja template, a readable file or one of "
+                                             r"the model's templates \(default\)$"):
             llm.chat(HELLO, params, use_tqdm=False, chat_template=name)
+    with pytest.raises(ValueError, match=r"^chat_template: 'xxxx"):  # (too long a name for a path: an OSError before)
+        llm.chat(HELLO, params, use_tqdm=False, chat_template="x" * 300)
     with pytest.raises(ValueError, match="^messages: "):
         llm.chat([], params)
 

@@ -37,6 +37,7 @@ ray = pytest.importorskip("ray", reason="Ray Serve is the [ray] extra (pip insta
 pytest.importorskip("ray.serve", reason="Ray Serve is the [ray] extra (pip install -e '.[ray]')")
 
 from loopserve.serve import ray as lray  # noqa: E402
+from loopserve.vllm_neutral import neutral_kwargs  # noqa: E402
 from loopserve_lab.tiny import TinySpec, make_tiny  # noqa: E402
 
 REPLICA = "x-loopserve-replica"
@@ -162,6 +163,11 @@ def test_config_file_builder(tmp_path):
         lray.flags_from_config({"cuda_graphs": "yes"})
     with pytest.raises(ValueError, match="--replicas: must be >= 1"):
         lray.app({"model": str(tmp_path), "replicas": 0})
+    # a flag by its own name: an alias, and vLLM's flags for what loopserve lacks (refused as unknown before)
+    args = lray.flags_from_config({"model": str(tmp_path), "uvicorn_log_level": "debug", "kv_cache_dtype": "auto",
+                                   "enable_chunked_prefill": False, "enable-lora": "false"})
+    assert args.log_level == "debug"
+    assert neutral_kwargs(args) == {"kv_cache_dtype": "auto", "enable_chunked_prefill": False, "enable_lora": False}
 
 
 def test_merge_metrics_labels_every_sample_with_its_replica():

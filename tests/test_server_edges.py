@@ -237,7 +237,7 @@ def test_stalled_connections_are_closed_after_the_read_timeout(server):
 def test_a_body_that_trickles_in_is_cut_once_it_is_too_slow(server):
     """A byte every third of the read timeout never stalls, and held its connection and request task for as long
     as the client liked: a body gets BODY_TIMEOUTS read timeouts, plus its bytes at MIN_BODY_RATE, then a 408."""
-    from loopserve.serve.cli import BODY_TIMEOUTS
+    from loopserve.serve.limits import BODY_TIMEOUTS
 
     head, body = _request(C, json.dumps({"model": MODEL, "prompt": "trickle " * 40, "max_tokens": 2}).encode())
     with socket.create_connection(_addr(server)) as s:

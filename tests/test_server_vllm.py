@@ -194,7 +194,7 @@ def test_request_id_is_echoed_and_names_the_response(server):
         assert err.status_code == 404 and re.fullmatch(r"[0-9a-f]{32}", err.headers["x-request-id"])
         if headers:  # and the log says so (the client's id was lost without a word)
             _log_after(server, f"X-Request-Id: not 1 to 128 visible ASCII characters (500 characters sent); the "
-                               f"request is named {err.headers['x-request-id']} instead")
+                               f"request is named {err.headers['x-request-id']} instead (or by its body's request_id)")
 
 
 def test_any_of_several_api_keys(server):

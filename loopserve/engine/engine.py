@@ -30,7 +30,7 @@ from loopserve.cache.layout import KVLayout
 from loopserve.cache.manager import KVCacheManager
 from loopserve.cache.pool import KVStore
 from loopserve.cache.prefix import cache_scope
-from loopserve.engine.budget import checked_model_len
+from loopserve.engine.budget import checked_model_len, pool_tokens
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.graphs import StageGraphs
 from loopserve.engine.runner import (
@@ -137,10 +137,10 @@ class LLMEngine:
                  else KVCacheManager.TABLE_WIDTH)
         self.kv = KVCacheManager(store, cfg.block_size, reserved_blocks=1, num_slots=cfg.max_num_seqs,
                                  table_width=width)
-        if blocks * cfg.block_size < self.max_model_len:  # (vLLM refuses to start here; requests say it one by one)
+        if pool_tokens(self) < self.max_model_len:  # (vLLM refuses to start here; requests say it one by one)
             log.warning("the KV cache holds %d tokens, fewer than max_model_len %d: a request needing more is refused "
                         "or its completion cut there (more kv_cache_tokens, %s, or a smaller max_model_len would "
-                        "serve max_model_len)", blocks * cfg.block_size, self.max_model_len, kv_memory_knob)
+                        "serve max_model_len)", pool_tokens(self), self.max_model_len, kv_memory_knob)
         # a state row per admitted sequence (a plain item keeps its row between tokens), and room for the drafts
         # of every sequence that may draft at once, so that verify groups are not trimmed for want of rows
         drafts = cfg.num_speculative_tokens * min(cfg.speculative_max_batch, cfg.max_num_seqs)

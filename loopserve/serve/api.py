@@ -94,8 +94,8 @@ from loopserve.engine.sequence import Sequence, TokensPrompt, resolve_exit_rule,
 from loopserve.models.loader import LoadedModel
 from loopserve.outputs import CompletionOutput, RequestOutput
 from loopserve.sampling_params import BeamSearchParams, SamplingParams, given_seed, truncates_prompt
-from loopserve.serve.cli import CORS_ANY, LOG_STATS_INTERVAL_S, MAX_QUEUED_REQUESTS, MAX_REQUEST_BODY_BYTES
 from loopserve.serve.connection import CLOSED_BY_SERVER
+from loopserve.serve.limits import CORS_ANY, LOG_STATS_INTERVAL_S, MAX_QUEUED_REQUESTS, MAX_REQUEST_BODY_BYTES
 from loopserve.serve.metrics import ServerMetrics, StatsLogger
 from loopserve.serve.middleware import (
     BodyLimitMiddleware,

@@ -24,6 +24,15 @@ from loopserve.cli import CommandError, add_chat_args, add_engine_args, add_exit
 from loopserve.engine.config import ENGINE_SCHEDULERS
 from loopserve.load_config import configs
 from loopserve.sampling_params import EXIT_FIELDS
+from loopserve.serve.limits import (
+    BODY_TIMEOUTS,
+    CORS_ANY,
+    LOG_STATS_INTERVAL_S,
+    MAX_QUEUED_REQUESTS,
+    MAX_REQUEST_BODY_BYTES,
+    MIN_BODY_RATE,
+    REQUEST_READ_TIMEOUT_S,
+)
 from loopserve.vllm_neutral import add_neutral_args, check_neutral, neutral_kwargs
 
 if TYPE_CHECKING:
@@ -34,16 +43,6 @@ if TYPE_CHECKING:
 # ignoring VLLM_API_KEY would serve it without one)
 API_KEY_ENVS = ("LOOPSERVE_API_KEY", "VLLM_API_KEY")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-# the server's limits unless flags say otherwise: the flags' defaults and `ServerSettings`' (serve/api.py)
-MAX_QUEUED_REQUESTS = 256  # sequences (samples) accepted beyond max_num_seqs
-MAX_REQUEST_BODY_BYTES = 4 * 2**20
-REQUEST_READ_TIMEOUT_S = 30.0
-# a request body may take BODY_TIMEOUTS read timeouts, plus its bytes at MIN_BODY_RATE bytes/s (a 4 MiB body: 256 s
-# more), before it counts as too slow (408: serve/connection.py)
-BODY_TIMEOUTS = 4
-MIN_BODY_RATE = 16 * 1024
-LOG_STATS_INTERVAL_S = 10.0
-CORS_ANY = ("*",)  # CORS: every method, every header (once origins are allowed)
 log = logging.getLogger("loopserve.serve")
 
 

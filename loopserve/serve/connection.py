@@ -41,7 +41,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
-from loopserve.serve.cli import BODY_TIMEOUTS, MIN_BODY_RATE
+from loopserve.serve.limits import BODY_TIMEOUTS, MIN_BODY_RATE
 from loopserve.serve.protocol import SHUTTING_DOWN, error_body
 
 log = logging.getLogger("loopserve.serve")

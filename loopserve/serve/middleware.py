@@ -138,7 +138,7 @@ class RequestIdMiddleware:
             sent = _sent_request_id(scope)
             if sent is not None:  # (served all the same, as vLLM serves it: a gateway's ids may be longer)
                 log.warning("X-Request-Id: not 1 to %d visible ASCII characters (%d characters sent); the request "
-                            "is named %s instead", MAX_REQUEST_ID, len(sent), rid)
+                            "is named %s instead (or by its body's request_id)", MAX_REQUEST_ID, len(sent), rid)
         scope[REQUEST_ID_KEY] = rid
 
         async def send_with_id(msg: Message) -> None:

@@ -33,7 +33,7 @@ import json
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from loopserve.chat_messages import ROLES
@@ -297,13 +297,20 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None  # SamplingParams' rule: unset or n
     prompt_embeds: Any = None  # vLLM's (base64 tensors), only when started with --enable-prompt-embeds: refused
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_prompt_embeds(cls, data: Any) -> Any:
+        """`prompt_embeds` refused before the fields are read: vLLM's request sends them without a `prompt`, which
+        would otherwise be reported missing."""
+        if isinstance(data, dict) and data.get("prompt_embeds") is not None:
+            raise ApiError(400, "prompt_embeds: not supported by this server (vLLM takes them only when started with "
+                                "--enable-prompt-embeds); give the prompt as text or token ids", "prompt_embeds")
+        return data
+
     def check_unsupported(self) -> None:
         super().check_unsupported()
         if self.suffix:
             raise ApiError(400, "suffix: not supported by this server", "suffix")
-        if self.prompt_embeds is not None:
-            raise ApiError(400, "prompt_embeds: not supported by this server (vLLM takes them only when started with "
-                                "--enable-prompt-embeds); give the prompt as text or token ids", "prompt_embeds")
 
     def beam_search_conflicts(self) -> dict[str, tuple[tuple[Any, ...], str]]:
         return {**super().beam_search_conflicts(), "logprobs": ((), "a beam search returns no logprobs"),

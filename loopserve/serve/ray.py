@@ -155,13 +155,25 @@ def flags_from_config(config: dict[str, Any]) -> argparse.Namespace:
     name or a list of them). ValueError names an unknown or bad entry."""
     parser = _serve_parser()
     actions = {a.dest: a for a in parser._actions if a.option_strings}
+    # and by each flag's own name: an alias (uvicorn_log_level), vLLM's flags for what loopserve lacks (their dest is
+    # not their name), a switch's --no- form
+    for a in parser._actions:
+        if not isinstance(a, argparse.BooleanOptionalAction):  # (its --no-x is `x: false`)
+            for opt in a.option_strings:
+                actions.setdefault(opt.lstrip("-").replace("-", "_"), a)
     argv: list[str] = []
     for key, value in config.items():
         action = actions.get(key.replace("-", "_"))
         if action is None:
             raise ValueError(f"args.{key}: not a `loopserve serve` flag")
         flag = action.option_strings[-1]
-        if isinstance(action, argparse._StoreTrueAction | argparse.BooleanOptionalAction):
+        if isinstance(action, argparse._StoreConstAction) and not isinstance(action, argparse._StoreTrueAction):
+            # a switch of vLLM's: `x: true` is --x, `x: false` its --no-x (`vllm_neutral.add_neutral_args`)
+            if value not in (True, False, "true", "false"):
+                raise ValueError(f"args.{key}: expected true or false")
+            opposite = "--" + flag[5:] if flag.startswith("--no-") else "--no-" + flag[2:]
+            argv.append(flag if value in (True, "true") else opposite)
+        elif isinstance(action, argparse._StoreTrueAction | argparse.BooleanOptionalAction):
             if value not in (True, False, "true", "false"):
                 raise ValueError(f"args.{key}: expected true or false")
             if isinstance(action, argparse.BooleanOptionalAction):  # --x / --no-x: false is said too

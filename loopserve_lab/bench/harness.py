@@ -99,8 +99,12 @@ class BenchModel:
         return self.path.name
 
     def engine(self, seed: int = 0, timed: TimedModel | None = None, **cfg: Any) -> LLMEngine:
-        """An engine on this model (`timed`: on that wrapper of it, which times the model's stages)."""
-        return LLMEngine(self.model if timed is None else timed, self.tokenizer, EngineConfig(**cfg), seed)
+        """An engine on this model (`timed`: on that wrapper of it, which times the model's stages); a KV pool sized
+        to the workload (`kv_cache_tokens`) is its longest request, not the model's context."""
+        config = EngineConfig(**cfg)
+        pool = (config.kv_cache_tokens // config.block_size * config.block_size) if config.kv_cache_tokens else None
+        max_len = min(pool, self.config.max_position) if pool else None
+        return LLMEngine(self.model if timed is None else timed, self.tokenizer, config, seed, max_len)
 
 
 def engine_kwargs_for(workload: Workload, width: int, max_num_seqs: int | None = None,

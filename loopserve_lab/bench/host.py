@@ -164,7 +164,9 @@ def null_engine(scheduler: str, width: int, context: int, loaded: LoadedModel,
     cfg = EngineConfig(scheduler=scheduler, max_decode_batch=width, max_num_seqs=width, block_size=block,
                        kv_cache_tokens=tokens, prefill_chunk_size=2048, max_num_batched_tokens=8192,
                        kv_safety_margin=0.0)
-    return LLMEngine(NullLM(loaded.model), loaded.tokenizer, cfg)
+    # (a pool sized to the point: its longest request is the limit, not the null model's context)
+    return LLMEngine(NullLM(loaded.model), loaded.tokenizer, cfg,
+                     max_model_len=min(tokens, loaded.config.max_position))
 
 
 def measure(scheduler: str, width: int, context: int, loaded: LoadedModel, seed: int = 0,

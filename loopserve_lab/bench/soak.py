@@ -65,6 +65,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from loopserve.config_args import add_config_args, config_kwargs, knob
+from loopserve_lab.bench.serve import free_port, wait_healthy
 
 SERVED, REJECTED, CLIENT_ERROR, ABORTED = "served", "rejected", "client_error", "aborted"
 SERVER_ERROR, LOST, UNEXPECTED_4XX, BAD_ACCEPTED = "5xx", "lost", "unexpected_4xx", "bad_accepted"
@@ -820,8 +821,6 @@ def _metric(m: dict, name: str, **labels: str) -> float:
 
 def start_server(cfg: SoakConfig, model: Path, log: Path) -> tuple[subprocess.Popen, str, int]:
     """`loopserve serve` on a free loopback port, healthy (a few tries if a port is taken meanwhile)."""
-    from loopserve_lab.bench.serve import free_port, wait_healthy  # (torch, which this client needs nowhere else)
-
     for _ in range(3):
         port = free_port()
         cmd = [sys.executable, "-m", "loopserve.cli", "serve", "--model", str(model), "--host", "127.0.0.1",
