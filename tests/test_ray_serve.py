@@ -36,7 +36,9 @@ from tests.server_helpers import MODEL, REPO, free_port, sse_events, stop
 ray = pytest.importorskip("ray", reason="Ray Serve is the [ray] extra (pip install -e '.[ray]'; setup.sh installs it)")
 pytest.importorskip("ray.serve", reason="Ray Serve is the [ray] extra (pip install -e '.[ray]')")
 
+from loopserve.engine.config import EngineConfig  # noqa: E402
 from loopserve.serve import ray as lray  # noqa: E402
+from loopserve.serve.limits import MAX_QUEUED_REQUESTS  # noqa: E402
 from loopserve.vllm_neutral import neutral_kwargs  # noqa: E402
 from loopserve_lab.tiny import TinySpec, make_tiny  # noqa: E402
 
@@ -65,7 +67,10 @@ def test_flags_map_onto_deployment_options():
     assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
     assert fixed["ray_actor_options"] == {"num_cpus": 1.0}  # no GPU: --replica-cpus
     # what the app admits (8 running + 40 queued) plus the probe slots
-    assert fixed["max_ongoing_requests"] == 8 + 40 + lray.PROBE_SLOTS and fixed["max_queued_requests"] == 40
+    assert fixed["max_ongoing_requests"] == 8 + 40 + lray.PROBE_SLOTS
+    # the proxy's queue holds what all the replicas admit: a bound of one replica's queue dropped requests below the
+    # deployment's capacity (each request waits there a moment), with Ray's plain 503 instead of the app's
+    assert fixed["max_queued_requests"] == 3 * (8 + 40)
     assert fixed["graceful_shutdown_timeout_s"] == 12
     auto = lray.deployment_options(_flags("--min-replicas", "1", "--max-replicas", "4", "--replicas", "2",
                                           "--max-num-seqs", "8", "--replica-cpus", "0.5"), gpus=True)
@@ -75,11 +80,13 @@ def test_flags_map_onto_deployment_options():
     assert auto["ray_actor_options"] == {"num_cpus": 0.5, "num_gpus": 1}  # one GPU per replica
     cpu_only = lray.deployment_options(_flags("--replicas", "2", "--device", "cpu"), gpus=True)
     assert "num_gpus" not in cpu_only["ray_actor_options"]
-    assert lray.deployment_options(_flags("--max-queued-requests", "0"), gpus=False)["max_queued_requests"] == -1
+    assert lray.deployment_options(_flags("--max-queued-requests", "0"), gpus=False)["max_queued_requests"] == (
+        EngineConfig().max_num_seqs)  # (bounded: it was -1, no bound at all)
+    assert auto["max_queued_requests"] == 4 * (8 + MAX_QUEUED_REQUESTS)  # (the most replicas autoscaling allows)
 
 
 @pytest.mark.parametrize(("argv", "said"), [
-    ((), "1 replicas"), (("--replicas", "3"), "3 replicas"),
+    ((), "1 replica"), (("--replicas", "3"), "3 replicas"),
     (("--min-replicas", "2"), "autoscaling 2..2 replicas"),  # (it said "2..None")
     (("--max-replicas", "4"), "autoscaling 1..4 replicas"),
 ])
@@ -88,8 +95,8 @@ def test_the_start_line_says_the_replicas_the_deployment_gets(argv, said):
     assert lray._describe(args) == said
     opts = lray.deployment_options(args, gpus=False)
     auto = opts.get("autoscaling_config")
-    assert said == (f"autoscaling {auto['min_replicas']}..{auto['max_replicas']} replicas" if auto else
-                    f"{opts['num_replicas']} replicas")
+    assert said.startswith(f"autoscaling {auto['min_replicas']}..{auto['max_replicas']} " if auto else
+                           f"{opts['num_replicas']} replica")
 
 
 def test_replica_threads_flags_one_rule(monkeypatch):
@@ -133,6 +140,9 @@ def test_replica_threads_flags_one_rule(monkeypatch):
     (["--min-replicas", "3", "--max-replicas", "2"], "is above --max-replicas"),
     (["--replicas", "5", "--max-replicas", "2"], "must lie in"),
     (["--replicas", "2", "--replica-cpus", "0"], "--replica-cpus: must be > 0"),
+    # (a relative one: Ray started, and six replica tracebacks came before the error, with exit 1)
+    (["--replicas", "2", "--model", "no_such_folder"], "model: 'no_such_folder' is not a model folder"),
+    (["--replicas", "2", "--ray-address", "127.0.0.1:1"], "--ray-address: nothing answers at 127.0.0.1:1"),
 ])
 def test_bad_replica_flags_exit_2_before_ray_starts(argv, message, tmp_path):
     t0 = time.monotonic()

@@ -113,6 +113,11 @@ def embedded_model_path() -> Path:
     return Path(__file__).resolve().parents[1] / "assets" / "ouro-shakespeare"
 
 
+def is_hub_id(name: str) -> bool:
+    """Whether `name` could name a Hugging Face Hub repository ("owner/name"), not a local path."""
+    return name.count("/") == 1 and not name.startswith((".", "/", "~"))
+
+
 def resolve_model_path(model: str | Path) -> Path:
     if not str(model).strip():  # (Path("") is the working folder: its errors would name no folder at all)
         raise ValueError("model: empty; give a model folder or hub id (unset: the embedded model)")
@@ -120,7 +125,7 @@ def resolve_model_path(model: str | Path) -> Path:
     if path.is_dir():
         return path
     name = str(model)
-    if path.exists() or name.count("/") != 1 or name.startswith((".", "/")):
+    if path.exists() or not is_hub_id(name):
         raise ValueError(f"model: {name!r} is not a model folder")
     try:
         from huggingface_hub import snapshot_download

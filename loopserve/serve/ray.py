@@ -41,6 +41,7 @@ import asyncio
 import json
 import logging
 import signal
+import socket
 import sys
 import threading
 import time
@@ -82,17 +83,22 @@ def deployment_options(args: argparse.Namespace, gpus: bool) -> dict[str, Any]:
     actor: dict[str, Any] = {"num_cpus": args.replica_cpus}
     if gpus and args.device != "cpu":
         actor["num_gpus"] = 1
+    fixed = fixed_replicas(args)
+    most = fixed if fixed is not None else replica_bounds(args)[1]
+    admitted = cfg.max_num_seqs + args.max_queued_requests  # what a replica's app admits (503 with Retry-After beyond)
     opts: dict[str, Any] = {
         "ray_actor_options": actor,
-        # what the app itself admits (it answers 503 beyond that, as the single-process server), and
-        # room for probes: a replica at its limit would make /health and /metrics wait in the proxy
-        "max_ongoing_requests": cfg.max_num_seqs + args.max_queued_requests + PROBE_SLOTS,
-        "max_queued_requests": args.max_queued_requests if args.max_queued_requests > 0 else -1,
+        # what the app itself admits, and room for probes: a replica at its limit would make /health and /metrics
+        # wait in the proxy
+        "max_ongoing_requests": admitted + PROBE_SLOTS,
+        # the proxy's own queue: every request waits there a moment for a replica, so a bound as small as one
+        # replica's queue dropped requests below the deployment's capacity, with Ray's plain 503; bounded by what all
+        # the replicas admit, the replicas' own 503 (with Retry-After) comes first
+        "max_queued_requests": most * admitted,
         "health_check_period_s": HEALTH_CHECK_PERIOD_S,
         "graceful_shutdown_timeout_s": args.shutdown_timeout,
         "max_constructor_retry_count": CONSTRUCTOR_RETRIES,
     }
-    fixed = fixed_replicas(args)
     if fixed is not None:
         opts["num_replicas"] = fixed
         return opts
@@ -132,13 +138,40 @@ def build_application(args: argparse.Namespace) -> Application:
     problem = _check(args)  # (bad engine and load flags fail here, not in every replica)
     if problem is not None:
         raise ValueError(problem)
-    model = args.model_tag or args.model
-    if model is not None and not Path(model).exists() and Path(model).is_absolute():
-        raise ValueError(f"model: {model} does not exist")
+    _check_model_path(args, local=False)
     args = argparse.Namespace(**vars(args))
     args.api_key = _api_keys(args.api_key)  # the key variables are read here: replicas may not see them
     args.func = None  # the subcommand's function is not needed (nor always picklable) on replicas
     return LoopServeReplica.options(**deployment_options(args, _cluster_has_gpus())).bind(args)
+
+
+def _check_model_path(args: argparse.Namespace, local: bool) -> None:
+    """ValueError for a model path that cannot be there: a missing absolute path; with a local Ray instance (replicas
+    on this machine) also a missing relative one that is no hub id (`loader.is_hub_id`). A cluster's nodes may hold
+    relative paths this machine does not."""
+    from loopserve.models.loader import is_hub_id
+
+    model = args.model_tag or args.model
+    if model is None or Path(model).expanduser().exists():
+        return
+    if Path(model).is_absolute() or (local and not is_hub_id(str(model))):
+        raise ValueError(f"model: {model!r} is not a model folder")
+
+
+RAY_CONNECT_TIMEOUT_S = 5.0  # how long a --ray-address HOST:PORT may take to accept a connection
+
+
+def _check_ray_address(address: str) -> None:
+    """ValueError when nothing accepts a connection at a HOST:PORT --ray-address: `ray.init` would wait for it without
+    end, printing only Ray's own warnings. (Other forms, `auto` or `ray://...`, are Ray's to read.)"""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in address:
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=RAY_CONNECT_TIMEOUT_S).close()
+    except OSError as e:
+        raise ValueError(f"--ray-address: nothing answers at {address} ({e.strerror or e}); start the cluster's head "
+                         f"(ray start --head) or give its address") from None
 
 
 def _serve_parser() -> argparse.ArgumentParser:
@@ -397,8 +430,11 @@ def run_replicas(args: argparse.Namespace) -> int:
     """Serve the flags' model on Ray Serve until SIGTERM (exit 0) or SIGINT (130); a CommandError for bad flags,
     1 if the application could not be deployed."""
     local = args.ray_address is None
-    try:
-        deployment_options(args, gpus=False)  # bad engine flags: before Ray starts
+    try:  # bad engine flags, a missing model, a cluster that is not there: before Ray starts
+        deployment_options(args, gpus=False)
+        _check_model_path(args, local)
+        if not local:
+            _check_ray_address(args.ray_address)
     except ValueError as e:
         raise CommandError(str(e)) from None
     stop = threading.Event()
@@ -493,6 +529,6 @@ def _describe(args: argparse.Namespace) -> str:
 
     fixed = fixed_replicas(args)
     if fixed is not None:
-        return f"{fixed} replicas"
+        return f"{fixed} replica{'s' * (fixed != 1)}"
     low, high = replica_bounds(args)
     return f"autoscaling {low}..{high} replicas"
