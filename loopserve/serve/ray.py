@@ -467,8 +467,9 @@ def run_replicas(args: argparse.Namespace) -> int:
                  _describe(args))
         stop.wait()
         if local and _local_ray_stopped():
-            log.warning("shutdown: Ray's own processes were stopped too (a signal to the whole process group): the "
-                        "replicas are gone, nothing to drain")
+            log.warning("shutdown: Ray's own processes are stopping too (a signal to the whole process group): the "
+                        "replicas go with them, and requests in flight are cut without a drain (docs/scale-out.md, "
+                        "Limits)")
             return code["value"]
         try:
             drain_replicas(args.shutdown_timeout)
