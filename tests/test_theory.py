@@ -18,10 +18,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from loopserve_lab.bench.theory import (
-    DEVICES,
     H100_SXM,
     H200,
     LAYOUTS,
+    ROOFLINE_DEVICES,
     Device,
     StageFlops,
     bytes_per_element,
@@ -300,7 +300,7 @@ def test_device_presets():
     assert H100_SXM.peak_flops == 989e12 and H100_SXM.mem_bw == 3.35e12
     assert H200.peak_flops == 989e12 and H200.mem_bw == 4.8e12
     assert H100_SXM.ridge == pytest.approx(989 / 3.35)
-    assert DEVICES["h200"] is H200
+    assert ROOFLINE_DEVICES["h200"] is H200
 
 
 def test_core_step_estimate_ouro_h100():
