@@ -601,6 +601,36 @@ def test_token_and_request_metrics_count_every_sample(server, client, stream):
     assert prompt_tokens == 2 * usage.prompt_tokens
 
 
+def test_token_counters_grow_while_a_request_that_is_not_streamed_runs(server):
+    """A request that is not streamed has one output, when it finishes: its tokens reached the counters only then
+    (a scrape read 0 for seconds, then everything at once; the stats line said 0 tokens/s with requests running).
+    A scrape now counts what the engine has generated so far, and the final output adds only the rest: the totals
+    still equal `usage`, each prompt counted once per sample."""
+    wait_idle(server)
+    names = ("loopserve:generation_tokens_total", "loopserve:prompt_tokens_total")
+    gen0, prompt0 = (metric(server, n) for n in names)
+    result: dict = {}
+
+    def send() -> None:
+        result["r"] = httpx.post(server.url + C, headers=AUTH, timeout=120, json={
+            "model": MODEL, "prompt": "count me as I go", "max_tokens": 600, "n": 2, "temperature": 0.8,
+            "seed": 3, "ignore_eos": True})
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    seen = []
+    while sender.is_alive():
+        seen.append(metric(server, names[0]) - gen0)
+        time.sleep(0.05)
+    sender.join()
+    usage = result["r"].json()["usage"]
+    wait_idle(server)
+    assert usage["completion_tokens"] == 2 * 600 == metric(server, names[0]) - gen0
+    assert metric(server, names[1]) - prompt0 == usage["prompt_tokens"] * 2
+    assert any(0 < d < 1200 for d in seen), seen  # (counted while it ran)
+    assert seen == sorted(seen)  # (never backwards)
+
+
 def test_prompt_only_echo_counts_no_generated_token(server):
     """echo with max_tokens 0 returns the prompt alone: the token the engine runs for it is not counted as
     generated (usage says 0), nor its time to first token; the request and its prompt tokens are."""

@@ -96,7 +96,7 @@ from loopserve.outputs import CompletionOutput, RequestOutput
 from loopserve.sampling_params import BeamSearchParams, SamplingParams, given_seed, truncates_prompt
 from loopserve.serve.connection import CLOSED_BY_SERVER
 from loopserve.serve.limits import CORS_ANY, LOG_STATS_INTERVAL_S, MAX_QUEUED_REQUESTS, MAX_REQUEST_BODY_BYTES
-from loopserve.serve.metrics import ServerMetrics, StatsLogger
+from loopserve.serve.metrics import ServerMetrics, StatsLogger, quiet_progress
 from loopserve.serve.middleware import (
     BodyLimitMiddleware,
     RequestIdMiddleware,
@@ -134,6 +134,7 @@ from loopserve.serve.structured import ToolPlan, chat_guide, guide_field, reques
 
 log = logging.getLogger("loopserve.serve")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+METRICS_CATCH_UP_S = 1.0  # how long /metrics and the stats line wait for the step under way (`metrics_caught_up`)
 GRAMMAR_BUILDS = 1  # requests that may compile a grammar are built one at a time (`OpenAIServing.build`)
 TOKENIZE_THREADS = 2  # /tokenize and /detokenize calls run at once, on their own lane (`OpenAIServing.off_loop`)
 MAX_LISTED_UNKNOWN = 20  # unknown fields named in one warning
@@ -342,7 +343,8 @@ class OpenAIServing:
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
         self.aengine.start()
         interval = self.settings.stats_interval_s
-        stats = asyncio.ensure_future(StatsLogger(self.metrics, interval).run()) if interval else None
+        stats = (asyncio.ensure_future(StatsLogger(self.metrics, interval, self.metrics_caught_up).run()) if interval
+                 else None)
         try:
             yield
         finally:
@@ -825,7 +827,20 @@ class OpenAIServing:
         return Response(status_code=200)
 
     async def prometheus(self) -> Response:
+        await self.metrics_caught_up()
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def metrics_caught_up(self) -> None:
+        """Bring the token counters up to the engine (`ServerMetrics.catch_up`): a request that is not streamed has
+        one output, when it finishes, so its tokens would otherwise count only then. Asks the engine thread between
+        two steps, waiting for the one under way up to METRICS_CATCH_UP_S (else the counters stay as they are)."""
+        if not (self.aengine.alive and self.engine.requests):
+            return
+        try:
+            progress = await asyncio.wait_for(self.aengine.between_steps(quiet_progress), METRICS_CATCH_UP_S)
+        except (TimeoutError, EngineDeadError, EngineStoppedError):
+            return
+        self.metrics.catch_up(progress)
 
     async def version(self) -> JSONResponse:
         return JSONResponse({"version": loopserve_version()})

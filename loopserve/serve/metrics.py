@@ -41,7 +41,8 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -58,6 +59,9 @@ from prometheus_client.registry import Collector
 
 from loopserve.engine.engine_thread import EngineSnapshot
 from loopserve.outputs import RequestMetrics, RequestOutput
+
+if TYPE_CHECKING:
+    from loopserve.engine.engine import LLMEngine
 
 log = logging.getLogger("loopserve.serve")
 P = "loopserve:"
@@ -140,7 +144,7 @@ class _EngineCollector(Collector):
 class _Track:
     """What the metrics know of one request in flight."""
 
-    __slots__ = ("sample_tokens", "sample_last", "scheduled", "prompt_only", "beam_step")
+    __slots__ = ("sample_tokens", "sample_last", "scheduled", "prompt_only", "beam_step", "precounted")
 
     def __init__(self) -> None:
         self.sample_tokens: dict[int, int] = {}  # per sample (its index): its tokens so far
@@ -148,6 +152,9 @@ class _Track:
         self.scheduled: float | None = None  # start of the first step that admitted it
         self.prompt_only = False  # echo with max_tokens 0: the token the engine runs is not part of the response
         self.beam_step = False  # a step of a beam search: not counted (`beam_search` records the search)
+        # per sample of a request that is not streamed: its tokens the counters took before its output came
+        # (`catch_up`; with them its prompt, counted as prefilled)
+        self.precounted: dict[int, int] = {}
 
 
 class ServerMetrics:
@@ -264,13 +271,14 @@ class ServerMetrics:
                     times = c.metrics or out.metrics  # (the sample's own: an n > 1 request's merge is not it)
                     if new > 0:
                         if before == 0:
-                            self._first_tokens(out, times, new, now)
+                            self._first_tokens(out, times, new, now, prefilled=c.index in track.precounted)
                         else:  # a stream's later output: one gap since the sample's last, none within the output
                             self.itl.labels(*m).observe(now - track.sample_last[c.index])
                             for _ in range(new - 1):
                                 self.itl.labels(*m).observe(0.0)
-                        self.generation_tokens.labels(*m).inc(new)
-                        self.generation_total += new
+                        counted = new - track.precounted.pop(c.index, 0)  # (`catch_up` took the rest)
+                        self.generation_tokens.labels(*m).inc(counted)
+                        self.generation_total += counted
                         track.sample_last[c.index] = now
                     track.sample_tokens[c.index] = before + new
                     if c.finish_reason is not None:
@@ -278,12 +286,14 @@ class ServerMetrics:
                 if out.finished:
                     self._tracks.pop(out.request_id, None)
 
-    def _first_tokens(self, out: RequestOutput, times: RequestMetrics | None, new: int, now: float) -> None:
-        """A sample's first output with tokens: its prompt counts as prefilled, its time to first token (the
-        engine's first-token time), and for an output that is not streamed (all its tokens at once), its gaps as
-        their mean."""
+    def _first_tokens(self, out: RequestOutput, times: RequestMetrics | None, new: int, now: float,
+                      prefilled: bool = False) -> None:
+        """A sample's first output with tokens: its prompt counts as prefilled (unless `catch_up` counted it), its
+        time to first token (the engine's first-token time), and for an output that is not streamed (all its tokens
+        at once), its gaps as their mean."""
         m = self.labels
-        self._prefilled(len(out.prompt_token_ids))
+        if not prefilled:
+            self._prefilled(len(out.prompt_token_ids))
         if times is None:
             return
         first = times.first_token_time if times.first_token_time is not None else now
@@ -318,11 +328,43 @@ class ServerMetrics:
         self.prompt_tokens.labels(*self.labels).inc(tokens)
         self.prompt_total += tokens
 
+    def catch_up(self, progress: dict[str, tuple[int, dict[int, int]]]) -> None:
+        """Count the tokens of requests in flight that are not streamed (`quiet_progress`: request id -> (prompt
+        tokens, tokens per sample so far)), whose one output comes when they finish: the counters then grow while
+        they run, as the engine generates, instead of at once at their end (vLLM counts per step). Each sample's
+        final output then adds only what this did not count; a sample's prompt counts with its first tokens here."""
+        m = self.labels
+        with self._lock:
+            for rid, (prompt, samples) in progress.items():
+                track = self._tracks.get(rid)
+                if track is None or track.beam_step or track.prompt_only:
+                    continue
+                for index, tokens in samples.items():
+                    before = track.precounted.get(index, 0)
+                    if tokens <= before or track.sample_tokens.get(index, 0):
+                        continue
+                    if before == 0:
+                        self._prefilled(prompt)
+                    self.generation_tokens.labels(*m).inc(tokens - before)
+                    self.generation_total += tokens - before
+                    track.precounted[index] = tokens
+
     def reject(self, reason: str) -> None:
         self.rejected.labels(*self.labels, reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def quiet_progress(engine: LLMEngine) -> dict[str, tuple[int, dict[int, int]]]:
+    """On the engine thread (`EngineThread.between_steps`): each request in flight that is not streamed, by id, as
+    `ServerMetrics.catch_up` takes it: (its prompt's tokens, its tokens so far per sample)."""
+    out: dict[str, tuple[int, dict[int, int]]] = {}
+    for seq in engine.requests.values():
+        head = seq.family[0]
+        if not head.streams and not seq.finished:
+            out.setdefault(head.request_id, (len(head.prompt_ids), {}))[1][seq.index] = len(seq.output_ids)
+    return out
 
 
 class StatsLogger:
@@ -331,8 +373,10 @@ class StatsLogger:
     running and waiting requests (samples counted, as in the gauges), KV-cache usage; and for the loops, the
     mean exit depth of the interval's decode tokens."""
 
-    def __init__(self, metrics: ServerMetrics, interval_s: float) -> None:
-        self.metrics, self.interval_s = metrics, interval_s
+    def __init__(self, metrics: ServerMetrics, interval_s: float,
+                 refresh: Callable[[], Awaitable[None]] | None = None) -> None:
+        """`refresh`: brings the counters up to the engine before each line (`OpenAIServing.metrics_caught_up`)."""
+        self.metrics, self.interval_s, self.refresh = metrics, interval_s, refresh
         self._last = self._sample()
 
     def _sample(self) -> tuple[float, int, int, int, int]:
@@ -357,6 +401,8 @@ class StatsLogger:
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
+            if self.refresh is not None:
+                await self.refresh()
             text = self.line()
             if text is not None:
                 log.info("%s", text)

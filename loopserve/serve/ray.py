@@ -408,6 +408,7 @@ class LoopServeReplica:
 
     async def metrics_text(self) -> tuple[str, str]:
         """This replica's id and Prometheus text (called by `merged_metrics` on every replica)."""
+        await self.fastapi.state.serving.metrics_caught_up()
         return self.replica_id, self.fastapi.state.metrics.render().decode()
 
     async def merged_metrics(self) -> str:
