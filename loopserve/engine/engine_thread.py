@@ -295,6 +295,11 @@ class EngineThread:
         self._cmds.put(("abort", list(request_ids)))
         self._wake.set()
 
+    def serves_this_loop(self) -> bool:
+        """Whether the running event loop is the one this thread answers on (`between_steps`' futures live there: a
+        caller on another loop, say a Ray Serve replica's method, cannot await them)."""
+        return self._loop is not None and asyncio.get_running_loop() is self._loop
+
     def between_steps(self, fn: Callable[[LLMEngine], Any]) -> asyncio.Future:
         """`fn(engine)` run on the engine thread between two steps (the engine is single-threaded: nothing else may
         touch it while the thread runs); a future of its result or its exception, on the event loop."""

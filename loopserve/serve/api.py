@@ -834,7 +834,7 @@ class OpenAIServing:
         """Bring the token counters up to the engine (`ServerMetrics.catch_up`): a request that is not streamed has
         one output, when it finishes, so its tokens would otherwise count only then. Asks the engine thread between
         two steps, waiting for the one under way up to METRICS_CATCH_UP_S (else the counters stay as they are)."""
-        if not (self.aengine.alive and self.engine.requests):
+        if not (self.aengine.alive and self.engine.requests and self.aengine.serves_this_loop()):
             return
         try:
             progress = await asyncio.wait_for(self.aengine.between_steps(quiet_progress), METRICS_CATCH_UP_S)
