@@ -15,6 +15,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
 
+from loopserve.config_args import flag_of
 from loopserve.sampling_params import MAX_LOGPROBS, is_int
 
 
@@ -173,7 +174,7 @@ def add_neutral_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) 
     text); `neutral_kwargs` reads them back for `check_neutral`."""
     taken = set(getattr(parser, "_option_string_actions", {}))
     for name, neutral in NEUTRAL.items():
-        flag, dest = "--" + name.replace("_", "-"), _NEUTRAL_DEST + name
+        flag, dest = flag_of(name), _NEUTRAL_DEST + name
         if not neutral.init or flag in taken:
             continue
         if neutral.switch:

@@ -103,10 +103,9 @@ def _sent_request_id(scope: Scope) -> str | None:
     return None
 
 
-def _client_request_id(scope: Scope) -> str | None:
+def _usable_id(sent: str | None) -> str | None:
     # visible ASCII only, MAX_REQUEST_ID characters at most: the id is logged and sent back in a header
-    rid = _sent_request_id(scope)
-    return rid if rid is not None and usable_request_id(rid) else None
+    return sent if sent is not None and usable_request_id(sent) else None
 
 
 def request_id(scope: Scope) -> str:
@@ -121,7 +120,7 @@ def set_request_id(scope: Scope, rid: str) -> None:
 
 def client_named(scope: Scope) -> bool:
     """Whether the client sent a usable X-Request-Id header (which then names the request)."""
-    return _client_request_id(scope) is not None
+    return _usable_id(_sent_request_id(scope)) is not None
 
 
 class RequestIdMiddleware:
@@ -132,10 +131,10 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        rid = _client_request_id(scope)
+        sent = _sent_request_id(scope)
+        rid = _usable_id(sent)
         if rid is None:
             rid = uuid.uuid4().hex
-            sent = _sent_request_id(scope)
             if sent is not None:  # (served all the same, as vLLM serves it: a gateway's ids may be longer)
                 log.warning("X-Request-Id: not 1 to %d visible ASCII characters (%d characters sent); the request "
                             "is named %s instead (or by its body's request_id)", MAX_REQUEST_ID, len(sent), rid)

@@ -102,9 +102,17 @@ class BenchModel:
         """An engine on this model (`timed`: on that wrapper of it, which times the model's stages); a KV pool sized
         to the workload (`kv_cache_tokens`) is its longest request, not the model's context."""
         config = EngineConfig(**cfg)
-        pool = (config.kv_cache_tokens // config.block_size * config.block_size) if config.kv_cache_tokens else None
-        max_len = min(pool, self.config.max_position) if pool else None
-        return LLMEngine(self.model if timed is None else timed, self.tokenizer, config, seed, max_len)
+        return LLMEngine(self.model if timed is None else timed, self.tokenizer, config, seed,
+                         pool_model_len(config, self.config.max_position))
+
+
+def pool_model_len(cfg: EngineConfig, max_position: int) -> int | None:
+    """A benchmark engine's max_model_len: the tokens its KV pool holds where `kv_cache_tokens` sizes it to the run
+    (whole blocks; at most the model's context), so that the engine does not warn of a context the run never
+    needs; None (the model's context) otherwise."""
+    if not cfg.kv_cache_tokens:
+        return None
+    return min(cfg.kv_cache_tokens // cfg.block_size * cfg.block_size, max_position)
 
 
 def engine_kwargs_for(workload: Workload, width: int, max_num_seqs: int | None = None,

@@ -43,6 +43,7 @@ from loopserve.engine.engine import LLMEngine, StageRecord
 from loopserve.models.base import LoopedLM
 from loopserve.models.loader import LoadedModel, load_model
 from loopserve.sampling_params import RequestOutputKind, SamplingParams
+from loopserve_lab.bench.harness import pool_model_len
 from loopserve_lab.bench.theory import HUGINN_0125, OURO_1_4B, ROOFLINE_DEVICES, step_time_estimate
 from loopserve_lab.tiny import TinySpec, make_tiny, tiny_arch
 
@@ -164,9 +165,8 @@ def null_engine(scheduler: str, width: int, context: int, loaded: LoadedModel,
     cfg = EngineConfig(scheduler=scheduler, max_decode_batch=width, max_num_seqs=width, block_size=block,
                        kv_cache_tokens=tokens, prefill_chunk_size=2048, max_num_batched_tokens=8192,
                        kv_safety_margin=0.0)
-    # (a pool sized to the point: its longest request is the limit, not the null model's context)
     return LLMEngine(NullLM(loaded.model), loaded.tokenizer, cfg,
-                     max_model_len=min(tokens, loaded.config.max_position))
+                     max_model_len=pool_model_len(cfg, loaded.config.max_position))
 
 
 def measure(scheduler: str, width: int, context: int, loaded: LoadedModel, seed: int = 0,
