@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import threading
 from collections.abc import AsyncGenerator, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
+from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine import LLMEngine, check_request_id
 from loopserve.engine.engine_thread import (
     EngineDeadError,
@@ -39,6 +41,7 @@ from loopserve.engine.engine_thread import (
 )
 from loopserve.engine.sequence import PromptType
 from loopserve.llm import LLM, llm_configs
+from loopserve.load_config import LoadConfig
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import BeamSearchParams, SamplingParams
 from loopserve.tokenizer import Tokenizer
@@ -56,41 +59,70 @@ log = logging.getLogger(__name__)
 SHUT_DOWN = "the AsyncLLMEngine has been shut down"  # what its requests meet after `shutdown()`
 
 
-class EngineArgs:
-    """vLLM's `EngineArgs`: `model`, `chat_template`, `generation_config` and the other keywords of `LLM(...)`, kept
-    to build an engine from. They are `LLM`'s (declared there, not again here) and checked as `LLM` checks them, here
-    (`llm_configs`): an unknown one, or a value out of range, is a ValueError naming it. Every setting reads back as
-    an attribute, given or not (`args.dtype`, `args.max_num_seqs`: the config's value), and may be set as one
-    (`args.max_num_seqs = 8`, checked again), as vLLM's dataclass fields are."""
+_Args = TypeVar("_Args")
+# `EngineArgs`' settings beside `model`, `chat_template` and `generation_config`: the fields of `LLM`'s two configs
+CONFIG_FIELDS = tuple(f for config in (LoadConfig, EngineConfig) for f in dataclasses.fields(config))
+_CONFIG_NAMES = frozenset(f.name for f in CONFIG_FIELDS)
 
-    _OWN: tuple[str, ...] = ("model", "chat_template", "generation_config", "kwargs", "load_config", "engine_config")
+
+def _with_config_fields(cls: type[_Args]) -> type[_Args]:
+    """`cls` as a dataclass whose fields are its own, then every `CONFIG_FIELDS` field with its default and help (one
+    declaration: the configs'), as vLLM's `EngineArgs` is a dataclass of its settings (`dataclasses.asdict`,
+    `replace` and `fields` work on it)."""
+    annotations = dict(cls.__dict__.get("__annotations__", {}))
+    for f in CONFIG_FIELDS:
+        annotations[f.name] = f.type
+        setattr(cls, f.name, dataclasses.field(default=f.default, metadata=f.metadata))
+    cls.__annotations__ = annotations
+    return dataclasses.dataclass(init=False)(cls)
+
+
+@_with_config_fields
+class EngineArgs:
+    """vLLM's `EngineArgs`: a dataclass of `model`, `chat_template`, `generation_config` and the other keywords of
+    `LLM(...)` (its configs' fields, each with its default), kept to build an engine from, so that
+    `LLM(**dataclasses.asdict(args))` builds what `args.create_llm()` does. They are checked as `LLM` checks them
+    (`llm_configs`): an unknown one, or a value out of range, is a ValueError naming it, when built and when set
+    (`args.max_num_seqs = 8`). vLLM's keywords for what loopserve lacks (`NEUTRAL`) are taken at the values that ask
+    for nothing of it and read back as attributes when given (`args.enable_chunked_prefill`), but are not fields:
+    they change nothing."""
+
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]  # (made by the decorator: for the type checker)
+    model: str | Path | None = None
+    chat_template: str | None = None
+    generation_config: str = "auto"
 
     def __init__(self, model: str | Path | None = None, *, chat_template: str | None = None,
                  generation_config: str = "auto", **kwargs: Any) -> None:
+        llm_configs(kwargs)  # (a ValueError naming an unknown keyword, or a value out of range)
+        self.__dict__["_neutral"] = {k: v for k, v in kwargs.items() if k not in _CONFIG_NAMES}
+        for f in CONFIG_FIELDS:
+            self.__dict__[f.name] = kwargs.get(f.name, f.default)
         self.model, self.chat_template, self.generation_config = model, chat_template, generation_config
-        self.kwargs = kwargs
-        self.load_config, self.engine_config = llm_configs(kwargs)
+
+    def settings(self) -> dict[str, Any]:
+        """The `LLM(...)` keywords (but `model`, `chat_template` and `generation_config`) these args hold."""
+        return {**{f.name: self.__dict__[f.name] for f in CONFIG_FIELDS}, **self.__dict__["_neutral"]}
 
     def __getattr__(self, name: str) -> Any:
-        if not name.startswith("__"):  # (copy and pickle look up their hooks on an instance not yet built)
-            for source in (self.__dict__.get("kwargs", {}), getattr(self.__dict__.get("load_config"), "__dict__", {}),
-                           getattr(self.__dict__.get("engine_config"), "__dict__", {})):
-                if name in source:
-                    return source[name]
+        neutral = self.__dict__.get("_neutral", {})  # (copy and pickle look up hooks on an instance not yet built)
+        if name in neutral:
+            return neutral[name]
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in self._OWN or "kwargs" not in self.__dict__:
+        if name not in _CONFIG_NAMES and name in {f.name for f in dataclasses.fields(self)}:
             super().__setattr__(name, value)
             return
-        kwargs = {**self.kwargs, name: value}
-        configs = llm_configs(kwargs)  # (an unknown name, or a bad value: a ValueError naming it, nothing changed)
-        self.__dict__["kwargs"] = kwargs
-        self.__dict__["load_config"], self.__dict__["engine_config"] = configs
+        llm_configs({**self.settings(), name: value})  # (an unknown name, or a bad value: nothing changed)
+        if name in _CONFIG_NAMES:
+            super().__setattr__(name, value)
+        else:
+            self.__dict__["_neutral"][name] = value
 
     def create_llm(self) -> LLM:
         return LLM(self.model, chat_template=self.chat_template, generation_config=self.generation_config,
-                   **self.kwargs)
+                   **self.settings())
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -117,11 +149,12 @@ class EngineArgs:
         return {}
 
 
+@dataclasses.dataclass(init=False)
 class AsyncEngineArgs(EngineArgs):
     """vLLM's `AsyncEngineArgs`: `EngineArgs` and the async engine's own `enable_log_requests` (a log line per
     request added and aborted; `disable_log_requests`, vLLM's older name, says the opposite)."""
 
-    _OWN = (*EngineArgs._OWN, "enable_log_requests")
+    enable_log_requests: bool = False
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

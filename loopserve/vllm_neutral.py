@@ -145,9 +145,6 @@ def check_neutral(**given: Any) -> None:
                              f"got {shown}")
 
 
-_NEUTRAL_DEST = "vllm_neutral."  # (a namespace attribute's prefix: these flags set no loopserve knob)
-
-
 _CLI_WORDS = {"none": None, "null": None, "true": True, "false": False}
 
 
@@ -171,29 +168,31 @@ def add_neutral_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) 
     """vLLM's command-line flags of the `NEUTRAL` `LLM(...)` keywords the command has no flag of its own for, so that
     a vLLM launch line runs as it is (`--enable-chunked-prefill`, `--kv-cache-dtype auto`): a switch as vLLM's
     (`--x` true, `--no-x` false, no value: a model path after it stays the model), any other with one value (JSON or
-    text); `neutral_kwargs` reads them back for `check_neutral`."""
+    text), each kept under its keyword's name, so that `LLM(**vars(parser.parse_args()))` takes them as vLLM's `LLM`
+    does (vLLM's examples build their engine so); `neutral_kwargs` reads them back for `check_neutral`."""
     taken = set(getattr(parser, "_option_string_actions", {}))
     for name, neutral in NEUTRAL.items():
-        flag, dest = flag_of(name), _NEUTRAL_DEST + name
+        flag = flag_of(name)
         if not neutral.init or flag in taken:
             continue
         if neutral.switch:
             on, off = neutral.accepts(True), neutral.accepts(False)
             taken_as = "on or off" if on and off else "off (--no-" + flag[2:] + ") only" if off else "on only"
             text = f"vLLM's switch; not supported by loopserve ({neutral.why}): taken {taken_as}"
-            parser.add_argument(flag, dest=dest, action="store_const", const=True, default=argparse.SUPPRESS,
+            parser.add_argument(flag, dest=name, action="store_const", const=True, default=argparse.SUPPRESS,
                                 help=text.replace("%", "%%"))
-            parser.add_argument("--no-" + flag[2:], dest=dest, action="store_const", const=False,
+            parser.add_argument("--no-" + flag[2:], dest=name, action="store_const", const=False,
                                 default=argparse.SUPPRESS, help=argparse.SUPPRESS)
             continue
         text = f"vLLM's; not supported by loopserve ({neutral.why}): takes {_cli_terms(neutral.values)}"
-        parser.add_argument(flag, dest=dest, type=_flag_value, default=argparse.SUPPRESS, metavar="VALUE",
+        parser.add_argument(flag, dest=name, type=_flag_value, default=argparse.SUPPRESS, metavar="VALUE",
                             help=text.replace("%", "%%"))
 
 
 def neutral_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The `add_neutral_args` flags given, as `LLM(...)` keywords."""
-    return {k[len(_NEUTRAL_DEST):]: v for k, v in vars(args).items() if k.startswith(_NEUTRAL_DEST)}
+    """The `add_neutral_args` flags given, as `LLM(...)` keywords (and a command's own flags of `NEUTRAL` names, serve's
+    --served-model-name say, which any value passes)."""
+    return {k: v for k, v in vars(args).items() if k in NEUTRAL and NEUTRAL[k].init}
 
 
 _POOLING = ("is for pooling models (embeddings, classification, scores); loopserve serves generative looped LMs: "

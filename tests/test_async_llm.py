@@ -646,6 +646,36 @@ def test_engine_args_from_cli_args(tiny_ouro):
         AsyncEngineArgs.from_cli_args(parser.parse_args(["--quantization", "awq"]))
 
 
+def test_engine_args_is_a_dataclass_as_vllms(tiny_ouro):
+    """vLLM's scripts build an LLM from `asdict(EngineArgs(...))` and from `vars()` of a parser `add_cli_args` filled
+    (its examples' pattern): both give the LLM the args describe. `replace` and `fields` work; a vLLM flag for what
+    loopserve lacks reaches `LLM` under its keyword's name (it had a prefixed one LLM refused)."""
+    import argparse
+    import dataclasses
+
+    from loopserve.async_llm import EngineArgs
+
+    args = EngineArgs(model=str(tiny_ouro), dtype="float32", max_model_len=96, seed=7, enable_chunked_prefill=True)
+    names = [f.name for f in dataclasses.fields(EngineArgs)]
+    assert names[:3] == ["model", "chat_template", "generation_config"] and {"max_num_seqs", "dtype"} <= set(names)
+    assert "enable_chunked_prefill" not in names and args.enable_chunked_prefill  # (given: reads back)
+    llm = LLM(**dataclasses.asdict(args))
+    assert (llm.max_model_len, llm.seed, llm.load_config.dtype) == (96, 7, "float32")
+    changed = dataclasses.replace(args, max_num_seqs=5)
+    assert (changed.max_num_seqs, changed.seed, args.max_num_seqs) == (5, 7, EngineConfig().max_num_seqs)
+    with pytest.raises(ValueError, match="^max_num_seqs"):
+        dataclasses.replace(args, max_num_seqs=0)
+    assert dataclasses.replace(AsyncEngineArgs(enable_log_requests=True), seed=1).enable_log_requests
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    parser.add_argument("--max-tokens", type=int)
+    given = vars(parser.parse_args(["--model", str(tiny_ouro), "--dtype", "float32", "--max-model-len", "80",
+                                    "--enable-chunked-prefill", "--kv-cache-dtype", "auto", "--max-tokens", "4"]))
+    assert given.pop("max_tokens") == 4 and given["enable_chunked_prefill"] is True
+    llm = LLM(**given)
+    assert llm.max_model_len == 80 and len(llm.generate([[5, 6]], SamplingParams(max_tokens=4))[0].outputs[0].token_ids)
+
+
 def EngineArgs_from_cli(path):  # noqa: N802 (the class's name)
     import argparse
 
