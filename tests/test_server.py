@@ -601,6 +601,36 @@ def test_token_and_request_metrics_count_every_sample(server, client, stream):
     assert prompt_tokens == 2 * usage.prompt_tokens
 
 
+def test_vllm_request_parameter_step_and_http_metrics(server, client):
+    """vLLM V1's metrics beside the per-token ones: a request's n and its samples' max_tokens, its longest sample,
+    each sample's time per output token, the tokens of each engine step that prefilled or sampled (they add up to
+    the tokens generated and prefilled), the KV cache's settings, and the HTTP answers by handler and status class
+    (a 401 and a 400 too)."""
+    wait_idle(server)
+    names = ("loopserve:request_params_n_count", "loopserve:request_params_n_sum",
+             "loopserve:request_params_max_tokens_sum", "loopserve:request_max_num_generation_tokens_sum",
+             "loopserve:request_time_per_output_token_seconds_count", "loopserve:iteration_tokens_total_sum",
+             "loopserve:generation_tokens_total", "loopserve:prompt_tokens_total")
+    http = {status: metric(server, "http_requests_total", 0.0, handler="/v1/completions", status=status)
+            for status in ("2xx", "4xx")}
+    before = [metric(server, n) for n in names]
+    client.completions.create(model=MODEL, prompt="count my parameters", max_tokens=5, n=2, temperature=0.8,
+                              seed=1, extra_body={"ignore_eos": True})
+    assert httpx.post(server.url + C, json={"model": MODEL, "prompt": "x", "max_tokens": -1},
+                      headers=AUTH).status_code == 400
+    assert httpx.post(server.url + C, json={"model": MODEL, "prompt": "x"}).status_code == 401
+    wait_idle(server)
+    n_count, n_sum, max_tokens, most, tpot, step_tokens, generated, prompted = (
+        metric(server, n) - b for n, b in zip(names, before, strict=True))
+    assert (n_count, n_sum, max_tokens, most, tpot, generated) == (1, 2, 2 * 5, 5, 2, 10)
+    # (the samples share one prefill of the prompt, which the counter counts once per sample)
+    assert generated < step_tokens <= generated + prompted / 2
+    for status, more in (("2xx", 1), ("4xx", 2)):
+        assert metric(server, "http_requests_total", handler="/v1/completions", status=status) - http[status] == more
+    assert metric(server, "loopserve:cache_config_info", block_size="16", enable_prefix_caching="True") == 1
+    assert metric(server, "loopserve:cache_config_info", num_gpu_blocks=str(KV_TOKENS // 16)) == 1
+
+
 def test_token_counters_grow_while_a_request_that_is_not_streamed_runs(server):
     """A request that is not streamed has one output, when it finishes: its tokens reached the counters only then
     (a scrape read 0 for seconds, then everything at once; the stats line said 0 tokens/s with requests running).

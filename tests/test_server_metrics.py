@@ -7,7 +7,7 @@ import pytest
 
 from loopserve.engine.engine_thread import EngineSnapshot
 from loopserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from loopserve.serve.metrics import ENGINE, ServerMetrics
+from loopserve.serve.metrics import ENGINE, ServerMetrics, one_two_five
 
 MODEL = "m"
 
@@ -55,3 +55,36 @@ def test_a_sample_ended_before_its_first_token_times_no_phase(metrics):
     assert _value(metrics, "request_decode_time_seconds_count") == 1  # (the aborted one ran no decode of its own)
     assert _value(metrics, "e2e_request_latency_seconds_count") == 2
     assert _value(metrics, "time_to_first_token_seconds_count") == 1
+
+
+def test_a_streamed_output_of_several_tokens_is_one_gap(metrics):
+    """A stream's later output holds one engine step's tokens (several under speculative decoding): one
+    inter-token observation, the time since the sample's previous output, as vLLM observes once per step (a zero
+    per further token pulled the percentiles to 0)."""
+    metrics.scheduled("r", 0.5)
+    first = RequestOutput("r", None, [7], None, [_sample(0, 1, 1.0, 1.0, None, None)], False,
+                          RequestMetrics(0.0, 1.0, None))
+    metrics.observe([first])
+    later = RequestOutput("r", None, [7], None, [_sample(0, 3, 1.0, 2.0, 2.0)], True, RequestMetrics(0.0, 1.0, 2.0))
+    metrics.observe([later])
+    assert _value(metrics, "inter_token_latency_seconds_count") == 1
+    assert _value(metrics, "generation_tokens_total") == 4
+    assert _value(metrics, "request_max_num_generation_tokens_sum") == 4
+    assert _value(metrics, "request_time_per_output_token_seconds_sum") == pytest.approx((2.0 - 1.0) / 3)
+
+
+def test_vllm_prefix_and_buckets():
+    """--metric-prefix vllm names every series as vLLM does (its dashboards read them); the buckets are vLLM V1's,
+    so a time to first token of 100 s (an overloaded queue) lands in a finite bucket."""
+    m = ServerMetrics(MODEL, EngineSnapshot, r_max=4, max_decode_batch=8, max_model_len=256, prefix="vllm",
+                      cache_info={"block_size": "16"})
+    labels = {"model_name": MODEL, "engine": ENGINE}
+    m.ttft.labels(MODEL, ENGINE).observe(100.0)
+    assert m.registry.get_sample_value("vllm:time_to_first_token_seconds_bucket", {**labels, "le": "160.0"}) == 1
+    assert m.registry.get_sample_value("vllm:time_to_first_token_seconds_bucket", {**labels, "le": "80.0"}) == 0
+    assert m.registry.get_sample_value("vllm:num_requests_running", labels) == 0
+    assert m.registry.get_sample_value("vllm:cache_config_info", {"block_size": "16", "engine": ENGINE}) == 1
+    assert m.registry.get_sample_value("loopserve:num_requests_running", labels) is None
+    assert one_two_five(100) == (1, 2, 5, 10, 20, 50, 100) and one_two_five(4) == (1, 2)
+    with pytest.raises(ValueError, match="^metric_prefix"):
+        ServerMetrics(MODEL, EngineSnapshot, r_max=4, max_decode_batch=8, max_model_len=256, prefix="vllm:")

@@ -95,8 +95,14 @@ from loopserve.models.loader import LoadedModel
 from loopserve.outputs import CompletionOutput, RequestOutput
 from loopserve.sampling_params import BeamSearchParams, SamplingParams, given_seed, truncates_prompt
 from loopserve.serve.connection import CLOSED_BY_SERVER
-from loopserve.serve.limits import CORS_ANY, LOG_STATS_INTERVAL_S, MAX_QUEUED_REQUESTS, MAX_REQUEST_BODY_BYTES
-from loopserve.serve.metrics import ServerMetrics, StatsLogger, quiet_progress
+from loopserve.serve.limits import (
+    CORS_ANY,
+    LOG_STATS_INTERVAL_S,
+    MAX_QUEUED_REQUESTS,
+    MAX_REQUEST_BODY_BYTES,
+    METRIC_PREFIXES,
+)
+from loopserve.serve.metrics import ServerMetrics, StatsLogger, cache_info, instrument_http, quiet_progress
 from loopserve.serve.middleware import (
     BodyLimitMiddleware,
     RequestIdMiddleware,
@@ -174,6 +180,7 @@ class ServerSettings:
     # GET /tokenizer_info (vLLM's --enable-tokenizer-info-endpoint, off by default as there: it shows the tokenizer's
     # config and chat template); clients that tokenize through the server read it (lm-eval's remote tokenizer)
     tokenizer_info: bool = False
+    metric_prefix: str = next(iter(METRIC_PREFIXES))  # the metrics' names' prefix (a key of that table)
 
     def __post_init__(self) -> None:
         if isinstance(self.model_names, str) or not self.model_names or not all(self.model_names):
@@ -332,7 +339,8 @@ class OpenAIServing:
         self.aengine = EngineThread(engine, settings.max_queued_requests, on_dead=on_engine_dead,
                                     stopped_message=SHUTTING_DOWN)
         self.metrics = ServerMetrics(settings.model_name, lambda: self.aengine.snapshot, engine.model_config.r_max,
-                                     engine.cfg.max_decode_batch, self.max_model_len)
+                                     engine.cfg.max_decode_batch, self.max_model_len, settings.metric_prefix,
+                                     cache_info(engine))
         self.aengine.on_outputs = self.metrics.observe
         self.aengine.on_scheduled = self.metrics.scheduled
         self._http_requests = itertools.count()  # engine ids stay unique whatever ids clients send
@@ -554,7 +562,9 @@ class OpenAIServing:
             if gen.req.streaming:  # the search is over: its result, streamed (`beam_search`)
                 return GroupStreamingResponse(self.stream(gen, _replay(beams)), None)
             return self.respond(gen, beams)
-        if not gen.generated:  # before admission: the engine thread may report them at once
+        # before admission: the engine thread may report them at once
+        self.metrics.requested(gen.seqs)
+        if not gen.generated:
             self.metrics.prompt_only([s.request_id for s in gen.seqs])
         group = self.admit(gen.seqs)
         self.log_received(gen)
@@ -1103,13 +1113,15 @@ def build_app(engine: LLMEngine, settings: ServerSettings,
     app.state.engine = serving.aengine
     app.state.metrics = serving.metrics
     app.state.settings = settings
-    # the last added runs first: CORS answers preflights before anything else looks at a request
+    # the last added runs first: the HTTP metrics see every answer, then CORS answers preflights before anything
+    # else looks at a request
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestIdMiddleware)
     if settings.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
                            allow_methods=list(settings.allowed_methods), allow_headers=list(settings.allowed_headers),
                            allow_credentials=settings.allow_credentials, expose_headers=["X-Request-Id"])
+    instrument_http(app, serving.metrics.registry)
 
     routes: list[tuple[str, str, Callable, dict[str, Any] | None]] = [
         ("GET", "/health", serving.health, None),

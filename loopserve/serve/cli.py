@@ -30,6 +30,7 @@ from loopserve.serve.limits import (
     LOG_STATS_INTERVAL_S,
     MAX_QUEUED_REQUESTS,
     MAX_REQUEST_BODY_BYTES,
+    METRIC_PREFIXES,
     MIN_BODY_RATE,
     REQUEST_READ_TIMEOUT_S,
 )
@@ -139,6 +140,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     lg.add_argument("--log-stats-interval", type=float, default=LOG_STATS_INTERVAL_S,
                     help="seconds between stats lines (throughput, running and waiting requests, KV cache usage, "
                          "mean exit depth), logged while the server is busy")
+    lg.add_argument("--metric-prefix", default=next(iter(METRIC_PREFIXES)), choices=list(METRIC_PREFIXES),
+                    help="the prefix of /metrics' names: loopserve (loopserve:...) or vllm (vllm:..., so that vLLM's "
+                         "Grafana dashboards and alerts read them as they are)")
     r = p.add_argument_group("scale-out on Ray Serve (the [ray] extra; docs/scale-out.md)")
     r.add_argument("--replicas", type=int, default=None,
                    help="run this many engine replicas as Ray Serve deployments behind one endpoint (with "
@@ -273,7 +277,7 @@ def load_server(args: argparse.Namespace) -> tuple[LLMEngine, ServerSettings]:
         root_path=args.root_path, log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
         stats_interval_s=None if args.disable_log_stats else args.log_stats_interval,
         tokenizer_info=args.enable_tokenizer_info_endpoint,
-        return_tokens_as_token_ids=args.return_tokens_as_token_ids)
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids, metric_prefix=args.metric_prefix)
     return engine, settings
 
 

@@ -10,3 +10,6 @@ BODY_TIMEOUTS = 4
 MIN_BODY_RATE = 16 * 1024
 LOG_STATS_INTERVAL_S = 10.0
 CORS_ANY = ("*",)  # CORS: every method, every header (once origins are allowed)
+# the prefix of the metrics' names (`serve --metric-prefix`, the first the default): loopserve's own, or vLLM's, whose
+# Grafana dashboards and alerts then read them as they are
+METRIC_PREFIXES = {"loopserve": "loopserve:", "vllm": "vllm:"}

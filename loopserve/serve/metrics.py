@@ -1,29 +1,36 @@
-"""Prometheus metrics of the server, on a private registry, all under the `loopserve:` prefix and
-with `model_name` and `engine` labels (vLLM's convention, `vllm:` -> `loopserve:`; one engine, "0"),
-plus the process metrics of prometheus_client's default collectors (`process_*`, `python_*`); and
-the periodic stats line of the log (`StatsLogger`).
+"""Prometheus metrics of the server, on a private registry, all under one prefix (`loopserve:`, or vLLM's own
+`vllm:` with `serve --metric-prefix vllm`, so that vLLM's Grafana dashboards and alerts read them as they are) and
+with `model_name` and `engine` labels (vLLM's convention; one engine, "0"), plus the process metrics of
+prometheus_client's default collectors (`process_*`, `python_*`) and vLLM's HTTP metrics (`http_requests_total`
+{handler, method, status}, `http_request_duration_seconds`, ...: `instrument_http`); and the periodic stats line of
+the log (`StatsLogger`).
 
-vLLM names: num_requests_running, num_requests_waiting (both in sequences: each of a request's n
-samples counts as one, as in vLLM V1, which runs them as requests of their own), kv_cache_usage_perc,
+vLLM V1's names, types and histogram buckets: num_requests_running, num_requests_waiting (both in sequences: each of
+a request's n samples counts as one, as in vLLM V1, which runs them as requests of their own), kv_cache_usage_perc,
 num_preemptions_total, prefix_cache_queries_total and prefix_cache_hits_total (prompt tokens looked up in the prefix
-cache, and those it supplied) (read from the engine's last snapshot); prompt_tokens_total, generation_tokens_total,
+cache, and those it supplied) (read from the engine's last snapshot); cache_config_info (a gauge at 1 whose labels
+describe the KV cache); iteration_tokens_total (prompt plus generated tokens of each engine step that prefilled or
+sampled: loop steps alone, which neither, are not observed); prompt_tokens_total, generation_tokens_total,
 request_success_total{finished_reason}, time_to_first_token_seconds, inter_token_latency_seconds,
-e2e_request_latency_seconds, request_queue_time_seconds (arrival to the first step that admits the
-request), request_prefill_time_seconds (admission to the first token), request_decode_time_seconds
-(first token to finish), request_inference_time_seconds (admission to finish), request_prompt_tokens,
-request_generation_tokens (recorded per output on the engine thread). Units: each of a request's n samples counts
-as a request of its own, as vLLM V1 counts its child requests: its prompt tokens (prompt_tokens_total,
-request_prompt_tokens), its finish (request_success_total{finished_reason}), its tokens
-(request_generation_tokens), its time to first token and latencies (e2e, queue, prefill, decode and inference time:
-to the sample's finish); inter_token_latency counts one gap per generated token after a sample's first (the time
-since that sample's previous output, 0 for the other tokens of one output). A request that is not streamed has one
+request_time_per_output_token_seconds (a sample's decode time over its tokens after the first; 0 for one token),
+e2e_request_latency_seconds, request_queue_time_seconds (arrival to the first step that admits the request),
+request_prefill_time_seconds (admission to the first token), request_decode_time_seconds (first token to finish),
+request_inference_time_seconds (admission to finish), request_prompt_tokens, request_generation_tokens,
+request_params_max_tokens, and once per request when it ends request_params_n and request_max_num_generation_tokens
+(the most tokens one of its samples generated) (recorded per output on the
+engine thread). Units: each of a request's n samples counts as a request of its own, as vLLM V1 counts its child
+requests: its prompt tokens (prompt_tokens_total, request_prompt_tokens), its finish
+(request_success_total{finished_reason}), its tokens (request_generation_tokens), its max_tokens, its time to first
+token and latencies (e2e, queue, prefill, decode and inference time: to the sample's finish). inter_token_latency is
+observed once per output of a stream after a sample's first (the time since that sample's previous output, however
+many tokens it holds: one engine step's, as vLLM observes once per step). A request that is not streamed has one
 output, when it finishes (`FINAL_ONLY`): its time to first token is the engine's first-token time, and its
 inter-token latency is observed as its mean gap, once per gap (the histogram's sum and count are exact, its
-buckets approximate for such requests). A beam search
-(`use_beam_search`) counts as one request per prompt, recorded when it ends (`beam_search`): its
-prompt once, the tokens of the beams it returns (as its `usage` counts them), its finish reason, its
-time to first token (its first step's) and its end-to-end latency; the sequences of its steps are
-not requests of their own (`beam_steps`), and it observes no inter-token or phase times.
+buckets approximate for such requests). A sample a client's disconnect (or `abort`) ended counts under
+`finished_reason="abort"`, with its latencies to then. A beam search (`use_beam_search`) counts as one request per
+prompt, recorded when it ends (`beam_search`): its prompt once, the tokens of the beams it returns (as its `usage`
+counts them), its finish reason, its time to first token (its first step's) and its end-to-end latency; the
+sequences of its steps are not requests of their own (`beam_steps`), and it observes no inter-token or phase times.
 
 Loop-specific (from `EngineStats`): exit_depth (histogram of decode-token exit depths),
 core_batch_size (histogram of core-step batch widths), core_loops_total (core row-steps computed),
@@ -59,26 +66,38 @@ from prometheus_client.registry import Collector
 
 from loopserve.engine.engine_thread import EngineSnapshot
 from loopserve.outputs import RequestMetrics, RequestOutput
+from loopserve.serve.limits import METRIC_PREFIXES
 
 if TYPE_CHECKING:
+    from starlette.applications import Starlette
+
     from loopserve.engine.engine import LLMEngine
+    from loopserve.engine.sequence import Sequence
 
 log = logging.getLogger("loopserve.serve")
-P = "loopserve:"
 LABELS = ["model_name", "engine"]
 ENGINE = "0"  # the `engine` label: this process runs one engine
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                   10.0, 20.0, 40.0, 80.0)
-E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-               120.0, 240.0, 480.0, 960.0)
+# vLLM V1's buckets, so that a fleet of both aggregates by `le` (and an overloaded queue's minutes stay in range)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+TOKEN_GAP_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                     40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+N_BUCKETS = (1, 2, 5, 10, 20)
 
 
-def _token_buckets(limit: int) -> tuple[float, ...]:
-    out, b = [], 1
-    while b < limit:
-        out.append(float(b))
-        b = b * 2 if b < 8 else int(b * 2.5)
-    return (*out, float(limit))
+def one_two_five(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's buckets of token counts)."""
+    out: list[int] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > limit:
+                return tuple(out)
+            out.append(mantissa * scale)
+        scale *= 10
 
 
 def _exact_histogram(name: str, doc: str, counts: dict[int, int], bounds: Iterable[int],
@@ -96,11 +115,13 @@ def _exact_histogram(name: str, doc: str, counts: dict[int, int], bounds: Iterab
 
 
 class _EngineCollector(Collector):
-    def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str, r_max: int, max_batch: int) -> None:
-        self.snapshot, self.model_name, self.r_max, self.max_batch = snapshot, model_name, r_max, max_batch
+    def __init__(self, prefix: str, snapshot: Callable[[], EngineSnapshot], model_name: str, r_max: int,
+                 max_batch: int, cache_info: dict[str, str]) -> None:
+        self.prefix, self.snapshot, self.model_name = prefix, snapshot, model_name
+        self.r_max, self.max_batch, self.cache_info = r_max, max_batch, cache_info
 
     def collect(self) -> Iterable[Metric]:
-        s, m = self.snapshot(), [self.model_name, ENGINE]
+        P, s, m = self.prefix, self.snapshot(), [self.model_name, ENGINE]
         for name, doc, value in (
                 ("num_requests_running", "Sequences admitted to the engine (KV resident), each of a request's n "
                                          "samples counted as one (as vLLM V1 counts them).", s.running),
@@ -110,9 +131,15 @@ class _EngineCollector(Collector):
             g = GaugeMetricFamily(P + name, doc, labels=LABELS)
             g.add_metric(m, float(value))
             yield g
+        info = GaugeMetricFamily(P + "cache_config_info", "Information of the engine's KV cache.",
+                                 labels=[*self.cache_info, "engine"])
+        info.add_metric([*self.cache_info.values(), ENGINE], 1.0)
+        yield info
+        yield _exact_histogram(P + "iteration_tokens_total", "Prompt plus generated tokens per engine step (steps "
+                               "that prefilled or sampled).", s.iteration_tokens, ITERATION_TOKEN_BUCKETS, m)
         yield _exact_histogram(P + "exit_depth", "Exit depth (loops) of decode tokens.", s.exit_depths,
                                range(1, self.r_max + 1), m)
-        bounds = sorted({int(b) for b in _token_buckets(self.max_batch)})
+        bounds = sorted({*one_two_five(self.max_batch), self.max_batch})
         yield _exact_histogram(P + "core_batch_size", "Rows per core-step batch.", s.core_batch, bounds, m)
         for name, doc, value in (
                 ("core_loops", "Core row-steps computed (including passive CB rows).", s.core_rows),
@@ -144,7 +171,8 @@ class _EngineCollector(Collector):
 class _Track:
     """What the metrics know of one request in flight."""
 
-    __slots__ = ("sample_tokens", "sample_last", "scheduled", "prompt_only", "beam_step", "precounted")
+    __slots__ = ("sample_tokens", "sample_last", "scheduled", "prompt_only", "beam_step", "precounted", "n",
+                 "max_tokens")
 
     def __init__(self) -> None:
         self.sample_tokens: dict[int, int] = {}  # per sample (its index): its tokens so far
@@ -155,13 +183,20 @@ class _Track:
         # per sample of a request that is not streamed: its tokens the counters took before its output came
         # (`catch_up`; with them its prompt, counted as prefilled)
         self.precounted: dict[int, int] = {}
+        self.n = 1  # its samples, and their max_tokens (`requested`)
+        self.max_tokens: int | None = None
 
 
 class ServerMetrics:
     def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot], r_max: int, max_decode_batch: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, prefix: str = next(iter(METRIC_PREFIXES)),
+                 cache_info: dict[str, str] | None = None) -> None:
+        """`prefix`: a `METRIC_PREFIXES` key; `cache_info`: the labels of cache_config_info (KV cache settings)."""
+        if prefix not in METRIC_PREFIXES:
+            raise ValueError(f"metric_prefix: one of {', '.join(METRIC_PREFIXES)}, got {prefix!r}")
         self.model_name = model_name
         self.snapshot = snapshot
+        self.prefix = P = METRIC_PREFIXES[prefix]
         # no `*_created` series beside each counter and histogram (vLLM turns them off too; prometheus_client's
         # setting is the process's, and this process serves)
         disable_created_metrics()
@@ -176,27 +211,38 @@ class ServerMetrics:
         self.rejected = Counter(P + "request_rejected", "Requests refused at admission.", [*lab, "reason"],
                                 registry=r)
 
-        def latency(name: str, doc: str, buckets: tuple[float, ...] = E2E_BUCKETS) -> Histogram:
-            return Histogram(P + name, doc, lab, registry=r, buckets=buckets)
+        def histogram(name: str, doc: str, buckets: Iterable[float]) -> Histogram:
+            return Histogram(P + name, doc, lab, registry=r, buckets=tuple(buckets))
 
-        self.ttft = latency("time_to_first_token_seconds", "Time to first token (from HTTP arrival).",
-                            LATENCY_BUCKETS)
-        self.itl = latency("inter_token_latency_seconds", "Time between consecutive tokens of a request.",
-                           LATENCY_BUCKETS)
-        self.e2e = latency("e2e_request_latency_seconds", "Arrival to finish.")
-        self.queue_time = latency("request_queue_time_seconds", "Arrival to the first step that admits the request.")
-        self.prefill_time = latency("request_prefill_time_seconds", "Admission to the first token.")
-        self.decode_time = latency("request_decode_time_seconds", "First token to finish.")
-        self.inference_time = latency("request_inference_time_seconds", "Admission to finish.")
-        self.req_prompt = Histogram(P + "request_prompt_tokens", "Prompt tokens per finished request.", lab,
-                                    registry=r, buckets=_token_buckets(max_model_len))
-        self.req_gen = Histogram(P + "request_generation_tokens", "Generated tokens per finished request.", lab,
-                                 registry=r, buckets=_token_buckets(max_model_len))
-        r.register(_EngineCollector(snapshot, model_name, r_max, max_decode_batch))
+        token_buckets = one_two_five(max_model_len)
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token (from HTTP arrival).",
+                              TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive outputs of a request.",
+                             TOKEN_GAP_BUCKETS)
+        self.tpot = histogram("request_time_per_output_token_seconds", "Decode time per token after the first, per "
+                              "finished request.", TOKEN_GAP_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", REQUEST_LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to the first step that admits the "
+                                    "request.", REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds", "Admission to the first token.",
+                                      REQUEST_LATENCY_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds", "First token to finish.",
+                                     REQUEST_LATENCY_BUCKETS)
+        self.inference_time = histogram("request_inference_time_seconds", "Admission to finish.",
+                                        REQUEST_LATENCY_BUCKETS)
+        self.req_prompt = histogram("request_prompt_tokens", "Prompt tokens per finished request.", token_buckets)
+        self.req_gen = histogram("request_generation_tokens", "Generated tokens per finished request.", token_buckets)
+        self.req_max_tokens = histogram("request_params_max_tokens", "The max_tokens of finished requests.",
+                                        token_buckets)
+        self.req_n = histogram("request_params_n", "The n of finished requests.", N_BUCKETS)
+        self.req_most_gen = histogram("request_max_num_generation_tokens", "The most tokens one of a request's "
+                                      "samples generated.", token_buckets)
+        r.register(_EngineCollector(P, snapshot, model_name, r_max, max_decode_batch, cache_info or {}))
         self.labels = (model_name, ENGINE)
         # every series exists from the start (a labelled metric shows nothing until its first use)
-        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue_time,
-                       self.prefill_time, self.decode_time, self.inference_time, self.req_prompt, self.req_gen):
+        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.tpot, self.e2e,
+                       self.queue_time, self.prefill_time, self.decode_time, self.inference_time, self.req_prompt,
+                       self.req_gen, self.req_max_tokens, self.req_n, self.req_most_gen):
             metric.labels(*self.labels)
         for reason in ("stop", "length", "abort", "error"):
             self.request_success.labels(*self.labels, reason)
@@ -207,6 +253,14 @@ class ServerMetrics:
         self.generation_total = 0
         self._tracks: dict[str, _Track] = {}
         self._lock = threading.Lock()
+
+    def requested(self, seqs: list[Sequence]) -> None:
+        """Requests received (one `Sequence` per prompt, its samples with it): their n and max_tokens, observed as
+        they end. Called before they are admitted (`forget`, if they are not)."""
+        with self._lock:
+            for seq in seqs:
+                track = self._tracks.setdefault(seq.request_id, _Track())
+                track.n, track.max_tokens = seq.params.n, seq.params.max_tokens
 
     def scheduled(self, request_id: str, when: float) -> None:
         """The request was admitted by the step that started at `when` (engine thread)."""
@@ -272,10 +326,8 @@ class ServerMetrics:
                     if new > 0:
                         if before == 0:
                             self._first_tokens(out, times, new, now, prefilled=c.index in track.precounted)
-                        else:  # a stream's later output: one gap since the sample's last, none within the output
+                        else:  # a stream's later output (one engine step's tokens): one gap since the sample's last
                             self.itl.labels(*m).observe(now - track.sample_last[c.index])
-                            for _ in range(new - 1):
-                                self.itl.labels(*m).observe(0.0)
                         counted = new - track.precounted.pop(c.index, 0)  # (`catch_up` took the rest)
                         self.generation_tokens.labels(*m).inc(counted)
                         self.generation_total += counted
@@ -285,6 +337,8 @@ class ServerMetrics:
                         self._sample_finished(out, times, track, track.sample_tokens[c.index], c.finish_reason, now)
                 if out.finished:
                     self._tracks.pop(out.request_id, None)
+                    self.req_n.labels(*m).observe(track.n)
+                    self.req_most_gen.labels(*m).observe(max(track.sample_tokens.values(), default=0))
 
     def _first_tokens(self, out: RequestOutput, times: RequestMetrics | None, new: int, now: float,
                       prefilled: bool = False) -> None:
@@ -311,6 +365,8 @@ class ServerMetrics:
         self.req_prompt.labels(*m).observe(len(out.prompt_token_ids))
         if track.prompt_only:
             self._prefilled(len(out.prompt_token_ids))
+        elif track.max_tokens is not None:
+            self.req_max_tokens.labels(*m).observe(track.max_tokens)
         if times is None:
             return
         end = times.finished_time if times.finished_time is not None else now
@@ -322,6 +378,8 @@ class ServerMetrics:
                                   (self.decode_time, times.first_token_time, end),
                                   (self.inference_time, track.scheduled, end)):
             hist.labels(*m).observe(max(0.0, stop - start))
+        decode = max(0.0, end - times.first_token_time)
+        self.tpot.labels(*m).observe(decode / (tokens - 1) if tokens > 1 else 0.0)
 
     def _prefilled(self, tokens: int) -> None:
         """A prompt counted as prefilled (the counter, and the plain total the stats line reads)."""
@@ -354,6 +412,26 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def instrument_http(app: Starlette, registry: CollectorRegistry) -> None:
+    """vLLM's HTTP metrics on `registry`, by the library vLLM uses (prometheus_fastapi_instrumentator):
+    http_requests_total{handler, method, status} (status grouped, 2xx, 4xx, ...), http_request_size_bytes,
+    http_response_size_bytes, http_request_duration_seconds and http_request_duration_highr_seconds; probes and
+    scrapes left out, as vLLM leaves them. Its middleware is the app's outermost from here on (add it last), so that it
+    sees every answer, the 401s, 413s and CORS ones too."""
+    from prometheus_fastapi_instrumentator import Instrumentator
+
+    Instrumentator(excluded_handlers=["/metrics", "/health", "/ping", "/version"], registry=registry).instrument(app)
+
+
+def cache_info(engine: LLMEngine) -> dict[str, str]:
+    """cache_config_info's labels: vLLM's names where the setting is the same (num_gpu_blocks: the KV pool's blocks,
+    on whatever device), and the layout."""
+    dtype = next(engine.model.parameters()).dtype
+    return {"block_size": str(engine.kv.block_size), "num_gpu_blocks": str(engine.kv.num_blocks),
+            "cache_dtype": str(dtype).removeprefix("torch."),
+            "enable_prefix_caching": str(engine.cfg.enable_prefix_caching), "kv_layout": engine.cfg.kv_layout}
 
 
 def quiet_progress(engine: LLMEngine) -> dict[str, tuple[int, dict[int, int]]]:
