@@ -187,6 +187,8 @@ class EngineThread:
         with self._life:
             self.engine.claim(self, None)  # (a RuntimeError if another thread steps the engine: nothing started)
             _LIVE.add(self)
+            _THREADS.difference_update([t for t in _THREADS if not t.is_alive()])
+            _THREADS.add(self._thread)
             self._thread.start()
 
     def __str__(self) -> str:
@@ -460,16 +462,22 @@ class EngineThread:
             self._end()
 
 
-# Engine threads started and not yet collected. At exit each is stopped and waited for: a daemon thread still in a step
-# while the interpreter finalizes aborted the process ("terminate called without an active exception").
+# Engine threads started and not yet collected; and their threads, alive or lately ended. At exit each is stopped and
+# its thread waited for: a daemon thread still in a step while the interpreter finalizes aborted the process
+# ("terminate called without an active exception"). So did one that had left its loop but was still dropping its
+# engine: with nothing else holding it (an `AsyncLLM` made in `main()`, no shutdown), its thread held the last
+# reference, and freed the model and the KV store as it ended, after the `EngineThread` had left `_LIVE`.
 _LIVE: weakref.WeakSet[EngineThread] = weakref.WeakSet()
+_THREADS: set[threading.Thread] = set()
 EXIT_JOIN_S = 10.0
 
 
 @atexit.register
 def _stop_at_exit() -> None:
-    threads = [t for t in list(_LIVE) if t.alive]
-    for t in threads:
-        t.stop()
-    for t in threads:
-        t._join(EXIT_JOIN_S)
+    for engine_thread in list(_LIVE):
+        if engine_thread.alive:
+            engine_thread.stop()
+    for thread in list(_THREADS):
+        thread.join(EXIT_JOIN_S)
+        if thread.is_alive():
+            log.warning("engine thread did not stop within %s s", EXIT_JOIN_S)
