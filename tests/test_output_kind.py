@@ -138,23 +138,30 @@ def test_delta_outputs_add_up_to_the_cumulative_output(tiny_ouro, scheduler, sto
 def test_delta_text_never_sends_what_a_stop_string_cuts(tiny_ouro, text, stops, include):
     """Token by token, the DELTA pieces are held back while a stop string may still cut them, so their
     concatenation is the final text exactly (a stop string is cut, or kept with
-    include_stop_str_in_output); multi-byte characters split across tokens come out whole."""
+    include_stop_str_in_output); multi-byte characters split across tokens come out whole. A CUMULATIVE output's
+    text is held back alike (vLLM's): each is the start of the final text (one showed the start of a stop string,
+    to take it back in its next output)."""
     tok = Tokenizer(tiny_ouro)
     ids = tok.encode(text) or [7]
-    params = SamplingParams(max_tokens=len(ids), ignore_eos=True, stop=stops,  # [] too (vLLM's default)
-                            include_stop_str_in_output=include, output_kind=DELTA)
-    seq = Sequence("r", None, [5], params, ExitRule("fixed", None, 1, 1), 0, tok, 4096, tok.vocab_size)
-    sent = ""
+    seqs = [Sequence("r", None, [5], SamplingParams(
+        max_tokens=len(ids), ignore_eos=True, stop=stops,  # [] too (vLLM's default)
+        include_stop_str_in_output=include, output_kind=kind), ExitRule("fixed", None, 1, 1), 0, tok, 4096,
+        tok.vocab_size) for kind in (DELTA, CUMULATIVE)]
+    seq, cumulative = seqs
+    sent, shown = "", []
     for t in ids:
-        seq.append(t, 1, 0.0)
+        for s in seqs:
+            s.append(t, 1, 0.0)
         piece = seq.delta()
         if piece is not None:
             sent += piece.text
             assert seq.text.startswith(sent)  # nothing sent is ever taken back
+        shown.append(cumulative.completion().text)
         if seq.finished:
             break
-    assert seq.finished and seq.delta() is None
-    assert sent == seq.text
+    assert seq.finished and seq.delta() is None and cumulative.finished
+    assert sent == seq.text == shown[-1]
+    assert all(seq.text.startswith(text) for text in shown)
 
 
 

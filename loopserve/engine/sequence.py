@@ -381,11 +381,13 @@ class Sequence:
         self._decoded = 0
         # incremental decoding of output_ids (detokenize=False: none, the text stays "")
         self._detok = tokenizer.decode_stream(params.skip_special_tokens) if params.detokenize else _no_text
-        # DELTA outputs: what earlier outputs reported (tokens, characters of text, the finish), and the
-        # characters held back while a stop string may still cut them (the longest one, less one)
+        # DELTA outputs: what earlier outputs reported (tokens, characters of text, the finish); and the characters
+        # an unfinished output (DELTA or CUMULATIVE) holds back while a stop string may still cut them: the longest
+        # one, less one (none when stop strings stay in the output, as in vLLM)
         self._sent_tokens = self._sent_chars = 0
         self._sent_finish = self._sent_prompt_logprobs = False
-        self._hold = max(len(s) for s in params.stop) - 1 if params.stop else 0
+        self._hold = (max(len(s) for s in params.stop) - 1
+                      if params.stop and not params.include_stop_str_in_output else 0)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None  # the stop token id or stop string that finished it (not eos)
         self._stop_from = 0  # stop strings match from here on: the text of the first min_tokens tokens is kept
@@ -602,11 +604,15 @@ class Sequence:
     def completion(self) -> CompletionOutput:
         """Everything so far (CUMULATIVE and FINAL_ONLY outputs): the lists as they are once it finished (they
         never change after; an n > 1 request's later outputs share them: outputs are read, not modified), else
-        copies (the engine thread goes on appending to its own while a consumer holds the output)."""
+        copies (the engine thread goes on appending to its own while a consumer holds the output); the text, until
+        it finishes, less the characters a stop string may still cut (vLLM's: a stream never shows the start of a
+        stop string, to take it back in its next output)."""
         done = self.finished
-        ids, depths = self.output_ids, self._exit_depths
+        ids, depths, text = self.output_ids, self._exit_depths, self.text
+        if self._hold and not done:
+            text = text[:max(0, len(text) - self._hold)]
         logprobs = self.logprobs if done or self.logprobs is None else list(self.logprobs)
-        return CompletionOutput(self.index, self.text, ids if done else list(ids),
+        return CompletionOutput(self.index, text, ids if done else list(ids),
                                 self.cumulative_logprob if self.params.logprobs is not None else None,
                                 logprobs, self.finish_reason, self.stop_reason,
                                 exit_depths=depths if done else list(depths),
