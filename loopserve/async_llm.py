@@ -159,7 +159,11 @@ class AsyncEngineArgs(EngineArgs):
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         super().add_cli_args(parser)
-        parser.add_argument("--enable-log-requests", action="store_true", help="log each request added and aborted")
+        requests = parser.add_mutually_exclusive_group()
+        requests.add_argument("--enable-log-requests", action="store_true",
+                              help="log each request added and aborted")
+        requests.add_argument("--disable-log-requests", action="store_true",
+                              help="no log line per request, as without --enable-log-requests (vLLM's older flag)")
         return parser
 
     @classmethod

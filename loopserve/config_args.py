@@ -75,11 +75,11 @@ def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, c
             if isinstance(own, dict):  # choice -> what it does: the help describes this command's choices only
                 text = "; ".join([text] * bool(text) + [f"{c}: {own[c]}" for c in kw["choices"]])
         kw["help"] = f"{text.replace('%', '%%')} ({note})".strip()
-        flag = flag_of(f.name)
+        flags = [flag_of(f.name), *f.metadata.get("short", ())]  # (vLLM's short forms: -tp)
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+            parser.add_argument(*flags, action=argparse.BooleanOptionalAction, **kw)
         else:
-            parser.add_argument(flag, type=kind, **kw)
+            parser.add_argument(*flags, type=kind, **kw)
 
 
 def flag_of(name: str) -> str:

@@ -48,7 +48,7 @@ class LoadConfig:
         "CPU it has no effect, with a warning: --kv-cache-memory-gb or --kv-cache-tokens size the pool there)")
     enforce_eager: bool = knob(False, "vLLM's name for --no-cuda-graphs: every decode step runs eagerly")
     tensor_parallel_size: int = knob(1, "only 1: loopserve runs a model on one device, and uses more devices as "
-                                     "more replicas (serve --replicas, docs/scale-out.md)")
+                                     "more replicas (serve --replicas, docs/scale-out.md)", short=("-tp",))
     trust_remote_code: bool = knob(False, "accepted for vLLM's scripts, with no effect: loopserve implements Ouro "
                                    "and Huginn itself and never runs code from a checkpoint")
     tokenizer: str | None = knob(None, "the model's own folder (or hub id) or unset: loopserve always uses the "
@@ -73,8 +73,10 @@ class LoadConfig:
             log.info("seed: none given, drew %d", self.seed)
         elif not is_int(self.seed):
             raise ValueError(f"seed: must be an integer (or None: a random seed), got {self.seed!r}")
-        if self.max_model_len is not None and not is_int(self.max_model_len):
-            raise ValueError(f"max_model_len: must be an integer, got {self.max_model_len!r}")
+        if self.max_model_len is not None and not (is_int(self.max_model_len) and self.max_model_len >= 2):
+            # (the model's context caps it too, known once it has loaded: `checked_model_len`)
+            raise ValueError(f"max_model_len: must be an integer >= 2 (room for a prompt and a token), got "
+                             f"{self.max_model_len!r}")
         g = self.gpu_memory_utilization
         if g is not None and not (is_number(g) and 0 < g <= 1):
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {g!r}")

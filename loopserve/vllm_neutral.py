@@ -78,7 +78,7 @@ NEUTRAL: dict[str, Neutral] = {
                                     "tokens)", None, True, False),
     "enable_sleep_mode": _only("the model and KV cache stay on the device until the LLM is dropped", False),
     "compilation_config": _only("loopserve compiles its own stages (CUDA graphs: cuda_graphs, enforce_eager)",
-                                None),
+                                None, {}),
     # vLLM's cap on a request's logprobs and prompt_logprobs (-1: none): loopserve's is MAX_LOGPROBS, vLLM's
     # default, whatever is passed, so a value that allows at least that much asks for nothing; a request over it is
     # a ValueError naming its field either way

@@ -668,6 +668,10 @@ def test_engine_args_from_cli_args(tiny_ouro):
     assert (vllm.enable_chunked_prefill, vllm.kv_cache_dtype) == (True, "auto")
     with pytest.raises(ValueError, match="^quantization: not supported by loopserve"):
         AsyncEngineArgs.from_cli_args(parser.parse_args(["--quantization", "awq"]))
+    # vLLM's older --disable-log-requests and its -tp (each was "unrecognized arguments")
+    quiet = AsyncEngineArgs.from_cli_args(parser.parse_args(["--model", str(tiny_ouro), "--disable-log-requests",
+                                                             "-tp", "1"]))
+    assert (quiet.disable_log_requests, quiet.tensor_parallel_size) == (True, 1)
 
 
 def test_engine_args_is_a_dataclass_as_vllms(tiny_ouro):
@@ -690,6 +694,8 @@ def test_engine_args_is_a_dataclass_as_vllms(tiny_ouro):
     with pytest.raises(ValueError, match="^max_num_seqs"):
         dataclasses.replace(args, max_num_seqs=0)
     assert dataclasses.replace(AsyncEngineArgs(enable_log_requests=True), seed=1).enable_log_requests
+    with pytest.raises(ValueError, match="^max_model_len: must be an integer >= 2"):  # (when made, not at load)
+        EngineArgs(max_model_len=-1)
 
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     parser.add_argument("--max-tokens", type=int)

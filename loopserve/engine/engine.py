@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -51,7 +51,10 @@ from loopserve.models.base import LoopedLM
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import SamplingParams
 from loopserve.tokenizer import Tokenizer
-from loopserve.vllm_neutral import check_neutral
+from loopserve.vllm_neutral import absent_method, check_neutral
+
+if TYPE_CHECKING:
+    from loopserve.async_llm import EngineArgs
 
 log = logging.getLogger("loopserve.engine")
 
@@ -174,6 +177,28 @@ class LLMEngine:
         self.driver: Any = None
         self._driver_ident: int | None = None  # its thread's id, once known
         self._driver_lock = threading.Lock()
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, usage_context: Any = None, stat_loggers: Any = None,
+                         enable_multiprocessing: bool = False) -> LLMEngine:
+        """vLLM's: the engine of the `LLM` that `engine_args` (an `EngineArgs`) describe (the model loads here; the
+        engine keeps what it needs of it). `usage_context` (vLLM's telemetry, which loopserve does not send),
+        `stat_loggers` (None) and `enable_multiprocessing` (False: the engine runs in this process) are taken at the
+        values that ask for nothing."""
+        from loopserve.async_llm import EngineArgs
+
+        if not isinstance(engine_args, EngineArgs):
+            raise ValueError(f"engine_args: expected an EngineArgs, got {type(engine_args).__name__}")
+        if enable_multiprocessing is not False:
+            raise ValueError(f"enable_multiprocessing: not supported by loopserve (the engine runs in this "
+                             f"process); it takes False, got {enable_multiprocessing!r}")
+        check_neutral(usage_context=usage_context, stat_loggers=stat_loggers)
+        return engine_args.create_llm().llm_engine
+
+    def __getattr__(self, name: str) -> Any:
+        """vLLM's methods for what loopserve lacks (`vllm_neutral.ABSENT_METHODS`: a ValueError naming the method and
+        what to use instead, when called); any other missing attribute is the usual AttributeError."""
+        return absent_method(self, name)
 
     def get_tokenizer(self) -> Tokenizer:
         """The tokenizer requests are encoded and decoded with (vLLM's `LLMEngine.get_tokenizer`)."""
