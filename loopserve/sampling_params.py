@@ -114,12 +114,13 @@ _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
-def _without_additional_properties(schema: Any) -> Any:
+def _without_additional_properties(schema: Any, tuples: bool = False) -> Any:
     """`disable_additional_properties`: a copy of the JSON schema (a dict, or its JSON text: then JSON text) in
     which every schema that lists `properties` or `patternProperties` (a dict) and does not set
     `additionalProperties` sets it false: vLLM's rule (backend_guidance `_walk_json_for_additional_properties`),
-    whatever its `type` says, so a free-form `{"type": "object"}` stays open. Walked by keyword, so a property
-    named "type" or "properties" is not taken for a keyword."""
+    whatever its `type` says, so a free-form `{"type": "object"}` stays open. `tuples`: and every `prefixItems`
+    list without `items` admits no items beyond it (xgrammar's strict mode, vLLM's default engine, closes both).
+    Walked by keyword, so a property named "type" or "properties" is not taken for a keyword."""
     def walk(node: Any) -> Any:
         if not isinstance(node, dict):
             return node
@@ -136,6 +137,8 @@ def _without_additional_properties(schema: Any) -> Any:
         if "additionalProperties" not in out and (isinstance(out.get("properties"), dict)
                                                   or isinstance(out.get("patternProperties"), dict)):
             out["additionalProperties"] = False
+        if tuples and isinstance(out.get("prefixItems"), list) and "items" not in out:
+            out["items"] = False
         return out
 
     if isinstance(schema, str):
@@ -162,7 +165,10 @@ class GuidedDecodingParams:
     # None, "auto" and "guidance" are taken and any other name is a ValueError rather than a silent swap.
     # disable_fallback: nothing ever falls back to another engine here, so either value holds.
     # disable_additional_properties: a JSON schema's objects that do not say otherwise admit no properties
-    # beyond those they list. structural_tag: not supported (a ValueError when set).
+    # beyond those they list. That is also what backend None or "auto" does, whatever this says: vLLM's "auto"
+    # compiles a schema with xgrammar, whose strict mode closes such objects (and tuples, `prefixItems` without
+    # `items`), so a schema gives the same JSON shapes on both; "guidance" keeps llguidance's own rule (open, as
+    # vLLM's guidance backend) unless this is set. structural_tag: not supported (a ValueError when set).
     backend: str | None = None
     disable_fallback: bool = False
     disable_additional_properties: bool = False
@@ -191,8 +197,8 @@ class GuidedDecodingParams:
                              f"(in StructuredOutputsParams or GuidedDecodingParams), got {', '.join(given) or 'none'}")
         if self.json is not None:
             _check_schema(self.json)
-            if self.disable_additional_properties:
-                self.json = _without_additional_properties(self.json)
+            if self.disable_additional_properties or self.backend != "guidance":
+                self.json = _without_additional_properties(self.json, tuples=self.backend != "guidance")
         for name in ("regex", "grammar", "whitespace_pattern"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or (not v and name != "whitespace_pattern")):

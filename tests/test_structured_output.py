@@ -187,7 +187,8 @@ def test_bad_spec_messages_stay_short():
 PARSER_LIMIT = {
     "choice": GuidedDecodingParams(choice=[f"option{i}" for i in range(MAX_CHOICES)]),
     "json": GuidedDecodingParams(json={"type": "object", "properties": {f"p{i}": {"type": "integer"}
-                                                                        for i in range(500)}}),
+                                                                        for i in range(500)},
+                                       "additionalProperties": True}),
     "grammar": GuidedDecodingParams(grammar="start: " + " | ".join(f'"w{i}"' for i in range(2500))),
 }
 

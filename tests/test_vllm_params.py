@@ -145,9 +145,25 @@ def test_disable_additional_properties_closes_every_schema_with_properties_that_
     assert "additionalProperties" not in schema and "additionalProperties" not in schema["properties"]["type"]
     as_text = GuidedDecodingParams(json=json.dumps(schema), disable_additional_properties=True)
     assert json.loads(as_text.json) == got
-    assert GuidedDecodingParams(json=schema).json == schema  # (off: the schema as given)
+    assert GuidedDecodingParams(json=schema, backend="guidance").json == schema  # (off: the schema as given)
     free = {"type": "object"}
     assert GuidedDecodingParams(json=free, disable_additional_properties=True).json == free
+
+
+@pytest.mark.parametrize("backend", [None, "auto"])
+def test_the_default_backend_closes_objects_and_tuples_as_vllms_default(backend):
+    """vLLM's "auto" compiles a JSON schema with xgrammar, whose strict mode (its default) admits no property an
+    object does not list and no item past a tuple's `prefixItems`: so does loopserve's default, whatever
+    disable_additional_properties says (a migrated script got `{"a": -2, " speak...": ...}` to max_tokens where vLLM
+    closed the object); "guidance" keeps llguidance's rule, as vLLM's guidance backend does."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "pair": {
+        "type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}]}, "free": {"type": "object"}}}
+    got = GuidedDecodingParams(json=schema, backend=backend).json
+    assert got["additionalProperties"] is False and got["properties"]["pair"]["items"] is False
+    assert "additionalProperties" not in got["properties"]["free"]
+    assert GuidedDecodingParams(json=schema, backend="guidance").json == schema
+    tuples_kept = GuidedDecodingParams(json=schema, backend="guidance", disable_additional_properties=True).json
+    assert tuples_kept["additionalProperties"] is False and "items" not in tuples_kept["properties"]["pair"]
 
 
 def _accepts(spec: GuidedDecodingParams, text: str, tiny_ouro) -> bool:
@@ -163,9 +179,11 @@ def _accepts(spec: GuidedDecodingParams, text: str, tiny_ouro) -> bool:
 
 def test_disable_additional_properties_changes_what_the_grammar_admits(tiny_ouro):
     extra = '{"a": 1, "b": 2}'
-    assert _accepts(GuidedDecodingParams(json=SCHEMA), extra, tiny_ouro)
-    assert not _accepts(GuidedDecodingParams(json=SCHEMA, disable_additional_properties=True), extra, tiny_ouro)
-    assert _accepts(GuidedDecodingParams(json=SCHEMA, disable_additional_properties=True), '{"a": 1}', tiny_ouro)
+    assert _accepts(GuidedDecodingParams(json=SCHEMA, backend="guidance"), extra, tiny_ouro)
+    for closed in (GuidedDecodingParams(json=SCHEMA, backend="guidance", disable_additional_properties=True),
+                   GuidedDecodingParams(json=SCHEMA)):  # (the default backend's rule: vLLM's xgrammar)
+        assert not _accepts(closed, extra, tiny_ouro)
+        assert _accepts(closed, '{"a": 1}', tiny_ouro)
 
 
 # -- prompt types ----------------------------------------------------------------------------------------------------
