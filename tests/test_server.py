@@ -965,3 +965,22 @@ def _ok(server, path: str, body: dict) -> dict:
     r = httpx.post(server.url + path, headers=AUTH, json=body, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def test_metrics_answer_openmetrics_and_gzip_when_asked(server):
+    """As prometheus_client's own app (vLLM's /metrics): OpenMetrics for a scraper whose Accept asks for it, gzip for
+    one that accepts it (both were Prometheus text, uncompressed, whatever was asked)."""
+    import gzip
+
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
+
+    r = httpx.get(server.url + "/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0",
+                                                    "Accept-Encoding": "identity"})
+    assert r.headers["content-type"].startswith("application/openmetrics-text") and r.text.endswith("# EOF\n")
+    names = {f.name for f in openmetrics_families(r.text)}
+    assert {"loopserve:generation_tokens", "loopserve:time_to_first_token_seconds"} <= names
+    raw = httpx.get(server.url + "/metrics", headers={"Accept-Encoding": "gzip"})  # (httpx inflates it)
+    assert raw.headers["content-encoding"] == "gzip" and raw.headers["content-type"].startswith("text/plain")
+    assert "loopserve:generation_tokens_total" in raw.text
+    with httpx.stream("GET", server.url + "/metrics", headers={"Accept-Encoding": "gzip"}) as s:
+        assert gzip.decompress(b"".join(s.iter_raw())).decode().count("loopserve:generation_tokens_total") >= 1

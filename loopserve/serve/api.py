@@ -56,6 +56,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gzip
 import itertools
 import logging
 import secrets
@@ -73,7 +74,6 @@ import jinja2
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
@@ -836,9 +836,14 @@ class OpenAIServing:
             return JSONResponse(error_body(503, "the engine is not running"), status_code=503)
         return Response(status_code=200)
 
-    async def prometheus(self) -> Response:
+    async def prometheus(self, request: Request) -> Response:
+        """The metrics in the format the scraper asks for (Prometheus text, or OpenMetrics by its Accept header),
+        gzipped if it accepts that, as prometheus_client's own app (vLLM's /metrics) answers."""
         await self.metrics_caught_up()
-        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        body, content_type = self.metrics.render_for(request.headers.get("accept"))
+        if "gzip" in request.headers.get("accept-encoding", ""):
+            return Response(gzip.compress(body), media_type=content_type, headers={"Content-Encoding": "gzip"})
+        return Response(body, media_type=content_type)
 
     async def metrics_caught_up(self) -> None:
         """Bring the token counters up to the engine (`ServerMetrics.catch_up`): a request that is not streamed has

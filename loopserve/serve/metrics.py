@@ -62,6 +62,7 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from loopserve.engine.engine_thread import EngineSnapshot
@@ -412,6 +413,12 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def render_for(self, accept: str | None) -> tuple[bytes, str]:
+        """The metrics in the format an Accept header asks for (OpenMetrics, else Prometheus text), and its content
+        type."""
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self.registry), content_type
 
 
 def instrument_http(app: Starlette, registry: CollectorRegistry) -> None:
