@@ -4,4 +4,5 @@ import sys
 
 from loopserve.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # (not when multiprocessing's spawn imports this module as `__mp_main__`)
+    sys.exit(main())

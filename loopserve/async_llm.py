@@ -102,7 +102,7 @@ class EngineArgs:
 
     def settings(self) -> dict[str, Any]:
         """The `LLM(...)` keywords (but `model`, `chat_template` and `generation_config`) these args hold."""
-        return {**{f.name: self.__dict__[f.name] for f in CONFIG_FIELDS}, **self.__dict__["_neutral"]}
+        return {**{f.name: getattr(self, f.name) for f in CONFIG_FIELDS}, **self.__dict__.get("_neutral", {})}
 
     def __getattr__(self, name: str) -> Any:
         neutral = self.__dict__.get("_neutral", {})  # (copy and pickle look up hooks on an instance not yet built)
@@ -111,14 +111,17 @@ class EngineArgs:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name not in _CONFIG_NAMES and name in {f.name for f in dataclasses.fields(self)}:
+        # (a subclass's own dataclass __init__ sets every field, this class's too, before any check can read them:
+        # set as given, checked when the LLM is made)
+        if "_neutral" not in self.__dict__ or (
+                name not in _CONFIG_NAMES and name in {f.name for f in dataclasses.fields(self)}):
             super().__setattr__(name, value)
             return
         llm_configs({**self.settings(), name: value})  # (an unknown name, or a bad value: nothing changed)
         if name in _CONFIG_NAMES:
             super().__setattr__(name, value)
-        else:
-            self.__dict__["_neutral"][name] = value
+        else:  # (a new dict: a copy made with copy.copy keeps its own)
+            self.__dict__["_neutral"] = {**self.__dict__["_neutral"], name: value}
 
     def create_llm(self) -> LLM:
         return LLM(self.model, chat_template=self.chat_template, generation_config=self.generation_config,

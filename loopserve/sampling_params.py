@@ -114,12 +114,13 @@ _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
-def _without_additional_properties(schema: Any, tuples: bool = False) -> Any:
+def _without_additional_properties(schema: Any, strict: bool = False) -> Any:
     """`disable_additional_properties`: a copy of the JSON schema (a dict, or its JSON text: then JSON text) in
     which every schema that lists `properties` or `patternProperties` (a dict) and does not set
     `additionalProperties` sets it false: vLLM's rule (backend_guidance `_walk_json_for_additional_properties`),
-    whatever its `type` says, so a free-form `{"type": "object"}` stays open. `tuples`: and every `prefixItems`
-    list without `items` admits no items beyond it (xgrammar's strict mode, vLLM's default engine, closes both).
+    whatever its `type` says, so a free-form `{"type": "object"}` stays open. `strict` (the default backend's rule,
+    after xgrammar's strict mode): and a tuple (`prefixItems`) that sets neither `items` nor `additionalItems` admits
+    nothing past its items. (llguidance refuses the `unevaluated*` keywords, so no schema here relies on them.)
     Walked by keyword, so a property named "type" or "properties" is not taken for a keyword."""
     def walk(node: Any) -> Any:
         if not isinstance(node, dict):
@@ -137,7 +138,8 @@ def _without_additional_properties(schema: Any, tuples: bool = False) -> Any:
         if "additionalProperties" not in out and (isinstance(out.get("properties"), dict)
                                                   or isinstance(out.get("patternProperties"), dict)):
             out["additionalProperties"] = False
-        if tuples and isinstance(out.get("prefixItems"), list) and "items" not in out:
+        if strict and isinstance(out.get("prefixItems"), list) and not any(
+                k in out for k in ("items", "additionalItems")):
             out["items"] = False
         return out
 
@@ -165,10 +167,11 @@ class GuidedDecodingParams:
     # None, "auto" and "guidance" are taken and any other name is a ValueError rather than a silent swap.
     # disable_fallback: nothing ever falls back to another engine here, so either value holds.
     # disable_additional_properties: a JSON schema's objects that do not say otherwise admit no properties
-    # beyond those they list. That is also what backend None or "auto" does, whatever this says: vLLM's "auto"
-    # compiles a schema with xgrammar, whose strict mode closes such objects (and tuples, `prefixItems` without
-    # `items`), so a schema gives the same JSON shapes on both; "guidance" keeps llguidance's own rule (open, as
-    # vLLM's guidance backend) unless this is set. structural_tag: not supported (a ValueError when set).
+    # beyond those they list. That is also what backend None or "auto" does, whatever this says, and tuples
+    # (`prefixItems`) that do not say otherwise admit nothing past their items: vLLM's "auto" compiles a schema with
+    # xgrammar, whose strict mode closes both (it also closes free-form objects and arrays, `{"type": "object"}`,
+    # to `{}` and `[]`: those stay open here); "guidance" keeps llguidance's own rule (open, as vLLM's guidance
+    # backend) unless this is set. structural_tag: not supported (a ValueError when set).
     backend: str | None = None
     disable_fallback: bool = False
     disable_additional_properties: bool = False
@@ -198,7 +201,7 @@ class GuidedDecodingParams:
         if self.json is not None:
             _check_schema(self.json)
             if self.disable_additional_properties or self.backend != "guidance":
-                self.json = _without_additional_properties(self.json, tuples=self.backend != "guidance")
+                self.json = _without_additional_properties(self.json, strict=self.backend != "guidance")
         for name in ("regex", "grammar", "whitespace_pattern"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or (not v and name != "whitespace_pattern")):

@@ -679,6 +679,7 @@ def test_engine_args_is_a_dataclass_as_vllms(tiny_ouro):
     (its examples' pattern): both give the LLM the args describe. `replace` and `fields` work; a vLLM flag for what
     loopserve lacks reaches `LLM` under its keyword's name (it had a prefixed one LLM refused)."""
     import argparse
+    import copy
     import dataclasses
 
     from loopserve.async_llm import EngineArgs
@@ -696,6 +697,16 @@ def test_engine_args_is_a_dataclass_as_vllms(tiny_ouro):
     assert dataclasses.replace(AsyncEngineArgs(enable_log_requests=True), seed=1).enable_log_requests
     with pytest.raises(ValueError, match="^max_model_len: must be an integer >= 2"):  # (when made, not at load)
         EngineArgs(max_model_len=-1)
+    twin = copy.copy(args)
+    twin.enable_chunked_prefill = False  # (a copy's own: the original's stays as given)
+    assert args.enable_chunked_prefill and not twin.enable_chunked_prefill
+
+    @dataclasses.dataclass
+    class MyArgs(EngineArgs):  # (a script's own dataclass on top: its __init__ set fields before any check could)
+        extra: int = 1
+
+    mine = MyArgs(model=str(tiny_ouro), max_num_seqs=3, extra=2)
+    assert (mine.max_num_seqs, mine.extra, mine.settings()["max_num_seqs"]) == (3, 2, 3)
 
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     parser.add_argument("--max-tokens", type=int)

@@ -177,7 +177,12 @@ def test_config_file_builder(tmp_path):
     args = lray.flags_from_config({"model": str(tmp_path), "uvicorn_log_level": "debug", "kv_cache_dtype": "auto",
                                    "enable_chunked_prefill": False, "enable-lora": "false"})
     assert args.log_level == "debug"
-    assert neutral_kwargs(args) == {"kv_cache_dtype": "auto", "enable_chunked_prefill": False, "enable_lora": False}
+    own = ("served_model_name", "disable_log_stats")  # (serve's own flags of vLLM's names: any value passes)
+    assert {k: v for k, v in neutral_kwargs(args).items() if k not in own} == {
+        "kv_cache_dtype": "auto", "enable_chunked_prefill": False, "enable_lora": False}
+    # a switch's true is its --x (it came out as --no-x once both forms shared the keyword as dest)
+    assert neutral_kwargs(lray.flags_from_config({"model": str(tmp_path), "enable_chunked_prefill": True,
+                                                  "enable_prefix_caching": True}))["enable_chunked_prefill"] is True
 
 
 def test_merge_metrics_labels_every_sample_with_its_replica():

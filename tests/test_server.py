@@ -974,11 +974,16 @@ def test_metrics_answer_openmetrics_and_gzip_when_asked(server):
 
     from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 
-    r = httpx.get(server.url + "/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0",
-                                                    "Accept-Encoding": "identity"})
+    prometheus3 = "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.5,text/plain;version=0.0.4;q=0.4"
+    r = httpx.get(server.url + "/metrics", headers={"Accept": prometheus3, "Accept-Encoding": "identity"})
     assert r.headers["content-type"].startswith("application/openmetrics-text") and r.text.endswith("# EOF\n")
-    names = {f.name for f in openmetrics_families(r.text)}
-    assert {"loopserve:generation_tokens", "loopserve:time_to_first_token_seconds"} <= names
+    samples = {s.name for f in openmetrics_families(r.text) for s in f.samples}
+    assert {"loopserve:generation_tokens_total", "loopserve:time_to_first_token_seconds_count"} <= samples
+    # Prometheus 2's header (no escaping): its names would be escaped (loopserve_generation_tokens_total): text
+    prometheus2 = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+                   "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+    r = httpx.get(server.url + "/metrics", headers={"Accept": prometheus2})
+    assert r.headers["content-type"].startswith("text/plain") and "loopserve:generation_tokens_total" in r.text
     raw = httpx.get(server.url + "/metrics", headers={"Accept-Encoding": "gzip"})  # (httpx inflates it)
     assert raw.headers["content-encoding"] == "gzip" and raw.headers["content-type"].startswith("text/plain")
     assert "loopserve:generation_tokens_total" in raw.text

@@ -164,6 +164,9 @@ def test_the_default_backend_closes_objects_and_tuples_as_vllms_default(backend)
     assert GuidedDecodingParams(json=schema, backend="guidance").json == schema
     tuples_kept = GuidedDecodingParams(json=schema, backend="guidance", disable_additional_properties=True).json
     assert tuples_kept["additionalProperties"] is False and "items" not in tuples_kept["properties"]["pair"]
+    said = {"type": "object", "properties": {"a": {}}, "additionalProperties": {"type": "integer"},
+            "allOf": [{"prefixItems": [{}], "items": {"type": "integer"}}]}
+    assert GuidedDecodingParams(json=said, backend=backend).json == said  # (what a schema says is kept)
 
 
 def _accepts(spec: GuidedDecodingParams, text: str, tiny_ouro) -> bool:

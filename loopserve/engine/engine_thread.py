@@ -187,8 +187,9 @@ class EngineThread:
         with self._life:
             self.engine.claim(self, None)  # (a RuntimeError if another thread steps the engine: nothing started)
             _LIVE.add(self)
-            _THREADS.difference_update([t for t in _THREADS if not t.is_alive()])
-            _THREADS.add(self._thread)
+            with _THREADS_LOCK:  # (engines may start on several threads' loops at once)
+                _THREADS.difference_update([t for t in _THREADS if not t.is_alive()])
+                _THREADS.add(self._thread)
             self._thread.start()
 
     def __str__(self) -> str:
@@ -469,6 +470,7 @@ class EngineThread:
 # reference, and freed the model and the KV store as it ended, after the `EngineThread` had left `_LIVE`.
 _LIVE: weakref.WeakSet[EngineThread] = weakref.WeakSet()
 _THREADS: set[threading.Thread] = set()
+_THREADS_LOCK = threading.Lock()
 EXIT_JOIN_S = 10.0
 
 
@@ -477,7 +479,9 @@ def _stop_at_exit() -> None:
     for engine_thread in list(_LIVE):
         if engine_thread.alive:
             engine_thread.stop()
-    for thread in list(_THREADS):
+    with _THREADS_LOCK:
+        threads = list(_THREADS)
+    for thread in threads:
         thread.join(EXIT_JOIN_S)
         if thread.is_alive():
             log.warning("engine thread did not stop within %s s", EXIT_JOIN_S)

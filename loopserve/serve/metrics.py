@@ -30,7 +30,8 @@ buckets approximate for such requests). A sample a client's disconnect (or `abor
 `finished_reason="abort"`, with its latencies to then. A beam search (`use_beam_search`) counts as one request per
 prompt, recorded when it ends (`beam_search`): its prompt once, the tokens of the beams it returns (as its `usage`
 counts them), its finish reason, its time to first token (its first step's) and its end-to-end latency; the
-sequences of its steps are not requests of their own (`beam_steps`), and it observes no inter-token or phase times.
+sequences of its steps are not requests of their own (`beam_steps`), and it observes no inter-token or phase times,
+time per output token, request_params_* or request_max_num_generation_tokens.
 
 Loop-specific (from `EngineStats`): exit_depth (histogram of decode-token exit depths),
 core_batch_size (histogram of core-step batch widths), core_loops_total (core row-steps computed),
@@ -261,7 +262,7 @@ class ServerMetrics:
         with self._lock:
             for seq in seqs:
                 track = self._tracks.setdefault(seq.request_id, _Track())
-                track.n, track.max_tokens = seq.params.n, seq.params.max_tokens
+                track.n, track.max_tokens = seq.params.n, seq.max_new  # (max_tokens, or the room a None leaves)
 
     def scheduled(self, request_id: str, when: float) -> None:
         """The request was admitted by the step that started at `when` (engine thread)."""
@@ -415,9 +416,12 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
     def render_for(self, accept: str | None) -> tuple[bytes, str]:
-        """The metrics in the format an Accept header asks for (OpenMetrics, else Prometheus text), and its content
-        type."""
-        encoder, content_type = choose_encoder(accept or "")
+        """The metrics in the format an Accept header asks for, and its content type: OpenMetrics where it asks for
+        names as they are (`escaping=allow-utf-8`, Prometheus 3's), else Prometheus text. (prometheus_client escapes
+        the names of an OpenMetrics answer otherwise, to `vllm_generation_tokens_total`: Prometheus 2's default
+        header would then get names no dashboard queries.)"""
+        accept = accept or ""
+        encoder, content_type = choose_encoder(accept if "escaping=allow-utf-8" in accept else "")
         return encoder(self.registry), content_type
 
 

@@ -22,7 +22,8 @@ loopserve imports Ray, and `serve/cli.py` imports this module only when a Ray fl
   answered by whichever replica the router picks, and is 503 on one whose engine is gone.
 - Metrics: GET /metrics on any replica asks every replica for its Prometheus text
   (`handle.broadcast`) and answers them merged, each sample with a `replica` label (Ray Serve's
-  replica id). Every response carries `X-Loopserve-Replica: <replica id>`.
+  replica id), in Prometheus text whatever the scraper's Accept says (one process's server also answers
+  OpenMetrics and gzip). Every response carries `X-Loopserve-Replica: <replica id>`.
 - `app(config)`: the application builder for `serve run loopserve.serve.ray:app model=PATH ...` and
   Ray Serve config files (`import_path: loopserve.serve.ray:app`, `args:` the serve flags by name).
 - `run_replicas(args)`: the `loopserve serve` path: start (or join, `--ray-address`) Ray, run the
@@ -187,9 +188,11 @@ def flags_from_config(config: dict[str, Any]) -> argparse.Namespace:
     names with `_` or `-`, flags as true/false, lists for repeatable or list flags (served_model_name: one
     name or a list of them). ValueError names an unknown or bad entry."""
     parser = _serve_parser()
-    actions = {a.dest: a for a in parser._actions if a.option_strings}
-    # and by each flag's own name: an alias (uvicorn_log_level), vLLM's flags for what loopserve lacks (their dest is
-    # not their name), a switch's --no- form
+    actions: dict[str, argparse.Action] = {}
+    for a in parser._actions:  # (by dest, the first flag of it: a switch of vLLM's has its --no-x after its --x)
+        if a.option_strings:
+            actions.setdefault(a.dest, a)
+    # and by each flag's own name: an alias (uvicorn_log_level), a switch's --no- form
     for a in parser._actions:
         if not isinstance(a, argparse.BooleanOptionalAction):  # (its --no-x is `x: false`)
             for opt in a.option_strings:
