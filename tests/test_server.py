@@ -989,3 +989,20 @@ def test_metrics_answer_openmetrics_and_gzip_when_asked(server):
     assert "loopserve:generation_tokens_total" in raw.text
     with httpx.stream("GET", server.url + "/metrics", headers={"Accept-Encoding": "gzip"}) as s:
         assert gzip.decompress(b"".join(s.iter_raw())).decode().count("loopserve:generation_tokens_total") >= 1
+
+
+def test_invocations_answers_as_chat_or_completions_by_the_body(server):
+    """SageMaker's POST /invocations (vLLM's): a body with messages is a chat completion, one with a prompt a
+    completion, each answered (and checked) as its own endpoint answers it; any other object is a 400, after the
+    key is checked."""
+    chat = httpx.post(server.url + "/invocations", headers=AUTH, timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    assert chat.status_code == 200 and chat.json()["object"] == "chat.completion", chat.text
+    text = httpx.post(server.url + "/invocations", headers=AUTH, timeout=60, json={"model": MODEL, "prompt": "hi",
+                                                                                  "max_tokens": 3})
+    assert text.status_code == 200 and text.json()["object"] == "text_completion", text.text
+    bad = httpx.post(server.url + "/invocations", headers=AUTH, json={"model": MODEL, "max_tokens": 3})
+    assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("body: expected a chat completion")
+    assert httpx.post(server.url + "/invocations", json={"model": MODEL}).status_code == 401
+    wrong = httpx.post(server.url + "/invocations", headers=AUTH, json={"model": MODEL, "prompt": "hi", "n": 0})
+    assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "n"  # (the completions endpoint's check)

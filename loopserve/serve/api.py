@@ -2,7 +2,8 @@
 the engine and the settings and has one method per endpoint.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both stream as SSE `data: {...}`
-chunks ending with `data: [DONE]`), GET /v1/models and /v1/models/{model}, vLLM's POST /tokenize and POST
+chunks ending with `data: [DONE]`), POST /invocations (SageMaker's: either of them, by the body), GET /v1/models and
+/v1/models/{model}, vLLM's POST /tokenize and POST
 /detokenize, GET /version, GET /health (and vLLM's GET or POST /ping), GET /metrics, GET /openapi.json (the
 request bodies' JSON schemas included, though the endpoints parse the raw body themselves). Completions and
 chat share one path from admission to response: one choice builder and one stream writer, told apart by a `_Kind`.
@@ -58,6 +59,7 @@ import contextlib
 import dataclasses
 import gzip
 import itertools
+import json
 import logging
 import secrets
 import time
@@ -1030,6 +1032,22 @@ class OpenAIServing:
         req: ChatCompletionRequest = await self.read(request, lambda body: parse_body(ChatCompletionRequest, body))
         return await self.generate(request, await self.build(self.chat, request, req, arrival))
 
+    async def invocations(self, request: Request) -> Response:
+        """SageMaker's inference endpoint (vLLM's): a chat completion request (it has `messages`) answered as
+        /v1/chat/completions would, a completion request (`prompt`) as /v1/completions would. A body that is not
+        JSON, or not an object, gets the errors /v1/completions gives it."""
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            body = None
+        if isinstance(body, dict) and "messages" in body:
+            return await self.chat_completions(request)
+        if isinstance(body, dict) and "prompt" not in body:
+            self.check_auth(request)
+            raise ApiError(400, "body: expected a chat completion request (with messages) or a completion request "
+                                "(with prompt)")
+        return await self.completions(request)
+
     def chat(self, request: Request, req: ChatCompletionRequest, arrival: float) -> _Generation:
         """A chat request's sequence (built on a worker thread: see the module's docstring)."""
         guide, tools = chat_guide(req)
@@ -1140,6 +1158,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings,
         ("POST", "/detokenize", serving.detokenize, _json_body(DetokenizeRequest)),
         ("POST", "/v1/completions", serving.completions, _json_body(CompletionRequest)),
         ("POST", "/v1/chat/completions", serving.chat_completions, _json_body(ChatCompletionRequest)),
+        ("POST", "/invocations", serving.invocations, _json_body(ChatCompletionRequest, CompletionRequest)),
     ]
     if settings.tokenizer_info:
         routes.append(("GET", "/tokenizer_info", serving.tokenizer_info, None))
