@@ -11,6 +11,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+# a text part's types: OpenAI's chat "text", and the Responses API's "input_text" and "output_text" (vLLM reads all)
+TEXT_PARTS = ("text", "input_text", "output_text")
 # what a chat template may read of a message, as vLLM passes them; the server reports any other field as ignored
 TEMPLATE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id")
 TOOL_CALL_KEYS = ("id", "type", "function")
@@ -33,7 +35,8 @@ def chat_messages(messages: Any, where: str = "messages", ignored: list[str] | N
     Other keys are left out, and their paths (`<where>.<i>.<key>`) appended to `ignored` if it is given.
     ValueError naming `<where>.<i>.<field>`.
 
-    A message has a known role; its content is a string or a list of {"type": "text", "text": ...} parts, or
+    A message has a known role; its content is a string or a list of {"type": "text", "text": ...} parts (or
+    `TEXT_PARTS`' other types), or
     null or left out, which renders as empty text (as vLLM takes it, in any role: a client replaying a
     conversation sends an assistant turn without content, for one); `name`, if given, is a string. Only an
     assistant message may carry `tool_calls` (as `tool_calls` checks them), and only a tool message a
@@ -59,7 +62,7 @@ def chat_messages(messages: Any, where: str = "messages", ignored: list[str] | N
                 raise ValueError(f"{at}.content: must be a string or a list of text parts, "
                                  f"got {type(content).__name__}")
             for j, part in enumerate(content):
-                if not (isinstance(part, Mapping) and part.get("type") == "text"):
+                if not (isinstance(part, Mapping) and part.get("type") in TEXT_PARTS):
                     raise ValueError(f"{at}.content.{j}: must be a text part ({{'type': 'text', 'text': ...}})")
                 if not isinstance(part.get("text"), str):
                     raise ValueError(f"{at}.content.{j}.text: must be a string")

@@ -1007,3 +1007,50 @@ def test_invocations_answers_as_chat_or_completions_by_the_body(server):
     assert httpx.post(server.url + "/invocations", json={"model": MODEL}).status_code == 401
     wrong = httpx.post(server.url + "/invocations", headers=AUTH, json={"model": MODEL, "prompt": "hi", "n": 0})
     assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "n"  # (the completions endpoint's check)
+
+
+def test_what_vllm_takes_of_clients_that_send_defaults(server):
+    """Fields vLLM takes that were 400s here: a tool and a named tool_choice without "type" (vLLM's default,
+    "function"); tool_choice "required" with an empty tools list (OpenAI's reading: "none"); top_logprobs 0 without
+    logprobs; stream_options {} without stream; the Responses API's input_text / output_text parts; and at
+    /invocations a body whose messages is null but that has a prompt (a completion)."""
+    msgs = [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+            {"role": "assistant", "content": [{"type": "output_text", "text": "yes"}]},
+            {"role": "user", "content": "again"}]
+    tool = {"function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}}
+
+    def chat(**body):
+        r = httpx.post(server.url + H, headers=AUTH, timeout=60, json={"model": MODEL, "messages": msgs,
+                                                                        "max_tokens": 3, **body})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]
+
+    called = chat(tools=[tool], tool_choice={"function": {"name": "f"}}, max_tokens=40)
+    assert called["message"]["tool_calls"][0]["function"]["name"] == "f"
+    chat(tools=[tool], tool_choice="required")  # (a 200: the tool without "type" taken)
+    plain = chat(tools=[], tool_choice="required")
+    assert plain["message"]["content"] is not None and not plain["message"].get("tool_calls")
+    assert chat(top_logprobs=0)["logprobs"] is None
+    chat(stream_options={})
+    r = httpx.post(server.url + "/invocations", headers=AUTH, timeout=60, json={
+        "model": MODEL, "prompt": "hi", "messages": None, "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["object"] == "text_completion", r.text
+    r = httpx.post(server.url + H, headers=AUTH, json={"model": MODEL, "messages": msgs, "tool_choice": "required"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"  # (no tools at all: still refused)
+
+
+def test_continuous_usage_counts_each_choices_own_loops(server):
+    """With continuous usage a chunk's usage is its choice's: its tokens so far and now its own decode loops (they
+    were the whole request's, every choice's, while its completion tokens were its own)."""
+    body = {"model": MODEL, "prompt": "The", "max_tokens": 4, "n": 2, "temperature": 1.0, "seed": 3, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", server.url + C, json=body, headers=AUTH, timeout=60) as r:
+        events = [json.loads(e) for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+    last = {}
+    for e in events:
+        for c in e["choices"]:
+            last[c["index"]] = e["usage"]
+    total = events[-1]["usage"]
+    assert sorted(last) == [0, 1] and total["completion_tokens"] == 8
+    assert last[0]["loops"] + last[1]["loops"] == total["loops"] > 0
+    assert last[0]["completion_tokens"] == last[1]["completion_tokens"] == 4

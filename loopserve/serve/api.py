@@ -671,7 +671,7 @@ class OpenAIServing:
                     if d.finished or (not gen.generated and d.echoed and c.finish_reason is None):
                         continue  # nothing new for this choice
                     choice = self.choice(gen, i, out, c, d, True)
-                    body = chunk(choice, usage_body([out], d.tokens) if continuous else None)
+                    body = chunk(choice, usage_body([out], d.tokens, c) if continuous else None)
                     if gen.kind.chat and req.prompt_logprobs is not None and not chat_prompt_sent:
                         body["prompt_logprobs"] = gen.fmt.prompt_logprobs(out)  # top level, as in the response
                         chat_prompt_sent = True
@@ -1040,7 +1040,7 @@ class OpenAIServing:
             body = json.loads(await request.body())
         except ValueError:
             body = None
-        if isinstance(body, dict) and "messages" in body:
+        if isinstance(body, dict) and body.get("messages") is not None:
             return await self.chat_completions(request)
         if isinstance(body, dict) and "prompt" not in body:
             self.check_auth(request)

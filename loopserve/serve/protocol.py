@@ -36,7 +36,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from loopserve.chat_messages import ROLES
+from loopserve.chat_messages import ROLES, TEXT_PARTS
 from loopserve.sampling_params import (
     EXIT_FIELDS,
     MAX_BEAM_WIDTH,
@@ -209,7 +209,8 @@ class _SamplingFields(_Strict):
         for name, why in NEUTRAL_FIELDS.items():
             if getattr(self, name):
                 raise ApiError(400, f"{name}: not supported by this server ({why}); only null or {{}} is taken", name)
-        if self.stream_options is not None and not self.stream:
+        if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
+            # (an empty {} asks for nothing: vLLM takes it, as clients that always send defaults do)
             raise ApiError(400, "stream_options: only allowed with stream=true", "stream_options")
         if self.priority:
             raise ApiError(400, f"priority: this server does not run priority scheduling (vLLM refuses a priority "
@@ -318,7 +319,7 @@ class CompletionRequest(_SamplingFields):
 
 
 class TextPart(_Strict):
-    type: Literal["text"]
+    type: Literal[TEXT_PARTS]  # type: ignore[valid-type]
     text: str
 
 
@@ -355,7 +356,7 @@ class FunctionDefinition(_Strict):
 
 
 class ChatTool(_Strict):
-    type: Literal["function"]
+    type: Literal["function"] = "function"  # (vLLM's default: clients that leave it out)
     function: FunctionDefinition
 
 
@@ -364,7 +365,7 @@ class FunctionName(_Strict):
 
 
 class NamedToolChoice(_Strict):
-    type: Literal["function"]
+    type: Literal["function"] = "function"  # (vLLM's default)
     function: FunctionName
 
 
@@ -393,7 +394,7 @@ class ChatCompletionRequest(_SamplingFields):
     def check_unsupported(self) -> None:
         super().check_unsupported()
         check_rendering(self)
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:  # (0 asks for nothing: vLLM takes it without logprobs)
             raise ApiError(400, "top_logprobs: needs logprobs=true", "top_logprobs")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:  # (SamplingParams' logprobs)
             raise ApiError(400, f"top_logprobs: must be an integer in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",

@@ -115,13 +115,18 @@ class LogprobFormatter:
         return {"content": content}
 
 
-def usage_body(outs: list[RequestOutput], completion_tokens: int) -> dict[str, Any]:
+def usage_body(outs: list[RequestOutput], completion_tokens: int,
+               sample: CompletionOutput | None = None) -> dict[str, Any]:
     """The usage of the requests `outs` (a stream's chunk of one choice with continuous usage: the choice's
-    own request, whose loops its n samples share). `completion_tokens`: what the response sent (0 for echo
-    with max_tokens 0: the one token the engine ran is not sent). `prompt_tokens_details.cached_tokens`:
-    prompt tokens served from the prefix cache (OpenAI's field)."""
+    own request, and the choice as `sample`, whose own decode loops it counts; its prompt's are its request's).
+    `completion_tokens`: what the response sent (0 for echo with max_tokens 0: the one token the engine ran is
+    not sent). `prompt_tokens_details.cached_tokens`: prompt tokens served from the prefix cache (OpenAI's
+    field)."""
     prompt = sum(len(o.prompt_token_ids) for o in outs)
-    loops = sum(o.metrics.loops_run for o in outs if o.metrics is not None)
+    if sample is not None and sample.metrics is not None:
+        loops = sample.metrics.loops_run
+    else:
+        loops = sum(o.metrics.loops_run for o in outs if o.metrics is not None)
     prefill_loops = sum(o.metrics.prefill_loops for o in outs if o.metrics is not None)
     return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
             "total_tokens": prompt + completion_tokens,

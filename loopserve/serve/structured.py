@@ -434,7 +434,8 @@ def tool_plan(req: Any) -> ToolPlan | None:
             where = f"tools.{i}.function.parameters"
             raise ApiError(400, f"{where}: must be a schema of type \"object\" (a call's arguments are a JSON "
                                 f"object), got type {json.dumps(kind)}", where)
-    if choice is None:
+    if choice is None or (choice == "required" and req.tools == []):
+        # ("required" with an empty list: "none", OpenAI's reading, which vLLM follows; agent frameworks send it)
         choice = "auto" if tools else "none"
     if choice == "none":
         return None
