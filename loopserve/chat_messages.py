@@ -1,4 +1,4 @@
-"""Chat messages as OpenAI's API (and vLLM) takes them: the roles there are, what each message must hold,
+"""Chat messages as OpenAI's API (and vLLM) takes them: what each message must hold (its role any non-empty string),
 and the plain form a chat template receives. `LLM.chat` and the server's chat endpoints both check
 conversations here, so they take and refuse the same ones, and a template gets the same messages from
 either: the keys of `TEMPLATE_KEYS` that are set, checked and normalized, and nothing else. An error names
@@ -10,7 +10,6 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
 # a text part's types: OpenAI's chat "text", and the Responses API's "input_text" and "output_text" (vLLM reads all)
 TEXT_PARTS = ("text", "input_text", "output_text")
 # what a chat template may read of a message, as vLLM passes them; the server reports any other field as ignored
@@ -35,7 +34,8 @@ def chat_messages(messages: Any, where: str = "messages", ignored: list[str] | N
     Other keys are left out, and their paths (`<where>.<i>.<key>`) appended to `ignored` if it is given.
     ValueError naming `<where>.<i>.<field>`.
 
-    A message has a known role; its content is a string or a list of {"type": "text", "text": ...} parts (or
+    A message has a role, a non-empty string: OpenAI's, or any other the chat template renders (vLLM passes them
+    on); its content is a string or a list of {"type": "text", "text": ...} parts (or
     `TEXT_PARTS`' other types), or
     null or left out, which renders as empty text (as vLLM takes it, in any role: a client replaying a
     conversation sends an assistant turn without content, for one); `name`, if given, is a string. Only an
@@ -54,8 +54,10 @@ def chat_messages(messages: Any, where: str = "messages", ignored: list[str] | N
         role = m.get("role")
         if role is None:
             raise ValueError(f"{at}.role: field required")
-        if not isinstance(role, str) or role not in ROLES:
-            raise ValueError(f"{at}.role: must be one of {', '.join(ROLES)}; got {role!r}")
+        if not isinstance(role, str) or not role:
+            # (OpenAI's system, developer, user, assistant, tool, or a role of the template's own, as vLLM takes it)
+            raise ValueError(f"{at}.role: must be a non-empty string (user, assistant, system, ... or a role the "
+                             f"chat template knows); got {role!r}")
         content = m.get("content")
         if content is not None and not isinstance(content, str):
             if isinstance(content, Mapping) or not isinstance(content, Sequence):

@@ -325,13 +325,14 @@ def test_bad_device_is_a_value_error_naming_device(tiny_ouro, monkeypatch, devic
 
 
 def test_chat_messages_follow_the_servers_rules(llm):
-    """One check for LLM.chat and the server (chat_messages.py): a message needs a known role, and content that
-    is text if it has any (none renders as empty text, as vLLM takes it). Errors name the message and field (in
-    a batch, the conversation too). A missing content used to fail in the template, and role "wizard" was
-    rendered."""
+    """One check for LLM.chat and the server (chat_messages.py): a message needs a role (any non-empty string, as
+    vLLM takes it: the template renders it), and content that is text if it has any (none renders as empty text, as
+    vLLM takes it). Errors name the message and field (in a batch, the conversation too). A missing content used to
+    fail in the template."""
     params = SamplingParams(max_tokens=1)
     for conv, field in (([{"role": "user", "content": 5}], "messages.0.content"),
-                        ([{"role": "wizard", "content": "x"}], "messages.0.role"),
+                        ([{"role": "", "content": "x"}], "messages.0.role"),
+                        ([{"role": ["user"], "content": "x"}], "messages.0.role"),
                         ([{"content": "x"}], "messages.0.role"),
                         ([{"role": "user", "content": [{"type": "image_url"}]}], "messages.0.content.0"),
                         ([{"role": "user", "content": "x", "name": 5}], "messages.0.name"),

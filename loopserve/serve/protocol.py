@@ -36,7 +36,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from loopserve.chat_messages import ROLES, TEXT_PARTS
+from loopserve.chat_messages import TEXT_PARTS
 from loopserve.sampling_params import (
     EXIT_FIELDS,
     MAX_BEAM_WIDTH,
@@ -338,10 +338,10 @@ class ToolCall(_Strict):
 
 
 class ChatMessage(_Strict):
-    """Types only: which messages a conversation may hold (known roles, content as text, tool calls only from
+    """Types only: which messages a conversation may hold (a non-empty role, content as text, tool calls only from
     the assistant, arguments a JSON object) is `chat_messages`'s rule, shared with `LLM.chat`."""
 
-    role: Literal[ROLES]  # type: ignore[valid-type]
+    role: str  # OpenAI's system, developer, user, assistant or tool, or one of the chat template's own (vLLM's)
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
