@@ -82,7 +82,7 @@ class LLM:
         """`kwargs`: `LoadConfig` fields (dtype, device, state_init, seed, max_model_len, gpu_memory_utilization,
         enforce_eager, tensor_parallel_size, trust_remote_code, tokenizer, swap_space, threads: what the `serve`
         flags of those names mean, with the same defaults), `EngineConfig` fields, and vLLM's keywords for what
-        loopserve lacks (`NEUTRAL`: tokenizer_mode, quantization, kv_cache_dtype, max_logprobs, ...) at the values
+        loopserve lacks (`NEUTRAL`: tokenizer_mode, quantization, kv_cache_dtype, ...) at the values
         that ask for nothing of it. ValueError naming the argument at fault."""
         self.load_config, self.engine_config = llm_configs(kwargs)
         loaded, self.engine_config, self.max_model_len, memory_knob = load_for_engine(
@@ -158,7 +158,8 @@ class LLM:
         seq = make_sequence(self.model, self.tokenizer, str(index), parsed,
                             params, seed, self.engine_config.lookahead, self.engine_config.num_speculative_tokens,
                             base_seed=self.seed, max_model_len=self.max_model_len,
-                            max_num_seqs=self.engine_config.max_num_seqs if self.engine is not None else None)
+                            max_num_seqs=self.engine_config.max_num_seqs if self.engine is not None else None,
+                            max_logprobs=self.engine_config.max_logprobs)
         why = self.engine.scheduler.never_fits(seq) if self.engine is not None else None
         if why is not None:
             raise ValueError(why)

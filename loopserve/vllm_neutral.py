@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from loopserve.config_args import flag_of
-from loopserve.sampling_params import MAX_LOGPROBS, is_int
 
 
 @dataclass(frozen=True)
@@ -79,12 +78,6 @@ NEUTRAL: dict[str, Neutral] = {
     "enable_sleep_mode": _only("the model and KV cache stay on the device until the LLM is dropped", False),
     "compilation_config": _only("loopserve compiles its own stages (CUDA graphs: cuda_graphs, enforce_eager)",
                                 None, {}),
-    # vLLM's cap on a request's logprobs and prompt_logprobs (-1: none): loopserve's is MAX_LOGPROBS, vLLM's
-    # default, whatever is passed, so a value that allows at least that much asks for nothing; a request over it is
-    # a ValueError naming its field either way
-    "max_logprobs": Neutral(lambda v: is_int(v) and (v == -1 or v >= MAX_LOGPROBS),
-                            f"-1 or an integer >= {MAX_LOGPROBS}",
-                            f"a request's logprobs are capped at {MAX_LOGPROBS}, vLLM's default"),
     "data_parallel_size": _only("a model runs on one device; replicas: loopserve serve --replicas", 1),
     "enable_expert_parallel": _only("no mixture-of-experts layers to spread", False),
     "worker_cls": _only("a model runs in this process, with no workers", "auto"),

@@ -113,7 +113,7 @@ def test_a_commands_scheduler_help_describes_the_choices_it_takes(command, sched
     ("--disable-uvicorn-access-log", None),
     ("--quantization awq", "quantization: not supported by loopserve (weights load unquantized"),
     ("--kv-cache-dtype fp8", "kv_cache_dtype: not supported by loopserve"),
-    ("--max-logprobs 5", "max_logprobs: not supported by loopserve"),
+    ("--max-logprobs 5", None), ("--max-logprobs -1", None), ("--max-logprobs -2", "max_logprobs: must be"),
     ("--data-parallel-size 2", "data_parallel_size: not supported by loopserve"),
     ("--skip-tokenizer-init", "skip_tokenizer_init: not supported by loopserve"),
     ("--enable-chunked-prefill False", None), ("--no-enable-lora", None), ("--tokenizer-revision None", None),
@@ -187,7 +187,7 @@ def test_the_serving_benchmark_passes_every_knob_to_its_server():
                  max_decode_batch=6, max_num_batched_tokens=40, prefill_chunk_size=8, min_coda_batch=3,
                  min_prelude_batch=2, kv_safety_margin=0.2, enable_prefix_caching=False, lookahead=True,
                  pipeline_core_steps=False, async_coda=True, cuda_graphs=False, num_speculative_tokens=2,
-                 speculative_draft_loops=2, speculative_max_batch=4, speculative_min_acceptance=0.5)
+                 speculative_draft_loops=2, speculative_max_batch=4, speculative_min_acceptance=0.5, max_logprobs=5)
     assert set(given) == FIELDS - {"scheduler"}  # (a new knob must be added here)
     cmd = server_command(Path("m"), "cb", given, "float32", "cpu", port=1)
     cfg = engine_kwargs(build_parser().parse_args(cmd[cmd.index("serve"):]))

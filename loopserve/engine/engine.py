@@ -211,7 +211,8 @@ class LLMEngine:
             seed = int.from_bytes(hashlib.sha256(f"{self.seed}:{request_id}".encode()).digest()[:8], "little")
         return make_sequence(self.model, self.tokenizer, request_id, prompt, params, seed, self.cfg.lookahead,
                              self.cfg.num_speculative_tokens, arrival_time, base_seed=self.seed,
-                             max_num_seqs=self.cfg.max_num_seqs, max_model_len=self.max_model_len)
+                             max_num_seqs=self.cfg.max_num_seqs, max_model_len=self.max_model_len,
+                             max_logprobs=self.cfg.max_logprobs)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: float | None = None, lora_request: Any = None,

@@ -183,18 +183,23 @@ def chain_seed(seed: int, token: int) -> int:
 def make_sequence(model: LoopedLM, tokenizer: Tokenizer, request_id: str, prompt: PromptType,
                   params: SamplingParams, seed: int, lookahead: bool, num_speculative_tokens: int,
                   arrival_time: float | None = None, base_seed: int = 0, max_num_seqs: int | None = None,
-                  max_model_len: int | None = None) -> Sequence:
+                  max_model_len: int | None = None, max_logprobs: int = -1) -> Sequence:
     """Validate a request against the model and the engine (`lookahead`, `num_speculative_tokens`,
     `max_num_seqs`: its knobs; None: no limit) and build its Sequence (ValueError names the bad field). With n >
     `max_num_seqs` the samples prefill in parts of at most `max_num_seqs`, each part's first sample the
     `prefill_head` of the others (vLLM queues such samples too; here each part prefills the prompt again, or reuses
     it from the prefix cache).
     `max_model_len`: the most prompt + completion tokens (None: the model's context); the sequence ends
-    ("length") there.
+    ("length") there. `max_logprobs`: the most logprobs and prompt_logprobs it may ask for (-1: no cap beyond
+    SamplingParams' own).
 
     `seed` seeds sampling when the request gives none; the random initial states are seeded by the
     request's own seed, else by `base_seed` (the engine's), chained over the tokens (`Sequence.state_seed`).
     """
+    for name in ("logprobs", "prompt_logprobs") if max_logprobs >= 0 else ():
+        wanted = getattr(params, name)
+        if wanted is not None and wanted > max_logprobs:
+            raise ValueError(f"{name}: at most {max_logprobs} (the engine's max_logprobs), got {wanted}")
     asked = params.num_speculative_tokens
     if asked is not None and asked > num_speculative_tokens:
         # the engine's k sizes every verify group (work items are numbered with a stride of k + 1, §12);
