@@ -51,9 +51,13 @@ def server(tiny_path, tmp_path_factory) -> Iterator[Server]:
                     "--allowed-origins", f'["{ORIGIN}"]', "--root-path", ROOT, "--enable-log-requests",
                     "--max-log-len", str(LOG_LEN),
                     "--log-stats-interval", str(STATS_S), "--max-model-len", str(MAX_LEN),
-                    "--kv-cache-tokens", "1024", "--enable-tokenizer-info-endpoint", log_level="info", access_log=True,
+                    "--kv-cache-tokens", "1024", "--enable-tokenizer-info-endpoint",
+                    "--max-logprobs", str(MAX_LOGPROBS), log_level="info", access_log=True,
                     chat_template=TEMPLATE) as s:
         yield s
+
+
+MAX_LOGPROBS = 3  # (the server's --max-logprobs: vLLM's cap, under loopserve's own 20)
 
 
 def _auth(key: str = KEYS[0]) -> dict[str, str]:
@@ -413,3 +417,20 @@ def test_device_auto(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert resolve_device("auto") == "cuda"
     assert resolve_device("cpu") == "cpu"
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": MAX_LOGPROBS + 1}, "top_logprobs"),
+    ("/v1/completions", {"logprobs": MAX_LOGPROBS + 1}, "logprobs"),
+    ("/v1/completions", {"prompt_logprobs": MAX_LOGPROBS + 1}, "prompt_logprobs"),
+    ("/v1/chat/completions", {"prompt_logprobs": MAX_LOGPROBS + 1}, "prompt_logprobs"),
+])
+def test_max_logprobs_caps_requests_naming_their_field(server, path, body, param):
+    """vLLM's --max-logprobs: a request asking for more is a 400 naming the field it asked in (a chat request's
+    is top_logprobs); as many as the cap is served. (The flag was refused at start unless it allowed 20.)"""
+    base = {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
+    r = _post(server, ROOT + path, {"model": MODEL, **base, "max_tokens": 2, **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert r.json()["error"]["message"].startswith(f"{param}: at most {MAX_LOGPROBS}"), r.text
+    at_cap = {k: (MAX_LOGPROBS if isinstance(v, int) and not isinstance(v, bool) else v) for k, v in body.items()}
+    assert _post(server, ROOT + path, {"model": MODEL, **base, "max_tokens": 2, **at_cap}).status_code == 200

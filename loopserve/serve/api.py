@@ -1080,6 +1080,9 @@ class OpenAIServing:
             return self.beam_generation(CHAT, req, cid, self.beam_params(req, mt), [("messages", text, ids)], arrival,
                                         echo_text=echo_text, role=role)
         top = req.top_logprobs or 0
+        cap = self.engine.cfg.max_logprobs  # (the engine names its own field, logprobs: a chat request's is this)
+        if req.logprobs and 0 <= cap < top:
+            raise ApiError(400, f"top_logprobs: at most {cap} (the server's --max-logprobs), got {top}", "top_logprobs")
         params = sampling_params(req, max_tokens=mt, logprobs=top if req.logprobs else None,
                                  defaults=self.sampling_defaults, guided_decoding=guide)
         cid, (rid,) = self.new_ids(request, CHAT, 1)
