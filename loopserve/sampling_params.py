@@ -20,6 +20,17 @@ if TYPE_CHECKING:
 
 MAX_LOGPROBS = 20
 MAX_BEAM_WIDTH = MAX_LOGPROBS // 2  # a beam search step asks for the top 2 * beam_width logprobs
+
+
+def logprobs_cap(max_logprobs: int) -> int:
+    """The most logprobs (and prompt_logprobs) a request may ask for of an engine whose max_logprobs (vLLM's knob)
+    is this: loopserve's own MAX_LOGPROBS where it is -1 or more."""
+    return MAX_LOGPROBS if max_logprobs < 0 else min(max_logprobs, MAX_LOGPROBS)
+
+
+def beam_width_cap(max_logprobs: int) -> int:
+    """The widest beam search such an engine runs (a step asks for the top 2 * beam_width logprobs)."""
+    return logprobs_cap(max_logprobs) // 2
 # samples per prompt: vLLM's bound (VLLM_MAX_N_SEQUENCES' default). Past an engine's max_num_seqs they come in parts
 # (docs/design.md §6.6); a server's admission bound counts each one
 MAX_N = 16384

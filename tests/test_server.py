@@ -1007,6 +1007,13 @@ def test_invocations_answers_as_chat_or_completions_by_the_body(server):
     assert httpx.post(server.url + "/invocations", json={"model": MODEL}).status_code == 401
     wrong = httpx.post(server.url + "/invocations", headers=AUTH, json={"model": MODEL, "prompt": "hi", "n": 0})
     assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "n"  # (the completions endpoint's check)
+    # JSON nested past the parser's depth: a 500 (RecursionError) once, before the key was checked
+    deep = {"content": b"[" * 30_000, "headers": {"Content-Type": "application/json"}, "timeout": 30}
+    assert httpx.post(server.url + "/invocations", **deep).status_code == 401
+    r = httpx.post(server.url + "/invocations", **{**deep, "headers": {**deep["headers"], **AUTH}})
+    assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"], r.text
+    assert httpx.post(server.url + "/invocations", headers={**AUTH, "Content-Type": "text/plain"},
+                      content=b'{"model": "x"}').status_code == 415
 
 
 def test_what_vllm_takes_of_clients_that_send_defaults(server):

@@ -52,12 +52,13 @@ def server(tiny_path, tmp_path_factory) -> Iterator[Server]:
                     "--max-log-len", str(LOG_LEN),
                     "--log-stats-interval", str(STATS_S), "--max-model-len", str(MAX_LEN),
                     "--kv-cache-tokens", "1024", "--enable-tokenizer-info-endpoint",
-                    "--max-logprobs", str(MAX_LOGPROBS), log_level="info", access_log=True,
+                    "--max-logprobs", str(SERVER_MAX_LOGPROBS), log_level="info",
+                    access_log=True,
                     chat_template=TEMPLATE) as s:
         yield s
 
 
-MAX_LOGPROBS = 3  # (the server's --max-logprobs: vLLM's cap, under loopserve's own 20)
+SERVER_MAX_LOGPROBS = 3  # (the server's --max-logprobs: vLLM's cap, under loopserve's own 20)
 
 
 def _auth(key: str = KEYS[0]) -> dict[str, str]:
@@ -420,10 +421,10 @@ def test_device_auto(monkeypatch):
 
 
 @pytest.mark.parametrize(("path", "body", "param"), [
-    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": MAX_LOGPROBS + 1}, "top_logprobs"),
-    ("/v1/completions", {"logprobs": MAX_LOGPROBS + 1}, "logprobs"),
-    ("/v1/completions", {"prompt_logprobs": MAX_LOGPROBS + 1}, "prompt_logprobs"),
-    ("/v1/chat/completions", {"prompt_logprobs": MAX_LOGPROBS + 1}, "prompt_logprobs"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": SERVER_MAX_LOGPROBS + 1}, "top_logprobs"),
+    ("/v1/completions", {"logprobs": SERVER_MAX_LOGPROBS + 1}, "logprobs"),
+    ("/v1/completions", {"prompt_logprobs": SERVER_MAX_LOGPROBS + 1}, "prompt_logprobs"),
+    ("/v1/chat/completions", {"prompt_logprobs": SERVER_MAX_LOGPROBS + 1}, "prompt_logprobs"),
 ])
 def test_max_logprobs_caps_requests_naming_their_field(server, path, body, param):
     """vLLM's --max-logprobs: a request asking for more is a 400 naming the field it asked in (a chat request's
@@ -431,6 +432,19 @@ def test_max_logprobs_caps_requests_naming_their_field(server, path, body, param
     base = {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
     r = _post(server, ROOT + path, {"model": MODEL, **base, "max_tokens": 2, **body})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
-    assert r.json()["error"]["message"].startswith(f"{param}: at most {MAX_LOGPROBS}"), r.text
-    at_cap = {k: (MAX_LOGPROBS if isinstance(v, int) and not isinstance(v, bool) else v) for k, v in body.items()}
+    assert r.json()["error"]["message"].startswith(f"{param}: at most {SERVER_MAX_LOGPROBS}"), r.text
+    at_cap = {k: SERVER_MAX_LOGPROBS if isinstance(v, int) and not isinstance(v, bool) else v
+              for k, v in body.items()}
     assert _post(server, ROOT + path, {"model": MODEL, **base, "max_tokens": 2, **at_cap}).status_code == 200
+
+
+def test_beam_search_under_max_logprobs_is_refused_by_its_width(server):
+    """A beam search step asks for the top 2 * n logprobs: past the server's --max-logprobs it is a 400 naming n (it
+    named logprobs, a field the request never sent)."""
+    for path, base in (("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        r = _post(server, ROOT + path, {"model": MODEL, **base, "max_tokens": 2, "use_beam_search": True, "n": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+        assert "at most 1 under the server's --max-logprobs 3" in r.json()["error"]["message"], r.text
+        ok = _post(server, ROOT + path, {"model": MODEL, **base, "max_tokens": 2, "use_beam_search": True, "n": 1})
+        assert ok.status_code == 200, ok.text

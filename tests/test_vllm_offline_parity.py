@@ -28,7 +28,6 @@ from tokenizers import models, pre_tokenizers
 
 from loopserve import LLM, CompletionOutput, RequestOutput, SamplingParams
 from loopserve.beam_search import BeamSearchParams
-from loopserve.sampling_params import MAX_LOGPROBS
 from loopserve.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.timeout(180)
@@ -88,7 +87,7 @@ def test_generated_completions_are_finished(tiny_ouro):
 # -- vLLM's LLM keywords for what loopserve lacks ----------------------------------------------------------------
 NEUTRAL = dict(tokenizer_mode="hf", skip_tokenizer_init=False, revision=None, tokenizer_revision=None,
                download_dir=None, hf_overrides={}, quantization=None, kv_cache_dtype="auto", cpu_offload_gb=0,
-               pipeline_parallel_size=1, enable_chunked_prefill=True, max_logprobs=-1, task="generate",
+               pipeline_parallel_size=1, enable_chunked_prefill=True, task="generate",
                runner="auto", enable_lora=False, mm_processor_kwargs=None, disable_custom_all_reduce=True,
                disable_log_stats=False, hf_token=True, distributed_executor_backend=None, enable_sleep_mode=False,
                compilation_config=None, data_parallel_size=1, enable_expert_parallel=False, worker_cls="auto",
@@ -106,7 +105,7 @@ def test_vllms_keywords_at_their_neutral_values_are_taken_and_change_nothing(tin
     llm = LLM(tiny_ouro, device="cpu", **NEUTRAL)
     assert _tokens(llm) == plain
     assert _tokens(LLM(tiny_ouro, device="cpu", tokenizer_mode="auto", enable_chunked_prefill=None, task="auto",
-                       max_logprobs=MAX_LOGPROBS, hf_overrides=None, cpu_offload_gb=0.0, revision="main",
+                       hf_overrides=None, cpu_offload_gb=0.0, revision="main",
                        compilation_config={})) == plain  # ({}: refused once, though it asks for nothing)
     # (loopserve always chunks, and its outputs do not depend on chunking: vLLM's False changes nothing either)
     assert _tokens(LLM(tiny_ouro, device="cpu", enable_chunked_prefill=False)) == plain
@@ -133,8 +132,6 @@ def test_vllms_keywords_at_their_neutral_values_are_taken_and_change_nothing(tin
     (dict(enable_sleep_mode=True), r"^enable_sleep_mode: "),
     (dict(compilation_config=3), r"^compilation_config: .*it takes None or \{\}, got 3$"),
     (dict(compilation_config={"level": 0}), r"^compilation_config: "),
-    (dict(max_logprobs=-2), r"^max_logprobs: must be an integer >= 0 \(or -1"),
-    (dict(max_logprobs=True), r"^max_logprobs: "),
     (dict(task="embed"), r"^task: .*generative models only"),
     (dict(runner="pooling"), r"^runner: "),
     (dict(enable_lora=True), r"^enable_lora: .*no LoRA adapters"),
@@ -429,3 +426,10 @@ def test_max_logprobs_caps_what_a_request_asks_for(tiny_ouro):
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, logprobs=2, prompt_logprobs=2), use_tqdm=False)[0]
     assert all(len(step) >= 2 for step in out.outputs[0].logprobs)
     assert LLM(tiny_ouro, dtype="float32", kv_cache_tokens=1024, max_logprobs=-1).engine_config.max_logprobs == -1
+    for bad in (-2, True, 2.0):
+        with pytest.raises(ValueError, match="^max_logprobs: must be an integer >= 0 \\(or -1"):
+            LLM(tiny_ouro, dtype="float32", kv_cache_tokens=1024, max_logprobs=bad)
+    # a beam search asks for 2 * beam_width logprobs a step: refused by its width, the field the caller gave
+    with pytest.raises(ValueError, match="^beam_width: at most 1 under max_logprobs 2"):
+        llm.beam_search([[5, 6, 7]], BeamSearchParams(beam_width=2, max_tokens=2))
+    assert len(llm.beam_search([[5, 6, 7]], BeamSearchParams(beam_width=1, max_tokens=2))[0].sequences) == 1

@@ -28,7 +28,7 @@ from loopserve.errors import NonFiniteError
 from loopserve.exits import DEFAULT_THRESHOLDS, GATE_POLICIES, ExitRule
 from loopserve.models.base import LoopedLM
 from loopserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from loopserve.sampling_params import TRUNCATE_TO_CONTEXT, RequestOutputKind, SamplingParams
+from loopserve.sampling_params import TRUNCATE_TO_CONTEXT, RequestOutputKind, SamplingParams, logprobs_cap
 from loopserve.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -196,9 +196,9 @@ def make_sequence(model: LoopedLM, tokenizer: Tokenizer, request_id: str, prompt
     `seed` seeds sampling when the request gives none; the random initial states are seeded by the
     request's own seed, else by `base_seed` (the engine's), chained over the tokens (`Sequence.state_seed`).
     """
-    for name in ("logprobs", "prompt_logprobs") if max_logprobs >= 0 else ():
+    for name in ("logprobs", "prompt_logprobs"):
         wanted = getattr(params, name)
-        if wanted is not None and wanted > max_logprobs:
+        if wanted is not None and wanted > logprobs_cap(max_logprobs):
             raise ValueError(f"{name}: at most {max_logprobs} (the engine's max_logprobs), got {wanted}")
     asked = params.num_speculative_tokens
     if asked is not None and asked > num_speculative_tokens:

@@ -31,8 +31,8 @@ Only `application/json` bodies are read: a web page can make a browser send a cr
 without asking first only as text/plain, form or multipart, so none of those can run a generation
 on a server that trusts its network. For the same reason no origin may read answers cross-site
 unless `--allowed-origins` names it (vLLM allows every origin by default; this server none).
-`/v1/models` shows the model's path only when asked. With API keys, /v1/*, /tokenize and
-/detokenize need one; /health, /ping, /metrics, /version and /openapi.json stay open (probes, scrapers).
+`/v1/models` shows the model's path only when asked. With API keys, /v1/*, /invocations, /tokenize, /detokenize
+and /tokenizer_info need one; /health, /ping, /metrics, /version and /openapi.json stay open (probes, scrapers).
 
 Every response carries `X-Request-Id` (the client's, when it sends one; else a generation request's
 body `request_id`, vLLM's field and rule; else a fresh one): it is also the response's `id`
@@ -59,7 +59,6 @@ import contextlib
 import dataclasses
 import gzip
 import itertools
-import json
 import logging
 import secrets
 import time
@@ -95,7 +94,14 @@ from loopserve.engine.engine_thread import (
 from loopserve.engine.sequence import Sequence, TokensPrompt, resolve_exit_rule, truncate_prompt
 from loopserve.models.loader import LoadedModel
 from loopserve.outputs import CompletionOutput, RequestOutput
-from loopserve.sampling_params import BeamSearchParams, SamplingParams, given_seed, truncates_prompt
+from loopserve.sampling_params import (
+    BeamSearchParams,
+    SamplingParams,
+    beam_width_cap,
+    given_seed,
+    logprobs_cap,
+    truncates_prompt,
+)
 from loopserve.serve.connection import CLOSED_BY_SERVER
 from loopserve.serve.limits import (
     CORS_ANY,
@@ -123,6 +129,8 @@ from loopserve.serve.protocol import (
     DetokenizeRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
+    body_object,
+    chat_form,
     error_body,
     fill_defaults,
     parse_body,
@@ -405,12 +413,17 @@ class OpenAIServing:
         if (name or required) and name not in self.settings.model_names:
             raise ApiError(404, f"The model `{name}` does not exist.", "model")
 
-    async def read(self, request: Request, parse: Callable[[bytes], Any]) -> Any:
-        """The request's body, authenticated, JSON, parsed by `parse`, for this server's model."""
-        self.check_auth(request)
+    @staticmethod
+    def check_json(request: Request) -> None:
+        """A 415 unless the body is JSON by its Content-Type."""
         content_type = request.headers.get("content-type")
         if content_type is None or not _is_json(content_type):
             raise ApiError(415, f"Content-Type: expected application/json, got {content_type or 'none'}")
+
+    async def read(self, request: Request, parse: Callable[[bytes], Any]) -> Any:
+        """The request's body, authenticated, JSON, parsed by `parse`, for this server's model."""
+        self.check_auth(request)
+        self.check_json(request)
         req = parse(await request.body())
         self.check_model(req.model)
         self.name_request(request, req)
@@ -811,6 +824,11 @@ class OpenAIServing:
         length_penalty, include_stop_str_in_output; a 400 naming the field at fault. (protocol.py refused the fields a
         beam search cannot honour.)"""
         temperature = fill_defaults(req, self.sampling_defaults).get("temperature", 1.0)
+        cap, width = self.engine.cfg.max_logprobs, 1 if req.n is None else req.n
+        if width > beam_width_cap(cap):
+            raise ApiError(400, f"n: the beam width with use_beam_search must be at most {beam_width_cap(cap)} under "
+                                f"the server's --max-logprobs {cap} (a step asks for the top 2 * n logprobs), got "
+                                f"{width}", "n")
         try:
             # (max_tokens None, never given here, would be named by BeamSearchParams' own check)
             return BeamSearchParams(beam_width=1 if req.n is None else req.n, max_tokens=cast(int, max_tokens),
@@ -1036,14 +1054,12 @@ class OpenAIServing:
         """SageMaker's inference endpoint (vLLM's): a chat completion request (it has `messages`) answered as
         /v1/chat/completions would, a completion request (`prompt`) as /v1/completions would. A body that is not
         JSON, or not an object, gets the errors /v1/completions gives it."""
-        try:
-            body = json.loads(await request.body())
-        except ValueError:
-            body = None
-        if isinstance(body, dict) and body.get("messages") is not None:
+        self.check_auth(request)  # (before the body is looked at: a client without a key gets nothing parsed)
+        self.check_json(request)
+        body = body_object(await request.body())
+        if chat_form(body):
             return await self.chat_completions(request)
-        if isinstance(body, dict) and "prompt" not in body:
-            self.check_auth(request)
+        if body is not None and "prompt" not in body:
             raise ApiError(400, "body: expected a chat completion request (with messages) or a completion request "
                                 "(with prompt)")
         return await self.completions(request)
@@ -1081,7 +1097,7 @@ class OpenAIServing:
                                         echo_text=echo_text, role=role)
         top = req.top_logprobs or 0
         cap = self.engine.cfg.max_logprobs  # (the engine names its own field, logprobs: a chat request's is this)
-        if req.logprobs and 0 <= cap < top:
+        if req.logprobs and top > logprobs_cap(cap):
             raise ApiError(400, f"top_logprobs: at most {cap} (the server's --max-logprobs), got {top}", "top_logprobs")
         params = sampling_params(req, max_tokens=mt, logprobs=top if req.logprobs else None,
                                  defaults=self.sampling_defaults, guided_decoding=guide)

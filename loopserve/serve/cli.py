@@ -84,8 +84,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000, help="TCP port")
     # one key per flag (repeat it for more): a list-valued flag would swallow a model path that follows it
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                   help=f"require 'Authorization: Bearer KEY' on /v1, /invocations, /tokenize and /detokenize; "
-                        f"repeat the flag "
+                   help=f"require 'Authorization: Bearer KEY' on /v1, /invocations, /tokenize, /detokenize and "
+                        f"/tokenizer_info; repeat the flag "
                         f"for several keys (any one is accepted); unset: ${API_KEY_ENVS[0]}, else "
                         f"${API_KEY_ENVS[1]}, else no key")
     # vLLM's form: several names after one flag (so the model goes before it, or in --model)

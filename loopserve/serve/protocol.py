@@ -471,17 +471,29 @@ def parse_body(cls: type[BaseModel], body: bytes) -> Any:
     return req
 
 
-def parse_tokenize(body: bytes) -> TokenizeCompletionRequest | TokenizeChatRequest:
-    """A /tokenize body: the chat form when it has `messages`, else the text form (vLLM's rule). One with
-    both is refused: either would be dropped without a word."""
+def body_object(body: bytes) -> dict[str, Any] | None:
+    """The JSON object a body holds, for choosing its form by its fields before it is parsed (/tokenize,
+    /invocations); None if it holds none (not JSON, nested too deeply, not an object: `parse_body` then says
+    what is wrong with it)."""
     try:
         obj = json.loads(body)
     except (ValueError, RecursionError):
-        obj = None  # parse_body reports what is wrong with it
-    if isinstance(obj, dict) and obj.get("messages") is not None and obj.get("prompt") is not None:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def chat_form(obj: dict[str, Any] | None) -> bool:
+    """Whether a body (`body_object`) is the chat form of its endpoint: it has `messages` (vLLM's rule)."""
+    return obj is not None and obj.get("messages") is not None
+
+
+def parse_tokenize(body: bytes) -> TokenizeCompletionRequest | TokenizeChatRequest:
+    """A /tokenize body: the chat form when it has `messages`, else the text form (vLLM's rule). One with
+    both is refused: either would be dropped without a word."""
+    obj = body_object(body)
+    if chat_form(obj) and obj is not None and obj.get("prompt") is not None:
         raise ApiError(400, "prompt: give one of prompt or messages, not both", "prompt")
-    return parse_body(TokenizeChatRequest if isinstance(obj, dict) and obj.get("messages") is not None else
-                      TokenizeCompletionRequest, body)
+    return parse_body(TokenizeChatRequest if chat_form(obj) else TokenizeCompletionRequest, body)
 
 
 LIST_ITEM = "list_item_type"  # a list's item of another type than the list's first (`CompletionRequest.prompt`)
