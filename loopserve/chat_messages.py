@@ -94,16 +94,11 @@ def chat_messages(messages: Any, where: str = "messages", ignored: list[str] | N
 
 
 def check_continuable(messages: Sequence[Mapping[str, Any]]) -> None:
-    """`continue_final_message`'s rule: the final message is the assistant's, the reply the model goes on with.
-    The tokenizer checks it (for `LLM.chat` and the server too). ValueError naming `messages.<i>.role` (a batch's
-    conversation is named by `within`)."""
+    """`continue_final_message`'s rule: there is a final message to continue, whatever its role (vLLM's, as
+    transformers': the model goes on with it, a user's text too). The tokenizer checks it (for `LLM.chat` and the
+    server too). ValueError naming `messages`."""
     if not messages:
         raise ValueError("messages: continue_final_message needs a final message to continue")
-    i = len(messages) - 1
-    role = messages[i].get("role")
-    if role != "assistant":
-        raise ValueError(f"messages.{i}.role: continue_final_message continues the final message, which must be the "
-                         f"assistant's; this one is {role!r}")
 
 
 def within(error: ValueError, where: str) -> ValueError:

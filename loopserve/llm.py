@@ -198,7 +198,7 @@ class LLM:
         `chat_template` names one of the model's templates, is a template itself or a file holding one;
         `chat_template_kwargs` become template variables (not those of `tokenizer.TEMPLATE_RESERVED`: a ValueError);
         `tools` (JSON-schema dicts) reach the template as `tools`. `continue_final_message` (with
-        add_generation_prompt=False, as in vLLM): the model goes on with the final message, the assistant's, whose
+        add_generation_prompt=False, as in vLLM): the model goes on with the final message, whatever its role, whose
         turn the prompt leaves open (it ends with the message's text). Messages are
         checked and rendered as the server's are (`chat_messages`): the template gets a message's role,
         content, name, tool_calls (arguments as dicts) and tool_call_id; other keys are ignored with a

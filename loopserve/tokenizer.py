@@ -523,7 +523,8 @@ class Tokenizer:
         `tools`: JSON-schema dicts. `documents`: the template's `documents`. `chat_template`: see
         `get_chat_template`. `add_generation_prompt`: end with the template's opening of an assistant reply.
         `continue_final_message`: end with the final message's text instead, its turn left open for the model to
-        continue (the final message is the assistant's; not with `add_generation_prompt`). transformers' options
+        continue (the final message, whatever its role, as transformers has it; not with `add_generation_prompt`).
+        transformers' options
         of CHAT_TEMPLATE_OPTIONS are taken at a value that does nothing. Other keyword arguments
         (`enable_thinking`, ... a vLLM request's `chat_template_kwargs`) become template variables and may
         override the special tokens (`bos_token`, `eos_token`, ...); not `messages`, the conversation's name in

@@ -106,8 +106,7 @@ def test_continue_final_message_leaves_the_turn_open(ouro, huginn):
 
 @pytest.mark.parametrize("messages,kwargs,field,says", [
     (CONTINUED, {"add_generation_prompt": True}, "continue_final_message", "cannot be combined with add_generation"),
-    (HELLO, {}, "messages.0.role", "continue_final_message continues the final message, which must be the "
-                                   "assistant's; this one is 'user'"),
+    ([], {}, "messages", "continue_final_message needs a final message to continue"),
     (CONTINUED, {"chat_template": "{% for m in messages if m.role == 'user' %}{{ m.content }}{% endfor %}"},
      "continue_final_message", "the chat template does not render the final message's text once"),
     (CONTINUED, {"chat_template": "{% for m in messages %}{{ m.content }}{{ m.content }}{% endfor %}"},
@@ -210,8 +209,6 @@ def test_llm_chat_continues_the_final_message(llm):
 def test_llm_chat_continue_final_message_refusals(llm):
     with pytest.raises(ValueError, match="^continue_final_message: cannot be combined with add_generation_prompt"):
         llm.chat(CONTINUED, GREEDY, use_tqdm=False, continue_final_message=True)  # (add_generation_prompt: True)
-    with pytest.raises(ValueError, match="^messages.1.0.role: continue_final_message continues the final message"):
-        llm.chat([CONTINUED, HELLO], GREEDY, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)
     with pytest.raises(ValueError, match="^chat_template_kwargs.continue_final_message: set by `continue_final_mes"):
         llm.chat(CONTINUED, GREEDY, use_tqdm=False, chat_template_kwargs={"continue_final_message": True})
 
@@ -253,7 +250,6 @@ def test_server_continues_the_final_message(server, client, llm):
 @pytest.mark.parametrize("body,param", [
     ({"messages": CONTINUED, "continue_final_message": True}, "continue_final_message"),  # generation prompt: true
     ({"messages": CONTINUED, "continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
-    ({"messages": HELLO, **CONTINUE}, "messages.0.role"),
     ({"messages": CONTINUED, "chat_template": "{{ messages }}"}, "chat_template"),
     ({"messages": CONTINUED, "chat_template_kwargs": {"continue_final_message": True}},
      "chat_template_kwargs.continue_final_message"),
@@ -262,6 +258,16 @@ def test_chat_fields_refused_with_a_400_naming_them(server, path, body, param):
     r = server.post(path, {"model": MODEL, "max_tokens": 1, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param and r.json()["error"]["message"].startswith(f"{param}: ")
+
+
+def test_a_users_final_message_is_continued_as_vllm_continues_it(server, llm):
+    """continue_final_message leaves whatever the final message is open (vLLM's, transformers' rule): a user's text
+    too, answered in the user's role (it was a 400: the final message had to be the assistant's)."""
+    t = server.post("/tokenize", {"model": MODEL, "messages": HELLO, **CONTINUE})
+    assert t.status_code == 200, t.text
+    assert t.json()["tokens"] == llm.get_tokenizer().apply_chat_template(HELLO, continue_final_message=True)
+    r = server.post("/v1/chat/completions", {"model": MODEL, "messages": HELLO, "max_tokens": 2, **CONTINUE})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "user", r.text
 
 
 def test_echo_starts_the_reply_with_the_final_assistant_message(client):
@@ -379,10 +385,12 @@ def test_the_final_message_is_checked_once(llm, monkeypatch):
             monkeypatch.setattr(module, "check_continuable", counted)
     llm.chat(CONTINUED, GREEDY, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)
     assert len(calls) == 1
-    # and a batch's error still names the conversation (the tokenizer's field, under the batch's)
-    with pytest.raises(ValueError, match="^messages.1.0.role: continue_final_message continues"):
-        llm.chat([CONTINUED, HELLO], GREEDY, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)
+    # a batch: once a conversation; a user's final message is continued too (vLLM's rule, transformers': it was
+    # refused for not being the assistant's)
+    user_goes_on = llm.chat([CONTINUED, HELLO], GREEDY, use_tqdm=False, add_generation_prompt=False,
+                            continue_final_message=True)
     assert len(calls) == 3
+    assert user_goes_on[1].prompt.endswith(HELLO[-1]["content"])
 
 
 # -- echo: vLLM's rule ------------------------------------------------------------------------------------------------
