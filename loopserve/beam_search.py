@@ -262,6 +262,9 @@ def beam_search(llm: LLM, prompts: PromptType | Seq[PromptType], params: BeamSea
         raise ValueError(f"params: expected a BeamSearchParams, got {type(params).__name__}")
     check_beam_search_params(params)  # (again: fields may have been set after construction)
     cap = llm.engine_config.max_logprobs
+    if beam_width_cap(cap) == 0:
+        raise ValueError(f"beam_width: a beam search needs max_logprobs >= 2 (a step asks for the top 2 * beam_width "
+                         f"logprobs); this LLM's is {cap}")
     if params.beam_width > beam_width_cap(cap):
         raise ValueError(f"beam_width: at most {beam_width_cap(cap)} under max_logprobs {cap} (a step asks for the "
                          f"top 2 * beam_width logprobs), got {params.beam_width}")

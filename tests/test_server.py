@@ -1076,3 +1076,20 @@ def test_a_role_of_the_templates_own_is_taken_as_vllm_takes_it(server, offline):
     assert "narrator" in offline.get_tokenizer().apply_chat_template(msgs, tokenize=False)
     r = httpx.post(server.url + H, headers=AUTH, json={"model": MODEL, "messages": [{"role": "", "content": "x"}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.role", r.text
+
+
+def test_metrics_and_methods_hold_against_odd_headers(server):
+    """A hostile client's headers: an Accept whose version prometheus_client cannot compare was a 500 (TypeError);
+    `gzip;q=0` refuses gzip and `nogzip` is not gzip (a substring test gave both gzip); made-up HTTP methods were
+    counted as label values of the HTTP metrics, growing /metrics and the memory without bound, key or no key:
+    now a 405 before the metrics see them."""
+    r = httpx.get(server.url + "/metrics", headers={"Accept": "text/plain; version=abc; escaping=allow-utf-8"})
+    assert r.status_code == 200 and "loopserve:generation_tokens_total" in r.text
+    for refused in ("gzip;q=0", "nogzipplease"):
+        r = httpx.get(server.url + "/metrics", headers={"Accept-Encoding": refused})
+        assert r.status_code == 200 and "content-encoding" not in r.headers, refused
+    assert httpx.get(server.url + "/metrics", headers={"Accept-Encoding": "GZIP"}).headers["content-encoding"] == "gzip"
+    for method in ("JNJITBEAMZ", "get"):
+        r = httpx.request(method, server.url + "/invocations")
+        assert r.status_code == 405 and r.json()["error"]["code"] == 405, r.text
+    assert "JNJITBEAMZ" not in httpx.get(server.url + "/metrics").text

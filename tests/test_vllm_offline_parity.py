@@ -433,3 +433,6 @@ def test_max_logprobs_caps_what_a_request_asks_for(tiny_ouro):
     with pytest.raises(ValueError, match="^beam_width: at most 1 under max_logprobs 2"):
         llm.beam_search([[5, 6, 7]], BeamSearchParams(beam_width=2, max_tokens=2))
     assert len(llm.beam_search([[5, 6, 7]], BeamSearchParams(beam_width=1, max_tokens=2))[0].sequences) == 1
+    narrow = LLM(tiny_ouro, dtype="float32", kv_cache_tokens=1024, max_logprobs=1)
+    with pytest.raises(ValueError, match="^beam_width: a beam search needs max_logprobs >= 2"):  # (not "at most 0")
+        narrow.beam_search([[5, 6, 7]], BeamSearchParams(beam_width=1, max_tokens=2))

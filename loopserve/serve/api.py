@@ -110,9 +110,17 @@ from loopserve.serve.limits import (
     MAX_REQUEST_BODY_BYTES,
     METRIC_PREFIXES,
 )
-from loopserve.serve.metrics import ServerMetrics, StatsLogger, cache_info, instrument_http, quiet_progress
+from loopserve.serve.metrics import (
+    ServerMetrics,
+    StatsLogger,
+    accepts_gzip,
+    cache_info,
+    instrument_http,
+    quiet_progress,
+)
 from loopserve.serve.middleware import (
     BodyLimitMiddleware,
+    MethodMiddleware,
     RequestIdMiddleware,
     client_named,
     request_id,
@@ -825,6 +833,9 @@ class OpenAIServing:
         beam search cannot honour.)"""
         temperature = fill_defaults(req, self.sampling_defaults).get("temperature", 1.0)
         cap, width = self.engine.cfg.max_logprobs, 1 if req.n is None else req.n
+        if beam_width_cap(cap) == 0:
+            raise ApiError(400, f"use_beam_search: needs --max-logprobs >= 2 (a step asks for the top 2 * n logprobs); "
+                                f"this server's is {cap}", "use_beam_search")
         if width > beam_width_cap(cap):
             raise ApiError(400, f"n: the beam width with use_beam_search must be at most {beam_width_cap(cap)} under "
                                 f"the server's --max-logprobs {cap} (a step asks for the top 2 * n logprobs), got "
@@ -861,7 +872,7 @@ class OpenAIServing:
         gzipped if it accepts that, as prometheus_client's own app (vLLM's /metrics) answers."""
         await self.metrics_caught_up()
         body, content_type = self.metrics.render_for(request.headers.get("accept"))
-        if "gzip" in request.headers.get("accept-encoding", ""):
+        if accepts_gzip(request.headers.get("accept-encoding", "")):
             return Response(gzip.compress(body), media_type=content_type, headers={"Content-Encoding": "gzip"})
         return Response(body, media_type=content_type)
 
@@ -1164,6 +1175,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings,
                            allow_methods=list(settings.allowed_methods), allow_headers=list(settings.allowed_headers),
                            allow_credentials=settings.allow_credentials, expose_headers=["X-Request-Id"])
     instrument_http(app, serving.metrics.registry)
+    app.add_middleware(MethodMiddleware)  # (outermost: the metrics never see a made-up method)
 
     routes: list[tuple[str, str, Callable, dict[str, Any] | None]] = [
         ("GET", "/health", serving.health, None),

@@ -421,7 +421,10 @@ class ServerMetrics:
         the names of an OpenMetrics answer otherwise, to `vllm_generation_tokens_total`: Prometheus 2's default
         header would then get names no dashboard queries.)"""
         accept = accept or ""
-        encoder, content_type = choose_encoder(accept if "escaping=allow-utf-8" in accept else "")
+        try:
+            encoder, content_type = choose_encoder(accept if "escaping=allow-utf-8" in accept else "")
+        except (TypeError, ValueError):  # (a version it cannot compare, `version=abc`: prometheus_client raises)
+            encoder, content_type = choose_encoder("")
         return encoder(self.registry), content_type
 
 
@@ -434,6 +437,19 @@ def instrument_http(app: Starlette, registry: CollectorRegistry) -> None:
     from prometheus_fastapi_instrumentator import Instrumentator
 
     Instrumentator(excluded_handlers=["/metrics", "/health", "/ping", "/version"], registry=registry).instrument(app)
+
+
+def accepts_gzip(accept_encoding: str) -> bool:
+    """Whether an Accept-Encoding header takes gzip: a `gzip` coding (any case) without `q=0`."""
+    for coding in accept_encoding.split(","):
+        name, _, params = coding.strip().partition(";")
+        if name.strip().lower() == "gzip":
+            q = params.strip().lower().removeprefix("q=")
+            try:
+                return not params.strip() or float(q) > 0
+            except ValueError:
+                return False
+    return False
 
 
 def cache_info(engine: LLMEngine) -> dict[str, str]:

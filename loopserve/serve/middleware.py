@@ -1,5 +1,8 @@
-"""ASGI middleware of the server: the request body size limit and request ids (CORS is Starlette's).
+"""ASGI middleware of the server: HTTP methods, the request body size limit and request ids (CORS is Starlette's).
 
+- `MethodMiddleware`: 405 for a method no route or CORS preflight uses (any other name, lower-case `get` too),
+  answered before anything else sees the request: the HTTP metrics label requests by method, and a client sending
+  made-up methods grew them (and the memory, and each scrape's time) without bound, key or no key.
 - `BodyLimitMiddleware`: 413 for a body over the limit, declared by Content-Length or streamed.
 - `RequestIdMiddleware`: every request gets an id, the client's `X-Request-Id` when it sends a usable
   one (else a fresh one, and a warning when it sent one that is not); the app reads it from the scope
@@ -22,6 +25,28 @@ from loopserve.serve.protocol import MAX_REQUEST_ID, error_body, usable_request_
 DRAIN_FACTOR, DRAIN_S = 8, 2.0  # how much of an over-limit body is read and dropped before the 413
 REQUEST_ID_KEY = "loopserve.request_id"  # scope key
 log = logging.getLogger("loopserve.serve")
+
+
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})  # (RFC 9110's, but CONNECT
+# and TRACE, which this server never answers)
+
+
+class MethodMiddleware:
+    """405 for a request whose method is not one of HTTP_METHODS (the app answers a known method that a route does
+    not take with its own 405)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in HTTP_METHODS:
+            await self.app(scope, receive, send)
+            return
+        body = json.dumps(error_body(405, "method not allowed")).encode()
+        await send({"type": "http.response.start", "status": 405,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"allow", b"GET, POST")]})
+        await send({"type": "http.response.body", "body": body})
 
 
 class _BodyTooLarge(Exception):
