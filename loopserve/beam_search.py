@@ -67,8 +67,8 @@ from loopserve.outputs import Logprob, RequestOutput
 from loopserve.sampling_params import (  # (BeamSearchParams: vLLM's home, also importable from here)
     BeamSearchParams,
     SamplingParams,
-    beam_width_cap,
     check_beam_search_params,
+    check_beam_width,
     is_int,
 )
 
@@ -261,13 +261,7 @@ def beam_search(llm: LLM, prompts: PromptType | Seq[PromptType], params: BeamSea
     if not isinstance(params, BeamSearchParams):
         raise ValueError(f"params: expected a BeamSearchParams, got {type(params).__name__}")
     check_beam_search_params(params)  # (again: fields may have been set after construction)
-    cap = llm.engine_config.max_logprobs
-    if beam_width_cap(cap) == 0:
-        raise ValueError(f"beam_width: a beam search needs max_logprobs >= 2 (a step asks for the top 2 * beam_width "
-                         f"logprobs); this LLM's is {cap}")
-    if params.beam_width > beam_width_cap(cap):
-        raise ValueError(f"beam_width: at most {beam_width_cap(cap)} under max_logprobs {cap} (a step asks for the "
-                         f"top 2 * beam_width logprobs), got {params.beam_width}")
+    check_beam_width(params.beam_width, llm.engine_config.max_logprobs)
     if concurrency_limit is not None and (not is_int(concurrency_limit) or concurrency_limit < 1):
         raise ValueError(f"concurrency_limit: must be an integer >= 1 or None, got {concurrency_limit!r}")
     given = prompt_list(prompts)

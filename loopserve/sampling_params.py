@@ -31,6 +31,18 @@ def logprobs_cap(max_logprobs: int) -> int:
 def beam_width_cap(max_logprobs: int) -> int:
     """The widest beam search such an engine runs (a step asks for the top 2 * beam_width logprobs)."""
     return logprobs_cap(max_logprobs) // 2
+
+
+def check_beam_width(width: int, max_logprobs: int, *, field: str = "beam_width", search: str = "beam_width",
+                     knob: str = "max_logprobs") -> None:
+    """ValueError unless an engine whose max_logprobs is this runs a beam search `width` wide: naming `search` (the
+    field that asks for a search) where it runs none, else `field` (the width's); `knob`: how the caller knows the
+    setting (`LLM.beam_search` and the server's `use_beam_search` alike)."""
+    cap, why = beam_width_cap(max_logprobs), f"(a step asks for the top 2 * {field} logprobs)"
+    if cap == 0:
+        raise ValueError(f"{search}: a beam search needs {knob} >= 2 {why}; this one is {max_logprobs}")
+    if width > cap:
+        raise ValueError(f"{field}: at most {cap} under {knob} {max_logprobs} {why}, got {width}")
 # samples per prompt: vLLM's bound (VLLM_MAX_N_SEQUENCES' default). Past an engine's max_num_seqs they come in parts
 # (docs/design.md §6.6); a server's admission bound counts each one
 MAX_N = 16384

@@ -97,7 +97,7 @@ from loopserve.outputs import CompletionOutput, RequestOutput
 from loopserve.sampling_params import (
     BeamSearchParams,
     SamplingParams,
-    beam_width_cap,
+    check_beam_width,
     given_seed,
     logprobs_cap,
     truncates_prompt,
@@ -832,17 +832,12 @@ class OpenAIServing:
         length_penalty, include_stop_str_in_output; a 400 naming the field at fault. (protocol.py refused the fields a
         beam search cannot honour.)"""
         temperature = fill_defaults(req, self.sampling_defaults).get("temperature", 1.0)
-        cap, width = self.engine.cfg.max_logprobs, 1 if req.n is None else req.n
-        if beam_width_cap(cap) == 0:
-            raise ApiError(400, f"use_beam_search: needs --max-logprobs >= 2 (a step asks for the top 2 * n logprobs); "
-                                f"this server's is {cap}", "use_beam_search")
-        if width > beam_width_cap(cap):
-            raise ApiError(400, f"n: the beam width with use_beam_search must be at most {beam_width_cap(cap)} under "
-                                f"the server's --max-logprobs {cap} (a step asks for the top 2 * n logprobs), got "
-                                f"{width}", "n")
+        width = 1 if req.n is None else req.n
         try:
+            check_beam_width(width, self.engine.cfg.max_logprobs, field="n", search="use_beam_search",
+                             knob="the server's --max-logprobs")
             # (max_tokens None, never given here, would be named by BeamSearchParams' own check)
-            return BeamSearchParams(beam_width=1 if req.n is None else req.n, max_tokens=cast(int, max_tokens),
+            return BeamSearchParams(beam_width=width, max_tokens=cast(int, max_tokens),
                                     ignore_eos=bool(req.ignore_eos), temperature=temperature,
                                     length_penalty=1.0 if req.length_penalty is None else req.length_penalty,
                                     include_stop_str_in_output=bool(req.include_stop_str_in_output))

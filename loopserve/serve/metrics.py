@@ -60,12 +60,12 @@ from prometheus_client import (
     PlatformCollector,
     ProcessCollector,
     disable_created_metrics,
-    generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
+from loopserve.device import dtype_name
 from loopserve.engine.engine_thread import EngineSnapshot
 from loopserve.outputs import RequestMetrics, RequestOutput
 from loopserve.serve.limits import METRIC_PREFIXES
@@ -413,7 +413,8 @@ class ServerMetrics:
         self.rejected.labels(*self.labels, reason).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The metrics as Prometheus text."""
+        return self.render_for(None)[0]
 
     def render_for(self, accept: str | None) -> tuple[bytes, str]:
         """The metrics in the format an Accept header asks for, and its content type: OpenMetrics where it asks for
@@ -455,9 +456,8 @@ def accepts_gzip(accept_encoding: str) -> bool:
 def cache_info(engine: LLMEngine) -> dict[str, str]:
     """cache_config_info's labels: vLLM's names where the setting is the same (num_gpu_blocks: the KV pool's blocks,
     on whatever device), and the layout."""
-    dtype = next(engine.model.parameters()).dtype
     return {"block_size": str(engine.kv.block_size), "num_gpu_blocks": str(engine.kv.num_blocks),
-            "cache_dtype": str(dtype).removeprefix("torch."),
+            "cache_dtype": dtype_name(next(engine.model.parameters()).dtype),
             "enable_prefix_caching": str(engine.cfg.enable_prefix_caching), "kv_layout": engine.cfg.kv_layout}
 
 
