@@ -580,6 +580,19 @@ def test_bench_theory_cli(capsys):
     assert "F0 / Fr" in out and "1.20" in out
 
 
+@pytest.mark.parametrize("command", [["theory"], ["host", "--widths", "8"], ["throughput", "--model", "micro-ouro"]])
+def test_out_naming_a_file_is_refused_before_the_run(tmp_path, capsys, command):
+    """(It used to fail with a FileExistsError traceback after the whole run, its results lost.)"""
+    from loopserve.cli import main
+
+    taken = tmp_path / "results"
+    taken.write_text("not a folder")
+    with pytest.raises(SystemExit) as e:
+        main(["bench", *command, "--out", str(taken)])
+    assert e.value.code == 2
+    assert f"--out: {taken} exists and is not a folder" in capsys.readouterr().err
+
+
 def test_device_cuda_is_plumbed_and_refused_without_a_gpu(bench_cache):
     import torch
 

