@@ -448,3 +448,25 @@ def test_beam_search_under_max_logprobs_is_refused_by_its_width(server):
         assert "at most 1 under the server's --max-logprobs 3" in r.json()["error"]["message"], r.text
         ok = _post(server, ROOT + path, {"model": MODEL, **base, "max_tokens": 2, "use_beam_search": True, "n": 1})
         assert ok.status_code == 200, ok.text
+
+
+def test_unknown_fields_are_found_at_any_depth_without_walking_lists_of_values():
+    """Nested unknown fields are found in every model a body holds; lists of plain values (token ids: 2M of them
+    took 0.8 s of the event loop) are not walked."""
+    from loopserve.serve.protocol import (
+        ChatCompletionRequest,
+        CompletionRequest,
+        _nesting_fields,
+        parse_body,
+        unknown_fields,
+    )
+
+    chat = parse_body(ChatCompletionRequest, json.dumps({
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "bogus": 1}]}],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}, "odd": 2}}],
+        "stream": True, "stream_options": {"include_usage": True, "extra": 3}, "top": 4}).encode())
+    assert sorted(unknown_fields(chat)) == ["messages.0.content.0.bogus", "stream_options.extra",
+                                            "tools.0.function.odd", "top"]
+    walked = set(_nesting_fields(CompletionRequest))
+    assert {"prompt", "allowed_token_ids", "stop_token_ids", "logit_bias"}.isdisjoint(walked)
+    assert "stream_options" in walked and "messages" in _nesting_fields(ChatCompletionRequest)

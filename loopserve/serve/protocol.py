@@ -29,6 +29,7 @@ Structured output (`response_format`, vLLM's `guided_*` and `structured_outputs`
 
 from __future__ import annotations
 
+import functools
 import json
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
@@ -100,15 +101,29 @@ class _Strict(BaseModel):
 
 
 def unknown_fields(obj: Any, prefix: str = "") -> list[str]:
-    """Full paths (`temprature`, `messages.0.reasoning_content`) of the unknown fields a parsed body carried."""
+    """Full paths (`temprature`, `messages.0.reasoning_content`) of the unknown fields a parsed body carried.
+    Only fields that may hold a model are walked (`_nesting_fields`): a list of 2M token ids took 0.8 s of the
+    event loop, every stream's chunks waiting behind it."""
     if isinstance(obj, BaseModel):
         out = [prefix + k for k in obj.model_extra or {}]
-        for name in type(obj).model_fields:
+        for name in _nesting_fields(type(obj)):
             out += unknown_fields(getattr(obj, name), f"{prefix}{name}.")
         return out
     if isinstance(obj, list):
         return [p for i, v in enumerate(obj) for p in unknown_fields(v, f"{prefix}{i}.")]
     return []
+
+
+@functools.cache
+def _nesting_fields(cls: type[BaseModel]) -> tuple[str, ...]:
+    """The fields of `cls` whose type names a model, alone or inside lists and unions."""
+    return tuple(name for name, f in cls.model_fields.items() if _names_a_model(f.annotation))
+
+
+def _names_a_model(annotation: Any) -> bool:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return True
+    return any(_names_a_model(a) for a in get_args(annotation))
 
 
 class StreamOptions(_Strict):
