@@ -146,13 +146,43 @@ def test_bad_words_tokenized_as_vllm_does(ref_llm):
     def enc(w: str) -> list[int]:
         return tok.encode(w, add_special_tokens=False)
 
-    words = BadWords.tokenize(["hen", " i", "henhen"], enc, ref_llm.config.vocab_size)
+    def enc_all(texts: list[str]) -> list[list[int]]:
+        return tok.encode_texts(texts, add_special_tokens=False)
+
+    words = BadWords.tokenize(["hen", " i", "henhen"], enc_all, ref_llm.config.vocab_size)
     # a spaced form is kept when it is as long and starts with another token (" i" is one token, " hen" two)
     assert len(enc(" i")) == len(enc("i")) == 1 and len(enc(" hen")) == 2
     assert words.token_ids == [enc("hen"), enc("i"), enc(" i"), enc("henhen")]
     assert list(words) == ["hen", " i", "henhen"]
     with pytest.raises(ValueError, match=r"^bad_words\.0: tokenizes to ids outside"):
-        BadWords.tokenize(["hen"], enc, 100)
+        BadWords.tokenize(["hen"], enc_all, 100)
+
+
+def test_a_requests_bad_words_are_tokenized_in_one_call_that_releases_the_gil(ref_llm, monkeypatch):
+    """A request is built on a worker thread; `encode` holds the GIL, so 256 long words tokenized one call each
+    stalled the engine thread at every torch call it made meanwhile (seconds of stalls per request, measured over
+    HTTP). `encode_batch` releases it: every form of every word goes in one such call."""
+    from loopserve.engine.sequence import with_bad_words
+
+    tok = ref_llm.tokenizer
+    calls: list[tuple[str, int]] = []
+
+    class Counting:
+        def __getattr__(self, name):
+            real = getattr(tok_backend, name)
+            if name not in ("encode", "encode_batch"):
+                return real
+
+            def counted(arg, *a, **k):
+                calls.append((name, len(arg) if name == "encode_batch" else 1))
+                return real(arg, *a, **k)
+            return counted
+
+    tok_backend = tok.tok
+    monkeypatch.setattr(tok, "tok", Counting())
+    params = with_bad_words(SamplingParams(bad_words=["hen", " i", "henhen"] * 40), tok, ref_llm.config.vocab_size)
+    assert calls == [("encode_batch", 240)]
+    assert len(params.bad_words.token_ids) >= 120
 
 
 def adjusted(logits: list[float], params: SamplingParams, hist, counter: int | None = None) -> list[float]:

@@ -253,15 +253,17 @@ class BadWords(list[str]):
         self.always = [ids[0] for ids in token_ids if len(ids) == 1]
 
     @classmethod
-    def tokenize(cls, words: list[str], encode: Callable[[str], list[int]], vocab: int) -> BadWords:
+    def tokenize(cls, words: list[str], encode: Callable[[list[str]], list[list[int]]], vocab: int) -> BadWords:
         """vLLM's rule: each word with its leading whitespace stripped, and after one space too when that gives
         as many tokens starting with another one (a tokenizer that folds the space into the word's first token,
         as byte-level BPE does: the word's form inside a text). Any other spaced form is the word's own tokens
         after a space token, which the word's own sequence already bans. ValueError naming the word's field for
-        a word that gives no token, or one outside the model's vocabulary."""
+        a word that gives no token, or one outside the model's vocabulary. `encode` tokenizes a list of texts
+        (`Tokenizer.encode_texts`: one call for all the forms)."""
+        stripped = [word.lstrip() for word in words]
+        forms = encode(stripped + [" " + word for word in stripped])
         seqs: list[list[int]] = []
-        for i, word in enumerate(words):
-            alone, spaced = encode(word.lstrip()), encode(" " + word.lstrip())
+        for i, (alone, spaced) in enumerate(zip(forms[:len(words)], forms[len(words):], strict=True)):
             if not alone:
                 raise ValueError(f"bad_words.{i}: the word gives no token")
             kept = [alone, spaced] if len(spaced) == len(alone) and spaced[0] != alone[0] else [alone]

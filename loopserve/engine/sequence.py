@@ -245,7 +245,8 @@ def with_bad_words(params: SamplingParams, tokenizer: Tokenizer, vocab_size: int
         return params
     tokenized = copy.copy(params)
     tokenized.bad_words = BadWords.tokenize(
-        params.bad_words, lambda word: tokenizer.encode(word, add_special_tokens=False, what="bad_words"), vocab_size)
+        params.bad_words, lambda texts: tokenizer.encode_texts(texts, add_special_tokens=False, what="bad_words"),
+        vocab_size)
     return tokenized
 
 
