@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from loopserve import LLM, SamplingParams
 from loopserve.engine import sampler as sampler_module
+from loopserve.engine.config import ENGINE_SCHEDULERS
 from loopserve.engine.runner import ModelRunner
 from loopserve.engine.sampler import sample_batch, sample_one, unpack
 from loopserve.engine.sequence import Sequence
@@ -333,3 +334,33 @@ def test_llm_generate_gives_identical_huginn_prompts_identical_greedy_outputs(ti
     c = llm.generate("Huginn", params)[0]
     assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
     assert a.outputs[0].exit_depths == b.outputs[0].exit_depths == c.outputs[0].exit_depths
+
+
+@pytest.mark.parametrize("scheduler", ENGINE_SCHEDULERS)
+def test_prompts_that_end_in_their_prefill_never_starve_decoding(scheduler, tiny_ouro):
+    """A client sending a prompt every tick whose request ends in its prefill (`max_tokens` 1; a beam search's
+    steps are such requests) kept the prefill queue full, and prefill came first: a decoding request got no token
+    while it lasted (2 tokens in 30 s over HTTP). Now every sequence that was decoding at a prefill tick gets a
+    token before the next prefill tick runs, and its tokens equal the reference decoder's."""
+    engine = make_engine(tiny_ouro, scheduler=scheduler, max_decode_batch=4)
+    victim = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    engine.add_request(VICTIM, [5, 6, 7], victim)
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    tokens: list[int] = []
+    prefills_since_token, ticks = 0, 0
+    while engine.has_unfinished_requests() and ticks < 2_000:
+        engine.add_request(f"one-{ticks}", [9, 10, 11, 12], one)  # one more such prompt every tick
+        before = engine.stats.ticks.get("prefill", 0)
+        for out in engine.step():
+            if out.request_id == VICTIM:
+                got = out.outputs[0].token_ids
+                tokens += got
+                prefills_since_token = 0 if got else prefills_since_token
+        prefills_since_token += engine.stats.ticks.get("prefill", 0) - before
+        assert prefills_since_token <= 2, "the victim waited through two prefill ticks for a token"
+        ticks += 1
+        if len(tokens) == victim.max_tokens:
+            break
+    assert len(tokens) == victim.max_tokens, f"{len(tokens)} of {victim.max_tokens} tokens in {ticks} ticks"
+    expected = reference(engine, Req(VICTIM, [5, 6, 7], victim, seed=0))
+    assert tokens == expected.output_ids

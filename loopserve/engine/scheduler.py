@@ -10,7 +10,8 @@ they differ only in `_plan` (the choice `schedule` returns):
   tokens leave the core batch (it shrinks); the coda runs when the whole cohort has exited; new work
   joins only between cohorts.
 - `CDBScheduler` (`cdb`, continuous depth batching with refill): four queues. Each tick, by
-  priority: coda (>= min_coda_batch waiting), prefill (if KV admission keeps the safety margin),
+  priority: coda (>= min_coda_batch waiting), prefill (if KV admission keeps the safety margin, and
+  no token that was in flight at the last prefill tick still waits for its sample: `_prefill_turn`),
   prelude (while the core batch has free width; a prelude batch of its own waits for min_prelude_batch
   tokens unless the core batch is empty), core, then an undersized coda flush. Exited tokens leave the
   core batch at once and fresh tokens take their rows (their preludes run in the tick of their coda or
@@ -112,6 +113,9 @@ class Scheduler:
         # creation order of work items; a stride leaves room for a verify group's k + 1 rows to take the
         # place of the item that drafted (orders item.order + i)
         self._order_step, self._next_order = 1 + cfg.num_speculative_tokens, 0
+        # the first creation order after the last prefill tick: the tokens in flight then (orders below it) are
+        # owed a sample before another prefill tick may run (`_prefill_turn`)
+        self._prefill_mark = 0
         self.finished: list[Sequence] = []  # finished since the last drain (the engine reports them)
         self.appended: list[Sequence] = []  # got a token since the last drain and streams (not FINAL_ONLY)
         self.retired_loops = 0  # decode loops of finished requests (bookkeeping check)
@@ -561,6 +565,8 @@ class Scheduler:
     # -- the decision ---------------------------------------------------------------------------------
     def schedule(self) -> StagePlan:
         plan = self._plan()
+        if plan.stage is Stage.IDLE and self.waiting:  # nothing else can run: the prompts wait for no one
+            plan = self._prefill_turn(owed_first=False) or plan
         # Backstop for a stall (nothing can run while partly prefilled prompts hold the pool).
         while plan.stage is Stage.IDLE and self._drop_partial_prefill():
             plan = self._plan()
@@ -568,6 +574,31 @@ class Scheduler:
 
     def _plan(self) -> StagePlan:
         raise NotImplementedError
+
+    def _prefill_turn(self, owed_first: bool = True) -> StagePlan | None:
+        """A prefill tick, if prompts wait and it is their turn: not while a token that was in flight at the last
+        prefill tick still waits for its sample (`owed_first`). Each decoding sequence thus gets at least a token
+        between two prefill ticks, as in vLLM, where every step runs the decode rows and prefill takes what is
+        left of the token budget. (Prefill first without this starved decoding: prompts that finish in their
+        prefill, `max_tokens` 1 or a beam search's steps, kept the queue full and no sequence got a token.)"""
+        if not self.waiting or (owed_first and self._tokens_owed()):
+            return None
+        chunks = self._take_prefill()
+        if not chunks:
+            return None
+        self._prefill_mark = self._next_order
+        return StagePlan(Stage.PREFILL, chunks=chunks)
+
+    def _tokens_owed(self) -> bool:
+        """Whether an item created before the last prefill tick has not had its token sampled yet (queues in
+        creation order: the prelude queue's head is its oldest; the core and coda rows by one array read)."""
+        mark = self._prefill_mark
+        if self.prelude_q and self.prelude_q[0].order < mark:
+            return True
+        order = self.pool.order
+        if any(len(rows) and order[rows].min() < mark for rows in (self.core_rows, self.coda_rows)):
+            return True
+        return any(i.order < mark for i in self.coda_running)
 
     def follow_up(self, plan: StagePlan) -> StagePlan | None:
         """A stage batch to run in the same tick right after `plan` (none by default)."""
@@ -950,9 +981,9 @@ class CDBScheduler(Scheduler):
         ready = self._ready_for_coda()
         if len(ready) >= self.min_coda_batch:
             return self._coda_plan(ready)
-        chunks = self._take_prefill() if self.waiting else []
-        if chunks:
-            return StagePlan(Stage.PREFILL, chunks=chunks)
+        prefill = self._prefill_turn()
+        if prefill is not None:
+            return prefill
         room = width - len(self.core_rows)
         if self.prelude_q and room > 0 and (not len(self.core_rows)
                                             or min(len(self.prelude_q), room) >= self.min_prelude_batch):
@@ -1020,9 +1051,9 @@ class CohortScheduler(Scheduler):
     def _plan(self) -> StagePlan:
         if self.phase == "none":
             self._try_swap_in()
-            chunks = self._take_prefill() if self.waiting else []
-            if chunks:
-                return StagePlan(Stage.PREFILL, chunks=chunks)
+            prefill = self._prefill_turn()
+            if prefill is not None:
+                return prefill
             if not self.prelude_q:
                 return StagePlan(Stage.IDLE)
             draft = self._draft_plan(self.cfg.max_decode_batch)
