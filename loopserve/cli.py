@@ -46,6 +46,40 @@ class CommandError(SystemExit):
         return self.message
 
 
+def positive_int(value: str) -> int:
+    """An argparse type: an integer >= 1 (counts of requests, windows, threads)."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
+    return number
+
+
+def output_folder(value: str) -> Path:
+    """An argparse type for a folder a command writes into (made when it writes): refused when the flags are read,
+    not after the run, if a file stands where it or one of its parents would be."""
+    path = Path(value)
+    for part in (path, *path.parents):
+        if part.exists():
+            if not part.is_dir():
+                where = "" if part == path else f": {part} is a file, not a folder"
+                raise argparse.ArgumentTypeError(f"{value}{where or ' exists and is not a folder'}")
+            break
+    return path
+
+
+def output_file(value: str) -> Path:
+    """An argparse type for a file a command writes: refused when the flags are read if it is a folder, or if a
+    file stands where one of its folders would be."""
+    path = Path(value)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{value}: is a folder; name a file")
+    output_folder(str(path.parent))
+    return path
+
+
 def add_engine_args(p: argparse.ArgumentParser, schedulers: tuple[str, ...] = SCHEDULERS) -> None:
     """Model flags, and every `EngineConfig` knob (generated), shared by generate, demo and serve (`schedulers`: the
     ones the command runs)."""
@@ -246,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
         command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return int(args.func(args) or 0)
+    except KeyboardInterrupt:  # (Ctrl-C: what was written stays; no traceback for the user's own stop)
+        print(f"\nloopserve {args.command}: interrupted", file=sys.stderr)
+        return 130
     except CommandError as e:
         print(f"error: {e}", file=sys.stderr)
         raise  # (exit status 2; a caller that catches SystemExit reads the message from it)

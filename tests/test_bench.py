@@ -593,6 +593,51 @@ def test_out_naming_a_file_is_refused_before_the_run(tmp_path, capsys, command):
     assert f"--out: {taken} exists and is not a folder" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv,words", [
+    (["host", "--schedulers", "cb,cdx"], "--schedulers: expected a comma list of cb, cdb-norefill, cdb, got 'cdx'"),
+    (["compile", "--variants", "eagre"], "--variants: expected a comma list of eager,"),
+    (["compile", "--stages", "cora"], "--stages: expected a comma list of core, coda, got 'cora'"),
+    (["throughput", "--sweep", "width,bogus"], "--sweep: expected a comma list of width, threshold, full-depth, got "
+                                                "'bogus'"),
+    (["serve", "--rates", "0"], "--rates: expected a comma list of positive numbers"),
+    (["throughput", "--num-requests", "0"], "--num-requests: must be >= 1"),
+    (["host", "--widths", "4,x"], "--widths: expected a comma list of integers, got '4,x'"),
+    (["record", "--file", "."], "--file: .: is a folder; name a file"),
+    (["setup", "--models", "micro-ouro,mciro-huginn", "--skip-mtbench"], "'mciro-huginn' is not a bench preset"),
+    (["serve", "--mode", "http", "--url", "http://127.0.0.1:1"], "--url: no server answers at http://127.0.0.1:1"),
+])
+def test_bad_flag_values_are_refused_before_anything_runs(argv, words, capsys):
+    """(Each was a traceback, some after minutes of runs: `--schedulers cb,cdbx` after the CB part.)"""
+    from loopserve.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err
+
+
+def test_a_value_the_engine_refuses_is_an_error_line(bench_cache, capsys):
+    from loopserve.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "spec", "--model", "micro-ouro", "--kv-layout", "shared", "--out", str(bench_cache / "o")])
+    assert e.value.code == 2
+    assert "\nerror: num_speculative_tokens: speculative decoding is exact only" in capsys.readouterr().err
+
+
+def test_ctrl_c_ends_a_command_with_a_line_and_status_130(monkeypatch, capsys):
+    from loopserve.cli import main
+    from loopserve_lab.bench import cli as bench_cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench_cli, "cmd_theory", interrupted)
+    assert main(["bench", "theory"]) == 130
+    assert capsys.readouterr().err.strip() == "loopserve bench: interrupted"
+
+
 def test_device_cuda_is_plumbed_and_refused_without_a_gpu(bench_cache):
     import torch
 
@@ -836,7 +881,8 @@ def _refused(argv: list[str], capsys) -> str:
 
 def test_bench_refusals_are_one_error_line_with_status_2(bench_cache, monkeypatch, capsys):
     """A model that is neither a preset nor a folder, MT-Bench before `bench setup`, a missing trajectories file,
-    an unknown sweep (checked before the model loads), a bad `bench host` flag: no traceback."""
+    a sweep that needs what is not given (checked before the model loads), a bad `bench host` flag: no traceback.
+    (Values argparse reads are its own errors: `test_bad_flag_values_are_refused_before_anything_runs`.)"""
     from loopserve_lab.bench import harness
 
     assert "--model: 'nosuch' is neither a bench preset" in _refused(
@@ -854,8 +900,6 @@ def test_bench_refusals_are_one_error_line_with_status_2(bench_cache, monkeypatc
         raise AssertionError("the model was loaded before the arguments were checked")
 
     monkeypatch.setattr(harness.BenchModel, "load", no_load)
-    assert "--sweep: expected a comma list of width, threshold, full-depth, got 'bogus'" in _refused(
-        ["bench", "throughput", "--sweep", "width,bogus", "--no-progress"], capsys)
     assert "--sweep threshold needs --trajectories" in _refused(
         ["bench", "throughput", "--sweep", "threshold", "--no-progress"], capsys)
 

@@ -227,3 +227,26 @@ def test_train_tiny_refuses_settings_it_cannot_train_with(flags, words, capsys):
         main(["train-tiny", "--no-progress", "--cache-dir", "/nonexistent", *flags])
     err = capsys.readouterr().err
     assert exited.value.code == 2 and err.startswith("error: ") and words in err and err.count("\n") == 1, err
+
+
+def test_train_tiny_and_eval_refuse_their_outputs_before_running(tmp_path, capsys):
+    """train-tiny replaced a checkpoint in a non-empty folder without a word; eval's outputs named as a folder
+    (or a file for a folder) failed with a traceback after the whole evaluation."""
+    from loopserve.cli import main
+
+    taken = tmp_path / "model"
+    taken.mkdir()
+    (taken / "config.json").write_text("{}")
+    with pytest.raises(SystemExit) as exited:
+        main(["train-tiny", str(taken), "--no-progress", "--cache-dir", "/nonexistent"])
+    assert exited.value.code == 2 and "the folder is not empty" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # with --overwrite it goes on, to the settings' own check
+        main(["train-tiny", str(taken), "--overwrite", "--steps", "0", "--no-progress", "--cache-dir", "/nonexistent"])
+    assert "steps: must be an integer >= 1" in capsys.readouterr().err
+    for argv, words in ((["eval", "ppl", "--out-json", str(tmp_path)], "is a folder; name a file"),
+                        (["eval", "ppl", "--plots-dir", str(taken / "config.json")], "exists and is not a folder"),
+                        (["eval", "trajectories", "--out-dir", str(taken / "config.json" / "x")], "is a file, not a"),
+                        (["eval", "ppl", "--windows", "0"], "--windows: must be >= 1")):
+        with pytest.raises(SystemExit) as exited:
+            main(argv)
+        assert exited.value.code == 2 and words in capsys.readouterr().err, argv

