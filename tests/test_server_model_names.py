@@ -61,6 +61,28 @@ def test_bad_values_keep_the_serve_usage(capsys):
     assert err.startswith("usage: loopserve serve ") and "--served-model-name: expected at least one argument" in err
 
 
+def test_a_port_in_use_or_a_bad_host_is_an_error_before_the_model_loads(capsys, monkeypatch):
+    """(It was said after the model had loaded, under a "serving on" line: uvicorn's own bind error, exit 3.)"""
+    import socket
+
+    from loopserve.serve import cli as serve_cli
+
+    def no_load(args):
+        raise AssertionError("the model loaded before the socket was bound")
+
+    monkeypatch.setattr(serve_cli, "load_server", no_load)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for argv, words in ((["--port", str(port)], f"error: --port: cannot listen on 127.0.0.1:{port}: Address "
+                                                    "already in use"),
+                            (["--host", "999.1.1.1"], "error: --host: '999.1.1.1' is not an address of this machine")):
+            with pytest.raises(SystemExit) as e:
+                main(["serve", *argv])
+            assert e.value.code == 2 and capsys.readouterr().err.startswith(words)
+
+
 def test_a_model_path_taken_as_a_name_is_refused(tmp_path, monkeypatch):
     """A later name that is a checkpoint folder (a config.json in it) is the model the flag swallowed; one that
     merely exists here (a folder or file of the working directory) is a name."""

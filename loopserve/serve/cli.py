@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 import copy
+import errno
 import json
 import logging
 import math
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -296,9 +298,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from loopserve.serve.api import build_app
     from loopserve.serve.connection import GracefulServer, read_timeout_protocol
 
+    listener = listen(args.host, args.port)  # (before the model loads: a port in use is said at once)
     try:
         engine, settings = load_server(args)
     except ValueError as e:
+        listener.close()
         raise CommandError(str(e)) from None
     engine_failed = False
 
@@ -322,11 +326,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal: exit quietly then
     signal.signal(signal.SIGTERM, _exit_with(0))
     signal.signal(signal.SIGINT, _exit_with(130))
-    server.run()
+    server.run(sockets=[listener])
     if engine_failed:
         print("error: the engine failed (see the log above); the server has stopped", file=sys.stderr, flush=True)
         return 1
     return 0 if server.started else 1
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound as uvicorn binds it (IPv6 for a host with a colon, SO_REUSEADDR), or a
+    CommandError naming the flag: a port in use or a host that does not resolve was reported only after the model
+    had loaded, under a "serving on" line."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except socket.gaierror as e:
+        sock.close()
+        raise CommandError(f"--host: {host!r} is not an address of this machine ({e.strerror})") from None
+    except OSError as e:
+        sock.close()
+        flag = "--port" if e.errno in (errno.EADDRINUSE, errno.EACCES) else "--host"
+        raise CommandError(f"{flag}: cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def _warn_kl(engine: LLMEngine) -> None:
