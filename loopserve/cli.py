@@ -170,7 +170,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise CommandError(f"--prompts-file: {args.prompts_file}: {why}") from None
         prompts += [ln.rstrip("\n") for ln in text.splitlines() if ln.strip()]
     if not prompts:
-        raise CommandError("give prompts as arguments or with --prompts-file")
+        raise CommandError(f"--prompts-file: {args.prompts_file}: no prompts in it (one a line)" if args.prompts_file
+                           else "give prompts as arguments or with --prompts-file")
     try:
         llm = LLM(args.model, chat_template=args.chat_template, generation_config=args.generation_config,
                   **load_kwargs(args), **engine_kwargs(args))
@@ -220,7 +221,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    for name, fn, help_ in (("generate", cmd_generate, "generate text, streaming, with exit depths"),
+    for name, fn, help_ in (("generate", cmd_generate, "generate text with exit depths (one prompt is streamed)"),
                             ("demo", cmd_demo, "generate from the embedded default model")):
         p = sub.add_parser(name, help=help_, formatter_class=HELP_FORMAT)
         p.add_argument("prompts", nargs="*")
@@ -234,7 +235,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loopserve", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    from loopserve import __version__
+
+    parser.add_argument("--version", action="version", version=f"loopserve {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in _COMMAND_MODULES:
         try:
             module = importlib.import_module(name)

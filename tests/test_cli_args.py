@@ -353,3 +353,16 @@ def test_an_unknown_flag_is_reported_with_its_commands_usage(argv, prog, capsys)
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith(f"usage: {prog} ") and err.endswith(
         f"{prog}: error: unrecognized arguments: --bogus\n"), err
+
+
+def test_version_flag_and_a_missing_command(capsys):
+    from loopserve import __version__
+    from loopserve.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out == f"loopserve {__version__}\n"
+    for argv, missing in (([], "COMMAND"), (["bench"], "BENCHMARK"), (["eval"], "EVALUATION")):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert capsys.readouterr().err.endswith(f"error: the following arguments are required: {missing}\n")

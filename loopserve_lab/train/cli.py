@@ -118,7 +118,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_train_tiny)
 
     ev = sub.add_parser("eval", help="evaluate a looped Ouro model (perplexity under early exit, trajectories)")
-    evs = ev.add_subparsers(dest="eval_command", required=True)
+    evs = ev.add_subparsers(dest="eval_command", required=True, metavar="EVALUATION")
     p = evs.add_parser("ppl", help="held-out perplexity at fixed depths and over exit thresholds, per KV layout")
     p.add_argument("model", nargs="?", default=None, help="model folder (default: the embedded model)")
     p.add_argument("--windows", type=positive_int, default=48, help="held-out windows to score (default: %(default)s)")

