@@ -38,6 +38,7 @@ pytestmark = pytest.mark.timeout(180)
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 SLOW_S = 3.0  # how long a marked tokenizer call takes
 MARK_LEN = 77  # a /detokenize of this many ids is slowed
+MARK_ID = 433  # and so is the string of this one token (a logprob entry's, where a response is formatted)
 MAX_NUM_SEQS = 3
 POOL_THREADS = 4  # anyio's shared worker threads in the server (generation requests are built on them)
 PREFIX = [(7 * j) % 300 + 3 for j in range(70)]  # 4 full blocks of 16, then 6 tokens
@@ -89,6 +90,8 @@ def slow_encode(self, text, *args, **kwargs):
 def slow_decode(self, ids, *args, **kwargs):
     if len(ids) == {MARK_LEN}:
         slow("decode")
+    elif list(ids) == [{MARK_ID}]:
+        slow("format")
     return decode(self, ids, *args, **kwargs)
 
 
@@ -149,6 +152,28 @@ def test_tokenize_and_detokenize_run_off_the_event_loop(server):
         assert health_s < SLOW_S / 2, (path, health_s)
     threads = re.findall(r"(?:encode|decode) on thread (\S+)", server.log.read_text())
     assert len(threads) >= len(calls) and "MainThread" not in threads, threads  # (uvicorn's loop runs there)
+
+
+def test_a_response_with_logprobs_is_formatted_off_the_event_loop(server):
+    """(20 echoed prompts of 1,022 tokens with 20 logprobs each took 1.3 s to format on the event loop, every other
+    stream waiting.) The echoed prompt's marked token is slow to turn into its string: /health answers meanwhile."""
+    before = server.log.read_text().count("format on thread")
+    answer: dict = {}
+    body = {"prompt": [5, MARK_ID, 6], "max_tokens": 1, "echo": True, "logprobs": 1}
+    t = threading.Thread(target=lambda: answer.update(r=server.post(C, body, timeout=60)))
+    t.start()
+    deadline = time.monotonic() + 30
+    while server.log.read_text().count("format on thread") == before:
+        assert time.monotonic() < deadline, server.log.read_text()[-2000:]
+        time.sleep(0.02)
+    start = time.monotonic()
+    assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+    health_s = time.monotonic() - start
+    t.join(60)
+    assert answer["r"].status_code == 200, answer["r"].text
+    assert health_s < SLOW_S / 2, health_s
+    threads = re.findall(r"format on thread (\S+)", server.log.read_text())
+    assert threads and "MainThread" not in threads, threads
 
 
 def test_tokenize_calls_run_on_a_lane_of_their_own(server):

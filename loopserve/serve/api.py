@@ -577,7 +577,7 @@ class OpenAIServing:
                 return Response(status_code=499)
             if gen.req.streaming:  # the search is over: its result, streamed (`beam_search`)
                 return GroupStreamingResponse(self.stream(gen, _replay(beams)), None)
-            return self.respond(gen, beams)
+            return await self.respond_off_loop(gen, beams)
         # before admission: the engine thread may report them at once
         self.metrics.requested(gen.seqs)
         if not gen.generated:
@@ -589,6 +589,14 @@ class OpenAIServing:
         outs = await self.collect(gen, group, request)
         if outs is None:
             return Response(status_code=499)
+        return await self.respond_off_loop(gen, outs)
+
+    async def respond_off_loop(self, gen: _Generation, outs: list[RequestOutput]) -> JSONResponse:
+        """`respond`, on a worker thread when the response writes logprobs: 20 echoed prompts of 1,022 tokens with
+        20 logprobs each took 1.3 s to format and encode, every stream's chunks waiting on the event loop meanwhile
+        (Python threads take turns every few ms, so the loop now keeps serving while it runs)."""
+        if any(o.prompt_logprobs is not None or any(c.logprobs is not None for c in o.outputs) for o in outs):
+            return await anyio.to_thread.run_sync(self.respond, gen, outs)
         return self.respond(gen, outs)
 
     def respond(self, gen: _Generation, outs: list[RequestOutput]) -> JSONResponse:
