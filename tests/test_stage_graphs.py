@@ -6,6 +6,7 @@ graphs on a GPU."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -21,9 +22,12 @@ from tests.test_engine_exact import matrix_workload
 
 BASE = dict(block_size=4, max_decode_batch=5, prefill_chunk_size=8, max_num_batched_tokens=8, min_coda_batch=2,
             kv_safety_margin=0.1, cuda_graphs=True)
-# wide: five sequences resident (a batch of 5 runs padded to 6); small: a pool of 9 blocks preempts. Keys are
+# wide: five sequences resident (a batch of 5 runs padded to 6: the prompts arrive at once and are prefilled
+# several a tick, since a prefill tick waits for the tokens in flight at the last one); small: a pool of 9 blocks
+# preempts. Keys are
 # bucketed by block (1, 2, 3, 4, 6, 8, ... blocks of 4, at most the table's width)
-POOLS = {"wide": dict(kv_cache_tokens=400, max_num_seqs=6), "small": dict(kv_cache_tokens=36, max_num_seqs=5)}
+POOLS = {"wide": dict(kv_cache_tokens=400, max_num_seqs=6, max_num_batched_tokens=64),
+         "small": dict(kv_cache_tokens=36, max_num_seqs=5)}
 
 
 @pytest.mark.parametrize("layout", ["depth_indexed", "last_exited", "shared"])
@@ -33,8 +37,10 @@ POOLS = {"wide": dict(kv_cache_tokens=400, max_num_seqs=6), "small": dict(kv_cac
 def test_padded_stages_match_reference(arch, policy, pool, scheduler, layout, tiny_ouro, tiny_huginn):
     path, state_init = (tiny_ouro, "zero") if arch == "ouro" else (tiny_huginn, "like-init")
     engine = make_engine(path, state_init, scheduler=scheduler, kv_layout=layout, lookahead=policy == "lookahead",
-                         **BASE, **POOLS[pool])
+                         **{**BASE, **POOLS[pool]})
     reqs = matrix_workload(arch, policy, engine.model_config.r_max)
+    if pool == "wide":  # (all at once, so that five decode together)
+        reqs = [dataclasses.replace(r, arrive=0) for r in reqs]
     outs = drive(engine, reqs)
     for r in reqs:
         assert_matches(outs[r.rid], reference(engine, r))
