@@ -1,6 +1,12 @@
 """loopserve: a serving engine for looped (recurrent-depth) language models."""
 
-from importlib.metadata import PackageNotFoundError, version
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
+
+try:
+    __version__ = _version("loopserve")  # (vLLM's `vllm.__version__`; also `loopserve --version` and GET /version)
+except PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "unknown"
 
 from loopserve.async_llm import AsyncEngineArgs, AsyncLLM, AsyncLLMEngine, EngineArgs
 from loopserve.engine.config import EngineConfig
@@ -15,11 +21,6 @@ from loopserve.sampling_params import (
     SamplingParams,
     StructuredOutputsParams,
 )
-
-try:
-    __version__ = version("loopserve")  # (vLLM's `vllm.__version__`; also `loopserve --version` and GET /version)
-except PackageNotFoundError:  # run from a source tree that was never installed
-    __version__ = "unknown"
 
 __all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "AsyncLLM", "EngineArgs", "AsyncEngineArgs", "EngineConfig",
            "SamplingParams", "RequestOutputKind", "GuidedDecodingParams", "StructuredOutputsParams", "BeamSearchParams",

@@ -236,6 +236,10 @@ class Tokenizer:
         if not path.is_file():
             raise ValueError(f"{path}: missing tokenizer file")
         self.tok = HFTokenizer.from_file(str(path))
+        # a tokenizer.json may carry padding or truncation settings; transformers applies them only when a call
+        # asks (here none does), and the batch calls that release the GIL would otherwise pad or cut every text
+        self.tok.no_padding()
+        self.tok.no_truncation()
         cfg_path = folder / "tokenizer_config.json"
         self.config: dict[str, Any] = read_json_object(cfg_path) if cfg_path.is_file() else {}
         # transformers' attributes: the folder it was loaded from, and the longest input the model takes

@@ -77,7 +77,8 @@ def test_a_port_in_use_or_a_bad_host_is_an_error_before_the_model_loads(capsys, 
         port = taken.getsockname()[1]
         for argv, words in ((["--port", str(port)], f"error: --port: cannot listen on 127.0.0.1:{port}: Address "
                                                     "already in use"),
-                            (["--host", "999.1.1.1"], "error: --host: '999.1.1.1' is not an address of this machine")):
+                            (["--host", "nohost.invalid"], "error: --host: 'nohost.invalid' is not an address of this "
+                                                           "machine")):
             with pytest.raises(SystemExit) as e:
                 main(["serve", *argv])
             assert e.value.code == 2 and capsys.readouterr().err.startswith(words)

@@ -154,12 +154,14 @@ def test_tokenize_and_detokenize_run_off_the_event_loop(server):
     assert len(threads) >= len(calls) and "MainThread" not in threads, threads  # (uvicorn's loop runs there)
 
 
-def test_a_response_with_logprobs_is_formatted_off_the_event_loop(server):
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_response_with_logprobs_is_formatted_off_the_event_loop(server, stream):
     """(20 echoed prompts of 1,022 tokens with 20 logprobs each took 1.3 s to format on the event loop, every other
-    stream waiting.) The echoed prompt's marked token is slow to turn into its string: /health answers meanwhile."""
+    stream waiting.) The echoed prompt's marked token is slow to turn into its string: /health answers meanwhile.
+    Streamed, the first chunk holds the prompt's logprobs."""
     before = server.log.read_text().count("format on thread")
     answer: dict = {}
-    body = {"prompt": [5, MARK_ID, 6], "max_tokens": 1, "echo": True, "logprobs": 1}
+    body = {"prompt": [5, MARK_ID, 6], "max_tokens": 1, "echo": True, "logprobs": 1, "stream": stream}
     t = threading.Thread(target=lambda: answer.update(r=server.post(C, body, timeout=60)))
     t.start()
     deadline = time.monotonic() + 30

@@ -425,3 +425,25 @@ def test_fewest_tokens_gives_no_bound_where_text_can_vanish(tiny_ouro, tmp_path)
     stripping.save(str(tmp_path / "strip" / "tokenizer.json"))
     assert LoopTokenizer(tmp_path / "strip").fewest_tokens(" " * 1000 + "<mask>") == 0
     assert LoopTokenizer(tiny_ouro).fewest_tokens(" " * 1000 + "<mask>") > 0  # the plain byte-level one: bounded
+
+
+def test_padding_or_truncation_in_tokenizer_json_is_not_applied(tiny_ouro, tmp_path) -> None:
+    """transformers pads or cuts only when a call asks; the batch calls that release the GIL (`encode_texts`, long
+    texts) would otherwise pad every bad word to the longest (pad ids that never match) or cut a prompt."""
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    for f in tiny_ouro.iterdir():
+        if f.name.startswith("tokenizer"):
+            (folder / f.name).write_bytes(f.read_bytes())
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    spec["padding"] = {"strategy": {"Fixed": 16}, "direction": "Right", "pad_to_multiple_of": None, "pad_id": 0,
+                       "pad_type_id": 0, "pad_token": "<pad>"}
+    spec["truncation"] = {"direction": "Right", "max_length": 2, "strategy": "LongestFirst", "stride": 0}
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    texts = ["hen", "the king and the queen"]
+    plain = Tokenizer.from_file(str(tiny_ouro / "tokenizer.json"))
+    expected = [plain.encode(t, add_special_tokens=False).ids for t in texts]
+    tok = LoopTokenizer(folder)
+    assert tok.encode_texts(texts, add_special_tokens=False) == expected
+    assert [tok.encode(t, add_special_tokens=False) for t in texts] == expected
+    assert len(expected[1]) > 2  # (so the truncation would have cut it)

@@ -564,12 +564,16 @@ class Scheduler:
 
     # -- the decision ---------------------------------------------------------------------------------
     def schedule(self) -> StagePlan:
+        plan = self._plan_or_prefill()
+        # Backstop for a stall (nothing can run while partly prefilled prompts hold the pool).
+        while plan.stage is Stage.IDLE and self._drop_partial_prefill():
+            plan = self._plan_or_prefill()
+        return plan
+
+    def _plan_or_prefill(self) -> StagePlan:
         plan = self._plan()
         if plan.stage is Stage.IDLE and self.waiting:  # nothing else can run: the prompts wait for no one
             plan = self._prefill_turn(owed_first=False) or plan
-        # Backstop for a stall (nothing can run while partly prefilled prompts hold the pool).
-        while plan.stage is Stage.IDLE and self._drop_partial_prefill():
-            plan = self._plan()
         return plan
 
     def _plan(self) -> StagePlan:

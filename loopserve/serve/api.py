@@ -692,7 +692,11 @@ class OpenAIServing:
                     d = sent[i, c.index]
                     if d.finished or (not gen.generated and d.echoed and c.finish_reason is None):
                         continue  # nothing new for this choice
-                    choice = self.choice(gen, i, out, c, d, True)
+                    if not d.chunks and out.prompt_logprobs is not None:  # (a prompt's worth of logprobs: as
+                        # a response's, formatted on a worker thread, `respond_off_loop`)
+                        choice = await anyio.to_thread.run_sync(self.choice, gen, i, out, c, d, True)
+                    else:
+                        choice = self.choice(gen, i, out, c, d, True)
                     body = chunk(choice, usage_body([out], d.tokens, c) if continuous else None)
                     if gen.kind.chat and req.prompt_logprobs is not None and not chat_prompt_sent:
                         body["prompt_logprobs"] = gen.fmt.prompt_logprobs(out)  # top level, as in the response

