@@ -130,25 +130,31 @@ def _refused(r: httpx.Response, param: str) -> str:
 
 
 # -- /tokenize and /detokenize off the event loop -----------------------------------------------------------------
+def _health_during_slow_call(server: Server, path: str, body: dict, what: str) -> float:
+    """Seconds GET /health took while `body`'s request to `path` was inside its slow `what` call (the request then
+    answered 200). On the event loop /health would wait for the rest of it (SLOW_S, less the poll's lag)."""
+    before = server.log.read_text().count(f"{what} on thread")
+    answer: dict = {}
+    t = threading.Thread(target=lambda: answer.update(r=server.post(path, body, timeout=60)))
+    t.start()
+    deadline = time.monotonic() + 30
+    while server.log.read_text().count(f"{what} on thread") == before:  # the slow call has started
+        assert time.monotonic() < deadline, server.log.read_text()[-2000:]
+        time.sleep(0.02)
+    start = time.monotonic()
+    assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+    health_s = time.monotonic() - start
+    t.join(60)
+    assert answer["r"].status_code == 200, answer["r"].text
+    return health_s
+
+
 def test_tokenize_and_detokenize_run_off_the_event_loop(server):
     calls = (("/tokenize", {"prompt": "SLOW-TOKENIZE to be"}, "encode"),
              ("/tokenize", {"messages": [{"role": "user", "content": "SLOW-TOKENIZE hi"}]}, "encode"),
              ("/detokenize", {"tokens": [5] * MARK_LEN}, "decode"))
     for path, body, what in calls:
-        before = server.log.read_text().count(f"{what} on thread")
-        answer: dict = {}
-        t = threading.Thread(target=lambda: answer.update(r=server.post(path, body, timeout=60)))  # noqa: B023
-        t.start()
-        deadline = time.monotonic() + 30
-        while server.log.read_text().count(f"{what} on thread") == before:  # the slow call has started
-            assert time.monotonic() < deadline, server.log.read_text()[-2000:]
-            time.sleep(0.02)
-        start = time.monotonic()
-        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
-        health_s = time.monotonic() - start
-        t.join(60)
-        assert answer["r"].status_code == 200, answer["r"].text
-        # on the event loop /health would wait for the rest of the slow call (SLOW_S, less the poll's lag)
+        health_s = _health_during_slow_call(server, path, body, what)
         assert health_s < SLOW_S / 2, (path, health_s)
     threads = re.findall(r"(?:encode|decode) on thread (\S+)", server.log.read_text())
     assert len(threads) >= len(calls) and "MainThread" not in threads, threads  # (uvicorn's loop runs there)
@@ -159,20 +165,8 @@ def test_a_response_with_logprobs_is_formatted_off_the_event_loop(server, stream
     """(20 echoed prompts of 1,022 tokens with 20 logprobs each took 1.3 s to format on the event loop, every other
     stream waiting.) The echoed prompt's marked token is slow to turn into its string: /health answers meanwhile.
     Streamed, the first chunk holds the prompt's logprobs."""
-    before = server.log.read_text().count("format on thread")
-    answer: dict = {}
     body = {"prompt": [5, MARK_ID, 6], "max_tokens": 1, "echo": True, "logprobs": 1, "stream": stream}
-    t = threading.Thread(target=lambda: answer.update(r=server.post(C, body, timeout=60)))
-    t.start()
-    deadline = time.monotonic() + 30
-    while server.log.read_text().count("format on thread") == before:
-        assert time.monotonic() < deadline, server.log.read_text()[-2000:]
-        time.sleep(0.02)
-    start = time.monotonic()
-    assert httpx.get(server.url + "/health", timeout=30).status_code == 200
-    health_s = time.monotonic() - start
-    t.join(60)
-    assert answer["r"].status_code == 200, answer["r"].text
+    health_s = _health_during_slow_call(server, C, body, "format")
     assert health_s < SLOW_S / 2, health_s
     threads = re.findall(r"format on thread (\S+)", server.log.read_text())
     assert threads and "MainThread" not in threads, threads
