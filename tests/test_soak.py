@@ -56,3 +56,39 @@ def test_short_soak(tmp_path):
     # never 0 so far, but nothing guarantees it); the 30-minute soak reports their count.
     assert outcomes["rejected"] > 0 and kinds["burst"].get("rejected", 0) > 0
     assert server["rejected_overload"] >= outcomes["rejected"]
+
+
+def test_every_bad_input_gets_its_status(tiny_ouro, tmp_path):
+    """The soak draws its bad inputs at random, so one a change had made valid (an unknown chat role, which vLLM
+    passes to the template) failed it only in the runs that drew it. Here each is sent once, the soak's way."""
+    import httpx
+
+    from loopserve_lab.bench import soak
+
+    cfg = soak.SoakConfig(duration_s=0)
+    proc, base_url, _ = soak.start_server(cfg, tiny_ouro, tmp_path / "server.log")
+    try:
+        info = httpx.get(base_url + "/v1/models", timeout=10).json()["data"][0]
+        max_len = int(info["max_model_len"])
+        lim = soak.Limits(room=min(max_len, cfg.kv_cache_tokens), max_model_len=max_len, r_max=int(info["r_max"]),
+                          capacity=cfg.max_num_seqs + cfg.max_queued_requests, body_limit=cfg.max_request_body_bytes,
+                          read_timeout_s=cfg.read_timeout_s)
+        wrong = {}
+        with httpx.Client(base_url=base_url, timeout=60) as client:
+            for name, method, path, body, want, content_type in soak.bad_inputs(lim):
+                kw: dict = {}
+                if body == "chunked" or isinstance(body, bytes):
+                    chunks = iter([b" " * 4096] * (lim.body_limit // 4096 + 2))
+                    kw["content"] = chunks if body == "chunked" else body
+                    kw["headers"] = {"Content-Type": content_type} if content_type else {}
+                elif body is not None:
+                    kw["json"] = body
+                try:
+                    status = client.request(method, path, **kw).status_code
+                except httpx.TransportError:  # (an over-limit body's reset may overtake its 413: the soak's rule)
+                    status = 413 if want == 413 else "reset"
+                if status != want:
+                    wrong[name] = (status, want)
+        assert not wrong, wrong
+    finally:
+        soak.stop_server(proc)
