@@ -967,22 +967,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_peer_args(p)
     p.set_defaults(func=_cmd_peer, threads=1)
     for command in bsub.choices.values():
-        command.set_defaults(func=_refusing_bad_values(command.get_default("func")))
         command.formatter_class = HelpFormat
         for action in command._actions:  # (argparse prints no help line, so no default, for a flag without help)
             if action.help is None and action.option_strings and action.nargs != 0:
                 action.help = "default: %(default)s"
-
-
-def _refusing_bad_values(cmd: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """`cmd`, its ValueErrors (an engine knob or workload the engine refuses: each names its field) reported as
-    `error:` lines (CommandError) rather than tracebacks, as `loopserve generate` reports them."""
-    def run(args: argparse.Namespace) -> int:
-        try:
-            return cmd(args)
-        except ValueError as e:
-            raise CommandError(str(e)) from None
-    return run
 
 
 def _add_peer_args(p: argparse.ArgumentParser) -> None:

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from loopserve.cli import CommandError
 from loopserve.device import bf16_is_emulated
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine import LLMEngine, StageRecord
@@ -101,9 +102,12 @@ class BenchModel:
     def engine(self, seed: int = 0, timed: TimedModel | None = None, **cfg: Any) -> LLMEngine:
         """An engine on this model (`timed`: on that wrapper of it, which times the model's stages); a KV pool sized
         to the workload (`kv_cache_tokens`) is its longest request, not the model's context."""
-        config = EngineConfig(**cfg)
-        return LLMEngine(self.model if timed is None else timed, self.tokenizer, config, seed,
-                         pool_model_len(config, self.config.max_position))
+        try:
+            config = EngineConfig(**cfg)
+            return LLMEngine(self.model if timed is None else timed, self.tokenizer, config, seed,
+                             pool_model_len(config, self.config.max_position))
+        except ValueError as e:  # a knob the engine refuses (each names its field): the command's error line
+            raise CommandError(str(e)) from None
 
 
 def pool_model_len(cfg: EngineConfig, max_position: int) -> int | None:
