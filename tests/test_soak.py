@@ -76,13 +76,7 @@ def test_every_bad_input_gets_its_status(tiny_ouro, tmp_path):
         wrong = {}
         with httpx.Client(base_url=base_url, timeout=60) as client:
             for name, method, path, body, want, content_type in soak.bad_inputs(lim):
-                kw: dict = {}
-                if body == "chunked" or isinstance(body, bytes):
-                    chunks = iter([b" " * 4096] * (lim.body_limit // 4096 + 2))
-                    kw["content"] = chunks if body == "chunked" else body
-                    kw["headers"] = {"Content-Type": content_type} if content_type else {}
-                elif body is not None:
-                    kw["json"] = body
+                kw = soak.bad_request_kwargs(body, content_type, iter([b" " * 4096] * (lim.body_limit // 4096 + 2)))
                 try:
                     status = client.request(method, path, **kw).status_code
                 except httpx.TransportError:  # (an over-limit body's reset may overtake its 413: the soak's rule)

@@ -336,6 +336,15 @@ def bad_inputs(lim: Limits) -> list[tuple[str, str, str, Any, int, str | None]]:
     ]
 
 
+def bad_request_kwargs(body: Any, content_type: str | None, over_limit: Any) -> dict[str, Any]:
+    """The httpx keyword arguments that send a `bad_inputs` case's body: raw bytes, or `over_limit` for the
+    "chunked" case (streamed content past the body limit), with the case's Content-Type; else its JSON, if any."""
+    if body == "chunked" or isinstance(body, bytes):
+        return {"content": over_limit if body == "chunked" else body,
+                "headers": {"Content-Type": content_type} if content_type else {}}
+    return {} if body is None else {"json": body}
+
+
 # -- answer checks -------------------------------------------------------------------------------------------
 def _need(ok: bool, what: str) -> None:
     if not ok:
@@ -760,12 +769,7 @@ class Traffic:
                 yield b" " * 4096
 
         async def go() -> tuple[str, int | None, str]:
-            kw: dict[str, Any] = {}
-            if body == "chunked" or isinstance(body, bytes):
-                kw["content"] = chunks() if body == "chunked" else body
-                kw["headers"] = {"Content-Type": content_type} if content_type else {}
-            elif body is not None:
-                kw["json"] = body
+            kw = bad_request_kwargs(body, content_type, chunks())
             seen = self.bad_statuses.setdefault(name, Counter())
             try:
                 r = await self.client.request(method, path, **kw)

