@@ -927,6 +927,21 @@ def test_bench_host_runs_a_huginn_shaped_null_model(bench_cache, single_thread):
         main(["bench", "host", "--arch", "gpt", "--no-progress"])
 
 
+@pytest.mark.parametrize("scheduler", ["cb", "cdb"])
+def test_bench_host_decodes_every_request_together(scheduler, tmp_path, single_thread):
+    """A point measures `width` requests decoding at once, whatever the context: every prompt is prefilled
+    before the first decode tick, which runs all of them (prefill takes turns with decoding, so a budget of a
+    few prompts a tick would fill the batch a few requests a token and time a narrower batch)."""
+    from loopserve.models.loader import load_model
+    from loopserve_lab.bench import host
+    from loopserve_lab.tiny import make_tiny
+
+    loaded = load_model(make_tiny(tmp_path / "null", host.NULL_SPECS["ouro"]), "float32", "cpu")
+    width = 6
+    point = host.measure(scheduler, width, 4096, loaded, output_kind="final_only", output_len=3)
+    assert [rows for _, rows in point.ticks[0][1]] == [width]  # (CB: a prelude tick, CDB: a core tick)
+
+
 def test_bench_host_projection_replays_the_ticks():
     """The device-idle projection by hand for two ticks: a core tick, then a coda tick with its preludes;
     serial idle is host / (host + device), pipelined counts only the host time the device waits for."""

@@ -162,9 +162,12 @@ def null_engine(scheduler: str, width: int, context: int, loaded: LoadedModel,
                 output_len: int = OUTPUT_TOKENS) -> LLMEngine:
     block = 16
     tokens = width * (-(-(context + output_len + 1) // block) + 1) * block
+    chunk = 2048
+    # every prompt's next chunk in one prefill tick: all `width` requests are prefilled before the first decode
+    # tick (prefill takes turns with decoding: with a smaller budget the batch would fill a few prompts a token)
     cfg = EngineConfig(scheduler=scheduler, max_decode_batch=width, max_num_seqs=width, block_size=block,
-                       kv_cache_tokens=tokens, prefill_chunk_size=2048, max_num_batched_tokens=8192,
-                       kv_safety_margin=0.0)
+                       kv_cache_tokens=tokens, prefill_chunk_size=chunk,
+                       max_num_batched_tokens=width * min(chunk, context), kv_safety_margin=0.0)
     return LLMEngine(NullLM(loaded.model), loaded.tokenizer, cfg,
                      max_model_len=pool_model_len(cfg, loaded.config.max_position))
 
