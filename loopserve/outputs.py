@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
+from typing import Any, overload
+
+import numpy as np
 
 
 @dataclass
@@ -10,6 +15,78 @@ class Logprob:
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None  # the token's text as decoded alone (' the', not the BPE symbol 'Ġthe')
+
+
+class PromptLogprobs(SequenceABC):
+    """`RequestOutput.prompt_logprobs`, read as vLLM's list: an entry per prompt token, None for the first (nothing
+    precedes it), else {token id: Logprob}, the token's own first, then the top ones by rank (the token once, first,
+    with its top rank, when it is among them). Held as the arrays the device computed, a prefilled chunk at a time;
+    the entries (a `Logprob` each, its token's text decoded) are made when first read, by whoever reads them (the
+    server's response formatter runs off the engine thread), not by the engine as each chunk lands: a prompt of 1,000
+    tokens at 20 logprobs is 21,000 of them."""
+
+    def __init__(self, length: int, k: int, decode: Callable[[int], str | None]) -> None:
+        """`length` prompt tokens, `k` top logprobs each; `decode`: a token's text (vLLM's decoded_token)."""
+        self._length, self._k, self._decode = length, k, decode
+        self._chunks: list[tuple[int, dict[str, np.ndarray]]] = []
+        self._entries: list[dict[int, Logprob] | None] | None = None
+
+    def add(self, position: int, rows: dict[str, np.ndarray]) -> None:
+        """The logprobs of prompt tokens position+1, position+2, ...: row j of `rows` scores token position+1+j
+        ("tokens", "lp_chosen", "lp_rank" and, for k > 0, "lp_top_ids" / "lp_top_vals" of at least k columns). A
+        position given twice (a prompt prefilled again after preemption) takes the later row, the same values."""
+        # copies of its rows and top k: the batch's arrays (every request's, the batch's largest k) are not kept alive
+        names = ("tokens", "lp_chosen", "lp_rank", *(("lp_top_ids", "lp_top_vals") if self._k else ()))
+        self._chunks.append((position, {name: rows[name][:, :self._k].copy() if rows[name].ndim == 2
+                                        else rows[name].copy() for name in names}))
+        self._entries = None
+
+    def _list(self) -> list[dict[int, Logprob] | None]:
+        entries = self._entries
+        if entries is None:
+            entries = [None] * self._length
+            decode, k = self._decode, self._k
+            for position, rows in list(self._chunks):  # (a snapshot: the engine may add a chunk meanwhile)
+                n = len(rows["tokens"])
+                tops = (zip(rows["lp_top_ids"].tolist(), rows["lp_top_vals"].tolist(), strict=True) if k
+                        else [((), ())] * n)
+                own = zip(rows["tokens"].tolist(), rows["lp_chosen"].tolist(), rows["lp_rank"].tolist(), strict=True)
+                for j, ((token, own_lp, own_rank), (ids, vals)) in enumerate(zip(own, tops, strict=True)):
+                    ranked = {i: Logprob(v, rank, decode(i))
+                              for rank, (i, v) in enumerate(zip(ids, vals, strict=True), start=1)}
+                    mine = ranked.pop(token, None) or Logprob(own_lp, own_rank, decode(token))
+                    entries[position + 1 + j] = {token: mine, **ranked}
+            self._entries = entries
+        return entries
+
+    @overload
+    def __getitem__(self, i: int) -> dict[int, Logprob] | None: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[dict[int, Logprob] | None]: ...
+
+    def __getitem__(self, i: int | slice) -> Any:
+        return self._list()[i]
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __iter__(self) -> Iterator[dict[int, Logprob] | None]:
+        return iter(self._list())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PromptLogprobs | list):
+            return self._list() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # (mutable, compared by value, as the list it stands for)
+
+    def __repr__(self) -> str:
+        return repr(self._list())
+
+    def __reduce__(self) -> tuple[type, tuple[list]]:
+        """Pickled (an output sent to another process) and copied as the list it reads as: no tokenizer goes along."""
+        return list, (self._list(),)
 
 
 @dataclass
@@ -66,7 +143,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     # with SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing
     # precedes it), else the token's own logprob and the top ones, computed at full depth
-    prompt_logprobs: list[dict[int, Logprob] | None] | None
+    prompt_logprobs: PromptLogprobs | None
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None

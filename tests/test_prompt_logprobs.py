@@ -5,6 +5,9 @@ and batch neighbours."""
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 import torch
 
@@ -75,3 +78,22 @@ def test_engine_equals_the_reference(arch, scheduler, tiny_ouro, tiny_huginn):
 def test_bad_values_name_the_field(bad):
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=bad)
+
+
+def test_the_engine_makes_no_entry_a_reader_does(tiny_ouro, monkeypatch):
+    """The engine keeps a prompt's logprobs as the arrays its prefill read back; the entries (a `Logprob` and a
+    decoded token each) are made when the output is first read, by the reader (the server formats responses off
+    the engine thread), and they read as vLLM's list."""
+    engine = make_engine(tiny_ouro, scheduler="cdb", prefill_chunk_size=4)
+    decoded: list[int] = []
+    decode_token = engine.tokenizer.decode_token
+    monkeypatch.setattr(engine.tokenizer, "decode_token", lambda i: decoded.append(i) or decode_token(i))
+    out = drive(engine, [Req("p", PROMPT, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2), seed=0)])["p"]
+    assert decoded == []  # no entry yet
+    entries = list(out.prompt_logprobs or [])
+    assert len(decoded) >= 2 * (len(PROMPT) - 1)
+    assert entries[0] is None and all(len(e) in (2, 3) for e in entries[1:])
+    assert out.prompt_logprobs == entries and entries == out.prompt_logprobs
+    assert out.prompt_logprobs is not None and out.prompt_logprobs[1:3] == entries[1:3]
+    assert repr(out.prompt_logprobs) == repr(entries)
+    assert pickle.loads(pickle.dumps(out)).prompt_logprobs == entries == copy.deepcopy(out).prompt_logprobs

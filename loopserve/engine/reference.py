@@ -12,7 +12,7 @@ import torch
 
 from loopserve.cache.layout import IN_FLIGHT, KVLayout
 from loopserve.cache.pool import KVStore
-from loopserve.engine.sampler import REQUEST_ERRORS, prompt_logprobs, unpack_prompt
+from loopserve.engine.sampler import REQUEST_ERRORS, prompt_logprobs
 from loopserve.engine.sequence import Sequence, failure
 from loopserve.engine.signals import step_signals, uniform_logprobs
 from loopserve.models.base import LoopedLM
@@ -54,8 +54,7 @@ class ReferenceDecoder:
                 targets = torch.tensor(prompt[start + 1:start + 1 + scored], device=dev)
                 lp = prompt_logprobs(logits[len(coda_rows) - scored:], targets, k or 0)
                 try:
-                    seq.set_prompt_logprobs(start, unpack_prompt({name: t.cpu() for name, t in lp.items()},
-                                                                 [k or 0] * scored))
+                    seq.set_prompt_logprobs(start, {name: t.cpu().numpy() for name, t in lp.items()})
                 except REQUEST_ERRORS as e:  # (non-finite logits: as `_take`)
                     self._fail(seq, e)
                     return seq

@@ -33,13 +33,11 @@ from loopserve.engine.graphs import (
 from loopserve.engine.held_tokens import HeldTokens
 from loopserve.engine.sampler import (
     GREEDY,
-    Sample,
     SampledBatch,
     adjust_logits,
     argmax_rows,
     prompt_logprobs,
     sample_rows,
-    unpack_prompt,
 )
 from loopserve.engine.sequence import Sequence, chain_seed
 from loopserve.engine.signals import step_signals, uniform_logprobs
@@ -424,15 +422,14 @@ class PendingPrefill:
         """A `Sample` per sequence in `seqs` (waits for the copy)."""
         return self.samples.get() if self.samples is not None else SampledBatch(None, [], rows=[])
 
-    def prompt_logprobs(self) -> list[tuple[Sequence, int, list[Sample]]]:
-        """(sequence, position p, samples): sample j scores its prompt token p+1+j."""
+    def prompt_logprobs(self) -> list[tuple[Sequence, int, dict[str, np.ndarray]]]:
+        """(sequence, position p, rows): row j of `prompt_logprobs`' host arrays scores its prompt token p+1+j."""
         if self._readback is None:
             return []
-        ks = [seq.params.prompt_logprobs or 0 for seq, _, n in self._spans for _ in range(n)]
-        rows = unpack_prompt(self._readback.host(), ks)
+        host = {name: t.numpy() for name, t in self._readback.host().items()}
         out, a = [], 0
         for seq, position, n in self._spans:
-            out.append((seq, position, rows[a:a + n]))
+            out.append((seq, position, {name: x[a:a + n] for name, x in host.items()}))
             a += n
         return out
 

@@ -648,11 +648,6 @@ class Sample:
         return self
 
 
-def _samples(host: dict[str, torch.Tensor]) -> list[Sample]:
-    """A `Sample` of each row's token and finiteness (map: no Python frame per row)."""
-    return list(map(Sample, host["tokens"].tolist(), host["finite"].tolist()))
-
-
 class SampledBatch:
     """A batch's samples on the host. Every row's token and whether it may be taken (its logits were
     finite and it was sampled without error) are arrays, read for the whole batch at once; a row's
@@ -712,27 +707,12 @@ def _fill_logprob(s: Sample, lists: tuple[list, list, list | None, list | None],
     s.top = list(zip(ids[j][:k], vals[j][:k], strict=True)) if ids is not None and vals is not None else []
 
 
-def _fill_logprobs(samples: list[Sample], host: dict[str, torch.Tensor], ks: list[int]) -> None:
-    """Give each sample its row of `top_logprobs`' host result, keeping the top ks[j] of row j."""
-    lists = _logprob_lists(host)
-    for j, (s, k) in enumerate(zip(samples, ks, strict=True)):
-        _fill_logprob(s, lists, j, k)
-
-
 def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
     """Logprobs of prompt tokens: row i of `logits` [R, V] scores `targets[i]` (the prompt token after
     the row's position). The raw distribution, in float64, row-wise like the sampler; stays on the
     device for one readback ("tokens", "finite" and `top_logprobs`' fields, top `k`)."""
     finite = finite_rows(logits.detach())
     return {"tokens": targets, "finite": finite, **top_logprobs(_raw64(logits, finite), targets, k)}
-
-
-def unpack_prompt(host: dict[str, torch.Tensor], ks: list[int]) -> list[Sample]:
-    """`prompt_logprobs`' host result as one `Sample` per prompt row (its token and logprobs), keeping the
-    top ks[j] of row j."""
-    out = _samples(host)
-    _fill_logprobs(out, host, ks)
-    return out
 
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],

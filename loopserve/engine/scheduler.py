@@ -610,7 +610,7 @@ class Scheduler:
 
     # -- results ----------------------------------------------------------------------------------------
     def after_prefill(self, plan: StagePlan, samples: dict[str, Sample],
-                      prompt_logprobs: list[tuple[Sequence, int, list[Sample]]] | None = None) -> None:
+                      prompt_logprobs: list[tuple[Sequence, int, dict[str, np.ndarray]]] | None = None) -> None:
         for seq, position, rows in prompt_logprobs or ():
             try:
                 seq.set_prompt_logprobs(position, rows)

@@ -7,10 +7,11 @@ import contextlib
 import copy
 import enum
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Any, Required, TypedDict, cast
 
+import numpy as np
 import torch
 
 from loopserve.engine.grammar import new_guide, with_guide
@@ -27,7 +28,7 @@ from loopserve.engine.sampler import (
 from loopserve.errors import NonFiniteError
 from loopserve.exits import DEFAULT_THRESHOLDS, GATE_POLICIES, ExitRule
 from loopserve.models.base import LoopedLM
-from loopserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from loopserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput
 from loopserve.sampling_params import TRUNCATE_TO_CONTEXT, RequestOutputKind, SamplingParams, logprobs_cap
 from loopserve.tokenizer import Tokenizer
 
@@ -379,8 +380,8 @@ class Sequence:
         self.max_new = min(params.max_tokens, limit) if params.max_tokens is not None else limit
         self._output_ids: list[int] = []
         self.logprobs: list | None = [] if params.logprobs is not None else None
-        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
-            [None] * len(self.prompt_ids) if params.prompt_logprobs is not None else None)
+        self.prompt_logprobs = (PromptLogprobs(len(self.prompt_ids), params.prompt_logprobs, self._token_text)
+                                if params.prompt_logprobs is not None else None)
         self.cumulative_logprob = 0.0
         self._exit_depths: list[int] = []
         self._text = ""  # the text of output_ids[:_decoded] (`text` decodes the rest when read)
@@ -521,23 +522,29 @@ class Sequence:
         self.append(token, exit_depth, time.monotonic() if now is None else now)
         return token
 
+    @property
+    def _token_text(self) -> Callable[[int], str | None]:
+        """A token's text in a logprob entry (vLLM's decoded_token): none without detokenize."""
+        return self.tokenizer.decode_token if self.params.detokenize else _no_text
+
     def _logprob_entry(self, sample: Sample) -> dict[int, Logprob]:
         """A token's logprob entry in vLLM's order (V1): the token's own first, then the top ones by rank (the
-        token once, first, with its top rank, when it is among them)."""
-        decode = self.tokenizer.decode_token if self.params.detokenize else _no_text  # vLLM's decoded_token
+        token once, first, with its top rank, when it is among them; `PromptLogprobs` makes a prompt's alike)."""
+        decode = self._token_text
         ranked = {i: Logprob(v, rank, decode(i)) for rank, (i, v) in enumerate(sample.top or (), start=1)}
         own = ranked.pop(sample.token, None)
         if own is None:
             own = Logprob(sample.logprob, sample.rank, decode(sample.token))  # type: ignore[arg-type]
         return {sample.token: own, **ranked}
 
-    def set_prompt_logprobs(self, position: int, samples: list[Sample]) -> None:
-        """The logprobs of prompt tokens position+1, position+2, ... (sample j scores token position+1+j,
-        from the state of the token before it). Writing a position twice (a prompt prefilled again after
-        preemption) overwrites it with the same values."""
+    def set_prompt_logprobs(self, position: int, rows: dict[str, np.ndarray]) -> None:
+        """The logprobs of prompt tokens position+1, position+2, ... (row j of `rows`, `prompt_logprobs`' host
+        arrays, scores token position+1+j from the state of the token before it), kept as arrays
+        (`PromptLogprobs`). A non-finite row fails the request (NonFiniteError)."""
         assert self.prompt_logprobs is not None
-        for j, sample in enumerate(samples):
-            self.prompt_logprobs[position + 1 + j] = self._logprob_entry(sample.checked())
+        if not rows["finite"].all():
+            raise NonFiniteError("the model produced non-finite logits for this request")
+        self.prompt_logprobs.add(position, rows)
 
     def append(self, token: int, exit_depth: int, now: float) -> None:
         metrics = self.metrics
