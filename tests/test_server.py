@@ -922,6 +922,18 @@ def test_lm_eval_loglikelihood_requests(server, offline):
         assert body["usage"]["completion_tokens"] == (len(prompts) if max_tokens else 0)
 
 
+def test_echoed_logprobs_keep_logprobs_alternatives_whatever_prompt_logprobs_asks(server):
+    """echo with logprobs 1 and prompt_logprobs 3: the echoed prompt tokens' top_logprobs hold the token and its one
+    top alternative, as the generated token's (vLLM's rule), while `prompt_logprobs` gives the 3."""
+    p = [5, 17, 99, 3, 250]
+    choice = _ok(server, "/v1/completions", {"model": MODEL, "prompt": p, "max_tokens": 1, "temperature": 0,
+                                             "echo": True, "logprobs": 1, "prompt_logprobs": 3})["choices"][0]
+    tops = choice["logprobs"]["top_logprobs"]
+    assert tops[0] is None and all(len(t) in (1, 2) for t in tops[1:]), tops
+    entries = choice["prompt_logprobs"][1:]
+    assert [len(e) for e in entries] == [3 + (e[str(t)]["rank"] > 3) for t, e in zip(p[1:], entries, strict=True)]
+
+
 def test_prompt_logprobs_field(server, offline):
     p = [5, 17, 99, 3]
     want = offline.generate([{"prompt_token_ids": p}], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2),

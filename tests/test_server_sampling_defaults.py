@@ -142,6 +142,20 @@ def test_generation_config_vllm_ignores_the_checkpoints(checkpoint):
     assert (offline.temperature, offline.top_k, offline.max_tokens) == (0.5, 3, 5)
 
 
+def test_a_generation_config_folder_caps_every_max_tokens(checkpoint):
+    """vLLM's rule (`override_max_tokens`): a generation config given as a folder caps every request's budget with its
+    max_new_tokens, whether the request sets max_tokens or not; the model's own ("auto") caps only an unset one. A
+    request is checked as it asks first (past the context: still a 400)."""
+    from loopserve.serve.api import ApiError, OpenAIServing
+
+    for mode, explicit in ((str(checkpoint), GEN["max_new_tokens"]), ("auto", 9)):
+        serving = OpenAIServing(*load_server(_args(checkpoint, "--generation-config", mode)))
+        assert serving.resolve_max_tokens(9, 16, 4, "prompt") == explicit, mode
+        assert serving.resolve_max_tokens(None, 16, 4, "prompt") == GEN["max_new_tokens"], mode
+        with pytest.raises(ApiError, match="max_tokens: this model's maximum context length"):
+            serving.resolve_max_tokens(serving.max_model_len, 16, 4, "prompt")
+
+
 # -- the exit threshold belongs to the server's exit policy --------------------------------------------------------
 def test_server_threshold_is_its_own_policys(server):
     """--exit-threshold 0.9 on an Ouro server (no --exit-policy: the gate's): a request that picks kl gets kl's

@@ -47,6 +47,9 @@ class GenerationConfig:
     # SamplingParams fields it sets: what a request that does not set them gets (vLLM's `--generation-config auto`)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     eos_token_ids: tuple[int, ...] = ()
+    # a server's cap on every request's max_tokens, set or not: the `max_new_tokens` of a generation config given
+    # as a folder (vLLM's `override_max_tokens`; with "auto" the model's own only caps an unset max_tokens)
+    max_tokens_cap: int | None = None
 
 
 @dataclass
@@ -94,7 +97,7 @@ def read_generation_config(folder: Path, mode: str = "auto", model_config: dict[
         raise ValueError(f"{path}: {e}") from None
     if out:
         log.info("%s: default sampling parameters %s (a request's own values win)", path, out)
-    return GenerationConfig(out, eos)
+    return GenerationConfig(out, eos, out.get("max_tokens") if elsewhere else None)
 
 
 def _token_ids(value: Any, path: Path, vocab_size: int | None) -> tuple[int, ...]:

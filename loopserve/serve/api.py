@@ -178,6 +178,8 @@ class ServerSettings:
     # what a request's unset fields take (`protocol.fill_defaults`): the checkpoint's generation_config.json sampling
     # defaults (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens), and min_loops, max_loops, exit_*
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    # the most tokens any completion gets, whatever its request asks (`GenerationConfig.max_tokens_cap`); None: none
+    max_tokens_cap: int | None = None
     # CORS: the origins whose pages may call the API; none: no cross-origin access at all
     allowed_origins: tuple[str, ...] = ()
     allowed_methods: tuple[str, ...] = CORS_ANY
@@ -439,13 +441,16 @@ class OpenAIServing:
                            field: str = "max_tokens") -> int | None:
         """The completion's token budget: `requested` (in the request's `field`) checked against the context
         and the KV cache, or the room left (capped by `default_max_tokens(default)`); `what` names the prompt's
-        field. The rule is `LLM`'s too (engine/budget.py)."""
+        field. The rule is `LLM`'s too (engine/budget.py); a server's `max_tokens_cap` then caps it (vLLM's
+        `get_max_tokens`: a request is checked as it asks, then capped)."""
         try:
-            return completion_budget(prompt_len, requested, max_model_len=self.max_model_len,
-                                     kv_tokens=self.kv_tokens, default=self.default_max_tokens(default),
-                                     prompt_field=what, field=field)
+            budget = completion_budget(prompt_len, requested, max_model_len=self.max_model_len,
+                                       kv_tokens=self.kv_tokens, default=self.default_max_tokens(default),
+                                       prompt_field=what, field=field)
         except ValueError as e:
             raise ApiError.bad_request(e) from None
+        cap = self.settings.max_tokens_cap
+        return budget if cap is None or budget < 1 else min(budget, cap)
 
     def default_max_tokens(self, default: int | None) -> int | None:
         """The cap on the budget of a request that sets none: the endpoint's `default` (16 for completions, none for
@@ -626,7 +631,7 @@ class OpenAIServing:
                 text = (given if given is not None
                         else self.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)) + text
             body: dict[str, Any] = {"text": text}
-            logprobs = gen.fmt.completion_logprobs(c, count, d, echo)
+            logprobs = gen.fmt.completion_logprobs(c, count, gen.req.logprobs or 0, d, echo)
         else:
             if not stream:  # (a stream sends the echoed text in a chunk of its own, first)
                 body = {"message": {"role": gen.role, "content": gen.echo_text + text}}

@@ -275,6 +275,7 @@ def load_server(args: argparse.Namespace) -> tuple[LLMEngine, ServerSettings]:
         expose_model_path=args.expose_model_path, api_keys=tuple(_api_keys(args.api_key)),
         max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_request_body_bytes,
         sampling_defaults={k: v for k, v in defaults.items() if v is not None},
+        max_tokens_cap=loaded.generation.max_tokens_cap,
         allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
         allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials,
         root_path=args.root_path, log_requests=args.enable_log_requests, max_log_len=args.max_log_len,

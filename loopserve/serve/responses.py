@@ -8,6 +8,7 @@ such a deliberate cut as an error of its own (`CutStreamFilter`).
 from __future__ import annotations
 
 import contextvars
+import itertools
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -68,10 +69,11 @@ class LogprobFormatter:
             return f"token_id:{tid}"
         return self.tok.decode([tid], skip_special_tokens=False)
 
-    def completion_logprobs(self, c: CompletionOutput, count: int, d: ChoiceStream,
+    def completion_logprobs(self, c: CompletionOutput, count: int, top: int, d: ChoiceStream,
                             echo: RequestOutput | None = None) -> dict | None:
-        """Legacy completions logprobs of c's first `count` tokens; with `echo`, the prompt's tokens first
-        (the first has none: nothing precedes it)."""
+        """Legacy completions logprobs of c's first `count` tokens, each with its `top` alternatives (the request's
+        `logprobs`) and itself; with `echo`, the prompt's tokens first (the first has none: nothing precedes it), cut
+        to as many though `prompt_logprobs` asked for more (vLLM's rule: an entry's first top + 1, the token first)."""
         if c.logprobs is None:
             return None
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -84,9 +86,10 @@ class LogprobFormatter:
             s = self.token_str(tid)
             out["tokens"].append(s)
             out["token_logprobs"].append(None if entry is None else _lp(entry[tid].logprob))
-            ranked = sorted(entry.items(), key=lambda kv: kv[1].rank or 0) if entry is not None else []
-            top = {self.token_str(t): _lp(v.logprob) for t, v in ranked}
-            out["top_logprobs"].append(None if entry is None else top)
+            kept = itertools.islice(entry.items(), top + 1) if entry is not None else ()
+            ranked = sorted(kept, key=lambda kv: kv[1].rank or 0)
+            alternatives = {self.token_str(t): _lp(v.logprob) for t, v in ranked}
+            out["top_logprobs"].append(None if entry is None else alternatives)
             out["text_offset"].append(d.offset)
             d.offset += len(s)
         return out
