@@ -634,7 +634,8 @@ class OpenAIServing:
             logprobs = gen.fmt.completion_logprobs(c, count, gen.req.logprobs or 0, d, echo)
         else:
             if not stream:  # (a stream sends the echoed text in a chunk of its own, first)
-                body = {"message": {"role": gen.role, "content": gen.echo_text + text}}
+                # (an empty tool_calls list, as vLLM's messages carry one: clients read it without a check)
+                body = {"message": {"role": gen.role, "content": gen.echo_text + text, "tool_calls": []}}
             else:
                 body = {"delta": {"content": text} if text or not finished else {}}
             if gen.tools is not None:  # a forced tool call: the output is its arguments
