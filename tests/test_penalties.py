@@ -310,6 +310,8 @@ def test_truncate_prompt_tokens(ref_llm):
     assert out.outputs[0].token_ids == direct.outputs[0].token_ids
     whole = _gen(ref_llm, PROMPT, max_tokens=6, temperature=0, ignore_eos=True, truncate_prompt_tokens=100)
     assert whole.prompt_token_ids == PROMPT
+    with pytest.raises(ValueError, match="truncate_prompt_tokens: .* maximum context length"):  # (as vLLM refuses it)
+        _gen(ref_llm, PROMPT, max_tokens=6, truncate_prompt_tokens=ref_llm.max_model_len + 1)
 
 
 def test_truncate_prompt_keeps_the_last_tokens():

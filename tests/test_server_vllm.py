@@ -269,7 +269,7 @@ def test_truncate_prompt_tokens_minus_one_keeps_what_the_context_leaves(server, 
         assert r.status_code == 400, r.text  # uncut: too long
         usage = _usage(_post(server, path, {**base, **prompt, "truncate_prompt_tokens": -1}), stream)
         assert usage["prompt_tokens"] == MAX_LEN - 3 and usage["completion_tokens"] == 3, (path, usage)
-    for path, bad in ((cmpl, 0), (cmpl, -2), (chat, 0), (chat, -2)):
+    for path, bad in ((cmpl, 0), (cmpl, -2), (chat, 0), (chat, -2), (cmpl, MAX_LEN + 1), (chat, MAX_LEN + 1)):
         r = _post(server, path, {**base, **short[path], "truncate_prompt_tokens": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
         assert r.json()["error"]["message"].startswith("truncate_prompt_tokens: "), r.text

@@ -156,7 +156,10 @@ def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int, max_to
     (vLLM's `max_input_tokens`): the last `max_model_len - max_tokens`, or `max_model_len - 1` without max_tokens
     (room for one token; the completion then runs to the context's end). `max_model_len`: the context whoever cuts
     checks the prompt against (`LLM`'s, the server's, the engine's: the same cap), so cutting again changes
-    nothing."""
+    nothing. A `keep` over `max_model_len` is a ValueError naming the field (as vLLM refuses it)."""
+    if keep is not None and keep > max_model_len:
+        raise ValueError(f"truncate_prompt_tokens: {keep} is more than this model's maximum context length "
+                         f"({max_model_len} tokens)")
     if keep == TRUNCATE_TO_CONTEXT:
         keep = max(max_model_len - (max_tokens or 1), 1)
     return ids[-keep:] if keep is not None and keep >= 1 else ids

@@ -452,6 +452,13 @@ class OpenAIServing:
         cap = self.settings.max_tokens_cap
         return budget if cap is None or budget < 1 else min(budget, cap)
 
+    def cut_prompt(self, ids: list[int], keep: int | None, max_tokens: int | None) -> list[int]:
+        """The prompt a request runs on (`truncate_prompt`), or a 400 naming truncate_prompt_tokens."""
+        try:
+            return truncate_prompt(ids, keep, self.max_model_len, max_tokens)
+        except ValueError as e:
+            raise ApiError.bad_request(e) from None
+
     def default_max_tokens(self, default: int | None) -> int | None:
         """The cap on the budget of a request that sets none: the endpoint's `default` (16 for completions, none for
         chat), and the checkpoint's generation_config.json `max_new_tokens` where it gives one (the server's
@@ -1007,7 +1014,7 @@ class OpenAIServing:
         for rid, (where, text, whole) in zip(rids, prompts, strict=True):
             requested = req.max_tokens if generated else 1
             # before the context check (the engine cuts again, by the same rule: no change)
-            ids = truncate_prompt(whole, req.truncate_prompt_tokens, self.max_model_len,
+            ids = self.cut_prompt(whole, req.truncate_prompt_tokens,
                                   self.default_max_tokens(COMPLETIONS_DEFAULT_MAX_TOKENS) if requested is None
                                   else requested)
             mt = self.resolve_max_tokens(requested, COMPLETIONS_DEFAULT_MAX_TOKENS, len(ids), where)
@@ -1031,7 +1038,7 @@ class OpenAIServing:
         params = self.beam_params(req, budget)
         starts = []
         for where, text, whole in prompts:
-            ids = truncate_prompt(whole, req.truncate_prompt_tokens, self.max_model_len, params.max_tokens)
+            ids = self.cut_prompt(whole, req.truncate_prompt_tokens, params.max_tokens)
             self.resolve_max_tokens(req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, len(ids), where)
             starts.append((where, text, ids))
         return self.beam_generation(COMPLETION, req, cid, params, starts, arrival, echo=bool(req.echo))
@@ -1102,8 +1109,8 @@ class OpenAIServing:
         if not ids:
             raise ApiError(400, "messages: the chat template produced an empty prompt", "messages")
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        ids = truncate_prompt(ids, req.truncate_prompt_tokens, self.max_model_len,
-                              self.default_max_tokens(None) if requested is None else requested)
+        ids = self.cut_prompt(ids, req.truncate_prompt_tokens, self.default_max_tokens(None) if requested is None
+                              else requested)
         name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         if requested is not None and requested < 1:  # named as the request named it (SamplingParams says max_tokens)
             raise ApiError(400, f"{name}: must be an integer >= 1, got {requested}", name)
