@@ -142,8 +142,9 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     # with SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing
-    # precedes it), else the token's own logprob and the top ones, computed at full depth
-    prompt_logprobs: PromptLogprobs | None
+    # precedes it), else the token's own logprob and the top ones, computed at full depth (`PromptLogprobs`,
+    # which reads as that list; a plain list once pickled or copied)
+    prompt_logprobs: PromptLogprobs | list[dict[int, Logprob] | None] | None
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
