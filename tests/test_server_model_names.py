@@ -135,6 +135,8 @@ def test_models_list_has_a_card_per_name(named):
         assert (card.object, card.owned_by) == ("model", "loopserve")
         # one model behind every name: the same root (the first name: the path stays private)
         assert (card.model_extra["root"], card.model_extra["max_model_len"]) == (names[0], 64)
+        [permission] = card.model_extra["permission"]  # (vLLM's one entry)
+        assert permission["object"] == "model_permission" and permission["allow_sampling"] is True
 
 
 def test_models_retrieve_each_name(named):

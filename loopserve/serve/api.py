@@ -920,8 +920,13 @@ class OpenAIServing:
         (vLLM's: its path; here the path only with --expose-model-path, else the first name)."""
         s = self.settings
         root = s.model_path if s.expose_model_path else s.model_name
+        # (vLLM's permission entry, the same for every model: clients that list the cards read it)
+        permission = {"id": f"modelperm-{name}", "object": "model_permission", "created": self.created,
+                      "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                      "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                      "organization": "*", "group": None, "is_blocking": False}
         return {"id": name, "object": "model", "created": self.created, "owned_by": "loopserve",
-                "root": root, "parent": None, "max_model_len": self.max_model_len,
+                "root": root, "parent": None, "max_model_len": self.max_model_len, "permission": [permission],
                 "r_max": self.engine.model_config.r_max}
 
     async def tokenize(self, request: Request) -> JSONResponse:
