@@ -12,7 +12,7 @@ import numpy as np
 class EngineStats:
     ticks: Counter = field(default_factory=Counter)  # stage -> ticks run
     rows: Counter = field(default_factory=Counter)  # stage -> rows computed (core: row-steps)
-    useful_core_rows: int = 0  # core row-steps whose result was kept (CB computes passive rows too)
+    useful_core_rows: int = 0  # core row-steps of tokens still looping (not CB's passive rows; verify rows count)
     prefill_token_loops: int = 0
     batch_hist: dict[str, Counter] = field(default_factory=dict)  # stage -> batch size -> ticks
     refill_events: int = 0  # a fresh item joined a non-empty core queue

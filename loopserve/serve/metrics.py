@@ -35,7 +35,7 @@ time per output token, request_params_* or request_max_num_generation_tokens.
 
 Loop-specific (from `EngineStats`): exit_depth (histogram of decode-token exit depths),
 core_batch_size (histogram of core-step batch widths), core_loops_total (core row-steps computed),
-useful_core_loops_total (row-steps whose result was kept), prefill_token_loops_total,
+useful_core_loops_total (row-steps of tokens still looping: not CB's exited rows), prefill_token_loops_total,
 refill_events_total, swap_ins_total, swap_in_shared_blocks_total, deferred_signal_steps_total (core
 steps pipelined under lookahead), engine_steps_total{stage}; speculative decoding under vLLM's names:
 spec_decode_num_drafts_total, spec_decode_num_draft_tokens_total,
@@ -145,7 +145,9 @@ class _EngineCollector(Collector):
         yield _exact_histogram(P + "core_batch_size", "Rows per core-step batch.", s.core_batch, bounds, m)
         for name, doc, value in (
                 ("core_loops", "Core row-steps computed (including passive CB rows).", s.core_rows),
-                ("useful_core_loops", "Core row-steps whose result was kept.", s.useful_core_rows),
+                ("useful_core_loops", "Core row-steps of tokens still looping: all but the rows CB keeps in its "
+                                      "batch after their tokens exited (a rejected draft's verify rows count: "
+                                      "speculation's cost is in spec_decode_*).", s.useful_core_rows),
                 ("prefill_token_loops", "Prompt tokens times loops run over them.", s.prefill_token_loops),
                 ("refill_events", "Fresh tokens that joined a non-empty core batch.", s.refill_events),
                 ("num_preemptions", "Sequences swapped out or prompts dropped for KV space.", s.preemptions),
