@@ -752,6 +752,11 @@ def test_num_speculative_tokens_field(server, spec_server, offline):
         wait_idle(spec_server)
         assert (metric(spec_server, drafts, missing=0.0) > before) == (asked > 0)
     assert post(spec_server, H, 2).status_code == 200
+    wait_idle(spec_server)
+    per_pos = [metric(spec_server, "loopserve:spec_decode_num_accepted_tokens_per_pos_total", position=str(j))
+               for j in range(2)]  # (vLLM's per-position counter: one series per draft place)
+    assert sum(per_pos) == metric(spec_server, "loopserve:spec_decode_num_accepted_tokens_total")
+    assert per_pos[0] >= per_pos[1] >= 0
     for s, path, asked in [(spec_server, C, 3), (spec_server, H, 3), (server, C, 1), (server, H, 1),
                            (spec_server, C, -1), (server, H, -1)]:
         r = post(s, path, asked)

@@ -100,6 +100,10 @@ def test_embedded_model_accepts_drafts(scheduler, layout, plain_outputs):
     st_ = llm.engine.stats
     assert drafted(llm.engine) and st_.spec_accepted_tokens > st_.spec_draft_tokens // 4
     assert st_.spec_tokens <= st_.spec_rounds + st_.spec_accepted_tokens  # fewer where a request stopped
+    # by place in the round (vLLM's per-position counter): a draft is accepted only after those before it
+    per_pos = st_.spec_accepted_per_pos
+    assert len(per_pos) == SPEC["num_speculative_tokens"] and sum(per_pos) == st_.spec_accepted_tokens
+    assert per_pos == sorted(per_pos, reverse=True) and per_pos[0] <= st_.spec_rounds
     # a verify row's exit depth is published only for emitted tokens: the stats equal the outputs'
     decode = [d for o in got for d in o.outputs[0].exit_depths[1:]]
     assert sum(st_.exit_depths.values()) == len(decode)

@@ -149,7 +149,7 @@ class LLMEngine:
         drafts = cfg.num_speculative_tokens * min(cfg.speculative_max_batch, cfg.max_num_seqs)
         self.pool = StatePool(cfg.max_num_seqs + drafts, c.hidden_size, p.dtype, p.device,
                               with_inject=model.injects)
-        self.stats = EngineStats()
+        self.stats = EngineStats(spec_accepted_per_pos=[0] * cfg.num_speculative_tokens)
         scope = cache_scope(c.arch, str(p.dtype), cfg.kv_layout, cfg.prefill_chunk_size)
         speculator = Speculator(cfg, coda_kv=c.n_coda > 0) if cfg.num_speculative_tokens else None
         self.scheduler = make_scheduler(cfg, self.kv, self.pool, self.stats,

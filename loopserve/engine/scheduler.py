@@ -849,6 +849,8 @@ class Scheduler:
         self.stats.spec_rounds += 1
         self.stats.spec_draft_tokens += len(drafts)
         self.stats.spec_accepted_tokens += matched
+        for j in range(matched):  # (a round drafts at most the engine's k: a request may ask for fewer, not more)
+            self.stats.spec_accepted_per_pos[j] += 1
         before = len(seq.output_ids)
         for i in range(matched + 1):
             if not self._append_token(seq, samples[i], depths[i], now, next_item=False):

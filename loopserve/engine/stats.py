@@ -32,6 +32,8 @@ class EngineStats:
     spec_rounds: int = 0  # speculative decoding: verify groups whose coda ran
     spec_draft_tokens: int = 0  # tokens those rounds drafted
     spec_accepted_tokens: int = 0  # drafts equal to the verifier's own token
+    # those by their place in the round (0: its first draft), one entry per draft the engine may make a round
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
     spec_tokens: int = 0  # tokens those rounds emitted (accepted drafts + the verifier's next token)
     graph_buckets: int = 0  # cuda_graphs: stage buckets prepared (on CUDA: captured), retired ones included
     graph_capture_s: float = 0.0  # CUDA: the wall time those captures took (a warm-up run and a capture each, which
@@ -71,5 +73,6 @@ class EngineStats:
             "prefix_cache_queries": self.prefix_cache_queries, "prefix_cache_hits": self.prefix_cache_hits,
             "spec_rounds": self.spec_rounds, "spec_draft_tokens": self.spec_draft_tokens,
             "spec_accepted_tokens": self.spec_accepted_tokens, "spec_tokens": self.spec_tokens,
+            "spec_accepted_per_pos": list(self.spec_accepted_per_pos),
             "graph_buckets": self.graph_buckets, "graph_capture_s": self.graph_capture_s,
         }

@@ -39,7 +39,8 @@ useful_core_loops_total (row-steps of tokens still looping: not CB's exited rows
 refill_events_total, swap_ins_total, swap_in_shared_blocks_total, deferred_signal_steps_total (core
 steps pipelined under lookahead), engine_steps_total{stage}; speculative decoding under vLLM's names:
 spec_decode_num_drafts_total, spec_decode_num_draft_tokens_total,
-spec_decode_num_accepted_tokens_total; and request_rejected_total{reason} (503s at the admission
+spec_decode_num_accepted_tokens_total, spec_decode_num_accepted_tokens_per_pos_total{position}; and
+request_rejected_total{reason} (503s at the admission
 bound).
 """
 
@@ -166,6 +167,11 @@ class _EngineCollector(Collector):
             c = CounterMetricFamily(P + name, doc, labels=LABELS)
             c.add_metric(m, float(value))
             yield c
+        per_pos = CounterMetricFamily(P + "spec_decode_num_accepted_tokens_per_pos", "Accepted drafts by their place "
+                                      "in the round (0: a round's first draft).", labels=[*LABELS, "position"])
+        for position, accepted in enumerate(s.spec_accepted_per_pos):
+            per_pos.add_metric([*m, str(position)], float(accepted))
+        yield per_pos
         steps = CounterMetricFamily(P + "engine_steps", "Engine steps by stage.", labels=[*LABELS, "stage"])
         for stage in ("prefill", "draft", "prelude", "core", "coda"):
             steps.add_metric([*m, stage], float(s.ticks.get(stage, 0)))
