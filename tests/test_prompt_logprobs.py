@@ -8,10 +8,12 @@ from __future__ import annotations
 import copy
 import pickle
 
+import numpy as np
 import pytest
 import torch
 
 from loopserve import SamplingParams
+from loopserve.outputs import Logprob, PromptLogprobs
 from tests.engine_helpers import Req, drive, make_engine, reference
 from tests.upstream import oracle
 
@@ -97,3 +99,21 @@ def test_the_engine_makes_no_entry_a_reader_does(tiny_ouro, monkeypatch):
     assert out.prompt_logprobs is not None and out.prompt_logprobs[1:3] == entries[1:3]
     assert repr(out.prompt_logprobs) == repr(entries)
     assert pickle.loads(pickle.dumps(out)).prompt_logprobs == entries == copy.deepcopy(out).prompt_logprobs
+    assert out.prompt_logprobs + [] == [] + out.prompt_logprobs == out.prompt_logprobs.copy() == entries
+
+
+def test_a_chunk_given_again_replaces_the_one_it_covers():
+    """A prompt prefilled again after preemption gives its chunks again: the entries are the later rows', made anew
+    when read after the change (a reader holding entries made before sees them replaced), and the covered chunk is
+    dropped (memory does not grow with each recomputation)."""
+    def rows(first: int, n: int, lp: float) -> dict[str, np.ndarray]:
+        return {"tokens": np.arange(first, first + n), "finite": np.ones(n, bool), "lp_chosen": np.full(n, lp),
+                "lp_rank": np.full(n, 2), "lp_top_ids": np.full((n, 3), 9), "lp_top_vals": np.full((n, 3), -0.1)}
+
+    pl = PromptLogprobs(5, 1, str)
+    pl.add(0, rows(10, 2, -1.0))
+    assert pl[1] == {10: Logprob(-1.0, 2, "10"), 9: Logprob(-0.1, 1, "9")} and pl[3] is None
+    pl.add(2, rows(12, 2, -3.0))
+    pl.add(0, rows(10, 2, -2.0))  # (again, later values: made anew)
+    assert [e and e[t].logprob for t, e in zip(range(9, 14), pl, strict=True)] == [None, -2.0, -2.0, -3.0, -3.0]
+    assert len(pl._chunks) == 2

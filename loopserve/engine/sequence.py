@@ -28,7 +28,7 @@ from loopserve.engine.sampler import (
 from loopserve.errors import NonFiniteError
 from loopserve.exits import DEFAULT_THRESHOLDS, GATE_POLICIES, ExitRule
 from loopserve.models.base import LoopedLM
-from loopserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput
+from loopserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput, logprob_entry
 from loopserve.sampling_params import TRUNCATE_TO_CONTEXT, RequestOutputKind, SamplingParams, logprobs_cap
 from loopserve.tokenizer import Tokenizer
 
@@ -531,14 +531,9 @@ class Sequence:
         return self.tokenizer.decode_token if self.params.detokenize else _no_text
 
     def _logprob_entry(self, sample: Sample) -> dict[int, Logprob]:
-        """A token's logprob entry in vLLM's order (V1): the token's own first, then the top ones by rank (the
-        token once, first, with its top rank, when it is among them; `PromptLogprobs` makes a prompt's alike)."""
-        decode = self._token_text
-        ranked = {i: Logprob(v, rank, decode(i)) for rank, (i, v) in enumerate(sample.top or (), start=1)}
-        own = ranked.pop(sample.token, None)
-        if own is None:
-            own = Logprob(sample.logprob, sample.rank, decode(sample.token))  # type: ignore[arg-type]
-        return {sample.token: own, **ranked}
+        """A sampled token's logprob entry (`logprob_entry`: vLLM's order)."""
+        return logprob_entry(sample.token, sample.logprob, sample.rank, sample.top or (),  # type: ignore[arg-type]
+                             self._token_text)
 
     def set_prompt_logprobs(self, position: int, rows: dict[str, np.ndarray]) -> None:
         """The logprobs of prompt tokens position+1, position+2, ... (row j of `rows`, `prompt_logprobs`' host

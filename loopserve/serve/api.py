@@ -449,13 +449,18 @@ class OpenAIServing:
                                        prompt_field=what, field=field)
         except ValueError as e:
             raise ApiError.bad_request(e) from None
+        return self.capped(budget)
+
+    def capped(self, max_tokens: int | None) -> int | None:
+        """A completion's `max_tokens` under the server's `max_tokens_cap` (vLLM's `override_max_tokens`), if any."""
         cap = self.settings.max_tokens_cap
-        return budget if cap is None or budget < 1 else min(budget, cap)
+        return max_tokens if cap is None or max_tokens is None or max_tokens < 1 else min(max_tokens, cap)
 
     def cut_prompt(self, ids: list[int], keep: int | None, max_tokens: int | None) -> list[int]:
-        """The prompt a request runs on (`truncate_prompt`), or a 400 naming truncate_prompt_tokens."""
+        """The prompt a request runs on (`truncate_prompt`: -1 keeps what the context leaves beside `max_tokens`,
+        capped as the completion will be), or a 400 naming truncate_prompt_tokens."""
         try:
-            return truncate_prompt(ids, keep, self.max_model_len, max_tokens)
+            return truncate_prompt(ids, keep, self.max_model_len, self.capped(max_tokens))
         except ValueError as e:
             raise ApiError.bad_request(e) from None
 
@@ -705,16 +710,21 @@ class OpenAIServing:
                     d = sent[i, c.index]
                     if d.finished or (not gen.generated and d.echoed and c.finish_reason is None):
                         continue  # nothing new for this choice
-                    if not d.chunks and out.prompt_logprobs is not None:  # (a prompt's worth of logprobs: as
-                        # a response's, formatted on a worker thread, `respond_off_loop`)
-                        choice = await anyio.to_thread.run_sync(self.choice, gen, i, out, c, d, True)
-                    else:
-                        choice = self.choice(gen, i, out, c, d, True)
-                    body = chunk(choice, usage_body([out], d.tokens, c) if continuous else None)
-                    if gen.kind.chat and req.prompt_logprobs is not None and not chat_prompt_sent:
-                        body["prompt_logprobs"] = gen.fmt.prompt_logprobs(out)  # top level, as in the response
-                        chat_prompt_sent = True
-                    yield sse(body)
+                    top_prompt = gen.kind.chat and req.prompt_logprobs is not None and not chat_prompt_sent
+                    chat_prompt_sent = chat_prompt_sent or top_prompt
+
+                    def encoded(i: int = i, out: RequestOutput = out, c: CompletionOutput = c, d: ChoiceStream = d,
+                                top_prompt: bool = top_prompt) -> str:
+                        body = chunk(self.choice(gen, i, out, c, d, True),
+                                     usage_body([out], d.tokens, c) if continuous else None)
+                        if top_prompt:  # chat: at the top level, as in the response
+                            body["prompt_logprobs"] = gen.fmt.prompt_logprobs(out)
+                        return sse(body)
+
+                    # a chunk with a prompt's worth of logprobs is formatted and encoded on a worker thread, as such a
+                    # response is (`respond_off_loop`)
+                    heavy = not d.chunks and out.prompt_logprobs is not None
+                    yield await anyio.to_thread.run_sync(encoded) if heavy else encoded()
         except EngineDeadError as e:  # (EngineStoppedError too)
             raise StreamFailed(503, str(e)) from None
         if gen.search is None:  # (a beam search logged its end itself)
@@ -1039,7 +1049,8 @@ class OpenAIServing:
         prompt's context as a normal request's is; the room a prompt leaves is the search's end for its beams
         (`BeamSearch`'s `room`), as it is a normal request's."""
         _refuse_beam_grammar(guide_field(req))
-        budget = self.default_max_tokens(COMPLETIONS_DEFAULT_MAX_TOKENS) if req.max_tokens is None else req.max_tokens
+        budget = self.capped(self.default_max_tokens(COMPLETIONS_DEFAULT_MAX_TOKENS) if req.max_tokens is None
+                             else req.max_tokens)
         params = self.beam_params(req, budget)
         starts = []
         for where, text, whole in prompts:

