@@ -54,8 +54,8 @@ class PromptLogprobs(SequenceABC):
         chunk = {name: rows[name][:, :self._k].copy() if rows[name].ndim == 2 else rows[name].copy() for name in names}
         end = position + len(chunk["tokens"])
         # (one list, swapped whole: a reader on another thread sees the old or the new; chunks this one covers go)
-        self._chunks = [(p, c) for p, c in self._chunks if not position <= p <= p + len(c["tokens"]) <= end] + [
-            (position, chunk)]
+        kept = [(p, c) for p, c in self._chunks if not (position <= p and p + len(c["tokens"]) <= end)]
+        self._chunks = [*kept, (position, chunk)]
 
     def _list(self) -> list[dict[int, Logprob] | None]:
         chunks = self._chunks
