@@ -11,6 +11,7 @@
 # - the overlap ablation at that size, interleaved: on `ouro-bench` async codas cost 16-24 % under graphs, while the
 #   separate throughput runs disagreed; since then an async coda whose tokens have arrived is taken before the next
 #   tick is planned (no extra tick when the device keeps up, docs/design.md §6.4); this A/B decides the default;
+# - the same run with its graphs captured at start-up (`--cuda-graph-warmup-tokens`): no capture inside the run;
 # - that core step's own time as graph replays against the roofline (the last lease's grid did not finish in 90 s:
 #   each point drew its random KV, up to 6.4G numbers, on the host; now drawn on the device);
 # - the device's busy share of the wall time in CB and CDB runs at that size (`--device-busy`: 52 % on the last
@@ -73,6 +74,12 @@ fi
 step overlap-ouro-1.4b-shape 120 $PY -m loopserve.cli bench ablate overlap --model ouro-1.4b-shape --device cuda \
     --dtype bfloat16 --num-requests 64 --width 32 --repeats 2 --cuda-graphs --no-progress \
     --out "$OUT/overlap-ouro-1.4b-shape"
+# graphs captured at start-up (`--cuda-graph-warmup-tokens`, this workload's contexts are under 512 tokens): the run
+# should capture nothing (its graph_buckets 0) and decode at what the first step reports "without captures"; the
+# step's time against the first step's is roughly the warm-up's cost (three engines, one each)
+step warmup-ouro-1.4b-shape 150 $PY -m loopserve.cli bench throughput --model ouro-1.4b-shape --device cuda \
+    --dtype bfloat16 --workload alpaca --num-requests 64 --mean-depth 2.5 --sweep width --widths 32 --repeats 1 \
+    --cuda-graphs --cuda-graph-warmup-tokens 512 --no-progress --out "$OUT/warmup-ouro-1.4b-shape"
 step step-latency-ouro-1.4b-shape-graphs 150 $PY -m loopserve.cli bench step-latency --model ouro-1.4b-shape \
     --device cuda --dtype bfloat16 --kv-layout shared --contexts 256,1024 --batches 1,8,32,64 --reps 5 --cuda-graphs \
     --no-progress --out "$OUT/step-latency-ouro-1.4b-shape-graphs"

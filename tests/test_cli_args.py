@@ -186,8 +186,9 @@ def test_the_serving_benchmark_passes_every_knob_to_its_server():
     given = dict(kv_layout="shared", block_size=4, kv_cache_tokens=96, kv_cache_memory_gb=0.5, max_num_seqs=7,
                  max_decode_batch=6, max_num_batched_tokens=40, prefill_chunk_size=8, min_coda_batch=3,
                  min_prelude_batch=2, kv_safety_margin=0.2, enable_prefix_caching=False, lookahead=True,
-                 pipeline_core_steps=False, async_coda=True, cuda_graphs=False, num_speculative_tokens=2,
-                 speculative_draft_loops=2, speculative_max_batch=4, speculative_min_acceptance=0.5, max_logprobs=5)
+                 pipeline_core_steps=False, async_coda=True, cuda_graphs=False, cuda_graph_warmup_tokens=64,
+                 num_speculative_tokens=2, speculative_draft_loops=2, speculative_max_batch=4,
+                 speculative_min_acceptance=0.5, max_logprobs=5)
     assert set(given) == FIELDS - {"scheduler"}  # (a new knob must be added here)
     cmd = server_command(Path("m"), "cb", given, "float32", "cpu", port=1)
     cfg = engine_kwargs(build_parser().parse_args(cmd[cmd.index("serve"):]))

@@ -105,6 +105,28 @@ def test_cuda_graphs_match_the_reference_and_replay_without_waiting(arch, schedu
 
 
 @pytest.mark.parametrize("arch", ["ouro", "huginn"])
+def test_cuda_graphs_captured_at_start_up_serve_the_run_without_captures(arch, tiny_ouro, tiny_huginn):
+    """`cuda_graph_warmup_tokens`: the buckets are captured when the engine is made (their batches of padding rows
+    write only the scratch rows), a workload within those key counts captures nothing more and never waits for the
+    device in its stage calls, and its outputs are the reference's."""
+    path = tiny_ouro if arch == "ouro" else tiny_huginn
+    kw = dict(dtype="float64", device="cuda", kv_cache_tokens=1024, max_decode_batch=5, prefill_chunk_size=8,
+              max_num_batched_tokens=16, enable_prefix_caching=False)
+    params = params_for(arch)
+    ref = LLM(path, scheduler="reference", **kw).generate(PROMPTS, params)
+    llm = LLM(path, scheduler="cdb", cuda_graphs=True, cuda_graph_warmup_tokens=64, **kw)
+    engine = llm.engine
+    assert engine is not None and engine.runner.graphs is not None
+    warmed = set(engine.runner.graphs.buckets)
+    assert warmed and engine.stats.graph_buckets == 0
+    runner = engine.runner
+    runner.prelude, runner.core, runner.coda = (sync_free(runner.prelude), sync_free(runner.core),
+                                                sync_free(runner.coda))
+    assert_equal_outputs(ref, llm.generate(PROMPTS, params))  # (the longest sequence: 30 + 8 tokens)
+    assert engine.stats.graph_buckets == 0 and set(engine.runner.graphs.buckets) == warmed
+
+
+@pytest.mark.parametrize("arch", ["ouro", "huginn"])
 def test_cuda_bfloat16_graphs_run_what_a_gpu_runs(arch, tiny_ouro, tiny_huginn):
     """bf16, graphs on: the paths a served model takes on a GPU and the float64 tests do not (the fused decode
     attention's bf16 kernels, the stacked projections' strided views, the exit gate's fp32 head copy, Huginn's

@@ -138,6 +138,65 @@ def test_graph_buffers_made_in_inference_mode_serve_steps_outside_it(tiny_huginn
         assert engine.step() is not None
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8).clone()  # (compares bits: the uninitialized KV may hold NaN)
+
+
+@pytest.mark.parametrize("arch", ["ouro", "huginn"])
+def test_warmup_prepares_every_bucket_up_to_its_tokens_and_writes_only_scratch_rows(arch, tiny_ouro, tiny_huginn):
+    """`cuda_graph_warmup_tokens` prepares (on CUDA: captures) at start-up every bucket a batch of at most
+    max_decode_batch rows and that many keys may need; a warmed bucket is not prepared again, nor counted as a
+    capture a batch waited for. The warm-up's batches are padding rows only: every KV row and state row but the
+    scratch rows keeps its bits, and the outputs stay the reference's."""
+    path, state_init = (tiny_ouro, "zero") if arch == "ouro" else (tiny_huginn, "like-init")
+    cfg = {**BASE, **POOLS["wide"]}
+    engine = make_engine(path, state_init, scheduler="cdb", **cfg, cuda_graph_warmup_tokens=10)
+    graphs = engine.runner.graphs
+    assert graphs is not None
+    stages = {"core"} | ({"prelude", "coda"} if arch == "huginn" else set())
+    # widths up to bucket(5) = 6; 10 tokens are 3 blocks of 4, so 3, 2 and 1 blocks of keys
+    assert set(graphs.buckets) == {(s, w, b * 4) for s in stages for w in (1, 2, 3, 4, 6) for b in (1, 2, 3)}
+    assert engine.stats.graph_buckets == 0 and engine.stats.graph_capture_s == 0
+    reqs = [dataclasses.replace(r, arrive=0) for r in matrix_workload(arch, "signal", engine.model_config.r_max)]
+    outs = drive(engine, reqs)
+    for r in reqs:
+        assert_matches(outs[r.rid], reference(engine, r))
+    # the run prepared (and counted) only the buckets the warm-up did not reach (longer contexts)
+    assert engine.stats.graph_buckets == len(graphs.buckets) - 15 * len(stages)
+    assert all(keys > 12 for _, _, keys in graphs.buckets[15 * len(stages):])
+
+    # what a warm-up writes, on an engine with KV and states already in place
+    engine = make_engine(path, state_init, scheduler="cdb", **cfg)
+    graphs, store, pool = engine.runner.graphs, engine.kv.store, engine.pool
+    assert graphs is not None and not graphs.buckets
+    torch.manual_seed(0)
+    for t in (store.k, store.v, pool.state, pool.inject):
+        if t is not None:
+            t.copy_(torch.randn_like(t))
+    scratch = engine.kv.reserved[0] * engine.cfg.block_size
+    before = {name: _bytes(t) for name, t in (("k", store.k), ("v", store.v), ("depth", store.depth),
+                                              ("state", pool.state), ("inject", pool.inject)) if t is not None}
+    n = graphs.warm_up(sorted(stages), engine.cfg.max_decode_batch, 40)
+    assert n == len(graphs.buckets) > 0
+    after = {"k": _bytes(store.k), "v": _bytes(store.v), "depth": _bytes(store.depth), "state": _bytes(pool.state)}
+    if pool.inject is not None:
+        after["inject"] = _bytes(pool.inject)
+    keep_kv = torch.ones(store.k.shape[2], dtype=torch.bool)
+    keep_kv[scratch] = False
+    for name in ("k", "v"):
+        assert torch.equal(after[name][:, :, keep_kv], before[name][:, :, keep_kv])
+    assert torch.equal(after["depth"], before["depth"])
+    assert torch.equal(after["state"][:pool.scratch_state], before["state"][:pool.scratch_state])
+    if pool.inject is not None:
+        assert torch.equal(after["inject"][:pool.scratch_inject], before["inject"][:pool.scratch_inject])
+
+
+def test_warmup_tokens_is_checked(tiny_ouro):
+    for bad in (-1, 1.5, "64", True):
+        with pytest.raises(ValueError, match="cuda_graph_warmup_tokens"):
+            make_engine(tiny_ouro, cuda_graph_warmup_tokens=bad)
+
+
 @given(st.integers(-3, 5000))
 def test_bucket_is_the_smallest_rung_at_or_above(n):
     if n < 1:

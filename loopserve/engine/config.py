@@ -72,6 +72,13 @@ class EngineConfig:
     cuda_graphs: bool | None = _knob(None, "replay decode core steps (and codas with layers) as CUDA graphs at "
                                      "bucketed widths and key counts; unset: on for CUDA only (on the CPU the "
                                      "padded stages run eagerly: for tests, slower)")
+    # A bucket's graph is otherwise captured when a batch first needs it, and every request of that batch waits
+    # for the capture (about 70 ms a bucket at Ouro-1.4B's size on an H200, docs/benchmarks.md §6.2). vLLM captures
+    # at start-up; this does the same for the buckets up to a key count (docs/design.md §9).
+    cuda_graph_warmup_tokens: int = _knob(0, "with cuda graphs: capture at start-up every decode bucket of batch "
+                                          "width up to max-decode-batch and key count up to this many tokens "
+                                          "(longer contexts capture when first needed); 0: every bucket when "
+                                          "first needed")
     # Self-speculative decoding (docs/design.md §12): the model drafts with a few loops, the request's
     # own depth verifies; outputs and exit depths stay those of plain decoding.
     num_speculative_tokens: int = _knob(0, "tokens drafted per verify pass (0: off); needs a per-depth KV layout "
@@ -111,6 +118,9 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gb: must be a number of GiB > 0, got {self.kv_cache_memory_gb!r}")
         if not (is_real(self.kv_safety_margin) and 0 <= self.kv_safety_margin < 1):
             raise ValueError(f"kv_safety_margin: must be in [0, 1), got {self.kv_safety_margin}")
+        warmup = self.cuda_graph_warmup_tokens
+        if not (is_int(warmup) and warmup >= 0):
+            raise ValueError(f"cuda_graph_warmup_tokens: must be an integer >= 0, got {warmup!r}")
         for name in ("num_speculative_tokens", "speculative_draft_loops", "speculative_max_batch"):
             v = getattr(self, name)
             if not is_int(v) or v < (0 if name == "num_speculative_tokens" else 1):

@@ -163,6 +163,12 @@ class LLMEngine:
             log.warning("cuda_graphs on %s: nothing to capture, the padded stages run eagerly (slower; for tests)",
                         p.device)
         self.runner = ModelRunner(model, self.layout, self.kv, self.pool, scratch_row=scratch, graphs=graphs)
+        if graphs is not None and cfg.cuda_graph_warmup_tokens:
+            t0 = time.perf_counter()
+            # (Ouro's prelude and coda have no layers: they run eagerly, never graphed)
+            stages = ["core"] + ["coda"] * (c.n_coda > 0) + ["prelude"] * (c.n_prelude > 0)
+            n = graphs.warm_up(stages, cfg.max_decode_batch, min(cfg.cuda_graph_warmup_tokens, self.max_model_len))
+            log.info("cuda graphs: %d buckets prepared at start-up in %.1f s", n, time.perf_counter() - t0)
         self._arrivals = itertools.count()
         # Async codas (CUDA by default): the host does not wait for a coda's tokens (taken when they have arrived,
         # at the latest once the next stage batch is queued: `_take_arrived_codas`, docs/design.md §6.4).

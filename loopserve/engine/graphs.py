@@ -25,7 +25,8 @@ and the injection scratch row, and write the
 pool's scratch rows, as they write the KV store's), so besides the one upload of the rows' metadata a tick
 launches from the host only its copy into the graph's buffer (and the padding's), and the replay.
 A bucket's graph is captured the first time a batch needs it (a device synchronization
-each), all into one memory pool (they never run at once, and nothing allocated while capturing
+each), or at start-up up to a key count (`warm_up`, `cuda_graph_warmup_tokens`), all into one memory
+pool (they never run at once, and nothing allocated while capturing
 outlives it). If the block table is reallocated anyway (a graph holds its address and shape), every
 graph is retired and the next ones go to a fresh pool; the retired ones are kept until the next
 capture has synchronized the device, since a replay of theirs may still be running.
@@ -71,6 +72,14 @@ def bucket(n: int) -> int:
         power = 1 << (n - 1).bit_length()  # the power of two at or above n; its 3/4 may do
         rung = power * 3 // 4 if power * 3 // 4 >= n else power
     return rung
+
+
+def _rungs_to(top: int) -> list[int]:
+    """The ladder's rungs up to `top` (a rung), the largest first."""
+    rungs = [1]
+    while rungs[-1] < top:
+        rungs.append(bucket(rungs[-1] + 1))
+    return rungs[::-1]
 
 
 def capture(run: Callable[[], None], device: torch.device, pool: Any = None) -> Callable[[], None]:
@@ -176,6 +185,31 @@ class StageGraphs:
             run = self._steps[key] = self._prepare(stage, width, keys)
         run()
 
+    def warm_up(self, stages: list[str], max_width: int, max_tokens: int) -> int:
+        """Prepare (on CUDA: capture) now every bucket of `stages` a batch of at most `max_width` rows whose keys
+        number at most `max_tokens` may need, so that no batch waits for a capture later; returns the buckets
+        prepared. Each runs as a batch of padding rows only (they write the scratch rows alone), the widest and
+        longest first (a capture takes its memory from the pool the smaller ones then reuse). Not counted in
+        `EngineStats.graph_buckets` / `graph_capture_s`, which count the captures a run waited for. On the CPU
+        each bucket's padded stage runs once, eagerly (what the tests check: it changes no request's KV or state)."""
+        bs, columns = self.tables.block_size, self.tables.table.shape[1]
+        widths = _rungs_to(bucket(max_width))
+        key_blocks = sorted({min(b, columns) for b in _rungs_to(bucket(max(1, -(-max_tokens // bs))))}, reverse=True)
+        self.tables.sync()
+        prepared = 0
+        for stage in stages:
+            for width in widths:
+                self.meta[:, :width].copy_(self._pad[:, :width])
+                for blocks in key_blocks:
+                    key = (stage, width, blocks * bs)
+                    if key in self._steps:
+                        continue
+                    run = self._steps[key] = self._prepare(stage, width, blocks * bs, counted=False)
+                    if not self.capture:
+                        run()
+                    prepared += 1
+        return prepared
+
     def _retire(self) -> None:
         if self.capture:
             self._retired += self._steps.values()
@@ -183,8 +217,10 @@ class StageGraphs:
         self._steps.clear()
         self._table = self.tables.table
 
-    def _prepare(self, stage: str, width: int, keys: int) -> Callable[[], None]:
-        self.stats.graph_buckets += 1
+    def _prepare(self, stage: str, width: int, keys: int, counted: bool = True) -> Callable[[], None]:
+        """`counted`: a batch waits for this one (counted in the stats), not the start-up's `warm_up`."""
+        if counted:
+            self.stats.graph_buckets += 1
         if not self.capture:
             return lambda: self._run(stage, width, keys)
         torch.cuda.synchronize(self.state.device)  # (the capture waits for the queued steps anyway: not their time)
@@ -193,7 +229,8 @@ class StageGraphs:
         # same KV again; entering the capture synchronized the device: no retired graph still runs)
         replay = capture(lambda: self._run(stage, width, keys), self.state.device, self._pool)
         self._retired.clear()
-        self.stats.graph_capture_s += time.perf_counter() - t0
+        if counted:
+            self.stats.graph_capture_s += time.perf_counter() - t0
         return replay
 
     def _run(self, stage: str, width: int, keys: int) -> None:
