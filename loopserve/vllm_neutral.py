@@ -2,7 +2,8 @@
 values that ask for nothing of it, so that vLLM's scripts that pass them run as they are; any other value is a
 ValueError naming the argument (`check_neutral`); the same as vLLM's command-line flags (`add_neutral_args`: `serve`'s,
 `EngineArgs.add_cli_args`'); and vLLM's methods for what loopserve lacks, refused saying what to use instead
-(`ABSENT_METHODS`). Read by `LLM`, `LLMEngine.add_request`, `AsyncLLMEngine` and those commands."""
+(`ABSENT_METHODS`); and `vllm serve`'s own flags of that kind (`SERVE_NEUTRAL`). Read by `LLM`,
+`LLMEngine.add_request`, `AsyncLLMEngine` and those commands."""
 
 from __future__ import annotations
 
@@ -127,11 +128,73 @@ NEUTRAL: dict[str, Neutral] = {
 }
 
 
-def check_neutral(**given: Any) -> None:
-    """ValueError naming the first of `given` (keywords of `NEUTRAL`) set to a value that asks for what loopserve
-    lacks."""
+def _any_bool(why: str) -> Neutral:
+    """A switch of vLLM's that asks for nothing loopserve lacks, on or off."""
+    return Neutral(lambda v: isinstance(v, bool), "True or False", why, switch=True)
+
+
+def _positive_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+_TOOLS = "no tool-call parser: tool_choice 'none', 'required' and a named function work, 'auto' is refused"
+_GRAPHS = ("every batch width and context runs graphed on CUDA (a bucket captured when a batch first needs it, or at "
+           "start-up: --cuda-graph-warmup-tokens)")
+# `vllm serve`'s own flags (its OpenAI server's, and engine flags that `LLM(...)` does not take) for what loopserve's
+# server lacks or does anyway, each taken at the values that ask for nothing of it, so that a vLLM launch line runs as
+# it is; any other value stops the start with an error naming it (`check_neutral(SERVE_NEUTRAL, ...)`).
+SERVE_NEUTRAL: dict[str, Neutral] = {
+    "response_role": _only("a reply is the assistant's", "assistant"),
+    "enable_prompt_tokens_details": _any_bool("usage always carries prompt_tokens_details.cached_tokens"),
+    "enable_request_id_headers": _any_bool("every response carries X-Request-Id"),
+    "disable_frontend_multiprocessing": _any_bool("the server and its engine run in one process, the engine on a "
+                                                  "thread of its own"),
+    "disable_fastapi_docs": _any_bool("no /docs or /redoc pages are served (the schema is at /openapi.json)"),
+    "log_error_stack": _any_bool("a 500's traceback is always logged"),
+    "chat_template_content_format": _only("a message's content parts are joined as text, vLLM's 'string'", "auto",
+                                          "string"),
+    "trust_request_chat_template": _only("a request cannot replace the server's chat template (--chat-template)",
+                                         False),
+    "enable_auto_tool_choice": _only(_TOOLS, False),
+    "tool_call_parser": _only(_TOOLS, None, ""),
+    "tool_parser_plugin": _only(_TOOLS, None, ""),
+    "exclude_tools_when_tool_choice_none": _only("tools reach the chat template whatever tool_choice says", False),
+    "tool_server": _only("no built-in tool servers", None, ""),
+    "reasoning_parser": _only("no reasoning parser: a reply's text comes back whole", None, ""),
+    "enable_force_include_usage": _only("a stream's usage comes with its request's stream_options.include_usage",
+                                        False),
+    "enable_server_load_tracking": _only("no /load endpoint (the load gauges are in /metrics)", False),
+    "lora_modules": _only("no LoRA adapters", None, []),
+    "middleware": _only("no custom ASGI middleware", None, []),
+    "log_config_file": _only("logging is set by --log-level", None, ""),
+    "enable_ssl_refresh": _only("the TLS files are read once, at start-up", False),
+    # (vLLM's defaults)
+    "h11_max_incomplete_event_size": _only("HTTP heads are read with uvicorn's own limits", 4194304),
+    "h11_max_header_count": _only("HTTP heads are read with uvicorn's own limits", 256),
+    "max_num_partial_prefills": _only("prompts are prefilled first come, first served, in chunks", 1),
+    "max_long_partial_prefills": _only("prompts are prefilled first come, first served, in chunks", 1),
+    "long_prefill_token_threshold": _only("prompts are prefilled first come, first served, in chunks", 0),
+    "num_scheduler_steps": _only("the engine plans one stage batch a step", 1),
+    "preemption_mode": _only("a preempted request's KV is copied to the host and back (docs/design.md)", None),
+    "headless": _only("the server runs its own engine", False),
+    "api_server_count": _only("one API server process (replicas: --replicas)", 1),
+    "otlp_traces_endpoint": _only("it emits no tracing spans", None, ""),
+    "collect_detailed_traces": _only("it emits no tracing spans", None, ""),
+    "max_seq_len_to_capture": Neutral(_positive_int, "an integer >= 1", _GRAPHS),
+    "max_cudagraph_capture_size": Neutral(lambda v: v is None or _positive_int(v), "None or an integer >= 1",
+                                          _GRAPHS),
+    "cuda_graph_sizes": Neutral(lambda v: v is None or _positive_int(v) or (isinstance(v, list) and all(
+        map(_positive_int, v))), "integers >= 1", _GRAPHS),
+    "mm_processor_cache_gb": Neutral(lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool) and v >= 0,
+                                     "a number >= 0", "no multimodal inputs"),
+}
+
+
+def check_neutral(table: dict[str, Neutral] | None = None, /, **given: Any) -> None:
+    """ValueError naming the first of `given` (keywords of `table`, `NEUTRAL` unless given) set to a value that asks
+    for what loopserve lacks."""
     for name, value in given.items():
-        neutral = NEUTRAL[name]
+        neutral = (NEUTRAL if table is None else table)[name]
         if not neutral.accepts(value):
             shown = "a string (not shown: a secret)" if neutral.secret and isinstance(value, str) else repr(value)
             raise ValueError(f"{name}: not supported by loopserve ({neutral.why}); it takes {neutral.values}, "
@@ -157,14 +220,15 @@ def _cli_terms(values: str) -> str:
     return re.sub(r"\b(None|True|False)\b", lambda m: {"None": "null", "True": "true", "False": "false"}[m[1]], values)
 
 
-def add_neutral_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+def add_neutral_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+                     table: dict[str, Neutral] | None = None) -> None:
     """vLLM's command-line flags of the `NEUTRAL` `LLM(...)` keywords the command has no flag of its own for, so that
     a vLLM launch line runs as it is (`--enable-chunked-prefill`, `--kv-cache-dtype auto`): a switch as vLLM's
     (`--x` true, `--no-x` false, no value: a model path after it stays the model), any other with one value (JSON or
     text), each kept under its keyword's name, so that `LLM(**vars(parser.parse_args()))` takes them as vLLM's `LLM`
     does (vLLM's examples build their engine so); `neutral_kwargs` reads them back for `check_neutral`."""
     taken = set(getattr(parser, "_option_string_actions", {}))
-    for name, neutral in NEUTRAL.items():
+    for name, neutral in (NEUTRAL if table is None else table).items():
         flag = flag_of(name)
         if not neutral.init or flag in taken:
             continue
@@ -182,10 +246,11 @@ def add_neutral_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) 
                             help=text.replace("%", "%%"))
 
 
-def neutral_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+def neutral_kwargs(args: argparse.Namespace, table: dict[str, Neutral] | None = None) -> dict[str, Any]:
     """The `add_neutral_args` flags given, as `LLM(...)` keywords (and a command's own flags of `NEUTRAL` names, serve's
-    --served-model-name say, which any value passes)."""
-    return {k: v for k, v in vars(args).items() if k in NEUTRAL and NEUTRAL[k].init}
+    --served-model-name say, which any value passes); of `table`'s names where given."""
+    table = NEUTRAL if table is None else table
+    return {k: v for k, v in vars(args).items() if k in table and table[k].init}
 
 
 _POOLING = ("is for pooling models (embeddings, classification, scores); loopserve serves generative looped LMs: "

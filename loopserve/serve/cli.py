@@ -10,6 +10,7 @@ what was in flight, so that systemd, Kubernetes or Ray Serve restart it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import errno
 import json
@@ -18,6 +19,8 @@ import math
 import os
 import signal
 import socket
+import ssl
+import stat
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,7 +39,7 @@ from loopserve.serve.limits import (
     MIN_BODY_RATE,
     REQUEST_READ_TIMEOUT_S,
 )
-from loopserve.vllm_neutral import add_neutral_args, check_neutral, neutral_kwargs
+from loopserve.vllm_neutral import SERVE_NEUTRAL, add_neutral_args, check_neutral, neutral_kwargs
 
 if TYPE_CHECKING:
     from loopserve.engine.engine import LLMEngine
@@ -84,6 +87,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_chat_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (loopback only by default)")
     p.add_argument("--port", type=int, default=8000, help="TCP port")
+    p.add_argument("--uds", default=None, metavar="PATH",
+                   help="listen on this Unix domain socket instead of --host and --port")
+    tls = p.add_argument_group("TLS (HTTPS; vLLM's flags, read by uvicorn)")
+    tls.add_argument("--ssl-keyfile", default=None, help="the server's private key (PEM), with --ssl-certfile")
+    tls.add_argument("--ssl-certfile", default=None, help="the server's certificate chain (PEM)")
+    tls.add_argument("--ssl-ca-certs", default=None, help="CA certificates (PEM) to verify client certificates by")
+    tls.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE),
+                     help="client certificates: 0 not asked for, 1 optional, 2 required (Python's ssl.CERT_*)")
     # one key per flag (repeat it for more): a list-valued flag would swallow a model path that follows it
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help=f"require 'Authorization: Bearer KEY' on /v1, /invocations, /tokenize, /detokenize and "
@@ -165,6 +176,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "replica gets one GPU wherever the cluster has GPUs and --device is not cpu")
     add_neutral_args(p.add_argument_group("vLLM's flags for what loopserve lacks (LLM's keywords of the same names: "
                                           "each taken at the values that ask for nothing of it)"))
+    add_neutral_args(p.add_argument_group("vLLM's server flags for what loopserve's server lacks or always does "
+                                          "(each taken at the values that ask for nothing of it)"), SERVE_NEUTRAL)
     p.set_defaults(func=cmd_serve)
 
 
@@ -224,11 +237,39 @@ def _check(args: argparse.Namespace) -> str | None:
         return f"--replicas ({args.replicas}): must lie in [--min-replicas, --max-replicas] = [{low}, {high}]"
     if not (math.isfinite(args.replica_cpus) and args.replica_cpus > 0):
         return "--replica-cpus: must be > 0"
+    problem = _check_transport(args)
+    if problem is not None:
+        return problem
     try:  # before the model loads, and before any Ray replica starts (--tensor-parallel-size 2, ...)
         configs({**load_kwargs(args), **engine_kwargs(args)})
         check_neutral(**neutral_kwargs(args))
+        check_neutral(SERVE_NEUTRAL, **neutral_kwargs(args, SERVE_NEUTRAL))
     except ValueError as e:
         return str(e)
+    return None
+
+
+def _check_transport(args: argparse.Namespace) -> str | None:
+    """The first thing wrong with --uds and the TLS flags: the files are read now, before the model loads."""
+    tls = [f for f in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs") if getattr(args, f) is not None]
+    if uses_ray(args) and (tls or args.uds is not None):
+        flag = "--" + (tls[0] if tls else "uds").replace("_", "-")
+        return f"{flag}: not with Ray Serve replicas (Ray Serve's proxies serve plain HTTP on --host and --port)"
+    if args.ssl_cert_reqs not in (ssl.CERT_NONE, ssl.CERT_OPTIONAL, ssl.CERT_REQUIRED):
+        return f"--ssl-cert-reqs: must be 0, 1 or 2, got {args.ssl_cert_reqs}"
+    if args.ssl_certfile is None and tls:
+        return f"--{tls[0].replace('_', '-')}: needs --ssl-certfile (the server's certificate)"
+    if args.ssl_cert_reqs != ssl.CERT_NONE and args.ssl_ca_certs is None:
+        return "--ssl-cert-reqs: asks for client certificates, so needs --ssl-ca-certs to verify them by"
+    if args.ssl_certfile is not None:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        for flag, load in (("--ssl-certfile", lambda: context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)),
+                           ("--ssl-ca-certs", lambda: args.ssl_ca_certs and context.load_verify_locations(
+                               args.ssl_ca_certs))):
+            try:
+                load()
+            except (OSError, ssl.SSLError) as e:
+                return f"{flag}: cannot use it: {e.strerror or e}"
     return None
 
 
@@ -299,12 +340,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from loopserve.serve.api import build_app
     from loopserve.serve.connection import GracefulServer, read_timeout_protocol
 
-    listener = listen(args.host, args.port)  # (before the model loads: a port in use is said at once)
-    args.port = listener.getsockname()[1]  # (--port 0: the one the system gave, as logged below)
+    # (before the model loads: a port in use is said at once)
+    listener = listen(args.host, args.port) if args.uds is None else listen_unix(args.uds)
+    if args.uds is None:
+        args.port = listener.getsockname()[1]  # (--port 0: the one the system gave, as logged below)
     try:
         engine, settings = load_server(args)
     except ValueError as e:
         listener.close()
+        if args.uds is not None:
+            os.unlink(args.uds)
         raise CommandError(str(e)) from None
     engine_failed = False
 
@@ -315,15 +360,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     app = build_app(engine, settings, on_engine_dead=stop_serving)
     log.info("%s", app.state.serving.summary())
-    log.info("serving on http://%s:%d%s (API keys: %d, CORS origins: %s)", args.host, args.port, args.root_path,
-             len(settings.api_keys), ", ".join(settings.allowed_origins) or "none")
+    scheme = "https" if args.ssl_certfile else "http"
+    where = f"{scheme}://{args.host}:{args.port}" if args.uds is None else f"{scheme} on unix:{args.uds}"
+    log.info("serving on %s%s (API keys: %d, CORS origins: %s)", where, args.root_path, len(settings.api_keys),
+             ", ".join(settings.allowed_origins) or "none")
     # ws="none": there are no WebSocket endpoints, so an upgrade request is read as plain HTTP
     # the grace period's end: the app answers what is still running (503) before uvicorn cancels it
     server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            log_config=uvicorn_log_config(args.log_level),
                                            access_log=not args.no_access_log,
                                            timeout_graceful_shutdown=args.shutdown_timeout,
-                                           http=read_timeout_protocol(args.request_read_timeout), ws="none"),
+                                           http=read_timeout_protocol(args.request_read_timeout), ws="none",
+                                           ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+                                           ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs),
                             on_deadline=app.state.serving.abort_in_flight)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal: exit quietly then
     signal.signal(signal.SIGTERM, _exit_with(0))
@@ -331,7 +380,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         server.run(sockets=[listener])
     except OSError as e:  # (another server took the port while the model loaded: bound, it listens only now)
+        if args.uds is not None:
+            raise CommandError(f"--uds: cannot listen on {args.uds}: {e.strerror or e}") from None
         raise CommandError(f"--port: cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    finally:
+        if args.uds is not None:  # (uvicorn leaves a socket it was handed)
+            with contextlib.suppress(OSError):
+                os.unlink(args.uds)
     if engine_failed:
         print("error: the engine failed (see the log above); the server has stopped", file=sys.stderr, flush=True)
         return 1
@@ -353,6 +408,22 @@ def listen(host: str, port: int) -> socket.socket:
         sock.close()
         flag = "--port" if e.errno in (errno.EADDRINUSE, errno.EACCES) else "--host"
         raise CommandError(f"{flag}: cannot listen on {host}:{port}: {e.strerror}") from None
+    return sock
+
+
+def listen_unix(path: str) -> socket.socket:
+    """The server's Unix domain socket at `path` (a socket file left there by an earlier server is replaced; any
+    other file is not), or a CommandError naming --uds."""
+    if os.path.lexists(path):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise CommandError(f"--uds: {path} exists and is not a socket")
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+    except OSError as e:
+        sock.close()
+        raise CommandError(f"--uds: cannot listen on {path}: {e.strerror or e}") from None
     return sock
 
 

@@ -1,0 +1,177 @@
+"""How `loopserve serve` listens, and vLLM's launch lines: HTTPS with vLLM's `--ssl-*` flags and a Unix domain
+socket with `--uds` (real server processes, real clients), their errors before the model loads, and `vllm serve`'s
+own flags for what loopserve's server lacks or always does (`vllm_neutral.SERVE_NEUTRAL`): taken at the values that
+ask for nothing of it, so that a vLLM launch line starts, any other value refused naming the flag."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import ssl
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from loopserve.cli import build_parser
+from loopserve.serve.cli import _check
+from tests.server_helpers import MODEL, REPO, free_port, stop
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _serve(*argv: str):
+    return build_parser().parse_args(["serve", "m", *argv])
+
+
+# -- vLLM's server flags -----------------------------------------------------------------------------------------
+NEUTRAL_LINES = [
+    "--response-role assistant", "--enable-prompt-tokens-details", "--enable-request-id-headers",
+    "--disable-frontend-multiprocessing", "--disable-fastapi-docs", "--chat-template-content-format string",
+    "--no-enable-auto-tool-choice", "--tool-call-parser null", "--reasoning-parser ''", "--lora-modules null",
+    "--no-enable-server-load-tracking", "--max-seq-len-to-capture 8192", "--max-cudagraph-capture-size 512",
+    "--cuda-graph-sizes [1,2,4]", "--h11-max-incomplete-event-size 4194304", "--h11-max-header-count 256",
+    "--max-num-partial-prefills 1", "--num-scheduler-steps 1", "--api-server-count 1", "--mm-processor-cache-gb 0",
+    "--log-error-stack", "--no-trust-request-chat-template",
+]
+REFUSED_LINES = {
+    "--enable-auto-tool-choice": "enable_auto_tool_choice: not supported by loopserve (no tool-call parser",
+    "--tool-call-parser hermes": "tool_call_parser: not supported by loopserve (no tool-call parser",
+    "--reasoning-parser deepseek_r1": "reasoning_parser: not supported by loopserve (no reasoning parser",
+    "--response-role user": "response_role: not supported by loopserve (a reply is the assistant's); it takes "
+                            "'assistant', got 'user'",
+    "--trust-request-chat-template": "trust_request_chat_template: not supported by loopserve (a request cannot",
+    "--lora-modules a=/x": "lora_modules: not supported by loopserve (no LoRA adapters)",
+    "--max-seq-len-to-capture 0": "max_seq_len_to_capture: not supported by loopserve (every batch width",
+    "--api-server-count 4": "api_server_count: not supported by loopserve (one API server process",
+}
+
+
+@pytest.mark.parametrize("line", NEUTRAL_LINES)
+def test_vllm_server_flags_that_ask_for_nothing_are_taken(line):
+    import shlex
+
+    assert _check(_serve(*shlex.split(line))) is None
+
+
+@pytest.mark.parametrize("line", sorted(REFUSED_LINES))
+def test_vllm_server_flags_that_ask_for_what_loopserve_lacks_stop_the_start_naming_the_flag(line):
+    problem = _check(_serve(*line.split()))
+    assert problem is not None and problem.startswith(REFUSED_LINES[line]), problem
+
+
+# -- TLS and a Unix domain socket ---------------------------------------------------------------------------------
+def _certificate(folder: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 and localhost, and its key (PEM files)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = folder / "cert.pem", folder / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+@contextmanager
+def _server(model: Path, log: Path, client: httpx.Client, url: str, *flags: str) -> Iterator[subprocess.Popen]:
+    """`loopserve serve` with `flags`, ready once `client` gets /health from `url`; stopped (SIGTERM) on exit."""
+    cmd = [sys.executable, "-m", "loopserve.cli", "serve", "--model", str(model), "--served-model-name", MODEL,
+           "--device", "cpu", "--log-level", "info", "--no-access-log", *flags]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"server did not start:\n{log.read_text()}")
+            try:
+                if client.get(url + "/health", timeout=1.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        yield proc
+    finally:
+        stop(proc)
+
+
+def test_https_with_vllms_ssl_flags(tiny_ouro, tmp_path):
+    """--ssl-keyfile / --ssl-certfile: the API over HTTPS (the official client, trusting the certificate), and a
+    plain-HTTP request on that port gets no answer."""
+    cert, key = _certificate(tmp_path)
+    port = free_port()
+    url = f"https://127.0.0.1:{port}"
+    with httpx.Client(verify=ssl.create_default_context(cafile=str(cert))) as tls, \
+            _server(tiny_ouro, tmp_path / "tls.log", tls, url, "--port", str(port), "--ssl-keyfile", str(key),
+                    "--ssl-certfile", str(cert)):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, http_client=tls)
+        out = client.completions.create(model=MODEL, prompt="To be", max_tokens=3, temperature=0)
+        assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 3
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+    assert f"serving on https://127.0.0.1:{port}" in (tmp_path / "tls.log").read_text()
+
+
+def test_a_unix_domain_socket_with_uds(tiny_ouro, tmp_path):
+    """--uds PATH: the API on that socket (host and port unused), the socket file removed when the server stops;
+    a stale socket file left at PATH is replaced, another kind of file is refused."""
+    path = tmp_path / "api.sock"
+    import socket
+
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(path))  # (a server killed without its clean-up leaves one)
+    stale.close()
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(path))) as uds, \
+            _server(tiny_ouro, tmp_path / "uds.log", uds, "http://loopserve", "--uds", str(path)):
+        r = uds.post("http://loopserve/v1/completions",
+                     json={"model": MODEL, "prompt": "To be", "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    assert not path.exists()
+    path.write_text("not a socket")
+    assert "--uds" in subprocess.run(
+        [sys.executable, "-m", "loopserve.cli", "serve", "--model", str(tiny_ouro), "--uds", str(path)],
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": str(REPO)}).stderr.splitlines()[-1]
+
+
+def test_tls_and_socket_flags_are_checked_before_the_model_loads(tmp_path):
+    cert, key = _certificate(tmp_path)
+    bad = tmp_path / "bad.pem"
+    bad.write_text("not a certificate")
+    cases = {
+        ("--ssl-keyfile", str(key)): "--ssl-keyfile: needs --ssl-certfile",
+        ("--ssl-certfile", str(bad)): "--ssl-certfile: cannot use it",
+        ("--ssl-certfile", str(tmp_path / "missing.pem")): "--ssl-certfile: cannot use it",
+        ("--ssl-certfile", str(cert), "--ssl-keyfile", str(key), "--ssl-cert-reqs", "2"):
+            "--ssl-cert-reqs: asks for client certificates, so needs --ssl-ca-certs",
+        ("--ssl-certfile", str(cert), "--ssl-keyfile", str(key), "--ssl-cert-reqs", "5"): "--ssl-cert-reqs: must be",
+        ("--ssl-certfile", str(cert), "--ssl-keyfile", str(key), "--replicas", "2"):
+            "--ssl-keyfile: not with Ray Serve replicas",
+        ("--uds", str(tmp_path / "s"), "--replicas", "2"): "--uds: not with Ray Serve replicas",
+    }
+    for argv, words in cases.items():
+        problem = _check(_serve(*argv))
+        assert problem is not None and problem.startswith(words), (argv, problem)
+    assert _check(_serve("--ssl-certfile", str(cert), "--ssl-keyfile", str(key))) is None
