@@ -155,7 +155,7 @@ def test_a_generation_config_folder_caps_every_max_tokens(checkpoint):
         beam = serving.beam_completion(CompletionRequest(prompt=[5, 17, 99], max_tokens=9, use_beam_search=True, n=2),
                                        0.0, [("prompt", None, [5, 17, 99])], "cmpl-beam")
         assert beam.search is not None and beam.search.params.max_tokens == explicit, mode  # (a search's too)
-        with pytest.raises(ApiError, match="max_tokens: this model's maximum context length"):
+        with pytest.raises(ApiError, match="max_tokens: This model's maximum context length"):
             serving.resolve_max_tokens(serving.max_model_len, 16, 4, "prompt")
 
 

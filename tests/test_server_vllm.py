@@ -238,6 +238,20 @@ def test_max_model_len_caps_prompt_plus_completion(server):
     assert usage["prompt_tokens"] + usage["completion_tokens"] == MAX_LEN
     long = _post(server, "/v1/completions", {"model": MODEL, "prompt": [5] * MAX_LEN})
     assert long.status_code == 400 and long.json()["error"]["param"] == "prompt"
+    # vLLM's words, whose numbers clients parse ("maximum context length is N", "you requested M tokens")
+    assert re.match(rf"max_tokens: This model's maximum context length is {MAX_LEN} tokens\. However, you requested "
+                    rf"{MAX_LEN + 1} tokens \(40 in the messages, 9 in the completion\)\. Please reduce the length "
+                    rf"of the messages or completion\.$", over.json()["error"]["message"])
+    assert "your request has 48 input tokens" in long.json()["error"]["message"]
+    # a completion without max_tokens gets 16 (vLLM's field default, as OpenAI's): a prompt that leaves less room is
+    # refused as one that asks for 16, not answered with fewer tokens (a client relies on the 400 to see the overflow)
+    for n, status in ((MAX_LEN - 16, 200), (MAX_LEN - 15, 400)):
+        r = _post(server, "/v1/completions", {"model": MODEL, "prompt": [5] * n, "ignore_eos": True})
+        assert r.status_code == status, r.text
+        if status == 200:
+            assert r.json()["usage"]["completion_tokens"] == 16
+        else:
+            assert r.json()["error"]["param"] == "max_tokens" and "16 in the completion" in r.json()["error"]["message"]
 
 
 def _usage(r: httpx.Response, stream: bool) -> dict:

@@ -32,6 +32,14 @@ def sequence_room(max_model_len: int, kv_tokens: int | None) -> int:
     return max_model_len if kv_tokens is None else min(max_model_len, kv_tokens)
 
 
+def over_context(field: str, max_model_len: int, prompt_len: int, requested: int) -> ValueError:
+    """The error for a prompt and a completion that do not fit the context together: vLLM's words (whose numbers
+    clients parse) after the name of the field at fault."""
+    return ValueError(f"{field}: This model's maximum context length is {max_model_len} tokens. However, you "
+                      f"requested {prompt_len + requested} tokens ({prompt_len} in the messages, {requested} in the "
+                      f"completion). Please reduce the length of the messages or completion.")
+
+
 def completion_budget(prompt_len: int, requested: int | None, *, max_model_len: int, kv_tokens: int | None,
                       default: int | None = None, prompt_field: str = "prompt", field: str = "max_tokens",
                       clip_to_context: bool = False) -> int:
@@ -42,10 +50,10 @@ def completion_budget(prompt_len: int, requested: int | None, *, max_model_len: 
 
     `clip_to_context`: a completion asked to run past the context ends at its end instead (vLLM's offline
     `LLM` does that, finish_reason "length"; its server, like this one, refuses the request)."""
-    if prompt_len >= max_model_len:
-        why = "more than" if prompt_len > max_model_len else "all of"
-        raise ValueError(f"{prompt_field}: {prompt_len} tokens, {why} this model's maximum context length of "
-                         f"{max_model_len} tokens: no room to generate")
+    if prompt_len >= max_model_len:  # (vLLM's words after the field's name, which clients' patterns read)
+        raise ValueError(f"{prompt_field}: This model's maximum context length is {max_model_len} tokens. However, "
+                         f"your request has {prompt_len} input tokens, which leave no room to generate. Please "
+                         f"reduce the length of the input messages.")
     room = sequence_room(max_model_len, kv_tokens) - prompt_len
     if room < 1:
         raise ValueError(f"{prompt_field}: {prompt_len} tokens do not fit in the KV cache ({kv_tokens} tokens)")
@@ -56,9 +64,7 @@ def completion_budget(prompt_len: int, requested: int | None, *, max_model_len: 
     if clip_to_context:
         requested = min(requested, max_model_len - prompt_len)
     if prompt_len + requested > max_model_len:
-        raise ValueError(f"{field}: this model's maximum context length is {max_model_len} tokens, but "
-                         f"{prompt_len + requested} were requested ({prompt_len} in the {prompt_field}, "
-                         f"{requested} in the completion)")
+        raise over_context(field, max_model_len, prompt_len, requested)
     if kv_tokens is not None and prompt_len + requested > kv_tokens:
         raise ValueError(f"{field}: {prompt_len} prompt + {requested} completion tokens exceed the KV cache "
                          f"({kv_tokens} tokens)")

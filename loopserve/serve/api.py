@@ -81,7 +81,7 @@ from starlette.requests import ClientDisconnect
 from loopserve import __version__
 from loopserve.beam_search import BeamSearch, generated_text
 from loopserve.chat_messages import chat_messages, message_text
-from loopserve.engine.budget import completion_budget, pool_tokens, sequence_room
+from loopserve.engine.budget import completion_budget, over_context, pool_tokens, sequence_room
 from loopserve.engine.config import ENGINE_SCHEDULERS
 from loopserve.engine.engine import LLMEngine
 from loopserve.engine.engine_thread import (
@@ -442,8 +442,13 @@ class OpenAIServing:
         """The completion's token budget: `requested` (in the request's `field`) checked against the context
         and the KV cache, or the room left (capped by `default_max_tokens(default)`); `what` names the prompt's
         field. The rule is `LLM`'s too (engine/budget.py); a server's `max_tokens_cap` then caps it (vLLM's
-        `get_max_tokens`: a request is checked as it asks, then capped)."""
+        `get_max_tokens`: a request is checked as it asks, then capped). Where the endpoint has a default of its own
+        (16 for completions), the default the request gets counts as asked for: with no room for it the request is a
+        400, as vLLM's field default makes it (its `_validate_input`), not a shorter completion."""
         try:
+            unset = self.default_max_tokens(default) if requested is None and default is not None else None
+            if unset is not None and prompt_len < self.max_model_len < prompt_len + unset:
+                raise over_context(field, self.max_model_len, prompt_len, unset)
             budget = completion_budget(prompt_len, requested, max_model_len=self.max_model_len,
                                        kv_tokens=self.kv_tokens, default=self.default_max_tokens(default),
                                        prompt_field=what, field=field)
