@@ -185,7 +185,7 @@ SERVE_NEUTRAL: dict[str, Neutral] = {
                                           _GRAPHS),
     "cuda_graph_sizes": Neutral(lambda v: v is None or _positive_int(v) or (isinstance(v, list) and all(
         map(_positive_int, v))), "integers >= 1", _GRAPHS),
-    "mm_processor_cache_gb": Neutral(lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool) and v >= 0,
+    "mm_processor_cache_gb": Neutral(lambda v: isinstance(v, int | float) and not isinstance(v, bool) and v >= 0,
                                      "a number >= 0", "no multimodal inputs"),
 }
 

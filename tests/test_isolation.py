@@ -261,6 +261,54 @@ def test_offline_generate_reports_the_error_and_finishes_the_rest(tiny_ouro, mon
     assert llm.engine is not None and llm.engine.kv_usage() == 0
 
 
+POISON = 7  # the token whose embedding row `poisoned` makes NaN
+
+
+@pytest.fixture(scope="module")
+def poisoned(tiny_ouro, tmp_path_factory):
+    """tiny_ouro with a NaN embedding row for token `POISON`: its hidden state, KV, exit signals and logits go NaN."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path_factory.mktemp("poisoned")
+    shutil.copytree(tiny_ouro, folder, dirs_exist_ok=True)
+    weights = load_file(folder / "model.safetensors")
+    weights["model.embed_tokens.weight"][POISON] = float("nan")
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+@pytest.mark.parametrize("scheduler", ["cdb", "cb", "reference"])
+def test_a_prompt_that_poisons_its_kv_fails_whatever_it_asks(scheduler, poisoned):
+    """A prompt token with a non-finite hidden state writes NaN KV; the later positions read it. The request fails
+    ("non-finite logits"), with or without logprobs or prompt_logprobs: attention zeroes only the rows that see no
+    key, never a row a NaN reached (it had answered a finite token of zeros unless prompt_logprobs were asked for,
+    which read the poisoned position's own logits). Its neighbour, in the same batches, is untouched."""
+    llm = LLM(poisoned, scheduler=scheduler, dtype="float64", kv_cache_tokens=256)
+    clean = llm.generate([[5, 6, 9]], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)[0]
+    for extra in ({}, {"logprobs": 1}, {"prompt_logprobs": 0}):
+        bad, ok = llm.generate([[5, POISON, 9], [5, 6, 9]], SamplingParams(max_tokens=3, temperature=0.0, **extra),
+                               use_tqdm=False)
+        assert (bad.outputs[0].finish_reason, bad.outputs[0].token_ids) == ("error", []), extra
+        assert "non-finite logits" in (bad.error or ""), extra
+        assert ok.outputs[0].token_ids == clean.outputs[0].token_ids, extra
+
+
+@pytest.mark.parametrize("scheduler", ["cdb", "reference"])
+def test_a_non_finite_exit_signal_fails_its_request_alone_in_the_reference_too(scheduler, poisoned):
+    """A request made to decode the poisoned token gets a NaN gate signal at its next token's first loop: it fails
+    alone in the engine and in the reference decoder alike (the reference had raised out of `generate`, losing
+    every request of the call)."""
+    llm = LLM(poisoned, scheduler=scheduler, dtype="float64", kv_cache_tokens=256)
+    params = [SamplingParams(max_tokens=3, temperature=0.0, allowed_token_ids=[POISON]),
+              SamplingParams(max_tokens=3, temperature=0.0)]
+    bad, ok = llm.generate([[5, 6], [20, 21, 22]], params, use_tqdm=False)
+    assert bad.outputs[0].finish_reason == "error" and bad.outputs[0].token_ids == [POISON]
+    assert bad.error == "the model produced a non-finite gate signal for this request"
+    assert (ok.outputs[0].finish_reason, len(ok.outputs[0].token_ids)) == ("length", 3)
+
+
 # -- sampling parameters at numeric extremes ---------------------------------------------------------------
 _EXTREME = (0.0, -0.0, 5e-324, 2.2e-308, 1e-310, 1e-5, 9.99e-6, 1e-300, 0.5, 1.0, 1.0 + 1e-16, 100.0, 1e300,
             -1e-310, -1.0, float("nan"), float("inf"), float("-inf"))

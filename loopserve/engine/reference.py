@@ -85,8 +85,12 @@ class ReferenceDecoder:
                 prev_lp = lp.to(torch.float64)
             state = new
             value = sig[seq.rule.signal].tolist()[0] if seq.rule.signal else None
-            if not tracker.observe(r, value):
-                break
+            try:
+                if not tracker.observe(r, value):
+                    break
+            except REQUEST_ERRORS as e:  # (a non-finite signal: the request fails alone, as in the engine)
+                self._fail(seq, e)
+                return
         kv.set_depth(ctx.write_rows, r)
         seq.metrics.loops_run += r
         self._take(seq, model.coda(state, ctx)[0], tracker.exit_depth or r)
