@@ -62,6 +62,9 @@ MAX_SCHEMA_CHARS = 500_000  # a JSON schema, as JSON (an enum of 40,000 words: 0
 # Temperatures below this sample greedily (as vLLM does): dividing logits by a subnormal temperature
 # overflows to inf, and below it a logit gap of 1e-3 is already a probability ratio of e^100.
 GREEDY_TEMPERATURE = 1e-5
+# the smallest repetition_penalty: a positive logit is divided by it in float64, and a float32 logit (up to 3.4e38)
+# divided by less than about 1.9e-270 overflows to infinity (vLLM takes any value > 0; a tiny one samples garbage)
+MIN_REPETITION_PENALTY = 1e-200
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # any 64-bit seed, signed or not (engine/sequence.py `as_int64`)
 _repr = reprlib.Repr()  # a bad value in an error message, shortened
 _repr.maxlist, _repr.maxdict, _repr.maxstring, _repr.maxother = 8, 8, 80, 80
@@ -458,8 +461,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not is_real(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
                 raise bad(name, "must be in [-2, 2]")
-        if not is_real(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "must be a finite number > 0")
+        if not is_real(self.repetition_penalty) or self.repetition_penalty < MIN_REPETITION_PENALTY:
+            raise bad("repetition_penalty", f"must be a finite number >= {MIN_REPETITION_PENALTY:g} (> 0, and not so "
+                                            f"small that dividing a logit by it overflows)")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise bad("logit_bias", "must map token ids to biases")

@@ -354,6 +354,32 @@ def test_non_finite_logits_raise_a_named_error():
     assert rows[2].checked().token in (0, 1, 2)
 
 
+def test_a_random_row_whose_adjusted_logits_are_not_finite_is_never_taken(monkeypatch):
+    """Finite logits that the request's own adjustments turn non-finite leave no total to draw against: the draw
+    would take the last token (searchsorted against NaN). The row is flagged instead (here the filter is made to
+    give NaN for row 1), the other rows sample as they would; and the one adjustment that could overflow, a
+    repetition_penalty near 0, is refused where it is given."""
+    real = sampler_module.filtered_probs
+
+    def nan_row_one(x, *args):
+        probs = real(x, *args)
+        probs[1] = float("nan")
+        return probs
+
+    logits = torch.tensor([[0.0, 1.0, 2.0], [0.5, 1.0, 0.0], [2.0, 0.0, 1.0]], dtype=torch.float64)
+    params = [SamplingParams(temperature=1.0, seed=1) for _ in range(3)]
+    want = unpack(sample_batch(logits, params, [1, 2, 3], [0, 0, 0]), params)
+    monkeypatch.setattr(sampler_module, "filtered_probs", nan_row_one)
+    rows = unpack(sample_batch(logits, params, [1, 2, 3], [0, 0, 0]), params)
+    with pytest.raises(NonFiniteError):
+        rows[1].checked()
+    assert [rows[i].checked().token for i in (0, 2)] == [want[i].token for i in (0, 2)]
+    for bad in (1e-310, 5e-324, 1e-201):
+        with pytest.raises(ValueError, match="repetition_penalty: must be a finite number >= 1e-200"):
+            SamplingParams(repetition_penalty=bad)
+    SamplingParams(repetition_penalty=1e-200)
+
+
 # -- Huginn: reproducible without a seed ---------------------------------------------------------------------
 def test_huginn_greedy_is_reproducible_without_a_seed(tiny_huginn):
     engine = make_engine(tiny_huginn, "like-init", scheduler="cdb", kv_cache_tokens=256)

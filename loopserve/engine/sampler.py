@@ -617,6 +617,10 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seeds: list
         cdf = probs.cumsum(-1)
         draw = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=vocab - 1)
         tokens = draw if tokens is None else tokens.index_put((idx,), draw)
+        # a row whose adjusted logits lost finiteness (no finite total to draw against) is never taken: a NaN
+        # total would draw the last token (no host sync: the flag goes back with the tokens)
+        total = cdf[:, -1]
+        finite = finite.index_put((idx,), finite[idx] & torch.isfinite(total) & (total > 0))
     assert tokens is not None
     out = {"tokens": tokens, "finite": finite}
     asked = [i for i, p in enumerate(params) if p.logprobs is not None]
