@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,9 @@ from loopserve.engine.config import EngineConfig
 from loopserve.model_config import STATE_INITS
 from loopserve.models.loader import LoadedModel, load_model
 from loopserve.sampling_params import is_int, is_number
+
+# `threads` at most this many per CPU of the machine (torch's thread pool crashed the process at a million)
+MAX_THREADS_PER_CPU = 4
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +94,10 @@ class LoadConfig:
         s = self.swap_space
         if s is not None and not (is_number(s) and s >= 0):
             raise ValueError(f"swap_space: must be a number of GiB >= 0, got {s!r}")
-        if self.threads is not None and not (is_int(self.threads) and self.threads >= 1):
-            raise ValueError(f"threads: must be an integer >= 1 (or None: left as they are), got {self.threads!r}")
+        most = MAX_THREADS_PER_CPU * (os.cpu_count() or 1)
+        if self.threads is not None and not (is_int(self.threads) and 1 <= self.threads <= most):
+            raise ValueError(f"threads: must be an integer in [1, {most}] ({MAX_THREADS_PER_CPU} per CPU of this "
+                             f"machine; or None: left as they are), got {self.threads!r}")
 
     def engine_config(self, cfg: EngineConfig) -> EngineConfig:
         """`cfg` as these settings change it (enforce_eager: no CUDA graphs), after checking that they agree."""

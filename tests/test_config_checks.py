@@ -318,6 +318,11 @@ def test_kv_cache_tokens_must_be_an_integer():
     ({"kv_cache_tokens": 10**15}, ["kv_cache_tokens: 1000000000000000 asks for a KV pool", "could not allocate"]),
     ({"kv_cache_memory_gb": 1e9}, ["kv_cache_memory_gb: 1000000000.0 GiB asks", "could not allocate"]),
     ({"kv_cache_memory_gb": 1e-7}, ["kv_cache_memory_gb: 1e-07 GiB holds 0 tokens", "less than a block"]),
+    # sizes past what torch counts (a TypeError, a RuntimeError, a ValueError of torch's own, naming nothing)
+    ({"kv_cache_memory_gb": 1e30}, ["kv_cache_memory_gb: 1e+30 GiB asks", "could not allocate"]),
+    ({"kv_cache_tokens": 2**62}, [f"kv_cache_tokens: {2**62} asks for a KV pool", "could not allocate"]),
+    ({"kv_cache_tokens": 256, "max_num_seqs": 2**63}, [f"max_num_seqs: {2**63} sequences' block tables cannot be "
+                                                       "allocated on cpu; give a smaller max_num_seqs"]),
 ])
 def test_kv_pool_that_cannot_be_made_names_the_knob(tiny_ouro, knobs, words):
     with pytest.raises(ValueError) as e:

@@ -13,13 +13,14 @@ preludes): in the same tick; an async coda's at the start of the next tick if it
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -84,10 +85,25 @@ class InFlight:
     deferred: bool = False  # a core step whose signals may wait for the next batch
 
 
-def _could_not_allocate(e: RuntimeError) -> bool:
-    """Whether `e` is an allocator refusing memory: torch.OutOfMemoryError (CUDA's), or the CPU allocator's plain
-    RuntimeError ("DefaultCPUAllocator: can't allocate memory: you tried to allocate N bytes ...")."""
-    return isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e)
+def _could_not_allocate(e: Exception) -> bool:
+    """Whether `e` is an allocation refused for its size: torch.OutOfMemoryError (CUDA's), the CPU allocator's plain
+    RuntimeError ("DefaultCPUAllocator: can't allocate memory: you tried to allocate N bytes ..."), or a size past
+    what torch can count (a RuntimeError "Storage size calculation overflowed", a TypeError "Overflow when
+    unpacking long long", a ValueError "Maximum allowed dimension exceeded")."""
+    return isinstance(e, torch.OutOfMemoryError) or any(
+        words in str(e) for words in ("can't allocate memory", "size calculation overflowed", "Overflow when unpacking",
+                                      "Maximum allowed dimension exceeded"))
+
+
+@contextlib.contextmanager
+def _sized_by(knob: str, what: str, device: Any) -> Iterator[None]:
+    """An allocation that `knob` sizes: refused for its size (`_could_not_allocate`), a ValueError naming the knob."""
+    try:
+        yield
+    except (RuntimeError, TypeError, ValueError) as e:
+        if not _could_not_allocate(e):
+            raise
+        raise ValueError(f"{knob}: {what} cannot be allocated on {device}; give a smaller {knob}") from None
 
 
 def check_request_id(request_id: Any) -> None:
@@ -128,7 +144,7 @@ class LLMEngine:
         try:
             store = KVStore((blocks + 1) * cfg.block_size, self.layout.slots_per_token, c.num_kv_heads, c.head_dim,
                             p.dtype, p.device)
-        except RuntimeError as e:  # a pool too big: a ValueError naming the knob, not torch's traceback
+        except (RuntimeError, TypeError, ValueError) as e:  # a pool too big: a ValueError naming the knob, not torch's
             if not _could_not_allocate(e):
                 raise
             raise cfg.kv_pool_error(blocks * cfg.block_size, blocks * cfg.block_size * per_token, p.device,
@@ -138,8 +154,9 @@ class LLMEngine:
         # columns of the longest sequence the pool or the model's positions allow, so it never moves
         width = (-(-min(c.max_position, blocks * cfg.block_size) // cfg.block_size) if cfg.cuda_graphs
                  else KVCacheManager.TABLE_WIDTH)
-        self.kv = KVCacheManager(store, cfg.block_size, reserved_blocks=1, num_slots=cfg.max_num_seqs,
-                                 table_width=width)
+        with _sized_by("max_num_seqs", f"{cfg.max_num_seqs} sequences' block tables", p.device):
+            self.kv = KVCacheManager(store, cfg.block_size, reserved_blocks=1, num_slots=cfg.max_num_seqs,
+                                     table_width=width)
         if pool_tokens(self) < self.max_model_len:  # (vLLM refuses to start here; requests say it one by one)
             log.warning("the KV cache holds %d tokens, fewer than max_model_len %d: a request needing more is refused "
                         "or its completion cut there (more kv_cache_tokens, %s, or a smaller max_model_len would "
@@ -147,8 +164,9 @@ class LLMEngine:
         # a state row per admitted sequence (a plain item keeps its row between tokens), and room for the drafts
         # of every sequence that may draft at once, so that verify groups are not trimmed for want of rows
         drafts = cfg.num_speculative_tokens * min(cfg.speculative_max_batch, cfg.max_num_seqs)
-        self.pool = StatePool(cfg.max_num_seqs + drafts, c.hidden_size, p.dtype, p.device,
-                              with_inject=model.injects)
+        with _sized_by("max_num_seqs", f"{cfg.max_num_seqs} sequences' state rows", p.device):
+            self.pool = StatePool(cfg.max_num_seqs + drafts, c.hidden_size, p.dtype, p.device,
+                                  with_inject=model.injects)
         self.stats = EngineStats(spec_accepted_per_pos=[0] * cfg.num_speculative_tokens)
         scope = cache_scope(c.arch, str(p.dtype), cfg.kv_layout, cfg.prefill_chunk_size)
         speculator = Speculator(cfg, coda_kv=c.n_coda > 0) if cfg.num_speculative_tokens else None
