@@ -26,7 +26,7 @@ import asyncio
 import dataclasses
 import logging
 import threading
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, Hashable, Iterable
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -351,13 +351,17 @@ class AsyncLLMEngine:
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Abort requests in flight (one id or several; an id not in flight is passed over, as in vLLM): each stream
         ends with a final output whose finish_reason is "abort"."""
+        if not isinstance(request_id, str | Iterable):
+            raise ValueError(f"request_id: expected a request id (a str) or a list of them, got "
+                             f"{type(request_id).__name__}")
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
-            group = self._streams.pop(rid, None)  # (its id is free at once, as vLLM frees it)
+            # (its id is free at once, as vLLM frees it; something that cannot be an id is not in flight)
+            group = self._streams.pop(rid, None) if isinstance(rid, Hashable) else None
             if group is not None:
                 group.abort()
         if self.log_requests:
-            log.info("Aborted request(s) %s.", ",".join(ids))
+            log.info("Aborted request(s) %s.", ",".join(map(str, ids)))
 
     # -- the engine thread ----------------------------------------------------------------------------------------
     def _engine_thread(self) -> EngineThread:

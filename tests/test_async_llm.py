@@ -601,6 +601,19 @@ def test_abort_frees_the_id_and_the_kv_at_once(engine):
     assert rest[-1].outputs[0].finish_reason == "abort"
 
 
+def test_abort_of_something_that_is_no_request_id_is_a_value_error(engine):
+    """As `LLMEngine.abort_request`: a ValueError naming the argument (it was a TypeError from `list(None)`); an id
+    that cannot be one (a list inside the list) is passed over, as an id not in flight is."""
+    async def main():
+        for bad in (None, 123, 4.5):
+            with pytest.raises(ValueError, match="^request_id: expected a request id"):
+                await engine.abort(bad)
+        await engine.abort([["x"], "not-in-flight"])
+        return await collect(engine, [5, 6], SamplingParams(max_tokens=2, ignore_eos=True), "after")
+
+    assert asyncio.run(main())[-1].finished  # (the engine serves on)
+
+
 @pytest.mark.parametrize("how", ["return", "raise"])
 def test_exit_with_requests_in_flight_and_no_shutdown_is_clean(tiny_ouro, how, tmp_path):
     """A script that leaves asyncio.run with a stream open and never calls shutdown exits 0 (the engine thread, still
