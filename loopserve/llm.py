@@ -285,6 +285,10 @@ class LLM:
                     for out in self.engine.step():
                         if out.finished:
                             bar.finished(out)
+            except BaseException:  # interrupted (Ctrl-C, a progress bar that raised): this call's requests stop
+                # here, their KV freed, rather than run to their end inside the next call
+                self.engine.abort_request([s.request_id for s in seqs if s.request_id in self.engine.requests])
+                raise
             finally:
                 self.engine.release(me)
         bar.close()

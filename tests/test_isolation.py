@@ -309,6 +309,27 @@ def test_a_non_finite_exit_signal_fails_its_request_alone_in_the_reference_too(s
     assert (ok.outputs[0].finish_reason, len(ok.outputs[0].token_ids)) == ("length", 3)
 
 
+def test_an_interrupted_generate_leaves_nothing_running(tiny_ouro):
+    """Interrupted mid-run (here the progress bar raises KeyboardInterrupt when the first request finishes), the
+    call's other requests are aborted and their KV freed: they do not run to their end inside the next call, and
+    the prefix cache can be reset at once."""
+    from tqdm import tqdm
+
+    class Interrupting(tqdm):
+        def update(self, n=1):
+            raise KeyboardInterrupt
+
+    llm = LLM(tiny_ouro, dtype="float64", kv_cache_tokens=256)
+    short, long = SamplingParams(max_tokens=1, ignore_eos=True), SamplingParams(max_tokens=40, ignore_eos=True)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[5, 6], [7, 8], [9, 10]], [short, long, long], use_tqdm=Interrupting)
+    assert llm.engine is not None and llm.engine.kv_usage() == 0
+    assert llm.reset_prefix_cache() is True
+    steps = llm.engine.stats.generated_tokens
+    [out] = llm.generate([[5, 6]], short, use_tqdm=False)
+    assert out.outputs[0].finish_reason == "length" and llm.engine.stats.generated_tokens == steps + 1
+
+
 # -- sampling parameters at numeric extremes ---------------------------------------------------------------
 _EXTREME = (0.0, -0.0, 5e-324, 2.2e-308, 1e-310, 1e-5, 9.99e-6, 1e-300, 0.5, 1.0, 1.0 + 1e-16, 100.0, 1e300,
             -1e-310, -1.0, float("nan"), float("inf"), float("-inf"))
