@@ -287,7 +287,10 @@ class LLM:
                             bar.finished(out)
             except BaseException:  # interrupted (Ctrl-C, a progress bar that raised): this call's requests stop
                 # here, their KV freed, rather than run to their end inside the next call
-                self.engine.abort_request([s.request_id for s in seqs if s.request_id in self.engine.requests])
+                try:
+                    self.engine.abort_request([s.request_id for s in seqs if s.request_id in self.engine.requests])
+                except Exception:  # (an engine that broke: what interrupted the call is the error to see)
+                    log.exception("could not abort the interrupted call's requests")
                 raise
             finally:
                 self.engine.release(me)

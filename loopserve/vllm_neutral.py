@@ -30,15 +30,17 @@ class Neutral:
     init: bool = True  # an `LLM(...)` keyword (else an argument of `generate`, `chat` or `add_request` only)
     switch: bool = False  # on vLLM's command line a flag without a value (`--x` on, `--no-x` off)
     secret: bool = False  # a string value is not repeated in an error (a token)
+    many: bool = False  # on vLLM's command line a list: one or more values after the flag (nargs "+")
 
 
-def _only(why: str, *values: Any, init: bool = True, secret: bool = False, switch: bool | None = None) -> Neutral:
+def _only(why: str, *values: Any, init: bool = True, secret: bool = False, switch: bool | None = None,
+          many: bool = False) -> Neutral:
     """Taken at exactly these values, type and all (True is not 1); unless `switch` says, a switch on the command line
     where the values are booleans (and None)."""
     if switch is None:
         switch = all(v is None or isinstance(v, bool) for v in values) and any(isinstance(v, bool) for v in values)
     return Neutral(lambda v: any(type(v) is type(x) and v == x for x in values), " or ".join(map(repr, values)), why,
-                   init, switch, secret)
+                   init, switch, secret, many)
 
 
 _ANY = "any value"
@@ -48,6 +50,12 @@ def _zero(v: Any) -> bool:  # (numpy's zeros too, as vLLM compares them)
     return isinstance(v, numbers.Number) and not isinstance(v, bool) and v == 0
 
 
+def _positive_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+_GRAPHS = ("every batch width and context runs graphed on CUDA (a bucket captured when a batch first needs it, or at "
+           "start-up: --cuda-graph-warmup-tokens)")
 # vLLM's `LLM(...)` keywords, and the arguments of `generate` and `chat`, for what loopserve lacks: each taken at the
 # values that ask for nothing of it, any other a ValueError naming it (`check_neutral`).
 NEUTRAL: dict[str, Neutral] = {
@@ -125,6 +133,18 @@ NEUTRAL: dict[str, Neutral] = {
     # `AsyncLLMEngine.from_engine_args`'s
     "usage_context": Neutral(lambda v: True, _ANY, "it sends no usage telemetry", init=False),
     "stat_loggers": _only("it logs no periodic stats", None, init=False),
+    # engine arguments of vLLM's (`LLM(...)` keywords and `vllm serve` flags) for its scheduler and CUDA graphs
+    "max_num_partial_prefills": _only("prompts are prefilled first come, first served, in chunks", 1),
+    "max_long_partial_prefills": _only("prompts are prefilled first come, first served, in chunks", 1),
+    "long_prefill_token_threshold": _only("prompts are prefilled first come, first served, in chunks", 0),
+    "num_scheduler_steps": _only("the engine plans one stage batch a step", 1),
+    "preemption_mode": _only("a preempted request's KV is copied to the host and back, vLLM's 'swap' (docs/design.md "
+                             "§6.5)", None, "swap"),
+    "max_cudagraph_capture_size": Neutral(lambda v: v is None or _positive_int(v), "None or an integer >= 1", _GRAPHS),
+    "cuda_graph_sizes": Neutral(lambda v: v is None or _positive_int(v) or (isinstance(v, list) and all(
+        map(_positive_int, v))), "integers >= 1", _GRAPHS, many=True),
+    "mm_processor_cache_gb": Neutral(lambda v: isinstance(v, int | float) and not isinstance(v, bool) and v >= 0,
+                                     "a number >= 0", "no multimodal inputs"),
 }
 
 
@@ -133,16 +153,10 @@ def _any_bool(why: str) -> Neutral:
     return Neutral(lambda v: isinstance(v, bool), "True or False", why, switch=True)
 
 
-def _positive_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
-
-
 _TOOLS = "no tool-call parser: tool_choice 'none', 'required' and a named function work, 'auto' is refused"
-_GRAPHS = ("every batch width and context runs graphed on CUDA (a bucket captured when a batch first needs it, or at "
-           "start-up: --cuda-graph-warmup-tokens)")
-# `vllm serve`'s own flags (its OpenAI server's, and engine flags that `LLM(...)` does not take) for what loopserve's
-# server lacks or does anyway, each taken at the values that ask for nothing of it, so that a vLLM launch line runs as
-# it is; any other value stops the start with an error naming it (`check_neutral(SERVE_NEUTRAL, ...)`).
+# `vllm serve`'s own flags (its OpenAI server's) for what loopserve's server lacks or does anyway, each taken at the
+# values that ask for nothing of it, so that a vLLM launch line runs as it is; any other value stops the start with
+# an error naming it (`check_neutral(SERVE_NEUTRAL, ...)`).
 SERVE_NEUTRAL: dict[str, Neutral] = {
     "response_role": _only("a reply is the assistant's", "assistant"),
     "enable_prompt_tokens_details": _any_bool("usage always carries prompt_tokens_details.cached_tokens"),
@@ -164,29 +178,17 @@ SERVE_NEUTRAL: dict[str, Neutral] = {
     "enable_force_include_usage": _only("a stream's usage comes with its request's stream_options.include_usage",
                                         False),
     "enable_server_load_tracking": _only("no /load endpoint (the load gauges are in /metrics)", False),
-    "lora_modules": _only("no LoRA adapters", None, []),
-    "middleware": _only("no custom ASGI middleware", None, []),
+    "lora_modules": _only("no LoRA adapters", None, [], many=True),
+    "middleware": _only("no custom ASGI middleware", None, [], many=True),
     "log_config_file": _only("logging is set by --log-level", None, ""),
     "enable_ssl_refresh": _only("the TLS files are read once, at start-up", False),
     # (vLLM's defaults)
     "h11_max_incomplete_event_size": _only("HTTP heads are read with uvicorn's own limits", 4194304),
     "h11_max_header_count": _only("HTTP heads are read with uvicorn's own limits", 256),
-    "max_num_partial_prefills": _only("prompts are prefilled first come, first served, in chunks", 1),
-    "max_long_partial_prefills": _only("prompts are prefilled first come, first served, in chunks", 1),
-    "long_prefill_token_threshold": _only("prompts are prefilled first come, first served, in chunks", 0),
-    "num_scheduler_steps": _only("the engine plans one stage batch a step", 1),
-    "preemption_mode": _only("a preempted request's KV is copied to the host and back (docs/design.md)", None),
     "headless": _only("the server runs its own engine", False),
     "api_server_count": _only("one API server process (replicas: --replicas)", 1),
     "otlp_traces_endpoint": _only("it emits no tracing spans", None, ""),
     "collect_detailed_traces": _only("it emits no tracing spans", None, ""),
-    "max_seq_len_to_capture": Neutral(_positive_int, "an integer >= 1", _GRAPHS),
-    "max_cudagraph_capture_size": Neutral(lambda v: v is None or _positive_int(v), "None or an integer >= 1",
-                                          _GRAPHS),
-    "cuda_graph_sizes": Neutral(lambda v: v is None or _positive_int(v) or (isinstance(v, list) and all(
-        map(_positive_int, v))), "integers >= 1", _GRAPHS),
-    "mm_processor_cache_gb": Neutral(lambda v: isinstance(v, int | float) and not isinstance(v, bool) and v >= 0,
-                                     "a number >= 0", "no multimodal inputs"),
 }
 
 
@@ -243,7 +245,7 @@ def add_neutral_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
             continue
         text = f"vLLM's; not supported by loopserve ({neutral.why}): takes {_cli_terms(neutral.values)}"
         parser.add_argument(flag, dest=name, type=_flag_value, default=argparse.SUPPRESS, metavar="VALUE",
-                            help=text.replace("%", "%%"))
+                            nargs="+" if neutral.many else None, help=text.replace("%", "%%"))
 
 
 def neutral_kwargs(args: argparse.Namespace, table: dict[str, Neutral] | None = None) -> dict[str, Any]:

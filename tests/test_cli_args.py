@@ -16,7 +16,7 @@ from loopserve.cli import EXIT_FLAGS, build_parser, engine_kwargs
 from loopserve.engine.config import ENGINE_SCHEDULERS, SCHEDULERS, EngineConfig
 from loopserve.exits import DEFAULT_POLICIES
 from loopserve.sampling_params import EXIT_FIELDS
-from loopserve.vllm_neutral import NEUTRAL
+from loopserve.vllm_neutral import NEUTRAL, SERVE_NEUTRAL
 from loopserve_lab.bench.cli import BENCH_DRIVEN, engine_overrides
 
 FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
@@ -90,7 +90,7 @@ def test_every_serve_flag_has_help_that_shows_its_default():
             continue
         assert action.help and action.help.strip(), f"{action.option_strings[0]}: no help"
         if action.default is argparse.SUPPRESS:  # (vLLM's neutral flags: unset unless given, no default to show)
-            assert action.dest in NEUTRAL, action.dest
+            assert action.dest in NEUTRAL or action.dest in SERVE_NEUTRAL, action.dest
             continue
         shown = formatter._expand_help(action)
         assert f"default: {action.default}" in shown, (action.option_strings[0], shown)

@@ -281,18 +281,23 @@ def poisoned(tiny_ouro, tmp_path_factory):
 
 @pytest.mark.parametrize("scheduler", ["cdb", "cb", "reference"])
 def test_a_prompt_that_poisons_its_kv_fails_whatever_it_asks(scheduler, poisoned):
-    """A prompt token with a non-finite hidden state writes NaN KV; the later positions read it. The request fails
-    ("non-finite logits"), with or without logprobs or prompt_logprobs: attention zeroes only the rows that see no
-    key, never a row a NaN reached (it had answered a finite token of zeros unless prompt_logprobs were asked for,
-    which read the poisoned position's own logits). Its neighbour, in the same batches, is untouched."""
-    llm = LLM(poisoned, scheduler=scheduler, dtype="float64", kv_cache_tokens=256)
+    """A prompt token with a non-finite hidden state writes NaN KV, which later positions read as zeros (attention
+    zeroes the rows a NaN reaches, as it does those that see no key: telling them apart would cost a pass over the
+    scores). The request fails ("non-finite hidden states"), with or without logprobs or prompt_logprobs: it had
+    answered a finite token, unless prompt_logprobs were asked for, which read the poisoned position's own logits.
+    Its neighbour, in the same batches, is untouched."""
+    llm = LLM(poisoned, scheduler=scheduler, dtype="float64", kv_cache_tokens=256, prefill_chunk_size=8)
     clean = llm.generate([[5, 6, 9]], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)[0]
-    for extra in ({}, {"logprobs": 1}, {"prompt_logprobs": 0}):
-        bad, ok = llm.generate([[5, POISON, 9], [5, 6, 9]], SamplingParams(max_tokens=3, temperature=0.0, **extra),
-                               use_tqdm=False)
-        assert (bad.outputs[0].finish_reason, bad.outputs[0].token_ids) == ("error", []), extra
-        assert "non-finite logits" in (bad.error or ""), extra
-        assert ok.outputs[0].token_ids == clean.outputs[0].token_ids, extra
+    # (the second poisoned prompt's NaN is in its first chunk of three)
+    for poisoned_prompt in ([5, POISON, 9], [5, POISON] + [9] * 20):
+        for extra in ({}, {"logprobs": 1}, {"prompt_logprobs": 0}):
+            bad, ok = llm.generate([poisoned_prompt, [5, 6, 9]],
+                                   SamplingParams(max_tokens=3, temperature=0.0, **extra), use_tqdm=False)
+            assert (bad.outputs[0].finish_reason, bad.outputs[0].token_ids) == ("error", []), extra
+            assert bad.error == "the model produced non-finite hidden states for this request's prompt", extra
+            assert ok.outputs[0].token_ids == clean.outputs[0].token_ids, extra
+    if llm.engine is not None:
+        assert llm.engine.kv_usage() == 0
 
 
 @pytest.mark.parametrize("scheduler", ["cdb", "reference"])

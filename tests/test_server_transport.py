@@ -35,9 +35,9 @@ def _serve(*argv: str):
 NEUTRAL_LINES = [
     "--response-role assistant", "--enable-prompt-tokens-details", "--enable-request-id-headers",
     "--disable-frontend-multiprocessing", "--disable-fastapi-docs", "--chat-template-content-format string",
-    "--no-enable-auto-tool-choice", "--tool-call-parser null", "--reasoning-parser ''", "--lora-modules null",
-    "--no-enable-server-load-tracking", "--max-seq-len-to-capture 8192", "--max-cudagraph-capture-size 512",
-    "--cuda-graph-sizes [1,2,4]", "--h11-max-incomplete-event-size 4194304", "--h11-max-header-count 256",
+    "--no-enable-auto-tool-choice", "--tool-call-parser null", "--reasoning-parser ''", "--preemption-mode swap",
+    "--no-enable-server-load-tracking", "--max-cudagraph-capture-size 512",
+    "--cuda-graph-sizes 1 2 4", "--h11-max-incomplete-event-size 4194304", "--h11-max-header-count 256",
     "--max-num-partial-prefills 1", "--num-scheduler-steps 1", "--api-server-count 1", "--mm-processor-cache-gb 0",
     "--log-error-stack", "--no-trust-request-chat-template",
 ]
@@ -49,7 +49,7 @@ REFUSED_LINES = {
                             "'assistant', got 'user'",
     "--trust-request-chat-template": "trust_request_chat_template: not supported by loopserve (a request cannot",
     "--lora-modules a=/x": "lora_modules: not supported by loopserve (no LoRA adapters)",
-    "--max-seq-len-to-capture 0": "max_seq_len_to_capture: not supported by loopserve (every batch width",
+    "--cuda-graph-sizes 0 8": "cuda_graph_sizes: not supported by loopserve (every batch width",
     "--api-server-count 4": "api_server_count: not supported by loopserve (one API server process",
 }
 
@@ -135,8 +135,10 @@ def test_https_with_vllms_ssl_flags(tiny_ouro, tmp_path):
 
 
 def test_a_unix_domain_socket_with_uds(tiny_ouro, tmp_path):
-    """--uds PATH: the API on that socket (host and port unused), the socket file removed when the server stops;
-    a stale socket file left at PATH is replaced, another kind of file is refused."""
+    """--uds PATH: the API on that socket (host and port unused), open to every user as uvicorn makes it (a proxy
+    running as another user connects), said in the start-up line; the socket file removed when the server
+    stops. A stale socket file left at PATH is replaced; one a live server answers on, or another kind of file, is
+    refused."""
     path = tmp_path / "api.sock"
     import socket
 
@@ -148,7 +150,14 @@ def test_a_unix_domain_socket_with_uds(tiny_ouro, tmp_path):
         r = uds.post("http://loopserve/v1/completions",
                      json={"model": MODEL, "prompt": "To be", "max_tokens": 2, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        assert path.stat().st_mode & 0o777 == 0o666
+        second = subprocess.run([sys.executable, "-m", "loopserve.cli", "serve", "--model", str(tiny_ouro), "--uds",
+                                 str(path)], capture_output=True, text=True, timeout=60,
+                                env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert second.returncode == 2 and f"--uds: a server is listening on {path}" in second.stderr
+        assert uds.get("http://loopserve/health").status_code == 200  # (its socket left alone)
     assert not path.exists()
+    assert f"serving on http on unix:{path} " in (tmp_path / "uds.log").read_text()
     path.write_text("not a socket")
     assert "--uds" in subprocess.run(
         [sys.executable, "-m", "loopserve.cli", "serve", "--model", str(tiny_ouro), "--uds", str(path)],
@@ -160,10 +169,17 @@ def test_tls_and_socket_flags_are_checked_before_the_model_loads(tmp_path):
     cert, key = _certificate(tmp_path)
     bad = tmp_path / "bad.pem"
     bad.write_text("not a certificate")
+    from cryptography.hazmat.primitives import serialization
+
+    locked = tmp_path / "locked.pem"  # (encrypted: refused, not asked for on the terminal)
+    locked.write_bytes(serialization.load_pem_private_key(key.read_bytes(), None).private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.BestAvailableEncryption(b"secret")))
     cases = {
         ("--ssl-keyfile", str(key)): "--ssl-keyfile: needs --ssl-certfile",
         ("--ssl-certfile", str(bad)): "--ssl-certfile: cannot use it",
         ("--ssl-certfile", str(tmp_path / "missing.pem")): "--ssl-certfile: cannot use it",
+        ("--ssl-certfile", str(cert), "--ssl-keyfile", str(locked)): "--ssl-certfile: cannot use it",
         ("--ssl-certfile", str(cert), "--ssl-keyfile", str(key), "--ssl-cert-reqs", "2"):
             "--ssl-cert-reqs: asks for client certificates, so needs --ssl-ca-certs",
         ("--ssl-certfile", str(cert), "--ssl-keyfile", str(key), "--ssl-cert-reqs", "5"): "--ssl-cert-reqs: must be",

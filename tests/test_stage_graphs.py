@@ -165,6 +165,12 @@ def test_warmup_prepares_every_bucket_up_to_its_tokens_and_writes_only_scratch_r
     assert engine.stats.graph_buckets == len(graphs.buckets) - 15 * len(stages)
     assert all(keys > 12 for _, _, keys in graphs.buckets[15 * len(stages):])
 
+    # a stage batch is at most the state pool's rows: no wider bucket is prepared
+    narrow = make_engine(path, state_init, scheduler="cdb", **{**cfg, "max_num_seqs": 2, "max_decode_batch": 32},
+                         cuda_graph_warmup_tokens=4)
+    assert narrow.runner.graphs is not None and narrow.pool.rows == 2
+    assert {w for _, w, _ in narrow.runner.graphs.buckets} == {1, 2}
+
     # what a warm-up writes, on an engine with KV and states already in place
     engine = make_engine(path, state_init, scheduler="cdb", **cfg)
     graphs, store, pool = engine.runner.graphs, engine.kv.store, engine.pool

@@ -97,7 +97,10 @@ NEUTRAL = dict(tokenizer_mode="hf", skip_tokenizer_init=False, revision=None, to
                kv_transfer_config=None, guided_decoding_backend="auto", structured_outputs_config=None,
                logits_processors=None, override_generation_config={}, speculative_config=None,
                limit_mm_per_prompt=None, enable_prompt_embeds=False,
-               allowed_local_media_path="", max_cpu_loras=None)
+               allowed_local_media_path="", max_cpu_loras=None, max_num_partial_prefills=1,
+               max_long_partial_prefills=1, long_prefill_token_threshold=0, num_scheduler_steps=1,
+               preemption_mode="swap", max_cudagraph_capture_size=None,
+               cuda_graph_sizes=[1, 2, 4], mm_processor_cache_gb=0)
 
 
 def test_vllms_keywords_at_their_neutral_values_are_taken_and_change_nothing(tiny_ouro):

@@ -164,7 +164,9 @@ class LLMEngine:
         # a state row per admitted sequence (a plain item keeps its row between tokens), and room for the drafts
         # of every sequence that may draft at once, so that verify groups are not trimmed for want of rows
         drafts = cfg.num_speculative_tokens * min(cfg.speculative_max_batch, cfg.max_num_seqs)
-        with _sized_by("max_num_seqs", f"{cfg.max_num_seqs} sequences' state rows", p.device):
+        knob = "num_speculative_tokens" if drafts > cfg.max_num_seqs else "max_num_seqs"
+        with _sized_by(knob, f"{cfg.max_num_seqs + drafts} state rows ({cfg.max_num_seqs} sequences, {drafts} drafts)",
+                       p.device):
             self.pool = StatePool(cfg.max_num_seqs + drafts, c.hidden_size, p.dtype, p.device,
                                   with_inject=model.injects)
         self.stats = EngineStats(spec_accepted_per_pos=[0] * cfg.num_speculative_tokens)
@@ -185,7 +187,10 @@ class LLMEngine:
             t0 = time.perf_counter()
             # (Ouro's prelude and coda have no layers: they run eagerly, never graphed)
             stages = ["core"] + ["coda"] * (c.n_coda > 0) + ["prelude"] * (c.n_prelude > 0)
-            n = graphs.warm_up(stages, cfg.max_decode_batch, min(cfg.cuda_graph_warmup_tokens, self.max_model_len))
+            # (a stage batch is at most max_decode_batch rows, and at most the state pool's)
+            with _sized_by("cuda_graph_warmup_tokens", "the graphs of every bucket it asks for", p.device):
+                n = graphs.warm_up(stages, min(cfg.max_decode_batch, self.pool.rows),
+                                   min(cfg.cuda_graph_warmup_tokens, self.max_model_len))
             log.info("cuda graphs: %d buckets prepared at start-up in %.1f s", n, time.perf_counter() - t0)
         self._arrivals = itertools.count()
         # Async codas (CUDA by default): the host does not wait for a coda's tokens (taken when they have arrived,
@@ -489,7 +494,7 @@ class LLMEngine:
                 self._model_time += time.perf_counter() - t1
                 if isinstance(entry.result, PendingPrefill):
                     firsts = {s.request_id: x for s, x in zip(entry.result.seqs, samples, strict=True)}
-                    sched.after_prefill(plan, firsts, entry.result.prompt_logprobs())
+                    sched.after_prefill(plan, firsts, entry.result.prompt_logprobs(), entry.result.broken())
                 else:
                     sched.after_coda(plan, samples)
             follow = sched.follow_up(plan)

