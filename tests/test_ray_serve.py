@@ -171,6 +171,14 @@ def test_config_file_builder(tmp_path):
     assert lray.flags_from_config({"model": str(tmp_path)}).cuda_graphs is None
     with pytest.raises(ValueError, match="args.cuda_graphs: expected true or false"):
         lray.flags_from_config({"cuda_graphs": "yes"})
+    # a bad value: argparse's line, naming the flag, and no other value (the error is logged: keys and tokens stay out)
+    with pytest.raises(ValueError) as e:
+        lray.flags_from_config({"model": str(tmp_path), "api_key": "sk-VERYSECRET", "hf_token": "hf_SECRET",
+                                "max_model_len": "abc"})
+    assert str(e.value) == "args: argument --max-model-len: invalid int value: 'abc'"
+    # vLLM's dict- and list-valued flags as JSON (a dict was passed as its Python repr), and a list flag's items
+    args = lray.flags_from_config({"model": str(tmp_path), "limit_mm_per_prompt": {}, "cuda_graph_sizes": [8, 16]})
+    assert (args.limit_mm_per_prompt, args.cuda_graph_sizes) == ({}, [8, 16])
     with pytest.raises(ValueError, match="--replicas: must be >= 1"):
         lray.app({"model": str(tmp_path), "replicas": 0})
     # a flag by its own name: an alias, and vLLM's flags for what loopserve lacks (refused as unknown before)

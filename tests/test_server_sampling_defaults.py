@@ -157,6 +157,13 @@ def test_a_generation_config_folder_caps_every_max_tokens(checkpoint):
         assert beam.search is not None and beam.search.params.max_tokens == explicit, mode  # (a search's too)
         with pytest.raises(ApiError, match="max_tokens: This model's maximum context length"):
             serving.resolve_max_tokens(serving.max_model_len, 16, 4, "prompt")
+    # truncate_prompt_tokens=-1 cuts for max_tokens as asked, the amount the check reads (cut for the capped 5 it
+    # left 59 tokens, which then failed the check of 30 with a 400 about a length the server had picked)
+    serving = OpenAIServing(*load_server(_args(checkpoint, "--generation-config", str(checkpoint),
+                                               "--max-model-len", "64")))
+    ids = serving.cut_prompt(list(range(3, 103)), -1, 30)
+    assert ids == list(range(69, 103))  # (the last 64 - 30)
+    assert serving.resolve_max_tokens(30, 16, len(ids), "prompt") == GEN["max_new_tokens"]
 
 
 # -- the exit threshold belongs to the server's exit policy --------------------------------------------------------

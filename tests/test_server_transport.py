@@ -158,6 +158,18 @@ def test_a_unix_domain_socket_with_uds(tiny_ouro, tmp_path):
         assert uds.get("http://loopserve/health").status_code == 200  # (its socket left alone)
     assert not path.exists()
     assert f"serving on http on unix:{path} " in (tmp_path / "uds.log").read_text()
+    # a server still loading its model listens already: a second start finds it (it had taken the socket over)
+    from loopserve.serve.cli import listen_unix
+
+    loading = listen_unix(str(path))
+    try:
+        second = subprocess.run([sys.executable, "-m", "loopserve.cli", "serve", "--model", str(tiny_ouro), "--uds",
+                                 str(path)], capture_output=True, text=True, timeout=60,
+                                env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert second.returncode == 2 and f"--uds: a server is listening on {path}" in second.stderr
+    finally:
+        loading.close()
+        path.unlink()
     path.write_text("not a socket")
     assert "--uds" in subprocess.run(
         [sys.executable, "-m", "loopserve.cli", "serve", "--model", str(tiny_ouro), "--uds", str(path)],

@@ -462,10 +462,11 @@ class OpenAIServing:
         return max_tokens if cap is None or max_tokens is None or max_tokens < 1 else min(max_tokens, cap)
 
     def cut_prompt(self, ids: list[int], keep: int | None, max_tokens: int | None) -> list[int]:
-        """The prompt a request runs on (`truncate_prompt`: -1 keeps what the context leaves beside `max_tokens`,
-        capped as the completion will be), or a 400 naming truncate_prompt_tokens."""
+        """The prompt a request runs on (`truncate_prompt`: -1 keeps what the context leaves beside `max_tokens` as
+        the request asks it, the amount `resolve_max_tokens` checks before a cap applies: cut for a capped amount, the
+        prompt would fail that check), or a 400 naming truncate_prompt_tokens."""
         try:
-            return truncate_prompt(ids, keep, self.max_model_len, self.capped(max_tokens))
+            return truncate_prompt(ids, keep, self.max_model_len, max_tokens)
         except ValueError as e:
             raise ApiError.bad_request(e) from None
 
@@ -1058,8 +1059,9 @@ class OpenAIServing:
                              else req.max_tokens)
         params = self.beam_params(req, budget)
         starts = []
+        asked = self.default_max_tokens(COMPLETIONS_DEFAULT_MAX_TOKENS) if req.max_tokens is None else req.max_tokens
         for where, text, whole in prompts:
-            ids = self.cut_prompt(whole, req.truncate_prompt_tokens, params.max_tokens)
+            ids = self.cut_prompt(whole, req.truncate_prompt_tokens, asked)  # (as the check below reads it)
             self.resolve_max_tokens(req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, len(ids), where)
             starts.append((where, text, ids))
         return self.beam_generation(COMPLETION, req, cid, params, starts, arrival, echo=bool(req.echo))

@@ -337,6 +337,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from loopserve.serve.ray import run_replicas
 
         return run_replicas(args)
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal: exit quietly then (set before the
+    # model loads: a signal meanwhile still runs the clean-up below)
+    signal.signal(signal.SIGTERM, _exit_with(0))
+    signal.signal(signal.SIGINT, _exit_with(130))
     # (before the model loads: a port in use is said at once)
     listener = listen(args.host, args.port) if args.uds is None else listen_unix(args.uds)
     if args.uds is None:
@@ -386,9 +390,6 @@ def _serve_on(listener: socket.socket, args: argparse.Namespace) -> int:
                                            ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
                                            ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs),
                             on_deadline=app.state.serving.abort_in_flight)
-    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal: exit quietly then
-    signal.signal(signal.SIGTERM, _exit_with(0))
-    signal.signal(signal.SIGINT, _exit_with(130))
     try:
         server.run(sockets=[listener])
     except OSError as e:  # (another server took the port while the model loaded: bound, it listens only now)
@@ -436,6 +437,7 @@ def listen_unix(path: str) -> socket.socket:
     try:
         sock.bind(path)
         os.chmod(path, 0o666)
+        sock.listen()  # (now, not once the model has loaded: a second server's probe finds this one)
     except OSError as e:
         sock.close()
         raise CommandError(f"--uds: cannot listen on {path}: {e.strerror or e}") from None

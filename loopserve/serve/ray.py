@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import io
 import json
 import logging
 import signal
@@ -222,14 +224,17 @@ def flags_from_config(config: dict[str, Any]) -> argparse.Namespace:
         elif action.nargs == "+":  # several values after one flag: served_model_name: [a, b] (or one: a)
             items = value if isinstance(value, list) else [] if value is None else [value]
             argv += [flag, *map(str, items)] if items else []
-        elif isinstance(value, list):
+        elif isinstance(value, list | dict):
             argv += [flag, json.dumps(value)]
         elif value is not None:
             argv += [flag, str(value)]
+    err = io.StringIO()
     try:
-        return parser.parse_args(argv)
-    except SystemExit:
-        raise ValueError(f"args: not valid serve flags: {' '.join(argv)}") from None
+        with contextlib.redirect_stderr(err):
+            return parser.parse_args(argv)
+    except SystemExit:  # argparse's own line, which names the flag; not the values (an API key, a token among them)
+        why = err.getvalue().strip().splitlines()[-1:] or ["not valid"]
+        raise ValueError(f"args: {why[0].split('error: ', 1)[-1]}") from None
 
 
 def app(config: dict[str, Any]) -> Application:
