@@ -168,6 +168,9 @@ def test_config_file_builder(tmp_path):
                                    "enable-prefix-caching": False, "async_coda": "false"})
     assert (args.model, args.cuda_graphs, args.lookahead, args.enable_prefix_caching, args.async_coda) == (
         str(tmp_path), True, True, False, False)
+    # and by their --no- names (vLLM's configs write `no_enable_prefix_caching: true`)
+    args = lray.flags_from_config({"model": str(tmp_path), "no_enable_prefix_caching": True, "no-lookahead": "false"})
+    assert (args.enable_prefix_caching, args.lookahead) == (False, True)
     assert lray.flags_from_config({"model": str(tmp_path)}).cuda_graphs is None
     with pytest.raises(ValueError, match="args.cuda_graphs: expected true or false"):
         lray.flags_from_config({"cuda_graphs": "yes"})

@@ -194,14 +194,20 @@ def flags_from_config(config: dict[str, Any]) -> argparse.Namespace:
     for a in parser._actions:  # (by dest, the first flag of it: a switch of vLLM's has its --no-x after its --x)
         if a.option_strings:
             actions.setdefault(a.dest, a)
-    # and by each flag's own name: an alias (uvicorn_log_level), a switch's --no- form
+    # and by each flag's own name: an alias (uvicorn_log_level), a switch's --no- form (an engine switch's `no_x: true`
+    # is `x: false`)
+    negated: set[str] = set()
     for a in parser._actions:
-        if not isinstance(a, argparse.BooleanOptionalAction):  # (its --no-x is `x: false`)
-            for opt in a.option_strings:
-                actions.setdefault(opt.lstrip("-").replace("-", "_"), a)
+        for opt in a.option_strings:
+            name = opt.lstrip("-").replace("-", "_")
+            if isinstance(a, argparse.BooleanOptionalAction) and opt.startswith("--no-"):
+                negated.add(name)
+            actions.setdefault(name, a)
     argv: list[str] = []
     for key, value in config.items():
         action = actions.get(key.replace("-", "_"))
+        if key.replace("-", "_") in negated and value in (True, False, "true", "false"):
+            value = "false" if value in (True, "true") else "true"
         if action is None:
             raise ValueError(f"args.{key}: not a `loopserve serve` flag")
         flag = action.option_strings[-1]
