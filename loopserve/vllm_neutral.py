@@ -50,6 +50,11 @@ def _zero(v: Any) -> bool:  # (numpy's zeros too, as vLLM compares them)
     return isinstance(v, numbers.Number) and not isinstance(v, bool) and v == 0
 
 
+def _any_bool(why: str) -> Neutral:
+    """A switch of vLLM's that asks for nothing loopserve lacks, on or off."""
+    return Neutral(lambda v: isinstance(v, bool), "True or False", why, switch=True)
+
+
 def _positive_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
@@ -101,8 +106,7 @@ NEUTRAL: dict[str, Neutral] = {
     "async_scheduling": _only("the engine pipelines its own steps, async_coda", None, False),
     # (both: loopserve's models have no sliding window to disable, and a config.json asking for one is refused)
     "disable_sliding_window": _only("its models attend over the whole context", False, True),
-    "disable_cascade_attn": Neutral(lambda v: isinstance(v, bool), "True or False",
-                                    "it has no cascade attention kernel to turn off", switch=True),
+    "disable_cascade_attn": _any_bool("it has no cascade attention kernel to turn off"),
     "calculate_kv_scales": _only("the KV cache is kept in the model's dtype, unscaled", False),
     "kv_transfer_config": _only("no disaggregated prefill", None),
     "guided_decoding_backend": _only("structured output is llguidance's, vLLM's 'guidance'", "auto", "guidance"),
@@ -148,11 +152,6 @@ NEUTRAL: dict[str, Neutral] = {
 }
 
 
-def _any_bool(why: str) -> Neutral:
-    """A switch of vLLM's that asks for nothing loopserve lacks, on or off."""
-    return Neutral(lambda v: isinstance(v, bool), "True or False", why, switch=True)
-
-
 _TOOLS = "no tool-call parser: tool_choice 'none', 'required' and a named function work, 'auto' is refused"
 # `vllm serve`'s own flags (its OpenAI server's) for what loopserve's server lacks or does anyway, each taken at the
 # values that ask for nothing of it, so that a vLLM launch line runs as it is; any other value stops the start with
@@ -192,11 +191,11 @@ SERVE_NEUTRAL: dict[str, Neutral] = {
 }
 
 
-def check_neutral(table: dict[str, Neutral] | None = None, /, **given: Any) -> None:
-    """ValueError naming the first of `given` (keywords of `table`, `NEUTRAL` unless given) set to a value that asks
-    for what loopserve lacks."""
+def check_neutral(table: dict[str, Neutral] = NEUTRAL, /, **given: Any) -> None:
+    """ValueError naming the first of `given` (keywords of `table`) set to a value that asks for what loopserve
+    lacks."""
     for name, value in given.items():
-        neutral = (NEUTRAL if table is None else table)[name]
+        neutral = table[name]
         if not neutral.accepts(value):
             shown = "a string (not shown: a secret)" if neutral.secret and isinstance(value, str) else repr(value)
             raise ValueError(f"{name}: not supported by loopserve ({neutral.why}); it takes {neutral.values}, "
@@ -223,14 +222,14 @@ def _cli_terms(values: str) -> str:
 
 
 def add_neutral_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
-                     table: dict[str, Neutral] | None = None) -> None:
+                     table: dict[str, Neutral] = NEUTRAL) -> None:
     """vLLM's command-line flags of the `NEUTRAL` `LLM(...)` keywords the command has no flag of its own for, so that
     a vLLM launch line runs as it is (`--enable-chunked-prefill`, `--kv-cache-dtype auto`): a switch as vLLM's
     (`--x` true, `--no-x` false, no value: a model path after it stays the model), any other with one value (JSON or
     text), each kept under its keyword's name, so that `LLM(**vars(parser.parse_args()))` takes them as vLLM's `LLM`
     does (vLLM's examples build their engine so); `neutral_kwargs` reads them back for `check_neutral`."""
     taken = set(getattr(parser, "_option_string_actions", {}))
-    for name, neutral in (NEUTRAL if table is None else table).items():
+    for name, neutral in table.items():
         flag = flag_of(name)
         if not neutral.init or flag in taken:
             continue
@@ -248,10 +247,9 @@ def add_neutral_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
                             nargs="+" if neutral.many else None, help=text.replace("%", "%%"))
 
 
-def neutral_kwargs(args: argparse.Namespace, table: dict[str, Neutral] | None = None) -> dict[str, Any]:
+def neutral_kwargs(args: argparse.Namespace, table: dict[str, Neutral] = NEUTRAL) -> dict[str, Any]:
     """The `add_neutral_args` flags given, as `LLM(...)` keywords (and a command's own flags of `NEUTRAL` names, serve's
     --served-model-name say, which any value passes); of `table`'s names where given."""
-    table = NEUTRAL if table is None else table
     return {k: v for k, v in vars(args).items() if k in table and table[k].init}
 
 

@@ -45,13 +45,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_ready(proc: subprocess.Popen, url: str, timeout: float = 90.0) -> bool:
+def server_env(**extra: str) -> dict[str, str]:
+    """The environment a server process runs in: one intra-op thread (the tiny model's ops are too small to split,
+    and on a loaded machine torch's pool spins instead of working), the code of this checkout first on the path
+    (also for a launcher script, whose own folder comes first), and `extra`."""
+    return {**os.environ, "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p), **extra}
+
+
+def wait_ready(proc: subprocess.Popen, url: str, timeout: float = 90.0, client: httpx.Client | None = None) -> bool:
+    """Whether the server at `url` answered /health (through `client`, if given: TLS, a Unix socket) before `proc`
+    exited or `timeout` seconds passed."""
+    get = httpx.get if client is None else client.get
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             return False
         try:
-            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+            if get(url + "/health", timeout=1.0).status_code == 200:
                 return True
         except httpx.HTTPError:
             pass
@@ -88,14 +99,9 @@ def run_server(model: Path, log: Path, *extra: str, log_level: str = "warning", 
                "--device", "cpu",  # not `auto`: outputs are compared with the offline LLM on the CPU
                *extra]
         with open(log, "w") as f:
-            # one intra-op thread: the tiny model's ops are too small to split, and on a loaded machine
-            # torch's pool spins instead of working
-            env = {**os.environ, "OMP_NUM_THREADS": "1",
-                   # the code of this checkout, also for a launcher script (its own folder comes first)
-                   "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=server_env())
         url = f"http://127.0.0.1:{port}"
-        if _wait_ready(proc, url):
+        if wait_ready(proc, url):
             break
         stop(proc)
         text = log.read_text()

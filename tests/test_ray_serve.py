@@ -31,7 +31,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server_helpers import MODEL, REPO, free_port, sse_events, stop
+from tests.server_helpers import MODEL, REPO, free_port, server_env, sse_events, stop
 
 ray = pytest.importorskip("ray", reason="Ray Serve is the [ray] extra (pip install -e '.[ray]'; setup.sh installs it)")
 pytest.importorskip("ray.serve", reason="Ray Serve is the [ray] extra (pip install -e '.[ray]')")
@@ -263,8 +263,7 @@ def server(tiny_model, tmp_path_factory) -> Iterator[RayServer]:
            "--max-queued-requests", "8", "--replicas", "2", "--replica-cpus", "1", "--no-access-log",
            "--shutdown-timeout", str(GRACE_S),
            "--log-level", "info"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_DEDUP_LOGS": "0",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    env = server_env(RAY_DEDUP_LOGS="0")
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     started: set[int] = set()

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import os
 import ssl
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,7 +20,7 @@ import pytest
 
 from loopserve.cli import build_parser
 from loopserve.serve.cli import _check
-from tests.server_helpers import MODEL, REPO, free_port, stop
+from tests.server_helpers import MODEL, free_port, server_env, stop, wait_ready
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -98,20 +96,11 @@ def _server(model: Path, log: Path, client: httpx.Client, url: str, *flags: str)
     """`loopserve serve` with `flags`, ready once `client` gets /health from `url`; stopped (SIGTERM) on exit."""
     cmd = [sys.executable, "-m", "loopserve.cli", "serve", "--model", str(model), "--served-model-name", MODEL,
            "--device", "cpu", "--log-level", "info", "--no-access-log", *flags]
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=server_env())
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"server did not start:\n{log.read_text()}")
-            try:
-                if client.get(url + "/health", timeout=1.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
+        if not wait_ready(proc, url, client=client):
+            pytest.fail(f"server did not start:\n{log.read_text()}")
         yield proc
     finally:
         stop(proc)
@@ -153,7 +142,7 @@ def test_a_unix_domain_socket_with_uds(tiny_ouro, tmp_path):
         assert path.stat().st_mode & 0o777 == 0o666
         second = subprocess.run([sys.executable, "-m", "loopserve.cli", "serve", "--model", str(tiny_ouro), "--uds",
                                  str(path)], capture_output=True, text=True, timeout=60,
-                                env={**os.environ, "PYTHONPATH": str(REPO)})
+                                env=server_env())
         assert second.returncode == 2 and f"--uds: a server is listening on {path}" in second.stderr
         assert uds.get("http://loopserve/health").status_code == 200  # (its socket left alone)
     assert not path.exists()
@@ -165,7 +154,7 @@ def test_a_unix_domain_socket_with_uds(tiny_ouro, tmp_path):
     try:
         second = subprocess.run([sys.executable, "-m", "loopserve.cli", "serve", "--model", str(tiny_ouro), "--uds",
                                  str(path)], capture_output=True, text=True, timeout=60,
-                                env={**os.environ, "PYTHONPATH": str(REPO)})
+                                env=server_env())
         assert second.returncode == 2 and f"--uds: a server is listening on {path}" in second.stderr
     finally:
         loading.close()
@@ -174,7 +163,7 @@ def test_a_unix_domain_socket_with_uds(tiny_ouro, tmp_path):
     assert "--uds" in subprocess.run(
         [sys.executable, "-m", "loopserve.cli", "serve", "--model", str(tiny_ouro), "--uds", str(path)],
         capture_output=True, text=True, timeout=60,
-        env={**os.environ, "PYTHONPATH": str(REPO)}).stderr.splitlines()[-1]
+        env=server_env()).stderr.splitlines()[-1]
 
 
 def test_tls_and_socket_flags_are_checked_before_the_model_loads(tmp_path):

@@ -96,14 +96,19 @@ def _could_not_allocate(e: Exception) -> bool:
 
 
 @contextlib.contextmanager
-def _sized_by(knob: str, what: str, device: Any) -> Iterator[None]:
-    """An allocation that `knob` sizes: refused for its size (`_could_not_allocate`), a ValueError naming the knob."""
+def _sized_by(error: Callable[[], ValueError]) -> Iterator[None]:
+    """An allocation a knob sizes: refused for its size (`_could_not_allocate`), `error()` (a ValueError naming the
+    knob) instead of torch's."""
     try:
         yield
     except (RuntimeError, TypeError, ValueError) as e:
         if not _could_not_allocate(e):
             raise
-        raise ValueError(f"{knob}: {what} cannot be allocated on {device}; give a smaller {knob}") from None
+        raise error() from None
+
+
+def _too_big(knob: str, what: str, device: Any) -> ValueError:
+    return ValueError(f"{knob}: {what} cannot be allocated on {device}; give a smaller {knob}")
 
 
 def check_request_id(request_id: Any) -> None:
@@ -141,20 +146,17 @@ class LLMEngine:
         self.layout = KVLayout(cfg.kv_layout, c.n_prelude, c.n_core, c.n_coda, c.r_max)
         per_token = self.layout.bytes_per_token(c.num_kv_heads, c.head_dim, p.dtype)
         blocks = cfg.kv_pool_tokens(per_token, kv_memory_knob) // cfg.block_size
-        try:
+        # a pool too big: a ValueError naming the knob that sized it, not torch's traceback
+        with _sized_by(lambda: cfg.kv_pool_error(blocks * cfg.block_size, blocks * cfg.block_size * per_token,
+                                                 p.device, kv_memory_knob)):
             store = KVStore((blocks + 1) * cfg.block_size, self.layout.slots_per_token, c.num_kv_heads, c.head_dim,
                             p.dtype, p.device)
-        except (RuntimeError, TypeError, ValueError) as e:  # a pool too big: a ValueError naming the knob, not torch's
-            if not _could_not_allocate(e):
-                raise
-            raise cfg.kv_pool_error(blocks * cfg.block_size, blocks * cfg.block_size * per_token, p.device,
-                                    kv_memory_knob) from None
         # block 0: scratch rows
         # CUDA graphs read the block table where it was when they were captured: give it, from the start, the
         # columns of the longest sequence the pool or the model's positions allow, so it never moves
         width = (-(-min(c.max_position, blocks * cfg.block_size) // cfg.block_size) if cfg.cuda_graphs
                  else KVCacheManager.TABLE_WIDTH)
-        with _sized_by("max_num_seqs", f"{cfg.max_num_seqs} sequences' block tables", p.device):
+        with _sized_by(lambda: _too_big("max_num_seqs", f"{cfg.max_num_seqs} sequences' block tables", p.device)):
             self.kv = KVCacheManager(store, cfg.block_size, reserved_blocks=1, num_slots=cfg.max_num_seqs,
                                      table_width=width)
         if pool_tokens(self) < self.max_model_len:  # (vLLM refuses to start here; requests say it one by one)
@@ -165,8 +167,8 @@ class LLMEngine:
         # of every sequence that may draft at once, so that verify groups are not trimmed for want of rows
         drafts = cfg.num_speculative_tokens * min(cfg.speculative_max_batch, cfg.max_num_seqs)
         knob = "num_speculative_tokens" if drafts > cfg.max_num_seqs else "max_num_seqs"
-        with _sized_by(knob, f"{cfg.max_num_seqs + drafts} state rows ({cfg.max_num_seqs} sequences, {drafts} drafts)",
-                       p.device):
+        state_rows = f"{cfg.max_num_seqs + drafts} state rows ({cfg.max_num_seqs} sequences, {drafts} drafts)"
+        with _sized_by(lambda: _too_big(knob, state_rows, p.device)):
             self.pool = StatePool(cfg.max_num_seqs + drafts, c.hidden_size, p.dtype, p.device,
                                   with_inject=model.injects)
         self.stats = EngineStats(spec_accepted_per_pos=[0] * cfg.num_speculative_tokens)
@@ -188,7 +190,8 @@ class LLMEngine:
             # (Ouro's prelude and coda have no layers: they run eagerly, never graphed)
             stages = ["core"] + ["coda"] * (c.n_coda > 0) + ["prelude"] * (c.n_prelude > 0)
             # (a stage batch is at most max_decode_batch rows, and at most the state pool's)
-            with _sized_by("cuda_graph_warmup_tokens", "the graphs of every bucket it asks for", p.device):
+            with _sized_by(lambda: _too_big("cuda_graph_warmup_tokens", "the graphs of every bucket it asks for",
+                                            p.device)):
                 n = graphs.warm_up(stages, min(cfg.max_decode_batch, self.pool.rows),
                                    min(cfg.cuda_graph_warmup_tokens, self.max_model_len))
             log.info("cuda graphs: %d buckets prepared at start-up in %.1f s", n, time.perf_counter() - t0)

@@ -445,13 +445,13 @@ class OpenAIServing:
         `get_max_tokens`: a request is checked as it asks, then capped). Where the endpoint has a default of its own
         (16 for completions), the default the request gets counts as asked for: with no room for it the request is a
         400, as vLLM's field default makes it (its `_validate_input`), not a shorter completion."""
+        cap = self.default_max_tokens(default)
         try:
-            unset = self.default_max_tokens(default) if requested is None and default is not None else None
-            if unset is not None and prompt_len < self.max_model_len < prompt_len + unset:
-                raise over_context(field, self.max_model_len, prompt_len, unset)
+            if requested is None and default is not None and cap is not None \
+                    and prompt_len < self.max_model_len < prompt_len + cap:
+                raise over_context(field, self.max_model_len, prompt_len, cap)
             budget = completion_budget(prompt_len, requested, max_model_len=self.max_model_len,
-                                       kv_tokens=self.kv_tokens, default=self.default_max_tokens(default),
-                                       prompt_field=what, field=field)
+                                       kv_tokens=self.kv_tokens, default=cap, prompt_field=what, field=field)
         except ValueError as e:
             raise ApiError.bad_request(e) from None
         return self.capped(budget)
@@ -1055,11 +1055,9 @@ class OpenAIServing:
         prompt's context as a normal request's is; the room a prompt leaves is the search's end for its beams
         (`BeamSearch`'s `room`), as it is a normal request's."""
         _refuse_beam_grammar(guide_field(req))
-        budget = self.capped(self.default_max_tokens(COMPLETIONS_DEFAULT_MAX_TOKENS) if req.max_tokens is None
-                             else req.max_tokens)
-        params = self.beam_params(req, budget)
-        starts = []
         asked = self.default_max_tokens(COMPLETIONS_DEFAULT_MAX_TOKENS) if req.max_tokens is None else req.max_tokens
+        params = self.beam_params(req, self.capped(asked))
+        starts = []
         for where, text, whole in prompts:
             ids = self.cut_prompt(whole, req.truncate_prompt_tokens, asked)  # (as the check below reads it)
             self.resolve_max_tokens(req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, len(ids), where)

@@ -205,8 +205,9 @@ def flags_from_config(config: dict[str, Any]) -> argparse.Namespace:
             actions.setdefault(name, a)
     argv: list[str] = []
     for key, value in config.items():
-        action = actions.get(key.replace("-", "_"))
-        if key.replace("-", "_") in negated and value in (True, False, "true", "false"):
+        name = key.replace("-", "_")
+        action = actions.get(name)
+        if name in negated and value in (True, False, "true", "false"):
             value = "false" if value in (True, "true") else "true"
         if action is None:
             raise ValueError(f"args.{key}: not a `loopserve serve` flag")
