@@ -18,7 +18,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from loopserve.config_args import add_config_args, config_kwargs, flag_of
+from loopserve.config_args import add_config_args, as_flag_error, config_kwargs, flag_of
 from loopserve.engine.config import SCHEDULERS, EngineConfig
 from loopserve.exits import DEFAULT_POLICIES, DEFAULT_THRESHOLDS
 from loopserve.load_config import LoadConfig
@@ -288,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nloopserve {args.command}: interrupted", file=sys.stderr)
         return 130
     except CommandError as e:
+        e.message = as_flag_error(e.message, command_parser)
         print(f"error: {e}", file=sys.stderr)
         raise  # (exit status 2; a caller that catches SystemExit reads the message from it)
     except ModuleNotFoundError as e:

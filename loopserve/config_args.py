@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import re
 import types
 import typing
 from typing import Any
@@ -85,6 +86,20 @@ def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, c
 def flag_of(name: str) -> str:
     """The command-line flag of config field `name`."""
     return "--" + name.replace("_", "-")
+
+
+def cli_terms(text: str) -> str:
+    """Python's None, True and False in `text` as a command line writes them: null, true, false."""
+    return re.sub(r"\b(None|True|False)\b", lambda m: {"None": "null", "True": "true", "False": "false"}[m[1]], text)
+
+
+def as_flag_error(message: str, parser: argparse.ArgumentParser) -> str:
+    """A keyword's error ("max_num_seqs: must be ...", raised by a config or `LLM(...)`) as the command line that set it
+    names it: the keyword as `parser`'s flag for it, values in the command line's words (`cli_terms`). Any other
+    message (a positional's, or one already naming a flag) as it is."""
+    name, sep, rest = message.partition(": ")
+    flags = [s for s, a in parser._option_string_actions.items() if a.dest == name and s.startswith("--")]
+    return flags[0] + sep + cli_terms(rest) if sep and flags else message
 
 
 def as_flags(values: dict[str, Any]) -> list[str]:

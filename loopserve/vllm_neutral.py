@@ -10,13 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 import numbers
-import re
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
 
-from loopserve.config_args import flag_of
+from loopserve.config_args import cli_terms, flag_of
 
 
 @dataclass(frozen=True)
@@ -216,11 +215,6 @@ def _flag_value(text: str) -> Any:
         return text
 
 
-def _cli_terms(values: str) -> str:
-    """`Neutral.values` as a command line writes them (null, true, false)."""
-    return re.sub(r"\b(None|True|False)\b", lambda m: {"None": "null", "True": "true", "False": "false"}[m[1]], values)
-
-
 def add_neutral_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
                      table: dict[str, Neutral] = NEUTRAL) -> None:
     """vLLM's command-line flags of the `NEUTRAL` `LLM(...)` keywords the command has no flag of its own for, so that
@@ -242,7 +236,7 @@ def add_neutral_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
             parser.add_argument("--no-" + flag[2:], dest=name, action="store_const", const=False,
                                 default=argparse.SUPPRESS, help=argparse.SUPPRESS)
             continue
-        text = f"vLLM's; not supported by loopserve ({neutral.why}): takes {_cli_terms(neutral.values)}"
+        text = f"vLLM's; not supported by loopserve ({neutral.why}): takes {cli_terms(neutral.values)}"
         parser.add_argument(flag, dest=name, type=_flag_value, default=argparse.SUPPRESS, metavar="VALUE",
                             nargs="+" if neutral.many else None, help=text.replace("%", "%%"))
 

@@ -634,7 +634,7 @@ def test_a_value_the_engine_refuses_is_an_error_line(bench_cache, capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "spec", "--model", "micro-ouro", "--kv-layout", "shared", "--out", str(bench_cache / "o")])
     assert e.value.code == 2
-    assert "\nerror: num_speculative_tokens: speculative decoding is exact only" in capsys.readouterr().err
+    assert "\nerror: --num-speculative-tokens: speculative decoding is exact only" in capsys.readouterr().err
 
 
 def test_ctrl_c_ends_a_command_with_a_line_and_status_130(monkeypatch, capsys):

@@ -241,8 +241,8 @@ def test_huginn_odd_head_dim_is_refused(tmp_path, tiny_huginn):
     (["--arch", "huginn", "--hidden-size", "63"], ["hidden_size (n_embd)", "multiple of n_heads"]),
     (["--arch", "huginn", "--hidden-size", "0"], ["hidden_size (n_embd)", ">= 1"]),  # (was a ZeroDivisionError)
     (["--arch", "huginn", "--layers", "0-0-0"], ["layers (n_layers_in_recurrent_block)", ">= 1"]),  # (the same)
-    (["--arch", "huginn", "--num-kv-heads", "2"], ["num_kv_heads", "Ouro only"]),
-    (["--arch", "huginn", "--lookahead-gate"], ["lookahead_gate", "Ouro only"]),
+    (["--arch", "huginn", "--num-kv-heads", "2"], ["--num-kv-heads", "Ouro only"]),
+    (["--arch", "huginn", "--lookahead-gate"], ["--lookahead-gate", "Ouro only"]),
     (["--vocab-size", "100"], ["vocab_size"]),
 ])
 def test_make_tiny_refuses_a_checkpoint_the_loader_would_refuse(tmp_path, capsys, flags, words):
@@ -386,7 +386,7 @@ def test_cli_kv_pool_too_big_is_one_line(tiny_ouro, capsys):
                   "--kv-cache-memory-gb", "1e9", "hi"])
     assert exited.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: kv_cache_memory_gb:") and err.count("\n") == 1, err
+    assert err.startswith("error: --kv-cache-memory-gb:") and err.count("\n") == 1, err
 
 
 # ---------------- bool knobs take bools only

@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from loopserve.cli import build_parser
+from loopserve.cli import main as cli_main
 from loopserve.serve.cli import _check
 from tests.server_helpers import MODEL, free_port, server_env, stop, wait_ready
 
@@ -40,15 +41,15 @@ NEUTRAL_LINES = [
     "--log-error-stack", "--no-trust-request-chat-template",
 ]
 REFUSED_LINES = {
-    "--enable-auto-tool-choice": "enable_auto_tool_choice: not supported by loopserve (no tool-call parser",
-    "--tool-call-parser hermes": "tool_call_parser: not supported by loopserve (no tool-call parser",
-    "--reasoning-parser deepseek_r1": "reasoning_parser: not supported by loopserve (no reasoning parser",
-    "--response-role user": "response_role: not supported by loopserve (a reply is the assistant's); it takes "
+    "--enable-auto-tool-choice": "--enable-auto-tool-choice: not supported by loopserve (no tool-call parser",
+    "--tool-call-parser hermes": "--tool-call-parser: not supported by loopserve (no tool-call parser",
+    "--reasoning-parser deepseek_r1": "--reasoning-parser: not supported by loopserve (no reasoning parser",
+    "--response-role user": "--response-role: not supported by loopserve (a reply is the assistant's); it takes "
                             "'assistant', got 'user'",
-    "--trust-request-chat-template": "trust_request_chat_template: not supported by loopserve (a request cannot",
-    "--lora-modules a=/x": "lora_modules: not supported by loopserve (no LoRA adapters)",
-    "--cuda-graph-sizes 0 8": "cuda_graph_sizes: not supported by loopserve (every batch width",
-    "--api-server-count 4": "api_server_count: not supported by loopserve (one API server process",
+    "--trust-request-chat-template": "--trust-request-chat-template: not supported by loopserve (a request cannot",
+    "--lora-modules a=/x": "--lora-modules: not supported by loopserve (no LoRA adapters)",
+    "--cuda-graph-sizes 0 8": "--cuda-graph-sizes: not supported by loopserve (every batch width",
+    "--api-server-count 4": "--api-server-count: not supported by loopserve (one API server process",
 }
 
 
@@ -60,9 +61,19 @@ def test_vllm_server_flags_that_ask_for_nothing_are_taken(line):
 
 
 @pytest.mark.parametrize("line", sorted(REFUSED_LINES))
-def test_vllm_server_flags_that_ask_for_what_loopserve_lacks_stop_the_start_naming_the_flag(line):
-    problem = _check(_serve(*line.split()))
-    assert problem is not None and problem.startswith(REFUSED_LINES[line]), problem
+def test_vllm_server_flags_that_ask_for_what_loopserve_lacks_stop_the_start_naming_the_flag(line, capsys):
+    with pytest.raises(SystemExit) as exited:  # (before the model "m" is looked for)
+        cli_main(["serve", "m", *line.split()])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.startswith("error: " + REFUSED_LINES[line]) and err.count("\n") == 1, err
+
+
+def test_a_refused_switch_is_named_in_the_command_lines_words(capsys):
+    """The flag, not the `LLM` keyword it sets, and its values as the command line writes them (not True/False)."""
+    with pytest.raises(SystemExit):
+        cli_main(["serve", "m", "--enable-auto-tool-choice"])
+    err = capsys.readouterr().err
+    assert err.startswith("error: --enable-auto-tool-choice: ") and err.endswith("; it takes false, got true\n"), err
 
 
 # -- TLS and a Unix domain socket ---------------------------------------------------------------------------------

@@ -440,7 +440,7 @@ def test_tensor_parallel_size_2_stops_the_server_start(tiny_ouro):
            "--tensor-parallel-size", "2"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=90, cwd=REPO)
     assert run.returncode == 2, run.stdout + run.stderr
-    assert "error: tensor_parallel_size: must be 1, got 2" in run.stderr and "--replicas" in run.stderr
+    assert "error: --tensor-parallel-size: must be 1, got 2" in run.stderr and "--replicas" in run.stderr
 
 
 # -- endpoints -------------------------------------------------------------------------------------------------
