@@ -290,9 +290,9 @@ def test_truncate_prompt_tokens_minus_one_keeps_what_the_context_leaves(server, 
 
 
 @pytest.mark.parametrize(("flags", "message"), [
-    (["--max-model-len", "4096"], "max_model_len: must be in [2, 2048]"),
+    (["--max-model-len", "4096"], "--max-model-len: must be in [2, 2048]"),
     # (on the CPU a fraction in range is a warning, not an error: vLLM scripts pass it everywhere)
-    (["--gpu-memory-utilization", "1.5", "--device", "cpu"], "gpu_memory_utilization: must be in (0, 1]"),
+    (["--gpu-memory-utilization", "1.5", "--device", "cpu"], "--gpu-memory-utilization: must be in (0, 1]"),
 ], ids=["max-model-len-past-context", "gpu-memory-out-of-range"])
 def test_bad_server_flags_stop_the_start(tiny_path, flags, message):
     cmd = [sys.executable, "-m", "loopserve.cli", "serve", "--model", str(tiny_path), "--port", "0", *flags]

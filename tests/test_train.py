@@ -217,9 +217,9 @@ def test_eval_commands_take_dtype_defaulting_to_float32():
             parser.parse_args(["eval", command, "--dtype", "half"])
 
 
-@pytest.mark.parametrize("flags,words", [(["--steps", "0"], "steps: must be an integer >= 1"),
-                                         (["--lr", "0"], "lr: must be a number"),
-                                         (["--gate-warmup", "2"], "gate_warmup: must be a number in [0.0, 1.0]")])
+@pytest.mark.parametrize("flags,words", [(["--steps", "0"], "--steps: must be an integer >= 1"),
+                                         (["--lr", "0"], "--lr: must be a number"),
+                                         (["--gate-warmup", "2"], "--gate-warmup: must be a number in [0.0, 1.0]")])
 def test_train_tiny_refuses_settings_it_cannot_train_with(flags, words, capsys):
     """One `error:` line, before any data is read (--steps 0 ran to the end and divided by zero there)."""
     from loopserve.cli import main
@@ -243,7 +243,7 @@ def test_train_tiny_and_eval_refuse_their_outputs_before_running(tmp_path, capsy
     assert exited.value.code == 2 and "the folder is not empty" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # with --overwrite it goes on, to the settings' own check
         main(["train-tiny", str(taken), "--overwrite", "--steps", "0", "--no-progress", "--cache-dir", "/nonexistent"])
-    assert "steps: must be an integer >= 1" in capsys.readouterr().err
+    assert "--steps: must be an integer >= 1" in capsys.readouterr().err
     for argv, words in ((["eval", "ppl", "--out-json", str(tmp_path)], "is a folder; name a file"),
                         (["eval", "ppl", "--plots-dir", str(taken / "config.json")], "exists and is not a folder"),
                         (["eval", "trajectories", "--out-dir", str(taken / "config.json" / "x")], "is a file, not a"),
