@@ -32,7 +32,7 @@ def metrics() -> ServerMetrics:
 def test_a_final_only_output_times_each_sample_by_its_own_tokens(metrics):
     """One output for two samples (a response that is not streamed): the 2-token one ran from t=1 to t=11, the
     101-token one from t=1 to t=101; the request's merged metrics say first 1, last and finished 101."""
-    metrics.scheduled("r", 0.5)
+    metrics.scheduled("r", (0, 1), 0.5)
     merged = RequestMetrics(0.0, 1.0, 101.0, last_token_time=101.0)
     samples = [_sample(0, 2, 1.0, 11.0, 11.0), _sample(1, 101, 1.0, 101.0, 101.0)]
     out = RequestOutput("r", None, [7, 8, 9], None, samples, True, merged)
@@ -46,8 +46,42 @@ def test_a_final_only_output_times_each_sample_by_its_own_tokens(metrics):
     assert _value(metrics, "generation_tokens_total") == 103
 
 
+def test_a_sample_admitted_later_waits_in_the_queue_by_its_own_admission(metrics):
+    """n = 2 with room for one: sample 1 is admitted at t=9, when sample 0 has finished; its 9 s of waiting are queue
+    time, not prefill time (they were counted as prefill, every sample taking the first one's admission)."""
+    metrics.scheduled("r", (0,), 0.5)
+    metrics.scheduled("r", (1,), 9.0)
+    out = RequestOutput("r", None, [7], None, [_sample(0, 2, 1.0, 2.0, 2.0), _sample(1, 2, 9.5, 10.0, 10.0)], True,
+                        RequestMetrics(0.0, 1.0, 10.0, last_token_time=10.0))
+    metrics.observe([out])
+    assert _value(metrics, "request_queue_time_seconds_sum") == pytest.approx(0.5 + 9.0)
+    assert _value(metrics, "request_prefill_time_seconds_sum") == pytest.approx(0.5 + 0.5)
+
+
+def test_the_engine_thread_reports_each_part_of_a_request_when_it_is_admitted(tiny_ouro):
+    """n = 3 where two sequences fit: the third sample is admitted by a later step than the first two (a part of its
+    own), and `on_scheduled` says so, sample by sample."""
+    from loopserve.engine.engine_thread import EngineThread
+    from loopserve.sampling_params import SamplingParams
+    from tests.engine_helpers import make_engine
+
+    calls: list[tuple[str, tuple[int, ...], float]] = []
+    aengine = EngineThread(make_engine(tiny_ouro, max_num_seqs=2), max_queued_requests=4,
+                           on_scheduled=lambda rid, samples, t: calls.append((rid, samples, t)))  # (not started)
+    engine = aengine.engine
+    aengine.add([engine.make_sequence("r", [5, 6, 7], SamplingParams(max_tokens=3, n=3, ignore_eos=True))])
+    aengine._apply_commands()
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        aengine._note_admissions(float(steps))
+        steps += 1
+    assert [(rid, samples) for rid, samples, _ in calls] == [("r", (0, 1)), ("r", (2,))], calls
+    assert calls[1][2] > calls[0][2]
+
+
 def test_a_sample_ended_before_its_first_token_times_no_phase(metrics):
-    metrics.scheduled("r", 0.5)
+    metrics.scheduled("r", (0, 1), 0.5)
     merged = RequestMetrics(0.0, 1.0, 5.0, last_token_time=5.0)
     out = RequestOutput("r", None, [7], None, [_sample(0, 5, 1.0, 5.0, 5.0), _sample(1, 0, None, None, 2.0, "abort")],
                         True, merged)
@@ -61,7 +95,7 @@ def test_a_streamed_output_of_several_tokens_is_one_gap(metrics):
     """A stream's later output holds one engine step's tokens (several under speculative decoding): one
     inter-token observation, the time since the sample's previous output, as vLLM observes once per step (a zero
     per further token pulled the percentiles to 0)."""
-    metrics.scheduled("r", 0.5)
+    metrics.scheduled("r", (0, 1), 0.5)
     first = RequestOutput("r", None, [7], None, [_sample(0, 1, 1.0, 1.0, None, None)], False,
                           RequestMetrics(0.0, 1.0, None))
     metrics.observe([first])
@@ -88,3 +122,16 @@ def test_vllm_prefix_and_buckets():
     assert one_two_five(100) == (1, 2, 5, 10, 20, 50, 100) and one_two_five(4) == (1, 2)
     with pytest.raises(ValueError, match="^metric_prefix"):
         ServerMetrics(MODEL, EngineSnapshot, r_max=4, max_decode_batch=8, max_model_len=256, prefix="vllm:")
+
+
+@pytest.mark.parametrize("accept", [
+    "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.5,text/plain;version=0.0.4;q=0.4",
+    "application/openmetrics-text; escaping=allow-utf-8",  # (no version: the names were half escaped)
+    "application/openmetrics-text;version=1.0.0", "text/plain; version=1.0.0; escaping=allow-utf-8", "", None])
+def test_every_answer_keeps_the_metric_names_as_they_are(metrics, accept):
+    """Whatever the Accept header, the names a dashboard queries (`loopserve:...`), in the HELP and TYPE lines and in
+    the samples alike: an OpenMetrics answer whose samples' names came escaped split into untyped families."""
+    body, content_type = metrics.render_for(accept)
+    text = body.decode()
+    assert "loopserve:generation_tokens" in text and "loopserve_" not in text, (content_type, text[:500])
+    assert content_type.startswith("text/plain") or "escaping=allow-utf-8" in content_type, content_type

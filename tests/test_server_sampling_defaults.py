@@ -125,10 +125,28 @@ def test_beam_search_temperature_default_and_one_log_line_per_search(server):
         assert "BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True, temperature=" \
                f"{temperature}," in received, received
         [finished] = _log_lines(server, f"Finished request cmpl-{rid}", 1)
-        assert "length, " in finished and " + 3 completion tokens" in finished
+        assert "length, " in finished and " + 6 completion tokens" in finished  # (both beams', as usage counts)
     time.sleep(0.3)  # (nothing more is logged for them)
     for rid in ("beam-default", "beam-own"):
         assert len(_log_lines(server, f"request cmpl-{rid}", 2)) == 2
+
+
+def test_the_request_log_counts_every_sample_and_says_what_was_aborted(server):
+    """--enable-log-requests: a request's line counts the completion tokens its response reports (every sample's, none
+    for an echo with max_tokens 0), beside the loops of all its samples; a stream its client leaves is logged as
+    aborted (it had no line at all; an n = 2 request's line read sample 0's tokens beside both samples' loops)."""
+    got = _ok(server, C, {"n": 2, "max_tokens": 3, "ignore_eos": True}, request_id="log-n2")
+    assert got["usage"]["completion_tokens"] == 6
+    [line] = _log_lines(server, "Finished request cmpl-log-n2", 1)
+    assert "length, " in line and " + 6 completion tokens" in line, line
+    _ok(server, C, {"echo": True, "max_tokens": 0, "logprobs": 1}, request_id="log-echo")
+    [line] = _log_lines(server, "Finished request cmpl-log-echo", 1)
+    assert " + 0 completion tokens" in line, line
+    body = {"model": MODEL, "prompt": "hello there", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + C, json=body, headers={"X-Request-Id": "log-cut"}, timeout=30) as r:
+        next(r.iter_lines())  # (the first chunk; then the client goes away, 1,500 tokens before the end)
+    _log_lines(server, "Aborted request cmpl-log-cut", 1)
+    assert not _log_lines(server, "Finished request cmpl-log-cut", 0)
 
 
 def test_generation_config_vllm_ignores_the_checkpoints(checkpoint):

@@ -13,8 +13,9 @@
   `EngineOverloadedError` (the API answers 503) and nothing already admitted is touched.
 - `between_steps(fn)` runs `fn(engine)` on the engine thread between two steps (an engine-wide call such as
   `reset_prefix_cache`), its result a future on the event loop.
-- Requests that wait for admission are watched after each step: `on_scheduled(request_id, t)`
-  reports the start of the step that admitted one (the metrics' queue and prefill times).
+- Requests that wait for admission are watched after each step: `on_scheduled(request_id, samples, t)`
+  reports the start of the step that admitted those samples of one (the metrics' queue and prefill times): a
+  request with n > 1 whose samples did not all fit beside the others is admitted part by part.
 - If a step raises, the engine is dead: every in-flight request gets `EngineDeadError`, new ones too, and
   `on_dead` is called on the event loop (the server then stops: a process whose engine is gone should be
   restarted, not kept answering 503).
@@ -154,14 +155,15 @@ class EngineThread:
     def __init__(self, engine: LLMEngine, max_queued_requests: int | None,
                  on_outputs: Callable[[list[RequestOutput]], None] | None = None,
                  idle_poll_s: float = 0.5, on_dead: Callable[[], None] | None = None,
-                 on_scheduled: Callable[[str, float], None] | None = None,
+                 on_scheduled: Callable[[str, tuple[int, ...], float], None] | None = None,
                  stopped_message: str = "the engine has been shut down") -> None:
         self.engine = engine
         self.capacity = None if max_queued_requests is None else engine.cfg.max_num_seqs + max_queued_requests
         self.stopped_message = stopped_message
         self.on_outputs = on_outputs
         self.on_scheduled = on_scheduled
-        self._unscheduled: dict[str, Sequence] = {}  # engine thread only: added, not admitted yet
+        # engine thread only: the parts added, not admitted yet (by their heads' ids), with their samples' indices
+        self._unscheduled: dict[str, tuple[Sequence, tuple[int, ...]]] = {}
         self.on_dead = on_dead
         self.idle_poll_s = idle_poll_s
         self.snapshot = EngineSnapshot(spec_accepted_per_pos=tuple(engine.stats.spec_accepted_per_pos))
@@ -375,7 +377,10 @@ class EngineThread:
                 for seq in payload:
                     self.engine.add_sequence(seq)
                     if self.on_scheduled is not None:
-                        self._unscheduled[seq.request_id] = seq
+                        for part in seq.family:
+                            if part.prefill_head is part:
+                                samples = (part.index, *(s.index for s in part.pending_forks))
+                                self._unscheduled[part.request_id] = (part, samples)
             elif kind == "abort_all":
                 # (each request once, by its head: aborting it takes its samples along)
                 self.engine.abort_request([rid for rid, seq in self.engine.requests.items() if seq is seq.family[0]])
@@ -394,13 +399,13 @@ class EngineThread:
 
     def _note_admissions(self, step_start: float) -> None:
         running = self.engine.scheduler.running
-        for rid, seq in list(self._unscheduled.items()):
+        for rid, (part, samples) in list(self._unscheduled.items()):
             # admitted: resident now, or already finished with tokens (admitted and done in one step)
-            if rid in running or (seq.status is Status.FINISHED and seq.output_ids):
+            if rid in running or (part.status is Status.FINISHED and part.output_ids):
                 del self._unscheduled[rid]
                 assert self.on_scheduled is not None
-                self.on_scheduled(rid, step_start)
-            elif seq.status is Status.FINISHED:  # aborted or rejected while waiting
+                self.on_scheduled(part.family[0].request_id, samples, step_start)
+            elif part.status is Status.FINISHED:  # aborted or rejected while waiting
                 del self._unscheduled[rid]
 
     def _publish(self) -> None:

@@ -514,9 +514,10 @@ class OpenAIServing:
         raise error
 
     async def collect(self, gen: _Generation, group: RequestGroup, request: Request,
-                      log_finished: bool = True) -> list[RequestOutput] | None:
+                      log_end: bool = True) -> list[RequestOutput] | None:
         """`gen`'s final outputs, or None if the client went away first (then the requests are aborted);
-        `log_finished`: a line per finished request (--enable-log-requests; not for a beam search's steps)."""
+        `log_end`: a line per request that finished or was aborted (--enable-log-requests; not for a beam search's
+        steps: the search logs its own)."""
         finals: list[RequestOutput | None] = [None] * len(group.request_ids)
 
         async def consume() -> None:
@@ -529,6 +530,8 @@ class OpenAIServing:
         try:
             await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not task.done():
+                if log_end:
+                    self.log_aborted([rid for rid, o in zip(group.request_ids, finals, strict=True) if o is None])
                 return None
             task.result()
         except EngineStoppedError as e:  # the server's shutdown (`abort_in_flight`): retry (another replica, a restart)
@@ -540,8 +543,8 @@ class OpenAIServing:
             task.cancel()
             group.abort()
         done = [o for o in finals if o is not None]
-        if log_finished:
-            self.log_finished([(o, o.outputs[0].finish_reason, len(o.outputs[0].token_ids)) for o in done])
+        if log_end:
+            self.log_finished(self.ended(gen, done))
         for i, o in enumerate(finals):
             error = gen.failure(i, o) if o is not None else None
             if error is not None:
@@ -578,14 +581,29 @@ class OpenAIServing:
             log.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s", s.request_id,
                      (s.prompt or "")[:n] if s.prompt is not None else None, params or s.params, s.prompt_ids[:n])
 
-    def log_finished(self, done: list[tuple[RequestOutput, str | None, int]]) -> None:
-        """(a request's last output, its first sample's finish reason and token count)."""
+    def log_finished(self, done: list[tuple[RequestOutput, list[str | None], int]]) -> None:
+        """A line per request that ended (--enable-log-requests): (its last output, its samples' finish reasons, the
+        completion tokens its response reports). The loops are all its samples', as the tokens are."""
         if not self.settings.log_requests:
             return
-        for o, reason, tokens in done:
+        for o, reasons, tokens in done:
             loops = o.metrics.loops_run if o.metrics is not None else 0
+            reason = ", ".join(dict.fromkeys(str(r) for r in reasons))  # (one reason where the samples agree)
             log.info("Finished request %s: %s, %d prompt + %d completion tokens, %d loops", o.request_id,
                      reason, len(o.prompt_token_ids), tokens, loops)
+
+    def log_aborted(self, request_ids: list[str]) -> None:
+        """A line per request ended before it finished because its client went away (--enable-log-requests; vLLM's
+        words)."""
+        if self.settings.log_requests:
+            for rid in request_ids:
+                log.info("Aborted request %s.", rid)
+
+    @staticmethod
+    def ended(gen: _Generation, outs: list[RequestOutput]) -> list[tuple[RequestOutput, list[str | None], int]]:
+        """`log_finished`'s lines of finished outputs that carried their whole completions (not streamed)."""
+        return [(o, [c.finish_reason for c in o.outputs],
+                 sum(len(c.token_ids) for c in o.outputs) if gen.generated else 0) for o in outs]
 
     def base(self, obj: str, gen: _Generation) -> dict[str, Any]:
         # `model`: the served name the request gave, else the first (vLLM's `OpenAIServing._get_model_name`)
@@ -733,8 +751,14 @@ class OpenAIServing:
                     yield await anyio.to_thread.run_sync(encoded) if heavy else encoded()
         except EngineDeadError as e:  # (EngineStoppedError too)
             raise StreamFailed(503, str(e)) from None
+        except (GeneratorExit, asyncio.CancelledError):  # the client went away mid-stream
+            if gen.search is None:
+                self.log_aborted([s.request_id for i, s in enumerate(gen.seqs)
+                                  if i not in latest or not latest[i].finished])
+            raise
         if gen.search is None:  # (a beam search logged its end itself)
-            self.log_finished([(o, sent[i, 0].finish_reason, sent[i, 0].tokens) for i, o in latest.items()])
+            self.log_finished([(o, [sent[i, j].finish_reason for j in range(gen.n)],
+                                sum(sent[i, j].tokens for j in range(gen.n))) for i, o in latest.items()])
         if req.include_usage:
             total = usage_body(list(latest.values()), sum(d.tokens for d in sent.values()))
             yield sse({**self.base(obj, gen), "choices": [], "usage": total})
@@ -774,8 +798,9 @@ class OpenAIServing:
                 if not admitted:
                     admitted = True
                     self.log_received(gen, search.params)
-                outs = await self.collect(step_gen, group, request, log_finished=False)
+                outs = await self.collect(step_gen, group, request, log_end=False)
                 if outs is None:
+                    self.log_aborted([s.request_id for s in gen.seqs])
                     return None
                 search.update(outs)
                 first = first or outs
@@ -796,7 +821,7 @@ class OpenAIServing:
             self.metrics.beam_search(gen.arrival, [
                 (plen, sum(len(c.token_ids) for c in o.outputs), o.outputs[0].finish_reason or "length",
                  self._first_token_time(o)) for plen, o in zip(prompts, done, strict=True)])
-            self.log_finished([(o, o.outputs[0].finish_reason, len(o.outputs[0].token_ids)) for o in done])
+            self.log_finished(self.ended(gen, done))
             admitted = False  # (recorded)
             return done
         finally:

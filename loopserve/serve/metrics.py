@@ -187,7 +187,7 @@ class _Track:
     def __init__(self) -> None:
         self.sample_tokens: dict[int, int] = {}  # per sample (its index): its tokens so far
         self.sample_last: dict[int, float] = {}  # and when its latest arrived
-        self.scheduled: float | None = None  # start of the first step that admitted it
+        self.scheduled: dict[int, float] = {}  # per sample: start of the first step that admitted it
         self.prompt_only = False  # echo with max_tokens 0: the token the engine runs is not part of the response
         self.beam_step = False  # a step of a beam search: not counted (`beam_search` records the search)
         # per sample of a request that is not streamed: its tokens the counters took before its output came
@@ -272,10 +272,13 @@ class ServerMetrics:
                 track = self._tracks.setdefault(seq.request_id, _Track())
                 track.n, track.max_tokens = seq.params.n, seq.max_new  # (max_tokens, or the room a None leaves)
 
-    def scheduled(self, request_id: str, when: float) -> None:
-        """The request was admitted by the step that started at `when` (engine thread)."""
+    def scheduled(self, request_id: str, samples: tuple[int, ...], when: float) -> None:
+        """These samples of the request (their indices) were admitted by the step that started at `when` (engine
+        thread): with n > 1, a part that did not fit beside the others waits on, and its queue time is its own."""
         with self._lock:
-            self._tracks.setdefault(request_id, _Track()).scheduled = when
+            track = self._tracks.setdefault(request_id, _Track())
+            for index in samples:
+                track.scheduled.setdefault(index, when)
 
     def prompt_only(self, request_ids: list[str]) -> None:
         """These requests return their prompt alone (echo with max_tokens 0): the one token the engine runs
@@ -344,7 +347,7 @@ class ServerMetrics:
                         track.sample_last[c.index] = now
                     track.sample_tokens[c.index] = before + new
                     if c.finish_reason is not None:
-                        self._sample_finished(out, times, track, track.sample_tokens[c.index], c.finish_reason, now)
+                        self._sample_finished(out, times, track, c.index, c.finish_reason, now)
                 if out.finished:
                     self._tracks.pop(out.request_id, None)
                     self.req_n.labels(*m).observe(track.n)
@@ -367,9 +370,9 @@ class ServerMetrics:
             for _ in range(new - 1):
                 self.itl.labels(*m).observe(gap)
 
-    def _sample_finished(self, out: RequestOutput, times: RequestMetrics | None, track: _Track, tokens: int,
+    def _sample_finished(self, out: RequestOutput, times: RequestMetrics | None, track: _Track, index: int,
                          reason: str, now: float) -> None:
-        m = self.labels
+        m, tokens, scheduled = self.labels, track.sample_tokens[index], track.scheduled.get(index)
         self.request_success.labels(*m, reason).inc()
         self.req_gen.labels(*m).observe(tokens)
         self.req_prompt.labels(*m).observe(len(out.prompt_token_ids))
@@ -381,12 +384,12 @@ class ServerMetrics:
             return
         end = times.finished_time if times.finished_time is not None else now
         self.e2e.labels(*m).observe(max(0.0, end - times.arrival_time))
-        if track.scheduled is None or times.first_token_time is None or track.prompt_only or tokens == 0:
+        if scheduled is None or times.first_token_time is None or track.prompt_only or tokens == 0:
             return  # never admitted, or no token of its own: no phases to time
-        for hist, start, stop in ((self.queue_time, times.arrival_time, track.scheduled),
-                                  (self.prefill_time, track.scheduled, times.first_token_time),
+        for hist, start, stop in ((self.queue_time, times.arrival_time, scheduled),
+                                  (self.prefill_time, scheduled, times.first_token_time),
                                   (self.decode_time, times.first_token_time, end),
-                                  (self.inference_time, track.scheduled, end)):
+                                  (self.inference_time, scheduled, end)):
             hist.labels(*m).observe(max(0.0, stop - start))
         decode = max(0.0, end - times.first_token_time)
         self.tpot.labels(*m).observe(decode / (tokens - 1) if tokens > 1 else 0.0)
@@ -425,14 +428,18 @@ class ServerMetrics:
         return self.render_for(None)[0]
 
     def render_for(self, accept: str | None) -> tuple[bytes, str]:
-        """The metrics in the format an Accept header asks for, and its content type: OpenMetrics where it asks for
-        names as they are (`escaping=allow-utf-8`, Prometheus 3's), else Prometheus text. (prometheus_client escapes
-        the names of an OpenMetrics answer otherwise, to `vllm_generation_tokens_total`: Prometheus 2's default
-        header would then get names no dashboard queries.)"""
+        """The metrics in the format an Accept header asks for, and its content type: OpenMetrics where the answer
+        keeps names as they are (`escaping=allow-utf-8`, Prometheus 3's), else Prometheus text. (prometheus_client
+        escapes the names of an OpenMetrics answer otherwise, to `vllm_generation_tokens_total`: Prometheus 2's
+        default header would then get names no dashboard queries; and where a header asks for the escaping without
+        a version, its answer escapes the samples' names but not their HELP and TYPE lines, which a parser then
+        reads as other families, untyped.)"""
         accept = accept or ""
         try:
             encoder, content_type = choose_encoder(accept if "escaping=allow-utf-8" in accept else "")
         except (TypeError, ValueError):  # (a version it cannot compare, `version=abc`: prometheus_client raises)
+            encoder, content_type = choose_encoder("")
+        if content_type.startswith("application/openmetrics-text") and "escaping=allow-utf-8" not in content_type:
             encoder, content_type = choose_encoder("")
         return encoder(self.registry), content_type
 
