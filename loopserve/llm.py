@@ -32,6 +32,7 @@ from loopserve.engine.sequence import (
     parse_prompt,
     prompt_list,
     truncate_prompt,
+    unseeded,
 )
 from loopserve.load_config import LOAD_FIELDS, LoadConfig, configs, load_for_engine
 from loopserve.models.loader import embedded_model_path
@@ -137,9 +138,10 @@ class LLM:
         ever fit the pool (the scheduler's `never_fits`), so that it never fails once running for that.
         `output_kind`: how it reports (`generate`: finished requests only; `AsyncLLMEngine`: the params' own)."""
         index = next(self._counter)
-        # Per-request sampling seed: the request's own when given, as the server does, else one derived
-        # from the LLM seed; the same in every scheduler. Initial states are seeded from the prompt.
-        seed = params.seed if params.seed is not None else self.seed * 1_000_003 + index
+        # Per-request sampling seed: the request's own when given, as the server does, else one derived from the
+        # LLM seed and the request's id (`unseeded`); the same in every scheduler. Initial states are seeded from
+        # the prompt.
+        seed = params.seed if params.seed is not None else unseeded(self.seed, str(index))
         text, ids = parse_prompt(prompt, self.tokenizer)
         # cut before the budget check (make_sequence cuts again, by the same rule: no change)
         ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len, params.max_tokens)
@@ -158,7 +160,7 @@ class LLM:
         seq = make_sequence(self.model, self.tokenizer, str(index), parsed,
                             params, seed, self.engine_config.lookahead, self.engine_config.num_speculative_tokens,
                             base_seed=self.seed, max_model_len=self.max_model_len,
-                            max_num_seqs=self.engine_config.max_num_seqs if self.engine is not None else None,
+                            part_size=self.engine.part_size if self.engine is not None else None,
                             max_logprobs=self.engine_config.max_logprobs)
         why = self.engine.scheduler.never_fits(seq) if self.engine is not None else None
         if why is not None:

@@ -358,7 +358,7 @@ class SamplingParams:
     # vLLM's per-request logits processors (callables; vLLM 0.10 and before): loopserve runs none, so only None or
     # an empty list is taken (a ValueError otherwise: running without them would sample from other logits)
     logits_processors: list[Any] | None = None
-    # vLLM's newer name for guided_decoding (a StructuredOutputsParams, or a dict of its fields): sets it
+    # vLLM's newer name for guided_decoding (a StructuredOutputsParams, or a dict of its fields): `grammar_spec`
     structured_outputs: GuidedDecodingParams | dict[str, Any] | None = None
     # set by the engine on a request's own copy (engine/sampler.py `bind`), never by users: the request's
     # tokens, which penalties, min_tokens and bad_words read
@@ -523,13 +523,25 @@ class SamplingParams:
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, GuidedDecodingParams):
                 raise bad("structured_outputs", "must be a StructuredOutputsParams or a dict of its fields")
-            # (the same grammar under both names is what a copy through the constructor passes back)
             if self.guided_decoding is not None and self.guided_decoding != self.structured_outputs:
                 raise ValueError("structured_outputs: give it or guided_decoding (vLLM's newer and older names for "
                                  "one thing), not both")
-            self.guided_decoding = self.structured_outputs
         if self.guided_decoding is not None and not isinstance(self.guided_decoding, GuidedDecodingParams):
             raise bad("guided_decoding", "must be a GuidedDecodingParams")
+
+    @property
+    def grammar_spec(self) -> GuidedDecodingParams | None:
+        """The structured output asked for: `structured_outputs`, else `guided_decoding` (vLLM's newer and older
+        names), read as the request is made, so that a script may set or clear either on its params after
+        construction, as on vLLM's (a copy of one into the other had kept a cleared grammar, and refused a new one
+        as given under both names)."""
+        spec = self.structured_outputs if self.structured_outputs is not None else self.guided_decoding
+        return structured_outputs_params(spec) if isinstance(spec, dict) else spec  # (a dict set after construction)
+
+    @property
+    def grammar_field(self) -> str:
+        """The field `grammar_spec` is read from, as errors name it."""
+        return "structured_outputs" if self.structured_outputs is not None else "guided_decoding"
 
     @staticmethod
     def from_optional(**kwargs: Any) -> SamplingParams:

@@ -220,10 +220,14 @@ def test_prompt_that_never_fits_through_llm(tiny_huginn):
     with pytest.raises(ValueError, match=r"^prompt: 29 tokens do not fit in the KV cache \(16 tokens\)"):
         llm.generate([[5, 6], list(range(1, 30)), [7]], params)
     assert not llm.engine.has_unfinished_requests() and llm.engine.stats.finished_requests == {}
-    # the scheduler's block count too: 13 tokens and one to generate need 4 blocks, two samples 5
-    with pytest.raises(ValueError, match=r"^n: 2 samples of a prompt of 13 tokens cannot fit"):
-        llm.generate([[5, 6], list(range(1, 14))], SamplingParams(temperature=0, max_tokens=3, n=2))
-    assert not llm.engine.has_unfinished_requests() and llm.engine.stats.finished_requests == {}
+    # 13 tokens and one to generate need 4 blocks, two samples together 5: they run one after the other (parts of
+    # one sample each, as vLLM runs samples as requests of their own), as the reference decoder draws them (they were
+    # refused: "n: 2 samples of a prompt of 13 tokens cannot fit")
+    two = SamplingParams(temperature=1.0, seed=3, max_tokens=3, n=2, ignore_eos=True)
+    got = llm.generate([list(range(1, 14))], two)[0]
+    ref = LLM(tiny_huginn, dtype="float64", scheduler="reference").generate([list(range(1, 14))], two)[0]
+    assert [c.token_ids for c in got.outputs] == [c.token_ids for c in ref.outputs] and len(got.outputs) == 2
+    assert not llm.engine.has_unfinished_requests() and llm.engine.stats.finished_requests == {"length": 2}
     outs = llm.generate([[5, 6], [7]], params)
     assert [o.outputs[0].finish_reason for o in outs] == ["length", "length"]
     assert llm.engine.kv_usage() == 0

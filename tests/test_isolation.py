@@ -26,7 +26,7 @@ from loopserve.engine import sampler as sampler_module
 from loopserve.engine.config import ENGINE_SCHEDULERS
 from loopserve.engine.runner import ModelRunner
 from loopserve.engine.sampler import sample_batch, sample_one, unpack
-from loopserve.engine.sequence import Sequence
+from loopserve.engine.sequence import Sequence, as_int64
 from loopserve.errors import NonFiniteError
 from loopserve.exits import ExitBook
 from loopserve.sampling_params import RequestOutputKind
@@ -358,7 +358,8 @@ def test_any_accepted_sampling_params_sample_safely(temperature, top_p, min_p, e
     for v in (p.temperature, p.top_p, p.min_p, p.exit_threshold or 0.0):
         assert math.isfinite(v) and not isinstance(v, bool)
     logits = (torch.randn(320, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * scale).float()
-    s = sample_one(logits, p, p.seed if p.seed is not None else 0, 0).checked()
+    # (as a Sequence holds it: any 64-bit seed as the int64 the sampler's arrays take; 2^63 and up overflowed here)
+    s = sample_one(logits, p, as_int64(p.seed) if p.seed is not None else 0, 0).checked()
     assert 0 <= s.token < 320
     assert math.isfinite(s.logprob) and s.logprob <= 0 and s.rank >= 1 and len(s.top) == (p.logprobs or 0)
 

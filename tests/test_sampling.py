@@ -365,6 +365,23 @@ def test_seeded_sampling_reproducible_and_seed_dependent(tiny_ouro):
         greedy.token_ids
 
 
+def test_unseeded_requests_do_not_draw_as_seeded_ones(tiny_ouro):
+    """The k-th unseeded request of an `LLM` seeded 0 drew exactly as a request seeded k (its seed was
+    `seed * 1_000_003 + k`): a script mixing unseeded runs with a seed sweep got the same samples twice. Unseeded seeds
+    now hash the LLM's seed with the request's id, as `LLMEngine.add_request`'s do; the scheduler does not change
+    them (the reference decoder draws the same)."""
+    kw = dict(max_tokens=8, temperature=1.0, ignore_eos=True)
+    prompts = [PROMPTS[0]] * 6
+    runs = {}
+    for scheduler in ("cdb", "reference"):
+        llm = LLM(model=tiny_ouro, scheduler=scheduler, dtype="float64", seed=0)
+        runs[scheduler] = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(**kw), use_tqdm=False)]
+        seeded = [o.outputs[0].token_ids for o in llm.generate(
+            prompts, [SamplingParams(**kw, seed=k) for k in range(6)], use_tqdm=False)]
+        assert all(a != b for a, b in zip(runs[scheduler], seeded, strict=True)), scheduler
+    assert runs["cdb"] == runs["reference"]
+
+
 def test_max_tokens_finishes_with_length(tiny_huginn):
     llm = LLM(model=tiny_huginn, scheduler="reference", state_init="zero")
     for n in (1, 3, 7):

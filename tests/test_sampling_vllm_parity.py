@@ -122,10 +122,16 @@ def test_vllm_fields_accepted():
     assert SamplingParams(extra_args=args).extra_args is args
     # structured_outputs: vLLM's newer name, as a dict of its fields or StructuredOutputsParams
     want = GuidedDecodingParams(choice=["yes", "no"])
-    assert SamplingParams(structured_outputs={"choice": ["yes", "no"]}).guided_decoding == want
+    assert SamplingParams(structured_outputs={"choice": ["yes", "no"]}).grammar_spec == want
     p = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"]), max_tokens=4)
-    assert p.guided_decoding == want
-    assert dataclasses.replace(p, max_tokens=5).guided_decoding == want  # (a copy passes both names back)
+    assert p.grammar_spec == want and p.grammar_field == "structured_outputs"
+    assert dataclasses.replace(p, max_tokens=5).grammar_spec == want
+    assert SamplingParams(guided_decoding=want).grammar_spec == want
+    # set or cleared after construction, as a script does to vLLM's params: the request reads it then
+    p.structured_outputs = None
+    assert p.grammar_spec is None
+    p.structured_outputs = StructuredOutputsParams(regex="[ab]+")
+    assert p.grammar_spec == GuidedDecodingParams(regex="[ab]+")
 
 
 def test_request_checked_against_the_vocabulary(ref_llm):

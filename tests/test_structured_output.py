@@ -112,7 +112,7 @@ def test_guided_requests_equal_the_reference(scheduler, tiny_ouro):
 
 def test_masks_are_row_wise_in_the_batched_sampler(tiny_ouro):
     """One batch of guided and free rows samples each row as a batch of one would, in any order; the
-    guided rows' draws are allowed tokens and their logprobs are those of the raw logits."""
+    guided rows' draws are allowed tokens and their logprobs are those of the raw logits under the grammar's mask."""
     m = loaded(tiny_ouro)
     tok, vocab = m.tokenizer, m.model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -132,8 +132,14 @@ def test_masks_are_row_wise_in_the_batched_sampler(tiny_ouro):
     assert [shuffled[perm.index(i)] for i in range(6)] == whole
     texts = [tok.decode([s.token]) for s in whole]
     assert all(any(c.startswith(texts[i]) for c in CHOICES) for i in (0, 4)) and re.fullmatch("[a-c]{1,4}", texts[2])
-    raw = torch.log_softmax(logits[0], -1)[whole[0].token].item()
+    # a guided row's logprobs are of the tokens its grammar allows (vLLM masks the logits its sampler gets): its
+    # greedy token ranks first (they were the unmasked model's, where forbidden tokens outranked it)
+    allowed = apply_guides(logits[:1].clone(), params[:1])[0]
+    raw = torch.log_softmax(allowed, -1)[whole[0].token].item()
     assert whole[0].logprob == pytest.approx(raw, rel=1e-12)
+    assert raw > torch.log_softmax(logits[0], -1)[whole[0].token].item()
+    assert whole[4].rank == 1 and whole[4].logprob == pytest.approx(torch.log_softmax(
+        apply_guides(logits[4:5].clone(), params[4:5])[0], -1).max().item(), rel=1e-12)
     for i in (1, 3, 5):  # free rows: what they sample with no guided row in the batch
         assert whole[i] == unpack(sample_batch(logits[i:i + 1], [base[i]], [seeds[i]], [counters[i]]), [base[i]])[0]
 
@@ -300,6 +306,22 @@ def test_a_complete_grammar_ends_the_output_whatever_min_tokens_says(llm):
 def test_sampling_params_takes_only_guided_decoding_params():
     with pytest.raises(ValueError, match=r"^guided_decoding: "):
         SamplingParams(guided_decoding={"json": SCHEMA})  # type: ignore[arg-type]
+
+
+def test_a_grammar_set_or_cleared_on_the_params_after_construction_is_the_one_that_runs(llm):
+    """A script that reuses its params, as with vLLM's: the grammar it sets on them is the one its next request
+    obeys, and one it clears is gone (a copy under the old name kept constraining the output, and a new grammar was
+    refused as given under both names)."""
+    from loopserve import StructuredOutputsParams
+
+    params = SamplingParams(max_tokens=6, temperature=0, structured_outputs=StructuredOutputsParams(choice=["yes"]))
+    assert llm.generate([[3, 4]], params, use_tqdm=False)[0].outputs[0].text == "yes"
+    params.structured_outputs = StructuredOutputsParams(choice=CHOICES)
+    assert llm.generate([[3, 4]], params, use_tqdm=False)[0].outputs[0].text in CHOICES
+    params.structured_outputs = None
+    free = llm.generate([[3, 4]], SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)[0].outputs[0]
+    assert llm.generate([[3, 4]], params, use_tqdm=False)[0].outputs[0].token_ids == free.token_ids
+    assert free.text not in ("yes", *CHOICES)
 
 
 def test_pydantic_model_as_schema(llm):

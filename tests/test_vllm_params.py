@@ -88,7 +88,7 @@ def test_clone_is_deep_and_leaves_the_engines_state_behind():
     q.logit_bias[7] = 2.0
     q.allowed_token_ids.append(8)
     assert p.stop == ["x"] and p.stop_token_ids == [1] and p.logit_bias == {2: 1.0} and p.allowed_token_ids == [3, 4]
-    assert q.guided_decoding == p.guided_decoding and q.guided_decoding is not p.guided_decoding
+    assert q.grammar_spec == p.grammar_spec and q.grammar_spec is not p.grammar_spec
     p.guide, p.history = object(), object()  # (what the engine sets on a request's own copy)
     r = p.clone()
     assert r.guide is None and r.history is None

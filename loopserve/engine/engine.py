@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import itertools
 import logging
 import threading
@@ -44,7 +43,7 @@ from loopserve.engine.runner import (
     StatePool,
 )
 from loopserve.engine.scheduler import Stage, StagePlan, make_scheduler
-from loopserve.engine.sequence import PromptType, Sequence, make_sequence
+from loopserve.engine.sequence import PromptType, Sequence, make_sequence, unseeded
 from loopserve.engine.speculative import Speculator
 from loopserve.engine.stats import EngineStats
 from loopserve.model_config import ModelConfig
@@ -239,12 +238,18 @@ class LLMEngine:
     # -- requests --------------------------------------------------------------------------------------
     def make_sequence(self, request_id: str, prompt: PromptType, params: SamplingParams,
                       arrival_time: float | None = None, seed: int | None = None) -> Sequence:
-        if seed is None:  # unseeded sampling differs per request; stable across processes (unlike hash())
-            seed = int.from_bytes(hashlib.sha256(f"{self.seed}:{request_id}".encode()).digest()[:8], "little")
+        if seed is None:
+            seed = unseeded(self.seed, request_id)
         return make_sequence(self.model, self.tokenizer, request_id, prompt, params, seed, self.cfg.lookahead,
                              self.cfg.num_speculative_tokens, arrival_time, base_seed=self.seed,
-                             max_num_seqs=self.cfg.max_num_seqs, max_model_len=self.max_model_len,
+                             part_size=self.part_size, max_model_len=self.max_model_len,
                              max_logprobs=self.cfg.max_logprobs)
+
+    def part_size(self, prompt_len: int) -> int:
+        """The most samples of one request (n > 1) that run together on a prompt of `prompt_len` tokens: at most
+        max_num_seqs, and as many as the KV cache holds beside each other (`Scheduler.samples_that_fit`; 0: not one);
+        more come in further parts, as vLLM runs a request's samples as requests of their own."""
+        return min(self.cfg.max_num_seqs, self.scheduler.samples_that_fit(prompt_len))
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: float | None = None, lora_request: Any = None,

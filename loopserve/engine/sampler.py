@@ -18,8 +18,10 @@ tokens (`penalize`, row-wise too). A request's
 tokens reach the sampler through its params (`bind`): every caller already passes a row's params, and
 a batch with no such row pays for none of it. Logprobs are of the raw distribution (the model's own,
 before any of these and before temperature): vLLM's default `raw_logprobs`.
-Then `apply_guides` (engine/grammar.py) sets the tokens a guided row's grammar forbids to -inf, from
-the matcher its params carry (structured output); rows without a grammar are not touched. A guided row whose
+First of all, `apply_guides` (engine/grammar.py) sets the tokens a guided row's grammar forbids to -inf, from
+the matcher its params carry (structured output), in the raw distribution too, as vLLM masks the logits its
+sampler gets; rows without a grammar are not touched. (The masks after it leave a forbidden token at -inf: the
+draws are the same either way.) A guided row whose
 grammar and other masks together leave no token fails alone with `NothingToSampleError` naming the fields
 (`guided_room`, checked on the host bitmasks: no device readback), as does a row whose bad words and min_tokens
 leave none of its allowed tokens.
@@ -428,8 +430,7 @@ def guided_room(p: SamplingParams, grammar: np.ndarray, vocab: int, counter: int
         names.append("bad_words")
     if held is not None and np.isin(allows, held).any():
         names.append("min_tokens")
-    spec = p.guided_decoding
-    field = "structured_outputs" if p.structured_outputs is not None else "guided_decoding"
+    spec, field = p.grammar_spec, p.grammar_field
     kind = next((k for k in GUIDE_KINDS if getattr(spec, k, None) is not None),
                 "json_object")
     at = f"at output token {counter + 1}"
@@ -594,9 +595,11 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seeds: list
         return {"tokens": argmax_rows(logits.detach()), "finite": finite}  # (the order of values is the same)
     raw = _raw64(logits, finite)
     bans = bad_word_bans(params, counters)  # (read by the bad-words mask and by a guided row's check)
+    # structured output: each guided row's grammar mask (engine/grammar.py), refused for a row it leaves no token;
+    # on the model's distribution itself, as vLLM applies the grammar's bitmask to the logits before its sampler (a
+    # guided row's logprobs are of the tokens its grammar allows)
+    raw = apply_guides(raw, params, functools.partial(_check_guided, params, counters, bans, raw.shape[-1]))
     x = adjust_logits(raw, params, counters, bans)
-    # structured output: each guided row's grammar mask (engine/grammar.py), refused for a row it leaves no token
-    x = apply_guides(x, params, functools.partial(_check_guided, params, counters, bans, x.shape[-1]))
     rand = [i for i, p in enumerate(params) if not p.greedy]
     every = bool(rand) and len(rand) == len(params)  # (then no row takes the argmax, none is copied out)
     tokens = None if every else argmax_rows(x)

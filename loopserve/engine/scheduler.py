@@ -138,6 +138,13 @@ class Scheduler:
         return (f"{what}prompt of {len(seq.prompt_ids)} tokens cannot fit in the KV cache "
                 f"({self.kv.num_blocks * self.kv.block_size} tokens)")
 
+    def samples_that_fit(self, prompt_len: int) -> int:
+        """How many samples of a prompt of `prompt_len` tokens the KV cache holds together at their first token (the
+        prompt's blocks, shared, and each other sample's own: `never_fits`' rule); 0 if the prompt alone does not
+        fit."""
+        room = self.kv.num_blocks - self.kv.allocator.blocks_for(prompt_len + 1)
+        return 0 if room < 0 else 1 + room // self._own_blocks(prompt_len)
+
     def add(self, seq: Sequence) -> None:
         """Queue a request (with n > 1, its head, and the first sample of each further part: the other samples
         fork from their part's prefill)."""

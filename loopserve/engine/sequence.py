@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import enum
+import hashlib
 import time
 from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
@@ -186,13 +187,14 @@ def chain_seed(seed: int, token: int) -> int:
 
 def make_sequence(model: LoopedLM, tokenizer: Tokenizer, request_id: str, prompt: PromptType,
                   params: SamplingParams, seed: int, lookahead: bool, num_speculative_tokens: int,
-                  arrival_time: float | None = None, base_seed: int = 0, max_num_seqs: int | None = None,
+                  arrival_time: float | None = None, base_seed: int = 0,
+                  part_size: Callable[[int], int] | None = None,
                   max_model_len: int | None = None, max_logprobs: int = -1) -> Sequence:
-    """Validate a request against the model and the engine (`lookahead`, `num_speculative_tokens`,
-    `max_num_seqs`: its knobs; None: no limit) and build its Sequence (ValueError names the bad field). With n >
-    `max_num_seqs` the samples prefill in parts of at most `max_num_seqs`, each part's first sample the
-    `prefill_head` of the others (vLLM queues such samples too; here each part prefills the prompt again, or reuses
-    it from the prefix cache).
+    """Validate a request against the model and the engine (`lookahead`, `num_speculative_tokens`: its knobs) and
+    build its Sequence (ValueError names the bad field). `part_size(prompt_len)`: the most samples of a prompt that
+    run together (the engine's `part_size`: its max_num_seqs, and what its KV cache holds; None: all). Past it the
+    samples prefill in parts, each part's first sample the `prefill_head` of the others (vLLM queues such samples
+    too; here each part prefills the prompt again, or reuses it from the prefix cache).
     `max_model_len`: the most prompt + completion tokens (None: the model's context); the sequence ends
     ("length") there. `max_logprobs`: the most logprobs and prompt_logprobs it may ask for (-1: no cap beyond
     SamplingParams' own).
@@ -234,7 +236,7 @@ def make_sequence(model: LoopedLM, tokenizer: Tokenizer, request_id: str, prompt
     for seq in family:
         seq.family = family
         seq.cache_salt = salt
-    part = min(params.n, max_num_seqs or params.n)  # (a part's samples are resident together)
+    part = max(1, min(params.n, part_size(len(ids)) if part_size is not None else params.n))  # (resident together)
     for k in range(0, params.n, part):
         family[k].pending_forks = family[k + 1:k + part]
         for seq in family[k:k + part]:
@@ -309,6 +311,13 @@ def _no_text(token: int) -> None:
     return None
 
 
+def unseeded(base_seed: int, request_id: str) -> int:
+    """The sampling seed of a request that gives none: a hash of the engine's seed and the request's id, so that
+    unseeded requests differ from each other and from any request's own seed (the k-th request of an `LLM` seeded 0
+    drew as one seeded k did), and stay the same across processes (unlike `hash()`)."""
+    return int.from_bytes(hashlib.sha256(f"{base_seed}:{request_id}".encode()).digest()[:8], "little")
+
+
 def sample_id(request_id: str, index: int) -> str:
     """The engine's id of sample `index` of a request (n > 1): the request's own id for the first,
     "{index}_{request_id}" for the others (vLLM's child ids)."""
@@ -360,8 +369,8 @@ class Sequence:
         # make_sequence has tokenized once for the request's samples, as it has built their allowed_token_ids)
         params = with_allowed_token_ids(with_bad_words(params, tokenizer, vocab_size), tokenizer, vocab_size)
         self.request_id, self.prompt, self.params, self.rule = request_id, prompt, bind(params, self), rule
-        if params.guided_decoding is not None:  # structured output: this request's own grammar matcher
-            self.params = with_guide(self.params, new_guide(params.guided_decoding, tokenizer, vocab_size))
+        if params.grammar_spec is not None:  # structured output: this request's own grammar matcher
+            self.params = with_guide(self.params, new_guide(params.grammar_spec, tokenizer, vocab_size))
         # Read per token, so settled once here (params never change after this): whether it reports after
         # every token, whether it needs its text then (stop strings too), whether it samples by a plain argmax
         self.streams = params.output_kind != RequestOutputKind.FINAL_ONLY
@@ -369,7 +378,7 @@ class Sequence:
         self.plain_greedy = plain_greedy(self.params)
         # and whether a token that cannot finish it needs nothing but recording (`HeldTokens`) and, if it
         # streams, its text and an output: no logprobs, stop strings or grammar read per token
-        self.quiet = params.logprobs is None and not params.stop and params.guided_decoding is None
+        self.quiet = params.logprobs is None and not params.stop and params.grammar_spec is None
         self.prompt_ids = prompt_ids
         self._prompt_ids_out = prompt_ids_out if prompt_ids_out is not None else list(prompt_ids)
         self.tokenizer = tokenizer
@@ -407,7 +416,7 @@ class Sequence:
         # n > 1: the request's samples share the prompt's prefill. `family` lists them all (this one
         # included, the first is the head, whose id is the request's); the head prefills the prompt and
         # its `pending_forks` receive a copy of the prompt's KV when that completes. With more samples than the
-        # engine holds at once, they come in parts, each prefilled by its first sample (`prefill_head`).
+        # engine holds at once (its `part_size`), they come in parts, each prefilled by its first (`prefill_head`).
         self.index = index
         self.family: list[Sequence] = [self]
         self.pending_forks: list[Sequence] = []
