@@ -88,9 +88,13 @@ def flag_of(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+_CLI_TERMS = {"None": "null", "True": "true", "False": "false"}
+
+
 def cli_terms(text: str) -> str:
-    """Python's None, True and False in `text` as a command line writes them: null, true, false."""
-    return re.sub(r"\b(None|True|False)\b", lambda m: {"None": "null", "True": "true", "False": "false"}[m[1]], text)
+    """Python's None, True and False in `text` as a command line writes them: null, true, false; not inside quotes
+    (a value as given: `--response-role True` got 'True')."""
+    return re.sub(r"'[^']*'|\"[^\"]*\"|\b(None|True|False)\b", lambda m: _CLI_TERMS[m[1]] if m[1] else m[0], text)
 
 
 def as_flag_error(message: str, parser: argparse.ArgumentParser) -> str:

@@ -536,7 +536,12 @@ class SamplingParams:
         construction, as on vLLM's (a copy of one into the other had kept a cleared grammar, and refused a new one
         as given under both names)."""
         spec = self.structured_outputs if self.structured_outputs is not None else self.guided_decoding
-        return structured_outputs_params(spec) if isinstance(spec, dict) else spec  # (a dict set after construction)
+        if isinstance(spec, dict):  # (a dict set after construction, as the constructor takes one)
+            spec = structured_outputs_params(spec)
+        if spec is not None and not isinstance(spec, GuidedDecodingParams):
+            raise ValueError(f"{self.grammar_field}: must be a StructuredOutputsParams or a dict of its fields, got "
+                             f"{_short(spec)}")
+        return spec
 
     @property
     def grammar_field(self) -> str:

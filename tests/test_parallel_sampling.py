@@ -91,10 +91,12 @@ def test_preemption(tiny_ouro):
 def test_more_samples_than_the_cache_holds_together_come_in_parts(tiny_ouro):
     """12 blocks of 4 tokens; the 11-token prompt takes 3 with room for its first token, and each other
     sample 1 more (they share the prompt's 2 full blocks): 10 samples fit together (once refused, as if each held a
-    copy), so 11 run as a part of 10 and a part of 1 (they were refused, as if they had to run together; vLLM runs
-    samples as requests of their own), every sample equal to the reference decoder's."""
+    copy), 9 beside the safety margin's block, so 11 run as a part of 9 and a part of 2 (they were refused, as if
+    they had to run together; vLLM runs samples as requests of their own), every sample equal to the reference
+    decoder's."""
     engine = make_engine(tiny_ouro, block_size=4, kv_cache_tokens=48)
-    assert engine.part_size(len(PROMPT)) == 10
+    assert engine.part_size(len(PROMPT)) == 9
+    assert make_engine(tiny_ouro, block_size=4, kv_cache_tokens=48, kv_safety_margin=0).part_size(len(PROMPT)) == 10
     reqs = [Req("big", PROMPT, SamplingParams(max_tokens=2, n=11), seed=0),
             Req("ok", PROMPT, SamplingParams(max_tokens=2, temperature=0), seed=1),
             Req("shared", PROMPT, SamplingParams(max_tokens=2, n=8), seed=2)]

@@ -502,8 +502,9 @@ def small_kv_server(short_path, tmp_path_factory) -> Iterator[Server]:
 def test_samples_that_the_kv_cache_cannot_hold_together_run_in_parts(small_kv_server, stream):
     """n samples of a prompt that the KV cache cannot hold together: the ones it holds run, then the rest, as vLLM
     runs samples as requests of their own (they were a 400 naming n). They share the prompt's full blocks: a
-    60-token prompt takes 4 blocks and each other sample 1 more, so 13 samples fit in 16 blocks, and the 14th runs
-    after them. A prompt the cache cannot hold alone is a 400 naming the prompt, before any response starts."""
+    60-token prompt takes 4 blocks and each other sample 1 more, so 13 samples fit in 16 blocks, 12 beside the
+    safety margin's block: a part of 12, then one of 2. A prompt the cache cannot hold alone is a 400 naming the
+    prompt, before any response starts."""
     body = {**GOOD_C, "prompt": [7] * 60, "max_tokens": 2, "ignore_eos": True, "stream": stream}
     ok = httpx.post(small_kv_server.url + C, json={**body, "n": 14}, timeout=60)
     assert ok.status_code == 200, ok.text

@@ -294,7 +294,7 @@ def _fill_masks(guides: list[Guide]) -> torch.Tensor:
 def apply_guides(x: torch.Tensor, params: list[SamplingParams],
                  check: Callable[[list[int], np.ndarray], None] | None = None) -> torch.Tensor:
     """`x` [B, V] with each guided row's disallowed tokens at -inf (the same tensor when no row has a
-    guide; otherwise a new one, so the raw logits stay for logprobs). `check(rows, masks)`, if given, reads
+    guide; otherwise a new one, so that the caller's tensor is left as it was). `check(rows, masks)`, if given, reads
     the guided rows' bitmasks on the host ([G, words] int32, row j is row rows[j]'s) before they are applied,
     and may raise (the sampler's: a row that its other masks leave no token, `NothingToSampleError`)."""
     rows = [i for i, p in enumerate(params) if p.guide is not None]

@@ -130,20 +130,23 @@ class Scheduler:
         """Why a request (its head) could never fit the KV cache whatever else runs, or None: its samples'
         prompt with room for one generated token, and each other sample's own blocks beside the prompt's
         full ones, which they share (the samples of one part: its first one's `pending_forks`; the head's part is
-        the largest). (The server asks before a response starts.)"""
+        the largest, and parts are made to fit: `samples_that_fit`). (The server asks before a response starts.)"""
         n, samples = len(seq.prompt_ids), 1 + len(seq.pending_forks)
         if self.kv.allocator.blocks_for(n + 1) + (samples - 1) * self._own_blocks(n) <= self.kv.num_blocks:
             return None
-        what = f"n: {samples} samples of a " if samples > 1 else "prompt: a "
-        return (f"{what}prompt of {len(seq.prompt_ids)} tokens cannot fit in the KV cache "
+        return (f"prompt: a prompt of {len(seq.prompt_ids)} tokens cannot fit in the KV cache "
                 f"({self.kv.num_blocks * self.kv.block_size} tokens)")
 
     def samples_that_fit(self, prompt_len: int) -> int:
         """How many samples of a prompt of `prompt_len` tokens the KV cache holds together at their first token (the
-        prompt's blocks, shared, and each other sample's own: `never_fits`' rule); 0 if the prompt alone does not
-        fit."""
-        room = self.kv.num_blocks - self.kv.allocator.blocks_for(prompt_len + 1)
-        return 0 if room < 0 else 1 + room // self._own_blocks(prompt_len)
+        prompt's blocks, shared, and each other sample's own: `never_fits`' rule), beside the safety margin that
+        admission keeps free while anything else runs (a part that needs the whole pool waits until nothing runs,
+        and holds up the queue behind it); 0 if the prompt alone does not fit."""
+        head = self.kv.allocator.blocks_for(prompt_len + 1)
+        if head > self.kv.num_blocks:
+            return 0
+        spare = self.kv.num_blocks - int(self.cfg.kv_safety_margin * self.kv.num_blocks) - head
+        return 1 + max(0, spare) // self._own_blocks(prompt_len)
 
     def add(self, seq: Sequence) -> None:
         """Queue a request (with n > 1, its head, and the first sample of each further part: the other samples

@@ -73,7 +73,7 @@ class Speculator:
     def eligible(self, seq: Sequence) -> bool:
         p = seq.params
         if (p.num_speculative_tokens == 0 or p.penalized or p.min_tokens or p.bad_words
-                or p.grammar_spec is not None):
+                or p.guide is not None):
             return False
         return not (self.coda_kv and seq.rule.signal == "kl")
 

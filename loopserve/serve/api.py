@@ -62,7 +62,7 @@ import itertools
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -530,7 +530,8 @@ class OpenAIServing:
         try:
             await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not task.done():
-                if log_end:
+                if log_end:  # (a request of several prompts: some may have finished)
+                    self.log_finished(self.ended(gen, [o for o in finals if o is not None]))
                     self.log_aborted([rid for rid, o in zip(group.request_ids, finals, strict=True) if o is None])
                 return None
             task.result()
@@ -713,14 +714,19 @@ class OpenAIServing:
         def chunk(choice: dict[str, Any], usage: dict[str, Any] | None) -> dict[str, Any]:
             return {**self.base(obj, gen), "choices": [choice], **({"usage": usage} if req.include_usage else {})}
 
-        if gen.kind.chat:  # (vLLM's order: the echoed text in chunks after the role's)
-            for delta in [{"role": gen.role, "content": ""}, *([{"content": gen.echo_text}] if gen.echo_text else [])]:
-                for j in range(len(gen.seqs) * gen.n):
-                    p = len(gen.seqs[j // gen.n].prompt_ids)
-                    usage = {"prompt_tokens": p, "completion_tokens": 0, "total_tokens": p} if continuous else None
-                    yield sse(chunk({"index": j, "delta": delta, "logprobs": None, "finish_reason": None}, usage))
+        def ended(done: Iterable[int]) -> list[tuple[RequestOutput, list[str | None], int]]:
+            """`log_finished`'s lines of these requests (their indices), by what their streams sent."""
+            return [(latest[i], [sent[i, j].finish_reason for j in range(gen.n)],
+                     sum(sent[i, j].tokens for j in range(gen.n))) for i in done]
 
         try:
+            if gen.kind.chat:  # (vLLM's order: the echoed text in chunks after the role's)
+                for delta in [{"role": gen.role, "content": ""},
+                              *([{"content": gen.echo_text}] if gen.echo_text else [])]:
+                    for j in range(len(gen.seqs) * gen.n):
+                        p = len(gen.seqs[j // gen.n].prompt_ids)
+                        usage = {"prompt_tokens": p, "completion_tokens": 0, "total_tokens": p} if continuous else None
+                        yield sse(chunk({"index": j, "delta": delta, "logprobs": None, "finish_reason": None}, usage))
             async for i, out in group:
                 if out.prompt_logprobs is not None:
                     prompt_logprobs[i] = out.prompt_logprobs
@@ -752,13 +758,13 @@ class OpenAIServing:
         except EngineDeadError as e:  # (EngineStoppedError too)
             raise StreamFailed(503, str(e)) from None
         except (GeneratorExit, asyncio.CancelledError):  # the client went away mid-stream
-            if gen.search is None:
-                self.log_aborted([s.request_id for i, s in enumerate(gen.seqs)
-                                  if i not in latest or not latest[i].finished])
+            if gen.search is None:  # (a request of several prompts: some may have finished)
+                done = [i for i, o in latest.items() if o.finished]
+                self.log_finished(ended(done))
+                self.log_aborted([s.request_id for i, s in enumerate(gen.seqs) if i not in done])
             raise
         if gen.search is None:  # (a beam search logged its end itself)
-            self.log_finished([(o, [sent[i, j].finish_reason for j in range(gen.n)],
-                                sum(sent[i, j].tokens for j in range(gen.n))) for i, o in latest.items()])
+            self.log_finished(ended(latest))
         if req.include_usage:
             total = usage_body(list(latest.values()), sum(d.tokens for d in sent.values()))
             yield sse({**self.base(obj, gen), "choices": [], "usage": total})
