@@ -12,6 +12,14 @@ from typing import Any
 
 # a text part's types: OpenAI's chat "text", and the Responses API's "input_text" and "output_text" (vLLM reads all)
 TEXT_PARTS = ("text", "input_text", "output_text")
+# and an assistant's refusal, {"type": "refusal", "refusal": ...}, which an OpenAI conversation replays: its text
+# (vLLM's reading)
+REFUSAL_PART = "refusal"
+
+
+def part_text(part: Mapping[str, Any]) -> str:
+    """A checked content part's text."""
+    return part[REFUSAL_PART] if part.get("type") == REFUSAL_PART else part["text"]
 # what a chat template may read of a message, as vLLM passes them; the server reports any other field as ignored
 TEMPLATE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id")
 TOOL_CALL_KEYS = ("id", "type", "function")
@@ -25,7 +33,7 @@ def message_text(content: Any) -> str:
         return ""
     if isinstance(content, str):
         return content
-    return "\n".join(part["text"] for part in content)
+    return "\n".join(part_text(part) for part in content)
 
 
 def chat_messages(messages: Any, where: str = "messages", ignored: list[str] | None = None) -> list[dict[str, Any]]:
@@ -36,7 +44,7 @@ def chat_messages(messages: Any, where: str = "messages", ignored: list[str] | N
 
     A message has a role, a non-empty string: OpenAI's, or any other the chat template renders (vLLM passes them
     on); its content is a string or a list of {"type": "text", "text": ...} parts (or
-    `TEXT_PARTS`' other types), or
+    `TEXT_PARTS`' other types, or an assistant's {"type": "refusal", "refusal": ...}), or
     null or left out, which renders as empty text (as vLLM takes it, in any role: a client replaying a
     conversation sends an assistant turn without content, for one); `name`, if given, is a string. Only an
     assistant message may carry `tool_calls` (as `tool_calls` checks them), and only a tool message a
@@ -64,10 +72,11 @@ def chat_messages(messages: Any, where: str = "messages", ignored: list[str] | N
                 raise ValueError(f"{at}.content: must be a string or a list of text parts, "
                                  f"got {type(content).__name__}")
             for j, part in enumerate(content):
-                if not (isinstance(part, Mapping) and part.get("type") in TEXT_PARTS):
+                if not (isinstance(part, Mapping) and part.get("type") in (*TEXT_PARTS, REFUSAL_PART)):
                     raise ValueError(f"{at}.content.{j}: must be a text part ({{'type': 'text', 'text': ...}})")
-                if not isinstance(part.get("text"), str):
-                    raise ValueError(f"{at}.content.{j}.text: must be a string")
+                key = REFUSAL_PART if part["type"] == REFUSAL_PART else "text"
+                if not isinstance(part.get(key), str):
+                    raise ValueError(f"{at}.content.{j}.{key}: must be a string")
         plain: dict[str, Any] = {"role": role, "content": message_text(content)}
         name = m.get("name")
         if name is not None:

@@ -1036,11 +1036,17 @@ def test_invocations_answers_as_chat_or_completions_by_the_body(server):
 def test_what_vllm_takes_of_clients_that_send_defaults(server):
     """Fields vLLM takes that were 400s here: a tool and a named tool_choice without "type" (vLLM's default,
     "function"); tool_choice "required" with an empty tools list (OpenAI's reading: "none"); top_logprobs 0 without
-    logprobs; stream_options {} without stream; the Responses API's input_text / output_text parts; and at
-    /invocations a body whose messages is null but that has a prompt (a completion)."""
+    logprobs; stream_options {} without stream; the Responses API's input_text / output_text parts; an assistant's
+    refusal part, as an OpenAI conversation replays it (read as its text); and at /invocations a body whose messages
+    is null but that has a prompt (a completion)."""
+    from loopserve.chat_messages import chat_messages
+
     msgs = [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
             {"role": "assistant", "content": [{"type": "output_text", "text": "yes"}]},
+            {"role": "user", "content": "and?"},
+            {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
             {"role": "user", "content": "again"}]
+    assert [m["content"] for m in chat_messages(msgs)] == ["hi", "yes", "and?", "no", "again"]
     tool = {"function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}}
 
     def chat(**body):

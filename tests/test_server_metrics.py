@@ -135,3 +135,4 @@ def test_every_answer_keeps_the_metric_names_as_they_are(metrics, accept):
     text = body.decode()
     assert "loopserve:generation_tokens" in text and "loopserve_" not in text, (content_type, text[:500])
     assert content_type.startswith("text/plain") or "escaping=allow-utf-8" in content_type, content_type
+

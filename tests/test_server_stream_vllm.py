@@ -150,3 +150,18 @@ def test_a_request_failing_mid_stream_sends_its_error_then_cuts(server, path):
     assert not isinstance(raised.value, openai.APIConnectionError)
     assert raised.value.message == error["message"] and raised.value.body == error
     assert server.post(C, {"model": MODEL, "prompt": "after", "max_tokens": 2}).status_code == 200
+
+
+def test_every_chunk_of_a_response_carries_the_requests_created(monkeypatch):
+    """A stream's chunks share one `created`, the request's, as OpenAI's and vLLM's do (each chunk read the clock, so
+    a stream that crossed a second carried several; clients group chunks by id and created)."""
+    import itertools
+    from types import SimpleNamespace
+
+    from loopserve.serve import api
+
+    seconds = itertools.count(1000)
+    monkeypatch.setattr(api.time, "time", lambda: float(next(seconds)))
+    gen = api._Generation(api.CHAT, SimpleNamespace(model=None), "chatcmpl-1", [], None, [], None)  # type: ignore
+    serving = SimpleNamespace(settings=SimpleNamespace(model_name="m"))
+    assert {api.OpenAIServing.base(serving, "chat.completion.chunk", gen)["created"] for _ in range(3)} == {1000}

@@ -337,3 +337,23 @@ def test_a_required_tools_bad_schema_is_named_by_its_tool():
         with pytest.raises(ApiError) as e:
             chat_guide(req)
         assert (e.value.status, e.value.param) == (400, param) and e.value.message.startswith(param + ": ")
+
+
+def test_a_tools_schema_without_a_type_forces_an_object():
+    """Hand-written and MCP schemas often leave out the top-level "type", which the tool check reads as "object":
+    the grammar now says so too (a forced call's arguments came out `true`, `null` or a list, and sending that call
+    back in the next turn's messages was then a 400)."""
+    pytest.importorskip("llguidance")
+    from loopserve.serve.protocol import ChatCompletionRequest, parse_body
+    from loopserve.serve.structured import chat_guide
+
+    untyped = {"type": "function", "function": {"name": "f", "parameters": {
+        "properties": {"a": {"type": "boolean"}}, "required": ["a"]}}}
+    for choice in ({"type": "function", "function": {"name": "f"}}, "required"):
+        req = parse_body(ChatCompletionRequest, json.dumps({"model": MODEL, "messages": MESSAGES, "tools": [untyped],
+                                                            "tool_choice": choice}).encode())
+        _, plan = chat_guide(req)
+        assert plan is not None and isinstance(plan.guide.json, dict)
+        schema = plan.guide.json if choice != "required" else \
+            plan.guide.json["items"]["anyOf"][0]["properties"]["parameters"]
+        assert schema["type"] == "object" and schema["required"] == ["a"], schema

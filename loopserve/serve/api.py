@@ -323,6 +323,9 @@ class _Generation:
     search: BeamSearch | None = None
     step_params: SamplingParams | None = None
     arrival: float = 0.0
+    # the response's `created`, once per request: every chunk of a stream carries the same (OpenAI's and vLLM's;
+    # clients group chunks by id and created)
+    created: int = field(default_factory=lambda: int(time.time()))
 
     @property
     def n(self) -> int:
@@ -608,7 +611,7 @@ class OpenAIServing:
 
     def base(self, obj: str, gen: _Generation) -> dict[str, Any]:
         # `model`: the served name the request gave, else the first (vLLM's `OpenAIServing._get_model_name`)
-        return {"id": gen.cid, "object": obj, "created": int(time.time()),
+        return {"id": gen.cid, "object": obj, "created": gen.created,
                 "model": gen.req.model or self.settings.model_name}
 
     # -- the shared generation path ---------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from loopserve.chat_messages import TEXT_PARTS
+from loopserve.chat_messages import REFUSAL_PART, TEXT_PARTS
 from loopserve.sampling_params import (
     EXIT_FIELDS,
     MAX_BEAM_WIDTH,
@@ -338,6 +338,13 @@ class TextPart(_Strict):
     text: str
 
 
+class RefusalPart(_Strict):
+    """An assistant's refusal, as an OpenAI conversation replays it: read as its text (vLLM's reading)."""
+
+    type: Literal[REFUSAL_PART]  # type: ignore[valid-type]
+    refusal: str
+
+
 class ToolCallFunction(_Strict):
     name: str
     # OpenAI sends the JSON text; an object is taken too, as LLM.chat takes a dict (chat_messages.py)
@@ -357,7 +364,7 @@ class ChatMessage(_Strict):
     the assistant, arguments a JSON object) is `chat_messages`'s rule, shared with `LLM.chat`."""
 
     role: str  # OpenAI's system, developer, user, assistant or tool, or one of the chat template's own (vLLM's)
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | RefusalPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None

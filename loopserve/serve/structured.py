@@ -445,8 +445,11 @@ def tool_plan(req: Any) -> ToolPlan | None:
         raise ApiError(400, "tool_choice: 'auto' (the default when tools are given) needs a parser of the model's own "
                             "tool-call format, which this server does not have; use 'required', a named function "
                             "or 'none'", "tool_choice")
-    # a function without parameters (none given, or {}) takes none: its arguments are {} (OpenAI's reading)
-    schemas = {t.function.name: t.function.parameters or NO_PARAMETERS for t in tools}
+    # a function without parameters (none given, or {}) takes none: its arguments are {} (OpenAI's reading); a schema
+    # without a type is an object's, as checked above (hand-written and MCP schemas leave it out): the grammar says
+    # so too, or the arguments could be `true` or a list, which the next turn's message then could not send back
+    schemas = {t.function.name: {"type": "object", **t.function.parameters} if t.function.parameters
+               and "type" not in t.function.parameters else t.function.parameters or NO_PARAMETERS for t in tools}
     options, field_of = grammar_options(req)
     if choice == "required":
         # a tool's schema that refers within itself ($defs, `#/properties/...`, `#` for a recursive one) moves to the
