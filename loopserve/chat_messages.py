@@ -20,6 +20,8 @@ REFUSAL_PART = "refusal"
 def part_text(part: Mapping[str, Any]) -> str:
     """A checked content part's text."""
     return part[REFUSAL_PART] if part.get("type") == REFUSAL_PART else part["text"]
+
+
 # what a chat template may read of a message, as vLLM passes them; the server reports any other field as ignored
 TEMPLATE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id")
 TOOL_CALL_KEYS = ("id", "type", "function")
