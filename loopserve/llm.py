@@ -38,7 +38,7 @@ from loopserve.load_config import LOAD_FIELDS, LoadConfig, configs, load_for_eng
 from loopserve.models.loader import embedded_model_path
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
-from loopserve.tokenizer import Tokenizer, template_variables
+from loopserve.tokenizer import Tokenizer, template_switches, template_variables
 from loopserve.vllm_neutral import NEUTRAL, absent_method, check_neutral
 
 Conversation = Seq[Mapping[str, Any]]  # [{"role": "user", "content": "..."}, ...]
@@ -229,6 +229,9 @@ class LLM:
                      continue_final_message: bool = False) -> dict[str, Any]:
         """`where`: the conversation's field in errors (`messages`, or `messages.<i>` in a batch)."""
         extra = template_variables(chat_template_kwargs)  # (the server's rule for them too)
+        switches = template_switches(chat_template_kwargs)  # (over the arguments, as vLLM merges them)
+        add_generation_prompt = switches.get("add_generation_prompt", add_generation_prompt)
+        continue_final_message = switches.get("continue_final_message", continue_final_message)
         ignored: list[str] = []
         # the server's rules for a message, and the same keys reach the template (chat_messages.py)
         messages = chat_messages(conversation, where, ignored)

@@ -633,12 +633,28 @@ def _reserved() -> dict[str, str]:
 TEMPLATE_RESERVED: dict[str, str] = _reserved()
 
 
+# apply_chat_template's switches that a caller's `chat_template_kwargs` may set, over the call's own arguments of
+# those names (vLLM merges a request's kwargs over them: `{"add_generation_prompt": false}` for a reward model's score)
+TEMPLATE_SWITCHES = ("add_generation_prompt", "continue_final_message")
+
+
+def template_switches(kwargs: Any, where: str = "chat_template_kwargs") -> dict[str, bool]:
+    """The `TEMPLATE_SWITCHES` a caller's `chat_template_kwargs` sets, which win over the call's own arguments;
+    ValueError naming `<where>.<name>` for a value that is not true or false."""
+    if not isinstance(kwargs, Mapping):
+        return {}
+    for name in TEMPLATE_SWITCHES:
+        if name in kwargs and not isinstance(kwargs[name], bool):
+            raise ValueError(f"{where}.{name}: must be true or false, got {kwargs[name]!r}")
+    return {name: kwargs[name] for name in TEMPLATE_SWITCHES if name in kwargs}
+
+
 def template_variables(kwargs: Any, where: str = "chat_template_kwargs") -> dict[str, Any]:
     """A caller's extra template variables (`chat_template_kwargs`), checked, as keywords to pass on to
     `apply_chat_template`: ValueError naming `<where>` when it is not a mapping of names, `<where>.<name>` (with the
     reason of TEMPLATE_RESERVED) for a name the call sets itself, which would otherwise collide with the argument
     of that name (a TypeError) or override it. `documents` (TEMPLATE_ARGUMENTS) is taken: it reaches the template
-    as the argument would."""
+    as the argument would; `TEMPLATE_SWITCHES` are left out (`template_switches` reads them)."""
     if kwargs is None:
         return {}
     if not isinstance(kwargs, Mapping):
@@ -646,6 +662,7 @@ def template_variables(kwargs: Any, where: str = "chat_template_kwargs") -> dict
     for name in kwargs:
         if not isinstance(name, str):
             raise ValueError(f"{where}: the variables' names must be strings, got {name!r}")
-        if name in TEMPLATE_RESERVED:
+        if name in TEMPLATE_RESERVED and name not in TEMPLATE_SWITCHES:
             raise ValueError(f"{where}.{name}: {TEMPLATE_RESERVED[name]}")
-    return dict(kwargs)
+    template_switches(kwargs, where)
+    return {name: value for name, value in kwargs.items() if name not in TEMPLATE_SWITCHES}

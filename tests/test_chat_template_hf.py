@@ -209,8 +209,14 @@ def test_llm_chat_continues_the_final_message(llm):
 def test_llm_chat_continue_final_message_refusals(llm):
     with pytest.raises(ValueError, match="^continue_final_message: cannot be combined with add_generation_prompt"):
         llm.chat(CONTINUED, GREEDY, use_tqdm=False, continue_final_message=True)  # (add_generation_prompt: True)
-    with pytest.raises(ValueError, match="^chat_template_kwargs.continue_final_message: set by `continue_final_mes"):
+    # the switches in chat_template_kwargs win over the arguments, as vLLM merges them (they were refused)
+    with pytest.raises(ValueError, match="^continue_final_message: cannot be combined with add_generation_prompt"):
         llm.chat(CONTINUED, GREEDY, use_tqdm=False, chat_template_kwargs={"continue_final_message": True})
+    [out] = llm.chat(CONTINUED, GREEDY, use_tqdm=False,
+                     chat_template_kwargs={"continue_final_message": True, "add_generation_prompt": False})
+    assert out.prompt == HUGINN_CONTINUED
+    with pytest.raises(ValueError, match="^chat_template_kwargs.add_generation_prompt: must be true or false"):
+        llm.chat(HELLO, GREEDY, use_tqdm=False, chat_template_kwargs={"add_generation_prompt": "no"})
 
 
 # -- the server ------------------------------------------------------------------------------------------------------
@@ -244,6 +250,11 @@ def test_server_continues_the_final_message(server, client, llm):
     assert t.status_code == 200 and t.json()["tokens"] == ids
     assert server.post("/detokenize", {"tokens": ids}).json()["prompt"] == HUGINN_CONTINUED
     assert "ignored unknown fields" not in server.log.read_text()  # (known fields now)
+    # the same switches in chat_template_kwargs, as a client written for vLLM sends them (they win over the fields)
+    t = server.post("/tokenize", {"model": MODEL, "messages": CONTINUED, "chat_template_kwargs": CONTINUE})
+    assert t.status_code == 200 and t.json()["tokens"] == ids, t.text
+    r = _chat(client, CONTINUED, return_token_ids=True, chat_template_kwargs=CONTINUE)
+    assert r.choices[0].model_extra["prompt_token_ids"] == ids
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
@@ -251,8 +262,9 @@ def test_server_continues_the_final_message(server, client, llm):
     ({"messages": CONTINUED, "continue_final_message": True}, "continue_final_message"),  # generation prompt: true
     ({"messages": CONTINUED, "continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
     ({"messages": CONTINUED, "chat_template": "{{ messages }}"}, "chat_template"),
-    ({"messages": CONTINUED, "chat_template_kwargs": {"continue_final_message": True}},
-     "chat_template_kwargs.continue_final_message"),
+    ({"messages": CONTINUED, "chat_template_kwargs": {"continue_final_message": True}}, "continue_final_message"),
+    ({"messages": CONTINUED, "chat_template_kwargs": {"add_generation_prompt": 0}},
+     "chat_template_kwargs.add_generation_prompt"),
 ])
 def test_chat_fields_refused_with_a_400_naming_them(server, path, body, param):
     r = server.post(path, {"model": MODEL, "max_tokens": 1, **body})
@@ -308,8 +320,7 @@ def test_add_special_tokens_tokenizes_the_prompt_with_them(client, huginn):
 RESERVED = [("tokenize", "not a template variable"), ("conversation", "the conversation"),
             ("self", "an argument of apply_chat_template"), ("padding", "transformers' option of apply_chat_template"),
             ("return_dict", "transformers' option"), ("messages", "the conversation"),
-            ("tools", "set by `tools` itself"), ("add_generation_prompt", "set by `add_generation_prompt` itself"),
-            ("chat_template", "picks the template to render")]
+            ("tools", "set by `tools` itself"), ("chat_template", "picks the template to render")]
 
 
 def test_reserved_template_variables_are_read_off_apply_chat_template():

@@ -155,6 +155,7 @@ from loopserve.serve.responses import (
     usage_body,
 )
 from loopserve.serve.structured import ToolPlan, chat_guide, guide_field, request_guide
+from loopserve.tokenizer import template_variables
 
 log = logging.getLogger("loopserve.serve")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
@@ -563,7 +564,7 @@ class OpenAIServing:
         variables); with `continue_final_message`, up to the final message's text (its turn left open)."""
         tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
         # check_rendering checked the variables (`template_variables`) and refused documents given twice
-        variables = {**(template_kwargs or {}), **({} if documents is None else {"documents": documents})}
+        variables = {**template_variables(template_kwargs), **({} if documents is None else {"documents": documents})}
         try:  # the rules LLM.chat applies too (chat_messages.py); unknown fields were reported as ignored already
             plain = chat_messages([m.model_dump() for m in messages])
             return self.tokenizer.apply_chat_template(plain, tool_dicts, tokenize=False,

@@ -46,7 +46,7 @@ from loopserve.sampling_params import (
     RequestOutputKind,
     SamplingParams,
 )
-from loopserve.tokenizer import template_variables
+from loopserve.tokenizer import template_switches, template_variables
 
 
 class ApiError(Exception):
@@ -429,11 +429,14 @@ def check_rendering(req: ChatCompletionRequest | TokenizeChatRequest) -> None:
     """The chat template fields of a chat or /tokenize body: no template of the client's (the `chat_template`
     field, as vLLM refuses one unless started with --trust-request-chat-template: it would run on the event loop, a
     sandboxed one, but nested loops can still spin for minutes), and `chat_template_kwargs` as LLM.chat takes them
-    (`template_variables`: none that the request sets by a field of its own, `chat_template` among them).
+    (`template_variables`: none that the request sets by a field of its own, `chat_template` among them, but the
+    switches add_generation_prompt and continue_final_message, which win over the request's fields, as in vLLM).
     `continue_final_message`'s rules are the tokenizer's, checked when the request is rendered."""
     kwargs = req.chat_template_kwargs
     try:
         template_variables(kwargs)
+        for name, value in template_switches(kwargs).items():  # (vLLM merges the kwargs over the request's fields)
+            setattr(req, name, value)
     except ValueError as e:
         raise ApiError.bad_request(e) from None
     if req.documents is not None and kwargs and "documents" in kwargs:  # (either reaches the template alone)
