@@ -131,22 +131,29 @@ class Scheduler:
         prompt with room for one generated token, and each other sample's own blocks beside the prompt's
         full ones, which they share (the samples of one part: its first one's `pending_forks`; the head's part is
         the largest, and parts are made to fit: `samples_that_fit`). (The server asks before a response starts.)"""
-        n, samples = len(seq.prompt_ids), 1 + len(seq.pending_forks)
-        if self.kv.allocator.blocks_for(n + 1) + (samples - 1) * self._own_blocks(n) <= self.kv.num_blocks:
+        if 1 + len(seq.pending_forks) <= self._samples_within(len(seq.prompt_ids), self.kv.num_blocks):
             return None
         return (f"prompt: a prompt of {len(seq.prompt_ids)} tokens cannot fit in the KV cache "
                 f"({self.kv.num_blocks * self.kv.block_size} tokens)")
 
     def samples_that_fit(self, prompt_len: int) -> int:
-        """How many samples of a prompt of `prompt_len` tokens the KV cache holds together at their first token (the
-        prompt's blocks, shared, and each other sample's own: `never_fits`' rule), beside the safety margin that
-        admission keeps free while anything else runs (a part that needs the whole pool waits until nothing runs,
-        and holds up the queue behind it); 0 if the prompt alone does not fit."""
-        head = self.kv.allocator.blocks_for(prompt_len + 1)
-        if head > self.kv.num_blocks:
-            return 0
-        spare = self.kv.num_blocks - int(self.cfg.kv_safety_margin * self.kv.num_blocks) - head
-        return 1 + max(0, spare) // self._own_blocks(prompt_len)
+        """How many samples of a prompt of `prompt_len` tokens the KV cache holds together at their first token
+        (`never_fits`' rule), beside the safety margin that admission keeps free while anything else runs (a part
+        that needs the whole pool waits until nothing runs, and holds up the queue behind it); one where only the
+        whole pool holds the prompt; 0 if not even it does."""
+        beside_margin = self._samples_within(prompt_len, self.kv.num_blocks - self._margin_blocks)
+        return max(beside_margin, min(1, self._samples_within(prompt_len, self.kv.num_blocks)))
+
+    def _samples_within(self, prompt_len: int, blocks: int) -> int:
+        """How many samples of a prompt of `prompt_len` tokens fit in `blocks` at their first token: the prompt with
+        room for one generated token, its full blocks shared, and each other sample's own (0: not the prompt)."""
+        spare = blocks - self.kv.allocator.blocks_for(prompt_len + 1)
+        return 0 if spare < 0 else 1 + spare // self._own_blocks(prompt_len)
+
+    @property
+    def _margin_blocks(self) -> int:
+        """The blocks prefill admission keeps free while anything else runs (`kv_safety_margin` of the pool)."""
+        return int(self.cfg.kv_safety_margin * self.kv.num_blocks)
 
     def add(self, seq: Sequence) -> None:
         """Queue a request (with n > 1, its head, and the first sample of each further part: the other samples
@@ -422,7 +429,7 @@ class Scheduler:
             return None
         resident, width = len(self.running), min(self.cfg.max_decode_batch, self.pool.rows)
         # drafts take only blocks no one else is owed: never the safety margin or what admitted prompts need
-        spare = self.kv.num_free - self._owed_blocks() - int(self.cfg.kv_safety_margin * self.kv.num_blocks)
+        spare = self.kv.num_free - self._owed_blocks() - self._margin_blocks
         items: list[WorkItem] = []
         lens: list[int] = []
         rows, limit = 0, min(limit, self.pool.num_free)  # rows the queue takes in order (a group: one a position)
@@ -471,7 +478,7 @@ class Scheduler:
         cfg, kv = self.cfg, self.kv
         budget = cfg.max_num_batched_tokens
         chunks: list[PrefillChunk] = []
-        margin = int(cfg.kv_safety_margin * kv.num_blocks)
+        margin = self._margin_blocks
         free = kv.num_free
         owed = self._owed_blocks()
         resident = self.resident()

@@ -378,7 +378,7 @@ class Sequence:
         self.plain_greedy = plain_greedy(self.params)
         # and whether a token that cannot finish it needs nothing but recording (`HeldTokens`) and, if it
         # streams, its text and an output: no logprobs, stop strings or grammar read per token
-        self.quiet = params.logprobs is None and not params.stop and params.grammar_spec is None
+        self.quiet = params.logprobs is None and not params.stop and self.params.guide is None
         self.prompt_ids = prompt_ids
         self._prompt_ids_out = prompt_ids_out if prompt_ids_out is not None else list(prompt_ids)
         self.tokenizer = tokenizer
