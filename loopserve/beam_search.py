@@ -261,7 +261,7 @@ def beam_search(llm: LLM, prompts: PromptType | Seq[PromptType], params: BeamSea
     if not isinstance(params, BeamSearchParams):
         raise ValueError(f"params: expected a BeamSearchParams, got {type(params).__name__}")
     check_beam_search_params(params)  # (again: fields may have been set after construction)
-    check_beam_width(params.beam_width, llm.engine_config.max_logprobs)
+    check_beam_width(params.beam_width, llm.engine_config.max_logprobs, llm.config.vocab_size)
     if concurrency_limit is not None and (not is_int(concurrency_limit) or concurrency_limit < 1):
         raise ValueError(f"concurrency_limit: must be an integer >= 1 or None, got {concurrency_limit!r}")
     given = prompt_list(prompts)

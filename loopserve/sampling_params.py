@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import enum
 import json
+import logging
 import math
 import reprlib
 from dataclasses import dataclass, field, fields
@@ -18,31 +19,46 @@ if TYPE_CHECKING:
     from loopserve.engine.grammar import Guide
     from loopserve.engine.sampler import TokenHistory
 
-MAX_LOGPROBS = 20
-MAX_BEAM_WIDTH = MAX_LOGPROBS // 2  # a beam search step asks for the top 2 * beam_width logprobs
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_LOGPROBS = 20  # vLLM's default max_logprobs (the engine's cap on what a request's logprobs ask for)
 
 
-def logprobs_cap(max_logprobs: int) -> int:
+def logprobs_cap(max_logprobs: int, vocab_size: int) -> int:
     """The most logprobs (and prompt_logprobs) a request may ask for of an engine whose max_logprobs (vLLM's knob)
-    is this: loopserve's own MAX_LOGPROBS where it is -1 or more."""
-    return MAX_LOGPROBS if max_logprobs < 0 else min(max_logprobs, MAX_LOGPROBS)
+    is this, on a model of `vocab_size` tokens: -1 is no cap but the vocabulary, as in vLLM."""
+    return vocab_size if max_logprobs < 0 else min(max_logprobs, vocab_size)
 
 
-def beam_width_cap(max_logprobs: int) -> int:
-    """The widest beam search such an engine runs (a step asks for the top 2 * beam_width logprobs)."""
-    return logprobs_cap(max_logprobs) // 2
+def logprobs_asked(k: int, vocab_size: int) -> int:
+    """The logprobs a request's `k` asks for: vLLM's -1 is the whole vocabulary."""
+    return vocab_size if k == -1 else k
 
 
-def check_beam_width(width: int, max_logprobs: int, *, field: str = "beam_width", search: str = "beam_width",
-                     knob: str = "max_logprobs") -> None:
+def check_logprobs_asked(name: str, k: int | None, max_logprobs: int, vocab_size: int,
+                         knob: str = "the engine's max_logprobs") -> None:
+    """ValueError naming `name` unless an engine whose max_logprobs is this (`knob`: how the caller knows the setting)
+    returns the `k` logprobs asked for."""
+    if k is None or logprobs_asked(k, vocab_size) <= logprobs_cap(max_logprobs, vocab_size):
+        return
+    got = f"-1 (the whole vocabulary, {vocab_size} tokens)" if k == -1 else str(k)
+    cap = (f"{vocab_size} (the model's vocabulary)" if max_logprobs < 0 or max_logprobs > vocab_size
+           else f"{max_logprobs} ({knob})")
+    raise ValueError(f"{name}: at most {cap}, got {got}")
+
+
+def check_beam_width(width: int, max_logprobs: int, vocab_size: int, *, field: str = "beam_width",
+                     search: str = "beam_width", knob: str = "max_logprobs") -> None:
     """ValueError unless an engine whose max_logprobs is this runs a beam search `width` wide: naming `search` (the
     field that asks for a search) where it runs none, else `field` (the width's); `knob`: how the caller knows the
     setting (`LLM.beam_search` and the server's `use_beam_search` alike)."""
-    cap, why = beam_width_cap(max_logprobs), f"(a step asks for the top 2 * {field} logprobs)"
+    cap, why = logprobs_cap(max_logprobs, vocab_size) // 2, f"(a step asks for the top 2 * {field} logprobs)"
     if cap == 0:
         raise ValueError(f"{search}: a beam search needs {knob} >= 2 {why}; this one is {max_logprobs}")
     if width > cap:
         raise ValueError(f"{field}: at most {cap} under {knob} {max_logprobs} {why}, got {width}")
+
+
 # samples per prompt: vLLM's bound (VLLM_MAX_N_SEQUENCES' default). Past an engine's max_num_seqs they come in parts
 # (docs/design.md §6.6); a server's admission bound counts each one
 MAX_N = 16384
@@ -59,9 +75,9 @@ GUIDE_KINDS = ("json", "regex", "choice", "grammar")
 EXIT_FIELDS = ("min_loops", "max_loops", "exit_threshold", "exit_policy")
 MAX_GRAMMAR_CHARS = 100_000  # a regex, a Lark/GBNF grammar, a whitespace pattern
 MAX_SCHEMA_CHARS = 500_000  # a JSON schema, as JSON (an enum of 40,000 words: 0.3 s to compile)
-# Temperatures below this sample greedily (as vLLM does): dividing logits by a subnormal temperature
-# overflows to inf, and below it a logit gap of 1e-3 is already a probability ratio of e^100.
-GREEDY_TEMPERATURE = 1e-5
+# A temperature above 0 and below this is raised to it, as vLLM raises it (so only 0 samples greedily): dividing
+# logits by a tiny temperature overflows to inf, and at 0.01 a logit gap of 1 is already a ratio of e^100.
+MIN_TEMPERATURE = 0.01
 # the smallest repetition_penalty: a positive logit is divided by it in float64, and a float32 logit (up to 3.4e38)
 # divided by less than about 1.9e-270 overflows to infinity (vLLM takes any value > 0; a tiny one samples garbage)
 MIN_REPETITION_PENALTY = 1e-200
@@ -403,6 +419,10 @@ class SamplingParams:
             raise bad("max_tokens", "must be an integer >= 1")
         if not is_real(self.temperature) or not 0 <= self.temperature <= 100:
             raise bad("temperature", "must be in [0, 100]")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            log.warning("temperature %s is below %s: raised to %s, as vLLM raises it (0 samples greedily)",
+                        self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
+            self.temperature = MIN_TEMPERATURE
         if not is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", "must be in (0, 1]")
         if not is_int(self.top_k) or (self.top_k < 1 and self.top_k not in (0, -1)):
@@ -434,8 +454,6 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be non-negative integers")
         if not self.detokenize and self.stop:
             raise bad("detokenize", "must be true with stop strings (they are matched in the text)")
-        if not self.spaces_between_special_tokens and not self.skip_special_tokens:
-            raise bad("spaces_between_special_tokens", "only true is supported with skip_special_tokens false")
         if isinstance(self.allowed_token_ids, tuple):
             self.allowed_token_ids = list(self.allowed_token_ids)
         allowed = self.allowed_token_ids
@@ -486,12 +504,10 @@ class SamplingParams:
         if not is_int(self.output_kind) or self.output_kind not in OUTPUT_KINDS:
             raise bad("output_kind", f"must be one of {', '.join(f'RequestOutputKind.{k.name}' for k in OUTPUT_KINDS)}")
         self.output_kind = RequestOutputKind(self.output_kind)
-        for name in ("logprobs", "prompt_logprobs"):
+        for name in ("logprobs", "prompt_logprobs"):  # (the engine holds them to its max_logprobs)
             v = getattr(self, name)
-            if v is not None and (not is_int(v) or not 0 <= v <= MAX_LOGPROBS):
-                # (vLLM's -1, the whole vocabulary, is over its default cap too: max_logprobs 20)
-                whole = " (-1, the whole vocabulary, is past that cap)" if v == -1 else ""
-                raise bad(name, f"must be an integer in [0, {MAX_LOGPROBS}]{whole}")
+            if v is not None and (not is_int(v) or v < -1):
+                raise bad(name, "must be an integer >= 0, or -1 (the whole vocabulary)")
         for name in ("min_loops", "max_loops"):
             v = getattr(self, name)
             if v is not None and (not is_int(v) or v < 1):
@@ -574,7 +590,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < GREEDY_TEMPERATURE
+        return self.temperature == 0
 
 
 # the fields a user sets to numbers, or lists or dicts of them (`python_numbers` reads them before the checks)
@@ -613,9 +629,8 @@ def check_beam_search_params(params: BeamSearchParams) -> None:
 
     if not is_int(params.beam_width) or params.beam_width < 1:
         raise bad("beam_width", "must be an integer >= 1")
-    if params.beam_width > MAX_BEAM_WIDTH:
-        raise bad("beam_width", f"must be at most {MAX_BEAM_WIDTH} (a step asks for 2 * beam_width logprobs, "
-                                f"and loopserve returns at most {MAX_LOGPROBS})")
+    if params.beam_width > MAX_N:  # (the engine's max_logprobs holds it lower: `check_beam_width`)
+        raise bad("beam_width", f"must be at most {MAX_N}")
     if not is_int(params.max_tokens) or params.max_tokens < 1:
         raise bad("max_tokens", "must be an integer >= 1")
     for name in ("ignore_eos", "include_stop_str_in_output"):

@@ -112,6 +112,9 @@ NEUTRAL: dict[str, Neutral] = {
     "structured_outputs_config": _only("structured output is llguidance's, vLLM's 'guidance'", None),
     "logits_processors": _only("no custom logits processors: SamplingParams' own fields apply: penalties, "
                                "logit_bias, allowed_token_ids, bad_words, min_tokens", None, []),
+    "logprobs_mode": _only("logprobs are the model's raw ones, vLLM's default: before penalties, logit_bias and "
+                           "temperature (a structured output row's over the tokens its grammar allows)",
+                           "raw_logprobs"),
     "override_generation_config": _only("the generation config's sampling defaults are read as they are, "
                                         "generation_config", None, {}),
     "speculative_config": _only("speculation drafts with the model's own shallower loops, num_speculative_tokens",

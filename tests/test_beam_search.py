@@ -23,7 +23,7 @@ from loopserve.beam_search import (
     get_beam_search_score,
     whole_text,
 )
-from loopserve.sampling_params import MAX_LOGPROBS
+from loopserve.sampling_params import DEFAULT_MAX_LOGPROBS, MAX_N
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -96,7 +96,7 @@ def test_width_one_is_greedy_generate_at_full_depth(model, request):
 def _brute_force(llm: LLM, prompt: list[int], width: int, steps: int, length_penalty: float,
                  ignore_eos: bool) -> list[tuple[list[int], float]]:
     """Beam search written out by enumeration: every prefix is scored on its own (one `generate` call, top
-    MAX_LOGPROBS logprobs); a step's candidates are a beam's continuations of rank <= 2 * width (the sampled
+    DEFAULT_MAX_LOGPROBS logprobs); a step's candidates are a beam's continuations of rank <= 2 * width (the sampled
     token, greedily, is rank 1); candidates are compared by the length-penalized score, over all of them."""
     eos = llm.tokenizer.eos_token_ids
     table: dict[tuple[int, ...], dict[int, tuple[float, int]]] = {}
@@ -104,7 +104,7 @@ def _brute_force(llm: LLM, prompt: list[int], width: int, steps: int, length_pen
     def top(seq: tuple[int, ...]) -> dict[int, tuple[float, int]]:
         if seq not in table:
             out = llm.generate({"prompt_token_ids": list(seq)}, SamplingParams(max_tokens=1, temperature=0,
-                               logprobs=MAX_LOGPROBS), use_tqdm=False)[0].outputs[0].logprobs[0]
+                               logprobs=DEFAULT_MAX_LOGPROBS), use_tqdm=False)[0].outputs[0].logprobs[0]
             table[seq] = {t: (lp.logprob, lp.rank) for t, lp in out.items()}
         return table[seq]
 
@@ -274,7 +274,7 @@ def test_context_end_finishes_beams(tiny_ouro, monkeypatch):
 
 @pytest.mark.parametrize("field,value", [
     ("beam_width", 0), ("beam_width", -1), ("beam_width", 1.5), ("beam_width", True),
-    ("beam_width", MAX_LOGPROBS // 2 + 1), ("max_tokens", 0), ("max_tokens", "3"), ("max_tokens", None),
+    ("beam_width", MAX_N + 1), ("max_tokens", 0), ("max_tokens", "3"), ("max_tokens", None),
     ("temperature", -0.1), ("temperature", 101), ("temperature", math.nan), ("temperature", "0"),
     ("length_penalty", math.nan),
     ("length_penalty", math.inf), ("length_penalty", "1"), ("ignore_eos", 1), ("include_stop_str_in_output", None),
@@ -290,8 +290,10 @@ def test_bad_params_name_the_field(llm, field, value):
 
 
 def test_widest_beam_and_bad_arguments(llm):
-    [out] = beam_search(llm, "hello", BeamSearchParams(beam_width=MAX_LOGPROBS // 2, max_tokens=1))
-    assert len(out.sequences) == MAX_LOGPROBS // 2
+    [out] = beam_search(llm, "hello", BeamSearchParams(beam_width=DEFAULT_MAX_LOGPROBS // 2, max_tokens=1))
+    assert len(out.sequences) == DEFAULT_MAX_LOGPROBS // 2
+    with pytest.raises(ValueError, match=f"^beam_width: at most {DEFAULT_MAX_LOGPROBS // 2} under max_logprobs "):
+        beam_search(llm, "hello", BeamSearchParams(beam_width=DEFAULT_MAX_LOGPROBS // 2 + 1, max_tokens=1))
     params = BeamSearchParams(beam_width=2, max_tokens=2)
     for kwargs, name in (({"params": SamplingParams()}, "params"), ({"lora_request": object()}, "lora_request"),
                          ({"concurrency_limit": 0}, "concurrency_limit"), ({"prompts": 5}, "prompts"),

@@ -51,8 +51,9 @@ LOGITS = P.log() + 3.0  # a constant shift changes nothing
     ("stop", {"stop": [""]}),
     ("stop", {"stop": ["ok", 3]}),
     ("stop_token_ids", {"stop_token_ids": [-1]}),
-    ("logprobs", {"logprobs": 21}),
-    ("logprobs", {"logprobs": -1}),
+    ("logprobs", {"logprobs": -2}),
+    ("logprobs", {"logprobs": 1.5}),
+    ("prompt_logprobs", {"prompt_logprobs": -3}),
     ("min_loops", {"min_loops": 0}),
     ("max_loops", {"max_loops": 0}),
     ("min_loops", {"min_loops": 3, "max_loops": 2}),
@@ -439,3 +440,14 @@ def test_logprobs_include_the_sampled_token(tiny_huginn):
             if t in raw_first:
                 assert lp.logprob == pytest.approx(raw_first[t], abs=1e-12)
     assert _gen(llm, PROMPTS[0], max_tokens=3, temperature=0).logprobs is None
+
+
+@pytest.mark.parametrize("given", [1e-9, 1e-6, 1e-5, 0.005])
+def test_a_tiny_temperature_is_raised_to_vllms_floor(given, caplog):
+    """vLLM raises a temperature in (0, 0.01) to 0.01 and samples with it (only 0 is greedy): loopserve sampled
+    1e-6 greedily and 0.005 at 0.005, so a seeded request's draw differed from vLLM's."""
+    with caplog.at_level("WARNING", logger="loopserve.sampling_params"):
+        p = SamplingParams(temperature=given)
+    assert p.temperature == 0.01 and not p.greedy
+    assert "raised to 0.01" in caplog.text
+    assert SamplingParams(temperature=0).greedy and SamplingParams(temperature=0.01).temperature == 0.01

@@ -86,7 +86,6 @@ def test_bool_fields_take_only_bools(name, value):
     ("bad_words", {"bad_words": ["  "]}),
     ("bad_words", {"bad_words": [5]}),
     ("bad_words", {"bad_words": ["w"] * 257}),
-    ("spaces_between_special_tokens", {"spaces_between_special_tokens": False, "skip_special_tokens": False}),
     ("detokenize", {"detokenize": False, "stop": ["x"]}),
     ("extra_args", {"extra_args": [1]}),
     ("structured_outputs", {"structured_outputs": 5}),
@@ -116,8 +115,10 @@ def test_a_grammar_without_a_kind_names_both_of_vllms_names():
 
 def test_vllm_fields_accepted():
     assert SamplingParams(n=3, best_of=3).best_of == 3
-    # without special tokens in the text there is nothing to space (vLLM ignores it then too)
+    # either value (with special tokens kept too: it was refused, though the text has no spaces between them anyway,
+    # as vLLM's fast detokenizer gives it on a byte-level BPE whatever the value)
     assert SamplingParams(spaces_between_special_tokens=False).spaces_between_special_tokens is False
+    assert SamplingParams(spaces_between_special_tokens=False, skip_special_tokens=False).skip_special_tokens is False
     args = {"processor": {"k": 1}}
     assert SamplingParams(extra_args=args).extra_args is args
     # structured_outputs: vLLM's newer name, as a dict of its fields or StructuredOutputsParams
@@ -132,6 +133,21 @@ def test_vllm_fields_accepted():
     assert p.grammar_spec is None
     p.structured_outputs = StructuredOutputsParams(regex="[ab]+")
     assert p.grammar_spec == GuidedDecodingParams(regex="[ab]+")
+
+
+def test_spaces_between_special_tokens_keeps_the_text(ref_llm):
+    """Either value gives the same text, special tokens kept side by side without spaces (vLLM's fast detokenizer on
+    a byte-level BPE): False with skip_special_tokens False was refused, as if the text had spaces to take out."""
+    tok = ref_llm.get_tokenizer()
+    specials = sorted(tok.all_special_ids)[:2]
+    assert len(specials) == 2
+    texts = {spaces: _gen(ref_llm, "to be", max_tokens=4, temperature=0, ignore_eos=True, allowed_token_ids=specials,
+                          skip_special_tokens=False, spaces_between_special_tokens=spaces).outputs[0].text
+             for spaces in (True, False)}
+    assert texts[True] == texts[False]
+    assert texts[True] == "".join(tok.convert_ids_to_tokens(
+        _gen(ref_llm, "to be", max_tokens=4, temperature=0, ignore_eos=True, allowed_token_ids=specials).outputs[0]
+        .token_ids))
 
 
 def test_request_checked_against_the_vocabulary(ref_llm):

@@ -439,6 +439,10 @@ def test_device_auto(monkeypatch):
     ("/v1/completions", {"logprobs": SERVER_MAX_LOGPROBS + 1}, "logprobs"),
     ("/v1/completions", {"prompt_logprobs": SERVER_MAX_LOGPROBS + 1}, "prompt_logprobs"),
     ("/v1/chat/completions", {"prompt_logprobs": SERVER_MAX_LOGPROBS + 1}, "prompt_logprobs"),
+    # vLLM's -1, the whole vocabulary: past the cap too
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ("/v1/completions", {"logprobs": -1}, "logprobs"),
+    ("/v1/completions", {"prompt_logprobs": -1}, "prompt_logprobs"),
 ])
 def test_max_logprobs_caps_requests_naming_their_field(server, path, body, param):
     """vLLM's --max-logprobs: a request asking for more is a 400 naming the field it asked in (a chat request's
@@ -447,6 +451,13 @@ def test_max_logprobs_caps_requests_naming_their_field(server, path, body, param
     r = _post(server, ROOT + path, {"model": MODEL, **base, "max_tokens": 2, **body})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert r.json()["error"]["message"].startswith(f"{param}: at most {SERVER_MAX_LOGPROBS}"), r.text
+    if -1 in body.values():
+        assert re.search(r" got -1 \(the whole vocabulary, \d+ tokens\)$", r.json()["error"]["message"]), r.text
+    below = {k: -2 if v == -1 else v for k, v in body.items()}
+    if below != body:  # (any other negative count is no count at all)
+        r = _post(server, ROOT + path, {"model": MODEL, **base, "max_tokens": 2, **below})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert ">= 0, or -1 (the whole vocabulary)" in r.json()["error"]["message"], r.text
     at_cap = {k: SERVER_MAX_LOGPROBS if isinstance(v, int) and not isinstance(v, bool) else v
               for k, v in body.items()}
     assert _post(server, ROOT + path, {"model": MODEL, **base, "max_tokens": 2, **at_cap}).status_code == 200

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -95,7 +96,8 @@ NEUTRAL = dict(tokenizer_mode="hf", skip_tokenizer_init=False, revision=None, to
                model_impl="auto", served_model_name=["a", "b"], scheduling_policy="fcfs", async_scheduling=False,
                disable_sliding_window=True, disable_cascade_attn=False, calculate_kv_scales=False,
                kv_transfer_config=None, guided_decoding_backend="auto", structured_outputs_config=None,
-               logits_processors=None, override_generation_config={}, speculative_config=None,
+               logits_processors=None, logprobs_mode="raw_logprobs", override_generation_config={},
+               speculative_config=None,
                limit_mm_per_prompt=None, enable_prompt_embeds=False,
                allowed_local_media_path="", max_cpu_loras=None, max_num_partial_prefills=1,
                max_long_partial_prefills=1, long_prefill_token_threshold=0, num_scheduler_steps=1,
@@ -124,6 +126,7 @@ def test_vllms_keywords_at_their_neutral_values_are_taken_and_change_nothing(tin
     (dict(hf_overrides={"num_hidden_layers": 1}), r"^hf_overrides: .*it takes None or \{\}"),
     (dict(quantization="fp8"), r"^quantization: not supported by loopserve \(weights load unquantized"),
     (dict(kv_cache_dtype="fp8"), r"^kv_cache_dtype: .*it takes 'auto', got 'fp8'$"),
+    (dict(logprobs_mode="processed_logprobs"), r"^logprobs_mode: .*raw ones.*it takes 'raw_logprobs', got "),
     (dict(cpu_offload_gb=4), r"^cpu_offload_gb: "),
     (dict(pipeline_parallel_size=2), r"^pipeline_parallel_size: "),
     (dict(pipeline_parallel_size=True), r"^pipeline_parallel_size: .*got True$"),  # (True == 1, but not an int)
@@ -428,7 +431,27 @@ def test_max_logprobs_caps_what_a_request_asks_for(tiny_ouro):
             llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, **{field: 3}), use_tqdm=False)
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, logprobs=2, prompt_logprobs=2), use_tqdm=False)[0]
     assert all(len(step) >= 2 for step in out.outputs[0].logprobs)
-    assert LLM(tiny_ouro, dtype="float32", kv_cache_tokens=1024, max_logprobs=-1).engine_config.max_logprobs == -1
+    # vLLM's -1: the whole vocabulary, refused under a cap below it (the default, 20), given under max_logprobs -1;
+    # above the default too (loopserve had a cap of its own, 20: LLM(max_logprobs=50) took logprobs=30 nowhere)
+    default = LLM(tiny_ouro, dtype="float32", kv_cache_tokens=1024)
+    vocab = default.config.vocab_size
+    for field in ("logprobs", "prompt_logprobs"):
+        for k, got in ((-1, f"-1 \\(the whole vocabulary, {vocab} tokens\\)"), (21, "21")):
+            with pytest.raises(ValueError, match=f"^{field}: at most 20 \\(the engine's max_logprobs\\), got {got}$"):
+                default.generate([[5, 6, 7]], SamplingParams(max_tokens=2, **{field: k}), use_tqdm=False)
+    whole = LLM(tiny_ouro, dtype="float32", kv_cache_tokens=1024, max_logprobs=-1)
+    assert whole.engine_config.max_logprobs == -1
+    out = whole.generate([[5, 6, 7]], SamplingParams(max_tokens=2, logprobs=-1, prompt_logprobs=-1, temperature=0),
+                         use_tqdm=False)[0]
+    for step in [*out.outputs[0].logprobs, *out.prompt_logprobs[1:]]:
+        assert len(step) == vocab
+        assert math.isclose(sum(math.exp(lp.logprob) for lp in step.values()), 1, rel_tol=1e-4)
+    with pytest.raises(ValueError, match=f"^logprobs: at most {vocab} \\(the model's vocabulary\\), got {vocab + 1}$"):
+        whole.generate([[5, 6, 7]], SamplingParams(max_tokens=2, logprobs=vocab + 1), use_tqdm=False)
+    wide = LLM(tiny_ouro, dtype="float32", kv_cache_tokens=1024, max_logprobs=30)
+    out = wide.generate([[5, 6, 7]], SamplingParams(max_tokens=2, logprobs=30), use_tqdm=False)[0]
+    assert all(len(step) >= 30 for step in out.outputs[0].logprobs)
+    assert len(wide.beam_search([[5, 6, 7]], BeamSearchParams(beam_width=15, max_tokens=1))[0].sequences) == 15
     for bad in (-2, True, 2.0):
         with pytest.raises(ValueError, match="^max_logprobs: must be an integer >= 0 \\(or -1"):
             LLM(tiny_ouro, dtype="float32", kv_cache_tokens=1024, max_logprobs=bad)

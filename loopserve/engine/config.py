@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from loopserve.cache.layout import LAYOUTS
 from loopserve.config_args import check_bool_knobs
 from loopserve.config_args import knob as _knob
-from loopserve.sampling_params import MAX_LOGPROBS, is_int, is_real
+from loopserve.sampling_params import DEFAULT_MAX_LOGPROBS, is_int, is_real
 
 ENGINE_SCHEDULERS = ("cb", "cdb-norefill", "cdb")  # the batching engines (`LLMEngine`: what `serve` runs)
 SCHEDULERS = ("reference", *ENGINE_SCHEDULERS)  # and the sequential oracle, which `LLM` also runs
@@ -90,10 +90,10 @@ class EngineConfig:
                                               f"under this share of its drafts was accepted over its last "
                                               f"{SPECULATIVE_WINDOW} rounds")
 
-    # vLLM's cap on what a request's logprobs and prompt_logprobs ask for; loopserve's own limit (MAX_LOGPROBS) holds
-    # above it, so vLLM's -1 (the vocabulary) and values past it mean that limit
-    max_logprobs: int = _knob(MAX_LOGPROBS, f"most logprobs (and prompt_logprobs) a request may ask for; -1 or more "
-                              f"than {MAX_LOGPROBS}: loopserve's own limit, {MAX_LOGPROBS}")
+    # vLLM's cap on what a request's logprobs and prompt_logprobs ask for (and so on a beam search's width: a step
+    # asks for 2 * width); -1 is the whole vocabulary, which a request asks for by -1, as in vLLM
+    max_logprobs: int = _knob(DEFAULT_MAX_LOGPROBS, "most logprobs (and prompt_logprobs) a request may ask for "
+                              "(-1: the whole vocabulary)")
 
     def __post_init__(self) -> None:
         check_bool_knobs(self)
@@ -127,7 +127,7 @@ class EngineConfig:
                 raise ValueError(f"{name}: must be an integer >= {0 if name == 'num_speculative_tokens' else 1}, "
                                  f"got {v!r}")
         if not (is_int(self.max_logprobs) and self.max_logprobs >= -1):
-            raise ValueError(f"max_logprobs: must be an integer >= 0 (or -1: no cap of its own), got "
+            raise ValueError(f"max_logprobs: must be an integer >= 0 (or -1: the whole vocabulary), got "
                              f"{self.max_logprobs!r}")
         if not (is_real(self.speculative_min_acceptance) and 0 <= self.speculative_min_acceptance <= 1):
             raise ValueError(f"speculative_min_acceptance: must be in [0, 1], got {self.speculative_min_acceptance}")

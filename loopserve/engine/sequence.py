@@ -30,7 +30,13 @@ from loopserve.errors import NonFiniteError
 from loopserve.exits import DEFAULT_THRESHOLDS, GATE_POLICIES, ExitRule
 from loopserve.models.base import LoopedLM
 from loopserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput, logprob_entry
-from loopserve.sampling_params import TRUNCATE_TO_CONTEXT, RequestOutputKind, SamplingParams, logprobs_cap
+from loopserve.sampling_params import (
+    TRUNCATE_TO_CONTEXT,
+    RequestOutputKind,
+    SamplingParams,
+    check_logprobs_asked,
+    logprobs_asked,
+)
 from loopserve.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -202,10 +208,9 @@ def make_sequence(model: LoopedLM, tokenizer: Tokenizer, request_id: str, prompt
     `seed` seeds sampling when the request gives none; the random initial states are seeded by the
     request's own seed, else by `base_seed` (the engine's), chained over the tokens (`Sequence.state_seed`).
     """
+    c = model.config
     for name in ("logprobs", "prompt_logprobs"):
-        wanted = getattr(params, name)
-        if wanted is not None and wanted > logprobs_cap(max_logprobs):
-            raise ValueError(f"{name}: at most {max_logprobs} (the engine's max_logprobs), got {wanted}")
+        check_logprobs_asked(name, getattr(params, name), max_logprobs, c.vocab_size)
     asked = params.num_speculative_tokens
     if asked is not None and asked > num_speculative_tokens:
         # the engine's k sizes every verify group (work items are numbered with a stride of k + 1, §12);
@@ -219,13 +224,12 @@ def make_sequence(model: LoopedLM, tokenizer: Tokenizer, request_id: str, prompt
     salt = cast("dict[str, Any]", prompt).get("cache_salt") if isinstance(prompt, dict) else None
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise ValueError(f"cache_salt: must be a non-empty string if given, got {salt!r}")
-    c = model.config
     context = max_model_len or c.max_position
     ids = truncate_prompt(ids, params.truncate_prompt_tokens, context, params.max_tokens)  # (the text stays: vLLM)
     rule = resolve_exit_rule(params, model, lookahead)
     state = params.seed if params.seed is not None else base_seed
     # once for the request's n samples, which share them
-    params = with_allowed_token_ids(with_bad_words(params, tokenizer, c.vocab_size), tokenizer, c.vocab_size)
+    params = as_sampled(params, tokenizer, c.vocab_size)
     ids = checked_prompt(ids, params, tokenizer, context, c.vocab_size)
     out = list(ids)  # (outputs hand this one to the caller: not the list the engine reads)
     family = [Sequence(sample_id(request_id, j), text, ids, params, rule, _sample_seed(seed, params.seed, j), tokenizer,
@@ -242,6 +246,25 @@ def make_sequence(model: LoopedLM, tokenizer: Tokenizer, request_id: str, prompt
         for seq in family[k:k + part]:
             seq.prefill_head = family[k]
     return head
+
+
+def as_sampled(params: SamplingParams, tokenizer: Tokenizer, vocab_size: int) -> SamplingParams:
+    """The params as the sampler reads them (a copy where any differs): logprobs counted (`with_logprobs_counted`),
+    bad words tokenized (`with_bad_words`), allowed token ids as a mask (`with_allowed_token_ids`)."""
+    return with_allowed_token_ids(with_bad_words(with_logprobs_counted(params, vocab_size), tokenizer, vocab_size),
+                                  tokenizer, vocab_size)
+
+
+def with_logprobs_counted(params: SamplingParams, vocab_size: int) -> SamplingParams:
+    """The params with vLLM's -1 in `logprobs` or `prompt_logprobs` (the whole vocabulary) as the count it asks for (a
+    copy); as given when neither is -1."""
+    if params.logprobs != -1 and params.prompt_logprobs != -1:
+        return params
+    counted = copy.copy(params)
+    for name in ("logprobs", "prompt_logprobs"):
+        if getattr(params, name) is not None:
+            setattr(counted, name, logprobs_asked(getattr(params, name), vocab_size))
+    return counted
 
 
 def with_bad_words(params: SamplingParams, tokenizer: Tokenizer, vocab_size: int) -> SamplingParams:
@@ -367,7 +390,7 @@ class Sequence:
         self.stop_tokens = stop_tokens(params, tokenizer)
         # bound to this sequence's tokens if its sampling reads them (penalties, min_tokens, bad_words, which
         # make_sequence has tokenized once for the request's samples, as it has built their allowed_token_ids)
-        params = with_allowed_token_ids(with_bad_words(params, tokenizer, vocab_size), tokenizer, vocab_size)
+        params = as_sampled(params, tokenizer, vocab_size)
         self.request_id, self.prompt, self.params, self.rule = request_id, prompt, bind(params, self), rule
         if params.grammar_spec is not None:  # structured output: this request's own grammar matcher
             self.params = with_guide(self.params, new_guide(params.grammar_spec, tokenizer, vocab_size))

@@ -98,8 +98,9 @@ from loopserve.sampling_params import (
     BeamSearchParams,
     SamplingParams,
     check_beam_width,
+    check_logprobs_asked,
     given_seed,
-    logprobs_cap,
+    logprobs_asked,
     truncates_prompt,
 )
 from loopserve.serve.connection import CLOSED_BY_SERVER
@@ -903,8 +904,8 @@ class OpenAIServing:
         temperature = fill_defaults(req, self.sampling_defaults).get("temperature", 1.0)
         width = 1 if req.n is None else req.n
         try:
-            check_beam_width(width, self.engine.cfg.max_logprobs, field="n", search="use_beam_search",
-                             knob="the server's --max-logprobs")
+            check_beam_width(width, self.engine.cfg.max_logprobs, self.engine.model_config.vocab_size, field="n",
+                             search="use_beam_search", knob="the server's --max-logprobs")
             # (max_tokens None, never given here, would be named by BeamSearchParams' own check)
             return BeamSearchParams(beam_width=width, max_tokens=cast(int, max_tokens),
                                     ignore_eos=bool(req.ignore_eos), temperature=temperature,
@@ -1175,10 +1176,14 @@ class OpenAIServing:
             cid, _ = self.new_ids(request, CHAT, 1)
             return self.beam_generation(CHAT, req, cid, self.beam_params(req, mt), [("messages", text, ids)], arrival,
                                         echo_text=echo_text, role=role)
-        top = req.top_logprobs or 0
-        cap = self.engine.cfg.max_logprobs  # (the engine names its own field, logprobs: a chat request's is this)
-        if req.logprobs and top > logprobs_cap(cap):
-            raise ApiError(400, f"top_logprobs: at most {cap} (the server's --max-logprobs), got {top}", "top_logprobs")
+        vocab = self.engine.model_config.vocab_size
+        top = logprobs_asked(req.top_logprobs or 0, vocab)
+        if req.logprobs:  # (the engine would name its own field, logprobs: a chat request's is this)
+            try:
+                check_logprobs_asked("top_logprobs", req.top_logprobs, self.engine.cfg.max_logprobs, vocab,
+                                     "the server's --max-logprobs")
+            except ValueError as e:
+                raise ApiError(400, str(e), "top_logprobs") from None
         params = sampling_params(req, max_tokens=mt, logprobs=top if req.logprobs else None,
                                  defaults=self.sampling_defaults, guided_decoding=guide)
         cid, (rid,) = self.new_ids(request, CHAT, 1)

@@ -15,8 +15,8 @@ Known fields are strict:
   accepted only at their neutral value (n, empty, 0, none); anything else is a 400 saying it is not supported.
 
 vLLM's `use_beam_search: true` runs a beam search (loopserve/beam_search.py, `OpenAIServing.beam_search`) of
-width `n` (1 to MAX_BEAM_WIDTH: a step asks for the top 2 * n logprobs), with `max_tokens`, `temperature`,
-`ignore_eos`, `length_penalty` (refused other than 1 without beam search, which alone uses it) and
+width `n` (half the server's --max-logprobs at most: a step asks for the top 2 * n logprobs), with `max_tokens`,
+`temperature`, `ignore_eos`, `length_penalty` (refused other than 1 without beam search, which alone uses it) and
 `include_stop_str_in_output`. A field it cannot honour is refused with a 400 naming it unless it is at a value
 that asks for nothing (`_SamplingFields.beam_search_conflicts`): sampling filters, penalties and token
 restrictions, stop strings and stop tokens, logprobs of any kind, the looped-model depth fields, `best_of`
@@ -40,8 +40,6 @@ from pydantic_core import PydanticCustomError
 from loopserve.chat_messages import REFUSAL_PART, TEXT_PARTS
 from loopserve.sampling_params import (
     EXIT_FIELDS,
-    MAX_BEAM_WIDTH,
-    MAX_LOGPROBS,
     GuidedDecodingParams,
     RequestOutputKind,
     SamplingParams,
@@ -244,13 +242,12 @@ class _SamplingFields(_Strict):
                                 f"{self.length_penalty}", "length_penalty")
 
     def check_beam_search(self) -> None:
-        """A beam search's fields: `n` (the beam width) in [1, MAX_BEAM_WIDTH], and none of
-        `beam_search_conflicts` set to a value that asks for something (400 naming the field)."""
+        """A beam search's fields: `n` (the beam width) at least 1 (the server's --max-logprobs bounds it: a step
+        asks for the top 2 * n logprobs), and none of `beam_search_conflicts` set to a value that asks for something
+        (400 naming the field)."""
         n = 1 if self.n is None else self.n
-        if not 1 <= n <= MAX_BEAM_WIDTH:
-            raise ApiError(400, f"n: the beam width with use_beam_search must be an integer in [1, "
-                                f"{MAX_BEAM_WIDTH}] (a step asks for the top 2 * n logprobs, at most "
-                                f"{MAX_LOGPROBS}), got {n}", "n")
+        if n < 1:
+            raise ApiError(400, f"n: the beam width with use_beam_search must be an integer >= 1, got {n}", "n")
         for name, (neutral, why) in self.beam_search_conflicts().items():
             value = getattr(self, name)
             if value is not None and value not in neutral:  # (strict types: no true for 1)
@@ -418,9 +415,9 @@ class ChatCompletionRequest(_SamplingFields):
         check_rendering(self)
         if self.top_logprobs and not self.logprobs:  # (0 asks for nothing: vLLM takes it without logprobs)
             raise ApiError(400, "top_logprobs: needs logprobs=true", "top_logprobs")
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:  # (SamplingParams' logprobs)
-            raise ApiError(400, f"top_logprobs: must be an integer in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
-                           "top_logprobs")
+        if self.top_logprobs is not None and self.top_logprobs < -1:  # (the server holds it to its --max-logprobs)
+            raise ApiError(400, f"top_logprobs: must be an integer >= 0, or -1 (the whole vocabulary), got "
+                                f"{self.top_logprobs}", "top_logprobs")
         if not self.messages:
             raise ApiError(400, "messages: must not be empty", "messages")
 
