@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -150,6 +151,18 @@ def test_bad_replica_flags_exit_2_before_ray_starts(argv, message, tmp_path):
                        capture_output=True, text=True, cwd=REPO, timeout=60)
     assert r.returncode == 2 and message in r.stderr, r.stderr
     assert "Ray" not in r.stderr and time.monotonic() - t0 < 30
+
+
+def test_a_port_in_use_exits_2_before_ray_starts(tmp_path):
+    """It was a traceback from serve.start, 14 s later (Ray's proxy failed to bind)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "loopserve.cli", "serve", "--model", str(tmp_path), "--replicas",
+                            "2", "--port", str(port)], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert r.returncode == 2 and f"error: --port: cannot listen on 127.0.0.1:{port}" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
 
 
 def test_config_file_builder(tmp_path):
@@ -327,6 +340,13 @@ def test_same_api_as_the_single_process_server(server):
     mine = httpx.post(server.url + "/v1/completions", headers={"X-Request-Id": "abc-123"}, timeout=60,
                       json={"model": MODEL, "prompt": "x", "max_tokens": 2})
     assert mine.headers.get_list("x-request-id") == ["abc-123"] and mine.json()["id"] == "cmpl-abc-123"
+    # an id the server does not take: the proxy echoes it, alone (the replica's fresh one came beside it), and the
+    # response's id is a fresh one (docs/scale-out.md, Limits)
+    long_id = "a" * 200
+    odd = httpx.post(server.url + "/v1/completions", headers={"X-Request-Id": long_id}, timeout=60,
+                     json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+    assert odd.status_code == 200 and odd.headers.get_list("x-request-id") == [long_id], odd.headers
+    assert long_id not in odd.json()["id"]
     chat = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
         "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
     assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["role"] == "assistant"
@@ -497,9 +517,10 @@ def test_sigterm_lets_requests_in_flight_finish_and_answers_the_rest_503(server)
         except httpx.HTTPError as e:  # a cut: fine only after the error event
             outcomes[name] = (e, events[-1:])
 
-    def plain(name: str) -> None:
-        try:
-            r = _complete(server, **{**LONG, "max_tokens": 1900})
+    def plain(name: str, path: str = "/v1/completions") -> None:
+        try:  # (/invocations, SageMaker's route, is drained as the completions routes are: it was not waited for)
+            r = httpx.post(server.url + path, timeout=120,
+                           json={"model": MODEL, "prompt": "Once upon", **LONG, "max_tokens": 1900})
             # (a body that is not JSON is kept as text: the checks below name it, where it once went unseen)
             body = r.json() if r.headers.get("content-type", "").startswith("application/json") else r.text
             outcomes[name] = (r.status_code, body, r.headers.get("retry-after"))
@@ -512,7 +533,8 @@ def test_sigterm_lets_requests_in_flight_finish_and_answers_the_rest_503(server)
     threads[0].start()
     assert first_token.wait(60), outcomes
     threads += [threading.Thread(target=stream, args=(f"stream{i}", 1900)) for i in range(5)]
-    threads += [threading.Thread(target=plain, args=(f"plain{i}",)) for i in range(5)]
+    threads += [threading.Thread(target=plain, args=(f"plain{i}", "/invocations" if i % 2 else "/v1/completions"))
+                for i in range(5)]
     for t in threads[1:]:
         t.start()
     deadline = time.monotonic() + 60
@@ -532,6 +554,10 @@ def test_sigterm_lets_requests_in_flight_finish_and_answers_the_rest_503(server)
     late = _complete(server, max_tokens=3)  # a new request while the ones above still run: refused at once
     assert late.status_code == 503 and late.headers.get("retry-after") == "5", late.text
     assert late.json()["error"]["message"] == "the server is shutting down"
+    late = httpx.post(server.url + "/invocations", json={"model": MODEL, "prompt": "x", "max_tokens": 3}, timeout=30)
+    assert late.status_code == 503 and late.headers.get("retry-after") == "5", late.text
+    health = httpx.get(server.url + "/health", timeout=30)  # (a load balancer stops sending what would be refused)
+    assert health.status_code == 503, health.text
     assert time.monotonic() - stopped < GRACE_S - 2  # (long before the grace period is over)
     for t in threads:
         t.join(GRACE_S + 60)

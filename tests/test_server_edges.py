@@ -34,6 +34,7 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
 from loopserve.sampling_params import MAX_STOP
+from loopserve.serve.api import GENERATION_PATHS, HEALTH_PATHS
 from loopserve.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_body
 from loopserve_lab.tiny import TinySpec, make_tiny
 from tests.server_helpers import MODEL, Server, run_server, sse_events, wait_idle
@@ -589,6 +590,15 @@ def test_models_shows_the_path_only_when_asked(server, short_path):
 
 
 # -- E: the OpenAPI schema, fuzzed ---------------------------------------------------------------------------------
+def test_the_generation_and_health_paths_are_the_apps_routes(server):
+    """A Ray Serve replica's drain waits for (then refuses) `GENERATION_PATHS`, and answers `HEALTH_PATHS` 503
+    meanwhile (serve/ray.py): SageMaker's /invocations had been left out, so a drain did not wait for it."""
+    paths = httpx.get(server.url + "/openapi.json").json()["paths"]
+    posts = {p for p, methods in paths.items() if "post" in methods}
+    assert posts - {"/tokenize", "/detokenize", "/ping"} == set(GENERATION_PATHS)
+    assert set(HEALTH_PATHS) <= set(paths)
+
+
 def test_openapi_describes_the_request_bodies(server):
     schema = httpx.get(server.url + "/openapi.json").json()
     components = schema["components"]["schemas"]

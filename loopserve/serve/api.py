@@ -164,6 +164,10 @@ METRICS_CATCH_UP_S = 1.0  # how long /metrics and the stats line wait for the st
 GRAMMAR_BUILDS = 1  # requests that may compile a grammar are built one at a time (`OpenAIServing.build`)
 TOKENIZE_THREADS = 2  # /tokenize and /detokenize calls run at once, on their own lane (`OpenAIServing.off_loop`)
 MAX_LISTED_UNKNOWN = 20  # unknown fields named in one warning
+# the routes that run the engine (POST; a replica's drain waits for their answers, serve/ray.py), and the health probes
+# (a draining replica answers them 503)
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/invocations")
+HEALTH_PATHS = ("/health", "/ping")
 
 
 @dataclass

@@ -295,14 +295,20 @@ def merge_metrics(texts: list[tuple[str, str]]) -> str:
 class _ReplicaASGI:
     """The app of one replica as Ray Serve calls it: `build_app`'s app, with the replica's id on every
     response and GET /metrics merged over all replicas. While the replica drains (`LoopServeReplica.drain`), a
-    new generation request is answered 503 here, as the single-process server's closed socket refuses it, and
-    those in flight are counted."""
+    new generation request (`api.GENERATION_PATHS`) and a health probe are answered 503 here, as the single-process
+    server's closed socket refuses them, and the generation requests in flight are counted."""
 
     def __init__(self, replica: LoopServeReplica) -> None:
+        from loopserve.serve.api import GENERATION_PATHS, HEALTH_PATHS
+
         self.replica = replica
         self.inner = replica.fastapi
         root = replica.fastapi.state.settings.root_path
-        self.metrics_paths = {"/metrics", f"{root}/metrics"}
+
+        def rooted(*paths: str) -> set[str]:  # (FastAPI matches a route with --root-path before it, or without)
+            return {p for path in paths for p in (path, root + path)}
+        self.metrics_paths = rooted("/metrics")
+        self.generation_paths, self.health_paths = rooted(*GENERATION_PATHS), rooted(*HEALTH_PATHS)
         self.header = (REPLICA_HEADER, replica.replica_id.encode())
         # generation requests not answered yet, and whether new ones are refused: a plain int and bool, as every
         # ASGI call and the `drain` handle call run on the replica's one user-code event loop
@@ -315,13 +321,12 @@ class _ReplicaASGI:
             await self.inner(scope, receive, send)
             return
 
-        # Ray Serve's proxy gives a request without X-Request-Id one (the app then takes it as the
-        # client's) and adds it to the response: the app's own copy would repeat it
-        sent_id = next((v for k, v in scope.get("headers", []) if k == b"x-request-id"), None)
-
+        # Ray Serve's proxy gives a request without X-Request-Id one (the app then takes it as the client's) and adds
+        # the request's header to the response, as it came: the app's own would repeat it, or stand beside it where
+        # the app did not take the client's (docs/scale-out.md, Limits)
         async def send_with_replica(msg: dict) -> None:
             if msg["type"] == "http.response.start":
-                headers = [h for h in msg.get("headers", []) if not (h[0] == b"x-request-id" and h[1] == sent_id)]
+                headers = [h for h in msg.get("headers", []) if h[0] != b"x-request-id"]
                 msg = {**msg, "headers": [*headers, self.header]}
             await send(msg)
 
@@ -331,13 +336,15 @@ class _ReplicaASGI:
 
             await _respond(send_with_replica, 200, body, CONTENT_TYPE_LATEST)
             return
-        if not (scope["method"] == "POST" and scope["path"].endswith("completions")):  # probes, tokenize, ...
-            await self.inner(scope, receive, send_with_replica)
-            return
-        if self.draining:
+        generation = scope["method"] == "POST" and scope["path"] in self.generation_paths
+        if self.draining and (generation or scope["path"] in self.health_paths):
+            # (a health probe too: a load balancer stops sending what would only be refused)
             body = json.dumps(error_body(503, SHUTTING_DOWN)).encode()
             await _respond(send_with_replica, 503, body, "application/json",
                            [(b"retry-after", str(SHUTDOWN_RETRY_AFTER_S).encode())])
+            return
+        if not generation:  # probes, tokenize, ...
+            await self.inner(scope, receive, send_with_replica)
             return
         self.generating += 1
         try:
@@ -445,11 +452,15 @@ class LoopServeReplica:
 def run_replicas(args: argparse.Namespace) -> int:
     """Serve the flags' model on Ray Serve until SIGTERM (exit 0) or SIGINT (130); a CommandError for bad flags,
     1 if the application could not be deployed."""
+    from loopserve.serve.cli import listen
+
     local = args.ray_address is None
-    try:  # bad engine flags, a missing model, a cluster that is not there: before Ray starts
+    try:  # bad engine flags, a missing model, a port in use, a cluster that is not there: before Ray starts
         deployment_options(args, gpus=False)
         _check_model_path(args, local)
-        if not local:
+        if local:  # (the proxy listens on this machine: a port in use was a traceback from serve.start)
+            listen(args.host, args.port).close()
+        else:
             _check_ray_address(args.ray_address)
     except ValueError as e:
         raise CommandError(str(e)) from None
@@ -462,8 +473,11 @@ def run_replicas(args: argparse.Namespace) -> int:
         code["value"] = 130 if signum == signal.SIGINT else 0
         stop.set()
 
-    context = ray.init(address=args.ray_address, logging_level=args.log_level.upper(),
-                       include_dashboard=args.ray_dashboard if local else None)
+    try:
+        context = ray.init(address=args.ray_address, logging_level=args.log_level.upper(),
+                           include_dashboard=args.ray_dashboard if local else None)
+    except ConnectionError as e:  # (--ray-address auto with no cluster running)
+        raise CommandError(f"--ray-address: {e}") from None
     # after ray.init, which installs its own SIGTERM handler (a stack dump, then abort)
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -473,11 +487,17 @@ def run_replicas(args: argparse.Namespace) -> int:
             application = build_application(args)
         except ValueError as e:
             raise CommandError(str(e)) from None
-        serve.start(http_options={"host": args.host, "port": args.port})
+        try:
+            serve.start(http_options={"host": args.host, "port": args.port})
+        except Exception as e:  # (Ray's wrapping of the proxy's error, e.g. a port in use on a cluster's head)
+            print(f"error: --port: Ray Serve's proxy could not listen on {args.host}:{args.port}: {_last_line(e)}",
+                  file=sys.stderr)
+            return 1
         try:
             serve.run(application, name=APP_NAME, route_prefix="/", blocking=False)
         except RuntimeError as e:
-            print(f"error: the replicas could not start: {e}", file=sys.stderr)
+            why = _why_not_deployed()
+            print(f"error: the replicas could not start: {e}{f' ({why})' if why else ''}", file=sys.stderr)
             return 1
         log.info("serving on http://%s:%d%s with Ray Serve (%s)", args.host, args.port, args.root_path,
                  _describe(args))
@@ -499,6 +519,23 @@ def run_replicas(args: argparse.Namespace) -> int:
             else:  # the cluster and its other applications stay up
                 serve.delete(APP_NAME)
         ray.shutdown()
+
+
+def _last_line(error: BaseException | str) -> str:
+    """The last line of an error's text: what a traceback Ray wraps into its own error says last, the cause."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else repr(error)
+
+
+def _why_not_deployed() -> str | None:
+    """Why the replicas failed to start, as Ray Serve's status keeps it: the error a replica's constructor raised (a
+    model that does not load), else None."""
+    try:
+        app = serve.status().applications[APP_NAME]
+        message = app.deployments[DEPLOYMENT].message or app.message
+    except Exception:  # (the status itself could not be read: the error above says what Ray knows)
+        return None
+    return _last_line(message) if message else None
 
 
 RAY_STOP_WAIT_S = 0.5  # how long a signal to the whole process group may take to stop Ray's own processes
