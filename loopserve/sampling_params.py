@@ -292,23 +292,25 @@ class GuidedDecodingParams:
 StructuredOutputsParams = GuidedDecodingParams
 
 
-def check_structured_outputs_keys(spec: dict[str, Any]) -> None:
-    """ValueError naming the first key of a `structured_outputs` dict that is not a GuidedDecodingParams field."""
+def check_structured_outputs_keys(spec: dict[str, Any], name: str = "structured_outputs") -> None:
+    """ValueError naming the first key of a `structured_outputs` dict (or one given as `name`) that is not a
+    GuidedDecodingParams field."""
     known = [f.name for f in fields(GuidedDecodingParams)]
     unknown = [k for k in spec if k not in known]
     if unknown:
-        raise ValueError(f"structured_outputs.{unknown[0]}: unknown field (the fields are {', '.join(known)})")
+        raise ValueError(f"{name}.{unknown[0]}: unknown field (the fields are {', '.join(known)})")
 
 
-def structured_outputs_params(spec: dict[str, Any]) -> GuidedDecodingParams:
-    """The grammar of a `structured_outputs` dict (GuidedDecodingParams' fields), for `SamplingParams` and the
-    server's requests alike; a ValueError names the key at fault (`structured_outputs.choice: ...`)."""
-    check_structured_outputs_keys(spec)
+def structured_outputs_params(spec: dict[str, Any], name: str = "structured_outputs") -> GuidedDecodingParams:
+    """The grammar of a `structured_outputs` dict (GuidedDecodingParams' fields; or of `guided_decoding`, its older
+    name, as `name` says), for `SamplingParams` and the server's requests alike; a ValueError names the key at fault
+    (`structured_outputs.choice: ...`)."""
+    check_structured_outputs_keys(spec, name)
     try:
         return GuidedDecodingParams(**spec)
     except ValueError as e:
         head, _, rest = str(e).partition(": ")
-        where = f"structured_outputs.{head}" if head in spec else "structured_outputs"
+        where = f"{name}.{head}" if head in spec else name
         raise ValueError(f"{where}: {rest or e}") from None
 
 
@@ -534,8 +536,9 @@ class SamplingParams:
         if self.num_speculative_tokens is not None and (not is_int(self.num_speculative_tokens)
                                                         or self.num_speculative_tokens < 0):
             raise bad("num_speculative_tokens", "must be an integer >= 0")
-        if isinstance(self.structured_outputs, dict):
-            self.structured_outputs = structured_outputs_params(self.structured_outputs)
+        for name in ("structured_outputs", "guided_decoding"):  # (a dict of its fields, under either name)
+            if isinstance(getattr(self, name), dict):
+                setattr(self, name, structured_outputs_params(getattr(self, name), name))
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, GuidedDecodingParams):
                 raise bad("structured_outputs", "must be a StructuredOutputsParams or a dict of its fields")
@@ -543,7 +546,7 @@ class SamplingParams:
                 raise ValueError("structured_outputs: give it or guided_decoding (vLLM's newer and older names for "
                                  "one thing), not both")
         if self.guided_decoding is not None and not isinstance(self.guided_decoding, GuidedDecodingParams):
-            raise bad("guided_decoding", "must be a GuidedDecodingParams")
+            raise bad("guided_decoding", "must be a GuidedDecodingParams or a dict of its fields")
 
     @property
     def grammar_spec(self) -> GuidedDecodingParams | None:
@@ -553,7 +556,7 @@ class SamplingParams:
         as given under both names)."""
         spec = self.structured_outputs if self.structured_outputs is not None else self.guided_decoding
         if isinstance(spec, dict):  # (a dict set after construction, as the constructor takes one)
-            spec = structured_outputs_params(spec)
+            spec = structured_outputs_params(spec, self.grammar_field)
         if spec is not None and not isinstance(spec, GuidedDecodingParams):
             raise ValueError(f"{self.grammar_field}: must be a StructuredOutputsParams or a dict of its fields, got "
                              f"{_short(spec)}")

@@ -60,6 +60,9 @@ SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_
 CHAT_TEMPLATE_OPTIONS = ("padding", "truncation", "max_length", "return_tensors", "return_dict",
                          "return_assistant_tokens_mask", "tokenizer_kwargs")
 CALL_OPTIONS = ("text_pair", "padding", "truncation", "max_length", "return_tensors", "is_split_into_words")
+# ... and of its `encode` (the call's, and the stride of overflowing windows), and its `decode` and `batch_decode`
+ENCODE_OPTIONS = (*CALL_OPTIONS, "stride")
+DECODE_OPTIONS = ("clean_up_tokenization_spaces",)
 # transformers' `model_max_length` when tokenizer_config.json sets none (its VERY_LARGE_INTEGER)
 VERY_LARGE_INTEGER = int(1e30)
 
@@ -102,6 +105,15 @@ def _check_ids(ids: list[Any], what: str) -> None:
     for i, token in enumerate(ids):
         if not (isinstance(token, numbers.Integral) and 0 <= int(token) < 2**32):
             raise ValueError(f"{what}.{i}: expected a token id (an integer >= 0), got {token!r}")
+
+
+def _take_options(given: Mapping[str, Any], known: Sequence[str], method: str) -> None:
+    """transformers' options of a method (`known`), taken at a value that does nothing (`_refuse_options`); a name
+    that is not one of them is the TypeError Python raises for an unknown keyword."""
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise TypeError(f"{method} got an unexpected keyword argument {unknown[0]!r}")
+    _refuse_options(given)
 
 
 def _refuse_options(given: Mapping[str, Any]) -> None:
@@ -268,6 +280,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size()
 
+    @cached_property
+    def max_token_id(self) -> int:
+        """The largest id of the vocabulary, added tokens included (vLLM's tokenizers carry it)."""
+        return max(self.tok.get_vocab(with_added_tokens=True).values())
+
     @property
     def chat_template(self) -> str | None:
         """The default chat template (None when the folder has none, or only named ones)."""
@@ -279,10 +296,13 @@ class Tokenizer:
         _compile(template)  # a broken template fails here, at startup, not on the first request
         self.chat_templates = {DEFAULT_TEMPLATE: template}
 
-    def encode(self, text: str, add_special_tokens: bool = True, what: str = "text") -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, what: str = "text", **options: Any) -> list[int]:
         """The token ids of `text`; ValueError naming `what` (the caller's field) for anything but one text (a
         list of texts is the tokenizer's call) and for a string that is not Unicode text: one with a lone
-        surrogate, which a Python string can hold and UTF-8 cannot."""
+        surrogate, which a Python string can hold and UTF-8 cannot. `options`: transformers' of ENCODE_OPTIONS,
+        taken at a value that does nothing."""
+        if options:
+            _take_options(options, ENCODE_OPTIONS, "encode")
         return self._encoding(text, add_special_tokens, what).ids
 
     def encode_texts(self, texts: list[str], add_special_tokens: bool = True, what: str = "texts") -> list[list[int]]:
@@ -341,9 +361,12 @@ class Tokenizer:
         most = self._bytes_per_token
         return -(-len(text.encode()) // most) if most else 0
 
-    def decode(self, ids: Any, skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: Any, skip_special_tokens: bool = True, **options: Any) -> str:
         """The text of token ids: a list of them, one id (an int), or a tensor or array (torch, numpy) of them, as
-        transformers' `decode` takes them (ValueError naming `ids` for anything else)."""
+        transformers' `decode` takes them (ValueError naming `ids` for anything else). `options`: transformers' of
+        DECODE_OPTIONS, taken at a value that does nothing."""
+        if options:
+            _take_options(options, DECODE_OPTIONS, "decode")
         ids = _token_ids(ids, "ids")
         try:
             if len(ids) > RELEASE_GIL_FROM:
@@ -374,10 +397,7 @@ class Tokenizer:
     def __call__(self, text: str | Sequence[str], add_special_tokens: bool = True, **options: Any) -> BatchEncoding:
         """transformers' call: the `input_ids` and `attention_mask` of a text, or a list of each for a list of
         texts (unpadded). `options`: transformers' of CALL_OPTIONS, taken at a value that does nothing."""
-        unknown = sorted(set(options) - set(CALL_OPTIONS))
-        if unknown:
-            raise TypeError(f"Tokenizer() got an unexpected keyword argument {unknown[0]!r}")
-        _refuse_options(options)
+        _take_options(options, CALL_OPTIONS, "Tokenizer()")
         if isinstance(text, str):
             ids = self.encode(text, add_special_tokens)
             return BatchEncoding(input_ids=ids, attention_mask=[1] * len(ids))
@@ -400,8 +420,10 @@ class Tokenizer:
         """Token (vocabulary symbol, added tokens included) -> id."""
         return self.tok.get_vocab(with_added_tokens=True)
 
-    def batch_decode(self, sequences: Any, skip_special_tokens: bool = True) -> list[str]:
+    def batch_decode(self, sequences: Any, skip_special_tokens: bool = True, **options: Any) -> list[str]:
         """`decode` of each of `sequences` (a list of them, or a 2-d tensor or array: its rows)."""
+        if options:
+            _take_options(options, DECODE_OPTIONS, "batch_decode")
         if isinstance(sequences, numbers.Integral) or getattr(sequences, "ndim", None) == 0:
             # (one id is not a batch: transformers fails iterating over it)
             raise ValueError(f"sequences: expected a list of token-id sequences (or a 2-d tensor or array), got "

@@ -94,6 +94,21 @@ def test_request_checked_against_the_model(tiny_ouro):
         llm.generate([[1, 2, 10_000]], SamplingParams())
 
 
+def test_prompt_token_ids_as_numpy_or_torch(tiny_ouro):
+    """A TokensPrompt's ids as a numpy array, a list of numpy integers or a 1-d tensor are its list (they were refused:
+    "must be a list of integers", though SamplingParams takes numpy's numbers); other shapes and types still are."""
+    llm = LLM(model=tiny_ouro, scheduler="reference")
+    ids = [5, 17, 99, 3]
+    params = SamplingParams(max_tokens=3, temperature=0)
+    want = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0].token_ids
+    for sent in (np.array(ids), [np.int64(i) for i in ids], np.array(ids, np.int32), torch.tensor(ids)):
+        out = llm.generate({"prompt_token_ids": sent}, params, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == want and out.prompt_token_ids == ids, type(sent)
+    for bad in (np.array([ids]), np.array([1.0, 2.0]), torch.tensor(3), (5, 17)):
+        with pytest.raises(ValueError, match="^prompt_token_ids: must be a list of integers"):
+            llm.generate({"prompt_token_ids": bad}, params, use_tqdm=False)
+
+
 # ---------------- the sampler on hand-built logits
 
 

@@ -128,6 +128,12 @@ def test_vllm_fields_accepted():
     assert p.grammar_spec == want and p.grammar_field == "structured_outputs"
     assert dataclasses.replace(p, max_tokens=5).grammar_spec == want
     assert SamplingParams(guided_decoding=want).grammar_spec == want
+    # the older name takes a dict too, as the newer one does (it was refused: "must be a GuidedDecodingParams")
+    assert SamplingParams(guided_decoding={"choice": ["yes", "no"]}).grammar_spec == want
+    with pytest.raises(ValueError, match=r"^guided_decoding\.colour: unknown field"):
+        SamplingParams(guided_decoding={"colour": "red"})
+    with pytest.raises(ValueError, match=r"^guided_decoding\.choice: "):
+        SamplingParams(guided_decoding={"choice": []})
     # set or cleared after construction, as a script does to vLLM's params: the request reads it then
     p.structured_outputs = None
     assert p.grammar_spec is None

@@ -290,6 +290,28 @@ def test_decode_of_what_is_not_token_ids_is_a_value_error_naming_it(tiny_ouro, g
         tok.decode(given)
 
 
+def test_encode_and_decode_take_transformers_options_at_their_neutral_values(tiny_ouro):
+    """transformers' options of encode, decode and batch_decode: taken where they ask for nothing, a ValueError naming
+    the option where they would (they were a TypeError, "unexpected keyword", for every value); a name transformers
+    does not have stays Python's TypeError. vLLM's tokenizers carry max_token_id."""
+    tok = Tokenizer(tiny_ouro)
+    ids = tok.encode("To be")
+    assert tok.encode("To be", truncation=False, max_length=None, return_tensors=None, padding=False, stride=0) == ids
+    assert tok.decode(ids, clean_up_tokenization_spaces=False) == tok.batch_decode(
+        [ids], clean_up_tokenization_spaces=None)[0] == "To be"
+    for call, option in ((lambda: tok.encode("To be", truncation=True, max_length=3), "truncation"),
+                         (lambda: tok.encode("To be", return_tensors="pt"), "return_tensors"),
+                         (lambda: tok.decode(ids, clean_up_tokenization_spaces=True), "clean_up_tokenization_spaces"),
+                         (lambda: tok.batch_decode([ids], clean_up_tokenization_spaces=True),
+                          "clean_up_tokenization_spaces")):
+        with pytest.raises(ValueError, match=f"^{option}: not supported by this tokenizer"):
+            call()
+    for call in (lambda: tok.encode("To be", colour=1), lambda: tok.decode(ids, colour=1)):
+        with pytest.raises(TypeError, match="unexpected keyword argument 'colour'"):
+            call()
+    assert tok.max_token_id == max(tok.get_vocab().values()) and tok.max_token_id < len(tok)
+
+
 def test_batch_decode_of_what_is_not_token_ids_names_the_row(tiny_ouro):
     tok = Tokenizer(tiny_ouro)
     with pytest.raises(ValueError, match=r"^sequences\.1: expected token ids .* got str"):

@@ -36,6 +36,7 @@ from loopserve.sampling_params import (
     SamplingParams,
     check_logprobs_asked,
     logprobs_asked,
+    python_numbers,
 )
 from loopserve.tokenizer import Tokenizer
 
@@ -128,6 +129,9 @@ def parse_prompt(prompt: PromptType, tokenizer: Tokenizer) -> tuple[str | None, 
                 raise ValueError(f"{key}: not supported (loopserve serves text-only looped models)")
         if "prompt_token_ids" in given:
             ids = given["prompt_token_ids"]
+            if hasattr(ids, "tolist") and hasattr(ids, "ndim"):  # a numpy array or torch tensor: its list (if 1-d)
+                ids = ids.tolist()
+            ids = python_numbers(ids)  # (numpy's integers in a list: np.arange's, as SamplingParams takes them)
             if not isinstance(ids, list) or not _all_ints(ids):
                 raise ValueError("prompt_token_ids: must be a list of integers")
             return given.get("prompt"), list(ids)
