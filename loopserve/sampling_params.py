@@ -351,7 +351,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # tokens of the prompt or the output: logit / p if > 0 else logit * p
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     # eos and stop_token_ids cannot end the request (nor stop strings) before this many tokens; a grammar
-    # (guided_decoding) still ends it when complete, as in vLLM: a choice "yes" is 1 token whatever min_tokens
+    # (guided_decoding) still ends it when complete: a choice "yes" is 1 token whatever min_tokens
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     # keep only the last k prompt tokens; -1 (TRUNCATE_TO_CONTEXT): the last max_model_len of them

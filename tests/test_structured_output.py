@@ -303,9 +303,34 @@ def test_a_complete_grammar_ends_the_output_whatever_min_tokens_says(llm):
     assert out.text in ("yes", "no") and out.finish_reason == "stop" and len(out.token_ids) < 5
 
 
-def test_sampling_params_takes_only_guided_decoding_params():
+def test_a_complete_grammar_is_followed_by_the_eos_it_allows_as_in_vllm(llm):
+    """A grammar that admits nothing more allows only the eos, which the next step samples and which ends the output,
+    in its token ids and counted, as vLLM's grammar bitmask makes it: the output ended without it (one token fewer
+    in the ids and usage than vLLM's). Where an eos could not end it (ignore_eos, min_tokens not out) it still ends
+    there, without one."""
+    eos = llm.get_tokenizer().eos_token_id
+    for spec in (GuidedDecodingParams(choice=["yes", "no"]), GuidedDecodingParams(regex="ab")):
+        plain = SamplingParams(max_tokens=10, temperature=0, guided_decoding=spec, logprobs=1)
+        out = llm.generate([[3, 4]], plain, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids[-1] == eos and out.finish_reason == "stop" and out.stop_reason is None, out
+        assert out.text in ("yes", "no", "ab") and len(out.logprobs) == len(out.token_ids)
+        body = out.token_ids[:-1]
+        for kw in ({"ignore_eos": True}, {"min_tokens": len(body) + 1}):
+            held = llm.generate([[3, 4]], SamplingParams(max_tokens=10, temperature=0, guided_decoding=spec, **kw),
+                                use_tqdm=False)[0].outputs[0]
+            assert held.token_ids == body and held.text == out.text and held.finish_reason == "stop", (kw, held)
+        at_min = llm.generate([[3, 4]], SamplingParams(max_tokens=10, temperature=0, guided_decoding=spec,
+                                                       min_tokens=len(body)), use_tqdm=False)[0].outputs[0]
+        assert at_min.token_ids == out.token_ids
+        cut = llm.generate([[3, 4]], SamplingParams(max_tokens=len(body), temperature=0, guided_decoding=spec),
+                           use_tqdm=False)[0].outputs[0]
+        assert cut.token_ids == body and cut.finish_reason == "length"
+
+
+def test_sampling_params_takes_guided_decoding_params_or_a_dict_of_them():
+    assert SamplingParams(guided_decoding={"json": SCHEMA}).grammar_spec == GuidedDecodingParams(json=SCHEMA)
     with pytest.raises(ValueError, match=r"^guided_decoding: "):
-        SamplingParams(guided_decoding={"json": SCHEMA})  # type: ignore[arg-type]
+        SamplingParams(guided_decoding=5)  # type: ignore[arg-type]
 
 
 def test_a_grammar_set_or_cleared_on_the_params_after_construction_is_the_one_that_runs(llm):

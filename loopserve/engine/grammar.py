@@ -180,7 +180,7 @@ class Guide:
 
     @property
     def done(self) -> bool:
-        """The grammar is complete and admits nothing more (the request finishes with "stop")."""
+        """The grammar is complete and admits nothing more: only an eos may follow (`Sequence.take`)."""
         return bool(self.matcher.is_stopped())
 
     def check(self) -> None:

@@ -599,8 +599,14 @@ class Sequence:
             return  # (most tokens: nothing below could finish it, and the checks run per token)
         if not self._stopped(token, searched) and len(ids) >= self.max_new:
             self.finish("length")
-        if not self.finished and guide is not None and guide.done:
-            self.finish("stop")  # the grammar is complete: only its end could follow
+        if not self.finished and guide is not None and guide.done and not self._eos_may_end():
+            # the grammar is complete, so only an eos may follow, and none can end the request here (ignore_eos; within
+            # min_tokens): it ends now (vLLM would sample a masked row). Else the eos is sampled next, as in vLLM
+            self.finish("stop")
+
+    def _eos_may_end(self) -> bool:
+        """Whether an eos sampled next would end the request: it is not ignored, and min_tokens are out."""
+        return not self.params.ignore_eos and len(self.output_ids) >= self.params.min_tokens
 
     def _stopped(self, token: int, searched: int) -> bool:
         """Finish the request if the token just appended, or the text it completed, stops it (vLLM's rules:
