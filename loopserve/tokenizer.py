@@ -361,10 +361,11 @@ class Tokenizer:
         most = self._bytes_per_token
         return -(-len(text.encode()) // most) if most else 0
 
-    def decode(self, ids: Any, skip_special_tokens: bool = True, **options: Any) -> str:
+    def decode(self, ids: Any, skip_special_tokens: bool = False, **options: Any) -> str:
         """The text of token ids: a list of them, one id (an int), or a tensor or array (torch, numpy) of them, as
-        transformers' `decode` takes them (ValueError naming `ids` for anything else). `options`: transformers' of
-        DECODE_OPTIONS, taken at a value that does nothing."""
+        transformers' `decode` takes them (ValueError naming `ids` for anything else), special tokens kept unless
+        `skip_special_tokens`, as there. `options`: transformers' of DECODE_OPTIONS, taken at a value that does
+        nothing."""
         if options:
             _take_options(options, DECODE_OPTIONS, "decode")
         ids = _token_ids(ids, "ids")
@@ -420,7 +421,7 @@ class Tokenizer:
         """Token (vocabulary symbol, added tokens included) -> id."""
         return self.tok.get_vocab(with_added_tokens=True)
 
-    def batch_decode(self, sequences: Any, skip_special_tokens: bool = True, **options: Any) -> list[str]:
+    def batch_decode(self, sequences: Any, skip_special_tokens: bool = False, **options: Any) -> list[str]:
         """`decode` of each of `sequences` (a list of them, or a 2-d tensor or array: its rows)."""
         if options:
             _take_options(options, DECODE_OPTIONS, "batch_decode")

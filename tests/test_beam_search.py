@@ -246,7 +246,7 @@ def test_text_is_the_whole_sequence_decoded_prompt_included(llm):
         assert s.text.startswith("hello") and len(s.text) > len("hello")
         if s.finish_reason == "stop":
             assert s.text.endswith(llm.tokenizer.decode(s.tokens[-1:], skip_special_tokens=False))
-            assert s.text != llm.tokenizer.decode(s.tokens)  # (the special token is kept)
+            assert s.text != llm.tokenizer.decode(s.tokens, skip_special_tokens=True)  # (the special token is kept)
     [ids] = beam_search(llm, {"prompt_token_ids": [14, 300]}, BeamSearchParams(beam_width=2, max_tokens=2))
     for s in ids.sequences:  # a token-id prompt's text is decoded too
         assert s.text.startswith(llm.tokenizer.decode([14, 300], skip_special_tokens=False))

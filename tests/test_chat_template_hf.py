@@ -132,7 +132,9 @@ def test_tokenizer_basics_match_the_tokenizer_files(arch, request):
     assert len(tok) == raw.get_vocab_size(with_added_tokens=True) and tok.get_vocab() == raw.get_vocab(True)
     ids = [raw.encode(t).ids for t in ("To be", "or not")]
     assert tok.batch_decode(ids, skip_special_tokens=False) == [raw.decode(i, skip_special_tokens=False) for i in ids]
-    assert tok.batch_decode(ids) == [raw.decode(i) for i in ids] == [tok.decode(i) for i in ids]
+    assert tok.batch_decode(ids, skip_special_tokens=True) == [raw.decode(i) for i in ids]  # (the library skips them)
+    assert tok.batch_decode(ids) == [tok.decode(i) for i in ids] == [raw.decode(i, skip_special_tokens=False)
+                                                                      for i in ids]  # (transformers keeps them)
     assert tok.convert_ids_to_tokens(ids[0]) == [raw.id_to_token(i) for i in ids[0]]
     assert tok.convert_ids_to_tokens(ids[0][-1]) == raw.id_to_token(ids[0][-1])
     symbols = [raw.id_to_token(i) for i in ids[1]]

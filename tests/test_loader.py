@@ -182,7 +182,7 @@ def test_huginn_tokenizer_files(tiny_huginn):
     assert tok.eos_token_ids == {vocab - 31, vocab - 28}
     ids = tok.encode("Hi there")
     assert ids[0] == vocab - 32  # the post-processor prepends BOS
-    assert tok.decode(ids) == "Hi there"
+    assert tok.decode(ids, skip_special_tokens=True) == "Hi there" and tok.decode(ids) == "<|begin_text|>Hi there"
     text = tok.apply_chat_template([{"role": "user", "content": "  Hi  "}], add_generation_prompt=True, tokenize=False)
     assert text.startswith("<|begin_text|><|begin_header|>user<|end_header|>\n\nHi<|end_turn|>")
     assert text.endswith("<|begin_header|>Huginn<|end_header|>\n\n")
