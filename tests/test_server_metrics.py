@@ -136,3 +136,31 @@ def test_every_answer_keeps_the_metric_names_as_they_are(metrics, accept):
     assert "loopserve:generation_tokens" in text and "loopserve_" not in text, (content_type, text[:500])
     assert content_type.startswith("text/plain") or "escaping=allow-utf-8" in content_type, content_type
 
+
+
+def test_the_stats_lines_carry_vllms_prefix_cache_hit_rate_and_spec_decoding_line(monkeypatch):
+    """vLLM's stats line ends with the prefix cache's hit rate, and a speculative engine logs a SpecDecoding line:
+    both were missing. Each is of the interval since the last line."""
+    from loopserve.serve import metrics as metrics_module
+    from loopserve.serve.metrics import StatsLogger
+
+    now = [100.0]
+    monkeypatch.setattr(metrics_module.time, "monotonic", lambda: now[0])
+    snap = [EngineSnapshot(running=1, prefix_cache_queries=100, prefix_cache_hits=40, spec_rounds=10,
+                           spec_draft_tokens=30, spec_accepted_tokens=12, spec_accepted_per_pos=(6, 4, 2))]
+    m = ServerMetrics(MODEL, lambda: snap[0], r_max=4, max_decode_batch=8, max_model_len=256)
+    logger = StatsLogger(m, 1.0)
+    now[0] += 2.0
+    snap[0] = EngineSnapshot(running=1, exit_depths={2: 10}, prefix_cache_queries=300, prefix_cache_hits=190,
+                             spec_rounds=30, spec_draft_tokens=90, spec_accepted_tokens=52,
+                             spec_accepted_per_pos=(26, 18, 8))
+    m.generation_total += 20
+    main, spec = logger.lines()
+    assert main.endswith("KV cache usage: 0.0%, Prefix cache hit rate: 75.0%, Mean exit depth: 2.00"), main
+    assert spec == ("SpecDecoding metrics: Mean acceptance length: 3.00, Accepted throughput: 20.00 tokens/s, Drafted "
+                    "throughput: 30.00 tokens/s, Accepted: 40 tokens, Drafted: 60 tokens, Per-position acceptance "
+                    "rate: 1.000, 0.700, 0.300, Avg Draft acceptance rate: 66.7%"), spec
+    now[0] += 2.0  # nothing drafted or looked up since: no SpecDecoding line, a hit rate of 0
+    m.generation_total += 1
+    [main] = logger.lines()
+    assert "Prefix cache hit rate: 0.0%" in main

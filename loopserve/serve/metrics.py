@@ -51,7 +51,7 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -490,8 +490,10 @@ def quiet_progress(engine: LLMEngine) -> dict[str, tuple[int, dict[int, int]]]:
 class StatsLogger:
     """Logs a line every `interval_s` while the server is busy (an interval with tokens, or requests
     running or waiting at its end), like vLLM's: prompt and generation throughput over the interval,
-    running and waiting requests (samples counted, as in the gauges), KV-cache usage; and for the loops, the
-    mean exit depth of the interval's decode tokens."""
+    running and waiting requests (samples counted, as in the gauges), KV-cache usage, the prefix cache's hit rate
+    (the interval's prompt tokens looked up; vLLM's is over its recent requests); and for the loops, the
+    mean exit depth of the interval's decode tokens. With speculative decoding, vLLM's second line, of the interval's
+    drafts."""
 
     def __init__(self, metrics: ServerMetrics, interval_s: float,
                  refresh: Callable[[], Awaitable[None]] | None = None) -> None:
@@ -499,30 +501,44 @@ class StatsLogger:
         self.metrics, self.interval_s, self.refresh = metrics, interval_s, refresh
         self._last = self._sample()
 
-    def _sample(self) -> tuple[float, int, int, int, int]:
-        depths = self.metrics.snapshot().exit_depths
-        return (time.monotonic(), self.metrics.prompt_total, self.metrics.generation_total,
-                sum(depths.values()), sum(d * c for d, c in depths.items()))
+    def _sample(self) -> dict[str, Any]:
+        s = self.metrics.snapshot()
+        depths = s.exit_depths
+        return {"t": time.monotonic(), "prompt": self.metrics.prompt_total, "gen": self.metrics.generation_total,
+                "tokens": sum(depths.values()), "loops": sum(d * c for d, c in depths.items()),
+                "queries": s.prefix_cache_queries, "hits": s.prefix_cache_hits, "rounds": s.spec_rounds,
+                "drafted": s.spec_draft_tokens, "accepted": s.spec_accepted_tokens,
+                "per_pos": list(s.spec_accepted_per_pos)}
 
-    def line(self) -> str | None:
-        """The stats since the last call, or None when nothing happened then and nothing runs now."""
+    def lines(self) -> list[str]:
+        """The stats since the last call: none when nothing happened then and nothing runs now."""
         prev, cur = self._last, self._sample()
         self._last = cur
         s = self.metrics.snapshot()
-        dt = max(cur[0] - prev[0], 1e-9)
-        prompt, gen, tokens, loops = (cur[k] - prev[k] for k in range(1, 5))
-        if not (prompt or gen or s.running or s.waiting):
-            return None
-        depth = f"{loops / tokens:.2f}" if tokens else "-"
-        return (f"Avg prompt throughput: {prompt / dt:.1f} tokens/s, Avg generation throughput: {gen / dt:.1f} "
-                f"tokens/s, Running: {s.running} reqs, Waiting: {s.waiting} reqs, KV cache usage: "
-                f"{100 * s.kv_usage:.1f}%, Mean exit depth: {depth}")
+        dt = max(cur["t"] - prev["t"], 1e-9)
+        d = {k: cur[k] - prev[k] for k in cur if k not in ("t", "per_pos")}
+        if not (d["prompt"] or d["gen"] or s.running or s.waiting):
+            return []
+        depth = f"{d['loops'] / d['tokens']:.2f}" if d["tokens"] else "-"
+        hit_rate = 100 * d["hits"] / d["queries"] if d["queries"] else 0.0
+        out = [f"Avg prompt throughput: {d['prompt'] / dt:.1f} tokens/s, Avg generation throughput: "
+               f"{d['gen'] / dt:.1f} tokens/s, Running: {s.running} reqs, Waiting: {s.waiting} reqs, KV cache usage: "
+               f"{100 * s.kv_usage:.1f}%, Prefix cache hit rate: {hit_rate:.1f}%, Mean exit depth: {depth}"]
+        rounds, accepted, drafted = d["rounds"], d["accepted"], d["drafted"]
+        if rounds:
+            before = prev["per_pos"] + [0] * (len(cur["per_pos"]) - len(prev["per_pos"]))
+            per_pos = ", ".join(f"{(now - then) / rounds:.3f}"
+                                for now, then in zip(cur["per_pos"], before, strict=True))
+            out.append(f"SpecDecoding metrics: Mean acceptance length: {1 + accepted / rounds:.2f}, Accepted "
+                       f"throughput: {accepted / dt:.2f} tokens/s, Drafted throughput: {drafted / dt:.2f} tokens/s, "
+                       f"Accepted: {accepted} tokens, Drafted: {drafted} tokens, Per-position acceptance rate: "
+                       f"{per_pos}, Avg Draft acceptance rate: {100 * accepted / max(drafted, 1):.1f}%")
+        return out
 
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
             if self.refresh is not None:
                 await self.refresh()
-            text = self.line()
-            if text is not None:
+            for text in self.lines():
                 log.info("%s", text)
