@@ -162,7 +162,8 @@ def test_vllms_keywords_asking_for_what_loopserve_lacks_are_named(tiny_ouro, kwa
 def test_reset_prefix_cache_forgets_the_cached_prompt_blocks(tiny_ouro):
     """vLLM's `LLM.reset_prefix_cache()`: True, and a prompt seen before is prefilled from scratch again (the same
     tokens); False, and nothing forgotten, while a request is in flight (vLLM resets only when no request holds
-    KV); `reset_running_requests=True` (vLLM preempts to reset at once) is refused naming it."""
+    KV); `reset_running_requests=True` (vLLM preempts to reset at once) resets an idle engine and is refused naming
+    it while a request runs (it was refused idle too)."""
     llm = LLM(tiny_ouro, device="cpu")
     prompt = "ROMEO: " * 12  # several full KV blocks
 
@@ -177,14 +178,17 @@ def test_reset_prefix_cache_forgets_the_cached_prompt_blocks(tiny_ouro):
     engine = llm.llm_engine
     engine.add_request("busy", "A loop", GREEDY)
     assert llm.reset_prefix_cache() is False
+    with pytest.raises(ValueError, match=r"^reset_running_requests: not supported by loopserve with requests in "):
+        llm.reset_prefix_cache(reset_running_requests=True)
     engine.run_to_completion()
     assert run()[1] > 0  # (not forgotten)
     assert llm.reset_prefix_cache() is True
     engine.kv.check_invariants(set())
     assert run() == (tokens, 0)
     assert llm.reset_prefix_cache(reset_connector=True) is True  # (no KV connector: nothing more to reset)
-    with pytest.raises(ValueError, match=r"^reset_running_requests: not supported by loopserve"):
-        llm.reset_prefix_cache(reset_running_requests=True)
+    assert run() == (tokens, 0)
+    assert llm.reset_prefix_cache(reset_running_requests=True) is True  # (idle: nothing to preempt)
+    assert run() == (tokens, 0)
     assert LLM(tiny_ouro, device="cpu", scheduler="reference").reset_prefix_cache() is True  # (caches nothing)
 
 

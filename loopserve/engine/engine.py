@@ -333,13 +333,14 @@ class LLMEngine:
         weights changed, say, or to time prefills from cold). Only with no request in flight (an aborted one counts no
         more, reported or not), as vLLM resets only while no request holds KV: False (with a warning, as vLLM's) and
         nothing forgotten otherwise.
-        `reset_running_requests=True` (vLLM preempts the running requests to reset at once) is not supported: a
-        ValueError. `reset_connector`: vLLM's, for the cache of a KV connector; loopserve has none, so there is
+        `reset_running_requests=True` (vLLM preempts the running requests to reset at once) resets an idle engine, as
+        there is nothing to preempt, and is a ValueError with requests in flight (loopserve does not preempt them
+        for it). `reset_connector`: vLLM's, for the cache of a KV connector; loopserve has none, so there is
         nothing more to reset, as in vLLM without one."""
         self._check_thread("reset_prefix_cache")
-        if reset_running_requests:
-            raise ValueError("reset_running_requests: not supported by loopserve (it does not preempt requests to "
-                             "reset the prefix cache); reset with no request in flight")
+        if self.scheduler.has_work() and reset_running_requests:
+            raise ValueError("reset_running_requests: not supported by loopserve with requests in flight (it does not "
+                             "preempt requests to reset the prefix cache); reset with no request in flight")
         if self.scheduler.has_work():  # (a request aborted or finished, not yet reported, holds no KV any more)
             log.warning("prefix cache not reset: %d requests are in flight",
                         sum(not s.finished for s in self.requests.values()))
