@@ -312,15 +312,16 @@ class AsyncLLMEngine:
     # -- requests -----------------------------------------------------------------------------------------------
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, *,
                        lora_request: Any = None, tokenization_kwargs: dict[str, Any] | None = None,
-                       trace_headers: Any = None, priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
+                       trace_headers: Any = None, priority: int = 0,
+                       data_parallel_rank: int | None = None) -> AsyncGenerator[RequestOutput, None]:
         """One request's outputs, as `sampling_params.output_kind` asks: an output per token with everything so far
         (CUMULATIVE, the default), with what is new (DELTA), or one when it finishes (FINAL_ONLY). `prompt`: what
         `LLM.generate` takes for one prompt (text, token ids, a TextPrompt or TokensPrompt). Checked as `LLM` checks
         a request when the generator is first iterated: a ValueError naming the field; a `request_id` in flight is
-        one too. `lora_request`, `tokenization_kwargs`, `trace_headers` and `priority` are vLLM's, taken at the values
-        that ask for nothing (`vllm_neutral`)."""
+        one too. `lora_request`, `tokenization_kwargs`, `trace_headers`, `priority` and `data_parallel_rank` are vLLM's,
+        taken at the values that ask for nothing (`vllm_neutral`)."""
         check_neutral(lora_request=lora_request, tokenization_kwargs=tokenization_kwargs, trace_headers=trace_headers,
-                      priority=priority)
+                      priority=priority, data_parallel_rank=data_parallel_rank)
         check_request_id(request_id)
         if isinstance(sampling_params, BeamSearchParams):
             raise ValueError("sampling_params: beam search (BeamSearchParams) is not served by AsyncLLMEngine; "

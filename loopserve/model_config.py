@@ -117,6 +117,14 @@ class _Keys:
                                       f"{implemented} only")
 
 
+# vLLM's ModelConfig attributes a harness reads off an engine's `model_config`, and where loopserve keeps them
+_VLLM_MODEL_CONFIG = {
+    "max_model_len": "the most prompt + completion tokens is the engine's max_model_len (LLMEngine.max_model_len, "
+                     "LLM.max_model_len); the model's own context is max_position",
+    "hf_config": "config.json as read is its raw",
+}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     arch: str  # OURO or HUGINN
@@ -139,6 +147,17 @@ class ModelConfig:
     state_init: str | None
     embed_scale: float  # the embedding's multiplier (Huginn: init_values.embed_scale, as upstream reads it)
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def get_vocab_size(self) -> int:
+        """vLLM's ModelConfig method of that name (harnesses read an engine's `model_config.get_vocab_size()`)."""
+        return self.vocab_size
+
+    def __getattr__(self, name: str) -> Any:
+        """vLLM's ModelConfig attributes that loopserve keeps elsewhere (this `model_config`, an `LLMEngine`'s, is the
+        model's shapes): an AttributeError saying where, as `hasattr` expects; any other name the usual one."""
+        where = _VLLM_MODEL_CONFIG.get(name)
+        suffix = f": loopserve's model_config is the model's shapes; {where}" if where else ""
+        raise AttributeError(f"'ModelConfig' object has no attribute {name!r}{suffix}")
 
     @staticmethod
     def from_hf(cfg: dict[str, Any], source: str = "config.json", key_names: Mapping[str, str] | None = None

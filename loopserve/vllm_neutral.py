@@ -139,6 +139,9 @@ NEUTRAL: dict[str, Neutral] = {
     # `AsyncLLMEngine.from_engine_args`'s
     "usage_context": Neutral(lambda v: True, _ANY, "it sends no usage telemetry", init=False),
     "stat_loggers": _only("it logs no periodic stats", None, init=False),
+    # `AsyncLLM.generate`'s: the engine replica of a data-parallel deployment to send the request to
+    "data_parallel_rank": Neutral(lambda v: v is None or _zero(v), "None or 0",
+                                  "one engine; replicas: loopserve serve --replicas", init=False),
     # engine arguments of vLLM's (`LLM(...)` keywords and `vllm serve` flags) for its scheduler and CUDA graphs
     "max_num_partial_prefills": _only("prompts are prefilled first come, first served, in chunks", 1),
     "max_long_partial_prefills": _only("prompts are prefilled first come, first served, in chunks", 1),

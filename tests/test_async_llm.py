@@ -189,11 +189,24 @@ def test_a_consumer_that_stops_frees_its_request(engine, how):
     (lambda e: e.generate([5], SamplingParams(max_tokens=4), 7), "request_id"),
     (lambda e: e.generate([5], SamplingParams(max_tokens=4), "r", lora_request=object()), "lora_request"),
     (lambda e: e.generate([5], SamplingParams(max_tokens=4), "r", priority=1), "priority"),
+    (lambda e: e.generate([5], SamplingParams(max_tokens=4), "r", data_parallel_rank=1), "data_parallel_rank"),
 ])
 def test_bad_requests_are_value_errors_naming_the_field(engine, call, field):
     async def main():
         with pytest.raises(ValueError, match=f"^{field}"):
             await anext(call(engine))
+
+    asyncio.run(main())
+    assert drained(engine)
+
+
+def test_vllms_generate_keywords_at_their_neutral_values_are_taken(engine):
+    """vLLM's AsyncLLM.generate takes data_parallel_rank (the engine of a data-parallel deployment): it was a
+    TypeError."""
+    async def main():
+        outs = [o async for o in engine.generate([5, 6], SamplingParams(max_tokens=2), "dp", data_parallel_rank=0,
+                                                 priority=0, lora_request=None, trace_headers=None)]
+        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 2
 
     asyncio.run(main())
     assert drained(engine)
@@ -313,6 +326,13 @@ def test_a_dead_engine_fails_every_stream(tiny_ouro, monkeypatch):
     asyncio.run(main())
     eng.shutdown()
     assert eng.errored
+    # the LLM it ran on, used again, runs its own request alone: the dead engine's were left in it, and its next
+    # generate ran them to their end first, unseen
+    monkeypatch.setattr(eng.llm.llm_engine, "step", real)
+    before = eng.llm.llm_engine.stats.generated_tokens
+    [out] = eng.llm.generate([[5, 6]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 2 and eng.llm.llm_engine.stats.generated_tokens - before == 2
+    assert not eng.llm.llm_engine.requests and eng.llm.reset_prefix_cache() is True
 
 
 def test_reset_prefix_cache_runs_between_steps(engine):

@@ -461,12 +461,23 @@ class EngineThread:
         except BaseException as e:  # a bug in a step: fail loudly, answer what is in flight, then report
             log.exception("engine step failed; the engine is stopped")
             self.dead = e
+            self._abort_everything()
             self._post(self._fail_all, EngineDeadError(f"engine error: {e!r}"))
             if self.on_dead is not None:
                 self._post(self.on_dead)
         finally:
             self.engine.release(self)
             self._end()
+
+
+    def _abort_everything(self) -> None:
+        """The dead engine's requests, aborted (their KV freed): the LLM it belongs to may still be used (its
+        `generate`), which ran them to their end first, unseen (57 s for a 2-token request after two long ones).
+        Best effort: the step that raised may have left the engine in a state an abort cannot undo."""
+        try:
+            self.engine.abort_request(list(self.engine.requests))
+        except Exception:
+            log.exception("could not abort the dead engine's requests")
 
 
 # Engine threads started and not yet collected; and their threads, alive or lately ended. At exit each is stopped and
