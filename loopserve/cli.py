@@ -142,9 +142,10 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def depth_histogram(depths: list[int]) -> str:
-    """One line per depth: `d=2  ▇▇▇▇▇▇      31 (44%)`."""
+    """One line per depth of the decode tokens' exit depths: `d=2  ▇▇▇▇▇▇      31 (44%)` (an output's first token
+    is its prompt's, which runs every loop: callers leave it out, as the server's stats and metrics do)."""
     if not depths:
-        return "(no tokens)"
+        return "(no decode tokens)"
     counts = Counter(depths)
     top = max(counts.values())
     lines = []
@@ -153,7 +154,7 @@ def depth_histogram(depths: list[int]) -> str:
         width = round(24 * c / top)
         lines.append(f"  d={d:<3d}{'█' * width:<24s} {c:5d} ({100 * c / len(depths):.0f}%)")
     mean = sum(depths) / len(depths)
-    return "\n".join([f"exit depth: mean {mean:.2f} over {len(depths)} tokens", *lines])
+    return "\n".join([f"exit depth: mean {mean:.2f} over {len(depths)} decode tokens", *lines])
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -194,9 +195,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         all_depths = []
         for o in outs:
             c = o.outputs[0]
-            all_depths += c.exit_depths
+            decoded = c.exit_depths[1:]  # (the first token is the prompt's, at full depth)
+            all_depths += decoded
+            mean = f"{sum(decoded) / len(decoded):.2f}" if decoded else "-"
             print(f"\n>>> {o.prompt}\n{c.text}\n[{c.finish_reason}, {len(c.token_ids)} tokens, "
-                  f"mean depth {sum(c.exit_depths) / max(len(c.exit_depths), 1):.2f}]")
+                  f"mean decode depth {mean}]")
         print("\n" + depth_histogram(all_depths))
         return 0
     # one prompt: stream text as tokens arrive, with each token's depth as a shade underneath
@@ -211,7 +214,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(seq.text[shown:], end="", flush=True)
             shown = len(seq.text)
     shade = "".join(BARS[min(d, len(BARS) - 1)] for d in seq.exit_depths)
-    tqdm.write(f"\n\n[{seq.finish_reason}] per-token depth: {shade}\n" + depth_histogram(seq.exit_depths))
+    tqdm.write(f"\n\n[{seq.finish_reason}] per-token depth: {shade}\n" + depth_histogram(seq.exit_depths[1:]))
     return 0
 
 

@@ -93,8 +93,9 @@ _CLI_TERMS = {"None": "null", "True": "true", "False": "false"}
 
 def cli_terms(text: str) -> str:
     """Python's None, True and False in `text` as a command line writes them: null, true, false; not inside quotes
-    (a value as given: `--response-role True` got 'True')."""
-    return re.sub(r"'[^']*'|\"[^\"]*\"|\b(None|True|False)\b", lambda m: _CLI_TERMS[m[1]] if m[1] else m[0], text)
+    (a value as given: `--response-role True` got 'True'); an apostrophe inside a word ("a reply's") opens none."""
+    return re.sub(r"(?<!\w)'[^']*'|(?<!\w)\"[^\"]*\"|\b(None|True|False)\b",
+                  lambda m: _CLI_TERMS[m[1]] if m[1] else m[0], text)
 
 
 def as_flag_error(message: str, parser: argparse.ArgumentParser) -> str:

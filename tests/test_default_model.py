@@ -88,3 +88,18 @@ def test_llm_generates_with_exit_histogram():
     out = llm.generate("ROMEO:\n", SamplingParams(max_tokens=12, temperature=0.0))[0].outputs[0]
     assert len(out.token_ids) >= 1 and out.text
     assert all(1 <= d <= 4 for d in out.exit_depths)
+
+
+def test_generate_reports_the_decode_tokens_depths(capsys):
+    """`loopserve generate` (and the demo) report the exit depths of the decode tokens, as the README's 2.0 loops and
+    the server's stats and metrics count them: an output's first token is its prompt's, at full depth, and was
+    counted in (mean 2.05 over 64 tokens beside the stats line's 2.00)."""
+    from loopserve.cli import main as cli_main
+
+    llm = LLM(str(PATH), scheduler="reference")
+    prompts = ["ROMEO:\n", "JULIET:\n"]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
+    decoded = [d for o in outs for d in o.outputs[0].exit_depths[1:]]
+    assert cli_main(["generate", "--scheduler", "reference", "--max-tokens", "12", "--temperature", "0", *prompts]) == 0
+    printed = capsys.readouterr().out
+    assert f"exit depth: mean {sum(decoded) / len(decoded):.2f} over {len(decoded)} decode tokens" in printed, printed

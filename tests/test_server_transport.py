@@ -74,6 +74,11 @@ def test_a_refused_switch_is_named_in_the_command_lines_words(capsys):
         cli_main(["serve", "m", "--enable-auto-tool-choice"])
     err = capsys.readouterr().err
     assert err.startswith("error: --enable-auto-tool-choice: ") and err.endswith("; it takes false, got true\n"), err
+    # an apostrophe inside a word (the reason: "a reply's text") opens no quote: None after it is null too
+    with pytest.raises(SystemExit):
+        cli_main(["serve", "m", "--reasoning-parser", "x"])
+    err = capsys.readouterr().err
+    assert "a reply's text" in err and err.endswith("; it takes null or '', got 'x'\n"), err
 
 
 # -- TLS and a Unix domain socket ---------------------------------------------------------------------------------
