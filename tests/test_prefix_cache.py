@@ -134,6 +134,24 @@ def test_a_hit_skips_the_cached_prefill(tiny_ouro):
     assert_matches(outs["second"], reference(engine, second))
 
 
+def test_prompts_that_arrive_together_share_the_prefix_one_of_them_computes(tiny_ouro):
+    """Prompts behind one system prompt, arriving together: the first computes the shared blocks, the others wait for
+    them to be published and take them from the cache (they computed the same KV beside it: 0 cached tokens for a
+    burst); a prompt that shares nothing goes on. Outputs equal the reference."""
+    engine = make_engine(tiny_ouro, block_size=4, prefill_chunk_size=8, kv_cache_tokens=256, max_num_batched_tokens=32)
+    params = SamplingParams(temperature=0.0, max_tokens=3, exit_policy="fixed")
+    reqs = [Req("a", A + [1, 2], params, seed=0), Req("other", B + [4, 4], params, seed=0),
+            Req("b", A + [3, 4, 5], params, seed=0), Req("c", A + [6], params, seed=0)]
+    outs = drive(engine, reqs)
+    assert outs["a"].num_cached_tokens == outs["other"].num_cached_tokens == 0
+    assert outs["b"].num_cached_tokens == outs["c"].num_cached_tokens == 16  # the 4 full blocks of A
+    assert engine.stats.prefix_cache_waits > 0
+    r_max = engine.model_config.r_max
+    assert engine.stats.prefill_token_loops == (20 + 11 + 5 + 3) * r_max  # A's 16 shared tokens computed once
+    for r in reqs:
+        assert_matches(outs[r.rid], reference(engine, r))
+
+
 def test_identical_prompt_recomputes_its_last_token(tiny_ouro):
     engine = make_engine(tiny_ouro, block_size=4, kv_cache_tokens=128)
     params = SamplingParams(temperature=0.0, max_tokens=2)

@@ -482,12 +482,18 @@ class Scheduler:
         free = kv.num_free
         owed = self._owed_blocks()
         resident = self.resident()
+        pending: set[bytes] | None = None  # prompt blocks being prefilled (`_pending_prompt_keys`), on first need
         for seq in list(self.waiting):
             sid = seq.request_id
             admitted = sid in self.running
             if not admitted and resident + 1 + len(seq.pending_forks) > cfg.max_num_seqs:
                 break
             hit = [] if admitted else self._cached_prefix(seq)  # a new prompt's cached blocks
+            if not admitted and self._prefix_reusable(seq) > len(hit):
+                pending = self._pending_prompt_keys() if pending is None else pending
+                if self._prompt_keys(seq)[len(hit)] in pending:  # an admitted prompt is computing its next block:
+                    self.stats.prefix_cache_waits += 1  # it comes from the cache once that chunk has run, not
+                    continue  # computed twice beside it (prompts that share a system prompt, arriving together)
             start = self.prefill_pos[sid] if admitted else len(hit) * kv.block_size
             n = min(cfg.prefill_chunk_size - start % cfg.prefill_chunk_size, len(seq.prompt_ids) - start)
             if n > budget:
@@ -509,6 +515,8 @@ class Scheduler:
                 owed += whole - need
                 self._admit(seq, hit)  # its cached blocks are held from now: later allocations cannot evict them
                 resident += 1 + len(seq.pending_forks)
+                if pending is not None and self.prefix_scope is not None:  # (its blocks are being computed now too)
+                    pending.update(self._prompt_keys(seq)[len(hit):len(seq.prompt_ids) // kv.block_size])
             free -= need
             budget -= n
             chunks.append(PrefillChunk(seq, start, n))
@@ -531,11 +539,29 @@ class Scheduler:
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks a new prompt may start from (none for requests that want every prompt
         position's logprobs: the skipped positions would have none)."""
-        if self.prefix_scope is None or seq.params.prompt_logprobs is not None:
+        most = self._prefix_reusable(seq)
+        if not most:
             return []
+        blocks = self.kv.cached_blocks(self._prompt_keys(seq)[:most])
+        return blocks[: reusable_tokens(len(blocks), len(seq.prompt_ids), self.kv.block_size, self._prefix_align)
+                      // self.kv.block_size]
+
+    def _prefix_reusable(self, seq: Sequence) -> int:
+        """The most prompt blocks a new prompt could take from the cache, were they all there (0 for requests that
+        want every prompt position's logprobs, or without a prefix cache)."""
+        if self.prefix_scope is None or seq.params.prompt_logprobs is not None:
+            return 0
         bs = self.kv.block_size
-        blocks = self.kv.cached_blocks(self._prompt_keys(seq)[: (len(seq.prompt_ids) - 1) // bs])
-        return blocks[: reusable_tokens(len(blocks), len(seq.prompt_ids), bs, self._prefix_align) // bs]
+        return reusable_tokens(len(seq.prompt_ids) // bs, len(seq.prompt_ids), bs, self._prefix_align) // bs
+
+    def _pending_prompt_keys(self) -> set[bytes]:
+        """The keys of the prompt blocks that admitted prompts are still to prefill (each is published, and found in
+        the cache, once the chunk that completes it has run)."""
+        if self.prefix_scope is None:
+            return set()
+        bs = self.kv.block_size
+        return {key for seq in self.waiting if seq.request_id in self.running
+                for key in self._prompt_keys(seq)[self.prefill_pos[seq.request_id] // bs:len(seq.prompt_ids) // bs]}
 
     def _cached_prompt_blocks(self, seq: Sequence) -> list[int]:
         """Cached blocks holding the KV of the prompt's first full blocks (a swapped-in sequence

@@ -27,6 +27,7 @@ class EngineStats:
     generated_tokens: int = 0
     prompt_tokens: int = 0
     prefix_cache_queries: int = 0  # prompt tokens of admissions that looked up the prefix cache
+    prefix_cache_waits: int = 0  # admissions put off a tick: the prompt's next block was being prefilled
     prefix_cache_hits: int = 0  # of those, tokens whose KV the cache supplied (their prefill skipped)
     finished_requests: Counter = field(default_factory=Counter)  # finish reason -> count
     spec_rounds: int = 0  # speculative decoding: verify groups whose coda ran
