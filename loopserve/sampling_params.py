@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from loopserve.exits import POLICIES
+from loopserve.exits import GATE_POLICIES, POLICIES
 
 if TYPE_CHECKING:
     from loopserve.engine.grammar import Guide
@@ -520,6 +520,8 @@ class SamplingParams:
             raise bad("exit_threshold", "must be a finite number >= 0")
         if self.exit_policy is not None and self.exit_policy not in POLICIES:
             raise bad("exit_policy", f"must be one of {', '.join(POLICIES)}")
+        if isinstance(self.exit_trace, list | tuple) and not self.exit_trace:  # (empty: no depths to replay, as unset)
+            self.exit_trace = None
         if self.exit_trace is not None:
             if not isinstance(self.exit_trace, list) or not all(is_int(d) and d >= 1 for d in self.exit_trace):
                 raise bad("exit_trace", "must be a list of integers >= 1")
@@ -531,7 +533,7 @@ class SamplingParams:
         if self.exit_policy in ("fixed", "trace") and self.exit_threshold is not None:  # (not silently ignored)
             raise bad("exit_threshold", f"exit_policy {self.exit_policy!r} compares no signal with a threshold: "
                                         "leave it unset")
-        if self.exit_policy == "gate" and self.exit_threshold is not None and not 0 < self.exit_threshold <= 1:
+        if self.exit_policy in GATE_POLICIES and self.exit_threshold is not None and not 0 < self.exit_threshold <= 1:
             raise bad("exit_threshold", "a gate threshold is a probability in (0, 1]")
         if self.num_speculative_tokens is not None and (not is_int(self.num_speculative_tokens)
                                                         or self.num_speculative_tokens < 0):
