@@ -22,7 +22,7 @@ from loopserve.cli import build_parser
 from loopserve.exits import DEFAULT_THRESHOLDS
 from loopserve.serve.api import serving_defaults
 from loopserve.serve.cli import load_server
-from loopserve.serve.protocol import CompletionRequest, fill_defaults, sampling_params
+from loopserve.serve.protocol import ApiError, CompletionRequest, fill_defaults, sampling_params
 from tests.server_helpers import MODEL, Server, run_server
 
 pytestmark = pytest.mark.timeout(180)
@@ -237,3 +237,18 @@ def test_exit_policy_kl_warns_at_start(tiny_ouro, tiny_huginn, caplog):
         load_server(_args(tiny_huginn, "--exit-policy", "kl", "--num-speculative-tokens", "2"))
         [warning] = [r for r in caplog.records if "--exit-policy kl" in r.getMessage()]
         assert "speculative decoding is off" in warning.getMessage()
+
+
+def test_a_refusal_of_a_server_default_says_it_is_the_servers(tiny_ouro):
+    """--min-loops 2: a request with only max_loops 1 is refused naming min_loops, a field it never sent; the message
+    says the value is the server's default (it read as if the request had sent min_loops 2)."""
+    engine, settings = load_server(_args(tiny_ouro, "--min-loops", "2"))
+    defaults = serving_defaults(engine, settings.sampling_defaults)
+    with pytest.raises(ApiError) as refused:
+        sampling_params(CompletionRequest(prompt="x", max_loops=1), max_tokens=2, logprobs=None, defaults=defaults)
+    assert refused.value.status == 400 and refused.value.param == "min_loops"
+    assert str(refused.value).endswith("(the server's default min_loops: the request left it unset)"), refused.value
+    with pytest.raises(ApiError) as own:  # (the request's own value: said as it is)
+        sampling_params(CompletionRequest(prompt="x", min_loops=3, max_loops=1), max_tokens=2, logprobs=None,
+                        defaults=defaults)
+    assert "server's default" not in str(own.value)

@@ -645,6 +645,9 @@ def sampling_params(req: _SamplingFields, *, max_tokens: int | None, logprobs: i
     try:
         return SamplingParams(**kwargs)
     except ValueError as e:
+        field = _field_of(str(e))
+        if field in DEFAULTED and getattr(req, field) is None:  # (the value it names is the server's: say so)
+            e = ValueError(f"{e} (the server's default {field}: the request left it unset)")
         raise ApiError.bad_request(e) from None
 
 
