@@ -1,11 +1,11 @@
 """loopserve: a serving engine for looped (recurrent-depth) language models."""
 
-from importlib.metadata import PackageNotFoundError
+from importlib.metadata import PackageNotFoundError as _PackageNotFoundError
 from importlib.metadata import version as _version
 
 try:
     __version__ = _version("loopserve")  # (vLLM's `vllm.__version__`; also `loopserve --version` and GET /version)
-except PackageNotFoundError:  # run from a source tree that was never installed
+except _PackageNotFoundError:  # run from a source tree that was never installed
     __version__ = "unknown"
 
 from loopserve.async_llm import AsyncEngineArgs, AsyncLLM, AsyncLLMEngine, EngineArgs
