@@ -121,7 +121,7 @@ class _Keys:
 _VLLM_MODEL_CONFIG = {
     "max_model_len": "the most prompt + completion tokens is the engine's max_model_len (LLMEngine.max_model_len, "
                      "LLM.max_model_len); the model's own context is max_position",
-    "hf_config": "config.json as read is its raw",
+    "hf_config": "config.json, as read, is its `raw` field",
 }
 
 
@@ -157,7 +157,7 @@ class ModelConfig:
         model's shapes): an AttributeError saying where, as `hasattr` expects; any other name the usual one."""
         where = _VLLM_MODEL_CONFIG.get(name)
         suffix = f": loopserve's model_config is the model's shapes; {where}" if where else ""
-        raise AttributeError(f"'ModelConfig' object has no attribute {name!r}{suffix}")
+        raise AttributeError(f"'ModelConfig' object has no attribute {name!r}{suffix}", name=name, obj=self)
 
     @staticmethod
     def from_hf(cfg: dict[str, Any], source: str = "config.json", key_names: Mapping[str, str] | None = None

@@ -301,8 +301,7 @@ class Tokenizer:
         list of texts is the tokenizer's call) and for a string that is not Unicode text: one with a lone
         surrogate, which a Python string can hold and UTF-8 cannot. `options`: transformers' of ENCODE_OPTIONS,
         taken at a value that does nothing."""
-        if options:
-            _take_options(options, ENCODE_OPTIONS, "encode")
+        _take_options(options, ENCODE_OPTIONS, "encode")
         return self._encoding(text, add_special_tokens, what).ids
 
     def encode_texts(self, texts: list[str], add_special_tokens: bool = True, what: str = "texts") -> list[list[int]]:
@@ -366,8 +365,7 @@ class Tokenizer:
         transformers' `decode` takes them (ValueError naming `ids` for anything else), special tokens kept unless
         `skip_special_tokens`, as there. `options`: transformers' of DECODE_OPTIONS, taken at a value that does
         nothing."""
-        if options:
-            _take_options(options, DECODE_OPTIONS, "decode")
+        _take_options(options, DECODE_OPTIONS, "decode")
         ids = _token_ids(ids, "ids")
         try:
             if len(ids) > RELEASE_GIL_FROM:
@@ -423,8 +421,7 @@ class Tokenizer:
 
     def batch_decode(self, sequences: Any, skip_special_tokens: bool = False, **options: Any) -> list[str]:
         """`decode` of each of `sequences` (a list of them, or a 2-d tensor or array: its rows)."""
-        if options:
-            _take_options(options, DECODE_OPTIONS, "batch_decode")
+        _take_options(options, DECODE_OPTIONS, "batch_decode")
         if isinstance(sequences, numbers.Integral) or getattr(sequences, "ndim", None) == 0:
             # (one id is not a batch: transformers fails iterating over it)
             raise ValueError(f"sequences: expected a list of token-id sequences (or a 2-d tensor or array), got "

@@ -364,11 +364,14 @@ def test_any_accepted_sampling_params_sample_safely(temperature, top_p, min_p, e
     assert math.isfinite(s.logprob) and s.logprob <= 0 and s.rank >= 1 and len(s.top) == (p.logprobs or 0)
 
 
-def test_tiny_temperatures_are_greedy():
+def test_tiny_temperatures_sample_at_vllms_floor():
+    """A subnormal temperature would overflow the logits: it is raised to 0.01 (vLLM's floor), and each draw is that
+    temperature's (it was greedy below 1e-5, where vLLM samples)."""
     logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
     for t in (5e-324, 1e-310, 1e-8, 9.9e-6):
         for counter in range(5):
-            assert sample_one(logits, SamplingParams(temperature=t), 3, counter).token == int(logits.argmax())
+            s = sample_one(logits, SamplingParams(temperature=t), 3, counter).checked()
+            assert s.token == sample_one(logits, SamplingParams(temperature=0.01), 3, counter).token
 
 
 def test_non_finite_logits_raise_a_named_error():

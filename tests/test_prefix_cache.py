@@ -152,6 +152,20 @@ def test_prompts_that_arrive_together_share_the_prefix_one_of_them_computes(tiny
         assert_matches(outs[r.rid], reference(engine, r))
 
 
+def test_a_prompt_admitted_in_the_same_tick_is_waited_for_too(tiny_ouro):
+    """The first prompt asks for prompt_logprobs (it reads nothing from the cache, so the tick had built no set of
+    blocks being prefilled when it was admitted): the second, behind the same prefix in the same tick, still waits for
+    its blocks instead of computing them beside it."""
+    engine = make_engine(tiny_ouro, block_size=4, prefill_chunk_size=8, kv_cache_tokens=256, max_num_batched_tokens=32)
+    plain = SamplingParams(temperature=0.0, max_tokens=3, exit_policy="fixed")
+    reqs = [Req("a", A + [1, 2], SamplingParams(temperature=0.0, max_tokens=3, exit_policy="fixed", prompt_logprobs=1),
+                seed=0), Req("b", A + [3, 4, 5], plain, seed=0)]
+    outs = drive(engine, reqs)
+    assert outs["a"].num_cached_tokens == 0 and outs["b"].num_cached_tokens == 16
+    for r in reqs:
+        assert_matches(outs[r.rid], reference(engine, r))
+
+
 def test_identical_prompt_recomputes_its_last_token(tiny_ouro):
     engine = make_engine(tiny_ouro, block_size=4, kv_cache_tokens=128)
     params = SamplingParams(temperature=0.0, max_tokens=2)

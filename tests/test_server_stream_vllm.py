@@ -27,7 +27,9 @@ CONTINUED = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content":
 
 @pytest.fixture(scope="module")
 def server(tiny_ouro, tmp_path_factory) -> Iterator[Server]:
-    with run_server(tiny_ouro, tmp_path_factory.mktemp("stream-vllm") / "server.log", "--kv-cache-tokens", "2048") as s:
+    # (--max-logprobs -1: vLLM's whole vocabulary, which a request asks for by -1)
+    with run_server(tiny_ouro, tmp_path_factory.mktemp("stream-vllm") / "server.log", "--kv-cache-tokens", "2048",
+                    "--max-logprobs", "-1") as s:
         yield s
 
 
@@ -165,3 +167,20 @@ def test_every_chunk_of_a_response_carries_the_requests_created(monkeypatch):
     gen = api._Generation(api.CHAT, SimpleNamespace(model=None), "chatcmpl-1", [], None, [], None)  # type: ignore
     serving = SimpleNamespace(settings=SimpleNamespace(model_name="m"))
     assert {api.OpenAIServing.base(serving, "chat.completion.chunk", gen)["created"] for _ in range(3)} == {1000}
+
+
+def test_logprobs_of_the_whole_vocabulary_by_minus_one(server, tiny_ouro):
+    """Under --max-logprobs -1 a request's -1 asks for every token's logprob (vLLM's rule): a completion's came back
+    empty (its formatter read -1 as the count), a chat's and a prompt's whole; streamed as not."""
+    from loopserve.json_files import read_json_object
+    from loopserve.model_config import ModelConfig
+
+    vocab = ModelConfig.from_hf(read_json_object(tiny_ouro / "config.json")).vocab_size
+    body = {"prompt": "Once upon", "max_tokens": 2, "temperature": 0, "logprobs": -1, "echo": True}
+    for choice in (_post(server, C, body)["choices"][0],
+                   *(ch["choices"][0] for ch in _stream(server, C, {**body, "echo": False})[0])):
+        tops = [t for t in choice["logprobs"]["top_logprobs"] if t is not None]
+        assert tops and all(20 < len(t) <= vocab for t in tops), [len(t) for t in tops]  # (keyed by text: ties merge)
+    chat = _post(server, H, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0,
+                             "logprobs": True, "top_logprobs": -1})["choices"][0]["logprobs"]["content"]
+    assert chat and all(len(t["top_logprobs"]) == vocab for t in chat)

@@ -58,7 +58,7 @@ def server(tiny_path, tmp_path_factory) -> Iterator[Server]:
         yield s
 
 
-SERVER_MAX_LOGPROBS = 3  # (the server's --max-logprobs: vLLM's cap, under loopserve's own 20)
+SERVER_MAX_LOGPROBS = 3  # (the server's --max-logprobs: vLLM's cap, below its default 20)
 
 
 def _auth(key: str = KEYS[0]) -> dict[str, str]:

@@ -327,6 +327,17 @@ def test_a_complete_grammar_is_followed_by_the_eos_it_allows_as_in_vllm(llm):
         assert cut.token_ids == body and cut.finish_reason == "length"
 
 
+def test_a_complete_grammar_ends_the_output_of_a_tokenizer_without_eos(tiny_ouro):
+    """No eos to sample (a tokenizer without one): the output ends with the grammar. Sampling on, it ran to max_tokens
+    on the token llguidance took for an eos, which ends nothing here."""
+    llm = LLM(tiny_ouro, dtype="float64", kv_cache_tokens=512)
+    llm.tokenizer.eos_token_ids, llm.tokenizer.eos_token_id = set(), None
+    out = llm.generate([[3, 4]], SamplingParams(max_tokens=8, temperature=0,
+                                                guided_decoding=GuidedDecodingParams(choice=["yes", "no"])),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.text in ("yes", "no") and out.finish_reason == "stop" and len(out.token_ids) < 8, out
+
+
 def test_sampling_params_takes_guided_decoding_params_or_a_dict_of_them():
     assert SamplingParams(guided_decoding={"json": SCHEMA}).grammar_spec == GuidedDecodingParams(json=SCHEMA)
     with pytest.raises(ValueError, match=r"^guided_decoding: "):

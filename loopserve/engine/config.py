@@ -93,7 +93,8 @@ class EngineConfig:
     # vLLM's cap on what a request's logprobs and prompt_logprobs ask for (and so on a beam search's width: a step
     # asks for 2 * width); -1 is the whole vocabulary, which a request asks for by -1, as in vLLM
     max_logprobs: int = _knob(DEFAULT_MAX_LOGPROBS, "most logprobs (and prompt_logprobs) a request may ask for "
-                              "(-1: the whole vocabulary)")
+                              "(-1: the whole vocabulary; a beam search may then be up to half the vocabulary wide, "
+                              "each beam's step reading 2 x width logprobs)")
 
     def __post_init__(self) -> None:
         check_bool_knobs(self)

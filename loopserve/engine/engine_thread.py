@@ -474,8 +474,8 @@ class EngineThread:
         """The dead engine's requests, aborted (their KV freed): the LLM it belongs to may still be used (its
         `generate`), which ran them to their end first, unseen (57 s for a 2-token request after two long ones).
         Best effort: the step that raised may have left the engine in a state an abort cannot undo."""
-        try:
-            self.engine.abort_request(list(self.engine.requests))
+        try:  # (by each request's head: it takes its other samples along)
+            self.engine.abort_request(list({s.family[0].request_id for s in self.engine.requests.values()}))
         except Exception:
             log.exception("could not abort the dead engine's requests")
 

@@ -65,7 +65,7 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     if filters is None:
         ks = [k for k in top_k.tolist() if k < vocab]
         filters = (max(ks, default=0), bool((top_p < 1).any()), bool((min_p > 0).any()))
-    x = logits / temperature[:, None]  # temperature >= MIN_TEMPERATURE here, so x stays finite
+    x = logits / temperature[:, None]  # temperature >= MIN_TEMPERATURE (SamplingParams' checks), so x stays finite
     k_max, use_p, use_min_p = filters
     if isinstance(k_max, bool):  # (an old-style (bool, bool, bool) would read True as top-1)
         raise TypeError("filters: (largest top_k of the filtering rows or 0, any top_p, any min_p)")

@@ -482,7 +482,8 @@ class Scheduler:
         free = kv.num_free
         owed = self._owed_blocks()
         resident = self.resident()
-        pending: set[bytes] | None = None  # prompt blocks being prefilled (`_pending_prompt_keys`), on first need
+        pending: set[bytes] | None = None  # prompt blocks being prefilled (`_pending_prompt_keys`), on first need,
+        fresh: set[bytes] = set()  # and those of the prompts admitted in this tick (running only once it is planned)
         for seq in list(self.waiting):
             sid = seq.request_id
             admitted = sid in self.running
@@ -491,7 +492,8 @@ class Scheduler:
             hit = [] if admitted else self._cached_prefix(seq)  # a new prompt's cached blocks
             if not admitted and self._prefix_reusable(seq) > len(hit):
                 pending = self._pending_prompt_keys() if pending is None else pending
-                if self._prompt_keys(seq)[len(hit)] in pending:  # an admitted prompt is computing its next block:
+                key = self._prompt_keys(seq)[len(hit)]
+                if key in pending or key in fresh:  # an admitted prompt is computing its next block:
                     self.stats.prefix_cache_waits += 1  # it comes from the cache once that chunk has run, not
                     continue  # computed twice beside it (prompts that share a system prompt, arriving together)
             start = self.prefill_pos[sid] if admitted else len(hit) * kv.block_size
@@ -515,8 +517,8 @@ class Scheduler:
                 owed += whole - need
                 self._admit(seq, hit)  # its cached blocks are held from now: later allocations cannot evict them
                 resident += 1 + len(seq.pending_forks)
-                if pending is not None and self.prefix_scope is not None:  # (its blocks are being computed now too)
-                    pending.update(self._prompt_keys(seq)[len(hit):len(seq.prompt_ids) // kv.block_size])
+                if self.prefix_scope is not None:  # (its blocks are being computed from now on too)
+                    fresh.update(self._prompt_keys(seq)[len(hit):len(seq.prompt_ids) // kv.block_size])
             free -= need
             budget -= n
             chunks.append(PrefillChunk(seq, start, n))

@@ -605,8 +605,9 @@ class Sequence:
             self.finish("stop")
 
     def _eos_may_end(self) -> bool:
-        """Whether an eos sampled next would end the request: it is not ignored, and min_tokens are out."""
-        return not self.params.ignore_eos and len(self.output_ids) >= self.params.min_tokens
+        """Whether an eos sampled next would end the request: it has one (none under ignore_eos, or from a tokenizer
+        without one), and min_tokens are out."""
+        return bool(self.eos_ids) and len(self.output_ids) >= self.params.min_tokens
 
     def _stopped(self, token: int, searched: int) -> bool:
         """Finish the request if the token just appended, or the text it completed, stops it (vLLM's rules:

@@ -317,7 +317,7 @@ class _Generation:
     fmt: LogprobFormatter
     prompt_fields: list[str]  # per sequence: "prompt", "prompt.1" (a batch's), "messages"
     grammar_field: str | None  # response_format, guided_json, structured_outputs, tools, ... (None: no grammar)
-    top_logprobs: int = 0  # chat: alternatives per token
+    top_logprobs: int = 0  # alternatives per token (vLLM's -1 counted: the whole vocabulary)
     tools: ToolPlan | None = None  # chat: the tool calls the output becomes (serve/structured.py)
     echo: bool = False  # completions: the prompt comes first in the text (and the logprobs)
     echo_text: str = ""  # chat: what comes first in every reply (`echo`: the final message's text)
@@ -677,7 +677,7 @@ class OpenAIServing:
                 text = (given if given is not None
                         else self.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)) + text
             body: dict[str, Any] = {"text": text}
-            logprobs = gen.fmt.completion_logprobs(c, count, gen.req.logprobs or 0, d, echo)
+            logprobs = gen.fmt.completion_logprobs(c, count, gen.top_logprobs, d, echo)
         else:
             if not stream:  # (a stream sends the echoed text in a chunk of its own, first)
                 # (an empty tool_calls list, as vLLM's messages carry one: clients read it without a check)
@@ -1085,8 +1085,9 @@ class OpenAIServing:
                                      guided_decoding=guide)
             seqs.append(self.make_seq(rid, text, ids, params, arrival, params.seed, where, grammar_field,
                                       req.cache_salt))
+        top = logprobs_asked(req.logprobs or 0, self.engine.model_config.vocab_size)
         return _Generation(COMPLETION, req, cid, seqs, self.formatter(req), [where for where, _, _ in prompts],
-                           grammar_field, echo=echo, generated=generated)
+                           grammar_field, top, echo=echo, generated=generated)
 
     def beam_completion(self, req: CompletionRequest, arrival: float, prompts: list[tuple[str, str | None, list[int]]],
                         cid: str) -> _Generation:

@@ -477,7 +477,7 @@ def run_replicas(args: argparse.Namespace) -> int:
         context = ray.init(address=args.ray_address, logging_level=args.log_level.upper(),
                            include_dashboard=args.ray_dashboard if local else None)
     except ConnectionError as e:  # (--ray-address auto with no cluster running)
-        raise CommandError(f"--ray-address: {e}") from None
+        raise CommandError(f"--ray-address: {e}" if not local else f"Ray could not start: {e}") from None
     # after ray.init, which installs its own SIGTERM handler (a stack dump, then abort)
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -490,8 +490,10 @@ def run_replicas(args: argparse.Namespace) -> int:
         try:
             serve.start(http_options={"host": args.host, "port": args.port})
         except Exception as e:  # (Ray's wrapping of the proxy's error, e.g. a port in use on a cluster's head)
-            print(f"error: --port: Ray Serve's proxy could not listen on {args.host}:{args.port}: {_last_line(e)}",
-                  file=sys.stderr)
+            why = _last_line(e)
+            where = (f"--port: Ray Serve's proxy could not listen on {args.host}:{args.port}" if "bind" in why.lower()
+                     else "Ray Serve could not start")
+            print(f"error: {where}: {why}", file=sys.stderr)
             return 1
         try:
             serve.run(application, name=APP_NAME, route_prefix="/", blocking=False)
