@@ -520,8 +520,6 @@ class SamplingParams:
             raise bad("exit_threshold", "must be a finite number >= 0")
         if self.exit_policy is not None and self.exit_policy not in POLICIES:
             raise bad("exit_policy", f"must be one of {', '.join(POLICIES)}")
-        if isinstance(self.exit_trace, list | tuple) and not self.exit_trace:  # (empty: no depths to replay, as unset)
-            self.exit_trace = None
         if self.exit_trace is not None:
             if not isinstance(self.exit_trace, list) or not all(is_int(d) and d >= 1 for d in self.exit_trace):
                 raise bad("exit_trace", "must be a list of integers >= 1")

@@ -63,7 +63,6 @@ LOGITS = P.log() + 3.0  # a constant shift changes nothing
     ("exit_trace", {"exit_trace": [2, 0]}),
     ("exit_policy", {"exit_trace": [2], "exit_policy": "gate"}),
     ("exit_trace", {"exit_policy": "trace"}),  # nothing to replay: it ran at full depth unsaid
-    ("exit_trace", {"exit_policy": "trace", "exit_trace": []}),  # (an empty trace is none: it ran at full depth)
     ("exit_threshold", {"exit_policy": "lookahead_gate", "exit_threshold": 1.5}),  # (at construction, as gate's)
     ("exit_threshold", {"exit_policy": "lookahead_gate", "exit_threshold": 0}),
     ("num_speculative_tokens", {"num_speculative_tokens": -1}),
@@ -470,9 +469,3 @@ def test_a_tiny_temperature_is_raised_to_vllms_floor(given, caplog):
     assert "raised to 0.01" in caplog.text
     assert SamplingParams(temperature=0).greedy and SamplingParams(temperature=0.01).temperature == 0.01
 
-
-def test_an_empty_exit_trace_is_no_trace():
-    """An empty list asks for nothing, as elsewhere: the model's own exit rule runs (it set exit_policy 'trace' and
-    ran every token at full depth)."""
-    p = SamplingParams(exit_trace=[])
-    assert p.exit_trace is None and p.exit_policy is None

@@ -213,11 +213,9 @@ def test_threshold_default_rule(request, fixture, own):
     traced = CompletionRequest(prompt="x", exit_trace=[1, 2])
     assert "exit_threshold" not in fill_defaults(traced, defaults)
     assert sampling_params(traced, max_tokens=2, logprobs=None, defaults=defaults).exit_policy == "trace"
-    # an empty one is none (as SamplingParams reads it): the server's policy and threshold stay (they were dropped)
+    # an empty one too: a trace of no tokens, every token past its end at full depth
     empty = CompletionRequest(prompt="x", exit_trace=[])
-    assert fill_defaults(empty, defaults)["exit_threshold"] == 0.5
-    run = sampling_params(empty, max_tokens=2, logprobs=None, defaults=defaults)
-    assert (run.exit_policy, run.exit_threshold, run.exit_trace) == (own, 0.5, None)
+    assert sampling_params(empty, max_tokens=2, logprobs=None, defaults=defaults).exit_policy == "trace"
     # a request's own threshold always wins; --exit-policy kl makes kl the policy the threshold belongs to
     assert fill_defaults(CompletionRequest(prompt="x", exit_policy="kl", exit_threshold=0.1), defaults)[
         "exit_threshold"] == 0.1

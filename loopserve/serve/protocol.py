@@ -617,10 +617,9 @@ def fill_defaults(req: _SamplingFields, defaults: dict[str, Any]) -> dict[str, A
     naming another policy without a threshold gets that policy's own default threshold (exits.py); one with an
     exit_trace names trace, which has none (not the server's policy either)."""
     out = {k: getattr(req, k) if getattr(req, k) is not None else defaults.get(k) for k in DEFAULTED}
-    traced = bool(req.exit_trace)  # (an empty one is none, as SamplingParams reads it)
-    if traced and req.exit_policy is None:  # an exit_trace names its policy: the server's is not it
+    if req.exit_trace is not None and req.exit_policy is None:  # an exit_trace names its policy: the server's is not it
         out["exit_policy"] = None
-    policy = req.exit_policy if not traced else "trace"
+    policy = req.exit_policy if req.exit_trace is None else "trace"
     if req.exit_threshold is None and policy not in (None, defaults.get("exit_policy")):
         out["exit_threshold"] = None
     return {k: v for k, v in out.items() if v is not None}
