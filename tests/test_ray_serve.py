@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -151,6 +152,17 @@ def test_bad_replica_flags_exit_2_before_ray_starts(argv, message, tmp_path):
                        capture_output=True, text=True, cwd=REPO, timeout=60)
     assert r.returncode == 2 and message in r.stderr, r.stderr
     assert "Ray" not in r.stderr and time.monotonic() - t0 < 30
+
+
+def test_ray_address_auto_without_a_cluster_is_one_error_line(tmp_path):
+    """It was Ray's ConnectionError traceback (exit 1)."""
+    if Path(tempfile.gettempdir(), "ray", "ray_current_cluster").exists():  # (what "auto" would join)
+        pytest.skip("a Ray cluster runs on this machine")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    r = subprocess.run([sys.executable, "-m", "loopserve.cli", "serve", "--model", str(tmp_path), "--ray-address",
+                        "auto"], capture_output=True, text=True, cwd=REPO, timeout=120, env=env)
+    assert r.returncode == 2 and "error: --ray-address: Could not find any running Ray instance" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
 
 
 def test_a_port_in_use_exits_2_before_ray_starts(tmp_path):

@@ -476,8 +476,11 @@ def run_replicas(args: argparse.Namespace) -> int:
     try:
         context = ray.init(address=args.ray_address, logging_level=args.log_level.upper(),
                            include_dashboard=args.ray_dashboard if local else None)
-    except ConnectionError as e:  # (--ray-address auto with no cluster running)
-        raise CommandError(f"--ray-address: {e}" if not local else f"Ray could not start: {e}") from None
+    except ConnectionError as e:  # (--ray-address auto with no cluster running; a cluster that wants a token)
+        hint = (" (a cluster with token authentication: set RAY_AUTH_MODE and Ray's token variables, "
+                "docs/scale-out.md)" if "auth" in str(e).lower() else "")
+        raise CommandError(f"--ray-address: {_last_line(e)}{hint}" if not local
+                           else f"Ray could not start: {_last_line(e)}") from None
     # after ray.init, which installs its own SIGTERM handler (a stack dump, then abort)
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
