@@ -110,6 +110,8 @@ def _check_ids(ids: list[Any], what: str) -> None:
 def _take_options(given: Mapping[str, Any], known: Sequence[str], method: str) -> None:
     """transformers' options of a method (`known`), taken at a value that does nothing (`_refuse_options`); a name
     that is not one of them is the TypeError Python raises for an unknown keyword."""
+    if not given:  # (most calls: decode runs once per finished request, on the engine thread)
+        return
     unknown = sorted(set(given) - set(known))
     if unknown:
         raise TypeError(f"{method} got an unexpected keyword argument {unknown[0]!r}")

@@ -338,10 +338,10 @@ class LLMEngine:
         for it). `reset_connector`: vLLM's, for the cache of a KV connector; loopserve has none, so there is
         nothing more to reset, as in vLLM without one."""
         self._check_thread("reset_prefix_cache")
-        if self.scheduler.has_work() and reset_running_requests:
-            raise ValueError("reset_running_requests: not supported by loopserve with requests in flight (it does not "
-                             "preempt requests to reset the prefix cache); reset with no request in flight")
         if self.scheduler.has_work():  # (a request aborted or finished, not yet reported, holds no KV any more)
+            if reset_running_requests:
+                raise ValueError("reset_running_requests: not supported by loopserve with requests in flight (it does "
+                                 "not preempt requests to reset the prefix cache); reset with no request in flight")
             log.warning("prefix cache not reset: %d requests are in flight",
                         sum(not s.finished for s in self.requests.values()))
             return False

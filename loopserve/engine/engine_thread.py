@@ -382,8 +382,7 @@ class EngineThread:
                                 samples = (part.index, *(s.index for s in part.pending_forks))
                                 self._unscheduled[part.request_id] = (part, samples)
             elif kind == "abort_all":
-                # (each request once, by its head: aborting it takes its samples along)
-                self.engine.abort_request([rid for rid, seq in self.engine.requests.items() if seq is seq.family[0]])
+                self._abort_requests()
             elif kind == "call":
                 fn, future = payload
                 try:
@@ -461,7 +460,10 @@ class EngineThread:
         except BaseException as e:  # a bug in a step: fail loudly, answer what is in flight, then report
             log.exception("engine step failed; the engine is stopped")
             self.dead = e
-            self._abort_everything()
+            try:  # its requests too: the LLM it belongs to may still be used (`generate`), which ran them to their end
+                self._abort_requests()  # first, unseen (57 s for a 2-token request after two long ones)
+            except Exception:  # (best effort: the step that raised may have left what an abort cannot undo)
+                log.exception("could not abort the dead engine's requests")
             self._post(self._fail_all, EngineDeadError(f"engine error: {e!r}"))
             if self.on_dead is not None:
                 self._post(self.on_dead)
@@ -469,15 +471,10 @@ class EngineThread:
             self.engine.release(self)
             self._end()
 
-
-    def _abort_everything(self) -> None:
-        """The dead engine's requests, aborted (their KV freed): the LLM it belongs to may still be used (its
-        `generate`), which ran them to their end first, unseen (57 s for a 2-token request after two long ones).
-        Best effort: the step that raised may have left the engine in a state an abort cannot undo."""
-        try:  # (by each request's head: it takes its other samples along)
-            self.engine.abort_request(list({s.family[0].request_id for s in self.engine.requests.values()}))
-        except Exception:
-            log.exception("could not abort the dead engine's requests")
+    def _abort_requests(self) -> None:
+        """Abort every request in the engine (their KV freed): each once, by its head, which takes its samples
+        along."""
+        self.engine.abort_request([rid for rid, seq in self.engine.requests.items() if seq is seq.family[0]])
 
 
 # Engine threads started and not yet collected; and their threads, alive or lately ended. At exit each is stopped and

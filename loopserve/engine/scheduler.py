@@ -558,9 +558,7 @@ class Scheduler:
 
     def _pending_prompt_keys(self) -> set[bytes]:
         """The keys of the prompt blocks that admitted prompts are still to prefill (each is published, and found in
-        the cache, once the chunk that completes it has run)."""
-        if self.prefix_scope is None:
-            return set()
+        the cache, once the chunk that completes it has run; asked only with a prefix cache)."""
         bs = self.kv.block_size
         return {key for seq in self.waiting if seq.request_id in self.running
                 for key in self._prompt_keys(seq)[self.prefill_pos[seq.request_id] // bs:len(seq.prompt_ids) // bs]}

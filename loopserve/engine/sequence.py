@@ -206,8 +206,8 @@ def make_sequence(model: LoopedLM, tokenizer: Tokenizer, request_id: str, prompt
     samples prefill in parts, each part's first sample the `prefill_head` of the others (vLLM queues such samples
     too; here each part prefills the prompt again, or reuses it from the prefix cache).
     `max_model_len`: the most prompt + completion tokens (None: the model's context); the sequence ends
-    ("length") there. `max_logprobs`: the most logprobs and prompt_logprobs it may ask for (-1: no cap beyond
-    SamplingParams' own).
+    ("length") there. `max_logprobs`: the most logprobs and prompt_logprobs it may ask for (-1: the whole
+    vocabulary, which it asks for by -1, as in vLLM).
 
     `seed` seeds sampling when the request gives none; the random initial states are seeded by the
     request's own seed, else by `base_seed` (the engine's), chained over the tokens (`Sequence.state_seed`).
