@@ -293,6 +293,7 @@ def test_sigterm_does_not_wait_for_stalled_uploads(short_path, tmp_path):
     for raw in answers:
         status, err = _status_and_json(raw)
         assert status == 503 and err["error"]["code"] == 503, raw
+        assert b"\r\nretry-after: 5\r\n" in raw.lower(), raw  # (as the other shutdown 503s: SHUTDOWN_RETRY_AFTER_S)
     _assert_quiet(log.read_text().splitlines())
 
 

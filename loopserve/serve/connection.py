@@ -42,7 +42,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
 from loopserve.serve.limits import BODY_TIMEOUTS, MIN_BODY_RATE
-from loopserve.serve.protocol import SHUTTING_DOWN, error_body
+from loopserve.serve.protocol import SHUTDOWN_RETRY_AFTER_S, SHUTTING_DOWN, error_body
 
 log = logging.getLogger("loopserve.serve")
 CLOSED_BY_SERVER = "loopserve.closed_by_server"  # scope key: the server answered and closed the request
@@ -95,7 +95,7 @@ class ReadTimeoutProtocol(H11Protocol):
     def shutdown(self) -> None:
         if self._awaiting == "body" and not self.cycle.response_started:
             log.info("%s: request body still arriving at shutdown; answered 503 and closed", self._peer())
-            self._answer(503, SHUTTING_DOWN)
+            self._answer(503, SHUTTING_DOWN, [(b"retry-after", str(SHUTDOWN_RETRY_AFTER_S).encode())])
             self.transport.close()
             return
         super().shutdown()
@@ -157,11 +157,11 @@ class ReadTimeoutProtocol(H11Protocol):
         elif self.cycle.response_complete:  # answered without reading the whole body: nothing to wait for
             self.transport.close()
 
-    def _answer(self, status: int, message: str) -> None:
-        """Write a complete error response while the request is still being received."""
+    def _answer(self, status: int, message: str, extra: list[tuple[bytes, bytes]] | None = None) -> None:
+        """Write a complete error response while the request is still being received (`extra`: more headers)."""
         body = json.dumps(error_body(status, message)).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                   (b"connection", b"close")]
+                   (b"connection", b"close"), *(extra or ())]
         for event in (h11.Response(status_code=status, headers=headers, reason=STATUS_PHRASES[status]),
                       h11.Data(data=body), h11.EndOfMessage()):
             self.transport.write(self.conn.send(event))
