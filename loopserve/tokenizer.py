@@ -28,7 +28,7 @@ import json
 import numbers
 import os
 import uuid
-from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from collections.abc import Generator, Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import cached_property, lru_cache
 from pathlib import Path
@@ -40,9 +40,9 @@ from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Encoding, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers.decoders import DecodeStream
 
 from loopserve.chat_messages import check_continuable, within
+from loopserve.detokenizer import TextStream
 from loopserve.json_files import read_json_object
 
 DEFAULT_TEMPLATE = "default"
@@ -377,11 +377,9 @@ class Tokenizer:
             _check_ids(ids, "ids")
             raise
 
-    def decode_stream(self, skip_special_tokens: bool = True) -> Callable[[int], str | None]:
-        """Incremental decoding: feed generated ids one at a time, get the new text (None while a
-        multi-byte character is incomplete); about 2 us a token instead of re-decoding windows."""
-        stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-        return lambda token: stream.step(self.tok, token)
+    def text_stream(self, prompt_ids: Sequence[int], skip_special_tokens: bool = True) -> TextStream:
+        """The incremental decoder of an output that follows `prompt_ids` (vLLM's rules: `TextStream`)."""
+        return TextStream(self.tok, prompt_ids, skip_special_tokens)
 
     def id_to_token(self, i: int) -> str | None:
         """The vocabulary symbol (a byte-level BPE token reads 'Ġthe'); `decode_token` gives its text."""

@@ -4,7 +4,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 set -e
 .venv/bin/ruff check loopserve loopserve_lab tests
-.venv/bin/mypy loopserve/engine loopserve/cache loopserve/exits.py loopserve/jit.py loopserve/sampling_params.py loopserve/model_config.py loopserve/device.py loopserve/beam_search.py loopserve/async_llm.py loopserve/vllm_neutral.py loopserve/outputs.py loopserve/json_files.py
+.venv/bin/mypy loopserve/engine loopserve/cache loopserve/exits.py loopserve/jit.py loopserve/sampling_params.py loopserve/model_config.py loopserve/device.py loopserve/beam_search.py loopserve/async_llm.py loopserve/vllm_neutral.py loopserve/outputs.py loopserve/detokenizer.py loopserve/json_files.py
 set +e
 # two workers, a test file on one of them (its module-scoped servers start once): most of the suite's time is
 # servers and subprocesses waiting, so the two cores take about 1.7x less wall time than one run

@@ -180,11 +180,11 @@ def test_a_streamed_request_failing_to_detokenize_on_the_batch_path_fails_alone(
         finally:
             inside_append.pop()
 
-    def decode_pending(self):
+    def decode_pending(self, end=None):
         if _victim(self) and len(self.output_ids) >= 3:
             faults.append(bool(inside_append))
             raise Fault("decode_pending failed")
-        return real_decode(self)
+        return real_decode(self, end)
 
     monkeypatch.setattr(Sequence, "append", append)
     monkeypatch.setattr(Sequence, "decode_pending", decode_pending)

@@ -47,20 +47,22 @@ def test_final_only_reports_once_and_equals_cumulative(tiny_ouro, scheduler, sto
 
 
 def test_final_only_decodes_text_once(tiny_ouro, monkeypatch):
-    """No per-token detokenization for a FINAL_ONLY request without stop strings; a CUMULATIVE one decodes
-    each token as it comes (its outputs carry the text)."""
-    calls: dict[str, int] = {}
+    """No per-token detokenization for a FINAL_ONLY request without stop strings (its tokens decoded together, when it
+    finishes); a CUMULATIVE one decodes each token as it comes (its outputs carry the text)."""
+    calls: dict[str, list[int]] = {}
     real = Sequence.decode_pending
 
-    def counted(self):
-        calls[self.request_id] = calls.get(self.request_id, 0) + 1
-        return real(self)
+    def counted(self, end=None):
+        n = (len(self.output_ids) if end is None else end) - self._decoded
+        if n > 0:
+            calls.setdefault(self.request_id, []).append(n)
+        return real(self, end)
 
     monkeypatch.setattr(Sequence, "decode_pending", counted)
     engine = make_engine(tiny_ouro, scheduler="cdb")
     kw = dict(max_tokens=10, ignore_eos=True, temperature=0.0)
     seen = _run(engine, {"c": SamplingParams(**kw), "f": SamplingParams(**kw, output_kind=FINAL)}, [9, 10, 11])
-    assert calls.get("c") == 10 and "f" not in calls
+    assert calls["c"] == [1] * 10 and calls["f"] == [10]
     assert seen["f"][0].outputs[0].text == seen["c"][-1].outputs[0].text
 
 

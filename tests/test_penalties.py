@@ -268,7 +268,8 @@ def test_min_tokens_keeps_eos_away(ref_llm):
 
 
 def test_stop_reason_and_include_stop_str(ref_llm):
-    full = _gen(ref_llm, PROMPT, max_tokens=16, temperature=0, ignore_eos=True).outputs[0]
+    whole = _gen(ref_llm, PROMPT, max_tokens=16, temperature=0, ignore_eos=True)
+    full = whole.outputs[0]
     assert full.finish_reason == "length" and full.stop_reason is None
     text = full.text
     k = next(i for i in range(1, len(text) - 1) if text[i:i + 2].isascii() and text[i:i + 2].isalpha()
@@ -279,13 +280,17 @@ def test_stop_reason_and_include_stop_str(ref_llm):
     assert (out.text, out.finish_reason, out.stop_reason) == (text[:k], "stop", stop)
     kept = _gen(ref_llm, PROMPT, include_stop_str_in_output=True, **kw).outputs[0]
     assert (kept.text, kept.stop_reason, kept.token_ids) == (text[:k + 2], stop, out.token_ids)
-    # a stop token's text is left out of the text unless asked for, and it is the stop reason
-    j = next(i for i in range(1, 16) if full.token_ids[i] not in full.token_ids[:i])
+    # a stop token's text is left out of the text unless asked for, and it is the stop reason (a token whose text
+    # shows: one that completes no character adds none)
+    def text_of(n):  # the text of the first n tokens, as the output's stream decodes it
+        return ref_llm.tokenizer.text_stream(whole.prompt_token_ids).extend(full.token_ids[:n])
+
+    j = next(i for i in range(1, 16) if full.token_ids[i] not in full.token_ids[:i] and text_of(i + 1) != text_of(i))
     tid = full.token_ids[j]
-    piece = ref_llm.tokenizer.decode(full.token_ids[: j + 1])
+    piece = text_of(j + 1)
     by_id = _gen(ref_llm, PROMPT, max_tokens=16, temperature=0, ignore_eos=True, stop_token_ids=[tid]).outputs[0]
     assert by_id.token_ids == full.token_ids[: j + 1] and by_id.stop_reason == tid
-    assert by_id.text == ref_llm.tokenizer.decode(full.token_ids[:j]) != piece
+    assert by_id.text == text_of(j) != piece
     with_id = _gen(ref_llm, PROMPT, max_tokens=16, temperature=0, ignore_eos=True, stop_token_ids=[tid],
                    include_stop_str_in_output=True).outputs[0]
     assert with_id.text == piece

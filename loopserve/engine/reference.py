@@ -113,4 +113,4 @@ class ReferenceDecoder:
     def _fail(seq: Sequence, error: Exception) -> None:
         """Finish a request that failed alone, with the engine's error and status (`failure`)."""
         message, status = failure(error)
-        seq.finish("error", message, keep_text=True, error_status=status)
+        seq.finish("error", message, error_status=status)

@@ -199,7 +199,7 @@ class Scheduler:
         if seq in head.pending_forks:  # a sample still waiting for the prompt's prefill
             head.pending_forks = [f for f in head.pending_forks if f is not seq]
         for fork in seq.pending_forks if seq is head else ():  # the prefill they wait for will not come
-            fork.finish(reason, error, keep_text=error is not None, error_status=status)
+            fork.finish(reason, error, error_status=status)
             self._finish(fork)
         seq.pending_forks = []
         for item in [i for i in self.swapped if i.seq is seq]:
@@ -208,7 +208,7 @@ class Scheduler:
         items = [i for q in queues for i in q if i.seq is seq]
         self._remove_items(items)
         self._discard_items(items)
-        seq.finish(reason, error, keep_text=error is not None, error_status=status)  # the text as it was
+        seq.finish(reason, error, error_status=status)
         self._finish(seq)
 
     # -- helpers -------------------------------------------------------------------------------------

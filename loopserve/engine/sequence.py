@@ -425,8 +425,8 @@ class Sequence:
         self._exit_depths: list[int] = []
         self._text = ""  # the text of output_ids[:_decoded] (`text` decodes the rest when read)
         self._decoded = 0
-        # incremental decoding of output_ids (detokenize=False: none, the text stays "")
-        self._detok = tokenizer.decode_stream(params.skip_special_tokens) if params.detokenize else _no_text
+        # incremental decoding of output_ids, as vLLM's (detokenize=False: none, the text stays "")
+        self._detok = tokenizer.text_stream(prompt_ids, params.skip_special_tokens) if params.detokenize else None
         # DELTA outputs: what earlier outputs reported (tokens, characters of text, the finish); and the characters
         # an unfinished output (DELTA or CUMULATIVE) holds back while a stop string may still cut them: the longest
         # one, less one (none when stop strings stay in the output, as in vLLM)
@@ -436,7 +436,6 @@ class Sequence:
                       if params.stop and not params.include_stop_str_in_output else 0)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None  # the stop token id or stop string that finished it (not eos)
-        self._stop_from = 0  # stop strings match from here on: the text of the first min_tokens tokens is kept
         self.error: str | None = None
         self.error_status: int | None = None
         self.status = Status.WAITING
@@ -528,18 +527,17 @@ class Sequence:
             self._sent_chars = len(value)  # decoding it whole changed text a DELTA output sent: send no more
         self._text, self._decoded = value, len(self.output_ids)
 
-    def decode_pending(self) -> None:
-        """Append the text of the tokens not decoded yet (the stream holds back an incomplete UTF-8
-        character until the token that completes it). Called per token only for requests that need the
-        text then (by `append` for stop strings and per-token outputs, by the scheduler for a coda batch's
-        quiet tokens of streamed requests): a FINAL_ONLY request without stop strings decodes its text
-        once, when it finishes."""
+    def decode_pending(self, end: int | None = None) -> None:
+        """Append the text of the tokens not decoded yet, up to output token `end` (default: all); the stream holds
+        back an incomplete UTF-8 character until the token that completes it (`TextStream`). Called per token only
+        for requests that need the text then (by `append` for stop strings and per-token outputs, by the scheduler
+        for a coda batch's quiet tokens of streamed requests): a FINAL_ONLY request without stop strings decodes its
+        text once, when it finishes."""
         ids = self.output_ids
-        while self._decoded < len(ids):
-            chunk = self._detok(ids[self._decoded])
-            self._decoded += 1
-            if chunk:
-                self._text += chunk
+        end = len(ids) if end is None else end
+        if self._decoded < end and self._detok is not None:
+            self._text += self._detok.extend(ids[self._decoded:end])
+        self._decoded = max(self._decoded, end)
 
     @property
     def finished(self) -> bool:
@@ -593,8 +591,8 @@ class Sequence:
         ids = self.output_ids
         ids.append(token)
         self.exit_depths.append(exit_depth)
-        if self._text_per_token:
-            self.decode_pending()  # here, where a failure fails this request alone (not the step's outputs)
+        if self._text_per_token:  # (a stop token's text is left out unless kept: vLLM does not decode it)
+            self.decode_pending(len(ids) - self._drops_stop_token(token))  # here, where a failure fails this request
         if not (stop or guide is not None or token in self.stop_tokens or len(ids) >= self.max_new):
             return  # (most tokens: nothing below could finish it, and the checks run per token)
         if not self._stopped(token, searched) and len(ids) >= self.max_new:
@@ -609,6 +607,13 @@ class Sequence:
         without one), and min_tokens are out."""
         return bool(self.eos_ids) and len(self.output_ids) >= self.params.min_tokens
 
+    def _drops_stop_token(self, token: int) -> bool:
+        """Whether `token`, just appended, is a stop token that ends the request (past min_tokens) and whose text
+        is left out (unless include_stop_str_in_output)."""
+        p = self.params
+        return (not p.include_stop_str_in_output and len(self.output_ids) > p.min_tokens
+                and (token in self.eos_ids or token in self.stop_ids))
+
     def _stopped(self, token: int, searched: int) -> bool:
         """Finish the request if the token just appended, or the text it completed, stops it (vLLM's rules:
         nothing stops it before min_tokens tokens; the stop token's text, or the stop string, is left out
@@ -616,39 +621,34 @@ class Sequence:
         tokenizer's eos token: a generation config's other eos ids are stop ids to vLLM, and name themselves)."""
         p = self.params
         if len(self.output_ids) <= p.min_tokens:
-            if p.stop:
-                self._stop_from = len(self.text)
             return False
         if token in self.eos_ids or token in self.stop_ids:
-            self.text = self._decode(self.output_ids if p.include_stop_str_in_output else self.output_ids[:-1])
-            self.finish("stop", keep_text=True)
+            n = len(self.output_ids)
+            self.decode_pending(n - self._drops_stop_token(token))
+            self._decoded = n  # (a stop token left out is never decoded)
+            self.finish("stop")
             self.stop_reason = None if token in self.eos_ids and token == self.tokenizer.eos_token_id else token
             return True
         if not p.stop:
             return False
-        # Only a match ending in the new text can be new; of those, the earliest wins (then the first listed).
-        starts = [(self.text.find(s, max(self._stop_from, searched - len(s) + 1)), s) for s in p.stop or ()]
-        hits = [(i, s) for i, s in starts if i >= 0]
-        if not hits:
-            return False
-        i, s = min(hits, key=lambda h: h[0])
-        self.text = self.text[: i + len(s) if p.include_stop_str_in_output else i]
-        self.finish("stop", keep_text=True)
-        self.stop_reason = s
-        return True
+        # vLLM's rule: the first stop string listed that ends in the new text (it may begin in the text before it, in
+        # that of the first min_tokens tokens too)
+        text = self.text
+        for s in p.stop:
+            i = text.find(s, max(0, searched - len(s) + 1))
+            if i >= 0:
+                self.text = text[: i + len(s) if p.include_stop_str_in_output else i]
+                self.finish("stop")
+                self.stop_reason = s
+                return True
+        return False
 
-    def _decode(self, ids: list[int]) -> str:
-        """The text of `ids` ("" for a request that asked for token ids only: detokenize=False)."""
-        return self.tokenizer.decode(ids, self.params.skip_special_tokens) if self.params.detokenize else ""
-
-    def finish(self, reason: str, error: str | None = None, keep_text: bool = False,
-               error_status: int | None = None) -> None:
-        if not keep_text:  # the final text includes whatever incremental decoding held back
-            self.text = self._decode(self.output_ids)
-        else:  # the text as it is (a stop cut it) or, for an error, as far as it decodes (decoding may be
-            with contextlib.suppress(Exception):  # what failed); nothing more is decoded after this
-                self.decode_pending()
-            self._decoded = len(self.output_ids)
+    def finish(self, reason: str, error: str | None = None, error_status: int | None = None) -> None:
+        """End the request: the text is what the stream decoded (a character still incomplete is dropped, as vLLM
+        drops it), or for an error as far as it decodes (decoding may be what failed); nothing more after this."""
+        with contextlib.suppress(Exception) if error is not None else contextlib.nullcontext():
+            self.decode_pending()
+        self._decoded = len(self.output_ids)
         self.finish_reason = reason
         self.error = error
         self.error_status = error_status or (500 if error is not None else None)
