@@ -215,6 +215,9 @@ class ModelConfig:
         asking for other than plain RoPE). `key_names` names keys in errors as the caller's user knows them
         (make-tiny: its options)."""
         archs = cfg.get("architectures") or []
+        if not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+            raise ValueError(f'{source}: architectures: must be a list of class names (["{OURO}"] or ["{HUGINN}"]), '
+                             f"got {json.dumps(archs)}")
         arch = archs[0] if archs else None
         if arch not in ARCHITECTURES:
             raise ValueError(

@@ -479,6 +479,74 @@ def test_index_without_weight_map(tmp_path):
             load_model(folder, "float32", "cpu")
 
 
+LFS_POINTER = "version https://git-lfs.github.com/spec/v1\noid sha256:" + "0" * 64 + "\nsize 2113710\n"
+
+
+def _write(folder: Path, name: str, text: str | None = None, **keys) -> Path:
+    """`folder`'s file `name` replaced by `text`, or (a JSON file) with `keys` set; the file's path."""
+    path = folder / name
+    path.write_text(text if text is not None else json.dumps({**json.loads(path.read_text()), **keys}))
+    return path
+
+
+# Files a user's folder held that crashed the load with a TypeError or the tokenizers library's bare Exception, naming
+# no file: (file, its text or keys, what the one-line ValueError says after naming the file)
+UNREADABLE = {
+    "tokenizer.json as a git-lfs pointer": ("tokenizer.json", LFS_POINTER, "a git-lfs pointer, not the file itself"),
+    "truncated tokenizer.json": ("tokenizer.json", '{"version": "1.0", "truncation": nu',
+                                 "not a readable tokenizer file ("),
+    "model.safetensors as a git-lfs pointer": ("model.safetensors", LFS_POINTER, "git lfs pull"),
+    "config.json as a git-lfs pointer": ("config.json", LFS_POINTER, "a git-lfs pointer"),
+    "an eos_token id": ("tokenizer_config.json", {"eos_token": 5}, 'eos_token: must be a token (its text, or an '
+                        'object with its "content"), got 5'),
+    "a bos_token object without text": ("tokenizer_config.json", {"bos_token": {"content": 1}}, "bos_token: must be"),
+    "additional_special_tokens as one token": ("tokenizer_config.json", {"additional_special_tokens": "<x>"},
+                                               "additional_special_tokens: must be a list of tokens"),
+    "additional_special_tokens with a null": ("tokenizer_config.json", {"additional_special_tokens": [None]},
+                                              "additional_special_tokens: must be a token"),
+    "architectures as a string": ("config.json", {"architectures": "OuroForCausalLM"},
+                                  'architectures: must be a list of class names (["OuroForCausalLM"] or '
+                                  '["RavenForCausalLM"]), got "OuroForCausalLM"'),
+}
+
+
+@pytest.mark.parametrize("case", UNREADABLE)
+def test_unreadable_files_are_named(ouro_copy, case):
+    name, content, words = UNREADABLE[case]
+    path = _write(ouro_copy, name, content) if isinstance(content, str) else _write(ouro_copy, name, **content)
+    with pytest.raises(ValueError) as e:
+        load_model(ouro_copy, "float32", "cpu")
+    msg = str(e.value)
+    assert msg.startswith(f"{path}: ") and words in msg and "\n" not in msg, msg
+
+
+def test_index_weight_map_must_map_tensors_to_file_names(tmp_path):
+    """A non-string shard in weight_map was a TypeError in the loader."""
+    folder = make_tiny(tmp_path / "s", TinySpec(arch="ouro", r_max=2), shards=2)
+    index = folder / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"]
+    _write(folder, index.name, weight_map={**weight_map, "model.norm.weight": 5})
+    with pytest.raises(ValueError, match=rf"^{index}: weight_map: tensor 'model.norm.weight' must map to a shard file "
+                                         rf"name, got 5$"):
+        load_model(folder, "float32", "cpu")
+    _write(folder, index.name, weight_map=sorted(set(weight_map.values())))
+    with pytest.raises(ValueError, match=rf"^{index}: weight_map: must be an object of tensor name -> shard file"):
+        load_model(folder, "float32", "cpu")
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+@pytest.mark.parametrize("case", ["truncated tokenizer.json", "an eos_token id", "architectures as a string"])
+def test_cli_unreadable_file_is_one_line(ouro_copy, capsys, command, case):
+    name, content, words = UNREADABLE[case]
+    path = _write(ouro_copy, name, content) if isinstance(content, str) else _write(ouro_copy, name, **content)
+    argv = ["generate", "--model", str(ouro_copy), "hi"] if command == "generate" else ["serve", str(ouro_copy)]
+    with pytest.raises(SystemExit) as exited:
+        cli_main([*argv, "--dtype", "float32"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {path}: ") and words in err and err.count("\n") == 1, err
+
+
 def test_bad_dtype_and_state_init(tiny_ouro, tiny_huginn):
     with pytest.raises(ValueError, match="dtype"):
         load_model(tiny_ouro, dtype="float16x", device="cpu")

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 from loopserve.device import DTYPES, dtype_name, resolve_device, resolve_dtype
-from loopserve.json_files import read_json_object
+from loopserve.json_files import read_json_object, unreadable
 from loopserve.model_config import HUGINN, OURO, STATE_INITS, ModelConfig
 from loopserve.models.base import LoopedLM
 from loopserve.models.huginn import RavenForCausalLM
@@ -150,12 +150,14 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
     """Map tensor name -> file holding it."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text()).get("weight_map")
-        except (json.JSONDecodeError, AttributeError) as e:
-            raise ValueError(f"{index}: not a valid index ({e})") from None
+        weight_map = read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict):
-            raise ValueError(f"{index}: no 'weight_map'")
+            raise ValueError(f"{index}: weight_map: must be an object of tensor name -> shard file, got "
+                             f"{json.dumps(weight_map)}")
+        for name, f in weight_map.items():
+            if not isinstance(f, str):
+                raise ValueError(f"{index}: weight_map: tensor {name!r} must map to a shard file name, got "
+                                 f"{json.dumps(f)}")
         files = {name: folder / f for name, f in weight_map.items()}
         for f in set(files.values()):
             if not f.is_file():
@@ -170,8 +172,8 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
 def _open(file: Path):
     try:
         return safe_open(str(file), "pt")
-    except Exception as e:  # truncated or not a safetensors file
-        raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
+    except Exception as e:  # truncated, a git-lfs pointer, or not a safetensors file
+        raise unreadable(file, f"not a readable safetensors file ({e})") from None
 
 
 def build_model(config: ModelConfig, lookahead_gate: bool = False, state_init: str | None = None) -> LoopedLM:
