@@ -4,7 +4,11 @@ independent writers, and clear errors for every malformed input."""
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -443,6 +447,61 @@ def test_missing_tokenizer(ouro_copy):
     (ouro_copy / "tokenizer.json").unlink()
     with pytest.raises(ValueError, match="tokenizer.json"):
         load_model(ouro_copy, "float32", "cpu")
+
+
+@pytest.mark.parametrize("arch,layers", [("ouro", "2"), ("huginn", "1-2-1")])
+def test_shards_without_an_index_load_identically(tmp_path, arch, layers):
+    """As vLLM reads a folder without an index: every *.safetensors file (they were refused as no model.safetensors)."""
+    spec = TinySpec(arch=arch, layers=layers, r_max=3, seed=5)
+    single = load_model(make_tiny(tmp_path / "single", spec), "float32", "cpu")
+    sharded = make_tiny(tmp_path / "sharded", spec, shards=3)
+    (sharded / "model.safetensors.index.json").unlink()
+    loaded = load_model(sharded, "float32", "cpu")
+    assert loaded.config == single.config
+    want = single.model.checkpoint_tensors()
+    assert all(torch.equal(t, want[n]) for n, t in loaded.model.checkpoint_tensors().items())
+    # a tensor in two of them: which to load is not guessed
+    shards = sorted(sharded.glob("*.safetensors"))
+    first = load_file(str(shards[0]))
+    name = next(n for n in sorted(first) if n in want)
+    save_file({name: first[name]}, str(sharded / "extra.safetensors"))
+    with pytest.raises(ValueError, match=rf"tensor '{name}' is in .* too \(with no index, every \*\.safetensors"):
+        load_model(sharded, "float32", "cpu")
+    # a tensor none of them holds: the error names the files read
+    (sharded / "extra.safetensors").unlink()
+    save_file({n: t for n, t in first.items() if n != name}, str(shards[0]))
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(sharded / '*.safetensors'))}: tensor '{name}' missing"):
+        load_model(sharded, "float32", "cpu")
+
+
+@pytest.mark.parametrize("arch,bins", [("ouro", ["pytorch_model.bin"]),
+                                       ("huginn", ["pytorch_model-00001-of-00002.bin",
+                                                   "pytorch_model-00002-of-00002.bin"])])
+def test_pytorch_bin_weights_are_refused_saying_how_to_convert_them(tmp_path, arch, bins):
+    """A folder of .bin weights only: still refused, with the line that converts them (run here, file by file: the
+    folder then loads as the safetensors one did)."""
+    folder = make_tiny(tmp_path / "m", TinySpec(arch=arch, layers="1-1-1" if arch == "huginn" else "2", r_max=2))
+    want = load_model(folder, "float32", "cpu").model.checkpoint_tensors()
+    weights = load_file(str(folder / "model.safetensors"))
+    if arch == "huginn":  # (tied, as torch.save keeps a tied model's state dict: one storage)
+        weights["lm_head.weight"] = weights["transformer.wte.weight"]
+    names = sorted(weights)
+    for i, b in enumerate(bins):
+        torch.save({n: weights[n] for n in names[i::len(bins)]}, folder / b)
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(ValueError) as e:
+        load_model(folder, "float32", "cpu")
+    msg = str(e.value)
+    assert msg.startswith(f"{folder}: no model.safetensors") and bins[0] in msg and "not read" in msg, msg
+    assert "weights_only=True" in msg and "\n" not in msg
+    command = shlex.split(msg[msg.index("python -c "):])
+    for b in bins:
+        out = b.replace("pytorch_model", "model").replace(".bin", ".safetensors")
+        code = command[2].replace(bins[0], b).replace(bins[0].replace("pytorch_model", "model").replace(
+            ".bin", ".safetensors"), out)
+        subprocess.run([sys.executable, "-c", code], cwd=folder, check=True)
+    loaded = load_model(folder, "float32", "cpu").model.checkpoint_tensors()
+    assert all(torch.equal(t, want[n]) for n, t in loaded.items())
 
 
 def test_index_listing_missing_shard(tmp_path):
