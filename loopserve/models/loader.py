@@ -122,11 +122,18 @@ def is_hub_id(name: str) -> bool:
     return name.count("/") == 1 and not name.startswith((".", "/", "~"))
 
 
+def is_local_folder(model: str | Path | None) -> bool:
+    """Whether `model` names a folder here, loaded as it is (None: the embedded model, which is one); else it is a hub
+    id to fetch, or nothing."""
+    # (Path("") is the working folder: an empty model names none)
+    return model is None or (bool(str(model).strip()) and Path(model).expanduser().is_dir())
+
+
 def resolve_model_path(model: str | Path) -> Path:
     if not str(model).strip():  # (Path("") is the working folder: its errors would name no folder at all)
         raise ValueError("model: empty; give a model folder or hub id (unset: the embedded model)")
     path = Path(model).expanduser()
-    if path.is_dir():
+    if is_local_folder(model):
         return path
     name = str(model)
     if path.exists() or not is_hub_id(name):
