@@ -94,7 +94,7 @@ class EngineArgs:
 
     def __init__(self, model: str | Path | None = None, *, chat_template: str | None = None,
                  generation_config: str = "auto", **kwargs: Any) -> None:
-        llm_configs(kwargs)  # (a ValueError naming an unknown keyword, or a value out of range)
+        llm_configs(kwargs, model)  # (a ValueError naming an unknown keyword, or a value out of range)
         self.__dict__["_neutral"] = {k: v for k, v in kwargs.items() if k not in _CONFIG_NAMES}
         for f in CONFIG_FIELDS:
             self.__dict__[f.name] = kwargs.get(f.name, f.default)
@@ -117,7 +117,7 @@ class EngineArgs:
                 name not in _CONFIG_NAMES and name in {f.name for f in dataclasses.fields(self)}):
             super().__setattr__(name, value)
             return
-        llm_configs({**self.settings(), name: value})  # (an unknown name, or a bad value: nothing changed)
+        llm_configs({**self.settings(), name: value}, self.model)  # (an unknown name, or a bad value: nothing changed)
         if name in _CONFIG_NAMES:
             super().__setattr__(name, value)
         else:  # (a new dict: a copy made with copy.copy keeps its own)

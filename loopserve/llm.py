@@ -35,7 +35,7 @@ from loopserve.engine.sequence import (
     unseeded,
 )
 from loopserve.load_config import LOAD_FIELDS, LoadConfig, configs, load_for_engine
-from loopserve.models.loader import embedded_model_path
+from loopserve.models.loader import embedded_model_path, is_local_folder
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from loopserve.tokenizer import Tokenizer, template_switches, template_variables
@@ -55,17 +55,17 @@ def default_model_path() -> Path:
     return path
 
 
-def llm_configs(kwargs: Mapping[str, Any]) -> tuple[LoadConfig, EngineConfig]:
+def llm_configs(kwargs: Mapping[str, Any], model: str | Path | None) -> tuple[LoadConfig, EngineConfig]:
     """`LLM(...)`'s keywords (but `model`, `chat_template` and `generation_config`) as its load and engine configs:
     a ValueError naming an unknown keyword, a value out of range, or a vLLM keyword at a value that asks for what
-    loopserve lacks (`NEUTRAL`)."""
+    loopserve lacks (`NEUTRAL`; a revision of `model`, unused where it is a local folder)."""
     neutral = {name for name, n in NEUTRAL.items() if n.init}
     known = {*LOAD_FIELDS, *(f.name for f in dataclasses.fields(EngineConfig)), *neutral}
     unknown = sorted(set(kwargs) - known)
     if unknown:
         names = ", ".join(sorted({"model", "chat_template", "generation_config", *known}))
         raise ValueError(f"{unknown[0]}: not an LLM argument (known: {names})")
-    check_neutral(**{k: v for k, v in kwargs.items() if k in neutral})
+    check_neutral(local_folder=is_local_folder(model), **{k: v for k, v in kwargs.items() if k in neutral})
     return configs({k: v for k, v in kwargs.items() if k not in neutral})
 
 
@@ -85,7 +85,7 @@ class LLM:
         flags of those names mean, with the same defaults), `EngineConfig` fields, and vLLM's keywords for what
         loopserve lacks (`NEUTRAL`: tokenizer_mode, quantization, kv_cache_dtype, ...) at the values
         that ask for nothing of it. ValueError naming the argument at fault."""
-        self.load_config, self.engine_config = llm_configs(kwargs)
+        self.load_config, self.engine_config = llm_configs(kwargs, model)
         loaded, self.engine_config, self.max_model_len, memory_knob = load_for_engine(
             model if model is not None else default_model_path(), self.load_config, self.engine_config,
             chat_template=chat_template, generation_config=generation_config)

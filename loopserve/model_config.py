@@ -33,6 +33,10 @@ def _plain_rope(v: Any) -> bool:
     return v is None or (isinstance(v, dict) and v.get("type", v.get("rope_type")) == "default")
 
 
+# partial_rotary_factor, top-level (transformers 4) or in rope_parameters (5): the one setting loopserve implements
+_WHOLE_HEAD = (_one_of(1.0), "1.0 (RoPE over the whole head)")
+
+
 def _full_attention(v: Any) -> bool:
     """Full attention in every layer: each "full_attention", or null (OuroConfig derives the kinds then, as when
     the key is absent: see `UNIMPLEMENTED`)."""
@@ -56,7 +60,7 @@ UNIMPLEMENTED: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
         # ("swish" names the same function as "silu" in transformers' ACT2FN)
         "hidden_act": (_one_of("silu", "swish"), '"silu" (the SiLU-gated MLP)'),
         "rope_scaling": (_plain_rope, 'plain RoPE (null, or type "default", else rope_type "default")'),
-        "partial_rotary_factor": (_one_of(1.0), "1.0 (RoPE over the whole head)"),
+        "partial_rotary_factor": _WHOLE_HEAD,
         "use_sliding_window": (_one_of(False, None), "false (full attention in every layer)"),
         "layer_types": (_full_attention, '"full_attention" in every layer (no sliding window)'),
         "early_exit_step": (_one_of(None), "null (the exit depth is the exit policy's)"),
@@ -73,6 +77,18 @@ UNIMPLEMENTED: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
         "tie_embeddings": (_one_of(True), "true (the head is the embedding)"),
         "test_time_noise": (_one_of(0, None), "0 (no noise on the loop state)"),  # (null: none, as 0)
     },
+}
+# transformers 5's `rope_parameters` (its form of rope_theta, rope_scaling and partial_rotary_factor, both
+# architectures): the keys plain RoPE reads, each at the setting loopserve implements; rope_theta is the base
+# (`_Keys.rope_theta`). Any other key (factor, original_max_position_embeddings, beta_fast, ...) is another
+# rope_type's, so it is refused, as is a rope_type (or its older name `type`, which transformers reads after it) other
+# than "default". A `full_attention` entry holding these is the per-layer-type form (layer_types keys it), read as
+# the parameters of every layer: loopserve runs no other layer type.
+ROPE_PARAMETERS = "rope_parameters"
+_PLAIN_ROPE_PARAMETERS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "rope_type": (_one_of("default"), '"default" (plain RoPE)'),
+    "type": (_one_of("default"), '"default" (plain RoPE)'),
+    "partial_rotary_factor": _WHOLE_HEAD,
 }
 _REQUIRED = object()
 # How errors name a head dim derived from other keys (`ModelConfig.from_hf`; make-tiny names its options for them)
@@ -109,6 +125,38 @@ class _Keys:
         if not (is_real(value) and value > 0):
             raise self.error(key, f"must be a number > 0, got {value!r}")
         return float(value)
+
+    def rope_theta(self, key: str, default: float) -> float:
+        """The RoPE base: `key` (Ouro's rope_theta, Huginn's rope_base; `default` when absent), or
+        `rope_parameters.rope_theta` (transformers 5's form), which must agree with `key` when both are given.
+        `rope_parameters` must ask for plain RoPE (`_PLAIN_ROPE_PARAMETERS`)."""
+        params, where = self.cfg.get(ROPE_PARAMETERS), ROPE_PARAMETERS
+        if params is None:
+            return self.positive(key, default)
+        per_layer_type = params.get("full_attention") if isinstance(params, dict) and len(params) == 1 else None
+        if isinstance(per_layer_type, dict):
+            params, where = per_layer_type, f"{where}.full_attention"
+        if not isinstance(params, dict):
+            raise self.error(where, f"must be an object (transformers 5's RoPE parameters), got {json.dumps(params)}")
+        for name, (accepted, implemented) in _PLAIN_ROPE_PARAMETERS.items():
+            if name in params and not accepted(params[name]):
+                raise self.error(f"{where}.{name}", f"{json.dumps(params[name])} is not supported: loopserve "
+                                                    f"implements {implemented} only")
+        scaling = sorted(params.keys() - _PLAIN_ROPE_PARAMETERS.keys() - {"rope_theta"})
+        if scaling:
+            raise self.error(f"{where}.{scaling[0]}", f"{json.dumps(params[scaling[0]])} is not supported: loopserve "
+                                                      f'implements plain RoPE (rope_type "default", rope_theta, '
+                                                      f"partial_rotary_factor 1.0) only")
+        inner = params.get("rope_theta")
+        if inner is None:  # (absent or null: transformers 5 takes the config's own base)
+            return self.positive(key, default)
+        if not (is_real(inner) and inner > 0):
+            raise self.error(f"{where}.rope_theta", f"must be a number > 0, got {inner!r}")
+        # (a null `key` is absent: transformers 5 reads the base from rope_parameters then)
+        if self.cfg.get(key) is not None and self.positive(key, default) != inner:
+            raise self.error(f"{where}.rope_theta", f"{inner!r} disagrees with {key} ({self.cfg[key]!r}): give the "
+                                                    f"RoPE base once, or the same in both")
+        return float(inner)
 
     def unimplemented(self) -> None:
         for key, (accepted, implemented) in UNIMPLEMENTED[self.arch].items():
@@ -163,9 +211,13 @@ class ModelConfig:
     def from_hf(cfg: dict[str, Any], source: str = "config.json", key_names: Mapping[str, str] | None = None
                 ) -> ModelConfig:
         """The config of an HF `config.json` dict; ValueError naming `source` and the key for a value loopserve
-        cannot run as upstream does (missing, mistyped, out of range, or an `UNIMPLEMENTED` setting). `key_names`
-        names keys in errors as the caller's user knows them (make-tiny: its options)."""
+        cannot run as upstream does (missing, mistyped, out of range, an `UNIMPLEMENTED` setting, or `rope_parameters`
+        asking for other than plain RoPE). `key_names` names keys in errors as the caller's user knows them
+        (make-tiny: its options)."""
         archs = cfg.get("architectures") or []
+        if not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+            raise ValueError(f'{source}: architectures: must be a list of class names (["{OURO}"] or ["{HUGINN}"]), '
+                             f"got {json.dumps(archs)}")
         arch = archs[0] if archs else None
         if arch not in ARCHITECTURES:
             raise ValueError(
@@ -200,7 +252,7 @@ class ModelConfig:
                 n_core=k.integer("num_hidden_layers"),
                 n_coda=0,
                 r_max=k.integer("total_ut_steps", 4),
-                rope_theta=k.positive("rope_theta", 10000.0),
+                rope_theta=k.rope_theta("rope_theta", 10000.0),
                 norm_eps=k.positive("rms_norm_eps", 1e-6),
                 max_position=k.integer("max_position_embeddings", 32768, low=2),
                 tie_embeddings=tie,
@@ -240,7 +292,7 @@ class ModelConfig:
                 n_core=k.integer("n_layers_in_recurrent_block"),
                 n_coda=k.integer("n_layers_in_coda", low=0),
                 r_max=k.integer("mean_recurrence", 32),
-                rope_theta=k.positive("rope_base", 50000.0),
+                rope_theta=k.rope_theta("rope_base", 50000.0),
                 norm_eps=k.positive("norm_eps", 1e-6),
                 max_position=k.integer("block_size", 4096, low=2),
                 tie_embeddings=True,

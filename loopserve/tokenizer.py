@@ -43,7 +43,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from loopserve.chat_messages import check_continuable, within
 from loopserve.detokenizer import TextStream
-from loopserve.json_files import read_json_object
+from loopserve.json_files import read_json_object, unreadable
 
 DEFAULT_TEMPLATE = "default"
 TOOL_USE_TEMPLATE = "tool_use"  # picked when tools are given, as transformers does
@@ -69,6 +69,23 @@ VERY_LARGE_INTEGER = int(1e30)
 
 def _token_str(v: Any) -> str | None:
     return v.get("content") if isinstance(v, dict) else v
+
+
+def _check_special_tokens(config: Mapping[str, Any], path: Path) -> None:
+    """ValueError naming the file and key unless each special token of tokenizer_config.json is its text, an object
+    holding that as its `content` (transformers' AddedToken) or null, and additional_special_tokens a list of tokens."""
+    def check(token: Any, key: str) -> None:
+        if not isinstance(token, str) and not (isinstance(token, dict) and isinstance(token.get("content"), str)):
+            raise ValueError(f'{path}: {key}: must be a token (its text, or an object with its "content"), got '
+                             f"{json.dumps(token)}")
+    for key in SPECIAL_TOKEN_NAMES:
+        if config.get(key) is not None:
+            check(config[key], key)
+    extra = config.get("additional_special_tokens")
+    if extra is not None and not isinstance(extra, list):
+        raise ValueError(f"{path}: additional_special_tokens: must be a list of tokens, got {json.dumps(extra)}")
+    for token in extra or []:
+        check(token, "additional_special_tokens")
 
 
 def _check_text(text: Any, what: str) -> None:
@@ -249,13 +266,17 @@ class Tokenizer:
         path = folder / "tokenizer.json"
         if not path.is_file():
             raise ValueError(f"{path}: missing tokenizer file")
-        self.tok = HFTokenizer.from_file(str(path))
+        try:
+            self.tok = HFTokenizer.from_file(str(path))
+        except Exception as e:  # (the tokenizers library raises a bare Exception: truncated, not JSON, git-lfs)
+            raise unreadable(path, f"not a readable tokenizer file ({e})") from None
         # a tokenizer.json may carry padding or truncation settings; transformers applies them only when a call
         # asks (here none does), and the batch calls that release the GIL would otherwise pad or cut every text
         self.tok.no_padding()
         self.tok.no_truncation()
         cfg_path = folder / "tokenizer_config.json"
         self.config: dict[str, Any] = read_json_object(cfg_path) if cfg_path.is_file() else {}
+        _check_special_tokens(self.config, cfg_path)
         # transformers' attributes: the folder it was loaded from, and the longest input the model takes
         self.name_or_path = str(folder)
         max_length = self.config.get("model_max_length")

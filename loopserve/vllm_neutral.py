@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import numbers
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from loopserve.config_args import cli_terms, flag_of
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -30,16 +33,19 @@ class Neutral:
     switch: bool = False  # on vLLM's command line a flag without a value (`--x` on, `--no-x` off)
     secret: bool = False  # a string value is not repeated in an error (a token)
     many: bool = False  # on vLLM's command line a list: one or more values after the flag (nargs "+")
+    # any value is taken when the model is a local folder, which has no revisions (vLLM ignores it there), and logged
+    # as unused; `values` are what a hub id takes
+    any_for_folder: bool = False
 
 
 def _only(why: str, *values: Any, init: bool = True, secret: bool = False, switch: bool | None = None,
-          many: bool = False) -> Neutral:
+          many: bool = False, any_for_folder: bool = False) -> Neutral:
     """Taken at exactly these values, type and all (True is not 1); unless `switch` says, a switch on the command line
     where the values are booleans (and None)."""
     if switch is None:
         switch = all(v is None or isinstance(v, bool) for v in values) and any(isinstance(v, bool) for v in values)
     return Neutral(lambda v: any(type(v) is type(x) and v == x for x in values), " or ".join(map(repr, values)), why,
-                   init, switch, secret, many)
+                   init, switch, secret, many, any_for_folder)
 
 
 _ANY = "any value"
@@ -69,9 +75,10 @@ NEUTRAL: dict[str, Neutral] = {
     "tokenizer_mode": _only("the checkpoint's tokenizer.json is read by the tokenizers library: the fast tokenizer "
                             "'auto' and 'hf' pick", "auto", "hf"),
     "skip_tokenizer_init": _only("the checkpoint's tokenizer is always loaded", False),
-    "revision": _only("the model folder or hub id is loaded as it is, its default revision from the hub", None,
-                      "main"),
-    "tokenizer_revision": _only("the checkpoint's own tokenizer is loaded, from the model's revision", None),
+    "revision": _only("a hub id is fetched at its default revision; a local folder takes any value, unused", None,
+                      "main", any_for_folder=True),
+    "tokenizer_revision": _only("the checkpoint's own tokenizer is loaded, from the model's revision; a local folder "
+                                "takes any value, unused", None, any_for_folder=True),
     "download_dir": _only("a hub model is fetched to the Hugging Face cache", None),
     # (True is vLLM's "the token of `huggingface-cli login`", which huggingface_hub reads anyway)
     # (vLLM's --hf-token takes the token: a value, never repeated in an error)
@@ -196,11 +203,15 @@ SERVE_NEUTRAL: dict[str, Neutral] = {
 }
 
 
-def check_neutral(table: dict[str, Neutral] = NEUTRAL, /, **given: Any) -> None:
+def check_neutral(table: dict[str, Neutral] = NEUTRAL, /, *, local_folder: bool = False, **given: Any) -> None:
     """ValueError naming the first of `given` (keywords of `table`) set to a value that asks for what loopserve
-    lacks."""
+    lacks. `local_folder`: the model is a folder here (`loader.is_local_folder`), where a revision is unused."""
     for name, value in given.items():
         neutral = table[name]
+        if local_folder and neutral.any_for_folder:
+            if value is not None:
+                log.info("%s=%r is unused: the model is a local folder, loaded as it is", name, value)
+            continue
         if not neutral.accepts(value):
             shown = "a string (not shown: a secret)" if neutral.secret and isinstance(value, str) else repr(value)
             raise ValueError(f"{name}: not supported by loopserve ({neutral.why}); it takes {neutral.values}, "

@@ -138,10 +138,55 @@ def test_unimplemented_setting_is_refused_naming_key_and_value(request, tmp_path
     assert "only" in msg
 
 
+# ---------------- transformers 5's RoPE form: rope_parameters
+
+@pytest.mark.parametrize("fixture,base_key", [("tiny_ouro", "rope_theta"), ("tiny_huginn", "rope_base")])
+@pytest.mark.parametrize("params", [{"rope_type": "default", "rope_theta": 1e6},
+                                    {"full_attention": {"rope_type": "default", "rope_theta": 1e6}}])
+def test_rope_parameters_give_the_rope_base(request, tmp_path, fixture, base_key, params):
+    """A config.json in transformers 5's form has no top-level base: rope_parameters' rope_theta is it (it loaded
+    with the default base, other math)."""
+    src = request.getfixturevalue(fixture)
+    new = load_model(_edited(src, tmp_path / "new", **{base_key: ..., "rope_parameters": params}), "float32", "cpu")
+    old = load_model(_edited(src, tmp_path / "old", **{base_key: 1e6}), "float32", "cpu")
+    assert new.config.rope_theta == 1e6 and new.config == old.config
+    both = _edited(src, tmp_path / "both", **{base_key: 1000000, "rope_parameters": params})  # (the same base twice)
+    assert load_model(both, "float32", "cpu").config == old.config
+
+
+@pytest.mark.parametrize("fixture", ["tiny_ouro", "tiny_huginn"])
+@pytest.mark.parametrize("params,words", [
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+     ["rope_parameters.rope_type", '"yarn"', "not supported", '"default"']),
+    ({"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}, ["rope_parameters.rope_type", '"llama3"']),
+    ({"type": "linear", "factor": 2.0}, ["rope_parameters.type", '"linear"']),
+    ({"full_attention": {"rope_type": "dynamic", "factor": 2.0}}, ["rope_parameters.full_attention.rope_type"]),
+    ({"factor": 4.0}, ["rope_parameters.factor", "4.0", "plain RoPE"]),  # (a scaling field without its rope_type)
+    ({"rope_type": "default", "partial_rotary_factor": 0.5}, ["rope_parameters.partial_rotary_factor", "0.5"]),
+    ({"sliding_attention": {"rope_type": "default"}}, ["rope_parameters.sliding_attention"]),
+    ({"rope_type": "default", "rope_theta": -1.0}, ["rope_parameters.rope_theta", "> 0"]),
+    ("default", ["rope_parameters", "must be an object"]),
+])
+def test_rope_parameters_other_than_plain_rope_are_refused(request, tmp_path, fixture, params, words):
+    """The README's promise: rope scaling is refused at load naming the key, in transformers 5's form too (it loaded
+    and ran plain RoPE)."""
+    _refused(_edited(request.getfixturevalue(fixture), tmp_path / "c", rope_parameters=params), *words)
+
+
+@pytest.mark.parametrize("fixture,base_key", [("tiny_ouro", "rope_theta"), ("tiny_huginn", "rope_base")])
+def test_rope_base_given_twice_differently_is_refused(request, tmp_path, fixture, base_key):
+    folder = _edited(request.getfixturevalue(fixture), tmp_path / "c", **{base_key: 20000.0},
+                     rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    _refused(folder, "rope_parameters.rope_theta", "1000000.0", f"disagrees with {base_key} (20000.0)")
+
+
 @pytest.mark.parametrize("changes", [
     {"rope_scaling": None}, {"rope_scaling": {"rope_type": "default"}}, {"rope_scaling": {"type": "default"}},
     {"use_sliding_window": False, "sliding_window": None}, {"use_sliding_window": False, "sliding_window": 4096},
     {"rope_scaling": {"type": "default", "rope_type": "linear"}},
+    {"rope_parameters": None}, {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+    {"rope_parameters": {"type": "default", "rope_theta": None, "partial_rotary_factor": 1.0}},
+    {"rope_parameters": {"full_attention": {"rope_type": "default"}}},
     {"layer_types": ["full_attention"] * 2}, {"layer_types": None}, {"hidden_act": "silu"},
     {"hidden_act": "swish"}, {"partial_rotary_factor": 1.0},
     {"early_exit_step": None}, {"early_exit_threshold": None}, {"num_key_value_heads": None, "head_dim": None},
@@ -171,6 +216,7 @@ def test_ouro_exit_threshold_above_one_runs_as_one(tmp_path, tiny_ouro, threshol
 @pytest.mark.parametrize("changes", [
     {"num_key_value_heads": ...}, {"num_key_value_heads": None}, {"test_time_noise": 0}, {"test_time_noise": None},
     {"init_values": None},  # (made with embed_scale sqrt(n_embd), the default)
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 50000}}, {"rope_parameters": {}},
     {key: ... for key in ("injection_type", "nonlin_name", "norm_class_name", "block_class_name", "mlp_class_name",
                           "qk_bias", "bias", "tie_embeddings", "state_init", "padded_vocab_size")},
 ])

@@ -4,7 +4,11 @@ independent writers, and clear errors for every malformed input."""
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -445,6 +449,61 @@ def test_missing_tokenizer(ouro_copy):
         load_model(ouro_copy, "float32", "cpu")
 
 
+@pytest.mark.parametrize("arch,layers", [("ouro", "2"), ("huginn", "1-2-1")])
+def test_shards_without_an_index_load_identically(tmp_path, arch, layers):
+    """As vLLM reads a folder without an index: every *.safetensors file (they were refused as no model.safetensors)."""
+    spec = TinySpec(arch=arch, layers=layers, r_max=3, seed=5)
+    single = load_model(make_tiny(tmp_path / "single", spec), "float32", "cpu")
+    sharded = make_tiny(tmp_path / "sharded", spec, shards=3)
+    (sharded / "model.safetensors.index.json").unlink()
+    loaded = load_model(sharded, "float32", "cpu")
+    assert loaded.config == single.config
+    want = single.model.checkpoint_tensors()
+    assert all(torch.equal(t, want[n]) for n, t in loaded.model.checkpoint_tensors().items())
+    # a tensor in two of them: which to load is not guessed
+    shards = sorted(sharded.glob("*.safetensors"))
+    first = load_file(str(shards[0]))
+    name = next(n for n in sorted(first) if n in want)
+    save_file({name: first[name]}, str(sharded / "extra.safetensors"))
+    with pytest.raises(ValueError, match=rf"tensor '{name}' is in .* too \(with no index, every \*\.safetensors"):
+        load_model(sharded, "float32", "cpu")
+    # a tensor none of them holds: the error names the files read
+    (sharded / "extra.safetensors").unlink()
+    save_file({n: t for n, t in first.items() if n != name}, str(shards[0]))
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(sharded / '*.safetensors'))}: tensor '{name}' missing"):
+        load_model(sharded, "float32", "cpu")
+
+
+@pytest.mark.parametrize("arch,bins", [("ouro", ["pytorch_model.bin"]),
+                                       ("huginn", ["pytorch_model-00001-of-00002.bin",
+                                                   "pytorch_model-00002-of-00002.bin"])])
+def test_pytorch_bin_weights_are_refused_saying_how_to_convert_them(tmp_path, arch, bins):
+    """A folder of .bin weights only: still refused, with the line that converts them (run here, file by file: the
+    folder then loads as the safetensors one did)."""
+    folder = make_tiny(tmp_path / "m", TinySpec(arch=arch, layers="1-1-1" if arch == "huginn" else "2", r_max=2))
+    want = load_model(folder, "float32", "cpu").model.checkpoint_tensors()
+    weights = load_file(str(folder / "model.safetensors"))
+    if arch == "huginn":  # (tied, as torch.save keeps a tied model's state dict: one storage)
+        weights["lm_head.weight"] = weights["transformer.wte.weight"]
+    names = sorted(weights)
+    for i, b in enumerate(bins):
+        torch.save({n: weights[n] for n in names[i::len(bins)]}, folder / b)
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(ValueError) as e:
+        load_model(folder, "float32", "cpu")
+    msg = str(e.value)
+    assert msg.startswith(f"{folder}: no model.safetensors") and bins[0] in msg and "not read" in msg, msg
+    assert "weights_only=True" in msg and "\n" not in msg
+    command = shlex.split(msg[msg.index("python -c "):])
+    for b in bins:
+        out = b.replace("pytorch_model", "model").replace(".bin", ".safetensors")
+        code = command[2].replace(bins[0], b).replace(bins[0].replace("pytorch_model", "model").replace(
+            ".bin", ".safetensors"), out)
+        subprocess.run([sys.executable, "-c", code], cwd=folder, check=True)
+    loaded = load_model(folder, "float32", "cpu").model.checkpoint_tensors()
+    assert all(torch.equal(t, want[n]) for n, t in loaded.items())
+
+
 def test_index_listing_missing_shard(tmp_path):
     folder = make_tiny(tmp_path / "s", TinySpec(arch="huginn", layers="1-1-1", r_max=2), shards=3)
     index = json.loads((folder / "model.safetensors.index.json").read_text())
@@ -477,6 +536,74 @@ def test_index_without_weight_map(tmp_path):
         (folder / "model.safetensors.index.json").write_text(text)
         with pytest.raises(ValueError, match="model.safetensors.index.json"):
             load_model(folder, "float32", "cpu")
+
+
+LFS_POINTER = "version https://git-lfs.github.com/spec/v1\noid sha256:" + "0" * 64 + "\nsize 2113710\n"
+
+
+def _write(folder: Path, name: str, text: str | None = None, **keys) -> Path:
+    """`folder`'s file `name` replaced by `text`, or (a JSON file) with `keys` set; the file's path."""
+    path = folder / name
+    path.write_text(text if text is not None else json.dumps({**json.loads(path.read_text()), **keys}))
+    return path
+
+
+# Files a user's folder held that crashed the load with a TypeError or the tokenizers library's bare Exception, naming
+# no file: (file, its text or keys, what the one-line ValueError says after naming the file)
+UNREADABLE = {
+    "tokenizer.json as a git-lfs pointer": ("tokenizer.json", LFS_POINTER, "a git-lfs pointer, not the file itself"),
+    "truncated tokenizer.json": ("tokenizer.json", '{"version": "1.0", "truncation": nu',
+                                 "not a readable tokenizer file ("),
+    "model.safetensors as a git-lfs pointer": ("model.safetensors", LFS_POINTER, "git lfs pull"),
+    "config.json as a git-lfs pointer": ("config.json", LFS_POINTER, "a git-lfs pointer"),
+    "an eos_token id": ("tokenizer_config.json", {"eos_token": 5}, 'eos_token: must be a token (its text, or an '
+                        'object with its "content"), got 5'),
+    "a bos_token object without text": ("tokenizer_config.json", {"bos_token": {"content": 1}}, "bos_token: must be"),
+    "additional_special_tokens as one token": ("tokenizer_config.json", {"additional_special_tokens": "<x>"},
+                                               "additional_special_tokens: must be a list of tokens"),
+    "additional_special_tokens with a null": ("tokenizer_config.json", {"additional_special_tokens": [None]},
+                                              "additional_special_tokens: must be a token"),
+    "architectures as a string": ("config.json", {"architectures": "OuroForCausalLM"},
+                                  'architectures: must be a list of class names (["OuroForCausalLM"] or '
+                                  '["RavenForCausalLM"]), got "OuroForCausalLM"'),
+}
+
+
+@pytest.mark.parametrize("case", UNREADABLE)
+def test_unreadable_files_are_named(ouro_copy, case):
+    name, content, words = UNREADABLE[case]
+    path = _write(ouro_copy, name, content) if isinstance(content, str) else _write(ouro_copy, name, **content)
+    with pytest.raises(ValueError) as e:
+        load_model(ouro_copy, "float32", "cpu")
+    msg = str(e.value)
+    assert msg.startswith(f"{path}: ") and words in msg and "\n" not in msg, msg
+
+
+def test_index_weight_map_must_map_tensors_to_file_names(tmp_path):
+    """A non-string shard in weight_map was a TypeError in the loader."""
+    folder = make_tiny(tmp_path / "s", TinySpec(arch="ouro", r_max=2), shards=2)
+    index = folder / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"]
+    _write(folder, index.name, weight_map={**weight_map, "model.norm.weight": 5})
+    with pytest.raises(ValueError, match=rf"^{index}: weight_map: tensor 'model.norm.weight' must map to a shard file "
+                                         rf"name, got 5$"):
+        load_model(folder, "float32", "cpu")
+    _write(folder, index.name, weight_map=sorted(set(weight_map.values())))
+    with pytest.raises(ValueError, match=rf"^{index}: weight_map: must be an object of tensor name -> shard file"):
+        load_model(folder, "float32", "cpu")
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+@pytest.mark.parametrize("case", ["truncated tokenizer.json", "an eos_token id", "architectures as a string"])
+def test_cli_unreadable_file_is_one_line(ouro_copy, capsys, command, case):
+    name, content, words = UNREADABLE[case]
+    path = _write(ouro_copy, name, content) if isinstance(content, str) else _write(ouro_copy, name, **content)
+    argv = ["generate", "--model", str(ouro_copy), "hi"] if command == "generate" else ["serve", str(ouro_copy)]
+    with pytest.raises(SystemExit) as exited:
+        cli_main([*argv, "--dtype", "float32"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {path}: ") and words in err and err.count("\n") == 1, err
 
 
 def test_bad_dtype_and_state_init(tiny_ouro, tiny_huginn):

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +29,7 @@ import torch
 from tokenizers import Tokenizer as Raw
 from tokenizers import models, pre_tokenizers
 
-from loopserve import LLM, CompletionOutput, RequestOutput, SamplingParams
+from loopserve import LLM, CompletionOutput, EngineArgs, RequestOutput, SamplingParams
 from loopserve.beam_search import BeamSearchParams
 from loopserve.tokenizer import Tokenizer
 
@@ -120,8 +122,6 @@ def test_vllms_keywords_at_their_neutral_values_are_taken_and_change_nothing(tin
     (dict(tokenizer_mode="slow"), r"^tokenizer_mode: not supported by loopserve \(.*tokenizers library.*\); it takes "
                                   r"'auto' or 'hf', got 'slow'$"),
     (dict(skip_tokenizer_init=True), r"^skip_tokenizer_init: not supported by loopserve"),
-    (dict(revision="v1"), r"^revision: not supported by loopserve \(.*\); it takes None or 'main', got 'v1'$"),
-    (dict(tokenizer_revision="v1"), r"^tokenizer_revision: "),
     (dict(download_dir="/tmp"), r"^download_dir: "),
     (dict(hf_overrides={"num_hidden_layers": 1}), r"^hf_overrides: .*it takes None or \{\}"),
     (dict(quantization="fp8"), r"^quantization: not supported by loopserve \(weights load unquantized"),
@@ -156,6 +156,25 @@ def test_vllms_keywords_at_their_neutral_values_are_taken_and_change_nothing(tin
 def test_vllms_keywords_asking_for_what_loopserve_lacks_are_named(tiny_ouro, kwargs, message):
     with pytest.raises(ValueError, match=message):
         LLM(tiny_ouro, device="cpu", **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [dict(revision="abc123"), dict(tokenizer_revision="main"),
+                                    dict(revision="v1", tokenizer_revision="v2")])
+def test_a_revision_of_a_local_folder_is_taken_unused(tiny_ouro, caplog, kwargs):
+    """vLLM ignores revision and tokenizer_revision for a local folder: loopserve refused them, failing scripts that
+    pass the revision they downloaded. A hub id's still takes its default revision only."""
+    plain = _tokens(LLM(tiny_ouro, device="cpu"))
+    with caplog.at_level(logging.INFO, logger="loopserve.vllm_neutral"):
+        assert _tokens(LLM(tiny_ouro, device="cpu", **kwargs)) == plain
+    assert [r.getMessage() for r in caplog.records if r.name == "loopserve.vllm_neutral"] == [
+        f"{k}={v!r} is unused: the model is a local folder, loaded as it is" for k, v in kwargs.items()]
+    name, value = next(iter(kwargs.items()))
+    with pytest.raises(ValueError, match=rf"^{name}: not supported by loopserve \(.*\); it takes None.*, got "
+                                         rf"{re.escape(repr(value))}$"):
+        LLM("nobody/nothing", device="cpu", **kwargs)
+    assert EngineArgs(str(tiny_ouro), **kwargs).create_llm() is not None
+    with pytest.raises(ValueError, match=rf"^{name}: "):
+        EngineArgs("nobody/nothing", **kwargs)
 
 
 # -- LLM.reset_prefix_cache --------------------------------------------------------------------------------------

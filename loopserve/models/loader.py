@@ -1,7 +1,8 @@
 """Load a looped LM from a local Hugging Face folder (or a hub id, resolved when online: the [hub] extra).
 
 Reads `config.json` (dispatch on `architectures`), `model.safetensors` or shards listed in
-`model.safetensors.index.json`, the tokenizer files, and the generation config (`generation_config.json`: sampling
+`model.safetensors.index.json` (without one, every `*.safetensors` file; PyTorch `.bin` weights are refused, saying how
+to convert them), the tokenizer files, and the generation config (`generation_config.json`: sampling
 defaults and end-of-sequence ids; config.json's eos ids where there is none).
 Every parameter the model needs must be present with the right shape; errors name the file and the tensor.
 """
@@ -19,7 +20,7 @@ import torch
 from safetensors import safe_open
 
 from loopserve.device import DTYPES, dtype_name, resolve_device, resolve_dtype
-from loopserve.json_files import read_json_object
+from loopserve.json_files import read_json_object, unreadable
 from loopserve.model_config import HUGINN, OURO, STATE_INITS, ModelConfig
 from loopserve.models.base import LoopedLM
 from loopserve.models.huginn import RavenForCausalLM
@@ -121,11 +122,18 @@ def is_hub_id(name: str) -> bool:
     return name.count("/") == 1 and not name.startswith((".", "/", "~"))
 
 
+def is_local_folder(model: str | Path | None) -> bool:
+    """Whether `model` names a folder here, loaded as it is (None: the embedded model, which is one); else it is a hub
+    id to fetch, or nothing."""
+    # (Path("") is the working folder: an empty model names none)
+    return model is None or (bool(str(model).strip()) and Path(model).expanduser().is_dir())
+
+
 def resolve_model_path(model: str | Path) -> Path:
     if not str(model).strip():  # (Path("") is the working folder: its errors would name no folder at all)
         raise ValueError("model: empty; give a model folder or hub id (unset: the embedded model)")
     path = Path(model).expanduser()
-    if path.is_dir():
+    if is_local_folder(model):
         return path
     name = str(model)
     if path.exists() or not is_hub_id(name):
@@ -146,32 +154,63 @@ def resolve_model_path(model: str | Path) -> Path:
         ) from None
 
 
-def _tensor_files(folder: Path) -> dict[str, Path]:
-    """Map tensor name -> file holding it."""
+def _tensor_files(folder: Path) -> tuple[Path, dict[str, Path]]:
+    """Map tensor name -> file holding it, from the index (`model.safetensors.index.json`) where there is one, else
+    `model.safetensors`, else every `*.safetensors` file in the folder (shards without their index, as vLLM reads
+    them: a tensor in two of them is refused); and the file (or pattern) an error about a missing tensor names."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text()).get("weight_map")
-        except (json.JSONDecodeError, AttributeError) as e:
-            raise ValueError(f"{index}: not a valid index ({e})") from None
+        weight_map = read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict):
-            raise ValueError(f"{index}: no 'weight_map'")
+            raise ValueError(f"{index}: weight_map: must be an object of tensor name -> shard file, got "
+                             f"{json.dumps(weight_map)}")
+        for name, f in weight_map.items():
+            if not isinstance(f, str):
+                raise ValueError(f"{index}: weight_map: tensor {name!r} must map to a shard file name, got "
+                                 f"{json.dumps(f)}")
         files = {name: folder / f for name, f in weight_map.items()}
-        for f in set(files.values()):
-            if not f.is_file():
-                raise ValueError(f"{index}: lists shard {f.name}, which is missing")
-        return files
+        for file in set(files.values()):
+            if not file.is_file():
+                raise ValueError(f"{index}: lists shard {file.name}, which is missing")
+        return index, files
     single = folder / "model.safetensors"
-    if not single.is_file():
-        raise ValueError(f"{folder}: no model.safetensors or model.safetensors.index.json")
-    return {name: single for name in _open(single).keys()}
+    if single.is_file():
+        return single, {name: single for name in _open(single).keys()}
+    shards = sorted(folder.glob("*.safetensors"))
+    if not shards:
+        raise ValueError(_no_weights(folder))
+    files = {}
+    for shard in shards:
+        for name in _open(shard).keys():
+            if name in files:
+                raise ValueError(f"{shard}: tensor {name!r} is in {files[name].name} too (with no index, every "
+                                 f"*.safetensors file of the folder is read): remove one, or give the index")
+            files[name] = shard
+    return folder / "*.safetensors", files
+
+
+def _no_weights(folder: Path) -> str:
+    """Why `folder` has no weights to load: none, or PyTorch's `.bin` files only, with the one line that converts one
+    (torch.load's weights_only reads tensors without running the pickle's code; a clone per tensor, because
+    save_file refuses tensors that share memory, as tied weights do)."""
+    missing = f"{folder}: no model.safetensors, model.safetensors.index.json or other *.safetensors file"
+    bins = sorted(p.name for p in folder.glob("pytorch_model*.bin"))
+    if not bins:
+        return missing
+    out = bins[0].replace("pytorch_model", "model", 1).removesuffix(".bin") + ".safetensors"
+    which = ("it in the folder:" if len(bins) == 1
+             else f"each of the {len(bins)} in the folder (read then without an index), e.g.")
+    return (f"{missing}; its PyTorch weights {', '.join(bins[:2])}{', ...' if len(bins) > 2 else ''} are not read "
+            f"(loopserve loads safetensors only): convert {which} python -c \"import torch, "
+            f"safetensors.torch as st; st.save_file({{k: v.contiguous().clone() for k, v in torch.load("
+            f"'{bins[0]}', weights_only=True).items()}}, '{out}')\"")
 
 
 def _open(file: Path):
     try:
         return safe_open(str(file), "pt")
-    except Exception as e:  # truncated or not a safetensors file
-        raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
+    except Exception as e:  # truncated, a git-lfs pointer, or not a safetensors file
+        raise unreadable(file, f"not a readable safetensors file ({e})") from None
 
 
 def build_model(config: ModelConfig, lookahead_gate: bool = False, state_init: str | None = None) -> LoopedLM:
@@ -204,7 +243,7 @@ def load_model(model: str | Path, dtype: str | torch.dtype, device: str | torch.
                          f"{' or '.join(STATE_INITS)}): leave it unset")
     generation = read_generation_config(folder, generation_config, raw, config.vocab_size)
     tokenizer = Tokenizer(folder, chat_template=chat_template, extra_eos_ids=generation.eos_token_ids)
-    files = _tensor_files(folder)
+    source, files = _tensor_files(folder)
     net: LoopedLM
     default_dtype = torch.get_default_dtype()
     try:  # build on the meta device directly in the target dtype: no throwaway random init
@@ -217,8 +256,6 @@ def load_model(model: str | Path, dtype: str | torch.dtype, device: str | torch.
     params = net.checkpoint_tensors()  # (views: a stacked parameter loads part by part)
     handles = {f: _open(f) for f in set(files.values())}
     held = {f: set(h.keys()) for f, h in handles.items()}
-    index = folder / "model.safetensors.index.json"
-    source = index if index.is_file() else folder / "model.safetensors"
     with torch.no_grad():
         for name, p in params.items():
             if name not in files:

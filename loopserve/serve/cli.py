@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from loopserve.cli import CommandError, add_chat_args, add_engine_args, add_exit_args, engine_kwargs, load_kwargs
 from loopserve.engine.config import ENGINE_SCHEDULERS
 from loopserve.load_config import configs
+from loopserve.models.loader import is_local_folder
 from loopserve.sampling_params import EXIT_FIELDS
 from loopserve.serve.limits import (
     BODY_TIMEOUTS,
@@ -242,7 +243,7 @@ def _check(args: argparse.Namespace) -> str | None:
         return problem
     try:  # before the model loads, and before any Ray replica starts (--tensor-parallel-size 2, ...)
         configs({**load_kwargs(args), **engine_kwargs(args)})
-        check_neutral(**neutral_kwargs(args))
+        check_neutral(local_folder=is_local_folder(args.model_tag or args.model), **neutral_kwargs(args))
         check_neutral(SERVE_NEUTRAL, **neutral_kwargs(args, SERVE_NEUTRAL))
     except ValueError as e:
         return str(e)
