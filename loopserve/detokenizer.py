@@ -15,6 +15,7 @@ import logging
 from collections.abc import Sequence
 
 from tokenizers import Tokenizer as RustTokenizer
+from tokenizers import decoders
 from tokenizers.decoders import DecodeStream
 
 log = logging.getLogger(__name__)
@@ -23,6 +24,12 @@ log = logging.getLogger(__name__)
 # to whole characters, else the whole prompt (as vLLM's FastIncrementalDetokenizer primes its DecodeStream)
 PRIME_MIN, PRIME_MAX = 4, 23
 _INVALID_PREFIX = "Invalid prefix encountered"  # tokenizers' DecodeStream error when a decode is not monotonic
+
+
+def is_byte_level(tok: RustTokenizer) -> bool:
+    """Whether `tok`'s decoder is byte-level BPE's alone (GPT-2's, Qwen's, Ouro's, Huginn's): a decode joins the
+    tokens' bytes, so nothing but an unfinished character carries over from one token to the next."""
+    return isinstance(tok.decoder, decoders.ByteLevel)
 
 
 def prime_suffix(tok: RustTokenizer, prompt_ids: Sequence[int]) -> Sequence[int]:
@@ -39,8 +46,11 @@ class TextStream:
     token by `step`, a few times less by `extend`, which a request that needs no text before it finishes uses
     once. The prompt is read (its last tokens decoded) at the first call, not before."""
 
-    def __init__(self, tok: RustTokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool) -> None:
-        self._tok, self._prompt_ids, self._skip = tok, prompt_ids, skip_special_tokens
+    def __init__(self, tok: RustTokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool,
+                 byte_level: bool = False) -> None:
+        """`byte_level`: the tokenizer's decoder is byte-level BPE's alone (`is_byte_level`), whose text of a prompt
+        and an output is the two texts joined where the prompt ends on a whole character: no need to prime then."""
+        self._tok, self._prompt_ids, self._skip, self._byte_level = tok, prompt_ids, skip_special_tokens, byte_level
         self._stream: DecodeStream | None = None
         self._stepped = 0  # output tokens fed so far
 
@@ -69,7 +79,10 @@ class TextStream:
 
     def _prime(self) -> None:
         self._stream = DecodeStream(skip_special_tokens=self._skip)
-        suffix = prime_suffix(self._tok, self._prompt_ids)
+        ids = self._prompt_ids
+        if self._byte_level and (not ids or "\ufffd" not in self._tok.decode(list(ids[-1:]))):
+            return  # (the last token's bytes are whole characters: the prompt ends on one, priming changes nothing)
+        suffix = prime_suffix(self._tok, ids)
         if len(suffix) > 1 and self._feed(list(suffix)) is not None:
             return  # one call (the suffix decodes to whole characters: what feeding it token by token leaves)
         self._stream = DecodeStream(skip_special_tokens=self._skip)

@@ -42,7 +42,7 @@ from tokenizers import Encoding, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from loopserve.chat_messages import check_continuable, within
-from loopserve.detokenizer import TextStream
+from loopserve.detokenizer import TextStream, is_byte_level
 from loopserve.json_files import read_json_object, unreadable
 
 DEFAULT_TEMPLATE = "default"
@@ -400,7 +400,11 @@ class Tokenizer:
 
     def text_stream(self, prompt_ids: Sequence[int], skip_special_tokens: bool = True) -> TextStream:
         """The incremental decoder of an output that follows `prompt_ids` (vLLM's rules: `TextStream`)."""
-        return TextStream(self.tok, prompt_ids, skip_special_tokens)
+        return TextStream(self.tok, prompt_ids, skip_special_tokens, self._byte_level)
+
+    @cached_property
+    def _byte_level(self) -> bool:
+        return is_byte_level(self.tok)
 
     def id_to_token(self, i: int) -> str | None:
         """The vocabulary symbol (a byte-level BPE token reads 'Ġthe'); `decode_token` gives its text."""
