@@ -372,3 +372,16 @@ def test_pydantic_model_as_schema(llm):
                             guided_decoding=GuidedDecodingParams(json=Pet, disable_any_whitespace=True))
     for o in llm.generate([[3, 4], [8, 1, 2]], params, use_tqdm=False):
         Pet.model_validate_json(o.outputs[0].text)
+
+
+@pytest.mark.parametrize(("spec", "text"), [(dict(regex=r"<\|im_end\|>"), "<|im_end|>"),
+                                            (dict(choice=["say <|im_start|> x"]), "say <|im_start|> x"),
+                                            (dict(json={"const": "<|endoftext|>"}), '"<|endoftext|>"')])
+def test_a_grammar_may_write_a_special_tokens_text(spec, text, llm):
+    """The text of a special token that a grammar forces is written with ordinary tokens (the tokenizer would read
+    it as the special token, which is no text: the mask allowed it, the matcher refused it, a 500)."""
+    out = llm.generate(["go"], SamplingParams(temperature=0.0, max_tokens=40, guided_decoding=spec),
+                       use_tqdm=False)[0].outputs[0]
+    assert (out.finish_reason, out.text) == ("stop", text)
+    special = set(llm.get_tokenizer().all_special_ids)
+    assert not set(out.token_ids[:-1]) & special  # (then the eos the complete grammar allows)

@@ -188,6 +188,29 @@ class Guide:
             raise GrammarLimitError(f"guided_decoding: {_readable(self.matcher.get_error())}")
 
 
+class _TextOnly:
+    """llguidance's view of a tokenizer (its `TokenizerWrapper` protocol: each token's bytes, the special ones,
+    and encoding text) in which text that spells a special token is encoded as text. llguidance encodes the text a
+    grammar forces with the tokenizer, and the tokenizers library reads "<|im_end|>" in a text as the special token,
+    which llguidance's matcher then refuses as no text (its mask allowed it: a grammar that had to write a special
+    token's text failed its request with a 500). The tokens' bytes and special flags are those llguidance reads
+    from tokenizer.json itself (`read`)."""
+
+    def __init__(self, read: Any, tokenizer: Tokenizer) -> None:
+        n = read.vocab_size
+        self.tokens = [read.decode_bytes([i]) for i in range(n)]
+        self.special_token_ids = [i for i in range(n) if read.is_special_token(i)]
+        self.eos_token_id, self.bos_token_id = read.eos_token, None  # (llguidance takes eos from its caller)
+        self._plain = tokenizer.text_only_encoder()
+
+    def __call__(self, text: str) -> list[int]:
+        """Text's tokens, special tokens' text encoded as text (a str only: llguidance passes bytes to an encoder
+        that takes them, and encodes an unfinished UTF-8 sequence itself otherwise)."""
+        if not isinstance(text, str):
+            raise TypeError("text only")
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+
 class _Compiler:
     """Grammars compiled against one tokenizer and model vocabulary, as pristine matchers to copy."""
 
@@ -197,7 +220,9 @@ class _Compiler:
         # llguidance never allows them; a tokenizer larger than the model is cut in `apply_guides`
         n_vocab = max(vocab_size, tokenizer.vocab_size)
         eos = sorted(tokenizer.eos_token_ids) or None
-        self.tokenizer = llg.LLTokenizer(tokenizer.tok.to_str(), n_vocab=n_vocab, eos_token=eos)
+        read = llg.LLTokenizer(tokenizer.tok.to_str(), n_vocab=n_vocab, eos_token=eos)
+        self.tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(_TextOnly(read, tokenizer)), n_vocab=n_vocab,
+                                         eos_token=eos)
         self.words, self.vocab = (n_vocab + 31) // 32, vocab_size
         # grammar -> its pristine matcher and first mask, or why it failed (a failure is not compiled again)
         self._matchers: OrderedDict[str, Any] = OrderedDict()
