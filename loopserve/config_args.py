@@ -5,7 +5,7 @@ choices from `field(metadata={"help": ..., "choices": ...})` (`knob`), and a boo
 `generate`, `demo`, `serve` and `bench` all add `EngineConfig` this way (`generate`, `demo` and `serve` `LoadConfig`
 too), `train-tiny` its `TrainConfig` and the soak test its `SoakConfig`;
 `config_kwargs` reads the fields back from the parsed arguments, and `as_flags` writes values as arguments (a
-benchmark's server).
+benchmark's server). `FlagParser` is the parser class of every loopserve command: vLLM's command-line rules.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import functools
 import re
+import sys
 import types
 import typing
 from typing import Any
@@ -105,6 +106,34 @@ def as_flag_error(message: str, parser: argparse.ArgumentParser) -> str:
     name, sep, rest = message.partition(": ")
     flags = [s for s, a in parser._option_string_actions.items() if a.dest == name and s.startswith("--")]
     return flags[0] + sep + cli_terms(rest) if sep and flags else message
+
+
+class FlagParser(argparse.ArgumentParser):
+    """The parser of every loopserve command (a subcommand's parser is made of its parent's class), with the rules of
+    vLLM's parser beside argparse's: no abbreviations (argparse took `--config` for `--config-format`, a flag it is a
+    prefix of), and a long flag may be spelled with underscores (`--max_model_len`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(  # type: ignore[override]  # (typeshed's overloads; the call is the base class's)
+            self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
+        return super().parse_known_args(self._dashed(list(sys.argv[1:] if args is None else args)), namespace)
+
+    def _dashed(self, args: list[str]) -> list[str]:
+        """`args` with each long flag that is one of this parser's when written with dashes so written (`--a_b=1`:
+        `--a-b=1`); up to a `--`, after which everything is a value."""
+        out = list(args)
+        for i, arg in enumerate(out):
+            if arg == "--":
+                break
+            name, eq, value = arg.partition("=")
+            if arg.startswith("--") and "_" in name:
+                dashed = "--" + name[2:].replace("_", "-")
+                if dashed in self._option_string_actions:
+                    out[i] = dashed + eq + value
+        return out
 
 
 def as_flags(values: dict[str, Any]) -> list[str]:

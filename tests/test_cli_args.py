@@ -13,6 +13,7 @@ import pytest
 
 from loopserve.cache.layout import LAYOUTS
 from loopserve.cli import EXIT_FLAGS, build_parser, engine_kwargs
+from loopserve.config_args import FlagParser
 from loopserve.engine.config import ENGINE_SCHEDULERS, SCHEDULERS, EngineConfig
 from loopserve.exits import DEFAULT_POLICIES
 from loopserve.sampling_params import EXIT_FIELDS
@@ -367,3 +368,38 @@ def test_version_flag_and_a_missing_command(capsys):
         with pytest.raises(SystemExit):
             main(argv)
         assert capsys.readouterr().err.endswith(f"error: the following arguments are required: {missing}\n")
+
+
+def _every_parser(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """`parser` and its subcommands' parsers, at every depth."""
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return [parser, *(q for sub in subs for p in sub.choices.values() for q in _every_parser(p))]
+
+
+def test_no_parser_takes_an_abbreviated_flag(capsys):
+    """argparse's prefix matching read `serve MODEL --config c.yaml` as --config-format (a vLLM flag taken at its
+    neutral values): a flag is only ever its own full name, in every command, the soak test's too."""
+    from loopserve_lab.bench import soak
+
+    parsers = _every_parser(build_parser())
+    assert len(parsers) > 15 and all(isinstance(p, FlagParser) and not p.allow_abbrev for p in parsers)
+    for argv in (["serve", "/m", "--config-form", "auto"], ["serve", "--max-model", "64"],
+                 ["bench", "throughput", "--max-num", "9"], ["generate", "--max-tok", "3"]):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args(argv)
+        assert e.value.code == 2 and f"unrecognized arguments: {argv[-2]}" in capsys.readouterr().err, argv
+    with pytest.raises(SystemExit):  # (--duration for --duration-s ran a soak)
+        soak.main(["--duration", "-1"])
+    assert "required: --duration-s" in capsys.readouterr().err
+
+
+def test_long_flags_may_be_spelled_with_underscores():
+    """vLLM's parser takes `--max_model_len` for `--max-model-len`: every long flag so, the --no- forms too; a value
+    keeps its underscores, and an unknown flag is named as it was given."""
+    args = build_parser().parse_args(["serve", "--max_model_len", "64", "--no_enable_prefix_caching",
+                                      "--served_model_name", "a_b", "--kv_cache_tokens=96", "--enable_chunked_prefill"])
+    assert (args.max_model_len, args.enable_prefix_caching, args.served_model_name) == (64, False, ["a_b"])
+    assert args.kv_cache_tokens == 96 and args.enable_chunked_prefill is True
+    assert build_parser().parse_args(["bench", "throughput", "--max_num_seqs", "9"]).max_num_seqs == 9
+    args, unknown = build_parser().parse_known_args(["generate", "--bogus_flag", "--", "--max_tokens"])
+    assert unknown == ["--bogus_flag"] and args.prompts == ["--max_tokens"] and args.max_tokens is None

@@ -57,6 +57,7 @@ from ray import serve
 from ray.serve import Application
 
 from loopserve.cli import CommandError
+from loopserve.config_args import FlagParser
 from loopserve.serve.protocol import SHUTDOWN_RETRY_AFTER_S, SHUTTING_DOWN, error_body
 
 log = logging.getLogger("loopserve.serve")
@@ -180,7 +181,7 @@ def _check_ray_address(address: str) -> None:
 def _serve_parser() -> argparse.ArgumentParser:
     from loopserve.serve.cli import register
 
-    root = argparse.ArgumentParser(prog="loopserve")
+    root = FlagParser(prog="loopserve")
     register(root.add_subparsers())
     return root._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
 
