@@ -1,7 +1,8 @@
 """Command-line flags generated from config dataclasses, so each knob is declared once.
 
 A field becomes `--name-with-dashes`; its type and default come from the dataclass, its help and
-choices from `field(metadata={"help": ..., "choices": ...})` (`knob`), and a bool becomes `--x/--no-x`.
+choices from `field(metadata={"help": ..., "choices": ...})` (`knob`; `human_readable=True`: a count vLLM's flag
+takes as 32k too, `human_int`), and a bool becomes `--x/--no-x`.
 `generate`, `demo`, `serve` and `bench` all add `EngineConfig` this way (`generate`, `demo` and `serve` `LoadConfig`
 too), `train-tiny` its `TrainConfig` and the soak test its `SoakConfig`;
 `config_kwargs` reads the fields back from the parsed arguments, and `as_flags` writes values as arguments (a
@@ -17,6 +18,7 @@ import re
 import sys
 import types
 import typing
+from fractions import Fraction
 from typing import Any
 
 
@@ -30,6 +32,27 @@ def knob(default: Any, help: str, **meta: Any) -> Any:
 def _hints(cls: Any) -> dict[str, Any]:
     """A config dataclass's field annotations as types (the modules write them as strings), read once per class."""
     return typing.get_type_hints(cls)
+
+
+# the suffixes of `human_int`: k, m, g, t powers of 1000, K, M, G, T powers of 1024
+_UNITS = {u: 1000 ** (i + 1) for i, u in enumerate("kmgt")} | {u: 1024 ** (i + 1) for i, u in enumerate("KMGT")}
+
+
+def human_int(text: str) -> int:
+    """An argparse type for a count of tokens as vLLM's flags take it: an integer, or one with a suffix: k, m, g, t
+    for thousands, millions, ... (a decimal fraction too: 1.5k is 1500) or K, M, G, T for powers of 1024 (32K is
+    32768; whole numbers only)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT])", text.strip())
+    if match is None:
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer (or with a suffix: 32k is 32000, 32K 32768), got "
+                                             f"{text!r}") from None
+    number, unit = match.groups()
+    if unit.isupper() and "." in number:
+        raise argparse.ArgumentTypeError(f"{text!r}: a fraction only with k, m, g or t (powers of 1000), not {unit}")
+    return int(Fraction(number) * _UNITS[unit])  # (exact: a float made 4.35k 4349)
 
 
 def check_bool_knobs(config: Any) -> None:
@@ -70,6 +93,8 @@ def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, c
         # "%(default)s": argparse fills it in, and ArgumentDefaultsHelpFormatter then adds no second one
         note = default_note if all_default is not dataclasses.MISSING else "default: %(default)s"
         text = f.metadata.get("help", "")
+        if f.metadata.get("human_readable"):
+            text += "; also as 32k (32000) or 32K (32768)"
         kw: dict[str, Any] = {"default": default}
         if "choices" in f.metadata:
             own = f.metadata["choices"]
@@ -81,7 +106,7 @@ def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, c
         if kind is bool:
             parser.add_argument(*flags, action=argparse.BooleanOptionalAction, **kw)
         else:
-            parser.add_argument(*flags, type=kind, **kw)
+            parser.add_argument(*flags, type=human_int if f.metadata.get("human_readable") else kind, **kw)
 
 
 def flag_of(name: str) -> str:

@@ -403,3 +403,21 @@ def test_long_flags_may_be_spelled_with_underscores():
     assert build_parser().parse_args(["bench", "throughput", "--max_num_seqs", "9"]).max_num_seqs == 9
     args, unknown = build_parser().parse_known_args(["generate", "--bogus_flag", "--", "--max_tokens"])
     assert unknown == ["--bogus_flag"] and args.prompts == ["--max_tokens"] and args.max_tokens is None
+
+
+@pytest.mark.parametrize(("value", "want"), [("32k", 32000), ("32K", 32768), ("1.5k", 1500), ("4.35k", 4350),
+                                              ("2m", 2_000_000), ("1M", 2**20), ("1g", 10**9), ("1G", 2**30),
+                                              ("512", 512)])
+def test_token_counts_take_vllms_human_readable_suffixes(value, want):
+    """vLLM's --max-model-len 32k (and --max-num-batched-tokens): k, m, g thousands, K, M, G powers of 1024."""
+    args = build_parser().parse_args(["serve", "--max-model-len", value, "--max-num-batched-tokens", value])
+    assert args.max_model_len == args.max_num_batched_tokens == want
+
+
+@pytest.mark.parametrize(("value", "said"), [("1.5K", "a fraction only with k, m, g or t"),
+                                             ("32x", "expected an integer (or with a suffix")])
+def test_a_bad_human_readable_count_names_the_flag(value, said, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["generate", "--max-model-len", value])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "error: argument --max-model-len: " in err and said in err, err

@@ -32,7 +32,7 @@ class EngineConfig:
     kv_cache_memory_gb: float = _knob(1.0, "KV pool size in GiB when --kv-cache-tokens is unset")
     max_num_seqs: int = _knob(64, "sequences admitted at once")
     max_decode_batch: int = _knob(32, "width of a core (and prelude/coda) stage batch")
-    max_num_batched_tokens: int = _knob(2048, "prompt tokens per prefill tick")
+    max_num_batched_tokens: int = _knob(2048, "prompt tokens per prefill tick", human_readable=True)
     prefill_chunk_size: int = _knob(512, "prompt chunk boundary (part of the semantics, shared with the reference)")
     # Coda waits for this many exited tokens (an undersized batch still runs when nothing else can).
     # None: 1 for fully looped models (Ouro: the coda is just the head), max_decode_batch // 2 when
