@@ -421,3 +421,53 @@ def test_a_bad_human_readable_count_names_the_flag(value, said, capsys):
         build_parser().parse_args(["generate", "--max-model-len", value])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "error: argument --max-model-len: " in err and said in err, err
+
+
+def _serve_with_config(tmp_path: Path, text: str, *argv: str) -> argparse.Namespace:
+    config = tmp_path / "c.yaml"
+    config.write_text(text)
+    return build_parser().parse_args(["serve", *argv[:1], "--config", str(config), *argv[1:]])
+
+
+def test_serve_reads_vllms_config_file_under_the_command_line(tmp_path):
+    """vLLM's `--config FILE.yaml` (it was read as --config-format, an abbreviation): a mapping of flag names, with
+    dashes or underscores; a list for a list flag, true or false for a switch; the command line wins over the file,
+    which wins over the defaults (a repeatable flag given on the command line replaces the file's values)."""
+    text = ("port: 8123\nmax-model-len: 32k\nmax_num_seqs: 7\nserved-model-name: [a, b]\nenable-log-requests: true\n"
+            "enable_prefix_caching: false\napi-key: [k1, k2]\nenable-chunked-prefill: true\nallowed-origins: "
+            "['https://a.example']\nkv-cache-tokens: null\n")
+    args = _serve_with_config(tmp_path, text, "/m", "--port", "9000", "--max_num_seqs", "3")
+    assert (args.model_tag, args.port, args.max_model_len, args.max_num_seqs) == ("/m", 9000, 32000, 3)
+    assert (args.served_model_name, args.api_key, args.allowed_origins) == (["a", "b"], ["k1", "k2"],
+                                                                            ["https://a.example"])
+    assert args.enable_log_requests and args.enable_prefix_caching is False and args.enable_chunked_prefill is True
+    assert args.kv_cache_tokens is None and args.block_size == EngineConfig.block_size  # (the defaults)
+    args = _serve_with_config(tmp_path, text, "/m", "--api-key", "z", "--served-model-name", "x",
+                              "--enable-prefix-caching")
+    assert (args.api_key, args.served_model_name, args.enable_prefix_caching, args.port) == (["z"], ["x"], True, 8123)
+    args = _serve_with_config(tmp_path, text, "/m", "--disable-log-requests")  # (the file's --enable-log-requests)
+    assert args.disable_log_requests and not args.enable_log_requests
+    assert _serve_with_config(tmp_path, "# nothing set\n").port == 8000
+
+
+@pytest.mark.parametrize(("text", "said"), [
+    ("port: 1\nnonsense: 2\n", "c.yaml: nonsense: not a `loopserve serve` flag"),
+    ("- port\n- 8000\n", "c.yaml: expected a mapping of flag names to values (port: 8000), got a list"),
+    ("port: [1\n", "c.yaml: not valid YAML: "),
+    ("enable-log-requests: maybe\n", "c.yaml: enable-log-requests: expected true or false"),
+    ("config: other.yaml\n", "c.yaml: config: a config file cannot name another"),
+    ("port: abc\n", "argument --port: invalid int value: 'abc'"),
+])
+def test_a_config_file_that_is_not_flags_is_one_error_naming_the_file_and_key(tmp_path, capsys, text, said):
+    with pytest.raises(SystemExit) as e:
+        _serve_with_config(tmp_path, text, "/m")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("usage: loopserve serve ") and said in err.splitlines()[-1], err
+
+
+def test_a_missing_or_repeated_config_file_is_one_error(tmp_path, capsys):
+    for argv, said in ((["--config", str(tmp_path / "none.yaml")], f"--config {tmp_path / 'none.yaml'}: No such file"),
+                       (["--config", "a.yaml", "--config=b.yaml"], "--config: given 2 times; give one file")):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args(["serve", *argv])
+        assert e.value.code == 2 and said in capsys.readouterr().err.splitlines()[-1]

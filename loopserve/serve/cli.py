@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loopserve.cli import CommandError, add_chat_args, add_engine_args, add_exit_args, engine_kwargs, load_kwargs
+from loopserve.config_args import CONFIG_FLAG
 from loopserve.engine.config import ENGINE_SCHEDULERS
 from loopserve.load_config import configs
 from loopserve.sampling_params import EXIT_FIELDS
@@ -83,6 +84,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     # (add_parser builds the top-level parser's class: that class, with this one's parse_known_args)
     p.__class__ = type("ServeParser", (_OwnUsage, type(p)), {})
     p.add_argument("model_tag", nargs="?", default=None, help="model folder (same as --model)")
+    p.add_argument(CONFIG_FLAG, default=None, metavar="FILE",
+                   help="a YAML file of flags, each by its long name without the dashes (port: 8123, max-model-len: "
+                        "128 or max_model_len: 128; a list for a list flag, true or false for a switch); a flag on "
+                        "the command line wins over the file's (vLLM's --config)")
     add_engine_args(p, ENGINE_SCHEDULERS)  # (the reference decoder is no engine to serve from)
     add_chat_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (loopback only by default)")
