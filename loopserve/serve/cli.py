@@ -100,13 +100,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     tls.add_argument("--ssl-ca-certs", default=None, help="CA certificates (PEM) to verify client certificates by")
     tls.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE),
                      help="client certificates: 0 not asked for, 1 optional, 2 required (Python's ssl.CERT_*)")
-    # one key per flag (repeat it for more): a list-valued flag would swallow a model path that follows it
-    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+    # vLLM's forms, several keys after one flag and several names after one flag (so the model goes before them, or
+    # in --model: `_check` refuses a model either swallowed); keys also by repeating the flag, as loopserve took them
+    p.add_argument("--api-key", action="extend", nargs="+", default=None, metavar="KEY",
                    help=f"require 'Authorization: Bearer KEY' on /v1, /invocations, /tokenize, /detokenize and "
-                        f"/tokenizer_info; repeat the flag "
-                        f"for several keys (any one is accepted); unset: ${API_KEY_ENVS[0]}, else "
-                        f"${API_KEY_ENVS[1]}, else no key")
-    # vLLM's form: several names after one flag (so the model goes before it, or in --model)
+                        f"/tokenizer_info; several keys after the flag, or the flag repeated (any one is accepted); "
+                        f"unset: ${API_KEY_ENVS[0]}, else ${API_KEY_ENVS[1]}, else no key")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the names clients may pass as `model`, each listed in /v1/models; the first is the default "
                         "and the one metrics report; a response reports the name its request gave, else the first "
@@ -205,11 +204,12 @@ def _check(args: argparse.Namespace) -> str | None:
     """The first thing wrong with the server flags, if any."""
     if args.model_tag and args.model and args.model_tag != args.model:
         return f"model given twice ({args.model_tag!r} and --model {args.model!r})"
-    # (a name that is a checkpoint folder: another name that merely exists here, "docs", is a name)
-    swallowed = [n for n in (args.served_model_name or [])[1:] if Path(n, "config.json").is_file()]
-    if swallowed and not (args.model_tag or args.model):
-        return (f"--served-model-name took the model {swallowed[-1]!r} as a name; give the model before the flag "
-                f"or as --model")
+    # (a value that is a checkpoint folder: another that merely exists here, "docs", is a name or a key)
+    for flag, what, values in (("--served-model-name", "name", args.served_model_name),
+                               ("--api-key", "key", args.api_key)):
+        swallowed = [n for n in (values or [])[1:] if Path(n, "config.json").is_file()]
+        if swallowed and not (args.model_tag or args.model):
+            return f"{flag} took the model {swallowed[-1]!r} as a {what}; give the model before the flag or as --model"
     if args.max_queued_requests < 0:
         return "--max-queued-requests: must be >= 0"
     if args.max_request_body_bytes < 1024:
