@@ -151,6 +151,9 @@ def test_serve_takes_vllm_flag_names():
     assert (args.root_path, args.dtype, args.device) == ("/p", "auto", "auto")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--allowed-origins", '["unclosed"'])
+    # vLLM's --uvicorn-log-level is uvicorn's alone (it was an alias of --log-level), its "trace" too
+    args = build_parser().parse_args(["serve", "--uvicorn-log-level", "trace"])
+    assert (args.log_level, args.uvicorn_log_level) == ("info", "trace")
     # vLLM's form: several keys after one flag (`unrecognized arguments: k2`), and mixed with the repeated flag
     args = build_parser().parse_args(["serve", "/m", "--api-key", "k1", "k2", "--api-key", "k3"])
     assert (args.api_key, args.model_tag) == (["k1", "k2", "k3"], "/m")

@@ -211,9 +211,10 @@ def test_config_file_builder(tmp_path):
     with pytest.raises(ValueError, match="--replicas: must be >= 1"):
         lray.app({"model": str(tmp_path), "replicas": 0})
     # a flag by its own name: an alias, and vLLM's flags for what loopserve lacks (refused as unknown before)
-    args = lray.flags_from_config({"model": str(tmp_path), "uvicorn_log_level": "debug", "kv_cache_dtype": "auto",
+    args = lray.flags_from_config({"model": str(tmp_path), "disable_uvicorn_access_log": True,
+                                   "uvicorn_log_level": "debug", "kv_cache_dtype": "auto",
                                    "enable_chunked_prefill": False, "enable-lora": "false"})
-    assert args.log_level == "debug"
+    assert args.no_access_log and (args.uvicorn_log_level, args.log_level) == ("debug", "info")
     own = ("served_model_name", "disable_log_stats")  # (serve's own flags of vLLM's names: any value passes)
     assert {k: v for k, v in neutral_kwargs(args).items() if k not in own} == {
         "kv_cache_dtype": "auto", "enable_chunked_prefill": False, "enable_lora": False}

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 # ignoring VLLM_API_KEY would serve it without one)
 API_KEY_ENVS = ("LOOPSERVE_API_KEY", "VLLM_API_KEY")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")  # --log-level's (uvicorn's take "trace" too)
 log = logging.getLogger("loopserve.serve")
 
 
@@ -141,9 +142,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="allowed request headers (JSON list or a,b)")
     c.add_argument("--allow-credentials", action="store_true", help="allow cookies and Authorization cross-origin")
     lg = p.add_argument_group("logging")
-    lg.add_argument("--log-level", "--uvicorn-log-level", default="info",
-                    choices=["critical", "error", "warning", "info", "debug"],
-                    help="log level of the server and of uvicorn (--uvicorn-log-level: vLLM's name)")
+    lg.add_argument("--log-level", default="info", choices=LOG_LEVELS,
+                    help="log level of the server (and of uvicorn, unless --uvicorn-log-level)")
+    lg.add_argument("--uvicorn-log-level", default=None, choices=[*LOG_LEVELS, "trace"],
+                    help="log level of uvicorn's loggers alone (vLLM's flag; unset: --log-level's)")
     lg.add_argument("--no-access-log", "--disable-uvicorn-access-log", action="store_true",
                     help="no line per HTTP request from uvicorn (--disable-uvicorn-access-log: vLLM's name)")
     requests = lg.add_mutually_exclusive_group()
@@ -385,10 +387,11 @@ def _serve_on(listener: socket.socket, args: argparse.Namespace) -> int:
     where = f"{scheme}://{args.host}:{args.port}" if args.uds is None else f"{scheme} on unix:{args.uds}"
     log.info("serving on %s%s (API keys: %d, CORS origins: %s)", where, args.root_path, len(settings.api_keys),
              ", ".join(settings.allowed_origins) or "none")
+    uvicorn_level = args.uvicorn_log_level or args.log_level
     # ws="none": there are no WebSocket endpoints, so an upgrade request is read as plain HTTP
     # the grace period's end: the app answers what is still running (503) before uvicorn cancels it
-    server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           log_config=uvicorn_log_config(args.log_level),
+    server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=uvicorn_level,
+                                           log_config=uvicorn_log_config(uvicorn_level),
                                            access_log=not args.no_access_log,
                                            timeout_graceful_shutdown=args.shutdown_timeout,
                                            http=read_timeout_protocol(args.request_read_timeout), ws="none",
