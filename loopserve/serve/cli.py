@@ -140,7 +140,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="allowed methods (JSON list or a,b)")
     c.add_argument("--allowed-headers", type=_str_list, default=list(CORS_ANY),
                    help="allowed request headers (JSON list or a,b)")
-    c.add_argument("--allow-credentials", action="store_true", help="allow cookies and Authorization cross-origin")
+    c.add_argument("--allow-credentials", action="store_true",
+                   help="allow cookies and Authorization cross-origin (with '*', each answer names the request's "
+                        "origin instead, as browsers need)")
     lg = p.add_argument_group("logging")
     lg.add_argument("--log-level", default="info", choices=LOG_LEVELS,
                     help="log level of the server (and of uvicorn, unless --uvicorn-log-level)")
@@ -228,8 +230,6 @@ def _check(args: argparse.Namespace) -> str | None:
         return "--max-log-len: must be >= 0"
     if args.root_path and not args.root_path.startswith("/"):
         return "--root-path: must start with '/'"
-    if args.allow_credentials and "*" in args.allowed_origins:
-        return "--allow-credentials: browsers refuse credentials for the origin '*'; list the origins"
     if args.replicas is not None and args.replicas < 1:
         return "--replicas: must be >= 1"
     if args.min_replicas is not None and args.min_replicas < 0:
