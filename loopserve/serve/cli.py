@@ -162,6 +162,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     lg.add_argument("--log-stats-interval", type=float, default=LOG_STATS_INTERVAL_S,
                     help="seconds between stats lines (throughput, running and waiting requests, KV cache usage, "
                          "mean exit depth), logged while the server is busy")
+    lg.add_argument("--enable-server-load-tracking", action=argparse.BooleanOptionalAction, default=False,
+                    help="GET /load counts the generation requests in flight (vLLM's flag; off, /load says 0)")
     lg.add_argument("--metric-prefix", default=next(iter(METRIC_PREFIXES)), choices=list(METRIC_PREFIXES),
                     help="the prefix of /metrics' names: loopserve (loopserve:...) or vllm (vllm:..., so that vLLM's "
                          "Grafana dashboards and alerts read them as they are)")
@@ -331,7 +333,8 @@ def load_server(args: argparse.Namespace) -> tuple[LLMEngine, ServerSettings]:
         root_path=args.root_path, log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
         stats_interval_s=None if args.disable_log_stats else args.log_stats_interval,
         tokenizer_info=args.enable_tokenizer_info_endpoint,
-        return_tokens_as_token_ids=args.return_tokens_as_token_ids, metric_prefix=args.metric_prefix)
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids, metric_prefix=args.metric_prefix,
+        server_load_tracking=args.enable_server_load_tracking)
     return engine, settings
 
 

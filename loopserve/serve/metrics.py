@@ -452,7 +452,8 @@ def instrument_http(app: Starlette, registry: CollectorRegistry) -> None:
     sees every answer, the 401s, 413s and CORS ones too."""
     from prometheus_fastapi_instrumentator import Instrumentator
 
-    Instrumentator(excluded_handlers=["/metrics", "/health", "/ping", "/version"], registry=registry).instrument(app)
+    Instrumentator(excluded_handlers=["/metrics", "/health", "/ping", "/load", "/version"],
+                   registry=registry).instrument(app)
 
 
 def accepts_gzip(accept_encoding: str) -> bool:
