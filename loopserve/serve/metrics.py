@@ -8,11 +8,14 @@ the log (`StatsLogger`).
 vLLM V1's names, types and histogram buckets: num_requests_running, num_requests_waiting (both in sequences: each of
 a request's n samples counts as one, as in vLLM V1, which runs them as requests of their own), kv_cache_usage_perc,
 num_preemptions_total, prefix_cache_queries_total and prefix_cache_hits_total (prompt tokens looked up in the prefix
-cache, and those it supplied) (read from the engine's last snapshot); cache_config_info (a gauge at 1 whose labels
-describe the KV cache); iteration_tokens_total (prompt plus generated tokens of each engine step that prefilled or
-sampled: loop steps alone, which neither, are not observed); prompt_tokens_total, generation_tokens_total,
-request_success_total{finished_reason}, time_to_first_token_seconds, inter_token_latency_seconds (and under its older
-name time_per_output_token_seconds, which vLLM 0.11 still exports: the same observations),
+cache, and those it supplied; each of a request's n samples looks its prompt up, as vLLM's child requests do) (read
+from the engine's last snapshot); cache_config_info (a gauge at 1 whose labels describe the KV cache);
+iteration_tokens_total (each engine step that sampled, by the whole prompts of the samples that got their first token
+in it plus the tokens generated, as vLLM counts a step: its sum is prompt_tokens_total + generation_tokens_total;
+prefill chunks before a prompt's last, and loop steps, sample nothing and are not observed); prompt_tokens_total,
+generation_tokens_total, request_success_total{finished_reason}, time_to_first_token_seconds,
+inter_token_latency_seconds (and under its older name time_per_output_token_seconds, which vLLM 0.11 still exports:
+the same observations),
 request_time_per_output_token_seconds (a sample's decode time over its tokens after the first; 0 for one token),
 e2e_request_latency_seconds, request_queue_time_seconds (arrival to the first step that admits the request),
 request_prefill_time_seconds (admission to the first token), request_decode_time_seconds (first token to finish),
@@ -139,8 +142,9 @@ class _EngineCollector(Collector):
                                  labels=[*self.cache_info, "engine"])
         info.add_metric([*self.cache_info.values(), ENGINE], 1.0)
         yield info
-        yield _exact_histogram(P + "iteration_tokens_total", "Prompt plus generated tokens per engine step (steps "
-                               "that prefilled or sampled).", s.iteration_tokens, ITERATION_TOKEN_BUCKETS, m)
+        yield _exact_histogram(P + "iteration_tokens_total", "Tokens per engine step that sampled: the prompts of "
+                               "the samples it gave their first token, and the tokens it generated.",
+                               s.iteration_tokens, ITERATION_TOKEN_BUCKETS, m)
         yield _exact_histogram(P + "exit_depth", "Exit depth (loops) of decode tokens.", s.exit_depths,
                                range(1, self.r_max + 1), m)
         bounds = sorted({*one_two_five(self.max_batch), self.max_batch})
