@@ -18,7 +18,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from loopserve.config_args import add_config_args, as_flag_error, config_kwargs, flag_of
+from loopserve.config_args import FlagParser, add_config_args, as_flag_error, config_kwargs, flag_of
 from loopserve.engine.config import SCHEDULERS, EngineConfig
 from loopserve.exits import DEFAULT_POLICIES, DEFAULT_THRESHOLDS
 from loopserve.load_config import LoadConfig
@@ -237,7 +237,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="loopserve", description=__doc__.splitlines()[0])
+    parser = FlagParser(prog="loopserve", description=__doc__.splitlines()[0])
     from loopserve import __version__
 
     parser.add_argument("--version", action="version", version=f"loopserve {__version__}")

@@ -1,11 +1,12 @@
 """Command-line flags generated from config dataclasses, so each knob is declared once.
 
 A field becomes `--name-with-dashes`; its type and default come from the dataclass, its help and
-choices from `field(metadata={"help": ..., "choices": ...})` (`knob`), and a bool becomes `--x/--no-x`.
+choices from `field(metadata={"help": ..., "choices": ...})` (`knob`; `human_readable=True`: a count vLLM's flag
+takes as 32k too, `human_int`), and a bool becomes `--x/--no-x`.
 `generate`, `demo`, `serve` and `bench` all add `EngineConfig` this way (`generate`, `demo` and `serve` `LoadConfig`
 too), `train-tiny` its `TrainConfig` and the soak test its `SoakConfig`;
 `config_kwargs` reads the fields back from the parsed arguments, and `as_flags` writes values as arguments (a
-benchmark's server).
+benchmark's server). `FlagParser` is the parser class of every loopserve command: vLLM's command-line rules.
 """
 
 from __future__ import annotations
@@ -13,9 +14,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import re
+import sys
 import types
 import typing
+from fractions import Fraction
+from pathlib import Path
 from typing import Any
 
 
@@ -29,6 +34,27 @@ def knob(default: Any, help: str, **meta: Any) -> Any:
 def _hints(cls: Any) -> dict[str, Any]:
     """A config dataclass's field annotations as types (the modules write them as strings), read once per class."""
     return typing.get_type_hints(cls)
+
+
+# the suffixes of `human_int`: k, m, g, t powers of 1000, K, M, G, T powers of 1024
+_UNITS = {u: 1000 ** (i + 1) for i, u in enumerate("kmgt")} | {u: 1024 ** (i + 1) for i, u in enumerate("KMGT")}
+
+
+def human_int(text: str) -> int:
+    """An argparse type for a count of tokens as vLLM's flags take it: an integer, or one with a suffix: k, m, g, t
+    for thousands, millions, ... (a decimal fraction too: 1.5k is 1500) or K, M, G, T for powers of 1024 (32K is
+    32768; whole numbers only)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT])", text.strip())
+    if match is None:
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer (or with a suffix: 32k is 32000, 32K 32768), got "
+                                             f"{text!r}") from None
+    number, unit = match.groups()
+    if unit.isupper() and "." in number:
+        raise argparse.ArgumentTypeError(f"{text!r}: a fraction only with k, m, g or t (powers of 1000), not {unit}")
+    return int(Fraction(number) * _UNITS[unit])  # (exact: a float made 4.35k 4349)
 
 
 def check_bool_knobs(config: Any) -> None:
@@ -69,6 +95,8 @@ def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, c
         # "%(default)s": argparse fills it in, and ArgumentDefaultsHelpFormatter then adds no second one
         note = default_note if all_default is not dataclasses.MISSING else "default: %(default)s"
         text = f.metadata.get("help", "")
+        if f.metadata.get("human_readable"):
+            text += "; also as 32k (32000) or 32K (32768)"
         kw: dict[str, Any] = {"default": default}
         if "choices" in f.metadata:
             own = f.metadata["choices"]
@@ -80,7 +108,7 @@ def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, c
         if kind is bool:
             parser.add_argument(*flags, action=argparse.BooleanOptionalAction, **kw)
         else:
-            parser.add_argument(*flags, type=kind, **kw)
+            parser.add_argument(*flags, type=human_int if f.metadata.get("human_readable") else kind, **kw)
 
 
 def flag_of(name: str) -> str:
@@ -105,6 +133,152 @@ def as_flag_error(message: str, parser: argparse.ArgumentParser) -> str:
     name, sep, rest = message.partition(": ")
     flags = [s for s, a in parser._option_string_actions.items() if a.dest == name and s.startswith("--")]
     return flags[0] + sep + cli_terms(rest) if sep and flags else message
+
+
+class FlagParser(argparse.ArgumentParser):
+    """The parser of every loopserve command (a subcommand's parser is made of its parent's class), with the rules of
+    vLLM's parser beside argparse's: no abbreviations (argparse took `--config` for `--config-format`, a flag it is a
+    prefix of); a long flag may be spelled with underscores (`--max_model_len`); and where the command has a
+    `--config` flag, `--config FILE` reads the flags of a YAML file (`flags_argv`), the command line's own winning."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(  # type: ignore[override]  # (typeshed's overloads; the call is the base class's)
+            self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
+        args = self._dashed(list(sys.argv[1:] if args is None else args))
+        path = self._config_file(args)
+        if path is None:
+            return super().parse_known_args(args, namespace)
+        # the file's flags first, then the command line's over them: a flag it gives replaces the file's value; one
+        # that adds up its values (--api-key, repeatable) starts again from its default, and one of a group that
+        # excludes each other (--enable-log-requests, --disable-log-requests) sets the others back to theirs
+        namespace, extras = super().parse_known_args(self._file_argv(path), namespace)
+        cli = args[:args.index("--")] if "--" in args else args
+        given = {a.dest for a in self._actions
+                 if any(arg == o or arg.startswith(o + "=") for o in a.option_strings for arg in cli)}
+        reset: list[argparse.Action] = [a for a in self._actions
+                                        if isinstance(a, argparse._AppendAction) and a.dest in given]
+        for group in self._mutually_exclusive_groups:
+            if any(a.dest in given for a in group._group_actions):
+                reset += [a for a in group._group_actions if a.dest not in given]
+        for a in reset:
+            setattr(namespace, a.dest, a.default)
+        namespace, more = super().parse_known_args(args, namespace)
+        return namespace, extras + more
+
+    def _dashed(self, args: list[str]) -> list[str]:
+        """`args` with each long flag that is one of this parser's when written with dashes so written (`--a_b=1`:
+        `--a-b=1`); up to a `--`, after which everything is a value."""
+        out = list(args)
+        for i, arg in enumerate(out):
+            if arg == "--":
+                break
+            name, eq, value = arg.partition("=")
+            if arg.startswith("--") and "_" in name:
+                dashed = "--" + name[2:].replace("_", "-")
+                if dashed in self._option_string_actions:
+                    out[i] = dashed + eq + value
+        return out
+
+    def _config_file(self, args: list[str]) -> str | None:
+        """The FILE of `--config FILE` (or `--config=FILE`) in `args`, where this parser has that flag."""
+        if CONFIG_FLAG not in self._option_string_actions:
+            return None
+        args = args[:args.index("--")] if "--" in args else args
+        files = [args[i + 1] for i, a in enumerate(args[:-1]) if a == CONFIG_FLAG]
+        files += [a.partition("=")[2] for a in args if a.startswith(CONFIG_FLAG + "=")]
+        if len(files) > 1:
+            self.error(f"{CONFIG_FLAG}: given {len(files)} times; give one file")
+        return files[0] if files else None
+
+    def _file_argv(self, path: str) -> list[str]:
+        """The arguments a `--config` YAML file gives (`parser.error`, naming the file, for one that cannot be read
+        or gives what is not a flag of this command)."""
+        try:
+            import yaml
+        except ModuleNotFoundError:
+            self.error(f"{CONFIG_FLAG}: reading a YAML file needs pyyaml, from the [serve] extra: pip install "
+                       f"'loopserve[serve]'")
+        try:
+            text = Path(path).read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            self.error(f"{CONFIG_FLAG} {path}: {getattr(e, 'strerror', None) or e}")
+        try:
+            values = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" (line {mark.line + 1})" if mark is not None else ""
+            self.error(f"{CONFIG_FLAG} {path}: not valid YAML: {getattr(e, 'problem', None) or e}{where}")
+        if values is None:  # (an empty file, or one of comments only)
+            return []
+        if not isinstance(values, dict):
+            self.error(f"{CONFIG_FLAG} {path}: expected a mapping of flag names to values (port: 8000), got a "
+                       f"{type(values).__name__}")
+        try:
+            if any(str(k).replace("_", "-").lstrip("-") == CONFIG_FLAG[2:] for k in values):
+                raise ValueError(f"{CONFIG_FLAG[2:]}: a config file cannot name another")
+            return flags_argv(self, {str(k): v for k, v in values.items()})
+        except ValueError as e:
+            self.error(f"{CONFIG_FLAG} {path}: {e}")
+
+
+CONFIG_FLAG = "--config"  # vLLM's: a YAML file of flags (`FlagParser`), where a command declares it
+
+
+def flags_argv(parser: argparse.ArgumentParser, values: dict[str, Any]) -> list[str]:
+    """The arguments that give `parser`'s flags `values` (a config file's mapping: {"max_model_len": 512,
+    "api_key": [...]}): a key is a long flag's name without its dashes, with `_` or `-`; a switch takes true or
+    false (as a switch of its own, `no_x: true` is `x: false`); a list flag or a repeatable one a list (or one
+    value); a dict or a list for any other flag is its JSON; null leaves a flag unset. ValueError naming the first
+    key that is not a flag or not a switch's value."""
+    actions: dict[str, argparse.Action] = {}
+    for a in parser._actions:  # (by dest, the first flag of it: a switch of vLLM's has its --no-x after its --x)
+        if a.option_strings:
+            actions.setdefault(a.dest, a)
+    # and by each flag's own name: an alias (disable_uvicorn_access_log), a switch's --no- form (an engine switch's
+    # `no_x: true` is `x: false`)
+    negated: set[str] = set()
+    for a in parser._actions:
+        for opt in a.option_strings:
+            name = opt.lstrip("-").replace("-", "_")
+            if isinstance(a, argparse.BooleanOptionalAction) and opt.startswith("--no-"):
+                negated.add(name)
+            actions.setdefault(name, a)
+    argv: list[str] = []
+    for key, value in values.items():
+        name = key.replace("-", "_")
+        action = actions.get(name)
+        if name in negated and value in (True, False, "true", "false"):
+            value = "false" if value in (True, "true") else "true"
+        if action is None:
+            raise ValueError(f"{key}: not a `{parser.prog}` flag")
+        flag = action.option_strings[-1]
+        if isinstance(action, argparse._StoreConstAction) and not isinstance(action, argparse._StoreTrueAction):
+            # a switch of vLLM's: `x: true` is --x, `x: false` its --no-x (`vllm_neutral.add_neutral_args`)
+            if value not in (True, False, "true", "false"):
+                raise ValueError(f"{key}: expected true or false")
+            opposite = "--" + flag[5:] if flag.startswith("--no-") else "--no-" + flag[2:]
+            argv.append(flag if value in (True, "true") else opposite)
+        elif isinstance(action, argparse._StoreTrueAction | argparse.BooleanOptionalAction):
+            if value not in (True, False, "true", "false"):
+                raise ValueError(f"{key}: expected true or false")
+            if isinstance(action, argparse.BooleanOptionalAction):  # --x / --no-x: false is said too
+                argv.append(action.option_strings[0 if value in (True, "true") else 1])
+            elif value in (True, "true"):
+                argv.append(flag)
+        elif isinstance(action, argparse._AppendAction):
+            for item in value if isinstance(value, list) else [value]:
+                argv += [flag, str(item)]
+        elif action.nargs == "+":  # several values after one flag: served_model_name: [a, b] (or one: a)
+            items = value if isinstance(value, list) else [] if value is None else [value]
+            argv += [flag, *map(str, items)] if items else []
+        elif isinstance(value, list | dict):
+            argv += [flag, json.dumps(value)]
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
 
 
 def as_flags(values: dict[str, Any]) -> list[str]:

@@ -45,7 +45,7 @@ class LoadConfig:
     seed: int = knob(0, "engine seed: unseeded requests' sampling and Huginn's initial states "
                      "(LLM(seed=None): a random seed, drawn once at start, logged and kept as LLM.seed)")
     max_model_len: int | None = knob(None, "maximum prompt + completion tokens of a request (unset: the model's "
-                                     "context length)")
+                                     "context length)", human_readable=True)
     gpu_memory_utilization: float | None = knob(
         None, "fraction of the CUDA device's memory this engine may use: the KV pool gets what is left of it after "
         f"the weights and {KV_ACTIVATION_RESERVE_GB:g} GiB for activations (replaces --kv-cache-memory-gb; on the "

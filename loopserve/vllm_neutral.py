@@ -188,7 +188,6 @@ SERVE_NEUTRAL: dict[str, Neutral] = {
     "reasoning_parser": _only("no reasoning parser: a reply's text comes back whole", None, ""),
     "enable_force_include_usage": _only("a stream's usage comes with its request's stream_options.include_usage",
                                         False),
-    "enable_server_load_tracking": _only("no /load endpoint (the load gauges are in /metrics)", False),
     "lora_modules": _only("no LoRA adapters", None, [], many=True),
     "middleware": _only("no custom ASGI middleware", None, [], many=True),
     "log_config_file": _only("logging is set by --log-level", None, ""),

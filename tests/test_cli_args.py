@@ -13,6 +13,7 @@ import pytest
 
 from loopserve.cache.layout import LAYOUTS
 from loopserve.cli import EXIT_FLAGS, build_parser, engine_kwargs
+from loopserve.config_args import FlagParser
 from loopserve.engine.config import ENGINE_SCHEDULERS, SCHEDULERS, EngineConfig
 from loopserve.exits import DEFAULT_POLICIES
 from loopserve.sampling_params import EXIT_FIELDS
@@ -154,6 +155,12 @@ def test_serve_takes_vllm_flag_names():
     assert (args.root_path, args.dtype, args.device) == ("/p", "auto", "auto")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--allowed-origins", '["unclosed"'])
+    # vLLM's --uvicorn-log-level is uvicorn's alone (it was an alias of --log-level), its "trace" too
+    args = build_parser().parse_args(["serve", "--uvicorn-log-level", "trace"])
+    assert (args.log_level, args.uvicorn_log_level) == ("info", "trace")
+    # vLLM's form: several keys after one flag (`unrecognized arguments: k2`), and mixed with the repeated flag
+    args = build_parser().parse_args(["serve", "/m", "--api-key", "k1", "k2", "--api-key", "k3"])
+    assert (args.api_key, args.model_tag) == (["k1", "k2", "k3"], "/m")
 
 
 @pytest.mark.parametrize("name", ["max_decode_batch", "min_coda_batch", "min_prelude_batch"])
@@ -371,3 +378,106 @@ def test_version_flag_and_a_missing_command(capsys):
         with pytest.raises(SystemExit):
             main(argv)
         assert capsys.readouterr().err.endswith(f"error: the following arguments are required: {missing}\n")
+
+
+def _every_parser(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """`parser` and its subcommands' parsers, at every depth."""
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return [parser, *(q for sub in subs for p in sub.choices.values() for q in _every_parser(p))]
+
+
+def test_no_parser_takes_an_abbreviated_flag(capsys):
+    """argparse's prefix matching read `serve MODEL --config c.yaml` as --config-format (a vLLM flag taken at its
+    neutral values): a flag is only ever its own full name, in every command, the soak test's too."""
+    from loopserve_lab.bench import soak
+
+    parsers = _every_parser(build_parser())
+    assert len(parsers) > 15 and all(isinstance(p, FlagParser) and not p.allow_abbrev for p in parsers)
+    for argv in (["serve", "/m", "--config-form", "auto"], ["serve", "--max-model", "64"],
+                 ["bench", "throughput", "--max-num", "9"], ["generate", "--max-tok", "3"]):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args(argv)
+        assert e.value.code == 2 and f"unrecognized arguments: {argv[-2]}" in capsys.readouterr().err, argv
+    with pytest.raises(SystemExit):  # (--duration for --duration-s ran a soak)
+        soak.main(["--duration", "-1"])
+    assert "required: --duration-s" in capsys.readouterr().err
+
+
+def test_long_flags_may_be_spelled_with_underscores():
+    """vLLM's parser takes `--max_model_len` for `--max-model-len`: every long flag so, the --no- forms too; a value
+    keeps its underscores, and an unknown flag is named as it was given."""
+    args = build_parser().parse_args(["serve", "--max_model_len", "64", "--no_enable_prefix_caching",
+                                      "--served_model_name", "a_b", "--kv_cache_tokens=96", "--enable_chunked_prefill"])
+    assert (args.max_model_len, args.enable_prefix_caching, args.served_model_name) == (64, False, ["a_b"])
+    assert args.kv_cache_tokens == 96 and args.enable_chunked_prefill is True
+    assert build_parser().parse_args(["bench", "throughput", "--max_num_seqs", "9"]).max_num_seqs == 9
+    args, unknown = build_parser().parse_known_args(["generate", "--bogus_flag", "--", "--max_tokens"])
+    assert unknown == ["--bogus_flag"] and args.prompts == ["--max_tokens"] and args.max_tokens is None
+
+
+@pytest.mark.parametrize(("value", "want"), [("32k", 32000), ("32K", 32768), ("1.5k", 1500), ("4.35k", 4350),
+                                              ("2m", 2_000_000), ("1M", 2**20), ("1g", 10**9), ("1G", 2**30),
+                                              ("512", 512)])
+def test_token_counts_take_vllms_human_readable_suffixes(value, want):
+    """vLLM's --max-model-len 32k (and --max-num-batched-tokens): k, m, g thousands, K, M, G powers of 1024."""
+    args = build_parser().parse_args(["serve", "--max-model-len", value, "--max-num-batched-tokens", value])
+    assert args.max_model_len == args.max_num_batched_tokens == want
+
+
+@pytest.mark.parametrize(("value", "said"), [("1.5K", "a fraction only with k, m, g or t"),
+                                             ("32x", "expected an integer (or with a suffix")])
+def test_a_bad_human_readable_count_names_the_flag(value, said, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["generate", "--max-model-len", value])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "error: argument --max-model-len: " in err and said in err, err
+
+
+def _serve_with_config(tmp_path: Path, text: str, *argv: str) -> argparse.Namespace:
+    config = tmp_path / "c.yaml"
+    config.write_text(text)
+    return build_parser().parse_args(["serve", *argv[:1], "--config", str(config), *argv[1:]])
+
+
+def test_serve_reads_vllms_config_file_under_the_command_line(tmp_path):
+    """vLLM's `--config FILE.yaml` (it was read as --config-format, an abbreviation): a mapping of flag names, with
+    dashes or underscores; a list for a list flag, true or false for a switch; the command line wins over the file,
+    which wins over the defaults (a repeatable flag given on the command line replaces the file's values)."""
+    text = ("port: 8123\nmax-model-len: 32k\nmax_num_seqs: 7\nserved-model-name: [a, b]\nenable-log-requests: true\n"
+            "enable_prefix_caching: false\napi-key: [k1, k2]\nenable-chunked-prefill: true\nallowed-origins: "
+            "['https://a.example']\nkv-cache-tokens: null\n")
+    args = _serve_with_config(tmp_path, text, "/m", "--port", "9000", "--max_num_seqs", "3")
+    assert (args.model_tag, args.port, args.max_model_len, args.max_num_seqs) == ("/m", 9000, 32000, 3)
+    assert (args.served_model_name, args.api_key, args.allowed_origins) == (["a", "b"], ["k1", "k2"],
+                                                                            ["https://a.example"])
+    assert args.enable_log_requests and args.enable_prefix_caching is False and args.enable_chunked_prefill is True
+    assert args.kv_cache_tokens is None and args.block_size == EngineConfig.block_size  # (the defaults)
+    args = _serve_with_config(tmp_path, text, "/m", "--api-key", "z", "--served-model-name", "x",
+                              "--enable-prefix-caching")
+    assert (args.api_key, args.served_model_name, args.enable_prefix_caching, args.port) == (["z"], ["x"], True, 8123)
+    args = _serve_with_config(tmp_path, text, "/m", "--disable-log-requests")  # (the file's --enable-log-requests)
+    assert args.disable_log_requests and not args.enable_log_requests
+    assert _serve_with_config(tmp_path, "# nothing set\n").port == 8000
+
+
+@pytest.mark.parametrize(("text", "said"), [
+    ("port: 1\nnonsense: 2\n", "c.yaml: nonsense: not a `loopserve serve` flag"),
+    ("- port\n- 8000\n", "c.yaml: expected a mapping of flag names to values (port: 8000), got a list"),
+    ("port: [1\n", "c.yaml: not valid YAML: "),
+    ("enable-log-requests: maybe\n", "c.yaml: enable-log-requests: expected true or false"),
+    ("config: other.yaml\n", "c.yaml: config: a config file cannot name another"),
+    ("port: abc\n", "argument --port: invalid int value: 'abc'"),
+])
+def test_a_config_file_that_is_not_flags_is_one_error_naming_the_file_and_key(tmp_path, capsys, text, said):
+    with pytest.raises(SystemExit) as e:
+        _serve_with_config(tmp_path, text, "/m")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("usage: loopserve serve ") and said in err.splitlines()[-1], err
+
+
+def test_a_missing_or_repeated_config_file_is_one_error(tmp_path, capsys):
+    for argv, said in ((["--config", str(tmp_path / "none.yaml")], f"--config {tmp_path / 'none.yaml'}: No such file"),
+                       (["--config", "a.yaml", "--config=b.yaml"], "--config: given 2 times; give one file")):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args(["serve", *argv])
+        assert e.value.code == 2 and said in capsys.readouterr().err.splitlines()[-1]

@@ -6,6 +6,7 @@ allocated (or holds nothing) is a ValueError naming the knob that sized it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -445,3 +446,20 @@ def test_bool_knobs_refuse_anything_but_a_bool(config, name, value):
     with pytest.raises(ValueError, match=f"^{name}: must be true or false"):
         config(**{name: value})
     config(**{name: False})
+
+
+def test_a_token_budget_below_the_chunk_size_lowers_the_chunk(caplog):
+    """vLLM caps every step at max_num_batched_tokens: a budget below prefill_chunk_size lowers the chunk to it, said
+    once in the log (the budget was raised to the chunk: 256 became 512, without a word); a larger one changes
+    nothing."""
+    with caplog.at_level("INFO", logger="loopserve.engine.config"):
+        cfg = EngineConfig(max_num_batched_tokens=256)
+    assert (cfg.max_num_batched_tokens, cfg.prefill_chunk_size) == (256, 256)
+    assert [r.getMessage() for r in caplog.records] == [
+        "prefill_chunk_size: lowered from 512 to max_num_batched_tokens (256), the most prompt tokens a step "
+        "prefills"]
+    caplog.clear()
+    with caplog.at_level("INFO", logger="loopserve.engine.config"):
+        assert dataclasses.replace(cfg, max_num_seqs=2).prefill_chunk_size == 256  # (not said again)
+        cfg = EngineConfig(max_num_batched_tokens=4096, prefill_chunk_size=64)
+    assert (cfg.max_num_batched_tokens, cfg.prefill_chunk_size) == (4096, 64) and not caplog.records

@@ -153,6 +153,26 @@ def test_generate_matches_reference_llm(arch, scheduler, layout, tiny_ouro, tiny
     assert llm.engine.kv_usage() == 0
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("scheduler", ["cb", "cdb"])
+def test_a_token_budget_below_the_chunk_size_caps_every_prefill_and_stays_exact(scheduler, layout, tiny_ouro):
+    """max_num_batched_tokens below prefill_chunk_size lowers the chunk to it (vLLM caps every step at the budget; it
+    was raised to the chunk, so a step prefilled 8 tokens for a budget of 3): the reference decoder chunks by the
+    same config, so even `shared`, whose math depends on the chunk starts, matches it."""
+    common = dict(dtype="float64", seed=5, kv_layout=layout, prefill_chunk_size=8, max_num_batched_tokens=3)
+    ref_llm = LLM(tiny_ouro, scheduler="reference", **common)
+    llm = LLM(tiny_ouro, scheduler=scheduler, max_decode_batch=2, block_size=4, kv_cache_tokens=48, **common)
+    assert llm.engine_config.prefill_chunk_size == ref_llm.engine_config.prefill_chunk_size == 3
+    params = mixed_params("ouro", llm.config.r_max)
+    want = ref_llm.generate(PROMPTS, params)
+    got = llm.generate(PROMPTS, params)
+    for g, w in zip(got, want, strict=True):
+        gc, wc = g.outputs[0], w.outputs[0]
+        assert (gc.token_ids, gc.exit_depths, gc.finish_reason) == (wc.token_ids, wc.exit_depths, wc.finish_reason)
+        assert_logprobs_close(gc.logprobs, wc.logprobs)
+    assert max(llm.engine.stats.batch_hist["prefill"]) <= 3
+
+
 @pytest.mark.parametrize("cuda_graphs", [False, True])
 @pytest.mark.parametrize("scheduler", SCHEDULERS)
 def test_huginn_kl_policy(scheduler, cuda_graphs, tiny_huginn):

@@ -168,6 +168,27 @@ def test_max_num_seqs_counts_waiting_samples_and_cache_hits(tiny_ouro):
     _check(engine, reqs, drive(engine, reqs))
 
 
+@pytest.mark.parametrize("layout", ["depth_indexed", "shared"])
+def test_each_sample_counts_its_prompt_as_vllms_child_requests_do(tiny_ouro, layout):
+    """vLLM runs each of n samples as a request of its own: its prompt counts once per sample in the step tokens
+    (iteration_tokens_total, whose sum is then prompt_tokens_total + generation_tokens_total, which counts per sample)
+    and in the prefix cache's lookups, whose hits are the prompt blocks the later samples find (here shared with
+    the first); they counted the shared prompt once. Still prefilled once."""
+    from loopserve.engine.engine_thread import EngineThread
+
+    prompt = list(range(3, 3 + 14))  # 3 full blocks of 4 and 2 tokens (shared: restarts at chunks of 8 only)
+    engine = make_engine(tiny_ouro, kv_layout=layout, block_size=4, prefill_chunk_size=8, max_num_batched_tokens=8)
+    aengine = EngineThread(engine, max_queued_requests=4)  # (not started: `_tokens_so_far` read as its steps are)
+    outs = drive(engine, [Req("r", prompt, SamplingParams(max_tokens=3, temperature=1.0, n=3, ignore_eos=True),
+                              seed=0)])
+    st = engine.stats
+    assert st.prompt_tokens == len(prompt) and st.generated_tokens == 3 * 3
+    assert st.sampled_prompt_tokens == 3 * len(prompt) and len(outs["r"].outputs) == 3
+    assert aengine._tokens_so_far() == 3 * len(prompt) + 3 * 3
+    assert st.prefix_cache_queries == 3 * len(prompt)
+    assert st.prefix_cache_hits == 2 * (12 if layout == "depth_indexed" else 8)
+
+
 def test_samples_share_the_prompts_full_blocks(tiny_ouro):
     """After the fork each sample lists the prompt's full KV blocks (shared, refcounted) and owns only
     the rest; the outputs still equal the reference (checked in the tests above)."""

@@ -203,16 +203,18 @@ def test_config_file_builder(tmp_path):
     with pytest.raises(ValueError) as e:
         lray.flags_from_config({"model": str(tmp_path), "api_key": "sk-VERYSECRET", "hf_token": "hf_SECRET",
                                 "max_model_len": "abc"})
-    assert str(e.value) == "args: argument --max-model-len: invalid int value: 'abc'"
+    assert str(e.value) == ("args: argument --max-model-len: expected an integer (or with a suffix: 32k is 32000, "
+                            "32K 32768), got 'abc'")
     # vLLM's dict- and list-valued flags as JSON (a dict was passed as its Python repr), and a list flag's items
     args = lray.flags_from_config({"model": str(tmp_path), "limit_mm_per_prompt": {}, "cuda_graph_sizes": [8, 16]})
     assert (args.limit_mm_per_prompt, args.cuda_graph_sizes) == ({}, [8, 16])
     with pytest.raises(ValueError, match="--replicas: must be >= 1"):
         lray.app({"model": str(tmp_path), "replicas": 0})
     # a flag by its own name: an alias, and vLLM's flags for what loopserve lacks (refused as unknown before)
-    args = lray.flags_from_config({"model": str(tmp_path), "uvicorn_log_level": "debug", "kv_cache_dtype": "auto",
+    args = lray.flags_from_config({"model": str(tmp_path), "disable_uvicorn_access_log": True,
+                                   "uvicorn_log_level": "debug", "kv_cache_dtype": "auto",
                                    "enable_chunked_prefill": False, "enable-lora": "false"})
-    assert args.log_level == "debug"
+    assert args.no_access_log and (args.uvicorn_log_level, args.log_level) == ("debug", "info")
     own = ("served_model_name", "disable_log_stats")  # (serve's own flags of vLLM's names: any value passes)
     assert {k: v for k, v in neutral_kwargs(args).items() if k not in own} == {
         "kv_cache_dtype": "auto", "enable_chunked_prefill": False, "enable_lora": False}

@@ -795,3 +795,30 @@ def test_a_body_the_json_parser_cannot_read_is_a_400_saying_why(server, body, me
     r = httpx.post(server.url + C, content=body, headers={"Content-Type": "application/json"}, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["message"].startswith(message), r.json()
+
+
+def test_uvicorn_log_level_sets_uvicorns_loggers_alone(short_path, tmp_path):
+    """vLLM's --uvicorn-log-level is uvicorn's (its "trace" too); it was --log-level's alias, so `--uvicorn-log-level
+    warning` silenced the server's own log. Here the server logs at warning and uvicorn at trace."""
+    log = tmp_path / "levels.log"
+    with run_server(short_path, log, "--uvicorn-log-level", "trace", log_level="warning", access_log=True) as s:
+        assert httpx.get(s.url + "/v1/models").status_code == 200
+        wait_idle(s)
+    text = log.read_text()
+    assert "TRACE" in text and "GET /v1/models" in text, text[-3000:]  # (uvicorn's trace lines, its access line)
+    assert not re.search(r" INFO loopserve", text), text[-3000:]  # (the server's own: at warning, no info lines)
+
+
+def test_load_counts_the_generation_requests_in_flight(server, long_path, tmp_path):
+    """vLLM's GET /load: {"server_load": N}, N the generation requests in flight (a stream until its last event) with
+    --enable-server-load-tracking, else 0 (the flag was refused, and the endpoint a 404)."""
+    assert httpx.get(server.url + "/load").json() == {"server_load": 0}
+    with run_server(long_path, tmp_path / "load.log", "--kv-cache-tokens", "4096",
+                    "--enable-server-load-tracking") as tracked:
+        t, started, result = _stream_in_background(tracked, 300)
+        assert started.wait(30)
+        assert httpx.get(tracked.url + "/v1/models").status_code == 200  # (not a generation request)
+        assert httpx.get(tracked.url + "/load").json() == {"server_load": 1}
+        t.join(60)
+        assert result["done"] and result["tokens"] == 300
+        assert httpx.get(tracked.url + "/load").json() == {"server_load": 0}

@@ -7,7 +7,7 @@ import pytest
 
 from loopserve.engine.engine_thread import EngineSnapshot
 from loopserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from loopserve.serve.metrics import ENGINE, ServerMetrics, one_two_five
+from loopserve.serve.metrics import ENGINE, TOKEN_GAP_BUCKETS, ServerMetrics, one_two_five
 
 MODEL = "m"
 
@@ -105,6 +105,28 @@ def test_a_streamed_output_of_several_tokens_is_one_gap(metrics):
     assert _value(metrics, "generation_tokens_total") == 4
     assert _value(metrics, "request_max_num_generation_tokens_sum") == 4
     assert _value(metrics, "request_time_per_output_token_seconds_sum") == pytest.approx((2.0 - 1.0) / 3)
+
+
+def test_time_per_output_token_is_the_inter_token_latency_under_vllms_older_name(metrics):
+    """vLLM 0.11 still exports vllm:time_per_output_token_seconds, the same observations and buckets as its
+    inter_token_latency_seconds (dashboards of either name): a final-only output's gaps and a stream's."""
+    metrics.scheduled("r", (0,), 0.5)
+    metrics.observe([RequestOutput("r", None, [7], None, [_sample(0, 4, 1.0, 4.0, 4.0)], True,
+                                   RequestMetrics(0.0, 1.0, 4.0, last_token_time=4.0))])
+    metrics.scheduled("s", (0,), 0.5)
+    metrics.observe([RequestOutput("s", None, [7], None, [_sample(0, 1, 1.0, 1.0, None, None)], False,
+                                   RequestMetrics(0.0, 1.0, None))])
+    metrics.observe([RequestOutput("s", None, [7], None, [_sample(0, 2, 1.0, 2.0, 2.0)], True,
+                                   RequestMetrics(0.0, 1.0, 2.0))])
+
+    def series(name: str) -> list[tuple[str, str | None, float]]:
+        return [(s.name.removeprefix(f"loopserve:{name}"), s.labels.get("le"), s.value)
+                for f in metrics.registry.collect() if f.name == f"loopserve:{name}" for s in f.samples]
+
+    old = series("time_per_output_token_seconds")
+    assert old == series("inter_token_latency_seconds")
+    assert [le for suffix, le, _ in old if suffix == "_bucket"] == [*map(str, TOKEN_GAP_BUCKETS), "+Inf"]
+    assert _value(metrics, "time_per_output_token_seconds_count") == 3 + 1
 
 
 def test_vllm_prefix_and_buckets():

@@ -98,6 +98,10 @@ def test_a_model_path_taken_as_a_name_is_refused(tmp_path, monkeypatch):
     assert Path("docs").is_dir() and Path("README.md").is_file()
     assert _check(_serve("--served-model-name", "ouro", "docs", "README.md")) is None
     assert _check(_serve("--served-model-name", "ouro", str(tmp_path.parent))) is None  # (no config.json there)
+    # vLLM's --api-key k1 k2 takes several keys after one flag too
+    problem = _check(_serve("--api-key", "k1", str(tmp_path)))
+    assert problem == f"--api-key took the model {str(tmp_path)!r} as a key; give the model before the flag or as " \
+                      "--model", problem
 
 
 def test_settings_hold_one_tuple_of_names():

@@ -176,6 +176,33 @@ def test_cors_preflight_and_responses(server):
         **_auth(), "Origin": "https://evil.example"}).headers
 
 
+def test_any_origin_with_credentials_is_answered_with_the_requests_origin(tiny_path):
+    """vLLM passes `--allowed-origins '["*"]' --allow-credentials` to Starlette's CORS middleware, which answers with
+    the request's own Origin (browsers refuse credentials for '*'); the server refused the pair at start."""
+    import asyncio
+
+    from loopserve.cli import build_parser
+    from loopserve.serve.api import ServerSettings, build_app, load_engine
+    from loopserve.serve.cli import _check
+
+    args = build_parser().parse_args(["serve", "--allowed-origins", '["*"]', "--allow-credentials"])
+    assert _check(args) is None
+    engine, _ = load_engine(tiny_path, device="cpu", kv_cache_tokens=64)
+    app = build_app(engine, ServerSettings((MODEL,), allowed_origins=tuple(args.allowed_origins),
+                                           allow_credentials=args.allow_credentials))
+
+    async def preflight() -> httpx.Response:  # (answered by the middleware: the engine is not started)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            return await client.options("/v1/chat/completions", headers={
+                "Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization,content-type"})
+
+    pre = asyncio.run(preflight())
+    assert pre.status_code == 200, pre.text
+    assert pre.headers["access-control-allow-origin"] == ORIGIN
+    assert pre.headers["access-control-allow-credentials"] == "true"
+
+
 def test_root_path(server):
     for path in (f"{ROOT}/v1/models", "/v1/models"):  # behind a proxy that strips the prefix, or one that does not
         r = httpx.get(server.url + path, headers=_auth())
@@ -302,7 +329,6 @@ def test_bad_server_flags_stop_the_start(tiny_path, flags, message):
 
 
 @pytest.mark.parametrize(("flags", "message"), [
-    (["--allowed-origins", "*", "--allow-credentials"], "--allow-credentials"),
     (["--root-path", "api"], "--root-path: must start with '/'"),
     (["--log-stats-interval", "0"], "--log-stats-interval"),
     (["--max-log-len", "-1"], "--max-log-len"),

@@ -113,6 +113,7 @@ def test_import_loads_no_extra_and_not_the_lab():
 
 @pytest.mark.parametrize(("argv", "blocked", "extra"), [
     (["serve"], "fastapi", "serve"),
+    (["serve", "--config", "c.yaml"], "yaml", "serve"),  # (read while the flags are)
     (["bench", "step-latency", "--from-json", "x.json"], "matplotlib", "bench"),
 ])
 def test_a_command_without_its_extra_names_it(tmp_path, argv, blocked, extra):

@@ -3,6 +3,7 @@ command-line flags are generated from it by `config_args`)."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from loopserve.cache.layout import LAYOUTS
@@ -10,6 +11,7 @@ from loopserve.config_args import check_bool_knobs
 from loopserve.config_args import knob as _knob
 from loopserve.sampling_params import DEFAULT_MAX_LOGPROBS, is_int, is_real
 
+log = logging.getLogger(__name__)
 ENGINE_SCHEDULERS = ("cb", "cdb-norefill", "cdb")  # the batching engines (`LLMEngine`: what `serve` runs)
 SCHEDULERS = ("reference", *ENGINE_SCHEDULERS)  # and the sequential oracle, which `LLM` also runs
 # self-speculative decoding: the rounds over which a request's acceptance is judged (and the fewest before it is
@@ -32,8 +34,10 @@ class EngineConfig:
     kv_cache_memory_gb: float = _knob(1.0, "KV pool size in GiB when --kv-cache-tokens is unset")
     max_num_seqs: int = _knob(64, "sequences admitted at once")
     max_decode_batch: int = _knob(32, "width of a core (and prelude/coda) stage batch")
-    max_num_batched_tokens: int = _knob(2048, "prompt tokens per prefill tick")
-    prefill_chunk_size: int = _knob(512, "prompt chunk boundary (part of the semantics, shared with the reference)")
+    max_num_batched_tokens: int = _knob(2048, "prompt tokens per prefill tick (below --prefill-chunk-size it lowers "
+                                        "that to itself)", human_readable=True)
+    prefill_chunk_size: int = _knob(512, "prompt chunk boundary (part of the semantics, shared with the reference; "
+                                    "at most --max-num-batched-tokens)")
     # Coda waits for this many exited tokens (an undersized batch still runs when nothing else can).
     # None: 1 for fully looped models (Ouro: the coda is just the head), max_decode_batch // 2 when
     # the model has coda blocks (Huginn: small coda batches re-read big boundary weights per token).
@@ -137,7 +141,12 @@ class EngineConfig:
             raise ValueError("num_speculative_tokens: speculative decoding is exact only with a per-depth KV "
                              "layout (depth_indexed or last_exited), not kv_layout='shared'")
         if self.max_num_batched_tokens < self.prefill_chunk_size:
-            self.max_num_batched_tokens = self.prefill_chunk_size
+            # vLLM caps every step at max_num_batched_tokens, so a chunk (which a prefill tick takes whole) is cut to
+            # it (the budget was raised to the chunk). Chunk starts are part of the semantics under `shared`
+            # (docs/design.md §4.2), and the reference decoder reads them from this same config: outputs stay exact.
+            log.info("prefill_chunk_size: lowered from %d to max_num_batched_tokens (%d), the most prompt tokens a "
+                     "step prefills", self.prefill_chunk_size, self.max_num_batched_tokens)
+            self.prefill_chunk_size = self.max_num_batched_tokens
 
     def kv_pool_tokens(self, bytes_per_token: int, memory_knob: str) -> int:
         """The KV pool's size in tokens: kv_cache_tokens, else what kv_cache_memory_gb holds at `bytes_per_token`

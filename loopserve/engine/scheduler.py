@@ -587,8 +587,11 @@ class Scheduler:
         cached = len(hit) * self.kv.block_size
         self.prefill_pos[sid] = seq.num_cached_tokens = cached
         if self.prefix_scope is not None and seq.params.prompt_logprobs is None:
-            self.stats.prefix_cache_queries += len(seq.prompt_ids)
-            self.stats.prefix_cache_hits += cached
+            # each sample looks the prompt up, as vLLM's child requests do: this one finds `cached`, the samples that
+            # fork from its prefill find the full blocks it computes (which they share), as a later lookup would
+            forks = len(seq.pending_forks)
+            self.stats.prefix_cache_queries += len(seq.prompt_ids) * (1 + forks)
+            self.stats.prefix_cache_hits += cached + forks * self._prefix_reusable(seq) * self.kv.block_size
 
     def _seat(self, seq: Sequence) -> None:
         """`seq` was given a block-table slot: its facts and its held tokens go by that slot now."""
@@ -689,6 +692,7 @@ class Scheduler:
                 self.prefill_pos[fork.request_id] = len(fork.prompt_ids)
                 fork.prompt_logprobs = seq.prompt_logprobs
                 self._append_token(fork, samples[fork.request_id], fork.rule.max_loops, now)
+            self.stats.sampled_prompt_tokens += sum(len(s.prompt_ids) for s in (seq, *forks) if s.output_ids)
 
     def after_prelude(self, plan: StagePlan) -> None:
         rows = plan.rows

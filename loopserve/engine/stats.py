@@ -25,8 +25,11 @@ class EngineStats:
     model_time: float = 0.0
     schedule_time: float = 0.0
     generated_tokens: int = 0
-    prompt_tokens: int = 0
-    prefix_cache_queries: int = 0  # prompt tokens of admissions that looked up the prefix cache
+    prompt_tokens: int = 0  # prompts prefilled (an n > 1 request's once: its samples share the prefill)
+    # each sample's whole prompt, counted with its first token (an n > 1 request's once per sample, as vLLM counts its
+    # child requests; cached tokens too): with generated_tokens, what /metrics' iteration_tokens_total observes
+    sampled_prompt_tokens: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (once per sample, as vLLM's)
     prefix_cache_waits: int = 0  # admissions put off a tick: the prompt's next block was being prefilled
     prefix_cache_hits: int = 0  # of those, tokens whose KV the cache supplied (their prefill skipped)
     finished_requests: Counter = field(default_factory=Counter)  # finish reason -> count
@@ -70,7 +73,8 @@ class EngineStats:
             "swap_in_shared_blocks": self.swap_in_shared_blocks,
             "exit_depths": dict(sorted(self.exit_depths.items())), "model_time": self.model_time,
             "schedule_time": self.schedule_time, "generated_tokens": self.generated_tokens,
-            "prompt_tokens": self.prompt_tokens, "finished_requests": dict(self.finished_requests),
+            "prompt_tokens": self.prompt_tokens, "sampled_prompt_tokens": self.sampled_prompt_tokens,
+            "finished_requests": dict(self.finished_requests),
             "prefix_cache_queries": self.prefix_cache_queries, "prefix_cache_hits": self.prefix_cache_hits,
             "spec_rounds": self.spec_rounds, "spec_draft_tokens": self.spec_draft_tokens,
             "spec_accepted_tokens": self.spec_accepted_tokens, "spec_tokens": self.spec_tokens,

@@ -4,7 +4,8 @@ the engine and the settings and has one method per endpoint.
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both stream as SSE `data: {...}`
 chunks ending with `data: [DONE]`), POST /invocations (SageMaker's: either of them, by the body), GET /v1/models and
 /v1/models/{model}, vLLM's POST /tokenize and POST
-/detokenize, GET /version, GET /health (and vLLM's GET or POST /ping), GET /metrics, GET /openapi.json (the
+/detokenize, GET /version, GET /health (and vLLM's GET or POST /ping), GET /load (vLLM's: the generation requests in
+flight, with `ServerSettings.server_load_tracking`; else 0), GET /metrics, GET /openapi.json (the
 request bodies' JSON schemas included, though the endpoints parse the raw body themselves). Completions and
 chat share one path from admission to response: one choice builder and one stream writer, told apart by a `_Kind`.
 vLLM's `use_beam_search` runs loopserve/beam_search.py's search on that path, step by step
@@ -32,7 +33,8 @@ without asking first only as text/plain, form or multipart, so none of those can
 on a server that trusts its network. For the same reason no origin may read answers cross-site
 unless `--allowed-origins` names it (vLLM allows every origin by default; this server none).
 `/v1/models` shows the model's path only when asked. With API keys, /v1/*, /invocations, /tokenize, /detokenize
-and /tokenizer_info need one; /health, /ping, /metrics, /version and /openapi.json stay open (probes, scrapers).
+and /tokenizer_info need one; /health, /ping, /load, /metrics, /version and /openapi.json stay open (probes, load
+balancers, scrapers).
 
 Every response carries `X-Request-Id` (the client's, when it sends one; else a generation request's
 body `request_id`, vLLM's field and rule; else a fresh one): it is also the response's `id`
@@ -121,8 +123,10 @@ from loopserve.serve.metrics import (
 )
 from loopserve.serve.middleware import (
     BodyLimitMiddleware,
+    LoadMiddleware,
     MethodMiddleware,
     RequestIdMiddleware,
+    ServerLoad,
     client_named,
     request_id,
     set_request_id,
@@ -200,6 +204,9 @@ class ServerSettings:
     # config and chat template); clients that tokenize through the server read it (lm-eval's remote tokenizer)
     tokenizer_info: bool = False
     metric_prefix: str = next(iter(METRIC_PREFIXES))  # the metrics' names' prefix (a key of that table)
+    # GET /load counts the generation requests in flight (vLLM's --enable-server-load-tracking; off: it says 0, as
+    # vLLM's does)
+    server_load_tracking: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.model_names, str) or not self.model_names or not all(self.model_names):
@@ -366,6 +373,7 @@ class OpenAIServing:
         self.aengine.on_outputs = self.metrics.observe
         self.aengine.on_scheduled = self.metrics.scheduled
         self._http_requests = itertools.count()  # engine ids stay unique whatever ids clients send
+        self.load = ServerLoad()  # (counted by `LoadMiddleware` with server_load_tracking, else left at 0)
         self._grammar_lane: anyio.CapacityLimiter | None = None  # see `build`
         self._tokenize_lane: anyio.CapacityLimiter | None = None  # see `tokenize`
 
@@ -960,6 +968,10 @@ class OpenAIServing:
     async def version(self) -> JSONResponse:
         return JSONResponse({"version": __version__})
 
+    async def server_load(self) -> JSONResponse:
+        """vLLM's GET /load: the generation requests in flight (0 unless server_load_tracking)."""
+        return JSONResponse({"server_load": self.load.requests})
+
     async def models(self, request: Request) -> JSONResponse:
         self.check_auth(request)
         return JSONResponse({"object": "list", "data": [self.model_card(n) for n in self.settings.model_names]})
@@ -1247,6 +1259,9 @@ def build_app(engine: LLMEngine, settings: ServerSettings,
     app.state.settings = settings
     # the last added runs first: the HTTP metrics see every answer, then CORS answers preflights before anything
     # else looks at a request
+    if settings.server_load_tracking:  # (the route a request matches: with --root-path before it, or without)
+        paths = {p for path in GENERATION_PATHS for p in (path, settings.root_path + path)}
+        app.add_middleware(LoadMiddleware, paths=paths, load=serving.load)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestIdMiddleware)
     if settings.allowed_origins:
@@ -1262,6 +1277,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings,
         ("POST", "/ping", serving.health, None),
         ("GET", "/metrics", serving.prometheus, None),
         ("GET", "/version", serving.version, None),
+        ("GET", "/load", serving.server_load, None),
         ("GET", "/v1/models", serving.models, None),
         ("GET", "/v1/models/{model:path}", serving.model, None),  # (a served name may hold a '/')
         ("POST", "/tokenize", serving.tokenize, _json_body(TokenizeCompletionRequest, TokenizeChatRequest)),

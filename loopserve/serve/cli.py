@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loopserve.cli import CommandError, add_chat_args, add_engine_args, add_exit_args, engine_kwargs, load_kwargs
+from loopserve.config_args import CONFIG_FLAG
 from loopserve.engine.config import ENGINE_SCHEDULERS
 from loopserve.load_config import configs
 from loopserve.models.loader import is_local_folder
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
 # ignoring VLLM_API_KEY would serve it without one)
 API_KEY_ENVS = ("LOOPSERVE_API_KEY", "VLLM_API_KEY")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")  # --log-level's (uvicorn's take "trace" too)
 log = logging.getLogger("loopserve.serve")
 
 
@@ -84,6 +86,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     # (add_parser builds the top-level parser's class: that class, with this one's parse_known_args)
     p.__class__ = type("ServeParser", (_OwnUsage, type(p)), {})
     p.add_argument("model_tag", nargs="?", default=None, help="model folder (same as --model)")
+    p.add_argument(CONFIG_FLAG, default=None, metavar="FILE",
+                   help="a YAML file of flags, each by its long name without the dashes (port: 8123, max-model-len: "
+                        "128 or max_model_len: 128; a list for a list flag, true or false for a switch); a flag on "
+                        "the command line wins over the file's (vLLM's --config)")
     add_engine_args(p, ENGINE_SCHEDULERS)  # (the reference decoder is no engine to serve from)
     add_chat_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (loopback only by default)")
@@ -96,13 +102,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     tls.add_argument("--ssl-ca-certs", default=None, help="CA certificates (PEM) to verify client certificates by")
     tls.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE),
                      help="client certificates: 0 not asked for, 1 optional, 2 required (Python's ssl.CERT_*)")
-    # one key per flag (repeat it for more): a list-valued flag would swallow a model path that follows it
-    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+    # vLLM's forms, several keys after one flag and several names after one flag (so the model goes before them, or
+    # in --model: `_check` refuses a model either swallowed); keys also by repeating the flag, as loopserve took them
+    p.add_argument("--api-key", action="extend", nargs="+", default=None, metavar="KEY",
                    help=f"require 'Authorization: Bearer KEY' on /v1, /invocations, /tokenize, /detokenize and "
-                        f"/tokenizer_info; repeat the flag "
-                        f"for several keys (any one is accepted); unset: ${API_KEY_ENVS[0]}, else "
-                        f"${API_KEY_ENVS[1]}, else no key")
-    # vLLM's form: several names after one flag (so the model goes before it, or in --model)
+                        f"/tokenizer_info; several keys after the flag, or the flag repeated (any one is accepted); "
+                        f"unset: ${API_KEY_ENVS[0]}, else ${API_KEY_ENVS[1]}, else no key")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the names clients may pass as `model`, each listed in /v1/models; the first is the default "
                         "and the one metrics report; a response reports the name its request gave, else the first "
@@ -136,11 +141,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="allowed methods (JSON list or a,b)")
     c.add_argument("--allowed-headers", type=_str_list, default=list(CORS_ANY),
                    help="allowed request headers (JSON list or a,b)")
-    c.add_argument("--allow-credentials", action="store_true", help="allow cookies and Authorization cross-origin")
+    c.add_argument("--allow-credentials", action="store_true",
+                   help="allow cookies and Authorization cross-origin (with '*', each answer names the request's "
+                        "origin instead, as browsers need)")
     lg = p.add_argument_group("logging")
-    lg.add_argument("--log-level", "--uvicorn-log-level", default="info",
-                    choices=["critical", "error", "warning", "info", "debug"],
-                    help="log level of the server and of uvicorn (--uvicorn-log-level: vLLM's name)")
+    lg.add_argument("--log-level", default="info", choices=LOG_LEVELS,
+                    help="log level of the server (and of uvicorn, unless --uvicorn-log-level)")
+    lg.add_argument("--uvicorn-log-level", default=None, choices=[*LOG_LEVELS, "trace"],
+                    help="log level of uvicorn's loggers alone (vLLM's flag; unset: --log-level's)")
     lg.add_argument("--no-access-log", "--disable-uvicorn-access-log", action="store_true",
                     help="no line per HTTP request from uvicorn (--disable-uvicorn-access-log: vLLM's name)")
     requests = lg.add_mutually_exclusive_group()
@@ -155,6 +163,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     lg.add_argument("--log-stats-interval", type=float, default=LOG_STATS_INTERVAL_S,
                     help="seconds between stats lines (throughput, running and waiting requests, KV cache usage, "
                          "mean exit depth), logged while the server is busy")
+    lg.add_argument("--enable-server-load-tracking", action=argparse.BooleanOptionalAction, default=False,
+                    help="GET /load counts the generation requests in flight (vLLM's flag; off, /load says 0)")
     lg.add_argument("--metric-prefix", default=next(iter(METRIC_PREFIXES)), choices=list(METRIC_PREFIXES),
                     help="the prefix of /metrics' names: loopserve (loopserve:...) or vllm (vllm:..., so that vLLM's "
                          "Grafana dashboards and alerts read them as they are)")
@@ -201,11 +211,12 @@ def _check(args: argparse.Namespace) -> str | None:
     """The first thing wrong with the server flags, if any."""
     if args.model_tag and args.model and args.model_tag != args.model:
         return f"model given twice ({args.model_tag!r} and --model {args.model!r})"
-    # (a name that is a checkpoint folder: another name that merely exists here, "docs", is a name)
-    swallowed = [n for n in (args.served_model_name or [])[1:] if Path(n, "config.json").is_file()]
-    if swallowed and not (args.model_tag or args.model):
-        return (f"--served-model-name took the model {swallowed[-1]!r} as a name; give the model before the flag "
-                f"or as --model")
+    # (a value that is a checkpoint folder: another that merely exists here, "docs", is a name or a key)
+    for flag, what, values in (("--served-model-name", "name", args.served_model_name),
+                               ("--api-key", "key", args.api_key)):
+        swallowed = [n for n in (values or [])[1:] if Path(n, "config.json").is_file()]
+        if swallowed and not (args.model_tag or args.model):
+            return f"{flag} took the model {swallowed[-1]!r} as a {what}; give the model before the flag or as --model"
     if args.max_queued_requests < 0:
         return "--max-queued-requests: must be >= 0"
     if args.max_request_body_bytes < 1024:
@@ -222,8 +233,6 @@ def _check(args: argparse.Namespace) -> str | None:
         return "--max-log-len: must be >= 0"
     if args.root_path and not args.root_path.startswith("/"):
         return "--root-path: must start with '/'"
-    if args.allow_credentials and "*" in args.allowed_origins:
-        return "--allow-credentials: browsers refuse credentials for the origin '*'; list the origins"
     if args.replicas is not None and args.replicas < 1:
         return "--replicas: must be >= 1"
     if args.min_replicas is not None and args.min_replicas < 0:
@@ -325,7 +334,8 @@ def load_server(args: argparse.Namespace) -> tuple[LLMEngine, ServerSettings]:
         root_path=args.root_path, log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
         stats_interval_s=None if args.disable_log_stats else args.log_stats_interval,
         tokenizer_info=args.enable_tokenizer_info_endpoint,
-        return_tokens_as_token_ids=args.return_tokens_as_token_ids, metric_prefix=args.metric_prefix)
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids, metric_prefix=args.metric_prefix,
+        server_load_tracking=args.enable_server_load_tracking)
     return engine, settings
 
 
@@ -381,10 +391,11 @@ def _serve_on(listener: socket.socket, args: argparse.Namespace) -> int:
     where = f"{scheme}://{args.host}:{args.port}" if args.uds is None else f"{scheme} on unix:{args.uds}"
     log.info("serving on %s%s (API keys: %d, CORS origins: %s)", where, args.root_path, len(settings.api_keys),
              ", ".join(settings.allowed_origins) or "none")
+    uvicorn_level = args.uvicorn_log_level or args.log_level
     # ws="none": there are no WebSocket endpoints, so an upgrade request is read as plain HTTP
     # the grace period's end: the app answers what is still running (503) before uvicorn cancels it
-    server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           log_config=uvicorn_log_config(args.log_level),
+    server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=uvicorn_level,
+                                           log_config=uvicorn_log_config(uvicorn_level),
                                            access_log=not args.no_access_log,
                                            timeout_graceful_shutdown=args.shutdown_timeout,
                                            http=read_timeout_protocol(args.request_read_timeout), ws="none",

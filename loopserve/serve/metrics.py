@@ -8,10 +8,14 @@ the log (`StatsLogger`).
 vLLM V1's names, types and histogram buckets: num_requests_running, num_requests_waiting (both in sequences: each of
 a request's n samples counts as one, as in vLLM V1, which runs them as requests of their own), kv_cache_usage_perc,
 num_preemptions_total, prefix_cache_queries_total and prefix_cache_hits_total (prompt tokens looked up in the prefix
-cache, and those it supplied) (read from the engine's last snapshot); cache_config_info (a gauge at 1 whose labels
-describe the KV cache); iteration_tokens_total (prompt plus generated tokens of each engine step that prefilled or
-sampled: loop steps alone, which neither, are not observed); prompt_tokens_total, generation_tokens_total,
-request_success_total{finished_reason}, time_to_first_token_seconds, inter_token_latency_seconds,
+cache, and those it supplied; each of a request's n samples looks its prompt up, as vLLM's child requests do) (read
+from the engine's last snapshot); cache_config_info (a gauge at 1 whose labels describe the KV cache);
+iteration_tokens_total (each engine step that sampled, by the whole prompts of the samples that got their first token
+in it plus the tokens generated, as vLLM counts a step: its sum is prompt_tokens_total + generation_tokens_total;
+prefill chunks before a prompt's last, and loop steps, sample nothing and are not observed); prompt_tokens_total,
+generation_tokens_total, request_success_total{finished_reason}, time_to_first_token_seconds,
+inter_token_latency_seconds (and under its older name time_per_output_token_seconds, which vLLM 0.11 still exports:
+the same observations),
 request_time_per_output_token_seconds (a sample's decode time over its tokens after the first; 0 for one token),
 e2e_request_latency_seconds, request_queue_time_seconds (arrival to the first step that admits the request),
 request_prefill_time_seconds (admission to the first token), request_decode_time_seconds (first token to finish),
@@ -138,8 +142,9 @@ class _EngineCollector(Collector):
                                  labels=[*self.cache_info, "engine"])
         info.add_metric([*self.cache_info.values(), ENGINE], 1.0)
         yield info
-        yield _exact_histogram(P + "iteration_tokens_total", "Prompt plus generated tokens per engine step (steps "
-                               "that prefilled or sampled).", s.iteration_tokens, ITERATION_TOKEN_BUCKETS, m)
+        yield _exact_histogram(P + "iteration_tokens_total", "Tokens per engine step that sampled: the prompts of "
+                               "the samples it gave their first token, and the tokens it generated.",
+                               s.iteration_tokens, ITERATION_TOKEN_BUCKETS, m)
         yield _exact_histogram(P + "exit_depth", "Exit depth (loops) of decode tokens.", s.exit_depths,
                                range(1, self.r_max + 1), m)
         bounds = sorted({*one_two_five(self.max_batch), self.max_batch})
@@ -229,6 +234,10 @@ class ServerMetrics:
                               TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive outputs of a request.",
                              TOKEN_GAP_BUCKETS)
+        # vLLM 0.11 still exports its older name of the same histogram (deprecated there; dashboards read either)
+        self.itl_old_name = histogram("time_per_output_token_seconds", "Time between consecutive outputs of a request "
+                                      "(deprecated: inter_token_latency_seconds, the same observations).",
+                                      TOKEN_GAP_BUCKETS)
         self.tpot = histogram("request_time_per_output_token_seconds", "Decode time per token after the first, per "
                               "finished request.", TOKEN_GAP_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", REQUEST_LATENCY_BUCKETS)
@@ -250,9 +259,9 @@ class ServerMetrics:
         r.register(_EngineCollector(P, snapshot, model_name, r_max, max_decode_batch, cache_info or {}))
         self.labels = (model_name, ENGINE)
         # every series exists from the start (a labelled metric shows nothing until its first use)
-        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.tpot, self.e2e,
-                       self.queue_time, self.prefill_time, self.decode_time, self.inference_time, self.req_prompt,
-                       self.req_gen, self.req_max_tokens, self.req_n, self.req_most_gen):
+        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.itl_old_name, self.tpot,
+                       self.e2e, self.queue_time, self.prefill_time, self.decode_time, self.inference_time,
+                       self.req_prompt, self.req_gen, self.req_max_tokens, self.req_n, self.req_most_gen):
             metric.labels(*self.labels)
         for reason in ("stop", "length", "abort", "error"):
             self.request_success.labels(*self.labels, reason)
@@ -340,7 +349,7 @@ class ServerMetrics:
                         if before == 0:
                             self._first_tokens(out, times, new, now, prefilled=c.index in track.precounted)
                         else:  # a stream's later output (one engine step's tokens): one gap since the sample's last
-                            self.itl.labels(*m).observe(now - track.sample_last[c.index])
+                            self._token_gap(now - track.sample_last[c.index])
                         counted = new - track.precounted.pop(c.index, 0)  # (`catch_up` took the rest)
                         self.generation_tokens.labels(*m).inc(counted)
                         self.generation_total += counted
@@ -368,7 +377,12 @@ class ServerMetrics:
         if new > 1 and times.first_token_time is not None:  # a final-only output
             gap = ((times.last_token_time or now) - times.first_token_time) / (new - 1)
             for _ in range(new - 1):
-                self.itl.labels(*m).observe(gap)
+                self._token_gap(gap)
+
+    def _token_gap(self, seconds: float) -> None:
+        """One inter-token latency, under both of vLLM's names."""
+        for hist in (self.itl, self.itl_old_name):
+            hist.labels(*self.labels).observe(seconds)
 
     def _sample_finished(self, out: RequestOutput, times: RequestMetrics | None, track: _Track, index: int,
                          reason: str, now: float) -> None:
@@ -452,7 +466,8 @@ def instrument_http(app: Starlette, registry: CollectorRegistry) -> None:
     sees every answer, the 401s, 413s and CORS ones too."""
     from prometheus_fastapi_instrumentator import Instrumentator
 
-    Instrumentator(excluded_handlers=["/metrics", "/health", "/ping", "/version"], registry=registry).instrument(app)
+    Instrumentator(excluded_handlers=["/metrics", "/health", "/ping", "/load", "/version"],
+                   registry=registry).instrument(app)
 
 
 def accepts_gzip(accept_encoding: str) -> bool:

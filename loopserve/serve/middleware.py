@@ -9,6 +9,8 @@
   (`request_id(scope)`) for the response's `id` and the log, and may rename the request before its response
   starts (`set_request_id`: a generation request's body `request_id`, vLLM's field, when no header named it);
   the response's `X-Request-Id` header sends the id as of then.
+- `LoadMiddleware`: vLLM's server load (`--enable-server-load-tracking`), the generation requests in flight, which
+  GET /load reports.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import asyncio
 import json
 import logging
 import uuid
+from collections.abc import Collection
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -172,3 +175,28 @@ class RequestIdMiddleware:
             await send(msg)
 
         await self.app(scope, receive, send_with_id)
+
+
+class ServerLoad:
+    """vLLM's server load: the generation requests in flight (`LoadMiddleware` counts them; GET /load reads them)."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+
+
+class LoadMiddleware:
+    """Counts each POST to `paths` on `load` from its arrival to the end of its response (a stream's last event), as
+    vLLM counts a generation request from its handler's start to its response's end."""
+
+    def __init__(self, app: ASGIApp, paths: Collection[str], load: ServerLoad) -> None:
+        self.app, self.paths, self.load = app, paths, load
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in self.paths:
+            await self.app(scope, receive, send)
+            return
+        self.load.requests += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.load.requests -= 1

@@ -57,6 +57,7 @@ from ray import serve
 from ray.serve import Application
 
 from loopserve.cli import CommandError
+from loopserve.config_args import FlagParser, flags_argv
 from loopserve.serve.protocol import SHUTDOWN_RETRY_AFTER_S, SHUTTING_DOWN, error_body
 
 log = logging.getLogger("loopserve.serve")
@@ -180,61 +181,19 @@ def _check_ray_address(address: str) -> None:
 def _serve_parser() -> argparse.ArgumentParser:
     from loopserve.serve.cli import register
 
-    root = argparse.ArgumentParser(prog="loopserve")
+    root = FlagParser(prog="loopserve")
     register(root.add_subparsers())
     return root._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
 
 
 def flags_from_config(config: dict[str, Any]) -> argparse.Namespace:
-    """The serve flags from a config's `args` ({"model": PATH, "max_model_len": 512, "api_key": [...]}):
-    names with `_` or `-`, flags as true/false, lists for repeatable or list flags (served_model_name: one
-    name or a list of them). ValueError names an unknown or bad entry."""
+    """The serve flags from a config's `args` ({"model": PATH, "max_model_len": 512, "api_key": [...]}), read as
+    `serve --config` reads a file's (`config_args.flags_argv`). ValueError names an unknown or bad entry."""
     parser = _serve_parser()
-    actions: dict[str, argparse.Action] = {}
-    for a in parser._actions:  # (by dest, the first flag of it: a switch of vLLM's has its --no-x after its --x)
-        if a.option_strings:
-            actions.setdefault(a.dest, a)
-    # and by each flag's own name: an alias (uvicorn_log_level), a switch's --no- form (an engine switch's `no_x: true`
-    # is `x: false`)
-    negated: set[str] = set()
-    for a in parser._actions:
-        for opt in a.option_strings:
-            name = opt.lstrip("-").replace("-", "_")
-            if isinstance(a, argparse.BooleanOptionalAction) and opt.startswith("--no-"):
-                negated.add(name)
-            actions.setdefault(name, a)
-    argv: list[str] = []
-    for key, value in config.items():
-        name = key.replace("-", "_")
-        action = actions.get(name)
-        if name in negated and value in (True, False, "true", "false"):
-            value = "false" if value in (True, "true") else "true"
-        if action is None:
-            raise ValueError(f"args.{key}: not a `loopserve serve` flag")
-        flag = action.option_strings[-1]
-        if isinstance(action, argparse._StoreConstAction) and not isinstance(action, argparse._StoreTrueAction):
-            # a switch of vLLM's: `x: true` is --x, `x: false` its --no-x (`vllm_neutral.add_neutral_args`)
-            if value not in (True, False, "true", "false"):
-                raise ValueError(f"args.{key}: expected true or false")
-            opposite = "--" + flag[5:] if flag.startswith("--no-") else "--no-" + flag[2:]
-            argv.append(flag if value in (True, "true") else opposite)
-        elif isinstance(action, argparse._StoreTrueAction | argparse.BooleanOptionalAction):
-            if value not in (True, False, "true", "false"):
-                raise ValueError(f"args.{key}: expected true or false")
-            if isinstance(action, argparse.BooleanOptionalAction):  # --x / --no-x: false is said too
-                argv.append(action.option_strings[0 if value in (True, "true") else 1])
-            elif value in (True, "true"):
-                argv.append(flag)
-        elif isinstance(action, argparse._AppendAction):
-            for item in value if isinstance(value, list) else [value]:
-                argv += [flag, str(item)]
-        elif action.nargs == "+":  # several values after one flag: served_model_name: [a, b] (or one: a)
-            items = value if isinstance(value, list) else [] if value is None else [value]
-            argv += [flag, *map(str, items)] if items else []
-        elif isinstance(value, list | dict):
-            argv += [flag, json.dumps(value)]
-        elif value is not None:
-            argv += [flag, str(value)]
+    try:
+        argv = flags_argv(parser, config)
+    except ValueError as e:
+        raise ValueError(f"args.{e}") from None
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):

@@ -40,7 +40,6 @@ the KV cache is not empty once idle, the server did not exit 0, RSS grew more th
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import datetime
 import json
@@ -64,7 +63,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from loopserve.config_args import add_config_args, config_kwargs, knob
+from loopserve.config_args import FlagParser, add_config_args, config_kwargs, knob
 from loopserve_lab.bench.serve import free_port, wait_healthy
 
 SERVED, REJECTED, CLIENT_ERROR, ABORTED = "served", "rejected", "client_error", "aborted"
@@ -1090,7 +1089,7 @@ def summary(report: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     from loopserve_lab.bench.cli import HelpFormat
 
-    p = argparse.ArgumentParser(prog="python -m loopserve_lab.bench.soak", description=__doc__.split("\n\n")[0],
+    p = FlagParser(prog="python -m loopserve_lab.bench.soak", description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormat)
     p.add_argument("--duration-s", type=float, required=True, help="wall time of the traffic")
     p.add_argument("--model", type=Path, default=None, help="checkpoint folder (default: a make_tiny checkpoint)")
