@@ -114,6 +114,32 @@ def test_chat_sends_one_choice_per_chunk_and_usage_from_the_first(server):
         assert sent == 4
 
 
+def _chunks(server: Server, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """A stream's chunks, read to [DONE], as they are (no stream_options added)."""
+    with httpx.stream("POST", server.url + path, json={"model": MODEL, **body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        events = list(sse_events(r.iter_lines()))
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+@pytest.mark.parametrize("path", [C, H])
+def test_stream_options_ask_for_usage_unless_they_say_otherwise(server, path):
+    """vLLM's StreamOptions default include_usage to true: `{}`, or `{"continuous_usage_stats": true}` alone, get
+    the final usage chunk (the latter usage in every chunk too); no stream_options, or include_usage false, none.
+    Both defaulted to false here, so those requests got no usage at all."""
+    base = {"prompt": "Once"} if path == C else {"messages": [{"role": "user", "content": "Hi"}]}
+    base = {**base, "max_tokens": 3, "ignore_eos": True}
+    cases = ((None, False, False), ({}, True, False), ({"continuous_usage_stats": True}, True, True),
+             ({"include_usage": False, "continuous_usage_stats": True}, False, False))
+    for options, final, every in cases:  # (stream_options, a final usage chunk, usage in every chunk)
+        chunks = _chunks(server, path, base if options is None else {**base, "stream_options": options})
+        *body, last = chunks
+        assert (last["choices"] == [] and last["usage"]["completion_tokens"] == 3) is final, (options, last)
+        with_usage = [ch for ch in (body if final else chunks) if ch.get("usage") is not None]
+        assert len(with_usage) == (len(body) if every else 0), (options, chunks)
+
+
 def _fails_at_its_second_token(server: Server) -> tuple[int, dict[str, Any]]:
     """(a token, a request's fields that make it fail at its second token): the token is the one allowed, and
     `bad_words` bans it after itself, so the sampler has nothing left to sample (the request's own fault: 400)."""

@@ -125,7 +125,9 @@ def _names_a_model(annotation: Any) -> bool:
 
 
 class StreamOptions(_Strict):
-    include_usage: bool | None = False
+    # vLLM's default: a stream_options object asks for the final usage chunk unless it says otherwise (`{}`, or only
+    # continuous_usage_stats, gets usage); a stream without stream_options gets none
+    include_usage: bool | None = True
     continuous_usage_stats: bool | None = False
 
 
