@@ -114,6 +114,26 @@ def test_chat_sends_one_choice_per_chunk_and_usage_from_the_first(server):
         assert sent == 4
 
 
+def test_chat_returns_the_prompts_token_ids_at_the_top_level(server):
+    """With return_token_ids a chat response has the prompt's ids at its top level and a stream at the top of each
+    choice's role chunk (vLLM's ChatCompletionResponse and ChatCompletionStreamResponse), not in a choice, where a
+    completion has them (each choice's first chunk: the test above); they were in the chat choices too."""
+    body = {"messages": CONTINUED, "add_generation_prompt": False, "continue_final_message": True, "echo": True,
+            "n": 2, "max_tokens": 3, "temperature": 1.0, "seed": 5, "return_token_ids": True}
+    whole = _post(server, H, body)
+    chunks, usage = _stream(server, H, body)
+    ids = whole["prompt_token_ids"]
+    assert len(ids) == whole["usage"]["prompt_tokens"] == usage["prompt_tokens"]
+    assert not any("prompt_token_ids" in c for c in whole["choices"])
+    assert [(ch["choices"][0]["index"], ch.get("prompt_token_ids")) for ch in chunks[:4]] == [
+        (0, ids), (1, ids), (0, None), (1, None)]  # (the role chunks, then the echo chunks)
+    assert not any("prompt_token_ids" in ch for ch in chunks[4:])
+    assert not any("prompt_token_ids" in ch["choices"][0] for ch in chunks)
+    for want in whole["choices"]:
+        got = [ch["choices"][0] for ch in chunks if ch["choices"][0]["index"] == want["index"]]
+        assert [t for c in got for t in c.get("token_ids", [])] == want["token_ids"]
+
+
 def _chunks(server: Server, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
     """A stream's chunks, read to [DONE], as they are (no stream_options added)."""
     with httpx.stream("POST", server.url + path, json={"model": MODEL, **body, "stream": True}, timeout=60) as r:

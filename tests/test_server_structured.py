@@ -179,7 +179,7 @@ def test_named_tool_choice_returns_a_tool_call(client, server, tiny_path):
     # the tools reached the chat template
     raw = _post(server, "/v1/chat/completions", {"messages": MESSAGES, "tools": [TIME, WEATHER], "max_tokens": 1,
                                                  "tool_choice": "none", "return_token_ids": True}).json()
-    prompt = Tokenizer(tiny_path).decode(raw["choices"][0]["prompt_token_ids"])
+    prompt = Tokenizer(tiny_path).decode(raw["prompt_token_ids"])
     assert prompt.startswith("tools: get_time get_weather")
 
 

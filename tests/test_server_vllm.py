@@ -139,9 +139,9 @@ def test_tokenizer_info_serves_what_a_remote_tokenizer_reads(server, tiny_path):
 def test_chat_template_kwargs_reach_the_template(server):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 1,
             "return_token_ids": True}
-    plain = _post(server, "/v1/chat/completions", body).json()["choices"][0]["prompt_token_ids"]
+    plain = _post(server, "/v1/chat/completions", body).json()["prompt_token_ids"]
     shout = _post(server, "/v1/chat/completions", {**body, "chat_template_kwargs": {"shout": True}}).json()
-    ids = shout["choices"][0]["prompt_token_ids"]
+    ids = shout["prompt_token_ids"]
     assert "SHOUTING" in _post(server, "/detokenize", {"tokens": ids}).json()["prompt"]
     assert len(ids) > len(plain)
     for name, value in (("add_generation_prompt", 0), ("chat_template", "{% for i in range(99) %}x{% endfor %}"),
