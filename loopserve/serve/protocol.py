@@ -37,7 +37,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from loopserve.chat_messages import REFUSAL_PART, TEXT_PARTS
+from loopserve.chat_messages import REFUSAL_PART, TEXT_PARTS, other_part
 from loopserve.sampling_params import (
     EXIT_FIELDS,
     GuidedDecodingParams,
@@ -368,6 +368,18 @@ class ChatMessage(_Strict):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        """A part of another type than text's (an image, audio, a file): one error naming its type (`OTHER_PART`,
+        `chat_messages.other_part`'s words), before the union's members each say what they wanted instead."""
+        if isinstance(value, list):
+            for j, part in enumerate(value):
+                why = other_part(part)
+                if why is not None:
+                    raise PydanticCustomError(OTHER_PART, "{why}", {"index": j, "why": why})
+        return value
+
 
 class FunctionDefinition(_Strict):
     name: str
@@ -521,6 +533,7 @@ def parse_tokenize(body: bytes) -> TokenizeCompletionRequest | TokenizeChatReque
 
 
 LIST_ITEM = "list_item_type"  # a list's item of another type than the list's first (`CompletionRequest.prompt`)
+OTHER_PART = "content_part_type"  # a message's content part of another type than text's (`ChatMessage.content`)
 
 
 def _describe(cls: type[BaseModel], e: ValidationError) -> tuple[str, str | None]:
@@ -558,6 +571,8 @@ def _describe(cls: type[BaseModel], e: ValidationError) -> tuple[str, str | None
     err, param = errors[best[0]], ".".join(paths[best[0]]) or None
     if err["type"] == LIST_ITEM:  # (raised on the list as a whole, about one of its items)
         param = f"{param}.{err['ctx']['index']}"
+    if err["type"] == OTHER_PART:  # (raised on the content as a whole, about one part's type)
+        param = f"{param}.{err['ctx']['index']}.type"
     if err["type"] == "missing":
         return f"{param}: field required", param
     said = list(dict.fromkeys(errors[k]["msg"] for k in best))
