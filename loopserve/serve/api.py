@@ -1170,7 +1170,7 @@ class OpenAIServing:
         echo_text = message_text(last.model_dump()["content"]) if req.echo and last.role == role else ""
         if req.echo and tools is not None:  # the reply is the call's arguments, which nothing may come before
             raise ApiError(400, "echo: cannot be combined with a forced tool call (tool_choice)", "echo")
-        text = self.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs, req.tools,
+        text = self.render_chat(req.messages, req.add_generation_prompt, req.template_kwargs(), req.tools,
                                 req.continue_final_message, req.documents)
         # the template writes the special tokens it wants: none added unless asked (vLLM's default)
         ids = self.encode(text, "messages", truncates_prompt(req.truncate_prompt_tokens),

@@ -143,6 +143,9 @@ class ResponseFormat(_Strict):
     json_schema: JsonSchemaFormat | None = None
 
 
+# a chat request's `reasoning_effort`: the values vLLM's ChatCompletionRequest takes (OpenAI's, and "max")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
 # vLLM's request fields for what this server has no counterpart of -> why; a request may send them empty
 NEUTRAL_FIELDS = {
     "mm_processor_kwargs": "it takes no multimodal inputs",
@@ -411,6 +414,9 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # checked as vLLM types it; the model has no reasoning mode, so only the chat template may read it
+    # (`template_kwargs`)
+    reasoning_effort: Literal[REASONING_EFFORTS] | None = None  # type: ignore[valid-type]
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension: extra variables for the chat template
     documents: list[dict[str, Any]] | None = None  # vLLM extension: the template's `documents` (retrieval templates)
     # vLLM extensions: the prompt ends with the final (assistant) message left open; the rendered prompt tokenized
@@ -423,6 +429,16 @@ class ChatCompletionRequest(_SamplingFields):
     def beam_search_conflicts(self) -> dict[str, tuple[tuple[Any, ...], str]]:
         return {**super().beam_search_conflicts(), "logprobs": ((False,), "a beam search returns no logprobs"),
                 "top_logprobs": ((), "a beam search returns no logprobs")}
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The chat template's extra variables: `chat_template_kwargs`, with what vLLM adds from the request's
+        `reasoning_effort` when it is set: the value itself (over the kwargs' own), and `enable_thinking` (false for
+        "none") unless the kwargs set it, for templates that think only when asked to."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        kwargs = {**(self.chat_template_kwargs or {}), "reasoning_effort": self.reasoning_effort}
+        kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
+        return kwargs
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
