@@ -17,6 +17,17 @@ TEXT_PARTS = ("text", "input_text", "output_text")
 REFUSAL_PART = "refusal"
 
 
+def other_part(part: Any) -> str | None:
+    """Why a content part of another type than text's (an image, audio, a file, a video: OpenAI's and vLLM's
+    multimodal parts) is refused, naming its type; None for a text part, or a part without a type that is a string
+    (the checks of its shape say what is wrong with it)."""
+    kind = part.get("type") if isinstance(part, Mapping) else None
+    if not isinstance(kind, str) or kind in (*TEXT_PARTS, REFUSAL_PART):
+        return None
+    return (f"{kind!r} parts are not supported: this model takes text only (parts of type "
+            f"{', '.join(map(repr, TEXT_PARTS))}, or an assistant's {REFUSAL_PART!r})")
+
+
 def part_text(part: Mapping[str, Any]) -> str:
     """A checked content part's text."""
     return part[REFUSAL_PART] if part.get("type") == REFUSAL_PART else part["text"]
@@ -74,6 +85,9 @@ def chat_messages(messages: Any, where: str = "messages", ignored: list[str] | N
                 raise ValueError(f"{at}.content: must be a string or a list of text parts, "
                                  f"got {type(content).__name__}")
             for j, part in enumerate(content):
+                why = other_part(part)
+                if why is not None:
+                    raise ValueError(f"{at}.content.{j}.type: {why}")
                 if not (isinstance(part, Mapping) and part.get("type") in (*TEXT_PARTS, REFUSAL_PART)):
                     raise ValueError(f"{at}.content.{j}: must be a text part ({{'type': 'text', 'text': ...}})")
                 key = REFUSAL_PART if part["type"] == REFUSAL_PART else "text"

@@ -244,7 +244,7 @@ CONTINUE = {"continue_final_message": True, "add_generation_prompt": False}
 
 def test_server_continues_the_final_message(server, client, llm):
     r = _chat(client, CONTINUED, return_token_ids=True, **CONTINUE)
-    ids = r.choices[0].model_extra["prompt_token_ids"]
+    ids = r.model_extra["prompt_token_ids"]
     assert ids == llm.get_tokenizer().apply_chat_template(CONTINUED, continue_final_message=True)
     [want] = llm.chat(CONTINUED, GREEDY, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)
     assert r.choices[0].message.content == want.outputs[0].text
@@ -256,7 +256,7 @@ def test_server_continues_the_final_message(server, client, llm):
     t = server.post("/tokenize", {"model": MODEL, "messages": CONTINUED, "chat_template_kwargs": CONTINUE})
     assert t.status_code == 200 and t.json()["tokens"] == ids, t.text
     r = _chat(client, CONTINUED, return_token_ids=True, chat_template_kwargs=CONTINUE)
-    assert r.choices[0].model_extra["prompt_token_ids"] == ids
+    assert r.model_extra["prompt_token_ids"] == ids
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
@@ -308,10 +308,10 @@ def test_echo_with_a_forced_tool_call_is_refused(server):
 
 
 def test_add_special_tokens_tokenizes_the_prompt_with_them(client, huginn):
-    without = _chat(client, HELLO, return_token_ids=True).choices[0].model_extra["prompt_token_ids"]
+    without = _chat(client, HELLO, return_token_ids=True).model_extra["prompt_token_ids"]
     with_them = _chat(client, HELLO, return_token_ids=True, add_special_tokens=True)
     # the post-processor's BOS before the template's own (as vLLM tokenizes it)
-    assert with_them.choices[0].model_extra["prompt_token_ids"] == [huginn.bos_token_id, *without]
+    assert with_them.model_extra["prompt_token_ids"] == [huginn.bos_token_id, *without]
     assert without == huginn.apply_chat_template(HELLO, add_generation_prompt=True)
 
 

@@ -189,7 +189,7 @@ def test_documents_and_tools_reach_the_template_from_chat_and_tokenize(server, c
     c = client.chat.completions.create(model=MODEL, messages=CONVERSATION, max_tokens=1,  # type: ignore[arg-type]
                                        tools=tools, tool_choice="none",  # ("auto" needs a tool parser)
                                        extra_body={"documents": docs, "return_token_ids": True})
-    ids = c.choices[0].model_extra["prompt_token_ids"]
+    ids = c.model_extra["prompt_token_ids"]
     assert server.post("/detokenize", {"tokens": ids}).json()["prompt"] == want
     # documents given twice is refused, naming the field
     with pytest.raises(openai.BadRequestError) as e:
@@ -211,7 +211,7 @@ def test_documents_and_tools_reach_the_template_from_chat_and_tokenize(server, c
 def test_openai_client_and_llm_chat_render_the_same_prompt(server, client, llm):
     r = client.chat.completions.create(model=MODEL, messages=CONVERSATION, max_tokens=1,  # type: ignore[arg-type]
                                        extra_body={"return_token_ids": True})
-    ids = r.choices[0].model_extra["prompt_token_ids"]
+    ids = r.model_extra["prompt_token_ids"]
     said = server.post("/detokenize", {"tokens": ids}).json()["prompt"]
     assert said == RENDERED == _llm_prompt(llm, CONVERSATION)
     # arguments sent as an object render as the JSON text of the same object

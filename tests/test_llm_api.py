@@ -334,7 +334,7 @@ def test_chat_messages_follow_the_servers_rules(llm):
                         ([{"role": "", "content": "x"}], "messages.0.role"),
                         ([{"role": ["user"], "content": "x"}], "messages.0.role"),
                         ([{"content": "x"}], "messages.0.role"),
-                        ([{"role": "user", "content": [{"type": "image_url"}]}], "messages.0.content.0"),
+                        ([{"role": "user", "content": [{"type": "image_url"}]}], "messages.0.content.0.type"),
                         ([{"role": "user", "content": "x", "name": 5}], "messages.0.name"),
                         ([{"role": "user", "content": "\ud800"}], "messages")):
         with pytest.raises(ValueError, match=rf"^{re.escape(field)}: "):

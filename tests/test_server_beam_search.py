@@ -70,7 +70,7 @@ def _assert_same_beams(llm: LLM, choices: list[dict], seqs: list[BeamSearchSeque
     assert len(choices) == len(seqs)
     for c, s in zip(choices, seqs, strict=True):
         assert c["token_ids"] == s.tokens[len(prompt):]  # the end-of-sequence token of a completed beam included
-        assert c["prompt_token_ids"] == prompt
+        assert c.get("prompt_token_ids") == (None if chat else prompt)  # (chat: the response's, at the top level)
         assert c["cumulative_logprob"] == pytest.approx(s.cum_logprob, abs=1e-5)
         assert c["finish_reason"] == s.finish_reason and c["stop_reason"] is None
         assert c["logprobs"] is None
@@ -114,6 +114,7 @@ def test_chat_equals_offline(server, offline, n):
     assert got["object"] == "chat.completion" and [c["index"] for c in got["choices"]] == list(range(n))
     assert all(c["message"]["role"] == "assistant" for c in got["choices"])
     _assert_same_beams(offline, got["choices"], want.sequences, ids, chat=True)
+    assert got["prompt_token_ids"] == ids
     assert got["usage"]["prompt_tokens"] == len(ids)
     assert got["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in got["choices"])
     # max_completion_tokens: the budget, as max_tokens

@@ -318,7 +318,7 @@ WRONG_COMPLETION = {**WRONG_SAMPLING, "prompt": 5, "logprobs": "2", "echo": "no"
 WRONG_CHAT = {**WRONG_SAMPLING, "messages": 5, "max_completion_tokens": "4", "logprobs": 1, "top_logprobs": "2",
               "add_generation_prompt": "yes", "tools": "x", "tool_choice": 5, "parallel_tool_calls": "yes",
               "chat_template_kwargs": [1], "echo": "no", "continue_final_message": "yes", "chat_template": 5,
-              "add_special_tokens": "no", "documents": 5}
+              "add_special_tokens": "no", "documents": 5, "reasoning_effort": "extreme"}
 ANY_VALUE = {"prompt_embeds"}  # fields any JSON value is valid for (to be refused by name)
 GOOD_C = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
 GOOD_H = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -468,6 +468,27 @@ def test_a_message_may_have_no_content(server):
                      [{"role": "system"}, {"role": "user", "content": None}]):
         r = httpx.post(server.url + H, json={**GOOD_H, "messages": messages}, timeout=30)
         assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("kind", ["image_url", "input_audio", "file", "video_url", "audio_url", "image"])
+def test_a_part_other_than_text_is_named_by_its_type(server, kind):
+    """An image, audio, a file or a video in a message: one 400 naming the part's type (it was pydantic's union
+    error, "Input should be 'text', 'input_text' or 'output_text'; or Field required; or Input should be
+    'refusal'"), at chat completions and /tokenize alike, and LLM.chat says the same."""
+    from loopserve.chat_messages import chat_messages
+
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "what is this?"}, {"type": kind, kind: {}}]}]
+    want = (f"messages.1.content.1.type: {kind!r} parts are not supported: this model takes text only (parts of "
+            "type 'text', 'input_text', 'output_text', or an assistant's 'refusal')")
+    for path in (H, "/tokenize"):
+        r = httpx.post(server.url + path, json={**GOOD_H, "messages": messages}, timeout=30)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"] == {"message": want, "type": "BadRequestError", "param": "messages.1.content.1.type",
+                                     "code": 400}
+    with pytest.raises(ValueError) as e:
+        chat_messages(messages)
+    assert str(e.value) == want
 
 
 def test_tokenize_takes_one_of_prompt_or_messages(server):

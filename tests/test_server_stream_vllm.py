@@ -114,6 +114,52 @@ def test_chat_sends_one_choice_per_chunk_and_usage_from_the_first(server):
         assert sent == 4
 
 
+def test_chat_returns_the_prompts_token_ids_at_the_top_level(server):
+    """With return_token_ids a chat response has the prompt's ids at its top level and a stream at the top of each
+    choice's role chunk (vLLM's ChatCompletionResponse and ChatCompletionStreamResponse), not in a choice, where a
+    completion has them (each choice's first chunk: the test above); they were in the chat choices too."""
+    body = {"messages": CONTINUED, "add_generation_prompt": False, "continue_final_message": True, "echo": True,
+            "n": 2, "max_tokens": 3, "temperature": 1.0, "seed": 5, "return_token_ids": True}
+    whole = _post(server, H, body)
+    chunks, usage = _stream(server, H, body)
+    ids = whole["prompt_token_ids"]
+    assert len(ids) == whole["usage"]["prompt_tokens"] == usage["prompt_tokens"]
+    assert not any("prompt_token_ids" in c for c in whole["choices"])
+    assert [(ch["choices"][0]["index"], ch.get("prompt_token_ids")) for ch in chunks[:4]] == [
+        (0, ids), (1, ids), (0, None), (1, None)]  # (the role chunks, then the echo chunks)
+    assert not any("prompt_token_ids" in ch for ch in chunks[4:])
+    assert not any("prompt_token_ids" in ch["choices"][0] for ch in chunks)
+    for want in whole["choices"]:
+        got = [ch["choices"][0] for ch in chunks if ch["choices"][0]["index"] == want["index"]]
+        assert [t for c in got for t in c.get("token_ids", [])] == want["token_ids"]
+
+
+def _chunks(server: Server, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """A stream's chunks, read to [DONE], as they are (no stream_options added)."""
+    with httpx.stream("POST", server.url + path, json={"model": MODEL, **body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        events = list(sse_events(r.iter_lines()))
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+@pytest.mark.parametrize("path", [C, H])
+def test_stream_options_ask_for_usage_unless_they_say_otherwise(server, path):
+    """vLLM's StreamOptions default include_usage to true: `{}`, or `{"continuous_usage_stats": true}` alone, get
+    the final usage chunk (the latter usage in every chunk too); no stream_options, or include_usage false, none.
+    Both defaulted to false here, so those requests got no usage at all."""
+    base = {"prompt": "Once"} if path == C else {"messages": [{"role": "user", "content": "Hi"}]}
+    base = {**base, "max_tokens": 3, "ignore_eos": True}
+    cases = ((None, False, False), ({}, True, False), ({"continuous_usage_stats": True}, True, True),
+             ({"include_usage": False, "continuous_usage_stats": True}, False, False))
+    for options, final, every in cases:  # (stream_options, a final usage chunk, usage in every chunk)
+        chunks = _chunks(server, path, base if options is None else {**base, "stream_options": options})
+        *body, last = chunks
+        assert (last["choices"] == [] and last["usage"]["completion_tokens"] == 3) is final, (options, last)
+        with_usage = [ch for ch in (body if final else chunks) if ch.get("usage") is not None]
+        assert len(with_usage) == (len(body) if every else 0), (options, chunks)
+
+
 def _fails_at_its_second_token(server: Server) -> tuple[int, dict[str, Any]]:
     """(a token, a request's fields that make it fail at its second token): the token is the one allowed, and
     `bad_words` bans it after itself, so the sampler has nothing left to sample (the request's own fault: 400)."""

@@ -179,8 +179,26 @@ def test_named_tool_choice_returns_a_tool_call(client, server, tiny_path):
     # the tools reached the chat template
     raw = _post(server, "/v1/chat/completions", {"messages": MESSAGES, "tools": [TIME, WEATHER], "max_tokens": 1,
                                                  "tool_choice": "none", "return_token_ids": True}).json()
-    prompt = Tokenizer(tiny_path).decode(raw["choices"][0]["prompt_token_ids"])
+    prompt = Tokenizer(tiny_path).decode(raw["prompt_token_ids"])
     assert prompt.startswith("tools: get_time get_weather")
+
+
+def test_a_null_tool_choice_generates_text_with_the_tools_rendered(server, tiny_path):
+    """`"tool_choice": null` is not the key left out: vLLM defaults to "auto" only where it is absent, and lets an
+    explicit null through to plain text, the tools in the template. It was refused here as "auto"."""
+    body = {"messages": MESSAGES, "tools": [TIME, WEATHER], "max_tokens": 3, "temperature": 0,
+            "return_token_ids": True}
+    r = _post(server, "/v1/chat/completions", {**body, "tool_choice": None})
+    assert r.status_code == 200, r.text
+    none = _post(server, "/v1/chat/completions", {**body, "tool_choice": "none"}).json()
+    got = r.json()
+    assert Tokenizer(tiny_path).decode(got["prompt_token_ids"]).startswith("tools: get_time get_weather")
+    assert got["prompt_token_ids"] == none["prompt_token_ids"]
+    assert got["choices"][0]["message"] == none["choices"][0]["message"]
+    assert got["choices"][0]["message"]["tool_calls"] == [] and got["choices"][0]["message"]["content"]
+    # left out, it is still "auto", refused for want of a tool-call parser
+    refused = _post(server, "/v1/chat/completions", body)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tool_choice", refused.text
 
 
 @pytest.mark.parametrize("named", [True, False])

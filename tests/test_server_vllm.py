@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -33,8 +34,10 @@ ROOT = "/api"
 MAX_LEN = 48  # --max-model-len (the model's context is 2048)
 LOG_LEN = 8  # --max-log-len
 STATS_S = 0.3  # --log-stats-interval
-# a chat template with a variable only `chat_template_kwargs` sets
+# a chat template with a variable only `chat_template_kwargs` sets, and those a request's reasoning_effort sets
 TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{% if shout %}SHOUTING {% endif %}"
+            "{% if reasoning_effort %}effort={{ reasoning_effort }} {% endif %}"
+            "{% if enable_thinking is defined %}thinking={{ enable_thinking }} {% endif %}"
             "{% if add_generation_prompt %}assistant:{% endif %}")
 TIMESTAMP = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")
 
@@ -97,6 +100,30 @@ def test_unknown_fields_are_ignored_with_a_warning(server):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature"
 
 
+def test_reasoning_effort_is_checked_and_reaches_the_template(server):
+    """vLLM's reasoning_effort: one of its values (else a 400 naming it), passed to the chat template as
+    `reasoning_effort`, with `enable_thinking` (false for "none") unless chat_template_kwargs sets that; the field
+    wins over the kwargs' reasoning_effort. The model has no reasoning mode: nothing else reads it. It was an
+    unknown field, any value ignored."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "return_token_ids": True}
+
+    def prompt(**extra: Any) -> str:
+        r = _post(server, "/v1/chat/completions", {**body, **extra})
+        assert r.status_code == 200, r.text
+        return _post(server, "/detokenize", {"tokens": r.json()["prompt_token_ids"]}).json()["prompt"]
+
+    assert prompt() == "user: hi\nassistant:"
+    assert prompt(reasoning_effort="low") == "user: hi\neffort=low thinking=True assistant:"
+    assert prompt(reasoning_effort="none") == "user: hi\neffort=none thinking=False assistant:"
+    assert prompt(reasoning_effort="high", chat_template_kwargs={"reasoning_effort": "x", "enable_thinking": False}
+                  ) == "user: hi\neffort=high thinking=False assistant:"
+    assert prompt(chat_template_kwargs={"reasoning_effort": "x"}) == "user: hi\neffort=x assistant:"
+    for bad in ("extreme", "HIGH", 5, ""):
+        r = _post(server, "/v1/chat/completions", {**body, "reasoning_effort": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort", r.text
+        assert r.json()["error"]["message"].startswith("reasoning_effort: Input should be 'none', 'minimal', "), r.text
+
+
 # -- /tokenize, /detokenize, /version --------------------------------------------------------------------------
 def test_tokenize_detokenize_round_trip(server):
     r = _post(server, "/tokenize", {"model": MODEL, "prompt": "To be, or not", "return_token_strs": True})
@@ -139,9 +166,9 @@ def test_tokenizer_info_serves_what_a_remote_tokenizer_reads(server, tiny_path):
 def test_chat_template_kwargs_reach_the_template(server):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 1,
             "return_token_ids": True}
-    plain = _post(server, "/v1/chat/completions", body).json()["choices"][0]["prompt_token_ids"]
+    plain = _post(server, "/v1/chat/completions", body).json()["prompt_token_ids"]
     shout = _post(server, "/v1/chat/completions", {**body, "chat_template_kwargs": {"shout": True}}).json()
-    ids = shout["choices"][0]["prompt_token_ids"]
+    ids = shout["prompt_token_ids"]
     assert "SHOUTING" in _post(server, "/detokenize", {"tokens": ids}).json()["prompt"]
     assert len(ids) > len(plain)
     for name, value in (("add_generation_prompt", 0), ("chat_template", "{% for i in range(99) %}x{% endfor %}"),

@@ -665,6 +665,8 @@ class OpenAIServing:
         body = {**self.base(gen.kind.object, gen), "choices": choices, "usage": usage_body(outs, sent)}
         if gen.kind.chat and gen.req.prompt_logprobs is not None:
             body["prompt_logprobs"] = gen.fmt.prompt_logprobs(outs[0])
+        if gen.kind.chat and gen.req.return_token_ids:  # (vLLM's place: a chat response's, a completion choice's)
+            body["prompt_token_ids"] = list(outs[0].prompt_token_ids)
         return JSONResponse(body)
 
     def choice(self, gen: _Generation, index: int, out: RequestOutput, c: CompletionOutput, d: ChoiceStream,
@@ -707,7 +709,7 @@ class OpenAIServing:
             choice["cumulative_logprob"] = c.cumulative_logprob
         if gen.req.return_token_ids:
             choice["token_ids"] = list(c.token_ids[:count])
-            if first:
+            if first and not gen.kind.chat:  # (chat: at the top level, `respond` and `stream`)
                 choice["prompt_token_ids"] = list(out.prompt_token_ids)
         d.tokens += count
         d.chunks += 1
@@ -716,7 +718,8 @@ class OpenAIServing:
 
     async def stream(self, gen: _Generation, group: AsyncIterable[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
         """SSE chunks of one choice each, as vLLM sends them (a client reading `choices[0]` misses no sample):
-        (chat: the assistant role for every choice, then the echoed text for every choice), then a chunk for
+        (chat: the assistant role for every choice, with return_token_ids the prompt's ids at the chunk's top level,
+        then the echoed text for every choice), then a chunk for
         every choice an output moved on, usage if asked, [DONE]. The outputs are DELTA ones: a chunk costs
         what is new. With continuous usage a chunk counts its own choice's prompt and tokens so far (vLLM's
         rule); the last chunk counts everything. A request that fails raises `StreamFailed` with the status
@@ -741,9 +744,13 @@ class OpenAIServing:
                 for delta in [{"role": gen.role, "content": ""},
                               *([{"content": gen.echo_text}] if gen.echo_text else [])]:
                     for j in range(len(gen.seqs) * gen.n):
-                        p = len(gen.seqs[j // gen.n].prompt_ids)
+                        ids = gen.seqs[j // gen.n].prompt_ids
+                        p = len(ids)
                         usage = {"prompt_tokens": p, "completion_tokens": 0, "total_tokens": p} if continuous else None
-                        yield sse(chunk({"index": j, "delta": delta, "logprobs": None, "finish_reason": None}, usage))
+                        body = chunk({"index": j, "delta": delta, "logprobs": None, "finish_reason": None}, usage)
+                        if req.return_token_ids and "role" in delta:  # (vLLM's: at the top of every role chunk)
+                            body["prompt_token_ids"] = list(ids)
+                        yield sse(body)
             async for i, out in group:
                 if out.prompt_logprobs is not None:
                     prompt_logprobs[i] = out.prompt_logprobs
@@ -1175,7 +1182,7 @@ class OpenAIServing:
         echo_text = message_text(last.model_dump()["content"]) if req.echo and last.role == role else ""
         if req.echo and tools is not None:  # the reply is the call's arguments, which nothing may come before
             raise ApiError(400, "echo: cannot be combined with a forced tool call (tool_choice)", "echo")
-        text = self.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs, req.tools,
+        text = self.render_chat(req.messages, req.add_generation_prompt, req.template_kwargs(), req.tools,
                                 req.continue_final_message, req.documents)
         # the template writes the special tokens it wants: none added unless asked (vLLM's default)
         ids = self.encode(text, "messages", truncates_prompt(req.truncate_prompt_tokens),

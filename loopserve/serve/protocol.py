@@ -37,7 +37,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from loopserve.chat_messages import REFUSAL_PART, TEXT_PARTS
+from loopserve.chat_messages import REFUSAL_PART, TEXT_PARTS, other_part
 from loopserve.sampling_params import (
     EXIT_FIELDS,
     GuidedDecodingParams,
@@ -125,7 +125,9 @@ def _names_a_model(annotation: Any) -> bool:
 
 
 class StreamOptions(_Strict):
-    include_usage: bool | None = False
+    # vLLM's default: a stream_options object asks for the final usage chunk unless it says otherwise (`{}`, or only
+    # continuous_usage_stats, gets usage); a stream without stream_options gets none
+    include_usage: bool | None = True
     continuous_usage_stats: bool | None = False
 
 
@@ -140,6 +142,9 @@ class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
+
+# a chat request's `reasoning_effort`: the values vLLM's ChatCompletionRequest takes (OpenAI's, and "max")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 # vLLM's request fields for what this server has no counterpart of -> why; a request may send them empty
 NEUTRAL_FIELDS = {
@@ -366,6 +371,18 @@ class ChatMessage(_Strict):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        """A part of another type than text's (an image, audio, a file): one error naming its type (`OTHER_PART`,
+        `chat_messages.other_part`'s words), before the union's members each say what they wanted instead."""
+        if isinstance(value, list):
+            for j, part in enumerate(value):
+                why = other_part(part)
+                if why is not None:
+                    raise PydanticCustomError(OTHER_PART, "{why}", {"index": j, "why": why})
+        return value
+
 
 class FunctionDefinition(_Strict):
     name: str
@@ -397,6 +414,9 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # checked as vLLM types it; the model has no reasoning mode, so only the chat template may read it
+    # (`template_kwargs`)
+    reasoning_effort: Literal[REASONING_EFFORTS] | None = None  # type: ignore[valid-type]
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension: extra variables for the chat template
     documents: list[dict[str, Any]] | None = None  # vLLM extension: the template's `documents` (retrieval templates)
     # vLLM extensions: the prompt ends with the final (assistant) message left open; the rendered prompt tokenized
@@ -409,6 +429,16 @@ class ChatCompletionRequest(_SamplingFields):
     def beam_search_conflicts(self) -> dict[str, tuple[tuple[Any, ...], str]]:
         return {**super().beam_search_conflicts(), "logprobs": ((False,), "a beam search returns no logprobs"),
                 "top_logprobs": ((), "a beam search returns no logprobs")}
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The chat template's extra variables: `chat_template_kwargs`, with what vLLM adds from the request's
+        `reasoning_effort` when it is set: the value itself (over the kwargs' own), and `enable_thinking` (false for
+        "none") unless the kwargs set it, for templates that think only when asked to."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        kwargs = {**(self.chat_template_kwargs or {}), "reasoning_effort": self.reasoning_effort}
+        kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
+        return kwargs
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
@@ -519,6 +549,7 @@ def parse_tokenize(body: bytes) -> TokenizeCompletionRequest | TokenizeChatReque
 
 
 LIST_ITEM = "list_item_type"  # a list's item of another type than the list's first (`CompletionRequest.prompt`)
+OTHER_PART = "content_part_type"  # a message's content part of another type than text's (`ChatMessage.content`)
 
 
 def _describe(cls: type[BaseModel], e: ValidationError) -> tuple[str, str | None]:
@@ -556,6 +587,8 @@ def _describe(cls: type[BaseModel], e: ValidationError) -> tuple[str, str | None
     err, param = errors[best[0]], ".".join(paths[best[0]]) or None
     if err["type"] == LIST_ITEM:  # (raised on the list as a whole, about one of its items)
         param = f"{param}.{err['ctx']['index']}"
+    if err["type"] == OTHER_PART:  # (raised on the content as a whole, about one part's type)
+        param = f"{param}.{err['ctx']['index']}.type"
     if err["type"] == "missing":
         return f"{param}: field required", param
     said = list(dict.fromkeys(errors[k]["msg"] for k in best))

@@ -25,8 +25,9 @@ token as stop_reason) is no tool calls but the text as content in a whole respon
 calls it sent: it keeps them (the last one's arguments cut short) and ends with that finish reason (if no name was
 complete, it sends the text as content, as the whole response does). A tool's name must not be empty, and its
 parameters must be a schema of type "object" (none given, or {}: no parameters, arguments {}). "auto" (the
-default when tools are given) would need a parser for the model's own tool-call format: it is refused with a 400,
-as vLLM refuses it when started without `--enable-auto-tool-choice`.
+default when tools are given and `tool_choice` is left out) would need a parser for the model's own tool-call
+format: it is refused with a 400, as vLLM refuses it when started without `--enable-auto-tool-choice`. An explicit
+`"tool_choice": null` is not "auto": it generates text, as "none" (vLLM lets it through to plain generation).
 """
 
 from __future__ import annotations
@@ -444,17 +445,21 @@ def tool_plan(req: Any) -> ToolPlan | None:
             where = f"tools.{i}.function.parameters"
             raise ApiError(400, f"{where}: must be a schema of type \"object\" (a call's arguments are a JSON "
                                 f"object), got type {json.dumps(kind)}", where)
-    if choice is None or (choice == "required" and req.tools == []):
-        # ("required" with an empty list: "none", OpenAI's reading, which vLLM follows; agent frameworks send it)
-        choice = "auto" if tools else "none"
+    if choice is None:
+        # left out: "auto" where tools are given (vLLM's default); an explicit null asks for no tool call, read as
+        # "none" (vLLM lets it through: text, the tools still rendered, as for any choice here)
+        choice = "auto" if tools and "tool_choice" not in req.model_fields_set else "none"
+    elif choice == "required" and req.tools == []:
+        # (OpenAI's reading, which vLLM follows: "none"; agent frameworks send it)
+        choice = "none"
     if choice == "none":
         return None
     if not tools:
         raise ApiError(400, "tool_choice: needs tools", "tool_choice")
     if choice == "auto":
-        raise ApiError(400, "tool_choice: 'auto' (the default when tools are given) needs a parser of the model's own "
-                            "tool-call format, which this server does not have; use 'required', a named function "
-                            "or 'none'", "tool_choice")
+        raise ApiError(400, "tool_choice: 'auto' (the default when tools come without a tool_choice) needs a parser "
+                            "of the model's own tool-call format, which this server does not have; use 'required', a "
+                            "named function or 'none'", "tool_choice")
     schemas = {t.function.name: _arguments_schema(t.function.parameters) for t in tools}
     options, field_of = grammar_options(req)
     if choice == "required":
