@@ -522,9 +522,9 @@ class Sequence:
         return self._text
 
     @text.setter
-    def text(self, value: str) -> None:  # the final text (finish): nothing left to decode
+    def text(self, value: str) -> None:  # the text a stop string cut: nothing left to decode
         if self._sent_chars and value[:self._sent_chars] != self._text[:self._sent_chars]:
-            self._sent_chars = len(value)  # decoding it whole changed text a DELTA output sent: send no more
+            self._sent_chars = len(value)  # (a cut into text a DELTA output sent, which the hold-back prevents)
         self._text, self._decoded = value, len(self.output_ids)
 
     def decode_pending(self, end: int | None = None) -> None:
