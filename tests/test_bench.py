@@ -616,6 +616,13 @@ def test_out_naming_a_file_is_refused_before_the_run(tmp_path, capsys, command):
     (["record", "--file", "."], "--file: .: is a folder; name a file"),
     (["setup", "--models", "micro-ouro,mciro-huginn", "--skip-mtbench"], "'mciro-huginn' is not a bench preset"),
     (["serve", "--mode", "http", "--url", "http://127.0.0.1:1"], "--url: no server answers at http://127.0.0.1:1"),
+    # (nan made nan arrival times, and the run waited for them forever; 0 divided by zero)
+    (["serve", "--burstiness", "nan"], "--burstiness: must be a finite number > 0, got 'nan'"),
+    (["serve", "--burstiness", "0"], "--burstiness: must be a finite number > 0, got '0'"),
+    (["serve", "--burstiness", "-1"], "--burstiness: must be a finite number > 0, got '-1'"),
+    (["serve", "--capacity", "nan"], "--capacity: must be a finite number > 0, got 'nan'"),
+    (["serve", "--capacity", "-2"], "--capacity: must be a finite number > 0, got '-2'"),
+    (["throughput", "--scale", "inf"], "--scale: must be a finite number > 0, got 'inf'"),
 ])
 def test_bad_flag_values_are_refused_before_anything_runs(argv, words, capsys):
     """(Each was a traceback, some after minutes of runs: `--schedulers cb,cdbx` after the CB part.)"""

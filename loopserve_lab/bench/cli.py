@@ -50,6 +50,18 @@ def _floats(s: str) -> list[float]:
     return values
 
 
+def _positive_float(s: str) -> float:
+    """A finite number > 0 (a capacity, a Gamma shape, a length scale): nan or inf would make arrival times or
+    lengths nan, and a wait on them never ends."""
+    try:
+        value = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not 0 < value < float("inf"):  # (nan fails both comparisons)
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {s!r}")
+    return value
+
+
 def _rates(s: str) -> list[float]:
     """A comma list of positive numbers (request rates, fractions of a capacity)."""
     values = _floats(s)
@@ -117,7 +129,7 @@ def add_workload_args(p: argparse.ArgumentParser, n: int = 128) -> None:
                         "them) or fixed --prompt-len / --output-len (default: %(default)s)")
     g.add_argument("--num-requests", type=positive_int, default=n,
                    help="requests in the workload (default: %(default)s)")
-    g.add_argument("--scale", type=float, default=1.0,
+    g.add_argument("--scale", type=_positive_float, default=1.0,
                    help="multiply the published mean lengths (CPU: 0.25; default: %(default)s)")
     g.add_argument("--prompt-len", type=positive_int, default=32, help="fixed workload only")
     g.add_argument("--output-len", type=positive_int, default=64, help="fixed workload only")
@@ -927,8 +939,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--width", type=positive_int, default=32)
     p.add_argument("--rates", type=_rates, default=None, help="req/s; default: --rate-fractions of CB's capacity")
     p.add_argument("--rate-fractions", type=_rates, default=[0.25, 0.5, 0.75, 1.0, 1.25])
-    p.add_argument("--capacity", type=float, default=None, help="CB req/s (default: measured offline first)")
-    p.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape of the gaps (1: Poisson)")
+    p.add_argument("--capacity", type=_positive_float, default=None, help="CB req/s (default: measured offline first)")
+    p.add_argument("--burstiness", type=_positive_float, default=1.0, help="Gamma shape of the gaps (1: Poisson)")
     p.add_argument("--clock", default=None, choices=CLOCKS,
                    help="in-process: wall (default), or cpu (CPU time of the run's own steps; idle gaps skipped)")
     p.add_argument("--lockstep", action="store_true",
