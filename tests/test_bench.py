@@ -1096,3 +1096,26 @@ def test_every_bench_flag_shows_its_default_in_help():
         for action in command._actions:
             if action.option_strings and action.nargs != 0 and action.default is not argparse.SUPPRESS:
                 assert "default" in formatter._expand_help(action), (name, action.option_strings)
+
+
+def test_record_to_a_named_file_makes_no_results_folder(bench_cache, monkeypatch):
+    """`bench record --file X` writes X only (it made an empty bench-results/record/ in the working folder)."""
+    from loopserve.cli import CommandError, main
+    from loopserve_lab.bench import cli as bench_cli
+
+    def stop(args, bm):
+        raise CommandError("stopped after the folders were made")
+
+    monkeypatch.chdir(bench_cache)
+    monkeypatch.setattr(bench_cli, "build_workload", stop)
+    with pytest.raises(SystemExit):
+        main(["bench", "record", "--model", "micro-ouro", "--file", str(bench_cache / "t" / "traj.json")])
+    assert (bench_cache / "t").is_dir() and not (bench_cache / "bench-results").exists()
+
+
+def test_host_help_names_its_default_results_folder(capsys):
+    from loopserve.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["bench", "host", "--help"])
+    assert "results folder (default: bench-results/host)" in " ".join(capsys.readouterr().out.split())

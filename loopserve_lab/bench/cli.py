@@ -116,7 +116,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="seed of the engine (sampling, Huginn's initial states) and of the synthetic exit depths "
                         "(default: %(default)s)")
     g.add_argument("--out", type=output_folder, default=None,
-                   help="results folder (default: bench-results/<command>)")
+                   help=f"results folder (default: {DEFAULT_OUT}/<command>)")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -165,7 +165,8 @@ def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return config_kwargs(args, EngineConfig, drop_none=True)
 
 
-def _start(args: argparse.Namespace, name: str):
+def _start(args: argparse.Namespace, name: str, folder: Path | None = None):
+    """(model, the results folder: `folder` when the command writes only there, else --out or bench-results/<name>)."""
     from loopserve_lab.bench.harness import BenchModel, set_threads
 
     set_threads(args.threads)
@@ -179,7 +180,7 @@ def _start(args: argparse.Namespace, name: str):
         bm = BenchModel.load(args.model, args.dtype, args.device, args.state_init)
     except ValueError as e:  # (not a preset nor a checkpoint folder; a folder that does not load)
         raise CommandError(str(e)) from None
-    out = args.out or DEFAULT_OUT / name  # (made once the model has loaded: a refused run leaves no folder)
+    out = folder or args.out or DEFAULT_OUT / name  # (made once the model has loaded: a refused run leaves no folder)
     out.mkdir(parents=True, exist_ok=True)
     return bm, out
 
@@ -324,7 +325,8 @@ def cmd_record(args: argparse.Namespace) -> int:
     from loopserve_lab.bench.harness import engine_kwargs_for
     from loopserve_lab.bench.trajectories import record_trajectories
 
-    bm, out = _start(args, "record")
+    # (--file: the trajectories are all it writes, so only its folder is made)
+    bm, out = _start(args, "record", args.file.parent if args.file is not None else None)
     wl = build_workload(args, bm)
     cfg = engine_kwargs_for(wl, args.width, scheduler="cb", **engine_overrides(args))
     engine = bm.engine(seed=args.seed, **cfg)
@@ -899,7 +901,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=positive_int, default=1,
                    help="rounds of the whole grid; each point is reported from its fastest run (noise on a shared "
                         "machine only adds), every run's figures kept in the JSON")
-    p.add_argument("--out", type=output_folder, default=None)
+    p.add_argument("--out", type=output_folder, default=None, help=f"results folder (default: {DEFAULT_OUT}/host)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_host)
 
