@@ -1119,3 +1119,20 @@ def test_host_help_names_its_default_results_folder(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "host", "--help"])
     assert "results folder (default: bench-results/host)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_refit_without_out_leaves_its_input_alone(tmp_path, monkeypatch):
+    """The docs' refit command (no --out) rewrote the committed step_latency.json beside its input, a `refits`
+    entry added: it writes to bench-results/step-latency unless --out says where."""
+    import shutil
+
+    from loopserve.cli import main
+
+    data = tmp_path / "in" / "step_latency.json"
+    data.parent.mkdir()
+    shutil.copy(Path(__file__).resolve().parents[1] / "docs/bench/step-latency-ouro/step_latency.json", data)
+    before = data.read_text()
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "step-latency", "--from-json", str(data), "--fit-max-batch", "32"]) == 0
+    assert data.read_text() == before and sorted(p.name for p in data.parent.iterdir()) == ["step_latency.json"]
+    assert (tmp_path / "bench-results/step-latency/step_latency.json").is_file()

@@ -461,7 +461,8 @@ def cmd_step_latency(args: argparse.Namespace) -> int:
         refits = data.setdefault("refits", [])
         if command not in refits:  # (the same refit again leaves the file as it was: docs/ commands are re-run)
             refits.append(command)
-        out = args.out or Path(args.from_json).parent
+        # (not the input's folder: the docs' refit command would rewrite their committed results)
+        out = args.out or DEFAULT_OUT / "step-latency"
         name = data.get("model", {}).get("name", "model")
         dtype = data.get("model", {}).get("dtype", "")
     else:
@@ -858,7 +859,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stat", default="min", choices=["min", "median"])
     p.add_argument("--fit-max-batch", type=positive_int, default=None,
                    help="fit t(B) on batches <= this (default: all)")
-    p.add_argument("--from-json", type=Path, default=None, help="refit and replot a step_latency.json")
+    p.add_argument("--from-json", type=Path, default=None,
+                   help="refit and replot a step_latency.json (written to --out, not next to it)")
     p.add_argument("--kv-layout", default="shared", choices=LAYOUTS,
                    help="reads are one slot per layer in every layout; shared needs the least memory")
     p.add_argument("--kv-blocks", default="contiguous", choices=KV_BLOCKS,
