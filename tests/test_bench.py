@@ -1176,3 +1176,19 @@ def test_values_the_model_bounds_are_one_error_line(bench_cache, tmp_path, capsy
     config.write_text("[1, 2]")
     assert "not a config (a JSON object), but a JSON list" in _refused(
         ["bench", "theory", "--model", str(config)], capsys)
+
+
+def test_an_http_run_whose_every_request_failed_is_an_error(bench_cache, monkeypatch, capsys):
+    """(It exited 0 with a row of failures and an empty plot: a server refusing every request looked like a result.)"""
+    from loopserve_lab.bench import cli as bench_cli
+    from loopserve_lab.bench import serve
+
+    def refused(base, name, wl, rate, **kw):
+        records = [RequestRecord(arrival=0.0, error="HTTP 400: model 'x' not served") for _ in wl.requests]
+        return {"metrics": serving_metrics(records), "records": [r.to_json() for r in records]}
+
+    monkeypatch.setattr(bench_cli, "_check_server", lambda url: None)
+    monkeypatch.setattr(serve, "run_http", refused)
+    err = _refused(["bench", "serve", "--model", "micro-ouro", "--mode", "http", "--url", "http://127.0.0.1:1",
+                    "--num-requests", "2", "--rates", "1", "--no-progress", "--out", str(bench_cache / "o")], capsys)
+    assert "every request of the HTTP run failed" in err and "the first: HTTP 400: model 'x' not served" in err

@@ -758,6 +758,11 @@ def _http_rates(base: str, name: str, wl: Any, rates: list[float], sched: str, a
         res["metrics"].update({"scheduler": sched, "width": args.width, "extra": extra})
         result["runs"].append(res if args.save_records else {"metrics": res["metrics"]})
         write_json(path, result)
+        if not res["metrics"]["completed"]:  # (a server that refuses every request is not a result: it was a row of
+            # failures and an empty plot, exit status 0)
+            first = next((r["error"] for r in res["records"] if r.get("error")), "no tokens returned")
+            raise CommandError(f"every request of the HTTP run failed ({sched} at {rate:g} req/s, {base}); the "
+                               f"first: {first}")
 
 
 def cmd_ablate(args: argparse.Namespace) -> int:
