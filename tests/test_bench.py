@@ -630,6 +630,9 @@ def test_out_naming_a_file_is_refused_before_the_run(tmp_path, capsys, command):
     (["prefix", "--prefix-len", "0"], "--prefix-len: must be >= 1, got 0"),
     (["host", "--output-len", "1"], "--output-len: must be >= 2 (the first token comes from the prefill), got 1"),
     (["setup", "--wheel", "/nonexistent/x.whl"], "--wheel: /nonexistent/x.whl: no such file"),
+    # (prefix ran on random tokens instead, saying so in a line easy to miss)
+    (["prefix", "--mtbench-file", "/nonexistent/q.jsonl"], "--mtbench-file: /nonexistent/q.jsonl: no such file"),
+    (["throughput", "--mtbench-file", "/nonexistent/q.jsonl"], "--mtbench-file: /nonexistent/q.jsonl: no such file"),
     (["setup", "--wheel", __file__], f"--wheel: {__file__}: not a wheel (not a zip archive)"),
     (["host", "--contexts", "24,9000"], "--contexts: at most 8176 (the null model's context of 8192 less --output-len "
                                         "16), got 9000"),

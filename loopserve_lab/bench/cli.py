@@ -100,13 +100,19 @@ def _decode_len(s: str) -> int:
     return value
 
 
+def _input_file(s: str) -> Path:
+    """A file the command reads, named on purpose: refused if missing (not run on a fallback instead)."""
+    path = Path(s)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{s}: no such file")
+    return path
+
+
 def _wheel(s: str) -> Path:
     """`bench setup --wheel`: an existing file that is a wheel (a zip archive)."""
     import zipfile
 
-    path = Path(s)
-    if not path.is_file():
-        raise argparse.ArgumentTypeError(f"{s}: no such file")
+    path = _input_file(s)
     if not zipfile.is_zipfile(path):
         raise argparse.ArgumentTypeError(f"{s}: not a wheel (not a zip archive)")
     return path
@@ -183,7 +189,7 @@ def add_workload_args(p: argparse.ArgumentParser, n: int = 128) -> None:
                    help="multiply the published mean lengths (CPU: 0.25; default: %(default)s)")
     g.add_argument("--prompt-len", type=positive_int, default=32, help="fixed workload only")
     g.add_argument("--output-len", type=positive_int, default=64, help="fixed workload only")
-    g.add_argument("--mtbench-file", type=Path, default=None, help="question.jsonl (default: from bench setup)")
+    g.add_argument("--mtbench-file", type=_input_file, default=None, help="question.jsonl (default: from bench setup)")
     g.add_argument("--workload-seed", type=_seed, default=0)
 
 
@@ -993,7 +999,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output-len", type=positive_int, default=32)
     p.add_argument("--rounds", type=positive_int, default=2, help="throughput rounds per mode (interleaved)")
     p.add_argument("--width", type=positive_int, default=16)
-    p.add_argument("--mtbench-file", type=Path, default=None, help="question.jsonl (default: from bench setup)")
+    p.add_argument("--mtbench-file", type=_input_file, default=None, help="question.jsonl (default: from bench setup)")
     p.add_argument("--workload-seed", type=_seed, default=0)
     p.set_defaults(func=cmd_prefix)
 
