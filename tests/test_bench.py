@@ -1195,3 +1195,19 @@ def test_an_http_run_whose_every_request_failed_is_an_error(bench_cache, monkeyp
     err = _refused(["bench", "serve", "--model", "micro-ouro", "--mode", "http", "--url", "http://127.0.0.1:1",
                     "--num-requests", "2", "--rates", "1", "--no-progress", "--out", str(bench_cache / "o")], capsys)
     assert "every request of the HTTP run failed" in err and "the first: HTTP 400: model 'x' not served" in err
+
+
+def test_threshold_and_trajectories_go_together_checked_before_the_run(monkeypatch, capsys):
+    """`--sweep threshold,width --trajectories X` without --threshold ran the threshold sweep, then failed in the
+    width sweep; --threshold without --trajectories was ignored."""
+    from loopserve_lab.bench import harness
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(harness.BenchModel, "load", no_load)
+    assert "--trajectories need --threshold" in _refused(
+        ["bench", "throughput", "--sweep", "threshold,width", "--trajectories", "t.json.gz"], capsys)
+    assert "--threshold: the threshold --trajectories are replayed at, and none were given" in _refused(
+        ["bench", "throughput", "--threshold", "0.5"], capsys)
+    assert "--threshold: the threshold --trajectories" in _refused(["bench", "serve", "--threshold", "0.5"], capsys)

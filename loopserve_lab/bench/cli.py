@@ -205,8 +205,8 @@ def add_depth_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trajectories", type=Path, default=None,
                    help="threshold-free trajectories (bench record) to replay at --threshold instead")
     g.add_argument("--threshold", type=float, default=None,
-                   help="exit threshold replayed from --trajectories (ablate overlap: of the live rule, default "
-                        f"{OVERLAP_THRESHOLD})")
+                   help="exit threshold --trajectories are replayed at, with them only (ablate overlap: of the "
+                        f"live rule, default {OVERLAP_THRESHOLD})")
 
 
 def add_engine_overrides(p: argparse.ArgumentParser) -> None:
@@ -290,8 +290,8 @@ def build_traces(args: argparse.Namespace, bm: Any, wl: Any, threshold: float | 
         traj = load_trajectories(args.trajectories)
         check_trajectories(traj, wl)
         q = threshold if threshold is not None else args.threshold
-        if q is None:
-            raise CommandError("--trajectories needs --threshold (or a threshold sweep)")
+        if q is None:  # (the commands check this before they run: `check_depth_args`)
+            raise CommandError("--trajectories need --threshold (or a threshold sweep alone)")
         return traces_for_threshold(traj, q), {"source": "trajectories", "file": str(args.trajectories),
                                                "policy": traj.policy, "threshold": q}
     if args.depth_law == "full":
@@ -303,6 +303,16 @@ def build_traces(args: argparse.Namespace, bm: Any, wl: Any, threshold: float | 
     except ValueError as e:  # (depth_pmf's "mean_depth: ..." or "min_depth: ...": main names the flag)
         raise CommandError(str(e)) from None
     return tr, {"source": "synthetic", "law": args.depth_law, "mean": mean, "min_depth": args.min_depth}
+
+
+def check_depth_args(args: argparse.Namespace, replays: bool = True, live_threshold: bool = False) -> None:
+    """Before anything runs (not after the runs before the one that needs it): `--trajectories` are replayed at
+    `--threshold`, so a run that replays them (`replays`; a threshold sweep alone picks its own thresholds) needs
+    one, and `--threshold` without them would change nothing (unless it is a live rule's: `live_threshold`)."""
+    if args.threshold is not None and args.trajectories is None and not live_threshold:
+        raise CommandError("--threshold: the threshold --trajectories are replayed at, and none were given")
+    if replays and args.trajectories is not None and args.threshold is None:
+        raise CommandError("--trajectories need --threshold (or a threshold sweep alone)")
 
 
 def load_trajectories(path: Path) -> Any:
@@ -422,6 +432,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     sweeps = args.sweep
     if "threshold" in sweeps and args.trajectories is None:
         raise CommandError("--sweep threshold needs --trajectories (see `loopserve bench record`)")
+    check_depth_args(args, replays="width" in sweeps)  # (the width sweep replays them at --threshold)
     if args.device_busy and not str(args.device).startswith("cuda"):
         raise CommandError("--device-busy measures a CUDA device's kernel time: it needs --device cuda")
     if args.lockstep and _on_gpu(args.device):
@@ -663,6 +674,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.clock == "cpu" and (args.mode != "inprocess" or _on_gpu(args.device)):
         raise CommandError("--clock cpu: in-process on the CPU only (a server's time is another process's; a "
                          "GPU step returns before its work is done)")
+    check_depth_args(args)
     if args.url and args.mode != "inprocess":
         _check_server(args.url)
     bm, out = _start(args, "serve")
@@ -781,6 +793,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     if args.which == "overhead" and args.cuda_graphs:  # (harness.run_offline's sync_steps)
         raise CommandError("--cuda-graphs: the overhead ablation times every stage on the device, which a "
                          "replayed core step does not allow; run it without")
+    check_depth_args(args, live_threshold=args.which == "overlap")
     bm, out = _start(args, f"ablate-{args.which}")
     stem = f"ablate_{args.which.replace('-', '_')}"  # its files: <stem>.json, and <stem>.png where it plots
     progress = not args.no_progress

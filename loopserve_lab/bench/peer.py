@@ -456,11 +456,12 @@ def cmd_peer(args: argparse.Namespace) -> int:
 
 def _peer(args: argparse.Namespace) -> int:
     from loopserve.model_config import ModelConfig
-    from loopserve_lab.bench.cli import DEFAULT_OUT, _header, build_traces, engine_overrides
+    from loopserve_lab.bench.cli import DEFAULT_OUT, _header, build_traces, check_depth_args, engine_overrides
     from loopserve_lab.bench.harness import BenchModel, set_threads, write_json
     from loopserve_lab.bench.presets import resolve_model
 
     cfg = peer_config(args)
+    check_depth_args(args)
     try:
         path = resolve_model(args.model)
     except ValueError as e:
