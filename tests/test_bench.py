@@ -1211,3 +1211,13 @@ def test_threshold_and_trajectories_go_together_checked_before_the_run(monkeypat
     assert "--threshold: the threshold --trajectories are replayed at, and none were given" in _refused(
         ["bench", "throughput", "--threshold", "0.5"], capsys)
     assert "--threshold: the threshold --trajectories" in _refused(["bench", "serve", "--threshold", "0.5"], capsys)
+
+
+def test_compile_help_names_the_stages_it_takes(capsys):
+    """(It said `core, coda or both`, and `both` was refused.)"""
+    from loopserve.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["bench", "compile", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "comma list of: core, coda (default: core,coda)" in out and "both" not in out

@@ -969,7 +969,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = bsub.add_parser("compile", help="torch.compile of the stage functions vs eager: compile cost, "
                                         "recompiles, CPU time per call, exactness")
     add_model_args(p)
-    p.add_argument("--stages", type=_names(COMPILE_STAGES), default="core,coda", help="core, coda or both")
+    p.add_argument("--stages", type=_names(COMPILE_STAGES), default="core,coda",
+                   help=f"comma list of: {', '.join(COMPILE_STAGES)} (default: %(default)s)")
     p.add_argument("--variants", type=_names(COMPILE_VARIANTS), default="eager,default,dynamic,mlp",
                    help="eager, default, dynamic, max-autotune, mlp (compiled MLP modules only)")
     p.add_argument("--widths", type=_ints, default=[1, 8, 32])
