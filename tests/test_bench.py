@@ -1221,3 +1221,18 @@ def test_compile_help_names_the_stages_it_takes(capsys):
         main(["bench", "compile", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "comma list of: core, coda (default: core,coda)" in out and "both" not in out
+
+
+def test_host_plot_draws_every_scheduler_and_context(tmp_path, monkeypatch):
+    """(It drew cb and cdb only, so `--schedulers cdb-norefill` drew nothing, and at most four contexts.)"""
+    from loopserve_lab.bench import plots
+
+    contexts = [16, 32, 64, 128, 256, 512]
+    points = [{"scheduler": s, "width": w, "context": c, "stages": {"core": {"host_cpu_us": 10.0 + w}}}
+              for s in ("cdb-norefill", "cb") for c in contexts for w in (8, 16)]
+    drawn: list = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: drawn.append(fig) or path)
+    plots.plot_host(points, tmp_path / "host.png", "t")
+    # (an unlabelled line, the 150 us target, is labelled "_..." by matplotlib)
+    labels = {ln.get_label() for ln in drawn[0].axes[0].get_lines() if not ln.get_label().startswith("_")}
+    assert labels == {f"{plots.LABELS[s]}, context {c}" for s in ("cb", "cdb-norefill") for c in contexts}
