@@ -1,7 +1,7 @@
 """`loopserve bench ...`: theory, setup, record, throughput, step-latency, serve, ablate, peer, prefix, spec, compile,
 host.
 
-Every command that runs a model takes `--device` (cpu, cuda, cuda:N; not theory, setup or host, which run none or
+Every command that runs a model takes `--device` (cpu, cuda, cuda:N, auto; not theory, setup or host, which run none or
 a null model on the CPU), writes JSON (and PNG plots) to `--out`, prints
 a table, and shows progress bars on long runs. Models are bench presets (`ouro-bench`,
 `huginn-bench`, ...; see `loopserve_lab.bench.presets`) or checkpoint folders.
