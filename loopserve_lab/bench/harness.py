@@ -124,6 +124,10 @@ def engine_kwargs_for(workload: Workload, width: int, max_num_seqs: int | None =
     """Engine knobs for a run: decode width `width`, `max_num_seqs` running sequences (default
     4 x width, at most the workload size) and a KV pool that holds the `max_num_seqs` longest
     requests at full length, plus the admission safety margin."""
+    try:  # (the engine's own rule for a block size, before one divides the lengths below)
+        EngineConfig(block_size=block_size)
+    except ValueError as e:
+        raise CommandError(str(e)) from None
     seqs = max_num_seqs or max(width, min(4 * width, len(workload)))
     lengths = sorted((len(r.prompt_ids) + r.output_len + 1 for r in workload.requests), reverse=True)[:seqs]
     blocks = sum(-(-n // block_size) for n in lengths)

@@ -456,11 +456,12 @@ def cmd_peer(args: argparse.Namespace) -> int:
 
 def _peer(args: argparse.Namespace) -> int:
     from loopserve.model_config import ModelConfig
-    from loopserve_lab.bench.cli import _header, build_traces, engine_overrides
+    from loopserve_lab.bench.cli import DEFAULT_OUT, _header, build_traces, check_depth_args, engine_overrides
     from loopserve_lab.bench.harness import BenchModel, set_threads, write_json
     from loopserve_lab.bench.presets import resolve_model
 
     cfg = peer_config(args)
+    check_depth_args(args)
     try:
         path = resolve_model(args.model)
     except ValueError as e:
@@ -472,7 +473,7 @@ def _peer(args: argparse.Namespace) -> int:
     if args.dtype == "float16":
         raise PeerError("--dtype float16 is not supported on the CPU (about 100x slower there)")
     set_threads(args.threads)
-    out = args.out or Path("bench-results") / "peer"
+    out = args.out or DEFAULT_OUT / "peer"
     out.mkdir(parents=True, exist_ok=True)
     progress = not args.no_progress
     ov = engine_overrides(args)

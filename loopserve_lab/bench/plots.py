@@ -176,15 +176,17 @@ def plot_host(points: list[dict[str, Any]], path: Path, title: str) -> Path:
     stages = [s for s in ("prelude", "core", "coda") if any(s in p["stages"] for p in points)]
     fig, axes = plt.subplots(1, len(stages), figsize=(4.2 * len(stages), 4.0), squeeze=False)
     contexts = sorted({p["context"] for p in points})
-    styles = ["-", "--", ":", "-."]
+    schedulers = list(dict.fromkeys(p["scheduler"] for p in points))  # (every one measured, in the order given)
+    # a line style per context, as many as there are contexts (four named ones, then longer and longer dashes)
+    styles: list[Any] = ["-", "--", ":", "-."] + [(0, (2 + i, 2)) for i in range(2, len(contexts) - 2)]
     for ax, stage in zip(axes[0], stages, strict=True):
-        for sched in ("cb", "cdb"):
+        for sched in schedulers:
             for ls, ctx in zip(styles, contexts, strict=False):
                 pts = sorted((p["width"], p["stages"][stage]["host_cpu_us"]) for p in points
                              if p["scheduler"] == sched and p["context"] == ctx and stage in p["stages"])
                 if pts:
-                    ax.plot([x for x, _ in pts], [y for _, y in pts], ls, marker=MARKERS[sched], color=COLORS[sched],
-                            label=f"{LABELS[sched]}, context {ctx}")
+                    ax.plot([x for x, _ in pts], [y for _, y in pts], linestyle=ls, marker=MARKERS[sched],
+                            color=COLORS[sched], label=f"{LABELS[sched]}, context {ctx}")
         ax.axhline(150, color="k", lw=1, alpha=0.5)
         ax.text(ax.get_xlim()[0], 150, " target 150 us", va="bottom", fontsize=7)
         ax.set_xscale("log", base=2)

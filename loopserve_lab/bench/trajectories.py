@@ -40,14 +40,15 @@ def depth_pmf(law: str, mean: float, r_max: int, min_depth: int = 1) -> np.ndarr
     """P(depth = d) for d = 1..r_max (index d - 1), with the stated mean over [min_depth, r_max]."""
     lo = int(min_depth)
     if not 1 <= lo <= r_max:
-        raise ValueError(f"min_depth must be in [1, {r_max}]")
+        raise ValueError(f"min_depth: must be in [1, {r_max}] (the model's r_max), got {min_depth}")
     if not lo <= mean <= r_max:
-        raise ValueError(f"mean depth {mean} outside [{lo}, {r_max}]")
+        raise ValueError(f"mean_depth: must be in [{lo}, {r_max}] (the minimum depth to the model's r_max), "
+                         f"got {mean:g}")
     n = r_max - lo  # support lo..r_max has n + 1 points
     pmf = np.zeros(r_max)
     if law == "fixed":
         if abs(mean - round(mean)) > 1e-9:
-            raise ValueError("the fixed law needs an integer mean")
+            raise ValueError(f"mean_depth: the fixed law needs an integer mean, got {mean:g}")
         pmf[int(round(mean)) - 1] = 1.0
         return pmf
     if n == 0:

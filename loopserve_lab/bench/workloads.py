@@ -182,7 +182,11 @@ def synthetic_workload(name: str, n: int, tokenizer, seed: int = 0, scale: float
     return Workload(name, reqs, meta)
 
 
-def fixed_workload(n: int, prompt_len: int, output_len: int, tokenizer, seed: int = 0) -> Workload:
+def fixed_workload(n: int, prompt_len: int, output_len: int, tokenizer, seed: int = 0,
+                   max_model_len: int | None = None) -> Workload:
+    if max_model_len is not None and prompt_len >= max_model_len:  # (the engine's own refusal, before the run)
+        raise ValueError(f"prompt_len: {prompt_len} tokens leave no room to generate within the model's context "
+                         f"of {max_model_len}")
     rng = np.random.default_rng(seed)
     vocab = regular_token_ids(tokenizer)
     reqs = [Request([int(t) for t in rng.choice(vocab, prompt_len)], output_len) for _ in range(n)]
@@ -271,7 +275,10 @@ def load_mtbench(path: Path | None = None) -> list[dict[str, Any]]:
     path = path or mtbench_path()
     if not Path(path).is_file():
         raise FileNotFoundError(f"{path}: MT-Bench questions not found; run `loopserve bench setup` first")
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    try:
+        return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    except ValueError as e:  # (not UTF-8, or a line that is not JSON: the file's name, not just json's words)
+        raise ValueError(f"mtbench_file: {path}: not MT-Bench's question.jsonl ({e})") from None
 
 
 def mtbench_workload(n: int, tokenizer, seed: int = 0, scale: float = 1.0, path: Path | None = None,
@@ -311,5 +318,5 @@ def make_workload(kind: str, n: int, tokenizer, seed: int = 0, scale: float = 1.
         return mtbench_workload(n, tokenizer, seed, scale, mtbench_file,
                                 max_prompt=None if max_model_len is None else max_model_len // 2)
     if kind == "fixed":
-        return fixed_workload(n, prompt_len, output_len, tokenizer, seed)
+        return fixed_workload(n, prompt_len, output_len, tokenizer, seed, max_model_len)
     raise ValueError(f"unknown workload {kind!r}; known: {', '.join(WORKLOADS)}")
