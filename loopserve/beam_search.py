@@ -79,20 +79,25 @@ if TYPE_CHECKING:
 
 @dataclass
 class BeamSearchSequence:
-    """One beam (vLLM's fields, then loopserve's `exit_depths`): `tokens` the prompt's and the generated ones (a
-    completed beam's last is its end-of-sequence token), `logprobs` one entry per generated token (the sampled
-    token's, then the top 2 * beam_width, as `generate` gives them), `cum_logprob` the sum of the generated tokens'
-    logprobs, `text` as the driver's rule writes it (offline: the whole sequence, `tokens` with the prompt, decoded
-    with special tokens kept, as vLLM sets it). `finish_reason`: "stop" (an end-of-sequence token) or "length"
-    (max_tokens, or the context's end); `stop_reason` None for both, as vLLM's beam search leaves it. `exit_depths`: the
-    loops each generated token ran (full depth: a step's token is its prompt's last position)."""
+    """One beam: vLLM's fields in vLLM's order (so that keyword and positional construction mean what they mean in
+    vLLM), then loopserve's `exit_depths`. `tokens` the prompt's and the generated ones (a completed beam's last is
+    its end-of-sequence token), `logprobs` one entry per generated token (the sampled token's, then the top 2 *
+    beam_width, as `generate` gives them), `cum_logprob` the sum of the generated tokens' logprobs, `text` as the
+    driver's rule writes it (offline: the whole sequence, `tokens` with the prompt, decoded with special tokens
+    kept, as vLLM sets it). `finish_reason`: "stop" (an end-of-sequence token) or "length" (max_tokens, or the
+    context's end); `stop_reason` None for both, as vLLM's beam search leaves it. `lora_request`,
+    `multi_modal_data` and `mm_processor_kwargs`: vLLM's, always None here (no adapters, text-only models).
+    `exit_depths`: the loops each generated token ran (full depth: a step's token is its prompt's last position)."""
 
     tokens: list[int]
     logprobs: list[dict[int, Logprob]]
+    lora_request: None = None
     cum_logprob: float = 0.0
     text: str | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    multi_modal_data: None = None
+    mm_processor_kwargs: None = None
     exit_depths: list[int] = field(default_factory=list)
 
 
@@ -246,9 +251,9 @@ class BeamSearch:
                 b.finish_reason = "length"
             best = sorted(self.done[p] + group, key=self.score, reverse=True)[:self.width]
             outputs.append(BeamSearchOutput([
-                BeamSearchSequence(b.tokens, b.logprobs, b.cum_logprob,
-                                   text(self.prompt_lens[p], b.tokens, b.finish_reason or "length"),
-                                   b.finish_reason, None, b.exit_depths) for b in best]))
+                BeamSearchSequence(b.tokens, b.logprobs, cum_logprob=b.cum_logprob,
+                                   text=text(self.prompt_lens[p], b.tokens, b.finish_reason or "length"),
+                                   finish_reason=b.finish_reason, exit_depths=b.exit_depths) for b in best]))
         return outputs
 
 

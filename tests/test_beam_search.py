@@ -361,3 +361,24 @@ def test_a_huge_length_penalty_takes_the_scores_limit():
     assert length_penalized(-3.0, 5, 1e300) == 0.0
     assert length_penalized(-3.0, 5, -1e300) == -math.inf and length_penalized(0.0, 5, -1e300) == 0.0
     assert length_penalized(-3.0, 5, 1.0) == -0.6 and length_penalized(-3.0, 1, 1e300) == -3.0
+
+
+# ---------------- vLLM's BeamSearchSequence
+
+
+def test_beam_search_sequence_has_vllms_fields_in_vllms_order():
+    """vLLM's fields in vLLM's order (tokens, logprobs, lora_request, cum_logprob, text, finish_reason, stop_reason,
+    multi_modal_data, mm_processor_kwargs), then loopserve's exit_depths: code that builds one positionally, or by
+    keyword, as vLLM's gets the fields it means."""
+    import dataclasses
+
+    names = [f.name for f in dataclasses.fields(BeamSearchSequence)]
+    assert names == ["tokens", "logprobs", "lora_request", "cum_logprob", "text", "finish_reason", "stop_reason",
+                     "multi_modal_data", "mm_processor_kwargs", "exit_depths"]
+    seq = BeamSearchSequence([1, 2], [{2: None}], None, -0.5, "ab", "stop", 2, None, None)
+    assert (seq.cum_logprob, seq.text, seq.finish_reason, seq.stop_reason) == (-0.5, "ab", "stop", 2)
+    seq = BeamSearchSequence(tokens=[1], logprobs=[], lora_request=None, cum_logprob=-1.0, multi_modal_data=None,
+                             mm_processor_kwargs=None)
+    assert (seq.cum_logprob, seq.lora_request, seq.multi_modal_data, seq.mm_processor_kwargs) == (-1.0, None, None,
+                                                                                                  None)
+
