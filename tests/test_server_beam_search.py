@@ -197,7 +197,8 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "
 
 
 @pytest.mark.parametrize("path,extra,param", [
-    (C, {"n": 11}, "n"), (C, {"n": 0}, "n"), (H, {"n": 11}, "n"), (C, {"logprobs": 0}, "logprobs"),
+    (C, {"n": 11}, "n"), (C, {"n": 0}, "n"), (H, {"n": 11}, "n"), (C, {"n": 7}, "n"), (H, {"n": 7}, "n"),
+    (C, {"logprobs": 0}, "logprobs"),
     (C, {"logprobs": 2}, "logprobs"), (H, {"logprobs": True}, "logprobs"),
     (H, {"logprobs": False, "top_logprobs": 2}, "top_logprobs"), (C, {"prompt_logprobs": 0}, "prompt_logprobs"),
     (C, {"stop": ["x"]}, "stop"), (H, {"stop": "x"}, "stop"), (C, {"stop_token_ids": [5]}, "stop_token_ids"),
@@ -222,6 +223,23 @@ def test_refusals_name_the_field(server, path, extra, param, stream):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["message"].startswith(f"{param}: "), err
+
+
+@pytest.mark.parametrize("path", [C, H])
+@pytest.mark.parametrize("beam", [True, False])
+def test_n_past_the_capacity_is_a_400_before_anything_runs(server, path, beam):
+    """n sequences (samples, or a beam search's beams) past the server's capacity (6 here) can never be admitted,
+    however idle the server: a 400 naming n, one rule for completions and chat, before any step runs (chat used to
+    run a search's first step, then answer 503 "retry later")."""
+    wait_idle(server)
+    before = _steps(server)
+    body = {"prompt": "hello"} if path == C else {}
+    r = _post(server, path, {**body, "max_tokens": 2, "n": 7, "use_beam_search": beam})
+    assert r.status_code == 400 and "Retry-After" not in r.headers, r.text
+    err = r.json()["error"]
+    assert err["param"] == "n" and err["message"].startswith(
+        "n: 1 prompt x n = 7 are 7 sequences; this server holds at most 6 at once"), err
+    assert _steps(server) == before
 
 
 def test_neutral_values_are_taken(server):

@@ -1077,12 +1077,7 @@ class OpenAIServing:
         # later does not
         prompts = self.completion_prompts(req.prompt, truncates_prompt(req.truncate_prompt_tokens),
                                           req.add_special_tokens is not False)
-        n = req.n if isinstance(req.n, int) and req.n >= 1 else 1  # (a bad n is SamplingParams' to name)
-        if len(prompts) * n > self.aengine.capacity:  # never admitted, however idle the server (engine_thread.py)
-            field = "prompt" if len(prompts) > self.aengine.capacity else "n"
-            raise ApiError(400, f"{field}: {len(prompts)} prompts x n = {n} are {len(prompts) * n} sequences; this "
-                                f"server holds at most {self.aengine.capacity} at once (--max-num-seqs + "
-                                f"--max-queued-requests): send fewer per request", field)
+        self.check_capacity(len(prompts), req.n)
         cid, rids = self.new_ids(request, COMPLETION, len(prompts))
         if req.use_beam_search:
             return self.beam_completion(req, arrival, prompts, cid)
@@ -1107,6 +1102,20 @@ class OpenAIServing:
         top = logprobs_asked(req.logprobs or 0, self.engine.model_config.vocab_size)
         return _Generation(COMPLETION, req, cid, seqs, self.formatter(req), [where for where, _, _ in prompts],
                            grammar_field, top, echo=echo, generated=generated)
+
+    def check_capacity(self, prompts: int, n: int | None) -> None:
+        """A 400 for a request of `prompts` prompts whose sequences, n of each (its samples, or a beam search's beams:
+        n wide from its second step), this server never holds at once, however idle (its admission bound,
+        engine_thread.py, would refuse it with a 503 saying to retry, at its first step or a later one); naming
+        `prompt` where the prompts alone are too many, else `n`. One rule for completions and chat, checked before
+        anything runs."""
+        n = n if isinstance(n, int) and n >= 1 else 1  # (a bad n is SamplingParams' or protocol.py's to name)
+        capacity = self.aengine.capacity
+        if capacity is not None and prompts * n > capacity:
+            field = "prompt" if prompts > capacity else "n"
+            raise ApiError(400, f"{field}: {prompts} prompt{'s' if prompts > 1 else ''} x n = {n} are {prompts * n} "
+                                f"sequences; this server holds at most {capacity} at once (--max-num-seqs + "
+                                f"--max-queued-requests): send fewer per request", field)
 
     def beam_completion(self, req: CompletionRequest, arrival: float, prompts: list[tuple[str, str | None, list[int]]],
                         cid: str) -> _Generation:
@@ -1171,6 +1180,7 @@ class OpenAIServing:
 
     def chat(self, request: Request, req: ChatCompletionRequest, arrival: float) -> _Generation:
         """A chat request's sequence (built on a worker thread: see the module's docstring)."""
+        self.check_capacity(1, req.n)
         guide, tools = chat_guide(req)
         if req.use_beam_search and guide is not None:
             _refuse_beam_grammar("tool_choice" if tools is not None else guide_field(req))
