@@ -81,7 +81,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
 from loopserve import __version__
-from loopserve.beam_search import BeamSearch, generated_text
+from loopserve.beam_search import BeamSearch, generated_text, run_steps
 from loopserve.chat_messages import chat_messages, message_text
 from loopserve.engine.budget import completion_budget, over_context, pool_tokens, sequence_room
 from loopserve.engine.config import ENGINE_SCHEDULERS
@@ -796,12 +796,13 @@ class OpenAIServing:
 
     # -- beam search ------------------------------------------------------------------------------------------
     async def beam_search(self, request: Request, gen: _Generation) -> list[RequestOutput] | None:
-        """Run `gen`'s beam search (loopserve/beam_search.py's `BeamSearch`, the algorithm `LLM.beam_search` runs):
-        each step's sequences are admitted together, as a request's samples are (`admit`: a full server is a 503,
-        at any step), and collected as a request's are (`collect`: a client that goes away aborts the step in flight
-        and ends the search, None; a step that fails fails the request with its error). The first step's sequences
-        were built with the request (`gen.seqs`), the others are built on a worker thread, as a request's are. The
-        result: one finished RequestOutput per prompt, its choices the best beams, best first (`beam_outputs`).
+        """Run `gen`'s beam search (loopserve/beam_search.py's `BeamSearch`, the algorithm `LLM.beam_search` runs,
+        driven by `run_steps` as `AsyncLLMEngine.beam_search` drives it): each step's sequences are admitted
+        together, as a request's samples are (`admit`: a full server is a 503, at any step), and collected as a
+        request's are (`collect`: a client that goes away aborts the step in flight and ends the search, None; a
+        step that fails fails the request with its error). The first step's sequences were built with the request
+        (`gen.seqs`), the others are built on a worker thread, as a request's are. The result: one finished
+        RequestOutput per prompt, its choices the best beams, best first (`beam_outputs`).
 
         The search is one request per prompt in the metrics (`ServerMetrics.beam_search`, recorded when it ends; its
         steps' sequences are not counted: `beam_steps`) and in the log (--enable-log-requests: one line per prompt
@@ -813,37 +814,27 @@ class OpenAIServing:
         admission, answers with its own status, as a response that is not streamed does."""
         search = gen.search
         assert search is not None
-        seqs = gen.seqs
-        owners = list(range(len(seqs)))  # the prompt each step sequence searches (the first step: one per prompt)
-        first: list[RequestOutput] = []  # the first step's outputs: the prompts' own (text, ids, cached tokens)
-        loops = [[0, 0] for _ in gen.seqs]  # per prompt: decode and prefill loops its steps ran
         prompts = [len(s.prompt_ids) for s in gen.seqs]
         admitted, ended = False, "abort"  # how a search that ends early is counted
+
+        async def step(beams: list[tuple[int, list[int]]]) -> list[RequestOutput] | None:
+            nonlocal admitted
+            seqs = gen.seqs if not search.steps else await anyio.to_thread.run_sync(
+                self.beam_seqs, gen, beams, time.monotonic())
+            step_gen = dataclasses.replace(gen, seqs=seqs, prompt_fields=[gen.prompt_fields[p] for p, _ in beams])
+            # (marked before admission: the engine thread may report them at once)
+            self.metrics.beam_steps([s.request_id for s in seqs])
+            group = self.admit(seqs)
+            if not admitted:
+                admitted = True
+                self.log_received(gen, search.params)
+            return await self.collect(step_gen, group, request, log_end=False)
+
         try:
-            while True:
-                step_gen = dataclasses.replace(gen, seqs=seqs, prompt_fields=[gen.prompt_fields[p] for p in owners])
-                # (marked before admission: the engine thread may report them at once)
-                self.metrics.beam_steps([s.request_id for s in seqs])
-                group = self.admit(seqs)
-                if not admitted:
-                    admitted = True
-                    self.log_received(gen, search.params)
-                outs = await self.collect(step_gen, group, request, log_end=False)
-                if outs is None:
-                    self.log_aborted([s.request_id for s in gen.seqs])
-                    return None
-                search.update(outs)
-                first = first or outs
-                for p, o in zip(owners, outs, strict=True):
-                    if o.metrics is not None:
-                        loops[p][0] += o.metrics.loops_run
-                        loops[p][1] += o.metrics.prefill_loops
-                step = search.next_prompts()
-                if not step:
-                    break
-                owners = [p for p, _ in step]
-                seqs = await anyio.to_thread.run_sync(self.beam_seqs, gen, step, time.monotonic())
-            done = await anyio.to_thread.run_sync(self.beam_outputs, gen, first, loops)
+            if not await run_steps(search, step):
+                self.log_aborted([s.request_id for s in gen.seqs])
+                return None
+            done = await anyio.to_thread.run_sync(self.beam_outputs, gen)
         except ApiError as e:  # (else, a 503 or cancelled: aborted)
             ended = "abort" if e.status == 503 else "error"
             raise
@@ -856,6 +847,7 @@ class OpenAIServing:
             return done
         finally:
             if admitted:  # ended early, once running: one request per prompt, no tokens returned
+                first = search.first
                 self.metrics.beam_search(gen.arrival, [
                     (plen, 0, ended, self._first_token_time(first[p]) if first else None)
                     for p, plen in enumerate(prompts)])
@@ -895,25 +887,15 @@ class OpenAIServing:
         gen.seqs = self.beam_seqs(gen, search.next_prompts(), arrival, [text for _, text, _ in prompts])
         return gen
 
-    def beam_outputs(self, gen: _Generation, first: list[RequestOutput], loops: list[list[int]]) -> list[RequestOutput]:
-        """Per prompt, the search's result as a finished output: its best beams as its choices (their text by the
-        server's rule, `generated_text`; their token ids the generated ones, a final end-of-sequence token
-        included), its prompt, and its usage: the prompt counted once (its cached tokens the first step's), the
-        loops every step of its beams ran."""
+    def beam_outputs(self, gen: _Generation) -> list[RequestOutput]:
+        """Per prompt, the search's result as a finished output (`BeamSearch.request_outputs`): its best beams as its
+        choices (their text by the server's rule, `generated_text`), its prompt, and its usage: the prompt counted
+        once (its cached tokens the first step's), the loops every step of its beams ran."""
         assert gen.search is not None
-        params = gen.search.params
-        rule = generated_text(self.tokenizer, params.include_stop_str_in_output,
-                              gen.req.skip_special_tokens is not False)
-        outs = []
-        for p, result in enumerate(gen.search.results(rule)):
-            own = first[p]
-            plen = len(own.prompt_token_ids)
-            metrics = None if own.metrics is None else dataclasses.replace(
-                own.metrics, loops_run=loops[p][0], prefill_loops=loops[p][1])
-            outs.append(dataclasses.replace(own, finished=True, metrics=metrics, outputs=[
-                CompletionOutput(k, s.text or "", s.tokens[plen:], s.cum_logprob, None, s.finish_reason, s.stop_reason,
-                                 exit_depths=s.exit_depths) for k, s in enumerate(result.sequences)]))
-        return outs
+        req = gen.req
+        rule = generated_text(self.tokenizer, gen.search.params.include_stop_str_in_output,
+                              req.skip_special_tokens is not False)
+        return gen.search.request_outputs(rule, logprobs=False)  # (protocol.py refuses logprobs with a search)
 
     def beam_params(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> BeamSearchParams:
         """A `use_beam_search` request's BeamSearchParams (vLLM's `to_beam_search_params`): width n, `max_tokens`,
