@@ -361,7 +361,7 @@ class AsyncLLMEngine:
         `params.beam_width` beams, best first, as the server returns them (`BeamSearch.request_outputs`: a beam's
         generated token ids, a final end-of-sequence token included; their text, that token left out unless
         `include_stop_str_in_output`, special tokens skipped (the server's default; vLLM's decode keeps them); every
-        token's logprobs). Its beams are
+        token's logprobs; a completed beam's end-of-sequence token as its stop_reason). Its beams are
         `LLM.beam_search`'s for the same params (every step is seeded with the LLM's seed).
 
         `request_id` is in flight for the whole search: `abort(request_id)` ends it after the step under way, and the

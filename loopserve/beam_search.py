@@ -89,10 +89,12 @@ class BeamSearchSequence:
     beam_width, as `generate` gives them), `cum_logprob` the sum of the generated tokens' logprobs, `text` as the
     driver's rule writes it (offline: the whole sequence, `tokens` with the prompt, decoded with special tokens
     kept, as vLLM sets it). `finish_reason`: "stop" (an end-of-sequence token) or "length" (max_tokens, or the
-    context's end); "abort" for a live beam of a search stopped early (`BeamSearch.stop`). `stop_reason` None, as
-    vLLM's beam search leaves it. `lora_request`, `multi_modal_data` and `mm_processor_kwargs`: vLLM's, always None
-    here (no adapters, text-only models). `exit_depths`: the loops each generated token ran (full depth: a step's
-    token is its prompt's last position)."""
+    context's end); "abort" for a live beam of a search stopped early (`BeamSearch.stop`). `stop_reason` None: vLLM's
+    `LLM.beam_search` sets no finish or stop reason (loopserve's finish_reason says how a beam ended); the drivers that
+    return RequestOutputs (the server, `AsyncLLMEngine.beam_search`) write a completed beam's end-of-sequence token
+    there, as vLLM's do (`BeamSearch.request_outputs`). `lora_request`, `multi_modal_data` and
+    `mm_processor_kwargs`: vLLM's, always None here (no adapters, text-only models). `exit_depths`: the loops each
+    generated token ran (full depth: a step's token is its prompt's last position)."""
 
     tokens: list[int]
     logprobs: list[dict[int, Logprob]]
@@ -281,8 +283,9 @@ class BeamSearch:
         which its server formats): its best beams as its choices, best first, each with its text by the rule `text`,
         its generated token ids (a final end-of-sequence token included: a normal request's ids), its cumulative
         logprob, its logprobs (one entry per token; `logprobs` false: None, for a request that asked for none), its
-        finish and stop reasons; the request's prompt (the first step's output's: its text where the driver gave
-        it), and its metrics with the loops every step of its beams ran."""
+        finish reason and, for a beam an end-of-sequence token completed, that token as its stop_reason (vLLM's
+        server search sets `stop_reason=eos_token_id`); the request's prompt (the first step's output's: its text
+        where the driver gave it), and its metrics with the loops every step of its beams ran."""
         outs = []
         for p, result in enumerate(self.results(text)):
             plen = len(self.prompts[p])
@@ -292,7 +295,7 @@ class BeamSearch:
                 own.metrics, loops_run=self.loops[p][0], prefill_loops=self.loops[p][1])
             outs.append(replace(own, finished=True, metrics=metrics, outputs=[
                 CompletionOutput(k, s.text or "", s.tokens[plen:], s.cum_logprob, s.logprobs if logprobs else None,
-                                 s.finish_reason, s.stop_reason,
+                                 s.finish_reason, s.tokens[-1] if s.finish_reason == "stop" else None,
                                  exit_depths=s.exit_depths) for k, s in enumerate(result.sequences)]))
         return outs
 

@@ -892,8 +892,8 @@ EOS_PROMPT = [14, 300]  # tiny Ouro: an end-of-sequence token ranks 3rd after it
 def test_beam_search_equals_llm_beam_search(engine):
     """One output, final, once the search is over: its outputs `LLM.beam_search`'s beams (the same engine, stopped
     for it), best first, as the server returns them: the generated ids (a completed beam's end-of-sequence token
-    included), the text of the generated tokens without it, every token's logprobs. Searches run together, and
-    beside a sampled request, give each its own result."""
+    included, and its stop_reason), the text of the generated tokens without it, every token's logprobs. Searches
+    run together, and beside a sampled request, give each its own result."""
     from loopserve.beam_search import generated_text
 
     engine.shutdown()
@@ -926,6 +926,7 @@ def test_beam_search_equals_llm_beam_search(engine):
                 assert [e.logprob for e in entry.values()] == pytest.approx(
                     [e.logprob for e in offline.values()], abs=1e-5)
             assert c.text == rule(len(ids), s.tokens, s.finish_reason)
+            assert c.stop_reason == (c.token_ids[-1] if c.finish_reason == "stop" else None)
     assert any(c.finish_reason == "stop" for c in got[0][0].outputs)
     assert drained(engine)
 

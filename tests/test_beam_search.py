@@ -383,10 +383,17 @@ def test_beam_search_sequence_has_vllms_fields_in_vllms_order():
                                                                                                   None)
 
 
+def test_offline_stop_reason_is_none_as_vllms(llm):
+    """vLLM's `LLM.beam_search` sets no stop_reason on its beams (nor a finish_reason: loopserve's says how a beam
+    ended); its server's search sets a completed beam's to the end-of-sequence token (`request_outputs`)."""
+    [out] = beam_search(llm, EOS_PROMPT, BeamSearchParams(beam_width=2, max_tokens=2, length_penalty=0.0))
+    assert [(s.finish_reason, s.stop_reason) for s in out.sequences] == [("stop", None), ("length", None)]
+
+
 def test_request_outputs_and_a_stopped_search(llm):
     """`request_outputs` (the server's and AsyncLLMEngine's result): a choice per beam, best first, with its generated
-    ids and its logprobs (or None); the loops every step ran. A search stopped early ends its live beams "abort",
-    ranked with the complete ones."""
+    ids, its logprobs (or None), and a completed beam's end-of-sequence token as its stop_reason; the loops every
+    step ran. A search stopped early ends its live beams "abort", ranked with the complete ones."""
     ids = _ids(llm, EOS_PROMPT)
     params = BeamSearchParams(beam_width=2, max_tokens=2, length_penalty=0.0)
     [want] = beam_search(llm, EOS_PROMPT, params)
@@ -403,6 +410,8 @@ def test_request_outputs_and_a_stopped_search(llm):
     for c, s in zip(out.outputs, want.sequences, strict=True):
         assert c.token_ids == s.tokens[len(ids):] and c.logprobs == s.logprobs and c.finish_reason == s.finish_reason
         assert c.cumulative_logprob == pytest.approx(s.cum_logprob, abs=1e-9)
+    assert [c.stop_reason for c in out.outputs] == [want.sequences[0].tokens[-1], None]
+    assert out.outputs[0].stop_reason in llm.tokenizer.eos_token_ids
     # (the prompt's own, from its first step's output; the loops its 1 + 2 step requests ran)
     assert out.metrics.arrival_time == ran[0].metrics.arrival_time and len(ran) == 3
     assert (out.metrics.loops_run, out.metrics.prefill_loops) == (
@@ -418,3 +427,4 @@ def test_request_outputs_and_a_stopped_search(llm):
     assert stopped.next_prompts() == []
     [out] = stopped.request_outputs(rule)
     assert [(c.finish_reason, len(c.token_ids)) for c in out.outputs] == [("abort", 1), ("abort", 1), ("stop", 1)]
+    assert [c.stop_reason for c in out.outputs] == [None, None, out.outputs[2].token_ids[0]]

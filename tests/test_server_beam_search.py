@@ -72,7 +72,9 @@ def _assert_same_beams(llm: LLM, choices: list[dict], seqs: list[BeamSearchSeque
         assert c["token_ids"] == s.tokens[len(prompt):]  # the end-of-sequence token of a completed beam included
         assert c.get("prompt_token_ids") == (None if chat else prompt)  # (chat: the response's, at the top level)
         assert c["cumulative_logprob"] == pytest.approx(s.cum_logprob, abs=1e-5)
-        assert c["finish_reason"] == s.finish_reason and c["stop_reason"] is None
+        assert c["finish_reason"] == s.finish_reason
+        # a completed beam's end-of-sequence token (vLLM's server search: `stop_reason=eos_token_id`)
+        assert c["stop_reason"] == (s.tokens[-1] if s.finish_reason == "stop" else None)
         assert c["logprobs"] is None
         assert c["exit_depths"] == s.exit_depths == [llm.config.r_max] * len(c["token_ids"])  # full depth
         text = c["message"]["content"] if chat else c["text"]
