@@ -101,6 +101,7 @@ from loopserve.sampling_params import (
     SamplingParams,
     check_beam_width,
     check_logprobs_asked,
+    check_logprobs_count,
     given_seed,
     logprobs_asked,
     truncates_prompt,
@@ -889,13 +890,19 @@ class OpenAIServing:
 
     def beam_outputs(self, gen: _Generation) -> list[RequestOutput]:
         """Per prompt, the search's result as a finished output (`BeamSearch.request_outputs`): its best beams as its
-        choices (their text by the server's rule, `generated_text`), its prompt, and its usage: the prompt counted
-        once (its cached tokens the first step's), the loops every step of its beams ran."""
+        choices (their text by the server's rule, `generated_text`; their logprobs where the request asked for
+        them), its prompt, and its usage: the prompt counted once (its cached tokens the first step's), the loops
+        every step of its beams ran."""
         assert gen.search is not None
         req = gen.req
         rule = generated_text(self.tokenizer, gen.search.params.include_stop_str_in_output,
                               req.skip_special_tokens is not False)
-        return gen.search.request_outputs(rule, logprobs=False)  # (protocol.py refuses logprobs with a search)
+        # (chat's logprobs is a flag; completions' a count, 0 asking for the token's own.) A token's entry holds the
+        # step's sampled token and its top 2 * n (`BeamSearch.step_params`): asked for more alternatives, a choice
+        # gets those it holds, as vLLM's server does (its search asks for 2 * n too, and its formatters take at
+        # most what an entry holds)
+        asked = bool(req.logprobs) if gen.kind.chat else req.logprobs is not None
+        return gen.search.request_outputs(rule, logprobs=asked)
 
     def beam_params(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> BeamSearchParams:
         """A `use_beam_search` request's BeamSearchParams (vLLM's `to_beam_search_params`): width n, `max_tokens`,
@@ -1106,6 +1113,16 @@ class OpenAIServing:
         prompt's context as a normal request's is; the room a prompt leaves is the search's end for its beams
         (`BeamSearch`'s `room`), as it is a normal request's."""
         _refuse_beam_grammar(guide_field(req))
+        vocab = self.engine.model_config.vocab_size
+        try:  # (a sampled request's checks: SamplingParams', then the engine's)
+            check_logprobs_count("logprobs", req.logprobs)
+            check_logprobs_asked("logprobs", req.logprobs, self.engine.cfg.max_logprobs, vocab,
+                                 "the server's --max-logprobs")
+        except ValueError as e:
+            raise ApiError.bad_request(e) from None
+        if req.logprobs is not None and req.echo:  # (vLLM's server fails an assertion on it: a 500)
+            raise ApiError(400, "logprobs: cannot be combined with echo under use_beam_search (the echoed prompt's "
+                                "logprobs are prompt logprobs, which a beam search does not compute)", "logprobs")
         asked = self.default_max_tokens(COMPLETIONS_DEFAULT_MAX_TOKENS) if req.max_tokens is None else req.max_tokens
         params = self.beam_params(req, self.capped(asked))
         starts = []
@@ -1113,7 +1130,8 @@ class OpenAIServing:
             ids = self.cut_prompt(whole, req.truncate_prompt_tokens, asked)  # (as the check below reads it)
             self.resolve_max_tokens(req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, len(ids), where)
             starts.append((where, text, ids))
-        return self.beam_generation(COMPLETION, req, cid, params, starts, arrival, echo=bool(req.echo))
+        return self.beam_generation(COMPLETION, req, cid, params, starts, arrival, echo=bool(req.echo),
+                                    top_logprobs=logprobs_asked(req.logprobs or 0, vocab))
 
     def completion_prompts(self, prompt: Any, truncated: bool,
                            add_special_tokens: bool = True) -> list[tuple[str, str | None, list[int]]]:
@@ -1188,10 +1206,6 @@ class OpenAIServing:
         if requested is not None and requested < 1:  # named as the request named it (SamplingParams says max_tokens)
             raise ApiError(400, f"{name}: must be an integer >= 1, got {requested}", name)
         mt = self.resolve_max_tokens(requested, None, len(ids), "messages", name)
-        if req.use_beam_search:  # (the room left when max_tokens is unset, as for sampling)
-            cid, _ = self.new_ids(request, CHAT, 1)
-            return self.beam_generation(CHAT, req, cid, self.beam_params(req, mt), [("messages", text, ids)], arrival,
-                                        echo_text=echo_text, role=role)
         vocab = self.engine.model_config.vocab_size
         top = logprobs_asked(req.top_logprobs or 0, vocab)
         if req.logprobs:  # (the engine would name its own field, logprobs: a chat request's is this)
@@ -1200,6 +1214,10 @@ class OpenAIServing:
                                      "the server's --max-logprobs")
             except ValueError as e:
                 raise ApiError(400, str(e), "top_logprobs") from None
+        if req.use_beam_search:  # (the room left when max_tokens is unset, as for sampling)
+            cid, _ = self.new_ids(request, CHAT, 1)
+            return self.beam_generation(CHAT, req, cid, self.beam_params(req, mt), [("messages", text, ids)], arrival,
+                                        echo_text=echo_text, role=role, top_logprobs=top)
         params = sampling_params(req, max_tokens=mt, logprobs=top if req.logprobs else None,
                                  defaults=self.sampling_defaults, guided_decoding=guide)
         cid, (rid,) = self.new_ids(request, CHAT, 1)
