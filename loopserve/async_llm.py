@@ -17,6 +17,9 @@ ends a stream with a final output whose finish_reason is "abort" (vLLM V1's). A 
 every stream and every later call raise `EngineDeadError`. An event loop that ends without `shutdown()` stops its
 engine thread; so does the interpreter's exit. `LLM.generate` on the same engine takes it back from a thread whose
 loop has ended, and refuses (RuntimeError) while that loop runs: two threads never step one engine.
+
+`beam_search` is vLLM's `EngineClient.beam_search`: the server's `use_beam_search` code (beam_search.py's
+`run_steps`) on this engine's thread, its `request_id` in flight for the whole search, one final output at its end.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from collections.abc import AsyncGenerator, Hashable, Iterable
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
+from loopserve.beam_search import check_search_params, generated_text, new_search, run_steps, search_prompts
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine import LLMEngine, check_request_id
 from loopserve.engine.engine_thread import (
@@ -324,8 +328,8 @@ class AsyncLLMEngine:
                       priority=priority, data_parallel_rank=data_parallel_rank)
         check_request_id(request_id)
         if isinstance(sampling_params, BeamSearchParams):
-            raise ValueError("sampling_params: beam search (BeamSearchParams) is not served by AsyncLLMEngine; "
-                             "LLM.beam_search or the server's use_beam_search run it")
+            raise ValueError("sampling_params: a beam search (BeamSearchParams) is run by beam_search(prompt, "
+                             "request_id, params), not generate")
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params: expected a SamplingParams, got {type(sampling_params).__name__}")
         thread = self._engine_thread()  # (first: a thread it replaces takes its loop's streams along)
@@ -348,6 +352,61 @@ class AsyncLLMEngine:
             group.abort()
             if self._streams.get(request_id) is group:
                 del self._streams[request_id]
+
+    async def beam_search(self, prompt: PromptType, request_id: str, params: BeamSearchParams,
+                          lora_request: Any = None) -> AsyncGenerator[RequestOutput, None]:
+        """vLLM's `EngineClient.beam_search`: `LLM.beam_search`'s search of one prompt, run on this engine's thread
+        as the server runs its `use_beam_search` (beam_search.py's `run_steps`: each step's beams added together, as
+        one request's samples are), yielding one RequestOutput, final, once the search is over: its outputs the best
+        `params.beam_width` beams, best first, as the server returns them (`BeamSearch.request_outputs`: a beam's
+        generated token ids, a final end-of-sequence token included; their text, that token left out unless
+        `include_stop_str_in_output`, special tokens skipped (the server's default; vLLM's decode keeps them); every
+        token's logprobs; a completed beam's end-of-sequence token as its stop_reason). Its beams are
+        `LLM.beam_search`'s for the same params (every step is seeded with the LLM's seed).
+
+        `request_id` is in flight for the whole search: `abort(request_id)` ends it after the step under way, and the
+        output then holds the best beams so far, those still live finishing "abort"; a consumer that stops reading
+        aborts the step in flight. A ValueError naming the field, as `LLM.beam_search` names it, when the generator
+        is first iterated; a `request_id` in flight is one too. `lora_request`: vLLM's, taken at None."""
+        check_neutral(lora_request=lora_request)
+        check_request_id(request_id)
+        check_search_params(self.llm, params)
+        [(text, ids)] = search_prompts(self.llm, [prompt])
+        thread = self._engine_thread()  # (first: a thread it replaces takes its loop's streams along)
+        if request_id in self._streams:
+            raise ValueError(f"request_id: {request_id!r} is already in flight")
+        search = new_search(self.llm, [ids], params)
+        step_params = search.step_params(self.llm.seed)
+        running: list[RequestGroup] = []  # the latest step's group: the one `_streams` holds under request_id
+
+        async def step(prompts: list[tuple[int, list[int]]]) -> list[RequestOutput] | None:
+            if running and self._streams.get(request_id) is not running[-1]:
+                return None  # aborted between two steps
+            seqs = [self.llm._make_sequence({"prompt_token_ids": tokens}, step_params) for _, tokens in prompts]
+            group = thread.add(seqs)
+            running[:] = [group]
+            self._streams[request_id] = group
+            outs: list[RequestOutput | None] = [None] * len(seqs)
+            async for i, out in group:
+                if out.finished:
+                    outs[i] = out
+            if self._streams.get(request_id) is not group:
+                return None  # aborted during the step (its outputs end "abort": not the search's)
+            return [o for o in outs if o is not None]
+
+        if self.log_requests:
+            log.info("Added request %s.", request_id)
+        try:
+            await run_steps(search, step)
+        finally:
+            # (a consumer that stopped reading: the step in flight is aborted, as `generate` aborts its request)
+            for group in running:
+                group.abort()
+                if self._streams.get(request_id) is group:
+                    del self._streams[request_id]
+        [out] = search.request_outputs(generated_text(self.llm.tokenizer, params.include_stop_str_in_output))
+        out.request_id, out.prompt = request_id, text
+        yield out
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Abort requests in flight (one id or several; an id not in flight is passed over, as in vLLM): each stream

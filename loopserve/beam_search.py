@@ -1,5 +1,5 @@
-"""Beam search: vLLM's `LLM.beam_search(prompts, BeamSearchParams)` and its server's `use_beam_search`, one
-algorithm (`BeamSearch`) driven two ways.
+"""Beam search: vLLM's `LLM.beam_search(prompts, BeamSearchParams)`, its server's `use_beam_search` and its
+`EngineClient.beam_search` (`AsyncLLMEngine.beam_search`), one algorithm (`BeamSearch`) driven two ways.
 
 A step runs every live beam of every prompt (its prompt and its tokens so far, as a token-id prompt) for one token,
 asking for the top `2 * beam_width` logprobs (`BeamSearch.step_params`). A beam's candidates are the beam plus each
@@ -11,24 +11,28 @@ power `length_penalty`) and the best `beam_width` returned, best first.
 
 `BeamSearch` is that state machine: `next_prompts()` (the step's prompts, [] once the search is over),
 `update(outputs)` (the step's results, one per prompt, in order), `results(text)` (the ranked beams as
-`BeamSearchSequence`s, their text by a rule). Its two drivers:
+`BeamSearchSequence`s, their text by a rule), `request_outputs(text)` (them as finished RequestOutputs, vLLM's
+`EngineClient.beam_search` result), `stop()` (the search ends early). Its two drivers:
 
 - `LLM.beam_search` (`beam_search` here): each step is ONE `LLM.generate` call (one engine run) over every live
   beam of every prompt searched together.
-- the server's `use_beam_search` (serve/api.py, `OpenAIServing.beam_search`): each step's sequences are built on a
-  worker thread and admitted to the async engine together, as one request's samples are (the server's admission
-  limits apply to every step: a full queue is a 503), and collected as a request's are (a client that goes away
-  aborts the step in flight and ends the search; a step that fails fails the request with its error).
+- `run_steps`, on an engine thread (engine/engine_thread.py): each step's sequences are added together, as one
+  request's samples are, and collected as a request's are; a consumer that goes away (or aborts) ends the search.
+  The server's `use_beam_search` (serve/api.py, `OpenAIServing.beam_search`: the steps after the first built on a
+  worker thread; the server's admission limits apply to every step, a full queue a 503; a step that fails fails
+  the request with its error) and `AsyncLLMEngine.beam_search` (its `request_id` in flight throughout, `abort`
+  ending it) run it, and return `request_outputs`.
 
 The text of a returned beam is the one thing the drivers do differently, as vLLM's do (`results`' rule):
 
 - offline (`whole_text`): the whole sequence decoded, prompt included and special tokens kept (vLLM's
   `tokenizer.decode(beam.tokens)`); `include_stop_str_in_output` changes nothing, as in vLLM;
-- the server (`generated_text`): the generated tokens alone, without a final end-of-sequence token unless
-  `include_stop_str_in_output`, decoded with the request's `skip_special_tokens`: the text a normal request with
-  those tokens gets. (vLLM's server decodes keeping special tokens whatever `skip_special_tokens` says, and drops
-  the end-of-sequence token from the text even with `include_stop_str_in_output`, which instead keeps it in the
-  token ids; here the token ids are always the beam's, end-of-sequence token included, as offline.)
+- the server and `AsyncLLMEngine` (`generated_text`): the generated tokens alone, without a final end-of-sequence
+  token unless `include_stop_str_in_output`, decoded with the request's `skip_special_tokens` (AsyncLLMEngine: true,
+  the server's default): the text a normal request with those tokens gets. (vLLM's server decodes keeping special
+  tokens whatever `skip_special_tokens` says, and drops the end-of-sequence token from the text even with
+  `include_stop_str_in_output`, which instead keeps it in the token ids; here the token ids are always the beam's,
+  end-of-sequence token included, as offline.)
 
 One deliberate difference from vLLM: a beam completes on any of the tokenizer's end-of-sequence ids
 (`eos_token_ids`), where vLLM's search checks `tokenizer.eos_token_id` alone. loopserve's `generate` stops on every
@@ -36,12 +40,12 @@ end-of-sequence id of the checkpoint (a chat model's end-of-turn token among the
 
 Logprobs are the raw model's (before temperature: SamplingParams' `raw_logprobs`), so `temperature` changes only
 which token each step samples, and a sampled token outside the top ones is a candidate too (vLLM's rule). Every
-step's request is seeded with one seed (offline the LLM's; on the server the request's `seed`, else the server's
-`--seed`): its sampled token depends only on the beam (so a prompt's beams are the same whether it is searched
-alone or with others), and Huginn's random initial states, which the engine's seed seeds, are those `generate`
-uses by default. (A step samples its one token with the same draw for every beam and step: the sampled token is a
-deterministic extra candidate, not an independent sample.) So a server's search returns what `LLM.beam_search`
-returns for the same checkpoint, dtype, seed and params, apart from the text rule.
+step's request is seeded with one seed (offline and on an AsyncLLMEngine the LLM's; on the server the request's
+`seed`, else the server's `--seed`): its sampled token depends only on the beam (so a prompt's beams are the same
+whether it is searched alone or with others), and Huginn's random initial states, which the engine's seed seeds,
+are those `generate` uses by default. (A step samples its one token with the same draw for every beam and step:
+the sampled token is a deterministic extra candidate, not an independent sample.) So a server's search returns what
+`LLM.beam_search` returns for the same checkpoint, dtype, seed and params, apart from the text rule.
 
 Looped models: a step re-runs the beam's whole prefix as a prompt, so every token of a beam gets its KV from a
 full-depth prefill (r_max loops), never from an exit-depth decode step, and its logprobs are full-depth ones (a
@@ -54,16 +58,16 @@ width-1 greedy search equals `generate` at full depth (`exit_policy="fixed"`), n
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection
+from collections.abc import Awaitable, Callable, Collection
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
 from loopserve.engine.budget import pool_tokens, sequence_room
 from loopserve.engine.sequence import PromptType, in_batch, parse_prompt, prompt_list
-from loopserve.outputs import Logprob, RequestOutput
+from loopserve.outputs import CompletionOutput, Logprob, RequestOutput
 from loopserve.sampling_params import (  # (BeamSearchParams: vLLM's home, also importable from here)
     BeamSearchParams,
     SamplingParams,
@@ -79,20 +83,28 @@ if TYPE_CHECKING:
 
 @dataclass
 class BeamSearchSequence:
-    """One beam (vLLM's fields, then loopserve's `exit_depths`): `tokens` the prompt's and the generated ones (a
-    completed beam's last is its end-of-sequence token), `logprobs` one entry per generated token (the sampled
-    token's, then the top 2 * beam_width, as `generate` gives them), `cum_logprob` the sum of the generated tokens'
-    logprobs, `text` as the driver's rule writes it (offline: the whole sequence, `tokens` with the prompt, decoded
-    with special tokens kept, as vLLM sets it). `finish_reason`: "stop" (an end-of-sequence token) or "length"
-    (max_tokens, or the context's end); `stop_reason` None for both, as vLLM's beam search leaves it. `exit_depths`: the
-    loops each generated token ran (full depth: a step's token is its prompt's last position)."""
+    """One beam: vLLM's fields in vLLM's order (so that keyword and positional construction mean what they mean in
+    vLLM), then loopserve's `exit_depths`. `tokens` the prompt's and the generated ones (a completed beam's last is
+    its end-of-sequence token), `logprobs` one entry per generated token (the sampled token's, then the top 2 *
+    beam_width, as `generate` gives them), `cum_logprob` the sum of the generated tokens' logprobs, `text` as the
+    driver's rule writes it (offline: the whole sequence, `tokens` with the prompt, decoded with special tokens
+    kept, as vLLM sets it). `finish_reason`: "stop" (an end-of-sequence token) or "length" (max_tokens, or the
+    context's end); "abort" for a live beam of a search stopped early (`BeamSearch.stop`). `stop_reason` None: vLLM's
+    `LLM.beam_search` sets no finish or stop reason (loopserve's finish_reason says how a beam ended); the drivers that
+    return RequestOutputs (the server, `AsyncLLMEngine.beam_search`) write a completed beam's end-of-sequence token
+    there, as vLLM's do (`BeamSearch.request_outputs`). `lora_request`, `multi_modal_data` and
+    `mm_processor_kwargs`: vLLM's, always None here (no adapters, text-only models). `exit_depths`: the loops each
+    generated token ran (full depth: a step's token is its prompt's last position)."""
 
     tokens: list[int]
     logprobs: list[dict[int, Logprob]]
+    lora_request: None = None
     cum_logprob: float = 0.0
     text: str | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    multi_modal_data: None = None
+    mm_processor_kwargs: None = None
     exit_depths: list[int] = field(default_factory=list)
 
 
@@ -181,10 +193,15 @@ class BeamSearch:
         self.eos = frozenset(() if params.ignore_eos else eos_token_ids)  # what completes a beam
         self.all_eos = frozenset(eos_token_ids)  # (the score's rule, whatever ignore_eos says: vLLM's)
         self.room = room
-        self.prompt_lens = [len(p) for p in prompts]
+        self.prompts = [list(p) for p in prompts]
         self.live: list[list[_Beam]] = [[_Beam(list(p), [], 0.0)] for p in prompts]
         self.done: list[list[_Beam]] = [[] for _ in prompts]
         self.steps = 0
+        self.stopped = False  # `stop`: no more steps, the live beams end "abort"
+        # what `request_outputs` makes each prompt's output of: the first step's outputs (the prompts' own: text,
+        # cached tokens, times), and per prompt the decode and prefill loops every step of its beams ran
+        self.first: list[RequestOutput] = []
+        self.loops = [[0, 0] for _ in prompts]
 
     def step_params(self, seed: int) -> SamplingParams:
         """Every step request's params: one token, the top 2 * beam_width logprobs, seeded with `seed`."""
@@ -195,7 +212,7 @@ class BeamSearch:
     def next_prompts(self) -> list[tuple[int, list[int]]]:
         """The next step's prompts: (the index of the prompt searched, the beam's token ids) for every live beam,
         prompt by prompt; [] once the search is over (max_tokens steps run, or no beam live)."""
-        if self.steps >= self.params.max_tokens:
+        if self.stopped or self.steps >= self.params.max_tokens:
             return []
         return [(p, list(b.tokens)) for p, group in enumerate(self.live) for b in group]
 
@@ -206,11 +223,16 @@ class BeamSearch:
             raise ValueError(f"outputs: expected one per beam ({sum(len(g) for g in self.live)}), got {len(outputs)}")
         penalty = self.params.length_penalty
         at = 0
+        if not self.steps:
+            self.first = list(outputs)  # (one per prompt: the first step runs each prompt alone)
         for p, group in enumerate(self.live):
             candidates: list[tuple[float, float, _Beam, int, dict[int, Logprob], list[int]]] = []
             for beam, result in zip(group, outputs[at:at + len(group)], strict=True):
                 if result.error is not None:
                     raise RuntimeError(f"beam search: a step failed: {result.error}")
+                if result.metrics is not None:
+                    self.loops[p][0] += result.metrics.loops_run
+                    self.loops[p][1] += result.metrics.prefill_loops
                 out = result.outputs[0]
                 entry = (out.logprobs or [{}])[0]
                 depths = beam.exit_depths + list(out.exit_depths[:1])
@@ -234,6 +256,11 @@ class BeamSearch:
             self.live[p] = group
         self.steps += 1
 
+    def stop(self) -> None:
+        """End the search before its end (its consumer aborted it): no more steps; the beams still live end "abort"
+        (vLLM's finish reason for an aborted request) and are ranked with the complete ones."""
+        self.stopped = True
+
     def score(self, beam: _Beam) -> float:
         return get_beam_search_score(beam.tokens, beam.cum_logprob, self.all_eos, self.params.length_penalty)
 
@@ -243,13 +270,49 @@ class BeamSearch:
         outputs = []
         for p, group in enumerate(self.live):
             for b in group:
-                b.finish_reason = "length"
+                b.finish_reason = "abort" if self.stopped else "length"
             best = sorted(self.done[p] + group, key=self.score, reverse=True)[:self.width]
             outputs.append(BeamSearchOutput([
-                BeamSearchSequence(b.tokens, b.logprobs, b.cum_logprob,
-                                   text(self.prompt_lens[p], b.tokens, b.finish_reason or "length"),
-                                   b.finish_reason, None, b.exit_depths) for b in best]))
+                BeamSearchSequence(b.tokens, b.logprobs, cum_logprob=b.cum_logprob,
+                                   text=text(len(self.prompts[p]), b.tokens, b.finish_reason or "length"),
+                                   finish_reason=b.finish_reason, exit_depths=b.exit_depths) for b in best]))
         return outputs
+
+    def request_outputs(self, text: TextRule, logprobs: bool = True) -> list[RequestOutput]:
+        """Per prompt, the search's result as one finished RequestOutput (vLLM's `EngineClient.beam_search` result,
+        which its server formats): its best beams as its choices, best first, each with its text by the rule `text`,
+        its generated token ids (a final end-of-sequence token included: a normal request's ids), its cumulative
+        logprob, its logprobs (one entry per token; `logprobs` false: None, for a request that asked for none), its
+        finish reason and, for a beam an end-of-sequence token completed, that token as its stop_reason (vLLM's
+        server search sets `stop_reason=eos_token_id`); the request's prompt (the first step's output's: its text
+        where the driver gave it), and its metrics with the loops every step of its beams ran."""
+        outs = []
+        for p, result in enumerate(self.results(text)):
+            plen = len(self.prompts[p])
+            # (no first output: a search stopped during its first step)
+            own = self.first[p] if self.first else RequestOutput("", None, self.prompts[p], None, [], True)
+            metrics = None if own.metrics is None else replace(
+                own.metrics, loops_run=self.loops[p][0], prefill_loops=self.loops[p][1])
+            outs.append(replace(own, finished=True, metrics=metrics, outputs=[
+                CompletionOutput(k, s.text or "", s.tokens[plen:], s.cum_logprob, s.logprobs if logprobs else None,
+                                 s.finish_reason, s.tokens[-1] if s.finish_reason == "stop" else None,
+                                 exit_depths=s.exit_depths) for k, s in enumerate(result.sequences)]))
+        return outs
+
+
+async def run_steps(search: BeamSearch,
+                    run_step: Callable[[list[tuple[int, list[int]]]], Awaitable[Seq[RequestOutput] | None]]) -> bool:
+    """Drive `search` to its end on an async engine, a step at a time: `run_step(prompts)` runs a step's prompts
+    (`BeamSearch.next_prompts`) and returns their finished outputs in order, or None where the search is to end
+    early (its consumer went away or aborted it: `search` is then `stop`ped). True if the search ran to its end.
+    The server's `use_beam_search` and `AsyncLLMEngine.beam_search` run their searches with it."""
+    while step := search.next_prompts():
+        outs = await run_step(step)
+        if outs is None:
+            search.stop()
+            return False
+        search.update(outs)
+    return True
 
 
 def beam_search(llm: LLM, prompts: PromptType | Seq[PromptType], params: BeamSearchParams, use_tqdm: bool = False,
@@ -258,20 +321,10 @@ def beam_search(llm: LLM, prompts: PromptType | Seq[PromptType], params: BeamSea
     a list, as `generate` takes them). `concurrency_limit`: search at most this many prompts at once (None: all).
     `use_tqdm`: a bar over the steps. ValueError naming the field at fault (for a prompt of several: which one)
     before anything runs."""
-    if not isinstance(params, BeamSearchParams):
-        raise ValueError(f"params: expected a BeamSearchParams, got {type(params).__name__}")
-    check_beam_search_params(params)  # (again: fields may have been set after construction)
-    check_beam_width(params.beam_width, llm.engine_config.max_logprobs, llm.config.vocab_size)
+    check_search_params(llm, params)
     if concurrency_limit is not None and (not is_int(concurrency_limit) or concurrency_limit < 1):
         raise ValueError(f"concurrency_limit: must be an integer >= 1 or None, got {concurrency_limit!r}")
-    given = prompt_list(prompts)
-    starts: list[list[int]] = []
-    for i, prompt in enumerate(given):
-        try:
-            _, ids = parse_prompt(prompt, llm.tokenizer)
-        except ValueError as e:
-            raise in_batch(e, i, len(given)) from e
-        starts.append(ids)
+    starts = [ids for _, ids in search_prompts(llm, prompt_list(prompts))]
     chunk = concurrency_limit or max(1, len(starts))
     outputs: list[BeamSearchOutput] = []
     for lo in range(0, len(starts), chunk):
@@ -279,11 +332,36 @@ def beam_search(llm: LLM, prompts: PromptType | Seq[PromptType], params: BeamSea
     return outputs
 
 
+def check_search_params(llm: LLM, params: BeamSearchParams) -> None:
+    """ValueError naming the field of `params` (or `params` itself) that `llm`'s engine cannot search with."""
+    if not isinstance(params, BeamSearchParams):
+        raise ValueError(f"params: expected a BeamSearchParams, got {type(params).__name__}")
+    check_beam_search_params(params)  # (again: fields may have been set after construction)
+    check_beam_width(params.beam_width, llm.engine_config.max_logprobs, llm.config.vocab_size)
+
+
+def search_prompts(llm: LLM, given: list[PromptType]) -> list[tuple[str | None, list[int]]]:
+    """Each prompt's (text, if given as text; token ids), as `generate` reads it: ValueError naming the field at
+    fault (and, for a prompt of several, which one)."""
+    parsed = []
+    for i, prompt in enumerate(given):
+        try:
+            parsed.append(parse_prompt(prompt, llm.tokenizer))
+        except ValueError as e:
+            raise in_batch(e, i, len(given)) from e
+    return parsed
+
+
+def new_search(llm: LLM, starts: list[list[int]], params: BeamSearchParams) -> BeamSearch:
+    """The search of these prompts (token ids) on `llm`: a beam that fills the context (or the KV pool) ends there,
+    "length" (the prompt itself is its first step's request's to check, as `generate` checks it)."""
+    room = sequence_room(llm.max_model_len, None if llm.engine is None else pool_tokens(llm.engine))
+    return BeamSearch(starts, params, llm.tokenizer.eos_token_ids, room)
+
+
 def _search(llm: LLM, starts: list[list[int]], params: BeamSearchParams, use_tqdm: bool) -> list[BeamSearchOutput]:
     """`BeamSearch` of these prompts together, each step one `generate` call over all their live beams."""
-    # a beam that fills the context (or the KV pool) ends there, "length" (the prompt itself is generate's to check)
-    room = sequence_room(llm.max_model_len, None if llm.engine is None else pool_tokens(llm.engine))
-    search = BeamSearch(starts, params, llm.tokenizer.eos_token_ids, room)
+    search = new_search(llm, starts, params)
     step_params = search.step_params(llm.seed)
     bar = tqdm(total=params.max_tokens, disable=not use_tqdm, desc="Beam search", unit="token")
     while step := search.next_prompts():

@@ -47,6 +47,13 @@ def check_logprobs_asked(name: str, k: int | None, max_logprobs: int, vocab_size
     raise ValueError(f"{name}: at most {cap}, got {got}")
 
 
+def check_logprobs_count(name: str, k: Any) -> None:
+    """ValueError naming `name` unless `k` is None, an integer >= 0 or -1 (the whole vocabulary): what a request's
+    logprobs (or prompt_logprobs) may ask for; the engine's max_logprobs then bounds it (`check_logprobs_asked`)."""
+    if k is not None and (not is_int(k) or k < -1):
+        raise ValueError(f"{name}: must be an integer >= 0, or -1 (the whole vocabulary), got {_short(k)}")
+
+
 def check_beam_width(width: int, max_logprobs: int, vocab_size: int, *, field: str = "beam_width",
                      search: str = "beam_width", knob: str = "max_logprobs") -> None:
     """ValueError unless an engine whose max_logprobs is this runs a beam search `width` wide: naming `search` (the
@@ -507,9 +514,7 @@ class SamplingParams:
             raise bad("output_kind", f"must be one of {', '.join(f'RequestOutputKind.{k.name}' for k in OUTPUT_KINDS)}")
         self.output_kind = RequestOutputKind(self.output_kind)
         for name in ("logprobs", "prompt_logprobs"):  # (the engine holds them to its max_logprobs)
-            v = getattr(self, name)
-            if v is not None and (not is_int(v) or v < -1):
-                raise bad(name, "must be an integer >= 0, or -1 (the whole vocabulary)")
+            check_logprobs_count(name, getattr(self, name))
         for name in ("min_loops", "max_loops"):
             v = getattr(self, name)
             if v is not None and (not is_int(v) or v < 1):

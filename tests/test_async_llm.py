@@ -882,3 +882,133 @@ def test_asyncllm_only_methods_are_not_llms(engine):
     assert not hasattr(engine.llm, "add_request") and not hasattr(engine.llm, "pause_generation")
     with pytest.raises(ValueError, match="^add_request: AsyncLLMEngine.add_request"):
         engine.add_request()
+
+
+# -- beam search (vLLM's EngineClient.beam_search) -------------------------------------------------------------------
+BEAMS = BeamSearchParams(beam_width=3, max_tokens=4, length_penalty=0.0)
+EOS_PROMPT = [14, 300]  # tiny Ouro: an end-of-sequence token ranks 3rd after it
+
+
+def test_beam_search_equals_llm_beam_search(engine):
+    """One output, final, once the search is over: its outputs `LLM.beam_search`'s beams (the same engine, stopped
+    for it), best first, as the server returns them: the generated ids (a completed beam's end-of-sequence token
+    included, and its stop_reason), the text of the generated tokens without it, every token's logprobs. Searches
+    run together, and beside a sampled request, give each its own result."""
+    from loopserve.beam_search import generated_text
+
+    engine.shutdown()
+    llm = engine.llm
+    prompts = [EOS_PROMPT, "hello"]
+    want = llm.beam_search(prompts, BEAMS)
+
+    async def search(prompt, rid: str) -> list:
+        return [o async for o in engine.beam_search(prompt, rid, BEAMS)]
+
+    async def main():
+        sampled = collect(engine, [5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0), "s")
+        return await asyncio.gather(*[search(p, f"b{i}") for i, p in enumerate(prompts)], sampled)
+
+    *got, sampled = asyncio.run(main())
+    assert sampled[-1].outputs[0].finish_reason == "length"
+    rule = generated_text(llm.tokenizer, include_stop_str_in_output=False)
+    for i, (outs, p, w) in enumerate(zip(got, prompts, want, strict=True)):
+        [out] = outs
+        ids = p if isinstance(p, list) else llm.tokenizer.encode(p)
+        assert out.finished and out.request_id == f"b{i}" and out.prompt_token_ids == ids
+        assert out.prompt == (p if isinstance(p, str) else None)
+        assert [c.index for c in out.outputs] == [0, 1, 2]
+        for c, s in zip(out.outputs, w.sequences, strict=True):
+            assert c.token_ids == s.tokens[len(ids):] and c.finish_reason == s.finish_reason
+            assert c.cumulative_logprob == pytest.approx(s.cum_logprob, abs=1e-5)  # (float32, other batches)
+            assert len(c.logprobs) == len(c.token_ids) == len(s.logprobs)
+            for entry, offline in zip(c.logprobs, s.logprobs, strict=True):
+                assert list(entry) == list(offline)  # the sampled token, then the top 2 * beam_width
+                assert [e.logprob for e in entry.values()] == pytest.approx(
+                    [e.logprob for e in offline.values()], abs=1e-5)
+            assert c.text == rule(len(ids), s.tokens, s.finish_reason)
+            assert c.stop_reason == (c.token_ids[-1] if c.finish_reason == "stop" else None)
+    assert any(c.finish_reason == "stop" for c in got[0][0].outputs)
+    assert drained(engine)
+
+
+LONG_BEAMS = BeamSearchParams(beam_width=2, max_tokens=300, ignore_eos=True)
+
+
+def _finished(eng: AsyncLLMEngine) -> int:
+    """Requests the engine has run to their end (a beam search's steps are requests of one token)."""
+    return eng.llm.llm_engine.stats.finished_requests["length"]
+
+
+async def _steps_run(eng: AsyncLLMEngine, requests: int, timeout_s: float = 30.0) -> None:
+    """Wait until the engine has finished `requests` more requests (a search 2 wide: 1, then 2 a step)."""
+    start, end = _finished(eng), time.monotonic() + timeout_s
+    while _finished(eng) - start < requests:
+        assert time.monotonic() < end, "the search did not run"
+        await asyncio.sleep(0.005)
+
+
+def test_beam_search_abort_ends_it_with_the_beams_so_far(engine):
+    """`abort(request_id)` ends a search (its id is in flight throughout: a second use of it is refused): the output
+    holds the best beams so far, finishing "abort", well short of max_tokens; nothing is left running."""
+    async def main():
+        task = asyncio.ensure_future(_collect_beams(engine, [5, 6, 7], "bs", LONG_BEAMS))
+        await _steps_run(engine, 5)
+        with pytest.raises(ValueError, match="^request_id: 'bs' is already in flight"):
+            await anext(engine.generate([1, 2], SamplingParams(max_tokens=2), "bs"))
+        with pytest.raises(ValueError, match="^request_id: 'bs' is already in flight"):
+            await anext(engine.beam_search([1, 2], "bs", BEAMS))
+        await engine.abort("bs")
+        return await task
+
+    [out] = asyncio.run(main())
+    assert out.finished and out.request_id == "bs"
+    assert [c.finish_reason for c in out.outputs] == ["abort", "abort"]
+    assert 1 <= len(out.outputs[0].token_ids) < 300
+    assert all(len(c.logprobs) == len(c.token_ids) for c in out.outputs)
+    assert drained(engine)
+
+
+async def _collect_beams(eng: AsyncLLMEngine, prompt, rid: str, params: BeamSearchParams) -> list:
+    return [o async for o in eng.beam_search(prompt, rid, params)]
+
+
+@pytest.mark.parametrize("how", ["cancel", "aclose"])
+def test_a_beam_search_consumer_that_stops_frees_it(engine, how):
+    """A consumer that goes away mid-search (its task cancelled, the generator closed) aborts the step in flight: no
+    other step starts, the engine is drained and the id is free again."""
+
+    async def main():
+        gen = engine.beam_search([5, 6, 7], "gone", LONG_BEAMS)
+        task = asyncio.ensure_future(anext(gen))
+        await _steps_run(engine, 5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        if how == "aclose":
+            await gen.aclose()
+        await wait_drained(engine)
+        finished = _finished(engine)
+        await asyncio.sleep(0.2)
+        assert _finished(engine) == finished  # no step began since
+        [again] = await _collect_beams(engine, [5, 6, 7], "gone", BeamSearchParams(beam_width=2, max_tokens=2))
+        assert [len(c.token_ids) for c in again.outputs] == [2, 2]
+
+    asyncio.run(main())
+    assert drained(engine)
+
+
+@pytest.mark.parametrize("call, field", [
+    (lambda e: e.beam_search([5, 6], "r", SamplingParams(max_tokens=4)), "params"),
+    (lambda e: e.beam_search([5, 6], "r", BeamSearchParams(beam_width=11, max_tokens=4)), "beam_width"),
+    (lambda e: e.beam_search([5, 6], 7, BEAMS), "request_id"),
+    (lambda e: e.beam_search([5, 6], "r", BEAMS, lora_request=object()), "lora_request"),
+    (lambda e: e.beam_search({"x": 1}, "r", BEAMS), "prompt"),
+    (lambda e: e.beam_search([5] * 5000, "r", BEAMS), "prompt"),
+])
+def test_bad_beam_searches_are_value_errors_naming_the_field(engine, call, field):
+    async def main():
+        with pytest.raises(ValueError, match=f"^{field}"):
+            await anext(call(engine))
+
+    asyncio.run(main())
+    assert drained(engine)

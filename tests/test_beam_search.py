@@ -361,3 +361,70 @@ def test_a_huge_length_penalty_takes_the_scores_limit():
     assert length_penalized(-3.0, 5, 1e300) == 0.0
     assert length_penalized(-3.0, 5, -1e300) == -math.inf and length_penalized(0.0, 5, -1e300) == 0.0
     assert length_penalized(-3.0, 5, 1.0) == -0.6 and length_penalized(-3.0, 1, 1e300) == -3.0
+
+
+# ---------------- vLLM's BeamSearchSequence
+
+
+def test_beam_search_sequence_has_vllms_fields_in_vllms_order():
+    """vLLM's fields in vLLM's order (tokens, logprobs, lora_request, cum_logprob, text, finish_reason, stop_reason,
+    multi_modal_data, mm_processor_kwargs), then loopserve's exit_depths: code that builds one positionally, or by
+    keyword, as vLLM's gets the fields it means."""
+    import dataclasses
+
+    names = [f.name for f in dataclasses.fields(BeamSearchSequence)]
+    assert names == ["tokens", "logprobs", "lora_request", "cum_logprob", "text", "finish_reason", "stop_reason",
+                     "multi_modal_data", "mm_processor_kwargs", "exit_depths"]
+    seq = BeamSearchSequence([1, 2], [{2: None}], None, -0.5, "ab", "stop", 2, None, None)
+    assert (seq.cum_logprob, seq.text, seq.finish_reason, seq.stop_reason) == (-0.5, "ab", "stop", 2)
+    seq = BeamSearchSequence(tokens=[1], logprobs=[], lora_request=None, cum_logprob=-1.0, multi_modal_data=None,
+                             mm_processor_kwargs=None)
+    assert (seq.cum_logprob, seq.lora_request, seq.multi_modal_data, seq.mm_processor_kwargs) == (-1.0, None, None,
+                                                                                                  None)
+
+
+def test_offline_stop_reason_is_none_as_vllms(llm):
+    """vLLM's `LLM.beam_search` sets no stop_reason on its beams (nor a finish_reason: loopserve's says how a beam
+    ended); its server's search sets a completed beam's to the end-of-sequence token (`request_outputs`)."""
+    [out] = beam_search(llm, EOS_PROMPT, BeamSearchParams(beam_width=2, max_tokens=2, length_penalty=0.0))
+    assert [(s.finish_reason, s.stop_reason) for s in out.sequences] == [("stop", None), ("length", None)]
+
+
+def test_request_outputs_and_a_stopped_search(llm):
+    """`request_outputs` (the server's and AsyncLLMEngine's result): a choice per beam, best first, with its generated
+    ids, its logprobs (or None), and a completed beam's end-of-sequence token as its stop_reason; the loops every
+    step ran. A search stopped early ends its live beams "abort", ranked with the complete ones."""
+    ids = _ids(llm, EOS_PROMPT)
+    params = BeamSearchParams(beam_width=2, max_tokens=2, length_penalty=0.0)
+    [want] = beam_search(llm, EOS_PROMPT, params)
+    search = BeamSearch([ids], params, llm.tokenizer.eos_token_ids, 1000)
+    step_params = search.step_params(llm.seed)
+    ran = []
+    while step := search.next_prompts():
+        ran += llm.generate([{"prompt_token_ids": t} for _, t in step], step_params, use_tqdm=False)
+        search.update(ran[-len(step):])
+    rule = generated_text(llm.tokenizer, include_stop_str_in_output=False)
+    [out] = search.request_outputs(rule)
+    assert out.finished and out.prompt_token_ids == ids
+    assert [c.index for c in out.outputs] == [0, 1]
+    for c, s in zip(out.outputs, want.sequences, strict=True):
+        assert c.token_ids == s.tokens[len(ids):] and c.logprobs == s.logprobs and c.finish_reason == s.finish_reason
+        assert c.cumulative_logprob == pytest.approx(s.cum_logprob, abs=1e-9)
+    assert [c.stop_reason for c in out.outputs] == [want.sequences[0].tokens[-1], None]
+    assert out.outputs[0].stop_reason in llm.tokenizer.eos_token_ids
+    # (the prompt's own, from its first step's output; the loops its 1 + 2 step requests ran)
+    assert out.metrics.arrival_time == ran[0].metrics.arrival_time and len(ran) == 3
+    assert (out.metrics.loops_run, out.metrics.prefill_loops) == (
+        sum(o.metrics.loops_run for o in ran), sum(o.metrics.prefill_loops for o in ran))
+    assert all(c.logprobs is None for c in search.request_outputs(rule, logprobs=False)[0].outputs)
+    # stopped after its first step: the live beams end "abort", ranked with the complete one (the end-of-sequence
+    # token ranks 3rd after the prompt)
+    wide = BeamSearchParams(beam_width=3, max_tokens=2, length_penalty=0.0)
+    stopped = BeamSearch([ids], wide, llm.tokenizer.eos_token_ids, 1000)
+    stopped.update(llm.generate([{"prompt_token_ids": t} for _, t in stopped.next_prompts()],
+                                stopped.step_params(llm.seed), use_tqdm=False))
+    stopped.stop()
+    assert stopped.next_prompts() == []
+    [out] = stopped.request_outputs(rule)
+    assert [(c.finish_reason, len(c.token_ids)) for c in out.outputs] == [("abort", 1), ("abort", 1), ("stop", 1)]
+    assert [c.stop_reason for c in out.outputs] == [None, None, out.outputs[2].token_ids[0]]

@@ -72,8 +72,10 @@ def _assert_same_beams(llm: LLM, choices: list[dict], seqs: list[BeamSearchSeque
         assert c["token_ids"] == s.tokens[len(prompt):]  # the end-of-sequence token of a completed beam included
         assert c.get("prompt_token_ids") == (None if chat else prompt)  # (chat: the response's, at the top level)
         assert c["cumulative_logprob"] == pytest.approx(s.cum_logprob, abs=1e-5)
-        assert c["finish_reason"] == s.finish_reason and c["stop_reason"] is None
-        assert c["logprobs"] is None
+        assert c["finish_reason"] == s.finish_reason
+        # a completed beam's end-of-sequence token (vLLM's server search: `stop_reason=eos_token_id`)
+        assert c["stop_reason"] == (s.tokens[-1] if s.finish_reason == "stop" else None)
+        assert c["logprobs"] is None  # (not asked)
         assert c["exit_depths"] == s.exit_depths == [llm.config.r_max] * len(c["token_ids"])  # full depth
         text = c["message"]["content"] if chat else c["text"]
         assert text == _server_text(llm, s, len(prompt), include_stop, skip_special_tokens)
@@ -197,8 +199,9 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "
 
 
 @pytest.mark.parametrize("path,extra,param", [
-    (C, {"n": 11}, "n"), (C, {"n": 0}, "n"), (H, {"n": 11}, "n"), (C, {"logprobs": 0}, "logprobs"),
-    (C, {"logprobs": 2}, "logprobs"), (H, {"logprobs": True}, "logprobs"),
+    (C, {"n": 11}, "n"), (C, {"n": 0}, "n"), (H, {"n": 11}, "n"), (C, {"n": 7}, "n"), (H, {"n": 7}, "n"),
+    (C, {"logprobs": -2}, "logprobs"), (C, {"logprobs": 21}, "logprobs"),
+    (C, {"echo": True, "logprobs": 0}, "logprobs"), (H, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     (H, {"logprobs": False, "top_logprobs": 2}, "top_logprobs"), (C, {"prompt_logprobs": 0}, "prompt_logprobs"),
     (C, {"stop": ["x"]}, "stop"), (H, {"stop": "x"}, "stop"), (C, {"stop_token_ids": [5]}, "stop_token_ids"),
     (C, {"top_p": 0.5}, "top_p"), (C, {"top_k": 5}, "top_k"), (H, {"min_p": 0.1}, "min_p"),
@@ -222,6 +225,78 @@ def test_refusals_name_the_field(server, path, extra, param, stream):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["message"].startswith(f"{param}: "), err
+
+
+@pytest.mark.parametrize("path", [C, H])
+@pytest.mark.parametrize("beam", [True, False])
+def test_n_past_the_capacity_is_a_400_before_anything_runs(server, path, beam):
+    """n sequences (samples, or a beam search's beams) past the server's capacity (6 here) can never be admitted,
+    however idle the server: a 400 naming n, one rule for completions and chat, before any step runs (chat used to
+    run a search's first step, then answer 503 "retry later")."""
+    wait_idle(server)
+    before = _steps(server)
+    body = {"prompt": "hello"} if path == C else {}
+    r = _post(server, path, {**body, "max_tokens": 2, "n": 7, "use_beam_search": beam})
+    assert r.status_code == 400 and "Retry-After" not in r.headers, r.text
+    err = r.json()["error"]
+    assert err["param"] == "n" and err["message"].startswith(
+        "n: 1 prompt x n = 7 are 7 sequences; this server holds at most 6 at once"), err
+    assert _steps(server) == before
+
+
+# -- logprobs: the beams' own ----------------------------------------------------------------------------------------
+def _ids_of(tokens: list[str]) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
+def _by_rank(entry: dict) -> list[int]:
+    return [t for t, _ in sorted(entry.items(), key=lambda kv: kv[1].rank)]
+
+
+@pytest.mark.parametrize("k", [0, 2, 6])
+def test_completions_logprobs_are_the_beams_own(server, offline, k):
+    """`logprobs: k` with use_beam_search (vLLM's server formats the beams' logprobs): per generated token, its own
+    logprob and the first k + 1 of its step's entry (the sampled token, then the top 2 * n), by rank. A step's entry
+    holds 2 * n here (greedy: the sampled token is the top one), so k = 6 with n = 2 gets 4, as vLLM's does.
+    Streamed: the same."""
+    body = {"prompt": EOS_PROMPT, "n": 2, "max_tokens": 3, "temperature": 0.0, "length_penalty": 0.0,
+            "logprobs": k, "return_tokens_as_token_ids": True}
+    [want] = offline.beam_search({"prompt_token_ids": EOS_PROMPT},
+                                 BeamSearchParams(beam_width=2, max_tokens=3, length_penalty=0.0))
+    got = _ok(server, C, body)["choices"]
+    assert any(s.finish_reason == "stop" for s in want.sequences)
+    for c, s in zip(got, want.sequences, strict=True):
+        lp = c["logprobs"]
+        assert _ids_of(lp["tokens"]) == c["token_ids"] == s.tokens[len(EOS_PROMPT):]
+        assert len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == len(s.logprobs)
+        for t, own, top, entry in zip(c["token_ids"], lp["token_logprobs"], lp["top_logprobs"], s.logprobs,
+                                      strict=True):
+            assert own == pytest.approx(entry[t].logprob, abs=1e-5)
+            assert len(entry) == 4 and _ids_of(list(top)) == _by_rank(entry)[:min(k + 1, 4)]
+            assert list(top.values()) == pytest.approx([entry[x].logprob for x in _ids_of(list(top))], abs=1e-5)
+        assert sum(lp["token_logprobs"]) == pytest.approx(c["cumulative_logprob"], abs=1e-5)
+    streamed = [e["choices"][0] for e in _events(_post(server, C, {**body, "stream": True}))]
+    assert [e["logprobs"] for e in streamed] == [c["logprobs"] for c in got]
+
+
+@pytest.mark.parametrize("k", [0, 3, 6])
+def test_chat_logprobs_are_the_beams_own(server, offline, k):
+    """`logprobs: true, top_logprobs: k` with use_beam_search: per token its own logprob and k alternatives by rank,
+    at most the 2 * n its step's entry holds (vLLM's too: k = 6 with n = 2 gets 4). Streamed: the same."""
+    ids = offline.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
+    body = {"n": 2, "max_tokens": 3, "temperature": 0.0, "logprobs": True, "top_logprobs": k,
+            "return_tokens_as_token_ids": True}
+    [want] = offline.beam_search({"prompt_token_ids": ids}, BeamSearchParams(beam_width=2, max_tokens=3,
+                                                                               temperature=0.0))
+    got = _ok(server, H, body)["choices"]
+    for c, s in zip(got, want.sequences, strict=True):
+        content = c["logprobs"]["content"]
+        assert _ids_of([x["token"] for x in content]) == c["token_ids"] == s.tokens[len(ids):]
+        for x, t, entry in zip(content, c["token_ids"], s.logprobs, strict=True):
+            assert x["logprob"] == pytest.approx(entry[t].logprob, abs=1e-5)
+            assert _ids_of([y["token"] for y in x["top_logprobs"]]) == _by_rank(entry)[:min(k, 4)]
+    streamed = [e["choices"][0] for e in _events(_post(server, H, {**body, "stream": True}))[2:]]
+    assert [e["logprobs"] for e in streamed] == [c["logprobs"] for c in got]
 
 
 def test_neutral_values_are_taken(server):

@@ -81,7 +81,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
 from loopserve import __version__
-from loopserve.beam_search import BeamSearch, generated_text
+from loopserve.beam_search import BeamSearch, generated_text, run_steps
 from loopserve.chat_messages import chat_messages, message_text
 from loopserve.engine.budget import completion_budget, over_context, pool_tokens, sequence_room
 from loopserve.engine.config import ENGINE_SCHEDULERS
@@ -101,6 +101,7 @@ from loopserve.sampling_params import (
     SamplingParams,
     check_beam_width,
     check_logprobs_asked,
+    check_logprobs_count,
     given_seed,
     logprobs_asked,
     truncates_prompt,
@@ -796,12 +797,13 @@ class OpenAIServing:
 
     # -- beam search ------------------------------------------------------------------------------------------
     async def beam_search(self, request: Request, gen: _Generation) -> list[RequestOutput] | None:
-        """Run `gen`'s beam search (loopserve/beam_search.py's `BeamSearch`, the algorithm `LLM.beam_search` runs):
-        each step's sequences are admitted together, as a request's samples are (`admit`: a full server is a 503,
-        at any step), and collected as a request's are (`collect`: a client that goes away aborts the step in flight
-        and ends the search, None; a step that fails fails the request with its error). The first step's sequences
-        were built with the request (`gen.seqs`), the others are built on a worker thread, as a request's are. The
-        result: one finished RequestOutput per prompt, its choices the best beams, best first (`beam_outputs`).
+        """Run `gen`'s beam search (loopserve/beam_search.py's `BeamSearch`, the algorithm `LLM.beam_search` runs,
+        driven by `run_steps` as `AsyncLLMEngine.beam_search` drives it): each step's sequences are admitted
+        together, as a request's samples are (`admit`: a full server is a 503, at any step), and collected as a
+        request's are (`collect`: a client that goes away aborts the step in flight and ends the search, None; a
+        step that fails fails the request with its error). The first step's sequences were built with the request
+        (`gen.seqs`), the others are built on a worker thread, as a request's are. The result: one finished
+        RequestOutput per prompt, its choices the best beams, best first (`beam_outputs`).
 
         The search is one request per prompt in the metrics (`ServerMetrics.beam_search`, recorded when it ends; its
         steps' sequences are not counted: `beam_steps`) and in the log (--enable-log-requests: one line per prompt
@@ -813,37 +815,27 @@ class OpenAIServing:
         admission, answers with its own status, as a response that is not streamed does."""
         search = gen.search
         assert search is not None
-        seqs = gen.seqs
-        owners = list(range(len(seqs)))  # the prompt each step sequence searches (the first step: one per prompt)
-        first: list[RequestOutput] = []  # the first step's outputs: the prompts' own (text, ids, cached tokens)
-        loops = [[0, 0] for _ in gen.seqs]  # per prompt: decode and prefill loops its steps ran
         prompts = [len(s.prompt_ids) for s in gen.seqs]
         admitted, ended = False, "abort"  # how a search that ends early is counted
+
+        async def step(beams: list[tuple[int, list[int]]]) -> list[RequestOutput] | None:
+            nonlocal admitted
+            seqs = gen.seqs if not search.steps else await anyio.to_thread.run_sync(
+                self.beam_seqs, gen, beams, time.monotonic())
+            step_gen = dataclasses.replace(gen, seqs=seqs, prompt_fields=[gen.prompt_fields[p] for p, _ in beams])
+            # (marked before admission: the engine thread may report them at once)
+            self.metrics.beam_steps([s.request_id for s in seqs])
+            group = self.admit(seqs)
+            if not admitted:
+                admitted = True
+                self.log_received(gen, search.params)
+            return await self.collect(step_gen, group, request, log_end=False)
+
         try:
-            while True:
-                step_gen = dataclasses.replace(gen, seqs=seqs, prompt_fields=[gen.prompt_fields[p] for p in owners])
-                # (marked before admission: the engine thread may report them at once)
-                self.metrics.beam_steps([s.request_id for s in seqs])
-                group = self.admit(seqs)
-                if not admitted:
-                    admitted = True
-                    self.log_received(gen, search.params)
-                outs = await self.collect(step_gen, group, request, log_end=False)
-                if outs is None:
-                    self.log_aborted([s.request_id for s in gen.seqs])
-                    return None
-                search.update(outs)
-                first = first or outs
-                for p, o in zip(owners, outs, strict=True):
-                    if o.metrics is not None:
-                        loops[p][0] += o.metrics.loops_run
-                        loops[p][1] += o.metrics.prefill_loops
-                step = search.next_prompts()
-                if not step:
-                    break
-                owners = [p for p, _ in step]
-                seqs = await anyio.to_thread.run_sync(self.beam_seqs, gen, step, time.monotonic())
-            done = await anyio.to_thread.run_sync(self.beam_outputs, gen, first, loops)
+            if not await run_steps(search, step):
+                self.log_aborted([s.request_id for s in gen.seqs])
+                return None
+            done = await anyio.to_thread.run_sync(self.beam_outputs, gen)
         except ApiError as e:  # (else, a 503 or cancelled: aborted)
             ended = "abort" if e.status == 503 else "error"
             raise
@@ -856,6 +848,7 @@ class OpenAIServing:
             return done
         finally:
             if admitted:  # ended early, once running: one request per prompt, no tokens returned
+                first = search.first
                 self.metrics.beam_search(gen.arrival, [
                     (plen, 0, ended, self._first_token_time(first[p]) if first else None)
                     for p, plen in enumerate(prompts)])
@@ -895,25 +888,21 @@ class OpenAIServing:
         gen.seqs = self.beam_seqs(gen, search.next_prompts(), arrival, [text for _, text, _ in prompts])
         return gen
 
-    def beam_outputs(self, gen: _Generation, first: list[RequestOutput], loops: list[list[int]]) -> list[RequestOutput]:
-        """Per prompt, the search's result as a finished output: its best beams as its choices (their text by the
-        server's rule, `generated_text`; their token ids the generated ones, a final end-of-sequence token
-        included), its prompt, and its usage: the prompt counted once (its cached tokens the first step's), the
-        loops every step of its beams ran."""
+    def beam_outputs(self, gen: _Generation) -> list[RequestOutput]:
+        """Per prompt, the search's result as a finished output (`BeamSearch.request_outputs`): its best beams as its
+        choices (their text by the server's rule, `generated_text`; their logprobs where the request asked for
+        them), its prompt, and its usage: the prompt counted once (its cached tokens the first step's), the loops
+        every step of its beams ran."""
         assert gen.search is not None
-        params = gen.search.params
-        rule = generated_text(self.tokenizer, params.include_stop_str_in_output,
-                              gen.req.skip_special_tokens is not False)
-        outs = []
-        for p, result in enumerate(gen.search.results(rule)):
-            own = first[p]
-            plen = len(own.prompt_token_ids)
-            metrics = None if own.metrics is None else dataclasses.replace(
-                own.metrics, loops_run=loops[p][0], prefill_loops=loops[p][1])
-            outs.append(dataclasses.replace(own, finished=True, metrics=metrics, outputs=[
-                CompletionOutput(k, s.text or "", s.tokens[plen:], s.cum_logprob, None, s.finish_reason, s.stop_reason,
-                                 exit_depths=s.exit_depths) for k, s in enumerate(result.sequences)]))
-        return outs
+        req = gen.req
+        rule = generated_text(self.tokenizer, gen.search.params.include_stop_str_in_output,
+                              req.skip_special_tokens is not False)
+        # (chat's logprobs is a flag; completions' a count, 0 asking for the token's own.) A token's entry holds the
+        # step's sampled token and its top 2 * n (`BeamSearch.step_params`): asked for more alternatives, a choice
+        # gets those it holds, as vLLM's server does (its search asks for 2 * n too, and its formatters take at
+        # most what an entry holds)
+        asked = bool(req.logprobs) if gen.kind.chat else req.logprobs is not None
+        return gen.search.request_outputs(rule, logprobs=asked)
 
     def beam_params(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> BeamSearchParams:
         """A `use_beam_search` request's BeamSearchParams (vLLM's `to_beam_search_params`): width n, `max_tokens`,
@@ -1077,12 +1066,7 @@ class OpenAIServing:
         # later does not
         prompts = self.completion_prompts(req.prompt, truncates_prompt(req.truncate_prompt_tokens),
                                           req.add_special_tokens is not False)
-        n = req.n if isinstance(req.n, int) and req.n >= 1 else 1  # (a bad n is SamplingParams' to name)
-        if len(prompts) * n > self.aengine.capacity:  # never admitted, however idle the server (engine_thread.py)
-            field = "prompt" if len(prompts) > self.aengine.capacity else "n"
-            raise ApiError(400, f"{field}: {len(prompts)} prompts x n = {n} are {len(prompts) * n} sequences; this "
-                                f"server holds at most {self.aengine.capacity} at once (--max-num-seqs + "
-                                f"--max-queued-requests): send fewer per request", field)
+        self.check_capacity(len(prompts), req.n)
         cid, rids = self.new_ids(request, COMPLETION, len(prompts))
         if req.use_beam_search:
             return self.beam_completion(req, arrival, prompts, cid)
@@ -1108,6 +1092,20 @@ class OpenAIServing:
         return _Generation(COMPLETION, req, cid, seqs, self.formatter(req), [where for where, _, _ in prompts],
                            grammar_field, top, echo=echo, generated=generated)
 
+    def check_capacity(self, prompts: int, n: int | None) -> None:
+        """A 400 for a request of `prompts` prompts whose sequences, n of each (its samples, or a beam search's beams:
+        n wide from its second step), this server never holds at once, however idle (its admission bound,
+        engine_thread.py, would refuse it with a 503 saying to retry, at its first step or a later one); naming
+        `prompt` where the prompts alone are too many, else `n`. One rule for completions and chat, checked before
+        anything runs."""
+        n = n if isinstance(n, int) and n >= 1 else 1  # (a bad n is SamplingParams' or protocol.py's to name)
+        capacity = self.aengine.capacity
+        if capacity is not None and prompts * n > capacity:
+            field = "prompt" if prompts > capacity else "n"
+            raise ApiError(400, f"{field}: {prompts} prompt{'s' if prompts > 1 else ''} x n = {n} are {prompts * n} "
+                                f"sequences; this server holds at most {capacity} at once (--max-num-seqs + "
+                                f"--max-queued-requests): send fewer per request", field)
+
     def beam_completion(self, req: CompletionRequest, arrival: float, prompts: list[tuple[str, str | None, list[int]]],
                         cid: str) -> _Generation:
         """A `use_beam_search` completions request: its search (every prompt's, together) and the first step's
@@ -1115,6 +1113,16 @@ class OpenAIServing:
         prompt's context as a normal request's is; the room a prompt leaves is the search's end for its beams
         (`BeamSearch`'s `room`), as it is a normal request's."""
         _refuse_beam_grammar(guide_field(req))
+        vocab = self.engine.model_config.vocab_size
+        try:  # (a sampled request's checks: SamplingParams', then the engine's)
+            check_logprobs_count("logprobs", req.logprobs)
+            check_logprobs_asked("logprobs", req.logprobs, self.engine.cfg.max_logprobs, vocab,
+                                 "the server's --max-logprobs")
+        except ValueError as e:
+            raise ApiError.bad_request(e) from None
+        if req.logprobs is not None and req.echo:  # (vLLM's server fails an assertion on it: a 500)
+            raise ApiError(400, "logprobs: cannot be combined with echo under use_beam_search (the echoed prompt's "
+                                "logprobs are prompt logprobs, which a beam search does not compute)", "logprobs")
         asked = self.default_max_tokens(COMPLETIONS_DEFAULT_MAX_TOKENS) if req.max_tokens is None else req.max_tokens
         params = self.beam_params(req, self.capped(asked))
         starts = []
@@ -1122,7 +1130,8 @@ class OpenAIServing:
             ids = self.cut_prompt(whole, req.truncate_prompt_tokens, asked)  # (as the check below reads it)
             self.resolve_max_tokens(req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, len(ids), where)
             starts.append((where, text, ids))
-        return self.beam_generation(COMPLETION, req, cid, params, starts, arrival, echo=bool(req.echo))
+        return self.beam_generation(COMPLETION, req, cid, params, starts, arrival, echo=bool(req.echo),
+                                    top_logprobs=logprobs_asked(req.logprobs or 0, vocab))
 
     def completion_prompts(self, prompt: Any, truncated: bool,
                            add_special_tokens: bool = True) -> list[tuple[str, str | None, list[int]]]:
@@ -1171,6 +1180,7 @@ class OpenAIServing:
 
     def chat(self, request: Request, req: ChatCompletionRequest, arrival: float) -> _Generation:
         """A chat request's sequence (built on a worker thread: see the module's docstring)."""
+        self.check_capacity(1, req.n)
         guide, tools = chat_guide(req)
         if req.use_beam_search and guide is not None:
             _refuse_beam_grammar("tool_choice" if tools is not None else guide_field(req))
@@ -1196,10 +1206,6 @@ class OpenAIServing:
         if requested is not None and requested < 1:  # named as the request named it (SamplingParams says max_tokens)
             raise ApiError(400, f"{name}: must be an integer >= 1, got {requested}", name)
         mt = self.resolve_max_tokens(requested, None, len(ids), "messages", name)
-        if req.use_beam_search:  # (the room left when max_tokens is unset, as for sampling)
-            cid, _ = self.new_ids(request, CHAT, 1)
-            return self.beam_generation(CHAT, req, cid, self.beam_params(req, mt), [("messages", text, ids)], arrival,
-                                        echo_text=echo_text, role=role)
         vocab = self.engine.model_config.vocab_size
         top = logprobs_asked(req.top_logprobs or 0, vocab)
         if req.logprobs:  # (the engine would name its own field, logprobs: a chat request's is this)
@@ -1208,6 +1214,10 @@ class OpenAIServing:
                                      "the server's --max-logprobs")
             except ValueError as e:
                 raise ApiError(400, str(e), "top_logprobs") from None
+        if req.use_beam_search:  # (the room left when max_tokens is unset, as for sampling)
+            cid, _ = self.new_ids(request, CHAT, 1)
+            return self.beam_generation(CHAT, req, cid, self.beam_params(req, mt), [("messages", text, ids)], arrival,
+                                        echo_text=echo_text, role=role, top_logprobs=top)
         params = sampling_params(req, max_tokens=mt, logprobs=top if req.logprobs else None,
                                  defaults=self.sampling_defaults, guided_decoding=guide)
         cid, (rid,) = self.new_ids(request, CHAT, 1)

@@ -19,9 +19,11 @@ width `n` (half the server's --max-logprobs at most: a step asks for the top 2 *
 `temperature`, `ignore_eos`, `length_penalty` (refused other than 1 without beam search, which alone uses it) and
 `include_stop_str_in_output`. A field it cannot honour is refused with a 400 naming it unless it is at a value
 that asks for nothing (`_SamplingFields.beam_search_conflicts`): sampling filters, penalties and token
-restrictions, stop strings and stop tokens, logprobs of any kind, the looped-model depth fields, `best_of`
-other than n, and (checked where the grammar is read, serve/api.py) structured output and forced tool calls. (Empty
-token restrictions and `exit_policy: "fixed"`, what the search does anyway, ask for nothing.)
+restrictions, stop strings and stop tokens, prompt logprobs, the looped-model depth fields, `best_of` other than n,
+and (checked where the grammar is read, serve/api.py) structured output and forced tool calls. (Empty token
+restrictions and `exit_policy: "fixed"`, what the search does anyway, ask for nothing.) `logprobs` (chat's with
+`top_logprobs`) are the beams' own, as vLLM returns them (not with completions' `echo`: the prompt's would be prompt
+logprobs).
 
 Structured output (`response_format`, vLLM's `guided_*` and `structured_outputs`) and tool calls
 (`tools`, `tool_choice`) are read by `serve/structured.py`.
@@ -270,7 +272,7 @@ class _SamplingFields(_Strict):
             "allowed_token_ids": (([],), ranks), "bad_words": (([],), ranks),
             "stop": (("", []), "a beam ends only on an end-of-sequence token or at max_tokens"),
             "stop_token_ids": (([],), "a beam ends only on an end-of-sequence token or at max_tokens"),
-            "prompt_logprobs": ((), "a beam search returns no logprobs"),
+            "prompt_logprobs": ((), "a beam search computes no prompt logprobs"),
             "min_loops": ((), depth), "max_loops": ((), depth), "exit_threshold": ((), depth),
             "exit_policy": (("fixed",), depth), "exit_trace": ((), depth), "num_speculative_tokens": ((0,), depth),
         }
@@ -331,7 +333,7 @@ class CompletionRequest(_SamplingFields):
             raise ApiError(400, "suffix: not supported by this server", "suffix")
 
     def beam_search_conflicts(self) -> dict[str, tuple[tuple[Any, ...], str]]:
-        return {**super().beam_search_conflicts(), "logprobs": ((), "a beam search returns no logprobs"),
+        return {**super().beam_search_conflicts(),
                 "best_of": ((1 if self.n is None else self.n,), "a beam search returns its n best beams")}
 
 
@@ -425,10 +427,6 @@ class ChatCompletionRequest(_SamplingFields):
     add_special_tokens: bool | None = False
     echo: bool | None = False
     chat_template: str | None = None
-
-    def beam_search_conflicts(self) -> dict[str, tuple[tuple[Any, ...], str]]:
-        return {**super().beam_search_conflicts(), "logprobs": ((False,), "a beam search returns no logprobs"),
-                "top_logprobs": ((), "a beam search returns no logprobs")}
 
     def template_kwargs(self) -> dict[str, Any] | None:
         """The chat template's extra variables: `chat_template_kwargs`, with what vLLM adds from the request's
