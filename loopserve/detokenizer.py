@@ -21,7 +21,11 @@ from tokenizers.decoders import DecodeStream
 log = logging.getLogger(__name__)
 
 # the prompt's last tokens that prime the stream: the shortest suffix of at least 4 tokens (at most 23) that decodes
-# to whole characters, else the whole prompt (as vLLM's FastIncrementalDetokenizer primes its DecodeStream)
+# to whole characters, as vLLM's FastIncrementalDetokenizer primes its DecodeStream; where none does (a prompt that
+# ends within a character, or in bytes that are not text), vLLM feeds the whole prompt, here its last 23 tokens (fed
+# one at a time, a 100,000-token prompt held the engine thread for a tenth of a second). The text differs only where
+# those 23 tokens hold no whole character: vLLM's output then begins with a U+FFFD for each byte since the prompt's
+# last whole character, loopserve's for those within the 23 tokens
 PRIME_MIN, PRIME_MAX = 4, 23
 _INVALID_PREFIX = "Invalid prefix encountered"  # tokenizers' DecodeStream error when a decode is not monotonic
 
@@ -38,7 +42,7 @@ def prime_suffix(tok: RustTokenizer, prompt_ids: Sequence[int]) -> Sequence[int]
         suffix = prompt_ids[-n:]
         if "\ufffd" not in tok.decode(list(suffix)):
             return suffix
-    return prompt_ids
+    return prompt_ids[-PRIME_MAX:]
 
 
 class TextStream:
@@ -78,13 +82,28 @@ class TextStream:
         return "".join(c for c in map(self.step, tokens) if c)
 
     def _prime(self) -> None:
-        self._stream = DecodeStream(skip_special_tokens=self._skip)
         ids = self._prompt_ids
-        if self._byte_level and (not ids or "\ufffd" not in self._tok.decode(list(ids[-1:]))):
-            return  # (the last token's bytes are whole characters: the prompt ends on one, priming changes nothing)
-        suffix = prime_suffix(self._tok, ids)
-        if len(suffix) > 1 and self._feed(list(suffix)) is not None:
-            return  # one call (the suffix decodes to whole characters: what feeding it token by token leaves)
+        if self._byte_level:  # (only the bytes since the prompt's last whole character carry over)
+            if not ids or "\ufffd" not in self._tok.decode(list(ids[-1:])):
+                self._stream = DecodeStream(skip_special_tokens=self._skip)
+                return  # (the last token's bytes are whole characters: the prompt ends on one, priming changes nothing)
+            suffix = ids[-PRIME_MAX:]  # (its last token is part of a character: what carries over is within these)
+        else:
+            suffix = prime_suffix(self._tok, ids)
+        # Fed token by token, the stream keeps the text since its last whole character; the same state comes of
+        # feeding in one call a head that ends on a whole character, then the rest token by token: the whole suffix
+        # at once where it ends on one, else all but its last PRIME_MIN tokens (a prompt cut within a character),
+        # else every token one by one (bytes that are not text)
+        for split in (len(suffix), len(suffix) - PRIME_MIN):
+            self._stream = DecodeStream(skip_special_tokens=self._skip)
+            try:
+                head = self._feed(list(suffix[:split])) if split > 1 else None
+            except Exception:  # (token by token, below, recovers from what it can)
+                head = None
+            if head is not None:
+                for token in suffix[split:]:
+                    self._protected(token)
+                return
         self._stream = DecodeStream(skip_special_tokens=self._skip)
         for token in suffix:
             self._protected(token)

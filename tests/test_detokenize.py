@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, pre_tokenizers
+from tokenizers.decoders import DecodeStream
 from tokenizers.models import WordLevel
 
 from loopserve.detokenizer import TextStream
@@ -116,6 +117,32 @@ def test_many_tokens_at_once_decode_as_one_at_a_time(tiny_ouro, prompt, out):
     assert tok._byte_level
     shortcut = TextStream(tok.tok, prompt, True, byte_level=True)
     assert shortcut.extend(out) == TextStream(tok.tok, prompt, True).extend(out)
+
+
+def _vllm_text(tok, prompt: list[int], out: list[int]) -> str:
+    """vLLM's text of `out` after `prompt`, uncapped: the stream primed token by token with the shortest suffix of
+    4-23 prompt tokens that decodes to whole characters, else the whole prompt, then fed `out` token by token."""
+    stream = DecodeStream(skip_special_tokens=True)
+    suffix = next((prompt[-n:] for n in range(4, min(len(prompt), 23) + 1) if "\ufffd" not in tok.decode(prompt[-n:])),
+                  prompt)
+    for t in suffix:
+        stream.step(tok, t)
+    return "".join(c for c in (stream.step(tok, t) for t in out) if c)
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=st.text(min_size=2, max_size=30), cut=st.integers(1, 200), junk=st.lists(st.integers(3, 511), max_size=8))
+def test_primed_as_vllm_primes_after_a_prompt_cut_anywhere(tiny_ouro, text, cut, junk):
+    """A prompt that is text cut at any token (within a character too), after any bytes: the output's text is
+    vLLM's (whose priming reads up to the whole prompt), by both priming rules (byte-level's last 4 tokens, and the
+    general one)."""
+    tok = Tokenizer(tiny_ouro)
+    ids = junk + tok.encode(text)
+    k = min(len(junk) + cut, len(ids) - 1)
+    prompt, out = ids[:k], ids[k:]
+    want = _vllm_text(tok.tok, prompt, out)
+    assert TextStream(tok.tok, prompt, True, byte_level=True).extend(out) == want
+    assert TextStream(tok.tok, prompt, True).extend(out) == want
 
 
 def test_the_first_stop_string_listed_wins(tiny_ouro):
