@@ -16,6 +16,7 @@ import importlib.metadata
 import re
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 from loopserve.config_args import FlagParser, add_config_args, as_flag_error, config_kwargs, flag_of
@@ -46,15 +47,20 @@ class CommandError(SystemExit):
         return self.message
 
 
-def positive_int(value: str) -> int:
-    """An argparse type: an integer >= 1 (counts of requests, windows, threads)."""
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
-    return number
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= `minimum`."""
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+        if number < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {number}")
+        return number
+    return parse
+
+
+positive_int = int_at_least(1)  # counts of requests, windows, threads
 
 
 def output_folder(value: str) -> Path:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from loopserve.cache.layout import LAYOUTS
-from loopserve.cli import CommandError, output_file, output_folder, positive_int
+from loopserve.cli import CommandError, int_at_least, output_file, output_folder, positive_int
 from loopserve.config_args import add_config_args, config_kwargs
 from loopserve.engine.config import ENGINE_SCHEDULERS, EngineConfig
 from loopserve.model_config import STATE_INITS
@@ -62,15 +62,7 @@ def _positive_float(s: str) -> float:
     return value
 
 
-def _seed(s: str) -> int:
-    """A seed: an integer >= 0 (numpy's generators take no negative one)."""
-    try:
-        value = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+_seed = int_at_least(0)  # a seed (numpy's generators take no negative one)
 
 
 def _device(s: str) -> str:
