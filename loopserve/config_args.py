@@ -246,27 +246,29 @@ def flags_argv(parser: argparse.ArgumentParser, values: dict[str, Any]) -> list[
             if isinstance(a, argparse.BooleanOptionalAction) and opt.startswith("--no-"):
                 negated.add(name)
             actions.setdefault(name, a)
+    def switch(key: str, value: Any) -> bool:
+        if value not in (True, False, "true", "false"):
+            raise ValueError(f"{key}: expected true or false")
+        return value in (True, "true")
+
     argv: list[str] = []
     for key, value in values.items():
         name = key.replace("-", "_")
         action = actions.get(name)
-        if name in negated and value in (True, False, "true", "false"):
-            value = "false" if value in (True, "true") else "true"
         if action is None:
             raise ValueError(f"{key}: not a `{parser.prog}` flag")
+        if name in negated:
+            value = not switch(key, value)
         flag = action.option_strings[-1]
         if isinstance(action, argparse._StoreConstAction) and not isinstance(action, argparse._StoreTrueAction):
             # a switch of vLLM's: `x: true` is --x, `x: false` its --no-x (`vllm_neutral.add_neutral_args`)
-            if value not in (True, False, "true", "false"):
-                raise ValueError(f"{key}: expected true or false")
             opposite = "--" + flag[5:] if flag.startswith("--no-") else "--no-" + flag[2:]
-            argv.append(flag if value in (True, "true") else opposite)
+            argv.append(flag if switch(key, value) else opposite)
         elif isinstance(action, argparse._StoreTrueAction | argparse.BooleanOptionalAction):
-            if value not in (True, False, "true", "false"):
-                raise ValueError(f"{key}: expected true or false")
+            on = switch(key, value)
             if isinstance(action, argparse.BooleanOptionalAction):  # --x / --no-x: false is said too
-                argv.append(action.option_strings[0 if value in (True, "true") else 1])
-            elif value in (True, "true"):
+                argv.append(action.option_strings[0 if on else 1])
+            elif on:
                 argv.append(flag)
         elif isinstance(action, argparse._AppendAction):
             for item in value if isinstance(value, list) else [value]:

@@ -71,10 +71,7 @@ class TextStream:
         if len(tokens) > 1 and self._stepped == 0:
             if self._stream is None:
                 self._prime()
-            try:
-                chunk = self._feed(list(tokens))
-            except Exception:  # (one token at a time, below, recovers from what it can, as vLLM's does)
-                chunk = None
+            chunk = self._feed_at_once(tokens)
             if chunk is not None:
                 self._stepped = len(tokens)
                 return chunk
@@ -96,17 +93,22 @@ class TextStream:
         # else every token one by one (bytes that are not text)
         for split in (len(suffix), len(suffix) - PRIME_MIN):
             self._stream = DecodeStream(skip_special_tokens=self._skip)
-            try:
-                head = self._feed(list(suffix[:split])) if split > 1 else None
-            except Exception:  # (token by token, below, recovers from what it can)
-                head = None
-            if head is not None:
+            if split > 1 and self._feed_at_once(suffix[:split]) is not None:
                 for token in suffix[split:]:
                     self._protected(token)
                 return
         self._stream = DecodeStream(skip_special_tokens=self._skip)
         for token in suffix:
             self._protected(token)
+
+    def _feed_at_once(self, ids: Sequence[int]) -> str | None:
+        """`ids` in one call: their text where it ends on a whole character, else None (the stream then holds them:
+        the caller starts again; so it does where the decoder raised, as feeding token by token recovers from what it
+        can, as vLLM's does)."""
+        try:
+            return self._feed(list(ids))
+        except Exception:
+            return None
 
     def _feed(self, ids: int | list[int]) -> str | None:
         assert self._stream is not None

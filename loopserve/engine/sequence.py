@@ -610,9 +610,8 @@ class Sequence:
     def _drops_stop_token(self, token: int) -> bool:
         """Whether `token`, just appended, is a stop token that ends the request (past min_tokens) and whose text
         is left out (unless include_stop_str_in_output)."""
-        p = self.params
-        return (not p.include_stop_str_in_output and len(self.output_ids) > p.min_tokens
-                and (token in self.eos_ids or token in self.stop_ids))
+        p = self.params  # (read per token of a request that decodes per token: the set lookup first)
+        return token in self.stop_tokens and not p.include_stop_str_in_output and len(self.output_ids) > p.min_tokens
 
     def _stopped(self, token: int, searched: int) -> bool:
         """Finish the request if the token just appended, or the text it completed, stops it (vLLM's rules:
