@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# What CI runs: lint, type-check the core, then the test suite (benchmarks run from `loopserve bench`, not here).
+# What CI runs: lint, type-check both packages, then the test suite (benchmarks run from `loopserve bench`, not here).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 set -e
 .venv/bin/ruff check loopserve loopserve_lab tests
-.venv/bin/mypy loopserve/engine loopserve/cache loopserve/exits.py loopserve/jit.py loopserve/sampling_params.py loopserve/model_config.py loopserve/device.py loopserve/beam_search.py loopserve/async_llm.py loopserve/vllm_neutral.py loopserve/outputs.py loopserve/detokenizer.py loopserve/json_files.py
+.venv/bin/mypy loopserve loopserve_lab
 set +e
 # two workers, a test file on one of them (its module-scoped servers start once): most of the suite's time is
 # servers and subprocesses waiting, so the two cores take about 1.7x less wall time than one run

@@ -274,10 +274,10 @@ def _check_transport(args: argparse.Namespace) -> str | None:
     if args.ssl_certfile is not None:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         # (no passphrase: an encrypted key is refused here, not asked for on the terminal, as uvicorn would)
-        for flag, load in (("--ssl-certfile", lambda: context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile,
-                                                                               password=b"")),
-                           ("--ssl-ca-certs", lambda: args.ssl_ca_certs and context.load_verify_locations(
-                               args.ssl_ca_certs))):
+        loads = [("--ssl-certfile", lambda: context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile, password=b""))]
+        if args.ssl_ca_certs:
+            loads.append(("--ssl-ca-certs", lambda: context.load_verify_locations(args.ssl_ca_certs)))
+        for flag, load in loads:
             try:
                 load()
             except (OSError, ssl.SSLError) as e:

@@ -48,13 +48,13 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import ray
 from ray import serve
 from ray.serve import Application
+from starlette.types import Message, Receive, Scope, Send
 
 from loopserve.cli import CommandError
 from loopserve.config_args import FlagParser, flags_argv
@@ -146,7 +146,8 @@ def build_application(args: argparse.Namespace) -> Application:
     args = argparse.Namespace(**vars(args))
     args.api_key = _api_keys(args.api_key)  # the key variables are read here: replicas may not see them
     args.func = None  # the subcommand's function is not needed (nor always picklable) on replicas
-    return LoopServeReplica.options(**deployment_options(args, _cluster_has_gpus())).bind(args)
+    deployment: Any = LoopServeReplica  # (`serve.deployment` made the class a Deployment; mypy sees the class)
+    return deployment.options(**deployment_options(args, _cluster_has_gpus())).bind(args)
 
 
 def _check_model_path(args: argparse.Namespace, local: bool) -> None:
@@ -183,7 +184,7 @@ def _serve_parser() -> argparse.ArgumentParser:
 
     root = FlagParser(prog="loopserve")
     register(root.add_subparsers())
-    return root._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    return root._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr, index]
 
 
 def flags_from_config(config: dict[str, Any]) -> argparse.Namespace:
@@ -274,8 +275,7 @@ class _ReplicaASGI:
         self.generating = 0
         self.draining = False
 
-    async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]],
-                       send: Callable[[dict], Awaitable[None]]) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":  # lifespan: the app's own (it starts and stops the engine thread)
             await self.inner(scope, receive, send)
             return
@@ -283,7 +283,7 @@ class _ReplicaASGI:
         # Ray Serve's proxy gives a request without X-Request-Id one (the app then takes it as the client's) and adds
         # the request's header to the response, as it came: the app's own would repeat it, or stand beside it where
         # the app did not take the client's (docs/scale-out.md, Limits)
-        async def send_with_replica(msg: dict) -> None:
+        async def send_with_replica(msg: Message) -> None:
             if msg["type"] == "http.response.start":
                 headers = [h for h in msg.get("headers", []) if h[0] != b"x-request-id"]
                 msg = {**msg, "headers": [*headers, self.header]}
@@ -312,11 +312,11 @@ class _ReplicaASGI:
             self.generating -= 1
 
 
-def _disconnect_when_cancelled(receive: Callable[[], Awaitable[dict]]) -> Callable[[], Awaitable[dict]]:
+def _disconnect_when_cancelled(receive: Receive) -> Receive:
     """`receive`, with Ray's TaskCancelledError (the proxy cancels a request's receive task once the response is
     over or the client went away) read as the ASGI disconnect it means: raised into the app, it failed a streamed
     response that had just ended, with a traceback in the log (seen in a CI run)."""
-    async def receive_or_disconnect() -> dict:
+    async def receive_or_disconnect() -> Message:
         try:
             return await receive()
         except ray.exceptions.TaskCancelledError:
@@ -324,7 +324,7 @@ def _disconnect_when_cancelled(receive: Callable[[], Awaitable[dict]]) -> Callab
     return receive_or_disconnect
 
 
-async def _respond(send: Callable[[dict], Awaitable[None]], status: int, body: bytes, content_type: str,
+async def _respond(send: Send, status: int, body: bytes, content_type: str,
                    headers: list[tuple[bytes, bytes]] | None = None) -> None:
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode()), *(headers or [])]})
@@ -443,7 +443,7 @@ def run_replicas(args: argparse.Namespace) -> int:
     # after ray.init, which installs its own SIGTERM handler (a stack dump, then abort)
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    log.info("Ray: %s (%s)", "local instance" if local else "cluster", context.address_info.get("gcs_address"))
+    log.info("Ray: %s (%s)", "local instance" if local else "cluster", context.address_info.get("gcs_address"))  # type: ignore[attr-defined]
     try:
         try:
             application = build_application(args)
@@ -460,8 +460,8 @@ def run_replicas(args: argparse.Namespace) -> int:
         try:
             serve.run(application, name=APP_NAME, route_prefix="/", blocking=False)
         except RuntimeError as e:
-            why = _why_not_deployed()
-            print(f"error: the replicas could not start: {e}{f' ({why})' if why else ''}", file=sys.stderr)
+            cause = _why_not_deployed()
+            print(f"error: the replicas could not start: {e}{f' ({cause})' if cause else ''}", file=sys.stderr)
             return 1
         log.info("serving on http://%s:%d%s with Ray Serve (%s)", args.host, args.port, args.root_path,
                  _describe(args))

@@ -589,12 +589,13 @@ def cmd_host(args: argparse.Namespace) -> int:
     print()
     print(host.format_projection(proj))
     out = args.out or DEFAULT_OUT / "host"
+    rows = [p.as_dict() for p in points]
     data = {"command": "loopserve " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine_info(),
             "model": f"NullLM, {args.arch}-shaped (no attention, O(rows) stages)", "output_tokens": output_len,
-            "points": [p.as_dict() for p in points], "projection": proj}
+            "points": rows, "projection": proj}
     write_json(out / "host.json", data)
-    plot_host([p for p in data["points"] if p["output_kind"] == kinds[0]], out / "host.png",
+    plot_host([p for p in rows if p["output_kind"] == kinds[0]], out / "host.png",
               f"engine host time per tick, model compute taken out (CPU clock; {kinds[0]} outputs)")
     print(f"wrote {out / 'host.json'}", file=sys.stderr)
     return 0

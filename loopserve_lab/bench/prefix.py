@@ -123,14 +123,14 @@ def _med(rows: list[dict], key: str) -> float:
 def summarize(ttft: dict, turn2: dict, tput: dict) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, rows in (("ttft", ttft), ("turn2", turn2)):
-        s = {m: {"wall_median": _med(rows[m], "wall"), "cpu_median": _med(rows[m], "cpu"),
+        s: dict[str, Any] = {m: {"wall_median": _med(rows[m], "wall"), "cpu_median": _med(rows[m], "cpu"),
                  "cached_mean": statistics.fmean(r["cached"] for r in rows[m]),
                  "prompt_mean": statistics.fmean(r["prompt"] for r in rows[m])} for m in MODES}
         s["speedup_wall"] = s["off"]["wall_median"] / s["on"]["wall_median"]
         s["speedup_cpu"] = s["off"]["cpu_median"] / s["on"]["cpu_median"]
         out[name] = s
-    t = {m: {k: _med(tput[m], k) for k in ("wall", "cpu", "generated_per_s", "prompt_per_s", "mean_ttft")}
-         for m in MODES}
+    fields = ("wall", "cpu", "generated_per_s", "prompt_per_s", "mean_ttft")
+    t: dict[str, Any] = {m: {k: _med(tput[m], k) for k in fields} for m in MODES}
     t["speedup_wall"] = t["off"]["wall"] / t["on"]["wall"]
     out["throughput"] = t
     return out

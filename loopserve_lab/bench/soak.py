@@ -909,8 +909,8 @@ def server_figures(before: dict, after: dict) -> dict[str, Any]:
     def delta(name: str, **labels: str) -> int:
         return round(_metric(after, name, **labels) - _metric(before, name, **labels))
 
-    reasons = sorted({dict(lab).get("finished_reason") for (n, lab) in after
-                      if n == "loopserve:request_success_total"} - {None})
+    reasons = sorted({str(dict(lab)["finished_reason"]) for (n, lab) in after
+                      if n == "loopserve:request_success_total" and "finished_reason" in dict(lab)})
     return {"finished": {r: delta("loopserve:request_success_total", finished_reason=r) for r in reasons},
             "rejected_overload": delta("loopserve:request_rejected_total", reason="overload"),
             "preemptions": delta("loopserve:num_preemptions_total"), "swap_ins": delta("loopserve:swap_ins_total"),

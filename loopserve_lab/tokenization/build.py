@@ -226,7 +226,7 @@ def _num_regular(arch: str, vocab_size: int) -> int:
 
 # Each layout's beginning, end and padding tokens (config.json's bos / eos / pad ids), and the tokens that end a reply
 # (a generation config's eos ids: the released checkpoints' end of text and end of turn)
-ROLE_TOKENS = {
+ROLE_TOKENS: dict[str, dict[str, str | tuple[str, ...]]] = {
     "ouro": {"bos": "<|endoftext|>", "eos": "<|endoftext|>", "pad": "<|endoftext|>",
              "ends": ("<|endoftext|>", "<|im_end|>")},
     "huginn": {"bos": HUGINN_BOS, "eos": HUGINN_EOS, "pad": HUGINN_PAD, "ends": (HUGINN_EOS, "<|end_turn|>")},

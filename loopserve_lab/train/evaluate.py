@@ -19,6 +19,7 @@ import json
 import multiprocessing
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -74,11 +75,12 @@ def sweep(model, wins, layouts=LAYOUTS, thresholds=THRESHOLDS, lookahead=True, p
     return out
 
 
-_JOB_STATE = None
+_JOB_STATE: tuple[Any, Any] | None = None  # (model, windows), set before the workers fork
 
 
 def _run_job(job) -> dict:
     kind, lay, x = job
+    assert _JOB_STATE is not None
     model, wins = _JOB_STATE
     torch.set_num_threads(1)
     t0 = time.time()

@@ -34,6 +34,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -114,7 +115,7 @@ class TrainConfig:
 
 def prepare_data(cfg: TrainConfig, log=print):
     """Returns (tokenizer, train_ids, val_ids, heldout_ids) as 1-D long tensors."""
-    works = load_works(fetch_shakespeare(cfg.cache_dir))
+    works = load_works(fetch_shakespeare(Path(cfg.cache_dir)))
     if cfg.heldout not in works:
         raise ValueError(f"heldout: {cfg.heldout!r} is not one of the works: {sorted(works)}")
     tok = train_bpe([works[t] for t in sorted(works) if t != cfg.heldout], cfg.vocab_size, arch="ouro")
@@ -373,7 +374,7 @@ def train(cfg: TrainConfig, log=print, progress: bool = True) -> dict:
     heldout = dense_eval(model, windows(heldout_ids, cfg.seq_len + 1))
     val = dense_eval(model, val_wins)
     save_folder(model, raw, tok, out)
-    summary = {
+    summary: dict[str, Any] = {
         "config": asdict(cfg), "parameters": n_params, "train_seconds": train_s,
         "total_seconds": time.time() - t_start, "tokens_seen": cfg.steps * tokens_per_step,
         "tokens_per_second": cfg.steps * tokens_per_step / train_s, "train_tokens": len(train_ids),
