@@ -165,7 +165,7 @@ class _SamplingFields(_Strict):
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # int64, as vLLM's server (`LLM` takes unsigned too)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = False
