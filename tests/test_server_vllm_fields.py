@@ -29,7 +29,7 @@ import httpx
 import pytest
 
 from loopserve.cache.prefix import block_keys
-from loopserve.serve.api import TOKENIZE_THREADS
+from loopserve.serve.api import LARGE_BODY_BYTES, TOKENIZE_THREADS
 from loopserve.tokenizer import RELEASE_GIL_FROM, Tokenizer
 from tests.server_helpers import MODEL, Server, metric, run_server, sse_events, wait_idle
 
@@ -84,6 +84,8 @@ def slow_encode(self, text, *args, **kwargs):
         slow("encode")
     elif isinstance(text, str) and "LANE-TOKENIZE" in text:
         slow("lane")
+    elif isinstance(text, str) and "BIG-TOKENIZE" in text[:100]:
+        slow("big")
     return encode(self, text, *args, **kwargs)
 
 
@@ -198,6 +200,37 @@ def test_tokenize_calls_run_on_a_lane_of_their_own(server):
     at_once = [int(k) for k in re.findall(r"lane on thread [^()]*? \((\d+) at once\)", server.log.read_text()[offset:])]
     assert len(at_once) == POOL_THREADS and max(at_once) == TOKENIZE_THREADS, at_once
     assert took < SLOW_S / 2, took  # (behind the burst it would wait for the rest of a slow call)
+
+
+def test_large_bodies_are_built_one_at_a_time(server):
+    """Prompts in bodies over LARGE_BODY_BYTES are tokenized one at a time, whatever the endpoint (each may take a
+    gigabyte while it is tokenized: concurrent 4 MB prompts to be truncated, which skip the length check, took a
+    server out of memory); a small request is built on a shared thread meanwhile."""
+    offset = len(server.log.read_text())
+    text = "BIG-TOKENIZE " + "to be or not " * (LARGE_BODY_BYTES // 13 + 1)
+    bodies = [(C, {"model": MODEL, "prompt": text, "max_tokens": 1, "truncate_prompt_tokens": 8}),
+              (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 1,
+                      "truncate_prompt_tokens": 8}),
+              ("/tokenize", {"prompt": text})]
+    answers: list[httpx.Response] = []
+    burst = [threading.Thread(target=lambda p=p, b=b: answers.append(server.post(p, b, timeout=60)))
+             for p, b in bodies]
+    for t in burst:
+        t.start()
+    deadline = time.monotonic() + 30
+    while "big on thread" not in server.log.read_text()[offset:]:  # the first is in its slow call
+        assert time.monotonic() < deadline, server.log.read_text()[-2000:]
+        time.sleep(0.02)
+    start = time.monotonic()
+    r = server.post(C, {"model": MODEL, "prompt": "hi", "max_tokens": 1})
+    took = time.monotonic() - start
+    for t in burst:
+        t.join(60)
+    assert r.status_code == 200, r.text
+    assert sorted(a.status_code for a in answers) == [200] * len(bodies), [a.text[:300] for a in answers]
+    at_once = [int(k) for k in re.findall(r"big on thread [^()]*? \((\d+) at once\)", server.log.read_text()[offset:])]
+    assert len(at_once) == len(bodies) and max(at_once) == 1, at_once
+    assert took < SLOW_S / 2, took
 
 
 def test_long_texts_are_tokenized_with_the_gil_released(tiny_huginn):

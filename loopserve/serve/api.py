@@ -22,8 +22,10 @@ a second, and llguidance releases the GIL meanwhile, so the other requests are s
 it would stall every request, /health included), in a lane of their own (TOKENIZE_THREADS at a time: a
 burst of them never holds the threads generation requests are built on), and a long text or id list is
 tokenized or decoded with the GIL released (`Tokenizer.encode`). That still costs a core, so a text
-prompt surely longer than the context is refused before it is tokenized. Parsing a body stays on the
-event loop (a 3.5 MB one of 100,000 chat messages takes about half a second). A
+prompt surely longer than the context is refused before it is tokenized, and a request whose body is over
+LARGE_BODY_BYTES (a prompt to be truncated is tokenized whole, as vLLM's is: 4 MB of text takes 0.5-0.7 GB while it
+is) is built or tokenized one at a time, in a lane of its own, so a burst of them cannot run the server out of
+memory. Parsing a body stays on the event loop (a 3.5 MB one of 100,000 chat messages takes about half a second). A
 request that fails in the engine gets the engine's status (400 if its input was at fault, else 500);
 a stream cannot change its status any more, so it sends one error event with that status in the body
 (the openai client raises it as an `APIError`) and is cut, without [DONE].
@@ -168,6 +170,10 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/compl
 METRICS_CATCH_UP_S = 1.0  # how long /metrics and the stats line wait for the step under way (`metrics_caught_up`)
 GRAMMAR_BUILDS = 1  # requests that may compile a grammar are built one at a time (`OpenAIServing.build`)
 TOKENIZE_THREADS = 2  # /tokenize and /detokenize calls run at once, on their own lane (`OpenAIServing.off_loop`)
+# a request whose body is larger than this is built (or tokenized) in the large-body lane, one at a time: tokenizing
+# takes some 150 bytes of memory a character while it runs (the library's encoding: offsets, token strings; 4 MB of
+# text, 0.5-0.7 GB), so concurrent megabyte prompts multiplied the peak (`OpenAIServing.lane`)
+LARGE_BODY_BYTES = 1 << 18
 MAX_LISTED_UNKNOWN = 20  # unknown fields named in one warning
 # the routes that run the engine (POST; a replica's drain waits for their answers, serve/ray.py), and the health probes
 # (a draining replica answers them 503)
@@ -377,6 +383,7 @@ class OpenAIServing:
         self.load = ServerLoad()  # (counted by `LoadMiddleware` with server_load_tracking, else left at 0)
         self._grammar_lane: anyio.CapacityLimiter | None = None  # see `build`
         self._tokenize_lane: anyio.CapacityLimiter | None = None  # see `tokenize`
+        self._large_body_lane: anyio.CapacityLimiter | None = None  # see `lane`
 
     @asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
@@ -995,16 +1002,27 @@ class OpenAIServing:
 
     async def tokenize(self, request: Request) -> JSONResponse:
         req: TokenizeCompletionRequest | TokenizeChatRequest = await self.read(request, parse_tokenize)
-        return await self.off_loop(self.tokenized, req)
+        return await self.off_loop(request, self.tokenized, req)
 
-    async def off_loop(self, call: Callable[[Any], JSONResponse], req: Any) -> JSONResponse:
+    async def off_loop(self, request: Request, call: Callable[[Any], JSONResponse], req: Any) -> JSONResponse:
         """`call(req)` (/tokenize's or /detokenize's, the answer's JSON written too) on a worker thread (see the
         module's docstring), in the tokenize lane: TOKENIZE_THREADS at a time, so a burst of multi-MB calls (seconds
         each) never holds the shared pool's threads, which generation requests are built on (`build`); the others
         wait for the lane."""
         if self._tokenize_lane is None:
             self._tokenize_lane = anyio.CapacityLimiter(TOKENIZE_THREADS)  # (made on the event loop)
-        return await anyio.to_thread.run_sync(call, req, limiter=self._tokenize_lane)
+        return await anyio.to_thread.run_sync(call, req, limiter=await self.lane(request, self._tokenize_lane))
+
+    async def lane(self, request: Request, usual: anyio.CapacityLimiter | None) -> anyio.CapacityLimiter | None:
+        """The lane a request's worker-thread work waits for: the large-body lane, one at a time, for a body over
+        LARGE_BODY_BYTES (a prompt it holds may take a gigabyte to tokenize: 45 concurrent 4 MB prompts to be
+        truncated, whose length is not checked before they are tokenized, took a server to 23 GB and the kernel killed
+        it), else `usual` (None: anyio's shared pool)."""
+        if len(await request.body()) <= LARGE_BODY_BYTES:  # (read already: starlette keeps it)
+            return usual
+        if self._large_body_lane is None:
+            self._large_body_lane = anyio.CapacityLimiter(1)  # (made on the event loop)
+        return self._large_body_lane
 
     def tokenized(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> JSONResponse:
         if isinstance(req, TokenizeChatRequest):
@@ -1023,7 +1041,7 @@ class OpenAIServing:
 
     async def detokenize(self, request: Request) -> JSONResponse:
         req: DetokenizeRequest = await self.read(request, lambda body: parse_body(DetokenizeRequest, body))
-        return await self.off_loop(self.detokenized, req)  # (as /tokenize)
+        return await self.off_loop(request, self.detokenized, req)  # (as /tokenize)
 
     def detokenized(self, req: DetokenizeRequest) -> JSONResponse:
         vocab = self.tokenizer.vocab_size
@@ -1057,8 +1075,8 @@ class OpenAIServing:
         compiles = guide_field(req) is not None or bool(getattr(req, "tools", None))
         if compiles and self._grammar_lane is None:
             self._grammar_lane = anyio.CapacityLimiter(GRAMMAR_BUILDS)  # (made on the event loop)
-        return await anyio.to_thread.run_sync(make, request, req, arrival,
-                                              limiter=self._grammar_lane if compiles else None)
+        usual = self._grammar_lane if compiles else None
+        return await anyio.to_thread.run_sync(make, request, req, arrival, limiter=await self.lane(request, usual))
 
     def completion(self, request: Request, req: CompletionRequest, arrival: float) -> _Generation:
         """A completions request's sequences (built on a worker thread: see the module's docstring)."""
