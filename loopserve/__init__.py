@@ -11,7 +11,7 @@ except _PackageNotFoundError:  # run from a source tree that was never installed
 from loopserve.async_llm import AsyncEngineArgs, AsyncLLM, AsyncLLMEngine, EngineArgs
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine import LLMEngine
-from loopserve.engine.sequence import TextPrompt, TokensPrompt
+from loopserve.engine.sequence import PromptType, TextPrompt, TokensPrompt
 from loopserve.llm import LLM
 from loopserve.outputs import CompletionOutput, Logprob, RequestOutput
 from loopserve.sampling_params import (
@@ -21,7 +21,8 @@ from loopserve.sampling_params import (
     SamplingParams,
     StructuredOutputsParams,
 )
+from loopserve.vllm_neutral import PoolingParams
 
 __all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "AsyncLLM", "EngineArgs", "AsyncEngineArgs", "EngineConfig",
            "SamplingParams", "RequestOutputKind", "GuidedDecodingParams", "StructuredOutputsParams", "BeamSearchParams",
-           "TextPrompt", "TokensPrompt", "RequestOutput", "CompletionOutput", "Logprob"]
+           "TextPrompt", "TokensPrompt", "PromptType", "PoolingParams", "RequestOutput", "CompletionOutput", "Logprob"]

@@ -46,6 +46,7 @@ from loopserve.engine.engine_thread import (
 from loopserve.engine.sequence import PromptType
 from loopserve.llm import LLM, llm_configs
 from loopserve.load_config import LoadConfig
+from loopserve.model_config import EngineModelConfig
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import BeamSearchParams, SamplingParams
 from loopserve.tokenizer import Tokenizer
@@ -258,6 +259,11 @@ class AsyncLLMEngine:
     @property
     def tokenizer(self) -> Tokenizer:
         return self.llm.get_tokenizer()
+
+    @property
+    def model_config(self) -> EngineModelConfig:
+        """vLLM's: its LLM's model_config (the model's shapes and max_model_len)."""
+        return self.llm.model_config
 
     @property
     def dead_error(self) -> EngineDeadError:

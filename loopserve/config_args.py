@@ -26,8 +26,16 @@ from typing import Any
 
 def knob(default: Any, help: str, **meta: Any) -> Any:
     """A config dataclass field with its command-line help (and choices): `add_config_args` makes the flags from
-    these."""
+    these. `none_is_default=True`: None is taken for the default (`none_to_defaults`), as vLLM's engine arguments of
+    that name take None for "the default"."""
     return dataclasses.field(default=default, metadata={"help": help, **meta})
+
+
+def none_to_defaults(config: Any) -> None:
+    """The fields of dataclass `config` declared `none_is_default` (`knob`) that hold None, set to their default."""
+    for f in dataclasses.fields(config):
+        if f.metadata.get("none_is_default") and getattr(config, f.name) is None:
+            setattr(config, f.name, f.default)
 
 
 @functools.cache

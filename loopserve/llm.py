@@ -35,11 +35,12 @@ from loopserve.engine.sequence import (
     unseeded,
 )
 from loopserve.load_config import LOAD_FIELDS, LoadConfig, configs, load_for_engine
+from loopserve.model_config import EngineModelConfig
 from loopserve.models.loader import embedded_model_path, is_local_folder
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from loopserve.tokenizer import Tokenizer, template_switches, template_variables
-from loopserve.vllm_neutral import NEUTRAL, absent_method, check_neutral
+from loopserve.vllm_neutral import NEUTRAL, absent_method, check_neutral, check_per_prompt
 
 Conversation = Seq[Mapping[str, Any]]  # [{"role": "user", "content": "..."}, ...]
 
@@ -86,7 +87,7 @@ class LLM:
         loopserve lacks (`NEUTRAL`: tokenizer_mode, quantization, kv_cache_dtype, ...) at the values
         that ask for nothing of it. ValueError naming the argument at fault."""
         self.load_config, self.engine_config = llm_configs(kwargs, model)
-        loaded, self.engine_config, self.max_model_len, memory_knob = load_for_engine(
+        loaded, self.engine_config, max_model_len, memory_knob = load_for_engine(
             model if model is not None else default_model_path(), self.load_config, self.engine_config,
             chat_template=chat_template, generation_config=generation_config)
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
@@ -95,8 +96,17 @@ class LLM:
         cfg, c = self.engine_config, self.config
         self.layout = KVLayout(cfg.kv_layout, c.n_prelude, c.n_core, c.n_coda, c.r_max)
         self.engine = (None if cfg.scheduler == "reference"
-                       else LLMEngine(self.model, self.tokenizer, cfg, self.seed, self.max_model_len, memory_knob))
+                       else LLMEngine(self.model, self.tokenizer, cfg, self.seed, max_model_len, memory_knob))
+        # vLLM's `llm.model_config`: its engine's, the same object (scheduler="reference": the model's config with
+        # this max_model_len)
+        self.model_config = (self.engine.model_config if self.engine is not None
+                             else EngineModelConfig.of(self.config, max_model_len))
         self._counter = itertools.count()
+
+    @property
+    def max_model_len(self) -> int:
+        """The most prompt + completion tokens of a request: its model_config's (vLLM's place for it)."""
+        return self.model_config.max_model_len
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
@@ -170,18 +180,23 @@ class LLM:
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool | Callable[..., tqdm] = True, lora_request: Any = None,
-                 priority: Seq[int] | None = None) -> list[RequestOutput]:
+                 priority: Seq[int] | None = None,
+                 tokenization_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Outputs in the order of `prompts` (one prompt or a list: text, token ids or a prompt dict). Every
-        request is checked before any runs: a ValueError naming the field means none ran. `lora_request` and
-        `priority` are vLLM's, taken at the values that ask for nothing (None; priorities all 0)."""
-        check_neutral(lora_request=lora_request, priority=priority)
-        return self._run(prompt_list(prompts), sampling_params, use_tqdm)
+        request is checked before any runs: a ValueError naming the field means none ran. `lora_request`,
+        `priority` and `tokenization_kwargs` are vLLM's, taken at the values that ask for nothing (None, or a list of
+        None, one per prompt; priorities all 0, one per prompt; None or {})."""
+        check_neutral(lora_request=lora_request, priority=priority, tokenization_kwargs=tokenization_kwargs)
+        given = prompt_list(prompts)
+        check_per_prompt(len(given), priority=priority, lora_request=lora_request)
+        return self._run(given, sampling_params, use_tqdm)
 
     def beam_search(self, prompts: PromptType | Seq[PromptType], params: BeamSearchParams, lora_request: Any = None,
                     use_tqdm: bool = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
         """vLLM's beam search: one `BeamSearchOutput` per prompt (its best `params.beam_width` beams, best first);
         each step runs every live beam as a full-depth prompt, all in one `generate` call (loopserve/beam_search.py)."""
         check_neutral(lora_request=lora_request)
+        check_per_prompt(len(prompt_list(prompts)), lora_request=lora_request)
         return _beam_search(self, prompts, params, use_tqdm=use_tqdm, concurrency_limit=concurrency_limit)
 
     def chat(self, messages: Conversation | Seq[Conversation],
@@ -191,11 +206,13 @@ class LLM:
              chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: Seq[Mapping[str, Any]] | None = None,
              chat_template_kwargs: dict[str, Any] | None = None,
-             mm_processor_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             mm_processor_kwargs: dict[str, Any] | None = None,
+             tokenization_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, each rendered with the chat template.
         The arguments are vLLM's, in its order; `lora_request`, `chat_template_content_format` ("auto" or
-        "string": a message's content reaches the template as text) and `mm_processor_kwargs` are taken at the
-        values that ask for nothing loopserve lacks (no adapters, no images).
+        "string": a message's content reaches the template as text), `mm_processor_kwargs` and `tokenization_kwargs`
+        are taken at the values that ask for nothing loopserve lacks (no adapters, no images, the tokenizer as set
+        up).
 
         `chat_template` names one of the model's templates, is a template itself or a file holding one;
         `chat_template_kwargs` become template variables (not those of `tokenizer.TEMPLATE_RESERVED`: a ValueError);
@@ -205,7 +222,8 @@ class LLM:
         checked and rendered as the server's are (`chat_messages`): the template gets a message's role,
         content, name, tool_calls (arguments as dicts) and tool_call_id; other keys are ignored with a
         warning in the log."""
-        check_neutral(lora_request=lora_request, mm_processor_kwargs=mm_processor_kwargs)
+        check_neutral(lora_request=lora_request, mm_processor_kwargs=mm_processor_kwargs,
+                      tokenization_kwargs=tokenization_kwargs)
         if chat_template_content_format not in ("auto", "string"):
             raise ValueError(f"chat_template_content_format: {chat_template_content_format!r} is not supported: a "
                              "message's content reaches the template as text ('string'; 'auto' picks it too)")
@@ -216,6 +234,7 @@ class LLM:
             conversations = list(messages)  # type: ignore[arg-type]
         else:
             raise ValueError("messages: expected a conversation (a list of messages) or a list of conversations")
+        check_per_prompt(len(conversations), lora_request=lora_request)
         batch = len(conversations) > 1 or conversations[0] is not messages
         prompts: list[PromptType] = [
             self._chat_prompt(conv, chat_template, add_generation_prompt, chat_template_kwargs, tools,

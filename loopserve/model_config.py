@@ -1,4 +1,5 @@
-"""Model configuration: one normalized view of an Ouro or Huginn `config.json`.
+"""Model configuration: one normalized view of an Ouro or Huginn `config.json` (`ModelConfig`), and that view as an
+engine runs it, with its max_model_len (`EngineModelConfig`, vLLM's `engine.model_config`).
 
 The engine, the cache and the benchmarks only read this dataclass. `from_hf` checks the config as it reads it:
 a missing, mistyped or out-of-range value, or an architecture setting loopserve implements one way only
@@ -12,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from loopserve.sampling_params import is_int, is_real
@@ -167,8 +168,9 @@ class _Keys:
 
 # vLLM's ModelConfig attributes a harness reads off an engine's `model_config`, and where loopserve keeps them
 _VLLM_MODEL_CONFIG = {
-    "max_model_len": "the most prompt + completion tokens is the engine's max_model_len (LLMEngine.max_model_len, "
-                     "LLM.max_model_len); the model's own context is max_position",
+    "max_model_len": "the most prompt + completion tokens is an engine's (LLM.model_config.max_model_len, "
+                     "LLMEngine.model_config.max_model_len, an EngineModelConfig); the model's own context is "
+                     "max_position",
     "hf_config": "config.json, as read, is its `raw` field",
 }
 
@@ -305,3 +307,18 @@ class ModelConfig:
         if config.head_dim % 2:  # (RoPE turns pairs of dims)
             raise k.error(head_dim_key, f"must be even (rotary embeddings turn pairs of dims), got {config.head_dim}")
         return config
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineModelConfig(ModelConfig):
+    """The model's config as an engine runs it: its shapes and the engine's `max_model_len`, the most prompt +
+    completion tokens of a request (at most `max_position`), so that vLLM's `engine.model_config.max_model_len`, which
+    harnesses read (lm-eval's vLLM backend), reads it. `LLMEngine.model_config` and `LLM.model_config`; the one
+    place either keeps its max_model_len."""
+
+    max_model_len: int
+
+    @staticmethod
+    def of(config: ModelConfig, max_model_len: int) -> EngineModelConfig:
+        return EngineModelConfig(**{f.name: getattr(config, f.name) for f in fields(ModelConfig)},
+                                 max_model_len=max_model_len)

@@ -385,6 +385,14 @@ class SamplingParams:
     logits_processors: list[Any] | None = None
     # vLLM's newer name for guided_decoding (a StructuredOutputsParams, or a dict of its fields): `grammar_spec`
     structured_outputs: GuidedDecodingParams | dict[str, Any] | None = None
+    # vLLM's: logprobs as its flat containers (FlatLogprobs); loopserve returns its default lists of dicts only
+    flat_logprobs: bool = False
+    # vLLM's: whether the request may start from the prefix cache's blocks; None: not when it asks for prompt_logprobs
+    # (the cached positions would have none), else it may (`reads_prefix_cache`)
+    skip_reading_prefix_cache: bool | None = None
+    # vLLM's hint that its engine may use these params without copying them: loopserve copies a request's params
+    # (`LLM._make_sequence`) either way, so it changes nothing
+    skip_clone: bool = False
     # set by the engine on a request's own copy (engine/sampler.py `bind`), never by users: the request's
     # tokens, which penalties, min_tokens and bad_words read
     history: TokenHistory | None = field(default=None, repr=False, compare=False)
@@ -426,8 +434,8 @@ class SamplingParams:
                 raise bad(name, "must be true or false")
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "must be an integer >= 1")
-        if not is_real(self.temperature) or not 0 <= self.temperature <= 100:
-            raise bad("temperature", "must be in [0, 100]")
+        if not is_real(self.temperature) or self.temperature < 0:  # (vLLM's bound: a large one samples ~uniformly)
+            raise bad("temperature", "must be a finite number >= 0")
         if 0 < self.temperature < MIN_TEMPERATURE:
             log.warning("temperature %s is below %s: raised to %s, as vLLM raises it (0 samples greedily)",
                         self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
@@ -444,6 +452,18 @@ class SamplingParams:
             raise ValueError("logits_processors: not supported by loopserve (it runs no per-request logits "
                              "processors: use logit_bias, allowed_token_ids, bad_words or structured outputs); it "
                              f"takes None or [], got {_short(self.logits_processors)}")
+        for name in ("flat_logprobs", "skip_clone"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be true or false")
+        if self.flat_logprobs:
+            raise ValueError("flat_logprobs: not supported by loopserve (logprobs come back as vLLM's default lists "
+                             "of dicts, Logprob by token id); it takes False, got True")
+        if not (self.skip_reading_prefix_cache is None or isinstance(self.skip_reading_prefix_cache, bool)):
+            raise bad("skip_reading_prefix_cache", "must be true, false or None")
+        if self.skip_reading_prefix_cache is False and self.prompt_logprobs is not None:
+            # (vLLM would return no logprobs for the prompt tokens read from the cache)
+            raise ValueError("skip_reading_prefix_cache: False reads the prefix cache, whose tokens would get no "
+                             "prompt_logprobs; with prompt_logprobs it takes True or None")
         self.seed = given_seed(self.seed)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
@@ -600,6 +620,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether the request may start from blocks the prefix cache holds (`skip_reading_prefix_cache`, vLLM's
+        rule where it is None: not with prompt_logprobs, whose cached positions would get none)."""
+        skip = self.skip_reading_prefix_cache
+        return not (self.prompt_logprobs is not None if skip is None else skip)
+
 
 # the fields a user sets to numbers, or lists or dicts of them (`python_numbers` reads them before the checks)
 _NUMPY = np.generic | np.ndarray
@@ -644,7 +671,7 @@ def check_beam_search_params(params: BeamSearchParams) -> None:
     for name in ("ignore_eos", "include_stop_str_in_output"):
         if not isinstance(getattr(params, name), bool):
             raise bad(name, "must be true or false")
-    if not is_real(params.temperature) or not 0 <= params.temperature <= 100:
-        raise bad("temperature", "must be in [0, 100]")  # (SamplingParams' range: each step samples with it)
+    if not is_real(params.temperature) or params.temperature < 0:
+        raise bad("temperature", "must be a finite number >= 0")  # (SamplingParams' range: each step samples with it)
     if not is_real(params.length_penalty):
         raise bad("length_penalty", "must be a finite number")

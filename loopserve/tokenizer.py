@@ -59,7 +59,7 @@ SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_
 # at a value that does nothing (None, False, empty), as code passing transformers' defaults does
 CHAT_TEMPLATE_OPTIONS = ("padding", "truncation", "max_length", "return_tensors", "return_dict",
                          "return_assistant_tokens_mask", "tokenizer_kwargs")
-CALL_OPTIONS = ("text_pair", "padding", "truncation", "max_length", "return_tensors", "is_split_into_words")
+CALL_OPTIONS = ("padding", "truncation", "max_length", "return_tensors", "is_split_into_words")
 # ... and of its `encode` (the call's, and the stride of overflowing windows), and its `decode` and `batch_decode`
 ENCODE_OPTIONS = (*CALL_OPTIONS, "stride")
 DECODE_OPTIONS = ("clean_up_tokenization_spaces",)
@@ -319,13 +319,15 @@ class Tokenizer:
         _compile(template)  # a broken template fails here, at startup, not on the first request
         self.chat_templates = {DEFAULT_TEMPLATE: template}
 
-    def encode(self, text: str, add_special_tokens: bool = True, what: str = "text", **options: Any) -> list[int]:
-        """The token ids of `text`; ValueError naming `what` (the caller's field) for anything but one text (a
-        list of texts is the tokenizer's call) and for a string that is not Unicode text: one with a lone
-        surrogate, which a Python string can hold and UTF-8 cannot. `options`: transformers' of ENCODE_OPTIONS,
-        taken at a value that does nothing."""
+    def encode(self, text: str, text_pair: str | None = None, add_special_tokens: bool = True, what: str = "text",
+               **options: Any) -> list[int]:
+        """The token ids of `text` (then `text_pair`, joined as the tokenizer's post-processor joins a pair, as
+        transformers' `encode(text, text_pair)`); ValueError naming `what` (the caller's field) or `text_pair` for
+        anything but one text (a list of texts is the tokenizer's call) and for a string that is not Unicode text:
+        one with a lone surrogate, which a Python string can hold and UTF-8 cannot. `options`: transformers' of
+        ENCODE_OPTIONS, taken at a value that does nothing."""
         _take_options(options, ENCODE_OPTIONS, "encode")
-        return self._encoding(text, add_special_tokens, what).ids
+        return self._encoding(text, add_special_tokens, what, text_pair, "text_pair").ids
 
     def encode_texts(self, texts: list[str], add_special_tokens: bool = True, what: str = "texts") -> list[list[int]]:
         """The token ids of each text, in one call that releases the GIL (a request's texts are tokenized on a worker
@@ -342,8 +344,9 @@ class Tokenizer:
         as `encode`'s names its text."""
         return self._encoding(text, add_special_tokens, "text", pair).tokens
 
-    def _encoding(self, text: str, add_special_tokens: bool, what: str, pair: str | None = None) -> Encoding:
-        """The tokenizers library's encoding of `text` (then `pair`); ValueError naming `what` or `pair` as
+    def _encoding(self, text: str, add_special_tokens: bool, what: str, pair: str | None = None,
+                  pair_what: str = "pair") -> Encoding:
+        """The tokenizers library's encoding of `text` (then `pair`); ValueError naming `what` or `pair_what` as
         `encode` says."""
         try:
             if isinstance(text, str) and len(text) > RELEASE_GIL_FROM:
@@ -353,7 +356,7 @@ class Tokenizer:
         except TypeError:  # (what the tokenizers library raises for both: "TextInputSequence must be str")
             _check_text(text, what)
             if pair is not None:
-                _check_text(pair, "pair")
+                _check_text(pair, pair_what)
             raise
 
     @cached_property
@@ -425,16 +428,27 @@ class Tokenizer:
             text = self._token_text[i] = self.tok.decode([i], skip_special_tokens=False)
         return text
 
-    def __call__(self, text: str | Sequence[str], add_special_tokens: bool = True, **options: Any) -> BatchEncoding:
+    def __call__(self, text: str | Sequence[str], text_pair: str | Sequence[str] | None = None,
+                 add_special_tokens: bool = True, **options: Any) -> BatchEncoding:
         """transformers' call: the `input_ids` and `attention_mask` of a text, or a list of each for a list of
-        texts (unpadded). `options`: transformers' of CALL_OPTIONS, taken at a value that does nothing."""
+        texts (unpadded); `text_pair`: a text to follow it (a list, one per text, with a list), the pair joined as
+        the tokenizer's post-processor joins one. `options`: transformers' of CALL_OPTIONS, taken at a value that
+        does nothing."""
         _take_options(options, CALL_OPTIONS, "Tokenizer()")
         if isinstance(text, str):
-            ids = self.encode(text, add_special_tokens)
+            ids = self.encode(text, text_pair, add_special_tokens)  # type: ignore[arg-type]  # (a list: refused there)
             return BatchEncoding(input_ids=ids, attention_mask=[1] * len(ids))
         if isinstance(text, Mapping) or not isinstance(text, Sequence):
             raise ValueError(f"text: expected a string or a list of strings, got {type(text).__name__}")
-        batch = [self.encode(t, add_special_tokens, f"text.{i}") for i, t in enumerate(text)]
+        if text_pair is None:
+            pairs: Sequence[str | None] = [None] * len(text)
+        elif isinstance(text_pair, str) or not isinstance(text_pair, Sequence) or len(text_pair) != len(text):
+            raise ValueError(f"text_pair: with a list of {len(text)} texts, expected a list of as many, got "
+                             f"{type(text_pair).__name__}")
+        else:
+            pairs = text_pair
+        batch = [self._encoding(t, add_special_tokens, f"text.{i}", p, f"text_pair.{i}").ids
+                 for i, (t, p) in enumerate(zip(text, pairs, strict=True))]
         return BatchEncoding(input_ids=batch, attention_mask=[[1] * len(ids) for ids in batch])
 
     def __await__(self) -> Generator[Any, None, Tokenizer]:

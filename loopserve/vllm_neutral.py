@@ -2,7 +2,8 @@
 values that ask for nothing of it, so that vLLM's scripts that pass them run as they are; any other value is a
 ValueError naming the argument (`check_neutral`); the same as vLLM's command-line flags (`add_neutral_args`: `serve`'s,
 `EngineArgs.add_cli_args`'); and vLLM's methods for what loopserve lacks, refused saying what to use instead
-(`ABSENT_METHODS`); and `vllm serve`'s own flags of that kind (`SERVE_NEUTRAL`). Read by `LLM`,
+(`ABSENT_METHODS`), and its `PoolingParams`, refused when made; and `vllm serve`'s own flags of that kind
+(`SERVE_NEUTRAL`). Read by `LLM`,
 `LLMEngine.add_request`, `AsyncLLMEngine` and those commands."""
 
 from __future__ import annotations
@@ -133,8 +134,10 @@ NEUTRAL: dict[str, Neutral] = {
     "task": _only("it serves generative models only", "auto", "generate"),  # (vLLM's name before `runner`)
     "runner": _only("it serves generative models only", "auto", "generate"),
     "enable_lora": _only("no LoRA adapters", False),
-    "lora_request": _only("no LoRA adapters", None, init=False),
-    # (`generate` takes a list, one per prompt; `LLMEngine.add_request` one int)
+    # (`generate` and `beam_search` take a list of them too, one per prompt: `check_per_prompt`)
+    "lora_request": Neutral(lambda v: v is None or (isinstance(v, Seq) and not isinstance(v, str) and all(
+        x is None for x in v)), "None or a list of None", "no LoRA adapters", init=False),
+    # (`generate` takes a list, one per prompt: `check_per_prompt`; `LLMEngine.add_request` one int)
     "priority": Neutral(lambda v: v is None or _zero(v) or (isinstance(v, Seq) and all(map(_zero, v))),
                         "None, 0 or all 0", "no priority scheduling", init=False),
     "mm_processor_kwargs": _only("no multimodal inputs", None, {}),
@@ -159,6 +162,17 @@ NEUTRAL: dict[str, Neutral] = {
     "max_cudagraph_capture_size": Neutral(lambda v: v is None or _positive_int(v), "None or an integer >= 1", _GRAPHS),
     "cuda_graph_sizes": Neutral(lambda v: v is None or _positive_int(v) or (isinstance(v, list) and all(
         map(_positive_int, v))), "integers >= 1", _GRAPHS, many=True),
+    # vLLM's newer `LLM(...)` keywords, at their defaults
+    "kv_cache_memory_bytes": _only("the KV pool is sized by kv_cache_tokens, kv_cache_memory_gb or "
+                                   "gpu_memory_utilization", None),
+    "num_gpu_blocks_override": _only("the KV pool is sized by kv_cache_tokens, kv_cache_memory_gb or "
+                                     "gpu_memory_utilization", None),
+    "convert": _only("it serves generative models only, converted to nothing", "auto"),
+    "pooler_config": _only("it serves generative models only, with no pooler", None),
+    "attention_config": _only("loopserve runs its own attention over its paged KV layouts", None),
+    "profiler_config": _only("wrap the calls in torch.profiler.profile() (the model runs in this process)", None),
+    "allowed_media_domains": _only("no multimodal inputs", None),
+    "enable_return_routed_experts": _only("no mixture-of-experts layers", False),
     "mm_processor_cache_gb": Neutral(lambda v: isinstance(v, int | float) and not isinstance(v, bool) and v >= 0,
                                      "a number >= 0", "no multimodal inputs"),
 }
@@ -217,6 +231,14 @@ def check_neutral(table: dict[str, Neutral] = NEUTRAL, /, *, local_folder: bool 
                              f"got {shown}")
 
 
+def check_per_prompt(prompts: int, **given: Any) -> None:
+    """vLLM's rule for `LLM.generate`'s (and `beam_search`'s) arguments that are one per prompt when a list
+    (`priority`, `lora_request`): a ValueError naming the first of `given` whose list is not as long as the prompts."""
+    for name, value in given.items():
+        if isinstance(value, Seq) and not isinstance(value, str) and len(value) != prompts:
+            raise ValueError(f"{name}: the lengths of prompts ({prompts}) and {name} ({len(value)}) must be the same")
+
+
 _CLI_WORDS = {"none": None, "null": None, "true": True, "false": False}
 
 
@@ -265,14 +287,24 @@ def neutral_kwargs(args: argparse.Namespace, table: dict[str, Neutral] = NEUTRAL
 
 _POOLING = ("is for pooling models (embeddings, classification, scores); loopserve serves generative looped LMs: "
             "use generate (or chat, beam_search)")
+
+
+class PoolingParams:
+    """vLLM's `PoolingParams` (`from loopserve import PoolingParams` works, as vLLM's scripts import it): the params of
+    a pooling model's requests, which loopserve does not run, so that making one is a ValueError saying so."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise ValueError(f"PoolingParams: {type(self).__name__} {_POOLING}, with SamplingParams")
+
+
 _SLEEP = "is not supported by loopserve: the model and KV cache stay on the device until the engine is dropped"
 _IN_PROCESS = "is not supported by loopserve: the model runs in this process, with no workers to call (llm.model)"
 _PROFILE = "is not supported by loopserve: wrap the calls in torch.profiler.profile() (the model runs in this process)"
 _LORA = "is not supported by loopserve: it serves no LoRA adapters"
 # vLLM's methods of `LLM` and of its async engine for what loopserve has no counterpart of: they exist (`hasattr` is
 # true, as on vLLM's classes) and raise a ValueError naming themselves and saying what to use instead when called
-_CONFIGS = ("is not supported by loopserve: its configs are those of the LLM (LLM.config: the model's shapes, "
-            "LLM.engine_config, LLM.load_config, LLM.max_model_len; an AsyncLLMEngine's LLM is its .llm)")
+_CONFIGS = ("is not supported by loopserve: its configs are those of the LLM (LLM.model_config: the model's shapes "
+            "and max_model_len, LLM.engine_config, LLM.load_config; an AsyncLLMEngine's LLM is its .llm)")
 ABSENT_METHODS = {
     **dict.fromkeys(("encode", "embed", "classify", "score", "reward"), _POOLING),
     **dict.fromkeys(("sleep", "wake_up"), _SLEEP),
@@ -297,7 +329,7 @@ ASYNC_ABSENT_METHODS = {
 }
 # vLLM's attributes (not methods) for the same: reading one is an AttributeError saying what to use instead
 ABSENT_ATTRIBUTES = {
-    **dict.fromkeys(("model_config", "vllm_config"), _CONFIGS),
+    "vllm_config": _CONFIGS,
 }
 
 

@@ -363,10 +363,12 @@ def test_vllms_methods_for_what_loopserve_lacks_say_what_to_use(engine, method):
 
 
 def test_vllms_config_attributes_are_attribute_errors_saying_what_to_use(engine):
-    """An attribute, not a method: reading it is an AttributeError (hasattr stays False) that names `.llm`."""
-    with pytest.raises(AttributeError, match=r"'model_config'.*LLM.config.*\.llm"):
-        engine.model_config  # noqa: B018
+    """An attribute, not a method: reading it is an AttributeError (hasattr stays False) that names `.llm`; vLLM's
+    `model_config` is its LLM's."""
+    with pytest.raises(AttributeError, match=r"'vllm_config'.*LLM.model_config.*\.llm"):
+        engine.vllm_config  # noqa: B018
     assert not hasattr(engine, "vllm_config")
+    assert engine.model_config is engine.llm.model_config
 
 
 @pytest.mark.parametrize("kind", [DELTA, CUMULATIVE])

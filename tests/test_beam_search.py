@@ -275,7 +275,7 @@ def test_context_end_finishes_beams(tiny_ouro, monkeypatch):
 @pytest.mark.parametrize("field,value", [
     ("beam_width", 0), ("beam_width", -1), ("beam_width", 1.5), ("beam_width", True),
     ("beam_width", MAX_N + 1), ("max_tokens", 0), ("max_tokens", "3"), ("max_tokens", None),
-    ("temperature", -0.1), ("temperature", 101), ("temperature", math.nan), ("temperature", "0"),
+    ("temperature", -0.1), ("temperature", math.inf), ("temperature", math.nan), ("temperature", "0"),
     ("length_penalty", math.nan),
     ("length_penalty", math.inf), ("length_penalty", "1"), ("ignore_eos", 1), ("include_stop_str_in_output", None),
 ])

@@ -342,7 +342,6 @@ BAD_INPUTS = [
     ("max_tokens-huge", "POST", C, _c(max_tokens=10**9), None, 400),
     ("max_tokens-beyond-int64", "POST", C, _c(max_tokens=10**30), None, 400),
     ("temperature-negative", "POST", C, _c(temperature=-0.5), None, 400),
-    ("temperature-huge", "POST", C, _c(temperature=1000), None, 400),
     ("temperature-string", "POST", C, _c(temperature="hot"), None, 400),
     ("top_p-zero", "POST", C, _c(top_p=0), None, 400),
     ("top_p-above-one", "POST", C, _c(top_p=1.5), None, 400),

@@ -216,7 +216,7 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "
                                                           "structured_outputs"),
     (H, {"tools": TOOLS, "tool_choice": "required"}, "tool_choice"), (C, {"max_tokens": 0}, "max_tokens"),
     (H, {"max_completion_tokens": 0}, "max_completion_tokens"), (C, {"max_tokens": 5000}, "max_tokens"),
-    (C, {"temperature": -1.0}, "temperature"), (C, {"temperature": 101}, "temperature"),
+    (C, {"temperature": -1.0}, "temperature"),
     (H, {"seed": 2**70}, "seed")])
 @pytest.mark.parametrize("stream", [False, True])
 def test_refusals_name_the_field(server, path, extra, param, stream):

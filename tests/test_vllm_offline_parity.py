@@ -460,11 +460,10 @@ def test_llm_engine_from_engine_args_as_vllms_example(tiny_ouro):
     assert [done[str(i)] for i in range(len(PROMPTS))] == [o.outputs[0].token_ids for o in want]
     with pytest.raises(ValueError, match="^get_model_config: LLMEngine.get_model_config is not supported"):
         engine.get_model_config()
-    # its model_config is loopserve's (the model's shapes): vLLM's get_vocab_size() answers, and max_model_len, which
-    # harnesses read there, is an AttributeError saying where it is (it was a bare one)
+    # its model_config is loopserve's (the model's shapes and the engine's max_model_len, which harnesses read
+    # there): vLLM's get_vocab_size() answers; hf_config is an AttributeError saying where it is
     assert engine.model_config.get_vocab_size() == engine.model_config.vocab_size
-    with pytest.raises(AttributeError, match=r"no attribute 'max_model_len': .*LLMEngine\.max_model_len"):
-        engine.model_config.max_model_len  # noqa: B018
+    assert engine.model_config.max_model_len == engine.max_model_len
     assert not hasattr(engine.model_config, "hf_config") and not hasattr(engine.model_config, "colour")
     with pytest.raises(ValueError, match="^engine_args: expected an EngineArgs"):
         LLMEngine.from_engine_args({"model": str(tiny_ouro)})

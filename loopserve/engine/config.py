@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass
 
 from loopserve.cache.layout import LAYOUTS
-from loopserve.config_args import check_bool_knobs
+from loopserve.config_args import check_bool_knobs, none_to_defaults
 from loopserve.config_args import knob as _knob
 from loopserve.sampling_params import DEFAULT_MAX_LOGPROBS, is_int, is_real
 
@@ -29,13 +29,14 @@ SCHEDULER_HELP = dict(zip(SCHEDULERS, ("the sequential oracle (a request, a toke
 class EngineConfig:
     scheduler: str = _knob("cdb", "", choices=SCHEDULER_HELP)
     kv_layout: str = _knob("depth_indexed", "KV cache layout (what a query at loop depth r reads)", choices=LAYOUTS)
-    block_size: int = _knob(16, "tokens per KV block")
+    # (None, vLLM's "the default", is taken for the default of the knobs declared `none_is_default`)
+    block_size: int = _knob(16, "tokens per KV block", none_is_default=True)
     kv_cache_tokens: int | None = _knob(None, "KV pool size in tokens; unset: from --kv-cache-memory-gb")
     kv_cache_memory_gb: float = _knob(1.0, "KV pool size in GiB when --kv-cache-tokens is unset")
-    max_num_seqs: int = _knob(64, "sequences admitted at once")
+    max_num_seqs: int = _knob(64, "sequences admitted at once", none_is_default=True)
     max_decode_batch: int = _knob(32, "width of a core (and prelude/coda) stage batch")
     max_num_batched_tokens: int = _knob(2048, "prompt tokens per prefill tick (below --prefill-chunk-size it lowers "
-                                        "that to itself)", human_readable=True)
+                                        "that to itself)", human_readable=True, none_is_default=True)
     prefill_chunk_size: int = _knob(512, "prompt chunk boundary (part of the semantics, shared with the reference; "
                                     "at most --max-num-batched-tokens)")
     # Coda waits for this many exited tokens (an undersized batch still runs when nothing else can).
@@ -56,7 +57,8 @@ class EngineConfig:
     kv_safety_margin: float = _knob(0.1, "fraction of KV blocks prefill admission keeps free")
     enable_prefix_caching: bool = _knob(True, "reuse the KV of full prompt blocks an earlier prompt with the same "
                                         "prefix computed (token ids as without it in float64; in float32 logits "
-                                        "differ by rounding, about 1e-6, so a sampled token can rarely differ)")
+                                        "differ by rounding, about 1e-6, so a sampled token can rarely differ)",
+                                        none_is_default=True)
     lookahead: bool = _knob(False, "delayed exits: the signal after loop r decides loop r+2 (r_min = 2)")
     # Read a core step's exit signals only after the next step is queued when every rule in the batch
     # decides ahead (lookahead, lookahead_gate). False reads them at once: same schedule and outputs,
@@ -101,6 +103,7 @@ class EngineConfig:
                               "each beam's step reading 2 x width logprobs)")
 
     def __post_init__(self) -> None:
+        none_to_defaults(self)
         check_bool_knobs(self)
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler: expected one of {', '.join(SCHEDULERS)}, got {self.scheduler!r}")

@@ -46,7 +46,7 @@ from loopserve.engine.scheduler import Stage, StagePlan, make_scheduler
 from loopserve.engine.sequence import PromptType, Sequence, make_sequence, unseeded
 from loopserve.engine.speculative import Speculator
 from loopserve.engine.stats import EngineStats
-from loopserve.model_config import ModelConfig
+from loopserve.model_config import EngineModelConfig, ModelConfig
 from loopserve.models.base import LoopedLM
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import SamplingParams
@@ -134,14 +134,14 @@ class LLMEngine:
             log.warning("num_speculative_tokens=%d: a round drafts at most max_decode_batch - 1 = %d tokens (a "
                         "request's drafts and its verify row share one batch)", cfg.num_speculative_tokens,
                         cfg.max_decode_batch - 1)
-        self.max_model_len = checked_model_len(max_model_len, c.max_position)
+        # (the model's config with the engine's max_model_len: vLLM's `engine.model_config`)
+        self.model_config = EngineModelConfig.of(c, checked_model_len(max_model_len, c.max_position))
         p = next(model.parameters())
         graphs_on = cfg.cuda_graphs if cfg.cuda_graphs is not None else p.device.type == "cuda"
         prelude_batch, coda_batch = cfg.boundary_batches_for(c.n_prelude, c.n_coda)
         cfg = dataclasses.replace(cfg, min_prelude_batch=prelude_batch, min_coda_batch=coda_batch,
                                   cuda_graphs=graphs_on)
         self.model, self.tokenizer, self.cfg, self.seed = model, tokenizer, cfg, seed
-        self.model_config = c
         self.layout = KVLayout(cfg.kv_layout, c.n_prelude, c.n_core, c.n_coda, c.r_max)
         per_token = self.layout.bytes_per_token(c.num_kv_heads, c.head_dim, p.dtype)
         blocks = cfg.kv_pool_tokens(per_token, kv_memory_knob) // cfg.block_size
@@ -230,6 +230,11 @@ class LLMEngine:
         """vLLM's methods for what loopserve lacks (`vllm_neutral.ABSENT_METHODS`: a ValueError naming the method and
         what to use instead, when called); any other missing attribute is the usual AttributeError."""
         return absent_method(self, name)
+
+    @property
+    def max_model_len(self) -> int:
+        """The most prompt + completion tokens of a request: its model_config's (vLLM's place for it)."""
+        return self.model_config.max_model_len
 
     def get_tokenizer(self) -> Tokenizer:
         """The tokenizer requests are encoded and decoded with (vLLM's `LLMEngine.get_tokenizer`)."""

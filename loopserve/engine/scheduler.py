@@ -539,8 +539,8 @@ class Scheduler:
         return chunks
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """The cached blocks a new prompt may start from (none for requests that want every prompt
-        position's logprobs: the skipped positions would have none)."""
+        """The cached blocks a new prompt may start from (none for requests that skip reading the cache, as those
+        that want every prompt position's logprobs do: the skipped positions would have none)."""
         most = self._prefix_reusable(seq)
         if not most:
             return []
@@ -550,8 +550,9 @@ class Scheduler:
 
     def _prefix_reusable(self, seq: Sequence) -> int:
         """The most prompt blocks a new prompt could take from the cache, were they all there (0 for requests that
-        want every prompt position's logprobs, or without a prefix cache)."""
-        if self.prefix_scope is None or seq.params.prompt_logprobs is not None:
+        skip reading it, `SamplingParams.reads_prefix_cache`: those that want every prompt position's logprobs, say;
+        or without a prefix cache)."""
+        if self.prefix_scope is None or not seq.params.reads_prefix_cache:
             return 0
         bs = self.kv.block_size
         return reusable_tokens(len(seq.prompt_ids) // bs, len(seq.prompt_ids), bs, self._prefix_align) // bs
@@ -586,7 +587,7 @@ class Scheduler:
         self._seat(seq)
         cached = len(hit) * self.kv.block_size
         self.prefill_pos[sid] = seq.num_cached_tokens = cached
-        if self.prefix_scope is not None and seq.params.prompt_logprobs is None:
+        if self.prefix_scope is not None and seq.params.reads_prefix_cache:
             # each sample looks the prompt up, as vLLM's child requests do: this one finds `cached`, the samples that
             # fork from its prefill find the full blocks it computes (which they share), as a later lookup would
             forks = len(seq.pending_forks)
