@@ -76,6 +76,9 @@ MAX_N = 16384
 # a choice among more than ~2,000 options that share it.
 MAX_STOP = 256
 MAX_CHOICES = 2000
+# An exit trace's k-th entry is the k-th decode token's depth, so entries past the longest output are never read:
+# its cap is the longest context of a looped model served (Ouro's max_position_embeddings; Huginn's is 4,096)
+MAX_EXIT_TRACE = 65536
 # GuidedDecodingParams' grammar fields (its json_object, a flag, names one more: a JSON object)
 GUIDE_KINDS = ("json", "regex", "choice", "grammar")
 # SamplingParams' fields for a looped model's exit rule that a request, a command's flags or a server's defaults set
@@ -545,9 +548,16 @@ class SamplingParams:
             raise bad("exit_threshold", "must be a finite number >= 0")
         if self.exit_policy is not None and self.exit_policy not in POLICIES:
             raise bad("exit_policy", f"must be one of {', '.join(POLICIES)}")
-        if self.exit_trace is not None:
-            if not isinstance(self.exit_trace, list) or not all(is_int(d) and d >= 1 for d in self.exit_trace):
+        if isinstance(self.exit_trace, tuple):
+            self.exit_trace = list(self.exit_trace)
+        trace = self.exit_trace
+        if trace is not None:  # (the types by their set first and the bound by min, at C speed, as allowed_token_ids)
+            if (not isinstance(trace, list) or not (set(map(type, trace)) <= {int} or all(is_int(d) for d in trace))
+                    or min(trace, default=1) < 1):
                 raise bad("exit_trace", "must be a list of integers >= 1")
+            if len(trace) > MAX_EXIT_TRACE:
+                raise ValueError(f"exit_trace: at most {MAX_EXIT_TRACE} depths (one per generated token), got "
+                                 f"{len(trace)}")
             if self.exit_policy not in (None, "trace"):
                 raise bad("exit_policy", "must be 'trace' (or unset) when exit_trace is given")
             self.exit_policy = "trace"

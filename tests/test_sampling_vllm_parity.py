@@ -27,7 +27,7 @@ from loopserve.engine.sampler import (
     sample_one,
     sample_rows,
 )
-from loopserve.sampling_params import StructuredOutputsParams
+from loopserve.sampling_params import MAX_EXIT_TRACE, StructuredOutputsParams
 from tests.engine_helpers import Req, assert_matches, drive, make_engine, reference
 from tests.server_helpers import MODEL, Server, run_server
 from tests.test_penalties import history
@@ -55,6 +55,18 @@ def test_optional_lists_take_none():
     assert p.stop_token_ids == [] and p.stop == [] and p.bad_words == [] and p.guided_decoding is None
     assert SamplingParams().stop == [] and SamplingParams().bad_words == []  # (vLLM's: `params.stop + [...]` works)
     assert SamplingParams(stop_token_ids=(3, 4), allowed_token_ids=(1, 2)).allowed_token_ids == [1, 2]
+    assert SamplingParams(exit_trace=(1, 2)).exit_trace == [1, 2]  # (as a numpy array is taken)
+
+
+def test_exit_trace_is_capped_and_checked_at_c_speed():
+    """An exit trace longer than any output (`MAX_EXIT_TRACE`) is refused naming it: 1.3M entries once took 34 s
+    of a server's CPU, its per-entry checks run again for every prompt's copy of the params."""
+    assert len(SamplingParams(exit_trace=[1] * MAX_EXIT_TRACE).exit_trace) == MAX_EXIT_TRACE
+    with pytest.raises(ValueError, match=rf"^exit_trace: at most {MAX_EXIT_TRACE} depths .*got {MAX_EXIT_TRACE + 1}$"):
+        SamplingParams(exit_trace=[1] * (MAX_EXIT_TRACE + 1))
+    for bad in ([1, 0], [1, True], [1, 2.0], "12"):
+        with pytest.raises(ValueError, match="^exit_trace: must be a list of integers >= 1"):
+            SamplingParams(exit_trace=bad)
 
 
 def test_seed_minus_one_is_unseeded():

@@ -33,7 +33,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
-from loopserve.sampling_params import MAX_STOP
+from loopserve.sampling_params import MAX_EXIT_TRACE, MAX_STOP
 from loopserve.serve.api import GENERATION_PATHS, HEALTH_PATHS
 from loopserve.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_body
 from loopserve_lab.tiny import TinySpec, make_tiny
@@ -364,6 +364,7 @@ VALUES = [
     # contradictory or ignored inputs
     (C, {"exit_policy": "trace"}, "exit_trace"),  # nothing to replay (it ran at full depth)
     (C, {"exit_trace": [1, 100]}, "exit_trace.1"),  # past r_max, as max_loops is (it was clamped)
+    (C, {"exit_trace": [1] * (MAX_EXIT_TRACE + 1)}, "exit_trace"),  # longer than any output
 ]
 
 

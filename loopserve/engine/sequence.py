@@ -63,8 +63,10 @@ def resolve_exit_rule(params: SamplingParams, model: LoopedLM, lookahead: bool) 
     config, has_gate = model.config, model.has_gate
     max_loops = params.max_loops or config.r_max
     _within_r_max("max_loops", max_loops, config.r_max)
-    for i, depth in enumerate(params.exit_trace or ()):  # refused, not clamped: the first entry past r_max named
-        _within_r_max(f"exit_trace.{i}", depth, config.r_max)
+    trace = params.exit_trace or ()
+    if max(trace, default=1) > config.r_max:  # refused, not clamped: the first entry past r_max named
+        i = next(i for i, depth in enumerate(trace) if depth > config.r_max)
+        _within_r_max(f"exit_trace.{i}", trace[i], config.r_max)
     min_loops = params.min_loops or 1
     if min_loops > max_loops:
         raise ValueError(f"min_loops: {min_loops} exceeds max_loops ({max_loops})")
@@ -82,7 +84,7 @@ def resolve_exit_rule(params: SamplingParams, model: LoopedLM, lookahead: bool) 
         threshold = DEFAULT_THRESHOLDS.get(policy)  # (a policy without a threshold: fixed, trace)
     # lookahead_gate already decides one step ahead without a wasted loop: delayed lookahead adds nothing
     delayed = lookahead and policy != "lookahead_gate"
-    return ExitRule(policy, threshold, min_loops, max_loops, tuple(params.exit_trace or ()), delayed)
+    return ExitRule(policy, threshold, min_loops, max_loops, tuple(trace), delayed)
 
 
 class TextPrompt(TypedDict, total=False):
