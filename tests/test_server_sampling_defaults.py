@@ -250,8 +250,31 @@ def test_a_refusal_of_a_server_default_says_it_is_the_servers(tiny_ouro):
     with pytest.raises(ApiError) as refused:
         sampling_params(CompletionRequest(prompt="x", max_loops=1), max_tokens=2, logprobs=None, defaults=defaults)
     assert refused.value.status == 400 and refused.value.param == "min_loops"
-    assert str(refused.value).endswith("(the server's default min_loops: the request left it unset)"), refused.value
+    assert str(refused.value).endswith("(min_loops 2 is the server's default, --min-loops: the request left it "
+                                       "unset)"), refused.value
     with pytest.raises(ApiError) as own:  # (the request's own value: said as it is)
         sampling_params(CompletionRequest(prompt="x", min_loops=3, max_loops=1), max_tokens=2, logprobs=None,
                         defaults=defaults)
     assert "server's default" not in str(own.value)
+
+
+@pytest.mark.parametrize("flags, body, note", [
+    # the request's own min_loops, against the server's max_loops: the 3 is --max-loops'
+    (("--max-loops", "3"), {"min_loops": 4}, "(max_loops 3 is the server's default, --max-loops: the request left "
+                                             "it unset)"),
+    # the request's own exit_threshold, which the server's policy compares with nothing
+    (("--exit-policy", "fixed"), {"exit_threshold": 0.5}, "(exit_policy \"fixed\" is the server's default, "
+                                                          "--exit-policy, else the model's own: the request left it "
+                                                          "unset)"),
+])
+def test_a_refusal_says_which_conflicting_value_is_the_servers(tiny_ouro, flags, body, note):
+    """A request's own value refused for its conflict with a server default: the message names the field the
+    request sent and says the other value is the server's, and from which flag (it read as the request's own)."""
+    engine, settings = load_server(_args(tiny_ouro, *flags))
+    defaults = serving_defaults(engine, settings.sampling_defaults)
+    [field] = body
+    with pytest.raises(ApiError) as refused:
+        sampling_params(CompletionRequest(prompt="x", **body), max_tokens=2, logprobs=None, defaults=defaults)
+    assert refused.value.status == 400 and refused.value.param == field
+    assert str(refused.value).startswith(f"{field}: ") and str(refused.value).endswith(note), refused.value
+    assert str(refused.value).count("server's default") == 1  # (the request's own field: said as it is)

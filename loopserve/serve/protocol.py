@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
 
@@ -676,10 +677,23 @@ def sampling_params(req: _SamplingFields, *, max_tokens: int | None, logprobs: i
     try:
         return SamplingParams(**kwargs)
     except ValueError as e:
-        field = _field_of(str(e))
-        if field in DEFAULTED and getattr(req, field) is None:  # (the value it names is the server's: say so)
-            e = ValueError(f"{e} (the server's default {field}: the request left it unset)")
-        raise ApiError.bad_request(e) from None
+        # the values it names that are the server's, not the request's (the field at fault, or the one it conflicts
+        # with): said so, with where the server got them
+        message = str(e)
+        named = [k for k in DEFAULTED if getattr(req, k) is None and k in kwargs and re.search(rf"\b{k}\b", message)]
+        notes = "".join(f" ({k} {json.dumps(kwargs[k])} is the server's default, {_default_source(k)}: the request "
+                        "left it unset)" for k in named)
+        raise ApiError.bad_request(ValueError(message + notes)) from None
+
+
+def _default_source(field: str) -> str:
+    """Where a server's default of `field` comes from (serve/cli.py `load_server`): the exit fields from the serve
+    flags (exit_policy, when only --exit-threshold is given, from the model: `serving_defaults`), the rest from the
+    checkpoint's generation_config.json."""
+    if field not in EXIT_FIELDS:
+        return "from the checkpoint's generation_config.json"
+    flag = f"--{field.replace('_', '-')}"
+    return f"{flag}, else the model's own" if field == "exit_policy" else flag
 
 
 def _field_of(message: str) -> str | None:
