@@ -35,7 +35,7 @@ from schemathesis.checks import not_a_server_error
 
 from loopserve.sampling_params import MAX_EXIT_TRACE, MAX_STOP
 from loopserve.serve.api import GENERATION_PATHS, HEALTH_PATHS
-from loopserve.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_body
+from loopserve.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_body, sampling_params
 from loopserve_lab.tiny import TinySpec, make_tiny
 from tests.server_helpers import MODEL, Server, run_server, sse_events, wait_idle
 
@@ -364,8 +364,16 @@ VALUES = [
     # contradictory or ignored inputs
     (C, {"exit_policy": "trace"}, "exit_trace"),  # nothing to replay (it ran at full depth)
     (C, {"exit_trace": [1, 100]}, "exit_trace.1"),  # past r_max, as max_loops is (it was clamped)
-    (C, {"exit_trace": [1] * (MAX_EXIT_TRACE + 1)}, "exit_trace"),  # longer than any output
 ]
+
+
+def test_an_exit_trace_longer_than_any_output_is_a_400():
+    """Past `MAX_EXIT_TRACE` depths (a body over the shared server's limit, so checked where the server makes the
+    request's params): a 400 naming exit_trace, no longer each entry checked in Python for every prompt."""
+    req = parse_body(CompletionRequest, json.dumps({**GOOD_C, "exit_trace": [1] * (MAX_EXIT_TRACE + 1)}).encode())
+    with pytest.raises(ApiError) as e:
+        sampling_params(req, max_tokens=4, logprobs=None, defaults={})
+    assert (e.value.status, e.value.param) == (400, "exit_trace") and "at most" in e.value.message, e.value
 
 
 def test_a_long_mixed_prompt_list_is_one_error():
