@@ -5,9 +5,11 @@ Two sources:
 * **Threshold-free trajectories** (docs/design.md §7.2): run the workload once at full depth and record, for
   every decode work item, the exit signal after every loop step (Ouro: the gate logit; Huginn: the
   relative latent change). `traces_for_threshold` then turns them into depths for any threshold by
-  the exact rule the engine applies online (`loopserve.exits.ExitTracker`: the cumulative-hazard
-  CDF for the gate, a direct threshold for latent_diff), so one recording replays any threshold in
-  every scheduler, identically.
+  the rule the engine applies online (`loopserve.exits.ExitTracker`: the cumulative-hazard CDF for
+  the gate, a direct threshold for latent_diff), so one recording replays any threshold in every
+  scheduler, identically. These are the exits of the full-depth signals: an approximation of the
+  depths an online run chooses, whose early exits change the KV, and so the signals, later tokens
+  see (how close depends on the model: docs/design.md §7.2).
 * **Synthetic depth laws** with a stated mean: `binomial` (1 + Binomial(r_max - 1, p)),
   `geometric` (truncated geometric, right-skewed), `fixed`.
 
@@ -137,8 +139,9 @@ class Trajectories:
 
 
 def exit_depth(signals: list[float], policy: str, threshold: float, r_max: int, min_loops: int = 1) -> int:
-    """The depth at which the online rule exits, given a threshold-free signal trajectory (uses the
-    engine's own `ExitTracker`, so replay and online decisions cannot drift apart)."""
+    """The depth at which the engine's rule exits on a threshold-free signal trajectory (its own
+    `ExitTracker`, so the rule cannot drift from the engine's; the signals are the full-depth run's,
+    which online exits would change: docs/design.md §7.2)."""
     tracker = ExitRule(policy, threshold, min_loops, r_max).new_item(0)
     for r in range(1, len(signals) + 1):
         if not tracker.observe(r, signals[r - 1]):
