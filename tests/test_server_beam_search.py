@@ -209,6 +209,7 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "
     (H, {"presence_penalty": 0.5}, "presence_penalty"), (C, {"logit_bias": {"5": 1.0}}, "logit_bias"),
     (C, {"min_tokens": 2}, "min_tokens"), (C, {"allowed_token_ids": [5, 6]}, "allowed_token_ids"),
     (C, {"bad_words": ["x"]}, "bad_words"), (C, {"min_loops": 2}, "min_loops"), (H, {"max_loops": 2}, "max_loops"),
+    (C, {"max_loops": 99}, "max_loops"),
     (C, {"exit_threshold": 0.5}, "exit_threshold"), (C, {"exit_policy": "kl"}, "exit_policy"),
     (C, {"exit_trace": [1, 2]}, "exit_trace"), (C, {"num_speculative_tokens": 2}, "num_speculative_tokens"),
     (C, {"n": 2, "best_of": 3}, "best_of"), (C, {"response_format": {"type": "json_object"}}, "response_format"),
@@ -299,11 +300,13 @@ def test_chat_logprobs_are_the_beams_own(server, offline, k):
     assert [e["logprobs"] for e in streamed] == [c["logprobs"] for c in got]
 
 
-def test_neutral_values_are_taken(server):
+def test_neutral_values_are_taken(server, offline):
     """Fields at a value that asks for nothing pass; length_penalty other than 1 still needs use_beam_search."""
     neutral = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "stop": [], "stop_token_ids": [], "repetition_penalty": 1,
                "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "min_tokens": 0, "bad_words": [],
-               "allowed_token_ids": [], "exit_policy": "fixed",  # (what the search does: every token at full depth)
+               # (what the search does: every token at full depth; these were refused, the depth fields but
+               # exit_policy at any value)
+               "allowed_token_ids": [], "exit_policy": "fixed", "max_loops": offline.config.r_max, "min_loops": 1,
                "num_speculative_tokens": 0, "n": 2, "best_of": 2, "seed": 5, "truncate_prompt_tokens": 1,
                "cache_salt": "s", "user": "u"}
     r = _ok(server, C, {"prompt": "hello there", "max_tokens": 2, **neutral})

@@ -914,7 +914,7 @@ class OpenAIServing:
     def beam_params(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> BeamSearchParams:
         """A `use_beam_search` request's BeamSearchParams (vLLM's `to_beam_search_params`): width n, `max_tokens`,
         temperature (unset: the server's default, as for sampling: `fill_defaults`; else 1), ignore_eos,
-        length_penalty, include_stop_str_in_output; a 400 naming the field at fault. (protocol.py refused the fields a
+        length_penalty, include_stop_str_in_output; a 400 naming the field at fault. (`build` refused the fields a
         beam search cannot honour.)"""
         temperature = fill_defaults(req, self.sampling_defaults).get("temperature", 1.0)
         width = 1 if req.n is None else req.n
@@ -1071,7 +1071,10 @@ class OpenAIServing:
         slow grammars (1-3 s each) holds neither the shared pool's threads nor more than one core (a trial on a
         shared machine saw fifty of them delay a plain one-token request 68 s; not reproduced here). In the
         lane a grammar already compiled, or already failed, is not compiled again (engine/grammar.py caches
-        both)."""
+        both). A beam search's fields are checked first (`check_beam_search`: its depth fields against this model's
+        full depth), as a body's own checks are."""
+        if req.use_beam_search:
+            req.check_beam_search(self.engine.model_config.r_max)
         compiles = guide_field(req) is not None or bool(getattr(req, "tools", None))
         if compiles and self._grammar_lane is None:
             self._grammar_lane = anyio.CapacityLimiter(GRAMMAR_BUILDS)  # (made on the event loop)

@@ -21,7 +21,8 @@ width `n` (half the server's --max-logprobs at most: a step asks for the top 2 *
 that asks for nothing (`_SamplingFields.beam_search_conflicts`): sampling filters, penalties and token
 restrictions, stop strings and stop tokens, prompt logprobs, the looped-model depth fields, `best_of` other than n,
 and (checked where the grammar is read, serve/api.py) structured output and forced tool calls. (Empty token
-restrictions and `exit_policy: "fixed"`, what the search does anyway, ask for nothing.) `logprobs` (chat's with
+restrictions, and `exit_policy: "fixed"`, `max_loops` r_max and `min_loops` 1, what the search does anyway, ask for
+nothing: all are checked where the model's r_max is known, serve/api.py `build`.) `logprobs` (chat's with
 `top_logprobs`) are the beams' own, as vLLM returns them (not with completions' `echo`: the prompt's would be prompt
 logprobs).
 
@@ -243,27 +244,27 @@ class _SamplingFields(_Strict):
         if self.request_id is not None and not usable_request_id(self.request_id):
             raise ApiError(400, f"request_id: must be 1 to {MAX_REQUEST_ID} visible ASCII characters (it is sent "
                                 "back in the X-Request-Id header)", "request_id")
-        if self.use_beam_search:
-            self.check_beam_search()
-        elif self.length_penalty is not None and self.length_penalty != 1:
+        if not self.use_beam_search and self.length_penalty is not None and self.length_penalty != 1:
             raise ApiError(400, f"length_penalty: only 1 is taken without use_beam_search (it scores beams), got "
                                 f"{self.length_penalty}", "length_penalty")
 
-    def check_beam_search(self) -> None:
-        """A beam search's fields: `n` (the beam width) at least 1 (the server's --max-logprobs bounds it: a step
-        asks for the top 2 * n logprobs), and none of `beam_search_conflicts` set to a value that asks for something
-        (400 naming the field)."""
+    def check_beam_search(self, r_max: int) -> None:
+        """A beam search's fields, on a model of `r_max` loops: `n` (the beam width) at least 1 (the server's
+        --max-logprobs bounds it: a step asks for the top 2 * n logprobs), and none of `beam_search_conflicts` set to
+        a value that asks for something (400 naming the field)."""
         n = 1 if self.n is None else self.n
         if n < 1:
             raise ApiError(400, f"n: the beam width with use_beam_search must be an integer >= 1, got {n}", "n")
-        for name, (neutral, why) in self.beam_search_conflicts().items():
+        for name, (neutral, why) in self.beam_search_conflicts(r_max).items():
             value = getattr(self, name)
             if value is not None and value not in neutral:  # (strict types: no true for 1)
                 raise ApiError(400, f"{name}: cannot be combined with use_beam_search ({why}); got "
                                     f"{json.dumps(value)[:80]}", name)
 
-    def beam_search_conflicts(self) -> dict[str, tuple[tuple[Any, ...], str]]:
-        """The fields a beam search cannot honour: field -> (the values that ask for nothing, besides unset; why)."""
+    def beam_search_conflicts(self, r_max: int) -> dict[str, tuple[tuple[Any, ...], str]]:
+        """The fields a beam search cannot honour: field -> (the values that ask for nothing, besides unset; why).
+        It runs every token at full depth, `r_max` loops: the depth fields ask for nothing at the values that
+        describe that (max_loops r_max, min_loops 1, exit_policy fixed)."""
         ranks = "a beam search ranks the model's own top 2 * n tokens"
         depth = "a beam search runs every token at full depth, as a prompt token"
         return {
@@ -274,7 +275,7 @@ class _SamplingFields(_Strict):
             "stop": (("", []), "a beam ends only on an end-of-sequence token or at max_tokens"),
             "stop_token_ids": (([],), "a beam ends only on an end-of-sequence token or at max_tokens"),
             "prompt_logprobs": ((), "a beam search computes no prompt logprobs"),
-            "min_loops": ((), depth), "max_loops": ((), depth), "exit_threshold": ((), depth),
+            "min_loops": ((1,), depth), "max_loops": ((r_max,), depth), "exit_threshold": ((), depth),
             "exit_policy": (("fixed",), depth), "exit_trace": ((), depth), "num_speculative_tokens": ((0,), depth),
         }
 
@@ -333,8 +334,8 @@ class CompletionRequest(_SamplingFields):
         if self.suffix:
             raise ApiError(400, "suffix: not supported by this server", "suffix")
 
-    def beam_search_conflicts(self) -> dict[str, tuple[tuple[Any, ...], str]]:
-        return {**super().beam_search_conflicts(),
+    def beam_search_conflicts(self, r_max: int) -> dict[str, tuple[tuple[Any, ...], str]]:
+        return {**super().beam_search_conflicts(r_max),
                 "best_of": ((1 if self.n is None else self.n,), "a beam search returns its n best beams")}
 
 
