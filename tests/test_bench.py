@@ -6,6 +6,7 @@ Expected values are computed by hand in the test, never by the code under test.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import zipfile
@@ -303,7 +304,8 @@ def _stub_app(tokens_per_chunk: int = 1, status: int = 200):
         events = []
         for i in range(0, n, tokens_per_chunk):
             k = min(tokens_per_chunk, n - i)
-            choice = {"index": 0, "text": "x" * k, "finish_reason": None}
+            # (loopserve's exit_depths: token t at depth t + 1)
+            choice = {"index": 0, "text": "x" * k, "finish_reason": None, "exit_depths": list(range(i + 1, i + k + 1))}
             if req.get("return_token_ids"):
                 choice["token_ids"] = list(range(k))
             events.append({"id": "c", "object": "text_completion", "choices": [choice]})
@@ -335,6 +337,25 @@ def test_http_client_parses_sse_stream(per_chunk):
     assert m["output_tokens"] == 4 + 3 + 1
     assert m["prompt_tokens"] == 3 + 1 + 2
     assert [len(r["token_times"]) for r in res["records"]] == [4, 3, 1]
+    # the measured depth, as in-process over decode tokens (a first token is its prefill's): [2, 3, 4] and [2, 3]
+    assert [r["exit_depths"] for r in res["records"]] == [[1, 2, 3, 4], [1, 2, 3], [1]]
+    assert m["mean_exit_depth"] == pytest.approx(14 / 5)
+
+
+def test_serve_json_says_what_decided_the_depths_of_each_mode():
+    """`bench serve --mode http --exit-policy gate --exit-threshold 0.5` ran a live gate: serve.json said "full
+    depth" (the depth flags' source) for it; now each mode's own record."""
+    from loopserve_lab.bench.cli import serve_depths
+
+    full = {"source": "full depth"}
+    live = argparse.Namespace(exit_policy="gate", exit_threshold=0.5, http_exit_trace=False)
+    assert serve_depths(live, full, None, "http") == {"source": "live", "exit_policy": "gate", "exit_threshold": 0.5}
+    assert serve_depths(live, full, None, "inprocess") == full
+    traces = argparse.Namespace(exit_policy=None, exit_threshold=None, http_exit_trace=False)
+    replay = {"source": "trajectories", "threshold": 0.5}
+    assert serve_depths(traces, replay, [[1]], "http")["source"] == "full depth"  # (traces not sent)
+    assert serve_depths(argparse.Namespace(**{**vars(traces), "http_exit_trace": True}), replay, [[1]],
+                        "http") == replay
 
 
 def test_http_client_records_errors():

@@ -676,7 +676,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     progress = not args.no_progress
     ov = engine_overrides(args)
     schedulers = tuple(args.schedulers or ENGINE_SCHEDULERS)
-    result: dict[str, Any] = {**_header(args, bm), "workload": wl.summary(), "depths": desc, "runs": []}
+    modes = ["inprocess", "http"] if args.mode == "both" else [args.mode]
+    result: dict[str, Any] = {**_header(args, bm), "workload": wl.summary(), "runs": [],
+                              "depths": {mode: serve_depths(args, desc, traces, mode) for mode in modes}}
     rates = list(args.rates or [])
     if not rates:  # fractions of CB's offline capacity on this workload
         cap = args.capacity
@@ -687,7 +689,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         result["cb_capacity_req_s"] = cap
         rates = [round(f * cap, 4) for f in args.rate_fractions]
     path = out / "serve.json"
-    modes = ["inprocess", "http"] if args.mode == "both" else [args.mode]
     for mode in modes:
         if mode == "inprocess" and args.lockstep:  # per rate, the schedulers side by side
             for rate in rates:
@@ -726,8 +727,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for mode in ("in-process", "http"):
         rows = [r["metrics"] for r in result["runs"] if r["metrics"]["mode"] == mode]
         if rows:
-            print(f"\n{mode} ({_serve_depths(args, desc, traces, mode)})\n{format_serve(rows)}")
             tag = "inprocess" if mode == "in-process" else "http"
+            print(f"\n{mode} ({_depths_line(result['depths'][tag])})\n{format_serve(rows)}")
             plot_serve(rows, out / f"serve_{tag}.png", f"{bm.name}: open-loop Poisson, {mode}")
     print(f"wrote {path}", file=sys.stderr)
     return 0
@@ -746,15 +747,23 @@ def _check_server(url: str) -> None:
         raise CommandError(f"--url: {url}/health answered {status}: the server is not ready")
 
 
-def _serve_depths(args: argparse.Namespace, desc: dict[str, Any], traces: Any, mode: str) -> str:
-    """What decided the exit depths of a `bench serve` table's requests: over HTTP a given exit policy or threshold
-    (live exits, whatever the depth law), else the traces only with --http-exit-trace (else full depth)."""
+def serve_depths(args: argparse.Namespace, desc: dict[str, Any], traces: Any, mode: str) -> dict[str, Any]:
+    """What decided the exit depths of a `bench serve` mode's requests (serve.json's `depths`, by mode): over HTTP a
+    given exit policy or threshold (live exits, whatever the depth law; exit_policy None: the model's own), else
+    the traces only with --http-exit-trace (else full depth); in-process `desc`, the depth flags' traces."""
     if mode == "http" and (args.exit_policy is not None or args.exit_threshold is not None):
-        policy = args.exit_policy or "the model's policy"
-        return policy + ("" if args.exit_threshold is None else f" at threshold {args.exit_threshold:g}") + ", live"
+        return {"source": "live", "exit_policy": args.exit_policy, "exit_threshold": args.exit_threshold}
     if mode == "http" and traces is not None and not args.http_exit_trace:
-        return "full depth: traces are replayed over HTTP only with --http-exit-trace"
-    return str(desc.get("source"))
+        return {"source": "full depth", "why": "traces are replayed over HTTP only with --http-exit-trace"}
+    return desc
+
+
+def _depths_line(depths: dict[str, Any]) -> str:
+    """`serve_depths` in words, for a table's heading."""
+    if depths["source"] == "live":
+        policy, threshold = depths["exit_policy"] or "the model's policy", depths["exit_threshold"]
+        return policy + ("" if threshold is None else f" at threshold {threshold:g}") + ", live"
+    return depths["source"] + (f": {depths['why']}" if "why" in depths else "")
 
 
 def _http_rates(base: str, name: str, wl: Any, rates: list[float], sched: str, args: argparse.Namespace,

@@ -34,6 +34,7 @@ class RequestRecord:
     prompt_tokens: int = 0
     output_tokens: int | None = None  # when the count differs from len(token_times) (HTTP chunks)
     error: str | None = None
+    exit_depths: list[int] = field(default_factory=list)  # HTTP: each output token's, as the server reports them
 
     @property
     def n(self) -> int:

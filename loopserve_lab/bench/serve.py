@@ -15,7 +15,9 @@ OpenAI-compatible HTTP server.
   speaking that API; `launch_server` starts `loopserve serve` for a scheduler and stops it after.
   Exits over HTTP follow the model's live exit rule (`exit_threshold`/`exit_policy` fields), which
   depends only on the request's own tokens, so every scheduler makes the same exit decisions;
-  `exit_trace` is sent only with `--http-exit-trace` (a server must accept it).
+  `exit_trace` is sent only with `--http-exit-trace` (a server must accept it). The mean exit depth is measured
+  from the responses' `exit_depths` (loopserve's extension: None from a server without it); serve.json's `depths`
+  says, per mode, what decided them (`bench.cli.serve_depths`).
 
 Metric definitions: `loopserve_lab.bench.metrics`.
 """
@@ -225,6 +227,8 @@ async def stream_completion(client: Any, url: str, body: dict[str, Any], rec: Re
                     break
                 k = _chunk_tokens(chunk)
                 rec.token_times += [now] * k
+                for ch in chunk.get("choices") or []:
+                    rec.exit_depths += ch.get("exit_depths") or []  # (loopserve's extension; other servers: none)
                 if chunk.get("usage"):
                     usage_tokens = chunk["usage"].get("completion_tokens")
             rec.finish = time.perf_counter() - t0
@@ -267,7 +271,10 @@ async def run_http_async(base_url: str, model_name: str, workload: Workload, rat
         await asyncio.gather(*(one(i) for i in range(len(workload))))
     bar.close()
     m = serving_metrics(records)
-    m.update({"rate": rate, "mode": "http", "url": base_url})
+    # as in-process: over decode items, each request's first token being its prefill's (at full depth)
+    decode = [d for r in records for d in r.exit_depths[1:]]
+    m.update({"rate": rate, "mode": "http", "url": base_url,
+              "mean_exit_depth": sum(decode) / len(decode) if decode else None})
     return {"metrics": m, "records": [r.to_json() for r in records]}
 
 
