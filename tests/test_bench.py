@@ -603,6 +603,8 @@ def test_bench_theory_cli(capsys):
     assert main(["bench", "theory", "--model", "huginn-bench", "--mean-depth", "10"]) == 0
     out = capsys.readouterr().out
     assert "F0 / Fr" in out and "1.20" in out
+    # the range the command takes (0 was said to be in it, though --mean-depth refuses it)
+    assert "mean_depth must be in (0, r_max=4], got 5.0" in _refused(["bench", "theory", "--mean-depth", "5"], capsys)
 
 
 @pytest.mark.parametrize("command", [["theory"], ["host", "--widths", "8"], ["throughput", "--model", "micro-ouro"]])

@@ -542,8 +542,8 @@ def theory_report(
     """Everything above for one model, as a JSON-serialisable dict (infinities become ``None``)."""
     c = model_config(config)
     r = _r_max(c, r_max)
-    if not 0 <= mean_depth <= r:
-        raise ValueError(f"mean_depth must be in [0, r_max={r}], got {mean_depth}")
+    if not 0 < mean_depth <= r:  # (every token runs a loop at least; the command's --mean-depth is > 0 too)
+        raise ValueError(f"mean_depth must be in (0, r_max={r}], got {mean_depth}")
     flops = {k: stage_flops(c, context=context, count=k) for k in ("matmul", "params")}
     bounds: dict[str, float | None] = {k: flop_bound(f.F0, f.Fr, r, mean_depth) for k, f in flops.items()}
     bounds["no_boundary"] = r / mean_depth if mean_depth > 0 else None  # the F0 = 0 limit
