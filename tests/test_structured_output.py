@@ -227,6 +227,28 @@ def test_grammar_past_the_parser_limit_later_fails_its_request_alone_with_400(ti
     assert not engine.requests and engine.kv.allocator.num_free == engine.kv.num_blocks
 
 
+
+def test_an_ambiguous_grammar_whose_masks_grow_slow_fails_its_request_alone(tiny_ouro, monkeypatch):
+    """An ambiguous grammar's masks grow with its output, within llguidance's item limits (on the embedded model:
+    100 ms by some 200 tokens, 480 ms by 390, where its item limit fails it), and every other request waits for each:
+    once one takes longer than GRAMMAR_MASK_LIMIT_S (lowered here, so the test is short on any machine), the request
+    fails alone, as its own fault, and its neighbours equal the reference decoder."""
+    monkeypatch.setattr(grammar, "GRAMMAR_MASK_LIMIT_S", 0.002)
+    engine = make_engine(tiny_ouro, scheduler="cdb", max_decode_batch=4)
+    ambiguous = SamplingParams(temperature=1.0, max_tokens=300, logit_bias={0: -100, 2: -100},  # (no eos)
+                               guided_decoding=GuidedDecodingParams(grammar='start: x\nx: x x x | x x | "a" | "b"'))
+    free = SamplingParams(temperature=1.0, max_tokens=12, exit_threshold=0.6)
+    reqs = [Req("slow", [4, 5, 6], ambiguous, seed=1), Req("n0", [7, 8], free, seed=2), Req("n1", [9, 3], free, seed=3)]
+    outs = drive(engine, reqs)
+    bad = outs["slow"]
+    assert bad.outputs[0].finish_reason == "error" and bad.error_status == 400, bad.outputs[0]
+    took = r"guided_decoding: the grammar took \d+ ms to give one token's mask \(at most 2\).*"
+    assert re.fullmatch(took, bad.error), bad.error
+    assert 0 < len(bad.outputs[0].token_ids) < 300 and set(bad.outputs[0].text) <= {"a", "b"}
+    for r in reqs[1:]:
+        assert_matches(outs[r.rid], reference(engine, r))
+    assert not engine.requests and engine.kv.allocator.num_free == engine.kv.num_blocks
+
 DEEP_CHAIN = """
 from loopserve.engine.grammar import new_guide
 from loopserve.llm import default_model_path

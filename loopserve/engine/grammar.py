@@ -20,7 +20,9 @@ Where the work happens:
   bitmasks on the host (one parallel call), lets the sampler check them against each row's other masks (a
   row left no token fails alone, `NothingToSampleError`), uploads them once and sets the disallowed logits
   to -inf on the device. Rows without a guide are not touched, and a batch with none costs one scan of its
-  params. Each row's mask depends only on its own request, so batches stay invariant (§9).
+  params. Each row's mask depends only on its own request, so batches stay invariant (§9). An ambiguous
+  grammar's masks grow with its output until one takes seconds, the whole batch waiting: a request whose mask
+  takes longer than GRAMMAR_MASK_LIMIT_S fails alone (`_fill_masks`).
 - `Guide.advance` moves the matcher past each token its request takes (`Sequence.append`); the request
   finishes with "stop" once the grammar admits nothing but the end.
 """
@@ -30,6 +32,7 @@ from __future__ import annotations
 import copy
 import json
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -60,6 +63,14 @@ PROBED_FIRST_TOKENS = 64
 # thread of their own with this much stack (reserved, not used, until needed): within MAX_GRAMMAR_CHARS
 # a chain is at most ~10,000 rules deep, and 12,000 compile in 256 MB.
 COMPILE_STACK_BYTES = 256 * 2**20
+# The longest one request's token mask may take (`_fill_masks`) before the request fails alone. A grammar's masks cost
+# microseconds to some ms (a choice of 1,900 options, a JSON schema of 450 optional properties, a GBNF JSON grammar:
+# at most ~40 ms here, on a loaded machine), but an ambiguous grammar's grow with its output (`x: x x x | x x | "a" |
+# "b"`: 58 ms by the 75th token, 7 s by the 260th, all within llguidance's item limits), and masks are computed in the
+# engine's sampling step, so every other request waited (a probe saw plain requests take 16 s instead of 0.3). Timed,
+# so a grammar near the limit may pass on an idle machine and fail on a loaded one: a mask this slow is a stall of
+# the whole batch already.
+GRAMMAR_MASK_LIMIT_S = 0.1
 # llguidance's words for a token its grammar does not allow (after a masked sample: an engine bug, a 500);
 # any other matcher error is the grammar past the parser's limits (the request's own input, a 400)
 REJECTED = "doesn't satisfy the grammar"
@@ -167,6 +178,8 @@ class Guide:
     def __init__(self, matcher: Any, words: int, first: np.ndarray, vocab: int) -> None:
         self.matcher, self.words = matcher, words  # words: int32 words of one bitmask
         self.first, self.vocab = first, vocab  # vocab: the model's (the sampler's logits)
+        self.suspect = False  # its last batch's masks were slow: the next is timed alone (`_fill_masks`)
+        self.too_slow: str | None = None  # why its grammar's masks are refused
 
     def advance(self, token: int) -> None:
         """Consume a taken token (raises if the grammar rejects it: the mask was bypassed or the
@@ -183,7 +196,21 @@ class Guide:
         """The grammar is complete and admits nothing more: only an eos may follow (`Sequence.take`)."""
         return bool(self.matcher.is_stopped())
 
+    def time_mask(self, out: torch.Tensor) -> None:
+        """Compute its mask into `out` ([words] int32) alone, timed: one that takes longer than GRAMMAR_MASK_LIMIT_S
+        refuses this and every later mask (`check`)."""
+        start = time.perf_counter()
+        self.matcher.unsafe_compute_mask_ptr(out.data_ptr(), out.shape[0] * 4)
+        spent = time.perf_counter() - start
+        self.suspect = False
+        if spent > GRAMMAR_MASK_LIMIT_S:
+            self.too_slow = (f"guided_decoding: the grammar took {spent * 1e3:.0f} ms to give one token's mask (at "
+                             f"most {GRAMMAR_MASK_LIMIT_S * 1e3:.0f}): an ambiguous grammar's parse grows with the "
+                             "output, and its masks hold up every request's sampling; write it unambiguously")
+
     def check(self) -> None:
+        if self.too_slow is not None:
+            raise GrammarLimitError(self.too_slow)
         if self.matcher.is_error():
             raise GrammarLimitError(f"guided_decoding: {_readable(self.matcher.get_error())}")
 
@@ -311,8 +338,20 @@ def _fill_masks(guides: list[Guide]) -> torch.Tensor:
     masks = torch.zeros((len(guides), guides[0].words), dtype=torch.int32)
     if _executor is None:
         _executor = _llguidance().LLExecutor()
-    _executor.unsafe_compute_mask_ptr([(g.matcher, i) for i, g in enumerate(guides)], masks.data_ptr(),
-                                      masks.shape[1] * 4, len(guides))
+    # the guides of a batch whose masks took longer than GRAMMAR_MASK_LIMIT_S are suspects: their next masks are
+    # computed one at a time and timed (a matcher keeps the mask of its state, so this one cannot be timed again)
+    alone = [i for i, g in enumerate(guides) if g.suspect]
+    together = [(g.matcher, i) for i, g in enumerate(guides) if not g.suspect]
+    if together:
+        start = time.perf_counter()
+        _executor.unsafe_compute_mask_ptr(together, masks.data_ptr(), masks.shape[1] * 4, len(guides))
+        if time.perf_counter() - start > GRAMMAR_MASK_LIMIT_S:
+            for _, i in together:
+                guides[i].suspect = True
+    for i in alone:
+        guides[i].time_mask(masks[i])
+    for g in guides:
+        g.check()  # one found too slow fails alone (the sampler's row-by-row retry, `sample_rows`)
     return masks
 
 

@@ -283,7 +283,6 @@ def bad_inputs(lim: Limits) -> list[tuple[str, str, str, Any, int, str | None]]:
         ("max_tokens-bool", "POST", COMPLETIONS, {**c, "max_tokens": True}, 400),
         ("max_tokens-over-kv", "POST", COMPLETIONS, {**c, "max_tokens": over_kv}, 400),
         ("seed-beyond-int64", "POST", COMPLETIONS, {**c, "seed": 2**70}, 400),
-        ("temperature-huge", "POST", COMPLETIONS, {**c, "temperature": 1e308}, 400),
         ("temperature-negative", "POST", COMPLETIONS, {**c, "temperature": -0.1}, 400),
         ("top_p-zero", "POST", COMPLETIONS, {**c, "top_p": 0}, 400),
         ("top_k-negative", "POST", COMPLETIONS, {**c, "top_k": -7}, 400),
