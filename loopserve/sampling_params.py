@@ -172,23 +172,29 @@ def _without_additional_properties(schema: Any, strict: bool = False) -> Any:
     `additionalProperties` sets it false: vLLM's rule (backend_guidance `_walk_json_for_additional_properties`),
     whatever its `type` says, so a free-form `{"type": "object"}` stays open. `strict` (the default backend's rule,
     after xgrammar's strict mode): and a tuple (`prefixItems`) that sets neither `items` nor `additionalItems` admits
-    nothing past its items. (llguidance refuses the `unevaluated*` keywords, so no schema here relies on them.)
+    nothing past its items; and it leaves open the schemas that describe an object together with others, where
+    closing one would refuse the others' properties (`additionalProperties` sees only its own schema's): a schema
+    with `allOf`, `anyOf` or `oneOf`, the branches of `allOf`, and those of `anyOf` / `oneOf` beside properties of
+    their own (closed, `{"properties": {"a": ...}, "allOf": [{"properties": {"b": ...}}]}` admitted only `{}`).
+    (llguidance refuses the `unevaluated*` keywords, so no schema here relies on them.)
     Walked by keyword, so a property named "type" or "properties" is not taken for a keyword."""
-    def walk(node: Any) -> Any:
+    def walk(node: Any, composed: bool = False) -> Any:
         if not isinstance(node, dict):
             return node
         out = dict(node)
+        lists_props = isinstance(out.get("properties"), dict) or isinstance(out.get("patternProperties"), dict)
         for key in _SUBSCHEMA:
             if key in out:
                 out[key] = walk(out[key]) if not isinstance(out[key], list) else [walk(x) for x in out[key]]
         for key in _SUBSCHEMA_LISTS:
             if isinstance(out.get(key), list):
-                out[key] = [walk(x) for x in out[key]]
+                shared = strict and (key == "allOf" or (key in ("anyOf", "oneOf") and lists_props))
+                out[key] = [walk(x, shared) for x in out[key]]
         for key in _SUBSCHEMA_MAPS:
             if isinstance(out.get(key), dict):
                 out[key] = {name: walk(x) for name, x in out[key].items()}
-        if "additionalProperties" not in out and (isinstance(out.get("properties"), dict)
-                                                  or isinstance(out.get("patternProperties"), dict)):
+        combines = strict and (composed or any(isinstance(out.get(k), list) for k in ("allOf", "anyOf", "oneOf")))
+        if "additionalProperties" not in out and lists_props and not combines:
             out["additionalProperties"] = False
         if strict and isinstance(out.get("prefixItems"), list) and not any(
                 k in out for k in ("items", "additionalItems")):

@@ -150,6 +150,25 @@ def test_disable_additional_properties_closes_every_schema_with_properties_that_
     assert GuidedDecodingParams(json=free, disable_additional_properties=True).json == free
 
 
+def test_the_default_backend_leaves_composed_objects_open():
+    """A schema composed with allOf (or anyOf / oneOf beside properties of its own) describes one object in several
+    schemas, each listing some of its properties: closing each (`additionalProperties` sees only its own schema's)
+    refused the others' properties, so `{"a": 1, "b": 2}` was refused (only `{}` admitted), and an allOf of two
+    required properties was an unsatisfiable schema. Nested objects are still closed."""
+    composed = {"type": "object", "properties": {"a": {"type": "integer"}, "inner": {"properties": {"x": {}}}},
+                "allOf": [{"properties": {"b": {"type": "integer"}}}],
+                "anyOf": [{"properties": {"c": {}}}, {"properties": {"d": {}}}]}
+    got = GuidedDecodingParams(json=composed).json
+    assert "additionalProperties" not in got
+    assert all("additionalProperties" not in x for x in (*got["allOf"], *got["anyOf"]))
+    assert got["properties"]["inner"]["additionalProperties"] is False
+    alternatives = {"oneOf": [{"type": "object", "properties": {"a": {}}}, {"type": "integer"}]}  # (whole objects)
+    assert GuidedDecodingParams(json=alternatives).json["oneOf"][0]["additionalProperties"] is False
+    both = {"allOf": [{"type": "object", "properties": {"a": {}}, "required": ["a"]},
+                      {"type": "object", "properties": {"b": {}}, "required": ["b"]}]}
+    assert GuidedDecodingParams(json=both).json == both  # (compiles: it was "Unsatisfiable schema")
+
+
 @pytest.mark.parametrize("backend", [None, "auto"])
 def test_the_default_backend_closes_objects_and_tuples_as_vllms_default(backend):
     """vLLM's "auto" compiles a JSON schema with xgrammar, whose strict mode (its default) admits no property an
