@@ -16,8 +16,9 @@ loopserve imports Ray, and `serve/cli.py` imports this module only when a Ray fl
   server does) + a few slots so that probes never wait behind generations, `--max-queued-requests`
   also as the proxy's queue bound, `--shutdown-timeout` as the graceful shutdown time; autoscaling
   aims at `--max-num-seqs` requests per replica.
-- Health: `check_health` fails once the replica's engine thread has died, so Ray Serve's
-  controller replaces the replica (as a supervisor restarts the single-process server, which exits
+- Health: `check_health` fails once the replica's engine thread has died, and a check not answered within
+  `HEALTH_CHECK_TIMEOUT_S` fails (a stuck replica), so Ray Serve's controller replaces the replica (force-stopped:
+  `FORCE_STOP_UNHEALTHY`) (as a supervisor restarts the single-process server, which exits
   1 then); a replica process that dies is restarted by Ray Serve the same way. GET /health is
   answered by whichever replica the router picks, and is 503 on one whose engine is gone.
 - Metrics: GET /metrics on any replica asks every replica for its Prometheus text
@@ -32,7 +33,8 @@ loopserve imports Ray, and `serve/cli.py` imports this module only when a Ray fl
 
 Failure semantics (docs/scale-out.md): requests that reach the proxy while a replica is dead, or wait
 in the proxy, go to another replica; those the dead replica had taken (running, or waiting in its
-engine's queue) fail (the proxy answers 500, or a stream is cut: its 200 is already sent), none hang.
+engine's queue) fail (the proxy answers 500, or a stream is cut: its 200 is already sent); a replica that hangs
+holds them until its health checks have failed (about 3 x `HEALTH_CHECK_TIMEOUT_S`), then they fail the same way.
 """
 
 from __future__ import annotations
