@@ -48,6 +48,7 @@ REPLICA = "x-loopserve-replica"
 START_TIMEOUT_S = 150.0  # Ray, the proxy and two replicas on a loaded 2-core machine
 LONG = {"max_tokens": 600, "ignore_eos": True, "temperature": 0}  # a request that runs for seconds
 GRACE_S = 8.0  # the server's --shutdown-timeout
+ORIGIN = "https://a.example"  # the server's --allowed-origins
 
 
 # -- without a Ray instance -------------------------------------------------------------------------------------
@@ -328,7 +329,7 @@ def server(tiny_model, tmp_path_factory) -> Iterator[RayServer]:
     cmd = [sys.executable, "-m", "loopserve.cli", "serve", "--model", str(tiny_model), "--port", str(port),
            "--served-model-name", MODEL, "--device", "cpu", "--kv-cache-tokens", "4096", "--max-num-seqs", "2",
            "--max-queued-requests", "8", "--replicas", "2", "--replica-cpus", "1", "--no-access-log",
-           "--shutdown-timeout", str(GRACE_S),
+           "--shutdown-timeout", str(GRACE_S), "--allowed-origins", ORIGIN,
            "--log-level", "info"]
     env = server_env(RAY_DEDUP_LOGS="0")
     with open(log, "w") as f:
@@ -445,6 +446,14 @@ def test_metrics_merged_with_a_replica_label(server):
     assert len(generated) == 2 and replicas <= set(generated)
     for name in ("loopserve:num_requests_running", "loopserve:kv_cache_usage_perc", "process_cpu_seconds_total"):
         assert set(_per_replica(metrics, name)) == set(generated), name
+    # as the single-process server answers a Prometheus scrape, through the app's middleware (CORS): it was Ray's
+    # handler beside the app, without CORS headers, and prometheus_client's latest content type (version=1.0.0)
+    r = httpx.get(server.url + "/metrics", timeout=30, headers={
+        "Origin": ORIGIN, "Accept-Encoding": "gzip", "Accept": "application/openmetrics-text; version=1.0.0"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
+    assert r.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    assert "content-encoding" not in r.headers and int(r.headers["content-length"]) == len(r.content)
+    assert all(f'replica="{replica}"' in r.text for replica in generated)
 
 
 @pytest.mark.timeout(300)

@@ -312,10 +312,7 @@ class _ReplicaASGI:
             await send(msg)
 
         if scope["method"] == "GET" and scope["path"] in self.metrics_paths:
-            body = (await self.replica.merged_metrics()).encode()
-            from prometheus_client import CONTENT_TYPE_LATEST
-
-            await _respond(send_with_replica, 200, body, CONTENT_TYPE_LATEST)
+            await self.metrics(scope, receive, send_with_replica)
             return
         generation = scope["method"] == "POST" and scope["path"] in self.generation_paths
         if self.draining and (generation or scope["path"] in self.health_paths):
@@ -332,6 +329,26 @@ class _ReplicaASGI:
             await self.inner(scope, _disconnect_when_cancelled(receive), send_with_replica)
         finally:
             self.generating -= 1
+
+
+    async def metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """GET /metrics: the app's own answer (its middleware's headers, CORS among them, and its content type), asked
+        for plain Prometheus text (no Accept, no gzip: what `merge_metrics` reads and writes), with every replica's
+        metrics as its body."""
+        merged = (await self.replica.merged_metrics()).encode()
+        plain = {**scope, "headers": [h for h in scope["headers"] if h[0] not in (b"accept", b"accept-encoding")]}
+        status = {"code": 0}
+
+        async def send_merged(msg: Message) -> None:
+            if msg["type"] == "http.response.start":
+                status["code"] = msg["status"]
+                if msg["status"] == 200:
+                    msg = {**msg, "headers": [(k, str(len(merged)).encode() if k == b"content-length" else v)
+                                              for k, v in msg.get("headers", [])]}
+            elif msg["type"] == "http.response.body" and status["code"] == 200:  # (its one body: a `Response`)
+                msg = {"type": "http.response.body", "body": merged}
+            await send(msg)
+        await self.inner(plain, receive, send_merged)
 
 
 def _disconnect_when_cancelled(receive: Receive) -> Receive:
