@@ -153,6 +153,7 @@ def test_replica_threads_flags_one_rule(monkeypatch):
     # a model that cannot load: the single-process server's line (it was 7 replica tracebacks over 48 s, then the line)
     (["--replicas", "2", "--model", "{bad}"], "config.json: unknown architecture None; loopserve supports"),
     (["--replicas", "2", "--model", "{empty}"], "config.json: missing"),
+    (["--replicas", "2", "--model", "{bad}/config.json"], "config.json' is not a model folder"),
 ])
 def test_bad_replica_flags_exit_2_before_ray_starts(argv, message, tmp_path):
     (tmp_path / "bad").mkdir()

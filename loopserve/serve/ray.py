@@ -166,23 +166,22 @@ def build_application(args: argparse.Namespace, check_model: bool = True) -> App
 
 
 def _check_model(args: argparse.Namespace, local: bool) -> None:
-    """ValueError for a model path that cannot be there: a missing absolute path; with a local Ray instance (replicas
-    on this machine) also a missing relative one that is no hub id (`loader.is_hub_id`). A cluster's nodes may hold
-    relative paths this machine does not. A model folder this machine has (the embedded model's too) is read as the
-    loader reads it before the weights (`loader.read_model_files`): a bad config or tokenizer is then the single-process
-    server's one line here, where every replica's constructor would fail it, retried, with Ray's tracebacks."""
+    """ValueError for a model path that cannot be there: a file, a missing absolute path; with a local Ray instance
+    (replicas on this machine) also a missing relative one that is no hub id (`loader.is_hub_id`). A cluster's nodes
+    may hold relative paths this machine does not. A model folder this machine has (the embedded model's too) is read
+    as the loader reads it before the weights (`loader.read_model_files`): a bad config or tokenizer is then the
+    single-process server's one line here, where every replica's constructor would fail it, retried, with Ray's
+    tracebacks."""
     from loopserve.llm import default_model_path
     from loopserve.models.loader import is_hub_id, is_local_folder, read_model_files
 
     model = args.model_tag or args.model
-    if model is not None and not Path(model).expanduser().exists():
-        if Path(model).is_absolute() or (local and not is_hub_id(str(model))):
-            raise ValueError(f"model: {model!r} is not a model folder")
-        return
-    if is_local_folder(model):  # (else a file, or a hub id the replicas fetch: theirs to read)
+    if is_local_folder(model):
         folder = Path(model).expanduser() if model is not None else default_model_path()
         read_model_files(folder, args.state_init, chat_template=args.chat_template,
                          generation_config=args.generation_config)
+    elif Path(model).expanduser().exists() or Path(model).is_absolute() or (local and not is_hub_id(str(model))):
+        raise ValueError(f"model: {model!r} is not a model folder")
 
 
 RAY_CONNECT_TIMEOUT_S = 5.0  # how long a --ray-address HOST:PORT may take to accept a connection
