@@ -48,6 +48,7 @@ REPLICA = "x-loopserve-replica"
 START_TIMEOUT_S = 150.0  # Ray, the proxy and two replicas on a loaded 2-core machine
 LONG = {"max_tokens": 600, "ignore_eos": True, "temperature": 0}  # a request that runs for seconds
 GRACE_S = 8.0  # the server's --shutdown-timeout
+ORIGIN = "https://a.example"  # the server's --allowed-origins
 
 
 # -- without a Ray instance -------------------------------------------------------------------------------------
@@ -74,6 +75,8 @@ def test_flags_map_onto_deployment_options():
     # deployment's capacity (each request waits there a moment), with Ray's plain 503 instead of the app's
     assert fixed["max_queued_requests"] == 3 * (8 + 40)
     assert fixed["graceful_shutdown_timeout_s"] == 12
+    # a stuck replica is found in seconds: Ray's default timeout, 30 s three times in a row, kept it for 90 s
+    assert (fixed["health_check_period_s"], fixed["health_check_timeout_s"]) == (2.0, 5.0)
     auto = lray.deployment_options(_flags("--min-replicas", "1", "--max-replicas", "4", "--replicas", "2",
                                           "--max-num-seqs", "8", "--replica-cpus", "0.5"), gpus=True)
     assert auto["num_replicas"] == "auto"
@@ -145,36 +148,75 @@ def test_replica_threads_flags_one_rule(monkeypatch):
     # (a relative one: Ray started, and six replica tracebacks came before the error, with exit 1)
     (["--replicas", "2", "--model", "no_such_folder"], "model: 'no_such_folder' is not a model folder"),
     (["--replicas", "2", "--ray-address", "127.0.0.1:1"], "--ray-address: nothing answers at 127.0.0.1:1"),
+    # (Ray's proxy took it as any free port, and the start-up line said port 0)
+    (["--replicas", "2", "--port", "0"], "--port: 0 (a port the system picks) cannot be used with replicas"),
+    # a model that cannot load: the single-process server's line (it was 7 replica tracebacks over 48 s, then the line)
+    (["--replicas", "2", "--model", "{bad}"], "config.json: unknown architecture None; loopserve supports"),
+    (["--replicas", "2", "--model", "{empty}"], "config.json: missing"),
+    (["--replicas", "2", "--model", "{bad}/config.json"], "config.json' is not a model folder"),
 ])
 def test_bad_replica_flags_exit_2_before_ray_starts(argv, message, tmp_path):
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text('{"model_type": "ouro"}')
+    (tmp_path / "empty").mkdir()
+    argv = [a.format(bad=tmp_path / "bad", empty=tmp_path / "empty") for a in argv]
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "loopserve.cli", "serve", "--model", str(tmp_path), *argv],
+    r = subprocess.run([sys.executable, "-m", "loopserve.cli", "serve", *argv],  # (no --model: the embedded one)
                        capture_output=True, text=True, cwd=REPO, timeout=60)
     assert r.returncode == 2 and message in r.stderr, r.stderr
     assert "Ray" not in r.stderr and time.monotonic() - t0 < 30
 
 
-def test_ray_address_auto_without_a_cluster_is_one_error_line(tmp_path):
+def test_ray_address_auto_without_a_cluster_is_one_error_line():
     """It was Ray's ConnectionError traceback (exit 1)."""
     if Path(tempfile.gettempdir(), "ray", "ray_current_cluster").exists():  # (what "auto" would join)
         pytest.skip("a Ray cluster runs on this machine")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    r = subprocess.run([sys.executable, "-m", "loopserve.cli", "serve", "--model", str(tmp_path), "--ray-address",
-                        "auto"], capture_output=True, text=True, cwd=REPO, timeout=120, env=env)
+    r = subprocess.run([sys.executable, "-m", "loopserve.cli", "serve", "--ray-address", "auto"],
+                       capture_output=True, text=True, cwd=REPO, timeout=120, env=env)
     assert r.returncode == 2 and "error: --ray-address: Could not find any running Ray instance" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
 
 
-def test_a_port_in_use_exits_2_before_ray_starts(tmp_path):
+def test_a_port_in_use_exits_2_before_ray_starts():
     """It was a traceback from serve.start, 14 s later (Ray's proxy failed to bind)."""
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        r = subprocess.run([sys.executable, "-m", "loopserve.cli", "serve", "--model", str(tmp_path), "--replicas",
-                            "2", "--port", str(port)], capture_output=True, text=True, cwd=REPO, timeout=60)
+        r = subprocess.run([sys.executable, "-m", "loopserve.cli", "serve", "--replicas", "2", "--port", str(port)],
+                           capture_output=True, text=True, cwd=REPO, timeout=60)
     assert r.returncode == 2 and f"error: --port: cannot listen on 127.0.0.1:{port}" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_replicas_that_do_not_fit_the_local_instance_exit_2():
+    """Ray Serve started the replicas that fit and waited for the others for good ("serving on" never came), and the
+    first SIGTERM did nothing. Ray starts (its CPUs are the figure), the application does not."""
+    r = subprocess.run([sys.executable, "-m", "loopserve.cli", "serve", "--replicas", "2", "--replica-cpus", "4096",
+                        "--port", str(free_port())], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert r.returncode == 2, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: --replicas 2 x --replica-cpus 4096: the replicas need 8192 CPUs, and the local Ray "
+                           "instance has ") and last.endswith("; lower --replicas or --replica-cpus"), r.stderr
+    assert "Traceback" not in r.stderr and "Serve" not in r.stderr
+
+
+def test_a_cluster_wanting_a_token_gets_the_hint():
+    """Ray 2.60 raises ConnectionError("Failed to connect to Ray cluster at ...") from the authentication error: the
+    hint was only given where the error's own text said "auth"."""
+    try:
+        try:
+            raise RuntimeError("UNAUTHENTICATED: Authentication token is missing or invalid")
+        except RuntimeError as cause:
+            raise ConnectionError("Failed to connect to Ray cluster at 10.0.0.1:6379") from cause
+    except ConnectionError as e:
+        chained = e
+    said = lray._ray_init_error(chained, local=False)
+    assert said.startswith("--ray-address: Failed to connect to Ray cluster at 10.0.0.1:6379 (a cluster with token "
+                           "authentication: set RAY_AUTH_MODE"), said
+    assert lray._ray_init_error(ConnectionError("Could not find any running Ray instance"), local=False) == (
+        "--ray-address: Could not find any running Ray instance")
 
 
 def test_config_file_builder(tmp_path):
@@ -184,7 +226,7 @@ def test_config_file_builder(tmp_path):
     assert (args.model, args.max_model_len, args.api_key) == (str(tmp_path), 256, ["a", "b"])
     assert args.enable_log_requests and args.allowed_origins == ["https://a.example"]
     assert (args.min_replicas, args.max_replicas) == (1, 3)
-    application = lray.app({"model": str(tmp_path), "replicas": 2})
+    application = lray.app({"replicas": 2})  # (the embedded model: its files are read here)
     assert isinstance(application, ray.serve.Application)
     with pytest.raises(ValueError, match="args.nonsense: not a `loopserve serve` flag"):
         lray.flags_from_config({"nonsense": 1})
@@ -288,7 +330,7 @@ def server(tiny_model, tmp_path_factory) -> Iterator[RayServer]:
     cmd = [sys.executable, "-m", "loopserve.cli", "serve", "--model", str(tiny_model), "--port", str(port),
            "--served-model-name", MODEL, "--device", "cpu", "--kv-cache-tokens", "4096", "--max-num-seqs", "2",
            "--max-queued-requests", "8", "--replicas", "2", "--replica-cpus", "1", "--no-access-log",
-           "--shutdown-timeout", str(GRACE_S),
+           "--shutdown-timeout", str(GRACE_S), "--allowed-origins", ORIGIN,
            "--log-level", "info"]
     env = server_env(RAY_DEDUP_LOGS="0")
     with open(log, "w") as f:
@@ -405,6 +447,14 @@ def test_metrics_merged_with_a_replica_label(server):
     assert len(generated) == 2 and replicas <= set(generated)
     for name in ("loopserve:num_requests_running", "loopserve:kv_cache_usage_perc", "process_cpu_seconds_total"):
         assert set(_per_replica(metrics, name)) == set(generated), name
+    # as the single-process server answers a Prometheus scrape, through the app's middleware (CORS): it was Ray's
+    # handler beside the app, without CORS headers, and prometheus_client's latest content type (version=1.0.0)
+    r = httpx.get(server.url + "/metrics", timeout=30, headers={
+        "Origin": ORIGIN, "Accept-Encoding": "gzip", "Accept": "application/openmetrics-text; version=1.0.0"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
+    assert r.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    assert "content-encoding" not in r.headers and int(r.headers["content-length"]) == len(r.content)
+    assert all(f'replica="{replica}"' in r.text for replica in generated)
 
 
 @pytest.mark.timeout(300)

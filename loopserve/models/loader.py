@@ -221,17 +221,13 @@ def build_model(config: ModelConfig, lookahead_gate: bool = False, state_init: s
     return RavenForCausalLM(config, state_init=state_init)
 
 
-def load_model(model: str | Path, dtype: str | torch.dtype, device: str | torch.device, state_init: str | None = None,
-               *, chat_template: str | None = None, generation_config: str = "auto") -> LoadedModel:
-    """`dtype` and `device` are given by every caller: their defaults are `LoadConfig`'s (both "auto",
-    `loopserve.device`), declared there only. `dtype` is a name `device.dtype_name` takes (ValueError naming
-    `dtype` otherwise, before anything is read). `state_init`: Huginn's initial loop state (None: the checkpoint's
-    `state_init`). `chat_template`: a template (text or a file) used instead of the folder's; `generation_config`:
-    see `read_generation_config`."""
-    dtype = dtype_name(dtype)  # (before any file is read)
-    folder = resolve_model_path(model)
-    device = resolve_device(device)
-    dtype = resolve_dtype(dtype, folder, device)
+def read_model_files(folder: Path, state_init: str | None = None, *, chat_template: str | None = None,
+                     generation_config: str = "auto") -> tuple[ModelConfig, GenerationConfig, Tokenizer,
+                                                               tuple[Path, dict[str, Path]]]:
+    """Everything `load_model` reads from a model folder before the weights, checked (ValueError naming the file or
+    field at fault): its config, generation config and tokenizer, and which file holds each tensor (`_tensor_files`:
+    the safetensors headers only). Ray Serve's driver runs it too, so that a bad folder is one line there rather
+    than an error in every replica (`serve/ray.py`)."""
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
         raise ValueError(f"{cfg_path.absolute()}: missing")
@@ -243,7 +239,22 @@ def load_model(model: str | Path, dtype: str | torch.dtype, device: str | torch.
                          f"{' or '.join(STATE_INITS)}): leave it unset")
     generation = read_generation_config(folder, generation_config, raw, config.vocab_size)
     tokenizer = Tokenizer(folder, chat_template=chat_template, extra_eos_ids=generation.eos_token_ids)
-    source, files = _tensor_files(folder)
+    return config, generation, tokenizer, _tensor_files(folder)
+
+
+def load_model(model: str | Path, dtype: str | torch.dtype, device: str | torch.device, state_init: str | None = None,
+               *, chat_template: str | None = None, generation_config: str = "auto") -> LoadedModel:
+    """`dtype` and `device` are given by every caller: their defaults are `LoadConfig`'s (both "auto",
+    `loopserve.device`), declared there only. `dtype` is a name `device.dtype_name` takes (ValueError naming
+    `dtype` otherwise, before anything is read). `state_init`: Huginn's initial loop state (None: the checkpoint's
+    `state_init`). `chat_template`: a template (text or a file) used instead of the folder's; `generation_config`:
+    see `read_generation_config`."""
+    dtype = dtype_name(dtype)  # (before any file is read)
+    folder = resolve_model_path(model)
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, folder, device)
+    config, generation, tokenizer, (source, files) = read_model_files(folder, state_init, chat_template=chat_template,
+                                                                      generation_config=generation_config)
     net: LoopedLM
     default_dtype = torch.get_default_dtype()
     try:  # build on the meta device directly in the target dtype: no throwaway random init

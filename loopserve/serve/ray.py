@@ -16,8 +16,9 @@ loopserve imports Ray, and `serve/cli.py` imports this module only when a Ray fl
   server does) + a few slots so that probes never wait behind generations, `--max-queued-requests`
   also as the proxy's queue bound, `--shutdown-timeout` as the graceful shutdown time; autoscaling
   aims at `--max-num-seqs` requests per replica.
-- Health: `check_health` fails once the replica's engine thread has died, so Ray Serve's
-  controller replaces the replica (as a supervisor restarts the single-process server, which exits
+- Health: `check_health` fails once the replica's engine thread has died, and a check not answered within
+  `HEALTH_CHECK_TIMEOUT_S` fails (a stuck replica), so Ray Serve's controller replaces the replica (force-stopped:
+  `FORCE_STOP_UNHEALTHY`) (as a supervisor restarts the single-process server, which exits
   1 then); a replica process that dies is restarted by Ray Serve the same way. GET /health is
   answered by whichever replica the router picks, and is 503 on one whose engine is gone.
 - Metrics: GET /metrics on any replica asks every replica for its Prometheus text
@@ -32,7 +33,8 @@ loopserve imports Ray, and `serve/cli.py` imports this module only when a Ray fl
 
 Failure semantics (docs/scale-out.md): requests that reach the proxy while a replica is dead, or wait
 in the proxy, go to another replica; those the dead replica had taken (running, or waiting in its
-engine's queue) fail (the proxy answers 500, or a stream is cut: its 200 is already sent), none hang.
+engine's queue) fail (the proxy answers 500, or a stream is cut: its 200 is already sent); a replica that hangs
+holds them until its health checks have failed (about 3 x `HEALTH_CHECK_TIMEOUT_S`), then they fail the same way.
 """
 
 from __future__ import annotations
@@ -65,6 +67,16 @@ APP_NAME = "loopserve"  # the Ray Serve application
 DEPLOYMENT = "loopserve"  # its one deployment
 REPLICA_HEADER = b"x-loopserve-replica"  # names the replica that answered
 HEALTH_CHECK_PERIOD_S = 2.0  # Ray's default is 10 s: a dead engine should leave the rotation sooner
+# How long a replica has to answer a health check (Ray's default, 30 s, 3 times in a row, left a stuck replica in the
+# rotation for 90 s). `check_health` only reads a flag, on the replica's event loop, and the app keeps that loop free
+# (tokenizing, building a request, compiling a grammar and encoding large answers run on worker threads): a busy
+# replica answers in milliseconds; 5 s leaves room for a loaded machine, and finds a stuck one in about 15 s.
+HEALTH_CHECK_TIMEOUT_S = 5.0
+# The Serve controller's switch that stops a replica which failed its health checks at once, not after
+# graceful_shutdown_timeout_s (--shutdown-timeout, 30 s by default) spent waiting for a replica that cannot answer:
+# a stuck replica has nothing left to finish, and one whose engine died has already failed its requests
+FORCE_STOP_UNHEALTHY = {"RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS": "1"}
+START_POLL_S = 0.5  # how often `_wait_until_running` reads the application's status
 CONSTRUCTOR_RETRIES = 3  # Ray's default, 20, would retry a bad model for minutes
 METRICS_TIMEOUT_S = 5.0  # a replica that does not answer in time is left out of /metrics
 PROBE_SLOTS = 8  # requests a replica takes beyond what its engine admits: /health, /metrics, 503s
@@ -100,6 +112,7 @@ def deployment_options(args: argparse.Namespace, gpus: bool) -> dict[str, Any]:
         # the replicas admit, the replicas' own 503 (with Retry-After) comes first
         "max_queued_requests": most * admitted,
         "health_check_period_s": HEALTH_CHECK_PERIOD_S,
+        "health_check_timeout_s": HEALTH_CHECK_TIMEOUT_S,
         "graceful_shutdown_timeout_s": args.shutdown_timeout,
         "max_constructor_retry_count": CONSTRUCTOR_RETRIES,
     }
@@ -135,14 +148,16 @@ def _cluster_has_gpus() -> bool:
     return torch.cuda.is_available()
 
 
-def build_application(args: argparse.Namespace) -> Application:
-    """The Ray Serve application for parsed serve flags (ValueError on bad flags)."""
+def build_application(args: argparse.Namespace, check_model: bool = True) -> Application:
+    """The Ray Serve application for parsed serve flags (ValueError on bad flags); `check_model`: check the model
+    path and files here (`_check_model`; `run_replicas` has, before Ray started)."""
     from loopserve.serve.cli import _api_keys, _check
 
     problem = _check(args)  # (bad engine and load flags fail here, not in every replica)
     if problem is not None:
         raise ValueError(problem)
-    _check_model_path(args, local=False)
+    if check_model:
+        _check_model(args, local=False)
     args = argparse.Namespace(**vars(args))
     args.api_key = _api_keys(args.api_key)  # the key variables are read here: replicas may not see them
     args.func = None  # the subcommand's function is not needed (nor always picklable) on replicas
@@ -150,16 +165,22 @@ def build_application(args: argparse.Namespace) -> Application:
     return deployment.options(**deployment_options(args, _cluster_has_gpus())).bind(args)
 
 
-def _check_model_path(args: argparse.Namespace, local: bool) -> None:
-    """ValueError for a model path that cannot be there: a missing absolute path; with a local Ray instance (replicas
-    on this machine) also a missing relative one that is no hub id (`loader.is_hub_id`). A cluster's nodes may hold
-    relative paths this machine does not."""
-    from loopserve.models.loader import is_hub_id
+def _check_model(args: argparse.Namespace, local: bool) -> None:
+    """ValueError for a model path that cannot be there: a file, a missing absolute path; with a local Ray instance
+    (replicas on this machine) also a missing relative one that is no hub id (`loader.is_hub_id`). A cluster's nodes
+    may hold relative paths this machine does not. A model folder this machine has (the embedded model's too) is read
+    as the loader reads it before the weights (`loader.read_model_files`): a bad config or tokenizer is then the
+    single-process server's one line here, where every replica's constructor would fail it, retried, with Ray's
+    tracebacks."""
+    from loopserve.llm import default_model_path
+    from loopserve.models.loader import is_hub_id, is_local_folder, read_model_files
 
     model = args.model_tag or args.model
-    if model is None or Path(model).expanduser().exists():
-        return
-    if Path(model).is_absolute() or (local and not is_hub_id(str(model))):
+    if is_local_folder(model):
+        folder = Path(model).expanduser() if model is not None else default_model_path()
+        read_model_files(folder, args.state_init, chat_template=args.chat_template,
+                         generation_config=args.generation_config)
+    elif Path(model).expanduser().exists() or Path(model).is_absolute() or (local and not is_hub_id(str(model))):
         raise ValueError(f"model: {model!r} is not a model folder")
 
 
@@ -290,10 +311,7 @@ class _ReplicaASGI:
             await send(msg)
 
         if scope["method"] == "GET" and scope["path"] in self.metrics_paths:
-            body = (await self.replica.merged_metrics()).encode()
-            from prometheus_client import CONTENT_TYPE_LATEST
-
-            await _respond(send_with_replica, 200, body, CONTENT_TYPE_LATEST)
+            await self.metrics(scope, receive, send_with_replica)
             return
         generation = scope["method"] == "POST" and scope["path"] in self.generation_paths
         if self.draining and (generation or scope["path"] in self.health_paths):
@@ -310,6 +328,26 @@ class _ReplicaASGI:
             await self.inner(scope, _disconnect_when_cancelled(receive), send_with_replica)
         finally:
             self.generating -= 1
+
+
+    async def metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """GET /metrics: the app's own answer (its middleware's headers, CORS among them, and its content type), asked
+        for plain Prometheus text (no Accept, no gzip: what `merge_metrics` reads and writes), with every replica's
+        metrics as its body."""
+        merged = (await self.replica.merged_metrics()).encode()
+        plain = {**scope, "headers": [h for h in scope["headers"] if h[0] not in (b"accept", b"accept-encoding")]}
+        status = {"code": 0}
+
+        async def send_merged(msg: Message) -> None:
+            if msg["type"] == "http.response.start":
+                status["code"] = msg["status"]
+                if msg["status"] == 200:
+                    msg = {**msg, "headers": [(k, str(len(merged)).encode() if k == b"content-length" else v)
+                                              for k, v in msg.get("headers", [])]}
+            elif msg["type"] == "http.response.body" and status["code"] == 200:  # (its one body: a `Response`)
+                msg = {"type": "http.response.body", "body": merged}
+            await send(msg)
+        await self.inner(plain, receive, send_merged)
 
 
 def _disconnect_when_cancelled(receive: Receive) -> Receive:
@@ -414,9 +452,12 @@ def run_replicas(args: argparse.Namespace) -> int:
     from loopserve.serve.cli import listen
 
     local = args.ray_address is None
-    try:  # bad engine flags, a missing model, a port in use, a cluster that is not there: before Ray starts
+    try:  # bad engine flags, a bad model, a port in use, a cluster that is not there: before Ray starts
+        if args.port == 0:  # (Ray Serve's proxy takes port 0 as any free one, and tells no one which)
+            raise ValueError("--port: 0 (a port the system picks) cannot be used with replicas: the port their proxy "
+                             "would get cannot be reported; give one")
         deployment_options(args, gpus=False)
-        _check_model_path(args, local)
+        _check_model(args, local)
         if local:  # (the proxy listens on this machine: a port in use was a traceback from serve.start)
             listen(args.host, args.port).close()
         else:
@@ -436,33 +477,40 @@ def run_replicas(args: argparse.Namespace) -> int:
         context = ray.init(address=args.ray_address, logging_level=args.log_level.upper(),
                            include_dashboard=args.ray_dashboard if local else None)
     except ConnectionError as e:  # (--ray-address auto with no cluster running; a cluster that wants a token)
-        hint = (" (a cluster with token authentication: set RAY_AUTH_MODE and Ray's token variables, "
-                "docs/scale-out.md)" if "auth" in str(e).lower() else "")
-        raise CommandError(f"--ray-address: {_last_line(e)}{hint}" if not local
-                           else f"Ray could not start: {_last_line(e)}") from None
+        raise CommandError(_ray_init_error(e, local)) from None
     # after ray.init, which installs its own SIGTERM handler (a stack dump, then abort)
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     log.info("Ray: %s (%s)", "local instance" if local else "cluster", context.address_info.get("gcs_address"))  # type: ignore[attr-defined]
+    deployed = False  # (Serve's shutdown and delete, with nothing to take down, only say so in Ray's log)
     try:
         try:
-            application = build_application(args)
+            application = build_application(args, check_model=False)
+            _check_resources(args, local)
         except ValueError as e:
             raise CommandError(str(e)) from None
         try:
-            serve.start(http_options={"host": args.host, "port": args.port})
+            # (controller_options applies where this starts Serve: a cluster's running Serve keeps its controller's)
+            serve.start(http_options={"host": args.host, "port": args.port},
+                        controller_options={"runtime_env": {"env_vars": FORCE_STOP_UNHEALTHY}})
         except Exception as e:  # (Ray's wrapping of the proxy's error, e.g. a port in use on a cluster's head)
             why = _last_line(e)
             where = (f"--port: Ray Serve's proxy could not listen on {args.host}:{args.port}" if "bind" in why.lower()
                      else "Ray Serve could not start")
             print(f"error: {where}: {why}", file=sys.stderr)
             return 1
-        try:
-            serve.run(application, name=APP_NAME, route_prefix="/", blocking=False)
-        except RuntimeError as e:
-            cause = _why_not_deployed()
-            print(f"error: the replicas could not start: {e}{f' ({cause})' if cause else ''}", file=sys.stderr)
+        deployed = True
+        # deployed without waiting in Ray's code (serve.run's wait), where a signal only set `stop` and a replica that
+        # could not be placed kept the process waiting for good: the wait is this thread's, and a signal ends it
+        serve.run_many([serve.RunTarget(application, name=APP_NAME, route_prefix="/")],
+                       wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
+        failed = _wait_until_running(stop)
+        if failed is not None:
+            print(f"error: the replicas could not start: {failed}", file=sys.stderr)
             return 1
+        if stop.is_set():
+            log.info("shutdown: stopped while the replicas were starting")
+            return code["value"]
         log.info("serving on http://%s:%d%s with Ray Serve (%s)", args.host, args.port, args.root_path,
                  _describe(args))
         stop.wait()
@@ -477,12 +525,71 @@ def run_replicas(args: argparse.Namespace) -> int:
             log.warning("shutdown: stopped again; requests still in flight are cut")
         return code["value"]
     finally:
-        if not (local and _local_ray_stopped(wait_s=0.0)):  # (every call to a Ray that is gone waits 60 s for it)
+        # (every call to a Ray that is gone waits 60 s for it)
+        if deployed and not (local and _local_ray_stopped(wait_s=0.0)):
             if local:
                 serve.shutdown()
             else:  # the cluster and its other applications stay up
                 serve.delete(APP_NAME)
         ray.shutdown()
+
+
+def _ray_init_error(error: ConnectionError, local: bool) -> str:
+    """The error line for `ray.init`'s ConnectionError. A cluster that wants a token gets a hint: Ray 2.60 says so
+    only in the error's cause ("Failed to connect to Ray cluster at ...", from an authentication error), so the whole
+    chain is read."""
+    if local:
+        return f"Ray could not start: {_last_line(error)}"
+    chain: list[BaseException] = []
+    e: BaseException | None = error
+    while e is not None and e not in chain:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    hint = (" (a cluster with token authentication: set RAY_AUTH_MODE and Ray's token variables, docs/scale-out.md)"
+            if any("auth" in str(e).lower() for e in chain) else "")
+    return f"--ray-address: {_last_line(error)}{hint}"
+
+
+def _check_resources(args: argparse.Namespace, local: bool) -> None:
+    """ValueError when the replicas the application starts with need more CPUs (or GPUs) than a local Ray instance
+    has: Ray Serve would start those that fit and wait for the others for good. With a cluster, whose autoscaler may
+    add nodes, a warning."""
+    from loopserve.serve.cli import fixed_replicas
+
+    options = deployment_options(args, _cluster_has_gpus())
+    fixed = fixed_replicas(args)
+    start = fixed if fixed is not None else options["autoscaling_config"]["initial_replicas"]
+    flag = "--replicas" if fixed is not None or args.replicas is not None else "--min-replicas"
+    have = ray.cluster_resources()
+    actor = options["ray_actor_options"]
+    wants = [("CPU", actor["num_cpus"], f"--replica-cpus {actor['num_cpus']:g}", f"{flag} or --replica-cpus")]
+    if "num_gpus" in actor:
+        wants.append(("GPU", actor["num_gpus"], "one GPU each", flag))
+    for resource, per_replica, each, lower in wants:
+        need, there = start * per_replica, have.get(resource, 0.0)
+        if need <= there:
+            continue
+        problem = (f"{flag} {start} x {each}: the replicas need {need:g} {resource}s, and the "
+                   f"{'local Ray instance' if local else 'cluster'} has {there:g}")
+        if local:
+            raise ValueError(f"{problem}; lower {lower}")
+        log.warning("%s now: the replicas that do not fit wait until nodes join (Ctrl-C stops the wait)", problem)
+
+
+def _wait_until_running(stop: threading.Event) -> str | None:
+    """Wait until the application runs (None), its deployment fails (why, as Ray Serve's status says it), or `stop`
+    is set (None)."""
+    from ray.serve.schema import ApplicationStatus
+
+    while not stop.wait(START_POLL_S):
+        status = serve.status().applications.get(APP_NAME)
+        if status is None:  # (deleted meanwhile: by another `loopserve serve --ray-address`, say)
+            return "the application is gone from Ray Serve"
+        if status.status == ApplicationStatus.RUNNING:
+            return None
+        if status.status == ApplicationStatus.DEPLOY_FAILED:
+            return _why_not_deployed() or "Ray Serve could not deploy it"
+    return None
 
 
 def _last_line(error: BaseException | str) -> str:
