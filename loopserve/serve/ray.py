@@ -329,7 +329,6 @@ class _ReplicaASGI:
         finally:
             self.generating -= 1
 
-
     async def metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
         """GET /metrics: the app's own answer (its middleware's headers, CORS among them, and its content type), asked
         for plain Prometheus text (no Accept, no gzip: what `merge_metrics` reads and writes), with every replica's
