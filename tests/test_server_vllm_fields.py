@@ -23,7 +23,7 @@ import json
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
@@ -174,30 +174,39 @@ def test_a_response_with_logprobs_is_formatted_off_the_event_loop(server, stream
     assert threads and "MainThread" not in threads, threads
 
 
-def test_tokenize_calls_run_on_a_lane_of_their_own(server):
-    """As many slow /tokenize calls as the shared worker pool has threads, at once: they run TOKENIZE_THREADS at a
-    time, on their own lane, and a completion sent meanwhile is built on a free shared thread at once (without the
-    lane the burst would hold every shared thread, and its build would wait out a slow call)."""
+def _small_request_amid(server: Server, calls: list[tuple[str, dict]], ready: Callable[[str], bool],
+                        settle_s: float = 0.0) -> tuple[list[httpx.Response], float, str]:
+    """Send `calls` ((path, body) each) at once; once `ready(the server's log since)` holds (and `settle_s` later),
+    time a one-token completion (answered 200). Returns the calls' answers, its seconds, and the log since."""
     offset = len(server.log.read_text())
     answers: list[httpx.Response] = []
-    burst = [threading.Thread(target=lambda: answers.append(server.post("/tokenize", {"prompt": "LANE-TOKENIZE"},
-                                                                          timeout=60)))
-             for _ in range(POOL_THREADS)]
+    burst = [threading.Thread(target=lambda p=p, b=b: answers.append(server.post(p, b, timeout=60))) for p, b in calls]
     for t in burst:
         t.start()
     deadline = time.monotonic() + 30
-    while server.log.read_text()[offset:].count("lane on thread") < TOKENIZE_THREADS:  # the lane is full
+    while not ready(server.log.read_text()[offset:]):
         assert time.monotonic() < deadline, server.log.read_text()[-2000:]
         time.sleep(0.02)
-    time.sleep(0.3)  # (the rest of the burst reaches the server)
+    time.sleep(settle_s)
     start = time.monotonic()
     r = server.post(C, {"model": MODEL, "prompt": "hi", "max_tokens": 1})
     took = time.monotonic() - start
     for t in burst:
         t.join(60)
     assert r.status_code == 200, r.text
+    return answers, took, server.log.read_text()[offset:]
+
+
+def test_tokenize_calls_run_on_a_lane_of_their_own(server):
+    """As many slow /tokenize calls as the shared worker pool has threads, at once: they run TOKENIZE_THREADS at a
+    time, on their own lane, and a completion sent meanwhile is built on a free shared thread at once (without the
+    lane the burst would hold every shared thread, and its build would wait out a slow call)."""
+    answers, took, log = _small_request_amid(
+        server, [("/tokenize", {"prompt": "LANE-TOKENIZE"})] * POOL_THREADS,
+        lambda log: log.count("lane on thread") >= TOKENIZE_THREADS,  # the lane is full
+        settle_s=0.3)  # (the rest of the burst reaches the server)
     assert len(answers) == POOL_THREADS and all(a.status_code == 200 for a in answers), answers
-    at_once = [int(k) for k in re.findall(r"lane on thread [^()]*? \((\d+) at once\)", server.log.read_text()[offset:])]
+    at_once = [int(k) for k in re.findall(r"lane on thread [^()]*? \((\d+) at once\)", log)]
     assert len(at_once) == POOL_THREADS and max(at_once) == TOKENIZE_THREADS, at_once
     assert took < SLOW_S / 2, took  # (behind the burst it would wait for the rest of a slow call)
 
@@ -206,29 +215,14 @@ def test_large_bodies_are_built_one_at_a_time(server):
     """Prompts in bodies over LARGE_BODY_BYTES are tokenized one at a time, whatever the endpoint (each may take a
     gigabyte while it is tokenized: concurrent 4 MB prompts to be truncated, which skip the length check, took a
     server out of memory); a small request is built on a shared thread meanwhile."""
-    offset = len(server.log.read_text())
     text = "BIG-TOKENIZE " + "to be or not " * (LARGE_BODY_BYTES // 13 + 1)
     bodies = [(C, {"model": MODEL, "prompt": text, "max_tokens": 1, "truncate_prompt_tokens": 8}),
               (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 1,
                       "truncate_prompt_tokens": 8}),
               ("/tokenize", {"prompt": text})]
-    answers: list[httpx.Response] = []
-    burst = [threading.Thread(target=lambda p=p, b=b: answers.append(server.post(p, b, timeout=60)))
-             for p, b in bodies]
-    for t in burst:
-        t.start()
-    deadline = time.monotonic() + 30
-    while "big on thread" not in server.log.read_text()[offset:]:  # the first is in its slow call
-        assert time.monotonic() < deadline, server.log.read_text()[-2000:]
-        time.sleep(0.02)
-    start = time.monotonic()
-    r = server.post(C, {"model": MODEL, "prompt": "hi", "max_tokens": 1})
-    took = time.monotonic() - start
-    for t in burst:
-        t.join(60)
-    assert r.status_code == 200, r.text
+    answers, took, log = _small_request_amid(server, bodies, lambda log: "big on thread" in log)
     assert sorted(a.status_code for a in answers) == [200] * len(bodies), [a.text[:300] for a in answers]
-    at_once = [int(k) for k in re.findall(r"big on thread [^()]*? \((\d+) at once\)", server.log.read_text()[offset:])]
+    at_once = [int(k) for k in re.findall(r"big on thread [^()]*? \((\d+) at once\)", log)]
     assert len(at_once) == len(bodies) and max(at_once) == 1, at_once
     assert took < SLOW_S / 2, took
 
