@@ -249,6 +249,20 @@ def test_an_ambiguous_grammar_whose_masks_grow_slow_fails_its_request_alone(tiny
         assert_matches(outs[r.rid], reference(engine, r))
     assert not engine.requests and engine.kv.allocator.num_free == engine.kv.num_blocks
 
+
+def test_one_of_is_read_as_any_of_as_vllms_default_backend_reads_it(llm):
+    """llguidance refuses oneOf (it cannot hold that exactly one branch matches); vLLM's default backend, xgrammar,
+    reads it as anyOf, and so does loopserve: the output is an instance of one of the branches."""
+    schema = {"oneOf": [{"type": "object", "properties": {"a": {"type": "integer", "maximum": 99}}},  # ({} is both)
+                        {"type": "object", "properties": {"b": {"type": "string", "maxLength": 4}}}]}
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=40, n=4,
+                            guided_decoding=GuidedDecodingParams(json=schema, disable_any_whitespace=True))
+    done = [c for c in llm.generate(["x"], params, use_tqdm=False)[0].outputs if c.finish_reason == "stop"]
+    assert done  # (it compiled: llguidance alone refused the schema)
+    for c in done:
+        got = set(json.loads(c.text))
+        assert got <= {"a"} or got <= {"b"}, c.text
+
 DEEP_CHAIN = """
 from loopserve.engine.grammar import new_guide
 from loopserve.llm import default_model_path

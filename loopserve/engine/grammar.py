@@ -135,8 +135,11 @@ def _grammar_text(kind: str, text: str, whitespace: str | None) -> str:
     llg = _llguidance()
     matcher = llg.LLMatcher
     if kind == "json":
-        overrides = None if whitespace is None else {"whitespace_pattern": whitespace} if whitespace \
-            else {"whitespace_flexible": False}
+        # oneOf read as anyOf, as vLLM's default backend (xgrammar) reads it (llguidance refused even a oneOf of an
+        # integer and a number, advising an option no request field sets); an instance may then match two branches
+        overrides: dict[str, Any] = {"coerce_one_of": True}
+        if whitespace is not None:
+            overrides.update({"whitespace_pattern": whitespace} if whitespace else {"whitespace_flexible": False})
         try:
             grammar = matcher.grammar_from_json_schema(text, overrides=overrides)
         except ValueError as e:
