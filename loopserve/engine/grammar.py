@@ -135,11 +135,12 @@ def _grammar_text(kind: str, text: str, whitespace: str | None) -> str:
     llg = _llguidance()
     matcher = llg.LLMatcher
     if kind == "json":
-        # oneOf read as anyOf, as vLLM's default backend (xgrammar) reads it (llguidance refused even a oneOf of an
-        # integer and a number, advising an option no request field sets); an instance may then match two branches
-        overrides: dict[str, Any] = {"coerce_one_of": True}
-        if whitespace is not None:
-            overrides.update({"whitespace_pattern": whitespace} if whitespace else {"whitespace_flexible": False})
+        overrides: dict[str, Any] | None = None if whitespace is None else {"whitespace_pattern": whitespace} \
+            if whitespace else {"whitespace_flexible": False}
+        if text.lstrip().startswith("{"):  # (a boolean schema, true or false, takes no options)
+            # oneOf read as anyOf, as vLLM's default backend (xgrammar) reads it (llguidance refused even a oneOf of an
+            # integer and a number, advising an option no request field sets); an instance may match two branches
+            overrides = {**(overrides or {}), "coerce_one_of": True}
         try:
             grammar = matcher.grammar_from_json_schema(text, overrides=overrides)
         except ValueError as e:
