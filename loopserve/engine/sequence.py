@@ -34,6 +34,7 @@ from loopserve.sampling_params import (
     TRUNCATE_TO_CONTEXT,
     RequestOutputKind,
     SamplingParams,
+    all_ints,
     check_logprobs_asked,
     logprobs_asked,
     python_numbers,
@@ -113,12 +114,6 @@ PromptType = str | TextPrompt | TokensPrompt | dict[str, Any] | list[int]
 _MULTIMODAL_KEYS = ("multi_modal_data", "prompt_embeds", "mm_processor_kwargs", "multi_modal_uuids")
 
 
-def _all_ints(ids: list) -> bool:
-    """Whether every element is an int (not a bool). By the set of their types first, at C speed: with the
-    range check by min/max, about 0.05 us a token, where a Python test per token took about 0.15 us."""
-    return set(map(type, ids)) <= {int} or all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
-
-
 def parse_prompt(prompt: PromptType, tokenizer: Tokenizer) -> tuple[str | None, list[int]]:
     """(text, token ids) of a prompt given as text, token ids, or {"prompt" | "prompt_token_ids": ...}."""
     if isinstance(prompt, str):
@@ -134,12 +129,12 @@ def parse_prompt(prompt: PromptType, tokenizer: Tokenizer) -> tuple[str | None, 
             if hasattr(ids, "tolist") and hasattr(ids, "ndim"):  # a numpy array or torch tensor: its list (if 1-d)
                 ids = ids.tolist()
             ids = python_numbers(ids)  # (numpy's integers in a list: np.arange's, as SamplingParams takes them)
-            if not isinstance(ids, list) or not _all_ints(ids):
+            if not isinstance(ids, list) or not all_ints(ids):
                 raise ValueError("prompt_token_ids: must be a list of integers")
             return given.get("prompt"), list(ids)
         if isinstance(given.get("prompt"), str):
             return given["prompt"], tokenizer.encode(given["prompt"], what="prompt")
-    if isinstance(prompt, list) and _all_ints(prompt):
+    if isinstance(prompt, list) and all_ints(prompt):
         return None, list(prompt)
     raise ValueError("prompt: expected a string, a list of token ids, or a dict with 'prompt' or 'prompt_token_ids'")
 
@@ -147,7 +142,7 @@ def parse_prompt(prompt: PromptType, tokenizer: Tokenizer) -> tuple[str | None, 
 def prompt_list(prompts: Any) -> list[PromptType]:
     """One prompt (text, token ids, a prompt dict) or a list of them, as `LLM.generate` and `LLM.beam_search` take
     them, as a list; a ValueError naming `prompts` for anything else."""
-    if isinstance(prompts, str | dict) or (isinstance(prompts, list) and bool(prompts) and _all_ints(prompts)):
+    if isinstance(prompts, str | dict) or (isinstance(prompts, list) and bool(prompts) and all_ints(prompts)):
         return [prompts]
     if isinstance(prompts, bytes | bytearray):  # (a Sequence of ints: it would be read as one prompt per byte)
         raise ValueError(f"prompts: got {type(prompts).__name__}, not text; decode them first "

@@ -381,9 +381,7 @@ class OpenAIServing:
         self.aengine.on_scheduled = self.metrics.scheduled
         self._http_requests = itertools.count()  # engine ids stay unique whatever ids clients send
         self.load = ServerLoad()  # (counted by `LoadMiddleware` with server_load_tracking, else left at 0)
-        self._grammar_lane: anyio.CapacityLimiter | None = None  # see `build`
-        self._tokenize_lane: anyio.CapacityLimiter | None = None  # see `tokenize`
-        self._large_body_lane: anyio.CapacityLimiter | None = None  # see `lane`
+        self._lanes: dict[str, anyio.CapacityLimiter] = {}  # by name, made on first use (`lane_of`)
 
     @asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
@@ -1009,9 +1007,15 @@ class OpenAIServing:
         module's docstring), in the tokenize lane: TOKENIZE_THREADS at a time, so a burst of multi-MB calls (seconds
         each) never holds the shared pool's threads, which generation requests are built on (`build`); the others
         wait for the lane."""
-        if self._tokenize_lane is None:
-            self._tokenize_lane = anyio.CapacityLimiter(TOKENIZE_THREADS)  # (made on the event loop)
-        return await anyio.to_thread.run_sync(call, req, limiter=await self.lane(request, self._tokenize_lane))
+        tokenize_lane = self.lane_of("tokenize", TOKENIZE_THREADS)
+        return await anyio.to_thread.run_sync(call, req, limiter=await self.lane(request, tokenize_lane))
+
+    def lane_of(self, name: str, threads: int) -> anyio.CapacityLimiter:
+        """The lane `name`, `threads` at a time, made on first use (on the event loop, where anyio makes it)."""
+        lane = self._lanes.get(name)
+        if lane is None:
+            lane = self._lanes[name] = anyio.CapacityLimiter(threads)
+        return lane
 
     async def lane(self, request: Request, usual: anyio.CapacityLimiter | None) -> anyio.CapacityLimiter | None:
         """The lane a request's worker-thread work waits for: the large-body lane, one at a time, for a body over
@@ -1020,9 +1024,7 @@ class OpenAIServing:
         it), else `usual` (None: anyio's shared pool)."""
         if len(await request.body()) <= LARGE_BODY_BYTES:  # (read already: starlette keeps it)
             return usual
-        if self._large_body_lane is None:
-            self._large_body_lane = anyio.CapacityLimiter(1)  # (made on the event loop)
-        return self._large_body_lane
+        return self.lane_of("large body", 1)
 
     def tokenized(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> JSONResponse:
         if isinstance(req, TokenizeChatRequest):
@@ -1076,9 +1078,7 @@ class OpenAIServing:
         if req.use_beam_search:
             req.check_beam_search(self.engine.model_config.r_max)
         compiles = guide_field(req) is not None or bool(getattr(req, "tools", None))
-        if compiles and self._grammar_lane is None:
-            self._grammar_lane = anyio.CapacityLimiter(GRAMMAR_BUILDS)  # (made on the event loop)
-        usual = self._grammar_lane if compiles else None
+        usual = self.lane_of("grammar", GRAMMAR_BUILDS) if compiles else None
         return await anyio.to_thread.run_sync(make, request, req, arrival, limiter=await self.lane(request, usual))
 
     def completion(self, request: Request, req: CompletionRequest, arrival: float) -> _Generation:
