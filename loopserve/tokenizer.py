@@ -144,6 +144,17 @@ def _refuse_options(given: Mapping[str, Any]) -> None:
             raise ValueError(f"{name}: not supported by this tokenizer (transformers' option; got {value!r})")
 
 
+def _batch_encoding(encodings: list[Any], mask: bool, types: bool, batched: bool) -> BatchEncoding:
+    """What the tokenizer's call returns for these encodings (`tokenizers.Encoding`): ids, then the attention mask
+    and the token type ids where asked for; a list of each (`batched`) or the one encoding's."""
+    fields = {"input_ids": [e.ids for e in encodings]}
+    if types:
+        fields["token_type_ids"] = [e.type_ids for e in encodings]
+    if mask:
+        fields["attention_mask"] = [[1] * len(e.ids) for e in encodings]
+    return BatchEncoding({k: v if batched else v[0] for k, v in fields.items()})
+
+
 class BatchEncoding(dict):
     """What calling the tokenizer returns: `input_ids` and `attention_mask`, read as a dict or as attributes
     (`tok(text).input_ids`), as transformers' BatchEncoding is."""
@@ -310,8 +321,20 @@ class Tokenizer:
 
     @property
     def chat_template(self) -> str | None:
-        """The default chat template (None when the folder has none, or only named ones)."""
+        """The default chat template (None when the folder has none, or only named ones). Set, as transformers'
+        attribute is (guidellm's vLLM backend sets a custom one): the template text (never a file's name), which
+        replaces every template, as `set_chat_template`; None drops them all."""
         return self.chat_templates.get(DEFAULT_TEMPLATE)
+
+    @chat_template.setter
+    def chat_template(self, value: str | None) -> None:
+        if value is None:
+            self.chat_templates = {}
+            return
+        if not isinstance(value, str):
+            raise ValueError(f"chat_template: expected a Jinja template (a string) or None, got {type(value).__name__}")
+        _compile(value)
+        self.chat_templates = {DEFAULT_TEMPLATE: value}
 
     def set_chat_template(self, value: str) -> None:
         """Use this template (text or a file, as `--chat-template` takes it) instead of the folder's."""
@@ -432,12 +455,18 @@ class Tokenizer:
                  add_special_tokens: bool = True, **options: Any) -> BatchEncoding:
         """transformers' call: the `input_ids` and `attention_mask` of a text, or a list of each for a list of
         texts (unpadded); `text_pair`: a text to follow it (a list, one per text, with a list), the pair joined as
-        the tokenizer's post-processor joins one. `options`: transformers' of CALL_OPTIONS, taken at a value that
+        the tokenizer's post-processor joins one. `return_attention_mask` (default: returned) and
+        `return_token_type_ids` (default: not; the segment of each token, 0 for the text and 1 for its pair where
+        the post-processor marks them) as transformers takes them (lm-eval's vLLM backend asks for no mask);
+        `verbose` does nothing (nothing is logged); `options`: transformers' of CALL_OPTIONS, taken at a value that
         does nothing."""
+        mask = options.pop("return_attention_mask", None) in (None, True)
+        types = options.pop("return_token_type_ids", None) is True
+        options.pop("verbose", None)
         _take_options(options, CALL_OPTIONS, "Tokenizer()")
         if isinstance(text, str):
-            ids = self.encode(text, text_pair, add_special_tokens)  # type: ignore[arg-type]  # (a list: refused there)
-            return BatchEncoding(input_ids=ids, attention_mask=[1] * len(ids))
+            one = self._encoding(text, add_special_tokens, "text", text_pair, "text_pair")  # type: ignore[arg-type]
+            return _batch_encoding([one], mask, types, batched=False)
         if isinstance(text, Mapping) or not isinstance(text, Sequence):
             raise ValueError(f"text: expected a string or a list of strings, got {type(text).__name__}")
         if text_pair is None:
@@ -447,9 +476,9 @@ class Tokenizer:
                              f"{type(text_pair).__name__}")
         else:
             pairs = text_pair
-        batch = [self._encoding(t, add_special_tokens, f"text.{i}", p, f"text_pair.{i}").ids
+        batch = [self._encoding(t, add_special_tokens, f"text.{i}", p, f"text_pair.{i}")
                  for i, (t, p) in enumerate(zip(text, pairs, strict=True))]
-        return BatchEncoding(input_ids=batch, attention_mask=[[1] * len(ids) for ids in batch])
+        return _batch_encoding(batch, mask, types, batched=True)
 
     def __await__(self) -> Generator[Any, None, Tokenizer]:
         """`await engine.get_tokenizer()`, as vLLM before V1's renderer had it (a coroutine), gives the tokenizer

@@ -134,6 +134,11 @@ NEUTRAL: dict[str, Neutral] = {
     "task": _only("it serves generative models only", "auto", "generate"),  # (vLLM's name before `runner`)
     "runner": _only("it serves generative models only", "auto", "generate"),
     "enable_lora": _only("no LoRA adapters", False),
+    # (read by vLLM only with LoRA on; lm-eval's vLLM backend passes them, at their defaults, with enable_lora=False)
+    "max_loras": _only("no LoRA adapters", 1),
+    "max_lora_rank": _only("no LoRA adapters", 16),
+    "fully_sharded_loras": _only("no LoRA adapters", False),
+    "lora_dtype": _only("no LoRA adapters", "auto"),
     # (`generate` and `beam_search` take a list of them too, one per prompt: `check_per_prompt`)
     "lora_request": Neutral(lambda v: v is None or (isinstance(v, Seq) and not isinstance(v, str) and all(
         x is None for x in v)), "None or a list of None", "no LoRA adapters", init=False),

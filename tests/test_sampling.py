@@ -166,6 +166,16 @@ def test_filters_compose_after_temperature():
     assert close(got, [q[0] / (q[0] + q[1]), q[1] / (q[0] + q[1]), 0, 0])
 
 
+def test_min_p_comes_before_top_p():
+    """vLLM V1's order: min-p (an argmax-invariant logits processor) filters first, then top-p takes its nucleus of
+    what is left, renormalized. min_p 0.3 keeps p >= 0.15: {0.5, 0.25, 0.15} / 0.9; top_p 0.8 of those: the mass
+    before the third is 0.75 / 0.9 = 0.83, not under 0.8, so two are kept; top-p over the whole row first would
+    keep three (0.75 is under 0.8), and so would min-p after it."""
+    assert close(probs(min_p=0.3, top_p=0.8), [2 / 3, 1 / 3, 0, 0])
+    assert close(probs(top_p=0.8), [0.5 / 0.9, 0.25 / 0.9, 0.15 / 0.9, 0])
+    assert close(probs(min_p=0.3), [0.5 / 0.9, 0.25 / 0.9, 0.15 / 0.9, 0])
+
+
 def test_sample_greedy_and_support():
     assert sample_one(LOGITS, SamplingParams(temperature=0), 1, 0).token == 0
     assert sample_one(torch.tensor([0.0, 5.0, 1.0]), SamplingParams(temperature=0), 1, 0).token == 1
@@ -266,6 +276,17 @@ def test_logprobs_list_top_k_and_the_sampled_token():
     flat = torch.tensor([0.0, 3.0, 3.0 + math.log(0.5), 3.0 + math.log(0.25)], dtype=torch.float64)
     s = sample_one(flat, SamplingParams(temperature=0, logprobs=0), 1, 0)
     assert s.token == 1 and s.top == [] and s.rank == 1
+
+
+def test_a_tied_token_takes_the_last_of_the_tied_ranks():
+    """vLLM V1 ranks a token by the count of tokens whose logprob is at least its own: three tied at the top are
+    each rank 3 (bfloat16 logits tie often)."""
+    tied = torch.tensor([1.0, 2.0, 2.0, 2.0, 0.5], dtype=torch.float64)
+    for seed in range(8):  # (whichever of the three is drawn)
+        s = sample_one(tied, SamplingParams(temperature=1.0, top_k=3, logprobs=1), seed, 0)
+        assert s.token in (1, 2, 3) and s.rank == 3
+    assert sample_one(tied, SamplingParams(temperature=0, logprobs=0), 1, 0).rank == 3
+    assert sample_one(torch.tensor([3.0, 1.0, 2.0]), SamplingParams(temperature=0, logprobs=0), 1, 0).rank == 1
 
 
 def test_non_finite_rows_are_flagged_not_sampled():

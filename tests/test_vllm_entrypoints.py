@@ -209,3 +209,34 @@ def test_tokenizer_encodes_a_text_pair_as_transformers_does(tiny_ouro, llm):
         tok(["a", "b"], ["c"])
     with pytest.raises(ValueError, match=r"^text_pair: expected one text"):
         tok("a", ["b"])
+
+
+def test_tokenizer_call_takes_transformers_return_switches(tiny_ouro, llm):
+    """lm-eval's vLLM backend calls `tokenizer(texts, return_attention_mask=False)`: transformers' switches are taken
+    as transformers takes them (the mask left out; token type ids, the segment of each token, given when asked),
+    `verbose` changes nothing; they were a TypeError."""
+    raw = Raw.from_file(str(tiny_ouro / "tokenizer.json"))
+    tok = llm.get_tokenizer()
+    ids = [raw.encode("ROMEO: hi").ids, raw.encode("a").ids]
+    assert tok(["ROMEO: hi", "a"], return_attention_mask=False) == {"input_ids": ids}
+    assert tok("a", return_attention_mask=True, verbose=False) == {"input_ids": ids[1], "attention_mask": [1] * len(ids[1])}
+    pair = raw.encode("a", "b")
+    got = tok("a", "b", return_token_type_ids=True, return_attention_mask=False)
+    assert got == {"input_ids": pair.ids, "token_type_ids": pair.type_ids} and set(pair.type_ids) == {0, 1}
+    assert "token_type_ids" not in tok("a", return_token_type_ids=False)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'return_offsets'"):
+        tok("a", return_offsets=True)
+
+
+def test_tokenizer_chat_template_can_be_set_as_an_attribute(tiny_ouro):
+    """guidellm's vLLM backend sets `tokenizer.chat_template = template` (transformers' attribute); it was read-only.
+    The text is the template (never read as a file's name); a broken one is refused naming the field; None drops
+    every template."""
+    tok = LLM(tiny_ouro, device="cpu").get_tokenizer()
+    tok.chat_template = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "<hi>"
+    with pytest.raises(ValueError, match=r"^chat_template: not a valid Jinja template"):
+        tok.chat_template = "{% for"
+    assert tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False) == "<x>"  # (unchanged)
+    tok.chat_template = None
+    assert tok.chat_template is None

@@ -104,7 +104,8 @@ NEUTRAL = dict(tokenizer_mode="hf", skip_tokenizer_init=False, revision=None, to
                allowed_local_media_path="", max_cpu_loras=None, max_num_partial_prefills=1,
                max_long_partial_prefills=1, long_prefill_token_threshold=0, num_scheduler_steps=1,
                preemption_mode="swap", max_cudagraph_capture_size=None,
-               cuda_graph_sizes=[1, 2, 4], mm_processor_cache_gb=0)
+               cuda_graph_sizes=[1, 2, 4], mm_processor_cache_gb=0,
+               max_loras=1, max_lora_rank=16, fully_sharded_loras=False, lora_dtype="auto")  # (lm-eval passes these)
 
 
 def test_vllms_keywords_at_their_neutral_values_are_taken_and_change_nothing(tiny_ouro):
@@ -141,6 +142,7 @@ def test_vllms_keywords_at_their_neutral_values_are_taken_and_change_nothing(tin
     (dict(task="embed"), r"^task: .*generative models only"),
     (dict(runner="pooling"), r"^runner: "),
     (dict(enable_lora=True), r"^enable_lora: .*no LoRA adapters"),
+    (dict(max_lora_rank=64), r"^max_lora_rank: .*no LoRA adapters.*it takes 16, got 64$"),
     (dict(mm_processor_kwargs={"fps": 2}), r"^mm_processor_kwargs: .*no multimodal inputs"),
     (dict(data_parallel_size=2), r"^data_parallel_size: .*loopserve serve --replicas.*it takes 1, got 2$"),
     (dict(scheduling_policy="priority"), r"^scheduling_policy: .*first come, first served.*got 'priority'$"),

@@ -57,8 +57,10 @@ from loopserve.sampling_params import GUIDE_KINDS, SamplingParams
 
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                    min_p: torch.Tensor, filters: tuple[int, bool, bool] | None = None) -> torch.Tensor:
-    """[B, V] sampling distributions (float64) after temperature, top-k, top-p and min-p, each a [B]
-    tensor of per-row values (top_k = V, top_p = 1, min_p = 0: no filter). `filters` says, from the
+    """[B, V] sampling distributions (float64) after temperature, then min-p and top-k, then top-p, each a [B]
+    tensor of per-row values (top_k = V, top_p = 1, min_p = 0: no filter), in vLLM V1's order: min-p (one of its
+    argmax-invariant logits processors) before top-k / top-p, so a nucleus is taken of what min-p left, renormalized
+    (min-p and top-k commute: each keeps a row's largest values). `filters` says, from the
     host (asking the device would make the host wait): the largest top_k of the rows that filter by
     it (0: none does), whether any row uses top-p, whether any uses min-p; None: read off the tensors."""
     vocab = logits.shape[-1]
@@ -73,10 +75,12 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
         kth = x.topk(k_max).values.gather(1, (top_k.clamp(max=k_max) - 1)[:, None])
         x = x.masked_fill((x < kth) & (top_k < vocab)[:, None], float("-inf"))
     probs = torch.softmax(x, -1)
-    if use_p:
-        probs = nucleus(probs, top_p)
     if use_min_p:
         probs = probs.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, 0.0)
+        if use_p:  # (the nucleus is read off the renormalized distribution)
+            probs = probs / probs.sum(-1, keepdim=True)
+    if use_p:
+        probs = nucleus(probs, top_p)
     return probs / probs.sum(-1, keepdim=True)
 
 
@@ -516,10 +520,12 @@ def adjust_logits(x: torch.Tensor, params: list[SamplingParams], counters: list[
 
 def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
     """For rows asking for logprobs: the sampled token's logprob and rank in the raw distribution,
-    and the top-k (ids, logprobs) in rank order."""
+    and the top-k (ids, logprobs) in rank order. The rank counts the tokens whose logprob is at least the
+    token's own (vLLM V1's `batched_count_greater_than`): a token tied with others takes the last of their ranks,
+    which bfloat16 logits make common."""
     lp = torch.log_softmax(logits, -1)
     chosen = lp.gather(1, tokens[:, None])[:, 0]
-    out = {"lp_chosen": chosen, "lp_rank": (lp > chosen[:, None]).sum(-1) + 1}
+    out = {"lp_chosen": chosen, "lp_rank": (lp >= chosen[:, None]).sum(-1)}
     if k > 0:
         top = lp.topk(min(k, lp.shape[-1]), -1)
         out["lp_top_ids"], out["lp_top_vals"] = top.indices, top.values
