@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -225,6 +226,37 @@ def test_large_bodies_are_built_one_at_a_time(server):
     at_once = [int(k) for k in re.findall(r"big on thread [^()]*? \((\d+) at once\)", log)]
     assert len(at_once) == len(bodies) and max(at_once) == 1, at_once
     assert took < SLOW_S / 2, took
+
+
+def test_a_request_whose_client_left_is_not_built_when_its_turn_comes(server):
+    """Requests waiting in a lane whose clients disconnect are not built at their turn (vLLM cancels a handler whose
+    client left): behind a live large body, three abandoned ones (raw sockets closed once their bodies are sent)
+    leave the one-at-a-time lane at once, so a large request sent after them is built next, not 9 s later. Before,
+    each took its full turn (a probe: a live request behind five abandoned 3 MB prompts waited 13.7 s, not 2.7)."""
+    text = "BIG-TOKENIZE " + "to be or not " * (LARGE_BODY_BYTES // 13 + 1)
+    body = json.dumps({"model": MODEL, "prompt": text, "max_tokens": 1, "truncate_prompt_tokens": 8}).encode()
+    offset = len(server.log.read_text())
+    host, port = server.url.removeprefix("http://").split(":")
+    live = threading.Thread(target=lambda: answers.append(server.post(C, json.loads(body), timeout=60)))
+    answers: list[httpx.Response] = []
+    live.start()
+    deadline = time.monotonic() + 30
+    while "big on thread" not in server.log.read_text()[offset:]:  # the live one holds the lane
+        assert time.monotonic() < deadline, server.log.read_text()[-2000:]
+        time.sleep(0.02)
+    for _ in range(3):
+        with socket.create_connection((host, int(port))) as raw:
+            raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    time.sleep(0.5)  # (the server has read them and queued them for the lane)
+    start = time.monotonic()
+    late = server.post(C, json.loads(body), timeout=60)
+    took = time.monotonic() - start
+    live.join(60)
+    assert [a.status_code for a in answers] == [200] and late.status_code == 200, (answers, late.text[:300])
+    log = server.log.read_text()[offset:]
+    assert log.count("big on thread") == 2, log[-3000:]  # the live two only
+    assert took < 3 * SLOW_S, took  # (the live one's turn, then its own: each abandoned turn would add SLOW_S)
 
 
 def test_long_texts_are_tokenized_with_the_gil_released(tiny_huginn):

@@ -219,7 +219,8 @@ def test_tokenizer_call_takes_transformers_return_switches(tiny_ouro, llm):
     tok = llm.get_tokenizer()
     ids = [raw.encode("ROMEO: hi").ids, raw.encode("a").ids]
     assert tok(["ROMEO: hi", "a"], return_attention_mask=False) == {"input_ids": ids}
-    assert tok("a", return_attention_mask=True, verbose=False) == {"input_ids": ids[1], "attention_mask": [1] * len(ids[1])}
+    mask = [1] * len(ids[1])
+    assert tok("a", return_attention_mask=True, verbose=False) == {"input_ids": ids[1], "attention_mask": mask}
     pair = raw.encode("a", "b")
     got = tok("a", "b", return_token_type_ids=True, return_attention_mask=False)
     assert got == {"input_ids": pair.ids, "token_type_ids": pair.type_ids} and set(pair.type_ids) == {0, 1}
