@@ -276,7 +276,10 @@ class Tokenizer:
         all in `eos_token_ids`."""
         path = folder / "tokenizer.json"
         if not path.is_file():
-            raise ValueError(f"{path}: missing tokenizer file")
+            hint = ("; a folder with only vocab.json and merges.txt (a slow tokenizer's files): convert it once with "
+                    "transformers, `AutoTokenizer.from_pretrained(FOLDER).save_pretrained(FOLDER)`, which writes it"
+                    if (folder / "vocab.json").is_file() else "")
+            raise ValueError(f"{path}: missing tokenizer file{hint}")
         try:
             self.tok = HFTokenizer.from_file(str(path))
         except Exception as e:  # (the tokenizers library raises a bare Exception: truncated, not JSON, git-lfs)

@@ -59,5 +59,6 @@ def test_engine_equals_reference_and_wastes_no_loop(ouro_la, scheduler, layout):
 
 
 def test_needs_the_head(tiny_ouro):
-    with pytest.raises(ValueError, match="exit_policy"):
+    # (the error says what the checkpoint's own gate reads with)
+    with pytest.raises(ValueError, match="^exit_policy: this checkpoint has no lookahead_gate tensors; 'gate' reads"):
         LLM(tiny_ouro, scheduler="reference").generate("hi", SamplingParams(exit_policy="lookahead_gate"))

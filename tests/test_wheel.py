@@ -115,6 +115,9 @@ def test_import_loads_no_extra_and_not_the_lab():
     (["serve"], "fastapi", "serve"),
     (["serve", "--config", "c.yaml"], "yaml", "serve"),  # (read while the flags are)
     (["bench", "step-latency", "--from-json", "x.json"], "matplotlib", "bench"),
+    # (before the evaluation or the runs, which write their JSON: a missing extra was said only after minutes of them)
+    (["eval", "ppl", "--windows", "1", "--out-json", "out/res.json"], "matplotlib", "train"),
+    (["bench", "peer", "--out", "out"], "matplotlib", "bench"),
 ])
 def test_a_command_without_its_extra_names_it(tmp_path, argv, blocked, extra):
     code = (f"import sys; sys.modules[{blocked!r}] = None; from loopserve.cli import main; "
@@ -124,6 +127,7 @@ def test_a_command_without_its_extra_names_it(tmp_path, argv, blocked, extra):
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     assert f"[{extra}] extra" in r.stderr and f"pip install 'loopserve[{extra}]'" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+    assert not (tmp_path / "out").exists()  # nothing ran
 
 
 def test_a_hub_id_without_the_hub_extra_names_it(monkeypatch, tmp_path):

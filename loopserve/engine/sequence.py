@@ -74,7 +74,8 @@ def resolve_exit_rule(params: SamplingParams, model: LoopedLM, lookahead: bool) 
     policy = params.exit_policy or model.default_exit_policy
     threshold = params.exit_threshold
     if policy == "lookahead_gate" and not model.has_lookahead_gate:
-        raise ValueError("exit_policy: this checkpoint has no lookahead_gate tensors")
+        raise ValueError("exit_policy: this checkpoint has no lookahead_gate tensors"
+                         + ("; 'gate' reads its learned exit gate" if has_gate else ""))
     if policy in GATE_POLICIES:
         if not has_gate:
             raise ValueError(f"exit_policy: {config.arch} has no learned exit gate")

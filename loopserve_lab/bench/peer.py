@@ -455,6 +455,8 @@ def cmd_peer(args: argparse.Namespace) -> int:
 
 
 def _peer(args: argparse.Namespace) -> int:
+    import matplotlib  # noqa: F401  (the plot comes last: a missing [bench] extra is said before the runs, not after)
+
     from loopserve.model_config import ModelConfig
     from loopserve_lab.bench.cli import DEFAULT_OUT, _header, build_traces, check_depth_args, engine_overrides
     from loopserve_lab.bench.harness import BenchModel, set_threads, write_json

