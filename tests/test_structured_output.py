@@ -421,3 +421,32 @@ def test_a_grammar_may_write_a_special_tokens_text(spec, text, llm):
     assert (out.finish_reason, out.text) == ("stop", text)
     special = set(llm.get_tokenizer().all_special_ids)
     assert not set(out.token_ids[:-1]) & special  # (then the eos the complete grammar allows)
+
+
+def test_grammar_caches_are_bounded_by_size_not_only_by_count(tiny_ouro, monkeypatch):
+    """A compiled matcher's memory grows with its grammar (a 122k-character schema held 5.9 MB), so the caches of
+    compiled grammars and of grammar texts are capped by characters too: 128 large schemas had pinned over 2 GB.
+    Past the cap the least recently used go; the newest stays, and a cached grammar is not compiled again."""
+    m = loaded(tiny_ouro)
+    texts = [grammar.grammar_text("json", json.dumps(
+        {"type": "object", "properties": {f"p{i}_{j}": {"type": "integer"} for j in range(150)}})) for i in range(8)]
+    cap = 5 * len(texts[0]) // 2  # (two of them)
+    monkeypatch.setattr(grammar, "MATCHER_CACHE_CHARS", cap)
+    compiler = grammar._Compiler(m.tokenizer, m.model.config.vocab_size)
+    compiled: list[str] = []
+    compile_one = compiler._compile
+    monkeypatch.setattr(compiler, "_compile", lambda g: compiled.append(g) or compile_one(g))
+    for t in texts:
+        compiler.matcher(t)
+    cache = compiler._matchers
+    assert len(cache) == 2 and cache.size <= cap and len(compiled) == len(texts)
+    compiler.matcher(texts[-1])  # (the newest: cached)
+    compiler.matcher(texts[0])  # (the oldest: forgotten, compiled again)
+    assert compiled[len(texts):] == [texts[0]]
+    lru = grammar.SizedLRU(entries=3, chars=10)
+    for k, size in [("a", 4), ("b", 4), ("c", 4), ("d", 30)]:
+        lru.put(k, k.upper(), size)
+    assert len(lru) == 1 and lru.get("d") == "D" and lru.get("a") is None  # (the newest stays, even alone over)
+    for k in "efgh":
+        lru.put(k, k, 1)
+    assert len(lru) == 3 and lru.size == 3 and lru.get("e") is None

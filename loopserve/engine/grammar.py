@@ -36,7 +36,6 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
-from functools import lru_cache
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
@@ -51,7 +50,16 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 INSTALL_HINT = "structured output needs llguidance: pip install 'loopserve[structured]'"
-MATCHER_CACHE = 128  # compiled grammars kept per tokenizer (a request copies one instead of compiling)
+# Compiled grammars kept per tokenizer (a request copies one instead of compiling): at most MATCHER_CACHE of them and
+# MATCHER_CACHE_CHARS characters of grammar text in all. A matcher's memory grows with its grammar: JSON schemas of
+# 1k / 12k / 122k characters held 0.16 / 0.44 / 5.9 MB each (36-122 bytes a character), so a cap by count alone let
+# 128 large schemas pin over 2 GB for as long as the server ran; this cap keeps the cache near 100-250 MB.
+MATCHER_CACHE = 128
+MATCHER_CACHE_CHARS = 2_000_000
+# Specs turned into grammar text, or the reason they cannot be, kept by spec (`grammar_text`): at most TEXT_CACHE
+# entries and TEXT_CACHE_CHARS characters of spec and grammar text (a schema may be 500,000 characters)
+TEXT_CACHE = 256
+TEXT_CACHE_CHARS = 8_000_000
 # llguidance's parser holds at most 2000 Earley items in a row (its default limit, which bounds the
 # work of one mask): a choice among more options that share a first token, a JSON object of ~500
 # optional properties or a Lark rule of 2000 alternatives cannot pass their first token. A new grammar
@@ -111,24 +119,60 @@ def _on_compile_stack(fn: Callable[[], T]) -> T:
 _stack_lock = threading.Lock()
 
 
+class SizedLRU:
+    """A thread-safe map that forgets its least recently used entries past `entries` of them or past `chars` in
+    all (each entry's size given when it is put; the newest entry stays, whatever its size)."""
+
+    def __init__(self, entries: int, chars: int) -> None:
+        self.entries, self.chars = entries, chars
+        self._items: OrderedDict[Any, tuple[Any, int]] = OrderedDict()
+        self._total = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: Any) -> Any | None:
+        with self._lock:
+            hit = self._items.get(key)
+            if hit is None:
+                return None
+            self._items.move_to_end(key)
+            return hit[0]
+
+    def put(self, key: Any, value: Any, size: int) -> None:
+        with self._lock:
+            old = self._items.pop(key, None)
+            self._total += size - (old[1] if old is not None else 0)
+            self._items[key] = (value, size)
+            while len(self._items) > 1 and (len(self._items) > self.entries or self._total > self.chars):
+                self._total -= self._items.popitem(last=False)[1][1]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def size(self) -> int:
+        return self._total
+
+
+_texts = SizedLRU(TEXT_CACHE, TEXT_CACHE_CHARS)
+
+
 def grammar_text(kind: str, text: str, whitespace: str | None = None) -> str:
     """llguidance's grammar for one spec: `kind` is json, regex, choice or grammar (`text`: the schema as
     JSON, the regex, the choices as a JSON list, the Lark or GBNF grammar); `whitespace` is the pattern
-    allowed between JSON tokens (None: any whitespace). Raises ValueError naming the field."""
-    ok, result = _compiled_text(kind, text, whitespace)
+    allowed between JSON tokens (None: any whitespace). Raises ValueError naming the field. Cached by spec, a
+    failure too, so a bad grammar sent again is not compiled again (some take seconds to fail)."""
+    key = (kind, text, whitespace)
+    hit = _texts.get(key)
+    if hit is None:
+        try:
+            hit = True, _on_compile_stack(lambda: _grammar_text(kind, text, whitespace))
+        except ValueError as e:
+            hit = False, str(e)
+        _texts.put(key, hit, len(text) + len(hit[1]))
+    ok, result = hit
     if not ok:
         raise ValueError(result)
     return result
-
-
-@lru_cache(maxsize=256)
-def _compiled_text(kind: str, text: str, whitespace: str | None) -> tuple[bool, str]:
-    """(True, the grammar) or (False, why not): a failure is cached too, so a bad grammar sent again is
-    not compiled again (some take seconds to fail)."""
-    try:
-        return True, _on_compile_stack(lambda: _grammar_text(kind, text, whitespace))
-    except ValueError as e:
-        return False, str(e)
 
 
 def _grammar_text(kind: str, text: str, whitespace: str | None) -> str:
@@ -255,25 +299,19 @@ class _Compiler:
         self.tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(_TextOnly(read, tokenizer)), n_vocab=n_vocab,
                                          eos_token=eos)
         self.words, self.vocab = (n_vocab + 31) // 32, vocab_size
-        # grammar -> its pristine matcher and first mask, or why it failed (a failure is not compiled again)
-        self._matchers: OrderedDict[str, Any] = OrderedDict()
-        self._lock = threading.Lock()  # server requests build sequences on several threads
+        # grammar -> its pristine matcher and first mask, or why it failed (a failure is not compiled again); server
+        # requests build sequences on several threads
+        self._matchers = SizedLRU(MATCHER_CACHE, MATCHER_CACHE_CHARS)
 
     def matcher(self, grammar: str) -> tuple[Any, np.ndarray]:
         """A fresh matcher of `grammar` (a copy of its pristine one) and the bitmask of its first tokens."""
-        with self._lock:
-            pristine = self._matchers.get(grammar)
-            if pristine is not None:
-                self._matchers.move_to_end(grammar)
+        pristine = self._matchers.get(grammar)
         if pristine is None:
             try:
                 pristine = _on_compile_stack(lambda: self._compile(grammar))
             except ValueError as e:
                 pristine = str(e)
-            with self._lock:
-                self._matchers[grammar] = pristine
-                while len(self._matchers) > MATCHER_CACHE:
-                    self._matchers.popitem(last=False)
+            self._matchers.put(grammar, pristine, len(grammar))
         if isinstance(pristine, str):
             raise ValueError(pristine)
         matcher, first = pristine
