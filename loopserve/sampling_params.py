@@ -531,7 +531,8 @@ class SamplingParams:
                 raise bad("logit_bias", "must map token ids to biases")
             bias = {}
             for k, v in self.logit_bias.items():  # JSON object keys are strings: "50256" is token 50256
-                tid = int(k) if isinstance(k, str) and k.isascii() and k.isdigit() else k
+                # (at most 19 digits: int64; Python refuses to convert more than 4,300 with a message naming no field)
+                tid = int(k) if isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 19 else k
                 if not is_int(tid) or tid < 0:
                     raise ValueError(f"logit_bias: keys must be token ids (integers >= 0), got {_short(k)}")
                 if not is_real(v) or not -100 <= v <= 100:

@@ -69,6 +69,8 @@ LOGITS = P.log() + 3.0  # a constant shift changes nothing
     ("num_speculative_tokens", {"num_speculative_tokens": 1.5}),
     ("num_speculative_tokens", {"num_speculative_tokens": "2"}),
     ("num_speculative_tokens", {"num_speculative_tokens": True}),
+    ("logit_bias", {"logit_bias": {"1" * 5000: 1.0}}),  # (was Python's message on converting 4,300+ digits)
+    ("logit_bias", {"logit_bias": {"9" * 20: 1.0}}),
 ])
 def test_bad_field_is_named(field, kwargs):
     with pytest.raises(ValueError) as e:

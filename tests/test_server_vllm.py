@@ -95,6 +95,14 @@ def test_unknown_fields_are_ignored_with_a_warning(server):
     text = _log_after(server, "unknown-2 /v1/chat/completions")
     assert "unknown-1 /v1/completions: ignored unknown fields: temprature, guided_jsn" in text
     assert "ignored unknown fields: stream_options.bogus, messages.0.reasoning_content" in text
+    # a name cannot write a line of its own into the log (nor a terminal escape), nor a page of it
+    forged = "zz\n2026-12-07 02:00:00,000 ERROR loopserve.serve: FAKE\x1b[31m"
+    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1, forged: 1, "y" * 5000: 2},
+              **{"X-Request-Id": "unknown-3"})
+    assert r.status_code == 200
+    text = _log_after(server, "unknown-3 /v1/completions: ignored")
+    assert "\nFAKE" not in text and "\n2026-12-07 02:00:00,000 ERROR" not in text and "\x1b" not in text, text
+    assert f"ignored unknown fields: {forged!r}, {'y' * 64}..." in text, text
     # a known field keeps its type, and the error names it
     bad = _post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "temprature": 1, "temperature": "hot"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature"

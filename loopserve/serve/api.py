@@ -175,6 +175,7 @@ TOKENIZE_THREADS = 2  # /tokenize and /detokenize calls run at once, on their ow
 # text, 0.5-0.7 GB), so concurrent megabyte prompts multiplied the peak (`OpenAIServing.lane`)
 LARGE_BODY_BYTES = 1 << 18
 MAX_LISTED_UNKNOWN = 20  # unknown fields named in one warning
+MAX_LOGGED_NAME = 64  # characters of an unknown field's name the warning shows
 # the routes that run the engine (POST; a replica's drain waits for their answers, serve/ray.py), and the health probes
 # (a draining replica answers them 503)
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/invocations")
@@ -460,8 +461,12 @@ class OpenAIServing:
         unknown = unknown_fields(req)
         if unknown:
             more = len(unknown) - MAX_LISTED_UNKNOWN
+            # cut short, and as repr writes it where it holds a character that is not printable: a client's key must
+            # not write lines (or terminal escapes) into the log
+            names = ", ".join(n if n.isprintable() else repr(n) for n in (
+                n if len(n) <= MAX_LOGGED_NAME else n[:MAX_LOGGED_NAME] + "..." for n in unknown[:MAX_LISTED_UNKNOWN]))
             log.warning("%s %s: ignored unknown fields: %s%s", request_id(request.scope), request.url.path,
-                        ", ".join(unknown[:MAX_LISTED_UNKNOWN]), f" and {more} more" if more > 0 else "")
+                        names, f" and {more} more" if more > 0 else "")
         return req
 
     def resolve_max_tokens(self, requested: int | None, default: int | None, prompt_len: int, what: str,
