@@ -816,15 +816,22 @@ def test_the_first_failing_item_is_named_not_a_later_one(body, message):
     assert e.value.message.startswith(message), e.value.message
 
 
-@pytest.mark.parametrize("body,message", [
-    (b'{"model": "m", "prompt": ', "request body: malformed JSON"),
+@pytest.mark.parametrize("body,message,param", [
+    (b'{"model": "m", "prompt": ', "request body: malformed JSON", None),
     (b'{"model": "m", "prompt": "a", "guided_json": ' + b'{"a": ' * 300 + b"1" + b"}" * 301,
-     "request body: nested too deeply for the JSON parser"),
+     "guided_json: nested too deeply for the JSON parser (more than 200 levels)", "guided_json"),
+    # valid JSON that is not Unicode text: the field is named (the whole body was "malformed JSON", param null)
+    (b'{"model": "m", "prompt": "a", "user": "\\udc00"}', "user: not Unicode text (a lone surrogate escape, \\udc00)",
+     "user"),
+    (b'{"model": "m", "prompt": ["a", "b\\ud800c"]}', "prompt.1: not Unicode text", "prompt.1"),
+    (b'{"model": "m", "prompt": "a", "logit_bias": {"\\ud800": 1}}', "logit_bias: a key is not Unicode text",
+     "logit_bias"),
 ])
-def test_a_body_the_json_parser_cannot_read_is_a_400_saying_why(server, body, message):
+def test_a_body_the_json_parser_cannot_read_is_a_400_saying_why(server, body, message, param):
     r = httpx.post(server.url + C, content=body, headers={"Content-Type": "application/json"}, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["message"].startswith(message), r.json()
+    assert r.json()["error"]["param"] == param, r.json()
 
 
 def test_uvicorn_log_level_sets_uvicorns_loggers_alone(short_path, tmp_path):

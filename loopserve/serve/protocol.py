@@ -517,10 +517,58 @@ def parse_body(cls: type[BaseModel], body: bytes) -> Any:
     try:
         req = cls.model_validate_json(body)
     except ValidationError as e:
+        first = e.errors(include_url=False)[0]
+        culprit = _json_culprit(body) if first["type"] == "json_invalid" else None
+        if culprit is not None:
+            raise ApiError(400, *culprit) from None
         raise ApiError(400, *_describe(cls, e)) from None
     if hasattr(req, "check_unsupported"):
         req.check_unsupported()
     return req
+
+
+JSON_DEPTH = 200  # containers pydantic's JSON parser reads inside one another (past it: "recursion limit exceeded")
+
+
+def _json_culprit(body: bytes) -> tuple[str, str] | None:
+    """(message, field) for valid JSON that pydantic's parser refused, naming the field: a string or key holding a
+    lone surrogate escape (valid JSON, not Unicode text: refused, where Python's json, vLLM's, reads it and a later
+    log line or response would fail to encode it), or a value nested past its depth (the top-level field). None
+    when Python's json cannot read the body either (malformed JSON), or finds neither."""
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    stack: list[tuple[Any, tuple[str, ...], int]] = [(obj, (), 1)]
+    while stack:  # (depth first, in the body's order)
+        value, path, depth = stack.pop()
+        field = ".".join(path)
+        if depth > JSON_DEPTH and isinstance(value, (dict, list)):
+            return f"{path[0]}: nested too deeply for the JSON parser (more than {JSON_DEPTH} levels)", path[0]
+        if isinstance(value, str) and not _is_text(value):
+            return f"{field}: not Unicode text (a lone surrogate escape, \\u{_lone(value):04x})", field
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        children = []
+        for key, child in items:
+            if isinstance(key, str) and not _is_text(key):
+                at = field or "request body"
+                return f"{at}: a key is not Unicode text (a lone surrogate escape, \\u{_lone(key):04x})", at
+            children.append((child, (*path, str(key)), depth + 1))
+        stack.extend(reversed(children))
+    return None
+
+
+def _is_text(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _lone(s: str) -> int:
+    """The first lone surrogate's code point in `s`."""
+    return next(ord(c) for c in s if 0xD800 <= ord(c) <= 0xDFFF)
 
 
 def body_object(body: bytes) -> dict[str, Any] | None:
