@@ -31,7 +31,12 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
-from schemathesis.checks import not_a_server_error
+from schemathesis.checks import (
+    content_type_conformance,
+    not_a_server_error,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
 from loopserve.sampling_params import MAX_EXIT_TRACE, MAX_STOP
 from loopserve.serve.api import GENERATION_PATHS, HEALTH_PATHS
@@ -642,12 +647,21 @@ def test_openapi_describes_the_request_bodies(server):
     assert [ref["$ref"].rsplit("/", 1)[1] for ref in tokenize] == ["TokenizeCompletionRequest", "TokenizeChatRequest"]
     assert set(components["DetokenizeRequest"]["properties"]) == {"model", "tokens"}
     assert "/version" in schema["paths"]
+    # the answers too, as vLLM documents them: streams, errors' bodies, non-JSON answers; no 422 (never sent)
+    completions = schema["paths"][C]["post"]["responses"]
+    assert set(completions["200"]["content"]) == {"application/json", "text/event-stream"}
+    assert {"400", "404", "413", "503"} <= set(completions) and "422" not in completions
+    assert completions["400"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorResponse"}
+    assert components["ErrorResponse"]["properties"]["error"]["required"] == ["message", "type", "code"]
+    assert "422" not in schema["paths"]["/v1/models/{model}"]["get"]["responses"]
+    assert set(schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=lambda m: m.value)
 def test_fuzzed_requests_get_no_server_error(server, mode):
     """Every operation, with inputs the schema allows and inputs it does not: never a 5xx (generations
-    stay short: the model's context is 64 tokens)."""
+    stay short: the model's context is 64 tokens), and every answer one /openapi.json documents: its status, its
+    content type, an error's OpenAI-style body (it documented only a 200 of JSON, and a 422 never sent)."""
     schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {op.path for op in operations} >= {C, H, "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize",
@@ -661,7 +675,8 @@ def test_fuzzed_requests_get_no_server_error(server, mode):
                   derandomize=True, suppress_health_check=list(HealthCheck))
         @given(case=operation.as_strategy(generation_mode=mode))
         def fuzz(case: schemathesis.Case) -> None:
-            r = case.call_and_validate(checks=[not_a_server_error], timeout=60)
+            r = case.call_and_validate(checks=[not_a_server_error, status_code_conformance, content_type_conformance,
+                                               response_schema_conformance], timeout=60)
             statuses.setdefault(case.operation.label, []).append(r.status_code)
 
         fuzz()

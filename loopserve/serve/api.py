@@ -1291,6 +1291,31 @@ def _is_json(content_type: str) -> bool:
         and kind.endswith("+json")
 
 
+# What /openapi.json says each route answers (FastAPI documents a 200 of JSON and, for a route with parameters, a 422
+# the server never sends: its errors are 400s): an error's OpenAI-style body, the statuses each kind of route may
+# answer with one, streams and the non-JSON answers
+ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "code"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"anyOf": [{"type": "string"}, {"type": "null"}]}, "code": {"type": "integer"}}}}}
+ERROR_STATUSES = {"POST": (400, 401, 404, 408, 413, 415, 500, 503), "GET": (401, 404, 500, 503)}
+OK_CONTENT: dict[str, dict[str, Any]] = {
+    **{path: {"application/json": {"schema": {}}, "text/event-stream": {}} for path in GENERATION_PATHS},
+    **{path: {} for path in HEALTH_PATHS},  # (an empty body)
+    "/metrics": {"text/plain": {}},
+}
+
+
+def documented_responses(path: str, method: str, responses: dict[str, Any]) -> dict[str, Any]:
+    """The responses /openapi.json lists for one operation: FastAPI's 200 (its content as OK_CONTENT says, where it
+    says), then an OpenAI-style error body for each status in ERROR_STATUSES; no 422."""
+    ok = dict(responses.get("200", {"description": "Successful Response"}))
+    if path in OK_CONTENT:
+        ok["content"] = OK_CONTENT[path]
+    error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+    return {"200": ok, **{str(s): {"description": ApiError.TYPES[s], **error} for s in ERROR_STATUSES[method.upper()]}}
+
+
 def build_app(engine: LLMEngine, settings: ServerSettings,
               on_engine_dead: Callable[[], None] | None = None) -> FastAPI:
     serving = OpenAIServing(engine, settings, on_engine_dead)
@@ -1310,6 +1335,11 @@ def build_app(engine: LLMEngine, settings: ServerSettings,
                 body = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 components.update(body.pop("$defs", {}))
                 components[model.__name__] = body
+            components["ErrorResponse"] = ERROR_SCHEMA
+            for path, operations in schema["paths"].items():
+                for method, operation in operations.items():
+                    operation["responses"] = documented_responses(path.removeprefix(settings.root_path), method,
+                                                                  operation.get("responses", {}))
             app.openapi_schema = schema
         return app.openapi_schema
 
