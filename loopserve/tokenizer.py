@@ -326,18 +326,20 @@ class Tokenizer:
     def chat_template(self) -> str | None:
         """The default chat template (None when the folder has none, or only named ones). Set, as transformers'
         attribute is (guidellm's vLLM backend sets a custom one): the template text (never a file's name), which
-        replaces every template, as `set_chat_template`; None drops them all."""
+        replaces every template, as `set_chat_template`, or named templates (a dict, "default" the default one); None
+        drops them all."""
         return self.chat_templates.get(DEFAULT_TEMPLATE)
 
     @chat_template.setter
-    def chat_template(self, value: str | None) -> None:
-        if value is None:
-            self.chat_templates = {}
-            return
-        if not isinstance(value, str):
-            raise ValueError(f"chat_template: expected a Jinja template (a string) or None, got {type(value).__name__}")
-        _compile(value)
-        self.chat_templates = {DEFAULT_TEMPLATE: value}
+    def chat_template(self, value: str | dict[str, str] | None) -> None:
+        templates = {} if value is None else {DEFAULT_TEMPLATE: value} if isinstance(value, str) else value
+        if not isinstance(templates, dict) or not all(isinstance(k, str) and isinstance(t, str)
+                                                       for k, t in templates.items()):
+            raise ValueError("chat_template: expected a Jinja template (a string), named templates (a dict of "
+                             f"strings) or None, got {type(value).__name__}")
+        for template in templates.values():
+            _compile(template)
+        self.chat_templates = dict(templates)
 
     def set_chat_template(self, value: str) -> None:
         """Use this template (text or a file, as `--chat-template` takes it) instead of the folder's."""
@@ -463,8 +465,8 @@ class Tokenizer:
         the post-processor marks them) as transformers takes them (lm-eval's vLLM backend asks for no mask);
         `verbose` does nothing (nothing is logged); `options`: transformers' of CALL_OPTIONS, taken at a value that
         does nothing."""
-        mask = options.pop("return_attention_mask", None) in (None, True)
-        types = options.pop("return_token_type_ids", None) is True
+        mask = options.get("return_attention_mask") is None or bool(options.pop("return_attention_mask"))
+        types = bool(options.pop("return_token_type_ids", None))
         options.pop("verbose", None)
         _take_options(options, CALL_OPTIONS, "Tokenizer()")
         if isinstance(text, str):

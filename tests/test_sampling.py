@@ -178,6 +178,24 @@ def test_min_p_comes_before_top_p():
     assert close(probs(min_p=0.3), [0.5 / 0.9, 0.25 / 0.9, 0.15 / 0.9, 0])
 
 
+def test_a_rows_distribution_does_not_depend_on_its_neighbours_filters():
+    """Bit for bit, a row's filtered distribution alone (as the reference decoder samples it) and beside rows that
+    use min-p, top-p or both (the renormalization between them is the rows' own, not the batch's)."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 300, generator=gen, dtype=torch.float64) * 3
+    rows = [(1.0, 300, 0.9, 0.0), (1.0, 300, 1.0, 0.05), (0.7, 300, 0.8, 0.1), (1.3, 40, 0.95, 0.02),
+            (1.0, 300, 1.0, 0.0), (2.0, 300, 0.5, 0.3)]
+
+    def filtered(idx: list[int]) -> torch.Tensor:
+        t, k, p, m = (torch.tensor([rows[i][j] for i in idx], dtype=torch.long if j == 1 else torch.float64)
+                      for j in range(4))
+        return filtered_probs(logits[idx], t, k, p, m)
+
+    together = filtered(list(range(len(rows))))
+    for i in range(len(rows)):
+        assert torch.equal(filtered([i]), together[i:i + 1]), i
+
+
 def test_sample_greedy_and_support():
     assert sample_one(LOGITS, SamplingParams(temperature=0), 1, 0).token == 0
     assert sample_one(torch.tensor([0.0, 5.0, 1.0]), SamplingParams(temperature=0), 1, 0).token == 1

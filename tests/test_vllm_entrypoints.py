@@ -225,6 +225,7 @@ def test_tokenizer_call_takes_transformers_return_switches(tiny_ouro, llm):
     got = tok("a", "b", return_token_type_ids=True, return_attention_mask=False)
     assert got == {"input_ids": pair.ids, "token_type_ids": pair.type_ids} and set(pair.type_ids) == {0, 1}
     assert "token_type_ids" not in tok("a", return_token_type_ids=False)
+    assert set(tok("a", return_token_type_ids=1, return_attention_mask=0)) == {"input_ids", "token_type_ids"}
     with pytest.raises(TypeError, match="unexpected keyword argument 'return_offsets'"):
         tok("a", return_offsets=True)
 
@@ -239,5 +240,9 @@ def test_tokenizer_chat_template_can_be_set_as_an_attribute(tiny_ouro):
     with pytest.raises(ValueError, match=r"^chat_template: not a valid Jinja template"):
         tok.chat_template = "{% for"
     assert tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False) == "<x>"  # (unchanged)
+    tok.chat_template = {"default": "<d>", "tool_use": "<t>"}  # (transformers' named templates)
+    assert tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False) == "<d>"
+    with pytest.raises(ValueError, match=r"^chat_template: expected a Jinja template"):
+        tok.chat_template = {"default": 3}
     tok.chat_template = None
     assert tok.chat_template is None

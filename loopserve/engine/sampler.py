@@ -77,8 +77,10 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     probs = torch.softmax(x, -1)
     if use_min_p:
         probs = probs.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, 0.0)
-        if use_p:  # (the nucleus is read off the renormalized distribution)
-            probs = probs / probs.sum(-1, keepdim=True)
+        if use_p:  # (the nucleus is read off the renormalized distribution: of the rows that use both alone, so that
+            # no row's values depend on what its neighbours ask for)
+            both = ((min_p > 0) & (top_p < 1))[:, None]
+            probs = torch.where(both, probs / probs.sum(-1, keepdim=True), probs)
     if use_p:
         probs = nucleus(probs, top_p)
     return probs / probs.sum(-1, keepdim=True)

@@ -1407,7 +1407,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings,
     @app.exception_handler(LeftBeforeItsTurn)
     async def _left_waiting(request: Request, exc: LeftBeforeItsTurn) -> Response:
         client = f"{request.client.host}:{request.client.port}" if request.client else "client"
-        log.info("%s: disconnected while its request %s %s waited to be built; not built", client, request.method,
+        log.info("%s: disconnected while its request %s %s waited for its turn; not run", client, request.method,
                  request.url.path)
         return Response(status_code=499)  # nobody reads it
 

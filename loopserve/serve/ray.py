@@ -320,12 +320,13 @@ class _ReplicaASGI:
             await _respond(send_with_replica, 503, body, "application/json",
                            [(b"retry-after", str(SHUTDOWN_RETRY_AFTER_S).encode())])
             return
+        receive = _disconnect_when_cancelled(receive)  # (any route may ask whether its client left: `in_lane`)
         if not generation:  # probes, tokenize, ...
             await self.inner(scope, receive, send_with_replica)
             return
         self.generating += 1
         try:
-            await self.inner(scope, _disconnect_when_cancelled(receive), send_with_replica)
+            await self.inner(scope, receive, send_with_replica)
         finally:
             self.generating -= 1
 
