@@ -19,6 +19,7 @@ would need as many slow calls to fill).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import socket
@@ -26,11 +27,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+import anyio
 import httpx
 import pytest
 
 from loopserve.cache.prefix import block_keys
-from loopserve.serve.api import LARGE_BODY_BYTES, TOKENIZE_THREADS
+from loopserve.serve.api import LARGE_BODY_BYTES, TOKENIZE_THREADS, LeftBeforeItsTurn, run_in_lane
 from loopserve.tokenizer import RELEASE_GIL_FROM, Tokenizer
 from tests.server_helpers import MODEL, Server, metric, run_server, sse_events, wait_idle
 
@@ -257,6 +259,39 @@ def test_a_request_whose_client_left_is_not_built_when_its_turn_comes(server):
     log = server.log.read_text()[offset:]
     assert log.count("big on thread") == 2, log[-3000:]  # the live two only
     assert took < 3 * SLOW_S, took  # (the live one's turn, then its own: each abandoned turn would add SLOW_S)
+
+
+def test_a_lane_turn_is_held_until_its_thread_ends_even_if_its_task_is_cancelled():
+    """Ray Serve cancels a handler whose client left; its worker thread cannot be stopped, so its lane's turn is held
+    until the thread ends (the task left at once, and the next large body ran beside the first). A request whose
+    client left by its turn does not run, and gives the turn back."""
+    async def scenario() -> None:
+        lane, threads = anyio.CapacityLimiter(1), anyio.CapacityLimiter(8)
+        started: dict[str, float] = {}
+
+        def slow(tag: str) -> str:
+            started[tag] = time.monotonic()
+            time.sleep(0.5)
+            return tag
+
+        async def stayed() -> bool:
+            return False
+
+        async def left() -> bool:
+            return True
+
+        first = asyncio.ensure_future(run_in_lane(lane, stayed, threads, slow, "a"))
+        await asyncio.sleep(0.1)
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        assert await run_in_lane(lane, stayed, threads, slow, "b") == "b"
+        assert started["b"] - started["a"] >= 0.45, started  # (after a's thread, not beside it)
+        with pytest.raises(LeftBeforeItsTurn):
+            await run_in_lane(lane, left, threads, slow, "c")
+        assert "c" not in started and lane.borrowed_tokens == 0
+
+    asyncio.run(scenario())
 
 
 def test_long_texts_are_tokenized_with_the_gil_released(tiny_huginn):

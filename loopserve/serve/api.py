@@ -66,11 +66,11 @@ import itertools
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import anyio
 import anyio.to_thread
@@ -278,8 +278,36 @@ def request_failure(out: RequestOutput, prompt_field: str | None = None,
     return None
 
 
+T = TypeVar("T")
+
+
 class LeftBeforeItsTurn(Exception):
     """The client of a request waiting in a lane (`OpenAIServing.in_lane`) disconnected before its turn came."""
+
+
+async def run_in_lane(lane: anyio.CapacityLimiter, client_left: Callable[[], Awaitable[bool]],
+                      threads: anyio.CapacityLimiter, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` on a worker thread (`threads`: the limiter it runs under) once `lane` gives it a turn, unless
+    `client_left()` says so by then (LeftBeforeItsTurn). The turn is held until the thread ends, even where the waiting
+    task is cancelled (Ray Serve cancels a handler whose client left): a thread cannot be stopped, and the lane is
+    there to keep such work a few at a time (the task would leave at once and the next large body start beside it)."""
+    holder = object()
+    await lane.acquire_on_behalf_of(holder)
+    try:
+        if await client_left():
+            raise LeftBeforeItsTurn
+        work = asyncio.ensure_future(anyio.to_thread.run_sync(fn, *args, limiter=threads))
+    except BaseException:
+        lane.release_on_behalf_of(holder)
+        raise
+
+    def done(task: asyncio.Future) -> None:
+        lane.release_on_behalf_of(holder)
+        if not task.cancelled():
+            task.exception()  # (read: a cancelled waiter leaves it unread, which asyncio would log)
+
+    work.add_done_callback(done)
+    return await asyncio.shield(work)
 
 
 async def _wait_disconnect(receive: Callable) -> None:
@@ -1027,11 +1055,7 @@ class OpenAIServing:
         request behind five of them waited 13.7 s instead of 2.7 (a probe with raw sockets closed after sending)."""
         if lane is None:
             return await anyio.to_thread.run_sync(fn, *args)
-        async with lane:
-            if await request.is_disconnected():
-                raise LeftBeforeItsTurn
-            # (the turn is this task's: the thread itself waits for nothing, not even the shared pool's tokens)
-            return await anyio.to_thread.run_sync(fn, *args, limiter=self.lane_of("lane threads", 1 << 20))
+        return await run_in_lane(lane, request.is_disconnected, self.lane_of("lane threads", 1 << 20), fn, *args)
 
     def lane_of(self, name: str, threads: int) -> anyio.CapacityLimiter:
         """The lane `name`, `threads` at a time, made on first use (on the event loop, where anyio makes it)."""
