@@ -483,6 +483,13 @@ def test_ping_is_health(server, method):
     assert r.status_code == 200, r.text
 
 
+def test_a_405_allows_every_method_of_the_path(server):
+    """The Allow header of a 405 names every method the path takes: /ping's two routes (GET, POST) said GET alone."""
+    for path, allowed in [("/ping", "GET, POST"), ("/v1/completions", "POST"), ("/v1/models", "GET")]:
+        r = httpx.request("DELETE", server.url + path)
+        assert r.status_code == 405 and r.headers["allow"] == allowed, (path, r.headers)
+
+
 def test_vllm_model_flags_change_no_output(server, tiny_ouro):
     """The server started with them answers as the offline LLM (on the CPU, where graphs are off anyway)."""
     body = {"model": SERVED, "prompt": [5, 17, 99], "max_tokens": 5, "temperature": 0, "ignore_eos": True}

@@ -78,9 +78,11 @@ import jinja2
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
+from starlette.routing import Match
 
 from loopserve import __version__
 from loopserve.beam_search import BeamSearch, generated_text, run_steps
@@ -1415,10 +1417,16 @@ def build_app(engine: LLMEngine, settings: ServerSettings,
         message = exc.detail if isinstance(exc.detail, str) else "error"
         if exc.status_code == 404:
             message = f"{request.url.path}: no such route"
-        elif exc.status_code == 405:
+        headers = getattr(exc, "headers", None)
+        if exc.status_code == 405:
             message = f"{request.method} {request.url.path}: method not allowed"
-        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+            # every method the path's routes take (starlette names the first matching route's alone: /ping's two
+            # routes, GET and POST, answered `Allow: GET`)
+            allowed = sorted({m for route in app.routes if isinstance(route, APIRoute)
+                              and route.matches(request.scope)[0] is Match.PARTIAL for m in route.methods or ()})
+            if allowed:
+                headers = {**(headers or {}), "Allow": ", ".join(allowed)}
+        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code, headers=headers)
 
     @app.exception_handler(ClientDisconnect)
     async def _client_gone(request: Request, exc: ClientDisconnect) -> Response:
