@@ -94,11 +94,19 @@ def _check_text(text: Any, what: str) -> None:
     if not isinstance(text, str):
         raise ValueError(f"{what}: expected one text (a str), got {type(text).__name__}; to tokenize several, call "
                          "the tokenizer on the list: tokenizer(texts)['input_ids']")
+    problem = unicode_problem(text)
+    if problem is not None:
+        raise ValueError(f"{what}: {problem}")
+
+
+def unicode_problem(text: str) -> str | None:
+    """Why `text` is not Unicode text (it holds a lone surrogate, which a Python string can hold and UTF-8 cannot),
+    or None."""
     try:
         text.encode()
     except UnicodeEncodeError as e:
-        raise ValueError(f"{what}: not valid Unicode text (it holds a lone surrogate, "
-                         f"U+{ord(text[e.start]):04X})") from None
+        return f"not valid Unicode text (it holds a lone surrogate, U+{ord(text[e.start]):04X})"
+    return None
 
 
 def _token_ids(ids: Any, what: str) -> Any:
@@ -342,10 +350,9 @@ class Tokenizer:
         self.chat_templates = dict(templates)
 
     def set_chat_template(self, value: str) -> None:
-        """Use this template (text or a file, as `--chat-template` takes it) instead of the folder's."""
-        template = load_chat_template(value)
-        _compile(template)  # a broken template fails here, at startup, not on the first request
-        self.chat_templates = {DEFAULT_TEMPLATE: template}
+        """Use this template (text or a file, as `--chat-template` takes it) instead of the folder's (a broken one
+        fails here, at startup, not on the first request)."""
+        self.chat_template = load_chat_template(value)
 
     def encode(self, text: str, text_pair: str | None = None, add_special_tokens: bool = True, what: str = "text",
                **options: Any) -> list[int]:

@@ -836,10 +836,10 @@ def test_the_first_failing_item_is_named_not_a_later_one(body, message):
     (b'{"model": "m", "prompt": "a", "guided_json": ' + b'{"a": ' * 300 + b"1" + b"}" * 301,
      "guided_json: nested too deeply for the JSON parser (more than 200 levels)", "guided_json"),
     # valid JSON that is not Unicode text: the field is named (the whole body was "malformed JSON", param null)
-    (b'{"model": "m", "prompt": "a", "user": "\\udc00"}', "user: not Unicode text (a lone surrogate escape, \\udc00)",
-     "user"),
-    (b'{"model": "m", "prompt": ["a", "b\\ud800c"]}', "prompt.1: not Unicode text", "prompt.1"),
-    (b'{"model": "m", "prompt": "a", "logit_bias": {"\\ud800": 1}}', "logit_bias: a key is not Unicode text",
+    (b'{"model": "m", "prompt": "a", "user": "\\udc00"}',
+     "user: not valid Unicode text (it holds a lone surrogate, U+DC00)", "user"),
+    (b'{"model": "m", "prompt": ["a", "b\\ud800c"]}', "prompt.1: not valid Unicode text", "prompt.1"),
+    (b'{"model": "m", "prompt": "a", "logit_bias": {"\\ud800": 1}}', "logit_bias: a key is not valid Unicode text",
      "logit_bias"),
 ])
 def test_a_body_the_json_parser_cannot_read_is_a_400_saying_why(server, body, message, param):

@@ -48,7 +48,7 @@ from loopserve.sampling_params import (
     RequestOutputKind,
     SamplingParams,
 )
-from loopserve.tokenizer import template_switches, template_variables
+from loopserve.tokenizer import template_switches, template_variables, unicode_problem
 
 
 class ApiError(Exception):
@@ -545,30 +545,19 @@ def _json_culprit(body: bytes) -> tuple[str, str] | None:
         field = ".".join(path)
         if depth > JSON_DEPTH and isinstance(value, (dict, list)):
             return f"{path[0]}: nested too deeply for the JSON parser (more than {JSON_DEPTH} levels)", path[0]
-        if isinstance(value, str) and not _is_text(value):
-            return f"{field}: not Unicode text (a lone surrogate escape, \\u{_lone(value):04x})", field
+        problem = unicode_problem(value) if isinstance(value, str) else None
+        if problem is not None:
+            return f"{field}: {problem}", field
         items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
         children = []
         for key, child in items:
-            if isinstance(key, str) and not _is_text(key):
+            problem = unicode_problem(key) if isinstance(key, str) else None
+            if problem is not None:
                 at = field or "request body"
-                return f"{at}: a key is not Unicode text (a lone surrogate escape, \\u{_lone(key):04x})", at
+                return f"{at}: a key is {problem}", at
             children.append((child, (*path, str(key)), depth + 1))
         stack.extend(reversed(children))
     return None
-
-
-def _is_text(s: str) -> bool:
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _lone(s: str) -> int:
-    """The first lone surrogate's code point in `s`."""
-    return next(ord(c) for c in s if 0xD800 <= ord(c) <= 0xDFFF)
 
 
 def body_object(body: bytes) -> dict[str, Any] | None:
