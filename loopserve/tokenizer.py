@@ -472,7 +472,8 @@ class Tokenizer:
         the post-processor marks them) as transformers takes them (lm-eval's vLLM backend asks for no mask);
         `verbose` does nothing (nothing is logged); `options`: transformers' of CALL_OPTIONS, taken at a value that
         does nothing."""
-        mask = options.get("return_attention_mask") is None or bool(options.pop("return_attention_mask"))
+        mask = options.pop("return_attention_mask", None)
+        mask = mask is None or bool(mask)
         types = bool(options.pop("return_token_type_ids", None))
         options.pop("verbose", None)
         _take_options(options, CALL_OPTIONS, "Tokenizer()")

@@ -226,6 +226,7 @@ def test_tokenizer_call_takes_transformers_return_switches(tiny_ouro, llm):
     assert got == {"input_ids": pair.ids, "token_type_ids": pair.type_ids} and set(pair.type_ids) == {0, 1}
     assert "token_type_ids" not in tok("a", return_token_type_ids=False)
     assert set(tok("a", return_token_type_ids=1, return_attention_mask=0)) == {"input_ids", "token_type_ids"}
+    assert set(tok("a", return_attention_mask=None, return_token_type_ids=None)) == {"input_ids", "attention_mask"}
     with pytest.raises(TypeError, match="unexpected keyword argument 'return_offsets'"):
         tok("a", return_offsets=True)
 
