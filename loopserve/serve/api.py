@@ -1046,15 +1046,16 @@ class OpenAIServing:
         module's docstring), in the tokenize lane: TOKENIZE_THREADS at a time, so a burst of multi-MB calls (seconds
         each) never holds the shared pool's threads, which generation requests are built on (`build`); the others
         wait for the lane."""
-        return await self.in_lane(request, await self.lane(request, self.lane_of("tokenize", TOKENIZE_THREADS)),
-                                  call, req)
+        return await self.in_lane(request, self.lane_of("tokenize", TOKENIZE_THREADS), call, req)
 
-    async def in_lane(self, request: Request, lane: anyio.CapacityLimiter | None, fn: Callable[..., Any],
+    async def in_lane(self, request: Request, usual: anyio.CapacityLimiter | None, fn: Callable[..., Any],
                       *args: Any) -> Any:
-        """`fn(*args)` on a worker thread, its turn taken in `lane` (None: anyio's shared pool). A request whose client
-        has gone by its turn in a lane is not run (LeftBeforeItsTurn), as vLLM cancels a handler whose client
-        disconnected: each abandoned 3 MB prompt took its full turn in the large-body lane, one at a time, and a live
-        request behind five of them waited 13.7 s instead of 2.7 (a probe with raw sockets closed after sending)."""
+        """`fn(*args)` on a worker thread, its turn taken in the request's lane (`lane`: `usual` unless its body is
+        large; None: anyio's shared pool). A request whose client has gone by its turn in a lane is not run
+        (LeftBeforeItsTurn), as vLLM cancels a handler whose client disconnected: each abandoned 3 MB prompt took its
+        full turn in the large-body lane, one at a time, and a live request behind five of them waited 13.7 s instead
+        of 2.7 (a probe with raw sockets closed after sending)."""
+        lane = await self.lane(request, usual)
         if lane is None:
             return await anyio.to_thread.run_sync(fn, *args)
         return await run_in_lane(lane, request.is_disconnected, self.lane_of("lane threads", 1 << 20), fn, *args)
@@ -1128,7 +1129,7 @@ class OpenAIServing:
             req.check_beam_search(self.engine.model_config.r_max)
         compiles = guide_field(req) is not None or bool(getattr(req, "tools", None))
         usual = self.lane_of("grammar", GRAMMAR_BUILDS) if compiles else None
-        return await self.in_lane(request, await self.lane(request, usual), make, request, req, arrival)
+        return await self.in_lane(request, usual, make, request, req, arrival)
 
     def completion(self, request: Request, req: CompletionRequest, arrival: float) -> _Generation:
         """A completions request's sequences (built on a worker thread: see the module's docstring)."""
