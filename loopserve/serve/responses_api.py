@@ -148,6 +148,9 @@ class ResponsesRequest(_Strict):
     parallel_tool_calls: bool | None = None
     reasoning: Reasoning | None = None
     include: list[str] | None = None
+    # vLLM's extension, as in a chat request (serve/structured.py): options for the grammar of text.format or a forced
+    # tool call (`{"disable_any_whitespace": true}`), or a grammar of its own
+    structured_outputs: dict[str, Any] | None = None
     # refused unless they ask for nothing (module docstring)
     previous_response_id: str | None = None
     conversation: Any = None
@@ -210,7 +213,7 @@ class ResponsesTurn:
             "model": req.model, "messages": messages, "max_completion_tokens": req.max_output_tokens,
             "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed, "stream": req.stream,
             "logprobs": req.logprobs, "top_logprobs": req.top_logprobs if req.logprobs else None,
-            "parallel_tool_calls": req.parallel_tool_calls,
+            "parallel_tool_calls": req.parallel_tool_calls, "structured_outputs": req.structured_outputs,
             "reasoning_effort": req.reasoning.effort if req.reasoning is not None else None}
         fmt = req.text.format if req.text is not None else None
         if fmt is not None and fmt.type == "json_schema":
