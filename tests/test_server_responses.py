@@ -104,6 +104,33 @@ def test_text_is_the_chat_routes(client):
     assert r.temperature == 0 and r.max_output_tokens == 12 and r.tools == [] and r.text.format.type == "text"
 
 
+def test_seed_and_logprobs_are_the_chat_routes(client):
+    """A sampled response with a seed is the chat route's sample with that seed; `top_logprobs` gives each output
+    token's logprobs, with that many alternatives, as the chat route's `logprobs`."""
+    seeded = {"input": "Once", "max_output_tokens": 8, "temperature": 1, "extra_body": {"seed": 7}}  # (the client's
+    # Responses signature has no seed: the chat path's field, sent as an extra)
+    r = client.responses.create(model=MODEL, top_logprobs=2, **seeded)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Once"}], max_tokens=8,
+                                          temperature=1, seed=7, logprobs=True, top_logprobs=2)
+    _same_as_chat(r, chat)
+    logprobs = r.output[0].content[0].logprobs
+    assert [(lp.token, lp.logprob) for lp in logprobs] == [(lp.token, lp.logprob)
+                                                           for lp in chat.choices[0].logprobs.content]
+    assert len(logprobs) == r.usage.output_tokens and all(len(lp.top_logprobs) == 2 for lp in logprobs)
+    streamed = list(client.responses.create(model=MODEL, top_logprobs=2, stream=True, **seeded))
+    # each token's with its text's delta (a token whose text is held back, part of a character, with the text's
+    # next delta; one whose text never comes out, in the done events only)
+    pieces = [lp.model_dump() for e in streamed if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert pieces and pieces == [lp.model_dump() for lp in logprobs][:len(pieces)]
+    [done] = [e for e in streamed if e.type == "response.output_text.done"]
+    assert [lp.model_dump() for lp in done.logprobs] == [lp.model_dump() for lp in logprobs]
+    assert streamed[-1].response.output[0].content[0].logprobs == logprobs
+    # asked by `include` alone: the tokens' own logprobs
+    r = client.responses.create(model=MODEL, include=["message.output_text.logprobs"], **seeded)
+    assert [lp.logprob for lp in r.output[0].content[0].logprobs] == [lp.logprob for lp in logprobs]
+    assert client.responses.create(model=MODEL, input="Once", max_output_tokens=8).output[0].content[0].logprobs == []
+
+
 def test_instructions_are_a_system_message_first(client):
     """`instructions` and a conversation of message items (input_text parts, a developer message, an earlier
     turn's output message replayed with its output_text part) are the chat messages they name."""

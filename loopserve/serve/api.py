@@ -2,7 +2,9 @@
 the engine and the settings and has one method per endpoint.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both stream as SSE `data: {...}`
-chunks ending with `data: [DONE]`), POST /invocations (SageMaker's: either of them, by the body), GET /v1/models and
+chunks ending with `data: [DONE]`), POST /v1/responses (OpenAI's Responses API, run as the chat request it translates
+to: serve/responses_api.py; it streams as that API's events), POST /invocations (SageMaker's: completions or chat, by
+the body), GET /v1/models and
 /v1/models/{model}, vLLM's POST /tokenize and POST
 /detokenize, GET /version, GET /health (and vLLM's GET or POST /ping), GET /load (vLLM's: the generation requests in
 flight, with `ServerSettings.server_load_tracking`; else 0), GET /metrics, GET /openapi.json (the

@@ -389,6 +389,8 @@ class ResponseEvents:
         self.numbers = itertools.count()
         self.items: list[dict[str, Any]] = []  # the output items, done ones whole; the last may be open
         self.open = False
+        # the logprobs of tokens whose text is not out yet (a character's first bytes): sent with the text's delta
+        self.held: list[dict[str, Any]] = []
 
     def event(self, kind: str, **fields: Any) -> str:
         return f"event: {kind}\n" + sse({"type": kind, "sequence_number": next(self.numbers), **fields})
@@ -419,15 +421,18 @@ class ResponseEvents:
         and argument pieces."""
         out: list[str] = []
         text = delta.get("content")
+        self.held += logprobs
         if text:
             if not (self.open and self.items[-1]["type"] == "message"):
                 out += self.open_message()
             part = self.items[-1]["content"][0]
             part["text"] += text
-            part["logprobs"] += logprobs
+            part["logprobs"] += self.held
             out.append(self.event("response.output_text.delta", **self.where(), content_index=0, delta=text,
-                                  logprobs=logprobs))
+                                  logprobs=self.held))
+            self.held = []
         for call in delta.get("tool_calls", ()):
+            self.held = []  # (a call's tokens: a function_call item has no logprobs)
             fn = call.get("function", {})
             if "id" in call:  # (a call's first piece: its id and name)
                 out += self.add(function_call_item(new_item_id("fc"), call["id"], fn["name"], "", "in_progress"))
@@ -460,6 +465,8 @@ class ResponseEvents:
         as a whole response has one), and response.completed."""
         status = response_status(finish_reason)
         out = [] if self.items else self.open_message()
+        if self.held and self.items[-1]["type"] == "message":  # (tokens whose text never came out)
+            self.items[-1]["content"][0]["logprobs"] += self.held
         out += self.close(status)
         response = self.turn.response(**self.head, status=status, output=self.items, usage=usage)
         return [*out, self.event("response.completed", response=response)]
