@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import openai
+import pydantic
 import pytest
 
 from loopserve_lab.tiny import TinySpec, make_tiny
@@ -34,6 +35,13 @@ CHAT_WEATHER = {"type": "function", "function": {"name": "get_weather", "descrip
                                                  "parameters": WEATHER_PARAMETERS}}
 PET = {"type": "object", "additionalProperties": False, "required": ["kind", "legs"],
        "properties": {"kind": {"enum": ["cat", "dog"]}, "legs": {"type": "integer", "minimum": 0, "maximum": 8}}}
+
+
+class Pet(pydantic.BaseModel):  # (PET's fields)
+    kind: Literal["cat", "dog"]
+    legs: int = pydantic.Field(ge=0, le=8)
+
+
 # vLLM's extension: no whitespace between JSON tokens (a random model pads JSON with it until the budget runs out)
 COMPACT = {"structured_outputs": {"disable_any_whitespace": True}}
 GREEDY = {"temperature": 0}
@@ -171,6 +179,10 @@ def test_json_schema_output_parses_and_matches(client):
     chat = _chat(client, [{"role": "user", "content": "A pet, please"}], 40, extra_body=COMPACT, response_format={
         "type": "json_schema", "json_schema": {"name": "pet", "schema": PET, "strict": True}})
     _same_as_chat(r, chat)
+    # the client's parse: a pydantic model as the schema, the output parsed into it
+    parsed = client.responses.parse(model=MODEL, input="A pet, please", text_format=Pet, max_output_tokens=40,
+                                    **GREEDY, extra_body=COMPACT).output_parsed
+    assert isinstance(parsed, Pet) and parsed.model_dump() == pet
     # json_object: any JSON object
     r = client.responses.create(model=MODEL, input="An object", max_output_tokens=40, **GREEDY,
                                 text={"format": {"type": "json_object"}}, extra_body=COMPACT)

@@ -27,7 +27,8 @@ nothing: all are checked where the model's r_max is known, serve/api.py `build`.
 logprobs).
 
 Structured output (`response_format`, vLLM's `guided_*` and `structured_outputs`) and tool calls
-(`tools`, `tool_choice`) are read by `serve/structured.py`.
+(`tools`, `tool_choice`) are read by `serve/structured.py`. The Responses API's body, which becomes a chat request, is
+`serve/responses_api.py`'s.
 """
 
 from __future__ import annotations

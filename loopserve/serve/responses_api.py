@@ -81,7 +81,8 @@ class FunctionCallOutputItem(_Strict):
 
 
 def _item_kind(item: Any) -> str | None:
-    """An input item's type (a message may leave it out), which picks its model."""
+    """An input item's type (a message may leave it out), which picks its model: of a JSON object when a body is
+    validated, of a parsed item when one is dumped (pydantic asks the discriminator then too)."""
     if isinstance(item, dict):
         kind = item.get("type", "message")
         return kind if isinstance(kind, str) else None
