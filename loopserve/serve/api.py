@@ -2,7 +2,9 @@
 the engine and the settings and has one method per endpoint.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both stream as SSE `data: {...}`
-chunks ending with `data: [DONE]`), POST /invocations (SageMaker's: either of them, by the body), GET /v1/models and
+chunks ending with `data: [DONE]`), POST /v1/responses (OpenAI's Responses API, run as the chat request it translates
+to: serve/responses_api.py; it streams as that API's events), POST /invocations (SageMaker's: completions or chat, by
+the body), GET /v1/models and
 /v1/models/{model}, vLLM's POST /tokenize and POST
 /detokenize, GET /version, GET /health (and vLLM's GET or POST /ping), GET /load (vLLM's: the generation requests in
 flight, with `ServerSettings.server_load_tracking`; else 0), GET /metrics, GET /openapi.json (the
@@ -61,12 +63,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import gzip
 import itertools
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -164,6 +167,13 @@ from loopserve.serve.responses import (
     sse,
     usage_body,
 )
+from loopserve.serve.responses_api import (
+    ResponseEvents,
+    ResponsesRequest,
+    ResponsesTurn,
+    response_status,
+    response_usage,
+)
 from loopserve.serve.structured import ToolPlan, chat_guide, guide_field, request_guide
 from loopserve.tokenizer import template_variables
 
@@ -180,7 +190,7 @@ MAX_LISTED_UNKNOWN = 20  # unknown fields named in one warning
 MAX_LOGGED_NAME = 64  # characters of an unknown field's name the warning shows
 # the routes that run the engine (POST; a replica's drain waits for their answers, serve/ray.py), and the health probes
 # (a draining replica answers them 503)
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/invocations")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations")
 HEALTH_PATHS = ("/health", "/ping")
 
 
@@ -346,11 +356,13 @@ class _Kind:
     chat: bool
     object: str  # of a whole response
     chunk_object: str  # of a stream chunk
-    id_prefix: str
+    id_prefix: str  # of a response's id, before the request id
 
 
-COMPLETION = _Kind(False, "text_completion", "text_completion", "cmpl")
-CHAT = _Kind(True, "chat.completion", "chat.completion.chunk", "chatcmpl")
+COMPLETION = _Kind(False, "text_completion", "text_completion", "cmpl-")
+CHAT = _Kind(True, "chat.completion", "chat.completion.chunk", "chatcmpl-")
+# a chat request made of a Responses API one (serve/responses_api.py), answered in that API's shapes
+RESPONSES = _Kind(True, "response", "response", "resp_")
 
 
 @dataclass
@@ -381,6 +393,7 @@ class _Generation:
     # the response's `created`, once per request: every chunk of a stream carries the same (OpenAI's and vLLM's;
     # clients group chunks by id and created)
     created: int = field(default_factory=lambda: int(time.time()))
+    turn: ResponsesTurn | None = None  # RESPONSES: the request as the Responses API gave it
 
     @property
     def n(self) -> int:
@@ -689,7 +702,8 @@ class OpenAIServing:
         group = self.admit(gen.seqs)
         self.log_received(gen)
         if gen.req.streaming:
-            return GroupStreamingResponse(self.stream(gen, group), group)
+            events = self.stream(gen, group) if gen.turn is None else self.response_events(gen, group)
+            return GroupStreamingResponse(events, group)
         outs = await self.collect(gen, group, request)
         if outs is None:
             return Response(status_code=499)
@@ -705,6 +719,8 @@ class OpenAIServing:
 
     def respond(self, gen: _Generation, outs: list[RequestOutput]) -> JSONResponse:
         """The response (not streamed) of `gen`'s final outputs."""
+        if gen.turn is not None:
+            return JSONResponse(self.response_object(gen, outs[0]))
         choices = [self.choice(gen, i, o, c, ChoiceStream()) for i, o in enumerate(outs) for c in o.outputs]
         sent = sum(len(c.token_ids) for o in outs for c in o.outputs) if gen.generated else 0
         body = {**self.base(gen.kind.object, gen), "choices": choices, "usage": usage_body(outs, sent)}
@@ -779,12 +795,7 @@ class OpenAIServing:
         def chunk(choice: dict[str, Any], usage: dict[str, Any] | None) -> dict[str, Any]:
             return {**self.base(obj, gen), "choices": [choice], **({"usage": usage} if req.include_usage else {})}
 
-        def ended(done: Iterable[int]) -> list[tuple[RequestOutput, list[str | None], int]]:
-            """`log_finished`'s lines of these requests (their indices), by what their streams sent."""
-            return [(latest[i], [sent[i, j].finish_reason for j in range(gen.n)],
-                     sum(sent[i, j].tokens for j in range(gen.n))) for i in done]
-
-        try:
+        with self.stream_ends_logged(gen, sent, latest):
             if gen.kind.chat:  # (vLLM's order: the echoed text in chunks after the role's)
                 for delta in [{"role": gen.role, "content": ""},
                               *([{"content": gen.echo_text}] if gen.echo_text else [])]:
@@ -801,10 +812,7 @@ class OpenAIServing:
                     prompt_logprobs[i] = out.prompt_logprobs
                 elif i in prompt_logprobs:
                     out = dataclasses.replace(out, prompt_logprobs=prompt_logprobs[i])
-                latest[i] = out
-                error = gen.failure(i, out)  # a failed output sends none of its choices
-                if error is not None:
-                    raise StreamFailed(error.status, error.message, error.param)
+                self.stream_output(gen, i, out, latest)
                 for c in out.outputs:
                     d = sent[i, c.index]
                     if d.finished or (not gen.generated and d.echoed and c.finish_reason is None):
@@ -824,6 +832,26 @@ class OpenAIServing:
                     # response is (`respond_off_loop`)
                     heavy = not d.chunks and out.prompt_logprobs is not None
                     yield await anyio.to_thread.run_sync(encoded) if heavy else encoded()
+        if req.include_usage:
+            total = usage_body(list(latest.values()), sum(d.tokens for d in sent.values()))
+            yield sse({**self.base(obj, gen), "choices": [], "usage": total})
+        yield "data: [DONE]\n\n"
+
+    @contextlib.contextmanager
+    def stream_ends_logged(self, gen: _Generation, sent: dict[tuple[int, int], ChoiceStream],
+                           latest: dict[int, RequestOutput]) -> Iterator[None]:
+        """Around the part of a stream that reads `gen`'s outputs (`sent`: what it sent of each choice; `latest`: each
+        request's latest output, `stream_output`): a dead (or stopped) engine becomes the stream's 503
+        (`StreamFailed`), and the requests' ends are logged (--enable-log-requests), whether they finished or the
+        client went away mid-stream (those finished by then as finished, the rest as aborted)."""
+
+        def ended(done: Iterable[int]) -> list[tuple[RequestOutput, list[str | None], int]]:
+            """`log_finished`'s lines of these requests (their indices), by what their streams sent."""
+            return [(latest[i], [sent[i, j].finish_reason for j in range(gen.n)],
+                     sum(sent[i, j].tokens for j in range(gen.n))) for i in done]
+
+        try:
+            yield
         except EngineDeadError as e:  # (EngineStoppedError too)
             raise StreamFailed(503, str(e)) from None
         except (GeneratorExit, asyncio.CancelledError):  # the client went away mid-stream
@@ -834,10 +862,66 @@ class OpenAIServing:
             raise
         if gen.search is None:  # (a beam search logged its end itself)
             self.log_finished(ended(latest))
-        if req.include_usage:
-            total = usage_body(list(latest.values()), sum(d.tokens for d in sent.values()))
-            yield sse({**self.base(obj, gen), "choices": [], "usage": total})
-        yield "data: [DONE]\n\n"
+
+    @staticmethod
+    def stream_output(gen: _Generation, i: int, out: RequestOutput, latest: dict[int, RequestOutput]) -> None:
+        """A stream's output `out` of request `i`: kept as its latest; a failed one ends the stream (`StreamFailed`,
+        with the status its response would have had), sending none of its choices."""
+        latest[i] = out
+        error = gen.failure(i, out)
+        if error is not None:
+            raise StreamFailed(error.status, error.message, error.param)
+
+    # -- the Responses API ------------------------------------------------------------------------------------
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API, run as the chat request it translates to (serve/responses_api.py): built, admitted
+        and collected or streamed as a chat request is; its errors name the fields as this request gave them."""
+        arrival = time.monotonic()
+        req: ResponsesRequest = await self.read(request, lambda body: parse_body(ResponsesRequest, body))
+        turn = ResponsesTurn(req)
+        with turn.fields():
+            gen = await self.build(functools.partial(self.chat, kind=RESPONSES), request, turn.chat, arrival)
+            gen.turn, gen.prompt_fields = turn, ["input"]  # (what an error the engine finds later names)
+            gen.grammar_field = turn.field_name(gen.grammar_field) if gen.grammar_field is not None else None
+            return await self.generate(request, gen)
+
+    def response_head(self, gen: _Generation) -> dict[str, Any]:
+        """`ResponsesTurn.response`'s arguments that the request's generation gives."""
+        return {"rid": gen.cid, "created": gen.created, "model": gen.req.model or self.settings.model_name,
+                "params": gen.seqs[0].params}
+
+    def response_object(self, gen: _Generation, out: RequestOutput) -> dict[str, Any]:
+        """The Responses API's response object of a finished request (its one sample: the chat message
+        `choice` makes of it)."""
+        assert gen.turn is not None
+        c = out.outputs[0]
+        choice = self.choice(gen, 0, out, c, ChoiceStream())
+        status = response_status(c.finish_reason)
+        logprobs = choice["logprobs"]["content"] if choice["logprobs"] is not None else []
+        return gen.turn.response(**self.response_head(gen), status=status,
+                                 output=gen.turn.output(choice["message"], logprobs, status),
+                                 usage=response_usage(usage_body([out], len(c.token_ids))))
+
+    async def response_events(self, gen: _Generation, group: RequestGroup) -> AsyncIterator[str]:
+        """A streamed Responses API request's events (`ResponseEvents`), made of its chat stream's deltas (`choice`,
+        streamed); its failures and ends as a chat stream's (`stream_ends_logged`, `stream_output`)."""
+        assert gen.turn is not None
+        events = ResponseEvents(gen.turn, self.response_head(gen))
+        sent = {(0, 0): ChoiceStream()}
+        latest: dict[int, RequestOutput] = {}
+        for event in events.start():
+            yield event
+        with self.stream_ends_logged(gen, sent, latest):
+            async for i, out in group:
+                self.stream_output(gen, i, out, latest)
+                for c in out.outputs:
+                    choice = self.choice(gen, i, out, c, sent[0, 0], True)
+                    logprobs = choice["logprobs"]["content"] if choice["logprobs"] is not None else []
+                    for event in events.delta(choice["delta"], logprobs):
+                        yield event
+        usage = usage_body(list(latest.values()), sent[0, 0].tokens)
+        for event in events.finish(sent[0, 0].finish_reason, response_usage(usage)):
+            yield event
 
     # -- beam search ------------------------------------------------------------------------------------------
     async def beam_search(self, request: Request, gen: _Generation) -> list[RequestOutput] | None:
@@ -974,7 +1058,7 @@ class OpenAIServing:
 
     def new_ids(self, request: Request, kind: _Kind, n: int) -> tuple[str, list[str]]:
         """The response id (from the request id) and the engine ids of its `n` sequences."""
-        cid = f"{kind.id_prefix}-{request_id(request.scope)}"
+        cid = f"{kind.id_prefix}{request_id(request.scope)}"
         tag = next(self._http_requests)
         return cid, [f"{cid}-{tag}-{i}" for i in range(n)]
 
@@ -1249,8 +1333,9 @@ class OpenAIServing:
                                 "(with prompt)")
         return await self.completions(request)
 
-    def chat(self, request: Request, req: ChatCompletionRequest, arrival: float) -> _Generation:
-        """A chat request's sequence (built on a worker thread: see the module's docstring)."""
+    def chat(self, request: Request, req: ChatCompletionRequest, arrival: float, kind: _Kind = CHAT) -> _Generation:
+        """A chat request's sequence (built on a worker thread: see the module's docstring); `kind`: RESPONSES for
+        one a Responses API request made."""
         self.check_capacity(1, req.n)
         guide, tools = chat_guide(req)
         if req.use_beam_search and guide is not None:
@@ -1286,15 +1371,15 @@ class OpenAIServing:
             except ValueError as e:
                 raise ApiError(400, str(e), "top_logprobs") from None
         if req.use_beam_search:  # (the room left when max_tokens is unset, as for sampling)
-            cid, _ = self.new_ids(request, CHAT, 1)
-            return self.beam_generation(CHAT, req, cid, self.beam_params(req, mt), [("messages", text, ids)], arrival,
+            cid, _ = self.new_ids(request, kind, 1)
+            return self.beam_generation(kind, req, cid, self.beam_params(req, mt), [("messages", text, ids)], arrival,
                                         echo_text=echo_text, role=role, top_logprobs=top)
         params = sampling_params(req, max_tokens=mt, logprobs=top if req.logprobs else None,
                                  defaults=self.sampling_defaults, guided_decoding=guide)
-        cid, (rid,) = self.new_ids(request, CHAT, 1)
+        cid, (rid,) = self.new_ids(request, kind, 1)
         grammar_field = "tools" if tools is not None else guide_field(req)
         seq = self.make_seq(rid, text, ids, params, arrival, params.seed, "messages", grammar_field, req.cache_salt)
-        return _Generation(CHAT, req, cid, [seq], self.formatter(req), ["messages"], grammar_field, top, tools,
+        return _Generation(kind, req, cid, [seq], self.formatter(req), ["messages"], grammar_field, top, tools,
                            echo_text=echo_text, role=role)
 
 
@@ -1306,7 +1391,7 @@ def _json_body(*models: type) -> dict[str, Any]:
         "schema": refs[0] if len(refs) == 1 else {"anyOf": refs}}}}}
 
 
-BODIES = (CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest, TokenizeChatRequest,
+BODIES = (CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeCompletionRequest, TokenizeChatRequest,
           DetokenizeRequest)
 
 
@@ -1402,6 +1487,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings,
         ("POST", "/detokenize", serving.detokenize, _json_body(DetokenizeRequest)),
         ("POST", "/v1/completions", serving.completions, _json_body(CompletionRequest)),
         ("POST", "/v1/chat/completions", serving.chat_completions, _json_body(ChatCompletionRequest)),
+        ("POST", "/v1/responses", serving.responses, _json_body(ResponsesRequest)),
         ("POST", "/invocations", serving.invocations, _json_body(ChatCompletionRequest, CompletionRequest)),
     ]
     if settings.tokenizer_info:

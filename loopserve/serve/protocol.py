@@ -27,7 +27,8 @@ nothing: all are checked where the model's r_max is known, serve/api.py `build`.
 logprobs).
 
 Structured output (`response_format`, vLLM's `guided_*` and `structured_outputs`) and tool calls
-(`tools`, `tool_choice`) are read by `serve/structured.py`.
+(`tools`, `tool_choice`) are read by `serve/structured.py`. The Responses API's body, which becomes a chat request, is
+`serve/responses_api.py`'s.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import functools
 import json
 import re
 from types import UnionType
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -365,6 +366,18 @@ class ToolCall(_Strict):
     function: ToolCallFunction
 
 
+def text_parts_only(value: Any) -> Any:
+    """A message content's validator (mode "before"): a part of another type than text's (an image, audio, a file)
+    is one error naming its type (`OTHER_PART`, `chat_messages.other_part`'s words), before the union's members each
+    say what they wanted instead."""
+    if isinstance(value, list):
+        for j, part in enumerate(value):
+            why = other_part(part)
+            if why is not None:
+                raise PydanticCustomError(OTHER_PART, "{why}", {"index": j, "why": why})
+    return value
+
+
 class ChatMessage(_Strict):
     """Types only: which messages a conversation may hold (a non-empty role, content as text, tool calls only from
     the assistant, arguments a JSON object) is `chat_messages`'s rule, shared with `LLM.chat`."""
@@ -375,17 +388,7 @@ class ChatMessage(_Strict):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
 
-    @field_validator("content", mode="before")
-    @classmethod
-    def _text_parts_only(cls, value: Any) -> Any:
-        """A part of another type than text's (an image, audio, a file): one error naming its type (`OTHER_PART`,
-        `chat_messages.other_part`'s words), before the union's members each say what they wanted instead."""
-        if isinstance(value, list):
-            for j, part in enumerate(value):
-                why = other_part(part)
-                if why is not None:
-                    raise PydanticCustomError(OTHER_PART, "{why}", {"index": j, "why": why})
-        return value
+    _text_parts_only = field_validator("content", mode="before")(text_parts_only)
 
 
 class FunctionDefinition(_Strict):
@@ -664,7 +667,10 @@ def _request_path(cls: type[BaseModel], loc: tuple[int | str, ...]) -> list[str]
 
 
 def _members(t: Any) -> list[Any]:
-    """The member types of a union (None left out: optional fields are not tagged); else [t]."""
+    """The member types of a union (None left out: optional fields are not tagged; a tagged union's, `Annotated`
+    with its discriminator, too: pydantic names the tag it chose as it names a member); else [t]."""
+    if get_origin(t) is Annotated:
+        return _members(get_args(t)[0])
     if get_origin(t) in (Union, UnionType):
         return [m for m in get_args(t) if m is not type(None)]
     return [t]

@@ -1,0 +1,473 @@
+"""OpenAI's Responses API (`POST /v1/responses`) as a translation onto the chat path: the request body
+(`ResponsesRequest`), its chat request (`ResponsesTurn.chat`: `instructions` a system message first, `input` the
+messages, function_call and function_call_output items an assistant's tool calls and the tool messages answering
+them, `text.format` the chat's `response_format`, flat function tools the chat's nested ones), the chat path's errors
+renamed to the fields the request gave (`ResponsesTurn.renamed`), and the answer in the Responses shapes: the
+response object (`ResponsesTurn.response`) and, streamed, its events (`ResponseEvents`).
+
+What is refused, with a 400 naming the field: `previous_response_id`, `conversation`, `prompt` and
+`background: true` (nothing is stored: each request carries its whole conversation), `truncation: "auto"` (input is
+never dropped to fit the context), input items other than messages and function calls and their outputs (built-in
+tools, reasoning items, item references), and whatever the chat path refuses (tool_choice "auto" among them: see
+serve/structured.py). `reasoning.effort` reaches the chat template as a chat request's `reasoning_effort` does (the
+model has no reasoning mode); `user`, `metadata`, `store`, `service_tier`, `include`, `prompt_cache_key`,
+`safety_identifier` and `stream_options` change nothing and are accepted. `top_logprobs` asks for each output text
+token's logprobs (its alternatives up to that many), as `include: ["message.output_text.logprobs"]` does with none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from pydantic import Discriminator, Field, Tag, field_validator
+
+from loopserve.sampling_params import SamplingParams
+from loopserve.serve.protocol import (
+    REASONING_EFFORTS,
+    ApiError,
+    ChatCompletionRequest,
+    RefusalPart,
+    TextPart,
+    _Strict,
+    text_parts_only,
+)
+from loopserve.serve.responses import sse
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the `include` entry that asks for the output's logprobs
+
+
+class OutputTextPart(TextPart):
+    """A text part; an earlier turn's output_text replays with its annotations and logprobs, which are dropped."""
+
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
+
+
+class InputMessage(_Strict):
+    """A message item: {"role", "content"}, `type` "message" or left out; an earlier turn's output message (its
+    `id`, `status`) replays as the assistant's."""
+
+    type: Literal["message"] | None = None
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[OutputTextPart | RefusalPart]
+    id: str | None = None
+    status: str | None = None
+
+    _text_parts_only = field_validator("content", mode="before")(text_parts_only)
+
+
+class FunctionCallItem(_Strict):
+    """An earlier turn's function call (its `call_id` is what the function_call_output answering it names)."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(_Strict):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[OutputTextPart]
+    id: str | None = None
+    status: str | None = None
+
+
+def _item_kind(item: Any) -> str | None:
+    """An input item's type (a message may leave it out), which picks its model: of a JSON object when a body is
+    validated, of a parsed item when one is dumped (pydantic asks the discriminator then too)."""
+    if isinstance(item, dict):
+        kind = item.get("type", "message")
+        return kind if isinstance(kind, str) else None
+    return getattr(item, "type", None) or ("message" if isinstance(item, InputMessage) else None)
+
+
+InputItem = Annotated[
+    Annotated[InputMessage, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    Discriminator(_item_kind, custom_error_type="input_item_type", custom_error_message=(
+        "Input should be a message ({'role', 'content'}), a function_call or a function_call_output item (this "
+        "server stores nothing and runs no built-in tools)"))]
+
+
+class FunctionTool(_Strict):
+    """A function tool, in the Responses API's flat shape."""
+
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionChoice(_Strict):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None  # json_schema's
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(_Strict):
+    format: TextFormat | None = None
+    verbosity: str | None = None  # a hint to OpenAI's models: nothing here
+
+
+class Reasoning(_Strict):
+    effort: Literal[REASONING_EFFORTS] | None = None  # type: ignore[valid-type]
+    summary: str | None = None
+    generate_summary: str | None = None
+
+
+class ResponsesRequest(_Strict):
+    """The /v1/responses body (types only: `ResponsesTurn` checks the rest and translates it)."""
+
+    model: str | None = None
+    input: str | list[InputItem]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_logprobs: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # as a chat request's
+    stream: bool | None = False
+    text: TextConfig | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning: Reasoning | None = None
+    include: list[str] | None = None
+    # vLLM's extension, as in a chat request (serve/structured.py): options for the grammar of text.format or a forced
+    # tool call (`{"disable_any_whitespace": true}`), or a grammar of its own
+    structured_outputs: dict[str, Any] | None = None
+    # refused unless they ask for nothing (module docstring)
+    previous_response_id: str | None = None
+    conversation: Any = None
+    prompt: Any = None
+    background: bool | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    # known, output-neutral: ignored
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    stream_options: dict[str, Any] | None = None
+
+    def check_unsupported(self) -> None:
+        for name in ("previous_response_id", "conversation", "prompt"):
+            if getattr(self, name) is not None:
+                raise ApiError(400, f"{name}: not supported: this server stores no responses, conversations or "
+                                    "prompts; send the whole conversation as input", name)
+        if self.background:
+            raise ApiError(400, "background: not supported: this server stores no responses to fetch later; "
+                                "only false is taken", "background")
+        if self.truncation == "auto":
+            raise ApiError(400, "truncation: only 'disabled' is taken (this server never drops input items to fit "
+                                "the context)", "truncation")
+        fmt = self.text.format if self.text is not None else None
+        if fmt is not None and fmt.type == "json_schema" and fmt.name is None:
+            raise ApiError(400, "text.format.name: field required for type json_schema", "text.format.name")
+
+    @property
+    def logprobs(self) -> bool:
+        return self.top_logprobs is not None or LOGPROBS_INCLUDE in (self.include or ())
+
+
+def _parts(parts: list[OutputTextPart] | list[OutputTextPart | RefusalPart]) -> list[dict[str, Any]]:
+    """Content parts as a chat message's (their text, or refusal)."""
+    return [p.model_dump(include={"type", "text", "refusal"}) for p in parts]
+
+
+def new_item_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(16)}"
+
+
+@dataclass
+class ResponsesTurn:
+    """A Responses request and the chat request it runs as; `sources`: per chat message, the request field it came
+    from ("instructions", "input", "input.3"), and per (message, tool call) the function_call item it came from, so
+    that an error the chat path raises names the field as this request gave it (`renamed`)."""
+
+    req: ResponsesRequest
+    chat: ChatCompletionRequest = field(init=False)
+    sources: list[str] = field(default_factory=list)
+    call_sources: dict[tuple[int, int], str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        req = self.req
+        messages = self.messages()
+        body: dict[str, Any] = {
+            "model": req.model, "messages": messages, "max_completion_tokens": req.max_output_tokens,
+            "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed, "stream": req.stream,
+            "logprobs": req.logprobs, "top_logprobs": req.top_logprobs if req.logprobs else None,
+            "parallel_tool_calls": req.parallel_tool_calls, "structured_outputs": req.structured_outputs,
+            "reasoning_effort": req.reasoning.effort if req.reasoning is not None else None}
+        fmt = req.text.format if req.text is not None else None
+        if fmt is not None and fmt.type == "json_schema":
+            spec = {"name": fmt.name, "description": fmt.description, "schema": fmt.schema_, "strict": fmt.strict}
+            body["response_format"] = {"type": "json_schema", "json_schema": spec}
+        elif fmt is not None:
+            body["response_format"] = {"type": fmt.type}
+        if req.tools is not None:
+            body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
+                             for t in req.tools]
+        body = {k: v for k, v in body.items() if v is not None}
+        if "tool_choice" in req.model_fields_set:  # (an explicit null too: the chat path tells it from none given)
+            choice = req.tool_choice
+            body["tool_choice"] = choice if not isinstance(choice, FunctionChoice) else {
+                "type": "function", "function": {"name": choice.name}}
+        # (types were checked as the Responses body's: the chat request's own rules run as they do for a chat body)
+        self.chat = ChatCompletionRequest.model_validate(body)
+        with self.fields():
+            self.chat.check_unsupported()
+
+    def messages(self) -> list[dict[str, Any]]:
+        """The chat messages of `instructions` and `input`: consecutive function calls join one assistant message
+        (the one just before them if it is the assistant's), each output a tool message."""
+        req = self.req
+        out: list[dict[str, Any]] = []
+        if req.instructions is not None:
+            out.append({"role": "system", "content": req.instructions})
+            self.sources.append("instructions")
+        if isinstance(req.input, str):
+            out.append({"role": "user", "content": req.input})
+            self.sources.append("input")
+            return out
+        for i, item in enumerate(req.input):
+            where = f"input.{i}"
+            if isinstance(item, FunctionCallItem):
+                last = out[-1] if out else None
+                if last is None or last["role"] != "assistant":
+                    last = {"role": "assistant", "content": None, "tool_calls": []}
+                    out.append(last)
+                    self.sources.append(where)
+                calls = last.setdefault("tool_calls", [])
+                self.call_sources[len(out) - 1, len(calls)] = where
+                calls.append({"id": item.call_id, "type": "function",
+                              "function": {"name": item.name, "arguments": item.arguments}})
+            elif isinstance(item, FunctionCallOutputItem):
+                content = item.output if isinstance(item.output, str) else _parts(item.output)
+                out.append({"role": "tool", "tool_call_id": item.call_id, "content": content})
+                self.sources.append(where)
+            else:
+                content = item.content if isinstance(item.content, str) else _parts(item.content)
+                out.append({"role": item.role, "content": content})
+                self.sources.append(where)
+        return out
+
+    def field_name(self, param: str) -> str:
+        """The field of this request that the chat request's field `param` came from."""
+        parts = param.split(".")
+        head = parts[0]
+        if head == "messages":
+            if len(parts) < 2 or not parts[1].isdigit() or int(parts[1]) >= len(self.sources):
+                return "input"
+            k, tail = int(parts[1]), parts[2:]
+            if tail[:1] == ["tool_calls"] and len(tail) > 1 and tail[1].isdigit() \
+                    and (k, int(tail[1])) in self.call_sources:
+                return ".".join([self.call_sources[k, int(tail[1])], *tail[3:]])  # (past "function")
+            source = self.sources[k]
+            if source.startswith("input.") and tail:
+                names = {"content": "output", "tool_call_id": "call_id"} if self.chat.messages[k].role == "tool" \
+                    else {}
+                return ".".join([source, names.get(tail[0], tail[0]), *tail[1:]])
+            return source
+        if head == "tools" and parts[2:3] == ["function"]:
+            return ".".join(parts[:2] + parts[3:])
+        if head == "tool_choice" and parts[1:2] == ["function"]:
+            return ".".join(["tool_choice", *parts[2:]])
+        if head == "response_format":
+            return ".".join(["text.format", *(p for p in parts[1:] if p != "json_schema")])
+        renames = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
+                   "reasoning_effort": "reasoning.effort"}
+        return ".".join([renames.get(head, head), *parts[1:]])
+
+    def renamed(self, e: ApiError) -> ApiError:
+        """`e`, raised on the chat path, naming the field as this request gave it (its `param`, and its message's
+        head where the message starts with it)."""
+        if e.param is None:
+            return e
+        name = self.field_name(e.param)
+        message = name + e.message[len(e.param):] if e.message.startswith(e.param) else e.message
+        return ApiError(e.status, message, name, e.headers)
+
+    @contextlib.contextmanager
+    def fields(self) -> Iterator[None]:
+        """Where the chat path runs: its errors are `renamed`."""
+        try:
+            yield
+        except ApiError as e:
+            raise self.renamed(e) from None
+
+    # -- the answer ------------------------------------------------------------------------------------------------
+    def response(self, rid: str, created: int, model: str, params: SamplingParams, status: str,
+                 output: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
+        """The response object: its `status` ("in_progress", "completed" or "incomplete": cut at
+        max_output_tokens), its output items, and the request's settings as it ran them."""
+        req = self.req
+        return {
+            "id": rid, "object": "response", "created_at": created, "status": status, "background": False,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "metadata": req.metadata,
+            "model": model, "output": output,
+            "parallel_tool_calls": req.parallel_tool_calls is not False, "previous_response_id": None,
+            "reasoning": req.reasoning.model_dump() if req.reasoning is not None else None,
+            "store": False,  # (nothing is)
+            "temperature": params.temperature, "top_p": params.top_p, "top_logprobs": req.top_logprobs,
+            "text": {"format": req.text.format.model_dump(by_alias=True, exclude_none=True)}
+            if req.text is not None and req.text.format is not None else {"format": {"type": "text"}},
+            "tool_choice": (req.tool_choice if isinstance(req.tool_choice, str) else req.tool_choice.model_dump())
+            if req.tool_choice is not None else "auto",
+            "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
+            "truncation": "disabled", "user": req.user, "usage": usage}
+
+    def output(self, message: dict[str, Any], logprobs: list[dict[str, Any]], status: str) -> list[dict[str, Any]]:
+        """The output items of a finished chat message (`ToolPlan.message`'s, or plain text): its text as a message
+        item (unless it is only tool calls), then a function_call item per call; the last one ends with `status`."""
+        calls = message.get("tool_calls") or []
+        items = []
+        if message.get("content") or not calls:
+            items.append(message_item(new_item_id("msg"), message.get("content") or "", logprobs, "completed"))
+        items += [function_call_item(new_item_id("fc"), c["id"], c["function"]["name"], c["function"]["arguments"],
+                                     "completed") for c in calls]
+        items[-1]["status"] = status  # (a cut response's last item is the one cut, as a stream ends it)
+        return items
+
+
+def response_usage(usage: dict[str, Any]) -> dict[str, Any]:
+    """A chat usage (`responses.usage_body`) in the Responses shape, its loop counts kept."""
+    return {"input_tokens": usage["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
+            "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage["total_tokens"], "loops": usage["loops"], "prefill_loops": usage["prefill_loops"]}
+
+
+def response_status(finish_reason: str | None) -> str:
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def text_part(text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
+
+
+def message_item(item_id: str, text: str | None, logprobs: list[dict[str, Any]], status: str) -> dict[str, Any]:
+    """A message output item; `text` None: one just opened in a stream, without its part yet."""
+    content = [] if text is None else [text_part(text, logprobs)]
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}
+
+
+class ResponseEvents:
+    """A streamed response's events (`event: <type>` and its JSON, `sequence_number` counting from 0), fed the chat
+    path's stream deltas (`delta`): response.created and response.in_progress, then per output item its
+    output_item.added, its text's content_part.added and output_text.delta events (a function call's
+    function_call_arguments.delta events), and, once the next item starts or the response ends, its
+    output_text.done and content_part.done (function_call_arguments.done) and output_item.done; last
+    response.completed with the whole response, which the items' done events build up, status and usage included
+    (an incomplete response too: clients wait for response.completed)."""
+
+    def __init__(self, turn: ResponsesTurn, head: dict[str, Any]) -> None:
+        self.turn, self.head = turn, head  # (`head`: `ResponsesTurn.response`'s leading arguments)
+        self.numbers = itertools.count()
+        self.items: list[dict[str, Any]] = []  # the output items, done ones whole; the last may be open
+        self.open = False
+        # the logprobs of tokens whose text is not out yet (a character's first bytes): sent with the text's delta
+        self.held: list[dict[str, Any]] = []
+
+    def event(self, kind: str, **fields: Any) -> str:
+        return f"event: {kind}\n" + sse({"type": kind, "sequence_number": next(self.numbers), **fields})
+
+    def start(self) -> list[str]:
+        response = self.turn.response(**self.head, status="in_progress", output=[], usage=None)
+        return [self.event("response.created", response=response),
+                self.event("response.in_progress", response=response)]
+
+    def where(self) -> dict[str, Any]:
+        return {"item_id": self.items[-1]["id"], "output_index": len(self.items) - 1}
+
+    def add(self, item: dict[str, Any]) -> list[str]:
+        out = self.close("completed")
+        self.items.append(item)
+        self.open = True
+        return [*out, self.event("response.output_item.added", output_index=len(self.items) - 1, item=item)]
+
+    def open_message(self) -> list[str]:
+        """A message item and its text part, started."""
+        out = self.add(message_item(new_item_id("msg"), None, [], "in_progress"))
+        part = text_part("", [])
+        self.items[-1]["content"].append(part)
+        return [*out, self.event("response.content_part.added", **self.where(), content_index=0, part=part)]
+
+    def delta(self, delta: dict[str, Any], logprobs: list[dict[str, Any]]) -> list[str]:
+        """The events of one chat stream delta: its text (with its tokens' `logprobs`), or its tool calls' starts
+        and argument pieces."""
+        out: list[str] = []
+        text = delta.get("content")
+        self.held += logprobs
+        if text:
+            if not (self.open and self.items[-1]["type"] == "message"):
+                out += self.open_message()
+            part = self.items[-1]["content"][0]
+            part["text"] += text
+            part["logprobs"] += self.held
+            out.append(self.event("response.output_text.delta", **self.where(), content_index=0, delta=text,
+                                  logprobs=self.held))
+            self.held = []
+        for call in delta.get("tool_calls", ()):
+            self.held = []  # (a call's tokens: a function_call item has no logprobs)
+            fn = call.get("function", {})
+            if "id" in call:  # (a call's first piece: its id and name)
+                out += self.add(function_call_item(new_item_id("fc"), call["id"], fn["name"], "", "in_progress"))
+            if fn.get("arguments"):
+                self.items[-1]["arguments"] += fn["arguments"]
+                out.append(self.event("response.function_call_arguments.delta", **self.where(),
+                                      delta=fn["arguments"]))
+        return out
+
+    def close(self, status: str) -> list[str]:
+        """The done events of the open item, if any, finished with `status`."""
+        if not self.open:
+            return []
+        self.open = False
+        item = self.items[-1]
+        item["status"] = status
+        out = []
+        if item["type"] == "message":
+            part = item["content"][0]
+            out += [self.event("response.output_text.done", **self.where(), content_index=0, text=part["text"],
+                               logprobs=part["logprobs"]),
+                    self.event("response.content_part.done", **self.where(), content_index=0, part=part)]
+        else:
+            out.append(self.event("response.function_call_arguments.done", **self.where(), name=item["name"],
+                                  arguments=item["arguments"]))
+        return [*out, self.event("response.output_item.done", output_index=len(self.items) - 1, item=item)]
+
+    def finish(self, finish_reason: str | None, usage: dict[str, Any]) -> list[str]:
+        """The last events: the open item's done ones (an empty message if nothing was generated as text or calls,
+        as a whole response has one), and response.completed."""
+        status = response_status(finish_reason)
+        out = [] if self.items else self.open_message()
+        if self.held and self.items[-1]["type"] == "message":  # (tokens whose text never came out)
+            self.items[-1]["content"][0]["logprobs"] += self.held
+        out += self.close(status)
+        response = self.turn.response(**self.head, status=status, output=self.items, usage=usage)
+        return [*out, self.event("response.completed", response=response)]
