@@ -183,7 +183,6 @@ NEUTRAL: dict[str, Neutral] = {
 }
 
 
-_TOOLS = "no tool-call parser: tool_choice 'none', 'required' and a named function work, 'auto' is refused"
 # `vllm serve`'s own flags (its OpenAI server's) for what loopserve's server lacks or does anyway, each taken at the
 # values that ask for nothing of it, so that a vLLM launch line runs as it is; any other value stops the start with
 # an error naming it (`check_neutral(SERVE_NEUTRAL, ...)`).
@@ -199,9 +198,9 @@ SERVE_NEUTRAL: dict[str, Neutral] = {
                                           "string"),
     "trust_request_chat_template": _only("a request cannot replace the server's chat template (--chat-template)",
                                          False),
-    "enable_auto_tool_choice": _only(_TOOLS, False),
-    "tool_call_parser": _only(_TOOLS, None, ""),
-    "tool_parser_plugin": _only(_TOOLS, None, ""),
+    # (--enable-auto-tool-choice and --tool-call-parser are serve's own flags: serve/cli.py)
+    "tool_parser_plugin": _only("no tool-call parsers from plugins: --tool-call-parser takes the built-in ones", None,
+                                ""),
     "exclude_tools_when_tool_choice_none": _only("tools reach the chat template whatever tool_choice says", False),
     "tool_server": _only("no built-in tool servers", None, ""),
     "reasoning_parser": _only("no reasoning parser: a reply's text comes back whole", None, ""),

@@ -175,6 +175,7 @@ from loopserve.serve.responses_api import (
     response_usage,
 )
 from loopserve.serve.structured import ToolPlan, chat_guide, guide_field, request_guide
+from loopserve.serve.tool_parsers import TOOL_PARSERS, AutoTools
 from loopserve.tokenizer import template_variables
 
 log = logging.getLogger("loopserve.serve")
@@ -227,6 +228,9 @@ class ServerSettings:
     # GET /load counts the generation requests in flight (vLLM's --enable-server-load-tracking; off: it says 0, as
     # vLLM's does)
     server_load_tracking: bool = False
+    # the parser of the model's own tool calls that answers tool_choice "auto" (a `TOOL_PARSERS` name: vLLM's
+    # --enable-auto-tool-choice --tool-call-parser NAME); None: "auto" is a 400
+    tool_parser: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.model_names, str) or not self.model_names or not all(self.model_names):
@@ -379,7 +383,8 @@ class _Generation:
     prompt_fields: list[str]  # per sequence: "prompt", "prompt.1" (a batch's), "messages"
     grammar_field: str | None  # response_format, guided_json, structured_outputs, tools, ... (None: no grammar)
     top_logprobs: int = 0  # alternatives per token (vLLM's -1 counted: the whole vocabulary)
-    tools: ToolPlan | None = None  # chat: the tool calls the output becomes (serve/structured.py)
+    # chat: the tool calls the output becomes: forced (serve/structured.py) or parsed ("auto": serve/tool_parsers.py)
+    tools: ToolPlan | AutoTools | None = None
     echo: bool = False  # completions: the prompt comes first in the text (and the logprobs)
     echo_text: str = ""  # chat: what comes first in every reply (`echo`: the final message's text)
     role: str = "assistant"  # chat: the reply's (the final message's without a generation prompt, as in vLLM)
@@ -430,6 +435,7 @@ class OpenAIServing:
         self._http_requests = itertools.count()  # engine ids stay unique whatever ids clients send
         self.load = ServerLoad()  # (counted by `LoadMiddleware` with server_load_tracking, else left at 0)
         self._lanes: dict[str, anyio.CapacityLimiter] = {}  # by name, made on first use (`lane_of`)
+        self.auto_tools = AutoTools(TOOL_PARSERS[settings.tool_parser]) if settings.tool_parser else None
 
     @asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
@@ -755,7 +761,7 @@ class OpenAIServing:
                 body = {"message": {"role": gen.role, "content": gen.echo_text + text, "tool_calls": []}}
             else:
                 body = {"delta": {"content": text} if text or not finished else {}}
-            if gen.tools is not None:  # a forced tool call: the output is its arguments
+            if gen.tools is not None:  # a forced tool call (the output is its arguments), or "auto"'s parsed one
                 body = {"delta": gen.tools.delta(text, finished, d)} if stream else {
                     "message": {**gen.tools.message(c, d), "role": gen.role}}
             logprobs = gen.fmt.chat_logprobs(c, count, gen.top_logprobs)
@@ -1337,17 +1343,17 @@ class OpenAIServing:
         """A chat request's sequence (built on a worker thread: see the module's docstring); `kind`: RESPONSES for
         one a Responses API request made."""
         self.check_capacity(1, req.n)
-        guide, tools = chat_guide(req)
+        guide, tools = chat_guide(req, self.auto_tools)
         if req.use_beam_search and guide is not None:
-            _refuse_beam_grammar("tool_choice" if tools is not None else guide_field(req))
+            _refuse_beam_grammar("tool_choice" if isinstance(tools, ToolPlan) else guide_field(req))
         # vLLM's roles: the reply is the assistant's where the prompt opens an assistant message, else it goes on
         # with the final message, in its role; `echo` starts it with the final message's text when that message is
         # in the reply's role (so always, without a generation prompt)
         last = req.messages[-1]
         role = "assistant" if req.add_generation_prompt is not False else last.role
         echo_text = message_text(last.model_dump()["content"]) if req.echo and last.role == role else ""
-        if req.echo and tools is not None:  # the reply is the call's arguments, which nothing may come before
-            raise ApiError(400, "echo: cannot be combined with a forced tool call (tool_choice)", "echo")
+        if req.echo and tools is not None:  # the reply is calls, or read for them: nothing may come before it
+            raise ApiError(400, "echo: cannot be combined with tool calls (tool_choice)", "echo")
         text = self.render_chat(req.messages, req.add_generation_prompt, req.template_kwargs(), req.tools,
                                 req.continue_final_message, req.documents)
         # the template writes the special tokens it wants: none added unless asked (vLLM's default)
@@ -1377,7 +1383,7 @@ class OpenAIServing:
         params = sampling_params(req, max_tokens=mt, logprobs=top if req.logprobs else None,
                                  defaults=self.sampling_defaults, guided_decoding=guide)
         cid, (rid,) = self.new_ids(request, kind, 1)
-        grammar_field = "tools" if tools is not None else guide_field(req)
+        grammar_field = "tools" if isinstance(tools, ToolPlan) else guide_field(req)
         seq = self.make_seq(rid, text, ids, params, arrival, params.seed, "messages", grammar_field, req.cache_salt)
         return _Generation(kind, req, cid, [seq], self.formatter(req), ["messages"], grammar_field, top, tools,
                            echo_text=echo_text, role=role)

@@ -68,6 +68,11 @@ def _str_list(value: str) -> list[str]:
     return [x.strip() for x in value.split(",") if x.strip()]
 
 
+def _unset_if_empty(value: str) -> str | None:
+    """A flag's value, None for '', null or None (vLLM's scripts pass those for "unset")."""
+    return None if value.lower() in ("", "null", "none") else value
+
+
 class _OwnUsage(argparse.ArgumentParser):
     """For `serve`'s parser: arguments it does not know are its own error, shown with its own usage. (A subcommand's
     parser hands them back to the top-level one, whose error would show `loopserve`'s usage instead.)"""
@@ -123,6 +128,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="write logprobs' tokens as 'token_id:<id>' (vLLM's flag; a request's "
                         "return_tokens_as_token_ids wins)")
+    from loopserve.serve.tool_parsers import TOOL_PARSERS
+
+    t = p.add_argument_group("tool calls in the model's own format (tool_choice 'auto'; vLLM's flags)")
+    t.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=False,
+                   help="answer tool_choice 'auto' (the default when a request gives tools) by letting the model "
+                        "write calls in its own format, read by --tool-call-parser; off, 'auto' is a 400 ('none', "
+                        "'required' and a named function work either way)")
+    t.add_argument("--tool-call-parser", type=_unset_if_empty, default=None, metavar="NAME",
+                   help=f"the model's tool-call format: {', '.join(TOOL_PARSERS)} (with --enable-auto-tool-choice)")
     s = p.add_argument_group("server limits (--max-model-len and --gpu-memory-utilization: under model)")
     s.add_argument("--max-queued-requests", type=int, default=MAX_QUEUED_REQUESTS,
                    help="sequences accepted beyond --max-num-seqs (each sample of a request with n > 1 counts); "
@@ -247,6 +261,9 @@ def _check(args: argparse.Namespace) -> str | None:
         return f"--replicas ({args.replicas}): must lie in [--min-replicas, --max-replicas] = [{low}, {high}]"
     if not (math.isfinite(args.replica_cpus) and args.replica_cpus > 0):
         return "--replica-cpus: must be > 0"
+    problem = _check_tool_parser(args)
+    if problem is not None:
+        return problem
     problem = _check_transport(args)
     if problem is not None:
         return problem
@@ -256,6 +273,19 @@ def _check(args: argparse.Namespace) -> str | None:
         check_neutral(SERVE_NEUTRAL, **neutral_kwargs(args, SERVE_NEUTRAL))
     except ValueError as e:
         return str(e)
+    return None
+
+
+def _check_tool_parser(args: argparse.Namespace) -> str | None:
+    """What is wrong with --enable-auto-tool-choice and --tool-call-parser, as vLLM refuses them: the switch needs a
+    parser; a parser must be one there is (one alone is taken, and 'auto' stays refused, as vLLM takes it)."""
+    from loopserve.serve.tool_parsers import TOOL_PARSERS
+
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        return "--enable-auto-tool-choice: needs --tool-call-parser (the model's tool-call format: " \
+               f"{', '.join(TOOL_PARSERS)})"
+    if args.tool_call_parser is not None and args.tool_call_parser not in TOOL_PARSERS:
+        return f"--tool-call-parser: no parser {args.tool_call_parser!r} (choose from {', '.join(TOOL_PARSERS)})"
     return None
 
 
@@ -335,7 +365,8 @@ def load_server(args: argparse.Namespace) -> tuple[LLMEngine, ServerSettings]:
         stats_interval_s=None if args.disable_log_stats else args.log_stats_interval,
         tokenizer_info=args.enable_tokenizer_info_endpoint,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids, metric_prefix=args.metric_prefix,
-        server_load_tracking=args.enable_server_load_tracking)
+        server_load_tracking=args.enable_server_load_tracking,
+        tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
     return engine, settings
 
 

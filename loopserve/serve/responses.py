@@ -24,6 +24,7 @@ from loopserve.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from loopserve.serve.structured import ToolListScanner
+    from loopserve.serve.tool_parsers import HermesParser
 
 log = logging.getLogger("loopserve.serve")
 MIN_LOGPROB = -9999.0  # JSON has no -inf
@@ -38,7 +39,8 @@ def _lp(x: float) -> float:
 class ChoiceStream:
     """What has been sent of one choice: tokens, the text offset, the echoed prompt, the finish, and for a
     "required" tool call the scanner that reads its list as it comes (`structured.ToolListScanner`; the text is
-    kept only until a call's name is complete: cut before, it is sent as content). A stream's outputs are DELTA
+    kept only until a call's name is complete: cut before, it is sent as content), and for tool_choice "auto" the
+    parser of the model's own calls (`tool_parsers`). A stream's outputs are DELTA
     ones (the engine holds back text a stop string may still cut), so each chunk costs what is new, not the
     choice's length."""
 
@@ -51,6 +53,8 @@ class ChoiceStream:
         self.finish_reason: str | None = None  # sent with the choice's last chunk
         self.call_id: str | None = None  # a named tool call's, once its first chunk is sent
         self.tool_scan: ToolListScanner | None = None  # a "required" tool call's
+        self.tool_parse: HermesParser | None = None  # tool_choice "auto"'s parser of the model's own calls
+        self.called = False  # "auto": the output is tool calls (a stream's, once one is named)
 
     @property
     def finished(self) -> bool:

@@ -36,7 +36,7 @@ import json
 import re
 import secrets
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loopserve.outputs import CompletionOutput
 from loopserve.sampling_params import (
@@ -47,6 +47,9 @@ from loopserve.sampling_params import (
 )
 from loopserve.serve.protocol import ApiError
 from loopserve.serve.responses import ChoiceStream
+
+if TYPE_CHECKING:
+    from loopserve.serve.tool_parsers import AutoTools
 
 # vLLM's request fields -> GuidedDecodingParams fields
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -179,20 +182,24 @@ ToolEvent = tuple[int, str | None, str]
 
 class ToolListScanner:
     """An incremental reader of "required"'s output, the JSON list [{"name": ..., "parameters": {...}}, ...] its
-    grammar makes (any whitespace between tokens, its keys in any order). Fed the text piece by piece, it reads
-    each character once (a piece costs its length, not the text's) and reports each call's name as soon as that
-    string is complete, then the raw text of its "parameters" value as it comes, from the value's first character
-    to its last (a value read before the item's name is held until the name is known). Calls are numbered in the
-    order their names complete. A small state machine over JSON: strings (with escapes), the depth of objects and
-    arrays, and, in an item (depth 2), whether a key, its colon, its value or what follows is next. The text is
-    assumed a prefix of JSON of that shape (the grammar's promise); `complete`: the list is closed."""
+    grammar makes (any whitespace between tokens, its keys in any order), or (`item_depth` 1) of one such object
+    alone, a Hermes <tool_call> block's {"name": ..., "arguments": {...}} (`arguments_key`: the key of the call's
+    arguments). Fed the text piece by piece, it reads each character once (a piece costs its length, not the
+    text's) and reports each call's name as soon as that string is complete, then the raw text of its arguments
+    value as it comes, from the value's first character to its last (a value read before the item's name is held
+    until the name is known). Calls are numbered in the order their names complete. A small state machine over
+    JSON: strings (with escapes), the depth of objects and arrays, and, in an item (at `item_depth`), whether a
+    key, its colon, its value or what follows is next. The text is assumed a prefix of JSON of that shape (the
+    grammar's promise; a parser of the model's own format catches the ValueError of a string it cannot read);
+    `complete`: the list (or the object) is closed."""
 
-    def __init__(self) -> None:
+    def __init__(self, item_depth: int = 2, arguments_key: str = "parameters") -> None:
+        self.item_depth, self.arguments_key = item_depth, arguments_key
         self.depth = 0  # objects and arrays open
         self.in_string = False
         self.escape = False  # in a string, just after a backslash
-        self.item = False  # the container at depth 2 is an item of the list (an object)
-        # in an item, at depth 2: "key" (or in one), "colon", "value", "string" (in one), "scalar" (in one), "next"
+        self.item = False  # the container at `item_depth` is an item (an object)
+        # in an item, at `item_depth`: "key" (or in one), "colon", "value", "string" (in one), "scalar" (in one), "next"
         self.expect = "key"
         self.key: str | None = None  # the key whose value is next or being read
         self.token: list[str] | None = None  # the raw text so far of the key or the name being read
@@ -221,26 +228,26 @@ class ToolListScanner:
                     self.escape, k = True, k + 1
                     continue
                 self.in_string = False
-                if self.depth == 2 and self.item:
+                if self.depth == self.item_depth and self.item:
                     self._string_end(piece, start, k, events)
                 k += 1
                 continue
             c = piece[k]
-            in_item = self.depth == 2 and self.item
+            in_item = self.depth == self.item_depth and self.item
             if in_item and self.expect == "scalar" and c in _SCALAR_END:
                 self.expect = "next"
                 if self.capture:
                     self.capture = False
                     self._arguments(piece[start:k], events)
             if in_item and self.expect == "value" and c not in _WHITESPACE:  # a value starts
-                if self.key == "parameters":
+                if self.key == self.arguments_key:
                     self.capture, start = True, k
                 if c == '"':
                     self.expect = "string"
                     if self.key == "name" and self.index is None:
                         self.token, start = [], k + 1
                 else:
-                    self.expect = "next" if c in "{[" else "scalar"  # (a container ends back at depth 2)
+                    self.expect = "next" if c in "{[" else "scalar"  # (a container ends back at the item's depth)
             elif in_item and c == '"' and self.expect == "key":
                 self.token, start = [], k + 1
             elif in_item and c == ":" and self.expect == "colon":
@@ -250,12 +257,12 @@ class ToolListScanner:
             if c == '"':
                 self.in_string = True
             elif c in "{[":
-                if self.depth == 1:  # an item starts
+                if self.depth == self.item_depth - 1:  # an item starts
                     self.item, self.expect, self.key, self.index, self.held = c == "{", "key", None, None, []
                 self.depth += 1
             elif c in "}]":
                 self.depth -= 1
-                if self.depth == 2 and self.item and self.capture:  # the parameters object (or array) is closed
+                if self.depth == self.item_depth and self.item and self.capture:  # the arguments object (or array) closed
                     self.capture = False
                     self._arguments(piece[start:k + 1], events)
                 elif self.depth == 0:
@@ -408,14 +415,18 @@ def tool_call(name: str, arguments: str, call_id: str | None = None) -> dict[str
             "function": {"name": name, "arguments": arguments}}
 
 
-def chat_guide(req: Any) -> tuple[GuidedDecodingParams | None, ToolPlan | None]:
-    """The grammar of a chat request and, when it forces tool calls, how they are returned."""
-    plan = tool_plan(req)
-    guide = request_guide(req, tool_call=plan is not None)
-    if plan is not None and guide is not None:
+def chat_guide(req: Any, auto: AutoTools | None = None) -> tuple[GuidedDecodingParams | None,
+                                                                  ToolPlan | AutoTools | None]:
+    """The grammar of a chat request and, when it forces tool calls or lets the model make them (`auto`: how the
+    server's --tool-call-parser answers tool_choice "auto"), how they are returned. "auto" takes a grammar field
+    beside it (vLLM's rule: the grammar shapes the text the parser reads); a forced call's grammar is its own."""
+    plan = tool_plan(req, auto)
+    forced = isinstance(plan, ToolPlan)
+    guide = request_guide(req, tool_call=forced)
+    if forced and guide is not None:
         raise ApiError(400, "tool_choice: a forced tool call cannot be combined with another grammar field",
                        "tool_choice")
-    return (plan.guide if plan is not None else guide), plan
+    return (plan.guide if isinstance(plan, ToolPlan) else guide), plan
 
 
 def _arguments_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
@@ -428,9 +439,10 @@ def _arguments_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
     return parameters if "type" in parameters else {"type": "object", **parameters}
 
 
-def tool_plan(req: Any) -> ToolPlan | None:
-    """The tool calls a chat request forces (None: it generates text). Raises ApiError for what is not
-    supported ("auto") or inconsistent (a named function that is not among the tools)."""
+def tool_plan(req: Any, auto: AutoTools | None = None) -> ToolPlan | AutoTools | None:
+    """The tool calls a chat request forces, or `auto` where it lets the model call (tool_choice "auto"; None: the
+    server has no --tool-call-parser) (None: it generates text). Raises ApiError for what is not supported ("auto"
+    without a parser) or inconsistent (a named function that is not among the tools)."""
     choice, tools = req.tool_choice, req.tools or []
     seen: set[str] = set()  # (a set: a body may list tens of thousands of tools)
     for i, t in enumerate(tools):
@@ -457,9 +469,12 @@ def tool_plan(req: Any) -> ToolPlan | None:
     if not tools:
         raise ApiError(400, "tool_choice: needs tools", "tool_choice")
     if choice == "auto":
+        if auto is not None:
+            return auto
         raise ApiError(400, "tool_choice: 'auto' (the default when tools come without a tool_choice) needs a parser "
-                            "of the model's own tool-call format, which this server does not have; use 'required', a "
-                            "named function or 'none'", "tool_choice")
+                            "of the model's own tool-call format, which this server was not started with "
+                            "(--enable-auto-tool-choice --tool-call-parser NAME); use 'required', a named function or "
+                            "'none'", "tool_choice")
     schemas = {t.function.name: _arguments_schema(t.function.parameters) for t in tools}
     options, field_of = grammar_options(req)
     if choice == "required":
