@@ -262,7 +262,7 @@ class ToolListScanner:
                 self.depth += 1
             elif c in "}]":
                 self.depth -= 1
-                if self.depth == self.item_depth and self.item and self.capture:  # the arguments object (or array) closed
+                if self.depth == self.item_depth and self.item and self.capture:  # the arguments (object, array) closed
                     self.capture = False
                     self._arguments(piece[start:k + 1], events)
                 elif self.depth == 0:

@@ -67,8 +67,9 @@ class HermesParser:
         piece of text."""
         if self.text is not None:
             self.text.append(piece)
-        text, content, events = self.pending + piece, [], []
-        self.pending = ""
+        text, self.pending = self.pending + piece, ""
+        content: list[str] = []
+        events: list[ToolEvent] = []
         while text:
             if self.in_block:  # up to its end tag
                 end = text.find(self.END)
