@@ -151,6 +151,14 @@ def test_a_forced_call_still_refuses_another_grammar(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
 
 
+def test_echo_and_beam_search_are_refused_with_auto(server):
+    """Neither fits a reply read for calls: echo would start it with the prompt's text, a beam is not read."""
+    for extra, param in (({"echo": True}, "echo"), ({"use_beam_search": True, "n": 2}, "tool_choice")):
+        r = server.post("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "tools": [WEATHER],
+                                                 "max_tokens": 4, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 # -- the flags ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("flags", "message"), [
     (["--enable-auto-tool-choice"], "error: --enable-auto-tool-choice: needs --tool-call-parser (the model's "

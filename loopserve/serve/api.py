@@ -1346,6 +1346,9 @@ class OpenAIServing:
         guide, tools = chat_guide(req, self.auto_tools)
         if req.use_beam_search and guide is not None:
             _refuse_beam_grammar("tool_choice" if isinstance(tools, ToolPlan) else guide_field(req))
+        if req.use_beam_search and tools is not None:  # (a beam's text is not read for calls)
+            raise ApiError(400, "tool_choice: 'auto' cannot be combined with use_beam_search (the beams' text is not "
+                                "read for tool calls)", "tool_choice")
         # vLLM's roles: the reply is the assistant's where the prompt opens an assistant message, else it goes on
         # with the final message, in its role; `echo` starts it with the final message's text when that message is
         # in the reply's role (so always, without a generation prompt)

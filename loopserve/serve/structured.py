@@ -1,5 +1,5 @@
 """Structured output and tool calls over HTTP: which grammar a request's fields ask for, and how a
-forced tool call's output becomes `message.tool_calls`.
+forced tool call's output becomes `message.tool_calls` (a parsed one, for "auto": serve/tool_parsers.py).
 
 Grammar fields (at most one may be given; each error is a 400 naming it): `response_format`
 ({"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}; "text"
@@ -25,9 +25,11 @@ token as stop_reason) is no tool calls but the text as content in a whole respon
 calls it sent: it keeps them (the last one's arguments cut short) and ends with that finish reason (if no name was
 complete, it sends the text as content, as the whole response does). A tool's name must not be empty, and its
 parameters must be a schema of type "object" (none given, or {}: no parameters, arguments {}). "auto" (the
-default when tools are given and `tool_choice` is left out) would need a parser for the model's own tool-call
-format: it is refused with a 400, as vLLM refuses it when started without `--enable-auto-tool-choice`. An explicit
-`"tool_choice": null` is not "auto": it generates text, as "none" (vLLM lets it through to plain generation).
+default when tools are given and `tool_choice` is left out) needs a parser of the model's own tool-call format: with
+the server's `--enable-auto-tool-choice --tool-call-parser NAME` the model generates freely (a grammar field still
+applies, as vLLM allows it beside "auto") and serve/tool_parsers.py reads its calls (`AutoTools`); without, it is
+refused with a 400, as vLLM refuses it. An explicit `"tool_choice": null` is not "auto": it generates text, as "none"
+(vLLM lets it through to plain generation).
 """
 
 from __future__ import annotations
