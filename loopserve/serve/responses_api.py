@@ -5,15 +5,16 @@ them, `text.format` the chat's `response_format`, flat function tools the chat's
 renamed to the fields the request gave (`ResponsesTurn.renamed`), and the answer in the Responses shapes: the
 response object (`ResponsesTurn.response`) and, streamed, its events (`ResponseEvents`).
 
-What is refused, with a 400 naming the field: `previous_response_id`, `conversation`, `prompt` and
-`background: true` (nothing is stored: each request carries its whole conversation), `truncation: "auto"` (input is
-never dropped to fit the context), input items other than messages and function calls and their outputs (built-in
-tools, reasoning items, item references), and whatever the chat path refuses (tool_choice "auto" among them unless
-the server was started with --enable-auto-tool-choice: see serve/structured.py; with it, the calls the parser reads
-come back as function_call items, as a forced call's do). `reasoning.effort` reaches the chat template as a chat request's `reasoning_effort` does (the
-model has no reasoning mode); `user`, `metadata`, `store`, `service_tier`, `include`, `prompt_cache_key`,
-`safety_identifier` and `stream_options` change nothing and are accepted. `top_logprobs` asks for each output text
-token's logprobs (its alternatives up to that many), as `include: ["message.output_text.logprobs"]` does with none.
+What is refused, with a 400 naming the field: `previous_response_id`, `conversation`, `prompt` and `background:
+true` (nothing is stored: each request carries its whole conversation), `truncation: "auto"` (input is never dropped
+to fit the context), input items other than messages and function calls and their outputs (built-in tools, reasoning
+items, item references), and whatever the chat path refuses (tool_choice "auto" among them unless the server was
+started with --enable-auto-tool-choice: see serve/structured.py; with it, the calls the parser reads come back as
+function_call items, as a forced call's do). `reasoning.effort` reaches the chat template as a chat request's
+`reasoning_effort` does (the model has no reasoning mode); `user`, `metadata`, `store`, `service_tier`, `include`,
+`prompt_cache_key`, `safety_identifier` and `stream_options` change nothing and are accepted. `top_logprobs` asks
+for each output text token's logprobs (its alternatives up to that many), as `include:
+["message.output_text.logprobs"]` does with none.
 """
 
 from __future__ import annotations
