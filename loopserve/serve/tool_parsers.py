@@ -93,8 +93,7 @@ class HermesParser:
                 content.append(text[:start])
             self.started = True  # (text between and after blocks is dropped, as vLLM's whole parse drops it)
             self.in_block, self.scan = True, ToolListScanner(1, "arguments")
-            self.block, self.block_arguments = [], False
-            self.named_before = self.calls
+            self.block_arguments = False
             text = text[start + len(self.START):]
         out = "".join(content)
         self.sent += len(out)
