@@ -74,10 +74,15 @@ def _same_as_chat(response: Any, chat: Any) -> None:
     assert response.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
 
 
+_RUN_FIELDS = ("id", "created_at", "call_id", "cached_tokens", "prefill_loops")
+
+
 def _without_ids(obj: Any) -> Any:
-    """A response object (JSON) without what differs between two runs of the same request: ids and times."""
+    """A response object (JSON) without what differs between two runs of the same request: ids, times, and what
+    the prefix cache changes (the second run finds the first's prompt blocks there: its cached tokens, and fewer
+    prefill loops)."""
     if isinstance(obj, dict):
-        return {k: _without_ids(v) for k, v in obj.items() if k not in ("id", "created_at", "call_id")}
+        return {k: _without_ids(v) for k, v in obj.items() if k not in _RUN_FIELDS}
     if isinstance(obj, list):
         return [_without_ids(v) for v in obj]
     return obj
