@@ -26,11 +26,20 @@ def unreadable(path: Path, why: str) -> ValueError:
     return ValueError(f"{path}: {why}")
 
 
+def read_text(path: Path) -> str:
+    """The UTF-8 text `path` holds (a ValueError naming the file if it is not UTF-8: a chat template saved in another
+    encoding, a binary file)."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise unreadable(path, f"not UTF-8 text ({e})") from None
+
+
 def read_json_object(path: Path) -> dict[str, Any]:
     """The JSON object `path` holds (ValueError naming the file if it is not valid JSON or not an object)."""
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raw = json.loads(read_text(path))
+    except json.JSONDecodeError as e:
         raise unreadable(path, f"not valid JSON ({e})") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(raw).__name__}")

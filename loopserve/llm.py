@@ -100,7 +100,7 @@ class LLM:
         # vLLM's `llm.model_config`: its engine's, the same object (scheduler="reference": the model's config with
         # this max_model_len)
         self.model_config = (self.engine.model_config if self.engine is not None
-                             else EngineModelConfig.of(self.config, max_model_len))
+                             else EngineModelConfig.of(self.config, max_model_len, next(self.model.parameters()).dtype))
         self._counter = itertools.count()
 
     @property

@@ -14,9 +14,12 @@ import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loopserve.sampling_params import is_int, is_real
+
+if TYPE_CHECKING:
+    import torch
 
 OURO = "OuroForCausalLM"
 HUGINN = "RavenForCausalLM"
@@ -172,6 +175,8 @@ _VLLM_MODEL_CONFIG = {
                      "LLMEngine.model_config.max_model_len, an EngineModelConfig); the model's own context is "
                      "max_position",
     "hf_config": "config.json, as read, is its `raw` field",
+    "dtype": "the dtype the weights were loaded in is an engine's (LLM.model_config.dtype, "
+             "LLMEngine.model_config.dtype)",
 }
 
 
@@ -311,14 +316,15 @@ class ModelConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class EngineModelConfig(ModelConfig):
-    """The model's config as an engine runs it: its shapes and the engine's `max_model_len`, the most prompt +
-    completion tokens of a request (at most `max_position`), so that vLLM's `engine.model_config.max_model_len`, which
-    harnesses read (lm-eval's vLLM backend), reads it. `LLMEngine.model_config` and `LLM.model_config`; the one
-    place either keeps its max_model_len."""
+    """The model's config as an engine runs it: its shapes, the engine's `max_model_len`, the most prompt +
+    completion tokens of a request (at most `max_position`), and the dtype the weights were loaded in, so that vLLM's
+    `engine.model_config.max_model_len` and `.dtype`, which harnesses read (lm-eval's vLLM backend), read them.
+    `LLMEngine.model_config` and `LLM.model_config`; the one place either keeps its max_model_len."""
 
     max_model_len: int
+    dtype: torch.dtype  # (vLLM's ModelConfig.dtype: a torch.dtype)
 
     @staticmethod
-    def of(config: ModelConfig, max_model_len: int) -> EngineModelConfig:
+    def of(config: ModelConfig, max_model_len: int, dtype: torch.dtype) -> EngineModelConfig:
         return EngineModelConfig(**{f.name: getattr(config, f.name) for f in fields(ModelConfig)},
-                                 max_model_len=max_model_len)
+                                 max_model_len=max_model_len, dtype=dtype)

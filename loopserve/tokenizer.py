@@ -43,7 +43,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from loopserve.chat_messages import check_continuable, within
 from loopserve.detokenizer import TextStream, is_byte_level
-from loopserve.json_files import read_json_object, unreadable
+from loopserve.json_files import read_json_object, read_text, unreadable
 
 DEFAULT_TEMPLATE = "default"
 TOOL_USE_TEMPLATE = "tool_use"  # picked when tools are given, as transformers does
@@ -239,30 +239,38 @@ def _compile(template: str) -> jinja2.Template:
         raise ValueError(f"chat_template: not a valid Jinja template (line {e.lineno}: {e.message})") from None
 
 
-def read_chat_templates(folder: Path, config: Mapping[str, Any]) -> dict[str, str]:
-    """The folder's chat templates by name (`default` for the unnamed one), as transformers loads them."""
+def read_chat_templates(folder: Path, config: Mapping[str, Any], check: bool = True) -> dict[str, str]:
+    """The folder's chat templates by name (`default` for the unnamed one), as transformers loads them. `check`: each
+    must compile, else a ValueError naming the file it came from (where the server would otherwise start and refuse
+    every chat request, naming a `chat_template` field the client never sent)."""
     where = folder / "tokenizer_config.json"
     raw = config.get("chat_template")
-    templates: dict[str, str] = {}
+    templates: dict[str, tuple[str, str]] = {}  # name: (template, where it came from)
     if isinstance(raw, str):
-        templates[DEFAULT_TEMPLATE] = raw
+        templates[DEFAULT_TEMPLATE] = raw, f"{where}: chat_template"
     elif isinstance(raw, list):
         for entry in raw:
             if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
                     and isinstance(entry.get("template"), str)):
                 raise ValueError(f"{where}: chat_template: each list entry must be "
                                  f'{{"name": ..., "template": ...}}, got {entry!r}')
-            templates[entry["name"]] = entry["template"]
+            templates[entry["name"]] = entry["template"], f"{where}: chat_template {entry['name']!r}"
     elif raw is not None:
         raise ValueError(f"{where}: chat_template: expected a string or a list of named templates")
     jinja_file = folder / "chat_template.jinja"
     if jinja_file.is_file():  # the file replaces the config's template(s) entirely, as in transformers
-        templates = {DEFAULT_TEMPLATE: jinja_file.read_text(encoding="utf-8")}
+        templates = {DEFAULT_TEMPLATE: (read_text(jinja_file), str(jinja_file))}
     extra = folder / "additional_chat_templates"
     if extra.is_dir():
         for f in sorted(extra.glob("*.jinja")):
-            templates[f.stem] = f.read_text(encoding="utf-8")
-    return templates
+            templates[f.stem] = read_text(f), str(f)
+    for template, source in templates.values() if check else ():
+        try:
+            _compile(template)
+        except ValueError as e:
+            raise ValueError(f"{source}: {str(e).removeprefix('chat_template: ')}; fix it, or give another with "
+                             "--chat-template") from None
+    return {name: template for name, (template, _) in templates.items()}
 
 
 def load_chat_template(value: str) -> str:
@@ -272,7 +280,7 @@ def load_chat_template(value: str) -> str:
     path = Path(value).expanduser()
     if not path.is_file():
         raise ValueError(f"chat_template: {value!r} is neither a file nor a Jinja template")
-    return path.read_text(encoding="utf-8")
+    return read_text(path)
 
 
 class Tokenizer:
@@ -313,7 +321,8 @@ class Tokenizer:
         self.unk_token_id = self.tok.token_to_id(self.unk_token) if self.unk_token else None
         # transformers' attribute: `all_special_tokens` and the chat templates' variable of that name read it
         self.additional_special_tokens = [_token_str(t) for t in self.config.get("additional_special_tokens") or []]
-        self.chat_templates = read_chat_templates(folder, self.config)
+        # (a template given replaces the folder's: theirs need not compile)
+        self.chat_templates = read_chat_templates(folder, self.config, check=chat_template is None)
         if chat_template is not None:
             self.set_chat_template(chat_template)
         self.eos_token_ids: set[int] = {self.eos_token_id} if self.eos_token_id is not None else set()

@@ -79,7 +79,7 @@ NEUTRAL: dict[str, Neutral] = {
     "revision": _only("a hub id is fetched at its default revision; a local folder takes any value, unused", None,
                       "main", any_for_folder=True),
     "tokenizer_revision": _only("the checkpoint's own tokenizer is loaded, from the model's revision; a local folder "
-                                "takes any value, unused", None, any_for_folder=True),
+                                "takes any value, unused", None, "main", any_for_folder=True),
     "download_dir": _only("a hub model is fetched to the Hugging Face cache", None),
     # (True is vLLM's "the token of `huggingface-cli login`", which huggingface_hub reads anyway)
     # (vLLM's --hf-token takes the token: a value, never repeated in an error)

@@ -5,6 +5,7 @@ lists, additional_chat_templates/), which one renders (a name, tool_use, default
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from datetime import datetime
 from pathlib import Path
@@ -51,6 +52,35 @@ def test_chat_template_jinja_file_wins_over_the_config(folder):
     tok = Tokenizer(folder)
     assert _text(tok, HELLO) == "file: Hello"
     assert tok.chat_templates == {"default": "file: {{ messages[0]['content'] }}"}  # the file replaces the list
+
+
+@pytest.mark.parametrize("where", ["chat_template.jinja", "additional_chat_templates/terse.jinja",
+                                   "tokenizer_config.json"])
+def test_a_folder_template_that_does_not_compile_is_named_at_load(folder, tmp_path, where):
+    """A broken template of the folder refuses the load, naming the file it came from (the server started and
+    refused every chat request with a 400 naming a `chat_template` field the client never sent); a template given
+    at load replaces the folder's, which then need not compile."""
+    broken = "{% for m in messages %}{{ m.content }"
+    if where == "tokenizer_config.json":
+        _set_config_template(folder, broken)
+    else:
+        (folder / where).parent.mkdir(exist_ok=True)
+        (folder / where).write_text(broken)
+    source = re.escape(str(folder / where))
+    with pytest.raises(ValueError, match=rf"^{source}(: chat_template)?: not a valid Jinja template \(line 1"):
+        Tokenizer(folder)
+    given = tmp_path / "given.jinja"
+    given.write_text("G{{ messages[0].content }}")
+    assert _text(Tokenizer(folder, chat_template=str(given)), HELLO) == "GHello"
+
+
+@pytest.mark.parametrize("where", ["chat_template.jinja", "given"])
+def test_a_template_file_that_is_not_utf8_is_named(folder, tmp_path, where):
+    """A template file in another encoding: a ValueError naming the file (was a bare UnicodeDecodeError)."""
+    path = folder / "chat_template.jinja" if where == "chat_template.jinja" else tmp_path / "given.jinja"
+    path.write_bytes(b"\xff\xfe{{ x }}")
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: not UTF-8 text"):
+        Tokenizer(folder) if where == "chat_template.jinja" else Tokenizer(folder, chat_template=str(path))
 
 
 def test_additional_chat_templates_are_named(folder):

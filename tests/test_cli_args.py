@@ -121,7 +121,7 @@ def test_a_commands_scheduler_help_describes_the_choices_it_takes(command, sched
     # (a local folder, the embedded model here, has no revisions: any is taken, unused, as vLLM ignores it there)
     ("--revision abc123 --tokenizer-revision main", None),
     ("nobody/nothing --revision abc123", "revision: not supported by loopserve (a hub id is fetched at its default"),
-    ("nobody/nothing --tokenizer-revision main", "tokenizer_revision: not supported by loopserve"),
+    ("nobody/nothing --tokenizer-revision v2", "tokenizer_revision: not supported by loopserve"),
     ("--enable-lora", "enable_lora: not supported by loopserve (no LoRA adapters); it takes False, got True"),
     ("--hf-token hf_SECRET", "hf_token: not supported by loopserve"),
 ])

@@ -464,6 +464,10 @@ def test_dtype_auto_on_a_cpu_without_bf16_kernels_is_float32(tmp_path, monkeypat
     with caplog.at_level("INFO", logger="loopserve.device"):
         assert dev.resolve_dtype("auto", tmp_path, "cpu") == ("bfloat16" if kernels else "float32")
     assert ("no bfloat16 matrix kernels" in caplog.text) == (not kernels)
+    # one line, saying what happens (a float16 checkpoint was said to load as bfloat16, then as float32)
+    lines = [r.getMessage() for r in caplog.records if r.name == "loopserve.device"]
+    assert len(lines) == (declared == "float16" or not kernels), lines
+    assert all(("as float32" in line) == (not kernels) for line in lines), lines
     assert dev.resolve_dtype("auto", tmp_path, "cuda:0") == "bfloat16"  # the rule is the CPU's only
     assert dev.resolve_dtype("bfloat16", tmp_path, "cpu") == "bfloat16"  # an explicit dtype is kept
 

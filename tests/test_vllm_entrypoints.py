@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 from tokenizers import Tokenizer as Raw
 
 from loopserve import LLM, EngineArgs, SamplingParams
@@ -106,6 +107,7 @@ def test_model_config_holds_the_engines_max_model_len(tiny_ouro, scheduler):
     llm = LLM(tiny_ouro, device="cpu", max_model_len=12, scheduler=scheduler)
     assert llm.model_config.max_model_len == llm.max_model_len == 12
     assert llm.model_config.vocab_size == llm.config.vocab_size
+    assert llm.model_config.dtype == next(llm.model.parameters()).dtype == torch.float32  # (vLLM's: a torch.dtype)
     if scheduler != "reference":
         assert llm.model_config is llm.llm_engine.model_config
         assert llm.llm_engine.max_model_len == 12

@@ -160,7 +160,7 @@ def test_vllms_keywords_asking_for_what_loopserve_lacks_are_named(tiny_ouro, kwa
         LLM(tiny_ouro, device="cpu", **kwargs)
 
 
-@pytest.mark.parametrize("kwargs", [dict(revision="abc123"), dict(tokenizer_revision="main"),
+@pytest.mark.parametrize("kwargs", [dict(revision="abc123"), dict(tokenizer_revision="v2"),
                                     dict(revision="v1", tokenizer_revision="v2")])
 def test_a_revision_of_a_local_folder_is_taken_unused(tiny_ouro, caplog, kwargs):
     """vLLM ignores revision and tokenizer_revision for a local folder: loopserve refused them, failing scripts that
@@ -177,6 +177,13 @@ def test_a_revision_of_a_local_folder_is_taken_unused(tiny_ouro, caplog, kwargs)
     assert EngineArgs(str(tiny_ouro), **kwargs).create_llm() is not None
     with pytest.raises(ValueError, match=rf"^{name}: "):
         EngineArgs("nobody/nothing", **kwargs)
+
+
+def test_a_hub_id_takes_the_main_revision_for_model_and_tokenizer():
+    """vLLM's default revision, "main", is the one a hub id is fetched at: asked for by name, for the model or its
+    tokenizer, it is taken (tokenizer_revision="main" was refused where revision="main" was not)."""
+    args = EngineArgs("nobody/nothing", revision="main", tokenizer_revision="main")
+    assert (args.revision, args.tokenizer_revision) == ("main", "main")
 
 
 # -- LLM.reset_prefix_cache --------------------------------------------------------------------------------------

@@ -135,8 +135,8 @@ class LLMEngine:
                         "request's drafts and its verify row share one batch)", cfg.num_speculative_tokens,
                         cfg.max_decode_batch - 1)
         # (the model's config with the engine's max_model_len: vLLM's `engine.model_config`)
-        self.model_config = EngineModelConfig.of(c, checked_model_len(max_model_len, c.max_position))
         p = next(model.parameters())
+        self.model_config = EngineModelConfig.of(c, checked_model_len(max_model_len, c.max_position), p.dtype)
         graphs_on = cfg.cuda_graphs if cfg.cuda_graphs is not None else p.device.type == "cuda"
         prelude_batch, coda_batch = cfg.boundary_batches_for(c.n_prelude, c.n_coda)
         cfg = dataclasses.replace(cfg, min_prelude_batch=prelude_batch, min_coda_batch=coda_batch,
