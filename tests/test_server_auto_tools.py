@@ -91,6 +91,27 @@ def test_auto_streamed_joins_into_the_whole_answer(client):
     assert sum(1 for c in chunks for ch in c.choices for tc in ch.delta.tool_calls or () if tc.function.arguments) > 2
 
 
+def test_auto_without_parallel_calls_keeps_the_first(client):
+    """parallel_tool_calls false: the first call only, whole and streamed (vLLM's answer; an agent would have run
+    both tools)."""
+    whole = _chat(client, max_tokens=300, extra_body=_forcing(TEXT), parallel_tool_calls=False).choices[0]
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in whole.message.tool_calls] == CALLS[:1]
+    assert whole.finish_reason == "tool_calls"
+    chunks = list(_chat(client, max_tokens=300, extra_body=_forcing(TEXT), parallel_tool_calls=False, stream=True))
+    streamed = [tc for c in chunks for ch in c.choices for tc in ch.delta.tool_calls or ()]
+    assert {tc.index for tc in streamed} == {0}
+    assert "".join(tc.function.arguments or "" for tc in streamed) == whole.message.tool_calls[0].function.arguments
+
+
+def test_auto_with_no_tools_is_text(client):
+    """tool_choice "auto" with an empty tools list (the OpenAI Agents SDK's for an agent without tools): text, as
+    "none" (was a 400 'needs tools'), on both routes."""
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[], tool_choice="auto", max_tokens=3)
+    assert r.choices[0].finish_reason == "length" and not r.choices[0].message.tool_calls
+    r = client.responses.create(model=MODEL, input="Hi", tools=[], tool_choice="auto", max_output_tokens=3)
+    assert r.status == "incomplete" and [o.type for o in r.output] == ["message"]
+
+
 def test_auto_without_a_call_is_text_as_with_none(client):
     """Free generation: the same text as tool_choice "none" (the tools in the template either way)."""
     auto = _chat(client, max_tokens=12).choices[0]

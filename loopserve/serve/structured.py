@@ -34,6 +34,7 @@ refused with a 400, as vLLM refuses it. An explicit `"tool_choice": null` is not
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import secrets
@@ -463,16 +464,17 @@ def tool_plan(req: Any, auto: AutoTools | None = None) -> ToolPlan | AutoTools |
         # left out: "auto" where tools are given (vLLM's default); an explicit null asks for no tool call, read as
         # "none" (vLLM lets it through: text, the tools still rendered, as for any choice here)
         choice = "auto" if tools and "tool_choice" not in req.model_fields_set else "none"
-    elif choice == "required" and req.tools == []:
-        # (OpenAI's reading, which vLLM follows: "none"; agent frameworks send it)
+    elif choice in ("required", "auto") and req.tools == []:
+        # (OpenAI's reading, which vLLM follows: "none"; agent frameworks send it, the OpenAI Agents SDK "auto" for an
+        # agent without tools)
         choice = "none"
     if choice == "none":
         return None
     if not tools:
         raise ApiError(400, "tool_choice: needs tools", "tool_choice")
     if choice == "auto":
-        if auto is not None:
-            return auto
+        if auto is not None:  # (one call at most where parallel calls are off: vLLM keeps the first)
+            return dataclasses.replace(auto, single=True) if req.parallel_tool_calls is False else auto
         raise ApiError(400, "tool_choice: 'auto' (the default when tools come without a tool_choice) needs a parser "
                             "of the model's own tool-call format, which this server was not started with "
                             "(--enable-auto-tool-choice --tool-call-parser NAME); use 'required', a named function or "

@@ -162,12 +162,13 @@ class AutoTools:
     a parsed output (module docstring); each choice's parser is kept in its `ChoiceStream`."""
 
     parser: type[HermesParser]
+    single: bool = False  # parallel_tool_calls false: the first call only (vLLM's answer), whole and streamed
 
     def message(self, c: CompletionOutput, sent: ChoiceStream) -> dict[str, Any]:
         """The assistant message of a finished output: its content and tool calls."""
         content, calls = self.parser().parse(c.text)
         sent.called = bool(calls)
-        return {"role": "assistant", "content": content, "tool_calls": calls}
+        return {"role": "assistant", "content": content, "tool_calls": calls[:1] if self.single else calls}
 
     def delta(self, piece: str, finished: bool, sent: ChoiceStream) -> dict[str, Any]:
         """A stream chunk's delta for one choice's new text `piece` (`finished`: its last)."""
@@ -178,6 +179,8 @@ class AutoTools:
             more, tail = sent.tool_parse.finish()
             content, events = content + more, events + tail
         sent.called = sent.tool_parse.calls > 0
+        if self.single:
+            events = [e for e in events if e[0] == 0]
         return {**({"content": content} if content else {}),
                 **({"tool_calls": tool_call_entries(events)} if events else {})}
 
