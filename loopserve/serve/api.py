@@ -914,7 +914,7 @@ class OpenAIServing:
         return gen.turn.response(**self.response_head(gen), status=status,
                                  output=gen.turn.output(choice["message"], logprobs, status),
                                  usage=response_usage(usage_body([out], len(c.token_ids)),
-                                                      self.reasoning_tokens(choice["message"].get("reasoning"))))
+                                                      self.reasoning_tokens(gen, list(c.token_ids))))
 
     async def response_events(self, gen: _Generation, group: RequestGroup) -> AsyncIterator[str]:
         """A streamed Responses API request's events (`ResponseEvents`), made of its chat stream's deltas (`choice`,
@@ -923,25 +923,25 @@ class OpenAIServing:
         events = ResponseEvents(gen.turn, self.response_head(gen))
         sent = {(0, 0): ChoiceStream()}
         latest: dict[int, RequestOutput] = {}
+        ids: list[int] = []  # the output's, for its reasoning_tokens
         for event in events.start():
             yield event
         with self.stream_ends_logged(gen, sent, latest):
             async for i, out in group:
                 self.stream_output(gen, i, out, latest)
                 for c in out.outputs:
+                    ids += c.token_ids
                     choice = self.choice(gen, i, out, c, sent[0, 0], True)
                     logprobs = choice["logprobs"]["content"] if choice["logprobs"] is not None else []
                     for event in events.delta(choice["delta"], logprobs):
                         yield event
         usage = usage_body(list(latest.values()), sent[0, 0].tokens)
-        reasoning = self.reasoning_tokens(events.reasoning_text())
-        for event in events.finish(sent[0, 0].finish_reason, response_usage(usage, reasoning)):
+        for event in events.finish(sent[0, 0].finish_reason, response_usage(usage, self.reasoning_tokens(gen, ids))):
             yield event
 
-    def reasoning_tokens(self, reasoning: str | None) -> int:
-        """The Responses usage's reasoning_tokens: the tokens of a reply's reasoning text (vLLM counts the reasoning's
-        generated tokens; the text, tokenized again, is what this server has of them)."""
-        return len(self.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
+    def reasoning_tokens(self, gen: _Generation, ids: list[int]) -> int:
+        """The Responses usage's reasoning_tokens of an output's token `ids` (0 without --reasoning-parser)."""
+        return gen.tools.reasoning_tokens(ids, self.tokenizer.decode) if isinstance(gen.tools, ReasoningReplies) else 0
 
     # -- beam search ------------------------------------------------------------------------------------------
     async def beam_search(self, request: Request, gen: _Generation) -> list[RequestOutput] | None:

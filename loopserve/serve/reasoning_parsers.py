@@ -19,6 +19,7 @@ parse drops the text before a later <think> too, which a stream cannot take back
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,3 +129,17 @@ class ReasoningReplies:
 
     def finish_reason(self, c: CompletionOutput, sent: ChoiceStream) -> str | None:
         return self.tools.finish_reason(c, sent) if self.tools is not None else c.finish_reason
+
+    def reasoning_tokens(self, ids: list[int], decode: Callable[[list[int]], str]) -> int:
+        """How many of an output's token `ids` are its reasoning (vLLM's reasoning_tokens, whether or not the reply
+        includes it): those before the token whose text completes </think> (found by decoding prefixes, a binary
+        search: a tag need not be one token), all of them where none does, none where thinking is off."""
+        if not self.fmt.parser(self.template_kwargs).thinking:
+            return 0
+        if END not in decode(ids):
+            return len(ids)
+        low, high = 1, len(ids)  # the shortest prefix that holds </think>
+        while low < high:
+            mid = (low + high) // 2
+            low, high = (low, mid) if END in decode(ids[:mid]) else (mid + 1, high)
+        return low - 1

@@ -12,10 +12,10 @@ tools, item references), and whatever the chat path refuses (tool_choice "auto" 
 started with --enable-auto-tool-choice: see serve/structured.py; with it, the calls the parser reads come back as
 function_call items, as a forced call's do). With the server's --reasoning-parser the reply's reasoning is a reasoning
 item before the message (streamed: its reasoning_text events), and `usage.output_tokens_details.reasoning_tokens`
-counts the tokens of its text; a reasoning item replayed in `input` (agents send an earlier turn's back) is taken and
-left out of the prompt. `reasoning.effort` reaches the chat template as a chat request's `reasoning_effort` does (the
-model has no reasoning mode); `user`, `metadata`, `store`, `service_tier`, `include`,
-`prompt_cache_key`, `safety_identifier` and `stream_options` change nothing and are accepted. `top_logprobs` asks
+counts its tokens (`ReasoningReplies.reasoning_tokens`); a reasoning item replayed in `input` (agents send an earlier
+turn's back) is taken and left out of the prompt. `reasoning.effort` reaches the chat template as a chat request's
+`reasoning_effort` does; `user`, `metadata`, `store`, `service_tier`, `include`, `prompt_cache_key`,
+`safety_identifier` and `stream_options` change nothing and are accepted. `top_logprobs` asks
 for each output text token's logprobs (its alternatives up to that many), as `include:
 ["message.output_text.logprobs"]` does with none.
 """
@@ -451,10 +451,6 @@ class ResponseEvents:
         out = self.add(item)
         item["content"].append(part)
         return [*out, self.event("response.content_part.added", **self.where(), content_index=0, part=part)]
-
-    def reasoning_text(self) -> str:
-        """The text of the reasoning items so far."""
-        return "".join(i["content"][0]["text"] for i in self.items if i["type"] == "reasoning")
 
     def delta(self, delta: dict[str, Any], logprobs: list[dict[str, Any]]) -> list[str]:
         """The events of one chat stream delta: its text (with its tokens' `logprobs`), or its tool calls' starts
