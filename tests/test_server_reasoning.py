@@ -172,3 +172,13 @@ def test_cli_refuses_an_unknown_parser(model):
     problem = _check(args)
     assert problem is not None and "--reasoning-parser" in problem and "deepseek_r1, qwen3" in problem
     assert _check(build_parser().parse_args(["serve", str(model), "--reasoning-parser", "qwen3"])) is None
+
+
+def test_beam_search_replies_are_split_too(server, client):
+    """A beam search's choices (the chat path's too, as vLLM's full generator reads every reply) are parsed alike."""
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, n=2,
+                                       extra_body={"use_beam_search": True, "return_token_ids": True})
+    assert len(r.choices) == 2
+    for c in r.choices:
+        raw = _raw(server, c.model_extra["token_ids"])
+        assert raw and (_reasoning(c.message), c.message.content) == _parse(raw)
