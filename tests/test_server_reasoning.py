@@ -155,6 +155,10 @@ def test_responses_reasoning_item(client):
     assert all(e.output_index == 0 and e.item_id == deltas[0].item_id for e in deltas)
     (done,) = [e for e in events if e.type == "response.reasoning_text.done"]
     assert done.text == reasoning and [e.sequence_number for e in events] == list(range(len(events)))
+    # (vLLM's event names for the reasoning item's part; the message's are content_part's)
+    assert [e.type for e in events if e.type.endswith(("_part.added", "_part.done"))] == [
+        "response.reasoning_part.added", "response.reasoning_part.done", "response.content_part.added",
+        "response.content_part.done"]
     final = events[-1].response
     assert [i.type for i in final.output] == ["reasoning", "message"] and final.output[0].content[0].text == reasoning
     assert final.usage.output_tokens_details.reasoning_tokens == r.usage.output_tokens_details.reasoning_tokens

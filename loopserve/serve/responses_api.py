@@ -407,13 +407,20 @@ def function_call_item(item_id: str, call_id: str, name: str, arguments: str, st
             "status": status}
 
 
+def _part_event(item: dict[str, Any], what: str) -> str:
+    """The type of the event that adds (or finishes) an item's content part: vLLM's reasoning_part events for a
+    reasoning item's text, content_part ones for a message's."""
+    return f"response.{'reasoning' if item['type'] == 'reasoning' else 'content'}_part.{what}"
+
+
 class ResponseEvents:
     """A streamed response's events (`event: <type>` and its JSON, `sequence_number` counting from 0), fed the chat
     path's stream deltas (`delta`): response.created and response.in_progress, then per output item its
     output_item.added, its text's content_part.added and output_text.delta events (a reasoning item's
-    reasoning_text.delta ones, a function call's function_call_arguments.delta events), and, once the next item
-    starts or the response ends, its output_text.done (reasoning_text.done) and content_part.done
-    (function_call_arguments.done) and output_item.done; last
+    reasoning_part.added and reasoning_text.delta, as vLLM names them; a function call's
+    function_call_arguments.delta events), and, once the next item starts or the response ends, its output_text.done
+    and content_part.done (reasoning_text.done and reasoning_part.done; function_call_arguments.done) and
+    output_item.done; last
     response.completed with the whole response, which the items' done events build up, status and usage included
     (an incomplete response too: clients wait for response.completed)."""
 
@@ -450,7 +457,7 @@ class ResponseEvents:
         """An item with one content part (a message's text, a reasoning item's), started."""
         out = self.add(item)
         item["content"].append(part)
-        return [*out, self.event("response.content_part.added", **self.where(), content_index=0, part=part)]
+        return [*out, self.event(_part_event(item, "added"), **self.where(), content_index=0, part=part)]
 
     def delta(self, delta: dict[str, Any], logprobs: list[dict[str, Any]]) -> list[str]:
         """The events of one chat stream delta: its text (with its tokens' `logprobs`), or its tool calls' starts
@@ -496,7 +503,7 @@ class ResponseEvents:
             out += [self.event("response.output_text.done", **self.where(), content_index=0, text=part["text"],
                                logprobs=part["logprobs"]) if item["type"] == "message" else
                     self.event("response.reasoning_text.done", **self.where(), content_index=0, text=part["text"]),
-                    self.event("response.content_part.done", **self.where(), content_index=0, part=part)]
+                    self.event(_part_event(item, "done"), **self.where(), content_index=0, part=part)]
         else:
             out.append(self.event("response.function_call_arguments.done", **self.where(), name=item["name"],
                                   arguments=item["arguments"]))
