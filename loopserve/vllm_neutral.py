@@ -198,12 +198,11 @@ SERVE_NEUTRAL: dict[str, Neutral] = {
                                           "string"),
     "trust_request_chat_template": _only("a request cannot replace the server's chat template (--chat-template)",
                                          False),
-    # (--enable-auto-tool-choice and --tool-call-parser are serve's own flags: serve/cli.py)
-    "tool_parser_plugin": _only("no tool-call parsers from plugins: --tool-call-parser takes the built-in ones", None,
+    # (--enable-auto-tool-choice, --tool-call-parser and --reasoning-parser are serve's own flags: serve/cli.py)
+    "tool_parser_plugin": _only("no tool-call parsers from plugins: --tool-call-parser's are built in", None,
                                 ""),
     "exclude_tools_when_tool_choice_none": _only("tools reach the chat template whatever tool_choice says", False),
     "tool_server": _only("no built-in tool servers", None, ""),
-    "reasoning_parser": _only("no reasoning parser: a reply's text comes back whole", None, ""),
     "enable_force_include_usage": _only("a stream's usage comes with its request's stream_options.include_usage",
                                         False),
     "lora_modules": _only("no LoRA adapters", None, [], many=True),

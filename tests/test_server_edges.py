@@ -323,7 +323,7 @@ WRONG_COMPLETION = {**WRONG_SAMPLING, "prompt": 5, "logprobs": "2", "echo": "no"
 WRONG_CHAT = {**WRONG_SAMPLING, "messages": 5, "max_completion_tokens": "4", "logprobs": 1, "top_logprobs": "2",
               "add_generation_prompt": "yes", "tools": "x", "tool_choice": 5, "parallel_tool_calls": "yes",
               "chat_template_kwargs": [1], "echo": "no", "continue_final_message": "yes", "chat_template": 5,
-              "add_special_tokens": "no", "documents": 5, "reasoning_effort": "extreme"}
+              "add_special_tokens": "no", "documents": 5, "reasoning_effort": "extreme", "include_reasoning": "no"}
 ANY_VALUE = {"prompt_embeds"}  # fields any JSON value is valid for (to be refused by name)
 GOOD_C = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
 GOOD_H = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

@@ -307,7 +307,9 @@ def test_a_client_that_leaves_mid_stream_frees_its_request(server):
     ({}, "input"),
     ({"input": []}, "input"),
     ({"input": 5}, "input"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input.0"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0"),
+    ({"input": [{"type": "reasoning", "summary": 5}]}, "input.0.summary"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input"),  # (taken, and left out: no message is left)
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
      "input.0.content.0.type"),
     ({"input": [{"role": "robot", "content": "x"}]}, "input.0.role"),

@@ -41,7 +41,7 @@ NEUTRAL_LINES = [
     "--log-error-stack", "--no-trust-request-chat-template",
 ]
 REFUSED_LINES = {
-    "--reasoning-parser deepseek_r1": "--reasoning-parser: not supported by loopserve (no reasoning parser",
+    "--reasoning-parser nope": "--reasoning-parser: no parser 'nope' (choose from deepseek_r1, qwen3)",
     "--response-role user": "--response-role: not supported by loopserve (a reply is the assistant's); it takes "
                             "'assistant', got 'user'",
     "--trust-request-chat-template": "--trust-request-chat-template: not supported by loopserve (a request cannot",
@@ -73,11 +73,11 @@ def test_a_refused_switch_is_named_in_the_command_lines_words(capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: --trust-request-chat-template: ") and err.endswith("; it takes false, got true\n"), \
         err
-    # an apostrophe inside a word (the reason: "a reply's text") opens no quote: None after it is null too
+    # an apostrophe inside a word (the reason: "--tool-call-parser's") opens no quote: None after it is null too
     with pytest.raises(SystemExit):
-        cli_main(["serve", "m", "--reasoning-parser", "x"])
+        cli_main(["serve", "m", "--tool-parser-plugin", "x"])
     err = capsys.readouterr().err
-    assert "a reply's text" in err and err.endswith("; it takes null or '', got 'x'\n"), err
+    assert "--tool-call-parser's are built in" in err and err.endswith("; it takes null or '', got 'x'\n"), err
 
 
 # -- TLS and a Unix domain socket ---------------------------------------------------------------------------------

@@ -105,6 +105,7 @@ from loopserve.models.loader import LoadedModel
 from loopserve.outputs import CompletionOutput, RequestOutput
 from loopserve.sampling_params import (
     BeamSearchParams,
+    GuidedDecodingParams,
     SamplingParams,
     check_beam_width,
     check_logprobs_asked,
@@ -159,6 +160,7 @@ from loopserve.serve.protocol import (
     sampling_params,
     unknown_fields,
 )
+from loopserve.serve.reasoning_parsers import REASONING_PARSERS, ReasoningReplies
 from loopserve.serve.responses import (
     ChoiceStream,
     GroupStreamingResponse,
@@ -231,6 +233,9 @@ class ServerSettings:
     # the parser of the model's own tool calls that answers tool_choice "auto" (a `TOOL_PARSERS` name: vLLM's
     # --enable-auto-tool-choice --tool-call-parser NAME); None: "auto" is a 400
     tool_parser: str | None = None
+    # the parser that splits a thinking model's chat replies into reasoning and content (a `REASONING_PARSERS` name:
+    # vLLM's --reasoning-parser NAME); None: a reply's text comes back whole
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.model_names, str) or not self.model_names or not all(self.model_names):
@@ -383,8 +388,9 @@ class _Generation:
     prompt_fields: list[str]  # per sequence: "prompt", "prompt.1" (a batch's), "messages"
     grammar_field: str | None  # response_format, guided_json, structured_outputs, tools, ... (None: no grammar)
     top_logprobs: int = 0  # alternatives per token (vLLM's -1 counted: the whole vocabulary)
-    # chat: the tool calls the output becomes: forced (serve/structured.py) or parsed ("auto": serve/tool_parsers.py)
-    tools: ToolPlan | AutoTools | None = None
+    # chat: the tool calls the output becomes: forced (serve/structured.py) or parsed ("auto": serve/tool_parsers.py);
+    # with --reasoning-parser, the reasoning and content it splits into (serve/reasoning_parsers.py), "auto" within
+    tools: ToolPlan | AutoTools | ReasoningReplies | None = None
     echo: bool = False  # completions: the prompt comes first in the text (and the logprobs)
     echo_text: str = ""  # chat: what comes first in every reply (`echo`: the final message's text)
     role: str = "assistant"  # chat: the reply's (the final message's without a generation prompt, as in vLLM)
@@ -436,6 +442,7 @@ class OpenAIServing:
         self.load = ServerLoad()  # (counted by `LoadMiddleware` with server_load_tracking, else left at 0)
         self._lanes: dict[str, anyio.CapacityLimiter] = {}  # by name, made on first use (`lane_of`)
         self.auto_tools = AutoTools(TOOL_PARSERS[settings.tool_parser]) if settings.tool_parser else None
+        self.reasoning = REASONING_PARSERS[settings.reasoning_parser] if settings.reasoning_parser else None
 
     @asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
@@ -906,7 +913,8 @@ class OpenAIServing:
         logprobs = choice["logprobs"]["content"] if choice["logprobs"] is not None else []
         return gen.turn.response(**self.response_head(gen), status=status,
                                  output=gen.turn.output(choice["message"], logprobs, status),
-                                 usage=response_usage(usage_body([out], len(c.token_ids))))
+                                 usage=response_usage(usage_body([out], len(c.token_ids)),
+                                                      self.reasoning_tokens(gen, list(c.token_ids))))
 
     async def response_events(self, gen: _Generation, group: RequestGroup) -> AsyncIterator[str]:
         """A streamed Responses API request's events (`ResponseEvents`), made of its chat stream's deltas (`choice`,
@@ -915,19 +923,25 @@ class OpenAIServing:
         events = ResponseEvents(gen.turn, self.response_head(gen))
         sent = {(0, 0): ChoiceStream()}
         latest: dict[int, RequestOutput] = {}
+        ids: list[int] = []  # the output's, for its reasoning_tokens
         for event in events.start():
             yield event
         with self.stream_ends_logged(gen, sent, latest):
             async for i, out in group:
                 self.stream_output(gen, i, out, latest)
                 for c in out.outputs:
+                    ids += c.token_ids
                     choice = self.choice(gen, i, out, c, sent[0, 0], True)
                     logprobs = choice["logprobs"]["content"] if choice["logprobs"] is not None else []
                     for event in events.delta(choice["delta"], logprobs):
                         yield event
         usage = usage_body(list(latest.values()), sent[0, 0].tokens)
-        for event in events.finish(sent[0, 0].finish_reason, response_usage(usage)):
+        for event in events.finish(sent[0, 0].finish_reason, response_usage(usage, self.reasoning_tokens(gen, ids))):
             yield event
+
+    def reasoning_tokens(self, gen: _Generation, ids: list[int]) -> int:
+        """The Responses usage's reasoning_tokens of an output's token `ids` (0 without --reasoning-parser)."""
+        return gen.tools.reasoning_tokens(ids, self.tokenizer.decode) if isinstance(gen.tools, ReasoningReplies) else 0
 
     # -- beam search ------------------------------------------------------------------------------------------
     async def beam_search(self, request: Request, gen: _Generation) -> list[RequestOutput] | None:
@@ -1357,6 +1371,7 @@ class OpenAIServing:
         echo_text = message_text(last.model_dump()["content"]) if req.echo and last.role == role else ""
         if req.echo and tools is not None:  # the reply is calls, or read for them: nothing may come before it
             raise ApiError(400, "echo: cannot be combined with tool calls (tool_choice)", "echo")
+        replies = self.reasoning_replies(req, guide, tools)
         text = self.render_chat(req.messages, req.add_generation_prompt, req.template_kwargs(), req.tools,
                                 req.continue_final_message, req.documents)
         # the template writes the special tokens it wants: none added unless asked (vLLM's default)
@@ -1382,14 +1397,33 @@ class OpenAIServing:
         if req.use_beam_search:  # (the room left when max_tokens is unset, as for sampling)
             cid, _ = self.new_ids(request, kind, 1)
             return self.beam_generation(kind, req, cid, self.beam_params(req, mt), [("messages", text, ids)], arrival,
-                                        echo_text=echo_text, role=role, top_logprobs=top)
+                                        echo_text=echo_text, role=role, top_logprobs=top, tools=replies)
         params = sampling_params(req, max_tokens=mt, logprobs=top if req.logprobs else None,
                                  defaults=self.sampling_defaults, guided_decoding=guide)
         cid, (rid,) = self.new_ids(request, kind, 1)
         grammar_field = "tools" if isinstance(tools, ToolPlan) else guide_field(req)
         seq = self.make_seq(rid, text, ids, params, arrival, params.seed, "messages", grammar_field, req.cache_salt)
-        return _Generation(kind, req, cid, [seq], self.formatter(req), ["messages"], grammar_field, top, tools,
-                           echo_text=echo_text, role=role)
+        return _Generation(kind, req, cid, [seq], self.formatter(req), ["messages"], grammar_field, top,
+                           replies or tools, echo_text=echo_text, role=role)
+
+    def reasoning_replies(self, req: ChatCompletionRequest, guide: GuidedDecodingParams | None,
+                          tools: ToolPlan | AutoTools | None) -> ReasoningReplies | None:
+        """With --reasoning-parser, how a chat request's replies are split into reasoning and content (`tools`:
+        "auto"'s reader, fed the content). A grammar is refused beside it: vLLM holds a grammar back until the
+        reasoning ends, which the engine's guides cannot (they mask from the first token), and a grammar over the
+        whole output would leave the model no room to think. `echo` is refused: the echoed text would be read as
+        the reply's first reasoning."""
+        if self.reasoning is None:
+            return None
+        if guide is not None:
+            field = "tool_choice" if isinstance(tools, ToolPlan) else guide_field(req)
+            raise ApiError(400, f"{field}: a grammar (structured output, or a forced tool call) cannot be combined "
+                                "with the server's --reasoning-parser (vLLM applies it once the reasoning ends; this "
+                                "server cannot hold it back)", field)
+        if req.echo:
+            raise ApiError(400, "echo: cannot be combined with the server's --reasoning-parser", "echo")
+        assert not isinstance(tools, ToolPlan)  # (a forced call has a grammar)
+        return ReasoningReplies(self.reasoning, req.template_kwargs(), req.include_reasoning is not False, tools)
 
 
 # -- the app -----------------------------------------------------------------------------------------------------

@@ -137,6 +137,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "'required' and a named function work either way)")
     t.add_argument("--tool-call-parser", type=_unset_if_empty, default=None, metavar="NAME",
                    help=f"the model's tool-call format: {', '.join(TOOL_PARSERS)} (with --enable-auto-tool-choice)")
+    from loopserve.serve.reasoning_parsers import REASONING_PARSERS
+
+    p.add_argument_group("reasoning of thinking models (vLLM's flag)").add_argument(
+        "--reasoning-parser", type=_unset_if_empty, default=None, metavar="NAME",
+        help=f"the model's reasoning format, {', '.join(REASONING_PARSERS)}: a chat reply's reasoning "
+             "(<think>...</think>) comes back apart from its content, in the message's `reasoning` (a /v1/responses "
+             "answer: a reasoning item); unset: the reply's text comes back whole")
     s = p.add_argument_group("server limits (--max-model-len and --gpu-memory-utilization: under model)")
     s.add_argument("--max-queued-requests", type=int, default=MAX_QUEUED_REQUESTS,
                    help="sequences accepted beyond --max-num-seqs (each sample of a request with n > 1 counts); "
@@ -261,7 +268,7 @@ def _check(args: argparse.Namespace) -> str | None:
         return f"--replicas ({args.replicas}): must lie in [--min-replicas, --max-replicas] = [{low}, {high}]"
     if not (math.isfinite(args.replica_cpus) and args.replica_cpus > 0):
         return "--replica-cpus: must be > 0"
-    problem = _check_tool_parser(args)
+    problem = _check_tool_parser(args) or _check_reasoning_parser(args)
     if problem is not None:
         return problem
     problem = _check_transport(args)
@@ -286,6 +293,15 @@ def _check_tool_parser(args: argparse.Namespace) -> str | None:
                f"{', '.join(TOOL_PARSERS)})"
     if args.tool_call_parser is not None and args.tool_call_parser not in TOOL_PARSERS:
         return f"--tool-call-parser: no parser {args.tool_call_parser!r} (choose from {', '.join(TOOL_PARSERS)})"
+    return None
+
+
+def _check_reasoning_parser(args: argparse.Namespace) -> str | None:
+    """What is wrong with --reasoning-parser: a parser must be one there is."""
+    from loopserve.serve.reasoning_parsers import REASONING_PARSERS
+
+    if args.reasoning_parser is not None and args.reasoning_parser not in REASONING_PARSERS:
+        return f"--reasoning-parser: no parser {args.reasoning_parser!r} (choose from {', '.join(REASONING_PARSERS)})"
     return None
 
 
@@ -366,7 +382,8 @@ def load_server(args: argparse.Namespace) -> tuple[LLMEngine, ServerSettings]:
         tokenizer_info=args.enable_tokenizer_info_endpoint,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids, metric_prefix=args.metric_prefix,
         server_load_tracking=args.enable_server_load_tracking,
-        tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+        tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        reasoning_parser=args.reasoning_parser)
     return engine, settings
 
 

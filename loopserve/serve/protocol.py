@@ -425,6 +425,8 @@ class ChatCompletionRequest(_SamplingFields):
     # (`template_kwargs`)
     reasoning_effort: Literal[REASONING_EFFORTS] | None = None  # type: ignore[valid-type]
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension: extra variables for the chat template
+    # vLLM extension: false drops the reasoning the server's --reasoning-parser splits off (nothing without one)
+    include_reasoning: bool | None = True
     documents: list[dict[str, Any]] | None = None  # vLLM extension: the template's `documents` (retrieval templates)
     # vLLM extensions: the prompt ends with the final (assistant) message left open; the rendered prompt tokenized
     # with the special tokens added; the final assistant message's text first in the reply; refused (below)

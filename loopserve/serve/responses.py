@@ -23,6 +23,7 @@ from loopserve.serve.protocol import ApiError
 from loopserve.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
+    from loopserve.serve.reasoning_parsers import ThinkParser
     from loopserve.serve.structured import ToolListScanner
     from loopserve.serve.tool_parsers import HermesParser
 
@@ -40,7 +41,8 @@ class ChoiceStream:
     """What has been sent of one choice: tokens, the text offset, the echoed prompt, the finish, and for a
     "required" tool call the scanner that reads its list as it comes (`structured.ToolListScanner`; the text is
     kept only until a call's name is complete: cut before, it is sent as content), and for tool_choice "auto" the
-    parser of the model's own calls (`tool_parsers`). A stream's outputs are DELTA
+    parser of the model's own calls (`tool_parsers`), and with --reasoning-parser the splitter of its reasoning
+    (`reasoning_parsers`). A stream's outputs are DELTA
     ones (the engine holds back text a stop string may still cut), so each chunk costs what is new, not the
     choice's length."""
 
@@ -55,6 +57,7 @@ class ChoiceStream:
         self.tool_scan: ToolListScanner | None = None  # a "required" tool call's
         self.tool_parse: HermesParser | None = None  # tool_choice "auto"'s parser of the model's own calls
         self.called = False  # "auto": the output is tool calls (a stream's, once one is named)
+        self.reason_parse: ThinkParser | None = None  # --reasoning-parser's, of this choice's reasoning and content
 
     @property
     def finished(self) -> bool:

@@ -7,12 +7,15 @@ response object (`ResponsesTurn.response`) and, streamed, its events (`ResponseE
 
 What is refused, with a 400 naming the field: `previous_response_id`, `conversation`, `prompt` and `background:
 true` (nothing is stored: each request carries its whole conversation), `truncation: "auto"` (input is never dropped
-to fit the context), input items other than messages and function calls and their outputs (built-in tools, reasoning
-items, item references), and whatever the chat path refuses (tool_choice "auto" among them unless the server was
+to fit the context), input items other than messages, function calls and their outputs and reasoning items (built-in
+tools, item references), and whatever the chat path refuses (tool_choice "auto" among them unless the server was
 started with --enable-auto-tool-choice: see serve/structured.py; with it, the calls the parser reads come back as
-function_call items, as a forced call's do). `reasoning.effort` reaches the chat template as a chat request's
-`reasoning_effort` does (the model has no reasoning mode); `user`, `metadata`, `store`, `service_tier`, `include`,
-`prompt_cache_key`, `safety_identifier` and `stream_options` change nothing and are accepted. `top_logprobs` asks
+function_call items, as a forced call's do). With the server's --reasoning-parser the reply's reasoning is a reasoning
+item before the message (streamed: its reasoning_text events), and `usage.output_tokens_details.reasoning_tokens`
+counts its tokens (`ReasoningReplies.reasoning_tokens`); a reasoning item replayed in `input` (agents send an earlier
+turn's back) is taken and left out of the prompt. `reasoning.effort` reaches the chat template as a chat request's
+`reasoning_effort` does; `user`, `metadata`, `store`, `service_tier`, `include`, `prompt_cache_key`,
+`safety_identifier` and `stream_options` change nothing and are accepted. `top_logprobs` asks
 for each output text token's logprobs (its alternatives up to that many), as `include:
 ["message.output_text.logprobs"]` does with none.
 """
@@ -74,6 +77,17 @@ class FunctionCallItem(_Strict):
     status: str | None = None
 
 
+class ReasoningInputItem(_Strict):
+    """An earlier turn's reasoning item, replayed: taken, and left out of the prompt (module docstring)."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[Any] = []
+    content: list[Any] | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
+
+
 class FunctionCallOutputItem(_Strict):
     type: Literal["function_call_output"]
     call_id: str
@@ -93,10 +107,10 @@ def _item_kind(item: Any) -> str | None:
 
 InputItem = Annotated[
     Annotated[InputMessage, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")] | Annotated[ReasoningInputItem, Tag("reasoning")],
     Discriminator(_item_kind, custom_error_type="input_item_type", custom_error_message=(
-        "Input should be a message ({'role', 'content'}), a function_call or a function_call_output item (this "
-        "server stores nothing and runs no built-in tools)"))]
+        "Input should be a message ({'role', 'content'}), a function_call, a function_call_output or a reasoning "
+        "item (this server stores nothing and runs no built-in tools)"))]
 
 
 class FunctionTool(_Strict):
@@ -261,6 +275,8 @@ class ResponsesTurn:
                 self.call_sources[len(out) - 1, len(calls)] = where
                 calls.append({"id": item.call_id, "type": "function",
                               "function": {"name": item.name, "arguments": item.arguments}})
+            elif isinstance(item, ReasoningInputItem):
+                continue  # (no part of the prompt: module docstring)
             elif isinstance(item, FunctionCallOutputItem):
                 content = item.output if isinstance(item.output, str) else _parts(item.output)
                 out.append({"role": "tool", "tool_call_id": item.call_id, "content": content})
@@ -339,10 +355,12 @@ class ResponsesTurn:
             "truncation": "disabled", "user": req.user, "usage": usage}
 
     def output(self, message: dict[str, Any], logprobs: list[dict[str, Any]], status: str) -> list[dict[str, Any]]:
-        """The output items of a finished chat message (`ToolPlan.message`'s, or plain text): its text as a message
-        item (unless it is only tool calls), then a function_call item per call; the last one ends with `status`."""
+        """The output items of a finished chat message (`ToolPlan.message`'s, or plain text): its reasoning as a
+        reasoning item (with --reasoning-parser), its text as a message item (unless it is only tool calls), then a
+        function_call item per call; the last one ends with `status`."""
         calls = message.get("tool_calls") or []
-        items = []
+        items = [reasoning_item(new_item_id("rs"), message["reasoning"], "completed")] if message.get("reasoning") \
+            else []
         if message.get("content") or not calls:
             items.append(message_item(new_item_id("msg"), message.get("content") or "", logprobs, "completed"))
         items += [function_call_item(new_item_id("fc"), c["id"], c["function"]["name"], c["function"]["arguments"],
@@ -351,11 +369,12 @@ class ResponsesTurn:
         return items
 
 
-def response_usage(usage: dict[str, Any]) -> dict[str, Any]:
+def response_usage(usage: dict[str, Any], reasoning_tokens: int = 0) -> dict[str, Any]:
     """A chat usage (`responses.usage_body`) in the Responses shape, its loop counts kept."""
     return {"input_tokens": usage["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
-            "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": usage["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": usage["total_tokens"], "loops": usage["loops"], "prefill_loops": usage["prefill_loops"]}
 
 
@@ -373,17 +392,35 @@ def message_item(item_id: str, text: str | None, logprobs: list[dict[str, Any]],
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
+def reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    """A reasoning output item; `text` None: one just opened in a stream, without its part yet."""
+    content = [] if text is None else [reasoning_part(text)]
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
+
+
+def reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
+
+
 def function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
     return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
             "status": status}
 
 
+def _part_event(item: dict[str, Any], what: str) -> str:
+    """The type of the event that adds (or finishes) an item's content part: vLLM's reasoning_part events for a
+    reasoning item's text, content_part ones for a message's."""
+    return f"response.{'reasoning' if item['type'] == 'reasoning' else 'content'}_part.{what}"
+
+
 class ResponseEvents:
     """A streamed response's events (`event: <type>` and its JSON, `sequence_number` counting from 0), fed the chat
     path's stream deltas (`delta`): response.created and response.in_progress, then per output item its
-    output_item.added, its text's content_part.added and output_text.delta events (a function call's
-    function_call_arguments.delta events), and, once the next item starts or the response ends, its
-    output_text.done and content_part.done (function_call_arguments.done) and output_item.done; last
+    output_item.added, its text's content_part.added and output_text.delta events (a reasoning item's
+    reasoning_part.added and reasoning_text.delta, as vLLM names them; a function call's
+    function_call_arguments.delta events), and, once the next item starts or the response ends, its output_text.done
+    and content_part.done (reasoning_text.done and reasoning_part.done; function_call_arguments.done) and
+    output_item.done; last
     response.completed with the whole response, which the items' done events build up, status and usage included
     (an incomplete response too: clients wait for response.completed)."""
 
@@ -414,17 +451,25 @@ class ResponseEvents:
 
     def open_message(self) -> list[str]:
         """A message item and its text part, started."""
-        out = self.add(message_item(new_item_id("msg"), None, [], "in_progress"))
-        part = text_part("", [])
-        self.items[-1]["content"].append(part)
-        return [*out, self.event("response.content_part.added", **self.where(), content_index=0, part=part)]
+        return self.open_part(message_item(new_item_id("msg"), None, [], "in_progress"), text_part("", []))
+
+    def open_part(self, item: dict[str, Any], part: dict[str, Any]) -> list[str]:
+        """An item with one content part (a message's text, a reasoning item's), started."""
+        out = self.add(item)
+        item["content"].append(part)
+        return [*out, self.event(_part_event(item, "added"), **self.where(), content_index=0, part=part)]
 
     def delta(self, delta: dict[str, Any], logprobs: list[dict[str, Any]]) -> list[str]:
         """The events of one chat stream delta: its text (with its tokens' `logprobs`), or its tool calls' starts
         and argument pieces."""
         out: list[str] = []
-        text = delta.get("content")
-        self.held += logprobs
+        text, reasoning = delta.get("content"), delta.get("reasoning")
+        self.held += logprobs  # (a reasoning item has no logprobs: its tokens' go with the message's first text)
+        if reasoning:
+            if not (self.open and self.items[-1]["type"] == "reasoning"):
+                out += self.open_part(reasoning_item(new_item_id("rs"), None, "in_progress"), reasoning_part(""))
+            self.items[-1]["content"][0]["text"] += reasoning
+            out.append(self.event("response.reasoning_text.delta", **self.where(), content_index=0, delta=reasoning))
         if text:
             if not (self.open and self.items[-1]["type"] == "message"):
                 out += self.open_message()
@@ -453,11 +498,12 @@ class ResponseEvents:
         item = self.items[-1]
         item["status"] = status
         out = []
-        if item["type"] == "message":
+        if item["type"] != "function_call":
             part = item["content"][0]
             out += [self.event("response.output_text.done", **self.where(), content_index=0, text=part["text"],
-                               logprobs=part["logprobs"]),
-                    self.event("response.content_part.done", **self.where(), content_index=0, part=part)]
+                               logprobs=part["logprobs"]) if item["type"] == "message" else
+                    self.event("response.reasoning_text.done", **self.where(), content_index=0, text=part["text"]),
+                    self.event(_part_event(item, "done"), **self.where(), content_index=0, part=part)]
         else:
             out.append(self.event("response.function_call_arguments.done", **self.where(), name=item["name"],
                                   arguments=item["arguments"]))
@@ -467,7 +513,7 @@ class ResponseEvents:
         """The last events: the open item's done ones (an empty message if nothing was generated as text or calls,
         as a whole response has one), and response.completed."""
         status = response_status(finish_reason)
-        out = [] if self.items else self.open_message()
+        out = [] if any(i["type"] != "reasoning" for i in self.items) else self.open_message()
         if self.held and self.items[-1]["type"] == "message":  # (tokens whose text never came out)
             self.items[-1]["content"][0]["logprobs"] += self.held
         out += self.close(status)

@@ -34,7 +34,7 @@ from loopserve.serve.responses import ChoiceStream
 from loopserve.serve.structured import ToolEvent, ToolListScanner, tool_call_entries
 
 
-def _tag_start(text: str, tag: str) -> int:
+def tag_start(text: str, tag: str) -> int:
     """The length of the longest end of `text` that begins `tag` (without being all of it): held back until the next
     piece says whether the tag goes on."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
@@ -74,7 +74,7 @@ class HermesParser:
             if self.in_block:  # up to its end tag
                 end = text.find(self.END)
                 if end < 0:
-                    keep = _tag_start(text, self.END)
+                    keep = tag_start(text, self.END)
                     self._block_text(text[:len(text) - keep], events)
                     self.pending = text[len(text) - keep:]
                     break
@@ -84,7 +84,7 @@ class HermesParser:
                 continue
             start = text.find(self.START)
             if start < 0:
-                keep = _tag_start(text, self.START)
+                keep = tag_start(text, self.START)
                 if not self.started:
                     content.append(text[:len(text) - keep])
                 self.pending = text[len(text) - keep:]
