@@ -303,7 +303,7 @@ def test_a_client_that_leaves_mid_stream_frees_its_request(server):
 @pytest.mark.parametrize(("body", "param"), [
     ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": "x", "background": True}, "background"),
-    ({"input": "x", "truncation": "auto"}, "truncation"),
+    ({"input": "x", "truncation": "none"}, "truncation"),
     ({}, "input"),
     ({"input": []}, "input"),
     ({"input": 5}, "input"),
@@ -321,7 +321,9 @@ def test_a_client_that_leaves_mid_stream_frees_its_request(server):
     ({"input": "x", "top_p": "high"}, "top_p"),
     ({"input": "x", "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type"),
-    ({"input": "x", "tools": [WEATHER]}, "tool_choice"),  # "auto": no parser of the model's calls
+    ({"input": "x", "top_k": "many"}, "top_k"),  # (vLLM's fields, checked as the chat request's)
+    ({"input": "x", "repetition_penalty": -1}, "repetition_penalty"),
+    ({"input": "x", "cache_salt": ""}, "cache_salt"),
     ({"input": "x", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),
     ({"input": "x", "tools": [{**WEATHER, "parameters": {"type": "string"}}], "tool_choice": "required"},
      "tools.0.parameters"),
@@ -337,6 +339,49 @@ def test_bad_input_is_a_400_naming_the_field(server, body, param):
     error = r.json()["error"]
     assert error["param"] == param and error["message"].startswith(param + ":"), error
     assert error["type"] == "BadRequestError" and error["code"] == 400
+
+
+def test_vllms_sampling_fields_are_the_chat_routes(client):
+    """vLLM's fields of a Responses body beside OpenAI's (stop, top_k, repetition_penalty, logit_bias, ...) run as the
+    chat route's (they were dropped as unknown: a `stop` came back unstopped)."""
+    plain = client.responses.create(model=MODEL, input="Hello there", max_output_tokens=12, **GREEDY)
+    stop = plain.output_text[3:5]
+    r = client.responses.create(model=MODEL, input="Hello there", max_output_tokens=12, **GREEDY,
+                                extra_body={"stop": [stop]})
+    assert r.output_text == plain.output_text[:plain.output_text.index(stop)] and r.status == "completed"
+    extras = {"top_k": 5, "repetition_penalty": 1.5, "logit_bias": {"7": -100}, "ignore_eos": True, "stop": [stop]}
+    r = client.responses.create(model=MODEL, input="Hello there", max_output_tokens=12, **GREEDY, extra_body=extras)
+    _same_as_chat(r, _chat(client, [{"role": "user", "content": "Hello there"}], 12, extra_body=extras))
+    assert r.output_text != plain.output_text
+
+
+def test_tools_with_auto_and_no_parser_are_text(client):
+    """tool_choice "auto" (the default with tools) on a server without --enable-auto-tool-choice: text, as vLLM's
+    Responses route answers without a parser (its chat route refuses it: so does this one's), the tools still in
+    the prompt."""
+    weather = WEATHER  # (the Responses API's flat shape)
+    for choice in ({}, {"tool_choice": "auto"}):
+        r = client.responses.create(model=MODEL, input="Weather?", tools=[weather], max_output_tokens=6, **GREEDY,
+                                    **choice)
+        none = client.responses.create(model=MODEL, input="Weather?", tools=[weather], tool_choice="none",
+                                       max_output_tokens=6, **GREEDY)
+        assert [o.type for o in r.output] == ["message"] and r.output_text == none.output_text
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather?"}], max_tokens=6,
+                                       tools=[{"type": "function", "function": {k: v for k, v in weather.items()
+                                                                                if k != "type"}}])
+
+
+def test_a_body_request_id_names_the_response(server):
+    """vLLM's `request_id` of a Responses body: its id as given where it has the resp_ prefix (was resp_resp_...),
+    prefixed where not; `truncation: "auto"` is taken (nothing needs dropping here); usage carries the client type's
+    cache_write_tokens."""
+    for given, rid in (("resp_mine", "resp_mine"), ("mine", "resp_mine")):
+        r = server.post("/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 2, "request_id": given,
+                                          "truncation": "auto"})
+        assert r.status_code == 200 and r.json()["id"] == rid and r.headers["x-request-id"] == given, r.text
+        assert r.json()["usage"]["input_tokens_details"] == {"cached_tokens": r.json()["usage"][
+            "input_tokens_details"]["cached_tokens"], "cache_write_tokens": 0}
 
 
 def test_previous_response_id_is_refused_through_the_client(client):

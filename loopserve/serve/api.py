@@ -891,7 +891,7 @@ class OpenAIServing:
         and collected or streamed as a chat request is; its errors name the fields as this request gave them."""
         arrival = time.monotonic()
         req: ResponsesRequest = await self.read(request, lambda body: parse_body(ResponsesRequest, body))
-        turn = ResponsesTurn(req)
+        turn = ResponsesTurn(req, auto_tools=self.auto_tools is not None)
         with turn.fields():
             gen = await self.build(functools.partial(self.chat, kind=RESPONSES), request, turn.chat, arrival)
             gen.turn, gen.prompt_fields = turn, ["input"]  # (what an error the engine finds later names)
@@ -1078,7 +1078,9 @@ class OpenAIServing:
 
     def new_ids(self, request: Request, kind: _Kind, n: int) -> tuple[str, list[str]]:
         """The response id (from the request id) and the engine ids of its `n` sequences."""
-        cid = f"{kind.id_prefix}{request_id(request.scope)}"
+        rid = request_id(request.scope)
+        # (a Responses body's request_id may carry the prefix already, as vLLM's own ids do: it is taken as it is)
+        cid = rid if kind is RESPONSES and rid.startswith(kind.id_prefix) else f"{kind.id_prefix}{rid}"
         tag = next(self._http_requests)
         return cid, [f"{cid}-{tag}-{i}" for i in range(n)]
 

@@ -526,7 +526,7 @@ def parse_body(cls: type[BaseModel], body: bytes) -> Any:
         culprit = _json_culprit(body) if first["type"] == "json_invalid" else None
         if culprit is not None:
             raise ApiError(400, *culprit) from None
-        raise ApiError(400, *_describe(cls, e)) from None
+        raise ApiError(400, *describe(cls, e)) from None
     if hasattr(req, "check_unsupported"):
         req.check_unsupported()
     return req
@@ -594,7 +594,7 @@ LIST_ITEM = "list_item_type"  # a list's item of another type than the list's fi
 OTHER_PART = "content_part_type"  # a message's content part of another type than text's (`ChatMessage.content`)
 
 
-def _describe(cls: type[BaseModel], e: ValidationError) -> tuple[str, str | None]:
+def describe(cls: type[BaseModel], e: ValidationError) -> tuple[str, str | None]:
     errors = e.errors(include_url=False)
     first = errors[0]
     kind = first["type"]

@@ -6,17 +6,21 @@ renamed to the fields the request gave (`ResponsesTurn.renamed`), and the answer
 response object (`ResponsesTurn.response`) and, streamed, its events (`ResponseEvents`).
 
 What is refused, with a 400 naming the field: `previous_response_id`, `conversation`, `prompt` and `background:
-true` (nothing is stored: each request carries its whole conversation), `truncation: "auto"` (input is never dropped
-to fit the context), input items other than messages, function calls and their outputs and reasoning items (built-in
-tools, item references), and whatever the chat path refuses (tool_choice "auto" among them unless the server was
-started with --enable-auto-tool-choice: see serve/structured.py; with it, the calls the parser reads come back as
-function_call items, as a forced call's do). With the server's --reasoning-parser the reply's reasoning is a reasoning
+true` (nothing is stored: each request carries its whole conversation), input items other than messages, function
+calls and their outputs and reasoning items (built-in tools, item references), and whatever the chat path refuses.
+tool_choice "auto" (the default with tools) reads the model's calls where the server was started with
+--enable-auto-tool-choice (serve/structured.py: they come back as function_call items, as a forced call's do);
+without it the reply is text, the tools still in the prompt (vLLM's answer without a parser, where its chat route
+refuses "auto"). `truncation: "auto"` is taken but drops nothing: an input longer than the context is a 400 either
+way. vLLM's sampling fields beside OpenAI's (`CHAT_FIELDS`: stop, top_k, repetition_penalty, logit_bias, ...) pass
+to the chat request as they are, checked and named there; a body's `request_id` names the response (with the
+`resp_` prefix it lacks). With the server's --reasoning-parser the reply's reasoning is a reasoning
 item before the message (streamed: its reasoning_text events), and `usage.output_tokens_details.reasoning_tokens`
 counts its tokens (`ReasoningReplies.reasoning_tokens`); a reasoning item replayed in `input` (agents send an earlier
 turn's back) is taken and left out of the prompt. `reasoning.effort` reaches the chat template as a chat request's
-`reasoning_effort` does; `user`, `metadata`, `store`, `service_tier`, `include`, `prompt_cache_key`,
-`safety_identifier` and `stream_options` change nothing and are accepted. `top_logprobs` asks
-for each output text token's logprobs (its alternatives up to that many), as `include:
+`reasoning_effort` does; `user`, `metadata`, `store`, `service_tier`, `prompt_cache_key`, `safety_identifier`,
+`max_tool_calls` and `stream_options` change nothing and are accepted (so does `include`, but for the logprobs
+below). `top_logprobs` asks for each output text token's logprobs (its alternatives up to that many), as `include:
 ["message.output_text.logprobs"]` does with none.
 """
 
@@ -29,7 +33,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag, field_validator
+from pydantic import Discriminator, Field, Tag, ValidationError, field_validator
 
 from loopserve.sampling_params import SamplingParams
 from loopserve.serve.protocol import (
@@ -39,6 +43,7 @@ from loopserve.serve.protocol import (
     RefusalPart,
     TextPart,
     _Strict,
+    describe,
     text_parts_only,
 )
 from loopserve.serve.responses import sse
@@ -168,6 +173,19 @@ class ResponsesRequest(_Strict):
     # vLLM's extension, as in a chat request (serve/structured.py): options for the grammar of text.format or a forced
     # tool call (`{"disable_any_whitespace": true}`), or a grammar of its own
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's further fields of this body (`CHAT_FIELDS`), the chat request's own: their types are checked there
+    stop: Any = None
+    top_k: Any = None
+    repetition_penalty: Any = None
+    logit_bias: Any = None
+    ignore_eos: Any = None
+    skip_special_tokens: Any = None
+    include_stop_str_in_output: Any = None
+    priority: Any = None
+    cache_salt: Any = None
+    vllm_xargs: Any = None
+    request_id: str | None = None  # (names the response: serve/api.py `name_request`)
+    max_tool_calls: int | None = None  # (vLLM's for built-in tools' calls: none run here)
     # refused unless they ask for nothing (module docstring)
     previous_response_id: str | None = None
     conversation: Any = None
@@ -191,9 +209,6 @@ class ResponsesRequest(_Strict):
         if self.background:
             raise ApiError(400, "background: not supported: this server stores no responses to fetch later; "
                                 "only false is taken", "background")
-        if self.truncation == "auto":
-            raise ApiError(400, "truncation: only 'disabled' is taken (this server never drops input items to fit "
-                                "the context)", "truncation")
         fmt = self.text.format if self.text is not None else None
         if fmt is not None and fmt.type == "json_schema" and fmt.name is None:
             raise ApiError(400, "text.format.name: field required for type json_schema", "text.format.name")
@@ -201,6 +216,11 @@ class ResponsesRequest(_Strict):
     @property
     def logprobs(self) -> bool:
         return self.top_logprobs is not None or LOGPROBS_INCLUDE in (self.include or ())
+
+
+# vLLM's fields of a Responses body that a chat request has under the same name (`ResponsesRequest`)
+CHAT_FIELDS = ("stop", "top_k", "repetition_penalty", "logit_bias", "ignore_eos", "skip_special_tokens",
+               "include_stop_str_in_output", "priority", "cache_salt", "vllm_xargs")
 
 
 def _parts(parts: list[OutputTextPart] | list[OutputTextPart | RefusalPart]) -> list[dict[str, Any]]:
@@ -216,9 +236,11 @@ def new_item_id(prefix: str) -> str:
 class ResponsesTurn:
     """A Responses request and the chat request it runs as; `sources`: per chat message, the request field it came
     from ("instructions", "input", "input.3"), and per (message, tool call) the function_call item it came from, so
-    that an error the chat path raises names the field as this request gave it (`renamed`)."""
+    that an error the chat path raises names the field as this request gave it (`renamed`). `auto_tools`: whether
+    the server reads tool_choice "auto"'s calls (--enable-auto-tool-choice); else "auto" asks for text."""
 
     req: ResponsesRequest
+    auto_tools: bool = True
     chat: ChatCompletionRequest = field(init=False)
     sources: list[str] = field(default_factory=list)
     call_sources: dict[tuple[int, int], str] = field(default_factory=dict)
@@ -241,14 +263,19 @@ class ResponsesTurn:
         if req.tools is not None:
             body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                              for t in req.tools]
+        body |= {name: getattr(req, name) for name in CHAT_FIELDS}
         body = {k: v for k, v in body.items() if v is not None}
         if "tool_choice" in req.model_fields_set:  # (an explicit null too: the chat path tells it from none given)
             choice = req.tool_choice
             body["tool_choice"] = choice if not isinstance(choice, FunctionChoice) else {
                 "type": "function", "function": {"name": choice.name}}
-        # (types were checked as the Responses body's: the chat request's own rules run as they do for a chat body)
-        self.chat = ChatCompletionRequest.model_validate(body)
+        if not self.auto_tools and req.tools and body.get("tool_choice", "auto") == "auto":
+            body["tool_choice"] = "none"  # (text: vLLM's reply without a tool parser)
         with self.fields():
+            try:  # (the Responses body's own fields were checked already; CHAT_FIELDS are checked here)
+                self.chat = ChatCompletionRequest.model_validate(body)
+            except ValidationError as e:
+                raise ApiError(400, *describe(ChatCompletionRequest, e)) from None
             self.chat.check_unsupported()
 
     def messages(self) -> list[dict[str, Any]]:
@@ -372,7 +399,9 @@ class ResponsesTurn:
 def response_usage(usage: dict[str, Any], reasoning_tokens: int = 0) -> dict[str, Any]:
     """A chat usage (`responses.usage_body`) in the Responses shape, its loop counts kept."""
     return {"input_tokens": usage["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
+            # (cache_write_tokens: the openai client's type requires it; no provider cache is written here)
+            "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+                                     "cache_write_tokens": 0},
             "output_tokens": usage["completion_tokens"],
             "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": usage["total_tokens"], "loops": usage["loops"], "prefill_loops": usage["prefill_loops"]}
