@@ -166,6 +166,27 @@ def test_responses_auto_gives_function_call_items(server, client):
     assert [o.type for o in with_choice.output] == ["message", "function_call", "function_call"]
 
 
+def test_tags_that_are_special_tokens_reach_the_parser(tmp_path):
+    """A tokenizer that marks <tool_call> and </tool_call> special (as some models' do): "auto" keeps special tokens
+    in the text it reads (vLLM's rule), so the calls are found (they came back as text without their tags)."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as Raw
+
+    model = make_tiny(tmp_path / "model", TinySpec(arch="ouro", seed=1, vocab_size=560))
+    tok = Raw.from_file(str(model / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<tool_call>", "</tool_call>")])
+    tok.save(str(model / "tokenizer.json"))
+    start, end = tok.token_to_id("<tool_call>"), tok.token_to_id("</tool_call>")
+    call = '{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}'
+    grammar = f"start: <[{start}]> {json.dumps(call)} <[{end}]>"
+    with run_server(model, tmp_path / "server.log", "--kv-cache-tokens", "4096", "--enable-auto-tool-choice",
+                    "--tool-call-parser", "hermes", chat_template=TEMPLATE) as server:
+        r = _chat(server.client(), max_tokens=200, extra_body={"structured_outputs": {"grammar": grammar}})
+    (c,) = r.choices
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls] == CALLS[:1]
+
+
 def test_a_forced_call_still_refuses_another_grammar(server):
     r = server.post("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "tools": [WEATHER],
                                              "tool_choice": "required", **_forcing("x")})

@@ -366,6 +366,8 @@ def test_tools_with_auto_and_no_parser_are_text(client):
         none = client.responses.create(model=MODEL, input="Weather?", tools=[weather], tool_choice="none",
                                        max_output_tokens=6, **GREEDY)
         assert [o.type for o in r.output] == ["message"] and r.output_text == none.output_text
+    r = client.responses.create(model=MODEL, input="Weather?", tool_choice="auto", max_output_tokens=6, **GREEDY)
+    assert [o.type for o in r.output] == ["message"] and r.tool_choice == "auto"  # ("auto" with no tools: text)
     with pytest.raises(openai.BadRequestError, match="tool_choice"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather?"}], max_tokens=6,
                                        tools=[{"type": "function", "function": {k: v for k, v in weather.items()
@@ -380,6 +382,7 @@ def test_a_body_request_id_names_the_response(server):
         r = server.post("/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 2, "request_id": given,
                                           "truncation": "auto"})
         assert r.status_code == 200 and r.json()["id"] == rid and r.headers["x-request-id"] == given, r.text
+        assert r.json()["truncation"] == "auto"
         assert r.json()["usage"]["input_tokens_details"] == {"cached_tokens": r.json()["usage"][
             "input_tokens_details"]["cached_tokens"], "cache_write_tokens": 0}
 

@@ -79,6 +79,13 @@ def test_a_bad_block_after_a_good_one_makes_the_whole_text_content():
     assert _whole(text) == (text, [], "stop")
 
 
+def test_a_block_of_another_format_is_text_not_a_call_without_its_arguments():
+    """{"name", "parameters"} (another format's keys): text, as vLLM's hermes answers it (it was a call with
+    arguments {}, the model's arguments lost)."""
+    text = '<tool_call>{"name": "f", "parameters": {"a": 1}}</tool_call>'
+    assert _whole(text) == (text, [], "stop")
+
+
 @pytest.mark.parametrize("text", TEXTS)
 def test_every_split_in_two_and_three_streams_the_whole_parse(text):
     content, calls, finish = _whole(text)

@@ -344,6 +344,11 @@ def _shut_down(e: EngineStoppedError) -> ApiError:
     return ApiError(503, str(e), headers={"Retry-After": str(SHUTDOWN_RETRY_AFTER_S)})
 
 
+def _content_logprobs(choice: dict[str, Any]) -> list[dict[str, Any]]:
+    """A chat choice's (or delta's) token logprobs, [] where it has none: what a Responses text part carries."""
+    return choice["logprobs"]["content"] if choice["logprobs"] is not None else []
+
+
 def _refuse_beam_grammar(field: str | None) -> None:
     """A 400 naming the grammar field (or `tool_choice`, for a forced tool call) of a `use_beam_search` request."""
     if field is not None:
@@ -910,7 +915,7 @@ class OpenAIServing:
         c = out.outputs[0]
         choice = self.choice(gen, 0, out, c, ChoiceStream())
         status = response_status(c.finish_reason)
-        logprobs = choice["logprobs"]["content"] if choice["logprobs"] is not None else []
+        logprobs = _content_logprobs(choice)
         return gen.turn.response(**self.response_head(gen), status=status,
                                  output=gen.turn.output(choice["message"], logprobs, status),
                                  usage=response_usage(usage_body([out], len(c.token_ids)),
@@ -932,7 +937,7 @@ class OpenAIServing:
                 for c in out.outputs:
                     ids += c.token_ids
                     choice = self.choice(gen, i, out, c, sent[0, 0], True)
-                    logprobs = choice["logprobs"]["content"] if choice["logprobs"] is not None else []
+                    logprobs = _content_logprobs(choice)
                     for event in events.delta(choice["delta"], logprobs):
                         yield event
         usage = usage_body(list(latest.values()), sent[0, 0].tokens)
@@ -1360,6 +1365,8 @@ class OpenAIServing:
         one a Responses API request made."""
         self.check_capacity(1, req.n)
         guide, tools = chat_guide(req, self.auto_tools)
+        if isinstance(tools, AutoTools):  # the parser reads the tags, which some tokenizers mark special (vLLM's rule)
+            req.skip_special_tokens = False
         if req.use_beam_search and guide is not None:
             _refuse_beam_grammar("tool_choice" if isinstance(tools, ToolPlan) else guide_field(req))
         if req.use_beam_search and tools is not None:  # (a beam's text is not read for calls)

@@ -269,8 +269,10 @@ class ResponsesTurn:
             choice = req.tool_choice
             body["tool_choice"] = choice if not isinstance(choice, FunctionChoice) else {
                 "type": "function", "function": {"name": choice.name}}
-        if not self.auto_tools and req.tools and body.get("tool_choice", "auto") == "auto":
-            body["tool_choice"] = "none"  # (text: vLLM's reply without a tool parser)
+        if body.get("tool_choice", "auto") == "auto" and not (self.auto_tools and req.tools):
+            # text: vLLM's Responses reply without a tool parser, or without tools ("auto" is this API's default
+            # whatever the tools, and every response says it back)
+            body["tool_choice"] = "none"
         with self.fields():
             try:  # (the Responses body's own fields were checked already; CHAT_FIELDS are checked here)
                 self.chat = ChatCompletionRequest.model_validate(body)
@@ -379,12 +381,12 @@ class ResponsesTurn:
             "tool_choice": (req.tool_choice if isinstance(req.tool_choice, str) else req.tool_choice.model_dump())
             if req.tool_choice is not None else "auto",
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
-            "truncation": "disabled", "user": req.user, "usage": usage}
+            "truncation": req.truncation or "disabled", "user": req.user, "usage": usage}
 
     def output(self, message: dict[str, Any], logprobs: list[dict[str, Any]], status: str) -> list[dict[str, Any]]:
-        """The output items of a finished chat message (`ToolPlan.message`'s, or plain text): its reasoning as a
-        reasoning item (with --reasoning-parser), its text as a message item (unless it is only tool calls), then a
-        function_call item per call; the last one ends with `status`."""
+        """The output items of a finished chat message (`ToolPlan.message`'s, `AutoTools.message`'s, or plain text):
+        its reasoning as a reasoning item (with --reasoning-parser), its text as a message item (unless it is only
+        tool calls), then a function_call item per call; the last one ends with `status`."""
         calls = message.get("tool_calls") or []
         items = [reasoning_item(new_item_id("rs"), message["reasoning"], "completed")] if message.get("reasoning") \
             else []

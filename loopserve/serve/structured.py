@@ -443,9 +443,10 @@ def _arguments_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def tool_plan(req: Any, auto: AutoTools | None = None) -> ToolPlan | AutoTools | None:
-    """The tool calls a chat request forces, or `auto` where it lets the model call (tool_choice "auto"; None: the
-    server has no --tool-call-parser) (None: it generates text). Raises ApiError for what is not supported ("auto"
-    without a parser) or inconsistent (a named function that is not among the tools)."""
+    """How a chat request's output becomes tool calls: a `ToolPlan` where it forces them, `auto` (the server's parser,
+    None if it has none) where it lets the model call (tool_choice "auto"), None where it generates text. Raises
+    ApiError for what is not supported ("auto" without a parser) or inconsistent (a named function that is not among
+    the tools)."""
     choice, tools = req.tool_choice, req.tools or []
     seen: set[str] = set()  # (a set: a body may list tens of thousands of tools)
     for i, t in enumerate(tools):

@@ -8,7 +8,8 @@ The Hermes format (Hermes 2 Pro and 3, Qwen 2.5 and 3, ...): text, then calls, e
 answers a whole output: the message's content is the text before the first <tool_call> (None if empty), each block
 a call (an id in the chat path's form, its name, and its arguments as JSON text) and finish_reason "tool_calls"; a
 last block left open (the output ended in it) is read as one too; a block that is not a JSON object with a string
-"name" leaves no calls and the whole text as content, with the engine's finish reason. Unlike vLLM's, a call's
+"name" (and no keys but "name" and "arguments") leaves no calls and the whole text as content, with the engine's
+finish reason. Unlike vLLM's, a call's
 arguments are the raw text of its "arguments" value, as "required"'s are (vLLM re-serializes them: the same text for
 the `json.dumps` spacing such models write), and a call without "arguments" has {} (OpenAI's reading; vLLM drops
 the whole parse); text after the first block, between or after blocks, is dropped (vLLM's whole parse drops it,
@@ -19,8 +20,11 @@ content as it comes until a <tool_call> starts (a piece's tail that could be the
 next piece says; a tag split across pieces never shows as content), then per call its index, id and name once the
 name's string is complete, then its arguments in pieces as they come (`structured.ToolListScanner`, one per block).
 A stream cannot take back what it sent: if no call was named by the end, the text from the first <tool_call> on is
-sent as content (as the whole answer has it); a later block that is not JSON leaves the calls sent (the whole answer
-would be text), and finish_reason is "tool_calls" once a call was named.
+sent as content (as the whole answer has it); once a call was named, finish_reason is "tool_calls" and the calls sent
+stay, where the whole answer, which reads every block as JSON at its end, would be text: a block found not to be a
+call only at its end (JSON broken after the name, text after the object, other keys, a "</tool_call>" inside a
+string, which ends the block there), or a block that is not JSON before a good one (whose call the stream sends).
+A model that writes well-formed blocks gets the same answer both ways.
 """
 
 from __future__ import annotations
@@ -137,7 +141,9 @@ class HermesParser:
             call = json.loads("".join(self.block))
         except ValueError:
             call = None
-        self.valid = self.valid and isinstance(call, dict) and isinstance(call.get("name"), str)
+        # (keys but these two: another format's call, {"name", "parameters"} say, whose arguments would be lost)
+        self.valid = self.valid and isinstance(call, dict) and isinstance(call.get("name"), str) \
+            and call.keys() <= {"name", "arguments"}
         self.in_block, self.scan, self.block = False, None, []
         self.named_before = self.calls
 
