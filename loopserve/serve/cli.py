@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import copy
 import errno
+import importlib
 import json
 import logging
 import math
@@ -85,6 +86,15 @@ class _OwnUsage(argparse.ArgumentParser):
         return namespace, extras
 
 
+def _parser_names(module: str, registry: str) -> str:
+    """The names of a parser registry of loopserve.serve (`module`.`registry`), for a flag's help. Without the serve
+    extra (the parsers' modules import pydantic) the parser is still built: `serve` then says which extra it needs."""
+    try:
+        return ", ".join(getattr(importlib.import_module(f"loopserve.serve.{module}"), registry))
+    except ImportError:
+        return "(install the [serve] extra)"
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, SSE, metrics)",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -128,20 +138,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="write logprobs' tokens as 'token_id:<id>' (vLLM's flag; a request's "
                         "return_tokens_as_token_ids wins)")
-    from loopserve.serve.tool_parsers import TOOL_PARSERS
-
     t = p.add_argument_group("tool calls in the model's own format (tool_choice 'auto'; vLLM's flags)")
     t.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=False,
                    help="answer tool_choice 'auto' (the default when a request gives tools) by letting the model "
                         "write calls in its own format, read by --tool-call-parser; off, 'auto' is a 400 ('none', "
                         "'required' and a named function work either way)")
     t.add_argument("--tool-call-parser", type=_unset_if_empty, default=None, metavar="NAME",
-                   help=f"the model's tool-call format: {', '.join(TOOL_PARSERS)} (with --enable-auto-tool-choice)")
-    from loopserve.serve.reasoning_parsers import REASONING_PARSERS
-
+                   help=f"the model's tool-call format: {_parser_names('tool_parsers', 'TOOL_PARSERS')} (with "
+                        "--enable-auto-tool-choice)")
     p.add_argument_group("reasoning of thinking models (vLLM's flag)").add_argument(
         "--reasoning-parser", type=_unset_if_empty, default=None, metavar="NAME",
-        help=f"the model's reasoning format, {', '.join(REASONING_PARSERS)}: a chat reply's reasoning "
+        help=f"the model's reasoning format, {_parser_names('reasoning_parsers', 'REASONING_PARSERS')}: a chat "
+             "reply's reasoning "
              "(<think>...</think>) comes back apart from its content, in the message's `reasoning` (a /v1/responses "
              "answer: a reasoning item); unset: the reply's text comes back whole")
     s = p.add_argument_group("server limits (--max-model-len and --gpu-memory-utilization: under model)")
