@@ -165,11 +165,12 @@ def test_instructions_are_a_system_message_first(client):
 
 
 def test_max_output_tokens_cut_is_incomplete(client):
-    r = client.responses.create(model=MODEL, input="Tell me a story", max_output_tokens=3, **GREEDY)
+    more = {"extra_body": {"ignore_eos": True}}  # (cut by max_output_tokens, not ended by the model)
+    r = client.responses.create(model=MODEL, input="Tell me a story", max_output_tokens=3, **GREEDY, **more)
     assert r.status == "incomplete" and r.incomplete_details is not None
     assert r.incomplete_details.reason == "max_output_tokens"
     assert r.usage.output_tokens == 3 and r.output[0].status == "incomplete"
-    full = client.responses.create(model=MODEL, input="Tell me a story", max_output_tokens=30, **GREEDY)
+    full = client.responses.create(model=MODEL, input="Tell me a story", max_output_tokens=30, **GREEDY, **more)
     assert full.output_text.startswith(r.output_text) and len(full.output_text) > len(r.output_text)
 
 
