@@ -240,7 +240,7 @@ class ResponsesTurn:
     the server reads tool_choice "auto"'s calls (--enable-auto-tool-choice); else "auto" asks for text."""
 
     req: ResponsesRequest
-    auto_tools: bool = True
+    auto_tools: bool
     chat: ChatCompletionRequest = field(init=False)
     sources: list[str] = field(default_factory=list)
     call_sources: dict[tuple[int, int], str] = field(default_factory=dict)
