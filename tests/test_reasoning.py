@@ -91,6 +91,9 @@ def test_replies_message_and_include_reasoning():
     assert message == {"role": "assistant", "content": "so", "tool_calls": [], "reasoning": "why"}
     message = ReasoningReplies(fmt, None, include=False).message(_output("why</think>so"), ChoiceStream())
     assert message["reasoning"] is None and message["content"] == "so"
+    for tools in (None, AutoTools(HermesParser)):  # all reasoning: content null, with "auto" tools too (it was "")
+        message = ReasoningReplies(fmt, None, tools=tools).message(_output("only thinking"), ChoiceStream())
+        assert message["content"] is None and message["reasoning"] == "only thinking"
 
 
 @pytest.mark.parametrize("text", [f"I should call f.</think>Sure. {CALL}", f"thinking about {CALL}, no end",

@@ -40,7 +40,15 @@ from schemathesis.checks import (
 
 from loopserve.sampling_params import MAX_EXIT_TRACE, MAX_STOP
 from loopserve.serve.api import GENERATION_PATHS, HEALTH_PATHS
-from loopserve.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_body, sampling_params
+from loopserve.serve.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_body,
+    parse_body,
+    sampling_params,
+)
+from loopserve.serve.responses import StreamFailed, _error_event_on_failure, sse
 from loopserve_lab.tiny import TinySpec, make_tiny
 from tests.server_helpers import MODEL, Server, run_server, sse_events, wait_idle
 
@@ -814,6 +822,31 @@ def test_engine_death_fails_in_flight_requests_and_exits_nonzero(long_path, laun
         assert time.monotonic() - t0 < 10
     assert rc == 1, log.read_text()
     assert "error: the engine failed" in log.read_text()
+
+
+@pytest.mark.parametrize("bad", ["unencodable", "raises"])
+def test_a_stream_that_fails_unexpectedly_ends_with_a_500_error_event_not_a_silent_cut(bad):
+    """A chunk no response can encode (a lone surrogate) or a bug raising inside a stream: its error event (500, as a
+    plain response's), then the cut (`StreamFailed`); it was a cut without a word, after the server's send loop
+    raised, with nothing for the client to read."""
+    async def content() -> Any:
+        yield sse({"a": 1})
+        if bad == "raises":
+            raise RuntimeError("a bug")
+        yield sse({"name": "\ud83d"})
+
+    async def read() -> tuple[list[bytes], StreamFailed]:
+        chunks: list[bytes] = []
+        with pytest.raises(StreamFailed) as failed:
+            async for chunk in _error_event_on_failure(content()):
+                chunks.append(chunk)
+        return chunks, failed.value
+
+    chunks, failed = asyncio.run(read())
+    name = "RuntimeError" if bad == "raises" else "UnicodeEncodeError"
+    assert chunks[0] == b'data: {"a": 1}\n\n' and failed.status == 500
+    assert json.loads(chunks[1].decode().removeprefix("data: ")) == error_body(500, f"internal error: {name}")
+    assert len(chunks) == 2
 
 
 @pytest.mark.parametrize("body, message", [

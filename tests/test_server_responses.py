@@ -333,6 +333,9 @@ def test_a_client_that_leaves_mid_stream_frees_its_request(server):
      "text.format.schema"),
     ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format.type"),
     ({"input": "x" * 20000}, "input"),  # longer than the context
+    # (it goes back in the X-Request-Id header: a newline in it dropped the connection after the answer was made)
+    ({"input": "x", "request_id": "a\nb"}, "request_id"),
+    ({"input": "x", "request_id": "r" * 129}, "request_id"),
 ])
 def test_bad_input_is_a_400_naming_the_field(server, body, param):
     r = server.post("/v1/responses", {"model": MODEL, **body})

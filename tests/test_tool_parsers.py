@@ -117,5 +117,23 @@ def test_an_unreadable_string_ends_the_blocks_calls_without_an_error():
     assert _streamed([text[:20], text[20:]]) == (text, [], "stop")
 
 
+def test_a_block_no_response_can_carry_or_python_cannot_read_is_text():
+    """A name with a lone surrogate escape (no response can encode it: a 500, and a stream cut without its error
+    event), nesting past Python's parser (RecursionError: a 500) and a repeated key (arguments whose texts joined
+    into no JSON, or a name read first where vLLM reads the last): the block is not a call, whole or streamed
+    where the stream can still say so."""
+    surrogate = '<tool_call>{"name": "\\ud83d", "arguments": {}}</tool_call>'
+    assert _whole(surrogate) == (surrogate, [], "stop")
+    assert _streamed([surrogate[:20], surrogate[20:]]) == (surrogate, [], "stop")
+    deep = '<tool_call>{"name": "f", "arguments": ' + "[" * 50_000 + "]" * 50_000 + "}</tool_call>"
+    assert _whole(deep) == (deep, [], "stop")
+    for repeated in ('<tool_call>{"name": "f", "arguments": {"a": 1}, "arguments": {"b": 2}}</tool_call>',
+                     '<tool_call>{"name": "f", "name": "g", "arguments": {}}</tool_call>'):
+        assert _whole(repeated) == (repeated, [], "stop")
+    # a stream that sent the call before the repeated key came: the first arguments only, still one JSON text
+    text = '<tool_call>{"name": "f", "arguments": {"a": 1}, "arguments": {"b": 2}}</tool_call>'
+    assert _streamed([text[:30], text[30:]]) == ("", [("f", '{"a": 1}')], "tool_calls")
+
+
 def test_the_registry_names_hermes():
     assert TOOL_PARSERS == {"hermes": HermesParser}

@@ -89,6 +89,14 @@ def usable_request_id(rid: str) -> bool:
     return 0 < len(rid) <= MAX_REQUEST_ID and all("!" <= c <= "~" for c in rid)
 
 
+def check_request_id(rid: str | None) -> None:
+    """A body's `request_id`, which names the response and goes back in the X-Request-Id header: a 400 naming it
+    unless `usable_request_id`."""
+    if rid is not None and not usable_request_id(rid):
+        raise ApiError(400, f"request_id: must be 1 to {MAX_REQUEST_ID} visible ASCII characters (it is sent back "
+                            "in the X-Request-Id header)", "request_id")
+
+
 SHUTTING_DOWN = "the server is shutting down"  # what a request refused or ended by a graceful shutdown is told
 SHUTDOWN_RETRY_AFTER_S = 5  # its Retry-After: another replica, or this server restarted, may take it by then
 
@@ -242,9 +250,7 @@ class _SamplingFields(_Strict):
         if self.logits_processors:
             raise ApiError(400, "logits_processors: this server loads no custom logits processors (vLLM runs only "
                                 "those it was started with); only an empty list is taken", "logits_processors")
-        if self.request_id is not None and not usable_request_id(self.request_id):
-            raise ApiError(400, f"request_id: must be 1 to {MAX_REQUEST_ID} visible ASCII characters (it is sent "
-                                "back in the X-Request-Id header)", "request_id")
+        check_request_id(self.request_id)
         if not self.use_beam_search and self.length_penalty is not None and self.length_penalty != 1:
             raise ApiError(400, f"length_penalty: only 1 is taken without use_beam_search (it scores beams), got "
                                 f"{self.length_penalty}", "length_penalty")

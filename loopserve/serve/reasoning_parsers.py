@@ -109,6 +109,8 @@ class ReasoningReplies:
         reasoning, content = self.split(c.text)
         if self.tools is not None:
             message = self.tools.message(dataclasses.replace(c, text=content or ""), sent)
+            if content is None:  # (all reasoning: no content, null as without tools; the parser reads "" as text)
+                message["content"] = None
         else:
             message = {"role": "assistant", "content": content, "tool_calls": []}
         return {**message, "reasoning": reasoning if self.include else None}

@@ -163,14 +163,23 @@ class StreamFailed(ApiError):
     broken chunked stream does not."""
 
 
-async def _error_event_on_failure(content: AsyncIterator[str]) -> AsyncIterator[str]:
-    """`content`, then, if it raises `StreamFailed`, its error event before the failure goes on to cut."""
+async def _error_event_on_failure(content: AsyncIterator[str]) -> AsyncIterator[bytes]:
+    """`content`, encoded here (so that a chunk which cannot be encoded fails in this stream, not in the server's
+    send loop), then, if it raises `StreamFailed`, its error event before the failure goes on to cut. Any other
+    exception is a bug the request triggered: logged with its traceback, and the stream ends as a failure does,
+    with a 500 error event (the status a plain response gets) and a cut, never a silent one (vLLM's streams also
+    end an unexpected error with an error event)."""
     try:
         async for chunk in content:
-            yield chunk
+            yield chunk.encode()
     except StreamFailed as e:
-        yield sse(e.body())
+        yield sse(e.body()).encode()
         raise
+    except Exception as e:
+        log.exception("stream failed")
+        failed = StreamFailed(500, f"internal error: {type(e).__name__}")
+        yield sse(failed.body()).encode()
+        raise failed from e
 
 
 class GroupStreamingResponse(StreamingResponse):

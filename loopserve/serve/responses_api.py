@@ -43,6 +43,7 @@ from loopserve.serve.protocol import (
     RefusalPart,
     TextPart,
     _Strict,
+    check_request_id,
     describe,
     text_parts_only,
 )
@@ -202,6 +203,7 @@ class ResponsesRequest(_Strict):
     stream_options: dict[str, Any] | None = None
 
     def check_unsupported(self) -> None:
+        check_request_id(self.request_id)
         for name in ("previous_response_id", "conversation", "prompt"):
             if getattr(self, name) is not None:
                 raise ApiError(400, f"{name}: not supported: this server stores no responses, conversations or "

@@ -193,7 +193,9 @@ class ToolListScanner:
     until the name is known). Calls are numbered in the order their names complete. A small state machine over
     JSON: strings (with escapes), the depth of objects and arrays, and, in an item (at `item_depth`), whether a
     key, its colon, its value or what follows is next. The text is assumed a prefix of JSON of that shape (the
-    grammar's promise; a parser of the model's own format catches the ValueError of a string it cannot read);
+    grammar's promise; a parser of the model's own format catches the ValueError of a string it cannot read, or of a
+    key or name no response can carry: a lone surrogate escape); a repeated parameters key's value is not read (the
+    first one's is the call's);
     `complete`: the list (or the object) is closed."""
 
     def __init__(self, item_depth: int = 2, arguments_key: str = "parameters") -> None:
@@ -209,6 +211,7 @@ class ToolListScanner:
         self.capture = False  # in the item's parameters value: its text goes to the call
         self.index: int | None = None  # the item's call index, once its name is complete
         self.held: list[str] = []  # the item's parameters text read before its name
+        self.has_arguments = False  # the item's parameters value began (a second one, a repeated key, is not read)
         self.calls = 0  # calls named so far
         self.complete = False  # the list is closed
 
@@ -243,8 +246,8 @@ class ToolListScanner:
                     self.capture = False
                     self._arguments(piece[start:k], events)
             if in_item and self.expect == "value" and c not in _WHITESPACE:  # a value starts
-                if self.key == self.arguments_key:
-                    self.capture, start = True, k
+                if self.key == self.arguments_key and not self.has_arguments:
+                    self.capture, self.has_arguments, start = True, True, k
                 if c == '"':
                     self.expect = "string"
                     if self.key == "name" and self.index is None:
@@ -262,6 +265,7 @@ class ToolListScanner:
             elif c in "{[":
                 if self.depth == self.item_depth - 1:  # an item starts
                     self.item, self.expect, self.key, self.index, self.held = c == "{", "key", None, None, []
+                    self.has_arguments = False
                 self.depth += 1
             elif c in "}]":
                 self.depth -= 1
@@ -282,6 +286,7 @@ class ToolListScanner:
         if self.token is not None:  # a key, or the name
             value = json.loads('"' + "".join(self.token) + piece[start:end] + '"')
             self.token = None
+            value.encode()  # (a lone surrogate escape, "\ud83d", cannot go into a response: UnicodeEncodeError)
             if self.expect == "key":
                 self.key, self.expect = value, "colon"
                 return

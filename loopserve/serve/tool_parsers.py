@@ -8,8 +8,9 @@ The Hermes format (Hermes 2 Pro and 3, Qwen 2.5 and 3, ...): text, then calls, e
 answers a whole output: the message's content is the text before the first <tool_call> (None if empty), each block
 a call (an id in the chat path's form, its name, and its arguments as JSON text) and finish_reason "tool_calls"; a
 last block left open (the output ended in it) is read as one too; a block that is not a JSON object with a string
-"name" (and no keys but "name" and "arguments") leaves no calls and the whole text as content, with the engine's
-finish reason. Unlike vLLM's, a call's
+"name" (and no keys but "name" and "arguments", none repeated, where vLLM reads a repeated key's last value; a name
+any response can carry, not a lone surrogate escape; nesting Python's parser reads) leaves no calls and the whole
+text as content, with the engine's finish reason. Unlike vLLM's, a call's
 arguments are the raw text of its "arguments" value, as "required"'s are (vLLM re-serializes them: the same text for
 the `json.dumps` spacing such models write), and a call without "arguments" has {} (OpenAI's reading; vLLM drops
 the whole parse); text after the first block, between or after blocks, is dropped (vLLM's whole parse drops it,
@@ -22,8 +23,9 @@ name's string is complete, then its arguments in pieces as they come (`structure
 A stream cannot take back what it sent: if no call was named by the end, the text from the first <tool_call> on is
 sent as content (as the whole answer has it); once a call was named, finish_reason is "tool_calls" and the calls sent
 stay, where the whole answer, which reads every block as JSON at its end, would be text: a block found not to be a
-call only at its end (JSON broken after the name, text after the object, other keys, a "</tool_call>" inside a
-string, which ends the block there), or a block that is not JSON before a good one (whose call the stream sends).
+call only at its end (JSON broken after the name, text before or after the object, other keys, a repeated key: the
+stream keeps the first arguments, nesting too deep, a "</tool_call>" inside a string, which ends the block there), or
+a block that is not JSON before a good one (whose call the stream sends).
 A model that writes well-formed blocks gets the same answer both ways.
 """
 
@@ -45,6 +47,32 @@ def tag_start(text: str, tag: str) -> int:
         if text.endswith(tag[:n]):
             return n
     return 0
+
+
+class _Pairs(list):
+    """A JSON object's (key, value) pairs in their order, repeated keys kept."""
+
+
+def _is_call(block: str) -> bool:
+    """Whether a block's text is a call: a JSON object with a string "name" any response can carry (no lone surrogate
+    escape) and no keys but "name" and "arguments", none repeated (a repeated key's value would be lost, or two
+    values' texts joined; keys but these two: another format's call, {"name", "parameters"} say, whose arguments would
+    be lost). Nesting too deep for Python's parser is not a call either (vLLM's parse reads any failure so)."""
+    try:
+        pairs = json.loads(block, object_pairs_hook=_Pairs)  # (the top-level object's pairs, as listed)
+    except (ValueError, RecursionError):
+        return False
+    if not isinstance(pairs, _Pairs):
+        return False
+    keys = [k for k, _ in pairs]
+    name = dict(pairs).get("name")
+    if len(set(keys)) != len(keys) or not set(keys) <= {"name", "arguments"} or not isinstance(name, str):
+        return False
+    try:
+        name.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class HermesParser:
@@ -137,13 +165,7 @@ class HermesParser:
         """The open block's end: a call named without arguments gets {}; the block must be a call."""
         if self.calls > self.named_before and not self.block_arguments:
             events.append((self.calls - 1, None, "{}"))
-        try:
-            call = json.loads("".join(self.block))
-        except ValueError:
-            call = None
-        # (keys but these two: another format's call, {"name", "parameters"} say, whose arguments would be lost)
-        self.valid = self.valid and isinstance(call, dict) and isinstance(call.get("name"), str) \
-            and call.keys() <= {"name", "arguments"}
+        self.valid = self.valid and _is_call("".join(self.block))
         self.in_block, self.scan, self.block = False, None, []
         self.named_before = self.calls
 
