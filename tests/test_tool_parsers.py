@@ -130,6 +130,9 @@ def test_a_block_no_response_can_carry_or_python_cannot_read_is_text():
     for repeated in ('<tool_call>{"name": "f", "arguments": {"a": 1}, "arguments": {"b": 2}}</tool_call>',
                      '<tool_call>{"name": "f", "name": "g", "arguments": {}}</tool_call>'):
         assert _whole(repeated) == (repeated, [], "stop")
+    long_int = '<tool_call>{"name": "f", "arguments": {"a": ' + "1" * 5000 + "}}</tool_call>"  # (JSON all the same)
+    assert _whole(long_int) == _streamed([long_int[:30], long_int[30:]]) == ("", [("f", '{"a": ' + "1" * 5000 + "}")],
+                                                                             "tool_calls")
     # a stream that sent the call before the repeated key came: the first arguments only, still one JSON text
     text = '<tool_call>{"name": "f", "arguments": {"a": 1}, "arguments": {"b": 2}}</tool_call>'
     assert _streamed([text[:30], text[30:]]) == ("", [("f", '{"a": 1}')], "tool_calls")

@@ -166,7 +166,7 @@ class StreamFailed(ApiError):
 async def _error_event_on_failure(content: AsyncIterator[str]) -> AsyncIterator[bytes]:
     """`content`, encoded here (so that a chunk which cannot be encoded fails in this stream, not in the server's
     send loop), then, if it raises `StreamFailed`, its error event before the failure goes on to cut. Any other
-    exception is a bug the request triggered: logged with its traceback, and the stream ends as a failure does,
+    exception is a bug the request triggered: the stream ends as a failure does (its traceback logged at the cut),
     with a 500 error event (the status a plain response gets) and a cut, never a silent one (vLLM's streams also
     end an unexpected error with an error event)."""
     try:
@@ -175,8 +175,7 @@ async def _error_event_on_failure(content: AsyncIterator[str]) -> AsyncIterator[
     except StreamFailed as e:
         yield sse(e.body()).encode()
         raise
-    except Exception as e:
-        log.exception("stream failed")
+    except Exception as e:  # (logged with its traceback where the cut is: `GroupStreamingResponse`)
         failed = StreamFailed(500, f"internal error: {type(e).__name__}")
         yield sse(failed.body()).encode()
         raise failed from e
@@ -200,8 +199,9 @@ class GroupStreamingResponse(StreamingResponse):
             # without the traceback an exception would log for what is an engine-side failure.
             # (a 4xx: the request's own input; 503: the server's shutdown, or an engine failure logged already: not an
             # error of the server's either way)
+            # (the traceback only of a bug inside the stream: `_error_event_on_failure` made it a StreamFailed from it)
             log.log(logging.WARNING if e.status < 500 or e.status == 503 else logging.ERROR, "%s: stream cut: %s",
-                    scope.get("path"), e)
+                    scope.get("path"), e, exc_info=e.__cause__ is not None)
             _STREAM_CUT.set(True)  # (this request's task: uvicorn logs its "without completing" line from it)
         finally:
             if self.group is not None:  # (None: nothing left running, a beam search's result)
