@@ -25,6 +25,7 @@ TEXTS = [
     'text <tool_call>{"name": "f", "arguments": {"x": 1}}',  # the output ended inside the block
     "text <tool_call>{not json}</tool_call>",
     'text <tool_call>{"arguments": {"x": 1}}</tool_call>',  # no name
+    '<tool_call>{"name": 5, "arguments": {}}</tool_call>',  # a name that is no string
     "<tool_call>",
 ]
 
@@ -75,8 +76,9 @@ def test_whole_parse_as_vllm_answers_it():
 
 
 def test_a_bad_block_after_a_good_one_makes_the_whole_text_content():
-    text = CALL + "<tool_call>oops</tool_call>"
-    assert _whole(text) == (text, [], "stop")
+    for bad in ("oops", '{"name": 5, "arguments": {}}'):
+        text = CALL + f"<tool_call>{bad}</tool_call>"
+        assert _whole(text) == (text, [], "stop")
 
 
 def test_a_block_of_another_format_is_text_not_a_call_without_its_arguments():

@@ -59,9 +59,9 @@ def _is_call(block: str) -> bool:
     values' texts joined; keys but these two: another format's call, {"name", "parameters"} say, whose arguments would
     be lost). Nesting too deep for Python's parser is not a call either (vLLM's parse reads any failure so)."""
     try:
-        # (the top-level object's pairs, as listed; integers kept as text: past 4,300 digits Python refuses to read
-        # one, where the arguments, passed on as their text, are JSON all the same)
-        pairs = json.loads(block, object_pairs_hook=_Pairs, parse_int=str)
+        # (the top-level object's pairs, as listed; integers read as floats: past 4,300 digits Python refuses to read
+        # an int, where the arguments, passed on as their text, are JSON all the same)
+        pairs = json.loads(block, object_pairs_hook=_Pairs, parse_int=float)
     except (ValueError, RecursionError):
         return False
     if not isinstance(pairs, _Pairs):
