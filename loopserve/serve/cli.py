@@ -23,6 +23,7 @@ import socket
 import ssl
 import stat
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -299,17 +300,20 @@ def _check_tool_parser(args: argparse.Namespace) -> str | None:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         return "--enable-auto-tool-choice: needs --tool-call-parser (the model's tool-call format: " \
                f"{', '.join(TOOL_PARSERS)})"
-    if args.tool_call_parser is not None and args.tool_call_parser not in TOOL_PARSERS:
-        return f"--tool-call-parser: no parser {args.tool_call_parser!r} (choose from {', '.join(TOOL_PARSERS)})"
-    return None
+    return _unknown_parser("--tool-call-parser", args.tool_call_parser, TOOL_PARSERS)
 
 
 def _check_reasoning_parser(args: argparse.Namespace) -> str | None:
     """What is wrong with --reasoning-parser: a parser must be one there is."""
     from loopserve.serve.reasoning_parsers import REASONING_PARSERS
 
-    if args.reasoning_parser is not None and args.reasoning_parser not in REASONING_PARSERS:
-        return f"--reasoning-parser: no parser {args.reasoning_parser!r} (choose from {', '.join(REASONING_PARSERS)})"
+    return _unknown_parser("--reasoning-parser", args.reasoning_parser, REASONING_PARSERS)
+
+
+def _unknown_parser(flag: str, name: str | None, registry: Mapping[str, Any]) -> str | None:
+    """`flag`'s error where it names a parser `registry` lacks."""
+    if name is not None and name not in registry:
+        return f"{flag}: no parser {name!r} (choose from {', '.join(registry)})"
     return None
 
 
