@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from loopserve import LLM, SamplingParams
 from loopserve.engine.reference import ReferenceDecoder
 from loopserve.engine.runner import WorkItem
+from loopserve.engine.sequence import Sequence
 from loopserve.sampling_params import RequestOutputKind
 from tests.engine_helpers import (
     Req,
@@ -123,10 +124,11 @@ def check_workload(path, state_init: str, cfg: dict, reqs: list[Req]) -> None:
         assert_matches(out, ref)
 
 
-def check_samples(engine, r: Req, out) -> None:
-    """A request of n > 1 samples: each equals the reference decoder run on it alone (an aborted or failed one
+def check_samples(engine, r: Req, out, drafting: bool = False) -> list[Sequence]:
+    """A request's samples (n >= 1): each equals the reference decoder run on it alone (an aborted or failed one
     is a prefix of it; a failure is the pool's, which cannot hold the samples together); the request's loops
-    are its samples' when none was cut short."""
+    are its samples' when none was cut short (unless `drafting`: speculative decoding's rejected verify rows ran
+    loops too). Returns the reference runs, in sample order."""
     dec = ReferenceDecoder(engine.model, engine.layout, engine.cfg.prefill_chunk_size)
     refs = [dec.run(s) for s in engine.make_sequence(r.rid, r.prompt, r.params, seed=r.seed).family]
     assert [c.index for c in out.outputs] == list(range(r.params.n))
@@ -138,8 +140,9 @@ def check_samples(engine, r: Req, out) -> None:
         elif c.finish_reason != "abort":
             assert (c.finish_reason, k, c.text) == (ref.finish_reason, len(ref.output_ids), ref.text)
             assert_logprobs_close(c.logprobs, ref.logprobs)
-    if all(c.finish_reason in ("stop", "length") for c in out.outputs):
+    if not drafting and all(c.finish_reason in ("stop", "length") for c in out.outputs):
         assert out.metrics.loops_run == sum(expected_loops(ref) for ref in refs)
+    return refs
 
 
 @HYP
