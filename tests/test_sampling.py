@@ -18,6 +18,7 @@ from loopserve.engine.sampler import (
     _sorted_nucleus,
     argmax_rows,
     filtered_probs,
+    finite_rows,
     nucleus,
     sample_batch,
     sample_one,
@@ -320,6 +321,26 @@ def test_non_finite_rows_are_flagged_not_sampled():
 def test_finite_rows_equals_isfinite_all(dtype):
     """The scaled-sum finiteness check flags exactly the rows `isfinite(...).all` flags, extremes included."""
     check_finite_rows(dtype)
+
+
+@settings(max_examples=150, deadline=None)
+@given(rows=st.integers(1, 9), vocab=st.integers(1, 300), dtype=st.sampled_from([torch.float32, torch.float64]),
+       bad=st.lists(st.tuples(st.integers(0, 8), st.integers(0, 299), st.sampled_from(["nan", "inf", "-inf"])),
+                    max_size=5),
+       view=st.sampled_from(["whole", "transposed", "every_other"]), seed=st.integers(0, 2**16))
+def test_finite_rows_any_shape_and_view(rows, vocab, dtype, bad, view, seed):
+    """The CPU's compiled finiteness pass flags exactly the rows `isfinite(...).all` flags, whatever the shape
+    (the vectorized body and its remainder), where a non-finite value lies, and however the logits are laid
+    out (a transposed copy, a strided slice), next to values near the dtype's largest."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, vocab, generator=g, dtype=torch.float64).to(dtype) * torch.finfo(dtype).max / 8
+    for i, j, v in bad:
+        x[i % rows, j % vocab] = float(v)
+    if view == "transposed":
+        x = x.t().contiguous().t()
+    elif view == "every_other":
+        x = x[:, ::2]
+    assert torch.equal(finite_rows(x), torch.isfinite(x).all(-1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

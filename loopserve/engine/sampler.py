@@ -51,6 +51,7 @@ import torch
 from loopserve.device import upload
 from loopserve.engine.grammar import apply_guides
 from loopserve.errors import GrammarLimitError, NonFiniteError
+from loopserve.jit import kernel
 from loopserve.random_streams import uniforms
 from loopserve.sampling_params import GUIDE_KINDS, SamplingParams
 
@@ -535,19 +536,34 @@ def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> dict[str
 
 
 def finite_rows(x: torch.Tensor) -> torch.Tensor:
-    """[B] bool: row i of `x` [B, V] holds no NaN or infinity, read off one matrix-vector product: the sum
-    of the row's values each scaled by 2^-k, where 2^k >= 2V. A power of two keeps NaN and infinities
-    as they are and brings the sum of V finite values under half the dtype's largest value, so in any
-    order of summation it cannot overflow: the sum is finite exactly when the row is. One vectorized
+    """[B] bool: row i of `x` [B, V] holds no NaN or infinity. On a device, read off one matrix-vector product:
+    the sum of the row's values each scaled by 2^-k, where 2^k >= 2V. A power of two keeps NaN and
+    infinities as they are and brings the sum of V finite values under half the dtype's largest value, so
+    in any order of summation it cannot overflow: the sum is finite exactly when the row is. One vectorized
     pass, no [B, V] temporary: on this CPU, float32 [256, 49152] takes 2.0 ms, where a float64 sum per
-    row took 51 ms and an `amax` with an `amin` 3.6 ms; at [8, 512] all are 8-17 us (docs/benchmarks.md
-    section 8.11). On the CPU in float32 or float64 by numpy, whose call overheads are a few times smaller
-    than torch's (float32 [82, 512]: 4 us against 15 us)."""
-    probe = _finite_probe(x.shape[-1], x.dtype, x.device)
+    row took 51 ms and an `amax` with an `amin` 3.6 ms (docs/benchmarks.md section 8.11). On the CPU, in
+    float32 or float64, one compiled pass (`_finite_pass`) instead: numpy's product went to OpenBLAS, whose
+    worker thread then spun on another core for milliseconds after each call (a core taken from the
+    server, and several ms of CPU counted in a tick), and it cost 5 us at [77, 512] float32 against 14
+    (docs/benchmarks.md section 8.49)."""
     if _numpy_can(x):
-        with np.errstate(invalid="ignore", over="ignore"):  # (a NaN or infinite row is what is asked about)
-            return torch.from_numpy(np.isfinite(x.numpy() @ probe.numpy()))
-    return torch.isfinite(x @ probe)
+        a = x.numpy()
+        out = np.empty(a.shape[0], np.bool_)
+        _finite_pass(a, out)
+        return torch.from_numpy(out)
+    return torch.isfinite(x @ _finite_probe(x.shape[-1], x.dtype, x.device))
+
+
+@kernel
+def _finite_pass(x: np.ndarray, out: np.ndarray) -> None:
+    """out[i]: row i of `x` is finite. v - v is 0 for a finite v and NaN for NaN or an infinity, so a row's
+    sum of them is 0 exactly when the row is finite (whatever order the vectorized sum takes)."""
+    zero = np.zeros(1, x.dtype)[0]  # (of the rows' dtype: a float64 zero would widen every term)
+    for i in range(x.shape[0]):
+        row, total = x[i], zero
+        for j in range(row.shape[0]):
+            total += row[j] - row[j]
+        out[i] = total == 0
 
 
 @functools.lru_cache(maxsize=16)
