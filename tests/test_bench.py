@@ -900,6 +900,8 @@ def test_bench_host_times_decode_ticks_of_a_null_model(bench_cache, single_threa
         assert {"core", "coda"} <= set(stages) and "prefill" not in stages
         assert all(s["host_cpu_us"] > 0 and s["tick_us"] > 0 for s in stages.values())
         assert all(0 < s["host_cpu_us_median"] < s["ticks"] * s["host_cpu_us"] for s in stages.values())
+        # the process clock is the engine thread's: no pool's workers spin beside it (docs/benchmarks.md §8.49)
+        assert all(abs(s["other_threads_us"]) < 0.5 * s["tick_cpu_us"] for s in stages.values())
         if sched == "cb":  # one cohort of `width` rows every tick, full depth: 4 core ticks per token
             assert stages["core"]["mean_rows"] == width and stages["core"]["ticks"] == 4 * stages["coda"]["ticks"]
         else:

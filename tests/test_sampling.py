@@ -4,6 +4,7 @@ behaviour of whole requests."""
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 import pytest
@@ -341,6 +342,19 @@ def test_finite_rows_any_shape_and_view(rows, vocab, dtype, bad, view, seed):
     elif view == "every_other":
         x = x[:, ::2]
     assert torch.equal(finite_rows(x), torch.isfinite(x).all(-1))
+
+
+def test_finite_rows_keeps_to_the_calling_thread():
+    """On the CPU the check is one compiled pass on the caller's thread: numpy's matrix-vector product had
+    woken OpenBLAS's worker threads, which shared the product and then spun for milliseconds after each call,
+    a core taken from everything else (docs/benchmarks.md section 8.49)."""
+    x = torch.randn(256, 4096)
+    finite_rows(x)
+    own, total = time.thread_time(), time.process_time()
+    for _ in range(100):
+        finite_rows(x)
+    own, total = time.thread_time() - own, time.process_time() - total
+    assert total - own < 0.2 * own + 0.001, (own, total)  # (other threads: OpenBLAS's had about 0.9 * own)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

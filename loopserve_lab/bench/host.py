@@ -13,7 +13,9 @@ Each point runs `width` requests with prompts of `context` tokens (CB: one cohor
 refill: the same requests, re-forming the batch every loop), skips the prefill ticks and times
 every decode tick (`engine.step()`), wall and process CPU clock, grouped by the stage the tick was
 planned for (a coda tick includes the preludes of the tokens it sampled, which CDB refill runs in
-the same tick).
+the same tick). The engine thread's own CPU clock is read too: what the process spent beyond it went to
+other threads (reported apart, "other threads"; it should be about zero: a library's thread pool that
+spins beside the engine costs a core and inflates the process clock).
 
 The projection of device idle (clearly a projection, nothing ran on a GPU) replays the measured run
 tick by tick: each tick's host time on this CPU against the roofline time its stage batches would take
@@ -118,6 +120,9 @@ class StageCost:
     rows: int = 0
     wall_s: float = 0.0
     cpu_s: float = 0.0
+    # the engine thread's own CPU time: the process clock less this is what other threads spent meanwhile (a
+    # BLAS pool's workers spinning after a call counted several ms a tick: docs/benchmarks.md §8.49)
+    thread_s: float = 0.0
     null_s: float = 0.0
     # each tick's host CPU seconds: the median is a steady tick's cost, where the mean also carries the ticks
     # in which requests finish (all of a CB cohort's in its last coda tick: their text, blocks, outputs)
@@ -127,6 +132,7 @@ class StageCost:
         n = max(self.ticks, 1)
         return {"ticks": self.ticks, "mean_rows": self.rows / n, "tick_us": 1e6 * self.wall_s / n,
                 "tick_cpu_us": 1e6 * self.cpu_s / n, "null_us": 1e6 * self.null_s / n,
+                "other_threads_us": 1e6 * (self.cpu_s - self.thread_s) / n,
                 "host_cpu_us": 1e6 * (self.cpu_s - self.null_s) / n,
                 "host_cpu_us_median": 1e6 * statistics.median(self.host_s) if self.host_s else 0.0,
                 "host_cpu_us_per_row": 1e6 * (self.cpu_s - self.null_s) / max(self.rows, 1)}
@@ -194,8 +200,9 @@ def measure(scheduler: str, width: int, context: int, loaded: LoadedModel, seed:
     with torch.inference_mode():
         while engine.has_unfinished_requests():
             records.clear()
-            null0, c0, t0 = model.seconds, time.process_time(), time.perf_counter()
+            null0, c0, th0, t0 = model.seconds, time.process_time(), time.thread_time(), time.perf_counter()
             engine.step()
+            thread = time.thread_time() - th0  # (read inside the process clock's reads: other threads >= 0)
             wall, cpu, null = time.perf_counter() - t0, time.process_time() - c0, model.seconds - null0
             if not records or any(r.stage == "prefill" for r in records):
                 continue
@@ -204,6 +211,7 @@ def measure(scheduler: str, width: int, context: int, loaded: LoadedModel, seed:
             cost.rows += records[0].rows
             cost.wall_s += wall
             cost.cpu_s += cpu
+            cost.thread_s += thread
             cost.null_s += null
             cost.host_s.append(cpu - null)
             point.ticks.append((cpu - null, [(str(r.stage), r.rows) for r in records]))
@@ -271,14 +279,14 @@ def projection(points: list[HostPoint]) -> list[dict[str, Any]]:
 
 def format_table(points: list[HostPoint]) -> str:
     lines = ["| scheduler | outputs | width | context | stage | ticks | mean rows | host us/tick (CPU) | "
-             "median tick | host us/row | null model us | wall us/tick |", "|---" * 12 + "|"]
+             "median tick | host us/row | null model us | other threads us | wall us/tick |", "|---" * 13 + "|"]
     for p in points:
         for stage, c in sorted(p.stages.items()):
             d = c.as_dict()
             lines.append(f"| {p.scheduler} | {p.output_kind} | {p.width} | {p.context} | {stage} | {d['ticks']} | "
                          f"{d['mean_rows']:.0f} | "
                          f"{d['host_cpu_us']:.0f} | {d['host_cpu_us_median']:.0f} | {d['host_cpu_us_per_row']:.2f} | "
-                         f"{d['null_us']:.0f} | {d['tick_us']:.0f} |")
+                         f"{d['null_us']:.0f} | {d['other_threads_us']:.0f} | {d['tick_us']:.0f} |")
     return "\n".join(lines)
 
 
