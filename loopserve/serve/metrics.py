@@ -11,7 +11,9 @@ num_preemptions_total, prefix_cache_queries_total and prefix_cache_hits_total (p
 cache, and those it supplied; each of a request's n samples looks its prompt up, as vLLM's child requests do) (read
 from the engine's last snapshot); cache_config_info (a gauge at 1 whose labels describe the KV cache);
 iteration_tokens_total (each engine step that sampled, by the whole prompts of the samples that got their first token
-in it plus the tokens generated, as vLLM counts a step: its sum is prompt_tokens_total + generation_tokens_total;
+in it plus the tokens generated, as vLLM counts a step: its sum is prompt_tokens_total + generation_tokens_total,
+but for what the engine runs that no response counts: the hidden token of an echo with max_tokens 0,
+and the sequences of a beam search's steps (below), which vLLM runs as requests of their own and counts in both;
 prefill chunks before a prompt's last, and loop steps, sample nothing and are not observed); prompt_tokens_total,
 generation_tokens_total, request_success_total{finished_reason}, time_to_first_token_seconds,
 inter_token_latency_seconds (and under its older name time_per_output_token_seconds, which vLLM 0.11 still exports:
