@@ -93,6 +93,9 @@ class EngineArgs:
     they change nothing."""
 
     __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]  # (made by the decorator: for the type checker)
+    # the neutral keywords given, in a slot beside the instance dict, so that `vars(args)` holds exactly the fields
+    # (`LLM(**vars(args))`, a vLLM idiom, as vLLM's plain dataclass allows); unset until `__init__` ran
+    __slots__ = ("__dict__", "__weakref__", "_neutral")
     model: str | Path | None = None
     chat_template: str | None = None
     generation_config: str = "auto"
@@ -100,17 +103,25 @@ class EngineArgs:
     def __init__(self, model: str | Path | None = None, *, chat_template: str | None = None,
                  generation_config: str = "auto", **kwargs: Any) -> None:
         llm_configs(kwargs, model)  # (a ValueError naming an unknown keyword, or a value out of range)
-        self.__dict__["_neutral"] = {k: v for k, v in kwargs.items() if k not in _CONFIG_NAMES}
         for f in CONFIG_FIELDS:
             self.__dict__[f.name] = kwargs.get(f.name, f.default)
         self.model, self.chat_template, self.generation_config = model, chat_template, generation_config
+        object.__setattr__(self, "_neutral", {k: v for k, v in kwargs.items() if k not in _CONFIG_NAMES})
+
+    def _given_neutral(self) -> dict[str, Any] | None:
+        """The neutral keywords given; None before `__init__` ran (copy and pickle look up hooks on such an instance,
+        a subclass's dataclass `__init__` sets fields)."""
+        try:
+            return object.__getattribute__(self, "_neutral")
+        except AttributeError:
+            return None
 
     def settings(self) -> dict[str, Any]:
         """The `LLM(...)` keywords (but `model`, `chat_template` and `generation_config`) these args hold."""
-        return {**{f.name: getattr(self, f.name) for f in CONFIG_FIELDS}, **self.__dict__.get("_neutral", {})}
+        return {**{f.name: getattr(self, f.name) for f in CONFIG_FIELDS}, **(self._given_neutral() or {})}
 
     def __getattr__(self, name: str) -> Any:
-        neutral = self.__dict__.get("_neutral", {})  # (copy and pickle look up hooks on an instance not yet built)
+        neutral = self._given_neutral() or {}
         if name in neutral:
             return neutral[name]
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
@@ -118,15 +129,15 @@ class EngineArgs:
     def __setattr__(self, name: str, value: Any) -> None:
         # (a subclass's own dataclass __init__ sets every field, this class's too, before any check can read them:
         # set as given, checked when the LLM is made)
-        if "_neutral" not in self.__dict__ or (
-                name not in _CONFIG_NAMES and name in {f.name for f in dataclasses.fields(self)}):
+        built = name != "_neutral" and self._given_neutral() is not None
+        if not built or (name not in _CONFIG_NAMES and name in {f.name for f in dataclasses.fields(self)}):
             super().__setattr__(name, value)
             return
         llm_configs({**self.settings(), name: value}, self.model)  # (an unknown name, or a bad value: nothing changed)
         if name in _CONFIG_NAMES:
             super().__setattr__(name, value)
         else:  # (a new dict: a copy made with copy.copy keeps its own)
-            self.__dict__["_neutral"] = {**self.__dict__["_neutral"], name: value}
+            object.__setattr__(self, "_neutral", {**(self._given_neutral() or {}), name: value})
 
     def create_llm(self) -> LLM:
         return LLM(self.model, chat_template=self.chat_template, generation_config=self.generation_config,

@@ -305,9 +305,10 @@ class LLM:
             try:
                 for seq in seqs:
                     self.engine.add_sequence(seq)
+                mine = {seq.request_id for seq in seqs}  # (a step may also report an earlier call's aborted requests)
                 while self.engine.has_unfinished_requests():
                     for out in self.engine.step():
-                        if out.finished:
+                        if out.finished and out.request_id in mine:
                             bar.finished(out)
             except BaseException:  # interrupted (Ctrl-C, a progress bar that raised): this call's requests stop
                 # here, their KV freed, rather than run to their end inside the next call

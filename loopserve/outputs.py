@@ -177,6 +177,7 @@ class RequestOutput:
     encoder_prompt_token_ids: None = None
     # prompt tokens whose KV came from the prefix cache (vLLM's field; the API's cached_tokens)
     num_cached_tokens: int = 0
+    multi_modal_placeholders: dict = field(default_factory=dict)  # (vLLM's: {} where a prompt has no media)
     kv_transfer_params: None = None
     error: str | None = None
     # HTTP-style status of an error finish: 400 when the request itself was at fault (it can never fit

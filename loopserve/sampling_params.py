@@ -550,6 +550,8 @@ class SamplingParams:
             raise bad("output_kind", f"must be one of {', '.join(f'RequestOutputKind.{k.name}' for k in OUTPUT_KINDS)}")
         self.output_kind = RequestOutputKind(self.output_kind)
         for name in ("logprobs", "prompt_logprobs"):  # (the engine holds them to its max_logprobs)
+            if getattr(self, name) is True:  # (vLLM's: True asks for the sampled token's, as 1 does)
+                setattr(self, name, 1)
             check_logprobs_count(name, getattr(self, name))
         for name in ("min_loops", "max_loops"):
             v = getattr(self, name)

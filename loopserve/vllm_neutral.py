@@ -162,6 +162,20 @@ NEUTRAL: dict[str, Neutral] = {
     "max_long_partial_prefills": _only("prompts are prefilled first come, first served, in chunks", 1),
     "long_prefill_token_threshold": _only("prompts are prefilled first come, first served, in chunks", 0),
     "num_scheduler_steps": _only("the engine plans one stage batch a step", 1),
+    "stream_interval": _only("a stream gets an output at every engine step that gave it tokens", 1),
+    # vLLM's loading keywords, at their defaults
+    "use_tqdm_on_load": _any_bool("weights load without a progress bar"),
+    "model_loader_extra_config": _only("weights load from the folder's safetensors files", None, {}),
+    "ignore_patterns": _only("weights load from the folder's safetensors files", None, [], "original/**/*",
+                             ["original/**/*"], many=True),
+    "pt_load_map_location": _only("weights load from the folder's safetensors files", "cpu"),
+    "kv_sharing_fast_prefill": _only("no KV sharing across layers", False),
+    "enable_mm_embeds": _only("no multimodal inputs", False),
+    "interleave_mm_strings": _only("no multimodal inputs", False),
+    "media_io_kwargs": _only("no multimodal inputs", None, {}),
+    # offline, the reasoning stays in the text, as vLLM's LLM gives it (the server splits it: serve --reasoning-parser)
+    "reasoning_parser": Neutral(lambda v: v is None or isinstance(v, str), "None or a parser's name",
+                                "LLM's outputs keep the reasoning in their text; serve --reasoning-parser splits it"),
     "preemption_mode": _only("a preempted request's KV is copied to the host and back, vLLM's 'swap' (docs/design.md "
                              "§6.5)", None, "swap"),
     "max_cudagraph_capture_size": Neutral(lambda v: v is None or _positive_int(v), "None or an integer >= 1", _GRAPHS),

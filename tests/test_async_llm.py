@@ -182,7 +182,7 @@ def test_a_consumer_that_stops_frees_its_request(engine, how):
 @pytest.mark.parametrize("call, field", [
     (lambda e: e.generate([5] * 5000, SamplingParams(max_tokens=4), "r"), "prompt"),
     (lambda e: e.generate([5, 6], SamplingParams(max_tokens=5000), "r"), "max_tokens"),
-    (lambda e: e.generate([5, 6], SamplingParams(max_tokens=4, stop_token_ids=[10**6]), "r"), "stop_token_ids"),
+    (lambda e: e.generate([5, 6], SamplingParams(max_tokens=4, logit_bias={10**6: 1.0}), "r"), "logit_bias"),
     (lambda e: e.generate([], SamplingParams(max_tokens=4), "r"), "prompt"),
     (lambda e: e.generate([5], {"max_tokens": 4}, "r"), "sampling_params"),
     (lambda e: e.generate([5], BeamSearchParams(beam_width=2, max_tokens=4), "r"), "sampling_params"),
@@ -715,9 +715,10 @@ def test_engine_args_from_cli_args(tiny_ouro):
 
 
 def test_engine_args_is_a_dataclass_as_vllms(tiny_ouro):
-    """vLLM's scripts build an LLM from `asdict(EngineArgs(...))` and from `vars()` of a parser `add_cli_args` filled
-    (its examples' pattern): both give the LLM the args describe. `replace` and `fields` work; a vLLM flag for what
-    loopserve lacks reaches `LLM` under its keyword's name (it had a prefixed one LLM refused)."""
+    """vLLM's scripts build an LLM from `asdict(EngineArgs(...))`, from `vars(EngineArgs(...))` and from `vars()` of a
+    parser `add_cli_args` filled (its examples' pattern): all give the LLM the args describe. `replace` and `fields`
+    work; a vLLM flag for what loopserve lacks reaches `LLM` under its keyword's name (it had a prefixed one LLM
+    refused)."""
     import argparse
     import copy
     import dataclasses
@@ -730,6 +731,8 @@ def test_engine_args_is_a_dataclass_as_vllms(tiny_ouro):
     assert "enable_chunked_prefill" not in names and args.enable_chunked_prefill  # (given: reads back)
     llm = LLM(**dataclasses.asdict(args))
     assert (llm.max_model_len, llm.seed, llm.load_config.dtype) == (96, 7, "float32")
+    assert set(vars(args)) == set(names)  # (`LLM(**vars(args))`: nothing but the fields, the neutral ones kept apart)
+    assert LLM(**vars(args)).max_model_len == 96
     changed = dataclasses.replace(args, max_num_seqs=5)
     assert (changed.max_num_seqs, changed.seed, args.max_num_seqs) == (5, 7, EngineConfig().max_num_seqs)
     with pytest.raises(ValueError, match="^max_num_seqs"):

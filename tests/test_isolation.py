@@ -331,8 +331,16 @@ def test_an_interrupted_generate_leaves_nothing_running(tiny_ouro):
     assert llm.engine is not None and llm.engine.kv_usage() == 0
     assert llm.reset_prefix_cache() is True
     steps = llm.engine.stats.generated_tokens
-    [out] = llm.generate([[5, 6]], short, use_tqdm=False)
+    counted = []
+
+    class Counting(tqdm):
+        def close(self):
+            counted.append((self.n, self.total))
+            super().close()
+
+    [out] = llm.generate([[5, 6]], short, use_tqdm=Counting)
     assert out.outputs[0].finish_reason == "length" and llm.engine.stats.generated_tokens == steps + 1
+    assert counted[0] == (1, 1)  # (the aborted requests, reported at this call's first step, are not its bar's)
 
 
 # -- sampling parameters at numeric extremes ---------------------------------------------------------------

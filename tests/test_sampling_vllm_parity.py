@@ -127,6 +127,10 @@ def test_a_grammar_without_a_kind_names_both_of_vllms_names():
 
 def test_vllm_fields_accepted():
     assert SamplingParams(n=3, best_of=3).best_of == 3
+    p = SamplingParams(logprobs=True, prompt_logprobs=True)  # (vLLM's: True is 1)
+    assert (p.logprobs, p.prompt_logprobs) == (1, 1)
+    with pytest.raises(ValueError, match="^logprobs: must be an integer"):  # (False: not a count)
+        SamplingParams(logprobs=False)
     # either value (with special tokens kept too: it was refused, though the text has no spaces between them anyway,
     # as vLLM's fast detokenizer gives it on a byte-level BPE whatever the value)
     assert SamplingParams(spaces_between_special_tokens=False).spaces_between_special_tokens is False
@@ -172,9 +176,31 @@ def test_request_checked_against_the_vocabulary(ref_llm):
     vocab = ref_llm.config.vocab_size
     with pytest.raises(ValueError, match="^allowed_token_ids: token ids must be in"):
         _gen(ref_llm, PROMPT, allowed_token_ids=[3, vocab])
+    with pytest.raises(ValueError, match="^logit_bias: token ids must be in"):
+        _gen(ref_llm, PROMPT, logit_bias={vocab: 1.0})
     eos = min(ref_llm.tokenizer.eos_token_ids)
     with pytest.raises(ValueError, match="^allowed_token_ids: with min_tokens"):
         _gen(ref_llm, PROMPT, allowed_token_ids=[eos], stop_token_ids=[9], max_tokens=4, min_tokens=2)
+
+
+@pytest.mark.parametrize("scheduler", ["reference", "cdb"])
+def test_stop_token_ids_outside_the_vocabulary_are_taken_and_never_met(tiny_ouro, scheduler):
+    """As vLLM, which range-checks only allowed_token_ids and logit_bias: a script passes one stop list to models of
+    several vocabularies. Such an id never ends a request, nor counts as a token min_tokens holds back (with it the
+    request was refused, and an id as large as 10**12 sized an array of the engine's by it)."""
+    llm = LLM(model=tiny_ouro, scheduler=scheduler, dtype="float64")
+    vocab = llm.config.vocab_size
+    plain = _gen(llm, PROMPT, max_tokens=5, ignore_eos=True, temperature=0).outputs[0]
+    for extra in ({}, {"min_tokens": 3}):
+        out = _gen(llm, PROMPT, max_tokens=5, ignore_eos=True, temperature=0, stop_token_ids=[vocab, 10**12],
+                   **extra).outputs[0]
+        assert (out.token_ids, out.finish_reason, out.stop_reason) == (plain.token_ids, "length", None)
+    every = list(range(vocab))  # (all of the vocabulary: min_tokens would leave no token to sample)
+    with pytest.raises(ValueError, match="^stop_token_ids: with min_tokens"):
+        _gen(llm, PROMPT, max_tokens=4, min_tokens=2, stop_token_ids=[*every, vocab + 1])
+    # all but one, and one past it: one token is left (the one past it does not count as a token held back)
+    out = _gen(llm, PROMPT, max_tokens=4, min_tokens=2, ignore_eos=True, stop_token_ids=[*every[1:], vocab + 1])
+    assert out.outputs[0].token_ids[:2] == [0, 0]
 
 
 # ---------------- bad words: vLLM's tokenization, and the sampler's masks on hand-built logits

@@ -367,7 +367,6 @@ NESTED = [
 VALUES = [
     (C, {"stop": [f"s{i}" for i in range(MAX_STOP + 1)]}, "stop"),  # each is searched after every token
     (H, {"stop": [f"s{i}" for i in range(MAX_STOP + 1)]}, "stop"),
-    (C, {"stop_token_ids": [3, 10**6]}, "stop_token_ids"),  # outside the vocabulary
     (H, {"max_completion_tokens": 0}, "max_completion_tokens"),  # named as given (it used to say max_tokens)
     (H, {"max_completion_tokens": CONTEXT}, "max_completion_tokens"),  # past the context: named as given too
     (H, {"max_tokens": 0}, "max_tokens"),

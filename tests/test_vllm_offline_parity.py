@@ -105,7 +105,10 @@ NEUTRAL = dict(tokenizer_mode="hf", skip_tokenizer_init=False, revision=None, to
                max_long_partial_prefills=1, long_prefill_token_threshold=0, num_scheduler_steps=1,
                preemption_mode="swap", max_cudagraph_capture_size=None,
                cuda_graph_sizes=[1, 2, 4], mm_processor_cache_gb=0,
-               max_loras=1, max_lora_rank=16, fully_sharded_loras=False, lora_dtype="auto")  # (lm-eval passes these)
+               max_loras=1, max_lora_rank=16, fully_sharded_loras=False, lora_dtype="auto",  # (lm-eval passes these)
+               stream_interval=1, use_tqdm_on_load=True, model_loader_extra_config=None, ignore_patterns=None,
+               pt_load_map_location="cpu", kv_sharing_fast_prefill=False, enable_mm_embeds=False,
+               interleave_mm_strings=False, media_io_kwargs=None, reasoning_parser="")  # (vLLM's newer ones)
 
 
 def test_vllms_keywords_at_their_neutral_values_are_taken_and_change_nothing(tiny_ouro):
@@ -407,6 +410,7 @@ def test_outputs_take_vllms_positional_order():
     r = RequestOutput("r", "p", [1], None, [c], True)
     assert (r.prompt_logprobs, r.outputs, r.finished, r.metrics, r.num_cached_tokens) == (None, [c], True, None, 0)
     assert (r.lora_request, r.kv_transfer_params, r.encoder_prompt, c.lora_request) == (None, None, None, None)
+    assert r.multi_modal_placeholders == {}  # (vLLM's, read by scripts that handle media: it was an AttributeError)
 
 
 def test_add_request_takes_vllms_arguments(tiny_ouro):

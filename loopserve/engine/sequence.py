@@ -296,7 +296,7 @@ def with_allowed_token_ids(params: SamplingParams, tokenizer: Tokenizer, vocab_s
     allowed = AllowedTokenIds(ids)
     words = params.bad_words
     banned = set(words.always) if isinstance(words, BadWords) else set()
-    held = stop_tokens(params, tokenizer)
+    held = stop_tokens(params, tokenizer, vocab_size)
     if params.min_tokens and held.issuperset(allowed):
         raise ValueError("allowed_token_ids: with min_tokens, every allowed token is an end-of-sequence or stop "
                          "token: none could be sampled before min_tokens")
@@ -316,9 +316,10 @@ def eos_ids(params: SamplingParams, tokenizer: Tokenizer) -> set[int]:
     return set() if params.ignore_eos else set(tokenizer.eos_token_ids)
 
 
-def stop_tokens(params: SamplingParams, tokenizer: Tokenizer) -> frozenset[int]:
-    """The tokens that may end a request (its eos tokens and stop_token_ids): what min_tokens holds back."""
-    return frozenset(eos_ids(params, tokenizer) | set(params.stop_token_ids))
+def stop_tokens(params: SamplingParams, tokenizer: Tokenizer, vocab_size: int) -> frozenset[int]:
+    """The tokens that may end a request (its eos tokens and stop_token_ids) and can be sampled (in the model's
+    vocabulary: a stop id outside it is taken, as vLLM takes it, and never met): what min_tokens holds back."""
+    return frozenset(t for t in eos_ids(params, tokenizer) | set(params.stop_token_ids) if t < vocab_size)
 
 
 def failure(error: Exception) -> tuple[str, int]:
@@ -370,10 +371,9 @@ def checked_prompt(prompt_ids: list[int], params: SamplingParams, tokenizer: Tok
                          f"within the model's context of {max_model_len}")
     if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
         raise ValueError(f"prompt_token_ids: ids must be in [0, {vocab_size}) (the model's vocabulary)")
-    for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
-        if ids and max(ids) >= vocab_size:
-            raise ValueError(f"{name}: token ids must be in [0, {vocab_size}) (the model's vocabulary)")
-    if params.min_tokens and len(stop_tokens(params, tokenizer)) >= vocab_size:
+    if params.logit_bias and max(params.logit_bias) >= vocab_size:
+        raise ValueError(f"logit_bias: token ids must be in [0, {vocab_size}) (the model's vocabulary)")
+    if params.min_tokens and len(stop_tokens(params, tokenizer, vocab_size)) >= vocab_size:
         raise ValueError("stop_token_ids: with min_tokens, these and the end-of-sequence tokens leave no "
                          "token to sample")
     return list(prompt_ids)
@@ -389,7 +389,7 @@ class Sequence:
         the request's outputs hand out (one per request; a copy of `prompt_ids` if not given)."""
         self.eos_ids = eos_ids(params, tokenizer)
         self.stop_ids = set(params.stop_token_ids)
-        self.stop_tokens = stop_tokens(params, tokenizer)
+        self.stop_tokens = stop_tokens(params, tokenizer, vocab_size)
         # bound to this sequence's tokens if its sampling reads them (penalties, min_tokens, bad_words, which
         # make_sequence has tokenized once for the request's samples, as it has built their allowed_token_ids)
         params = as_sampled(params, tokenizer, vocab_size)
