@@ -228,7 +228,8 @@ class AsyncLLMEngine:
         self._thread: EngineThread | None = None
         self._thread_lock = threading.Lock()  # (two event loops' threads may each ask for the engine thread at once)
         self._closed = False  # shut down, and no generate since
-        self._streams: dict[str, RequestGroup] = {}  # event-loop thread only: the caller's request id -> its group
+        # event-loop thread only: the caller's request id -> its group (`_Building` while the request is built)
+        self._streams: dict[str, RequestGroup | _Building] = {}
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, start_engine_loop: bool = True, usage_context: Any = None,
@@ -350,11 +351,25 @@ class AsyncLLMEngine:
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params: expected a SamplingParams, got {type(sampling_params).__name__}")
         thread = self._engine_thread()  # (first: a thread it replaces takes its loop's streams along)
+        if thread.dead is not None:  # (before the id: a dead engine's requests never freed theirs)
+            raise self.dead_error
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
-        seq = self.llm._make_sequence(prompt, sampling_params, sampling_params.output_kind)
-        group = thread.add([seq], merge=True)  # (a consumer that falls behind reads merged outputs, as vLLM's)
-        self._streams[request_id] = group
+        # built on a worker thread, the id held meanwhile: tokenizing a long text (which releases the GIL) or checking
+        # a grammar took seconds on the event loop, every other stream waiting (vLLM tokenizes off the loop too)
+        building = _Building()
+        self._streams[request_id] = building
+        try:
+            seq = await asyncio.to_thread(self.llm._make_sequence, prompt, sampling_params, sampling_params.output_kind)
+            group = thread.add([seq], merge=True)  # (a consumer that falls behind reads merged outputs, as vLLM's)
+        finally:
+            held = self._streams.get(request_id) is building
+            if held:
+                del self._streams[request_id]
+        if held:
+            self._streams[request_id] = group
+        else:  # aborted while it was built (or the engine shut down): it ends at once, as an abort does
+            group.abort()
         if self.log_requests:
             log.info("Added request %s.", request_id)
         try:
@@ -390,6 +405,8 @@ class AsyncLLMEngine:
         check_search_params(self.llm, params)
         [(text, ids)] = search_prompts(self.llm, [prompt])
         thread = self._engine_thread()  # (first: a thread it replaces takes its loop's streams along)
+        if thread.dead is not None:  # (before the id: a dead engine's requests never freed theirs)
+            raise self.dead_error
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
         search = new_search(self.llm, [ids], params)
@@ -474,6 +491,7 @@ class AsyncLLMEngine:
             thread.close(timeout)
             if not thread.alive:  # (still stepping past `timeout`: kept, so that the next generate waits for it)
                 self._thread = None
+        self._streams.clear()  # (their requests were aborted: the ids are free at once, as after `abort`)
         self._closed = True
 
     def __del__(self) -> None:
@@ -482,6 +500,13 @@ class AsyncLLMEngine:
         thread = self.__dict__.get("_thread")
         if thread is not None:
             thread.stop()
+
+
+class _Building:
+    """A request id's place in `AsyncLLMEngine._streams` while its request is built: an abort meanwhile takes it."""
+
+    def abort(self) -> None:
+        pass
 
 
 AsyncLLM = AsyncLLMEngine  # vLLM V1's name for it

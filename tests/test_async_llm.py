@@ -236,9 +236,14 @@ def test_shutdown_ends_streams_and_a_new_loop_restarts(engine):
         assert not engine.is_running and engine.errored and engine.is_stopped  # (vLLM's: not running is errored)
         with pytest.raises(EngineDeadError, match="shut down"):  # (an EngineStoppedError, as vLLM's dead error)
             await engine.check_health()
+        # the id of the request it stopped is free at once, as after an abort (it was "already in flight" until that
+        # request's consumer read again)
+        again = await collect(engine, [5, 6], SamplingParams(max_tokens=2, temperature=0.0), "s")
+        assert again[-1].finished and again[-1].outputs[0].finish_reason == "length"
         with pytest.raises(EngineStoppedError):
             async for _ in gen:
                 pass
+        engine.shutdown()
 
     asyncio.run(main())
     assert drained(engine)
@@ -311,6 +316,8 @@ def test_a_dead_engine_fails_every_stream(tiny_ouro, monkeypatch):
     async def main():
         assert eng.is_running and not eng.errored
         await eng.check_health()
+        held = eng.generate([5, 6, 7], LONG, "held")  # (a consumer that reads once, then not while the engine dies)
+        await anext(held)
         runs = [collect(eng, [5, 6, 7], LONG, f"d{i}") for i in range(3)]
         for result in await asyncio.gather(*runs, return_exceptions=True):
             assert isinstance(result, EngineDeadError) and "boom" in str(result)
@@ -320,6 +327,10 @@ def test_a_dead_engine_fails_every_stream(tiny_ouro, monkeypatch):
             await eng.check_health()
         with pytest.raises(EngineDeadError, match="boom"):
             await anext(eng.generate([5], SamplingParams(max_tokens=2), "later"))
+        with pytest.raises(EngineDeadError, match="boom"):  # (its id unread: not "already in flight")
+            await anext(eng.generate([5], SamplingParams(max_tokens=2), "held"))
+        with pytest.raises(EngineDeadError, match="boom"):
+            await anext(held)
         with pytest.raises(EngineDeadError, match="boom"):  # (not False "requests are in flight": they failed)
             await eng.reset_prefix_cache()
 
@@ -333,6 +344,42 @@ def test_a_dead_engine_fails_every_stream(tiny_ouro, monkeypatch):
     [out] = eng.llm.generate([[5, 6]], SamplingParams(max_tokens=2), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 2 and eng.llm.llm_engine.stats.generated_tokens - before == 2
     assert not eng.llm.llm_engine.requests and eng.llm.reset_prefix_cache() is True
+
+
+def test_a_request_being_built_holds_up_no_other_stream(engine, monkeypatch):
+    """A request is built (its text tokenized, its grammar checked) on a worker thread, its id held meanwhile: built
+    on the event loop, a 2 MB prompt held every other stream up for seconds. An abort while it is built ends it with
+    an abort output."""
+    import threading
+
+    real, release = engine.llm._make_sequence, threading.Event()
+
+    def slow(prompt, *args):
+        if prompt == "slow":
+            assert release.wait(10), "the event loop waited for this build"
+        return real(prompt, *args)
+
+    monkeypatch.setattr(engine.llm, "_make_sequence", slow)
+
+    async def main():
+        building = asyncio.create_task(collect(engine, "slow", SamplingParams(max_tokens=2), "b1"))
+        await asyncio.sleep(0.05)
+        with pytest.raises(ValueError, match="^request_id: 'b1' is already in flight"):  # (held while it is built)
+            await anext(engine.generate([5], SamplingParams(max_tokens=2), "b1"))
+        other = await asyncio.wait_for(collect(engine, [5, 6], SamplingParams(max_tokens=3), "b2"), 30)
+        assert other[-1].finished and not building.done()
+        release.set()
+        assert (await asyncio.wait_for(building, 30))[-1].finished
+        release.clear()
+        aborted = asyncio.create_task(collect(engine, "slow", LONG, "b3"))
+        await asyncio.sleep(0.05)
+        await engine.abort("b3")
+        release.set()
+        outs = await asyncio.wait_for(aborted, 30)
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+
+    asyncio.run(main())
+    assert drained(engine)
 
 
 def test_reset_prefix_cache_runs_between_steps(engine):

@@ -257,7 +257,8 @@ def test_config_file_builder(tmp_path):
                                    "uvicorn_log_level": "debug", "kv_cache_dtype": "auto",
                                    "enable_chunked_prefill": False, "enable-lora": "false"})
     assert args.no_access_log and (args.uvicorn_log_level, args.log_level) == ("debug", "info")
-    own = ("served_model_name", "disable_log_stats")  # (serve's own flags of vLLM's names: any value passes)
+    # (serve's own flags of vLLM's names: any value passes)
+    own = ("served_model_name", "disable_log_stats", "reasoning_parser")
     assert {k: v for k, v in neutral_kwargs(args).items() if k not in own} == {
         "kv_cache_dtype": "auto", "enable_chunked_prefill": False, "enable_lora": False}
     # a switch's true is its --x (it came out as --no-x once both forms shared the keyword as dest)

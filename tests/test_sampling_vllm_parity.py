@@ -183,6 +183,20 @@ def test_request_checked_against_the_vocabulary(ref_llm):
         _gen(ref_llm, PROMPT, allowed_token_ids=[eos], stop_token_ids=[9], max_tokens=4, min_tokens=2)
 
 
+def test_a_text_that_cannot_fit_is_refused_before_it_is_tokenized(ref_llm, monkeypatch):
+    """As the server refuses it (`Tokenizer.fewest_tokens`): tokenizing 2 MB of text took seconds, for a request
+    refused after; one to be truncated is tokenized and runs."""
+    text, encoded = "word " * 200_000, []
+    real = ref_llm.tokenizer.encode
+    monkeypatch.setattr(ref_llm.tokenizer, "encode", lambda *a, **k: encoded.append(1) or real(*a, **k))
+    for prompt in (text, {"prompt": text}):
+        with pytest.raises(ValueError, match=r"^prompt: at least \d+ tokens \(1000000 characters\) leave no room"):
+            _gen(ref_llm, prompt, max_tokens=2)
+    assert not encoded
+    out = _gen(ref_llm, text, max_tokens=2, truncate_prompt_tokens=8, ignore_eos=True)
+    assert len(out.prompt_token_ids) == 8 and len(out.outputs[0].token_ids) == 2 and encoded
+
+
 @pytest.mark.parametrize("scheduler", ["reference", "cdb"])
 def test_stop_token_ids_outside_the_vocabulary_are_taken_and_never_met(tiny_ouro, scheduler):
     """As vLLM, which range-checks only allowed_token_ids and logit_bias: a script passes one stop list to models of

@@ -115,10 +115,13 @@ PromptType = str | TextPrompt | TokensPrompt | dict[str, Any] | list[int]
 _MULTIMODAL_KEYS = ("multi_modal_data", "prompt_embeds", "mm_processor_kwargs", "multi_modal_uuids")
 
 
-def parse_prompt(prompt: PromptType, tokenizer: Tokenizer) -> tuple[str | None, list[int]]:
-    """(text, token ids) of a prompt given as text, token ids, or {"prompt" | "prompt_token_ids": ...}."""
+def parse_prompt(prompt: PromptType, tokenizer: Tokenizer, context: int | None = None) -> tuple[str | None, list[int]]:
+    """(text, token ids) of a prompt given as text, token ids, or {"prompt" | "prompt_token_ids": ...}. `context`: a
+    text that surely encodes to that many tokens or more (`Tokenizer.fewest_tokens`) is refused before it is
+    tokenized, which would cost about a second a megabyte, for nothing (None: no such check; a prompt to be
+    truncated is not refused)."""
     if isinstance(prompt, str):
-        return prompt, tokenizer.encode(prompt, what="prompt")
+        return prompt, _encode_prompt(prompt, tokenizer, context)
     if isinstance(prompt, dict):
         given = cast("dict[str, Any]", prompt)  # (TextPrompt, TokensPrompt or a plain dict)
         for key in _MULTIMODAL_KEYS:  # (set: not None nor an empty dict, list or tuple; never a tensor's truth value)
@@ -134,10 +137,18 @@ def parse_prompt(prompt: PromptType, tokenizer: Tokenizer) -> tuple[str | None, 
                 raise ValueError("prompt_token_ids: must be a list of integers")
             return given.get("prompt"), list(ids)
         if isinstance(given.get("prompt"), str):
-            return given["prompt"], tokenizer.encode(given["prompt"], what="prompt")
+            return given["prompt"], _encode_prompt(given["prompt"], tokenizer, context)
     if isinstance(prompt, list) and all_ints(prompt):
         return None, list(prompt)
     raise ValueError("prompt: expected a string, a list of token ids, or a dict with 'prompt' or 'prompt_token_ids'")
+
+
+def _encode_prompt(text: str, tokenizer: Tokenizer, context: int | None) -> list[int]:
+    fewest = tokenizer.fewest_tokens(text) if context is not None else 0
+    if context is not None and fewest >= context:
+        raise ValueError(f"prompt: at least {fewest} tokens ({len(text)} characters) leave no room to generate "
+                         f"within the model's context of {context}")
+    return tokenizer.encode(text, what="prompt")
 
 
 def prompt_list(prompts: Any) -> list[PromptType]:
@@ -222,11 +233,11 @@ def make_sequence(model: LoopedLM, tokenizer: Tokenizer, request_id: str, prompt
                "speculative decoding is off in this engine: --num-speculative-tokens K "
                "(EngineConfig.num_speculative_tokens=K) turns it on, and a request may then ask for up to K")
         raise ValueError(f"num_speculative_tokens: {asked} asked for, but {why}")
-    text, ids = parse_prompt(prompt, tokenizer)
+    context = max_model_len or c.max_position
+    text, ids = parse_prompt(prompt, tokenizer, context if params.truncate_prompt_tokens is None else None)
     salt = cast("dict[str, Any]", prompt).get("cache_salt") if isinstance(prompt, dict) else None
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise ValueError(f"cache_salt: must be a non-empty string if given, got {salt!r}")
-    context = max_model_len or c.max_position
     ids = truncate_prompt(ids, params.truncate_prompt_tokens, context, params.max_tokens)  # (the text stays: vLLM)
     rule = resolve_exit_rule(params, model, lookahead)
     state = params.seed if params.seed is not None else base_seed
