@@ -428,7 +428,8 @@ class Tokenizer:
         the server refuses a prompt that cannot fit before it pays for tokenizing it, which holds the GIL
         (about 0.7 us a byte here) and so stalls every other request."""
         most = self._bytes_per_token
-        return -(-len(text.encode()) // most) if most else 0
+        # (a lone surrogate counted as UTF-8 would write it: `encode` then refuses the text, naming its field)
+        return -(-len(text.encode("utf-8", "surrogatepass")) // most) if most else 0
 
     def decode(self, ids: Any, skip_special_tokens: bool = False, **options: Any) -> str:
         """The text of token ids: a list of them, one id (an int), or a tensor or array (torch, numpy) of them, as

@@ -76,7 +76,8 @@ def test_engine_equals_the_reference(arch, scheduler, tiny_ouro, tiny_huginn):
                 assert abs(ours[t].logprob - theirs[t].logprob) < 1e-9
 
 
-@pytest.mark.parametrize("bad", [-2, 1.5, True, "3"])  # (-1, the whole vocabulary, and 21 are the engine's to cap)
+@pytest.mark.parametrize("bad", [-2, 1.5, False, "3"])  # (-1, the whole vocabulary, and 21 are the engine's to cap;
+# True is vLLM's 1)
 def test_bad_values_name_the_field(bad):
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=bad)

@@ -173,12 +173,24 @@ def test_padded_model_vocabulary_is_masked(tiny_ouro):
     (dict(grammar="start: " + " | ".join(f'"w{i}"' for i in range(MAX_GRAMMAR_CHARS // 6)) + ""), "grammar"),
     (dict(choice=[f"c{i}" for i in range(MAX_CHOICES + 1)]), "choice"),
     (dict(json={"enum": ["x" * 100] * (MAX_SCHEMA_CHARS // 100)}), "json"),
+    # integer bounds llguidance reads as 64-bit floats and clamps: 10**30 let only 2^63 - 1 through, finishing "stop"
+    (dict(json={"type": "integer", "minimum": 10**30, "maximum": 10**30 + 5}), "json"),
+    (dict(json={"properties": {"id": {"type": ["integer", "null"], "exclusiveMaximum": 2**63 + 10}}}), "json"),
+    (dict(json={"items": [{"type": "integer", "minimum": -(2**53) - 1}]}), "json"),
     (dict(), "structured_outputs"),
     (dict(regex="a", choice=["a"]), "structured_outputs"),
 ])
 def test_bad_specs_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"^{field}: "):
         GuidedDecodingParams(**kwargs)
+
+
+def test_integer_bounds_within_2_to_the_53_are_kept_to(llm):
+    """The widest integer bounds taken (exact as 64-bit floats), and the output within them."""
+    schema = {"type": "integer", "minimum": 2**53 - 3, "maximum": 2**53}
+    params = SamplingParams(max_tokens=20, temperature=1.0, seed=3, guided_decoding=GuidedDecodingParams(json=schema))
+    out = llm.generate([[5, 6]], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and 2**53 - 3 <= json.loads(out.text) <= 2**53, out.text
 
 
 def test_bad_spec_messages_stay_short():
@@ -226,6 +238,36 @@ def test_grammar_past_the_parser_limit_later_fails_its_request_alone_with_400(ti
         assert_matches(outs[r.rid], reference(engine, r))
     assert not engine.requests and engine.kv.allocator.num_free == engine.kv.num_blocks
 
+
+
+def test_a_grammar_that_never_compiles_is_refused_after_the_limit(llm, monkeypatch):
+    """llguidance 1.9.1 never returns from the first mask of some small Lark grammars (`start: A B`, `A: /a+/`,
+    `B: /a+b/`): its request is refused once GRAMMAR_COMPILE_LIMIT_S has passed (lowered here, the compile made slow
+    by hand: the real one would run on for the rest of the tests), named by its field, and refused at once when sent
+    again; other grammars compile as ever. (It waited forever, and the server's grammar requests behind it too.)"""
+    import threading
+    import time
+
+    monkeypatch.setattr(grammar, "GRAMMAR_COMPILE_LIMIT_S", 0.2)
+    real, release = grammar._Compiler._compile, threading.Event()
+
+    def stuck(self, text):
+        if "stuck" in text:
+            release.wait(30)
+        return real(self, text)
+
+    monkeypatch.setattr(grammar._Compiler, "_compile", stuck)
+    params = SamplingParams(max_tokens=4, guided_decoding=GuidedDecodingParams(grammar='start: "stuck" | "x"'))
+    try:
+        for _ in range(2):  # (the second time: the failure kept, no second thread)
+            start = time.monotonic()
+            with pytest.raises(ValueError, match=r"^guided_decoding: the grammar took longer than 0 s to compile"):
+                llm.engine.make_sequence("stuck", [5, 6], params)
+            assert time.monotonic() - start < 5
+        ok = SamplingParams(max_tokens=4, guided_decoding=GuidedDecodingParams(grammar='start: "y" | "x"'))
+        assert llm.engine.make_sequence("ok", [5, 6], ok).params.guide is not None
+    finally:
+        release.set()
 
 
 def test_an_ambiguous_grammar_whose_masks_grow_slow_fails_its_request_alone(tiny_ouro, monkeypatch):

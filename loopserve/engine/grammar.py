@@ -13,7 +13,8 @@ Where the work happens:
   thread in the server, not the engine's): the grammar is compiled once per tokenizer and key, tried on
   its first allowed tokens (`_probe`: a grammar past the parser's limits is refused there), and each
   request gets a copy of the compiled matcher, with the grammar's first mask (kept from the probe).
-  Compiling runs on a thread with a big stack (`_on_compile_stack`). `with_guide` binds the guide to the
+  Compiling runs on a thread with a big stack, for at most GRAMMAR_COMPILE_LIMIT_S (`_on_compile_stack`).
+  `with_guide` binds the guide to the
   request's params; `make_sequence` (engine/sequence.py) then refuses a request whose other masks
   (allowed_token_ids, bad_words, min_tokens) ban every token of that first mask (the sampler's `first_token_room`).
 - `apply_guides` is the sampler's one call: for the rows whose params carry a guide it fills their
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import threading
 import time
 import weakref
@@ -47,6 +49,8 @@ from loopserve.errors import GrammarLimitError
 if TYPE_CHECKING:
     from loopserve.sampling_params import GuidedDecodingParams, SamplingParams
     from loopserve.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 INSTALL_HINT = "structured output needs llguidance: pip install 'loopserve[structured]'"
@@ -79,6 +83,12 @@ COMPILE_STACK_BYTES = 256 * 2**20
 # so a grammar near the limit may pass on an idle machine and fail on a loaded one: a mask this slow is a stall of
 # the whole batch already.
 GRAMMAR_MASK_LIMIT_S = 0.1
+# The longest a grammar may take to compile (with its first mask) before its request is refused. llguidance 1.9.1
+# never returns from the first mask of some small Lark grammars (`start: A B` with `A: /a+/` and `B: /a+b/`; none of
+# its parser limits bounds it), and server requests that compile a grammar are built one at a time: one such grammar
+# held every later one forever. The compile thread cannot be stopped: it is left running (a core, and memory that
+# grows) and logged; its grammar is refused at once when sent again. Large schemas compile in well under a second.
+GRAMMAR_COMPILE_LIMIT_S = 20.0
 # llguidance's words for a token its grammar does not allow (after a masked sample: an engine bug, a 500);
 # any other matcher error is the grammar past the parser's limits (the request's own input, a 400)
 REJECTED = "doesn't satisfy the grammar"
@@ -92,8 +102,9 @@ def _llguidance() -> Any:
     return llguidance
 
 
-def _on_compile_stack(fn: Callable[[], T]) -> T:
-    """`fn()` on a new thread with COMPILE_STACK_BYTES of stack, its exception raised here."""
+def _on_compile_stack(fn: Callable[[], T], what: str) -> T:
+    """`fn()` on a new thread with COMPILE_STACK_BYTES of stack, its exception raised here; a ValueError naming `what`
+    (the grammar's field) if it takes longer than GRAMMAR_COMPILE_LIMIT_S (the thread is left to run: a daemon)."""
     box: list[Any] = []
 
     def run() -> None:
@@ -105,11 +116,16 @@ def _on_compile_stack(fn: Callable[[], T]) -> T:
     with _stack_lock:  # the size applies to threads started while it is set
         old = threading.stack_size(COMPILE_STACK_BYTES)
         try:
-            worker = threading.Thread(target=run, name="loopserve-grammar")
+            worker = threading.Thread(target=run, name="loopserve-grammar", daemon=True)
             worker.start()
         finally:
             threading.stack_size(old)
-    worker.join()
+    worker.join(GRAMMAR_COMPILE_LIMIT_S)
+    if worker.is_alive():
+        log.warning("a grammar took longer than %.0f s to compile and was refused; its compile thread cannot be "
+                    "stopped and runs on", GRAMMAR_COMPILE_LIMIT_S)
+        raise ValueError(f"{what}: the grammar took longer than {GRAMMAR_COMPILE_LIMIT_S:.0f} s to compile "
+                         "(llguidance's parser); a simpler grammar compiles")
     ok, value = box[0]
     if not ok:
         raise value
@@ -165,7 +181,7 @@ def grammar_text(kind: str, text: str, whitespace: str | None = None) -> str:
     hit = _texts.get(key)
     if hit is None:
         try:
-            hit = True, _on_compile_stack(lambda: _grammar_text(kind, text, whitespace))
+            hit = True, _on_compile_stack(lambda: _grammar_text(kind, text, whitespace), kind)
         except ValueError as e:
             hit = False, str(e)
         _texts.put(key, hit, len(text) + len(hit[1]))
@@ -173,6 +189,37 @@ def grammar_text(kind: str, text: str, whitespace: str | None = None) -> str:
     if not ok:
         raise ValueError(result)
     return result
+
+
+# llguidance reads a JSON schema's numeric bounds as 64-bit floats, and an integer's as 64-bit integers from them: a
+# bound past 2^53 loses digits, one past 2^63 is clamped (`minimum` 10**30 with `maximum` 10**30 + 5 let only
+# 9223372036854775807 through, finishing "stop"), so an integer bound beyond this is refused
+EXACT_INTEGER_BOUND = 2**53
+_INTEGER_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _wide_integer_bound(text: str) -> str | None:
+    """Why the schema `text` cannot be kept to (an integer bound llguidance would read wrong), or None; None too for a
+    text that is no JSON (llguidance names that)."""
+    try:
+        schema = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            kinds = node.get("type")
+            if kinds == "integer" or (isinstance(kinds, list) and "integer" in kinds):
+                for key in _INTEGER_BOUNDS:
+                    v = node.get(key)
+                    if isinstance(v, int | float) and not isinstance(v, bool) and abs(v) > EXACT_INTEGER_BOUND:
+                        return (f"an integer's {key} of {v} is past what the grammar can keep to exactly (at most "
+                                f"2^53 = {EXACT_INTEGER_BOUND} either way)")
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return None
 
 
 def _grammar_text(kind: str, text: str, whitespace: str | None) -> str:
@@ -185,6 +232,9 @@ def _grammar_text(kind: str, text: str, whitespace: str | None) -> str:
             # oneOf read as anyOf, as vLLM's default backend (xgrammar) reads it (llguidance refused even a oneOf of an
             # integer and a number, advising an option no request field sets); an instance may match two branches
             overrides = {**(overrides or {}), "coerce_one_of": True}
+        wide = _wide_integer_bound(text)
+        if wide is not None:
+            raise ValueError(f"json: {wide}")
         try:
             grammar = matcher.grammar_from_json_schema(text, overrides=overrides)
         except ValueError as e:
@@ -308,7 +358,7 @@ class _Compiler:
         pristine = self._matchers.get(grammar)
         if pristine is None:
             try:
-                pristine = _on_compile_stack(lambda: self._compile(grammar))
+                pristine = _on_compile_stack(lambda: self._compile(grammar), "guided_decoding")
             except ValueError as e:
                 pristine = str(e)
             self._matchers.put(grammar, pristine, len(grammar))
