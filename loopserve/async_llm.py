@@ -360,7 +360,9 @@ class AsyncLLMEngine:
         building = _Building()
         self._streams[request_id] = building
         try:
-            seq = await asyncio.to_thread(self.llm._make_sequence, prompt, sampling_params, sampling_params.output_kind)
+            # (numbered here, in the order of the calls, as on the loop: a worker's order would vary the unseeded seeds)
+            seq = await asyncio.to_thread(self.llm._make_sequence, prompt, sampling_params, sampling_params.output_kind,
+                                          self.llm.take_index())
             group = thread.add([seq], merge=True)  # (a consumer that falls behind reads merged outputs, as vLLM's)
         finally:
             held = self._streams.get(request_id) is building

@@ -141,13 +141,20 @@ class LLM:
         by the model's generation_config.json (as vLLM does; params passed explicitly are used as they are)."""
         return SamplingParams(**self.generation_defaults)
 
+    def take_index(self) -> int:
+        """The next request's number (requests are numbered in the order they are made: an unseeded one's seed
+        derives from it, so runs that make them in the same order sample the same)."""
+        return next(self._counter)
+
     def _make_sequence(self, prompt: PromptType, params: SamplingParams,
-                       output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY) -> Sequence:
+                       output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
+                       index: int | None = None) -> Sequence:
         """A request's Sequence, checked as the server checks one (ValueError naming the field): its token
         budget against the context and the KV pool (engine/budget.py), then whether its samples' blocks could
         ever fit the pool (the scheduler's `never_fits`), so that it never fails once running for that.
-        `output_kind`: how it reports (`generate`: finished requests only; `AsyncLLMEngine`: the params' own)."""
-        index = next(self._counter)
+        `output_kind`: how it reports (`generate`: finished requests only; `AsyncLLMEngine`: the params' own).
+        `index`: the request's number (`take_index`; default the next): an unseeded request's seed derives from it."""
+        index = self.take_index() if index is None else index
         # Per-request sampling seed: the request's own when given, as the server does, else one derived from the
         # LLM seed and the request's id (`unseeded`); the same in every scheduler. Initial states are seeded from
         # the prompt.
