@@ -206,7 +206,7 @@ def test_stop_token_ids_outside_the_vocabulary_are_taken_and_never_met(tiny_ouro
     vocab = llm.config.vocab_size
     plain = _gen(llm, PROMPT, max_tokens=5, ignore_eos=True, temperature=0).outputs[0]
     for extra in ({}, {"min_tokens": 3}):
-        out = _gen(llm, PROMPT, max_tokens=5, ignore_eos=True, temperature=0, stop_token_ids=[vocab, 10**12],
+        out = _gen(llm, PROMPT, max_tokens=5, ignore_eos=True, temperature=0, stop_token_ids=[vocab, 10**12, 2**64],
                    **extra).outputs[0]
         assert (out.token_ids, out.finish_reason, out.stop_reason) == (plain.token_ids, "length", None)
     every = list(range(vocab))  # (all of the vocabulary: min_tokens would leave no token to sample)

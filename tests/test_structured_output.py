@@ -176,7 +176,8 @@ def test_padded_model_vocabulary_is_masked(tiny_ouro):
     # integer bounds llguidance reads as 64-bit floats and clamps: 10**30 let only 2^63 - 1 through, finishing "stop"
     (dict(json={"type": "integer", "minimum": 10**30, "maximum": 10**30 + 5}), "json"),
     (dict(json={"properties": {"id": {"type": ["integer", "null"], "exclusiveMaximum": 2**63 + 10}}}), "json"),
-    (dict(json={"items": [{"type": "integer", "minimum": -(2**53) - 1}]}), "json"),
+    (dict(json={"items": [{"type": "integer", "minimum": -(2**53) - 1}]}), "json"),  # (read as -2^53)
+    (dict(json={"allOf": [{"type": "integer"}, {"minimum": 10**30}]}), "json"),  # (the bound not on the typed node)
     (dict(), "structured_outputs"),
     (dict(regex="a", choice=["a"]), "structured_outputs"),
 ])
@@ -186,11 +187,16 @@ def test_bad_specs_name_the_field(kwargs, field):
 
 
 def test_integer_bounds_within_2_to_the_53_are_kept_to(llm):
-    """The widest integer bounds taken (exact as 64-bit floats), and the output within them."""
+    """Integer bounds near 2^53 taken (exact as 64-bit floats), and the output within them."""
     schema = {"type": "integer", "minimum": 2**53 - 3, "maximum": 2**53}
     params = SamplingParams(max_tokens=20, temperature=1.0, seed=3, guided_decoding=GuidedDecodingParams(json=schema))
     out = llm.generate([[5, 6]], params, use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and 2**53 - 3 <= json.loads(out.text) <= 2**53, out.text
+    # bounds a 64-bit float holds exactly, int64's maximum (clamped back to itself), and instances that are no schema
+    for kept in ({"type": "integer", "minimum": 10**16, "maximum": 10**16 + 4},
+                 {"type": "integer", "minimum": 0, "maximum": 2**63 - 1},
+                 {"type": "object", "properties": {"x": {"type": "string", "default": {"minimum": 10**30}}}}):
+        GuidedDecodingParams(json=kept)
 
 
 def test_bad_spec_messages_stay_short():
@@ -243,27 +249,42 @@ def test_grammar_past_the_parser_limit_later_fails_its_request_alone_with_400(ti
 def test_a_grammar_that_never_compiles_is_refused_after_the_limit(llm, monkeypatch):
     """llguidance 1.9.1 never returns from the first mask of some small Lark grammars (`start: A B`, `A: /a+/`,
     `B: /a+b/`): its request is refused once GRAMMAR_COMPILE_LIMIT_S has passed (lowered here, the compile made slow
-    by hand: the real one would run on for the rest of the tests), named by its field, and refused at once when sent
-    again; other grammars compile as ever. (It waited forever, and the server's grammar requests behind it too.)"""
+    by hand: the real one would run on for the rest of the tests), named by its field, compiled once for requests
+    that send it at once (each compile left a thread running) and refused at once when sent again; other grammars
+    compile as ever. (It waited forever, and the server's grammar requests behind it too.)"""
     import threading
     import time
 
     monkeypatch.setattr(grammar, "GRAMMAR_COMPILE_LIMIT_S", 0.2)
-    real, release = grammar._Compiler._compile, threading.Event()
+    real, release, compiles = grammar._Compiler._compile, threading.Event(), []
 
     def stuck(self, text):
         if "stuck" in text:
+            compiles.append(text)
             release.wait(30)
         return real(self, text)
 
     monkeypatch.setattr(grammar._Compiler, "_compile", stuck)
     params = SamplingParams(max_tokens=4, guided_decoding=GuidedDecodingParams(grammar='start: "stuck" | "x"'))
+    refused: list[str] = []
+
+    def request() -> None:
+        try:
+            llm.engine.make_sequence("stuck", [5, 6], params)
+        except ValueError as e:
+            refused.append(str(e))
+
     try:
-        for _ in range(2):  # (the second time: the failure kept, no second thread)
-            start = time.monotonic()
-            with pytest.raises(ValueError, match=r"^guided_decoding: the grammar took longer than 0 s to compile"):
-                llm.engine.make_sequence("stuck", [5, 6], params)
-            assert time.monotonic() - start < 5
+        start = time.monotonic()
+        together = [threading.Thread(target=request) for _ in range(4)]  # (at once: they wait for one compile)
+        for t in together:
+            t.start()
+        for t in together:
+            t.join(10)
+        request()  # (again, after: the failure kept)
+        assert time.monotonic() - start < 5 and len(compiles) == 1, compiles
+        assert len(refused) == 5 and all(
+            r.startswith("guided_decoding: the grammar took longer than 0 s to compile") for r in refused), refused
         ok = SamplingParams(max_tokens=4, guided_decoding=GuidedDecodingParams(grammar='start: "y" | "x"'))
         assert llm.engine.make_sequence("ok", [5, 6], ok).params.guide is not None
     finally:

@@ -30,6 +30,7 @@ Where the work happens:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -37,7 +38,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
@@ -172,6 +173,35 @@ class SizedLRU:
 _texts = SizedLRU(TEXT_CACHE, TEXT_CACHE_CHARS)
 
 
+class _KeyLocks:
+    """A lock per key in use: callers compiling the same grammar at once wait for the first one's result (cached,
+    a failure too) instead of compiling it beside it: a compile past GRAMMAR_COMPILE_LIMIT_S leaves its thread
+    running, and concurrent requests with one such grammar left one such thread each."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[Any, tuple[threading.Lock, int]] = {}  # key -> its lock, and how many hold or wait for it
+
+    @contextlib.contextmanager
+    def hold(self, key: Any) -> Iterator[None]:
+        with self._lock:
+            lock, users = self._held.get(key, (threading.Lock(), 0))
+            self._held[key] = (lock, users + 1)
+        try:
+            with lock:
+                yield
+        finally:
+            with self._lock:
+                lock, users = self._held[key]
+                if users == 1:
+                    del self._held[key]
+                else:
+                    self._held[key] = (lock, users - 1)
+
+
+_compiling = _KeyLocks()
+
+
 def grammar_text(kind: str, text: str, whitespace: str | None = None) -> str:
     """llguidance's grammar for one spec: `kind` is json, regex, choice or grammar (`text`: the schema as
     JSON, the regex, the choices as a JSON list, the Lark or GBNF grammar); `whitespace` is the pattern
@@ -180,27 +210,33 @@ def grammar_text(kind: str, text: str, whitespace: str | None = None) -> str:
     key = (kind, text, whitespace)
     hit = _texts.get(key)
     if hit is None:
-        try:
-            hit = True, _on_compile_stack(lambda: _grammar_text(kind, text, whitespace), kind)
-        except ValueError as e:
-            hit = False, str(e)
-        _texts.put(key, hit, len(text) + len(hit[1]))
+        with _compiling.hold(key):
+            hit = _texts.get(key)
+            if hit is None:
+                try:
+                    hit = True, _on_compile_stack(lambda: _grammar_text(kind, text, whitespace), kind)
+                except ValueError as e:
+                    hit = False, str(e)
+                _texts.put(key, hit, len(text) + len(hit[1]))
     ok, result = hit
     if not ok:
         raise ValueError(result)
     return result
 
 
-# llguidance reads a JSON schema's numeric bounds as 64-bit floats, and an integer's as 64-bit integers from them: a
-# bound past 2^53 loses digits, one past 2^63 is clamped (`minimum` 10**30 with `maximum` 10**30 + 5 let only
-# 9223372036854775807 through, finishing "stop"), so an integer bound beyond this is refused
-EXACT_INTEGER_BOUND = 2**53
-_INTEGER_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+# llguidance reads a JSON schema's numeric bounds as 64-bit floats, an integer's then clamped to 64-bit integers: a
+# bound that a float does not hold exactly is read as another (a minimum of 2^53 + 1 let 2^53 through), and one past
+# 2^63 is clamped (minimum 10**30 with maximum 10**30 + 5 let only 9223372036854775807 through, finishing "stop"): such
+# bounds are refused. 2^63 - 1, the common int64 maximum, is read right (clamped back to itself).
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_DATA_KEYWORDS = ("default", "examples", "enum", "const")  # (their values are instances, not schemas)
+_I64 = 2**63
 
 
 def _wide_integer_bound(text: str) -> str | None:
-    """Why the schema `text` cannot be kept to (an integer bound llguidance would read wrong), or None; None too for a
-    text that is no JSON (llguidance names that)."""
+    """Why the schema `text` cannot be kept to (a numeric bound llguidance would read as another value), or None;
+    None too for a text that is no JSON (llguidance names that). An integer literal anywhere in the schema must be
+    exact as a 64-bit float and within int64; a float literal, where an integer is typed, within int64."""
     try:
         schema = json.loads(text)
     except (ValueError, RecursionError):
@@ -210,13 +246,17 @@ def _wide_integer_bound(text: str) -> str | None:
         node = stack.pop()
         if isinstance(node, dict):
             kinds = node.get("type")
-            if kinds == "integer" or (isinstance(kinds, list) and "integer" in kinds):
-                for key in _INTEGER_BOUNDS:
-                    v = node.get(key)
-                    if isinstance(v, int | float) and not isinstance(v, bool) and abs(v) > EXACT_INTEGER_BOUND:
-                        return (f"an integer's {key} of {v} is past what the grammar can keep to exactly (at most "
-                                f"2^53 = {EXACT_INTEGER_BOUND} either way)")
-            stack.extend(node.values())
+            integer = kinds == "integer" or (isinstance(kinds, list) and "integer" in kinds)
+            for key in _BOUNDS:
+                v = node.get(key)
+                if isinstance(v, bool) or not isinstance(v, int | float):
+                    continue
+                exact = (-_I64 <= v < _I64 and (v == _I64 - 1 or float(v) == v)) if isinstance(v, int) else \
+                    (not integer or -_I64 <= v < _I64)
+                if not exact:
+                    return (f"a {key} of {v} is one the grammar cannot keep to exactly (a bound must be a 64-bit "
+                            "float's value, within the 64-bit integers)")
+            stack.extend(v for k, v in node.items() if k not in _DATA_KEYWORDS)
         elif isinstance(node, list):
             stack.extend(node)
     return None
@@ -357,11 +397,14 @@ class _Compiler:
         """A fresh matcher of `grammar` (a copy of its pristine one) and the bitmask of its first tokens."""
         pristine = self._matchers.get(grammar)
         if pristine is None:
-            try:
-                pristine = _on_compile_stack(lambda: self._compile(grammar), "guided_decoding")
-            except ValueError as e:
-                pristine = str(e)
-            self._matchers.put(grammar, pristine, len(grammar))
+            with _compiling.hold(("matcher", id(self), grammar)):  # (one compile of it at a time: see `_KeyLocks`)
+                pristine = self._matchers.get(grammar)
+                if pristine is None:
+                    try:
+                        pristine = _on_compile_stack(lambda: self._compile(grammar), "guided_decoding")
+                    except ValueError as e:
+                        pristine = str(e)
+                    self._matchers.put(grammar, pristine, len(grammar))
         if isinstance(pristine, str):
             raise ValueError(pristine)
         matcher, first = pristine

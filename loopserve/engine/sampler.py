@@ -207,7 +207,8 @@ class StopTokenIds(list[int]):
 
     def __init__(self, ids: list[int], eos_ids: set[int]) -> None:
         super().__init__(ids)
-        self.held = torch.tensor(sorted(eos_ids.union(ids)), dtype=torch.long)
+        # (an id past int64 is in no vocabulary: taken, as one past the model's, and never met)
+        self.held = torch.tensor(sorted(t for t in eos_ids.union(ids) if t < 2**63), dtype=torch.long)
 
 
 class AllowedTokenIds(list[int]):
