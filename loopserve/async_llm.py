@@ -364,11 +364,11 @@ class AsyncLLMEngine:
             seq = await asyncio.to_thread(self.llm._make_sequence, prompt, sampling_params, sampling_params.output_kind,
                                           self.llm.take_index())
             group = thread.add([seq], merge=True)  # (a consumer that falls behind reads merged outputs, as vLLM's)
-        finally:
-            held = self._streams.get(request_id) is building
-            if held:
+        except BaseException:
+            if self._streams.get(request_id) is building:
                 del self._streams[request_id]
-        if held:
+            raise
+        if self._streams.get(request_id) is building:
             self._streams[request_id] = group
         else:  # aborted while it was built (or the engine shut down): it ends at once, as an abort does
             group.abort()

@@ -159,8 +159,7 @@ class LLM:
         # LLM seed and the request's id (`unseeded`); the same in every scheduler. Initial states are seeded from
         # the prompt.
         seed = params.seed if params.seed is not None else unseeded(self.seed, str(index))
-        text, ids = parse_prompt(prompt, self.tokenizer,
-                                 self.max_model_len if params.truncate_prompt_tokens is None else None)
+        text, ids = parse_prompt(prompt, self.tokenizer, self.max_model_len, params.truncate_prompt_tokens)
         # cut before the budget check (make_sequence cuts again, by the same rule: no change)
         ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len, params.max_tokens)
         kv_tokens = pool_tokens(self.engine) if self.engine is not None else None

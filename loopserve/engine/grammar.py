@@ -39,7 +39,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 import torch
@@ -199,7 +199,7 @@ class _KeyLocks:
                     self._held[key] = (lock, users - 1)
 
 
-_compiling = _KeyLocks()
+_texts_compiling = _KeyLocks()
 
 
 def grammar_text(kind: str, text: str, whitespace: str | None = None) -> str:
@@ -207,21 +207,30 @@ def grammar_text(kind: str, text: str, whitespace: str | None = None) -> str:
     JSON, the regex, the choices as a JSON list, the Lark or GBNF grammar); `whitespace` is the pattern
     allowed between JSON tokens (None: any whitespace). Raises ValueError naming the field. Cached by spec, a
     failure too, so a bad grammar sent again is not compiled again (some take seconds to fail)."""
-    key = (kind, text, whitespace)
-    hit = _texts.get(key)
+    return _compiled_once(_texts, _texts_compiling, (kind, text, whitespace),
+                          lambda: _grammar_text(kind, text, whitespace), kind,
+                          lambda result: len(text) + len(result))
+
+
+def _compiled_once(cache: SizedLRU, compiling: _KeyLocks, key: Any, compile_: Callable[[], T], what: str,
+                   size: Callable[[Any], int]) -> T:
+    """`cache[key]`, else `compile_()` on the compile stack (`_on_compile_stack`, `what`: the grammar's field), once
+    for callers that ask for it at once (`compiling`), its result or its failure's message kept (`size` of either);
+    a kept failure is raised again as its ValueError."""
+    hit = cache.get(key)
     if hit is None:
-        with _compiling.hold(key):
-            hit = _texts.get(key)
+        with compiling.hold(key):
+            hit = cache.get(key)
             if hit is None:
                 try:
-                    hit = True, _on_compile_stack(lambda: _grammar_text(kind, text, whitespace), kind)
+                    hit = True, _on_compile_stack(compile_, what)
                 except ValueError as e:
                     hit = False, str(e)
-                _texts.put(key, hit, len(text) + len(hit[1]))
+                cache.put(key, hit, size(hit[1]))
     ok, result = hit
     if not ok:
         raise ValueError(result)
-    return result
+    return cast(T, result)
 
 
 # llguidance reads a JSON schema's numeric bounds as 64-bit floats, an integer's then clamped to 64-bit integers: a
@@ -389,25 +398,15 @@ class _Compiler:
         self.tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(_TextOnly(read, tokenizer)), n_vocab=n_vocab,
                                          eos_token=eos)
         self.words, self.vocab = (n_vocab + 31) // 32, vocab_size
-        # grammar -> its pristine matcher and first mask, or why it failed (a failure is not compiled again); server
-        # requests build sequences on several threads
+        # grammar -> (True, its pristine matcher and first mask) or (False, why it failed: not compiled again); server
+        # requests build sequences on several threads, and one compiles a grammar at a time (`_compiled_once`)
         self._matchers = SizedLRU(MATCHER_CACHE, MATCHER_CACHE_CHARS)
+        self._compiling = _KeyLocks()
 
     def matcher(self, grammar: str) -> tuple[Any, np.ndarray]:
         """A fresh matcher of `grammar` (a copy of its pristine one) and the bitmask of its first tokens."""
-        pristine = self._matchers.get(grammar)
-        if pristine is None:
-            with _compiling.hold(("matcher", id(self), grammar)):  # (one compile of it at a time: see `_KeyLocks`)
-                pristine = self._matchers.get(grammar)
-                if pristine is None:
-                    try:
-                        pristine = _on_compile_stack(lambda: self._compile(grammar), "guided_decoding")
-                    except ValueError as e:
-                        pristine = str(e)
-                    self._matchers.put(grammar, pristine, len(grammar))
-        if isinstance(pristine, str):
-            raise ValueError(pristine)
-        matcher, first = pristine
+        matcher, first = _compiled_once(self._matchers, self._compiling, grammar, lambda: self._compile(grammar),
+                                        "guided_decoding", lambda _: len(grammar))
         return matcher.deep_copy(), first
 
     def _compile(self, grammar: str) -> tuple[Any, np.ndarray]:

@@ -115,11 +115,14 @@ PromptType = str | TextPrompt | TokensPrompt | dict[str, Any] | list[int]
 _MULTIMODAL_KEYS = ("multi_modal_data", "prompt_embeds", "mm_processor_kwargs", "multi_modal_uuids")
 
 
-def parse_prompt(prompt: PromptType, tokenizer: Tokenizer, context: int | None = None) -> tuple[str | None, list[int]]:
+def parse_prompt(prompt: PromptType, tokenizer: Tokenizer, context: int | None = None,
+                 truncate: int | None = None) -> tuple[str | None, list[int]]:
     """(text, token ids) of a prompt given as text, token ids, or {"prompt" | "prompt_token_ids": ...}. `context`: a
     text that surely encodes to that many tokens or more (`Tokenizer.fewest_tokens`) is refused before it is
-    tokenized, which would cost about a second a megabyte, for nothing (None: no such check; a prompt to be
-    truncated is not refused)."""
+    tokenized, which would cost about a second a megabyte, for nothing (None: no such check), unless it is to be
+    truncated (`truncate`: the request's truncate_prompt_tokens)."""
+    if truncate is not None:
+        context = None
     if isinstance(prompt, str):
         return prompt, _encode_prompt(prompt, tokenizer, context)
     if isinstance(prompt, dict):
@@ -234,7 +237,7 @@ def make_sequence(model: LoopedLM, tokenizer: Tokenizer, request_id: str, prompt
                "(EngineConfig.num_speculative_tokens=K) turns it on, and a request may then ask for up to K")
         raise ValueError(f"num_speculative_tokens: {asked} asked for, but {why}")
     context = max_model_len or c.max_position
-    text, ids = parse_prompt(prompt, tokenizer, context if params.truncate_prompt_tokens is None else None)
+    text, ids = parse_prompt(prompt, tokenizer, context, params.truncate_prompt_tokens)
     salt = cast("dict[str, Any]", prompt).get("cache_salt") if isinstance(prompt, dict) else None
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise ValueError(f"cache_salt: must be a non-empty string if given, got {salt!r}")
