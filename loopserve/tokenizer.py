@@ -450,13 +450,6 @@ class Tokenizer:
         """The incremental decoder of an output that follows `prompt_ids` (vLLM's rules: `TextStream`)."""
         return TextStream(self.tok, prompt_ids, skip_special_tokens, self._byte_level)
 
-    def text_only_encoder(self) -> HFTokenizer:
-        """A copy of the tokenizers library's tokenizer that encodes a special token's text as text (as transformers'
-        `split_special_tokens`): for a grammar that must write it (engine/grammar.py)."""
-        copy = HFTokenizer.from_str(self.tok.to_str())
-        copy.encode_special_tokens = True
-        return copy
-
     @cached_property
     def _byte_level(self) -> bool:
         return is_byte_level(self.tok)

@@ -5,6 +5,7 @@ unchanged, masks are row-wise in the batched sampler, and bad grammars are Value
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -14,7 +15,8 @@ import torch
 
 from loopserve import LLM, GuidedDecodingParams, SamplingParams
 from loopserve.engine import grammar
-from loopserve.engine.grammar import _readable, apply_guides, new_guide, with_guide
+from loopserve.engine.grammar import apply_guides, new_guide, with_guide
+from loopserve.engine.grammar_compile import readable
 from loopserve.engine.sampler import sample_batch, sample_one, unpack
 from loopserve.sampling_params import MAX_CHOICES, MAX_GRAMMAR_CHARS, MAX_SCHEMA_CHARS
 from tests.engine_helpers import Req, assert_matches, drive, loaded, make_engine, reference
@@ -246,26 +248,41 @@ def test_grammar_past_the_parser_limit_later_fails_its_request_alone_with_400(ti
 
 
 
-def test_a_grammar_that_never_compiles_is_refused_after_the_limit(llm, monkeypatch):
-    """llguidance 1.9.1 never returns from the first mask of some small Lark grammars (`start: A B`, `A: /a+/`,
-    `B: /a+b/`): its request is refused once GRAMMAR_COMPILE_LIMIT_S has passed (lowered here, the compile made slow
-    by hand: the real one would run on for the rest of the tests), named by its field, compiled once for requests
-    that send it at once (each compile left a thread running) and refused at once when sent again; other grammars
-    compile as ever. (It waited forever, and the server's grammar requests behind it too.)"""
+STUCK = "start: A B\nA: /a+/\nB: /a+b/"  # (llguidance 1.9.1 never returns from its first mask)
+
+
+def _gone(pid: int) -> bool:
+    """The process has exited (a zombie counts: nothing reaps an orphan in some containers)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] in "ZX"
+
+
+def _vets(monkeypatch) -> list[str]:
+    """The kinds of the jobs the vetting child is sent from now on."""
+    vets: list[str] = []
+    vet = grammar._vetter.vet
+    monkeypatch.setattr(grammar._vetter, "vet", lambda job, *a: (vets.append(job[0]), vet(job, *a))[1])
+    return vets
+
+
+def test_a_grammar_that_never_compiles_is_refused_and_its_compile_stopped(llm, monkeypatch):
+    """llguidance 1.9.1 never returns from the first mask of `start: A B`, `A: /a+/`, `B: /a+b/` (none of its parser
+    limits bounds it): compiled on a thread of the server, it held a core and memory growing ~7 MB/s until the server
+    restarted. Its request is refused once GRAMMAR_COMPILE_LIMIT_S has passed (lowered here), named by its field; the
+    vetting child that compiled it is killed, so nothing is left computing; it is compiled once for requests that send
+    it at once and refused at once when sent again; other grammars compile as ever, in a fresh child."""
     import threading
     import time
 
-    monkeypatch.setattr(grammar, "GRAMMAR_COMPILE_LIMIT_S", 0.2)
-    real, release, compiles = grammar._Compiler._compile, threading.Event(), []
-
-    def stuck(self, text):
-        if "stuck" in text:
-            compiles.append(text)
-            release.wait(30)
-        return real(self, text)
-
-    monkeypatch.setattr(grammar._Compiler, "_compile", stuck)
-    params = SamplingParams(max_tokens=4, guided_decoding=GuidedDecodingParams(grammar='start: "stuck" | "x"'))
+    monkeypatch.setattr(grammar, "GRAMMAR_COMPILE_LIMIT_S", 1.0)
+    params = SamplingParams(max_tokens=4, guided_decoding=GuidedDecodingParams(grammar=STUCK))
+    child = grammar._vetter.pid  # (started for the grammar's text)
+    assert child is not None and not _gone(child)
+    vets = _vets(monkeypatch)
     refused: list[str] = []
 
     def request() -> None:
@@ -274,21 +291,85 @@ def test_a_grammar_that_never_compiles_is_refused_after_the_limit(llm, monkeypat
         except ValueError as e:
             refused.append(str(e))
 
-    try:
-        start = time.monotonic()
-        together = [threading.Thread(target=request) for _ in range(4)]  # (at once: they wait for one compile)
-        for t in together:
-            t.start()
-        for t in together:
-            t.join(10)
-        request()  # (again, after: the failure kept)
-        assert time.monotonic() - start < 5 and len(compiles) == 1, compiles
-        assert len(refused) == 5 and all(
-            r.startswith("guided_decoding: the grammar took longer than 0 s to compile") for r in refused), refused
-        ok = SamplingParams(max_tokens=4, guided_decoding=GuidedDecodingParams(grammar='start: "y" | "x"'))
-        assert llm.engine.make_sequence("ok", [5, 6], ok).params.guide is not None
-    finally:
-        release.set()
+    start = time.monotonic()
+    together = [threading.Thread(target=request) for _ in range(4)]  # (at once: they wait for one compile)
+    for t in together:
+        t.start()
+    for t in together:
+        t.join(30)
+    request()  # (again, after: the failure kept)
+    assert time.monotonic() - start < 10 and vets == ["matcher"], vets
+    assert len(refused) == 5 and all(
+        r.startswith("guided_decoding: the grammar took longer than 1 s to compile") for r in refused), refused
+    assert _gone(child) and grammar._vetter.pid is None
+    assert not [t for t in threading.enumerate() if t.name == "loopserve-grammar"]
+    cpu = time.process_time()
+    time.sleep(0.5)
+    assert time.process_time() - cpu < 0.25  # (the stuck compile's thread took a core here)
+    ok = SamplingParams(max_tokens=4, guided_decoding=GuidedDecodingParams(grammar='start: "y" | "x"'))
+    assert llm.engine.make_sequence("ok", [5, 6], ok).params.guide is not None
+    assert grammar._vetter.pid not in (None, child)
+
+
+def test_a_grammar_whose_compile_kills_its_process_is_refused(llm, monkeypatch):
+    """A grammar that crashes llguidance (a stack overflow took the server down once) kills only the vetting child:
+    its request is refused, named by its field, and the next grammar compiles in a fresh child. (The crash is a kill
+    from outside here, during a compile that would never end.)"""
+    import signal
+    import threading
+    import time
+
+    params = SamplingParams(max_tokens=4, guided_decoding=GuidedDecodingParams(grammar=STUCK.replace("A", "C")))
+    vets, refused = _vets(monkeypatch), []
+
+    def request() -> None:
+        try:
+            llm.engine.make_sequence("crash", [5, 6], params)
+        except ValueError as e:
+            refused.append(str(e))
+
+    worker = threading.Thread(target=request)
+    worker.start()
+    deadline = time.monotonic() + 10
+    while vets != ["matcher"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)  # (compiling)
+    child = grammar._vetter.pid
+    assert child is not None
+    os.kill(child, signal.SIGKILL)
+    worker.join(10)
+    assert refused and refused[0].startswith("guided_decoding: llguidance crashed compiling the grammar"), refused
+    ok = SamplingParams(max_tokens=4, guided_decoding=GuidedDecodingParams(grammar='start: "z" | "x"'))
+    assert llm.engine.make_sequence("ok", [5, 6], ok).params.guide is not None
+
+
+ORPHAN = """
+import os, sys, threading, time
+from loopserve.engine import grammar
+from loopserve.sampling_params import GuidedDecodingParams
+from loopserve.tokenizer import Tokenizer
+from loopserve.llm import default_model_path
+spec = GuidedDecodingParams(grammar=sys.argv[1])
+threading.Thread(target=grammar.new_guide, args=(spec, Tokenizer(default_model_path()), 4096), daemon=True).start()
+time.sleep(1.0)
+print(grammar._vetter.pid, flush=True)
+os._exit(0)
+"""
+
+
+def test_the_vetting_child_ends_with_its_parent():
+    """A server that exits while a grammar compiles (its vetting child deep in a compile that would never end) leaves
+    no process behind: the child watches its parent's end of their socket."""
+    import time
+
+    done = subprocess.run([sys.executable, "-c", ORPHAN, STUCK.replace("A", "D")], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    child = int(done.stdout)
+    deadline = time.monotonic() + 10
+    while not _gone(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(child)
 
 
 def test_an_ambiguous_grammar_whose_masks_grow_slow_fails_its_request_alone(tiny_ouro, monkeypatch):
@@ -351,16 +432,16 @@ def test_llguidance_errors_read_as_sentences(tiny_ouro):
     with pytest.raises(ValueError, match=r"^guided_decoding: llguidance cannot compile it \(NoExtensionBias\)$"):
         new_guide(GuidedDecodingParams(json={"$ref": "#"}), loaded(tiny_ouro).tokenizer, 512)
     panic = "panic: assertion failed: grammar.symbols.len() < u16::MAX as usize - 10\n<backtrace>\n   0: <unknown>"
-    assert _readable(panic) == "the grammar is beyond what llguidance can compile (it failed an internal check)"
-    assert _readable("Parser Error: row too big\n<state>\nTokens: x</state>") == "Parser Error: row too big"
+    assert readable(panic) == "the grammar is beyond what llguidance can compile (it failed an internal check)"
+    assert readable("Parser Error: row too big\n<state>\nTokens: x</state>") == "Parser Error: row too big"
 
 
 def test_a_grammar_is_compiled_once_even_when_it_fails(tiny_ouro, monkeypatch):
     """Compiling can take seconds before it fails: a failure is cached like a success, so the same bad
     grammar sent again (ten at once, in a trial: ten compiles in a row, 16 s) costs nothing more."""
     texts, matchers = [], []
-    real_text, real_compile = grammar._grammar_text, grammar._Compiler._compile
-    monkeypatch.setattr(grammar, "_grammar_text", lambda *a: (texts.append(a), real_text(*a))[1])
+    real_text, real_compile = grammar._compile_text, grammar._Compiler._compile
+    monkeypatch.setattr(grammar, "_compile_text", lambda *a: (texts.append(a), real_text(*a))[1])
     monkeypatch.setattr(grammar._Compiler, "_compile", lambda self, g: (matchers.append(g), real_compile(self, g))[1])
     for _ in range(3):
         with pytest.raises(ValueError, match="^regex: "):
