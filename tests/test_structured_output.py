@@ -313,13 +313,16 @@ def test_a_grammar_that_never_compiles_is_refused_and_its_compile_stopped(llm, m
 
 def test_a_grammar_whose_compile_kills_its_process_is_refused(llm, monkeypatch):
     """A grammar that crashes llguidance (a stack overflow took the server down once) kills only the vetting child:
-    its request is refused, named by its field, and the next grammar compiles in a fresh child. (The crash is a kill
-    from outside here, during a compile that would never end.)"""
+    its request is refused, named by its field (after a second try in a fresh child, which it kills too), and the
+    next grammar compiles in a fresh child. (The crash is a kill from outside here, twice, during a compile that would
+    never end.)"""
     import signal
     import threading
     import time
 
     params = SamplingParams(max_tokens=4, guided_decoding=GuidedDecodingParams(grammar=STUCK.replace("A", "C")))
+    warm = SamplingParams(max_tokens=4, guided_decoding=GuidedDecodingParams(grammar='start: "w" | "x"'))
+    llm.engine.make_sequence("warm", [5, 6], warm)  # (so that the child is compiling, not reading a tokenizer)
     vets, refused = _vets(monkeypatch), []
 
     def request() -> None:
@@ -333,43 +336,91 @@ def test_a_grammar_whose_compile_kills_its_process_is_refused(llm, monkeypatch):
     deadline = time.monotonic() + 10
     while vets != ["matcher"] and time.monotonic() < deadline:
         time.sleep(0.01)
-    time.sleep(0.3)  # (compiling)
-    child = grammar._vetter.pid
-    assert child is not None
-    os.kill(child, signal.SIGKILL)
+    killed: list[int] = []
+    while len(killed) < 2 and time.monotonic() < deadline:
+        time.sleep(0.3)  # (compiling)
+        child = grammar._vetter.pid
+        if child is not None and child not in killed:
+            os.kill(child, signal.SIGKILL)
+            killed.append(child)
     worker.join(10)
+    assert len(killed) == 2
     assert refused and refused[0].startswith("guided_decoding: llguidance crashed compiling the grammar"), refused
     ok = SamplingParams(max_tokens=4, guided_decoding=GuidedDecodingParams(grammar='start: "z" | "x"'))
     assert llm.engine.make_sequence("ok", [5, 6], ok).params.guide is not None
 
 
 ORPHAN = """
-import os, sys, threading, time
+import os, subprocess, sys, threading, time
 from loopserve.engine import grammar
 from loopserve.sampling_params import GuidedDecodingParams
 from loopserve.tokenizer import Tokenizer
 from loopserve.llm import default_model_path
+tokenizer = Tokenizer(default_model_path())
+grammar.new_guide(GuidedDecodingParams(regex="[0-9]+"), tokenizer, 4096)
+child = grammar._vetter.pid
+forked = os.fork()
+if forked == 0:  # (a forked process has a vetting child of its own)
+    mine = grammar._vetter.pid is None
+    grammar.new_guide(GuidedDecodingParams(regex="[a-f]+"), tokenizer, 4096)
+    os._exit(0 if mine and grammar._vetter.pid not in (None, child) else 3)
+assert os.waitstatus_to_exitcode(os.waitpid(forked, 0)[1]) == 0
+# a process of the parent's holds a copy of its end of the socket
+end = os.dup(grammar._vetter._conn.fileno())
+holder = subprocess.Popen(["sleep", "60"], pass_fds=[end], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 spec = GuidedDecodingParams(grammar=sys.argv[1])
-threading.Thread(target=grammar.new_guide, args=(spec, Tokenizer(default_model_path()), 4096), daemon=True).start()
+threading.Thread(target=grammar.new_guide, args=(spec, tokenizer, 4096), daemon=True).start()
 time.sleep(1.0)
-print(grammar._vetter.pid, flush=True)
+print(child, holder.pid, flush=True)
 os._exit(0)
 """
 
 
 def test_the_vetting_child_ends_with_its_parent():
     """A server that exits while a grammar compiles (its vetting child deep in a compile that would never end) leaves
-    no process behind: the child watches its parent's end of their socket."""
+    no process behind: the child watches its parent's end of their socket and its parent's pid (here another process
+    holds a copy of that end). A process the server forks starts a child of its own."""
+    import signal
     import time
 
     done = subprocess.run([sys.executable, "-c", ORPHAN, STUCK.replace("A", "D")], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    child = int(done.stdout)
-    deadline = time.monotonic() + 10
-    while not _gone(child) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _gone(child)
+    child, holder = map(int, done.stdout.split())
+    try:
+        deadline = time.monotonic() + 10
+        while not _gone(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(child) and not _gone(holder)
+    finally:
+        os.kill(holder, signal.SIGKILL)
+
+
+def test_an_interrupted_vet_leaves_no_reply_behind(tiny_ouro):
+    """A vet interrupted while it waits (Ctrl-C in a notebook, an exception from a signal handler) stops its child: a
+    reply left unread would have answered the next grammar, which then got another grammar's text for good."""
+    import signal
+    import threading
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupt(*_: object) -> None:
+        raise Interrupted
+
+    old = signal.signal(signal.SIGUSR1, interrupt)
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGUSR1))
+    try:
+        timer.start()
+        with pytest.raises(Interrupted):
+            new_guide(GuidedDecodingParams(grammar=STUCK.replace("A", "E")), loaded(tiny_ouro).tokenizer, 512)
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGUSR1, old)
+    assert grammar._vetter.pid is None
+    for text in ("bbbb", "cccc"):
+        assert f"/{text}/" in grammar.grammar_text("regex", text)
+    assert '"integer"' in grammar.grammar_text("json", '{"type": "integer"}')
 
 
 def test_an_ambiguous_grammar_whose_masks_grow_slow_fails_its_request_alone(tiny_ouro, monkeypatch):

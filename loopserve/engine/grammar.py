@@ -11,7 +11,7 @@ Where the work happens:
   what makes a bad schema a `ValueError` when the params are built. Cached by the spec's key.
 - `new_guide` gives a request its `Guide` when its `Sequence` is built (on the caller's thread, a worker
   thread in the server, not the engine's): the grammar is compiled once per tokenizer and key, tried on
-  its first allowed tokens (`_probe`: a grammar past the parser's limits is refused there), and each
+  its first allowed tokens (`compile_matcher`: a grammar past the parser's limits is refused there), and each
   request gets a copy of the compiled matcher, with the grammar's first mask (kept from the probe).
   Every new grammar (text and matcher) is compiled first in a child process that is killed past
   GRAMMAR_COMPILE_LIMIT_S (engine/grammar_compile.py's `Vetter`), then here on a thread with a big stack.

@@ -21,11 +21,12 @@ import hashlib
 import json
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
+import weakref
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
@@ -47,9 +48,11 @@ PROBED_FIRST_TOKENS = 64
 # thread of their own with this much stack (reserved, not used, until needed): within MAX_GRAMMAR_CHARS
 # a chain is at most ~10,000 rules deep, and 12,000 compile in 256 MB.
 COMPILE_STACK_BYTES = 256 * 2**20
-# The longest a new vetting child may take to start, or to read a tokenizer (a 150k vocabulary: about a second); past
-# it, or when a child cannot be started at all, grammars are compiled in this process unvetted (logged once)
+# The longest a new vetting child may take to start, or to read a tokenizer (a 150k vocabulary: about a second). A
+# child that cannot be started leaves grammars compiled in this process, unvetted, until CHILD_RETRY_S have passed
+# (logged): where no child can run (no `sys.executable` Python, no `pass_fds`) that is every grammar.
 CHILD_START_LIMIT_S = 60.0
+CHILD_RETRY_S = 60.0
 # llguidance's words for a token its grammar does not allow (after a masked sample: an engine bug, a 500);
 # any other matcher error is the grammar past the parser's limits (the request's own input, a 400)
 REJECTED = "doesn't satisfy the grammar"
@@ -251,8 +254,8 @@ def on_compile_stack(fn: Callable[[], T], what: str, limit: float) -> T:
     worker = _on_big_stack(run)
     worker.join(limit)
     if worker.is_alive():
-        log.warning("a grammar the vetting child compiled in time took longer than %.0f s to compile here; its "
-                    "compile thread cannot be stopped and runs on", limit)
+        log.warning("a grammar took longer than %.0f s to compile in this process; its compile thread cannot be "
+                    "stopped and runs on", limit)
         raise too_slow(what, limit)
     ok, value = box[0]
     if not ok:
@@ -261,100 +264,112 @@ def on_compile_stack(fn: Callable[[], T], what: str, limit: float) -> T:
 
 
 class Vetter:
-    """The child process that compiles every new grammar first (see the module's docstring): started when first
-    needed and again after one is killed; `vet` is thread-safe and vets one grammar at a time."""
+    """The child process that compiles every new grammar first (see the module's docstring): one per Python process,
+    shared by its engines and tokenizers, started when first needed and again after one is stopped; `vet` is
+    thread-safe and vets one grammar at a time."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._child: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
         self._read: set[str] = set()  # keys of the tokenizers the running child has read
-        self._unavailable: str | None = None  # why no child can be started (grammars are then compiled unvetted)
+        self._retry_at = 0.0  # (time.monotonic) no child is started before then: the last start failed
+        _vetters.add(self)
 
     def vet(self, job: tuple[Any, ...], what: str, limit: float, source: TokenizerSource | None = None) -> Any:
         """The child's compile of `job` (("text", kind, text, whitespace): its grammar text; ("matcher", grammar): None,
         against `source`'s tokenizer). None, too, where the compile is to be done here: its error was no ValueError
-        (raised again here), or there is no child. Raises a ValueError naming `what` (the grammar's field) for a
-        grammar that fails to compile, takes longer than `limit` seconds (the child killed) or kills the child."""
+        (raised again here), or there is no child to ask (none could be started, or it could not read the tokenizer:
+        logged). Raises a ValueError naming `what` (the grammar's field) for a grammar that fails to compile, takes
+        longer than `limit` seconds (the child stopped) or kills the child twice (a fresh one the second time, in
+        case the first died of something else)."""
         with self._lock:
-            if not self._started():
-                return None
-            if source is not None:
-                if source.key not in self._read and not self._read_tokenizer(source):
+            for attempt in (1, 2):
+                if not self._ready(source):
                     return None
-                job = (*job, source.key)
-            try:
-                reply = self._ask(job, limit)
-            except TimeoutError:
-                log.warning("a grammar took longer than %.0f s to compile and was refused; its compile was stopped",
-                            limit)
-                raise too_slow(what, limit) from None
-            except EOFError:
-                log.warning("llguidance's process died compiling a grammar, which was refused")
-                raise ValueError(f"{what}: llguidance crashed compiling the grammar (in a process of its own); a "
-                                 "simpler grammar compiles") from None
-        status, value = reply
+                try:
+                    status, value = self._ask(job if source is None else (*job, source.key), limit)
+                    break
+                except TimeoutError:
+                    log.warning("a grammar took longer than %.0f s to compile and was refused; its compile was "
+                                "stopped", limit)
+                    raise too_slow(what, limit) from None
+                except EOFError:
+                    if attempt == 2:
+                        log.warning("llguidance's process died compiling a grammar, twice; the grammar was refused")
+                        raise ValueError(f"{what}: llguidance crashed compiling the grammar (in a process of its "
+                                         "own); a simpler grammar compiles") from None
         if status == "error":
             raise ValueError(value)
         return value
 
     @property
     def pid(self) -> int | None:
-        """The running child's process id (None before the first grammar or after a kill)."""
+        """The running child's process id (None before the first grammar or after a stop)."""
         return None if self._child is None else self._child.pid
 
-    def _started(self) -> bool:
-        if self._child is not None and self._child.poll() is None:
+    def _ready(self, source: TokenizerSource | None) -> bool:
+        """Whether a child is running that has read `source`'s tokenizer (one is started, and reads it, if need be)."""
+        if self._child is None or self._child.poll() is not None:
+            self._stop()
+            if time.monotonic() < self._retry_at or not self._start():
+                return False
+        if source is None or source.key in self._read:
             return True
-        if self._unavailable is not None:
-            return False
-        parent_end, child_end = socket.socketpair()
         try:
-            self._child = subprocess.Popen(
-                [sys.executable, "-P", os.path.abspath(__file__), str(child_end.fileno())],
-                pass_fds=(child_end.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
-            self._conn, self._read = Connection(parent_end.detach()), set()
-            if self._ask(("ready",), CHILD_START_LIMIT_S) == ("ok", None):
-                return True
-            why = "it did not start"
-        except (OSError, TimeoutError, EOFError) as e:
-            why = f"it did not start ({e!r})"
-        finally:
-            parent_end.close()
-            child_end.close()
-        self._stop()
-        self._unavailable = why
-        log.warning("grammars are compiled in this process, unvetted: no vetting child (%s); a grammar llguidance "
-                    "never finishes compiling leaves a thread running", why)
+            reply = self._ask(("tokenizer", source.key, source.json, source.n_vocab, source.eos), CHILD_START_LIMIT_S)
+        except (TimeoutError, EOFError) as e:
+            reply = ("failed", repr(e))
+        if reply == ("ok", None):
+            self._read.add(source.key)
+            return True
+        log.warning("the grammar-vetting child could not read a tokenizer (%s): this grammar is compiled in this "
+                    "process, unvetted", reply)
         return False
 
-    def _read_tokenizer(self, source: TokenizerSource) -> bool:
+    def _start(self) -> bool:
+        """Start a child (in a process group of its own: a terminal's Ctrl-C is for the server, which ends it) and
+        wait for it to be ready; False, logged, if it cannot be (no child is tried again for CHILD_RETRY_S)."""
+        parent_end: socket.socket | None = None
         try:
-            if self._ask(("tokenizer", source.key, source.json, source.n_vocab, source.eos),
-                         CHILD_START_LIMIT_S) == ("ok", None):
-                self._read.add(source.key)
-                return True
-        except (TimeoutError, EOFError):
-            pass
-        log.warning("the vetting child could not read a tokenizer: its grammars are compiled in this process, "
-                    "unvetted")
+            parent_end, child_end = socket.socketpair()
+            with child_end:  # (closed here once the child has its copy: a child that dies is then an EOF at once)
+                self._child = subprocess.Popen(
+                    [sys.executable, "-P", os.path.abspath(__file__), str(child_end.fileno()), str(os.getpid())],
+                    pass_fds=(child_end.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                    process_group=0)
+            self._conn, self._read = Connection(parent_end.detach()), set()
+            reply = self._ask(("ready",), CHILD_START_LIMIT_S)
+            why = "" if reply == ("ok", None) else f"it answered {reply!r}"
+        except Exception as e:  # noqa: BLE001 (OSError, a timeout, EOF; AssertionError for pass_fds on Windows)
+            why = repr(e)
+        finally:
+            if parent_end is not None:
+                parent_end.close()  # (nothing once detached)
+        if not why:
+            return True
+        self._stop()
+        self._retry_at = time.monotonic() + CHILD_RETRY_S
+        log.warning("no grammar-vetting child could be started (%s): for the next %.0f s grammars are compiled in "
+                    "this process, unvetted", why, CHILD_RETRY_S)
         return False
 
     def _ask(self, job: tuple[Any, ...], limit: float) -> tuple[str, Any]:
-        """The child's reply to `job`; TimeoutError (the child killed) after `limit` seconds, EOFError if it died."""
+        """The child's reply to `job`; TimeoutError after `limit` seconds, EOFError if it died. The child is stopped
+        on any failure, an interrupt too: a reply left unread would answer the next job."""
         conn = self._conn
         assert conn is not None
         try:
             conn.send(job)
-            answered = conn.poll(limit)
-            reply: tuple[str, Any] = conn.recv() if answered else ("", None)
-        except (EOFError, OSError):
+            if not conn.poll(limit):
+                raise TimeoutError
+            reply: tuple[str, Any] = conn.recv()
+            return reply
+        except BaseException as e:
             self._stop()
+            if isinstance(e, TimeoutError | EOFError) or not isinstance(e, OSError):
+                raise
             raise EOFError from None
-        if not answered:
-            self._stop()
-            raise TimeoutError
-        return reply
 
     def _stop(self) -> None:
         if self._conn is not None:
@@ -364,25 +379,46 @@ class Vetter:
             self._child.wait()
         self._child, self._conn = None, None
 
+    def _forget(self) -> None:
+        """In a forked copy of this process: its parent's child is not its own (never stopped from here), the socket's
+        copy is closed (the child still sees its parent's end close), and a lock another thread held is replaced."""
+        if self._conn is not None:
+            self._conn.close()
+        self._lock, self._child, self._conn, self._read = threading.Lock(), None, None, set()
 
-def _serve(fd: int) -> None:
-    """The child's loop: each job compiled on a big-stack thread, its outcome sent back; the child exits when the
-    parent's end closes, during a job too (the parent sends nothing while it waits, so its end readable is its end)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a terminal's Ctrl-C is for the server, which ends the child)
+
+_vetters: weakref.WeakSet[Vetter] = weakref.WeakSet()
+
+
+def _forget_children() -> None:
+    for vetter in list(_vetters):
+        vetter._forget()
+
+
+os.register_at_fork(after_in_child=_forget_children)
+
+
+def _serve(fd: int, parent: int) -> None:
+    """The child's loop: each job compiled on a big-stack thread, its outcome sent back. The child exits when the
+    parent's end of the socket closes (the parent sends nothing while a job runs, so its end readable is its end), or
+    when the parent has gone (a process it forked may hold a copy of that end), during a job too."""
     conn = Connection(fd)
     tokenizers: dict[str, tuple[Any, int]] = {}
-    while True:
-        try:
+    try:
+        while True:
+            while not conn.poll(0.2):
+                if os.getppid() != parent:
+                    return
             job = conn.recv()
-        except (EOFError, OSError):
-            return
-        box: list[tuple[str, Any]] = []
-        worker = _on_big_stack(functools.partial(_run, job, tokenizers, box))
-        while worker.is_alive():
-            worker.join(0.2)
-            if worker.is_alive() and conn.poll(0):
-                os._exit(0)
-        conn.send(box[0])
+            box: list[tuple[str, Any]] = []
+            worker = _on_big_stack(functools.partial(_run, job, tokenizers, box))
+            while worker.is_alive():
+                worker.join(0.2)
+                if worker.is_alive() and (conn.poll(0) or os.getppid() != parent):
+                    os._exit(0)
+            conn.send(box[0])
+    except (EOFError, OSError):  # (the parent's end closed)
+        return
 
 
 def _run(job: tuple[Any, ...], tokenizers: dict[str, tuple[Any, int]], out: list[tuple[str, Any]]) -> None:
@@ -409,4 +445,4 @@ def _run(job: tuple[Any, ...], tokenizers: dict[str, tuple[Any, int]], out: list
 
 
 if __name__ == "__main__":
-    _serve(int(sys.argv[1]))
+    _serve(int(sys.argv[1]), int(sys.argv[2]))
