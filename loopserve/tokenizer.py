@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import numbers
 import os
 import uuid
@@ -44,6 +45,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from loopserve.chat_messages import check_continuable, within
 from loopserve.detokenizer import TextStream, is_byte_level
 from loopserve.json_files import read_json_object, read_text, unreadable
+
+log = logging.getLogger(__name__)
 
 DEFAULT_TEMPLATE = "default"
 TOOL_USE_TEMPLATE = "tool_use"  # picked when tools are given, as transformers does
@@ -239,10 +242,9 @@ def _compile(template: str) -> jinja2.Template:
         raise ValueError(f"chat_template: not a valid Jinja template (line {e.lineno}: {e.message})") from None
 
 
-def read_chat_templates(folder: Path, config: Mapping[str, Any], check: bool = True) -> dict[str, str]:
-    """The folder's chat templates by name (`default` for the unnamed one), as transformers loads them. `check`: each
-    must compile, else a ValueError naming the file it came from (where the server would otherwise start and refuse
-    every chat request, naming a `chat_template` field the client never sent)."""
+def read_chat_templates(folder: Path, config: Mapping[str, Any]) -> dict[str, tuple[str, str]]:
+    """The folder's chat templates by name (`default` for the unnamed one), as transformers loads them, each with
+    where it came from (a file, or tokenizer_config.json's key)."""
     where = folder / "tokenizer_config.json"
     raw = config.get("chat_template")
     templates: dict[str, tuple[str, str]] = {}  # name: (template, where it came from)
@@ -264,13 +266,7 @@ def read_chat_templates(folder: Path, config: Mapping[str, Any], check: bool = T
     if extra.is_dir():
         for f in sorted(extra.glob("*.jinja")):
             templates[f.stem] = read_text(f), str(f)
-    for template, source in templates.values() if check else ():
-        try:
-            _compile(template)
-        except ValueError as e:
-            raise ValueError(f"{source}: {str(e).removeprefix('chat_template: ')}; fix it, or give another with "
-                             "--chat-template") from None
-    return {name: template for name, (template, _) in templates.items()}
+    return templates
 
 
 def load_chat_template(value: str) -> str:
@@ -307,6 +303,15 @@ class Tokenizer:
         cfg_path = folder / "tokenizer_config.json"
         self.config: dict[str, Any] = read_json_object(cfg_path) if cfg_path.is_file() else {}
         _check_special_tokens(self.config, cfg_path)
+        mapped = folder / "special_tokens_map.json"
+        if "added_tokens_decoder" not in self.config and mapped.is_file():
+            # transformers' older format: a tokenizer_config.json without added_tokens_decoder takes its special
+            # tokens from special_tokens_map.json, which wins where both name one (a folder with only the map had
+            # no eos token, and generation never stopped)
+            special = read_json_object(mapped)
+            _check_special_tokens(special, mapped)
+            self.config.update({k: special[k] for k in (*SPECIAL_TOKEN_NAMES, "additional_special_tokens")
+                                if special.get(k) is not None})
         # transformers' attributes: the folder it was loaded from, and the longest input the model takes
         self.name_or_path = str(folder)
         max_length = self.config.get("model_max_length")
@@ -321,8 +326,20 @@ class Tokenizer:
         self.unk_token_id = self.tok.token_to_id(self.unk_token) if self.unk_token else None
         # transformers' attribute: `all_special_tokens` and the chat templates' variable of that name read it
         self.additional_special_tokens = [_token_str(t) for t in self.config.get("additional_special_tokens") or []]
-        # (a template given replaces the folder's: theirs need not compile)
-        self.chat_templates = read_chat_templates(folder, self.config, check=chat_template is None)
+        found = read_chat_templates(folder, self.config)
+        self.chat_templates = {name: template for name, (template, _) in found.items()}
+        # A folder's template that does not compile is refused when a chat uses it, naming its file, as vLLM starts
+        # and warns: completions need no template (the load had been refused, a checkpoint unusable for a template
+        # that a newer Jinja feature broke). A template given replaces the folder's, which then need not compile.
+        self._broken: dict[str, str] = {}  # a template's text: why it cannot be used
+        for template, source in found.values() if chat_template is None else ():
+            try:
+                _compile(template)
+            except ValueError as e:
+                self._broken[template] = (f"chat_template: the model's template does not compile ({source}: "
+                                          f"{str(e).removeprefix('chat_template: ')}); fix it, or give another "
+                                          "with --chat-template")
+                log.warning("%s; a chat that uses it is refused", self._broken[template])
         if chat_template is not None:
             self.set_chat_template(chat_template)
         self.eos_token_ids: set[int] = {self.eos_token_id} if self.eos_token_id is not None else set()
@@ -679,7 +696,10 @@ class Tokenizer:
         if tools is not None and (isinstance(tools, str | Mapping) or not isinstance(tools, Sequence)
                                   or not all(isinstance(t, Mapping) for t in tools)):
             raise ValueError("tools: expected a list of JSON-schema objects")
-        template = _compile(self.get_chat_template(chat_template, tools))
+        text = self.get_chat_template(chat_template, tools)
+        if text in self._broken:
+            raise ValueError(self._broken[text])
+        template = _compile(text)
         variables = {**self._special_tokens(), "documents": documents, **kwargs,
                      "tools": None if tools is None else list(tools), "add_generation_prompt": add_generation_prompt}
 

@@ -56,10 +56,10 @@ def test_chat_template_jinja_file_wins_over_the_config(folder):
 
 @pytest.mark.parametrize("where", ["chat_template.jinja", "additional_chat_templates/terse.jinja",
                                    "tokenizer_config.json"])
-def test_a_folder_template_that_does_not_compile_is_named_at_load(folder, tmp_path, where):
-    """A broken template of the folder refuses the load, naming the file it came from (the server started and
-    refused every chat request with a 400 naming a `chat_template` field the client never sent); a template given
-    at load replaces the folder's, which then need not compile."""
+def test_a_folder_template_that_does_not_compile_is_refused_when_a_chat_uses_it(folder, tmp_path, where, caplog):
+    """A broken template of the folder is named, with its file, in a warning at load and in the error of a chat that
+    uses it; the load itself goes on, as vLLM's does, so completions work (the load had been refused: a checkpoint
+    unusable for its template). A template given at load replaces the folder's, which then need not compile."""
     broken = "{% for m in messages %}{{ m.content }"
     if where == "tokenizer_config.json":
         _set_config_template(folder, broken)
@@ -67,8 +67,14 @@ def test_a_folder_template_that_does_not_compile_is_named_at_load(folder, tmp_pa
         (folder / where).parent.mkdir(exist_ok=True)
         (folder / where).write_text(broken)
     source = re.escape(str(folder / where))
-    with pytest.raises(ValueError, match=rf"^{source}(: chat_template)?: not a valid Jinja template \(line 1"):
-        Tokenizer(folder)
+    why = rf"chat_template: the model's template does not compile \({source}(: chat_template)?: not a valid Jinja"
+    with caplog.at_level("WARNING", logger="loopserve.tokenizer"):
+        tok = Tokenizer(folder)
+    assert re.search(why, caplog.text), caplog.text
+    assert tok.encode("Hello") and tok.decode(tok.encode("Hello")) == "Hello"
+    name = "terse" if "terse" in where else None
+    with pytest.raises(ValueError, match=rf"^{why}.*; fix it, or give another with --chat-template$"):
+        tok.apply_chat_template(HELLO, chat_template=name, tokenize=False)
     given = tmp_path / "given.jinja"
     given.write_text("G{{ messages[0].content }}")
     assert _text(Tokenizer(folder, chat_template=str(given)), HELLO) == "GHello"
@@ -223,3 +229,25 @@ def test_decode_token_is_the_tokens_text(folder):
     for i in range(tok.vocab_size):
         assert tok.decode_token(i) == tok.decode([i], skip_special_tokens=False)
     assert tok.decode_token(2) == "<|im_end|>"  # special tokens keep their text
+
+
+def test_special_tokens_map_gives_the_special_tokens_of_an_older_folder(folder, tiny_ouro):
+    """transformers' older format: a tokenizer_config.json without added_tokens_decoder (or none at all) takes its
+    special tokens from special_tokens_map.json, which wins where both name one (without it such a folder had no eos
+    token, and generation never stopped); with added_tokens_decoder the config's own are read, as transformers does."""
+    shutil.copy(tiny_ouro / "special_tokens_map.json", folder / "special_tokens_map.json")
+    path = folder / "tokenizer_config.json"
+    cfg = json.loads(path.read_text())
+    path.unlink()
+    tok = Tokenizer(folder)
+    assert tok.eos_token == "<|endoftext|>" and tok.eos_token_id is not None and tok.eos_token_ids == {tok.eos_token_id}
+    assert "<|im_end|>" in tok.additional_special_tokens
+    legacy = {k: v for k, v in cfg.items() if k != "added_tokens_decoder"}
+    path.write_text(json.dumps({**legacy, "eos_token": "<|im_end|>"}))
+    assert Tokenizer(folder).eos_token == "<|endoftext|>"  # (the map wins)
+    path.write_text(json.dumps({**cfg, "eos_token": "<|im_end|>"}))
+    assert Tokenizer(folder).eos_token == "<|im_end|>"  # (a config with added_tokens_decoder: its own)
+    (folder / "special_tokens_map.json").write_text(json.dumps({"eos_token": 5}))
+    path.write_text(json.dumps(legacy))
+    with pytest.raises(ValueError, match=r"special_tokens_map.json: eos_token: must be a token"):
+        Tokenizer(folder)
