@@ -180,6 +180,9 @@ def test_padded_model_vocabulary_is_masked(tiny_ouro):
     (dict(json={"properties": {"id": {"type": ["integer", "null"], "exclusiveMaximum": 2**63 + 10}}}), "json"),
     (dict(json={"items": [{"type": "integer", "minimum": -(2**53) - 1}]}), "json"),  # (read as -2^53)
     (dict(json={"allOf": [{"type": "integer"}, {"minimum": 10**30}]}), "json"),  # (the bound not on the typed node)
+    # a property, or a definition, named like a keyword whose value is no schema
+    (dict(json={"properties": {"default": {"type": "integer", "maximum": 10**30}}}), "json"),
+    (dict(json={"$defs": {"enum": {"type": "integer", "minimum": 2**53 + 1}}}), "json"),
     (dict(), "structured_outputs"),
     (dict(regex="a", choice=["a"]), "structured_outputs"),
 ])

@@ -81,6 +81,8 @@ def readable(error: str) -> str:
 # bounds are refused. 2^63 - 1, the common int64 maximum, is read right (clamped back to itself).
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 _DATA_KEYWORDS = ("default", "examples", "enum", "const")  # (their values are instances, not schemas)
+# keywords whose value maps names of the schema's own choosing to schemas (a property may be named "default")
+_NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _I64 = 2**63
 
 
@@ -107,7 +109,11 @@ def _wide_integer_bound(text: str) -> str | None:
                 if not exact:
                     return (f"a {key} of {v} is one the grammar cannot keep to exactly (a bound must be a 64-bit "
                             "float's value, within the 64-bit integers)")
-            stack.extend(v for k, v in node.items() if k not in _DATA_KEYWORDS)
+            for k, v in node.items():
+                if k in _NAMED_SCHEMAS and isinstance(v, dict):
+                    stack.extend(v.values())
+                elif k not in _DATA_KEYWORDS:
+                    stack.append(v)
         elif isinstance(node, list):
             stack.extend(node)
     return None
@@ -234,7 +240,7 @@ def _on_big_stack(target: Callable[[], None]) -> threading.Thread:
     return worker
 
 
-def too_slow(what: str, limit: float) -> ValueError:
+def _too_slow(what: str, limit: float) -> ValueError:
     return ValueError(f"{what}: the grammar took longer than {limit:.0f} s to compile (llguidance's parser); a "
                       "simpler grammar compiles")
 
@@ -256,7 +262,7 @@ def on_compile_stack(fn: Callable[[], T], what: str, limit: float) -> T:
     if worker.is_alive():
         log.warning("a grammar took longer than %.0f s to compile in this process; its compile thread cannot be "
                     "stopped and runs on", limit)
-        raise too_slow(what, limit)
+        raise _too_slow(what, limit)
     ok, value = box[0]
     if not ok:
         raise value
@@ -293,7 +299,7 @@ class Vetter:
                 except TimeoutError:
                     log.warning("a grammar took longer than %.0f s to compile and was refused; its compile was "
                                 "stopped", limit)
-                    raise too_slow(what, limit) from None
+                    raise _too_slow(what, limit) from None
                 except EOFError:
                     if attempt == 2:
                         log.warning("llguidance's process died compiling a grammar, twice; the grammar was refused")
