@@ -39,9 +39,12 @@ class CommandError(SystemExit):
     """A command's refusal of its arguments or inputs: `main` prints one `error: <message>` line and the process
     exits with status 2, as for argparse's own errors (`str(e)` is the message)."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, *, as_flag: bool = True) -> None:
         super().__init__(2)
         self.message = message
+        # whether `main` names a keyword's error ("model: ...") by the command's flag for it (`as_flag_error`): not
+        # where the user gave that value as a positional argument, and typed no such flag
+        self.as_flag = as_flag
 
     def __str__(self) -> str:
         return self.message
@@ -297,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nloopserve {args.command}: interrupted", file=sys.stderr)
         return 130
     except CommandError as e:
-        e.message = as_flag_error(e.message, command_parser)
+        if e.as_flag:
+            e.message = as_flag_error(e.message, command_parser)
         print(f"error: {e}", file=sys.stderr)
         raise  # (exit status 2; a caller that catches SystemExit reads the message from it)
     except ModuleNotFoundError as e:

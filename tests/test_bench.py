@@ -935,6 +935,16 @@ def _refused(argv: list[str], capsys) -> str:
     return err[0]
 
 
+def test_a_model_bench_cannot_run_is_refused_before_the_loading_line(capsys):
+    """A hub id (bench runs presets and folders): `loading ByteDance/Ouro-1.4B (...)` was printed, then refused."""
+    from loopserve.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "throughput", "--model", "ByteDance/Ouro-1.4B", "--no-progress"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: --model: 'ByteDance/Ouro-1.4B' is neither a bench preset"), err
+
+
 def test_bench_refusals_are_one_error_line_with_status_2(bench_cache, monkeypatch, capsys):
     """A model that is neither a preset nor a folder, MT-Bench before `bench setup`, a missing trajectories file,
     a sweep that needs what is not given (checked before the model loads): no traceback.

@@ -296,6 +296,9 @@ def _one_error_line(stderr: str) -> str:
     # (run as `__main__`, the module's own `CommandError` class was not the one `bench` raises: exit 2, silently)
     (["bench", "throughput", "--model", "/nonexistent", "--no-progress", "--out", "out"],
      "error: --model: '/nonexistent' is neither a bench preset"),
+    # (the positional model was named as the --model flag, which the user did not type; vLLM's `serve MODEL`)
+    (["serve", "/nonexistent", "--port", "0"], "error: model: '/nonexistent' is not a model folder"),
+    (["serve", "--model", "/nonexistent", "--port", "0"], "error: --model: '/nonexistent' is not a model folder"),
 ])
 def test_refusals_are_one_error_line_with_status_2_run_as_a_module(argv, message, tmp_path):
     """`python -m loopserve.cli` (as the tests and docs run it) refuses a missing model or results file with one

@@ -75,11 +75,11 @@ def test_generation_config_modes(tiny_ouro, tmp_path):
         read_generation_config(folder, str(tmp_path / "nowhere"))
 
 
-@pytest.mark.parametrize("key,value,field", [("top_p", 0, "top_p"), ("temperature", -1, "temperature"),
-                                             ("max_new_tokens", 0, "max_tokens")])
-def test_bad_generation_config_names_the_file_and_field(tiny_ouro, tmp_path, key, value, field):
+@pytest.mark.parametrize("key,value", [("top_p", 0), ("temperature", -1), ("max_new_tokens", 0)])
+def test_bad_generation_config_names_the_file_and_key(tiny_ouro, tmp_path, key, value):
+    """The key as the file spells it: max_new_tokens was named by its SamplingParams field, max_tokens."""
     folder = _with_generation_config(tiny_ouro, tmp_path / "m", **{key: value})
-    with pytest.raises(ValueError, match=rf"generation_config.json: {field}: "):
+    with pytest.raises(ValueError, match=rf"generation_config.json: {key}: "):
         LLM(folder, scheduler="reference")
 
 

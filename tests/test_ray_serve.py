@@ -147,6 +147,8 @@ def test_replica_threads_flags_one_rule(monkeypatch):
     (["--replicas", "2", "--replica-cpus", "0"], "--replica-cpus: must be > 0"),
     # (a relative one: Ray started, and six replica tracebacks came before the error, with exit 1)
     (["--replicas", "2", "--model", "no_such_folder"], "model: 'no_such_folder' is not a model folder"),
+    # (given positionally, vLLM's `serve MODEL`: named as the --model flag, which the user did not type)
+    (["no_such_folder", "--replicas", "2"], "error: model: 'no_such_folder' is not a model folder"),
     (["--replicas", "2", "--ray-address", "127.0.0.1:1"], "--ray-address: nothing answers at 127.0.0.1:1"),
     # (Ray's proxy took it as any free port, and the start-up line said port 0)
     (["--replicas", "2", "--port", "0"], "--port: 0 (a port the system picks) cannot be used with replicas"),

@@ -251,3 +251,51 @@ def test_train_tiny_and_eval_refuse_their_outputs_before_running(tmp_path, capsy
         with pytest.raises(SystemExit) as exited:
             main(argv)
         assert exited.value.code == 2 and words in capsys.readouterr().err, argv
+
+
+@pytest.fixture
+def eval_offline(tmp_path, monkeypatch):
+    """`eval`'s inputs without the network: a few held-out tokens, and one MT-Bench question."""
+    from loopserve_lab.bench import workloads
+    from loopserve_lab.train import evaluate, trajectories
+
+    questions = tmp_path / "question.jsonl"
+    questions.write_text(json.dumps({"question_id": 1, "category": "writing", "turns": ["Hello"]}) + "\n")
+    monkeypatch.setattr(evaluate, "eval_texts", lambda tok: (None, torch.randint(3, 500, (40,))))
+    for module in (workloads, trajectories):
+        monkeypatch.setattr(module, "setup_mtbench", lambda: questions)
+
+
+@pytest.mark.parametrize("command", ["ppl", "trajectories"])
+def test_eval_refuses_a_checkpoint_that_does_not_load_with_one_error_line(tiny_ref, tmp_path, eval_offline, capsys,
+                                                                          command):
+    """A tensor of the wrong shape was a traceback (exit 1) from inside the evaluation, where generate, serve and
+    bench print the load's error as one `error:` line (exit 2)."""
+    from safetensors.torch import load_file, save_file
+
+    from loopserve.cli import main
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_ref, bad)
+    tensors = load_file(bad / "model.safetensors")
+    save_file({**tensors, "model.norm.weight": torch.ones(65)}, bad / "model.safetensors")
+    out = ["--out-json", str(tmp_path / "r.json")] if command == "ppl" else ["--out-dir", str(tmp_path / "t")]
+    with pytest.raises(SystemExit) as exited:
+        main(["eval", command, str(bad), *out])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err == (f"error: {bad / 'model.safetensors'}: tensor 'model.norm.weight' has "
+                                              "shape (65,), expected (64,)\n"), err
+
+
+@pytest.mark.parametrize("command", ["ppl", "trajectories"])
+def test_eval_refuses_huginn_up_front(tiny_huginn, tmp_path, eval_offline, capsys, command):
+    """Both evaluations read Ouro's learned exit gate: a Huginn checkpoint (like-init state by default) crashed
+    inside the scorer ("like-init state needs per-row seeds"), zero-state in the gate."""
+    from loopserve.cli import main
+
+    out = ["--out-json", str(tmp_path / "r.json")] if command == "ppl" else ["--out-dir", str(tmp_path / "t")]
+    with pytest.raises(SystemExit) as exited:
+        main(["eval", command, str(tiny_huginn), "--seq-len", "12", *out])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.startswith(f"error: model: '{tiny_huginn}' is a RavenForCausalLM "
+                                                     "checkpoint; `loopserve eval` evaluates OuroForCausalLM"), err

@@ -94,8 +94,10 @@ def read_generation_config(folder: Path, mode: str = "auto", model_config: dict[
         out[name] = raw[key]
     try:
         SamplingParams(**out)
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
+    except ValueError as e:  # (its message names the SamplingParams field: the file's key for it instead)
+        name, sep, why = str(e).partition(": ")
+        keys = {name: key for key, name in _GENERATION_KEYS.items()}
+        raise ValueError(f"{path}: {keys.get(name, name)}{sep}{why}") from None
     if out:
         log.info("%s: default sampling parameters %s (a request's own values win)", path, out)
     return GenerationConfig(out, eos, out.get("max_tokens") if elsewhere else None)

@@ -399,6 +399,13 @@ def load_server(args: argparse.Namespace) -> tuple[LLMEngine, ServerSettings]:
     return engine, settings
 
 
+def model_refusal(args: argparse.Namespace, e: ValueError) -> CommandError:
+    """`e`, a refusal of the flags or the model, as the command's `error:` line: one about a model given as the
+    positional argument (`serve MODEL`, vLLM's form) names it `model`, not the --model flag the user did not type."""
+    message = str(e)
+    return CommandError(message, as_flag=not (args.model_tag is not None and message.startswith("model: ")))
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     problem = _check(args)
     if problem is not None:
@@ -437,7 +444,7 @@ def _serve_on(listener: socket.socket, args: argparse.Namespace) -> int:
     try:
         engine, settings = load_server(args)
     except ValueError as e:
-        raise CommandError(str(e)) from None
+        raise model_refusal(args, e) from None
     engine_failed = False
 
     def stop_serving() -> None:  # on the event loop, once the engine thread has died

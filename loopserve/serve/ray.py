@@ -449,7 +449,7 @@ class LoopServeReplica:
 def run_replicas(args: argparse.Namespace) -> int:
     """Serve the flags' model on Ray Serve until SIGTERM (exit 0) or SIGINT (130); a CommandError for bad flags,
     1 if the application could not be deployed."""
-    from loopserve.serve.cli import listen
+    from loopserve.serve.cli import listen, model_refusal
 
     local = args.ray_address is None
     try:  # bad engine flags, a bad model, a port in use, a cluster that is not there: before Ray starts
@@ -463,7 +463,7 @@ def run_replicas(args: argparse.Namespace) -> int:
         else:
             _check_ray_address(args.ray_address)
     except ValueError as e:
-        raise CommandError(str(e)) from None
+        raise model_refusal(args, e) from None
     stop = threading.Event()
     code = {"value": 0}
 
@@ -488,7 +488,7 @@ def run_replicas(args: argparse.Namespace) -> int:
             application = build_application(args, check_model=False)
             _check_resources(args, local)
         except ValueError as e:
-            raise CommandError(str(e)) from None
+            raise model_refusal(args, e) from None
         try:
             # (controller_options applies where this starts Serve: a cluster's running Serve keeps its controller's)
             serve.start(http_options={"host": args.host, "port": args.port},

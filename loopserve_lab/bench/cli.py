@@ -216,6 +216,7 @@ def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
 def _start(args: argparse.Namespace, name: str, folder: Path | None = None):
     """(model, the results folder: `folder` when the command writes only there, else --out or bench-results/<name>)."""
     from loopserve_lab.bench.harness import BenchModel, set_threads
+    from loopserve_lab.bench.presets import resolve_model
 
     set_threads(args.threads)
     if str(args.device).startswith("cuda"):
@@ -223,9 +224,10 @@ def _start(args: argparse.Namespace, name: str, folder: Path | None = None):
 
         if not torch.cuda.is_available():
             raise CommandError(f"--device {args.device}: CUDA is not available on this machine")
-    print(f"loading {args.model} ({args.dtype}, {args.device})", file=sys.stderr)
     try:
-        bm = BenchModel.load(args.model, args.dtype, args.device, args.state_init)
+        path = resolve_model(args.model)  # (before the "loading" line: a model that is not there is refused alone)
+        print(f"loading {args.model} ({args.dtype}, {args.device})", file=sys.stderr)
+        bm = BenchModel.load(str(path), args.dtype, args.device, args.state_init)
     except ValueError as e:  # (not a preset nor a checkpoint folder; a folder that does not load)
         raise CommandError(str(e)) from None
     out = folder or args.out or DEFAULT_OUT / name  # (made once the model has loaded: a refused run leaves no folder)

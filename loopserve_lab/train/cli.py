@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from loopserve.cli import CommandError, output_file, output_folder, positive_int
 from loopserve.config_args import add_config_args, config_kwargs
+
+if TYPE_CHECKING:
+    from loopserve.models.loader import LoadedModel
 
 # Where `eval` writes unless told: a folder of the current directory, so that a run from the repository's root
 # never overwrites the committed docs/ files (docs/embedded-model.md passes those paths when it means them).
@@ -33,17 +37,39 @@ def cmd_train_tiny(args: argparse.Namespace) -> int:
 
 def _model(args) -> str:
     """The model folder to evaluate (the embedded model unless given), or a CommandError (`error:` line, exit 2)
-    if it is not a checkpoint folder: checked before anything runs, as `load_model` would refuse it."""
+    if it is not a checkpoint folder of an Ouro model: checked before anything runs, as `load_model` would refuse
+    it. Both evaluations read Ouro's learned exit gate, which Huginn has not (its like-init state would fail first,
+    in `score_windows`, which gives its prelude no per-row seeds)."""
+    from loopserve.json_files import read_json_object
+    from loopserve.model_config import OURO, ModelConfig
     from loopserve.models.loader import embedded_model_path, resolve_model_path
 
     model = str(args.model or embedded_model_path())
     try:
         folder = resolve_model_path(model)  # (a hub id is fetched here, as the loader would)
+        cfg_path = folder / "config.json"
+        if not cfg_path.is_file():
+            raise CommandError(f"model: {model!r} is not a checkpoint folder ({cfg_path}: missing)")
+        arch = ModelConfig.from_hf(read_json_object(cfg_path), str(cfg_path)).arch
     except ValueError as e:
         raise CommandError(str(e)) from None
-    if not (folder / "config.json").is_file():
-        raise CommandError(f"model: {model!r} is not a checkpoint folder ({folder / 'config.json'}: missing)")
+    if arch != OURO:
+        raise CommandError(f"model: {model!r} is a {arch} checkpoint; `loopserve eval` evaluates {OURO} checkpoints "
+                           "only (its exit depths come from Ouro's learned exit gate)")
     return model
+
+
+def _load(model: str, dtype: str) -> LoadedModel:
+    """`model` loaded as `eval` runs it (on the CPU, in `dtype`), or a CommandError saying why it does not load (a
+    tensor of the wrong shape, a missing tokenizer): the load's ValueError only, so a bug in the evaluation that
+    follows still shows its traceback."""
+    from loopserve.models.loader import load_model
+    from loopserve_lab.train.evaluate import EVAL_DEVICE
+
+    try:
+        return load_model(model, dtype, EVAL_DEVICE)
+    except ValueError as e:
+        raise CommandError(str(e)) from None
 
 
 def samples(model: str, n_tokens: int = 80, seed: int = 0, dtype: str | None = None) -> list[dict]:
@@ -72,7 +98,7 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     out_json = Path(args.out_json)
     res = run_eval(model, out_json, args.windows, args.seq_len, args.calibrate, args.max_ppl_increase,
                    args.max_mean_depth, args.calib_windows, progress=not args.no_progress, jobs=args.jobs,
-                   dtype=args.dtype)
+                   dtype=args.dtype, loaded=_load(model, args.dtype))
     if args.samples:
         res["samples"] = samples(model, dtype=args.dtype)
         for s in res["samples"]:
@@ -89,13 +115,16 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
 def cmd_eval_trajectories(args: argparse.Namespace) -> int:
     import torch
 
-    from loopserve_lab.bench.workloads import MTBenchUnavailable
+    from loopserve_lab.bench.workloads import MTBenchUnavailable, setup_mtbench
     from loopserve_lab.train.trajectories import record
 
     model = _model(args)
     torch.set_num_threads(args.threads)
     try:
-        record(model, args.out_dir, args.heldout_windows, args.seq_len, args.max_tokens, dtype=args.dtype)
+        setup_mtbench()  # (before the load, as `record` fetches them first: cached, `record` finds them there)
+        loaded = _load(model, args.dtype)
+        record(model, args.out_dir, args.heldout_windows, args.seq_len, args.max_tokens, dtype=args.dtype,
+               loaded=loaded)
     except MTBenchUnavailable as e:
         raise CommandError(str(e)) from None
     return 0

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from loopserve.cache.layout import LAYOUTS
 from loopserve.device import dtype_name
-from loopserve.models.loader import load_model
+from loopserve.models.loader import LoadedModel, load_model
 from loopserve_lab.train.corpus import DEFAULT_CACHE_DIR, DEFAULT_HELDOUT_TITLE, fetch_shakespeare, load_works
 from loopserve_lab.train.scorer import score_windows
 from loopserve_lab.train.train_tiny import set_exit_threshold, token_streams, windows
@@ -106,8 +106,10 @@ def pick_threshold(runs: dict, layout: str, max_increase: float, max_depth: floa
 
 def run_eval(model_path: str | Path, out_json: Path, windows_limit: int | None, seq_len: int, calibrate: bool,
              max_increase: float, max_depth: float, calib_windows: int, layouts=LAYOUTS, progress=True,
-             log=print, jobs: int = 1, dtype: str = EVAL_DTYPE) -> dict:
-    loaded = load_model(model_path, dtype, EVAL_DEVICE)
+             log=print, jobs: int = 1, dtype: str = EVAL_DTYPE, loaded: LoadedModel | None = None) -> dict:
+    """`loaded`: `model_path` already loaded in `dtype` (the CLI loads it first, to refuse one that does not load
+    with an `error:` line); None: loaded here."""
+    loaded = loaded or load_model(model_path, dtype, EVAL_DEVICE)
     model, tok = loaded.model, loaded.tokenizer
     val, held = eval_texts(tok)
     results: dict = {"model": str(model_path), "seq_len": seq_len, "torch_threads": torch.get_num_threads(),

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from loopserve.device import dtype_name
-from loopserve.models.loader import load_model
+from loopserve.models.loader import LoadedModel, load_model
 from loopserve_lab.bench.workloads import load_mtbench, mtbench_source, setup_mtbench
 from loopserve_lab.train.train_tiny import gate_logits, step_states, windows
 
@@ -42,16 +42,18 @@ def _request(rid, prompt_len: int, ids: list[int], logits: torch.Tensor) -> dict
 
 
 def record(model_path: str | Path, out_dir: str | Path, heldout_windows: int = 32, seq_len: int = 256,
-           max_tokens: int = 128, seed: int = 0, log=print, dtype: str | None = None) -> list[Path]:
+           max_tokens: int = 128, seed: int = 0, log=print, dtype: str | None = None,
+           loaded: LoadedModel | None = None) -> list[Path]:
     """`dtype` (default `evaluate.EVAL_DTYPE`, float32): the gate logits' and the sampled continuations' alike,
-    both on the CPU: one recording, one dtype."""
+    both on the CPU: one recording, one dtype. `loaded`: `model_path` already loaded in that dtype (the CLI loads it
+    first, to refuse one that does not load with an `error:` line); None: loaded here."""
     from loopserve import LLM, SamplingParams
     from loopserve_lab.train.evaluate import EVAL_DEVICE, EVAL_DTYPE, eval_texts
 
     questions_file = setup_mtbench()  # (first: the questions `bench setup` fetches, in its cache)
     questions = load_mtbench(questions_file)
     dtype = dtype or EVAL_DTYPE
-    loaded = load_model(model_path, dtype, EVAL_DEVICE)
+    loaded = loaded or load_model(model_path, dtype, EVAL_DEVICE)
     model, tok = loaded.model, loaded.tokenizer
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
