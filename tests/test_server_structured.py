@@ -458,3 +458,53 @@ def test_one_rule_names_the_request_field_of_an_engine_error():
     failed.error_status = 500  # (not the request's fault: no field)
     error = request_failure(failed, "prompt", "guided_choice")
     assert error is not None and (error.status, error.param) == (500, None)
+
+
+STUCK = "start: A B\nA: /a+/\nB: /a+b/"  # (llguidance 1.9.1 never returns from its first mask: 20 s, then a 400)
+
+
+def test_new_grammars_hold_up_no_other_request_and_a_shutdown_ends_them_with_503s(tiny_path, tmp_path):
+    """Requests with a grammar to compile are built one at a time (the grammar lane), and a grammar llguidance never
+    finishes takes GRAMMAR_COMPILE_LIMIT_S (20 s) to be refused: requests whose grammar is compiled already, or that
+    carry tools and no grammar, do not wait behind it (they did, for every such grammar in the lane: 61 s behind
+    three). At the end of a graceful shutdown the one compiling and the one waiting for the lane get the 503 of a
+    shutdown at once (they had waited out the compile, the process with them, and got uvicorn's plain 500), the
+    process exits 0, and no compiling child is left."""
+    import signal
+
+    from tests.test_structured_output import _children, _gone
+
+    log = tmp_path / "server.log"
+    with run_server(tiny_path, log, "--shutdown-timeout", "4", "--kv-cache-tokens", "2048",
+                    "--enable-auto-tool-choice", "--tool-call-parser", "hermes", chat_template=TEMPLATE) as server:
+        cached = {"prompt": "a", "max_tokens": 2, "guided_regex": "[0-9]{2}"}
+        assert _post(server, "/v1/completions", cached).status_code == 200
+        answers: dict[str, httpx.Response] = {}
+
+        def send(name: str, grammar: str) -> None:
+            body = {"prompt": "a", "max_tokens": 2, "guided_grammar": grammar}
+            answers[name] = _post(server, "/v1/completions", body)
+
+        stuck = [threading.Thread(target=send, args=(name, STUCK.replace("A", name))) for name in ("P", "Q")]
+        for t in stuck:
+            t.start()
+            time.sleep(0.5)  # (P compiling, then Q waiting for its turn)
+        children = _children(server.proc.pid)
+        assert children, "no vetting child"
+        start = time.monotonic()
+        assert _post(server, "/v1/completions", cached).status_code == 200
+        tools = {"messages": MESSAGES, "max_tokens": 2, "tools": [WEATHER], "tool_choice": "auto"}
+        assert _post(server, "/v1/chat/completions", tools).status_code == 200
+        assert time.monotonic() - start < 8 and not answers  # (the stuck ones still compiling)
+        server.proc.send_signal(signal.SIGTERM)
+        for t in stuck:
+            t.join(30)
+        rc = server.proc.wait(30)
+        ended = time.monotonic() - start
+    text = log.read_text()
+    assert rc == 0 and ended < 15, (rc, ended, text)
+    for name in ("P", "Q"):
+        r = answers[name]
+        assert r.status_code == 503 and r.json()["error"]["message"] == "the server is shutting down", r.text
+    assert all(_gone(pid) for pid in children)
+    assert "Traceback" not in text and "ERROR" not in text, text

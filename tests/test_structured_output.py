@@ -264,6 +264,19 @@ def _gone(pid: int) -> bool:
         return f.read().rsplit(")", 1)[1].split()[0] in "ZX"
 
 
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if entry.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
 def _vets(monkeypatch) -> list[str]:
     """The kinds of the jobs the vetting child is sent from now on."""
     vets: list[str] = []
@@ -326,7 +339,10 @@ def test_a_grammar_whose_compile_kills_its_process_is_refused(llm, monkeypatch):
     params = SamplingParams(max_tokens=4, guided_decoding=GuidedDecodingParams(grammar=STUCK.replace("A", "C")))
     warm = SamplingParams(max_tokens=4, guided_decoding=GuidedDecodingParams(grammar='start: "w" | "x"'))
     llm.engine.make_sequence("warm", [5, 6], warm)  # (so that the child is compiling, not reading a tokenizer)
-    vets, refused = _vets(monkeypatch), []
+    refused: list[str] = []
+    asked: list[str] = []  # the kinds of the jobs sent to a child (the compile, not a start or a tokenizer read)
+    ask = grammar._vetter._ask
+    monkeypatch.setattr(grammar._vetter, "_ask", lambda job, limit: (asked.append(job[0]), ask(job, limit))[1])
 
     def request() -> None:
         try:
@@ -336,14 +352,13 @@ def test_a_grammar_whose_compile_kills_its_process_is_refused(llm, monkeypatch):
 
     worker = threading.Thread(target=request)
     worker.start()
-    deadline = time.monotonic() + 10
-    while vets != ["matcher"] and time.monotonic() < deadline:
-        time.sleep(0.01)
+    deadline = time.monotonic() + 20
     killed: list[int] = []
     while len(killed) < 2 and time.monotonic() < deadline:
-        time.sleep(0.3)  # (compiling)
+        time.sleep(0.05)
         child = grammar._vetter.pid
-        if child is not None and child not in killed:
+        if asked.count("matcher") > len(killed) and child is not None and child not in killed:
+            time.sleep(0.2)  # (compiling)
             os.kill(child, signal.SIGKILL)
             killed.append(child)
     worker.join(10)

@@ -88,6 +88,36 @@ GRAMMAR_COMPILE_LIMIT_S = 20.0
 _vetter = Vetter()  # (engine/grammar_compile.py)
 
 
+class GrammarNotCompiled(Exception):
+    """A grammar that is not compiled yet (nor known to fail), met under `compiled_only`."""
+
+
+_only_compiled = threading.local()
+
+
+@contextlib.contextmanager
+def compiled_only() -> Iterator[None]:
+    """On this thread, within it, a grammar that is not compiled yet raises GrammarNotCompiled instead of being
+    compiled: the server builds a request so first, so that one whose grammars are compiled does not wait for its turn
+    behind new ones, each of which may take GRAMMAR_COMPILE_LIMIT_S."""
+    _only_compiled.on = True
+    try:
+        yield
+    finally:
+        _only_compiled.on = False
+
+
+def stop_vetting(error: BaseException) -> None:
+    """Stop the grammar being compiled in the vetting child, if one is: its request ends with `error` (a server's
+    shutdown: it would have waited for the compile, up to GRAMMAR_COMPILE_LIMIT_S)."""
+    _vetter.interrupt(error)
+
+
+def _must_compile() -> None:
+    if getattr(_only_compiled, "on", False):
+        raise GrammarNotCompiled
+
+
 class SizedLRU:
     """A thread-safe map that forgets its least recently used entries past `entries` of them or past `chars` in
     all (each entry's size given when it is put; the newest entry stays, whatever its size)."""
@@ -178,6 +208,7 @@ def _compiled_once(cache: SizedLRU, compiling: _KeyLocks, key: Any, compile_: Ca
     raised again as its ValueError."""
     hit = cache.get(key)
     if hit is None:
+        _must_compile()
         with compiling.hold(key):
             hit = cache.get(key)
             if hit is None:
@@ -275,7 +306,8 @@ def new_guide(spec: GuidedDecodingParams, tokenizer: Tokenizer, vocab_size: int)
     with _compilers_lock:
         by_vocab = _compilers.setdefault(tokenizer, {})
         compiler = by_vocab.get(vocab_size)
-        if compiler is None:
+        if compiler is None:  # (reading a tokenizer into llguidance takes up to a second)
+            _must_compile()
             compiler = by_vocab[vocab_size] = _Compiler(tokenizer, vocab_size)
     matcher, first = compiler.matcher(grammar_text(*spec.key))
     return Guide(matcher, compiler.words, first, compiler.vocab)

@@ -245,6 +245,12 @@ def _too_slow(what: str, limit: float) -> ValueError:
                       "simpler grammar compiles")
 
 
+def _crashed(what: str) -> ValueError:
+    log.warning("llguidance's process died compiling a grammar; the grammar was refused")
+    return ValueError(f"{what}: llguidance crashed compiling the grammar (in a process of its own); a simpler grammar "
+                      "compiles")
+
+
 def on_compile_stack(fn: Callable[[], T], what: str, limit: float) -> T:
     """`fn()` on a thread with COMPILE_STACK_BYTES of stack, its exception raised here; a ValueError naming `what` (the
     grammar's field) if it takes longer than `limit` seconds. Only for grammars the child compiled in time (or when
@@ -280,6 +286,8 @@ class Vetter:
         self._conn: Connection | None = None
         self._read: set[str] = set()  # keys of the tokenizers the running child has read
         self._retry_at = 0.0  # (time.monotonic) no child is started before then: the last start failed
+        self._vetting = False  # a job is in flight (under the lock)
+        self._stopped_by: BaseException | None = None  # `interrupt`'s error for the job in flight
         _vetters.add(self)
 
     def vet(self, job: tuple[Any, ...], what: str, limit: float, source: TokenizerSource | None = None) -> Any:
@@ -288,12 +296,16 @@ class Vetter:
         (raised again here), or there is no child to ask (none could be started, or it could not read the tokenizer:
         logged). Raises a ValueError naming `what` (the grammar's field) for a grammar that fails to compile, takes
         longer than `limit` seconds (the child stopped) or kills the child twice (a fresh one the second time, in
-        case the first died of something else)."""
+        case the first died of something else); `interrupt`'s error for one stopped from outside."""
         with self._lock:
+            self._stopped_by = None
             for attempt in (1, 2):
                 if not self._ready(source):
-                    return None
+                    if attempt == 1:
+                        return None
+                    raise _crashed(what)  # (it killed a child, and no other could be had to try it again)
                 try:
+                    self._vetting = True
                     status, value = self._ask(job if source is None else (*job, source.key), limit)
                     break
                 except TimeoutError:
@@ -301,13 +313,24 @@ class Vetter:
                                 "stopped", limit)
                     raise _too_slow(what, limit) from None
                 except EOFError:
+                    if self._stopped_by is not None:
+                        raise self._stopped_by from None
                     if attempt == 2:
-                        log.warning("llguidance's process died compiling a grammar, twice; the grammar was refused")
-                        raise ValueError(f"{what}: llguidance crashed compiling the grammar (in a process of its "
-                                         "own); a simpler grammar compiles") from None
+                        raise _crashed(what) from None
+                finally:
+                    self._vetting = False
         if status == "error":
             raise ValueError(value)
         return value
+
+    def interrupt(self, error: BaseException) -> None:
+        """Stop the grammar being vetted, if one is, from any thread: its `vet` raises `error` (not cached as the
+        grammar's failure: a server's shutdown, which would otherwise wait up to the limit for it). The next grammar
+        starts a fresh child."""
+        child = self._child
+        if self._vetting and child is not None:
+            self._stopped_by = error
+            child.kill()
 
     @property
     def pid(self) -> int | None:

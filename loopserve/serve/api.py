@@ -90,6 +90,7 @@ from starlette.routing import Match
 from loopserve import __version__
 from loopserve.beam_search import BeamSearch, generated_text, run_steps
 from loopserve.chat_messages import chat_messages, message_text
+from loopserve.engine import grammar
 from loopserve.engine.budget import completion_budget, over_context, pool_tokens, sequence_room
 from loopserve.engine.config import ENGINE_SCHEDULERS
 from loopserve.engine.engine import LLMEngine
@@ -183,7 +184,7 @@ from loopserve.tokenizer import template_variables
 log = logging.getLogger("loopserve.serve")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 METRICS_CATCH_UP_S = 1.0  # how long /metrics and the stats line wait for the step under way (`metrics_caught_up`)
-GRAMMAR_BUILDS = 1  # requests that may compile a grammar are built one at a time (`OpenAIServing.build`)
+GRAMMAR_BUILDS = 1  # requests with a grammar to compile are built one at a time (`OpenAIServing.build`)
 TOKENIZE_THREADS = 2  # /tokenize and /detokenize calls run at once, on their own lane (`OpenAIServing.off_loop`)
 # a request whose body is larger than this is built (or tokenized) in the large-body lane, one at a time: tokenizing
 # takes some 150 bytes of memory a character while it runs (the library's encoding: offsets, token strings; 4 MB of
@@ -446,6 +447,7 @@ class OpenAIServing:
         self._http_requests = itertools.count()  # engine ids stay unique whatever ids clients send
         self.load = ServerLoad()  # (counted by `LoadMiddleware` with server_load_tracking, else left at 0)
         self._lanes: dict[str, anyio.CapacityLimiter] = {}  # by name, made on first use (`lane_of`)
+        self._stopping: EngineStoppedError | None = None  # set at the end of a graceful shutdown (`abort_in_flight`)
         self.auto_tools = AutoTools(TOOL_PARSERS[settings.tool_parser]) if settings.tool_parser else None
         self.reasoning = REASONING_PARSERS[settings.reasoning_parser] if settings.reasoning_parser else None
 
@@ -468,7 +470,11 @@ class OpenAIServing:
         """The end of a graceful shutdown's grace period (`connection.GracefulServer` calls it a little before uvicorn
         cancels the request tasks): refuse new requests and end every one still running in the engine with a 503
         (`collect`, `stream`): a response with Retry-After, a stream's error event and cut. One line in the log."""
-        n = self.aengine.abort_all(EngineStoppedError(SHUTTING_DOWN))
+        self._stopping = EngineStoppedError(SHUTTING_DOWN)
+        # a request still being built ends too: one whose grammar compiles (its vet stopped: the process would wait
+        # for it, up to GRAMMAR_COMPILE_LIMIT_S, and the request got uvicorn's 500) and those waiting for their turn
+        grammar.stop_vetting(self._stopping)
+        n = self.aengine.abort_all(self._stopping)
         if n:
             log.warning("shutdown: aborted %d request(s) still running (503)", n)
 
@@ -1229,18 +1235,38 @@ class OpenAIServing:
 
     async def build(self, make: Callable[[Request, Any, float], _Generation], request: Request, req: Any,
                     arrival: float) -> _Generation:
-        """`make(request, req, arrival)` on a worker thread (see the module's docstring). One that may compile a
-        grammar (a grammar field, or tools) waits for the grammar lane, GRAMMAR_BUILDS at a time, so a burst of
-        slow grammars (1-3 s each) holds neither the shared pool's threads nor more than one core (a trial on a
-        shared machine saw fifty of them delay a plain one-token request 68 s; not reproduced here). In the
-        lane a grammar already compiled, or already failed, is not compiled again (engine/grammar.py caches
-        both). A beam search's fields are checked first (`check_beam_search`: its depth fields against this model's
-        full depth), as a body's own checks are."""
+        """`make(request, req, arrival)` on a worker thread (see the module's docstring). One whose grammar (of a
+        grammar field, or of its tools) is not compiled yet is built in the grammar lane, GRAMMAR_BUILDS at a time, so
+        a burst of slow grammars (1-3 s each; up to GRAMMAR_COMPILE_LIMIT_S) holds neither the shared pool's threads
+        nor more than one core (a trial on a shared machine saw fifty of them delay a plain one-token request 68 s;
+        not reproduced here). It is built first outside the lane with compiled grammars only
+        (`grammar.compiled_only`), and goes to the lane when it meets one that is not: a request whose grammars are
+        compiled, or known to fail, or that has tools and no grammar, waited behind every new grammar (three that
+        never compile held a cached one 61 s). A beam search's fields are checked first (`check_beam_search`: its
+        depth fields against this model's full depth), as a body's own checks are. At the end of a graceful
+        shutdown a request still to be built is a 503 (`abort_in_flight`)."""
         if req.use_beam_search:
             req.check_beam_search(self.engine.model_config.r_max)
-        compiles = guide_field(req) is not None or bool(getattr(req, "tools", None))
-        usual = self.lane_of("grammar", GRAMMAR_BUILDS) if compiles else None
-        return await self.in_lane(request, usual, make, request, req, arrival)
+        may_compile = guide_field(req) is not None or bool(getattr(req, "tools", None))
+        try:
+            try:
+                return await self.in_lane(request, None, self._build_now, make, may_compile, request, req, arrival)
+            except grammar.GrammarNotCompiled:
+                return await self.in_lane(request, self.lane_of("grammar", GRAMMAR_BUILDS), self._build_now, make,
+                                          False, request, req, arrival)
+        except EngineStoppedError as e:
+            raise _shut_down(e) from None
+
+    def _build_now(self, make: Callable[[Request, Any, float], _Generation], compiled_only: bool, request: Request,
+                   req: Any, arrival: float) -> _Generation:
+        """`make(request, req, arrival)`, on a worker thread, with compiled grammars only if `compiled_only` (`build`);
+        EngineStoppedError once the server is shutting down."""
+        if self._stopping is not None:
+            raise self._stopping
+        if not compiled_only:
+            return make(request, req, arrival)
+        with grammar.compiled_only():
+            return make(request, req, arrival)
 
     def completion(self, request: Request, req: CompletionRequest, arrival: float) -> _Generation:
         """A completions request's sequences (built on a worker thread: see the module's docstring)."""
