@@ -310,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         own = _COMMAND_EXTRA.get(args.command)
         extra = own if own in extras else extras[0]
-        print(f"error: `loopserve {args.command}` needs {e.name}, from the [{extra}] extra: "
+        package = (e.name or "").split(".")[0]  # (the module's package: "fastapi", not "fastapi.responses")
+        print(f"error: `loopserve {args.command}` needs {package}, from the [{extra}] extra: "
               f"pip install 'loopserve[{extra}]'", file=sys.stderr)
         return 2
 

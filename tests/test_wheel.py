@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -126,6 +127,8 @@ def test_a_command_without_its_extra_names_it(tmp_path, argv, blocked, extra):
                        timeout=120)
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     assert f"[{extra}] extra" in r.stderr and f"pip install 'loopserve[{extra}]'" in r.stderr, r.stderr
+    needed = re.search(r"needs (\S+), from", r.stderr)
+    assert needed and "." not in needed[1], r.stderr  # (a package, not the submodule imported: fastapi.responses)
     assert "Traceback" not in r.stderr
     assert not (tmp_path / "out").exists()  # nothing ran
 
