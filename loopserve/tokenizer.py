@@ -310,8 +310,12 @@ class Tokenizer:
             # no eos token, and generation never stopped)
             special = read_json_object(mapped)
             _check_special_tokens(special, mapped)
-            self.config.update({k: special[k] for k in (*SPECIAL_TOKEN_NAMES, "additional_special_tokens")
-                                if special.get(k) is not None})
+            self.config.update({k: special[k] for k in SPECIAL_TOKEN_NAMES if k in special})
+            if special.get("additional_special_tokens"):  # (the config's, then the map's not among them)
+                extra = list(self.config.get("additional_special_tokens") or [])
+                have = {_token_str(t) for t in extra}
+                self.config["additional_special_tokens"] = extra + [
+                    t for t in special["additional_special_tokens"] if _token_str(t) not in have]
         # transformers' attributes: the folder it was loaded from, and the longest input the model takes
         self.name_or_path = str(folder)
         max_length = self.config.get("model_max_length")
@@ -336,9 +340,9 @@ class Tokenizer:
             try:
                 _compile(template)
             except ValueError as e:
-                self._broken[template] = (f"chat_template: the model's template does not compile ({source}: "
-                                          f"{str(e).removeprefix('chat_template: ')}); fix it, or give another "
-                                          "with --chat-template")
+                # (named by its file: it is no field or flag the user gave)
+                self._broken[template] = (f"{source}: {str(e).removeprefix('chat_template: ')}: the model's chat "
+                                          "template does not compile; fix it, or give another with --chat-template")
                 log.warning("%s; a chat that uses it is refused", self._broken[template])
         if chat_template is not None:
             self.set_chat_template(chat_template)

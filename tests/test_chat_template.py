@@ -67,13 +67,13 @@ def test_a_folder_template_that_does_not_compile_is_refused_when_a_chat_uses_it(
         (folder / where).parent.mkdir(exist_ok=True)
         (folder / where).write_text(broken)
     source = re.escape(str(folder / where))
-    why = rf"chat_template: the model's template does not compile \({source}(: chat_template)?: not a valid Jinja"
+    why = rf"{source}(: chat_template)?: not a valid Jinja template \(line 1[^)]*\): the model's chat template does not"
     with caplog.at_level("WARNING", logger="loopserve.tokenizer"):
         tok = Tokenizer(folder)
     assert re.search(why, caplog.text), caplog.text
     assert tok.encode("Hello") and tok.decode(tok.encode("Hello")) == "Hello"
     name = "terse" if "terse" in where else None
-    with pytest.raises(ValueError, match=rf"^{why}.*; fix it, or give another with --chat-template$"):
+    with pytest.raises(ValueError, match=rf"^{why} compile; fix it, or give another with --chat-template$"):
         tok.apply_chat_template(HELLO, chat_template=name, tokenize=False)
     given = tmp_path / "given.jinja"
     given.write_text("G{{ messages[0].content }}")
@@ -243,8 +243,13 @@ def test_special_tokens_map_gives_the_special_tokens_of_an_older_folder(folder, 
     assert tok.eos_token == "<|endoftext|>" and tok.eos_token_id is not None and tok.eos_token_ids == {tok.eos_token_id}
     assert "<|im_end|>" in tok.additional_special_tokens
     legacy = {k: v for k, v in cfg.items() if k != "added_tokens_decoder"}
-    path.write_text(json.dumps({**legacy, "eos_token": "<|im_end|>"}))
-    assert Tokenizer(folder).eos_token == "<|endoftext|>"  # (the map wins)
+    path.write_text(json.dumps({**legacy, "eos_token": "<|im_end|>", "additional_special_tokens": ["<|x|>"],
+                                "pad_token": "<|im_end|>"}))
+    mapped = json.loads((folder / "special_tokens_map.json").read_text())
+    (folder / "special_tokens_map.json").write_text(json.dumps({**mapped, "pad_token": None}))
+    tok = Tokenizer(folder)
+    assert tok.eos_token == "<|endoftext|>" and tok.pad_token is None  # (the map wins, its null too)
+    assert tok.additional_special_tokens == ["<|x|>", "<|im_start|>", "<|im_end|>"]  # (the config's, then the map's)
     path.write_text(json.dumps({**cfg, "eos_token": "<|im_end|>"}))
     assert Tokenizer(folder).eos_token == "<|im_end|>"  # (a config with added_tokens_decoder: its own)
     (folder / "special_tokens_map.json").write_text(json.dumps({"eos_token": 5}))

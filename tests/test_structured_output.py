@@ -394,6 +394,47 @@ os._exit(0)
 """
 
 
+def test_a_stop_ends_the_compile_in_flight_and_those_waiting_for_it(tiny_ouro):
+    """A server's shutdown ends the grammar being compiled (`stop_vetting`) and, through the stop check its builds
+    carry (`building(stop=...)`), those that wait for their turn: they had each run their full compile limit, the
+    process waiting for them."""
+    import threading
+    import time
+
+    class Stopped(RuntimeError):
+        pass
+
+    stopping: list[Stopped] = []
+
+    def check() -> None:
+        if stopping:
+            raise stopping[0]
+
+    tokenizer = loaded(tiny_ouro).tokenizer
+    new_guide(GuidedDecodingParams(regex="[0-9]+"), tokenizer, 512)  # (the child started)
+    ended: dict[str, BaseException] = {}
+
+    def build(name: str) -> None:
+        try:
+            with grammar.building(stop=check):
+                new_guide(GuidedDecodingParams(grammar=STUCK.replace("A", name)), tokenizer, 512)
+        except BaseException as e:  # noqa: BLE001 (kept for the assertions)
+            ended[name] = e
+
+    threads = [threading.Thread(target=build, args=(name,)) for name in ("F", "G")]
+    for t in threads:
+        t.start()
+        time.sleep(0.3)  # (F compiling, G waiting for its turn)
+    start = time.monotonic()
+    stopping.append(Stopped("the server is shutting down"))
+    grammar.stop_vetting(stopping[0])
+    for t in threads:
+        t.join(15)
+    assert time.monotonic() - start < 5 and set(ended) == {"F", "G"}, ended
+    assert all(isinstance(e, Stopped) for e in ended.values()), ended
+    assert GuidedDecodingParams(regex="[a-c]+") and new_guide(GuidedDecodingParams(regex="[a-c]+"), tokenizer, 512)
+
+
 def test_the_vetting_child_ends_with_its_parent():
     """A server that exits while a grammar compiles (its vetting child deep in a compile that would never end) leaves
     no process behind: the child watches its parent's end of their socket and its parent's pid (here another process
@@ -426,12 +467,14 @@ def test_an_interrupted_vet_leaves_no_reply_behind(tiny_ouro):
     def interrupt(*_: object) -> None:
         raise Interrupted
 
+    tokenizer = loaded(tiny_ouro).tokenizer
+    new_guide(GuidedDecodingParams(regex="[0-9]+"), tokenizer, 512)  # (the child started: the signal lands in the wait)
     old = signal.signal(signal.SIGUSR1, interrupt)
     timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGUSR1))
     try:
         timer.start()
         with pytest.raises(Interrupted):
-            new_guide(GuidedDecodingParams(grammar=STUCK.replace("A", "E")), loaded(tiny_ouro).tokenizer, 512)
+            new_guide(GuidedDecodingParams(grammar=STUCK.replace("A", "E")), tokenizer, 512)
     finally:
         timer.cancel()
         signal.signal(signal.SIGUSR1, old)

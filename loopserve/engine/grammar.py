@@ -89,22 +89,24 @@ _vetter = Vetter()  # (engine/grammar_compile.py)
 
 
 class GrammarNotCompiled(Exception):
-    """A grammar that is not compiled yet (nor known to fail), met under `compiled_only`."""
+    """A grammar that is not compiled yet (nor known to fail), met while `building` with compiled grammars only."""
 
 
-_only_compiled = threading.local()
+_building = threading.local()  # this thread's request build: `compiled_only`, `stop` (`building`)
 
 
 @contextlib.contextmanager
-def compiled_only() -> Iterator[None]:
-    """On this thread, within it, a grammar that is not compiled yet raises GrammarNotCompiled instead of being
-    compiled: the server builds a request so first, so that one whose grammars are compiled does not wait for its turn
-    behind new ones, each of which may take GRAMMAR_COMPILE_LIMIT_S."""
-    _only_compiled.on = True
+def building(compiled_only: bool = False, stop: Callable[[], None] | None = None) -> Iterator[None]:
+    """On this thread, within it: with `compiled_only`, a grammar that is not compiled yet raises GrammarNotCompiled
+    instead of being compiled (the server builds a request so first, so that one whose grammars are compiled does not
+    wait for its turn behind new ones, each of which may take GRAMMAR_COMPILE_LIMIT_S); `stop()`, if given, is called
+    before each step of a compile and may raise (a server's shutdown: a compile that had not started, or waited for
+    its turn, ran its full limit, the process waiting for it)."""
+    _building.compiled_only, _building.stop = compiled_only, stop
     try:
         yield
     finally:
-        _only_compiled.on = False
+        _building.compiled_only, _building.stop = False, None
 
 
 def stop_vetting(error: BaseException) -> None:
@@ -114,8 +116,12 @@ def stop_vetting(error: BaseException) -> None:
 
 
 def _must_compile() -> None:
-    if getattr(_only_compiled, "on", False):
+    if getattr(_building, "compiled_only", False):
         raise GrammarNotCompiled
+
+
+def _vet(job: tuple[Any, ...], what: str, source: TokenizerSource | None = None) -> Any:
+    return _vetter.vet(job, what, GRAMMAR_COMPILE_LIMIT_S, source, getattr(_building, "stop", None))
 
 
 class SizedLRU:
@@ -195,7 +201,7 @@ def grammar_text(kind: str, text: str, whitespace: str | None = None) -> str:
 
 def _compile_text(kind: str, text: str, whitespace: str | None) -> str:
     """The spec's grammar text as the vetting child compiles it (here only where there is no child)."""
-    vetted = _vetter.vet(("text", kind, text, whitespace), kind, GRAMMAR_COMPILE_LIMIT_S)
+    vetted = _vet(("text", kind, text, whitespace), kind)
     if vetted is not None:
         return cast(str, vetted)
     return on_compile_stack(lambda: compile_text(kind, text, whitespace), kind, GRAMMAR_COMPILE_LIMIT_S)
@@ -292,7 +298,7 @@ class _Compiler:
     def _compile(self, grammar: str) -> tuple[Any, np.ndarray]:
         """The pristine matcher of `grammar` and the bitmask of the tokens it allows first (read-only), once the
         vetting child has compiled it in time."""
-        _vetter.vet(("matcher", grammar), "guided_decoding", GRAMMAR_COMPILE_LIMIT_S, self.source)
+        _vet(("matcher", grammar), "guided_decoding", self.source)
         return on_compile_stack(lambda: compile_matcher(self.tokenizer, grammar, self.words), "guided_decoding",
                                 GRAMMAR_COMPILE_LIMIT_S)
 

@@ -82,7 +82,7 @@ def readable(error: str) -> str:
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 _DATA_KEYWORDS = ("default", "examples", "enum", "const")  # (their values are instances, not schemas)
 # keywords whose value maps names of the schema's own choosing to schemas (a property may be named "default")
-_NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
 _I64 = 2**63
 
 
@@ -290,21 +290,28 @@ class Vetter:
         self._stopped_by: BaseException | None = None  # `interrupt`'s error for the job in flight
         _vetters.add(self)
 
-    def vet(self, job: tuple[Any, ...], what: str, limit: float, source: TokenizerSource | None = None) -> Any:
+    def vet(self, job: tuple[Any, ...], what: str, limit: float, source: TokenizerSource | None = None,
+            stop: Callable[[], None] | None = None) -> Any:
         """The child's compile of `job` (("text", kind, text, whitespace): its grammar text; ("matcher", grammar): None,
         against `source`'s tokenizer). None, too, where the compile is to be done here: its error was no ValueError
         (raised again here), or there is no child to ask (none could be started, or it could not read the tokenizer:
         logged). Raises a ValueError naming `what` (the grammar's field) for a grammar that fails to compile, takes
         longer than `limit` seconds (the child stopped) or kills the child twice (a fresh one the second time, in
-        case the first died of something else); `interrupt`'s error for one stopped from outside."""
+        case the first died of something else); `interrupt`'s error for one stopped from outside. `stop()`, if given,
+        is called before each step (the wait for this vetter's turn, a child's start) and may raise: the caller's own
+        end (a server that is shutting down)."""
         with self._lock:
             self._stopped_by = None
             for attempt in (1, 2):
+                if stop is not None:
+                    stop()
                 if not self._ready(source):
                     if attempt == 1:
                         return None
                     raise _crashed(what)  # (it killed a child, and no other could be had to try it again)
                 try:
+                    if stop is not None:
+                        stop()
                     self._vetting = True
                     status, value = self._ask(job if source is None else (*job, source.key), limit)
                     break
@@ -370,7 +377,7 @@ class Vetter:
             self._conn, self._read = Connection(parent_end.detach()), set()
             reply = self._ask(("ready",), CHILD_START_LIMIT_S)
             why = "" if reply == ("ok", None) else f"it answered {reply!r}"
-        except Exception as e:  # noqa: BLE001 (OSError, a timeout, EOF; AssertionError for pass_fds on Windows)
+        except (OSError, EOFError, AssertionError) as e:  # (a timeout is an OSError; AssertionError: no pass_fds)
             why = repr(e)
         finally:
             if parent_end is not None:

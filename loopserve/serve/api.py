@@ -1240,7 +1240,7 @@ class OpenAIServing:
         a burst of slow grammars (1-3 s each; up to GRAMMAR_COMPILE_LIMIT_S) holds neither the shared pool's threads
         nor more than one core (a trial on a shared machine saw fifty of them delay a plain one-token request 68 s;
         not reproduced here). It is built first outside the lane with compiled grammars only
-        (`grammar.compiled_only`), and goes to the lane when it meets one that is not: a request whose grammars are
+        (`grammar.building`), and goes to the lane when it meets one that is not: a request whose grammars are
         compiled, or known to fail, or that has tools and no grammar, waited behind every new grammar (three that
         never compile held a cached one 61 s). A beam search's fields are checked first (`check_beam_search`: its
         depth fields against this model's full depth), as a body's own checks are. At the end of a graceful
@@ -1260,13 +1260,14 @@ class OpenAIServing:
     def _build_now(self, make: Callable[[Request, Any, float], _Generation], compiled_only: bool, request: Request,
                    req: Any, arrival: float) -> _Generation:
         """`make(request, req, arrival)`, on a worker thread, with compiled grammars only if `compiled_only` (`build`);
-        EngineStoppedError once the server is shutting down."""
+        EngineStoppedError once the server is shutting down, before it or at a step of a grammar's compile."""
+        self._check_stopping()
+        with grammar.building(compiled_only, self._check_stopping):
+            return make(request, req, arrival)
+
+    def _check_stopping(self) -> None:
         if self._stopping is not None:
             raise self._stopping
-        if not compiled_only:
-            return make(request, req, arrival)
-        with grammar.compiled_only():
-            return make(request, req, arrival)
 
     def completion(self, request: Request, req: CompletionRequest, arrival: float) -> _Generation:
         """A completions request's sequences (built on a worker thread: see the module's docstring)."""
