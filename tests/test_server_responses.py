@@ -411,3 +411,22 @@ def test_openapi_documents_the_route(server):
         schema["components"]["schemas"]["ResponsesRequest"]["properties"])
     assert set(operation["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
     assert "400" in operation["responses"] and "422" not in operation["responses"]
+
+
+def test_the_depth_controls_are_the_chat_routes(server, client):
+    """loopserve's depth controls (min_loops, max_loops, exit_threshold, exit_policy, exit_trace,
+    num_speculative_tokens) reach a response as they reach a chat completion: the same loops run, and a bad value is
+    a 400 naming it (they were ignored as unknown fields: a request at max_loops 1 ran the model's full depth, and
+    max_loops 9 on a model of 4 was a 200)."""
+    from loopserve.sampling_params import EXIT_FIELDS
+    from loopserve.serve.responses_api import CHAT_FIELDS
+
+    assert set(EXIT_FIELDS) | {"exit_trace", "num_speculative_tokens"} <= set(CHAT_FIELDS)
+    depth = {"exit_policy": "fixed", "max_loops": 1}
+    r = client.responses.create(model=MODEL, input="Hello there", max_output_tokens=6, **GREEDY, extra_body=depth)
+    chat = _chat(client, [{"role": "user", "content": "Hello there"}], 6, extra_body=depth)
+    _same_as_chat(r, chat)
+    assert r.usage.model_extra["loops"] == chat.usage.model_extra["loops"] == r.usage.output_tokens - 1
+    bad = httpx.post(server.url + "/v1/responses", timeout=60,
+                     json={"model": MODEL, "input": "hi", "max_output_tokens": 4, "max_loops": 9})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_loops", bad.text

@@ -12,8 +12,9 @@ tool_choice "auto" (the default with tools) reads the model's calls where the se
 --enable-auto-tool-choice (serve/structured.py: they come back as function_call items, as a forced call's do);
 without it the reply is text, the tools still in the prompt (vLLM's answer without a parser, where its chat route
 refuses "auto"). `truncation: "auto"` is taken but drops nothing: an input longer than the context is a 400 either
-way. vLLM's sampling fields beside OpenAI's (`CHAT_FIELDS`: stop, top_k, repetition_penalty, logit_bias, ...) pass
-to the chat request as they are, checked and named there; a body's `request_id` names the response (with the
+way. vLLM's sampling fields beside OpenAI's (`CHAT_FIELDS`: stop, top_k, repetition_penalty, logit_bias, ...) and
+loopserve's depth controls (min_loops, max_loops, exit_threshold, exit_policy, exit_trace, num_speculative_tokens)
+pass to the chat request as they are, checked and named there; a body's `request_id` names the response (with the
 `resp_` prefix it lacks). With the server's --reasoning-parser the reply's reasoning is a reasoning
 item before the message (streamed: its reasoning_text events), and `usage.output_tokens_details.reasoning_tokens`
 counts its tokens (`ReasoningReplies.reasoning_tokens`); a reasoning item replayed in `input` (agents send an earlier
@@ -35,7 +36,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, ValidationError, field_validator
 
-from loopserve.sampling_params import SamplingParams
+from loopserve.sampling_params import EXIT_FIELDS, SamplingParams
 from loopserve.serve.protocol import (
     REASONING_EFFORTS,
     ApiError,
@@ -185,6 +186,14 @@ class ResponsesRequest(_Strict):
     priority: Any = None
     cache_salt: Any = None
     vllm_xargs: Any = None
+    # loopserve's depth controls (EXIT_FIELDS, exit_trace) and drafts, as a chat request's (they were ignored, as
+    # unknown fields)
+    min_loops: Any = None
+    max_loops: Any = None
+    exit_threshold: Any = None
+    exit_policy: Any = None
+    exit_trace: Any = None
+    num_speculative_tokens: Any = None
     request_id: str | None = None  # (names the response: serve/api.py `name_request`)
     max_tool_calls: int | None = None  # (vLLM's for built-in tools' calls: none run here)
     # refused unless they ask for nothing (module docstring)
@@ -222,7 +231,8 @@ class ResponsesRequest(_Strict):
 
 # vLLM's fields of a Responses body that a chat request has under the same name (`ResponsesRequest`)
 CHAT_FIELDS = ("stop", "top_k", "repetition_penalty", "logit_bias", "ignore_eos", "skip_special_tokens",
-               "include_stop_str_in_output", "priority", "cache_salt", "vllm_xargs")
+               "include_stop_str_in_output", "priority", "cache_salt", "vllm_xargs", *EXIT_FIELDS, "exit_trace",
+               "num_speculative_tokens")
 
 
 def _parts(parts: list[OutputTextPart] | list[OutputTextPart | RefusalPart]) -> list[dict[str, Any]]:
