@@ -189,7 +189,12 @@ class TokenizerSource:
     def __init__(self, tokenizer_json: str, n_vocab: int, eos: list[int] | None) -> None:
         self.json, self.n_vocab, self.eos = tokenizer_json, n_vocab, eos
         self.words = (n_vocab + 31) // 32  # int32 words of one bitmask
-        self.key = f"{hashlib.sha256(tokenizer_json.encode()).hexdigest()}/{n_vocab}/{eos}"
+
+    @functools.cached_property
+    def key(self) -> str:
+        """(Made when first vetted: the child, which is sent the key, and a process with no child never hash the
+        tokenizer's megabytes.)"""
+        return f"{hashlib.sha256(self.json.encode()).hexdigest()}/{self.n_vocab}/{self.eos}"
 
     def llg_tokenizer(self) -> Any:
         """llguidance's tokenizer (`_TextOnly`'s view)."""
