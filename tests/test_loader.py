@@ -615,9 +615,10 @@ def test_cli_unreadable_file_is_one_line(ouro_copy, capsys, command, case):
 def test_bad_dtype_and_state_init(tiny_ouro, tiny_huginn):
     with pytest.raises(ValueError, match="dtype"):
         load_model(tiny_ouro, dtype="float16x", device="cpu")
-    with pytest.raises(ValueError, match="state_init"):
-        load_model(tiny_huginn, "float32", "cpu", state_init="random")
-    for value in ("zero", "like-init"):  # Ouro has no initial loop state to choose: not silently ignored
+    for value in ("random", ""):  # "" is no choice, not the checkpoint's default (Ouro refuses it too)
+        with pytest.raises(ValueError, match="state_init"):
+            load_model(tiny_huginn, "float32", "cpu", state_init=value)
+    for value in ("zero", "like-init", ""):  # Ouro has no initial loop state to choose: not silently ignored
         with pytest.raises(ValueError, match="state_init: OuroForCausalLM has no random initial loop state"):
             load_model(tiny_ouro, "float32", "cpu", state_init=value)
         with pytest.raises(ValueError, match="state_init"):

@@ -94,7 +94,7 @@ class RavenForCausalLM(LoopedLM):
     def __init__(self, c: ModelConfig, state_init: str | None = None) -> None:
         """`state_init`: how a token's initial loop state is drawn (None: the checkpoint's, `c.state_init`)."""
         super().__init__()
-        state_init = state_init or c.state_init
+        state_init = c.state_init if state_init is None else state_init
         if state_init not in STATE_INITS:
             raise ValueError(f"state_init: expected one of {STATE_INITS}, got {state_init!r}")
         self.config, self.state_init = c, state_init
