@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import logging
 import threading
 from collections.abc import AsyncGenerator, Hashable, Iterable
@@ -370,6 +371,9 @@ class AsyncLLMEngine:
             raise
         if self._streams.get(request_id) is building:
             self._streams[request_id] = group
+            # its id is free again once the engine finished it, read or not (vLLM frees it then: a consumer that
+            # has not read the final output, or never will, held it)
+            group.on_end = functools.partial(self._free_id, request_id, group)
         else:  # aborted while it was built (or the engine shut down): it ends at once, as an abort does
             group.abort()
         if self.log_requests:
@@ -377,15 +381,17 @@ class AsyncLLMEngine:
         try:
             async for _, out in group:
                 out.request_id = request_id
-                if out.finished and self._streams.get(request_id) is group:  # (its id is free again at once, as vLLM
-                    del self._streams[request_id]  # frees it on finish; after an abort it may name a newer request)
                 yield out
         finally:
             # the consumer stopped before the end (broke out, was cancelled, closed or dropped the generator): the
             # request is aborted, as vLLM aborts it, so that it frees its KV blocks (a no-op once it finished)
             group.abort()
-            if self._streams.get(request_id) is group:
-                del self._streams[request_id]
+            self._free_id(request_id, group)
+
+    def _free_id(self, request_id: str, group: RequestGroup) -> None:
+        """`request_id` is free again, unless it names a newer request than `group`'s (after an abort, say)."""
+        if self._streams.get(request_id) is group:
+            del self._streams[request_id]
 
     async def beam_search(self, prompt: PromptType, request_id: str, params: BeamSearchParams,
                           lora_request: Any = None) -> AsyncGenerator[RequestOutput, None]:

@@ -225,6 +225,24 @@ def test_a_request_id_in_flight_is_refused(engine):
     assert drained(engine)
 
 
+def test_a_request_id_is_free_once_its_request_finished_read_or_not(engine):
+    """As in vLLM, an id is free again when the engine finished its request, whether or not the consumer has read the
+    final output (it was held until then: a stalled consumer's ids stayed 'already in flight'); the unread stream
+    still ends with its own output."""
+    async def main():
+        first = engine.generate([5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0), "fin")
+        await anext(first)
+        await wait_drained(engine)  # finished in the engine, its final output unread
+        again = await collect(engine, [1, 2], SamplingParams(max_tokens=2, temperature=0.0), "fin")
+        assert again[-1].finished and len(again[-1].outputs[0].token_ids) == 2
+        rest = [o async for o in first]
+        assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "length"
+        assert len(rest[-1].outputs[0].token_ids) == 3 and rest[-1].prompt_token_ids == [5, 6, 7]
+
+    asyncio.run(main())
+    assert drained(engine)
+
+
 def test_shutdown_ends_streams_and_a_new_loop_restarts(engine):
     """`shutdown()` stops the thread (idempotent): a stream in flight raises EngineStoppedError and its request is
     freed; a later `generate`, on another event loop, starts a new thread."""

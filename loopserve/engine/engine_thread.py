@@ -107,9 +107,16 @@ class RequestGroup:
         self._aborted = False
         self._merge = merge  # per request: its output kind
         self._unread: dict[int, RequestOutput] = {}  # with `merge`: a request's output still in the queue
+        self._unsent = set(request_ids)  # the requests whose final output the engine has not handed over
+        # called (event-loop thread) when the engine has handed over every request's final output, read or not
+        self.on_end: Callable[[], None] | None = None
 
     def put(self, index: int, out: RequestOutput) -> None:
         """Hand over request `index`'s next output (event-loop thread)."""
+        if out.finished:
+            self._unsent.discard(self.request_ids[index])
+            if not self._unsent and self.on_end is not None:
+                self.on_end()
         if self._merge is not None:
             unread = self._unread.get(index)
             if unread is not None:
