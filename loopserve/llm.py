@@ -336,12 +336,14 @@ class _ProgressBar:
 
     def __init__(self, total: int, use_tqdm: bool | Callable[..., tqdm]) -> None:
         make = use_tqdm if callable(use_tqdm) else tqdm
-        self.bar = make(total=total, disable=not use_tqdm, desc="Processed prompts", dynamic_ncols=True,
-                        postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
+        # (made with vLLM's four keywords only, and only when asked for: a factory written to vLLM's call took no
+        # `disable`)
+        self.bar = make(total=total, desc="Processed prompts", dynamic_ncols=True,
+                        postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s") if use_tqdm else None
         self.prompt_tokens = self.output_tokens = 0
 
     def finished(self, out: RequestOutput) -> None:
-        if self.bar.disable:
+        if self.bar is None or self.bar.disable:
             return
         self.prompt_tokens += len(out.prompt_token_ids)
         self.output_tokens += sum(len(c.token_ids) for c in out.outputs)
@@ -351,4 +353,5 @@ class _ProgressBar:
         self.bar.update(1)
 
     def close(self) -> None:
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()

@@ -445,6 +445,13 @@ def test_use_tqdm_takes_a_tqdm_class(tiny_ouro):
     llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=Bar)
     assert made == [2, 1]
 
+    def factory(total, desc, dynamic_ncols, postfix):  # exactly the keywords vLLM passes (no `disable`)
+        made.append(total)
+        return tqdm(total=total, desc=desc, dynamic_ncols=dynamic_ncols, postfix=postfix)
+
+    assert len(llm.generate(["a", "b", "c"], GREEDY, use_tqdm=factory)) == 3
+    assert made == [2, 1, 3]
+
 
 def test_priority_zeros_of_any_number_type_ask_for_nothing(tiny_ouro):
     """generate's priority list of numpy zeros (np.zeros(n, int)) is neutral, as 0 is; a non-zero one is refused."""
