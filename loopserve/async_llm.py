@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import logging
 import threading
+import time
 from collections.abc import AsyncGenerator, Hashable, Iterable
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -45,6 +46,7 @@ from loopserve.engine.engine_thread import (
     RequestGroup,
 )
 from loopserve.engine.sequence import PromptType
+from loopserve.engine.stats import stats_line
 from loopserve.llm import LLM, llm_configs
 from loopserve.load_config import LoadConfig
 from loopserve.model_config import EngineModelConfig
@@ -231,6 +233,7 @@ class AsyncLLMEngine:
         self._closed = False  # shut down, and no generate since
         # event-loop thread only: the caller's request id -> its group (`_Building` while the request is built)
         self._streams: dict[str, RequestGroup | _Building] = {}
+        self._logged = time.monotonic(), EngineSnapshot()  # when `do_log_stats` last logged, and what it read
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, start_engine_loop: bool = True, usage_context: Any = None,
@@ -307,13 +310,20 @@ class AsyncLLMEngine:
         """vLLM's: loopserve takes no multimodal inputs, so there is no such cache to reset."""
 
     async def do_log_stats(self, *args: Any, **kwargs: Any) -> None:
-        """vLLM's periodic stats line, logged once (INFO) from the engine thread's last snapshot (it is not read while
-        the thread steps): sequences running and waiting, KV cache use, tokens generated and their mean exit depth."""
+        """vLLM's periodic stats line (`stats_line`), logged (INFO) from the engine thread's last snapshot (it is not
+        read while the thread steps): throughputs, prefix-cache hit rate and mean exit depth since the last call
+        (or since the engine was made), sequences running and waiting, KV cache use."""
         snap = self._thread.snapshot if self._thread is not None else EngineSnapshot()
-        tokens = sum(snap.exit_depths.values())
-        depth = sum(d * c for d, c in snap.exit_depths.items()) / tokens if tokens else 0.0
-        log.info("Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, generated tokens: %d, mean exit depth: "
-                 "%.2f", snap.running, snap.waiting, 100 * snap.kv_usage, tokens, depth)
+        now, (then, last) = time.monotonic(), self._logged
+        self._logged = now, snap
+        dt = max(now - then, 1e-9)
+        queries = snap.prefix_cache_queries - last.prefix_cache_queries
+        tokens = sum(snap.exit_depths.values()) - sum(last.exit_depths.values())
+        loops = sum(d * c for d, c in snap.exit_depths.items()) - sum(d * c for d, c in last.exit_depths.items())
+        hit_rate = (snap.prefix_cache_hits - last.prefix_cache_hits) / queries if queries else 0.0
+        log.info(stats_line((snap.sampled_prompt_tokens - last.sampled_prompt_tokens) / dt,
+                            (snap.generated_tokens - last.generated_tokens) / dt, snap.running, snap.waiting,
+                            snap.kv_usage, hit_rate, loops / tokens if tokens else None))
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """`LLMEngine.reset_prefix_cache` (vLLM's rules: only with no request in flight, else False), run between

@@ -294,7 +294,30 @@ def test_vllms_housekeeping_calls(engine, caplog):
         return await engine.is_tracing_enabled(), await engine.get_supported_tasks(), await engine.reset_mm_cache()
 
     assert asyncio.run(main()) == (False, ("generate",), None)
-    assert any("generated tokens: " in r.getMessage() and "KV cache usage" in r.getMessage() for r in caplog.records)
+    [line] = [r.getMessage() for r in caplog.records if "Avg generation throughput" in r.getMessage()]
+    assert line.startswith("Engine 000: Avg prompt throughput: ") and "GPU KV cache usage: 0.0%" in line, line
+
+
+def test_do_log_stats_counts_every_generated_token(tiny_ouro, caplog):
+    """do_log_stats' generation throughput is of every token since its last line, each sample's first included (it
+    counted only the decode tokens, which have exit depths: 18 of two requests' 20)."""
+    import logging
+
+    eng = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=str(tiny_ouro), device="cpu", seed=0))
+
+    async def main():
+        for rid in ("a", "b"):
+            await collect(eng, [5, 6, 7], SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.0), rid)
+        with caplog.at_level(logging.INFO, logger="loopserve.async_llm"):
+            eng._logged = time.monotonic() - 1.0, eng._logged[1]  # the last line a second ago: rates are counts
+            await eng.do_log_stats()
+            await eng.do_log_stats()  # nothing since: zeros
+        eng.shutdown()
+
+    asyncio.run(main())
+    first, second = [r.getMessage() for r in caplog.records if "Avg generation throughput" in r.getMessage()]
+    assert "Avg prompt throughput: 6.0 tokens/s, Avg generation throughput: 20.0 tokens/s" in first, first
+    assert "Avg generation throughput: 0.0 tokens/s" in second and "Mean exit depth: -" in second, second
 
 
 def test_from_engine_args_names_an_unknown_keyword(tiny_ouro):

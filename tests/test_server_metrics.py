@@ -3,6 +3,8 @@ of an n > 1 request's samples is timed by its own first, last and finish times, 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from loopserve.engine.engine_thread import EngineSnapshot
@@ -178,7 +180,9 @@ def test_the_stats_lines_carry_vllms_prefix_cache_hit_rate_and_spec_decoding_lin
                              spec_accepted_per_pos=(26, 18, 8))
     m.generation_total += 20
     main, spec = logger.lines()
-    assert main.endswith("KV cache usage: 0.0%, Prefix cache hit rate: 75.0%, Mean exit depth: 2.00"), main
+    assert main == ("Engine 000: Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 10.0 tokens/s, "
+                    "Running: 1 reqs, Waiting: 0 reqs, GPU KV cache usage: 0.0%, Prefix cache hit rate: 75.0%, "
+                    "Mean exit depth: 2.00"), main  # vLLM's line word for word (log alerts read it), then the depth
     assert spec == ("SpecDecoding metrics: Mean acceptance length: 3.00, Accepted throughput: 20.00 tokens/s, Drafted "
                     "throughput: 30.00 tokens/s, Accepted: 40 tokens, Drafted: 60 tokens, Per-position acceptance "
                     "rate: 1.000, 0.700, 0.300, Avg Draft acceptance rate: 66.7%"), spec
@@ -186,3 +190,9 @@ def test_the_stats_lines_carry_vllms_prefix_cache_hit_rate_and_spec_decoding_lin
     m.generation_total += 1
     [main] = logger.lines()
     assert "Prefix cache hit rate: 0.0%" in main
+    snap[0] = dataclasses.replace(snap[0], running=0)
+    now[0] += 2.0  # idle after a busy interval: one line of zeros, as vLLM logs, then none
+    [main] = logger.lines()
+    assert "Avg generation throughput: 0.0 tokens/s, Running: 0 reqs" in main and "Mean exit depth: -" in main, main
+    now[0] += 2.0
+    assert logger.lines() == []

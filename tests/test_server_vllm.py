@@ -412,8 +412,9 @@ def test_startup_summary_request_log_and_stats_lines(server):
     assert "Finished request cmpl-logged-1" in text and "length, " in text
     text = _log_after(server, "Avg prompt throughput")
     stats = [ln for ln in text.splitlines() if "Avg prompt throughput" in ln]
-    assert re.search(r"Avg generation throughput: [\d.]+ tokens/s, Running: \d+ reqs, Waiting: \d+ reqs, "
-                     r"KV cache usage: [\d.]+%, Prefix cache hit rate: [\d.]+%, Mean exit depth: ", stats[0])
+    assert re.search(r"Engine 000: Avg prompt throughput: [\d.]+ tokens/s, Avg generation throughput: [\d.]+ "
+                     r"tokens/s, Running: \d+ reqs, Waiting: \d+ reqs, GPU KV cache usage: [\d.]+%, Prefix cache hit "
+                     r"rate: [\d.]+%, Mean exit depth: ", stats[0])
     lines = [ln for ln in text.splitlines() if ln.strip()]
     assert all(TIMESTAMP.match(ln) for ln in lines), [ln for ln in lines if not TIMESTAMP.match(ln)][:5]
     # the server is idle now: no stats lines while nothing happens

@@ -70,6 +70,8 @@ class EngineSnapshot:
     waiting: int = 0  # sequences waiting for admission (queued or swapped out), samples counted too
     kv_usage: float = 0.0
     exit_depths: dict[int, int] = field(default_factory=dict)
+    generated_tokens: int = 0  # every sample's, its first token included
+    sampled_prompt_tokens: int = 0  # each sample's whole prompt, counted with its first token (`EngineStats`)
     core_batch: dict[int, int] = field(default_factory=dict)
     ticks: dict[str, int] = field(default_factory=dict)
     core_rows: int = 0
@@ -174,8 +176,9 @@ class EngineThread:
         self._unscheduled: dict[str, tuple[Sequence, tuple[int, ...]]] = {}
         self.on_dead = on_dead
         self.idle_poll_s = idle_poll_s
-        self.snapshot = EngineSnapshot(spec_accepted_per_pos=tuple(engine.stats.spec_accepted_per_pos))
         self._iteration_tokens: Counter[int] = Counter()  # (the snapshot's `iteration_tokens`)
+        self.snapshot = EngineSnapshot()
+        self._publish()  # (the engine's totals so far: a reader's differences never start from zeros)
         self.dead: BaseException | None = None
         self._cmds: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         # `between_steps` queues a call only while the thread has not ended (under the lock it sets `_ended` under,
@@ -424,7 +427,9 @@ class EngineThread:
         waiting = sum(1 + len(s.pending_forks) for s in sched.waiting if s.request_id not in sched.running)
         self.snapshot = EngineSnapshot(
             running=sched.resident(), waiting=waiting + len(sched.swapped), kv_usage=eng.kv_usage(),
-            exit_depths=dict(st.exit_depths), core_batch=dict(st.batch_hist.get("core", {})), ticks=dict(st.ticks),
+            exit_depths=dict(st.exit_depths), generated_tokens=st.generated_tokens,
+            sampled_prompt_tokens=st.sampled_prompt_tokens, core_batch=dict(st.batch_hist.get("core", {})),
+            ticks=dict(st.ticks),
             core_rows=st.rows.get("core", 0), useful_core_rows=st.useful_core_rows,
             prefill_token_loops=st.prefill_token_loops, refill_events=st.refill_events,
             preemptions=st.preemptions, swap_ins=st.swap_ins, deferred_signal_steps=st.deferred_signal_ticks,

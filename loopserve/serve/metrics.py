@@ -74,6 +74,7 @@ from prometheus_client.registry import Collector
 
 from loopserve.device import dtype_name
 from loopserve.engine.engine_thread import EngineSnapshot
+from loopserve.engine.stats import stats_line
 from loopserve.outputs import RequestMetrics, RequestOutput
 from loopserve.serve.limits import METRIC_PREFIXES
 
@@ -517,6 +518,7 @@ class StatsLogger:
         """`refresh`: brings the counters up to the engine before each line (`OpenAIServing.metrics_caught_up`)."""
         self.metrics, self.interval_s, self.refresh = metrics, interval_s, refresh
         self._last = self._sample()
+        self._active = False  # the last interval had tokens
 
     def _sample(self) -> dict[str, Any]:
         s = self.metrics.snapshot()
@@ -534,13 +536,13 @@ class StatsLogger:
         s = self.metrics.snapshot()
         dt = max(cur["t"] - prev["t"], 1e-9)
         d = {k: cur[k] - prev[k] for k in cur if k not in ("t", "per_pos")}
-        if not (d["prompt"] or d["gen"] or s.running or s.waiting):
+        active, was_active = bool(d["prompt"] or d["gen"]), self._active
+        self._active = active
+        if not (active or was_active or s.running or s.waiting):  # (as vLLM: one line of zeros after the last busy one)
             return []
-        depth = f"{d['loops'] / d['tokens']:.2f}" if d["tokens"] else "-"
-        hit_rate = 100 * d["hits"] / d["queries"] if d["queries"] else 0.0
-        out = [f"Avg prompt throughput: {d['prompt'] / dt:.1f} tokens/s, Avg generation throughput: "
-               f"{d['gen'] / dt:.1f} tokens/s, Running: {s.running} reqs, Waiting: {s.waiting} reqs, KV cache usage: "
-               f"{100 * s.kv_usage:.1f}%, Prefix cache hit rate: {hit_rate:.1f}%, Mean exit depth: {depth}"]
+        out = [stats_line(d["prompt"] / dt, d["gen"] / dt, s.running, s.waiting, s.kv_usage,
+                          d["hits"] / d["queries"] if d["queries"] else 0.0,
+                          d["loops"] / d["tokens"] if d["tokens"] else None)]
         rounds, accepted, drafted = d["rounds"], d["accepted"], d["drafted"]
         if rounds:
             before = prev["per_pos"] + [0] * (len(cur["per_pos"]) - len(prev["per_pos"]))
