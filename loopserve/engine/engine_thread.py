@@ -176,9 +176,8 @@ class EngineThread:
         self._unscheduled: dict[str, tuple[Sequence, tuple[int, ...]]] = {}
         self.on_dead = on_dead
         self.idle_poll_s = idle_poll_s
+        self.snapshot = EngineSnapshot(spec_accepted_per_pos=tuple(engine.stats.spec_accepted_per_pos))
         self._iteration_tokens: Counter[int] = Counter()  # (the snapshot's `iteration_tokens`)
-        self.snapshot = EngineSnapshot()
-        self._publish()  # (the engine's totals so far: a reader's differences never start from zeros)
         self.dead: BaseException | None = None
         self._cmds: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         # `between_steps` queues a call only while the thread has not ended (under the lock it sets `_ended` under,
@@ -200,6 +199,7 @@ class EngineThread:
         self._thread = threading.Thread(target=self._run, name="loopserve-engine", daemon=True)
         with self._life:
             self.engine.claim(self, None)  # (a RuntimeError if another thread steps the engine: nothing started)
+            self._publish()  # (the engine's totals so far, read once it is ours: differences never start from zeros)
             _LIVE.add(self)
             with _THREADS_LOCK:  # (engines may start on several threads' loops at once)
                 _THREADS.difference_update([t for t in _THREADS if not t.is_alive()])
