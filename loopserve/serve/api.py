@@ -357,6 +357,13 @@ def _refuse_beam_grammar(field: str | None) -> None:
                             "ranks the model's own top 2 * n tokens)", field)
 
 
+async def _one_event(body: bytes | memoryview) -> AsyncIterator[str]:
+    """A whole response as a stream of one event, then [DONE]: vLLM's server answers a streamed completions beam search
+    so (its `fake_stream_generator`), usage included whatever `stream_options` says."""
+    yield f"data: {bytes(body).decode()}\n\n"
+    yield "data: [DONE]\n\n"
+
+
 async def _replay(outs: list[RequestOutput]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Finished outputs as a request group yields them (a beam search's result, streamed)."""
     for i, out in enumerate(outs):
@@ -716,6 +723,8 @@ class OpenAIServing:
             beams = await self.beam_search(request, gen)
             if beams is None:
                 return Response(status_code=499)
+            if gen.req.streaming and not gen.kind.chat:  # (completions: vLLM's fake stream, the whole response once)
+                return GroupStreamingResponse(_one_event((await self.respond_off_loop(gen, beams)).body), None)
             if gen.req.streaming:  # the search is over: its result, streamed (`beam_search`)
                 return GroupStreamingResponse(self.stream(gen, _replay(beams)), None)
             return await self.respond_off_loop(gen, beams)
@@ -968,10 +977,11 @@ class OpenAIServing:
         steps' sequences are not counted: `beam_steps`) and in the log (--enable-log-requests: one line per prompt
         when its first step is admitted, one when the search is over).
 
-        A stream gets that result as chunks once the search is over (vLLM's server also yields only the final
-        result of a beam search): each choice's whole text in one chunk, with its finish_reason, then usage if asked
-        and [DONE]. The status line waits for the search, so a search that fails, or is refused at a step's
-        admission, answers with its own status, as a response that is not streamed does."""
+        A stream gets that result once the search is over, as vLLM's server sends it: a chat stream as chunks (the
+        role of every choice, then each choice's whole text in one chunk, with its finish_reason, then usage if asked
+        and [DONE]), a completions stream as one event holding the whole response (usage included), then [DONE].
+        The status line waits for the search, so a search that fails, or is refused at a step's admission, answers
+        with its own status, as a response that is not streamed does."""
         search = gen.search
         assert search is not None
         prompts = [len(s.prompt_ids) for s in gen.seqs]
