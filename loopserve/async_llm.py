@@ -44,6 +44,7 @@ from loopserve.engine.engine_thread import (
     EngineStoppedError,
     EngineThread,
     RequestGroup,
+    stat_totals,
 )
 from loopserve.engine.sequence import PromptType
 from loopserve.engine.stats import stats_line
@@ -233,7 +234,10 @@ class AsyncLLMEngine:
         self._closed = False  # shut down, and no generate since
         # event-loop thread only: the caller's request id -> its group (`_Building` while the request is built)
         self._streams: dict[str, RequestGroup | _Building] = {}
-        self._logged = time.monotonic(), EngineSnapshot()  # when `do_log_stats` last logged, and what it read
+        # when `do_log_stats` last logged, and what it read (first: the engine's totals so far, which an `LLM` it wraps
+        # may have run up; no thread steps the engine yet)
+        self._logged = time.monotonic(), EngineSnapshot(**stat_totals(self.engine.stats))
+        self._log_active = False  # that line had tokens
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, start_engine_loop: bool = True, usage_context: Any = None,
@@ -310,20 +314,28 @@ class AsyncLLMEngine:
         """vLLM's: loopserve takes no multimodal inputs, so there is no such cache to reset."""
 
     async def do_log_stats(self, *args: Any, **kwargs: Any) -> None:
-        """vLLM's periodic stats line (`stats_line`), logged (INFO) from the engine thread's last snapshot (it is not
-        read while the thread steps): throughputs, prefix-cache hit rate and mean exit depth since the last call
-        (or since the engine was made), sequences running and waiting, KV cache use."""
-        snap = self._thread.snapshot if self._thread is not None else EngineSnapshot()
+        """vLLM's periodic stats line (`stats_line`), logged from the engine thread's last snapshot (it is not read
+        while the thread steps): throughputs, prefix-cache hit rate and mean exit depth since the last call (or since
+        this AsyncLLMEngine was made), sequences running and waiting, KV cache use. At INFO, but a line with no tokens
+        after one with none, at DEBUG, as vLLM's logger."""
         now, (then, last) = time.monotonic(), self._logged
+        # (no thread, before the first generate or after shutdown: nothing runs, and nothing was counted since)
+        snap = self._thread.snapshot if self._thread is not None else dataclasses.replace(last, running=0, waiting=0,
+                                                                                          kv_usage=0.0)
         self._logged = now, snap
         dt = max(now - then, 1e-9)
         queries = snap.prefix_cache_queries - last.prefix_cache_queries
         tokens = sum(snap.exit_depths.values()) - sum(last.exit_depths.values())
         loops = sum(d * c for d, c in snap.exit_depths.items()) - sum(d * c for d, c in last.exit_depths.items())
         hit_rate = (snap.prefix_cache_hits - last.prefix_cache_hits) / queries if queries else 0.0
-        log.info(stats_line((snap.sampled_prompt_tokens - last.sampled_prompt_tokens) / dt,
-                            (snap.generated_tokens - last.generated_tokens) / dt, snap.running, snap.waiting,
-                            snap.kv_usage, hit_rate, loops / tokens if tokens else None))
+        prompt = snap.sampled_prompt_tokens - last.sampled_prompt_tokens
+        generated = snap.generated_tokens - last.generated_tokens
+        # as vLLM's: an idle line at DEBUG, but the first after a busy one
+        active, was_active = bool(prompt or generated), self._log_active
+        self._log_active = active
+        log.log(logging.INFO if active or was_active else logging.DEBUG,
+                stats_line(prompt / dt, generated / dt, snap.running, snap.waiting, snap.kv_usage, hit_rate,
+                           loops / tokens if tokens else None))
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """`LLMEngine.reset_prefix_cache` (vLLM's rules: only with no request in flight, else False), run between

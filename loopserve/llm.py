@@ -343,13 +343,14 @@ class _ProgressBar:
         self.prompt_tokens = self.output_tokens = 0
 
     def finished(self, out: RequestOutput) -> None:
-        if self.bar is None or self.bar.disable:
+        if self.bar is None:
             return
         self.prompt_tokens += len(out.prompt_token_ids)
         self.output_tokens += sum(len(c.token_ids) for c in out.outputs)
         elapsed = self.bar.format_dict["elapsed"] or 1e-9
-        self.bar.set_postfix_str(f"est. speed input: {self.prompt_tokens / elapsed:.2f} toks/s, "
-                                 f"output: {self.output_tokens / elapsed:.2f} toks/s", refresh=False)
+        # (what vLLM's loop uses of a bar: format_dict, postfix, update, close: a bar written to it has no more)
+        self.bar.postfix = (f"est. speed input: {self.prompt_tokens / elapsed:.2f} toks/s, "
+                            f"output: {self.output_tokens / elapsed:.2f} toks/s")
         self.bar.update(1)
 
     def close(self) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import types
 
 import pytest
 
@@ -298,26 +299,50 @@ def test_vllms_housekeeping_calls(engine, caplog):
     assert line.startswith("Engine 000: Avg prompt throughput: ") and "GPU KV cache usage: 0.0%" in line, line
 
 
-def test_do_log_stats_counts_every_generated_token(tiny_ouro, caplog):
-    """do_log_stats' generation throughput is of every token since its last line, each sample's first included (it
-    counted only the decode tokens, which have exit depths: 18 of two requests' 20)."""
+def test_do_log_stats_counts_every_generated_token(tiny_ouro, caplog, monkeypatch):
+    """do_log_stats' rates are of the tokens since its last line: each sample's first token included (it counted only
+    the decode tokens, which have exit depths: 18 of two requests' 20), not the wrapped LLM's earlier work, never
+    negative after a shutdown, and not counted twice after a restart. An idle line after an idle one is DEBUG."""
     import logging
 
-    eng = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=str(tiny_ouro), device="cpu", seed=0))
+    llm = LLM(tiny_ouro, device="cpu", seed=0)
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=30, ignore_eos=True), use_tqdm=False)  # before: not counted
+    from loopserve import async_llm
+
+    eng = AsyncLLMEngine(llm)
+    params = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.0)
+    lines: list[tuple[int, str]] = []
+    clock = types.SimpleNamespace(monotonic=lambda: clock.now, now=1000.0)  # the module's own clock, read by it alone
+    monkeypatch.setattr(async_llm, "time", clock)
+
+    async def log_a_second_on() -> None:
+        eng._logged = clock.now, eng._logged[1]
+        clock.now += 1.0  # the line a second after the last: its rates are counts
+        with caplog.at_level(logging.DEBUG, logger="loopserve.async_llm"):
+            caplog.clear()
+            await eng.do_log_stats()
+            [line] = [(r.levelno, r.getMessage()) for r in caplog.records if "Avg generation" in r.getMessage()]
+        lines.append(line)
 
     async def main():
         for rid in ("a", "b"):
-            await collect(eng, [5, 6, 7], SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.0), rid)
-        with caplog.at_level(logging.INFO, logger="loopserve.async_llm"):
-            eng._logged = time.monotonic() - 1.0, eng._logged[1]  # the last line a second ago: rates are counts
-            await eng.do_log_stats()
-            await eng.do_log_stats()  # nothing since: zeros
+            await collect(eng, [5, 6, 7], params, rid)
+        await log_a_second_on()
+        await log_a_second_on()  # nothing since: zeros, at INFO (the first idle line)
+        await log_a_second_on()  # at DEBUG
+        eng.shutdown()
+        await log_a_second_on()  # no thread: zeros, not the totals subtracted
+        await collect(eng, [5, 6, 7], params, "c")  # a new thread, which starts from the engine's totals
+        await log_a_second_on()
         eng.shutdown()
 
     asyncio.run(main())
-    first, second = [r.getMessage() for r in caplog.records if "Avg generation throughput" in r.getMessage()]
-    assert "Avg prompt throughput: 6.0 tokens/s, Avg generation throughput: 20.0 tokens/s" in first, first
-    assert "Avg generation throughput: 0.0 tokens/s" in second and "Mean exit depth: -" in second, second
+    rates = [line.split("Avg prompt throughput: ")[1].split(", Running")[0] for _, line in lines]
+    assert rates[0] == "6.0 tokens/s, Avg generation throughput: 20.0 tokens/s", lines
+    assert rates[1:4] == ["0.0 tokens/s, Avg generation throughput: 0.0 tokens/s"] * 3, lines
+    assert rates[4] == "3.0 tokens/s, Avg generation throughput: 10.0 tokens/s", lines
+    assert [level for level, _ in lines] == [logging.INFO, logging.INFO, logging.DEBUG, logging.DEBUG, logging.INFO]
+    assert "Mean exit depth: -" in lines[1][1] and "Running: 0 reqs" in lines[3][1]
 
 
 def test_from_engine_args_names_an_unknown_keyword(tiny_ouro):

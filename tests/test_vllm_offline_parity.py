@@ -452,6 +452,20 @@ def test_use_tqdm_takes_a_tqdm_class(tiny_ouro):
     assert len(llm.generate(["a", "b", "c"], GREEDY, use_tqdm=factory)) == 3
     assert made == [2, 1, 3]
 
+    class VllmStyleBar:  # only what vLLM's loop uses of a bar: format_dict, postfix, update, close
+        def __init__(self, total, desc, dynamic_ncols, postfix):
+            self.format_dict, self.postfix, self.n, self.closed = {"elapsed": 1.0}, postfix, 0, False
+
+        def update(self, n):
+            self.n += n
+
+        def close(self):
+            self.closed = True
+
+    bars = []
+    llm.generate(["a", "b"], GREEDY, use_tqdm=lambda **kw: bars.append(VllmStyleBar(**kw)) or bars[-1])
+    assert bars[0].n == 2 and bars[0].closed and bars[0].postfix.startswith("est. speed input: ")
+
 
 def test_priority_zeros_of_any_number_type_ask_for_nothing(tiny_ouro):
     """generate's priority list of numpy zeros (np.zeros(n, int)) is neutral, as 0 is; a non-zero one is refused."""

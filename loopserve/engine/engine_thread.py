@@ -42,6 +42,7 @@ import torch
 
 from loopserve.engine.engine import LLMEngine
 from loopserve.engine.sequence import Sequence, Status
+from loopserve.engine.stats import EngineStats
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import RequestOutputKind
 
@@ -93,6 +94,20 @@ class EngineSnapshot:
     iteration_tokens: dict[int, int] = field(default_factory=dict)
 
 
+def stat_totals(st: EngineStats) -> dict[str, Any]:
+    """An `EngineSnapshot`'s fields that count from the engine's start (read off its `EngineStats`)."""
+    return dict(
+        exit_depths=dict(st.exit_depths), generated_tokens=st.generated_tokens,
+        sampled_prompt_tokens=st.sampled_prompt_tokens, core_batch=dict(st.batch_hist.get("core", {})),
+        ticks=dict(st.ticks), core_rows=st.rows.get("core", 0), useful_core_rows=st.useful_core_rows,
+        prefill_token_loops=st.prefill_token_loops, refill_events=st.refill_events, preemptions=st.preemptions,
+        swap_ins=st.swap_ins, deferred_signal_steps=st.deferred_signal_ticks,
+        prefix_cache_queries=st.prefix_cache_queries, prefix_cache_hits=st.prefix_cache_hits,
+        swap_in_shared_blocks=st.swap_in_shared_blocks, spec_rounds=st.spec_rounds,
+        spec_draft_tokens=st.spec_draft_tokens, spec_accepted_tokens=st.spec_accepted_tokens,
+        spec_accepted_per_pos=tuple(st.spec_accepted_per_pos))
+
+
 class RequestGroup:
     """The engine requests of one client request. Iterate for `(index, RequestOutput)` pairs (one per
     new token, and a final one per request); `abort()` cancels what has not finished. `merge` (the public async
@@ -119,6 +134,7 @@ class RequestGroup:
             self._unsent.discard(self.request_ids[index])
             if not self._unsent and self.on_end is not None:
                 self.on_end()
+                self.on_end = None  # (it may hold the group: no cycle left for the collector)
         if self._merge is not None:
             unread = self._unread.get(index)
             if unread is not None:
@@ -427,16 +443,7 @@ class EngineThread:
         waiting = sum(1 + len(s.pending_forks) for s in sched.waiting if s.request_id not in sched.running)
         self.snapshot = EngineSnapshot(
             running=sched.resident(), waiting=waiting + len(sched.swapped), kv_usage=eng.kv_usage(),
-            exit_depths=dict(st.exit_depths), generated_tokens=st.generated_tokens,
-            sampled_prompt_tokens=st.sampled_prompt_tokens, core_batch=dict(st.batch_hist.get("core", {})),
-            ticks=dict(st.ticks),
-            core_rows=st.rows.get("core", 0), useful_core_rows=st.useful_core_rows,
-            prefill_token_loops=st.prefill_token_loops, refill_events=st.refill_events,
-            preemptions=st.preemptions, swap_ins=st.swap_ins, deferred_signal_steps=st.deferred_signal_ticks,
-            prefix_cache_queries=st.prefix_cache_queries, prefix_cache_hits=st.prefix_cache_hits,
-            swap_in_shared_blocks=st.swap_in_shared_blocks, spec_rounds=st.spec_rounds,
-            spec_draft_tokens=st.spec_draft_tokens, spec_accepted_tokens=st.spec_accepted_tokens,
-            spec_accepted_per_pos=tuple(st.spec_accepted_per_pos), iteration_tokens=dict(self._iteration_tokens))
+            iteration_tokens=dict(self._iteration_tokens), **stat_totals(st))
 
     def _tokens_so_far(self) -> int:
         """The engine's tokens so far as vLLM counts a step's: each sample's prompt with its first token (an n > 1

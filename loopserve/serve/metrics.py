@@ -506,12 +506,11 @@ def quiet_progress(engine: LLMEngine) -> dict[str, tuple[int, dict[int, int]]]:
 
 
 class StatsLogger:
-    """Logs a line every `interval_s` while the server is busy (an interval with tokens, or requests
-    running or waiting at its end), like vLLM's: prompt and generation throughput over the interval,
-    running and waiting requests (samples counted, as in the gauges), KV-cache usage, the prefix cache's hit rate
-    (the interval's prompt tokens looked up; vLLM's is over its recent requests); and for the loops, the
-    mean exit depth of the interval's decode tokens. With speculative decoding, vLLM's second line, of the interval's
-    drafts."""
+    """Logs a line every `interval_s` while the server is busy (an interval with tokens, or requests running or
+    waiting at its end) and once after (zeros), like vLLM's: prompt and generation throughput over the interval,
+    running and waiting requests (samples counted, as in the gauges), KV-cache usage, the prefix cache's hit rate (the
+    interval's prompt tokens looked up; vLLM's is over its recent requests); and for the loops, the mean exit depth
+    of the interval's decode tokens. With speculative decoding, vLLM's second line, of the interval's drafts."""
 
     def __init__(self, metrics: ServerMetrics, interval_s: float,
                  refresh: Callable[[], Awaitable[None]] | None = None) -> None:
