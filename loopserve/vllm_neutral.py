@@ -206,7 +206,6 @@ SERVE_NEUTRAL: dict[str, Neutral] = {
     "enable_request_id_headers": _any_bool("every response carries X-Request-Id"),
     "disable_frontend_multiprocessing": _any_bool("the server and its engine run in one process, the engine on a "
                                                   "thread of its own"),
-    "disable_fastapi_docs": _any_bool("no /docs or /redoc pages are served (the schema is at /openapi.json)"),
     "log_error_stack": _any_bool("a 500's traceback is always logged"),
     "chat_template_content_format": _only("a message's content parts are joined as text, vLLM's 'string'", "auto",
                                           "string"),

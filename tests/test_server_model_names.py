@@ -50,7 +50,8 @@ def test_unknown_arguments_show_the_serve_usage(argv, capsys):
         main(["serve", *argv])
     err = capsys.readouterr().err
     assert e.value.code == 2
-    assert err.startswith("usage: loopserve serve ") and "--served-model-name NAME [NAME ...]" in err, err
+    # serve's own usage, short (as vLLM's: the generated one was some 130 lines of flags before the error)
+    assert err.startswith("usage: loopserve serve [model_tag] [options]") and len(err.splitlines()) == 2, err
     assert "loopserve serve: error: unrecognized arguments: " in err, err
 
 

@@ -33,7 +33,7 @@ def _serve(*argv: str):
 # -- vLLM's server flags -----------------------------------------------------------------------------------------
 NEUTRAL_LINES = [
     "--response-role assistant", "--enable-prompt-tokens-details", "--enable-request-id-headers",
-    "--disable-frontend-multiprocessing", "--disable-fastapi-docs", "--chat-template-content-format string",
+    "--disable-frontend-multiprocessing", "--chat-template-content-format string",
     "--no-enable-auto-tool-choice", "--tool-call-parser null", "--reasoning-parser ''", "--preemption-mode swap",
     "--no-enable-server-load-tracking", "--max-cudagraph-capture-size 512",
     "--cuda-graph-sizes 1 2 4", "--h11-max-incomplete-event-size 4194304", "--h11-max-header-count 256",
@@ -49,6 +49,19 @@ REFUSED_LINES = {
     "--cuda-graph-sizes 0 8": "--cuda-graph-sizes: not supported by loopserve (every batch width",
     "--api-server-count 4": "--api-server-count: not supported by loopserve (one API server process",
 }
+
+
+def test_vllms_logging_level_variable_sets_the_log_level(monkeypatch):
+    """$VLLM_LOGGING_LEVEL is --log-level's default, as vLLM reads it (it was ignored: INFO lines went on); the flag
+    wins; a value that is no level stops the start naming the variable."""
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "ERROR")
+    assert _serve().log_level == "error" and _check(_serve()) is None
+    assert _serve("--log-level", "debug").log_level == "debug"
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "loud")
+    assert _check(_serve()) == ("$VLLM_LOGGING_LEVEL: must be one of critical, error, warning, info, debug (any case), "
+                                "got 'loud'")
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL")
+    assert _serve().log_level == "info"
 
 
 @pytest.mark.parametrize("line", NEUTRAL_LINES)
@@ -193,9 +206,15 @@ def test_tls_and_socket_flags_are_checked_before_the_model_loads(tmp_path):
         serialization.BestAvailableEncryption(b"secret")))
     cases = {
         ("--ssl-keyfile", str(key)): "--ssl-keyfile: needs --ssl-certfile",
-        ("--ssl-certfile", str(bad)): "--ssl-certfile: cannot use it",
-        ("--ssl-certfile", str(tmp_path / "missing.pem")): "--ssl-certfile: cannot use it",
-        ("--ssl-certfile", str(cert), "--ssl-keyfile", str(locked)): "--ssl-certfile: cannot use it",
+        ("--ssl-certfile", str(bad)): "--ssl-certfile: cannot use it, with no --ssl-keyfile (the private key must",
+        ("--ssl-certfile", str(tmp_path / "missing.pem")): "--ssl-certfile: cannot use it: No such file",
+        # (each file named by its own flag: a missing key file was blamed on --ssl-certfile)
+        ("--ssl-certfile", str(cert), "--ssl-keyfile", str(tmp_path / "missing.pem")):
+            "--ssl-keyfile: cannot use it: No such file",
+        ("--ssl-certfile", str(cert), "--ssl-keyfile", str(key), "--ssl-ca-certs", str(tmp_path / "missing.pem")):
+            "--ssl-ca-certs: cannot use it: No such file",
+        ("--ssl-certfile", str(cert)): "--ssl-certfile: cannot use it, with no --ssl-keyfile",
+        ("--ssl-certfile", str(cert), "--ssl-keyfile", str(locked)): "--ssl-certfile, --ssl-keyfile: cannot use them",
         ("--ssl-certfile", str(cert), "--ssl-keyfile", str(key), "--ssl-cert-reqs", "2"):
             "--ssl-cert-reqs: asks for client certificates, so needs --ssl-ca-certs",
         ("--ssl-certfile", str(cert), "--ssl-keyfile", str(key), "--ssl-cert-reqs", "5"): "--ssl-cert-reqs: must be",

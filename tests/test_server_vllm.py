@@ -211,6 +211,26 @@ def test_cors_preflight_and_responses(server):
         **_auth(), "Origin": "https://evil.example"}).headers
 
 
+def test_disable_fastapi_docs_takes_the_schema_away(tiny_path):
+    """vLLM's --disable-fastapi-docs serves no /openapi.json (it was taken and changed nothing: a deployment that
+    hides its schema with it still served it)."""
+    import asyncio
+
+    from loopserve.cli import build_parser
+    from loopserve.serve.api import build_app
+    from loopserve.serve.cli import load_server
+
+    async def schema(app) -> int:  # (answered without the engine: it is not started)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            return (await client.get("/openapi.json")).status_code
+
+    for flags, status in (([], 200), (["--disable-fastapi-docs"], 404)):
+        args = build_parser().parse_args(["serve", str(tiny_path), "--device", "cpu", "--kv-cache-tokens", "64",
+                                          *flags])
+        engine, settings = load_server(args)
+        assert asyncio.run(schema(build_app(engine, settings))) == status, flags
+
+
 def test_any_origin_with_credentials_is_answered_with_the_requests_origin(tiny_path):
     """vLLM passes `--allowed-origins '["*"]' --allow-credentials` to Starlette's CORS middleware, which answers with
     the request's own Origin (browsers refuse credentials for '*'); the server refused the pair at start."""

@@ -227,6 +227,7 @@ class ServerSettings:
     # GET /tokenizer_info (vLLM's --enable-tokenizer-info-endpoint, off by default as there: it shows the tokenizer's
     # config and chat template); clients that tokenize through the server read it (lm-eval's remote tokenizer)
     tokenizer_info: bool = False
+    openapi: bool = True  # GET /openapi.json, the API's schema (off: vLLM's --disable-fastapi-docs)
     metric_prefix: str = next(iter(METRIC_PREFIXES))  # the metrics' names' prefix (a key of that table)
     # GET /load counts the generation requests in flight (vLLM's --enable-server-load-tracking; off: it says 0, as
     # vLLM's does)
@@ -1521,7 +1522,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings,
               on_engine_dead: Callable[[], None] | None = None) -> FastAPI:
     serving = OpenAIServing(engine, settings, on_engine_dead)
     app = FastAPI(title="loopserve", version=__version__, lifespan=serving.lifespan, docs_url=None,
-                  redoc_url=None, openapi_url="/openapi.json")
+                  redoc_url=None, openapi_url="/openapi.json" if settings.openapi else None)
     # vLLM's --root-path: FastAPI puts it in every request's scope, so routes match with the prefix
     # (a proxy that keeps it) or without (one that strips it), and /openapi.json names it as the server.
     # Set on the app rather than passed to FastAPI(), which deprecates that in favour of uvicorn's

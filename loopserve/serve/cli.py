@@ -54,6 +54,7 @@ if TYPE_CHECKING:
 API_KEY_ENVS = ("LOOPSERVE_API_KEY", "VLLM_API_KEY")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")  # --log-level's (uvicorn's take "trace" too)
+LOG_LEVEL_ENV = "VLLM_LOGGING_LEVEL"  # --log-level's default when set, as vLLM reads it (a deployment moved keeps it)
 log = logging.getLogger("loopserve.serve")
 
 
@@ -97,8 +98,10 @@ def _parser_names(module: str, registry: str) -> str:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    # (a short usage line, as vLLM's: the generated one lists some 190 flags, 130 lines before a bad flag's error)
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, SSE, metrics)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       usage="loopserve serve [model_tag] [options]  (--help: every option)")
     # (add_parser builds the top-level parser's class: that class, with this one's parse_known_args)
     p.__class__ = type("ServeParser", (_OwnUsage, type(p)), {})
     p.add_argument("model_tag", nargs="?", default=None, help="model folder (same as --model)")
@@ -131,6 +134,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--expose-model-path", action="store_true",
                    help="/v1/models shows the model's path as its `root` (else its first served name)")
     p.add_argument("--root-path", default="", help="path prefix under which a proxy serves this API")
+    p.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="no GET /openapi.json, the API's schema (vLLM's flag; its /docs and /redoc pages are never "
+                        "served here)")
     g = p.add_argument_group("request defaults (a request's own fields win)")
     add_exit_args(g)
     g.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
@@ -175,8 +181,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="allow cookies and Authorization cross-origin (with '*', each answer names the request's "
                         "origin instead, as browsers need)")
     lg = p.add_argument_group("logging")
-    lg.add_argument("--log-level", default="info", choices=LOG_LEVELS,
-                    help="log level of the server (and of uvicorn, unless --uvicorn-log-level)")
+    lg.add_argument("--log-level", default=os.environ.get(LOG_LEVEL_ENV, "info").lower(), choices=LOG_LEVELS,
+                    help=f"log level of the server (and of uvicorn, unless --uvicorn-log-level); unset: "
+                         f"${LOG_LEVEL_ENV} (vLLM's variable), else info")
     lg.add_argument("--uvicorn-log-level", default=None, choices=[*LOG_LEVELS, "trace"],
                     help="log level of uvicorn's loggers alone (vLLM's flag; unset: --log-level's)")
     lg.add_argument("--no-access-log", "--disable-uvicorn-access-log", action="store_true",
@@ -247,6 +254,8 @@ def _check(args: argparse.Namespace) -> str | None:
         swallowed = [n for n in (values or [])[1:] if Path(n, "config.json").is_file()]
         if swallowed and not (args.model_tag or args.model):
             return f"{flag} took the model {swallowed[-1]!r} as a {what}; give the model before the flag or as --model"
+    if args.log_level not in LOG_LEVELS:  # (a default argparse does not check: from $VLLM_LOGGING_LEVEL)
+        return f"${LOG_LEVEL_ENV}: must be one of {', '.join(LOG_LEVELS)} (any case), got {args.log_level!r}"
     if args.max_queued_requests < 0:
         return "--max-queued-requests: must be >= 0"
     if args.max_request_body_bytes < 1024:
@@ -330,16 +339,26 @@ def _check_transport(args: argparse.Namespace) -> str | None:
     if args.ssl_cert_reqs != ssl.CERT_NONE and args.ssl_ca_certs is None:
         return "--ssl-cert-reqs: asks for client certificates, so needs --ssl-ca-certs to verify them by"
     if args.ssl_certfile is not None:
+        for flag in ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs"):  # (each file by its own flag: ssl's errors
+            path = getattr(args, flag)  # name none)
+            if path is not None:
+                try:
+                    Path(path).open("rb").close()
+                except OSError as e:
+                    return f"--{flag.replace('_', '-')}: cannot use it: {e.strerror or e}"
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         # (no passphrase: an encrypted key is refused here, not asked for on the terminal, as uvicorn would)
-        loads = [("--ssl-certfile", lambda: context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile, password=b""))]
+        pair = ("--ssl-certfile: cannot use it, with no --ssl-keyfile (the private key must then be in it, after the "
+                "certificate)" if args.ssl_keyfile is None else
+                "--ssl-certfile, --ssl-keyfile: cannot use them (a PEM certificate and its unencrypted private key)")
+        loads = [(pair, lambda: context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile, password=b""))]
         if args.ssl_ca_certs:
-            loads.append(("--ssl-ca-certs", lambda: context.load_verify_locations(args.ssl_ca_certs)))
-        for flag, load in loads:
+            loads.append(("--ssl-ca-certs: cannot use it", lambda: context.load_verify_locations(args.ssl_ca_certs)))
+        for what, load in loads:
             try:
                 load()
             except (OSError, ssl.SSLError) as e:
-                return f"{flag}: cannot use it: {e.strerror or e}"
+                return f"{what}: {e.strerror or e}"
     return None
 
 
@@ -391,7 +410,7 @@ def load_server(args: argparse.Namespace) -> tuple[LLMEngine, ServerSettings]:
         allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials,
         root_path=args.root_path, log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
         stats_interval_s=None if args.disable_log_stats else args.log_stats_interval,
-        tokenizer_info=args.enable_tokenizer_info_endpoint,
+        tokenizer_info=args.enable_tokenizer_info_endpoint, openapi=not args.disable_fastapi_docs,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids, metric_prefix=args.metric_prefix,
         server_load_tracking=args.enable_server_load_tracking,
         tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
