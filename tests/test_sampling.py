@@ -23,6 +23,7 @@ from loopserve.engine.sampler import (
     nucleus,
     sample_batch,
     sample_one,
+    top_logprobs,
     unpack,
 )
 from loopserve.random_streams import uniforms
@@ -545,3 +546,23 @@ def test_a_tiny_temperature_is_raised_to_vllms_floor(given, caplog):
     assert "raised to 0.01" in caplog.text
     assert SamplingParams(temperature=0).greedy and SamplingParams(temperature=0.01).temperature == 0.01
 
+
+
+def test_top_logprobs_report_tied_tokens_by_lowest_id_whatever_the_batch():
+    """Tied logprobs at the k-th place are reported lowest ids first, as argmax breaks ties, so a row reports the same
+    tokens alone and batched: `topk` left ties in any order, and a grammar's row (one token allowed, the rest -inf)
+    reported other -inf tokens batched than alone (found by test_engine_cross's Huginn workloads)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 1000, generator=g, dtype=torch.float64)
+    x[:, 500:] = -math.inf
+    x[3] = -math.inf
+    x[3, 7] = 0.0  # a grammar's row: one token allowed
+    x[5, 10:20] = 9.0  # ties among the largest
+    tokens = x.argmax(-1)
+    batched = top_logprobs(x, tokens, 20)
+    assert torch.equal(batched["lp_top_vals"], torch.log_softmax(x, -1).topk(20, -1).values)  # topk's values
+    for i in range(64):
+        alone = top_logprobs(x[i:i + 1], tokens[i:i + 1], 20)
+        assert torch.equal(alone["lp_top_ids"][0], batched["lp_top_ids"][i]), i
+    assert batched["lp_top_ids"][3, :4].tolist() == [7, 0, 1, 2]  # the -inf ones by lowest id
+    assert batched["lp_top_ids"][5, :10].tolist() == list(range(10, 20))

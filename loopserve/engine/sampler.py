@@ -531,9 +531,23 @@ def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> dict[str
     chosen = lp.gather(1, tokens[:, None])[:, 0]
     out = {"lp_chosen": chosen, "lp_rank": (lp >= chosen[:, None]).sum(-1)}
     if k > 0:
-        top = lp.topk(min(k, lp.shape[-1]), -1)
-        out["lp_top_ids"], out["lp_top_vals"] = top.indices, top.values
+        out["lp_top_vals"], out["lp_top_ids"] = _top_k_ties_by_id(lp, min(k, lp.shape[-1]))
     return out
+
+
+def _top_k_ties_by_id(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest values of each row of `x` [R, V] and their ids, largest first, equal values by lowest id (as
+    `argmax_rows` breaks ties), so that which of tied tokens a row reports does not depend on its batch: `topk`
+    leaves ties in any order, and a grammar's row, its disallowed tokens all -inf, reported other -inf tokens
+    batched than alone. The multiset of the k values is `topk`'s; the tied ones at the k-th value are taken
+    lowest ids first."""
+    t = x.topk(k, -1).values[:, -1:]  # the k-th largest value of each row
+    above, at = x > t, x == t  # (fewer than k above it; at least k at or above it)
+    take = above | (at & (at.cumsum(-1) <= k - above.sum(-1, keepdim=True)))  # k per row
+    ids = take.nonzero()[:, 1].view(-1, k)  # (ascending ids)
+    vals = x.gather(1, ids)
+    order = torch.sort(vals, dim=-1, descending=True, stable=True).indices  # (stable: ascending ids kept on ties)
+    return vals.gather(1, order), ids.gather(1, order)
 
 
 def finite_rows(x: torch.Tensor) -> torch.Tensor:
