@@ -47,7 +47,6 @@ from loopserve.engine.engine_thread import (
     stat_totals,
 )
 from loopserve.engine.sequence import PromptType
-from loopserve.engine.stats import stats_line
 from loopserve.llm import LLM, llm_configs
 from loopserve.load_config import LoadConfig
 from loopserve.model_config import EngineModelConfig
@@ -314,28 +313,22 @@ class AsyncLLMEngine:
         """vLLM's: loopserve takes no multimodal inputs, so there is no such cache to reset."""
 
     async def do_log_stats(self, *args: Any, **kwargs: Any) -> None:
-        """vLLM's periodic stats line (`stats_line`), logged from the engine thread's last snapshot (it is not read
-        while the thread steps): throughputs, prefix-cache hit rate and mean exit depth since the last call (or since
-        this AsyncLLMEngine was made), sequences running and waiting, KV cache use. At INFO, but a line with no tokens
-        after one with none, at DEBUG, as vLLM's logger."""
+        """vLLM's periodic stats line (`EngineSnapshot.stats_line`), logged from the engine thread's last snapshot (it
+        is not read while the thread steps): throughputs, prefix-cache hit rate and mean exit depth since the last call
+        (or since this AsyncLLMEngine was made), sequences running and waiting, KV cache use. At INFO, but a line with
+        no tokens after one with none, at DEBUG, as vLLM's logger."""
         now, (then, last) = time.monotonic(), self._logged
         # (no thread, before the first generate or after shutdown: nothing runs, and nothing was counted since)
         snap = self._thread.snapshot if self._thread is not None else dataclasses.replace(last, running=0, waiting=0,
                                                                                           kv_usage=0.0)
         self._logged = now, snap
-        dt = max(now - then, 1e-9)
-        queries = snap.prefix_cache_queries - last.prefix_cache_queries
-        tokens = sum(snap.exit_depths.values()) - sum(last.exit_depths.values())
-        loops = sum(d * c for d, c in snap.exit_depths.items()) - sum(d * c for d, c in last.exit_depths.items())
-        hit_rate = (snap.prefix_cache_hits - last.prefix_cache_hits) / queries if queries else 0.0
         prompt = snap.sampled_prompt_tokens - last.sampled_prompt_tokens
         generated = snap.generated_tokens - last.generated_tokens
         # as vLLM's: an idle line at DEBUG, but the first after a busy one
         active, was_active = bool(prompt or generated), self._log_active
         self._log_active = active
         log.log(logging.INFO if active or was_active else logging.DEBUG,
-                stats_line(prompt / dt, generated / dt, snap.running, snap.waiting, snap.kv_usage, hit_rate,
-                           loops / tokens if tokens else None))
+                snap.stats_line(last, now - then, prompt, generated))
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """`LLMEngine.reset_prefix_cache` (vLLM's rules: only with no request in flight, else False), run between

@@ -93,6 +93,23 @@ class EngineSnapshot:
     # their first token in it (cached tokens too; an n > 1 request's once per sample) plus the tokens generated
     iteration_tokens: dict[int, int] = field(default_factory=dict)
 
+    def stats_line(self, since: EngineSnapshot, dt: float, prompt: int, generated: int) -> str:
+        """vLLM's periodic stats line word for word, for the `dt` seconds from snapshot `since` to this one, in which
+        `prompt` prompt tokens and `generated` tokens were counted (by the server's counters, or off the snapshots):
+        its "GPU KV cache usage" on any device, as vLLM's CPU backend prints it (log alerts and scrapers written for
+        vLLM read it as they are); the prefix cache's hit rate over those seconds' lookups. Then loopserve's mean
+        exit depth of those seconds' decode tokens ("-": none)."""
+        dt = max(dt, 1e-9)
+        queries = self.prefix_cache_queries - since.prefix_cache_queries
+        hit_rate = (self.prefix_cache_hits - since.prefix_cache_hits) / queries if queries else 0.0
+        tokens = sum(self.exit_depths.values()) - sum(since.exit_depths.values())
+        loops = sum(d * c for d, c in self.exit_depths.items()) - sum(d * c for d, c in since.exit_depths.items())
+        depth = f"{loops / tokens:.2f}" if tokens else "-"
+        return (f"Engine 000: Avg prompt throughput: {prompt / dt:.1f} tokens/s, Avg generation throughput: "
+                f"{generated / dt:.1f} tokens/s, Running: {self.running} reqs, Waiting: {self.waiting} reqs, GPU KV "
+                f"cache usage: {100 * self.kv_usage:.1f}%, Prefix cache hit rate: {100 * hit_rate:.1f}%, Mean exit "
+                f"depth: {depth}")
+
 
 def stat_totals(st: EngineStats) -> dict[str, Any]:
     """An `EngineSnapshot`'s fields that count from the engine's start (read off its `EngineStats`)."""

@@ -82,13 +82,3 @@ class EngineStats:
             "graph_buckets": self.graph_buckets, "graph_capture_s": self.graph_capture_s,
         }
 
-
-def stats_line(prompt_tps: float, generation_tps: float, running: int, waiting: int, kv_usage: float, hit_rate: float,
-               exit_depth: float | None) -> str:
-    """vLLM's periodic stats line word for word (its "GPU KV cache usage" on any device, as vLLM's CPU backend prints
-    it: log alerts and scrapers written for vLLM read it as they are), then loopserve's mean exit depth of the
-    interval's decode tokens ("-": none). `kv_usage` and `hit_rate` are fractions."""
-    depth = "-" if exit_depth is None else f"{exit_depth:.2f}"
-    return (f"Engine 000: Avg prompt throughput: {prompt_tps:.1f} tokens/s, Avg generation throughput: "
-            f"{generation_tps:.1f} tokens/s, Running: {running} reqs, Waiting: {waiting} reqs, GPU KV cache usage: "
-            f"{100 * kv_usage:.1f}%, Prefix cache hit rate: {100 * hit_rate:.1f}%, Mean exit depth: {depth}")

@@ -57,7 +57,7 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -74,7 +74,6 @@ from prometheus_client.registry import Collector
 
 from loopserve.device import dtype_name
 from loopserve.engine.engine_thread import EngineSnapshot
-from loopserve.engine.stats import stats_line
 from loopserve.outputs import RequestMetrics, RequestOutput
 from loopserve.serve.limits import METRIC_PREFIXES
 
@@ -519,34 +518,28 @@ class StatsLogger:
         self._last = self._sample()
         self._active = False  # the last interval had tokens
 
-    def _sample(self) -> dict[str, Any]:
-        s = self.metrics.snapshot()
-        depths = s.exit_depths
-        return {"t": time.monotonic(), "prompt": self.metrics.prompt_total, "gen": self.metrics.generation_total,
-                "tokens": sum(depths.values()), "loops": sum(d * c for d, c in depths.items()),
-                "queries": s.prefix_cache_queries, "hits": s.prefix_cache_hits, "rounds": s.spec_rounds,
-                "drafted": s.spec_draft_tokens, "accepted": s.spec_accepted_tokens,
-                "per_pos": list(s.spec_accepted_per_pos)}
+    def _sample(self) -> tuple[float, int, int, EngineSnapshot]:
+        """Now, the prompt and generation counters, the engine's snapshot."""
+        return time.monotonic(), self.metrics.prompt_total, self.metrics.generation_total, self.metrics.snapshot()
 
     def lines(self) -> list[str]:
         """The stats since the last call: none when nothing happened then and nothing runs now."""
-        prev, cur = self._last, self._sample()
-        self._last = cur
-        s = self.metrics.snapshot()
-        dt = max(cur["t"] - prev["t"], 1e-9)
-        d = {k: cur[k] - prev[k] for k in cur if k not in ("t", "per_pos")}
-        active, was_active = bool(d["prompt"] or d["gen"]), self._active
+        (then, prompt_before, gen_before, prev), (now, prompt_total, gen_total, s) = self._last, self._sample()
+        self._last = now, prompt_total, gen_total, s
+        prompt, generated = prompt_total - prompt_before, gen_total - gen_before
+        active, was_active = bool(prompt or generated), self._active
         self._active = active
         if not (active or was_active or s.running or s.waiting):  # (as vLLM: one line of zeros after the last busy one)
             return []
-        out = [stats_line(d["prompt"] / dt, d["gen"] / dt, s.running, s.waiting, s.kv_usage,
-                          d["hits"] / d["queries"] if d["queries"] else 0.0,
-                          d["loops"] / d["tokens"] if d["tokens"] else None)]
-        rounds, accepted, drafted = d["rounds"], d["accepted"], d["drafted"]
+        out = [s.stats_line(prev, now - then, prompt, generated)]
+        dt = max(now - then, 1e-9)
+        rounds = s.spec_rounds - prev.spec_rounds
+        accepted = s.spec_accepted_tokens - prev.spec_accepted_tokens
+        drafted = s.spec_draft_tokens - prev.spec_draft_tokens
         if rounds:
-            before = prev["per_pos"] + [0] * (len(cur["per_pos"]) - len(prev["per_pos"]))
-            per_pos = ", ".join(f"{(now - then) / rounds:.3f}"
-                                for now, then in zip(cur["per_pos"], before, strict=True))
+            cur_pos, prev_pos = s.spec_accepted_per_pos, prev.spec_accepted_per_pos
+            before = prev_pos + (0,) * (len(cur_pos) - len(prev_pos))
+            per_pos = ", ".join(f"{(n - b) / rounds:.3f}" for n, b in zip(cur_pos, before, strict=True))
             out.append(f"SpecDecoding metrics: Mean acceptance length: {1 + accepted / rounds:.2f}, Accepted "
                        f"throughput: {accepted / dt:.2f} tokens/s, Drafted throughput: {drafted / dt:.2f} tokens/s, "
                        f"Accepted: {accepted} tokens, Drafted: {drafted} tokens, Per-position acceptance rate: "
