@@ -20,7 +20,7 @@ import pytest
 
 from loopserve.cli import build_parser
 from loopserve.cli import main as cli_main
-from loopserve.serve.cli import _check
+from loopserve.serve.cli import _check, url_base
 from tests.server_helpers import MODEL, free_port, server_env, stop, wait_ready
 
 pytestmark = pytest.mark.timeout(120)
@@ -226,3 +226,10 @@ def test_tls_and_socket_flags_are_checked_before_the_model_loads(tmp_path):
         problem = _check(_serve(*argv))
         assert problem is not None and problem.startswith(words), (argv, problem)
     assert _check(_serve("--ssl-certfile", str(cert), "--ssl-keyfile", str(key))) is None
+
+
+def test_the_logged_address_of_an_ipv6_host_is_bracketed():
+    """`--host ::` was logged as "http://:::8000", which no client can use."""
+    assert url_base("http", "::", 8000) == "http://[::]:8000"
+    assert url_base("https", "::1", 443) == "https://[::1]:443"
+    assert url_base("http", "127.0.0.1", 8000) == "http://127.0.0.1:8000"

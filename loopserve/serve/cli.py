@@ -474,7 +474,7 @@ def _serve_on(listener: socket.socket, args: argparse.Namespace) -> int:
     app = build_app(engine, settings, on_engine_dead=stop_serving)
     log.info("%s", app.state.serving.summary())
     scheme = "https" if args.ssl_certfile else "http"
-    where = f"{scheme}://{args.host}:{args.port}" if args.uds is None else f"{scheme} on unix:{args.uds}"
+    where = url_base(scheme, args.host, args.port) if args.uds is None else f"{scheme} on unix:{args.uds}"
     log.info("serving on %s%s (API keys: %d, CORS origins: %s)", where, args.root_path, len(settings.api_keys),
              ", ".join(settings.allowed_origins) or "none")
     uvicorn_level = args.uvicorn_log_level or args.log_level
@@ -497,6 +497,11 @@ def _serve_on(listener: socket.socket, args: argparse.Namespace) -> int:
         print("error: the engine failed (see the log above); the server has stopped", file=sys.stderr, flush=True)
         return 1
     return 0 if server.started else 1
+
+
+def url_base(scheme: str, host: str, port: int) -> str:
+    """The server's address as a URL's start (an IPv6 host in brackets, as a client must write it)."""
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 def listen(host: str, port: int) -> socket.socket:

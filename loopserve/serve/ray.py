@@ -60,6 +60,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from loopserve.cli import CommandError
 from loopserve.config_args import FlagParser, flags_argv
+from loopserve.serve.cli import url_base
 from loopserve.serve.protocol import SHUTDOWN_RETRY_AFTER_S, SHUTTING_DOWN, error_body
 
 log = logging.getLogger("loopserve.serve")
@@ -511,7 +512,7 @@ def run_replicas(args: argparse.Namespace) -> int:
         if stop.is_set():
             log.info("shutdown: stopped while the replicas were starting")
             return code["value"]
-        log.info("serving on http://%s:%d%s with Ray Serve (%s)", args.host, args.port, args.root_path,
+        log.info("serving on %s%s with Ray Serve (%s)", url_base("http", args.host, args.port), args.root_path,
                  _describe(args))
         stop.wait()
         if local and _local_ray_stopped():
