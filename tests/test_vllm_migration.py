@@ -83,7 +83,8 @@ def test_output_neutral_vllm_keywords_are_accepted_and_change_nothing(tiny_ouro)
     (dict(gpu_memory_utilization=0.5, kv_cache_tokens=256), r"^gpu_memory_utilization: .*not both"),
     (dict(gpu_memory_utilization=0, device="cpu"), r"^gpu_memory_utilization: must be in \(0, 1\], got 0"),
     (dict(gpu_memory_utilization=-0.5, device="cpu"), r"^gpu_memory_utilization: must be in \(0, 1\]"),
-    (dict(max_model_len=4096), r"^max_model_len: must be in \[2, 2048\] \(the model's context\), got 4096"),
+    (dict(max_model_len=4096), r"^max_model_len: must be in \[2, 2048\] \(the model's context; "
+                               r"VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 allows more, as vLLM's\), got 4096"),
     (dict(max_model_len="64"), r"^max_model_len: must be an integer"),
     (dict(swap_space=-1), r"^swap_space: must be a number of GiB >= 0"),
     (dict(tokenizer="/somewhere/else"), r"^tokenizer: '/somewhere/else' is not the model's folder; loopserve uses "
@@ -93,6 +94,22 @@ def test_output_neutral_vllm_keywords_are_accepted_and_change_nothing(tiny_ouro)
 def test_bad_vllm_keywords_are_named(tiny_ouro, kwargs, message):
     with pytest.raises(ValueError, match=message):
         LLM(tiny_ouro, **kwargs)
+
+
+def test_vllms_long_max_model_len_variable_lets_the_context_grow(tiny_ouro, monkeypatch, caplog):
+    """$VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 lets max_model_len pass the model's context, with a warning, as vLLM's does (it
+    was ignored: the same error as without it); a prompt longer than the model's context then runs."""
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    with caplog.at_level(logging.WARNING, logger="loopserve.engine.budget"):
+        llm = LLM(tiny_ouro, max_model_len=2100, kv_cache_tokens=2304)
+    assert llm.llm_engine.max_model_len == 2100
+    assert any("greater than the model's context (2048)" in r.getMessage() for r in caplog.records), caplog.text
+    [out] = llm.generate({"prompt_token_ids": [5 + k % 50 for k in range(2090)]},
+                         SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 3
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0")
+    with pytest.raises(ValueError, match=r"^max_model_len: must be in \[2, 2048\]"):
+        LLM(tiny_ouro, max_model_len=2100)
 
 
 def test_gpu_memory_utilization_on_the_cpu_is_a_warning_with_no_effect(tiny_ouro, caplog):

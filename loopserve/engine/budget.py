@@ -5,18 +5,32 @@ need together is the scheduler's `never_fits`, which both ask next.)"""
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any
 
 from loopserve.sampling_params import is_int
 
+log = logging.getLogger(__name__)
+
+# vLLM's variable: "1" or "true" lets max_model_len pass the model's context (its positions past it were never trained)
+LONG_MODEL_LEN_ENV = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
+
 
 def checked_model_len(cap: Any, max_position: int) -> int:
     """A request's maximum prompt + completion length: `cap` (max_model_len) or the model's own context
-    (`max_position`); ValueError if the cap exceeds the model's context or leaves no room to generate."""
+    (`max_position`); ValueError if the cap leaves no room to generate, or exceeds the model's context unless
+    $VLLM_ALLOW_LONG_MAX_MODEL_LEN allows it (as vLLM, with a warning)."""
     if cap is None:
         return max_position
+    if is_int(cap) and cap > max_position and os.environ.get(LONG_MODEL_LEN_ENV, "").lower() in ("1", "true"):
+        log.warning("max_model_len %d is greater than the model's context (%d), as $%s allows: the model was never "
+                    "trained on positions past %d, and what it computes there may be meaningless", cap, max_position,
+                    LONG_MODEL_LEN_ENV, max_position)
+        return cap
     if not (is_int(cap) and 2 <= cap <= max_position):
-        raise ValueError(f"max_model_len: must be in [2, {max_position}] (the model's context), got {cap!r}")
+        raise ValueError(f"max_model_len: must be in [2, {max_position}] (the model's context; "
+                         f"{LONG_MODEL_LEN_ENV}=1 allows more, as vLLM's), got {cap!r}")
     return cap
 
 

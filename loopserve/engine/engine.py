@@ -152,8 +152,8 @@ class LLMEngine:
                             p.dtype, p.device)
         # block 0: scratch rows
         # CUDA graphs read the block table where it was when they were captured: give it, from the start, the
-        # columns of the longest sequence the pool or the model's positions allow, so it never moves
-        width = (-(-min(c.max_position, blocks * cfg.block_size) // cfg.block_size) if cfg.cuda_graphs
+        # columns of the longest sequence the pool and max_model_len allow, so it never moves
+        width = (-(-min(self.max_model_len, blocks * cfg.block_size) // cfg.block_size) if cfg.cuda_graphs
                  else KVCacheManager.TABLE_WIDTH)
         with _sized_by(lambda: _too_big("max_num_seqs", f"{cfg.max_num_seqs} sequences' block tables", p.device)):
             self.kv = KVCacheManager(store, cfg.block_size, reserved_blocks=1, num_slots=cfg.max_num_seqs,
