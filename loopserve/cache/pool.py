@@ -91,7 +91,8 @@ class KVStore:
         elsewhere gathered, then multiplied (also for a query that needs gradients or is not in the store's
         dtype: the pass does neither)."""
         if self._reads_keys_in_place and q.dtype == self.k.dtype and not q.requires_grad:
-            return self._scores_in_place(q, index, visible, scale, shift)
+            in_place = self._scores_traced if torch.compiler.is_compiling() else self._scores_in_place
+            return in_place(q, index, visible, scale, shift)
         index = index + shift if shift else index
         n, nh, d = q.shape
         nkv, length = index.shape[0], index.shape[-1]
@@ -115,11 +116,15 @@ class KVStore:
             self._scores_in_place(torch.zeros(0, nkv, d, dtype=self.k.dtype), torch.zeros(nkv, 0, 0, dtype=torch.long),
                                   torch.zeros(0, 0, dtype=torch.bool), 1.0)
 
-    @torch.compiler.disable  # numba, not traceable: a torch.compile'd stage runs it eagerly (a graph break)
     def _scores_in_place(self, q: torch.Tensor, index: torch.Tensor, visible: torch.Tensor,
                          scale: float, shift: int = 0) -> torch.Tensor:
         assert self._k_rows is not None
         return scores.decode_scores(q, self._k_rows[shift:], index, visible, scale)
+
+    # numba, not traceable: a torch.compile'd stage runs the pass eagerly (a graph break). torch's own lazy form of
+    # torch.compiler.disable: the decorator imports Dynamo, 1.6 s of every process's start on this CPU (a CLI error
+    # took 7 s), and only a compiled stage, in `bench compile`, calls this
+    _scores_traced = torch._disable_dynamo(_scores_in_place)
 
     def _take_rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
         """Rows of K or V ("k" / "v") at flat row indices `index`, as one index_select."""

@@ -33,8 +33,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch._dynamo
-from torch._dynamo.utils import counters
 
 from loopserve_lab.bench.step_latency import core_inputs, random_store
 
@@ -42,8 +40,16 @@ VARIANTS = ("eager", "default", "dynamic", "max-autotune", "mlp")
 STAGES = ("core", "coda")
 
 
+def _dynamo() -> Any:
+    """torch._dynamo, imported when a run needs it: importing it takes 1.6 s on this CPU, and every `loopserve`
+    command imports this module for its flags' choices."""
+    import torch._dynamo
+    import torch._dynamo.utils
+    return torch._dynamo
+
+
 def _graphs() -> int:
-    return int(counters["stats"]["unique_graphs"])
+    return int(_dynamo().utils.counters["stats"]["unique_graphs"])
 
 
 def _cpu_with_children() -> float:
@@ -88,7 +94,7 @@ def explain(model: Any, stage: str, width: int, context: int) -> dict[str, Any]:
     """Graphs and graph breaks Dynamo finds in `stage` at one point."""
     state, inject, ctx = core_inputs(model, width, context)
     fn = model.core_step if stage == "core" else (lambda s, i, c: model.coda(s, c))
-    ex = torch._dynamo.explain(fn)(state, inject, _fresh(ctx))
+    ex = _dynamo().explain(fn)(state, inject, _fresh(ctx))
     return {"graphs": ex.graph_count, "graph_breaks": ex.graph_break_count, "ops": ex.op_count,
             "break_reasons": [b.reason for b in ex.break_reasons]}
 
@@ -98,8 +104,9 @@ def ticks(model: Any, stage: str, variant: str, n_ticks: int, max_width: int, co
           seed: int = 0) -> dict[str, Any]:
     """Graphs compiled per tick over `n_ticks` ticks of random width (1..max_width) and context, under
     Dynamo's default recompile limit, traced with the `eager` backend."""
-    torch._dynamo.reset()
-    counters.clear()
+    dynamo = _dynamo()
+    dynamo.reset()
+    dynamo.utils.counters.clear()
     rng = random.Random(seed)
     kv = random_store(model, max_width * (contexts[1] + 1))
     fn = stage_fn(model, stage, variant, backend="eager")
@@ -110,8 +117,8 @@ def ticks(model: Any, stage: str, variant: str, n_ticks: int, max_width: int, co
         before = _graphs()
         fn(state, inject, ctx)
         per_tick.append(_graphs() - before)
-    limit_hit = any("recompile limit" in k.lower() for k in counters["unimplemented"])
-    torch._dynamo.reset()
+    limit_hit = any("recompile limit" in k.lower() for k in dynamo.utils.counters["unimplemented"])
+    dynamo.reset()
     return {"variant": variant, "graphs_per_tick": per_tick, "graphs": sum(per_tick),
             "recompile_limit_hit": limit_hit}
 
@@ -122,10 +129,11 @@ def measure(model: Any, stage: str, variants: list[str], widths: list[int], cont
     """One record per (context, width): per variant its compile cost, steady-state CPU time and exactness."""
     from tqdm import tqdm
 
-    torch._dynamo.reset()
-    counters.clear()
-    limit = torch._dynamo.config.recompile_limit
-    torch._dynamo.config.recompile_limit = 64  # a graph per point: the tick run shows the default limit
+    dynamo = _dynamo()
+    dynamo.reset()
+    dynamo.utils.counters.clear()
+    limit = dynamo.config.recompile_limit
+    dynamo.config.recompile_limit = 64  # a graph per point: the tick run shows the default limit
     try:
         kv = random_store(model, max(widths) * (max(contexts) + 1), seed=seed)
         fns = {v: stage_fn(model, stage, v, backend) for v in ["eager", *[v for v in variants if v != "eager"]]}
@@ -161,8 +169,8 @@ def measure(model: Any, stage: str, variants: list[str], widths: list[int], cont
             points.append(point)
         return points
     finally:
-        torch._dynamo.config.recompile_limit = limit
-        torch._dynamo.reset()
+        dynamo.config.recompile_limit = limit
+        dynamo.reset()
 
 
 def run(model: Any, stages: list[str], variants: list[str], widths: list[int], contexts: list[int],
