@@ -19,7 +19,7 @@ from loopserve.device import upload
 from loopserve.model_config import STATE_INITS, ModelConfig
 from loopserve.models.base import LoopedLM
 from loopserve.models.context import ForwardContext
-from loopserve.models.layers import RMSNorm, compute_dtype, linear, paged_attention, rope, rope_angles
+from loopserve.models.layers import RMSNorm, compute_dtype, embedding, linear, paged_attention, rope, rope_angles
 from loopserve.random_streams import uniforms
 
 _TRUNC = 3.0  # truncation of the like-init normal, in standard deviations
@@ -99,7 +99,7 @@ class RavenForCausalLM(LoopedLM):
             raise ValueError(f"state_init: expected one of {STATE_INITS}, got {state_init!r}")
         self.config, self.state_init = c, state_init
         self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(c.vocab_size, c.hidden_size),
+            wte=embedding(c.vocab_size, c.hidden_size),
             prelude=nn.ModuleList(SandwichBlock(c, "prelude", i) for i in range(c.n_prelude)),
             adapter=nn.Linear(2 * c.hidden_size, c.hidden_size, bias=False),
             core_block=nn.ModuleList(SandwichBlock(c, "core", i) for i in range(c.n_core)),

@@ -48,6 +48,13 @@ PER_PART_DEVICES = ("cpu",)  # device types where `stacked_linear` multiplies pa
 DERIVED = "loopserve_derived"
 
 
+def embedding(num: int, dim: int) -> nn.Embedding:
+    """An embedding table left uninitialized: whoever builds a model writes its weights (a checkpoint's, make-tiny's
+    random ones, training's init). nn.Embedding's own random init, on the meta device models are built on, imports
+    torch's Dynamo: 1.6 s of every server's start on this CPU."""
+    return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+
+
 def derived(weight: torch.Tensor, key: tuple, make: Callable[[torch.Tensor], Any]) -> Any:
     """`make(weight)`, kept on `weight` under `key` and made outside inference mode (usable in and out of it). The
     caller makes sure no product autograd differentiates reads it: a copy has no gradient path to its weight. (An

@@ -19,6 +19,7 @@ from loopserve.models.layers import (
     RMSNorm,
     compute_dtype,
     derived,
+    embedding,
     linear,
     paged_attention,
     rope_angles,
@@ -80,7 +81,7 @@ class OuroLayer(nn.Module):
 class OuroInner(nn.Module):
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.embed_tokens = embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(OuroLayer(c, i) for i in range(c.n_core))
         self.norm = RMSNorm(c.hidden_size, c.norm_eps)
         self.early_exit_gate = nn.Linear(c.hidden_size, 1, bias=True)
