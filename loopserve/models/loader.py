@@ -265,7 +265,9 @@ def load_model(model: str | Path, dtype: str | torch.dtype, device: str | torch.
             net = build_model(config, lookahead_gate=all(n in files for n in LOOKAHEAD_GATE), state_init=state_init)
     finally:
         torch.set_default_dtype(default_dtype)
-    net = net.to_empty(device=device)
+    # (Module.to_empty's empty_like of a meta tensor runs torch's Python reference, which imports sympy: 0.6 s of a
+    # server's start; an empty tensor of each shape is the same storage, uninitialized)
+    net = net._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     params = net.checkpoint_tensors()  # (views: a stacked parameter loads part by part)
     handles = {f: _open(f) for f in set(files.values())}
     held = {f: set(h.keys()) for f, h in handles.items()}
