@@ -5,6 +5,7 @@ need together is the scheduler's `never_fits`, which both ask next.)"""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any
@@ -24,14 +25,19 @@ def checked_model_len(cap: Any, max_position: int) -> int:
     if cap is None:
         return max_position
     if is_int(cap) and cap > max_position and os.environ.get(LONG_MODEL_LEN_ENV, "").lower() in ("1", "true"):
-        log.warning("max_model_len %d is greater than the model's context (%d), as $%s allows: the model was never "
-                    "trained on positions past %d, and what it computes there may be meaningless", cap, max_position,
-                    LONG_MODEL_LEN_ENV, max_position)
+        _warn_long_model_len(cap, max_position)
         return cap
     if not (is_int(cap) and 2 <= cap <= max_position):
         raise ValueError(f"max_model_len: must be in [2, {max_position}] (the model's context; "
                          f"{LONG_MODEL_LEN_ENV}=1 allows more, as vLLM's), got {cap!r}")
     return cap
+
+
+@functools.cache  # (once: an LLM checks its max_model_len as it loads, and its engine again)
+def _warn_long_model_len(cap: int, max_position: int) -> None:
+    log.warning("max_model_len %d is greater than the model's context (%d), as $%s allows: the model was never "
+                "trained on positions past %d, and what it computes there may be meaningless", cap, max_position,
+                LONG_MODEL_LEN_ENV, max_position)
 
 
 def pool_tokens(engine: Any) -> int:
