@@ -78,7 +78,8 @@ class LoadConfig:
         elif not is_int(self.seed):
             raise ValueError(f"seed: must be an integer (or None: a random seed), got {self.seed!r}")
         if self.max_model_len is not None and not (is_int(self.max_model_len) and self.max_model_len >= 2):
-            # (the model's context caps it too, known once it has loaded: `checked_model_len`)
+            # (the model's context caps it too, known once it has loaded, unless $VLLM_ALLOW_LONG_MAX_MODEL_LEN:
+            # `checked_model_len`)
             raise ValueError(f"max_model_len: must be an integer >= 2 (room for a prompt and a token), got "
                              f"{self.max_model_len!r}")
         g = self.gpu_memory_utilization

@@ -77,7 +77,8 @@ MAX_N = 16384
 MAX_STOP = 256
 MAX_CHOICES = 2000
 # An exit trace's k-th entry is the k-th decode token's depth, so entries past the longest output are never read:
-# its cap is the longest context of a looped model served (Ouro's max_position_embeddings; Huginn's is 4,096)
+# its cap is the longest context of a looped model served (Ouro's max_position_embeddings; Huginn's is 4,096; a
+# max_model_len past it, which $VLLM_ALLOW_LONG_MAX_MODEL_LEN allows, runs the tokens past the trace at full depth)
 MAX_EXIT_TRACE = 65536
 # GuidedDecodingParams' grammar fields (its json_object, a flag, names one more: a JSON object)
 GUIDE_KINDS = ("json", "regex", "choice", "grammar")

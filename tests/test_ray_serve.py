@@ -64,6 +64,14 @@ def _flags(*argv: str) -> argparse.Namespace:
     return lray._serve_parser().parse_args(list(argv))
 
 
+def test_the_long_max_model_len_variable_reaches_every_replica(monkeypatch):
+    """Each replica's engine reads $VLLM_ALLOW_LONG_MAX_MODEL_LEN: on another node of a cluster it is the driver's only
+    if the deployment carries it."""
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    opts = lray.deployment_options(_flags("--replicas", "2"), gpus=False)
+    assert opts["ray_actor_options"]["runtime_env"] == {"env_vars": {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}}
+
+
 def test_flags_map_onto_deployment_options():
     fixed = lray.deployment_options(_flags("--replicas", "3", "--max-num-seqs", "8", "--max-queued-requests",
                                            "40", "--shutdown-timeout", "12"), gpus=False)

@@ -99,7 +99,10 @@ def test_bad_vllm_keywords_are_named(tiny_ouro, kwargs, message):
 def test_vllms_long_max_model_len_variable_lets_the_context_grow(tiny_ouro, monkeypatch, caplog):
     """$VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 lets max_model_len pass the model's context, with a warning, as vLLM's does (it
     was ignored: the same error as without it); a prompt longer than the model's context then runs."""
-    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    from loopserve.engine import budget
+
+    budget._warn_long_model_len.cache_clear()  # (once a process: as if this process had not said it yet)
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", " 1\n")  # (read as vLLM reads it: stripped)
     with caplog.at_level(logging.WARNING, logger="loopserve.engine.budget"):
         llm = LLM(tiny_ouro, max_model_len=2100, kv_cache_tokens=2304)
     assert llm.llm_engine.max_model_len == 2100
@@ -111,6 +114,8 @@ def test_vllms_long_max_model_len_variable_lets_the_context_grow(tiny_ouro, monk
     monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0")
     with pytest.raises(ValueError, match=r"^max_model_len: must be in \[2, 2048\]"):
         LLM(tiny_ouro, max_model_len=2100)
+    with pytest.raises(ValueError, match=r"^max_model_len: must be in \[2, 2048\] \(the model's context\), got 1$"):
+        budget.checked_model_len(1, 2048)  # (LLMEngine's check: the variable allows no less, so it is not named)
 
 
 def test_gpu_memory_utilization_on_the_cpu_is_a_warning_with_no_effect(tiny_ouro, caplog):

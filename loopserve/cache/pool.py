@@ -121,10 +121,11 @@ class KVStore:
         assert self._k_rows is not None
         return scores.decode_scores(q, self._k_rows[shift:], index, visible, scale)
 
-    # numba, not traceable: a torch.compile'd stage runs the pass eagerly (a graph break). torch's own lazy form of
-    # torch.compiler.disable: the decorator imports Dynamo, 1.6 s of every process's start on this CPU (a CLI error
-    # took 7 s), and only a compiled stage, in `bench compile`, calls this
-    _scores_traced = torch._disable_dynamo(_scores_in_place)
+    # numba, not traceable: a torch.compile'd stage runs the pass eagerly (a graph break). Not torch.compiler.disable,
+    # which imports Dynamo when it decorates: 1.6 s of every process's start on this CPU (a CLI error took 7 s), for
+    # what only a compiled stage, in `bench compile`, calls. torch's private lazy form imports it at the first call
+    # (`bench compile`'s test checks the break is here); were it gone, the public one
+    _scores_traced = getattr(torch, "_disable_dynamo", torch.compiler.disable)(_scores_in_place)
 
     def _take_rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
         """Rows of K or V ("k" / "v") at flat row indices `index`, as one index_select."""

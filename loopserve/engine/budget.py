@@ -24,12 +24,13 @@ def checked_model_len(cap: Any, max_position: int) -> int:
     $VLLM_ALLOW_LONG_MAX_MODEL_LEN allows it (as vLLM, with a warning)."""
     if cap is None:
         return max_position
-    if is_int(cap) and cap > max_position and os.environ.get(LONG_MODEL_LEN_ENV, "").lower() in ("1", "true"):
+    longer = is_int(cap) and cap > max_position
+    if longer and os.environ.get(LONG_MODEL_LEN_ENV, "0").strip().lower() in ("1", "true"):  # (vLLM's reading)
         _warn_long_model_len(cap, max_position)
         return cap
     if not (is_int(cap) and 2 <= cap <= max_position):
-        raise ValueError(f"max_model_len: must be in [2, {max_position}] (the model's context; "
-                         f"{LONG_MODEL_LEN_ENV}=1 allows more, as vLLM's), got {cap!r}")
+        allows = f"; {LONG_MODEL_LEN_ENV}=1 allows more, as vLLM's" if longer else ""
+        raise ValueError(f"max_model_len: must be in [2, {max_position}] (the model's context{allows}), got {cap!r}")
     return cap
 
 

@@ -65,7 +65,8 @@ class EngineStoppedError(EngineDeadError):
 
 @dataclass
 class EngineSnapshot:
-    """Engine state as of the end of the last step, for `/metrics` (read from any thread)."""
+    """Engine state as of the end of the last step, for `/metrics` and the periodic stats line (read from any
+    thread)."""
 
     running: int = 0  # sequences admitted: each sample of a request with n > 1 counted
     waiting: int = 0  # sequences waiting for admission (queued or swapped out), samples counted too

@@ -81,4 +81,3 @@ class EngineStats:
             "spec_accepted_per_pos": list(self.spec_accepted_per_pos),
             "graph_buckets": self.graph_buckets, "graph_capture_s": self.graph_capture_s,
         }
-

@@ -16,6 +16,9 @@ from loopserve.models.context import ForwardContext
 
 
 class LoopedLM(nn.Module):
+    """A looped model's stages. Made with its weights unset (the embedding uninitialized, the rest at torch's defaults):
+    whoever makes one writes every tensor of `checkpoint_tensors` (`load_model`, make-tiny, training's init)."""
+
     config: ModelConfig
     has_gate: bool = False
     injects: bool = False  # whether `prelude` returns a per-step injection (then the engine keeps one per state row)

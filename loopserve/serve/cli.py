@@ -491,7 +491,7 @@ def _serve_on(listener: socket.socket, args: argparse.Namespace) -> int:
     try:
         server.run(sockets=[listener])
     except OSError as e:  # (another server took the port while the model loaded: bound, it listens only now)
-        flag, where = ("--uds", args.uds) if args.uds is not None else ("--port", f"{args.host}:{args.port}")
+        flag, where = ("--uds", args.uds) if args.uds is not None else ("--port", host_port(args.host, args.port))
         raise CommandError(f"{flag}: cannot listen on {where}: {e.strerror or e}") from None
     if engine_failed:
         print("error: the engine failed (see the log above); the server has stopped", file=sys.stderr, flush=True)
@@ -499,9 +499,14 @@ def _serve_on(listener: socket.socket, args: argparse.Namespace) -> int:
     return 0 if server.started else 1
 
 
+def host_port(host: str, port: int) -> str:
+    """`host:port`, an IPv6 host in brackets (as a client must write it: `[::]:8000`, not `:::8000`)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def url_base(scheme: str, host: str, port: int) -> str:
-    """The server's address as a URL's start (an IPv6 host in brackets, as a client must write it)."""
-    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+    """The server's address as a URL's start."""
+    return f"{scheme}://{host_port(host, port)}"
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -518,7 +523,7 @@ def listen(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         flag = "--port" if e.errno in (errno.EADDRINUSE, errno.EACCES) else "--host"
-        raise CommandError(f"{flag}: cannot listen on {host}:{port}: {e.strerror}") from None
+        raise CommandError(f"{flag}: cannot listen on {host_port(host, port)}: {e.strerror}") from None
     return sock
 
 

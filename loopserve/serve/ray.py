@@ -45,6 +45,7 @@ import contextlib
 import io
 import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -60,7 +61,8 @@ from starlette.types import Message, Receive, Scope, Send
 
 from loopserve.cli import CommandError
 from loopserve.config_args import FlagParser, flags_argv
-from loopserve.serve.cli import url_base
+from loopserve.engine.budget import LONG_MODEL_LEN_ENV
+from loopserve.serve.cli import host_port, url_base
 from loopserve.serve.protocol import SHUTDOWN_RETRY_AFTER_S, SHUTTING_DOWN, error_body
 
 log = logging.getLogger("loopserve.serve")
@@ -98,6 +100,8 @@ def deployment_options(args: argparse.Namespace, gpus: bool) -> dict[str, Any]:
 
     cfg = EngineConfig(**engine_kwargs(args))
     actor: dict[str, Any] = {"num_cpus": args.replica_cpus}
+    if LONG_MODEL_LEN_ENV in os.environ:  # (read by each replica's engine: on another node it would not be set)
+        actor["runtime_env"] = {"env_vars": {LONG_MODEL_LEN_ENV: os.environ[LONG_MODEL_LEN_ENV]}}
     if gpus and args.device != "cpu":
         actor["num_gpus"] = 1
     fixed = fixed_replicas(args)
@@ -496,7 +500,8 @@ def run_replicas(args: argparse.Namespace) -> int:
                         controller_options={"runtime_env": {"env_vars": FORCE_STOP_UNHEALTHY}})
         except Exception as e:  # (Ray's wrapping of the proxy's error, e.g. a port in use on a cluster's head)
             why = _last_line(e)
-            where = (f"--port: Ray Serve's proxy could not listen on {args.host}:{args.port}" if "bind" in why.lower()
+            where = (f"--port: Ray Serve's proxy could not listen on {host_port(args.host, args.port)}"
+                     if "bind" in why.lower()
                      else "Ray Serve could not start")
             print(f"error: {where}: {why}", file=sys.stderr)
             return 1
