@@ -536,8 +536,10 @@ class SamplingParams:
                 tid = int(k) if isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 19 else k
                 if not is_int(tid) or tid < 0:
                     raise ValueError(f"logit_bias: keys must be token ids (integers >= 0), got {_short(k)}")
-                if not is_real(v) or not -100 <= v <= 100:
-                    raise ValueError(f"logit_bias: the bias of token {tid} must be in [-100, 100], got {_short(v)}")
+                # (any number, as vLLM's offline params take it; -inf bans the token; NaN and +inf would leave no
+                # finite distribution; the server clamps into [-100, 100], as vLLM's: `clamped_bias`)
+                if not (is_real(v) or (is_number(v) and v == -math.inf)):
+                    raise ValueError(f"logit_bias: the bias of token {tid} must be a number or -inf, got {_short(v)}")
                 bias[tid] = float(v)
             self.logit_bias = bias
         if not is_int(self.min_tokens) or self.min_tokens < 0:
@@ -626,9 +628,8 @@ class SamplingParams:
         if unknown:
             raise TypeError(f"SamplingParams.from_optional: unexpected keyword {sorted(unknown)[0]!r}")
         given = {k: v for k, v in kwargs.items() if v is not None or k == "max_tokens"}
-        bias = given.get("logit_bias")
-        if isinstance(bias, dict):
-            given["logit_bias"] = {k: min(100.0, max(-100.0, v)) if is_real(v) else v for k, v in bias.items()}
+        if "logit_bias" in given:
+            given["logit_bias"] = clamped_bias(given["logit_bias"])
         return SamplingParams(**given)
 
     def clone(self) -> SamplingParams:
@@ -651,6 +652,14 @@ class SamplingParams:
         rule where it is None: not with prompt_logprobs, whose cached positions would get none)."""
         skip = self.skip_reading_prefix_cache
         return not (self.prompt_logprobs is not None if skip is None else skip)
+
+
+def clamped_bias(bias: Any) -> Any:
+    """A request's `logit_bias` with its biases clamped into [-100, 100], as vLLM's API requests clamp them
+    (`from_optional`, and the server's requests); anything else as it is, for SamplingParams' checks to name."""
+    if not isinstance(bias, dict):
+        return bias
+    return {k: min(100.0, max(-100.0, v)) if is_number(v) and not math.isnan(v) else v for k, v in bias.items()}
 
 
 # the fields a user sets to numbers, or lists or dicts of them (`python_numbers` reads them before the checks)

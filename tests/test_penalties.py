@@ -54,7 +54,7 @@ def adjusted(logits: list[float], params: SamplingParams, hist: SimpleNamespace 
     ("repetition_penalty", {"repetition_penalty": INF}),
     ("repetition_penalty", {"repetition_penalty": "1.1"}),
     ("logit_bias", {"logit_bias": [1, 2]}),
-    ("logit_bias", {"logit_bias": {5: 101}}),
+    ("logit_bias", {"logit_bias": {5: INF}}),  # (+inf leaves no finite distribution; -inf bans the token)
     ("logit_bias", {"logit_bias": {5: float("nan")}}),
     ("logit_bias", {"logit_bias": {-1: 1.0}}),
     ("logit_bias", {"logit_bias": {"x": 1.0}}),
@@ -78,6 +78,8 @@ def test_valid_values_and_json_keys():
     p = SamplingParams(presence_penalty=-2, frequency_penalty=2.0, repetition_penalty=0.5, min_tokens=4, max_tokens=4,
                        logit_bias={"17": 5, 3: -100.0}, truncate_prompt_tokens=1, include_stop_str_in_output=True)
     assert p.logit_bias == {17: 5.0, 3: -100.0} and p.penalized
+    # any other number, as vLLM's offline params take it (they were refused past [-100, 100]); -inf bans a token
+    assert SamplingParams(logit_bias={5: -INF, 6: 1e9}).logit_bias == {5: -INF, 6: 1e9}
     assert not SamplingParams().penalized and bind(SamplingParams(), history()) == SamplingParams()
     assert SamplingParams(truncate_prompt_tokens=-1).truncate_prompt_tokens == -1  # vLLM's "to max_model_len"
 
@@ -86,6 +88,17 @@ def test_request_checked_against_the_vocabulary(tiny_ouro):
     llm = LLM(model=tiny_ouro, scheduler="reference")
     with pytest.raises(ValueError, match="^logit_bias"):
         llm.generate([PROMPT], SamplingParams(logit_bias={llm.config.vocab_size: 1.0}))
+    with pytest.raises(ValueError, match=r"^stop_token_ids: token ids must be in \[0, "):  # (vLLM's check; was taken)
+        llm.generate([PROMPT], SamplingParams(stop_token_ids=[llm.config.vocab_size]))
+    # a banned token (-inf) is never sampled, greedy or not
+    out = llm.generate([PROMPT] * 2, [SamplingParams(max_tokens=4, temperature=t, seed=1, ignore_eos=True,
+                                                     logit_bias={5: 1e9}) for t in (0, 1)], use_tqdm=False)
+    assert all(o.outputs[0].token_ids == [5] * 4 for o in out)
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+    first = out[0].outputs[0].token_ids[0]
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True,
+                                                logit_bias={first: -INF}), use_tqdm=False)
+    assert first not in out[0].outputs[0].token_ids
 
 
 # ---------------- the math on hand-built logits

@@ -198,22 +198,19 @@ def test_a_text_that_cannot_fit_is_refused_before_it_is_tokenized(ref_llm, monke
 
 
 @pytest.mark.parametrize("scheduler", ["reference", "cdb"])
-def test_stop_token_ids_outside_the_vocabulary_are_taken_and_never_met(tiny_ouro, scheduler):
-    """As vLLM, which range-checks only allowed_token_ids and logit_bias: a script passes one stop list to models of
-    several vocabularies. Such an id never ends a request, nor counts as a token min_tokens holds back (with it the
-    request was refused, and an id as large as 10**12 sized an array of the engine's by it)."""
+def test_stop_token_ids_outside_the_vocabulary_are_refused(tiny_ouro, scheduler):
+    """As vLLM's params check them against the model's vocabulary (vllm-project/vllm#54196): such ids were taken and
+    never met, as vLLM's older releases took them. min_tokens holds back the stop ids that remain."""
     llm = LLM(model=tiny_ouro, scheduler=scheduler, dtype="float64")
     vocab = llm.config.vocab_size
-    plain = _gen(llm, PROMPT, max_tokens=5, ignore_eos=True, temperature=0).outputs[0]
-    for extra in ({}, {"min_tokens": 3}):
-        out = _gen(llm, PROMPT, max_tokens=5, ignore_eos=True, temperature=0, stop_token_ids=[vocab, 10**12, 2**64],
-                   **extra).outputs[0]
-        assert (out.token_ids, out.finish_reason, out.stop_reason) == (plain.token_ids, "length", None)
+    for ids in ([vocab], [3, 10**12], [2**64]):
+        with pytest.raises(ValueError, match=rf"^stop_token_ids: token ids must be in \[0, {vocab}\)"):
+            _gen(llm, PROMPT, max_tokens=5, ignore_eos=True, temperature=0, stop_token_ids=ids)
     every = list(range(vocab))  # (all of the vocabulary: min_tokens would leave no token to sample)
     with pytest.raises(ValueError, match="^stop_token_ids: with min_tokens"):
-        _gen(llm, PROMPT, max_tokens=4, min_tokens=2, stop_token_ids=[*every, vocab + 1])
-    # all but one, and one past it: one token is left (the one past it does not count as a token held back)
-    out = _gen(llm, PROMPT, max_tokens=4, min_tokens=2, ignore_eos=True, stop_token_ids=[*every[1:], vocab + 1])
+        _gen(llm, PROMPT, max_tokens=4, min_tokens=2, stop_token_ids=every)
+    # all but one: one token is left
+    out = _gen(llm, PROMPT, max_tokens=4, min_tokens=2, ignore_eos=True, stop_token_ids=every[1:])
     assert out.outputs[0].token_ids[:2] == [0, 0]
 
 

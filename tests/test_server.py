@@ -282,7 +282,7 @@ def test_penalties_and_stop_fields_equal_offline(client, offline):
 @pytest.mark.parametrize(("path", "fields", "param"), [
     ("/v1/completions", {"presence_penalty": -2.5}, "presence_penalty"),
     ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty"),
-    ("/v1/completions", {"logit_bias": {"5": -101}}, "logit_bias"),
+    ("/v1/completions", {"stop_token_ids": [100000]}, "stop_token_ids"),  # outside the vocabulary, as vLLM's
     ("/v1/completions", {"logit_bias": {"five": 1}}, "logit_bias"),
     ("/v1/completions", {"logit_bias": {"100000": 1}}, "logit_bias"),  # outside the vocabulary
     ("/v1/completions", {"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
@@ -361,7 +361,6 @@ BAD_INPUTS = [
     ("prompt_logprobs-too-many", "POST", C, _c(prompt_logprobs=50), None, 400),
     ("suffix", "POST", C, _c(suffix="tail"), None, 400),
     ("frequency_penalty-above-two", "POST", C, _c(frequency_penalty=2.5), None, 400),
-    ("logit_bias-above-100", "POST", C, _c(logit_bias={"5": 101}), None, 400),
     ("stream-wrong-type", "POST", C, _c(stream="yes"), None, 400),
     ("stream_options-without-stream", "POST", C, _c(stream_options={"include_usage": True}), None, 400),
     ("exit_trace-zero-depth", "POST", C, _c(exit_trace=[0, 1]), None, 400),
@@ -446,6 +445,42 @@ def test_no_cross_origin_access_by_default(server):
     pre = httpx.options(server.url + C, headers={"Origin": "https://app.example",
                                                  "Access-Control-Request-Method": "POST"})
     assert pre.status_code == 405 and "access-control-allow-origin" not in pre.headers
+
+
+def test_a_logit_bias_past_100_is_clamped_as_vllms_server_clamps_it(server):
+    """(It was a 400; vLLM's server clamps a request's biases into [-100, 100].)"""
+    def tokens(bias: float) -> list[int]:
+        r = httpx.post(server.url + C, json=_c(max_tokens=3, temperature=0, logit_bias={"5": bias}, ignore_eos=True,
+                                              return_token_ids=True), headers=AUTH, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    assert tokens(1000) == tokens(100) == [5, 5, 5]
+    assert 5 not in tokens(-1e9)
+
+
+def test_max_tokens_null_on_completions_is_the_room_left_as_vllms(server, client):
+    """An explicit null runs to the context's end, as vLLM's `get_max_tokens` reads it (it was the field's default
+    16, which only an omitted field gets)."""
+    body = _c(prompt=[5] * (MAX_LEN - 30), ignore_eos=True)
+    body.pop("max_tokens")
+    r = httpx.post(server.url + C, json=body, headers=AUTH, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16, r.text
+    r = httpx.post(server.url + C, json={**body, "max_tokens": None}, headers=AUTH, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 30, r.text
+    done = client.completions.create(model=MODEL, prompt=[5] * (MAX_LEN - 20), max_tokens=None,
+                                     extra_body={"ignore_eos": True})  # (the openai client sends null)
+    assert done.usage.completion_tokens == 20
+
+
+def test_chat_echo_returns_the_prompts_logprobs_as_vllms(server):
+    """vLLM's chat route asks an echo for the prompt's logprobs (top_logprobs of them): they were missing."""
+    r = httpx.post(server.url + H, json=_h(echo=True, max_tokens=2), headers=AUTH, timeout=60)
+    assert r.status_code == 200, r.text
+    plp = r.json().get("prompt_logprobs")
+    assert isinstance(plp, list) and plp[0] is None and len(plp) > 2 and all(len(e) >= 1 for e in plp[1:]), r.text
+    r = httpx.post(server.url + H, json=_h(max_tokens=2), headers=AUTH, timeout=60)
+    assert r.json().get("prompt_logprobs") is None, r.text
 
 
 def test_still_serving_after_bad_inputs(server, client):

@@ -183,6 +183,12 @@ from loopserve.tokenizer import template_variables
 
 log = logging.getLogger("loopserve.serve")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+
+
+def completions_default(req: CompletionRequest) -> int | None:
+    """The budget cap of a completions request that sets none: vLLM's field default, 16, where the request leaves
+    max_tokens out; none where it sends null (as vLLM's `get_max_tokens` reads it: the room the context leaves)."""
+    return None if "max_tokens" in req.model_fields_set else COMPLETIONS_DEFAULT_MAX_TOKENS
 METRICS_CATCH_UP_S = 1.0  # how long /metrics and the stats line wait for the step under way (`metrics_caught_up`)
 GRAMMAR_BUILDS = 1  # requests with a grammar to compile are built one at a time (`OpenAIServing.build`)
 TOKENIZE_THREADS = 2  # /tokenize and /detokenize calls run at once, on their own lane (`OpenAIServing.off_loop`)
@@ -758,7 +764,7 @@ class OpenAIServing:
         choices = [self.choice(gen, i, o, c, ChoiceStream()) for i, o in enumerate(outs) for c in o.outputs]
         sent = sum(len(c.token_ids) for o in outs for c in o.outputs) if gen.generated else 0
         body = {**self.base(gen.kind.object, gen), "choices": choices, "usage": usage_body(outs, sent)}
-        if gen.kind.chat and gen.req.prompt_logprobs is not None:
+        if gen.kind.chat and outs[0].prompt_logprobs is not None:  # (asked for, or an echo's: vLLM's chat asks)
             body["prompt_logprobs"] = gen.fmt.prompt_logprobs(outs[0])
         if gen.kind.chat and gen.req.return_token_ids:  # (vLLM's place: a chat response's, a completion choice's)
             body["prompt_token_ids"] = list(outs[0].prompt_token_ids)
@@ -851,7 +857,7 @@ class OpenAIServing:
                     d = sent[i, c.index]
                     if d.finished or (not gen.generated and d.echoed and c.finish_reason is None):
                         continue  # nothing new for this choice
-                    top_prompt = gen.kind.chat and req.prompt_logprobs is not None and not chat_prompt_sent
+                    top_prompt = gen.kind.chat and out.prompt_logprobs is not None and not chat_prompt_sent
                     chat_prompt_sent = chat_prompt_sent or top_prompt
 
                     def encoded(i: int = i, out: RequestOutput = out, c: CompletionOutput = c, d: ChoiceStream = d,
@@ -1295,13 +1301,13 @@ class OpenAIServing:
         # echo with max_tokens 0 (lm-eval's loglikelihood): score the prompt, send no completion (one token runs)
         generated = not (echo and req.max_tokens == 0)
         seqs = []
+        default = completions_default(req)
         for rid, (where, text, whole) in zip(rids, prompts, strict=True):
             requested = req.max_tokens if generated else 1
             # before the context check (the engine cuts again, by the same rule: no change)
             ids = self.cut_prompt(whole, req.truncate_prompt_tokens,
-                                  self.default_max_tokens(COMPLETIONS_DEFAULT_MAX_TOKENS) if requested is None
-                                  else requested)
-            mt = self.resolve_max_tokens(requested, COMPLETIONS_DEFAULT_MAX_TOKENS, len(ids), where)
+                                  self.default_max_tokens(default) if requested is None else requested)
+            mt = self.resolve_max_tokens(requested, default, len(ids), where)
             params = sampling_params(req, max_tokens=mt, logprobs=req.logprobs,
                                      defaults=self.sampling_defaults,
                                      prompt_logprobs=req.logprobs if echo and req.prompt_logprobs is None else None,
@@ -1343,13 +1349,16 @@ class OpenAIServing:
         if req.logprobs is not None and req.echo:  # (vLLM's server fails an assertion on it: a 500)
             raise ApiError(400, "logprobs: cannot be combined with echo under use_beam_search (the echoed prompt's "
                                 "logprobs are prompt logprobs, which a beam search does not compute)", "logprobs")
-        asked = self.default_max_tokens(COMPLETIONS_DEFAULT_MAX_TOKENS) if req.max_tokens is None else req.max_tokens
-        params = self.beam_params(req, self.capped(asked))
-        starts = []
+        default = completions_default(req)
+        asked = self.default_max_tokens(default) if req.max_tokens is None else req.max_tokens
+        starts, budgets = [], []
         for where, text, whole in prompts:
             ids = self.cut_prompt(whole, req.truncate_prompt_tokens, asked)  # (as the check below reads it)
-            self.resolve_max_tokens(req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, len(ids), where)
+            budgets.append(self.resolve_max_tokens(req.max_tokens, default, len(ids), where))
             starts.append((where, text, ids))
+        # one search for every prompt: with max_tokens null, as far as the prompt with the least room may go
+        params = self.beam_params(req, self.capped(asked) if asked is not None
+                                  else min(b for b in budgets if b is not None))
         return self.beam_generation(COMPLETION, req, cid, params, starts, arrival, echo=bool(req.echo),
                                     top_logprobs=logprobs_asked(req.logprobs or 0, vocab))
 
@@ -1445,8 +1454,10 @@ class OpenAIServing:
             cid, _ = self.new_ids(request, kind, 1)
             return self.beam_generation(kind, req, cid, self.beam_params(req, mt), [("messages", text, ids)], arrival,
                                         echo_text=echo_text, role=role, top_logprobs=top, tools=replies)
+        # echo: the prompt's logprobs too, top_logprobs of them, as vLLM's chat route asks for them
+        echo_logprobs = (req.top_logprobs or 0) if req.echo and req.prompt_logprobs is None else None
         params = sampling_params(req, max_tokens=mt, logprobs=top if req.logprobs else None,
-                                 defaults=self.sampling_defaults, guided_decoding=guide)
+                                 defaults=self.sampling_defaults, prompt_logprobs=echo_logprobs, guided_decoding=guide)
         cid, (rid,) = self.new_ids(request, kind, 1)
         grammar_field = "tools" if isinstance(tools, ToolPlan) else guide_field(req)
         seq = self.make_seq(rid, text, ids, params, arrival, params.seed, "messages", grammar_field, req.cache_salt)

@@ -48,6 +48,7 @@ from loopserve.sampling_params import (
     GuidedDecodingParams,
     RequestOutputKind,
     SamplingParams,
+    clamped_bias,
 )
 from loopserve.tokenizer import template_switches, template_variables, unicode_problem
 
@@ -726,6 +727,8 @@ def sampling_params(req: _SamplingFields, *, max_tokens: int | None, logprobs: i
         output_kind=RequestOutputKind.DELTA if req.streaming else RequestOutputKind.FINAL_ONLY,
         prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
         guided_decoding=guided_decoding, **fill_defaults(req, defaults))
+    if "logit_bias" in kwargs:  # (vLLM's server clamps a request's biases, where its offline params take any)
+        kwargs["logit_bias"] = clamped_bias(kwargs["logit_bias"])
     try:
         return SamplingParams(**kwargs)
     except ValueError as e:
