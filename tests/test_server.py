@@ -471,6 +471,11 @@ def test_max_tokens_null_on_completions_is_the_room_left_as_vllms(server, client
     done = client.completions.create(model=MODEL, prompt=[5] * (MAX_LEN - 20), max_tokens=None,
                                      extra_body={"ignore_eos": True})  # (the openai client sends null)
     assert done.usage.completion_tokens == 20
+    beams = httpx.post(server.url + C, json={**body, "max_tokens": None, "use_beam_search": True, "n": 2,
+                                            "temperature": 0, "prompt": [5] * (MAX_LEN - 3)}, headers=AUTH, timeout=60)
+    assert beams.status_code == 200, beams.text  # (a beam search too: to the end of the context, 3 tokens here)
+    assert [len(c["text"]) > 0 for c in beams.json()["choices"]] == [True, True]
+    assert beams.json()["usage"]["completion_tokens"] == 2 * 3, beams.text
 
 
 def test_chat_echo_returns_the_prompts_logprobs_as_vllms(server):
