@@ -78,14 +78,28 @@ def check_bool_knobs(config: Any) -> None:
             raise ValueError(f"{f.name}: must be true or false{' (or unset)' if optional else ''}, got {v!r}")
 
 
-def _value_type(hint: Any) -> type:
-    """int, float, str or bool of an annotation like `int | None`."""
+def _value_type(hint: Any) -> Any:
+    """int, float, str or bool of an annotation like `int | None`; a dict's flag takes a JSON object (`json_object`),
+    as vLLM's dict-valued flags do."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         (hint,) = args
+    if typing.get_origin(hint) is dict:
+        return json_object
     if hint not in (int, float, str, bool):
         raise TypeError(f"no command-line flag for a field of type {hint!r}")
     return hint
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """An argparse type: a JSON object ('{"temperature": 0.5}')."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({e.msg})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, *,

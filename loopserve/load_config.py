@@ -50,6 +50,9 @@ class LoadConfig:
         None, "fraction of the CUDA device's memory this engine may use: the KV pool gets what is left of it after "
         f"the weights and {KV_ACTIVATION_RESERVE_GB:g} GiB for activations (replaces --kv-cache-memory-gb; on the "
         "CPU it has no effect, with a warning: --kv-cache-memory-gb or --kv-cache-tokens size the pool there)")
+    override_generation_config: dict[str, Any] | None = knob(
+        None, "sampling defaults over the generation config's (vLLM's; a JSON object of its keys: temperature, "
+        "top_p, top_k, min_p, repetition_penalty, max_new_tokens; with --generation-config vllm the only ones)")
     enforce_eager: bool = knob(False, "vLLM's name for --no-cuda-graphs: every decode step runs eagerly")
     tensor_parallel_size: int = knob(1, "only 1: loopserve runs a model on one device, and uses more devices as "
                                      "more replicas (serve --replicas, docs/scale-out.md)", short=("-tp",))
@@ -77,6 +80,9 @@ class LoadConfig:
             log.info("seed: none given, drew %d", self.seed)
         elif not is_int(self.seed):
             raise ValueError(f"seed: must be an integer (or None: a random seed), got {self.seed!r}")
+        if self.override_generation_config is not None and not isinstance(self.override_generation_config, dict):
+            raise ValueError(f"override_generation_config: must be a dict of generation config keys (or unset), got "
+                             f"{self.override_generation_config!r}")
         if self.max_model_len is not None and not (is_int(self.max_model_len) and self.max_model_len >= 2):
             # (the model's context caps it too, known once it has loaded, unless $VLLM_ALLOW_LONG_MAX_MODEL_LEN:
             # `checked_model_len`)
@@ -136,7 +142,7 @@ def load_for_engine(model: str | Path, load: LoadConfig, cfg: EngineConfig, *, c
         raise ValueError(f"tokenizer: {load.tokenizer!r} is not the model's folder; loopserve uses the checkpoint's "
                          f"own tokenizer (leave tokenizer unset, or give the model's path)")
     loaded = load_model(model, load.dtype, load.device, load.state_init, chat_template=chat_template,
-                        generation_config=generation_config)
+                        generation_config=generation_config, override_generation_config=load.override_generation_config)
     max_model_len = checked_model_len(load.max_model_len, loaded.config.max_position)
     memory_knob = "kv_cache_memory_gb"
     if load.gpu_memory_utilization is not None:

@@ -123,8 +123,6 @@ NEUTRAL: dict[str, Neutral] = {
     "logprobs_mode": _only("logprobs are the model's raw ones, vLLM's default: before penalties, logit_bias and "
                            "temperature (a structured output row's over the tokens its grammar allows)",
                            "raw_logprobs"),
-    "override_generation_config": _only("the generation config's sampling defaults are read as they are, "
-                                        "generation_config", None, {}),
     "speculative_config": _only("speculation drafts with the model's own shallower loops, num_speculative_tokens",
                                 None),
     "limit_mm_per_prompt": _only("no multimodal inputs", None, {}),

@@ -160,6 +160,28 @@ def test_generation_config_vllm_ignores_the_checkpoints(checkpoint):
     assert (offline.temperature, offline.top_k, offline.max_tokens) == (0.5, 3, 5)
 
 
+def test_override_generation_config_sets_defaults_over_the_generation_configs(checkpoint, caplog):
+    """vLLM's --override-generation-config (a JSON object of the file's keys; LLM's override_generation_config): over
+    the checkpoint's defaults, or alone with --generation-config vllm (it was refused). A bad value names its key; a
+    key that sets no default is left out, with a warning."""
+    req = CompletionRequest(prompt="x")
+    override = '{"temperature": 0.25, "max_new_tokens": 7, "do_sample": true}'
+    for mode, want in (("auto", (0.25, 3, 7)), ("vllm", (0.25, -1, 7))):
+        with caplog.at_level(logging.WARNING, logger="loopserve.models.loader"):
+            engine, settings = load_server(_args(checkpoint, "--generation-config", mode,
+                                                 "--override-generation-config", override))
+        params = sampling_params(req, max_tokens=None, logprobs=None, defaults=settings.sampling_defaults)
+        assert (params.temperature, params.top_k, settings.sampling_defaults["max_tokens"]) == want, mode
+        assert "do_sample set no sampling default" in caplog.text
+    llm = LLM(checkpoint, scheduler="reference", override_generation_config={"top_k": 9})
+    offline = llm.get_default_sampling_params()
+    assert (offline.temperature, offline.top_k, offline.max_tokens) == (0.5, 9, 5)
+    with pytest.raises(ValueError, match=r"^override_generation_config\.temperature: must be"):
+        LLM(checkpoint, scheduler="reference", override_generation_config={"temperature": -1})
+    with pytest.raises(SystemExit):  # (argparse's error: not a JSON object)
+        _args(checkpoint, "--override-generation-config", "[1]")
+
+
 def test_a_generation_config_folder_caps_every_max_tokens(checkpoint):
     """vLLM's rule (`override_max_tokens`): a generation config given as a folder caps every request's budget with its
     max_new_tokens, whether the request sets max_tokens or not; the model's own ("auto") caps only an unset one. A

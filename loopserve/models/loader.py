@@ -63,7 +63,7 @@ class LoadedModel:
 
 
 def read_generation_config(folder: Path, mode: str = "auto", model_config: dict[str, Any] | None = None,
-                           vocab_size: int | None = None) -> GenerationConfig:
+                           vocab_size: int | None = None, override: dict[str, Any] | None = None) -> GenerationConfig:
     """The generation config `mode` names, as vLLM reads it: "auto", the model folder's `generation_config.json`;
     "vllm", the same file's eos ids but no sampling defaults (vLLM's "vllm" drops only those); another value, the
     generation_config.json of that folder. Where the model folder has no such file, its `config.json`
@@ -71,25 +71,41 @@ def read_generation_config(folder: Path, mode: str = "auto", model_config: dict[
 
     `do_sample` is ignored, as vLLM does; a key SamplingParams has no field for is skipped. Values are checked as
     SamplingParams checks them, and eos ids as token ids (below `vocab_size`): a ValueError naming the file and the
-    key."""
+    key. `override`: vLLM's `override_generation_config`, keys of the same file whose values replace the file's (with
+    "vllm", the only sampling defaults); a bad value is a ValueError naming `override_generation_config.<key>`, a key
+    that sets no sampling default is logged and left out, as vLLM reads only these keys."""
     elsewhere = mode not in ("auto", "vllm")  # (another folder's)
     path = (Path(mode).expanduser() if elsewhere else folder) / "generation_config.json"
-    if not path.is_file():
-        if elsewhere:
-            raise ValueError(f"generation_config: {path} is missing")
-        config_eos = (model_config or {}).get("eos_token_id")
-        return GenerationConfig(eos_token_ids=_token_ids(config_eos, folder / "config.json", vocab_size))
-    raw = read_json_object(path)
-    eos = _token_ids(raw.get("eos_token_id"), path, vocab_size)
-    if mode == "vllm":
-        return GenerationConfig(eos_token_ids=eos)
+    if path.is_file():
+        raw = read_json_object(path)
+        eos = _token_ids(raw.get("eos_token_id"), path, vocab_size)
+    elif elsewhere:
+        raise ValueError(f"generation_config: {path} is missing")
+    else:
+        raw, eos = {}, _token_ids((model_config or {}).get("eos_token_id"), folder / "config.json", vocab_size)
+    out = {} if mode == "vllm" else _sampling_defaults(raw, str(path))
+    if override:
+        unread = sorted(set(override) - set(_GENERATION_KEYS))
+        if unread:
+            log.warning("override_generation_config: %s set no sampling default (only %s do), left out",
+                        ", ".join(unread), ", ".join(_GENERATION_KEYS))
+        out.update(_sampling_defaults(override, "override_generation_config", "."))
+    if out:
+        log.info("%s%s: default sampling parameters %s (a request's own values win)", path,
+                 " and override_generation_config" if override else "", out)
+    return GenerationConfig(out, eos, out.get("max_tokens") if elsewhere else None)
+
+
+def _sampling_defaults(raw: dict[str, Any], source: str, joint: str = ": ") -> dict[str, Any]:
+    """The SamplingParams defaults of a generation config's keys (`raw`), checked as SamplingParams checks them: a
+    ValueError naming `source` and the key at fault (`source` + `joint` + key)."""
     fields = {f.name for f in dataclasses.fields(SamplingParams)}
     out: dict[str, Any] = {}
     for key, name in _GENERATION_KEYS.items():
         if raw.get(key) is None:
             continue
         if name not in fields:
-            log.debug("%s: %s=%r ignored (SamplingParams has no %s)", path, key, raw[key], name)
+            log.debug("%s: %s=%r ignored (SamplingParams has no %s)", source, key, raw[key], name)
             continue
         out[name] = raw[key]
     try:
@@ -97,10 +113,8 @@ def read_generation_config(folder: Path, mode: str = "auto", model_config: dict[
     except ValueError as e:  # (its message names the SamplingParams field: the file's key for it instead)
         name, sep, why = str(e).partition(": ")
         keys = {name: key for key, name in _GENERATION_KEYS.items()}
-        raise ValueError(f"{path}: {keys.get(name, name)}{sep}{why}") from None
-    if out:
-        log.info("%s: default sampling parameters %s (a request's own values win)", path, out)
-    return GenerationConfig(out, eos, out.get("max_tokens") if elsewhere else None)
+        raise ValueError(f"{source}{joint}{keys.get(name, name)}{sep}{why}") from None
+    return out
 
 
 def _token_ids(value: Any, path: Path, vocab_size: int | None) -> tuple[int, ...]:
@@ -224,8 +238,8 @@ def build_model(config: ModelConfig, lookahead_gate: bool = False, state_init: s
 
 
 def read_model_files(folder: Path, state_init: str | None = None, *, chat_template: str | None = None,
-                     generation_config: str = "auto") -> tuple[ModelConfig, GenerationConfig, Tokenizer,
-                                                               tuple[Path, dict[str, Path]]]:
+                     generation_config: str = "auto", override_generation_config: dict[str, Any] | None = None
+                     ) -> tuple[ModelConfig, GenerationConfig, Tokenizer, tuple[Path, dict[str, Path]]]:
     """Everything `load_model` reads from a model folder before the weights, checked (ValueError naming the file or
     field at fault): its config, generation config and tokenizer, and which file holds each tensor (`_tensor_files`:
     the safetensors headers only). Ray Serve's driver runs it too, so that a bad folder is one line there rather
@@ -239,24 +253,26 @@ def read_model_files(folder: Path, state_init: str | None = None, *, chat_templa
     if state_init is not None and config.arch != HUGINN:
         raise ValueError(f"state_init: {config.arch} has no random initial loop state to choose (Huginn's "
                          f"{' or '.join(STATE_INITS)}): leave it unset")
-    generation = read_generation_config(folder, generation_config, raw, config.vocab_size)
+    generation = read_generation_config(folder, generation_config, raw, config.vocab_size, override_generation_config)
     tokenizer = Tokenizer(folder, chat_template=chat_template, extra_eos_ids=generation.eos_token_ids)
     return config, generation, tokenizer, _tensor_files(folder)
 
 
 def load_model(model: str | Path, dtype: str | torch.dtype, device: str | torch.device, state_init: str | None = None,
-               *, chat_template: str | None = None, generation_config: str = "auto") -> LoadedModel:
+               *, chat_template: str | None = None, generation_config: str = "auto",
+               override_generation_config: dict[str, Any] | None = None) -> LoadedModel:
     """`dtype` and `device` are given by every caller: their defaults are `LoadConfig`'s (both "auto",
     `loopserve.device`), declared there only. `dtype` is a name `device.dtype_name` takes (ValueError naming
     `dtype` otherwise, before anything is read). `state_init`: Huginn's initial loop state (None: the checkpoint's
-    `state_init`). `chat_template`: a template (text or a file) used instead of the folder's; `generation_config`:
-    see `read_generation_config`."""
+    `state_init`). `chat_template`: a template (text or a file) used instead of the folder's; `generation_config` and
+    `override_generation_config`: see `read_generation_config`."""
     dtype = dtype_name(dtype)  # (before any file is read)
     folder = resolve_model_path(model)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, folder, device)
-    config, generation, tokenizer, (source, files) = read_model_files(folder, state_init, chat_template=chat_template,
-                                                                      generation_config=generation_config)
+    config, generation, tokenizer, (source, files) = read_model_files(
+        folder, state_init, chat_template=chat_template, generation_config=generation_config,
+        override_generation_config=override_generation_config)
     net: LoopedLM
     default_dtype = torch.get_default_dtype()
     try:  # build on the meta device directly in the target dtype: no throwaway random init

@@ -184,7 +184,8 @@ def _check_model(args: argparse.Namespace, local: bool) -> None:
     if is_local_folder(model):
         folder = Path(model).expanduser() if model is not None else default_model_path()
         read_model_files(folder, args.state_init, chat_template=args.chat_template,
-                         generation_config=args.generation_config)
+                         generation_config=args.generation_config,
+                         override_generation_config=args.override_generation_config)
     elif Path(model).expanduser().exists() or Path(model).is_absolute() or (local and not is_hub_id(str(model))):
         raise ValueError(f"model: {model!r} is not a model folder")
 
