@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import logging
 import ssl
 import subprocess
 import sys
@@ -142,12 +143,19 @@ def test_https_with_vllms_ssl_flags(tiny_ouro, tmp_path):
     url = f"https://127.0.0.1:{port}"
     with httpx.Client(verify=ssl.create_default_context(cafile=str(cert))) as tls, \
             _server(tiny_ouro, tmp_path / "tls.log", tls, url, "--port", str(port), "--ssl-keyfile", str(key),
-                    "--ssl-certfile", str(cert)):
+                    "--ssl-certfile", str(cert), "--ssl-ciphers", "ECDHE+AESGCM"):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, http_client=tls)
         out = client.completions.create(model=MODEL, prompt="To be", max_tokens=3, temperature=0)
         assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 3
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+        # --ssl-ciphers (vLLM's flag): a client offering none of them is refused in the handshake (TLS 1.2: 1.3's
+        # suites are not set by a cipher list)
+        only_cbc = ssl.create_default_context(cafile=str(cert))
+        only_cbc.maximum_version = ssl.TLSVersion.TLSv1_2
+        only_cbc.set_ciphers("ECDHE+AES128+SHA")
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(url + "/health", verify=only_cbc, timeout=5)
     assert f"serving on https://127.0.0.1:{port}" in (tmp_path / "tls.log").read_text()
 
 
@@ -221,11 +229,37 @@ def test_tls_and_socket_flags_are_checked_before_the_model_loads(tmp_path):
         ("--ssl-certfile", str(cert), "--ssl-keyfile", str(key), "--replicas", "2"):
             "--ssl-keyfile: not with Ray Serve replicas",
         ("--uds", str(tmp_path / "s"), "--replicas", "2"): "--uds: not with Ray Serve replicas",
+        ("--ssl-ciphers", "ECDHE+AESGCM"): "--ssl-ciphers: needs --ssl-certfile",
+        ("--ssl-certfile", str(cert), "--ssl-keyfile", str(key), "--ssl-ciphers", "NO-SUCH-CIPHER"):
+            "--ssl-ciphers: no cipher OpenSSL knows matches 'NO-SUCH-CIPHER'",
     }
     for argv, words in cases.items():
         problem = _check(_serve(*argv))
         assert problem is not None and problem.startswith(words), (argv, problem)
     assert _check(_serve("--ssl-certfile", str(cert), "--ssl-keyfile", str(key))) is None
+
+
+def test_access_log_lines_of_chosen_paths_are_dropped():
+    """vLLM's --disable-access-log-for-endpoints: no access-log line for those paths, a query string aside (it was
+    refused as an unknown flag)."""
+    from loopserve.serve.cli import uvicorn_log_config
+    from loopserve.serve.responses import QuietPathsFilter
+
+    args = _serve("--disable-access-log-for-endpoints", "/health,/metrics")
+    assert args.disable_access_log_for_endpoints == ["/health", "/metrics"] and _check(args) is None
+    cfg = uvicorn_log_config("info", args.disable_access_log_for_endpoints)
+    assert "quiet_paths" in cfg["loggers"]["uvicorn.access"]["filters"]
+    made = cfg["filters"]["quiet_paths"]
+    assert made["()"] == f"{QuietPathsFilter.__module__}.{QuietPathsFilter.__name__}"
+    quiet = QuietPathsFilter(made["paths"])
+
+    def line(path: str) -> logging.LogRecord:  # (as uvicorn's access logger makes one)
+        return logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1, '%s - "%s %s HTTP/%s" %d',
+                                 ("127.0.0.1:5", "GET", path, "1.1", 200), None)
+
+    assert [quiet.filter(line(p)) for p in ("/health", "/metrics?x=1", "/v1/models", "/healthz")] == [
+        False, False, True, True]
+    assert "quiet_paths" not in uvicorn_log_config("info")["filters"]
 
 
 def test_the_logged_address_of_an_ipv6_host_is_bracketed():

@@ -121,6 +121,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     tls.add_argument("--ssl-ca-certs", default=None, help="CA certificates (PEM) to verify client certificates by")
     tls.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE),
                      help="client certificates: 0 not asked for, 1 optional, 2 required (Python's ssl.CERT_*)")
+    tls.add_argument("--ssl-ciphers", default=None,
+                     help="the ciphers HTTPS offers, as OpenSSL's cipher list ('ECDHE+AESGCM:ECDHE+CHACHA20'; unset: "
+                          "uvicorn's, 'TLSv1')")
     # vLLM's forms, several keys after one flag and several names after one flag (so the model goes before them, or
     # in --model: `_check` refuses a model either swallowed); keys also by repeating the flag, as loopserve took them
     p.add_argument("--api-key", action="extend", nargs="+", default=None, metavar="KEY",
@@ -188,6 +191,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="log level of uvicorn's loggers alone (vLLM's flag; unset: --log-level's)")
     lg.add_argument("--no-access-log", "--disable-uvicorn-access-log", action="store_true",
                     help="no line per HTTP request from uvicorn (--disable-uvicorn-access-log: vLLM's name)")
+    lg.add_argument("--disable-access-log-for-endpoints", type=_str_list, default=None, metavar="PATHS",
+                    help="no access-log line for requests to these paths, comma-separated ('/health,/metrics': the "
+                         "probes' and scrapers' lines; a query string is not part of a path)")
     requests = lg.add_mutually_exclusive_group()
     requests.add_argument("--enable-log-requests", action="store_true",
                           help="log each request received (prompt, token ids, sampling parameters) and finished")
@@ -229,9 +235,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_serve)
 
 
-def uvicorn_log_config(level: str) -> dict[str, Any]:
+def uvicorn_log_config(level: str, quiet_paths: list[str] | None = None) -> dict[str, Any]:
     """uvicorn's logging config with a timestamp on every line (its default has none), and without its error line
-    for a stream the app cut on purpose (the app logs that itself: `responses.CutStreamFilter`)."""
+    for a stream the app cut on purpose (the app logs that itself: `responses.CutStreamFilter`); `quiet_paths`:
+    paths whose requests get no access-log line (`responses.QuietPathsFilter`)."""
     from uvicorn.config import LOGGING_CONFIG
 
     cfg = copy.deepcopy(LOGGING_CONFIG)
@@ -239,8 +246,12 @@ def uvicorn_log_config(level: str) -> dict[str, Any]:
         formatter["fmt"] = "%(asctime)s " + formatter["fmt"]
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         cfg["loggers"].setdefault(name, {})["level"] = level.upper()
-    cfg.setdefault("filters", {})["stream_cut"] = {"()": "loopserve.serve.responses.CutStreamFilter"}
+    filters = cfg.setdefault("filters", {})
+    filters["stream_cut"] = {"()": "loopserve.serve.responses.CutStreamFilter"}
     cfg["loggers"]["uvicorn.error"].setdefault("filters", []).append("stream_cut")
+    if quiet_paths:
+        filters["quiet_paths"] = {"()": "loopserve.serve.responses.QuietPathsFilter", "paths": quiet_paths}
+        cfg["loggers"]["uvicorn.access"].setdefault("filters", []).append("quiet_paths")
     return cfg
 
 
@@ -328,12 +339,17 @@ def _unknown_parser(flag: str, name: str | None, registry: Mapping[str, Any]) ->
 
 def _check_transport(args: argparse.Namespace) -> str | None:
     """The first thing wrong with --uds and the TLS flags: the files are read now, before the model loads."""
-    tls = [f for f in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs") if getattr(args, f) is not None]
+    tls = [f for f in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_ciphers") if getattr(args, f) is not None]
     if uses_ray(args) and (tls or args.uds is not None):
         flag = "--" + (tls[0] if tls else "uds").replace("_", "-")
         return f"{flag}: not with Ray Serve replicas (Ray Serve's proxies serve plain HTTP on --host and --port)"
     if args.ssl_cert_reqs not in (ssl.CERT_NONE, ssl.CERT_OPTIONAL, ssl.CERT_REQUIRED):
         return f"--ssl-cert-reqs: must be 0, 1 or 2, got {args.ssl_cert_reqs}"
+    if args.ssl_ciphers is not None:
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).set_ciphers(args.ssl_ciphers)
+        except ssl.SSLError:
+            return f"--ssl-ciphers: no cipher OpenSSL knows matches {args.ssl_ciphers!r}"
     if args.ssl_certfile is None and tls:
         return f"--{tls[0].replace('_', '-')}: needs --ssl-certfile (the server's certificate)"
     if args.ssl_cert_reqs != ssl.CERT_NONE and args.ssl_ca_certs is None:
@@ -481,12 +497,14 @@ def _serve_on(listener: socket.socket, args: argparse.Namespace) -> int:
     # ws="none": there are no WebSocket endpoints, so an upgrade request is read as plain HTTP
     # the grace period's end: the app answers what is still running (503) before uvicorn cancels it
     server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=uvicorn_level,
-                                           log_config=uvicorn_log_config(uvicorn_level),
+                                           log_config=uvicorn_log_config(uvicorn_level,
+                                                                         args.disable_access_log_for_endpoints),
                                            access_log=not args.no_access_log,
                                            timeout_graceful_shutdown=args.shutdown_timeout,
                                            http=read_timeout_protocol(args.request_read_timeout), ws="none",
                                            ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
-                                           ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs),
+                                           ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
+                                           **({} if args.ssl_ciphers is None else {"ssl_ciphers": args.ssl_ciphers})),
                             on_deadline=app.state.serving.abort_in_flight)
     try:
         server.run(sockets=[listener])

@@ -208,6 +208,21 @@ class GroupStreamingResponse(StreamingResponse):
                 self.group.abort()
 
 
+class QuietPathsFilter(logging.Filter):
+    """For uvicorn's access logger (`cli.uvicorn_log_config`, vLLM's --disable-access-log-for-endpoints): drops the
+    lines of requests to `paths` (the path without its query string: /health?x=1 is /health)."""
+
+    def __init__(self, paths: list[str]) -> None:
+        super().__init__()
+        self.paths = frozenset(paths)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args  # uvicorn's: (client, method, path with its query, HTTP version, status)
+        if not isinstance(args, tuple) or len(args) < 3:
+            return True
+        return str(args[2]).split("?", 1)[0] not in self.paths
+
+
 class CutStreamFilter(logging.Filter):
     """For uvicorn's error logger (`cli.uvicorn_log_config`): drops its "ASGI callable returned without completing
     response." ERROR line for a stream `GroupStreamingResponse` cut on purpose (it logged the cut and its cause
