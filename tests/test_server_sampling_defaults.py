@@ -300,3 +300,34 @@ def test_a_refusal_says_which_conflicting_value_is_the_servers(tiny_ouro, flags,
     assert refused.value.status == 400 and refused.value.param == field
     assert str(refused.value).startswith(f"{field}: ") and str(refused.value).endswith(note), refused.value
     assert str(refused.value).count("server's default") == 1  # (the request's own field: said as it is)
+
+
+# -- the chat template's default variables ---------------------------------------------------------------------------
+def test_default_chat_template_kwargs_sit_under_a_requests_own(checkpoint, tmp_path):
+    """vLLM's --default-chat-template-kwargs: the template's variables for every chat request, a request's own
+    chat_template_kwargs over them (it was refused as an unknown flag); checked as a request's are."""
+    from loopserve.serve.api import OpenAIServing
+    from loopserve.serve.cli import _check
+    from loopserve.serve.protocol import ChatCompletionRequest, TokenizeChatRequest
+
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ 'think' if enable_thinking else 'plain' }}|{{ style | default('none') }}|"
+                        "{% for m in messages %}{{ m.content }}{% endfor %}")
+    flags = ("--chat-template", str(template), "--default-chat-template-kwargs",
+             '{"enable_thinking": false, "style": "terse"}')
+    serving = OpenAIServing(*load_server(_args(checkpoint, *flags)))
+
+    def rendered(**kwargs) -> str:
+        ids = json.loads(serving.tokenized(TokenizeChatRequest(messages=[{"role": "user", "content": "hi"}],
+                                                               **kwargs)).body)["tokens"]
+        return serving.tokenizer.decode(ids)
+
+    assert rendered() == "plain|terse|hi"
+    assert rendered(chat_template_kwargs={"enable_thinking": True}) == "think|terse|hi"  # (the request's wins)
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], reasoning_effort="high")
+    assert serving.template_kwargs(chat.template_kwargs()) == {"enable_thinking": True, "style": "terse",
+                                                               "reasoning_effort": "high"}
+    assert _check(_args(checkpoint, "--default-chat-template-kwargs", '{"tools": []}')).startswith(
+        "--default-chat-template-kwargs.tools: ")
+    assert _check(_args(checkpoint, "--default-chat-template-kwargs", '{"add_generation_prompt": false}')) == (
+        "--default-chat-template-kwargs.add_generation_prompt: a request's own field, not a default")

@@ -244,6 +244,9 @@ class ServerSettings:
     # the parser that splits a thinking model's chat replies into reasoning and content (a `REASONING_PARSERS` name:
     # vLLM's --reasoning-parser NAME); None: a reply's text comes back whole
     reasoning_parser: str | None = None
+    # the chat template's variables for every chat request, under its own chat_template_kwargs (vLLM's
+    # --default-chat-template-kwargs)
+    default_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.model_names, str) or not self.model_names or not all(self.model_names):
@@ -664,6 +667,11 @@ class OpenAIServing:
             if error is not None:
                 raise error
         return done
+
+    def template_kwargs(self, own: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A chat request's template variables: its own (`own`) over the server's defaults."""
+        defaults = self.settings.default_template_kwargs
+        return {**defaults, **own} if defaults and own else own or defaults or None
 
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool | None,
                     template_kwargs: dict[str, Any] | None, tools: list[ChatTool] | None = None,
@@ -1212,7 +1220,8 @@ class OpenAIServing:
 
     def tokenized(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> JSONResponse:
         if isinstance(req, TokenizeChatRequest):
-            text = self.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs, req.tools,
+            text = self.render_chat(req.messages, req.add_generation_prompt,
+                                    self.template_kwargs(req.chat_template_kwargs), req.tools,
                                     req.continue_final_message, req.documents)
         else:
             text = req.prompt
@@ -1428,8 +1437,8 @@ class OpenAIServing:
         if req.echo and tools is not None:  # the reply is calls, or read for them: nothing may come before it
             raise ApiError(400, "echo: cannot be combined with tool calls (tool_choice)", "echo")
         replies = self.reasoning_replies(req, guide, tools)
-        text = self.render_chat(req.messages, req.add_generation_prompt, req.template_kwargs(), req.tools,
-                                req.continue_final_message, req.documents)
+        text = self.render_chat(req.messages, req.add_generation_prompt, self.template_kwargs(req.template_kwargs()),
+                                req.tools, req.continue_final_message, req.documents)
         # the template writes the special tokens it wants: none added unless asked (vLLM's default)
         ids = self.encode(text, "messages", truncates_prompt(req.truncate_prompt_tokens),
                           add_special_tokens=bool(req.add_special_tokens))
@@ -1481,7 +1490,8 @@ class OpenAIServing:
         if req.echo:
             raise ApiError(400, "echo: cannot be combined with the server's --reasoning-parser", "echo")
         assert not isinstance(tools, ToolPlan)  # (a forced call has a grammar)
-        return ReasoningReplies(self.reasoning, req.template_kwargs(), req.include_reasoning is not False, tools)
+        return ReasoningReplies(self.reasoning, self.template_kwargs(req.template_kwargs()),
+                                req.include_reasoning is not False, tools)
 
 
 # -- the app -----------------------------------------------------------------------------------------------------

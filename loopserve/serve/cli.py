@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loopserve.cli import CommandError, add_chat_args, add_engine_args, add_exit_args, engine_kwargs, load_kwargs
-from loopserve.config_args import CONFIG_FLAG
+from loopserve.config_args import CONFIG_FLAG, json_object
 from loopserve.engine.config import ENGINE_SCHEDULERS
 from loopserve.load_config import configs
 from loopserve.models.loader import is_local_folder
@@ -43,6 +43,7 @@ from loopserve.serve.limits import (
     MIN_BODY_RATE,
     REQUEST_READ_TIMEOUT_S,
 )
+from loopserve.tokenizer import TEMPLATE_SWITCHES, template_variables
 from loopserve.vllm_neutral import SERVE_NEUTRAL, add_neutral_args, check_neutral, neutral_kwargs
 
 if TYPE_CHECKING:
@@ -156,6 +157,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--tool-call-parser", type=_unset_if_empty, default=None, metavar="NAME",
                    help=f"the model's tool-call format: {_parser_names('tool_parsers', 'TOOL_PARSERS')} (with "
                         "--enable-auto-tool-choice)")
+    p.add_argument("--default-chat-template-kwargs", type=json_object, default=None, metavar="JSON",
+                   help="the chat template's variables for every chat request, under a request's own "
+                        "chat_template_kwargs (vLLM's flag; '{\"enable_thinking\": false}')")
     p.add_argument_group("reasoning of thinking models (vLLM's flag)").add_argument(
         "--reasoning-parser", type=_unset_if_empty, default=None, metavar="NAME",
         help=f"the model's reasoning format, {_parser_names('reasoning_parsers', 'REASONING_PARSERS')}: a chat "
@@ -297,7 +301,7 @@ def _check(args: argparse.Namespace) -> str | None:
         return f"--replicas ({args.replicas}): must lie in [--min-replicas, --max-replicas] = [{low}, {high}]"
     if not (math.isfinite(args.replica_cpus) and args.replica_cpus > 0):
         return "--replica-cpus: must be > 0"
-    problem = _check_tool_parser(args) or _check_reasoning_parser(args)
+    problem = _check_tool_parser(args) or _check_reasoning_parser(args) or _check_template_kwargs(args)
     if problem is not None:
         return problem
     problem = _check_transport(args)
@@ -321,6 +325,18 @@ def _check_tool_parser(args: argparse.Namespace) -> str | None:
         return "--enable-auto-tool-choice: needs --tool-call-parser (the model's tool-call format: " \
                f"{', '.join(TOOL_PARSERS)})"
     return _unknown_parser("--tool-call-parser", args.tool_call_parser, TOOL_PARSERS)
+
+
+def _check_template_kwargs(args: argparse.Namespace) -> str | None:
+    """--default-chat-template-kwargs' variables as a request's are checked; the switches a request's may set
+    (add_generation_prompt, continue_final_message) are each request's own."""
+    flag = "--default-chat-template-kwargs"
+    try:
+        template_variables(args.default_chat_template_kwargs, flag)
+    except ValueError as e:
+        return str(e)
+    switches = [n for n in TEMPLATE_SWITCHES if n in (args.default_chat_template_kwargs or {})]
+    return f"{flag}.{switches[0]}: a request's own field, not a default" if switches else None
 
 
 def _check_reasoning_parser(args: argparse.Namespace) -> str | None:
@@ -430,7 +446,7 @@ def load_server(args: argparse.Namespace) -> tuple[LLMEngine, ServerSettings]:
         return_tokens_as_token_ids=args.return_tokens_as_token_ids, metric_prefix=args.metric_prefix,
         server_load_tracking=args.enable_server_load_tracking,
         tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-        reasoning_parser=args.reasoning_parser)
+        reasoning_parser=args.reasoning_parser, default_template_kwargs=args.default_chat_template_kwargs or {})
     return engine, settings
 
 
