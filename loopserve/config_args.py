@@ -65,6 +65,16 @@ def human_int(text: str) -> int:
     return int(Fraction(number) * _UNITS[unit])  # (exact: a float made 4.35k 4349)
 
 
+def auto_or_int(auto: int, text: str) -> int:
+    """An argparse type: `human_int`, or "auto" as `auto` (vLLM's `--max-model-len auto`)."""
+    if text.strip() == "auto":
+        return auto
+    try:
+        return human_int(text)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{e} (or auto)") from None
+
+
 def check_bool_knobs(config: Any) -> None:
     """A ValueError naming the first bool field of dataclass `config` (`bool`, or `bool | None` left unset) that holds
     anything else: a flag's "false" string, or 0, would otherwise be read as a setting."""
@@ -129,6 +139,8 @@ def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, c
         flags = [flag_of(f.name), *f.metadata.get("short", ())]  # (vLLM's short forms: -tp)
         if kind is bool:
             parser.add_argument(*flags, action=argparse.BooleanOptionalAction, **kw)
+        elif "auto" in f.metadata:  # (a count that also takes "auto", as the value the field keeps for it)
+            parser.add_argument(*flags, type=functools.partial(auto_or_int, f.metadata["auto"]), **kw)
         else:
             parser.add_argument(*flags, type=human_int if f.metadata.get("human_readable") else kind, **kw)
 

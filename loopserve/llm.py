@@ -18,7 +18,7 @@ from loopserve.beam_search import BeamSearchOutput
 from loopserve.beam_search import beam_search as _beam_search
 from loopserve.cache.layout import KVLayout
 from loopserve.chat_messages import chat_messages, within
-from loopserve.engine.budget import completion_budget, pool_tokens
+from loopserve.engine.budget import checked_model_len, completion_budget, pool_tokens
 from loopserve.engine.config import EngineConfig
 from loopserve.engine.engine import LLMEngine
 from loopserve.engine.engine_thread import EngineThread
@@ -100,7 +100,8 @@ class LLM:
         # vLLM's `llm.model_config`: its engine's, the same object (scheduler="reference": the model's config with
         # this max_model_len)
         self.model_config = (self.engine.model_config if self.engine is not None
-                             else EngineModelConfig.of(self.config, max_model_len, next(self.model.parameters()).dtype))
+                             else EngineModelConfig.of(self.config, checked_model_len(max_model_len, c.max_position),
+                                                       next(self.model.parameters()).dtype))
         self._counter = itertools.count()
 
     @property

@@ -19,7 +19,7 @@ import torch
 
 from loopserve.config_args import check_bool_knobs, knob
 from loopserve.device import AUTO, DTYPE_NAMES, KV_ACTIVATION_RESERVE_GB, dtype_name, kv_memory_gb
-from loopserve.engine.budget import checked_model_len
+from loopserve.engine.budget import AUTO_MODEL_LEN, checked_model_len
 from loopserve.engine.config import EngineConfig
 from loopserve.model_config import STATE_INITS
 from loopserve.models.loader import LoadedModel, load_model
@@ -45,7 +45,8 @@ class LoadConfig:
     seed: int = knob(0, "engine seed: unseeded requests' sampling and Huginn's initial states "
                      "(LLM(seed=None): a random seed, drawn once at start, logged and kept as LLM.seed)")
     max_model_len: int | None = knob(None, "maximum prompt + completion tokens of a request (unset: the model's "
-                                     "context length)", human_readable=True)
+                                     "context length; auto or -1, vLLM's: that or what the KV cache holds, if less)",
+                                     human_readable=True, auto=AUTO_MODEL_LEN)
     gpu_memory_utilization: float | None = knob(
         None, "fraction of the CUDA device's memory this engine may use: the KV pool gets what is left of it after "
         f"the weights and {KV_ACTIVATION_RESERVE_GB:g} GiB for activations (replaces --kv-cache-memory-gb; on the "
@@ -83,11 +84,14 @@ class LoadConfig:
         if self.override_generation_config is not None and not isinstance(self.override_generation_config, dict):
             raise ValueError(f"override_generation_config: must be a dict of generation config keys (or unset), got "
                              f"{self.override_generation_config!r}")
-        if self.max_model_len is not None and not (is_int(self.max_model_len) and self.max_model_len >= 2):
+        if self.max_model_len == "auto":  # (vLLM's word for -1)
+            self.max_model_len = AUTO_MODEL_LEN
+        if self.max_model_len is not None and not (is_int(self.max_model_len) and (
+                self.max_model_len >= 2 or self.max_model_len == AUTO_MODEL_LEN)):
             # (the model's context caps it too, known once it has loaded, unless $VLLM_ALLOW_LONG_MAX_MODEL_LEN:
             # `checked_model_len`)
-            raise ValueError(f"max_model_len: must be an integer >= 2 (room for a prompt and a token), got "
-                             f"{self.max_model_len!r}")
+            raise ValueError(f"max_model_len: must be an integer >= 2 (room for a prompt and a token), or auto (-1), "
+                             f"got {self.max_model_len!r}")
         g = self.gpu_memory_utilization
         if g is not None and not (is_number(g) and 0 < g <= 1):
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {g!r}")
@@ -133,9 +137,9 @@ def load_for_engine(model: str | Path, load: LoadConfig, cfg: EngineConfig, *, c
     """The model `load` describes (torch's CPU threads set once it has loaded, when `load.threads` gives them: a
     load that fails leaves them as they were); the engine config to run it with (`cfg`, whose KV pool
     gpu_memory_utilization sizes from the device's memory left after the weights); its maximum prompt +
-    completion length; and the setting that gave the config's kv_cache_memory_gb (`LLMEngine`'s
-    `kv_memory_knob`: gpu_memory_utilization where it sized the pool, else kv_cache_memory_gb). ValueError naming
-    the field at fault (`cfg` comes checked by `configs`)."""
+    completion length (`AUTO_MODEL_LEN`: the engine's KV pool sizes it); and the setting that gave the config's
+    kv_cache_memory_gb (`LLMEngine`'s `kv_memory_knob`: gpu_memory_utilization where it sized the pool, else
+    kv_cache_memory_gb). ValueError naming the field at fault (`cfg` comes checked by `configs`)."""
     if load.tokenizer is not None and not _same_model(load.tokenizer, model):
         # Another folder's tokenizer would need its own eos ids and chat template to be reconciled with the
         # model's generation config, and its ids with the embedding the weights were trained on.
@@ -144,6 +148,8 @@ def load_for_engine(model: str | Path, load: LoadConfig, cfg: EngineConfig, *, c
     loaded = load_model(model, load.dtype, load.device, load.state_init, chat_template=chat_template,
                         generation_config=generation_config, override_generation_config=load.override_generation_config)
     max_model_len = checked_model_len(load.max_model_len, loaded.config.max_position)
+    if load.max_model_len == AUTO_MODEL_LEN:  # (sized by the KV pool, which the engine makes)
+        max_model_len = AUTO_MODEL_LEN
     memory_knob = "kv_cache_memory_gb"
     if load.gpu_memory_utilization is not None:
         where = next(loaded.model.parameters()).device  # with the weights on it

@@ -852,7 +852,7 @@ def test_engine_args_is_a_dataclass_as_vllms(tiny_ouro):
         dataclasses.replace(args, max_num_seqs=0)
     assert dataclasses.replace(AsyncEngineArgs(enable_log_requests=True), seed=1).enable_log_requests
     with pytest.raises(ValueError, match="^max_model_len: must be an integer >= 2"):  # (when made, not at load)
-        EngineArgs(max_model_len=-1)
+        EngineArgs(max_model_len=-2)  # (-1 is vLLM's "auto")
     twin = copy.copy(args)
     twin.enable_chunked_prefill = False  # (a copy's own: the original's stays as given)
     assert args.enable_chunked_prefill and not twin.enable_chunked_prefill

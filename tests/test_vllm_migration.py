@@ -118,6 +118,20 @@ def test_vllms_long_max_model_len_variable_lets_the_context_grow(tiny_ouro, monk
         budget.checked_model_len(1, 2048)  # (LLMEngine's check: the variable allows no less, so it is not named)
 
 
+def test_max_model_len_auto_is_what_the_kv_cache_holds(tiny_ouro):
+    """vLLM's max_model_len "auto" (or -1; --max-model-len auto): the model's context, or what the KV pool holds if
+    less (it was refused)."""
+    from loopserve.cli import build_parser
+
+    for auto in ("auto", -1):
+        assert LLM(tiny_ouro, max_model_len=auto, kv_cache_tokens=512).max_model_len == 512
+    assert LLM(tiny_ouro, max_model_len="auto", kv_cache_tokens=4096).max_model_len == 2048  # (the model's context)
+    assert LLM(tiny_ouro, max_model_len="auto", scheduler="reference").max_model_len == 2048  # (no pool)
+    assert build_parser().parse_args(["serve", "--max-model-len", "auto"]).max_model_len == -1
+    with pytest.raises(ValueError, match=r"^max_model_len: must be an integer >= 2 .*, or auto \(-1\), got -2"):
+        LLM(tiny_ouro, max_model_len=-2)
+
+
 def test_gpu_memory_utilization_on_the_cpu_is_a_warning_with_no_effect(tiny_ouro, caplog):
     """vLLM's scripts pass it everywhere (it was a ValueError on the CPU): the KV pool stays as kv_cache_memory_gb
     sizes it, and the outputs as without it."""

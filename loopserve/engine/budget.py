@@ -18,12 +18,23 @@ log = logging.getLogger(__name__)
 LONG_MODEL_LEN_ENV = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
 
 
-def checked_model_len(cap: Any, max_position: int) -> int:
+# vLLM's max_model_len "auto" (or -1): the longest context the KV pool holds, at most the model's own
+AUTO_MODEL_LEN = -1
+
+
+def checked_model_len(cap: Any, max_position: int, kv_tokens: int | None = None) -> int:
     """A request's maximum prompt + completion length: `cap` (max_model_len) or the model's own context
-    (`max_position`); ValueError if the cap leaves no room to generate, or exceeds the model's context unless
+    (`max_position`); for `AUTO_MODEL_LEN`, the model's context or what the KV pool holds (`kv_tokens`, once it is
+    sized) if less. ValueError if the cap leaves no room to generate, or exceeds the model's context unless
     $VLLM_ALLOW_LONG_MAX_MODEL_LEN allows it (as vLLM, with a warning)."""
     if cap is None:
         return max_position
+    if is_int(cap) and cap == AUTO_MODEL_LEN:
+        fitted = max_position if kv_tokens is None else max(2, min(max_position, kv_tokens))
+        if fitted < max_position:
+            log.info("max_model_len auto: %d, what the KV cache holds (the model's context: %d)", fitted,
+                     max_position)
+        return fitted
     longer = is_int(cap) and cap > max_position
     if longer and os.environ.get(LONG_MODEL_LEN_ENV, "0").strip().lower() in ("1", "true"):  # (vLLM's reading)
         _warn_long_model_len(cap, max_position)

@@ -136,7 +136,6 @@ class LLMEngine:
                         cfg.max_decode_batch - 1)
         # (the model's config with the engine's max_model_len: vLLM's `engine.model_config`)
         p = next(model.parameters())
-        self.model_config = EngineModelConfig.of(c, checked_model_len(max_model_len, c.max_position), p.dtype)
         graphs_on = cfg.cuda_graphs if cfg.cuda_graphs is not None else p.device.type == "cuda"
         prelude_batch, coda_batch = cfg.boundary_batches_for(c.n_prelude, c.n_coda)
         cfg = dataclasses.replace(cfg, min_prelude_batch=prelude_batch, min_coda_batch=coda_batch,
@@ -145,6 +144,8 @@ class LLMEngine:
         self.layout = KVLayout(cfg.kv_layout, c.n_prelude, c.n_core, c.n_coda, c.r_max)
         per_token = self.layout.bytes_per_token(c.num_kv_heads, c.head_dim, p.dtype)
         blocks = cfg.kv_pool_tokens(per_token, kv_memory_knob) // cfg.block_size
+        self.model_config = EngineModelConfig.of(
+            c, checked_model_len(max_model_len, c.max_position, blocks * cfg.block_size), p.dtype)
         # a pool too big: a ValueError naming the knob that sized it, not torch's traceback
         with _sized_by(lambda: cfg.kv_pool_error(blocks * cfg.block_size, blocks * cfg.block_size * per_token,
                                                  p.device, kv_memory_knob)):
