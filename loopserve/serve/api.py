@@ -183,12 +183,6 @@ from loopserve.tokenizer import template_variables
 
 log = logging.getLogger("loopserve.serve")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
-
-
-def completions_default(req: CompletionRequest) -> int | None:
-    """The budget cap of a completions request that sets none: vLLM's field default, 16, where the request leaves
-    max_tokens out; none where it sends null (as vLLM's `get_max_tokens` reads it: the room the context leaves)."""
-    return None if "max_tokens" in req.model_fields_set else COMPLETIONS_DEFAULT_MAX_TOKENS
 METRICS_CATCH_UP_S = 1.0  # how long /metrics and the stats line wait for the step under way (`metrics_caught_up`)
 GRAMMAR_BUILDS = 1  # requests with a grammar to compile are built one at a time (`OpenAIServing.build`)
 TOKENIZE_THREADS = 2  # /tokenize and /detokenize calls run at once, on their own lane (`OpenAIServing.off_loop`)
@@ -202,6 +196,12 @@ MAX_LOGGED_NAME = 64  # characters of an unknown field's name the warning shows
 # (a draining replica answers them 503)
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations")
 HEALTH_PATHS = ("/health", "/ping")
+
+
+def completions_default(req: CompletionRequest) -> int | None:
+    """The budget cap of a completions request that sets none: vLLM's field default, 16, where the request leaves
+    max_tokens out; none where it sends null (as vLLM's `get_max_tokens` reads it: the room the context leaves)."""
+    return None if "max_tokens" in req.model_fields_set else COMPLETIONS_DEFAULT_MAX_TOKENS
 
 
 @dataclass
