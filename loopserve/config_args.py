@@ -67,7 +67,7 @@ def human_int(text: str) -> int:
 
 def auto_or_int(auto: int, text: str) -> int:
     """An argparse type: `human_int`, or "auto" as `auto` (vLLM's `--max-model-len auto`)."""
-    if text.strip() == "auto":
+    if text.strip().lower() == "auto":
         return auto
     try:
         return human_int(text)

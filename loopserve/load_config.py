@@ -81,10 +81,11 @@ class LoadConfig:
             log.info("seed: none given, drew %d", self.seed)
         elif not is_int(self.seed):
             raise ValueError(f"seed: must be an integer (or None: a random seed), got {self.seed!r}")
-        if self.override_generation_config is not None and not isinstance(self.override_generation_config, dict):
+        ogc = self.override_generation_config
+        if ogc is not None and not (isinstance(ogc, dict) and all(isinstance(k, str) for k in ogc)):
             raise ValueError(f"override_generation_config: must be a dict of generation config keys (or unset), got "
                              f"{self.override_generation_config!r}")
-        if self.max_model_len == "auto":  # (vLLM's word for -1)
+        if isinstance(self.max_model_len, str) and self.max_model_len.strip().lower() == "auto":  # (vLLM's -1)
             self.max_model_len = AUTO_MODEL_LEN
         if self.max_model_len is not None and not (is_int(self.max_model_len) and (
                 self.max_model_len >= 2 or self.max_model_len == AUTO_MODEL_LEN)):
@@ -147,9 +148,9 @@ def load_for_engine(model: str | Path, load: LoadConfig, cfg: EngineConfig, *, c
                          f"own tokenizer (leave tokenizer unset, or give the model's path)")
     loaded = load_model(model, load.dtype, load.device, load.state_init, chat_template=chat_template,
                         generation_config=generation_config, override_generation_config=load.override_generation_config)
-    max_model_len = checked_model_len(load.max_model_len, loaded.config.max_position)
-    if load.max_model_len == AUTO_MODEL_LEN:  # (sized by the KV pool, which the engine makes)
-        max_model_len = AUTO_MODEL_LEN
+    # (auto: sized by the KV pool, which the engine makes)
+    max_model_len = (AUTO_MODEL_LEN if load.max_model_len == AUTO_MODEL_LEN
+                     else checked_model_len(load.max_model_len, loaded.config.max_position))
     memory_knob = "kv_cache_memory_gb"
     if load.gpu_memory_utilization is not None:
         where = next(loaded.model.parameters()).device  # with the weights on it

@@ -202,7 +202,7 @@ def test_stop_token_ids_outside_the_vocabulary_are_refused(tiny_ouro, scheduler)
     """As vLLM's params check them against the model's vocabulary (vllm-project/vllm#54196): such ids were taken and
     never met, as vLLM's older releases took them. min_tokens holds back the stop ids that remain."""
     llm = LLM(model=tiny_ouro, scheduler=scheduler, dtype="float64")
-    vocab = llm.config.vocab_size
+    vocab = max(llm.config.vocab_size, len(llm.tokenizer))  # (vLLM's bound: the model's or the tokenizer's)
     for ids in ([vocab], [3, 10**12], [2**64]):
         with pytest.raises(ValueError, match=rf"^stop_token_ids: token ids must be in \[0, {vocab}\)"):
             _gen(llm, PROMPT, max_tokens=5, ignore_eos=True, temperature=0, stop_token_ids=ids)

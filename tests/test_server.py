@@ -486,6 +486,13 @@ def test_chat_echo_returns_the_prompts_logprobs_as_vllms(server):
     assert isinstance(plp, list) and plp[0] is None and len(plp) > 2 and all(len(e) >= 1 for e in plp[1:]), r.text
     r = httpx.post(server.url + H, json=_h(max_tokens=2), headers=AUTH, timeout=60)
     assert r.json().get("prompt_logprobs") is None, r.text
+    # an explicit null top_logprobs asks for none (vLLM's default, 0, is the omitted field's); a stream carries none
+    r = httpx.post(server.url + H, json=_h(echo=True, max_tokens=2, top_logprobs=None), headers=AUTH, timeout=60)
+    assert r.json().get("prompt_logprobs") is None, r.text
+    with httpx.stream("POST", server.url + H, json=_h(echo=True, max_tokens=2, stream=True), headers=AUTH,
+                      timeout=60) as s:
+        chunks = [json.loads(e) for e in sse_events(s.iter_lines()) if e != "[DONE]"]
+    assert chunks and not any("prompt_logprobs" in c for c in chunks)
 
 
 def test_still_serving_after_bad_inputs(server, client):

@@ -176,10 +176,32 @@ def test_override_generation_config_sets_defaults_over_the_generation_configs(ch
     llm = LLM(checkpoint, scheduler="reference", override_generation_config={"top_k": 9})
     offline = llm.get_default_sampling_params()
     assert (offline.temperature, offline.top_k, offline.max_tokens) == (0.5, 9, 5)
+    # null drops the file's value, as vLLM's update does; keys are the file's names
+    dropped = LLM(checkpoint, scheduler="reference", override_generation_config={"temperature": None})
+    assert dropped.get_default_sampling_params().temperature == 1.0
+    with pytest.raises(ValueError, match=r"^override_generation_config: must be a dict of generation config keys"):
+        LLM(checkpoint, scheduler="reference", override_generation_config={1: 2})
+    # vLLM's override_max_tokens: an override's max_new_tokens caps a request's own max_tokens too
+    from loopserve.serve.api import OpenAIServing
+
+    serving = OpenAIServing(*load_server(_args(checkpoint, "--override-generation-config", '{"max_new_tokens": 7}')))
+    assert serving.resolve_max_tokens(20, 16, 4, "prompt") == 7
     with pytest.raises(ValueError, match=r"^override_generation_config\.temperature: must be"):
         LLM(checkpoint, scheduler="reference", override_generation_config={"temperature": -1})
     with pytest.raises(SystemExit):  # (argparse's error: not a JSON object)
         _args(checkpoint, "--override-generation-config", "[1]")
+
+
+def test_a_beam_search_with_max_tokens_null_goes_as_far_as_its_roomiest_prompt(checkpoint):
+    """vLLM sizes each prompt's search by its own room; one search here runs as far as the prompt with the most room,
+    each prompt's beams ending where its own context is full (it ran every prompt only as far as the shortest)."""
+    from loopserve.serve.api import OpenAIServing
+
+    serving = OpenAIServing(*load_server(_args(checkpoint, "--generation-config", "vllm", "--max-model-len", "64")))
+    req = CompletionRequest.model_validate({"prompt": [[5, 6], [5] * 60], "max_tokens": None, "use_beam_search": True,
+                                            "n": 1})
+    beam = serving.beam_completion(req, 0.0, [("prompt.0", None, [5, 6]), ("prompt.1", None, [5] * 60)], "cmpl-b")
+    assert beam.search is not None and beam.search.params.max_tokens == 62
 
 
 def test_a_generation_config_folder_caps_every_max_tokens(checkpoint):

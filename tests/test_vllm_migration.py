@@ -127,7 +127,8 @@ def test_max_model_len_auto_is_what_the_kv_cache_holds(tiny_ouro):
         assert LLM(tiny_ouro, max_model_len=auto, kv_cache_tokens=512).max_model_len == 512
     assert LLM(tiny_ouro, max_model_len="auto", kv_cache_tokens=4096).max_model_len == 2048  # (the model's context)
     assert LLM(tiny_ouro, max_model_len="auto", scheduler="reference").max_model_len == 2048  # (no pool)
-    assert build_parser().parse_args(["serve", "--max-model-len", "auto"]).max_model_len == -1
+    assert [build_parser().parse_args(["serve", "--max-model-len", a]).max_model_len for a in ("auto", "AUTO")] == [
+        -1, -1]
     with pytest.raises(ValueError, match=r"^max_model_len: must be an integer >= 2 .*, or auto \(-1\), got -2"):
         LLM(tiny_ouro, max_model_len=-2)
 

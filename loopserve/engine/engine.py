@@ -134,7 +134,6 @@ class LLMEngine:
             log.warning("num_speculative_tokens=%d: a round drafts at most max_decode_batch - 1 = %d tokens (a "
                         "request's drafts and its verify row share one batch)", cfg.num_speculative_tokens,
                         cfg.max_decode_batch - 1)
-        # (the model's config with the engine's max_model_len: vLLM's `engine.model_config`)
         p = next(model.parameters())
         graphs_on = cfg.cuda_graphs if cfg.cuda_graphs is not None else p.device.type == "cuda"
         prelude_batch, coda_batch = cfg.boundary_batches_for(c.n_prelude, c.n_coda)
@@ -144,6 +143,7 @@ class LLMEngine:
         self.layout = KVLayout(cfg.kv_layout, c.n_prelude, c.n_core, c.n_coda, c.r_max)
         per_token = self.layout.bytes_per_token(c.num_kv_heads, c.head_dim, p.dtype)
         blocks = cfg.kv_pool_tokens(per_token, kv_memory_knob) // cfg.block_size
+        # (the model's config with the engine's max_model_len, vLLM's `engine.model_config`: auto's is the pool's)
         self.model_config = EngineModelConfig.of(
             c, checked_model_len(max_model_len, c.max_position, blocks * cfg.block_size), p.dtype)
         # a pool too big: a ValueError naming the knob that sized it, not torch's traceback

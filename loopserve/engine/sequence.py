@@ -267,10 +267,10 @@ def make_sequence(model: LoopedLM, tokenizer: Tokenizer, request_id: str, prompt
 def as_sampled(params: SamplingParams, tokenizer: Tokenizer, vocab_size: int) -> SamplingParams:
     """The params as the sampler reads them (a copy where any differs): logprobs counted (`with_logprobs_counted`),
     bad words tokenized (`with_bad_words`), allowed token ids as a mask (`with_allowed_token_ids`)."""
-    bad = [t for t in params.stop_token_ids if t >= vocab_size]
-    if bad:  # (vLLM's check: a stop id the model cannot sample would never stop it)
-        raise ValueError(f"stop_token_ids: token ids must be in [0, {vocab_size}) (the model's vocabulary), got "
-                         f"{bad[0]}")
+    known = max(vocab_size, len(tokenizer))  # (vLLM's bound: the model's vocabulary or the tokenizer's, if larger)
+    bad = [t for t in params.stop_token_ids if t >= known]
+    if bad:
+        raise ValueError(f"stop_token_ids: token ids must be in [0, {known}) (the vocabulary), got {bad[0]}")
     return with_allowed_token_ids(with_bad_words(with_logprobs_counted(params, vocab_size), tokenizer, vocab_size),
                                   tokenizer, vocab_size)
 

@@ -84,16 +84,23 @@ def read_generation_config(folder: Path, mode: str = "auto", model_config: dict[
     else:
         raw, eos = {}, _token_ids((model_config or {}).get("eos_token_id"), folder / "config.json", vocab_size)
     out = {} if mode == "vllm" else _sampling_defaults(raw, str(path))
+    cap = out.get("max_tokens") if elsewhere else None
     if override:
         unread = sorted(set(override) - set(_GENERATION_KEYS))
         if unread:
             log.warning("override_generation_config: %s set no sampling default (only %s do), left out",
                         ", ".join(unread), ", ".join(_GENERATION_KEYS))
-        out.update(_sampling_defaults(override, "override_generation_config", "."))
+        for key, name in _GENERATION_KEYS.items():  # (null: the file's value is dropped, as vLLM's update drops it)
+            if key in override and override[key] is None:
+                out.pop(name, None)
+        given = _sampling_defaults(override, "override_generation_config", ".")
+        out.update(given)
+        # vLLM's override_max_tokens: an override's max_new_tokens caps every request, as a folder's does
+        cap = out.get("max_tokens") if elsewhere else given.get("max_tokens")
     if out:
         log.info("%s%s: default sampling parameters %s (a request's own values win)", path,
                  " and override_generation_config" if override else "", out)
-    return GenerationConfig(out, eos, out.get("max_tokens") if elsewhere else None)
+    return GenerationConfig(out, eos, cap)
 
 
 def _sampling_defaults(raw: dict[str, Any], source: str, joint: str = ": ") -> dict[str, Any]:

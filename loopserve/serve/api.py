@@ -1365,9 +1365,9 @@ class OpenAIServing:
             ids = self.cut_prompt(whole, req.truncate_prompt_tokens, asked)  # (as the check below reads it)
             budgets.append(self.resolve_max_tokens(req.max_tokens, default, len(ids), where))
             starts.append((where, text, ids))
-        # one search for every prompt: with max_tokens null, as far as the prompt with the least room may go
-        params = self.beam_params(req, self.capped(asked) if asked is not None
-                                  else min(b for b in budgets if b is not None))
+        # one search for every prompt: with max_tokens null, as far as the prompt with the most room may go (each
+        # prompt's beams end where its own context is full, `BeamSearch`'s room: vLLM sizes each prompt's own)
+        params = self.beam_params(req, self.capped(asked) if asked is not None else max(cast(list[int], budgets)))
         return self.beam_generation(COMPLETION, req, cid, params, starts, arrival, echo=bool(req.echo),
                                     top_logprobs=logprobs_asked(req.logprobs or 0, vocab))
 
@@ -1463,8 +1463,10 @@ class OpenAIServing:
             cid, _ = self.new_ids(request, kind, 1)
             return self.beam_generation(kind, req, cid, self.beam_params(req, mt), [("messages", text, ids)], arrival,
                                         echo_text=echo_text, role=role, top_logprobs=top, tools=replies)
-        # echo: the prompt's logprobs too, top_logprobs of them, as vLLM's chat route asks for them
-        echo_logprobs = (req.top_logprobs or 0) if req.echo and req.prompt_logprobs is None else None
+        # echo: the prompt's logprobs too, top_logprobs of them (vLLM's field default: 0), as vLLM's chat route asks
+        # for them; not for a stream, whose chunks vLLM's do not carry them in
+        top_asked = req.top_logprobs if "top_logprobs" in req.model_fields_set else 0
+        echo_logprobs = top_asked if req.echo and req.prompt_logprobs is None and not req.stream else None
         params = sampling_params(req, max_tokens=mt, logprobs=top if req.logprobs else None,
                                  defaults=self.sampling_defaults, prompt_logprobs=echo_logprobs, guided_decoding=guide)
         cid, (rid,) = self.new_ids(request, kind, 1)
