@@ -48,17 +48,17 @@ def _hints(cls: Any) -> dict[str, Any]:
 _UNITS = {u: 1000 ** (i + 1) for i, u in enumerate("kmgt")} | {u: 1024 ** (i + 1) for i, u in enumerate("KMGT")}
 
 
-def human_int(text: str) -> int:
+def human_int(text: str, also: str = "") -> int:
     """An argparse type for a count of tokens as vLLM's flags take it: an integer, or one with a suffix: k, m, g, t
     for thousands, millions, ... (a decimal fraction too: 1.5k is 1500) or K, M, G, T for powers of 1024 (32K is
-    32768; whole numbers only)."""
+    32768; whole numbers only). `also`: what else the flag takes, for its error (" or auto")."""
     match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT])", text.strip())
     if match is None:
         try:
             return int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer (or with a suffix: 32k is 32000, 32K 32768), got "
-                                             f"{text!r}") from None
+            raise argparse.ArgumentTypeError(f"expected an integer (or with a suffix: 32k is 32000, 32K 32768){also}, "
+                                             f"got {text!r}") from None
     number, unit = match.groups()
     if unit.isupper() and "." in number:
         raise argparse.ArgumentTypeError(f"{text!r}: a fraction only with k, m, g or t (powers of 1000), not {unit}")
@@ -69,10 +69,7 @@ def auto_or_int(auto: int, text: str) -> int:
     """An argparse type: `human_int`, or "auto" as `auto` (vLLM's `--max-model-len auto`)."""
     if text.strip().lower() == "auto":
         return auto
-    try:
-        return human_int(text)
-    except argparse.ArgumentTypeError as e:
-        raise argparse.ArgumentTypeError(f"{e} (or auto)") from None
+    return human_int(text, " or auto")
 
 
 def check_bool_knobs(config: Any) -> None:

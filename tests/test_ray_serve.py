@@ -256,7 +256,7 @@ def test_config_file_builder(tmp_path):
         lray.flags_from_config({"model": str(tmp_path), "api_key": "sk-VERYSECRET", "hf_token": "hf_SECRET",
                                 "max_model_len": "abc"})
     assert str(e.value) == ("args: argument --max-model-len: expected an integer (or with a suffix: 32k is 32000, "
-                            "32K 32768), got 'abc'")
+                            "32K 32768) or auto, got 'abc'")
     # vLLM's dict- and list-valued flags as JSON (a dict was passed as its Python repr), and a list flag's items
     args = lray.flags_from_config({"model": str(tmp_path), "limit_mm_per_prompt": {}, "cuda_graph_sizes": [8, 16]})
     assert (args.limit_mm_per_prompt, args.cuda_graph_sizes) == ({}, [8, 16])
