@@ -16,8 +16,6 @@ log = logging.getLogger(__name__)
 
 # vLLM's variable: "1" or "true" lets max_model_len pass the model's context (its positions past it were never trained)
 LONG_MODEL_LEN_ENV = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
-
-
 # vLLM's max_model_len "auto" (or -1): the longest context the KV pool holds, at most the model's own
 AUTO_MODEL_LEN = -1
 

@@ -84,7 +84,7 @@ def read_generation_config(folder: Path, mode: str = "auto", model_config: dict[
     else:
         raw, eos = {}, _token_ids((model_config or {}).get("eos_token_id"), folder / "config.json", vocab_size)
     out = {} if mode == "vllm" else _sampling_defaults(raw, str(path))
-    cap = out.get("max_tokens") if elsewhere else None
+    given: dict[str, Any] = {}
     if override:
         unread = sorted(set(override) - set(_GENERATION_KEYS))
         if unread:
@@ -95,8 +95,9 @@ def read_generation_config(folder: Path, mode: str = "auto", model_config: dict[
                 out.pop(name, None)
         given = _sampling_defaults(override, "override_generation_config", ".")
         out.update(given)
-        # vLLM's override_max_tokens: an override's max_new_tokens caps every request, as a folder's does
-        cap = out.get("max_tokens") if elsewhere else given.get("max_tokens")
+    # vLLM's override_max_tokens, which caps every request: a folder's max_new_tokens (an override's over it), else an
+    # override's (with "auto" the model's own file's caps only an unset max_tokens)
+    cap = out.get("max_tokens") if elsewhere else given.get("max_tokens")
     if out:
         log.info("%s%s: default sampling parameters %s (a request's own values win)", path,
                  " and override_generation_config" if override else "", out)

@@ -670,8 +670,7 @@ class OpenAIServing:
 
     def template_kwargs(self, own: dict[str, Any] | None) -> dict[str, Any] | None:
         """A chat request's template variables: its own (`own`) over the server's defaults."""
-        defaults = self.settings.default_template_kwargs
-        return {**defaults, **own} if defaults and own else own or defaults or None
+        return {**self.settings.default_template_kwargs, **(own or {})} or None
 
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool | None,
                     template_kwargs: dict[str, Any] | None, tools: list[ChatTool] | None = None,
