@@ -199,7 +199,7 @@ def test_a_text_that_cannot_fit_is_refused_before_it_is_tokenized(ref_llm, monke
 
 @pytest.mark.parametrize("scheduler", ["reference", "cdb"])
 def test_stop_token_ids_outside_the_vocabulary_are_refused(tiny_ouro, scheduler):
-    """As vLLM's params check them against the model's vocabulary (vllm-project/vllm#54196): such ids were taken and
+    """As newer vLLM releases check them against the model's vocabulary: such ids were taken and
     never met, as vLLM's older releases took them. min_tokens holds back the stop ids that remain."""
     llm = LLM(model=tiny_ouro, scheduler=scheduler, dtype="float64")
     vocab = max(llm.config.vocab_size, len(llm.tokenizer))  # (vLLM's bound: the model's or the tokenizer's)
