@@ -13,8 +13,9 @@ does them), against a real `loopserve serve` process on the tiny Huginn (whose t
   model).
 
 The server runs from a launcher that slows tokenizer calls on marked inputs and prints the thread each ran on and how
-many ran at once, and that gives anyio's shared worker pool POOL_THREADS threads (its default is 40, which a test
-would need as many slow calls to fill).
+many ran at once (a marked text naming a gate file waits for that file instead), prints each request that asks a lane
+for its turn, and gives anyio's shared worker pool POOL_THREADS threads (its default is 40, which a test would need as
+many slow calls to fill).
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ PREFIX = [(7 * j) % 300 + 3 for j in range(70)]  # 4 full blocks of 16, then 6 t
 LAUNCHER = f'''"""`loopserve` with a tokenizer slow on marked inputs, saying which thread it ran on and how many ran
 at once, and a small shared worker pool."""
 import contextlib
+import os
+import re
 import sys
 import threading
 import time
@@ -60,7 +63,7 @@ from loopserve.tokenizer import Tokenizer
 
 encode, decode = Tokenizer.encode, Tokenizer.decode
 lock, running = threading.Lock(), [0]
-lifespan = api.OpenAIServing.lifespan
+lifespan, run_in_lane = api.OpenAIServing.lifespan, api.run_in_lane
 
 
 @contextlib.asynccontextmanager
@@ -70,14 +73,24 @@ async def small_pool(self, app):
         yield
 
 
-def slow(what):
+async def logged_run_in_lane(lane, *args):
+    sys.stdout.write(f"lane turn asked ({{lane.borrowed_tokens}} of {{lane.total_tokens}} taken)\\n")
+    sys.stdout.flush()
+    return await run_in_lane(lane, *args)
+
+
+def slow(what, gate=None):
     with lock:
         running[0] += 1
         at_once = running[0]
     # (one write per line: print writes the text and the newline apart, so two threads' lines could run together)
     sys.stdout.write(f"{{what}} on thread {{threading.current_thread().name}} ({{at_once}} at once)\\n")
     sys.stdout.flush()
-    time.sleep({SLOW_S})  # (releases the GIL: on the event loop it would stall the loop, on a worker it would not)
+    if gate is None:
+        time.sleep({SLOW_S})  # (releases the GIL: on the event loop it would stall the loop, on a worker it would not)
+    else:
+        while not os.path.exists(gate):
+            time.sleep(0.01)
     with lock:
         running[0] -= 1
 
@@ -88,7 +101,8 @@ def slow_encode(self, text, *args, **kwargs):
     elif isinstance(text, str) and "LANE-TOKENIZE" in text:
         slow("lane")
     elif isinstance(text, str) and "BIG-TOKENIZE" in text[:100]:
-        slow("big")
+        gate = re.search(r"GATE=(\\S+)", text[:300])
+        slow("big", gate and gate.group(1))
     return encode(self, text, *args, **kwargs)
 
 
@@ -101,7 +115,7 @@ def slow_decode(self, ids, *args, **kwargs):
 
 
 Tokenizer.encode, Tokenizer.decode = slow_encode, slow_decode
-api.OpenAIServing.lifespan = small_pool
+api.OpenAIServing.lifespan, api.run_in_lane = small_pool, logged_run_in_lane
 sys.exit(main(sys.argv[1:]))
 '''
 
@@ -230,35 +244,50 @@ def test_large_bodies_are_built_one_at_a_time(server):
     assert took < SLOW_S / 2, took
 
 
-def test_a_request_whose_client_left_is_not_built_when_its_turn_comes(server):
+def test_a_request_whose_client_left_is_not_built_when_its_turn_comes(server, tmp_path):
     """Requests waiting in a lane whose clients disconnect are not built at their turn (vLLM cancels a handler whose
     client left): behind a live large body, three abandoned ones (raw sockets closed once their bodies are sent)
-    leave the one-at-a-time lane at once, so a large request sent after them is built next, not 9 s later. Before,
-    each took its full turn (a probe: a live request behind five abandoned 3 MB prompts waited 13.7 s, not 2.7)."""
+    leave the one-at-a-time lane at once, so a large request queued after them is built next, not 9 s later. Before,
+    each took its full turn (a probe: a live request behind five abandoned 3 MB prompts waited 13.7 s, not 2.7).
+    The live one holds the lane until the test opens its gate, once all four behind it wait for their turns."""
+    gate = tmp_path / "gate"
     text = "BIG-TOKENIZE " + "to be or not " * (LARGE_BODY_BYTES // 13 + 1)
-    body = json.dumps({"model": MODEL, "prompt": text, "max_tokens": 1, "truncate_prompt_tokens": 8}).encode()
+    body = {"model": MODEL, "prompt": text, "max_tokens": 1, "truncate_prompt_tokens": 8}
+    raw_body = json.dumps(body).encode()
     offset = len(server.log.read_text())
     host, port = server.url.removeprefix("http://").split(":")
-    live = threading.Thread(target=lambda: answers.append(server.post(C, json.loads(body), timeout=60)))
     answers: list[httpx.Response] = []
-    live.start()
-    deadline = time.monotonic() + 30
-    while "big on thread" not in server.log.read_text()[offset:]:  # the live one holds the lane
-        assert time.monotonic() < deadline, server.log.read_text()[-2000:]
-        time.sleep(0.02)
+
+    def send(gated: bool) -> threading.Thread:
+        prompt = f"BIG-TOKENIZE GATE={gate} {text}" if gated else text
+        t = threading.Thread(target=lambda: answers.append(server.post(C, {**body, "prompt": prompt}, timeout=60)))
+        t.start()
+        return t
+
+    def wait_for(what: str, count: int) -> None:
+        deadline = time.monotonic() + 30
+        while server.log.read_text()[offset:].count(what) < count:
+            assert time.monotonic() < deadline, server.log.read_text()[-2000:]
+            time.sleep(0.02)
+
+    live = send(gated=True)
+    wait_for("big on thread", 1)  # the live one holds the lane
     for _ in range(3):
         with socket.create_connection((host, int(port))) as raw:
             raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                        b"Content-Length: %d\r\n\r\n" % len(body) + body)
-    time.sleep(0.5)  # (the server has read them and queued them for the lane)
+                        b"Content-Length: %d\r\n\r\n" % len(raw_body) + raw_body)
+    wait_for("lane turn asked (1 of 1 taken)", 3)  # the abandoned three wait for their turns
+    late = send(gated=False)
+    wait_for("lane turn asked (1 of 1 taken)", 4)  # and the late one behind them
     start = time.monotonic()
-    late = server.post(C, json.loads(body), timeout=60)
-    took = time.monotonic() - start
+    gate.touch()
     live.join(60)
-    assert [a.status_code for a in answers] == [200] and late.status_code == 200, (answers, late.text[:300])
+    late.join(60)
+    took = time.monotonic() - start
+    assert [a.status_code for a in answers] == [200, 200], [a.text[:300] for a in answers]
     log = server.log.read_text()[offset:]
     assert log.count("big on thread") == 2, log[-3000:]  # the live two only
-    assert took < 3 * SLOW_S, took  # (the live one's turn, then its own: each abandoned turn would add SLOW_S)
+    assert took < 2 * SLOW_S, took  # (the late one's turn: each abandoned turn would add SLOW_S)
 
 
 def test_a_lane_turn_is_held_until_its_thread_ends_even_if_its_task_is_cancelled():
