@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
@@ -113,8 +114,21 @@ class PromptLogprobs(SequenceABC):
         return list, (self._list(),)
 
 
+# RequestMetrics' times are wall-clock seconds, as vLLM's (its `add_request(arrival_time=time.time())`), read off the
+# monotonic clock plus the two clocks' offset taken once, so the intervals between them never run backwards when the
+# system clock is set (they were monotonic seconds: a caller's time.time() arrival gave a TTFT of -1.8e9 s)
+_WALL_OFFSET = time.time() - time.monotonic()
+
+
+def request_clock() -> float:
+    """Now, in the seconds of `RequestMetrics`' times."""
+    return time.monotonic() + _WALL_OFFSET
+
+
 @dataclass
 class RequestMetrics:
+    """A request's times (`request_clock` seconds: wall-clock) and the loops spent on it."""
+
     arrival_time: float
     first_token_time: float | None = None
     finished_time: float | None = None

@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import re
+import time
 from pathlib import Path
 
 import numpy as np
@@ -427,6 +428,28 @@ def test_add_request_takes_vllms_arguments(tiny_ouro):
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.get_num_unfinished_requests() == 0
+
+
+def test_request_times_are_wall_clock_seconds(tiny_ouro):
+    """vLLM's arrival_time is wall-clock (`time.time()`), and so are the output's times: a script that passes
+    time.time() gets latencies of seconds (monotonic stamps beside it gave a time to first token of -1.8e9 s), and
+    times read without one lie within the call's wall-clock bounds."""
+    llm = LLM(tiny_ouro, device="cpu")
+    engine = llm.llm_engine
+    start = time.time()
+    engine.add_request("w", "ROMEO:", SamplingParams(max_tokens=3), arrival_time=start)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    m = outs[-1].metrics
+    assert m is not None and m.first_token_time is not None and m.finished_time is not None
+    assert 0 <= m.time_to_first_token <= m.finished_time - m.arrival_time <= time.time() - start + 0.01, m
+    before = time.time()
+    out = llm.generate("ROMEO:", SamplingParams(max_tokens=2))[0]
+    after = time.time()
+    assert out.metrics is not None and out.metrics.finished_time is not None
+    # (the clocks' offset is taken once: a step of the system clock since would show here, within a few ms)
+    assert before - 0.05 <= out.metrics.arrival_time <= out.metrics.finished_time <= after + 0.05, (before, after)
 
 
 def test_use_tqdm_takes_a_tqdm_class(tiny_ouro):

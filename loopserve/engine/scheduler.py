@@ -35,7 +35,6 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -54,6 +53,7 @@ from loopserve.engine.speculative import Speculator, VerifyGroup
 from loopserve.engine.stats import EngineStats
 from loopserve.errors import NON_FINITE_PROMPT, NonFiniteError
 from loopserve.exits import ROW_MAX_LOOPS, Signal
+from loopserve.outputs import request_clock
 
 log = logging.getLogger("loopserve.engine")
 
@@ -687,7 +687,7 @@ class Scheduler:
             self.waiting.remove(seq)
             self.stats.prompt_tokens += len(seq.prompt_ids)
             forks, seq.pending_forks = seq.pending_forks, []
-            now = time.monotonic()
+            now = request_clock()
             self._append_token(seq, samples[seq.request_id], seq.rule.max_loops, now)
             for fork in forks:  # the runner copied the prompt's KV to them: they go on from here
                 self.prefill_pos[fork.request_id] = len(fork.prompt_ids)
@@ -854,7 +854,7 @@ class Scheduler:
             loud = np.flatnonzero(~quiet).tolist()
             pool.release_all([item for item in (taken[j] for j in loud) if item.group is None])
             pick, requeued = quiet, list(itertools.compress(taken, quiet.tolist()))
-        now = time.monotonic()  # (the batch's tokens arrived together)
+        now = request_clock()  # (the batch's tokens arrived together)
         pool.held.add(slots[pick], tokens[pick], depths[pick], loops[pick], now)
         n = len(requeued)
         self.stats.generated_tokens += n

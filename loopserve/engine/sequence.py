@@ -7,7 +7,6 @@ import contextlib
 import copy
 import enum
 import hashlib
-import time
 from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Any, Required, TypedDict, cast
@@ -29,7 +28,15 @@ from loopserve.engine.sampler import (
 from loopserve.errors import NonFiniteError
 from loopserve.exits import DEFAULT_THRESHOLDS, GATE_POLICIES, ExitRule
 from loopserve.models.base import LoopedLM
-from loopserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput, logprob_entry
+from loopserve.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+    logprob_entry,
+    request_clock,
+)
 from loopserve.sampling_params import (
     TRUNCATE_TO_CONTEXT,
     RequestOutputKind,
@@ -464,7 +471,7 @@ class Sequence:
         self.pending_forks: list[Sequence] = []
         self.prefill_head: Sequence = self
         self.arrival_index = 0  # order of arrival at the engine (preemption picks the latest)
-        self._metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
+        self._metrics = RequestMetrics(arrival_time if arrival_time is not None else request_clock())
         # while resident in the engine: where whole batches leave its quiet tokens (`HeldTokens`), by slot
         self.held: HeldTokens | None = None
         self.slot = -1
@@ -572,7 +579,7 @@ class Sequence:
             self.cumulative_logprob += sample.logprob
             if self.logprobs is not None:
                 self.logprobs.append(self._logprob_entry(sample))
-        self.append(token, exit_depth, time.monotonic() if now is None else now)
+        self.append(token, exit_depth, request_clock() if now is None else now)
         return token
 
     @property
@@ -668,7 +675,7 @@ class Sequence:
         self.error = error
         self.error_status = error_status or (500 if error is not None else None)
         self.status = Status.FINISHED
-        self.metrics.finished_time = time.monotonic()
+        self.metrics.finished_time = request_clock()
 
     def completion(self) -> CompletionOutput:
         """Everything so far (CUMULATIVE and FINAL_ONLY outputs): the lists as they are once it finished (they

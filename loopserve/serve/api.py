@@ -103,7 +103,7 @@ from loopserve.engine.engine_thread import (
 )
 from loopserve.engine.sequence import Sequence, TokensPrompt, resolve_exit_rule, truncate_prompt
 from loopserve.models.loader import LoadedModel
-from loopserve.outputs import CompletionOutput, RequestOutput
+from loopserve.outputs import CompletionOutput, RequestOutput, request_clock
 from loopserve.sampling_params import (
     BeamSearchParams,
     GuidedDecodingParams,
@@ -923,7 +923,7 @@ class OpenAIServing:
     async def responses(self, request: Request) -> Response:
         """OpenAI's Responses API, run as the chat request it translates to (serve/responses_api.py): built, admitted
         and collected or streamed as a chat request is; its errors name the fields as this request gave them."""
-        arrival = time.monotonic()
+        arrival = request_clock()
         req: ResponsesRequest = await self.read(request, lambda body: parse_body(ResponsesRequest, body))
         turn = ResponsesTurn(req, auto_tools=self.auto_tools is not None)
         with turn.fields():
@@ -1004,7 +1004,7 @@ class OpenAIServing:
         async def step(beams: list[tuple[int, list[int]]]) -> list[RequestOutput] | None:
             nonlocal admitted
             seqs = gen.seqs if not search.steps else await anyio.to_thread.run_sync(
-                self.beam_seqs, gen, beams, time.monotonic())
+                self.beam_seqs, gen, beams, request_clock())
             step_gen = dataclasses.replace(gen, seqs=seqs, prompt_fields=[gen.prompt_fields[p] for p, _ in beams])
             # (marked before admission: the engine thread may report them at once)
             self.metrics.beam_steps([s.request_id for s in seqs])
@@ -1245,7 +1245,7 @@ class OpenAIServing:
         return JSONResponse({"prompt": self.tokenizer.decode(req.tokens, skip_special_tokens=False)})
 
     async def completions(self, request: Request) -> Response:
-        arrival = time.monotonic()
+        arrival = request_clock()
         req: CompletionRequest = await self.read(request, lambda body: parse_body(CompletionRequest, body))
         return await self.generate(request, await self.build(self.completion, request, req, arrival))
 
@@ -1397,7 +1397,7 @@ class OpenAIServing:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     async def chat_completions(self, request: Request) -> Response:
-        arrival = time.monotonic()
+        arrival = request_clock()
         req: ChatCompletionRequest = await self.read(request, lambda body: parse_body(ChatCompletionRequest, body))
         return await self.generate(request, await self.build(self.chat, request, req, arrival))
 

@@ -74,7 +74,7 @@ from prometheus_client.registry import Collector
 
 from loopserve.device import dtype_name
 from loopserve.engine.engine_thread import EngineSnapshot
-from loopserve.outputs import RequestMetrics, RequestOutput
+from loopserve.outputs import RequestMetrics, RequestOutput, request_clock
 from loopserve.serve.limits import METRIC_PREFIXES
 
 if TYPE_CHECKING:
@@ -310,7 +310,7 @@ class ServerMetrics:
         """A beam search that has ended, one request per prompt: (its prompt tokens, the tokens of the beams it
         returns, its finish reason (its best beam's; `abort` or `error` for a search that ended early), the time of
         its first token (its first step's; None if no step gave one: then its prompt is not counted as prefilled))."""
-        now, m = time.monotonic(), self.labels
+        now, m = request_clock(), self.labels
         with self._lock:
             for prompt, tokens, reason, first in prompts:
                 if first is not None:
@@ -334,7 +334,7 @@ class ServerMetrics:
         (vLLM V1's child requests). The server's outputs are DELTA ones (a stream) or one FINAL_ONLY output: either
         way a completion holds tokens not counted before, and a sample is finished in the output whose completion
         first has its finish reason."""
-        now = time.monotonic()
+        now = request_clock()
         m = self.labels
         with self._lock:
             for out in outs:

@@ -41,6 +41,7 @@ import torch
 
 from loopserve.config_args import as_flags
 from loopserve.engine.config import EngineConfig
+from loopserve.outputs import request_clock
 from loopserve_lab.bench.harness import BenchModel, engine_kwargs_for, step_in_turn
 from loopserve_lab.bench.metrics import RequestRecord, poisson_arrivals, serving_metrics
 from loopserve_lab.bench.workloads import Workload
@@ -114,7 +115,7 @@ class ServeRun:
                          leave=False)
         self.next = 0  # the next request to release
         self.clock = RunClock(clock)
-        self._m0 = time.monotonic()
+        self._m0 = request_clock()
 
     @property
     def done(self) -> bool:
