@@ -47,7 +47,7 @@ from loopserve.engine.engine_thread import (
     stat_totals,
 )
 from loopserve.engine.sequence import PromptType
-from loopserve.llm import LLM, llm_configs
+from loopserve.llm import LLM, SUPPORTED_TASKS, llm_configs
 from loopserve.load_config import LoadConfig
 from loopserve.model_config import EngineModelConfig
 from loopserve.outputs import RequestOutput
@@ -307,7 +307,7 @@ class AsyncLLMEngine:
         return False  # (loopserve exports no OpenTelemetry traces)
 
     async def get_supported_tasks(self) -> tuple[str, ...]:
-        return ("generate",)
+        return SUPPORTED_TASKS
 
     async def reset_mm_cache(self) -> None:
         """vLLM's: loopserve takes no multimodal inputs, so there is no such cache to reset."""

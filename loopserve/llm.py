@@ -45,6 +45,7 @@ from loopserve.vllm_neutral import NEUTRAL, absent_method, check_neutral, check_
 Conversation = Seq[Mapping[str, Any]]  # [{"role": "user", "content": "..."}, ...]
 
 log = logging.getLogger(__name__)
+SUPPORTED_TASKS = ("generate",)  # vLLM's names of the tasks loopserve runs (no pooling: vllm_neutral.ABSENT_METHODS)
 
 
 def default_model_path() -> Path:
@@ -108,6 +109,23 @@ class LLM:
     def max_model_len(self) -> int:
         """The most prompt + completion tokens of a request: its model_config's (vLLM's place for it)."""
         return self.model_config.max_model_len
+
+    @property
+    def supported_tasks(self) -> tuple[str, ...]:
+        """vLLM's: the tasks this LLM runs."""
+        return SUPPORTED_TASKS
+
+    @property
+    def engine_class(self) -> type[LLMEngine]:
+        """vLLM's: the class of `llm_engine`."""
+        return LLMEngine
+
+    def get_world_size(self, include_dp: bool = True) -> int:
+        """vLLM's: the workers the model runs on; loopserve runs it in this process, on one device."""
+        return 1
+
+    def reset_mm_cache(self) -> None:
+        """vLLM's: loopserve takes no multimodal inputs, so there is no such cache to reset."""
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer

@@ -80,7 +80,8 @@ NEUTRAL: dict[str, Neutral] = {
                       "main", any_for_folder=True),
     "tokenizer_revision": _only("the checkpoint's own tokenizer is loaded, from the model's revision; a local folder "
                                 "takes any value, unused", None, "main", any_for_folder=True),
-    "download_dir": _only("a hub model is fetched to the Hugging Face cache", None),
+    "download_dir": _only("a hub model is fetched to the Hugging Face cache; a local folder takes any value, unused",
+                          None, any_for_folder=True),
     # (True is vLLM's "the token of `huggingface-cli login`", which huggingface_hub reads anyway)
     # (vLLM's --hf-token takes the token: a value, never repeated in an error)
     "hf_token": _only("a hub model is fetched with huggingface_hub's own token (HF_TOKEN, or a login)", None, True,
@@ -331,6 +332,8 @@ ABSENT_METHODS = {
     **dict.fromkeys(("get_model_config", "get_vllm_config"), _CONFIGS),
 }
 # vLLM's AsyncLLM methods (not LLM's) for what loopserve lacks: `AsyncLLMEngine`'s, beside the table above
+_PROCESSOR = ("is not supported by loopserve: prompts are tokenized and checked by the LLM (get_tokenizer(); "
+              "LLM.generate's rules)")
 ASYNC_ABSENT_METHODS = {
     "get_decoding_config": _CONFIGS,
     **dict.fromkeys(("pause_generation", "resume_generation", "is_paused"),
@@ -338,12 +341,12 @@ ASYNC_ABSENT_METHODS = {
                     "shutdown()) and build a new engine"),
     "add_request": "is not supported by loopserve: generate(prompt, params, request_id) adds a request and streams "
                    "its outputs (LLMEngine.add_request is the offline engine's)",
-    "get_input_preprocessor": "is not supported by loopserve: prompts are tokenized and checked by the LLM "
-                              "(get_tokenizer(); LLM.generate's rules)",
+    "get_input_preprocessor": _PROCESSOR,
 }
 # vLLM's attributes (not methods) for the same: reading one is an AttributeError saying what to use instead
 ABSENT_ATTRIBUTES = {
     "vllm_config": _CONFIGS,
+    "input_processor": _PROCESSOR,
 }
 
 

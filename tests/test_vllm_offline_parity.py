@@ -127,7 +127,6 @@ def test_vllms_keywords_at_their_neutral_values_are_taken_and_change_nothing(tin
     (dict(tokenizer_mode="slow"), r"^tokenizer_mode: not supported by loopserve \(.*tokenizers library.*\); it takes "
                                   r"'auto' or 'hf', got 'slow'$"),
     (dict(skip_tokenizer_init=True), r"^skip_tokenizer_init: not supported by loopserve"),
-    (dict(download_dir="/tmp"), r"^download_dir: "),
     (dict(hf_overrides={"num_hidden_layers": 1}), r"^hf_overrides: .*it takes None or \{\}"),
     (dict(quantization="fp8"), r"^quantization: not supported by loopserve \(weights load unquantized"),
     (dict(kv_cache_dtype="fp8"), r"^kv_cache_dtype: .*it takes 'auto', got 'fp8'$"),
@@ -165,10 +164,10 @@ def test_vllms_keywords_asking_for_what_loopserve_lacks_are_named(tiny_ouro, kwa
 
 
 @pytest.mark.parametrize("kwargs", [dict(revision="abc123"), dict(tokenizer_revision="v2"),
-                                    dict(revision="v1", tokenizer_revision="v2")])
+                                    dict(revision="v1", tokenizer_revision="v2"), dict(download_dir="/tmp")])
 def test_a_revision_of_a_local_folder_is_taken_unused(tiny_ouro, caplog, kwargs):
-    """vLLM ignores revision and tokenizer_revision for a local folder: loopserve refused them, failing scripts that
-    pass the revision they downloaded. A hub id's still takes its default revision only."""
+    """vLLM ignores revision, tokenizer_revision and download_dir for a local folder: loopserve refused them, failing
+    scripts that pass the revision they downloaded or their cache folder. A hub id's still takes the defaults only."""
     plain = _tokens(LLM(tiny_ouro, device="cpu"))
     with caplog.at_level(logging.INFO, logger="loopserve.vllm_neutral"):
         assert _tokens(LLM(tiny_ouro, device="cpu", **kwargs)) == plain
@@ -450,6 +449,18 @@ def test_request_times_are_wall_clock_seconds(tiny_ouro):
     assert out.metrics is not None and out.metrics.finished_time is not None
     # (the clocks' offset is taken once: a step of the system clock since would show here, within a few ms)
     assert before - 0.05 <= out.metrics.arrival_time <= out.metrics.finished_time <= after + 0.05, (before, after)
+
+
+def test_vllms_llm_attributes_for_one_process_generation(tiny_ouro):
+    """vLLM's LLM attributes that scripts read (they were plain AttributeErrors): the tasks it runs, its engine's
+    class, its world size (one process, one device), a multimodal cache reset (nothing to reset); its input
+    processor an AttributeError saying what to use instead."""
+    llm = LLM(tiny_ouro, device="cpu")
+    assert llm.supported_tasks == ("generate",) and llm.engine_class is type(llm.llm_engine)
+    assert llm.get_world_size() == llm.get_world_size(include_dp=False) == 1
+    assert llm.reset_mm_cache() is None
+    with pytest.raises(AttributeError, match=r"input_processor is not supported by loopserve: .*get_tokenizer"):
+        _ = llm.input_processor
 
 
 def test_use_tqdm_takes_a_tqdm_class(tiny_ouro):

@@ -264,9 +264,9 @@ class LLMEngine:
         """Queue a request (every sample of it, n > 1). The arguments are vLLM's, in its order; `lora_request`,
         `tokenization_kwargs`, `trace_headers` and `priority` are taken at the values that ask for nothing
         (`vllm_neutral`). `arrival_time`: wall-clock seconds, as vLLM's (`time.time()`; None: now), the origin of the
-        output's `RequestMetrics`. `request_id` a str, as vLLM's (an int would come back in outputs and sample ids of another
-        type than the caller's other requests): ValueError naming it. `seed`: the stream of an unseeded request
-        (`make_sequence`)."""
+        output's `RequestMetrics`. `request_id` a str, as vLLM's (an int would come back in outputs and sample ids of
+        another type than the caller's other requests): ValueError naming it. `seed`: the stream of an unseeded
+        request (`make_sequence`)."""
         check_request_id(request_id)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params: expected a SamplingParams, got {type(params).__name__}")
