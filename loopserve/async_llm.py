@@ -51,7 +51,7 @@ from loopserve.llm import LLM, SUPPORTED_TASKS, llm_configs
 from loopserve.load_config import LoadConfig
 from loopserve.model_config import EngineModelConfig
 from loopserve.outputs import RequestOutput
-from loopserve.sampling_params import BeamSearchParams, SamplingParams
+from loopserve.sampling_params import BeamSearchParams, SamplingParams, with_tokenization_kwargs
 from loopserve.tokenizer import Tokenizer
 from loopserve.vllm_neutral import (
     ASYNC_ABSENT_METHODS,
@@ -366,6 +366,7 @@ class AsyncLLMEngine:
                              "request_id, params), not generate")
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params: expected a SamplingParams, got {type(sampling_params).__name__}")
+        sampling_params = with_tokenization_kwargs(sampling_params, tokenization_kwargs)
         thread = self._engine_thread()  # (first: a thread it replaces takes its loop's streams along)
         if thread.dead is not None:  # (before the id: a dead engine's requests never freed theirs)
             raise self.dead_error

@@ -38,7 +38,7 @@ from loopserve.load_config import LOAD_FIELDS, LoadConfig, configs, load_for_eng
 from loopserve.model_config import EngineModelConfig
 from loopserve.models.loader import embedded_model_path, is_local_folder
 from loopserve.outputs import RequestOutput
-from loopserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from loopserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, with_tokenization_kwargs
 from loopserve.tokenizer import Tokenizer, template_switches, template_variables
 from loopserve.vllm_neutral import NEUTRAL, absent_method, check_neutral, check_per_prompt
 
@@ -215,7 +215,7 @@ class LLM:
         check_neutral(lora_request=lora_request, priority=priority, tokenization_kwargs=tokenization_kwargs)
         given = prompt_list(prompts)
         check_per_prompt(len(given), priority=priority, lora_request=lora_request)
-        return self._run(given, sampling_params, use_tqdm)
+        return self._run(given, sampling_params, use_tqdm, tokenization_kwargs)
 
     def beam_search(self, prompts: PromptType | Seq[PromptType], params: BeamSearchParams, lora_request: Any = None,
                     use_tqdm: bool = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
@@ -266,7 +266,7 @@ class LLM:
             self._chat_prompt(conv, chat_template, add_generation_prompt, chat_template_kwargs, tools,
                               f"messages.{i}" if batch else "messages", continue_final_message)
             for i, conv in enumerate(conversations)]
-        return self._run(prompts, sampling_params, use_tqdm)
+        return self._run(prompts, sampling_params, use_tqdm, tokenization_kwargs)
 
     def _chat_prompt(self, conversation: Conversation, chat_template: str | None = None,
                      add_generation_prompt: bool = True, chat_template_kwargs: dict[str, Any] | None = None,
@@ -293,7 +293,8 @@ class LLM:
                                                                           what=where)}
 
     def _run(self, prompt_list: list[PromptType], sampling_params: SamplingParams | Seq[SamplingParams] | None,
-             use_tqdm: bool | Callable[..., tqdm]) -> list[RequestOutput]:
+             use_tqdm: bool | Callable[..., tqdm],
+             tokenization_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -312,7 +313,7 @@ class LLM:
         seqs = []
         for i, (p, sp) in enumerate(zip(prompt_list, params, strict=True)):
             try:
-                seqs.append(self._make_sequence(p, sp))
+                seqs.append(self._make_sequence(p, with_tokenization_kwargs(sp, tokenization_kwargs)))
             except ValueError as e:  # the field first, as ever; then which prompt of the batch
                 raise in_batch(e, i, len(prompt_list)) from e
         bar = _ProgressBar(len(seqs), use_tqdm)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import enum
 import json
 import logging
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from loopserve.exits import GATE_POLICIES, POLICIES
+from loopserve.vllm_neutral import TRUNCATE_KEY
 
 if TYPE_CHECKING:
     from loopserve.engine.grammar import Guide
@@ -148,6 +150,19 @@ def truncates_prompt(truncate_prompt_tokens: Any) -> bool:
 
 
 SCHEMA_FORMS = "a JSON schema: an object, a boolean, or the JSON text of one"
+
+
+def with_tokenization_kwargs(params: SamplingParams, tokenization_kwargs: dict[str, Any] | None) -> SamplingParams:
+    """`params` with the `truncate_prompt_tokens` of vLLM's `tokenization_kwargs` (checked by `vllm_neutral`), where
+    newer vLLM takes it (its SamplingParams' field is deprecated there); a different value on `params` as well is a
+    ValueError naming the field."""
+    keep = (tokenization_kwargs or {}).get(TRUNCATE_KEY)
+    if keep is None or keep == params.truncate_prompt_tokens:
+        return params
+    if params.truncate_prompt_tokens is not None:
+        raise ValueError(f"tokenization_kwargs: truncate_prompt_tokens {keep!r} differs from the sampling params' "
+                         f"{params.truncate_prompt_tokens!r}")
+    return dataclasses.replace(params, truncate_prompt_tokens=keep)  # (checked as the params' own)
 
 
 def _check_schema(schema: Any) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 from loopserve.config_args import cli_terms, flag_of
 
 log = logging.getLogger(__name__)
+TRUNCATE_KEY = "truncate_prompt_tokens"  # the one key of vLLM's tokenization_kwargs loopserve takes
 
 
 @dataclass(frozen=True)
@@ -145,10 +146,13 @@ NEUTRAL: dict[str, Neutral] = {
     "priority": Neutral(lambda v: v is None or _zero(v) or (isinstance(v, Seq) and all(map(_zero, v))),
                         "None, 0 or all 0", "no priority scheduling", init=False),
     "mm_processor_kwargs": _only("no multimodal inputs", None, {}),
-    # `LLMEngine.add_request`'s: the prompt is tokenized as the model's tokenizer is set up; tracing headers are
-    # for vLLM's OpenTelemetry spans, which loopserve does not emit (so any value asks for nothing)
-    "tokenization_kwargs": _only("prompts are tokenized as the checkpoint's tokenizer is set up", None, {},
-                                 init=False),
+    # `generate`'s, `chat`'s, `LLMEngine.add_request`'s: the prompt is tokenized as the model's tokenizer is set up,
+    # its `truncate_prompt_tokens` (where newer vLLM takes it) set on the request's params
+    # (`sampling_params.with_tokenization_kwargs`); tracing headers are for vLLM's OpenTelemetry spans, which
+    # loopserve does not emit (so any value asks for nothing)
+    "tokenization_kwargs": Neutral(lambda v: v is None or (isinstance(v, dict) and set(v) <= {TRUNCATE_KEY}),
+                                   f"None or a dict of {TRUNCATE_KEY}",
+                                   "prompts are tokenized as the checkpoint's tokenizer is set up", init=False),
     "trace_headers": Neutral(lambda v: True, _ANY, "it emits no tracing spans", init=False),
     # `AsyncLLMEngine.from_engine_args`'s
     "usage_context": Neutral(lambda v: True, _ANY, "it sends no usage telemetry", init=False),

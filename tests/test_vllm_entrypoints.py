@@ -13,13 +13,14 @@ ValueErrors; `priority=[0]` for two prompts taken; `lora_request=[None]` refused
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import pytest
 import torch
 from tokenizers import Tokenizer as Raw
 
-from loopserve import LLM, EngineArgs, SamplingParams
+from loopserve import LLM, AsyncLLMEngine, EngineArgs, SamplingParams
 from loopserve.sampling_params import BeamSearchParams
 
 pytestmark = pytest.mark.timeout(180)
@@ -73,6 +74,43 @@ def test_tokenization_kwargs_are_taken_where_they_ask_for_nothing(llm):
         llm.generate(["ROMEO:"], GREEDY, use_tqdm=False, tokenization_kwargs={"truncation": True})
     with pytest.raises(ValueError, match=r"^tokenization_kwargs: not supported by loopserve"):
         llm.chat(HELLO, GREEDY, use_tqdm=False, tokenization_kwargs={"add_special_tokens": True})
+
+
+def test_tokenization_kwargs_truncate_the_prompt_as_the_params_would(llm, tiny_ouro):
+    """Newer vLLM takes truncate_prompt_tokens in `tokenization_kwargs` (its SamplingParams field deprecated): the
+    same prompt tokens and outputs as the params' field, in generate, chat, LLMEngine.add_request and
+    AsyncLLMEngine.generate (it was refused); a different value in both is a ValueError naming the field."""
+    text = "ROMEO: what light through yonder window breaks"
+    by_params = llm.generate([text], dataclasses.replace(GREEDY, truncate_prompt_tokens=3), use_tqdm=False)[0]
+    by_kwargs = llm.generate([text], GREEDY, use_tqdm=False, tokenization_kwargs={"truncate_prompt_tokens": 3})[0]
+    assert len(by_kwargs.prompt_token_ids) == 3 and by_kwargs.prompt_token_ids == by_params.prompt_token_ids
+    assert by_kwargs.outputs[0].token_ids == by_params.outputs[0].token_ids
+    chat = llm.chat(HELLO, GREEDY, use_tqdm=False, tokenization_kwargs={"truncate_prompt_tokens": 2})[0]
+    assert len(chat.prompt_token_ids) == 2
+    engine = llm.llm_engine
+    engine.add_request("tk", text, GREEDY, tokenization_kwargs={"truncate_prompt_tokens": 3})
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert outs[-1].prompt_token_ids == by_params.prompt_token_ids
+
+    async def streamed() -> list[int]:
+        engine = AsyncLLMEngine(LLM(tiny_ouro, device="cpu"))
+        try:
+            async for out in engine.generate(text, GREEDY, "tk-async",
+                                             tokenization_kwargs={"truncate_prompt_tokens": 3}):
+                last = out
+            return last.prompt_token_ids
+        finally:
+            engine.shutdown()
+
+    assert asyncio.run(streamed()) == by_params.prompt_token_ids
+    with pytest.raises(ValueError, match=r"^tokenization_kwargs: truncate_prompt_tokens 3 differs from the "
+                                         r"sampling params' 2$"):
+        llm.generate([text], SamplingParams(truncate_prompt_tokens=2), use_tqdm=False,
+                     tokenization_kwargs={"truncate_prompt_tokens": 3})
+    with pytest.raises(ValueError, match=r"^truncate_prompt_tokens: "):
+        llm.generate([text], GREEDY, use_tqdm=False, tokenization_kwargs={"truncate_prompt_tokens": 0})
 
 
 def test_priority_is_one_per_prompt(llm):

@@ -49,7 +49,7 @@ from loopserve.engine.stats import EngineStats
 from loopserve.model_config import EngineModelConfig, ModelConfig
 from loopserve.models.base import LoopedLM
 from loopserve.outputs import RequestOutput
-from loopserve.sampling_params import SamplingParams
+from loopserve.sampling_params import SamplingParams, with_tokenization_kwargs
 from loopserve.tokenizer import Tokenizer
 from loopserve.vllm_neutral import absent_method, check_neutral
 
@@ -272,6 +272,7 @@ class LLMEngine:
             raise ValueError(f"params: expected a SamplingParams, got {type(params).__name__}")
         check_neutral(lora_request=lora_request, tokenization_kwargs=tokenization_kwargs, trace_headers=trace_headers,
                       priority=priority)
+        params = with_tokenization_kwargs(params, tokenization_kwargs)
         self.add_sequence(self.make_sequence(request_id, prompt, params, arrival_time, seed))
 
     def claim(self, owner: Any, ident: int | None) -> None:
