@@ -371,8 +371,12 @@ OUTPUT_KINDS = tuple(RequestOutputKind)
 
 @dataclass
 class SamplingParams:
+    # (the fields vLLM has since 0.6 first, in its order: a call with them as positional arguments means the same)
     n: int = 1
-    max_tokens: int | None = 16
+    # penalties (applied to the raw logits, before temperature and the filters)
+    presence_penalty: float = 0.0  # logits -= presence_penalty for every token generated so far
+    frequency_penalty: float = 0.0  # logits -= frequency_penalty * (times the token was generated)
+    repetition_penalty: float = 1.0  # tokens of the prompt or the output: logit / p if > 0 else logit * p
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -381,17 +385,14 @@ class SamplingParams:
     stop: str | list[str] | None = None  # None is taken as [] (as vLLM does)
     stop_token_ids: list[int] = field(default_factory=list)  # None is taken as [] (vLLM types it Optional)
     ignore_eos: bool = False
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None  # top logprobs per prompt token (and the token's own), full depth
-    skip_special_tokens: bool = True
-    # penalties and logit adjustments (applied to the raw logits, before temperature and the filters)
-    presence_penalty: float = 0.0  # logits -= presence_penalty for every token generated so far
-    frequency_penalty: float = 0.0  # logits -= frequency_penalty * (times the token was generated)
-    repetition_penalty: float = 1.0  # tokens of the prompt or the output: logit / p if > 0 else logit * p
-    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    max_tokens: int | None = 16
     # eos and stop_token_ids cannot end the request (nor stop strings) before this many tokens; a grammar
     # (guided_decoding) still ends it when complete: a choice "yes" is 1 token whatever min_tokens
     min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # top logprobs per prompt token (and the token's own), full depth
+    skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     include_stop_str_in_output: bool = False
     # keep only the last k prompt tokens; -1 (TRUNCATE_TO_CONTEXT): the last max_model_len of them
     truncate_prompt_tokens: int | None = None

@@ -612,3 +612,14 @@ def test_logits_processors_only_when_empty():
     assert SamplingParams(logits_processors=[]).logits_processors == [] and SamplingParams().logits_processors is None
     with pytest.raises(ValueError, match="^logits_processors: not supported by loopserve"):
         SamplingParams(logits_processors=[lambda ids, logits: logits])
+
+
+def test_positional_arguments_mean_what_they_mean_in_vllm():
+    """vLLM's SamplingParams takes its fields positionally in its order (n, presence_penalty, frequency_penalty,
+    repetition_penalty, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, max_tokens,
+    min_tokens, logprobs, prompt_logprobs): a ported call with positional arguments gets the same params (loopserve's
+    second field was max_tokens, so SamplingParams(1, 0.0, 0.0, 1.0, 0.7) was a ValueError on max_tokens)."""
+    p = SamplingParams(2, 0.1, 0.2, 1.1, 0.7, 0.9, 5, 0.05, 7, ["x"], [3], True, 9, 1, 2, 0)
+    assert (p.n, p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.temperature, p.top_p, p.top_k,
+            p.min_p, p.seed, p.stop, p.stop_token_ids, p.ignore_eos, p.max_tokens, p.min_tokens, p.logprobs,
+            p.prompt_logprobs) == (2, 0.1, 0.2, 1.1, 0.7, 0.9, 5, 0.05, 7, ["x"], [3], True, 9, 1, 2, 0)
