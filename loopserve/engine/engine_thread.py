@@ -31,7 +31,6 @@ import atexit
 import logging
 import queue
 import threading
-import time
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -43,7 +42,7 @@ import torch
 from loopserve.engine.engine import LLMEngine
 from loopserve.engine.sequence import Sequence, Status
 from loopserve.engine.stats import EngineStats
-from loopserve.outputs import RequestOutput
+from loopserve.outputs import RequestOutput, request_clock
 from loopserve.sampling_params import RequestOutputKind
 
 log = logging.getLogger("loopserve.engine")
@@ -477,7 +476,7 @@ class EngineThread:
                     self._wake.clear()
                     self._apply_commands()
                     if self.engine.has_unfinished_requests():
-                        step_start, tokens_before = time.monotonic(), self._tokens_so_far()
+                        step_start, tokens_before = request_clock(), self._tokens_so_far()  # (RequestMetrics' clock)
                         outs = self.engine.step()
                         tokens = self._tokens_so_far() - tokens_before
                         if tokens:
