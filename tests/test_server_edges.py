@@ -311,27 +311,26 @@ def test_sigterm_does_not_wait_for_stalled_uploads(short_path, tmp_path):
 
 
 # -- C: validation errors name the field's full path -------------------------------------------------------------
-# a value of the wrong type for every field
+# a value of the wrong type for every field (wrong as vLLM reads them too: "4" and 4.0 are 4 there, "yes" and 1 true)
 WRONG_SAMPLING = {
-    "model": 5, "max_tokens": "4", "n": "1", "temperature": "hot", "top_p": [1], "top_k": 1.5, "min_p": "0",
-    "seed": "7", "stop": 5, "stop_token_ids": "1", "ignore_eos": "yes", "skip_special_tokens": 1, "stream": "yes",
-    "stream_options": 5, "return_token_ids": "no", "min_loops": 1.5, "max_loops": "2", "exit_threshold": "0.5",
-    "exit_policy": 5, "exit_trace": 5, "num_speculative_tokens": True, "user": 5, "metadata": [1], "store": "yes",
-    "service_tier": 5,
-    "frequency_penalty": "0", "presence_penalty": "0", "repetition_penalty": "1", "logit_bias": [1],
-    "min_tokens": "1", "include_stop_str_in_output": "yes", "truncate_prompt_tokens": 1.5,
-    "response_format": [1], "guided_json": 5, "guided_regex": 5, "guided_choice": "x", "guided_grammar": 5,
-    "guided_whitespace_pattern": 5, "structured_outputs": [1], "prompt_logprobs": "2",
-    "allowed_token_ids": "1", "bad_words": "x", "use_beam_search": "no", "length_penalty": "1",
-    "return_tokens_as_token_ids": "yes", "request_id": 5, "cache_salt": 5, "priority": "1", "logits_processors": 5,
-    "mm_processor_kwargs": [1], "kv_transfer_params": 5, "vllm_xargs": "x", "spaces_between_special_tokens": "no",
-}
-WRONG_COMPLETION = {**WRONG_SAMPLING, "prompt": 5, "logprobs": "2", "echo": "no", "suffix": 5, "best_of": "1",
-                    "add_special_tokens": "no"}
-WRONG_CHAT = {**WRONG_SAMPLING, "messages": 5, "max_completion_tokens": "4", "logprobs": 1, "top_logprobs": "2",
-              "add_generation_prompt": "yes", "tools": "x", "tool_choice": 5, "parallel_tool_calls": "yes",
-              "chat_template_kwargs": [1], "echo": "no", "continue_final_message": "yes", "chat_template": 5,
-              "add_special_tokens": "no", "documents": 5, "reasoning_effort": "extreme", "include_reasoning": "no"}
+    "model": 5, "max_tokens": "four", "n": "one", "temperature": "hot", "top_p": [1], "top_k": 1.5,
+    "min_p": "zero", "seed": "seven", "stop": 5, "stop_token_ids": "1", "ignore_eos": "maybe", "skip_special_tokens": 2,
+    "stream": "maybe", "stream_options": 5, "return_token_ids": "maybe", "min_loops": 1.5, "max_loops": "two",
+    "exit_threshold": "half", "exit_policy": 5, "exit_trace": 5, "num_speculative_tokens": "one", "user": 5,
+    "metadata": [1], "store": "maybe", "service_tier": 5, "frequency_penalty": "zero", "presence_penalty": "zero",
+    "repetition_penalty": "one", "logit_bias": [1], "min_tokens": "one", "include_stop_str_in_output": "maybe",
+    "truncate_prompt_tokens": 1.5, "response_format": [1], "guided_json": 5, "guided_regex": 5, "guided_choice": "x",
+    "guided_grammar": 5, "guided_whitespace_pattern": 5, "structured_outputs": [1], "prompt_logprobs": "two",
+    "allowed_token_ids": "1", "bad_words": "x", "use_beam_search": "maybe", "length_penalty": "one",
+    "return_tokens_as_token_ids": "maybe", "request_id": 5, "cache_salt": 5, "priority": "one", "logits_processors": 5,
+    "mm_processor_kwargs": [1], "kv_transfer_params": 5, "vllm_xargs": "x", "spaces_between_special_tokens": "maybe"}
+WRONG_COMPLETION = {**WRONG_SAMPLING, "prompt": 5, "logprobs": "two", "echo": "maybe", "suffix": 5, "best_of": "one",
+                    "add_special_tokens": "maybe"}
+WRONG_CHAT = {**WRONG_SAMPLING, "messages": 5, "max_completion_tokens": "four", "logprobs": 2, "top_logprobs": "two",
+              "add_generation_prompt": "maybe", "tools": "x", "tool_choice": 5, "parallel_tool_calls": "maybe",
+              "chat_template_kwargs": [1], "echo": "maybe", "continue_final_message": "maybe", "chat_template": 5,
+              "add_special_tokens": "maybe", "documents": 5, "reasoning_effort": "extreme",
+              "include_reasoning": "maybe"}
 ANY_VALUE = {"prompt_embeds"}  # fields any JSON value is valid for (to be refused by name)
 GOOD_C = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
 GOOD_H = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -343,12 +342,12 @@ def _user(content: Any, **extra: Any) -> dict:
 
 # (endpoint, fields replacing a valid body's, the expected param)
 NESTED = [
-    (C, {"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
-    (C, {"stream": True, "stream_options": {"continuous_usage_stats": 1}}, "stream_options.continuous_usage_stats"),
+    (C, {"stream": True, "stream_options": {"include_usage": "maybe"}}, "stream_options.include_usage"),
+    (C, {"stream": True, "stream_options": {"continuous_usage_stats": 2}}, "stream_options.continuous_usage_stats"),
     (C, {"prompt": ["a", 1]}, "prompt.1"),
     (C, {"prompt": [[1, "a"]]}, "prompt.0.1"),
     (C, {"stop": ["a", 5]}, "stop.1"),
-    (C, {"stop_token_ids": [1, "2"]}, "stop_token_ids.1"),
+    (C, {"stop_token_ids": [1, "two"]}, "stop_token_ids.1"),
     (C, {"exit_trace": [2, 2.5]}, "exit_trace.1"),
     (C, {"logit_bias": {"17": "x"}}, "logit_bias.17"),
     (H, _user(5), "messages.0.content"),
@@ -358,7 +357,7 @@ NESTED = [
     (H, _user("hi", name=5), "messages.0.name"),
     (H, _user([{"type": "text", "text": 5}]), "messages.0.content.0.text"),
     (H, _user([{"type": "image_url", "image_url": {"url": "x"}}]), "messages.0.content.0.type"),
-    (H, {"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+    (H, {"stream": True, "stream_options": {"include_usage": "maybe"}}, "stream_options.include_usage"),
     (H, {"tools": [{"type": "function", "function": {"name": 5}}]}, "tools.0.function.name"),
     (H, {"tool_choice": {"type": "function", "function": {"name": 5}}}, "tool_choice.function.name"),
     (C, {"response_format": {"type": "json_schema", "json_schema": {"name": 5}}}, "response_format.json_schema.name"),
@@ -406,8 +405,9 @@ def test_a_long_mixed_prompt_list_is_one_error():
     ([1, "a"], "prompt.1: Input should be a valid integer"),  # token ids, wrong at item 1 (not "prompt.0: string")
     (["a", 1], "prompt.1: Input should be a valid string"),
     ([[1], 2], "prompt.1: Input should be a valid array"),
-    ([[1], [2, "x"]], "prompt.1.1: Input should be a valid integer"),
-    ([1.5, 2], "prompt.0: Input should be a valid integer or a valid array or a valid string"),  # nothing fits it
+    ([[1], [2, "x"]], "prompt.1.1: Input should be a valid integer, unable to parse string as an integer"),
+    ([1.5, 2], "prompt.0: Input should be a valid integer, got a number with a fractional part or a valid array or "
+             "a valid string"),  # nothing fits it
 ])
 def test_a_mixed_prompt_list_is_named_where_it_goes_wrong(prompt, message):
     """The prompt is a union (text, texts, token ids, lists of them), each member failing on its own items: the
@@ -439,6 +439,21 @@ def test_a_prompt_surely_past_the_context_is_refused_before_it_is_tokenized(serv
     assert full.status_code == 200 and usage["prompt_tokens"] + base["max_tokens"] == CONTEXT, full.text
 CASES = ([(C, {f: v}, f) for f, v in WRONG_COMPLETION.items()] + [(H, {f: v}, f) for f, v in WRONG_CHAT.items()]
          + NESTED + VALUES)
+
+
+def test_values_are_read_as_vllm_reads_them(server):
+    """vLLM's request models are pydantic's lax ones: a whole float or a numeric string for an integer, "true" or 1
+    for a boolean, true for completions' logprobs (1) are taken as those values (each was a 400 when the types were
+    strict: a client's max_tokens computed in floats, 512.0, failed on loopserve and not on vLLM)."""
+    plain = httpx.post(server.url + C, json={**GOOD_C, "max_tokens": 3, "temperature": 0, "logprobs": 1}, timeout=30)
+    assert plain.status_code == 200, plain.text
+    for loose in ({"max_tokens": 3.0, "temperature": "0", "logprobs": True},
+                  {"max_tokens": "3", "temperature": 0.0, "logprobs": "1", "echo": "false", "ignore_eos": 0}):
+        r = httpx.post(server.url + C, json={**GOOD_C, **loose}, timeout=30)
+        assert r.status_code == 200, (loose, r.text)
+        assert r.json()["choices"][0]["logprobs"] == plain.json()["choices"][0]["logprobs"], loose
+    streamed = httpx.post(server.url + C, json={**GOOD_C, "stream": "true"}, timeout=30)
+    assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]"), streamed.text
 
 
 def test_wrong_type_table_covers_every_field():

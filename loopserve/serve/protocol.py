@@ -3,11 +3,11 @@ OpenAI-style errors.
 
 Unknown-field policy (vLLM's): a field this server does not know, at any depth of the body, is
 accepted and ignored; `unknown_fields` lists them so that the server can log a warning naming each.
-Known fields are strict:
+Known fields:
 
-- types are strict (no "5" for 5, no true for 1, no NaN or infinity), and a wrong one is a 400 that
-  names the field's full path (`param`); ranges are checked by `SamplingParams` (one place for both
-  the offline and the HTTP API);
+- types are read as vLLM reads them (pydantic's lax mode: 4.0, "4" and true for 4, "true" and 1 for true; not 4.5,
+  "four" or 2, and no NaN or infinity), and a wrong one is a 400 that names the field's full path (`param`); ranges
+  are checked by `SamplingParams` (one place for both the offline and the HTTP API);
 - known OpenAI fields that do not change the output (`user`, `metadata`, `store`, `service_tier`,
   `parallel_tool_calls`) are accepted and ignored;
 - known fields whose feature is not implemented (`best_of`, `suffix`, vLLM's `priority`,
@@ -107,9 +107,10 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
                       "code": status}}
 
 
-class _Strict(BaseModel):
-    # extra="allow": unknown fields are kept aside (`model_extra`) for `unknown_fields` to report
-    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+class _Body(BaseModel):
+    # extra="allow": unknown fields are kept aside (`model_extra`) for `unknown_fields` to report; lax types, as
+    # vLLM's (a client's 512.0 for max_tokens, computed in floats, was a 400 when they were strict)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 def unknown_fields(obj: Any, prefix: str = "") -> list[str]:
@@ -138,21 +139,21 @@ def _names_a_model(annotation: Any) -> bool:
     return any(_names_a_model(a) for a in get_args(annotation))
 
 
-class StreamOptions(_Strict):
+class StreamOptions(_Body):
     # vLLM's default: a stream_options object asks for the final usage chunk unless it says otherwise (`{}`, or only
     # continuous_usage_stats, gets usage); a stream without stream_options gets none
     include_usage: bool | None = True
     continuous_usage_stats: bool | None = False
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(_Body):
     name: str
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(_Body):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -168,7 +169,7 @@ NEUTRAL_FIELDS = {
 }
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(_Body):
     model: str | None = None
     max_tokens: int | None = None
     n: int | None = 1
@@ -265,7 +266,7 @@ class _SamplingFields(_Strict):
             raise ApiError(400, f"n: the beam width with use_beam_search must be an integer >= 1, got {n}", "n")
         for name, (neutral, why) in self.beam_search_conflicts(r_max).items():
             value = getattr(self, name)
-            if value is not None and value not in neutral:  # (strict types: no true for 1)
+            if value is not None and value not in neutral:  # (read already: "1" and true are 1 here)
                 raise ApiError(400, f"{name}: cannot be combined with use_beam_search ({why}); got "
                                     f"{json.dumps(value)[:80]}", name)
 
@@ -347,25 +348,25 @@ class CompletionRequest(_SamplingFields):
                 "best_of": ((1 if self.n is None else self.n,), "a beam search returns its n best beams")}
 
 
-class TextPart(_Strict):
+class TextPart(_Body):
     type: Literal[TEXT_PARTS]  # type: ignore[valid-type]
     text: str
 
 
-class RefusalPart(_Strict):
+class RefusalPart(_Body):
     """An assistant's refusal, as an OpenAI conversation replays it: read as its text (vLLM's reading)."""
 
     type: Literal[REFUSAL_PART]  # type: ignore[valid-type]
     refusal: str
 
 
-class ToolCallFunction(_Strict):
+class ToolCallFunction(_Body):
     name: str
     # OpenAI sends the JSON text; an object is taken too, as LLM.chat takes a dict (chat_messages.py)
     arguments: str | dict[str, Any]
 
 
-class ToolCall(_Strict):
+class ToolCall(_Body):
     """An earlier assistant turn's call. Some clients leave out `id` and `type`."""
 
     id: str | None = None
@@ -385,7 +386,7 @@ def text_parts_only(value: Any) -> Any:
     return value
 
 
-class ChatMessage(_Strict):
+class ChatMessage(_Body):
     """Types only: which messages a conversation may hold (a non-empty role, content as text, tool calls only from
     the assistant, arguments a JSON object) is `chat_messages`'s rule, shared with `LLM.chat`."""
 
@@ -398,23 +399,23 @@ class ChatMessage(_Strict):
     _text_parts_only = field_validator("content", mode="before")(text_parts_only)
 
 
-class FunctionDefinition(_Strict):
+class FunctionDefinition(_Body):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ChatTool(_Strict):
+class ChatTool(_Body):
     type: Literal["function"] = "function"  # (vLLM's default: clients that leave it out)
     function: FunctionDefinition
 
 
-class FunctionName(_Strict):
+class FunctionName(_Body):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(_Body):
     type: Literal["function"] = "function"  # (vLLM's default)
     function: FunctionName
 
@@ -486,7 +487,7 @@ def check_rendering(req: ChatCompletionRequest | TokenizeChatRequest) -> None:
                             "--chat-template", "chat_template")
 
 
-class TokenizeCompletionRequest(_Strict):
+class TokenizeCompletionRequest(_Body):
     """vLLM's /tokenize body for text."""
 
     model: str | None = None
@@ -495,7 +496,7 @@ class TokenizeCompletionRequest(_Strict):
     return_token_strs: bool | None = False
 
 
-class TokenizeChatRequest(_Strict):
+class TokenizeChatRequest(_Body):
     """vLLM's /tokenize body for chat messages (rendered with the chat template first)."""
 
     model: str | None = None
@@ -515,7 +516,7 @@ class TokenizeChatRequest(_Strict):
             raise ApiError(400, "messages: must not be empty", "messages")
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(_Body):
     """vLLM's /detokenize body."""
 
     model: str | None = None

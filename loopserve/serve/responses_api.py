@@ -43,7 +43,7 @@ from loopserve.serve.protocol import (
     ChatCompletionRequest,
     RefusalPart,
     TextPart,
-    _Strict,
+    _Body,
     check_request_id,
     describe,
     text_parts_only,
@@ -60,7 +60,7 @@ class OutputTextPart(TextPart):
     logprobs: list[Any] | None = None
 
 
-class InputMessage(_Strict):
+class InputMessage(_Body):
     """A message item: {"role", "content"}, `type` "message" or left out; an earlier turn's output message (its
     `id`, `status`) replays as the assistant's."""
 
@@ -73,7 +73,7 @@ class InputMessage(_Strict):
     _text_parts_only = field_validator("content", mode="before")(text_parts_only)
 
 
-class FunctionCallItem(_Strict):
+class FunctionCallItem(_Body):
     """An earlier turn's function call (its `call_id` is what the function_call_output answering it names)."""
 
     type: Literal["function_call"]
@@ -84,7 +84,7 @@ class FunctionCallItem(_Strict):
     status: str | None = None
 
 
-class ReasoningInputItem(_Strict):
+class ReasoningInputItem(_Body):
     """An earlier turn's reasoning item, replayed: taken, and left out of the prompt (module docstring)."""
 
     type: Literal["reasoning"]
@@ -95,7 +95,7 @@ class ReasoningInputItem(_Strict):
     status: str | None = None
 
 
-class FunctionCallOutputItem(_Strict):
+class FunctionCallOutputItem(_Body):
     type: Literal["function_call_output"]
     call_id: str
     output: str | list[OutputTextPart]
@@ -120,7 +120,7 @@ InputItem = Annotated[
         "item (this server stores nothing and runs no built-in tools)"))]
 
 
-class FunctionTool(_Strict):
+class FunctionTool(_Body):
     """A function tool, in the Responses API's flat shape."""
 
     type: Literal["function"]
@@ -130,12 +130,12 @@ class FunctionTool(_Strict):
     strict: bool | None = None
 
 
-class FunctionChoice(_Strict):
+class FunctionChoice(_Body):
     type: Literal["function"]
     name: str
 
 
-class TextFormat(_Strict):
+class TextFormat(_Body):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None  # json_schema's
     description: str | None = None
@@ -143,18 +143,18 @@ class TextFormat(_Strict):
     strict: bool | None = None
 
 
-class TextConfig(_Strict):
+class TextConfig(_Body):
     format: TextFormat | None = None
     verbosity: str | None = None  # a hint to OpenAI's models: nothing here
 
 
-class Reasoning(_Strict):
+class Reasoning(_Body):
     effort: Literal[REASONING_EFFORTS] | None = None  # type: ignore[valid-type]
     summary: str | None = None
     generate_summary: str | None = None
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(_Body):
     """The /v1/responses body (types only: `ResponsesTurn` checks the rest and translates it)."""
 
     model: str | None = None
