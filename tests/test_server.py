@@ -1165,3 +1165,23 @@ def test_metrics_and_methods_hold_against_odd_headers(server):
         r = httpx.request(method, server.url + "/invocations")
         assert r.status_code == 405 and r.json()["error"]["code"] == 405, r.text
     assert "JNJITBEAMZ" not in httpx.get(server.url + "/metrics").text
+
+
+def test_a_response_carries_vllms_unset_fields_as_null(server):
+    """vLLM returns its response models whole: a field it has that the answer does not set reads null, so a client that
+    indexes the JSON (`body["system_fingerprint"]`, `message["refusal"]`) finds the key (it was a KeyError here); set
+    fields keep their values."""
+    chat = httpx.post(server.url + H, json=_h(max_tokens=2), headers=AUTH, timeout=60).json()
+    for key in ("service_tier", "system_fingerprint", "kv_transfer_params", "prompt_logprobs", "prompt_token_ids"):
+        assert key in chat and chat[key] is None, key
+    choice = chat["choices"][0]
+    assert "token_ids" in choice and choice["token_ids"] is None
+    message = choice["message"]
+    for key in ("refusal", "annotations", "audio", "function_call", "reasoning"):
+        assert key in message and message[key] is None, key
+    assert message["role"] == "assistant" and isinstance(message["content"], str) and message["tool_calls"] == []
+    done = httpx.post(server.url + C, json=_c(max_tokens=2, return_token_ids=True), headers=AUTH, timeout=60).json()
+    for key in ("service_tier", "system_fingerprint", "kv_transfer_params"):
+        assert key in done and done[key] is None, key
+    choice = done["choices"][0]
+    assert choice["prompt_logprobs"] is None and len(choice["token_ids"]) == 2 and choice["prompt_token_ids"], choice

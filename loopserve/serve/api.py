@@ -169,6 +169,7 @@ from loopserve.serve.responses import (
     StreamFailed,
     sse,
     usage_body,
+    with_vllms_nulls,
 )
 from loopserve.serve.responses_api import (
     ResponseEvents,
@@ -775,7 +776,7 @@ class OpenAIServing:
             body["prompt_logprobs"] = gen.fmt.prompt_logprobs(outs[0])
         if gen.kind.chat and gen.req.return_token_ids:  # (vLLM's place: a chat response's, a completion choice's)
             body["prompt_token_ids"] = list(outs[0].prompt_token_ids)
-        return JSONResponse(body)
+        return JSONResponse(with_vllms_nulls(body, gen.kind.chat))
 
     def choice(self, gen: _Generation, index: int, out: RequestOutput, c: CompletionOutput, d: ChoiceStream,
                stream: bool = False) -> dict[str, Any]:

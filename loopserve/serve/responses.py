@@ -125,6 +125,27 @@ class LogprobFormatter:
         return {"content": content}
 
 
+# vLLM returns its response models whole, so a field it has that an answer does not set reads null; a client that
+# indexes the JSON (`body["system_fingerprint"]`, `message["refusal"]`) found none of these keys in loopserve's
+_RESPONSE_NULLS = ("service_tier", "system_fingerprint", "kv_transfer_params")
+_NULLS = {True: (_RESPONSE_NULLS + ("prompt_logprobs", "prompt_token_ids"), ("token_ids",),
+                 ("refusal", "annotations", "audio", "function_call", "reasoning")),
+          False: (_RESPONSE_NULLS, ("token_ids", "prompt_logprobs", "prompt_token_ids"), ())}
+
+
+def with_vllms_nulls(body: dict[str, Any], chat: bool) -> dict[str, Any]:
+    """A chat or completion response (not streamed) with vLLM's fields it leaves unset as null."""
+    top, choice, message = _NULLS[chat]
+    for key in top:
+        body.setdefault(key, None)
+    for c in body["choices"]:
+        for key in choice:
+            c.setdefault(key, None)
+        for key in message:
+            c["message"].setdefault(key, None)
+    return body
+
+
 def usage_body(outs: list[RequestOutput], completion_tokens: int,
                sample: CompletionOutput | None = None) -> dict[str, Any]:
     """The usage of the requests `outs` (a stream's chunk of one choice with continuous usage: the choice's
