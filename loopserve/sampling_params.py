@@ -9,7 +9,7 @@ import json
 import logging
 import math
 import reprlib
-from dataclasses import dataclass, field, fields
+from dataclasses import KW_ONLY, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -371,7 +371,8 @@ OUTPUT_KINDS = tuple(RequestOutputKind)
 
 @dataclass
 class SamplingParams:
-    # (the fields vLLM has since 0.6 first, in its order: a call with them as positional arguments means the same)
+    # (current vLLM's first fields, in its order: a call with them as positional arguments means the same; the fields
+    # after them are keyword-only, where vLLM's versions differ, so a longer positional call is a TypeError)
     n: int = 1
     # penalties (applied to the raw logits, before temperature and the filters)
     presence_penalty: float = 0.0  # logits -= presence_penalty for every token generated so far
@@ -391,6 +392,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # top logprobs per prompt token (and the token's own), full depth
+    _: KW_ONLY
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     include_stop_str_in_output: bool = False

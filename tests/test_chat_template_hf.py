@@ -415,8 +415,8 @@ def test_echo_without_a_generation_prompt_echoes_the_final_message_in_its_role(s
     plain = server.post("/v1/chat/completions", body).json()["choices"][0]["message"]
     echoed = server.post("/v1/chat/completions", {**body, "echo": True, "n": 2}).json()["choices"]
     assert plain["role"] == "user"
-    assert [c["message"] for c in echoed] == [{"role": "user", "content": "Hello" + plain["content"],
-                                               "tool_calls": []}] * 2
+    assert [{k: c["message"][k] for k in ("role", "content", "tool_calls")} for c in echoed] == [
+        {"role": "user", "content": "Hello" + plain["content"], "tool_calls": []}] * 2
     chunks = list(client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4,  # type: ignore
                                                  temperature=0, stream=True,
                                                  extra_body={"ignore_eos": True, "echo": True,

@@ -623,3 +623,5 @@ def test_positional_arguments_mean_what_they_mean_in_vllm():
     assert (p.n, p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.temperature, p.top_p, p.top_k,
             p.min_p, p.seed, p.stop, p.stop_token_ids, p.ignore_eos, p.max_tokens, p.min_tokens, p.logprobs,
             p.prompt_logprobs) == (2, 0.1, 0.2, 1.1, 0.7, 0.9, 5, 0.05, 7, ["x"], [3], True, 9, 1, 2, 0)
+    with pytest.raises(TypeError):  # (past them vLLM's versions differ: keyword-only here, not a silent other field)
+        SamplingParams(2, 0.1, 0.2, 1.1, 0.7, 0.9, 5, 0.05, 7, ["x"], [3], True, 9, 1, 2, 0, True)  # type: ignore[misc]

@@ -107,6 +107,16 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
                       "code": status}}
 
 
+def _lax_integer(x: Any) -> bool:
+    """Whether pydantic's lax mode reads `x` as an integer: an int or a bool, a float without a fractional part, a
+    string of digits (with a sign)."""
+    if isinstance(x, int):
+        return True
+    if isinstance(x, float):
+        return x.is_integer()
+    return isinstance(x, str) and x.strip().lstrip("+-").isdigit()
+
+
 class _Body(BaseModel):
     # extra="allow": unknown fields are kept aside (`model_extra`) for `unknown_fields` to report; lax types, as
     # vLLM's (a client's 512.0 for max_tokens, computed in floats, was a 400 when they were strict)
@@ -311,13 +321,14 @@ class CompletionRequest(_SamplingFields):
     def _items_of_one_kind(cls, value: Any) -> Any:
         """A list prompt whose first item is a token id, a text or a list of ids, and a later item of another type: one
         error naming that item (`LIST_ITEM`), before the union's members each report every item they fail on (300k
-        token ids and a string made 600k errors, 11 s of the event loop). A float among token ids is left to pydantic
-        (it takes 2.0 as 2)."""
+        token ids and a string made 600k errors, 11 s of the event loop). Among token ids, what the lax reading takes
+        as an integer (true, 2.0, "2": `_lax_integer`) is left to pydantic, which reads it so."""
         if isinstance(value, list) and value and len(set(map(type, value))) > 1:
-            kind = type(value[0])
+            kind = int if isinstance(value[0], float) else type(value[0])  # (bool is an int)
             expected = {int: "integer", str: "string", list: "array"}.get(kind)
-            index = next(i for i, x in enumerate(value) if type(x) is not kind)
-            if expected is not None and not (kind is int and type(value[index]) is float):
+            fits = _lax_integer if kind is int else (lambda x: type(x) is kind)
+            index = next((i for i, x in enumerate(value) if not fits(x)), None)
+            if expected is not None and index is not None:
                 raise PydanticCustomError(LIST_ITEM, "Input should be a valid {expected}",
                                           {"index": index, "expected": expected})
         return value
