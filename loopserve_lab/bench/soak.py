@@ -280,7 +280,7 @@ def bad_inputs(lim: Limits) -> list[tuple[str, str, str, Any, int, str | None]]:
         ("max_tokens-huge", "POST", COMPLETIONS, {**c, "max_tokens": 10**30}, 400),
         ("max_tokens-zero", "POST", COMPLETIONS, {**c, "max_tokens": 0}, 400),
         ("max_tokens-float", "POST", COMPLETIONS, {**c, "max_tokens": 4.5}, 400),
-        ("max_tokens-bool", "POST", COMPLETIONS, {**c, "max_tokens": True}, 400),
+        ("max_tokens-list", "POST", COMPLETIONS, {**c, "max_tokens": [4]}, 400),  # (true is 1, as vLLM reads it)
         ("max_tokens-over-kv", "POST", COMPLETIONS, {**c, "max_tokens": over_kv}, 400),
         ("seed-beyond-int64", "POST", COMPLETIONS, {**c, "seed": 2**70}, 400),
         ("temperature-negative", "POST", COMPLETIONS, {**c, "temperature": -0.1}, 400),
@@ -296,7 +296,7 @@ def bad_inputs(lim: Limits) -> list[tuple[str, str, str, Any, int, str | None]]:
         ("prompt-over-context", "POST", COMPLETIONS, {**c, "prompt": [7] * (lim.max_model_len + 1)}, 400),
         ("stop-empty", "POST", COMPLETIONS, {**c, "stop": ""}, 400),
         ("stop-wrong-type", "POST", COMPLETIONS, {**c, "stop": ["ok", 3]}, 400),
-        ("known-field-wrong-type", "POST", COMPLETIONS, {**c, "temprature": 0.5, "ignore_eos": "yes"}, 400),
+        ("known-field-wrong-type", "POST", COMPLETIONS, {**c, "temprature": 0.5, "ignore_eos": "maybe"}, 400),
         ("n-zero", "POST", COMPLETIONS, {**c, "n": 0}, 400),
         ("prompt_logprobs-too-many", "POST", COMPLETIONS, {**c, "echo": True, "prompt_logprobs": 21}, 400),
         ("frequency_penalty-above-two", "POST", COMPLETIONS, {**c, "frequency_penalty": 2.5}, 400),
