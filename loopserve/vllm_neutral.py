@@ -335,9 +335,9 @@ ABSENT_METHODS = {
                    "server exports Prometheus /metrics",
     **dict.fromkeys(("get_model_config", "get_vllm_config"), _CONFIGS),
 }
-# vLLM's AsyncLLM methods (not LLM's) for what loopserve lacks: `AsyncLLMEngine`'s, beside the table above
 _PROCESSOR = ("is not supported by loopserve: prompts are tokenized and checked by the LLM (get_tokenizer(); "
               "LLM.generate's rules)")
+# vLLM's AsyncLLM methods (not LLM's) for what loopserve lacks: `AsyncLLMEngine`'s, beside the table above
 ASYNC_ABSENT_METHODS = {
     "get_decoding_config": _CONFIGS,
     **dict.fromkeys(("pause_generation", "resume_generation", "is_paused"),

@@ -416,6 +416,13 @@ def test_a_mixed_prompt_list_is_named_where_it_goes_wrong(prompt, message):
     assert (e.value.status, e.value.message, e.value.param) == (400, message, message.split(":")[0])
 
 
+def test_token_ids_in_a_mixed_list_are_read_by_pydantics_own_rule():
+    """What the lax reading takes as an integer anywhere ("1_000", "2.0", 3.0, true) is a token id in a list too: the
+    list's early check asks pydantic, not a rule of its own (one of digits refused "1_000" that max_tokens took)."""
+    body = {"model": MODEL, "prompt": [7, "1_000", "2.0", 3.0, True]}
+    assert parse_body(CompletionRequest, json.dumps(body).encode()).prompt == [7, 1000, 2, 3, 1]
+
+
 @pytest.mark.parametrize("path", [C, H])
 def test_a_prompt_surely_past_the_context_is_refused_before_it_is_tokenized(server, path):
     """Tokenizing holds the GIL (a 4 MB prompt stalled every stream ~3 s): a text prompt longer than the
