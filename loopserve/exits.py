@@ -124,6 +124,8 @@ class ExitBook:
         self.frozen = np.zeros(rows, bool)
         self.target = np.zeros(rows, np.int64)
         self.stop_at = np.zeros(rows, np.int64)
+        self._generations = np.zeros(rows, np.int64)  # `observe`'s: every row's the same, none passive
+        self._active = np.zeros(rows, bool)
 
     def start(self, rows: np.ndarray, rules: list[ExitRule] | Callable[[], list[ExitRule]],
               decode_indices: np.ndarray | list[int], table: np.ndarray | None = None,
@@ -151,15 +153,31 @@ class ExitBook:
         """After step r (kept) of each row: `main` is its signal (gate logit, latent difference, KL),
         `ahead` the lookahead_gate's predicted logit, `has` whether the row got a signal at all.
         Returns (loops_on, bad): masks of rows that run another step and of rows whose signal is
-        NaN or infinite (a broken state, not a decision: those rows are left unchanged).
+        NaN or infinite (a broken state, not a decision: those rows are left unchanged). A row that has
+        decided already is left as it is (neither).
 
-        One compiled pass over the rows (`_observe_rows`): as element-wise numpy operations the decision
+        One compiled pass over the rows (`_decide_rows`): as element-wise numpy operations the decision
         took a few dozen calls per batch, most of a core tick's host time."""
         n = len(rows)
-        loops_on, bad = np.empty(n, bool), np.empty(n, bool)
-        _observe_rows(rows, r, main, ahead, has, self.policy, self.threshold, self.min_loops, self.lookahead,
-                      self.survival, self.exit_depth, self.frozen, self.target, self.stop_at, loops_on, bad)
+        loops_on, bad, out = np.empty(n, bool), np.empty(n, bool), np.empty(n, np.int64)
+        _decide_rows(rows, r, self._generations, self._generations, self._active, main, ahead, has,
+                     self.policy, self.threshold, self.min_loops, self.lookahead, self.survival, self.exit_depth,
+                     self.frozen, self.target, self.stop_at, loops_on, bad, out)
         return loops_on, bad
+
+    def settle(self, rows: np.ndarray, r: np.ndarray, generations: np.ndarray, generation: np.ndarray,
+               passive: np.ndarray, main: np.ndarray, ahead: np.ndarray,
+               has: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`observe` for the rows of a core step (book entries `rows` after steps `r`, signals as there) whose rule
+        still reads its signal: the row holds the item that ran the step (the state pool's `generation` of it is
+        still `generations`), is not `passive` and has not decided. Returns (done, bad): the batch indices, in
+        order, of the rows that stop looping and of those whose signal is not finite; the same compiled pass."""
+        n = len(rows)
+        loops_on, bad, out = np.empty(n, bool), np.empty(n, bool), np.empty(n, np.int64)
+        m, b = _decide_rows(rows, r, generations, generation, passive, main, ahead, has, self.policy, self.threshold,
+                            self.min_loops, self.lookahead, self.survival, self.exit_depth, self.frozen, self.target,
+                            self.stop_at, loops_on, bad, out)
+        return out[:m], out[n - b:][::-1]
 
 
 class ExitTracker:
@@ -218,21 +236,33 @@ def _sigmoid(x):
 
 
 @compiled
-def _observe_rows(rows, r, main, ahead, has, policy, threshold, min_loops, lookahead, survival, exit_depth, frozen,
-                  target, stop_at, loops_on, bad):
-    """`ExitBook.observe` for row k = 0.. of a batch (book entry rows[k], distinct: a batch never holds a row
-    twice), writing loops_on[k] and bad[k]. Each row reads and writes only its own entry: a row's decision
-    never depends on its batch."""
-    for k in range(rows.shape[0]):
+def _decide_rows(rows, r, generations, generation, passive, main, ahead, has, policy, threshold, min_loops, lookahead,
+                 survival, exit_depth, frozen, target, stop_at, loops_on, bad, out):
+    """Row k = 0.. of a batch (book entry rows[k], distinct: a batch never holds a row twice) after its step r[k]
+    reads its signal, unless the entry no longer holds the item that ran the step (generation[i] !=
+    generations[k]), is passive, or has decided already: writes loops_on[k] and bad[k] (both False for a row
+    skipped), and the batch indices of the rows done looping to out[:m], of those whose signal is not finite to
+    out[n - b:] (last first). Returns (m, b). Each row reads and writes only its own entry: a row's decision
+    never depends on its batch. (One body for `ExitBook.observe` and `settle`: a helper called per row would
+    count each array it is passed in and out, more than the row's work.)"""
+    n = rows.shape[0]
+    m = b = 0
+    for k in range(n):
         i, rk = rows[k], r[k]
+        loops_on[k] = bad[k] = False
+        if generation[i] != generations[k] or passive[i] or exit_depth[i] != 0:
+            continue
         p = policy[i]
         lag = p == _LOOKAHEAD_GATE
-        bad[k] = (has[k] and not np.isfinite(main[k])) or (lag and not np.isfinite(ahead[k]))
-        loops_on[k] = False
-        if bad[k]:
+        if (has[k] and not np.isfinite(main[k])) or (lag and not np.isfinite(ahead[k])):
+            bad[k] = True
+            b += 1
+            out[n - b] = k
             continue
         if rk >= stop_at[i]:
             exit_depth[i] = rk
+            out[m] = k
+            m += 1
             continue
         want = False
         if has[k] and (p == _GATE or lag):
@@ -254,6 +284,9 @@ def _observe_rows(rows, r, main, ahead, has, policy, threshold, min_loops, looka
                 frozen[i] = True  # already scheduled for step r + 1
             else:
                 loops_on[k] = False
+                out[m] = k
+                m += 1
+    return m, b
 
 
 @compiled

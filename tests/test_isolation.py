@@ -89,14 +89,14 @@ def _inject(monkeypatch, point: str) -> list[int]:
 
         monkeypatch.setattr(Sequence, name, method)
     elif point == "exit_rule":
-        real_obs = ExitBook.observe
+        real_settle = ExitBook.settle
 
-        def observe(self, rows, r, main, ahead, has):  # the victim's rows raise from step 2 on
+        def settle(self, rows, r, *rest):  # the victim's rows raise from step 2 on
             if ((self.threshold[rows] == VICTIM_THRESHOLD) & (r >= 2)).any():
                 raise Fault("exit rule failed")
-            return real_obs(self, rows, r, main, ahead, has)
+            return real_settle(self, rows, r, *rest)
 
-        monkeypatch.setattr(ExitBook, "observe", observe)
+        monkeypatch.setattr(ExitBook, "settle", settle)
     elif point == "nan_state":
         real_core = ModelRunner.core
 

@@ -1,10 +1,11 @@
 """The compiled passes over a core batch's rows (`ExitBook.observe` / `start`, `StatePool.advance`,
-`undecided`, the packed core inputs) against what they stand for: each row decided alone, and the
+`settle`, the packed core inputs) against what they stand for: each row decided alone, and the
 array expressions they replaced. numba does not check bounds or aliasing, so these compare whole
 arrays, rows outside the batch included."""
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import Counter
 from types import SimpleNamespace
@@ -17,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loopserve.engine.graphs import PACKED_ROWS
-from loopserve.engine.runner import StatePool, _pack_rows
+from loopserve.engine.runner import Signals, StatePool, _pack_rows
 from loopserve.engine.stats import EngineStats
 from loopserve.exits import POLICIES, SIGNALS, ExitBook, ExitRule, rule_table
 from loopserve.jit import compiled
@@ -167,11 +168,33 @@ def test_advance_is_the_array_form(case):
 
 
 @settings(max_examples=200, deadline=None)
-@given(pools(), st.integers(0, 100), st.booleans())
-def test_undecided_and_packed_inputs_are_the_array_form(case, scratch, core):
+@given(pools(), st.data())
+def test_settle_is_the_array_form(case, data):
+    """`StatePool.settle` against the array expressions it replaced: the rows still waiting for their signal
+    (the same generation, active, undecided) read it with `ExitBook.observe` (rows of mixed rules, NaN and
+    infinite signals included); the done and non-finite rows come back as batch indices, in order; nothing
+    else in the book is written."""
     pool, rows, generations = case
-    keep = (pool.generation[rows] == generations) & ~pool.passive[rows] & (pool.exits.exit_depth[rows] == 0)
-    assert pool.undecided(rows, generations).tolist() == keep.tolist()
+    size, n = pool.rows, len(rows)
+    rules = data.draw(st.lists(exit_rules(), min_size=size, max_size=size))
+    pool.exits.start(np.arange(size), rules, np.zeros(size, np.int64))
+    pool.exits.exit_depth[:] = data.draw(st.lists(st.sampled_from([0, 0, 0, 1, 3]), min_size=size, max_size=size))
+    signals = data.draw(st.lists(st.tuples(signal_values, signal_values, st.booleans()), min_size=n, max_size=n))
+    main, ahead, has = (np.array([x[j] for x in signals], dtype) for j, dtype in enumerate((float, float, bool)))
+    twin = copy.deepcopy(pool.exits)
+    keep = np.flatnonzero((pool.generation[rows] == generations) & ~pool.passive[rows]
+                          & (pool.exits.exit_depth[rows] == 0))
+    loops_on, bad = twin.observe(rows[keep], pool.r[rows[keep]], main[keep], ahead[keep], has[keep])
+    done, broken = pool.settle(rows, generations, Signals(np.zeros(n, np.int8), main, ahead, has))
+    assert done.tolist() == keep[~loops_on & ~bad].tolist() and broken.tolist() == keep[bad].tolist()
+    for f in BOOK_FIELDS:
+        assert np.array_equal(getattr(pool.exits, f), getattr(twin, f), equal_nan=True), f
+
+
+@settings(max_examples=200, deadline=None)
+@given(pools(), st.integers(0, 100), st.booleans())
+def test_packed_inputs_are_the_array_form(case, scratch, core):
+    pool, rows, generations = case
     host, kinds = np.full((PACKED_ROWS, len(rows)), -7, np.int64), np.full(len(rows), -7, np.int8)
     counts = np.zeros(len(SIGNALS), np.int64)
     top, now = _pack_rows(rows, core, pool.passive, pool.position, pool.kv_row, pool.r, pool.kv_slot, pool.parity,

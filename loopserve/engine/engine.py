@@ -82,6 +82,7 @@ class InFlight:
     generations: np.ndarray | None = None
     keep: np.ndarray | None = None  # core: the batch rows whose signals are still to be read
     deferred: bool = False  # a core step whose signals may wait for the next batch
+    settled: np.ndarray | None = None  # core, read at once: the rows its advance settled (they exit with its signals')
 
 
 def _could_not_allocate(e: Exception) -> bool:
@@ -454,12 +455,14 @@ class LLMEngine:
         assert entry.rows is not None and entry.generations is not None and isinstance(entry.result, PendingSignals)
         # not the rows freed since the step was queued: reading an earlier step's signals (this tick) may
         # have failed their requests (a later item in such a row is not this step's either)
-        self.scheduler.advance_core(entry.rows, entry.generations)
+        settled = self.scheduler.advance_core(entry.rows, entry.generations)
         if not self.cfg.pipeline_core_steps or entry.result.read_now:
-            return entry  # read at once
+            entry.settled = settled  # (read at once: they exit with the rows its signals decide)
+            return entry
         signal = entry.result.kinds != 0  # passive rows (CB) have none
         now = ~signal
-        self.scheduler.observe_core(entry.rows[now], entry.generations[now], Signals.none(entry.result.kinds[now]))
+        self.scheduler.observe_core(entry.rows[now], entry.generations[now], Signals.none(entry.result.kinds[now]),
+                                    settled)
         if not signal.any():
             return None
         self.stats.deferred_signal_ticks += 1
@@ -499,7 +502,7 @@ class LLMEngine:
                 assert rows is not None and generations is not None
                 if entry.keep is not None:  # deferred: the rows decided at once are not read again
                     rows, generations, signals = rows[entry.keep], generations[entry.keep], signals.take(entry.keep)
-                sched.observe_core(rows, generations, signals)
+                sched.observe_core(rows, generations, signals, entry.settled)
                 continue
             assert entry.result is not None
             if isinstance(entry.result, PendingDrafts):

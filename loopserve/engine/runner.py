@@ -267,12 +267,12 @@ class StatePool:
             self._marks[:] = False  # (a bad row: the pass stopped with marks set)
             raise
 
-    def undecided(self, rows: np.ndarray, generations: np.ndarray) -> np.ndarray:
-        """Mask of `rows` whose exit rule still has to read their last step's signal: the row holds the
-        item it held when the step was queued (`generations`), is not passive and has not decided."""
-        keep = np.empty(len(rows), bool)
-        _undecided_rows(rows, generations, self.generation, self.passive, self.exits.exit_depth, keep)
-        return keep
+    def settle(self, rows: np.ndarray, generations: np.ndarray, signals: Signals) -> tuple[np.ndarray, np.ndarray]:
+        """A core step's signals read (`rows` queued at `generations`): each row whose rule still reads it (the
+        row holds the same item, is not passive, has not decided) decides (`ExitBook.settle`). Returns the batch
+        indices of the rows that stop looping and of those whose signal is not finite."""
+        return self.exits.settle(rows, self.r[rows], generations, self.generation, self.passive, signals.main,
+                                 signals.ahead, signals.has)
 
     def compile_passes(self) -> None:
         """Compile the passes over rows (or load them from numba's cache) for the argument types
@@ -280,7 +280,7 @@ class StatePool:
         a fraction of one after."""
         none = np.zeros(0, np.int64)
         self.advance(none, none)
-        self.undecided(none, none)
+        self.settle(none, none, Signals.none(np.zeros(0, np.int8)))
         _drop_rows(none, none, self._marks, none)
         self.exits.start(none, [], none, np.zeros((0, RULE_WIDTH)))
         _claim_rows(none, none, none, none, self.generation, self.kv_slot, self.position, self.kv_row, self.r,
@@ -314,7 +314,7 @@ class Signals:
         n = len(kinds)
         return Signals(kinds, np.zeros(n), np.zeros(n), np.zeros(n, bool))
 
-    def take(self, keep: np.ndarray) -> Signals:
+    def take(self, keep: np.ndarray | slice) -> Signals:
         return Signals(self.kinds[keep], self.main[keep], self.ahead[keep], self.has[keep])
 
     def row(self, k: int) -> Signal:
@@ -703,14 +703,6 @@ def _drop_rows(queue, rows, marks, out):
     for i in rows:
         marks[i] = False
     return m
-
-
-@compiled
-def _undecided_rows(rows, generations, generation, passive, exit_depth, keep):
-    """`StatePool.undecided`, into keep."""
-    for k in range(rows.shape[0]):
-        i = rows[k]
-        keep[k] = generation[i] == generations[k] and not passive[i] and exit_depth[i] == 0
 
 
 @compiled

@@ -708,57 +708,65 @@ class Scheduler:
             core = core[np.argsort(order, kind="stable")]
         self.core_rows = core
 
-    def advance_core(self, rows: np.ndarray, generations: np.ndarray) -> None:
+    def advance_core(self, rows: np.ndarray, generations: np.ndarray) -> np.ndarray:
         """A core step ran on the items in state-pool rows `rows` (those whose row still holds the item it
-        held when the step was queued, `generations`): count it, and exit the items whose exit was
-        settled before the step (a delayed-lookahead decision, a lookahead_gate stop, `max_loops`).
-        Needs no signal of this step, so the engine calls it before the step's signals are read back.
-        One pass over the batch's arrays; Python runs only for the exiting items."""
+        held when the step was queued, `generations`): count it, and return the rows whose exit was settled
+        before the step (a delayed-lookahead decision, a lookahead_gate stop, `max_loops`): they leave the
+        loop with the rows this step's signals decide (`observe_core`'s `settled`). Needs no signal of this
+        step, so the engine calls it before the step's signals are read back. One compiled pass over the
+        batch's arrays."""
         active, done = self.pool.advance(rows, generations)
         self.stats.useful_core_rows += active
-        self._exit(done)
+        return done
 
-    def observe_core(self, rows: np.ndarray, generations: np.ndarray, signals: Signals) -> None:
+    def observe_core(self, rows: np.ndarray, generations: np.ndarray, signals: Signals,
+                     settled: np.ndarray | None = None) -> None:
         """Apply each item's exit rule to the signal of the step it last ran (rows: state-pool rows,
         `generations` their allocation counts when the step was queued). For rules that decide ahead
         this may come a tick late (after the next step was queued): it then only settles what happens
-        after that next step. Rows whose item exited, finished or changed meanwhile are skipped.
+        after that next step. Rows whose item exited, finished or changed meanwhile are skipped. The rows
+        that stop looping leave the core queue together with `settled` (the step's `advance_core`), in one
+        `_exit`.
 
-        The whole batch is decided at once (`ExitBook.observe`); if that raises, rows are decided one
+        The whole batch is decided at once (`StatePool.settle`); if that raises, rows are decided one
         by one, so a failure ends only the request it belongs to."""
-        pool, book = self.pool, self.pool.exits
+        pool = self.pool
         if self.signal_hooks:
             same = pool.generation[rows] == generations  # the row still holds the item that ran the step
             items = [pool.items[r] for r in rows[same].tolist()]
             values = [signals.row(k) for k in np.flatnonzero(same).tolist()]
             for hook in self.signal_hooks:
                 hook(items, values)  # type: ignore[arg-type]
-        keep = pool.undecided(rows, generations)
-        if not keep.all():
-            rows, generations, signals = rows[keep], generations[keep], signals.take(keep)
-        if not len(rows):
-            return
         failed = False
         try:
-            loops_on, bad = book.observe(rows, pool.r[rows], signals.main, signals.ahead, signals.has)
+            done, bad = pool.settle(rows, generations, signals)
         except Exception:  # decide row by row: only the rows that raise fail
-            failed, loops_on, bad = True, np.ones(len(rows), bool), np.zeros(len(rows), bool)
+            if settled is not None:  # (they leave first, as a failure below may free rows)
+                self._exit(settled)
+                settled = None
+            failed, picked, broken = True, [], []
             for k in range(len(rows)):
                 one = slice(k, k + 1)
                 try:
-                    loops_on[one], bad[one] = book.observe(rows[one], pool.r[rows[one]], signals.main[one],
-                                                           signals.ahead[one], signals.has[one])
+                    d, b = pool.settle(rows[one], generations[one], signals.take(one))
                 except Exception as e:
                     self._row_failed(int(rows[k]), e)
-        stay = loops_on | bad
-        if failed or bad.any():
+                    continue
+                picked += (d + k).tolist()
+                broken += (b + k).tolist()
+            done, bad = np.array(picked, np.int64), np.array(broken, np.int64)
+        if failed or len(bad):
+            if settled is not None:
+                self._exit(settled)
+                settled = None
             for row in rows[bad].tolist():
                 item = pool.items[row]
                 if item is not None:
                     self._row_failed(row, NonFiniteError(
                         f"the model produced a non-finite {item.seq.rule.policy} signal for this request"))
-            stay |= pool.generation[rows] != generations  # a failed request freed its rows (n > 1: maybe more)
-        self._exit(rows[~stay])
+            done = done[pool.generation[rows[done]] == generations[done]]  # a failed request freed its rows
+        leaving = rows[done]
+        self._exit(leaving if settled is None or not len(settled) else np.concatenate([settled, leaving]))
 
     def _row_failed(self, row: int, error: Exception) -> None:
         """The item in state-pool row `row` failed (its exit rule raised, or its signal is not finite):
