@@ -51,17 +51,17 @@ class Readback:
     that produced them."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], reused: bool = False) -> None:
-        """`reused`: some tensors are buffers a later step overwrites (a graph's outputs), so they are copied on
-        the CPU too, where the others are kept as they are."""
+        """`tensors`: on one device. `reused`: some tensors are buffers a later step overwrites (a graph's
+        outputs), so they are copied on the CPU too, where the others are kept as they are."""
         self._event = None
-        cuda = [t.device for t in tensors.values() if t.device.type == "cuda"]
-        if cuda:
+        device = next(iter(tensors.values())).device if tensors else None  # (one step's tensors: one device)
+        if device is not None and device.type == "cuda":
             tensors = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
                        for k, t in tensors.items()}
             self._event = torch.cuda.Event()
             # on the copies' stream: that of the tensors' device, which need not be the current device
-            self._event.record(torch.cuda.current_stream(cuda[0]))
-        elif reused or any(t.device.type != "cpu" for t in tensors.values()):
+            self._event.record(torch.cuda.current_stream(device))
+        elif reused or (device is not None and device.type != "cpu"):
             tensors = {k: t.to("cpu", copy=True) for k, t in tensors.items()}
         self._host = tensors  # (on the CPU: the tensors themselves, as `to("cpu")` would give)
 

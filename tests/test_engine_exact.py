@@ -398,7 +398,7 @@ def test_prompt_admitted_again_into_another_slot_keeps_its_tokens(tiny_ouro):
     outs.update({o.request_id: o for o in engine.step() if o.finished})
     assert engine.kv.slot("A") != first
     engine.add_request("D", [11, 12, 13], SamplingParams(max_tokens=5, **final), seed=3)  # into A's old slot
-    for _ in range(400):
+    for _ in range(20 * HOLD):  # (A: 2 * HOLD tokens of up to r_max core ticks and a coda each)
         if not engine.has_unfinished_requests():
             break
         outs.update({o.request_id: o for o in engine.step() if o.finished})

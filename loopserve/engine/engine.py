@@ -358,9 +358,14 @@ class LLMEngine:
         return True
 
     # -- one tick ----------------------------------------------------------------------------------------
-    @torch.no_grad()
     def step(self) -> list[RequestOutput]:
         """Schedule one stage batch, run it, update the requests with what came back."""
+        if torch.is_grad_enabled():  # (the engine thread steps under one `no_grad`: a decorator's costs µs a tick)
+            with torch.no_grad():
+                return self._step()
+        return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         if self._driver_ident is not None:
             self._check_thread("step")
         t0 = time.perf_counter()
@@ -375,20 +380,24 @@ class LLMEngine:
         self._run(plan)
         self.stats.model_time += self._model_time
         self.stats.schedule_time += time.perf_counter() - t0 - self._model_time
+        moved = bool(sched.appended or sched.finished)  # (most ticks neither: nothing to report)
+        outs = self._outputs() if moved else []
+        if plan.stage is Stage.IDLE and not moved and self.stats.generated_tokens == tokens and sched.has_work():
+            raise RuntimeError("scheduler made no progress with work pending (a bug: please report)")
+        return outs
+
+    def _outputs(self) -> list[RequestOutput]:
+        """One output per request that got a token or finished this tick (a request's samples share one output);
+        a FINAL_ONLY request's only when it finished (`appended` lists none of those). Finished requests leave."""
+        sched = self.scheduler
         for seq in sched.finished:
             if all(s.finished for s in seq.family):  # a request's samples leave together
                 for s in seq.family:
                     self.requests.pop(s.request_id, None)
-        # one output per request that got a token or finished (a request's samples share one output); a
-        # FINAL_ONLY request's only when it finished (`appended` lists none of those)
         heads = dict.fromkeys(s.family[0] for s in sched.appended + sched.finished)
-        outs = [h.to_output() for h in heads if h.streams
-                or h.finished and all(s.finished for s in h.family)]
         sched.appended.clear()
         sched.finished.clear()
-        if plan.stage is Stage.IDLE and not heads and self.stats.generated_tokens == tokens and sched.has_work():
-            raise RuntimeError("scheduler made no progress with work pending (a bug: please report)")
-        return outs
+        return [h.to_output() for h in heads if h.streams or h.finished and all(s.finished for s in h.family)]
 
     def _run(self, plan: StagePlan) -> None:
         """Queue one stage batch on the device, then read the results of the batches queued before it

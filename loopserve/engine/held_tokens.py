@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 # tokens a slot holds before a batch that would add one more settles its sequence first (one Python call
 # per this many tokens of a row, against one per token)
-HOLD = 32
+HOLD = 128
 _BY_SLOT = ("count", "tokens", "depths", "loops", "first_time", "last_time")  # the arrays by slot (last axis)
 
 

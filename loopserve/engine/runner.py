@@ -605,9 +605,10 @@ class ModelRunner:
             kl_items = [pool.items[int(rows[i])] for i in kl_rows]
             prev_lp = torch.stack([uniform if it is None or it.prev_logprobs is None else it.prev_logprobs
                                    for it in kl_items])
-        sig, lp = step_signals(self.model, present - ready.keys(), prev, new, ctx, prev_lp,  # type: ignore[arg-type]
-                               kl_rows or None)
-        sig.update((kind, signal) for kind, signal in ready.items() if kind in present)
+        sig, lp = step_signals(self.model, present - ready.keys() if ready else present,  # type: ignore[arg-type]
+                               prev, new, ctx, prev_lp, kl_rows or None)
+        if ready:
+            sig.update((kind, signal) for kind, signal in ready.items() if kind in present)
         if kl_rows:
             for j, it in enumerate(kl_items):
                 if it is not None:

@@ -607,8 +607,12 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _numpy_can(x: torch.Tensor) -> bool:
-    """Whether numpy can read `x` in place: on the CPU, in float32 or float64."""
-    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
+    """Whether numpy can read `x` in place: on the CPU, in float32 or float64. (`is_cpu`: `device` makes an
+    object each read.)"""
+    return x.is_cpu and x.dtype in _NUMPY_FLOATS
+
+
+_NUMPY_FLOATS = (torch.float32, torch.float64)
 
 
 GREEDY = SamplingParams(temperature=0.0)  # a plain greedy row's params, for a batch known to be all such rows
@@ -627,11 +631,12 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seeds: list
     order), "lp_chosen", "lp_rank" and "lp_top_ids" / "lp_top_vals" [R, max k]. `plain`: whether every
     row is `plain_greedy`, if the caller knows (None: read off `params`)."""
     dev = logits.device
-    finite = finite_rows(logits.detach())
+    values = logits.detach()
+    finite = finite_rows(values)
     if plain is None:
         plain = all(plain_greedy(p) for p in params)
     if plain:  # the common case: one argmax, no float64 copy of the logits
-        return {"tokens": argmax_rows(logits.detach()), "finite": finite}  # (the order of values is the same)
+        return {"tokens": argmax_rows(values), "finite": finite}  # (the order of values is the same)
     raw = _raw64(logits, finite)
     bans = bad_word_bans(params, counters)  # (read by the bad-words mask and by a guided row's check)
     # structured output: each guided row's grammar mask (engine/grammar.py), refused for a row it leaves no token;
