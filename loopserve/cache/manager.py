@@ -104,10 +104,11 @@ class KVCacheManager:
         return len(slots)
 
     def compile_passes(self) -> None:
-        """Compile the passes of `ensure_slots` and of freeing blocks (or load them from numba's cache) before
-        any request waits for them."""
+        """Compile the passes of `ensure_slots`, of a batch's KV rows and of freeing blocks (or load them from
+        numba's cache) before any request waits for them."""
         none = np.zeros(0, np.int64)
         _make_room(none, none, self.room, self.used, self.block_size, 0, none, none)
+        self.block_tables.rows(none, none)
         self.allocator.free_tables([])
 
     def num_tokens(self, seq_id: str) -> int:

@@ -215,10 +215,10 @@ class StatePool:
     def requeue(self, items: list[WorkItem], rows: np.ndarray, tokens: np.ndarray, orders: np.ndarray) -> None:
         """The plain items `items` (in `rows`, their coda read) keep their rows as the items of their sequences'
         next tokens, fed `tokens`, created in `orders`: one compiled pass (their KV row is set by `allocate`)."""
-        _requeue_rows(rows, tokens, orders, self.generation, self.position, self.token, self.order, self.r,
-                      self.parity, self.passive, self.exits.exit_depth, self.exits.frozen)
-        for k in np.flatnonzero(self.signal[rows] == _KL).tolist():  # a new token starts from no previous step
-            items[k].prev_logprobs = None
+        if _requeue_rows(rows, tokens, orders, self.generation, self.position, self.token, self.order, self.r,
+                         self.parity, self.passive, self.exits.exit_depth, self.exits.frozen, self.signal, _KL):
+            for k in np.flatnonzero(self.signal[rows] == _KL).tolist():  # a new token starts from no previous step
+                items[k].prev_logprobs = None
 
     def start_loops(self, items: list[WorkItem], rows: np.ndarray) -> None:
         """The items' preludes ran (in state-pool rows `rows`): track their exit rules from step 1. Their
@@ -720,11 +720,16 @@ def _claim_rows(rows, kv_slots, positions, kv_rows, generation, kv_slot, positio
 
 
 @compiled
-def _requeue_rows(rows, tokens, orders, generation, position, token, order, r, parity, passive, exit_depth, frozen):
+def _requeue_rows(rows, tokens, orders, generation, position, token, order, r, parity, passive, exit_depth, frozen,
+                  signal, kl):
     """`StatePool.requeue`: row rows[k] now holds its item's next token (fed tokens[k], one position on,
-    created in orders[k]): a new generation (results still on their way are not its), no step run, no exit."""
+    created in orders[k]): a new generation (results still on their way are not its), no step run, no exit.
+    Returns how many of the rows read the `kl` signal (their items' last distributions are then dropped)."""
+    n = 0
     for k in range(rows.shape[0]):
         i = rows[k]
+        if signal[i] == kl:
+            n += 1
         generation[i] += 1
         position[i] += 1
         token[i], order[i] = tokens[k], orders[k]
@@ -732,6 +737,7 @@ def _requeue_rows(rows, tokens, orders, generation, position, token, order, r, p
         passive[i] = False
         exit_depth[i] = 0
         frozen[i] = False
+    return n
 
 
 @compiled
