@@ -1,4 +1,4 @@
-"""A request's token bookkeeping on the batch path: the tokens `SlotFacts.takes_quietly` lets a coda batch
+"""A request's token bookkeeping on the batch path: the tokens `StatePool.requeue_quiet` lets a coda batch
 record by `HeldTokens.add` alone are exactly those `Sequence.append` would take without finishing
 the request, and the sequence reads them back in order; and
 `KVCacheManager.ensure_slots` (what a prelude batch calls) makes room token by token as `ensure` does."""
@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from loopserve.cache.manager import KVCacheManager
 from loopserve.cache.pool import KVStore
-from loopserve.engine.held_tokens import HOLD, HeldTokens
+from loopserve.engine.held_tokens import HOLD
+from loopserve.engine.runner import StatePool
 from loopserve.engine.sequence import Sequence
-from loopserve.engine.slot_facts import SlotFacts
 from loopserve.exits import ExitRule
 from loopserve.models.loader import read_generation_config
 from loopserve.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams
@@ -33,8 +33,8 @@ def _sequence(tok: Tokenizer, params: SamplingParams) -> Sequence:
        other_stops=st.lists(st.integers(0, 12), max_size=2), reads=st.sets(st.integers(0, 3 * HOLD)))
 def test_quiet_tokens_held_are_the_appends_that_finish_nothing(tiny_ouro, tokens, max_tokens, min_tokens, stop_ids,
                                                               ignore_eos, other_stops, reads):
-    """Feeding tokens through `HeldTokens.add` where `SlotFacts.takes_quietly` allows it (as
-    `Scheduler.after_coda` does), else through `append`, leaves the request as `append` alone does:
+    """Feeding tokens through `StatePool.requeue_quiet` (which holds them by `HeldTokens.add`) where it takes them
+    (as `Scheduler.after_coda` does), else through `append`, leaves the request as `append` alone does:
     tokens, depths, loops, finish, stop reason, text, times, whether it reads its lists between tokens
     (`reads`) or not (the slot then settles its sequence every `HOLD` tokens), and when another sequence
     takes the slot (the holder settles first). It declines every token that may finish the request, and
@@ -48,7 +48,9 @@ def test_quiet_tokens_held_are_the_appends_that_finish_nothing(tiny_ouro, tokens
                             ignore_eos=ignore_eos, output_kind=RequestOutputKind.FINAL_ONLY)
     batch, plain = _sequence(tok, params), _sequence(tok, params)
     other = _sequence(tok, SamplingParams(stop_token_ids=other_stops, ignore_eos=True))
-    facts, held = SlotFacts(1), HeldTokens(1)  # (both grow)
+    pool = StatePool(1, 4, torch.float32, torch.device("cpu"), with_inject=False)  # (one row: the batch's)
+    facts, held = pool.sequences, pool.held  # (both grow)
+    pool.kv_slot[0] = 2  # (the row's sequence: `batch`)
     for slot, seq in ((3, other), (2, batch), (1, other), (1, plain)):  # `plain` in the place of `other`: its
         facts.admit(slot, seq)  # stop tokens no longer count there
         held.admit(slot, seq)
@@ -56,10 +58,12 @@ def test_quiet_tokens_held_are_the_appends_that_finish_nothing(tiny_ouro, tokens
     assert batch.quiet and facts.stops_counted()
     for k, t in enumerate(stream):
         now, depth, loops = float(k), k % 4 + 1, 2 * k + 1
-        quiet = bool(facts.takes_quietly(np.array([2]), np.array([t]), np.array([k]))[0])
-        if quiet:
-            held.add(np.array([2]), np.array([t]), np.array([depth]), np.array([loops]), now)
-        else:
+        pool.decode_index[0], pool.exits.exit_depth[0], pool.r[0] = k - 1, depth, loops  # (fed generated token k - 1)
+        picked, slots = pool.requeue_quiet([None], np.zeros(1, np.int64), np.array([t]), np.ones(1, bool), 0, 1,
+                                           now)  # type: ignore[list-item]
+        quiet = len(picked) == 1
+        assert slots.tolist() == ([2] if quiet else [])
+        if not quiet:
             batch.metrics.loops_run += loops
             batch.append(t, depth, now)
         plain.metrics.loops_run += loops

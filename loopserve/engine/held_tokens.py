@@ -1,7 +1,7 @@
 """`HeldTokens`: the tokens whole coda batches gave resident quiet sequences, held by block-table slot
 until something reads the sequence's lists.
 
-A token that cannot finish its quiet sequence (`SlotFacts.takes_quietly`) needs no per-token check, only
+A token that cannot finish its quiet sequence (`StatePool.requeue_quiet`) needs no per-token check, only
 recording (its id and exit depth, the loops it ran, the time it arrived) and, if the sequence streams, its
 text and an output. A batch writes those of all such rows
 into arrays indexed by the rows' slots with a few array operations, instead of a Python call per

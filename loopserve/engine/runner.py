@@ -212,13 +212,29 @@ class StatePool:
                     self.r, self.parity, self.signal, self.passive)
         return rows
 
-    def requeue(self, items: list[WorkItem], rows: np.ndarray, tokens: np.ndarray, orders: np.ndarray) -> None:
-        """The plain items `items` (in `rows`, their coda read) keep their rows as the items of their sequences'
-        next tokens, fed `tokens`, created in `orders`: one compiled pass (their KV row is set by `allocate`)."""
-        if _requeue_rows(rows, tokens, orders, self.generation, self.position, self.token, self.order, self.r,
-                         self.parity, self.passive, self.exits.exit_depth, self.exits.frozen, self.signal, _KL):
-            for k in np.flatnonzero(self.signal[rows] == _KL).tolist():  # a new token starts from no previous step
+    def requeue_quiet(self, items: list[WorkItem], rows: np.ndarray, tokens: np.ndarray, ok: np.ndarray,
+                      first_order: int, order_step: int, now: float) -> tuple[np.ndarray, np.ndarray]:
+        """A coda batch's tokens read (`items` in `rows`, sampled `tokens`; `ok`: the rows that may take the quiet way
+        at all). A row's token is quiet when its sequence (by slot, `SlotFacts`) is `quiet`, the token is not the last
+        it may generate, and no sequence counted in `stop_refs` may stop on it (a token that stops another sequence
+        goes the long way too, which decides it exactly: a cost, never a wrong token): it needs no per-row check.
+        Each quiet row's token is held (`HeldTokens.add`: its exit depth, the loops it ran, arrived at `now`) and the
+        row kept as the item of its sequence's next token, fed that token one position on, created in the next of
+        the orders first_order, first_order + order_step, ... (a new generation: results still on their way are
+        not its; no step run, no exit). One compiled pass; returns the quiet rows' batch indices, in order, and
+        their sequences' slots."""
+        facts, held, n = self.sequences, self.held, len(rows)
+        picked, slots, depths, loops = (np.empty(n, np.int64) for _ in range(4))
+        m, kl = _requeue_quiet_rows(rows, tokens, ok, first_order, order_step, self.kv_slot, self.decode_index,
+                                    facts.quiet, facts.max_new, facts.stop_refs, self.generation, self.position,
+                                    self.token, self.order, self.r, self.parity, self.passive, self.exits.exit_depth,
+                                    self.exits.frozen, self.signal, _KL, picked, slots, depths, loops)
+        picked, slots = picked[:m], slots[:m]
+        held.add(slots, tokens[picked], depths[:m], loops[:m], now)
+        if kl:  # a new token starts from no previous step
+            for k in picked[self.signal[rows[picked]] == _KL].tolist():
                 items[k].prev_logprobs = None
+        return picked, slots
 
     def start_loops(self, items: list[WorkItem], rows: np.ndarray) -> None:
         """The items' preludes ran (in state-pool rows `rows`): track their exit rules from step 1. Their
@@ -285,11 +301,10 @@ class StatePool:
         self.exits.start(none, [], none, np.zeros((0, RULE_WIDTH)))
         _claim_rows(none, none, none, none, self.generation, self.kv_slot, self.position, self.kv_row, self.r,
                     self.parity, self.signal, self.passive)
-        self.requeue([], none, none, none)
+        self.requeue_quiet([], none, none, np.zeros(0, bool), 0, 1, 0.0)
         _start_pool_rows(none, none, self.position, self.sequences.prompt_len, self.sequences.rule, self.decode_index,
                          self.signal, self.decides_ahead)
         self.exits.observe(none, none, np.zeros(0), np.zeros(0), np.zeros(0, bool))
-        self.held.add(none, none, none, none, 0.0)
         _pack_rows(none, True, self.passive, self.position, self.kv_row, self.r, self.kv_slot, self.parity,
                    self.signal, self.decides_ahead, 0, self.rows, np.zeros((PACKED_ROWS, 0), np.int64),
                    np.zeros(0, np.int8), np.zeros(len(SIGNALS), np.int64))
@@ -720,24 +735,33 @@ def _claim_rows(rows, kv_slots, positions, kv_rows, generation, kv_slot, positio
 
 
 @compiled
-def _requeue_rows(rows, tokens, orders, generation, position, token, order, r, parity, passive, exit_depth, frozen,
-                  signal, kl):
-    """`StatePool.requeue`: row rows[k] now holds its item's next token (fed tokens[k], one position on,
-    created in orders[k]): a new generation (results still on their way are not its), no step run, no exit.
-    Returns how many of the rows read the `kl` signal (their items' last distributions are then dropped)."""
-    n = 0
+def _requeue_quiet_rows(rows, tokens, ok, first_order, order_step, kv_slot, decode_index, quiet, max_new, stop_refs,
+                        generation, position, token, order, r, parity, passive, exit_depth, frozen, signal, kl, picked,
+                        slots, depths, loops):
+    """`StatePool.requeue_quiet`'s pass: row k's token (tokens[k]) is quiet if ok[k], its sequence's slot is `quiet`,
+    the token is not its last (decode index + 2 < max_new: the item was fed generated token decode_index) and
+    stop_refs counts no sequence it may stop (the last entry stands for every larger token). A quiet row's batch
+    index, slot, exit depth and loops go to picked/slots/depths/loops[m], then the row holds its next token.
+    Returns (m, how many of them read the `kl` signal)."""
+    m = n_kl = 0
+    top = stop_refs.shape[0] - 1
     for k in range(rows.shape[0]):
-        i = rows[k]
+        i, t = rows[k], tokens[k]
+        s = kv_slot[i]
+        if not (ok[k] and quiet[s] and decode_index[i] + 2 < max_new[s] and stop_refs[min(t, top)] == 0):
+            continue
+        picked[m], slots[m], depths[m], loops[m] = k, s, exit_depth[i], r[i]
         if signal[i] == kl:
-            n += 1
+            n_kl += 1
         generation[i] += 1
         position[i] += 1
-        token[i], order[i] = tokens[k], orders[k]
+        token[i], order[i] = t, first_order + m * order_step
         r[i] = parity[i] = 0
         passive[i] = False
         exit_depth[i] = 0
         frozen[i] = False
-    return n
+        m += 1
+    return m, n_kl
 
 
 @compiled

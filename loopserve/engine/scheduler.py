@@ -33,7 +33,6 @@ rows then travel as ordinary items (all or none into the prelude, one coda toget
 from __future__ import annotations
 
 import bisect
-import itertools
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -848,28 +847,28 @@ class Scheduler:
             rows = rows_of(taken)
         assert rows is not None
         # the rows whose token needs no per-row check (most): their ids, exit depths and loops run go to
-        # `HeldTokens` in one call (no `Sample` is made for them), and their items keep their rows as the items
-        # of the next tokens, queued in batch order, with array writes; a streamed one's text is then decoded
-        # and its output queued; the rest take theirs one by one. A plain item was fed its sequence's last
-        # token: its decode index + 1 tokens were generated before this one.
-        loops, depths, slots = pool.r[rows], pool.exits.exit_depth[rows], pool.kv_slot[rows]
-        quiet = ok & pool.sequences.takes_quietly(slots, tokens, pool.decode_index[rows] + 1)
+        # `HeldTokens` and their items keep their rows as the items of the next tokens, queued in batch order, in
+        # one compiled pass (`StatePool.requeue_quiet`; no `Sample` is made for them); a streamed one's text is then
+        # decoded and its output queued; the rest take theirs one by one.
+        allowed = ok
         if self.speculator is not None:  # (a verify group's rows are released in _accept)
-            quiet &= np.fromiter((i.group is None for i in taken), bool, len(taken))
-        if quiet.all():  # most ticks: every row (nothing selected, no Python per row)
-            loud, pick, requeued = [], slice(None), taken
-        else:
-            loud = np.flatnonzero(~quiet).tolist()
-            pool.release_all([item for item in (taken[j] for j in loud) if item.group is None])
-            pick, requeued = quiet, list(itertools.compress(taken, quiet.tolist()))
+            allowed = ok & np.fromiter((i.group is None for i in taken), bool, len(taken))
         now = request_clock()  # (the batch's tokens arrived together)
-        pool.held.add(slots[pick], tokens[pick], depths[pick], loops[pick], now)
-        n = len(requeued)
+        picked, slots = pool.requeue_quiet(taken, rows, tokens, allowed, self._next_order, self._order_step, now)
+        n = len(picked)
+        self._new_orders(n)  # (the orders the pass gave them)
         self.stats.generated_tokens += n
-        first = self._new_orders(n)
-        pool.requeue(requeued, rows[pick], tokens[pick], np.arange(first, self._next_order, self._order_step))
+        if n == len(taken):  # most ticks: every row (nothing selected, no Python per row)
+            loud, requeued, loops, depths = [], taken, [], []
+        else:
+            quiet = np.zeros(len(taken), bool)
+            quiet[picked] = True
+            loud = np.flatnonzero(~quiet).tolist()
+            loops, depths = pool.r[rows[loud]].tolist(), pool.exits.exit_depth[rows[loud]].tolist()
+            pool.release_all([item for item in (taken[j] for j in loud) if item.group is None])
+            requeued = [taken[k] for k in picked.tolist()]
         self.prelude_q += requeued
-        for k in np.flatnonzero(pool.sequences.streams[slots[pick]]).tolist():  # streamed: text, then an output
+        for k in np.flatnonzero(pool.sequences.streams[slots]).tolist():  # streamed: text, then an output
             seq = requeued[k].seq
             try:
                 seq.decode_pending()  # (here, where a failure fails this request alone)
@@ -879,15 +878,15 @@ class Scheduler:
             self.appended.append(seq)
         self._kv_to_free = []  # (nothing is allocated before the loop ends)
         try:
-            for j in loud:
+            for j, loops_run, depth in zip(loud, loops, depths, strict=True):
                 item = taken[j]
                 sample = samples[j if kept is None else kept[j]]
                 if item.group is not None:  # a verify group runs one coda, whole (CDB holds it until then)
                     if item is item.group.items[0]:
                         self._accept(item.group, [samples[index[id(i)]] for i in item.group.items], now)
                     continue
-                item.seq.metrics.loops_run += int(loops[j])
-                self._append_token(item.seq, sample, int(depths[j]), now, spent=item)
+                item.seq.metrics.loops_run += loops_run
+                self._append_token(item.seq, sample, depth, now, spent=item)
         finally:
             finished, self._kv_to_free = self._kv_to_free, None
             self.kv.free_all(finished)

@@ -8,8 +8,8 @@ that cannot finish it needs no per-token check (`Sequence.quiet`), whether it st
 it may generate, and which tokens may stop it. Set once per sequence when it is admitted, they are read for
 a whole batch with one gather by the rows' slots (`StatePool.kv_slot`) instead of a Python attribute
 read per row. The reads alone gain nothing measurable (docs/benchmarks.md §8.15: the same instruction
-and cache-miss counts); what gains is the Python they let a batch skip: `takes_quietly` decides for a
-whole coda batch which rows' tokens need no per-row check, so those rows make no `Sample` (a streamed
+and cache-miss counts); what gains is the Python they let a batch skip: `StatePool.requeue_quiet` decides for
+a whole coda batch which rows' tokens need no per-row check, so those rows make no `Sample` (a streamed
 one only has its text decoded and an output made) (docs/design.md §9).
 """
 
@@ -62,16 +62,6 @@ class SlotFacts:
                 self.stop_refs = np.concatenate([self.stop_refs, np.zeros(size - len(self.stop_refs), np.int64)])
             self.stop_refs[list(stops)] += 1
         self._stops[slot] = stops
-
-    def takes_quietly(self, slots: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> np.ndarray:
-        """Mask of the rows whose sequence (by `slots`; `counts`: the tokens it has generated) takes its
-        sampled token (`tokens`) by `HeldTokens.add` alone: it is `quiet`, the token is not its last
-        allowed, and no sequence counted in `stop_refs` may stop on it: the resident ones, and a finished
-        one until another takes its slot (a token that stops another goes the long way too, which decides
-        it exactly: a cost, never a wrong token)."""
-        refs = self.stop_refs
-        stops = refs[np.minimum(tokens, len(refs) - 1)]
-        return self.quiet[slots] & (counts + 1 < self.max_new[slots]) & (stops == 0)
 
     def matches(self, slot: int, seq: Sequence) -> bool:
         """Whether the facts of `slot` are `seq`'s (the scheduler's invariant checks)."""
