@@ -82,6 +82,8 @@ class BlockTables:
     def rows(self, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Physical KV rows of (slot, position) pairs, on the host: one compiled pass (as array expressions, five
         calls: a prelude batch's plan paid them every tick)."""
+        if len(positions) != len(slots):
+            raise ValueError(f"positions: {len(positions)} for {len(slots)} slots")
         out = np.empty(len(slots), np.int64)
         _kv_rows(self.host, slots, positions, self.block_size, out)
         return out
