@@ -6,12 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loopserve.cache.block_table import BlockTables
 
 
+@settings(deadline=None)  # (a machine busy with other tests)
 @given(st.integers(1, 8), st.integers(1, 6), st.integers(1, 9), st.data())
 def test_key_rows_are_each_positions_row(block_size, num_slots, columns, data):
     tables = BlockTables(num_slots, columns, block_size)
@@ -22,6 +23,13 @@ def test_key_rows_are_each_positions_row(block_size, num_slots, columns, data):
     got = tables.key_rows(torch.tensor(slots), length)
     want = [[tables.row(s, p) for p in range(length)] for s in slots]
     assert got.tolist() == want
+    positions = data.draw(st.lists(st.integers(0, columns * block_size - 1), min_size=len(slots), max_size=len(slots)))
+    batch = tables.rows(np.array(slots, np.int64), np.array(positions, np.int64))  # (the compiled pass)
+    assert batch.tolist() == [tables.row(s, p) for s, p in zip(slots, positions, strict=True)]
+    with pytest.raises(IndexError):  # a column past the table, as numpy's indexing raised
+        tables.rows(np.array(slots[:1], np.int64), np.array([columns * block_size], np.int64))
+    with pytest.raises(ValueError, match="positions"):
+        tables.rows(np.array(slots, np.int64), np.array(positions + [0], np.int64))
     with pytest.raises(IndexError, match="key_rows"):
         tables.key_rows(torch.tensor(slots), columns * block_size + 1)
 

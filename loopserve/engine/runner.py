@@ -194,7 +194,7 @@ class StatePool:
         """Start a prelude batch's rows: `rows` are the items' rows (`rows_of`), -1 for an item without one,
         which is given one here. Each item's token is at `positions`, its KV at `kv_rows`, its sequence in
         block-table slot `kv_slots`. Returns the rows."""
-        new = np.flatnonzero(rows < 0)
+        new = (rows < 0).nonzero()[0]  # (the array's method: `np.flatnonzero` is five Python calls a tick)
         if len(new):
             n, free, slots = len(new), self._free, self.items
             taken = free[len(free) - n:][::-1]  # (the rows `pop` would give, in that order)
@@ -224,7 +224,7 @@ class StatePool:
         not its; no step run, no exit). One compiled pass; returns the quiet rows' batch indices, in order, and
         their sequences' slots."""
         facts, held, n = self.sequences, self.held, len(rows)
-        picked, slots, depths, loops = (np.empty(n, np.int64) for _ in range(4))
+        picked, slots, depths, loops = np.empty((4, n), np.int64)
         m, kl = _requeue_quiet_rows(rows, tokens, ok, first_order, order_step, self.kv_slot, self.decode_index,
                                     facts.quiet, facts.max_new, facts.stop_refs, self.generation, self.position,
                                     self.token, self.order, self.r, self.parity, self.passive, self.exits.exit_depth,
