@@ -1094,7 +1094,7 @@ class CDBScheduler(Scheduler):
 
     def _coda_plan(self, ready: np.ndarray) -> StagePlan:
         """The first `max_decode_batch` of the ready rows in creation order."""
-        rows = ready[np.argsort(self.pool.order[ready], kind="stable")][: self.cfg.max_decode_batch]
+        rows = ready[self.pool.order[ready].argsort(kind="stable")][: self.cfg.max_decode_batch]
         items = self._items_at(rows)
         cut = items[-1].group
         if cut is not None and items[-1] is not cut.items[-1]:  # never part of a group (it fits a batch whole)
