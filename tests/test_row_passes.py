@@ -194,7 +194,7 @@ def test_settle_is_the_array_form(case, data):
 @settings(max_examples=200, deadline=None)
 @given(pools(), st.integers(0, 100), st.booleans())
 def test_packed_inputs_are_the_array_form(case, scratch, core):
-    pool, rows, generations = case
+    pool, rows, _ = case
     host, kinds = np.full((PACKED_ROWS, len(rows)), -7, np.int64), np.full(len(rows), -7, np.int8)
     counts = np.zeros(len(SIGNALS), np.int64)
     top, now = _pack_rows(rows, core, pool.passive, pool.position, pool.kv_row, pool.r, pool.kv_slot, pool.parity,

@@ -606,13 +606,13 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(-1)
 
 
+_NUMPY_FLOATS = (torch.float32, torch.float64)
+
+
 def _numpy_can(x: torch.Tensor) -> bool:
     """Whether numpy can read `x` in place: on the CPU, in float32 or float64. (`is_cpu`: `device` makes an
     object each read.)"""
     return x.is_cpu and x.dtype in _NUMPY_FLOATS
-
-
-_NUMPY_FLOATS = (torch.float32, torch.float64)
 
 
 GREEDY = SamplingParams(temperature=0.0)  # a plain greedy row's params, for a batch known to be all such rows

@@ -864,7 +864,8 @@ class Scheduler:
             quiet = np.zeros(len(taken), bool)
             quiet[picked] = True
             loud = np.flatnonzero(~quiet).tolist()
-            loops, depths = pool.r[rows[loud]].tolist(), pool.exits.exit_depth[rows[loud]].tolist()
+            loud_rows = rows[loud]
+            loops, depths = pool.r[loud_rows].tolist(), pool.exits.exit_depth[loud_rows].tolist()
             pool.release_all([item for item in (taken[j] for j in loud) if item.group is None])
             requeued = [taken[k] for k in picked.tolist()]
         self.prelude_q += requeued
